@@ -1,0 +1,3 @@
+from replayjob.cli import console_main
+
+console_main()

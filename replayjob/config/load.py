@@ -1,0 +1,215 @@
+"""Load a config: TOML file, then ``--set`` overrides, then strict typing into :class:`Config`.
+
+Example:
+    >>> cfg = load_config(None, ["training.seed=7", "lora.target_modules=['q_proj']"])
+    >>> cfg.training.seed, cfg.lora.target_modules
+    (7, ['q_proj'])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from replayjob.config.schema import TOML_NAMES, Config
+from replayjob.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_PY_NAMES = {v: k for k, v in TOML_NAMES.items()}
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError("config file not found", where=p, hint="check the path") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config: {exc.strerror}", where=p) from None
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError("config is not valid UTF-8", where=p) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"invalid TOML: {exc}", where=p) from None
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], typed value); the value is read as TOML, else as a string."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} is not KEY=VALUE", where="--set",
+                          hint="for example --set training.seed=7")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+# Keys holding filesystem paths: relative values are resolved against the config file's
+# directory (or the working directory for --set), so a config works from any cwd.
+PATH_KEYS = (("resume", "from"), ("model", "path"), ("optimizer_batch", "replay_path"))
+
+
+def _absolutize(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    for section, key in PATH_KEYS:
+        node = data.get(section)
+        if isinstance(node, dict) and isinstance(node.get(key), str) and node[key]:
+            p = Path(node[key]).expanduser()
+            node[key] = str(p if p.is_absolute() else (base / p).resolve())
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    out = _deepcopy(data)
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError("is a value, not a table", where=".".join(parts[: i + 1]))
+            node = nxt
+        if tuple(parts) in PATH_KEYS and isinstance(value, str) and value:
+            value = str(Path(value).expanduser().resolve())
+        node[parts[-1]] = value
+    return out
+
+
+def _deepcopy(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deepcopy(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (list, dict):
+        return str(tp).replace("typing.", "")
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = get_origin(tp)
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{value!r} is not allowed; allowed values: "
+                              + ", ".join(repr(a) for a in get_args(tp)), where=where)
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"expected {_type_name(tp)}, found {type(value).__name__} {value!r}",
+                          where=where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"expected a table, found {type(value).__name__}", where=where)
+        return build(tp, value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"expected a list, found {type(value).__name__} {value!r}", where=where)
+        (item_tp,) = get_args(tp)
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"expected a table, found {type(value).__name__}", where=where)
+        _, val_tp = get_args(tp)
+        return {str(k): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"expected true or false, found {value!r}", where=where)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"expected an integer, found {type(value).__name__} {value!r}", where=where)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"expected a number, found {type(value).__name__} {value!r}", where=where)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError("must be finite", where=where)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"expected a string, found {type(value).__name__} {value!r}", where=where)
+        return value
+    raise ConfigError(f"unsupported field type {tp!r}", where=where)  # pragma: no cover
+
+
+def build(cls: Any, data: dict[str, Any], where: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``, refusing unknown keys with their dotted path."""
+    hints = typing.get_type_hints(cls)
+    fields = {TOML_NAMES.get(f.name, f.name): f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        path = f"{where}.{unknown[0]}" if where else unknown[0]
+        allowed = ", ".join(sorted(fields))
+        raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} "
+                          + ", ".join(repr(u) for u in unknown),
+                          where=path, hint=f"allowed keys here: {allowed}")
+    kwargs = {}
+    for toml_name, f in fields.items():
+        if toml_name in data:
+            sub = f"{where}.{toml_name}" if where else toml_name
+            kwargs[f.name] = _coerce(data[toml_name], hints[f.name], sub)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        if where and exc.where and not exc.where.startswith(where.split(".")[0]):
+            exc.where = f"{where}.{exc.where}"
+        raise
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """TOML file (or defaults when ``path`` is None) + overrides -> validated :class:`Config`.
+
+    Relative paths in the file resolve against the file's directory; in ``--set``, against the
+    working directory.
+    """
+    data = _absolutize(read_toml(path), Path(path).resolve().parent) if path is not None else {}
+    data = apply_overrides(data, list(overrides or []))
+    cfg: Config = build(Config, data)
+    return cfg
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """The resolved config as plain data, TOML key names, every default filled in."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        name = TOML_NAMES.get(f.name, f.name)
+        if dataclasses.is_dataclass(value):
+            out[name] = to_dict(value)
+        elif isinstance(value, list):
+            out[name] = list(value)
+        elif isinstance(value, dict):
+            out[name] = dict(value)
+        else:
+            out[name] = value
+    return out
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Inverse of :func:`to_dict` (used to read a config recorded in a manifest)."""
+    cfg: Config = build(Config, data)
+    return cfg

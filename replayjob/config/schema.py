@@ -1,0 +1,240 @@
+"""The typed config tree: one frozen dataclass per TOML section, a docstring per field.
+
+Precedence, written once: ``--set KEY=VALUE`` on the command line > the TOML file > the defaults
+below.  Unknown keys are refused with their dotted path; invalid values with the allowed ones.
+Field docs live in ``metadata["doc"]`` so ``docs/config.md`` and errors can quote them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from replayjob.errors import ConfigError
+
+
+def doc(text: str, default: Any = None, **kw: Any) -> Any:
+    """A dataclass field with its documentation attached."""
+    if "default_factory" in kw:
+        return field(default_factory=kw["default_factory"], metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+Trainer = Literal["grpo", "optimizer_replay"]
+Estimator = Literal["grpo", "dr_grpo", "rloo"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    trainer: Trainer = doc("Which runner: 'grpo' (the source trainer) or 'optimizer_replay'.", "grpo")
+    seed: int | None = doc("Seed for prompts, sampling and LoRA init; required (>= 0) under strict mode.",
+                           None)
+    max_steps: int = doc("Number of optimizer steps (>= 1). Capture and replay require exactly 1.", 1)
+    save_every: int = doc("Write a resumable checkpoint every N steps; 0 disables checkpoints.", 0)
+    micro_batch_size: int = doc("Rows per forward/backward micro-batch (systems-only knob).", 4)
+
+    def __post_init__(self) -> None:
+        if self.seed is not None and self.seed < 0:
+            raise ConfigError("must be >= 0", where="training.seed")
+        if self.max_steps < 1:
+            raise ConfigError("must be >= 1", where="training.max_steps")
+        if self.save_every < 0:
+            raise ConfigError("must be >= 0 (0 disables checkpoints)", where="training.save_every")
+        if self.micro_batch_size < 1:
+            raise ConfigError("must be >= 1", where="training.micro_batch_size")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    strict_deterministic: bool = doc(
+        "Establish strict PyTorch/cuDNN/cuBLAS determinism before any model exists; "
+        "needs an explicit training.seed.", False)
+    gradient_checkpointing: bool = doc("Recompute activations in backward (systems-only knob).", False)
+    attn_implementation: Literal["eager", "sdpa"] = doc(
+        "Attention kernel in the model config; strict mode requires 'eager'.", "eager")
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    name: str = doc("Backend from the 'replayjob.backends' entry-point group; 'hf' is built in.", "hf")
+    devices: str = doc("Exactly one device: 'cpu', 'cuda', 'cuda:N' or 'gpu:N'.", "cpu")
+    options: BackendOptions = doc("Backend options.", default_factory=BackendOptions)
+
+    def __post_init__(self) -> None:
+        d = self.devices
+        ok = d in ("cpu", "cuda") or (
+            d.split(":")[0] in ("cuda", "gpu") and d.count(":") == 1 and d.split(":")[1].isdigit())
+        if not ok:
+            raise ConfigError(f"{d!r} is not a device; use 'cpu', 'cuda', 'cuda:N' or 'gpu:N' "
+                              "(exactly one device)", where="backend.devices")
+
+    @property
+    def torch_device(self) -> str:
+        return "cpu" if self.devices == "cpu" else self.devices.replace("gpu", "cuda")
+
+
+@dataclass(frozen=True)
+class InferenceConfig:
+    engine: Literal["pytorch"] = doc("Sampling engine; 'pytorch' samples with the policy itself.", "pytorch")
+    max_new_tokens: int = doc("Longest completion in tokens.", 8)
+    temperature: float = doc("Sampling temperature (> 0).", 1.0)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError("must be >= 1", where="inference.max_new_tokens")
+        if not self.temperature > 0:
+            raise ConfigError("must be > 0", where="inference.temperature")
+
+
+@dataclass(frozen=True)
+class ResumeConfig:
+    from_: str = doc("Resume state directory (adapter + trainer_state.json); '' starts fresh.", "")
+
+
+@dataclass(frozen=True)
+class OptimizerBatchConfig:
+    capture: bool = doc("Capture the optimizer batch of the single step (source runs).", False)
+    replay_path: str = doc("Capture manifest to replay (optimizer_replay runs).", "")
+    expected_logical_sha256: str = doc("Pinned logical-rows digest from the source run.", "")
+    expected_manifest_sha256: str = doc("Pinned manifest digest from the source run.", "")
+    allow_config_differences: list[str] = doc(
+        "Dotted config keys allowed to differ from the source; each must be systems-only and present.",
+        default_factory=list)
+    arm: str = doc("Condition name for reports; '' derives it from the declared differences.", "")
+    tolerances_sha256: str = doc("SHA-256 of a predeclared tolerance file (approximate claim).", "")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = doc("Local model directory (safetensors weights); '' builds the built-in tiny model.", "")
+    init_seed: int = doc("Seed for the built-in model's random weights.", 1234)
+    dtype: DType = doc("Parameter dtype of the base model and adapter.", "float32")
+    hidden_size: int = doc("Built-in model: hidden size.", 64)
+    intermediate_size: int = doc("Built-in model: MLP size.", 128)
+    num_layers: int = doc("Built-in model: decoder layers.", 2)
+    num_heads: int = doc("Built-in model: attention heads.", 4)
+    num_kv_heads: int = doc("Built-in model: key/value heads.", 2)
+    max_position_embeddings: int = doc("Built-in model: longest sequence.", 128)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError("must be >= 1", where=f"model.{name}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ConfigError("hidden_size must divide by num_heads, num_heads by num_kv_heads",
+                              where="model")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    r: int = doc("LoRA rank.", 8)
+    alpha: float = doc("LoRA scaling numerator (scale = alpha / r).", 16.0)
+    dropout: float = doc("LoRA dropout; uses the Torch RNG that capture records.", 0.0)
+    target_modules: list[str] = doc("Module names that get adapters.",
+                                    default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ConfigError("must be >= 1", where="lora.r")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("must be in [0, 1)", where="lora.dropout")
+        if not self.target_modules:
+            raise ConfigError("must name at least one module", where="lora.target_modules")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: Literal["adamw"] = doc("Optimizer.", "adamw")
+    lr: float = doc("Learning rate.", 1e-3)
+    betas: list[float] = doc("AdamW betas.", default_factory=lambda: [0.9, 0.999])
+    eps: float = doc("AdamW epsilon.", 1e-8)
+    weight_decay: float = doc("AdamW decoupled weight decay.", 0.0)
+    max_grad_norm: float = doc("Clip the global gradient norm to this; 0 disables clipping.", 1.0)
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError("must be > 0", where="optimizer.lr")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError("must be two numbers in [0, 1)", where="optimizer.betas")
+        if self.max_grad_norm < 0:
+            raise ConfigError("must be >= 0", where="optimizer.max_grad_norm")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    estimator: Estimator = doc("Advantage estimator: 'grpo', 'dr_grpo' (no std) or 'rloo'.", "grpo")
+    prompts_per_step: int = doc("Prompts sampled per step.", 4)
+    group_size: int = doc("Completions per prompt (G).", 4)
+    std_eps: float = doc("Added to the group std in GRPO normalisation.", 1e-6)
+    clip_eps_low: float = doc("PPO ratio clip below 1.", 0.2)
+    clip_eps_high: float = doc("PPO ratio clip above 1.", 0.2)
+    kl_loss_coef: float = doc("Coefficient of the k3 KL-to-reference term in the loss; 0 disables it.", 0.0)
+    kl_reward_coef: float = doc("Coefficient of the per-token k1 KL penalty in the advantage.", 0.0)
+    batch_adv_norm: bool = doc("Normalise advantages over the whole batch after estimation.", False)
+    adv_clip: float = doc("Clip advantages to [-c, c]; 0 disables.", 0.0)
+    token_cap: int = doc("Cap on response tokens per batch that carry loss weight; 0 disables.", 0)
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = doc("How token losses are averaged.",
+                                                                 "token-mean")
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_step < 1:
+            raise ConfigError("must be >= 1", where="algorithm.prompts_per_step")
+        if self.group_size < 2:
+            raise ConfigError("must be >= 2 (group baselines need two samples)",
+                              where="algorithm.group_size")
+        for name in ("clip_eps_low", "clip_eps_high", "kl_loss_coef", "kl_reward_coef", "adv_clip",
+                     "std_eps"):
+            if getattr(self, name) < 0:
+                raise ConfigError("must be >= 0", where=f"algorithm.{name}")
+        if self.token_cap < 0:
+            raise ConfigError("must be >= 0 (0 disables)", where="algorithm.token_cap")
+
+
+@dataclass(frozen=True)
+class EnvironmentConfig:
+    task: Literal["arithmetic", "reverse"] = doc("Built-in verifiable toy task.", "arithmetic")
+    max_operand: int = doc("Largest operand (arithmetic) or string length (reverse).", 99)
+    nondeterministic_observation: bool = doc(
+        "Put a wall-clock timestamp into every prompt, so same-seed runs differ.", False)
+
+    def __post_init__(self) -> None:
+        if self.max_operand < 1:
+            raise ConfigError("must be >= 1", where="environment.max_operand")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    dir: str = doc("Output directory when --out is not given.", "runs/latest")
+    run_name: str = doc("Free-form run name recorded in metrics.", "")
+    metadata: dict[str, str] = doc("Free-form string labels recorded (redacted) in metrics.",
+                                   default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Config:
+    training: TrainingConfig = doc("[training]", default_factory=TrainingConfig)
+    backend: BackendConfig = doc("[backend]", default_factory=BackendConfig)
+    inference: InferenceConfig = doc("[inference]", default_factory=InferenceConfig)
+    resume: ResumeConfig = doc("[resume]", default_factory=ResumeConfig)
+    optimizer_batch: OptimizerBatchConfig = doc("[optimizer_batch]", default_factory=OptimizerBatchConfig)
+    model: ModelConfig = doc("[model]", default_factory=ModelConfig)
+    lora: LoraConfig = doc("[lora]", default_factory=LoraConfig)
+    optimizer: OptimizerConfig = doc("[optimizer]", default_factory=OptimizerConfig)
+    algorithm: AlgorithmConfig = doc("[algorithm]", default_factory=AlgorithmConfig)
+    environment: EnvironmentConfig = doc("[environment]", default_factory=EnvironmentConfig)
+    logging: LoggingConfig = doc("[logging]", default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if self.backend.options.strict_deterministic:
+            if self.training.seed is None:
+                raise ConfigError("strict_deterministic needs an explicit non-negative seed",
+                                  where="training.seed", hint="set training.seed = 123 (any integer >= 0)")
+            if self.backend.options.attn_implementation != "eager":
+                raise ConfigError("strict_deterministic requires the eager attention implementation",
+                                  where="backend.options.attn_implementation")
+
+
+# TOML spells some keys differently from Python identifiers.
+TOML_NAMES = {"from_": "from"}

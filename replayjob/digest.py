@@ -1,0 +1,59 @@
+"""SHA-256 helpers: streaming file digests, canonical-JSON digests, digest validation.
+
+Threat model: digests pin artifacts that travel between machines.  A file is hashed in fixed
+chunks (memory stays flat for multi-GB payloads) and a digest a user passes must be exactly 64
+lowercase hex characters; uppercase input is normalised, anything else is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+from replayjob.errors import IntegrityError
+from replayjob.jsonio import canonical_bytes
+
+CHUNK = 8 * 1024 * 1024
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def sha256_bytes(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    """SHA-256 of the canonical JSON form: independent of key order and formatting."""
+    return sha256_bytes(canonical_bytes(obj))
+
+
+def sha256_file(path: str | Path) -> str:
+    """Stream a file through SHA-256 in fixed-size chunks, reusing one buffer."""
+    h = hashlib.sha256()
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    try:
+        with open(path, "rb", buffering=0) as fh:
+            while True:
+                n = fh.readinto(buf)
+                if not n:
+                    break
+                h.update(view[:n])
+    except OSError as exc:
+        raise IntegrityError(f"cannot read for hashing: {exc.strerror}", where=path) from None
+    return h.hexdigest()
+
+
+def normalize_digest(value: object, *, what: str) -> str:
+    """Return ``value`` as a lowercase 64-hex SHA-256 digest or raise naming ``what``."""
+    if not isinstance(value, str):
+        raise IntegrityError(f"{what} must be a 64-character hex SHA-256 string, "
+                             f"found {type(value).__name__}")
+    low = value.strip().lower()
+    if len(low) != 64:
+        raise IntegrityError(f"{what} must be 64 hex characters, found {len(low)}",
+                             hint="copy the full digest the source run printed")
+    if not _HEX64.fullmatch(low):
+        raise IntegrityError(f"{what} is not hexadecimal: {value!r}")
+    return low

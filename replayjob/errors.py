@@ -1,0 +1,72 @@
+"""One error root for replayjob; each subclass carries the exit code the CLI returns.
+
+Exit codes are the same for every command:
+
+* 0 -- pass / success (never an exception);
+* 1 -- a valid negative verdict: a gate failed, a divergence or drift was found, a KILL signal;
+* 2 -- refused: missing, malformed, tampered or contradictory input, a contract violation, usage.
+
+Only :mod:`replayjob.cli` turns these into a process exit status; library code raises them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_NEGATIVE = 1
+EXIT_REFUSED = 2
+
+
+class ReplayjobError(Exception):
+    """Root of every domain error.
+
+    ``message`` says what is wrong; ``where`` names the file, key or field; ``hint`` says how to
+    fix it.  :meth:`diagnostics` renders the three as the one message the CLI prints.
+    """
+
+    exit_code: int = EXIT_REFUSED
+
+    def __init__(self, message: str, *, where: str | Path | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.where = str(where) if where is not None else None
+        self.hint = hint
+
+    def diagnostics(self) -> str:
+        head = f"{self.where}: {self.message}" if self.where else self.message
+        return f"{head}\n  fix: {self.hint}" if self.hint else head
+
+
+class RefusedError(ReplayjobError):
+    """Input refused (exit 2): missing, malformed, tampered or contradictory."""
+
+
+class UsageError(RefusedError):
+    """The command line itself is wrong."""
+
+
+class ConfigError(RefusedError):
+    """A config file or ``--set`` override is invalid."""
+
+
+class IntegrityError(RefusedError):
+    """A digest, size or structural invariant of an artifact does not hold."""
+
+
+class ContractError(RefusedError):
+    """Two artifacts that must agree (config, optimizer contract, adapter) do not."""
+
+
+class DeterminismError(RefusedError):
+    """Determinism controls cannot be established as asked."""
+
+
+class ArtifactExistsError(RefusedError):
+    """A write would overwrite an existing artifact."""
+
+
+class NegativeVerdict(ReplayjobError):
+    """A valid negative verdict (exit 1): the input was sound and the answer is 'no'."""
+
+    exit_code = EXIT_NEGATIVE

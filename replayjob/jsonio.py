@@ -1,0 +1,131 @@
+"""Strict JSON in, canonical JSON out.
+
+Everything replayjob reads is untrusted, so :func:`loads_strict` refuses what the standard
+library quietly accepts: invalid UTF-8, duplicate keys (no last-one-wins), ``NaN`` and
+``Infinity`` literals, integers beyond 64 bits and documents nested deeper than a limit.
+
+Example:
+    >>> canonical_bytes({"b": 1, "a": [1.5, "x"]})
+    b'{"a":[1.5,"x"],"b":1}'
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from replayjob.errors import IntegrityError
+
+MAX_DEPTH = 64
+MAX_INT_DIGITS = 20  # 2**64 has 20 digits
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"non-finite literal {name} is not allowed")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"integer with {len(text)} digits is out of range")
+    return int(text)
+
+
+def _depth_ok(text: str) -> bool:
+    depth = 0
+    in_str = False
+    escaped = False
+    for ch in text:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                return False
+        elif ch in "]}":
+            depth -= 1
+    return True
+
+
+def loads_strict(data: bytes | str, *, where: str | Path = "<json>") -> Any:
+    """Parse one JSON document strictly or raise :class:`IntegrityError` naming ``where``."""
+    if isinstance(data, bytes):
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise IntegrityError(f"not valid UTF-8 at byte {exc.start}", where=where) from None
+    else:
+        text = data
+    if not _depth_ok(text):
+        raise IntegrityError(f"JSON nested deeper than {MAX_DEPTH} levels", where=where)
+    try:
+        return json.loads(
+            text,
+            object_pairs_hook=_no_duplicates,
+            parse_constant=_no_constant,
+            parse_int=_bounded_int,
+        )
+    except json.JSONDecodeError as exc:
+        raise IntegrityError(f"malformed JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
+                             where=where) from None
+    except (ValueError, RecursionError) as exc:
+        raise IntegrityError(f"malformed JSON: {exc}", where=where) from None
+
+
+def read_json(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+    """Read and strictly parse a JSON file; a missing or oversized file is refused."""
+    p = Path(path)
+    try:
+        if not p.is_file():
+            raise IntegrityError("file not found (or not a regular file)", where=p,
+                                 hint="check the path")
+        size = p.stat().st_size
+        if size > max_bytes:
+            raise IntegrityError(f"file is {size} bytes, above the {max_bytes}-byte limit", where=p)
+        data = p.read_bytes()
+    except OSError as exc:
+        raise IntegrityError(f"cannot read: {exc.strerror}", where=p) from None
+    return loads_strict(data, where=p)
+
+
+def read_json_object(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, Any]:
+    """:func:`read_json` that also requires a top-level object."""
+    doc = read_json(path, max_bytes=max_bytes)
+    if not isinstance(doc, dict):
+        raise IntegrityError(f"expected a JSON object, found {type(doc).__name__}", where=path)
+    return doc
+
+
+def canonical_bytes(obj: Any) -> bytes:
+    """Canonical JSON: sorted keys, no whitespace, UTF-8, floats by ``repr``, no NaN."""
+    try:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False).encode("utf-8")
+    except ValueError as exc:
+        raise IntegrityError(f"cannot write canonical JSON: {exc}") from None
+
+
+def pretty_bytes(obj: Any) -> bytes:
+    """Stable human-readable JSON (sorted keys, two-space indent, trailing newline)."""
+    try:
+        text = json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False)
+    except ValueError as exc:
+        raise IntegrityError(f"cannot write JSON: {exc}") from None
+    return (text + "\n").encode("utf-8")

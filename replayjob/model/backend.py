@@ -1,0 +1,73 @@
+"""The backend registry and the :class:`Policy` interface the trainer and replay use.
+
+A backend turns a :class:`~replayjob.config.Config` into a :class:`Policy`: a trainable model
+(base weights frozen, adapter trainable), its tokenizer and adapter I/O.  The built-in ``hf``
+backend (transformers + peft) is registered here; users add their own through the
+``replayjob.backends`` entry-point group, naming a class with ``build(cfg) -> Policy``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from replayjob.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from replayjob.config import Config
+    from replayjob.model.tokenizer import Tokenizer
+
+ENTRY_POINT_GROUP = "replayjob.backends"
+
+
+class Policy(Protocol):
+    """What a backend hands to the trainer."""
+
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    device: torch.device
+    gradient_checkpointing: bool
+
+    def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Adapter parameters in a stable order."""
+        ...
+
+    def reference(self) -> contextlib.AbstractContextManager[None]:
+        """Context in which the model computes the reference (adapter disabled)."""
+        ...
+
+    def save_adapter(self, directory: Path) -> Path:
+        """Write the adapter; return the weight file path."""
+        ...
+
+    def load_adapter(self, weight_file: Path) -> None:
+        """Load adapter weights from a safetensors file, refusing any mismatch."""
+        ...
+
+    def model_reference(self) -> dict[str, Any]:
+        """A JSON description of the base model that a resume state is checked against."""
+        ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def build(self, cfg: Config) -> Policy: ...
+
+
+def load_backend(name: str) -> Backend:
+    if name == "hf":
+        from replayjob.model.hf import HFBackend
+
+        return HFBackend()
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            backend: Backend = ep.load()()
+            return backend
+    known = sorted({"hf", *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
+    raise ConfigError(f"unknown backend {name!r}", where="backend.name",
+                      hint="installed backends: " + ", ".join(known))

@@ -1,0 +1,177 @@
+"""The built-in backend: a transformers causal LM with a peft LoRA adapter.
+
+The base model is either a local directory (safetensors weights only, never pickle) or the
+built-in tiny Llama-style config, randomly initialised from ``model.init_seed``.  The adapter is
+initialised from ``training.seed`` or loaded from ``resume.from``.  Construction never consumes
+the global Torch RNG: sampling and dropout see the same stream whatever the model size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replayjob.config import Config
+from replayjob.config.load import to_dict
+from replayjob.digest import sha256_file
+from replayjob.errors import ConfigError, ContractError, IntegrityError
+from replayjob.fsio import atomic_write_bytes
+from replayjob.jsonio import pretty_bytes
+from replayjob.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_BUILTIN_KEYS = ("init_seed", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "max_position_embeddings")
+
+
+def builtin_model_reference(cfg: Config) -> dict[str, Any]:
+    m = to_dict(cfg.model)
+    if cfg.model.path:
+        cfg_file = Path(cfg.model.path) / "config.json"
+        return {"kind": "local", "path": cfg.model.path,
+                "config_sha256": sha256_file(cfg_file) if cfg_file.is_file() else None}
+    return {"kind": "builtin-tiny", **{k: m[k] for k in _BUILTIN_KEYS}}
+
+
+class HFPolicy:
+    def __init__(self, model: Any, tokenizer: Tokenizer, device: torch.device, cfg: Config):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.cfg = cfg
+        self.gradient_checkpointing = cfg.backend.options.gradient_checkpointing
+        self._trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return list(self._trainable)
+
+    def reference(self) -> contextlib.AbstractContextManager[None]:
+        ctx: contextlib.AbstractContextManager[None] = self.model.disable_adapter()
+        return ctx
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self.model)
+        return {k: v.detach().to("cpu").contiguous() for k, v in sorted(state.items())}
+
+    def save_adapter(self, directory: Path) -> Path:
+        from safetensors.torch import save
+
+        directory.mkdir(parents=True, exist_ok=True)
+        weights = directory / ADAPTER_WEIGHTS
+        atomic_write_bytes(weights, save(self.adapter_state(), metadata={"format": "pt"}))
+        pcfg = self.model.peft_config["default"].to_dict()
+        pcfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in pcfg.items()}
+        atomic_write_bytes(directory / ADAPTER_CONFIG, pretty_bytes(_jsonable(pcfg)))
+        return weights
+
+    def load_adapter(self, weight_file: Path) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            loaded = load_file(str(weight_file))
+        except (SafetensorError, OSError) as exc:
+            raise IntegrityError(f"cannot read adapter weights: {exc}", where=weight_file) from None
+        expected = self.adapter_state()
+        if set(loaded) != set(expected):
+            missing = sorted(set(expected) - set(loaded))[:3]
+            extra = sorted(set(loaded) - set(expected))[:3]
+            raise ContractError(f"adapter tensors do not match this model (missing {missing}, "
+                                f"unexpected {extra})", where=weight_file,
+                                hint="check lora.r, lora.target_modules and the base model")
+        for k, v in loaded.items():
+            if v.shape != expected[k].shape or v.dtype != expected[k].dtype:
+                raise ContractError(f"adapter tensor {k} is {v.dtype}{list(v.shape)}, model expects "
+                                    f"{expected[k].dtype}{list(expected[k].shape)}", where=weight_file)
+        set_peft_model_state_dict(self.model, loaded)
+
+    def model_reference(self) -> dict[str, Any]:
+        return builtin_model_reference(self.cfg)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple | set):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, str | int | float | bool) or obj is None:
+        return obj
+    return str(obj)
+
+
+class HFBackend:
+    name = "hf"
+
+    def build(self, cfg: Config) -> HFPolicy:
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\..*")
+        from peft import LoraConfig, get_peft_model
+
+        device = torch.device(cfg.backend.torch_device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"backend.devices = {cfg.backend.devices!r} but no CUDA device is visible",
+                              where="backend.devices", hint="use devices = \"cpu\" on this machine")
+        dtype = _DTYPES[cfg.model.dtype]
+        attn = cfg.backend.options.attn_implementation
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.model.init_seed)
+            base, tokenizer = _base_model(cfg, attn, dtype)
+            base.config.use_cache = False
+            lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                              target_modules=list(cfg.lora.target_modules), bias="none",
+                              task_type="CAUSAL_LM")
+            torch.manual_seed(cfg.training.seed if cfg.training.seed is not None else 0)
+            try:
+                model = get_peft_model(base, lcfg)
+            except ValueError as exc:
+                raise ConfigError(f"cannot attach LoRA: {exc}", where="lora.target_modules") from None
+        model.to(device=device, dtype=dtype)
+        if cfg.backend.options.gradient_checkpointing:
+            model.base_model.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        return HFPolicy(model, tokenizer, device, cfg)
+
+
+def _base_model(cfg: Config, attn: str, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
+    if not cfg.model.path:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        tok = ByteTokenizer()
+        mc = cfg.model
+        lcfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=mc.hidden_size,
+                           intermediate_size=mc.intermediate_size, num_hidden_layers=mc.num_layers,
+                           num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
+                           max_position_embeddings=mc.max_position_embeddings,
+                           pad_token_id=tok.pad_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                           tie_word_embeddings=False, attn_implementation=attn)
+        return LlamaForCausalLM(lcfg), tok
+    return _local_model(Path(cfg.model.path), attn, dtype)
+
+
+def _local_model(path: Path, attn: str, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (path / "config.json").is_file():
+        raise ConfigError("not a model directory (no config.json)", where=path,
+                          hint="point model.path at a local transformers model directory")
+    if not any(path.glob("*.safetensors")):
+        raise ConfigError("no safetensors weights in the model directory; pickle weights are "
+                          "never loaded", where=path,
+                          hint="convert the checkpoint to safetensors (save_pretrained(safe_serialization=True))")
+    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, use_safetensors=True,
+                                                 dtype=dtype, attn_implementation=attn)
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        return model, HFTokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+    if model.config.vocab_size >= ByteTokenizer.vocab_size:
+        return model, ByteTokenizer()
+    raise ConfigError("model directory has no tokenizer and its vocabulary is too small for the "
+                      "built-in byte tokenizer", where=path)

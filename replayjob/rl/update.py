@@ -1,0 +1,96 @@
+"""Exactly one optimizer update on an :class:`OptimizerBatch`: shared by the source trainer and
+by replay, so both perform the same math on the same rows.
+
+Micro-batches are processed in logical order; the batch loss is the sum of micro-batch losses
+(the loss weights already carry the normalisation); gradients are clipped to
+``optimizer.max_grad_norm`` and AdamW steps once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from replayjob.config import Config
+from replayjob.model.backend import Policy
+from replayjob.rl import stages
+from replayjob.rl.batch import OptimizerBatch, micro_batches
+from replayjob.rl.logprobs import token_logprobs
+
+
+@dataclass
+class UpdateResult:
+    loss: float
+    grad_norm: float
+    forward_wall_s: float = 0.0
+    backward_wall_s: float = 0.0
+    optimizer_wall_s: float = 0.0
+    micro_batches: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    ratio_mean: float = 1.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+
+def make_optimizer(policy: Policy, cfg: Config) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    return torch.optim.AdamW([p for _, p in policy.trainable()], lr=o.lr, betas=(o.betas[0], o.betas[1]),
+                             eps=o.eps, weight_decay=o.weight_decay, foreach=False)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def optimizer_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: OptimizerBatch,
+                     cfg: Config) -> UpdateResult:
+    a = cfg.algorithm
+    dev = policy.device
+    optimizer.zero_grad(set_to_none=True)
+    res = UpdateResult(loss=0.0, grad_norm=0.0)
+    total = torch.zeros((), dtype=torch.float64)
+    ratio_sum = torch.zeros((), dtype=torch.float64)
+    ratio_n = 0
+    for mb in micro_batches(batch, cfg.training.micro_batch_size, policy.tokenizer.pad_id):
+        _sync(dev)
+        t0 = time.perf_counter()
+        logp = token_logprobs(policy.model, mb.input_ids.to(dev), mb.attention_mask.to(dev))
+        m = mb.resp_mask.to(dev)
+        loss = stages.policy_loss(logp, mb.old_logprobs.to(dev), mb.advantages.to(dev),
+                                  mb.loss_weights.to(dev), clip_low=a.clip_eps_low, clip_high=a.clip_eps_high,
+                                  ref_logp=mb.ref_logprobs.to(dev), kl_coef=a.kl_loss_coef)
+        _sync(dev)
+        t1 = time.perf_counter()
+        loss.backward()
+        _sync(dev)
+        t2 = time.perf_counter()
+        with torch.no_grad():
+            ratio = torch.exp(logp.double() - mb.old_logprobs.to(dev)) * m
+            ratio_sum += ratio.sum().cpu()
+            ratio_n += int(m.sum())
+        total += loss.detach().cpu()
+        res.forward_wall_s += t1 - t0
+        res.backward_wall_s += t2 - t1
+        res.micro_batches += 1
+        res.real_tokens += mb.real_tokens
+        res.padded_tokens += mb.padded_tokens
+    _sync(dev)
+    t3 = time.perf_counter()
+    params = [p for _, p in policy.trainable()]
+    max_norm = cfg.optimizer.max_grad_norm
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"),
+                                          foreach=False)
+    optimizer.step()
+    _sync(dev)
+    res.optimizer_wall_s = time.perf_counter() - t3
+    res.loss = float(total)
+    res.grad_norm = float(norm)
+    res.ratio_mean = float(ratio_sum / max(ratio_n, 1))
+    return res

@@ -1,0 +1,69 @@
+"""``replayjob init DIR``: an initial resume state and ready-to-run example configs.
+
+Writes ``DIR/init_resume/`` (adapter initialised from the seed, the base-model reference,
+``trainer_state.json`` with ``"step": -1``) and ``DIR/train.toml``, a source-trainer config that
+runs on CPU with the built-in tiny model.  Other commands add their own example configs here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from replayjob import determinism
+from replayjob.config import load_config
+from replayjob.errors import ArtifactExistsError
+from replayjob.fsio import atomic_write_text
+from replayjob.model.backend import load_backend
+from replayjob.rl.state import write_state
+
+INIT_DIR = "init_resume"
+
+TRAIN_TOML = """\
+# Source trainer: real GRPO steps on the built-in tiny model, CPU.
+# Run: replayjob train {dir}/train.toml --out runs/train
+[training]
+trainer = "grpo"
+seed = {seed}
+max_steps = 2
+save_every = 0
+
+[backend]
+devices = "cpu"
+
+[backend.options]
+strict_deterministic = true
+gradient_checkpointing = false
+
+[inference]
+engine = "pytorch"
+
+[resume]
+from = "init_resume"
+"""
+
+
+def example_configs(seed: int) -> dict[str, str]:
+    """Example configs written next to the resume state (file name -> TOML text)."""
+    return {"train.toml": TRAIN_TOML}
+
+
+def init_workspace(directory: str | Path, seed: int) -> list[Path]:
+    d = Path(directory)
+    state_dir = d / INIT_DIR
+    if (state_dir / "trainer_state.json").exists():
+        raise ArtifactExistsError("an initial resume state already exists", where=state_dir,
+                                  hint="choose another directory or remove this one")
+    cfg = load_config(None, [f"training.seed={seed}", "backend.options.strict_deterministic=true"])
+    determinism.establish(strict=True, seed=seed)
+    policy = load_backend(cfg.backend.name).build(cfg)
+    determinism.mark_model_built(True)
+    policy.save_adapter(state_dir)
+    write_state(state_dir, -1, policy.model_reference(), {})
+    written = [state_dir]
+    for name, text in example_configs(seed).items():
+        path = d / name
+        if path.exists():
+            raise ArtifactExistsError("refusing to overwrite an existing config", where=path)
+        atomic_write_text(path, text.format(seed=seed, dir=d))
+        written.append(path)
+    return written

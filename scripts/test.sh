@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command: set up, lint (ruff), type-check (mypy), then pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check replayjob tests benchmarks
+.venv/bin/mypy
+.venv/bin/python -m pytest "$@"

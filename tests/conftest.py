@@ -1,0 +1,28 @@
+"""Shared fixtures: one tiny workspace per test session (the expensive part is built once)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from replayjob.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`replayjob init` run once: DIR/init_resume plus the example configs."""
+    d = tmp_path_factory.mktemp("ws")
+    assert main(["init", str(d), "--seed", "123"]) == 0
+    return d
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+            timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI in a fresh process (for end-to-end tests only)."""
+    return subprocess.run([sys.executable, "-m", "replayjob", *args], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=timeout)
