@@ -9,19 +9,15 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import sys
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+import tomli as tomllib  # the same parser as the standard library's tomllib, on every Python
+
 from replayjob.config.schema import TOML_NAMES, Config
 from replayjob.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 _PY_NAMES = {v: k for k, v in TOML_NAMES.items()}
 
@@ -112,6 +108,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        concrete = [a for a in args if a is not type(None)]
+        if len(concrete) == 1:
+            return _coerce(value, concrete[0], where)
         for arg in args:
             if arg is type(None):
                 continue

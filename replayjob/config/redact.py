@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import re
+from itertools import pairwise
 from typing import Any
 
 REDACTED = "<redacted>"
@@ -48,7 +49,7 @@ def is_secret_key(key: str) -> bool:
     joined = "".join(words)
     if joined in _SECRET_WORDS:
         return True
-    for a, b in zip(words, words[1:], strict=False):
+    for a, b in pairwise(words):
         if (a, b) in _SECRET_COMPOUNDS:
             return True
     for w in words:

@@ -130,7 +130,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class LoraConfig:
     r: int = doc("LoRA rank.", 8)
-    alpha: float = doc("LoRA scaling numerator (scale = alpha / r).", 16.0)
+    alpha: int = doc("LoRA scaling numerator (scale = alpha / r).", 16)
     dropout: float = doc("LoRA dropout; uses the Torch RNG that capture records.", 0.0)
     target_modules: list[str] = doc("Module names that get adapters.",
                                     default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])

@@ -135,7 +135,7 @@ class HFBackend:
                 raise ConfigError(f"cannot attach LoRA: {exc}", where="lora.target_modules") from None
         model.to(device=device, dtype=dtype)
         if cfg.backend.options.gradient_checkpointing:
-            model.base_model.model.gradient_checkpointing_enable(
+            base.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         return HFPolicy(model, tokenizer, device, cfg)
@@ -152,7 +152,7 @@ def _base_model(cfg: Config, attn: str, dtype: torch.dtype) -> tuple[Any, Tokeni
                            num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
                            max_position_embeddings=mc.max_position_embeddings,
                            pad_token_id=tok.pad_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-                           tie_word_embeddings=False, attn_implementation=attn)
+                           tie_word_embeddings=False, attn_implementation=attn)  # type: ignore[call-arg]
         return LlamaForCausalLM(lcfg), tok
     return _local_model(Path(cfg.model.path), attn, dtype)
 

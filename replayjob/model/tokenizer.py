@@ -45,7 +45,7 @@ class HFTokenizer:
         self.eos_id = int(tok.eos_token_id)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         self.bos_id = int(tok.bos_token_id) if tok.bos_token_id is not None else None
-        self.vocab_size = int(len(tok))
+        self.vocab_size = len(tok)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
