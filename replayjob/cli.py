@@ -3,21 +3,99 @@
 Usage:
   replayjob init <dir> [--seed N]
   replayjob train <config> [--out DIR] [--set KEY=VALUE]...
+  replayjob capture <config> [--out DIR] [--set KEY=VALUE]...
+  replayjob explain <config> [--json] [--set KEY=VALUE]...
+  replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--set KEY=VALUE]...
+  replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR] [--tolerances FILE]
+                   [--min-repeats N] [--baseline ARM] [--report FILE]
+  replayjob ablation plan <spec> [--arms LIST] [--repeats N] [--device D]
+  replayjob ablation index <spec> <index> [--arms LIST] [--repeats N] [--device D]
+  replayjob k8s render <spec> [--out DIR] [--argo FILE]
+  replayjob k8s submit <spec> [--namespace NS] [--wait]
+  replayjob diag-diff <a.jsonl> <b.jsonl> [--rtol R] [--atol A] [--ignore GLOB]... [--top N] [--json]
+  replayjob determinism-check <config> [--runs K] [--steps N] [--out DIR] [--set KEY=VALUE]...
+                   [--rtol R] [--atol A] [--ignore GLOB]... [--top N] [--json]
+  replayjob determinism-check --command TEMPLATE [--runs K] [--out DIR]
+                   [--rtol R] [--atol A] [--ignore GLOB]... [--top N] [--json]
+  replayjob signals <run> [--rules FILE] [--json | --quiet]
+  replayjob bundle inspect <bundle> [--json]
+  replayjob bundle validate <bundle> [--json]
+  replayjob bundle replay <bundle> [--stage STAGE] [--sample ID]... [--group ID]... [--batch ID]...
+                   [--step R:S | --rollout R] [--examples N] [--json]
   replayjob (-h | --help)
   replayjob --version
 
 Commands:
   init       Write an initial resume state and example configs into <dir>.
   train      Run the source trainer (training.trainer = "grpo").
+  capture    Run one source step and capture its optimizer batch (prints the pins a replay needs).
+  explain    Verify a replay config's pins, payload, adapter and contract without a model.
+  replay     Replay the captured optimizer batch: one update, no dataset/environment/sampling.
+
+  reduce     Reduce replay metrics to a verdict (exact-input | bitwise | approximate); --out is the
+             verdict file, --report a markdown report (plus a PNG with the 'plot' extra).
+  ablation   The fan-out of an ablation spec as KEY=VALUE lines for shell launchers (Slurm):
+             `plan` the whole array, `index` one task's arm, repeat and overrides.
+  k8s        `render` an ablation spec as Kubernetes manifests (--out DIR; --argo FILE for the
+             Argo workflow), or `submit` them with the kubernetes client (--wait: the reducer's code).
+  diag-diff  Compare two JSONL diagnostics leaf by leaf (rows aligned by step, else position);
+             exit 1 on drift with the first divergent row and its largest drifts.
+  determinism-check
+             Run the source trainer (or --command with {out}) K times in fresh processes with the
+             same seed and diag-diff each run against the first; runs go under --out (default: a
+             new temporary directory), with OUT/determinism_check.json written last.
+  signals    Grade a run directory's (or a diag.jsonl's) behavioural signals: KILL / WARN / OK
+             from a rules TOML (default: the source trainer's rules, docs/signals.md).
+  bundle     Trajectory bundles (docs/bundle-format.md): `inspect` identity, capabilities and
+             payloads (also of incomplete bundles); `validate` format, integrity, safety and
+             dependency closure (exit 0 or 2); `replay` recompute reward -> advantage -> loss with
+             the trainer's stage functions and report the first divergence (exit 1).
 
 Options:
   --seed N          Seed for the initial adapter and the example configs [default: 123].
   --out DIR         Output directory (default: logging.dir from the config).
   --set KEY=VALUE   Override a config key; VALUE is read as TOML (7, true, "x", [1, 2]).
+  --json            Print the result as JSON.
+  --repeat N        Run N replays, each in a fresh process, in DIR/repeat-000 ...
+  --repeat-index I  Internal: this replay's index within its arm (set by --repeat and launchers).
+  --claim CLAIM     Claim to gate: exact-input, bitwise or approximate.
+  --source DIR      The capture run's output directory (its metrics.json and manifest).
+  --tolerances FILE Predeclared tolerance TOML, pinned by SHA-256 in the replay configs.
+  --min-repeats N   Fewest fresh replays per arm; fewer is refused [default: 3].
+  --baseline ARM    Arm the others' timing and memory are compared with.
+  --report FILE     Also write a markdown report (and a PNG next to it).
+  --arms LIST       Comma-separated subset of the spec's arms (kept in file order).
+  --repeats N       Replays per arm instead of the spec's repeats.
+  --device D        cuda or cpu instead of the spec's device.
+  --argo FILE       Also write the Argo workflow (kubectl apply -f FILE) for the spec.
+  --namespace NS    Kubernetes namespace to create the ablation's objects in [default: default].
+  --wait            Create the Jobs stage by stage and exit with the reducer's code.
+  --rtol R          diag-diff: numbers are equal when |a-b| <= atol + rtol*|b| [default: 1e-5].
+  --atol A          diag-diff: absolute tolerance [default: 1e-7].
+  --ignore GLOB     diag-diff: also ignore leaves matching GLOB (only * and ? are wildcards).
+  --top N           diag-diff: drifting leaves shown per row, largest first [default: 10].
+  --runs K          determinism-check: identical runs, each in a fresh process [default: 2].
+  --steps N         determinism-check: steps per run (sets training.max_steps=N).
+  --command TEMPLATE  determinism-check: a shell command to run instead of the source trainer;
+                    {out} becomes each run's directory, which must receive diag.jsonl.
+  --rules FILE      signals: rules TOML instead of the source trainer's default rules.
+  --quiet           signals: print the one-line verdict only.
+  --stage STAGE     bundle replay: recompute only this stage (or all) [default: all].
+  --sample ID       bundle replay: select a sample (expands to its whole group).
+  --group ID        bundle replay: select a semantic group.
+  --batch ID        bundle replay: select a micro-batch (mb-0000, ...; expands to whole groups).
+  --step R:S        bundle replay: the step bundle of exactly this actor step (rollout:step).
+  --rollout R       bundle replay: the rollout bundle of this rollout id.
+  --examples N      bundle replay: mismatching values shown per field [default: 5].
   -h --help         Show this help.
   --version         Show the version.
 
 Exit codes: 0 pass, 1 a valid negative verdict, 2 refused (bad input or usage).
+
+Leaves diag-diff and determinism-check ignore by default (wall-clock times, rates, memory peaks;
+a pattern matches the full leaf path or its last key): elapsed_s, *_elapsed_s, wall_s, *_wall_s,
+*wall_time*, sps, *_sps, *per_sec*, *per_second*, *timestamp*, *_time_ns, *datetime*, *peak_rss*,
+*max_rss*, *max_allocated*, *max_reserved*.
 """
 
 from __future__ import annotations
@@ -61,13 +139,197 @@ def cmd_train(args: dict[str, Any]) -> int:
     metrics = train(cfg, out)
     print(f"trained {metrics['steps_run']} step(s); loss {metrics['loss']!r}")
     print(f"final adapter sha256 {metrics['final_adapter_sha256']}")
+    _print_capture_pins(metrics)
     print(f"wrote {out}/diag.jsonl, {out}/metrics.json")
     return 0
+
+
+def _print_capture_pins(metrics: dict[str, Any]) -> None:
+    for key in sorted(metrics):
+        if key.startswith(("optimizer/", "optimizer_batch/")):
+            print(f"{key} {metrics[key]}")
+
+
+def cmd_capture(args: dict[str, Any]) -> int:
+    from replayjob.optbatch.capture import capture
+
+    out, metrics = capture(args["<config>"], args["--set"], args["--out"])
+    print(f"captured step 0 into {out}; loss {metrics['loss']!r}")
+    _print_capture_pins(metrics)
+    print(f"wrote {out}/{metrics['optimizer_batch/manifest_path']} (last), {out}/metrics.json")
+    return 0
+
+
+def cmd_explain(args: dict[str, Any]) -> int:
+    import json
+
+    from replayjob.optbatch.explain import explain, render
+
+    adm, rep = explain(args["<config>"], args["--set"])
+    print(json.dumps(rep, indent=2, sort_keys=True) if args["--json"] else render(rep))
+    adm.raise_if_refused()
+    return 0
+
+
+def cmd_replay(args: dict[str, Any]) -> int:
+    from replayjob.optbatch.replay import replay_command
+
+    repeat = _int(args, "--repeat") if args["--repeat"] is not None else None
+    index = _int(args, "--repeat-index") if args["--repeat-index"] is not None else 0
+    for out, m in replay_command(args["<config>"], args["--set"], args["--out"], repeat, index):
+        print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}, "
+              f"final adapter sha256 {m['optimizer_batch/final_adapter_sha256']}, "
+              f"gradient_checkpointing {str(m['runtime']['gradient_checkpointing']).lower()}")
+        print(f"wrote {out}/replay_metrics.json")
+    return 0
+
+
+def cmd_reduce(args: dict[str, Any]) -> int:
+    from pathlib import Path
+
+    from replayjob.gate.reducer import Request, reduce_evidence
+
+    def opt(key: str) -> Path | None:
+        return Path(args[key]) if args[key] is not None else None
+
+    out = Path(args["--out"])
+    verdict = reduce_evidence(Request(
+        paths=args["<path>"], claim=args["--claim"], out=out, source=opt("--source"),
+        tolerances=opt("--tolerances"), min_repeats=_int(args, "--min-repeats"),
+        baseline=args["--baseline"], report=opt("--report")))
+    print(verdict.summary())
+    print(f"wrote {out}" + (f", {args['--report']}" if args["--report"] else ""))
+    verdict.raise_for_status()
+    return 0
+
+
+def cmd_ablation(args: dict[str, Any]) -> int:
+    from replayjob.deploy.ablation import load_spec
+    from replayjob.deploy.plan import plan_lines, select, task_lines
+
+    spec = select(load_spec(args["<spec>"]), args["--arms"],
+                  _int(args, "--repeats") if args["--repeats"] is not None else None, args["--device"])
+    lines = task_lines(spec, _int(args, "<index>")) if args["index"] else plan_lines(spec)
+    print("\n".join(lines))
+    return 0
+
+
+def cmd_k8s(args: dict[str, Any]) -> int:
+    from replayjob.deploy import argo, k8s
+    from replayjob.deploy.ablation import load_spec
+    from replayjob.deploy.submit import submit
+
+    spec = load_spec(args["<spec>"])
+    if args["submit"]:
+        return submit(spec, args["--namespace"], wait=args["--wait"])
+    files = k8s.render(spec)
+    if args["--out"]:
+        for path in k8s.write(files, args["--out"], source=args["<spec>"]):
+            print(f"wrote {path}")
+    else:
+        print(k8s.dump([d for d in files.values() if d["kind"] != "Kustomization"]), end="")
+    if args["--argo"]:
+        from replayjob.fsio import atomic_write_text
+
+        atomic_write_text(args["--argo"], argo.dump(spec, source=args["<spec>"]))
+        print(f"wrote {args['--argo']}")
+    return 0
+
+
+def _diff_options(args: dict[str, Any]) -> dict[str, Any]:
+    from replayjob.check.leafdiff import Tolerance
+
+    try:
+        tol = Tolerance(rtol=float(args["--rtol"]), atol=float(args["--atol"]))
+    except ValueError:
+        raise UsageError(f"--rtol/--atol expect numbers, got {args['--rtol']!r}, {args['--atol']!r}") from None
+    return {"tol": tol, "ignore": args["--ignore"], "top": _int(args, "--top")}
+
+
+def _print_report(report: Any, as_json: bool) -> None:
+    from replayjob.jsonio import pretty_bytes
+
+    if as_json:
+        print(pretty_bytes(report.to_json()).decode("utf-8"), end="")
+    else:
+        print(report.render())
+
+
+def cmd_diag_diff(args: dict[str, Any]) -> int:
+    from replayjob.check.diagdiff import diff_files
+
+    report = diff_files(args["<a.jsonl>"], args["<b.jsonl>"], **_diff_options(args))
+    _print_report(report, args["--json"])
+    return report.exit_code
+
+
+def cmd_determinism_check(args: dict[str, Any]) -> int:
+    from replayjob.check.determinism_check import check
+
+    report = check(args["<config>"], runs=_int(args, "--runs"),
+                   steps=_int(args, "--steps") if args["--steps"] is not None else None,
+                   out=args["--out"], sets=args["--set"], command=args["--command"], **_diff_options(args),
+                   progress=lambda line: print(line, file=sys.stderr))
+    _print_report(report, args["--json"])
+    return report.exit_code
+
+
+def cmd_signals(args: dict[str, Any]) -> int:
+    from replayjob.check.rules import load_rules
+    from replayjob.check.signals import evaluate
+
+    report = evaluate(args["<run>"], load_rules(args["--rules"]))
+    if args["--quiet"]:
+        print(report.quiet())
+    else:
+        _print_report(report, args["--json"])
+    return report.exit_code
+
+
+def cmd_bundle(args: dict[str, Any]) -> int:
+    import json
+
+    path = args["<bundle>"]
+    if args["inspect"]:
+        from replayjob.bundle.summary import inspect_path, render
+
+        info = inspect_path(path)
+        print(json.dumps(info, indent=2, sort_keys=True) if args["--json"] else render(info))
+        return 0
+    if args["validate"]:
+        from replayjob.bundle.reader import load_bundle
+
+        b = load_bundle(path)
+        summary = {"valid": True, "path": str(b.path), "bundle_id": b.manifest["bundle_id"], "kind": b.kind,
+                   "samples": len(b.samples), "payloads": sorted(b.payloads), "ranks": b.ranks}
+        print(json.dumps(summary, indent=2, sort_keys=True) if args["--json"] else
+              f"valid: {b.kind} bundle {summary['bundle_id']} ({summary['samples']} samples, "
+              f"{len(b.payloads)} payloads{', ranks ' + str(b.ranks) if b.ranks else ''})")
+        return 0
+    from replayjob.bundle.replay import replay_bundle
+    from replayjob.bundle.report import render as render_report
+
+    report = replay_bundle(path, stage=args["--stage"], samples=args["--sample"], groups=args["--group"],
+                           batches=args["--batch"], step=args["--step"],
+                           rollout=_int(args, "--rollout") if args["--rollout"] is not None else None,
+                           max_examples=_int(args, "--examples"))
+    print(json.dumps(report.to_json(), indent=2, sort_keys=True) if args["--json"] else render_report(report))
+    return 1 if report.diverged else 0
 
 
 COMMANDS: dict[str, Handler] = {
     "init": cmd_init,
     "train": cmd_train,
+    "capture": cmd_capture,
+    "explain": cmd_explain,
+    "bundle": cmd_bundle,  # before "replay": `bundle replay` also sets args["replay"]
+    "replay": cmd_replay,
+    "reduce": cmd_reduce,
+    "ablation": cmd_ablation,
+    "diag-diff": cmd_diag_diff,
+    "determinism-check": cmd_determinism_check,
+    "signals": cmd_signals,
+    "k8s": cmd_k8s,
 }
 
 

@@ -29,12 +29,19 @@ def sha256_json(obj: Any) -> str:
 
 
 def sha256_file(path: str | Path) -> str:
-    """Stream a file through SHA-256 in fixed-size chunks, reusing one buffer."""
+    """Stream a regular file through SHA-256 in fixed-size chunks, reusing one buffer.
+
+    Devices and FIFOs are refused (hashing ``/dev/zero`` would never end), see
+    :func:`replayjob.fsio.open_regular`.
+    """
+    from replayjob.fsio import open_regular
+
     h = hashlib.sha256()
     buf = bytearray(CHUNK)
     view = memoryview(buf)
+    fd, _size = open_regular(path, what="file to hash")
     try:
-        with open(path, "rb", buffering=0) as fh:
+        with open(fd, "rb", buffering=0) as fh:
             while True:
                 n = fh.readinto(buf)
                 if not n:

@@ -1,18 +1,24 @@
-"""Atomic, crash-safe writes: temp file in the same directory, fsync, rename, fsync directory.
+"""Atomic, crash-safe writes (temp file in the same directory, fsync, rename, fsync directory), and
+the one guarded way to open a file an artifact names (regular files only, never blocking).
 
-A reader therefore sees either nothing or a complete file.  ``exclusive=True`` refuses to replace
-an existing destination (checked again at rename time with a hard link, so two concurrent
-writers cannot both win).
+A reader therefore sees either nothing or a complete file.  Each boundary is a
+:func:`replayjob.faults.point` (``write.open``, ``write.temp``, ``write.half``, ``write.synced``,
+``write.linked`` for exclusive writes, ``write.renamed``), so the kill tests can crash between any two.
+
+``exclusive=True`` refuses to replace an existing destination (checked again at rename time with a
+hard link, so two concurrent writers cannot both win).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 
-from replayjob.errors import ArtifactExistsError, RefusedError
+from replayjob.errors import ArtifactExistsError, IntegrityError, RefusedError
+from replayjob.faults import point
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -34,25 +40,34 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, exclusive: bool = False
     if exclusive and dest.exists():
         raise ArtifactExistsError("refusing to overwrite an existing artifact", where=dest,
                                   hint="write to a new output directory or remove the old one")
+    point(f"write.open/{dest.name}")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     except OSError as exc:
         raise RefusedError(f"cannot create a file here: {exc.strerror}", where=dest.parent) from None
     try:
+        point(f"write.temp/{dest.name}")
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            view, half = memoryview(data), len(data) // 2  # no copy of large payloads
+            fh.write(view[:half])
+            fh.flush()
+            point(f"write.half/{dest.name}")  # a crash here leaves a partial temp file
+            fh.write(view[half:])
             fh.flush()
             os.fsync(fh.fileno())
+        point(f"write.synced/{dest.name}")
         if exclusive:
             try:
                 os.link(tmp, dest)  # fails if dest appeared meanwhile: exactly one writer wins
             except FileExistsError:
                 raise ArtifactExistsError("another writer created this artifact first", where=dest,
                                           hint="write to a new output directory") from None
+            point(f"write.linked/{dest.name}")  # destination complete, temp name still present
             os.unlink(tmp)
         else:
             os.replace(tmp, dest)
+        point(f"write.renamed/{dest.name}")
         fsync_dir(dest.parent)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -62,3 +77,50 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, exclusive: bool = False
 
 def atomic_write_text(path: str | Path, text: str, *, exclusive: bool = False) -> None:
     atomic_write_bytes(path, text.encode("utf-8"), exclusive=exclusive)
+
+
+def open_regular(path: str | Path, *, follow_symlinks: bool = True, what: str = "file") -> tuple[int, int]:
+    """Open ``path`` read-only and return ``(fd, size)``, refusing anything but a regular file.
+
+    The open never blocks (a FIFO would otherwise hang the reader) and the type is checked on the
+    open descriptor, so a device, FIFO, socket or directory is refused before a byte is read.
+    """
+    point(f"read.open/{Path(path).name}")  # crash boundaries for readers, too (e.g. reduce)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if not follow_symlinks and Path(path).is_symlink():
+            raise IntegrityError(f"{what} is a symbolic link; symlinks are refused", where=path,
+                                 hint="copy the file instead of linking it") from None
+        raise IntegrityError(f"cannot open {what}: {exc.strerror}", where=path, hint="check the path") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise IntegrityError(f"{what} is not a regular file (a directory, device or FIFO)", where=path)
+    return fd, st.st_size
+
+
+def read_regular_bytes(path: str | Path, *, max_bytes: int, follow_symlinks: bool = True,
+                       what: str = "file") -> bytes:
+    """All bytes of a regular file of at most ``max_bytes``, read through one descriptor."""
+    fd, size = open_regular(path, follow_symlinks=follow_symlinks, what=what)
+    try:
+        if size > max_bytes:
+            raise IntegrityError(f"{what} is {size} bytes, above the {max_bytes}-byte limit", where=path)
+        chunks, got = [], 0
+        while True:
+            b = os.read(fd, min(max_bytes + 1 - got, 8 * 1024 * 1024))
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+            if got > max_bytes:
+                raise IntegrityError(f"{what} grew past the {max_bytes}-byte limit while being read", where=path)
+    except OSError as exc:
+        raise IntegrityError(f"cannot read {what}: {exc.strerror}", where=path) from None
+    finally:
+        os.close(fd)
+    return b"".join(chunks)

@@ -42,6 +42,8 @@ def _bounded_int(text: str) -> int:
 
 
 def _depth_ok(text: str) -> bool:
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return True  # cannot nest deeper than the number of openers (C-speed fast path)
     depth = 0
     in_str = False
     escaped = False
@@ -89,25 +91,22 @@ def loads_strict(data: bytes | str, *, where: str | Path = "<json>") -> Any:
         raise IntegrityError(f"malformed JSON: {exc}", where=where) from None
 
 
-def read_json(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
-    """Read and strictly parse a JSON file; a missing or oversized file is refused."""
+def read_json(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES, follow_symlinks: bool = True) -> Any:
+    """Read and strictly parse a JSON file; a missing, oversized or non-regular file is refused.
+
+    Devices and FIFOs are refused without blocking (:func:`replayjob.fsio.read_regular_bytes`).
+    """
+    from replayjob.fsio import read_regular_bytes
+
     p = Path(path)
-    try:
-        if not p.is_file():
-            raise IntegrityError("file not found (or not a regular file)", where=p,
-                                 hint="check the path")
-        size = p.stat().st_size
-        if size > max_bytes:
-            raise IntegrityError(f"file is {size} bytes, above the {max_bytes}-byte limit", where=p)
-        data = p.read_bytes()
-    except OSError as exc:
-        raise IntegrityError(f"cannot read: {exc.strerror}", where=p) from None
+    data = read_regular_bytes(p, max_bytes=max_bytes, follow_symlinks=follow_symlinks, what="JSON file")
     return loads_strict(data, where=p)
 
 
-def read_json_object(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, Any]:
+def read_json_object(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                     follow_symlinks: bool = True) -> dict[str, Any]:
     """:func:`read_json` that also requires a top-level object."""
-    doc = read_json(path, max_bytes=max_bytes)
+    doc = read_json(path, max_bytes=max_bytes, follow_symlinks=follow_symlinks)
     if not isinstance(doc, dict):
         raise IntegrityError(f"expected a JSON object, found {type(doc).__name__}", where=path)
     return doc

@@ -42,9 +42,74 @@ from = "init_resume"
 """
 
 
+SOURCE_TOML = """\
+# Capture: one real GRPO step from the initialisation state; its optimizer batch is written
+# (payload + manifest, manifest last) next to the run's metrics.
+# Run: replayjob capture {dir}/source.toml --out {dir}/source
+[training]
+trainer = "grpo"
+seed = {seed}
+max_steps = 1
+save_every = 0
+
+[backend]
+devices = "cpu"
+
+[backend.options]
+strict_deterministic = true
+gradient_checkpointing = false
+
+[inference]
+engine = "pytorch"
+
+[resume]
+from = "init_resume"
+
+[optimizer_batch]
+capture = true
+"""
+
+REPLAY_TOML = """\
+# Replay of the captured optimizer batch: one update, no dataset, environment or sampling.
+# The two pins come from the capture's output (also in {dir}/source/metrics.json); pass them with
+#   --set optimizer_batch.expected_logical_sha256=<optimizer/logical_batch_sha256>
+#   --set optimizer_batch.expected_manifest_sha256=<optimizer_batch/manifest_sha256>
+# or write them below.  A systems arm changes one registered knob and declares it, e.g.
+#   --set backend.options.gradient_checkpointing=true
+#   --set 'optimizer_batch.allow_config_differences=["backend.options.gradient_checkpointing"]'
+# Check: replayjob explain {dir}/replay.toml --set ...
+# Run:   replayjob replay {dir}/replay.toml --out {dir}/replays/baseline --repeat 3 --set ...
+[training]
+trainer = "optimizer_replay"
+seed = {seed}
+max_steps = 1
+save_every = 0
+
+[backend]
+devices = "cpu"
+
+[backend.options]
+strict_deterministic = true
+gradient_checkpointing = false
+
+[inference]
+engine = "pytorch"
+
+[resume]
+from = "init_resume"
+
+[optimizer_batch]
+replay_path = "source/optimizer_batch_step_000000.manifest.json"
+expected_logical_sha256 = ""
+expected_manifest_sha256 = ""
+allow_config_differences = []
+arm = ""
+"""
+
+
 def example_configs(seed: int) -> dict[str, str]:
     """Example configs written next to the resume state (file name -> TOML text)."""
-    return {"train.toml": TRAIN_TOML}
+    return {"train.toml": TRAIN_TOML, "source.toml": SOURCE_TOML, "replay.toml": REPLAY_TOML}
 
 
 def init_workspace(directory: str | Path, seed: int) -> list[Path]:

@@ -21,6 +21,17 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+@pytest.fixture(scope="session")
+def capture_dir(workspace: Path) -> Path:
+    """`replayjob capture WS/source.toml --out WS/source` run once (where WS/replay.toml points).
+
+    Shared by every test: copy it (shutil.copytree) before modifying anything in it.
+    """
+    out = workspace / "source"
+    assert main(["capture", str(workspace / "source.toml"), "--out", str(out)]) == 0
+    return out
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
             timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """Run the real CLI in a fresh process (for end-to-end tests only)."""

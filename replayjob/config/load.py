@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import tomli as tomllib  # the same parser as the standard library's tomllib, on every Python
 
+from replayjob.config.redact import REDACTED, is_secret_key, redact_url
 from replayjob.config.schema import TOML_NAMES, Config
 from replayjob.errors import ConfigError
 
@@ -36,6 +37,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError("config is not valid UTF-8", where=p) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"invalid TOML: {exc}", where=p) from None
+    except RecursionError as exc:  # tomli's own nesting limits surface as RecursionError
+        raise ConfigError(f"invalid TOML: {exc}", where=p) from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -43,12 +46,14 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {item!r} is not KEY=VALUE", where="--set",
+        raise ConfigError(f"override {key!r} is not KEY=VALUE", where="--set",
                           hint="for example --set training.seed=7")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    except RecursionError as exc:
+        raise ConfigError(f"override value is nested too deeply ({exc})", where=key) from None
     return key.split("."), value
 
 
@@ -97,11 +102,19 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _shown(value: Any, where: str) -> str:
+    """A value as error messages may quote it: never under a secret-shaped key, never long."""
+    if any(is_secret_key(part) for part in where.split(".")):
+        return REDACTED
+    text = redact_url(repr(value))
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = get_origin(tp)
     if origin is Literal:
         if value not in get_args(tp):
-            raise ConfigError(f"{value!r} is not allowed; allowed values: "
+            raise ConfigError(f"{_shown(value, where)} is not allowed; allowed values: "
                               + ", ".join(repr(a) for a in get_args(tp)), where=where)
         return value
     if origin in (typing.Union, types.UnionType):
@@ -118,7 +131,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, arg, where)
             except ConfigError:
                 continue
-        raise ConfigError(f"expected {_type_name(tp)}, found {type(value).__name__} {value!r}",
+        raise ConfigError(f"expected {_type_name(tp)}, found {type(value).__name__} {_shown(value, where)}",
                           where=where)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -126,7 +139,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return build(tp, value, where)
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"expected a list, found {type(value).__name__} {value!r}", where=where)
+            raise ConfigError(f"expected a list, found {type(value).__name__} {_shown(value, where)}", where=where)
         (item_tp,) = get_args(tp)
         return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
@@ -136,21 +149,23 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return {str(k): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"expected true or false, found {value!r}", where=where)
+            raise ConfigError(f"expected true or false, found {_shown(value, where)}", where=where)
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"expected an integer, found {type(value).__name__} {value!r}", where=where)
+            raise ConfigError(f"expected an integer, found {type(value).__name__} {_shown(value, where)}", where=where)
+        if not -(2**63) <= value < 2**63:  # TOML integers are 64-bit; tomli does not enforce it
+            raise ConfigError("integer is outside the signed 64-bit range", where=where)
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"expected a number, found {type(value).__name__} {value!r}", where=where)
+            raise ConfigError(f"expected a number, found {type(value).__name__} {_shown(value, where)}", where=where)
         if value != value or value in (float("inf"), float("-inf")):
             raise ConfigError("must be finite", where=where)
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"expected a string, found {type(value).__name__} {value!r}", where=where)
+            raise ConfigError(f"expected a string, found {type(value).__name__} {_shown(value, where)}", where=where)
         return value
     raise ConfigError(f"unsupported field type {tp!r}", where=where)  # pragma: no cover
 
@@ -186,8 +201,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     working directory.
     """
     data = _absolutize(read_toml(path), Path(path).resolve().parent) if path is not None else {}
-    data = apply_overrides(data, list(overrides or []))
-    cfg: Config = build(Config, data)
+    try:
+        data = apply_overrides(data, list(overrides or []))
+        cfg: Config = build(Config, data)
+    except RecursionError:
+        raise ConfigError("config tables are nested too deeply", where=path or "--set",
+                          hint="no replayjob setting is more than three tables deep") from None
     return cfg
 
 

@@ -18,7 +18,7 @@ import torch
 from replayjob.config import Config
 from replayjob.config.load import to_dict
 from replayjob.digest import sha256_file
-from replayjob.errors import ConfigError, ContractError, IntegrityError
+from replayjob.errors import ConfigError, ContractError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes
 from replayjob.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -74,13 +74,10 @@ class HFPolicy:
 
     def load_adapter(self, weight_file: Path) -> None:
         from peft import set_peft_model_state_dict
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
 
-        try:
-            loaded = load_file(str(weight_file))
-        except (SafetensorError, OSError) as exc:
-            raise IntegrityError(f"cannot read adapter weights: {exc}", where=weight_file) from None
+        from replayjob import tensorfile
+
+        loaded = tensorfile.load(weight_file)  # validated first; refuses pickle and malformed files
         expected = self.adapter_state()
         if set(loaded) != set(expected):
             missing = sorted(set(expected) - set(loaded))[:3]

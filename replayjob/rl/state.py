@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from replayjob.digest import sha256_file
+from replayjob import tensorfile
+from replayjob.digest import normalize_digest, sha256_file
 from replayjob.errors import ContractError, IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes, read_json_object
@@ -68,8 +69,13 @@ def read_state(path: str | Path) -> ResumeState:
         raise IntegrityError("'files' must list adapter_model.safetensors and 'model' must be an object",
                              where=d / STATE_FILE)
     for name, digest in sorted(files.items()):
-        if "/" in name or name.startswith(".") or not isinstance(digest, str):
+        if "/" in name or "\\" in name or name.startswith(".") or not isinstance(digest, str):
             raise IntegrityError(f"bad file entry {name!r}", where=d / STATE_FILE)
+        if not name.endswith(".safetensors"):
+            raise IntegrityError(f"file entry {name!r} is not a .safetensors file; pickle is never loaded",
+                                 where=d / STATE_FILE, hint="resume states hold safetensors files only")
+        if normalize_digest(digest, what=f"the pin of {name}") != digest:
+            raise IntegrityError(f"the pin of {name} is not a lowercase hex SHA-256", where=d / STATE_FILE)
         f = d / name
         if f.is_symlink() or not f.is_file():
             raise IntegrityError(f"{name} is missing or not a regular file", where=d)
@@ -77,6 +83,7 @@ def read_state(path: str | Path) -> ResumeState:
         if actual != digest:
             raise IntegrityError(f"{name} has SHA-256 {actual}, trainer_state.json pins {digest}",
                                  where=d, hint="the state was modified after it was written; recreate it")
+        tensorfile.read_header(f, follow_symlinks=False)  # structure checked before anything loads it
     return ResumeState(d, step, model, d / ADAPTER_WEIGHTS, files[ADAPTER_WEIGHTS], dict(files))
 
 
@@ -108,9 +115,7 @@ def optimizer_bytes(opt: torch.optim.Optimizer) -> bytes:
 
 
 def load_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
-    from safetensors.torch import load_file
-
-    flat = load_file(str(path))
+    flat = tensorfile.load(path, follow_symlinks=False)
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in flat.items():
         idx, _, name = key.partition(".")
@@ -148,6 +153,4 @@ def restore_rng(tensors: dict[str, torch.Tensor], prefix: str = "") -> None:
 
 
 def load_rng(path: Path) -> None:
-    from safetensors.torch import load_file
-
-    restore_rng(load_file(str(path)))
+    restore_rng(tensorfile.load(path, follow_symlinks=False))

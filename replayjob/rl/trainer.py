@@ -153,11 +153,23 @@ def _response_logprobs(policy: Policy, seqs: list[list[int]], prompt_ids: list[l
 
 
 def prepare_out_dir(out: Path) -> None:
-    for name in (DIAG_FILE, METRICS_FILE):
-        if (out / name).exists():
-            raise ArtifactExistsError("output directory already holds a run", where=out / name,
-                                      hint="choose a new --out directory")
+    if (out / METRICS_FILE).exists():
+        raise ArtifactExistsError("output directory already holds a run", where=out / METRICS_FILE,
+                                  hint="choose a new --out directory")
+    if (out / DIAG_FILE).exists():  # no metrics.json: the run was interrupted (or is still running)
+        raise ArtifactExistsError(f"output directory already holds a run that has no {METRICS_FILE} "
+                                  "(interrupted, or still running)", where=out / DIAG_FILE,
+                                  hint=f"remove {out} and rerun, or choose a new --out directory")
     out.mkdir(parents=True, exist_ok=True)
+
+
+def _open_diag(out: Path) -> Any:
+    """Create diag.jsonl exclusively: of two runs started on one directory, exactly one proceeds."""
+    try:
+        return open(out / DIAG_FILE, "xb")
+    except FileExistsError:
+        raise ArtifactExistsError("another run created diag.jsonl in this output directory first",
+                                  where=out / DIAG_FILE, hint="choose a new --out directory") from None
 
 
 def diag_row(step: int, rollout: StepRollout, res: UpdateResult, policy: Policy,
@@ -208,6 +220,15 @@ def train(cfg: Config, out: Path, hooks: Sequence[StepHooks] = ()) -> dict[str, 
     if cfg.training.trainer != "grpo":
         raise ConfigError(f"train runs trainer 'grpo', the config says {cfg.training.trainer!r}",
                           where="training.trainer", hint="use `replayjob replay` for optimizer_replay configs")
+    if cfg.optimizer_batch.capture:  # preconditions are checked here, before any work
+        from replayjob.optbatch.capture import CaptureHook
+
+        hooks = [*hooks, CaptureHook.prepare(cfg, out)]
+    from replayjob.bundle.hook import capture_from_env
+
+    bundles = capture_from_env(cfg)  # trajectory bundles: on only with REPLAYJOB_BUNDLE_CAPTURE=1
+    if bundles is not None:
+        hooks = [*hooks, bundles]
     prepare_out_dir(out)
     t_start = time.perf_counter()
     prov, policy, state = start_run(cfg)
@@ -226,7 +247,7 @@ def train(cfg: Config, out: Path, hooks: Sequence[StepHooks] = ()) -> dict[str, 
                           "leaves nothing to run", where="training.max_steps")
     task = Task(cfg.environment.task, cfg.environment.max_operand, cfg.environment.nondeterministic_observation)
     last: UpdateResult | None = None
-    with open(out / DIAG_FILE, "ab") as diag:
+    with _open_diag(out) as diag:
         for step in range(start_step, cfg.training.max_steps):
             t0 = time.perf_counter()
             rollout, batch = build_rollout(policy, cfg, task, step, seed)
@@ -235,7 +256,7 @@ def train(cfg: Config, out: Path, hooks: Sequence[StepHooks] = ()) -> dict[str, 
                 h.on_rollout(rollout)
             for h in hooks:
                 h.before_update(step, batch)
-            last = optimizer_update(policy, optimizer, batch, cfg)
+            last = optimizer_update(policy, optimizer, batch, cfg, keep_logprobs=bundles is not None)
             for h in hooks:
                 h.after_update(step, last)
             row = diag_row(step, rollout, last, policy, optimizer, prov, time.perf_counter() - t_start, sample_s)
@@ -266,5 +287,11 @@ def train(cfg: Config, out: Path, hooks: Sequence[StepHooks] = ()) -> dict[str, 
         "provenance": prov,
         "wall_s": time.perf_counter() - t_start,
     }
+    for h in hooks:  # optional: hooks may add flat keys (e.g. the capture digests)
+        contribute = getattr(h, "contribute_metrics", None)
+        if contribute is not None:
+            metrics.update(contribute(metrics))
+    if bundles is not None:  # before metrics.json, which declares the whole run (bundles included) complete
+        bundles.close()  # training is over: drain the background writer, report any write error
     atomic_write_bytes(out / METRICS_FILE, pretty_bytes(metrics))
     return metrics

@@ -32,6 +32,7 @@ class UpdateResult:
     padded_tokens: int = 0
     ratio_mean: float = 1.0
     extra: dict[str, float] = field(default_factory=dict)
+    logprobs: torch.Tensor | None = None  # flat response-token logprobs the loss saw (keep_logprobs)
 
     @property
     def padding_fraction(self) -> float:
@@ -50,7 +51,8 @@ def _sync(device: torch.device) -> None:
 
 
 def optimizer_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: OptimizerBatch,
-                     cfg: Config) -> UpdateResult:
+                     cfg: Config, keep_logprobs: bool = False) -> UpdateResult:
+    """One update; ``keep_logprobs`` also returns the logprobs the loss saw (read-only copies)."""
     a = cfg.algorithm
     dev = policy.device
     optimizer.zero_grad(set_to_none=True)
@@ -58,6 +60,7 @@ def optimizer_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Op
     total = torch.zeros((), dtype=torch.float64)
     ratio_sum = torch.zeros((), dtype=torch.float64)
     ratio_n = 0
+    kept: dict[int, torch.Tensor] = {}
     for mb in micro_batches(batch, cfg.training.micro_batch_size, policy.tokenizer.pad_id):
         _sync(dev)
         t0 = time.perf_counter()
@@ -76,6 +79,9 @@ def optimizer_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Op
             ratio_sum += ratio.sum().cpu()
             ratio_n += int(m.sum())
         total += loss.detach().cpu()
+        if keep_logprobs:
+            lp = logp.detach().cpu()
+            kept.update({i: lp[j][mb.resp_mask[j] > 0] for j, i in enumerate(mb.rows)})
         res.forward_wall_s += t1 - t0
         res.backward_wall_s += t2 - t1
         res.micro_batches += 1
@@ -93,4 +99,6 @@ def optimizer_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Op
     res.loss = float(total)
     res.grad_norm = float(norm)
     res.ratio_mean = float(ratio_sum / max(ratio_n, 1))
+    if keep_logprobs:
+        res.logprobs = torch.cat([kept[i] for i in range(batch.rows)])
     return res

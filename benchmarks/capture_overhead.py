@@ -1,0 +1,198 @@
+"""Capture overhead: a source-trainer step with capture on, against the same step with capture off.
+
+"On" is optimizer-batch capture (``[optimizer_batch] capture = true``: payload + manifest written at
+the optimizer boundary) together with trajectory-bundle capture (``REPLAYJOB_BUNDLE_CAPTURE=1``,
+``REPLAYJOB_BUNDLE_DIR``); "off" is the identical config with both off.  Capture covers exactly one
+step from an initialisation state, so every timed step is a fresh one-step ``train()`` call in its
+own output directory, from the same ``replayjob init`` state, in this one process (imports and
+model code warm).  Arms alternate (on, off, on, ...) so drift in the machine hits both alike.
+
+The step is timed from the start of sampling to the moment every hook has returned after the
+optimizer update (see :class:`StepClock`), which brackets all capture work done on the training
+thread.  Whole-run wall time (model build, final adapter,
+metrics.json, and any wait for a background writer at the end) is reported too, and the whole
+run's process CPU seconds (all threads, the bundle writer's included), which other load on the
+machine inflates less than wall time.
+
+Ratio: median step seconds with capture on / median with capture off.  Target: <= 1.05 (the
+training thread never waits on disk).
+
+On a machine whose cores are all busy, the background bundle writer competes with Torch's
+intra-op threads (one per core by default) and every parallel region can stall; ``--threads 1``
+leaves a core for the writer and shows the overhead the design intends.
+
+Run: ``python -m benchmarks.capture_overhead [--smoke] [--repeats N] [--threads N] [--set KEY=VALUE]...``
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+
+NAME = "capture_overhead"
+TARGET = 1.05
+BUNDLE_ENV = ("REPLAYJOB_BUNDLE_CAPTURE", "REPLAYJOB_BUNDLE_DIR")
+SMOKE_SETS = ["inference.max_new_tokens=2", "algorithm.prompts_per_step=1", "algorithm.group_size=2"]
+
+
+class StepClock:
+    """Brackets one trainer step: the first hook call and the trainer's diag-row call after it.
+
+    Passed to ``train()`` as the first hook, its ``on_rollout`` runs right after sampling and before
+    any capture hook; the trainer builds the step's diag row right after the last hook's
+    ``after_update``, so wrapping :func:`replayjob.rl.trainer.diag_row` (restored afterwards) reads
+    the clock once every capture hook has returned.  Step seconds = the trainer's own
+    ``sample_wall_s`` + (diag-row call - first ``on_rollout``).
+    """
+
+    def __init__(self) -> None:
+        self.t_rollout = 0.0
+        self.t_end = 0.0
+
+    def on_rollout(self, rollout: Any) -> None:
+        self.t_rollout = time.perf_counter()
+
+    def before_update(self, step: int, batch: Any) -> None:
+        return None
+
+    def after_update(self, step: int, result: Any) -> None:
+        return None
+
+    @contextlib.contextmanager
+    def around_diag_row(self) -> Iterator[None]:
+        from replayjob.rl import trainer
+
+        original = trainer.diag_row
+
+        def timed(*args: Any, **kwargs: Any) -> dict[str, Any]:
+            self.t_end = time.perf_counter()
+            return original(*args, **kwargs)
+
+        trainer.diag_row = timed
+        try:
+            yield
+        finally:
+            trainer.diag_row = original
+
+
+def _one_run(cfg_path: Path, sets: list[str], out: Path, capture: bool) -> dict[str, Any]:
+    from replayjob.config import load_config
+    from replayjob.jsonio import loads_strict
+    from replayjob.rl.trainer import train
+
+    overrides = [*sets, f"optimizer_batch.capture={'true' if capture else 'false'}"]
+    cfg = load_config(cfg_path, overrides)
+    bundle_dir = out / "bundles"
+    saved = {k: os.environ.get(k) for k in BUNDLE_ENV}
+    if capture:
+        os.environ["REPLAYJOB_BUNDLE_CAPTURE"] = "1"
+        os.environ["REPLAYJOB_BUNDLE_DIR"] = str(bundle_dir)
+    else:
+        for k in BUNDLE_ENV:
+            os.environ.pop(k, None)
+    clock = StepClock()
+    gc.collect()
+    try:
+        with clock.around_diag_row():
+            t0, c0 = time.perf_counter(), time.process_time()
+            metrics = train(cfg, out, [clock])
+            run_s, run_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    row = loads_strict((out / "diag.jsonl").read_bytes().splitlines()[0])
+    sample_s = float(row["timing"]["sample_wall_s"])
+    return {
+        "step_s": sample_s + (clock.t_end - clock.t_rollout),
+        "run_s": run_s,
+        "run_cpu_s": run_cpu_s,
+        "optbatch_manifest": bool(metrics.get("optimizer_batch/manifest_sha256")),
+        "bundles": sorted(p.parent.name for p in bundle_dir.rglob("COMPLETE")) if bundle_dir.is_dir() else [],
+        "loss": metrics["loss"],
+    }
+
+
+def run(repeats: int, warmup: int, sets: list[str], work: Path) -> dict[str, Any]:
+    """Interleave ``warmup`` + ``repeats`` runs per arm; return per-arm statistics and raw runs."""
+    from replayjob.workspace import init_workspace
+
+    ws = work / "ws"
+    init_workspace(ws, 123)
+    cfg_path = ws / "source.toml"
+    runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    for i in range(warmup + repeats):
+        for arm in ("on", "off") if i % 2 == 0 else ("off", "on"):
+            r = _one_run(cfg_path, sets, work / f"{arm}-{i:03d}", capture=arm == "on")
+            if i >= warmup:
+                runs[arm].append(r)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = common.parser(__doc__.splitlines()[0] if __doc__ else NAME)
+    p.add_argument("--repeats", type=int, default=None, help="timed steps per arm (default 15; smoke 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's own choice, one per core)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override applied to both arms (e.g. model.hidden_size=256)")
+    args = p.parse_args(argv)
+    repeats = args.repeats or (1 if args.smoke else 15)
+    warmup = 0 if args.smoke else 1
+    sets = [*(SMOKE_SETS if args.smoke else []), *args.sets]
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="replayjob-bench-") as tmp:
+        runs = run(repeats, warmup, sets, Path(tmp))
+    on = common.stats([r["step_s"] for r in runs["on"]])
+    off = common.stats([r["step_s"] for r in runs["off"]])
+    run_on = common.stats([r["run_s"] for r in runs["on"]])
+    run_off = common.stats([r["run_s"] for r in runs["off"]])
+    cpu_on = common.stats([r["run_cpu_s"] for r in runs["on"]])
+    cpu_off = common.stats([r["run_cpu_s"] for r in runs["off"]])
+    value = common.ratio(on["median"], off["median"])
+    bundle_written = all(r["bundles"] for r in runs["on"])
+    notes = []
+    if not all(r["optbatch_manifest"] for r in runs["on"]):
+        notes.append("optimizer-batch capture did not record a manifest digest in metrics.json")
+    if not bundle_written:
+        notes.append("REPLAYJOB_BUNDLE_CAPTURE=1 was set but no bundle COMPLETE appeared under "
+                     "REPLAYJOB_BUNDLE_DIR: bundle capture is not wired into the trainer in this tree; "
+                     "'on' measured optimizer-batch capture only")
+    if len({r["loss"] for r in runs["on"] + runs["off"]}) != 1:
+        notes.append("losses differ between runs: capture changed the step's numerics")
+    common.report(
+        NAME, smoke=args.smoke, results=args.results, ratio_value=value,
+        ratio_definition="median step seconds, capture on / capture off",
+        baseline="the same one-step source run with optimizer-batch and bundle capture off",
+        target=common.Target("<=", TARGET, value),
+        detail=(f"step on {on['median']:.4f} s, off {off['median']:.4f} s (n={on['n']} each); "
+                f"whole run on {run_on['median']:.3f} s, off {run_off['median']:.3f} s "
+                f"(CPU {cpu_on['median']:.3f} s / {cpu_off['median']:.3f} s); "
+                f"bundle capture {'on' if bundle_written else 'unavailable'}"),
+        measurements={"step_on_s": on, "step_off_s": off, "run_on_s": run_on, "run_off_s": run_off,
+                      "run_ratio": common.ratio(run_on["median"], run_off["median"]),
+                      "run_cpu_on_s": cpu_on, "run_cpu_off_s": cpu_off,
+                      "run_cpu_ratio": common.ratio(cpu_on["median"], cpu_off["median"]),
+                      "bundle_capture_written": bundle_written,
+                      "bundles_per_run": [r["bundles"] for r in runs["on"]]},
+        parameters={"repeats": repeats, "warmup": warmup, "sets": sets, "config": "replayjob init source.toml",
+                    "torch_threads": torch.get_num_threads()},
+        notes=notes)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

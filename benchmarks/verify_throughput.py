@@ -1,0 +1,202 @@
+"""Verification throughput: ``explain`` and ``bundle validate`` on a large payload against raw SHA-256.
+
+Two arms, each on about ``--mib`` MiB of payload bytes (1024 = 1 GiB; ``--smoke``: 2 MiB):
+
+* ``explain``: a real capture of the tiny default (``replayjob init`` + ``capture``) whose payload is
+  replaced by an optimizer batch of that size (rows of 16 prompt + 4,096 response tokens, built
+  with the capture's own encoder, digests and manifest writer), then ``replayjob explain`` with
+  both pins, in this process, exit 0 required;
+* ``bundle validate``: a seeded synthetic rollout bundle (:mod:`replayjob.bundle.synthetic`, long
+  responses) whose payload files add up to that size, then ``replayjob bundle validate``, exit 0.
+
+Baseline, measured in the same process on the same files: one streaming read of every payload
+byte through ``hashlib.sha256`` (8 MiB chunks) -- the least any verifier must do.  Runs alternate
+baseline and arm; the files are read once before timing so both come from the page cache.
+
+Ratio per arm: (payload bytes / arm seconds) / (payload bytes / baseline seconds), i.e. baseline
+seconds / arm seconds.  Target: >= 0.9 (one read, no extra copies).  The summary line reports the
+lower arm.  A full run that misses the target profiles the arm once with cProfile and stores the
+top functions in the JSON (``--profile`` forces it).
+
+Run: ``python -m benchmarks.verify_throughput [--smoke] [--mib N] [--repeats N] [--profile]``
+"""
+
+from __future__ import annotations
+
+import contextlib
+import cProfile
+import hashlib
+import io
+import json
+import pstats
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+
+NAME = "verify_throughput"
+TARGET = 0.9
+CHUNK = 8 * 1024 * 1024
+PROMPT_LEN, RESP_LEN = 16, 4096
+BUNDLE_GROUPS, BUNDLE_GROUP_SIZE = 16, 8
+
+
+def hash_files(paths: list[Path]) -> str:
+    """The baseline: stream every byte of ``paths`` once through one SHA-256 per file."""
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    out = []
+    for p in paths:
+        h = hashlib.sha256()
+        with open(p, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                h.update(view[:n])
+        out.append(h.hexdigest())
+    return ",".join(out)
+
+
+def _cli(argv: list[str]) -> Callable[[], None]:
+    from replayjob.cli import main
+
+    def call() -> None:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+            rc = main(argv)
+        if rc != 0:
+            raise RuntimeError(f"replayjob {' '.join(argv[:2])} exited {rc}: {err.getvalue()[-800:]}")
+    return call
+
+
+def build_explain(work: Path, nbytes: int) -> tuple[list[str], list[Path]]:
+    """A real capture whose payload is swapped for a ``nbytes`` batch; return explain's argv and payload."""
+    import torch
+
+    from replayjob.cli import main
+    from replayjob.digest import sha256_bytes
+    from replayjob.fsio import atomic_write_bytes
+    from replayjob.optbatch import manifest, payload
+    from replayjob.rl.batch import OptimizerBatch
+    from replayjob.workspace import init_workspace
+
+    ws = work / "ws"
+    init_workspace(ws, 123)
+    src = ws / "source"
+    with contextlib.redirect_stdout(io.StringIO()):
+        if main(["capture", str(ws / "source.toml"), "--out", str(src)]) != 0:
+            raise RuntimeError("the capture the explain arm starts from failed")
+    mpath = src / manifest.manifest_name(0)
+    doc = json.loads(mpath.read_bytes())
+    per_row = 8 * (PROMPT_LEN + RESP_LEN) + 4 * 8 * RESP_LEN
+    rows = max(1, nbytes // per_row)
+    gen = torch.Generator().manual_seed(0)
+    n_resp = rows * RESP_LEN
+    old = -torch.rand(n_resp, generator=gen, dtype=torch.float64) * 3
+    batch = OptimizerBatch(
+        tokens=torch.randint(3, 256, (rows * (PROMPT_LEN + RESP_LEN),), generator=gen, dtype=torch.int64),
+        token_offsets=torch.arange(rows + 1, dtype=torch.int64) * (PROMPT_LEN + RESP_LEN),
+        prompt_lens=torch.full((rows,), PROMPT_LEN, dtype=torch.int64),
+        resp_offsets=torch.arange(rows + 1, dtype=torch.int64) * RESP_LEN,
+        old_logprobs=old, ref_logprobs=old - 0.01,
+        advantages=torch.randn(n_resp, generator=gen, dtype=torch.float64),
+        loss_weights=torch.full((n_resp,), 1.0 / n_resp, dtype=torch.float64))
+    data = payload.encode(batch, {"cpu": torch.get_rng_state()})
+    ppath = src / doc["payload"]["file"]
+    atomic_write_bytes(ppath, data)
+    doc["payload"].update(size=len(data), sha256=sha256_bytes(data), rng_keys=["cpu"])
+    doc["rows"] = payload.summary(batch)
+    doc["logical_batch_sha256"] = batch.logical_sha256()
+    doc["local_effective_rows_sha256"] = batch.effective_sha256()
+    del data, batch
+    mpath.unlink()
+    msha = manifest.write(mpath, doc)
+    pins = ["--set", f'optimizer_batch.expected_logical_sha256="{doc["logical_batch_sha256"]}"',
+            "--set", f'optimizer_batch.expected_manifest_sha256="{msha}"']
+    return ["explain", str(ws / "replay.toml"), *pins], [ppath]
+
+
+def build_bundle(work: Path, nbytes: int) -> tuple[list[str], list[Path]]:
+    """A synthetic rollout bundle whose payload files add up to about ``nbytes``."""
+    from replayjob.bundle import synthetic
+
+    # A rollout bundle stores six [samples, width] tensors of 8-byte values; responses average
+    # about half of max_len, so width is close to max_len.
+    samples = BUNDLE_GROUPS * BUNDLE_GROUP_SIZE
+    max_len = max(8, nbytes // (6 * 8 * samples))
+    path = synthetic.write_rollout(work / "bundle", groups=BUNDLE_GROUPS, group_size=BUNDLE_GROUP_SIZE,
+                                   max_len=max_len, seed=0)
+    return ["bundle", "validate", str(path)], sorted((path / "payloads").iterdir())
+
+
+def _profile(fn: Callable[[], None], top: int = 15) -> list[dict[str, Any]]:
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (_cc, ncalls, tottime, cumtime, _callers) in st.stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"{Path(file).name}:{line}({func})", "calls": ncalls,
+                     "tottime_s": tottime, "cumtime_s": cumtime})
+    rows.sort(key=lambda r: r["tottime_s"], reverse=True)
+    return rows[:top]
+
+
+def run_arm(argv: list[str], files: list[Path], repeats: int) -> dict[str, Any]:
+    """Alternate baseline and arm ``repeats`` times after one untimed call of each."""
+    nbytes = sum(p.stat().st_size for p in files)
+    arm = _cli(argv)
+    base_t, arm_t = [], []
+    hash_files(files)  # warm the page cache
+    arm()              # and the arm's code paths
+    for _ in range(repeats):
+        base_t.append(common.measure(lambda: hash_files(files), repeats=1, warmup=0)[0])
+        arm_t.append(common.measure(arm, repeats=1, warmup=0)[0])
+    b, a = common.stats(base_t), common.stats(arm_t)
+    out: dict[str, Any] = {
+        "payload_bytes": nbytes, "files": len(files), "baseline_s": b, "arm_s": a,
+        "baseline_mib_per_s": nbytes / 2**20 / b["median"], "arm_mib_per_s": nbytes / 2**20 / a["median"],
+        "ratio": b["median"] / a["median"],
+        "argv": argv[:2],
+    }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = common.parser(__doc__.splitlines()[0] if __doc__ else NAME)
+    p.add_argument("--mib", type=int, default=None, help="payload MiB per arm (default 1024; smoke 2)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per arm (default 3; smoke 1)")
+    p.add_argument("--profile", action="store_true", help="profile each arm once with cProfile")
+    args = p.parse_args(argv)
+    mib = args.mib or (2 if args.smoke else 1024)
+    repeats = args.repeats or (1 if args.smoke else 3)
+    arms: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="replayjob-bench-") as tmp:
+        work = Path(tmp)
+        for name, build in (("explain", build_explain), ("bundle validate", build_bundle)):
+            cmd, files = build(work / name.replace(" ", "_"), mib * 2**20)
+            res = run_arm(cmd, files, repeats)
+            if args.profile or (not args.smoke and res["ratio"] < TARGET):
+                t0 = time.perf_counter()
+                res["profile_top_tottime"] = _profile(_cli(cmd))
+                res["profile_wall_s"] = time.perf_counter() - t0
+            arms[name] = res
+            for f in files:  # free the disk before the next arm
+                f.unlink()
+    worst = min(arms, key=lambda k: arms[k]["ratio"])
+    value = arms[worst]["ratio"]
+    common.report(
+        NAME, smoke=args.smoke, results=args.results, ratio_value=value,
+        ratio_definition="arm throughput / hashlib.sha256 throughput over the same payload bytes "
+                         "(baseline seconds / arm seconds); the lower of the two arms",
+        baseline="one streaming read of the same payload files through hashlib.sha256 (8 MiB chunks)",
+        target=common.Target(">=", TARGET, value),
+        detail="; ".join(f"{k} {v['ratio']:.3f}x ({v['arm_mib_per_s']:.0f} vs {v['baseline_mib_per_s']:.0f} MiB/s"
+                         f" over {v['payload_bytes'] / 2**20:.0f} MiB)" for k, v in arms.items()),
+        measurements={"arms": arms, "worst_arm": worst},
+        parameters={"mib": mib, "repeats": repeats, "prompt_len": PROMPT_LEN, "resp_len": RESP_LEN,
+                    "bundle_samples": BUNDLE_GROUPS * BUNDLE_GROUP_SIZE})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

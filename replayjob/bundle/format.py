@@ -1,0 +1,256 @@
+"""The trajectory-bundle format: names, stage table, capability matrix and schema checks.
+
+A bundle is a directory (``manifest.json``, ``index.json``, ``expected.json``,
+``payloads/<name>.safetensors``, ``COMPLETE`` last).  This module holds what the writer and the
+reader must agree on, so the two cannot drift apart; ``docs/bundle-format.md`` describes it for
+people.  Every check raises :class:`~replayjob.errors.IntegrityError` (or ``ContractError`` for an
+unsupported topology) with a sentence naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from replayjob.errors import ContractError, IntegrityError
+from replayjob.rl.stages import ESTIMATORS
+
+FORMAT = "replayjob.bundle"
+FORMAT_VERSION = "1.0.0"
+STAGE_VERSION = "v1"
+
+MANIFEST = "manifest.json"
+INDEX = "index.json"
+EXPECTED = "expected.json"
+PAYLOADS = "payloads"
+COMPLETE = "COMPLETE"
+PAYLOAD_SUFFIX = ".safetensors"
+# Suffixes of formats that can carry pickle (or arbitrary code); refused anywhere in a bundle.
+PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt", ".npy", ".npz", ".joblib")
+
+KINDS = ("rollout", "step")
+STAGE_ORDER = ("sample", "reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate",
+               "loss.policy")
+KIND_STAGES = {
+    "rollout": ("sample", "reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate"),
+    "step": ("sample", "loss.policy"),
+}
+CAPABILITIES = ("recompute", "recorded-only", "inspect-only", "unsupported")
+
+# stage -> (output field -> "sample" | "token" | "scalar"); token fields live in payloads.
+OUTPUTS: dict[str, dict[str, str]] = {
+    "sample": {},
+    "reward.raw": {"raw": "sample"},
+    "reward.post_process": {"scores": "sample"},
+    "advantage.kl": {"kl": "token"},
+    "advantage.estimate": {"advantages": "token"},
+    "loss.policy": {"loss": "scalar", "loss_weights": "token"},
+}
+# stage -> input payloads a `recompute` contract needs (besides recorded upstream outputs).
+INPUT_PAYLOADS: dict[str, tuple[str, ...]] = {
+    "sample": (),
+    "reward.raw": ("mask", "response_ids", "label_ids"),
+    "reward.post_process": (),
+    "advantage.kl": ("mask", "old_logprobs", "ref_logprobs"),
+    "advantage.estimate": ("mask",),
+    "loss.policy": ("mask", "logprobs", "old_logprobs", "ref_logprobs", "advantages"),
+}
+# stage -> recorded upstream outputs (stage, field) a `recompute` contract consumes.
+UPSTREAM: dict[str, tuple[tuple[str, str], ...]] = {
+    "reward.post_process": (("reward.raw", "raw"),),
+    "advantage.estimate": (("reward.post_process", "scores"), ("advantage.kl", "kl")),
+}
+IMPLEMENTATION = {
+    "sample": "replayjob.rl.sampling.sample (not recomputed: needs the model)",
+    "reward.raw": "replayjob.rl.stages.reward_raw + replayjob.rl.task.Task.score",
+    "reward.post_process": "replayjob.rl.stages.post_process",
+    "advantage.kl": "replayjob.rl.stages.token_kl",
+    "advantage.estimate": "replayjob.rl.stages.advantage_estimate, batch_normalize, clip_advantages",
+    "loss.policy": "replayjob.rl.stages.token_cap, loss_weights, policy_loss",
+}
+
+DEFAULT_COMPARISON: dict[str, dict[str, float]] = {
+    "reward.raw": {"atol": 0.0, "rtol": 0.0},
+    "reward.post_process": {"atol": 1e-12, "rtol": 1e-9},
+    "advantage.kl": {"atol": 1e-12, "rtol": 1e-9},
+    "advantage.estimate": {"atol": 1e-12, "rtol": 1e-9},
+    "loss.policy": {"atol": 1e-10, "rtol": 1e-9},
+}
+
+TEXT_FIELDS = ("prompt", "completion", "label")
+ID_FIELDS = ("response_ids", "label_ids")
+FIXED_DROPS = ("paths", "endpoints", "environment", "secrets")
+DEFAULT_REDACTION: dict[str, str] = {"prompt": "hash", "completion": "hash", "label": "hash",
+                                     "response_ids": "keep", "label_ids": "keep",
+                                     **{k: "drop" for k in FIXED_DROPS}}
+
+CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
+    "estimator": str, "samples_per_prompt": int, "std_eps": float, "kl_kind": str,
+    "kl_reward_coef": float, "batch_adv_norm": bool, "adv_clip": float, "token_cap": int,
+    "loss_agg": str, "clip_low": float, "clip_high": float, "kl_loss_coef": float,
+    "context_parallel": int, "task": (dict, type(None)), "tokenizer": (str, type(None)),
+}
+KL_KINDS = ("k1", "k3")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
+TASKS = ("arithmetic", "reverse")
+
+SAMPLE_KEYS = {"sample_id", "group", "cohort", "prompt_length", "response_length", "label_length",
+               "partition", "consumer_batch", "micro_batch", "rank", "weight_version",
+               *(f"{t}_sha256" for t in TEXT_FIELDS), *(f"{t}_prefix" for t in TEXT_FIELDS)}
+_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+
+def check_payload_name(name: object) -> str:
+    """A payload name is a short lowercase identifier, so its file can never leave ``payloads/``."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise IntegrityError(f"payload name {name!r} is not allowed: use [a-z][a-z0-9_]* (at most 64 "
+                             "characters); names cannot contain '/', '..' or a suffix",
+                             where=MANIFEST)
+    return name
+
+
+def check_id(value: object, what: str) -> str:
+    if not isinstance(value, str) or not _ID.fullmatch(value):
+        raise IntegrityError(f"{what} must be a short identifier ([A-Za-z0-9._:-]), found {value!r}",
+                             where=INDEX)
+    return value
+
+
+def payload_file(name: str) -> str:
+    return f"{PAYLOADS}/{check_payload_name(name)}{PAYLOAD_SUFFIX}"
+
+
+def check_redaction(policy: object) -> dict[str, str]:
+    """The redaction policy: text is hashed, truncated or dropped; token ids kept or dropped."""
+    if not isinstance(policy, dict):
+        raise IntegrityError("redaction policy must be an object", where=f"{MANIFEST}: redaction")
+    expected = set(TEXT_FIELDS) | set(ID_FIELDS) | set(FIXED_DROPS)
+    if set(policy) != expected:
+        raise IntegrityError(f"redaction policy must name exactly {sorted(expected)}; "
+                             f"found {sorted(policy)}", where=f"{MANIFEST}: redaction")
+    for key, value in policy.items():
+        ok = (value in ("hash", "drop") or (isinstance(value, str) and re.fullmatch(r"truncate:[1-9]\d{0,3}",
+                                                                                   value)))
+        if key in ID_FIELDS:
+            ok = value in ("keep", "drop")
+        elif key in FIXED_DROPS:
+            ok = value == "drop"
+        if not ok:
+            raise IntegrityError(f"redaction of {key!r} cannot be {value!r}",
+                                 where=f"{MANIFEST}: redaction",
+                                 hint="text: hash | truncate:N | drop; token ids: keep | drop; "
+                                      "paths, endpoints, environment and secrets: drop")
+    return dict(policy)
+
+
+def check_config(cfg: object) -> dict[str, Any]:
+    """The recompute config; an unsupported topology is a contract error, never guessed around."""
+    where = f"{INDEX}: config"
+    if not isinstance(cfg, dict):
+        raise IntegrityError("config must be an object", where=where)
+    missing = sorted(set(CONFIG_KEYS) - set(cfg))
+    unknown = sorted(set(cfg) - set(CONFIG_KEYS))
+    if missing or unknown:
+        raise IntegrityError(f"config keys: missing {missing}, unknown {unknown}", where=where)
+    for key, typ in CONFIG_KEYS.items():
+        v = cfg[key]
+        if typ is float and isinstance(v, int) and not isinstance(v, bool):
+            continue
+        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+            raise IntegrityError(f"config.{key} has the wrong type ({type(v).__name__})", where=where)
+    if cfg["estimator"] not in ESTIMATORS:
+        raise ContractError(f"unsupported topology: estimator {cfg['estimator']!r}; bundles support "
+                            f"{list(ESTIMATORS)} only", where=f"{where}.estimator",
+                            hint="PPO value loss, GAE and other estimators are not recomputed")
+    if cfg["context_parallel"] != 1:
+        raise ContractError(f"unsupported topology: context_parallel={cfg['context_parallel']}; "
+                            "only 1 is supported", where=f"{where}.context_parallel")
+    if cfg["kl_kind"] not in KL_KINDS:
+        raise ContractError(f"unsupported KL estimator {cfg['kl_kind']!r}", where=f"{where}.kl_kind")
+    if cfg["loss_agg"] not in LOSS_AGGS:
+        raise ContractError(f"unsupported loss aggregation {cfg['loss_agg']!r}", where=f"{where}.loss_agg")
+    if cfg["samples_per_prompt"] < 1 or cfg["token_cap"] < 0:
+        raise IntegrityError("samples_per_prompt must be >= 1 and token_cap >= 0", where=where)
+    task = cfg["task"]
+    if task is not None and (not isinstance(task, dict) or set(task) != {"name", "max_operand"}
+                             or task["name"] not in TASKS or not isinstance(task["max_operand"], int)):
+        raise ContractError(f"config.task must be null or {{name: one of {list(TASKS)}, max_operand: int}}",
+                            where=f"{where}.task")
+    if cfg["tokenizer"] not in (None, "byte"):
+        raise ContractError(f"tokenizer {cfg['tokenizer']!r} cannot be rebuilt offline; only 'byte' can",
+                            where=f"{where}.tokenizer", hint="declare reward.raw recorded-only")
+    return dict(cfg)
+
+
+def check_sample(rec: object, i: int, redaction: dict[str, str]) -> dict[str, Any]:
+    """One per-sample record: identity, lengths, physical provenance, redacted text only."""
+    where = f"{INDEX}: samples[{i}]"
+    if not isinstance(rec, dict):
+        raise IntegrityError("sample record must be an object", where=where)
+    unknown = sorted(set(rec) - SAMPLE_KEYS)
+    if unknown:
+        raise IntegrityError(f"unknown sample field(s) {unknown} (raw text is never stored)", where=where)
+    for key in ("sample_id", "cohort", "partition", "consumer_batch", "micro_batch"):
+        if key not in rec:
+            raise IntegrityError(f"sample field {key!r} is missing", where=where)
+        check_id(rec[key], f"samples[{i}].{key}")
+    if "group" not in rec:
+        raise IntegrityError("sample field 'group' is missing (use null when membership is unknown)",
+                             where=where)
+    if rec["group"] is not None:
+        check_id(rec["group"], f"samples[{i}].group")
+    for key in ("prompt_length", "response_length", "rank", "weight_version"):
+        v = rec.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise IntegrityError(f"sample field {key!r} must be an integer >= 0, found {v!r}", where=where)
+    ll = rec.get("label_length")
+    if ll is not None and (not isinstance(ll, int) or isinstance(ll, bool) or ll < 0):
+        raise IntegrityError(f"label_length must be null or an integer >= 0, found {ll!r}", where=where)
+    for field in TEXT_FIELDS:
+        policy = redaction[field]
+        has_hash, has_prefix = f"{field}_sha256" in rec, f"{field}_prefix" in rec
+        if has_hash != (policy == "hash") or has_prefix != policy.startswith("truncate:"):
+            raise IntegrityError(f"{field} text does not follow the redaction policy {policy!r}",
+                                 where=where)
+        if has_hash and not (isinstance(rec[f"{field}_sha256"], str)
+                             and re.fullmatch(r"[0-9a-f]{64}", rec[f"{field}_sha256"])):
+            raise IntegrityError(f"{field}_sha256 is not a SHA-256 digest", where=where)
+        if has_prefix:
+            limit = int(policy.split(":")[1])
+            prefix = rec[f"{field}_prefix"]
+            if not isinstance(prefix, str) or len(prefix) > limit:
+                raise IntegrityError(f"{field}_prefix is longer than the policy's {limit} characters",
+                                     where=where)
+    return dict(rec)
+
+
+def check_contract(stage: str, contract: object, kind: str) -> dict[str, Any]:
+    where = f"{MANIFEST}: stages.{stage}"
+    if not isinstance(contract, dict) or set(contract) != {"version", "capability", "implementation",
+                                                          "reason"}:
+        raise IntegrityError("stage contract must have exactly version, capability, implementation, "
+                             "reason", where=where)
+    if contract["version"] != STAGE_VERSION:
+        raise ContractError(f"stage version {contract['version']!r} is not supported (this reader: "
+                            f"{STAGE_VERSION})", where=where)
+    if contract["capability"] not in CAPABILITIES:
+        raise IntegrityError(f"capability must be one of {list(CAPABILITIES)}", where=where)
+    if stage == "sample" and contract["capability"] == "recompute":
+        raise ContractError("the sample stage cannot be recomputed offline (it needs the model)", where=where)
+    if not isinstance(contract["reason"], str):
+        raise IntegrityError("reason must be a string", where=where)
+    return dict(contract)
+
+
+def parse_step(text: str) -> tuple[int, int]:
+    """``R:S`` -> (rollout_id, step_id)."""
+    m = re.fullmatch(r"(\d{1,12}):(\d{1,12})", text.strip())
+    if not m:
+        raise ContractError(f"actor step {text!r} must be ROLLOUT_ID:STEP_ID (two integers)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def bundle_name(kind: str, rollout_id: int, step_id: int | None) -> str:
+    """Directory name of a captured bundle: ``rollout-000012`` or ``step-000012-000000``."""
+    return f"rollout-{rollout_id:06d}" if kind == "rollout" else f"step-{rollout_id:06d}-{step_id or 0:06d}"

@@ -1,0 +1,227 @@
+"""Bundle capture from the source trainer: a step hook with a background writer thread.
+
+Off by default; on only through the environment (no config or CLI change):
+
+* ``REPLAYJOB_BUNDLE_CAPTURE=1`` turns it on (``0`` or unset: off; anything else is refused);
+* ``REPLAYJOB_BUNDLE_DIR`` is the capture directory (required when on);
+* ``REPLAYJOB_BUNDLE_STEPS`` (``R:S,...``) and ``REPLAYJOB_BUNDLE_ROLLOUTS`` (``R,...``) limit
+  which step and rollout bundles are written; unset means all.
+
+The source trainer runs one actor update per rollout, so step ``k`` is rollout ``k``, actor step
+``(k, 0)``, weight version ``k``.  ``on_rollout`` and ``after_update`` only copy CPU tensors and
+hand them to a queue; a daemon thread redacts text, builds and writes the bundles.  ``close``
+(called once training has finished) drains the queue and raises the first write error.
+Capture never changes training numerics: it reads tensors and consumes no random numbers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+import replayjob
+from replayjob.bundle import format as fmt
+from replayjob.bundle.writer import BundleWriter
+from replayjob.errors import ConfigError, RefusedError, ReplayjobError
+from replayjob.model.tokenizer import ByteTokenizer
+
+if TYPE_CHECKING:
+    from replayjob.config import Config
+    from replayjob.rl.batch import OptimizerBatch
+    from replayjob.rl.trainer import StepRollout
+    from replayjob.rl.update import UpdateResult
+
+ENV_CAPTURE = "REPLAYJOB_BUNDLE_CAPTURE"
+ENV_DIR = "REPLAYJOB_BUNDLE_DIR"
+ENV_STEPS = "REPLAYJOB_BUNDLE_STEPS"
+ENV_ROLLOUTS = "REPLAYJOB_BUNDLE_ROLLOUTS"
+
+
+def capture_from_env(cfg: Config, environ: Mapping[str, str] | None = None) -> BundleCapture | None:
+    """The capture hook the environment asks for, or None when capture is off."""
+    env = os.environ if environ is None else environ
+    flag = env.get(ENV_CAPTURE, "").strip()
+    if flag in ("", "0"):
+        return None
+    if flag != "1":
+        raise ConfigError(f"{ENV_CAPTURE} must be 1 or 0, not {flag!r}", where=ENV_CAPTURE)
+    directory = env.get(ENV_DIR, "").strip()
+    if not directory:
+        raise ConfigError(f"{ENV_CAPTURE}=1 needs {ENV_DIR}", where=ENV_DIR, hint=f"export {ENV_DIR}=captures")
+    steps = rollouts = None
+    try:
+        if env.get(ENV_STEPS, "").strip():
+            steps = {fmt.parse_step(x) for x in env[ENV_STEPS].split(",") if x.strip()}
+        if env.get(ENV_ROLLOUTS, "").strip():
+            rollouts = {int(x) for x in env[ENV_ROLLOUTS].split(",") if x.strip()}
+    except (ReplayjobError, ValueError):
+        raise ConfigError(f"{ENV_STEPS} is R:S[,R:S...] and {ENV_ROLLOUTS} is R[,R...]",
+                          where=f"{ENV_STEPS}/{ENV_ROLLOUTS}") from None
+    return BundleCapture(cfg, Path(directory), steps, rollouts)
+
+
+def recompute_config(cfg: Config) -> dict[str, Any]:
+    a = cfg.algorithm
+    return {"estimator": a.estimator, "samples_per_prompt": a.group_size, "std_eps": a.std_eps, "kl_kind": "k1",
+            "kl_reward_coef": a.kl_reward_coef, "batch_adv_norm": a.batch_adv_norm, "adv_clip": a.adv_clip,
+            "token_cap": a.token_cap, "loss_agg": a.loss_agg, "clip_low": a.clip_eps_low,
+            "clip_high": a.clip_eps_high, "kl_loss_coef": a.kl_loss_coef, "context_parallel": 1,
+            "task": {"name": cfg.environment.task, "max_operand": cfg.environment.max_operand},
+            "tokenizer": "byte" if not cfg.model.path else None}
+
+
+@dataclass
+class _Snapshot:
+    """What the training thread hands over: CPU tensor copies and Python lists, nothing shared."""
+
+    step: int
+    prompts: list[str]
+    answers: list[str]
+    completions: list[str]
+    prompt_lengths: list[int]
+    responses: list[list[int]]
+    tensors: dict[str, Tensor]
+
+
+class BundleCapture:
+    """A :class:`~replayjob.rl.trainer.StepHooks` that writes rollout and step bundles."""
+
+    def __init__(self, cfg: Config, directory: Path, steps: set[tuple[int, int]] | None,
+                 rollouts: set[int] | None):
+        from replayjob.config import config_sha256
+
+        self.directory = directory
+        self.steps, self.rollouts = steps, rollouts
+        self.config = recompute_config(cfg)
+        self.micro = cfg.training.micro_batch_size
+        self.producer = {"name": "replayjob", "trainer": "grpo", "replayjob_version": replayjob.__version__,
+                         "torch_version": torch.__version__, "config_sha256": config_sha256(cfg)}
+        self._pending: _Snapshot | None = None
+        self._queue: queue.Queue[tuple[str, _Snapshot, Tensor | None, float] | None] = queue.Queue()
+        self.errors: list[BaseException] = []
+        self.written: list[Path] = []
+        self._thread = threading.Thread(target=self._run, name="bundle-writer", daemon=True)
+
+    # StepHooks -----------------------------------------------------------------------------
+    def on_rollout(self, rollout: StepRollout) -> None:
+        names = ("group", "raw", "scores", "mask", "old_logprobs", "ref_logprobs", "kl", "advantages",
+                 "loss_weights")
+        snap = _Snapshot(rollout.step, list(rollout.prompts), list(rollout.answers), list(rollout.completions),
+                         [len(p) for p in rollout.prompt_tokens], [list(r) for r in rollout.response_tokens],
+                         {n: getattr(rollout, n).detach().to("cpu", copy=True) for n in names})
+        self._pending = snap
+        if self.rollouts is None or rollout.step in self.rollouts:
+            self._put(("rollout", snap, None, 0.0))
+
+    def before_update(self, step: int, batch: OptimizerBatch) -> None:
+        return None
+
+    def after_update(self, step: int, result: UpdateResult) -> None:
+        snap, self._pending = self._pending, None
+        if snap is None or snap.step != step or (self.steps is not None and (step, 0) not in self.steps):
+            return
+        logp = getattr(result, "logprobs", None)
+        if logp is None:
+            self.errors.append(RefusedError("the update did not expose its logprobs; step bundle not written"))
+            return
+        self._put(("step", snap, logp.detach().to("cpu", copy=True), float(result.loss)))
+
+    def _put(self, item: tuple[str, _Snapshot, Tensor | None, float]) -> None:
+        if self._thread.ident is None:  # started on first use; drained at exit if close is never reached
+            self._thread.start()
+            atexit.register(self.close, raise_errors=False)
+        self._queue.put(item)
+
+    def close(self, raise_errors: bool = True) -> list[Path]:
+        """Drain the writer thread (training is over); raise the first capture error."""
+        if self._thread.ident is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        atexit.unregister(self.close)
+        if self.errors and raise_errors:
+            first = self.errors[0]
+            if isinstance(first, ReplayjobError):
+                raise first
+            raise RefusedError(f"bundle capture failed: {first}", where=self.directory)
+        return list(self.written)
+
+    # background thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            kind, snap, logp, loss = item
+            try:
+                w = self._rollout(snap) if kind == "rollout" else self._step(snap, logp, loss)
+                self.written.append(w.finalize())
+            except Exception as exc:  # reported by close(); the training thread never waits on disk
+                self.errors.append(exc)
+
+    def _writer(self, snap: _Snapshot, kind: str) -> BundleWriter:
+        rid = snap.step
+        w = BundleWriter(self.directory / fmt.bundle_name(kind, rid, 0 if kind == "step" else None), kind=kind,
+                         rollout_id=rid, step_id=0 if kind == "step" else None, config=self.config,
+                         producer=self.producer, weight_version=rid)
+        group = snap.tensors["group"].tolist()
+        mask = snap.tensors["mask"]
+        for i in range(len(snap.responses)):
+            w.add_sample(f"s-{i:04d}", group=f"g-{int(group[i]):04d}", cohort=f"c-{rid:06d}",
+                         prompt_length=snap.prompt_lengths[i], response_length=int(mask[i].sum()),
+                         label_length=len(ByteTokenizer().encode(snap.answers[i])), partition=f"p-{rid:06d}",
+                         consumer_batch="cb-0000", micro_batch=f"mb-{i // self.micro:04d}",
+                         prompt=snap.prompts[i], completion=snap.completions[i], label=snap.answers[i])
+        w.write_payload("mask", mask)
+        return w
+
+    def _rollout(self, snap: _Snapshot) -> BundleWriter:
+        w = self._writer(snap, "rollout")
+        t = snap.tensors
+        n, width = t["mask"].shape
+        if self.config["tokenizer"] == "byte":
+            ids = torch.zeros((n, width), dtype=torch.int64)
+            labels = [ByteTokenizer().encode(a) for a in snap.answers]
+            lab = torch.zeros((n, max(1, max(len(x) for x in labels))), dtype=torch.int64)
+            for i, r in enumerate(snap.responses):
+                ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+                lab[i, : len(labels[i])] = torch.tensor(labels[i], dtype=torch.int64)
+            w.write_payload("response_ids", ids)
+            w.write_payload("label_ids", lab)
+        else:
+            w.set_capability("reward.raw", "recorded-only", "the model's tokenizer cannot be rebuilt offline")
+        w.write_payload("old_logprobs", t["old_logprobs"])
+        w.write_payload("ref_logprobs", t["ref_logprobs"])
+        w.set_expected("reward.raw", "raw", t["raw"])
+        w.set_expected("reward.post_process", "scores", t["scores"])
+        w.set_expected("advantage.kl", "kl", t["kl"])
+        w.set_expected("advantage.estimate", "advantages", t["advantages"])
+        return w
+
+    def _step(self, snap: _Snapshot, flat_logp: Tensor | None, loss: float) -> BundleWriter:
+        assert flat_logp is not None
+        w = self._writer(snap, "step")
+        t = snap.tensors
+        mask = t["mask"]
+        logp = torch.zeros(mask.shape, dtype=flat_logp.dtype)
+        start = 0
+        for i in range(mask.shape[0]):
+            k = int(mask[i].sum())
+            logp[i, :k] = flat_logp[start:start + k]
+            start += k
+        if start != flat_logp.numel():
+            raise RefusedError(f"the update exposed {flat_logp.numel()} logprobs for {start} response tokens")
+        w.write_payload("logprobs", logp)
+        for name in ("old_logprobs", "ref_logprobs", "advantages"):
+            w.write_payload(name, t[name])
+        w.set_expected("loss.policy", "loss_weights", t["loss_weights"])
+        w.set_expected("loss.policy", "loss", loss)
+        return w

@@ -1,0 +1,305 @@
+"""Strict bundle reader: format, integrity, safety and dependency closure before any use.
+
+:func:`load_bundle` returns a :class:`Bundle` only when everything holds, in this order: the
+directory is complete (``COMPLETE`` present, the manifest digest it records matches), no symlink
+and no pickle-capable file anywhere, the documents match their schemas and digests, every
+declared payload is a regular file inside ``payloads/`` with the declared size, SHA-256, dtype and
+shape, nothing undeclared sits beside them, and every ``recompute`` stage has its inputs.  A
+multi-rank root is read only when its final ``COMPLETE`` exists and every expected rank is there;
+a ``rank-<r>/`` directory passed directly is refused until its root is complete.
+
+Threat model: a bundle is untrusted input copied between machines.  Payloads load through
+:mod:`replayjob.tensorfile` (strict header checks) from bytes already hashed (no re-read between
+hash and parse); pickle is never loaded; names are identifiers, so no declared file can lie
+outside the bundle.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from replayjob import tensorfile
+from replayjob.bundle import format as fmt
+from replayjob.bundle.schema import check_closure, check_expected, check_index, check_manifest
+from replayjob.digest import sha256_bytes, sha256_json
+from replayjob.errors import IntegrityError
+from replayjob.jsonio import loads_strict, read_json_object
+
+_TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+_TOP = {fmt.MANIFEST, fmt.INDEX, fmt.EXPECTED, fmt.COMPLETE, fmt.PAYLOADS}
+
+
+@dataclass
+class LossCohort:
+    """Rows whose loss was one scalar (one rank's shard), with the recorded value."""
+
+    rank: int
+    rows: list[int]
+    loss: float | None
+
+
+@dataclass
+class Bundle:
+    """A validated bundle (for a multi-rank root: all ranks merged in rank order)."""
+
+    path: Path
+    manifest: dict[str, Any]
+    index: dict[str, Any]
+    expected: dict[str, Any]
+    payloads: dict[str, Tensor]
+    ranks: list[int] | None = None
+    loss_cohorts: list[LossCohort] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        return str(self.manifest["kind"])
+
+    @property
+    def samples(self) -> list[dict[str, Any]]:
+        samples: list[dict[str, Any]] = self.index["samples"]
+        return samples
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return dict(self.index["config"])
+
+    def capability(self, stage: str) -> str:
+        return str(self.manifest["stages"][stage]["capability"])
+
+
+def is_multi_rank_root(path: Path) -> bool:
+    return not (path / fmt.MANIFEST).exists() and (
+        any(path.glob("rank-*")) or any(path.glob(f"{fmt.COMPLETE}.*")))
+
+
+def _check_dir(path: Path) -> None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        raise IntegrityError("bundle not found", where=path, hint="check the path") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise IntegrityError("bundle directory is a symlink; symlinks are refused", where=path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise IntegrityError("a bundle is a directory", where=path)
+
+
+def _scan(path: Path) -> None:
+    """Refuse symlinks, pickle-capable files and unknown entries anywhere in a bundle."""
+    for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+        here = Path(dirpath)
+        for name in dirnames + filenames:
+            p = here / name
+            if p.is_symlink():
+                raise IntegrityError("symlink inside the bundle; symlinks are refused", where=p,
+                                     hint="copy the file into the bundle instead of linking it")
+            if name.lower().endswith(fmt.PICKLE_SUFFIXES):
+                raise IntegrityError("pickle-capable file inside the bundle; only safetensors payloads "
+                                     "are accepted", where=p, hint="remove it; nothing reads pickle")
+        rel = here.relative_to(path)
+        if rel == Path("."):
+            unknown = sorted(set(dirnames + filenames) - _TOP)
+            if unknown:
+                raise IntegrityError(f"unknown entries {unknown} in the bundle", where=path)
+        elif rel == Path(fmt.PAYLOADS):
+            if dirnames:
+                raise IntegrityError(f"directories inside payloads/: {sorted(dirnames)}", where=here)
+        else:
+            raise IntegrityError("unexpected directory inside the bundle", where=here)
+
+
+def _read_bytes(p: Path, what: str) -> bytes:
+    try:
+        st = os.lstat(p)
+    except OSError:
+        raise IntegrityError(f"{what} is missing", where=p) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise IntegrityError(f"{what} is not a regular file (symlinks are refused)", where=p)
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise IntegrityError(f"cannot read {what}: {exc.strerror}", where=p) from None
+
+
+def _load_payload(path: Path, name: str, spec: dict[str, Any]) -> Tensor:
+    p = path / spec["file"]
+    try:
+        os.lstat(p)
+    except OSError:
+        raise IntegrityError(f"payload {name!r} is missing ({spec['file']})", where=p,
+                             hint="the bundle is incomplete; capture it again") from None
+    data = _read_bytes(p, f"payload {name!r}")
+    if len(data) != spec["bytes"] or sha256_bytes(data) != spec["sha256"]:
+        raise IntegrityError(f"checksum mismatch for payload {name!r}: {len(data)} bytes, sha256 "
+                             f"{sha256_bytes(data)[:16]}..., manifest says {spec['bytes']} bytes, "
+                             f"{spec['sha256'][:16]}...", where=p, hint="the payload was modified or truncated")
+    tensors = tensorfile.load_bytes(data, where=p, dtypes={spec["dtype"]})[1]  # strict header, then build
+    if set(tensors) != {name}:
+        raise IntegrityError(f"payload {name!r} must hold exactly one tensor named {name!r}, found "
+                             f"{sorted(tensors)}", where=p)
+    t = tensors[name]
+    if t.dtype != _TORCH[spec["dtype"]] or list(t.shape) != spec["shape"]:
+        raise IntegrityError(f"payload {name!r} is {t.dtype} {list(t.shape)}, manifest says {spec['dtype']} "
+                             f"{spec['shape']}", where=p)
+    return t
+
+
+def _load_single(path: Path) -> Bundle:
+    _check_dir(path)
+    if not (path / fmt.COMPLETE).exists() and not (path / fmt.COMPLETE).is_symlink():
+        raise IntegrityError("incomplete bundle: COMPLETE is missing (the writer did not finish)", where=path,
+                             hint="wait for the capture to finish or capture again")
+    _scan(path)
+    complete = loads_strict(_read_bytes(path / fmt.COMPLETE, "COMPLETE"), where=path / fmt.COMPLETE)
+    if not isinstance(complete, dict) or set(complete) != {"format", "bundle_id", "manifest_sha256"}:
+        raise IntegrityError("COMPLETE must record format, bundle_id and manifest_sha256",
+                             where=path / fmt.COMPLETE)
+    mbytes = _read_bytes(path / fmt.MANIFEST, "manifest.json")
+    if sha256_bytes(mbytes) != complete["manifest_sha256"]:
+        raise IntegrityError("checksum mismatch: manifest.json does not match the digest in COMPLETE",
+                             where=path / fmt.MANIFEST, hint="the manifest was modified after capture")
+    manifest = loads_strict(mbytes, where=path / fmt.MANIFEST)
+    if not isinstance(manifest, dict):
+        raise IntegrityError("manifest must be a JSON object", where=path / fmt.MANIFEST)
+    check_manifest(manifest)
+    if complete["bundle_id"] != manifest["bundle_id"]:
+        raise IntegrityError("COMPLETE and manifest name different bundles", where=path)
+    docs = {}
+    for name, key in ((fmt.INDEX, "index_sha256"), (fmt.EXPECTED, "expected_sha256")):
+        doc = read_json_object(path / name)
+        if sha256_json(doc) != manifest[key]:
+            raise IntegrityError(f"checksum mismatch: {name} does not match the manifest", where=path / name)
+        docs[name] = doc
+    index, expected = docs[fmt.INDEX], docs[fmt.EXPECTED]
+    check_index(index, manifest)
+    n = len(index["samples"])
+    check_expected(expected, manifest, n)
+    specs = manifest["payloads"]
+    pdir = path / fmt.PAYLOADS
+    present = sorted(p.name for p in pdir.iterdir()) if pdir.is_dir() else []
+    declared = {Path(s["file"]).name for s in specs.values()}
+    undeclared = [x for x in present if x not in declared]
+    if undeclared:
+        raise IntegrityError(f"undeclared files in payloads/: {undeclared}", where=pdir)
+    payloads = {name: _load_payload(path, name, spec) for name, spec in sorted(specs.items())}
+    check_closure(manifest, index, expected, {k: (specs[k]["dtype"], list(v.shape)) for k, v in payloads.items()})
+    _check_mask(payloads, index)
+    mr = manifest["multi_rank"]
+    if mr is not None:
+        _check_root_complete(path, mr["rank"], complete["manifest_sha256"])
+    loss = expected.get("loss.policy", {}).get("loss")
+    return Bundle(path, manifest, index, expected, payloads,
+                  loss_cohorts=[LossCohort(index["identity"]["physical"]["rank"], list(range(n)), loss)])
+
+
+def _check_mask(payloads: dict[str, Tensor], index: dict[str, Any]) -> None:
+    labels = payloads.get("label_ids")
+    if labels is not None:
+        for s in index["samples"]:
+            if s["label_length"] is not None and s["label_length"] > labels.shape[1]:
+                raise IntegrityError(f"label_length of sample {s['sample_id']!r} exceeds the label_ids width "
+                                     f"{labels.shape[1]}", where=fmt.payload_file("label_ids"))
+    mask = payloads.get("mask")
+    if mask is None:
+        return
+    lengths = torch.tensor([s["response_length"] for s in index["samples"]], dtype=torch.int64)
+    want = (torch.arange(mask.shape[1])[None, :] < lengths[:, None]).to(mask.dtype)
+    bad = (mask != want).any(dim=1) | (lengths > mask.shape[1])
+    if bool(bad.any()):
+        s = index["samples"][int(bad.nonzero()[0, 0])]
+        raise IntegrityError(f"mask row of sample {s['sample_id']!r} does not match response_length="
+                             f"{s['response_length']}", where=fmt.payload_file("mask"))
+
+
+def _check_root_complete(rank_dir: Path, rank: int, manifest_sha: str) -> None:
+    root = rank_dir.parent
+    if rank_dir.name != f"rank-{rank}":
+        raise IntegrityError(f"a rank bundle lives in rank-{rank}/, found {rank_dir.name}/", where=rank_dir)
+    if not (root / fmt.COMPLETE).exists():
+        raise IntegrityError("multi-rank bundle is incomplete: the root COMPLETE is missing, so not every "
+                             "rank has landed", where=root, hint="wait for every rank or capture again")
+    doc = read_json_object(root / fmt.COMPLETE)
+    if doc.get("rank_manifests", {}).get(str(rank)) != manifest_sha:
+        raise IntegrityError(f"root COMPLETE does not record this manifest for rank {rank}", where=root)
+
+
+def _load_root(root: Path) -> Bundle:
+    _check_dir(root)
+    landed = sorted(p.name for p in root.glob(f"{fmt.COMPLETE}.*"))
+    if not (root / fmt.COMPLETE).is_file() or (root / fmt.COMPLETE).is_symlink():
+        raise IntegrityError(f"multi-rank bundle is incomplete: COMPLETE is missing (landed: {landed})",
+                             where=root, hint="wait for every rank to flush or capture again")
+    doc = read_json_object(root / fmt.COMPLETE)
+    ranks = doc.get("ranks")
+    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, int) for r in ranks):
+        raise IntegrityError("root COMPLETE must list the ranks", where=root / fmt.COMPLETE)
+    for entry in root.iterdir():
+        ok = entry.name == fmt.COMPLETE or entry.name in {f"rank-{r}" for r in ranks} or entry.name in {
+            f"{fmt.COMPLETE}.{r}" for r in ranks}
+        if entry.is_symlink() or not ok:
+            raise IntegrityError(f"unexpected entry {entry.name!r} in a multi-rank bundle (symlinks and "
+                                 "unlisted ranks are refused)", where=entry)
+    parts = []
+    for r in ranks:
+        if not (root / f"rank-{r}").is_dir() or not (root / f"{fmt.COMPLETE}.{r}").is_file():
+            raise IntegrityError(f"rank {r} is missing (rank-{r}/ or {fmt.COMPLETE}.{r}); expected ranks "
+                                 f"{ranks}", where=root, hint="the producer of that rank did not land")
+        parts.append(_load_single(root / f"rank-{r}"))
+    return merge(root, ranks, parts)
+
+
+def merge(root: Path, ranks: list[int], parts: list[Bundle]) -> Bundle:
+    """Concatenate rank shards in rank order (per-token payloads padded to one T)."""
+    first = parts[0]
+    for b in parts[1:]:
+        for key in ("bundle_id", "kind", "stages", "comparison", "redaction"):
+            if b.manifest[key] != first.manifest[key]:
+                raise IntegrityError(f"ranks disagree on manifest {key}", where=b.path)
+        ident, ident0 = b.index["identity"], first.index["identity"]
+        if b.index["config"] != first.index["config"] or (ident["rollout_id"], ident["step_id"]) != (
+                ident0["rollout_id"], ident0["step_id"]) or set(b.payloads) != set(first.payloads):
+            raise IntegrityError("ranks disagree on config, actor step or payload names", where=b.path)
+    samples = [s for b in parts for s in b.samples]
+    if len({s["sample_id"] for s in samples}) != len(samples):
+        raise IntegrityError("a sample id appears in more than one rank", where=root)
+    payloads = {}
+    for name in first.payloads:
+        width = max(int(b.payloads[name].shape[1]) for b in parts)
+        payloads[name] = torch.cat([torch.nn.functional.pad(b.payloads[name], (0, width - b.payloads[name].shape[1]))
+                                    for b in parts])
+    expected: dict[str, Any] = {}
+    for stage, fields in first.expected.items():
+        expected[stage] = {}
+        for f, v in fields.items():
+            expected[stage][f] = [x for b in parts for x in b.expected[stage][f]] if isinstance(v, list) else v
+    cohorts, start = [], 0
+    for r, b in zip(ranks, parts, strict=True):
+        n = len(b.samples)
+        cohorts.append(LossCohort(r, list(range(start, start + n)), b.loss_cohorts[0].loss))
+        start += n
+    index = dict(first.index, samples=samples)
+    return Bundle(root, first.manifest, index, expected, payloads, ranks=ranks, loss_cohorts=cohorts)
+
+
+def load_bundle(path: str | Path) -> Bundle:
+    """Validate and load a bundle directory or a multi-rank root; raise naming the first fault."""
+    p = Path(path)
+    if p.is_dir() and not p.is_symlink() and is_multi_rank_root(p):
+        return _load_root(p)
+    if p.is_dir() and not p.is_symlink() and not (p / fmt.MANIFEST).exists() and not (p / fmt.COMPLETE).exists():
+        inner = sorted(c.name for c in p.iterdir() if c.is_dir() and ((c / fmt.MANIFEST).exists()
+                                                                       or is_multi_rank_root(c)))
+        if inner:
+            raise IntegrityError(f"this is a capture directory holding {len(inner)} bundle(s) {inner}, not a "
+                                 "bundle", where=p, hint="pass one bundle directory (replay also takes --step R:S "
+                                                         "or --rollout R with the capture directory)")
+    return _load_single(p)

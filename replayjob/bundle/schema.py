@@ -1,0 +1,216 @@
+"""Document checks shared by the writer (before writing) and the reader (before using).
+
+``check_manifest``, ``check_index`` and ``check_expected`` check one document each;
+``check_closure`` checks that every stage declared ``recompute`` has its inputs, its recorded
+upstream outputs and its own expected outputs, and that ``recorded-only`` stages have outputs.
+Each returns ``None`` or raises naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from replayjob.bundle import format as fmt
+from replayjob.errors import ContractError, IntegrityError
+
+_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "U8", "BOOL")
+_HEX = re.compile(r"[0-9a-f]{64}")
+_MANIFEST_KEYS = {"format", "format_version", "bundle_id", "kind", "producer", "stages", "payloads",
+                  "comparison", "redaction", "index_sha256", "expected_sha256", "multi_rank"}
+_SPEC_KEYS = {"file", "dtype", "shape", "bytes", "sha256", "role"}
+W = fmt.MANIFEST
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def check_payload_file(name: str, file: object) -> None:
+    """The declared file must be exactly ``payloads/<name>.safetensors``: no pickle, no escape."""
+    where = f"{W}: payloads.{name}.file"
+    if not isinstance(file, str):
+        raise IntegrityError("payload file must be a string", where=where)
+    if file.lower().endswith(fmt.PICKLE_SUFFIXES):
+        raise IntegrityError(f"payload file {file!r} is a pickle-capable format; only safetensors is "
+                             "accepted", where=where, hint="re-export the tensor with safetensors")
+    if file.startswith(("/", "\\")) or ".." in file.replace("\\", "/").split("/") or "\\" in file:
+        raise IntegrityError(f"payload file {file!r} escapes the bundle directory", where=where)
+    if file != fmt.payload_file(name):
+        raise IntegrityError(f"payload file {file!r} must be {fmt.payload_file(name)!r}", where=where)
+
+
+def check_manifest(m: dict[str, Any]) -> None:
+    if set(m) != _MANIFEST_KEYS:
+        raise IntegrityError(f"manifest keys: missing {sorted(_MANIFEST_KEYS - set(m))}, unknown "
+                             f"{sorted(set(m) - _MANIFEST_KEYS)}", where=W)
+    if m["format"] != fmt.FORMAT:
+        raise IntegrityError(f"not a trajectory bundle (format {m['format']!r})", where=W)
+    ver = m["format_version"]
+    if not isinstance(ver, str) or ver.split(".")[0] != fmt.FORMAT_VERSION.split(".")[0]:
+        raise ContractError(f"format_version {ver!r} is not readable by this version "
+                            f"({fmt.FORMAT_VERSION})", where=W, hint="use a matching replayjob")
+    fmt.check_id(m["bundle_id"], "bundle_id")
+    if m["kind"] not in fmt.KINDS:
+        raise IntegrityError(f"kind must be one of {list(fmt.KINDS)}", where=W)
+    prod = m["producer"]
+    if not isinstance(prod, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str | int | float))
+                                             for k, v in prod.items()):
+        raise IntegrityError("producer must map names to strings or numbers", where=f"{W}: producer")
+    stages = m["stages"]
+    want = fmt.KIND_STAGES[m["kind"]]
+    if not isinstance(stages, dict) or set(stages) != set(want):
+        raise IntegrityError(f"a {m['kind']} bundle declares exactly the stages {list(want)}",
+                             where=f"{W}: stages")
+    for s in want:
+        fmt.check_contract(s, stages[s], m["kind"])
+    payloads = m["payloads"]
+    if not isinstance(payloads, dict):
+        raise IntegrityError("payloads must be an object", where=f"{W}: payloads")
+    for name, spec in payloads.items():
+        fmt.check_payload_name(name)
+        if not isinstance(spec, dict) or set(spec) != _SPEC_KEYS:
+            raise IntegrityError(f"payload spec must have exactly {sorted(_SPEC_KEYS)}",
+                                 where=f"{W}: payloads.{name}")
+        check_payload_file(name, spec["file"])
+        if spec["dtype"] not in _DTYPES or spec["role"] not in ("input", "expected"):
+            raise IntegrityError(f"dtype must be one of {list(_DTYPES)}, role input or expected",
+                                 where=f"{W}: payloads.{name}")
+        if not isinstance(spec["shape"], list) or not all(_int(d) for d in spec["shape"]):
+            raise IntegrityError("shape must be a list of integers >= 0", where=f"{W}: payloads.{name}")
+        if not _int(spec["bytes"]) or not isinstance(spec["sha256"], str) or not _HEX.fullmatch(spec["sha256"]):
+            raise IntegrityError("bytes and sha256 must be an integer and a 64-hex digest",
+                                 where=f"{W}: payloads.{name}")
+    comp = m["comparison"]
+    if not isinstance(comp, dict) or set(comp) != {s for s in want if s != "sample"}:
+        raise IntegrityError("comparison must give atol and rtol for every compared stage",
+                             where=f"{W}: comparison")
+    for s, tol in comp.items():
+        if not (isinstance(tol, dict) and set(tol) == {"atol", "rtol"} and all(
+                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                for v in tol.values())):
+            raise IntegrityError("atol and rtol must be finite numbers >= 0", where=f"{W}: comparison.{s}")
+    fmt.check_redaction(m["redaction"])
+    for key in ("index_sha256", "expected_sha256"):
+        if not isinstance(m[key], str) or not _HEX.fullmatch(m[key]):
+            raise IntegrityError(f"{key} must be a 64-hex digest", where=W)
+    mr = m["multi_rank"]
+    if mr is not None and not (isinstance(mr, dict) and set(mr) == {"rank", "expected_ranks"}
+                               and _int(mr["rank"]) and isinstance(mr["expected_ranks"], list)
+                               and mr["expected_ranks"] and all(_int(r) for r in mr["expected_ranks"])
+                               and mr["rank"] in mr["expected_ranks"]
+                               and len(set(mr["expected_ranks"])) == len(mr["expected_ranks"])):
+        raise IntegrityError("multi_rank must be null or {rank, expected_ranks} with rank listed",
+                             where=f"{W}: multi_rank")
+
+
+def check_index(ix: dict[str, Any], m: dict[str, Any]) -> None:
+    where = fmt.INDEX
+    keys = {"format", "bundle_id", "kind", "identity", "config", "samples"}
+    if set(ix) != keys:
+        raise IntegrityError(f"index keys must be exactly {sorted(keys)}", where=where)
+    if ix["format"] != fmt.FORMAT or ix["bundle_id"] != m["bundle_id"] or ix["kind"] != m["kind"]:
+        raise IntegrityError("index format, bundle_id or kind disagrees with the manifest", where=where)
+    ident = ix["identity"]
+    if not isinstance(ident, dict) or set(ident) != {"rollout_id", "step_id", "physical"}:
+        raise IntegrityError("identity must have rollout_id, step_id, physical", where=f"{where}: identity")
+    if not _int(ident["rollout_id"]):
+        raise IntegrityError("identity.rollout_id must be an integer >= 0", where=f"{where}: identity")
+    if m["kind"] == "step" and not _int(ident["step_id"]):
+        raise IntegrityError("a step bundle's identity needs step_id (an integer >= 0)", where=where)
+    if m["kind"] == "rollout" and ident["step_id"] is not None:
+        raise IntegrityError("a rollout bundle's identity has step_id null", where=where)
+    phys = ident["physical"]
+    if not (isinstance(phys, dict) and set(phys) == {"rank", "world_size", "weight_version"}
+            and all(_int(v) for v in phys.values()) and phys["world_size"] >= 1):
+        raise IntegrityError("identity.physical must be {rank, world_size >= 1, weight_version}",
+                             where=f"{where}: identity.physical")
+    mr = m["multi_rank"]
+    if mr is not None and (phys["rank"] != mr["rank"] or phys["world_size"] != len(mr["expected_ranks"])):
+        raise IntegrityError("identity.physical disagrees with manifest multi_rank", where=where)
+    if mr is None and phys["world_size"] != 1:
+        raise IntegrityError("world_size > 1 needs a multi-rank bundle layout", where=where)
+    fmt.check_config(ix["config"])
+    samples = ix["samples"]
+    if not isinstance(samples, list) or not samples:
+        raise IntegrityError("samples must be a non-empty list", where=where)
+    red = m["redaction"]
+    ids = [fmt.check_sample(s, i, red)["sample_id"] for i, s in enumerate(samples)]
+    if len(set(ids)) != len(ids):
+        raise IntegrityError("sample ids must be unique", where=where)
+
+
+def check_expected(ex: dict[str, Any], m: dict[str, Any], n: int) -> None:
+    where = fmt.EXPECTED
+    allowed = set(fmt.KIND_STAGES[m["kind"]]) - {"sample"}
+    if not isinstance(ex, dict) or not set(ex) <= allowed:
+        raise IntegrityError(f"expected outputs may name only {sorted(allowed)}", where=where)
+    for stage, fields in ex.items():
+        if not isinstance(fields, dict) or not set(fields) <= set(fmt.OUTPUTS[stage]):
+            raise IntegrityError(f"{stage} outputs are {sorted(fmt.OUTPUTS[stage])}", where=where)
+        for field, value in fields.items():
+            shape = fmt.OUTPUTS[stage][field]
+            w = f"{where}: {stage}.{field}"
+            if shape == "sample":
+                if not (isinstance(value, list) and len(value) == n and all(
+                        isinstance(v, int | float) and not isinstance(v, bool) for v in value)):
+                    raise IntegrityError(f"must be a list of {n} numbers (one per sample)", where=w)
+            elif shape == "scalar":
+                if not isinstance(value, int | float) or isinstance(value, bool):
+                    raise IntegrityError("must be a number", where=w)
+            elif value != {"payload": field} or m["payloads"].get(field, {}).get("role") != "expected":
+                raise IntegrityError(f"must be {{\"payload\": \"{field}\"}} naming an expected payload",
+                                     where=w)
+
+
+def check_closure(m: dict[str, Any], ix: dict[str, Any], ex: dict[str, Any],
+                  shapes: dict[str, tuple[str, list[int]]]) -> None:
+    """Dependency closure: what each declared capability needs is present and shaped right."""
+    n = len(ix["samples"])
+    cfg = ix["config"]
+    t_len: int | None = None
+    for name, (_, shape) in shapes.items():
+        if name == "label_ids":
+            ok = len(shape) == 2 and shape[0] == n
+        else:
+            ok = len(shape) == 2 and shape[0] == n and (t_len is None or shape[1] == t_len)
+            t_len = shape[1] if ok else t_len
+        if not ok:
+            raise IntegrityError(f"payload {name!r} has shape {shape}; per-token payloads are [N={n}, T] "
+                                 "with one T", where=f"{W}: payloads.{name}")
+    for name in fmt.ID_FIELDS:
+        if m["redaction"][name] == "drop" and name in shapes:
+            raise IntegrityError(f"payload {name!r} is present but the redaction policy drops it", where=W)
+    for stage, contract in m["stages"].items():
+        cap = contract["capability"]
+        if cap not in ("recompute", "recorded-only"):
+            continue
+        where = f"{W}: stages.{stage} ({cap})"
+        for field in fmt.OUTPUTS[stage]:
+            if field not in ex.get(stage, {}):
+                raise IntegrityError(f"dependency closure: expected output {stage}.{field} is missing",
+                                     where=where)
+        if cap != "recompute":
+            continue
+        for name in fmt.INPUT_PAYLOADS[stage]:
+            if name not in shapes or m["payloads"][name]["role"] != "input":
+                raise IntegrityError(f"dependency closure: input payload {name!r} is missing", where=where,
+                                     hint="capture it or declare the stage recorded-only")
+        for up_stage, field in fmt.UPSTREAM.get(stage, ()):
+            if field not in ex.get(up_stage, {}):
+                raise IntegrityError(f"dependency closure: recorded input {up_stage}.{field} is missing",
+                                     where=where)
+        if stage == "reward.raw":
+            if cfg["task"] is None or cfg["tokenizer"] != "byte":
+                raise ContractError("reward.raw recompute needs a built-in task and the byte tokenizer",
+                                    where=where, hint="declare reward.raw recorded-only")
+            if any(s["label_length"] is None for s in ix["samples"]):
+                raise IntegrityError("reward.raw recompute needs label_length for every sample", where=where)
+        if stage == "reward.post_process":
+            for s in ix["samples"]:
+                if s["group"] is None:
+                    raise ContractError(f"sample {s['sample_id']!r} has no group membership; groups are "
+                                        "never inferred from batch sizes", where=where,
+                                        hint="record each sample's semantic group or declare the stage "
+                                             "recorded-only")

@@ -1,0 +1,119 @@
+"""Choosing what to replay: a bundle inside a capture directory, then samples inside a bundle.
+
+A capture directory holds several bundles (``rollout-*``, ``step-*``, multi-rank roots);
+``--step R:S`` picks the step bundle of exactly that actor step, ``--rollout R`` the rollout
+bundle.  Inside a bundle, ``--sample``, ``--group`` and ``--batch`` (micro-batch ids) select
+samples, and the selection always expands to whole semantic groups, read from each sample's
+recorded membership.  A selected sample without membership is refused: a group is never
+inferred from a batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from replayjob.bundle import format as fmt
+from replayjob.bundle.reader import Bundle, is_multi_rank_root
+from replayjob.errors import ContractError, IntegrityError, UsageError
+from replayjob.jsonio import read_json_object
+
+
+@dataclass(frozen=True)
+class Selection:
+    rows: list[int]          # bundle rows to recompute, in bundle order (whole groups)
+    partial: bool            # fewer rows than the bundle holds
+    requested: dict[str, list[str]]
+
+
+def _is_bundle(p: Path) -> bool:
+    return (p / fmt.MANIFEST).exists() or (p / fmt.COMPLETE).exists() or is_multi_rank_root(p)
+
+
+def _identity(p: Path) -> tuple[str, int, int | None] | None:
+    """(kind, rollout_id, step_id) of a candidate, read for matching only (validated later)."""
+    first = p if (p / fmt.INDEX).exists() else next(iter(sorted(p.glob("rank-*/"))), None)
+    if first is None or not (first / fmt.INDEX).is_file():
+        return None
+    try:
+        ix: dict[str, Any] = read_json_object(first / fmt.INDEX)
+        return str(ix["kind"]), int(ix["identity"]["rollout_id"]), ix["identity"]["step_id"]
+    except (IntegrityError, KeyError, TypeError, ValueError):
+        return None
+
+
+def resolve(path: str | Path, step: tuple[int, int] | None, rollout: int | None) -> Path:
+    """The bundle directory to replay: ``path`` itself, or the one child matching the selector."""
+    p = Path(path)
+    if step is not None and rollout is not None:
+        raise UsageError("--step and --rollout are mutually exclusive")
+    if not p.is_dir() or p.is_symlink():
+        raise IntegrityError("bundle not found (or not a directory)", where=p)
+    if _is_bundle(p) or p.name.startswith("rank-"):
+        return p
+    children = sorted(c for c in p.iterdir() if c.is_dir() and not c.name.startswith(".") and _is_bundle(c))
+    if not children:
+        raise IntegrityError("no bundle in this directory", where=p, hint="pass a bundle or capture directory")
+    matches = []
+    for c in children:
+        ident = _identity(c)
+        if ident is None:
+            continue
+        kind, rid, sid = ident
+        if (step is not None and kind == "step" and (rid, sid) == step) or (
+                rollout is not None and kind == "rollout" and rid == rollout) or (
+                step is None and rollout is None):
+            matches.append(c)
+    if len(matches) == 1:
+        return matches[0]
+    names = [c.name for c in children]
+    if not matches:
+        raise ContractError(f"no bundle in the capture directory matches the selector; present: {names}",
+                            where=p, hint="--step R:S matches a step bundle exactly; --rollout R a rollout bundle")
+    raise UsageError(f"the capture directory holds {len(matches)} matching bundles: {[c.name for c in matches]}",
+                     where=p, hint="choose one with --step R:S or --rollout R, or pass its directory")
+
+
+def check_identity(b: Bundle, step: tuple[int, int] | None, rollout: int | None) -> None:
+    """``--step``/``--rollout`` given with a bundle directory must match its identity exactly."""
+    ident = b.index["identity"]
+    if step is not None and (b.kind != "step" or (ident["rollout_id"], ident["step_id"]) != step):
+        raise ContractError(f"--step {step[0]}:{step[1]} does not match this {b.kind} bundle "
+                            f"(rollout {ident['rollout_id']}, step {ident['step_id']})", where=b.path)
+    if rollout is not None and (b.kind != "rollout" or ident["rollout_id"] != rollout):
+        raise ContractError(f"--rollout {rollout} does not match this {b.kind} bundle "
+                            f"(rollout {ident['rollout_id']})", where=b.path,
+                            hint="--rollout selects rollout bundles; use --step R:S for step bundles")
+
+
+def select(b: Bundle, samples: list[str], groups: list[str], batches: list[str]) -> Selection:
+    """Expand sample, group and micro-batch selectors to whole semantic groups (fail closed)."""
+    recs = b.samples
+    requested = {"sample": list(samples), "group": list(groups), "batch": list(batches)}
+    if not (samples or groups or batches):
+        return Selection(list(range(len(recs))), False, requested)
+    chosen: set[int] = set()
+    by_id = {s["sample_id"]: i for i, s in enumerate(recs)}
+    for sid in samples:
+        if sid not in by_id:
+            raise UsageError(f"no sample {sid!r} in this bundle", where=b.path)
+        chosen.add(by_id[sid])
+    for mb in batches:
+        rows = [i for i, s in enumerate(recs) if s["micro_batch"] == mb]
+        if not rows:
+            raise UsageError(f"no micro-batch {mb!r} in this bundle (ids look like mb-0000)", where=b.path)
+        chosen.update(rows)
+    wanted = set(groups)
+    for g in groups:
+        if not any(s["group"] == g for s in recs):
+            raise UsageError(f"no group {g!r} in this bundle", where=b.path)
+    for i in sorted(chosen):
+        g = recs[i]["group"]
+        if g is None:
+            raise ContractError(f"missing group membership: sample {recs[i]['sample_id']!r} has no recorded "
+                                "group, so its group closure cannot be formed", where=b.path,
+                                hint="groups are never inferred from batch sizes; record membership at capture")
+        wanted.add(g)
+    rows = [i for i, s in enumerate(recs) if s["group"] in wanted]
+    return Selection(rows, len(rows) < len(recs), requested)

@@ -1,0 +1,124 @@
+"""``bundle inspect``: what a bundle (or a capture directory) holds, tolerant of incomplete ones.
+
+Unlike the reader this never refuses: it reports identity, producer, the capability per stage,
+a payload summary and a list of what is missing or wrong, so an unfinished capture can be looked
+at.  It performs no numerics and trusts nothing it shows (use ``bundle validate`` for that).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from replayjob.bundle import format as fmt
+from replayjob.bundle.reader import is_multi_rank_root
+from replayjob.errors import IntegrityError, ReplayjobError
+from replayjob.jsonio import read_json_object
+
+
+def _doc(p: Path, problems: list[str]) -> dict[str, Any] | None:
+    if not p.exists():
+        problems.append(f"{p.name} is missing")
+        return None
+    try:
+        return read_json_object(p)
+    except ReplayjobError as exc:
+        problems.append(f"{p.name}: {exc.message}")
+        return None
+
+
+def _single(p: Path) -> dict[str, Any]:
+    problems: list[str] = []
+    out: dict[str, Any] = {"path": str(p), "layout": "bundle", "complete": (p / fmt.COMPLETE).is_file()}
+    if not out["complete"]:
+        problems.append("COMPLETE is missing: the bundle is incomplete")
+    m = _doc(p / fmt.MANIFEST, problems) or {}
+    ix = _doc(p / fmt.INDEX, problems) or {}
+    out.update(bundle_id=m.get("bundle_id"), kind=m.get("kind"), format_version=m.get("format_version"),
+               producer=m.get("producer"), redaction=m.get("redaction"), multi_rank=m.get("multi_rank"))
+    stages: dict[str, Any] = m["stages"] if isinstance(m.get("stages"), dict) else {}
+    out["stages"] = {s: {"capability": c.get("capability"), "reason": c.get("reason")}
+                     for s, c in stages.items() if isinstance(c, dict)}
+    payloads = []
+    specs: dict[str, Any] = m["payloads"] if isinstance(m.get("payloads"), dict) else {}
+    for name, spec in sorted(specs.items()):
+        if not isinstance(spec, dict):
+            continue
+        f = p / str(spec.get("file", ""))
+        present = f.is_file() and not f.is_symlink()
+        if not present:
+            problems.append(f"payload {name!r} is missing ({spec.get('file')})")
+        payloads.append({"name": name, "role": spec.get("role"), "dtype": spec.get("dtype"),
+                         "shape": spec.get("shape"), "bytes": spec.get("bytes"), "present": present})
+    out["payloads"] = payloads
+    ident = ix.get("identity") if isinstance(ix.get("identity"), dict) else {}
+    out["identity"] = ident
+    samples: list[Any] = ix["samples"] if isinstance(ix.get("samples"), list) else []
+    recs = [s for s in samples if isinstance(s, dict)]
+    out["samples"] = len(recs)
+    out["groups"] = len({s.get("group") for s in recs if s.get("group") is not None})
+    out["ungrouped_samples"] = sum(1 for s in recs if s.get("group") is None)
+    out["consumer_batches"] = dict(sorted(Counter(str(s.get("consumer_batch")) for s in recs).items()))
+    out["micro_batches"] = dict(sorted(Counter(str(s.get("micro_batch")) for s in recs).items()))
+    cfg = ix.get("config") if isinstance(ix.get("config"), dict) else {}
+    out["config"] = cfg
+    out["problems"] = problems
+    return out
+
+
+def inspect_path(path: str | Path) -> dict[str, Any]:
+    """Summarise a bundle, a multi-rank root or a capture directory of bundles."""
+    p = Path(path)
+    if not p.is_dir():
+        raise IntegrityError("not a directory", where=p, hint="pass a bundle or capture directory")
+    if (p / fmt.MANIFEST).exists() or ((p / fmt.COMPLETE).exists() and not is_multi_rank_root(p)):
+        return _single(p)
+    if is_multi_rank_root(p):
+        landed = sorted(x.name.split(".", 1)[1] for x in p.glob(f"{fmt.COMPLETE}.*"))
+        ranks = [_single(r) for r in sorted(p.glob("rank-*")) if r.is_dir()]
+        problems = [] if (p / fmt.COMPLETE).is_file() else [
+            f"root COMPLETE is missing: landed ranks {landed}; a rank-local bundle is refused until every "
+            "expected rank lands"]
+        expected = next((r["multi_rank"]["expected_ranks"] for r in ranks if r.get("multi_rank")), None)
+        if expected is not None:
+            problems += [f"rank {r} has not landed" for r in expected if str(r) not in landed]
+        return {"path": str(p), "layout": "multi-rank", "complete": not problems, "landed_ranks": landed,
+                "expected_ranks": expected, "ranks": ranks, "problems": problems}
+    children = [inspect_path(c) for c in sorted(p.iterdir())
+                if c.is_dir() and not c.name.startswith(".") and not c.is_symlink() and (
+                    (c / fmt.MANIFEST).exists() or (c / fmt.COMPLETE).exists() or is_multi_rank_root(c))]
+    return {"path": str(p), "layout": "capture-dir", "bundles": children,
+            "problems": [] if children else ["no bundle in this directory"]}
+
+
+def render(info: dict[str, Any], indent: str = "") -> str:
+    """The human form of :func:`inspect_path`."""
+    lines = []
+    if info["layout"] == "capture-dir":
+        lines.append(f"{indent}capture directory {info['path']}: {len(info['bundles'])} bundle(s)")
+        lines += [render(b, indent + "  ") for b in info["bundles"]]
+    elif info["layout"] == "multi-rank":
+        lines.append(f"{indent}multi-rank bundle {info['path']}: landed {info['landed_ranks']} of "
+                     f"{info['expected_ranks']}{'' if info['complete'] else ' (INCOMPLETE)'}")
+        lines += [render(r, indent + "  ") for r in info["ranks"]]
+    else:
+        ident = info.get("identity") or {}
+        lines.append(f"{indent}bundle {info.get('bundle_id')} ({info.get('kind')}) at {info['path']}"
+                     f"{'' if info['complete'] else ' (INCOMPLETE)'}")
+        lines.append(f"{indent}  identity: rollout {ident.get('rollout_id')} step {ident.get('step_id')} "
+                     f"physical {ident.get('physical')}")
+        lines.append(f"{indent}  producer: {info.get('producer')}")
+        cfg = info.get("config") or {}
+        lines.append(f"{indent}  samples {info['samples']} in {info['groups']} group(s) (estimator "
+                     f"{cfg.get('estimator')}, samples_per_prompt {cfg.get('samples_per_prompt')}); "
+                     f"consumer batches {info['consumer_batches']}; micro-batches {len(info['micro_batches'])}")
+        for s, c in sorted(info["stages"].items(), key=lambda kv: fmt.STAGE_ORDER.index(kv[0])
+                           if kv[0] in fmt.STAGE_ORDER else len(fmt.STAGE_ORDER)):
+            reason = f" — {c['reason']}" if c.get("reason") else ""
+            lines.append(f"{indent}  stage {s}: {c['capability']}{reason}")
+        for pl in info["payloads"]:
+            lines.append(f"{indent}  payload {pl['name']} [{pl['role']}] {pl['dtype']} {pl['shape']} "
+                         f"{pl['bytes']} bytes{'' if pl['present'] else ' MISSING'}")
+    lines += [f"{indent}  problem: {x}" for x in info.get("problems", [])]
+    return "\n".join(lines)

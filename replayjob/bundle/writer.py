@@ -1,0 +1,263 @@
+"""``BundleWriter``: build a trajectory bundle by hand or from a trainer, atomically.
+
+The writer checks everything the reader will check before it writes a byte (names, redaction,
+config, dependency closure), stages the bundle in a temporary sibling directory, hashes each
+payload, writes ``index.json``, ``expected.json``, ``manifest.json`` and ``COMPLETE`` (last) and
+renames the directory into place.  With ``rank``/``ranks`` it writes ``<path>/rank-<r>/`` and
+``<path>/COMPLETE.<r>``; whichever rank lands last writes the final ``<path>/COMPLETE``.
+
+Example (a two-sample GRPO rollout bundle whose reward stages are recomputed)::
+
+    >>> import tempfile, torch
+    >>> from replayjob.bundle import BundleWriter, default_config
+    >>> w = BundleWriter(tempfile.mkdtemp() + "/b", kind="rollout", rollout_id=7,
+    ...                  config=default_config(samples_per_prompt=2))
+    >>> for i, text in enumerate(["2", "3"]):   # text is hashed by the default redaction policy
+    ...     w.add_sample(f"s-{i}", group="g-0", prompt_length=6, response_length=2,
+    ...                  prompt="Q:1+1=", completion=text, label="2")
+    >>> w.set_expected("reward.raw", "raw", [1.0, 0.0])
+    >>> w.set_expected("reward.post_process", "scores", [0.7071057811879616, -0.7071057811879616])
+    >>> for stage in ("reward.raw", "advantage.kl", "advantage.estimate"):
+    ...     w.set_capability(stage, "inspect-only", "not captured in this example")
+    >>> w.finalize().name
+    'b'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as st_save
+from torch import Tensor
+
+import replayjob
+from replayjob.bundle import format as fmt
+from replayjob.bundle.schema import check_closure, check_expected, check_index, check_manifest
+from replayjob.digest import sha256_bytes, sha256_json
+from replayjob.errors import ArtifactExistsError, IntegrityError, RefusedError
+from replayjob.fsio import atomic_write_bytes, fsync_dir
+from replayjob.jsonio import pretty_bytes, read_json_object
+
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def default_config(**overrides: Any) -> dict[str, Any]:
+    """A recompute config with the source trainer's defaults; keyword arguments override keys."""
+    cfg: dict[str, Any] = {"estimator": "grpo", "samples_per_prompt": 4, "std_eps": 1e-6, "kl_kind": "k1",
+                           "kl_reward_coef": 0.0, "batch_adv_norm": False, "adv_clip": 0.0, "token_cap": 0,
+                           "loss_agg": "token-mean", "clip_low": 0.2, "clip_high": 0.2, "kl_loss_coef": 0.0,
+                           "context_parallel": 1, "task": None, "tokenizer": "byte"}
+    unknown = set(overrides) - set(cfg)
+    if unknown:
+        raise IntegrityError(f"unknown config key(s) {sorted(unknown)}")
+    cfg.update(overrides)
+    return cfg
+
+
+def redact_text(field: str, text: str, policy: str) -> dict[str, str]:
+    """Apply the redaction policy to one text field: ``hash`` -> SHA-256, ``truncate:N`` -> prefix."""
+    if policy == "hash":
+        return {f"{field}_sha256": sha256_bytes(text.encode("utf-8"))}
+    if policy.startswith("truncate:"):
+        return {f"{field}_prefix": text[: int(policy.split(":")[1])]}
+    return {}
+
+
+class BundleWriter:
+    """Collect samples, payloads and expected outputs; :meth:`finalize` writes the bundle.
+
+    Args:
+        path: the bundle directory to create (for a multi-rank bundle, its root).
+        kind: ``"rollout"`` (reward and advantage stages) or ``"step"`` (loss.policy).
+        rollout_id, step_id: the logical actor step; ``step_id`` is required for ``"step"``.
+        config: the recompute config (see :func:`default_config`).
+        rank, ranks: this producer's rank and every rank expected to land (multi-producer only).
+    """
+
+    def __init__(self, path: str | Path, *, kind: str, rollout_id: int, config: dict[str, Any],
+                 step_id: int | None = None, bundle_id: str | None = None,
+                 producer: dict[str, Any] | None = None, redaction: dict[str, str] | None = None,
+                 comparison: dict[str, dict[str, float]] | None = None, weight_version: int = 0,
+                 rank: int | None = None, ranks: Sequence[int] | None = None):
+        if kind not in fmt.KINDS:
+            raise IntegrityError(f"bundle kind must be one of {list(fmt.KINDS)}, not {kind!r}")
+        if (kind == "step") != (step_id is not None):
+            raise IntegrityError("a step bundle needs step_id; a rollout bundle must not have one")
+        if (rank is None) != (ranks is None) or (ranks is not None and rank not in ranks):
+            raise IntegrityError("pass rank and ranks together, with rank among ranks")
+        self.root = Path(path)
+        self.kind = kind
+        self.rank = rank
+        self.ranks = sorted(set(ranks)) if ranks is not None else None
+        self.bundle_id = bundle_id or fmt.bundle_name(kind, rollout_id, step_id)
+        self.redaction = fmt.check_redaction(redaction or dict(fmt.DEFAULT_REDACTION))
+        self.identity: dict[str, Any] = {
+            "rollout_id": rollout_id, "step_id": step_id,
+            "physical": {"rank": rank or 0, "world_size": len(self.ranks) if self.ranks else 1,
+                         "weight_version": weight_version}}
+        self.config = fmt.check_config(config)
+        self.producer = producer or {"name": "replayjob", "replayjob_version": replayjob.__version__,
+                                     "torch_version": torch.__version__}
+        self.comparison = {s: dict(v) for s, v in fmt.DEFAULT_COMPARISON.items()}
+        for stage, tol in (comparison or {}).items():
+            self.comparison[stage] = dict(tol)
+        self.stages = {s: {"version": fmt.STAGE_VERSION, "capability": "recompute",
+                           "implementation": fmt.IMPLEMENTATION[s], "reason": ""}
+                       for s in fmt.KIND_STAGES[kind]}
+        self.stages["sample"].update(capability="inspect-only",
+                                     reason="sampling needs the model; lengths, token ids and redacted text "
+                                            "are recorded")
+        self.samples: list[dict[str, Any]] = []
+        self.payloads: dict[str, Tensor] = {}
+        self.roles: dict[str, str] = {}
+        self.expected: dict[str, dict[str, Any]] = {}
+
+    def set_capability(self, stage: str, capability: str, reason: str = "") -> None:
+        if stage not in self.stages:
+            raise IntegrityError(f"stage {stage!r} is not part of a {self.kind} bundle "
+                                 f"({list(self.stages)})")
+        self.stages[stage].update(capability=capability, reason=reason)
+
+    def add_sample(self, sample_id: str, *, group: str | None, prompt_length: int, response_length: int,
+                   cohort: str = "c-0", label_length: int | None = None, partition: str = "p-0",
+                   consumer_batch: str = "cb-0000", micro_batch: str = "mb-0000",
+                   weight_version: int | None = None, prompt: str | None = None,
+                   completion: str | None = None, label: str | None = None) -> None:
+        """Add one sample; text arguments are redacted here and never stored raw."""
+        rec: dict[str, Any] = {
+            "sample_id": sample_id, "group": group, "cohort": cohort, "prompt_length": prompt_length,
+            "response_length": response_length, "label_length": label_length, "partition": partition,
+            "consumer_batch": consumer_batch, "micro_batch": micro_batch, "rank": self.rank or 0,
+            "weight_version": self.identity["physical"]["weight_version"] if weight_version is None
+            else weight_version}
+        for field, text in (("prompt", prompt), ("completion", completion), ("label", label)):
+            policy = self.redaction[field]
+            if policy != "drop" and text is None:
+                raise IntegrityError(f"sample {sample_id!r}: the redaction policy {policy!r} for {field} "
+                                     f"needs the {field} text", hint=f"pass {field}= or set its policy to drop")
+            if text is not None:
+                rec.update(redact_text(field, text, policy))
+        self.samples.append(fmt.check_sample(rec, len(self.samples), self.redaction))
+
+    def write_payload(self, name: str, tensor: Tensor, *, role: str = "input") -> None:
+        """Add a tensor payload (``role`` "input" or "expected"); stored as ``payloads/<name>.safetensors``."""
+        fmt.check_payload_name(name)
+        if not isinstance(tensor, Tensor):
+            raise IntegrityError(f"payload {name!r} must be a torch.Tensor, not {type(tensor).__name__}",
+                                 hint="bundles hold tensors only; put metadata in the index")
+        if tensor.dtype not in DTYPES:
+            raise IntegrityError(f"payload {name!r}: dtype {tensor.dtype} is not supported")
+        if name in self.payloads:
+            raise IntegrityError(f"payload {name!r} was already written")
+        self.payloads[name] = tensor.detach().to("cpu").contiguous()
+        self.roles[name] = role
+
+    def set_expected(self, stage: str, field: str, value: Tensor | Sequence[float] | float) -> None:
+        """Record a stage output: token fields as tensor payloads, others as JSON numbers."""
+        shape = fmt.OUTPUTS.get(stage, {}).get(field)
+        if shape is None:
+            raise IntegrityError(f"stage {stage!r} has no output field {field!r}")
+        if shape == "token":
+            if not isinstance(value, Tensor):
+                raise IntegrityError(f"{stage}.{field} is per-token: pass a [N, T] tensor")
+            self.write_payload(field, value, role="expected")
+            self.expected.setdefault(stage, {})[field] = {"payload": field}
+        elif shape == "sample":
+            vals = value.tolist() if isinstance(value, Tensor) else list(value)  # type: ignore[arg-type]
+            self.expected.setdefault(stage, {})[field] = [float(v) for v in vals]
+        else:
+            self.expected.setdefault(stage, {})[field] = float(value.item() if isinstance(value, Tensor)
+                                                              else value)  # type: ignore[arg-type]
+
+    def _documents(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, bytes], dict[str, Any]]:
+        index = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "kind": self.kind,
+                 "identity": self.identity, "config": self.config, "samples": self.samples}
+        blobs = {name: st_save({name: t}) for name, t in sorted(self.payloads.items())}
+        specs = {name: {"file": fmt.payload_file(name), "dtype": DTYPES[t.dtype], "shape": list(t.shape),
+                        "bytes": len(blobs[name]), "sha256": sha256_bytes(blobs[name]), "role": self.roles[name]}
+                 for name, t in sorted(self.payloads.items())}
+        manifest = {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "bundle_id": self.bundle_id,
+                    "kind": self.kind, "producer": self.producer, "stages": self.stages, "payloads": specs,
+                    "comparison": {s: self.comparison[s] for s in self.stages if s in self.comparison},
+                    "redaction": self.redaction, "index_sha256": sha256_json(index),
+                    "expected_sha256": sha256_json(self.expected),
+                    "multi_rank": None if self.ranks is None else {"rank": self.rank,
+                                                                   "expected_ranks": self.ranks}}
+        return manifest, index, blobs, self.expected
+
+    def finalize(self) -> Path:
+        """Check, stage, hash, write (``COMPLETE`` last), rename into place; return the bundle path."""
+        manifest, index, blobs, expected = self._documents()
+        check_manifest(manifest)
+        check_index(index, manifest)
+        check_expected(expected, manifest, len(self.samples))
+        check_closure(manifest, index, expected, {n: (s["dtype"], s["shape"])
+                                                  for n, s in manifest["payloads"].items()})
+        final = self.root if self.ranks is None else self.root / f"rank-{self.rank}"
+        if final.exists():
+            raise ArtifactExistsError("bundle directory already exists", where=final,
+                                      hint="capture into a new directory")
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        except OSError as exc:
+            raise RefusedError(f"cannot create the bundle: {exc.strerror}", where=final.parent) from None
+        try:
+            (tmp / fmt.PAYLOADS).mkdir()
+            for name, blob in blobs.items():
+                atomic_write_bytes(tmp / fmt.payload_file(name), blob)
+            atomic_write_bytes(tmp / fmt.INDEX, pretty_bytes(index))
+            atomic_write_bytes(tmp / fmt.EXPECTED, pretty_bytes(expected))
+            manifest_bytes = pretty_bytes(manifest)
+            atomic_write_bytes(tmp / fmt.MANIFEST, manifest_bytes)
+            complete = {"format": fmt.FORMAT, "bundle_id": self.bundle_id,
+                        "manifest_sha256": sha256_bytes(manifest_bytes)}
+            atomic_write_bytes(tmp / fmt.COMPLETE, pretty_bytes(complete))
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                raise ArtifactExistsError("bundle directory appeared while writing", where=final) from None
+            fsync_dir(final.parent)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(tmp)
+            raise
+        if self.ranks is not None:
+            self._land_rank(sha256_bytes(manifest_bytes))
+        return self.root
+
+    def _land_rank(self, manifest_sha: str) -> None:
+        doc = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "rank": self.rank,
+               "expected_ranks": self.ranks, "manifest_sha256": manifest_sha}
+        atomic_write_bytes(self.root / f"{fmt.COMPLETE}.{self.rank}", pretty_bytes(doc), exclusive=True)
+        try_finalize(self.root)
+
+
+def try_finalize(root: Path) -> bool:
+    """Write the root ``COMPLETE`` once every expected rank has landed; True if it now exists."""
+    landed: dict[int, dict[str, Any]] = {}
+    expected: list[int] | None = None
+    for p in sorted(root.glob(f"{fmt.COMPLETE}.*")):
+        if p.name.startswith(".") or not p.name.split(".", 1)[1].isdigit():
+            continue
+        doc = read_json_object(p)
+        try:
+            landed[int(doc["rank"])] = doc
+            expected = [int(r) for r in doc["expected_ranks"]]
+        except (KeyError, TypeError, ValueError):
+            raise IntegrityError("rank landing record lacks rank or expected_ranks", where=p) from None
+    if expected is None or sorted(landed) != sorted(expected):
+        return (root / fmt.COMPLETE).exists()
+    final = {"format": fmt.FORMAT, "bundle_id": next(iter(landed.values()))["bundle_id"], "ranks": expected,
+             "rank_manifests": {str(r): landed[r]["manifest_sha256"] for r in sorted(landed)}}
+    with contextlib.suppress(ArtifactExistsError):
+        atomic_write_bytes(root / fmt.COMPLETE, pretty_bytes(final), exclusive=True)
+    return True

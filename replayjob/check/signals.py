@@ -1,0 +1,245 @@
+"""``signals``: grade a run's per-step diagnostics against behavioural rules (KILL / WARN / OK).
+
+The diagnostics are streamed once; each rule keeps only the trailing window of the numbers it
+needs.  Reducers (``x`` is the row's ``step``, or its position when rows have none):
+
+* ``last``, ``mean``, ``min``, ``max`` of the leaf over the window;
+* ``cv``: population standard deviation over ``|mean|`` (0 when both are 0, infinite when only
+  the mean is);
+* ``slope``: least-squares slope of the leaf against ``x`` (per step);
+* ``pearson``: correlation of the leaf with the per-row change of ``delta_of`` (both taken from
+  consecutive rows that carry the two leaves).
+
+A ``null`` leaf is treated as absent in that row; a string or bool is refused.  A non-finite input
+in the window (or an undefined statistic, such as a correlation with zero variance) grades as the
+rule's ``on_nonfinite`` status.  Too few values for any rule refuses the whole verdict (exit 2)
+naming each such rule, rather than grading on no evidence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from replayjob.check.leaves import MISSING, get_leaf, parse_path
+from replayjob.check.rows import iter_rows
+from replayjob.check.rules import ConsistencyRule, Rules, SignalRule
+from replayjob.errors import IntegrityError, RefusedError
+from replayjob.jsonio import read_json_object
+
+SCHEMA = "replayjob.signals_verdict/1"
+DIAG_FILE = "diag.jsonl"
+
+
+@dataclass
+class SignalResult:
+    name: str
+    kind: str  # "signal" | "consistency"
+    status: str  # "OK" | "WARN" | "KILL" | "SKIP"
+    value: float | None
+    explanation: str
+    meaning: str
+
+    def to_json(self) -> dict[str, Any]:
+        v = self.value
+        return {"name": self.name, "kind": self.kind, "status": self.status,
+                "value": v if v is None or math.isfinite(v) else repr(v), "explanation": self.explanation,
+                "meaning": self.meaning}
+
+
+@dataclass
+class SignalsReport:
+    source: str
+    rules: str
+    rows: int
+    results: list[SignalResult] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        statuses = {r.status for r in self.results}
+        return "KILL" if "KILL" in statuses else "WARN" if "WARN" in statuses else "OK"
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.verdict == "KILL" else 0
+
+    def names(self, status: str) -> list[str]:
+        return [r.name for r in self.results if r.status == status]
+
+    def quiet(self) -> str:
+        kills, warns = self.names("KILL"), self.names("WARN")
+        parts = [f"signals {self.verdict}"]
+        if kills:
+            parts.append("kill: " + ", ".join(kills))
+        if warns:
+            parts.append("warn: " + ", ".join(warns))
+        return "; ".join(parts)
+
+    def render(self) -> str:
+        width = max([len("SIGNAL")] + [len(r.name) for r in self.results])
+        lines = [f"signals {self.verdict}: {self.source} ({self.rows} rows; rules {self.rules})",
+                 f"{'STATUS':<6}  {'SIGNAL':<{width}}  EXPLANATION"]
+        lines += [f"{r.status:<6}  {r.name:<{width}}  {r.explanation}" for r in self.results]
+        lines.append(self.quiet())
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "verdict": self.verdict, "source": self.source, "rules": self.rules,
+                "rows": self.rows, "signals": [r.to_json() for r in self.results]}
+
+
+def resolve_source(source: str | Path) -> tuple[Path, Path]:
+    """``(diag.jsonl, directory holding summaries)`` for a run directory or a diag file."""
+    p = Path(source)
+    if p.is_dir():
+        return p / DIAG_FILE, p
+    return p, p.parent
+
+
+def _number(v: Any, lineno: int, leaf: str, rule: str, where: Path) -> float | None:
+    if v is MISSING or v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise IntegrityError(f"line {lineno}: leaf {leaf} is {type(v).__name__} {v!r:.40}; signal {rule!r} "
+                             "needs a number", where=where)
+    return float(v)
+
+
+class _Collector:
+    """The trailing window of values one signal rule needs, filled row by row."""
+
+    def __init__(self, rule: SignalRule):
+        self.rule = rule
+        self.steps = parse_path(rule.leaf)
+        self.delta_steps = parse_path(rule.delta_of) if rule.delta_of else None
+        size = rule.window + 1 if rule.reducer == "pearson" and rule.window else rule.window
+        self.values: deque[tuple[float, float, float]] = deque(maxlen=size or None)
+
+    def add(self, x: float, row: dict[str, Any], lineno: int, where: Path) -> None:
+        v = _number(get_leaf(row, self.steps), lineno, self.rule.leaf, self.rule.name, where)
+        if v is None:
+            return
+        w = 0.0
+        if self.delta_steps is not None:
+            wv = _number(get_leaf(row, self.delta_steps), lineno, self.rule.delta_of or "", self.rule.name,
+                         where)
+            if wv is None:
+                return
+            w = wv
+        self.values.append((x, v, w))
+
+    def count(self) -> int:
+        n = len(self.values)
+        return n - 1 if self.rule.reducer == "pearson" else n
+
+
+def _mean(v: list[float]) -> float:
+    return math.fsum(v) / len(v)
+
+
+def _pearson(xs: list[float], ys: list[float]) -> float:
+    mx, my = _mean(xs), _mean(ys)
+    sxy = math.fsum((a - mx) * (b - my) for a, b in zip(xs, ys, strict=True))
+    sxx = math.fsum((a - mx) ** 2 for a in xs)
+    syy = math.fsum((b - my) ** 2 for b in ys)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
+
+
+def reduce_values(reducer: str, data: list[tuple[float, float, float]]) -> float:
+    """Apply ``reducer`` to ``(x, value, other)`` triples; non-finite inputs give a non-finite result."""
+    xs = [d[0] for d in data]
+    vs = [d[1] for d in data]
+    if reducer == "last":
+        return vs[-1]
+    if reducer == "pearson":
+        ws = [d[2] for d in data]
+        vs, deltas = vs[1:], [b - a for a, b in pairwise(ws)]
+        bad = [v for v in (*vs, *ws) if not math.isfinite(v)]
+        return bad[0] if bad else _pearson(vs, deltas)
+    bad = [v for v in vs if not math.isfinite(v)]
+    if bad:
+        return next((v for v in bad if math.isnan(v)), bad[0])
+    if reducer == "mean":
+        return _mean(vs)
+    if reducer == "min":
+        return min(vs)
+    if reducer == "max":
+        return max(vs)
+    if reducer == "cv":
+        m = _mean(vs)
+        sd = math.sqrt(math.fsum((v - m) ** 2 for v in vs) / len(vs))
+        return (0.0 if sd == 0 else math.inf) if m == 0 else sd / abs(m)
+    if reducer == "slope":
+        mx, mv = _mean(xs), _mean(vs)
+        sxx = math.fsum((x - mx) ** 2 for x in xs)
+        return math.fsum((x - mx) * (v - mv) for x, v in zip(xs, vs, strict=True)) / sxx if sxx > 0 else math.nan
+    raise ValueError(f"unknown reducer {reducer!r}")
+
+
+def _grade_signal(c: _Collector) -> SignalResult:
+    rule, data = c.rule, list(c.values)
+    value = reduce_values(rule.reducer, data)
+    over = f"{rule.reducer}({rule.leaf}" + (f", delta {rule.delta_of}" if rule.delta_of else "") + ")"
+    what = f"{over} over {c.count()} {'pairs' if rule.reducer == 'pearson' else 'rows'}"
+    if not math.isfinite(value):
+        return SignalResult(rule.name, "signal", rule.on_nonfinite, value,
+                            f"{what} = {value!r}: non-finite or undefined", rule.meaning)
+    status, reason = rule.thresholds.grade(value)
+    return SignalResult(rule.name, "signal", status, value, f"{what} = {value:.6g} {reason}", rule.meaning)
+
+
+def _grade_consistency(rule: ConsistencyRule, last: float | None, base: Path, where: Path) -> SignalResult:
+    summary = base / rule.summary
+    if not summary.is_file():
+        if rule.optional:
+            return SignalResult(rule.name, "consistency", "SKIP", None, f"{rule.summary} not found (optional)",
+                                rule.meaning)
+        raise RefusedError(f"consistency rule {rule.name!r} needs {rule.summary}, which is missing",
+                           where=summary, hint="pass the run directory that holds it, or mark the rule optional")
+    if last is None:
+        raise RefusedError(f"consistency rule {rule.name!r} found no row with leaf {rule.leaf}", where=where)
+    doc = read_json_object(summary)
+    ref = get_leaf(doc, parse_path(rule.field))
+    if ref is MISSING or isinstance(ref, bool) or not isinstance(ref, int | float):
+        raise IntegrityError(f"field {rule.field} is missing or not a number (consistency rule {rule.name!r})",
+                             where=summary)
+    ref = float(ref)
+    scale = max(abs(last), abs(ref), rule.floor)
+    gap = 0.0 if last == ref else (abs(last - ref) / scale if scale > 0 else math.inf)
+    status, reason = rule.thresholds.grade(gap)
+    text = f"last {rule.leaf}={last:.10g} vs {rule.summary}:{rule.field}={ref:.10g}: relative gap {gap:.3g} {reason}"
+    return SignalResult(rule.name, "consistency", status, gap, text, rule.meaning)
+
+
+def evaluate(source: str | Path, rules: Rules) -> SignalsReport:
+    """Grade ``source`` (a run directory or a diag.jsonl) against ``rules``."""
+    diag, base = resolve_source(source)
+    collectors = [_Collector(r) for r in rules.signals]
+    con_steps = [parse_path(r.leaf) for r in rules.consistency]
+    con_last: list[float | None] = [None] * len(rules.consistency)
+    rows = 0
+    for lineno, row in iter_rows(diag):
+        step = row.get("step")
+        x = float(step) if isinstance(step, int | float) and not isinstance(step, bool) else float(rows)
+        rows += 1
+        for c in collectors:
+            c.add(x, row, lineno, diag)
+        for i, (rule, steps) in enumerate(zip(rules.consistency, con_steps, strict=True)):
+            v = _number(get_leaf(row, steps), lineno, rule.leaf, rule.name, diag)
+            if v is not None:
+                con_last[i] = v
+    if rows == 0:
+        raise IntegrityError("no rows", where=diag, hint="the run wrote no diagnostics")
+    short = [f"{c.rule.name!r} needs at least {c.rule.min_rows} {'pairs' if c.rule.reducer == 'pearson' else 'rows'}"
+             f" with {c.rule.leaf}, found {c.count()}" for c in collectors if c.count() < c.rule.min_rows]
+    if short:
+        raise RefusedError("too few rows for signal rule(s): " + "; ".join(short), where=diag,
+                           hint="run more steps, or lower the rule's min_rows / pick rules for a short run")
+    report = SignalsReport(source=str(diag), rules=rules.source, rows=rows)
+    report.results = [_grade_signal(c) for c in collectors]
+    report.results += [_grade_consistency(r, v, base, diag) for r, v in zip(rules.consistency, con_last, strict=True)]
+    return report

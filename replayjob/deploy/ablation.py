@@ -1,0 +1,263 @@
+"""The ablation spec: arms x repeats, image, GPU product, claim, model and config, in one TOML file.
+
+This module is the single source of truth for every way an ablation is fanned out (Kubernetes Jobs,
+the Argo workflow, Slurm arrays, the workstation script): what the arms are, how an array index maps
+to ``(arm, repeat)``, which ``--set`` overrides each replay gets, and the determinism environment
+pinned in every GPU process.
+
+An arm is a name plus systems-only config overrides; every override key is also declared in
+``optimizer_batch.allow_config_differences`` so the replay gate accepts exactly that difference.
+
+The API, kept small for every launcher:
+
+* ``load_spec(path) -> AblationSpec`` (strict TOML; ``spec_from_dict`` for parsed data);
+* ``AblationSpec``: the fields of ``examples/ablation.toml``; ``size`` (arms x repeats),
+  ``run_for_index(i) -> Run(arm, repeat, index)`` and ``runs()``, ``arm(name) -> Arm``,
+  ``config_sets()`` (``KEY=VALUE`` overrides for the capture and every replay),
+  ``effective_min_repeats``;
+* ``Arm``: ``set_args()`` (its ``KEY=VALUE`` overrides), ``allow_list()`` (the TOML list for
+  ``optimizer_batch.allow_config_differences``), ``words()`` (the overrides as one string);
+* ``DETERMINISM_ENV``: the environment pinned in the image and every GPU process.
+
+Example:
+    >>> spec = AblationSpec(name="demo", image="replayjob:0.1.0", gpu_product="NVIDIA-H100-80GB-HBM3",
+    ...                     arms=(Arm("ckpt-off"), Arm("ckpt-on", {"backend.options.gradient_checkpointing": True})))
+    >>> spec.run_for_index(4)
+    Run(arm='ckpt-on', repeat=1, index=4)
+    >>> spec.arm("ckpt-on").set_args(), spec.arm("ckpt-on").allow_list()
+    (['backend.options.gradient_checkpointing=true'], '["backend.options.gradient_checkpointing"]')
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from replayjob.errors import ConfigError
+
+# Set in the image and in every GPU container; scripts/slurm and scripts/local-mid-smoke.sh export
+# the same values.  :mod:`replayjob.determinism` records what was actually in force.
+DETERMINISM_ENV: Mapping[str, str] = {
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    "NVIDIA_TF32_OVERRIDE": "0",
+    "PYTHONHASHSEED": "0",
+    "REPLAYJOB_MATH_MODE": "pedantic",
+}
+
+CLAIMS = ("exact-input", "bitwise")
+DEVICES = ("cuda", "cpu")
+# Kubernetes object names are built as "<name>-replay-<arm>": DNS-1123 labels, short enough.
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# Override values travel through shell words and Argo parameters: no whitespace or quotes.
+_SAFE_STR = re.compile(r"^[A-Za-z0-9_./:@+-]*$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$")
+
+Value = bool | int | float | str
+
+
+def toml_value(value: Value) -> str:
+    """A scalar written as TOML (what ``--set KEY=VALUE`` reads back)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return f'"{value}"'
+
+
+def _check_overrides(raw: Any, where: str) -> dict[str, Value]:
+    if not isinstance(raw, dict):
+        raise ConfigError("must be a table of dotted config keys", where=where)
+    out: dict[str, Value] = {}
+    for key, value in raw.items():
+        if not re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)+", key):
+            raise ConfigError(f"{key!r} is not a dotted config key", where=where,
+                              hint='quote it: "backend.options.gradient_checkpointing" = true')
+        if not isinstance(value, bool | int | float | str) or (
+                isinstance(value, str) and not _SAFE_STR.match(value)):
+            raise ConfigError(f"{key} = {value!r}: only booleans, numbers and strings without "
+                              "spaces or quotes are allowed", where=where)
+        out[key] = value
+    return out
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One condition: a name and the systems-only overrides its replays apply."""
+
+    name: str
+    overrides: dict[str, Value] = field(default_factory=dict)
+
+    def set_args(self) -> list[str]:
+        """``KEY=VALUE`` overrides for ``replayjob replay --set`` (without the declarations)."""
+        return [f"{k}={toml_value(v)}" for k, v in sorted(self.overrides.items())]
+
+    def allow_list(self) -> str:
+        """The TOML list for ``optimizer_batch.allow_config_differences``."""
+        return "[" + ", ".join(f'"{k}"' for k in sorted(self.overrides)) + "]"
+
+    def words(self) -> str:
+        """The overrides as one whitespace-separated string (the scripts' ``REPLAYJOB_ARM_SETS``)."""
+        return " ".join(self.set_args())
+
+
+@dataclass(frozen=True)
+class Run:
+    """One replay of the fan-out: array index ``index`` is repeat ``repeat`` of arm ``arm``."""
+
+    arm: str
+    repeat: int
+    index: int
+
+
+@dataclass(frozen=True)
+class AblationSpec:
+    """A whole ablation; see ``examples/ablation.toml`` for every field with its meaning."""
+
+    name: str
+    image: str
+    gpu_product: str
+    arms: tuple[Arm, ...]
+    repeats: int = 3
+    min_repeats: int = 0
+    claim: str = "exact-input"
+    seed: int = 123
+    device: str = "cuda"
+    model_path: str = ""
+    resume: str = ""
+    config: dict[str, Value] = field(default_factory=dict)
+    claim_name: str = "replayjob-artifacts"
+    storage: str = "50Gi"
+    storage_class: str = ""
+    cpu: str = "8"
+    memory: str = "64Gi"
+    shm: str = "8Gi"
+    deadline_s: int = 21600
+    parallelism: int = 4
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name) or len(self.name) > 30:
+            raise ConfigError(f"{self.name!r} must be a lowercase DNS label of at most 30 characters",
+                              where="name")
+        if not self.arms:
+            raise ConfigError("at least one arm is required", where="arms")
+        for arm in self.arms:
+            if not _NAME.match(arm.name) or len(arm.name) > 20:
+                raise ConfigError(f"{arm.name!r} must be a lowercase DNS label of at most 20 "
+                                  "characters", where=f"arms.{arm.name}")
+        if self.repeats < 1:
+            raise ConfigError("must be >= 1", where="repeats")
+        if not 0 <= self.min_repeats <= self.repeats:
+            raise ConfigError("must be between 0 (= repeats) and repeats", where="min_repeats")
+        if self.claim not in CLAIMS:
+            raise ConfigError(f"{self.claim!r} is not a claim; use one of: " + ", ".join(CLAIMS),
+                              where="claim")
+        if self.device not in DEVICES:
+            raise ConfigError(f"{self.device!r}: use 'cuda' (one GPU per pod) or 'cpu'", where="device")
+        if self.seed < 0 or self.deadline_s < 60 or self.parallelism < 1:
+            raise ConfigError("seed >= 0, deadline_s >= 60 and parallelism >= 1 are required")
+        if self.model_path and not self.resume:
+            raise ConfigError("a model directory needs its own resume state: `replayjob init` writes an "
+                              "adapter for the built-in tiny model only", where="resume",
+                              hint="set resume to a step -1 resume state made for that model")
+        for key in ("storage", "cpu", "memory", "shm"):
+            if not _QUANTITY.match(getattr(self, key)):
+                raise ConfigError(f"{getattr(self, key)!r} is not a Kubernetes quantity", where=key)
+        for key in ("image", "gpu_product", "model_path", "resume", "claim_name", "storage_class"):
+            if not _SAFE_STR.match(getattr(self, key)):
+                raise ConfigError("no whitespace or quotes allowed", where=key)
+
+    @property
+    def gpu(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def effective_min_repeats(self) -> int:
+        return self.min_repeats or self.repeats
+
+    def arm(self, name: str) -> Arm:
+        for a in self.arms:
+            if a.name == name:
+                return a
+        raise ConfigError(f"no arm named {name!r}", hint="arms: " + ", ".join(a.name for a in self.arms))
+
+    @property
+    def size(self) -> int:
+        """Number of replays: arms x repeats (the array's length)."""
+        return len(self.arms) * self.repeats
+
+    def run_for_index(self, index: int) -> Run:
+        """Array index -> ``(arm, repeat)``: arms in file order, repeats innermost."""
+        if not 0 <= index < self.size:
+            raise ConfigError(f"index {index} is outside 0..{self.size - 1}", where="array index")
+        return Run(self.arms[index // self.repeats].name, index % self.repeats, index)
+
+    def runs(self) -> list[Run]:
+        return [self.run_for_index(i) for i in range(self.size)]
+
+    def config_sets(self) -> list[str]:
+        """``--set`` overrides applied to the capture and to every replay."""
+        sets = [f"backend.devices={toml_value(self.device)}"]
+        if self.model_path:
+            sets.append(f"model.path={toml_value(self.model_path)}")
+        if self.resume:
+            sets.append(f"resume.from={toml_value(self.resume)}")
+        return sets + [f"{k}={toml_value(v)}" for k, v in sorted(self.config.items())]
+
+
+_FIELDS = {f for f in AblationSpec.__dataclass_fields__ if f != "arms"}
+_TYPES: dict[str, type] = {name: int if f.type == "int" else str
+                           for name, f in AblationSpec.__dataclass_fields__.items()
+                           if f.type in ("int", "str")}
+
+
+def spec_from_dict(data: dict[str, Any], where: str = "ablation") -> AblationSpec:
+    """Build a spec from parsed TOML; unknown keys are refused with their names."""
+    unknown = sorted(set(data) - _FIELDS - {"arms"})
+    if unknown:
+        raise ConfigError("unknown key(s): " + ", ".join(unknown), where=where,
+                          hint="allowed: " + ", ".join(sorted(_FIELDS | {"arms"})))
+    arms_raw = data.get("arms")
+    if not isinstance(arms_raw, dict) or not arms_raw:
+        raise ConfigError("needs an [arms] table with at least one arm", where=f"{where}: arms")
+    arms = tuple(Arm(name, _check_overrides(over, f"{where}: arms.{name}"))
+                 for name, over in arms_raw.items())
+    kwargs = {k: v for k, v in data.items() if k != "arms"}
+    kwargs["config"] = _check_overrides(kwargs.get("config", {}), f"{where}: config")
+    for key, value in kwargs.items():
+        expected = _TYPES.get(key, dict)
+        if type(value) is not expected:
+            raise ConfigError(f"must be {expected.__name__}, not {type(value).__name__}",
+                              where=f"{where}: {key}")
+    try:
+        spec = AblationSpec(arms=arms, **kwargs)
+    except ConfigError as exc:
+        raise ConfigError(exc.message, where=f"{where}: {exc.where or ''}", hint=exc.hint) from None
+    _check_knobs(spec, where)
+    return spec
+
+
+def _check_knobs(spec: AblationSpec, where: str) -> None:
+    """Arm overrides must be registered systems-only knobs; anything else would change the math."""
+    from replayjob.optbatch.knobs import KNOBS
+
+    for arm in spec.arms:
+        for key in arm.overrides:
+            if key not in KNOBS:
+                raise ConfigError(f"{key!r} is not a systems-only knob", where=f"{where}: arms.{arm.name}",
+                                  hint="knobs: " + ", ".join(sorted(KNOBS)))
+
+
+def load_spec(path: str | Path) -> AblationSpec:
+    """Read an ablation spec TOML file (strictly: unknown keys and bad values are refused)."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError("ablation spec not found", where=p) from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"not valid TOML: {exc}", where=p) from None
+    return spec_from_dict(data, str(p))

@@ -1,0 +1,228 @@
+"""Reduce: read every replay's metrics, run the claim's checks and spread statistics, write the verdict.
+
+The claim decides which checks run (:mod:`.claims`): ``exact-input`` is the admission gate for
+timing and memory comparisons; ``bitwise`` adds identical final adapters (and needs ``--source``);
+``approximate`` adds predeclared update tolerances (and needs ``--source`` and ``--tolerances``).
+Spread statistics are always computed; ratios against ``--baseline`` are labelled "not admitted"
+when the exact-input gate does not pass.  A refusal still writes a verdict with status
+``refused`` whenever the output path is writable.  The report and plot are written before the
+verdict, which is written last.
+
+The exact-input and bitwise claims import neither torch nor transformers nor peft.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import replayjob
+from replayjob.digest import sha256_file
+from replayjob.errors import RefusedError, UsageError
+from replayjob.gate import claims as C
+from replayjob.gate import stats, updates, verdict
+from replayjob.gate.evidence import (
+    MEASURES,
+    Replay,
+    Source,
+    Tolerances,
+    discover,
+    read_replay,
+    read_source,
+    read_tolerances,
+)
+
+CLAIMS = ("exact-input", "bitwise", "approximate")
+
+
+@dataclass(frozen=True)
+class Request:
+    paths: list[str]
+    claim: str
+    out: Path
+    source: Path | None = None
+    tolerances: Path | None = None
+    min_repeats: int = 3
+    baseline: str | None = None
+    report: Path | None = None
+
+
+class _State:
+    """What is known so far; a refusal part-way keeps what was established."""
+
+    def __init__(self) -> None:
+        self.replays: list[Replay] = []
+        self.source: Source | None = None
+        self.tolerances: Tolerances | None = None
+        self.initial: dict[str, Any] | None = None
+        self.arms: dict[str, C.Arm] = {}
+        self.checks: list[C.Check] = []
+        self.updates: dict[str, Any] | None = None
+
+
+def _rel(path: Path, base: Path) -> str:
+    try:
+        return os.path.relpath(os.path.abspath(path), base)
+    except ValueError:  # another drive: no relative form
+        return os.path.abspath(path)
+
+
+def _evaluate(req: Request, st: _State) -> None:
+    if req.claim not in CLAIMS:
+        raise UsageError(f"unknown claim {req.claim!r}; use one of {', '.join(CLAIMS)}")
+    if req.min_repeats < 1:
+        raise UsageError("--min-repeats must be >= 1")
+    st.replays = [read_replay(p) for p in discover(req.paths)]
+    st.arms = C.group_arms(st.replays)
+    if req.tolerances is not None and req.claim != "approximate":
+        raise UsageError("--tolerances applies only to --claim approximate")
+    if req.claim in ("bitwise", "approximate") and req.source is None:
+        raise UsageError(f"the {req.claim} claim compares against the source run; pass --source DIR",
+                         hint="--source takes the capture run's output directory")
+    if req.claim == "approximate" and req.tolerances is None:
+        raise UsageError("the approximate claim needs a predeclared tolerance file: --tolerances FILE",
+                         hint="pin its SHA-256 in [optimizer_batch] tolerances_sha256 before the runs")
+    if req.baseline is not None and req.baseline not in st.arms:
+        raise UsageError(f"baseline arm {req.baseline!r} is not among the arms: {', '.join(st.arms)}")
+    st.source = read_source(req.source) if req.source is not None else None
+    st.tolerances = read_tolerances(req.tolerances) if req.tolerances is not None else None
+    st.checks = C.input_checks(st.replays, st.arms, st.source, req.min_repeats)
+    st.checks += C.exact_input_checks(st.replays, st.arms, st.source)
+    if req.claim == "bitwise":
+        assert st.source is not None
+        st.checks += C.bitwise_checks(st.replays, st.arms, st.source)
+    elif req.claim == "approximate":
+        _approximate(st)
+
+
+def _initial_adapter(source: Source) -> Path:
+    """The initial adapter pinned by the capture manifest next to the source metrics, verified."""
+    from replayjob.optbatch.manifest import read_verified
+
+    d = source.path.parent
+    manifests = [m for m in sorted(d.glob("*.manifest.json")) if sha256_file(m) == source.manifest]
+    if not manifests:
+        raise RefusedError("no capture manifest with the SHA-256 the source metrics report", where=d,
+                           hint="keep the capture run's *.manifest.json next to its metrics.json")
+    man = read_verified(manifests[0], source.manifest)
+    pinned = man.doc["initial_adapter"]
+    raw = Path(str(pinned["path"]))
+    candidates = [raw] if raw.is_absolute() else [Path.cwd() / raw, man.path.parent / raw]
+    for c in candidates:
+        if c.is_file() and sha256_file(c) == pinned["sha256"] == source.initial_adapter:
+            return c
+    raise RefusedError(f"the initial adapter {raw} pinned by the capture manifest is not reachable with "
+                       "its pinned SHA-256", where=man.path,
+                       hint="run reduce where the capture's resume.from path resolves (or use absolute paths)")
+
+
+def _approximate(st: _State) -> None:
+    assert st.source is not None
+    g = "approximate"
+    st.checks.append(C.tolerance_pin_check(st.replays, st.tolerances))
+    disk = C.on_disk_check(g, st.replays, st.source)
+    st.checks.append(disk)
+    names = ("approximate.update_cosine", "approximate.relative_delta_l2")
+    if any(c.status == C.REFUSED for c in st.checks) or disk.status != C.PASS:
+        for name in names:
+            st.checks.append(C.Check(name, g, C.FAIL, None, None,
+                                     "not evaluated: the evidence above is refused or altered"))
+        return
+    assert st.tolerances is not None
+    initial = _initial_adapter(st.source)
+    st.initial = {"path": initial, "sha256": st.source.initial_adapter}
+    members = [updates.Member("source", "source", st.source.final_adapter_file)]
+    members += [updates.Member(r.label, r.arm, r.final_adapter_file) for r in st.replays]
+    pairs = updates.pairwise(initial, members)
+    st.updates = updates.summarize(pairs)
+    lo, hi = st.tolerances.update_cosine_min, st.tolerances.relative_delta_l2_max
+    bad_cos = tuple(f"{p.a.label} ~ {p.b.label}" for p in pairs if p.cosine is None or p.cosine < lo)
+    bad_rel = tuple(f"{p.a.label} -> {p.b.label}" for p in pairs
+                    if p.relative_delta_l2 is None or p.relative_delta_l2 > hi)
+    st.checks.append(C.Check(names[0], g, C.FAIL if bad_cos else C.PASS, {"min": lo},
+                             st.updates["all"]["cosine"], "pairwise update cosine within and across arms",
+                             bad_cos))
+    st.checks.append(C.Check(names[1], g, C.FAIL if bad_rel else C.PASS, {"max": hi},
+                             st.updates["all"]["relative_delta_l2"],
+                             "||u_i - u_j|| / ||u_i|| within and across arms", bad_rel))
+
+
+def _arm_stats(st: _State, source: Source | None) -> dict[str, Any]:
+    out = {}
+    for a in st.arms.values():
+        out[a.name] = {
+            "replays": len(a.replays), "knobs": a.knobs, "same_condition": a.same_condition(source),
+            "intended_gradient_checkpointing": a.intended_gc(source),
+            "stats": {m: stats.summary([r.measures[m] for r in a.replays]) for m in MEASURES},
+        }
+    return out
+
+
+def _comparisons(st: _State, baseline: str | None, admission: str) -> dict[str, Any]:
+    ratios: dict[str, Any] = {}
+    if baseline is not None and baseline in st.arms:
+        base = st.arms[baseline].replays
+        for a in st.arms.values():
+            if a.name == baseline:
+                continue
+            ratios[a.name] = stats.bootstrap_ratios({m: [r.measures[m] for r in a.replays] for m in MEASURES},
+                                                    {m: [r.measures[m] for r in base] for m in MEASURES})
+    return {"baseline": baseline, "admission": admission, "statistic": "ratio of medians (arm / baseline)",
+            "ratios": ratios}
+
+
+def _document(req: Request, st: _State, refusal: dict[str, Any] | None) -> dict[str, Any]:
+    base = Path(os.path.abspath(req.out)).parent
+    checks = [c.to_json() for c in st.checks]
+    status, code, failed = verdict.outcome(checks, refusal)
+    gate_ok = refusal is None and bool(checks) and all(
+        c["status"] in (C.PASS, C.NOT_APPLICABLE) for c in checks if c["group"] in ("inputs", "exact-input"))
+    admission = "admitted" if gate_ok else "not admitted"
+    tol = st.tolerances
+    doc: dict[str, Any] = {
+        "schema": verdict.VERDICT_SCHEMA,
+        "replayjob_version": replayjob.__version__,
+        "claim": req.claim, "status": status, "exit_code": code, "failed_checks": failed,
+        "refusal": refusal, "admission": admission,
+        "parameters": {
+            "min_repeats": req.min_repeats, "baseline": req.baseline,
+            "bootstrap": {"seed": stats.BOOTSTRAP_SEED, "resamples": stats.BOOTSTRAP_RESAMPLES,
+                          "confidence": stats.CONFIDENCE, "interval": "percentile"},
+            "tolerances": None if tol is None else {"update_cosine_min": tol.update_cosine_min,
+                                                    "relative_delta_l2_max": tol.relative_delta_l2_max},
+        },
+        "inputs": {
+            "replays": [{"path": _rel(r.path, base), "sha256": r.sha256, "arm": r.arm,
+                         "repeat_index": r.repeat_index, "measures": r.measures}
+                        for a in st.arms.values() for r in a.replays],
+            "source": None if st.source is None else {"path": _rel(st.source.path, base),
+                                                      "sha256": st.source.sha256},
+            "tolerances": None if tol is None else {"path": _rel(tol.path, base), "sha256": tol.sha256},
+            "initial_adapter": None if st.initial is None else {
+                "path": _rel(st.initial["path"], base), "sha256": st.initial["sha256"]},
+        },
+        "arms": _arm_stats(st, st.source),
+        "comparisons": _comparisons(st, req.baseline, admission),
+        "updates": st.updates,
+        "checks": checks,
+    }
+    doc["summary"] = verdict.summary_line(doc)
+    return doc
+
+
+def reduce_evidence(req: Request) -> verdict.Verdict:
+    """Evaluate ``req.claim`` over the replays, write the report (if asked) and the verdict last."""
+    st = _State()
+    refusal = None
+    try:
+        _evaluate(req, st)
+    except RefusedError as exc:  # IntegrityError, UsageError, ... are RefusedErrors
+        refusal = verdict.refusal_of(exc)
+    doc = _document(req, st, refusal)
+    if req.report is not None:
+        from replayjob.gate.report import write_report
+
+        write_report(req.report, doc)
+    return verdict.write(req.out, doc)

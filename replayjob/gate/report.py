@@ -1,0 +1,161 @@
+"""The human-readable report: a markdown file of the verdict's checks and statistics, plus a PNG.
+
+Built from the verdict document alone (it carries each replay's measures), so a report can be
+redrawn from any verdict.json.  The PNG (per-arm distributions of timing, memory and padding) needs
+matplotlib, an optional extra: without it the report says the plot was skipped and how to enable it.
+Both files are written atomically, before the verdict.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from replayjob.fsio import atomic_write_bytes, atomic_write_text
+from replayjob.gate.evidence import MEASURES
+
+PLOT_HINT = "pip install 'replayjob[plot]'"
+_CELL = 100
+
+
+def _num(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def _cell(v: Any) -> str:
+    text = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+    text = text.replace("|", "\\|").replace("\n", " ")
+    return text if len(text) <= _CELL else text[: _CELL - 1] + "…"
+
+
+def _offenders(names: list[str]) -> str:
+    if not names:
+        return ""
+    shown = ", ".join(names[:5])
+    return shown + (f" … (+{len(names) - 5})" if len(names) > 5 else "")
+
+
+def _checks(doc: dict[str, Any]) -> list[str]:
+    lines = ["## Checks", "", "| check | group | status | expected | observed | offenders |",
+             "|---|---|---|---|---|---|"]
+    for c in doc["checks"]:
+        status = c["status"].upper() if c["status"] in ("fail", "refused") else c["status"]
+        lines.append(f"| `{c['name']}` | {c['group']} | {status} | {_cell(c['expected'])} | "
+                     f"{_cell(c['observed'])} | {_cell(_offenders(c['offenders']))} |")
+    return [*lines, ""]
+
+
+def _spread(doc: dict[str, Any]) -> list[str]:
+    lines = ["## Spread per arm", "", "| metric | arm | n | median | min | max | IQR |",
+             "|---|---|---|---|---|---|---|"]
+    for m in MEASURES:
+        for arm, info in doc["arms"].items():
+            s = info["stats"][m]
+            lines.append(f"| {m} | {arm} | {s['n']} | {_num(s['median'])} | {_num(s['min'])} | "
+                         f"{_num(s['max'])} | {_num(s['iqr'])} |")
+    return [*lines, ""]
+
+
+def _comparisons(doc: dict[str, Any]) -> list[str]:
+    comp = doc["comparisons"]
+    if comp["baseline"] is None:
+        return ["## Comparisons", "", "No `--baseline` arm given; no ratios computed.", ""]
+    if not comp["ratios"]:
+        return [f"## Comparisons against `{comp['baseline']}` ({comp['admission']})", "",
+                "No ratios: no other arm was read.", ""]
+    boot = doc["parameters"]["bootstrap"]
+    lines = [f"## Comparisons against `{comp['baseline']}` ({comp['admission']})", ""]
+    if comp["admission"] != "admitted":
+        lines += ["**Timing and memory conclusions: not admitted.** The exact-input gate did not pass, "
+                  "so these ratios are not evidence of a systems difference.", ""]
+    lines += [f"{comp['statistic']}; {int(boot['confidence'] * 100)}% {boot['interval']} bootstrap "
+              f"interval, {boot['resamples']} resamples, seed {boot['seed']}.", "",
+              "| arm | metric | ratio | interval | excludes 1 | note |", "|---|---|---|---|---|---|"]
+    for arm, per in comp["ratios"].items():
+        for m, r in per.items():
+            lines.append(f"| {arm} | {m} | {_num(r['ratio'])} | [{_num(r['low'])}, {_num(r['high'])}] | "
+                         f"{_num(r['excludes_1'])} | {r['note']} |")
+    return [*lines, ""]
+
+
+def _updates(doc: dict[str, Any]) -> list[str]:
+    up = doc.get("updates")
+    if not up:
+        return []
+    lines = ["## Update geometry (approximate claim)", "",
+             "| pairs | ordered pairs | cosine min / median / max | relative delta-L2 min / median / max |",
+             "|---|---|---|---|"]
+    for name, g in [("all", up["all"]), *up["groups"].items()]:
+        c, d = g["cosine"], g["relative_delta_l2"]
+        lines.append(f"| {name} | {g['ordered_pairs']} | {_num(c['min'])} / {_num(c['median'])} / "
+                     f"{_num(c['max'])} | {_num(d['min'])} / {_num(d['median'])} / {_num(d['max'])} |")
+    return [*lines, ""]
+
+
+def plot_png(doc: dict[str, Any]) -> bytes | None:
+    """PNG bytes of per-arm distributions, or ``None`` when matplotlib is not installed."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    arms = list(doc["arms"])
+    fig = Figure(figsize=(12, 7), dpi=100)
+    axes = fig.subplots(2, 3).flatten()
+    for ax, m in zip(axes, MEASURES, strict=True):
+        data = [[r["measures"][m] for r in doc["inputs"]["replays"] if r["arm"] == a] for a in arms]
+        if any(data):
+            ax.boxplot(data, whis=(0, 100))
+            for i, vals in enumerate(data, start=1):
+                offsets = [((k % 7) - 3) * 0.03 for k in range(len(vals))]
+                ax.scatter([i + o for o in offsets], vals, s=12, alpha=0.7)
+        ax.set_xticks(range(1, len(arms) + 1), arms, rotation=15, fontsize=8)
+        ax.set_title(m, fontsize=10)
+    fig.suptitle(f"replayjob reduce: {doc['claim']} {doc['status']} (timing {doc['admission']})")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    return buf.getvalue()
+
+
+def render(doc: dict[str, Any], plot_name: str | None) -> str:
+    """The markdown text; ``plot_name`` is the PNG's file name, or ``None`` when there is none."""
+    lines = [f"# replayjob reduce: `{doc['claim']}` {doc['status'].upper()}", "",
+             f"- exit code: {doc['exit_code']}",
+             f"- timing and memory comparisons: {doc['admission']}",
+             f"- replays: {len(doc['inputs']['replays'])} in {len(doc['arms'])} arm(s); "
+             f"replayjob {doc['replayjob_version']}",
+             f"- summary: {doc['summary']}"]
+    if doc["refusal"]:
+        r = doc["refusal"]
+        lines.append(f"- refused: {r['message']}" + (f" ({r['where']})" if r["where"] else "")
+                     + (f"; fix: {r['hint']}" if r["hint"] else ""))
+    lines.append("")
+    lines += _checks(doc) + _spread(doc) + _comparisons(doc) + _updates(doc)
+    lines += ["## Plot", ""]
+    if not doc["inputs"]["replays"]:
+        lines.append("No replays were read; nothing to plot.")
+    elif plot_name is None:
+        lines.append(f"Plot skipped: matplotlib is not installed. Enable it with `{PLOT_HINT}`.")
+    else:
+        lines.append(f"![per-arm timing, memory and padding]({plot_name})")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(path: Path, doc: dict[str, Any]) -> Path | None:
+    """Write the PNG (when matplotlib is available) then the markdown; return the PNG path or None."""
+    png = plot_png(doc) if doc["inputs"]["replays"] else None
+    png_path = path.with_suffix(".png") if png is not None else None
+    if png is not None and png_path is not None:
+        atomic_write_bytes(png_path, png)
+    atomic_write_text(path, render(doc, png_path.name if png_path is not None else None))
+    return png_path

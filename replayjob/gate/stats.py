@@ -1,0 +1,106 @@
+"""Spread statistics: median, quartiles, IQR, and a seeded bootstrap interval for a ratio of medians.
+
+Quantiles use linear interpolation between order statistics (Hyndman-Fan type 7, numpy's
+default), computed here in plain Python so a summary is the same on every platform.  The
+bootstrap resamples each arm independently with replacement from numpy's legacy ``RandomState``
+(MT19937), whose stream numpy keeps frozen across releases, so a seed gives the same interval
+everywhere; the percentile interval of the resampled ratios is reported.
+
+Example:
+    >>> summary([3.0, 1.0, 2.0, 4.0])["median"], summary([3.0, 1.0, 2.0, 4.0])["iqr"]
+    (2.5, 1.5)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+BOOTSTRAP_SEED = 20240601
+BOOTSTRAP_RESAMPLES = 2000
+CONFIDENCE = 0.95
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Type-7 quantile of already sorted values."""
+    n = len(sorted_values)
+    if n == 0:
+        raise ValueError("quantile of no values")
+    h = (n - 1) * q
+    lo = math.floor(h)
+    hi = min(lo + 1, n - 1)
+    return float(sorted_values[lo] + (h - lo) * (sorted_values[hi] - sorted_values[lo]))
+
+
+def median(values: Sequence[float]) -> float:
+    return quantile(sorted(values), 0.5)
+
+
+def summary(values: Sequence[float]) -> dict[str, Any]:
+    """n, median, min, max, first and third quartiles and the interquartile range."""
+    s = sorted(float(v) for v in values)
+    q1, q3 = quantile(s, 0.25), quantile(s, 0.75)
+    return {"n": len(s), "median": quantile(s, 0.5), "min": s[0], "max": s[-1], "q1": q1, "q3": q3,
+            "iqr": q3 - q1}
+
+
+def _resampled_medians(np: Any, values: Any, idx: Any) -> Any:
+    """Median of each row of ``values[idx]``, partitioning the gathered rows in place."""
+    rows = values[idx]
+    n = rows.shape[1]
+    mid = n // 2
+    if n % 2:
+        rows.partition(mid, axis=1)
+        return rows[:, mid]
+    rows.partition((mid - 1, mid), axis=1)
+    return (rows[:, mid - 1] + rows[:, mid]) / 2.0
+
+
+def bootstrap_ratio(numerator: Sequence[float], denominator: Sequence[float], *,
+                    seed: int = BOOTSTRAP_SEED, resamples: int = BOOTSTRAP_RESAMPLES,
+                    confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """Ratio of medians (numerator / denominator) with a percentile bootstrap interval.
+
+    Returns ``ratio``, ``low``, ``high``, ``excludes_1`` and ``note``; the interval (or all four)
+    is ``None``, with a ``note``, when a median of the denominator, or of a resample of it, is zero.
+    """
+    return bootstrap_ratios({"x": numerator}, {"x": denominator}, seed=seed, resamples=resamples,
+                            confidence=confidence)["x"]
+
+
+def bootstrap_ratios(numerator: dict[str, Sequence[float]], denominator: dict[str, Sequence[float]], *,
+                     seed: int = BOOTSTRAP_SEED, resamples: int = BOOTSTRAP_RESAMPLES,
+                     confidence: float = CONFIDENCE) -> dict[str, dict[str, Any]]:
+    """:func:`bootstrap_ratio` for several metrics of the same replays.
+
+    Replays are resampled, not values: one draw of replay indices per arm serves every metric
+    (numerator indices first, then denominator indices, from one ``RandomState(seed)``).
+    """
+    import numpy as np
+
+    n_num = len(next(iter(numerator.values())))
+    n_den = len(next(iter(denominator.values())))
+    rng = np.random.RandomState(seed)
+    num_idx = rng.randint(0, n_num, size=(resamples, n_num))
+    den_idx = rng.randint(0, n_den, size=(resamples, n_den))
+    alpha = (1.0 - confidence) / 2.0
+    out: dict[str, dict[str, Any]] = {}
+    for key in numerator:
+        num = np.asarray(numerator[key], dtype=np.float64)
+        den = np.asarray(denominator[key], dtype=np.float64)
+        res: dict[str, Any] = {"ratio": None, "low": None, "high": None, "excludes_1": None, "note": ""}
+        out[key] = res
+        den_median = median(den.tolist())
+        if den_median == 0.0:
+            res["note"] = "baseline median is zero; ratio undefined"
+            continue
+        res["ratio"] = median(num.tolist()) / den_median
+        den_med = _resampled_medians(np, den, den_idx)
+        if bool(np.any(den_med == 0.0)):
+            res["note"] = "a bootstrap resample of the baseline has median zero; interval undefined"
+            continue
+        num_med = _resampled_medians(np, num, num_idx)
+        low, high = (float(x) for x in np.quantile(num_med / den_med, [alpha, 1.0 - alpha]))  # type 7
+        res.update(low=low, high=high, excludes_1=bool(low > 1.0 or high < 1.0))
+    return out

@@ -1,0 +1,152 @@
+"""Synthetic evidence for the reducer's tests and benchmark: a source run and replays, on disk.
+
+Files follow ``docs/replay-metrics.md`` key for key; the source directory holds a capture manifest
+built and validated by :mod:`replayjob.optbatch.manifest`, a ``metrics.json`` and a final adapter.
+Everything is a pure function of the arguments (no clock, no absolute path inside a file), so two
+builds in different directories give the same bytes.  Adapter contents are the caller's bytes
+(real safetensors files when update geometry matters, any bytes otherwise).
+
+Example:
+    >>> import tempfile
+    >>> ev = build(Path(tempfile.mkdtemp()), {"off": {}, "on": {GC_KEY: True}}, 3)
+    >>> len(ev.replay_files), ev.replay_files[0].name
+    (6, 'replay_metrics.json')
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from replayjob.digest import sha256_bytes
+from replayjob.gate.evidence import GC_KEY, REPLAY_FILE, REPLAY_SCHEMA, REQUIRED_SKIPS, SOURCE_FILE
+from replayjob.jsonio import pretty_bytes
+from replayjob.optbatch import manifest as mf
+
+ADAPTER = "final_adapter/adapter_model.safetensors"
+SOURCE_CONFIG: dict[str, Any] = {
+    "backend": {"options": {"gradient_checkpointing": False}},
+    "training": {"micro_batch_size": 4, "trainer": "grpo"},
+}
+
+
+def digest_of(text: str) -> str:
+    """A stable stand-in digest for a named artifact."""
+    return sha256_bytes(text.encode("utf-8"))
+
+
+@dataclass
+class Evidence:
+    root: Path
+    source: Path
+    manifest_sha256: str
+    initial_adapter: Path
+    replay_files: list[Path] = field(default_factory=list)
+
+
+AdapterBytes = Callable[[str, int], bytes]
+
+
+def _put(path: Path, data: bytes) -> None:
+    """Plain write (test fixtures need no crash safety, and a thousand fsyncs are slow)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def _measures(seed: int, arm: str, index: int, knobs: dict[str, Any]) -> dict[str, Any]:
+    rng = random.Random(f"{seed}:{arm}:{index}")
+    ckpt = bool(knobs.get(GC_KEY, False))
+    noise = [1.0 + (rng.random() - 0.5) * 0.1 for _ in range(5)]
+    fwd, bwd, opt = 0.30 * noise[0], 0.50 * (1.5 if ckpt else 1.0) * noise[1], 0.10 * noise[2]
+    real, padded = 480, 544
+    return {
+        "timing": {"local_train_wall_s": fwd + bwd + opt + 0.05 * noise[3], "forward_wall_s": fwd,
+                   "backward_wall_s": bwd, "optimizer_wall_s": opt},
+        "memory": {"peak_bytes": int(1_000_000_000 * (0.7 if ckpt else 1.0) * noise[4]), "kind": "max_rss"},
+        "padding": {"real_tokens": real, "padded_tokens": padded, "padding_fraction": 1 - real / padded,
+                    "micro_batches": 4},
+    }
+
+
+def replay_doc(*, arm: str, index: int, knobs: dict[str, Any], manifest_sha256: str, initial_sha256: str,
+               final_sha256: str, loss: float, seed: int = 0, tolerances_sha256: str = "") -> dict[str, Any]:
+    """One replay_metrics.json document."""
+    return {
+        "schema": REPLAY_SCHEMA, "replayjob_version": "0.1.0", "torch_version": "2.4.0", "device": "cpu",
+        "arm": arm, "repeat_index": index,
+        "pins": {"expected_logical_sha256": digest_of("logical"), "expected_manifest_sha256": manifest_sha256,
+                 "payload_sha256": digest_of("payload")},
+        "optimizer/logical_batch_sha256": digest_of("logical"),
+        "optimizer/local_effective_rows_sha256": digest_of("effective"),
+        "optimizer_batch/manifest_sha256": manifest_sha256,
+        "optimizer_batch/initial_adapter_sha256": initial_sha256,
+        "optimizer_batch/final_adapter_sha256": final_sha256,
+        "final_adapter_path": ADAPTER,
+        "allowed_config_differences": sorted(knobs), "observed_config_differences": sorted(knobs),
+        "knobs": dict(knobs), "skipped": list(REQUIRED_SKIPS),
+        "runtime": {"gradient_checkpointing": bool(knobs.get(GC_KEY, False))},
+        "loss": loss, **_measures(seed, arm, index, knobs),
+        "tolerances_sha256": tolerances_sha256, "config_sha256": digest_of(f"config:{sorted(knobs.items())}"),
+        "grad_norm": 0.25, "rng_restored": ["cpu"],
+        "rows": {"rows": 16, "tokens": 544, "response_tokens": 128, "loss_bearing_tokens": 128,
+                 "loss_weight_sum": 1.0},
+        "provenance": {"strict_deterministic": True, "math_mode": "pedantic", "device": "cpu"},
+        "wall_s": 2.0,
+    }
+
+
+def _write_source(root: Path, initial: bytes, final: bytes, loss: float) -> tuple[Path, str, Path]:
+    init_file = root / "init_resume" / "adapter_model.safetensors"
+    _put(init_file, initial)
+    src = root / "source"
+    payload = b"synthetic optimizer batch payload"
+    _put(src / mf.payload_name(0), payload)
+    doc = mf.build(step=0, producer={"replayjob_version": "0.1.0"}, payload_file=mf.payload_name(0),
+                   payload=payload, rng_keys=["cpu"],
+                   rows={"rows": 16, "tokens": 544, "response_tokens": 128, "loss_bearing_tokens": 128},
+                   logical=digest_of("logical"), effective=digest_of("effective"),
+                   resolved_config=SOURCE_CONFIG, contract={"schema": "synthetic"},
+                   adapter_path=Path("..") / "init_resume" / "adapter_model.safetensors",
+                   adapter_size=len(initial), adapter_sha256=sha256_bytes(initial))
+    manifest_sha = mf.write(src / mf.manifest_name(0), doc)
+    _put(src / ADAPTER, final)
+    metrics = {
+        "schema": "replayjob.metrics/v1", "trainer": "grpo", "loss": loss,
+        "optimizer/logical_batch_sha256": digest_of("logical"),
+        "optimizer/local_effective_rows_sha256": digest_of("effective"),
+        "optimizer_batch/manifest_sha256": manifest_sha,
+        "optimizer_batch/initial_adapter_sha256": sha256_bytes(initial),
+        "optimizer_batch/final_adapter_sha256": sha256_bytes(final),
+        "final_adapter_sha256": sha256_bytes(final),
+        "final_adapter_path": ADAPTER, "config": SOURCE_CONFIG,
+    }
+    _put(src / SOURCE_FILE, pretty_bytes(metrics))
+    return src, manifest_sha, init_file
+
+
+def build(root: Path, arms: dict[str, dict[str, Any]], repeats: int | dict[str, int], *,
+          initial: bytes = b"initial adapter weights", final: bytes | AdapterBytes = b"final adapter weights",
+          source_final: bytes | None = None, loss: float = 0.5, seed: int = 0,
+          tolerances_sha256: str = "") -> Evidence:
+    """Write a source run and ``repeats`` replays per arm (``arms`` maps arm name -> declared knobs)."""
+    def final_of(arm: str, i: int) -> bytes:
+        return final(arm, i) if callable(final) else final
+
+    src_final = source_final if source_final is not None else final_of("", -1)
+    src, manifest_sha, init_file = _write_source(root, initial, src_final, loss)
+    ev = Evidence(root, src, manifest_sha, init_file)
+    for arm, knobs in arms.items():
+        n = repeats[arm] if isinstance(repeats, dict) else repeats
+        for i in range(n):
+            d = root / "replays" / arm.replace("=", "-") / f"repeat-{i:03d}"
+            data = final_of(arm, i)
+            _put(d / ADAPTER, data)
+            doc = replay_doc(arm=arm, index=i, knobs=knobs, manifest_sha256=manifest_sha,
+                             initial_sha256=sha256_bytes(initial), final_sha256=sha256_bytes(data),
+                             loss=loss, seed=seed, tolerances_sha256=tolerances_sha256)
+            _put(d / REPLAY_FILE, pretty_bytes(doc))
+            ev.replay_files.append(d / REPLAY_FILE)
+    return ev

@@ -1,0 +1,104 @@
+"""The verdict: schema ``replayjob.verdict/v1`` (docs/verdict-format.md), its outcome and its atomic write.
+
+The document holds no clock time and no absolute path that the inputs do not force, so the same
+inputs give the same bytes (pretty, sorted-key JSON).  Status and exit code follow from the
+checks: any ``refused`` check or refusal -> ``refused`` (2), else any ``fail`` -> ``fail`` (1),
+else ``pass`` (0).
+
+Example:
+    >>> outcome([{"name": "a", "status": "pass"}, {"name": "b", "status": "fail"}], None)
+    ('fail', 1, ['b'])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from replayjob.errors import (
+    EXIT_NEGATIVE,
+    EXIT_OK,
+    EXIT_REFUSED,
+    NegativeVerdict,
+    RefusedError,
+    ReplayjobError,
+)
+from replayjob.fsio import atomic_write_bytes
+from replayjob.jsonio import pretty_bytes
+
+VERDICT_SCHEMA = "replayjob.verdict/v1"
+# How to fix each refusing check.
+HINTS = {
+    "inputs.min_repeats": "run more fresh replays per arm (replay --repeat N) or lower --min-repeats",
+    "inputs.single_source": "reduce the replays of one capture at a time",
+    "inputs.unique_repeats": "give each replay of an arm its own --repeat-index, or drop the duplicate",
+    "inputs.tolerances_pinned": "set [optimizer_batch] tolerances_sha256 to the tolerance file's SHA-256 "
+                                "before the runs, then replay again",
+}
+
+
+def outcome(checks: list[dict[str, Any]], refusal: dict[str, Any] | None) -> tuple[str, int, list[str]]:
+    """(status, exit code, names of the checks that did not pass) for a list of check objects."""
+    refused = [c["name"] for c in checks if c["status"] == "refused"]
+    failed = [c["name"] for c in checks if c["status"] == "fail"]
+    if refusal is not None or refused:
+        return "refused", EXIT_REFUSED, refused + failed
+    if failed:
+        return "fail", EXIT_NEGATIVE, failed
+    return "pass", EXIT_OK, []
+
+
+def refusal_of(exc: ReplayjobError) -> dict[str, Any]:
+    return {"message": exc.message, "where": exc.where, "hint": exc.hint}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A written verdict: its document and where it lies."""
+
+    path: Path
+    doc: dict[str, Any]
+
+    @property
+    def status(self) -> str:
+        return str(self.doc["status"])
+
+    @property
+    def exit_code(self) -> int:
+        return int(self.doc["exit_code"])
+
+    def summary(self) -> str:
+        return str(self.doc["summary"])
+
+    def raise_for_status(self) -> None:
+        """Raise :class:`NegativeVerdict` on ``fail`` and :class:`RefusedError` on ``refused``."""
+        if self.status == "pass":
+            return
+        refusal = self.doc.get("refusal")
+        if refusal:
+            raise RefusedError(refusal["message"], where=refusal["where"], hint=refusal["hint"])
+        bad = [c for c in self.doc["checks"] if c["status"] == self.status]
+        named = "; ".join(c["name"] + (f" ({_few(c['offenders'])})" if c["offenders"] else "") for c in bad)
+        if self.status == "refused":
+            hints = [HINTS[c["name"]] for c in bad if c["name"] in HINTS]
+            raise RefusedError(f"evidence refused by {named}", where=self.path, hint="; ".join(hints) or None)
+        raise NegativeVerdict(f"claim {self.doc['claim']} failed: {named}", where=self.path,
+                              hint="the checks in the verdict list expected and observed values")
+
+
+def _few(names: list[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (f", ... (+{len(names) - n})" if len(names) > n else "")
+
+
+def summary_line(doc: dict[str, Any]) -> str:
+    n = len(doc["inputs"]["replays"])
+    arms = len(doc["arms"])
+    head = f"{doc['claim']}: {doc['status']} ({n} replays, {arms} arms, timing {doc['admission']})"
+    return head + (f"; not passed: {', '.join(doc['failed_checks'])}" if doc["failed_checks"] else "")
+
+
+def write(path: Path, doc: dict[str, Any]) -> Verdict:
+    """Write ``doc`` atomically (temp file, fsync, rename) and return the :class:`Verdict`."""
+    atomic_write_bytes(path, pretty_bytes(doc))
+    return Verdict(path, doc)

@@ -1,0 +1,146 @@
+"""Capture: the source trainer's optimizer batch and RNG state at the optimizer boundary.
+
+``replayjob capture CONFIG`` (or ``replayjob train`` with ``[optimizer_batch] capture = true``)
+runs the normal source trainer with :class:`CaptureHook`.  Before any work the preconditions are
+checked: trainer ``grpo``, ``max_steps = 1``, ``save_every = 0``, and ``resume.from`` a local state
+whose ``trainer_state.json`` has ``step = -1`` (so the run executes logical step zero exactly once).
+
+The hook fires after advantage normalisation, clipping and the token cap, immediately before the
+optimizer call.  It writes ``optimizer_batch_step_000000.safetensors`` (rows + Torch CPU/CUDA RNG
+state), then ``optimizer_batch_step_000000.manifest.json`` last; both atomically and exclusively,
+so a killed capture leaves no manifest or a complete one whose payload verifies, and an existing
+capture is never overwritten.  The source run still performs its own update; ``metrics.json``
+gains the digests a replay pins (:data:`METRIC_KEYS`).
+
+Crash tests kill a capture with ``REPLAYJOB_FAULT_POINT`` (:mod:`replayjob.faults`): at any write
+boundary of the payload or the manifest (``write.half/optimizer_batch_step_000000.manifest.json``
+...), or at the capture's own points :data:`CRASH_POINTS`.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import replayjob
+from replayjob import determinism
+from replayjob.config import Config, load_config, resolved
+from replayjob.errors import ArtifactExistsError, ConfigError
+from replayjob.faults import point
+from replayjob.fsio import atomic_write_bytes
+from replayjob.optbatch import manifest, payload
+from replayjob.optbatch.contract import optimizer_contract
+from replayjob.rl.batch import OptimizerBatch
+from replayjob.rl.state import ResumeState, read_state, rng_tensors
+
+CRASH_POINTS = ("capture.start", "capture.before-payload", "capture.payload-written",
+                "capture.manifest-written", "capture.after-update", "capture.metrics")
+CAPTURE_STEP = 0
+METRIC_KEYS = ("optimizer/logical_batch_sha256", "optimizer/local_effective_rows_sha256",
+               "optimizer_batch/manifest_sha256", "optimizer_batch/initial_adapter_sha256",
+               "optimizer_batch/final_adapter_sha256")
+
+
+def check_preconditions(cfg: Config) -> ResumeState:
+    """Refuse, naming every reason, a config that would not capture exactly logical step zero."""
+    reasons = []
+    if cfg.training.trainer != "grpo":
+        reasons.append(f"training.trainer must be 'grpo' to capture, found {cfg.training.trainer!r}")
+    if cfg.training.max_steps != 1:
+        reasons.append(f"training.max_steps must be 1 to capture, found {cfg.training.max_steps}")
+    if cfg.training.save_every != 0:
+        reasons.append(f"training.save_every must be 0 (periodic checkpoints off), found "
+                       f"{cfg.training.save_every}")
+    state = None
+    if not cfg.resume.from_:
+        reasons.append("resume.from must name an initialisation resume state (trainer_state.json step -1)")
+    else:
+        state = read_state(cfg.resume.from_)
+        if state.step != -1:
+            reasons.append(f"resume.from is a state at step {state.step}; capture needs an initialisation "
+                           "state with step -1 so that logical step zero runs exactly once")
+    if reasons or state is None:
+        raise ConfigError("capture refused: " + "; ".join(reasons), where="[optimizer_batch] capture",
+                          hint="run `replayjob init DIR` and use DIR/source.toml as the template")
+    return state
+
+
+def _producer(cfg: Config) -> dict[str, Any]:
+    strict = cfg.backend.options.strict_deterministic
+    prov = {"strict_deterministic": strict, "math_mode": determinism.math_mode_from_env(strict),
+            "attn_implementation": cfg.backend.options.attn_implementation, **determinism.snapshot()}
+    device = cfg.backend.torch_device
+    out: dict[str, Any] = {"replayjob_version": replayjob.__version__, "torch_version": torch.__version__,
+                           "python": platform.python_version(), "device": device, "provenance": prov}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        out["device_name"] = torch.cuda.get_device_name(torch.device(device))
+    return out
+
+
+class CaptureHook:
+    """A :class:`~replayjob.rl.trainer.StepHooks` that captures step zero's optimizer batch."""
+
+    def __init__(self, cfg: Config, out: Path, state: ResumeState):
+        self.cfg, self.out, self.state = cfg, out, state
+        self.digests: dict[str, str] = {}
+
+    @classmethod
+    def prepare(cls, cfg: Config, out: Path) -> CaptureHook:
+        """Check the preconditions and that ``out`` holds no capture yet (before any work)."""
+        point("capture.start")
+        state = check_preconditions(cfg)
+        for name in (manifest.payload_name(CAPTURE_STEP), manifest.manifest_name(CAPTURE_STEP)):
+            if (out / name).exists():
+                raise ArtifactExistsError("a capture already exists here and is never overwritten",
+                                          where=out / name, hint="choose a new --out directory")
+        return cls(cfg, out, state)
+
+    def on_rollout(self, rollout: Any) -> None:
+        return None
+
+    def before_update(self, step: int, batch: OptimizerBatch) -> None:
+        if step != CAPTURE_STEP:  # preconditions make this unreachable; refuse rather than mislabel
+            raise ConfigError(f"capture covers step {CAPTURE_STEP} only, the trainer is at step {step}")
+        point("capture.before-payload")
+        rng = rng_tensors()
+        data = payload.encode(batch, rng)
+        logical, effective = batch.logical_sha256(), batch.effective_sha256()
+        pname = manifest.payload_name(step)
+        atomic_write_bytes(self.out / pname, data, exclusive=True)
+        point("capture.payload-written")
+        adapter = self.state.adapter_file
+        doc = manifest.build(
+            step=step, producer=_producer(self.cfg), payload_file=pname, payload=data, rng_keys=list(rng),
+            rows=payload.summary(batch), logical=logical, effective=effective,
+            resolved_config=resolved(self.cfg), contract=optimizer_contract(self.cfg),
+            adapter_path=adapter.resolve(), adapter_size=adapter.stat().st_size,
+            adapter_sha256=self.state.adapter_sha256)
+        sha = manifest.write(self.out / manifest.manifest_name(step), doc)
+        point("capture.manifest-written")
+        self.digests = {
+            "optimizer/logical_batch_sha256": logical,
+            "optimizer/local_effective_rows_sha256": effective,
+            "optimizer_batch/manifest_sha256": sha,
+            "optimizer_batch/initial_adapter_sha256": self.state.adapter_sha256,
+        }
+
+    def after_update(self, step: int, result: Any) -> None:
+        point("capture.after-update")
+
+    def contribute_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Keys added to the source run's metrics.json: the digests a replay pins."""
+        point("capture.metrics")
+        return {**self.digests, "optimizer_batch/final_adapter_sha256": metrics["final_adapter_sha256"],
+                "optimizer_batch/manifest_path": manifest.manifest_name(CAPTURE_STEP)}
+
+
+def capture(config: str | Path, overrides: list[str], out: str | Path | None) -> tuple[Path, dict[str, Any]]:
+    """``replayjob capture``: run the source trainer with capture on; return (out dir, metrics)."""
+    from replayjob.rl.trainer import train
+
+    cfg = load_config(config, [*overrides, "optimizer_batch.capture=true"])
+    out_dir = Path(out or cfg.logging.dir)
+    return out_dir, train(cfg, out_dir)

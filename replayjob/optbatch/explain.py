@@ -1,0 +1,286 @@
+"""Admission of a replay, and ``replayjob explain``: every check, no model, no device.
+
+:func:`admit` verifies, in order and collecting every reason rather than stopping at the first:
+the runner settings; both external pins; the manifest bytes against their pin (before parsing);
+the payload bytes against the manifest (before deserialising), its ragged structure and finite
+rows; the logical and effective row digests; the resume adapter's weight-file SHA-256; the
+optimizer contract; and the config differences against the declared, registered systems-only
+knobs (stale declarations included).  A check whose input failed an earlier check is skipped.
+
+Replay calls the same function and refuses unless it admits.  ``explain`` prints the result and
+what a replay would do; it never imports transformers or peft and never touches a device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from replayjob.config import Config, from_dict, resolved
+from replayjob.config.diff import differences
+from replayjob.digest import normalize_digest, sha256_bytes
+from replayjob.errors import ContractError, IntegrityError, RefusedError
+from replayjob.optbatch import knobs, payload
+from replayjob.optbatch.contract import contract_differences, contract_sha256, optimizer_contract
+from replayjob.optbatch.manifest import Manifest, read_verified
+from replayjob.rl.batch import OptimizerBatch
+from replayjob.rl.state import ResumeState, read_state
+
+MAX_PAYLOAD_BYTES = 16 * 1024 * 1024 * 1024
+SKIPPED = ["dataset", "environment", "rollout", "sampling"]
+
+
+@dataclass
+class Admission:
+    """The outcome of :func:`admit`: what was verified, what was found, and every refusal reason."""
+
+    cfg: Config
+    reasons: list[str] = field(default_factory=list)
+    integrity_failed: bool = False
+    pins: dict[str, str] = field(default_factory=dict)
+    manifest: Manifest | None = None
+    batch: OptimizerBatch | None = None
+    rng: dict[str, Tensor] | None = None
+    state: ResumeState | None = None
+    allowed: list[str] = field(default_factory=list)
+    observed: list[str] = field(default_factory=list)
+    contract: dict[str, Any] | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return not self.reasons
+
+    def refuse(self, reason: str, *, integrity: bool = False) -> None:
+        self.reasons.append(reason)
+        self.integrity_failed = self.integrity_failed or integrity
+
+    def raise_if_refused(self) -> None:
+        if self.reasons:
+            cls = IntegrityError if self.integrity_failed else ContractError
+            raise cls(f"replay refused ({len(self.reasons)} reason{'s' * (len(self.reasons) > 1)}):\n  - "
+                      + "\n  - ".join(self.reasons),
+                      where=self.cfg.optimizer_batch.replay_path or "optimizer_batch.replay_path",
+                      hint="fix every listed reason; `replayjob explain CONFIG` re-checks without a model")
+
+    @property
+    def arm(self) -> str:
+        return self.cfg.optimizer_batch.arm or knobs.arm_name(self.allowed, resolved(self.cfg))
+
+    def knob_values(self) -> dict[str, Any]:
+        r = resolved(self.cfg)
+        return {k: knobs.lookup(r, k) for k in sorted(self.allowed)}
+
+
+def _check_runner(adm: Admission) -> None:
+    t = adm.cfg.training
+    if t.trainer != "optimizer_replay":
+        adm.refuse(f"training.trainer must be 'optimizer_replay', found {t.trainer!r}")
+    if t.max_steps != 1:
+        adm.refuse(f"training.max_steps must be 1 (one update), found {t.max_steps}")
+    if t.save_every != 0:
+        adm.refuse(f"training.save_every must be 0, found {t.save_every}")
+    if adm.cfg.optimizer_batch.capture:
+        adm.refuse("optimizer_batch.capture must be false in a replay config")
+
+
+def _check_pins(adm: Admission) -> None:
+    ob = adm.cfg.optimizer_batch
+    for key in ("expected_logical_sha256", "expected_manifest_sha256"):
+        raw = getattr(ob, key)
+        if not raw:
+            adm.refuse(f"optimizer_batch.{key} is required (copy it from the source run's metrics.json)")
+            continue
+        try:
+            adm.pins[key] = normalize_digest(raw, what=f"optimizer_batch.{key}")
+        except IntegrityError as exc:
+            adm.refuse(exc.message, integrity=True)
+    if not ob.replay_path:
+        adm.refuse("optimizer_batch.replay_path is required (the source's "
+                   "optimizer_batch_step_000000.manifest.json)")
+
+
+def _check_artifacts(adm: Admission) -> None:
+    ob = adm.cfg.optimizer_batch
+    if "expected_manifest_sha256" not in adm.pins or not ob.replay_path:
+        return
+    try:
+        m = adm.manifest = read_verified(ob.replay_path, adm.pins["expected_manifest_sha256"])
+    except RefusedError as exc:
+        adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
+        return
+    pin = adm.pins.get("expected_logical_sha256")
+    if pin is not None and pin != m.logical_sha256:
+        adm.refuse(f"wrong logical pin: expected_logical_sha256 is {pin}, the manifest's logical batch is "
+                   f"{m.logical_sha256}", integrity=True)
+    p = m.payload_path
+    try:
+        if p.is_symlink() or not p.is_file():
+            raise IntegrityError("payload missing (or not a regular file)", where=p)
+        size = p.stat().st_size
+        if size != m.payload_size or size > MAX_PAYLOAD_BYTES:
+            raise IntegrityError(f"payload is {size} bytes, the manifest pins {m.payload_size}", where=p)
+        data = p.read_bytes()
+    except OSError as exc:
+        adm.refuse(f"{p}: cannot read the payload: {exc.strerror}", integrity=True)
+        return
+    except IntegrityError as exc:
+        adm.refuse(exc.diagnostics(), integrity=True)
+        return
+    actual = sha256_bytes(data)
+    if actual != m.payload_sha256:
+        adm.refuse(f"{p}: payload SHA-256 is {actual}, the manifest pins {m.payload_sha256} "
+                   "(the payload changed after capture; it was not deserialised)", integrity=True)
+        return
+    try:
+        adm.batch, adm.rng = payload.decode(data, where=p)
+    except IntegrityError as exc:
+        adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
+        return
+    if sorted(adm.rng) != sorted(m.doc["payload"]["rng_keys"]):
+        adm.refuse(f"payload RNG states {sorted(adm.rng)} differ from the manifest's "
+                   f"{m.doc['payload']['rng_keys']}", integrity=True)
+    logical, effective = adm.batch.logical_sha256(), adm.batch.effective_sha256()
+    if logical != m.logical_sha256:
+        adm.refuse(f"payload rows hash to {logical}, the manifest says {m.logical_sha256}", integrity=True)
+    if effective != m.effective_sha256:
+        adm.refuse(f"payload loss-bearing rows hash to {effective}, the manifest says {m.effective_sha256}",
+                   integrity=True)
+
+
+def _check_adapter(adm: Admission) -> None:
+    src = adm.cfg.resume.from_
+    if not src:
+        adm.refuse("resume.from is required: the initialisation state the source started from")
+        return
+    try:
+        st = adm.state = read_state(src)
+    except RefusedError as exc:
+        adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
+        return
+    if st.step != -1:
+        adm.refuse(f"resume.from is a state at step {st.step}; replay starts from the source's "
+                   "initialisation state (step -1)")
+    if adm.manifest is not None and st.adapter_sha256 != adm.manifest.initial_adapter_sha256:
+        adm.refuse(f"adapter hash mismatch: {st.adapter_file} has SHA-256 {st.adapter_sha256}, the source "
+                   f"started from {adm.manifest.initial_adapter_sha256}")
+
+
+def _check_contract_and_config(adm: Admission) -> None:
+    try:
+        adm.contract = optimizer_contract(adm.cfg)
+    except RefusedError as exc:
+        adm.refuse(exc.diagnostics())
+        return
+    m = adm.manifest
+    adm.allowed = sorted(set(adm.cfg.optimizer_batch.allow_config_differences))
+    if m is None:
+        return
+    diff = contract_differences(m.contract, adm.contract)
+    if diff:
+        adm.refuse("optimizer contract differs from the source's at " + ", ".join(diff)
+                   + f" (source {m.doc['contract']['sha256']}, replay {contract_sha256(adm.contract)})")
+    adm.observed = [k for k in differences(m.config, resolved(adm.cfg)) if not knobs.is_ignored(k)]
+    for key in adm.allowed:
+        if key not in knobs.KNOBS:
+            adm.refuse(f"declared difference {key!r} is not a registered systems-only knob (allowed: "
+                       + ", ".join(sorted(knobs.KNOBS)) + ")")
+        elif key not in adm.observed:
+            adm.refuse(f"declared difference {key!r} is not present: source and replay agree on it "
+                       "(a stale allowlist; remove it or change the value)")
+    for key in adm.observed:
+        if key not in adm.allowed:
+            kind = "systems-only knob" if key in knobs.KNOBS else "key that may change the math"
+            adm.refuse(f"undeclared difference {key!r} ({kind}): source "
+                       f"{knobs.lookup(m.config, key)!r}, replay {knobs.lookup(resolved(adm.cfg), key)!r}")
+    declared_knobs = [k for k in adm.allowed if k in knobs.KNOBS and k in adm.observed]
+    if declared_knobs:
+        try:
+            source_cfg = from_dict(m.config)
+        except RefusedError as exc:
+            adm.refuse(f"the source config in the manifest cannot be read back: {exc.diagnostics()}")
+            return
+        for key in declared_knobs:
+            why = knobs.KNOBS[key].refusal(source_cfg, adm.cfg)
+            if why:
+                adm.refuse(f"difference {key!r} is not systems-only here: {why}")
+
+
+def admit(cfg: Config) -> Admission:
+    """Run every admission check on a replay config; never raises for a failed check."""
+    adm = Admission(cfg)
+    _check_runner(adm)
+    _check_pins(adm)
+    _check_artifacts(adm)
+    _check_adapter(adm)
+    _check_contract_and_config(adm)
+    return adm
+
+
+def report(adm: Admission) -> dict[str, Any]:
+    """What was verified and what a replay would do (the ``--json`` output)."""
+    m = adm.manifest
+    out: dict[str, Any] = {
+        "admitted": adm.admitted,
+        "reasons": list(adm.reasons),
+        "pins": dict(adm.pins),
+        "manifest": {"path": str(m.path), "sha256": m.sha256} if m else None,
+        "payload": ({"path": str(m.payload_path), "size": m.payload_size, "sha256": m.payload_sha256}
+                    if m else None),
+        "rows": payload.summary(adm.batch) if adm.batch is not None else None,
+        "optimizer/logical_batch_sha256": adm.batch.logical_sha256() if adm.batch is not None else None,
+        "optimizer/local_effective_rows_sha256":
+            adm.batch.effective_sha256() if adm.batch is not None else None,
+        "initial_adapter": ({"path": str(adm.state.adapter_file), "sha256": adm.state.adapter_sha256}
+                            if adm.state else None),
+        "contract_sha256": contract_sha256(adm.contract) if adm.contract is not None else None,
+        "allowed_config_differences": list(adm.allowed),
+        "observed_config_differences": list(adm.observed),
+        "knobs": adm.knob_values(),
+        "arm": adm.arm,
+        "rng_states": sorted(adm.rng) if adm.rng is not None else None,
+        "skipped": list(SKIPPED),
+        "would": [
+            f"establish determinism (strict={adm.cfg.backend.options.strict_deterministic})",
+            f"build backend {adm.cfg.backend.name!r} on {adm.cfg.backend.torch_device}",
+            "load the pinned initial adapter",
+            "restore the captured Torch RNG states " + ", ".join(sorted(adm.rng or {})),
+            f"one optimizer update on the captured rows (micro_batch_size="
+            f"{adm.cfg.training.micro_batch_size}, gradient_checkpointing="
+            f"{str(adm.cfg.backend.options.gradient_checkpointing).lower()})",
+            "save final_adapter/ and replay_metrics.json",
+        ],
+    }
+    return out
+
+
+def render(rep: dict[str, Any]) -> str:
+    """The human-readable form of :func:`report`."""
+    lines = [f"replay {'ADMITTED' if rep['admitted'] else 'REFUSED'} (arm {rep['arm']})"]
+    for reason in rep["reasons"]:
+        lines.append(f"  refused: {reason}")
+    for k, v in rep["pins"].items():
+        lines.append(f"  pin {k}: {v}")
+    if rep["manifest"]:
+        lines.append(f"  manifest: {rep['manifest']['path']} ({rep['manifest']['sha256']})")
+    if rep["rows"]:
+        r = rep["rows"]
+        lines.append(f"  rows: {r['rows']}, tokens: {r['tokens']}, response tokens: {r['response_tokens']}, "
+                     f"loss-bearing: {r['loss_bearing_tokens']}")
+    lines.append("  allowed differences: " + (", ".join(rep["allowed_config_differences"]) or "none"))
+    lines.append("  observed differences: " + (", ".join(rep["observed_config_differences"]) or "none"))
+    lines.append("  skipped: " + ", ".join(rep["skipped"]))
+    if rep["admitted"]:
+        lines.append("  a replay would:")
+        lines.extend(f"    - {step}" for step in rep["would"])
+    return "\n".join(lines)
+
+
+def explain(config: str | Path, overrides: list[str]) -> tuple[Admission, dict[str, Any]]:
+    """``replayjob explain``: load the config, admit, and build the report."""
+    from replayjob.config import load_config
+
+    adm = admit(load_config(config, overrides))
+    return adm, report(adm)

@@ -1,0 +1,189 @@
+"""The capture manifest: what pins a captured optimizer batch, written last and verified first.
+
+Schema ``replayjob.optimizer_batch_manifest/v1`` (canonical JSON, one object)::
+
+    schema, step
+    producer          replayjob and torch versions, python, device, determinism provenance
+    payload           file (a bare name next to the manifest), size, sha256 (RNG included), rng_keys
+    rows              rows, tokens, response_tokens, loss_bearing_tokens, loss_weight_sum
+    logical_batch_sha256, local_effective_rows_sha256
+    config            resolved (redacted) and its sha256
+    contract          the optimizer contract (redacted) and its sha256
+    initial_adapter   path, size, sha256 of the weight file the source started from
+
+A reader passes the manifest's expected SHA-256: the bytes are hashed before they are parsed, then
+every field is type-checked and the embedded digests recomputed; unknown keys are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from replayjob.digest import normalize_digest, sha256_bytes, sha256_json
+from replayjob.errors import IntegrityError
+from replayjob.fsio import atomic_write_bytes
+from replayjob.jsonio import canonical_bytes, loads_strict
+
+SCHEMA = "replayjob.optimizer_batch_manifest/v1"
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+_KEYS = {"schema", "step", "producer", "payload", "rows", "logical_batch_sha256",
+         "local_effective_rows_sha256", "config", "contract", "initial_adapter"}
+
+
+def file_stem(step: int) -> str:
+    return f"optimizer_batch_step_{step:06d}"
+
+
+def payload_name(step: int) -> str:
+    return file_stem(step) + ".safetensors"
+
+
+def manifest_name(step: int) -> str:
+    return file_stem(step) + ".manifest.json"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path
+    sha256: str
+    doc: dict[str, Any]
+
+    @property
+    def payload_path(self) -> Path:
+        return self.path.parent / str(self.doc["payload"]["file"])
+
+    @property
+    def payload_sha256(self) -> str:
+        return str(self.doc["payload"]["sha256"])
+
+    @property
+    def payload_size(self) -> int:
+        return int(self.doc["payload"]["size"])
+
+    @property
+    def logical_sha256(self) -> str:
+        return str(self.doc["logical_batch_sha256"])
+
+    @property
+    def effective_sha256(self) -> str:
+        return str(self.doc["local_effective_rows_sha256"])
+
+    @property
+    def config(self) -> dict[str, Any]:
+        out: dict[str, Any] = self.doc["config"]["resolved"]
+        return out
+
+    @property
+    def contract(self) -> dict[str, Any]:
+        out: dict[str, Any] = self.doc["contract"]["value"]
+        return out
+
+    @property
+    def initial_adapter_sha256(self) -> str:
+        return str(self.doc["initial_adapter"]["sha256"])
+
+
+def build(*, step: int, producer: dict[str, Any], payload_file: str, payload: bytes, rng_keys: list[str],
+          rows: dict[str, Any], logical: str, effective: str, resolved_config: dict[str, Any],
+          contract: dict[str, Any], adapter_path: Path, adapter_size: int, adapter_sha256: str
+          ) -> dict[str, Any]:
+    """The manifest document (nothing is written)."""
+    return {
+        "schema": SCHEMA,
+        "step": step,
+        "producer": producer,
+        "payload": {"file": payload_file, "size": len(payload), "sha256": sha256_bytes(payload),
+                    "rng_keys": sorted(rng_keys)},
+        "rows": rows,
+        "logical_batch_sha256": logical,
+        "local_effective_rows_sha256": effective,
+        "config": {"sha256": sha256_json(resolved_config), "resolved": resolved_config},
+        "contract": {"sha256": sha256_json(contract), "value": contract},
+        "initial_adapter": {"path": str(adapter_path), "size": adapter_size, "sha256": adapter_sha256},
+    }
+
+
+def write(path: Path, doc: dict[str, Any]) -> str:
+    """Write the manifest atomically and exclusively (never over an existing one); return its SHA-256."""
+    data = canonical_bytes(doc) + b"\n"
+    atomic_write_bytes(path, data, exclusive=True)
+    return sha256_bytes(data)
+
+
+def _need(cond: bool, what: str, where: Path) -> None:
+    if not cond:
+        raise IntegrityError(f"manifest field {what}", where=where,
+                             hint="the manifest is malformed; recapture the source step")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _hex(v: Any, what: str, where: Path) -> None:
+    try:
+        _need(normalize_digest(v, what=what) == v, f"{what} is not a lowercase hex SHA-256", where)
+    except IntegrityError as exc:
+        raise IntegrityError(f"manifest field {exc.message}", where=where) from None
+
+
+def validate(doc: Any, where: Path) -> dict[str, Any]:
+    """Check every field's presence and type, and recompute the embedded digests."""
+    _need(isinstance(doc, dict), "document must be a JSON object", where)
+    _need(doc.get("schema") == SCHEMA, f"'schema' must be {SCHEMA!r}, found {doc.get('schema')!r}", where)
+    _need(set(doc) == _KEYS, f"keys must be exactly {sorted(_KEYS)}; unknown "
+          f"{sorted(set(doc) - _KEYS)}, missing {sorted(_KEYS - set(doc))}", where)
+    _need(_is_int(doc["step"]) and doc["step"] == 0, "'step' must be 0 (capture covers step zero only)", where)
+    for sec in ("producer", "payload", "rows", "config", "contract", "initial_adapter"):
+        _need(isinstance(doc[sec], dict), f"'{sec}' must be an object", where)
+    p = doc["payload"]
+    _need(set(p) == {"file", "size", "sha256", "rng_keys"}, "'payload' needs file, size, sha256, rng_keys",
+          where)
+    name = p["file"]
+    _need(isinstance(name, str) and name.endswith(".safetensors") and "/" not in name and "\\" not in name
+          and not name.startswith(".") and name == Path(name).name,
+          f"'payload.file' must be a bare .safetensors file name, found {name!r}", where)
+    _need(_is_int(p["size"]) and p["size"] > 0, "'payload.size' must be a positive integer", where)
+    _hex(p["sha256"], "payload.sha256", where)
+    _need(isinstance(p["rng_keys"], list) and "cpu" in p["rng_keys"]
+          and all(isinstance(k, str) for k in p["rng_keys"]), "'payload.rng_keys' must list 'cpu'", where)
+    _hex(doc["logical_batch_sha256"], "logical_batch_sha256", where)
+    _hex(doc["local_effective_rows_sha256"], "local_effective_rows_sha256", where)
+    for sec, inner in (("config", "resolved"), ("contract", "value")):
+        s = doc[sec]
+        _need(set(s) == {"sha256", inner} and isinstance(s[inner], dict),
+              f"'{sec}' needs sha256 and an object '{inner}'", where)
+        _hex(s["sha256"], f"{sec}.sha256", where)
+        _need(sha256_json(s[inner]) == s["sha256"], f"'{sec}.sha256' does not match its content", where)
+    a = doc["initial_adapter"]
+    _need(set(a) == {"path", "size", "sha256"} and isinstance(a["path"], str) and _is_int(a["size"]),
+          "'initial_adapter' needs path (string), size (integer), sha256", where)
+    _hex(a["sha256"], "initial_adapter.sha256", where)
+    rows = doc["rows"]
+    _need(all(_is_int(rows.get(k)) for k in ("rows", "tokens", "response_tokens", "loss_bearing_tokens")),
+          "'rows' needs integer rows, tokens, response_tokens, loss_bearing_tokens", where)
+    return doc
+
+
+def read_verified(path: str | Path, expected_sha256: str) -> Manifest:
+    """Hash the manifest bytes, compare with the pin, and only then parse and validate them."""
+    p = Path(path)
+    pin = normalize_digest(expected_sha256, what="expected_manifest_sha256")
+    try:
+        if p.is_symlink() or not p.is_file():
+            raise IntegrityError("capture manifest not found (or not a regular file)", where=p,
+                                 hint="point optimizer_batch.replay_path at the source run's "
+                                      "optimizer_batch_step_000000.manifest.json")
+        if p.stat().st_size > MAX_MANIFEST_BYTES:
+            raise IntegrityError(f"manifest is above the {MAX_MANIFEST_BYTES}-byte limit", where=p)
+        data = p.read_bytes()
+    except OSError as exc:
+        raise IntegrityError(f"cannot read the manifest: {exc.strerror}", where=p) from None
+    actual = sha256_bytes(data)
+    if actual != pin:
+        raise IntegrityError(f"manifest SHA-256 is {actual}, the pin expected_manifest_sha256 is {pin}",
+                             where=p, hint="the manifest changed after capture, or the pin is from "
+                                           "another run; use the digest the source run printed")
+    return Manifest(p, actual, validate(loads_strict(data, where=p), p))

@@ -1,0 +1,171 @@
+"""Replay (``training.trainer = "optimizer_replay"``): one optimizer update on captured rows.
+
+Order, mirroring the source trainer's construction: admission (every pin, the contract and the
+declared differences, see :mod:`~replayjob.optbatch.explain`), determinism controls, the backend,
+the pinned adapter (its hash re-checked after loading), a fresh optimizer, then the captured Torch
+RNG state, restored after construction, then exactly one :func:`~replayjob.rl.update.optimizer_update`
+(the one the trainer uses) and the final adapter.  No dataset, environment, rollout or sampling
+module is imported.
+
+``replay_metrics.json`` (see ``docs/replay-metrics.md``) stands alone.  ``--repeat N`` runs N
+replays, each in a fresh ``python -m replayjob replay`` process so timings are independent, in
+``DIR/repeat-000`` ...; each child gets its index through the internal ``--repeat-index`` option.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import replayjob
+from replayjob import determinism
+from replayjob.config import Config, config_sha256, load_config
+from replayjob.digest import sha256_file
+from replayjob.errors import ArtifactExistsError, ContractError, ReplayjobError, UsageError
+from replayjob.fsio import atomic_write_bytes
+from replayjob.jsonio import pretty_bytes, read_json_object
+from replayjob.model.backend import load_backend
+from replayjob.optbatch.explain import SKIPPED, Admission, admit
+from replayjob.rl.diag import peak_memory_value
+from replayjob.rl.state import check_model, restore_rng
+from replayjob.rl.update import make_optimizer, optimizer_update
+
+METRICS_SCHEMA = "replayjob.replay_metrics/v1"
+METRICS_FILE = "replay_metrics.json"
+FINAL_ADAPTER_DIR = "final_adapter"
+
+
+def _runtime_checkpointing(model: torch.nn.Module, declared: bool) -> bool:
+    """The gradient-checkpointing flag as the model reports it at run time."""
+    flag = getattr(model, "is_gradient_checkpointing", None)
+    return bool(flag) if isinstance(flag, bool) else declared
+
+
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    """Rows of the input embedding (a captured token id must index it)."""
+    get = getattr(model, "get_input_embeddings", None)
+    n = getattr(get(), "num_embeddings", None) if callable(get) else None
+    return n if isinstance(n, int) else None
+
+
+def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
+    """Admit, then run one replay into ``out``; return (and write) replay_metrics.json."""
+    if repeat_index < 0:
+        raise UsageError(f"--repeat-index must be >= 0, found {repeat_index}")
+    adm = admit(cfg)
+    adm.raise_if_refused()
+    for name in (METRICS_FILE, FINAL_ADAPTER_DIR):
+        if (out / name).exists():
+            raise ArtifactExistsError("output directory already holds a replay", where=out / name,
+                                      hint="choose a new --out directory")
+    assert adm.manifest and adm.batch is not None and adm.rng is not None and adm.state  # admitted
+    t_start = time.perf_counter()
+    strict = cfg.backend.options.strict_deterministic
+    prov = determinism.establish(strict=strict, seed=cfg.training.seed)
+    policy = load_backend(cfg.backend.name).build(cfg)
+    determinism.mark_model_built(strict)
+    prov["attn_implementation"] = cfg.backend.options.attn_implementation
+    prov["device"] = str(policy.device)
+    check_model(adm.state, policy.model_reference())
+    policy.load_adapter(adm.state.adapter_file)
+    loaded_sha = sha256_file(adm.state.adapter_file)
+    if loaded_sha != adm.manifest.initial_adapter_sha256:
+        raise ContractError(f"adapter file changed while loading (SHA-256 {loaded_sha})",
+                            where=adm.state.adapter_file)
+    vocab = _vocab_size(policy.model) or policy.tokenizer.vocab_size
+    top = int(adm.batch.tokens.max())
+    if top >= vocab:
+        raise ContractError(f"captured token id {top} is outside this model's vocabulary ({vocab})",
+                            where=adm.manifest.payload_path)
+    optimizer = make_optimizer(policy, cfg)
+    restore_rng(adm.rng)
+    if policy.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(policy.device)
+    t0 = time.perf_counter()
+    res = optimizer_update(policy, optimizer, adm.batch, cfg)
+    local_train_wall_s = time.perf_counter() - t0
+    peak = peak_memory_value(policy.device)
+    final_file = policy.save_adapter(out / FINAL_ADAPTER_DIR)
+    metrics = _metrics(adm, cfg, repeat_index, res, local_train_wall_s, peak, policy.device,
+                       _runtime_checkpointing(policy.model, policy.gradient_checkpointing))
+    metrics.update({
+        "optimizer_batch/final_adapter_sha256": sha256_file(final_file),
+        "final_adapter_path": str(final_file.relative_to(out)),
+        "provenance": prov,
+        "wall_s": time.perf_counter() - t_start,
+    })
+    atomic_write_bytes(out / METRICS_FILE, pretty_bytes(metrics), exclusive=True)
+    return metrics
+
+
+def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_train_wall_s: float,
+             peak: int, device: torch.device, checkpointing: bool) -> dict[str, Any]:
+    assert adm.manifest is not None and adm.batch is not None and adm.rng is not None
+    from replayjob.optbatch.payload import summary
+
+    m = adm.manifest
+    return {
+        "schema": METRICS_SCHEMA,
+        "replayjob_version": replayjob.__version__,
+        "torch_version": torch.__version__,
+        "device": str(device),
+        "arm": adm.arm,
+        "repeat_index": repeat_index,
+        "pins": {"expected_logical_sha256": adm.pins["expected_logical_sha256"],
+                 "expected_manifest_sha256": adm.pins["expected_manifest_sha256"],
+                 "payload_sha256": m.payload_sha256},
+        "optimizer/logical_batch_sha256": adm.batch.logical_sha256(),
+        "optimizer/local_effective_rows_sha256": adm.batch.effective_sha256(),
+        "optimizer_batch/manifest_sha256": m.sha256,
+        "optimizer_batch/initial_adapter_sha256": m.initial_adapter_sha256,
+        "allowed_config_differences": list(adm.allowed),
+        "observed_config_differences": list(adm.observed),
+        "knobs": adm.knob_values(),
+        "skipped": list(SKIPPED),
+        "runtime": {"gradient_checkpointing": checkpointing},
+        "loss": res.loss,
+        "grad_norm": res.grad_norm,
+        "timing": {"local_train_wall_s": local_train_wall_s, "forward_wall_s": res.forward_wall_s,
+                   "backward_wall_s": res.backward_wall_s, "optimizer_wall_s": res.optimizer_wall_s},
+        "memory": {"peak_bytes": peak,
+                   "kind": "cuda_max_allocated" if device.type == "cuda" else "max_rss"},
+        "padding": {"real_tokens": res.real_tokens, "padded_tokens": res.padded_tokens,
+                    "padding_fraction": res.padding_fraction, "micro_batches": res.micro_batches},
+        "rows": summary(adm.batch),
+        "rng_restored": sorted(adm.rng),
+        "tolerances_sha256": cfg.optimizer_batch.tolerances_sha256,
+        "config_sha256": config_sha256(cfg),
+    }
+
+
+def replay_command(config: str | Path, overrides: list[str], out: str | Path | None,
+                   repeat: int | None, repeat_index: int) -> list[tuple[Path, dict[str, Any]]]:
+    """``replayjob replay``: one replay in this process, or ``repeat`` fresh-process replays."""
+    cfg = load_config(config, overrides)
+    out_dir = Path(out or cfg.logging.dir)
+    if repeat is None:
+        return [(out_dir, replay(cfg, out_dir, repeat_index))]
+    if repeat < 1:
+        raise UsageError(f"--repeat must be >= 1, found {repeat}")
+    admit(cfg).raise_if_refused()  # refuse once, before starting N processes
+    dirs = [out_dir / f"repeat-{i:03d}" for i in range(repeat)]
+    for d in dirs:
+        if (d / METRICS_FILE).exists() or (d / FINAL_ADAPTER_DIR).exists():
+            raise ArtifactExistsError("a replay already exists here", where=d, hint="choose a new --out")
+    results = []
+    for i, d in enumerate(dirs):
+        argv = [sys.executable, "-m", "replayjob", "replay", str(Path(config).resolve()), "--out", str(d),
+                "--repeat-index", str(i)]
+        for item in overrides:
+            argv += ["--set", item]
+        proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip()[-2000:]
+            raise ReplayjobError(f"repeat {i} exited with status {proc.returncode}: {tail}", where=d)
+        results.append((d, read_json_object(d / METRICS_FILE)))
+    return results

@@ -1,0 +1,307 @@
+#!/usr/bin/env bash
+# Submit an ablation to Slurm: capture -> a job array of replays (arms x repeats) -> reduce.
+#
+#   scripts/slurm/submit.sh --out /shared/runs/ab1 --wait && next-step
+#   scripts/slurm/submit.sh --spec ablation.toml --arms ckpt-off,ckpt-on --repeats 5 \
+#       --out /shared/runs/ab2 --partition gpu --image /shared/images/replayjob.sif --wait
+#
+# Three jobs, chained by Slurm dependencies:
+#   capture  replayjob init (unless --workspace) + replayjob capture  -> <out>/source
+#   replay   --array=0..arms*repeats-1, --dependency=afterok:<capture>, --exclusive, --gres=gpu:N;
+#            task i = (arm, repeat) from the shared ablation spec    -> <out>/replays/task-<i>
+#   reduce   --dependency=afterany:<array> (a failed replay is missing evidence, never dropped)
+#            replayjob reduce ... --out <out>/verdict.json; its exit code is the verdict's
+# --wait blocks until reduce ends and exits with its code: 0 pass, 1 fail, 2 refused (also when the
+# reduce job ended without a verdict: cancelled, timed out, node failure).  Capture and replays are
+# requeued by Slurm only after infrastructure failures (--requeue: node failure, preemption), never
+# for exit 1 or 2; reduce is never requeued.  <out> and this checkout must be on a filesystem every
+# node sees.  Slurm-side settings are in <out>/slurm/job.env, logs in <out>/logs/.
+set -euo pipefail
+
+SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$SCRIPTS/../.." && pwd)
+
+usage() {
+  cat <<EOF
+usage: $(basename "$0") --out DIR [options]
+
+Options:
+  --out DIR              run directory on a filesystem every node sees (required; must be new)
+  --spec FILE            ablation spec TOML (default: $REPO/examples/ablation.toml)
+  --arms LIST            comma-separated subset of the spec's arms (default: all, in file order)
+  --repeats N            replays per arm (default: the spec's repeats)
+  --claim CLAIM          exact-input or bitwise (default: the spec's claim)
+  --min-repeats N        fewest fresh replays per arm the reducer accepts (default: the spec's)
+  --partition P          Slurm partition for every job (default: the cluster's default)
+  --gpus-per-task N      GPUs per capture and replay task, as --gres=gpu:N (default 1);
+                         0 drops every GPU request and runs on CPU (device "cpu")
+  --image IMAGE          run replayjob from a container image (a .sif file, or docker://...)
+                         with apptainer or singularity: --nv when GPUs are requested, <out> bound
+  --container CMD        apptainer or singularity (default: whichever the node has)
+  --bind SRC[:DST]       extra bind mount for --image (repeatable), e.g. a model directory
+  --venv DIR             run replayjob from a virtual environment (default: $REPO/.venv)
+  --workspace DIR        an existing 'replayjob init' directory (default: <out>/workspace, made
+                         by the capture job)
+  --source DIR           reuse a finished capture (its metrics.json); needs --workspace; no
+                         capture job is submitted
+  --sbatch-arg ARG       extra sbatch option for every job (repeatable): --account=A, --time=...
+  --plant ARM:KEY=VALUE  negative control: an undeclared override in one arm's replays, which
+                         the gate must reject (repeatable)
+  --wait                 block until the reduce job ends; exit with its code
+  --dry-run              print the sbatch commands; submit and write nothing
+  -h, --help             show this help
+
+Exit codes: 0 submitted (with --wait: pass), 1 fail, 2 refused or no verdict.
+EOF
+}
+
+die() {
+  echo "submit: $*" >&2
+  exit 2
+}
+
+need_value() { if [ "$#" -lt 2 ] || [ -z "$2" ]; then die "$1 needs a value (see --help)"; fi; }
+is_count() { [[ "$1" =~ ^[0-9]+$ ]]; }
+abspath() { if [[ "$1" = /* ]]; then echo "$1"; else echo "$PWD/$1"; fi; }
+
+OUT="" SPEC="$REPO/examples/ablation.toml" ARMS="" REPEATS="" CLAIM="" MIN_REPEATS=""
+PARTITION="" GPUS=1 IMAGE="" CONTAINER="" VENV="" WORKSPACE="" SOURCE="" WAIT=0 DRY_RUN=0
+BINDS=() SBATCH_ARGS=() PLANTED=()
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    --out) need_value "$@"; OUT=$2; shift ;;
+    --spec) need_value "$@"; SPEC=$2; shift ;;
+    --arms) need_value "$@"; ARMS=$2; shift ;;
+    --repeats) need_value "$@"; REPEATS=$2; shift ;;
+    --claim) need_value "$@"; CLAIM=$2; shift ;;
+    --min-repeats) need_value "$@"; MIN_REPEATS=$2; shift ;;
+    --partition) need_value "$@"; PARTITION=$2; shift ;;
+    --gpus-per-task) need_value "$@"; GPUS=$2; shift ;;
+    --image) need_value "$@"; IMAGE=$2; shift ;;
+    --container) need_value "$@"; CONTAINER=$2; shift ;;
+    --bind) need_value "$@"; BINDS+=("$2"); shift ;;
+    --venv) need_value "$@"; VENV=$2; shift ;;
+    --workspace) need_value "$@"; WORKSPACE=$2; shift ;;
+    --source) need_value "$@"; SOURCE=$2; shift ;;
+    --sbatch-arg) need_value "$@"; SBATCH_ARGS+=("$2"); shift ;;
+    --plant) need_value "$@"; PLANTED+=("$2"); shift ;;
+    --wait) WAIT=1 ;;
+    --dry-run) DRY_RUN=1 ;;
+    -h | --help) usage; exit 0 ;;
+    *) die "unknown option '$1' (see --help)" ;;
+  esac
+  shift
+done
+
+# ---- validate -------------------------------------------------------------------------------
+[ -n "$OUT" ] || die "--out DIR is required (a new run directory on a shared filesystem)"
+OUT=$(abspath "$OUT")
+is_count "$GPUS" || die "--gpus-per-task expects an integer >= 0, got '$GPUS'"
+[ -z "$REPEATS" ] || { is_count "$REPEATS" && [ "$REPEATS" -ge 1 ]; } \
+  || die "--repeats expects an integer >= 1, got '$REPEATS'"
+[ -z "$MIN_REPEATS" ] || { is_count "$MIN_REPEATS" && [ "$MIN_REPEATS" -ge 1 ]; } \
+  || die "--min-repeats expects an integer >= 1, got '$MIN_REPEATS'"
+[ -f "$SPEC" ] || die "ablation spec $SPEC not found; pass --spec FILE"
+SPEC=$(abspath "$SPEC")
+[ -z "$IMAGE" ] || [ -z "$VENV" ] || die "--image and --venv exclude each other"
+if [ -n "$IMAGE" ]; then
+  [[ "$IMAGE" = *://* ]] || { [ -f "$IMAGE" ] && IMAGE=$(abspath "$IMAGE"); } \
+    || die "--image $IMAGE: no such file (give a .sif path or a docker:// reference)"
+  VENV=""
+else
+  [ "${#BINDS[@]}" -eq 0 ] || die "--bind applies to --image only"
+  VENV=$(abspath "${VENV:-$REPO/.venv}")
+  [ -x "$VENV/bin/replayjob" ] \
+    || die "no replayjob in $VENV (create it with scripts/setup.sh, or pass --venv DIR or --image)"
+fi
+INIT_WORKSPACE=0
+if [ -n "$WORKSPACE" ]; then
+  WORKSPACE=$(abspath "$WORKSPACE")
+  if [ ! -f "$WORKSPACE/source.toml" ] || [ ! -f "$WORKSPACE/replay.toml" ]; then
+    die "--workspace $WORKSPACE holds no source.toml and replay.toml (make one with replayjob init)"
+  fi
+else
+  WORKSPACE=$OUT/workspace
+  INIT_WORKSPACE=1
+fi
+if [ -n "$SOURCE" ]; then
+  SOURCE=$(abspath "$SOURCE")
+  [ "$INIT_WORKSPACE" = 0 ] || die "--source needs --workspace (the workspace the capture ran from)"
+  [ -f "$SOURCE/metrics.json" ] || die "--source $SOURCE holds no metrics.json (not a finished capture)"
+else
+  SOURCE=$OUT/source
+fi
+for plant in "${PLANTED[@]}"; do
+  [[ "$plant" =~ ^[a-z0-9-]+:[a-z_][a-z0-9_.]*=.+$ ]] || die "--plant expects ARM:KEY=VALUE, got '$plant'"
+done
+if [ "$DRY_RUN" = 0 ]; then
+  command -v sbatch >/dev/null 2>&1 || die "sbatch not found: run this on a Slurm login node"
+  [ ! -e "$OUT/slurm/job.env" ] || die "$OUT already holds a submission; choose a new --out"
+fi
+
+# ---- the fan-out, from the shared ablation spec ----------------------------------------------
+# shellcheck source=scripts/slurm/lib.sh
+. "$SCRIPTS/lib.sh"
+REPLAYJOB_IMAGE=$IMAGE REPLAYJOB_CONTAINER=$CONTAINER REPLAYJOB_VENV=$VENV REPLAYJOB_OUT=$OUT
+REPLAYJOB_GPUS=0 REPLAYJOB_DETERMINISM_ENV=() REPLAYJOB_BINDS=("${BINDS[@]}" "$(dirname "$SPEC")")
+replayjob_cmd
+SELECT=()
+[ -z "$ARMS" ] || SELECT+=(--arms "$ARMS")
+[ -z "$REPEATS" ] || SELECT+=(--repeats "$REPEATS")
+[ "$GPUS" -gt 0 ] || SELECT+=(--device cpu)
+plan=$("${REPLAYJOB[@]}" ablation plan "$SPEC" "${SELECT[@]}") || die "the ablation spec was refused"
+SIZE="" SEED="" DEVICE="" ENV_PINS=() CONFIG_SETS=() TASK_ARMS=() PLAN_MIN="" PLAN_CLAIM="" ARM_NAMES=""
+while IFS= read -r line; do
+  case "$line" in
+    size=*) SIZE=${line#size=} ;;
+    seed=*) SEED=${line#seed=} ;;
+    device=*) DEVICE=${line#device=} ;;
+    claim=*) PLAN_CLAIM=${line#claim=} ;;
+    min_repeats=*) PLAN_MIN=${line#min_repeats=} ;;
+    arms=*) ARM_NAMES=${line#arms=} ;;
+    env=*) ENV_PINS+=("${line#env=}") ;;
+    config=*) CONFIG_SETS+=("${line#config=}") ;;
+    task=*)
+      task=${line#task=}
+      TASK_ARMS+=("$(cut -d: -f2 <<<"$task")")
+      ;;
+  esac
+done <<<"$plan"
+if ! is_count "$SIZE" || [ "$SIZE" -lt 1 ] || [ -z "$SEED" ] || [ "${#TASK_ARMS[@]}" -ne "$SIZE" ]; then
+  die "unexpected plan from replayjob: $plan"
+fi
+CLAIM=${CLAIM:-$PLAN_CLAIM}
+MIN_REPEATS=${MIN_REPEATS:-$PLAN_MIN}
+for plant in "${PLANTED[@]}"; do
+  [[ ",$ARM_NAMES," = *",${plant%%:*},"* ]] || die "--plant names arm '${plant%%:*}', not one of $ARM_NAMES"
+done
+[ "$GPUS" -eq 0 ] || [ "$DEVICE" = cuda ] || echo "submit: note: the spec runs on $DEVICE with $GPUS GPU(s) requested" >&2
+
+# ---- the three jobs -----------------------------------------------------------------------------
+JOB_ENV=$OUT/slurm/job.env
+common=(--parsable --chdir "$OUT")
+[ -z "$PARTITION" ] || common+=(--partition "$PARTITION")
+common+=("${SBATCH_ARGS[@]}")
+gres=()
+[ "$GPUS" -eq 0 ] || gres=("--gres=gpu:$GPUS")
+capture_cmd=(sbatch "${common[@]}" --job-name replayjob-capture --output "$OUT/logs/capture-%j.out"
+  --requeue "${gres[@]}" "$SCRIPTS/capture.sbatch" "$JOB_ENV")
+replay_cmd=(sbatch "${common[@]}" --job-name replayjob-replay --output "$OUT/logs/replay-%A_%a.out"
+  --array "0-$((SIZE - 1))" --exclusive --requeue "${gres[@]}")
+reduce_cmd=(sbatch "${common[@]}" --job-name replayjob-reduce --output "$OUT/logs/reduce-%j.out"
+  --no-requeue)
+
+if [ "$DRY_RUN" = 1 ]; then
+  echo "# plan: $SIZE replays (arms $ARM_NAMES), claim $CLAIM, min repeats $MIN_REPEATS, device $DEVICE"
+  show() {
+    local line
+    line=$(printf '%q ' "$@")
+    echo "${line% }"
+  }
+  if [ "$SOURCE" = "$OUT/source" ]; then
+    show "${capture_cmd[@]}"
+    show "${replay_cmd[@]}" --dependency=afterok:CAPTURE_ID --kill-on-invalid-dep=yes "$SCRIPTS/replay.sbatch" "$JOB_ENV"
+  else
+    show "${replay_cmd[@]}" "$SCRIPTS/replay.sbatch" "$JOB_ENV"
+  fi
+  show "${reduce_cmd[@]}" --dependency=afterany:REPLAY_ID "$SCRIPTS/reduce.sbatch" "$JOB_ENV"
+  exit 0
+fi
+
+mkdir -p "$OUT/slurm" "$OUT/logs"
+cp "$SPEC" "$OUT/slurm/ablation.toml"
+{
+  echo "# Written by scripts/slurm/submit.sh; sourced by the job scripts."
+  # shellcheck disable=SC2034  # read by the job scripts through declare -p
+  (
+    REPLAYJOB_SCRIPTS=$SCRIPTS REPLAYJOB_SPEC=$OUT/slurm/ablation.toml REPLAYJOB_SELECT=("${SELECT[@]}")
+    REPLAYJOB_WORKSPACE=$WORKSPACE REPLAYJOB_INIT_WORKSPACE=$INIT_WORKSPACE REPLAYJOB_SOURCE=$SOURCE
+    REPLAYJOB_SEED=$SEED REPLAYJOB_CLAIM=$CLAIM REPLAYJOB_MIN_REPEATS=$MIN_REPEATS REPLAYJOB_GPUS=$GPUS
+    REPLAYJOB_BINDS=("${BINDS[@]}")
+    [ "$WORKSPACE" = "$OUT/workspace" ] || REPLAYJOB_BINDS+=("$WORKSPACE")
+    [ "$SOURCE" = "$OUT/source" ] || REPLAYJOB_BINDS+=("$SOURCE")
+    REPLAYJOB_DETERMINISM_ENV=("${ENV_PINS[@]}") REPLAYJOB_CONFIG_SETS=("${CONFIG_SETS[@]}")
+    REPLAYJOB_PLANTED=("${PLANTED[@]}") REPLAYJOB_TASK_ARMS=("${TASK_ARMS[@]}")
+    declare -p REPLAYJOB_OUT REPLAYJOB_SCRIPTS REPLAYJOB_SPEC REPLAYJOB_SELECT REPLAYJOB_WORKSPACE \
+      REPLAYJOB_INIT_WORKSPACE REPLAYJOB_SOURCE REPLAYJOB_SEED REPLAYJOB_CLAIM REPLAYJOB_MIN_REPEATS \
+      REPLAYJOB_GPUS REPLAYJOB_IMAGE REPLAYJOB_CONTAINER REPLAYJOB_VENV REPLAYJOB_BINDS \
+      REPLAYJOB_DETERMINISM_ENV REPLAYJOB_CONFIG_SETS REPLAYJOB_PLANTED REPLAYJOB_TASK_ARMS
+  )
+} >"$JOB_ENV.tmp"
+mv "$JOB_ENV.tmp" "$JOB_ENV"
+
+first_id() { local id; id=$("$@") || return 1; echo "${id%%;*}"; }
+submitted=()
+refused() {  # a half-submitted chain would run without its gate: cancel what was submitted
+  [ "${#submitted[@]}" -eq 0 ] || scancel "${submitted[@]}" || true
+  die "sbatch refused the $1${submitted[*]:+; cancelled job(s) ${submitted[*]}}"
+}
+dep=()
+capture_id=""
+if [ "$SOURCE" = "$OUT/source" ]; then
+  capture_id=$(first_id "${capture_cmd[@]}") || refused "capture job"
+  submitted+=("$capture_id")
+  dep=("--dependency=afterok:$capture_id" --kill-on-invalid-dep=yes)
+fi
+replay_id=$(first_id "${replay_cmd[@]}" "${dep[@]}" "$SCRIPTS/replay.sbatch" "$JOB_ENV") \
+  || refused "replay array"
+submitted+=("$replay_id")
+reduce_id=$(first_id "${reduce_cmd[@]}" "--dependency=afterany:$replay_id" "$SCRIPTS/reduce.sbatch" "$JOB_ENV") \
+  || refused "reduce job"
+printf 'capture=%s\nreplay=%s\nreduce=%s\n' "$capture_id" "$replay_id" "$reduce_id" >"$OUT/slurm/jobs"
+echo "submit: capture ${capture_id:-(reusing $SOURCE)}, replays $replay_id (array 0-$((SIZE - 1)):" \
+  "arms $ARM_NAMES), reduce $reduce_id; claim $CLAIM, min repeats $MIN_REPEATS, gpus/task $GPUS"
+echo "submit: run directory $OUT (logs in $OUT/logs, verdict $OUT/verdict.json)"
+[ "$WAIT" = 1 ] || exit 0
+
+# ---- --wait: block until reduce ends, exit with its code --------------------------------------
+POLL_S=${REPLAYJOB_SLURM_POLL_S:-10}
+all_ids=$capture_id${capture_id:+,}$replay_id,$reduce_id
+trap 'echo "submit: interrupted; the jobs keep running (scancel ${all_ids//,/ } to stop them)" >&2; exit 130' INT TERM
+
+field() { sed -n "s/.*[[:space:]]$1=\([^[:space:]]*\).*/\1/p" <<<" $2" | head -n 1; }
+
+last=""
+while :; do
+  record=$(scontrol show job -o "$reduce_id" 2>/dev/null || true)
+  if [ -z "$record" ]; then
+    if command -v sacct >/dev/null 2>&1 && acct=$(sacct -n -X -P -j "$reduce_id" -o State,ExitCode 2>/dev/null) \
+      && [ -n "$acct" ]; then
+      acct=$(head -n 1 <<<"$acct")
+      record="JobState=$(cut -d' ' -f1 <<<"${acct%%|*}") ExitCode=${acct#*|}"
+    else
+      die "slurmctld no longer knows reduce job $reduce_id and there is no accounting; read $OUT/verdict.json"
+    fi
+  fi
+  state=$(field JobState "$record")
+  queue=$(squeue -h -j "$all_ids" -o '%i:%T' 2>/dev/null | tr '\n' ' ' || true)
+  if [ "$queue" != "$last" ]; then
+    echo "submit: $(date +%H:%M:%S) ${queue:-reduce $state}"
+    last=$queue
+  fi
+  case "$state" in
+    PENDING | CONFIGURING | RUNNING | COMPLETING | REQUEUED | REQUEUE_HOLD | REQUEUE_FED | RESIZING \
+      | SUSPENDED | STAGE_OUT | SIGNALING | "")
+      sleep "$POLL_S"
+      ;;
+    *) break ;;
+  esac
+done
+trap - INT TERM
+
+exit_code=$(field ExitCode "$record")
+status=${exit_code%%:*} signal=${exit_code#*:}
+tasks=$(scontrol show job -o "$replay_id" 2>/dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' | sort | uniq -c \
+  | awk '{printf "%s%s %s", sep, $1, $2; sep=", "}' || true)
+echo "submit: replay tasks: ${tasks:-unknown}"
+if [ "$state" = COMPLETED ] || { [ "$state" = FAILED ] && [ "$signal" = 0 ] && is_count "$status"; }; then
+  [ "$state" != COMPLETED ] || status=0
+  if [ ! -f "$OUT/verdict.json" ]; then
+    echo "submit: reduce exited $status but wrote no $OUT/verdict.json; refused" >&2
+    exit 2
+  fi
+  echo "submit: reduce exited $status; verdict $OUT/verdict.json (log $OUT/logs/reduce-$reduce_id.out)"
+  exit "$status"
+fi
+echo "submit: reduce job $reduce_id ended $state (exit $exit_code) without a verdict; refused" >&2
+exit 2

@@ -1,0 +1,92 @@
+"""Every benchmark's ``--smoke`` mode runs and writes a valid result; nothing here asserts a time.
+
+The Python benchmarks run in-process (their models and imports are already warm in the test
+session) with ``--results`` in a temporary directory; ``reduce_many``'s smoke run is covered by
+the reducer's own tests.  ``gpu_ablation.sh`` is checked with ``--dry-run`` (the full GPU plan),
+shellcheck where it is installed, and ``--tiny`` (the whole chain on CPU, fresh processes).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks import common
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu_ablation.sh"
+SMOKE = ["capture_overhead", "verify_throughput", "cli_startup", "diag_diff", "bundle_recompute"]
+
+
+def check_result(path: Path, name: str, *, smoke: bool) -> dict[str, object]:
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == common.SCHEMA and doc["benchmark"] == name
+    assert doc["mode"] == ("smoke" if smoke else "full")
+    assert isinstance(doc["ratio"], float) and math.isfinite(doc["ratio"]) and doc["ratio"] > 0
+    assert doc["target"]["op"] in ("<=", ">=") and isinstance(doc["target"]["value"], int | float)
+    assert doc["target_met"] is None if smoke else isinstance(doc["target_met"], bool)
+    assert doc["ratio_definition"] and doc["baseline"] and isinstance(doc["measurements"], dict)
+    assert doc["machine"]["logical_cores"] >= 1 and doc["machine"]["summary"]
+    return doc
+
+
+@pytest.mark.parametrize("name", SMOKE)
+def test_smoke_mode_runs_and_writes_one_line_and_json(name: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    module = importlib.import_module(f"benchmarks.{name}")
+    assert module.main(["--smoke", "--results", str(tmp_path)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"{name}: ratio "), lines
+    assert "smoke run, target not assessed" in lines[0]
+    doc = check_result(tmp_path / f"{name}.smoke.json", name, smoke=True)
+    if name == "capture_overhead":  # "on" really captured both kinds, and the loss did not change
+        assert doc["measurements"]["bundle_capture_written"] is True  # type: ignore[index]
+        assert doc["notes"] == []
+
+
+def test_gpu_ablation_dry_run_prints_the_whole_gpu_plan(tmp_path: Path) -> None:
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--out", str(tmp_path / "run")], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    replays = [line for line in lines if " -m replayjob replay " in line]
+    assert len(replays) == 10
+    assert sum("optimizer_batch.arm=\\\"ckpt-on\\\"" in line for line in replays) == 5
+    assert all("model.dtype=\\\"bfloat16\\\"" in line and "cuda:0" in line for line in replays)
+    assert sum(" -m replayjob capture " in line for line in lines) == 1
+    assert sum(" -m replayjob reduce " in line for line in lines) == 2
+    assert not (tmp_path / "run").exists()  # a dry run creates nothing
+
+
+def test_gpu_ablation_refuses_bad_options() -> None:
+    for argv in (["--repeats", "0"], ["--device", "cpu"], ["--bogus"]):
+        proc = subprocess.run(["bash", str(SCRIPT), *argv, "--dry-run"], capture_output=True, text=True,
+                              timeout=60, check=False)
+        assert proc.returncode == 2, argv
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_gpu_ablation_is_shellcheck_clean() -> None:
+    proc = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.slow
+def test_gpu_ablation_tiny_chain_on_cpu(tmp_path: Path) -> None:
+    out, results = tmp_path / "run", tmp_path / "results"
+    proc = subprocess.run(["bash", str(SCRIPT), "--tiny", "--repeats", "1", "--out", str(out), "--results",
+                           str(results)], capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = check_result(results / "gpu_ablation.smoke.json", "gpu_ablation", smoke=True)
+    m = doc["measurements"]
+    assert isinstance(m, dict)
+    assert m["verdict_exit_codes"] == {"exact-input": 0, "bitwise": 0}
+    assert sorted(m["arms"]) == ["ckpt-off", "ckpt-on"]
+    assert m["arms"]["ckpt-on"]["gradient_checkpointing"] == [True]
+    assert (out / "verdict-exact-input.json").is_file()

@@ -1,0 +1,232 @@
+"""Bundle writer and strict reader: atomic layout, redaction, multi-rank landing, fail-closed cases.
+
+Every refusal is checked through the real CLI (`bundle validate` / `bundle replay`, in-process)
+for exit code 2 and a message naming the cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replayjob.bundle import BundleWriter, default_config, inspect_path, load_bundle
+from replayjob.bundle.synthetic import write_rollout, write_step
+from replayjob.cli import main
+from replayjob.digest import sha256_bytes, sha256_json
+from replayjob.errors import ArtifactExistsError, ContractError, IntegrityError
+from replayjob.jsonio import pretty_bytes
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def _rewrite(p: Path, name: str, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Tamper with a document the way a crafted bundle would: re-sealing every digest above it."""
+    doc = json.loads((p / name).read_text())
+    edit(doc)
+    (p / name).write_bytes(pretty_bytes(doc))
+    m = json.loads((p / "manifest.json").read_text())
+    if name == "index.json":
+        m["index_sha256"] = sha256_json(doc)
+        (p / "manifest.json").write_bytes(pretty_bytes(m))
+    c = json.loads((p / "COMPLETE").read_text())
+    c["manifest_sha256"] = sha256_bytes((p / "manifest.json").read_bytes())
+    (p / "COMPLETE").write_bytes(pretty_bytes(c))
+
+
+@pytest.fixture
+def bundle(tmp_path: Path) -> Path:
+    return write_rollout(tmp_path / "b")
+
+
+def test_written_bundle_validates_and_has_the_documented_layout(bundle: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert sorted(x.name for x in bundle.iterdir()) == ["COMPLETE", "expected.json", "index.json",
+                                                       "manifest.json", "payloads"]
+    assert all(p.suffix == ".safetensors" for p in (bundle / "payloads").iterdir())
+    assert not [x for x in bundle.parent.iterdir() if x.name.startswith(".")]  # no staging left over
+    rc, out = _cli(capsys, "bundle", "validate", str(bundle))
+    assert rc == 0 and "valid: rollout bundle rollout-000003 (8 samples" in out
+    b = load_bundle(bundle)
+    assert b.kind == "rollout" and b.capability("reward.post_process") == "recompute"
+    assert b.capability("sample") == "inspect-only"
+
+
+def test_writes_are_byte_stable(tmp_path: Path) -> None:
+    a, b = write_rollout(tmp_path / "a"), write_rollout(tmp_path / "b")
+    for name in ("manifest.json", "index.json", "expected.json", "COMPLETE"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+
+
+def test_writer_never_overwrites(bundle: Path) -> None:
+    with pytest.raises(ArtifactExistsError):
+        write_rollout(bundle)
+
+
+def test_raw_text_never_enters_a_bundle(tmp_path: Path) -> None:
+    w = BundleWriter(tmp_path / "t", kind="rollout", rollout_id=0, config=default_config(samples_per_prompt=1),
+                     redaction={"prompt": "truncate:4", "completion": "hash", "label": "drop",
+                                "response_ids": "drop", "label_ids": "drop", "paths": "drop",
+                                "endpoints": "drop", "environment": "drop", "secrets": "drop"})
+    w.add_sample("s-0", group="g-0", prompt_length=9, response_length=1, prompt="Q:SECRETPROMPT",
+                 completion="SECRETANSWER", label="SECRETLABEL")
+    for stage in ("reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate"):
+        w.set_capability(stage, "unsupported", "not captured")
+    path = w.finalize()
+    blob = b"".join(p.read_bytes() for p in path.rglob("*") if p.is_file())
+    assert b"SECRET" not in blob
+    rec = load_bundle(path).samples[0]
+    assert rec["prompt_prefix"] == "Q:SE" and rec["completion_sha256"] == sha256_bytes(b"SECRETANSWER")
+    assert "label_sha256" not in rec
+
+
+def test_unsupported_topology_fails_loudly(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ContractError, match="unsupported topology"):
+        BundleWriter(bundle.parent / "x", kind="rollout", rollout_id=0, config=default_config(estimator="ppo"))
+    _rewrite(bundle, "index.json", lambda d: d["config"].update(estimator="gae"))
+    rc, out = _cli(capsys, "bundle", "validate", str(bundle))
+    assert rc == 2 and "unsupported topology: estimator 'gae'" in out
+
+
+def _missing_complete(p: Path) -> None:
+    (p / "COMPLETE").unlink()
+
+
+def _missing_payload(p: Path) -> None:
+    (p / "payloads" / "kl.safetensors").unlink()
+
+
+def _checksum(p: Path) -> None:
+    f = p / "payloads" / "old_logprobs.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0x01
+    f.write_bytes(bytes(data))
+
+
+def _stray_pickle(p: Path) -> None:
+    (p / "payloads" / "extra.pt").write_bytes(b"\x80\x04not-loaded")
+
+
+def _declared_pickle(p: Path) -> None:
+    _rewrite(p, "manifest.json", lambda m: m["payloads"]["kl"].update(file="payloads/kl.pt"))
+
+
+def _escape(p: Path) -> None:
+    os.rename(p / "payloads" / "kl.safetensors", p.parent / "kl.safetensors")
+    _rewrite(p, "manifest.json", lambda m: m["payloads"]["kl"].update(file="payloads/../../kl.safetensors"))
+
+
+def _escape_name(p: Path) -> None:
+    _rewrite(p, "manifest.json", lambda m: m["payloads"].update({"../../etc": m["payloads"].pop("kl")}))
+
+
+def _symlink(p: Path) -> None:
+    f = p / "payloads" / "kl.safetensors"
+    outside = p.parent / "kl-outside.safetensors"
+    os.rename(f, outside)
+    os.symlink(outside, f)
+
+
+def _undeclared(p: Path) -> None:
+    (p / "payloads" / "notes.safetensors").write_bytes(b"{}")
+
+
+def _manifest_edit(p: Path) -> None:
+    m = json.loads((p / "manifest.json").read_text())
+    m["comparison"]["reward.raw"]["atol"] = 1.0
+    (p / "manifest.json").write_bytes(pretty_bytes(m))
+
+
+@pytest.mark.parametrize(("tamper", "cause"), [
+    (_missing_complete, "COMPLETE is missing"),
+    (_missing_payload, "payload 'kl' is missing"),
+    (_checksum, "checksum mismatch for payload 'old_logprobs'"),
+    (_manifest_edit, "checksum mismatch: manifest.json"),
+    (_stray_pickle, "pickle-capable file"),
+    (_declared_pickle, "pickle-capable format"),
+    (_escape, "escapes the bundle directory"),
+    (_escape_name, "payload name '../../etc' is not allowed"),
+    (_symlink, "symlink"),
+    (_undeclared, "undeclared files in payloads/"),
+])
+def test_fail_closed(bundle: Path, capsys: pytest.CaptureFixture[str], tamper: Callable[[Path], None],
+                     cause: str) -> None:
+    tamper(bundle)
+    for cmd in ("validate", "replay"):
+        rc, out = _cli(capsys, "bundle", cmd, str(bundle))
+        assert rc == 2, out
+        assert cause in out
+
+
+def test_inspect_works_on_an_incomplete_bundle(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _missing_complete(bundle)
+    _missing_payload(bundle)
+    rc, out = _cli(capsys, "bundle", "inspect", str(bundle))
+    assert rc == 0 and "(INCOMPLETE)" in out and "payload kl [expected] F64" in out
+    info = inspect_path(bundle)
+    assert info["problems"] == ["COMPLETE is missing: the bundle is incomplete",
+                                "payload 'kl' is missing (payloads/kl.safetensors)"]
+    assert info["stages"]["advantage.estimate"]["capability"] == "recompute"
+    rc, out = _cli(capsys, "bundle", "inspect", str(bundle), "--json")
+    assert rc == 0 and json.loads(out)["identity"]["rollout_id"] == 3
+
+
+def test_multi_rank_landing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "mr"
+    write_rollout(root, rank=1, ranks=[0, 1], groups=4)
+    assert sorted(x.name for x in root.iterdir()) == ["COMPLETE.1", "rank-1"]
+    for target in (root, root / "rank-1"):  # the rank directory does not bypass the root check
+        rc, out = _cli(capsys, "bundle", "validate", str(target))
+        assert rc == 2 and "COMPLETE is missing" in out
+    rc, out = _cli(capsys, "bundle", "inspect", str(root))
+    assert rc == 0 and "rank 0 has not landed" in out
+    write_rollout(root, rank=0, ranks=[0, 1], groups=4)  # the last rank to land writes COMPLETE
+    final = json.loads((root / "COMPLETE").read_text())
+    assert final["ranks"] == [0, 1] and set(final["rank_manifests"]) == {"0", "1"}
+    b = load_bundle(root)
+    assert b.ranks == [0, 1] and len(b.samples) == 16 and [c.rank for c in b.loss_cohorts] == [0, 1]
+    assert _cli(capsys, "bundle", "replay", str(root))[0] == 0
+    assert _cli(capsys, "bundle", "replay", str(root / "rank-0"))[0] == 0
+    step = tmp_path / "mr-step"
+    for r in (0, 1):
+        write_step(step, rank=r, ranks=[0, 1], groups=4, inject={"loss": (0, 0, 0.5)} if r == 1 else None)
+    rc, out = _cli(capsys, "bundle", "replay", str(step))
+    assert rc == 1 and "loss <rank 1>: expected=" in out and "loss: 1/2 mismatched" in out
+    os.rename(root / "rank-1", tmp_path / "elsewhere")
+    rc, out = _cli(capsys, "bundle", "replay", str(root))
+    assert rc == 2 and "rank 1 is missing" in out
+
+
+def test_writer_checks_closure_before_writing(tmp_path: Path) -> None:
+    w = BundleWriter(tmp_path / "c", kind="rollout", rollout_id=1, config=default_config(samples_per_prompt=1))
+    w.add_sample("s-0", group=None, prompt_length=1, response_length=1, prompt="p", completion="c", label="l")
+    with pytest.raises(IntegrityError, match="dependency closure"):
+        w.finalize()
+    assert not (tmp_path / "c").exists() and not list(tmp_path.iterdir())
+    with pytest.raises(IntegrityError, match=r"must be a torch\.Tensor"):
+        w.write_payload("mask", [1.0])  # type: ignore[arg-type]
+
+
+def test_documented_writer_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "bundle-format.md").read_text()
+    code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/bundle-format.md", "exec"), {})
+    assert load_bundle(tmp_path / "b-0001").kind == "rollout"
+
+
+def test_a_capture_directory_is_not_a_bundle(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_rollout(tmp_path / "cap" / "rollout-000003")
+    rc, out = _cli(capsys, "bundle", "validate", str(tmp_path / "cap"))
+    assert rc == 2 and "capture directory holding 1 bundle(s) ['rollout-000003']" in out
+    (tmp_path / "cap" / "notes").mkdir()  # not a bundle: inspect lists bundles only
+    rc, out = _cli(capsys, "bundle", "inspect", str(tmp_path / "cap"), "--json")
+    assert rc == 0 and [b["bundle_id"] for b in json.loads(out)["bundles"]] == ["rollout-000003"]

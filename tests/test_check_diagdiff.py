@@ -1,0 +1,266 @@
+"""diag-diff on handmade JSONL pairs: leaf paths, tolerance rules, alignment, refusals, CLI output."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replayjob.check.diagdiff import diff_files
+from replayjob.check.leafdiff import Tolerance, compare_leaves, number_diff
+from replayjob.check.leaves import DEFAULT_IGNORES, MISSING, IgnoreSet, flatten, get_leaf, parse_path
+from replayjob.cli import __doc__ as CLI_DOC
+from replayjob.cli import main
+from replayjob.errors import IntegrityError, UsageError
+
+
+def row(step: int, **extra: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "step": step,
+        "loss": {"policy": 0.5 + step, "ratio_mean": 1.0},
+        "grad_norm_ema": {"q": 64.8 + step},
+        "units": {"trail_distance": [0.25, 0.5, 0.75]},
+        "tag": "run",
+        "ok": True,
+        "timing": {"elapsed_s": 1.0 + step, "sample_wall_s": 0.1},
+        "memory": {"peak_rss_bytes": 1000},
+    }
+    base.update(extra)
+    return base
+
+
+def write(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def pair(tmp_path: Path, a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[Path, Path]:
+    return write(tmp_path / "a.jsonl", a), write(tmp_path / "b.jsonl", b)
+
+
+# -- leaves -----------------------------------------------------------------------------------
+
+def test_flatten_paths_and_empty_containers() -> None:
+    leaves = flatten({"units": {"trail": [1, 2]}, "e": {}, "l": [], "n": None})
+    assert leaves == {"units.trail[0]": 1, "units.trail[1]": 2, "e": {}, "l": [], "n": None}
+
+
+def test_parse_and_get_leaf() -> None:
+    steps = parse_path("units.trail_distance[2]")
+    assert steps == ("units", "trail_distance", 2)
+    assert get_leaf(row(0), steps) == 0.75
+    assert get_leaf(row(0), parse_path("units.trail_distance[9]")) is MISSING
+    assert get_leaf(row(0), parse_path("loss.nope")) is MISSING
+    with pytest.raises(UsageError):
+        parse_path("a..b")
+
+
+def test_ignore_patterns_match_path_last_key_and_indexed_key() -> None:
+    ig = IgnoreSet(DEFAULT_IGNORES)
+    for path in ("timing.elapsed_s", "timing.sample_wall_s", "phase_wall_s[2]", "memory.peak_rss_bytes",
+                 "memory.cuda_max_allocated_bytes", "meta.start_timestamp", "throughput.sps"):
+        assert ig.matches(path), path
+    for path in ("loss.policy", "grad_norm", "checksums.adapter.sha256", "timing_total"):
+        assert not ig.matches(path), path
+    literal = IgnoreSet(["units.trail_distance[1]"])  # brackets are literal, not a character class
+    assert literal.matches("units.trail_distance[1]") and not literal.matches("units.trail_distance1")
+
+
+def test_number_rules() -> None:
+    tol = Tolerance(rtol=1e-5, atol=1e-7)
+    assert number_diff(1.0, 1.0 + 1e-6, tol) is None
+    assert number_diff(1.0, 1.0 + 1e-4, tol) == pytest.approx(1e-4)
+    assert number_diff(0.0, 5e-8, tol) is None and number_diff(0.0, 5e-7, tol) is not None
+    assert number_diff(math.nan, math.nan, tol) is None
+    assert number_diff(math.nan, 1.0, tol) == math.inf
+    assert number_diff(math.inf, math.inf, tol) is None
+    assert number_diff(math.inf, -math.inf, tol) == math.inf
+    assert number_diff(10**12, 10**12 + 1, tol) == 1.0  # integers compare exactly
+    assert number_diff(2, 2.0, tol) is None  # JSON numbers: an integer and a float may be equal
+
+
+def test_compare_leaves_kinds_and_order() -> None:
+    drifts = compare_leaves({"a": 1.0, "b": True, "c": "x", "d": 3.0, "e": 1},
+                            {"a": 2.0, "b": 1, "c": "y", "d": 30.0, "f": 1}, Tolerance())
+    assert [(d.path, d.kind) for d in drifts] == [
+        ("b", "type"), ("e", "only_in_a"), ("f", "only_in_b"), ("d", "value"), ("a", "value"), ("c", "value")]
+
+
+# -- the handmade pairs -----------------------------------------------------------------------
+
+def test_identical_modulo_wall_clock_is_equal(tmp_path: Path) -> None:
+    a, b = pair(tmp_path, [row(i) for i in range(5)],
+                [row(i, timing={"elapsed_s": 9.0 * i, "sample_wall_s": 0.3},
+                     memory={"peak_rss_bytes": 7}) for i in range(5)])
+    rep = diff_files(a, b)
+    assert rep.equal and rep.exit_code == 0
+    assert rep.rows_compared == 5 and rep.aligned_by == "step"
+
+
+def test_first_divergence_at_row_zero(tmp_path: Path) -> None:
+    rows_b = [row(i) for i in range(4)]
+    for r in rows_b:
+        r["grad_norm_ema"]["q"] += 4.5
+    a, b = pair(tmp_path, [row(i) for i in range(4)], rows_b)
+    rep = diff_files(a, b)
+    assert rep.first is not None and rep.first.step == 0 and rep.first.line_a == 1
+    assert [d.path for d in rep.first.top] == ["grad_norm_ema.q"]
+    assert rep.first.top[0].abs_diff == pytest.approx(4.5)
+    assert rep.rows_diverging == 4 and [r.step for r in rep.first_rows] == [0, 1, 2, 3]
+
+
+def test_first_divergence_at_middle_row_sorted_by_magnitude(tmp_path: Path) -> None:
+    rows_b = [row(i) for i in range(10)]
+    for r in rows_b[5:]:
+        r["loss"]["policy"] += 0.01
+        r["units"]["trail_distance"][1] += 3.0
+    a, b = pair(tmp_path, [row(i) for i in range(10)], rows_b)
+    rep = diff_files(a, b, top=1)
+    assert rep.first is not None and rep.first.step == 5 and rep.first.diverging_leaves == 2
+    assert [d.path for d in rep.first.top] == ["units.trail_distance[1]"]  # top 1, the largest
+    assert rep.last_row is not None and rep.last_row.step == 9 and rep.last_row.diverging_leaves == 2
+    assert rep.rows_compared == 10 and rep.rows_diverging == 5
+
+
+def test_divergence_only_in_ignored_leaf(tmp_path: Path) -> None:
+    a, b = pair(tmp_path, [row(i, extra={"x": 1.0, "y": 2.0}) for i in range(3)],
+                [row(i, extra={"x": 1.0, "y": 99.0}) for i in range(3)])
+    assert not diff_files(a, b).equal
+    assert diff_files(a, b, ignore=["extra.y"]).equal
+    assert diff_files(a, b, ignore=["y"]).equal  # last key
+
+
+def test_type_change(tmp_path: Path) -> None:
+    a, b = pair(tmp_path, [row(0), row(1)], [row(0), row(1, ok=1)])  # true -> 1: equal under ==, not here
+    rep = diff_files(a, b)
+    assert rep.first is not None and rep.first.step == 1
+    assert [(d.path, d.kind) for d in rep.first.top] == [("ok", "type")]
+
+
+def test_missing_and_extra_leaf(tmp_path: Path) -> None:
+    rb = row(0)
+    del rb["loss"]["ratio_mean"]
+    rb["loss"]["extra"] = 1
+    a, b = pair(tmp_path, [row(0)], [rb])
+    rep = diff_files(a, b)
+    assert rep.first is not None
+    assert {(d.path, d.kind) for d in rep.first.top} == {("loss.ratio_mean", "only_in_a"),
+                                                         ("loss.extra", "only_in_b")}
+
+
+def test_nan_on_both_sides_is_equal(tmp_path: Path) -> None:
+    a, b = pair(tmp_path, [row(0, loss={"policy": math.nan})], [row(0, loss={"policy": math.nan})])
+    assert diff_files(a, b).equal
+    a, b = pair(tmp_path, [row(0, loss={"policy": math.nan})], [row(0, loss={"policy": 0.0})])
+    rep = diff_files(a, b)
+    assert rep.first is not None and rep.first.top[0].abs_diff == math.inf
+
+
+def test_malformed_line_refused_with_its_number(tmp_path: Path) -> None:
+    a = write(tmp_path / "a.jsonl", [row(0), row(1), row(2)])
+    b = tmp_path / "b.jsonl"
+    b.write_text(json.dumps(row(0)) + "\n" + json.dumps(row(1)) + "\n" + '{"step": 2, "loss": \n')
+    with pytest.raises(IntegrityError, match="line 3: malformed JSON"):
+        diff_files(a, b)
+    b.write_text(json.dumps(row(0)) + "\n[1, 2]\n")
+    with pytest.raises(IntegrityError, match="line 2: expected a JSON object"):
+        diff_files(a, b)
+
+
+def test_no_rows_missing_file_and_bad_steps_refused(tmp_path: Path) -> None:
+    a = write(tmp_path / "a.jsonl", [row(0)])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(IntegrityError, match="no rows"):
+        diff_files(a, empty)
+    with pytest.raises(IntegrityError, match="file not found"):
+        diff_files(a, tmp_path / "nope.jsonl")
+    back = write(tmp_path / "back.jsonl", [row(0), row(2), row(1)])
+    with pytest.raises(IntegrityError, match="line 3: step 1 does not increase"):
+        diff_files(a, back)
+
+
+def test_rows_aligned_by_step_report_missing_rows(tmp_path: Path) -> None:
+    a, b = pair(tmp_path, [row(0), row(1), row(2), row(3)], [row(0), row(2), row(3), row(4)])
+    rep = diff_files(a, b)
+    assert rep.rows_compared == 3 and rep.rows_only_in_a == 1 and rep.rows_only_in_b == 1
+    assert rep.first is not None and rep.first.kind == "only_in_a" and rep.first.step == 1
+    assert rep.first.line_a == 2 and rep.first.line_b is None
+
+
+def test_rows_without_step_align_by_position(tmp_path: Path) -> None:
+    a, b = pair(tmp_path, [{"v": 1.0}, {"v": 2.0}], [{"v": 1.0}, {"v": 2.5}, {"v": 3.0}])
+    rep = diff_files(a, b)
+    assert rep.aligned_by == "position" and rep.rows_only_in_b == 1
+    assert rep.first is not None and rep.first.row == 1 and rep.first.step is None
+
+
+def test_key_order_does_not_matter(tmp_path: Path) -> None:
+    r = row(0)
+    a, b = pair(tmp_path, [r], [dict(reversed(list(r.items())))])
+    assert diff_files(a, b).equal
+
+
+def test_new_ignored_leaf_after_the_first_row(tmp_path: Path) -> None:
+    # the ignored-leaf plan is learned as rows go; a late wall-clock leaf must not count
+    a, b = pair(tmp_path, [row(0), row(1, phase={"x_wall_s": 1.0}), row(2, phase={"x_wall_s": 1.0})],
+                [row(0), row(1, phase={"x_wall_s": 5.0}), row(2, phase={"x_wall_s": 6.0})])
+    assert diff_files(a, b).equal
+
+
+def test_ignored_array_elements(tmp_path: Path) -> None:
+    a, b = pair(tmp_path, [row(i, phase_wall_s=[0.1 * i, 0.2], n=[1, 2]) for i in range(4)],
+                [row(i, phase_wall_s=[0.3 * i, 0.4], n=[1, 2]) for i in range(4)])
+    assert diff_files(a, b).equal
+    a, b = pair(tmp_path, [row(i, phase_wall_s=[0.1, 0.2], n=[1, 2]) for i in range(4)],
+                [row(i, phase_wall_s=[0.3, 0.4], n=[1, 2 + (i == 3)]) for i in range(4)])
+    rep = diff_files(a, b)
+    assert rep.first is not None and rep.first.step == 3 and [d.path for d in rep.first.top] == ["n[1]"]
+
+
+def test_bad_options_refused(tmp_path: Path) -> None:
+    a = write(tmp_path / "a.jsonl", [row(0)])
+    with pytest.raises(UsageError):
+        diff_files(a, a, tol=Tolerance(rtol=-1.0))
+    with pytest.raises(UsageError):
+        diff_files(a, a, ignore=[" "])
+
+
+# -- CLI --------------------------------------------------------------------------------------
+
+def test_cli_exit_codes_and_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows_b = [row(i) for i in range(3)]
+    rows_b[2]["grad_norm_ema"]["q"] = 60.3
+    a, b = pair(tmp_path, [row(i) for i in range(3)], rows_b)
+    assert main(["diag-diff", str(a), str(a)]) == 0
+    assert "EQUAL" in capsys.readouterr().out
+    assert main(["diag-diff", str(a), str(b), "--top", "3"]) == 1
+    out = capsys.readouterr().out
+    assert "first divergent row: step 2 (line 3 / 3): 1 diverging leaves" in out
+    assert "grad_norm_ema.q" in out
+    assert main(["diag-diff", str(a), str(b), "--ignore", "grad_norm_ema.*"]) == 0
+    assert main(["diag-diff", str(a), str(b), "--rtol", "1"]) == 0
+    capsys.readouterr()
+    assert main(["diag-diff", str(a), str(tmp_path / "missing.jsonl")]) == 2
+    assert "file not found" in capsys.readouterr().err
+    assert main(["diag-diff", str(a), str(b), "--rtol", "x"]) == 2
+
+
+def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = pair(tmp_path, [row(0, loss={"policy": math.nan})], [row(0, loss={"policy": 1.0})])
+    assert main(["diag-diff", str(a), str(b), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == "replayjob.diag_diff/1" and doc["equal"] is False
+    assert doc["first_divergence"]["step"] == 0
+    assert doc["first_divergence"]["top"][0] == {"path": "loss.policy", "kind": "value", "a": "NaN", "b": 1.0,
+                                                 "abs_diff": "Infinity"}
+    assert doc["rows_compared"] == 1 and doc["last_row"]["diverging_leaves"] == 1
+
+
+def test_help_lists_every_default_ignore() -> None:
+    text = " ".join((CLI_DOC or "").split())
+    for pattern in DEFAULT_IGNORES:
+        assert pattern in text, pattern

@@ -1,0 +1,127 @@
+"""The ablation spec (the fan-out's single source of truth) and `replayjob k8s render`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from replayjob import determinism
+from replayjob.cli import main
+from replayjob.deploy.ablation import DETERMINISM_ENV, Arm, Run, load_spec
+from replayjob.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = REPO / "examples" / "ablation.toml"
+MINIMAL = """
+name = "demo"
+image = "replayjob:0.1.0"
+gpu_product = "NVIDIA-H100-80GB-HBM3"
+repeats = 2
+[arms.ckpt-off]
+[arms.ckpt-on]
+"backend.options.gradient_checkpointing" = true
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "ablation.toml"
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+def test_example_spec_loads_with_its_arms_and_index_mapping() -> None:
+    spec = load_spec(SPEC)
+    assert [a.name for a in spec.arms] == ["ckpt-off", "ckpt-on"]
+    assert spec.size == 6 and spec.effective_min_repeats == 3
+    assert spec.runs()[0] == Run("ckpt-off", 0, 0)
+    assert spec.run_for_index(4) == Run("ckpt-on", 1, 4)
+    assert [spec.run_for_index(i) for i in range(spec.size)] == spec.runs()
+    assert len({(r.arm, r.repeat) for r in spec.runs()}) == spec.size
+    with pytest.raises(ConfigError, match=r"outside 0\.\.5"):
+        spec.run_for_index(6)
+    on = spec.arm("ckpt-on")
+    assert on.set_args() == ["backend.options.gradient_checkpointing=true"]
+    assert on.allow_list() == '["backend.options.gradient_checkpointing"]'
+    assert spec.arm("ckpt-off").allow_list() == "[]"
+    assert spec.config_sets() == ['backend.devices="cuda"']
+
+
+def test_arm_overrides_render_as_toml_values() -> None:
+    arm = Arm("x", {"training.micro_batch_size": 2, "backend.options.attn_implementation": "sdpa"})
+    assert arm.set_args() == ['backend.options.attn_implementation="sdpa"', "training.micro_batch_size=2"]
+    assert arm.words() == 'backend.options.attn_implementation="sdpa" training.micro_batch_size=2'
+
+
+def test_determinism_env_is_accepted_by_the_strict_controls(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert DETERMINISM_ENV["CUBLAS_WORKSPACE_CONFIG"] in determinism.CUBLAS_OK
+    monkeypatch.setenv(determinism.ENV_MATH_MODE, DETERMINISM_ENV[determinism.ENV_MATH_MODE])
+    assert determinism.math_mode_from_env(strict=True) == "pedantic"
+    assert set(DETERMINISM_ENV) == {"CUBLAS_WORKSPACE_CONFIG", "NVIDIA_TF32_OVERRIDE", "PYTHONHASHSEED",
+                                    "REPLAYJOB_MATH_MODE"}
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ("colour = 3\n", "unknown key"),
+    ('seed = true\n', "must be int"),
+    ('claim = "vibes"\n', "not a claim"),
+    ('device = "tpu"\n', "'tpu'"),
+    ('storage = "lots"\n', "not a Kubernetes quantity"),
+    ('[arms.Bad_Arm]\n', "DNS label"),
+    ('[arms.lr]\n"optimizer.lr" = 0.1\n', "not a systems-only knob"),
+    ('[arms.spaces]\n"backend.options.attn_implementation" = "s dpa"\n', "without spaces"),
+    ('[config]\n"seed" = 1\n', "not a dotted config key"),
+    ('model_path = "/artifacts/models/m"\n', "needs its own resume state"),
+])
+def test_spec_refuses_what_it_cannot_fan_out(tmp_path: Path, edit: str, message: str) -> None:
+    head, arms = MINIMAL.split("[arms.ckpt-off]")
+    text = head + edit + "[arms.ckpt-off]" + arms if not edit.startswith("[") else MINIMAL + edit
+    with pytest.raises(ConfigError, match=message):
+        load_spec(write(tmp_path, text))
+
+
+def test_spec_refuses_min_repeats_above_repeats_and_missing_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="between 0"):
+        load_spec(write(tmp_path, MINIMAL.replace("repeats = 2", "repeats = 2\nmin_repeats = 3")))
+    with pytest.raises(ConfigError, match="not found"):
+        load_spec(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_spec(write(tmp_path, "name = [\n"))
+    with pytest.raises(ConfigError, match=r"\[arms\]"):
+        load_spec(write(tmp_path, MINIMAL.split("[arms")[0]))
+
+
+def test_k8s_render_prints_and_writes_the_manifests(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = write(tmp_path, MINIMAL)
+    assert main(["k8s", "render", str(spec)]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
+        ("PersistentVolumeClaim", "replayjob-artifacts"), ("Job", "demo-capture"),
+        ("Job", "demo-replay-ckpt-off"), ("Job", "demo-replay-ckpt-on"), ("Job", "demo-reduce")]
+    assert [d["spec"]["completions"] for d in docs if "-replay-" in d["metadata"]["name"]] == [2, 2]
+    out, wf = tmp_path / "base", tmp_path / "wf.yaml"
+    assert main(["k8s", "render", str(spec), "--out", str(out), "--argo", str(wf)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "capture.yaml", "kustomization.yaml", "pvc.yaml", "reduce.yaml", "replay-ckpt-off.yaml",
+        "replay-ckpt-on.yaml"]
+    kinds = [d["kind"] for d in yaml.safe_load_all(wf.read_text(encoding="utf-8"))]
+    assert kinds == ["ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim", "Workflow"]
+
+
+def test_k8s_render_refuses_a_bad_spec_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["k8s", "render", str(write(tmp_path, MINIMAL + "[arms.x]\n\"optimizer.lr\" = 1.0\n"))]) == 2
+    assert "not a systems-only knob" in capsys.readouterr().err
+
+
+def test_render_needs_no_model_libraries() -> None:
+    """`k8s render` runs on any machine: transformers, peft and torch stay unimported."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, io, contextlib\nfrom replayjob.cli import main\n"
+             "with contextlib.redirect_stdout(io.StringIO()):\n    rc = main(sys.argv[1:])\n"
+             "print(rc, sorted(m for m in ('transformers', 'peft', 'torch') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", probe, "k8s", "render", str(SPEC)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.strip() == "0 []", proc.stderr

@@ -1,0 +1,247 @@
+"""reduce over synthetic evidence (docs/replay-metrics.md files written by replayjob.gate.synthetic):
+each claim's pass, and each failing case with its exit code and the failing check named."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replayjob.cli import main
+from replayjob.gate import synthetic
+from replayjob.gate.evidence import GC_KEY
+from replayjob.jsonio import pretty_bytes
+
+OFF, ON = "baseline", "gradient_checkpointing=true"
+ARMS: dict[str, dict[str, Any]] = {OFF: {}, ON: {GC_KEY: True}}
+
+
+@pytest.fixture
+def ev(tmp_path: Path) -> synthetic.Evidence:
+    return synthetic.build(tmp_path / "ev", ARMS, 3)
+
+
+def reduce(ev: synthetic.Evidence, claim: str, *extra: str, source: bool = True) -> tuple[int, dict[str, Any]]:
+    out = ev.root.parent / "out" / f"{claim}.json"
+    argv = ["reduce", str(ev.root / "replays"), "--claim", claim, "--out", str(out), *extra]
+    if source:
+        argv += ["--source", str(ev.source)]
+    code = main(argv)
+    doc = json.loads(out.read_text())
+    assert doc["exit_code"] == code
+    return code, doc
+
+
+def check(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    found = [c for c in doc["checks"] if c["name"] == name]
+    assert len(found) == 1, name
+    return found[0]
+
+
+def edit(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_bytes(pretty_bytes(doc))
+
+
+def test_exact_input_and_bitwise_pass_with_spread(ev: synthetic.Evidence) -> None:
+    for claim in ("exact-input", "bitwise"):
+        code, doc = reduce(ev, claim, "--baseline", OFF)
+        assert code == 0, doc["failed_checks"]
+        assert doc["status"] == "pass" and doc["admission"] == "admitted"
+        assert all(c["status"] in ("pass", "not_applicable") for c in doc["checks"])
+    stats = doc["arms"][ON]["stats"]["local_train_wall_s"]
+    assert stats["n"] == 3 and stats["min"] <= stats["median"] <= stats["max"] and stats["iqr"] >= 0
+    ratio = doc["comparisons"]["ratios"][ON]["backward_wall_s"]
+    assert ratio["low"] <= ratio["ratio"] <= ratio["high"] and ratio["excludes_1"] is True
+    assert all(r["path"].startswith("../ev/replays/") for r in doc["inputs"]["replays"])
+    assert doc["inputs"]["source"]["path"] == "../ev/source/metrics.json"
+
+
+def test_exact_input_without_source_uses_the_pins(ev: synthetic.Evidence) -> None:
+    code, doc = reduce(ev, "exact-input", source=False)
+    assert code == 0, doc["failed_checks"]
+    assert doc["inputs"]["source"] is None
+
+
+def test_edited_logical_digest_fails(ev: synthetic.Evidence) -> None:
+    edit(ev.replay_files[4], lambda d: d.update({"optimizer/logical_batch_sha256": "ab" * 32}))
+    code, doc = reduce(ev, "exact-input", "--baseline", OFF)
+    assert code == 1 and doc["status"] == "fail"
+    c = check(doc, "exact.logical_batch")
+    assert c["status"] == "fail" and c["offenders"] == [f"{ON}#1"]
+    assert doc["failed_checks"] == ["exact.logical_batch"]
+    assert doc["admission"] == "not admitted" and doc["comparisons"]["admission"] == "not admitted"
+    assert main(["reduce", str(ev.root / "replays"), "--claim", "exact-input", "--out",
+                 str(ev.root.parent / "cli.json")]) == 1
+
+
+def test_missing_sampling_skip_fails(ev: synthetic.Evidence) -> None:
+    edit(ev.replay_files[0], lambda d: d.update({"skipped": ["dataset", "environment", "rollout"]}))
+    code, doc = reduce(ev, "exact-input")
+    assert code == 1
+    c = check(doc, "exact.skipped")
+    assert c["status"] == "fail" and c["observed"]["missing"] == {f"{OFF}#0": ["sampling"]}
+
+
+def test_too_few_repeats_is_refused_but_still_written(tmp_path: Path) -> None:
+    ev = synthetic.build(tmp_path / "ev", ARMS, {OFF: 3, ON: 2})
+    code, doc = reduce(ev, "exact-input", "--min-repeats", "3")
+    assert code == 2 and doc["status"] == "refused"
+    c = check(doc, "inputs.min_repeats")
+    assert c["status"] == "refused" and c["offenders"] == [ON] and c["observed"] == {OFF: 3, ON: 2}
+    assert doc["arms"][ON]["stats"]["local_train_wall_s"]["n"] == 2
+    code, _ = reduce(ev, "exact-input", "--min-repeats", "2")
+    assert code == 0
+
+
+def test_altered_final_adapter_fails_bitwise_not_exact_input(ev: synthetic.Evidence) -> None:
+    adapter = ev.replay_files[1].parent / synthetic.ADAPTER
+    adapter.write_bytes(adapter.read_bytes() + b"tampered")
+    code, doc = reduce(ev, "bitwise")
+    assert code == 1
+    c = check(doc, "bitwise.final_adapter_on_disk")
+    assert c["status"] == "fail" and c["offenders"] == [f"{OFF}#1"]
+    assert doc["failed_checks"] == ["bitwise.final_adapter_on_disk"]
+    assert reduce(ev, "exact-input")[0] == 0
+
+
+def test_differing_final_hashes_fail_bitwise_only(tmp_path: Path) -> None:
+    ev = synthetic.build(tmp_path / "ev", ARMS, 3, final=lambda arm, i: f"weights {arm} {i}".encode())
+    assert reduce(ev, "exact-input")[0] == 0
+    code, doc = reduce(ev, "bitwise")
+    assert code == 1
+    assert {"bitwise.final_within_arm", "bitwise.final_vs_source", "bitwise.final_across_arms"} <= set(
+        doc["failed_checks"])
+
+
+def test_unpinned_tolerances_are_refused(ev: synthetic.Evidence, tmp_path: Path) -> None:
+    tol = tmp_path / "tol.toml"
+    tol.write_text("update_cosine_min = 0.99\nrelative_delta_l2_max = 0.1\n")
+    code, doc = reduce(ev, "approximate", "--tolerances", str(tol))
+    assert code == 2 and check(doc, "inputs.tolerances_pinned")["status"] == "refused"
+    code, doc = reduce(ev, "approximate")
+    assert code == 2 and "tolerance file" in doc["refusal"]["message"]
+
+
+@pytest.mark.parametrize("change, check_name", [
+    (lambda d: d["runtime"].update({"gradient_checkpointing": False}), "exact.gradient_checkpointing"),
+    (lambda d: d.update({"observed_config_differences": [GC_KEY, "training.micro_batch_size"]}),
+     "exact.config_differences"),
+    (lambda d: d.update({"allowed_config_differences": []}), "exact.config_differences"),
+    (lambda d: d.update({"knobs": {GC_KEY: False}}), "exact.arm_knobs"),
+    (lambda d: d.update({"optimizer/local_effective_rows_sha256": "cd" * 32}), "exact.effective_rows"),
+    (lambda d: d.update({"optimizer_batch/initial_adapter_sha256": "ef" * 32}), "exact.initial_adapter"),
+])
+def test_each_exact_input_check_can_fail(ev: synthetic.Evidence, change: Callable[[dict[str, Any]], None],
+                                         check_name: str) -> None:
+    edit(ev.replay_files[3], change)
+    code, doc = reduce(ev, "exact-input")
+    assert code == 1 and check(doc, check_name)["status"] == "fail"
+    assert f"{ON}#0" in check(doc, check_name)["offenders"]
+
+
+def test_loss_compared_only_within_the_same_condition(ev: synthetic.Evidence) -> None:
+    edit(ev.replay_files[3], lambda d: d.update({"loss": 0.25}))  # checkpointing arm: not same-condition
+    assert reduce(ev, "exact-input")[0] == 0
+    edit(ev.replay_files[0], lambda d: d.update({"loss": 0.5000000000000001}))  # exact equality
+    code, doc = reduce(ev, "exact-input")
+    assert code == 1 and check(doc, "exact.loss_same_condition")["offenders"] == [f"{OFF}#0"]
+
+
+def test_unchanged_or_missing_final_adapter_fails(tmp_path: Path) -> None:
+    ev = synthetic.build(tmp_path / "ev", ARMS, 3, initial=b"same", final=b"same")
+    code, doc = reduce(ev, "exact-input")
+    assert code == 1 and len(check(doc, "exact.final_adapter_changed")["offenders"]) == 6
+    ev = synthetic.build(tmp_path / "ev2", ARMS, 3)
+    (ev.replay_files[2].parent / synthetic.ADAPTER).unlink()
+    code, doc = reduce(ev, "exact-input")
+    assert check(doc, "exact.final_adapter_changed")["observed"]["missing_file"] == [f"{OFF}#2"]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"schema": "replayjob.replay_metrics/v1", "schema": "x"}', "duplicate key"),
+    ('{"loss": NaN}', "non-finite"),
+    ("not json", "malformed JSON"),
+    ('["a list"]', "expected a JSON object"),
+])
+def test_malformed_metrics_are_refused(ev: synthetic.Evidence, text: str, needle: str) -> None:
+    ev.replay_files[2].write_text(text)
+    code, doc = reduce(ev, "exact-input")
+    assert code == 2 and doc["status"] == "refused" and needle in doc["refusal"]["message"]
+    assert doc["refusal"]["where"].endswith("replay_metrics.json")
+
+
+@pytest.mark.parametrize("key", ["timing", "pins", "final_adapter_path", "arm", "repeat_index"])
+def test_missing_fields_are_refused(ev: synthetic.Evidence, key: str) -> None:
+    edit(ev.replay_files[0], lambda d: d.pop(key))
+    code, doc = reduce(ev, "exact-input")
+    assert code == 2 and repr(key) in doc["refusal"]["message"]
+
+
+def test_arm_named_source_is_refused(ev: synthetic.Evidence) -> None:
+    edit(ev.replay_files[0], lambda d: d.update({"arm": "source"}))
+    code, doc = reduce(ev, "exact-input")
+    assert code == 2 and "may not be 'source'" in doc["refusal"]["message"]
+
+
+def test_escaping_adapter_path_is_refused(ev: synthetic.Evidence) -> None:
+    edit(ev.replay_files[0], lambda d: d.update({"final_adapter_path": "../../x.safetensors"}))
+    code, doc = reduce(ev, "bitwise")
+    assert code == 2 and "relative path inside" in doc["refusal"]["message"]
+
+
+def test_mixed_sources_are_refused(ev: synthetic.Evidence) -> None:
+    edit(ev.replay_files[5], lambda d: d.update({"optimizer_batch/manifest_sha256": "12" * 32}))
+    code, doc = reduce(ev, "exact-input", source=False)
+    assert code == 2 and check(doc, "inputs.single_source")["offenders"] == [f"{ON}#2"]
+
+
+def test_duplicate_repeat_index_is_refused(ev: synthetic.Evidence) -> None:
+    edit(ev.replay_files[1], lambda d: d.update({"repeat_index": 0}))
+    code, doc = reduce(ev, "exact-input")
+    assert code == 2 and check(doc, "inputs.unique_repeats")["offenders"] == [f"{OFF}#0", f"{OFF}#0"]
+
+
+@pytest.mark.parametrize("extra, source, needle", [
+    (["--baseline", "nope"], True, "baseline arm 'nope'"),
+    ([], False, "pass --source DIR"),
+    (["--min-repeats", "0"], True, "--min-repeats"),
+])
+def test_usage_refusals_write_a_refused_verdict(ev: synthetic.Evidence, extra: list[str], source: bool,
+                                                needle: str) -> None:
+    code, doc = reduce(ev, "bitwise", *extra, source=source)
+    assert code == 2 and needle in doc["refusal"]["message"]
+
+
+def test_no_metrics_found_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "v.json"
+    assert main(["reduce", str(tmp_path / "empty"), "--claim", "exact-input", "--out", str(out)]) == 2
+    assert json.loads(out.read_text())["status"] == "refused"
+    assert main(["reduce", str(tmp_path / "missing"), "--claim", "bogus", "--out", str(out)]) == 2
+
+
+def test_report_tables_and_plot(ev: synthetic.Evidence) -> None:
+    report = ev.root.parent / "rep" / "report.md"
+    code, _ = reduce(ev, "exact-input", "--baseline", OFF, "--report", str(report))
+    text = report.read_text()
+    assert code == 0 and "| `exact.logical_batch` | exact-input | pass |" in text
+    assert f"| local_train_wall_s | {ON} | 3 |" in text and "(admitted)" in text
+    assert report.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_without_matplotlib_says_how_to_enable(ev: synthetic.Evidence,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # matplotlib is installed here; hiding it from the import system is the only way to run this path.
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib.figure", None)
+    edit(ev.replay_files[0], lambda d: d.update({"skipped": []}))
+    report = ev.root.parent / "rep" / "report.md"
+    code, _ = reduce(ev, "exact-input", "--baseline", OFF, "--report", str(report))
+    text = report.read_text()
+    assert code == 1 and "pip install 'replayjob[plot]'" in text and not report.with_suffix(".png").exists()
+    assert "not admitted" in text and "| `exact.skipped` | exact-input | FAIL |" in text

@@ -1,0 +1,75 @@
+"""The verdict file: golden bytes, same inputs -> same bytes, no model imports, the benchmark smoke."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from replayjob.cli import main
+from replayjob.gate import synthetic
+from replayjob.gate.evidence import GC_KEY
+from replayjob.gate.verdict import VERDICT_SCHEMA, outcome
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO / "tests" / "golden" / "verdict_bitwise.json"
+ARMS = {"baseline": {}, "gradient_checkpointing=true": {GC_KEY: True}}
+
+
+def _reduce(root: Path, claim: str = "bitwise") -> bytes:
+    ev = synthetic.build(root / "ev", ARMS, 3, seed=7)
+    out = root / "out" / "verdict.json"
+    code = main(["reduce", str(ev.root / "replays"), "--claim", claim, "--out", str(out),
+                 "--source", str(ev.source), "--baseline", "baseline"])
+    assert code == 0
+    return out.read_bytes()
+
+
+def test_verdict_matches_the_golden_file(tmp_path: Path) -> None:
+    """Regenerate on purpose only: REPLAYJOB_REGEN_GOLDEN=1 pytest tests/test_gate_verdict.py"""
+    data = _reduce(tmp_path)
+    if os.environ.get("REPLAYJOB_REGEN_GOLDEN") == "1":
+        GOLDEN.write_bytes(data)
+    assert data == GOLDEN.read_bytes(), "verdict bytes changed; review, then regenerate on purpose"
+    doc = json.loads(data)
+    assert doc["schema"] == VERDICT_SCHEMA and doc["status"] == "pass"
+
+
+def test_same_inputs_same_bytes_anywhere(tmp_path: Path) -> None:
+    assert _reduce(tmp_path / "a", "exact-input") == _reduce(tmp_path / "elsewhere" / "b", "exact-input")
+
+
+def test_outcome_precedence() -> None:
+    assert outcome([{"name": "a", "status": "pass"}, {"name": "n", "status": "not_applicable"}], None) == (
+        "pass", 0, [])
+    assert outcome([{"name": "a", "status": "fail"}, {"name": "b", "status": "refused"}], None) == (
+        "refused", 2, ["b", "a"])
+    assert outcome([], {"message": "m", "where": None, "hint": None})[:2] == ("refused", 2)
+
+
+def test_reduce_never_imports_the_model_stack(tmp_path: Path) -> None:
+    ev = synthetic.build(tmp_path / "ev", ARMS, 3)
+    code = (
+        "import sys\n"
+        "from replayjob.cli import main\n"
+        "codes = [main(['reduce', sys.argv[1], '--claim', c, '--out', sys.argv[2] + c, '--source', sys.argv[3],"
+        " '--baseline', 'baseline']) for c in ('exact-input', 'bitwise')]\n"
+        "print(codes, sorted(m for m in ('transformers', 'peft') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(ev.root / "replays"), str(tmp_path / "v-"),
+                           str(ev.source)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[0, 0] []"
+
+
+def test_benchmark_smoke(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.reduce_many", "--smoke", "--results", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reduce_many: ratio ") and "20 files" in lines[0]
+    res = json.loads((tmp_path / "reduce_many.smoke.json").read_text())
+    assert res["mode"] == "smoke" and res["measurements"]["files"] == 20
+    assert res["measurements"]["exact_input_s"]["median"] > 0 and res["target_met"] is None

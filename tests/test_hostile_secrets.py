@@ -1,0 +1,109 @@
+"""Secrets placed in every supported config location never reach an artifact or a message.
+
+Supported locations: secret-shaped keys under ``[logging.metadata]`` (plain, upper-case, dotted,
+compound), URL credentials in metadata values and in ``logging.run_name``, and the same through
+``--set``.  Every file each writer leaves behind is scanned byte for byte, as are stdout and stderr.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from replayjob.cli import main
+
+MARK = "SEKRIT"
+SECRET_TOML = f"""
+[logging]
+run_name = "nightly https://bot:{MARK}-run-url@git.example/org/repo"
+
+[logging.metadata]
+hf_token = "{MARK}-hf-token"
+HF_TOKEN = "{MARK}-upper"
+"wandb.api_key" = "{MARK}-dotted"
+client_secret = "{MARK}-compound"
+password = "{MARK}-password"
+mirror = "s3://AKIAXX:{MARK}-url-cred@bucket/prefix"
+note = "kept: an ordinary label"
+"""
+SECRET_SETS = [f'logging.metadata.auth_token="{MARK}-set-token"',
+               f'logging.metadata.registry="https://u:{MARK}-set-url@registry.example/v2"']
+
+
+def secret_config(workspace: Path, tmp_path: Path) -> Path:
+    """The workspace's train.toml plus every secret location (resume.from made absolute)."""
+    text = (workspace / "train.toml").read_text().replace('from = "init_resume"',
+                                                          f'from = "{workspace / "init_resume"}"')
+    cfg = tmp_path / "secret.toml"
+    cfg.write_text(text + SECRET_TOML)
+    return cfg
+
+
+def scan(root: Path) -> list[str]:
+    """Files under ``root`` whose bytes contain the secret marker."""
+    hits = []
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            p = Path(dirpath) / name
+            if MARK.encode() in p.read_bytes():
+                hits.append(str(p))
+    return hits
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(argv)
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert MARK not in out.out + out.err
+
+
+def test_train_artifacts_hold_no_secret(workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = secret_config(workspace, tmp_path)
+    out = tmp_path / "run"
+    argv = ["train", str(cfg), "--out", str(out), "--set", "training.max_steps=2", "--set", "training.save_every=1"]
+    for item in SECRET_SETS:
+        argv += ["--set", item]
+    run(argv, capsys)
+    assert {p.name for p in out.iterdir()} >= {"diag.jsonl", "metrics.json", "checkpoints", "final_adapter"}
+    assert scan(out) == []
+    metrics = (out / "metrics.json").read_text()
+    assert metrics.count("<redacted>") >= 8 and "kept: an ordinary label" in metrics
+
+
+def with_secrets(template: Path, workspace: Path, tmp_path: Path, name: str) -> Path:
+    text = template.read_text().replace('from = "init_resume"', f'from = "{workspace / "init_resume"}"')
+    cfg = tmp_path / name
+    cfg.write_text(text + SECRET_TOML)
+    return cfg
+
+
+def test_capture_replay_bundles_and_verdict_hold_no_secret(workspace: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    sets = [x for item in SECRET_SETS for x in ("--set", item)]
+    source = tmp_path / "source"
+    os.environ.update(REPLAYJOB_BUNDLE_CAPTURE="1", REPLAYJOB_BUNDLE_DIR=str(tmp_path / "bundles"))
+    try:
+        run(["capture", str(with_secrets(workspace / "source.toml", workspace, tmp_path, "s.toml")),
+             "--out", str(source), *sets], capsys)
+    finally:
+        del os.environ["REPLAYJOB_BUNDLE_CAPTURE"], os.environ["REPLAYJOB_BUNDLE_DIR"]
+    metrics = json.loads((source / "metrics.json").read_text())
+    pins = ["--set", f"optimizer_batch.replay_path={source / metrics['optimizer_batch/manifest_path']}",
+            "--set", f"optimizer_batch.expected_logical_sha256={metrics['optimizer/logical_batch_sha256']}",
+            "--set", f"optimizer_batch.expected_manifest_sha256={metrics['optimizer_batch/manifest_sha256']}"]
+    replay_cfg = with_secrets(workspace / "replay.toml", workspace, tmp_path, "r.toml")
+    for i in range(3):
+        run(["replay", str(replay_cfg), "--out", str(tmp_path / "replays" / f"r{i}"), "--repeat-index", str(i),
+             *pins, *sets], capsys)
+    run(["reduce", str(tmp_path / "replays"), "--claim", "bitwise", "--source", str(source),
+         "--out", str(tmp_path / "verdict.json"), "--report", str(tmp_path / "report.md")], capsys)
+    written = {p.name for p in tmp_path.rglob("*") if p.is_file()}
+    assert {"replay_metrics.json", "verdict.json", "report.md", "COMPLETE",
+            "optimizer_batch_step_000000.manifest.json"} <= written
+    assert sorted(p.name for p in (tmp_path / "bundles").iterdir()) == ["rollout-000000", "step-000000-000000"]
+    hits = [h for h in scan(tmp_path) if not h.endswith((".toml",))]  # the inputs themselves hold them
+    assert hits == []

@@ -1,0 +1,178 @@
+"""The validated safetensors reader: every corpus defect refused by cause, valid files read exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save
+
+from replayjob import tensorfile
+from replayjob.errors import IntegrityError
+
+_CORPUS = Path(__file__).parent / "corpus" / "make_corpus.py"
+
+
+def _corpus() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("make_corpus", _CORPUS)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("make_corpus", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+corpus = _corpus()
+MUTATIONS = corpus.safetensors_mutations()
+DATA_ONLY = {"st_bool_out_of_range"}  # header is sound; the defect is in the tensor bytes
+
+
+def _write(tmp_path: Path, data: bytes, name: str = "t.safetensors") -> Path:
+    p = tmp_path / name
+    p.write_bytes(data)
+    return p
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_every_corpus_tensor_file_is_refused_by_cause(tmp_path: Path, name: str) -> None:
+    data, expect = MUTATIONS[name]
+    p = _write(tmp_path, data)
+    readers = [lambda: tensorfile.load(p), lambda: list(tensorfile.iter_tensors(p)),
+               lambda: tensorfile.load_bytes(data, where=p)]
+    if name not in DATA_ONLY:
+        readers += [lambda: tensorfile.read_header(p), lambda: tensorfile.TensorReader(p)]
+    for read in readers:
+        with pytest.raises(IntegrityError) as exc:
+            read()
+        assert expect in exc.value.diagnostics().lower(), exc.value.diagnostics()
+        assert str(p) in exc.value.diagnostics()
+
+
+def test_pickle_is_never_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    def forbidden(*_a: object, **_k: object) -> None:
+        raise AssertionError("an unpickler was called")
+
+    monkeypatch.setattr(torch, "load", forbidden)
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    monkeypatch.setattr(pickle, "load", forbidden)
+    for data in (corpus.torch_save_bytes(), pickle.dumps({"w": 1}, protocol=2)):
+        p = _write(tmp_path, data, "renamed.safetensors")
+        with pytest.raises(IntegrityError, match="pickle is never loaded"):
+            tensorfile.load(p)
+
+
+ALL_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+              "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+              "F64": torch.float64}
+
+
+def _every_dtype() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for i, (name, dt) in enumerate(sorted(ALL_DTYPES.items())):
+        shape = (2, i + 1)
+        if dt == torch.bool:
+            out[name] = torch.rand(shape, generator=g) > 0.5
+        elif dt.is_floating_point:
+            out[name] = torch.randn(shape, generator=g).to(dt)
+        else:
+            out[name] = torch.randint(0, 100, shape, generator=g).to(dt)
+    out["empty"] = torch.zeros((0, 3))
+    out["scalar"] = torch.tensor(3.5, dtype=torch.float64)
+    return out
+
+
+def test_valid_file_reads_identically_every_way(tmp_path: Path) -> None:
+    tensors = _every_dtype()
+    data = bytes(save(tensors, metadata={"format": "pt"}))
+    p = _write(tmp_path, data)
+    ref = st_load(data)
+    header = tensorfile.read_header(p)
+    assert header.metadata == {"format": "pt"} and set(header.tensors) == set(tensors)
+    pin = tensorfile.hashlib.sha256(data).hexdigest()
+    loaded = tensorfile.load(p, expected_sha256=pin.upper())  # user pins are case-insensitive
+    streamed = dict(tensorfile.iter_tensors(p, expected_sha256=pin))
+    with tensorfile.TensorReader(p, expected_sha256=pin) as r:
+        assert r.names() == sorted(tensors)
+        random_access = {k: r.get(k) for k in r.names()}
+    for got in (loaded, streamed, random_access):
+        assert set(got) == set(ref)
+        for k, t in ref.items():
+            assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
+
+
+def test_stream_yields_in_file_order_one_tensor_at_a_time(tmp_path: Path) -> None:
+    p = _write(tmp_path, bytes(save(_every_dtype())))
+    order = [s.name for s in tensorfile.read_header(p).in_file_order()]
+    assert [name for name, _ in tensorfile.iter_tensors(p)] == order
+
+
+def test_wrong_pin_is_refused_before_parsing_and_after_streaming(tmp_path: Path) -> None:
+    data = corpus.valid_safetensors()
+    p = _write(tmp_path, data)
+    wrong = "0" * 64
+    with pytest.raises(IntegrityError, match="the pin is"):
+        tensorfile.load(p, expected_sha256=wrong)
+    with pytest.raises(IntegrityError, match="the pin is"):
+        tensorfile.TensorReader(p, expected_sha256=wrong)
+    seen = []
+    with pytest.raises(IntegrityError, match="the pin is"):
+        for name, _ in tensorfile.iter_tensors(p, expected_sha256=wrong):
+            seen.append(name)
+    assert len(seen) == 3  # the stream ends in the refusal, never in a normal return
+    # A corrupt file with a wrong pin is refused for the pin, before its header is looked at.
+    bad = _write(tmp_path, MUTATIONS["st_duplicate_names"][0], "bad.safetensors")
+    with pytest.raises(IntegrityError, match="the pin is"):
+        tensorfile.load(bad, expected_sha256=wrong)
+
+
+@pytest.mark.parametrize(("pin", "cause"), [(v, c) for v, c in corpus.DIGEST_CASES.values()])
+def test_malformed_pins_are_refused(tmp_path: Path, pin: str, cause: str) -> None:
+    p = _write(tmp_path, corpus.valid_safetensors())
+    with pytest.raises(IntegrityError, match=cause):
+        tensorfile.load(p, expected_sha256=pin)
+
+
+def test_dtype_allow_list_can_be_narrowed(tmp_path: Path) -> None:
+    p = _write(tmp_path, corpus.valid_safetensors())
+    with pytest.raises(IntegrityError, match="allowed here: F64"):
+        tensorfile.read_header(p, dtypes={"F64"})
+    assert set(tensorfile.load(p, dtypes={"F32", "I64", "BOOL"})) == {"a", "b", "c"}
+
+
+def test_non_regular_files_are_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)  # opening a FIFO for reading would block forever without O_NONBLOCK
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(_write(tmp_path, corpus.valid_safetensors()))
+    for path in (fifo, tmp_path, Path("/dev/zero")):
+        with pytest.raises(IntegrityError, match="not a regular file"):
+            tensorfile.load(path)
+    with pytest.raises(IntegrityError, match="symbolic link"):
+        tensorfile.load(link, follow_symlinks=False)
+    assert set(tensorfile.load(link)) == {"a", "b", "c"}
+    with pytest.raises(IntegrityError, match="cannot open"):
+        tensorfile.load(tmp_path / "missing.safetensors")
+
+
+def test_in_memory_limit_points_at_the_streaming_reader(tmp_path: Path) -> None:
+    p = _write(tmp_path, corpus.valid_safetensors())
+    with pytest.raises(IntegrityError, match="in-memory limit") as exc:
+        tensorfile.load(p, max_bytes=16)
+    assert "iter_tensors" in exc.value.diagnostics()
+
+
+def test_header_limit_is_enforced_on_a_real_oversized_header(tmp_path: Path) -> None:
+    data = bytes(save({"a": torch.zeros(1)}, metadata={"pad": "x" * 4096}))
+    p = _write(tmp_path, data)
+    with pytest.raises(IntegrityError, match="2048-byte header limit"):
+        tensorfile.parse_header(data, len(data), where=p, max_header_bytes=2048)
+    assert "a" in tensorfile.read_header(p).tensors

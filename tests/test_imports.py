@@ -1,0 +1,79 @@
+"""Commands that need no model never import transformers or peft (they start fast on any node).
+
+Each command runs in a fresh interpreter on a small valid input (a real capture, a real replay, a
+synthetic bundle written by ``BundleWriter``) through ``replayjob.cli.main``; the process then
+reports which of the two packages ended up in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from replayjob.cli import main
+
+PROBE = ("import json, sys\n"
+         "from replayjob.cli import main\n"
+         "rc = main(sys.argv[2:])\n"
+         "heavy = sorted(m for m in ('transformers', 'peft') if m in sys.modules)\n"
+         "open(sys.argv[1], 'w').write(json.dumps({'rc': rc, 'heavy': heavy}))\n")
+
+
+def _pins(capture: Path) -> list[str]:
+    m = json.loads((capture / "metrics.json").read_text())
+    return ["--set", f"optimizer_batch.expected_logical_sha256=\"{m['optimizer/logical_batch_sha256']}\"",
+            "--set", f"optimizer_batch.expected_manifest_sha256=\"{m['optimizer_batch/manifest_sha256']}\""]
+
+
+@pytest.fixture(scope="module")
+def inputs(workspace: Path, capture_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from replayjob.bundle import synthetic
+
+    d = tmp_path_factory.mktemp("imports")
+    replays = d / "replays"
+    assert main(["replay", str(workspace / "replay.toml"), "--out", str(replays / "r0"), *_pins(capture_dir)]) == 0
+    bundle = synthetic.write_rollout(d / "bundle")
+    return {"workspace": workspace, "capture": capture_dir, "replays": replays, "bundle": bundle, "scratch": d}
+
+
+def _argv(label: str, i: dict[str, Path]) -> list[str]:
+    cap, reps, out = i["capture"], i["replays"], i["scratch"]
+    reduce = ["reduce", str(reps), "--source", str(cap), "--min-repeats", "1"]
+    return {
+        "--help": ["--help"],
+        "diag-diff": ["diag-diff", str(cap / "diag.jsonl"), str(cap / "diag.jsonl")],
+        "reduce exact-input": [*reduce, "--claim", "exact-input", "--out", str(out / "exact.json")],
+        "reduce bitwise": [*reduce, "--claim", "bitwise", "--out", str(out / "bitwise.json")],
+        "bundle inspect": ["bundle", "inspect", str(i["bundle"])],
+        "bundle validate": ["bundle", "validate", str(i["bundle"])],
+        "explain": ["explain", str(i["workspace"] / "replay.toml"), *_pins(cap)],
+    }[label]
+
+
+def probe(argv: list[str], out: Path) -> dict[str, object]:
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(out), *argv], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert out.is_file(), f"the probe of {argv} wrote nothing: {proc.stderr[-2000:]}"
+    result: dict[str, object] = json.loads(out.read_text())
+    return result
+
+
+@pytest.mark.parametrize("label", ["--help", "diag-diff", "reduce exact-input", "reduce bitwise", "bundle inspect",
+                                   "bundle validate", "explain"])
+def test_command_imports_neither_transformers_nor_peft(label: str, inputs: dict[str, Path],
+                                                       tmp_path: Path) -> None:
+    result = probe(_argv(label, inputs), tmp_path / "probe.json")
+    assert result["rc"] == 0, f"{label} did not accept its valid input (exit {result['rc']})"
+    assert result["heavy"] == [], f"replayjob {label} imported {result['heavy']}"
+
+
+def test_refused_input_imports_neither(inputs: dict[str, Path], tmp_path: Path) -> None:
+    """A refusal path (explain without its pins) stays light too."""
+    result = probe(["explain", str(inputs["workspace"] / "replay.toml")], tmp_path / "probe.json")
+    assert result["rc"] == 2
+    assert result["heavy"] == []
+

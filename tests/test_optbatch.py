@@ -1,0 +1,368 @@
+"""Optimizer-batch capture, explain and replay, in process on the session capture.
+
+Each refusal test checks exit 2 and a message naming the cause.  Tampering happens on copies of
+the session capture; "re-pinned" tampering rewrites the manifest and passes its new digest, as an
+attacker who controls the files and the pin would, so the deeper check is the one that fires.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import REPO
+from safetensors.torch import load_file, save_file
+
+from replayjob.cli import main
+from replayjob.digest import sha256_bytes, sha256_file
+from replayjob.jsonio import canonical_bytes
+from replayjob.optbatch import payload
+from replayjob.optbatch.capture import METRIC_KEYS
+from replayjob.rl.state import ADAPTER_WEIGHTS, read_state, write_state
+
+MANIFEST = "optimizer_batch_step_000000.manifest.json"
+PAYLOAD = "optimizer_batch_step_000000.safetensors"
+GC = "backend.options.gradient_checkpointing"
+
+
+def source_metrics(capture_dir: Path) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads((capture_dir / "metrics.json").read_text())
+    return out
+
+
+def pins(capture_dir: Path, *, logical: str | None = None, manifest: str | None = None,
+         replay_path: Path | None = None) -> list[str]:
+    m = source_metrics(capture_dir)
+    sets = [f"optimizer_batch.expected_logical_sha256={logical or m['optimizer/logical_batch_sha256']}",
+            f"optimizer_batch.expected_manifest_sha256={manifest or m['optimizer_batch/manifest_sha256']}"]
+    if replay_path is not None:
+        sets.append(f'optimizer_batch.replay_path="{replay_path}"')
+    return sets
+
+
+def run(cmd: str, config: Path, *sets: str, out: Path | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+    argv = [cmd, str(config), *extra]
+    if out is not None:
+        argv += ["--out", str(out)]
+    for s in sets:
+        argv += ["--set", s]
+    return argv
+
+
+def refused(capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in {err!r}"
+    return err
+
+
+def copy_capture(capture_dir: Path, tmp_path: Path) -> Path:
+    d = tmp_path / "src"
+    shutil.copytree(capture_dir, d)
+    return d
+
+
+def repin(d: Path, data: bytes) -> str:
+    """Replace the payload and rewrite the manifest consistently; return the new manifest digest."""
+    (d / PAYLOAD).write_bytes(data)
+    doc = json.loads((d / MANIFEST).read_text())
+    doc["payload"]["size"], doc["payload"]["sha256"] = len(data), sha256_bytes(data)
+    raw = canonical_bytes(doc) + b"\n"
+    (d / MANIFEST).write_bytes(raw)
+    return sha256_bytes(raw)
+
+
+@pytest.fixture(scope="module")
+def baseline(workspace: Path, capture_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("replay") / "baseline"
+    assert main(run("replay", workspace / "replay.toml", *pins(capture_dir), out=out)) == 0
+    return out
+
+
+# -- capture -------------------------------------------------------------------------------------
+
+def test_capture_writes_payload_manifest_and_pins(capture_dir: Path, workspace: Path) -> None:
+    for name in (MANIFEST, PAYLOAD, "diag.jsonl", "metrics.json", "final_adapter/adapter_model.safetensors"):
+        assert (capture_dir / name).is_file(), name
+    m = source_metrics(capture_dir)
+    for key in METRIC_KEYS:
+        assert re.fullmatch(r"[0-9a-f]{64}", m[key]), key
+    assert m["optimizer_batch/manifest_sha256"] == sha256_file(capture_dir / MANIFEST)
+    init_sha = sha256_file(workspace / "init_resume" / ADAPTER_WEIGHTS)
+    assert m["optimizer_batch/initial_adapter_sha256"] == init_sha
+    assert m["optimizer_batch/final_adapter_sha256"] == sha256_file(capture_dir / m["final_adapter_path"])
+    assert m["optimizer_batch/final_adapter_sha256"] != init_sha
+    doc = json.loads((capture_dir / MANIFEST).read_text())
+    assert doc["payload"]["sha256"] == sha256_file(capture_dir / PAYLOAD)
+    assert doc["logical_batch_sha256"] == m["optimizer/logical_batch_sha256"]
+    assert doc["initial_adapter"]["sha256"] == init_sha
+    assert doc["initial_adapter"]["size"] == (workspace / "init_resume" / ADAPTER_WEIGHTS).stat().st_size
+    assert doc["contract"]["value"]["strict_deterministic"] is True
+    assert doc["producer"]["provenance"]["torch_deterministic_algorithms"] is True
+    assert doc["config"]["resolved"]["optimizer_batch"]["capture"] is True
+    batch, rng = payload.decode((capture_dir / PAYLOAD).read_bytes())
+    assert batch.logical_sha256() == m["optimizer/logical_batch_sha256"]
+    assert batch.effective_sha256() == m["optimizer/local_effective_rows_sha256"]
+    assert batch.old_logprobs.dtype == batch.advantages.dtype == torch.float64
+    assert sorted(rng) == ["cpu"] and rng["cpu"].dtype == torch.uint8
+    # the capture point is after the estimate: advantages carry the loss, weights sum to one
+    assert float(batch.advantages.abs().max()) > 0
+    assert abs(float(batch.loss_weights.sum()) - 1.0) < 1e-12
+
+
+def test_train_with_capture_on_captures_too(workspace: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(run("train", workspace / "source.toml", out=tmp_path)) == 0
+    printed = capsys.readouterr().out
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["optimizer_batch/manifest_sha256"] == sha256_file(tmp_path / MANIFEST)
+    assert f"optimizer/logical_batch_sha256 {m['optimizer/logical_batch_sha256']}" in printed
+
+
+def test_capture_preconditions_are_checked_before_any_work(workspace: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, run("capture", workspace / "source.toml", "training.max_steps=2",
+                        "training.save_every=1", out=tmp_path / "o"),
+            "max_steps must be 1", "save_every must be 0")
+    assert not (tmp_path / "o").exists()
+
+
+def test_capture_refuses_a_resume_state_at_step_zero(workspace: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    state = step_zero_state(workspace, tmp_path)
+    refused(capsys, run("capture", workspace / "source.toml", f'resume.from="{state}"', out=tmp_path / "o"),
+            "state at step 0", "step -1")
+    assert not (tmp_path / "o").exists()
+
+
+def step_zero_state(workspace: Path, tmp_path: Path) -> Path:
+    d = tmp_path / "step0"
+    shutil.copytree(workspace / "init_resume", d)
+    write_state(d, 0, read_state(d).model, {})
+    assert read_state(d).step == 0
+    return d
+
+
+def test_existing_capture_is_never_overwritten(capture_dir: Path, workspace: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    d = copy_capture(capture_dir, tmp_path)
+    before = {p.name: sha256_file(p) for p in d.iterdir() if p.is_file()}
+    refused(capsys, run("capture", workspace / "source.toml", out=d), "already exists", PAYLOAD)
+    assert {p.name: sha256_file(p) for p in d.iterdir() if p.is_file()} == before
+
+
+def test_secrets_in_the_config_are_redacted_in_every_capture_file(workspace: Path, tmp_path: Path) -> None:
+    secret, password = "sk-live-0123456789abcdef", "hunter2pw"
+    out = tmp_path / "secret"
+    assert main(run("capture", workspace / "source.toml", f'logging.metadata.hf_token="{secret}"',
+                    f'logging.metadata.endpoint="https://alice:{password}@example.org/x"', out=out)) == 0
+    for f in out.rglob("*"):
+        if f.is_file():
+            data = f.read_bytes()
+            assert secret.encode() not in data and password.encode() not in data, f
+    meta = json.loads((out / MANIFEST).read_text())["config"]["resolved"]["logging"]["metadata"]
+    assert meta == {"hf_token": "<redacted>", "endpoint": "https://<redacted>@example.org/x"}
+
+
+# -- replay and explain ----------------------------------------------------------------------------
+
+def test_same_condition_replay_matches_the_source_bitwise(baseline: Path, capture_dir: Path) -> None:
+    src = source_metrics(capture_dir)
+    rm = json.loads((baseline / "replay_metrics.json").read_text())
+    assert rm["loss"] == src["loss"]
+    assert rm["optimizer_batch/final_adapter_sha256"] == src["optimizer_batch/final_adapter_sha256"]
+    assert sha256_file(baseline / rm["final_adapter_path"]) == rm["optimizer_batch/final_adapter_sha256"]
+    assert rm["optimizer_batch/final_adapter_sha256"] != rm["optimizer_batch/initial_adapter_sha256"]
+    for key in METRIC_KEYS[:4]:
+        assert rm[key] == src[key], key
+    assert rm["arm"] == "baseline" and rm["repeat_index"] == 0
+    assert rm["skipped"] == ["dataset", "environment", "rollout", "sampling"]
+    assert rm["runtime"] == {"gradient_checkpointing": False}
+    assert rm["allowed_config_differences"] == rm["observed_config_differences"] == []
+    assert rm["memory"]["kind"] == "max_rss" and rm["memory"]["peak_bytes"] > 0
+    assert rm["padding"]["real_tokens"] <= rm["padding"]["padded_tokens"]
+    assert all(rm["timing"][k] > 0 for k in ("local_train_wall_s", "forward_wall_s", "backward_wall_s"))
+
+
+def test_replay_metrics_carry_every_documented_key(baseline: Path) -> None:
+    rm = json.loads((baseline / "replay_metrics.json").read_text())
+    doc = (REPO / "docs" / "replay-metrics.md").read_text()
+    documented = set()
+    for line in doc.splitlines():
+        if line.startswith("| `"):
+            documented.update(re.findall(r"`([^`]+)`", line.split("|")[1]))
+    assert documented and documented <= set(rm), sorted(documented - set(rm))
+    assert set(rm) <= documented, sorted(set(rm) - documented)
+
+
+def test_gradient_checkpointing_arm_records_the_flag_and_matches(baseline: Path, workspace: Path,
+                                                                 capture_dir: Path, tmp_path: Path) -> None:
+    assert main(run("replay", workspace / "replay.toml", *pins(capture_dir), f"{GC}=true",
+                    f'optimizer_batch.allow_config_differences=["{GC}"]', out=tmp_path)) == 0
+    rm = json.loads((tmp_path / "replay_metrics.json").read_text())
+    base = json.loads((baseline / "replay_metrics.json").read_text())
+    assert rm["runtime"] == {"gradient_checkpointing": True}
+    assert rm["arm"] == "gradient_checkpointing=true" and rm["knobs"] == {GC: True}
+    assert rm["allowed_config_differences"] == rm["observed_config_differences"] == [GC]
+    assert rm["loss"] == source_metrics(capture_dir)["loss"]
+    # measured on CPU: recomputation replays the same kernels, so the update is bitwise equal too
+    assert rm["optimizer_batch/final_adapter_sha256"] == base["optimizer_batch/final_adapter_sha256"]
+
+
+def test_micro_batch_size_arm_is_admitted_and_close(baseline: Path, workspace: Path, capture_dir: Path,
+                                                    tmp_path: Path) -> None:
+    assert main(run("replay", workspace / "replay.toml", *pins(capture_dir), "training.micro_batch_size=3",
+                    'optimizer_batch.allow_config_differences=["training.micro_batch_size"]',
+                    'optimizer_batch.arm="mbs3"', out=tmp_path)) == 0
+    rm = json.loads((tmp_path / "replay_metrics.json").read_text())
+    assert rm["arm"] == "mbs3" and rm["knobs"] == {"training.micro_batch_size": 3}
+    assert rm["padding"]["micro_batches"] == 6
+    # same math in exact arithmetic; regrouped float sums may differ in the last bits
+    assert abs(rm["loss"] - source_metrics(capture_dir)["loss"]) < 1e-12
+
+
+def test_explain_admits_and_reports_without_a_model(workspace: Path, capture_dir: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(run("explain", workspace / "replay.toml", *pins(capture_dir), extra=("--json",))) == 0
+    rep = json.loads(capsys.readouterr().out)
+    src = source_metrics(capture_dir)
+    assert rep["admitted"] is True and rep["reasons"] == []
+    assert rep["optimizer/logical_batch_sha256"] == src["optimizer/logical_batch_sha256"]
+    assert rep["manifest"]["sha256"] == src["optimizer_batch/manifest_sha256"]
+    assert rep["rows"]["rows"] == 16 and rep["rows"]["response_tokens"] > 0
+    assert rep["observed_config_differences"] == [] and rep["arm"] == "baseline"
+    assert main(run("explain", workspace / "replay.toml", *pins(capture_dir))) == 0
+    assert "replay ADMITTED" in capsys.readouterr().out
+
+
+def test_explain_lists_every_reason(workspace: Path, capture_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = run("explain", workspace / "replay.toml", *pins(capture_dir, logical="ab" * 32), f"{GC}=true",
+               "optimizer.lr=0.5", 'optimizer_batch.allow_config_differences=["training.micro_batch_size"]',
+               extra=("--json",))
+    assert main(argv) == 2
+    cap = capsys.readouterr()
+    rep = json.loads(cap.out)
+    text = "\n".join(rep["reasons"])
+    for needle in ("wrong logical pin", f"undeclared difference '{GC}'", "optimizer contract differs",
+                   "optimizer.lr", "'training.micro_batch_size' is not present"):
+        assert needle in text, needle
+    assert "replay refused (" in cap.err and rep["admitted"] is False
+
+
+def test_replay_requires_both_pins(workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, run("replay", workspace / "replay.toml", out=tmp_path),
+            "expected_logical_sha256 is required", "expected_manifest_sha256 is required")
+    assert not tmp_path.joinpath("replay_metrics.json").exists()
+
+
+# -- refusals, each with exit 2 and the cause named -----------------------------------------------
+
+def test_flipped_payload_byte(capture_dir: Path, workspace: Path, tmp_path: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    d = copy_capture(capture_dir, tmp_path)
+    data = bytearray((d / PAYLOAD).read_bytes())
+    data[-3] ^= 0x01
+    (d / PAYLOAD).write_bytes(bytes(data))
+    refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir, replay_path=d / MANIFEST),
+                        out=tmp_path / "o"), "payload SHA-256", "not deserialised")
+
+
+def test_flipped_manifest_byte(capture_dir: Path, workspace: Path, tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    d = copy_capture(capture_dir, tmp_path)
+    data = bytearray((d / MANIFEST).read_bytes())
+    data[len(data) // 2] ^= 0x20
+    (d / MANIFEST).write_bytes(bytes(data))
+    refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir, replay_path=d / MANIFEST),
+                        out=tmp_path / "o"), "manifest SHA-256 is", "expected_manifest_sha256")
+
+
+def test_wrong_logical_pin(capture_dir: Path, workspace: Path, tmp_path: Path,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir, logical="0" * 64),
+                        out=tmp_path), "wrong logical pin")
+
+
+def test_tampered_ragged_offsets(capture_dir: Path, workspace: Path, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    d = copy_capture(capture_dir, tmp_path)
+    data = bytearray((d / PAYLOAD).read_bytes())
+    begin, _end, _n = payload.parse_header(bytes(data))["token_offsets"]
+    data[begin + 8:begin + 16] = (10**6).to_bytes(8, "little")  # row 0 now ends far past the tokens
+    (d / PAYLOAD).write_bytes(bytes(data))
+    # unpinned: the payload digest refuses it before it is deserialised
+    refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir, replay_path=d / MANIFEST),
+                        out=tmp_path / "o"), "payload SHA-256")
+    # re-pinned: the structural check refuses it before any tensor is built
+    new_pin = repin(d, bytes(data))
+    refused(capsys, run("replay", workspace / "replay.toml",
+                        *pins(capture_dir, manifest=new_pin, replay_path=d / MANIFEST), out=tmp_path / "o"),
+            "payload refused", "token_offsets")
+
+
+def test_non_finite_row(capture_dir: Path, workspace: Path, tmp_path: Path,
+                        capsys: pytest.CaptureFixture[str]) -> None:
+    d = copy_capture(capture_dir, tmp_path)
+    batch, rng = payload.decode((d / PAYLOAD).read_bytes())
+    adv = batch.advantages.clone()
+    adv[int(batch.resp_offsets[5])] = float("nan")
+    bad = payload.encode(type(batch)(**{**batch.tensors(), "advantages": adv}), rng)
+    new_pin = repin(d, bad)
+    refused(capsys, run("replay", workspace / "replay.toml",
+                        *pins(capture_dir, manifest=new_pin, replay_path=d / MANIFEST), out=tmp_path / "o"),
+            "row 5 holds a non-finite advantages value")
+
+
+def test_undeclared_difference(capture_dir: Path, workspace: Path, tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir), f"{GC}=true", out=tmp_path),
+            f"undeclared difference '{GC}'")
+
+
+def test_declared_difference_not_present(capture_dir: Path, workspace: Path, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir),
+                        f'optimizer_batch.allow_config_differences=["{GC}"]', out=tmp_path),
+            f"declared difference '{GC}' is not present", "stale allowlist")
+
+
+def test_a_math_key_cannot_be_allowed(capture_dir: Path, workspace: Path, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir), "algorithm.clip_eps_high=0.3",
+                        'optimizer_batch.allow_config_differences=["algorithm.clip_eps_high"]', out=tmp_path),
+            "'algorithm.clip_eps_high' is not a registered systems-only knob", "optimizer contract differs")
+
+
+def test_adapter_hash_mismatch(capture_dir: Path, workspace: Path, tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "other_init"
+    shutil.copytree(workspace / "init_resume", d)
+    tensors = load_file(str(d / ADAPTER_WEIGHTS))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, str(d / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    write_state(d, -1, read_state(workspace / "init_resume").model, {})  # a valid state, other weights
+    refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir), f'resume.from="{d}"',
+                        out=tmp_path / "o"), "adapter hash mismatch")
+
+
+def test_replay_refuses_a_resume_state_at_step_zero(capture_dir: Path, workspace: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    state = step_zero_state(workspace, tmp_path)
+    refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir), f'resume.from="{state}"',
+                        out=tmp_path / "o"), "state at step 0")
+
+
+def test_replay_never_overwrites_a_replay(baseline: Path, workspace: Path, capture_dir: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    before = sha256_file(baseline / "replay_metrics.json")
+    refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir), out=baseline),
+            "already holds a replay")
+    assert sha256_file(baseline / "replay_metrics.json") == before

@@ -1,0 +1,292 @@
+"""The payload codec, the manifest reader, the optimizer contract and the knob registry (no model)."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from replayjob.config import load_config
+from replayjob.digest import sha256_bytes
+from replayjob.errors import IntegrityError
+from replayjob.jsonio import canonical_bytes
+from replayjob.optbatch import knobs, manifest, payload
+from replayjob.optbatch.contract import contract_sha256, optimizer_contract
+from replayjob.rl.batch import OptimizerBatch
+
+FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "loss_weights")
+
+
+def make_batch(rows: int = 3, seed: int = 0) -> OptimizerBatch:
+    g = torch.Generator().manual_seed(seed)
+    resp = [2 + i for i in range(rows)]
+    seqs = [[5 + i] * 3 + [7] * n for i, n in enumerate(resp)]
+    T = max(resp)
+    mask = torch.zeros((rows, T), dtype=torch.float64)
+    for i, n in enumerate(resp):
+        mask[i, :n] = 1
+    fields = {k: torch.randn((rows, T), generator=g, dtype=torch.float64) * mask for k in FIELDS}
+    return OptimizerBatch.from_padded(seqs, [3] * rows, fields, mask)
+
+
+def rng() -> dict[str, torch.Tensor]:
+    return {"cpu": torch.get_rng_state()}
+
+
+def split(data: bytes) -> tuple[dict[str, Any], bytes]:
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def join(header: dict[str, Any], body: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + body
+
+
+def mutate(mut: Any) -> bytes:
+    header, body = split(payload.encode(make_batch(), rng()))
+    out = mut(header, body)
+    return join(header, body) if out is None else bytes(out)
+
+
+def refused(data: bytes, needle: str) -> None:
+    with pytest.raises(IntegrityError) as exc:
+        payload.decode(data)
+    assert needle in exc.value.message, exc.value.message
+
+
+def test_round_trip_is_exact_and_bytes_are_stable() -> None:
+    b = make_batch()
+    data = payload.encode(b, rng())
+    assert payload.encode(b, rng()) == data
+    b2, r2 = payload.decode(data)
+    assert b2.logical_sha256() == b.logical_sha256() and b2.effective_sha256() == b.effective_sha256()
+    for k, v in b.tensors().items():
+        assert torch.equal(getattr(b2, k), v), k
+    assert torch.equal(r2["cpu"], torch.get_rng_state())
+
+
+def test_cuda_rng_keys_round_trip_without_a_gpu() -> None:
+    state = {"cpu": torch.get_rng_state(), "cuda.0": torch.arange(16, dtype=torch.uint8)}
+    _, r = payload.decode(payload.encode(make_batch(), state))
+    assert sorted(r) == ["cpu", "cuda.0"] and torch.equal(r["cuda.0"], state["cuda.0"])
+
+
+def _set(path: tuple[str, ...], value: Any) -> Any:
+    def f(header: dict[str, Any], body: bytes) -> None:
+        node = header
+        for p in path[:-1]:
+            node = node[p]
+        node[path[-1]] = value
+    return f
+
+
+@pytest.mark.parametrize(("mut", "needle"), [
+    (lambda h, b: b"\x01\x02", "too short"),
+    (lambda h, b: struct.pack("<Q", 10**9) + b"{}", "above the"),
+    (lambda h, b: struct.pack("<Q", 500) + b"{}", "header declares 500 bytes"),
+    (lambda h, b: struct.pack("<Q", 6) + b"[1, 2]", "not a JSON object"),
+    (_set(("__metadata__", "format"), "pt"), "does not declare format"),
+    (lambda h, b: h.pop("advantages") and None, "missing tensors ['advantages']"),
+    (_set(("extra",), {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}), "unexpected tensor 'extra'"),
+    (_set(("tokens", "dtype"), "F64"), "dtype 'F64', expected I64"),
+    (_set(("rng.cpu", "dtype"), "I64"), "expected U8"),
+    (_set(("prompt_lens", "shape"), [1, 3]), "must be 1-D"),
+    (_set(("prompt_lens", "data_offsets"), [0, 10**9]), "outside the"),
+    (_set(("prompt_lens", "shape"), [4]), "bytes for 4 elements"),
+    (lambda h, b: join(h, b + b"\0" * 8), "trailing bytes"),
+])
+def test_malformed_headers_are_refused(mut: Any, needle: str) -> None:
+    refused(mutate(mut), needle)
+
+
+def test_overlapping_data_offsets_are_refused() -> None:
+    def f(h: dict[str, Any], b: bytes) -> bytes:
+        a, c = h["prompt_lens"], h["loss_weights"]
+        a["data_offsets"] = [c["data_offsets"][0], c["data_offsets"][0] + 24]
+        return join(h, b)
+    refused(mutate(f), "overlap or gap")
+
+
+def test_duplicate_tensor_names_are_refused() -> None:
+    header, body = split(payload.encode(make_batch(), rng()))
+    raw = json.dumps(header).encode()
+    dup = raw[:-1] + b', "tokens": ' + json.dumps(header["tokens"]).encode() + b"}"
+    with pytest.raises(IntegrityError, match="duplicate key 'tokens'"):
+        payload.decode(struct.pack("<Q", len(dup)) + dup + body)
+
+
+def test_pickle_is_never_loaded(tmp_path: Path) -> None:
+    buf = io.BytesIO()
+    torch.save(make_batch().tensors(), buf)
+    refused(buf.getvalue(), "pickle is never loaded")
+
+
+class _Touch:
+    """Unpickling this creates a file: evidence that a loader executed pickle."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        return (open, (str(self.path), "w"))
+
+
+def test_a_raw_pickle_is_refused_without_being_executed(tmp_path: Path) -> None:
+    import pickle
+
+    marker = tmp_path / "executed"
+    for protocol in (2, 4, 5):
+        with pytest.raises(IntegrityError):
+            payload.decode(pickle.dumps(_Touch(marker), protocol=protocol))
+    assert not marker.exists()
+
+
+def _int_field(name: str, index: int, value: int) -> Any:
+    def f(h: dict[str, Any], b: bytes) -> bytes:
+        begin = h[name]["data_offsets"][0] + 8 * index
+        body = bytearray(b)
+        body[begin:begin + 8] = struct.pack("<q", value)
+        return join(h, bytes(body))
+    return f
+
+
+@pytest.mark.parametrize(("name", "index", "value", "needle"), [
+    ("token_offsets", 0, 1, "token_offsets[0] is 1"),
+    ("token_offsets", 2, 0, "token_offsets decreases at row 1"),
+    ("token_offsets", 3, 10**6, "token_offsets end at 1000000"),
+    ("resp_offsets", 1, 3, "row 0: 5 tokens, prompt length 3 and 3 response values"),
+    ("prompt_lens", 0, 0, "row 0"),
+    ("prompt_lens", 1, 99, "row 1"),
+    ("tokens", 4, -7, "negative token id"),
+])
+def test_tampered_offsets_and_lengths_are_refused_before_tensors(name: str, index: int, value: int,
+                                                                 needle: str) -> None:
+    refused(mutate(_int_field(name, index, value)), needle)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_rows_are_refused_naming_the_row(bad: float) -> None:
+    b = make_batch()
+    w = b.old_logprobs.clone()
+    w[int(b.resp_offsets[2]) + 1] = bad
+    data = payload.encode(OptimizerBatch(**{**b.tensors(), "old_logprobs": w}), rng())
+    refused(data, "row 2 holds a non-finite old_logprobs value")
+
+
+def test_rng_state_of_the_wrong_size_is_refused() -> None:
+    refused(payload.encode(make_batch(), {"cpu": torch.zeros(7, dtype=torch.uint8)}), "rng.cpu has 7 bytes")
+
+
+# -- manifest ---------------------------------------------------------------------------------------
+
+def manifest_doc() -> dict[str, Any]:
+    cfg = load_config(None, ["training.seed=1"])
+    data = payload.encode(make_batch(), rng())
+    return manifest.build(step=0, producer={"device": "cpu"}, payload_file=manifest.payload_name(0),
+                          payload=data, rng_keys=["cpu"], rows={"rows": 3, "tokens": 18, "response_tokens": 9,
+                                                                "loss_bearing_tokens": 9},
+                          logical="a" * 64, effective="b" * 64, resolved_config={"x": 1},
+                          contract=optimizer_contract(cfg), adapter_path=Path("/x/a.safetensors"),
+                          adapter_size=10, adapter_sha256="c" * 64)
+
+
+def write_manifest(tmp_path: Path, doc: dict[str, Any]) -> tuple[Path, str]:
+    p = tmp_path / manifest.manifest_name(0)
+    raw = canonical_bytes(doc) + b"\n"
+    p.write_bytes(raw)
+    return p, sha256_bytes(raw)
+
+
+def test_manifest_round_trip_and_exclusive_write(tmp_path: Path) -> None:
+    doc = manifest_doc()
+    p = tmp_path / manifest.manifest_name(0)
+    sha = manifest.write(p, doc)
+    m = manifest.read_verified(p, sha.upper())
+    assert m.doc == doc and m.sha256 == sha and m.payload_path == tmp_path / manifest.payload_name(0)
+    with pytest.raises(Exception, match="refusing to overwrite"):
+        manifest.write(p, doc)
+
+
+def test_manifest_digest_is_checked_before_parsing(tmp_path: Path) -> None:
+    p = tmp_path / "m.json"
+    p.write_bytes(b'{"schema": NaN, "x": 1, "x": 2')
+    with pytest.raises(IntegrityError, match="manifest SHA-256 is"):
+        manifest.read_verified(p, "0" * 64)
+    with pytest.raises(IntegrityError, match="malformed JSON"):
+        manifest.read_verified(p, sha256_bytes(p.read_bytes()))
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda d: d.update(extra=1), "unknown ['extra']"),
+    (lambda d: d["payload"].update(file="../evil.safetensors"), "bare .safetensors file name"),
+    (lambda d: d["payload"].update(file="/abs/p.safetensors"), "bare .safetensors file name"),
+    (lambda d: d["payload"].update(sha256="XYZ"), "payload.sha256"),
+    (lambda d: d["config"]["resolved"].update(x=2), "'config.sha256' does not match"),
+    (lambda d: d["contract"]["value"].update(dtype="float16"), "'contract.sha256' does not match"),
+    (lambda d: d.update(step=1), "'step' must be 0"),
+    (lambda d: d.update(schema="v0"), "'schema' must be"),
+    (lambda d: d["initial_adapter"].update(size="10"), "initial_adapter"),
+])
+def test_malformed_manifests_are_refused(tmp_path: Path, edit: Any, needle: str) -> None:
+    doc = manifest_doc()
+    edit(doc)
+    p, sha = write_manifest(tmp_path, doc)
+    with pytest.raises(IntegrityError) as exc:
+        manifest.read_verified(p, sha)
+    assert needle in exc.value.message
+
+
+# -- contract and knobs -----------------------------------------------------------------------------
+
+def test_contract_covers_the_math_and_not_the_systems_knobs() -> None:
+    base = optimizer_contract(load_config(None, ["training.seed=1"]))
+    for sets in (["training.micro_batch_size=1"], ["backend.options.gradient_checkpointing=true"],
+                 ["backend.options.attn_implementation='sdpa'"], ["logging.dir='elsewhere'"]):
+        assert optimizer_contract(load_config(None, ["training.seed=1", *sets])) == base, sets
+    for sets in (["optimizer.lr=0.5"], ["optimizer.max_grad_norm=0.0"], ["algorithm.kl_loss_coef=0.1"],
+                 ["model.dtype='bfloat16'"], ["lora.r=4"], ["backend.options.strict_deterministic=true"]):
+        other = optimizer_contract(load_config(None, ["training.seed=1", *sets]))
+        assert contract_sha256(other) != contract_sha256(base), sets
+
+
+def test_math_mode_is_part_of_the_contract(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = load_config(None, ["training.seed=1"])
+    monkeypatch.setenv("REPLAYJOB_MATH_MODE", "prod")
+    prod = optimizer_contract(cfg)
+    monkeypatch.setenv("REPLAYJOB_MATH_MODE", "pedantic")
+    assert prod["math_mode"] == "prod" and optimizer_contract(cfg) != prod
+
+
+def test_every_knob_is_justified_and_the_required_ones_are_registered() -> None:
+    assert {"backend.options.gradient_checkpointing", "training.micro_batch_size",
+            "backend.options.attn_implementation"} <= set(knobs.KNOBS)
+    for key, knob in knobs.KNOBS.items():
+        assert len(knob.justification) > 40, key
+        assert knobs.lookup({"a": {"b": 1}}, "a.b") == 1
+        assert not knobs.is_ignored(key), key
+
+
+def test_knob_conditions() -> None:
+    plain = load_config(None, ["training.seed=1"])
+    sdpa = load_config(None, ["training.seed=1", "backend.options.attn_implementation='sdpa'"])
+    strict = load_config(None, ["training.seed=1", "backend.options.strict_deterministic=true"])
+    attn = knobs.KNOBS["backend.options.attn_implementation"]
+    assert attn.refusal(plain, sdpa) is None
+    assert "strict_deterministic requires" in (attn.refusal(strict, sdpa) or "")
+    mbs = knobs.KNOBS["training.micro_batch_size"]
+    dropout = load_config(None, ["training.seed=1", "lora.dropout=0.1", "training.micro_batch_size=2"])
+    assert mbs.refusal(plain, plain) is None and "dropout" in (mbs.refusal(dropout, dropout) or "")
+
+
+def test_arm_names() -> None:
+    r = {"backend": {"options": {"gradient_checkpointing": True}}, "training": {"micro_batch_size": 2}}
+    assert knobs.arm_name([], r) == "baseline"
+    assert knobs.arm_name(["backend.options.gradient_checkpointing"], r) == "gradient_checkpointing=true"
+    assert knobs.arm_name(["training.micro_batch_size", "backend.options.gradient_checkpointing"], r) == \
+        "gradient_checkpointing=true+micro_batch_size=2"

@@ -1,0 +1,436 @@
+"""The Slurm path: scripts/slurm/ and ``replayjob ablation plan|index``, against a real scheduler.
+
+Fast tests check the fan-out plan, the submit script's sbatch commands (``--dry-run``), its usage
+errors, the container command it builds, and shellcheck.  The rest submit through a real
+single-node Slurm cluster (``scripts/slurm/testing-cluster.sh``: munged, slurmctld and slurmd on
+localhost).  Where no cluster can be started they are skipped with the reason, except in CI
+(``CI=true``), where that is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO
+
+from replayjob.cli import main
+from replayjob.deploy.ablation import DETERMINISM_ENV, load_spec
+from replayjob.deploy.plan import select, task_lines
+from replayjob.errors import ReplayjobError
+
+SLURM = REPO / "scripts" / "slurm"
+SUBMIT = SLURM / "submit.sh"
+IN_CI = os.environ.get("CI", "").lower() == "true"
+SPEC = """\
+name = "slurm-test"
+image = "replayjob:dev"
+gpu_product = "none"
+device = "cpu"
+repeats = 3
+
+[arms.ckpt-off]
+
+[arms.ckpt-on]
+"backend.options.gradient_checkpointing" = true
+"""
+
+
+@pytest.fixture(scope="module")
+def spec_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("spec") / "ablation.toml"
+    path.write_text(SPEC)
+    return path
+
+
+def _submit(*args: str, env: dict[str, str] | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(SUBMIT), *args], env=env, text=True, capture_output=True,
+                          timeout=timeout)
+
+
+# ---- the fan-out plan (replayjob ablation plan | index) --------------------------------------------
+
+def test_plan_maps_every_index_to_arm_and_repeat(spec_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ablation", "plan", str(spec_file)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "size=6" in lines and "min_repeats=3" in lines and "claim=exact-input" in lines
+    assert [ln for ln in lines if ln.startswith("env=")] == [
+        f"env={k}={v}" for k, v in sorted(DETERMINISM_ENV.items())]
+    assert [ln for ln in lines if ln.startswith("task=")] == [
+        "task=0:ckpt-off:0", "task=1:ckpt-off:1", "task=2:ckpt-off:2",
+        "task=3:ckpt-on:0", "task=4:ckpt-on:1", "task=5:ckpt-on:2"]
+    assert main(["ablation", "index", str(spec_file), "3"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "arm=ckpt-on", "repeat=0", "index=3", "set=backend.options.gradient_checkpointing=true",
+        'allow=["backend.options.gradient_checkpointing"]']
+
+
+def test_selection_keeps_file_order_and_lowers_min_repeats(spec_file: Path) -> None:
+    spec = select(load_spec(spec_file), arms="ckpt-on,ckpt-off", repeats=2, device="cuda")
+    assert [a.name for a in spec.arms] == ["ckpt-off", "ckpt-on"]
+    assert (spec.size, spec.effective_min_repeats, spec.device) == (4, 2, "cuda")
+    assert task_lines(spec, 1)[:2] == ["arm=ckpt-off", "repeat=1"]
+    assert task_lines(select(spec, arms="ckpt-off"), 1)[:1] == ["arm=ckpt-off"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["index", "{spec}", "6"], "outside 0..5"),
+    (["plan", "{spec}", "--arms", "nope"], "no arm named 'nope'"),
+    (["plan", "{spec}", "--arms", "ckpt-on,ckpt-on"], "names an arm twice"),
+    (["plan", "{spec}", "--repeats", "0"], "--repeats must be >= 1"),
+    (["plan", "{spec}", "--device", "tpu"], "'tpu'"),
+])
+def test_plan_refuses_bad_selections(spec_file: Path, capsys: pytest.CaptureFixture[str],
+                                     argv: list[str], message: str) -> None:
+    assert main(["ablation", *[a.format(spec=spec_file) for a in argv]]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_select_refuses_empty_arms(spec_file: Path) -> None:
+    with pytest.raises(ReplayjobError, match="names no arm"):
+        select(load_spec(spec_file), arms=" , ")
+
+
+# ---- submit.sh without a scheduler -----------------------------------------------------------------
+
+def test_help_lists_every_option() -> None:
+    res = _submit("--help")
+    assert res.returncode == 0, res.stderr
+    for opt in ("--arms", "--repeats", "--out", "--claim", "--partition", "--gpus-per-task", "--wait",
+                "--image", "--venv", "--spec", "--source", "--dry-run"):
+        assert opt in res.stdout
+
+
+def _dry_run(spec_file: Path, out: Path, *extra: str) -> list[str]:
+    res = _submit("--out", str(out), "--spec", str(spec_file), "--dry-run", *extra)
+    assert res.returncode == 0, res.stderr
+    assert not out.exists(), "--dry-run must write nothing"
+    return [ln for ln in res.stdout.splitlines() if ln.startswith("sbatch ")]
+
+
+def test_dry_run_chains_three_jobs_with_gpu_requests(spec_file: Path, tmp_path: Path) -> None:
+    capture, replay, reduce = _dry_run(spec_file, tmp_path / "run", "--partition", "gpu")
+    assert all("--partition gpu" in cmd for cmd in (capture, replay, reduce))
+    assert "--gres=gpu:1" in capture and "--requeue" in capture
+    assert "--array 0-5" in replay and "--exclusive" in replay and "--gres=gpu:1" in replay
+    assert "--dependency=afterok:CAPTURE_ID --kill-on-invalid-dep=yes" in replay
+    assert "--requeue" in replay
+    assert "--dependency=afterany:REPLAY_ID" in reduce and "--no-requeue" in reduce
+    assert "gres" not in reduce and "--exclusive" not in reduce
+
+
+def test_zero_gpus_drops_every_gpu_request(spec_file: Path, tmp_path: Path) -> None:
+    cmds = _dry_run(spec_file, tmp_path / "run", "--gpus-per-task", "0", "--arms", "ckpt-on",
+                    "--repeats", "2")
+    assert len(cmds) == 3 and not any("--gres" in c or "--nv" in c for c in cmds)
+    assert "--array 0-1" in cmds[1]
+    two = _dry_run(spec_file, tmp_path / "run", "--gpus-per-task", "2")
+    assert "--gres=gpu:2" in two[0] and "--gres=gpu:2" in two[1]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ([], "--out DIR is required"),
+    (["--out", "x", "--gpus-per-task", "-1"], "--gpus-per-task expects an integer"),
+    (["--out", "x", "--repeats", "0"], "--repeats expects an integer >= 1"),
+    (["--out", "x", "--plant", "nope:a.b=1"], "--plant names arm 'nope'"),
+    (["--out", "x", "--plant", "ckpt-on"], "--plant expects ARM:KEY=VALUE"),
+    (["--out", "x", "--source", "/nonexistent"], "--source needs --workspace"),
+    (["--out", "x", "--image", "/nonexistent.sif"], "no such file"),
+    (["--out", "x", "--bogus"], "unknown option '--bogus'"),
+])
+def test_submit_refuses_bad_usage(spec_file: Path, args: list[str], message: str) -> None:
+    res = _submit("--spec", str(spec_file), "--dry-run", *args)
+    assert res.returncode == 2
+    assert message in res.stderr
+
+
+def test_container_command_binds_out_and_pins_env(tmp_path: Path) -> None:
+    """The apptainer/singularity command lib.sh builds (no runtime runs; the argv is printed)."""
+    script = f"""
+set -euo pipefail
+. {SLURM / 'lib.sh'}
+REPLAYJOB_IMAGE=/img/replayjob.sif REPLAYJOB_CONTAINER=apptainer REPLAYJOB_OUT=/shared/run
+REPLAYJOB_GPUS=1 REPLAYJOB_BINDS=(/models) REPLAYJOB_DETERMINISM_ENV=(A=1 B=:2)
+replayjob_cmd
+echo "${{REPLAYJOB[*]}}"
+echo "${{REPLAYJOB_PY[*]}}"
+REPLAYJOB_GPUS=0
+replayjob_cmd
+echo "${{REPLAYJOB[*]}}"
+"""
+    lines = subprocess.run(["bash", "-c", script], text=True, capture_output=True,
+                           check=True).stdout.splitlines()
+    assert lines == [
+        "apptainer exec --cleanenv --bind /shared/run --bind /models --nv --env A=1 --env B=:2 "
+        "/img/replayjob.sif replayjob",
+        "apptainer exec --cleanenv --bind /shared/run --bind /models --nv --env A=1 --env B=:2 "
+        "/img/replayjob.sif python3",
+        "apptainer exec --cleanenv --bind /shared/run --bind /models --env A=1 --env B=:2 "
+        "/img/replayjob.sif replayjob"]
+
+
+def test_image_mode_runs_the_plan_through_the_container(spec_file: Path, tmp_path: Path) -> None:
+    """--image: submit.sh asks for the plan through the container runtime.  No apptainer exists
+    here, so a stand-in runtime records its argv and runs the command after the image from the
+    virtual environment."""
+    image = tmp_path / "replayjob.sif"
+    image.write_text("stand-in image\n")
+    log = tmp_path / "argv.txt"
+    runtime = tmp_path / "apptainer"
+    runtime.write_text(f"""#!/usr/bin/env bash
+set -euo pipefail
+echo "$*" >>{log}
+while [ "$1" != {image} ]; do shift; done
+shift
+cmd=$1
+shift
+exec {REPO / '.venv' / 'bin'}/"$cmd" "$@"
+""")
+    runtime.chmod(0o755)
+    out = tmp_path / "run"
+    res = _submit("--out", str(out), "--spec", str(spec_file), "--image", str(image), "--container",
+                  str(runtime), "--gpus-per-task", "0", "--bind", "/models", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert "# plan: 6 replays" in res.stdout
+    assert log.read_text().splitlines() == [
+        f"exec --cleanenv --bind {out} --bind /models --bind {spec_file.parent} {image} replayjob "
+        f"ablation plan {spec_file} --device cpu"]
+
+
+def test_scripts_are_shellcheck_clean() -> None:
+    if shutil.which("shellcheck") is None:
+        reason = "shellcheck is not installed (apt-get install shellcheck)"
+        if IN_CI:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    scripts = sorted(str(p.relative_to(REPO)) for p in SLURM.iterdir() if p.suffix in (".sh", ".sbatch"))
+    assert len(scripts) == 6  # lib.sh, submit.sh, testing-cluster.sh and three job scripts
+    res = subprocess.run(["shellcheck", "-x", *scripts], cwd=REPO, text=True, capture_output=True)
+    assert res.returncode == 0, res.stdout
+    for name in scripts:
+        assert "set -euo pipefail" in (REPO / name).read_text() or name.endswith("lib.sh")
+
+
+# ---- a real single-node cluster ----------------------------------------------------------------
+
+def _unavailable(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(f"CI needs a Slurm cluster: {reason}")
+    pytest.skip(reason)
+
+
+def _ping(env: dict[str, str]) -> bool:
+    try:
+        res = subprocess.run(["scontrol", "ping"], env=env, text=True, capture_output=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return res.returncode == 0 and "UP" in res.stdout
+
+
+@pytest.fixture(scope="session")
+def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Environment for talking to a running cluster: SLURM_CONF from the caller (.ci/run), or one
+    started here and stopped afterwards.  The determinism variables are removed so the jobs must
+    pin them themselves."""
+    env = {k: v for k, v in os.environ.items() if k not in DETERMINISM_ENV}
+    env["REPLAYJOB_SLURM_POLL_S"] = "1"
+    if shutil.which("scontrol") is None or shutil.which("sbatch") is None:
+        _unavailable("Slurm client tools are not installed (apt-get install slurm-wlm munge)")
+    if env.get("SLURM_CONF") and _ping(env):
+        yield env
+        return
+    running = Path(env.get("REPLAYJOB_SLURM_DIR") or Path(env.get("TMPDIR", "/tmp")) / "replayjob-slurm")
+    if (running / "slurm.conf").is_file() and _ping({**env, "SLURM_CONF": str(running / "slurm.conf")}):
+        yield {**env, "SLURM_CONF": str(running / "slurm.conf")}  # testing-cluster.sh start, by hand
+        return
+    if shutil.which("slurmctld") is None or shutil.which("munged") is None:
+        _unavailable("slurmctld/munged are not installed (apt-get install slurm-wlm munge)")
+    if os.geteuid() != 0:
+        _unavailable("the test cluster runs its daemons as root (SlurmUser=root)")
+    env["REPLAYJOB_SLURM_DIR"] = str(tmp_path_factory.mktemp("slurm"))
+    t0 = time.perf_counter()
+    res = subprocess.run(["bash", str(SLURM / "testing-cluster.sh"), "start"], env=env, text=True,
+                         capture_output=True, timeout=120)
+    if res.returncode != 0:
+        _unavailable(f"slurmctld could not be started: {res.stderr.strip()[-800:]}")
+    print(f"test cluster up in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    env["SLURM_CONF"] = res.stdout.strip().removeprefix("export SLURM_CONF=")
+    try:
+        yield env
+    finally:
+        subprocess.run(["bash", str(SLURM / "testing-cluster.sh"), "stop"], env=env, text=True,
+                       capture_output=True, timeout=120)
+
+
+def _job_record(job: str, env: dict[str, str]) -> str:
+    return subprocess.run(["scontrol", "show", "job", "-o", job], env=env, text=True,
+                          capture_output=True, check=True).stdout
+
+
+def test_trivial_job_exit_code_through_the_scheduler(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """sbatch --wait returns the job's exit code, and a job exiting 2 is not requeued."""
+    res = subprocess.run(["sbatch", "--wait", "--parsable", "--requeue", "--chdir", str(tmp_path),
+                          "--output", str(tmp_path / "job-%j.out"), "--wrap", "echo ran on $(hostname); exit 2"],
+                         env=slurm_env, text=True, capture_output=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    job = res.stdout.strip().split(";")[0]
+    record = _job_record(job, slurm_env)
+    assert "JobState=FAILED" in record and "ExitCode=2:0" in record and "Restarts=0" in record
+    assert (tmp_path / f"job-{job}.out").read_text().startswith("ran on ")
+
+
+@pytest.mark.slow
+def test_failed_capture_cancels_the_array_and_refuses(slurm_env: dict[str, str], spec_file: Path,
+                                                      tmp_path: Path) -> None:
+    """afterok + --kill-on-invalid-dep: no replay runs without a capture; reduce still judges."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "source.toml").write_text("[training]\nnot_a_setting = 1\n")
+    (ws / "replay.toml").write_text("")
+    out = tmp_path / "run"
+    res = _submit("--out", str(out), "--spec", str(spec_file), "--gpus-per-task", "0",
+                  "--workspace", str(ws), "--wait", env=slurm_env, timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    jobs = dict(line.split("=") for line in (out / "slurm" / "jobs").read_text().split())
+    assert "JobState=FAILED" in _job_record(jobs["capture"], slurm_env)
+    replays = _job_record(jobs["replay"], slurm_env)
+    assert "JobState=CANCELLED" in replays and "JobState=RUNNING" not in replays
+    assert not list((out / "replays").rglob("replay_metrics.json"))
+    assert _json(out / "verdict.json")["status"] == "refused"
+
+
+# ---- the whole chain through the scheduler (tiny default, CPU, no GPU requests) ----------------------
+
+def _json(path: Path) -> dict[str, Any]:
+    doc = json.loads(path.read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+@pytest.fixture(scope="module")
+def chain(slurm_env: dict[str, str], spec_file: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One full chain, shared by the tests below: capture, 2 arms x 3 repeats, reduce, --wait."""
+    out = tmp_path_factory.mktemp("chain") / "run"
+    t0 = time.perf_counter()
+    res = _submit("--out", str(out), "--spec", str(spec_file), "--gpus-per-task", "0", "--wait",
+                  env=slurm_env, timeout=900)
+    print(f"chain of 8 jobs through Slurm in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return res, out
+
+
+@pytest.mark.slow
+def test_chain_passes_and_gates_on_the_verdict(chain: tuple[subprocess.CompletedProcess[str], Path],
+                                               slurm_env: dict[str, str]) -> None:
+    res, out = chain
+    assert res.returncode == 0, res.stdout + res.stderr
+    verdict = _json(out / "verdict.json")
+    assert (verdict["status"], verdict["exit_code"], verdict["claim"]) == ("pass", 0, "exact-input")
+    jobs = dict(line.split("=") for line in (out / "slurm" / "jobs").read_text().split())
+    assert "ExitCode=0:0" in _job_record(jobs["reduce"], slurm_env)
+    arms: dict[str, list[int]] = {}
+    for i in range(6):
+        m = _json(out / "replays" / f"task-{i:04d}" / "replay_metrics.json")
+        arms.setdefault(m["arm"], []).append(m["repeat_index"])
+        # Pinned by the job itself: the test removed these variables from the submit environment.
+        assert m["provenance"]["nvidia_tf32_override"] == "0"
+        assert m["provenance"]["pythonhashseed"] == "0"
+    assert arms == {"ckpt-off": [0, 1, 2], "ckpt-on": [0, 1, 2]}
+    assert "reduce exited 0" in res.stdout
+
+
+@pytest.mark.slow
+def test_planted_undeclared_difference_fails_the_gate(
+        chain: tuple[subprocess.CompletedProcess[str], Path], spec_file: Path,
+        slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """A negative control: one arm replays with an undeclared knob change; --wait must not pass."""
+    _, first = chain
+    out = tmp_path / "planted"
+    res = _submit("--out", str(out), "--spec", str(spec_file), "--gpus-per-task", "0", "--repeats", "1",
+                  "--workspace", str(first / "workspace"), "--source", str(first / "source"),
+                  "--plant", "ckpt-off:backend.options.gradient_checkpointing=true", "--wait",
+                  env=slurm_env, timeout=600)
+    assert res.returncode == 2, res.stdout + res.stderr
+    verdict = _json(out / "verdict.json")
+    assert (verdict["status"], verdict["exit_code"]) == ("refused", 2)
+    # The replay refused the undeclared difference before any update; its evidence is missing, and
+    # the verdict names the missing file of that arm's task.
+    assert verdict["refusal"]["where"].endswith("task-0000/replay_metrics.json")
+    log = next((out / "logs").glob("replay-*_0.out")).read_text()
+    assert "undeclared difference 'backend.options.gradient_checkpointing'" in log
+    assert (out / "replays" / "task-0001" / "replay_metrics.json").is_file()
+
+
+def _wait_for_text(path: Path, text: str, deadline: float) -> None:
+    while not (path.is_file() and text in path.read_text()):
+        assert time.monotonic() < deadline, f"{path} never showed {text!r}"
+        time.sleep(0.2)
+
+
+def _release(task: str, env: dict[str, str], deadline: float) -> None:
+    """A requeued job waits about two minutes before it is eligible again; once it is back in the
+    queue (the requeue completes asynchronously), make it eligible sooner.  slurmd refuses a job
+    credential issued within the second its predecessor's was revoked, hence the short pause."""
+    while not all(f in _job_record(task, env) for f in ("JobState=PENDING", "Restarts=1")):
+        assert time.monotonic() < deadline, f"{task} was never requeued"
+        time.sleep(0.2)
+    time.sleep(3)
+    subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now"], env=env, check=True)
+
+
+@pytest.mark.slow
+def test_cancelled_replay_refuses_and_requeued_replay_reruns(
+        chain: tuple[subprocess.CompletedProcess[str], Path], spec_file: Path,
+        slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """One array of two replays, sharing the scheduler time of two checks: task 0 is cancelled
+    mid-run (the reducer must refuse: fewer repeats than asked, never a pass); task 1 is requeued
+    mid-run as after a node failure (it must rerun to completion as restart 1)."""
+    _, first = chain
+    out = tmp_path / "cancelled"
+    jobs_file = out / "slurm" / "jobs"
+    proc = subprocess.Popen(
+        ["bash", str(SUBMIT), "--out", str(out), "--spec", str(spec_file), "--gpus-per-task", "0",
+         "--arms", "ckpt-off", "--repeats", "2", "--workspace", str(first / "workspace"),
+         "--source", str(first / "source"), "--wait"],
+        env=slurm_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 400
+        while not jobs_file.is_file():
+            assert time.monotonic() < deadline and proc.poll() is None, "submission did not happen"
+            time.sleep(0.2)
+        array = dict(line.split("=") for line in jobs_file.read_text().split())["replay"]
+        _wait_for_text(out / "logs" / f"replay-{array}_0.out", "is arm ckpt-off", deadline)
+        time.sleep(1)  # the replay process is running now
+        assert not (out / "replays" / "task-0000" / "replay_metrics.json").exists()
+        subprocess.run(["scancel", f"{array}_0"], env=slurm_env, check=True)
+        _wait_for_text(out / "logs" / f"replay-{array}_1.out", "is arm ckpt-off", deadline)
+        subprocess.run(["scontrol", "requeue", f"{array}_1"], env=slurm_env, check=True)
+        _release(f"{array}_1", slurm_env, deadline)
+        output, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if jobs_file.is_file():  # leave nothing queued behind a failed assertion
+            ids = [v for v in (line.split("=")[1] for line in jobs_file.read_text().split()) if v]
+            subprocess.run(["scancel", *ids], env=slurm_env, capture_output=True)
+    assert proc.returncode == 2, output
+    assert "JobState=CANCELLED" in _job_record(f"{array}_0", slurm_env)
+    rerun = _job_record(f"{array}_1", slurm_env)
+    assert "JobState=COMPLETED" in rerun and "Restarts=1" in rerun
+    assert "restart 1" in (out / "logs" / f"replay-{array}_1.out").read_text()
+    assert "restart=1" in (out / "replays" / "task-0001" / "slurm-attempt.txt").read_text()
+    aside = list((out / "attempts").glob("task-0001.restart-1.*"))
+    assert len(aside) == 1 and "restart=0" in (aside[0] / "slurm-attempt.txt").read_text()
+    verdict = _json(out / "verdict.json")
+    assert verdict["status"] == "refused"
+    repeats = next(c for c in verdict["checks"] if c["name"] == "inputs.min_repeats")
+    assert (repeats["status"], repeats["expected"], repeats["observed"]) == ("refused", 2, {"ckpt-off": 1})
