@@ -62,6 +62,11 @@ gradient_checkpointing = false
 [inference]
 engine = "pytorch"
 
+[algorithm]
+# Keep at most 100 of the step's 128 response tokens in the loss: exercises the token cap and,
+# because whole groups no longer weigh equally, gives the first update a non-zero loss to compare.
+token_cap = 100
+
 [resume]
 from = "init_resume"
 
@@ -94,6 +99,11 @@ gradient_checkpointing = false
 
 [inference]
 engine = "pytorch"
+
+[algorithm]
+# Keep at most 100 of the step's 128 response tokens in the loss: exercises the token cap and,
+# because whole groups no longer weigh equally, gives the first update a non-zero loss to compare.
+token_cap = 100
 
 [resume]
 from = "init_resume"
