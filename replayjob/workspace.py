@@ -18,15 +18,8 @@ from replayjob.rl.state import write_state
 
 INIT_DIR = "init_resume"
 
-TRAIN_TOML = """\
-# Source trainer: real GRPO steps on the built-in tiny model, CPU.
-# Run: replayjob train {dir}/train.toml --out runs/train
-[training]
-trainer = "grpo"
-seed = {seed}
-max_steps = 2
-save_every = 0
-
+# The sections every example shares; a capture and its replays must agree on all of them.
+_RUNTIME = """
 [backend]
 devices = "cpu"
 
@@ -36,40 +29,34 @@ gradient_checkpointing = false
 
 [inference]
 engine = "pytorch"
-
+"""
+_TOKEN_CAP = """
+[algorithm]
+# Keep at most 100 of the step's 128 response tokens in the loss: exercises the token cap and,
+# because whole groups no longer weigh equally, gives the first update a non-zero loss to compare.
+token_cap = 100
+"""
+_RESUME = """
 [resume]
 from = "init_resume"
 """
 
 
+def _training(trainer: str, max_steps: int) -> str:
+    return (f'[training]\ntrainer = "{trainer}"\nseed = {{seed}}\nmax_steps = {max_steps}\n'
+            "save_every = 0\n")
+
+
+TRAIN_TOML = """\
+# Source trainer: real GRPO steps on the built-in tiny model, CPU.
+# Run: replayjob train {dir}/train.toml --out runs/train
+""" + _training("grpo", 2) + _RUNTIME + _RESUME
+
 SOURCE_TOML = """\
 # Capture: one real GRPO step from the initialisation state; its optimizer batch is written
 # (payload + manifest, manifest last) next to the run's metrics.
 # Run: replayjob capture {dir}/source.toml --out {dir}/source
-[training]
-trainer = "grpo"
-seed = {seed}
-max_steps = 1
-save_every = 0
-
-[backend]
-devices = "cpu"
-
-[backend.options]
-strict_deterministic = true
-gradient_checkpointing = false
-
-[inference]
-engine = "pytorch"
-
-[algorithm]
-# Keep at most 100 of the step's 128 response tokens in the loss: exercises the token cap and,
-# because whole groups no longer weigh equally, gives the first update a non-zero loss to compare.
-token_cap = 100
-
-[resume]
-from = "init_resume"
-
+""" + _training("grpo", 1) + _RUNTIME + _TOKEN_CAP + _RESUME + """
 [optimizer_batch]
 capture = true
 """
@@ -84,30 +71,7 @@ REPLAY_TOML = """\
 #   --set 'optimizer_batch.allow_config_differences=["backend.options.gradient_checkpointing"]'
 # Check: replayjob explain {dir}/replay.toml --set ...
 # Run:   replayjob replay {dir}/replay.toml --out {dir}/replays/baseline --repeat 3 --set ...
-[training]
-trainer = "optimizer_replay"
-seed = {seed}
-max_steps = 1
-save_every = 0
-
-[backend]
-devices = "cpu"
-
-[backend.options]
-strict_deterministic = true
-gradient_checkpointing = false
-
-[inference]
-engine = "pytorch"
-
-[algorithm]
-# Keep at most 100 of the step's 128 response tokens in the loss: exercises the token cap and,
-# because whole groups no longer weigh equally, gives the first update a non-zero loss to compare.
-token_cap = 100
-
-[resume]
-from = "init_resume"
-
+""" + _training("optimizer_replay", 1) + _RUNTIME + _TOKEN_CAP + _RESUME + """
 [optimizer_batch]
 replay_path = "source/optimizer_batch_step_000000.manifest.json"
 expected_logical_sha256 = ""
