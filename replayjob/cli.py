@@ -59,7 +59,7 @@ Options:
   --repeat N        Run N replays, each in a fresh process, in DIR/repeat-000 ...
   --repeat-index I  Internal: this replay's index within its arm (set by --repeat and launchers).
   --claim CLAIM     Claim to gate: exact-input, bitwise or approximate.
-  --source DIR      The capture run's output directory (its metrics.json and manifest).
+  --source DIR      The capture run's output directory (its metrics.json and manifest); required.
   --tolerances FILE Predeclared tolerance TOML, pinned by SHA-256 in the replay configs.
   --min-repeats N   Fewest fresh replays per arm; fewer is refused [default: 3].
   --baseline ARM    Arm the others' timing and memory are compared with.

@@ -37,9 +37,9 @@ def sha256_file(path: str | Path) -> str:
     from replayjob.fsio import open_regular
 
     h = hashlib.sha256()
-    buf = bytearray(CHUNK)
+    fd, size = open_regular(path, what="file to hash")
+    buf = bytearray(min(CHUNK, max(size, 4096)))  # small files get small buffers
     view = memoryview(buf)
-    fd, _size = open_regular(path, what="file to hash")
     try:
         with open(fd, "rb", buffering=0) as fh:
             while True:

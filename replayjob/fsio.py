@@ -69,9 +69,12 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, exclusive: bool = False
             os.replace(tmp, dest)
         point(f"write.renamed/{dest.name}")
         fsync_dir(dest.parent)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):  # disk full, a directory in the way, permissions: refused, not a crash
+            raise RefusedError(f"cannot write: {exc.strerror or exc}", where=dest,
+                               hint="check the output path, free space and permissions") from None
         raise
 
 

@@ -61,10 +61,11 @@ def test_exact_input_and_bitwise_pass_with_spread(ev: synthetic.Evidence) -> Non
     assert doc["inputs"]["source"]["path"] == "../ev/source/metrics.json"
 
 
-def test_exact_input_without_source_uses_the_pins(ev: synthetic.Evidence) -> None:
+def test_every_claim_without_source_is_refused(ev: synthetic.Evidence) -> None:
+    # the initial adapter and the same-condition loss are compared with the source run's
     code, doc = reduce(ev, "exact-input", source=False)
-    assert code == 0, doc["failed_checks"]
-    assert doc["inputs"]["source"] is None
+    assert code == 2 and doc["status"] == "refused"
+    assert "--source" in doc["refusal"]["message"]
 
 
 def test_edited_logical_digest_fails(ev: synthetic.Evidence) -> None:
@@ -75,8 +76,8 @@ def test_edited_logical_digest_fails(ev: synthetic.Evidence) -> None:
     assert c["status"] == "fail" and c["offenders"] == [f"{ON}#1"]
     assert doc["failed_checks"] == ["exact.logical_batch"]
     assert doc["admission"] == "not admitted" and doc["comparisons"]["admission"] == "not admitted"
-    assert main(["reduce", str(ev.root / "replays"), "--claim", "exact-input", "--out",
-                 str(ev.root.parent / "cli.json")]) == 1
+    assert main(["reduce", str(ev.root / "replays"), "--claim", "exact-input", "--source", str(ev.source),
+                 "--out", str(ev.root.parent / "cli.json")]) == 1
 
 
 def test_missing_sampling_skip_fails(ev: synthetic.Evidence) -> None:
@@ -196,7 +197,7 @@ def test_escaping_adapter_path_is_refused(ev: synthetic.Evidence) -> None:
 
 def test_mixed_sources_are_refused(ev: synthetic.Evidence) -> None:
     edit(ev.replay_files[5], lambda d: d.update({"optimizer_batch/manifest_sha256": "12" * 32}))
-    code, doc = reduce(ev, "exact-input", source=False)
+    code, doc = reduce(ev, "exact-input")
     assert code == 2 and check(doc, "inputs.single_source")["offenders"] == [f"{ON}#2"]
 
 

@@ -11,7 +11,6 @@ SHA-256 of adapter files for the on-disk check; update geometry lives in :mod:`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterable
@@ -20,6 +19,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from replayjob.digest import sha256_file
+from replayjob.errors import ReplayjobError
 from replayjob.gate.evidence import GC_KEY, REQUIRED_SKIPS, Replay, Source, Tolerances
 from replayjob.optbatch.knobs import KNOBS
 
@@ -196,12 +197,10 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
 
 
 def _disk_sha(path: Path) -> str | None:
-    """SHA-256 of a file, streamed (``hashlib.file_digest``: small buffers, no per-file 8 MiB
-    allocation, which matters for thousands of small adapters); ``None`` when unreadable."""
+    """SHA-256 of a regular file (devices and FIFOs refused); ``None`` when unreadable."""
     try:
-        with open(path, "rb") as fh:
-            return hashlib.file_digest(fh, "sha256").hexdigest()
-    except OSError:
+        return sha256_file(path)
+    except ReplayjobError:
         return None
 
 

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from typing import Any
 from replayjob.config.diff import flatten
 from replayjob.digest import normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
+from replayjob.fsio import read_regular_bytes
 from replayjob.jsonio import loads_strict
 
 REPLAY_SCHEMA = "replayjob.replay_metrics/v1"
@@ -124,14 +126,7 @@ def discover(paths: Sequence[str | Path]) -> list[Path]:
 
 
 def _read(path: Path) -> tuple[dict[str, Any], str]:
-    try:
-        size = path.stat().st_size
-        if size > MAX_METRICS_BYTES:
-            raise IntegrityError(f"file is {size} bytes, above the {MAX_METRICS_BYTES}-byte limit", where=path)
-        data = path.read_bytes()
-    except OSError as exc:
-        raise IntegrityError(f"cannot read: {exc.strerror}", where=path,
-                             hint="check the path and its permissions") from None
+    data = read_regular_bytes(path, max_bytes=MAX_METRICS_BYTES, what="metrics file")
     doc = loads_strict(data, where=path)
     if not isinstance(doc, dict):
         raise IntegrityError(f"expected a JSON object, found {type(doc).__name__}", where=path)
@@ -270,10 +265,7 @@ def read_source(directory: str | Path) -> Source:
 def read_tolerances(path: str | Path) -> Tolerances:
     """Read a tolerance file: TOML with exactly ``update_cosine_min`` and ``relative_delta_l2_max``."""
     p = Path(path)
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise RefusedError(f"cannot read the tolerance file: {exc.strerror}", where=p) from None
+    data = read_regular_bytes(p, max_bytes=1024 * 1024, what="tolerance file")
     try:
         doc = tomllib.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
@@ -287,8 +279,8 @@ def read_tolerances(path: str | Path) -> Tolerances:
     values = {}
     for k in sorted(keys):
         v = doc[k]
-        if isinstance(v, bool) or not isinstance(v, int | float) or v != v:
-            raise IntegrityError(f"{k} must be a number", where=p)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise IntegrityError(f"{k} must be a finite number", where=p)
         values[k] = float(v)
     if not -1.0 <= values["update_cosine_min"] <= 1.0 or values["relative_delta_l2_max"] < 0.0:
         raise IntegrityError("update_cosine_min must be in [-1, 1], relative_delta_l2_max >= 0", where=p)

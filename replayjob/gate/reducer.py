@@ -78,7 +78,7 @@ def _evaluate(req: Request, st: _State) -> None:
     st.arms = C.group_arms(st.replays)
     if req.tolerances is not None and req.claim != "approximate":
         raise UsageError("--tolerances applies only to --claim approximate")
-    if req.claim in ("bitwise", "approximate") and req.source is None:
+    if req.source is None:  # the initial adapter and the loss are compared with the source's
         raise UsageError(f"the {req.claim} claim compares against the source run; pass --source DIR",
                          hint="--source takes the capture run's output directory")
     if req.claim == "approximate" and req.tolerances is None:
