@@ -44,8 +44,9 @@ class Policy(Protocol):
         """Write the adapter; return the weight file path."""
         ...
 
-    def load_adapter(self, weight_file: Path) -> None:
-        """Load adapter weights from a safetensors file, refusing any mismatch."""
+    def load_adapter(self, weight_file: Path, expected_sha256: str | None = None) -> None:
+        """Load adapter weights from a safetensors file whose SHA-256 must equal ``expected_sha256``
+        (when given), refusing any mismatch."""
         ...
 
     def model_reference(self) -> dict[str, Any]:

@@ -72,12 +72,14 @@ class HFPolicy:
         atomic_write_bytes(directory / ADAPTER_CONFIG, pretty_bytes(_jsonable(pcfg)))
         return weights
 
-    def load_adapter(self, weight_file: Path) -> None:
+    def load_adapter(self, weight_file: Path, expected_sha256: str | None = None) -> None:
         from peft import set_peft_model_state_dict
 
         from replayjob import tensorfile
 
-        loaded = tensorfile.load(weight_file)  # validated first; refuses pickle and malformed files
+        # one read: the pin is checked over the very bytes the tensors are built from, and the
+        # file is validated before that (pickle and malformed files refused)
+        loaded = tensorfile.load(weight_file, expected_sha256=expected_sha256)
         expected = self.adapter_state()
         if set(loaded) != set(expected):
             missing = sorted(set(expected) - set(loaded))[:3]

@@ -211,7 +211,7 @@ def start_run(cfg: Config) -> tuple[dict[str, Any], Policy, ResumeState | None]:
     prov["device"] = str(policy.device)
     if state is not None:
         check_model(state, policy.model_reference())
-        policy.load_adapter(state.adapter_file)
+        policy.load_adapter(state.adapter_file, state.adapter_sha256)
     return prov, policy, state
 
 
