@@ -158,6 +158,26 @@ def test_existing_capture_is_never_overwritten(capture_dir: Path, workspace: Pat
     assert {p.name: sha256_file(p) for p in d.iterdir() if p.is_file()} == before
 
 
+def test_a_capture_writer_error_surfaces_before_metrics(workspace: Path, tmp_path: Path) -> None:
+    """The writer thread's refusal is re-raised on the training thread, the same domain error."""
+    from replayjob.config import load_config
+    from replayjob.errors import ArtifactExistsError
+    from replayjob.optbatch.capture import CaptureHook
+    from replayjob.rl.batch import OptimizerBatch
+
+    cfg = load_config(workspace / "source.toml", ["optimizer_batch.capture=true"])
+    hook = CaptureHook.prepare(cfg, tmp_path)
+    (tmp_path / PAYLOAD).write_bytes(b"appeared after the preconditions were checked")
+    m = torch.ones((1, 2), dtype=torch.float64)
+    rows = OptimizerBatch.from_padded([[1, 2, 3]], [1], {k: m for k in payload.FLOAT_FIELDS}, m)
+    hook.before_update(0, rows)
+    with pytest.raises(ArtifactExistsError) as exc:
+        hook.contribute_metrics({"final_adapter_sha256": "0" * 64})
+    assert exc.value.exit_code == 2 and PAYLOAD in str(exc.value.where)
+    assert not (tmp_path / MANIFEST).exists()
+    assert (tmp_path / PAYLOAD).read_bytes() == b"appeared after the preconditions were checked"
+
+
 def test_secrets_in_the_config_are_redacted_in_every_capture_file(workspace: Path, tmp_path: Path) -> None:
     secret, password = "sk-live-0123456789abcdef", "hunter2pw"
     out = tmp_path / "secret"
@@ -366,3 +386,20 @@ def test_replay_never_overwrites_a_replay(baseline: Path, workspace: Path, captu
     refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir), out=baseline),
             "already holds a replay")
     assert sha256_file(baseline / "replay_metrics.json") == before
+
+
+@pytest.mark.parametrize(("setting", "needle"), [
+    ("optimizer_batch.arm='source'", "reserved for the capture run"),
+    ("optimizer_batch.tolerances_sha256='zz'", "optimizer_batch.tolerances_sha256"),
+])
+def test_replay_settings_the_reducer_would_refuse_are_refused_at_admission(
+        capture_dir: Path, setting: str, needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from replayjob.jsonio import read_json_object
+
+    m = read_json_object(capture_dir / "metrics.json")
+    argv = ["explain", str(capture_dir.parent / "replay.toml"),
+            "--set", f"optimizer_batch.expected_logical_sha256='{m['optimizer/logical_batch_sha256']}'",
+            "--set", f"optimizer_batch.expected_manifest_sha256='{m['optimizer_batch/manifest_sha256']}'",
+            "--set", setting]
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err

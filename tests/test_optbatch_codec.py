@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
+import itertools
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ from replayjob.errors import IntegrityError
 from replayjob.jsonio import canonical_bytes
 from replayjob.optbatch import knobs, manifest, payload
 from replayjob.optbatch.contract import contract_sha256, optimizer_contract
+from replayjob.rl import batch as batch_mod
 from replayjob.rl.batch import OptimizerBatch
 
 FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "loss_weights")
@@ -181,6 +185,107 @@ def test_non_finite_rows_are_refused_naming_the_row(bad: float) -> None:
 
 def test_rng_state_of_the_wrong_size_is_refused() -> None:
     refused(payload.encode(make_batch(), {"cpu": torch.zeros(7, dtype=torch.uint8)}), "rng.cpu has 7 bytes")
+
+
+def _reference_digest(tag: bytes, rows: int, arrays: list[tuple[torch.Tensor, str]]) -> str:
+    """The documented v2 layout, written out independently of replayjob.rl.batch."""
+    h = hashlib.sha256(tag)
+    h.update(struct.pack("<Q", rows))
+    for t, fmt in arrays:
+        h.update(struct.pack("<Q", t.numel()))
+        h.update(hashlib.sha256(t.numpy().astype(fmt).tobytes()).digest())
+    return h.hexdigest()
+
+
+def _reference(b: OptimizerBatch, keep: list[int]) -> tuple[str, str]:
+    def arrays(rows: list[int]) -> list[tuple[torch.Tensor, str]]:
+        toks = [b.row_tokens(i) for i in rows]
+        resp = [b.row_field("loss_weights", i).numel() for i in rows]
+
+        def cat(xs: list[torch.Tensor], dt: torch.dtype) -> torch.Tensor:
+            return torch.cat(xs) if xs else torch.zeros(0, dtype=dt)
+        out = [(torch.tensor([0, *itertools.accumulate(t.numel() for t in toks)]), "<i8"),
+               (b.prompt_lens[rows], "<i8"), (torch.tensor([0, *itertools.accumulate(resp)]), "<i8"),
+               (cat(toks, torch.int64), "<i8")]
+        return out + [(cat([b.row_field(k, i) for i in rows], torch.float64), "<f8") for k in FIELDS]
+    everything = list(range(b.rows))
+    return (_reference_digest(b"replayjob.logical-rows.v2\n", b.rows, arrays(everything)),
+            _reference_digest(b"replayjob.effective-rows.v2\n", len(keep),
+                              [(torch.tensor(keep, dtype=torch.int64), "<i8"), *arrays(keep)]))
+
+
+def test_row_digests_follow_the_documented_layout() -> None:
+    b = make_batch(4)
+    assert b.digests() == _reference(b, [0, 1, 2, 3])
+    assert (b.logical_sha256(), b.effective_sha256()) == b.digests()
+    w = b.loss_weights.clone()
+    w[int(b.resp_offsets[1]):int(b.resp_offsets[2])] = 0  # row 1 carries no loss weight
+    zero1 = OptimizerBatch(**{**b.tensors(), "loss_weights": w})
+    assert zero1.digests() == _reference(zero1, [0, 2, 3])
+    assert zero1.logical_sha256() != b.logical_sha256()
+    # a change inside the weightless row changes the logical digest only
+    adv = zero1.advantages.clone()
+    adv[int(b.resp_offsets[1])] += 1.0
+    other = OptimizerBatch(**{**zero1.tensors(), "advantages": adv})
+    assert other.effective_sha256() == zero1.effective_sha256()
+    assert other.logical_sha256() != zero1.logical_sha256()
+    none = OptimizerBatch(**{**b.tensors(), "loss_weights": torch.zeros_like(w)})
+    assert none.digests() == _reference(none, [])
+
+
+def test_large_arrays_hash_on_threads_to_the_same_digest(monkeypatch: pytest.MonkeyPatch) -> None:
+    b = make_batch(5)
+    w = b.loss_weights.clone()
+    w[:int(b.resp_offsets[1])] = 0
+    b = OptimizerBatch(**{**b.tensors(), "loss_weights": w})
+    inline = b.digests()
+    monkeypatch.setattr(batch_mod, "_PARALLEL_MIN_BYTES", 1)
+    assert b.digests() == inline == _reference(b, [1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("values", [
+    [0.1] * 1000,
+    [1e308, -1e308, 1e-320, 5e-324, -3e-310, 1.0],
+    [1e16, 1.0, -1e16, 1e-16, 3.0],
+    [2.0 ** 53, 1.0, 1.0, -(2.0 ** 53)],
+    [-0.0, -0.0],
+    [],
+    [float("nan"), 1.0],
+    [float("inf"), 1.0],
+])
+def test_exact_sum_equals_fsum(values: list[float]) -> None:
+    t = torch.tensor(values, dtype=torch.float64)
+    got, want = payload.exact_sum(t), math.fsum(values)
+    assert got == want or (math.isnan(got) and math.isnan(want))
+    assert math.copysign(1, got) == math.copysign(1, want)
+
+
+def test_exact_sum_equals_fsum_across_chunks_and_exponents() -> None:
+    g = torch.Generator().manual_seed(3)
+    n = 3 * (1 << 16) + 17
+    t = torch.randn(n, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-1000, 1000, (n,), generator=g).to(torch.float64))
+    assert payload.exact_sum(t) == math.fsum(t.tolist())
+    w = torch.rand(n, generator=g, dtype=torch.float64) / n
+    assert payload.exact_sum(w) == math.fsum(w.tolist())
+
+
+def test_decode_views_a_writable_buffer_and_copies_unaligned_spans() -> None:
+    b = make_batch()
+    data = payload.encode(b, rng())
+    buf = bytearray(data)
+    b2, _ = payload.decode(buf)
+    base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+    assert all(base <= t.data_ptr() < base + len(buf) for t in b2.tensors().values())  # no copy
+    header, body = split(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * ((1 - 8 - len(raw)) % 8)  # the data section starts 1 byte past an 8-byte boundary
+    shifted = struct.pack("<Q", len(raw)) + raw + body
+    assert (8 + len(raw)) % 8 != 0
+    b3, _ = payload.decode(shifted)
+    for k, v in b.tensors().items():
+        assert torch.equal(getattr(b3, k), v), k
+    assert b3.digests() == b.digests()
 
 
 # -- manifest ---------------------------------------------------------------------------------------

@@ -6,11 +6,15 @@ checked: trainer ``grpo``, ``max_steps = 1``, ``save_every = 0``, and ``resume.f
 whose ``trainer_state.json`` has ``step = -1`` (so the run executes logical step zero exactly once).
 
 The hook fires after advantage normalisation, clipping and the token cap, immediately before the
-optimizer call.  It writes ``optimizer_batch_step_000000.safetensors`` (rows + Torch CPU/CUDA RNG
-state), then ``optimizer_batch_step_000000.manifest.json`` last; both atomically and exclusively,
-so a killed capture leaves no manifest or a complete one whose payload verifies, and an existing
-capture is never overwritten.  The source run still performs its own update; ``metrics.json``
-gains the digests a replay pins (:data:`METRIC_KEYS`).
+optimizer call.  On the training thread it only snapshots the rows (CPU tensors, cloned), the Torch
+CPU/CUDA RNG state and the determinism provenance, and hands them to a writer thread, so the
+update does not wait for encoding, hashing or ``fsync``.  The writer encodes and writes
+``optimizer_batch_step_000000.safetensors``, then ``optimizer_batch_step_000000.manifest.json``
+last; both atomically and exclusively, so a killed capture leaves no manifest or a complete one
+whose payload verifies, and an existing capture is never overwritten.  The source run still
+performs its own update; before ``metrics.json`` is written the trainer collects
+:meth:`CaptureHook.contribute_metrics`, which waits for the writer and re-raises any error it
+met (the same domain error, so exit 2), then adds the digests a replay pins (:data:`METRIC_KEYS`).
 
 Crash tests kill a capture with ``REPLAYJOB_FAULT_POINT`` (:mod:`replayjob.faults`): at any write
 boundary of the payload or the manifest (``write.half/optimizer_batch_step_000000.manifest.json``
@@ -20,6 +24,7 @@ boundary of the payload or the manifest (``write.half/optimizer_batch_step_00000
 from __future__ import annotations
 
 import platform
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +91,8 @@ class CaptureHook:
     def __init__(self, cfg: Config, out: Path, state: ResumeState):
         self.cfg, self.out, self.state = cfg, out, state
         self.digests: dict[str, str] = {}
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     @classmethod
     def prepare(cls, cfg: Config, out: Path) -> CaptureHook:
@@ -105,33 +112,55 @@ class CaptureHook:
         if step != CAPTURE_STEP:  # preconditions make this unreachable; refuse rather than mislabel
             raise ConfigError(f"capture covers step {CAPTURE_STEP} only, the trainer is at step {step}")
         point("capture.before-payload")
-        rng = rng_tensors()
-        data = payload.encode(batch, rng)
-        logical, effective = batch.logical_sha256(), batch.effective_sha256()
-        pname = manifest.payload_name(step)
-        atomic_write_bytes(self.out / pname, data, exclusive=True)
-        point("capture.payload-written")
-        adapter = self.state.adapter_file
-        doc = manifest.build(
-            step=step, producer=_producer(self.cfg), payload_file=pname, payload=data, rng_keys=list(rng),
-            rows=payload.summary(batch), logical=logical, effective=effective,
-            resolved_config=resolved(self.cfg), contract=optimizer_contract(self.cfg),
-            adapter_path=adapter.resolve(), adapter_size=adapter.stat().st_size,
-            adapter_sha256=self.state.adapter_sha256)
-        sha = manifest.write(self.out / manifest.manifest_name(step), doc)
-        point("capture.manifest-written")
-        self.digests = {
-            "optimizer/logical_batch_sha256": logical,
-            "optimizer/local_effective_rows_sha256": effective,
-            "optimizer_batch/manifest_sha256": sha,
-            "optimizer_batch/initial_adapter_sha256": self.state.adapter_sha256,
-        }
+        rows = OptimizerBatch(**{k: v.detach().to("cpu").clone() for k, v in batch.tensors().items()})
+        rng = {k: v.clone() for k, v in rng_tensors().items()}
+        producer = _producer(self.cfg)  # the determinism state at the capture point
+        self._writer = threading.Thread(target=self._write, args=(step, rows, rng, producer),
+                                        name="replayjob-capture-writer")
+        self._writer.start()
+
+    def _write(self, step: int, batch: OptimizerBatch, rng: dict[str, torch.Tensor],
+               producer: dict[str, Any]) -> None:
+        """The writer thread: payload, then the manifest last; an error is kept for :meth:`finish`."""
+        try:
+            data = payload.encode(batch, rng)
+            logical, effective = batch.digests()
+            pname = manifest.payload_name(step)
+            atomic_write_bytes(self.out / pname, data, exclusive=True)
+            point("capture.payload-written")
+            adapter = self.state.adapter_file
+            doc = manifest.build(
+                step=step, producer=producer, payload_file=pname, payload=data, rng_keys=list(rng),
+                rows=payload.summary(batch), logical=logical, effective=effective,
+                resolved_config=resolved(self.cfg), contract=optimizer_contract(self.cfg),
+                adapter_path=adapter.resolve(), adapter_size=adapter.stat().st_size,
+                adapter_sha256=self.state.adapter_sha256)
+            sha = manifest.write(self.out / manifest.manifest_name(step), doc)
+            point("capture.manifest-written")
+            self.digests = {
+                "optimizer/logical_batch_sha256": logical,
+                "optimizer/local_effective_rows_sha256": effective,
+                "optimizer_batch/manifest_sha256": sha,
+                "optimizer_batch/initial_adapter_sha256": self.state.adapter_sha256,
+            }
+        except BaseException as exc:  # re-raised on the training thread by finish()
+            self._error = exc
+
+    def finish(self) -> None:
+        """Wait for the writer thread; re-raise the error it met, if any (payload and manifest are done)."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
 
     def after_update(self, step: int, result: Any) -> None:
         point("capture.after-update")
 
     def contribute_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """Keys added to the source run's metrics.json: the digests a replay pins."""
+        """Keys added to the source run's metrics.json: the digests a replay pins (after the writer)."""
+        self.finish()
         point("capture.metrics")
         return {**self.digests, "optimizer_batch/final_adapter_sha256": metrics["final_adapter_sha256"],
                 "optimizer_batch/manifest_path": manifest.manifest_name(CAPTURE_STEP)}

@@ -13,6 +13,10 @@ what a replay would do; it never imports transformers or peft and never touches 
 
 from __future__ import annotations
 
+import hashlib
+import mmap
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +25,9 @@ from torch import Tensor
 
 from replayjob.config import Config, from_dict, resolved
 from replayjob.config.diff import differences
-from replayjob.digest import normalize_digest, sha256_bytes
+from replayjob.digest import normalize_digest
 from replayjob.errors import ContractError, IntegrityError, RefusedError
+from replayjob.fsio import open_regular
 from replayjob.optbatch import knobs, payload
 from replayjob.optbatch.contract import contract_differences, contract_sha256, optimizer_contract
 from replayjob.optbatch.manifest import Manifest, read_verified
@@ -30,6 +35,7 @@ from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.state import ResumeState, read_state
 
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024 * 1024
+READ_CHUNK = 8 * 1024 * 1024
 SKIPPED = ["dataset", "environment", "rollout", "sampling"]
 
 
@@ -44,6 +50,7 @@ class Admission:
     manifest: Manifest | None = None
     batch: OptimizerBatch | None = None
     rng: dict[str, Tensor] | None = None
+    digests: tuple[str, str] | None = None  # (logical, effective) of the payload's rows, computed once
     state: ResumeState | None = None
     allowed: list[str] = field(default_factory=list)
     observed: list[str] = field(default_factory=list)
@@ -100,6 +107,46 @@ def _check_pins(adm: Admission) -> None:
     if not ob.replay_path:
         adm.refuse("optimizer_batch.replay_path is required (the source's "
                    "optimizer_batch_step_000000.manifest.json)")
+    if ob.arm == "source":  # the reducer reserves it for the capture run
+        adm.refuse("optimizer_batch.arm 'source' is reserved for the capture run; pick another name")
+    if ob.tolerances_sha256:  # written into replay_metrics.json, where the reducer requires a digest
+        try:
+            normalize_digest(ob.tolerances_sha256, what="optimizer_batch.tolerances_sha256")
+        except IntegrityError as exc:
+            adm.refuse(exc.message, integrity=True)
+
+
+def read_hashed(path: Path, size: int) -> tuple[mmap.mmap, str]:
+    """Read ``size`` bytes of a regular file once into a private buffer; return it and its SHA-256.
+
+    Each chunk is hashed on a second thread while the next one is read, so the digest covers
+    exactly the bytes that are parsed afterwards (a private copy: later changes to the file cannot
+    reach them), and the file is read once.
+    """
+    fd, _ = open_regular(path, follow_symlinks=False, what="payload")
+    buf = mmap.mmap(-1, max(size, 1))
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer page faults while the buffer fills (Linux, THP)
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    view = memoryview(buf)[:size]
+    h = hashlib.sha256()
+    try:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="replayjob-sha256") as pool:
+            pending: Future[None] | None = None
+            off = 0
+            while off < size:
+                n = os.readv(fd, [view[off:off + READ_CHUNK]])
+                if n == 0:
+                    raise IntegrityError(f"payload ended after {off} of {size} bytes while it was read "
+                                         "(it changed during the read)", where=path)
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(h.update, view[off:off + n])
+                off += n
+            if pending is not None:
+                pending.result()
+    finally:
+        os.close(fd)
+    return buf, h.hexdigest()
 
 
 def _check_artifacts(adm: Admission) -> None:
@@ -122,14 +169,13 @@ def _check_artifacts(adm: Admission) -> None:
         size = p.stat().st_size
         if size != m.payload_size or size > MAX_PAYLOAD_BYTES:
             raise IntegrityError(f"payload is {size} bytes, the manifest pins {m.payload_size}", where=p)
-        data = p.read_bytes()
+        data, actual = read_hashed(p, size)
     except OSError as exc:
         adm.refuse(f"{p}: cannot read the payload: {exc.strerror}", integrity=True)
         return
     except IntegrityError as exc:
         adm.refuse(exc.diagnostics(), integrity=True)
         return
-    actual = sha256_bytes(data)
     if actual != m.payload_sha256:
         adm.refuse(f"{p}: payload SHA-256 is {actual}, the manifest pins {m.payload_sha256} "
                    "(the payload changed after capture; it was not deserialised)", integrity=True)
@@ -142,7 +188,7 @@ def _check_artifacts(adm: Admission) -> None:
     if sorted(adm.rng) != sorted(m.doc["payload"]["rng_keys"]):
         adm.refuse(f"payload RNG states {sorted(adm.rng)} differ from the manifest's "
                    f"{m.doc['payload']['rng_keys']}", integrity=True)
-    logical, effective = adm.batch.logical_sha256(), adm.batch.effective_sha256()
+    logical, effective = adm.digests = adm.batch.digests()
     if logical != m.logical_sha256:
         adm.refuse(f"payload rows hash to {logical}, the manifest says {m.logical_sha256}", integrity=True)
     if effective != m.effective_sha256:
@@ -230,9 +276,8 @@ def report(adm: Admission) -> dict[str, Any]:
         "payload": ({"path": str(m.payload_path), "size": m.payload_size, "sha256": m.payload_sha256}
                     if m else None),
         "rows": payload.summary(adm.batch) if adm.batch is not None else None,
-        "optimizer/logical_batch_sha256": adm.batch.logical_sha256() if adm.batch is not None else None,
-        "optimizer/local_effective_rows_sha256":
-            adm.batch.effective_sha256() if adm.batch is not None else None,
+        "optimizer/logical_batch_sha256": adm.digests[0] if adm.digests is not None else None,
+        "optimizer/local_effective_rows_sha256": adm.digests[1] if adm.digests is not None else None,
         "initial_adapter": ({"path": str(adm.state.adapter_file), "sha256": adm.state.adapter_sha256}
                             if adm.state else None),
         "contract_sha256": contract_sha256(adm.contract) if adm.contract is not None else None,

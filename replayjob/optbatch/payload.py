@@ -7,7 +7,8 @@ Tensors: ``tokens``, ``token_offsets``, ``prompt_lens``, ``resp_offsets`` (int64
 :func:`decode` trusts nothing: it parses the safetensors header itself (size limit, exact tensor
 names, dtypes, 1-D shapes, contiguous non-overlapping in-range data offsets), then reads the four
 integer arrays straight from the bytes and checks every ragged offset and length before any
-tensor is built.  Only then does safetensors (never pickle) build the tensors, and rows holding a
+tensor is built, with whole-array (vectorised) comparisons.  Only then are the tensors built as
+zero-copy views of the validated spans (``torch.frombuffer``; never pickle), and rows holding a
 non-finite value are refused.  The caller has already checked the payload's SHA-256.
 
 Example:
@@ -24,9 +25,12 @@ Example:
 from __future__ import annotations
 
 import math
+import mmap
 import struct
+import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -41,7 +45,10 @@ MAX_HEADER_BYTES = 1024 * 1024
 INT_FIELDS = ("tokens", "token_offsets", "prompt_lens", "resp_offsets")
 FLOAT_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "loss_weights")
 RNG_PREFIX = "rng."
+Buffer = bytes | bytearray | mmap.mmap
 _ITEMSIZE = {"I64": 8, "F64": 8, "U8": 1}
+_TORCH_DTYPE = {"I64": torch.int64, "F64": torch.float64, "U8": torch.uint8}
+_SUM_CHUNK = 1 << 16  # elements per exact-sum step: small temporaries stay in the allocator's cache
 
 
 def encode(batch: OptimizerBatch, rng: dict[str, Tensor]) -> bytes:
@@ -70,7 +77,7 @@ def _expected_dtype(name: str) -> str | None:
     return None
 
 
-def parse_header(data: bytes, where: str | Path | None = None) -> dict[str, tuple[int, int, int]]:
+def parse_header(data: Buffer, where: str | Path | None = None) -> dict[str, tuple[int, int, int]]:
     """Validate the safetensors header; return ``name -> (begin, end, length)`` with absolute offsets."""
     if len(data) < 8:
         raise _fail(f"{len(data)} bytes is too short for a safetensors file", where)
@@ -81,7 +88,7 @@ def parse_header(data: bytes, where: str | Path | None = None) -> dict[str, tupl
         raise _fail(f"header declares {n} bytes, above the {MAX_HEADER_BYTES}-byte limit", where)
     if 8 + n > len(data):
         raise _fail(f"header declares {n} bytes but the file has {len(data) - 8} after the length", where)
-    header = loads_strict(data[8:8 + n], where=f"{where or 'payload'} (safetensors header)")
+    header = loads_strict(bytes(data[8:8 + n]), where=f"{where or 'payload'} (safetensors header)")
     if not isinstance(header, dict):
         raise _fail("header is not a JSON object", where)
     meta = header.pop("__metadata__", None)
@@ -125,13 +132,18 @@ def parse_header(data: bytes, where: str | Path | None = None) -> dict[str, tupl
     return out
 
 
-def _ints(data: bytes, span: tuple[int, int, int]) -> tuple[int, ...]:
+def _ints(data: Buffer, span: tuple[int, int, int]) -> np.ndarray:
     begin, _end, count = span
-    return struct.unpack_from(f"<{count}q", data, begin)
+    return np.frombuffer(data, dtype="<i8", count=count, offset=begin)
 
 
-def check_ragged(data: bytes, spans: dict[str, tuple[int, int, int]], where: str | Path | None = None) -> None:
-    """Check offsets and lengths against each other, read straight from the bytes."""
+def _first(mask: np.ndarray) -> int:
+    return int(np.argmax(mask))
+
+
+def check_ragged(data: Buffer, spans: dict[str, tuple[int, int, int]],
+                 where: str | Path | None = None) -> None:
+    """Check offsets and lengths against each other, read straight from the bytes (whole arrays)."""
     tok_off = _ints(data, spans["token_offsets"])
     resp_off = _ints(data, spans["resp_offsets"])
     prompt = _ints(data, spans["prompt_lens"])
@@ -142,44 +154,107 @@ def check_ragged(data: bytes, spans: dict[str, tuple[int, int, int]], where: str
         if len(offs) != rows + 1:
             raise _fail(f"{name} has {len(offs)} entries for {rows} rows (expected {rows + 1})", where)
         if offs[0] != 0:
-            raise _fail(f"{name}[0] is {offs[0]}, expected 0", where)
-        for i in range(rows):
-            if offs[i + 1] < offs[i]:
-                raise _fail(f"{name} decreases at row {i} ({offs[i]} -> {offs[i + 1]})", where)
+            raise _fail(f"{name}[0] is {int(offs[0])}, expected 0", where)
+        down = offs[1:] < offs[:-1]
+        if down.any():
+            i = _first(down)
+            raise _fail(f"{name} decreases at row {i} ({int(offs[i])} -> {int(offs[i + 1])})", where)
     if tok_off[-1] != spans["tokens"][2]:
-        raise _fail(f"token_offsets end at {tok_off[-1]} but there are {spans['tokens'][2]} tokens", where)
+        raise _fail(f"token_offsets end at {int(tok_off[-1])} but there are {spans['tokens'][2]} tokens", where)
     for f in FLOAT_FIELDS:
         if resp_off[-1] != spans[f][2]:
-            raise _fail(f"resp_offsets end at {resp_off[-1]} but {f} has {spans[f][2]} values", where)
-    for i in range(rows):
-        n_tok, n_resp = tok_off[i + 1] - tok_off[i], resp_off[i + 1] - resp_off[i]
-        if not 1 <= prompt[i] <= n_tok or n_tok - prompt[i] != n_resp:
-            raise _fail(f"row {i}: {n_tok} tokens, prompt length {prompt[i]} and {n_resp} response "
-                        "values do not fit together", where)
-    if any(t < 0 for t in _ints(data, spans["tokens"])):
+            raise _fail(f"resp_offsets end at {int(resp_off[-1])} but {f} has {spans[f][2]} values", where)
+    # Offsets now lie in [0, count], so these differences cannot overflow; the prompt length is
+    # compared before it is subtracted.
+    n_tok, n_resp = np.diff(tok_off), np.diff(resp_off)
+    fits = (prompt >= 1) & (prompt <= n_tok)
+    bad = ~fits | (n_tok - np.where(fits, prompt, 0) != n_resp)
+    if bad.any():
+        i = _first(bad)
+        raise _fail(f"row {i}: {int(n_tok[i])} tokens, prompt length {int(prompt[i])} and {int(n_resp[i])} "
+                    "response values do not fit together", where)
+    tokens = _ints(data, spans["tokens"])
+    if tokens.size and tokens.min() < 0:
         raise _fail("negative token id", where)
 
 
-def decode(data: bytes, where: str | Path | None = None) -> tuple[OptimizerBatch, dict[str, Tensor]]:
-    """Validate then deserialise a payload; return the batch and RNG states (keys ``cpu``, ``cuda.N``)."""
-    from safetensors.torch import load
+def _tensor(buf: bytearray | mmap.mmap, span: tuple[int, int, int], dtype: torch.dtype) -> Tensor:
+    """A view of ``buf[begin:end]`` (copied only when the span is not aligned to its element size)."""
+    begin, end, count = span
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    if begin % dtype.itemsize:
+        return torch.frombuffer(bytearray(buf[begin:end]), dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype, count=count, offset=begin)
 
-    spans = parse_header(data, where)
-    check_ragged(data, spans, where)
-    if spans["rng.cpu"][2] != torch.get_rng_state().numel():
-        raise _fail(f"rng.cpu has {spans['rng.cpu'][2]} bytes, this Torch's CPU generator state has "
-                    f"{torch.get_rng_state().numel()}", where)
-    tensors = load(data)
-    batch = OptimizerBatch(**{k: tensors[k] for k in (*INT_FIELDS, *FLOAT_FIELDS)})
+
+def _check_finite(batch: OptimizerBatch, where: str | Path | None) -> None:
     for f in FLOAT_FIELDS:
-        bad = ~torch.isfinite(tensors[f])
+        t: Tensor = getattr(batch, f)
+        if bool(torch.isfinite(t.sum())):  # one NaN or Inf anywhere makes the sum non-finite
+            continue
+        bad = ~torch.isfinite(t)  # the sum may also overflow with every value finite
         if bool(bad.any()):
             first = int(bad.nonzero()[0, 0])
             row = int(torch.searchsorted(batch.resp_offsets, torch.tensor(first), right=True)) - 1
             raise _fail(f"row {row} holds a non-finite {f} value", where,
                         "the source step produced NaN/Inf; fix the source run and recapture")
+
+
+def decode(data: Buffer, where: str | Path | None = None) -> tuple[OptimizerBatch, dict[str, Tensor]]:
+    """Validate then deserialise a payload; return the batch and RNG states (keys ``cpu``, ``cuda.N``).
+
+    A writable buffer (``bytearray``, anonymous ``mmap``) is used in place: the returned tensors are
+    views of it, so the caller must not modify it afterwards.  ``bytes`` are copied once.
+    """
+    spans = parse_header(data, where)
+    check_ragged(data, spans, where)
+    if spans["rng.cpu"][2] != torch.get_rng_state().numel():
+        raise _fail(f"rng.cpu has {spans['rng.cpu'][2]} bytes, this Torch's CPU generator state has "
+                    f"{torch.get_rng_state().numel()}", where)
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian machine here
+        from safetensors.torch import load
+
+        tensors = load(bytes(data))
+    else:
+        buf = data if isinstance(data, bytearray | mmap.mmap) else bytearray(data)
+        tensors = {k: _tensor(buf, span, _TORCH_DTYPE[str(_expected_dtype(k))]) for k, span in spans.items()}
+    batch = OptimizerBatch(**{k: tensors[k] for k in (*INT_FIELDS, *FLOAT_FIELDS)})
+    _check_finite(batch, where)
     rng = {k[len(RNG_PREFIX):]: v for k, v in tensors.items() if k.startswith(RNG_PREFIX)}
     return batch, rng
+
+
+def exact_sum(t: Tensor) -> float:
+    """``math.fsum`` of a float64 tensor (the correctly rounded sum), without a Python float per value.
+
+    Each finite value is ``mantissa * 2**(exponent - 1075)`` with a 53-bit integer mantissa read from
+    its bits.  Per exponent, the mantissas' high and low 26-bit halves are summed exactly in float64
+    (``np.bincount``; no partial sum can reach 2**53 in a chunk of :data:`_SUM_CHUNK` values), the
+    per-exponent sums are combined as one Python integer, and the final integer division rounds once,
+    to nearest even, as ``fsum`` does.  Non-finite input and an exact zero (whose sign ``fsum``
+    decides) go to ``math.fsum`` itself.
+    """
+    a = t.detach().to("cpu", torch.float64).contiguous().numpy()
+    if a.size == 0:
+        return 0.0
+    if not math.isfinite(float(a.sum())):
+        return math.fsum(a.data)
+    bits = a.view("<i8")
+    total = 0
+    for start in range(0, a.size, _SUM_CHUNK):
+        b = bits[start:start + _SUM_CHUNK]
+        exp = (b >> 52) & 0x7FF
+        mant = (b & 0xFFFFFFFFFFFFF) | ((exp != 0).astype(np.int64) << 52)
+        mant = np.where(b < 0, -mant, mant)
+        idx = np.maximum(exp, 1)  # subnormals share the smallest normal exponent
+        hi = np.bincount(idx, weights=(mant >> 26).astype(np.float64), minlength=2047)
+        lo = np.bincount(idx, weights=(mant & 0x3FFFFFF).astype(np.float64), minlength=2047)
+        for k in np.flatnonzero((hi != 0) | (lo != 0)).tolist():
+            total += ((int(hi[k]) << 26) + int(lo[k])) << (k - 1)
+    if total == 0:
+        return math.fsum(a.data)
+    return total / (1 << 1074)
 
 
 def summary(batch: OptimizerBatch) -> dict[str, int | float]:
@@ -188,4 +263,4 @@ def summary(batch: OptimizerBatch) -> dict[str, int | float]:
     return {"rows": batch.rows, "tokens": int(batch.tokens.numel()),
             "response_tokens": batch.response_tokens(),
             "loss_bearing_tokens": int((weights != 0).sum()),
-            "loss_weight_sum": math.fsum(weights.tolist())}
+            "loss_weight_sum": exact_sum(weights)}

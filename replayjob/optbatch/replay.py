@@ -72,11 +72,8 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
     prov["attn_implementation"] = cfg.backend.options.attn_implementation
     prov["device"] = str(policy.device)
     check_model(adm.state, policy.model_reference())
-    policy.load_adapter(adm.state.adapter_file)
-    loaded_sha = sha256_file(adm.state.adapter_file)
-    if loaded_sha != adm.manifest.initial_adapter_sha256:
-        raise ContractError(f"adapter file changed while loading (SHA-256 {loaded_sha})",
-                            where=adm.state.adapter_file)
+    # the manifest's pin is checked over the very bytes the adapter tensors are built from
+    policy.load_adapter(adm.state.adapter_file, adm.manifest.initial_adapter_sha256)
     vocab = _vocab_size(policy.model) or policy.tokenizer.vocab_size
     top = int(adm.batch.tokens.max())
     if top >= vocab:
@@ -109,6 +106,7 @@ def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_tra
     from replayjob.optbatch.payload import summary
 
     m = adm.manifest
+    logical, effective = adm.batch.digests()  # the rows as replayed, hashed again after the update
     return {
         "schema": METRICS_SCHEMA,
         "replayjob_version": replayjob.__version__,
@@ -119,8 +117,8 @@ def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_tra
         "pins": {"expected_logical_sha256": adm.pins["expected_logical_sha256"],
                  "expected_manifest_sha256": adm.pins["expected_manifest_sha256"],
                  "payload_sha256": m.payload_sha256},
-        "optimizer/logical_batch_sha256": adm.batch.logical_sha256(),
-        "optimizer/local_effective_rows_sha256": adm.batch.effective_sha256(),
+        "optimizer/logical_batch_sha256": logical,
+        "optimizer/local_effective_rows_sha256": effective,
         "optimizer_batch/manifest_sha256": m.sha256,
         "optimizer_batch/initial_adapter_sha256": m.initial_adapter_sha256,
         "allowed_config_differences": list(adm.allowed),
@@ -138,7 +136,7 @@ def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_tra
                     "padding_fraction": res.padding_fraction, "micro_batches": res.micro_batches},
         "rows": summary(adm.batch),
         "rng_restored": sorted(adm.rng),
-        "tolerances_sha256": cfg.optimizer_batch.tolerances_sha256,
+        "tolerances_sha256": cfg.optimizer_batch.tolerances_sha256.strip().lower(),  # checked at admission
         "config_sha256": config_sha256(cfg),
     }
 

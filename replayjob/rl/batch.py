@@ -4,12 +4,30 @@ Each row is a token sequence (prompt + response) with per-response-token float64
 reference logprobs, advantages and loss weights.  Rows are stored flat with offsets, the form
 captured to safetensors.  ``logical_sha256`` hashes the rows themselves in logical order, so it
 does not depend on micro-batching; ``effective_sha256`` hashes only rows that carry loss weight.
+
+Digest layout (v2; little-endian throughout), SHA-256 of::
+
+    domain tag ("replayjob.logical-rows.v2\n" or "replayjob.effective-rows.v2\n")
+    u64 row count
+    for each array of the rows, in this order -- row_index (effective only: the kept rows'
+    logical indices), token_offsets, prompt_lens, resp_offsets, tokens (int64), old_logprobs,
+    ref_logprobs, advantages, loss_weights (float64):
+        u64 element count, then the 32-byte SHA-256 of the array's little-endian bytes
+
+The effective rows are those with at least one non-zero loss weight; their arrays are the logical
+ones restricted to those rows, offsets rebased to start at zero.  Each flat array is hashed whole
+(a zero-copy view of contiguous memory), the large ones on parallel threads (hashlib releases
+the GIL), and :meth:`OptimizerBatch.digests` reuses the logical arrays' digests for the effective
+digest when every row carries loss weight, so each byte is hashed once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -48,11 +66,26 @@ class OptimizerBatch:
             "tokens", "token_offsets", "prompt_lens", "resp_offsets", *_ROW_FIELDS)}
 
     def logical_sha256(self) -> str:
-        return _rows_digest(self, range(self.rows), b"replayjob.logical-rows.v1")
+        return self.digests()[0]
 
     def effective_sha256(self) -> str:
-        keep = [i for i in range(self.rows) if bool((self.row_field("loss_weights", i) != 0).any())]
-        return _rows_digest(self, keep, b"replayjob.effective-rows.v1")
+        return self.digests()[1]
+
+    def digests(self) -> tuple[str, str]:
+        """``(logical, effective)`` digests in one pass: every array is hashed at most once."""
+        logical = {name: getattr(self, name) for name in _LOGICAL_ARRAYS}
+        keep = effective_rows(self)
+        if bool(keep.all()):  # the effective arrays are the logical ones: reuse their digests
+            sums = _array_digests(logical)
+            eff_sums = {"row_index": _array_digests({"row_index": torch.arange(self.rows)})["row_index"],
+                        **sums}
+            return (_combine(_LOGICAL_TAG, self.rows, sums, _LOGICAL_ARRAYS),
+                    _combine(_EFFECTIVE_TAG, self.rows, eff_sums, _EFFECTIVE_ARRAYS))
+        eff = _select_rows(self, keep)
+        sums = _array_digests({**logical, **{f"effective.{k}": v for k, v in eff.items()}})
+        eff_sums = {k: sums[f"effective.{k}"] for k in _EFFECTIVE_ARRAYS}
+        return (_combine(_LOGICAL_TAG, self.rows, sums, _LOGICAL_ARRAYS),
+                _combine(_EFFECTIVE_TAG, int(keep.sum()), eff_sums, _EFFECTIVE_ARRAYS))
 
     @staticmethod
     def from_padded(seqs: list[list[int]], prompt_lens: list[int], fields: dict[str, Tensor],
@@ -80,16 +113,78 @@ def _offsets(lengths: list[int]) -> Tensor:
     return torch.tensor(out, dtype=torch.int64)
 
 
-def _rows_digest(b: OptimizerBatch, rows: object, domain: bytes) -> str:
-    h = hashlib.sha256(domain)
-    idx = list(rows)  # type: ignore[call-overload]
-    h.update(struct.pack("<q", len(idx)))
-    for i in idx:
-        toks = b.row_tokens(i)
-        h.update(struct.pack("<qqq", i, int(b.prompt_lens[i]), int(toks.numel())))
-        h.update(toks.to(torch.int64).contiguous().numpy().astype("<i8").tobytes())
-        for name in _ROW_FIELDS:
-            h.update(b.row_field(name, i).to(torch.float64).contiguous().numpy().astype("<f8").tobytes())
+_LOGICAL_TAG = b"replayjob.logical-rows.v2\n"
+_EFFECTIVE_TAG = b"replayjob.effective-rows.v2\n"
+_LOGICAL_ARRAYS = ("token_offsets", "prompt_lens", "resp_offsets", "tokens", *_ROW_FIELDS)
+_EFFECTIVE_ARRAYS = ("row_index", *_LOGICAL_ARRAYS)
+_PARALLEL_MIN_BYTES = 4 * 1024 * 1024  # below this a thread costs more than it saves
+
+
+def effective_rows(b: OptimizerBatch) -> Tensor:
+    """A bool mask over rows: True where the row has at least one non-zero loss weight."""
+    nonzero = b.loss_weights != 0
+    resp_lens = b.resp_offsets[1:] - b.resp_offsets[:-1]
+    if bool(nonzero.all()):
+        return resp_lens > 0
+    counts = torch.cat([torch.zeros(1, dtype=torch.int64), nonzero.cumsum(0)])
+    return (counts[b.resp_offsets[1:]] - counts[b.resp_offsets[:-1]]) > 0
+
+
+def _select_rows(b: OptimizerBatch, keep: Tensor) -> dict[str, Tensor]:
+    """The arrays of the kept rows, offsets rebased; masks are built per token, not per row."""
+    tok_lens = b.token_offsets[1:] - b.token_offsets[:-1]
+    resp_lens = b.resp_offsets[1:] - b.resp_offsets[:-1]
+    tok_mask = torch.repeat_interleave(keep, tok_lens, output_size=int(b.tokens.numel()))
+    resp_mask = torch.repeat_interleave(keep, resp_lens, output_size=b.response_tokens())
+    out = {"row_index": keep.nonzero().flatten().to(torch.int64),
+           "token_offsets": _offsets_of(tok_lens[keep]), "prompt_lens": b.prompt_lens[keep],
+           "resp_offsets": _offsets_of(resp_lens[keep]), "tokens": b.tokens[tok_mask]}
+    out.update({k: getattr(b, k)[resp_mask] for k in _ROW_FIELDS})
+    return out
+
+
+def _offsets_of(lengths: Tensor) -> Tensor:
+    return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.to(torch.int64).cumsum(0)])
+
+
+def _le_view(t: Tensor) -> memoryview:
+    """A zero-copy view of ``t``'s little-endian bytes (int64 / float64; copies only if it must)."""
+    dtype = torch.float64 if t.dtype.is_floating_point else torch.int64
+    t = t.detach()
+    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+        t = t.to("cpu", dtype).contiguous()
+    arr = t.numpy()
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian machine here
+        arr = arr.astype("<i8" if dtype == torch.int64 else "<f8")
+    return arr.data.cast("B")
+
+
+def _sha256(view: memoryview) -> bytes:
+    return hashlib.sha256(view).digest()
+
+
+def _array_digests(arrays: dict[str, Tensor]) -> dict[str, tuple[int, bytes]]:
+    """``name -> (element count, SHA-256)``; large arrays are hashed on parallel threads."""
+    views = {k: _le_view(v) for k, v in arrays.items()}
+    large = [k for k, v in views.items() if v.nbytes >= _PARALLEL_MIN_BYTES]
+    out = {k: (arrays[k].numel(), _sha256(v)) for k, v in views.items() if k not in large}
+    workers = min(len(large), os.cpu_count() or 1)
+    if workers > 1:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="replayjob-digest") as pool:
+            done = dict(zip(large, pool.map(_sha256, [views[k] for k in large]), strict=True))
+    else:
+        done = {k: _sha256(views[k]) for k in large}
+    out.update({k: (arrays[k].numel(), d) for k, d in done.items()})
+    return out
+
+
+def _combine(tag: bytes, rows: int, sums: dict[str, tuple[int, bytes]], order: tuple[str, ...]) -> str:
+    h = hashlib.sha256(tag)
+    h.update(struct.pack("<Q", rows))
+    for name in order:
+        count, digest = sums[name]
+        h.update(struct.pack("<Q", count))
+        h.update(digest)
     return h.hexdigest()
 
 
