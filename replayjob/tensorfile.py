@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 import os
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -184,7 +185,11 @@ def _open_regular(path: str | Path, follow_symlinks: bool) -> tuple[int, int]:
 
 
 def _read_exact(fd: int, offset: int, n: int, where: str) -> bytes:
-    chunks, got = [], 0
+    """``n`` bytes at ``offset``; one ``pread`` (no copy) unless the kernel returns less."""
+    first = os.pread(fd, n, offset) if n else b""
+    if len(first) == n:
+        return first
+    chunks, got = [first], len(first)
     while got < n:
         b = os.pread(fd, min(n - got, _CHUNK), offset + got)
         if not b:
@@ -253,10 +258,10 @@ def load(path: str | Path, *, expected_sha256: str | None = None,
     return load_bytes(data, where=path, expected_sha256=expected_sha256, dtypes=dtypes)[1]
 
 
-def _check_bools(header: Header, data: bytes | memoryview, base: int | None = None) -> None:
-    start = header.data_start if base is None else base
+def _check_bools(header: Header, data: bytes) -> None:
+    start = header.data_start
     for spec in header.tensors.values():
-        if spec.dtype == "BOOL" and _bad_bool(bytes(data[start + spec.begin:start + spec.end])):
+        if spec.dtype == "BOOL" and _bad_bool(data[start + spec.begin:start + spec.end]):
             raise _fail(header.where, f"tensor {spec.name!r} is BOOL but holds bytes other than 0 and 1")
 
 
@@ -352,3 +357,152 @@ class TensorReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class ScannedFile:
+    """One streaming read of a tensor file: its size and SHA-256, its header, and the bytes when kept.
+
+    The header and BOOL checks ran over the very bytes that were hashed, but their verdict is held
+    back until :meth:`validated`, so that a caller compares the digest first and reports a modified
+    file as a checksum mismatch rather than as whatever the modification happened to break.
+    """
+
+    where: str
+    size: int
+    sha256: str
+    header: Header | None
+    error: IntegrityError | None
+    buffer: mmap.mmap | None
+
+    def validated(self) -> Header:
+        """The header, or the first header/BOOL fault found while reading."""
+        if self.error is not None:
+            raise self.error
+        assert self.header is not None
+        return self.header
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Zero-copy tensors over the kept bytes (copied only for a span not aligned to its dtype)."""
+        import torch
+
+        header = self.validated()
+        if self.buffer is None:
+            raise IntegrityError("the file was scanned without keeping its bytes", where=self.where,
+                                 hint="scan it with keep=True")
+        if sys.byteorder != "little":  # pragma: no cover - no big-endian machine here
+            raise _fail(self.where, "zero-copy tensors need a little-endian machine", "use load() instead")
+        out = {}
+        for spec in header.tensors.values():
+            dt = _TORCH_NAMES[spec.dtype]
+            dtype = getattr(torch, dt)
+            start, item = header.data_start + spec.begin, ITEMSIZE[spec.dtype]
+            if spec.nbytes == 0:
+                t = torch.empty(spec.shape, dtype=dtype)
+            elif start % item == 0:
+                t = torch.frombuffer(self.buffer, dtype=dtype, count=spec.nbytes // item, offset=start)
+            else:
+                t = torch.frombuffer(bytearray(self.buffer[start:start + spec.nbytes]), dtype=dtype)
+            out[spec.name] = t.reshape(spec.shape)
+        return out
+
+
+_TORCH_NAMES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
+                "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+
+
+def _header_bytes(piece: memoryview) -> bytes:
+    """The header prefix of a file's first piece (all of it when the length field is implausible)."""
+    if len(piece) < 8:
+        return bytes(piece)
+    (n,) = struct.unpack("<Q", piece[:8])
+    return bytes(piece[:8 + n]) if n <= MAX_HEADER_BYTES else bytes(piece[:8])
+
+
+def _bool_fault(header: Header, piece: memoryview, offset: int) -> IntegrityError | None:
+    """A BOOL tensor's bytes other than 0/1 inside ``piece`` (which starts at file ``offset``)."""
+    for spec in header.tensors.values():
+        if spec.dtype != "BOOL":
+            continue
+        lo = max(header.data_start + spec.begin, offset)
+        hi = min(header.data_start + spec.end, offset + len(piece))
+        if lo < hi and _bad_bool(piece[lo - offset:hi - offset].tobytes()):
+            return _fail(header.where, f"tensor {spec.name!r} is BOOL but holds bytes other than 0 and 1")
+    return None
+
+
+def scan(path: str | Path, *, keep: bool = True, dtypes: frozenset[str] | set[str] | None = None,
+         follow_symlinks: bool = True, max_bytes: int = 2 * 1024 ** 3,
+         visit: Callable[[Header, memoryview, int], None] | None = None) -> ScannedFile:
+    """Read a tensor file once, hashing each chunk as it lands, and validate its header on those bytes.
+
+    With ``keep`` the file is read into one buffer (an anonymous mapping: no zero-fill pass) that
+    :meth:`ScannedFile.tensors` views without copying; without it a single reused chunk buffer is
+    enough and memory stays bounded whatever the file size (for callers that need the digest and
+    the header only).  The header is parsed from the first chunk, which is read large enough to
+    hold it; BOOL spans are checked chunk by chunk.  Faults found on the way are returned, not
+    raised (see :meth:`ScannedFile.validated`); a file that changes size while it is read is
+    refused at once.
+
+    ``visit(header, piece, offset)`` is called with each piece just read (file offset ``offset``)
+    once the header is valid, while the bytes are still in cache, so a caller can check contents
+    without a second pass; an :class:`IntegrityError` it raises is held back like the others.
+    Every piece after the first starts at a data-section offset that is a multiple of 8, so no
+    element of an aligned dtype straddles two pieces.
+    """
+    w = str(path)
+    fd, size = _open_regular(path, follow_symlinks)
+    try:
+        if keep and size > max_bytes:
+            raise _fail(w, f"file is {size} bytes, above the {max_bytes}-byte in-memory limit",
+                        "scan it with keep=False or read it with iter_tensors (streaming)")
+        first = _CHUNK
+        head8 = os.pread(fd, 8, 0) if size >= 8 else b""
+        if len(head8) == 8 and struct.unpack("<Q", head8)[0] <= MAX_HEADER_BYTES:
+            data_start = 8 + struct.unpack("<Q", head8)[0]
+            first = max(first, data_start)
+            first += (data_start - first) % 8
+        first = min(first, size)
+        buffer = mmap.mmap(-1, size) if keep and size else None
+        view = memoryview(buffer) if buffer is not None else memoryview(bytearray(max(first, 1)))
+        h = hashlib.sha256()
+        header: Header | None = None
+        error: IntegrityError | None = None
+        off = 0
+        with open(fd, "rb", buffering=0, closefd=False) as fh:
+            while off < size:
+                want = first if off == 0 else min(_CHUNK, size - off)
+                piece = view[off:off + want] if buffer is not None else view[:want]
+                got = 0
+                while got < want:
+                    k = fh.readinto(piece[got:])
+                    if not k:
+                        raise _fail(w, f"file ended after {off + got} bytes while reading; it changed or is "
+                                       "truncated")
+                    got += k
+                h.update(piece)
+                if off == 0:
+                    try:
+                        header = parse_header(_header_bytes(piece), size, where=w, dtypes=dtypes)
+                    except IntegrityError as exc:
+                        error = exc
+                if header is not None and error is None:
+                    error = _bool_fault(header, piece, off)
+                    if error is None and visit is not None:
+                        try:
+                            visit(header, piece, off)
+                        except IntegrityError as exc:
+                            error = exc
+                off += want
+            if fh.read(1):
+                raise _fail(w, f"file grew past {size} bytes while reading; it changed")
+        if size == 0:
+            try:
+                parse_header(b"", 0, where=w, dtypes=dtypes)
+            except IntegrityError as exc:
+                error = exc
+    except OSError as exc:
+        raise _fail(w, f"cannot read the file: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    return ScannedFile(w, size, h.hexdigest(), header, error, buffer)

@@ -174,10 +174,12 @@ class BundleCapture:
                          producer=self.producer, weight_version=rid)
         group = snap.tensors["group"].tolist()
         mask = snap.tensors["mask"]
+        lengths = mask.sum(dim=1).to(torch.int64).tolist()  # one reduction, not one per sample
+        tok = ByteTokenizer()
         for i in range(len(snap.responses)):
             w.add_sample(f"s-{i:04d}", group=f"g-{int(group[i]):04d}", cohort=f"c-{rid:06d}",
-                         prompt_length=snap.prompt_lengths[i], response_length=int(mask[i].sum()),
-                         label_length=len(ByteTokenizer().encode(snap.answers[i])), partition=f"p-{rid:06d}",
+                         prompt_length=snap.prompt_lengths[i], response_length=lengths[i],
+                         label_length=len(tok.encode(snap.answers[i])), partition=f"p-{rid:06d}",
                          consumer_batch="cb-0000", micro_batch=f"mb-{i // self.micro:04d}",
                          prompt=snap.prompts[i], completion=snap.completions[i], label=snap.answers[i])
         w.write_payload("mask", mask)
@@ -186,16 +188,12 @@ class BundleCapture:
     def _rollout(self, snap: _Snapshot) -> BundleWriter:
         w = self._writer(snap, "rollout")
         t = snap.tensors
-        n, width = t["mask"].shape
+        width = int(t["mask"].shape[1])
         if self.config["tokenizer"] == "byte":
-            ids = torch.zeros((n, width), dtype=torch.int64)
-            labels = [ByteTokenizer().encode(a) for a in snap.answers]
-            lab = torch.zeros((n, max(1, max(len(x) for x in labels))), dtype=torch.int64)
-            for i, r in enumerate(snap.responses):
-                ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-                lab[i, : len(labels[i])] = torch.tensor(labels[i], dtype=torch.int64)
-            w.write_payload("response_ids", ids)
-            w.write_payload("label_ids", lab)
+            tok = ByteTokenizer()
+            labels = [tok.encode(a) for a in snap.answers]
+            w.write_payload("response_ids", _padded(snap.responses, width))
+            w.write_payload("label_ids", _padded(labels, max(1, max(len(x) for x in labels))))
         else:
             w.set_capability("reward.raw", "recorded-only", "the model's tokenizer cannot be rebuilt offline")
         w.write_payload("old_logprobs", t["old_logprobs"])
@@ -211,17 +209,28 @@ class BundleCapture:
         w = self._writer(snap, "step")
         t = snap.tensors
         mask = t["mask"]
+        # Each mask row is its response's ones then zeros, so the row-major positions of the ones are
+        # the flat (concatenated) order of the update's per-token logprobs.
+        where = mask != 0
+        tokens = int(where.sum())
+        if tokens != flat_logp.numel():
+            raise RefusedError(f"the update exposed {flat_logp.numel()} logprobs for {tokens} response tokens")
         logp = torch.zeros(mask.shape, dtype=flat_logp.dtype)
-        start = 0
-        for i in range(mask.shape[0]):
-            k = int(mask[i].sum())
-            logp[i, :k] = flat_logp[start:start + k]
-            start += k
-        if start != flat_logp.numel():
-            raise RefusedError(f"the update exposed {flat_logp.numel()} logprobs for {start} response tokens")
+        logp[where] = flat_logp.reshape(-1)
         w.write_payload("logprobs", logp)
         for name in ("old_logprobs", "ref_logprobs", "advantages"):
             w.write_payload(name, t[name])
         w.set_expected("loss.policy", "loss_weights", t["loss_weights"])
         w.set_expected("loss.policy", "loss", loss)
         return w
+
+
+def _padded(rows: list[list[int]], width: int) -> Tensor:
+    """``rows`` as an int64 ``[len(rows), width]`` tensor padded with 0, filled in one indexed copy."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    out = torch.zeros((len(rows), width), dtype=torch.int64)
+    if len(rows) and int(lengths.max()) > width:
+        raise RefusedError(f"a row of {int(lengths.max())} tokens does not fit the width {width}")
+    out[torch.arange(width)[None, :] < lengths[:, None]] = torch.tensor([t for r in rows for t in r],
+                                                                        dtype=torch.int64)
+    return out

@@ -16,6 +16,7 @@ outside the bundle.
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from replayjob import tensorfile
 from replayjob.bundle import format as fmt
+from replayjob.bundle.mask import MaskRows
 from replayjob.bundle.schema import check_closure, check_expected, check_index, check_manifest
 from replayjob.digest import sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
@@ -130,30 +132,43 @@ def _read_bytes(p: Path, what: str) -> bytes:
         raise IntegrityError(f"cannot read {what}: {exc.strerror}", where=p) from None
 
 
-def _load_payload(path: Path, name: str, spec: dict[str, Any]) -> Tensor:
+def _load_payload(path: Path, name: str, spec: dict[str, Any], keep: bool,
+                  visit: MaskRows | None = None) -> Tensor:
+    """One read of the payload file: size and SHA-256 first, then the header parsed from those bytes.
+
+    With ``keep`` the tensor is a zero-copy view over the bytes read; without it (validation only)
+    the file streams through one chunk buffer and a ``meta`` tensor of the declared dtype and shape
+    stands in for it (any numeric use of it fails loudly).
+    """
     p = path / spec["file"]
     try:
-        os.lstat(p)
+        st = os.lstat(p)
     except OSError:
         raise IntegrityError(f"payload {name!r} is missing ({spec['file']})", where=p,
                              hint="the bundle is incomplete; capture it again") from None
-    data = _read_bytes(p, f"payload {name!r}")
-    if len(data) != spec["bytes"] or sha256_bytes(data) != spec["sha256"]:
-        raise IntegrityError(f"checksum mismatch for payload {name!r}: {len(data)} bytes, sha256 "
-                             f"{sha256_bytes(data)[:16]}..., manifest says {spec['bytes']} bytes, "
+    if not stat.S_ISREG(st.st_mode):
+        raise IntegrityError(f"payload {name!r} is not a regular file (symlinks are refused)", where=p)
+    scanned = tensorfile.scan(p, keep=keep, dtypes={spec["dtype"]}, follow_symlinks=False, visit=visit)
+    if scanned.size != spec["bytes"] or scanned.sha256 != spec["sha256"]:
+        raise IntegrityError(f"checksum mismatch for payload {name!r}: {scanned.size} bytes, sha256 "
+                             f"{scanned.sha256[:16]}..., manifest says {spec['bytes']} bytes, "
                              f"{spec['sha256'][:16]}...", where=p, hint="the payload was modified or truncated")
-    tensors = tensorfile.load_bytes(data, where=p, dtypes={spec["dtype"]})[1]  # strict header, then build
-    if set(tensors) != {name}:
+    header = scanned.validated()  # strict header and BOOL bytes, checked on the hashed bytes
+    if set(header.tensors) != {name}:
         raise IntegrityError(f"payload {name!r} must hold exactly one tensor named {name!r}, found "
-                             f"{sorted(tensors)}", where=p)
-    t = tensors[name]
-    if t.dtype != _TORCH[spec["dtype"]] or list(t.shape) != spec["shape"]:
-        raise IntegrityError(f"payload {name!r} is {t.dtype} {list(t.shape)}, manifest says {spec['dtype']} "
+                             f"{sorted(header.tensors)}", where=p)
+    ts = header.tensors[name]
+    if ts.dtype != spec["dtype"] or list(ts.shape) != spec["shape"]:
+        raise IntegrityError(f"payload {name!r} is {ts.dtype} {list(ts.shape)}, manifest says {spec['dtype']} "
                              f"{spec['shape']}", where=p)
-    return t
+    if visit is not None and visit.checked != math.prod(spec["shape"]):  # never expected: fail closed
+        raise IntegrityError(f"payload {name!r}: only {visit.checked} values were checked", where=p)
+    if not keep:
+        return torch.empty(ts.shape, dtype=_TORCH[spec["dtype"]], device="meta")
+    return scanned.tensors()[name]
 
 
-def _load_single(path: Path) -> Bundle:
+def _load_single(path: Path, tensors: bool = True) -> Bundle:
     _check_dir(path)
     if not (path / fmt.COMPLETE).exists() and not (path / fmt.COMPLETE).is_symlink():
         raise IntegrityError("incomplete bundle: COMPLETE is missing (the writer did not finish)", where=path,
@@ -190,9 +205,12 @@ def _load_single(path: Path) -> Bundle:
     undeclared = [x for x in present if x not in declared]
     if undeclared:
         raise IntegrityError(f"undeclared files in payloads/: {undeclared}", where=pdir)
-    payloads = {name: _load_payload(path, name, spec) for name, spec in sorted(specs.items())}
+    # Mask rows are checked against the recorded lengths as the mask's bytes stream past the hash.
+    rows = MaskRows([s["response_length"] for s in index["samples"]], [s["sample_id"] for s in index["samples"]])
+    payloads = {name: _load_payload(path, name, spec, keep=tensors, visit=rows if name == "mask" else None)
+                for name, spec in sorted(specs.items())}
     check_closure(manifest, index, expected, {k: (specs[k]["dtype"], list(v.shape)) for k, v in payloads.items()})
-    _check_mask(payloads, index)
+    _check_labels(payloads, index)
     mr = manifest["multi_rank"]
     if mr is not None:
         _check_root_complete(path, mr["rank"], complete["manifest_sha256"])
@@ -201,23 +219,13 @@ def _load_single(path: Path) -> Bundle:
                   loss_cohorts=[LossCohort(index["identity"]["physical"]["rank"], list(range(n)), loss)])
 
 
-def _check_mask(payloads: dict[str, Tensor], index: dict[str, Any]) -> None:
+def _check_labels(payloads: dict[str, Tensor], index: dict[str, Any]) -> None:
     labels = payloads.get("label_ids")
     if labels is not None:
         for s in index["samples"]:
             if s["label_length"] is not None and s["label_length"] > labels.shape[1]:
                 raise IntegrityError(f"label_length of sample {s['sample_id']!r} exceeds the label_ids width "
                                      f"{labels.shape[1]}", where=fmt.payload_file("label_ids"))
-    mask = payloads.get("mask")
-    if mask is None:
-        return
-    lengths = torch.tensor([s["response_length"] for s in index["samples"]], dtype=torch.int64)
-    want = (torch.arange(mask.shape[1])[None, :] < lengths[:, None]).to(mask.dtype)
-    bad = (mask != want).any(dim=1) | (lengths > mask.shape[1])
-    if bool(bad.any()):
-        s = index["samples"][int(bad.nonzero()[0, 0])]
-        raise IntegrityError(f"mask row of sample {s['sample_id']!r} does not match response_length="
-                             f"{s['response_length']}", where=fmt.payload_file("mask"))
 
 
 def _check_root_complete(rank_dir: Path, rank: int, manifest_sha: str) -> None:
@@ -232,7 +240,7 @@ def _check_root_complete(rank_dir: Path, rank: int, manifest_sha: str) -> None:
         raise IntegrityError(f"root COMPLETE does not record this manifest for rank {rank}", where=root)
 
 
-def _load_root(root: Path) -> Bundle:
+def _load_root(root: Path, tensors: bool = True) -> Bundle:
     _check_dir(root)
     landed = sorted(p.name for p in root.glob(f"{fmt.COMPLETE}.*"))
     if not (root / fmt.COMPLETE).is_file() or (root / fmt.COMPLETE).is_symlink():
@@ -253,7 +261,7 @@ def _load_root(root: Path) -> Bundle:
         if not (root / f"rank-{r}").is_dir() or not (root / f"{fmt.COMPLETE}.{r}").is_file():
             raise IntegrityError(f"rank {r} is missing (rank-{r}/ or {fmt.COMPLETE}.{r}); expected ranks "
                                  f"{ranks}", where=root, hint="the producer of that rank did not land")
-        parts.append(_load_single(root / f"rank-{r}"))
+        parts.append(_load_single(root / f"rank-{r}", tensors))
     return merge(root, ranks, parts)
 
 
@@ -290,11 +298,16 @@ def merge(root: Path, ranks: list[int], parts: list[Bundle]) -> Bundle:
     return Bundle(root, first.manifest, index, expected, payloads, ranks=ranks, loss_cohorts=cohorts)
 
 
-def load_bundle(path: str | Path) -> Bundle:
-    """Validate and load a bundle directory or a multi-rank root; raise naming the first fault."""
+def load_bundle(path: str | Path, *, tensors: bool = True) -> Bundle:
+    """Validate and load a bundle directory or a multi-rank root; raise naming the first fault.
+
+    ``tensors=False`` (``bundle validate``) runs every check -- digests over every byte, headers,
+    dtypes, shapes, BOOL bytes, mask rows -- but keeps no payload data: ``payloads`` then holds
+    ``meta`` tensors of the recorded dtypes and shapes.
+    """
     p = Path(path)
     if p.is_dir() and not p.is_symlink() and is_multi_rank_root(p):
-        return _load_root(p)
+        return _load_root(p, tensors)
     if p.is_dir() and not p.is_symlink() and not (p / fmt.MANIFEST).exists() and not (p / fmt.COMPLETE).exists():
         inner = sorted(c.name for c in p.iterdir() if c.is_dir() and ((c / fmt.MANIFEST).exists()
                                                                        or is_multi_rank_root(c)))
@@ -302,4 +315,4 @@ def load_bundle(path: str | Path) -> Bundle:
             raise IntegrityError(f"this is a capture directory holding {len(inner)} bundle(s) {inner}, not a "
                                  "bundle", where=p, hint="pass one bundle directory (replay also takes --step R:S "
                                                          "or --rollout R with the capture directory)")
-    return _load_single(p)
+    return _load_single(p, tensors)

@@ -42,6 +42,7 @@ from replayjob.bundle import format as fmt
 from replayjob.bundle.schema import check_closure, check_expected, check_index, check_manifest
 from replayjob.digest import sha256_bytes, sha256_json
 from replayjob.errors import ArtifactExistsError, IntegrityError, RefusedError
+from replayjob.faults import point
 from replayjob.fsio import atomic_write_bytes, fsync_dir
 from replayjob.jsonio import pretty_bytes, read_json_object
 
@@ -213,18 +214,22 @@ class BundleWriter:
         try:
             (tmp / fmt.PAYLOADS).mkdir()
             for name, blob in blobs.items():
-                atomic_write_bytes(tmp / fmt.payload_file(name), blob)
-            atomic_write_bytes(tmp / fmt.INDEX, pretty_bytes(index))
-            atomic_write_bytes(tmp / fmt.EXPECTED, pretty_bytes(expected))
+                _write_new(tmp / fmt.payload_file(name), blob)
+            _write_new(tmp / fmt.INDEX, pretty_bytes(index))
+            _write_new(tmp / fmt.EXPECTED, pretty_bytes(expected))
             manifest_bytes = pretty_bytes(manifest)
-            atomic_write_bytes(tmp / fmt.MANIFEST, manifest_bytes)
+            _write_new(tmp / fmt.MANIFEST, manifest_bytes)
             complete = {"format": fmt.FORMAT, "bundle_id": self.bundle_id,
                         "manifest_sha256": sha256_bytes(manifest_bytes)}
-            atomic_write_bytes(tmp / fmt.COMPLETE, pretty_bytes(complete))
+            _write_new(tmp / fmt.COMPLETE, pretty_bytes(complete))
+            fsync_dir(tmp / fmt.PAYLOADS)  # every name in place and durable before the rename publishes them
+            fsync_dir(tmp)
+            point(f"bundle.staged/{final.name}")
             try:
                 os.rename(tmp, final)
             except OSError:
                 raise ArtifactExistsError("bundle directory appeared while writing", where=final) from None
+            point(f"bundle.renamed/{final.name}")
             fsync_dir(final.parent)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -239,6 +244,36 @@ class BundleWriter:
                "expected_ranks": self.ranks, "manifest_sha256": manifest_sha}
         atomic_write_bytes(self.root / f"{fmt.COMPLETE}.{self.rank}", pretty_bytes(doc), exclusive=True)
         try_finalize(self.root)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Create one file of a private staging directory: exclusive create, write, one ``fsync``.
+
+    No temporary name and no directory ``fsync`` per file: the staging directory is invisible to
+    readers until it is renamed into place, and it is synced once, after its last file.
+    """
+    point(f"bundle.open/{path.name}")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as exc:
+        raise RefusedError(f"cannot create a bundle file: {exc.strerror}", where=path) from None
+    try:
+        view, half = memoryview(data), len(data) // 2  # no copy of large payloads
+        _write_all(fd, view[:half])
+        point(f"bundle.half/{path.name}")  # a crash here leaves a partial file in staging
+        _write_all(fd, view[half:])
+        os.fsync(fd)
+    except OSError as exc:
+        raise RefusedError(f"cannot write a bundle file: {exc.strerror}", where=path,
+                           hint="check free space and permissions") from None
+    finally:
+        os.close(fd)
+    point(f"bundle.synced/{path.name}")
 
 
 def try_finalize(root: Path) -> bool:

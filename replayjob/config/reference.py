@@ -46,7 +46,8 @@ def reference_markdown() -> str:
             if dataclasses.is_dataclass(hints[f.name]):
                 subs.append((hints[f.name], f"{prefix}.{name}" if prefix else name))
                 continue
-            rows.append(f"| `{name}` | `{_type(hints[f.name]).replace('|', 'or')}` | `{_default(f)}` | {f.metadata['doc']} |")
+            kind = _type(hints[f.name]).replace("|", "or")
+            rows.append(f"| `{name}` | `{kind}` | `{_default(f)}` | {f.metadata['doc']} |")
         if rows:
             lines.extend([f"## [{prefix}]", "", "| key | type | default | meaning |", "|---|---|---|---|",
                           *rows, ""])
