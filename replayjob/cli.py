@@ -299,7 +299,7 @@ def cmd_bundle(args: dict[str, Any]) -> int:
     if args["validate"]:
         from replayjob.bundle.reader import load_bundle
 
-        b = load_bundle(path)
+        b = load_bundle(path, tensors=False)  # every check, no payload data kept
         summary = {"valid": True, "path": str(b.path), "bundle_id": b.manifest["bundle_id"], "kind": b.kind,
                    "samples": len(b.samples), "payloads": sorted(b.payloads), "ranks": b.ranks}
         print(json.dumps(summary, indent=2, sort_keys=True) if args["--json"] else

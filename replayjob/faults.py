@@ -7,8 +7,10 @@ file created, half written, synced, renamed into place, the directory synced).  
 Two environment variables, read once at import (so an unset variable costs one ``None`` check):
 
 * ``REPLAYJOB_FAULT_POINT=PATTERN:N`` -- on the N-th (1-based) call whose name matches the
-  ``fnmatch`` pattern, the process sends itself SIGKILL.  ``*:7`` kills at the 7th boundary of any
-  kind; ``write.renamed/COMPLETE:1`` right after a bundle's completion marker is in place.
+  ``fnmatch`` pattern (alternatives separated by ``|``), the process sends itself SIGKILL.  ``*:7``
+  kills at the 7th boundary of any kind; ``write.renamed/COMPLETE:1`` right after a bundle's
+  completion marker is in place; ``write.*/COMPLETE|write.*/index.json:3`` counts only those two
+  files' boundaries (useful when a background writer interleaves with the main thread).
 * ``REPLAYJOB_FAULT_TRACE=FILE`` -- append every point name reached to FILE (one per line, flushed
   before any kill), so a test can count the points a command passes and choose which to kill.
 
@@ -53,7 +55,7 @@ class _Armed:
                 os.write(fd, (name + "\n").encode("utf-8"))
             finally:
                 os.close(fd)
-        if self.pattern is not None and fnmatch.fnmatchcase(name, self.pattern):
+        if self.pattern is not None and any(fnmatch.fnmatchcase(name, p) for p in self.pattern.split("|")):
             self.seen += 1
             if self.seen == self.target:
                 os.kill(os.getpid(), signal.SIGKILL)

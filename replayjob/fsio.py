@@ -20,6 +20,9 @@ from pathlib import Path
 from replayjob.errors import ArtifactExistsError, IntegrityError, RefusedError
 from replayjob.faults import point
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # read once at import: artifacts get the process's usual file mode
+
 
 def fsync_dir(path: str | Path) -> None:
     try:
@@ -44,6 +47,7 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, exclusive: bool = False
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+        os.fchmod(fd, 0o666 & ~_UMASK)  # the mode an ordinary create gets, not mkstemp's 0600
     except OSError as exc:
         raise RefusedError(f"cannot create a file here: {exc.strerror}", where=dest.parent) from None
     try:

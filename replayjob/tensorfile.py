@@ -90,6 +90,12 @@ def _fail(where: str, message: str, hint: str = _HINT) -> IntegrityError:
     return IntegrityError(f"safetensors refused: {message}", where=where, hint=hint)
 
 
+def refuse_pickle(prefix: bytes, where: str | Path) -> None:
+    """Refuse, by name, the containers that can carry pickle (zip, pickle stream, NumPy) from the first
+    bytes, before a length is decoded; for readers that parse safetensors themselves."""
+    _sniff(bytes(prefix[:8]), str(where))
+
+
 def _sniff(prefix: bytes, where: str) -> None:
     """Refuse the containers that can carry pickle before the length is even decoded."""
     if prefix[:4] in (b"PK\x03\x04", b"PK\x05\x06"):

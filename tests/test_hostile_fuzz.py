@@ -97,12 +97,22 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 @FUZZ
 @given(data=st.data())
-def test_tensor_file_mutations_are_refused_or_read_as_safetensors_reads_them(data: st.DataObject) -> None:
+def test_tensor_file_mutations_are_refused_or_read_as_safetensors_reads_them(
+        data: st.DataObject, tmp_path_factory: pytest.TempPathFactory) -> None:
     blob = mutate(data, VALID)
+    p = tmp_path_factory.mktemp("st") / "t.safetensors"
+    p.write_bytes(blob)
+    try:
+        tensorfile.scan(p).validated()  # the one-read path must agree with the in-memory one
+        scanned = True
+    except ReplayjobError:
+        scanned = False
     try:
         _, got = tensorfile.load_bytes(blob)
     except ReplayjobError:
+        assert not scanned
         return
+    assert scanned and _same(tensorfile.scan(p).tensors(), got)
     assert _same(got, st_load(blob))  # accepted: the reference parser agrees byte for byte
     if blob != VALID:  # and under the original's pin, any change at all is refused
         with pytest.raises(ReplayjobError, match="the pin is"):

@@ -107,3 +107,26 @@ def test_capture_replay_bundles_and_verdict_hold_no_secret(workspace: Path, tmp_
     assert sorted(p.name for p in (tmp_path / "bundles").iterdir()) == ["rollout-000000", "step-000000-000000"]
     hits = [h for h in scan(tmp_path) if not h.endswith((".toml",))]  # the inputs themselves hold them
     assert hits == []
+
+
+@pytest.mark.parametrize(("command", "expected"), [
+    ("HF_TOKEN=abc python train.py", "HF_TOKEN=<redacted> python train.py"),
+    ("replayjob train c.toml --set logging.metadata.api_key=k1 --set training.seed=7",
+     "replayjob train c.toml --set logging.metadata.api_key=<redacted> --set training.seed=7"),
+    ("run --password hunter2 --max-new-tokens 8", "run --password <redacted> --max-new-tokens 8"),
+    ("git clone https://u:pw@host/r {out}", "git clone https://<redacted>@host/r {out}"),
+    ("python t.py --token-cap 4 --out {out}", "python t.py --token-cap 4 --out {out}"),
+])
+def test_recorded_commands_are_redacted(command: str, expected: str) -> None:
+    from replayjob.config.redact import redact_command
+
+    assert redact_command(command) == expected
+
+
+def test_determinism_check_records_no_secret(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    diag = tmp_path / "given.jsonl"
+    diag.write_text('{"step": 0, "loss": 1.0}\n')
+    command = f"HF_TOKEN={MARK}-env cp {diag} {{out}}/diag.jsonl # see https://u:{MARK}-url@host/x"
+    run(["determinism-check", "--command", command, "--runs", "2", "--out", str(tmp_path / "dc")], capsys)
+    assert (tmp_path / "dc" / "determinism_check.json").is_file()
+    assert scan(tmp_path / "dc") == []

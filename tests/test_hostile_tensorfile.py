@@ -44,7 +44,8 @@ def test_every_corpus_tensor_file_is_refused_by_cause(tmp_path: Path, name: str)
     data, expect = MUTATIONS[name]
     p = _write(tmp_path, data)
     readers = [lambda: tensorfile.load(p), lambda: list(tensorfile.iter_tensors(p)),
-               lambda: tensorfile.load_bytes(data, where=p)]
+               lambda: tensorfile.load_bytes(data, where=p), lambda: tensorfile.scan(p).validated(),
+               lambda: tensorfile.scan(p, keep=False).validated()]
     if name not in DATA_ONLY:
         readers += [lambda: tensorfile.read_header(p), lambda: tensorfile.TensorReader(p)]
     for read in readers:
@@ -103,7 +104,9 @@ def test_valid_file_reads_identically_every_way(tmp_path: Path) -> None:
     with tensorfile.TensorReader(p, expected_sha256=pin) as r:
         assert r.names() == sorted(tensors)
         random_access = {k: r.get(k) for k in r.names()}
-    for got in (loaded, streamed, random_access):
+    scanned = tensorfile.scan(p)
+    assert (scanned.sha256, scanned.size) == (pin, len(data)) == (tensorfile.scan(p, keep=False).sha256, len(data))
+    for got in (loaded, streamed, random_access, scanned.tensors()):
         assert set(got) == set(ref)
         for k, t in ref.items():
             assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k

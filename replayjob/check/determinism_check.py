@@ -32,6 +32,7 @@ from replayjob.check.diagdiff import check_options, diff_files
 from replayjob.check.diagreport import DiffReport
 from replayjob.check.leafdiff import Tolerance
 from replayjob.check.rows import iter_rows
+from replayjob.config.redact import redact_command
 from replayjob.errors import ArtifactExistsError, ConfigError, RefusedError, UsageError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes
@@ -196,7 +197,7 @@ def check(config: str | Path | None = None, *, runs: int = 2, steps: int | None 
     root = _prepare_out(out)
     shown = command if command is not None else \
         shlex.join(trainer_argv(config or "", Path("{out}"), all_sets)).replace("'{out}'", "{out}")
-    report = DeterminismReport(out=root, command=shown)
+    report = DeterminismReport(out=root, command=redact_command(shown))  # no secret is recorded
     for i in range(runs):
         run_dir = root / f"run_{i}"
         if command is not None:

@@ -10,11 +10,13 @@ refused with its line number, so a truncated or corrupted file never passes as a
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from replayjob.errors import IntegrityError
+from replayjob.fsio import open_regular
 
 
 def open_jsonl(path: str | Path) -> Any:
@@ -22,18 +24,25 @@ def open_jsonl(path: str | Path) -> Any:
     p = Path(path)
     if p.is_dir():
         raise IntegrityError("is a directory, not a JSONL file", where=p, hint="pass the diag.jsonl inside it")
-    try:
-        return open(p, "rb")  # the caller closes it (iter_rows streams it across a generator)
-    except FileNotFoundError:
-        raise IntegrityError("file not found", where=p, hint="check the path") from None
-    except OSError as exc:
-        raise IntegrityError(f"cannot read: {exc.strerror}", where=p) from None
+    if not p.exists() and not p.is_symlink():
+        raise IntegrityError("file not found", where=p, hint="check the path")
+    fd, _size = open_regular(p, what="JSONL file")  # devices and FIFOs refused without blocking
+    return os.fdopen(fd, "rb")  # the caller closes it (iter_rows streams it across a generator)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object with a repeated key is refused, not read last-one-wins."""
+    row = dict(pairs)
+    if len(row) != len(pairs):
+        keys = [k for k, _ in pairs]
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return row
 
 
 def parse_line(line: bytes, lineno: int, where: str | Path) -> dict[str, Any]:
     """Parse one JSONL line into an object, or refuse naming ``where`` and the line number."""
     try:
-        row = json.loads(line)
+        row = json.loads(line, object_pairs_hook=_unique_keys)
     except UnicodeDecodeError as exc:
         raise IntegrityError(f"line {lineno}: not valid UTF-8 at byte {exc.start}", where=where) from None
     except json.JSONDecodeError as exc:

@@ -22,7 +22,9 @@ from typing import Any
 import tomli as tomllib
 
 from replayjob.check.leaves import parse_path
+from replayjob.config.load import MAX_TOML_BYTES
 from replayjob.errors import ConfigError, UsageError
+from replayjob.fsio import read_regular_bytes
 
 SCHEMA = "replayjob.signals/1"
 REDUCERS: dict[str, int] = {"last": 1, "mean": 1, "min": 1, "max": 1, "cv": 2, "slope": 3, "pearson": 3}
@@ -190,7 +192,7 @@ def parse_rules(text: str, source: str) -> Rules:
     """Parse and validate rules TOML text; ``source`` names it in errors."""
     try:
         doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:  # the parser's nesting limit is a RecursionError
         raise ConfigError(f"invalid TOML: {exc}", where=source) from None
     _check_keys(doc, {"schema", "signal", "consistency"}, source)
     if doc.get("schema", SCHEMA) != SCHEMA:
@@ -216,7 +218,9 @@ def load_rules(path: str | Path | None) -> Rules:
         return parse_rules(text, f"(default) {DEFAULT_RULES}")
     p = Path(path)
     try:
-        text = p.read_bytes().decode("utf-8")
+        if not p.exists() and not p.is_symlink():
+            raise FileNotFoundError(p)
+        text = read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, what="rules file").decode("utf-8")
     except FileNotFoundError:
         raise ConfigError("rules file not found", where=p, hint="check the --rules path") from None
     except UnicodeDecodeError:

@@ -23,18 +23,29 @@ from replayjob.errors import ConfigError
 _PY_NAMES = {v: k for k, v in TOML_NAMES.items()}
 
 
-def read_toml(path: str | Path) -> dict[str, Any]:
+MAX_TOML_BYTES = 16 * 1024 * 1024
+
+
+def read_toml(path: str | Path, *, what: str = "config") -> dict[str, Any]:
+    """Read any TOML input (configs, ablation specs, rules, tolerances) or refuse naming the cause.
+
+    A regular file of at most :data:`MAX_TOML_BYTES` (devices and FIFOs refused without blocking),
+    valid UTF-8, valid TOML; the parser's nesting limit surfaces as a refusal, not a traceback.
+    """
+    from replayjob.errors import ReplayjobError
+    from replayjob.fsio import read_regular_bytes
+
     p = Path(path)
+    if not p.exists() and not p.is_symlink():
+        raise ConfigError(f"{what} file not found", where=p, hint="check the path")
     try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError("config file not found", where=p, hint="check the path") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read config: {exc.strerror}", where=p) from None
+        data = read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, what=f"{what} file")
+    except ReplayjobError as exc:
+        raise ConfigError(exc.message, where=p, hint=exc.hint) from None
     try:
         return tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
-        raise ConfigError("config is not valid UTF-8", where=p) from None
+        raise ConfigError(f"{what} is not valid UTF-8", where=p) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"invalid TOML: {exc}", where=p) from None
     except RecursionError as exc:  # tomli's own nesting limits surface as RecursionError

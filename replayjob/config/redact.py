@@ -90,6 +90,38 @@ def redact(obj: Any) -> Any:
     return obj
 
 
+def redact_command(text: str) -> str:
+    """A shell command as it may be recorded: secret-shaped ``KEY=VALUE`` words (``--set`` overrides
+    and environment assignments), the values of secret-shaped ``--flags`` and URL credentials are
+    replaced by :data:`REDACTED`; everything else is kept so the command stays reproducible.
+
+    Example:
+        >>> redact_command("HF_TOKEN=abc train --set logging.metadata.api_key=x --password p --seed 1")
+        'HF_TOKEN=<redacted> train --set logging.metadata.api_key=<redacted> --password <redacted> --seed 1'
+    """
+    words = re.split(r"(\s+)", text)
+    out: list[str] = []
+    hide_next = False
+    for w in words:
+        if not w or w.isspace():
+            out.append(w)
+            continue
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        key, sep, _ = w.partition("=")
+        bare = key.lstrip("-").strip("'\"")
+        if sep and bare and is_secret_key(bare.rsplit(".", 1)[-1]):
+            out.append(f"{key}={REDACTED}")
+        elif w.startswith("--") and not sep and is_secret_key(bare):
+            out.append(w)
+            hide_next = True
+        else:
+            out.append(redact_url(w))
+    return "".join(out)
+
+
 def _redact_value(v: Any) -> Any:
     if v in (None, "", [], {}):
         return v  # an empty value reveals nothing; keep its shape

@@ -253,11 +253,17 @@ def _check_knobs(spec: AblationSpec, where: str) -> None:
 
 def load_spec(path: str | Path) -> AblationSpec:
     """Read an ablation spec TOML file (strictly: unknown keys and bad values are refused)."""
+    from replayjob.config.load import MAX_TOML_BYTES
+    from replayjob.fsio import read_regular_bytes
+
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
+        if not p.exists() and not p.is_symlink():
+            raise FileNotFoundError(p)
+        # regular files only (a FIFO would block the reader); the parser's nesting limit is a RecursionError
+        data = tomllib.loads(read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, what="ablation spec").decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError("ablation spec not found", where=p) from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ConfigError(f"not valid TOML: {exc}", where=p) from None
     return spec_from_dict(data, str(p))

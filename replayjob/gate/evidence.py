@@ -268,7 +268,7 @@ def read_tolerances(path: str | Path) -> Tolerances:
     data = read_regular_bytes(p, max_bytes=1024 * 1024, what="tolerance file")
     try:
         doc = tomllib.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
         raise IntegrityError(f"not a valid TOML tolerance file: {exc}", where=p) from None
     keys = {"update_cosine_min", "relative_delta_l2_max"}
     unknown = sorted(set(doc) - keys)

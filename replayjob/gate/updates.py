@@ -2,8 +2,9 @@
 
 Each member's update is ``u_i = final_i - initial``.  For every ordered pair ``(i, j)``:
 ``cosine = <u_i, u_j> / (||u_i|| ||u_j||)`` and ``relative_delta_l2 = ||u_i - u_j|| / ||u_i||``.
-The files are memory-mapped with ``safetensors.safe_open`` and read one tensor name at a time
-(that tensor from every file, in float64), so peak memory is one tensor per member, not one adapter;
+The files are opened with :class:`replayjob.tensorfile.TensorReader` (header validated first, regular
+files only) and read one tensor name at a time (that tensor from every file, in float64), so peak
+memory is one tensor per member, not one adapter;
 ``||u_i - u_j||^2`` is accumulated from the differences themselves, not from the Gram matrix, so
 near-identical updates are not lost to cancellation.  Every file must hold the same tensor names,
 shapes and dtypes, or the comparison is refused.
@@ -42,15 +43,10 @@ class Pair:
 
 
 def _open_all(stack: ExitStack, paths: list[Path]) -> list[Any]:
-    from safetensors import SafetensorError, safe_open
+    from replayjob.tensorfile import TensorReader
 
-    handles = []
-    for p in paths:
-        try:
-            handles.append(stack.enter_context(safe_open(str(p), framework="pt", device="cpu")))
-        except (SafetensorError, OSError) as exc:
-            raise IntegrityError(f"not a readable safetensors file: {exc}", where=p) from None
-    return handles
+    # validated header (limits, dtypes, spans, pickle refused) before any tensor; regular files only
+    return [stack.enter_context(TensorReader(p, follow_symlinks=False)) for p in paths]
 
 
 def pairwise(initial: Path, members: list[Member]) -> list[Pair]:

@@ -101,8 +101,12 @@ class CaptureHook:
         state = check_preconditions(cfg)
         for name in (manifest.payload_name(CAPTURE_STEP), manifest.manifest_name(CAPTURE_STEP)):
             if (out / name).exists():
-                raise ArtifactExistsError("a capture already exists here and is never overwritten",
-                                          where=out / name, hint="choose a new --out directory")
+                if (out / "metrics.json").exists():
+                    raise ArtifactExistsError("a capture already exists here and is never overwritten",
+                                              where=out / name, hint="choose a new --out directory")
+                raise ArtifactExistsError("an interrupted capture (no metrics.json) already exists here and "
+                                          "is never overwritten", where=out / name,
+                                          hint=f"remove {out} and rerun, or choose a new --out directory")
         return cls(cfg, out, state)
 
     def on_rollout(self, rollout: Any) -> None:

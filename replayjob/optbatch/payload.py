@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from replayjob import tensorfile
 from replayjob.errors import IntegrityError
 from replayjob.jsonio import loads_strict
 from replayjob.rl.batch import OptimizerBatch
@@ -79,6 +80,7 @@ def _expected_dtype(name: str) -> str | None:
 
 def parse_header(data: Buffer, where: str | Path | None = None) -> dict[str, tuple[int, int, int]]:
     """Validate the safetensors header; return ``name -> (begin, end, length)`` with absolute offsets."""
+    tensorfile.refuse_pickle(bytes(data[:8]), where or "payload")  # a renamed pickle/zip is named as such
     if len(data) < 8:
         raise _fail(f"{len(data)} bytes is too short for a safetensors file", where)
     if data[:4] == b"PK\x03\x04":  # as a header length this is far above the limit: no collision
@@ -129,6 +131,8 @@ def parse_header(data: Buffer, where: str | Path | None = None) -> dict[str, tup
         pos = end
     if pos != body:
         raise _fail(f"data section has {body - pos} trailing bytes", where)
+    # and the shared validated reader's checks as well (metadata types, dtype allow-list, limits)
+    tensorfile.parse_header(bytes(data[:8 + n]), len(data), where=where or "payload", dtypes={"I64", "F64", "U8"})
     return out
 
 

@@ -343,6 +343,18 @@ def _canon(doc: Any) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"
 
 
+# The capture payload reader parses the header itself before the shared checks; its own words for
+# the causes where they differ from replayjob.tensorfile's (a pickle is named by both).
+PAYLOAD_CAUSES = {
+    "st_empty": "payload.size", "st_truncated_data": "outside the", "st_header_length_past_eof": "header declares",
+    "st_oversized_header": "above the", "st_zero_header": "malformed json", "st_header_not_json": "malformed json",
+    "st_header_not_object": "not a json object", "st_duplicate_names": "duplicate key",
+    "st_offsets_out_of_range": "outside the", "st_offsets_reversed": "outside the", "st_offsets_gap": "missing tensors",
+    "st_trailing_bytes": "trailing bytes", "st_shape_size_mismatch": "bytes for", "st_shape_overflow": "must be 1-d",
+    "st_metadata_not_strings": "does not declare format",
+}
+
+
 def capture_entries(src: Path, out: Path) -> list[Entry]:
     """Capture directories (manifest + payload), fed to `explain` with the pins each entry carries.
 
@@ -378,7 +390,7 @@ def capture_entries(src: Path, out: Path) -> list[Entry]:
     emit("capture_manifest_pin_mismatch", "sha-256", manifest=mbytes.rstrip() + b" \n", pin=_sha(mbytes))
     emit("capture_manifest_unknown_key", "unknown", doc={**man, "surprise": 1})
     for name, (data, expect) in safetensors_mutations(pbytes).items():
-        emit(f"capture_payload_{name}", "payload.size" if not data else expect, payload=data)
+        emit(f"capture_payload_{name}", PAYLOAD_CAUSES.get(name, expect), payload=data)
     emit("capture_payload_digest_mismatch", "sha-256", fix=lambda d: (d / pname).write_bytes(_flip_last(pbytes)))
     bad_names = {"dotdot": "../" + pname, "absolute": "/etc/passwd", "subdir": "sub/" + pname,
                  "hidden": "." + pname, "pickle_suffix": pname.replace(".safetensors", ".pt"),
@@ -519,7 +531,7 @@ def diag_entries(src: Path, out: Path) -> list[Entry]:
         "diag_invalid_utf8": (good + b'{"step": "\xff"}\n', "utf-8"),
         "diag_truncated_line": (good + first[: len(first) // 2], "malformed"),
         "diag_duplicate_key": (b'{"step": 0, ' + first[1:] + b"\n", "duplicate"),
-        "diag_deep_nesting": (good + b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}\n", "nested"),
+        "diag_deep_nesting": (good + b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}\n", "malformed json"),
         "diag_huge_int": (good + b'{"step": 1' + b"0" * 5000 + b"}\n", "digits"),
         "diag_not_object": (good + b"[1, 2]\n", "object"),
         "diag_binary": (b"\x00\x01\x02" * 10, "malformed"),
@@ -540,7 +552,8 @@ def diag_entries(src: Path, out: Path) -> list[Entry]:
 
 # ------------------------------------------------------------------------------------------ driver
 def standalone_entries(out: Path) -> list[Entry]:
-    """Self-contained entries: tensor files, pickle files, tolerance files and configs."""
+    """Self-contained entries: tensor files, pickle files, tolerance files, configs, signal rules and
+    ablation specs."""
     entries: list[Entry] = []
     (out / "tensors").mkdir(parents=True, exist_ok=True)
     for name, (data, expect) in safetensors_mutations().items():
@@ -563,13 +576,32 @@ def standalone_entries(out: Path) -> list[Entry]:
         p = out / "configs" / f"{name}.toml"
         p.write_bytes(data)
         entries.append(Entry(name, "config", str(p.relative_to(out)), expect))
+    os.mkfifo(out / "configs" / "toml_fifo.toml")
+    os.symlink("/dev/zero", out / "configs" / "toml_device.toml")
+    (out / "configs" / "toml_directory.toml").mkdir()
+    for name in ("toml_fifo", "toml_device", "toml_directory"):
+        entries.append(Entry(name, "config", f"configs/{name}.toml", "regular file"))
+    for target, unknown in (("rules", b'[rules.x]\nnonsense = 1\n'), ("spec", b"surprise = 1\n")):
+        d = out / target
+        d.mkdir()
+        cases = {"deep_nesting": (b"x = " + b"[" * 2000 + b"]" * 2000 + b"\n", "toml"),
+                 "invalid_utf8": (b"# \xff\xfe\n", "utf-8"), "invalid": (b"[x\n", "toml"),
+                 "unknown_key": (unknown, "unknown")}
+        for name, (data, expect) in cases.items():
+            (d / f"{name}.toml").write_bytes(data)
+            entries.append(Entry(f"{target}_{name}", target, f"{target}/{name}.toml", expect))
+        os.mkfifo(d / "fifo.toml")
+        entries.append(Entry(f"{target}_fifo", target, f"{target}/fifo.toml", "regular file"))
     return entries
+
+
+REPLAYS = 8  # >= reduce's default --min-repeats (3); eight give reduce 20+ crash boundaries without a plot
 
 
 def build_sources(workspace: Path, out: Path) -> dict[str, Path]:
     """Valid artifacts of every kind, made by the real commands from a `replayjob init` workspace.
 
-    A capture (``source``), three replays of it (``replays/r0..r2``), a training run with trajectory
+    A capture (``source``), :data:`REPLAYS` replays of it (``replays/r0``...), a training run with trajectory
     bundles (``bundled/bundles``); ``SOURCES_DONE`` is written last, so a second call reuses them.
     """
     from replayjob.cli import main
@@ -585,7 +617,7 @@ def build_sources(workspace: Path, out: Path) -> dict[str, Path]:
         pins = [f"optimizer_batch.replay_path={out / 'source' / metrics['optimizer_batch/manifest_path']}",
                 f"optimizer_batch.expected_logical_sha256={metrics['optimizer/logical_batch_sha256']}",
                 f"optimizer_batch.expected_manifest_sha256={metrics['optimizer_batch/manifest_sha256']}"]
-        for i in range(3):  # reduce's default --min-repeats is 3
+        for i in range(REPLAYS):
             argv = ["replay", str(workspace / "replay.toml"), "--out", str(out / "replays" / f"r{i}"),
                     "--repeat-index", str(i)]
             assert main([*argv, *(x for p in pins for x in ("--set", p))]) == 0
