@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -91,26 +90,15 @@ def _one_run(cfg_path: Path, sets: list[str], out: Path, capture: bool) -> dict[
     overrides = [*sets, f"optimizer_batch.capture={'true' if capture else 'false'}"]
     cfg = load_config(cfg_path, overrides)
     bundle_dir = out / "bundles"
-    saved = {k: os.environ.get(k) for k in BUNDLE_ENV}
+    env: dict[str, str | None] = dict.fromkeys(BUNDLE_ENV)
     if capture:
-        os.environ["REPLAYJOB_BUNDLE_CAPTURE"] = "1"
-        os.environ["REPLAYJOB_BUNDLE_DIR"] = str(bundle_dir)
-    else:
-        for k in BUNDLE_ENV:
-            os.environ.pop(k, None)
+        env.update({"REPLAYJOB_BUNDLE_CAPTURE": "1", "REPLAYJOB_BUNDLE_DIR": str(bundle_dir)})
     clock = StepClock()
     gc.collect()
-    try:
-        with clock.around_diag_row():
-            t0, c0 = time.perf_counter(), time.process_time()
-            metrics = train(cfg, out, [clock])
-            run_s, run_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with common.environment(env), clock.around_diag_row():
+        t0, c0 = time.perf_counter(), time.process_time()
+        metrics = train(cfg, out, [clock])
+        run_s, run_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     row = loads_strict((out / "diag.jsonl").read_bytes().splitlines()[0])
     sample_s = float(row["timing"]["sample_wall_s"])
     return {

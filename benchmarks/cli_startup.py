@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -78,20 +77,11 @@ def prepare(work: Path) -> dict[str, Path]:
     ws = work / "ws"
     init_workspace(ws, 123)
     src, bundles = ws / "source", work / "bundles"
-    env = {"REPLAYJOB_BUNDLE_CAPTURE": "1", "REPLAYJOB_BUNDLE_DIR": str(bundles)}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            rc = main(["capture", str(ws / "source.toml"), "--out", str(src)])
-        if rc != 0:
-            raise RuntimeError("the capture that makes the benchmark's inputs failed")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    env: dict[str, str | None] = {"REPLAYJOB_BUNDLE_CAPTURE": "1", "REPLAYJOB_BUNDLE_DIR": str(bundles)}
+    with common.environment(env), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["capture", str(ws / "source.toml"), "--out", str(src)])
+    if rc != 0:
+        raise RuntimeError("the capture that makes the benchmark's inputs failed")
     pins = json.loads((src / "metrics.json").read_text())
     rep = ws / "replays"
     with contextlib.redirect_stdout(io.StringIO()):

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import gc
 import os
@@ -25,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +39,25 @@ SCHEMA = "replayjob.benchmark/v1"
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 Op = Literal["<=", ">="]
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str | None]) -> Iterator[None]:
+    """Set (``None``: unset) environment variables for the block, then restore what was there."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
 
 
 def measure(fn: Callable[[], object], *, repeats: int, warmup: int = 1) -> list[float]:
