@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from replayjob.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def load_corpus_module() -> ModuleType:
+    """tests/corpus/make_corpus.py as a module (it is also a standalone script)."""
+    spec = importlib.util.spec_from_file_location("make_corpus", REPO / "tests" / "corpus" / "make_corpus.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("make_corpus", mod)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ file written anywhere but the command's own output directory.  The corpus is gen
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -17,29 +16,16 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
-from conftest import run_cli
+from conftest import load_corpus_module, run_cli
 
 from replayjob import tensorfile
 from replayjob.cli import main
 from replayjob.digest import normalize_digest
 from replayjob.errors import IntegrityError
 from replayjob.jsonio import read_json
-
-_CORPUS = Path(__file__).parent / "corpus" / "make_corpus.py"
-
-
-def load_corpus_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_corpus", _CORPUS)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("make_corpus", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 corpus = load_corpus_module()
 

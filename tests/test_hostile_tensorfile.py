@@ -2,33 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from conftest import load_corpus_module
 from safetensors.torch import load as st_load
 from safetensors.torch import save
 
 from replayjob import tensorfile
 from replayjob.errors import IntegrityError
 
-_CORPUS = Path(__file__).parent / "corpus" / "make_corpus.py"
-
-
-def _corpus() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_corpus", _CORPUS)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("make_corpus", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-corpus = _corpus()
+corpus = load_corpus_module()
 MUTATIONS = corpus.safetensors_mutations()
 DATA_ONLY = {"st_bool_out_of_range"}  # header is sound; the defect is in the tensor bytes
 
