@@ -74,7 +74,6 @@ def build_explain(work: Path, nbytes: int) -> tuple[list[str], list[Path]]:
     import torch
 
     from replayjob.cli import main
-    from replayjob.digest import sha256_bytes
     from replayjob.fsio import atomic_write_bytes
     from replayjob.optbatch import manifest, payload
     from replayjob.rl.batch import OptimizerBatch
@@ -104,7 +103,7 @@ def build_explain(work: Path, nbytes: int) -> tuple[list[str], list[Path]]:
     data = payload.encode(batch, {"cpu": torch.get_rng_state()})
     ppath = src / doc["payload"]["file"]
     atomic_write_bytes(ppath, data)
-    doc["payload"].update(size=len(data), sha256=sha256_bytes(data), rng_keys=["cpu"])
+    doc["payload"].update(size=len(data), spans_sha256=payload.digest_bytes(data), rng_keys=["cpu"])
     doc["rows"] = payload.summary(batch)
     doc["logical_batch_sha256"] = batch.logical_sha256()
     doc["local_effective_rows_sha256"] = batch.effective_sha256()

@@ -57,7 +57,7 @@ def verify_train(out: Path) -> str:
 
 def verify_capture(out: Path) -> str:
     """A manifest in place must verify with its payload; 'complete' also needs metrics.json to pin it."""
-    from replayjob.digest import sha256_bytes, sha256_file
+    from replayjob.digest import sha256_file
     from replayjob.jsonio import read_json_object
     from replayjob.optbatch import manifest, payload
 
@@ -65,7 +65,8 @@ def verify_capture(out: Path) -> str:
     for m in found:
         man = manifest.read_verified(m, sha256_file(m))
         data = man.payload_path.read_bytes()
-        assert len(data) == man.payload_size and sha256_bytes(data) == man.payload_sha256, "payload != manifest"
+        assert len(data) == man.payload_size and payload.digest_bytes(data) == man.payload_digest, \
+            "payload != manifest"
         payload.decode(data, man.payload_path)
     state = verify_train(out)
     if state == "complete":

@@ -73,7 +73,7 @@ def repin(d: Path, data: bytes) -> str:
     """Replace the payload and rewrite the manifest consistently; return the new manifest digest."""
     (d / PAYLOAD).write_bytes(data)
     doc = json.loads((d / MANIFEST).read_text())
-    doc["payload"]["size"], doc["payload"]["sha256"] = len(data), sha256_bytes(data)
+    doc["payload"]["size"], doc["payload"]["spans_sha256"] = len(data), payload.digest_bytes(data)
     raw = canonical_bytes(doc) + b"\n"
     (d / MANIFEST).write_bytes(raw)
     return sha256_bytes(raw)
@@ -100,7 +100,8 @@ def test_capture_writes_payload_manifest_and_pins(capture_dir: Path, workspace: 
     assert m["optimizer_batch/final_adapter_sha256"] == sha256_file(capture_dir / m["final_adapter_path"])
     assert m["optimizer_batch/final_adapter_sha256"] != init_sha
     doc = json.loads((capture_dir / MANIFEST).read_text())
-    assert doc["payload"]["sha256"] == sha256_file(capture_dir / PAYLOAD)
+    assert doc["payload"]["spans_sha256"] == payload.digest_bytes((capture_dir / PAYLOAD).read_bytes())
+    assert doc["schema"] == "replayjob.optimizer_batch_manifest/v2"
     assert doc["logical_batch_sha256"] == m["optimizer/logical_batch_sha256"]
     assert doc["initial_adapter"]["sha256"] == init_sha
     assert doc["initial_adapter"]["size"] == (workspace / "init_resume" / ADAPTER_WEIGHTS).stat().st_size
@@ -291,7 +292,7 @@ def test_flipped_payload_byte(capture_dir: Path, workspace: Path, tmp_path: Path
     data[-3] ^= 0x01
     (d / PAYLOAD).write_bytes(bytes(data))
     refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir, replay_path=d / MANIFEST),
-                        out=tmp_path / "o"), "payload SHA-256", "not deserialised")
+                        out=tmp_path / "o"), "payload span digest", "nothing in it was used")
 
 
 def test_flipped_manifest_byte(capture_dir: Path, workspace: Path, tmp_path: Path,
@@ -319,7 +320,7 @@ def test_tampered_ragged_offsets(capture_dir: Path, workspace: Path, tmp_path: P
     (d / PAYLOAD).write_bytes(bytes(data))
     # unpinned: the payload digest refuses it before it is deserialised
     refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir, replay_path=d / MANIFEST),
-                        out=tmp_path / "o"), "payload SHA-256")
+                        out=tmp_path / "o"), "payload span digest")
     # re-pinned: the structural check refuses it before any tensor is built
     new_pin = repin(d, bytes(data))
     refused(capsys, run("replay", workspace / "replay.toml",

@@ -270,6 +270,88 @@ def test_exact_sum_equals_fsum_across_chunks_and_exponents() -> None:
     assert payload.exact_sum(w) == math.fsum(w.tolist())
 
 
+def test_exact_sum_fed_in_pieces_is_the_sum_of_the_whole() -> None:
+    g = torch.Generator().manual_seed(5)
+    t = torch.randn(10_007, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-60, 60, (10_007,), generator=g).to(torch.float64))
+    acc = payload.ExactSum()
+    for piece in t.split(333):
+        acc.add(piece.numpy())
+    assert acc.value() == math.fsum(t.tolist()) == payload.exact_sum(t)
+
+
+def reference_span_digest(data: bytes) -> str:
+    """The payload digest exactly as docs/optimizer-batch.md words it, independently of the reader."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__")
+    h = hashlib.sha256(b"replayjob.payload-spans.v1\n" + struct.pack("<Q", len(data)))
+    h.update(hashlib.sha256(data[:8 + n]).digest())
+    for entry in sorted(header.values(), key=lambda e: e["data_offsets"][0]):
+        begin, end = (8 + n + o for o in entry["data_offsets"])
+        h.update(struct.pack("<Q", end - begin) + hashlib.sha256(data[begin:end]).digest())
+    return h.hexdigest()
+
+
+def test_span_digest_follows_the_documented_layout_and_covers_every_byte() -> None:
+    data = payload.encode(make_batch(), rng())
+    digest = payload.digest_bytes(data)
+    assert digest == reference_span_digest(data) != sha256_bytes(data)
+    (n,) = struct.unpack("<Q", data[:8])
+    for pos in (9, 8 + n, 8 + n + 7, len(data) // 2, len(data) - 1):  # header, first/mid/last data bytes
+        flipped = bytearray(data)
+        flipped[pos] ^= 0x01
+        s = payload.scan_bytes(bytes(flipped))
+        assert s.header_fault is not None or s.digest != digest, pos
+
+
+@pytest.mark.parametrize("chunk", [8, 64, payload.CHUNK])
+def test_streaming_and_kept_reads_agree_on_every_figure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        chunk: int) -> None:
+    # A tiny chunk forces many chunks per span and the parallel span readers on a small file.
+    monkeypatch.setattr(payload, "CHUNK", chunk)
+    b = make_batch(rows=7, seed=4)
+    data = payload.encode(b, rng())
+    p = tmp_path / "p.safetensors"
+    p.write_bytes(data)
+    streamed, kept = payload.read(p, keep=False), payload.read(p, keep=True)
+    assert streamed.digest == kept.digest == payload.digest_bytes(data) == reference_span_digest(data)
+    assert streamed.batch is None and kept.batch is not None
+    assert streamed.rows == kept.rows == payload.summary(b)
+    assert streamed.row_digests() == kept.row_digests() == b.digests()
+    assert torch.equal(streamed.rng["cpu"], rng()["cpu"])
+    for k, v in b.tensors().items():
+        assert torch.equal(getattr(kept.batch, k), v), k
+
+
+def test_rows_without_loss_weight_need_the_kept_rows_for_the_effective_digest(tmp_path: Path) -> None:
+    b = make_batch(rows=4, seed=2)
+    w = b.loss_weights.clone()
+    w[int(b.resp_offsets[1]):int(b.resp_offsets[2])] = 0  # row 1 bears no loss
+    b = OptimizerBatch(**{**b.tensors(), "loss_weights": w})
+    p = tmp_path / "p.safetensors"
+    p.write_bytes(payload.encode(b, rng()))
+    assert payload.read(p, keep=False).row_digests() is None  # explain then reads again, keeping rows
+    assert payload.read(p, keep=True).row_digests() == b.digests()
+
+
+def test_non_finite_value_in_a_later_chunk_names_its_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(payload, "CHUNK", 16)
+    b = make_batch(rows=6)
+    adv = b.advantages.clone()
+    adv[int(b.resp_offsets[4]) + 1] = float("inf")
+    data = payload.encode(OptimizerBatch(**{**b.tensors(), "advantages": adv}), rng())
+    with pytest.raises(IntegrityError, match="row 4 holds a non-finite advantages value"):
+        payload.decode(data)
+
+
+def test_a_manifest_from_the_plain_sha256_schema_is_refused_with_a_recapture_hint(tmp_path: Path) -> None:
+    doc = {**manifest_doc(), "schema": "replayjob.optimizer_batch_manifest/v1"}
+    with pytest.raises(IntegrityError) as exc:
+        manifest.validate(doc, tmp_path / "m.json")
+    assert "older replayjob" in exc.value.message and "recapture" in exc.value.diagnostics()
+
+
 def test_decode_views_a_writable_buffer_and_copies_unaligned_spans() -> None:
     b = make_batch()
     data = payload.encode(b, rng())
@@ -294,8 +376,8 @@ def manifest_doc() -> dict[str, Any]:
     cfg = load_config(None, ["training.seed=1"])
     data = payload.encode(make_batch(), rng())
     return manifest.build(step=0, producer={"device": "cpu"}, payload_file=manifest.payload_name(0),
-                          payload=data, rng_keys=["cpu"], rows={"rows": 3, "tokens": 18, "response_tokens": 9,
-                                                                "loss_bearing_tokens": 9},
+                          payload_size=len(data), payload_digest=payload.digest_bytes(data), rng_keys=["cpu"],
+                          rows={"rows": 3, "tokens": 18, "response_tokens": 9, "loss_bearing_tokens": 9},
                           logical="a" * 64, effective="b" * 64, resolved_config={"x": 1},
                           contract=optimizer_contract(cfg), adapter_path=Path("/x/a.safetensors"),
                           adapter_size=10, adapter_sha256="c" * 64)
@@ -331,7 +413,7 @@ def test_manifest_digest_is_checked_before_parsing(tmp_path: Path) -> None:
     (lambda d: d.update(extra=1), "unknown ['extra']"),
     (lambda d: d["payload"].update(file="../evil.safetensors"), "bare .safetensors file name"),
     (lambda d: d["payload"].update(file="/abs/p.safetensors"), "bare .safetensors file name"),
-    (lambda d: d["payload"].update(sha256="XYZ"), "payload.sha256"),
+    (lambda d: d["payload"].update(spans_sha256="XYZ"), "payload.spans_sha256"),
     (lambda d: d["config"]["resolved"].update(x=2), "'config.sha256' does not match"),
     (lambda d: d["contract"]["value"].update(dtype="float16"), "'contract.sha256' does not match"),
     (lambda d: d.update(step=1), "'step' must be 0"),

@@ -78,7 +78,7 @@ def replay_doc(*, arm: str, index: int, knobs: dict[str, Any], manifest_sha256: 
         "schema": REPLAY_SCHEMA, "replayjob_version": "0.1.0", "torch_version": "2.4.0", "device": "cpu",
         "arm": arm, "repeat_index": index,
         "pins": {"expected_logical_sha256": digest_of("logical"), "expected_manifest_sha256": manifest_sha256,
-                 "payload_sha256": digest_of("payload")},
+                 "payload_spans_sha256": digest_of("payload")},
         "optimizer/logical_batch_sha256": digest_of("logical"),
         "optimizer/local_effective_rows_sha256": digest_of("effective"),
         "optimizer_batch/manifest_sha256": manifest_sha256,
@@ -105,7 +105,7 @@ def _write_source(root: Path, initial: bytes, final: bytes, loss: float) -> tupl
     payload = b"synthetic optimizer batch payload"
     _put(src / mf.payload_name(0), payload)
     doc = mf.build(step=0, producer={"replayjob_version": "0.1.0"}, payload_file=mf.payload_name(0),
-                   payload=payload, rng_keys=["cpu"],
+                   payload_size=len(payload), payload_digest=digest_of("payload"), rng_keys=["cpu"],
                    rows={"rows": 16, "tokens": 544, "response_tokens": 128, "loss_bearing_tokens": 128},
                    logical=digest_of("logical"), effective=digest_of("effective"),
                    resolved_config=SOURCE_CONFIG, contract={"schema": "synthetic"},

@@ -134,7 +134,8 @@ class CaptureHook:
             point("capture.payload-written")
             adapter = self.state.adapter_file
             doc = manifest.build(
-                step=step, producer=producer, payload_file=pname, payload=data, rng_keys=list(rng),
+                step=step, producer=producer, payload_file=pname, payload_size=len(data),
+                payload_digest=payload.digest_bytes(data, where=self.out / pname), rng_keys=list(rng),
                 rows=payload.summary(batch), logical=logical, effective=effective,
                 resolved_config=resolved(self.cfg), contract=optimizer_contract(self.cfg),
                 adapter_path=adapter.resolve(), adapter_size=adapter.stat().st_size,

@@ -13,10 +13,6 @@ what a replay would do; it never imports transformers or peft and never touches 
 
 from __future__ import annotations
 
-import hashlib
-import mmap
-import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +23,6 @@ from replayjob.config import Config, from_dict, resolved
 from replayjob.config.diff import differences
 from replayjob.digest import normalize_digest
 from replayjob.errors import ContractError, IntegrityError, RefusedError
-from replayjob.fsio import open_regular
 from replayjob.optbatch import knobs, payload
 from replayjob.optbatch.contract import contract_differences, contract_sha256, optimizer_contract
 from replayjob.optbatch.manifest import Manifest, read_verified
@@ -35,7 +30,6 @@ from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.state import ResumeState, read_state
 
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024 * 1024
-READ_CHUNK = 8 * 1024 * 1024
 SKIPPED = ["dataset", "environment", "rollout", "sampling"]
 
 
@@ -44,6 +38,7 @@ class Admission:
     """The outcome of :func:`admit`: what was verified, what was found, and every refusal reason."""
 
     cfg: Config
+    keep_rows: bool = True  # False: verify streaming, holding no payload rows (explain)
     reasons: list[str] = field(default_factory=list)
     integrity_failed: bool = False
     pins: dict[str, str] = field(default_factory=dict)
@@ -51,6 +46,7 @@ class Admission:
     batch: OptimizerBatch | None = None
     rng: dict[str, Tensor] | None = None
     digests: tuple[str, str] | None = None  # (logical, effective) of the payload's rows, computed once
+    rows: dict[str, int | float] | None = None  # the payload's row counts (payload.summary's keys)
     state: ResumeState | None = None
     allowed: list[str] = field(default_factory=list)
     observed: list[str] = field(default_factory=list)
@@ -116,39 +112,6 @@ def _check_pins(adm: Admission) -> None:
             adm.refuse(exc.message, integrity=True)
 
 
-def read_hashed(path: Path, size: int) -> tuple[mmap.mmap, str]:
-    """Read ``size`` bytes of a regular file once into a private buffer; return it and its SHA-256.
-
-    Each chunk is hashed on a second thread while the next one is read, so the digest covers
-    exactly the bytes that are parsed afterwards (a private copy: later changes to the file cannot
-    reach them), and the file is read once.
-    """
-    fd, _ = open_regular(path, follow_symlinks=False, what="payload")
-    buf = mmap.mmap(-1, max(size, 1))
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer page faults while the buffer fills (Linux, THP)
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    view = memoryview(buf)[:size]
-    h = hashlib.sha256()
-    try:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="replayjob-sha256") as pool:
-            pending: Future[None] | None = None
-            off = 0
-            while off < size:
-                n = os.readv(fd, [view[off:off + READ_CHUNK]])
-                if n == 0:
-                    raise IntegrityError(f"payload ended after {off} of {size} bytes while it was read "
-                                         "(it changed during the read)", where=path)
-                if pending is not None:
-                    pending.result()
-                pending = pool.submit(h.update, view[off:off + n])
-                off += n
-            if pending is not None:
-                pending.result()
-    finally:
-        os.close(fd)
-    return buf, h.hexdigest()
-
-
 def _check_artifacts(adm: Admission) -> None:
     ob = adm.cfg.optimizer_batch
     if "expected_manifest_sha256" not in adm.pins or not ob.replay_path:
@@ -166,29 +129,36 @@ def _check_artifacts(adm: Admission) -> None:
     try:
         if p.is_symlink() or not p.is_file():
             raise IntegrityError("payload missing (or not a regular file)", where=p)
-        size = p.stat().st_size
-        if size != m.payload_size or size > MAX_PAYLOAD_BYTES:
-            raise IntegrityError(f"payload is {size} bytes, the manifest pins {m.payload_size}", where=p)
-        data, actual = read_hashed(p, size)
+        if m.payload_size > MAX_PAYLOAD_BYTES:
+            raise IntegrityError(f"the manifest pins a {m.payload_size}-byte payload, above the "
+                                 f"{MAX_PAYLOAD_BYTES}-byte limit", where=p)
+        scan = payload.read(p, keep=adm.keep_rows, expected_size=m.payload_size)
+        if scan.digest == m.payload_digest and scan.fault is None and scan.row_digests() is None:
+            scan = payload.read(p, keep=True, expected_size=m.payload_size)  # some row bears no loss
     except OSError as exc:
         adm.refuse(f"{p}: cannot read the payload: {exc.strerror}", integrity=True)
         return
     except IntegrityError as exc:
         adm.refuse(exc.diagnostics(), integrity=True)
         return
-    if actual != m.payload_sha256:
-        adm.refuse(f"{p}: payload SHA-256 is {actual}, the manifest pins {m.payload_sha256} "
-                   "(the payload changed after capture; it was not deserialised)", integrity=True)
+    if scan.header_fault is not None:
+        adm.refuse(f"{p}: {scan.header_fault.message} (so it is not the payload the manifest pins; nothing in it "
+                   "was used)", integrity=True)
         return
-    try:
-        adm.batch, adm.rng = payload.decode(data, where=p)
-    except IntegrityError as exc:
-        adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
+    if scan.digest != m.payload_digest:
+        adm.refuse(f"{p}: payload span digest (SHA-256) is {scan.digest}, the manifest pins {m.payload_digest} "
+                   "(the payload changed after capture; nothing in it was used)", integrity=True)
         return
+    if scan.fault is not None:
+        adm.refuse(scan.fault.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
+        return
+    adm.batch, adm.rng, adm.rows = scan.batch, scan.rng, scan.rows
     if sorted(adm.rng) != sorted(m.doc["payload"]["rng_keys"]):
         adm.refuse(f"payload RNG states {sorted(adm.rng)} differ from the manifest's "
                    f"{m.doc['payload']['rng_keys']}", integrity=True)
-    logical, effective = adm.digests = adm.batch.digests()
+    digests = scan.row_digests()
+    assert digests is not None  # kept when the span hashes alone do not give them
+    logical, effective = adm.digests = digests
     if logical != m.logical_sha256:
         adm.refuse(f"payload rows hash to {logical}, the manifest says {m.logical_sha256}", integrity=True)
     if effective != m.effective_sha256:
@@ -254,9 +224,13 @@ def _check_contract_and_config(adm: Admission) -> None:
                 adm.refuse(f"difference {key!r} is not systems-only here: {why}")
 
 
-def admit(cfg: Config) -> Admission:
-    """Run every admission check on a replay config; never raises for a failed check."""
-    adm = Admission(cfg)
+def admit(cfg: Config, keep_rows: bool = True) -> Admission:
+    """Run every admission check on a replay config; never raises for a failed check.
+
+    With ``keep_rows`` the admitted rows are kept (``batch``, for a replay); without, the payload is
+    verified streaming and memory stays bounded (``explain``).
+    """
+    adm = Admission(cfg, keep_rows=keep_rows)
     _check_runner(adm)
     _check_pins(adm)
     _check_artifacts(adm)
@@ -273,9 +247,9 @@ def report(adm: Admission) -> dict[str, Any]:
         "reasons": list(adm.reasons),
         "pins": dict(adm.pins),
         "manifest": {"path": str(m.path), "sha256": m.sha256} if m else None,
-        "payload": ({"path": str(m.payload_path), "size": m.payload_size, "sha256": m.payload_sha256}
+        "payload": ({"path": str(m.payload_path), "size": m.payload_size, "spans_sha256": m.payload_digest}
                     if m else None),
-        "rows": payload.summary(adm.batch) if adm.batch is not None else None,
+        "rows": adm.rows,
         "optimizer/logical_batch_sha256": adm.digests[0] if adm.digests is not None else None,
         "optimizer/local_effective_rows_sha256": adm.digests[1] if adm.digests is not None else None,
         "initial_adapter": ({"path": str(adm.state.adapter_file), "sha256": adm.state.adapter_sha256}
@@ -327,5 +301,5 @@ def explain(config: str | Path, overrides: list[str]) -> tuple[Admission, dict[s
     """``replayjob explain``: load the config, admit, and build the report."""
     from replayjob.config import load_config
 
-    adm = admit(load_config(config, overrides))
+    adm = admit(load_config(config, overrides), keep_rows=False)
     return adm, report(adm)

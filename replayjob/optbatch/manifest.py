@@ -1,10 +1,11 @@
 """The capture manifest: what pins a captured optimizer batch, written last and verified first.
 
-Schema ``replayjob.optimizer_batch_manifest/v1`` (canonical JSON, one object)::
+Schema ``replayjob.optimizer_batch_manifest/v2`` (canonical JSON, one object)::
 
     schema, step
     producer          replayjob and torch versions, python, device, determinism provenance
-    payload           file (a bare name next to the manifest), size, sha256 (RNG included), rng_keys
+    payload           file (a bare name next to the manifest), size, spans_sha256 (the payload's span
+                      digest, :mod:`replayjob.optbatch.payload`; RNG included), rng_keys
     rows              rows, tokens, response_tokens, loss_bearing_tokens, loss_weight_sum
     logical_batch_sha256, local_effective_rows_sha256
     config            resolved (redacted) and its sha256
@@ -26,7 +27,9 @@ from replayjob.errors import IntegrityError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict
 
-SCHEMA = "replayjob.optimizer_batch_manifest/v1"
+SCHEMA = "replayjob.optimizer_batch_manifest/v2"
+# v1 pinned the payload by its plain file SHA-256; v2 pins it by its span digest.
+OLD_SCHEMAS = {"replayjob.optimizer_batch_manifest/v1"}
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 _KEYS = {"schema", "step", "producer", "payload", "rows", "logical_batch_sha256",
          "local_effective_rows_sha256", "config", "contract", "initial_adapter"}
@@ -55,8 +58,9 @@ class Manifest:
         return self.path.parent / str(self.doc["payload"]["file"])
 
     @property
-    def payload_sha256(self) -> str:
-        return str(self.doc["payload"]["sha256"])
+    def payload_digest(self) -> str:
+        """The payload's span digest (not the file's plain SHA-256; see :mod:`replayjob.optbatch.payload`)."""
+        return str(self.doc["payload"]["spans_sha256"])
 
     @property
     def payload_size(self) -> int:
@@ -85,7 +89,8 @@ class Manifest:
         return str(self.doc["initial_adapter"]["sha256"])
 
 
-def build(*, step: int, producer: dict[str, Any], payload_file: str, payload: bytes, rng_keys: list[str],
+def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_size: int, payload_digest: str,
+          rng_keys: list[str],
           rows: dict[str, Any], logical: str, effective: str, resolved_config: dict[str, Any],
           contract: dict[str, Any], adapter_path: Path, adapter_size: int, adapter_sha256: str
           ) -> dict[str, Any]:
@@ -94,7 +99,7 @@ def build(*, step: int, producer: dict[str, Any], payload_file: str, payload: by
         "schema": SCHEMA,
         "step": step,
         "producer": producer,
-        "payload": {"file": payload_file, "size": len(payload), "sha256": sha256_bytes(payload),
+        "payload": {"file": payload_file, "size": payload_size, "spans_sha256": payload_digest,
                     "rng_keys": sorted(rng_keys)},
         "rows": rows,
         "logical_batch_sha256": logical,
@@ -132,6 +137,9 @@ def _hex(v: Any, what: str, where: Path) -> None:
 def validate(doc: Any, where: Path) -> dict[str, Any]:
     """Check every field's presence and type, and recompute the embedded digests."""
     _need(isinstance(doc, dict), "document must be a JSON object", where)
+    if isinstance(doc.get("schema"), str) and doc["schema"] in OLD_SCHEMAS:
+        raise IntegrityError(f"manifest schema {doc['schema']!r} is from an older replayjob; this one reads "
+                             f"{SCHEMA!r}", where=where, hint="recapture the source step with this version of replayjob")
     _need(doc.get("schema") == SCHEMA, f"'schema' must be {SCHEMA!r}, found {doc.get('schema')!r}", where)
     _need(set(doc) == _KEYS, f"keys must be exactly {sorted(_KEYS)}; unknown "
           f"{sorted(set(doc) - _KEYS)}, missing {sorted(_KEYS - set(doc))}", where)
@@ -139,14 +147,14 @@ def validate(doc: Any, where: Path) -> dict[str, Any]:
     for sec in ("producer", "payload", "rows", "config", "contract", "initial_adapter"):
         _need(isinstance(doc[sec], dict), f"'{sec}' must be an object", where)
     p = doc["payload"]
-    _need(set(p) == {"file", "size", "sha256", "rng_keys"}, "'payload' needs file, size, sha256, rng_keys",
-          where)
+    _need(set(p) == {"file", "size", "spans_sha256", "rng_keys"},
+          "'payload' needs file, size, spans_sha256, rng_keys", where)
     name = p["file"]
     _need(isinstance(name, str) and name.endswith(".safetensors") and "/" not in name and "\\" not in name
           and not name.startswith(".") and name == Path(name).name,
           f"'payload.file' must be a bare .safetensors file name, found {name!r}", where)
     _need(_is_int(p["size"]) and p["size"] > 0, "'payload.size' must be a positive integer", where)
-    _hex(p["sha256"], "payload.sha256", where)
+    _hex(p["spans_sha256"], "payload.spans_sha256", where)
     _need(isinstance(p["rng_keys"], list) and "cpu" in p["rng_keys"]
           and all(isinstance(k, str) for k in p["rng_keys"]), "'payload.rng_keys' must list 'cpu'", where)
     _hex(doc["logical_batch_sha256"], "logical_batch_sha256", where)

@@ -116,7 +116,7 @@ def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_tra
         "repeat_index": repeat_index,
         "pins": {"expected_logical_sha256": adm.pins["expected_logical_sha256"],
                  "expected_manifest_sha256": adm.pins["expected_manifest_sha256"],
-                 "payload_sha256": m.payload_sha256},
+                 "payload_spans_sha256": m.payload_digest},
         "optimizer/logical_batch_sha256": logical,
         "optimizer/local_effective_rows_sha256": effective,
         "optimizer_batch/manifest_sha256": m.sha256,
@@ -150,7 +150,7 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
         return [(out_dir, replay(cfg, out_dir, repeat_index))]
     if repeat < 1:
         raise UsageError(f"--repeat must be >= 1, found {repeat}")
-    admit(cfg).raise_if_refused()  # refuse once, before starting N processes
+    admit(cfg, keep_rows=False).raise_if_refused()  # refuse once, before starting N processes
     dirs = [out_dir / f"repeat-{i:03d}" for i in range(repeat)]
     for d in dirs:
         if (d / METRICS_FILE).exists() or (d / FINAL_ADAPTER_DIR).exists():

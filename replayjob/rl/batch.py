@@ -71,18 +71,18 @@ class OptimizerBatch:
     def effective_sha256(self) -> str:
         return self.digests()[1]
 
-    def digests(self) -> tuple[str, str]:
-        """``(logical, effective)`` digests in one pass: every array is hashed at most once."""
-        logical = {name: getattr(self, name) for name in _LOGICAL_ARRAYS}
+    def digests(self, known: dict[str, tuple[int, bytes]] | None = None) -> tuple[str, str]:
+        """``(logical, effective)`` digests in one pass: every array is hashed at most once.
+
+        ``known`` maps array names to ``(element count, SHA-256)`` already computed over these very
+        arrays (a payload read hashes them as it goes); those are not hashed again.
+        """
+        logical = {name: getattr(self, name) for name in _LOGICAL_ARRAYS if name not in (known or {})}
         keep = effective_rows(self)
         if bool(keep.all()):  # the effective arrays are the logical ones: reuse their digests
-            sums = _array_digests(logical)
-            eff_sums = {"row_index": _array_digests({"row_index": torch.arange(self.rows)})["row_index"],
-                        **sums}
-            return (_combine(_LOGICAL_TAG, self.rows, sums, _LOGICAL_ARRAYS),
-                    _combine(_EFFECTIVE_TAG, self.rows, eff_sums, _EFFECTIVE_ARRAYS))
+            return digests_from_sums(self.rows, {**(known or {}), **_array_digests(logical)})
         eff = _select_rows(self, keep)
-        sums = _array_digests({**logical, **{f"effective.{k}": v for k, v in eff.items()}})
+        sums = {**(known or {}), **_array_digests({**logical, **{f"effective.{k}": v for k, v in eff.items()}})}
         eff_sums = {k: sums[f"effective.{k}"] for k in _EFFECTIVE_ARRAYS}
         return (_combine(_LOGICAL_TAG, self.rows, sums, _LOGICAL_ARRAYS),
                 _combine(_EFFECTIVE_TAG, int(keep.sum()), eff_sums, _EFFECTIVE_ARRAYS))
@@ -176,6 +176,13 @@ def _array_digests(arrays: dict[str, Tensor]) -> dict[str, tuple[int, bytes]]:
         done = {k: _sha256(views[k]) for k in large}
     out.update({k: (arrays[k].numel(), d) for k, d in done.items()})
     return out
+
+
+def digests_from_sums(rows: int, sums: dict[str, tuple[int, bytes]]) -> tuple[str, str]:
+    """``(logical, effective)`` from the logical arrays' ``(count, SHA-256)`` when every row bears loss."""
+    row_index = _array_digests({"row_index": torch.arange(rows)})["row_index"]
+    return (_combine(_LOGICAL_TAG, rows, sums, _LOGICAL_ARRAYS),
+            _combine(_EFFECTIVE_TAG, rows, {"row_index": row_index, **sums}, _EFFECTIVE_ARRAYS))
 
 
 def _combine(tag: bytes, rows: int, sums: dict[str, tuple[int, bytes]], order: tuple[str, ...]) -> str:

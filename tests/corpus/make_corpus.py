@@ -355,6 +355,18 @@ PAYLOAD_CAUSES = {
 }
 
 
+def _payload_pin(data: bytes) -> str:
+    """The span digest a forger would pin, made with replayjob's own function; a header too broken to
+    have one gets the plain SHA-256 (it is refused for its header before any pin is compared)."""
+    from replayjob.errors import ReplayjobError
+    from replayjob.optbatch.payload import digest_bytes
+
+    try:
+        return digest_bytes(data)
+    except ReplayjobError:
+        return _sha(data)
+
+
 def capture_entries(src: Path, out: Path) -> list[Entry]:
     """Capture directories (manifest + payload), fed to `explain` with the pins each entry carries.
 
@@ -376,7 +388,8 @@ def capture_entries(src: Path, out: Path) -> list[Entry]:
         shutil.copytree(src, d, symlinks=True)
         if payload is not None:
             (d / pname).write_bytes(payload)
-            doc = {**(doc or man), "payload": {**man["payload"], "size": len(payload), "sha256": _sha(payload)}}
+            doc = {**(doc or man), "payload": {**man["payload"], "size": len(payload),
+                                                "spans_sha256": _payload_pin(payload)}}
         data = manifest if manifest is not None else (_canon(doc) if doc is not None else mbytes)
         (d / mname).write_bytes(data)
         if fix is not None:
@@ -406,7 +419,7 @@ def capture_entries(src: Path, out: Path) -> list[Entry]:
     emit("capture_manifest_symlink", "regular file",
          fix=lambda d: _replace_with_link(d / mname, _outside_copy(d, src / mname)), pin=_sha(mbytes))
     emit("capture_payload_sha_uppercase", "lowercase",
-         doc={**man, "payload": {**man["payload"], "sha256": man["payload"]["sha256"].upper()}})
+         doc={**man, "payload": {**man["payload"], "spans_sha256": man["payload"]["spans_sha256"].upper()}})
     for label, (value, expect) in DIGEST_CASES.items():
         if value:
             emit(f"capture_pin_{label}", expect, pin=value)
