@@ -139,7 +139,8 @@ def validate(doc: Any, where: Path) -> dict[str, Any]:
     _need(isinstance(doc, dict), "document must be a JSON object", where)
     if isinstance(doc.get("schema"), str) and doc["schema"] in OLD_SCHEMAS:
         raise IntegrityError(f"manifest schema {doc['schema']!r} is from an older replayjob; this one reads "
-                             f"{SCHEMA!r}", where=where, hint="recapture the source step with this version of replayjob")
+                             f"{SCHEMA!r}", where=where,
+                             hint="recapture the source step with this version of replayjob")
     _need(doc.get("schema") == SCHEMA, f"'schema' must be {SCHEMA!r}, found {doc.get('schema')!r}", where)
     _need(set(doc) == _KEYS, f"keys must be exactly {sorted(_KEYS)}; unknown "
           f"{sorted(set(doc) - _KEYS)}, missing {sorted(_KEYS - set(doc))}", where)
