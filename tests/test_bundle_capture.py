@@ -146,6 +146,49 @@ def test_training_thread_never_waits_for_the_writer(workspace: Path, tmp_path: P
     assert main(["bundle", "replay", str(tmp_path / "cap" / "step-000000-000000")]) == 0
 
 
+def test_no_capture_writer_works_during_the_update(workspace: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both writers (started idle) get their work only once the update has returned.
+
+    A probe hook runs before the capture hooks, so its ``after_update`` marks the moment the update
+    is over and the capture hooks have not yet handed anything over; every writer's first piece of
+    work (encoding the payload, building a bundle) must come after that mark.
+    """
+    from replayjob.bundle import hook as hook_mod
+    from replayjob.optbatch import capture as capture_mod
+    from replayjob.rl.trainer import train
+
+    events: list[str] = []
+
+    def traced(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            events.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(capture_mod.payload, "encode", traced("payload", capture_mod.payload.encode))
+    monkeypatch.setattr(hook_mod.BundleCapture, "_writer", traced("bundle", hook_mod.BundleCapture._writer))
+
+    class Probe:
+        def on_rollout(self, rollout: Any) -> None:
+            return None
+
+        def before_update(self, step: int, batch: Any) -> None:
+            return None
+
+        def after_update(self, step: int, result: Any) -> None:
+            events.append("update returned")
+
+    monkeypatch.setenv("REPLAYJOB_BUNDLE_CAPTURE", "1")
+    monkeypatch.setenv("REPLAYJOB_BUNDLE_DIR", str(tmp_path / "bundles"))
+    cfg = load_config(str(workspace / "source.toml"), ["optimizer_batch.capture=true"])
+    metrics = train(cfg, tmp_path / "run", [Probe()])
+    assert events[0] == "update returned" and sorted(events[1:]) == ["bundle", "bundle", "payload"], events
+    assert metrics["optimizer_batch/manifest_sha256"]
+    assert sorted(p.parent.name for p in (tmp_path / "bundles").rglob("COMPLETE")) == [
+        "rollout-000000", "step-000000-000000"]
+
+
 def test_write_errors_surface_when_training_ends(workspace: Path, tmp_path: Path) -> None:
     (tmp_path / "cap" / "rollout-000000").mkdir(parents=True)  # a bundle of that name already exists
     hook = _hook(workspace, tmp_path / "cap")

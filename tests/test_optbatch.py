@@ -162,7 +162,7 @@ def test_existing_capture_is_never_overwritten(capture_dir: Path, workspace: Pat
 def test_a_capture_writer_error_surfaces_before_metrics(workspace: Path, tmp_path: Path) -> None:
     """The writer thread's refusal is re-raised on the training thread, the same domain error."""
     from replayjob.config import load_config
-    from replayjob.errors import ArtifactExistsError
+    from replayjob.errors import ArtifactExistsError, RefusedError
     from replayjob.optbatch.capture import CaptureHook
     from replayjob.rl.batch import OptimizerBatch
 
@@ -171,7 +171,13 @@ def test_a_capture_writer_error_surfaces_before_metrics(workspace: Path, tmp_pat
     (tmp_path / PAYLOAD).write_bytes(b"appeared after the preconditions were checked")
     m = torch.ones((1, 2), dtype=torch.float64)
     rows = OptimizerBatch.from_padded([[1, 2, 3]], [1], {k: m for k in payload.FLOAT_FIELDS}, m)
+    unfinished = CaptureHook.prepare(cfg, tmp_path / "other")
+    unfinished.before_update(0, rows)
+    with pytest.raises(RefusedError, match="update never returned"):  # the writer gets work after the update
+        unfinished.contribute_metrics({"final_adapter_sha256": "0" * 64})
+    assert not (tmp_path / "other").exists()
     hook.before_update(0, rows)
+    hook.after_update(0, None)
     with pytest.raises(ArtifactExistsError) as exc:
         hook.contribute_metrics({"final_adapter_sha256": "0" * 64})
     assert exc.value.exit_code == 2 and PAYLOAD in str(exc.value.where)

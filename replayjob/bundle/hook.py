@@ -8,9 +8,11 @@ Off by default; on only through the environment (no config or CLI change):
   which step and rollout bundles are written; unset means all.
 
 The source trainer runs one actor update per rollout, so step ``k`` is rollout ``k``, actor step
-``(k, 0)``, weight version ``k``.  ``on_rollout`` and ``after_update`` only copy CPU tensors and
-hand them to a queue; a daemon thread redacts text, builds and writes the bundles.  ``close``
-(called once training has finished) drains the queue and raises the first write error.
+``(k, 0)``, weight version ``k``.  ``on_rollout`` and ``after_update`` only copy CPU tensors; once
+the step's update has returned, ``after_update`` hands the step's bundles to a queue, and a daemon
+thread (started idle with the hook) redacts text, builds and writes them (it never shares the cores with an update; in a
+multi-step run it overlaps the next step's sampling).  ``close`` (called once training has
+finished) drains the queue and raises the first write error.
 Capture never changes training numerics: it reads tensors and consumes no random numbers.
 """
 
@@ -106,10 +108,15 @@ class BundleCapture:
         self.producer = {"name": "replayjob", "trainer": "grpo", "replayjob_version": replayjob.__version__,
                          "torch_version": torch.__version__, "config_sha256": config_sha256(cfg)}
         self._pending: _Snapshot | None = None
+        self._held: list[tuple[str, _Snapshot, Tensor | None, float]] = []
         self._queue: queue.Queue[tuple[str, _Snapshot, Tensor | None, float] | None] = queue.Queue()
         self.errors: list[BaseException] = []
         self.written: list[Path] = []
+        # Started idle now, before training: a thread started at a step's end would cost the training
+        # thread a GIL switch interval (about 5 ms) while it bootstraps into busy work.
         self._thread = threading.Thread(target=self._run, name="bundle-writer", daemon=True)
+        self._thread.start()
+        atexit.register(self.close, raise_errors=False)  # drained at exit if close is never reached
 
     # StepHooks -----------------------------------------------------------------------------
     def on_rollout(self, rollout: StepRollout) -> None:
@@ -120,30 +127,34 @@ class BundleCapture:
                          {n: getattr(rollout, n).detach().to("cpu", copy=True) for n in names})
         self._pending = snap
         if self.rollouts is None or rollout.step in self.rollouts:
-            self._put(("rollout", snap, None, 0.0))
+            self._held.append(("rollout", snap, None, 0.0))  # written once the update has returned
 
     def before_update(self, step: int, batch: OptimizerBatch) -> None:
         return None
 
     def after_update(self, step: int, result: UpdateResult) -> None:
         snap, self._pending = self._pending, None
-        if snap is None or snap.step != step or (self.steps is not None and (step, 0) not in self.steps):
-            return
-        logp = getattr(result, "logprobs", None)
-        if logp is None:
-            self.errors.append(RefusedError("the update did not expose its logprobs; step bundle not written"))
-            return
-        self._put(("step", snap, logp.detach().to("cpu", copy=True), float(result.loss)))
+        try:
+            if snap is None or snap.step != step or (self.steps is not None and (step, 0) not in self.steps):
+                return
+            logp = getattr(result, "logprobs", None)
+            if logp is None:
+                self.errors.append(RefusedError("the update did not expose its logprobs; step bundle not written"))
+                return
+            self._held.append(("step", snap, logp.detach().to("cpu", copy=True), float(result.loss)))
+        finally:
+            self._release()
 
-    def _put(self, item: tuple[str, _Snapshot, Tensor | None, float]) -> None:
-        if self._thread.ident is None:  # started on first use; drained at exit if close is never reached
-            self._thread.start()
-            atexit.register(self.close, raise_errors=False)
-        self._queue.put(item)
+    def _release(self) -> None:
+        """Hand the held bundles to the idle writer thread (nothing here waits for it)."""
+        for item in self._held:
+            self._queue.put(item)
+        self._held.clear()
 
     def close(self, raise_errors: bool = True) -> list[Path]:
         """Drain the writer thread (training is over); raise the first capture error."""
-        if self._thread.ident is not None and self._thread.is_alive():
+        self._release()  # a rollout whose update never returned is still written
+        if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
         atexit.unregister(self.close)

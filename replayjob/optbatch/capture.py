@@ -7,8 +7,9 @@ whose ``trainer_state.json`` has ``step = -1`` (so the run executes logical step
 
 The hook fires after advantage normalisation, clipping and the token cap, immediately before the
 optimizer call.  On the training thread it only snapshots the rows (CPU tensors, cloned), the Torch
-CPU/CUDA RNG state and the determinism provenance, and hands them to a writer thread, so the
-update does not wait for encoding, hashing or ``fsync``.  The writer encodes and writes
+CPU/CUDA RNG state and the determinism provenance; once the update has returned it hands them to a
+writer thread, so the update neither waits for encoding, hashing or ``fsync`` nor shares the
+cores with them.  The writer encodes and writes
 ``optimizer_batch_step_000000.safetensors``, then ``optimizer_batch_step_000000.manifest.json``
 last; both atomically and exclusively, so a killed capture leaves no manifest or a complete one
 whose payload verifies, and an existing capture is never overwritten.  The source run still
@@ -24,6 +25,7 @@ boundary of the payload or the manifest (``write.half/optimizer_batch_step_00000
 from __future__ import annotations
 
 import platform
+import queue
 import threading
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ import torch
 import replayjob
 from replayjob import determinism
 from replayjob.config import Config, load_config, resolved
-from replayjob.errors import ArtifactExistsError, ConfigError
+from replayjob.errors import ArtifactExistsError, ConfigError, RefusedError
 from replayjob.faults import point
 from replayjob.fsio import atomic_write_bytes
 from replayjob.optbatch import manifest, payload
@@ -44,6 +46,7 @@ from replayjob.rl.state import ResumeState, read_state, rng_tensors
 CRASH_POINTS = ("capture.start", "capture.before-payload", "capture.payload-written",
                 "capture.manifest-written", "capture.after-update", "capture.metrics")
 CAPTURE_STEP = 0
+Snapshot = tuple[int, OptimizerBatch, dict[str, torch.Tensor], dict[str, Any]]  # step, rows, RNG, producer
 METRIC_KEYS = ("optimizer/logical_batch_sha256", "optimizer/local_effective_rows_sha256",
                "optimizer_batch/manifest_sha256", "optimizer_batch/initial_adapter_sha256",
                "optimizer_batch/final_adapter_sha256")
@@ -91,8 +94,14 @@ class CaptureHook:
     def __init__(self, cfg: Config, out: Path, state: ResumeState):
         self.cfg, self.out, self.state = cfg, out, state
         self.digests: dict[str, str] = {}
-        self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._snapshot: Snapshot | None = None
+        # Started idle now, before training: a thread started at the step's end would cost the
+        # training thread a GIL switch interval (about 5 ms) while it bootstraps into busy work.
+        self._handoff: queue.SimpleQueue[Snapshot | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = threading.Thread(target=self._serve, daemon=True,
+                                                                 name="replayjob-capture-writer")
+        self._writer.start()
 
     @classmethod
     def prepare(cls, cfg: Config, out: Path) -> CaptureHook:
@@ -119,9 +128,21 @@ class CaptureHook:
         rows = OptimizerBatch(**{k: v.detach().to("cpu").clone() for k, v in batch.tensors().items()})
         rng = {k: v.clone() for k, v in rng_tensors().items()}
         producer = _producer(self.cfg)  # the determinism state at the capture point
-        self._writer = threading.Thread(target=self._write, args=(step, rows, rng, producer),
-                                        name="replayjob-capture-writer")
-        self._writer.start()
+        self._snapshot = (step, rows, rng, producer)
+
+    def after_update(self, step: int, result: Any) -> None:
+        """Start the writer once the update is done, so it never competes with the update for cores."""
+        point("capture.after-update")
+        if self._snapshot is None or self._snapshot[0] != step:
+            return
+        snapshot, self._snapshot = self._snapshot, None
+        self._handoff.put(snapshot)  # the idle writer wakes; nothing here waits for it
+
+    def _serve(self) -> None:
+        """The writer thread: wait for the one snapshot (None: nothing to write), then write it."""
+        snapshot = self._handoff.get()
+        if snapshot is not None:
+            self._write(*snapshot)
 
     def _write(self, step: int, batch: OptimizerBatch, rng: dict[str, torch.Tensor],
                producer: dict[str, Any]) -> None:
@@ -153,15 +174,17 @@ class CaptureHook:
 
     def finish(self) -> None:
         """Wait for the writer thread; re-raise the error it met, if any (payload and manifest are done)."""
+        if self._snapshot is not None:
+            self._handoff.put(None)  # release the idle writer; the snapshot is not written
+            raise RefusedError("the optimizer batch was snapshotted but its update never returned, so the capture "
+                               "was not written", where=self.out, hint="rerun the capture into a new --out directory")
         if self._writer is not None:
+            self._handoff.put(None)  # wakes a writer that got no snapshot; unread after a snapshot
             self._writer.join()
             self._writer = None
         if self._error is not None:
             err, self._error = self._error, None
             raise err
-
-    def after_update(self, step: int, result: Any) -> None:
-        point("capture.after-update")
 
     def contribute_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """Keys added to the source run's metrics.json: the digests a replay pins (after the writer)."""
