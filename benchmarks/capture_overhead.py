@@ -15,7 +15,14 @@ run's process CPU seconds (all threads, the bundle writer's included), which oth
 machine inflates less than wall time.
 
 Ratio: median step seconds with capture on / median with capture off.  Target: <= 1.05 (the
-training thread never waits on disk).
+training thread never waits on disk).  Also reported: the median of the per-pair ratios, and the
+seconds the training thread spends inside the capture hooks' calls (timed around each call), which
+is what capture itself adds to the step and does not drown in the machine's noise.
+
+Steady state (reported, not judged): ``--steady-steps`` runs of several steps with bundle capture on
+every step against the same runs with it off; each step's seconds include whatever the previous
+step's bundle writer still does in the background, which on a CPU-only machine shares the cores
+with the next step.
 
 On a machine whose cores are all busy, the background bundle writer competes with Torch's
 intra-op threads (one per core by default) and every parallel region can stall; ``--threads 1``
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import tempfile
 import time
 from collections.abc import Iterator
@@ -82,6 +90,40 @@ class StepClock:
             trainer.diag_row = original
 
 
+class HookTimer:
+    """Seconds the training thread spends inside the capture hooks' calls, per run (all hooks summed)."""
+
+    METHODS = ("on_rollout", "before_update", "after_update")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        from replayjob.bundle.hook import BundleCapture
+        from replayjob.optbatch.capture import CaptureHook
+
+        originals = [(cls, name, getattr(cls, name)) for cls in (BundleCapture, CaptureHook)
+                     for name in self.METHODS]
+
+        def timed(fn: Any) -> Any:
+            def call(hook: Any, *args: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(hook, *args)
+                finally:
+                    self.seconds += time.perf_counter() - t0
+            return call
+
+        for cls, name, fn in originals:
+            setattr(cls, name, timed(fn))
+        try:
+            yield
+        finally:
+            for cls, name, fn in originals:
+                setattr(cls, name, fn)
+
+
 def _one_run(cfg_path: Path, sets: list[str], out: Path, capture: bool) -> dict[str, Any]:
     from replayjob.config import load_config
     from replayjob.jsonio import loads_strict
@@ -94,8 +136,9 @@ def _one_run(cfg_path: Path, sets: list[str], out: Path, capture: bool) -> dict[
     if capture:
         env.update({"REPLAYJOB_BUNDLE_CAPTURE": "1", "REPLAYJOB_BUNDLE_DIR": str(bundle_dir)})
     clock = StepClock()
+    hooks = HookTimer()
     gc.collect()
-    with common.environment(env), clock.around_diag_row():
+    with common.environment(env), clock.around_diag_row(), hooks.installed():
         t0, c0 = time.perf_counter(), time.process_time()
         metrics = train(cfg, out, [clock])
         run_s, run_cpu_s = time.perf_counter() - t0, time.process_time() - c0
@@ -103,12 +146,55 @@ def _one_run(cfg_path: Path, sets: list[str], out: Path, capture: bool) -> dict[
     sample_s = float(row["timing"]["sample_wall_s"])
     return {
         "step_s": sample_s + (clock.t_end - clock.t_rollout),
+        "sample_s": sample_s,
+        "after_sample_s": clock.t_end - clock.t_rollout,
+        "hooks_s": hooks.seconds,
         "run_s": run_s,
         "run_cpu_s": run_cpu_s,
         "optbatch_manifest": bool(metrics.get("optimizer_batch/manifest_sha256")),
         "bundles": sorted(p.parent.name for p in bundle_dir.rglob("COMPLETE")) if bundle_dir.is_dir() else [],
         "loss": metrics["loss"],
     }
+
+
+def _steady_run(cfg_path: Path, sets: list[str], out: Path, capture: bool, steps: int) -> dict[str, Any]:
+    """A ``steps``-step run with bundle capture on every step (or off): seconds of steps 1 and later.
+
+    Optimizer-batch capture covers one step only, so this arm is bundle capture alone.  A step's
+    seconds are the difference of consecutive diag rows' ``elapsed_s``, so each includes whatever
+    the previous step's bundle writer still does in the background.
+    """
+    from replayjob.config import load_config
+    from replayjob.jsonio import loads_strict
+    from replayjob.rl.trainer import train
+
+    cfg = load_config(cfg_path, [*sets, "optimizer_batch.capture=false", f"training.max_steps={steps}"])
+    bundle_dir = out / "bundles"
+    env: dict[str, str | None] = dict.fromkeys(BUNDLE_ENV)
+    if capture:
+        env.update({"REPLAYJOB_BUNDLE_CAPTURE": "1", "REPLAYJOB_BUNDLE_DIR": str(bundle_dir)})
+    gc.collect()
+    with common.environment(env):
+        metrics = train(cfg, out)
+    elapsed = [float(loads_strict(line)["timing"]["elapsed_s"])
+               for line in (out / "diag.jsonl").read_bytes().splitlines()]
+    return {"step_s": [b - a for a, b in itertools.pairwise(elapsed)], "loss": metrics["loss"],
+            "bundles": len(list(bundle_dir.rglob("COMPLETE"))) if bundle_dir.is_dir() else 0}
+
+
+def steady(repeats: int, sets: list[str], work: Path, steps: int) -> dict[str, list[dict[str, Any]]]:
+    """Alternate ``repeats`` multi-step runs per arm (after one untimed pair)."""
+    from replayjob.workspace import init_workspace
+
+    ws = work / "ws-steady"
+    init_workspace(ws, 123)
+    runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    for i in range(1 + repeats):
+        for arm in ("on", "off") if i % 2 == 0 else ("off", "on"):
+            r = _steady_run(ws / "source.toml", sets, work / f"steady-{arm}-{i:03d}", arm == "on", steps)
+            if i >= 1:
+                runs[arm].append(r)
+    return runs
 
 
 def run(repeats: int, warmup: int, sets: list[str], work: Path) -> dict[str, Any]:
@@ -129,21 +215,28 @@ def run(repeats: int, warmup: int, sets: list[str], work: Path) -> dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     p = common.parser(__doc__.splitlines()[0] if __doc__ else NAME)
-    p.add_argument("--repeats", type=int, default=None, help="timed steps per arm (default 15; smoke 1)")
+    p.add_argument("--repeats", type=int, default=None, help="timed steps per arm (default 60; smoke 1)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's own choice, one per core)")
+    p.add_argument("--steady-steps", type=int, default=None,
+                   help="steps per run of the steady-state measurement (default 5; smoke 2; 0 skips it)")
+    p.add_argument("--steady-repeats", type=int, default=None,
+                   help="runs per arm of the steady-state measurement (default 5; smoke 1)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="config override applied to both arms (e.g. model.hidden_size=256)")
     args = p.parse_args(argv)
-    repeats = args.repeats or (1 if args.smoke else 15)
+    repeats = args.repeats or (1 if args.smoke else 60)
     warmup = 0 if args.smoke else 1
     sets = [*(SMOKE_SETS if args.smoke else []), *args.sets]
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    steady_steps = args.steady_steps if args.steady_steps is not None else (2 if args.smoke else 5)
+    steady_repeats = args.steady_repeats or (1 if args.smoke else 5)
     with tempfile.TemporaryDirectory(prefix="replayjob-bench-") as tmp:
         runs = run(repeats, warmup, sets, Path(tmp))
+        steady_runs = steady(steady_repeats, sets, Path(tmp), steady_steps) if steady_steps >= 2 else None
     on = common.stats([r["step_s"] for r in runs["on"]])
     off = common.stats([r["step_s"] for r in runs["off"]])
     run_on = common.stats([r["run_s"] for r in runs["on"]])
@@ -151,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu_on = common.stats([r["run_cpu_s"] for r in runs["on"]])
     cpu_off = common.stats([r["run_cpu_s"] for r in runs["off"]])
     value = common.ratio(on["median"], off["median"])
+    hook_s = common.stats([r["hooks_s"] for r in runs["on"]])
     bundle_written = all(r["bundles"] for r in runs["on"])
     notes = []
     if not all(r["optbatch_manifest"] for r in runs["on"]):
@@ -161,6 +255,20 @@ def main(argv: list[str] | None = None) -> int:
                      "'on' measured optimizer-batch capture only")
     if len({r["loss"] for r in runs["on"] + runs["off"]}) != 1:
         notes.append("losses differ between runs: capture changed the step's numerics")
+    steady_m: dict[str, Any] = {}
+    steady_detail = ""
+    if steady_runs is not None:
+        s_on = common.stats([x for r in steady_runs["on"] for x in r["step_s"]])
+        s_off = common.stats([x for r in steady_runs["off"] for x in r["step_s"]])
+        steady_m = {"steady_steps": steady_steps, "steady_step_on_s": s_on, "steady_step_off_s": s_off,
+                    "steady_ratio": common.ratio(s_on["median"], s_off["median"]),
+                    "steady_bundles_per_run": [r["bundles"] for r in steady_runs["on"]]}
+        steady_detail = (f"; steady state ({steady_steps}-step runs, bundle capture every step) "
+                         f"{steady_m['steady_ratio']:.3f}x ({s_on['median']:.4f} vs {s_off['median']:.4f} s)")
+        if any(r["bundles"] != 2 * steady_steps for r in steady_runs["on"]):
+            notes.append("a steady-state run did not write two bundles per step")
+        if len({r["loss"] for r in steady_runs["on"] + steady_runs["off"]}) != 1:
+            notes.append("steady-state losses differ between runs: capture changed the numerics")
     common.report(
         NAME, smoke=args.smoke, results=args.results, ratio_value=value,
         ratio_definition="median step seconds, capture on / capture off",
@@ -169,14 +277,24 @@ def main(argv: list[str] | None = None) -> int:
         detail=(f"step on {on['median']:.4f} s, off {off['median']:.4f} s (n={on['n']} each); "
                 f"whole run on {run_on['median']:.3f} s, off {run_off['median']:.3f} s "
                 f"(CPU {cpu_on['median']:.3f} s / {cpu_off['median']:.3f} s); "
-                f"bundle capture {'on' if bundle_written else 'unavailable'}"),
+                f"capture hooks on the training thread {hook_s['median'] * 1e3:.2f} ms a step; "
+                f"bundle capture {'on' if bundle_written else 'unavailable'}{steady_detail}"),
         measurements={"step_on_s": on, "step_off_s": off, "run_on_s": run_on, "run_off_s": run_off,
+                      "sample_on_s": common.stats([r["sample_s"] for r in runs["on"]]),
+                      "sample_off_s": common.stats([r["sample_s"] for r in runs["off"]]),
+                      "after_sample_on_s": common.stats([r["after_sample_s"] for r in runs["on"]]),
+                      "after_sample_off_s": common.stats([r["after_sample_s"] for r in runs["off"]]),
+                      "hooks_on_s": hook_s,
+                      "hooks_fraction_of_step_off": hook_s["median"] / off["median"],
+                      "paired_ratio": common.stats([a["step_s"] / b["step_s"]
+                                                    for a, b in zip(runs["on"], runs["off"], strict=True)]),
                       "run_ratio": common.ratio(run_on["median"], run_off["median"]),
                       "run_cpu_on_s": cpu_on, "run_cpu_off_s": cpu_off,
                       "run_cpu_ratio": common.ratio(cpu_on["median"], cpu_off["median"]),
                       "bundle_capture_written": bundle_written,
-                      "bundles_per_run": [r["bundles"] for r in runs["on"]]},
+                      "bundles_per_run": [r["bundles"] for r in runs["on"]], **steady_m},
         parameters={"repeats": repeats, "warmup": warmup, "sets": sets, "config": "replayjob init source.toml",
+                    "steady_steps": steady_steps, "steady_repeats": steady_repeats,
                     "torch_threads": torch.get_num_threads()},
         notes=notes)
     return 0

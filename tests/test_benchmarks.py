@@ -47,6 +47,7 @@ def test_smoke_mode_runs_and_writes_one_line_and_json(name: str, tmp_path: Path,
     doc = check_result(tmp_path / f"{name}.smoke.json", name, smoke=True)
     if name == "capture_overhead":  # "on" really captured both kinds, and the loss did not change
         assert doc["measurements"]["bundle_capture_written"] is True  # type: ignore[index]
+        assert doc["measurements"]["steady_bundles_per_run"] == [4]  # type: ignore[index]  # 2 steps x 2
         assert doc["notes"] == []
 
 
