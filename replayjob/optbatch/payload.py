@@ -20,7 +20,9 @@ values, the loss weights' non-zero count and exact sum).  The caller compares th
 pin before it looks at any other finding; the ragged offsets and lengths are checked from the
 small index arrays.  Only then are tensors built, as zero-copy views of a private buffer
 (``torch.frombuffer``; never pickle).  Streaming (``keep=False``) holds only the index arrays and
-RNG states, so memory stays bounded whatever the payload size (what ``explain`` needs).
+RNG states (24 bytes per row in a capture's payload), so memory does not grow with the tokens
+(what ``explain`` needs); the header decides those arrays' sizes, so a payload that is not the
+pinned one can make them as large as the (size-pinned) file, no more than a kept read holds.
 
 Example:
     >>> import torch
