@@ -7,7 +7,7 @@ Usage:
   replayjob explain <config> [--json] [--set KEY=VALUE]...
   replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--set KEY=VALUE]...
   replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR] [--tolerances FILE]
-                   [--min-repeats N] [--baseline ARM] [--report FILE]
+                   [--min-repeats N] [--baseline ARM] [--arms LIST] [--report FILE]
   replayjob ablation plan <spec> [--arms LIST] [--repeats N] [--device D]
   replayjob ablation index <spec> <index> [--arms LIST] [--repeats N] [--device D]
   replayjob k8s render <spec> [--out DIR] [--argo FILE]
@@ -64,7 +64,9 @@ Options:
   --min-repeats N   Fewest fresh replays per arm; fewer is refused [default: 3].
   --baseline ARM    Arm the others' timing and memory are compared with.
   --report FILE     Also write a markdown report (and a PNG next to it).
-  --arms LIST       Comma-separated subset of the spec's arms (kept in file order).
+  --arms LIST       Comma-separated arms. ablation: a subset of the spec's arms (kept in file order).
+                    reduce: every arm the verdict must contain; an arm with no replay at all (or
+                    one not named) is refused.
   --repeats N       Replays per arm instead of the spec's repeats.
   --device D        cuda or cpu instead of the spec's device.
   --argo FILE       Also write the Argo workflow (kubectl apply -f FILE) for the spec.
@@ -196,7 +198,8 @@ def cmd_reduce(args: dict[str, Any]) -> int:
     verdict = reduce_evidence(Request(
         paths=args["<path>"], claim=args["--claim"], out=out, source=opt("--source"),
         tolerances=opt("--tolerances"), min_repeats=_int(args, "--min-repeats"),
-        baseline=args["--baseline"], report=opt("--report")))
+        baseline=args["--baseline"], report=opt("--report"),
+        arms=tuple(a.strip() for a in args["--arms"].split(",")) if args["--arms"] is not None else None))
     print(verdict.summary())
     print(f"wrote {out}" + (f", {args['--report']}" if args["--report"] else ""))
     verdict.raise_for_status()

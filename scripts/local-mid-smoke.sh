@@ -110,9 +110,11 @@ print(*pins)
 PY
 )
 
+arm_list=""  # every arm of the plan: the reducer refuses if one of them left no replay
 for ((i = 0; i < size; i++)); do
   task=$("$RJ" ablation index "$spec" "$i" "${select_args[@]}")
   arm=$(printf '%s\n' "$task" | sed -n 's/^arm=//p')
+  case ",$arm_list," in *",$arm,"*) ;; *) arm_list=${arm_list:+$arm_list,}$arm ;; esac
   repeat=$(printf '%s\n' "$task" | sed -n 's/^repeat=//p')
   allow=$(printf '%s\n' "$task" | sed -n 's/^allow=//p')
   sets=()
@@ -130,7 +132,7 @@ done
 echo "== reduce ($claim, at least $min_repeats repeats per arm) -> $out/verdict.json"
 code=0
 "$RJ" reduce "$out/replays" --claim "$claim" --source "$src" --out "$out/verdict.json" \
-  --min-repeats "$min_repeats" || code=$?
+  --min-repeats "$min_repeats" --arms "$arm_list" || code=$?
 
 echo
 echo "artifacts:"

@@ -254,7 +254,7 @@ def test_local_mid_smoke_on_cpu_passes_and_writes_the_verdict(tmp_path: Path) ->
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "running on CPU" in proc.stdout and "wall time" in proc.stdout
     verdict = json.loads((tmp_path / "smoke" / "verdict.json").read_text(encoding="utf-8"))
-    assert verdict["status"] == "pass"
+    assert verdict["status"] == "pass" and verdict["parameters"]["arms"] == ["ckpt-off", "ckpt-on"]
     assert sorted(p.parent.parent.name for p in (tmp_path / "smoke").glob("replays/*/*/replay_metrics.json")) \
         == ["ckpt-off", "ckpt-on"]
     assert str(tmp_path / "smoke" / "verdict.json") in proc.stdout

@@ -207,10 +207,29 @@ def test_duplicate_repeat_index_is_refused(ev: synthetic.Evidence) -> None:
     assert code == 2 and check(doc, "inputs.unique_repeats")["offenders"] == [f"{OFF}#0", f"{OFF}#0"]
 
 
+def test_expected_arms_name_an_arm_whose_replays_all_failed(ev: synthetic.Evidence) -> None:
+    code, doc = reduce(ev, "exact-input", "--arms", f"{OFF},{ON}")
+    assert code == 0 and check(doc, "inputs.expected_arms")["status"] == "pass"
+    assert doc["parameters"]["arms"] == [OFF, ON]
+    for f in ev.replay_files:  # every replay of one arm refused: it left no metrics at all
+        if json.loads(f.read_text())["arm"] == ON:
+            f.unlink()
+    code, doc = reduce(ev, "exact-input")
+    assert code == 0 and check(doc, "inputs.expected_arms")["status"] == "not_applicable"  # invisible
+    code, doc = reduce(ev, "exact-input", "--arms", f"{OFF},{ON}")
+    assert code == 2 and doc["status"] == "refused"
+    assert check(doc, "inputs.expected_arms")["offenders"] == [ON]
+    assert check(doc, "inputs.min_repeats")["observed"] == {OFF: 3, ON: 0}
+    code, doc = reduce(ev, "exact-input", "--arms", "other")  # and an arm nobody named
+    assert code == 2 and check(doc, "inputs.expected_arms")["offenders"] == [OFF, "other"]
+
+
 @pytest.mark.parametrize("extra, source, needle", [
     (["--baseline", "nope"], True, "baseline arm 'nope'"),
     ([], False, "pass --source DIR"),
     (["--min-repeats", "0"], True, "--min-repeats"),
+    (["--arms", f"{OFF},{OFF}"], True, "--arms must name distinct"),
+    (["--arms", f"{OFF},"], True, "--arms must name distinct"),
 ])
 def test_usage_refusals_write_a_refused_verdict(ev: synthetic.Evidence, extra: list[str], source: bool,
                                                 needle: str) -> None:

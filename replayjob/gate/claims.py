@@ -113,12 +113,27 @@ def _with_source(source: Source | None, attr: str, replays: list[Replay]) -> lis
 
 
 def input_checks(replays: list[Replay], arms: dict[str, Arm], source: Source | None,
-                 min_repeats: int) -> list[Check]:
-    """Refusing checks: enough repeats, one source, unique repeat indices."""
+                 min_repeats: int, expected_arms: tuple[str, ...] | None = None) -> list[Check]:
+    """Refusing checks: the expected arms, enough repeats, one source, unique repeat indices.
+
+    Arms are read from the metrics, so an arm whose replays all failed would be invisible; with
+    ``expected_arms`` it counts as zero replays and is named.
+    """
     counts = {a.name: len(a.replays) for a in arms.values()}
+    checks: list[Check] = []
+    if expected_arms is None:
+        checks.append(Check("inputs.expected_arms", "inputs", NOT_APPLICABLE, None, sorted(counts),
+                            "no --arms given: the arms are whichever the metrics name", ()))
+    else:
+        odd = tuple(sorted(set(expected_arms) ^ set(counts)))
+        checks.append(Check("inputs.expected_arms", "inputs", REFUSED if odd else PASS, sorted(expected_arms),
+                            sorted(counts), "exactly the --arms named: an arm with no replay at all is "
+                            "missing evidence, an unnamed arm is not part of this ablation", odd))
+        counts.update({a: 0 for a in expected_arms if a not in counts})
     short = tuple(sorted(a for a, n in counts.items() if n < min_repeats))
-    checks = [Check("inputs.min_repeats", "inputs", REFUSED if short else PASS, min_repeats, counts,
-                    "fresh replays per arm; fewer cannot support a spread or a verdict", short)]
+    checks.append(Check("inputs.min_repeats", "inputs", REFUSED if short else PASS, min_repeats,
+                        dict(sorted(counts.items())),
+                        "fresh replays per arm; fewer cannot support a spread or a verdict", short))
     manifests = _with_source(source, "manifest", replays)
     manifests += [(f"{r.label} pin", r.pin_manifest) for r in replays]
     checks.append(agree("inputs.single_source", "inputs", manifests,

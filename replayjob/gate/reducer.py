@@ -47,6 +47,7 @@ class Request:
     min_repeats: int = 3
     baseline: str | None = None
     report: Path | None = None
+    arms: tuple[str, ...] | None = None  # every arm the verdict must contain (--arms)
 
 
 class _State:
@@ -74,6 +75,9 @@ def _evaluate(req: Request, st: _State) -> None:
         raise UsageError(f"unknown claim {req.claim!r}; use one of {', '.join(CLAIMS)}")
     if req.min_repeats < 1:
         raise UsageError("--min-repeats must be >= 1")
+    if req.arms is not None and (not req.arms or not all(req.arms) or len(set(req.arms)) != len(req.arms)):
+        raise UsageError(f"--arms must name distinct, non-empty arms, got {','.join(req.arms)!r}",
+                         hint="e.g. --arms ckpt-off,ckpt-on")
     st.replays = [read_replay(p) for p in discover(req.paths)]
     st.arms = C.group_arms(st.replays)
     if req.tolerances is not None and req.claim != "approximate":
@@ -88,7 +92,7 @@ def _evaluate(req: Request, st: _State) -> None:
         raise UsageError(f"baseline arm {req.baseline!r} is not among the arms: {', '.join(st.arms)}")
     st.source = read_source(req.source) if req.source is not None else None
     st.tolerances = read_tolerances(req.tolerances) if req.tolerances is not None else None
-    st.checks = C.input_checks(st.replays, st.arms, st.source, req.min_repeats)
+    st.checks = C.input_checks(st.replays, st.arms, st.source, req.min_repeats, req.arms)
     st.checks += C.exact_input_checks(st.replays, st.arms, st.source)
     if req.claim == "bitwise":
         assert st.source is not None
@@ -188,6 +192,7 @@ def _document(req: Request, st: _State, refusal: dict[str, Any] | None) -> dict[
         "refusal": refusal, "admission": admission,
         "parameters": {
             "min_repeats": req.min_repeats, "baseline": req.baseline,
+            "arms": list(req.arms) if req.arms is not None else None,
             "bootstrap": {"seed": stats.BOOTSTRAP_SEED, "resamples": stats.BOOTSTRAP_RESAMPLES,
                           "confidence": stats.CONFIDENCE, "interval": "percentile"},
             "tolerances": None if tol is None else {"update_cosine_min": tol.update_cosine_min,
