@@ -92,16 +92,22 @@ def _fail(where: str, message: str, hint: str = _HINT) -> IntegrityError:
 
 def refuse_pickle(prefix: bytes, where: str | Path) -> None:
     """Refuse, by name, the containers that can carry pickle (zip, pickle stream, NumPy) from the first
-    bytes, before a length is decoded; for readers that parse safetensors themselves."""
-    _sniff(bytes(prefix[:8]), str(where))
+    bytes (pass at least 9 when the file has them); for readers that parse safetensors themselves."""
+    _sniff(bytes(prefix[:9]), str(where))
 
 
 def _sniff(prefix: bytes, where: str) -> None:
-    """Refuse the containers that can carry pickle before the length is even decoded."""
+    """Refuse the containers that can carry pickle before the length is even decoded.
+
+    A pickle stream starts ``\\x80`` then its protocol (2-5), which is also how a header length of
+    640, 896, 1152 or 1408 bytes (plus any multiple of 65536) starts; a safetensors header always
+    opens with ``{`` at byte 8, so a file that has it there is read as safetensors, not named pickle.
+    """
     if prefix[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
         raise _fail(where, "this is a zip archive (a torch.save file?), not safetensors; "
                            "pickle is never loaded", _PICKLE_HINT)
-    if prefix[:1] == b"\x80" and prefix[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+    if (prefix[:1] == b"\x80" and prefix[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+            and prefix[8:9] != b"{"):
         raise _fail(where, "this is a pickle stream, not safetensors; pickle is never loaded", _PICKLE_HINT)
     if prefix[:6] == b"\x93NUMPY":
         raise _fail(where, "this is a NumPy .npy file, not safetensors", _PICKLE_HINT)

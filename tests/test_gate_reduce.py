@@ -220,6 +220,8 @@ def test_expected_arms_name_an_arm_whose_replays_all_failed(ev: synthetic.Eviden
     assert code == 2 and doc["status"] == "refused"
     assert check(doc, "inputs.expected_arms")["offenders"] == [ON]
     assert check(doc, "inputs.min_repeats")["observed"] == {OFF: 3, ON: 0}
+    code, doc = reduce(ev, "exact-input", "--arms", f"{OFF},{ON}", "--baseline", ON)  # named, not a usage error
+    assert code == 2 and doc["refusal"] is None and check(doc, "inputs.expected_arms")["offenders"] == [ON]
     code, doc = reduce(ev, "exact-input", "--arms", "other")  # and an arm nobody named
     assert code == 2 and check(doc, "inputs.expected_arms")["offenders"] == [OFF, "other"]
 

@@ -165,3 +165,21 @@ def test_header_limit_is_enforced_on_a_real_oversized_header(tmp_path: Path) -> 
     with pytest.raises(IntegrityError, match="2048-byte header limit"):
         tensorfile.parse_header(data, len(data), where=p, max_header_bytes=2048)
     assert "a" in tensorfile.read_header(p).tensors
+
+
+@pytest.mark.parametrize("header_len", [640, 896, 1152, 1408, 640 + 65536])
+def test_a_header_length_that_starts_like_a_pickle_stream_is_still_safetensors(header_len: int) -> None:
+    # 640 is b"\x80\x02" little-endian, a pickle stream's first two bytes; "{" at byte 8 settles it.
+    import json
+    import pickle
+    import struct
+
+    original = save({"w": torch.arange(6, dtype=torch.float32)})
+    (n,) = struct.unpack("<Q", original[:8])
+    header = json.loads(original[8:8 + n])
+    raw = json.dumps(header).encode()
+    data = struct.pack("<Q", header_len) + raw + b" " * (header_len - len(raw)) + original[8 + n:]
+    assert data[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+    assert torch.equal(tensorfile.load_bytes(data)[1]["w"], torch.arange(6, dtype=torch.float32))
+    with pytest.raises(IntegrityError, match="pickle stream"):
+        tensorfile.load_bytes(pickle.dumps({"w": [1, 2]}, protocol=2) + b"\0" * 16)

@@ -185,6 +185,36 @@ def test_a_capture_writer_error_surfaces_before_metrics(workspace: Path, tmp_pat
     assert (tmp_path / PAYLOAD).read_bytes() == b"appeared after the preconditions were checked"
 
 
+def test_a_failed_capture_run_leaves_no_writer_thread_behind(workspace: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writers start idle with their hooks; a run that fails anywhere releases them (and writes nothing)."""
+    import threading
+
+    from replayjob.config import load_config
+    from replayjob.errors import ConfigError
+    from replayjob.rl import trainer
+
+    def writers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name in ("replayjob-capture-writer", "bundle-writer")]
+
+    before = len(writers())
+    cfg = load_config(workspace / "source.toml", ["optimizer_batch.capture=true"])
+    monkeypatch.setenv("REPLAYJOB_BUNDLE_CAPTURE", "2")  # refused after the capture hook was built
+    with pytest.raises(ConfigError):
+        trainer.train(cfg, tmp_path / "a")
+    monkeypatch.setenv("REPLAYJOB_BUNDLE_CAPTURE", "1")
+    monkeypatch.setenv("REPLAYJOB_BUNDLE_DIR", str(tmp_path / "bundles"))
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the update failed")
+
+    monkeypatch.setattr(trainer, "optimizer_update", broken)  # after both snapshots were taken
+    with pytest.raises(RuntimeError, match="the update failed"):
+        trainer.train(cfg, tmp_path / "b")
+    assert len(writers()) == before
+    assert not (tmp_path / "b" / PAYLOAD).exists() and not (tmp_path / "b" / MANIFEST).exists()
+
+
 def test_secrets_in_the_config_are_redacted_in_every_capture_file(workspace: Path, tmp_path: Path) -> None:
     secret, password = "sk-live-0123456789abcdef", "hunter2pw"
     out = tmp_path / "secret"

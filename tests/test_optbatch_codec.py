@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -287,7 +288,7 @@ def reference_span_digest(data: bytes) -> str:
     header.pop("__metadata__")
     h = hashlib.sha256(b"replayjob.payload-spans.v1\n" + struct.pack("<Q", len(data)))
     h.update(hashlib.sha256(data[:8 + n]).digest())
-    for entry in sorted(header.values(), key=lambda e: e["data_offsets"][0]):
+    for _, entry in sorted(header.items(), key=lambda kv: (*kv[1]["data_offsets"], kv[0])):
         begin, end = (8 + n + o for o in entry["data_offsets"])
         h.update(struct.pack("<Q", end - begin) + hashlib.sha256(data[begin:end]).digest())
     return h.hexdigest()
@@ -343,6 +344,42 @@ def test_non_finite_value_in_a_later_chunk_names_its_row(monkeypatch: pytest.Mon
     data = payload.encode(OptimizerBatch(**{**b.tensors(), "advantages": adv}), rng())
     with pytest.raises(IntegrityError, match="row 4 holds a non-finite advantages value"):
         payload.decode(data)
+
+
+def test_a_payload_whose_header_length_reads_like_a_pickle_prefix_decodes() -> None:
+    header, body = split(payload.encode(make_batch(), rng()))
+    raw = json.dumps(header).encode()
+    data = struct.pack("<Q", 1152) + raw + b" " * (1152 - len(raw)) + body  # b"\x80\x04": pickle protocol 4
+    b2, _ = payload.decode(data)
+    assert b2.digests() == make_batch().digests()
+
+
+def test_non_ascii_digits_in_an_rng_name_are_refused_as_a_domain_error() -> None:
+    def rename(h: dict[str, Any], body: bytes) -> None:
+        h["rng.cuda.\u00b2"] = dict(h["rng.cpu"])  # "²".isdigit() is True; int("²") raises
+    with pytest.raises(IntegrityError, match="unexpected tensor"):
+        payload.decode(mutate(rename))
+
+
+def test_overflowing_sums_and_non_finite_values_raise_no_warning_and_no_traceback() -> None:
+    import warnings
+
+    b = make_batch(rows=3)
+    w, old = b.loss_weights.clone(), b.old_logprobs.clone()
+    w[:2] = 1.7e308  # finite values whose sum overflows float64
+    old[0], old[1] = float("inf"), float("-inf")
+    data = payload.encode(OptimizerBatch(**{**b.tensors(), "loss_weights": w, "old_logprobs": old}), rng())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = payload.scan_bytes(data)  # what a reader sees before it compares the digest
+    assert s.digest == payload.digest_bytes(data) and s.fault is not None
+    assert "row 0 holds a non-finite old_logprobs value" in s.fault.message
+    big = payload.ExactSum()
+    big.add(np.array([1.7e308, 1.7e308]))
+    assert big.value() == math.inf
+    huge = payload.encode(OptimizerBatch(**{**b.tensors(), "loss_weights": w}), rng())
+    with pytest.raises(IntegrityError, match="loss weights sum beyond the float64 range"):
+        payload.decode(huge)
 
 
 def test_a_manifest_from_the_plain_sha256_schema_is_refused_with_a_recapture_hint(tmp_path: Path) -> None:

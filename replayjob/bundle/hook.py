@@ -10,9 +10,10 @@ Off by default; on only through the environment (no config or CLI change):
 The source trainer runs one actor update per rollout, so step ``k`` is rollout ``k``, actor step
 ``(k, 0)``, weight version ``k``.  ``on_rollout`` and ``after_update`` only copy CPU tensors; once
 the step's update has returned, ``after_update`` hands the step's bundles to a queue, and a daemon
-thread (started idle with the hook) redacts text, builds and writes them (it never shares the cores with an update; in a
-multi-step run it overlaps the next step's sampling).  ``close`` (called once training has
-finished) drains the queue and raises the first write error.
+thread (started idle with the hook) redacts text, builds and writes them: never beside its own
+step's update, but in a multi-step run beside the next step (its sampling, and its update too when
+the writing outlasts the sampling).  ``close`` (called once training has finished) drains the
+queue and raises the first write error; ``abandon`` (training failed) drains it quietly.
 Capture never changes training numerics: it reads tensors and consumes no random numbers.
 """
 
@@ -150,6 +151,10 @@ class BundleCapture:
         for item in self._held:
             self._queue.put(item)
         self._held.clear()
+
+    def abandon(self) -> None:
+        """Training failed: write what was captured, drain the writer, keep its errors to itself."""
+        self.close(raise_errors=False)
 
     def close(self, raise_errors: bool = True) -> list[Path]:
         """Drain the writer thread (training is over); raise the first capture error."""

@@ -88,7 +88,7 @@ def _evaluate(req: Request, st: _State) -> None:
     if req.claim == "approximate" and req.tolerances is None:
         raise UsageError("the approximate claim needs a predeclared tolerance file: --tolerances FILE",
                          hint="pin its SHA-256 in [optimizer_batch] tolerances_sha256 before the runs")
-    if req.baseline is not None and req.baseline not in st.arms:
+    if req.baseline is not None and req.baseline not in st.arms and req.baseline not in (req.arms or ()):
         raise UsageError(f"baseline arm {req.baseline!r} is not among the arms: {', '.join(st.arms)}")
     st.source = read_source(req.source) if req.source is not None else None
     st.tolerances = read_tolerances(req.tolerances) if req.tolerances is not None else None

@@ -186,6 +186,13 @@ class CaptureHook:
             err, self._error = self._error, None
             raise err
 
+    def abandon(self) -> None:
+        """Training failed: release the writer (a snapshot already handed over is still written)."""
+        if self._writer is not None:
+            self._handoff.put(None)
+            self._writer.join()
+            self._writer = None
+
     def contribute_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """Keys added to the source run's metrics.json: the digests a replay pins (after the writer)."""
         self.finish()

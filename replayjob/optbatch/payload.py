@@ -6,11 +6,12 @@ Tensors: ``tokens``, ``token_offsets``, ``prompt_lens``, ``resp_offsets`` (int64
 
 The payload is pinned by its **span digest** (:data:`DIGEST_TAG`): the SHA-256 of a domain tag, the
 file size (u64), the SHA-256 of the header block (the 8-byte length and the JSON header), then for
-every tensor in data-section order its byte length (u64) and the SHA-256 of its bytes.  The spans
-tile the data section exactly (checked), so every byte of the file is covered once, as by a plain
-file hash; but the parts are independent, so the tensors are hashed in parallel, and each array's
-SHA-256 is the one the row digests (:mod:`replayjob.rl.batch`, layout v2) are built from, so one
-pass over the bytes yields the pin and both row digests.
+every tensor in data-section order (empty tensors sharing an offset: by name) its byte length (u64)
+and the SHA-256 of its bytes.  The spans tile the data section exactly (checked), so every byte of
+the file is covered once, as by a plain file hash; but the parts are independent, so the tensors
+are hashed in parallel, and each array's SHA-256 is the one the row digests
+(:mod:`replayjob.rl.batch`, layout v2) are built from, so one pass over the bytes yields the pin
+and both row digests.
 
 Reading (:func:`read`, :func:`scan_bytes`) trusts nothing: the header block is parsed by replayjob
 itself (size limit, exact tensor names, dtypes, 1-D shapes, data offsets that tile the data
@@ -41,6 +42,7 @@ import hashlib
 import math
 import mmap
 import os
+import re
 import struct
 import sys
 import threading
@@ -75,6 +77,7 @@ Span = tuple[int, int, int]  # absolute (begin, end, element count)
 _ITEMSIZE = {"I64": 8, "F64": 8, "U8": 1}
 _TORCH_DTYPE = {"I64": torch.int64, "F64": torch.float64, "U8": torch.uint8}
 _NUMPY = {torch.int64: "<i8", torch.float64: "<f8", torch.uint8: "|u1"}
+_CUDA_RNG = re.compile(r"rng\.cuda\.(0|[1-9][0-9]*)")  # ASCII digits only ("²".isdigit() is True)
 _SUM_CHUNK = 1 << 16  # elements per exact-sum step: small temporaries stay in the allocator's cache
 
 
@@ -98,8 +101,7 @@ def _expected_dtype(name: str) -> str | None:
         return "I64"
     if name in FLOAT_FIELDS:
         return "F64"
-    if name == "rng.cpu" or (name.startswith("rng.cuda.") and name[9:].isdigit()
-                             and str(int(name[9:])) == name[9:]):
+    if name == "rng.cpu" or _CUDA_RNG.fullmatch(name):
         return "U8"
     return None
 
@@ -110,7 +112,7 @@ def parse_header(data: Buffer, where: str | Path | None = None, size: int | None
     ``data`` is the whole payload, or (with ``size``, the file's size) at least its header block.
     """
     size = len(data) if size is None else size
-    tensorfile.refuse_pickle(bytes(data[:8]), where or "payload")  # a renamed pickle/zip is named as such
+    tensorfile.refuse_pickle(bytes(data[:9]), where or "payload")  # a renamed pickle/zip is named as such
     if size < 8:
         raise _fail(f"{size} bytes is too short for a safetensors file", where)
     if bytes(data[:4]) == b"PK\x03\x04":  # as a header length this is far above the limit: no collision
@@ -187,8 +189,9 @@ class ExactSum:
     float64 (``np.bincount``; no partial sum reaches 2**53 in a step of :data:`_SUM_CHUNK` values)
     and the implicit bits are counted; the per-key sums go into one Python integer, and
     :meth:`value` divides once, rounding to nearest even, as ``fsum`` does.  Non-finite values
-    follow ``fsum``'s result (``nan`` where ``fsum`` would raise on ``inf - inf``); an exact zero
-    takes ``fsum``'s sign.
+    follow ``fsum``'s result (``nan`` where ``fsum`` would raise on ``inf - inf``), a finite sum beyond
+    float64 is ``±inf`` (``fsum`` raises ``OverflowError``, also for an intermediate overflow whose
+    exact result is finite, which is returned here); an exact zero takes ``fsum``'s sign.
     """
 
     def __init__(self) -> None:
@@ -202,7 +205,9 @@ class ExactSum:
         if a.size == 0:
             return
         self.count += a.size
-        if not finite and not math.isfinite(float(a.sum())):
+        with np.errstate(over="ignore", invalid="ignore"):  # only probing for NaN/Inf
+            probe = float(a.sum()) if not finite else 0.0
+        if not math.isfinite(probe):
             special = ~np.isfinite(a)
             v = a[special]
             self.nan |= bool(np.isnan(v).any())
@@ -232,7 +237,10 @@ class ExactSum:
             return math.inf if self.pos_inf else -math.inf
         if self.total == 0:
             return math.fsum([-0.0] if self.count and self.all_negative_zero else [])
-        return self.total / (1 << 1074)
+        try:
+            return self.total / (1 << 1074)
+        except OverflowError:  # where fsum raises: the exact sum is beyond float64
+            return math.inf if self.total > 0 else -math.inf
 
 
 def exact_sum(t: Tensor) -> float:
@@ -261,7 +269,9 @@ def _check_piece(name: str, piece: memoryview, first: int, res: _SpanResult) -> 
     if name not in FLOAT_FIELDS:
         return
     a = np.frombuffer(piece, dtype="<f8")
-    if res.first_nonfinite is None and a.size and not math.isfinite(float(a.sum())):
+    with np.errstate(over="ignore", invalid="ignore"):  # a NaN/Inf or an overflow is looked into below
+        total = float(a.sum()) if res.first_nonfinite is None and a.size else 0.0
+    if not math.isfinite(total):
         bad = ~np.isfinite(a)  # the sum may also overflow with every value finite
         if bad.any():
             res.first_nonfinite = first + int(np.argmax(bad))
@@ -315,14 +325,19 @@ class Scanned:
     batch: OptimizerBatch | None = None
     rows: dict[str, int | float] | None = None
     every_row_bears_loss: bool = False
+    _row_digests: tuple[str, str] | None = field(default=None, repr=False)
 
     def row_digests(self) -> tuple[str, str] | None:
-        """``(logical, effective)`` from the span hashes; None when the rows are needed and not kept."""
-        if self.every_row_bears_loss:
-            return batch_mod.digests_from_sums(int(self.rows["rows"]) if self.rows else 0, self.sums)
-        if self.batch is not None:
-            return self.batch.digests(known=self.sums)
-        return None
+        """``(logical, effective)`` from the span hashes; None when the rows are needed and not kept.
+
+        Computed once (selecting and hashing the loss-bearing rows is the one costly case)."""
+        if self._row_digests is None:
+            if self.every_row_bears_loss:
+                self._row_digests = batch_mod.digests_from_sums(int(self.rows["rows"]) if self.rows else 0,
+                                                                self.sums)
+            elif self.batch is not None:
+                self._row_digests = self.batch.digests(known=self.sums)
+        return self._row_digests
 
 
 def _scan(reader: _Reader, keep: bool, where: str | Path | None) -> Scanned:
@@ -396,7 +411,7 @@ def _scan(reader: _Reader, keep: bool, where: str | Path | None) -> Scanned:
             results = {k: one(k) for k in order}
     except OSError as exc:
         raise IntegrityError(f"cannot read the payload: {exc.strerror}", where=where) from None
-    in_file_order = sorted(spans, key=lambda k: spans[k][0])
+    in_file_order = sorted(spans, key=lambda k: (spans[k][0], spans[k][1], k))  # ties: empty spans, by name
     out.digest = spans_digest(size, header_sha, [(spans[k][1] - spans[k][0], results[k].sha256)
                                                  for k in in_file_order])
     out.sums = {k: (spans[k][2], results[k].sha256) for k in (*INT_FIELDS, *FLOAT_FIELDS)}
@@ -412,6 +427,9 @@ def _scan(reader: _Reader, keep: bool, where: str | Path | None) -> Scanned:
     out.rows = {"rows": len(ints["prompt_lens"]), "tokens": spans["tokens"][2],
                 "response_tokens": int(ints["resp_offsets"][-1]), "loss_bearing_tokens": weights.nonzero,
                 "loss_weight_sum": weights.total.value()}
+    if not math.isfinite(float(out.rows["loss_weight_sum"])):  # every value finite, the sum is not
+        out.fault, out.rows = _fail("the loss weights sum beyond the float64 range", where), None
+        return out
     out.every_row_bears_loss = weights.nonzero == spans["loss_weights"][2] and bool((resp_lens > 0).all())
     out.rng = {k[len(RNG_PREFIX):]: _tensor(kept[k], torch.uint8) for k in spans if k.startswith(RNG_PREFIX)}
     if buf is not None:

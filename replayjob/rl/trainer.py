@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -46,6 +46,9 @@ from replayjob.rl.state import (
 )
 from replayjob.rl.task import Task
 from replayjob.rl.update import UpdateResult, make_optimizer, optimizer_update
+
+if TYPE_CHECKING:
+    from replayjob.bundle.hook import BundleCapture
 
 METRICS_SCHEMA = "replayjob.metrics/v1"
 DIAG_FILE = "diag.jsonl"
@@ -220,15 +223,27 @@ def train(cfg: Config, out: Path, hooks: Sequence[StepHooks] = ()) -> dict[str, 
     if cfg.training.trainer != "grpo":
         raise ConfigError(f"train runs trainer 'grpo', the config says {cfg.training.trainer!r}",
                           where="training.trainer", hint="use `replayjob replay` for optimizer_replay configs")
-    if cfg.optimizer_batch.capture:  # preconditions are checked here, before any work
-        from replayjob.optbatch.capture import CaptureHook
-
-        hooks = [*hooks, CaptureHook.prepare(cfg, out)]
     from replayjob.bundle.hook import capture_from_env
 
-    bundles = capture_from_env(cfg)  # trajectory bundles: on only with REPLAYJOB_BUNDLE_CAPTURE=1
-    if bundles is not None:
-        hooks = [*hooks, bundles]
+    hooks = list(hooks)
+    try:
+        if cfg.optimizer_batch.capture:  # preconditions are checked here, before any work
+            from replayjob.optbatch.capture import CaptureHook
+
+            hooks.append(CaptureHook.prepare(cfg, out))
+        bundles = capture_from_env(cfg)  # trajectory bundles: on only with REPLAYJOB_BUNDLE_CAPTURE=1
+        if bundles is not None:
+            hooks.append(bundles)
+        return _run(cfg, out, hooks, bundles)
+    except BaseException:
+        for h in hooks:  # capture hooks own writer threads: release them, finishing any handed-over write
+            abandon = getattr(h, "abandon", None)
+            if abandon is not None:
+                abandon()
+        raise
+
+
+def _run(cfg: Config, out: Path, hooks: list[StepHooks], bundles: BundleCapture | None) -> dict[str, Any]:
     prepare_out_dir(out)
     t_start = time.perf_counter()
     prov, policy, state = start_run(cfg)
