@@ -230,3 +230,24 @@ def test_a_capture_directory_is_not_a_bundle(tmp_path: Path, capsys: pytest.Capt
     (tmp_path / "cap" / "notes").mkdir()  # not a bundle: inspect lists bundles only
     rc, out = _cli(capsys, "bundle", "inspect", str(tmp_path / "cap"), "--json")
     assert rc == 0 and [b["bundle_id"] for b in json.loads(out)["bundles"]] == ["rollout-000003"]
+
+
+def test_payload_files_read_in_parallel_give_the_same_bundle_and_the_first_failure_by_name(
+        bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from replayjob.bundle import reader
+
+    serial = load_bundle(bundle)
+    monkeypatch.setattr(reader, "PARALLEL_MIN_BYTES", 0)  # the threaded path on a small bundle
+    monkeypatch.setattr(reader, "PARALLEL_FILES", 4)
+    monkeypatch.setattr(reader.os, "cpu_count", lambda: 4)
+    parallel = load_bundle(bundle)
+    assert sorted(parallel.payloads) == sorted(serial.payloads)
+    for name, t in serial.payloads.items():
+        assert t.dtype == parallel.payloads[name].dtype and t.equal(parallel.payloads[name]), name
+    for name in ("ref_logprobs", "old_logprobs"):  # two bad files: the first in name order is named
+        f = bundle / "payloads" / f"{name}.safetensors"
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0x01
+        f.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="checksum mismatch for payload 'old_logprobs'"):
+        load_bundle(bundle)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from replayjob.digest import sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
 from replayjob.jsonio import loads_strict, read_json_object
 
+PARALLEL_FILES = 4  # payload files read at once, at most
+PARALLEL_MIN_BYTES = 32 * 1024 * 1024  # below this, threads cost more than they save
 _TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
 _TOP = {fmt.MANIFEST, fmt.INDEX, fmt.EXPECTED, fmt.COMPLETE, fmt.PAYLOADS}
@@ -168,6 +171,23 @@ def _load_payload(path: Path, name: str, spec: dict[str, Any], keep: bool,
     return scanned.tensors()[name]
 
 
+def _load_payloads(path: Path, specs: dict[str, Any], keep: bool, rows: MaskRows) -> dict[str, Tensor]:
+    """Every payload file, several at once when there is enough to read (each is hashed on its own
+    thread; SHA-256 and file reads release the GIL); the first failure in name order is raised."""
+    names = sorted(specs)
+
+    def one(name: str) -> Tensor:
+        return _load_payload(path, name, specs[name], keep=keep, visit=rows if name == "mask" else None)
+
+    total = sum(int(specs[n]["bytes"]) for n in names)
+    workers = min(PARALLEL_FILES, os.cpu_count() or 1, len(names))
+    if workers < 2 or total < PARALLEL_MIN_BYTES:
+        return {n: one(n) for n in names}
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="replayjob-bundle-read") as pool:
+        futures = {n: pool.submit(one, n) for n in sorted(names, key=lambda n: -int(specs[n]["bytes"]))}
+        return {n: futures[n].result() for n in names}  # largest files started first
+
+
 def _load_single(path: Path, tensors: bool = True) -> Bundle:
     _check_dir(path)
     if not (path / fmt.COMPLETE).exists() and not (path / fmt.COMPLETE).is_symlink():
@@ -207,8 +227,7 @@ def _load_single(path: Path, tensors: bool = True) -> Bundle:
         raise IntegrityError(f"undeclared files in payloads/: {undeclared}", where=pdir)
     # Mask rows are checked against the recorded lengths as the mask's bytes stream past the hash.
     rows = MaskRows([s["response_length"] for s in index["samples"]], [s["sample_id"] for s in index["samples"]])
-    payloads = {name: _load_payload(path, name, spec, keep=tensors, visit=rows if name == "mask" else None)
-                for name, spec in sorted(specs.items())}
+    payloads = _load_payloads(path, specs, tensors, rows)
     check_closure(manifest, index, expected, {k: (specs[k]["dtype"], list(v.shape)) for k, v in payloads.items()})
     _check_labels(payloads, index)
     mr = manifest["multi_rank"]
