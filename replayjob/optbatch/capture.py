@@ -174,20 +174,17 @@ class CaptureHook:
 
     def finish(self) -> None:
         """Wait for the writer thread; re-raise the error it met, if any (payload and manifest are done)."""
-        if self._snapshot is not None:
-            self._handoff.put(None)  # release the idle writer; the snapshot is not written
+        self.abandon()
+        if self._snapshot is not None:  # never handed over: the writer was released with nothing
             raise RefusedError("the optimizer batch was snapshotted but its update never returned, so the capture "
                                "was not written", where=self.out, hint="rerun the capture into a new --out directory")
-        if self._writer is not None:
-            self._handoff.put(None)  # wakes a writer that got no snapshot; unread after a snapshot
-            self._writer.join()
-            self._writer = None
         if self._error is not None:
             err, self._error = self._error, None
             raise err
 
     def abandon(self) -> None:
-        """Training failed: release the writer (a snapshot already handed over is still written)."""
+        """Release the writer and wait for it: a snapshot already handed over is written first (the
+        ``None`` that wakes an idle writer is never read after one)."""
         if self._writer is not None:
             self._handoff.put(None)
             self._writer.join()

@@ -315,11 +315,9 @@ class Scanned:
     structural finding behind a valid header, to be reported only once the digest matches its pin.
     """
 
-    size: int
     digest: str | None = None
     header_fault: IntegrityError | None = None
     fault: IntegrityError | None = None
-    spans: dict[str, Span] = field(default_factory=dict)
     sums: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # array name -> (count, SHA-256)
     rng: dict[str, Tensor] = field(default_factory=dict)
     batch: OptimizerBatch | None = None
@@ -342,7 +340,7 @@ class Scanned:
 
 def _scan(reader: _Reader, keep: bool, where: str | Path | None) -> Scanned:
     size = reader.size
-    out = Scanned(size)
+    out = Scanned()
     head = bytearray(8)
     if size >= 8:
         head = bytearray(reader.read(0, 8, memoryview(head)))
@@ -352,7 +350,7 @@ def _scan(reader: _Reader, keep: bool, where: str | Path | None) -> Scanned:
             block = bytes(reader.read(0, 8 + n, memoryview(bytearray(8 + n))))
         else:
             block = bytes(head[:min(size, 8)])
-        spans = out.spans = parse_header(block, where, size)
+        spans = parse_header(block, where, size)
     except IntegrityError as exc:
         out.header_fault = exc
         return out
@@ -415,12 +413,12 @@ def _scan(reader: _Reader, keep: bool, where: str | Path | None) -> Scanned:
     out.digest = spans_digest(size, header_sha, [(spans[k][1] - spans[k][0], results[k].sha256)
                                                  for k in in_file_order])
     out.sums = {k: (spans[k][2], results[k].sha256) for k in (*INT_FIELDS, *FLOAT_FIELDS)}
+    ints = {k: np.frombuffer(kept[k], dtype="<i8") for k in ("token_offsets", "prompt_lens", "resp_offsets")}
     try:
-        _check_content(spans, kept, results, where)
+        _check_content(spans, ints, results, where)
     except IntegrityError as exc:
         out.fault = exc
         return out
-    ints = {k: np.frombuffer(kept[k], dtype="<i8") for k in ("token_offsets", "prompt_lens", "resp_offsets")}
     resp_lens = np.diff(ints["resp_offsets"])
     weights = results["loss_weights"]
     assert weights.total is not None
@@ -438,10 +436,9 @@ def _scan(reader: _Reader, keep: bool, where: str | Path | None) -> Scanned:
     return out
 
 
-def _check_content(spans: dict[str, Span], kept: dict[str, memoryview], results: dict[str, _SpanResult],
+def _check_content(spans: dict[str, Span], ints: dict[str, np.ndarray], results: dict[str, _SpanResult],
                    where: str | Path | None) -> None:
     """Ragged structure from the index arrays, then the per-token findings (first one raised)."""
-    ints = {k: np.frombuffer(kept[k], dtype="<i8") for k in ("token_offsets", "prompt_lens", "resp_offsets")}
     check_ragged(ints, {k: spans[k][2] for k in (*INT_FIELDS, *FLOAT_FIELDS)}, where)
     if results["tokens"].negative:
         raise _fail("negative token id", where)

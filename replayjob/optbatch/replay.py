@@ -102,9 +102,7 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
 
 def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_train_wall_s: float,
              peak: int, device: torch.device, checkpointing: bool) -> dict[str, Any]:
-    assert adm.manifest is not None and adm.batch is not None and adm.rng is not None
-    from replayjob.optbatch.payload import summary
-
+    assert adm.manifest is not None and adm.batch is not None and adm.rng is not None and adm.rows is not None
     m = adm.manifest
     logical, effective = adm.batch.digests()  # the rows as replayed, hashed again after the update
     return {
@@ -134,7 +132,7 @@ def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_tra
                    "kind": "cuda_max_allocated" if device.type == "cuda" else "max_rss"},
         "padding": {"real_tokens": res.real_tokens, "padded_tokens": res.padded_tokens,
                     "padding_fraction": res.padding_fraction, "micro_batches": res.micro_batches},
-        "rows": summary(adm.batch),
+        "rows": adm.rows,  # counted and summed as the payload was verified
         "rng_restored": sorted(adm.rng),
         "tolerances_sha256": cfg.optimizer_batch.tolerances_sha256.strip().lower(),  # checked at admission
         "config_sha256": config_sha256(cfg),
