@@ -124,6 +124,14 @@ class HookTimer:
                 setattr(cls, name, fn)
 
 
+def _bundle_env(bundle_dir: Path, capture: bool) -> dict[str, str | None]:
+    """Bundle capture on into ``bundle_dir``, or every bundle variable unset."""
+    env: dict[str, str | None] = dict.fromkeys(BUNDLE_ENV)
+    if capture:
+        env.update({"REPLAYJOB_BUNDLE_CAPTURE": "1", "REPLAYJOB_BUNDLE_DIR": str(bundle_dir)})
+    return env
+
+
 def _one_run(cfg_path: Path, sets: list[str], out: Path, capture: bool) -> dict[str, Any]:
     from replayjob.config import load_config
     from replayjob.jsonio import loads_strict
@@ -132,9 +140,7 @@ def _one_run(cfg_path: Path, sets: list[str], out: Path, capture: bool) -> dict[
     overrides = [*sets, f"optimizer_batch.capture={'true' if capture else 'false'}"]
     cfg = load_config(cfg_path, overrides)
     bundle_dir = out / "bundles"
-    env: dict[str, str | None] = dict.fromkeys(BUNDLE_ENV)
-    if capture:
-        env.update({"REPLAYJOB_BUNDLE_CAPTURE": "1", "REPLAYJOB_BUNDLE_DIR": str(bundle_dir)})
+    env = _bundle_env(bundle_dir, capture)
     clock = StepClock()
     hooks = HookTimer()
     gc.collect()
@@ -170,9 +176,7 @@ def _steady_run(cfg_path: Path, sets: list[str], out: Path, capture: bool, steps
 
     cfg = load_config(cfg_path, [*sets, "optimizer_batch.capture=false", f"training.max_steps={steps}"])
     bundle_dir = out / "bundles"
-    env: dict[str, str | None] = dict.fromkeys(BUNDLE_ENV)
-    if capture:
-        env.update({"REPLAYJOB_BUNDLE_CAPTURE": "1", "REPLAYJOB_BUNDLE_DIR": str(bundle_dir)})
+    env = _bundle_env(bundle_dir, capture)
     gc.collect()
     with common.environment(env):
         metrics = train(cfg, out)
