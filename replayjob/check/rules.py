@@ -69,14 +69,6 @@ class SignalRule:
     min_rows: int = 1
     on_nonfinite: str = "KILL"
 
-    @property
-    def steps(self) -> tuple[str | int, ...]:
-        return parse_path(self.leaf)
-
-    @property
-    def delta_steps(self) -> tuple[str | int, ...] | None:
-        return parse_path(self.delta_of) if self.delta_of else None
-
 
 @dataclass(frozen=True)
 class ConsistencyRule:
