@@ -33,7 +33,8 @@ from replayjob.bundle.mask import MaskRows
 from replayjob.bundle.schema import check_closure, check_expected, check_index, check_manifest
 from replayjob.digest import sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
-from replayjob.jsonio import loads_strict, read_json_object
+from replayjob.fsio import read_regular_bytes
+from replayjob.jsonio import DEFAULT_MAX_BYTES, loads_strict, read_json_object
 
 PARALLEL_FILES = 4  # payload files read at once, at most
 PARALLEL_MIN_BYTES = 32 * 1024 * 1024  # below this, threads cost more than they save
@@ -121,18 +122,7 @@ def _scan(path: Path) -> None:
 
 
 def _read_bytes(p: Path, what: str) -> bytes:
-    try:
-        st = os.lstat(p)
-    except OSError:
-        raise IntegrityError(f"{what} is missing", where=p) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise IntegrityError(f"{what} is not a regular file (symlinks are refused)", where=p)
-    try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        with os.fdopen(fd, "rb") as fh:
-            return fh.read()
-    except OSError as exc:
-        raise IntegrityError(f"cannot read {what}: {exc.strerror}", where=p) from None
+    return read_regular_bytes(p, max_bytes=DEFAULT_MAX_BYTES, follow_symlinks=False, what=what)
 
 
 def _load_payload(path: Path, name: str, spec: dict[str, Any], keep: bool,
@@ -254,7 +244,7 @@ def _check_root_complete(rank_dir: Path, rank: int, manifest_sha: str) -> None:
     if not (root / fmt.COMPLETE).exists():
         raise IntegrityError("multi-rank bundle is incomplete: the root COMPLETE is missing, so not every "
                              "rank has landed", where=root, hint="wait for every rank or capture again")
-    doc = read_json_object(root / fmt.COMPLETE)
+    doc = read_json_object(root / fmt.COMPLETE, follow_symlinks=False)
     if doc.get("rank_manifests", {}).get(str(rank)) != manifest_sha:
         raise IntegrityError(f"root COMPLETE does not record this manifest for rank {rank}", where=root)
 
@@ -265,7 +255,7 @@ def _load_root(root: Path, tensors: bool = True) -> Bundle:
     if not (root / fmt.COMPLETE).is_file() or (root / fmt.COMPLETE).is_symlink():
         raise IntegrityError(f"multi-rank bundle is incomplete: COMPLETE is missing (landed: {landed})",
                              where=root, hint="wait for every rank to flush or capture again")
-    doc = read_json_object(root / fmt.COMPLETE)
+    doc = read_json_object(root / fmt.COMPLETE, follow_symlinks=False)
     ranks = doc.get("ranks")
     if not isinstance(ranks, list) or not ranks or not all(isinstance(r, int) for r in ranks):
         raise IntegrityError("root COMPLETE must list the ranks", where=root / fmt.COMPLETE)
