@@ -64,20 +64,21 @@ def test_mask_rows_are_checked_in_both_modes(tmp_path: Path, capsys: pytest.Capt
         b = tmp_path / label.replace(" ", "_")
         write_rollout(b, max_len=max_len)
         bad = mask.clone()
-        if edit is not None:
+        if edit is not None:  # at the aligned offset safetensors writes: checked in place, no copy
             edit(bad)
-        else:  # a valid mask at an unaligned offset: copied, then checked, never refused
+            _forge_payload(b, "mask", save({"mask": bad}))
+        else:  # the same bad row at an unaligned offset: copied, then checked
             bad[row, lengths[row] - 1] = 0.0
-        _forge_payload(b, "mask", _unpadded({"mask": bad}))
+            _forge_payload(b, "mask", _unpadded({"mask": bad}))
         for argv in (["bundle", "validate", str(b)], ["bundle", "replay", str(b)]):
             assert main(argv) == 2, label
             out = capsys.readouterr()
             assert f"mask row of sample {full.samples[row]['sample_id']!r} does not match" in out.out + out.err
-    aligned = tmp_path / "unaligned_ok"
-    write_rollout(aligned, max_len=max_len)
-    _forge_payload(aligned, "mask", _unpadded({"mask": mask}))
-    assert torch.equal(load_bundle(aligned).payloads["mask"], mask)
-    assert main(["bundle", "validate", str(aligned)]) == 0
+    unaligned = tmp_path / "unaligned_ok"  # a valid mask at an unaligned offset: copied, never refused
+    write_rollout(unaligned, max_len=max_len)
+    _forge_payload(unaligned, "mask", _unpadded({"mask": mask}))
+    assert torch.equal(load_bundle(unaligned).payloads["mask"], mask)
+    assert main(["bundle", "validate", str(unaligned)]) == 0
 
 
 def test_scan_hashes_every_byte_once_and_defers_faults(tmp_path: Path) -> None:
