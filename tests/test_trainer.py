@@ -104,3 +104,21 @@ def test_init_state_and_reinit_refused(workspace: Path, capsys: pytest.CaptureFi
         workspace / "init_resume" / "adapter_model.safetensors")
     assert main(["init", str(workspace)]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_optimizer_and_rng_files_are_loaded_only_under_their_pins(run_a: Path) -> None:
+    """The bytes a resume loads are checked against trainer_state.json, not only read_state's earlier read."""
+    import torch
+
+    from replayjob.errors import IntegrityError
+    from replayjob.rl.state import OPTIMIZER_FILE, RNG_FILE, load_optimizer, load_rng, read_state
+
+    state = read_state(run_a / "checkpoints" / "step_000000")
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    with pytest.raises(IntegrityError):
+        load_optimizer(opt, state.path / OPTIMIZER_FILE, "0" * 64)
+    with pytest.raises(IntegrityError):
+        load_rng(state.path / RNG_FILE, "0" * 64)
+    before = torch.get_rng_state()
+    load_rng(state.path / RNG_FILE, state.files[RNG_FILE])  # the right pin loads
+    torch.set_rng_state(before)

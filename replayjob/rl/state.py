@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from replayjob import tensorfile
-from replayjob.digest import normalize_digest, sha256_file
+from replayjob.digest import normalize_digest, sha256_bytes, sha256_file
 from replayjob.errors import ContractError, IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes, read_json_object
@@ -89,10 +89,11 @@ def read_state(path: str | Path) -> ResumeState:
 
 def write_state(d: Path, step: int, model_ref: dict[str, Any], extra_files: dict[str, bytes]) -> None:
     """Write extra files, hash everything present, then ``trainer_state.json`` last."""
+    files = {ADAPTER_WEIGHTS: sha256_file(d / ADAPTER_WEIGHTS)}
     for name, data in extra_files.items():
         atomic_write_bytes(d / name, data)
-    names = [ADAPTER_WEIGHTS, *extra_files]
-    files = {n: sha256_file(d / n) for n in sorted(set(names))}
+        files[name] = sha256_bytes(data)  # the bytes just written, not read back
+    files = dict(sorted(files.items()))
     doc = {"schema": STATE_SCHEMA, "step": step, "model": model_ref, "files": files}
     atomic_write_bytes(d / STATE_FILE, pretty_bytes(doc))
 
@@ -114,8 +115,9 @@ def optimizer_bytes(opt: torch.optim.Optimizer) -> bytes:
     return bytes(save(tensors, metadata={"format": "replayjob-optimizer"}))
 
 
-def load_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
-    flat = tensorfile.load(path, follow_symlinks=False)
+def load_optimizer(opt: torch.optim.Optimizer, path: Path, expected_sha256: str) -> None:
+    """Load optimizer state from ``path``; the bytes loaded are the bytes checked against the pin."""
+    flat = tensorfile.load(path, expected_sha256=expected_sha256, follow_symlinks=False)
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in flat.items():
         idx, _, name = key.partition(".")
@@ -152,5 +154,6 @@ def restore_rng(tensors: dict[str, torch.Tensor], prefix: str = "") -> None:
             torch.cuda.set_rng_state(t, idx)
 
 
-def load_rng(path: Path) -> None:
-    restore_rng(tensorfile.load(path, follow_symlinks=False))
+def load_rng(path: Path, expected_sha256: str) -> None:
+    """Restore the RNG states in ``path``; the bytes loaded are the bytes checked against the pin."""
+    restore_rng(tensorfile.load(path, expected_sha256=expected_sha256, follow_symlinks=False))

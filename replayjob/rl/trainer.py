@@ -254,9 +254,9 @@ def _run(cfg: Config, out: Path, hooks: list[StepHooks], bundles: BundleCapture 
     if state is not None:
         start_step = state.step + 1
         if state.has_optimizer:
-            load_optimizer(optimizer, state.path / OPTIMIZER_FILE)
+            load_optimizer(optimizer, state.path / OPTIMIZER_FILE, state.files[OPTIMIZER_FILE])
         if state.has_rng:
-            load_rng(state.path / RNG_FILE)
+            load_rng(state.path / RNG_FILE, state.files[RNG_FILE])
     if start_step >= cfg.training.max_steps:
         raise ConfigError(f"resume state is at step {start_step - 1}; max_steps={cfg.training.max_steps} "
                           "leaves nothing to run", where="training.max_steps")
