@@ -13,11 +13,10 @@ kernels may have been selected and cached.  Such a request is refused; run in a 
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Any
 
 from replayjob.errors import DeterminismError
 
-MathMode = Literal["prod", "pedantic", "default"]
 MATH_MODES: tuple[str, ...] = ("prod", "pedantic", "default")
 CUBLAS_OK = (":4096:8", ":16:8")
 ENV_MATH_MODE = "REPLAYJOB_MATH_MODE"

@@ -81,7 +81,7 @@ arm = ""
 """
 
 
-def example_configs(seed: int) -> dict[str, str]:
+def example_configs() -> dict[str, str]:
     """Example configs written next to the resume state (file name -> TOML text)."""
     return {"train.toml": TRAIN_TOML, "source.toml": SOURCE_TOML, "replay.toml": REPLAY_TOML}
 
@@ -99,7 +99,7 @@ def init_workspace(directory: str | Path, seed: int) -> list[Path]:
     policy.save_adapter(state_dir)
     write_state(state_dir, -1, policy.model_reference(), {})
     written = [state_dir]
-    for name, text in example_configs(seed).items():
+    for name, text in example_configs().items():
         path = d / name
         if path.exists():
             raise ArtifactExistsError("refusing to overwrite an existing config", where=path)

@@ -20,9 +20,6 @@ from replayjob.config.redact import REDACTED, is_secret_key, redact_url
 from replayjob.config.schema import TOML_NAMES, Config
 from replayjob.errors import ConfigError
 
-_PY_NAMES = {v: k for k, v in TOML_NAMES.items()}
-
-
 MAX_TOML_BYTES = 16 * 1024 * 1024
 
 

@@ -20,7 +20,7 @@ from typing import Any
 REDACTED = "<redacted>"
 
 _SECRET_WORDS = {
-    "token", "tokens_secret", "secret", "secrets", "password", "passwd", "pwd", "passphrase",
+    "token", "secret", "secrets", "password", "passwd", "pwd", "passphrase",
     "credential", "credentials", "auth", "authorization", "apikey", "cookie", "session",
     "bearer", "signature", "privatekey", "accesskey", "secretkey",
 }
