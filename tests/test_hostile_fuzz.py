@@ -183,7 +183,9 @@ def test_resume_state_mutations_are_refused_or_read_exactly(data: st.DataObject,
 # ------------------------------------------------------------------ capture, bundle, metrics, diag
 @pytest.fixture(scope="module")
 def sources(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from test_hostile_corpus import corpus
+    from conftest import load_corpus_module
+
+    corpus = load_corpus_module()
 
     paths: dict[str, Path] = corpus.build_sources(workspace, tmp_path_factory.getbasetemp() / "hostile-sources")
     return paths

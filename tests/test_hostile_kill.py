@@ -401,7 +401,9 @@ BUNDLE_FILES = ["bundle.*", *(f"write.*/{f}" for f in (
 def test_kill_every_writer_at_20_or_more_boundaries(workspace: Path, tmp_path: Path,
                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
     """One driver process: train (checkpoints), capture, bundle writing and reduce, plus races."""
-    from test_hostile_corpus import corpus
+    from conftest import load_corpus_module
+
+    corpus = load_corpus_module()
 
     src = corpus.build_sources(workspace, tmp_path_factory.getbasetemp() / "hostile-sources")
     ws = str(workspace)

@@ -85,12 +85,11 @@ def test_capture_replay_bundles_and_verdict_hold_no_secret(workspace: Path, tmp_
 
     sets = [x for item in SECRET_SETS for x in ("--set", item)]
     source = tmp_path / "source"
-    os.environ.update(REPLAYJOB_BUNDLE_CAPTURE="1", REPLAYJOB_BUNDLE_DIR=str(tmp_path / "bundles"))
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # restores whatever the variables held before
+        mp.setenv("REPLAYJOB_BUNDLE_CAPTURE", "1")
+        mp.setenv("REPLAYJOB_BUNDLE_DIR", str(tmp_path / "bundles"))
         run(["capture", str(with_secrets(workspace / "source.toml", workspace, tmp_path, "s.toml")),
              "--out", str(source), *sets], capsys)
-    finally:
-        del os.environ["REPLAYJOB_BUNDLE_CAPTURE"], os.environ["REPLAYJOB_BUNDLE_DIR"]
     metrics = json.loads((source / "metrics.json").read_text())
     pins = ["--set", f"optimizer_batch.replay_path={source / metrics['optimizer_batch/manifest_path']}",
             "--set", f"optimizer_batch.expected_logical_sha256={metrics['optimizer/logical_batch_sha256']}",
