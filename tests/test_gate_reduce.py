@@ -63,9 +63,10 @@ def test_exact_input_and_bitwise_pass_with_spread(ev: synthetic.Evidence) -> Non
 
 def test_every_claim_without_source_is_refused(ev: synthetic.Evidence) -> None:
     # the initial adapter and the same-condition loss are compared with the source run's
-    code, doc = reduce(ev, "exact-input", source=False)
-    assert code == 2 and doc["status"] == "refused"
-    assert "--source" in doc["refusal"]["message"]
+    for claim in ("exact-input", "bitwise", "approximate"):
+        code, doc = reduce(ev, claim, source=False)
+        assert code == 2 and doc["status"] == "refused"
+        assert "--source" in doc["refusal"]["message"], claim
 
 
 def test_edited_logical_digest_fails(ev: synthetic.Evidence) -> None:

@@ -196,8 +196,8 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
     if len(losses) < 2:
         checks.append(Check("exact.loss_same_condition", g, FAIL, "source and same-condition replays",
                             {"members": [lbl for lbl, _ in losses]},
-                            "no same-condition replay to compare the loss with: add a baseline arm "
-                            "or pass --source"))
+                            "no same-condition replay to compare the loss with: add an arm that replays "
+                            "under the source's own conditions (no declared knobs)"))
     else:
         checks.append(agree("exact.loss_same_condition", g, losses, source.loss if source else None,
                             what="source and same-condition replays report the same loss, exactly"))
