@@ -14,8 +14,9 @@ tensor is built :func:`parse_header` checks that
 * the spans, sorted, are in range, do not overlap, and cover the data section exactly.
 
 A pinned SHA-256 is checked over the same bytes that are parsed (one read, no second open), and
-only then are tensors built -- by ``safetensors.torch.load`` for a whole file in memory, or from
-each validated span for the streaming :func:`iter_tensors` used on multi-GB adapters.
+only then are tensors built -- by ``safetensors.torch.load`` for a whole file in memory (at most
+2 GiB by default), or from each validated span, one tensor at a time: :class:`TensorReader` (what
+``reduce`` uses on adapters) and the streaming :func:`iter_tensors`.
 
 Example:
     >>> import torch, tempfile, pathlib
