@@ -363,8 +363,10 @@ def test_planted_undeclared_difference_fails_the_gate(
     verdict = _json(out / "verdict.json")
     assert (verdict["status"], verdict["exit_code"]) == ("refused", 2)
     # The replay refused the undeclared difference before any update; its evidence is missing, and
-    # the verdict names the missing file of that arm's task.
-    assert verdict["refusal"]["where"].endswith("task-0000/replay_metrics.json")
+    # the verdict names that arm: the reducer was told every arm of the plan.
+    expected_arms = next(c for c in verdict["checks"] if c["name"] == "inputs.expected_arms")
+    assert (expected_arms["status"], expected_arms["offenders"]) == ("refused", ["ckpt-off"])
+    assert "task 0 left no replay_metrics.json" in next((out / "logs").glob("reduce-*.out")).read_text()
     log = next((out / "logs").glob("replay-*_0.out")).read_text()
     assert "undeclared difference 'backend.options.gradient_checkpointing'" in log
     assert (out / "replays" / "task-0001" / "replay_metrics.json").is_file()

@@ -150,7 +150,7 @@ SELECT=()
 [ -z "$REPEATS" ] || SELECT+=(--repeats "$REPEATS")
 [ "$GPUS" -gt 0 ] || SELECT+=(--device cpu)
 plan=$("${REPLAYJOB[@]}" ablation plan "$SPEC" "${SELECT[@]}") || die "the ablation spec was refused"
-SIZE="" SEED="" DEVICE="" ENV_PINS=() CONFIG_SETS=() TASK_ARMS=() PLAN_MIN="" PLAN_CLAIM="" ARM_NAMES=""
+SIZE="" SEED="" DEVICE="" ENV_PINS=() CONFIG_SETS=() TASKS=0 PLAN_MIN="" PLAN_CLAIM="" ARM_NAMES=""
 while IFS= read -r line; do
   case "$line" in
     size=*) SIZE=${line#size=} ;;
@@ -161,13 +161,10 @@ while IFS= read -r line; do
     arms=*) ARM_NAMES=${line#arms=} ;;
     env=*) ENV_PINS+=("${line#env=}") ;;
     config=*) CONFIG_SETS+=("${line#config=}") ;;
-    task=*)
-      task=${line#task=}
-      TASK_ARMS+=("$(cut -d: -f2 <<<"$task")")
-      ;;
+    task=*) TASKS=$((TASKS + 1)) ;;
   esac
 done <<<"$plan"
-if ! is_count "$SIZE" || [ "$SIZE" -lt 1 ] || [ -z "$SEED" ] || [ "${#TASK_ARMS[@]}" -ne "$SIZE" ]; then
+if ! is_count "$SIZE" || [ "$SIZE" -lt 1 ] || [ -z "$SEED" ] || [ "$TASKS" -ne "$SIZE" ]; then
   die "unexpected plan from replayjob: $plan"
 fi
 CLAIM=${CLAIM:-$PLAN_CLAIM}
@@ -221,11 +218,11 @@ cp "$SPEC" "$OUT/slurm/ablation.toml"
     [ "$WORKSPACE" = "$OUT/workspace" ] || REPLAYJOB_BINDS+=("$WORKSPACE")
     [ "$SOURCE" = "$OUT/source" ] || REPLAYJOB_BINDS+=("$SOURCE")
     REPLAYJOB_DETERMINISM_ENV=("${ENV_PINS[@]}") REPLAYJOB_CONFIG_SETS=("${CONFIG_SETS[@]}")
-    REPLAYJOB_PLANTED=("${PLANTED[@]}") REPLAYJOB_TASK_ARMS=("${TASK_ARMS[@]}")
+    REPLAYJOB_PLANTED=("${PLANTED[@]}") REPLAYJOB_ARMS=$ARM_NAMES REPLAYJOB_TASKS=$SIZE
     declare -p REPLAYJOB_OUT REPLAYJOB_SCRIPTS REPLAYJOB_SPEC REPLAYJOB_SELECT REPLAYJOB_WORKSPACE \
       REPLAYJOB_INIT_WORKSPACE REPLAYJOB_SOURCE REPLAYJOB_SEED REPLAYJOB_CLAIM REPLAYJOB_MIN_REPEATS \
       REPLAYJOB_GPUS REPLAYJOB_IMAGE REPLAYJOB_CONTAINER REPLAYJOB_VENV REPLAYJOB_BINDS \
-      REPLAYJOB_DETERMINISM_ENV REPLAYJOB_CONFIG_SETS REPLAYJOB_PLANTED REPLAYJOB_TASK_ARMS
+      REPLAYJOB_DETERMINISM_ENV REPLAYJOB_CONFIG_SETS REPLAYJOB_PLANTED REPLAYJOB_ARMS REPLAYJOB_TASKS
   )
 } >"$JOB_ENV.tmp"
 mv "$JOB_ENV.tmp" "$JOB_ENV"
