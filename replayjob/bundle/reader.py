@@ -86,6 +86,11 @@ def is_multi_rank_root(path: Path) -> bool:
         any(path.glob("rank-*")) or any(path.glob(f"{fmt.COMPLETE}.*")))
 
 
+def is_bundle(path: Path) -> bool:
+    """A bundle directory or multi-rank root, complete or not (what a capture directory holds)."""
+    return (path / fmt.MANIFEST).exists() or (path / fmt.COMPLETE).exists() or is_multi_rank_root(path)
+
+
 def _check_dir(path: Path) -> None:
     try:
         st = os.lstat(path)
@@ -318,8 +323,7 @@ def load_bundle(path: str | Path, *, tensors: bool = True) -> Bundle:
     if p.is_dir() and not p.is_symlink() and is_multi_rank_root(p):
         return _load_root(p, tensors)
     if p.is_dir() and not p.is_symlink() and not (p / fmt.MANIFEST).exists() and not (p / fmt.COMPLETE).exists():
-        inner = sorted(c.name for c in p.iterdir() if c.is_dir() and ((c / fmt.MANIFEST).exists()
-                                                                       or is_multi_rank_root(c)))
+        inner = sorted(c.name for c in p.iterdir() if c.is_dir() and is_bundle(c))
         if inner:
             raise IntegrityError(f"this is a capture directory holding {len(inner)} bundle(s) {inner}, not a "
                                  "bundle", where=p, hint="pass one bundle directory (replay also takes --step R:S "

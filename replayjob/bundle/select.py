@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.bundle import format as fmt
-from replayjob.bundle.reader import Bundle, is_multi_rank_root
+from replayjob.bundle.reader import Bundle, is_bundle
 from replayjob.errors import ContractError, IntegrityError, UsageError
 from replayjob.jsonio import read_json_object
 
@@ -25,10 +25,6 @@ class Selection:
     rows: list[int]          # bundle rows to recompute, in bundle order (whole groups)
     partial: bool            # fewer rows than the bundle holds
     requested: dict[str, list[str]]
-
-
-def _is_bundle(p: Path) -> bool:
-    return (p / fmt.MANIFEST).exists() or (p / fmt.COMPLETE).exists() or is_multi_rank_root(p)
 
 
 def _identity(p: Path) -> tuple[str, int, int | None] | None:
@@ -50,9 +46,9 @@ def resolve(path: str | Path, step: tuple[int, int] | None, rollout: int | None)
         raise UsageError("--step and --rollout are mutually exclusive")
     if not p.is_dir() or p.is_symlink():
         raise IntegrityError("bundle not found (or not a directory)", where=p)
-    if _is_bundle(p) or p.name.startswith("rank-"):
+    if is_bundle(p) or p.name.startswith("rank-"):
         return p
-    children = sorted(c for c in p.iterdir() if c.is_dir() and not c.name.startswith(".") and _is_bundle(c))
+    children = sorted(c for c in p.iterdir() if c.is_dir() and not c.name.startswith(".") and is_bundle(c))
     if not children:
         raise IntegrityError("no bundle in this directory", where=p, hint="pass a bundle or capture directory")
     matches = []

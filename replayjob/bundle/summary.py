@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.bundle import format as fmt
-from replayjob.bundle.reader import is_multi_rank_root
+from replayjob.bundle.reader import is_bundle, is_multi_rank_root
 from replayjob.errors import IntegrityError, ReplayjobError
 from replayjob.jsonio import read_json_object
 
@@ -86,8 +86,7 @@ def inspect_path(path: str | Path) -> dict[str, Any]:
         return {"path": str(p), "layout": "multi-rank", "complete": not problems, "landed_ranks": landed,
                 "expected_ranks": expected, "ranks": ranks, "problems": problems}
     children = [inspect_path(c) for c in sorted(p.iterdir())
-                if c.is_dir() and not c.name.startswith(".") and not c.is_symlink() and (
-                    (c / fmt.MANIFEST).exists() or (c / fmt.COMPLETE).exists() or is_multi_rank_root(c))]
+                if c.is_dir() and not c.name.startswith(".") and not c.is_symlink() and is_bundle(c)]
     return {"path": str(p), "layout": "capture-dir", "bundles": children,
             "problems": [] if children else ["no bundle in this directory"]}
 
