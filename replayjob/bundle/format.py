@@ -12,8 +12,15 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
+
 from replayjob.errors import ContractError, IntegrityError
 from replayjob.rl.stages import ESTIMATORS
+
+# The payload dtypes a bundle may hold: safetensors name -> torch dtype (the one list every part uses).
+DTYPES: dict[str, torch.dtype] = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                                  "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                                  "U8": torch.uint8, "BOOL": torch.bool}
 
 FORMAT = "replayjob.bundle"
 FORMAT_VERSION = "1.0.0"

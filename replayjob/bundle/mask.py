@@ -22,8 +22,6 @@ from replayjob.errors import IntegrityError
 if TYPE_CHECKING:
     from replayjob.tensorfile import Header
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
 _LONG_ROW = 1024  # from this width on, rows are compared piece by piece against the template
 # Torch runs an operation on more elements than this in its intra-op thread pool; on a busy machine
 # waking (and spinning) those threads for each chunk costs more than the comparison itself, so every
@@ -54,8 +52,8 @@ class MaskRows:
         spec = header.tensors.get("mask")
         if spec is None or len(header.tensors) != 1 or len(spec.shape) != 2 or spec.shape[0] != len(self.lengths):
             return  # the reader refuses this file by its header; nothing here is checked
-        width, dtype = spec.shape[1], _DTYPES[spec.dtype]
-        item = torch.empty((), dtype=dtype).element_size()
+        width, dtype = spec.shape[1], fmt.DTYPES[spec.dtype]
+        item = dtype.itemsize
         if self._template is None:
             too_long = [i for i, n in enumerate(self.lengths) if n > width]
             if too_long:

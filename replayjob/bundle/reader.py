@@ -38,8 +38,6 @@ from replayjob.jsonio import DEFAULT_MAX_BYTES, loads_strict, read_json_object
 
 PARALLEL_FILES = 4  # payload files read at once, at most
 PARALLEL_MIN_BYTES = 32 * 1024 * 1024  # below this, threads cost more than they save
-_TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
 _TOP = {fmt.MANIFEST, fmt.INDEX, fmt.EXPECTED, fmt.COMPLETE, fmt.PAYLOADS}
 
 
@@ -162,7 +160,7 @@ def _load_payload(path: Path, name: str, spec: dict[str, Any], keep: bool,
     if visit is not None and visit.checked != math.prod(spec["shape"]):  # never expected: fail closed
         raise IntegrityError(f"payload {name!r}: only {visit.checked} values were checked", where=p)
     if not keep:
-        return torch.empty(ts.shape, dtype=_TORCH[spec["dtype"]], device="meta")
+        return torch.empty(ts.shape, dtype=fmt.DTYPES[spec["dtype"]], device="meta")
     return scanned.tensors()[name]
 
 

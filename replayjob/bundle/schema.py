@@ -15,7 +15,6 @@ from typing import Any
 from replayjob.bundle import format as fmt
 from replayjob.errors import ContractError, IntegrityError
 
-_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "U8", "BOOL")
 _HEX = re.compile(r"[0-9a-f]{64}")
 _MANIFEST_KEYS = {"format", "format_version", "bundle_id", "kind", "producer", "stages", "payloads",
                   "comparison", "redaction", "index_sha256", "expected_sha256", "multi_rank"}
@@ -74,8 +73,8 @@ def check_manifest(m: dict[str, Any]) -> None:
             raise IntegrityError(f"payload spec must have exactly {sorted(_SPEC_KEYS)}",
                                  where=f"{W}: payloads.{name}")
         check_payload_file(name, spec["file"])
-        if spec["dtype"] not in _DTYPES or spec["role"] not in ("input", "expected"):
-            raise IntegrityError(f"dtype must be one of {list(_DTYPES)}, role input or expected",
+        if spec["dtype"] not in fmt.DTYPES or spec["role"] not in ("input", "expected"):
+            raise IntegrityError(f"dtype must be one of {list(fmt.DTYPES)}, role input or expected",
                                  where=f"{W}: payloads.{name}")
         if not isinstance(spec["shape"], list) or not all(_int(d) for d in spec["shape"]):
             raise IntegrityError("shape must be a list of integers >= 0", where=f"{W}: payloads.{name}")

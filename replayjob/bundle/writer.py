@@ -46,8 +46,7 @@ from replayjob.faults import point
 from replayjob.fsio import atomic_write_bytes, fsync_dir
 from replayjob.jsonio import pretty_bytes, read_json_object
 
-DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-          torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+DTYPES = {t: name for name, t in fmt.DTYPES.items()}  # torch dtype -> safetensors name
 
 
 def default_config(**overrides: Any) -> dict[str, Any]:
