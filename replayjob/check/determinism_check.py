@@ -91,17 +91,16 @@ class DeterminismReport:
         lines = [f"determinism-check {verdict}: {len(self.runs)} runs; {self.math_mode_text()}",
                  f"  command: {self.command}", f"  runs under {self.out}"]
         for i, d in enumerate(self.diffs, 1):
-            state = "equal" if d.equal else f"drift from {_first_label(d)}"
+            if d.equal:
+                state = "equal"
+            else:
+                assert d.first is not None  # a drifting diff always has a first divergent row
+                state = f"drift from {d.first.where}"
             lines.append(f"  run_{i} vs run_0: {state} ({d.rows_compared} rows compared)")
         first_drift = next((d for d in self.diffs if not d.equal), None)
         if first_drift is not None:
             lines.append(first_drift.render())
         return "\n".join(lines)
-
-
-def _first_label(d: DiffReport) -> str:
-    assert d.first is not None
-    return f"step {d.first.step}" if d.first.step is not None else f"row {d.first.row}"
 
 
 def _prepare_out(out: str | Path | None) -> Path:

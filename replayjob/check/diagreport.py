@@ -30,11 +30,15 @@ class RowDivergence:
     diverging_leaves: int
     top: list[Drift]
 
+    @property
+    def where(self) -> str:
+        """``step N`` when rows carry steps, else ``row N``."""
+        return f"step {self.step}" if self.step is not None else f"row {self.row}"
+
     def label(self) -> str:
-        where = f"step {self.step}" if self.step is not None else f"row {self.row}"
         la = "-" if self.line_a is None else self.line_a
         lb = "-" if self.line_b is None else self.line_b
-        return f"{where} (line {la} / {lb})"
+        return f"{self.where} (line {la} / {lb})"
 
     def to_json(self) -> dict[str, Any]:
         return {"row": self.row, "step": self.step, "line_a": self.line_a, "line_b": self.line_b,
@@ -92,15 +96,11 @@ class DiffReport:
             lines.append(f"first divergent row: {_describe(self.first)}")
             lines.extend(_drift_table(self.first.top))
             lines.append("diverging leaves per row (first diverging rows): "
-                         + ", ".join(f"{_where(r)}: {_count(r)}" for r in self.first_rows))
+                         + ", ".join(f"{r.where}: {_count(r)}" for r in self.first_rows))
         if self.last_row is not None and self.last_row is not self.first:
             lines.append(f"last compared row: {_describe(self.last_row)}")
             lines.extend(_drift_table(self.last_row.top))
         return "\n".join(lines)
-
-
-def _where(r: RowDivergence) -> str:
-    return f"step {r.step}" if r.step is not None else f"row {r.row}"
 
 
 def _count(r: RowDivergence) -> str:
