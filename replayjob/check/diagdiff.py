@@ -27,28 +27,12 @@ from typing import Any
 
 from replayjob.check.diagreport import DiffReport, RowDivergence
 from replayjob.check.leafdiff import Tolerance, compare_leaves
-from replayjob.check.leaves import DEFAULT_IGNORES, IgnoreSet
+from replayjob.check.leaves import DEFAULT_IGNORES, IgnoreSet, Location, flatten
 from replayjob.check.rows import iter_rows
 from replayjob.errors import IntegrityError, UsageError
 
-Location = tuple[tuple[str | int, ...], str | int]
 MAX_PLAN = 10_000
 FIRST_ROWS = 10
-
-
-def _split(node: Any, path: str, steps: tuple[str | int, ...], ignore: IgnoreSet,
-           leaves: dict[str, Any], ignored: set[Location]) -> None:
-    """Flatten ``node`` into ``leaves``, collecting the locations of ignored leaves instead."""
-    if isinstance(node, dict) and node:
-        for key, value in node.items():
-            _split(value, f"{path}.{key}" if path else key, (*steps, key), ignore, leaves, ignored)
-    elif isinstance(node, list) and node:
-        for i, value in enumerate(node):
-            _split(value, f"{path}[{i}]", (*steps, i), ignore, leaves, ignored)
-    elif steps and ignore.matches(path):
-        ignored.add((steps[:-1], steps[-1]))
-    else:
-        leaves[path] = node
 
 
 def _blank(row: dict[str, Any], plan: Iterable[Location]) -> None:
@@ -170,11 +154,8 @@ def _compare_pair(report: DiffReport, index: int, ra: tuple[int, dict[str, Any]]
     if _same_bytes(row_a, row_b):
         report.last_row = RowDivergence(index, step, line_a, line_b, "leaves", 0, [])
         return
-    la: dict[str, Any] = {}
-    lb: dict[str, Any] = {}
     found: set[Location] = set()
-    _split(row_a, "", (), ig, la, found)
-    _split(row_b, "", (), ig, lb, found)
+    la, lb = flatten(row_a, ig, found), flatten(row_b, ig, found)
     if len(plan) < MAX_PLAN:
         plan.update(found)
     drifts = compare_leaves(la, lb, tol)

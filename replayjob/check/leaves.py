@@ -43,20 +43,30 @@ _INDEX_TAIL = re.compile(r"(\[\d+\])+$")
 _PART = re.compile(r"([^.\[\]]*)((?:\[\d+\])*)")
 
 
-def flatten(row: Any) -> dict[str, Any]:
-    """All leaves of ``row`` as ``{path: value}``, in document order."""
+Location = tuple[tuple[str | int, ...], str | int]
+"""Where an ignored leaf sits: the steps to its parent, then its own key or index."""
+
+
+def flatten(row: Any, ignore: IgnoreSet | None = None, ignored: set[Location] | None = None) -> dict[str, Any]:
+    """All leaves of ``row`` as ``{path: value}``, in document order.
+
+    With ``ignore``, a leaf it matches is left out and its location is added to ``ignored``.
+    """
     out: dict[str, Any] = {}
-    _walk(row, "", out)
+    _walk(row, "", (), ignore, out, set() if ignored is None else ignored)
     return out
 
 
-def _walk(node: Any, path: str, out: dict[str, Any]) -> None:
+def _walk(node: Any, path: str, steps: tuple[str | int, ...], ignore: IgnoreSet | None,
+          out: dict[str, Any], ignored: set[Location]) -> None:
     if isinstance(node, dict) and node:
         for key, value in node.items():
-            _walk(value, f"{path}.{key}" if path else str(key), out)
+            _walk(value, f"{path}.{key}" if path else str(key), (*steps, key), ignore, out, ignored)
     elif isinstance(node, list) and node:
         for i, value in enumerate(node):
-            _walk(value, f"{path}[{i}]", out)
+            _walk(value, f"{path}[{i}]", (*steps, i), ignore, out, ignored)
+    elif ignore is not None and steps and ignore.matches(path):
+        ignored.add((steps[:-1], steps[-1]))
     else:
         out[path] = node
 
