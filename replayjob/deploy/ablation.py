@@ -203,8 +203,11 @@ class AblationSpec:
         sets = [f"backend.devices={toml_value(self.device)}"]
         if self.model_path:
             sets.append(f"model.path={toml_value(self.model_path)}")
-        if self.resume:
-            sets.append(f"resume.from={toml_value(self.resume)}")
+        return sets + self.extra_sets()
+
+    def extra_sets(self) -> list[str]:
+        """:meth:`config_sets` without the device and the model (which the Argo workflow parameterises)."""
+        sets = [f"resume.from={toml_value(self.resume)}"] if self.resume else []
         return sets + [f"{k}={toml_value(v)}" for k, v in sorted(self.config.items())]
 
 

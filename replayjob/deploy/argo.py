@@ -40,14 +40,11 @@ def _i(name: str) -> str:
 
 def parameters(spec: AblationSpec) -> list[Doc]:
     arms = [{"name": a.name, "sets": a.words()} for a in spec.arms]
-    extra = [f"{k}={toml_value(v)}" for k, v in sorted(spec.config.items())]
-    if spec.resume:
-        extra.insert(0, f"resume.from={toml_value(spec.resume)}")
     values = {
         "image": spec.image, "gpu-product": spec.gpu_product,
         "arms": json.dumps(arms, separators=(",", ":")), "repeats": str(spec.repeats),
         "min-repeats": str(spec.effective_min_repeats), "claim": spec.claim,
-        "model": spec.model_path, "config-sets": " ".join(extra), "seed": str(spec.seed),
+        "model": spec.model_path, "config-sets": " ".join(spec.extra_sets()), "seed": str(spec.seed),
     }
     return [{"name": k, "value": v} for k, v in values.items()]
 
