@@ -177,12 +177,6 @@ class _Fields:
             raise self.fail(key, f"is {v!r}, outside [{lo}, {hi if hi is not None else 'inf'}]")
         return float(v)
 
-    def loss(self) -> float:
-        v = self.get("loss")
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            raise self.fail("loss", "must be a number")
-        return float(v)
-
     def names(self, key: str) -> tuple[str, ...]:
         v = self.get(key)
         if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
@@ -195,6 +189,19 @@ class _Fields:
         if pure.is_absolute() or ".." in pure.parts or "\\" in rel:
             raise self.fail(key, f"must be a relative path inside the run directory, found {rel!r}")
         return self.where.parent / pure
+
+
+def _run_fields(f: _Fields) -> dict[str, Any]:
+    """What a replay's metrics and the source's metrics.json both report (docs/replay-metrics.md)."""
+    return {
+        "logical": f.digest("optimizer/logical_batch_sha256"),
+        "effective": f.digest("optimizer/local_effective_rows_sha256"),
+        "manifest": f.digest("optimizer_batch/manifest_sha256"),
+        "initial_adapter": f.digest("optimizer_batch/initial_adapter_sha256"),
+        "final_adapter": f.digest("optimizer_batch/final_adapter_sha256"),
+        "final_adapter_file": f.adapter_file("final_adapter_path"),
+        "loss": f.number("loss", lo=-math.inf),
+    }
 
 
 def read_replay(path: str | Path) -> Replay:
@@ -226,16 +233,10 @@ def read_replay(path: str | Path) -> Replay:
     return Replay(
         path=p, sha256=sha, arm=arm, repeat_index=index,
         pin_logical=f.digest("expected_logical_sha256", pins),
-        pin_manifest=f.digest("expected_manifest_sha256", pins),
-        logical=f.digest("optimizer/logical_batch_sha256"),
-        effective=f.digest("optimizer/local_effective_rows_sha256"),
-        manifest=f.digest("optimizer_batch/manifest_sha256"),
-        initial_adapter=f.digest("optimizer_batch/initial_adapter_sha256"),
-        final_adapter=f.digest("optimizer_batch/final_adapter_sha256"),
-        final_adapter_file=f.adapter_file("final_adapter_path"),
+        pin_manifest=f.digest("expected_manifest_sha256", pins), **_run_fields(f),
         allowed=f.names("allowed_config_differences"),
         observed=f.names("observed_config_differences"),
-        knobs=knobs, skipped=f.names("skipped"), gradient_checkpointing=gc, loss=f.loss(),
+        knobs=knobs, skipped=f.names("skipped"), gradient_checkpointing=gc,
         tolerances_sha256=f.digest("tolerances_sha256") if tol else "", measures=measures,
     )
 
@@ -250,16 +251,7 @@ def read_source(directory: str | Path) -> Source:
     doc, sha = _read(p)
     f = _Fields(doc, p)
     config = f.obj("config")
-    return Source(
-        path=p, sha256=sha,
-        logical=f.digest("optimizer/logical_batch_sha256"),
-        effective=f.digest("optimizer/local_effective_rows_sha256"),
-        manifest=f.digest("optimizer_batch/manifest_sha256"),
-        initial_adapter=f.digest("optimizer_batch/initial_adapter_sha256"),
-        final_adapter=f.digest("optimizer_batch/final_adapter_sha256"),
-        final_adapter_file=f.adapter_file("final_adapter_path"),
-        loss=f.loss(), config=config,
-    )
+    return Source(path=p, sha256=sha, **_run_fields(f), config=config)
 
 
 def read_tolerances(path: str | Path) -> Tolerances:
