@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from safetensors.torch import save
@@ -568,27 +569,19 @@ def standalone_entries(out: Path) -> list[Entry]:
     """Self-contained entries: tensor files, pickle files, tolerance files, configs, signal rules and
     ablation specs."""
     entries: list[Entry] = []
-    (out / "tensors").mkdir(parents=True, exist_ok=True)
-    for name, (data, expect) in safetensors_mutations().items():
-        p = out / "tensors" / f"{name}.safetensors"
-        p.write_bytes(data)
-        entries.append(Entry(name, "tensorfile", str(p.relative_to(out)), expect))
-    for name, data in (("pickle_pt", torch_save_bytes()), ("pickle_pkl", pickle.dumps([1, 2], protocol=2))):
-        p = out / "tensors" / f"{name}.safetensors"
-        p.write_bytes(data)
-        entries.append(Entry(name, "tensorfile", str(p.relative_to(out)), "pickle is never loaded"))
-    (out / "tolerances").mkdir(exist_ok=True)
-    for name, (data, expect) in tolerance_mutations().items():
-        p = out / "tolerances" / f"{name}.toml"
-        p.write_bytes(data)
-        entries.append(Entry(name, "tolerances", str(p.relative_to(out)), expect))
+    pickles = {"pickle_pt": (torch_save_bytes(), "pickle is never loaded"),
+               "pickle_pkl": (pickle.dumps([1, 2], protocol=2), "pickle is never loaded")}
+    for folder, ext, target, files in (
+            ("tensors", "safetensors", "tensorfile", {**safetensors_mutations(), **pickles}),
+            ("tolerances", "toml", "tolerances", tolerance_mutations()),
+            ("configs", "toml", "config", toml_mutations())):
+        (out / folder).mkdir(parents=True, exist_ok=True)
+        for name, (data, expect) in files.items():
+            p = out / folder / f"{name}.{ext}"
+            p.write_bytes(data)
+            entries.append(Entry(name, target, str(p.relative_to(out)), expect))
     os.mkfifo(out / "tolerances" / "tol_fifo.toml")
     entries.append(Entry("tol_fifo", "tolerances", "tolerances/tol_fifo.toml", "regular file"))
-    (out / "configs").mkdir(exist_ok=True)
-    for name, (data, expect) in toml_mutations().items():
-        p = out / "configs" / f"{name}.toml"
-        p.write_bytes(data)
-        entries.append(Entry(name, "config", str(p.relative_to(out)), expect))
     os.mkfifo(out / "configs" / "toml_fifo.toml")
     os.symlink("/dev/zero", out / "configs" / "toml_device.toml")
     (out / "configs" / "toml_directory.toml").mkdir()
@@ -636,16 +629,8 @@ def build_sources(workspace: Path, out: Path) -> dict[str, Path]:
             assert main([*argv, *(x for p in pins for x in ("--set", p))]) == 0
         (out / "replay-pins.txt").write_text("\n".join(pins) + "\n")
         env = {"REPLAYJOB_BUNDLE_CAPTURE": "1", "REPLAYJOB_BUNDLE_DIR": str(out / "bundled" / "bundles")}
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with mock.patch.dict(os.environ, env):  # restored afterwards, whatever they held
             assert main(["train", str(workspace / "train.toml"), "--out", str(out / "bundled")]) == 0
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         (out / "SOURCES_DONE").write_text("complete\n")
     paths["bundle"] = sorted((out / "bundled" / "bundles").glob("rollout-*"))[0]
     return paths
