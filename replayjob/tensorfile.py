@@ -226,6 +226,10 @@ def _bad_bool(data: bytes) -> bool:
     return bool(data.translate(None, b"\x00\x01"))
 
 
+def _bool_error(where: str, name: str) -> IntegrityError:
+    return _fail(where, f"tensor {name!r} is BOOL but holds bytes other than 0 and 1")
+
+
 def _check_pin(actual: str, expected: str | None, where: str) -> None:
     if expected is None:
         return
@@ -275,7 +279,7 @@ def _check_bools(header: Header, data: bytes) -> None:
     start = header.data_start
     for spec in header.tensors.values():
         if spec.dtype == "BOOL" and _bad_bool(data[start + spec.begin:start + spec.end]):
-            raise _fail(header.where, f"tensor {spec.name!r} is BOOL but holds bytes other than 0 and 1")
+            raise _bool_error(header.where, spec.name)
 
 
 def _build(spec: TensorSpec, data: bytes, where: str) -> torch.Tensor:
@@ -283,9 +287,7 @@ def _build(spec: TensorSpec, data: bytes, where: str) -> torch.Tensor:
 
     if sys.byteorder != "little":  # pragma: no cover - no big-endian machine here
         raise _fail(where, "streaming reads need a little-endian machine", "use load() instead")
-    dt = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-          "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-          "F64": torch.float64}[spec.dtype]
+    dt = getattr(torch, _TORCH_NAMES[spec.dtype])
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=dt)
     return torch.frombuffer(bytearray(data), dtype=dt).reshape(spec.shape)
@@ -310,7 +312,7 @@ def iter_tensors(path: str | Path, *, expected_sha256: str | None = None,
             data = _read_exact(fd, header.data_start + spec.begin, spec.nbytes, str(path))
             h.update(data)
             if spec.dtype == "BOOL" and _bad_bool(data):
-                raise _fail(header.where, f"tensor {spec.name!r} is BOOL but holds bytes other than 0 and 1")
+                raise _bool_error(header.where, spec.name)
             yield spec.name, _build(spec, data, str(path))
         _check_pin(h.hexdigest(), expected_sha256, str(path))
     finally:
@@ -357,7 +359,7 @@ class TensorReader:
             raise IntegrityError(f"no tensor named {name!r}", where=self.path)
         data = _read_exact(self._fd, self.header.data_start + spec.begin, spec.nbytes, str(self.path))
         if spec.dtype == "BOOL" and _bad_bool(data):
-            raise _fail(self.header.where, f"tensor {name!r} is BOOL but holds bytes other than 0 and 1")
+            raise _bool_error(self.header.where, name)
         return _build(spec, data, str(self.path))
 
     def close(self) -> None:
@@ -440,7 +442,7 @@ def _bool_fault(header: Header, piece: memoryview, offset: int) -> IntegrityErro
         lo = max(header.data_start + spec.begin, offset)
         hi = min(header.data_start + spec.end, offset + len(piece))
         if lo < hi and _bad_bool(piece[lo - offset:hi - offset].tobytes()):
-            return _fail(header.where, f"tensor {spec.name!r} is BOOL but holds bytes other than 0 and 1")
+            return _bool_error(header.where, spec.name)
     return None
 
 
