@@ -15,6 +15,7 @@ from typing import Any
 
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.gate.evidence import MEASURES
+from replayjob.gate.verdict import few
 
 PLOT_HINT = "pip install 'replayjob[plot]'"
 _CELL = 100
@@ -38,20 +39,13 @@ def _cell(v: Any) -> str:
     return text if len(text) <= _CELL else text[: _CELL - 1] + "…"
 
 
-def _offenders(names: list[str]) -> str:
-    if not names:
-        return ""
-    shown = ", ".join(names[:5])
-    return shown + (f" … (+{len(names) - 5})" if len(names) > 5 else "")
-
-
 def _checks(doc: dict[str, Any]) -> list[str]:
     lines = ["## Checks", "", "| check | group | status | expected | observed | offenders |",
              "|---|---|---|---|---|---|"]
     for c in doc["checks"]:
         status = c["status"].upper() if c["status"] in ("fail", "refused") else c["status"]
         lines.append(f"| `{c['name']}` | {c['group']} | {status} | {_cell(c['expected'])} | "
-                     f"{_cell(c['observed'])} | {_cell(_offenders(c['offenders']))} |")
+                     f"{_cell(c['observed'])} | {_cell(few(c['offenders'], 5))} |")
     return [*lines, ""]
 
 

@@ -79,7 +79,7 @@ class Verdict:
         if refusal:
             raise RefusedError(refusal["message"], where=refusal["where"], hint=refusal["hint"])
         bad = [c for c in self.doc["checks"] if c["status"] == self.status]
-        named = "; ".join(c["name"] + (f" ({_few(c['offenders'])})" if c["offenders"] else "") for c in bad)
+        named = "; ".join(c["name"] + (f" ({few(c['offenders'])})" if c["offenders"] else "") for c in bad)
         if self.status == "refused":
             hints = [HINTS[c["name"]] for c in bad if c["name"] in HINTS]
             raise RefusedError(f"evidence refused by {named}", where=self.path, hint="; ".join(hints) or None)
@@ -87,7 +87,8 @@ class Verdict:
                               hint="the checks in the verdict list expected and observed values")
 
 
-def _few(names: list[str], n: int = 4) -> str:
+def few(names: list[str], n: int = 4) -> str:
+    """The first ``n`` names, and how many more."""
     return ", ".join(names[:n]) + (f", ... (+{len(names) - n})" if len(names) > n else "")
 
 
