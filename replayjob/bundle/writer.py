@@ -218,8 +218,8 @@ class BundleWriter:
             _write_new(tmp / fmt.EXPECTED, pretty_bytes(expected))
             manifest_bytes = pretty_bytes(manifest)
             _write_new(tmp / fmt.MANIFEST, manifest_bytes)
-            complete = {"format": fmt.FORMAT, "bundle_id": self.bundle_id,
-                        "manifest_sha256": sha256_bytes(manifest_bytes)}
+            manifest_sha = sha256_bytes(manifest_bytes)
+            complete = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "manifest_sha256": manifest_sha}
             _write_new(tmp / fmt.COMPLETE, pretty_bytes(complete))
             fsync_dir(tmp / fmt.PAYLOADS)  # every name in place and durable before the rename publishes them
             fsync_dir(tmp)
@@ -235,7 +235,7 @@ class BundleWriter:
                 shutil.rmtree(tmp)
             raise
         if self.ranks is not None:
-            self._land_rank(sha256_bytes(manifest_bytes))
+            self._land_rank(manifest_sha)
         return self.root
 
     def _land_rank(self, manifest_sha: str) -> None:
