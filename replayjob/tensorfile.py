@@ -323,7 +323,7 @@ class TensorReader:
     """Random access by name to a validated file (the ``safe_open`` use case), one open descriptor.
 
     With ``expected_sha256`` the whole file is hashed through the open descriptor before any tensor is
-    served.  Use as a context manager; :meth:`get` reads only the named tensor's span.
+    served.  Use as a context manager; :meth:`get_tensor` reads only the named tensor's span.
     """
 
     def __init__(self, path: str | Path, *, expected_sha256: str | None = None,
@@ -342,18 +342,12 @@ class TensorReader:
             os.close(self._fd)
             raise
 
-    def names(self) -> list[str]:
+    def keys(self) -> list[str]:
+        """The tensor names, sorted (``safe_open``'s spelling, so the reader drops in where it was used)."""
         return sorted(self.header.tensors)
 
-    def keys(self) -> list[str]:
-        """``safe_open``'s spelling of :meth:`names`, so the reader drops in where it was used."""
-        return self.names()
-
     def get_tensor(self, name: str) -> torch.Tensor:
-        """``safe_open``'s spelling of :meth:`get`."""
-        return self.get(name)
-
-    def get(self, name: str) -> torch.Tensor:
+        """One tensor, read from its validated span only."""
         spec = self.header.tensors.get(name)
         if spec is None:
             raise IntegrityError(f"no tensor named {name!r}", where=self.path)

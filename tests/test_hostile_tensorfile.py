@@ -88,8 +88,8 @@ def test_valid_file_reads_identically_every_way(tmp_path: Path) -> None:
     loaded = tensorfile.load(p, expected_sha256=pin.upper())  # user pins are case-insensitive
     streamed = dict(tensorfile.iter_tensors(p, expected_sha256=pin))
     with tensorfile.TensorReader(p, expected_sha256=pin) as r:
-        assert r.names() == sorted(tensors)
-        random_access = {k: r.get(k) for k in r.names()}
+        assert r.keys() == sorted(tensors)
+        random_access = {k: r.get_tensor(k) for k in sorted(tensors)}
     scanned = tensorfile.scan(p)
     assert (scanned.sha256, scanned.size) == (pin, len(data)) == (tensorfile.scan(p, keep=False).sha256, len(data))
     for got in (loaded, streamed, random_access, scanned.tensors()):
