@@ -2,7 +2,7 @@
 
 Core kinds are validated with kubernetes-validate at the pinned Kubernetes minor version in strict
 mode (unknown fields are errors); the Argo Workflow against the upstream JSON Schemas in
-``../shared/schemas/argo/`` with ``additionalProperties: false`` added to every object definition.
+``tests/schemas/argo/`` (vendored) with ``additionalProperties: false`` added to every object definition.
 A document whose kind has no schema fails.  Each checker is also shown to reject a planted defect,
 so none of these tests can pass vacuously.
 """
@@ -31,7 +31,7 @@ from replayjob.deploy.commands import SCRIPTS
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "examples" / "ablation.toml"
-ARGO_SCHEMAS = REPO.parent / "shared" / "schemas" / "argo"
+ARGO_SCHEMAS = REPO / "tests" / "schemas" / "argo"  # vendored; source and licence in its README
 ARGO_VERSIONS = ("v4.1.2", "v3.7.18")
 Doc = dict[str, Any]
 
@@ -55,7 +55,7 @@ def all_docs() -> list[tuple[Path, Doc]]:
 @functools.cache
 def argo_validator(version: str) -> jsonschema.protocols.Validator:
     path = ARGO_SCHEMAS / f"argo-workflows-{version}.schema.json"
-    assert path.is_file(), f"missing {path}: shared/ must sit next to the repository"
+    assert path.is_file(), f"missing vendored schema {path}"
     schema = json.loads(path.read_text(encoding="utf-8"))
     for definition in schema["definitions"].values():
         if "properties" in definition and "additionalProperties" not in definition:
