@@ -13,6 +13,7 @@ what a replay would do; it never imports transformers or peft and never touches 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from replayjob.config import Config, from_dict, resolved
 from replayjob.config.diff import differences
+from replayjob.config.schema import OptimizerBatchConfig
 from replayjob.digest import normalize_digest
 from replayjob.errors import ContractError, IntegrityError, RefusedError
 from replayjob.optbatch import knobs, payload
@@ -34,13 +36,35 @@ SKIPPED = ["dataset", "environment", "rollout", "sampling"]
 
 
 @dataclass
-class Admission:
-    """The outcome of :func:`admit`: what was verified, what was found, and every refusal reason."""
+class Refusals:
+    """Reasons a replay is refused, collected rather than raised one by one (shared by every producer)."""
 
-    cfg: Config
-    keep_rows: bool = True  # False: verify streaming, holding no payload rows (explain)
     reasons: list[str] = field(default_factory=list)
     integrity_failed: bool = False
+
+    @property
+    def admitted(self) -> bool:
+        return not self.reasons
+
+    def refuse(self, reason: str, *, integrity: bool = False) -> None:
+        self.reasons.append(reason)
+        self.integrity_failed = self.integrity_failed or integrity
+
+    def raise_for(self, where: str) -> None:
+        """Raise one refusal listing every reason (integrity first in the exit class), or return."""
+        if self.reasons:
+            cls = IntegrityError if self.integrity_failed else ContractError
+            raise cls(f"replay refused ({len(self.reasons)} reason{'s' * (len(self.reasons) > 1)}):\n  - "
+                      + "\n  - ".join(self.reasons), where=where,
+                      hint="fix every listed reason; `replayjob explain CONFIG` re-checks without a model")
+
+
+@dataclass
+class Admission(Refusals):
+    """The outcome of :func:`admit`: what was verified, what was found, and every refusal reason."""
+
+    cfg: Config = field(default_factory=Config)
+    keep_rows: bool = True  # False: verify streaming, holding no payload rows (explain)
     pins: dict[str, str] = field(default_factory=dict)
     manifest: Manifest | None = None
     batch: OptimizerBatch | None = None
@@ -52,21 +76,8 @@ class Admission:
     observed: list[str] = field(default_factory=list)
     contract: dict[str, Any] | None = None
 
-    @property
-    def admitted(self) -> bool:
-        return not self.reasons
-
-    def refuse(self, reason: str, *, integrity: bool = False) -> None:
-        self.reasons.append(reason)
-        self.integrity_failed = self.integrity_failed or integrity
-
     def raise_if_refused(self) -> None:
-        if self.reasons:
-            cls = IntegrityError if self.integrity_failed else ContractError
-            raise cls(f"replay refused ({len(self.reasons)} reason{'s' * (len(self.reasons) > 1)}):\n  - "
-                      + "\n  - ".join(self.reasons),
-                      where=self.cfg.optimizer_batch.replay_path or "optimizer_batch.replay_path",
-                      hint="fix every listed reason; `replayjob explain CONFIG` re-checks without a model")
+        self.raise_for(self.cfg.optimizer_batch.replay_path or "optimizer_batch.replay_path")
 
     @property
     def arm(self) -> str:
@@ -89,27 +100,30 @@ def _check_runner(adm: Admission) -> None:
         adm.refuse("optimizer_batch.capture must be false in a replay config")
 
 
-def _check_pins(adm: Admission) -> None:
-    ob = adm.cfg.optimizer_batch
+def check_pins(ob: OptimizerBatchConfig, out: Refusals, pins: dict[str, str], manifest_name: str) -> None:
+    """Both external pins, the manifest path, the arm name and the tolerance pin of ``[optimizer_batch]``."""
     for key in ("expected_logical_sha256", "expected_manifest_sha256"):
         raw = getattr(ob, key)
         if not raw:
-            adm.refuse(f"optimizer_batch.{key} is required (copy it from the source run's metrics.json)")
+            out.refuse(f"optimizer_batch.{key} is required (copy it from the source run's metrics.json)")
             continue
         try:
-            adm.pins[key] = normalize_digest(raw, what=f"optimizer_batch.{key}")
+            pins[key] = normalize_digest(raw, what=f"optimizer_batch.{key}")
         except IntegrityError as exc:
-            adm.refuse(exc.message, integrity=True)
+            out.refuse(exc.message, integrity=True)
     if not ob.replay_path:
-        adm.refuse("optimizer_batch.replay_path is required (the source's "
-                   "optimizer_batch_step_000000.manifest.json)")
+        out.refuse(f"optimizer_batch.replay_path is required (the source's {manifest_name})")
     if ob.arm == "source":  # the reducer reserves it for the capture run
-        adm.refuse("optimizer_batch.arm 'source' is reserved for the capture run; pick another name")
+        out.refuse("optimizer_batch.arm 'source' is reserved for the capture run; pick another name")
     if ob.tolerances_sha256:  # written into replay_metrics.json, where the reducer requires a digest
         try:
             normalize_digest(ob.tolerances_sha256, what="optimizer_batch.tolerances_sha256")
         except IntegrityError as exc:
-            adm.refuse(exc.message, integrity=True)
+            out.refuse(exc.message, integrity=True)
+
+
+def _check_pins(adm: Admission) -> None:
+    check_pins(adm.cfg.optimizer_batch, adm, adm.pins, "optimizer_batch_step_000000.manifest.json")
 
 
 def _check_artifacts(adm: Admission) -> None:
@@ -184,6 +198,38 @@ def _check_adapter(adm: Admission) -> None:
                    f"started from {adm.manifest.initial_adapter_sha256}")
 
 
+def check_differences(out: Refusals, source: dict[str, Any], replay: dict[str, Any], allowed: list[str],
+                      admissible: Mapping[str, str], ignored: Callable[[str], bool] = knobs.is_ignored) -> list[str]:
+    """Compare two resolved configs against the declared differences; return the observed ones.
+
+    Every declared key must be admissible (a registered systems-only knob, or a key in
+    ``admissible``) and present; every observed difference must be declared.  ``admissible`` maps
+    each admissible key to what it is (named in refusals).
+    """
+    observed = [k for k in differences(source, replay) if not ignored(k)]
+    for key in allowed:
+        if key not in admissible:
+            out.refuse(f"declared difference {key!r} is not a registered systems-only knob (allowed: "
+                       + ", ".join(sorted(admissible)) + ")")
+        elif key not in observed:
+            out.refuse(f"declared difference {key!r} is not present: source and replay agree on it "
+                       "(a stale allowlist; remove it or change the value)")
+    for key in observed:
+        if key not in allowed:
+            kind = admissible.get(key, "key that may change the math")
+            out.refuse(f"undeclared difference {key!r} ({kind}): source "
+                       f"{knobs.lookup(source, key)!r}, replay {knobs.lookup(replay, key)!r}")
+    return observed
+
+
+def check_contract(out: Refusals, source: dict[str, Any], source_sha: str, replay: dict[str, Any]) -> None:
+    """The replay's optimizer contract must equal the source's exactly."""
+    diff = contract_differences(source, replay)
+    if diff:
+        out.refuse("optimizer contract differs from the source's at " + ", ".join(diff)
+                   + f" (source {source_sha}, replay {contract_sha256(replay)})")
+
+
 def _check_contract_and_config(adm: Admission) -> None:
     try:
         adm.contract = optimizer_contract(adm.cfg)
@@ -194,23 +240,9 @@ def _check_contract_and_config(adm: Admission) -> None:
     adm.allowed = sorted(set(adm.cfg.optimizer_batch.allow_config_differences))
     if m is None:
         return
-    diff = contract_differences(m.contract, adm.contract)
-    if diff:
-        adm.refuse("optimizer contract differs from the source's at " + ", ".join(diff)
-                   + f" (source {m.doc['contract']['sha256']}, replay {contract_sha256(adm.contract)})")
-    adm.observed = [k for k in differences(m.config, resolved(adm.cfg)) if not knobs.is_ignored(k)]
-    for key in adm.allowed:
-        if key not in knobs.KNOBS:
-            adm.refuse(f"declared difference {key!r} is not a registered systems-only knob (allowed: "
-                       + ", ".join(sorted(knobs.KNOBS)) + ")")
-        elif key not in adm.observed:
-            adm.refuse(f"declared difference {key!r} is not present: source and replay agree on it "
-                       "(a stale allowlist; remove it or change the value)")
-    for key in adm.observed:
-        if key not in adm.allowed:
-            kind = "systems-only knob" if key in knobs.KNOBS else "key that may change the math"
-            adm.refuse(f"undeclared difference {key!r} ({kind}): source "
-                       f"{knobs.lookup(m.config, key)!r}, replay {knobs.lookup(resolved(adm.cfg), key)!r}")
+    check_contract(adm, m.contract, m.doc["contract"]["sha256"], adm.contract)
+    admissible = {k: "systems-only knob" for k in knobs.KNOBS}
+    adm.observed = check_differences(adm, m.config, resolved(adm.cfg), adm.allowed, admissible)
     declared_knobs = [k for k in adm.allowed if k in knobs.KNOBS and k in adm.observed]
     if declared_knobs:
         try:
@@ -230,7 +262,7 @@ def admit(cfg: Config, keep_rows: bool = True) -> Admission:
     With ``keep_rows`` the admitted rows are kept (``batch``, for a replay); without, the payload is
     verified streaming and memory stays bounded (``explain``).
     """
-    adm = Admission(cfg, keep_rows=keep_rows)
+    adm = Admission(cfg=cfg, keep_rows=keep_rows)
     _check_runner(adm)
     _check_pins(adm)
     _check_artifacts(adm)
@@ -297,9 +329,18 @@ def render(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def explain(config: str | Path, overrides: list[str]) -> tuple[Admission, dict[str, Any]]:
-    """``replayjob explain``: load the config, admit, and build the report."""
+def explain(config: str | Path, overrides: list[str]) -> tuple[Refusals, dict[str, Any]]:
+    """``replayjob explain``: load the config, admit, and build the report.
+
+    A config with an ``[integration]`` table is an external trainer's capture
+    (:mod:`replayjob.integrations.admission`, the same rules).
+    """
+    from replayjob import integrations
     from replayjob.config import load_config
 
+    if integrations.is_integration_config(config):
+        from replayjob.integrations import admission
+
+        return admission.explain(config, overrides)
     adm = admit(load_config(config, overrides), keep_rows=False)
     return adm, report(adm)

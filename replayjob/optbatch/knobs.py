@@ -70,9 +70,33 @@ _KNOBS = (
     Knob("backend.options.attn_implementation",
          "eager and sdpa compute the same softmax(QK^T / sqrt(d) + mask) V; only the kernel "
          "differs", _not_strict),
+    # External trainers (replayjob.integrations): keys of the captured framework config.
+    Knob("trl.gradient_checkpointing",
+         "transformers recomputes each layer's forward on the same inputs during backward, restoring the "
+         "Torch RNG state for the recomputation (LoRA dropout masks repeat), so gradients are the plain forward's"),
+    Knob("trl.gradient_checkpointing_kwargs.use_reentrant",
+         "the reentrant and non-reentrant torch.utils.checkpoint variants recompute the same operations "
+         "with the RNG state preserved; they differ only in how autograd re-enters the recomputation"),
+    Knob("model.attn_implementation",
+         "eager and sdpa compute the same softmax(QK^T / sqrt(d) + mask) V for the model the replay "
+         "loads from the base model directory; only the kernel differs"),
 )
 
 KNOBS: dict[str, Knob] = {k.key: k for k in _KNOBS}
+
+
+# Gradient-checkpointing knobs: the reducer compares the runtime flag a replay reports with these.
+GRADIENT_CHECKPOINTING = ("backend.options.gradient_checkpointing", "trl.gradient_checkpointing")
+
+STACK_PREFIX = "stack."
+STACK_JUSTIFICATION = ("a different framework or library version may change the arithmetic of the update; "
+                       "declared, it is admitted for the approximate claim only, never exact-input or bitwise")
+
+
+def stack_keys(source_resolved: dict[str, Any]) -> list[str]:
+    """The version keys (``stack.<package>``) of an external trainer's captured config."""
+    stack = source_resolved.get("stack")
+    return [STACK_PREFIX + k for k in sorted(stack)] if isinstance(stack, dict) else []
 
 
 def is_ignored(key: str) -> bool:

@@ -176,15 +176,17 @@ def validate(doc: Any, where: Path) -> dict[str, Any]:
     return doc
 
 
-def read_verified(path: str | Path, expected_sha256: str) -> Manifest:
-    """Hash the manifest bytes, compare with the pin, and only then parse and validate them."""
+def read_pinned(path: str | Path, expected_sha256: str, *, hint: str) -> tuple[Path, str, Any]:
+    """Hash a manifest's bytes, compare with the pin, and only then parse them (strict JSON).
+
+    Returns (path, sha256, document); the caller validates the document against its schema.
+    ``hint`` says where the manifest should come from when it is missing.
+    """
     p = Path(path)
     pin = normalize_digest(expected_sha256, what="expected_manifest_sha256")
     try:
         if p.is_symlink() or not p.is_file():
-            raise IntegrityError("capture manifest not found (or not a regular file)", where=p,
-                                 hint="point optimizer_batch.replay_path at the source run's "
-                                      "optimizer_batch_step_000000.manifest.json")
+            raise IntegrityError("capture manifest not found (or not a regular file)", where=p, hint=hint)
         if p.stat().st_size > MAX_MANIFEST_BYTES:
             raise IntegrityError(f"manifest is above the {MAX_MANIFEST_BYTES}-byte limit", where=p)
         data = p.read_bytes()
@@ -195,4 +197,12 @@ def read_verified(path: str | Path, expected_sha256: str) -> Manifest:
         raise IntegrityError(f"manifest SHA-256 is {actual}, the pin expected_manifest_sha256 is {pin}",
                              where=p, hint="the manifest changed after capture, or the pin is from "
                                            "another run; use the digest the source run printed")
-    return Manifest(p, actual, validate(loads_strict(data, where=p), p))
+    return p, actual, loads_strict(data, where=p)
+
+
+def read_verified(path: str | Path, expected_sha256: str) -> Manifest:
+    """Hash the manifest bytes, compare with the pin, and only then parse and validate them."""
+    p, actual, doc = read_pinned(path, expected_sha256,
+                                 hint="point optimizer_batch.replay_path at the source run's "
+                                      "optimizer_batch_step_000000.manifest.json")
+    return Manifest(p, actual, validate(doc, p))

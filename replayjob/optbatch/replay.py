@@ -100,55 +100,104 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
     return metrics
 
 
-def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_train_wall_s: float,
-             peak: int, device: torch.device, checkpointing: bool) -> dict[str, Any]:
-    assert adm.manifest is not None and adm.batch is not None and adm.rng is not None and adm.rows is not None
-    m = adm.manifest
-    logical, effective = adm.batch.digests()  # the rows as replayed, hashed again after the update
+def metrics_document(*, arm: str, repeat_index: int, pins: dict[str, str], manifest_sha256: str,
+                     logical: str, effective: str, initial_adapter_sha256: str, allowed: list[str],
+                     observed: list[str], knob_values: dict[str, Any], checkpointing: bool, loss: float,
+                     grad_norm: float, timing: dict[str, float], peak: int, device: torch.device,
+                     padding: dict[str, Any], rows: dict[str, Any], rng_restored: list[str],
+                     tolerances_sha256: str, config_sha256: str) -> dict[str, Any]:
+    """The ``replay_metrics.json`` document (docs/replay-metrics.md) before the final adapter, provenance
+    and whole-run wall time are added; every producer's replay writes it through this function."""
     return {
         "schema": METRICS_SCHEMA,
         "replayjob_version": replayjob.__version__,
         "torch_version": torch.__version__,
         "device": str(device),
-        "arm": adm.arm,
+        "arm": arm,
         "repeat_index": repeat_index,
-        "pins": {"expected_logical_sha256": adm.pins["expected_logical_sha256"],
-                 "expected_manifest_sha256": adm.pins["expected_manifest_sha256"],
-                 "payload_spans_sha256": m.payload_digest},
+        "pins": pins,
         "optimizer/logical_batch_sha256": logical,
         "optimizer/local_effective_rows_sha256": effective,
-        "optimizer_batch/manifest_sha256": m.sha256,
-        "optimizer_batch/initial_adapter_sha256": m.initial_adapter_sha256,
-        "allowed_config_differences": list(adm.allowed),
-        "observed_config_differences": list(adm.observed),
-        "knobs": adm.knob_values(),
+        "optimizer_batch/manifest_sha256": manifest_sha256,
+        "optimizer_batch/initial_adapter_sha256": initial_adapter_sha256,
+        "allowed_config_differences": list(allowed),
+        "observed_config_differences": list(observed),
+        "knobs": knob_values,
         "skipped": list(SKIPPED),
         "runtime": {"gradient_checkpointing": checkpointing},
-        "loss": res.loss,
-        "grad_norm": res.grad_norm,
-        "timing": {"local_train_wall_s": local_train_wall_s, "forward_wall_s": res.forward_wall_s,
-                   "backward_wall_s": res.backward_wall_s, "optimizer_wall_s": res.optimizer_wall_s},
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "timing": timing,
         "memory": {"peak_bytes": peak,
                    "kind": "cuda_max_allocated" if device.type == "cuda" else "max_rss"},
-        "padding": {"real_tokens": res.real_tokens, "padded_tokens": res.padded_tokens,
-                    "padding_fraction": res.padding_fraction, "micro_batches": res.micro_batches},
-        "rows": adm.rows,  # counted and summed as the payload was verified
-        "rng_restored": sorted(adm.rng),
-        "tolerances_sha256": cfg.optimizer_batch.tolerances_sha256.strip().lower(),  # checked at admission
-        "config_sha256": config_sha256(cfg),
+        "padding": padding,
+        "rows": rows,
+        "rng_restored": rng_restored,
+        "tolerances_sha256": tolerances_sha256.strip().lower(),  # checked at admission
+        "config_sha256": config_sha256,
     }
+
+
+def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_train_wall_s: float,
+             peak: int, device: torch.device, checkpointing: bool) -> dict[str, Any]:
+    assert adm.manifest is not None and adm.batch is not None and adm.rng is not None and adm.rows is not None
+    m = adm.manifest
+    logical, effective = adm.batch.digests()  # the rows as replayed, hashed again after the update
+    return metrics_document(
+        arm=adm.arm, repeat_index=repeat_index,
+        pins={"expected_logical_sha256": adm.pins["expected_logical_sha256"],
+              "expected_manifest_sha256": adm.pins["expected_manifest_sha256"],
+              "payload_spans_sha256": m.payload_digest},
+        manifest_sha256=m.sha256, logical=logical, effective=effective,
+        initial_adapter_sha256=m.initial_adapter_sha256, allowed=adm.allowed, observed=adm.observed,
+        knob_values=adm.knob_values(), checkpointing=checkpointing, loss=res.loss, grad_norm=res.grad_norm,
+        timing={"local_train_wall_s": local_train_wall_s, "forward_wall_s": res.forward_wall_s,
+                "backward_wall_s": res.backward_wall_s, "optimizer_wall_s": res.optimizer_wall_s},
+        peak=peak, device=device,
+        padding={"real_tokens": res.real_tokens, "padded_tokens": res.padded_tokens,
+                 "padding_fraction": res.padding_fraction, "micro_batches": res.micro_batches},
+        rows=adm.rows,  # counted and summed as the payload was verified
+        rng_restored=sorted(adm.rng), tolerances_sha256=cfg.optimizer_batch.tolerances_sha256,
+        config_sha256=config_sha256(cfg))
 
 
 def replay_command(config: str | Path, overrides: list[str], out: str | Path | None,
                    repeat: int | None, repeat_index: int) -> list[tuple[Path, dict[str, Any]]]:
-    """``replayjob replay``: one replay in this process, or ``repeat`` fresh-process replays."""
-    cfg = load_config(config, overrides)
-    out_dir = Path(out or cfg.logging.dir)
+    """``replayjob replay``: one replay in this process, or ``repeat`` fresh-process replays.
+
+    A config with an ``[integration]`` table replays a capture from an external trainer
+    (:mod:`replayjob.integrations`); the fan-out is the same for both.
+    """
+    from replayjob import integrations
+
+    if integrations.is_integration_config(config):
+        from replayjob.integrations import admission
+        from replayjob.integrations import replay as integration_replay
+
+        icfg = admission.load(config, overrides)
+        out_dir = Path(out or ".")
+        if out is None:
+            raise UsageError("an integration replay needs --out DIR")
+
+        def one(d: Path, index: int) -> dict[str, Any]:
+            return integration_replay.replay(icfg, d, index)
+
+        def refuse_early() -> None:
+            admission.admit(icfg).raise_if_refused()
+    else:
+        cfg = load_config(config, overrides)
+        out_dir = Path(out or cfg.logging.dir)
+
+        def one(d: Path, index: int) -> dict[str, Any]:
+            return replay(cfg, d, index)
+
+        def refuse_early() -> None:
+            admit(cfg, keep_rows=False).raise_if_refused()
     if repeat is None:
-        return [(out_dir, replay(cfg, out_dir, repeat_index))]
+        return [(out_dir, one(out_dir, repeat_index))]
     if repeat < 1:
         raise UsageError(f"--repeat must be >= 1, found {repeat}")
-    admit(cfg, keep_rows=False).raise_if_refused()  # refuse once, before starting N processes
+    refuse_early()  # refuse once, before starting N processes
     dirs = [out_dir / f"repeat-{i:03d}" for i in range(repeat)]
     for d in dirs:
         if (d / METRICS_FILE).exists() or (d / FINAL_ADAPTER_DIR).exists():

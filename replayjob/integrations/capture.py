@@ -1,0 +1,428 @@
+"""The public capture API: hand replayjob the batch any PyTorch optimizer step consumes.
+
+A loop (or a framework integration such as :mod:`replayjob.integrations.trl`) drives one
+:class:`StepCapture` through the step it wants to replay::
+
+    cap = StepCapture(out_dir, step=K, framework="torch", model=model, optimizer=opt, scheduler=sched,
+                      base_model_dir=base_dir, config=cfg, contract=contract_of(cfg))
+    cap.begin()                                   # before the first micro-batch of step K
+    for inputs in micro_batches:
+        cap.record(inputs)                        # right before the loss call: inputs + Torch RNG
+        loss = loss_fn(model, inputs); loss.backward(); cap.add_loss(float(loss))
+    clip, optimizer.step(), scheduler.step(), zero_grad
+    result = cap.finish(grad_norm=g)              # after the update: files, manifest last, metrics, replay.toml
+
+What is recorded: every input of every micro-batch in its own dtype (tensors as safetensors,
+JSON-representable values in the manifest), the Torch CPU/CUDA RNG state right before each loss
+call, the trainable (adapter) parameters and the full optimizer and LR-scheduler state just
+before the step, the base model's identity (config and SHA-256 of its safetensors weights; a
+local directory only), the redacted config and contract, and the adapter after the real update.
+
+File discipline: everything is held in memory until :meth:`StepCapture.finish`, which writes the
+safetensors files, then the manifest (exclusively, last), then ``final_adapter/``, ``metrics.json``
+and a ready ``replay.toml`` with the pins filled in.  A step that never finishes writes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import json
+import platform
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import replayjob
+from replayjob import determinism
+from replayjob.config import redact
+from replayjob.digest import sha256_bytes, sha256_file, sha256_json
+from replayjob.errors import ArtifactExistsError, ContractError, RefusedError
+from replayjob.fsio import atomic_write_bytes, atomic_write_text
+from replayjob.integrations import manifest as imanifest
+from replayjob.jsonio import canonical_bytes, pretty_bytes
+from replayjob.rl.state import rng_tensors
+
+FINAL_ADAPTER_FILE = "final_adapter/adapter_model.safetensors"
+METRICS_FILE = "metrics.json"
+REPLAY_TOML = "replay.toml"
+BASE_MODEL_FILES = ("config.json",)  # hashed with every *.safetensors and *.safetensors.index.json
+_PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+EMPTY_STATE = "state.none"  # the optimizer file's one tensor when the optimizer holds no state yet
+STACK = ("torch", "transformers", "peft", "accelerate", "trl")
+
+
+class CaptureError(RefusedError):
+    """The step cannot be captured as asked (a precondition of the capture API does not hold)."""
+
+
+# -- pieces shared by capture and admission ---------------------------------------------------------
+
+def versions(packages: Iterable[str]) -> dict[str, str | None]:
+    """Installed versions (package metadata, nothing imported); None for a package not installed."""
+    out: dict[str, str | None] = {}
+    for name in packages:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def base_model_identity(path: str | Path) -> dict[str, Any]:
+    """The base model as a directory of files: config and safetensors weights, each by SHA-256.
+
+    Refused: a path that is not a local directory, one without ``config.json`` or safetensors
+    weights, and one whose weights are only pickle-based (``.bin``/``.pt``), which replay never loads.
+    """
+    d = Path(path)
+    if not d.is_dir():
+        raise CaptureError("the base model was not loaded from a local directory (its weights must be hashable "
+                           "and loadable at replay)", where=str(path),
+                           hint="download the model to a directory and load it from there "
+                                "(from_pretrained('/path/to/dir'))")
+    names = sorted(p.name for p in d.iterdir() if p.is_file() and not p.is_symlink()
+                   and (p.name in BASE_MODEL_FILES or p.name.endswith((".safetensors", ".safetensors.index.json"))))
+    if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
+        pickled = sorted(p.name for p in d.iterdir() if p.name.endswith(_PICKLE_WEIGHTS))
+        raise CaptureError("the base model directory needs config.json and safetensors weights"
+                           + (f" (found only pickle-based {pickled}, which replayjob never loads)" if pickled else ""),
+                           where=d, hint="save the model with save_pretrained(dir, safe_serialization=True)")
+    files = {n: sha256_file(d / n) for n in names}
+    return {"path": str(d.resolve()), "files": files, "sha256": sha256_json(files)}
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's elements as bytes, in row-major order (the safetensors data layout)."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return bytes(flat.view(torch.uint8).numpy().tobytes()) if flat.numel() else b""
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _json_value(v: Any, where: str) -> Any:
+    if v is None or isinstance(v, bool | int | str):
+        return v
+    if isinstance(v, float):
+        if v != v or v in (float("inf"), float("-inf")):
+            raise CaptureError(f"{where} is a non-finite number", where=where,
+                               hint="only finite inputs can be captured")
+        return v
+    if isinstance(v, list | tuple):
+        return [_json_value(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    if isinstance(v, Mapping) and all(isinstance(k, str) for k in v):
+        return {k: _json_value(x, f"{where}.{k}") for k, x in v.items()}
+    raise CaptureError(f"{where} is a {type(v).__name__}, which is neither a tensor nor a JSON value",
+                       where=where, hint="pass tensors, numbers, strings, lists or None to record()")
+
+
+def split_group(values: Mapping[str, Any], where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors (detached CPU copies in their own dtype) and JSON values of one input mapping."""
+    tensors: dict[str, torch.Tensor] = {}
+    plain: dict[str, Any] = {}
+    for key, v in values.items():
+        if not isinstance(key, str) or not key or "." in key:
+            raise CaptureError(f"{where} key {key!r} must be a non-empty string without '.'", where=where)
+        if isinstance(v, torch.Tensor):
+            tensors[key] = v.detach().to("cpu", copy=True).contiguous()
+        else:
+            plain[key] = _json_value(v, f"{where}.{key}")
+    return tensors, plain
+
+
+def describe(tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> dict[str, Any]:
+    """One micro-batch group as the manifest records it."""
+    return {"tensors": {k: {"dtype": dtype_name(t), "shape": list(t.shape)} for k, t in sorted(tensors.items())},
+            "values": dict(sorted(values.items()))}
+
+
+@dataclass
+class MicroBatch:
+    """One recorded loss call: its inputs, keyword arguments, RNG and accumulation settings."""
+
+    inputs: dict[str, torch.Tensor]
+    input_values: dict[str, Any]
+    call: dict[str, torch.Tensor]
+    call_values: dict[str, Any]
+    rng: dict[str, torch.Tensor]
+    sync_gradients: bool
+    accumulation_steps: int
+
+    def entry(self) -> dict[str, Any]:
+        return {"inputs": describe(self.inputs, self.input_values), "call": describe(self.call, self.call_values),
+                "rng": sorted(self.rng), "sync_gradients": self.sync_gradients,
+                "accumulation_steps": self.accumulation_steps}
+
+    def payload(self, i: int) -> dict[str, torch.Tensor]:
+        out = {f"mb{i:04d}.inputs.{k}": t for k, t in self.inputs.items()}
+        out.update({f"mb{i:04d}.call.{k}": t for k, t in self.call.items()})
+        out.update({f"mb{i:04d}.rng.{k}": t for k, t in self.rng.items()})
+        return out
+
+
+def logical_digest(mbs: list[MicroBatch]) -> str:
+    """SHA-256 over every input (name, dtype, shape, bytes) and value of every micro-batch, in order."""
+    def group(ts: Mapping[str, torch.Tensor], vs: Mapping[str, Any]) -> dict[str, Any]:
+        return {"tensors": {k: [dtype_name(t), list(t.shape), sha256_bytes(tensor_bytes(t))]
+                            for k, t in sorted(ts.items())}, "values": dict(sorted(vs.items()))}
+    return sha256_json([{"inputs": group(m.inputs, m.input_values), "call": group(m.call, m.call_values)}
+                        for m in mbs])
+
+
+def effective_digest(mbs: list[MicroBatch], logical: str) -> str:
+    """The logical digest plus what else each loss call consumed: its RNG states and accumulation settings."""
+    return sha256_json({"logical": logical,
+                        "micro_batches": [{"rng": {k: sha256_bytes(tensor_bytes(t)) for k, t in sorted(m.rng.items())},
+                                           "sync_gradients": m.sync_gradients,
+                                           "accumulation_steps": m.accumulation_steps} for m in mbs]})
+
+
+def rows_summary(mbs: list[MicroBatch]) -> dict[str, int]:
+    ts = [t for m in mbs for t in (*m.inputs.values(), *m.call.values())]
+    return {"micro_batches": len(mbs), "tensors": len(ts), "elements": sum(t.numel() for t in ts),
+            "bytes": sum(t.numel() * t.element_size() for t in ts)}
+
+
+def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The parameters the optimizer updates (``requires_grad``), by name, in the model's order."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def split_optimizer_state(sd: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer ``state_dict`` as tensors (``state.<i>.<key>``) and a JSON description of the rest."""
+    tensors: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    keys: dict[str, list[str]] = {}
+    for idx, entry in sd["state"].items():
+        for key, v in entry.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"state.{idx}.{key}"] = v.detach().to("cpu", copy=True).contiguous()
+                keys.setdefault(str(idx), []).append(key)
+            else:
+                state.setdefault(str(idx), {})[key] = _json_value(v, f"optimizer state {idx}.{key}")
+    groups = [_json_value(g, f"optimizer param_groups[{i}]") for i, g in enumerate(sd["param_groups"])]
+    return tensors, {"param_groups": groups, "state": state, "tensors": {k: sorted(v) for k, v in keys.items()}}
+
+
+def join_optimizer_state(tensors: Mapping[str, torch.Tensor], doc: Mapping[str, Any],
+                         params: list[torch.nn.Parameter], where: str | Path) -> dict[str, Any]:
+    """Rebuild an optimizer ``state_dict`` from :func:`split_optimizer_state`'s parts, checking every
+    tensor's shape against its parameter (a state that does not fit the adapter is refused)."""
+    expected = {f"state.{i}.{k}" for i, ks in doc["tensors"].items() for k in ks} or {EMPTY_STATE}
+    if set(tensors) != expected:
+        raise ContractError(f"optimizer file tensors {sorted(set(tensors) ^ expected)[:5]} do not match the "
+                            "manifest's optimizer description", where=where)
+    state: dict[int, dict[str, Any]] = {}
+    for idx in sorted({*doc["tensors"], *doc["state"]}, key=int):
+        i = int(idx)
+        if not 0 <= i < len(params):
+            raise ContractError(f"optimizer state for parameter {i}, but the adapter has {len(params)}", where=where)
+        entry: dict[str, Any] = dict(doc["state"].get(idx, {}))
+        for key in doc["tensors"].get(idx, []):
+            t = tensors[f"state.{idx}.{key}"]
+            if t.dim() > 0 and tuple(t.shape) != tuple(params[i].shape):
+                raise ContractError(f"optimizer state {idx}.{key} has shape {tuple(t.shape)}, its parameter "
+                                    f"{tuple(params[i].shape)}", where=where)
+            entry[key] = t.to(params[i].device) if t.dim() > 0 else t
+        state[i] = entry
+    groups = copy.deepcopy(doc["param_groups"])
+    for g in groups:
+        if "betas" in g and isinstance(g["betas"], list):
+            g["betas"] = tuple(g["betas"])
+    return {"state": state, "param_groups": groups}
+
+
+def safetensors_bytes(tensors: Mapping[str, torch.Tensor], kind: str) -> bytes:
+    from safetensors.torch import save
+
+    return bytes(save({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()},
+                      metadata={"format": f"replayjob-{kind}"}))
+
+
+def save_adapter(path: Path, model: torch.nn.Module) -> str:
+    """Write the trainable parameters as safetensors (atomically); return the file's SHA-256.
+
+    Capture (after the real update) and replay write the final adapter through this one function,
+    so equal parameters give equal files.
+    """
+    data = safetensors_bytes(trainable_parameters(model), "adapter")
+    atomic_write_bytes(path, data, exclusive=True)
+    return sha256_bytes(data)
+
+
+def _toml_string(s: str) -> str:
+    return json.dumps(s)  # a JSON string is a valid TOML basic string
+
+
+# -- the capture ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CaptureResult:
+    """Where a finished capture wrote its files and the pins a replay needs."""
+
+    out_dir: Path
+    manifest: Path
+    manifest_sha256: str
+    logical_sha256: str
+    replay_toml: Path
+    metrics: dict[str, Any]
+
+
+class StepCapture:
+    """Capture one optimizer step of any PyTorch training loop (see the module docstring).
+
+    Args:
+        out_dir: where the files go; a manifest already there for this step is refused.
+        step: the 0-based optimizer step being captured (recorded; the caller decides when).
+        framework: a key of :data:`replayjob.integrations.FRAMEWORKS` (which module replays it).
+        model, optimizer, scheduler: the live objects; trainable parameters are those with
+            ``requires_grad``, in the order the optimizer holds them.
+        base_model_dir: the local directory the base model was loaded from.
+        config: the resolved config (``{<framework>: ..., "model": ..., ...}``); redacted here.
+        contract: what defines the update's math (redacted here).
+        framework_state: JSON the framework needs to stand its trainer at this step.
+    """
+
+    def __init__(self, out_dir: str | Path, *, step: int, framework: str, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler: Any, base_model_dir: str | Path,
+                 config: dict[str, Any], contract: dict[str, Any],
+                 framework_state: dict[str, Any] | None = None, stack: Iterable[str] = STACK):
+        from replayjob.integrations import FRAMEWORKS
+
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CaptureError(f"step must be an integer >= 0, found {step!r}", where="step")
+        if framework not in FRAMEWORKS:
+            raise CaptureError(f"unknown framework {framework!r}", where="framework",
+                               hint="one of: " + ", ".join(sorted(FRAMEWORKS)))
+        self.out_dir = Path(out_dir)
+        self.names = imanifest.file_names(step)
+        for name in (*self.names.values(), METRICS_FILE, REPLAY_TOML, FINAL_ADAPTER_FILE):
+            if (self.out_dir / name).exists():
+                raise ArtifactExistsError("a capture already exists here", where=self.out_dir / name,
+                                          hint="choose a new output directory")
+        self.step, self.framework = step, framework
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        if not trainable_parameters(model):
+            raise CaptureError("the model has no trainable parameters", where="model")
+        self.base_model = base_model_identity(base_model_dir)  # hashed now: refused before any training
+        self.config: dict[str, Any] = redact({**config, "stack": versions(stack)})
+        self.contract: dict[str, Any] = redact(contract)
+        self.framework_state = _json_value(framework_state or {}, "framework_state")
+        self.micro_batches: list[MicroBatch] = []
+        self.loss = 0.0
+        self._adapter: dict[str, torch.Tensor] | None = None
+        self._optimizer: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+        self.result: CaptureResult | None = None
+
+    @property
+    def active(self) -> bool:
+        """Between :meth:`begin` and :meth:`finish`."""
+        return self._adapter is not None and self.result is None
+
+    def begin(self) -> None:
+        """Snapshot the trainable parameters and the optimizer and scheduler state (before the step)."""
+        self._adapter = {n: p.detach().to("cpu", copy=True) for n, p in trainable_parameters(self.model).items()}
+        tensors, doc = split_optimizer_state(self.optimizer.state_dict())
+        sched = self.scheduler.state_dict() if self.scheduler is not None else None
+        doc["scheduler"] = _json_value(sched, "scheduler state") if sched is not None else None
+        self._optimizer = (tensors, doc)
+
+    def record(self, inputs: Mapping[str, Any], call: Mapping[str, Any] | None = None, *,
+               sync_gradients: bool = True, accumulation_steps: int = 1) -> None:
+        """Record one loss call's inputs (and keyword arguments) with the Torch RNG state right now.
+
+        Call it immediately before the loss function; reading the RNG state consumes no random numbers.
+        """
+        if not self.active:
+            raise CaptureError("record() outside begin() ... finish()", where="StepCapture.record")
+        i = len(self.micro_batches)
+        ins, in_vals = split_group(inputs, f"micro-batch {i} inputs")
+        kw, kw_vals = split_group(call or {}, f"micro-batch {i} call")
+        rng = {k: t.clone() for k, t in rng_tensors().items()}
+        self.micro_batches.append(MicroBatch(ins, in_vals, kw, kw_vals, rng, bool(sync_gradients),
+                                             int(accumulation_steps)))
+
+    def add_loss(self, value: float) -> None:
+        """Add one micro-batch's reported loss to the step's loss (in the order the loop sums it)."""
+        self.loss += float(value)
+
+    def abandon(self) -> None:
+        """Drop everything recorded; nothing was written."""
+        self._adapter, self._optimizer, self.micro_batches = None, None, []
+
+    def finish(self, *, grad_norm: float | None = None) -> CaptureResult:
+        """After the real update: write payload, adapter and optimizer files, the manifest (last),
+        the final adapter, metrics.json and replay.toml; return the pins."""
+        if not self.active or self._optimizer is None or self._adapter is None:
+            raise CaptureError("finish() without begin()", where="StepCapture.finish")
+        if not self.micro_batches:
+            raise CaptureError(f"no micro-batch was recorded at step {self.step}", where="StepCapture.finish",
+                               hint="call record() right before each loss call of the step")
+        out, names = self.out_dir, self.names
+        trainable = list(self._adapter)
+        payload: dict[str, torch.Tensor] = {}
+        for i, mb in enumerate(self.micro_batches):
+            payload.update(mb.payload(i))
+        opt_tensors, opt_doc = self._optimizer
+        if not opt_tensors:  # safetensors needs one tensor; an empty state (step 0) records its absence
+            opt_tensors = {EMPTY_STATE: torch.zeros(0)}
+            opt_doc = {**opt_doc, "tensors": {}}
+        files: dict[str, dict[str, Any]] = {}
+        for role, tensors in (("payload", payload), ("adapter", self._adapter), ("optimizer", opt_tensors)):
+            data = safetensors_bytes(tensors, role)
+            atomic_write_bytes(out / names[role], data, exclusive=True)
+            files[role] = {"file": names[role], "size": len(data), "sha256": sha256_bytes(data)}
+        logical = logical_digest(self.micro_batches)
+        effective = effective_digest(self.micro_batches, logical)
+        doc = {
+            "schema": imanifest.SCHEMA, "framework": self.framework, "step": self.step,
+            "producer": {"replayjob": replayjob.__version__, "python": platform.python_version(),
+                         "device": str(next(iter(trainable_parameters(self.model).values())).device),
+                         "versions": self.config["stack"], "determinism": determinism.snapshot()},
+            "files": files, "micro_batches": [m.entry() for m in self.micro_batches],
+            "optimizer": opt_doc, "trainable": trainable, "framework_state": self.framework_state,
+            "rows": rows_summary(self.micro_batches),
+            "logical_batch_sha256": logical, "local_effective_rows_sha256": effective,
+            "config": {"sha256": sha256_json(self.config), "resolved": self.config},
+            "contract": {"sha256": sha256_json(self.contract), "value": self.contract},
+            "base_model": self.base_model,
+        }
+        json.loads(canonical_bytes(doc))  # every field is JSON before anything declares the capture complete
+        manifest_path = out / names["manifest"]
+        manifest_sha = imanifest.write(manifest_path, doc)
+        final_sha = save_adapter(out / FINAL_ADAPTER_FILE, self.model)
+        metrics = {
+            "framework": self.framework, "step": self.step,
+            "optimizer/logical_batch_sha256": logical, "optimizer/local_effective_rows_sha256": effective,
+            "optimizer_batch/manifest_sha256": manifest_sha,
+            "optimizer_batch/initial_adapter_sha256": files["adapter"]["sha256"],
+            "optimizer_batch/final_adapter_sha256": final_sha, "final_adapter_path": FINAL_ADAPTER_FILE,
+            "optimizer_batch/manifest_path": names["manifest"],
+            "loss": self.loss, "grad_norm": None if grad_norm is None else float(grad_norm),
+            "config": self.config,
+        }
+        atomic_write_bytes(out / METRICS_FILE, pretty_bytes(metrics), exclusive=True)
+        replay_toml = out / REPLAY_TOML
+        atomic_write_text(replay_toml, self._replay_toml(manifest_path.resolve(), manifest_sha, logical),
+                          exclusive=True)
+        self.result = CaptureResult(out, manifest_path, manifest_sha, logical, replay_toml, metrics)
+        return self.result
+
+    def _replay_toml(self, manifest: Path, manifest_sha: str, logical: str) -> str:
+        return "\n".join([
+            f"# Replay of optimizer step {self.step} captured from {self.framework}.",
+            "# `replayjob explain` checks it without a model; `replayjob replay --out DIR` runs one update.",
+            f"# A systems-only difference: --set {self.framework}.<key>=VALUE (or model.attn_implementation)",
+            "# and declare it in optimizer_batch.allow_config_differences.",
+            "[integration]", f"framework = {_toml_string(self.framework)}", "",
+            "[model]", f"path = {_toml_string(self.base_model['path'])}", "",
+            "[optimizer_batch]", f"replay_path = {_toml_string(str(manifest))}",
+            f"expected_logical_sha256 = {_toml_string(logical)}",
+            f"expected_manifest_sha256 = {_toml_string(manifest_sha)}",
+            "allow_config_differences = []", 'arm = ""', "",
+        ])

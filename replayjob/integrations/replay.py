@@ -1,0 +1,154 @@
+"""One replayed update of an external trainer's capture, shared by every framework.
+
+Order: admission (:mod:`~replayjob.integrations.admission`; nothing is built unless it admits),
+the framework's session (its own trainer on the base model, no dataset, reward or generation),
+the captured adapter copied into the trainable parameters (re-hashed after loading), the captured
+optimizer and LR-scheduler state, then for each captured micro-batch the framework's own training
+step with the Torch RNG state restored right before its loss call, then the framework's clip /
+optimizer step / scheduler step / zero-grad sequence, exactly once.  ``replay_metrics.json`` is
+written through :func:`replayjob.optbatch.replay.metrics_document`, so ``reduce`` reads it unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replayjob import determinism
+from replayjob.digest import sha256_bytes
+from replayjob.errors import ArtifactExistsError, ContractError
+from replayjob.fsio import atomic_write_bytes
+from replayjob.integrations import capture as cap
+from replayjob.integrations import framework_module
+from replayjob.integrations.admission import Admission, ReplayConfig, admit
+from replayjob.jsonio import pretty_bytes
+from replayjob.optbatch.replay import METRICS_FILE, metrics_document
+from replayjob.rl.diag import peak_memory_value
+from replayjob.rl.state import restore_rng
+
+
+class ReplaySession:
+    """What a framework module's ``build_replay(adm, out)`` returns: its trainer, stood at the step.
+
+    ``micro_batch`` runs one captured micro-batch through the framework's own training step and
+    calls ``before_loss`` immediately before the loss; ``step`` performs the framework's clip,
+    optimizer step, scheduler step and zero-grad once and returns the pre-clip gradient norm.
+    ``backward_wall_s`` accumulates the time spent in backward when the framework can tell it.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+    device: torch.device = torch.device("cpu")
+    backward_wall_s: float = 0.0
+
+    def micro_batch(self, mb: cap.MicroBatch, inputs: dict[str, Any], call: dict[str, Any],
+                    before_loss: Callable[[], None]) -> float:
+        raise NotImplementedError
+
+    def step(self) -> float:
+        raise NotImplementedError
+
+    def gradient_checkpointing(self) -> bool:
+        flag = getattr(self.model, "is_gradient_checkpointing", None)
+        return bool(flag) if isinstance(flag, bool) else False
+
+
+def _on(device: torch.device, group: dict[str, torch.Tensor], values: dict[str, Any]) -> dict[str, Any]:
+    return {**{k: t.to(device) for k, t in group.items()}, **values}
+
+
+def padding(mbs: list[cap.MicroBatch]) -> dict[str, Any]:
+    """Real and padded positions, counted over every captured input named ``*mask``."""
+    masks = [t for m in mbs for k, t in m.inputs.items() if k.endswith("mask")]
+    total = sum(t.numel() for t in masks)
+    real = sum(int(torch.count_nonzero(t)) for t in masks)
+    return {"real_tokens": real, "padded_tokens": total - real,
+            "padding_fraction": (total - real) / total if total else 0.0, "micro_batches": len(mbs)}
+
+
+def load_state(adm: Admission, session: ReplaySession) -> None:
+    """Copy the captured adapter into the trainable parameters and load the optimizer and scheduler state."""
+    m = adm.manifest
+    assert m is not None and adm.adapter is not None and adm.optimizer is not None
+    params = cap.trainable_parameters(session.model)
+    if list(params) != list(m.doc["trainable"]):
+        missing = sorted(set(m.doc["trainable"]) - set(params))
+        extra = sorted(set(params) - set(m.doc["trainable"]))
+        raise ContractError(f"the rebuilt model's trainable parameters differ from the capture's (missing "
+                            f"{missing[:3]}, extra {extra[:3]}, or another order)", where=m.file("adapter"))
+    with torch.no_grad():
+        for name, p in params.items():
+            t = adm.adapter[name]
+            if t.shape != p.shape or t.dtype != p.dtype:
+                raise ContractError(f"adapter tensor {name} is {t.dtype}{list(t.shape)}, the model's parameter "
+                                    f"{p.dtype}{list(p.shape)}", where=m.file("adapter"))
+            p.copy_(t)
+    loaded = sha256_bytes(cap.safetensors_bytes(params, "adapter"))
+    if loaded != m.initial_adapter_sha256:  # the bytes the model now holds are the pinned ones
+        raise ContractError(f"the loaded adapter hashes to {loaded}, the manifest pins {m.initial_adapter_sha256}",
+                            where=m.file("adapter"))
+    ordered = [p for g in session.optimizer.param_groups for p in g["params"]]
+    doc = m.doc["optimizer"]
+    session.optimizer.load_state_dict(cap.join_optimizer_state(adm.optimizer, doc, ordered, m.file("optimizer")))
+    if doc["scheduler"] is not None:
+        if session.scheduler is None:
+            raise ContractError("the capture holds an LR-scheduler state but the rebuilt trainer has no scheduler",
+                                where=m.path)
+        session.scheduler.load_state_dict(doc["scheduler"])
+
+
+def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0) -> dict[str, Any]:
+    """Admit, then run one replay into ``out``; return (and write) replay_metrics.json."""
+    adm = admit(cfg)
+    adm.raise_if_refused()
+    for name in (METRICS_FILE, cap.FINAL_ADAPTER_FILE):
+        if (out / name).exists():
+            raise ArtifactExistsError("output directory already holds a replay", where=out / name,
+                                      hint="choose a new --out directory")
+    m, mbs = adm.manifest, adm.micro_batches
+    assert m is not None and mbs is not None and adm.resolved is not None
+    t_start = time.perf_counter()
+    prov = determinism.establish(strict=False, seed=None)
+    session: ReplaySession = framework_module(m.framework).build_replay(adm, out)
+    determinism.mark_model_built(False)
+    load_state(adm, session)
+    prov["attn_implementation"] = adm.resolved.get("model", {}).get("attn_implementation")
+    prov["device"] = str(session.device)
+    if session.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(session.device)
+    loss = 0.0
+    t0 = time.perf_counter()
+    for mb in mbs:
+        loss += session.micro_batch(mb, _on(session.device, mb.inputs, mb.input_values),
+                                    _on(session.device, mb.call, mb.call_values),
+                                    lambda mb=mb: restore_rng(mb.rng))  # type: ignore[misc]
+    t1 = time.perf_counter()
+    grad_norm = session.step()
+    t2 = time.perf_counter()
+    peak = peak_memory_value(session.device)
+    final_sha = cap.save_adapter(out / cap.FINAL_ADAPTER_FILE, session.model)
+    metrics = metrics_document(
+        arm=adm.arm, repeat_index=repeat_index,
+        pins={"expected_logical_sha256": adm.pins["expected_logical_sha256"],
+              "expected_manifest_sha256": adm.pins["expected_manifest_sha256"],
+              "payload_spans_sha256": m.file_sha256("payload")},
+        manifest_sha256=m.sha256, logical=cap.logical_digest(mbs),  # the inputs as replayed, hashed again
+        effective=cap.effective_digest(mbs, cap.logical_digest(mbs)), initial_adapter_sha256=m.initial_adapter_sha256,
+        allowed=adm.allowed, observed=adm.observed, knob_values=adm.knob_values(),
+        checkpointing=session.gradient_checkpointing(), loss=loss, grad_norm=grad_norm,
+        timing={"local_train_wall_s": t2 - t0, "forward_wall_s": max(t1 - t0 - session.backward_wall_s, 0.0),
+                "backward_wall_s": session.backward_wall_s, "optimizer_wall_s": t2 - t1},
+        peak=peak, device=session.device, padding=padding(mbs), rows=dict(m.doc["rows"]),
+        rng_restored=sorted({k for mb in mbs for k in mb.rng}),
+        tolerances_sha256=cfg.optimizer_batch.tolerances_sha256, config_sha256=cfg.sha256)
+    metrics.update({"framework": m.framework, "step": m.step,
+                    "optimizer_batch/final_adapter_sha256": final_sha,
+                    "final_adapter_path": cap.FINAL_ADAPTER_FILE, "provenance": prov,
+                    "wall_s": time.perf_counter() - t_start})
+    atomic_write_bytes(out / METRICS_FILE, pretty_bytes(metrics), exclusive=True)
+    return metrics
