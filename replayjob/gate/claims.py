@@ -21,8 +21,8 @@ from typing import Any
 
 from replayjob.digest import sha256_file
 from replayjob.errors import ReplayjobError
-from replayjob.gate.evidence import GC_KEY, REQUIRED_SKIPS, Replay, Source, Tolerances
-from replayjob.optbatch.knobs import KNOBS
+from replayjob.gate.evidence import REQUIRED_SKIPS, Replay, Source, Tolerances
+from replayjob.optbatch.knobs import GRADIENT_CHECKPOINTING, KNOBS
 
 PASS, FAIL, REFUSED, NOT_APPLICABLE = "pass", "fail", "refused", "not_applicable"
 
@@ -68,11 +68,16 @@ class Arm:
         return all(k in KNOBS for k in self.knobs)
 
     def intended_gc(self, source: Source | None) -> bool:
+        """The arm's gradient checkpointing: its declared knob, else the source's setting (any producer's key)."""
         knobs = self.knobs
-        if GC_KEY in knobs:
-            return bool(knobs[GC_KEY])
-        value = source.config_value(GC_KEY) if source is not None else None
-        return bool(value) if isinstance(value, bool) else False
+        for key in GRADIENT_CHECKPOINTING:
+            if key in knobs:
+                return bool(knobs[key])
+        for key in GRADIENT_CHECKPOINTING:
+            value = source.config_value(key) if source is not None else None
+            if isinstance(value, bool):
+                return value
+        return False
 
 
 def group_arms(replays: Iterable[Replay]) -> dict[str, Arm]:
@@ -179,6 +184,12 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
     checks.append(Check("exact.config_differences", g, FAIL if bad else PASS,
                         {a.name: sorted(a.knobs) for a in arms.values()}, observed,
                         "allowed == observed config differences == the arm's declared knobs", tuple(bad)))
+    unregistered = {a.name: sorted(k for k in a.knobs if k not in KNOBS) for a in arms.values()}
+    unregistered = {k: v for k, v in unregistered.items() if v}
+    checks.append(Check("exact.systems_only", g, FAIL if unregistered else PASS, "registered systems-only knobs",
+                        unregistered, "every declared difference is a registered systems-only knob (a declared "
+                        "stack or math difference is for the approximate claim only)",
+                        tuple(r.label for a in arms.values() if a.name in unregistered for r in a.replays)))
     missing = {r.label: sorted(set(REQUIRED_SKIPS) - set(r.skipped)) for r in replays}
     missing = {k: v for k, v in missing.items() if v}
     checks.append(Check("exact.skipped", g, FAIL if missing else PASS, list(REQUIRED_SKIPS),

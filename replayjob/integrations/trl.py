@@ -86,8 +86,10 @@ def jsonable(value: Any) -> Any:
 def _trl_config(args: Any) -> dict[str, Any]:
     d = jsonable(args.to_dict())
     for key in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
-        if key in d and d[key] is None:
-            d[key] = {}  # transformers reads None and {} alike; {} makes use_reentrant an addressable key
+        if key in d and isinstance(d[key] or {}, dict):
+            # None, {} and {"use_reentrant": None} all mean the library default; recording the key
+            # explicitly makes the reentrant variant one addressable knob (use_reentrant = true/false).
+            d[key] = {"use_reentrant": None, **(d[key] or {})}
     out: dict[str, Any] = d
     return out
 
@@ -107,11 +109,10 @@ def contract(resolved: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _base_model(trainer: Any) -> torch.nn.Module:
+def _base_model(trainer: Any) -> Any:
     model = trainer.model
     get = getattr(model, "get_base_model", None)
-    base: torch.nn.Module = get() if callable(get) else model
-    return base
+    return get() if callable(get) else model
 
 
 def capture_optimizer_batch(trainer: Any, out_dir: str | Path, step: int = 0) -> TRLCapture:
@@ -158,7 +159,7 @@ class TRLCapture:
         self._out = out_dir
         handle = self
 
-        class _Callback(TrainerCallback):  # type: ignore[misc]
+        class _Callback(TrainerCallback):
             def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
                 if state.global_step == handle.step and handle._cap is None:
                     handle._begin(state)
@@ -187,7 +188,7 @@ class TRLCapture:
         self._cap.begin()
 
     def _wrap(self) -> None:
-        t = self.trainer
+        t: Any = self.trainer
         compute_loss, training_step, get_grad_norm = t.compute_loss, t.training_step, t._get_grad_norm
 
         def recording_compute_loss(model: Any, inputs: dict[str, Any], *a: Any, **kw: Any) -> Any:
@@ -240,7 +241,7 @@ def _no_dataset(*args: Any, **kwargs: Any) -> Any:
     raise _Refused("a replay read the dataset")
 
 
-def _no_reward(*args: Any, **kwargs: Any) -> list[float]:
+def _no_reward(*args: Any, **kwargs: Any) -> list[float | None]:
     raise _Refused("a replay called a reward function")
 
 
@@ -273,7 +274,7 @@ def _grpo_config(values: dict[str, Any], out: Path) -> Any:
         if name in values:
             kwargs[alias] = values[name]
     for key in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
-        kwargs[key] = kwargs.get(key) or None
+        kwargs[key] = {k: v for k, v in (kwargs.get(key) or {}).items() if v is not None} or None
     args = GRPOConfig(output_dir=str(out / "trainer"), report_to=[], **kwargs)
     built = _trl_config(args)
     off = sorted(k for k, v in values.items()
@@ -297,8 +298,9 @@ class TRLSession(ReplaySession):
         assert m is not None and r is not None
         base = str(r["model"]["path"])
         dtype = getattr(torch, str(r["model"]["dtype"]))
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, local_files_only=True, use_safetensors=True,
-                                                     attn_implementation=r["model"]["attn_implementation"])
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            base, dtype=dtype, local_files_only=True, use_safetensors=True,
+            attn_implementation=r["model"]["attn_implementation"])
         try:
             tok = AutoTokenizer.from_pretrained(base, local_files_only=True)
         except (OSError, ValueError) as exc:
@@ -307,8 +309,9 @@ class TRLSession(ReplaySession):
                                     "built; the replay never tokenises)") from None
         peft = {k: v for k, v in r["peft"].items() if k in {f.name for f in dataclasses.fields(LoraConfig)}}
         args = _grpo_config(r[FRAMEWORK], out)
-        trainer = GRPOTrainer(model=model, reward_funcs=[_no_reward], args=args, train_dataset=_placeholder_dataset(),
-                              processing_class=tok, peft_config=LoraConfig(**peft))
+        trainer: Any = GRPOTrainer(model=model, reward_funcs=[_no_reward], args=args,
+                                   train_dataset=_placeholder_dataset(), processing_class=tok,
+                                   peft_config=LoraConfig(**peft))
         trainer._generate_and_score_completions = _no_generation
         trainer._generate = _no_generation
         trainer._prepare_inputs = lambda inputs: inputs  # the captured dict is what _prepare_inputs returned

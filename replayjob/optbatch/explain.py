@@ -50,6 +50,9 @@ class Refusals:
         self.reasons.append(reason)
         self.integrity_failed = self.integrity_failed or integrity
 
+    def raise_if_refused(self) -> None:
+        self.raise_for("replay config")
+
     def raise_for(self, where: str) -> None:
         """Raise one refusal listing every reason (integrity first in the exit class), or return."""
         if self.reasons:
