@@ -1,0 +1,269 @@
+"""TRL integration: a real GRPOTrainer step captured, explained, replayed and reduced.
+
+The scenario: a tiny Qwen2 built from a config and a character-level tokenizer built offline with
+the ``tokenizers`` library, saved to a local directory; GRPOTrainer with LoRA (dropout 0.1),
+beta 0.04, num_iterations 2, gradient accumulation 2, a reward with variance; capture at step 1.
+One capture per session (``trl_capture``); refusals run in-process on copies of it.  Nothing is
+downloaded (HF_HUB_OFFLINE=1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("trl", reason="the TRL tests need the 'trl' extra: pip install -e '.[trl]'")
+os.environ["HF_HUB_OFFLINE"] = "1"  # inherited by the replay subprocesses
+
+import torch
+
+from replayjob.cli import main
+from replayjob.digest import sha256_bytes, sha256_json
+from replayjob.integrations import capture as cap
+from replayjob.jsonio import canonical_bytes
+
+STEP = 1
+GC = ["--set", "trl.gradient_checkpointing=true",
+      "--set", 'optimizer_batch.allow_config_differences=["trl.gradient_checkpointing"]']
+
+
+def build_base(d: Path) -> Path:
+    """A tiny Qwen2 from a config and a character-level tokenizer, both saved to ``d`` (nothing fetched)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{chr(c): i + 2 for i, c in enumerate(range(32, 127))}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False, eos_token_id=1, pad_token_id=0)
+    Qwen2ForCausalLM(cfg).save_pretrained(d)
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(d)
+    return d
+
+
+def reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """Varies within a group (so advantages are non-zero)."""
+    return [float(c.count("1")) + 0.5 * (len(c) % 3) for c in completions]
+
+
+def grpo(base: Path, out: Path, *, capture_step: int | None = None, max_steps: int = 3) -> tuple[Any, Any]:
+    """Build the GRPOTrainer of the scenario, optionally instrument it, train; return (trainer, capture)."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from replayjob.integrations.trl import capture_optimizer_batch
+
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    args = GRPOConfig(output_dir=str(out / "trainer"), per_device_train_batch_size=4, num_generations=4,
+                      gradient_accumulation_steps=2, num_iterations=2, beta=0.04, max_completion_length=6,
+                      max_steps=max_steps, logging_steps=1, report_to=[], use_cpu=True, gradient_checkpointing=False,
+                      seed=7, save_strategy="no", learning_rate=1e-2, bf16=False, disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": [f"{i}+{i + 1}=" for i in range(16)]}),
+                          processing_class=tok,
+                          peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, task_type="CAUSAL_LM",
+                                                 target_modules=["q_proj", "v_proj"]))
+    handle = capture_optimizer_batch(trainer, out, step=capture_step) if capture_step is not None else None
+    trainer.train()
+    return trainer, handle
+
+
+@pytest.fixture(scope="session")
+def trl_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_base(tmp_path_factory.mktemp("trl_base"))
+
+
+@pytest.fixture(scope="session")
+def trl_capture(trl_base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The scenario trained for 3 steps with step 1 captured (shared: copy before modifying)."""
+    out = tmp_path_factory.mktemp("trl_capture")
+    trainer, handle = grpo(trl_base, out, capture_step=STEP)
+    return {"dir": out, "result": handle.result, "log": trainer.state.log_history,
+            "adapter": {n: p.detach().clone() for n, p in cap.trainable_parameters(trainer.model).items()}}
+
+
+def _metrics(d: Path, name: str = "metrics.json") -> dict[str, Any]:
+    out: dict[str, Any] = json.loads((d / name).read_text())
+    return out
+
+
+def test_capture_writes_the_step_with_pins_and_a_ready_replay_toml(trl_capture: dict[str, Any]) -> None:
+    d, res = trl_capture["dir"], trl_capture["result"]
+    m = json.loads(res.manifest.read_text())
+    assert m["step"] == STEP and m["framework"] == "trl"
+    assert len(m["micro_batches"]) == 2  # gradient accumulation 2
+    keys = set(m["micro_batches"][0]["inputs"]["tensors"])
+    assert {"prompt_ids", "completion_ids", "completion_mask", "advantages", "old_per_token_logps",
+            "ref_per_token_logps", "num_items_in_batch"} <= keys
+    assert m["micro_batches"][0]["sync_gradients"] is False and m["micro_batches"][1]["sync_gradients"] is True
+    assert m["optimizer"]["tensors"] and m["optimizer"]["scheduler"]["last_epoch"] == STEP  # K > 0: Adam moments
+    assert set(m["config"]["resolved"]["stack"]) == set(cap.STACK)
+    metrics = _metrics(d)
+    log = [h for h in trl_capture["log"] if "grad_norm" in h]
+    assert metrics["grad_norm"] == log[STEP]["grad_norm"]
+    assert metrics["optimizer_batch/manifest_sha256"] == res.manifest_sha256 == sha256_bytes(res.manifest.read_bytes())
+    toml = res.replay_toml.read_text()
+    assert res.manifest_sha256 in toml and res.logical_sha256 in toml
+    assert main(["explain", str(res.replay_toml)]) == 0
+
+
+def test_capture_does_not_change_training(trl_base: Path, trl_capture: dict[str, Any], tmp_path: Path) -> None:
+    trainer, _ = grpo(trl_base, tmp_path)  # capture off
+    on = [(h.get("loss"), h.get("grad_norm")) for h in trl_capture["log"]]
+    off = [(h.get("loss"), h.get("grad_norm")) for h in trainer.state.log_history]
+    assert on == off and len(on) == 4  # three steps and the summary, bitwise equal
+    final = cap.trainable_parameters(trainer.model)
+    assert set(final) == set(trl_capture["adapter"])
+    assert all(torch.equal(final[n], t) for n, t in trl_capture["adapter"].items())
+
+
+def test_same_condition_replay_is_bitwise_and_reads_no_dataset(trl_capture: dict[str, Any], tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+    import trl
+
+    calls: list[str] = []
+
+    def spy(cls: Any, name: str) -> None:
+        orig = getattr(cls, name)
+
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            calls.append(name)
+            return orig(*a, **kw)
+        monkeypatch.setattr(cls, name, wrapped)
+
+    for name in ("_generate_and_score_completions", "_generate", "_calculate_rewards", "get_train_dataloader",
+                 "_prepare_inputs"):
+        spy(trl.GRPOTrainer, name)
+    for name in ("__getitem__", "__iter__"):
+        spy(datasets.Dataset, name)
+    res = trl_capture["result"]
+    assert main(["replay", str(res.replay_toml), "--out", str(tmp_path / "r")]) == 0
+    assert calls == []  # no generation, reward, dataloader, dataset row or input preparation
+    r, s = _metrics(tmp_path / "r", "replay_metrics.json"), _metrics(res.out_dir)
+    assert r["optimizer_batch/final_adapter_sha256"] == s["optimizer_batch/final_adapter_sha256"]
+    assert r["optimizer_batch/final_adapter_sha256"] != r["optimizer_batch/initial_adapter_sha256"]
+    assert r["loss"] == s["loss"] and r["grad_norm"] == s["grad_norm"]
+    assert r["optimizer/logical_batch_sha256"] == s["optimizer/logical_batch_sha256"]
+    assert r["arm"] == "baseline" and r["skipped"] == ["dataset", "environment", "rollout", "sampling"]
+
+
+def _copy(trl_capture: dict[str, Any], tmp_path: Path) -> Path:
+    d = tmp_path / "cap"
+    shutil.copytree(trl_capture["dir"], d, ignore=shutil.ignore_patterns("trainer"))
+    return d
+
+
+def _flip(p: Path, offset: int = -3) -> None:
+    data = bytearray(p.read_bytes())
+    data[offset] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
+def _explain(toml: Path, capsys: pytest.CaptureFixture[str], *sets: str) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(["explain", str(toml), *sets])
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def _pins(d: Path) -> list[str]:
+    """Point the copied replay.toml at the copy (its manifest path is absolute)."""
+    name = f"optimizer_batch_step_{STEP:06d}.manifest.json"
+    return ["--set", f'optimizer_batch.replay_path="{d / name}"']
+
+
+@pytest.mark.parametrize(("case", "cause"), [
+    ("payload byte", "payload"),
+    ("optimizer state", "optimizer state"),
+    ("wrong pin", "wrong logical pin"),
+    ("different base model", "different base model"),
+    ("undeclared difference", "undeclared difference 'trl.gradient_checkpointing'"),
+    ("undeclared math change", "optimizer contract differs from the source's at update.beta"),
+])
+def test_refusals_name_the_cause(case: str, cause: str, trl_capture: dict[str, Any], trl_base: Path,
+                                 tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = _copy(trl_capture, tmp_path)
+    sets = _pins(d)
+    stem = f"optimizer_batch_step_{STEP:06d}"
+    if case == "payload byte":
+        _flip(d / f"{stem}.safetensors")
+    elif case == "optimizer state":
+        _flip(d / f"{stem}.optimizer.safetensors")
+    elif case == "wrong pin":
+        sets += ["--set", f'optimizer_batch.expected_logical_sha256="{"0" * 64}"']
+    elif case == "different base model":
+        other = tmp_path / "other_base"
+        shutil.copytree(trl_base, other)
+        _flip(other / "model.safetensors")
+        sets += ["--set", f'model.path="{other}"']
+    elif case == "undeclared difference":
+        sets += ["--set", "trl.gradient_checkpointing=true"]
+    else:
+        sets += ["--set", "trl.beta=0.1"]
+    rc, text = _explain(d / "replay.toml", capsys, *sets)
+    assert rc == 2, text
+    assert cause in text and "Traceback" not in text
+    assert main(["replay", str(d / "replay.toml"), "--out", str(tmp_path / "r"), *sets]) == 2
+    assert not (tmp_path / "r" / "replay_metrics.json").exists()
+
+
+def _as_other_trl_version(src: Path, d: Path, version: str) -> str:
+    """The capture as a different TRL version would have recorded it: the manifest's stack entry changed and
+    its embedded digest recomputed, so only the version differs.  (Another TRL cannot be installed offline.)"""
+    name = f"optimizer_batch_step_{STEP:06d}.manifest.json"
+    doc = json.loads((src / name).read_text())
+    doc["config"]["resolved"]["stack"]["trl"] = version
+    doc["config"]["sha256"] = sha256_json(doc["config"]["resolved"])
+    data = canonical_bytes(doc) + b"\n"
+    (d / name).write_bytes(data)
+    return sha256_bytes(data)
+
+
+def test_trl_version_change_refused_unless_declared_then_approximate_only(
+        trl_capture: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = _copy(trl_capture, tmp_path)
+    pin = _as_other_trl_version(trl_capture["dir"], d, "1.15.0")
+    sets = [*_pins(d), "--set", f'optimizer_batch.expected_manifest_sha256="{pin}"']
+    rc, text = _explain(d / "replay.toml", capsys, *sets)
+    assert rc == 2 and "undeclared difference 'stack.trl'" in text and "1.15.0" in text, text
+    declared = [*sets, "--set", 'optimizer_batch.allow_config_differences=["stack.trl"]']
+    rc, text = _explain(d / "replay.toml", capsys, *declared)
+    assert rc == 0, text
+    # admitted for the approximate claim only: the exact-input gate refuses to call it systems-only
+    from replayjob.gate.claims import Arm, exact_input_checks
+    from replayjob.gate.evidence import read_replay
+
+    assert main(["replay", str(d / "replay.toml"), "--out", str(tmp_path / "r"), *declared]) == 0
+    rep = read_replay(tmp_path / "r" / "replay_metrics.json")
+    arm = Arm(rep.arm, [rep])
+    check = next(c for c in exact_input_checks([rep], {rep.arm: arm}, None) if c.name == "exact.systems_only")
+    assert check.status == "fail" and rep.knobs == {"stack.trl": "1.16.0"}
+
+
+@pytest.mark.slow
+def test_reduce_gates_pass_over_fresh_replays(trl_capture: dict[str, Any], tmp_path: Path) -> None:
+    """3 fresh-process replays per arm (baseline, gradient checkpointing): exact-input and bitwise pass."""
+    res = trl_capture["result"]
+    reps = tmp_path / "replays"
+    assert main(["replay", str(res.replay_toml), "--out", str(reps / "baseline"), "--repeat", "3"]) == 0
+    assert main(["replay", str(res.replay_toml), "--out", str(reps / "ckpt"), "--repeat", "3", *GC]) == 0
+    gc = _metrics(reps / "ckpt" / "repeat-000", "replay_metrics.json")
+    assert gc["runtime"]["gradient_checkpointing"] is True and gc["arm"] == "gradient_checkpointing=true"
+    common = ["--source", str(res.out_dir), "--baseline", "baseline"]
+    assert main(["reduce", str(reps), "--claim", "exact-input", "--arms", "baseline,gradient_checkpointing=true",
+                 "--out", str(tmp_path / "exact.json"), *common]) == 0
+    assert main(["reduce", str(reps / "baseline"), "--claim", "bitwise", "--arms", "baseline",
+                 "--out", str(tmp_path / "bitwise.json"), *common]) == 0
