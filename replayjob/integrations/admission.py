@@ -266,6 +266,13 @@ def _check_config(adm: Admission) -> None:
         adm.refuse(exc.diagnostics())
         return
     check_contract(adm, m.contract, m.doc["contract"]["sha256"], adm.contract)
+    check_entry = getattr(framework_module(cfg.framework), "check_entry", None)
+    if check_entry is not None:
+        why = check_entry(cfg.entry, m.doc["framework_state"].get("entry"))
+        if why:
+            adm.refuse(f"integration.entry: {why}")
+    elif cfg.entry:
+        adm.refuse(f"integration.entry is not used by framework {cfg.framework!r}; remove it")
     admissible = {k: "systems-only knob" for k in knobs.KNOBS}
     admissible.update({k: "stack difference, admitted for the approximate claim only" for k in knobs.stack_keys(src)})
     adm.observed = check_differences(adm, src, resolved, adm.allowed, admissible, ignored=_ignored)

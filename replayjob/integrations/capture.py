@@ -4,12 +4,13 @@ A loop (or a framework integration such as :mod:`replayjob.integrations.trl`) dr
 :class:`StepCapture` through the step it wants to replay::
 
     cap = StepCapture(out_dir, step=K, framework="torch", model=model, optimizer=opt, scheduler=sched,
-                      base_model_dir=base_dir, config=cfg, contract=contract_of(cfg))
+                      base_model_dir=base_dir, config={"torch": cfg, "model": {"path": base_dir}},
+                      entry="my_loop.py:replay_target")
     cap.begin()                                   # before the first micro-batch of step K
     for inputs in micro_batches:
         cap.record(inputs)                        # right before the loss call: inputs + Torch RNG
         loss = loss_fn(model, inputs); loss.backward(); cap.add_loss(float(loss))
-    clip, optimizer.step(), scheduler.step(), zero_grad
+    g = optimizer_step(model, opt, sched, max_grad_norm)   # clip, step, schedule, zero_grad
     result = cap.finish(grad_norm=g)              # after the update: files, manifest last, metrics, replay.toml
 
 What is recorded: every input of every micro-batch in its own dtype (tensors as safetensors,
@@ -283,15 +284,18 @@ class StepCapture:
         model, optimizer, scheduler: the live objects; trainable parameters are those with
             ``requires_grad``, in the order the optimizer holds them.
         base_model_dir: the local directory the base model was loaded from.
-        config: the resolved config (``{<framework>: ..., "model": ..., ...}``); redacted here.
-        contract: what defines the update's math (redacted here).
+        config: the resolved config (``{<framework>: ..., "model": {"path": ...}, ...}``); redacted
+            here, with the installed ``stack`` versions added.  The contract is derived from it by
+            the framework module's ``contract()``, the function admission applies to the replay.
         framework_state: JSON the framework needs to stand its trainer at this step.
+        entry: framework ``"torch"``: the replay target ``FILE.py:function`` (see
+            :mod:`replayjob.integrations.torch_loop`); its file is pinned by SHA-256.
     """
 
     def __init__(self, out_dir: str | Path, *, step: int, framework: str, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: Any, base_model_dir: str | Path,
-                 config: dict[str, Any], contract: dict[str, Any],
-                 framework_state: dict[str, Any] | None = None, stack: Iterable[str] = STACK):
+                 config: dict[str, Any], framework_state: dict[str, Any] | None = None, stack: Iterable[str] = STACK,
+                 entry: str = ""):
         from replayjob.integrations import FRAMEWORKS
 
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -311,8 +315,18 @@ class StepCapture:
             raise CaptureError("the model has no trainable parameters", where="model")
         self.base_model = base_model_identity(base_model_dir)  # hashed now: refused before any training
         self.config: dict[str, Any] = redact({**config, "stack": versions(stack)})
-        self.contract: dict[str, Any] = redact(contract)
-        self.framework_state = _json_value(framework_state or {}, "framework_state")
+        from replayjob.integrations import framework_module
+
+        # the framework module's own contract function, the one admission applies to the replay's config
+        self.contract: dict[str, Any] = redact(framework_module(framework).contract(self.config))
+        state = dict(framework_state or {})
+        self.entry = ""
+        if entry:  # a plain loop's replay target (FILE.py:function), pinned by the file's SHA-256
+            from replayjob.integrations.torch_loop import entry_identity
+
+            state["entry"] = ident = entry_identity(entry)
+            self.entry = f"{ident['file']}:{ident['function']}"
+        self.framework_state = _json_value(state, "framework_state")
         self.micro_batches: list[MicroBatch] = []
         self.loss = 0.0
         self._adapter: dict[str, torch.Tensor] | None = None
@@ -419,7 +433,8 @@ class StepCapture:
             "# `replayjob explain` checks it without a model; `replayjob replay --out DIR` runs one update.",
             f"# A systems-only difference: --set {self.framework}.<key>=VALUE (or model.attn_implementation)",
             "# and declare it in optimizer_batch.allow_config_differences.",
-            "[integration]", f"framework = {_toml_string(self.framework)}", "",
+            "[integration]", f"framework = {_toml_string(self.framework)}",
+            *([f"entry = {_toml_string(self.entry)}"] if self.entry else []), "",
             "[model]", f"path = {_toml_string(self.base_model['path'])}", "",
             "[optimizer_batch]", f"replay_path = {_toml_string(str(manifest))}",
             f"expected_logical_sha256 = {_toml_string(logical)}",

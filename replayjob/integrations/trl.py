@@ -183,7 +183,6 @@ class TRLCapture:
         self._cap = cap.StepCapture(
             self._out, step=self.step, framework=FRAMEWORK, model=t.model, optimizer=t.optimizer,
             scheduler=t.lr_scheduler, base_model_dir=self._base_dir, config=self._config,
-            contract=contract(self._config),
             framework_state={"global_step": state.global_step, "max_steps": state.max_steps})
         self._cap.begin()
 
