@@ -19,7 +19,7 @@ from replayjob.cli import main
 PROBE = ("import json, sys\n"
          "from replayjob.cli import main\n"
          "rc = main(sys.argv[2:])\n"
-         "heavy = sorted(m for m in ('transformers', 'peft') if m in sys.modules)\n"
+         "heavy = sorted(m for m in ('transformers', 'peft', 'trl') if m in sys.modules)\n"
          "open(sys.argv[1], 'w').write(json.dumps({'rc': rc, 'heavy': heavy}))\n")
 
 
@@ -69,6 +69,12 @@ def test_command_imports_neither_transformers_nor_peft(label: str, inputs: dict[
     result = probe(_argv(label, inputs), tmp_path / "probe.json")
     assert result["rc"] == 0, f"{label} did not accept its valid input (exit {result['rc']})"
     assert result["heavy"] == [], f"replayjob {label} imported {result['heavy']}"
+
+
+def test_explain_of_a_trl_capture_imports_no_framework(trl_capture: dict[str, object], tmp_path: Path) -> None:
+    """explain of an external trainer's capture uses the framework module's contract, not the framework."""
+    result = probe(["explain", str(trl_capture["dir"] / "replay.toml")], tmp_path / "probe.json")  # type: ignore[operator]
+    assert result["rc"] == 0 and result["heavy"] == []
 
 
 def test_refused_input_imports_neither(inputs: dict[str, Path], tmp_path: Path) -> None:

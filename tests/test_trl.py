@@ -21,77 +21,16 @@ pytest.importorskip("trl", reason="the TRL tests need the 'trl' extra: pip insta
 os.environ["HF_HUB_OFFLINE"] = "1"  # inherited by the replay subprocesses
 
 import torch
+from conftest import TRL_STEP as STEP
+from conftest import grpo
 
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes, sha256_json
 from replayjob.integrations import capture as cap
 from replayjob.jsonio import canonical_bytes
 
-STEP = 1
 GC = ["--set", "trl.gradient_checkpointing=true",
       "--set", 'optimizer_batch.allow_config_differences=["trl.gradient_checkpointing"]']
-
-
-def build_base(d: Path) -> Path:
-    """A tiny Qwen2 from a config and a character-level tokenizer, both saved to ``d`` (nothing fetched)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    vocab = {"<pad>": 0, "<eos>": 1, **{chr(c): i + 2 for i, c in enumerate(range(32, 127))}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=False, eos_token_id=1, pad_token_id=0)
-    Qwen2ForCausalLM(cfg).save_pretrained(d)
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(d)
-    return d
-
-
-def reward(completions: list[str], **kwargs: Any) -> list[float]:
-    """Varies within a group (so advantages are non-zero)."""
-    return [float(c.count("1")) + 0.5 * (len(c) % 3) for c in completions]
-
-
-def grpo(base: Path, out: Path, *, capture_step: int | None = None, max_steps: int = 3) -> tuple[Any, Any]:
-    """Build the GRPOTrainer of the scenario, optionally instrument it, train; return (trainer, capture)."""
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
-    from replayjob.integrations.trl import capture_optimizer_batch
-
-    tok = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
-    args = GRPOConfig(output_dir=str(out / "trainer"), per_device_train_batch_size=4, num_generations=4,
-                      gradient_accumulation_steps=2, num_iterations=2, beta=0.04, max_completion_length=6,
-                      max_steps=max_steps, logging_steps=1, report_to=[], use_cpu=True, gradient_checkpointing=False,
-                      seed=7, save_strategy="no", learning_rate=1e-2, bf16=False, disable_tqdm=True)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args,
-                          train_dataset=Dataset.from_dict({"prompt": [f"{i}+{i + 1}=" for i in range(16)]}),
-                          processing_class=tok,
-                          peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, task_type="CAUSAL_LM",
-                                                 target_modules=["q_proj", "v_proj"]))
-    handle = capture_optimizer_batch(trainer, out, step=capture_step) if capture_step is not None else None
-    trainer.train()
-    return trainer, handle
-
-
-@pytest.fixture(scope="session")
-def trl_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_base(tmp_path_factory.mktemp("trl_base"))
-
-
-@pytest.fixture(scope="session")
-def trl_capture(trl_base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The scenario trained for 3 steps with step 1 captured (shared: copy before modifying)."""
-    out = tmp_path_factory.mktemp("trl_capture")
-    trainer, handle = grpo(trl_base, out, capture_step=STEP)
-    return {"dir": out, "result": handle.result, "log": trainer.state.log_history,
-            "adapter": {n: p.detach().clone() for n, p in cap.trainable_parameters(trainer.model).items()}}
 
 
 def _metrics(d: Path, name: str = "metrics.json") -> dict[str, Any]:
