@@ -83,8 +83,9 @@ def reward(completions: list[str], **kwargs: Any) -> list[float]:
     return [float(c.count("1")) + 0.5 * (len(c) % 3) for c in completions]
 
 
-def grpo(base: Path, out: Path, *, capture_step: int | None = None, max_steps: int = 3) -> tuple[Any, Any]:
-    """Build the GRPOTrainer of the scenario, optionally instrument it, train; return (trainer, capture)."""
+def grpo(base: Path, out: Path, *, capture_step: int | None = None, max_steps: int = 3,
+         train: bool = True) -> tuple[Any, Any]:
+    """Build the GRPOTrainer of the scenario, optionally instrument it and train; return (trainer, capture)."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -104,7 +105,8 @@ def grpo(base: Path, out: Path, *, capture_step: int | None = None, max_steps: i
                           peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, task_type="CAUSAL_LM",
                                                  target_modules=["q_proj", "v_proj"]))
     handle = capture_optimizer_batch(trainer, out, step=capture_step) if capture_step is not None else None
-    trainer.train()
+    if train:
+        trainer.train()
     return trainer, handle
 
 

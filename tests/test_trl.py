@@ -99,6 +99,25 @@ def test_same_condition_replay_is_bitwise_and_reads_no_dataset(trl_capture: dict
     assert r["arm"] == "baseline" and r["skipped"] == ["dataset", "environment", "rollout", "sampling"]
 
 
+def test_step_zero_replays_bitwise_from_an_empty_optimizer(trl_base: Path, tmp_path: Path) -> None:
+    _, handle = grpo(trl_base, tmp_path / "cap", capture_step=0, max_steps=1)
+    res = handle.result
+    assert json.loads(res.manifest.read_text())["optimizer"]["tensors"] == {}  # no Adam state before step 0
+    assert main(["replay", str(res.replay_toml), "--out", str(tmp_path / "r")]) == 0
+    r, s = _metrics(tmp_path / "r", "replay_metrics.json"), _metrics(res.out_dir)
+    assert r["optimizer_batch/final_adapter_sha256"] == s["optimizer_batch/final_adapter_sha256"]
+
+
+def test_capture_refuses_a_base_model_not_in_a_local_directory(trl_base: Path, tmp_path: Path) -> None:
+    from replayjob.integrations.trl import capture_optimizer_batch
+
+    trainer, _ = grpo(trl_base, tmp_path, train=False)
+    trainer.model.get_base_model().config._name_or_path = "Qwen/Qwen2-0.5B"  # as if loaded from the Hub
+    with pytest.raises(cap.CaptureError, match="not loaded from a local directory"):
+        capture_optimizer_batch(trainer, tmp_path / "cap", step=0)
+    assert not (tmp_path / "cap").exists()
+
+
 def _copy(trl_capture: dict[str, Any], tmp_path: Path) -> Path:
     d = tmp_path / "cap"
     shutil.copytree(trl_capture["dir"], d, ignore=shutil.ignore_patterns("trainer"))
