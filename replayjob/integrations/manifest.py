@@ -32,18 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replayjob.digest import normalize_digest, sha256_bytes, sha256_json
-from replayjob.errors import IntegrityError
+from replayjob.digest import sha256_bytes, sha256_json
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import canonical_bytes
-from replayjob.optbatch.manifest import file_stem, read_pinned
+from replayjob.optbatch.manifest import PinnedManifest, file_stem, is_int, need, need_hex, read_pinned, validate_pins
 
 SCHEMA = "replayjob.integration_capture/v1"
 FILES = ("payload", "adapter", "optimizer")
 _KEYS = {"schema", "framework", "step", "producer", "files", "micro_batches", "optimizer", "trainable",
          "framework_state", "rows", "logical_batch_sha256", "local_effective_rows_sha256", "config",
          "contract", "base_model"}
-_HINT = "the manifest is malformed; capture the step again"
 
 
 def file_names(step: int) -> dict[str, str]:
@@ -54,12 +52,8 @@ def file_names(step: int) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class Manifest:
+class Manifest(PinnedManifest):
     """A verified integration capture manifest."""
-
-    path: Path
-    sha256: str
-    doc: dict[str, Any]
 
     @property
     def framework(self) -> str:
@@ -76,26 +70,8 @@ class Manifest:
         return str(self.doc["files"][role]["sha256"])
 
     @property
-    def logical_sha256(self) -> str:
-        return str(self.doc["logical_batch_sha256"])
-
-    @property
-    def effective_sha256(self) -> str:
-        return str(self.doc["local_effective_rows_sha256"])
-
-    @property
     def initial_adapter_sha256(self) -> str:
         return self.file_sha256("adapter")
-
-    @property
-    def config(self) -> dict[str, Any]:
-        out: dict[str, Any] = self.doc["config"]["resolved"]
-        return out
-
-    @property
-    def contract(self) -> dict[str, Any]:
-        out: dict[str, Any] = self.doc["contract"]["value"]
-        return out
 
     @property
     def micro_batches(self) -> list[dict[str, Any]]:
@@ -111,93 +87,75 @@ def write(path: Path, doc: dict[str, Any]) -> str:
     return sha256_bytes(data)
 
 
-def _need(cond: bool, what: str, where: Path) -> None:
-    if not cond:
-        raise IntegrityError(f"manifest field {what}", where=where, hint=_HINT)
 
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _hex(v: Any, what: str, where: Path) -> None:
-    _need(isinstance(v, str) and len(v) == 64 and normalize_digest(v, what=what) == v,
-          f"{what} is not a lowercase hex SHA-256", where)
 
 
 def _bare(name: Any, what: str, where: Path) -> None:
-    _need(isinstance(name, str) and name == Path(name).name and not name.startswith(".")
+    need(isinstance(name, str) and name == Path(name).name and not name.startswith(".")
           and "\\" not in name and name not in ("", ".."), f"{what} must be a bare file name, found {name!r}",
           where)
 
 
 def _group(g: Any, what: str, where: Path) -> None:
-    _need(isinstance(g, dict) and set(g) == {"tensors", "values"} and isinstance(g["tensors"], dict)
+    need(isinstance(g, dict) and set(g) == {"tensors", "values"} and isinstance(g["tensors"], dict)
           and isinstance(g["values"], dict), f"{what} needs objects 'tensors' and 'values'", where)
     for name, spec in g["tensors"].items():
-        _need(isinstance(spec, dict) and set(spec) == {"dtype", "shape"} and isinstance(spec["dtype"], str)
-              and isinstance(spec["shape"], list) and all(_is_int(n) and n >= 0 for n in spec["shape"]),
+        need(isinstance(spec, dict) and set(spec) == {"dtype", "shape"} and isinstance(spec["dtype"], str)
+              and isinstance(spec["shape"], list) and all(is_int(n) and n >= 0 for n in spec["shape"]),
               f"{what}.tensors.{name} needs dtype and a shape of non-negative integers", where)
-    _need(not set(g["tensors"]) & set(g["values"]), f"{what}: a key is both a tensor and a value", where)
+    need(not set(g["tensors"]) & set(g["values"]), f"{what}: a key is both a tensor and a value", where)
 
 
 def validate(doc: Any, where: Path) -> dict[str, Any]:
     """Check every field's presence and type, and recompute the embedded digests."""
-    _need(isinstance(doc, dict), "document must be a JSON object", where)
-    _need(doc.get("schema") == SCHEMA, f"'schema' must be {SCHEMA!r}, found {doc.get('schema')!r}", where)
-    _need(set(doc) == _KEYS, f"keys must be exactly {sorted(_KEYS)}; unknown {sorted(set(doc) - _KEYS)}, "
+    need(isinstance(doc, dict), "document must be a JSON object", where)
+    need(doc.get("schema") == SCHEMA, f"'schema' must be {SCHEMA!r}, found {doc.get('schema')!r}", where)
+    need(set(doc) == _KEYS, f"keys must be exactly {sorted(_KEYS)}; unknown {sorted(set(doc) - _KEYS)}, "
           f"missing {sorted(_KEYS - set(doc))}", where)
-    _need(isinstance(doc["framework"], str) and doc["framework"] != "", "'framework' must be a name", where)
-    _need(_is_int(doc["step"]) and doc["step"] >= 0, "'step' must be an integer >= 0", where)
+    need(isinstance(doc["framework"], str) and doc["framework"] != "", "'framework' must be a name", where)
+    need(is_int(doc["step"]) and doc["step"] >= 0, "'step' must be an integer >= 0", where)
     for sec in ("producer", "files", "optimizer", "framework_state", "rows", "config", "contract", "base_model"):
-        _need(isinstance(doc[sec], dict), f"'{sec}' must be an object", where)
+        need(isinstance(doc[sec], dict), f"'{sec}' must be an object", where)
     files = doc["files"]
-    _need(set(files) == set(FILES), f"'files' needs exactly {list(FILES)}", where)
+    need(set(files) == set(FILES), f"'files' needs exactly {list(FILES)}", where)
     for role in FILES:
         f = files[role]
-        _need(isinstance(f, dict) and set(f) == {"file", "size", "sha256"}, f"'files.{role}' needs file, size, "
+        need(isinstance(f, dict) and set(f) == {"file", "size", "sha256"}, f"'files.{role}' needs file, size, "
               "sha256", where)
         _bare(f["file"], f"files.{role}.file", where)
-        _need(str(f["file"]).endswith(".safetensors"), f"files.{role}.file must be a .safetensors file", where)
-        _need(_is_int(f["size"]) and f["size"] > 0, f"files.{role}.size must be a positive integer", where)
-        _hex(f["sha256"], f"files.{role}.sha256", where)
+        need(str(f["file"]).endswith(".safetensors"), f"files.{role}.file must be a .safetensors file", where)
+        need(is_int(f["size"]) and f["size"] > 0, f"files.{role}.size must be a positive integer", where)
+        need_hex(f["sha256"], f"files.{role}.sha256", where)
     mbs = doc["micro_batches"]
-    _need(isinstance(mbs, list) and len(mbs) > 0, "'micro_batches' must be a non-empty list", where)
+    need(isinstance(mbs, list) and len(mbs) > 0, "'micro_batches' must be a non-empty list", where)
     for i, mb in enumerate(mbs):
         w = f"micro_batches[{i}]"
-        _need(isinstance(mb, dict) and set(mb) == {"inputs", "call", "rng", "sync_gradients", "accumulation_steps"},
+        need(isinstance(mb, dict) and set(mb) == {"inputs", "call", "rng", "sync_gradients", "accumulation_steps"},
               f"{w} needs inputs, call, rng, sync_gradients, accumulation_steps", where)
         _group(mb["inputs"], f"{w}.inputs", where)
         _group(mb["call"], f"{w}.call", where)
-        _need(isinstance(mb["rng"], list) and "cpu" in mb["rng"] and all(isinstance(k, str) for k in mb["rng"]),
+        need(isinstance(mb["rng"], list) and "cpu" in mb["rng"] and all(isinstance(k, str) for k in mb["rng"]),
               f"{w}.rng must list 'cpu'", where)
-        _need(isinstance(mb["sync_gradients"], bool), f"{w}.sync_gradients must be true or false", where)
-        _need(_is_int(mb["accumulation_steps"]) and mb["accumulation_steps"] >= 1,
+        need(isinstance(mb["sync_gradients"], bool), f"{w}.sync_gradients must be true or false", where)
+        need(is_int(mb["accumulation_steps"]) and mb["accumulation_steps"] >= 1,
               f"{w}.accumulation_steps must be an integer >= 1", where)
     opt = doc["optimizer"]
-    _need(set(opt) == {"param_groups", "state", "tensors", "scheduler"} and isinstance(opt["param_groups"], list)
+    need(set(opt) == {"param_groups", "state", "tensors", "scheduler"} and isinstance(opt["param_groups"], list)
           and isinstance(opt["state"], dict) and isinstance(opt["tensors"], dict)
           and (opt["scheduler"] is None or isinstance(opt["scheduler"], dict)),
           "'optimizer' needs param_groups (list), state, tensors (objects), scheduler (object or null)", where)
     tr = doc["trainable"]
-    _need(isinstance(tr, list) and len(tr) > 0 and all(isinstance(n, str) and n for n in tr)
+    need(isinstance(tr, list) and len(tr) > 0 and all(isinstance(n, str) and n for n in tr)
           and len(set(tr)) == len(tr), "'trainable' must list distinct parameter names", where)
-    _hex(doc["logical_batch_sha256"], "logical_batch_sha256", where)
-    _hex(doc["local_effective_rows_sha256"], "local_effective_rows_sha256", where)
-    for sec, inner in (("config", "resolved"), ("contract", "value")):
-        s = doc[sec]
-        _need(set(s) == {"sha256", inner} and isinstance(s[inner], dict),
-              f"'{sec}' needs sha256 and an object '{inner}'", where)
-        _hex(s["sha256"], f"{sec}.sha256", where)
-        _need(sha256_json(s[inner]) == s["sha256"], f"'{sec}.sha256' does not match its content", where)
+    validate_pins(doc, where)
     bm = doc["base_model"]
-    _need(set(bm) == {"path", "files", "sha256"} and isinstance(bm["path"], str) and isinstance(bm["files"], dict)
+    need(set(bm) == {"path", "files", "sha256"} and isinstance(bm["path"], str) and isinstance(bm["files"], dict)
           and len(bm["files"]) > 0, "'base_model' needs path, files (non-empty object), sha256", where)
     for name, digest in bm["files"].items():
         _bare(name, "base_model.files key", where)
-        _hex(digest, f"base_model.files.{name}", where)
-    _hex(bm["sha256"], "base_model.sha256", where)
-    _need(sha256_json(bm["files"]) == bm["sha256"], "'base_model.sha256' does not match its files", where)
+        need_hex(digest, f"base_model.files.{name}", where)
+    need_hex(bm["sha256"], "base_model.sha256", where)
+    need(sha256_json(bm["files"]) == bm["sha256"], "'base_model.sha256' does not match its files", where)
     return doc
 
 

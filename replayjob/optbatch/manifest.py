@@ -48,23 +48,12 @@ def manifest_name(step: int) -> str:
 
 
 @dataclass(frozen=True)
-class Manifest:
+class PinnedManifest:
+    """A verified capture manifest: the fields every producer's manifest shares."""
+
     path: Path
     sha256: str
     doc: dict[str, Any]
-
-    @property
-    def payload_path(self) -> Path:
-        return self.path.parent / str(self.doc["payload"]["file"])
-
-    @property
-    def payload_digest(self) -> str:
-        """The payload's span digest (not the file's plain SHA-256; see :mod:`replayjob.optbatch.payload`)."""
-        return str(self.doc["payload"]["spans_sha256"])
-
-    @property
-    def payload_size(self) -> int:
-        return int(self.doc["payload"]["size"])
 
     @property
     def logical_sha256(self) -> str:
@@ -83,6 +72,24 @@ class Manifest:
     def contract(self) -> dict[str, Any]:
         out: dict[str, Any] = self.doc["contract"]["value"]
         return out
+
+
+@dataclass(frozen=True)
+class Manifest(PinnedManifest):
+    """The built-in trainer's capture manifest."""
+
+    @property
+    def payload_path(self) -> Path:
+        return self.path.parent / str(self.doc["payload"]["file"])
+
+    @property
+    def payload_digest(self) -> str:
+        """The payload's span digest (not the file's plain SHA-256; see :mod:`replayjob.optbatch.payload`)."""
+        return str(self.doc["payload"]["spans_sha256"])
+
+    @property
+    def payload_size(self) -> int:
+        return int(self.doc["payload"]["size"])
 
     @property
     def initial_adapter_sha256(self) -> str:
@@ -117,61 +124,67 @@ def write(path: Path, doc: dict[str, Any]) -> str:
     return sha256_bytes(data)
 
 
-def _need(cond: bool, what: str, where: Path) -> None:
+def need(cond: bool, what: str, where: Path) -> None:
+    """Refuse a malformed manifest field (every producer's manifest reader uses it)."""
     if not cond:
         raise IntegrityError(f"manifest field {what}", where=where,
-                             hint="the manifest is malformed; recapture the source step")
+                             hint="the manifest is malformed; capture the step again")
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _hex(v: Any, what: str, where: Path) -> None:
+def need_hex(v: Any, what: str, where: Path) -> None:
     try:
-        _need(normalize_digest(v, what=what) == v, f"{what} is not a lowercase hex SHA-256", where)
+        need(normalize_digest(v, what=what) == v, f"{what} is not a lowercase hex SHA-256", where)
     except IntegrityError as exc:
         raise IntegrityError(f"manifest field {exc.message}", where=where) from None
 
 
+def validate_pins(doc: dict[str, Any], where: Path) -> None:
+    """The digests every manifest carries: logical and effective rows, config and contract (recomputed)."""
+    need_hex(doc["logical_batch_sha256"], "logical_batch_sha256", where)
+    need_hex(doc["local_effective_rows_sha256"], "local_effective_rows_sha256", where)
+    for sec, inner in (("config", "resolved"), ("contract", "value")):
+        s = doc[sec]
+        need(isinstance(s, dict) and set(s) == {"sha256", inner} and isinstance(s[inner], dict),
+             f"'{sec}' needs sha256 and an object '{inner}'", where)
+        need_hex(s["sha256"], f"{sec}.sha256", where)
+        need(sha256_json(s[inner]) == s["sha256"], f"'{sec}.sha256' does not match its content", where)
+
+
 def validate(doc: Any, where: Path) -> dict[str, Any]:
     """Check every field's presence and type, and recompute the embedded digests."""
-    _need(isinstance(doc, dict), "document must be a JSON object", where)
+    need(isinstance(doc, dict), "document must be a JSON object", where)
     if isinstance(doc.get("schema"), str) and doc["schema"] in OLD_SCHEMAS:
         raise IntegrityError(f"manifest schema {doc['schema']!r} is from an older replayjob; this one reads "
                              f"{SCHEMA!r}", where=where,
                              hint="recapture the source step with this version of replayjob")
-    _need(doc.get("schema") == SCHEMA, f"'schema' must be {SCHEMA!r}, found {doc.get('schema')!r}", where)
-    _need(set(doc) == _KEYS, f"keys must be exactly {sorted(_KEYS)}; unknown "
+    need(doc.get("schema") == SCHEMA, f"'schema' must be {SCHEMA!r}, found {doc.get('schema')!r}", where)
+    need(set(doc) == _KEYS, f"keys must be exactly {sorted(_KEYS)}; unknown "
           f"{sorted(set(doc) - _KEYS)}, missing {sorted(_KEYS - set(doc))}", where)
-    _need(_is_int(doc["step"]) and doc["step"] == 0, "'step' must be 0 (capture covers step zero only)", where)
+    need(is_int(doc["step"]) and doc["step"] == 0, "'step' must be 0 (capture covers step zero only)", where)
     for sec in ("producer", "payload", "rows", "config", "contract", "initial_adapter"):
-        _need(isinstance(doc[sec], dict), f"'{sec}' must be an object", where)
+        need(isinstance(doc[sec], dict), f"'{sec}' must be an object", where)
     p = doc["payload"]
-    _need(set(p) == {"file", "size", "spans_sha256", "rng_keys"},
+    need(set(p) == {"file", "size", "spans_sha256", "rng_keys"},
           "'payload' needs file, size, spans_sha256, rng_keys", where)
     name = p["file"]
-    _need(isinstance(name, str) and name.endswith(".safetensors") and "/" not in name and "\\" not in name
+    need(isinstance(name, str) and name.endswith(".safetensors") and "/" not in name and "\\" not in name
           and not name.startswith(".") and name == Path(name).name,
           f"'payload.file' must be a bare .safetensors file name, found {name!r}", where)
-    _need(_is_int(p["size"]) and p["size"] > 0, "'payload.size' must be a positive integer", where)
-    _hex(p["spans_sha256"], "payload.spans_sha256", where)
-    _need(isinstance(p["rng_keys"], list) and "cpu" in p["rng_keys"]
+    need(is_int(p["size"]) and p["size"] > 0, "'payload.size' must be a positive integer", where)
+    need_hex(p["spans_sha256"], "payload.spans_sha256", where)
+    need(isinstance(p["rng_keys"], list) and "cpu" in p["rng_keys"]
           and all(isinstance(k, str) for k in p["rng_keys"]), "'payload.rng_keys' must list 'cpu'", where)
-    _hex(doc["logical_batch_sha256"], "logical_batch_sha256", where)
-    _hex(doc["local_effective_rows_sha256"], "local_effective_rows_sha256", where)
-    for sec, inner in (("config", "resolved"), ("contract", "value")):
-        s = doc[sec]
-        _need(set(s) == {"sha256", inner} and isinstance(s[inner], dict),
-              f"'{sec}' needs sha256 and an object '{inner}'", where)
-        _hex(s["sha256"], f"{sec}.sha256", where)
-        _need(sha256_json(s[inner]) == s["sha256"], f"'{sec}.sha256' does not match its content", where)
+    validate_pins(doc, where)
     a = doc["initial_adapter"]
-    _need(set(a) == {"path", "size", "sha256"} and isinstance(a["path"], str) and _is_int(a["size"]),
+    need(set(a) == {"path", "size", "sha256"} and isinstance(a["path"], str) and is_int(a["size"]),
           "'initial_adapter' needs path (string), size (integer), sha256", where)
-    _hex(a["sha256"], "initial_adapter.sha256", where)
+    need_hex(a["sha256"], "initial_adapter.sha256", where)
     rows = doc["rows"]
-    _need(all(_is_int(rows.get(k)) for k in ("rows", "tokens", "response_tokens", "loss_bearing_tokens")),
+    need(all(is_int(rows.get(k)) for k in ("rows", "tokens", "response_tokens", "loss_bearing_tokens")),
           "'rows' needs integer rows, tokens, response_tokens, loss_bearing_tokens", where)
     return doc
 
