@@ -41,9 +41,12 @@ def is_integration_config(path: str | Path) -> bool:
 
     Unreadable files answer False; the built-in loader then refuses them with its own message.
     """
-    try:
-        with open(path, "rb") as fh:
-            doc = tomllib.load(fh)
-    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError):
+    from replayjob.config.load import MAX_TOML_BYTES
+    from replayjob.errors import ReplayjobError
+    from replayjob.fsio import read_regular_bytes
+
+    try:  # regular files only (a FIFO or device is never opened for reading here)
+        doc = tomllib.loads(read_regular_bytes(path, max_bytes=MAX_TOML_BYTES, what="config file").decode("utf-8"))
+    except (ReplayjobError, OSError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError):
         return False
     return isinstance(doc.get("integration"), dict)
