@@ -94,6 +94,8 @@ def _evaluate(req: Request, st: _State) -> None:
     st.tolerances = read_tolerances(req.tolerances) if req.tolerances is not None else None
     st.checks = C.input_checks(st.replays, st.arms, st.source, req.min_repeats, req.arms)
     st.checks += C.exact_input_checks(st.replays, st.arms, st.source)
+    if req.claim != "approximate":
+        st.checks.append(C.systems_only_check(st.arms))
     if req.claim == "bitwise":
         assert st.source is not None
         st.checks += C.bitwise_checks(st.replays, st.arms, st.source)
@@ -102,15 +104,25 @@ def _evaluate(req: Request, st: _State) -> None:
 
 
 def _initial_adapter(source: Source) -> Path:
-    """The initial adapter pinned by the capture manifest next to the source metrics, verified."""
-    from replayjob.optbatch.manifest import read_verified
+    """The initial adapter pinned by the capture manifest next to the source metrics, verified
+    (the built-in trainer's manifest, or an external trainer's, whose adapter file sits next to it)."""
+    from replayjob.integrations import manifest as imanifest
+    from replayjob.optbatch.manifest import Manifest, read_pinned, validate
 
     d = source.path.parent
     manifests = [m for m in sorted(d.glob("*.manifest.json")) if sha256_file(m) == source.manifest]
     if not manifests:
         raise RefusedError("no capture manifest with the SHA-256 the source metrics report", where=d,
                            hint="keep the capture run's *.manifest.json next to its metrics.json")
-    man = read_verified(manifests[0], source.manifest)
+    path, sha, doc = read_pinned(manifests[0], source.manifest, hint="keep the capture's manifest")
+    if isinstance(doc, dict) and doc.get("schema") == imanifest.SCHEMA:
+        ext = imanifest.Manifest(path, sha, imanifest.validate(doc, path))
+        f = ext.file("adapter")
+        if f.is_file() and sha256_file(f) == ext.initial_adapter_sha256 == source.initial_adapter:
+            return f
+        raise RefusedError("the initial adapter pinned by the capture manifest is missing or changed", where=f,
+                           hint="keep the capture's files together")
+    man = Manifest(path, sha, validate(doc, path))
     pinned = man.doc["initial_adapter"]
     raw = Path(str(pinned["path"]))
     candidates = [raw] if raw.is_absolute() else [Path.cwd() / raw, man.path.parent / raw]
