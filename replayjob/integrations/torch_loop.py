@@ -104,8 +104,9 @@ class TorchSession(ReplaySession):
             raise ConfigError("cannot import the replay target", where=ident["file"])
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        device = torch.device("cuda" if torch.cuda.is_available() and adm.resolved.get("model", {}).get("device")
-                              == "cuda" else "cpu")
+        assert adm.manifest is not None
+        captured = torch.device(str(adm.manifest.doc["producer"]["device"]))  # where the loop ran
+        device = captured if captured.type == "cpu" or torch.cuda.is_available() else torch.device("cpu")
         t = getattr(module, ident["function"])(Path(adm.resolved["model"]["path"]), device)
         if not isinstance(t, Target):
             raise ContractError(f"{adm.cfg.entry} returned {type(t).__name__}, not replayjob's Target",
