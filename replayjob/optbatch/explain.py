@@ -323,6 +323,10 @@ def render(rep: dict[str, Any]) -> str:
         r = rep["rows"]
         lines.append(f"  rows: {r['rows']}, tokens: {r['tokens']}, response tokens: {r['response_tokens']}, "
                      f"loss-bearing: {r['loss_bearing_tokens']}")
+    if rep.get("micro_batches"):  # an external trainer's capture (integrations.admission.report)
+        mb = rep["micro_batches"]
+        lines.append(f"  {rep.get('framework')} step {rep['manifest']['step']}: {mb['micro_batches']} micro-batch(es), "
+                     f"{mb['tensors']} input tensors, {mb['bytes']} bytes")
     lines.append("  allowed differences: " + (", ".join(rep["allowed_config_differences"]) or "none"))
     lines.append("  observed differences: " + (", ".join(rep["observed_config_differences"]) or "none"))
     lines.append("  skipped: " + ", ".join(rep["skipped"]))
