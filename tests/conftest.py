@@ -55,6 +55,16 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
                           capture_output=True, timeout=timeout)
 
 
+@pytest.fixture
+def fresh_determinism_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process replays of external trainers build models without strict determinism, which marks the
+    process relaxed (a later strict run is refused, as it should be in one process); each test using this
+    fixture leaves the mark as it found it, as a fresh process would."""
+    from replayjob import determinism
+
+    monkeypatch.setattr(determinism, "_process_mode", determinism._process_mode)
+
+
 # -- the TRL scenario (tests/test_trl.py, tests/test_imports.py); imports TRL only when used ---------
 
 TRL_STEP = 1

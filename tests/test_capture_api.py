@@ -20,6 +20,8 @@ import torch
 from replayjob.cli import main
 from replayjob.integrations import capture as cap
 
+pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "plain_torch_loop.py"
 

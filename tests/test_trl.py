@@ -29,6 +29,8 @@ from replayjob.digest import sha256_bytes, sha256_json
 from replayjob.integrations import capture as cap
 from replayjob.jsonio import canonical_bytes
 
+pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
+
 GC = ["--set", "trl.gradient_checkpointing=true",
       "--set", 'optimizer_batch.allow_config_differences=["trl.gradient_checkpointing"]']
 
