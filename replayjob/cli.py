@@ -92,7 +92,9 @@ Options:
   -h --help         Show this help.
   --version         Show the version.
 
-Exit codes: 0 pass, 1 a valid negative verdict, 2 refused (bad input or usage).
+Exit codes: 0 pass, 1 a valid negative verdict, 2 refused (bad input or usage), 3 error (nothing
+was decided: a bug, out of memory, a device or filesystem failure; retrying may help; the traceback
+goes to replayjob-error-*.txt in the command's output directory, or to stderr).  1 and 2 are final.
 
 Leaves diag-diff and determinism-check ignore by default (wall-clock times, rates, memory peaks;
 a pattern matches the full leaf path or its last key): elapsed_s, *_elapsed_s, wall_s, *_wall_s,
@@ -102,6 +104,7 @@ a pattern matches the full leaf path or its last key): elapsed_s, *_elapsed_s, w
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -109,7 +112,7 @@ from typing import Any
 from docopt import DocoptExit, docopt
 
 from replayjob import __version__
-from replayjob.errors import EXIT_REFUSED, ReplayjobError, UsageError
+from replayjob.errors import EXIT_ERROR, EXIT_REFUSED, ReplayjobError, UsageError
 
 Handler = Callable[[dict[str, Any]], int]
 
@@ -336,8 +339,52 @@ COMMANDS: dict[str, Handler] = {
 }
 
 
+def _output_dir(args: dict[str, Any]) -> str | None:
+    """The directory a command writes into, as given on its command line (None: it writes nowhere)."""
+    if args.get("init"):
+        return str(args["<dir>"])
+    if args.get("reduce"):
+        return os.path.dirname(os.path.abspath(args["--out"]))
+    for key in ("--run-dir", "--out"):
+        if args.get(key):
+            return str(args[key])
+    return None
+
+
+def _report_error(name: str, exc: BaseException, out_dir: str | None) -> str:
+    """Write ``exc``'s traceback to ``out_dir/replayjob-error-<time>-<pid>.txt`` (stderr when there is no
+    output directory or it cannot be written) and return the one line the CLI prints.  The file name
+    matches no artifact, so a retry into the same directory is not refused because of it."""
+    import time
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    cause = (str(exc).strip().splitlines() or [""])[0][:300]
+    head = f"replayjob {name}: error (exit 3, nothing was decided; retrying may help): " \
+           f"{type(exc).__name__}{': ' + cause if cause else ''}"
+    if out_dir is not None:
+        try:
+            from replayjob.fsio import atomic_write_text
+
+            os.makedirs(out_dir, exist_ok=True)
+            path = os.path.join(out_dir, f"replayjob-error-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+                                         f"-{os.getpid()}.txt")
+            atomic_write_text(path, f"replayjob {__version__} {name}\n{text}")
+            return f"{head}; traceback in {path}"
+        except Exception:  # the output directory itself is failing: the traceback goes to stderr
+            pass
+    print(text, file=sys.stderr, end="")
+    return f"{head}; traceback above"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv``, dispatch, and map domain errors to exit codes. Returns the exit code."""
+    """Parse ``argv``, dispatch, and map errors to exit codes. Returns the exit code.
+
+    A :class:`ReplayjobError` exits with its own code (1 or 2, or 3 for an operational error) and one
+    message.  Any other exception (a bug, ``MemoryError``, an ``OSError`` from a failing filesystem or
+    device) exits 3: one line with the cause, the traceback in the output directory (see
+    :func:`_report_error`).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = docopt(__doc__ or "", argv=argv, version=__version__, default_help=True)
@@ -353,6 +400,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             except ReplayjobError as exc:
                 print(f"replayjob {name}: {exc.diagnostics()}", file=sys.stderr)
                 return exc.exit_code
+            except Exception as exc:
+                print(_report_error(name, exc, _output_dir(args)), file=sys.stderr)
+                return EXIT_ERROR
     print(__doc__, file=sys.stderr)  # pragma: no cover - docopt guarantees a command
     return EXIT_REFUSED
 

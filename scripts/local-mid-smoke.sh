@@ -7,7 +7,8 @@
 # `replayjob ablation plan|index`, the source the Kubernetes Jobs and the Argo workflow are rendered
 # from.  Uses the GPU when torch sees one (and says so), the CPU otherwise.  Prints where every
 # artifact is and the wall time, and exits with the reducer's code: 0 pass, 1 a negative verdict,
-# 2 refused.  Creates .venv with scripts/setup.sh when `replayjob` is not installed.
+# 2 refused, 3 error (nothing was decided; rerun).  A step that fails ends the script with that
+# step's code, so 3 stays retryable and 1 and 2 stay final.  Creates .venv with scripts/setup.sh when `replayjob` is not installed.
 #
 # Usage: scripts/local-mid-smoke.sh [--repeats N] [--arms A,B] [--out DIR] [--claim CLAIM]
 #                                   [--spec FILE] [--resume DIR] [--seed N]
@@ -29,7 +30,7 @@ Options:
   --seed N       seed for replayjob init (default: the spec's seed)
   -h, --help     show this help
 
-Exit code: the reducer's (0 pass, 1 negative verdict, 2 refused).
+Exit code: the reducer's (0 pass, 1 negative verdict, 2 refused, 3 error: rerun).
 EOF
 }
 

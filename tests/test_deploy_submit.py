@@ -146,9 +146,10 @@ def test_wait_creates_stage_by_stage_and_bodies_are_the_rendered_manifests(
 
 
 @pytest.mark.parametrize(("failing", "code", "expected_exit", "message"), [
-    ("replayjob-ablation-reduce", 1, 1, "exited 1 (a negative verdict)"),
+    ("replayjob-ablation-reduce", 1, 1, "exit 1: a negative verdict"),
     ("replayjob-ablation-capture", 2, 2, "exit 2: refused input"),
-    ("replayjob-ablation-replay-ckpt-on", 137, 2, "BackoffLimitExceeded"),
+    ("replayjob-ablation-replay-ckpt-off", 3, 3, "exit 3: an error on every attempt"),
+    ("replayjob-ablation-replay-ckpt-on", 137, 3, "BackoffLimitExceeded"),
 ])
 def test_cli_exit_code_follows_the_failed_job(cluster: tuple[Cluster, client.ApiClient], failing: str,
                                               code: int, expected_exit: int, message: str,

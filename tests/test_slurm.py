@@ -124,7 +124,7 @@ def test_dry_run_chains_three_jobs_with_gpu_requests(spec_file: Path, tmp_path: 
     assert "--array 0-5" in replay and "--exclusive" in replay and "--gres=gpu:1" in replay
     assert "--dependency=afterok:CAPTURE_ID --kill-on-invalid-dep=yes" in replay
     assert "--requeue" in replay
-    assert "--dependency=afterany:REPLAY_ID" in reduce and "--no-requeue" in reduce
+    assert "--dependency=afterany:REPLAY_ID" in reduce and "--requeue" in reduce
     assert "gres" not in reduce and "--exclusive" not in reduce
 
 

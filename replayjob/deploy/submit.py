@@ -5,8 +5,9 @@ the capture's ``metrics.json`` and the reducer for every ``replay_metrics.json``
 ``deadline_s``).  With ``wait`` the Jobs are created stage by stage (capture, then every arm's
 replays, then the reducer), each stage only after the previous one completed, so no GPU idles
 waiting; a failed stage stops the ablation and its container's exit code becomes ours: 1 (a
-negative verdict) or 2 (refused), and an infrastructure failure that used up its retries is
-reported as refused (2) with the Job's reason.  The result is the reducer's exit code.
+negative verdict) or 2 (refused) are final; 3 (an error that used up the Job's retries) and an
+infrastructure failure that used up its retries are reported as errors (3, retryable) with the
+Job's reason.  The result is the reducer's exit code.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from replayjob.deploy import k8s
 from replayjob.deploy.ablation import AblationSpec
-from replayjob.errors import EXIT_OK, ArtifactExistsError, NegativeVerdict, RefusedError
+from replayjob.errors import EXIT_OK, ArtifactExistsError, OperationalError, RefusedError, error_for_exit_status
 
 Log = Callable[[str], None]
 
@@ -64,13 +65,13 @@ def _finished(job: Any) -> str | None:
 
 
 def _exit_code(core: Any, namespace: str, name: str) -> int | None:
-    """The first exit code 1 or 2 among the Job's terminated containers, else None."""
+    """The first exit code 1, 2 or 3 among the Job's terminated containers, else None."""
     pods = core.list_namespaced_pod(namespace, label_selector=f"batch.kubernetes.io/job-name={name}")
     for pod in pods.items:
         statuses = [*(pod.status.init_container_statuses or []), *(pod.status.container_statuses or [])]
         for st in statuses:
             term = st.state.terminated if st.state else None
-            if term is not None and term.exit_code in (1, 2):
+            if term is not None and term.exit_code in (1, 2, 3):
                 return int(term.exit_code)
     return None
 
@@ -88,13 +89,11 @@ def _wait(core: Any, batch: Any, namespace: str, names: list[str], poll_s: float
             if state == "Failed":
                 code = _exit_code(core, namespace, name)
                 reason = next((c.reason for c in job.status.conditions if c.type == "Failed"), "")
-                if code == 1:
-                    raise NegativeVerdict(f"job {name} exited 1 (a negative verdict)",
-                                          where=f"namespace {namespace}")
-                raise RefusedError(f"job {name} failed ({reason or 'no reason given'}"
-                                   f"{', exit 2: refused input' if code == 2 else ''})",
-                                   where=f"namespace {namespace}",
-                                   hint=f"kubectl logs -n {namespace} job/{name}")
+                detail = {1: ", exit 1: a negative verdict", 2: ", exit 2: refused input",
+                          3: ", exit 3: an error on every attempt"}.get(code or 0, "")
+                cls = error_for_exit_status(code) if code is not None else OperationalError
+                raise cls(f"job {name} failed ({reason or 'no reason given'}{detail})",
+                          where=f"namespace {namespace}", hint=f"kubectl logs -n {namespace} job/{name}")
         if pending:
             time.sleep(poll_s)
 

@@ -26,7 +26,7 @@ import replayjob
 from replayjob import determinism
 from replayjob.config import Config, config_sha256, load_config
 from replayjob.digest import sha256_file
-from replayjob.errors import ArtifactExistsError, ContractError, ReplayjobError, UsageError
+from replayjob.errors import ArtifactExistsError, ContractError, UsageError, error_for_exit_status
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes, read_json_object
 from replayjob.model.backend import load_backend
@@ -162,6 +162,7 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
         proc = subprocess.run(argv, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip()[-2000:]
-            raise ReplayjobError(f"repeat {i} exited with status {proc.returncode}: {tail}", where=d)
+            raise error_for_exit_status(proc.returncode)(  # 3 or a signal stays retryable (exit 3)
+                f"repeat {i} exited with status {proc.returncode}: {tail}", where=d)
         results.append((d, read_json_object(d / METRICS_FILE)))
     return results

@@ -84,3 +84,36 @@ set_aside_partial() {
     echo "job: moved a previous attempt's output to $aside"
   fi
 }
+
+# scontrol_retry ARGS...: scontrol with retries (slurmctld can be briefly unreachable: restarts,
+# failover, load); up to REPLAYJOB_SCONTROL_TRIES attempts (default 5), backing off 2, 4, 8... s.
+scontrol_retry() {
+  local try=1 tries=${REPLAYJOB_SCONTROL_TRIES:-5} delay=2
+  while ! scontrol "$@"; do
+    if [ "$try" -ge "$tries" ]; then
+      echo "job: scontrol $* failed $tries times" >&2
+      return 1
+    fi
+    sleep "$delay"
+    try=$((try + 1))
+    delay=$((delay * 2))
+  done
+}
+
+# finish_step CODE: end the job with replayjob's exit code.  1 (a negative verdict) and 2 (refused)
+# are final.  3 (an error: nothing was decided) is retried: the job requeues itself, keeping its job
+# id (an array task only itself), at most REPLAYJOB_MAX_RESTARTS times (default 2; Slurm's
+# SLURM_RESTART_COUNT counts), and the dependent jobs wait for the new attempt.  When the retries
+# are used up, or the requeue fails, the job ends with 3.
+finish_step() {
+  local code=$1
+  if [ "$code" -eq 3 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt "${REPLAYJOB_MAX_RESTARTS:-2}" ] \
+    && [ -n "${SLURM_JOB_ID:-}" ]; then
+    echo "job: exit 3 (error, nothing was decided): requeueing job $SLURM_JOB_ID," \
+      "restart $((${SLURM_RESTART_COUNT:-0} + 1)) of ${REPLAYJOB_MAX_RESTARTS:-2}"
+    if scontrol_retry requeue "$SLURM_JOB_ID"; then
+      exit 0  # slurmctld ends this attempt and queues the next; this status is not recorded
+    fi
+  fi
+  exit "$code"
+}

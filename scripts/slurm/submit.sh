@@ -11,10 +11,10 @@
 #            task i = (arm, repeat) from the shared ablation spec    -> <out>/replays/task-<i>
 #   reduce   --dependency=afterany:<array> (a failed replay is missing evidence, never dropped)
 #            replayjob reduce ... --out <out>/verdict.json; its exit code is the verdict's
-# --wait blocks until reduce ends and exits with its code: 0 pass, 1 fail, 2 refused (also when the
-# reduce job ended without a verdict: cancelled, timed out, node failure).  Capture and replays are
-# requeued by Slurm only after infrastructure failures (--requeue: node failure, preemption), never
-# for exit 1 or 2; reduce is never requeued.  <out> and this checkout must be on a filesystem every
+# --wait blocks until reduce ends and exits with its code: 0 pass, 1 fail, 2 refused, 3 error (also
+# when the reduce job ended without a verdict: cancelled, timed out, node failure; nothing was
+# decided, retrying may help).  Every job is requeued after infrastructure failures (--requeue: node
+# failure, preemption) and after exit 3 (lib.sh finish_step), never for exit 1 or 2.  <out> and this checkout must be on a filesystem every
 # node sees.  Slurm-side settings are in <out>/slurm/job.env, logs in <out>/logs/.
 set -euo pipefail
 
@@ -51,7 +51,7 @@ Options:
   --dry-run              print the sbatch commands; submit and write nothing
   -h, --help             show this help
 
-Exit codes: 0 submitted (with --wait: pass), 1 fail, 2 refused or no verdict.
+Exit codes: 0 submitted (with --wait: pass), 1 fail, 2 refused, 3 error or no verdict (retryable).
 EOF
 }
 
@@ -186,7 +186,7 @@ capture_cmd=(sbatch "${common[@]}" --job-name replayjob-capture --output "$OUT/l
 replay_cmd=(sbatch "${common[@]}" --job-name replayjob-replay --output "$OUT/logs/replay-%A_%a.out"
   --array "0-$((SIZE - 1))" --exclusive --requeue "${gres[@]}")
 reduce_cmd=(sbatch "${common[@]}" --job-name replayjob-reduce --output "$OUT/logs/reduce-%j.out"
-  --no-requeue)
+  --requeue)
 
 if [ "$DRY_RUN" = 1 ]; then
   echo "# plan: $SIZE replays (arms $ARM_NAMES), claim $CLAIM, min repeats $MIN_REPEATS, device $DEVICE"
@@ -267,7 +267,9 @@ while :; do
       acct=$(head -n 1 <<<"$acct")
       record="JobState=$(cut -d' ' -f1 <<<"${acct%%|*}") ExitCode=${acct#*|}"
     else
-      die "slurmctld no longer knows reduce job $reduce_id and there is no accounting; read $OUT/verdict.json"
+      echo "submit: slurmctld no longer knows reduce job $reduce_id and there is no accounting;" \
+        "read $OUT/verdict.json" >&2
+      exit 3
     fi
   fi
   state=$(field JobState "$record")
@@ -293,6 +295,11 @@ tasks=$(scontrol show job -o "$replay_id" 2>/dev/null | sed -n 's/.*JobState=\([
 echo "submit: replay tasks: ${tasks:-unknown}"
 if [ "$state" = COMPLETED ] || { [ "$state" = FAILED ] && [ "$signal" = 0 ] && is_count "$status"; }; then
   [ "$state" != COMPLETED ] || status=0
+  if [ "$status" = 3 ]; then
+    echo "submit: reduce exited 3 on its last attempt (an error, nothing was decided; retrying may help);" \
+      "log $OUT/logs/reduce-$reduce_id.out" >&2
+    exit 3
+  fi
   if [ ! -f "$OUT/verdict.json" ]; then
     echo "submit: reduce exited $status but wrote no $OUT/verdict.json; refused" >&2
     exit 2
@@ -300,5 +307,5 @@ if [ "$state" = COMPLETED ] || { [ "$state" = FAILED ] && [ "$signal" = 0 ] && i
   echo "submit: reduce exited $status; verdict $OUT/verdict.json (log $OUT/logs/reduce-$reduce_id.out)"
   exit "$status"
 fi
-echo "submit: reduce job $reduce_id ended $state (exit $exit_code) without a verdict; refused" >&2
-exit 2
+echo "submit: reduce job $reduce_id ended $state (exit $exit_code) without a verdict; nothing was decided" >&2
+exit 3
