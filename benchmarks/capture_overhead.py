@@ -3,7 +3,7 @@
 "On" is optimizer-batch capture (``[optimizer_batch] capture = true``: payload + manifest written at
 the optimizer boundary) together with trajectory-bundle capture (``REPLAYJOB_BUNDLE_CAPTURE=1``,
 ``REPLAYJOB_BUNDLE_DIR``); "off" is the identical config with both off.  Capture covers exactly one
-step from an initialisation state, so every timed step is a fresh one-step ``train()`` call in its
+step from an initialisation state, so every timed step is a fresh one-step ``train_source()`` call in its
 own output directory, from the same ``replayjob init`` state, in this one process (imports and
 model code warm).  Arms alternate (on, off, on, ...) so drift in the machine hits both alike.
 
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from replayjob.rl.hooks import StepHook
 
 NAME = "capture_overhead"
 TARGET = 1.05
@@ -50,10 +51,10 @@ BUNDLE_ENV = ("REPLAYJOB_BUNDLE_CAPTURE", "REPLAYJOB_BUNDLE_DIR")
 SMOKE_SETS = ["inference.max_new_tokens=2", "algorithm.prompts_per_step=1", "algorithm.group_size=2"]
 
 
-class StepClock:
+class StepClock(StepHook):
     """Brackets one trainer step: the first hook call and the trainer's diag-row call after it.
 
-    Passed to ``train()`` as the first hook, its ``on_rollout`` runs right after sampling and before
+    Passed to ``train_source()`` as the first hook, its ``on_rollout`` runs right after sampling and before
     any capture hook; the trainer builds the step's diag row right after the last hook's
     ``after_update``, so wrapping :func:`replayjob.rl.trainer.diag_row` (restored afterwards) reads
     the clock once every capture hook has returned.  Step seconds = the trainer's own
@@ -66,12 +67,6 @@ class StepClock:
 
     def on_rollout(self, rollout: Any) -> None:
         self.t_rollout = time.perf_counter()
-
-    def before_update(self, step: int, batch: Any) -> None:
-        return None
-
-    def after_update(self, step: int, result: Any) -> None:
-        return None
 
     @contextlib.contextmanager
     def around_diag_row(self) -> Iterator[None]:
@@ -135,7 +130,7 @@ def _bundle_env(bundle_dir: Path, capture: bool) -> dict[str, str | None]:
 def _one_run(cfg_path: Path, sets: list[str], out: Path, capture: bool) -> dict[str, Any]:
     from replayjob.config import load_config
     from replayjob.jsonio import loads_strict
-    from replayjob.rl.trainer import train
+    from replayjob.source_run import train_source
 
     overrides = [*sets, f"optimizer_batch.capture={'true' if capture else 'false'}"]
     cfg = load_config(cfg_path, overrides)
@@ -146,7 +141,7 @@ def _one_run(cfg_path: Path, sets: list[str], out: Path, capture: bool) -> dict[
     gc.collect()
     with common.environment(env), clock.around_diag_row(), hooks.installed():
         t0, c0 = time.perf_counter(), time.process_time()
-        metrics = train(cfg, out, [clock])
+        metrics = train_source(cfg, out, [clock])
         run_s, run_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     row = loads_strict((out / "diag.jsonl").read_bytes().splitlines()[0])
     sample_s = float(row["timing"]["sample_wall_s"])
@@ -172,14 +167,14 @@ def _steady_run(cfg_path: Path, sets: list[str], out: Path, capture: bool, steps
     """
     from replayjob.config import load_config
     from replayjob.jsonio import loads_strict
-    from replayjob.rl.trainer import train
+    from replayjob.source_run import train_source
 
     cfg = load_config(cfg_path, [*sets, "optimizer_batch.capture=false", f"training.max_steps={steps}"])
     bundle_dir = out / "bundles"
     env = _bundle_env(bundle_dir, capture)
     gc.collect()
     with common.environment(env):
-        metrics = train(cfg, out)
+        metrics = train_source(cfg, out)
     elapsed = [float(loads_strict(line)["timing"]["elapsed_s"])
                for line in (out / "diag.jsonl").read_bytes().splitlines()]
     return {"step_s": [b - a for a, b in itertools.pairwise(elapsed)], "loss": metrics["loss"],

@@ -137,11 +137,11 @@ def cmd_train(args: dict[str, Any]) -> int:
     from pathlib import Path
 
     from replayjob.config import load_config
-    from replayjob.rl.trainer import train
+    from replayjob.source_run import train_source
 
     cfg = load_config(args["<config>"], args["--set"])
     out = Path(args["--out"] or cfg.logging.dir)
-    metrics = train(cfg, out)
+    metrics = train_source(cfg, out)
     print(f"trained {metrics['steps_run']} step(s); loss {metrics['loss']!r}")
     print(f"final adapter sha256 {metrics['final_adapter_sha256']}")
     _print_capture_pins(metrics)
@@ -156,7 +156,7 @@ def _print_capture_pins(metrics: dict[str, Any]) -> None:
 
 
 def cmd_capture(args: dict[str, Any]) -> int:
-    from replayjob.optbatch.capture import capture
+    from replayjob.source_run import capture
 
     out, metrics = capture(args["<config>"], args["--set"], args["--out"])
     print(f"captured step 0 into {out}; loss {metrics['loss']!r}")

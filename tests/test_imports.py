@@ -77,3 +77,36 @@ def test_refused_input_imports_neither(inputs: dict[str, Path], tmp_path: Path) 
     assert result["rc"] == 2
     assert result["heavy"] == []
 
+
+
+BOUNDARY = ("import json, sys, importlib\n"
+            "out = {}\n"
+            "for name in sys.argv[1:]:\n"
+            "    before = set(sys.modules)\n"
+            "    importlib.import_module(name)\n"
+            "    out[name] = sorted(m for m in set(sys.modules) - before if m.startswith('replayjob.'))\n"
+            "print(json.dumps(out))\n")
+
+
+def _imports_of(*modules: str) -> dict[str, list[str]]:
+    """For each module, in a fresh interpreter, the replayjob modules importing it loads (first import)."""
+    result: dict[str, list[str]] = {}
+    for name in modules:  # one interpreter per module: what one loads must not hide what another loads
+        proc = subprocess.run([sys.executable, "-c", BOUNDARY, name], capture_output=True, text=True, timeout=120,
+                              check=False)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        result.update(json.loads(proc.stdout))
+    return result
+
+
+def test_the_trainer_imports_no_capture_package_and_captures_import_the_protocol_not_the_trainer() -> None:
+    """The hook protocol (replayjob.rl.hooks) is the one meeting point of trainer and captures."""
+    seen = _imports_of("replayjob.rl.trainer", "replayjob.optbatch.capture", "replayjob.bundle.hook")
+    trainer = seen["replayjob.rl.trainer"]
+    assert "replayjob.rl.hooks" in trainer
+    assert not [m for m in trainer if m.startswith(("replayjob.optbatch", "replayjob.bundle"))], trainer
+    source = (Path(__file__).resolve().parents[1] / "replayjob" / "rl" / "trainer.py").read_text()
+    assert "replayjob.optbatch" not in source and "replayjob.bundle" not in source  # no lazy import either
+    for capture in ("replayjob.optbatch.capture", "replayjob.bundle.hook"):
+        assert "replayjob.rl.hooks" in seen[capture], (capture, seen[capture])
+        assert "replayjob.rl.trainer" not in seen[capture], (capture, seen[capture])
