@@ -9,12 +9,12 @@ Usage:
   replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR] [--tolerances FILE]
                    [--min-repeats N] [--baseline ARM] [--arms LIST] [--report FILE] [--mixed-hardware]
   replayjob step plan --spec SPEC [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
-  replayjob step capture --spec SPEC --run-dir DIR [--workspace DIR] [--outputs DIR]
+  replayjob step capture --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--outputs DIR]
                    [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob step replay --spec SPEC --run-dir DIR --index I [--workspace DIR] [--source DIR]
                    [--pins PINS] [--plant PLANT]... [--wait-s S] [--arms LIST] [--repeats N] [--device D]
                    [--claim CLAIM]
-  replayjob step reduce --spec SPEC --run-dir DIR [--source DIR] [--wait-s S] [--outputs DIR]
+  replayjob step reduce --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--wait-s S] [--outputs DIR]
                    [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob k8s render <spec> [--out DIR] [--argo FILE]
   replayjob k8s submit <spec> [--namespace NS] [--wait]
@@ -67,7 +67,8 @@ Options:
   --repeat N        Run N replays, each in a fresh process, in DIR/repeat-000 ...
   --repeat-index I  Internal: this replay's index within its arm (set by --repeat and launchers).
   --claim CLAIM     Claim to gate: exact-input, bitwise or approximate.
-  --source DIR      The capture run's output directory (its metrics.json and manifest); required.
+  --source DIR      The capture run's output directory (its metrics.json and manifest); required by
+                    reduce. step: a finished capture to use instead of RUN/source.
   --tolerances FILE Predeclared tolerance TOML, pinned by SHA-256 in the replay configs.
   --min-repeats N   Fewest fresh replays per arm; fewer is refused (default 3).
   --baseline ARM    Arm the others' timing and memory are compared with.

@@ -78,7 +78,7 @@ def _template(spec: AblationSpec, name: str, command: list[str], gpu: bool, **fi
             cm, key = spec.semaphore.split("/", 1)
             tpl["synchronization"] = {"semaphores": [{"configMapKeyRef": {"name": cm, "key": key}}]}
     tpl["metadata"] = {"labels": lab}
-    tpl["activeDeadlineSeconds"] = spec.deadline_s
+    tpl["activeDeadlineSeconds"] = str(spec.deadline_s)  # IntOrString in the Argo schemas
     tpl["retryStrategy"] = retry()
     tpl["container"] = _container(spec, command, gpu)
     return tpl
