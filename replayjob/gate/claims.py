@@ -275,3 +275,19 @@ def tolerance_pin_check(replays: list[Replay], tolerances: Tolerances | None) ->
     return agree("inputs.tolerances_pinned", "inputs", [(r.label, r.tolerances_sha256) for r in replays],
                  tolerances.sha256, what="optimizer_batch.tolerances_sha256 of every replay",
                  status_on_fail=REFUSED)
+
+
+def hardware_check(replays: list[Replay], mixed_declared: bool) -> Check:
+    """Every replay ran on the same hardware and image (``replayjob.hostinfo.hardware_identity``):
+    refused otherwise, unless mixed hardware was declared (then reported, not enforced)."""
+    from replayjob.hostinfo import hardware_identity
+
+    values = [(r.label, hardware_identity(r.host)) for r in replays]
+    if not values:
+        return Check("inputs.same_hardware", "inputs", NOT_APPLICABLE, None, {}, "no replays", ())
+    check = agree("inputs.same_hardware", "inputs", values, what="device, GPU product, driver, CUDA, torch "
+                  "and image of every replay", status_on_fail=REFUSED)
+    if mixed_declared and check.status == REFUSED:
+        return Check(check.name, check.group, NOT_APPLICABLE, check.expected, check.observed,
+                     "mixed hardware declared (--mixed-hardware): recorded, not enforced", check.offenders)
+    return check

@@ -67,6 +67,7 @@ class Replay:
     loss: float
     tolerances_sha256: str
     measures: dict[str, float] = field(default_factory=dict)
+    host: dict[str, Any] = field(default_factory=dict)  # replayjob.hostinfo: where it ran
 
     @property
     def label(self) -> str:
@@ -226,6 +227,10 @@ def read_replay(path: str | Path) -> Replay:
     if arm == "source":
         raise f.fail("arm", "may not be 'source', the name reduce gives the capture run")
     tol = f.text("tolerances_sha256", nonempty=False)
+    host = f.obj("host")
+    bad = sorted(k for k, v in host.items() if v is not None and not isinstance(v, str))
+    if bad:
+        raise f.fail(f"host.{bad[0]}", "must be a string or null")
     measures = {}
     for name, (section, key) in MEASURES.items():
         hi = 1.0 if name == "padding_fraction" else None
@@ -237,7 +242,7 @@ def read_replay(path: str | Path) -> Replay:
         allowed=f.names("allowed_config_differences"),
         observed=f.names("observed_config_differences"),
         knobs=knobs, skipped=f.names("skipped"), gradient_checkpointing=gc,
-        tolerances_sha256=f.digest("tolerances_sha256") if tol else "", measures=measures,
+        tolerances_sha256=f.digest("tolerances_sha256") if tol else "", measures=measures, host=host,
     )
 
 

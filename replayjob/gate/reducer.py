@@ -48,6 +48,7 @@ class Request:
     baseline: str | None = None
     report: Path | None = None
     arms: tuple[str, ...] | None = None  # every arm the verdict must contain (--arms)
+    mixed_hardware: bool = False  # declared: replays may differ in hardware or image (--mixed-hardware)
 
 
 class _State:
@@ -93,6 +94,7 @@ def _evaluate(req: Request, st: _State) -> None:
     st.source = read_source(req.source) if req.source is not None else None
     st.tolerances = read_tolerances(req.tolerances) if req.tolerances is not None else None
     st.checks = C.input_checks(st.replays, st.arms, st.source, req.min_repeats, req.arms)
+    st.checks.append(C.hardware_check(st.replays, req.mixed_hardware))
     st.checks += C.exact_input_checks(st.replays, st.arms, st.source)
     if req.claim == "bitwise":
         assert st.source is not None

@@ -28,6 +28,7 @@ from replayjob.config import Config, config_sha256, load_config
 from replayjob.digest import sha256_file
 from replayjob.errors import ArtifactExistsError, ContractError, UsageError, error_for_exit_status
 from replayjob.fsio import atomic_write_bytes
+from replayjob.hostinfo import host_provenance
 from replayjob.jsonio import pretty_bytes, read_json_object
 from replayjob.model.backend import load_backend
 from replayjob.optbatch.explain import SKIPPED, Admission, admit
@@ -94,6 +95,7 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
         "optimizer_batch/final_adapter_sha256": sha256_file(final_file),
         "final_adapter_path": str(final_file.relative_to(out)),
         "provenance": prov,
+        "host": host_provenance(policy.device),  # node, GPU, driver, CUDA, image (replayjob.hostinfo)
         "wall_s": time.perf_counter() - t_start,
     })
     atomic_write_bytes(out / METRICS_FILE, pretty_bytes(metrics), exclusive=True)
