@@ -7,7 +7,7 @@ Usage:
   replayjob explain <config> [--json] [--set KEY=VALUE]...
   replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--set KEY=VALUE]...
   replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR] [--tolerances FILE]
-                   [--min-repeats N] [--baseline ARM] [--arms LIST] [--report FILE]
+                   [--min-repeats N] [--baseline ARM] [--arms LIST] [--spec FILE] [--report FILE]
   replayjob ablation plan <spec> [--arms LIST] [--repeats N] [--device D]
   replayjob ablation index <spec> <index> [--arms LIST] [--repeats N] [--device D]
   replayjob k8s render <spec> [--out DIR] [--argo FILE]
@@ -67,6 +67,9 @@ Options:
   --arms LIST       Comma-separated arms. ablation: a subset of the spec's arms (kept in file order).
                     reduce: every arm the verdict must contain; an arm with no replay at all (or
                     one not named) is refused.
+  --spec FILE       reduce: the ablation spec the replays were launched from; each arm's intended
+                    knobs come from its overrides there, and a replay launched without exactly
+                    them is refused (implies --arms: the spec's arms).
   --repeats N       Replays per arm instead of the spec's repeats.
   --device D        cuda or cpu instead of the spec's device.
   --argo FILE       Also write the Argo workflow (kubectl apply -f FILE) for the spec.
@@ -181,7 +184,7 @@ def cmd_replay(args: dict[str, Any]) -> int:
     for out, m in replay_command(args["<config>"], args["--set"], args["--out"], repeat, index):
         print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}, "
               f"final adapter sha256 {m['optimizer_batch/final_adapter_sha256']}, "
-              f"gradient_checkpointing {str(m['runtime']['gradient_checkpointing']).lower()}")
+              "in effect: " + ", ".join(f"{k}={v}" for k, v in sorted(m["runtime"].items())))
         print(f"wrote {out}/replay_metrics.json")
     return 0
 
@@ -198,7 +201,7 @@ def cmd_reduce(args: dict[str, Any]) -> int:
     verdict = reduce_evidence(Request(
         paths=args["<path>"], claim=args["--claim"], out=out, source=opt("--source"),
         tolerances=opt("--tolerances"), min_repeats=_int(args, "--min-repeats"),
-        baseline=args["--baseline"], report=opt("--report"),
+        baseline=args["--baseline"], report=opt("--report"), spec=opt("--spec"),
         arms=tuple(a.strip() for a in args["--arms"].split(",")) if args["--arms"] is not None else None))
     print(verdict.summary())
     print(f"wrote {out}" + (f", {args['--report']}" if args["--report"] else ""))

@@ -94,7 +94,7 @@ def test_k8s_job_commands_chain_to_a_passing_verdict(k8s_run: tuple[Path, str, A
         data = json.loads(m.read_text(encoding="utf-8"))
         arm, repeat = m.parent.parent.name, int(m.parent.name)
         assert (data["arm"], data["repeat_index"]) == (arm, repeat)
-        assert data["runtime"]["gradient_checkpointing"] is (arm == "ckpt-on")
+        assert data["runtime"]["backend.options.gradient_checkpointing"] is (arm == "ckpt-on")
         assert data["allowed_config_differences"] == (
             ["backend.options.gradient_checkpointing"] if arm == "ckpt-on" else [])
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from replayjob.cli import main
 from replayjob.gate import synthetic
-from replayjob.gate.evidence import GC_KEY
 from replayjob.gate.verdict import VERDICT_SCHEMA, outcome
+from replayjob.optbatch.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "verdict_bitwise.json"
