@@ -69,7 +69,8 @@ Options:
                     one not named) is refused.
   --spec FILE       reduce: the ablation spec the replays were launched from; each arm's intended
                     knobs come from its overrides there, and a replay launched without exactly
-                    them is refused (implies --arms: the spec's arms).
+                    them is refused (--arms, if given, selects a subset of the spec's arms;
+                    otherwise every arm of the spec must be there).
   --repeats N       Replays per arm instead of the spec's repeats.
   --device D        cuda or cpu instead of the spec's device.
   --argo FILE       Also write the Argo workflow (kubectl apply -f FILE) for the spec.

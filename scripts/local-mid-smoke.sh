@@ -132,7 +132,7 @@ done
 echo "== reduce ($claim, at least $min_repeats repeats per arm) -> $out/verdict.json"
 code=0
 "$RJ" reduce "$out/replays" --claim "$claim" --source "$src" --out "$out/verdict.json" \
-  --min-repeats "$min_repeats" --arms "$arm_list" || code=$?
+  --min-repeats "$min_repeats" --arms "$arm_list" --spec "$spec" || code=$?
 
 echo
 echo "artifacts:"

@@ -331,8 +331,10 @@ def test_spec_and_arms_must_agree(tmp_path: Path) -> None:
     spec = spec_file(tmp_path, {"off": {}, "on": {GC_KEY: True}, "third": {}})
     code, doc = reduce(ev, "exact-input", "--spec", str(spec))
     assert code == 2 and check(doc, "inputs.expected_arms")["offenders"] == ["third"]
-    code, doc = reduce(ev, "exact-input", "--spec", str(spec), "--arms", "off,on")
-    assert code == 2 and "contradicts the spec's arms" in doc["refusal"]["message"]
+    code, doc = reduce(ev, "exact-input", "--spec", str(spec), "--arms", "off,on")  # a subset of the plan
+    assert code == 0 and check(doc, "inputs.arm_plan")["status"] == "pass"
+    code, doc = reduce(ev, "exact-input", "--spec", str(spec), "--arms", "off,on,fourth")
+    assert code == 2 and "fourth, not among the spec's arms" in doc["refusal"]["message"]
 
 
 def test_a_replay_that_observed_no_knobs_is_refused(ev: synthetic.Evidence) -> None:

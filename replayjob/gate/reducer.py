@@ -86,11 +86,13 @@ def _evaluate(req: Request, st: _State) -> None:
         from replayjob.deploy.ablation import load_spec
 
         spec = load_spec(req.spec)
-        st.plan = {a.name: dict(a.overrides) for a in spec.arms}
-        if req.arms is not None and sorted(req.arms) != sorted(st.plan):
-            raise UsageError(f"--arms {','.join(req.arms)} contradicts the spec's arms {','.join(st.plan)}",
-                             hint="drop --arms: with --spec the arms come from the plan")
-        expected_arms = tuple(st.plan)
+        plan = {a.name: dict(a.overrides) for a in spec.arms}
+        unplanned = [a for a in req.arms or () if a not in plan]
+        if unplanned:
+            raise UsageError(f"--arms names {', '.join(unplanned)}, not among the spec's arms {', '.join(plan)}",
+                             hint="with --spec, --arms selects a subset of the spec's arms (or drop it: all of them)")
+        expected_arms = req.arms if req.arms is not None else tuple(plan)
+        st.plan = {a: plan[a] for a in expected_arms}
     st.replays = [read_replay(p) for p in discover(req.paths)]
     st.arms = C.group_arms(st.replays, st.plan)
     if req.tolerances is not None and req.claim != "approximate":
