@@ -135,18 +135,30 @@ def test_capture_preconditions_are_checked_before_any_work(workspace: Path, tmp_
     assert not (tmp_path / "o").exists()
 
 
-def test_capture_refuses_a_resume_state_at_step_zero(workspace: Path, tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    state = step_zero_state(workspace, tmp_path)
+@pytest.mark.parametrize("step, needles", [
+    (0, ("state at step 0", "step -1")),
+    (4, ("state at step 4", "logical step zero runs exactly once")),  # a completed checkpoint
+    (-2, ("'step' must be an integer >= -1, found -2",)),  # an earlier value than initialisation
+])
+def test_one_step_capture_refuses_any_resume_state_but_initialisation(
+        workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], step: int,
+        needles: tuple[str, ...]) -> None:
+    state = state_at_step(workspace, tmp_path, step)
     refused(capsys, run("capture", workspace / "source.toml", f'resume.from="{state}"', out=tmp_path / "o"),
-            "state at step 0", "step -1")
+            *needles)
     assert not (tmp_path / "o").exists()
 
 
-def step_zero_state(workspace: Path, tmp_path: Path) -> Path:
-    d = tmp_path / "step0"
+def state_at_step(workspace: Path, tmp_path: Path, step: int) -> Path:
+    """A copy of the initialisation state relabelled as step ``step`` (hashes kept consistent)."""
+    d = tmp_path / f"step{step}"
     shutil.copytree(workspace / "init_resume", d)
-    write_state(d, 0, read_state(d).model, {})
+    write_state(d, step, read_state(d).model, {})
+    return d
+
+
+def step_zero_state(workspace: Path, tmp_path: Path) -> Path:
+    d = state_at_step(workspace, tmp_path, 0)
     assert read_state(d).step == 0
     return d
 
@@ -340,6 +352,29 @@ def test_flipped_manifest_byte(capture_dir: Path, workspace: Path, tmp_path: Pat
     (d / MANIFEST).write_bytes(bytes(data))
     refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir, replay_path=d / MANIFEST),
                         out=tmp_path / "o"), "manifest SHA-256 is", "expected_manifest_sha256")
+
+
+def test_rng_only_payload_tamper_with_a_rewritten_manifest_is_refused_by_the_manifest_pin(
+        capture_dir: Path, workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only the captured RNG state changes (rows, logical digests and sizes stay exactly the same) and the
+    manifest is rewritten to pin the new payload self-consistently: the external manifest pin refuses it."""
+    d = copy_capture(capture_dir, tmp_path)
+    data = bytearray((d / PAYLOAD).read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    start, end = json.loads(data[8:8 + header_len])["rng.cpu"]["data_offsets"]
+    data[8 + header_len + start + (end - start) // 2] ^= 0x01
+    new_manifest = repin(d, bytes(data))
+    batch, rng = payload.decode(bytes(data))
+    original_batch, original_rng = payload.decode((capture_dir / PAYLOAD).read_bytes())
+    assert batch.logical_sha256() == original_batch.logical_sha256() and not torch.equal(rng["cpu"],
+                                                                                         original_rng["cpu"])
+    out = tmp_path / "o"
+    refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir, replay_path=d / MANIFEST), out=out),
+            "manifest SHA-256 is", "expected_manifest_sha256")
+    assert not out.exists()
+    # the rewritten manifest is self-consistent: only the pin stands between it and a replay
+    assert main(run("explain", workspace / "replay.toml",
+                    *pins(capture_dir, manifest=new_manifest, replay_path=d / MANIFEST))) == 0
 
 
 def test_wrong_logical_pin(capture_dir: Path, workspace: Path, tmp_path: Path,
