@@ -7,7 +7,8 @@ Usage:
   replayjob explain <config> [--json] [--set KEY=VALUE]...
   replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--set KEY=VALUE]...
   replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR] [--tolerances FILE]
-                   [--min-repeats N] [--baseline ARM] [--arms LIST] [--report FILE] [--mixed-hardware]
+                   [--min-repeats N] [--baseline ARM] [--arms LIST] [--spec SPEC] [--report FILE]
+                   [--mixed-hardware]
   replayjob step plan --spec SPEC [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob step capture --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--outputs DIR]
                    [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
@@ -80,7 +81,10 @@ Options:
                     one not named) is refused.
   --repeats N       Replays per arm instead of the spec's repeats.
   --device D        cuda or cpu instead of the spec's device.
-  --spec SPEC       The ablation spec TOML (examples/ablation.toml).
+  --spec SPEC       The ablation spec TOML (examples/ablation.toml).  reduce: the spec the replays
+                    were launched from; each arm's intended knobs come from its overrides there, and
+                    a replay launched without exactly them is refused (--arms, if given, selects a
+                    subset of the spec's arms; otherwise every arm of the spec must be there).
   --run-dir DIR     step: the run's directory (one per submission; see docs/cluster.md for its layout).
   --workspace DIR   step: an existing `replayjob init` directory instead of RUN/workspace.
   --outputs DIR     step: also write pins, plan.json and verdict.json here (Argo output parameters).
@@ -204,7 +208,7 @@ def cmd_replay(args: dict[str, Any]) -> int:
     for out, m in replay_command(args["<config>"], args["--set"], args["--out"], repeat, index):
         print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}, "
               f"final adapter sha256 {m['optimizer_batch/final_adapter_sha256']}, "
-              f"gradient_checkpointing {str(m['runtime']['gradient_checkpointing']).lower()}")
+              "in effect: " + ", ".join(f"{k}={v}" for k, v in sorted(m["runtime"].items())))
         print(f"wrote {out}/replay_metrics.json")
     return 0
 
@@ -212,6 +216,7 @@ def cmd_replay(args: dict[str, Any]) -> int:
 def cmd_reduce(args: dict[str, Any]) -> int:
     from pathlib import Path
 
+    from replayjob.deploy.ablation import load_spec
     from replayjob.gate.reducer import Request, reduce_evidence
 
     def opt(key: str) -> Path | None:
@@ -224,6 +229,7 @@ def cmd_reduce(args: dict[str, Any]) -> int:
         min_repeats=_int(args, "--min-repeats") if args["--min-repeats"] is not None else 3,
         baseline=args["--baseline"], report=opt("--report"),
         arms=tuple(a.strip() for a in args["--arms"].split(",")) if args["--arms"] is not None else None,
+        spec=load_spec(args["--spec"]) if args["--spec"] is not None else None,
         mixed_hardware=bool(args["--mixed-hardware"])))
     print(verdict.summary())
     print(f"wrote {out}" + (f", {args['--report']}" if args["--report"] else ""))

@@ -147,7 +147,7 @@ def test_k8s_job_commands_chain_to_a_passing_verdict(k8s_run: tuple[Path, list[A
         data = json.loads(m.read_text(encoding="utf-8"))
         arm = m.parent.parent.name
         assert (data["arm"], data["repeat_index"]) == (arm, 0)
-        assert data["runtime"]["gradient_checkpointing"] is (arm == "ckpt-on")
+        assert data["runtime"]["backend.options.gradient_checkpointing"] is (arm == "ckpt-on")
         # provenance from the downward API and the environment the manifests set
         assert (data["host"]["node"], data["host"]["device_type"]) == ("node-a", "cpu")
         assert data["host"]["image_digest"] == "sha256:" + "ab" * 32

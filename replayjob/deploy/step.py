@@ -271,7 +271,7 @@ def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None
         raise RefusedError("the capture given with --source is not complete (no metrics.json)",
                            where=layout.source)
     else:
-        from replayjob.optbatch.capture import capture
+        from replayjob.source_run import capture
 
         _set_aside(layout.source, layout, log)
         sets = [*spec.config_sets()]
@@ -349,7 +349,7 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
     layout.replays.mkdir(parents=True, exist_ok=True)
     verdict = reduce_evidence(Request(
         paths=[str(layout.replays)], claim=spec.claim, out=layout.verdict, source=layout.source,
-        min_repeats=spec.effective_min_repeats, arms=tuple(a.name for a in spec.arms),
+        min_repeats=spec.effective_min_repeats, arms=tuple(a.name for a in spec.arms), spec=spec,
         mixed_hardware=spec.mixed_hardware))
     log(verdict.summary())
     log(f"step: wrote {layout.verdict}")

@@ -25,13 +25,13 @@ from replayjob.digest import normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import read_regular_bytes
 from replayjob.jsonio import loads_strict
+from replayjob.optbatch.knobs import KNOBS
 
-REPLAY_SCHEMA = "replayjob.replay_metrics/v1"
+REPLAY_SCHEMA = "replayjob.replay_metrics/v2"
 REPLAY_FILE = "replay_metrics.json"
 SOURCE_FILE = "metrics.json"
 MAX_METRICS_BYTES = 16 * 1024 * 1024
 REQUIRED_SKIPS = ("dataset", "environment", "rollout", "sampling")
-GC_KEY = "backend.options.gradient_checkpointing"
 # Spread metrics: name -> (section, key) in replay_metrics.json.
 MEASURES: dict[str, tuple[str, str]] = {
     "local_train_wall_s": ("timing", "local_train_wall_s"),
@@ -53,6 +53,7 @@ class Replay:
     repeat_index: int
     pin_logical: str
     pin_manifest: str
+    pin_payload: str
     logical: str
     effective: str
     manifest: str
@@ -63,7 +64,8 @@ class Replay:
     observed: tuple[str, ...]
     knobs: dict[str, Any]
     skipped: tuple[str, ...]
-    gradient_checkpointing: bool
+    runtime: dict[str, Any]  # registered knob -> the value observed in effect at run time
+    rows: int
     loss: float
     tolerances_sha256: str
     measures: dict[str, float] = field(default_factory=dict)
@@ -220,9 +222,12 @@ def read_replay(path: str | Path) -> Replay:
     pins = f.obj("pins")
     knobs = f.obj("knobs")
     runtime = f.obj("runtime")
-    gc = f.get("gradient_checkpointing", runtime)
-    if not isinstance(gc, bool):
-        raise f.fail("runtime.gradient_checkpointing", "must be true or false")
+    if sorted(runtime) != sorted(KNOBS):
+        raise f.fail("runtime", f"must hold the observed value of every registered knob {sorted(KNOBS)}, "
+                                f"found {sorted(runtime)}")
+    rows = f.get("rows", f.obj("rows"))
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise f.fail("rows.rows", "must be an integer >= 1")
     arm = f.text("arm")
     if arm == "source":
         raise f.fail("arm", "may not be 'source', the name reduce gives the capture run")
@@ -238,10 +243,11 @@ def read_replay(path: str | Path) -> Replay:
     return Replay(
         path=p, sha256=sha, arm=arm, repeat_index=index,
         pin_logical=f.digest("expected_logical_sha256", pins),
-        pin_manifest=f.digest("expected_manifest_sha256", pins), **_run_fields(f),
+        pin_manifest=f.digest("expected_manifest_sha256", pins),
+        pin_payload=f.digest("payload_spans_sha256", pins), **_run_fields(f),
         allowed=f.names("allowed_config_differences"),
         observed=f.names("observed_config_differences"),
-        knobs=knobs, skipped=f.names("skipped"), gradient_checkpointing=gc,
+        knobs=knobs, skipped=f.names("skipped"), runtime=runtime, rows=rows,
         tolerances_sha256=f.digest("tolerances_sha256") if tol else "", measures=measures, host=host,
     )
 

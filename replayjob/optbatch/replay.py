@@ -31,20 +31,15 @@ from replayjob.fsio import atomic_write_bytes
 from replayjob.hostinfo import host_provenance
 from replayjob.jsonio import pretty_bytes, read_json_object
 from replayjob.model.backend import load_backend
+from replayjob.optbatch import knobs
 from replayjob.optbatch.explain import SKIPPED, Admission, admit
 from replayjob.rl.diag import peak_memory_value
 from replayjob.rl.state import check_model, restore_rng
 from replayjob.rl.update import make_optimizer, optimizer_update
 
-METRICS_SCHEMA = "replayjob.replay_metrics/v1"
+METRICS_SCHEMA = "replayjob.replay_metrics/v2"
 METRICS_FILE = "replay_metrics.json"
 FINAL_ADAPTER_DIR = "final_adapter"
-
-
-def _runtime_checkpointing(model: torch.nn.Module, declared: bool) -> bool:
-    """The gradient-checkpointing flag as the model reports it at run time."""
-    flag = getattr(model, "is_gradient_checkpointing", None)
-    return bool(flag) if isinstance(flag, bool) else declared
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:
@@ -73,6 +68,12 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
     prov["attn_implementation"] = cfg.backend.options.attn_implementation
     prov["device"] = str(policy.device)
     check_model(adm.state, policy.model_reference())
+    for key in adm.allowed:  # admitted, so each is a registered knob; now checked on the built model too
+        why = knobs.KNOBS[key].model_refusal(policy.model)
+        if why:
+            raise ContractError(f"difference {key!r} is not systems-only here: {why}",
+                                where=cfg.optimizer_batch.replay_path or "optimizer_batch.replay_path",
+                                hint=f"remove {key!r} from this arm or switch the dropout off in both runs")
     # the manifest's pin is checked over the very bytes the adapter tensors are built from
     policy.load_adapter(adm.state.adapter_file, adm.manifest.initial_adapter_sha256)
     vocab = _vocab_size(policy.model) or policy.tokenizer.vocab_size
@@ -89,8 +90,8 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
     local_train_wall_s = time.perf_counter() - t0
     peak = peak_memory_value(policy.device)
     final_file = policy.save_adapter(out / FINAL_ADAPTER_DIR)
-    metrics = _metrics(adm, cfg, repeat_index, res, local_train_wall_s, peak, policy.device,
-                       _runtime_checkpointing(policy.model, policy.gradient_checkpointing))
+    observed = knobs.observe_all(knobs.Runtime(policy.model, tuple(res.micro_batch_rows)))
+    metrics = _metrics(adm, cfg, repeat_index, res, local_train_wall_s, peak, policy.device, observed)
     metrics.update({
         "optimizer_batch/final_adapter_sha256": sha256_file(final_file),
         "final_adapter_path": str(final_file.relative_to(out)),
@@ -103,7 +104,7 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
 
 
 def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_train_wall_s: float,
-             peak: int, device: torch.device, checkpointing: bool) -> dict[str, Any]:
+             peak: int, device: torch.device, observed: dict[str, Any]) -> dict[str, Any]:
     assert adm.manifest is not None and adm.batch is not None and adm.rng is not None and adm.rows is not None
     m = adm.manifest
     logical, effective = adm.batch.digests()  # the rows as replayed, hashed again after the update
@@ -125,7 +126,7 @@ def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_tra
         "observed_config_differences": list(adm.observed),
         "knobs": adm.knob_values(),
         "skipped": list(SKIPPED),
-        "runtime": {"gradient_checkpointing": checkpointing},
+        "runtime": observed,  # every registered knob as observed at run time
         "loss": res.loss,
         "grad_norm": res.grad_norm,
         "timing": {"local_train_wall_s": local_train_wall_s, "forward_wall_s": res.forward_wall_s,

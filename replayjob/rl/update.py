@@ -28,6 +28,7 @@ class UpdateResult:
     backward_wall_s: float = 0.0
     optimizer_wall_s: float = 0.0
     micro_batches: int = 0
+    micro_batch_rows: list[int] = field(default_factory=list)  # rows of each micro-batch, in order
     real_tokens: int = 0
     padded_tokens: int = 0
     ratio_mean: float = 1.0
@@ -85,6 +86,7 @@ def optimizer_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Op
         res.forward_wall_s += t1 - t0
         res.backward_wall_s += t2 - t1
         res.micro_batches += 1
+        res.micro_batch_rows.append(len(mb.rows))
         res.real_tokens += mb.real_tokens
         res.padded_tokens += mb.padded_tokens
     _sync(dev)
