@@ -28,7 +28,9 @@ class ReplayjobError(Exception):
     """Root of every domain error.
 
     ``message`` says what is wrong; ``where`` names the file, key or field; ``hint`` says how to
-    fix it.  :meth:`diagnostics` renders the three as the one message the CLI prints.
+    fix it.  :meth:`diagnostics` renders the three as the one message the CLI prints, through
+    :func:`replayjob.config.redact.redact_text`, so a path or value quoted from a config never
+    prints a credential.
     """
 
     exit_code: int = EXIT_REFUSED
@@ -40,8 +42,11 @@ class ReplayjobError(Exception):
         self.hint = hint
 
     def diagnostics(self) -> str:
-        head = f"{self.where}: {self.message}" if self.where else self.message
-        return f"{head}\n  fix: {self.hint}" if self.hint else head
+        from replayjob.config.redact import redact_text
+
+        message = redact_text(self.message)  # each part alone: "key: message" is no key-value pair
+        head = f"{redact_text(self.where)}: {message}" if self.where else message
+        return f"{head}\n  fix: {redact_text(self.hint)}" if self.hint else head
 
 
 class RefusedError(ReplayjobError):

@@ -17,6 +17,7 @@ import torch
 
 from replayjob.config import Config
 from replayjob.config.load import to_dict
+from replayjob.config.redact import redact_text
 from replayjob.digest import sha256_file
 from replayjob.errors import ConfigError, ContractError
 from replayjob.fsio import atomic_write_bytes
@@ -34,7 +35,7 @@ def builtin_model_reference(cfg: Config) -> dict[str, Any]:
     m = to_dict(cfg.model)
     if cfg.model.path:
         cfg_file = Path(cfg.model.path) / "config.json"
-        return {"kind": "local", "path": cfg.model.path,
+        return {"kind": "local", "path": redact_text(cfg.model.path),  # recorded in resume states
                 "config_sha256": sha256_file(cfg_file) if cfg_file.is_file() else None}
     return {"kind": "builtin-tiny", **{k: m[k] for k in _BUILTIN_KEYS}}
 

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from replayjob.config import Config, from_dict, resolved
 from replayjob.config.diff import differences
+from replayjob.config.redact import redact_text
 from replayjob.digest import normalize_digest
 from replayjob.errors import ContractError, IntegrityError, RefusedError
 from replayjob.optbatch import knobs, payload
@@ -70,7 +71,7 @@ class Admission:
 
     @property
     def arm(self) -> str:
-        return self.cfg.optimizer_batch.arm or knobs.arm_name(self.allowed, resolved(self.cfg))
+        return redact_text(self.cfg.optimizer_batch.arm) or knobs.arm_name(self.allowed, resolved(self.cfg))
 
     def knob_values(self) -> dict[str, Any]:
         r = resolved(self.cfg)

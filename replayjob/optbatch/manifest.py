@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from replayjob.config.redact import redact_text
 from replayjob.digest import normalize_digest, sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
 from replayjob.fsio import atomic_write_bytes
@@ -94,7 +95,7 @@ def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_siz
           rows: dict[str, Any], logical: str, effective: str, resolved_config: dict[str, Any],
           contract: dict[str, Any], adapter_path: Path, adapter_size: int, adapter_sha256: str
           ) -> dict[str, Any]:
-    """The manifest document (nothing is written)."""
+    """The manifest document (nothing is written); the adapter path is redacted like every config string."""
     return {
         "schema": SCHEMA,
         "step": step,
@@ -106,7 +107,7 @@ def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_siz
         "local_effective_rows_sha256": effective,
         "config": {"sha256": sha256_json(resolved_config), "resolved": resolved_config},
         "contract": {"sha256": sha256_json(contract), "value": contract},
-        "initial_adapter": {"path": str(adapter_path), "size": adapter_size, "sha256": adapter_sha256},
+        "initial_adapter": {"path": redact_text(str(adapter_path)), "size": adapter_size, "sha256": adapter_sha256},
     }
 
 
