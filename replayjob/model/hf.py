@@ -62,11 +62,11 @@ class HFPolicy:
         return {k: v.detach().to("cpu").contiguous() for k, v in sorted(state.items())}
 
     def save_adapter(self, directory: Path) -> Path:
-        from safetensors.torch import save
+        from replayjob.rl.state import adapter_bytes
 
         directory.mkdir(parents=True, exist_ok=True)
         weights = directory / ADAPTER_WEIGHTS
-        atomic_write_bytes(weights, save(self.adapter_state(), metadata={"format": "pt"}))
+        atomic_write_bytes(weights, adapter_bytes(self.adapter_state()))
         pcfg = self.model.peft_config["default"].to_dict()
         pcfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in pcfg.items()}
         atomic_write_bytes(directory / ADAPTER_CONFIG, pretty_bytes(_jsonable(pcfg)))

@@ -23,7 +23,7 @@ from replayjob.config import Config, from_dict, resolved
 from replayjob.config.diff import differences
 from replayjob.digest import normalize_digest
 from replayjob.errors import ContractError, IntegrityError, RefusedError
-from replayjob.optbatch import knobs, payload
+from replayjob.optbatch import knobs, payload, stepcapture
 from replayjob.optbatch.contract import contract_differences, contract_sha256, optimizer_contract
 from replayjob.optbatch.manifest import Manifest, read_verified
 from replayjob.rl.batch import OptimizerBatch
@@ -176,9 +176,8 @@ def _check_adapter(adm: Admission) -> None:
     except RefusedError as exc:
         adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
         return
-    if st.step != -1:
-        adm.refuse(f"resume.from is a state at step {st.step}; replay starts from the source's "
-                   "initialisation state (step -1)")
+    for reason in stepcapture.state_reasons(adm.manifest, st, adm.cfg):
+        adm.refuse(reason)  # the start state a captured step pins (step -1 for a step-zero capture)
     if adm.manifest is not None and st.adapter_sha256 != adm.manifest.initial_adapter_sha256:
         adm.refuse(f"adapter hash mismatch: {st.adapter_file} has SHA-256 {st.adapter_sha256}, the source "
                    f"started from {adm.manifest.initial_adapter_sha256}")
