@@ -103,7 +103,9 @@ class RingCapture(StepHook):
             return
         t0 = time.perf_counter()
         assert self._view is not None  # on_train_begin runs before any step
-        self.ring.append(stepcapture.take(step, batch, self._view, self._producer))
+        full = len(self.ring) == self.ring.maxlen
+        oldest = self.ring.popleft() if full else None  # its buffers are refilled: no allocation per step
+        self.ring.append(stepcapture.take(step, batch, self._view, self._producer, reuse=oldest))
         self.peak_bytes = max(self.peak_bytes, sum(s.nbytes for s in self.ring))
         self.seconds += time.perf_counter() - t0
 

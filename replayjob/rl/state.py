@@ -112,14 +112,14 @@ def adapter_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     return bytes(save({k: tensors[k] for k in sorted(tensors)}, metadata={"format": "pt"}))
 
 
-def optimizer_tensors(opt: torch.optim.Optimizer, *, copy: bool = False) -> dict[str, torch.Tensor]:
-    """The optimizer's per-parameter state as ``"{index}.{name}"`` CPU tensors (``copy``: cloned)."""
+def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state as ``"{index}.{name}"`` CPU tensors (views of the live state)."""
     tensors: dict[str, torch.Tensor] = {}
-    for idx, st in opt.state_dict()["state"].items():
-        for k, v in st.items():
+    params = [p for group in opt.param_groups for p in group["params"]]  # state_dict()'s index order
+    for idx, p in enumerate(params):
+        for k, v in opt.state.get(p, {}).items():
             t = v if torch.is_tensor(v) else torch.tensor(v)
-            t = t.detach().to("cpu").contiguous()
-            tensors[f"{idx}.{k}"] = t.clone() if copy else t
+            tensors[f"{idx}.{k}"] = t.detach().to("cpu").contiguous()
     return tensors
 
 
