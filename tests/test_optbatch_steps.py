@@ -221,3 +221,27 @@ def test_the_run_records_each_steps_files_once(steps_run: Path) -> None:
     assert sha256_bytes((steps_run / pins["manifest_path"]).read_bytes()) == pins["manifest_sha256"]
     state = steps_run / stepcapture.state_dir_name(3)
     assert sha256_file(state / "adapter_model.safetensors") == pins["initial_adapter_sha256"]
+
+
+def test_nonfinite_inputs_are_flagged_and_replay_only_under_the_opt_in(workspace: Path, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A source whose reference logprobs hold a NaN (unused by the loss: kl_loss_coef = 0)."""
+    from replayjob.rl.batch import OptimizerBatch
+    from replayjob.rl.hooks import StepHook
+    from replayjob.source_run import train_source
+
+    class Poison(StepHook):  # runs before the capture hook, as a broken reference model would
+        def before_update(self, step: int, batch: OptimizerBatch) -> None:
+            if step == 1:
+                batch.ref_logprobs[0] = float("nan")
+
+    cfg = load_config(workspace / "train.toml", [*SMALL, "training.max_steps=2", "optimizer_batch.capture_steps=[1]"])
+    out = tmp_path / "run"
+    (pins,) = train_source(cfg, out, [Poison()])["optimizer_batch/steps"]
+    assert pins["nonfinite_inputs"] is True
+    config = out / stepcapture.replay_config_name(1)
+    assert main(["explain", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "flagged nonfinite_inputs" in err and "non-finite ref_logprobs" in err
+    rm = replay_metrics(config, tmp_path / "r", "--set", "optimizer_batch.allow_nonfinite_inputs=true")
+    assert rm["optimizer_batch/final_adapter_sha256"] == pins["final_adapter_sha256"]

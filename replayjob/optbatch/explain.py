@@ -132,9 +132,11 @@ def _check_artifacts(adm: Admission) -> None:
         if m.payload_size > MAX_PAYLOAD_BYTES:
             raise IntegrityError(f"the manifest pins a {m.payload_size}-byte payload, above the "
                                  f"{MAX_PAYLOAD_BYTES}-byte limit", where=p)
-        scan = payload.read(p, keep=adm.keep_rows, expected_size=m.payload_size)
+        nonfinite = stepcapture.nonfinite_admitted(m, adm.cfg)  # flagged in the manifest and opted into
+        scan = payload.read(p, keep=adm.keep_rows, expected_size=m.payload_size, allow_nonfinite=nonfinite)
         if scan.digest == m.payload_digest and scan.fault is None and scan.row_digests() is None:
-            scan = payload.read(p, keep=True, expected_size=m.payload_size)  # some row bears no loss
+            scan = payload.read(p, keep=True, expected_size=m.payload_size,  # some row bears no loss
+                                allow_nonfinite=nonfinite)
     except OSError as exc:
         adm.refuse(f"{p}: cannot read the payload: {exc.strerror}", integrity=True)
         return

@@ -277,6 +277,11 @@ def state_reasons(m: manifest.Manifest | None, st: ResumeState, cfg: Config) -> 
     return reasons
 
 
+def nonfinite_admitted(m: manifest.Manifest, cfg: Config) -> bool:
+    """Whether the payload reader may admit NaN/Inf rows: the manifest flags them and the config opts in."""
+    return m.state is not None and bool(m.state["nonfinite_inputs"]) and cfg.optimizer_batch.allow_nonfinite_inputs
+
+
 def restore_optimizer(optimizer: torch.optim.Optimizer, m: manifest.Manifest, st: ResumeState) -> None:
     """Load the pinned optimizer state of a chosen-step capture (a step-zero capture starts fresh)."""
     if m.state is not None:
