@@ -30,7 +30,7 @@ class TrainingConfig:
     trainer: Trainer = doc("Which runner: 'grpo' (the source trainer) or 'optimizer_replay'.", "grpo")
     seed: int | None = doc("Seed for prompts, sampling and LoRA init; required (>= 0) under strict mode.",
                            None)
-    max_steps: int = doc("Number of optimizer steps (>= 1). Capture and replay require exactly 1.", 1)
+    max_steps: int = doc("Number of optimizer steps (>= 1). The step-zero capture and replay require exactly 1.", 1)
     save_every: int = doc("Write a resumable checkpoint every N steps; 0 disables checkpoints.", 0)
     micro_batch_size: int = doc("Rows per forward/backward micro-batch (systems-only knob).", 4)
 
