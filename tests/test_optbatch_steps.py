@@ -245,3 +245,13 @@ def test_nonfinite_inputs_are_flagged_and_replay_only_under_the_opt_in(workspace
     assert "flagged nonfinite_inputs" in err and "non-finite ref_logprobs" in err
     rm = replay_metrics(config, tmp_path / "r", "--set", "optimizer_batch.allow_nonfinite_inputs=true")
     assert rm["optimizer_batch/final_adapter_sha256"] == pins["final_adapter_sha256"]
+
+
+def test_steps_before_the_resume_state_are_refused(steps_run: Path, workspace: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    state = steps_run / stepcapture.state_dir_name(3)  # a state of step 2: the run resumes at step 3
+    assert main(["train", str(workspace / "train.toml"), "--out", str(tmp_path / "r"),
+                 *sets("training.max_steps=5", "optimizer_batch.capture_steps=[1]", f"resume.from='{state}'")]) == 2
+    err = capsys.readouterr().err
+    assert "steps [1] come before the resume state's next step 3" in err and "Traceback" not in err
+    assert not list((tmp_path / "r").glob("optimizer_batch_step_*"))
