@@ -109,6 +109,7 @@ class Packed:
     flats: dict[torch.dtype, Tensor]
     index: list[tuple[str, torch.dtype, tuple[int, ...], int, int]]  # name, dtype, shape, begin, end
     _views: list[Tensor] | None = None  # per-name views of ``flats`` (built at the first refill)
+    _sources: list[Tensor] | None = None  # the tensors the last refill copied
 
     @classmethod
     def of(cls, tensors: dict[str, Tensor]) -> Packed:
@@ -124,17 +125,22 @@ class Packed:
                 offset += t.numel()
         return cls(flats, index)
 
-    def refill(self, tensors: dict[str, Tensor]) -> bool:
+    def refill(self, tensors: dict[str, Any]) -> bool:
         """Copy ``tensors`` into this pack's buffers in one call (no allocation); False (nothing copied)
-        when their names, dtypes or shapes differ from the packed ones."""
-        if len(tensors) != len(self.index) or any(
-                t.dtype != dt or tuple(t.shape) != shape or name != n
-                for (n, t), (name, dt, shape, _, _) in zip(tensors.items(), self.index, strict=True)):
+        when their names, types, dtypes or shapes differ from the packed ones.  The same tensor objects
+        as the last refill's (an optimizer updates its state in place) skip the comparison."""
+        sources = list(tensors.values())
+        same = self._sources is not None and len(sources) == len(self._sources) and all(
+            a is b for a, b in zip(sources, self._sources, strict=True))
+        if not same and (len(tensors) != len(self.index) or any(
+                not isinstance(t, Tensor) or t.dtype != dt or tuple(t.shape) != shape or name != n
+                for (n, t), (name, dt, shape, _, _) in zip(tensors.items(), self.index, strict=True))):
             return False
         if self._views is None:
             self._views = [self.flats[dt][a:b].view(shape) for _, dt, shape, a, b in self.index]
         with torch.no_grad():
-            torch._foreach_copy_(self._views, list(tensors.values()))
+            torch._foreach_copy_(self._views, sources)
+        self._sources = sources
         return True
 
     def unpack(self) -> dict[str, Tensor]:
@@ -148,6 +154,13 @@ class Packed:
 
 def clone_adapter(view: TrainerView) -> Packed:
     return Packed.of(view.adapter_state())
+
+
+def live_optimizer_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's live state values under :func:`~replayjob.rl.state.optimizer_tensors`' names,
+    untouched (no per-tensor calls: what a refill compares by identity and copies from)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    return {f"{i}.{k}": v for i, p in enumerate(params) for k, v in opt.state.get(p, {}).items()}
 
 
 def has_nonfinite(rows: OptimizerBatch) -> bool:
@@ -182,11 +195,11 @@ def take(step: int, batch: OptimizerBatch, view: TrainerView, prod: dict[str, An
     """On the training thread, right before the update: copies only (into ``reuse``'s buffers when given
     and they fit, as a ring buffer recycles its oldest snapshot)."""
     rows = clone_rows(batch)
-    adapter, optimizer = view.adapter_state(), optimizer_tensors(view.optimizer)
-    if reuse is not None and reuse.adapter.refill(adapter) and reuse.optimizer.refill(optimizer):
+    adapter, opt = view.adapter_state(), view.optimizer
+    if reuse is not None and reuse.adapter.refill(adapter) and reuse.optimizer.refill(live_optimizer_state(opt)):
         packed_adapter, packed_optimizer = reuse.adapter, reuse.optimizer
     else:
-        packed_adapter, packed_optimizer = Packed.of(adapter), Packed.of(optimizer)
+        packed_adapter, packed_optimizer = Packed.of(adapter), Packed.of(optimizer_tensors(opt))
     return StepSnapshot(step=step, rows=rows, rng=rng_tensors(), producer=prod, adapter=packed_adapter,
                         optimizer=packed_optimizer, lr=[float(g["lr"]) for g in view.optimizer.param_groups],
                         nonfinite=has_nonfinite(rows))
