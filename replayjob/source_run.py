@@ -5,6 +5,10 @@ this module is where the config and the environment choose them (:func:`source_h
 
 * ``[optimizer_batch] capture = true`` -- :class:`~replayjob.optbatch.capture.CaptureHook`
   (step zero from a step -1 state, ``max_steps = 1``);
+* ``[optimizer_batch] capture_steps = [K, ...]`` -- :class:`~replayjob.optbatch.capture.StepsCapture`
+  (chosen steps of a run of any length);
+* ``[optimizer_batch] ring_size = N`` -- :class:`~replayjob.optbatch.ring.RingCapture` (the last N
+  steps, written when an anomaly trigger fires);
 * ``REPLAYJOB_BUNDLE_CAPTURE=1`` -- :class:`~replayjob.bundle.hook.BundleCapture`.
 
 Each hook's preconditions are checked as it is built, before any training work.  Until the hooks
@@ -25,12 +29,17 @@ from replayjob.rl.hooks import StepHook, abandon_all
 def source_hooks(cfg: Config, out: Path) -> list[StepHook]:
     """The capture hooks ``cfg`` and the environment ask for, preconditions checked, in call order."""
     from replayjob.bundle.hook import capture_from_env
-    from replayjob.optbatch.capture import CaptureHook
+    from replayjob.optbatch.capture import CaptureHook, StepsCapture
+    from replayjob.optbatch.ring import RingCapture
 
     hooks: list[StepHook] = []
     try:
         if cfg.optimizer_batch.capture:
             hooks.append(CaptureHook.prepare(cfg, out))
+        if cfg.optimizer_batch.capture_steps:
+            hooks.append(StepsCapture.prepare(cfg, out))
+        if cfg.optimizer_batch.ring_size:
+            hooks.append(RingCapture.prepare(cfg, out))
         bundles = capture_from_env(cfg)  # on only with REPLAYJOB_BUNDLE_CAPTURE=1
         if bundles is not None:
             hooks.append(bundles)

@@ -26,23 +26,20 @@ boundary of the payload or the manifest (``write.half/optimizer_batch_step_00000
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import replayjob
-from replayjob import determinism
 from replayjob.config import Config, resolved
 from replayjob.errors import ArtifactExistsError, ConfigError, RefusedError
 from replayjob.faults import point
 from replayjob.fsio import atomic_write_bytes
-from replayjob.optbatch import manifest, payload
+from replayjob.optbatch import manifest, payload, stepcapture
 from replayjob.optbatch.contract import optimizer_contract
 from replayjob.rl.batch import OptimizerBatch
-from replayjob.rl.hooks import BackgroundWriter, StepHook
+from replayjob.rl.hooks import BackgroundWriter, StepHook, TrainerView
 from replayjob.rl.state import ResumeState, read_state, rng_tensors
 
 CRASH_POINTS = ("capture.start", "capture.before-payload", "capture.payload-written",
@@ -78,18 +75,6 @@ def check_preconditions(cfg: Config) -> ResumeState:
     return state
 
 
-def _producer(cfg: Config) -> dict[str, Any]:
-    strict = cfg.backend.options.strict_deterministic
-    prov = {"strict_deterministic": strict, "math_mode": determinism.math_mode_from_env(strict),
-            "attn_implementation": cfg.backend.options.attn_implementation, **determinism.snapshot()}
-    device = cfg.backend.torch_device
-    out: dict[str, Any] = {"replayjob_version": replayjob.__version__, "torch_version": torch.__version__,
-                           "python": platform.python_version(), "device": device, "provenance": prov}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        out["device_name"] = torch.cuda.get_device_name(torch.device(device))
-    return out
-
-
 class CaptureHook(StepHook):
     """A :class:`~replayjob.rl.hooks.StepHook` that captures step zero's optimizer batch."""
 
@@ -120,7 +105,7 @@ class CaptureHook(StepHook):
         point("capture.before-payload")
         rows = OptimizerBatch(**{k: v.detach().to("cpu").clone() for k, v in batch.tensors().items()})
         rng = {k: v.clone() for k, v in rng_tensors().items()}
-        producer = _producer(self.cfg)  # the determinism state at the capture point
+        producer = stepcapture.producer(self.cfg)  # the determinism state at the capture point
         self._snapshot = (step, rows, rng, producer)
 
     def after_update(self, step: int, result: Any) -> None:
@@ -169,4 +154,74 @@ class CaptureHook(StepHook):
 
     def abandon(self) -> None:
         """Release the writer and wait for it: a snapshot already handed over is written first."""
+        self._writer.release()
+
+
+class StepsCapture(StepHook):
+    """``[optimizer_batch] capture_steps``: capture chosen steps of a run of any length.
+
+    Each chosen step is captured self-sufficiently (:mod:`~replayjob.optbatch.stepcapture`): the
+    training thread clones the rows, RNG, adapter and optimizer state before the update and the
+    adapter after it; the writer writes once the update has returned.  ``finish`` adds
+    ``optimizer_batch/steps`` to metrics.json: per step its pins, including the SHA-256 of the
+    adapter after the real update.
+    """
+
+    def __init__(self, cfg: Config, out: Path, steps: list[int]):
+        self.cfg, self.out, self.steps = cfg, out, sorted(steps)
+        self.captured: list[dict[str, Any]] = []
+        self._view: TrainerView | None = None
+        self._producer: dict[str, Any] = {}
+        self._pending: stepcapture.StepSnapshot | None = None
+        self._writer = BackgroundWriter("replayjob-steps-writer")  # idle until a chosen update returned
+
+    @classmethod
+    def prepare(cls, cfg: Config, out: Path) -> StepsCapture:
+        """Refuse (before any work) steps the run never reaches, a step-zero capture in the same run,
+        and captures already in ``out``."""
+        steps = cfg.optimizer_batch.capture_steps
+        where = "optimizer_batch.capture_steps"
+        if cfg.optimizer_batch.capture:
+            raise ConfigError("capture = true (the step-zero capture) and capture_steps cannot be combined",
+                              where=where, hint="list 0 in capture_steps instead, or drop capture_steps")
+        late = [k for k in steps if k >= cfg.training.max_steps]
+        if late:
+            raise ConfigError(f"steps {late} are not reached: the run's last step is {cfg.training.max_steps - 1}",
+                              where=where, hint="raise training.max_steps or drop those steps")
+        stepcapture.refuse_existing(out, steps, "capture")
+        return cls(cfg, out, steps)
+
+    def on_train_begin(self, view: TrainerView) -> None:
+        early = [k for k in self.steps if k < view.start_step]
+        if early:
+            raise ConfigError(f"steps {early} come before the resume state's next step {view.start_step}",
+                              where="optimizer_batch.capture_steps", hint="capture steps this run executes")
+        self._view = view
+        self._producer = stepcapture.producer(self.cfg)  # the determinism state, fixed for the run
+
+    def before_update(self, step: int, batch: OptimizerBatch) -> None:
+        if step in self.steps:
+            assert self._view is not None  # on_train_begin runs before any step
+            self._pending = stepcapture.take(step, batch, self._view, self._producer)
+
+    def after_update(self, step: int, result: Any) -> None:
+        snap = self._pending
+        if snap is None or snap.step != step:
+            return
+        assert self._view is not None
+        self._pending = None
+        snap.final_adapter = stepcapture.clone_adapter(self._view)
+        ref = self._view.model_reference
+        self._writer.submit(lambda: self.captured.append(stepcapture.write(self.out, snap, self.cfg, ref)))
+
+    def finish(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Wait for the writer (re-raising its first error); every chosen step's pins for metrics.json."""
+        self._writer.drain()
+        missing = sorted(set(self.steps) - {int(c["step"]) for c in self.captured})
+        if missing:
+            raise RefusedError(f"steps {missing} were chosen but not captured (their update never returned)",
+                               where=self.out, hint="rerun into a new --out directory")
+        return {"optimizer_batch/steps": sorted(self.captured, key=lambda c: int(c["step"]))}
+
+    def abandon(self) -> None:
         self._writer.release()

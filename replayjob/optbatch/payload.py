@@ -338,7 +338,7 @@ class Scanned:
         return self._row_digests
 
 
-def _scan(reader: _Reader, keep: bool, where: str | Path | None) -> Scanned:
+def _scan(reader: _Reader, keep: bool, where: str | Path | None, allow_nonfinite: bool = False) -> Scanned:
     size = reader.size
     out = Scanned()
     head = bytearray(8)
@@ -415,7 +415,7 @@ def _scan(reader: _Reader, keep: bool, where: str | Path | None) -> Scanned:
     out.sums = {k: (spans[k][2], results[k].sha256) for k in (*INT_FIELDS, *FLOAT_FIELDS)}
     ints = {k: np.frombuffer(kept[k], dtype="<i8") for k in ("token_offsets", "prompt_lens", "resp_offsets")}
     try:
-        _check_content(spans, ints, results, where)
+        _check_content(spans, ints, results, where, allow_nonfinite)
     except IntegrityError as exc:
         out.fault = exc
         return out
@@ -437,14 +437,17 @@ def _scan(reader: _Reader, keep: bool, where: str | Path | None) -> Scanned:
 
 
 def _check_content(spans: dict[str, Span], ints: dict[str, np.ndarray], results: dict[str, _SpanResult],
-                   where: str | Path | None) -> None:
-    """Ragged structure from the index arrays, then the per-token findings (first one raised)."""
+                   where: str | Path | None, allow_nonfinite: bool = False) -> None:
+    """Ragged structure from the index arrays, then the per-token findings (first one raised).
+
+    ``allow_nonfinite`` admits NaN/Inf in the logprobs and advantages (a capture flagged so, replayed
+    under ``optimizer_batch.allow_nonfinite_inputs``); never in the loss weights."""
     check_ragged(ints, {k: spans[k][2] for k in (*INT_FIELDS, *FLOAT_FIELDS)}, where)
     if results["tokens"].negative:
         raise _fail("negative token id", where)
     for f in FLOAT_FIELDS:
         first = results[f].first_nonfinite
-        if first is not None:
+        if first is not None and not (allow_nonfinite and f != "loss_weights"):
             row = int(np.searchsorted(ints["resp_offsets"], first, side="right")) - 1
             raise _fail(f"row {row} holds a non-finite {f} value", where,
                         "the source step produced NaN/Inf; fix the source run and recapture")
@@ -499,13 +502,15 @@ def _tensor(view: memoryview, dtype: torch.dtype) -> Tensor:
     return torch.frombuffer(view, dtype=dtype)
 
 
-def read(path: str | Path, *, keep: bool, expected_size: int | None = None) -> Scanned:
-    """Read the payload file once (see the module docstring); ``keep`` also builds its tensors."""
+def read(path: str | Path, *, keep: bool, expected_size: int | None = None,
+         allow_nonfinite: bool = False) -> Scanned:
+    """Read the payload file once (see the module docstring); ``keep`` also builds its tensors;
+    ``allow_nonfinite``: see :func:`_check_content`."""
     fd, size = open_regular(path, follow_symlinks=False, what="payload")
     try:
         if expected_size is not None and size != expected_size:
             raise IntegrityError(f"payload is {size} bytes, the manifest pins {expected_size}", where=path)
-        return _scan(_Reader(path, fd=fd, size=size), keep, path)
+        return _scan(_Reader(path, fd=fd, size=size), keep, path, allow_nonfinite)
     finally:
         os.close(fd)
 

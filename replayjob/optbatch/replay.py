@@ -31,7 +31,7 @@ from replayjob.fsio import atomic_write_bytes
 from replayjob.hostinfo import host_provenance
 from replayjob.jsonio import pretty_bytes, read_json_object
 from replayjob.model.backend import load_backend
-from replayjob.optbatch import knobs
+from replayjob.optbatch import knobs, stepcapture
 from replayjob.optbatch.explain import SKIPPED, Admission, admit
 from replayjob.rl.diag import peak_memory_value
 from replayjob.rl.state import check_model, restore_rng
@@ -82,6 +82,7 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
         raise ContractError(f"captured token id {top} is outside this model's vocabulary ({vocab})",
                             where=adm.manifest.payload_path)
     optimizer = make_optimizer(policy, cfg)
+    stepcapture.restore_optimizer(optimizer, adm.manifest, adm.state)  # a chosen step's pinned start state
     restore_rng(adm.rng)
     if policy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(policy.device)

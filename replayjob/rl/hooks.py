@@ -5,7 +5,11 @@ captures (``replayjob.optbatch.capture``, ``replayjob.bundle.hook``) import this
 trainer.  The command layer (:mod:`replayjob.run`) builds the hooks a config and the environment
 ask for and hands them over.
 
-The contract, in call order, for each step the trainer runs:
+Once before the first step, ``on_train_begin(view)`` hands the hook a :class:`TrainerView`: read
+access to the live adapter and optimizer (what a capture of a step after the first needs).  A hook
+must not modify them; it reads them only inside its own calls, on the training thread.
+
+Then, in call order, for each step the trainer runs:
 
 1. ``on_rollout(rollout)`` -- the step's rollout is complete (sampled, scored, advantages
    estimated, loss weights set); ``rollout`` is a :class:`StepRollout`.  The hook may copy
@@ -55,6 +59,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from torch import Tensor
 
 if TYPE_CHECKING:
+    import torch
+
     from replayjob.rl.batch import OptimizerBatch
     from replayjob.rl.update import UpdateResult
 
@@ -81,10 +87,30 @@ class StepRollout:
     loss_weights: Tensor    # [N, T]
 
 
+@dataclass(frozen=True)
+class TrainerView:
+    """Read access to the trainer's live state, handed to :meth:`StepHook.on_train_begin`.
+
+    ``adapter_state()`` returns the adapter tensors under the names the adapter weight file uses
+    (views of the live parameters: clone what you keep); ``optimizer`` is the live optimizer;
+    ``model_reference`` describes the base model (what a resume state is checked against);
+    ``start_step`` is the first step this run executes.
+    """
+
+    adapter_state: Callable[[], dict[str, Tensor]]
+    optimizer: torch.optim.Optimizer
+    model_reference: dict[str, Any]
+    start_step: int
+
+
 class StepHook(Protocol):
     """One capture (or probe) the trainer calls at each step; see the module docstring for the contract."""
 
     wants_update_logprobs: ClassVar[bool] = False
+
+    def on_train_begin(self, view: TrainerView) -> None:
+        """Once, before the first step: read access to the live adapter and optimizer."""
+        return None
 
     def on_rollout(self, rollout: StepRollout) -> None:
         """The step's rollout is complete; copy what is needed, change nothing."""

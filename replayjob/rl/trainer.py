@@ -11,6 +11,7 @@ Run it: ``replayjob init d && replayjob train d/source.toml --out runs/source``.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 import replayjob
-from replayjob import determinism
+from replayjob import determinism, faults
 from replayjob.config import Config, config_sha256, resolved
 from replayjob.digest import sha256_file
 from replayjob.errors import ArtifactExistsError, ConfigError
@@ -30,7 +31,7 @@ from replayjob.model.backend import Policy, load_backend
 from replayjob.rl import stages
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.diag import optimizer_checksum, peak_memory_bytes, stats, tensor_checksum
-from replayjob.rl.hooks import StepHook, StepRollout, abandon_all
+from replayjob.rl.hooks import StepHook, StepRollout, TrainerView, abandon_all
 from replayjob.rl.logprobs import padded, token_logprobs
 from replayjob.rl.state import (
     OPTIMIZER_FILE,
@@ -120,6 +121,10 @@ def _response_logprobs(policy: Policy, seqs: list[list[int]], prompt_ids: list[l
     finally:
         model.train(was_training)
     return out
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 def prepare_out_dir(out: Path) -> None:
@@ -221,6 +226,9 @@ def _run(cfg: Config, out: Path, hooks: list[StepHook]) -> dict[str, Any]:
         raise ConfigError(f"resume state is at step {start_step - 1}; max_steps={cfg.training.max_steps} "
                           "leaves nothing to run", where="training.max_steps")
     keep_logprobs = any(h.wants_update_logprobs for h in hooks)
+    view = TrainerView(policy.adapter_state, optimizer, policy.model_reference(), start_step)
+    for h in hooks:
+        h.on_train_begin(view)
     task = Task(cfg.environment.task, cfg.environment.max_operand, cfg.environment.nondeterministic_observation)
     last: UpdateResult | None = None
     with _open_diag(out) as diag:
@@ -232,11 +240,12 @@ def _run(cfg: Config, out: Path, hooks: list[StepHook]) -> dict[str, Any]:
                 h.on_rollout(rollout)
             for h in hooks:
                 h.before_update(step, batch)
-            last = optimizer_update(policy, optimizer, batch, cfg, keep_logprobs=keep_logprobs)
+            last = optimizer_update(policy, optimizer, batch, cfg, keep_logprobs=keep_logprobs,
+                                    plant_nonfinite_grad=faults.nonfinite_grad_at(step))
             for h in hooks:
                 h.after_update(step, last)
             row = diag_row(step, rollout, last, policy, optimizer, prov, time.perf_counter() - t_start, sample_s)
-            diag.write(canonical_bytes(row) + b"\n")
+            diag.write(canonical_bytes(row, allow_nan=True) + b"\n")  # a diverged step is recorded
             diag.flush()
             if cfg.training.save_every and (step + 1) % cfg.training.save_every == 0:
                 ck = out / "checkpoints" / f"step_{step:06d}"
@@ -253,8 +262,8 @@ def _run(cfg: Config, out: Path, hooks: list[StepHook]) -> dict[str, Any]:
         "device": str(policy.device),
         "steps_run": cfg.training.max_steps - start_step,
         "last_step": cfg.training.max_steps - 1,
-        "loss": last.loss,
-        "grad_norm": last.grad_norm,
+        "loss": _finite_or_none(last.loss),  # strict JSON: a diverged last step is null here, NaN in diag
+        "grad_norm": _finite_or_none(last.grad_norm),
         "initial_adapter_sha256": initial_sha,
         "final_adapter_sha256": sha256_file(final_file),
         "final_adapter_path": str(final_file.relative_to(out)),
