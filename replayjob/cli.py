@@ -5,13 +5,14 @@ Usage:
   replayjob train <config> [--out DIR] [--set KEY=VALUE]...
   replayjob capture <config> [--out DIR] [--set KEY=VALUE]...
   replayjob explain <config> [--json] [--set KEY=VALUE]...
-  replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--set KEY=VALUE]...
+  replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--trace] [--set KEY=VALUE]...
   replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR] [--tolerances FILE]
                    [--min-repeats N] [--baseline ARM] [--arms LIST] [--report FILE]
   replayjob ablation plan <spec> [--arms LIST] [--repeats N] [--device D]
   replayjob ablation index <spec> <index> [--arms LIST] [--repeats N] [--device D]
   replayjob k8s render <spec> [--out DIR] [--argo FILE]
   replayjob k8s submit <spec> [--namespace NS] [--wait]
+  replayjob trace-diff <a> <b> [--reference DIR]... [--json]
   replayjob diag-diff <a.jsonl> <b.jsonl> [--rtol R] [--atol A] [--ignore GLOB]... [--top N] [--json]
   replayjob determinism-check <config> [--runs K] [--steps N] [--out DIR] [--set KEY=VALUE]...
                    [--rtol R] [--atol A] [--ignore GLOB]... [--top N] [--json]
@@ -38,6 +39,10 @@ Commands:
              `plan` the whole array, `index` one task's arm, repeat and overrides.
   k8s        `render` an ablation spec as Kubernetes manifests (--out DIR; --argo FILE for the
              Argo workflow), or `submit` them with the kubernetes client (--wait: the reducer's code).
+  trace-diff Compare two traced replays (replay --trace) of one capture, or two arm directories of
+             them: the first divergent module in forward and in backward order, per-layer errors,
+             each divergence classified bitwise equal / within the noise envelope / beyond it
+             (docs/trace-format.md); exit 0 identical, 1 divergent, 2 refused.
   diag-diff  Compare two JSONL diagnostics leaf by leaf (rows aligned by step, else position);
              exit 1 on drift with the first divergent row and its largest drifts.
   determinism-check
@@ -58,6 +63,7 @@ Options:
   --json            Print the result as JSON.
   --repeat N        Run N replays, each in a fresh process, in DIR/repeat-000 ...
   --repeat-index I  Internal: this replay's index within its arm (set by --repeat and launchers).
+  --trace           replay: also record a layer-level trace into DIR/trace (optimizer_batch.trace).
   --claim CLAIM     Claim to gate: exact-input, bitwise or approximate.
   --source DIR      The capture run's output directory (its metrics.json and manifest); required.
   --tolerances FILE Predeclared tolerance TOML, pinned by SHA-256 in the replay configs.
@@ -72,6 +78,7 @@ Options:
   --argo FILE       Also write the Argo workflow (kubectl apply -f FILE) for the spec.
   --namespace NS    Kubernetes namespace to create the ablation's objects in [default: default].
   --wait            Create the Jobs stage by stage and exit with the reducer's code.
+  --reference DIR   trace-diff: a replay of a pair (give it twice) declared to differ only by noise.
   --rtol R          diag-diff: numbers are equal when |a-b| <= atol + rtol*|b| [default: 1e-5].
   --atol A          diag-diff: absolute tolerance [default: 1e-7].
   --ignore GLOB     diag-diff: also ignore leaves matching GLOB (only * and ? are wildcards).
@@ -178,7 +185,8 @@ def cmd_replay(args: dict[str, Any]) -> int:
 
     repeat = _int(args, "--repeat") if args["--repeat"] is not None else None
     index = _int(args, "--repeat-index") if args["--repeat-index"] is not None else 0
-    for out, m in replay_command(args["<config>"], args["--set"], args["--out"], repeat, index):
+    sets = [*args["--set"], *(["optimizer_batch.trace=true"] if args["--trace"] else [])]
+    for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index):
         print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}, "
               f"final adapter sha256 {m['optimizer_batch/final_adapter_sha256']}, "
               f"gradient_checkpointing {str(m['runtime']['gradient_checkpointing']).lower()}")
@@ -266,6 +274,16 @@ def cmd_diag_diff(args: dict[str, Any]) -> int:
     return report.exit_code
 
 
+def cmd_trace_diff(args: dict[str, Any]) -> int:
+    import json
+
+    from replayjob.trace.diff import render, trace_diff
+
+    rep = trace_diff(args["<a>"], args["<b>"], args["--reference"] or None)
+    print(json.dumps(rep, indent=2, sort_keys=True) if args["--json"] else render(rep))
+    return int(rep["exit_code"])
+
+
 def cmd_determinism_check(args: dict[str, Any]) -> int:
     from replayjob.check.determinism_check import check
 
@@ -330,6 +348,7 @@ COMMANDS: dict[str, Handler] = {
     "reduce": cmd_reduce,
     "ablation": cmd_ablation,
     "diag-diff": cmd_diag_diff,
+    "trace-diff": cmd_trace_diff,
     "determinism-check": cmd_determinism_check,
     "signals": cmd_signals,
     "k8s": cmd_k8s,

@@ -67,6 +67,7 @@ class Replay:
     loss: float
     tolerances_sha256: str
     measures: dict[str, float] = field(default_factory=dict)
+    trace_index_sha256: str | None = None  # the trace/index.json a traced replay pins (docs/trace-format.md)
 
     @property
     def label(self) -> str:
@@ -238,7 +239,18 @@ def read_replay(path: str | Path) -> Replay:
         observed=f.names("observed_config_differences"),
         knobs=knobs, skipped=f.names("skipped"), gradient_checkpointing=gc,
         tolerances_sha256=f.digest("tolerances_sha256") if tol else "", measures=measures,
+        trace_index_sha256=_trace_pin(f),
     )
+
+
+def _trace_pin(f: _Fields) -> str | None:
+    """``trace.index_sha256`` of a traced replay (its index lies at ``trace.index_path``), else ``None``."""
+    if "trace" not in f.doc:
+        return None
+    t = f.obj("trace")
+    if f.text("index_path", t) != "trace/index.json":
+        raise f.fail("trace.index_path", "must be 'trace/index.json'")
+    return f.digest("index_sha256", t)
 
 
 def read_source(directory: str | Path) -> Source:
