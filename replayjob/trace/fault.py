@@ -77,5 +77,13 @@ def install(model: torch.nn.Module, fault: Fault) -> torch.utils.hooks.Removable
     return modules[fault.module].register_forward_hook(perturb)
 
 
-_spec = os.environ.get(FAULT_ENV)
-_ARMED: Fault | None = parse(_spec) if _spec else None
+_ARMED: Fault | None = None
+
+
+def configure(spec: str | None = None) -> None:
+    """(Re)arm from an explicit spec; ``configure()`` disarms.  Used by in-process tests."""
+    global _ARMED
+    _ARMED = parse(spec) if spec else None
+
+
+configure(os.environ.get(FAULT_ENV))

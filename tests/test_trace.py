@@ -1,0 +1,177 @@
+"""Layer-level tracing at replay and trace-diff, on real traced replays of the shared capture (CPU).
+
+Every replay here is a real one (tiny Llama + peft LoRA built from config), run in-process through
+``replayjob.cli.main``; the planted fault is the test-only ``REPLAYJOB_TRACE_FAULT`` hook armed
+in-process with :func:`replayjob.trace.fault.configure`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import replay_pins
+
+from replayjob.cli import main
+from replayjob.jsonio import pretty_bytes
+from replayjob.trace import fault
+from replayjob.trace.envelope import Bound, envelope, relative_error, rounding_bound
+from replayjob.trace.store import read_trace
+
+FAULT_MODULE = "base_model.model.model.layers.1.mlp.down_proj"
+MB1 = ["--set", "training.micro_batch_size=1",
+       "--set", 'optimizer_batch.allow_config_differences=["training.micro_batch_size"]']
+GC = ["--set", "backend.options.gradient_checkpointing=true",
+      "--set", 'optimizer_batch.allow_config_differences=["backend.options.gradient_checkpointing"]']
+
+
+@pytest.fixture(scope="module")
+def runs(workspace: Path, capture_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("trace")
+    cfg = str(workspace / "replay.toml")
+
+    def replay(name: str, *extra: str) -> Path:
+        assert main(["replay", cfg, "--out", str(d / name), *replay_pins(capture_dir), *extra]) == 0
+        return d / name
+
+    out = {"a": replay("a", "--trace"), "b": replay("b", "--trace"), "mb1": replay("mb1", "--trace", *MB1),
+           "gc": replay("gc", "--trace", *GC), "plain": replay("plain")}
+    fault.configure(f"{FAULT_MODULE}:1e-3")
+    try:
+        out["fault"] = replay("fault", "--trace")
+    finally:
+        fault.configure()
+    return out
+
+
+def diff(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
+    capsys.readouterr()
+    rc = main(["trace-diff", *args, "--json"])
+    text = capsys.readouterr().out
+    return rc, (json.loads(text) if rc in (0, 1) else {})
+
+
+def test_tracing_is_off_by_default(runs: dict[str, Path]) -> None:
+    assert not (runs["plain"] / "trace").exists()
+    assert "trace" not in json.loads((runs["plain"] / "replay_metrics.json").read_text())
+
+
+def test_replay_metrics_pin_the_trace_index(runs: dict[str, Path]) -> None:
+    m = json.loads((runs["a"] / "replay_metrics.json").read_text())
+    index = runs["a"] / m["trace"]["index_path"]
+    assert m["trace"]["index_sha256"] == hashlib.sha256(index.read_bytes()).hexdigest()
+    t = read_trace(runs["a"], expected_index_sha256=m["trace"]["index_sha256"])
+    assert t.identity["logical_batch_sha256"] == m["optimizer/logical_batch_sha256"]
+    assert t.identity["fault"] is None and t.identity["micro_batch_size"] == 4
+    assert t.forward[0].name.endswith("embed_tokens") and t.forward[-1].name == "(root)"
+    assert int(t.row_tokens.sum()) == t.forward[0].values.shape[0]
+    assert sorted(set(t.row_micro_batch.tolist())) == [0, 1, 2, 3]
+    assert {p.name.rsplit(".", 3)[-3] for p in t.params} == {"lora_A", "lora_B"}
+    assert all(float(p.update.abs().sum()) > 0 for p in t.params if p.name.count("lora_B"))
+
+
+def test_same_condition_replays_are_trace_identical(runs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    rc, rep = diff(capsys, str(runs["a"]), str(runs["b"]))
+    assert rc == 0 and rep["identical"] and rep["classification"] == "equal"
+    assert rep["first_divergence"] == {"forward": None, "backward": None}
+
+
+def test_micro_batch_arm_is_localised_as_rounding_noise(runs: dict[str, Path],
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    rc, rep = diff(capsys, str(runs["a"]), str(runs["mb1"]))
+    assert rc == 1 and not rep["identical"]
+    assert rep["classification"] == "noise", [r for r in rep["forward"] + rep["backward"] if r["status"] == "beyond"]
+    first = rep["first_divergence"]["forward"] or rep["first_divergence"]["backward"]
+    assert first is not None and first["status"] == "noise" and first["envelope_source"] == "rounding"
+    assert rep["b"]["micro_batch_size"] == 1 and rep["unmatched"] == {"only_a": [], "only_b": []}
+    # row by row: every site was compared over the same unpadded tokens whatever the micro-batching
+    assert len(rep["forward"]) == len(read_trace(runs["a"]).forward)
+
+
+def test_planted_fault_is_located_at_its_module(runs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    rc, rep = diff(capsys, str(runs["a"]), str(runs["fault"]))
+    assert rc == 1 and rep["classification"] == "beyond"
+    fwd = rep["first_divergence"]["forward"]
+    assert fwd["name"] == FAULT_MODULE and fwd["status"] == "beyond"
+    assert fwd["rel_l2"] == pytest.approx(1e-3, rel=1e-3)
+    before = [r for r in rep["forward"] if r["position"] < fwd["position"]]
+    assert before and all(r["status"] == "equal" for r in before)
+    bwd = rep["first_divergence"]["backward"]
+    assert bwd is not None and bwd["position"] > max(r["position"] for r in rep["forward"])
+    assert rep["b"]["fault"] == f"{FAULT_MODULE}:0.001"
+
+
+def test_gradient_checkpointing_records_each_forward_once(runs: dict[str, Path],
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    rc, rep = diff(capsys, str(runs["a"]), str(runs["gc"]))
+    assert rep["classification"] in ("equal", "noise") and rc in (0, 1)
+    assert not [n for n in rep["unmatched"]["only_b"] if n.startswith("forward:")]
+    assert len(rep["backward"]) >= 50 and len(rep["params"]) == 16
+
+
+def test_repeats_and_reference_pair_set_the_envelope(runs: dict[str, Path], tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    arm = tmp_path / "arm"
+    shutil.copytree(runs["a"], arm / "repeat-000")
+    shutil.copytree(runs["mb1"], arm / "repeat-001")  # a "repeat" that differs: its errors become the envelope
+    rc, rep = diff(capsys, str(arm), str(runs["mb1"]))
+    assert rc == 1 and rep["envelope"]["repeat_pairs"] == 1 and rep["envelope"]["sources"]["repeats"] > 0
+    assert rep["classification"] == "noise"
+    rc, rep = diff(capsys, str(runs["a"]), str(runs["mb1"]), "--reference", str(runs["a"]),
+                   "--reference", str(runs["mb1"]))
+    judged = [p["grad"] for p in rep["params"] if p["grad"]["status"] != "equal"]
+    assert judged and all(r["envelope_source"] == "reference" and r["status"] == "noise" for r in judged)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_refusals(runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = str(runs["a"])
+    assert main(["trace-diff", a, str(runs["plain"])]) == 2
+    assert "was not traced" in capsys.readouterr().err
+    t = _copy(runs["b"], tmp_path / "tampered")
+    payload = t / "trace" / "trace.safetensors"
+    data = bytearray(payload.read_bytes())
+    data[-5] ^= 1
+    payload.write_bytes(bytes(data))
+    assert main(["trace-diff", a, str(t)]) == 2
+    err = capsys.readouterr().err
+    assert "SHA-256" in err and "Traceback" not in err
+    inc = _copy(runs["b"], tmp_path / "incomplete")
+    (inc / "trace" / "index.json").unlink()
+    assert main(["trace-diff", a, str(inc)]) == 2
+    assert "incomplete" in capsys.readouterr().err
+    # a self-consistent trace of another capture (index and its pin rewritten) is refused as such
+    other = _copy(runs["b"], tmp_path / "other")
+    index = other / "trace" / "index.json"
+    doc = json.loads(index.read_text())
+    doc["identity"]["logical_batch_sha256"] = "0" * 64
+    index.write_bytes(pretty_bytes(doc))
+    m = json.loads((other / "replay_metrics.json").read_text())
+    m["trace"]["index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
+    (other / "replay_metrics.json").write_bytes(pretty_bytes(m))
+    assert main(["trace-diff", a, str(other)]) == 2
+    assert "different captures" in capsys.readouterr().err
+    assert main(["trace-diff", a, str(runs["b"]), "--reference", a]) == 2
+
+
+def test_fault_spec_and_envelope_rules() -> None:
+    with pytest.raises(Exception, match="MODULE"):
+        fault.parse("x:nan")
+    assert fault.parse("m").scale == fault.DEFAULT_SCALE
+    assert envelope([0.0, 0.0], None, 1e-5) == Bound(1e-5, "rounding")
+    assert envelope([0.0, 3e-7], 1e-3, 1e-5) == Bound(6e-7, "repeats")
+    assert envelope([], 1e-3, 1e-5) == Bound(2e-3, "reference")
+    assert Bound(1e-5, "rounding").judge(2e-5, False) == "beyond"
+    assert Bound(1e-5, "rounding").judge(0.0, True) == "equal"
+    assert rounding_bound("F32", 256, 2) == pytest.approx(4 * 2 ** -24 * 16 * 2)
+    import torch
+
+    assert relative_error(torch.zeros(3), torch.zeros(3)) == 0.0
+    assert relative_error(torch.ones(4), torch.ones(4) * 1.5) == pytest.approx(1 / 3)
