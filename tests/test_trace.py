@@ -175,3 +175,19 @@ def test_fault_spec_and_envelope_rules() -> None:
 
     assert relative_error(torch.zeros(3), torch.zeros(3)) == 0.0
     assert relative_error(torch.ones(4), torch.ones(4) * 1.5) == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_row_stats_match_per_row_reductions(dtype: str) -> None:
+    import torch
+
+    from replayjob.trace.store import row_stats
+
+    v = torch.randn(10, 7, generator=torch.Generator().manual_seed(0)).to(getattr(torch, dtype))
+    st, dg = row_stats(v, torch.tensor([3, 0, 7]))
+    x = v.double()
+    for row, part in ((0, x[:3]), (2, x[3:])):
+        expected = torch.tensor([part.norm(), part.abs().max(), part.mean()], dtype=torch.float64)
+        assert torch.allclose(st[row], expected)
+    assert st[1].tolist() == [0.0, 0.0, 0.0] and dg[1] == hashlib.sha256(b"").hexdigest()
+    assert dg[2] == hashlib.sha256(v[3:].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

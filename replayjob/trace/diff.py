@@ -131,6 +131,17 @@ def _errors(a: Trace, b: Trace, where: Path) -> dict[str, SiteError]:
     return out
 
 
+def rounding_scale(t: Trace) -> tuple[int, int, int]:
+    """The rounding bound's reduction lengths for sites and for parameters, and the parameters' position.
+
+    ``K`` for sites is the widest traced output or the longest row (attention reduces over it); for
+    parameter gradients and updates also the total tokens they are summed over.  Parameters come
+    after every forward and backward site.
+    """
+    k_sites = max([s.width for s in t.forward] + [int(t.row_tokens.max()) if t.rows else 1])
+    return k_sites, max(k_sites, int(t.row_tokens.sum())), len(t.forward) + len(t.backward) + 1
+
+
 def layer_of(name: str) -> str:
     """``layers.N`` -> ``N``; before the first layer ``embed``, after the last ``head``-side names as given."""
     m = _LAYER.search(name)
@@ -163,8 +174,7 @@ class TraceDiff:
 
     def report(self) -> dict[str, Any]:
         ta, tb = self.a[0].trace, self.b[0].trace
-        tokens = int(ta.row_tokens.sum())
-        k_sites = max([s.width for s in ta.forward] + [int(ta.row_tokens.max()) if ta.rows else 1])
+        k_sites, k_params, _ = rounding_scale(ta)
         fwd: list[dict[str, Any]] = []
         bwd: list[dict[str, Any]] = []
         params: list[dict[str, Any]] = []
@@ -184,7 +194,7 @@ class TraceDiff:
             q = next(x for x in tb.params if x.name == p.name)
             rec: dict[str, Any] = {"name": p.name}
             for kind, x, y in (("grad", p.grad, q.grad), ("update", p.update, q.update)):
-                r = self._record(f"{kind}:{p.name}", p.name, kind, dtype_name(x.dtype), max(tokens, k_sites), pos)
+                r = self._record(f"{kind}:{p.name}", p.name, kind, dtype_name(x.dtype), k_params, pos)
                 r["cosine"] = cosine(x, y)
                 rec[kind] = r
             params.append(rec)
@@ -202,7 +212,7 @@ class TraceDiff:
             "envelope": {"repeat_pairs": len(self.repeats),
                          "sources": {k: sources.count(k) for k in ("repeats", "reference", "rounding")},
                          "rounding": {"formula": "C * u(dtype) * sqrt(K) * position", "C": 4.0,
-                                      "K_sites": k_sites, "K_params": max(tokens, k_sites)}},
+                                      "K_sites": k_sites, "K_params": k_params}},
             "layers": {"forward": _layers(fwd), "backward": _layers(bwd)},
             "unmatched": self._unmatched(ta, tb),
             "forward": fwd, "backward": bwd, "params": params,

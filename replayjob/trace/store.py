@@ -59,21 +59,33 @@ def _row_bytes(t: torch.Tensor) -> bytes:
 
 
 def row_stats(values: torch.Tensor, row_tokens: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
-    """Per row (of ``values`` [T, W], rows of ``row_tokens`` tokens each): float64 stats and SHA-256."""
-    n = int(row_tokens.numel())
-    x = values.detach().to(torch.float64)
-    stats = torch.zeros((n, len(STATS)), dtype=torch.float64)
-    digests = []
-    start = 0
-    for i, k in enumerate(row_tokens.tolist()):
-        r = x[start:start + k]
-        if r.numel():
-            stats[i, 0] = torch.linalg.vector_norm(r)
-            stats[i, 1] = r.abs().max()
-            stats[i, 2] = r.mean()
-        digests.append(hashlib.sha256(_row_bytes(values[start:start + k])).hexdigest())
-        start += k
-    return stats, digests
+    """Per row (of ``values`` [T, W], rows of ``row_tokens`` tokens each): float64 stats and SHA-256.
+
+    Statistics are NumPy segment reductions over the whole tensor in float64 (single-threaded: no
+    per-row loop of Torch calls, no intra-op thread pool for these small arrays); each row's digest
+    is taken over a zero-copy slice of the tensor's bytes.
+    """
+    import numpy as np
+
+    lens = np.asarray(row_tokens.tolist(), dtype=np.int64)
+    v = values.detach().contiguous()
+    x = (v if v.dtype in (torch.float32, torch.float64) else v.to(torch.float32)).numpy()
+    x = x.reshape(x.shape[0], -1).astype(np.float64)
+    width = max(x.shape[1], 1)
+    stats = np.zeros((lens.size, len(STATS)), dtype=np.float64)
+    keep = lens > 0
+    if keep.any():
+        starts = (np.cumsum(lens) - lens)[keep]
+        stats[keep, 0] = np.sqrt(np.add.reduceat(np.einsum("ij,ij->i", x, x), starts))
+        stats[keep, 1] = np.maximum.reduceat(np.abs(x).max(axis=1), starts) if x.shape[1] else 0.0
+        stats[keep, 2] = np.add.reduceat(x.sum(axis=1), starts) / (lens[keep] * width)
+    raw = memoryview(v.view(torch.uint8).numpy()).cast("B")
+    row_bytes = int(v.element_size()) * (int(v[0].numel()) if v.shape[0] else 0)
+    digests, start = [], 0
+    for k in lens.tolist():
+        digests.append(hashlib.sha256(raw[start:start + k * row_bytes]).hexdigest())
+        start += k * row_bytes
+    return torch.from_numpy(stats), digests
 
 
 @dataclass(frozen=True)
