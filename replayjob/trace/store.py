@@ -79,7 +79,7 @@ def row_stats(values: torch.Tensor, row_tokens: torch.Tensor) -> tuple[torch.Ten
         stats[keep, 0] = np.sqrt(np.add.reduceat(np.einsum("ij,ij->i", x, x), starts))
         stats[keep, 1] = np.maximum.reduceat(np.abs(x).max(axis=1), starts) if x.shape[1] else 0.0
         stats[keep, 2] = np.add.reduceat(x.sum(axis=1), starts) / (lens[keep] * width)
-    raw = memoryview(v.view(torch.uint8).numpy()).cast("B")
+    raw = v.view(torch.uint8).numpy().data.cast("B")
     row_bytes = int(v.element_size()) * (int(v[0].numel()) if v.shape[0] else 0)
     digests, start = [], 0
     for k in lens.tolist():
