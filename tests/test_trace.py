@@ -32,16 +32,20 @@ GC = ["--set", "backend.options.gradient_checkpointing=true",
 def runs(workspace: Path, capture_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("trace")
     cfg = str(workspace / "replay.toml")
+    tol = d / "tolerances.toml"
+    tol.write_text("update_cosine_min = 0.99\nrelative_delta_l2_max = 0.1\n")
+    pin = ["--set", f'optimizer_batch.tolerances_sha256="{hashlib.sha256(tol.read_bytes()).hexdigest()}"']
 
-    def replay(name: str, *extra: str) -> Path:
-        assert main(["replay", cfg, "--out", str(d / name), *replay_pins(capture_dir), *extra]) == 0
+    def replay(name: str, index: int, *extra: str) -> Path:
+        assert main(["replay", cfg, "--out", str(d / name), "--repeat-index", str(index), *replay_pins(capture_dir),
+                     *pin, *extra]) == 0
         return d / name
 
-    out = {"a": replay("a", "--trace"), "b": replay("b", "--trace"), "mb1": replay("mb1", "--trace", *MB1),
-           "gc": replay("gc", "--trace", *GC), "plain": replay("plain")}
+    out = {"a": replay("a", 0, "--trace"), "b": replay("b", 1, "--trace"), "mb1": replay("mb1", 0, "--trace", *MB1),
+           "gc": replay("gc", 0, "--trace", *GC), "plain": replay("plain", 3), "tolerances": tol, "source": capture_dir}
     fault.configure(f"{FAULT_MODULE}:1e-3")
     try:
-        out["fault"] = replay("fault", "--trace")
+        out["fault"] = replay("fault", 2, "--trace")
     finally:
         fault.configure()
     return out
@@ -191,3 +195,58 @@ def test_row_stats_match_per_row_reductions(dtype: str) -> None:
         assert torch.allclose(st[row], expected)
     assert st[1].tolist() == [0.0, 0.0, 0.0] and dg[1] == hashlib.sha256(b"").hexdigest()
     assert dg[2] == hashlib.sha256(v[3:].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _reduce(runs: dict[str, Path], out: Path, claim: str, *names: str) -> tuple[int, dict]:
+    extra = ["--tolerances", str(runs["tolerances"])] if claim == "approximate" else []
+    rc = main(["reduce", *(str(runs[n]) for n in names), "--claim", claim, "--source", str(runs["source"]),
+               "--min-repeats", "1", "--out", str(out / "verdict.json"), "--report", str(out / "report.md"), *extra])
+    return rc, json.loads((out / "verdict.json").read_text())
+
+
+def _check(doc: dict, name: str) -> dict:
+    return next(c for c in doc["checks"] if c["name"] == name)
+
+
+def test_failed_bitwise_claim_names_the_first_divergent_module(runs: dict[str, Path], tmp_path: Path) -> None:
+    rc, doc = _reduce(runs, tmp_path, "bitwise", "a", "b", "fault")
+    assert rc == 1
+    c = _check(doc, "bitwise.first_divergent_module")
+    assert c["status"] == "fail" and c["observed"]["pair"] == "baseline#0 ~ baseline#2"
+    assert c["observed"]["forward"]["name"] == FAULT_MODULE and c["observed"]["forward"]["status"] == "beyond"
+    assert FAULT_MODULE in c["detail"] and c["observed"]["backward"] is not None
+    report = (tmp_path / "report.md").read_text()
+    assert "## First divergent module (traces)" in report and FAULT_MODULE in report
+    if "Plot skipped" not in report:
+        assert (tmp_path / "report.layers.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_passing_bitwise_claim_adds_no_localisation(runs: dict[str, Path], tmp_path: Path) -> None:
+    rc, doc = _reduce(runs, tmp_path, "bitwise", "a", "b")
+    assert rc == 0 and not [c for c in doc["checks"] if c["name"] == "bitwise.first_divergent_module"]
+
+
+def test_approximate_claim_judges_gradients_against_the_envelope(runs: dict[str, Path], tmp_path: Path) -> None:
+    rc, doc = _reduce(runs, tmp_path, "approximate", "a", "b", "mb1")
+    rel = _check(doc, "approximate.gradient_relative_l2")
+    assert rel["status"] == "pass" and _check(doc, "approximate.gradient_cosine")["status"] == "pass"
+    rows = rel["observed"]["parameters"]
+    assert len(rows) == 16 and {r["arms"] for r in rows} == {"baseline ~ micro_batch_size=1"}
+    lora_b = [r for r in rows if "lora_B" in r["parameter"]]
+    assert all(0 < r["relative_l2"]["median"] <= r["relative_l2"]["high"] <= r["envelope"] for r in lora_b)
+    assert all(r["envelope_source"] == "rounding" and r["cosine"]["low"] > 1 - 1e-9 for r in lora_b)
+    assert rc == 0, doc["failed_checks"]
+
+
+def test_approximate_gradients_need_traces_in_two_arms(runs: dict[str, Path], tmp_path: Path) -> None:
+    _rc, doc = _reduce(runs, tmp_path, "approximate", "a", "b")
+    assert _check(doc, "approximate.gradient_relative_l2")["status"] == "not_applicable"
+
+
+def test_reduce_refuses_a_tampered_trace(runs: dict[str, Path], tmp_path: Path) -> None:
+    t = _copy(runs["fault"], tmp_path / "fault")
+    index = t / "trace" / "index.json"
+    index.write_bytes(index.read_bytes().replace(b'"rows"', b'"rows" ', 1))
+    rc = main(["reduce", str(runs["a"]), str(t), "--claim", "bitwise", "--source", str(runs["source"]),
+               "--min-repeats", "1", "--out", str(tmp_path / "v.json")])
+    assert rc == 2 and "trace index SHA-256" in json.loads((tmp_path / "v.json").read_text())["refusal"]["message"]
