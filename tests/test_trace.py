@@ -250,3 +250,70 @@ def test_reduce_refuses_a_tampered_trace(runs: dict[str, Path], tmp_path: Path) 
     rc = main(["reduce", str(runs["a"]), str(t), "--claim", "bitwise", "--source", str(runs["source"]),
                "--min-repeats", "1", "--out", str(tmp_path / "v.json")])
     assert rc == 2 and "trace index SHA-256" in json.loads((tmp_path / "v.json").read_text())["refusal"]["message"]
+
+
+class _Toy:
+    """A two-module model called like the policy (input_ids/attention_mask keywords)."""
+
+    @staticmethod
+    def build() -> object:
+        import torch
+
+        class Toy(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.emb = torch.nn.Embedding(10, 4)
+                self.lin = torch.nn.Linear(4, 3)
+                self.emb.weight.requires_grad_(False)
+
+            def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+                return self.lin(self.emb(input_ids))
+
+        torch.manual_seed(0)
+        return Toy()
+
+
+def _toy_batch() -> object:
+    import torch
+
+    from replayjob.rl.batch import OptimizerBatch
+
+    seqs, prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]], [1, 1, 2]
+    resp = [len(s) - p for s, p in zip(seqs, prompts, strict=True)]
+    mask = torch.zeros(3, 3)
+    for i, n in enumerate(resp):
+        mask[i, :n] = 1
+    return OptimizerBatch.from_padded(seqs, prompts, {k: mask.clone() for k in (
+        "old_logprobs", "ref_logprobs", "advantages", "loss_weights")}, mask)
+
+
+def test_recorder_keys_rows_logically_and_refuses_an_unplanned_forward() -> None:
+    import torch
+
+    from replayjob.errors import ContractError
+    from replayjob.rl.batch import micro_batches
+    from replayjob.trace.recorder import Recorder
+
+    model: torch.nn.Module = _Toy.build()  # type: ignore[assignment]
+    batch = _toy_batch()
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.SGD([p for _, p in params], lr=0.1)
+    rec = Recorder(model, batch, 2, 0, params, opt)  # type: ignore[arg-type]
+    with rec.attached():
+        for mb in micro_batches(batch, 2, 0):  # type: ignore[arg-type]
+            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+            (out * mb.attention_mask.unsqueeze(-1)).sum().backward()
+        grad = model.lin.weight.grad.clone()  # type: ignore[union-attr]
+        before = model.lin.weight.detach().clone()  # type: ignore[union-attr]
+        expected = model.lin(model.emb(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9]))).detach()  # type: ignore[operator]
+        opt.step()
+    t = rec.trace({})
+    assert [s.name for s in t.forward] == ["emb", "lin", "(root)"] and t.row_micro_batch.tolist() == [0, 0, 1]
+    assert t.forward[1].values.shape == (9, 3)  # 3 + 2 + 4 unpadded tokens, no padding
+    assert torch.allclose(t.forward[1].values, expected, rtol=0, atol=1e-6)
+    assert [p.name for p in t.params] == ["lin.weight", "lin.bias"] and torch.equal(t.params[0].grad, grad)
+    assert torch.equal(t.params[0].update, model.lin.weight.detach() - before)  # type: ignore[union-attr]
+    assert model.lin._forward_hooks == {}  # type: ignore[union-attr]  # detached afterwards
+    rec2 = Recorder(model, batch, 2, 0, params, opt)  # type: ignore[arg-type]
+    with rec2.attached(), pytest.raises(ContractError, match="not micro-batch 0"):
+        model(input_ids=torch.tensor([[9, 9]]), attention_mask=torch.ones(1, 2))
