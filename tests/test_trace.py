@@ -317,3 +317,40 @@ def test_recorder_keys_rows_logically_and_refuses_an_unplanned_forward() -> None
     rec2 = Recorder(model, batch, 2, 0, params, opt)  # type: ignore[arg-type]
     with rec2.attached(), pytest.raises(ContractError, match="not micro-batch 0"):
         model(input_ids=torch.tensor([[9, 9]]), attention_mask=torch.ones(1, 2))
+
+
+def _set(doc: dict, path: str, value: object) -> None:
+    *head, last = path.split(".")
+    for k in head:
+        doc = doc[int(k)] if isinstance(doc, list) else doc[k]
+    if value is _DELETE:
+        del doc[last]
+    else:
+        doc[last] = value
+
+
+_DELETE = object()
+INDEX_MUTATIONS = {
+    "extra key": ("extra", 1), "schema": ("schema", "replayjob.trace/v0"), "width": ("forward.3.width", 7),
+    "dtype": ("forward.0.dtype", "F16"), "site key missing": ("backward.0.kind", _DELETE),
+    "payload digest": ("payload.sha256", "1" * 64), "rows": ("rows", -1), "tokens": ("tokens", 5),
+    "identity digest case": ("identity.manifest_sha256", "A" * 64), "param shape": ("params.0.shape", [1]),
+    "untraced type": ("untraced", "x"), "fewer sites": ("forward", []),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(INDEX_MUTATIONS))
+def test_a_re_pinned_but_inconsistent_index_is_refused(mutation: str, runs: dict[str, Path], tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Past the pin (replay_metrics.json rewritten to match), the index itself must still hold."""
+    d = _copy(runs["b"], tmp_path / "b")
+    index = d / "trace" / "index.json"
+    doc = json.loads(index.read_text())
+    _set(doc, *INDEX_MUTATIONS[mutation])
+    index.write_bytes(pretty_bytes(doc))
+    m = json.loads((d / "replay_metrics.json").read_text())
+    m["trace"]["index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
+    (d / "replay_metrics.json").write_bytes(pretty_bytes(m))
+    assert main(["trace-diff", str(runs["a"]), str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and str(d) in err

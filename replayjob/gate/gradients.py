@@ -95,8 +95,7 @@ def approximate_checks(replays: list[Replay], arms: dict[str, C.Arm]) -> list[C.
         why = ("needs traced replays (replay --trace) in at least two arms; traced arms: "
                + (", ".join(sorted(traced_arms)) or "none"))
         return [C.Check(n, g, C.NOT_APPLICABLE, None, None, why) for n in names]
-    counts = {len(t.params) for _, t in traced} | {tuple(p.name for p in t.params) for _, t in traced}
-    if len(counts) != 2:
+    if len({tuple(p.name for p in t.params) for _, t in traced}) != 1:
         return [C.Check(n, g, C.REFUSED, "the same trainable parameters in every trace", None,
                         "traces hold different parameters: not replays of one model") for n in names]
     rows, bad_rel, bad_cos = _param_rows(traced, arms)
