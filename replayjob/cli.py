@@ -5,7 +5,7 @@ Usage:
   replayjob train <config> [--out DIR] [--set KEY=VALUE]...
   replayjob capture <config> [--out DIR] [--set KEY=VALUE]...
   replayjob explain <config> [--json] [--set KEY=VALUE]...
-  replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--set KEY=VALUE]...
+  replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--trace] [--set KEY=VALUE]...
   replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR] [--tolerances FILE]
                    [--min-repeats N] [--baseline ARM] [--arms LIST] [--spec SPEC] [--report FILE]
                    [--mixed-hardware]
@@ -19,6 +19,7 @@ Usage:
                    [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob k8s render <spec> [--out DIR] [--argo FILE]
   replayjob k8s submit <spec> [--namespace NS] [--wait]
+  replayjob trace-diff <a> <b> [--reference DIR]... [--json]
   replayjob diag-diff <a.jsonl> <b.jsonl> [--rtol R] [--atol A] [--ignore GLOB]... [--top N] [--json]
   replayjob determinism-check <config> [--runs K] [--steps N] [--out DIR] [--set KEY=VALUE]...
                    [--rtol R] [--atol A] [--ignore GLOB]... [--top N] [--json]
@@ -47,6 +48,10 @@ Commands:
              spec; always writes RUN/verdict.json), `plan` (size, parallelism, arms: KEY=VALUE).
   k8s        `render` an ablation spec as Kubernetes manifests (--out DIR; --argo FILE for the
              Argo workflow), or `submit` them with the kubernetes client (--wait: the reducer's code).
+  trace-diff Compare two traced replays (replay --trace) of one capture, or two arm directories of
+             them: the first divergent module in forward and in backward order, per-layer errors,
+             each divergence classified bitwise equal / within the noise envelope / beyond it
+             (docs/trace-format.md); exit 0 identical, 1 divergent, 2 refused.
   diag-diff  Compare two JSONL diagnostics leaf by leaf (rows aligned by step, else position);
              exit 1 on drift with the first divergent row and its largest drifts.
   determinism-check
@@ -67,6 +72,7 @@ Options:
   --json            Print the result as JSON.
   --repeat N        Run N replays, each in a fresh process, in DIR/repeat-000 ...
   --repeat-index I  Internal: this replay's index within its arm (set by --repeat and launchers).
+  --trace           replay: also record a layer-level trace into DIR/trace (optimizer_batch.trace).
   --claim CLAIM     Claim to gate: exact-input, bitwise or approximate.
   --source DIR      The capture run's output directory (its metrics.json and manifest); required by
                     reduce. step: a finished capture to use instead of RUN/source.
@@ -96,6 +102,7 @@ Options:
   --namespace NS    Kubernetes namespace (default: the kubeconfig context's, or the pod's own).
   --wait            Also wait for the reducer and exit with its code (submit always creates the
                     stages in order: replays only after the capture succeeded).
+  --reference DIR   trace-diff: a replay of a pair (give it twice) declared to differ only by noise.
   --rtol R          diag-diff: numbers are equal when |a-b| <= atol + rtol*|b| [default: 1e-5].
   --atol A          diag-diff: absolute tolerance [default: 1e-7].
   --ignore GLOB     diag-diff: also ignore leaves matching GLOB (only * and ? are wildcards).
@@ -205,7 +212,8 @@ def cmd_replay(args: dict[str, Any]) -> int:
 
     repeat = _int(args, "--repeat") if args["--repeat"] is not None else None
     index = _int(args, "--repeat-index") if args["--repeat-index"] is not None else 0
-    for out, m in replay_command(args["<config>"], args["--set"], args["--out"], repeat, index):
+    sets = [*args["--set"], *(["optimizer_batch.trace=true"] if args["--trace"] else [])]
+    for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index):
         print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}, "
               f"final adapter sha256 {m['optimizer_batch/final_adapter_sha256']}, "
               "in effect: " + ", ".join(f"{k}={v}" for k, v in sorted(m["runtime"].items())))
@@ -318,6 +326,16 @@ def cmd_diag_diff(args: dict[str, Any]) -> int:
     return report.exit_code
 
 
+def cmd_trace_diff(args: dict[str, Any]) -> int:
+    import json
+
+    from replayjob.trace.diff import render, trace_diff
+
+    rep = trace_diff(args["<a>"], args["<b>"], args["--reference"] or None)
+    print(json.dumps(rep, indent=2, sort_keys=True) if args["--json"] else render(rep))
+    return int(rep["exit_code"])
+
+
 def cmd_determinism_check(args: dict[str, Any]) -> int:
     from replayjob.check.determinism_check import check
 
@@ -382,6 +400,7 @@ COMMANDS: dict[str, Handler] = {
     "replay": cmd_replay,
     "reduce": cmd_reduce,
     "diag-diff": cmd_diag_diff,
+    "trace-diff": cmd_trace_diff,
     "determinism-check": cmd_determinism_check,
     "signals": cmd_signals,
     "k8s": cmd_k8s,

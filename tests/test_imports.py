@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import replay_pins
 
 from replayjob.cli import main
 
@@ -23,19 +24,14 @@ PROBE = ("import json, sys\n"
          "open(sys.argv[1], 'w').write(json.dumps({'rc': rc, 'heavy': heavy}))\n")
 
 
-def _pins(capture: Path) -> list[str]:
-    m = json.loads((capture / "metrics.json").read_text())
-    return ["--set", f"optimizer_batch.expected_logical_sha256=\"{m['optimizer/logical_batch_sha256']}\"",
-            "--set", f"optimizer_batch.expected_manifest_sha256=\"{m['optimizer_batch/manifest_sha256']}\""]
-
-
 @pytest.fixture(scope="module")
 def inputs(workspace: Path, capture_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from replayjob.bundle import synthetic
 
     d = tmp_path_factory.mktemp("imports")
     replays = d / "replays"
-    assert main(["replay", str(workspace / "replay.toml"), "--out", str(replays / "r0"), *_pins(capture_dir)]) == 0
+    assert main(["replay", str(workspace / "replay.toml"), "--out", str(replays / "r0"), *replay_pins(capture_dir),
+                 "--trace"]) == 0
     bundle = synthetic.write_rollout(d / "bundle")
     return {"workspace": workspace, "capture": capture_dir, "replays": replays, "bundle": bundle, "scratch": d}
 
@@ -49,8 +45,9 @@ def _argv(label: str, i: dict[str, Path]) -> list[str]:
         "reduce exact-input": [*reduce, "--claim", "exact-input", "--out", str(out / "exact.json")],
         "reduce bitwise": [*reduce, "--claim", "bitwise", "--out", str(out / "bitwise.json")],
         "bundle inspect": ["bundle", "inspect", str(i["bundle"])],
+        "trace-diff": ["trace-diff", str(reps / "r0"), str(reps / "r0"), "--json"],
         "bundle validate": ["bundle", "validate", str(i["bundle"])],
-        "explain": ["explain", str(i["workspace"] / "replay.toml"), *_pins(cap)],
+        "explain": ["explain", str(i["workspace"] / "replay.toml"), *replay_pins(cap)],
     }[label]
 
 
@@ -63,7 +60,7 @@ def probe(argv: list[str], out: Path) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("label", ["--help", "diag-diff", "reduce exact-input", "reduce bitwise", "bundle inspect",
-                                   "bundle validate", "explain"])
+                                   "bundle validate", "explain", "trace-diff"])
 def test_command_imports_neither_transformers_nor_peft(label: str, inputs: dict[str, Path],
                                                        tmp_path: Path) -> None:
     result = probe(_argv(label, inputs), tmp_path / "probe.json")

@@ -103,6 +103,9 @@ class OptimizerBatchConfig:
         default_factory=list)
     arm: str = doc("Condition name for reports; '' derives it from the declared differences.", "")
     tolerances_sha256: str = doc("SHA-256 of a predeclared tolerance file (approximate claim).", "")
+    trace: bool = doc("Replay only: record a layer-level trace (per-module outputs and output gradients, "
+                      "parameter gradients and updates) into trace/ beside replay_metrics.json "
+                      "(docs/trace-format.md); same as replay --trace.", False)
     capture_steps: list[int] = doc(
         "Source runs of any length: 0-based steps whose optimizer batch, adapter, optimizer state and "
         "learning rate are captured (optimizer_batch_step_<K>.*, replay_step_<K>.toml).", default_factory=list)

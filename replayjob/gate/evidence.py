@@ -70,6 +70,7 @@ class Replay:
     tolerances_sha256: str
     measures: dict[str, float] = field(default_factory=dict)
     host: dict[str, Any] = field(default_factory=dict)  # replayjob.hostinfo: where it ran
+    trace_index_sha256: str | None = None  # the trace/index.json a traced replay pins (docs/trace-format.md)
 
     @property
     def label(self) -> str:
@@ -249,7 +250,18 @@ def read_replay(path: str | Path) -> Replay:
         observed=f.names("observed_config_differences"),
         knobs=knobs, skipped=f.names("skipped"), runtime=runtime, rows=rows,
         tolerances_sha256=f.digest("tolerances_sha256") if tol else "", measures=measures, host=host,
+        trace_index_sha256=_trace_pin(f),
     )
+
+
+def _trace_pin(f: _Fields) -> str | None:
+    """``trace.index_sha256`` of a traced replay (its index lies at ``trace.index_path``), else ``None``."""
+    if "trace" not in f.doc:
+        return None
+    t = f.obj("trace")
+    if f.text("index_path", t) != "trace/index.json":
+        raise f.fail("trace.index_path", "must be 'trace/index.json'")
+    return f.digest("index_sha256", t)
 
 
 def read_source(directory: str | Path) -> Source:

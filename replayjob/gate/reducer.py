@@ -22,7 +22,7 @@ import replayjob
 from replayjob.digest import sha256_file
 from replayjob.errors import RefusedError, UsageError
 from replayjob.gate import claims as C
-from replayjob.gate import stats, updates, verdict
+from replayjob.gate import gradients, stats, updates, verdict
 
 if TYPE_CHECKING:
     from replayjob.deploy.ablation import AblationSpec
@@ -120,6 +120,8 @@ def _evaluate(req: Request, st: _State) -> None:
     if req.claim == "bitwise":
         assert st.source is not None
         st.checks += C.bitwise_checks(st.replays, st.arms, st.source)
+        if any(c.status == C.FAIL for c in st.checks if c.group == "bitwise"):
+            st.checks += gradients.localise(st.replays)  # names the first divergent module when traced
     elif req.claim == "approximate":
         _approximate(st)
 
@@ -175,6 +177,7 @@ def _approximate(st: _State) -> None:
     st.checks.append(C.Check(names[1], g, C.FAIL if bad_rel else C.PASS, {"max": hi},
                              st.updates["all"]["relative_delta_l2"],
                              "||u_i - u_j|| / ||u_i|| within and across arms", bad_rel))
+    st.checks += gradients.approximate_checks(st.replays, st.arms)
 
 
 def _arm_stats(st: _State, source: Source | None) -> dict[str, Any]:
