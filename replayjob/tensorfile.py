@@ -11,12 +11,19 @@ tensor is built :func:`parse_header` checks that
   invalid UTF-8, NaN literals and deep nesting refused) holding one object;
 * every dtype is on an allow-list, every shape is a list of non-negative integers, and
   ``prod(shape) * itemsize`` equals the tensor's byte span;
-* the spans, sorted, are in range, do not overlap, and cover the data section exactly.
+* the spans, sorted, are in range, do not overlap, and cover the data section exactly;
+* and, when the caller names the format, its :class:`Schema`: the exact tensor names, each one's
+  dtype and rank, and the metadata (the capture payload and bundle payloads declare theirs).
 
-A pinned SHA-256 is checked over the same bytes that are parsed (one read, no second open), and
-only then are tensors built -- by ``safetensors.torch.load`` for a whole file in memory (at most
-2 GiB by default), or from each validated span, one tensor at a time: :class:`TensorReader` (what
-``reduce`` uses on adapters) and the streaming :func:`iter_tensors`.
+One scan engine (:func:`scan`) reads a file or an in-memory buffer once: the header block first,
+then every span in chunks that are hashed -- into the plain file SHA-256, or per span for formats
+pinned by a digest of their parts, with spans read by parallel workers -- BOOL-checked and handed
+to the format's own checks while in cache.  Its findings are held back until the caller has
+compared the digest with its pin, so a modified file is reported as modified.  A pinned SHA-256 is
+checked over the same bytes that are parsed (one read, no second open), and only then are tensors
+built, by one builder (:func:`build_tensor`: zero-copy views of the bytes read, never pickle), for a
+whole file in memory (:func:`load`, at most 2 GiB by default) or one tensor at a time from its
+validated span (:class:`TensorReader`, what ``reduce`` uses on adapters, and :func:`iter_tensors`).
 
 Example:
     >>> import torch, tempfile, pathlib
