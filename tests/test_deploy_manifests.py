@@ -462,21 +462,61 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
             for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def test_dockerfile_pins_cuda_torch_nonroot_user_and_determinism_env() -> None:
+def base_image_problems(text: str) -> list[str]:
+    """The FROM line must take a digest-pinned reference: literally, or from a build argument that is
+    either digest-pinned by default or has no default and is checked at build time."""
+    joined = re.sub(r"\\\n", " ", text)
+    args = dict(re.findall(r"(?m)^ARG\s+(\w+)(?:=(\S*))?", joined))
+    out = []
+    for ref in re.findall(r"(?m)^FROM\s+(\S+)", joined):
+        arg = re.fullmatch(r"\$\{(\w+)\}|\$(\w+)", ref)
+        name = (arg.group(1) or arg.group(2)) if arg else None
+        value = args.get(name, "") if name else ref
+        if name is not None and name not in args:
+            out.append(f"FROM {ref}: no such build argument")
+        elif value and not re.search(r"@sha256:[0-9a-f]{64}$", value):
+            out.append(f"FROM {ref}: {value} is not pinned by digest")
+        elif not value and not re.search(rf"\[\[ \"\$\{{{name}\}}\" =~ @sha256:\[0-9a-f\]\{{64\}}\$ \]\]", joined):
+            out.append(f"FROM {ref}: the build does not refuse an unpinned {name}")
+        if "nvidia/cuda" in value:
+            out.append("a CUDA base image would be a second CUDA runtime beside torch's wheels")
+    return out
+
+
+def test_dockerfile_pins_base_by_digest_dependencies_by_hash_nonroot_and_determinism_env() -> None:
+    text = (REPO / "docker" / "Dockerfile").read_text(encoding="utf-8")
+    assert base_image_problems(text) == []
+    assert base_image_problems("FROM ubuntu:24.04\n") == ["FROM ubuntu:24.04: ubuntu:24.04 is not pinned by digest"]
+    assert base_image_problems("ARG B=ubuntu:24.04\nFROM ${B}\n") == [
+        "FROM ${B}: ubuntu:24.04 is not pinned by digest"]
+    assert base_image_problems("ARG B\nFROM ${B}\n") == ["FROM ${B}: the build does not refuse an unpinned B"]
+    digest = "nvidia/cuda:13.0.1-runtime-ubuntu24.04@sha256:" + "0" * 64
+    assert "second CUDA runtime" in base_image_problems(f"FROM {digest}\n")[0]
     ins = dockerfile_instructions()
-    base = next(v for k, v in ins if k == "FROM")
-    assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-runtime-ubuntu\d+\.\d+", base)
-    assert any(k == "ARG" and re.fullmatch(r"TORCH_VERSION=\d+\.\d+\.\d+", v) for k, v in ins)
-    assert any(k == "RUN" and '"torch==${TORCH_VERSION}"' in v for k, v in ins)
+    runs = " ".join(v for k, v in ins if k == "RUN")
+    assert "--require-hashes" in runs and "-r docker/requirements.lock" in runs
+    assert "--no-deps" in runs and "--no-index" in runs  # replayjob itself adds no unpinned package
+    assert not re.search(r"apt-get install[^&]*cuda", runs)
     assert ("USER", f"{k8s.UID}:{k8s.UID}") in ins
     env = " ".join(v for k, v in ins if k == "ENV")
     for key, value in DETERMINISM_ENV.items():
         assert f"{key}={value}" in env.split()
-    constraints = (REPO / "docker" / "constraints.txt").read_text(encoding="utf-8").splitlines()
-    pins = [ln for ln in constraints if ln and not ln.startswith("#")]
-    assert pins and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][^\s]*", ln) for ln in pins)
     ignore = (REPO / ".dockerignore").read_text(encoding="utf-8").splitlines()
-    assert ignore[1] == "*" and "!replayjob/" in ignore
+    assert ignore[1] == "*" and "!replayjob/" in ignore and "!docker/requirements.lock" in ignore
+
+
+def test_requirements_lock_pins_every_package_by_hash() -> None:
+    lock = (REPO / "docker" / "requirements.lock").read_text(encoding="utf-8")
+    entries = re.findall(r"(?m)^([A-Za-z0-9_.-]+)==(\S+) \\\n    --hash=sha256:([0-9a-f]{64})$", lock)
+    body = [ln for ln in lock.splitlines() if ln and not ln.startswith("#")]
+    assert len(body) == 2 * len(entries) and len(entries) > 50
+    pinned = {name.lower().replace("_", "-"): version for name, version, _ in entries}
+    direct = [ln for ln in (REPO / "docker" / "requirements.in").read_text(encoding="utf-8").splitlines()
+              if ln and not ln.startswith("#")]
+    for line in direct:
+        name, version = line.split("==")
+        assert pinned[name.lower().replace("_", "-")] == version, line
+    assert {"nvidia-cuda-runtime", "nvidia-cudnn-cu13", "torch"} <= set(pinned)
 
 
 def test_image_entrypoint_runs_as_the_cli() -> None:
