@@ -72,7 +72,9 @@ fi
 select_args=(--repeats "$repeats" --device "$device")
 [ -n "$arms" ] && select_args+=(--arms "$arms")
 [ -n "$claim" ] && select_args+=(--claim "$claim")
-size=$("$RJ" step plan --spec "$spec" "${select_args[@]}" | sed -n 's/^size=//p')
+plan=$("$RJ" step plan --spec "$spec" "${select_args[@]}")  # size=N is its first line
+size=${plan%%$'\n'*}
+size=${size#size=}
 
 out=${out:-runs/mid-smoke-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$out"
