@@ -41,7 +41,7 @@ import replayjob
 from replayjob.bundle import format as fmt
 from replayjob.bundle.schema import check_closure, check_expected, check_index, check_manifest
 from replayjob.digest import sha256_bytes, sha256_json
-from replayjob.errors import ArtifactExistsError, IntegrityError, RefusedError
+from replayjob.errors import ArtifactExistsError, IntegrityError
 from replayjob.faults import point
 from replayjob.fsio import atomic_write_bytes, fsync_dir, write_failure
 from replayjob.jsonio import pretty_bytes, read_json_object
