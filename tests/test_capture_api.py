@@ -11,14 +11,17 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
 
 from replayjob.cli import main
 from replayjob.integrations import capture as cap
+from replayjob.optbatch import knobs
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
 
@@ -55,6 +58,40 @@ def test_example_capture_explain_replay_bitwise(example_run: tuple[Path, Path], 
     assert rep["optimizer_batch/final_adapter_sha256"] == src["optimizer_batch/final_adapter_sha256"]
     assert rep["loss"] == src["loss"] and rep["grad_norm"] == src["grad_norm"]
     assert rep["framework"] == "torch" and rep["step"] == 1 and rep["rng_restored"] == ["cpu"]
+    assert rep["runtime"] == {}  # framework "torch" registers no knobs: its whole config is the contract
+    assert rep["host"]["device_type"] == "cpu" and rep["rows"]["rows"] >= 1
+    verdict = tmp_path / "bitwise.json"
+    assert main(["reduce", str(tmp_path / "r"), "--claim", "bitwise", "--source", str(out / "capture"),
+                 "--min-repeats", "1", "--out", str(verdict)]) == 0
+    checks = {c["name"]: c for c in json.loads(verdict.read_text())["checks"]}
+    assert checks["inputs.capture_pins"]["status"] == "pass"
+    assert checks["inputs.capture_pins"]["expected"]["framework"] == "torch"
+    assert checks["inputs.final_adapter_on_disk"]["status"] == checks["exact.knobs_in_effect"]["status"] == "pass"
+
+
+@pytest.mark.parametrize(("edit", "field"), [
+    (lambda d: d["pins"].update(payload_spans_sha256="0" * 64), "payload pin"),
+    (lambda d: d.update(framework="trl", runtime=dict.fromkeys(knobs.knobs_for("trl"))), "framework"),
+    (lambda d: d.update(framework="replayjob"), "runtime"),
+])
+def test_reduce_verifies_a_replay_against_the_integration_capture(
+        example_run: tuple[Path, Path], tmp_path: Path, edit: Callable[[dict[str, Any]], None], field: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    _, out = example_run
+    r = tmp_path / "r"
+    assert main(["replay", str(out / "capture" / "replay.toml"), "--out", str(r)]) == 0
+    doc = json.loads((r / "replay_metrics.json").read_text())
+    edit(doc)
+    (r / "replay_metrics.json").write_text(json.dumps(doc))
+    capsys.readouterr()
+    verdict = tmp_path / "v.json"
+    assert main(["reduce", str(r), "--claim", "exact-input", "--source", str(out / "capture"),
+                 "--min-repeats", "1", "--out", str(verdict)]) == 2
+    if field == "runtime":  # the replay's producer decides which knobs it must report
+        assert "runtime" in capsys.readouterr().err
+    else:
+        check = next(c for c in json.loads(verdict.read_text())["checks"] if c["name"] == "inputs.capture_pins")
+        assert check["status"] == "refused" and any(field in o for o in check["offenders"]), check
 
 
 def test_capture_does_not_change_the_loop(example_run: tuple[Path, Path], tmp_path: Path) -> None:

@@ -234,7 +234,14 @@ def test_reduce_gates_pass_over_fresh_replays(trl_capture: dict[str, Any], tmp_p
     assert main(["replay", str(res.replay_toml), "--out", str(reps / "baseline"), "--repeat", "3"]) == 0
     assert main(["replay", str(res.replay_toml), "--out", str(reps / "ckpt"), "--repeat", "3", *GC]) == 0
     gc = _metrics(reps / "ckpt" / "repeat-000", "replay_metrics.json")
-    assert gc["runtime"]["gradient_checkpointing"] is True and gc["arm"] == "gradient_checkpointing=true"
+    assert gc["arm"] == "gradient_checkpointing=true" and gc["framework"] == "trl"
+    # observed on the rebuilt TRL trainer: checkpointing on, transformers' non-reentrant default, the captured kernel
+    attn = json.loads(res.manifest.read_text())["config"]["resolved"]["model"]["attn_implementation"]
+    assert gc["runtime"] == {"trl.gradient_checkpointing": True, "model.attn_implementation": attn,
+                             "trl.gradient_checkpointing_kwargs.use_reentrant": False}
+    base = _metrics(reps / "baseline" / "repeat-000", "replay_metrics.json")
+    assert base["runtime"]["trl.gradient_checkpointing"] is False
+    assert base["runtime"]["trl.gradient_checkpointing_kwargs.use_reentrant"] is None  # no checkpoint function
     common = ["--source", str(res.out_dir), "--baseline", "baseline"]
     assert main(["reduce", str(reps), "--claim", "exact-input", "--arms", "baseline,gradient_checkpointing=true",
                  "--out", str(tmp_path / "exact.json"), *common]) == 0

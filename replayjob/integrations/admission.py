@@ -30,6 +30,7 @@ import torch
 from replayjob import tensorfile
 from replayjob.config import redact
 from replayjob.config.load import _absolutize, apply_overrides, build, read_toml
+from replayjob.config.redact import redact_text
 from replayjob.config.schema import OptimizerBatchConfig
 from replayjob.digest import sha256_json
 from replayjob.errors import ConfigError, RefusedError
@@ -114,10 +115,11 @@ class Admission(Refusals):
     @property
     def arm(self) -> str:
         assert self.cfg is not None
-        return self.cfg.optimizer_batch.arm or knobs.arm_name(self.allowed, self.resolved or {})
+        return redact_text(self.cfg.optimizer_batch.arm) or knobs.arm_name(self.allowed, self.resolved or {})
 
     def knob_values(self) -> dict[str, Any]:
-        return {k: knobs.lookup(self.resolved or {}, k) for k in sorted(self.allowed)}
+        out: dict[str, Any] = redact({k: knobs.lookup(self.resolved or {}, k) for k in sorted(self.allowed)})
+        return out
 
 
 def _load_file(adm: Admission, m: Manifest, role: str) -> dict[str, torch.Tensor] | None:
@@ -273,7 +275,7 @@ def _check_config(adm: Admission) -> None:
             adm.refuse(f"integration.entry: {why}")
     elif cfg.entry:
         adm.refuse(f"integration.entry is not used by framework {cfg.framework!r}; remove it")
-    admissible = {k: "systems-only knob" for k in knobs.KNOBS}
+    admissible = {k: f"systems-only knob of {cfg.framework}" for k in knobs.knobs_for(cfg.framework)}
     admissible.update({k: "stack difference, admitted for the approximate claim only" for k in knobs.stack_keys(src)})
     adm.observed = check_differences(adm, src, resolved, adm.allowed, admissible, ignored=_ignored)
 
@@ -281,8 +283,13 @@ def _check_config(adm: Admission) -> None:
 def admit(cfg: ReplayConfig) -> Admission:
     """Run every admission check; never raises for a failed check (see :meth:`Admission.raise_if_refused`)."""
     adm = Admission(cfg=cfg)
-    if cfg.optimizer_batch.capture:
-        adm.refuse("optimizer_batch.capture must be false in a replay config")
+    ob = cfg.optimizer_batch
+    if ob.capture or ob.capture_steps or ob.ring_size:
+        adm.refuse("optimizer_batch.capture, capture_steps and ring_size are source-run settings; an integration "
+                   "replay config must leave them unset (the capture API captures an external trainer's steps)")
+    if ob.trace:
+        adm.refuse("optimizer_batch.trace (replay --trace) records replayjob's own trainer's layers; an external "
+                   "trainer's replay cannot be traced yet: drop --trace")
     check_pins(cfg.optimizer_batch, adm, adm.pins, "optimizer_batch_step_<K>.manifest.json")
     _check_artifacts(adm)
     _check_base_model(adm)

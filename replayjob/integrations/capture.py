@@ -183,10 +183,16 @@ def effective_digest(mbs: list[MicroBatch], logical: str) -> str:
                                            "accumulation_steps": m.accumulation_steps} for m in mbs]})
 
 
+def batch_rows(mbs: list[MicroBatch]) -> int:
+    """Rows (sequences, samples) the micro-batches hold: per micro-batch the largest leading dimension of
+    its input tensors (the batch dimension every per-row input shares), at least 1."""
+    return sum(max([int(t.shape[0]) for t in m.inputs.values() if t.dim() > 0] + [1]) for m in mbs)
+
+
 def rows_summary(mbs: list[MicroBatch]) -> dict[str, int]:
     ts = [t for m in mbs for t in (*m.inputs.values(), *m.call.values())]
-    return {"micro_batches": len(mbs), "tensors": len(ts), "elements": sum(t.numel() for t in ts),
-            "bytes": sum(t.numel() * t.element_size() for t in ts)}
+    return {"rows": batch_rows(mbs), "micro_batches": len(mbs), "tensors": len(ts),
+            "elements": sum(t.numel() for t in ts), "bytes": sum(t.numel() * t.element_size() for t in ts)}
 
 
 def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

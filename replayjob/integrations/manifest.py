@@ -74,6 +74,11 @@ class Manifest(PinnedManifest):
         return self.file_sha256("adapter")
 
     @property
+    def payload_digest(self) -> str:
+        """The payload pin replays record (``pins.payload_spans_sha256``): the payload file's SHA-256."""
+        return self.file_sha256("payload")
+
+    @property
     def micro_batches(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = self.doc["micro_batches"]
         return out
@@ -85,9 +90,6 @@ def write(path: Path, doc: dict[str, Any]) -> str:
     data = canonical_bytes(doc) + b"\n"
     atomic_write_bytes(path, data, exclusive=True)
     return sha256_bytes(data)
-
-
-
 
 
 def _bare(name: Any, what: str, where: Path) -> None:

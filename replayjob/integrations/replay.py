@@ -6,7 +6,10 @@ the captured adapter copied into the trainable parameters (re-hashed after loadi
 optimizer and LR-scheduler state, then for each captured micro-batch the framework's own training
 step with the Torch RNG state restored right before its loss call, then the framework's clip /
 optimizer step / scheduler step / zero-grad sequence, exactly once.  ``replay_metrics.json`` is
-written through :func:`replayjob.optbatch.replay.metrics_document`, so ``reduce`` reads it unchanged.
+built by :func:`replayjob.optbatch.replay.metrics_document` and written by
+:func:`~replayjob.optbatch.replay.write_metrics`, with the observation of every registered knob of
+the framework (:func:`replayjob.optbatch.knobs.observe_all`) and the host it ran on, so ``reduce``
+reads and gates it like a built-in replay.
 """
 
 from __future__ import annotations
@@ -20,13 +23,12 @@ import torch
 
 from replayjob import determinism
 from replayjob.digest import sha256_bytes
-from replayjob.errors import ArtifactExistsError, ContractError
-from replayjob.fsio import atomic_write_bytes
+from replayjob.errors import ArtifactExistsError, ContractError, UsageError
 from replayjob.integrations import capture as cap
 from replayjob.integrations import framework_module
 from replayjob.integrations.admission import Admission, ReplayConfig, admit
-from replayjob.jsonio import pretty_bytes
-from replayjob.optbatch.replay import METRICS_FILE, metrics_document
+from replayjob.optbatch import knobs
+from replayjob.optbatch.replay import METRICS_FILE, metrics_document, write_metrics
 from replayjob.rl.diag import peak_memory_value
 from replayjob.rl.state import restore_rng
 
@@ -53,9 +55,9 @@ class ReplaySession:
     def step(self) -> float:
         raise NotImplementedError
 
-    def gradient_checkpointing(self) -> bool:
-        flag = getattr(self.model, "is_gradient_checkpointing", None)
-        return bool(flag) if isinstance(flag, bool) else False
+    def runtime(self, rows: tuple[int, ...]) -> knobs.Runtime:
+        """What the framework's knobs are observed from after the update (the built model by default)."""
+        return knobs.Runtime(self.model, rows)
 
 
 def _on(device: torch.device, group: dict[str, torch.Tensor], values: dict[str, Any]) -> dict[str, Any]:
@@ -104,6 +106,8 @@ def load_state(adm: Admission, session: ReplaySession) -> None:
 
 def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0) -> dict[str, Any]:
     """Admit, then run one replay into ``out``; return (and write) replay_metrics.json."""
+    if repeat_index < 0:
+        raise UsageError(f"--repeat-index must be >= 0, found {repeat_index}")
     adm = admit(cfg)
     adm.raise_if_refused()
     for name in (METRICS_FILE, cap.FINAL_ADAPTER_FILE):
@@ -116,6 +120,13 @@ def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0) -> dict[str, Any
     prov = determinism.establish(strict=False, seed=None)
     session: ReplaySession = framework_module(m.framework).build_replay(adm, out)
     determinism.mark_model_built(False)
+    for key in adm.allowed:  # admitted; a knob's condition on the built model is checked too (stack keys have none)
+        knob = knobs.KNOBS.get(key)
+        why = knob.model_refusal(session.model) if knob is not None else None
+        if why:
+            raise ContractError(f"difference {key!r} is not systems-only here: {why}",
+                                where=cfg.optimizer_batch.replay_path or "optimizer_batch.replay_path",
+                                hint=f"remove {key!r} from this arm")
     load_state(adm, session)
     prov["attn_implementation"] = adm.resolved.get("model", {}).get("attn_implementation")
     prov["device"] = str(session.device)
@@ -132,23 +143,25 @@ def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0) -> dict[str, Any
     t2 = time.perf_counter()
     peak = peak_memory_value(session.device)
     final_sha = cap.save_adapter(out / cap.FINAL_ADAPTER_FILE, session.model)
+    rows = tuple(cap.batch_rows([mb]) for mb in mbs)
+    runtime = knobs.observe_all(session.runtime(rows), m.framework)  # the framework's knobs, read from its trainer
     metrics = metrics_document(
-        arm=adm.arm, repeat_index=repeat_index,
+        framework=m.framework, arm=adm.arm, repeat_index=repeat_index,
         pins={"expected_logical_sha256": adm.pins["expected_logical_sha256"],
               "expected_manifest_sha256": adm.pins["expected_manifest_sha256"],
-              "payload_spans_sha256": m.file_sha256("payload")},
+              "payload_spans_sha256": m.payload_digest},
         manifest_sha256=m.sha256, logical=cap.logical_digest(mbs),  # the inputs as replayed, hashed again
         effective=cap.effective_digest(mbs, cap.logical_digest(mbs)), initial_adapter_sha256=m.initial_adapter_sha256,
         allowed=adm.allowed, observed=adm.observed, knob_values=adm.knob_values(),
-        checkpointing=session.gradient_checkpointing(), loss=loss, grad_norm=grad_norm,
+        runtime=runtime, loss=loss, grad_norm=grad_norm,
         timing={"local_train_wall_s": t2 - t0, "forward_wall_s": max(t1 - t0 - session.backward_wall_s, 0.0),
                 "backward_wall_s": session.backward_wall_s, "optimizer_wall_s": t2 - t1},
-        peak=peak, device=session.device, padding=padding(mbs), rows=dict(m.doc["rows"]),
+        peak=peak, device=session.device, padding=padding(mbs), rows=cap.rows_summary(mbs),
         rng_restored=sorted({k for mb in mbs for k in mb.rng}),
         tolerances_sha256=cfg.optimizer_batch.tolerances_sha256, config_sha256=cfg.sha256)
-    metrics.update({"framework": m.framework, "step": m.step,
+    metrics.update({"step": m.step,
                     "optimizer_batch/final_adapter_sha256": final_sha,
                     "final_adapter_path": cap.FINAL_ADAPTER_FILE, "provenance": prov,
                     "wall_s": time.perf_counter() - t_start})
-    atomic_write_bytes(out / METRICS_FILE, pretty_bytes(metrics), exclusive=True)
+    write_metrics(out, metrics)
     return metrics

@@ -44,6 +44,7 @@ from replayjob.config.redact import REDACTED
 from replayjob.errors import RefusedError
 from replayjob.integrations import capture as cap
 from replayjob.integrations.replay import ReplaySession
+from replayjob.optbatch import knobs
 
 if TYPE_CHECKING:
     from replayjob.integrations.admission import Admission
@@ -368,10 +369,9 @@ class TRLSession(ReplaySession):
         self.model.zero_grad()
         return float(grad_norm)
 
-    def gradient_checkpointing(self) -> bool:
-        m = self.trainer.model
-        flag = getattr(m, "is_activation_checkpointing", None)  # transformers 5's name
-        return bool(flag if flag is not None else getattr(m, "is_gradient_checkpointing", False))
+    def runtime(self, rows: tuple[int, ...]) -> knobs.Runtime:
+        """TRL's knobs are observed on the trainer's own (PEFT) model and the trainer."""
+        return knobs.Runtime(self.trainer.model, rows, trainer=self.trainer)
 
 
 def build_replay(adm: Admission, out: Path) -> TRLSession:

@@ -5,18 +5,31 @@ A replay may differ from its source only in keys listed here, each declared in
 it cannot change the update in exact arithmetic, and an optional condition under which that
 argument holds (checked on both configs; when it fails the difference is refused).
 
+Every knob also says how a replay observes the value in effect at run time (:attr:`Knob.observe`,
+read from the built model or the update as it ran, never echoed from the config) and which
+observation its intended value predicts (:meth:`Knob.expected`); ``replay_metrics.json`` records
+the observation of every registered knob and ``reduce`` compares it with the intended value.
+
 Some keys differ between any source and its replay by construction and are never compared
 (:data:`IGNORED`): the runner, the ``[optimizer_batch]`` section itself, output locations and
 labels, and the resume path, whose content is pinned by the adapter SHA-256 instead.
 
+Every knob belongs to the producers it applies to (:attr:`Knob.frameworks`): replayjob's own trainer
+(``replayjob``, keys of its config) or an external trainer of :mod:`replayjob.integrations` (``trl``:
+keys of the captured framework config, observed on the rebuilt TRL trainer and model; ``torch`` has
+none, its whole config is the contract).  A replay may declare only its producer's knobs and records
+the observation of exactly those (:func:`knobs_for`).
+
 Example:
-    >>> sorted(KNOBS)[:2]
+    >>> sorted(knobs_for("replayjob"))[:2]
     ['backend.options.attn_implementation', 'backend.options.gradient_checkpointing']
+    >>> sorted(knobs_for("trl"))
+    ['model.attn_implementation', 'trl.gradient_checkpointing', 'trl.gradient_checkpointing_kwargs.use_reentrant']
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,26 +43,119 @@ IGNORED: dict[str, str] = {
     "logging.run_name": "free-form label",
     "logging.metadata": "free-form labels",
     "resume.from": "a path; its content is pinned by the initial adapter SHA-256 instead",
+    "training.max_steps": "the run's length; a capture pins its one update's start state and learning rate",
+    "training.save_every": "checkpoint cadence; it never changes an update",
 }
 
 Condition = Callable[[Config, Config], str | None]
 
 
 @dataclass(frozen=True)
+class Runtime:
+    """What a replay observes knobs from: the built model, the update as it ran, and (an external
+    trainer's replay) the framework's built trainer."""
+
+    model: Any
+    micro_batch_rows: tuple[int, ...]  # rows of each micro-batch the update processed, in order
+    trainer: Any = None
+
+
+Observer = Callable[[Runtime], Any]
+# (intended value, replayed rows, every intended knob value of the arm) -> the observation it implies
+Predictor = Callable[[Any, int, Mapping[str, Any]], Any]
+
+BUILTIN = "replayjob"  # the producer name of replayjob's own trainer (capture, replay)
+PRODUCERS = (BUILTIN, "trl", "torch")  # replayjob's trainer and replayjob.integrations.FRAMEWORKS
+
+
+@dataclass(frozen=True)
 class Knob:
+    """A systems-only config key: why it cannot change the update, when that holds, how it is observed.
+
+    ``frameworks`` names the producers whose runs the key belongs to (:data:`PRODUCERS`): a replay
+    may declare, and records the observation of, exactly its own producer's knobs.
+    ``condition`` is checked on both configs at admission; ``model_condition`` on the built model
+    before the update (a replay that declares the knob is refused when either gives a reason).
+    ``observe`` reads the value in effect at run time (``None`` when the runtime does not report it,
+    which never equals an intended value); ``predict`` maps the intended value, the replayed row
+    count and the arm's other intended knob values to the observation it implies (identity when absent).
+    """
+
     key: str
     justification: str
     condition: Condition | None = None
+    observe: Observer | None = None
+    model_condition: Callable[[Any], str | None] | None = None
+    predict: Predictor | None = None
+    frameworks: tuple[str, ...] = (BUILTIN,)
 
     def refusal(self, source: Config, replay: Config) -> str | None:
         """Why this knob may not differ between these two configs, or None when it may."""
         return self.condition(source, replay) if self.condition else None
 
+    def model_refusal(self, model: Any) -> str | None:
+        """Why this knob may not differ on this built model, or None when it may."""
+        return self.model_condition(model) if self.model_condition else None
+
+    def expected(self, intended: Any, rows: int, arm: Mapping[str, Any] | None = None) -> Any:
+        """The observation ``intended`` implies for a replay of ``rows`` rows whose other knobs are
+        intended as in ``arm``."""
+        return self.predict(intended, rows, arm or {}) if self.predict else intended
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+def _config_dropouts(doc: Any, prefix: str = "") -> list[str]:
+    """``key=p`` for every dropout probability > 0 in a model config document (any depth)."""
+    found: list[str] = []
+    if isinstance(doc, dict):
+        for k, v in sorted(doc.items(), key=lambda kv: str(kv[0])):
+            name = f"{prefix}{k}"
+            if isinstance(v, dict):
+                found += _config_dropouts(v, name + ".")
+            elif ("dropout" in str(k) or "pdrop" in str(k)) and _positive(v):
+                found.append(f"{name}={v}")
+    return found
+
+
+def _dropouts(cfg: Config) -> list[str]:
+    """Every dropout the config switches on: LoRA's and any in a local base model's config.json
+    (the built-in tiny model has none: its attention dropout is 0)."""
+    from replayjob.errors import RefusedError
+    from replayjob.jsonio import read_json_object
+
+    found = [f"lora.dropout={cfg.lora.dropout}"] if cfg.lora.dropout else []
+    if cfg.model.path:
+        where = f"{cfg.model.path}/config.json"
+        try:
+            found += [f"{where}: {d}" for d in _config_dropouts(read_json_object(where))]
+        except RefusedError as exc:
+            found.append(f"{where} cannot be read to rule dropout out ({exc.message})")
+    return found
+
 
 def _no_dropout(source: Config, replay: Config) -> str | None:
-    if source.lora.dropout or replay.lora.dropout:
-        return ("lora.dropout > 0 draws one random mask per micro-batch, so regrouping rows changes "
-                "which random numbers each row sees")
+    found = sorted(set(_dropouts(source) + _dropouts(replay)))
+    if found:
+        return ("dropout draws one random mask per micro-batch, so regrouping rows changes which random "
+                "numbers each row sees: " + ", ".join(found))
+    return None
+
+
+def _no_dropout_in_model(model: Any) -> str | None:
+    """Every dropout module with p > 0 and every ``*dropout*`` config attribute > 0 of the built model."""
+    from torch.nn.modules.dropout import _DropoutNd
+
+    found = [f"{name} (p={m.p})" for name, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0]
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):
+        found += [f"config {d}" for d in _config_dropouts(to_dict())]
+    if found:
+        return ("the built model draws dropout masks per micro-batch: " + ", ".join(found[:5])
+                + (f" and {len(found) - 5} more" if len(found) > 5 else ""))
     return None
 
 
@@ -59,34 +165,102 @@ def _not_strict(source: Config, replay: Config) -> str | None:
     return None
 
 
+def _checkpointed(model: Any) -> list[Any]:
+    """The submodules of ``model`` that have checkpointing switched on (transformers' per-layer flag)."""
+    modules = getattr(model, "modules", None)
+    return [m for m in modules() if getattr(m, "gradient_checkpointing", False) is True] if callable(modules) else []
+
+
+def _observe_checkpointing(rt: Runtime) -> bool | None:
+    """The model's own report (transformers' ``is_activation_checkpointing``, or its older name
+    ``is_gradient_checkpointing``), else whether any submodule has checkpointing switched on."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        flag = getattr(rt.model, name, None)
+        if isinstance(flag, bool):
+            return flag
+    if not callable(getattr(rt.model, "modules", None)):
+        return None
+    return bool(_checkpointed(rt.model))
+
+
+def _observe_reentrant(rt: Runtime) -> bool | None:
+    """``use_reentrant`` of the checkpoint function the checkpointed layers call (transformers installs
+    ``functools.partial(torch.utils.checkpoint.checkpoint, **kwargs)`` on each); ``None`` when no layer is
+    checkpointed, so no checkpoint function is in effect."""
+    flags = set()
+    for m in _checkpointed(rt.model):
+        fn = getattr(m, "_gradient_checkpointing_func", None)
+        keywords = getattr(fn, "keywords", None)
+        if fn is not None:
+            flags.add(keywords.get("use_reentrant") if isinstance(keywords, dict) else None)
+    if len(flags) != 1:
+        return None  # none in effect, or layers disagree: reported as not observed
+    flag = flags.pop()
+    return flag if isinstance(flag, bool) else None
+
+
+# transformers' activation_checkpointing_enable passes use_reentrant=False when no kwargs are given
+# (transformers 5, the tested stack; a version with another default shows up as a mismatch, not a pass).
+_DEFAULT_USE_REENTRANT = False
+
+
+def _predict_reentrant(intended: Any, rows: int, arm: Mapping[str, Any]) -> Any:
+    if arm.get(TRL_GRADIENT_CHECKPOINTING) is not True:
+        return None  # no checkpoint function in effect
+    return _DEFAULT_USE_REENTRANT if intended is None else intended
+
+
+def _observe_micro_batch(rt: Runtime) -> int | None:
+    """Rows of the largest micro-batch the update processed."""
+    return max(rt.micro_batch_rows) if rt.micro_batch_rows else None
+
+
+def _observe_attention(rt: Runtime) -> str | None:
+    """The attention implementation the built model's config dispatches to."""
+    value = getattr(getattr(rt.model, "config", None), "_attn_implementation", None)
+    return value if isinstance(value, str) else None
+
+
+GRADIENT_CHECKPOINTING = "backend.options.gradient_checkpointing"
+TRL_GRADIENT_CHECKPOINTING = "trl.gradient_checkpointing"
+TRL_USE_REENTRANT = "trl.gradient_checkpointing_kwargs.use_reentrant"
+
 _KNOBS = (
-    Knob("backend.options.gradient_checkpointing",
+    Knob(GRADIENT_CHECKPOINTING,
          "recomputes the same forward operations on the same inputs during backward (the Torch RNG "
-         "state is preserved for the recomputation), so gradients are those of the plain forward"),
+         "state is preserved for the recomputation), so gradients are those of the plain forward",
+         observe=_observe_checkpointing),
     Knob("training.micro_batch_size",
          "loss weights already carry the batch normalisation, padded positions carry zero weight and "
          "are masked from attention, and gradients of a sum of micro-batch losses are the sum of "
-         "their gradients", _no_dropout),
+         "their gradients", _no_dropout, observe=_observe_micro_batch, model_condition=_no_dropout_in_model,
+         predict=lambda intended, rows, arm: min(intended, rows) if isinstance(intended, int) else intended),
     Knob("backend.options.attn_implementation",
          "eager and sdpa compute the same softmax(QK^T / sqrt(d) + mask) V; only the kernel "
-         "differs", _not_strict),
-    # External trainers (replayjob.integrations): keys of the captured framework config.
-    Knob("trl.gradient_checkpointing",
+         "differs", _not_strict, observe=_observe_attention),
+    # External trainers (replayjob.integrations): keys of the captured framework config, observed on the
+    # framework's built trainer and model.
+    Knob(TRL_GRADIENT_CHECKPOINTING,
          "transformers recomputes each layer's forward on the same inputs during backward, restoring the "
-         "Torch RNG state for the recomputation (LoRA dropout masks repeat), so gradients are the plain forward's"),
-    Knob("trl.gradient_checkpointing_kwargs.use_reentrant",
+         "Torch RNG state for the recomputation (LoRA dropout masks repeat), so gradients are the plain forward's",
+         observe=_observe_checkpointing, frameworks=("trl",)),
+    Knob(TRL_USE_REENTRANT,
          "the reentrant and non-reentrant torch.utils.checkpoint variants recompute the same operations "
-         "with the RNG state preserved; they differ only in how autograd re-enters the recomputation"),
+         "with the RNG state preserved; they differ only in how autograd re-enters the recomputation",
+         observe=_observe_reentrant, predict=_predict_reentrant, frameworks=("trl",)),
     Knob("model.attn_implementation",
          "eager and sdpa compute the same softmax(QK^T / sqrt(d) + mask) V for the model the replay "
-         "loads from the base model directory; only the kernel differs"),
+         "loads from the base model directory; only the kernel differs",
+         observe=_observe_attention, frameworks=("trl",)),
 )
 
 KNOBS: dict[str, Knob] = {k.key: k for k in _KNOBS}
 
 
-# Gradient-checkpointing knobs: the reducer compares the runtime flag a replay reports with these.
-GRADIENT_CHECKPOINTING = ("backend.options.gradient_checkpointing", "trl.gradient_checkpointing")
+def knobs_for(framework: str) -> dict[str, Knob]:
+    """The registered knobs of one producer (``replayjob``, ``trl``, ``torch``), by key."""
+    return {k: knob for k, knob in KNOBS.items() if framework in knob.frameworks}
+
 
 STACK_PREFIX = "stack."
 STACK_JUSTIFICATION = ("a different framework or library version may change the arithmetic of the update; "
@@ -123,3 +297,8 @@ def arm_name(declared: list[str], replay_resolved: dict[str, Any]) -> str:
         text = ("true" if value else "false") if isinstance(value, bool) else str(value)
         parts.append(f"{key.rsplit('.', 1)[-1]}={text}")
     return "+".join(parts)
+
+
+def observe_all(rt: Runtime, framework: str = BUILTIN) -> dict[str, Any]:
+    """The value in effect at run time of every registered knob of ``framework`` (``None``: not reported)."""
+    return {key: knob.observe(rt) if knob.observe else None for key, knob in sorted(knobs_for(framework).items())}

@@ -26,24 +26,21 @@ import replayjob
 from replayjob import determinism
 from replayjob.config import Config, config_sha256, load_config
 from replayjob.digest import sha256_file
-from replayjob.errors import ArtifactExistsError, ContractError, ReplayjobError, UsageError
+from replayjob.errors import ArtifactExistsError, ContractError, UsageError, error_for_exit_status
 from replayjob.fsio import atomic_write_bytes
+from replayjob.hostinfo import host_provenance
 from replayjob.jsonio import pretty_bytes, read_json_object
 from replayjob.model.backend import load_backend
+from replayjob.optbatch import knobs, stepcapture
 from replayjob.optbatch.explain import SKIPPED, Admission, admit
 from replayjob.rl.diag import peak_memory_value
 from replayjob.rl.state import check_model, restore_rng
 from replayjob.rl.update import make_optimizer, optimizer_update
+from replayjob.trace.recorder import traced_update
 
-METRICS_SCHEMA = "replayjob.replay_metrics/v1"
+METRICS_SCHEMA = "replayjob.replay_metrics/v2"
 METRICS_FILE = "replay_metrics.json"
 FINAL_ADAPTER_DIR = "final_adapter"
-
-
-def _runtime_checkpointing(model: torch.nn.Module, declared: bool) -> bool:
-    """The gradient-checkpointing flag as the model reports it at run time."""
-    flag = getattr(model, "is_gradient_checkpointing", None)
-    return bool(flag) if isinstance(flag, bool) else declared
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:
@@ -72,6 +69,12 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
     prov["attn_implementation"] = cfg.backend.options.attn_implementation
     prov["device"] = str(policy.device)
     check_model(adm.state, policy.model_reference())
+    for key in adm.allowed:  # admitted, so each is a registered knob; now checked on the built model too
+        why = knobs.KNOBS[key].model_refusal(policy.model)
+        if why:
+            raise ContractError(f"difference {key!r} is not systems-only here: {why}",
+                                where=cfg.optimizer_batch.replay_path or "optimizer_batch.replay_path",
+                                hint=f"remove {key!r} from this arm or switch the dropout off in both runs")
     # the manifest's pin is checked over the very bytes the adapter tensors are built from
     policy.load_adapter(adm.state.adapter_file, adm.manifest.initial_adapter_sha256)
     vocab = _vocab_size(policy.model) or policy.tokenizer.vocab_size
@@ -80,36 +83,43 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
         raise ContractError(f"captured token id {top} is outside this model's vocabulary ({vocab})",
                             where=adm.manifest.payload_path)
     optimizer = make_optimizer(policy, cfg)
+    stepcapture.restore_optimizer(optimizer, adm.manifest, adm.state)  # a chosen step's pinned start state
     restore_rng(adm.rng)
     if policy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(policy.device)
     t0 = time.perf_counter()
-    res = optimizer_update(policy, optimizer, adm.batch, cfg)
+    with traced_update(cfg, policy, optimizer, adm.batch) as tracer:  # None (nothing attached) unless --trace
+        res = optimizer_update(policy, optimizer, adm.batch, cfg)
     local_train_wall_s = time.perf_counter() - t0
     peak = peak_memory_value(policy.device)
     final_file = policy.save_adapter(out / FINAL_ADAPTER_DIR)
-    metrics = _metrics(adm, cfg, repeat_index, res, local_train_wall_s, peak, policy.device,
-                       _runtime_checkpointing(policy.model, policy.gradient_checkpointing))
+    observed = knobs.observe_all(knobs.Runtime(policy.model, tuple(res.micro_batch_rows)))
+    metrics = _metrics(adm, cfg, repeat_index, res, local_train_wall_s, peak, policy.device, observed)
     metrics.update({
         "optimizer_batch/final_adapter_sha256": sha256_file(final_file),
         "final_adapter_path": str(final_file.relative_to(out)),
         "provenance": prov,
         "wall_s": time.perf_counter() - t_start,
     })
-    atomic_write_bytes(out / METRICS_FILE, pretty_bytes(metrics), exclusive=True)
+    if tracer is not None:  # before replay_metrics.json, which pins the trace index
+        metrics["trace"] = tracer.write(out, metrics)
+    write_metrics(out, metrics)
     return metrics
 
 
-def metrics_document(*, arm: str, repeat_index: int, pins: dict[str, str], manifest_sha256: str,
+def metrics_document(*, framework: str, arm: str, repeat_index: int, pins: dict[str, str], manifest_sha256: str,
                      logical: str, effective: str, initial_adapter_sha256: str, allowed: list[str],
-                     observed: list[str], knob_values: dict[str, Any], checkpointing: bool, loss: float,
+                     observed: list[str], knob_values: dict[str, Any], runtime: dict[str, Any], loss: float,
                      grad_norm: float, timing: dict[str, float], peak: int, device: torch.device,
                      padding: dict[str, Any], rows: dict[str, Any], rng_restored: list[str],
                      tolerances_sha256: str, config_sha256: str) -> dict[str, Any]:
     """The ``replay_metrics.json`` document (docs/replay-metrics.md) before the final adapter, provenance
-    and whole-run wall time are added; every producer's replay writes it through this function."""
+    and whole-run wall time are added; every producer's replay builds it here and writes it with
+    :func:`write_metrics`.  ``runtime`` holds the observation of every registered knob of ``framework``
+    (:func:`replayjob.optbatch.knobs.observe_all`); ``host`` is read here, where the replay ran."""
     return {
         "schema": METRICS_SCHEMA,
+        "framework": framework,
         "replayjob_version": replayjob.__version__,
         "torch_version": torch.__version__,
         "device": str(device),
@@ -124,7 +134,7 @@ def metrics_document(*, arm: str, repeat_index: int, pins: dict[str, str], manif
         "observed_config_differences": list(observed),
         "knobs": knob_values,
         "skipped": list(SKIPPED),
-        "runtime": {"gradient_checkpointing": checkpointing},
+        "runtime": runtime,  # every registered knob of the framework as observed at run time
         "loss": loss,
         "grad_norm": grad_norm,
         "timing": timing,
@@ -135,22 +145,28 @@ def metrics_document(*, arm: str, repeat_index: int, pins: dict[str, str], manif
         "rng_restored": rng_restored,
         "tolerances_sha256": tolerances_sha256.strip().lower(),  # checked at admission
         "config_sha256": config_sha256,
+        "host": host_provenance(device),  # node, GPU, driver, CUDA, image (replayjob.hostinfo)
     }
 
 
+def write_metrics(out: Path, metrics: dict[str, Any]) -> None:
+    """Write ``OUT/replay_metrics.json`` atomically and exclusively (the one writer of the file)."""
+    atomic_write_bytes(out / METRICS_FILE, pretty_bytes(metrics), exclusive=True)
+
+
 def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_train_wall_s: float,
-             peak: int, device: torch.device, checkpointing: bool) -> dict[str, Any]:
+             peak: int, device: torch.device, runtime: dict[str, Any]) -> dict[str, Any]:
     assert adm.manifest is not None and adm.batch is not None and adm.rng is not None and adm.rows is not None
     m = adm.manifest
     logical, effective = adm.batch.digests()  # the rows as replayed, hashed again after the update
     return metrics_document(
-        arm=adm.arm, repeat_index=repeat_index,
+        framework=knobs.BUILTIN, arm=adm.arm, repeat_index=repeat_index,
         pins={"expected_logical_sha256": adm.pins["expected_logical_sha256"],
               "expected_manifest_sha256": adm.pins["expected_manifest_sha256"],
               "payload_spans_sha256": m.payload_digest},
         manifest_sha256=m.sha256, logical=logical, effective=effective,
         initial_adapter_sha256=m.initial_adapter_sha256, allowed=adm.allowed, observed=adm.observed,
-        knob_values=adm.knob_values(), checkpointing=checkpointing, loss=res.loss, grad_norm=res.grad_norm,
+        knob_values=adm.knob_values(), runtime=runtime, loss=res.loss, grad_norm=res.grad_norm,
         timing={"local_train_wall_s": local_train_wall_s, "forward_wall_s": res.forward_wall_s,
                 "backward_wall_s": res.backward_wall_s, "optimizer_wall_s": res.optimizer_wall_s},
         peak=peak, device=device,
@@ -211,6 +227,7 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
         proc = subprocess.run(argv, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip()[-2000:]
-            raise ReplayjobError(f"repeat {i} exited with status {proc.returncode}: {tail}", where=d)
+            raise error_for_exit_status(proc.returncode)(  # 3 or a signal stays retryable (exit 3)
+                f"repeat {i} exited with status {proc.returncode}: {tail}", where=d)
         results.append((d, read_json_object(d / METRICS_FILE)))
     return results
