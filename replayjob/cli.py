@@ -216,7 +216,8 @@ def cmd_replay(args: dict[str, Any]) -> int:
     for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index):
         print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}, "
               f"final adapter sha256 {m['optimizer_batch/final_adapter_sha256']}, "
-              "in effect: " + ", ".join(f"{k}={v}" for k, v in sorted(m["runtime"].items())))
+              "in effect: " + (", ".join(f"{k}={v}" for k, v in sorted(m["runtime"].items()))
+                               or f"no registered knobs ({m['framework']})"))
         print(f"wrote {out}/replay_metrics.json")
     return 0
 
