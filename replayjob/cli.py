@@ -5,9 +5,10 @@ Usage:
   replayjob train <config> [--out DIR] [--set KEY=VALUE]...
   replayjob capture <config> [--out DIR] [--set KEY=VALUE]...
   replayjob explain <config> [--json] [--set KEY=VALUE]...
-  replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--set KEY=VALUE]...
+  replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--slot SLOT] [--set KEY=VALUE]...
   replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR] [--tolerances FILE]
                    [--min-repeats N] [--baseline ARM] [--arms LIST] [--report FILE]
+                   [--budgets FILE] [--max-looks N]
   replayjob ablation plan <spec> [--arms LIST] [--repeats N] [--device D]
   replayjob ablation index <spec> <index> [--arms LIST] [--repeats N] [--device D]
   replayjob k8s render <spec> [--out DIR] [--argo FILE]
@@ -58,12 +59,19 @@ Options:
   --json            Print the result as JSON.
   --repeat N        Run N replays, each in a fresh process, in DIR/repeat-000 ...
   --repeat-index I  Internal: this replay's index within its arm (set by --repeat and launchers).
+  --slot SLOT       Internal: DESIGN:SEED:BLOCK:POSITION of this replay in a paired schedule (set
+                    by launchers; recorded with the host so reduce pairs replays by block).
   --claim CLAIM     Claim to gate: exact-input, bitwise or approximate.
   --source DIR      The capture run's output directory (its metrics.json and manifest); required.
   --tolerances FILE Predeclared tolerance TOML, pinned by SHA-256 in the replay configs.
   --min-repeats N   Fewest fresh replays per arm; fewer is refused [default: 3].
   --baseline ARM    Arm the others' timing and memory are compared with.
   --report FILE     Also write a markdown report (and a PNG next to it).
+  --budgets FILE    Budget TOML (docs/verdict-format.md): bounds on arm/baseline ratios, pinned
+                    by SHA-256 in [optimizer_batch] budgets_sha256; each bound passes, fails (1) or
+                    is inconclusive (2, with an estimate of the paired blocks that would decide it).
+  --max-looks N     Budgets: the most reduces (looks) this experiment may take; each look decides
+                    at level 0.05/N (Bonferroni alpha spending) [default: 1].
   --arms LIST       Comma-separated arms. ablation: a subset of the spec's arms (kept in file order).
                     reduce: every arm the verdict must contain; an arm with no replay at all (or
                     one not named) is refused.
@@ -92,7 +100,8 @@ Options:
   -h --help         Show this help.
   --version         Show the version.
 
-Exit codes: 0 pass, 1 a valid negative verdict, 2 refused (bad input or usage).
+Exit codes: 0 pass, 1 a valid negative verdict, 2 refused (bad input or usage) or a budget
+inconclusive (verdict status "inconclusive": add paired blocks and reduce again).
 
 Leaves diag-diff and determinism-check ignore by default (wall-clock times, rates, memory peaks;
 a pattern matches the full leaf path or its last key): elapsed_s, *_elapsed_s, wall_s, *_wall_s,
@@ -174,11 +183,13 @@ def cmd_explain(args: dict[str, Any]) -> int:
 
 
 def cmd_replay(args: dict[str, Any]) -> int:
+    from replayjob.deploy.schedule import parse_slot
     from replayjob.optbatch.replay import replay_command
 
     repeat = _int(args, "--repeat") if args["--repeat"] is not None else None
     index = _int(args, "--repeat-index") if args["--repeat-index"] is not None else 0
-    for out, m in replay_command(args["<config>"], args["--set"], args["--out"], repeat, index):
+    slot = parse_slot(args["--slot"]) if args["--slot"] is not None else None
+    for out, m in replay_command(args["<config>"], args["--set"], args["--out"], repeat, index, slot):
         print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}, "
               f"final adapter sha256 {m['optimizer_batch/final_adapter_sha256']}, "
               f"gradient_checkpointing {str(m['runtime']['gradient_checkpointing']).lower()}")
@@ -198,7 +209,8 @@ def cmd_reduce(args: dict[str, Any]) -> int:
     verdict = reduce_evidence(Request(
         paths=args["<path>"], claim=args["--claim"], out=out, source=opt("--source"),
         tolerances=opt("--tolerances"), min_repeats=_int(args, "--min-repeats"),
-        baseline=args["--baseline"], report=opt("--report"),
+        baseline=args["--baseline"], report=opt("--report"), budgets=opt("--budgets"),
+        max_looks=_int(args, "--max-looks"),
         arms=tuple(a.strip() for a in args["--arms"].split(",")) if args["--arms"] is not None else None))
     print(verdict.summary())
     print(f"wrote {out}" + (f", {args['--report']}" if args["--report"] else ""))

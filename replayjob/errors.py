@@ -4,7 +4,9 @@ Exit codes are the same for every command:
 
 * 0 -- pass / success (never an exception);
 * 1 -- a valid negative verdict: a gate failed, a divergence or drift was found, a KILL signal;
-* 2 -- refused: missing, malformed, tampered or contradictory input, a contract violation, usage.
+* 2 -- refused: missing, malformed, tampered or contradictory input, a contract violation, usage;
+  also an *inconclusive* performance budget (:class:`Inconclusive`): nothing is wrong with the
+  input, but it cannot decide yet, so a launcher adds repeats rather than give up.
 
 Only :mod:`replayjob.cli` turns these into a process exit status; library code raises them.
 """
@@ -70,3 +72,11 @@ class NegativeVerdict(ReplayjobError):
     """A valid negative verdict (exit 1): the input was sound and the answer is 'no'."""
 
     exit_code = EXIT_NEGATIVE
+
+
+class Inconclusive(ReplayjobError):
+    """A declared bound the evidence cannot decide yet (exit 2; verdict status ``inconclusive``).
+
+    Not a :class:`RefusedError`: the input is sound, there is just too little of it; the message
+    says how many more paired blocks would decide it.
+    """

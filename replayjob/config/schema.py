@@ -103,6 +103,21 @@ class OptimizerBatchConfig:
         default_factory=list)
     arm: str = doc("Condition name for reports; '' derives it from the declared differences.", "")
     tolerances_sha256: str = doc("SHA-256 of a predeclared tolerance file (approximate claim).", "")
+    budgets_sha256: str = doc("SHA-256 of a predeclared budget file (reduce --budgets).", "")
+    warmup_updates: int = doc(
+        "Replay: in-process updates from the same restored state run and discarded after the measured "
+        "fresh-process update.", 0)
+    measured_updates: int = doc(
+        "Replay: in-process updates from the same restored state measured after the warm-up ones "
+        "(recorded apart from the fresh-process update).", 0)
+
+    def __post_init__(self) -> None:
+        if self.warmup_updates < 0 or self.measured_updates < 0:
+            raise ConfigError("must be >= 0", where="optimizer_batch.warmup_updates/measured_updates")
+        if self.warmup_updates and not self.measured_updates:
+            raise ConfigError("warm-up updates without measured ones measure nothing",
+                              where="optimizer_batch.warmup_updates",
+                              hint="set optimizer_batch.measured_updates >= 1 too")
 
 
 @dataclass(frozen=True)
