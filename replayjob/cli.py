@@ -1,7 +1,7 @@
 """replayjob: trustworthy systems experiments on RL post-training of LoRA adapters.
 
 Usage:
-  replayjob init <dir> [--seed N]
+  replayjob init <dir> [--seed N] [--set KEY=VALUE]...
   replayjob train <config> [--out DIR] [--set KEY=VALUE]...
   replayjob capture <config> [--out DIR] [--set KEY=VALUE]...
   replayjob explain <config> [--json] [--set KEY=VALUE]...
@@ -9,6 +9,10 @@ Usage:
   replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR] [--tolerances FILE]
                    [--min-repeats N] [--baseline ARM] [--arms LIST] [--report FILE]
                    [--budgets FILE] [--max-looks N]
+  replayjob funnel [--out DIR] [--spec FILE] [--arms LIST] [--repeats N] [--claim CLAIM] [--seed N]
+                   [--resume DIR] [--model DIR] [--device D] [--steps N] [--only-ablation]
+                   [--budgets FILE] [--until-decided --max-repeats N] [--design D] [--no-report]
+                   [--plant-nondeterminism | --plant-kill | --plant-undeclared]
   replayjob ablation plan <spec> [--arms LIST] [--repeats N] [--device D]
   replayjob ablation index <spec> <index> [--arms LIST] [--repeats N] [--device D]
   replayjob k8s render <spec> [--out DIR] [--argo FILE]
@@ -33,6 +37,9 @@ Commands:
   explain    Verify a replay config's pins, payload, adapter and contract without a model.
   replay     Replay the captured optimizer batch: one update, no dataset/environment/sampling.
 
+  funnel     The workstation funnel (docs/funnel.md): (1) a short source run twice, diffed;
+             (2) its behavioural signals; (3) capture -> interleaved replays of the spec's arms ->
+             reduce, report and PNG.  OUT/funnel.json lists each stage; exit = first non-passing.
   reduce     Reduce replay metrics to a verdict (exact-input | bitwise | approximate); --out is the
              verdict file, --report a markdown report (plus a PNG with the 'plot' extra).
   ablation   The fan-out of an ablation spec as KEY=VALUE lines for shell launchers (Slurm):
@@ -77,6 +84,17 @@ Options:
                     one not named) is refused.
   --repeats N       Replays per arm instead of the spec's repeats.
   --device D        cuda or cpu instead of the spec's device.
+  --spec FILE       funnel: the ablation spec whose arms run [default: examples/ablation.toml].
+  --resume DIR      funnel: start from this step -1 resume state instead of the one init writes.
+  --model DIR       funnel: a local model directory (safetensors) instead of the built-in model.
+  --only-ablation   funnel: run stage 3 only (capture -> replays -> reduce).
+  --until-decided   funnel: add one paired block at a time until every budget is decided.
+  --max-repeats N   funnel: the most paired blocks --until-decided may reach (the looks' N).
+  --design D        funnel: schedule of the arms within blocks, abba or random [default: abba].
+  --no-report       funnel: skip report.md and its PNG.
+  --plant-nondeterminism  funnel: plant a nondeterministic observation (stage 1 must stop, exit 1).
+  --plant-kill      funnel: plant a signal rule that always KILLs (stage 2 must stop, exit 1).
+  --plant-undeclared  funnel: the last arm changes a knob it does not declare (stage 3, exit 2).
   --argo FILE       Also write the Argo workflow (kubectl apply -f FILE) for the spec.
   --namespace NS    Kubernetes namespace to create the ablation's objects in [default: default].
   --wait            Create the Jobs stage by stage and exit with the reducer's code.
@@ -134,7 +152,7 @@ def _int(args: dict[str, Any], key: str) -> int:
 def cmd_init(args: dict[str, Any]) -> int:
     from replayjob.workspace import init_workspace
 
-    for path in init_workspace(args["<dir>"], _int(args, "--seed")):
+    for path in init_workspace(args["<dir>"], _int(args, "--seed"), args["--set"]):
         print(f"wrote {path}")
     return 0
 
@@ -216,6 +234,29 @@ def cmd_reduce(args: dict[str, Any]) -> int:
     print(f"wrote {out}" + (f", {args['--report']}" if args["--report"] else ""))
     verdict.raise_for_status()
     return 0
+
+
+def cmd_funnel(args: dict[str, Any]) -> int:
+    import time
+    from pathlib import Path
+
+    from replayjob.funnel import Options, run_funnel
+
+    def opt(key: str) -> Path | None:
+        return Path(args[key]) if args[key] is not None else None
+
+    def num(key: str) -> int | None:
+        return _int(args, key) if args[key] is not None else None
+
+    out = opt("--out") or Path("runs") / ("funnel-" + time.strftime("%Y%m%d-%H%M%S"))
+    return run_funnel(Options(
+        out=out, spec=opt("--spec") or Path("examples/ablation.toml"), arms=args["--arms"],
+        repeats=num("--repeats"), claim=args["--claim"], seed=_int(args, "--seed"), resume=opt("--resume"),
+        model=opt("--model"), device=args["--device"], steps=num("--steps"),
+        only_ablation=args["--only-ablation"], budgets=opt("--budgets"), until_decided=args["--until-decided"],
+        max_repeats=num("--max-repeats"), design=args["--design"],
+        plant_nondeterminism=args["--plant-nondeterminism"], plant_kill=args["--plant-kill"],
+        plant_undeclared=args["--plant-undeclared"], report=not args["--no-report"]))
 
 
 def cmd_ablation(args: dict[str, Any]) -> int:
@@ -341,6 +382,7 @@ COMMANDS: dict[str, Handler] = {
     "replay": cmd_replay,
     "reduce": cmd_reduce,
     "ablation": cmd_ablation,
+    "funnel": cmd_funnel,
     "diag-diff": cmd_diag_diff,
     "determinism-check": cmd_determinism_check,
     "signals": cmd_signals,
