@@ -86,8 +86,11 @@ def test_violated_budget_fails_generous_passes(tmp_path: Path, capsys: pytest.Ca
 def test_too_close_to_call_is_inconclusive_with_an_estimate(tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     close = budget_file(tmp_path, f'[{SLOW}]\nlocal_train_wall_s = {{ max_ratio = 3.0 }}\n')
-    code, doc = reduce(paired(tmp_path, close, {BASE: [1.0, 1.0], SLOW: [2.8, 3.3]}), close, "--min-repeats", "2")
+    code, doc = reduce(paired(tmp_path, close, {BASE: [1.0, 1.0], SLOW: [2.8, 3.3]}), close, "--min-repeats", "2",
+                       "--report", str(tmp_path / "report.md"))
     assert code == 2 and doc["status"] == "inconclusive" and doc["refusal"] is None
+    report = (tmp_path / "report.md").read_text()
+    assert "## Budgets" in report and "| INCONCLUSIVE |" in report
     b = bound(doc)
     assert b["decision"] == "inconclusive" and b["low"] < 3.0 < b["high"]
     assert isinstance(b["more_blocks"], int) and b["more_blocks"] >= 1

@@ -1,0 +1,92 @@
+"""The workstation funnel end to end on CPU (docs/funnel.md): a clean run and each planted negative.
+
+Every stage runs for real: source runs in fresh processes, signals, capture, replays, reduce.  The
+ablation is the micro-batch one (examples/ablation-microbatch.toml, 2 blocks): micro-batch 1 is a
+real slowdown, so a generous step-time budget passes and a tight one fails; the replays' recorded
+schedule order is checked against the order in which their files were written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replayjob.cli import main
+from replayjob.funnel import FUNNEL_FILE
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+SPEC = REPO / "examples" / "ablation-microbatch.toml"
+
+
+def funnel(out: Path, *args: str) -> tuple[int, dict[str, Any]]:
+    code = main(["funnel", "--out", str(out), "--device", "cpu", "--spec", str(SPEC), "--repeats", "2", *args])
+    doc = json.loads((out / FUNNEL_FILE).read_text())
+    assert doc["exit_code"] == code and doc["schema"] == "replayjob.funnel/v1"
+    assert [s["name"] for s in doc["stages"]] == ["determinism", "signals", "ablation"]
+    return code, doc
+
+
+def budgets(tmp_path: Path, max_ratio: float) -> Path:
+    p = tmp_path / f"budgets-{max_ratio}.toml"
+    p.write_text(f'baseline = "mb-default"\n[mb-1]\nlocal_train_wall_s = {{ max_ratio = {max_ratio} }}\n'
+                 'peak_memory_bytes = { max_ratio = 1.5 }\n')
+    return p
+
+
+def statuses(doc: dict[str, Any]) -> list[str]:
+    return [s["status"] for s in doc["stages"]]
+
+
+def test_clean_funnel_passes_every_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "clean"
+    code, doc = funnel(out, "--budgets", str(budgets(tmp_path, 50.0)))
+    assert code == 0, doc["stages"]
+    assert statuses(doc) == ["pass", "pass", "pass"]
+    verdict = json.loads((out / "verdict.json").read_text())
+    decisions = {b["metric"]: b["decision"] for b in verdict["budgets"]["bounds"]}
+    assert decisions == {"local_train_wall_s": "pass", "peak_memory_bytes": "not_measurable"}
+    assert (out / "report.md").is_file() and (out / "report.png").is_file()
+    assert "Budgets" in (out / "report.md").read_text()
+    arms = doc["summary"]["arms"]
+    assert all(a["loss_equal_source"] and a["adapter_equal_source"] for a in arms.values())
+    assert arms["mb-1"]["step_ratio"][0] > 1.0  # micro-batch 1 is slower
+    printed = capsys.readouterr().out
+    assert "ratio [95% interval]" in printed and "budget mb-1 local_train_wall_s max_ratio 50: pass" in printed
+    # the replays ran interleaved, in the order their schedule records
+    files = sorted((out / "replays").glob("*/*/replay_metrics.json"), key=lambda p: p.stat().st_mtime_ns)
+    slots = [json.loads(p.read_text())["schedule"] for p in files]
+    assert [(s["block"], s["position"]) for s in slots] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    arms_in_order = [p.parent.parent.name for p in files]
+    assert arms_in_order[:2] == arms_in_order[2:][::-1]  # ABBA
+
+
+def test_violated_budget_fails_stage_three(tmp_path: Path) -> None:
+    code, doc = funnel(tmp_path / "tight", "--only-ablation", "--budgets", str(budgets(tmp_path, 1.05)))
+    assert code == 1 and statuses(doc) == ["skipped", "skipped", "fail"]
+    (row,) = [b for b in doc["summary"]["budgets"] if b["metric"] == "local_train_wall_s"]
+    assert row["decision"] == "fail" and row["low"] > 1.05
+
+
+def test_planted_nondeterminism_stops_at_stage_one(tmp_path: Path) -> None:
+    code, doc = funnel(tmp_path / "nd", "--plant-nondeterminism")
+    assert code == 1 and statuses(doc) == ["fail", "skipped", "skipped"]
+    assert "DRIFT" in doc["stages"][0]["detail"]
+    assert not (tmp_path / "nd" / "replays").exists()
+
+
+def test_planted_kill_stops_at_stage_two(tmp_path: Path) -> None:
+    code, doc = funnel(tmp_path / "kill", "--plant-kill")
+    assert code == 1 and statuses(doc) == ["pass", "fail", "skipped"]
+    assert "planted_kill" in doc["stages"][1]["detail"]
+    assert not (tmp_path / "kill" / "replays").exists()
+
+
+def test_planted_undeclared_difference_stops_at_stage_three(tmp_path: Path) -> None:
+    code, doc = funnel(tmp_path / "und", "--only-ablation", "--plant-undeclared")
+    assert code == 2 and statuses(doc) == ["skipped", "skipped", "refused"]
+    assert "replay of arm mb-1" in doc["stages"][2]["detail"]
+    assert "undeclared" in (tmp_path / "und" / "steps.log").read_text()
