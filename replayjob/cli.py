@@ -94,7 +94,7 @@ Options:
   --no-report       funnel: skip report.md and its PNG.
   --plant-nondeterminism  funnel: plant a nondeterministic observation (stage 1 must stop, exit 1).
   --plant-kill      funnel: plant a signal rule that always KILLs (stage 2 must stop, exit 1).
-  --plant-undeclared  funnel: the last arm changes a knob it does not declare (stage 3, exit 2).
+  --plant-undeclared  funnel: the baseline arm changes a knob it does not declare (stage 3, exit 2).
   --argo FILE       Also write the Argo workflow (kubectl apply -f FILE) for the spec.
   --namespace NS    Kubernetes namespace to create the ablation's objects in [default: default].
   --wait            Create the Jobs stage by stage and exit with the reducer's code.

@@ -15,7 +15,7 @@ Stage 3 launches every step (init, capture, replay, reduce) through :func:`cli_s
 reducer's ``verdict.json``; the exit code is the first non-passing stage's (0 pass, 1 negative,
 2 refused or inconclusive, 3 error).  Planted negatives show that each stage can stop the funnel:
 ``--plant-nondeterminism`` (stage 1, exit 1), ``--plant-kill`` (stage 2, exit 1),
-``--plant-undeclared`` (stage 3, exit 2).
+``--plant-undeclared`` (the baseline arm changes a knob it does not declare: stage 3, exit 2).
 
 Model size follows the device: on CPU the built-in tiny model; on a GPU a mid-size model built
 from config (:data:`MID_SIZE`, about 280M parameters, bfloat16); ``--model DIR`` uses a local
@@ -57,8 +57,9 @@ reducer = "max"
 kill_above = -1.0
 meaning = "planted by --plant-kill: a gradient norm is never negative, so this always fires"
 """
-# Undeclared: micro-batch size is a systems knob, but only a declared difference is admitted.
-PLANTED_UNDECLARED = "training.micro_batch_size=2"
+# Undeclared: systems knobs, but only a declared difference is admitted; the first one the baseline
+# arm does not declare is planted.
+PLANTED_UNDECLARED = ("training.micro_batch_size=2", "backend.options.gradient_checkpointing=true")
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,8 @@ class Funnel:
         while True:
             for arm_name, slot in todo:
                 arm = self.spec.arm(arm_name)
-                extra = [PLANTED_UNDECLARED] if self.opts.plant_undeclared and arm_name == arms[-1] else []
+                extra = [next(kv for kv in PLANTED_UNDECLARED if kv.split("=")[0] not in arm.overrides)
+                         ] if self.opts.plant_undeclared and arm_name == arms[0] else []
                 self.say(f"  replay block {slot.block} position {slot.position}: arm {arm_name}")
                 run_dir = replays / arm_name / f"block-{slot.block:03d}"
                 code = cli_step(["replay", self.ws / "replay.toml", "--out", run_dir,
