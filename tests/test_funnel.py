@@ -22,8 +22,9 @@ pytestmark = pytest.mark.slow
 SPEC = REPO / "examples" / "ablation-microbatch.toml"
 
 
-def funnel(out: Path, *args: str) -> tuple[int, dict[str, Any]]:
-    code = main(["funnel", "--out", str(out), "--device", "cpu", "--spec", str(SPEC), "--repeats", "2", *args])
+def funnel(out: Path, *args: str, repeats: int = 2) -> tuple[int, dict[str, Any]]:
+    code = main(["funnel", "--out", str(out), "--device", "cpu", "--spec", str(SPEC), "--repeats", str(repeats),
+                 *args])
     doc = json.loads((out / FUNNEL_FILE).read_text())
     assert doc["exit_code"] == code and doc["schema"] == "replayjob.funnel/v1"
     assert [s["name"] for s in doc["stages"]] == ["determinism", "signals", "ablation"]
@@ -65,9 +66,14 @@ def test_clean_funnel_passes_every_stage(tmp_path: Path, capsys: pytest.CaptureF
     assert arms_in_order[:2] == arms_in_order[2:][::-1]  # ABBA
 
 
-def test_violated_budget_fails_stage_three(tmp_path: Path) -> None:
-    code, doc = funnel(tmp_path / "tight", "--only-ablation", "--budgets", str(budgets(tmp_path, 1.05)))
+def test_violated_budget_fails_once_decided(tmp_path: Path) -> None:
+    """--until-decided: one block (one pair) cannot decide; a second block added by the funnel can."""
+    code, doc = funnel(tmp_path / "tight", "--only-ablation", "--budgets", str(budgets(tmp_path, 1.05)),
+                       "--until-decided", "--max-repeats", "2", repeats=1)
     assert code == 1 and statuses(doc) == ["skipped", "skipped", "fail"]
+    assert doc["stages"][2]["artifacts"]["looks"] == "1 blocks: inconclusive, 2 blocks: fail"
+    verdict = json.loads((tmp_path / "tight" / "verdict.json").read_text())
+    assert verdict["budgets"]["procedure"]["max_looks"] == 2
     (row,) = [b for b in doc["summary"]["budgets"] if b["metric"] == "local_train_wall_s"]
     assert row["decision"] == "fail" and row["low"] > 1.05
 
