@@ -254,8 +254,9 @@ class Funnel:
         if self.opts.budgets is not None:
             args += ["--budgets", Path(self.opts.budgets).resolve(), "--max-looks",
                      self.opts.max_repeats or 1]
-        code = cli_step(args, self.log)
         verdict = self.out / "verdict.json"
+        verdict.unlink(missing_ok=True)  # a look never reads the previous look's verdict
+        code = cli_step(args, self.log)
         if not verdict.is_file():
             raise RefusedError(f"reduce exited {code} without a verdict", where=self.log)
         return read_json_object(verdict)

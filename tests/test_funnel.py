@@ -97,3 +97,23 @@ def test_planted_undeclared_difference_stops_at_stage_three(tmp_path: Path) -> N
     assert code == 2 and statuses(doc) == ["skipped", "skipped", "refused"]
     assert "replay of arm mb-default" in doc["stages"][2]["detail"]
     assert "undeclared" in (tmp_path / "und" / "steps.log").read_text()
+
+
+def test_init_makes_the_step_minus_one_state_for_a_local_model(tmp_path: Path) -> None:
+    """`--model DIR` rests on `init --set model.path=DIR`: the state a capture from that model accepts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from replayjob.model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, pad_token_id=tok.pad_id,
+        bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, tie_word_embeddings=False))
+    model.save_pretrained(tmp_path / "model", safe_serialization=True)
+    ws, sets = tmp_path / "ws", ["--set", f'model.path="{tmp_path / "model"}"']
+    assert main(["init", str(ws), *sets]) == 0
+    state = json.loads((ws / "init_resume" / "trainer_state.json").read_text())
+    assert state["step"] == -1 and state["model"]["kind"] == "local"
+    assert main(["capture", str(ws / "source.toml"), "--out", str(ws / "source"), *sets]) == 0
+    assert main(["capture", str(ws / "source.toml"), "--out", str(ws / "tiny")]) == 2  # the built-in model's
