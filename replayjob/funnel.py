@@ -20,6 +20,12 @@ reducer's ``verdict.json``; the exit code is the first non-passing stage's (0 pa
 Model size follows the device: on CPU the built-in tiny model; on a GPU a mid-size model built
 from config (:data:`MID_SIZE`, about 280M parameters, bfloat16); ``--model DIR`` uses a local
 model directory (``replayjob init --set model.path=...`` makes its step -1 state).
+
+On the CPU every step runs with one intra-op thread (``OMP_NUM_THREADS=1`` unless already set): on a
+shared machine, two spinning OpenMP threads per process make each update 10-20 times slower and its
+time mostly noise (measured: a tiny-model update 0.24 s with one thread, 4-5 s with two under load
+10 on 2 cores), which would bury the difference between arms.  Source and replays run alike, so the
+comparison and the bitwise checks stay like for like.
 """
 
 from __future__ import annotations
@@ -263,7 +269,11 @@ class Funnel:
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self) -> int:
+        import os
+
         t_start = time.perf_counter()
+        if self.device == "cpu":  # see the module docstring: one intra-op thread per process
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.out.mkdir(parents=True, exist_ok=True)
         self.say(f"funnel: device {self.device}; model: {self.model}; output {self.out}")
         code = cli_step(["init", self.ws, "--seed", self.opts.seed, *self.sets()], self.log)
@@ -293,6 +303,7 @@ class Funnel:
                    s.status for s in self.stages if s.code), "exit_code": result,
                "device": self.device, "model": self.model, "claim": self.claim, "spec": str(self.opts.spec),
                "arms": [a.name for a in self.spec.arms], "design": self.opts.design, "seed": self.opts.seed,
+               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                "stages": [s.to_json() for s in self.stages], "summary": self.summary,
                "wall_s": round(time.perf_counter() - t_start, 3)}
         atomic_write_bytes(self.out / FUNNEL_FILE, pretty_bytes(doc))
