@@ -18,7 +18,6 @@ from replayjob.cli import main
 from replayjob.funnel import FUNNEL_FILE
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow
 SPEC = REPO / "examples" / "ablation-microbatch.toml"
 
 
@@ -42,6 +41,7 @@ def statuses(doc: dict[str, Any]) -> list[str]:
     return [s["status"] for s in doc["stages"]]
 
 
+@pytest.mark.slow
 def test_clean_funnel_passes_every_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "clean"
     code, doc = funnel(out, "--budgets", str(budgets(tmp_path, 50.0)))
@@ -66,6 +66,7 @@ def test_clean_funnel_passes_every_stage(tmp_path: Path, capsys: pytest.CaptureF
     assert arms_in_order[:2] == arms_in_order[2:][::-1]  # ABBA
 
 
+@pytest.mark.slow
 def test_violated_budget_fails_once_decided(tmp_path: Path) -> None:
     """--until-decided: one block (one pair) cannot decide; a second block added by the funnel can."""
     code, doc = funnel(tmp_path / "tight", "--only-ablation", "--budgets", str(budgets(tmp_path, 1.05)),
@@ -78,6 +79,7 @@ def test_violated_budget_fails_once_decided(tmp_path: Path) -> None:
     assert row["decision"] == "fail" and row["low"] > 1.05
 
 
+@pytest.mark.slow
 def test_planted_nondeterminism_stops_at_stage_one(tmp_path: Path) -> None:
     code, doc = funnel(tmp_path / "nd", "--plant-nondeterminism")
     assert code == 1 and statuses(doc) == ["fail", "skipped", "skipped"]
@@ -85,6 +87,7 @@ def test_planted_nondeterminism_stops_at_stage_one(tmp_path: Path) -> None:
     assert not (tmp_path / "nd" / "replays").exists()
 
 
+@pytest.mark.slow
 def test_planted_kill_stops_at_stage_two(tmp_path: Path) -> None:
     code, doc = funnel(tmp_path / "kill", "--plant-kill")
     assert code == 1 and statuses(doc) == ["pass", "fail", "skipped"]
@@ -92,6 +95,7 @@ def test_planted_kill_stops_at_stage_two(tmp_path: Path) -> None:
     assert not (tmp_path / "kill" / "replays").exists()
 
 
+@pytest.mark.slow
 def test_planted_undeclared_difference_stops_at_stage_three(tmp_path: Path) -> None:
     code, doc = funnel(tmp_path / "und", "--only-ablation", "--plant-undeclared")
     assert code == 2 and statuses(doc) == ["skipped", "skipped", "refused"]
@@ -99,6 +103,7 @@ def test_planted_undeclared_difference_stops_at_stage_three(tmp_path: Path) -> N
     assert "undeclared" in (tmp_path / "und" / "steps.log").read_text()
 
 
+@pytest.mark.slow
 def test_init_makes_the_step_minus_one_state_for_a_local_model(tmp_path: Path) -> None:
     """`--model DIR` rests on `init --set model.path=DIR`: the state a capture from that model accepts."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -117,3 +122,19 @@ def test_init_makes_the_step_minus_one_state_for_a_local_model(tmp_path: Path) -
     assert state["step"] == -1 and state["model"]["kind"] == "local"
     assert main(["capture", str(ws / "source.toml"), "--out", str(ws / "source"), *sets]) == 0
     assert main(["capture", str(ws / "source.toml"), "--out", str(ws / "tiny")]) == 2  # the built-in model's
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--until-decided", "--max-repeats", "4"], "--until-decided needs --budgets"),
+    (["--design", "latin"], "--design must be one of abba, random"),
+    (["--device", "tpu"], "--device must be cpu or cuda"),
+    (["--budgets", "b.toml", "--until-decided", "--max-repeats", "1"], "--max-repeats 1 is below"),
+])
+def test_funnel_usage_is_refused_before_any_work(tmp_path: Path, args: list[str], needle: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "never"
+    device = [] if "--device" in args else ["--device", "cpu"]
+    assert main(["funnel", "--out", str(out), "--spec", str(SPEC), *device, *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert not out.exists()
