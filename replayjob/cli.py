@@ -12,6 +12,7 @@ Usage:
   replayjob funnel [--out DIR] [--spec FILE] [--arms LIST] [--repeats N] [--claim CLAIM] [--seed N]
                    [--resume DIR] [--model DIR] [--device D] [--steps N] [--only-ablation]
                    [--budgets FILE] [--until-decided --max-repeats N] [--design D] [--no-report]
+                   [--warmup-updates W --measured-updates M]
                    [--plant-nondeterminism | --plant-kill | --plant-undeclared]
   replayjob ablation plan <spec> [--arms LIST] [--repeats N] [--device D]
   replayjob ablation index <spec> <index> [--arms LIST] [--repeats N] [--device D]
@@ -92,6 +93,9 @@ Options:
   --max-repeats N   funnel: the most paired blocks --until-decided may reach (the looks' N).
   --design D        funnel: schedule of the arms within blocks, abba or random [default: abba].
   --no-report       funnel: skip report.md and its PNG.
+  --warmup-updates W  funnel: in each replay, W in-process updates from the restored state, discarded.
+  --measured-updates M  funnel: then M measured ones, recorded apart from the fresh-process update
+                    (budget metric in_process_train_wall_s).
   --plant-nondeterminism  funnel: plant a nondeterministic observation (stage 1 must stop, exit 1).
   --plant-kill      funnel: plant a signal rule that always KILLs (stage 2 must stop, exit 1).
   --plant-undeclared  funnel: the baseline arm changes a knob it does not declare (stage 3, exit 2).
@@ -255,6 +259,7 @@ def cmd_funnel(args: dict[str, Any]) -> int:
         model=opt("--model"), device=args["--device"], steps=num("--steps"),
         only_ablation=args["--only-ablation"], budgets=opt("--budgets"), until_decided=args["--until-decided"],
         max_repeats=num("--max-repeats"), design=args["--design"],
+        warmup_updates=num("--warmup-updates") or 0, measured_updates=num("--measured-updates") or 0,
         plant_nondeterminism=args["--plant-nondeterminism"], plant_kill=args["--plant-kill"],
         plant_undeclared=args["--plant-undeclared"], report=not args["--no-report"]))
 

@@ -87,6 +87,8 @@ class Options:
     until_decided: bool = False
     max_repeats: int | None = None
     design: str = "abba"
+    warmup_updates: int = 0
+    measured_updates: int = 0
     plant_nondeterminism: bool = False
     plant_kill: bool = False
     plant_undeclared: bool = False
@@ -140,6 +142,8 @@ class Funnel:
             raise UsageError(f"--design must be one of {', '.join(DESIGNS)}, got {opts.design!r}")
         if sum((opts.plant_nondeterminism, opts.plant_kill, opts.plant_undeclared)) > 1:
             raise UsageError("plant one negative at a time")
+        if opts.warmup_updates < 0 or opts.measured_updates < 0 or (opts.warmup_updates and not opts.measured_updates):
+            raise UsageError("--warmup-updates needs --measured-updates M >= 1 (warm-up alone measures nothing)")
         if opts.until_decided and (opts.budgets is None or opts.max_repeats is None):
             raise UsageError("--until-decided needs --budgets FILE and --max-repeats N")
         self.opts, self.say = opts, progress
@@ -216,6 +220,9 @@ class Funnel:
                 f'optimizer_batch.expected_manifest_sha256="{source.manifest}"']
         if self.opts.budgets is not None:
             pins.append(f'optimizer_batch.budgets_sha256="{sha256_file(self.opts.budgets)}"')
+        if self.opts.measured_updates or self.opts.warmup_updates:  # in-process repeats (docs/replay-metrics.md)
+            pins += [f"optimizer_batch.warmup_updates={self.opts.warmup_updates}",
+                     f"optimizer_batch.measured_updates={self.opts.measured_updates}"]
         arms = [a.name for a in self.spec.arms]
         blocks, looks = self.spec.repeats, []
         todo = plan(arms, blocks, self.opts.design, self.opts.seed)

@@ -128,6 +128,7 @@ def test_init_makes_the_step_minus_one_state_for_a_local_model(tmp_path: Path) -
     (["--until-decided", "--max-repeats", "4"], "--until-decided needs --budgets"),
     (["--design", "latin"], "--design must be one of abba, random"),
     (["--device", "tpu"], "--device must be cpu or cuda"),
+    (["--warmup-updates", "2"], "--warmup-updates needs --measured-updates"),
     (["--budgets", "b.toml", "--until-decided", "--max-repeats", "1"], "--max-repeats 1 is below"),
 ])
 def test_funnel_usage_is_refused_before_any_work(tmp_path: Path, args: list[str], needle: str,
