@@ -97,7 +97,7 @@ def summarize(out: Path, *, baseline: str, smoke: bool, results: Path, total_s: 
             "process_wall_s": common.stats(walls[f"replay {arm}"]) if f"replay {arm}" in walls else None,
             "peak_memory_bytes": common.stats([float(r["memory"]["peak_bytes"]) for r in rs]),
             "memory_kind": rs[0]["memory"]["kind"],
-            "gradient_checkpointing": sorted({r["runtime"]["gradient_checkpointing"] for r in rs}),
+            "gradient_checkpointing": sorted({r["runtime"]["backend.options.gradient_checkpointing"] for r in rs}),
             "losses": sorted({r["loss"] for r in rs}),
             "final_adapters": sorted({r["optimizer_batch/final_adapter_sha256"] for r in rs}),
         }

@@ -14,7 +14,8 @@
 #   --results DIR  where the benchmark JSON goes (default benchmarks/results)
 #   --tiny         the same chain on CPU with the built-in tiny model (what CI runs; not a figure)
 #   --dry-run      print every command of the run and exit without running anything
-# Exit status: the exact-input verdict's (0 pass, 1 fail, 2 refused); 2 for a usage or setup error.
+# Exit status: the exact-input verdict's (0 pass, 1 fail, 2 refused, 3 error: rerun); 2 for a usage or
+# setup error.
 #
 # Model size and why: hidden 1024, MLP 4096, 20 layers, 16 heads of 64, 4 KV heads, 512 positions:
 # about 0.3 B parameters (0.6 GB in bf16), LoRA r=16 on q/k/v/o.  Every replay is a fresh process

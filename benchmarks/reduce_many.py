@@ -31,8 +31,9 @@ from typing import Any
 
 from benchmarks import common
 from replayjob.gate import synthetic
-from replayjob.gate.evidence import GC_KEY, REPLAY_FILE
+from replayjob.gate.evidence import REPLAY_FILE
 from replayjob.gate.reducer import Request, reduce_evidence
+from replayjob.optbatch.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 
 NAME = "reduce_many"
 TARGET_S = 2.0

@@ -9,9 +9,14 @@
    block at a time until every bound is decided or ``--max-repeats`` blocks ran (each reduce is one
    look of the Bonferroni alpha spending, ``--max-looks`` = max repeats).
 
-Stage 3 launches every step (init, capture, replay, reduce) through :func:`cli_step`, one fresh
-``python -m replayjob`` process per step, exactly as a cluster job would.  ``OUT/funnel.json``
-(:data:`SCHEMA`, docs/funnel.md) lists every stage and its outcome and is written last, beside the
+Stage 3 runs the one launch implementation the Kubernetes Jobs, the Argo workflow and the Slurm
+jobs run (:mod:`replayjob.deploy.step`): it writes the selected spec with its paired schedule and
+budgets to ``OUT/ablation.toml`` and runs ``replayjob step capture`` and ``replayjob step replay
+--index I`` over ``OUT`` (the step layout: ``OUT/run.json``, ``OUT/source``, ``OUT/replays/ARM/BLOCK``),
+index by index in the schedule's run order.  Each look is ``replayjob reduce --spec`` over the blocks
+run so far (with the report and the looks' alpha spending).  Every command goes through
+:func:`cli_step`, one fresh ``python -m replayjob`` process per step, exactly as a cluster job would.
+``OUT/funnel.json`` (:data:`SCHEMA`, docs/funnel.md) lists every stage and its outcome and is written last, beside the
 reducer's ``verdict.json``; the exit code is the first non-passing stage's (0 pass, 1 negative,
 2 refused or inconclusive, 3 error).  Planted negatives show that each stage can stop the funnel:
 ``--plant-nondeterminism`` (stage 1, exit 1), ``--plant-kill`` (stage 2, exit 1),
@@ -30,19 +35,20 @@ comparison and the bitwise checks stay like for like.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec, load_spec, toml_value
-from replayjob.deploy.plan import select
-from replayjob.deploy.schedule import DESIGNS, plan
-from replayjob.digest import sha256_file
+from replayjob.deploy.schedule import DESIGNS
+from replayjob.deploy.step import select
 from replayjob.errors import RefusedError, ReplayjobError, UsageError
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.jsonio import pretty_bytes, read_json_object
@@ -156,15 +162,21 @@ class Funnel:
         if opts.max_repeats is not None and opts.max_repeats < self.spec.repeats:
             raise UsageError(f"--max-repeats {opts.max_repeats} is below the {self.spec.repeats} blocks run first")
         self.claim = opts.claim or self.spec.claim
-        self.common = list(self.spec.config_sets())
+        # the funnel's own overrides: the [config] of stage 3's spec, and --set for init and stage 1
+        self.config: dict[str, Any] = {}
         if opts.model is not None:
-            self.common.append(f"model.path={toml_value(str(Path(opts.model).resolve()))}")
+            self.config["model.path"] = str(Path(opts.model).resolve())
             self.model = f"local directory {opts.model}"
         elif self.device == "cuda":
-            self.common += MID_SIZE
+            self.config.update({kv.split("=", 1)[0]: tomllib.loads("v = " + kv.split("=", 1)[1])["v"]
+                                for kv in MID_SIZE})
             self.model = "mid-size built from config (bfloat16)"
         else:
             self.model = "built-in tiny model"
+        if opts.measured_updates:  # in-process repeats (docs/replay-metrics.md)
+            self.config.update({"optimizer_batch.warmup_updates": opts.warmup_updates,
+                                "optimizer_batch.measured_updates": opts.measured_updates})
+        self.common = [*self.spec.config_sets(), *(f"{k}={toml_value(v)}" for k, v in self.config.items())]
         if opts.resume is not None:
             self.common.append(f"resume.from={toml_value(str(Path(opts.resume).resolve()))}")
         self.ws, self.log = self.out / "workspace", self.out / "steps.log"
@@ -205,44 +217,57 @@ class Funnel:
         st.detail = rep.quiet()
         st.artifacts = {"report": str(self.out / "signals.json")}
 
-    def ablation(self, st: Stage) -> None:
-        from replayjob.gate.evidence import read_source
+    def run_spec(self) -> Path:
+        """``OUT/ablation.toml``: the selected spec as stage 3 runs it, the one file every ``replayjob
+        step`` of the stage reads: the paired schedule (``--design``, seeded by ``--seed``), the budgets,
+        the device, the claim and the funnel's own overrides (model, in-process repeats) in ``[config]``.
+        With ``--until-decided`` it holds ``--max-repeats`` blocks, of which the looks run a prefix."""
+        sp = self.spec
+        top: dict[str, Any] = {f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)
+                               if f.name not in ("arms", "config")}
+        top.update(claim=self.claim, device=self.device, seed=self.opts.seed, schedule=self.opts.design,
+                   budgets=str(Path(self.opts.budgets).resolve()) if self.opts.budgets is not None else "")
+        if self.opts.resume is not None:
+            top["resume"] = str(Path(self.opts.resume).resolve())
+        if self.opts.until_decided:
+            assert self.opts.max_repeats is not None
+            top.update(repeats=self.opts.max_repeats, min_repeats=sp.effective_min_repeats)
+        lines = [f"{k} = {toml_value(v)}" for k, v in top.items()]
+        lines += ["", "[config]", *(f'"{k}" = {toml_value(v)}' for k, v in {**sp.config, **self.config}.items())]
+        for arm in sp.arms:
+            lines += ["", f"[arms.{arm.name}]", *(f'"{k}" = {toml_value(v)}' for k, v in arm.overrides.items())]
+        path = self.out / "ablation.toml"
+        atomic_write_text(path, "\n".join(lines) + "\n")
+        load_spec(path)  # refused here, naming the key, rather than in every step
+        return path
 
+    def ablation(self, st: Stage) -> None:
         src, replays = self.out / "source", self.out / "replays"
         st.artifacts = {"source": str(src), "replays": str(replays), "verdict": str(self.out / "verdict.json")}
-        code = cli_step(["capture", self.ws / "source.toml", "--out", src, *self.sets()], self.log)
+        spec = self.run_spec()
+        st.artifacts["spec"] = str(spec)
+        step = ["--spec", spec, "--run-dir", self.out]
+        code = cli_step(["step", "capture", *step], self.log)
         if code:
             st.code, st.detail = code, f"capture exited {code} (see {self.log})"
             return
-        source = read_source(src)
-        pins = [f"optimizer_batch.replay_path={toml_value(str(src / 'optimizer_batch_step_000000.manifest.json'))}",
-                f'optimizer_batch.expected_logical_sha256="{source.logical}"',
-                f'optimizer_batch.expected_manifest_sha256="{source.manifest}"']
-        if self.opts.budgets is not None:
-            pins.append(f'optimizer_batch.budgets_sha256="{sha256_file(self.opts.budgets)}"')
-        if self.opts.measured_updates or self.opts.warmup_updates:  # in-process repeats (docs/replay-metrics.md)
-            pins += [f"optimizer_batch.warmup_updates={self.opts.warmup_updates}",
-                     f"optimizer_batch.measured_updates={self.opts.measured_updates}"]
         arms = [a.name for a in self.spec.arms]
-        blocks, looks = self.spec.repeats, []
-        todo = plan(arms, blocks, self.opts.design, self.opts.seed)
+        plant: list[str] = []
+        if self.opts.plant_undeclared:
+            base = self.spec.arm(arms[0])
+            kv = next(kv for kv in PLANTED_UNDECLARED if kv.split("=")[0] not in base.overrides)
+            plant = ["--plant", f"{arms[0]}:{kv}"]
+        blocks, looks, done = self.spec.repeats, [], 0
         while True:
-            for arm_name, slot in todo:
-                arm = self.spec.arm(arm_name)
-                extra = [next(kv for kv in PLANTED_UNDECLARED if kv.split("=")[0] not in arm.overrides)
-                         ] if self.opts.plant_undeclared and arm_name == arms[0] else []
-                self.say(f"  replay block {slot.block} position {slot.position}: arm {arm_name}")
-                run_dir = replays / arm_name / f"block-{slot.block:03d}"
-                code = cli_step(["replay", self.ws / "replay.toml", "--out", run_dir,
-                                 "--repeat-index", slot.block, "--slot", slot.arg(),
-                                 *self.sets(*pins, *arm.set_args(), *extra, f'optimizer_batch.arm="{arm_name}"',
-                                            f"optimizer_batch.allow_config_differences={arm.allow_list()}")],
-                                self.log)
+            for index in range(done, blocks * len(arms)):  # the schedule's run order, block by block
+                self.say(f"  replay block {index // len(arms)} position {index % len(arms)}")
+                code = cli_step(["step", "replay", *step, "--index", index, *plant], self.log)
                 if code:
                     st.code = code
-                    st.detail = f"replay of arm {arm_name} (block {slot.block}) exited {code} (see {self.log})"
+                    st.detail = f"replay index {index} (block {index // len(arms)}) exited {code} (see {self.log})"
                     return
-            doc = self.reduce(replays, src)
+            done = blocks * len(arms)
+            doc = self.reduce(replays, src, spec)
             looks.append({"blocks": blocks, "status": doc["status"]})
             st.code, st.status = int(doc["exit_code"]), str(doc["status"])
             st.detail = doc["summary"]
@@ -252,16 +277,17 @@ class Funnel:
             if blocks >= self.opts.max_repeats:
                 st.detail += f" (still inconclusive after --max-repeats {self.opts.max_repeats} blocks)"
                 break
-            todo = plan(arms, 1, self.opts.design, self.opts.seed, first_block=blocks)
             blocks += 1
         st.artifacts["looks"] = ", ".join(f"{x['blocks']} blocks: {x['status']}" for x in looks)
         self.summary = summarize(self.out / "verdict.json", src)
 
-    def reduce(self, replays: Path, src: Path) -> dict[str, Any]:
+    def reduce(self, replays: Path, src: Path, spec: Path) -> dict[str, Any]:
+        """One look: ``replayjob reduce`` over the blocks run so far (with the report and the looks'
+        alpha spending, which ``step reduce``, one look over the whole fan-out, does not take)."""
         arms = [a.name for a in self.spec.arms]
         args: list[Any] = ["reduce", replays, "--claim", self.claim, "--source", src, "--out",
                            self.out / "verdict.json", "--min-repeats", self.spec.effective_min_repeats,
-                           "--arms", ",".join(arms), "--baseline", arms[0]]
+                           "--arms", ",".join(arms), "--baseline", arms[0], "--spec", spec]
         if self.opts.report:
             args += ["--report", self.out / "report.md"]
         if self.opts.budgets is not None:

@@ -1,18 +1,99 @@
-"""Shared fixtures: one tiny workspace per test session (the expensive part is built once)."""
+"""Shared fixtures: one tiny workspace per test session (the expensive part is built once), the golden
+file convention, and the restoration of torch's global determinism controls after every test.
+
+Markers (pyproject.toml): ``slow`` for tests that run the CLI or a trainer in fresh processes
+(subprocesses, torchrun, Slurm, benchmarks), ``gpu`` for tests that need CUDA (skipped without it).
+``pytest -m "not slow"`` is the quick in-process run.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+import torch
 
+from replayjob import determinism
 from replayjob.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO / "tests" / "golden"
+REGEN_ENV = "REPLAYJOB_REGEN_GOLDEN"
+
+
+def assert_golden(path: Path, data: bytes) -> None:
+    """``data`` must equal the committed file ``path`` byte for byte.
+
+    The one regenerate convention: ``REPLAYJOB_REGEN_GOLDEN=1 pytest tests/...`` rewrites the file
+    (on purpose, after reviewing why the bytes changed; never in CI), then compares as usual.
+    """
+    if os.environ.get(REGEN_ENV) == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    assert path.is_file(), f"{path} is missing; create it on purpose with {REGEN_ENV}=1"
+    assert data == path.read_bytes(), (f"{path.relative_to(REPO)} changed; review the difference, then "
+                                       f"regenerate on purpose with {REGEN_ENV}=1")
+
+
+_ENV_CONTROLS = ("CUBLAS_WORKSPACE_CONFIG", "NVIDIA_TF32_OVERRIDE", "PYTHONHASHSEED", determinism.ENV_MATH_MODE)
+
+
+def determinism_state() -> dict[str, Any]:
+    """Every process-global determinism control :mod:`replayjob.determinism` may change."""
+    m = torch.backends.cuda.matmul
+    return {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "matmul_allow_tf32": m.allow_tf32,
+        "matmul_fp16_reduced": m.allow_fp16_reduced_precision_reduction,
+        "matmul_bf16_reduced": m.allow_bf16_reduced_precision_reduction,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "process_mode": determinism._process_mode,
+        "env": {k: os.environ.get(k) for k in _ENV_CONTROLS},
+    }
+
+
+def restore_determinism(state: dict[str, Any]) -> None:
+    """Put back what :func:`determinism_state` recorded."""
+    torch.use_deterministic_algorithms(state["deterministic_algorithms"], warn_only=state["deterministic_warn_only"])
+    torch.backends.cudnn.deterministic = state["cudnn_deterministic"]
+    torch.backends.cudnn.benchmark = state["cudnn_benchmark"]
+    torch.backends.cudnn.allow_tf32 = state["cudnn_allow_tf32"]
+    m = torch.backends.cuda.matmul
+    m.allow_tf32 = state["matmul_allow_tf32"]
+    m.allow_fp16_reduced_precision_reduction = state["matmul_fp16_reduced"]
+    m.allow_bf16_reduced_precision_reduction = state["matmul_bf16_reduced"]
+    torch.set_float32_matmul_precision(state["float32_matmul_precision"])
+    determinism._process_mode = state["process_mode"]
+    for k, v in state["env"].items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+# The controls as the session found them, before any fixture or test ran.
+BASELINE = determinism_state()
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_determinism() -> Iterator[None]:
+    """In-process captures and replays switch torch's global determinism controls on.  After every
+    test they go back to the session's :data:`BASELINE` (not to the state the test started in: a
+    session or module fixture set up for the test has already changed them by then), so no test
+    inherits another's, or a fixture's, controls."""
+    yield
+    restore_determinism(BASELINE)
 
 
 def load_corpus_module() -> ModuleType:
@@ -42,6 +123,15 @@ def capture_dir(workspace: Path) -> Path:
     out = workspace / "source"
     assert main(["capture", str(workspace / "source.toml"), "--out", str(out)]) == 0
     return out
+
+
+def replay_pins(capture: Path) -> list[str]:
+    """The two ``--set`` pins a replay of ``capture`` needs, read from its metrics.json."""
+    import json
+
+    m = json.loads((capture / "metrics.json").read_text())
+    return ["--set", f"optimizer_batch.expected_logical_sha256=\"{m['optimizer/logical_batch_sha256']}\"",
+            "--set", f"optimizer_batch.expected_manifest_sha256=\"{m['optimizer_batch/manifest_sha256']}\""]
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -203,6 +204,56 @@ def test_multi_rank_landing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     os.rename(root / "rank-1", tmp_path / "elsewhere")
     rc, out = _cli(capsys, "bundle", "replay", str(root))
     assert rc == 2 and "rank 1 is missing" in out
+
+
+def _edit_json(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_bytes(pretty_bytes(doc))
+
+
+def _drop_rank_one(root: Path) -> None:
+    """A root rewritten to list rank 0 only, rank 1's directory and landing record deleted."""
+    shutil.rmtree(root / "rank-1")
+    (root / "COMPLETE.1").unlink()
+    _edit_json(root / "COMPLETE", lambda d: d.update(ranks=[0], rank_manifests={"0": d["rank_manifests"]["0"]}))
+
+
+def _drop_rank_one_and_its_expectation(root: Path) -> None:
+    """As above, and rank 0's landing record rewritten to expect rank 0 only (its manifest still expects both)."""
+    _drop_rank_one(root)
+    _edit_json(root / "COMPLETE.0", lambda d: d.update(expected_ranks=[0]))
+
+
+def _record_names_another_manifest(root: Path) -> None:
+    _edit_json(root / "COMPLETE.1", lambda d: d.update(manifest_sha256="0" * 64))
+
+
+def _root_lists_ranks_out_of_order(root: Path) -> None:
+    _edit_json(root / "COMPLETE", lambda d: d.update(ranks=[1, 0]))
+
+
+def _root_carries_an_extra_key(root: Path) -> None:
+    _edit_json(root / "COMPLETE", lambda d: d.update(note="x"))
+
+
+@pytest.mark.parametrize(("tamper", "needle"), [
+    (_drop_rank_one, "rank 0's producer expected ranks [0, 1]"),
+    (_drop_rank_one_and_its_expectation, "this rank's manifest expects ranks [0, 1], the root COMPLETE lists [0]"),
+    (_record_names_another_manifest, "COMPLETE.1 disagrees with the root COMPLETE"),
+    (_root_lists_ranks_out_of_order, "distinct integers >= 0 in order"),
+    (_root_carries_an_extra_key, "must record exactly format"),
+])
+def test_a_partial_or_inconsistent_multi_rank_root_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                              tamper: Callable[[Path], None], needle: str) -> None:
+    root = tmp_path / "mr"
+    for r in (0, 1):
+        write_rollout(root, rank=r, ranks=[0, 1], groups=4)
+    assert load_bundle(root).ranks == [0, 1]
+    tamper(root)
+    for target in (root, root / "rank-0"):
+        rc, out = _cli(capsys, "bundle", "validate", str(target))
+        assert rc == 2 and needle in out and "Traceback" not in out, out
 
 
 def test_writer_checks_closure_before_writing(tmp_path: Path) -> None:

@@ -45,11 +45,11 @@ def test_reducers() -> None:
     assert reduce_values("max", data) == 7.0
     assert reduce_values("slope", data) == pytest.approx(2.0)
     assert reduce_values("cv", data) == pytest.approx(math.sqrt(5.0) / 4.0)
-    # pearson(v[1:], diff(w)): (3, 5, 7) against (1, 2, 3) is a perfect correlation
-    assert reduce_values("pearson", data) == pytest.approx(1.0)
+    # pearson correlates the value with its partner, the per-row change the collector computed
+    assert reduce_values("pearson", [(1.0, 3.0, 1.0), (2.0, 5.0, 2.0), (3.0, 7.0, 3.0)]) == pytest.approx(1.0)
     assert reduce_values("cv", [(0.0, 0.0, 0.0), (1.0, 0.0, 0.0)]) == 0.0
     assert reduce_values("cv", [(0.0, -1.0, 0.0), (1.0, 1.0, 0.0)]) == math.inf
-    assert math.isnan(reduce_values("pearson", [(0.0, 1.0, 1.0), (1.0, 1.0, 2.0), (2.0, 1.0, 3.0)]))
+    assert math.isnan(reduce_values("pearson", [(0.0, 1.0, 1.0), (1.0, 1.0, 1.0), (2.0, 1.0, 1.0)]))
     assert math.isnan(reduce_values("mean", [(0.0, 1.0, 0.0), (1.0, math.nan, 0.0)]))
     assert set(REDUCERS) == {"last", "mean", "min", "max", "cv", "slope", "pearson"}
 
@@ -130,6 +130,36 @@ meaning = "reward moves with the change in pnl"
     for r in rows:
         r["pnl"] = -r["pnl"]
     assert evaluate(run_dir(tmp_path, rows), load_rules(p)).verdict == "KILL"
+
+
+PEARSON_RULE = '''
+[[signal]]
+name = "reward_tracks_pnl"
+leaf = "r"
+reducer = "pearson"
+delta_of = "pnl"
+kill_below = 0.3
+warn_below = 0.5
+meaning = "reward moves with the change in pnl"
+'''
+
+
+@pytest.mark.parametrize("missing", ["r", "pnl"])
+def test_pearson_changes_never_span_a_row_missing_a_leaf(tmp_path: Path, missing: str) -> None:
+    # r equals the per-row change of pnl exactly; one row lacks a leaf.  Spanning that row would pair
+    # r=7 with a two-row change (3 + 7 = 10) and r=3 with nothing, breaking the perfect correlation.
+    steps = [1.0, 2.0, 3.0, 7.0, 1.0, 4.0, 2.0, 5.0]
+    rows: list[dict[str, Any]] = []
+    pnl = 0.0
+    for i, d in enumerate(steps):
+        pnl += d
+        rows.append({"step": i, "r": d, "pnl": pnl})
+    del rows[2][missing]
+    report = evaluate(run_dir(tmp_path, rows), load_rules(rules(tmp_path, PEARSON_RULE)))
+    res = report.results[0]
+    assert res.value == pytest.approx(1.0), res.explanation
+    # rows 1..7 give 7 pairs; the gap removes row 2's pair, and row 3's when pnl is the missing leaf
+    assert f"over {5 if missing == 'pnl' else 6} pairs" in res.explanation
 
 
 def test_consistency_rule(tmp_path: Path) -> None:

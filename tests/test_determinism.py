@@ -26,6 +26,25 @@ def test_strict_sets_every_control_and_records_it(monkeypatch: pytest.MonkeyPatc
     assert prov["float32_matmul_precision"] == "highest"
 
 
+def test_every_test_starts_from_the_session_baseline() -> None:
+    """Runs after the strict test above: conftest's autouse fixture put torch's controls back."""
+    from conftest import BASELINE, determinism_state
+
+    assert determinism_state() == BASELINE
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_restore_puts_back_every_control() -> None:
+    from conftest import BASELINE, determinism_state, restore_determinism
+
+    determinism.establish(strict=True, seed=1)
+    determinism.mark_model_built(True)
+    changed = determinism_state()
+    assert changed != BASELINE and changed["deterministic_algorithms"] and changed["process_mode"] == "strict"
+    restore_determinism(BASELINE)
+    assert determinism_state() == BASELINE
+
+
 @pytest.mark.parametrize("value", [":16:8", ":4096:8"])
 def test_existing_deterministic_cublas_setting_is_kept(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", value)

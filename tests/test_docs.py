@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
-from conftest import REPO
+from conftest import REPO, assert_golden
 
 from replayjob.config.reference import reference_markdown
 
@@ -12,6 +10,4 @@ from replayjob.config.reference import reference_markdown
 def test_config_reference_is_current() -> None:
     path = REPO / "docs" / "config.md"
     text = reference_markdown()
-    if os.environ.get("REPLAYJOB_REGEN_GOLDEN"):
-        path.write_text(text)
-    assert path.read_text() == text, "docs/config.md is stale: python -m replayjob.config.reference > docs/config.md"
+    assert_golden(path, text.encode("utf-8"))  # or: python -m replayjob.config.reference > docs/config.md

@@ -15,7 +15,7 @@ from replayjob.cli import main
 from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
 from replayjob.gate import synthetic, updates
-from replayjob.gate.evidence import GC_KEY
+from replayjob.optbatch.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 
 OFF, ON = "baseline", "gradient_checkpointing=true"
 ARMS: dict[str, dict[str, Any]] = {OFF: {}, ON: {GC_KEY: True}}
@@ -104,12 +104,13 @@ def test_unreachable_initial_adapter_is_refused(tmp_path: Path) -> None:
     assert code == 2 and "initial adapter" in doc["refusal"]["message"]
 
 
-def test_altered_adapter_fails_before_geometry(tmp_path: Path) -> None:
+def test_altered_adapter_is_refused_before_geometry(tmp_path: Path) -> None:
     ev, tol = build(tmp_path)
     f = ev.replay_files[2].parent / synthetic.ADAPTER
-    f.write_bytes(save(tensors(9)))
+    f.write_bytes(save(tensors(9)))  # a valid adapter, but not the file the replay recorded
     code, doc = reduce(ev, tol)
-    assert code == 1 and by_name(doc, "approximate.final_adapter_on_disk")["offenders"] == [f"{OFF}#2"]
+    assert code == 2 and by_name(doc, "inputs.final_adapter_on_disk")["offenders"] == [f"{OFF}#2"]
+    assert doc["updates"] is None and by_name(doc, "approximate.update_cosine")["detail"].startswith("not evaluated")
 
 
 def test_pairwise_matches_a_direct_computation(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ def paired(tmp_path: Path, budgets: Path | None, walls: dict[str, list[float]], 
         arm, i = doc["arm"], doc["repeat_index"]
         doc["timing"]["local_train_wall_s"] = walls[arm][i]
         doc["schedule"] = order[(arm, i)].to_json() if slots else None
-        doc["host"] = (hosts or {}).get(arm, ["node-a"] * n)[i]
+        doc["host"]["node"] = (hosts or {}).get(arm, ["node-a"] * n)[i]
         doc["budgets_sha256"] = sha256_file(budgets) if budgets is not None else ""
         f.write_bytes(pretty_bytes(doc))
     return ev

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from conftest import assert_golden
+
 from replayjob.cli import main
 from replayjob.gate import synthetic
-from replayjob.gate.evidence import GC_KEY
 from replayjob.gate.verdict import VERDICT_SCHEMA, outcome
+from replayjob.optbatch.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 
 REPO = Path(__file__).resolve().parents[1]
-GOLDEN = REPO / "tests" / "golden" / "verdict_bitwise.json"
+GOLDEN = REPO / "tests" / "golden" / "verdict_bitwise.json"  # the other goldens: tests/test_golden.py
 ARMS = {"baseline": {}, "gradient_checkpointing=true": {GC_KEY: True}}
 
 
@@ -30,9 +31,7 @@ def _reduce(root: Path, claim: str = "bitwise") -> bytes:
 def test_verdict_matches_the_golden_file(tmp_path: Path) -> None:
     """Regenerate on purpose only: REPLAYJOB_REGEN_GOLDEN=1 pytest tests/test_gate_verdict.py"""
     data = _reduce(tmp_path)
-    if os.environ.get("REPLAYJOB_REGEN_GOLDEN") == "1":
-        GOLDEN.write_bytes(data)
-    assert data == GOLDEN.read_bytes(), "verdict bytes changed; review, then regenerate on purpose"
+    assert_golden(GOLDEN, data)
     doc = json.loads(data)
     assert doc["schema"] == VERDICT_SCHEMA and doc["status"] == "pass"
 

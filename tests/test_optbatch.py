@@ -135,18 +135,30 @@ def test_capture_preconditions_are_checked_before_any_work(workspace: Path, tmp_
     assert not (tmp_path / "o").exists()
 
 
-def test_capture_refuses_a_resume_state_at_step_zero(workspace: Path, tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    state = step_zero_state(workspace, tmp_path)
+@pytest.mark.parametrize("step, needles", [
+    (0, ("state at step 0", "step -1")),
+    (4, ("state at step 4", "logical step zero runs exactly once")),  # a completed checkpoint
+    (-2, ("'step' must be an integer >= -1, found -2",)),  # an earlier value than initialisation
+])
+def test_one_step_capture_refuses_any_resume_state_but_initialisation(
+        workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], step: int,
+        needles: tuple[str, ...]) -> None:
+    state = state_at_step(workspace, tmp_path, step)
     refused(capsys, run("capture", workspace / "source.toml", f'resume.from="{state}"', out=tmp_path / "o"),
-            "state at step 0", "step -1")
+            *needles)
     assert not (tmp_path / "o").exists()
 
 
-def step_zero_state(workspace: Path, tmp_path: Path) -> Path:
-    d = tmp_path / "step0"
+def state_at_step(workspace: Path, tmp_path: Path, step: int) -> Path:
+    """A copy of the initialisation state relabelled as step ``step`` (hashes kept consistent)."""
+    d = tmp_path / f"step{step}"
     shutil.copytree(workspace / "init_resume", d)
-    write_state(d, 0, read_state(d).model, {})
+    write_state(d, step, read_state(d).model, {})
+    return d
+
+
+def step_zero_state(workspace: Path, tmp_path: Path) -> Path:
+    d = state_at_step(workspace, tmp_path, 0)
     assert read_state(d).step == 0
     return d
 
@@ -174,12 +186,12 @@ def test_a_capture_writer_error_surfaces_before_metrics(workspace: Path, tmp_pat
     unfinished = CaptureHook.prepare(cfg, tmp_path / "other")
     unfinished.before_update(0, rows)
     with pytest.raises(RefusedError, match="update never returned"):  # the writer gets work after the update
-        unfinished.contribute_metrics({"final_adapter_sha256": "0" * 64})
+        unfinished.finish({"final_adapter_sha256": "0" * 64})
     assert not (tmp_path / "other").exists()
     hook.before_update(0, rows)
     hook.after_update(0, None)
     with pytest.raises(ArtifactExistsError) as exc:
-        hook.contribute_metrics({"final_adapter_sha256": "0" * 64})
+        hook.finish({"final_adapter_sha256": "0" * 64})
     assert exc.value.exit_code == 2 and PAYLOAD in str(exc.value.where)
     assert not (tmp_path / MANIFEST).exists()
     assert (tmp_path / PAYLOAD).read_bytes() == b"appeared after the preconditions were checked"
@@ -193,6 +205,7 @@ def test_a_failed_capture_run_leaves_no_writer_thread_behind(workspace: Path, tm
     from replayjob.config import load_config
     from replayjob.errors import ConfigError
     from replayjob.rl import trainer
+    from replayjob.source_run import train_source
 
     def writers() -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name in ("replayjob-capture-writer", "bundle-writer")]
@@ -201,7 +214,7 @@ def test_a_failed_capture_run_leaves_no_writer_thread_behind(workspace: Path, tm
     cfg = load_config(workspace / "source.toml", ["optimizer_batch.capture=true"])
     monkeypatch.setenv("REPLAYJOB_BUNDLE_CAPTURE", "2")  # refused after the capture hook was built
     with pytest.raises(ConfigError):
-        trainer.train(cfg, tmp_path / "a")
+        train_source(cfg, tmp_path / "a")
     monkeypatch.setenv("REPLAYJOB_BUNDLE_CAPTURE", "1")
     monkeypatch.setenv("REPLAYJOB_BUNDLE_DIR", str(tmp_path / "bundles"))
 
@@ -210,7 +223,7 @@ def test_a_failed_capture_run_leaves_no_writer_thread_behind(workspace: Path, tm
 
     monkeypatch.setattr(trainer, "optimizer_update", broken)  # after both snapshots were taken
     with pytest.raises(RuntimeError, match="the update failed"):
-        trainer.train(cfg, tmp_path / "b")
+        train_source(cfg, tmp_path / "b")
     assert len(writers()) == before
     assert not (tmp_path / "b" / PAYLOAD).exists() and not (tmp_path / "b" / MANIFEST).exists()
 
@@ -241,7 +254,8 @@ def test_same_condition_replay_matches_the_source_bitwise(baseline: Path, captur
         assert rm[key] == src[key], key
     assert rm["arm"] == "baseline" and rm["repeat_index"] == 0
     assert rm["skipped"] == ["dataset", "environment", "rollout", "sampling"]
-    assert rm["runtime"] == {"gradient_checkpointing": False}
+    # every registered knob as observed at run time, not copied from the config
+    assert rm["runtime"] == {GC: False, "backend.options.attn_implementation": "eager", "training.micro_batch_size": 4}
     assert rm["allowed_config_differences"] == rm["observed_config_differences"] == []
     assert rm["memory"]["kind"] == "max_rss" and rm["memory"]["peak_bytes"] > 0
     assert rm["padding"]["real_tokens"] <= rm["padding"]["padded_tokens"]
@@ -265,7 +279,7 @@ def test_gradient_checkpointing_arm_records_the_flag_and_matches(baseline: Path,
                     f'optimizer_batch.allow_config_differences=["{GC}"]', out=tmp_path)) == 0
     rm = json.loads((tmp_path / "replay_metrics.json").read_text())
     base = json.loads((baseline / "replay_metrics.json").read_text())
-    assert rm["runtime"] == {"gradient_checkpointing": True}
+    assert rm["runtime"] == {GC: True, "backend.options.attn_implementation": "eager", "training.micro_batch_size": 4}
     assert rm["arm"] == "gradient_checkpointing=true" and rm["knobs"] == {GC: True}
     assert rm["allowed_config_differences"] == rm["observed_config_differences"] == [GC]
     assert rm["loss"] == source_metrics(capture_dir)["loss"]
@@ -280,7 +294,7 @@ def test_micro_batch_size_arm_is_admitted_and_close(baseline: Path, workspace: P
                     'optimizer_batch.arm="mbs3"', out=tmp_path)) == 0
     rm = json.loads((tmp_path / "replay_metrics.json").read_text())
     assert rm["arm"] == "mbs3" and rm["knobs"] == {"training.micro_batch_size": 3}
-    assert rm["padding"]["micro_batches"] == 6
+    assert rm["padding"]["micro_batches"] == 6 and rm["runtime"]["training.micro_batch_size"] == 3
     # same math in exact arithmetic; regrouped float sums may differ in the last bits
     assert abs(rm["loss"] - source_metrics(capture_dir)["loss"]) < 1e-12
 
@@ -339,6 +353,29 @@ def test_flipped_manifest_byte(capture_dir: Path, workspace: Path, tmp_path: Pat
     (d / MANIFEST).write_bytes(bytes(data))
     refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir, replay_path=d / MANIFEST),
                         out=tmp_path / "o"), "manifest SHA-256 is", "expected_manifest_sha256")
+
+
+def test_rng_only_payload_tamper_with_a_rewritten_manifest_is_refused_by_the_manifest_pin(
+        capture_dir: Path, workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only the captured RNG state changes (rows, logical digests and sizes stay exactly the same) and the
+    manifest is rewritten to pin the new payload self-consistently: the external manifest pin refuses it."""
+    d = copy_capture(capture_dir, tmp_path)
+    data = bytearray((d / PAYLOAD).read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    start, end = json.loads(data[8:8 + header_len])["rng.cpu"]["data_offsets"]
+    data[8 + header_len + start + (end - start) // 2] ^= 0x01
+    new_manifest = repin(d, bytes(data))
+    batch, rng = payload.decode(bytes(data))
+    original_batch, original_rng = payload.decode((capture_dir / PAYLOAD).read_bytes())
+    assert batch.logical_sha256() == original_batch.logical_sha256() and not torch.equal(rng["cpu"],
+                                                                                         original_rng["cpu"])
+    out = tmp_path / "o"
+    refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir, replay_path=d / MANIFEST), out=out),
+            "manifest SHA-256 is", "expected_manifest_sha256")
+    assert not out.exists()
+    # the rewritten manifest is self-consistent: only the pin stands between it and a replay
+    assert main(run("explain", workspace / "replay.toml",
+                    *pins(capture_dir, manifest=new_manifest, replay_path=d / MANIFEST))) == 0
 
 
 def test_wrong_logical_pin(capture_dir: Path, workspace: Path, tmp_path: Path,
@@ -457,10 +494,58 @@ def test_in_process_repeats_and_slot_are_recorded_apart(baseline: Path, workspac
     assert len(ip["local_train_wall_s"]) == 2 and all(w > 0 for w in ip["local_train_wall_s"])
     assert rm["optimizer_batch/final_adapter_sha256"] == base["optimizer_batch/final_adapter_sha256"]
     assert rm["loss"] == base["loss"] and base["in_process"] is None and base["schedule"] is None
-    assert rm["schedule"] == {"design": "abba", "seed": 7, "block": 1, "position": 0} and rm["host"]
+    assert rm["schedule"] == {"design": "abba", "seed": 7, "block": 1, "position": 0} and rm["host"]["node"]
 
 
 def test_warmup_without_measured_updates_is_refused(workspace: Path, capture_dir: Path, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir), "optimizer_batch.warmup_updates=2",
                         out=tmp_path / "w"), "measured_updates")
+
+
+# -- the micro-batch-size knob and dropout anywhere in the model ----------------------------------
+
+def _mbs_configs(model_path: str = "", lora_dropout: float = 0.0) -> tuple[Any, Any]:
+    from replayjob.config import load_config
+
+    sets = [f'model.path="{model_path}"', f"lora.dropout={lora_dropout}"]
+    return load_config(None, sets), load_config(None, [*sets, "training.micro_batch_size=2"])
+
+
+@pytest.mark.parametrize("config_json, needle", [
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
+    ({"hidden_dropout_prob": 0.0, "text_config": {"resid_pdrop": 0.2}}, "text_config.resid_pdrop=0.2"),
+])
+def test_micro_batch_knob_is_refused_for_any_dropout_in_a_local_model(tmp_path: Path, config_json: dict[str, Any],
+                                                                      needle: str) -> None:
+    from replayjob.optbatch.knobs import KNOBS
+
+    (tmp_path / "config.json").write_text(json.dumps(config_json))
+    source, replay = _mbs_configs(str(tmp_path))
+    why = KNOBS["training.micro_batch_size"].refusal(source, replay)
+    assert why is not None and needle in why
+    (tmp_path / "config.json").write_text(json.dumps({"attention_dropout": 0.0, "hidden_dropout_prob": 0}))
+    assert KNOBS["training.micro_batch_size"].refusal(*_mbs_configs(str(tmp_path))) is None
+    why = KNOBS["training.micro_batch_size"].refusal(*_mbs_configs(str(tmp_path), lora_dropout=0.05))
+    assert why is not None and "lora.dropout=0.05" in why
+
+
+def test_micro_batch_knob_is_refused_for_a_dropout_module_in_the_built_model() -> None:
+    from replayjob.optbatch.knobs import KNOBS
+
+    knob = KNOBS["training.micro_batch_size"]
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))
+    assert knob.model_refusal(plain) is None
+    dropping = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Dropout1d(0.3)))
+    why = knob.model_refusal(dropping)
+    assert why is not None and "1.0 (p=0.3)" in why
+
+
+def test_every_registered_knob_is_observed_at_run_time() -> None:
+    from replayjob.optbatch.knobs import KNOBS, Runtime, observe_all
+
+    assert all(k.observe is not None for k in KNOBS.values()), "a knob without an observer cannot be checked"
+    model = torch.nn.Linear(2, 2)
+    model.gradient_checkpointing = True  # type: ignore[assignment]  # what transformers sets on a module
+    seen = observe_all(Runtime(model, (4, 4, 2)))
+    assert seen == {GC: True, "backend.options.attn_implementation": None, "training.micro_batch_size": 4}

@@ -5,8 +5,9 @@ directory is complete (``COMPLETE`` present, the manifest digest it records matc
 and no pickle-capable file anywhere, the documents match their schemas and digests, every
 declared payload is a regular file inside ``payloads/`` with the declared size, SHA-256, dtype and
 shape, nothing undeclared sits beside them, and every ``recompute`` stage has its inputs.  A
-multi-rank root is read only when its final ``COMPLETE`` exists and every expected rank is there;
-a ``rank-<r>/`` directory passed directly is refused until its root is complete.
+multi-rank root is read only when its final ``COMPLETE`` exists, its rank list equals the
+``expected_ranks`` of every ``COMPLETE.<r>`` and every rank manifest, and every listed rank is
+there; a ``rank-<r>/`` directory passed directly is refused until its root is complete.
 
 Threat model: a bundle is untrusted input copied between machines.  Payloads load through
 :mod:`replayjob.tensorfile` (strict header checks) from bytes already hashed (no re-read between
@@ -144,15 +145,14 @@ def _load_payload(path: Path, name: str, spec: dict[str, Any], keep: bool,
                              hint="the bundle is incomplete; capture it again") from None
     if not stat.S_ISREG(st.st_mode):
         raise IntegrityError(f"payload {name!r} is not a regular file (symlinks are refused)", where=p)
-    scanned = tensorfile.scan(p, keep=keep, dtypes={spec["dtype"]}, follow_symlinks=False, visit=visit)
-    if scanned.size != spec["bytes"] or scanned.sha256 != spec["sha256"]:
+    scanned = tensorfile.scan(p, keep=keep, schema=fmt.payload_schema(name, spec["dtype"]), follow_symlinks=False,
+                              visit=visit)
+    sha = scanned.sha256 or ""
+    if scanned.size != spec["bytes"] or sha != spec["sha256"]:
         raise IntegrityError(f"checksum mismatch for payload {name!r}: {scanned.size} bytes, sha256 "
-                             f"{scanned.sha256[:16]}..., manifest says {spec['bytes']} bytes, "
+                             f"{sha[:16]}..., manifest says {spec['bytes']} bytes, "
                              f"{spec['sha256'][:16]}...", where=p, hint="the payload was modified or truncated")
-    header = scanned.validated()  # strict header and BOOL bytes, checked on the hashed bytes
-    if set(header.tensors) != {name}:
-        raise IntegrityError(f"payload {name!r} must hold exactly one tensor named {name!r}, found "
-                             f"{sorted(header.tensors)}", where=p)
+    header = scanned.validated()  # strict header, schema and BOOL bytes, checked on the hashed bytes
     ts = header.tensors[name]
     if ts.dtype != spec["dtype"] or list(ts.shape) != spec["shape"]:
         raise IntegrityError(f"payload {name!r} is {ts.dtype} {list(ts.shape)}, manifest says {spec['dtype']} "
@@ -225,7 +225,7 @@ def _load_single(path: Path, tensors: bool = True) -> Bundle:
     _check_labels(payloads, index)
     mr = manifest["multi_rank"]
     if mr is not None:
-        _check_root_complete(path, mr["rank"], complete["manifest_sha256"])
+        _check_root_complete(path, mr, complete["manifest_sha256"])
     loss = expected.get("loss.policy", {}).get("loss")
     return Bundle(path, manifest, index, expected, payloads,
                   loss_cohorts=[LossCohort(index["identity"]["physical"]["rank"], list(range(n)), loss)])
@@ -240,28 +240,70 @@ def _check_labels(payloads: dict[str, Tensor], index: dict[str, Any]) -> None:
                                      f"{labels.shape[1]}", where=fmt.payload_file("label_ids"))
 
 
-def _check_root_complete(rank_dir: Path, rank: int, manifest_sha: str) -> None:
-    root = rank_dir.parent
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(r) is int and r >= 0 for r in value)
+
+
+def _read_root(root: Path) -> tuple[list[int], dict[str, str]]:
+    """The root ``COMPLETE`` cross-checked against every ``COMPLETE.<r>`` it lists: (ranks, rank -> manifest).
+
+    The root's rank list must be exactly the ``expected_ranks`` each landed rank recorded, so a root
+    that lists fewer ranks than its producers expected (a rank dropped, its records deleted) is
+    refused, as is a landing record that names another rank, bundle or manifest.
+    """
+    landed = sorted(p.name for p in root.glob(f"{fmt.COMPLETE}.*"))
+    if not (root / fmt.COMPLETE).is_file() or (root / fmt.COMPLETE).is_symlink():
+        raise IntegrityError(f"multi-rank bundle is incomplete: the root COMPLETE is missing, so not every rank "
+                             f"has landed (landed: {landed})", where=root,
+                             hint="wait for every rank to flush or capture again")
+    where = root / fmt.COMPLETE
+    doc = read_json_object(where, follow_symlinks=False)
+    if set(doc) != {"format", "bundle_id", "ranks", "rank_manifests"} or doc["format"] != fmt.FORMAT:
+        raise IntegrityError(f"root COMPLETE must record exactly format {fmt.FORMAT!r}, bundle_id, ranks and "
+                             f"rank_manifests, found keys {sorted(doc)}", where=where)
+    ranks, manifests = doc["ranks"], doc["rank_manifests"]
+    if not _int_list(ranks) or ranks != sorted(set(ranks)):
+        raise IntegrityError(f"root COMPLETE must list the ranks as distinct integers >= 0 in order, found {ranks!r}",
+                             where=where)
+    if not isinstance(manifests, dict) or sorted(manifests) != sorted(str(r) for r in ranks):
+        raise IntegrityError(f"root COMPLETE records manifests for ranks {sorted(manifests or {})}, its rank list "
+                             f"is {ranks}", where=where)
+    for r in ranks:
+        rec_path = root / f"{fmt.COMPLETE}.{r}"
+        if not rec_path.is_file() or rec_path.is_symlink():
+            raise IntegrityError(f"rank {r} is missing ({fmt.COMPLETE}.{r}); expected ranks {ranks}", where=root,
+                                 hint="the producer of that rank did not land")
+        rec = read_json_object(rec_path, follow_symlinks=False)
+        if set(rec) != {"format", "bundle_id", "rank", "expected_ranks", "manifest_sha256"}:
+            raise IntegrityError(f"a rank landing record holds exactly format, bundle_id, rank, expected_ranks and "
+                                 f"manifest_sha256, found keys {sorted(rec)}", where=rec_path)
+        expected = rec["expected_ranks"]
+        if not _int_list(expected) or sorted(set(expected)) != ranks:
+            raise IntegrityError(f"the root COMPLETE lists ranks {ranks} but rank {r}'s producer expected ranks "
+                                 f"{expected!r}: a partial root is refused", where=rec_path,
+                                 hint="wait for every expected rank to land, or capture again")
+        if (rec["rank"], rec["bundle_id"], rec["format"], rec["manifest_sha256"]) != (
+                r, doc["bundle_id"], fmt.FORMAT, manifests[str(r)]):
+            raise IntegrityError(f"{fmt.COMPLETE}.{r} disagrees with the root COMPLETE on the rank, the bundle id, "
+                                 "the format or the rank's manifest digest", where=rec_path)
+    return ranks, manifests
+
+
+def _check_root_complete(rank_dir: Path, multi_rank: dict[str, Any], manifest_sha: str) -> None:
+    root, rank = rank_dir.parent, multi_rank["rank"]
     if rank_dir.name != f"rank-{rank}":
         raise IntegrityError(f"a rank bundle lives in rank-{rank}/, found {rank_dir.name}/", where=rank_dir)
-    if not (root / fmt.COMPLETE).exists():
-        raise IntegrityError("multi-rank bundle is incomplete: the root COMPLETE is missing, so not every "
-                             "rank has landed", where=root, hint="wait for every rank or capture again")
-    doc = read_json_object(root / fmt.COMPLETE, follow_symlinks=False)
-    if doc.get("rank_manifests", {}).get(str(rank)) != manifest_sha:
+    ranks, manifests = _read_root(root)
+    if manifests.get(str(rank)) != manifest_sha:
         raise IntegrityError(f"root COMPLETE does not record this manifest for rank {rank}", where=root)
+    if sorted(multi_rank["expected_ranks"]) != ranks:
+        raise IntegrityError(f"this rank's manifest expects ranks {sorted(multi_rank['expected_ranks'])}, the root "
+                             f"COMPLETE lists {ranks}: a partial root is refused", where=rank_dir / fmt.MANIFEST)
 
 
 def _load_root(root: Path, tensors: bool = True) -> Bundle:
     _check_dir(root)
-    landed = sorted(p.name for p in root.glob(f"{fmt.COMPLETE}.*"))
-    if not (root / fmt.COMPLETE).is_file() or (root / fmt.COMPLETE).is_symlink():
-        raise IntegrityError(f"multi-rank bundle is incomplete: COMPLETE is missing (landed: {landed})",
-                             where=root, hint="wait for every rank to flush or capture again")
-    doc = read_json_object(root / fmt.COMPLETE, follow_symlinks=False)
-    ranks = doc.get("ranks")
-    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, int) for r in ranks):
-        raise IntegrityError("root COMPLETE must list the ranks", where=root / fmt.COMPLETE)
+    ranks, _ = _read_root(root)
     for entry in root.iterdir():
         ok = entry.name == fmt.COMPLETE or entry.name in {f"rank-{r}" for r in ranks} or entry.name in {
             f"{fmt.COMPLETE}.{r}" for r in ranks}
@@ -270,9 +312,9 @@ def _load_root(root: Path, tensors: bool = True) -> Bundle:
                                  "unlisted ranks are refused)", where=entry)
     parts = []
     for r in ranks:
-        if not (root / f"rank-{r}").is_dir() or not (root / f"{fmt.COMPLETE}.{r}").is_file():
-            raise IntegrityError(f"rank {r} is missing (rank-{r}/ or {fmt.COMPLETE}.{r}); expected ranks "
-                                 f"{ranks}", where=root, hint="the producer of that rank did not land")
+        if not (root / f"rank-{r}").is_dir():
+            raise IntegrityError(f"rank {r} is missing (rank-{r}/); expected ranks {ranks}", where=root,
+                                 hint="the producer of that rank did not land")
         parts.append(_load_single(root / f"rank-{r}", tensors))
     return merge(root, ranks, parts)
 

@@ -7,8 +7,10 @@ needs.  Reducers (``x`` is the row's ``step``, or its position when rows have no
 * ``cv``: population standard deviation over ``|mean|`` (0 when both are 0, infinite when only
   the mean is);
 * ``slope``: least-squares slope of the leaf against ``x`` (per step);
-* ``pearson``: correlation of the leaf with the per-row change of ``delta_of`` (both taken from
-  consecutive rows that carry the two leaves).
+* ``pearson``: correlation of the leaf with the per-row change of ``delta_of``: a row ``t`` that
+  carries the leaf and ``delta_of`` forms a pair with ``delta_of(t) - delta_of(t-1)`` only when the
+  row immediately before it carries ``delta_of`` too, so a change never spans a row where a leaf
+  is missing (such a row breaks the chain; the next pair starts after it).
 
 A ``null`` leaf is treated as absent in that row; a string or bool is refused.  A non-finite input
 in the window (or an undefined statistic, such as a correlation with zero variance) grades as the
@@ -21,7 +23,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -110,31 +111,32 @@ def _number(v: Any, lineno: int, leaf: str, rule: str, where: Path) -> float | N
 
 
 class _Collector:
-    """The trailing window of values one signal rule needs, filled row by row."""
+    """The trailing window of values one signal rule needs, filled row by row.
+
+    Each entry is ``(x, value, other)``: ``other`` is 0 for most reducers and, for ``pearson``,
+    the change of ``delta_of`` from the immediately preceding row (so the window counts pairs).
+    """
 
     def __init__(self, rule: SignalRule):
         self.rule = rule
         self.steps = parse_path(rule.leaf)
         self.delta_steps = parse_path(rule.delta_of) if rule.delta_of else None
-        size = rule.window + 1 if rule.reducer == "pearson" and rule.window else rule.window
-        self.values: deque[tuple[float, float, float]] = deque(maxlen=size or None)
+        self.values: deque[tuple[float, float, float]] = deque(maxlen=rule.window or None)
+        self.previous: float | None = None  # delta_of in the row just before this one (pearson)
 
     def add(self, x: float, row: dict[str, Any], lineno: int, where: Path) -> None:
         v = _number(get_leaf(row, self.steps), lineno, self.rule.leaf, self.rule.name, where)
-        if v is None:
+        if self.delta_steps is None:
+            if v is not None:
+                self.values.append((x, v, 0.0))
             return
-        w = 0.0
-        if self.delta_steps is not None:
-            wv = _number(get_leaf(row, self.delta_steps), lineno, self.rule.delta_of or "", self.rule.name,
-                         where)
-            if wv is None:
-                return
-            w = wv
-        self.values.append((x, v, w))
+        w = _number(get_leaf(row, self.delta_steps), lineno, self.rule.delta_of or "", self.rule.name, where)
+        previous, self.previous = self.previous, w
+        if v is not None and w is not None and previous is not None:
+            self.values.append((x, v, w - previous))
 
     def count(self) -> int:
-        n = len(self.values)
-        return n - 1 if self.rule.reducer == "pearson" else n
+        return len(self.values)
 
 
 def _mean(v: list[float]) -> float:
@@ -150,15 +152,15 @@ def _pearson(xs: list[float], ys: list[float]) -> float:
 
 
 def reduce_values(reducer: str, data: list[tuple[float, float, float]]) -> float:
-    """Apply ``reducer`` to ``(x, value, other)`` triples; non-finite inputs give a non-finite result."""
+    """Apply ``reducer`` to ``(x, value, other)`` triples (``other``: the pearson partner, already a
+    per-row change); non-finite inputs give a non-finite result."""
     xs = [d[0] for d in data]
     vs = [d[1] for d in data]
     if reducer == "last":
         return vs[-1]
-    if reducer == "pearson":
-        ws = [d[2] for d in data]
-        vs, deltas = vs[1:], [b - a for a, b in pairwise(ws)]
-        bad = [v for v in (*vs, *ws) if not math.isfinite(v)]
+    if reducer == "pearson":  # data: (x, value, change of delta_of since the previous row)
+        deltas = [d[2] for d in data]
+        bad = [v for v in (*vs, *deltas) if not math.isfinite(v)]
         return bad[0] if bad else _pearson(vs, deltas)
     bad = [v for v in vs if not math.isfinite(v)]
     if bad:

@@ -23,7 +23,7 @@ Example:
     >>> spec = AblationSpec(name="demo", image="replayjob:0.1.0", gpu_product="NVIDIA-H100-80GB-HBM3",
     ...                     arms=(Arm("ckpt-off"), Arm("ckpt-on", {"backend.options.gradient_checkpointing": True})))
     >>> spec.run_for_index(4)
-    Run(arm='ckpt-on', repeat=1, index=4)
+    Run(arm='ckpt-on', repeat=1, index=4, slot=None)
     >>> spec.arm("ckpt-on").set_args(), spec.arm("ckpt-on").allow_list()
     (['backend.options.gradient_checkpointing=true'], '["backend.options.gradient_checkpointing"]')
 """
@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from replayjob.deploy.schedule import DESIGNS, Slot, plan
 from replayjob.errors import ConfigError
 
 # Set in the image and in every GPU container; scripts/slurm and scripts/local-mid-smoke.sh export
@@ -106,11 +107,13 @@ class Arm:
 
 @dataclass(frozen=True)
 class Run:
-    """One replay of the fan-out: array index ``index`` is repeat ``repeat`` of arm ``arm``."""
+    """One replay of the fan-out: array index ``index`` is repeat ``repeat`` of arm ``arm``; with a
+    paired ``schedule`` the repeat is the block and ``slot`` its place in the schedule."""
 
     arm: str
     repeat: int
     index: int
+    slot: Slot | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,14 @@ class AblationSpec:
     shm: str = "8Gi"
     deadline_s: int = 21600
     parallelism: int = 4
+    node_gpus: int = 0
+    driver_version: str = ""
+    driver_label: str = "nvidia.com/cuda.driver.major"
+    priority_class: str = ""
+    semaphore: str = ""
+    mixed_hardware: bool = False
+    schedule: str = ""  # "" (arms in file order) or a paired design of replayjob.deploy.schedule
+    budgets: str = ""  # a budget TOML (reduce --budgets); pinned into every replay, decided by the reduce
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name) or len(self.name) > 30:
@@ -157,8 +168,8 @@ class AblationSpec:
                               where="claim")
         if self.device not in DEVICES:
             raise ConfigError(f"{self.device!r}: use 'cuda' (one GPU per pod) or 'cpu'", where="device")
-        if self.seed < 0 or self.deadline_s < 60 or self.parallelism < 1:
-            raise ConfigError("seed >= 0, deadline_s >= 60 and parallelism >= 1 are required")
+        if self.seed < 0 or self.deadline_s < 60 or self.parallelism < 1 or not 0 <= self.node_gpus <= 64:
+            raise ConfigError("seed >= 0, deadline_s >= 60, parallelism >= 1 and node_gpus 0..64 are required")
         if self.model_path and not self.resume:
             raise ConfigError("a model directory needs its own resume state: `replayjob init` writes an "
                               "adapter for the built-in tiny model only", where="resume",
@@ -166,9 +177,18 @@ class AblationSpec:
         for key in ("storage", "cpu", "memory", "shm"):
             if not _QUANTITY.match(getattr(self, key)):
                 raise ConfigError(f"{getattr(self, key)!r} is not a Kubernetes quantity", where=key)
-        for key in ("image", "gpu_product", "model_path", "resume", "claim_name", "storage_class"):
+        for key in ("image", "gpu_product", "model_path", "resume", "claim_name", "storage_class",
+                    "driver_version", "driver_label", "priority_class", "budgets"):
             if not _SAFE_STR.match(getattr(self, key)):
                 raise ConfigError("no whitespace or quotes allowed", where=key)
+        if self.schedule and self.schedule not in DESIGNS:
+            raise ConfigError(f"{self.schedule!r} is not a schedule design; use one of: " + ", ".join(DESIGNS),
+                              where="schedule")
+        if self.budgets and not self.schedule:
+            raise ConfigError("budgets are decided over paired replays: set schedule too", where="budgets",
+                              hint='schedule = "abba"')
+        if self.semaphore and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-._a-zA-Z0-9]+", self.semaphore):
+            raise ConfigError(f"{self.semaphore!r} must be CONFIGMAP/KEY", where="semaphore")
 
     @property
     def gpu(self) -> bool:
@@ -190,9 +210,19 @@ class AblationSpec:
         return len(self.arms) * self.repeats
 
     def run_for_index(self, index: int) -> Run:
-        """Array index -> ``(arm, repeat)``: arms in file order, repeats innermost."""
+        """Array index -> ``(arm, repeat)``: arms in file order, repeats innermost.
+
+        With a ``schedule``, the index follows the paired schedule's run order instead
+        (:func:`replayjob.deploy.schedule.plan`, seeded by ``seed``): index ``i`` is position
+        ``i % arms`` of block ``i // arms``, the repeat is the block, and the run carries its slot.
+        """
         if not 0 <= index < self.size:
             raise ConfigError(f"index {index} is outside 0..{self.size - 1}", where="array index")
+        if self.schedule:
+            n = len(self.arms)
+            block = index // n
+            arm, slot = plan([a.name for a in self.arms], 1, self.schedule, self.seed, first_block=block)[index % n]
+            return Run(arm, block, index, slot)
         return Run(self.arms[index // self.repeats].name, index % self.repeats, index)
 
     def runs(self) -> list[Run]:
@@ -212,9 +242,9 @@ class AblationSpec:
 
 
 _FIELDS = {f for f in AblationSpec.__dataclass_fields__ if f != "arms"}
-_TYPES: dict[str, type] = {name: int if f.type == "int" else str
+_TYPES: dict[str, type] = {name: {"int": int, "str": str, "bool": bool}[str(f.type)]
                            for name, f in AblationSpec.__dataclass_fields__.items()
-                           if f.type in ("int", "str")}
+                           if f.type in ("int", "str", "bool")}
 
 
 def spec_from_dict(data: dict[str, Any], where: str = "ablation") -> AblationSpec:
@@ -256,6 +286,11 @@ def _check_knobs(spec: AblationSpec, where: str) -> None:
 
 def load_spec(path: str | Path) -> AblationSpec:
     """Read an ablation spec TOML file (strictly: unknown keys and bad values are refused)."""
+    return load_spec_text(path)[0]
+
+
+def load_spec_text(path: str | Path) -> tuple[AblationSpec, str]:
+    """:func:`load_spec` and the file's text (what the manifests ship to the pods, parsed there again)."""
     from replayjob.config.load import MAX_TOML_BYTES
     from replayjob.fsio import read_regular_bytes
 
@@ -264,9 +299,10 @@ def load_spec(path: str | Path) -> AblationSpec:
         if not p.exists() and not p.is_symlink():
             raise FileNotFoundError(p)
         # regular files only (a FIFO would block the reader); the parser's nesting limit is a RecursionError
-        data = tomllib.loads(read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, what="ablation spec").decode("utf-8"))
+        text = read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, what="ablation spec").decode("utf-8")
+        data = tomllib.loads(text)
     except FileNotFoundError:
         raise ConfigError("ablation spec not found", where=p) from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ConfigError(f"not valid TOML: {exc}", where=p) from None
-    return spec_from_dict(data, str(p))
+    return spec_from_dict(data, str(p)), text

@@ -153,10 +153,9 @@ def _pairs(arm: Arm, base: Arm, allow_cross_node: bool) -> tuple[list[tuple[Repl
              for b in sorted(set(by_block[base.name]) & set(by_block[arm.name]))]
     if not allow_cross_node:
         for rb, ra in pairs:
-            if not rb.host or (rb.host, rb.device) != (ra.host, ra.device):
-                problems.append(f"{rb.label} ~ {ra.label}: block ran on {rb.host or '?'}/{rb.device or '?'} "
-                                f"and {ra.host or '?'}/{ra.device or '?'} (declare allow_cross_node = true "
-                                "to admit)")
+            if not rb.placement or rb.placement != ra.placement:
+                problems.append(f"{rb.label} ~ {ra.label}: block ran on {rb.placement or '?'} "
+                                f"and {ra.placement or '?'} (declare allow_cross_node = true to admit)")
     return pairs, problems
 
 

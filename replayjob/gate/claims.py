@@ -21,7 +21,7 @@ from typing import Any
 
 from replayjob.digest import sha256_file
 from replayjob.errors import ReplayjobError
-from replayjob.gate.evidence import GC_KEY, REQUIRED_SKIPS, Replay, Source, Tolerances
+from replayjob.gate.evidence import REQUIRED_SKIPS, Replay, Source, Tolerances
 from replayjob.optbatch.knobs import KNOBS
 
 PASS, FAIL, REFUSED, NOT_APPLICABLE = "pass", "fail", "refused", "not_applicable"
@@ -44,10 +44,15 @@ class Check:
 
 @dataclass
 class Arm:
-    """The replays of one condition and what the condition intends (read after grouping)."""
+    """The replays of one condition and what the condition intends (read after grouping).
+
+    ``plan`` is the arm's overrides in the ablation spec (``reduce --spec``); without a spec the
+    intent is what the arm's replays declare.
+    """
 
     name: str
     replays: list[Replay] = field(default_factory=list)
+    plan: dict[str, Any] | None = None
 
     @cached_property
     def knobs(self) -> dict[str, Any]:
@@ -57,28 +62,32 @@ class Arm:
         value: dict[str, Any] = json.loads(best)
         return value
 
+    @property
+    def intent(self) -> dict[str, Any]:
+        """The knob values this arm is meant to run with: the plan's, else its declared ones."""
+        return self.plan if self.plan is not None else self.knobs
+
     def same_condition(self, source: Source | None) -> bool:
-        """No declared differences, or every declared knob equals the source's value."""
-        knobs = self.knobs
-        if not knobs:
+        """No intended differences, or every intended knob equals the source's value."""
+        intent = self.intent
+        if not intent:
             return True
-        return source is not None and all(_same(source.config_value(k), v) for k, v in knobs.items())
+        return source is not None and all(_same(source.config_value(k), v) for k, v in intent.items())
 
     def systems_only(self) -> bool:
-        return all(k in KNOBS for k in self.knobs)
+        return all(k in KNOBS for k in self.intent)
 
-    def intended_gc(self, source: Source | None) -> bool:
-        knobs = self.knobs
-        if GC_KEY in knobs:
-            return bool(knobs[GC_KEY])
-        value = source.config_value(GC_KEY) if source is not None else None
-        return bool(value) if isinstance(value, bool) else False
+    def intended(self, source: Source | None) -> dict[str, Any]:
+        """Every registered knob's intended value: the arm's override, else the source config's value."""
+        return {k: self.intent[k] if k in self.intent else (source.config_value(k) if source else None)
+                for k in sorted(KNOBS)}
 
 
-def group_arms(replays: Iterable[Replay]) -> dict[str, Arm]:
+def group_arms(replays: Iterable[Replay], plan: dict[str, dict[str, Any]] | None = None) -> dict[str, Arm]:
+    """Replays grouped by arm; ``plan`` (arm -> overrides, from the ablation spec) sets each arm's intent."""
     arms: dict[str, Arm] = {}
     for r in sorted(replays, key=lambda r: (r.arm, r.repeat_index, str(r.path))):
-        arms.setdefault(r.arm, Arm(r.arm)).replays.append(r)
+        arms.setdefault(r.arm, Arm(r.arm, plan=None if plan is None else plan.get(r.arm, {}))).replays.append(r)
     return arms
 
 
@@ -145,7 +154,42 @@ def input_checks(replays: list[Replay], arms: dict[str, Arm], source: Source | N
     checks.append(Check("inputs.unique_repeats", "inputs", REFUSED if dup else PASS,
                         "one file per (arm, repeat_index)", {"files": len(replays), "pairs": len(seen)},
                         "the same replay counted twice would shrink the spread", dup))
+    checks.append(on_disk_check(replays, source))
+    checks.append(plan_check(arms))
     return checks
+
+
+def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str, str]) -> Check:
+    """The source metrics and every replay's recorded pins against the verified capture manifest.
+
+    ``capture`` holds the manifest's own digests (``manifest``, ``payload``, ``logical``,
+    ``effective``, ``initial_adapter``): a replay whose recorded payload or manifest pin names
+    another capture, or source metrics that disagree with their manifest, is refused.
+    """
+    values = [(f"source {k}", getattr(source, k), capture[k])
+              for k in ("manifest", "logical", "effective", "initial_adapter")]
+    for r in replays:
+        values += [(f"{r.label} manifest", r.manifest, capture["manifest"]),
+                   (f"{r.label} manifest pin", r.pin_manifest, capture["manifest"]),
+                   (f"{r.label} payload pin", r.pin_payload, capture["payload"])]
+    bad = {label: {"recorded": got, "capture": want} for label, got, want in values if got != want}
+    return Check("inputs.capture_pins", "inputs", REFUSED if bad else PASS,
+                 {"manifest": capture["manifest"], "payload_spans_sha256": capture["payload"]},
+                 {"mismatched": bad}, "the source metrics and each replay's recorded manifest and payload pins "
+                 "match the capture manifest (verified against its SHA-256)", tuple(bad))
+
+
+def plan_check(arms: dict[str, Arm]) -> Check:
+    """With an ablation spec, every replay declares exactly its arm's planned overrides."""
+    if any(a.plan is None for a in arms.values()):
+        return Check("inputs.arm_plan", "inputs", NOT_APPLICABLE, None, None,
+                     "no --spec given: each arm's intent is what its replays declare")
+    off = tuple(r.label for a in arms.values() for r in a.replays if _text(r.knobs) != _text(a.plan))
+    return Check("inputs.arm_plan", "inputs", REFUSED if off else PASS,
+                 {a.name: a.plan for a in arms.values()},
+                 {a.name: sorted({_text(r.knobs) for r in a.replays}) for a in arms.values()},
+                 "every replay was launched with exactly its arm's overrides from the ablation spec "
+                 "(an arm launched without its override is refused)", off)
 
 
 def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Source | None) -> list[Check]:
@@ -170,27 +214,21 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
     bad: list[str] = []
     observed: dict[str, Any] = {}
     for a in arms.values():
-        declared = sorted(a.knobs)
+        declared = sorted(a.intent)
         seen = {"allowed": sorted({_text(sorted(r.allowed)) for r in a.replays}),
                 "observed": sorted({_text(sorted(r.observed)) for r in a.replays})}
         observed[a.name] = seen
         bad += [r.label for r in a.replays
                 if sorted(r.allowed) != declared or sorted(r.observed) != declared]
     checks.append(Check("exact.config_differences", g, FAIL if bad else PASS,
-                        {a.name: sorted(a.knobs) for a in arms.values()}, observed,
-                        "allowed == observed config differences == the arm's declared knobs", tuple(bad)))
+                        {a.name: sorted(a.intent) for a in arms.values()}, observed,
+                        "allowed == observed config differences == the arm's intended knobs", tuple(bad)))
     missing = {r.label: sorted(set(REQUIRED_SKIPS) - set(r.skipped)) for r in replays}
     missing = {k: v for k, v in missing.items() if v}
     checks.append(Check("exact.skipped", g, FAIL if missing else PASS, list(REQUIRED_SKIPS),
                         {"missing": missing}, "every replay skipped dataset, environment, rollout, sampling",
                         tuple(missing)))
-    intended = {a.name: a.intended_gc(source) for a in arms.values()}
-    off = tuple(r.label for a in arms.values() for r in a.replays
-                if r.gradient_checkpointing is not intended[a.name])
-    gc_obs = {a.name: dict(sorted(Counter(_text(r.gradient_checkpointing) for r in a.replays).items()))
-              for a in arms.values()}
-    checks.append(Check("exact.gradient_checkpointing", g, FAIL if off else PASS, intended, gc_obs,
-                        "runtime flag read from the model equals the arm's intended value", off))
+    checks.append(knobs_in_effect_check(arms, source))
     same = [r for a in arms.values() if a.same_condition(source) for r in a.replays]
     losses = _with_source(source, "loss", same)
     if len(losses) < 2:
@@ -202,13 +240,36 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
         checks.append(agree("exact.loss_same_condition", g, losses, source.loss if source else None,
                             what="source and same-condition replays report the same loss, exactly"))
     unchanged = [r.label for r in replays if r.final_adapter == r.initial_adapter]
-    absent = [r.label for r in replays if not r.final_adapter_file.is_file()]
-    checks.append(Check("exact.final_adapter_changed", g, FAIL if unchanged or absent else PASS,
+    checks.append(Check("exact.final_adapter_changed", g, FAIL if unchanged else PASS,
                         "a saved final adapter whose SHA-256 differs from the initial adapter",
-                        {"unchanged": unchanged, "missing_file": absent},
-                        "differing final hashes across replays do not fail this claim",
-                        tuple(sorted(set(unchanged + absent)))))
+                        {"unchanged": unchanged},
+                        "differing final hashes across replays do not fail this claim (the files themselves "
+                        "are hashed by inputs.final_adapter_on_disk)", tuple(sorted(unchanged))))
     return checks
+
+
+def knobs_in_effect_check(arms: dict[str, Arm], source: Source | None) -> Check:
+    """Every registered knob, as the replay observed it at run time, equals the arm's intended value."""
+    expected: dict[str, Any] = {}
+    per_arm: dict[str, Any] = {}
+    mismatched: dict[str, Any] = {}
+    for a in arms.values():
+        intended = a.intended(source)
+        expected[a.name] = intended
+        seen: dict[str, Counter[str]] = {k: Counter() for k in intended}
+        for r in a.replays:
+            for k, v in intended.items():
+                want, got = KNOBS[k].expected(v, r.rows), r.runtime.get(k)
+                seen[k][_text(got)] += 1
+                if not _same(got, want):
+                    mismatched.setdefault(r.label, {})[k] = {"observed": got, "expected": want}
+        per_arm[a.name] = {k: dict(sorted(c.items())) for k, c in seen.items()}
+    observed = {"arms": per_arm, "mismatched": mismatched}
+    off = tuple(mismatched)
+    return Check("exact.knobs_in_effect", "exact-input", FAIL if off else PASS, expected, observed,
+                 "each registered knob's value observed at run time (from the built model or the update) equals "
+                 "the arm's intended value: its override (from --spec, else as declared), else the source's; "
+                 "training.micro_batch_size is expected as min(value, rows)", off)
 
 
 def _disk_sha(path: Path) -> str | None:
@@ -219,8 +280,8 @@ def _disk_sha(path: Path) -> str | None:
         return None
 
 
-def on_disk_check(group: str, replays: list[Replay], source: Source | None) -> Check:
-    """Recompute every final adapter's SHA-256 and compare it with the reported one."""
+def on_disk_check(replays: list[Replay], source: Source | None) -> Check:
+    """Recompute every final adapter's SHA-256 from its file; one that does not match is refused."""
     members: list[tuple[str, Path, str]] = [(r.label, r.final_adapter_file, r.final_adapter) for r in replays]
     if source is not None:
         members.insert(0, ("source", source.final_adapter_file, source.final_adapter))
@@ -229,15 +290,16 @@ def on_disk_check(group: str, replays: list[Replay], source: Source | None) -> C
         actual = _disk_sha(path)
         if actual != reported:
             mismatched[label] = {"reported": reported, "on_disk": actual}
-    return Check(f"{group}.final_adapter_on_disk", group, FAIL if mismatched else PASS,
+    return Check("inputs.final_adapter_on_disk", "inputs", REFUSED if mismatched else PASS,
                  "on-disk SHA-256 == reported final_adapter_sha256", {"mismatched": mismatched},
-                 "an adapter file altered, truncated or missing after the run", tuple(mismatched))
+                 "an adapter file altered, truncated or missing after the run is not evidence of anything",
+                 tuple(mismatched))
 
 
 def bitwise_checks(replays: list[Replay], arms: dict[str, Arm], source: Source) -> list[Check]:
     """Same final adapter per arm, against the source, and across systems-only arms."""
     g = "bitwise"
-    checks = [on_disk_check(g, replays, source)]
+    checks: list[Check] = []
     off: list[str] = []
     per_arm: dict[str, Any] = {}
     for a in arms.values():
@@ -275,3 +337,19 @@ def tolerance_pin_check(replays: list[Replay], tolerances: Tolerances | None) ->
     return agree("inputs.tolerances_pinned", "inputs", [(r.label, r.tolerances_sha256) for r in replays],
                  tolerances.sha256, what="optimizer_batch.tolerances_sha256 of every replay",
                  status_on_fail=REFUSED)
+
+
+def hardware_check(replays: list[Replay], mixed_declared: bool) -> Check:
+    """Every replay ran on the same hardware and image (``replayjob.hostinfo.hardware_identity``):
+    refused otherwise, unless mixed hardware was declared (then reported, not enforced)."""
+    from replayjob.hostinfo import hardware_identity
+
+    values = [(r.label, hardware_identity(r.host)) for r in replays]
+    if not values:
+        return Check("inputs.same_hardware", "inputs", NOT_APPLICABLE, None, {}, "no replays", ())
+    check = agree("inputs.same_hardware", "inputs", values, what="device, GPU product, driver, CUDA, torch "
+                  "and image of every replay", status_on_fail=REFUSED)
+    if mixed_declared and check.status == REFUSED:
+        return Check(check.name, check.group, NOT_APPLICABLE, check.expected, check.observed,
+                     "mixed hardware declared (--mixed-hardware): recorded, not enforced", check.offenders)
+    return check

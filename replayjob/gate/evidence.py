@@ -25,14 +25,15 @@ from replayjob.deploy.schedule import DESIGNS, Slot
 from replayjob.digest import normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import read_regular_bytes
+from replayjob.hostinfo import placement
 from replayjob.jsonio import loads_strict
+from replayjob.optbatch.knobs import KNOBS
 
-REPLAY_SCHEMA = "replayjob.replay_metrics/v1"
+REPLAY_SCHEMA = "replayjob.replay_metrics/v2"
 REPLAY_FILE = "replay_metrics.json"
 SOURCE_FILE = "metrics.json"
 MAX_METRICS_BYTES = 16 * 1024 * 1024
 REQUIRED_SKIPS = ("dataset", "environment", "rollout", "sampling")
-GC_KEY = "backend.options.gradient_checkpointing"
 # Spread metrics: name -> (section, key) in replay_metrics.json.
 MEASURES: dict[str, tuple[str, str]] = {
     "local_train_wall_s": ("timing", "local_train_wall_s"),
@@ -54,6 +55,7 @@ class Replay:
     repeat_index: int
     pin_logical: str
     pin_manifest: str
+    pin_payload: str
     logical: str
     effective: str
     manifest: str
@@ -64,18 +66,25 @@ class Replay:
     observed: tuple[str, ...]
     knobs: dict[str, Any]
     skipped: tuple[str, ...]
-    gradient_checkpointing: bool
+    runtime: dict[str, Any]  # registered knob -> the value observed in effect at run time
+    rows: int
     loss: float
     tolerances_sha256: str
     measures: dict[str, float] = field(default_factory=dict)
-    # Optional keys (docs/replay-metrics.md): where the replay ran and its place in a paired schedule.
+    host: dict[str, Any] = field(default_factory=dict)  # replayjob.hostinfo: where it ran
+    trace_index_sha256: str | None = None  # the trace/index.json a traced replay pins (docs/trace-format.md)
+    # Optional keys (docs/replay-metrics.md): the device string and the replay's place in a paired schedule.
     budgets_sha256: str = ""
     slot: Slot | None = None
-    host: str = ""
     device: str = ""
     memory_kind: str = ""
     in_process_wall_s: tuple[float, ...] | None = None  # measured in-process updates, if any
     in_process_loss_equal: bool | None = None
+
+    @property
+    def placement(self) -> str:
+        """Node and device this replay ran on (:func:`replayjob.hostinfo.placement`), or ``""``."""
+        return placement(self.host, self.device)
 
     @property
     def label(self) -> str:
@@ -214,14 +223,13 @@ def _run_fields(f: _Fields) -> dict[str, Any]:
 
 
 def _placement(f: _Fields) -> dict[str, Any]:
-    """The optional keys a budget decision reads: pin, schedule slot, host, device, in-process repeats."""
+    """The optional keys a budget decision reads: pin, schedule slot, device, in-process repeats."""
     d = f.doc
     out: dict[str, Any] = {}
     if d.get("budgets_sha256"):
         out["budgets_sha256"] = f.digest("budgets_sha256")
-    for key in ("host", "device"):
-        if key in d:
-            out[key] = f.text(key, nonempty=False)
+    if "device" in d:
+        out["device"] = f.text("device", nonempty=False)
     memory = d.get("memory")
     if isinstance(memory, dict) and "kind" in memory:
         out["memory_kind"] = f.text("kind", memory)
@@ -263,13 +271,20 @@ def read_replay(path: str | Path) -> Replay:
     pins = f.obj("pins")
     knobs = f.obj("knobs")
     runtime = f.obj("runtime")
-    gc = f.get("gradient_checkpointing", runtime)
-    if not isinstance(gc, bool):
-        raise f.fail("runtime.gradient_checkpointing", "must be true or false")
+    if sorted(runtime) != sorted(KNOBS):
+        raise f.fail("runtime", f"must hold the observed value of every registered knob {sorted(KNOBS)}, "
+                                f"found {sorted(runtime)}")
+    rows = f.get("rows", f.obj("rows"))
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise f.fail("rows.rows", "must be an integer >= 1")
     arm = f.text("arm")
     if arm == "source":
         raise f.fail("arm", "may not be 'source', the name reduce gives the capture run")
     tol = f.text("tolerances_sha256", nonempty=False)
+    host = f.obj("host")
+    bad = sorted(k for k, v in host.items() if v is not None and not isinstance(v, str))
+    if bad:
+        raise f.fail(f"host.{bad[0]}", "must be a string or null")
     measures = {}
     for name, (section, key) in MEASURES.items():
         hi = 1.0 if name == "padding_fraction" else None
@@ -277,13 +292,25 @@ def read_replay(path: str | Path) -> Replay:
     return Replay(
         path=p, sha256=sha, arm=arm, repeat_index=index,
         pin_logical=f.digest("expected_logical_sha256", pins),
-        pin_manifest=f.digest("expected_manifest_sha256", pins), **_run_fields(f),
+        pin_manifest=f.digest("expected_manifest_sha256", pins),
+        pin_payload=f.digest("payload_spans_sha256", pins), **_run_fields(f),
         allowed=f.names("allowed_config_differences"),
         observed=f.names("observed_config_differences"),
-        knobs=knobs, skipped=f.names("skipped"), gradient_checkpointing=gc,
-        tolerances_sha256=f.digest("tolerances_sha256") if tol else "", measures=measures,
+        knobs=knobs, skipped=f.names("skipped"), runtime=runtime, rows=rows,
+        tolerances_sha256=f.digest("tolerances_sha256") if tol else "", measures=measures, host=host,
+        trace_index_sha256=_trace_pin(f),
         **_placement(f),
     )
+
+
+def _trace_pin(f: _Fields) -> str | None:
+    """``trace.index_sha256`` of a traced replay (its index lies at ``trace.index_path``), else ``None``."""
+    if "trace" not in f.doc:
+        return None
+    t = f.obj("trace")
+    if f.text("index_path", t) != "trace/index.json":
+        raise f.fail("trace.index_path", "must be 'trace/index.json'")
+    return f.digest("index_sha256", t)
 
 
 def read_source(directory: str | Path) -> Source:

@@ -22,13 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.digest import sha256_bytes
-from replayjob.gate.evidence import GC_KEY, REPLAY_FILE, REPLAY_SCHEMA, REQUIRED_SKIPS, SOURCE_FILE
+from replayjob.gate.evidence import REPLAY_FILE, REPLAY_SCHEMA, REQUIRED_SKIPS, SOURCE_FILE
 from replayjob.jsonio import pretty_bytes
 from replayjob.optbatch import manifest as mf
+from replayjob.optbatch.knobs import GRADIENT_CHECKPOINTING as GC_KEY
+from replayjob.optbatch.knobs import KNOBS, lookup
 
 ADAPTER = "final_adapter/adapter_model.safetensors"
 SOURCE_CONFIG: dict[str, Any] = {
-    "backend": {"options": {"gradient_checkpointing": False}},
+    "backend": {"options": {"attn_implementation": "eager", "gradient_checkpointing": False}},
     "training": {"micro_batch_size": 4, "trainer": "grpo"},
 }
 
@@ -71,6 +73,11 @@ def _measures(seed: int, arm: str, index: int, knobs: dict[str, Any]) -> dict[st
     }
 
 
+def runtime_of(knobs: dict[str, Any], rows: int = 16) -> dict[str, Any]:
+    """What a replay of an arm with ``knobs`` observes at run time: every registered knob in effect."""
+    return {k: KNOBS[k].expected(knobs[k] if k in knobs else lookup(SOURCE_CONFIG, k), rows) for k in sorted(KNOBS)}
+
+
 def replay_doc(*, arm: str, index: int, knobs: dict[str, Any], manifest_sha256: str, initial_sha256: str,
                final_sha256: str, loss: float, seed: int = 0, tolerances_sha256: str = "") -> dict[str, Any]:
     """One replay_metrics.json document."""
@@ -87,13 +94,17 @@ def replay_doc(*, arm: str, index: int, knobs: dict[str, Any], manifest_sha256: 
         "final_adapter_path": ADAPTER,
         "allowed_config_differences": sorted(knobs), "observed_config_differences": sorted(knobs),
         "knobs": dict(knobs), "skipped": list(REQUIRED_SKIPS),
-        "runtime": {"gradient_checkpointing": bool(knobs.get(GC_KEY, False))},
+        "runtime": runtime_of(knobs),
         "loss": loss, **_measures(seed, arm, index, knobs),
         "tolerances_sha256": tolerances_sha256, "config_sha256": digest_of(f"config:{sorted(knobs.items())}"),
         "grad_norm": 0.25, "rng_restored": ["cpu"],
         "rows": {"rows": 16, "tokens": 544, "response_tokens": 128, "loss_bearing_tokens": 128,
                  "loss_weight_sum": 1.0},
         "provenance": {"strict_deterministic": True, "math_mode": "pedantic", "device": "cpu"},
+        "host": {"node": f"node-{index}", "pod": None, "slurm_job": None, "image_ref": None, "image_digest": None,
+                 "device_type": "cpu", "gpu_product": None, "gpu_uuid": None, "driver_version": None,
+                 "cuda_version": None, "torch_version": "2.13.0", "cuda_visible_devices": None,
+                 "cpu_model": "synthetic"},
         "wall_s": 2.0,
     }
 

@@ -1,4 +1,4 @@
-"""The verdict: schema ``replayjob.verdict/v1`` (docs/verdict-format.md), its outcome and its atomic write.
+"""The verdict: schema ``replayjob.verdict/v2`` (docs/verdict-format.md), its outcome and its atomic write.
 
 The document holds no clock time and no absolute path that the inputs do not force, so the same
 inputs give the same bytes (pretty, sorted-key JSON).  Status and exit code follow from the
@@ -29,7 +29,7 @@ from replayjob.errors import (
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes
 
-VERDICT_SCHEMA = "replayjob.verdict/v1"
+VERDICT_SCHEMA = "replayjob.verdict/v2"
 # How to fix each refusing check.
 HINTS = {
     "inputs.min_repeats": "run more fresh replays per arm (replay --repeat N) or lower --min-repeats",

@@ -11,7 +11,7 @@ module is imported.
 replays, each in a fresh ``python -m replayjob replay`` process so timings are independent, in
 ``DIR/repeat-000`` ...; each child gets its index through the internal ``--repeat-index`` option.
 A launcher running a paired schedule (:mod:`replayjob.deploy.schedule`) passes ``--slot``, which is
-recorded with the host name so the reducer can pair replays by block and check where they ran.
+recorded next to the ``host`` record so the reducer can pair replays by block and check where they ran.
 
 With ``optimizer_batch.measured_updates`` M (and ``warmup_updates`` W), after the fresh-process
 update (the one whose adapter is saved) the same update runs W + M more times in this process, each
@@ -22,7 +22,7 @@ the fresh-process timing, with whether each reproduced the fresh update's loss b
 
 from __future__ import annotations
 
-import socket
+import contextlib
 import subprocess
 import sys
 import time
@@ -36,24 +36,20 @@ from replayjob import determinism
 from replayjob.config import Config, config_sha256, load_config
 from replayjob.deploy.schedule import Slot
 from replayjob.digest import sha256_file
-from replayjob.errors import ArtifactExistsError, ContractError, ReplayjobError, UsageError
+from replayjob.errors import ArtifactExistsError, ContractError, UsageError, error_for_exit_status
 from replayjob.fsio import atomic_write_bytes
+from replayjob.hostinfo import host_provenance
 from replayjob.jsonio import pretty_bytes, read_json_object
 from replayjob.model.backend import Policy, load_backend
+from replayjob.optbatch import knobs, stepcapture
 from replayjob.optbatch.explain import SKIPPED, Admission, admit
 from replayjob.rl.diag import peak_memory_value
 from replayjob.rl.state import check_model, restore_rng
 from replayjob.rl.update import make_optimizer, optimizer_update
 
-METRICS_SCHEMA = "replayjob.replay_metrics/v1"
+METRICS_SCHEMA = "replayjob.replay_metrics/v2"
 METRICS_FILE = "replay_metrics.json"
 FINAL_ADAPTER_DIR = "final_adapter"
-
-
-def _runtime_checkpointing(model: torch.nn.Module, declared: bool) -> bool:
-    """The gradient-checkpointing flag as the model reports it at run time."""
-    flag = getattr(model, "is_gradient_checkpointing", None)
-    return bool(flag) if isinstance(flag, bool) else declared
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:
@@ -69,6 +65,7 @@ def _in_process(policy: Policy, cfg: Config, adm: Admission, start: dict[str, to
     ob = cfg.optimizer_batch
     if not ob.measured_updates:
         return None
+    assert adm.manifest is not None and adm.state is not None
     assert adm.batch is not None and adm.rng is not None
     walls: list[float] = []
     peaks: list[int] = []
@@ -78,6 +75,7 @@ def _in_process(policy: Policy, cfg: Config, adm: Admission, start: dict[str, to
             for name, p in policy.trainable():
                 p.copy_(start[name])
         optimizer = make_optimizer(policy, cfg)
+        stepcapture.restore_optimizer(optimizer, adm.manifest, adm.state)
         restore_rng(adm.rng)
         if policy.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(policy.device)
@@ -90,6 +88,37 @@ def _in_process(policy: Policy, cfg: Config, adm: Admission, start: dict[str, to
             peaks.append(peak_memory_value(policy.device))
     return {"warmup_updates": ob.warmup_updates, "measured_updates": ob.measured_updates,
             "local_train_wall_s": walls, "peak_bytes": peaks, "loss_equal": same}
+
+
+def _recorder(policy: Any, optimizer: torch.optim.Optimizer, adm: Admission, cfg: Config) -> Any:
+    """A trace recorder when ``optimizer_batch.trace`` is on (``--trace``), else ``None``: free when off."""
+    from replayjob.trace import fault
+
+    armed = fault.armed()
+    if not cfg.optimizer_batch.trace:
+        if armed is not None:
+            raise UsageError(f"{fault.FAULT_ENV} is set but tracing is off", hint="add --trace, or unset it")
+        return None
+    from replayjob.trace.recorder import Recorder
+
+    assert adm.batch is not None
+    return Recorder(policy.model, adm.batch, cfg.training.micro_batch_size, policy.tokenizer.pad_id,
+                    policy.trainable(), optimizer, armed)
+
+
+def _write_trace(recorder: Any, out: Path, metrics: dict[str, Any], micro_batch_size: int) -> dict[str, str]:
+    from replayjob.trace.store import write_trace
+
+    identity = {"manifest_sha256": metrics["optimizer_batch/manifest_sha256"],
+                "logical_batch_sha256": metrics["optimizer/logical_batch_sha256"],
+                "initial_adapter_sha256": metrics["optimizer_batch/initial_adapter_sha256"],
+                "arm": metrics["arm"], "repeat_index": metrics["repeat_index"],
+                "micro_batch_size": micro_batch_size,
+                "gradient_checkpointing": metrics["runtime"]["gradient_checkpointing"],
+                "device": metrics["device"], "torch_version": metrics["torch_version"],
+                "fault": recorder.fault.spec if recorder.fault is not None else None}
+    index, sha = write_trace(out, recorder.trace(identity))
+    return {"index_path": str(index.relative_to(out)), "index_sha256": sha}
 
 
 def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = None) -> dict[str, Any]:
@@ -111,6 +140,12 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = No
     prov["attn_implementation"] = cfg.backend.options.attn_implementation
     prov["device"] = str(policy.device)
     check_model(adm.state, policy.model_reference())
+    for key in adm.allowed:  # admitted, so each is a registered knob; now checked on the built model too
+        why = knobs.KNOBS[key].model_refusal(policy.model)
+        if why:
+            raise ContractError(f"difference {key!r} is not systems-only here: {why}",
+                                where=cfg.optimizer_batch.replay_path or "optimizer_batch.replay_path",
+                                hint=f"remove {key!r} from this arm or switch the dropout off in both runs")
     # the manifest's pin is checked over the very bytes the adapter tensors are built from
     policy.load_adapter(adm.state.adapter_file, adm.manifest.initial_adapter_sha256)
     vocab = _vocab_size(policy.model) or policy.tokenizer.vocab_size
@@ -119,34 +154,39 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = No
         raise ContractError(f"captured token id {top} is outside this model's vocabulary ({vocab})",
                             where=adm.manifest.payload_path)
     optimizer = make_optimizer(policy, cfg)
+    stepcapture.restore_optimizer(optimizer, adm.manifest, adm.state)  # a chosen step's pinned start state
     start = ({n: p.detach().clone() for n, p in policy.trainable()}
              if cfg.optimizer_batch.measured_updates else {})
     restore_rng(adm.rng)
     if policy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(policy.device)
+    recorder = _recorder(policy, optimizer, adm, cfg)
     t0 = time.perf_counter()
-    res = optimizer_update(policy, optimizer, adm.batch, cfg)
+    with recorder.attached() if recorder is not None else contextlib.nullcontext():
+        res = optimizer_update(policy, optimizer, adm.batch, cfg)
     local_train_wall_s = time.perf_counter() - t0
     peak = peak_memory_value(policy.device)
     final_file = policy.save_adapter(out / FINAL_ADAPTER_DIR)
     in_process = _in_process(policy, cfg, adm, start, res.loss)
-    metrics = _metrics(adm, cfg, repeat_index, res, local_train_wall_s, peak, policy.device,
-                       _runtime_checkpointing(policy.model, policy.gradient_checkpointing))
+    observed = knobs.observe_all(knobs.Runtime(policy.model, tuple(res.micro_batch_rows)))
+    metrics = _metrics(adm, cfg, repeat_index, res, local_train_wall_s, peak, policy.device, observed)
     metrics.update({
         "optimizer_batch/final_adapter_sha256": sha256_file(final_file),
         "final_adapter_path": str(final_file.relative_to(out)),
         "provenance": prov,
+        "host": host_provenance(policy.device),  # node, GPU, driver, CUDA, image (replayjob.hostinfo)
         "schedule": None if slot is None else slot.to_json(),
-        "host": socket.gethostname(),
         "in_process": in_process,
         "wall_s": time.perf_counter() - t_start,
     })
+    if recorder is not None:  # before replay_metrics.json, which pins the trace index
+        metrics["trace"] = _write_trace(recorder, out, metrics, cfg.training.micro_batch_size)
     atomic_write_bytes(out / METRICS_FILE, pretty_bytes(metrics), exclusive=True)
     return metrics
 
 
 def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_train_wall_s: float,
-             peak: int, device: torch.device, checkpointing: bool) -> dict[str, Any]:
+             peak: int, device: torch.device, observed: dict[str, Any]) -> dict[str, Any]:
     assert adm.manifest is not None and adm.batch is not None and adm.rng is not None and adm.rows is not None
     m = adm.manifest
     logical, effective = adm.batch.digests()  # the rows as replayed, hashed again after the update
@@ -168,7 +208,7 @@ def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_tra
         "observed_config_differences": list(adm.observed),
         "knobs": adm.knob_values(),
         "skipped": list(SKIPPED),
-        "runtime": {"gradient_checkpointing": checkpointing},
+        "runtime": observed,  # every registered knob as observed at run time
         "loss": res.loss,
         "grad_norm": res.grad_norm,
         "timing": {"local_train_wall_s": local_train_wall_s, "forward_wall_s": res.forward_wall_s,
@@ -211,6 +251,7 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
         proc = subprocess.run(argv, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip()[-2000:]
-            raise ReplayjobError(f"repeat {i} exited with status {proc.returncode}: {tail}", where=d)
+            raise error_for_exit_status(proc.returncode)(  # 3 or a signal stays retryable (exit 3)
+                f"repeat {i} exited with status {proc.returncode}: {tail}", where=d)
         results.append((d, read_json_object(d / METRICS_FILE)))
     return results
