@@ -92,3 +92,22 @@ def test_unexpected_exception_without_output_directory_goes_to_stderr(
                                              (137, OperationalError), (-9, OperationalError)])
 def test_child_exit_status_keeps_its_meaning(status: int, cls: type) -> None:
     assert error_for_exit_status(status) is cls
+
+
+@pytest.mark.parametrize(("code", "exit_code"), [(errno.ENOSPC, 3), (errno.EIO, 3), (errno.EACCES, 2),
+                                                   (errno.EROFS, 2)])
+def test_a_failing_write_is_an_error_only_when_the_device_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str], code: int,
+                                                                 exit_code: int) -> None:
+    """A full disk or an I/O error decided nothing (3, retryable); a path the user must change is refused (2).
+    Either way nothing is left behind: no temp file, no artifact."""
+    import os as _os
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(code, _os.strerror(code))
+
+    monkeypatch.setattr("replayjob.fsio.os.fsync", failing_fsync)
+    assert main(["init", str(tmp_path / "ws")]) == exit_code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err.split("traceback")[0] and _os.strerror(code) in err
+    assert not [p for p in (tmp_path / "ws").rglob("*") if p.is_file() and not p.name.startswith("replayjob-error-")]

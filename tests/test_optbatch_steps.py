@@ -255,3 +255,39 @@ def test_steps_before_the_resume_state_are_refused(steps_run: Path, workspace: P
     err = capsys.readouterr().err
     assert "steps [1] come before the resume state's next step 3" in err and "Traceback" not in err
     assert not list((tmp_path / "r").glob("optimizer_batch_step_*"))
+
+
+def test_a_user_trigger_writes_the_buffered_steps_and_memory_stays_bounded(tmp_path: Path) -> None:
+    """RingCapture driven directly with a real optimizer on two small parameters (no model needed)."""
+    from replayjob.optbatch.ring import RingCapture
+    from replayjob.rl.batch import OptimizerBatch
+    from replayjob.rl.hooks import TrainerView
+    from replayjob.rl.update import UpdateResult
+
+    params = {"a.lora_A.weight": torch.nn.Parameter(torch.ones(2, 3)),
+              "a.lora_B.weight": torch.nn.Parameter(torch.zeros(3, 2))}
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-3, foreach=False)
+    view = TrainerView(lambda: {k: p.detach() for k, p in params.items()}, opt, {"name": "toy"}, 0)
+    cfg = load_config(None, ["optimizer_batch.ring_size=2"])
+    hook = RingCapture.prepare(cfg, tmp_path, trigger=lambda step, r: "user says so" if step == 3 else None)
+    hook.on_train_begin(view)
+    m = torch.ones((1, 2), dtype=torch.float64)
+    rows = OptimizerBatch.from_padded([[1, 2, 3]], [1], {k: m for k in
+                                      ("old_logprobs", "ref_logprobs", "advantages", "loss_weights")}, m)
+    peaks = []
+    for step in range(5):
+        hook.before_update(step, rows)
+        for p in params.values():
+            p.grad = torch.full_like(p, 0.1 * (step + 1))
+        opt.step()
+        hook.after_update(step, UpdateResult(loss=1.0, grad_norm=1.0))
+        peaks.append(hook.peak_bytes)
+    out = hook.finish({})["optimizer_batch/ring"]
+    assert out["trigger"] == {"step": 3, "reason": "user says so"} and [w["step"] for w in out["written"]] == [2, 3]
+    # step 0 starts with no optimizer state; from step 2 on two full slots are recycled: bounded
+    assert peaks[0] < peaks[1] < peaks[2] == peaks[3] == peaks[4]
+    assert out["steps_observed"] == 4  # the ring stops after its one write
+    state = read_state(tmp_path / ring.RING_DIR / stepcapture.state_dir_name(3))
+    assert state.step == 2 and state.has_optimizer
+    written = {w["step"]: w for w in out["written"]}
+    assert written[2]["final_adapter_sha256"] == written[3]["initial_adapter_sha256"]

@@ -167,3 +167,12 @@ def test_paths_recorded_from_a_config_are_redacted(tmp_path: Path) -> None:
     assert doc["initial_adapter"]["path"] == str(tmp_path / "state?token=<redacted>")  # a value runs to a space
     ref = builtin_model_reference(load_config(None, [f'model.path="{tmp_path}/m?sig=S1"']))
     assert ref["path"] == f"{tmp_path}/m?sig=<redacted>"
+
+
+def test_printed_messages_are_redacted_part_by_part() -> None:
+    from replayjob.errors import ConfigError
+
+    err = ConfigError("cannot open https://h/m?token=S1", where="logging.metadata.hf_token",
+                      hint="check Authorization: Bearer S2")
+    assert err.diagnostics() == ("logging.metadata.hf_token: cannot open https://h/m?token=<redacted>\n"
+                                 "  fix: check Authorization: Bearer <redacted>")

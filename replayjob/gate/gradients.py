@@ -110,11 +110,16 @@ def approximate_checks(replays: list[Replay], arms: dict[str, C.Arm]) -> list[C.
                     {"parameters": len(rows)}, detail, tuple(bad_cos))]
 
 
-def localise(replays: list[Replay]) -> list[C.Check]:
-    """``bitwise.first_divergent_module`` when two traced replays' final adapters differ, else nothing."""
+def localise(replays: list[Replay], source_final_adapter: str) -> list[C.Check]:
+    """``bitwise.first_divergent_module`` when two traced replays' final adapters differ, else nothing.
+
+    The reference is a traced replay that reproduced the source's final adapter when there is one
+    (else the first by arm and repeat), compared with the first traced replay that differs from it.
+    """
     from replayjob.trace.diff import Side, TraceDiff
 
-    traced = _traced(replays)
+    order = sorted(replays, key=lambda r: (r.final_adapter != source_final_adapter, r.arm, r.repeat_index))
+    traced = _traced(order)
     if not traced:
         return []
     first = traced[0]
@@ -129,7 +134,8 @@ def localise(replays: list[Replay]) -> list[C.Check]:
                                                          "envelope_source")}
 
     curve = {d: [[r["position"], r["rel_l2"], r["envelope"]] for r in rep[d]] for d in ("forward", "backward")}
-    curve["params"] = [[p["grad"]["position"], p["grad"]["rel_l2"], p["grad"]["envelope"]] for p in rep["params"]]
+    curve["gradients"] = [[p["grad"]["position"] + i, p["grad"]["rel_l2"], p["grad"]["envelope"]]
+                          for i, p in enumerate(rep["params"])]  # one x per parameter, in trace order
     where = ", ".join(f"{d}: {fd[d]['name']} ({fd[d]['status']})" for d in ("forward", "backward") if fd[d]) \
         or "no traced site differs (only the optimizer step)"
     return [C.Check("bitwise.first_divergent_module", "bitwise", C.FAIL, "bitwise-equal traces",

@@ -132,7 +132,7 @@ def _evaluate(req: Request, st: _State) -> None:
         assert st.source is not None
         st.checks += C.bitwise_checks(st.replays, st.arms, st.source)
         if any(c.status == C.FAIL for c in st.checks if c.group == "bitwise"):
-            st.checks += gradients.localise(st.replays)  # names the first divergent module when traced
+            st.checks += gradients.localise(st.replays, st.source.final_adapter)  # when traced
     elif req.claim == "approximate":
         _approximate(st)
 

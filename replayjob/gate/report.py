@@ -152,7 +152,7 @@ def _layers(doc: dict[str, Any], plot_name: str | None) -> list[str]:
                                    f"relative error {_num(r['rel_l2'])} vs envelope {_num(r['envelope'])} "
                                    f"({r['envelope_source']})"))
     lines += ["", "| direction | layer | largest relative error | envelope | sites beyond |", "|---|---|---|---|---|"]
-    for d in ("forward", "backward"):
+    for d in ("forward", "backward", "gradients"):
         for layer in obs["layers"][d]:
             lines.append(f"| {d} | {layer['layer']} | {_num(layer['max_rel_l2'])} | {_num(layer['envelope'])} | "
                          f"{layer['beyond']} of {layer['sites']} |")
@@ -179,7 +179,7 @@ def layers_png(doc: dict[str, Any]) -> bytes | None:
             ax.plot([p[0] for p in pts], [max(p[1], floor) for p in pts], ".-", label=f"{label} relative error")
             ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color="grey")
     ax.set_yscale("log")
-    ax.set_xlabel("site position (forward, then backward, then parameter gradients)")
+    ax.set_xlabel("site position (forward, then backward, then one per parameter gradient)")
     ax.set_ylabel("relative L2 error (envelope dotted)")
     ax.set_title(f"trace-diff {c['observed']['pair']}: {c['observed']['classification']}")
     ax.legend(fontsize=8)

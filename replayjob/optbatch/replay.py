@@ -22,7 +22,6 @@ the fresh-process timing, with whether each reproduced the fresh update's loss b
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
 import time
@@ -46,6 +45,7 @@ from replayjob.optbatch.explain import SKIPPED, Admission, admit
 from replayjob.rl.diag import peak_memory_value
 from replayjob.rl.state import check_model, restore_rng
 from replayjob.rl.update import make_optimizer, optimizer_update
+from replayjob.trace.recorder import traced_update
 
 METRICS_SCHEMA = "replayjob.replay_metrics/v2"
 METRICS_FILE = "replay_metrics.json"
@@ -90,37 +90,6 @@ def _in_process(policy: Policy, cfg: Config, adm: Admission, start: dict[str, to
             "local_train_wall_s": walls, "peak_bytes": peaks, "loss_equal": same}
 
 
-def _recorder(policy: Any, optimizer: torch.optim.Optimizer, adm: Admission, cfg: Config) -> Any:
-    """A trace recorder when ``optimizer_batch.trace`` is on (``--trace``), else ``None``: free when off."""
-    from replayjob.trace import fault
-
-    armed = fault.armed()
-    if not cfg.optimizer_batch.trace:
-        if armed is not None:
-            raise UsageError(f"{fault.FAULT_ENV} is set but tracing is off", hint="add --trace, or unset it")
-        return None
-    from replayjob.trace.recorder import Recorder
-
-    assert adm.batch is not None
-    return Recorder(policy.model, adm.batch, cfg.training.micro_batch_size, policy.tokenizer.pad_id,
-                    policy.trainable(), optimizer, armed)
-
-
-def _write_trace(recorder: Any, out: Path, metrics: dict[str, Any], micro_batch_size: int) -> dict[str, str]:
-    from replayjob.trace.store import write_trace
-
-    identity = {"manifest_sha256": metrics["optimizer_batch/manifest_sha256"],
-                "logical_batch_sha256": metrics["optimizer/logical_batch_sha256"],
-                "initial_adapter_sha256": metrics["optimizer_batch/initial_adapter_sha256"],
-                "arm": metrics["arm"], "repeat_index": metrics["repeat_index"],
-                "micro_batch_size": micro_batch_size,
-                "gradient_checkpointing": metrics["runtime"]["gradient_checkpointing"],
-                "device": metrics["device"], "torch_version": metrics["torch_version"],
-                "fault": recorder.fault.spec if recorder.fault is not None else None}
-    index, sha = write_trace(out, recorder.trace(identity))
-    return {"index_path": str(index.relative_to(out)), "index_sha256": sha}
-
-
 def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = None) -> dict[str, Any]:
     """Admit, then run one replay into ``out``; return (and write) replay_metrics.json."""
     if repeat_index < 0:
@@ -160,9 +129,8 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = No
     restore_rng(adm.rng)
     if policy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(policy.device)
-    recorder = _recorder(policy, optimizer, adm, cfg)
     t0 = time.perf_counter()
-    with recorder.attached() if recorder is not None else contextlib.nullcontext():
+    with traced_update(cfg, policy, optimizer, adm.batch) as tracer:  # None (nothing attached) unless --trace
         res = optimizer_update(policy, optimizer, adm.batch, cfg)
     local_train_wall_s = time.perf_counter() - t0
     peak = peak_memory_value(policy.device)
@@ -179,8 +147,8 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = No
         "in_process": in_process,
         "wall_s": time.perf_counter() - t_start,
     })
-    if recorder is not None:  # before replay_metrics.json, which pins the trace index
-        metrics["trace"] = _write_trace(recorder, out, metrics, cfg.training.micro_batch_size)
+    if tracer is not None:  # before replay_metrics.json, which pins the trace index
+        metrics["trace"] = tracer.write(out, metrics)
     atomic_write_bytes(out / METRICS_FILE, pretty_bytes(metrics), exclusive=True)
     return metrics
 

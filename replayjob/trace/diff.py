@@ -213,7 +213,8 @@ class TraceDiff:
                          "sources": {k: sources.count(k) for k in ("repeats", "reference", "rounding")},
                          "rounding": {"formula": "C * u(dtype) * sqrt(K) * position", "C": 4.0,
                                       "K_sites": k_sites, "K_params": k_params}},
-            "layers": {"forward": _layers(fwd), "backward": _layers(bwd)},
+            "layers": {"forward": _layers(fwd), "backward": _layers(bwd),
+                       "gradients": _layers([p["grad"] for p in params])},
             "unmatched": self._unmatched(ta, tb),
             "forward": fwd, "backward": bwd, "params": params,
         }
@@ -270,7 +271,7 @@ def render(rep: dict[str, Any]) -> str:
                  + ", ".join(f"{k} {v}" for k, v in env["sources"].items())
                  + f"; rounding bound {env['rounding']['formula']} with C={env['rounding']['C']}, "
                  f"K={env['rounding']['K_sites']} (parameters {env['rounding']['K_params']})")
-    for direction in ("forward", "backward"):
+    for direction in ("forward", "backward", "gradients"):
         lines.append(f"per-layer largest relative error ({direction}):")
         for layer in rep["layers"][direction]:
             lines.append(f"  {layer['layer']:>6}  {layer['max_rel_l2']:.3g}  (envelope {layer['envelope']:.3g}, "

@@ -54,8 +54,8 @@ def parse(spec: str) -> Fault:
 
 
 def armed() -> Fault | None:
-    """The fault from the environment (read at import), or ``None``."""
-    return _ARMED
+    """The fault from the environment (read at import; a malformed spec is refused here), or ``None``."""
+    return parse(_SPEC) if _SPEC else None
 
 
 def install(model: torch.nn.Module, fault: Fault) -> torch.utils.hooks.RemovableHandle:
@@ -77,13 +77,15 @@ def install(model: torch.nn.Module, fault: Fault) -> torch.utils.hooks.Removable
     return modules[fault.module].register_forward_hook(perturb)
 
 
-_ARMED: Fault | None = None
+_SPEC: str | None = None
 
 
 def configure(spec: str | None = None) -> None:
     """(Re)arm from an explicit spec; ``configure()`` disarms.  Used by in-process tests."""
-    global _ARMED
-    _ARMED = parse(spec) if spec else None
+    global _SPEC
+    if spec:
+        parse(spec)  # refuse a malformed spec at once
+    _SPEC = spec or None
 
 
-configure(os.environ.get(FAULT_ENV))
+_SPEC = os.environ.get(FAULT_ENV) or None

@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from replayjob.errors import ContractError
+from replayjob.config import Config
+from replayjob.errors import ContractError, UsageError
 from replayjob.rl.batch import MicroBatch, OptimizerBatch, micro_batches
+from replayjob.trace import fault as faults
 from replayjob.trace.fault import Fault, install
-from replayjob.trace.store import Param, Site, Trace, make_param, row_stats
+from replayjob.trace.store import Param, Site, Trace, make_param, row_stats, write_trace
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
@@ -53,6 +56,7 @@ class Recorder:
                  params: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer,
                  fault: Fault | None = None):
         self.model = model
+        self.micro_batch_size = micro_batch_size
         self.plan: list[MicroBatch] = micro_batches(batch, micro_batch_size, pad_id)
         self.row_tokens = (batch.token_offsets[1:] - batch.token_offsets[:-1]).to(torch.int64)
         self.row_mb = torch.zeros(batch.rows, dtype=torch.int64)
@@ -193,3 +197,36 @@ class Recorder:
         bwd = self._sites(self.bwd_order, self.bwd_rows)
         return Trace(identity=identity, row_tokens=self.row_tokens.clone(), row_micro_batch=self.row_mb.clone(),
                      forward=fwd, backward=bwd, params=params, untraced=sorted(self.untraced - {s.name for s in fwd}))
+
+    def write(self, out: Path, metrics: dict[str, Any]) -> dict[str, str]:
+        """Write ``OUT/trace/`` for the replay whose (not yet written) ``metrics`` are given; return the
+        ``trace`` entry of replay_metrics.json (the index's path and SHA-256)."""
+        identity = {"manifest_sha256": metrics["optimizer_batch/manifest_sha256"],
+                    "logical_batch_sha256": metrics["optimizer/logical_batch_sha256"],
+                    "initial_adapter_sha256": metrics["optimizer_batch/initial_adapter_sha256"],
+                    "arm": metrics["arm"], "repeat_index": metrics["repeat_index"],
+                    "micro_batch_size": self.micro_batch_size,
+                    "gradient_checkpointing": metrics["runtime"]["backend.options.gradient_checkpointing"],
+                    "device": metrics["device"], "torch_version": metrics["torch_version"],
+                    "fault": self.fault.spec if self.fault is not None else None}
+        index, sha = write_trace(out, self.trace(identity))
+        return {"index_path": index.relative_to(out).as_posix(), "index_sha256": sha}
+
+
+@contextlib.contextmanager
+def traced_update(cfg: Config, policy: Any, optimizer: torch.optim.Optimizer,
+                  batch: OptimizerBatch | None) -> Iterator[Recorder | None]:
+    """Around a replay's one update: a :class:`Recorder` attached when ``optimizer_batch.trace`` is on
+    (``--trace``), else ``None`` with nothing attached (free when off).  The test-only fault
+    (:mod:`.fault`) is refused unless tracing is on."""
+    armed = faults.armed()
+    if not cfg.optimizer_batch.trace:
+        if armed is not None:
+            raise UsageError(f"{faults.FAULT_ENV} is set but tracing is off", hint="add --trace, or unset it")
+        yield None
+        return
+    assert batch is not None
+    rec = Recorder(policy.model, batch, cfg.training.micro_batch_size, policy.tokenizer.pad_id,
+                   policy.trainable(), optimizer, armed)
+    with rec.attached():
+        yield rec
