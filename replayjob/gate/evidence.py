@@ -21,9 +21,11 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from replayjob.config.diff import flatten
+from replayjob.deploy.schedule import DESIGNS, Slot
 from replayjob.digest import normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import read_regular_bytes
+from replayjob.hostinfo import placement
 from replayjob.jsonio import loads_strict
 from replayjob.optbatch.knobs import PRODUCERS, knobs_for
 
@@ -72,6 +74,18 @@ class Replay:
     measures: dict[str, float] = field(default_factory=dict)
     host: dict[str, Any] = field(default_factory=dict)  # replayjob.hostinfo: where it ran
     trace_index_sha256: str | None = None  # the trace/index.json a traced replay pins (docs/trace-format.md)
+    # Optional keys (docs/replay-metrics.md): the device string and the replay's place in a paired schedule.
+    budgets_sha256: str = ""
+    slot: Slot | None = None
+    device: str = ""
+    memory_kind: str = ""
+    in_process_wall_s: tuple[float, ...] | None = None  # measured in-process updates, if any
+    in_process_loss_equal: bool | None = None
+
+    @property
+    def placement(self) -> str:
+        """Node and device this replay ran on (:func:`replayjob.hostinfo.placement`), or ``""``."""
+        return placement(self.host, self.device)
 
     @property
     def label(self) -> str:
@@ -209,6 +223,40 @@ def _run_fields(f: _Fields) -> dict[str, Any]:
     }
 
 
+def _placement(f: _Fields) -> dict[str, Any]:
+    """The optional keys a budget decision reads: pin, schedule slot, device, in-process repeats."""
+    d = f.doc
+    out: dict[str, Any] = {}
+    if d.get("budgets_sha256"):
+        out["budgets_sha256"] = f.digest("budgets_sha256")
+    if "device" in d:
+        out["device"] = f.text("device", nonempty=False)
+    memory = d.get("memory")
+    if isinstance(memory, dict) and "kind" in memory:
+        out["memory_kind"] = f.text("kind", memory)
+    slot = d.get("schedule")
+    if slot is not None:
+        if not isinstance(slot, dict) or set(slot) != {"design", "seed", "block", "position"}:
+            raise f.fail("schedule", "must be null or an object with design, seed, block and position")
+        if slot["design"] not in DESIGNS:
+            raise f.fail("schedule.design", f"must be one of {', '.join(DESIGNS)}")
+        ints = [slot[k] for k in ("seed", "block", "position")]
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints):
+            raise f.fail("schedule", "seed, block and position must be integers >= 0")
+        out["slot"] = Slot(slot["design"], *ints)
+    ip = d.get("in_process")
+    if ip is not None:
+        walls = ip.get("local_train_wall_s") if isinstance(ip, dict) else None
+        if (not isinstance(walls, list) or not walls or not isinstance(ip.get("loss_equal"), bool)
+                or any(isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w < math.inf
+                       for w in walls)):
+            raise f.fail("in_process", "must be null or hold a non-empty list local_train_wall_s of "
+                                       "seconds and loss_equal")
+        out["in_process_wall_s"] = tuple(float(w) for w in walls)
+        out["in_process_loss_equal"] = ip["loss_equal"]
+    return out
+
+
 def read_replay(path: str | Path) -> Replay:
     """Read and validate one replay_metrics.json, or refuse naming the file and the field."""
     p = Path(path)
@@ -256,6 +304,7 @@ def read_replay(path: str | Path) -> Replay:
         knobs=knobs, skipped=f.names("skipped"), runtime=runtime, rows=rows,
         tolerances_sha256=f.digest("tolerances_sha256") if tol else "", measures=measures, host=host,
         trace_index_sha256=_trace_pin(f),
+        **_placement(f),
     )
 
 

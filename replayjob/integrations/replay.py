@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from replayjob import determinism
+from replayjob.deploy.schedule import Slot
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ArtifactExistsError, ContractError, UsageError
 from replayjob.integrations import capture as cap
@@ -104,8 +105,9 @@ def load_state(adm: Admission, session: ReplaySession) -> None:
         session.scheduler.load_state_dict(doc["scheduler"])
 
 
-def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0) -> dict[str, Any]:
-    """Admit, then run one replay into ``out``; return (and write) replay_metrics.json."""
+def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0, slot: Slot | None = None) -> dict[str, Any]:
+    """Admit, then run one replay into ``out``; return (and write) replay_metrics.json (``slot``: its place in
+    a paired schedule, recorded as for a built-in replay)."""
     if repeat_index < 0:
         raise UsageError(f"--repeat-index must be >= 0, found {repeat_index}")
     adm = admit(cfg)
@@ -158,10 +160,13 @@ def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0) -> dict[str, Any
                 "backward_wall_s": session.backward_wall_s, "optimizer_wall_s": t2 - t1},
         peak=peak, device=session.device, padding=padding(mbs), rows=cap.rows_summary(mbs),
         rng_restored=sorted({k for mb in mbs for k in mb.rng}),
-        tolerances_sha256=cfg.optimizer_batch.tolerances_sha256, config_sha256=cfg.sha256)
+        tolerances_sha256=cfg.optimizer_batch.tolerances_sha256, budgets_sha256=cfg.optimizer_batch.budgets_sha256,
+        config_sha256=cfg.sha256)
     metrics.update({"step": m.step,
                     "optimizer_batch/final_adapter_sha256": final_sha,
                     "final_adapter_path": cap.FINAL_ADAPTER_FILE, "provenance": prov,
+                    "schedule": None if slot is None else slot.to_json(),
+                    "in_process": None,  # in-process repeats: replayjob's own trainer only (refused at admission)
                     "wall_s": time.perf_counter() - t_start})
     write_metrics(out, metrics)
     return metrics

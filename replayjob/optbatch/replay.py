@@ -10,6 +10,14 @@ module is imported.
 ``replay_metrics.json`` (see ``docs/replay-metrics.md``) stands alone.  ``--repeat N`` runs N
 replays, each in a fresh ``python -m replayjob replay`` process so timings are independent, in
 ``DIR/repeat-000`` ...; each child gets its index through the internal ``--repeat-index`` option.
+A launcher running a paired schedule (:mod:`replayjob.deploy.schedule`) passes ``--slot``, which is
+recorded next to the ``host`` record so the reducer can pair replays by block and check where they ran.
+
+With ``optimizer_batch.measured_updates`` M (and ``warmup_updates`` W), after the fresh-process
+update (the one whose adapter is saved) the same update runs W + M more times in this process, each
+from the same restored state (adapter weights, a fresh optimizer, the captured RNG state); the W
+warm-up ones are discarded and the M measured ones are recorded under ``in_process``, apart from
+the fresh-process timing, with whether each reproduced the fresh update's loss bit for bit.
 """
 
 from __future__ import annotations
@@ -25,12 +33,13 @@ import torch
 import replayjob
 from replayjob import determinism
 from replayjob.config import Config, config_sha256, load_config
+from replayjob.deploy.schedule import Slot
 from replayjob.digest import sha256_file
 from replayjob.errors import ArtifactExistsError, ContractError, UsageError, error_for_exit_status
 from replayjob.fsio import atomic_write_bytes
 from replayjob.hostinfo import host_provenance
 from replayjob.jsonio import pretty_bytes, read_json_object
-from replayjob.model.backend import load_backend
+from replayjob.model.backend import Policy, load_backend
 from replayjob.optbatch import knobs, stepcapture
 from replayjob.optbatch.explain import SKIPPED, Admission, admit
 from replayjob.rl.diag import peak_memory_value
@@ -50,7 +59,38 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
     return n if isinstance(n, int) else None
 
 
-def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
+def _in_process(policy: Policy, cfg: Config, adm: Admission, start: dict[str, torch.Tensor],
+                loss: float) -> dict[str, Any] | None:
+    """The warm-up and measured in-process updates, each from the restored start state."""
+    ob = cfg.optimizer_batch
+    if not ob.measured_updates:
+        return None
+    assert adm.manifest is not None and adm.state is not None
+    assert adm.batch is not None and adm.rng is not None
+    walls: list[float] = []
+    peaks: list[int] = []
+    same = True
+    for i in range(ob.warmup_updates + ob.measured_updates):
+        with torch.no_grad():
+            for name, p in policy.trainable():
+                p.copy_(start[name])
+        optimizer = make_optimizer(policy, cfg)
+        stepcapture.restore_optimizer(optimizer, adm.manifest, adm.state)
+        restore_rng(adm.rng)
+        if policy.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(policy.device)
+        t0 = time.perf_counter()
+        res = optimizer_update(policy, optimizer, adm.batch, cfg)
+        wall = time.perf_counter() - t0
+        same = same and res.loss == loss
+        if i >= ob.warmup_updates:
+            walls.append(wall)
+            peaks.append(peak_memory_value(policy.device))
+    return {"warmup_updates": ob.warmup_updates, "measured_updates": ob.measured_updates,
+            "local_train_wall_s": walls, "peak_bytes": peaks, "loss_equal": same}
+
+
+def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = None) -> dict[str, Any]:
     """Admit, then run one replay into ``out``; return (and write) replay_metrics.json."""
     if repeat_index < 0:
         raise UsageError(f"--repeat-index must be >= 0, found {repeat_index}")
@@ -84,6 +124,8 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
                             where=adm.manifest.payload_path)
     optimizer = make_optimizer(policy, cfg)
     stepcapture.restore_optimizer(optimizer, adm.manifest, adm.state)  # a chosen step's pinned start state
+    start = ({n: p.detach().clone() for n, p in policy.trainable()}
+             if cfg.optimizer_batch.measured_updates else {})
     restore_rng(adm.rng)
     if policy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(policy.device)
@@ -93,12 +135,15 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
     local_train_wall_s = time.perf_counter() - t0
     peak = peak_memory_value(policy.device)
     final_file = policy.save_adapter(out / FINAL_ADAPTER_DIR)
+    in_process = _in_process(policy, cfg, adm, start, res.loss)
     observed = knobs.observe_all(knobs.Runtime(policy.model, tuple(res.micro_batch_rows)))
     metrics = _metrics(adm, cfg, repeat_index, res, local_train_wall_s, peak, policy.device, observed)
     metrics.update({
         "optimizer_batch/final_adapter_sha256": sha256_file(final_file),
         "final_adapter_path": str(final_file.relative_to(out)),
         "provenance": prov,
+        "schedule": None if slot is None else slot.to_json(),
+        "in_process": in_process,
         "wall_s": time.perf_counter() - t_start,
     })
     if tracer is not None:  # before replay_metrics.json, which pins the trace index
@@ -112,7 +157,7 @@ def metrics_document(*, framework: str, arm: str, repeat_index: int, pins: dict[
                      observed: list[str], knob_values: dict[str, Any], runtime: dict[str, Any], loss: float,
                      grad_norm: float, timing: dict[str, float], peak: int, device: torch.device,
                      padding: dict[str, Any], rows: dict[str, Any], rng_restored: list[str],
-                     tolerances_sha256: str, config_sha256: str) -> dict[str, Any]:
+                     tolerances_sha256: str, budgets_sha256: str, config_sha256: str) -> dict[str, Any]:
     """The ``replay_metrics.json`` document (docs/replay-metrics.md) before the final adapter, provenance
     and whole-run wall time are added; every producer's replay builds it here and writes it with
     :func:`write_metrics`.  ``runtime`` holds the observation of every registered knob of ``framework``
@@ -144,6 +189,7 @@ def metrics_document(*, framework: str, arm: str, repeat_index: int, pins: dict[
         "rows": rows,
         "rng_restored": rng_restored,
         "tolerances_sha256": tolerances_sha256.strip().lower(),  # checked at admission
+        "budgets_sha256": budgets_sha256.strip().lower(),
         "config_sha256": config_sha256,
         "host": host_provenance(device),  # node, GPU, driver, CUDA, image (replayjob.hostinfo)
     }
@@ -174,11 +220,12 @@ def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_tra
                  "padding_fraction": res.padding_fraction, "micro_batches": res.micro_batches},
         rows=adm.rows,  # counted and summed as the payload was verified
         rng_restored=sorted(adm.rng), tolerances_sha256=cfg.optimizer_batch.tolerances_sha256,
-        config_sha256=config_sha256(cfg))
+        budgets_sha256=cfg.optimizer_batch.budgets_sha256, config_sha256=config_sha256(cfg))
 
 
 def replay_command(config: str | Path, overrides: list[str], out: str | Path | None,
-                   repeat: int | None, repeat_index: int) -> list[tuple[Path, dict[str, Any]]]:
+                   repeat: int | None, repeat_index: int,
+                   slot: Slot | None = None) -> list[tuple[Path, dict[str, Any]]]:
     """``replayjob replay``: one replay in this process, or ``repeat`` fresh-process replays.
 
     A config with an ``[integration]`` table replays a capture from an external trainer
@@ -196,7 +243,7 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
             raise UsageError("an integration replay needs --out DIR")
 
         def one(d: Path, index: int) -> dict[str, Any]:
-            return integration_replay.replay(icfg, d, index)
+            return integration_replay.replay(icfg, d, index, slot)
 
         def refuse_early() -> None:
             admission.admit(icfg).raise_if_refused()
@@ -205,12 +252,14 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
         out_dir = Path(out or cfg.logging.dir)
 
         def one(d: Path, index: int) -> dict[str, Any]:
-            return replay(cfg, d, index)
+            return replay(cfg, d, index, slot)
 
         def refuse_early() -> None:
             admit(cfg, keep_rows=False).raise_if_refused()
     if repeat is None:
         return [(out_dir, one(out_dir, repeat_index))]
+    if slot is not None:
+        raise UsageError("--slot names one replay's place in a schedule; it does not combine with --repeat")
     if repeat < 1:
         raise UsageError(f"--repeat must be >= 1, found {repeat}")
     refuse_early()  # refuse once, before starting N processes
