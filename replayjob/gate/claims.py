@@ -21,7 +21,7 @@ from typing import Any
 
 from replayjob.digest import sha256_file
 from replayjob.errors import ReplayjobError
-from replayjob.gate.evidence import REQUIRED_SKIPS, Replay, Source, Tolerances
+from replayjob.gate.evidence import SKIPPED, Replay, Source, Tolerances
 from replayjob.optbatch.knobs import KNOBS
 
 PASS, FAIL, REFUSED, NOT_APPLICABLE = "pass", "fail", "refused", "not_applicable"
@@ -223,9 +223,9 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
     checks.append(Check("exact.config_differences", g, FAIL if bad else PASS,
                         {a.name: sorted(a.intent) for a in arms.values()}, observed,
                         "allowed == observed config differences == the arm's intended knobs", tuple(bad)))
-    missing = {r.label: sorted(set(REQUIRED_SKIPS) - set(r.skipped)) for r in replays}
+    missing = {r.label: sorted(set(SKIPPED) - set(r.skipped)) for r in replays}
     missing = {k: v for k, v in missing.items() if v}
-    checks.append(Check("exact.skipped", g, FAIL if missing else PASS, list(REQUIRED_SKIPS),
+    checks.append(Check("exact.skipped", g, FAIL if missing else PASS, list(SKIPPED),
                         {"missing": missing}, "every replay skipped dataset, environment, rollout, sampling",
                         tuple(missing)))
     checks.append(knobs_in_effect_check(arms, source))

@@ -38,6 +38,17 @@ from replayjob.config import Config, load_config, resolved
 from replayjob.errors import ArtifactExistsError, ConfigError, RefusedError
 from replayjob.faults import point
 from replayjob.fsio import atomic_write_bytes
+from replayjob.metrics import (
+    EFFECTIVE,
+    FINAL_ADAPTER,
+    INITIAL_ADAPTER,
+    LOGICAL,
+    MANIFEST,
+    MANIFEST_PATH,
+    PIN_KEYS,
+    SOURCE_FILE,
+    SOURCE_FINAL_ADAPTER,
+)
 from replayjob.optbatch import manifest, payload
 from replayjob.optbatch.contract import optimizer_contract
 from replayjob.rl.batch import OptimizerBatch
@@ -47,9 +58,7 @@ CRASH_POINTS = ("capture.start", "capture.before-payload", "capture.payload-writ
                 "capture.manifest-written", "capture.after-update", "capture.metrics")
 CAPTURE_STEP = 0
 Snapshot = tuple[int, OptimizerBatch, dict[str, torch.Tensor], dict[str, Any]]  # step, rows, RNG, producer
-METRIC_KEYS = ("optimizer/logical_batch_sha256", "optimizer/local_effective_rows_sha256",
-               "optimizer_batch/manifest_sha256", "optimizer_batch/initial_adapter_sha256",
-               "optimizer_batch/final_adapter_sha256")
+METRIC_KEYS = PIN_KEYS
 
 
 def check_preconditions(cfg: Config) -> ResumeState:
@@ -110,7 +119,7 @@ class CaptureHook:
         state = check_preconditions(cfg)
         for name in (manifest.payload_name(CAPTURE_STEP), manifest.manifest_name(CAPTURE_STEP)):
             if (out / name).exists():
-                if (out / "metrics.json").exists():
+                if (out / SOURCE_FILE).exists():
                     raise ArtifactExistsError("a capture already exists here and is never overwritten",
                                               where=out / name, hint="choose a new --out directory")
                 raise ArtifactExistsError("an interrupted capture (no metrics.json) already exists here and "
@@ -163,12 +172,8 @@ class CaptureHook:
                 adapter_sha256=self.state.adapter_sha256)
             sha = manifest.write(self.out / manifest.manifest_name(step), doc)
             point("capture.manifest-written")
-            self.digests = {
-                "optimizer/logical_batch_sha256": logical,
-                "optimizer/local_effective_rows_sha256": effective,
-                "optimizer_batch/manifest_sha256": sha,
-                "optimizer_batch/initial_adapter_sha256": self.state.adapter_sha256,
-            }
+            self.digests = {LOGICAL: logical, EFFECTIVE: effective, MANIFEST: sha,
+                            INITIAL_ADAPTER: self.state.adapter_sha256}
         except BaseException as exc:  # re-raised on the training thread by finish()
             self._error = exc
 
@@ -194,8 +199,8 @@ class CaptureHook:
         """Keys added to the source run's metrics.json: the digests a replay pins (after the writer)."""
         self.finish()
         point("capture.metrics")
-        return {**self.digests, "optimizer_batch/final_adapter_sha256": metrics["final_adapter_sha256"],
-                "optimizer_batch/manifest_path": manifest.manifest_name(CAPTURE_STEP)}
+        return {**self.digests, FINAL_ADAPTER: metrics[SOURCE_FINAL_ADAPTER],
+                MANIFEST_PATH: manifest.manifest_name(CAPTURE_STEP)}
 
 
 def capture(config: str | Path, overrides: list[str], out: str | Path | None) -> tuple[Path, dict[str, Any]]:

@@ -24,20 +24,19 @@ import torch
 
 import replayjob
 from replayjob import determinism
+from replayjob import metrics as metrics_io
 from replayjob.config import Config, config_sha256, load_config
 from replayjob.digest import sha256_file
 from replayjob.errors import ArtifactExistsError, ContractError, ReplayjobError, UsageError
-from replayjob.fsio import atomic_write_bytes
-from replayjob.jsonio import pretty_bytes, read_json_object
 from replayjob.model.backend import load_backend
 from replayjob.optbatch import knobs
-from replayjob.optbatch.explain import SKIPPED, Admission, admit
+from replayjob.optbatch.explain import Admission, admit
 from replayjob.rl.diag import peak_memory_value
 from replayjob.rl.state import check_model, restore_rng
 from replayjob.rl.update import make_optimizer, optimizer_update
 
-METRICS_SCHEMA = "replayjob.replay_metrics/v2"
-METRICS_FILE = "replay_metrics.json"
+METRICS_SCHEMA = metrics_io.REPLAY_SCHEMA
+METRICS_FILE = metrics_io.REPLAY_FILE
 FINAL_ADAPTER_DIR = "final_adapter"
 
 
@@ -92,12 +91,12 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
     observed = knobs.observe_all(knobs.Runtime(policy.model, tuple(res.micro_batch_rows)))
     metrics = _metrics(adm, cfg, repeat_index, res, local_train_wall_s, peak, policy.device, observed)
     metrics.update({
-        "optimizer_batch/final_adapter_sha256": sha256_file(final_file),
-        "final_adapter_path": str(final_file.relative_to(out)),
+        metrics_io.FINAL_ADAPTER: sha256_file(final_file),
+        metrics_io.FINAL_ADAPTER_PATH: str(final_file.relative_to(out)),
         "provenance": prov,
         "wall_s": time.perf_counter() - t_start,
     })
-    atomic_write_bytes(out / METRICS_FILE, pretty_bytes(metrics), exclusive=True)
+    metrics_io.write(out / METRICS_FILE, metrics, exclusive=True)
     return metrics
 
 
@@ -116,14 +115,14 @@ def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_tra
         "pins": {"expected_logical_sha256": adm.pins["expected_logical_sha256"],
                  "expected_manifest_sha256": adm.pins["expected_manifest_sha256"],
                  "payload_spans_sha256": m.payload_digest},
-        "optimizer/logical_batch_sha256": logical,
-        "optimizer/local_effective_rows_sha256": effective,
-        "optimizer_batch/manifest_sha256": m.sha256,
-        "optimizer_batch/initial_adapter_sha256": m.initial_adapter_sha256,
+        metrics_io.LOGICAL: logical,
+        metrics_io.EFFECTIVE: effective,
+        metrics_io.MANIFEST: m.sha256,
+        metrics_io.INITIAL_ADAPTER: m.initial_adapter_sha256,
         "allowed_config_differences": list(adm.allowed),
         "observed_config_differences": list(adm.observed),
         "knobs": adm.knob_values(),
-        "skipped": list(SKIPPED),
+        "skipped": list(metrics_io.SKIPPED),
         "runtime": observed,  # every registered knob as observed at run time
         "loss": res.loss,
         "grad_norm": res.grad_norm,
@@ -164,5 +163,5 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip()[-2000:]
             raise ReplayjobError(f"repeat {i} exited with status {proc.returncode}: {tail}", where=d)
-        results.append((d, read_json_object(d / METRICS_FILE)))
+        results.append((d, metrics_io.read_replay(d / METRICS_FILE).doc))
     return results

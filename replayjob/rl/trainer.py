@@ -22,11 +22,11 @@ from torch import Tensor
 
 import replayjob
 from replayjob import determinism
+from replayjob import metrics as metrics_io
 from replayjob.config import Config, config_sha256, resolved
 from replayjob.digest import sha256_file
 from replayjob.errors import ArtifactExistsError, ConfigError
-from replayjob.fsio import atomic_write_bytes
-from replayjob.jsonio import canonical_bytes, pretty_bytes
+from replayjob.jsonio import canonical_bytes
 from replayjob.model.backend import Policy, load_backend
 from replayjob.rl import stages
 from replayjob.rl.batch import OptimizerBatch
@@ -50,9 +50,9 @@ from replayjob.rl.update import UpdateResult, make_optimizer, optimizer_update
 if TYPE_CHECKING:
     from replayjob.bundle.hook import BundleCapture
 
-METRICS_SCHEMA = "replayjob.metrics/v1"
+METRICS_SCHEMA = metrics_io.SOURCE_SCHEMA
 DIAG_FILE = "diag.jsonl"
-METRICS_FILE = "metrics.json"
+METRICS_FILE = metrics_io.SOURCE_FILE
 FINAL_ADAPTER_DIR = "final_adapter"
 
 
@@ -295,8 +295,8 @@ def _run(cfg: Config, out: Path, hooks: list[StepHooks], bundles: BundleCapture 
         "loss": last.loss,
         "grad_norm": last.grad_norm,
         "initial_adapter_sha256": initial_sha,
-        "final_adapter_sha256": sha256_file(final_file),
-        "final_adapter_path": str(final_file.relative_to(out)),
+        metrics_io.SOURCE_FINAL_ADAPTER: sha256_file(final_file),
+        metrics_io.FINAL_ADAPTER_PATH: str(final_file.relative_to(out)),
         "config_sha256": config_sha256(cfg),
         "config": resolved(cfg),
         "provenance": prov,
@@ -308,5 +308,5 @@ def _run(cfg: Config, out: Path, hooks: list[StepHooks], bundles: BundleCapture 
             metrics.update(contribute(metrics))
     if bundles is not None:  # before metrics.json, which declares the whole run (bundles included) complete
         bundles.close()  # training is over: drain the background writer, report any write error
-    atomic_write_bytes(out / METRICS_FILE, pretty_bytes(metrics))
+    metrics_io.write(out / METRICS_FILE, metrics)
     return metrics
