@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import replayjob
 from replayjob.digest import sha256_file
@@ -33,6 +33,9 @@ from replayjob.gate.evidence import (
     read_source,
     read_tolerances,
 )
+
+if TYPE_CHECKING:
+    from replayjob.optbatch.manifest import Manifest
 
 CLAIMS = ("exact-input", "bitwise", "approximate")
 
@@ -59,7 +62,7 @@ class _State:
         self.source: Source | None = None
         self.tolerances: Tolerances | None = None
         self.initial: dict[str, Any] | None = None
-        self.capture: Any = None  # the verified capture manifest (replayjob.optbatch.manifest.Manifest)
+        self.capture: Manifest | None = None  # the capture manifest, verified against the source metrics
         self.plan: dict[str, dict[str, Any]] | None = None
         self.arms: dict[str, C.Arm] = {}
         self.checks: list[C.Check] = []
@@ -109,8 +112,7 @@ def _evaluate(req: Request, st: _State) -> None:
     st.tolerances = read_tolerances(req.tolerances) if req.tolerances is not None else None
     st.checks = C.input_checks(st.replays, st.arms, st.source, req.min_repeats, expected_arms)
     if st.source is not None:
-        st.capture = _capture_manifest(st.source)
-        m = st.capture
+        m = st.capture = _capture_manifest(st.source)
         st.checks.append(C.capture_pins_check(st.replays, st.source, {
             "manifest": m.sha256, "payload": m.payload_digest, "logical": m.logical_sha256,
             "effective": m.effective_sha256, "initial_adapter": m.initial_adapter_sha256}))
@@ -122,7 +124,7 @@ def _evaluate(req: Request, st: _State) -> None:
         _approximate(st)
 
 
-def _capture_manifest(source: Source) -> Any:
+def _capture_manifest(source: Source) -> Manifest:
     """The capture manifest next to the source metrics, verified against the SHA-256 they report."""
     from replayjob.optbatch.manifest import read_verified
 
@@ -134,7 +136,7 @@ def _capture_manifest(source: Source) -> Any:
     return read_verified(manifests[0], source.manifest)
 
 
-def _initial_adapter(source: Source, man: Any) -> Path:
+def _initial_adapter(source: Source, man: Manifest) -> Path:
     """The initial adapter pinned by the capture manifest ``man``, found with its pinned SHA-256."""
     pinned = man.doc["initial_adapter"]
     raw = Path(str(pinned["path"]))
@@ -157,6 +159,7 @@ def _approximate(st: _State) -> None:
             st.checks.append(C.Check(name, g, C.FAIL, None, None, "not evaluated: the evidence above is refused"))
         return
     assert st.tolerances is not None
+    assert st.capture is not None  # read with the source
     initial = _initial_adapter(st.source, st.capture)
     st.initial = {"path": initial, "sha256": st.source.initial_adapter}
     members = [updates.Member("source", "source", st.source.final_adapter_file)]
