@@ -163,15 +163,16 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
     """The source metrics and every replay's recorded pins against the verified capture manifest.
 
     ``capture`` holds the manifest's own digests (``manifest``, ``payload``, ``logical``,
-    ``effective``, ``initial_adapter``): a replay whose recorded payload or manifest pin names
-    another capture, or source metrics that disagree with their manifest, is refused.
+    ``effective``, ``initial_adapter``): a replay whose recorded payload, manifest or logical pin
+    names another capture, or source metrics that disagree with their manifest, is refused.
     """
     values = [(f"source {k}", getattr(source, k), capture[k])
               for k in ("manifest", "logical", "effective", "initial_adapter")]
     for r in replays:
         values += [(f"{r.label} manifest", r.manifest, capture["manifest"]),
                    (f"{r.label} manifest pin", r.pin_manifest, capture["manifest"]),
-                   (f"{r.label} payload pin", r.pin_payload, capture["payload"])]
+                   (f"{r.label} payload pin", r.pin_payload, capture["payload"]),
+                   (f"{r.label} logical pin", r.pin_logical, capture["logical"])]
     bad = {label: {"recorded": got, "capture": want} for label, got, want in values if got != want}
     return Check("inputs.capture_pins", "inputs", REFUSED if bad else PASS,
                  {"manifest": capture["manifest"], "payload_spans_sha256": capture["payload"]},
