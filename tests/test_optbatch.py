@@ -79,6 +79,17 @@ def repin(d: Path, data: bytes) -> str:
     return sha256_bytes(raw)
 
 
+BUILT_IN_KNOBS = (GC, "backend.options.attn_implementation", "training.micro_batch_size")
+
+
+def observed(rm: dict[str, Any]) -> dict[str, Any]:
+    """The runtime observations of the built-in trainer's knobs (every registered knob is recorded)."""
+    from replayjob.optbatch.knobs import KNOBS
+
+    assert set(rm["runtime"]) == set(KNOBS)
+    return {k: rm["runtime"][k] for k in BUILT_IN_KNOBS}
+
+
 @pytest.fixture(scope="module")
 def baseline(workspace: Path, capture_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("replay") / "baseline"
@@ -254,7 +265,7 @@ def test_same_condition_replay_matches_the_source_bitwise(baseline: Path, captur
     assert rm["arm"] == "baseline" and rm["repeat_index"] == 0
     assert rm["skipped"] == ["dataset", "environment", "rollout", "sampling"]
     # every registered knob as observed at run time, not copied from the config
-    assert rm["runtime"] == {GC: False, "backend.options.attn_implementation": "eager", "training.micro_batch_size": 4}
+    assert observed(rm) == {GC: False, "backend.options.attn_implementation": "eager", "training.micro_batch_size": 4}
     assert rm["allowed_config_differences"] == rm["observed_config_differences"] == []
     assert rm["memory"]["kind"] == "max_rss" and rm["memory"]["peak_bytes"] > 0
     assert rm["padding"]["real_tokens"] <= rm["padding"]["padded_tokens"]
@@ -278,7 +289,7 @@ def test_gradient_checkpointing_arm_records_the_flag_and_matches(baseline: Path,
                     f'optimizer_batch.allow_config_differences=["{GC}"]', out=tmp_path)) == 0
     rm = json.loads((tmp_path / "replay_metrics.json").read_text())
     base = json.loads((baseline / "replay_metrics.json").read_text())
-    assert rm["runtime"] == {GC: True, "backend.options.attn_implementation": "eager", "training.micro_batch_size": 4}
+    assert observed(rm) == {GC: True, "backend.options.attn_implementation": "eager", "training.micro_batch_size": 4}
     assert rm["arm"] == "gradient_checkpointing=true" and rm["knobs"] == {GC: True}
     assert rm["allowed_config_differences"] == rm["observed_config_differences"] == [GC]
     assert rm["loss"] == source_metrics(capture_dir)["loss"]
@@ -523,4 +534,6 @@ def test_every_registered_knob_is_observed_at_run_time() -> None:
     model = torch.nn.Linear(2, 2)
     model.gradient_checkpointing = True  # type: ignore[assignment]  # what transformers sets on a module
     seen = observe_all(Runtime(model, (4, 4, 2)))
-    assert seen == {GC: True, "backend.options.attn_implementation": None, "training.micro_batch_size": 4}
+    assert set(seen) == set(KNOBS)
+    assert {k: seen[k] for k in BUILT_IN_KNOBS} == {GC: True, "backend.options.attn_implementation": None,
+                                                    "training.micro_batch_size": 4}
