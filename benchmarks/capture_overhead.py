@@ -3,7 +3,7 @@
 "On" is optimizer-batch capture (``[optimizer_batch] capture = true``: payload + manifest written at
 the optimizer boundary) together with trajectory-bundle capture (``REPLAYJOB_BUNDLE_CAPTURE=1``,
 ``REPLAYJOB_BUNDLE_DIR``); "off" is the identical config with both off.  Capture covers exactly one
-step from an initialisation state, so every timed step is a fresh one-step ``train()`` call in its
+step from an initialisation state, so every timed step is a fresh one-step ``train_source()`` call in its
 own output directory, from the same ``replayjob init`` state, in this one process (imports and
 model code warm).  Arms alternate (on, off, on, ...) so drift in the machine hits both alike.
 
@@ -19,10 +19,12 @@ training thread never waits on disk).  Also reported: the median of the per-pair
 seconds the training thread spends inside the capture hooks' calls (timed around each call), which
 is what capture itself adds to the step and does not drown in the machine's noise.
 
-Steady state (reported, not judged): ``--steady-steps`` runs of several steps with bundle capture on
-every step against the same runs with it off; each step's seconds include whatever the previous
-step's bundle writer still does in the background, which on a CPU-only machine shares the cores
-with the next step.
+Steady state: ``--steady-steps`` runs of several steps with bundle capture on every step against
+the same runs with it off; each step's seconds include whatever the previous step's bundle writer
+still does in the background, which on a CPU-only machine shares the cores with the next step.
+Reported: the wall-time ratio of steady steps, and the ratio of the process's CPU seconds per
+steady step (all threads, between consecutive steps' rollouts, :class:`CpuClock`), the figure
+the steady-state target (<= 1.05) is stated on in ``benchmarks/README.md``.
 
 On a machine whose cores are all busy, the background bundle writer competes with Torch's
 intra-op threads (one per core by default) and every parallel region can stall; ``--threads 1``
@@ -43,17 +45,19 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from replayjob.rl.hooks import StepHook
 
 NAME = "capture_overhead"
 TARGET = 1.05
+STEADY_CPU_TARGET = 1.05  # bundle capture at every step, process CPU seconds per steady step (issue 19)
 BUNDLE_ENV = ("REPLAYJOB_BUNDLE_CAPTURE", "REPLAYJOB_BUNDLE_DIR")
 SMOKE_SETS = ["inference.max_new_tokens=2", "algorithm.prompts_per_step=1", "algorithm.group_size=2"]
 
 
-class StepClock:
+class StepClock(StepHook):
     """Brackets one trainer step: the first hook call and the trainer's diag-row call after it.
 
-    Passed to ``train()`` as the first hook, its ``on_rollout`` runs right after sampling and before
+    Passed to ``train_source()`` as the first hook, its ``on_rollout`` runs right after sampling and before
     any capture hook; the trainer builds the step's diag row right after the last hook's
     ``after_update``, so wrapping :func:`replayjob.rl.trainer.diag_row` (restored afterwards) reads
     the clock once every capture hook has returned.  Step seconds = the trainer's own
@@ -66,12 +70,6 @@ class StepClock:
 
     def on_rollout(self, rollout: Any) -> None:
         self.t_rollout = time.perf_counter()
-
-    def before_update(self, step: int, batch: Any) -> None:
-        return None
-
-    def after_update(self, step: int, result: Any) -> None:
-        return None
 
     @contextlib.contextmanager
     def around_diag_row(self) -> Iterator[None]:
@@ -135,7 +133,8 @@ def _bundle_env(bundle_dir: Path, capture: bool) -> dict[str, str | None]:
 def _one_run(cfg_path: Path, sets: list[str], out: Path, capture: bool) -> dict[str, Any]:
     from replayjob.config import load_config
     from replayjob.jsonio import loads_strict
-    from replayjob.rl.trainer import train
+    from replayjob.metrics import MANIFEST
+    from replayjob.source_run import train_source
 
     overrides = [*sets, f"optimizer_batch.capture={'true' if capture else 'false'}"]
     cfg = load_config(cfg_path, overrides)
@@ -146,7 +145,7 @@ def _one_run(cfg_path: Path, sets: list[str], out: Path, capture: bool) -> dict[
     gc.collect()
     with common.environment(env), clock.around_diag_row(), hooks.installed():
         t0, c0 = time.perf_counter(), time.process_time()
-        metrics = train(cfg, out, [clock])
+        metrics = train_source(cfg, out, [clock])
         run_s, run_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     row = loads_strict((out / "diag.jsonl").read_bytes().splitlines()[0])
     sample_s = float(row["timing"]["sample_wall_s"])
@@ -157,7 +156,7 @@ def _one_run(cfg_path: Path, sets: list[str], out: Path, capture: bool) -> dict[
         "hooks_s": hooks.seconds,
         "run_s": run_s,
         "run_cpu_s": run_cpu_s,
-        "optbatch_manifest": bool(metrics.get("optimizer_batch/manifest_sha256")),
+        "optbatch_manifest": bool(metrics.get(MANIFEST)),
         "bundles": sorted(p.parent.name for p in bundle_dir.rglob("COMPLETE")) if bundle_dir.is_dir() else [],
         "loss": metrics["loss"],
     }
@@ -172,18 +171,33 @@ def _steady_run(cfg_path: Path, sets: list[str], out: Path, capture: bool, steps
     """
     from replayjob.config import load_config
     from replayjob.jsonio import loads_strict
-    from replayjob.rl.trainer import train
+    from replayjob.source_run import train_source
 
     cfg = load_config(cfg_path, [*sets, "optimizer_batch.capture=false", f"training.max_steps={steps}"])
     bundle_dir = out / "bundles"
     env = _bundle_env(bundle_dir, capture)
+    cpu = CpuClock()
     gc.collect()
     with common.environment(env):
-        metrics = train(cfg, out)
+        metrics = train_source(cfg, out, [cpu])
     elapsed = [float(loads_strict(line)["timing"]["elapsed_s"])
                for line in (out / "diag.jsonl").read_bytes().splitlines()]
     return {"step_s": [b - a for a, b in itertools.pairwise(elapsed)], "loss": metrics["loss"],
+            "cpu_s": [b - a for a, b in itertools.pairwise(cpu.marks)],
             "bundles": len(list(bundle_dir.rglob("COMPLETE"))) if bundle_dir.is_dir() else 0}
+
+
+class CpuClock(StepHook):
+    """Process CPU seconds (every thread's, the bundle writer's included) at each step's rollout.
+
+    Consecutive marks bracket one whole step: its update, the writing its bundles cause in the
+    background while the next step samples, and that sampling."""
+
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+
+    def on_rollout(self, rollout: Any) -> None:
+        self.marks.append(time.process_time())
 
 
 def steady(repeats: int, sets: list[str], work: Path, steps: int) -> dict[str, list[dict[str, Any]]]:
@@ -264,11 +278,16 @@ def main(argv: list[str] | None = None) -> int:
     if steady_runs is not None:
         s_on = common.stats([x for r in steady_runs["on"] for x in r["step_s"]])
         s_off = common.stats([x for r in steady_runs["off"] for x in r["step_s"]])
+        c_on = common.stats([x for r in steady_runs["on"] for x in r["cpu_s"]])
+        c_off = common.stats([x for r in steady_runs["off"] for x in r["cpu_s"]])
         steady_m = {"steady_steps": steady_steps, "steady_step_on_s": s_on, "steady_step_off_s": s_off,
                     "steady_ratio": common.ratio(s_on["median"], s_off["median"]),
+                    "steady_cpu_on_s": c_on, "steady_cpu_off_s": c_off,
+                    "steady_cpu_ratio": common.ratio(c_on["median"], c_off["median"]),
                     "steady_bundles_per_run": [r["bundles"] for r in steady_runs["on"]]}
         steady_detail = (f"; steady state ({steady_steps}-step runs, bundle capture every step) "
-                         f"{steady_m['steady_ratio']:.3f}x ({s_on['median']:.4f} vs {s_off['median']:.4f} s)")
+                         f"{steady_m['steady_ratio']:.3f}x ({s_on['median']:.4f} vs {s_off['median']:.4f} s), "
+                         f"CPU seconds {steady_m['steady_cpu_ratio']:.3f}x (target <= {STEADY_CPU_TARGET:g})")
         if any(r["bundles"] != 2 * steady_steps for r in steady_runs["on"]):
             notes.append("a steady-state run did not write two bundles per step")
         if len({r["loss"] for r in steady_runs["on"] + steady_runs["off"]}) != 1:

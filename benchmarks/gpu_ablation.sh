@@ -14,7 +14,8 @@
 #   --results DIR  where the benchmark JSON goes (default benchmarks/results)
 #   --tiny         the same chain on CPU with the built-in tiny model (what CI runs; not a figure)
 #   --dry-run      print every command of the run and exit without running anything
-# Exit status: the exact-input verdict's (0 pass, 1 fail, 2 refused); 2 for a usage or setup error.
+# Exit status: the exact-input verdict's (0 pass, 1 fail, 2 refused, 3 error: rerun); 2 for a usage or
+# setup error.
 #
 # Model size and why: hidden 1024, MLP 4096, 20 layers, 16 heads of 64, 4 KV heads, 512 positions:
 # about 0.3 B parameters (0.6 GB in bf16), LoRA r=16 on q/k/v/o.  Every replay is a fresh process
@@ -134,9 +135,9 @@ if [ "$DRY" = 1 ]; then
   PIN_ARGS=(--set 'optimizer_batch.expected_logical_sha256="<from OUT/source/metrics.json>"'
             --set 'optimizer_batch.expected_manifest_sha256="<from OUT/source/metrics.json>"')
 else
-  mapfile -t PINS < <("$PY" -c 'import json, sys
-m = json.load(open(sys.argv[1]))
-print(m["optimizer/logical_batch_sha256"]); print(m["optimizer_batch/manifest_sha256"])' "$OUT/source/metrics.json")
+  mapfile -t PINS < <("$PY" -c 'import sys
+from replayjob.metrics import read_pins
+print(*read_pins(sys.argv[1])[:2], sep="\n")' "$OUT/source")
   PIN_ARGS=(--set "optimizer_batch.expected_logical_sha256=\"${PINS[0]}\""
             --set "optimizer_batch.expected_manifest_sha256=\"${PINS[1]}\"")
 fi

@@ -5,13 +5,21 @@ Usage:
   replayjob train <config> [--out DIR] [--set KEY=VALUE]...
   replayjob capture <config> [--out DIR] [--set KEY=VALUE]...
   replayjob explain <config> [--json] [--set KEY=VALUE]...
-  replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--set KEY=VALUE]...
+  replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--trace] [--set KEY=VALUE]...
   replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR] [--tolerances FILE]
-                   [--min-repeats N] [--baseline ARM] [--arms LIST] [--spec FILE] [--report FILE]
-  replayjob ablation plan <spec> [--arms LIST] [--repeats N] [--device D]
-  replayjob ablation index <spec> <index> [--arms LIST] [--repeats N] [--device D]
+                   [--min-repeats N] [--baseline ARM] [--arms LIST] [--spec SPEC] [--report FILE]
+                   [--mixed-hardware]
+  replayjob step plan --spec SPEC [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
+  replayjob step capture --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--outputs DIR]
+                   [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
+  replayjob step replay --spec SPEC --run-dir DIR --index I [--workspace DIR] [--source DIR]
+                   [--pins PINS] [--plant PLANT]... [--wait-s S] [--arms LIST] [--repeats N] [--device D]
+                   [--claim CLAIM]
+  replayjob step reduce --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--wait-s S] [--outputs DIR]
+                   [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob k8s render <spec> [--out DIR] [--argo FILE]
   replayjob k8s submit <spec> [--namespace NS] [--wait]
+  replayjob trace-diff <a> <b> [--reference DIR]... [--json]
   replayjob diag-diff <a.jsonl> <b.jsonl> [--rtol R] [--atol A] [--ignore GLOB]... [--top N] [--json]
   replayjob determinism-check <config> [--runs K] [--steps N] [--out DIR] [--set KEY=VALUE]...
                    [--rtol R] [--atol A] [--ignore GLOB]... [--top N] [--json]
@@ -34,10 +42,16 @@ Commands:
 
   reduce     Reduce replay metrics to a verdict (exact-input | bitwise | approximate); --out is the
              verdict file, --report a markdown report (plus a PNG with the 'plot' extra).
-  ablation   The fan-out of an ablation spec as KEY=VALUE lines for shell launchers (Slurm):
-             `plan` the whole array, `index` one task's arm, repeat and overrides.
+  step       One stage of an ablation under one run directory, the command every launcher runs
+             (Jobs, Argo, Slurm, scripts): `capture` (init + capture, reused when complete),
+             `replay --index I` (index -> arm, repeat; strict pins), `reduce` (every arm of the
+             spec; always writes RUN/verdict.json), `plan` (size, parallelism, arms: KEY=VALUE).
   k8s        `render` an ablation spec as Kubernetes manifests (--out DIR; --argo FILE for the
              Argo workflow), or `submit` them with the kubernetes client (--wait: the reducer's code).
+  trace-diff Compare two traced replays (replay --trace) of one capture, or two arm directories of
+             them: the first divergent module in forward and in backward order, per-layer errors,
+             each divergence classified bitwise equal / within the noise envelope / beyond it
+             (docs/trace-format.md); exit 0 identical, 1 divergent, 2 refused.
   diag-diff  Compare two JSONL diagnostics leaf by leaf (rows aligned by step, else position);
              exit 1 on drift with the first divergent row and its largest drifts.
   determinism-check
@@ -58,24 +72,37 @@ Options:
   --json            Print the result as JSON.
   --repeat N        Run N replays, each in a fresh process, in DIR/repeat-000 ...
   --repeat-index I  Internal: this replay's index within its arm (set by --repeat and launchers).
+  --trace           replay: also record a layer-level trace into DIR/trace (optimizer_batch.trace).
   --claim CLAIM     Claim to gate: exact-input, bitwise or approximate.
-  --source DIR      The capture run's output directory (its metrics.json and manifest); required.
+  --source DIR      The capture run's output directory (its metrics.json and manifest); required by
+                    reduce. step: a finished capture to use instead of RUN/source.
   --tolerances FILE Predeclared tolerance TOML, pinned by SHA-256 in the replay configs.
-  --min-repeats N   Fewest fresh replays per arm; fewer is refused [default: 3].
+  --min-repeats N   Fewest fresh replays per arm; fewer is refused (default 3).
   --baseline ARM    Arm the others' timing and memory are compared with.
   --report FILE     Also write a markdown report (and a PNG next to it).
-  --arms LIST       Comma-separated arms. ablation: a subset of the spec's arms (kept in file order).
+  --mixed-hardware  reduce: the replays may differ in GPU, driver, CUDA, torch or image (declared);
+                    without it such a mix is refused (inputs.same_hardware).
+  --arms LIST       Comma-separated arms. step: a subset of the spec's arms (kept in file order).
                     reduce: every arm the verdict must contain; an arm with no replay at all (or
                     one not named) is refused.
-  --spec FILE       reduce: the ablation spec the replays were launched from; each arm's intended
-                    knobs come from its overrides there, and a replay launched without exactly
-                    them is refused (--arms, if given, selects a subset of the spec's arms;
-                    otherwise every arm of the spec must be there).
   --repeats N       Replays per arm instead of the spec's repeats.
   --device D        cuda or cpu instead of the spec's device.
+  --spec SPEC       The ablation spec TOML (examples/ablation.toml).  reduce: the spec the replays
+                    were launched from; each arm's intended knobs come from its overrides there, and
+                    a replay launched without exactly them is refused (--arms, if given, selects a
+                    subset of the spec's arms; otherwise every arm of the spec must be there).
+  --run-dir DIR     step: the run's directory (one per submission; see docs/cluster.md for its layout).
+  --workspace DIR   step: an existing `replayjob init` directory instead of RUN/workspace.
+  --outputs DIR     step: also write pins, plan.json and verdict.json here (Argo output parameters).
+  --index I         step replay: the array index (arms in file order, repeats innermost).
+  --pins PINS       step replay: LOGICAL,MANIFEST handed over by a controller; must equal the capture's.
+  --plant PLANT     step replay: ARM:KEY=VALUE, an undeclared override in one arm (a negative control).
+  --wait-s S        step: wait up to S seconds for an earlier stage's output [default: 0].
   --argo FILE       Also write the Argo workflow (kubectl apply -f FILE) for the spec.
-  --namespace NS    Kubernetes namespace to create the ablation's objects in [default: default].
-  --wait            Create the Jobs stage by stage and exit with the reducer's code.
+  --namespace NS    Kubernetes namespace (default: the kubeconfig context's, or the pod's own).
+  --wait            Also wait for the reducer and exit with its code (submit always creates the
+                    stages in order: replays only after the capture succeeded).
+  --reference DIR   trace-diff: a replay of a pair (give it twice) declared to differ only by noise.
   --rtol R          diag-diff: numbers are equal when |a-b| <= atol + rtol*|b| [default: 1e-5].
   --atol A          diag-diff: absolute tolerance [default: 1e-7].
   --ignore GLOB     diag-diff: also ignore leaves matching GLOB (only * and ? are wildcards).
@@ -96,7 +123,9 @@ Options:
   -h --help         Show this help.
   --version         Show the version.
 
-Exit codes: 0 pass, 1 a valid negative verdict, 2 refused (bad input or usage).
+Exit codes: 0 pass, 1 a valid negative verdict, 2 refused (bad input or usage), 3 error (nothing
+was decided: a bug, out of memory, a device or filesystem failure; retrying may help; the traceback
+goes to replayjob-error-*.txt in the command's output directory, or to stderr).  1 and 2 are final.
 
 Leaves diag-diff and determinism-check ignore by default (wall-clock times, rates, memory peaks;
 a pattern matches the full leaf path or its last key): elapsed_s, *_elapsed_s, wall_s, *_wall_s,
@@ -106,6 +135,7 @@ a pattern matches the full leaf path or its last key): elapsed_s, *_elapsed_s, w
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -113,7 +143,7 @@ from typing import Any
 from docopt import DocoptExit, docopt
 
 from replayjob import __version__
-from replayjob.errors import EXIT_REFUSED, ReplayjobError, UsageError
+from replayjob.errors import EXIT_ERROR, EXIT_REFUSED, ReplayjobError, UsageError
 
 Handler = Callable[[dict[str, Any]], int]
 
@@ -137,32 +167,36 @@ def cmd_init(args: dict[str, Any]) -> int:
 def cmd_train(args: dict[str, Any]) -> int:
     from pathlib import Path
 
+    from replayjob import metrics as M
     from replayjob.config import load_config
-    from replayjob.rl.trainer import train
+    from replayjob.source_run import train_source
 
     cfg = load_config(args["<config>"], args["--set"])
     out = Path(args["--out"] or cfg.logging.dir)
-    metrics = train(cfg, out)
+    metrics = train_source(cfg, out)
     print(f"trained {metrics['steps_run']} step(s); loss {metrics['loss']!r}")
-    print(f"final adapter sha256 {metrics['final_adapter_sha256']}")
+    print(f"final adapter sha256 {metrics[M.SOURCE_FINAL_ADAPTER]}")
     _print_capture_pins(metrics)
-    print(f"wrote {out}/diag.jsonl, {out}/metrics.json")
+    print(f"wrote {out}/diag.jsonl, {out}/{M.SOURCE_FILE}")
     return 0
 
 
 def _print_capture_pins(metrics: dict[str, Any]) -> None:
+    from replayjob.metrics import CAPTURE_PREFIXES
+
     for key in sorted(metrics):
-        if key.startswith(("optimizer/", "optimizer_batch/")):
+        if key.startswith(CAPTURE_PREFIXES):
             print(f"{key} {metrics[key]}")
 
 
 def cmd_capture(args: dict[str, Any]) -> int:
-    from replayjob.optbatch.capture import capture
+    from replayjob import metrics as M
+    from replayjob.source_run import capture
 
     out, metrics = capture(args["<config>"], args["--set"], args["--out"])
     print(f"captured step 0 into {out}; loss {metrics['loss']!r}")
     _print_capture_pins(metrics)
-    print(f"wrote {out}/{metrics['optimizer_batch/manifest_path']} (last), {out}/metrics.json")
+    print(f"wrote {out}/{metrics[M.MANIFEST_PATH]} (last), {out}/{M.SOURCE_FILE}")
     return 0
 
 
@@ -178,21 +212,24 @@ def cmd_explain(args: dict[str, Any]) -> int:
 
 
 def cmd_replay(args: dict[str, Any]) -> int:
+    from replayjob import metrics as M
     from replayjob.optbatch.replay import replay_command
 
     repeat = _int(args, "--repeat") if args["--repeat"] is not None else None
     index = _int(args, "--repeat-index") if args["--repeat-index"] is not None else 0
-    for out, m in replay_command(args["<config>"], args["--set"], args["--out"], repeat, index):
+    sets = [*args["--set"], *(["optimizer_batch.trace=true"] if args["--trace"] else [])]
+    for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index):
         print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}, "
-              f"final adapter sha256 {m['optimizer_batch/final_adapter_sha256']}, "
+              f"final adapter sha256 {m[M.FINAL_ADAPTER]}, "
               "in effect: " + ", ".join(f"{k}={v}" for k, v in sorted(m["runtime"].items())))
-        print(f"wrote {out}/replay_metrics.json")
+        print(f"wrote {out}/{M.REPLAY_FILE}")
     return 0
 
 
 def cmd_reduce(args: dict[str, Any]) -> int:
     from pathlib import Path
 
+    from replayjob.deploy.ablation import load_spec
     from replayjob.gate.reducer import Request, reduce_evidence
 
     def opt(key: str) -> Path | None:
@@ -201,35 +238,59 @@ def cmd_reduce(args: dict[str, Any]) -> int:
     out = Path(args["--out"])
     verdict = reduce_evidence(Request(
         paths=args["<path>"], claim=args["--claim"], out=out, source=opt("--source"),
-        tolerances=opt("--tolerances"), min_repeats=_int(args, "--min-repeats"),
-        baseline=args["--baseline"], report=opt("--report"), spec=opt("--spec"),
-        arms=tuple(a.strip() for a in args["--arms"].split(",")) if args["--arms"] is not None else None))
+        tolerances=opt("--tolerances"),
+        min_repeats=_int(args, "--min-repeats") if args["--min-repeats"] is not None else 3,
+        baseline=args["--baseline"], report=opt("--report"),
+        arms=tuple(a.strip() for a in args["--arms"].split(",")) if args["--arms"] is not None else None,
+        spec=load_spec(args["--spec"]) if args["--spec"] is not None else None,
+        mixed_hardware=bool(args["--mixed-hardware"])))
     print(verdict.summary())
     print(f"wrote {out}" + (f", {args['--report']}" if args["--report"] else ""))
     verdict.raise_for_status()
     return 0
 
 
-def cmd_ablation(args: dict[str, Any]) -> int:
-    from replayjob.deploy.ablation import load_spec
-    from replayjob.deploy.plan import plan_lines, select, task_lines
+def cmd_step(args: dict[str, Any]) -> int:
+    import signal
+    from pathlib import Path
 
-    spec = select(load_spec(args["<spec>"]), args["--arms"],
-                  _int(args, "--repeats") if args["--repeats"] is not None else None, args["--device"])
-    lines = task_lines(spec, _int(args, "<index>")) if args["index"] else plan_lines(spec)
-    print("\n".join(lines))
+    from replayjob.deploy import step
+    from replayjob.deploy.ablation import load_spec
+    from replayjob.errors import OperationalError
+
+    def terminated(signum: int, frame: object) -> None:  # preemption, eviction, scancel: retryable
+        raise OperationalError(f"terminated by signal {signum} (preemption, eviction or cancellation)")
+
+    signal.signal(signal.SIGTERM, terminated)
+    spec = step.select(load_spec(args["--spec"]), args["--arms"],
+                       _int(args, "--repeats") if args["--repeats"] is not None else None,
+                       args["--device"], args["--claim"])
+    if args["plan"]:
+        print("\n".join(step.plan_lines(spec)))
+        return 0
+    step.ensure_determinism_env(args[_ARGV], reexec=args[_REEXEC])
+    layout = step.Layout.of(args["--run-dir"], args["--workspace"], args["--source"])
+    outputs = Path(args["--outputs"]) if args["--outputs"] else None
+    wait_s = _int(args, "--wait-s")
+    if args["capture"]:
+        step.capture_step(spec, layout, outputs)
+    elif args["replay"]:
+        step.replay_step(spec, layout, _int(args, "--index"), pins=args["--pins"], plants=args["--plant"],
+                         wait_s=wait_s)
+    else:
+        step.reduce_step(spec, layout, wait_s=wait_s, outputs=outputs).raise_for_status()
     return 0
 
 
 def cmd_k8s(args: dict[str, Any]) -> int:
     from replayjob.deploy import argo, k8s
-    from replayjob.deploy.ablation import load_spec
+    from replayjob.deploy.ablation import load_spec_text
     from replayjob.deploy.submit import submit
 
-    spec = load_spec(args["<spec>"])
+    spec, text = load_spec_text(args["<spec>"])
     if args["submit"]:
-        return submit(spec, args["--namespace"], wait=args["--wait"])
-    files = k8s.render(spec)
+        return submit(spec, text, args["--namespace"], wait=args["--wait"])
+    files = k8s.render(spec, text)
     if args["--out"]:
         for path in k8s.write(files, args["--out"], source=args["<spec>"]):
             print(f"wrote {path}")
@@ -238,7 +299,7 @@ def cmd_k8s(args: dict[str, Any]) -> int:
     if args["--argo"]:
         from replayjob.fsio import atomic_write_text
 
-        atomic_write_text(args["--argo"], argo.dump(spec, source=args["<spec>"]))
+        atomic_write_text(args["--argo"], argo.dump(spec, text, source=args["<spec>"]))
         print(f"wrote {args['--argo']}")
     return 0
 
@@ -268,6 +329,16 @@ def cmd_diag_diff(args: dict[str, Any]) -> int:
     report = diff_files(args["<a.jsonl>"], args["<b.jsonl>"], **_diff_options(args))
     _print_report(report, args["--json"])
     return report.exit_code
+
+
+def cmd_trace_diff(args: dict[str, Any]) -> int:
+    import json
+
+    from replayjob.trace.diff import render, trace_diff
+
+    rep = trace_diff(args["<a>"], args["<b>"], args["--reference"] or None)
+    print(json.dumps(rep, indent=2, sort_keys=True) if args["--json"] else render(rep))
+    return int(rep["exit_code"])
 
 
 def cmd_determinism_check(args: dict[str, Any]) -> int:
@@ -325,6 +396,7 @@ def cmd_bundle(args: dict[str, Any]) -> int:
 
 
 COMMANDS: dict[str, Handler] = {
+    "step": cmd_step,  # first: `step capture|replay|reduce` also sets args["capture"] ...
     "init": cmd_init,
     "train": cmd_train,
     "capture": cmd_capture,
@@ -332,16 +404,64 @@ COMMANDS: dict[str, Handler] = {
     "bundle": cmd_bundle,  # before "replay": `bundle replay` also sets args["replay"]
     "replay": cmd_replay,
     "reduce": cmd_reduce,
-    "ablation": cmd_ablation,
     "diag-diff": cmd_diag_diff,
+    "trace-diff": cmd_trace_diff,
     "determinism-check": cmd_determinism_check,
     "signals": cmd_signals,
     "k8s": cmd_k8s,
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv``, dispatch, and map domain errors to exit codes. Returns the exit code."""
+def _output_dir(args: dict[str, Any]) -> str | None:
+    """The directory a command writes into, as given on its command line (None: it writes nowhere)."""
+    if args.get("init"):
+        return str(args["<dir>"])
+    if args.get("reduce"):
+        return os.path.dirname(os.path.abspath(args["--out"]))
+    for key in ("--run-dir", "--out"):
+        if args.get(key):
+            return str(args[key])
+    return None
+
+
+def _report_error(name: str, exc: BaseException, out_dir: str | None) -> str:
+    """Write ``exc``'s traceback to ``out_dir/replayjob-error-<time>-<pid>.txt`` (stderr when there is no
+    output directory or it cannot be written) and return the one line the CLI prints.  The file name
+    matches no artifact, so a retry into the same directory is not refused because of it."""
+    import time
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    cause = (str(exc).strip().splitlines() or [""])[0][:300]
+    head = f"replayjob {name}: error (exit 3, nothing was decided; retrying may help): " \
+           f"{type(exc).__name__}{': ' + cause if cause else ''}"
+    if out_dir is not None:
+        try:
+            from replayjob.fsio import atomic_write_text
+
+            os.makedirs(out_dir, exist_ok=True)
+            path = os.path.join(out_dir, f"replayjob-error-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+                                         f"-{os.getpid()}.txt")
+            atomic_write_text(path, f"replayjob {__version__} {name}\n{text}")
+            return f"{head}; traceback in {path}"
+        except Exception:  # the output directory itself is failing: the traceback goes to stderr
+            pass
+    print(text, file=sys.stderr, end="")
+    return f"{head}; traceback above"
+
+
+_ARGV, _REEXEC = "<argv>", "<reexec>"  # what main adds to docopt's arguments for `step`
+
+
+def main(argv: Sequence[str] | None = None, *, reexec: bool = False) -> int:
+    """Parse ``argv``, dispatch, and map errors to exit codes. Returns the exit code.
+
+    A :class:`ReplayjobError` exits with its own code (1 or 2, or 3 for an operational error) and one
+    message.  Any other exception (a bug, ``MemoryError``, an ``OSError`` from a failing filesystem or
+    device) exits 3: one line with the cause, the traceback in the output directory (see
+    :func:`_report_error`).  ``reexec`` (the console script only) lets ``step`` re-execute itself to
+    pin the determinism environment before the interpreter starts.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = docopt(__doc__ or "", argv=argv, version=__version__, default_help=True)
@@ -350,6 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_REFUSED
     except SystemExit as exc:  # --help / --version
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_REFUSED
+    args[_ARGV], args[_REEXEC] = argv, reexec
     for name, handler in COMMANDS.items():
         if args.get(name):
             try:
@@ -357,9 +478,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             except ReplayjobError as exc:
                 print(f"replayjob {name}: {exc.diagnostics()}", file=sys.stderr)
                 return exc.exit_code
+            except Exception as exc:
+                print(_report_error(name, exc, _output_dir(args)), file=sys.stderr)
+                return EXIT_ERROR
     print(__doc__, file=sys.stderr)  # pragma: no cover - docopt guarantees a command
     return EXIT_REFUSED
 
 
 def console_main() -> None:
-    sys.exit(main())
+    sys.exit(main(reexec=True))

@@ -4,9 +4,14 @@ Exit codes are the same for every command:
 
 * 0 -- pass / success (never an exception);
 * 1 -- a valid negative verdict: a gate failed, a divergence or drift was found, a KILL signal;
-* 2 -- refused: missing, malformed, tampered or contradictory input, a contract violation, usage.
+* 2 -- refused: missing, malformed, tampered or contradictory input, a contract violation, usage;
+* 3 -- error: nothing was decided (a bug, out of memory, a device or filesystem failure, a cluster
+  API that stayed unreachable); retrying may help.
 
-Only :mod:`replayjob.cli` turns these into a process exit status; library code raises them.
+1 and 2 are final: every launcher (Kubernetes Jobs, Argo, Slurm, ``k8s submit --wait``, the
+scripts) stops on them.  3 is the one retryable outcome.  Only :mod:`replayjob.cli` turns these into
+a process exit status; library code raises them, and any exception that is not a
+:class:`ReplayjobError` (``MemoryError``, an ``OSError`` that is not a refusal, a bug) becomes 3 there.
 """
 
 from __future__ import annotations
@@ -16,13 +21,16 @@ from pathlib import Path
 EXIT_OK = 0
 EXIT_NEGATIVE = 1
 EXIT_REFUSED = 2
+EXIT_ERROR = 3
 
 
 class ReplayjobError(Exception):
     """Root of every domain error.
 
     ``message`` says what is wrong; ``where`` names the file, key or field; ``hint`` says how to
-    fix it.  :meth:`diagnostics` renders the three as the one message the CLI prints.
+    fix it.  :meth:`diagnostics` renders the three as the one message the CLI prints, through
+    :func:`replayjob.config.redact.redact_text`, so a path or value quoted from a config never
+    prints a credential.
     """
 
     exit_code: int = EXIT_REFUSED
@@ -34,8 +42,11 @@ class ReplayjobError(Exception):
         self.hint = hint
 
     def diagnostics(self) -> str:
-        head = f"{self.where}: {self.message}" if self.where else self.message
-        return f"{head}\n  fix: {self.hint}" if self.hint else head
+        from replayjob.config.redact import redact_text
+
+        message = redact_text(self.message)  # each part alone: "key: message" is no key-value pair
+        head = f"{redact_text(self.where)}: {message}" if self.where else message
+        return f"{head}\n  fix: {redact_text(self.hint)}" if self.hint else head
 
 
 class RefusedError(ReplayjobError):
@@ -70,3 +81,23 @@ class NegativeVerdict(ReplayjobError):
     """A valid negative verdict (exit 1): the input was sound and the answer is 'no'."""
 
     exit_code = EXIT_NEGATIVE
+
+
+class OperationalError(ReplayjobError):
+    """Nothing was decided (exit 3): a child process crashed, a cluster stage failed for reasons that
+    are not a verdict or a refusal, an API stayed unreachable.  Retrying may help."""
+
+    exit_code = EXIT_ERROR
+
+
+def error_for_exit_status(status: int) -> type[ReplayjobError]:
+    """The error class that carries a child process's (or a container's) exit ``status`` on.
+
+    1 and 2 keep their meaning; 3, any other status and death by a signal (negative, or 128 + N from
+    a shell) are errors: nothing was decided, so the caller's exit is retryable too.
+    """
+    if status == EXIT_NEGATIVE:
+        return NegativeVerdict
+    if status == EXIT_REFUSED:
+        return RefusedError
+    return OperationalError

@@ -14,6 +14,12 @@ Two environment variables, read once at import (so an unset variable costs one `
 * ``REPLAYJOB_FAULT_TRACE=FILE`` -- append every point name reached to FILE (one per line, flushed
   before any kill), so a test can count the points a command passes and choose which to kill.
 
+A third, for the anomaly-trigger tests, plants a fault instead of killing:
+
+* ``REPLAYJOB_FAULT_NONFINITE_GRAD=N`` -- the source trainer's update at step N sets one gradient
+  element to NaN after the backward pass (before clipping), as a numerically broken step would.
+  Only the source trainer asks (:func:`nonfinite_grad_at`); a replay never plants it.
+
 Example:
     $ REPLAYJOB_FAULT_TRACE=/tmp/points replayjob train d/train.toml --out runs/a
     $ wc -l < /tmp/points            # 23 boundaries
@@ -30,6 +36,7 @@ from replayjob.errors import UsageError
 
 POINT_ENV = "REPLAYJOB_FAULT_POINT"
 TRACE_ENV = "REPLAYJOB_FAULT_TRACE"
+NONFINITE_GRAD_ENV = "REPLAYJOB_FAULT_NONFINITE_GRAD"
 
 
 class _Armed:
@@ -77,3 +84,13 @@ def point(name: str) -> None:
 
 
 configure(os.environ.get(POINT_ENV), os.environ.get(TRACE_ENV))
+
+
+def nonfinite_grad_at(step: int) -> bool:
+    """True when ``REPLAYJOB_FAULT_NONFINITE_GRAD`` names ``step`` (read at each call: tests set it late)."""
+    raw = os.environ.get(NONFINITE_GRAD_ENV)
+    if raw is None:
+        return False
+    if not raw.isascii() or not raw.isdigit():
+        raise UsageError(f"{NONFINITE_GRAD_ENV}={raw!r} is not a step number", hint="for example 4, or unset it")
+    return int(raw) == step

@@ -12,12 +12,13 @@ hard link, so two concurrent writers cannot both win).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
 from pathlib import Path
 
-from replayjob.errors import ArtifactExistsError, IntegrityError, RefusedError
+from replayjob.errors import ArtifactExistsError, IntegrityError, OperationalError, RefusedError, ReplayjobError
 from replayjob.faults import point
 
 _UMASK = os.umask(0)
@@ -37,6 +38,23 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+# A write that fails with one of these decided nothing about the input: the device or filesystem
+# failed (or filled up), so it is an error (exit 3, retryable), not a refusal.  Every other errno
+# (permissions, a read-only mount, a directory in the way, a name too long) needs the user to change
+# the output path: refused (exit 2).
+_TRANSIENT = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ENOMEM, errno.EAGAIN, errno.EINTR,
+                        errno.ESTALE, errno.ETIMEDOUT})
+
+
+def write_failure(exc: OSError, where: Path, action: str) -> ReplayjobError:
+    """The domain error for an ``OSError`` raised while writing ``where``: see :data:`_TRANSIENT`."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in _TRANSIENT:
+        return OperationalError(f"{action}: {reason}", where=where,
+                                hint="free space or fix the device, then run the command again")
+    return RefusedError(f"{action}: {reason}", where=where, hint="check the output path and its permissions")
+
+
 def atomic_write_bytes(path: str | Path, data: bytes, *, exclusive: bool = False) -> None:
     """Write ``data`` to ``path`` atomically; with ``exclusive`` never replace an existing file."""
     dest = Path(path)
@@ -49,7 +67,7 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, exclusive: bool = False
         fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
         os.fchmod(fd, 0o666 & ~_UMASK)  # the mode an ordinary create gets, not mkstemp's 0600
     except OSError as exc:
-        raise RefusedError(f"cannot create a file here: {exc.strerror}", where=dest.parent) from None
+        raise write_failure(exc, dest.parent, "cannot create a file here") from None
     try:
         point(f"write.temp/{dest.name}")
         with os.fdopen(fd, "wb") as fh:
@@ -76,9 +94,8 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, exclusive: bool = False
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        if isinstance(exc, OSError):  # disk full, a directory in the way, permissions: refused, not a crash
-            raise RefusedError(f"cannot write: {exc.strerror or exc}", where=dest,
-                               hint="check the output path, free space and permissions") from None
+        if isinstance(exc, OSError):  # disk full or a failing device: 3; a bad output path: 2
+            raise write_failure(exc, dest, "cannot write") from None
         raise
 
 

@@ -112,11 +112,14 @@ def read_json_object(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES,
     return doc
 
 
-def canonical_bytes(obj: Any) -> bytes:
-    """Canonical JSON: sorted keys, no whitespace, UTF-8, floats by ``repr``, no NaN."""
+def canonical_bytes(obj: Any, *, allow_nan: bool = False) -> bytes:
+    """Canonical JSON: sorted keys, no whitespace, UTF-8, floats by ``repr``, no NaN.
+
+    ``allow_nan`` writes ``NaN``/``Infinity`` literals: only for ``diag.jsonl`` rows, the one format
+    whose readers accept them (a diverged loss must be recorded there)."""
     try:
         return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                          allow_nan=False).encode("utf-8")
+                          allow_nan=allow_nan).encode("utf-8")
     except ValueError as exc:
         raise IntegrityError(f"cannot write canonical JSON: {exc}") from None
 

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -24,13 +25,14 @@ from replayjob.digest import normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.jsonio import loads_strict, pretty_bytes
-from replayjob.optbatch.knobs import KNOBS
 
 SOURCE_FILE = "metrics.json"
 SOURCE_SCHEMA = "replayjob.metrics/v1"
 REPLAY_FILE = "replay_metrics.json"
 REPLAY_SCHEMA = "replayjob.replay_metrics/v2"
 MAX_METRICS_BYTES = 16 * 1024 * 1024
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_BARE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 # Keys both files carry: the digests a replay pins and the gate compares.
 LOGICAL = "optimizer/logical_batch_sha256"
@@ -39,10 +41,36 @@ MANIFEST = "optimizer_batch/manifest_sha256"
 INITIAL_ADAPTER = "optimizer_batch/initial_adapter_sha256"
 FINAL_ADAPTER = "optimizer_batch/final_adapter_sha256"
 PIN_KEYS = (LOGICAL, EFFECTIVE, MANIFEST, INITIAL_ADAPTER, FINAL_ADAPTER)
+CAPTURE_PREFIXES = ("optimizer/", "optimizer_batch/")  # every key a capture adds to metrics.json
 FINAL_ADAPTER_PATH = "final_adapter_path"  # relative to the metrics file's directory
 SOURCE_FINAL_ADAPTER = "final_adapter_sha256"  # source only: the trainer's own record of its final adapter
 MANIFEST_PATH = "optimizer_batch/manifest_path"  # source only: the capture manifest's file name
 SKIPPED = ("dataset", "environment", "rollout", "sampling")  # what a replay never touches
+# Source only, written by the capture hooks (replayjob.source_run): chosen steps and the ring buffer.
+STEPS = "optimizer_batch/steps"  # one STEP_* entry per chosen step, in step order
+RING = "optimizer_batch/ring"  # the ring's figures (RING_*) and its written steps (STEP_* entries)
+# One captured step's entry (under STEPS, or RING's RING_WRITTEN): its pins, paths relative to the run.
+STEP = "step"
+STEP_MANIFEST_PATH = "manifest_path"
+STEP_MANIFEST = "manifest_sha256"
+STEP_LOGICAL = "logical_batch_sha256"
+STEP_EFFECTIVE = "local_effective_rows_sha256"
+STEP_INITIAL_ADAPTER = "initial_adapter_sha256"
+STEP_FINAL_ADAPTER = "final_adapter_sha256"  # null when the step's update never returned
+STEP_REPLAY_CONFIG = "replay_config"
+STEP_NONFINITE = "nonfinite_inputs"
+RING_SIZE = "size"
+RING_STEPS_OBSERVED = "steps_observed"
+RING_PEAK_BYTES = "peak_bytes"
+RING_TRAINING_THREAD_S = "training_thread_s"
+RING_TRIGGER = "trigger"
+RING_WRITTEN = "written"
+# Replay only: where it ran (replayjob.hostinfo) and, for a traced replay, the trace index it pins.
+HOST = "host"
+TRACE = "trace"  # {TRACE_INDEX_PATH: TRACE_INDEX, TRACE_INDEX_SHA256: digest}; absent when not traced
+TRACE_INDEX_PATH = "index_path"
+TRACE_INDEX_SHA256 = "index_sha256"
+TRACE_INDEX = "trace/index.json"  # relative to the replay's directory (replayjob.trace.store)
 # Spread metrics: name -> (section, key) in replay_metrics.json.
 MEASURES: dict[str, tuple[str, str]] = {
     "local_train_wall_s": ("timing", "local_train_wall_s"),
@@ -91,6 +119,8 @@ class Replay(Run):
     rows: int
     tolerances_sha256: str
     measures: dict[str, float] = field(default_factory=dict)
+    host: dict[str, Any] = field(default_factory=dict)  # replayjob.hostinfo: where it ran
+    trace_index_sha256: str | None = None  # the trace/index.json a traced replay pins (docs/trace-format.md)
     doc: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # as read
 
     @property
@@ -190,6 +220,8 @@ def _run_fields(f: _Fields) -> dict[str, Any]:
 
 def read_replay(path: str | Path) -> Replay:
     """Read and validate one replay_metrics.json, or refuse naming the file and the field."""
+    from replayjob.optbatch.knobs import KNOBS  # here: the trainer imports this module, and no capture package
+
     p = Path(path)
     doc, sha = _read(p)
     f = _Fields(doc, p)
@@ -217,6 +249,10 @@ def read_replay(path: str | Path) -> Replay:
     for name, (section, key) in MEASURES.items():
         hi = 1.0 if name == "padding_fraction" else None
         measures[name] = f.number(key, f.obj(section), hi=hi)
+    host = f.obj(HOST)
+    bad = sorted(k for k, v in host.items() if v is not None and not isinstance(v, str))
+    if bad:
+        raise f.fail(f"{HOST}.{bad[0]}", "must be a string or null")
     return Replay(
         path=p, sha256=sha, arm=arm, repeat_index=index,
         pin_logical=f.digest("expected_logical_sha256", pins),
@@ -225,8 +261,21 @@ def read_replay(path: str | Path) -> Replay:
         allowed=f.names("allowed_config_differences"),
         observed=f.names("observed_config_differences"),
         knobs=knobs, skipped=f.names("skipped"), runtime=runtime, rows=rows,
-        tolerances_sha256=f.digest("tolerances_sha256") if tol else "", measures=measures, doc=doc,
+        tolerances_sha256=f.digest("tolerances_sha256") if tol else "", measures=measures, host=host,
+        trace_index_sha256=trace_pin(doc, p), doc=doc,
     )
+
+
+def trace_pin(doc: dict[str, Any], where: Path) -> str | None:
+    """``trace.index_sha256`` of a traced replay's metrics ``doc`` (its index lies at ``trace.index_path``,
+    always :data:`TRACE_INDEX`), else ``None``; a malformed entry is refused naming ``where``."""
+    if TRACE not in doc:
+        return None
+    f = _Fields(doc, where)
+    t = f.obj(TRACE)
+    if f.text(TRACE_INDEX_PATH, t) != TRACE_INDEX:
+        raise f.fail(f"{TRACE}.{TRACE_INDEX_PATH}", f"must be {TRACE_INDEX!r}")
+    return f.digest(TRACE_INDEX_SHA256, t)
 
 
 def read_source(directory: str | Path) -> Source:
@@ -242,3 +291,23 @@ def read_source(directory: str | Path) -> Source:
     return Source(path=p, sha256=sha, **_run_fields(f), config=config)
 
 
+
+
+def read_pins(directory: str | Path) -> tuple[str, str, Path]:
+    """The capture's two pins (:data:`LOGICAL`, :data:`MANIFEST`) and its manifest file, read strictly
+    from ``directory``'s metrics.json: lowercase 64-digit hex digests and a bare manifest file name
+    (:data:`MANIFEST_PATH`), duplicate keys refused.  Unlike :func:`read_source` nothing else is
+    required, so a launcher can hand the pins to replays before any of them ran."""
+    from replayjob.jsonio import read_json_object
+
+    d = Path(directory)
+    path = d / SOURCE_FILE
+    m = read_json_object(path)
+    pins = (m.get(LOGICAL), m.get(MANIFEST))
+    name = m.get(MANIFEST_PATH)
+    for key, value in zip((LOGICAL, MANIFEST), pins, strict=True):
+        if not isinstance(value, str) or not _HEX64.match(value):
+            raise IntegrityError(f"{key} is not a lowercase 64-digit hex SHA-256", where=path)
+    if not isinstance(name, str) or not _BARE.match(name) or name in (".", ".."):
+        raise IntegrityError(f"{MANIFEST_PATH} is not a bare file name", where=path)
+    return str(pins[0]), str(pins[1]), d / name

@@ -11,12 +11,19 @@ tensor is built :func:`parse_header` checks that
   invalid UTF-8, NaN literals and deep nesting refused) holding one object;
 * every dtype is on an allow-list, every shape is a list of non-negative integers, and
   ``prod(shape) * itemsize`` equals the tensor's byte span;
-* the spans, sorted, are in range, do not overlap, and cover the data section exactly.
+* the spans, sorted, are in range, do not overlap, and cover the data section exactly;
+* and, when the caller names the format, its :class:`Schema`: the exact tensor names, each one's
+  dtype and rank, and the metadata (the capture payload and bundle payloads declare theirs).
 
-A pinned SHA-256 is checked over the same bytes that are parsed (one read, no second open), and
-only then are tensors built -- by ``safetensors.torch.load`` for a whole file in memory (at most
-2 GiB by default), or from each validated span, one tensor at a time: :class:`TensorReader` (what
-``reduce`` uses on adapters) and the streaming :func:`iter_tensors`.
+One scan engine (:func:`scan`) reads a file or an in-memory buffer once: the header block first,
+then every span in chunks that are hashed -- into the plain file SHA-256, or per span for formats
+pinned by a digest of their parts, with spans read by parallel workers -- BOOL-checked and handed
+to the format's own checks while in cache.  Its findings are held back until the caller has
+compared the digest with its pin, so a modified file is reported as modified.  A pinned SHA-256 is
+checked over the same bytes that are parsed (one read, no second open), and only then are tensors
+built, by one builder (:func:`build_tensor`: zero-copy views of the bytes read, never pickle), for a
+whole file in memory (:func:`load`, at most 2 GiB by default) or one tensor at a time from its
+validated span (:class:`TensorReader`, what ``reduce`` uses on adapters, and :func:`iter_tensors`).
 
 Example:
     >>> import torch, tempfile, pathlib
@@ -33,12 +40,15 @@ import hashlib
 import math
 import mmap
 import os
+import re
 import struct
 import sys
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from replayjob.digest import normalize_digest
 from replayjob.errors import IntegrityError
@@ -55,7 +65,7 @@ ITEMSIZE: dict[str, int] = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "I32": 4, "I6
                             "F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 _HINT = "regenerate the file with replayjob; it is not a valid safetensors file"
 _PICKLE_HINT = "convert it with safetensors.torch.save_file in a trusted environment; pickle is never loaded"
-_CHUNK = 8 * 1024 * 1024
+CHUNK = 8 * 1024 * 1024  # bytes per read; a multiple of 8, so no element straddles two chunks
 
 
 @dataclass(frozen=True)
@@ -87,14 +97,50 @@ class Header:
         return sorted(self.tensors.values(), key=lambda s: (s.begin, s.end))
 
 
+@dataclass(frozen=True)
+class Schema:
+    """What one format's tensor files hold, checked by :func:`parse_header` after its generic checks.
+
+    ``tensors`` maps each required name to its ``(dtype, rank)``; ``optional`` lists
+    ``(full-match pattern, dtype, rank)`` for names that may also appear; any other name is refused.
+    ``metadata`` is the exact ``__metadata__`` required (``None``: any string map);
+    ``max_header_bytes`` the format's own header limit.  ``what`` names the file in messages.
+    """
+
+    what: str
+    tensors: Mapping[str, tuple[str, int]]
+    optional: tuple[tuple[str, str, int], ...] = ()
+    metadata: Mapping[str, str] | None = None
+    max_header_bytes: int = MAX_HEADER_BYTES
+
+    @property
+    def dtypes(self) -> frozenset[str]:
+        return frozenset(d for d, _ in self.tensors.values()) | {d for _, d, _ in self.optional}
+
+    def expect(self, name: str) -> tuple[str, int] | None:
+        """The ``(dtype, rank)`` a tensor of this name must have; None when the name is not allowed."""
+        if name in self.tensors:
+            return self.tensors[name]
+        return next(((d, r) for pattern, d, r in self.optional if re.fullmatch(pattern, name, re.ASCII)), None)
+
+    def check(self, header: Header) -> None:
+        w, what = header.where, self.what
+        if self.metadata is not None and header.metadata != dict(self.metadata):
+            raise _fail(w, f"{what} metadata {header.metadata!r} is not {dict(self.metadata)!r}")
+        missing = [n for n in self.tensors if n not in header.tensors]
+        if missing:
+            raise _fail(w, f"{what} is missing tensors {missing}")
+        for name, spec in header.tensors.items():
+            want = self.expect(name)
+            if want is None:
+                raise _fail(w, f"unexpected tensor {name!r} in a {what}")
+            if spec.dtype != want[0] or len(spec.shape) != want[1]:
+                raise _fail(w, f"{what} tensor {name!r} is {spec.dtype} of rank {len(spec.shape)}, "
+                               f"expected {want[0]} of rank {want[1]}")
+
+
 def _fail(where: str, message: str, hint: str = _HINT) -> IntegrityError:
     return IntegrityError(f"safetensors refused: {message}", where=where, hint=hint)
-
-
-def refuse_pickle(prefix: bytes, where: str | Path) -> None:
-    """Refuse, by name, the containers that can carry pickle (zip, pickle stream, NumPy) from the first
-    bytes (pass at least 9 when the file has them); for readers that parse safetensors themselves."""
-    _sniff(bytes(prefix[:9]), str(where))
 
 
 def _sniff(prefix: bytes, where: str) -> None:
@@ -119,11 +165,19 @@ def _is_int(v: Any) -> bool:
 
 
 def parse_header(prefix: bytes, file_size: int, *, where: str | Path = "<safetensors>",
-                 dtypes: frozenset[str] | set[str] | None = None,
-                 max_header_bytes: int = MAX_HEADER_BYTES) -> Header:
-    """Validate a header; ``prefix`` holds at least the first ``8 + header length`` bytes."""
+                 dtypes: frozenset[str] | set[str] | None = None, schema: Schema | None = None,
+                 max_header_bytes: int | None = None) -> Header:
+    """Validate a header; ``prefix`` holds at least the first ``8 + header length`` bytes.
+
+    ``dtypes`` narrows the allow-list; a ``schema`` narrows it to its own dtypes, sets the header
+    limit and is checked last (names, dtypes, ranks, metadata).
+    """
     w = str(where)
     allowed = set(ITEMSIZE) if dtypes is None else set(dtypes) & set(ITEMSIZE)
+    if schema is not None:
+        allowed &= schema.dtypes
+    if max_header_bytes is None:
+        max_header_bytes = schema.max_header_bytes if schema is not None else MAX_HEADER_BYTES
     if file_size < 8 or len(prefix) < 8:
         _sniff(prefix, w)
         raise _fail(w, f"truncated: {file_size} bytes, but the file must start with an 8-byte header length")
@@ -165,7 +219,10 @@ def parse_header(prefix: bytes, file_size: int, *, where: str | Path = "<safeten
         pos = spec.end
     if pos != body:
         raise _fail(w, f"the data section has {body} bytes, the tensors cover {pos}")
-    return Header(w, file_size, 8 + n, dict(meta), tensors)
+    header = Header(w, file_size, 8 + n, dict(meta), tensors)
+    if schema is not None:
+        schema.check(header)
+    return header
 
 
 def _spec(name: str, entry: Any, body: int, allowed: set[str], w: str) -> TensorSpec:
@@ -193,44 +250,318 @@ def _spec(name: str, entry: Any, body: int, allowed: set[str], w: str) -> Tensor
     return TensorSpec(name, dtype, tuple(shape), begin, end)
 
 
-def _open_regular(path: str | Path, follow_symlinks: bool) -> tuple[int, int]:
-    return open_regular(path, follow_symlinks=follow_symlinks, what="tensor file")
-
-
-def _read_exact(fd: int, offset: int, n: int, where: str) -> bytes:
-    """``n`` bytes at ``offset``; one ``pread`` (no copy) unless the kernel returns less."""
-    first = os.pread(fd, n, offset) if n else b""
-    if len(first) == n:
-        return first
-    chunks, got = [first], len(first)
-    while got < n:
-        b = os.pread(fd, min(n - got, _CHUNK), offset + got)
-        if not b:
-            raise _fail(where, f"file ended after {offset + got} bytes while reading; it changed or is truncated")
-        chunks.append(b)
-        got += len(b)
-    return b"".join(chunks)
-
-
-def _read_prefix(fd: int, size: int, where: str) -> bytes:
-    """The first ``8 + header length`` bytes when that fits the limit and the file, else at most 8."""
-    head8 = _read_exact(fd, 0, min(size, 8), where) if size else b""
-    if len(head8) == 8:
-        (n,) = struct.unpack("<Q", head8)
-        if 8 + n <= min(size, 8 + MAX_HEADER_BYTES):
-            return _read_exact(fd, 0, 8 + n, where)
-    return head8
-
-
-def _bad_bool(data: bytes) -> bool:
-    return bool(data.translate(None, b"\x00\x01"))
+def _bad_bool(data: Buffer) -> bool:
+    return bool(bytes(data).translate(None, b"\x00\x01"))
 
 
 def _bool_error(where: str, name: str) -> IntegrityError:
     return _fail(where, f"tensor {name!r} is BOOL but holds bytes other than 0 and 1")
 
 
-def _check_pin(actual: str, expected: str | None, where: str) -> None:
+# ------------------------------------------------------------------------------------ sources
+Buffer = bytes | bytearray | mmap.mmap | memoryview
+# visit(spec, piece, first): ``piece`` holds elements ``first ..`` of tensor ``spec``, just hashed.
+Visitor = Callable[[TensorSpec, memoryview, int], None]
+
+
+class _Source:
+    """Bytes at offsets: a file descriptor (read with ``preadv`` into a target) or a buffer (viewed)."""
+
+    def __init__(self, where: str, *, fd: int | None = None, size: int = 0, data: Buffer | None = None):
+        self.where, self.fd = where, fd
+        self.view = memoryview(data).cast("B") if data is not None else None
+        self.size = len(self.view) if self.view is not None else size
+
+    def read(self, offset: int, n: int, into: memoryview | None = None) -> memoryview:
+        """``n`` bytes at ``offset``: a view of the buffer (``into`` None), or read/copied into ``into``."""
+        if self.view is not None:
+            if into is None:
+                return self.view[offset:offset + n]
+            into[:n] = self.view[offset:offset + n]
+            return into[:n]
+        if into is None:
+            into = memoryview(bytearray(n))
+        assert self.fd is not None
+        got = 0
+        while got < n:
+            k = os.preadv(self.fd, [into[got:n]], offset + got)
+            if k == 0:
+                raise _fail(self.where, f"file ended after {offset + got} of {self.size} bytes while reading; "
+                                        "it changed or is truncated")
+            got += k
+        return into[:n]
+
+    def check_unchanged(self) -> None:
+        if self.fd is not None and os.pread(self.fd, 1, self.size):
+            raise _fail(self.where, f"file grew past {self.size} bytes while reading; it changed")
+
+
+def _open_regular(path: str | Path, follow_symlinks: bool) -> tuple[int, int]:
+    return open_regular(path, follow_symlinks=follow_symlinks, what="tensor file")
+
+
+def _header_block(src: _Source, max_header_bytes: int) -> bytes:
+    """The first ``8 + header length`` bytes when that fits the limit and the file, else at most 8."""
+    head8 = bytes(src.read(0, min(src.size, 8)))
+    if len(head8) == 8:
+        (n,) = struct.unpack("<Q", head8)
+        if 8 + n <= min(src.size, 8 + max_header_bytes):
+            return bytes(src.read(0, 8 + n))
+    return head8
+
+
+# ------------------------------------------------------------------------------ tensor builder
+_TORCH_NAMES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
+                "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name on the allow-list."""
+    import torch
+
+    out: torch.dtype = getattr(torch, _TORCH_NAMES[dtype])
+    return out
+
+
+def build_tensor(view: Buffer, dtype: str, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """The one tensor builder: a tensor over ``view``'s bytes (validated elsewhere; never pickle).
+
+    Zero-copy when the bytes are writable and aligned to the element size (the tensor then shares
+    them: the caller must not modify them afterwards); copied otherwise.
+    """
+    import torch
+
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian machine here
+        raise _fail("<tensor>", "tensors are built from little-endian bytes on little-endian machines only",
+                    "use a little-endian machine")
+    dt = torch_dtype(dtype)
+    mv = memoryview(view).cast("B")
+    if len(mv) == 0:
+        return torch.empty(tuple(shape), dtype=dt)
+    if mv.readonly or _address(mv) % ITEMSIZE[dtype]:
+        return torch.frombuffer(bytearray(mv), dtype=dt).reshape(tuple(shape))
+    return torch.frombuffer(mv, dtype=dt).reshape(tuple(shape))
+
+
+def _address(mv: memoryview) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+
+
+# --------------------------------------------------------------------------------- scan engine
+@dataclass(frozen=True)
+class ScannedFile:
+    """One read of a tensor file: its size, its digests, its header, and the bytes it kept.
+
+    ``sha256`` is the plain SHA-256 of the file (``digest="file"``); ``header_sha256`` and
+    ``tensor_sha256`` are the SHA-256 of the header block and of each tensor's bytes
+    (``digest="spans"``, for formats pinned by a digest of those parts).  The header and BOOL checks
+    and the caller's visitor ran over the very bytes that were hashed, but their verdict is held
+    back until :meth:`validated`, so that a caller compares the digest first and reports a modified
+    file as a checksum mismatch rather than as whatever the modification happened to break.
+    """
+
+    where: str
+    size: int
+    sha256: str | None
+    header: Header | None
+    error: IntegrityError | None
+    buffer: Buffer | None
+    kept: dict[str, memoryview] = field(default_factory=dict)
+    header_sha256: bytes | None = None
+    tensor_sha256: dict[str, bytes] = field(default_factory=dict)
+
+    def validated(self) -> Header:
+        """The header, or the first header/BOOL/visitor fault found while reading."""
+        if self.error is not None:
+            raise self.error
+        assert self.header is not None
+        return self.header
+
+    def tensors(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Tensors over the kept bytes (:func:`build_tensor`: zero-copy where aligned), all or ``names``."""
+        header = self.validated()
+        want = list(header.tensors) if names is None else list(names)
+        missing = [n for n in want if n not in self.kept]
+        if missing:
+            raise IntegrityError(f"the file was scanned without keeping {missing}", where=self.where,
+                                 hint="scan it with keep=True")
+        return {n: build_tensor(self.kept[n], header.tensors[n].dtype, header.tensors[n].shape) for n in want}
+
+
+@dataclass
+class _SpanRead:
+    sha256: bytes = b""
+    error: IntegrityError | None = None
+
+
+def _keep_set(keep: bool | Callable[[str], bool], header: Header) -> set[str]:
+    if isinstance(keep, bool):
+        return set(header.tensors) if keep else set()
+    return {n for n in header.tensors if keep(n)}
+
+
+def scan(source: str | Path | Buffer, *, keep: bool | Callable[[str], bool] = True, schema: Schema | None = None,
+         dtypes: frozenset[str] | set[str] | None = None, digest: Literal["file", "spans"] = "file",
+         visit: Visitor | None = None, workers: int = 1, follow_symlinks: bool = True,
+         max_bytes: int = 2 * 1024 ** 3, expected_size: int | None = None,
+         where: str | Path | None = None) -> ScannedFile:
+    """Read a tensor file (a path, or bytes already in memory) once: hash, validate, check, keep.
+
+    The header block is read and validated first (:func:`parse_header`, with ``schema`` or
+    ``dtypes``); then every tensor's span is read in chunks of :data:`CHUNK` bytes (a multiple of 8,
+    so no element of an aligned dtype straddles two chunks), each chunk hashed, its BOOL bytes
+    checked and handed to ``visit(spec, piece, first_element)`` while it is in cache.
+
+    ``digest="file"`` feeds the header block and the spans in file order to one SHA-256: the spans
+    tile the data section, so this is the plain file digest (a file whose header is invalid is
+    still hashed whole, so a caller can report it as modified).  ``digest="spans"`` hashes the header
+    block and each span on its own, so ``workers`` threads read and hash tensors in parallel
+    (largest first; SHA-256 and reads release the GIL); an invalid header then has no digest.
+
+    ``keep=True`` reads the file into one buffer (an anonymous mapping: no zero-fill pass; a
+    writable in-memory buffer is used in place) that :meth:`ScannedFile.tensors` views without
+    copying; ``keep`` as a predicate keeps only the tensors it names (each in its own buffer); with
+    ``keep=False`` one reused chunk buffer per thread is enough and memory stays bounded whatever
+    the file size.  Faults found on the way are returned, not raised (:meth:`ScannedFile.validated`);
+    a file that changes size while it is read, or is not ``expected_size`` bytes, is refused at once.
+    ``where`` names the file in messages (default: the path, or ``<safetensors>`` for a buffer).
+    """
+    if isinstance(source, str | Path):
+        w = str(where or source)
+        fd, size = _open_regular(source, follow_symlinks)
+        try:
+            if expected_size is not None and size != expected_size:
+                raise IntegrityError(f"the file is {size} bytes, {expected_size} are expected", where=w,
+                                     hint="the file was modified or truncated")
+            return _scan(_Source(w, fd=fd, size=size), keep, schema, dtypes, digest, visit, workers, max_bytes)
+        except OSError as exc:
+            raise _fail(w, f"cannot read the file: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+    return _scan(_Source(str(where or "<safetensors>"), data=source), keep, schema, dtypes, digest, visit, workers,
+                 max_bytes)
+
+
+def _scan(src: _Source, keep: bool | Callable[[str], bool], schema: Schema | None,
+          dtypes: frozenset[str] | set[str] | None, digest: str, visit: Visitor | None, workers: int,
+          max_bytes: int) -> ScannedFile:
+    w, size = src.where, src.size
+    if keep is True and size > max_bytes:
+        raise _fail(w, f"file is {size} bytes, above the {max_bytes}-byte in-memory limit",
+                    "read it with keep=False or with replayjob.tensorfile.TensorReader (one tensor at a time)")
+    limit = schema.max_header_bytes if schema is not None else MAX_HEADER_BYTES
+    block = _header_block(src, limit)
+    header: Header | None = None
+    error: IntegrityError | None = None
+    try:
+        header = parse_header(block, size, where=w, dtypes=dtypes, schema=schema)
+    except IntegrityError as exc:
+        error = exc
+    buffer: Buffer | None = None
+    if keep is True and size:
+        if src.view is not None and not src.view.readonly:
+            buffer = src.view  # a writable buffer is kept as it is
+        else:
+            buffer = mmap.mmap(-1, size)
+            if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer page faults while the buffer fills (Linux, THP)
+                buffer.madvise(mmap.MADV_HUGEPAGE)
+            memoryview(buffer)[:len(block)] = block
+    if header is None:
+        if digest == "spans":
+            return ScannedFile(w, size, None, None, error, None)
+        h = hashlib.sha256(block)
+        _read_range(src, len(block), size, buffer, h.update)
+        src.check_unchanged()
+        return ScannedFile(w, size, h.hexdigest(), None, error, None)
+    keep_names = _keep_set(keep, header)
+    kept: dict[str, memoryview] = {}
+    for spec in header.tensors.values():
+        if buffer is not None:
+            kept[spec.name] = memoryview(buffer)[header.data_start + spec.begin:header.data_start + spec.end]
+        elif spec.name in keep_names:
+            kept[spec.name] = memoryview(bytearray(spec.nbytes))
+    in_place = buffer is not None and buffer is src.view
+    order = header.in_file_order()
+    if digest == "file":
+        h = hashlib.sha256(block)
+        results = {spec.name: _read_span(src, header, spec, kept.get(spec.name), in_place, h.update, visit)
+                   for spec in order}
+        sha: str | None = h.hexdigest()
+    else:
+        sha = None
+        by_size = sorted(order, key=lambda s: s.nbytes, reverse=True)
+
+        def one(spec: TensorSpec) -> _SpanRead:
+            h = hashlib.sha256()
+            res = _read_span(src, header, spec, kept.get(spec.name), in_place, h.update, visit)
+            res.sha256 = h.digest()
+            return res
+
+        n = max(1, min(workers, os.cpu_count() or 1, len(by_size)))
+        if n > 1 and size >= 4 * CHUNK:
+            with ThreadPoolExecutor(max_workers=n, thread_name_prefix="replayjob-tensorfile") as pool:
+                results = dict(zip((s.name for s in by_size), pool.map(one, by_size), strict=True))
+        else:
+            results = {spec.name: one(spec) for spec in by_size}
+    src.check_unchanged()
+    error = next((results[s.name].error for s in order if results[s.name].error is not None), None)
+    return ScannedFile(w, size, sha, header, error, buffer, kept, hashlib.sha256(block).digest(),
+                       {k: v.sha256 for k, v in results.items()} if digest == "spans" else {})
+
+
+_local = threading.local()
+
+
+def _scratch() -> memoryview:
+    """This thread's chunk buffer (reads that keep nothing reuse it)."""
+    buf: memoryview | None = getattr(_local, "buf", None)
+    if buf is None or len(buf) < CHUNK:
+        buf = _local.buf = memoryview(bytearray(CHUNK))
+    return buf
+
+
+def _read_range(src: _Source, begin: int, end: int, buffer: Buffer | None, update: Callable[[Any], None]) -> None:
+    """Bytes ``[begin, end)`` through ``update`` in chunks (into ``buffer`` when given)."""
+    off = begin
+    while off < end:
+        k = min(CHUNK, end - off)
+        into = memoryview(buffer)[off:off + k] if buffer is not None else (None if src.view is not None else _scratch())
+        update(src.read(off, k, into))
+        off += k
+
+
+def _read_span(src: _Source, header: Header, spec: TensorSpec, target: memoryview | None, in_place: bool,
+               update: Callable[[Any], None], visit: Visitor | None) -> _SpanRead:
+    """One tensor's bytes in chunks: hashed, BOOL-checked, visited; into ``target`` when kept."""
+    res = _SpanRead()
+    item = ITEMSIZE[spec.dtype]
+    begin = header.data_start + spec.begin
+    off = 0
+    while off < spec.nbytes:
+        k = min(CHUNK, spec.nbytes - off)
+        into: memoryview | None
+        if target is not None:
+            into = None if in_place else target[off:off + k]
+        else:
+            into = None if src.view is not None else _scratch()
+        piece = src.read(begin + off, k, into)
+        update(piece)
+        if res.error is None:
+            try:
+                if spec.dtype == "BOOL" and _bad_bool(piece):
+                    raise _bool_error(header.where, spec.name)
+                if visit is not None:
+                    visit(spec, piece, off // item)
+            except IntegrityError as exc:
+                res.error = exc
+        off += k
+    return res
+
+
+# ------------------------------------------------------------------------------------ readers
+def _check_pin(actual: str | None, expected: str | None, where: str) -> None:
     if expected is None:
         return
     pin = normalize_digest(expected, what="the pinned tensor-file SHA-256")
@@ -240,57 +571,33 @@ def _check_pin(actual: str, expected: str | None, where: str) -> None:
 
 
 def read_header(path: str | Path, *, dtypes: frozenset[str] | set[str] | None = None,
-                follow_symlinks: bool = True) -> Header:
+                schema: Schema | None = None, follow_symlinks: bool = True) -> Header:
     """Validate only the header (reads ``8 + header length`` bytes, never the data)."""
     fd, size = _open_regular(path, follow_symlinks)
     try:
-        return parse_header(_read_prefix(fd, size, str(path)), size, where=path, dtypes=dtypes)
+        src = _Source(str(path), fd=fd, size=size)
+        limit = schema.max_header_bytes if schema is not None else MAX_HEADER_BYTES
+        return parse_header(_header_block(src, limit), size, where=path, dtypes=dtypes, schema=schema)
     finally:
         os.close(fd)
 
 
-def load_bytes(data: bytes, *, where: str | Path = "<safetensors>", expected_sha256: str | None = None,
-               dtypes: frozenset[str] | set[str] | None = None) -> tuple[Header, dict[str, torch.Tensor]]:
-    """Check the pin over ``data``, validate, then build every tensor with safetensors."""
-    _check_pin(hashlib.sha256(data).hexdigest(), expected_sha256, str(where))
-    header = parse_header(data, len(data), where=where, dtypes=dtypes)
-    _check_bools(header, data)
-    from safetensors.torch import load as st_load
-
-    return header, dict(st_load(data))
+def load_bytes(data: Buffer, *, where: str | Path = "<safetensors>", expected_sha256: str | None = None,
+               dtypes: frozenset[str] | set[str] | None = None,
+               schema: Schema | None = None) -> tuple[Header, dict[str, torch.Tensor]]:
+    """Check the pin over ``data``, validate, then build every tensor (``bytes`` are copied once)."""
+    scanned = scan(data, dtypes=dtypes, schema=schema, where=where)
+    _check_pin(scanned.sha256, expected_sha256, str(where))
+    return scanned.validated(), scanned.tensors()
 
 
 def load(path: str | Path, *, expected_sha256: str | None = None,
-         dtypes: frozenset[str] | set[str] | None = None, follow_symlinks: bool = True,
-         max_bytes: int = 2 * 1024 ** 3) -> dict[str, torch.Tensor]:
+         dtypes: frozenset[str] | set[str] | None = None, schema: Schema | None = None,
+         follow_symlinks: bool = True, max_bytes: int = 2 * 1024 ** 3) -> dict[str, torch.Tensor]:
     """Read a whole tensor file once (bounded by ``max_bytes``), verify, validate, build the tensors."""
-    fd, size = _open_regular(path, follow_symlinks)
-    try:
-        if size > max_bytes:
-            raise _fail(str(path), f"file is {size} bytes, above the {max_bytes}-byte in-memory limit",
-                        "read it with replayjob.tensorfile.iter_tensors (streaming)")
-        data = _read_exact(fd, 0, size, str(path))
-    finally:
-        os.close(fd)
-    return load_bytes(data, where=path, expected_sha256=expected_sha256, dtypes=dtypes)[1]
-
-
-def _check_bools(header: Header, data: bytes) -> None:
-    start = header.data_start
-    for spec in header.tensors.values():
-        if spec.dtype == "BOOL" and _bad_bool(data[start + spec.begin:start + spec.end]):
-            raise _bool_error(header.where, spec.name)
-
-
-def _build(spec: TensorSpec, data: bytes, where: str) -> torch.Tensor:
-    import torch
-
-    if sys.byteorder != "little":  # pragma: no cover - no big-endian machine here
-        raise _fail(where, "streaming reads need a little-endian machine", "use load() instead")
-    dt = getattr(torch, _TORCH_NAMES[spec.dtype])
-    if spec.nbytes == 0:
-        return torch.empty(spec.shape, dtype=dt)
-    return torch.frombuffer(bytearray(data), dtype=dt).reshape(spec.shape)
+    scanned = scan(path, dtypes=dtypes, schema=schema, follow_symlinks=follow_symlinks, max_bytes=max_bytes)
+    _check_pin(scanned.sha256, expected_sha256, str(path))
+    return scanned.tensors()
 
 
 def iter_tensors(path: str | Path, *, expected_sha256: str | None = None,
@@ -303,41 +610,36 @@ def iter_tensors(path: str | Path, *, expected_sha256: str | None = None,
     is checked after the last tensor, before the iterator returns: a consumer must not act on what it
     accumulated until the loop ends without an exception.
     """
-    fd, size = _open_regular(path, follow_symlinks)
-    try:
-        prefix = _read_prefix(fd, size, str(path))
-        header = parse_header(prefix, size, where=path, dtypes=dtypes)
-        h = hashlib.sha256(prefix)
-        for spec in header.in_file_order():
-            data = _read_exact(fd, header.data_start + spec.begin, spec.nbytes, str(path))
-            h.update(data)
-            if spec.dtype == "BOOL" and _bad_bool(data):
-                raise _bool_error(header.where, spec.name)
-            yield spec.name, _build(spec, data, str(path))
+    with TensorReader(path, dtypes=dtypes, follow_symlinks=follow_symlinks) as reader:
+        h = hashlib.sha256(reader.block)
+        for spec in reader.header.in_file_order():
+            t = reader.get_tensor(spec.name, update=h.update)
+            yield spec.name, t
         _check_pin(h.hexdigest(), expected_sha256, str(path))
-    finally:
-        os.close(fd)
 
 
 class TensorReader:
     """Random access by name to a validated file (the ``safe_open`` use case), one open descriptor.
 
-    With ``expected_sha256`` the whole file is hashed through the open descriptor before any tensor is
-    served.  Use as a context manager; :meth:`get_tensor` reads only the named tensor's span.
+    With ``expected_sha256`` the whole file is scanned through the open descriptor (hashed, header
+    and BOOL bytes checked) before any tensor is served.  Use as a context manager;
+    :meth:`get_tensor` reads only the named tensor's span.
     """
 
     def __init__(self, path: str | Path, *, expected_sha256: str | None = None,
-                 dtypes: frozenset[str] | set[str] | None = None, follow_symlinks: bool = True):
+                 dtypes: frozenset[str] | set[str] | None = None, schema: Schema | None = None,
+                 follow_symlinks: bool = True):
         self.path = Path(path)
         self._fd, size = _open_regular(path, follow_symlinks)
         try:
+            self._src = _Source(str(path), fd=self._fd, size=size)
             if expected_sha256 is not None:
-                h = hashlib.sha256()
-                for off in range(0, size, _CHUNK):
-                    h.update(_read_exact(self._fd, off, min(_CHUNK, size - off), str(path)))
-                _check_pin(h.hexdigest(), expected_sha256, str(path))
-            self.header = parse_header(_read_prefix(self._fd, size, str(path)), size, where=path,
-                                       dtypes=dtypes)
+                scanned = _scan(self._src, False, schema, dtypes, "file", None, 1, 0)
+                _check_pin(scanned.sha256, expected_sha256, str(path))
+                scanned.validated()
+            limit = schema.max_header_bytes if schema is not None else MAX_HEADER_BYTES
+            self.block = _header_block(self._src, limit)
+            self.header = parse_header(self.block, size, where=path, dtypes=dtypes, schema=schema)
         except BaseException:
             os.close(self._fd)
             raise
@@ -346,15 +648,16 @@ class TensorReader:
         """The tensor names, sorted (``safe_open``'s spelling, so the reader drops in where it was used)."""
         return sorted(self.header.tensors)
 
-    def get_tensor(self, name: str) -> torch.Tensor:
-        """One tensor, read from its validated span only."""
+    def get_tensor(self, name: str, update: Callable[[Any], None] | None = None) -> torch.Tensor:
+        """One tensor, read from its validated span only (its bytes also fed to ``update``)."""
         spec = self.header.tensors.get(name)
         if spec is None:
             raise IntegrityError(f"no tensor named {name!r}", where=self.path)
-        data = _read_exact(self._fd, self.header.data_start + spec.begin, spec.nbytes, str(self.path))
-        if spec.dtype == "BOOL" and _bad_bool(data):
-            raise _bool_error(self.header.where, name)
-        return _build(spec, data, str(self.path))
+        target = memoryview(bytearray(spec.nbytes))
+        res = _read_span(self._src, self.header, spec, target, False, update or (lambda _b: None), None)
+        if res.error is not None:
+            raise res.error
+        return build_tensor(target, spec.dtype, spec.shape)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -366,152 +669,3 @@ class TensorReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@dataclass(frozen=True)
-class ScannedFile:
-    """One streaming read of a tensor file: its size and SHA-256, its header, and the bytes when kept.
-
-    The header and BOOL checks ran over the very bytes that were hashed, but their verdict is held
-    back until :meth:`validated`, so that a caller compares the digest first and reports a modified
-    file as a checksum mismatch rather than as whatever the modification happened to break.
-    """
-
-    where: str
-    size: int
-    sha256: str
-    header: Header | None
-    error: IntegrityError | None
-    buffer: mmap.mmap | None
-
-    def validated(self) -> Header:
-        """The header, or the first header/BOOL fault found while reading."""
-        if self.error is not None:
-            raise self.error
-        assert self.header is not None
-        return self.header
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Zero-copy tensors over the kept bytes (copied only for a span not aligned to its dtype)."""
-        import torch
-
-        header = self.validated()
-        if self.buffer is None:
-            raise IntegrityError("the file was scanned without keeping its bytes", where=self.where,
-                                 hint="scan it with keep=True")
-        if sys.byteorder != "little":  # pragma: no cover - no big-endian machine here
-            raise _fail(self.where, "zero-copy tensors need a little-endian machine", "use load() instead")
-        out = {}
-        for spec in header.tensors.values():
-            dt = _TORCH_NAMES[spec.dtype]
-            dtype = getattr(torch, dt)
-            start, item = header.data_start + spec.begin, ITEMSIZE[spec.dtype]
-            if spec.nbytes == 0:
-                t = torch.empty(spec.shape, dtype=dtype)
-            elif start % item == 0:
-                t = torch.frombuffer(self.buffer, dtype=dtype, count=spec.nbytes // item, offset=start)
-            else:
-                t = torch.frombuffer(bytearray(self.buffer[start:start + spec.nbytes]), dtype=dtype)
-            out[spec.name] = t.reshape(spec.shape)
-        return out
-
-
-_TORCH_NAMES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
-                "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
-
-
-def _header_bytes(piece: memoryview) -> bytes:
-    """The header prefix of a file's first piece (all of it when the length field is implausible)."""
-    if len(piece) < 8:
-        return bytes(piece)
-    (n,) = struct.unpack("<Q", piece[:8])
-    return bytes(piece[:8 + n]) if n <= MAX_HEADER_BYTES else bytes(piece[:8])
-
-
-def _bool_fault(header: Header, piece: memoryview, offset: int) -> IntegrityError | None:
-    """A BOOL tensor's bytes other than 0/1 inside ``piece`` (which starts at file ``offset``)."""
-    for spec in header.tensors.values():
-        if spec.dtype != "BOOL":
-            continue
-        lo = max(header.data_start + spec.begin, offset)
-        hi = min(header.data_start + spec.end, offset + len(piece))
-        if lo < hi and _bad_bool(piece[lo - offset:hi - offset].tobytes()):
-            return _bool_error(header.where, spec.name)
-    return None
-
-
-def scan(path: str | Path, *, keep: bool = True, dtypes: frozenset[str] | set[str] | None = None,
-         follow_symlinks: bool = True, max_bytes: int = 2 * 1024 ** 3,
-         visit: Callable[[Header, memoryview, int], None] | None = None) -> ScannedFile:
-    """Read a tensor file once, hashing each chunk as it lands, and validate its header on those bytes.
-
-    With ``keep`` the file is read into one buffer (an anonymous mapping: no zero-fill pass) that
-    :meth:`ScannedFile.tensors` views without copying; without it a single reused chunk buffer is
-    enough and memory stays bounded whatever the file size (for callers that need the digest and
-    the header only).  The header is parsed from the first chunk, which is read large enough to
-    hold it; BOOL spans are checked chunk by chunk.  Faults found on the way are returned, not
-    raised (see :meth:`ScannedFile.validated`); a file that changes size while it is read is
-    refused at once.
-
-    ``visit(header, piece, offset)`` is called with each piece just read (file offset ``offset``)
-    once the header is valid, while the bytes are still in cache, so a caller can check contents
-    without a second pass; an :class:`IntegrityError` it raises is held back like the others.
-    Every piece after the first starts at a data-section offset that is a multiple of 8, so no
-    element of an aligned dtype straddles two pieces.
-    """
-    w = str(path)
-    fd, size = _open_regular(path, follow_symlinks)
-    try:
-        if keep and size > max_bytes:
-            raise _fail(w, f"file is {size} bytes, above the {max_bytes}-byte in-memory limit",
-                        "scan it with keep=False or read it with iter_tensors (streaming)")
-        first = _CHUNK
-        head8 = os.pread(fd, 8, 0) if size >= 8 else b""
-        if len(head8) == 8 and struct.unpack("<Q", head8)[0] <= MAX_HEADER_BYTES:
-            data_start = 8 + struct.unpack("<Q", head8)[0]
-            first = max(first, data_start)
-            first += (data_start - first) % 8
-        first = min(first, size)
-        buffer = mmap.mmap(-1, size) if keep and size else None
-        view = memoryview(buffer) if buffer is not None else memoryview(bytearray(max(first, 1)))
-        h = hashlib.sha256()
-        header: Header | None = None
-        error: IntegrityError | None = None
-        off = 0
-        with open(fd, "rb", buffering=0, closefd=False) as fh:
-            while off < size:
-                want = first if off == 0 else min(_CHUNK, size - off)
-                piece = view[off:off + want] if buffer is not None else view[:want]
-                got = 0
-                while got < want:
-                    k = fh.readinto(piece[got:])
-                    if not k:
-                        raise _fail(w, f"file ended after {off + got} bytes while reading; it changed or is "
-                                       "truncated")
-                    got += k
-                h.update(piece)
-                if off == 0:
-                    try:
-                        header = parse_header(_header_bytes(piece), size, where=w, dtypes=dtypes)
-                    except IntegrityError as exc:
-                        error = exc
-                if header is not None and error is None:
-                    error = _bool_fault(header, piece, off)
-                    if error is None and visit is not None:
-                        try:
-                            visit(header, piece, off)
-                        except IntegrityError as exc:
-                            error = exc
-                off += want
-            if fh.read(1):
-                raise _fail(w, f"file grew past {size} bytes while reading; it changed")
-        if size == 0:
-            try:
-                parse_header(b"", 0, where=w, dtypes=dtypes)
-            except IntegrityError as exc:
-                error = exc
-    except OSError as exc:
-        raise _fail(w, f"cannot read the file: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-    return ScannedFile(w, size, h.hexdigest(), header, error, buffer)

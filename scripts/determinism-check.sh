@@ -7,7 +7,8 @@
 #   scripts/determinism-check.sh CONFIG [OPTIONS...]  # any `replayjob determinism-check` options
 #   scripts/determinism-check.sh --command 'my_train --log-dir {out}' [OPTIONS...]   # any trainer
 #
-# Exit 0 deterministic, 1 drift (report printed), 2 a run failed or the input was refused.
+# Exit 0 deterministic, 1 drift (report printed), 2 a run failed or the input was refused, 3 an
+# error decided nothing (a run crashed or was killed; rerun).
 # REPLAYJOB_MATH_MODE (prod | pedantic | default) is passed through to every run.
 set -euo pipefail
 

@@ -126,6 +126,15 @@ def capture_dir(workspace: Path) -> Path:
     return out
 
 
+def replay_pins(capture: Path) -> list[str]:
+    """The two ``--set`` pins a replay of ``capture`` needs, read from its metrics.json."""
+    import json
+
+    m = json.loads((capture / "metrics.json").read_text())
+    return ["--set", f"optimizer_batch.expected_logical_sha256=\"{m['optimizer/logical_batch_sha256']}\"",
+            "--set", f"optimizer_batch.expected_manifest_sha256=\"{m['optimizer_batch/manifest_sha256']}\""]
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
             timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """Run the real CLI in a fresh process (for end-to-end tests only)."""

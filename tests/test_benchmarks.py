@@ -21,7 +21,8 @@ from benchmarks import common
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_ablation.sh"
-SMOKE = ["capture_overhead", "verify_throughput", "cli_startup", "diag_diff", "bundle_recompute"]
+SMOKE = ["capture_overhead", "verify_throughput", "cli_startup", "diag_diff", "bundle_recompute", "ring_overhead"]
+SMOKE = ["capture_overhead", "verify_throughput", "cli_startup", "diag_diff", "bundle_recompute", "trace_overhead"]
 
 
 def check_result(path: Path, name: str, *, smoke: bool) -> dict[str, object]:

@@ -104,7 +104,7 @@ def test_environment_switch(workspace: Path, tmp_path: Path) -> None:
 
 def _feed(hook: BundleCapture) -> None:
     """One step through the hook, with tensors from the synthetic step (same stage functions)."""
-    from replayjob.rl.trainer import StepRollout
+    from replayjob.rl.hooks import StepRollout
     from replayjob.rl.update import UpdateResult
 
     s = make(groups=2, group_size=4)
@@ -156,7 +156,8 @@ def test_no_capture_writer_works_during_the_update(workspace: Path, tmp_path: Pa
     """
     from replayjob.bundle import hook as hook_mod
     from replayjob.optbatch import capture as capture_mod
-    from replayjob.rl.trainer import train
+    from replayjob.rl.hooks import StepHook
+    from replayjob.source_run import train_source
 
     events: list[str] = []
 
@@ -167,22 +168,16 @@ def test_no_capture_writer_works_during_the_update(workspace: Path, tmp_path: Pa
         return call
 
     monkeypatch.setattr(capture_mod.payload, "encode", traced("payload", capture_mod.payload.encode))
-    monkeypatch.setattr(hook_mod.BundleCapture, "_writer", traced("bundle", hook_mod.BundleCapture._writer))
+    monkeypatch.setattr(hook_mod.BundleCapture, "_bundle", traced("bundle", hook_mod.BundleCapture._bundle))
 
-    class Probe:
-        def on_rollout(self, rollout: Any) -> None:
-            return None
-
-        def before_update(self, step: int, batch: Any) -> None:
-            return None
-
+    class Probe(StepHook):
         def after_update(self, step: int, result: Any) -> None:
             events.append("update returned")
 
     monkeypatch.setenv("REPLAYJOB_BUNDLE_CAPTURE", "1")
     monkeypatch.setenv("REPLAYJOB_BUNDLE_DIR", str(tmp_path / "bundles"))
     cfg = load_config(str(workspace / "source.toml"), ["optimizer_batch.capture=true"])
-    metrics = train(cfg, tmp_path / "run", [Probe()])
+    metrics = train_source(cfg, tmp_path / "run", [Probe()])
     assert events[0] == "update returned" and sorted(events[1:]) == ["bundle", "bundle", "payload"], events
     assert metrics["optimizer_batch/manifest_sha256"]
     assert sorted(p.parent.name for p in (tmp_path / "bundles").rglob("COMPLETE")) == [

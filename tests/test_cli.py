@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 import replayjob
 from replayjob.cli import COMMANDS, main
+from replayjob.errors import EXIT_ERROR, NegativeVerdict, OperationalError, RefusedError, error_for_exit_status
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -29,3 +34,80 @@ def test_usage_errors_exit_2_without_traceback(argv: list[str], capsys: pytest.C
 def test_bad_integer_option(capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
     assert main(["init", str(tmp_path), "--seed", "x"]) == 2
     assert "--seed expects an integer" in capsys.readouterr().err
+
+
+def _raise(exc: BaseException) -> Any:
+    def boom(*args: object, **kwargs: object) -> None:
+        raise exc
+    return boom
+
+
+def test_unexpected_exception_exits_3_with_the_traceback_in_the_output_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import replayjob.gate.reducer as reducer
+
+    monkeypatch.setattr(reducer, "reduce_evidence", _raise(OSError(errno.EIO, "Input/output error")))
+    out = tmp_path / "gate"
+    out.mkdir()
+    code = main(["reduce", str(tmp_path), "--claim", "exact-input", "--out", str(out / "verdict.json")])
+    assert code == EXIT_ERROR == 3
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err  # one line, no traceback on the terminal
+    assert "error (exit 3, nothing was decided; retrying may help): OSError: [Errno 5] Input/output error" in err
+    (trace,) = out.glob("replayjob-error-*.txt")
+    assert str(trace) in lines[0]
+    text = trace.read_text(encoding="utf-8")
+    assert "Traceback (most recent call last)" in text and "Input/output error" in text
+    assert not (out / "verdict.json").exists()  # nothing was decided, so no verdict
+
+
+def test_memory_error_in_init_exits_3_and_a_retry_is_not_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import replayjob.workspace as workspace
+
+    real = workspace.init_workspace
+    monkeypatch.setattr(workspace, "init_workspace", _raise(MemoryError()))
+    assert main(["init", str(tmp_path / "ws")]) == 3
+    err = capsys.readouterr().err
+    assert "MemoryError; traceback in" in err and "Traceback" not in err
+    assert len(list((tmp_path / "ws").glob("replayjob-error-*.txt"))) == 1
+    monkeypatch.setattr(workspace, "init_workspace", real)
+    assert main(["init", str(tmp_path / "ws")]) == 0  # the traceback file is no artifact
+
+
+def test_unexpected_exception_without_output_directory_goes_to_stderr(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import replayjob.check.diagdiff as diagdiff
+
+    monkeypatch.setattr(diagdiff, "diff_files", _raise(RuntimeError("CUDA error: an illegal memory access")))
+    assert main(["diag-diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err
+    assert err.strip().splitlines()[-1].endswith(
+        "RuntimeError: CUDA error: an illegal memory access; traceback above")
+
+
+@pytest.mark.parametrize(("status", "cls"), [(1, NegativeVerdict), (2, RefusedError), (3, OperationalError),
+                                             (137, OperationalError), (-9, OperationalError)])
+def test_child_exit_status_keeps_its_meaning(status: int, cls: type) -> None:
+    assert error_for_exit_status(status) is cls
+
+
+@pytest.mark.parametrize(("code", "exit_code"), [(errno.ENOSPC, 3), (errno.EIO, 3), (errno.EACCES, 2),
+                                                   (errno.EROFS, 2)])
+def test_a_failing_write_is_an_error_only_when_the_device_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str], code: int,
+                                                                 exit_code: int) -> None:
+    """A full disk or an I/O error decided nothing (3, retryable); a path the user must change is refused (2).
+    Either way nothing is left behind: no temp file, no artifact."""
+    import os as _os
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(code, _os.strerror(code))
+
+    monkeypatch.setattr("replayjob.fsio.os.fsync", failing_fsync)
+    assert main(["init", str(tmp_path / "ws")]) == exit_code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err.split("traceback")[0] and _os.strerror(code) in err
+    assert not [p for p in (tmp_path / "ws").rglob("*") if p.is_file() and not p.name.startswith("replayjob-error-")]

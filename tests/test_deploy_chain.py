@@ -1,13 +1,15 @@
-"""The manifests' own container commands, extracted from k8s/ and argo/, run here on CPU.
+"""The rendered manifests' own container commands, extracted from the YAML files, run here on CPU.
 
 No cluster exists here, so this test plays the parts a cluster plays, and only those: the shared
-volume is a temporary directory substituted for the ``/artifacts`` mount in ``REPLAYJOB_RUN_DIR``;
-each pod's emptyDirs (/tmp, /cache) are fresh directories; the Job controller's
-``JOB_COMPLETION_INDEX`` is set per index; Argo's ``{{...}}`` substitution, ``withParam`` fan-out
-and output parameters are emulated by the small interpreter below (an unknown reference fails the
-test); and ``backend.devices="cuda"`` becomes ``"cpu"`` because there is no GPU.  The scripts, the
-``replayjob`` commands they run and every artifact are real.  The tiny default is 2 arms x 2
-repeats (the spec's 3 repeats are lowered with the reducer's ``--min-repeats 2``).
+volume is a temporary directory substituted for the ``/artifacts`` mount; the spec ConfigMap (Jobs)
+or raw input artifact (Argo) is a file at ``/etc/replayjob/ablation.toml``'s place; each pod's
+emptyDirs are fresh directories; the kubelet's downward API (run-id label, node name, pod name,
+completion-index annotation, CPU limit) and its ``$(VAR)`` expansion, the Job controller's stage
+order, and Argo's ``{{...}}`` substitution, ``withParam`` fan-out, ``depends`` and output parameters
+are emulated by the small interpreters below (an unknown reference fails the test).  The manifests
+are rendered by ``replayjob k8s render`` from a tiny spec (CPU, 2 arms x 1 repeat), and a test
+checks that the committed ones differ from them only in the spec's values.  The ``replayjob step``
+commands and every artifact are real.
 """
 
 from __future__ import annotations
@@ -24,221 +26,277 @@ from typing import Any
 import pytest
 import yaml
 
+from replayjob.cli import main
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)
 Doc = dict[str, Any]
 pytestmark = pytest.mark.slow
+TINY = """\
+name = "chain"
+image = "registry.example/replayjob@sha256:""" + "ab" * 32 + """"
+gpu_product = "none"
+device = "cpu"
+repeats = 1
+
+[arms.ckpt-off]
+
+[arms.ckpt-on]
+"backend.options.gradient_checkpointing" = true
+"""
 
 
-def containers(path: Path) -> list[Doc]:
-    pod = yaml.safe_load(path.read_text(encoding="utf-8"))["spec"]["template"]["spec"]
-    return [*pod.get("initContainers", []), *pod["containers"]]
-
-
-def run_container(c: Doc, mount: Path, pod: str, **extra: str) -> subprocess.CompletedProcess[str]:
-    """Run one container's command with its own env, the volume and emptyDirs emulated."""
-    env = {e["name"]: e["value"] for e in c["env"]}
-    tmp, cache = mount.parent / "pods" / pod / "tmp", mount.parent / "pods" / pod / "cache"
-    tmp.mkdir(parents=True, exist_ok=True)
-    cache.mkdir(parents=True, exist_ok=True)
-    for key, value in list(env.items()):
-        for mount_path, local in (("/artifacts", mount), ("/tmp", tmp), ("/cache", cache)):
-            if value == mount_path or value.startswith(mount_path + "/"):
-                env[key] = str(local) + value[len(mount_path):]
-    assert env["REPLAYJOB_RUN_DIR"].startswith(str(mount))
-    env["REPLAYJOB_CONFIG_SETS"] = env["REPLAYJOB_CONFIG_SETS"].replace('"cuda"', '"cpu"')
-    env.update(extra, PATH=f"{BIN}:/usr/bin:/bin", REPLAYJOB_WAIT_S="0")
-    assert c["command"][:2] == ["/bin/sh", "-c"]
-    return subprocess.run(c["command"], env=env, capture_output=True, text=True, timeout=600)
-
-
-def k8s_chain(mount: Path, repeats: int, jobs: dict[str, list[Doc]] | None = None
-              ) -> tuple[str, subprocess.CompletedProcess[str]]:
-    """capture Job (prepare + capture), each arm's Indexed replay Job, reduce Job; stops at a failure."""
-    base = REPO / "k8s" / "base"
-    jobs = jobs or {p.stem: containers(p) for p in base.glob("*.yaml") if p.stem not in ("pvc", "kustomization")}
-    order = [("capture", None)]
-    order += [(name, i) for name in sorted(jobs) if name.startswith("replay-") for i in range(repeats)]
-    order.append(("reduce", None))
-    proc = None
-    for name, index in order:
-        extra = {"JOB_COMPLETION_INDEX": str(index)} if index is not None else {}
-        if name == "reduce":
-            extra.update(REPLAYJOB_REPEATS=str(repeats), REPLAYJOB_MIN_REPEATS=str(repeats))
-        for c in jobs[name]:
-            step = f"{name}[{index}]" if index is not None else f"{name}/{c['name']}"
-            proc = run_container(c, mount, step.replace("/", "-"), **extra)
-            if proc.returncode != 0:
-                return step, proc
-    assert proc is not None
-    return "done", proc
+def load(path: Path) -> list[Doc]:
+    return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
 
 
 @pytest.fixture(scope="module")
-def k8s_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, subprocess.CompletedProcess[str]]:
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("rendered")
+    (d / "ablation.toml").write_text(TINY, encoding="utf-8")
+    assert main(["k8s", "render", str(d / "ablation.toml"), "--out", str(d / "k8s"),
+                 "--argo", str(d / "argo.yaml")]) == 0
+    return d
+
+
+class Pod:
+    """One pod's filesystem and downward API: the volume, its emptyDirs, the spec file."""
+
+    def __init__(self, mount: Path, name: str, spec_text: str, labels: dict[str, str],
+                 annotations: dict[str, str] | None = None):
+        self.mount, self.name = mount, name
+        self.root = mount.parent / "pods" / name
+        for sub in ("tmp", "cache", "spec"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        (self.root / "spec" / "ablation.toml").write_text(spec_text, encoding="utf-8")
+        self.fields = {"spec.nodeName": "node-a", "metadata.name": name,
+                       **{f"metadata.labels['{k}']": v for k, v in labels.items()},
+                       **{f"metadata.annotations['{k}']": v for k, v in (annotations or {}).items()}}
+
+    def local(self, value: str) -> str:
+        """A container path (or a word holding one) mapped onto this pod's local directories."""
+        table = {"/artifacts": self.mount, "/tmp": self.root / "tmp", "/cache": self.root / "cache",
+                 "/etc/replayjob": self.root / "spec"}
+        return re.sub(r"(?<![\w/])(/artifacts|/tmp|/cache|/etc/replayjob)(?=/|$)",
+                      lambda m: str(table[m.group(1)]), value)
+
+    def run(self, c: Doc) -> subprocess.CompletedProcess[str]:
+        env: dict[str, str] = {}
+        for e in c["env"]:
+            if "value" in e:
+                env[e["name"]] = self.local(e["value"])
+            elif "fieldRef" in e["valueFrom"]:
+                env[e["name"]] = self.fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+            else:
+                assert e["valueFrom"]["resourceFieldRef"]["resource"] == "limits.cpu"
+                env[e["name"]] = "1"
+        cmd = [self.local(re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], w)) for w in c["command"]]
+        assert cmd[0] == "replayjob"  # one command, no shell
+        env["PATH"] = f"{BIN}:/usr/bin:/bin"
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def jobs(directory: Path) -> dict[str, Doc]:
+    return {d["metadata"]["labels"]["app.kubernetes.io/component"]: d
+            for p in directory.glob("*.yaml") for d in load(p) if d.get("kind") == "Job"}
+
+
+def run_job(job: Doc, mount: Path, spec_text: str, index: int | None = None) -> subprocess.CompletedProcess[str]:
+    tpl = job["spec"]["template"]
+    ann = {"batch.kubernetes.io/job-completion-index": str(index)} if index is not None else None
+    name = f"{job['metadata']['name']}-{index if index is not None else 0}"
+    return Pod(mount, name, spec_text, tpl["metadata"]["labels"], ann).run(tpl["spec"]["containers"][0])
+
+
+def config_map_text(directory: Path) -> str:
+    (cm,) = load(directory / "spec.yaml")
+    text: str = cm["data"]["ablation.toml"]
+    return text
+
+
+@pytest.fixture(scope="module")
+def k8s_run(rendered: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    """The Job controller's part: capture, then every index of the replay Job, then reduce."""
     mount = tmp_path_factory.mktemp("k8s") / "artifacts"
     mount.mkdir()
-    step, proc = k8s_chain(mount, repeats=2)
-    return mount / "runs" / "replayjob-ablation", step, proc
+    js, text = jobs(rendered / "k8s"), config_map_text(rendered / "k8s")
+    procs = [run_job(js["capture"], mount, text)]
+    procs += [run_job(js["replay"], mount, text, i) for i in range(js["replay"]["spec"]["completions"])]
+    procs.append(run_job(js["reduce"], mount, text))
+    return mount / "runs" / "chain" / "base", procs
 
 
-def test_k8s_job_commands_chain_to_a_passing_verdict(k8s_run: tuple[Path, str, Any]) -> None:
-    run, step, proc = k8s_run
-    assert (step, proc.returncode) == ("done", 0), proc.stdout + proc.stderr
+def test_committed_manifests_run_the_same_commands_as_the_tiny_render(rendered: Path) -> None:
+    ours, committed = jobs(rendered / "k8s"), jobs(REPO / "k8s" / "base")
+    for stage, job in ours.items():
+        c = job["spec"]["template"]["spec"]["containers"][0]
+        c2 = committed[stage]["spec"]["template"]["spec"]["containers"][0]
+        assert c["command"] == [w.replace("replayjob-ablation", "chain") for w in c2["command"]]
+        assert [e["name"] for e in c["env"]] == [e["name"] for e in c2["env"]]
+
+
+def test_k8s_job_commands_chain_to_a_passing_verdict(k8s_run: tuple[Path, list[Any]]) -> None:
+    run, procs = k8s_run
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], "\n".join(p.stdout + p.stderr for p in procs)
     verdict = json.loads((run / "verdict.json").read_text(encoding="utf-8"))
     assert (verdict["claim"], verdict["status"], verdict["exit_code"]) == ("exact-input", "pass", 0)
+    assert verdict["parameters"]["arms"] == ["ckpt-off", "ckpt-on"]
+    # the reduce Job passes the spec: each arm's intended knobs come from the plan, not the replays
+    assert sorted(verdict["parameters"]["spec"]["arms"]) == ["ckpt-off", "ckpt-on"]
+    checks = {c["name"]: c["status"] for c in verdict["checks"]}
+    assert (checks["inputs.arm_plan"], checks["exact.knobs_in_effect"]) == ("pass", "pass")
     metrics = sorted(run.glob("replays/*/*/replay_metrics.json"))
-    assert [m.relative_to(run / "replays").parts[:2] for m in metrics] == [
-        ("ckpt-off", "0"), ("ckpt-off", "1"), ("ckpt-on", "0"), ("ckpt-on", "1")]
+    assert [m.relative_to(run / "replays").parts[:2] for m in metrics] == [("ckpt-off", "0"), ("ckpt-on", "0")]
     for m in metrics:
         data = json.loads(m.read_text(encoding="utf-8"))
-        arm, repeat = m.parent.parent.name, int(m.parent.name)
-        assert (data["arm"], data["repeat_index"]) == (arm, repeat)
+        arm = m.parent.parent.name
+        assert (data["arm"], data["repeat_index"]) == (arm, 0)
         assert data["runtime"]["backend.options.gradient_checkpointing"] is (arm == "ckpt-on")
-        assert data["allowed_config_differences"] == (
-            ["backend.options.gradient_checkpointing"] if arm == "ckpt-on" else [])
+        # provenance from the downward API and the environment the manifests set
+        assert (data["host"]["node"], data["host"]["device_type"]) == ("node-a", "cpu")
+        assert data["host"]["image_digest"] == "sha256:" + "ab" * 32
+        assert data["host"]["pod"].startswith("chain-replay-")
+        assert data["provenance"]["pythonhashseed"] == "0"
+    record = json.loads((run / "run.json").read_text(encoding="utf-8"))
+    assert record["image"].endswith("ab" * 32) and len(record["fingerprint"]) == 64
 
 
-def test_rerun_of_a_completed_step_reuses_it(k8s_run: tuple[Path, str, Any]) -> None:
-    """A retried pod (infrastructure failure after the work was done) does not redo or refuse it."""
-    run, _, _ = k8s_run
-    mount = run.parents[1]
+def test_retried_pods_reuse_completed_stages(k8s_run: tuple[Path, list[Any]], rendered: Path) -> None:
+    """A retried pod (an infrastructure failure after the work was done) neither redoes nor refuses it."""
+    run, _ = k8s_run
+    js, text = jobs(rendered / "k8s"), config_map_text(rendered / "k8s")
     before = (run / "source" / "metrics.json").stat().st_mtime_ns
-    for c in containers(REPO / "k8s" / "base" / "capture.yaml"):
-        proc = run_container(c, mount, "retry-capture")
-        assert proc.returncode == 0 and "reusing" in proc.stdout, proc.stderr
-    proc = run_container(containers(REPO / "k8s" / "base" / "replay-ckpt-on.yaml")[0], mount, "retry-replay",
-                         JOB_COMPLETION_INDEX="1")
-    assert proc.returncode == 0 and "reusing" in proc.stdout
+    for proc in (run_job(js["capture"], run.parents[2], text), run_job(js["replay"], run.parents[2], text, 1)):
+        assert proc.returncode == 0 and "reusing" in proc.stdout, proc.stdout + proc.stderr
     assert (run / "source" / "metrics.json").stat().st_mtime_ns == before
 
 
-def copy_prepared(run: Path, dest: Path) -> None:
-    dest.mkdir(parents=True)
-    shutil.copytree(run / "workspace", dest / "workspace")
-    shutil.copytree(run / "source", dest / "source")
-
-
-def test_undeclared_difference_in_one_arm_stops_the_chain_at_its_replay(
-        k8s_run: tuple[Path, str, Any], tmp_path: Path) -> None:
-    """Planted: the ckpt-off Job also turns gradient checkpointing on, without declaring it."""
-    run, _, _ = k8s_run
-    mount = tmp_path / "artifacts"
-    copy_prepared(run, mount / "runs" / "replayjob-ablation")
-    base = REPO / "k8s" / "base"
-    jobs = {p.stem: containers(p) for p in base.glob("*.yaml") if p.stem not in ("pvc", "kustomization")}
-    env = jobs["replay-ckpt-off"][0]["env"]
-    sets = next(e for e in env if e["name"] == "REPLAYJOB_CONFIG_SETS")
-    sets["value"] += " backend.options.gradient_checkpointing=true"
-    step, proc = k8s_chain(mount, repeats=1, jobs=jobs)
-    assert (step, proc.returncode) == ("replay-ckpt-off[0]", 2), proc.stdout + proc.stderr
-    assert "gradient_checkpointing" in proc.stderr
-    assert not (mount / "runs" / "replayjob-ablation" / "verdict.json").exists()
+def test_a_run_directory_of_another_spec_is_refused(k8s_run: tuple[Path, list[Any]], rendered: Path) -> None:
+    run, _ = k8s_run
+    text = config_map_text(rendered / "k8s").replace("repeats = 1", "repeats = 2")
+    proc = run_job(jobs(rendered / "k8s")["replay"], run.parents[2], text, 1)
+    assert proc.returncode == 2 and "holds another run's artifacts" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 # --- Argo --------------------------------------------------------------------------------------
 
-def workflow_doc() -> Doc:
-    docs = yaml.safe_load_all((REPO / "argo" / "ablation.yaml").read_text(encoding="utf-8"))
-    return next(d for d in docs if d["kind"] == "Workflow")
-
-
 class ArgoEmulator:
-    """Just enough of the workflow controller to run argo/ablation.yaml's steps in order."""
+    """Just enough of the workflow controller to run the WorkflowTemplate's DAG in order."""
 
-    def __init__(self, wf: Doc, mount: Path, params: dict[str, str]):
-        self.wf, self.mount = wf, mount
-        self.templates = {t["name"]: t for t in wf["spec"]["templates"]}
-        self.params = {p["name"]: p["value"] for p in wf["spec"]["arguments"]["parameters"]} | params
-        self.steps: dict[str, dict[str, str]] = {}
-        self.globals: dict[str, str] = {}
-        self.status = "Running"
+    def __init__(self, path: Path, mount: Path, uid: str):
+        docs = load(path)
+        self.wft = next(d for d in docs if d["kind"] == "WorkflowTemplate")
+        wf = next(d for d in docs if d["kind"] == "Workflow")
+        assert wf["spec"]["workflowTemplateRef"]["name"] == self.wft["metadata"]["name"]
+        self.name, self.uid, self.mount = wf["metadata"]["name"], uid, mount
+        self.templates = {t["name"]: t for t in self.wft["spec"]["templates"]}
+        self.params = {p["name"]: p["value"] for p in self.wft["spec"]["arguments"]["parameters"]}
+        self.outputs: dict[str, dict[str, str]] = {}
+        self.status: dict[str, str] = {}
+        self.procs: dict[str, list[subprocess.CompletedProcess[str]]] = {}
 
-    def resolve(self, text: str, inputs: dict[str, str], item: dict[str, str] | None = None) -> str:
+    def resolve(self, text: str, inputs: dict[str, str], item: Any = None) -> str:
         def sub(m: re.Match[str]) -> str:
             ref = m.group(1).strip()
             p = ref.split(".")
-            table: dict[str, str] = {
-                "workflow.name": self.wf["metadata"]["name"], "workflow.uid": "0000-uid",
-                "workflow.status": self.status}
-            if ref in table:
-                return table[ref]
+            if ref in ("workflow.name", "workflow.uid"):
+                return self.name if ref == "workflow.name" else self.uid
             if p[:2] == ["workflow", "parameters"]:
                 return self.params[p[2]]
             if p[:2] == ["inputs", "parameters"]:
                 return inputs[p[2]]
-            if p[0] == "item" and item is not None:
-                return item[p[1]]
-            if p[0] == "steps":
-                return self.steps[p[1]][p[4]]
+            if ref == "item" and item is not None:
+                return str(item)
+            if p[0] == "tasks" and p[2:4] == ["outputs", "parameters"]:
+                return self.outputs[p[1]][p[4]]
             raise AssertionError(f"unresolvable reference {ref}")
         return re.sub(r"\{\{([^}]+)\}\}", sub, text)
 
-    def run_template(self, name: str, inputs: dict[str, str], pod: str
+    def run_template(self, name: str, inputs: dict[str, str], pod_name: str
                      ) -> tuple[subprocess.CompletedProcess[str], dict[str, str]]:
         tpl = self.templates[name]
-        c = dict(tpl["container"])
-        c["name"] = pod
-        c["env"] = [{"name": e["name"], "value": self.resolve(e["value"], inputs)} for e in c["env"]]
-        proc = run_container(c, self.mount, pod)
+        (art,) = tpl["inputs"]["artifacts"]
+        assert art["path"] == "/etc/replayjob/ablation.toml"
+        pod = Pod(self.mount, pod_name, self.resolve(art["raw"]["data"], inputs), tpl["metadata"]["labels"])
+        c = json.loads(self.resolve(json.dumps(tpl["container"]), inputs))
+        proc = pod.run(c)
         outs = {}
-        if proc.returncode == 0 or name == "reduce":
-            for p in tpl.get("outputs", {}).get("parameters", []):
-                path = self.mount.parent / "pods" / pod / "tmp" / p["valueFrom"]["path"][len("/tmp/"):]
-                outs[p["name"]] = path.read_text(encoding="utf-8") if path.exists() else ""
-                if "globalName" in p:
-                    self.globals[p["globalName"]] = outs[p["name"]]
+        for p in tpl.get("outputs", {}).get("parameters", []):
+            path = Path(pod.local(p["valueFrom"]["path"]))
+            if path.exists():
+                outs[p["name"]] = path.read_text(encoding="utf-8")
+            else:
+                assert "default" in p["valueFrom"] or proc.returncode != 0, p["name"]
+                outs[p["name"]] = p["valueFrom"].get("default", "")
         return proc, outs
 
-    def run(self) -> tuple[str, subprocess.CompletedProcess[str]]:
-        main = self.templates[self.wf["spec"]["entrypoint"]]
-        result = None
-        for group in main["steps"]:
-            for step in group:
-                items = json.loads(self.resolve(step["withParam"], {})) if "withParam" in step else [None]
-                for n, item in enumerate(items):
-                    args = {a["name"]: self.resolve(a["value"], {}, item)
-                            for a in step.get("arguments", {}).get("parameters", [])}
-                    proc, outs = self.run_template(step["template"], args, f"{step['name']}-{n}")
-                    self.steps[step["name"]] = outs
-                    if proc.returncode != 0:
-                        self.status = "Failed"
-                        return f"{step['name']}-{n}", proc
-                    result = proc
-        self.status = "Succeeded"
-        assert result is not None
-        return "done", result
+    def depends_met(self, expr: str) -> bool:
+        """``a.S || b.T && c.U`` (no parentheses in our manifests): && binds tighter than ||."""
+        def met(term: str) -> bool:
+            task, _, state = term.strip().partition(".")
+            return self.status.get(task) == (state or "Succeeded")
+        return any(all(met(t) for t in alt.split("&&")) for alt in expr.split("||"))
+
+    def run(self, tamper: dict[int, dict[str, str]] | None = None) -> None:
+        dag = self.templates[self.wft["spec"]["entrypoint"]]["dag"]
+        assert dag["failFast"] is False
+        for task in dag["tasks"]:
+            if "depends" in task and not self.depends_met(task["depends"]):
+                self.status[task["name"]] = "Omitted"
+                continue
+            items = json.loads(self.resolve(task["withParam"], {})) if "withParam" in task else [None]
+            procs, failed = [], False
+            for n, item in enumerate(items):
+                args = {a["name"]: self.resolve(a["value"], {}, item)
+                        for a in task.get("arguments", {}).get("parameters", [])}
+                args.update((tamper or {}).get(n, {}) if "withParam" in task else {})
+                proc, outs = self.run_template(task["template"], args, f"{task['name']}-{n}")
+                procs.append(proc)
+                failed |= proc.returncode != 0
+                self.outputs[task["name"]] = outs
+            self.procs[task["name"]] = procs
+            self.status[task["name"]] = "Failed" if failed else "Succeeded"
 
 
-def test_argo_workflow_commands_chain_to_a_passing_verdict(k8s_run: tuple[Path, str, Any],
-                                                           tmp_path: Path) -> None:
-    """prepare and capture find the volume prepared (their retry path) and still publish the plan
-    and the pins; the replays receive the pins as parameters; the reducer's verdict is an output."""
-    run, _, _ = k8s_run
-    wf = workflow_doc()
+def test_argo_reduce_runs_after_a_planted_replay_failure_and_refuses(
+        k8s_run: tuple[Path, list[Any]], rendered: Path, tmp_path: Path) -> None:
+    """The capture step reuses a prepared volume (its retry path) and still publishes the plan and the
+    pins; replay 0 passes; replay 1 receives pins that are not the capture's (the planted failure) and
+    refuses; the reducer runs anyway and writes a refused verdict naming the arm."""
+    run, _ = k8s_run
     mount = tmp_path / "artifacts"
-    copy_prepared(run, mount / "runs" / wf["metadata"]["name"] / "0000-uid")
-    emu = ArgoEmulator(wf, mount, {"repeats": "1", "min-repeats": "1"})
-    step, proc = emu.run()
-    assert (step, proc.returncode) == ("done", 0), proc.stdout + proc.stderr
-    plan = json.loads(emu.steps["prepare"]["plan"])
-    assert plan == [{"arm": "ckpt-off", "sets": "", "repeat": "0"},
-                    {"arm": "ckpt-on", "sets": "backend.options.gradient_checkpointing=true", "repeat": "0"}]
+    emu = ArgoEmulator(rendered / "argo.yaml", mount, "0000-uid")
+    dest = mount / "runs" / emu.name / emu.uid
+    dest.mkdir(parents=True)
+    for name in ("workspace", "source"):
+        shutil.copytree(run / name, dest / name)
+    shutil.copy(run / "run.json", dest / "run.json")  # same spec, same image: the same run's fingerprint
+    emu.run(tamper={1: {"pins": "0" * 64 + "," + "1" * 64}})
+    assert emu.status == {"capture": "Succeeded", "replay": "Failed", "reduce": "Failed"}, emu.procs
+    assert "reusing" in emu.procs["capture"][0].stdout
+    assert json.loads(emu.outputs["capture"]["plan"]) == [0, 1]
     source = json.loads((run / "source" / "metrics.json").read_text(encoding="utf-8"))
-    assert emu.steps["capture"] == {"logical-sha256": source["optimizer/logical_batch_sha256"],
-                                    "manifest-sha256": source["optimizer_batch/manifest_sha256"]}
-    assert json.loads(emu.globals["verdict"])["status"] == "pass"
-    report, _ = emu.run_template(wf["spec"]["onExit"], {}, "exit-handler")
-    assert report.returncode == 0 and "Succeeded" in report.stdout and '"status": "pass"' in report.stdout
+    assert emu.outputs["capture"]["pins"] == (f"{source['optimizer/logical_batch_sha256']},"
+                                              f"{source['optimizer_batch/manifest_sha256']}")
+    ok, bad = emu.procs["replay"]
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert bad.returncode == 2 and "differ from the capture's metrics.json" in bad.stderr
+    (reduce,) = emu.procs["reduce"]
+    assert reduce.returncode == 2, reduce.stdout + reduce.stderr
+    verdict = json.loads(emu.outputs["reduce"]["verdict"])
+    assert (verdict["status"], verdict["exit_code"]) == ("refused", 2)
+    expected = next(c for c in verdict["checks"] if c["name"] == "inputs.expected_arms")
+    assert (expected["status"], expected["offenders"]) == ("refused", ["ckpt-on"])
+    assert (dest / "verdict.json").is_file()
 
 
-def test_argo_prepare_refuses_a_malformed_arms_parameter(tmp_path: Path) -> None:
-    wf = workflow_doc()
-    mount = tmp_path / "artifacts"
-    (mount / "runs" / wf["metadata"]["name"] / "0000-uid" / "workspace").mkdir(parents=True)
-    emu = ArgoEmulator(wf, mount, {"arms": '[{"name": "Bad Arm", "sets": ""}]'})
-    proc, _ = emu.run_template("prepare", {}, "prepare-0")
-    assert proc.returncode == 2 and "arms must be a JSON list" in proc.stderr
+def test_argo_reduce_waits_for_the_fan_out_however_it_ends(rendered: Path, tmp_path: Path) -> None:
+    emu = ArgoEmulator(rendered / "argo.yaml", tmp_path, "u")
+    reduce = next(t for t in emu.templates["ablation"]["dag"]["tasks"] if t["name"] == "reduce")
+    for state, expected in (("Succeeded", True), ("Failed", True), ("Errored", True), ("Omitted", False)):
+        emu.status = {"replay": state}
+        assert emu.depends_met(reduce["depends"]) is expected, state
 
 
 # --- the workstation script ------------------------------------------------------------------

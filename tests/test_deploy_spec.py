@@ -97,16 +97,36 @@ def test_k8s_render_prints_and_writes_the_manifests(tmp_path: Path, capsys: pyte
     assert main(["k8s", "render", str(spec)]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
-        ("PersistentVolumeClaim", "replayjob-artifacts"), ("Job", "demo-capture"),
-        ("Job", "demo-replay-ckpt-off"), ("Job", "demo-replay-ckpt-on"), ("Job", "demo-reduce")]
-    assert [d["spec"]["completions"] for d in docs if "-replay-" in d["metadata"]["name"]] == [2, 2]
+        ("ConfigMap", "demo-spec"), ("PersistentVolumeClaim", "replayjob-artifacts"), ("Job", "demo-capture"),
+        ("Job", "demo-replay"), ("Job", "demo-reduce")]
+    assert docs[0]["data"]["ablation.toml"] == MINIMAL  # the pods parse the spec itself, strictly
+    replay = docs[3]["spec"]
+    assert (replay["completions"], replay["parallelism"], replay["suspend"]) == (4, 4, True)
     out, wf = tmp_path / "base", tmp_path / "wf.yaml"
     assert main(["k8s", "render", str(spec), "--out", str(out), "--argo", str(wf)]) == 0
     assert sorted(p.name for p in out.iterdir()) == [
-        "capture.yaml", "kustomization.yaml", "pvc.yaml", "reduce.yaml", "replay-ckpt-off.yaml",
-        "replay-ckpt-on.yaml"]
+        "capture.yaml", "kustomization.yaml", "pvc.yaml", "reduce.yaml", "replay.yaml", "spec.yaml"]
     kinds = [d["kind"] for d in yaml.safe_load_all(wf.read_text(encoding="utf-8"))]
-    assert kinds == ["ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim", "Workflow"]
+    assert kinds == ["ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim", "WorkflowTemplate",
+                     "Workflow"]
+
+
+def test_gpu_placement_options_render(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = MINIMAL.replace("repeats = 2", 'repeats = 2\nnode_gpus = 8\ndriver_version = "580"\n'
+                           'priority_class = "gpu-batch"\nsemaphore = "gpu-pool/h100"\nparallelism = 3')
+    spec = write(tmp_path, text)
+    assert main(["k8s", "render", str(spec), "--argo", str(tmp_path / "wf.yaml")]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out.split("wrote ")[0]))
+    pod = docs[3]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                                   "nvidia.com/cuda.driver.major": "580"}
+    assert pod["priorityClassName"] == "gpu-batch" and docs[3]["spec"]["parallelism"] == 3
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    wft = [d for d in yaml.safe_load_all((tmp_path / "wf.yaml").read_text(encoding="utf-8"))][4]
+    replay = next(t for t in wft["spec"]["templates"] if t["name"] == "replay")
+    assert replay["synchronization"] == {"semaphores": [{"configMapKeyRef": {"name": "gpu-pool", "key": "h100"}}]}
+    with pytest.raises(ConfigError, match="CONFIGMAP/KEY"):
+        load_spec(write(tmp_path, MINIMAL.replace("repeats = 2", 'repeats = 2\nsemaphore = "nokey"')))
 
 
 def test_k8s_render_refuses_a_bad_spec_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

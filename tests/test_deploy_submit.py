@@ -21,8 +21,9 @@ from kubernetes import client
 
 from replayjob.cli import main
 from replayjob.deploy import k8s
-from replayjob.deploy.ablation import load_spec
-from replayjob.deploy.submit import submit
+from replayjob.deploy.ablation import load_spec_text
+from replayjob.deploy.submit import Api, submit
+from replayjob.errors import ArtifactExistsError, OperationalError
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "examples" / "ablation.toml"
@@ -35,16 +36,21 @@ class Cluster:
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
         self.calls: list[str] = []
-        self.exit_codes: dict[str, int] = {}  # job name -> its container's exit code (default 0)
+        self.exit_codes: dict[str, int] = {}  # job stage (capture, replay, reduce) -> exit code (default 0)
         self.reads: dict[str, int] = {}
         self.running_reads = 1  # status reads that still answer "running"
+        self.unavailable = 0  # status reads answered 503 first (the API server restarting)
         self.lock = threading.Lock()
+
+    @staticmethod
+    def stage(name: str) -> str:
+        return name.rsplit("-", 1)[1]
 
     def job_status(self, name: str) -> dict[str, Any]:
         self.reads[name] = self.reads.get(name, 0) + 1
         if self.reads[name] <= self.running_reads:
             return {"active": 1}
-        code = self.exit_codes.get(name, 0)
+        code = self.exit_codes.get(self.stage(name), 0)
         if code == 0:
             return {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
         reason = "PodFailurePolicy" if code in (1, 2) else "BackoffLimitExceeded"
@@ -85,6 +91,10 @@ def handler_for(cluster: Cluster) -> type[BaseHTTPRequestHandler]:
                 if parts[-1] == "status" and parts[-3] == "jobs":
                     name = parts[-2]
                     cluster.calls.append(f"GET status {name}")
+                    if cluster.unavailable > 0:
+                        cluster.unavailable -= 1
+                        self.reply(503, {"kind": "Status", "code": 503, "reason": "ServiceUnavailable"})
+                        return
                     job = dict(cluster.objects[("Job", name)])
                     self.reply(200, {**job, "status": cluster.job_status(name)})
                     return
@@ -93,7 +103,7 @@ def handler_for(cluster: Cluster) -> type[BaseHTTPRequestHandler]:
                     name = selector.split("=", 1)[1]
                     assert selector.startswith("batch.kubernetes.io/job-name=")
                     cluster.calls.append(f"GET pods {name}")
-                    terminated = {"exitCode": cluster.exit_codes.get(name, 0), "reason": "Error"}
+                    terminated = {"exitCode": cluster.exit_codes.get(cluster.stage(name), 0), "reason": "Error"}
                     status = {"name": "replayjob", "image": "replayjob:0.1.0", "imageID": "", "ready": False,
                               "restartCount": 0, "state": {"terminated": terminated}}
                     pod = {"metadata": {"name": f"{name}-0"}, "status": {"containerStatuses": [status]}}
@@ -116,7 +126,8 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[C
         "apiVersion": "v1", "kind": "Config", "current-context": "emu",
         "clusters": [{"name": "emu", "cluster": {"server": host}}],
         "users": [{"name": "emu", "user": {"token": "emulator"}}],
-        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu"}}]}), encoding="utf-8")
+        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": NS}}]}),
+        encoding="utf-8")
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     api = client.ApiClient(client.Configuration(host=host))
@@ -126,53 +137,84 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[C
     server.server_close()
 
 
+def fast_api(api: client.ApiClient) -> Api:
+    return Api(api, backoff_s=0.001, log=lambda s: None)
+
+
 def test_wait_creates_stage_by_stage_and_bodies_are_the_rendered_manifests(
         cluster: tuple[Cluster, client.ApiClient]) -> None:
     state, api = cluster
-    spec = load_spec(SPEC)
-    assert submit(spec, NS, wait=True, api_client=api, poll_s=0.01, log=lambda s: None) == 0
+    spec, text = load_spec_text(SPEC)
+    assert submit(spec, text, NS, wait=True, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r1") == 0
     creates = [c for c in state.calls if c.startswith("POST")]
-    assert creates == ["POST persistentvolumeclaims replayjob-artifacts", "POST jobs replayjob-ablation-capture",
-                       "POST jobs replayjob-ablation-replay-ckpt-off", "POST jobs replayjob-ablation-replay-ckpt-on",
-                       "POST jobs replayjob-ablation-reduce"]
+    assert creates == ["POST configmaps replayjob-ablation-r1-spec", "POST persistentvolumeclaims replayjob-artifacts",
+                       "POST jobs replayjob-ablation-r1-capture", "POST jobs replayjob-ablation-r1-replay",
+                       "POST jobs replayjob-ablation-r1-reduce"]
     calls = state.calls
     done = {name: max(i for i, c in enumerate(calls) if c == f"GET status {name}") for name in state.reads}
-    assert calls.index("POST jobs replayjob-ablation-replay-ckpt-off") > done["replayjob-ablation-capture"]
-    assert calls.index("POST jobs replayjob-ablation-reduce") > max(
-        done["replayjob-ablation-replay-ckpt-off"], done["replayjob-ablation-replay-ckpt-on"])
-    rendered = {(d["kind"], d["metadata"]["name"]): d for d in k8s.render(spec).values() if "metadata" in d}
+    assert calls.index("POST jobs replayjob-ablation-r1-replay") > done["replayjob-ablation-r1-capture"]
+    assert calls.index("POST jobs replayjob-ablation-r1-reduce") > done["replayjob-ablation-r1-replay"]
+    rendered = {(d["kind"], d["metadata"]["name"]): d for d in k8s.render(spec, text, "r1").values()
+                if "metadata" in d}
     for key, body in state.objects.items():
-        assert body == json.loads(json.dumps(rendered[key])), key
+        expected = json.loads(json.dumps(rendered[key]))
+        if key[0] == "Job":
+            assert body["spec"].pop("suspend") is False  # created when its stage's turn has come
+            expected["spec"].pop("suspend", None)
+            labels = body["spec"]["template"]["metadata"]["labels"]
+            assert labels[k8s.RUN_ID_LABEL] == "r1"  # the pods' run directory comes from this label
+        assert body == expected, key
 
 
-@pytest.mark.parametrize(("failing", "code", "expected_exit", "message"), [
-    ("replayjob-ablation-reduce", 1, 1, "exited 1 (a negative verdict)"),
-    ("replayjob-ablation-capture", 2, 2, "exit 2: refused input"),
-    ("replayjob-ablation-replay-ckpt-on", 137, 2, "BackoffLimitExceeded"),
+@pytest.mark.parametrize(("failing", "code", "expected_exit", "message", "created"), [
+    ("reduce", 1, 1, "exit 1: a negative verdict", ["capture", "replay", "reduce"]),
+    ("capture", 2, 2, "exit 2: refused input", ["capture"]),
+    ("capture", 3, 3, "exit 3: an error on every attempt", ["capture"]),
+    ("reduce", 137, 3, "BackoffLimitExceeded", ["capture", "replay", "reduce"]),
+    ("replay", 2, 0, "the reducer judges the missing replays", ["capture", "replay", "reduce"]),
 ])
 def test_cli_exit_code_follows_the_failed_job(cluster: tuple[Cluster, client.ApiClient], failing: str,
-                                              code: int, expected_exit: int, message: str,
+                                              code: int, expected_exit: int, message: str, created: list[str],
                                               capsys: pytest.CaptureFixture[str]) -> None:
     state, _ = cluster
     state.running_reads = 0  # the CLI polls every 10 s; the emulated Jobs finish at once
     state.exit_codes[failing] = code
-    assert main(["k8s", "submit", str(SPEC), "--namespace", NS, "--wait"]) == expected_exit
-    assert message in capsys.readouterr().err
-    created = [c.split()[-1] for c in state.calls if c.startswith("POST jobs")]
-    if failing.endswith("capture"):
-        assert created == ["replayjob-ablation-capture"]
-    assert ("replayjob-ablation-reduce" in created) is failing.endswith("reduce")
+    assert main(["k8s", "submit", str(SPEC), "--wait"]) == expected_exit  # namespace: the context's
+    captured = capsys.readouterr()
+    assert message in captured.err + captured.out
+    assert [Cluster.stage(c.split()[-1]) for c in state.calls if c.startswith("POST jobs")] == created
 
 
-def test_without_wait_everything_is_created_at_once_and_duplicates_are_refused(
-        cluster: tuple[Cluster, client.ApiClient], capsys: pytest.CaptureFixture[str]) -> None:
-    state, _ = cluster
-    assert main(["k8s", "submit", str(SPEC), "--namespace", NS]) == 0
-    assert not any(c.startswith("GET") for c in state.calls)
-    assert len([c for c in state.calls if c.startswith("POST jobs")]) == 4
-    capsys.readouterr()
-    assert main(["k8s", "submit", str(SPEC), "--namespace", NS]) == 2  # the PVC is kept, the Job exists
-    assert "Job replayjob-ablation-capture already exists" in capsys.readouterr().err
+def test_each_submission_is_its_own_run(cluster: tuple[Cluster, client.ApiClient],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    state, api = cluster
+    state.running_reads = 0
+    assert main(["k8s", "submit", str(SPEC)]) == 0
+    assert main(["k8s", "submit", str(SPEC)]) == 0
+    jobs = [c.split()[-1] for c in state.calls if c.startswith("POST jobs")]
+    assert len(jobs) == 6 and len({j.rsplit("-", 1)[0] for j in jobs}) == 2  # two run ids
+    assert not any(c.startswith("GET status") and c.endswith("-reduce") for c in state.calls)  # no --wait
+    spec, text = load_spec_text(SPEC)
+    with pytest.raises(ArtifactExistsError, match="already exists"):  # a run id is never reused
+        submit(spec, text, NS, wait=False, api=fast_api(api), poll_s=0.001, log=lambda s: None,
+               run_id=jobs[0].split("-")[-2])
+
+
+def test_api_errors_are_retried_with_backoff_then_give_exit_3(cluster: tuple[Cluster, client.ApiClient]) -> None:
+    state, api = cluster
+    state.running_reads = 0
+    state.unavailable = 3
+    spec, text = load_spec_text(SPEC)
+    log: list[str] = []
+    sleeps: list[float] = []
+    retrying = Api(api, backoff_s=0.5, sleep=sleeps.append, log=log.append)
+    assert submit(spec, text, NS, wait=True, api=retrying, poll_s=0.001, log=log.append, run_id="r2") == 0
+    assert sleeps[:3] == [0.5, 1.0, 2.0] and sum("HTTP 503; retrying" in line for line in log) == 3
+    state.unavailable = 100
+    with pytest.raises(OperationalError, match="HTTP 503") as exc:
+        submit(spec, text, NS, wait=True, api=Api(api, tries=3, backoff_s=0.001, log=lambda s: None),
+               poll_s=0.001, log=lambda s: None, run_id="r3")
+    assert exc.value.exit_code == 3
 
 
 def test_submit_without_credentials_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

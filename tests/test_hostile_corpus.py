@@ -83,7 +83,7 @@ COMMANDS: dict[str, Command] = {
         "--out", str(out / "verdict.json"), "--source", str(src["source"]), "--min-repeats", "1"],
     "diag": lambda p, pins, ws, src, out: ["diag-diff", str(p), str(src["diag"])],
     "rules": lambda p, pins, ws, src, out: ["signals", str(src["source"]), "--rules", str(p)],
-    "spec": lambda p, pins, ws, src, out: ["ablation", "plan", str(p)],
+    "spec": lambda p, pins, ws, src, out: ["step", "plan", "--spec", str(p)],
 }
 ENTRY_TIMEOUT_S = 60  # a reader that blocks (a FIFO, /dev/zero) fails its entry instead of hanging the suite
 

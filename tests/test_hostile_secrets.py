@@ -1,8 +1,10 @@
 """Secrets placed in every supported config location never reach an artifact or a message.
 
 Supported locations: secret-shaped keys under ``[logging.metadata]`` (plain, upper-case, dotted,
-compound), URL credentials in metadata values and in ``logging.run_name``, and the same through
-``--set``.  Every file each writer leaves behind is scanned byte for byte, as are stdout and stderr.
+compound); inside free-form strings (``logging.run_name``, metadata values, ``optimizer_batch.arm``):
+URL credentials, query parameters and fragments, ``Authorization``/``Bearer`` values and key-named
+secrets nested in JSON strings; and the same through ``--set``.  Every file each writer leaves
+behind is scanned byte for byte, as are stdout and stderr.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from replayjob.cli import main
 MARK = "SEKRIT"
 SECRET_TOML = f"""
 [logging]
-run_name = "nightly https://bot:{MARK}-run-url@git.example/org/repo"
+run_name = "nightly https://bot:{MARK}-run-url@git.example/org/repo?token={MARK}-q&v=1#{MARK}-frag"
 
 [logging.metadata]
 hf_token = "{MARK}-hf-token"
@@ -27,9 +29,15 @@ client_secret = "{MARK}-compound"
 password = "{MARK}-password"
 mirror = "s3://AKIAXX:{MARK}-url-cred@bucket/prefix"
 note = "kept: an ordinary label"
+signed = "https://b.s3/o?X-Amz-Credential={MARK}-cred&X-Amz-Signature={MARK}-sig"
+callback = "https://app.example/cb#access_token={MARK}-fragment"
+header = "Authorization: Bearer {MARK}-bearer"
+headers_json = '{{"headers": {{"Authorization": "Basic {MARK}-json-auth"}}, "api_key": "{MARK}-json-key"}}'
+nested_json = '{{"creds": {{"password": "{MARK}-nested"}}, "retries": 3}}'
 """
 SECRET_SETS = [f'logging.metadata.auth_token="{MARK}-set-token"',
-               f'logging.metadata.registry="https://u:{MARK}-set-url@registry.example/v2"']
+               f'logging.metadata.registry="https://u:{MARK}-set-url@registry.example/v2"',
+               f'logging.metadata.hub="https://hub.example/m?api_key={MARK}-set-query"']
 
 
 def secret_config(workspace: Path, tmp_path: Path) -> Path:
@@ -70,7 +78,8 @@ def test_train_artifacts_hold_no_secret(workspace: Path, tmp_path: Path, capsys:
     assert {p.name for p in out.iterdir()} >= {"diag.jsonl", "metrics.json", "checkpoints", "final_adapter"}
     assert scan(out) == []
     metrics = (out / "metrics.json").read_text()
-    assert metrics.count("<redacted>") >= 8 and "kept: an ordinary label" in metrics
+    assert metrics.count("<redacted>") >= 18 and "kept: an ordinary label" in metrics
+    assert '"retries\\": 3' in metrics  # only the secret parts of a JSON string go
 
 
 def with_secrets(template: Path, workspace: Path, tmp_path: Path, name: str) -> Path:
@@ -97,9 +106,10 @@ def test_capture_replay_bundles_and_verdict_hold_no_secret(workspace: Path, tmp_
             "--set", f"optimizer_batch.expected_logical_sha256={metrics['optimizer/logical_batch_sha256']}",
             "--set", f"optimizer_batch.expected_manifest_sha256={metrics['optimizer_batch/manifest_sha256']}"]
     replay_cfg = with_secrets(workspace / "replay.toml", workspace, tmp_path, "r.toml")
+    arm = ["--set", f'optimizer_batch.arm="nightly Bearer {MARK}-arm"']  # reaches metrics, verdict, report
     for i in range(3):
         run(["replay", str(replay_cfg), "--out", str(tmp_path / "replays" / f"r{i}"), "--repeat-index", str(i),
-             *pins, *sets], capsys)
+             *pins, *sets, *arm], capsys)
     run(["reduce", str(tmp_path / "replays"), "--claim", "bitwise", "--source", str(source),
          "--out", str(tmp_path / "verdict.json"), "--report", str(tmp_path / "report.md")], capsys)
     written = {p.name for p in tmp_path.rglob("*") if p.is_file()}
@@ -108,6 +118,9 @@ def test_capture_replay_bundles_and_verdict_hold_no_secret(workspace: Path, tmp_
     assert sorted(p.name for p in (tmp_path / "bundles").iterdir()) == ["rollout-000000", "step-000000-000000"]
     hits = [h for h in scan(tmp_path) if not h.endswith((".toml",))]  # the inputs themselves hold them
     assert hits == []
+    verdict = json.loads((tmp_path / "verdict.json").read_text())
+    assert verdict["status"] == "pass", verdict
+    assert "nightly Bearer <redacted>" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.parametrize(("command", "expected"), [
@@ -127,7 +140,8 @@ def test_recorded_commands_are_redacted(command: str, expected: str) -> None:
 def test_determinism_check_records_no_secret(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     diag = tmp_path / "given.jsonl"
     diag.write_text('{"step": 0, "loss": 1.0}\n')
-    command = f"HF_TOKEN={MARK}-env cp {diag} {{out}}/diag.jsonl # see https://u:{MARK}-url@host/x"
+    command = (f"HF_TOKEN={MARK}-env cp {diag} {{out}}/diag.jsonl # see https://u:{MARK}-url@host/x"
+               f" https://h/y?token={MARK}-query#{MARK}-frag -H 'Authorization: Bearer {MARK}-bearer'")
     run(["determinism-check", "--command", command, "--runs", "2", "--out", str(tmp_path / "dc")], capsys)
     assert (tmp_path / "dc" / "determinism_check.json").is_file()
     assert scan(tmp_path / "dc") == []

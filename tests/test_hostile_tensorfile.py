@@ -137,6 +137,54 @@ def test_dtype_allow_list_can_be_narrowed(tmp_path: Path) -> None:
     assert set(tensorfile.load(p, dtypes={"F32", "I64", "BOOL"})) == {"a", "b", "c"}
 
 
+SCHEMA = tensorfile.Schema("test file", {"w": ("F32", 2), "n": ("I64", 1)},
+                          optional=((r"extra\.[0-9]+", "U8", 1),), metadata={"format": "t/v1"})
+
+
+@pytest.mark.parametrize(("tensors", "metadata", "cause"), [
+    ({"w": torch.zeros(2, 3), "n": torch.zeros(4, dtype=torch.int64)}, {"format": "t/v0"}, "metadata"),
+    ({"w": torch.zeros(2, 3)}, {"format": "t/v1"}, "missing tensors ['n']"),
+    ({"w": torch.zeros(2, 3), "n": torch.zeros(4, dtype=torch.int64), "x": torch.zeros(1, dtype=torch.uint8)},
+     {"format": "t/v1"}, "unexpected tensor 'x'"),
+    ({"w": torch.zeros(2, 3), "n": torch.zeros(4, dtype=torch.int64),
+      "extra.\u0661": torch.zeros(1, dtype=torch.uint8)}, {"format": "t/v1"}, "unexpected tensor"),  # Arabic-Indic 1
+    ({"w": torch.zeros(6), "n": torch.zeros(4, dtype=torch.int64)}, {"format": "t/v1"},
+     "rank 1, expected F32 of rank 2"),
+    ({"w": torch.zeros(2, 3, dtype=torch.float64), "n": torch.zeros(4, dtype=torch.int64)}, {"format": "t/v1"},
+     "allowed here: F32, I64, U8"),
+    ({"w": torch.zeros(2, 3), "n": torch.zeros(4, dtype=torch.int32)}, {"format": "t/v1"},
+     "allowed here: F32, I64, U8"),
+])
+def test_a_format_schema_is_enforced_by_every_reader(tmp_path: Path, tensors: dict[str, torch.Tensor],
+                                                     metadata: dict[str, str], cause: str) -> None:
+    data = save(tensors, metadata=metadata)
+    p = _write(tmp_path, data)
+    for read in (lambda: tensorfile.read_header(p, schema=SCHEMA), lambda: tensorfile.load(p, schema=SCHEMA),
+                 lambda: tensorfile.scan(p, schema=SCHEMA).validated(),
+                 lambda: tensorfile.scan(data, schema=SCHEMA, digest="spans").validated(),
+                 lambda: tensorfile.TensorReader(p, schema=SCHEMA)):
+        with pytest.raises(IntegrityError) as exc:
+            read()
+        assert cause in exc.value.message
+
+
+def test_a_file_that_follows_its_schema_is_read_exactly_with_either_digest(tmp_path: Path) -> None:
+    tensors = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "n": torch.arange(4),
+               "extra.0": torch.ones(3, dtype=torch.uint8)}
+    data = save(tensors, metadata={"format": "t/v1"})
+    p = _write(tmp_path, data)
+    file_scan = tensorfile.scan(p, schema=SCHEMA)
+    spans = tensorfile.scan(p, schema=SCHEMA, digest="spans", keep=False, workers=3)
+    assert file_scan.sha256 == tensorfile.hashlib.sha256(data).hexdigest() and spans.sha256 is None
+    header = spans.validated()
+    assert spans.header_sha256 == tensorfile.hashlib.sha256(data[:header.data_start]).digest()
+    for name, spec in header.tensors.items():
+        span = data[header.data_start + spec.begin:header.data_start + spec.end]
+        assert spans.tensor_sha256[name] == tensorfile.hashlib.sha256(span).digest()
+    got = file_scan.tensors()
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
 def test_non_regular_files_are_refused_without_blocking(tmp_path: Path) -> None:
     fifo = tmp_path / "fifo.safetensors"
     os.mkfifo(fifo)  # opening a FIFO for reading would block forever without O_NONBLOCK
@@ -156,7 +204,7 @@ def test_in_memory_limit_points_at_the_streaming_reader(tmp_path: Path) -> None:
     p = _write(tmp_path, corpus.valid_safetensors())
     with pytest.raises(IntegrityError, match="in-memory limit") as exc:
         tensorfile.load(p, max_bytes=16)
-    assert "iter_tensors" in exc.value.diagnostics()
+    assert "TensorReader" in exc.value.diagnostics()
 
 
 def test_header_limit_is_enforced_on_a_real_oversized_header(tmp_path: Path) -> None:

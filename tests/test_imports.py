@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import replay_pins
 
 from replayjob.cli import main
 
@@ -23,19 +24,14 @@ PROBE = ("import json, sys\n"
          "open(sys.argv[1], 'w').write(json.dumps({'rc': rc, 'heavy': heavy}))\n")
 
 
-def _pins(capture: Path) -> list[str]:
-    m = json.loads((capture / "metrics.json").read_text())
-    return ["--set", f"optimizer_batch.expected_logical_sha256=\"{m['optimizer/logical_batch_sha256']}\"",
-            "--set", f"optimizer_batch.expected_manifest_sha256=\"{m['optimizer_batch/manifest_sha256']}\""]
-
-
 @pytest.fixture(scope="module")
 def inputs(workspace: Path, capture_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from replayjob.bundle import synthetic
 
     d = tmp_path_factory.mktemp("imports")
     replays = d / "replays"
-    assert main(["replay", str(workspace / "replay.toml"), "--out", str(replays / "r0"), *_pins(capture_dir)]) == 0
+    assert main(["replay", str(workspace / "replay.toml"), "--out", str(replays / "r0"), *replay_pins(capture_dir),
+                 "--trace"]) == 0
     bundle = synthetic.write_rollout(d / "bundle")
     return {"workspace": workspace, "capture": capture_dir, "replays": replays, "bundle": bundle, "scratch": d}
 
@@ -49,8 +45,9 @@ def _argv(label: str, i: dict[str, Path]) -> list[str]:
         "reduce exact-input": [*reduce, "--claim", "exact-input", "--out", str(out / "exact.json")],
         "reduce bitwise": [*reduce, "--claim", "bitwise", "--out", str(out / "bitwise.json")],
         "bundle inspect": ["bundle", "inspect", str(i["bundle"])],
+        "trace-diff": ["trace-diff", str(reps / "r0"), str(reps / "r0"), "--json"],
         "bundle validate": ["bundle", "validate", str(i["bundle"])],
-        "explain": ["explain", str(i["workspace"] / "replay.toml"), *_pins(cap)],
+        "explain": ["explain", str(i["workspace"] / "replay.toml"), *replay_pins(cap)],
     }[label]
 
 
@@ -63,7 +60,7 @@ def probe(argv: list[str], out: Path) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("label", ["--help", "diag-diff", "reduce exact-input", "reduce bitwise", "bundle inspect",
-                                   "bundle validate", "explain"])
+                                   "bundle validate", "explain", "trace-diff"])
 def test_command_imports_neither_transformers_nor_peft(label: str, inputs: dict[str, Path],
                                                        tmp_path: Path) -> None:
     result = probe(_argv(label, inputs), tmp_path / "probe.json")
@@ -77,3 +74,36 @@ def test_refused_input_imports_neither(inputs: dict[str, Path], tmp_path: Path) 
     assert result["rc"] == 2
     assert result["heavy"] == []
 
+
+
+BOUNDARY = ("import json, sys, importlib\n"
+            "out = {}\n"
+            "for name in sys.argv[1:]:\n"
+            "    before = set(sys.modules)\n"
+            "    importlib.import_module(name)\n"
+            "    out[name] = sorted(m for m in set(sys.modules) - before if m.startswith('replayjob.'))\n"
+            "print(json.dumps(out))\n")
+
+
+def _imports_of(*modules: str) -> dict[str, list[str]]:
+    """For each module, in a fresh interpreter, the replayjob modules importing it loads (first import)."""
+    result: dict[str, list[str]] = {}
+    for name in modules:  # one interpreter per module: what one loads must not hide what another loads
+        proc = subprocess.run([sys.executable, "-c", BOUNDARY, name], capture_output=True, text=True, timeout=120,
+                              check=False)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        result.update(json.loads(proc.stdout))
+    return result
+
+
+def test_the_trainer_imports_no_capture_package_and_captures_import_the_protocol_not_the_trainer() -> None:
+    """The hook protocol (replayjob.rl.hooks) is the one meeting point of trainer and captures."""
+    seen = _imports_of("replayjob.rl.trainer", "replayjob.optbatch.capture", "replayjob.bundle.hook")
+    trainer = seen["replayjob.rl.trainer"]
+    assert "replayjob.rl.hooks" in trainer
+    assert not [m for m in trainer if m.startswith(("replayjob.optbatch", "replayjob.bundle"))], trainer
+    source = (Path(__file__).resolve().parents[1] / "replayjob" / "rl" / "trainer.py").read_text()
+    assert "replayjob.optbatch" not in source and "replayjob.bundle" not in source  # no lazy import either
+    for capture in ("replayjob.optbatch.capture", "replayjob.bundle.hook"):
+        assert "replayjob.rl.hooks" in seen[capture], (capture, seen[capture])
+        assert "replayjob.rl.trainer" not in seen[capture], (capture, seen[capture])

@@ -197,12 +197,12 @@ def test_a_capture_writer_error_surfaces_before_metrics(workspace: Path, tmp_pat
     unfinished = CaptureHook.prepare(cfg, tmp_path / "other")
     unfinished.before_update(0, rows)
     with pytest.raises(RefusedError, match="update never returned"):  # the writer gets work after the update
-        unfinished.contribute_metrics({"final_adapter_sha256": "0" * 64})
+        unfinished.finish({"final_adapter_sha256": "0" * 64})
     assert not (tmp_path / "other").exists()
     hook.before_update(0, rows)
     hook.after_update(0, None)
     with pytest.raises(ArtifactExistsError) as exc:
-        hook.contribute_metrics({"final_adapter_sha256": "0" * 64})
+        hook.finish({"final_adapter_sha256": "0" * 64})
     assert exc.value.exit_code == 2 and PAYLOAD in str(exc.value.where)
     assert not (tmp_path / MANIFEST).exists()
     assert (tmp_path / PAYLOAD).read_bytes() == b"appeared after the preconditions were checked"
@@ -216,6 +216,7 @@ def test_a_failed_capture_run_leaves_no_writer_thread_behind(workspace: Path, tm
     from replayjob.config import load_config
     from replayjob.errors import ConfigError
     from replayjob.rl import trainer
+    from replayjob.source_run import train_source
 
     def writers() -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name in ("replayjob-capture-writer", "bundle-writer")]
@@ -224,7 +225,7 @@ def test_a_failed_capture_run_leaves_no_writer_thread_behind(workspace: Path, tm
     cfg = load_config(workspace / "source.toml", ["optimizer_batch.capture=true"])
     monkeypatch.setenv("REPLAYJOB_BUNDLE_CAPTURE", "2")  # refused after the capture hook was built
     with pytest.raises(ConfigError):
-        trainer.train(cfg, tmp_path / "a")
+        train_source(cfg, tmp_path / "a")
     monkeypatch.setenv("REPLAYJOB_BUNDLE_CAPTURE", "1")
     monkeypatch.setenv("REPLAYJOB_BUNDLE_DIR", str(tmp_path / "bundles"))
 
@@ -233,7 +234,7 @@ def test_a_failed_capture_run_leaves_no_writer_thread_behind(workspace: Path, tm
 
     monkeypatch.setattr(trainer, "optimizer_update", broken)  # after both snapshots were taken
     with pytest.raises(RuntimeError, match="the update failed"):
-        trainer.train(cfg, tmp_path / "b")
+        train_source(cfg, tmp_path / "b")
     assert len(writers()) == before
     assert not (tmp_path / "b" / PAYLOAD).exists() and not (tmp_path / "b" / MANIFEST).exists()
 

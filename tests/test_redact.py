@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from replayjob.config.redact import REDACTED, is_secret_key, redact, redact_url
 
@@ -48,3 +52,127 @@ def test_redact_does_not_mutate_its_input() -> None:
     data = {"token": "t", "nested": {"password": "p"}}
     redact(data)
     assert data == {"token": "t", "nested": {"password": "p"}}
+
+
+# Secrets inside free-form strings: each form, what must vanish, and what the text becomes.
+STRING_FORMS = [
+    ("https://host/x?token=S1&v=1", "https://host/x?token=<redacted>&v=1"),
+    ("https://host/x?v=1&api_key=S1", "https://host/x?v=1&api_key=<redacted>"),
+    ("https://b.s3/o?X-Amz-Credential=S1&X-Amz-Signature=S2&X-Amz-Security-Token=S3",
+     "https://b.s3/o?X-Amz-Credential=<redacted>&X-Amz-Signature=<redacted>&X-Amz-Security-Token=<redacted>"),
+    ("https://acct.blob/c?sv=2022&sig=S1", "https://acct.blob/c?sv=2022&sig=<redacted>"),
+    ("https://maps/api?key=S1", "https://maps/api?key=<redacted>"),
+    ("https://app/cb#access_token=S1&expires=3600", "https://app/cb#<redacted>"),
+    ("https://u:S1@host/p?q=1#S2", "https://<redacted>@host/p?q=1#<redacted>"),
+    ("Authorization: Bearer S1", "Authorization: Bearer <redacted>"),
+    ("authorization=Basic S1", "authorization=Basic <redacted>"),
+    ("Proxy-Authorization: S1", "Proxy-Authorization: <redacted>"),
+    ("run with bearer S1.S2-x", "run with bearer <redacted>"),
+    ('{"api_key": "S1", "n": 3}', '{"api_key": "<redacted>", "n": 3}'),
+    ('{"headers": {"Authorization": "Bearer S1"}}', '{"headers": {"Authorization": "<redacted>"}}'),
+    ('{"a": [{"password": "S1"}], "credentials": {"user": "u", "key": ["S2"]}}',
+     '{"a": [{"password": "<redacted>"}], "credentials": <redacted>}'),
+    ('{"pin": {"secret": 12345}}', '{"pin": {"secret": <redacted>}}'),
+    ('{\\"hf_token\\": \\"S1\\"}', '{\\"hf_token\\": \\"<redacted>\\"}'),
+    ("{'client_secret': 'S1'}", "{'client_secret': '<redacted>'}"),
+    ("nightly token=S1 seed=3", "nightly token=<redacted> seed=3"),
+    ("wandb.api_key = S1", "wandb.api_key = <redacted>"),
+    ("HF_TOKEN=S1", "HF_TOKEN=<redacted>"),
+]
+KEPT_STRINGS = ["nightly-ablation", "runs/2024-06-01/ckpt#3", "/data/models/llama", "max_new_tokens=8 token_cap=4",
+                "https://host/path?x=1&page=2", "basic setup, key: value", "loss-bearing tokens: 12",
+                "note: an ordinary label", "q_proj", "user@example.org", '{"seed": 7, "tokens": 12}',
+                "https://host/x#", "s3://bucket/prefix"]
+
+
+@pytest.mark.parametrize(("text", "expected"), STRING_FORMS)
+def test_secrets_inside_strings_are_redacted(text: str, expected: str) -> None:
+    from replayjob.config.redact import redact_text
+
+    got = redact_text(text)
+    assert got == expected
+    assert "S1" not in got and "S2" not in got and "S3" not in got
+    assert redact_text(got) == got  # idempotent: a digest recomputed from the written copy agrees
+    assert redact({"logging": {"run_name": text, "metadata": {"note": text}}}) == \
+        {"logging": {"run_name": expected, "metadata": {"note": expected}}}
+
+
+@pytest.mark.parametrize("text", KEPT_STRINGS)
+def test_ordinary_strings_are_kept(text: str) -> None:
+    from replayjob.config.redact import redact_text
+
+    assert redact_text(text) == text
+
+
+def test_keys_are_redacted_as_text_and_collisions_hide_both() -> None:
+    got = redact({"https://h/x?token=S1": 1, "https://h/x?token=S2": 2, "plain": 3})
+    assert got == {"https://h/x?token=<redacted>": REDACTED, "plain": 3}
+
+
+def test_recorded_commands_redact_inside_words() -> None:
+    from replayjob.config.redact import redact_command
+
+    cmd = "curl -H 'Authorization: Bearer S1' 'https://h/x?token=S2&v=1' --set 'logging.run_name=\"a#b\"'"
+    assert redact_command(cmd) == ("curl -H 'Authorization: Bearer <redacted>' 'https://h/x?token=<redacted>&v=1' "
+                                   "--set 'logging.run_name=\"a#b\"'")
+
+
+def test_hostile_strings_stay_linear() -> None:
+    """Inputs built to make a backtracking scan quadratic or a recursive one deep finish and stay whole."""
+    from replayjob.config.redact import redact_text
+
+    for text in ["a" * 100_000 + "://", "Authorization: " + "Bearer " * 20_000 + "S1", "token=" + "{" * 50_000,
+                 '"token": "' + "\\" * 50_001, "x@" * 50_000]:
+        out = redact_text(text)
+        assert "S1" not in out and redact_text(out) == out
+
+
+@given(st.lists(st.sampled_from(["token", "=", ":", " ", '"', "'", "{", "}", "[", "]", "\\", "#", "?", "&",
+                                 "https://", "u:p@", "h/x", "Bearer ", "api_key", "<redacted>", "S", ","]),
+                max_size=24))
+@settings(max_examples=300, deadline=None)
+def test_redact_text_is_idempotent(parts: list[str]) -> None:
+    from replayjob.config.redact import redact_text
+
+    once = redact_text("".join(parts))
+    assert redact_text(once) == once
+
+
+def test_config_digest_covers_the_redacted_config_only() -> None:
+    """A pinned config digest is over the written (redacted) config: recomputable from it, and blind
+    to the secret itself, so a rotated token changes neither the digest nor the observed differences."""
+    from replayjob.config import config_sha256, load_config, resolved
+    from replayjob.config.diff import differences
+    from replayjob.digest import sha256_json
+
+    a = load_config(None, ['logging.metadata.hub="https://h/m?token=S1"', 'logging.run_name="r Bearer S2"'])
+    b = load_config(None, ['logging.metadata.hub="https://h/m?token=S9"', 'logging.run_name="r Bearer S8"'])
+    c = load_config(None, ['logging.metadata.hub="https://h/other?token=S1"', 'logging.run_name="r Bearer S2"'])
+    assert config_sha256(a) == config_sha256(b) == sha256_json(resolved(a)) == sha256_json(redact(resolved(a)))
+    assert differences(resolved(a), resolved(b)) == []
+    assert config_sha256(c) != config_sha256(a)  # what is not a credential still counts
+    assert differences(resolved(a), resolved(c)) == ["logging.metadata.hub"]
+
+
+def test_paths_recorded_from_a_config_are_redacted(tmp_path: Path) -> None:
+    """The capture manifest's adapter path (from resume.from) and a resume state's model path."""
+    from replayjob.config import load_config
+    from replayjob.model.hf import builtin_model_reference
+    from replayjob.optbatch import manifest
+
+    doc = manifest.build(step=0, producer={}, payload_file="p.safetensors", payload_size=8, payload_digest="0" * 64,
+                         rng_keys=["cpu"], rows={}, logical="0" * 64, effective="0" * 64, resolved_config={},
+                         contract={}, adapter_path=tmp_path / "state?token=S1" / "adapter.safetensors",
+                         adapter_size=8, adapter_sha256="0" * 64)
+    assert doc["initial_adapter"]["path"] == str(tmp_path / "state?token=<redacted>")  # a value runs to a space
+    ref = builtin_model_reference(load_config(None, [f'model.path="{tmp_path}/m?sig=S1"']))
+    assert ref["path"] == f"{tmp_path}/m?sig=<redacted>"
+
+
+def test_printed_messages_are_redacted_part_by_part() -> None:
+    from replayjob.errors import ConfigError
+
+    err = ConfigError("cannot open https://h/m?token=S1", where="logging.metadata.hf_token",
+                      hint="check Authorization: Bearer S2")
+    assert err.diagnostics() == ("logging.metadata.hf_token: cannot open https://h/m?token=<redacted>\n"
+                                 "  fix: check Authorization: Bearer <redacted>")

@@ -1,4 +1,4 @@
-"""The Slurm path: scripts/slurm/ and ``replayjob ablation plan|index``, against a real scheduler.
+"""The Slurm path: scripts/slurm/ and ``replayjob step``, against a real scheduler.
 
 Fast tests check the fan-out plan, the submit script's sbatch commands (``--dry-run``), its usage
 errors, the container command it builds, and shellcheck.  The rest submit through a real
@@ -24,7 +24,7 @@ from conftest import REPO
 
 from replayjob.cli import main
 from replayjob.deploy.ablation import DETERMINISM_ENV, load_spec
-from replayjob.deploy.plan import select, task_lines
+from replayjob.deploy.step import select
 from replayjob.errors import ReplayjobError
 
 SLURM = REPO / "scripts" / "slurm"
@@ -57,42 +57,38 @@ def _submit(*args: str, env: dict[str, str] | None = None,
                           timeout=timeout)
 
 
-# ---- the fan-out plan (replayjob ablation plan | index) --------------------------------------------
+# ---- the fan-out plan (replayjob step plan) ------------------------------------------------------
 
-def test_plan_maps_every_index_to_arm_and_repeat(spec_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["ablation", "plan", str(spec_file)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert "size=6" in lines and "min_repeats=3" in lines and "claim=exact-input" in lines
-    assert [ln for ln in lines if ln.startswith("env=")] == [
-        f"env={k}={v}" for k, v in sorted(DETERMINISM_ENV.items())]
-    assert [ln for ln in lines if ln.startswith("task=")] == [
-        "task=0:ckpt-off:0", "task=1:ckpt-off:1", "task=2:ckpt-off:2",
-        "task=3:ckpt-on:0", "task=4:ckpt-on:1", "task=5:ckpt-on:2"]
-    assert main(["ablation", "index", str(spec_file), "3"]) == 0
+def test_plan_gives_the_submit_time_facts(spec_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["step", "plan", "--spec", str(spec_file)]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "arm=ckpt-on", "repeat=0", "index=3", "set=backend.options.gradient_checkpointing=true",
-        'allow=["backend.options.gradient_checkpointing"]']
+        "size=6", "parallelism=4", "arms=ckpt-off,ckpt-on", "claim=exact-input", "min_repeats=3", "device=cpu"]
+    spec = load_spec(spec_file)
+    assert [(r.arm, r.repeat) for r in spec.runs()] == [
+        ("ckpt-off", 0), ("ckpt-off", 1), ("ckpt-off", 2), ("ckpt-on", 0), ("ckpt-on", 1), ("ckpt-on", 2)]
 
 
 def test_selection_keeps_file_order_and_lowers_min_repeats(spec_file: Path) -> None:
-    spec = select(load_spec(spec_file), arms="ckpt-on,ckpt-off", repeats=2, device="cuda")
+    spec = select(load_spec(spec_file), arms="ckpt-on,ckpt-off", repeats=2, device="cuda", claim="bitwise")
     assert [a.name for a in spec.arms] == ["ckpt-off", "ckpt-on"]
-    assert (spec.size, spec.effective_min_repeats, spec.device) == (4, 2, "cuda")
-    assert task_lines(spec, 1)[:2] == ["arm=ckpt-off", "repeat=1"]
-    assert task_lines(select(spec, arms="ckpt-off"), 1)[:1] == ["arm=ckpt-off"]
+    assert (spec.size, spec.effective_min_repeats, spec.device, spec.claim) == (4, 2, "cuda", "bitwise")
+    assert (spec.run_for_index(1).arm, spec.run_for_index(1).repeat) == ("ckpt-off", 1)
+    assert select(spec, arms="ckpt-on").run_for_index(1).arm == "ckpt-on"
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["index", "{spec}", "6"], "outside 0..5"),
-    (["plan", "{spec}", "--arms", "nope"], "no arm named 'nope'"),
-    (["plan", "{spec}", "--arms", "ckpt-on,ckpt-on"], "names an arm twice"),
-    (["plan", "{spec}", "--repeats", "0"], "--repeats must be >= 1"),
-    (["plan", "{spec}", "--device", "tpu"], "'tpu'"),
+    (["replay", "--spec", "{spec}", "--run-dir", "{run}", "--index", "6"], "outside 0..5"),
+    (["plan", "--spec", "{spec}", "--arms", "nope"], "no arm named 'nope'"),
+    (["plan", "--spec", "{spec}", "--arms", "ckpt-on,ckpt-on"], "names an arm twice"),
+    (["plan", "--spec", "{spec}", "--repeats", "0"], "--repeats must be >= 1"),
+    (["plan", "--spec", "{spec}", "--device", "tpu"], "'tpu'"),
+    (["plan", "--spec", "{spec}", "--claim", "vibes"], "'vibes' is not a claim"),
 ])
-def test_plan_refuses_bad_selections(spec_file: Path, capsys: pytest.CaptureFixture[str],
+def test_plan_refuses_bad_selections(spec_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                      argv: list[str], message: str) -> None:
-    assert main(["ablation", *[a.format(spec=spec_file) for a in argv]]) == 2
-    assert message in capsys.readouterr().err
+    assert main(["step", *[a.format(spec=spec_file, run=tmp_path) for a in argv]]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 def test_select_refuses_empty_arms(spec_file: Path) -> None:
@@ -121,10 +117,11 @@ def test_dry_run_chains_three_jobs_with_gpu_requests(spec_file: Path, tmp_path: 
     capture, replay, reduce = _dry_run(spec_file, tmp_path / "run", "--partition", "gpu")
     assert all("--partition gpu" in cmd for cmd in (capture, replay, reduce))
     assert "--gres=gpu:1" in capture and "--requeue" in capture
-    assert "--array 0-5" in replay and "--exclusive" in replay and "--gres=gpu:1" in replay
+    assert "--array 0-5%4" in replay and "--exclusive" in replay and "--gres=gpu:1" in replay
+    assert all("--open-mode=append" in cmd for cmd in (capture, replay, reduce))
     assert "--dependency=afterok:CAPTURE_ID --kill-on-invalid-dep=yes" in replay
     assert "--requeue" in replay
-    assert "--dependency=afterany:REPLAY_ID" in reduce and "--no-requeue" in reduce
+    assert "--dependency=afterany:REPLAY_ID" in reduce and "--requeue" in reduce
     assert "gres" not in reduce and "--exclusive" not in reduce
 
 
@@ -132,7 +129,7 @@ def test_zero_gpus_drops_every_gpu_request(spec_file: Path, tmp_path: Path) -> N
     cmds = _dry_run(spec_file, tmp_path / "run", "--gpus-per-task", "0", "--arms", "ckpt-on",
                     "--repeats", "2")
     assert len(cmds) == 3 and not any("--gres" in c or "--nv" in c for c in cmds)
-    assert "--array 0-1" in cmds[1]
+    assert "--array 0-1%4" in cmds[1]
     two = _dry_run(spec_file, tmp_path / "run", "--gpus-per-task", "2")
     assert "--gres=gpu:2" in two[0] and "--gres=gpu:2" in two[1]
 
@@ -153,29 +150,31 @@ def test_submit_refuses_bad_usage(spec_file: Path, args: list[str], message: str
     assert message in res.stderr
 
 
-def test_container_command_binds_out_and_pins_env(tmp_path: Path) -> None:
-    """The apptainer/singularity command lib.sh builds (no runtime runs; the argv is printed)."""
+def test_container_command_keeps_gpu_visibility_under_cleanenv(tmp_path: Path) -> None:
+    """The apptainer/singularity command lib.sh builds (no runtime runs; the argv is printed):
+    --cleanenv drops the host environment, so the GPUs Slurm allocated, the Slurm ids and the thread
+    counts are passed on explicitly."""
     script = f"""
 set -euo pipefail
 . {SLURM / 'lib.sh'}
 REPLAYJOB_IMAGE=/img/replayjob.sif REPLAYJOB_CONTAINER=apptainer REPLAYJOB_OUT=/shared/run
-REPLAYJOB_GPUS=1 REPLAYJOB_BINDS=(/models) REPLAYJOB_DETERMINISM_ENV=(A=1 B=:2)
+REPLAYJOB_GPUS=1 REPLAYJOB_BINDS=(/models)
+CUDA_VISIBLE_DEVICES=2 SLURM_JOB_ID=77 SLURM_CPUS_PER_TASK=8
 replayjob_cmd
 echo "${{REPLAYJOB[*]}}"
-echo "${{REPLAYJOB_PY[*]}}"
 REPLAYJOB_GPUS=0
+unset CUDA_VISIBLE_DEVICES SLURM_CPUS_PER_TASK
 replayjob_cmd
 echo "${{REPLAYJOB[*]}}"
 """
     lines = subprocess.run(["bash", "-c", script], text=True, capture_output=True,
                            check=True).stdout.splitlines()
     assert lines == [
-        "apptainer exec --cleanenv --bind /shared/run --bind /models --nv --env A=1 --env B=:2 "
-        "/img/replayjob.sif replayjob",
-        "apptainer exec --cleanenv --bind /shared/run --bind /models --nv --env A=1 --env B=:2 "
-        "/img/replayjob.sif python3",
-        "apptainer exec --cleanenv --bind /shared/run --bind /models --env A=1 --env B=:2 "
-        "/img/replayjob.sif replayjob"]
+        "apptainer exec --cleanenv --bind /shared/run --bind /models --nv --env CUDA_VISIBLE_DEVICES=2 "
+        "--env SLURM_JOB_ID=77 --env REPLAYJOB_IMAGE_REF=/img/replayjob.sif --env OMP_NUM_THREADS=8 "
+        "--env MKL_NUM_THREADS=8 /img/replayjob.sif replayjob",
+        "apptainer exec --cleanenv --bind /shared/run --bind /models --env SLURM_JOB_ID=77 "
+        "--env REPLAYJOB_IMAGE_REF=/img/replayjob.sif /img/replayjob.sif replayjob"]
 
 
 def test_image_mode_runs_the_plan_through_the_container(spec_file: Path, tmp_path: Path) -> None:
@@ -202,8 +201,8 @@ exec {REPO / '.venv' / 'bin'}/"$cmd" "$@"
     assert res.returncode == 0, res.stderr
     assert "# plan: 6 replays" in res.stdout
     assert log.read_text().splitlines() == [
-        f"exec --cleanenv --bind {out} --bind /models --bind {spec_file.parent} {image} replayjob "
-        f"ablation plan {spec_file} --device cpu"]
+        f"exec --cleanenv --bind {out} --bind /models --bind {spec_file.parent} "
+        f"--env REPLAYJOB_IMAGE_REF={image} {image} replayjob step plan --spec {spec_file} --device cpu"]
 
 
 def test_scripts_are_shellcheck_clean() -> None:
@@ -339,8 +338,9 @@ def test_chain_passes_and_gates_on_the_verdict(chain: tuple[subprocess.Completed
     assert "ExitCode=0:0" in _job_record(jobs["reduce"], slurm_env)
     arms: dict[str, list[int]] = {}
     for i in range(6):
-        m = _json(out / "replays" / f"task-{i:04d}" / "replay_metrics.json")
+        m = _json(out / "replays" / ("ckpt-off", "ckpt-on")[i // 3] / str(i % 3) / "replay_metrics.json")
         arms.setdefault(m["arm"], []).append(m["repeat_index"])
+        assert m["host"]["slurm_job"] and m["host"]["node"]
         # Pinned by the job itself: the test removed these variables from the submit environment.
         assert m["provenance"]["nvidia_tf32_override"] == "0"
         assert m["provenance"]["pythonhashseed"] == "0"
@@ -366,10 +366,10 @@ def test_planted_undeclared_difference_fails_the_gate(
     # the verdict names that arm: the reducer was told every arm of the plan.
     expected_arms = next(c for c in verdict["checks"] if c["name"] == "inputs.expected_arms")
     assert (expected_arms["status"], expected_arms["offenders"]) == ("refused", ["ckpt-off"])
-    assert "task 0 left no replay_metrics.json" in next((out / "logs").glob("reduce-*.out")).read_text()
+    assert "left no replay_metrics.json: replays/ckpt-off/0" in next((out / "logs").glob("reduce-*.out")).read_text()
     log = next((out / "logs").glob("replay-*_0.out")).read_text()
     assert "undeclared difference 'backend.options.gradient_checkpointing'" in log
-    assert (out / "replays" / "task-0001" / "replay_metrics.json").is_file()
+    assert (out / "replays" / "ckpt-on" / "0" / "replay_metrics.json").is_file()
 
 
 def _wait_for_text(path: Path, text: str, deadline: float) -> None:
@@ -412,7 +412,7 @@ def test_cancelled_replay_refuses_and_requeued_replay_reruns(
         array = dict(line.split("=") for line in jobs_file.read_text().split())["replay"]
         _wait_for_text(out / "logs" / f"replay-{array}_0.out", "is arm ckpt-off", deadline)
         time.sleep(1)  # the replay process is running now
-        assert not (out / "replays" / "task-0000" / "replay_metrics.json").exists()
+        assert not (out / "replays" / "ckpt-off" / "0" / "replay_metrics.json").exists()
         subprocess.run(["scancel", f"{array}_0"], env=slurm_env, check=True)
         _wait_for_text(out / "logs" / f"replay-{array}_1.out", "is arm ckpt-off", deadline)
         subprocess.run(["scontrol", "requeue", f"{array}_1"], env=slurm_env, check=True)
@@ -428,11 +428,43 @@ def test_cancelled_replay_refuses_and_requeued_replay_reruns(
     assert "JobState=CANCELLED" in _job_record(f"{array}_0", slurm_env)
     rerun = _job_record(f"{array}_1", slurm_env)
     assert "JobState=COMPLETED" in rerun and "Restarts=1" in rerun
-    assert "restart 1" in (out / "logs" / f"replay-{array}_1.out").read_text()
-    assert "restart=1" in (out / "replays" / "task-0001" / "slurm-attempt.txt").read_text()
-    aside = list((out / "attempts").glob("task-0001.restart-1.*"))
-    assert len(aside) == 1 and "restart=0" in (aside[0] / "slurm-attempt.txt").read_text()
+    log = (out / "logs" / f"replay-{array}_1.out").read_text()
+    assert "restart 0" in log and "restart 1" in log  # --open-mode=append keeps both attempts
+    assert (out / "replays" / "ckpt-off" / "1" / "replay_metrics.json").is_file()
     verdict = _json(out / "verdict.json")
     assert verdict["status"] == "refused"
     repeats = next(c for c in verdict["checks"] if c["name"] == "inputs.min_repeats")
     assert (repeats["status"], repeats["expected"], repeats["observed"]) == ("refused", 2, {"ckpt-off": 1})
+
+
+@pytest.mark.slow
+def test_exit_3_requeues_the_job_and_the_last_attempt_keeps_3(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """lib.sh finish_step: exit 3 (an error, nothing decided) requeues the job itself (same job id),
+    until REPLAYJOB_MAX_RESTARTS; then the job ends with 3.  1 and 2 are never requeued (see
+    test_trivial_job_exit_code_through_the_scheduler)."""
+    def job(max_restarts: int) -> str:
+        script = tmp_path / f"job-{max_restarts}.sh"
+        script.write_text(f"""#!/usr/bin/env bash
+set -euo pipefail
+. {SLURM / 'lib.sh'}
+export REPLAYJOB_MAX_RESTARTS={max_restarts}
+echo "attempt ${{SLURM_RESTART_COUNT:-0}}"
+if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then finish_step 3; fi
+finish_step 0
+""")
+        res = subprocess.run(["sbatch", "--parsable", "--requeue", "--open-mode=append", "--chdir", str(tmp_path),
+                              "--output", str(tmp_path / "job-%j.out"), str(script)],
+                             env=slurm_env, text=True, capture_output=True, timeout=60, check=True)
+        return res.stdout.strip().split(";")[0]
+
+    final, retried = job(0), job(1)
+    deadline = time.monotonic() + 300
+    _release(retried, slurm_env, deadline)
+    for jid, state in ((final, "JobState=FAILED"), (retried, "JobState=COMPLETED")):
+        while state not in (record := _job_record(jid, slurm_env)):
+            assert time.monotonic() < deadline, record
+            time.sleep(0.5)
+    assert "ExitCode=3:0" in _job_record(final, slurm_env) and "Restarts=0" in _job_record(final, slurm_env)
+    assert "ExitCode=0:0" in _job_record(retried, slurm_env) and "Restarts=1" in _job_record(retried, slurm_env)
+    log = (tmp_path / f"job-{retried}.out").read_text()
+    assert "attempt 0" in log and "requeueing job" in log and "attempt 1" in log

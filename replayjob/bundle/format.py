@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from replayjob import tensorfile
 from replayjob.errors import ContractError, IntegrityError
 from replayjob.rl.stages import ESTIMATORS
 
@@ -126,6 +127,11 @@ def check_id(value: object, what: str) -> str:
 
 def payload_file(name: str) -> str:
     return f"{PAYLOADS}/{check_payload_name(name)}{PAYLOAD_SUFFIX}"
+
+
+def payload_schema(name: str, dtype: str) -> tensorfile.Schema:
+    """A payload file holds exactly one ``[samples, tokens]`` tensor named after it, of its declared dtype."""
+    return tensorfile.Schema(f"payload {name!r}", {name: (dtype, 2)})
 
 
 def check_redaction(policy: object) -> dict[str, str]:

@@ -9,20 +9,19 @@ Off by default; on only through the environment (no config or CLI change):
 
 The source trainer runs one actor update per rollout, so step ``k`` is rollout ``k``, actor step
 ``(k, 0)``, weight version ``k``.  ``on_rollout`` and ``after_update`` only copy CPU tensors; once
-the step's update has returned, ``after_update`` hands the step's bundles to a queue, and a daemon
-thread (started idle with the hook) redacts text, builds and writes them: never beside its own
-step's update, but in a multi-step run beside the next step (its sampling, and its update too when
-the writing outlasts the sampling).  ``close`` (called once training has finished) drains the
-queue and raises the first write error; ``abandon`` (training failed) drains it quietly.
+the step's update has returned, ``after_update`` hands the step's bundles to the hook's
+:class:`~replayjob.rl.hooks.BackgroundWriter` (started idle with the hook), which redacts text,
+builds and writes them: never beside its own step's update, but in a multi-step run beside the
+next step (its sampling, and its update too when the writing outlasts the sampling).  ``finish``
+(training has finished) drains the writer and raises the first write error; ``abandon``
+(training failed) drains it quietly.
 Capture never changes training numerics: it reads tensors and consumes no random numbers.
 """
 
 from __future__ import annotations
 
-import atexit
+import functools
 import os
-import queue
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +35,10 @@ from replayjob.bundle import format as fmt
 from replayjob.bundle.writer import BundleWriter
 from replayjob.errors import ConfigError, RefusedError, ReplayjobError
 from replayjob.model.tokenizer import ByteTokenizer
+from replayjob.rl.hooks import BackgroundWriter, StepHook, StepRollout
 
 if TYPE_CHECKING:
     from replayjob.config import Config
-    from replayjob.rl.batch import OptimizerBatch
-    from replayjob.rl.trainer import StepRollout
     from replayjob.rl.update import UpdateResult
 
 ENV_CAPTURE = "REPLAYJOB_BUNDLE_CAPTURE"
@@ -95,8 +93,10 @@ class _Snapshot:
     tensors: dict[str, Tensor]
 
 
-class BundleCapture:
-    """A :class:`~replayjob.rl.trainer.StepHooks` that writes rollout and step bundles."""
+class BundleCapture(StepHook):
+    """A :class:`~replayjob.rl.hooks.StepHook` that writes rollout and step bundles."""
+
+    wants_update_logprobs = True  # a step bundle records the logprobs the loss saw
 
     def __init__(self, cfg: Config, directory: Path, steps: set[tuple[int, int]] | None,
                  rollouts: set[int] | None):
@@ -110,16 +110,10 @@ class BundleCapture:
                          "torch_version": torch.__version__, "config_sha256": config_sha256(cfg)}
         self._pending: _Snapshot | None = None
         self._held: list[tuple[str, _Snapshot, Tensor | None, float]] = []
-        self._queue: queue.Queue[tuple[str, _Snapshot, Tensor | None, float] | None] = queue.Queue()
-        self.errors: list[BaseException] = []
         self.written: list[Path] = []
-        # Started idle now, before training: a thread started at a step's end would cost the training
-        # thread a GIL switch interval (about 5 ms) while it bootstraps into busy work.
-        self._thread = threading.Thread(target=self._run, name="bundle-writer", daemon=True)
-        self._thread.start()
-        atexit.register(self.close, raise_errors=False)  # drained at exit if close is never reached
+        self._writer = BackgroundWriter("bundle-writer")  # idle until a step's update returned
 
-    # StepHooks -----------------------------------------------------------------------------
+    # StepHook ------------------------------------------------------------------------------
     def on_rollout(self, rollout: StepRollout) -> None:
         names = ("group", "raw", "scores", "mask", "old_logprobs", "ref_logprobs", "kl", "advantages",
                  "loss_weights")
@@ -130,9 +124,6 @@ class BundleCapture:
         if self.rollouts is None or rollout.step in self.rollouts:
             self._held.append(("rollout", snap, None, 0.0))  # written once the update has returned
 
-    def before_update(self, step: int, batch: OptimizerBatch) -> None:
-        return None
-
     def after_update(self, step: int, result: UpdateResult) -> None:
         snap, self._pending = self._pending, None
         try:
@@ -140,7 +131,7 @@ class BundleCapture:
                 return
             logp = getattr(result, "logprobs", None)
             if logp is None:
-                self.errors.append(RefusedError("the update did not expose its logprobs; step bundle not written"))
+                self._writer.fail(RefusedError("the update did not expose its logprobs; step bundle not written"))
                 return
             self._held.append(("step", snap, logp.detach().to("cpu", copy=True), float(result.loss)))
         finally:
@@ -149,41 +140,32 @@ class BundleCapture:
     def _release(self) -> None:
         """Hand the held bundles to the idle writer thread (nothing here waits for it)."""
         for item in self._held:
-            self._queue.put(item)
+            self._writer.submit(functools.partial(self._land, *item))
         self._held.clear()
+
+    def _land(self, kind: str, snap: _Snapshot, logp: Tensor | None, loss: float) -> None:
+        """The writer thread: build and write one bundle."""
+        w = self._rollout(snap) if kind == "rollout" else self._step(snap, logp, loss)
+        self.written.append(w.finalize())
+
+    def finish(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Training is over: drain the writer, raise the first capture error; nothing joins metrics.json."""
+        self.close()
+        return {}
 
     def abandon(self) -> None:
         """Training failed: write what was captured, drain the writer, keep its errors to itself."""
-        self.close(raise_errors=False)
-
-    def close(self, raise_errors: bool = True) -> list[Path]:
-        """Drain the writer thread (training is over); raise the first capture error."""
         self._release()  # a rollout whose update never returned is still written
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-        atexit.unregister(self.close)
-        if self.errors and raise_errors:
-            first = self.errors[0]
-            if isinstance(first, ReplayjobError):
-                raise first
-            raise RefusedError(f"bundle capture failed: {first}", where=self.directory)
+        self._writer.release()
+
+    def close(self) -> list[Path]:
+        """Drain the writer thread (training is over); raise the first capture error; the bundles written."""
+        self._release()  # a rollout whose update never returned is still written
+        self._writer.drain()
         return list(self.written)
 
     # background thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            kind, snap, logp, loss = item
-            try:
-                w = self._rollout(snap) if kind == "rollout" else self._step(snap, logp, loss)
-                self.written.append(w.finalize())
-            except Exception as exc:  # reported by close(); the training thread never waits on disk
-                self.errors.append(exc)
-
-    def _writer(self, snap: _Snapshot, kind: str) -> BundleWriter:
+    def _bundle(self, snap: _Snapshot, kind: str) -> BundleWriter:
         rid = snap.step
         w = BundleWriter(self.directory / fmt.bundle_name(kind, rid, 0 if kind == "step" else None), kind=kind,
                          rollout_id=rid, step_id=0 if kind == "step" else None, config=self.config,
@@ -202,7 +184,7 @@ class BundleCapture:
         return w
 
     def _rollout(self, snap: _Snapshot) -> BundleWriter:
-        w = self._writer(snap, "rollout")
+        w = self._bundle(snap, "rollout")
         t = snap.tensors
         width = int(t["mask"].shape[1])
         if self.config["tokenizer"] == "byte":
@@ -222,7 +204,7 @@ class BundleCapture:
 
     def _step(self, snap: _Snapshot, flat_logp: Tensor | None, loss: float) -> BundleWriter:
         assert flat_logp is not None
-        w = self._writer(snap, "step")
+        w = self._bundle(snap, "step")
         t = snap.tensors
         mask = t["mask"]
         # Each mask row is its response's ones then zeros, so the row-major positions of the ones are

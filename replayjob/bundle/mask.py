@@ -20,7 +20,7 @@ from replayjob.bundle import format as fmt
 from replayjob.errors import IntegrityError
 
 if TYPE_CHECKING:
-    from replayjob.tensorfile import Header
+    from replayjob.tensorfile import TensorSpec
 
 _LONG_ROW = 1024  # from this width on, rows are compared piece by piece against the template
 # Torch runs an operation on more elements than this in its intra-op thread pool; on a busy machine
@@ -48,26 +48,21 @@ class MaskRows:
         return IntegrityError(f"mask row of sample {self.sample_ids[row]!r} does not match response_length="
                               f"{self.lengths[row]}", where=fmt.payload_file("mask"))
 
-    def __call__(self, header: Header, piece: memoryview, offset: int) -> None:
-        spec = header.tensors.get("mask")
-        if spec is None or len(header.tensors) != 1 or len(spec.shape) != 2 or spec.shape[0] != len(self.lengths):
+    def __call__(self, spec: TensorSpec, piece: memoryview, first: int) -> None:
+        """Check ``piece``: elements ``first ..`` of the mask tensor, just read and hashed."""
+        if spec.name != "mask" or len(spec.shape) != 2 or spec.shape[0] != len(self.lengths):
             return  # the reader refuses this file by its header; nothing here is checked
         width, dtype = spec.shape[1], fmt.DTYPES[spec.dtype]
-        item = dtype.itemsize
         if self._template is None:
             too_long = [i for i, n in enumerate(self.lengths) if n > width]
             if too_long:
                 raise self._fail(too_long[0])
             self._template = torch.cat([torch.ones(_GRAIN, dtype=dtype), torch.zeros(_GRAIN, dtype=dtype)])
             self._cols = torch.arange(min(width, _LONG_ROW))
-        start = header.data_start + spec.begin
-        lo, hi = max(start, offset), min(start + spec.nbytes, offset + len(piece))
-        first, count = (lo - start) // item, (hi - lo) // item
-        if lo >= hi or count == 0:
+        count = len(piece) // dtype.itemsize
+        if count == 0:
             return
-        seg = piece[lo - offset:lo - offset + count * item]
-        values = torch.frombuffer(seg if (lo - offset) % item == 0 else bytearray(seg), dtype=dtype)
-        self._check(values, first, width)
+        self._check(torch.frombuffer(piece, dtype=dtype, count=count), first, width)
         self.checked += count
 
     def _check(self, values: Tensor, first: int, width: int) -> None:

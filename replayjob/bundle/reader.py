@@ -145,15 +145,14 @@ def _load_payload(path: Path, name: str, spec: dict[str, Any], keep: bool,
                              hint="the bundle is incomplete; capture it again") from None
     if not stat.S_ISREG(st.st_mode):
         raise IntegrityError(f"payload {name!r} is not a regular file (symlinks are refused)", where=p)
-    scanned = tensorfile.scan(p, keep=keep, dtypes={spec["dtype"]}, follow_symlinks=False, visit=visit)
-    if scanned.size != spec["bytes"] or scanned.sha256 != spec["sha256"]:
+    scanned = tensorfile.scan(p, keep=keep, schema=fmt.payload_schema(name, spec["dtype"]), follow_symlinks=False,
+                              visit=visit)
+    sha = scanned.sha256 or ""
+    if scanned.size != spec["bytes"] or sha != spec["sha256"]:
         raise IntegrityError(f"checksum mismatch for payload {name!r}: {scanned.size} bytes, sha256 "
-                             f"{scanned.sha256[:16]}..., manifest says {spec['bytes']} bytes, "
+                             f"{sha[:16]}..., manifest says {spec['bytes']} bytes, "
                              f"{spec['sha256'][:16]}...", where=p, hint="the payload was modified or truncated")
-    header = scanned.validated()  # strict header and BOOL bytes, checked on the hashed bytes
-    if set(header.tensors) != {name}:
-        raise IntegrityError(f"payload {name!r} must hold exactly one tensor named {name!r}, found "
-                             f"{sorted(header.tensors)}", where=p)
+    header = scanned.validated()  # strict header, schema and BOOL bytes, checked on the hashed bytes
     ts = header.tensors[name]
     if ts.dtype != spec["dtype"] or list(ts.shape) != spec["shape"]:
         raise IntegrityError(f"payload {name!r} is {ts.dtype} {list(ts.shape)}, manifest says {spec['dtype']} "

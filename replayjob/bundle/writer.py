@@ -41,9 +41,9 @@ import replayjob
 from replayjob.bundle import format as fmt
 from replayjob.bundle.schema import check_closure, check_expected, check_index, check_manifest
 from replayjob.digest import sha256_bytes, sha256_json
-from replayjob.errors import ArtifactExistsError, IntegrityError, RefusedError
+from replayjob.errors import ArtifactExistsError, IntegrityError
 from replayjob.faults import point
-from replayjob.fsio import atomic_write_bytes, fsync_dir
+from replayjob.fsio import atomic_write_bytes, fsync_dir, write_failure
 from replayjob.jsonio import pretty_bytes, read_json_object
 
 DTYPES = {t: name for name, t in fmt.DTYPES.items()}  # torch dtype -> safetensors name
@@ -209,7 +209,7 @@ class BundleWriter:
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         except OSError as exc:
-            raise RefusedError(f"cannot create the bundle: {exc.strerror}", where=final.parent) from None
+            raise write_failure(exc, final.parent, "cannot create the bundle") from None
         try:
             (tmp / fmt.PAYLOADS).mkdir()
             for name, blob in blobs.items():
@@ -260,7 +260,7 @@ def _write_new(path: Path, data: bytes) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     except OSError as exc:
-        raise RefusedError(f"cannot create a bundle file: {exc.strerror}", where=path) from None
+        raise write_failure(exc, path, "cannot create a bundle file") from None
     try:
         view, half = memoryview(data), len(data) // 2  # no copy of large payloads
         _write_all(fd, view[:half])
@@ -268,8 +268,7 @@ def _write_new(path: Path, data: bytes) -> None:
         _write_all(fd, view[half:])
         os.fsync(fd)
     except OSError as exc:
-        raise RefusedError(f"cannot write a bundle file: {exc.strerror}", where=path,
-                           hint="check free space and permissions") from None
+        raise write_failure(exc, path, "cannot write a bundle file") from None
     finally:
         os.close(fd)
     point(f"bundle.synced/{path.name}")

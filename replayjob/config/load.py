@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import tomli as tomllib  # the same parser as the standard library's tomllib, on every Python
 
-from replayjob.config.redact import REDACTED, is_secret_key, redact_url
+from replayjob.config.redact import REDACTED, is_secret_key, redact_text
 from replayjob.config.schema import TOML_NAMES, Config
 from replayjob.errors import ConfigError
 
@@ -114,7 +114,7 @@ def _shown(value: Any, where: str) -> str:
     """A value as error messages may quote it: never under a secret-shaped key, never long."""
     if any(is_secret_key(part) for part in where.split(".")):
         return REDACTED
-    text = redact_url(repr(value))
+    text = redact_text(repr(value))
     return text if len(text) <= 80 else text[:77] + "..."
 
 

@@ -30,7 +30,7 @@ class TrainingConfig:
     trainer: Trainer = doc("Which runner: 'grpo' (the source trainer) or 'optimizer_replay'.", "grpo")
     seed: int | None = doc("Seed for prompts, sampling and LoRA init; required (>= 0) under strict mode.",
                            None)
-    max_steps: int = doc("Number of optimizer steps (>= 1). Capture and replay require exactly 1.", 1)
+    max_steps: int = doc("Number of optimizer steps (>= 1). The step-zero capture and replay require exactly 1.", 1)
     save_every: int = doc("Write a resumable checkpoint every N steps; 0 disables checkpoints.", 0)
     micro_batch_size: int = doc("Rows per forward/backward micro-batch (systems-only knob).", 4)
 
@@ -103,6 +103,34 @@ class OptimizerBatchConfig:
         default_factory=list)
     arm: str = doc("Condition name for reports; '' derives it from the declared differences.", "")
     tolerances_sha256: str = doc("SHA-256 of a predeclared tolerance file (approximate claim).", "")
+    trace: bool = doc("Replay only: record a layer-level trace (per-module outputs and output gradients, "
+                      "parameter gradients and updates) into trace/ beside replay_metrics.json "
+                      "(docs/trace-format.md); same as replay --trace.", False)
+    capture_steps: list[int] = doc(
+        "Source runs of any length: 0-based steps whose optimizer batch, adapter, optimizer state and "
+        "learning rate are captured (optimizer_batch_step_<K>.*, replay_step_<K>.toml).", default_factory=list)
+    ring_size: int = doc("Source runs: keep the last N steps (rows and state) in host memory and write them "
+                         "when a trigger fires; 0 turns the ring buffer off.", 0)
+    ring_grad_norm_above: float = doc("Ring trigger: gradient norm above this value; 0 turns it off "
+                                      "(a non-finite loss or gradient norm always triggers).", 0.0)
+    ring_grad_norm_median_multiple: float = doc(
+        "Ring trigger: gradient norm above this multiple of the running median of earlier steps; 0: off.", 0.0)
+    ring_loss_spike_multiple: float = doc(
+        "Ring trigger: |loss| above this multiple of the running median |loss| of earlier steps; 0: off.", 0.0)
+    allow_nonfinite_inputs: bool = doc(
+        "Replay runs: admit a capture whose manifest flags non-finite inputs (refused otherwise).", False)
+
+    def __post_init__(self) -> None:
+        steps = self.capture_steps
+        if any(k < 0 for k in steps) or len(set(steps)) != len(steps):
+            raise ConfigError(f"must list distinct steps >= 0, found {steps}",
+                              where="optimizer_batch.capture_steps")
+        if self.ring_size < 0:
+            raise ConfigError("must be >= 0 (0 turns the ring buffer off)", where="optimizer_batch.ring_size")
+        for name in ("ring_grad_norm_above", "ring_grad_norm_median_multiple", "ring_loss_spike_multiple"):
+            if not 0.0 <= getattr(self, name) < float("inf"):
+                raise ConfigError("must be a finite number >= 0 (0 turns the trigger off)",
+                                  where=f"optimizer_batch.{name}")
 
 
 @dataclass(frozen=True)

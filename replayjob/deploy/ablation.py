@@ -137,6 +137,12 @@ class AblationSpec:
     shm: str = "8Gi"
     deadline_s: int = 21600
     parallelism: int = 4
+    node_gpus: int = 0
+    driver_version: str = ""
+    driver_label: str = "nvidia.com/cuda.driver.major"
+    priority_class: str = ""
+    semaphore: str = ""
+    mixed_hardware: bool = False
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name) or len(self.name) > 30:
@@ -157,8 +163,8 @@ class AblationSpec:
                               where="claim")
         if self.device not in DEVICES:
             raise ConfigError(f"{self.device!r}: use 'cuda' (one GPU per pod) or 'cpu'", where="device")
-        if self.seed < 0 or self.deadline_s < 60 or self.parallelism < 1:
-            raise ConfigError("seed >= 0, deadline_s >= 60 and parallelism >= 1 are required")
+        if self.seed < 0 or self.deadline_s < 60 or self.parallelism < 1 or not 0 <= self.node_gpus <= 64:
+            raise ConfigError("seed >= 0, deadline_s >= 60, parallelism >= 1 and node_gpus 0..64 are required")
         if self.model_path and not self.resume:
             raise ConfigError("a model directory needs its own resume state: `replayjob init` writes an "
                               "adapter for the built-in tiny model only", where="resume",
@@ -166,9 +172,12 @@ class AblationSpec:
         for key in ("storage", "cpu", "memory", "shm"):
             if not _QUANTITY.match(getattr(self, key)):
                 raise ConfigError(f"{getattr(self, key)!r} is not a Kubernetes quantity", where=key)
-        for key in ("image", "gpu_product", "model_path", "resume", "claim_name", "storage_class"):
+        for key in ("image", "gpu_product", "model_path", "resume", "claim_name", "storage_class",
+                    "driver_version", "driver_label", "priority_class"):
             if not _SAFE_STR.match(getattr(self, key)):
                 raise ConfigError("no whitespace or quotes allowed", where=key)
+        if self.semaphore and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-._a-zA-Z0-9]+", self.semaphore):
+            raise ConfigError(f"{self.semaphore!r} must be CONFIGMAP/KEY", where="semaphore")
 
     @property
     def gpu(self) -> bool:
@@ -212,9 +221,9 @@ class AblationSpec:
 
 
 _FIELDS = {f for f in AblationSpec.__dataclass_fields__ if f != "arms"}
-_TYPES: dict[str, type] = {name: int if f.type == "int" else str
+_TYPES: dict[str, type] = {name: {"int": int, "str": str, "bool": bool}[str(f.type)]
                            for name, f in AblationSpec.__dataclass_fields__.items()
-                           if f.type in ("int", "str")}
+                           if f.type in ("int", "str", "bool")}
 
 
 def spec_from_dict(data: dict[str, Any], where: str = "ablation") -> AblationSpec:
@@ -256,6 +265,11 @@ def _check_knobs(spec: AblationSpec, where: str) -> None:
 
 def load_spec(path: str | Path) -> AblationSpec:
     """Read an ablation spec TOML file (strictly: unknown keys and bad values are refused)."""
+    return load_spec_text(path)[0]
+
+
+def load_spec_text(path: str | Path) -> tuple[AblationSpec, str]:
+    """:func:`load_spec` and the file's text (what the manifests ship to the pods, parsed there again)."""
     from replayjob.config.load import MAX_TOML_BYTES
     from replayjob.fsio import read_regular_bytes
 
@@ -264,9 +278,10 @@ def load_spec(path: str | Path) -> AblationSpec:
         if not p.exists() and not p.is_symlink():
             raise FileNotFoundError(p)
         # regular files only (a FIFO would block the reader); the parser's nesting limit is a RecursionError
-        data = tomllib.loads(read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, what="ablation spec").decode("utf-8"))
+        text = read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, what="ablation spec").decode("utf-8")
+        data = tomllib.loads(text)
     except FileNotFoundError:
         raise ConfigError("ablation spec not found", where=p) from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ConfigError(f"not valid TOML: {exc}", where=p) from None
-    return spec_from_dict(data, str(p))
+    return spec_from_dict(data, str(p)), text

@@ -1,33 +1,39 @@
-"""The Argo workflow of an ablation: prepare -> capture -> replays (arms x repeats) -> reduce.
+"""The Argo workflow of an ablation: capture -> replays (arms x repeats) -> reduce, as a DAG.
 
-``argo/ablation.yaml`` is ``render(load_spec("examples/ablation.toml"))`` committed; a test keeps
-them identical.  The file holds everything ``kubectl apply -f`` needs: the executor's service
-account and its one permission, the artifacts PVC and the Workflow (a fixed ``metadata.name``).
-The spec's values become the defaults of the workflow parameters (image, gpu-product, arms,
-repeats, min-repeats, claim, model, config-sets, seed), so a run can change them without
-re-rendering.
+``argo/ablation.yaml`` is ``dump(*load_spec_text("examples/ablation.toml"))`` committed; a test keeps
+them identical.  The file holds everything ``kubectl apply -f`` needs: the executor's service account
+and its one permission, the artifacts PVC, a **WorkflowTemplate** (the gating entry point for
+repeated runs: ``argo submit --from workflowtemplate/NAME -p key=value --wait``) and a Workflow with
+a fixed name that runs that template once.
 
-The containers run the same scripts as the plain Kubernetes Jobs (:mod:`replayjob.deploy.commands`);
-the capture step publishes the pins as output parameters and every replay receives them as
-inputs.  Retries: infrastructure failures only (``!(lastRetry.exitCode in ["1", "2"])``), on
-another node; the reducer never retries, and its exit code fails the workflow when the verdict is
-not a pass.  The verdict is a global output parameter and ``verdict.json`` on the PVC; the exit
-handler prints ``{{workflow.status}}`` and the verdict.
+Parameters: ``spec`` (the ablation spec's TOML text, parsed again strictly in every pod, which
+receives it as a raw input artifact), ``image`` and ``gpu-product``.  Resources, GPU requests and
+node placement are fixed at render time.
+
+Every container runs one ``replayjob step`` command (no shell: the executor signals replayjob
+itself).  The capture step publishes the pins and the fan-out plan (the array indexes) as output
+parameters; each replay receives its index and the pins, and refuses when they differ from the
+volume's.  The reducer **always runs once the fan-out has ended** (``depends`` on the replays having
+succeeded, failed or errored; ``failFast: false``) and writes a verdict, refused when replays are
+missing, so a failed replay is judged, never silently dropped; its exit code fails the workflow when
+the verdict is not a pass.  Retries: exit 3 (an error, nothing decided) and infrastructure errors
+only, on another node; 1 and 2 are final.  ``podGC`` deletes the pods of successful steps; every
+template has ``activeDeadlineSeconds``; the replays and the capture may take a semaphore for the
+GPU pool (``semaphore = "CONFIGMAP/KEY"`` in the spec) and a priority class.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from replayjob.deploy import k8s
-from replayjob.deploy.ablation import AblationSpec, toml_value
-from replayjob.deploy.commands import command
+from replayjob.deploy.ablation import AblationSpec
 
 Doc = dict[str, Any]
 OUTPUTS = "/tmp/outputs"
 RUN_DIR = k8s.MOUNT + "/runs/{{workflow.name}}/{{workflow.uid}}"
-RETRY_EXPRESSION = '!(lastRetry.exitCode in ["1", "2"])'
+RETRY_EXPRESSION = 'lastRetry.status == "Error" || lastRetry.exitCode == "3"'
+REDUCE_DEPENDS = "replay.Succeeded || replay.Failed || replay.Errored"
 
 
 def _p(name: str) -> str:
@@ -38,14 +44,8 @@ def _i(name: str) -> str:
     return "{{inputs.parameters." + name + "}}"
 
 
-def parameters(spec: AblationSpec) -> list[Doc]:
-    arms = [{"name": a.name, "sets": a.words()} for a in spec.arms]
-    values = {
-        "image": spec.image, "gpu-product": spec.gpu_product,
-        "arms": json.dumps(arms, separators=(",", ":")), "repeats": str(spec.repeats),
-        "min-repeats": str(spec.effective_min_repeats), "claim": spec.claim,
-        "model": spec.model_path, "config-sets": " ".join(spec.extra_sets()), "seed": str(spec.seed),
-    }
+def parameters(spec: AblationSpec, text: str) -> list[Doc]:
+    values = {"spec": text, "image": spec.image, "gpu-product": spec.gpu_product}
     return [{"name": k, "value": v} for k, v in values.items()]
 
 
@@ -55,28 +55,38 @@ def retry() -> Doc:
             "affinity": {"nodeAntiAffinity": {}}}
 
 
-def _container(spec: AblationSpec, step: str, env: dict[str, str], gpu: bool) -> Doc:
-    sets = f"backend.devices={toml_value(spec.device)} model.path=\"{_p('model')}\" {_p('config-sets')}"
-    base = {"REPLAYJOB_RUN_DIR": RUN_DIR, "REPLAYJOB_CONFIG_SETS": sets,
-            **k8s.DETERMINISM_ENV, **k8s.RUNTIME_ENV}
-    return {"image": _p("image"), "imagePullPolicy": "IfNotPresent", "command": command(step),
-            "env": k8s.env_list({**base, **env}), "resources": k8s.resources(spec, gpu),
-            "securityContext": k8s.container_security(),
+def _container(spec: AblationSpec, command: list[str], gpu: bool) -> Doc:
+    env = [*k8s.env_list({**k8s.static_env(_p("image"))}),
+           k8s.field_env("REPLAYJOB_NODE_NAME", "spec.nodeName"), k8s.field_env("REPLAYJOB_POD_NAME", "metadata.name"),
+           *k8s.threads_env()]
+    return {"image": _p("image"), "imagePullPolicy": "IfNotPresent", "command": command, "env": env,
+            "resources": k8s.resources(spec, gpu), "securityContext": k8s.container_security(),
             "volumeMounts": [dict(m) for m in k8s.VOLUME_MOUNTS]}
 
 
-def _template(spec: AblationSpec, name: str, step: str, env: dict[str, str], gpu: bool,
-              **fields: Any) -> Doc:
+def _template(spec: AblationSpec, name: str, command: list[str], gpu: bool, **fields: Any) -> Doc:
     tpl: Doc = {"name": name, **fields}
-    lab = k8s.labels(spec, name)
+    tpl.setdefault("inputs", {})["artifacts"] = [
+        {"name": "spec", "path": k8s.SPEC_FILE, "raw": {"data": _p("spec")}}]
+    lab = _labels(spec, name)
     if gpu:
         lab[k8s.EXCLUSIVE_LABEL] = "true"
         placement = k8s.gpu_placement(spec)
-        placement["nodeSelector"] = {k8s.GPU_PRODUCT_LABEL: _p("gpu-product")}
+        placement["nodeSelector"][k8s.GPU_PRODUCT_LABEL] = _p("gpu-product")
         tpl.update(placement)
+        if spec.semaphore:
+            cm, key = spec.semaphore.split("/", 1)
+            tpl["synchronization"] = {"semaphores": [{"configMapKeyRef": {"name": cm, "key": key}}]}
     tpl["metadata"] = {"labels": lab}
-    tpl["container"] = _container(spec, step, env, gpu)
+    tpl["activeDeadlineSeconds"] = str(spec.deadline_s)  # IntOrString in the Argo schemas
+    tpl["retryStrategy"] = retry()
+    tpl["container"] = _container(spec, command, gpu)
     return tpl
+
+
+def _labels(spec: AblationSpec, component: str) -> dict[str, str]:
+    """Argo labels every pod with its workflow; the run-id label is the Jobs' own."""
+    return {k: v for k, v in k8s.labels(spec, component).items() if k != k8s.RUN_ID_LABEL}
 
 
 def _out(name: str, file: str, **extra: str) -> Doc:
@@ -84,52 +94,32 @@ def _out(name: str, file: str, **extra: str) -> Doc:
 
 
 def templates(spec: AblationSpec) -> list[Doc]:
-    pins_in = [{"name": "logical-sha256"}, {"name": "manifest-sha256"}]
-    main = {"name": "ablation", "parallelism": spec.parallelism, "steps": [
-        [{"name": "prepare", "template": "prepare"}],
-        [{"name": "capture", "template": "capture"}],
-        [{"name": "replay", "template": "replay",
-          "withParam": "{{steps.prepare.outputs.parameters.plan}}",
-          "arguments": {"parameters": [
-              {"name": "arm", "value": "{{item.arm}}"}, {"name": "sets", "value": "{{item.sets}}"},
-              {"name": "repeat", "value": "{{item.repeat}}"},
-              {"name": "logical-sha256", "value": "{{steps.capture.outputs.parameters.logical-sha256}}"},
-              {"name": "manifest-sha256",
-               "value": "{{steps.capture.outputs.parameters.manifest-sha256}}"}]}}],
-        [{"name": "reduce", "template": "reduce"}],
-    ]}
-    prepare = _template(
-        spec, "prepare", "prepare",
-        {"REPLAYJOB_SEED": _p("seed"), "REPLAYJOB_ARMS_JSON": _p("arms"), "REPLAYJOB_REPEATS": _p("repeats"),
-         "REPLAYJOB_OUTPUTS": OUTPUTS}, False,
-        outputs={"parameters": [_out("plan", "plan.json")]}, retryStrategy=retry())
+    cap = "{{tasks.capture.outputs.parameters."
+    main = {"name": "ablation", "parallelism": spec.parallelism, "dag": {"failFast": False, "tasks": [
+        {"name": "capture", "template": "capture"},
+        {"name": "replay", "template": "replay", "depends": "capture.Succeeded", "withParam": cap + "plan}}",
+         "arguments": {"parameters": [{"name": "index", "value": "{{item}}"},
+                                      {"name": "pins", "value": cap + "pins}}"}]}},
+        {"name": "reduce", "template": "reduce", "depends": REDUCE_DEPENDS},
+    ]}}
     capture = _template(
-        spec, "capture", "capture", {"REPLAYJOB_OUTPUTS": OUTPUTS}, spec.gpu,
-        outputs={"parameters": [_out("logical-sha256", "logical_sha256"),
-                                _out("manifest-sha256", "manifest_sha256")]},
-        retryStrategy=retry())
+        spec, "capture", k8s.step_command("capture", RUN_DIR, "--outputs", OUTPUTS), spec.gpu,
+        outputs={"parameters": [_out("logical-sha256", "logical_sha256"), _out("manifest-sha256", "manifest_sha256"),
+                                _out("pins", "pins"), _out("plan", "plan.json")]})
     replay = _template(
-        spec, "replay", "replay",
-        {"REPLAYJOB_ARM": _i("arm"), "REPLAYJOB_ARM_SETS": _i("sets"), "REPLAYJOB_REPEAT": _i("repeat"),
-         "REPLAYJOB_EXPECTED_LOGICAL_SHA256": _i("logical-sha256"),
-         "REPLAYJOB_EXPECTED_MANIFEST_SHA256": _i("manifest-sha256")}, spec.gpu,
-        inputs={"parameters": [{"name": "arm"}, {"name": "sets"}, {"name": "repeat"}, *pins_in]},
-        retryStrategy=retry())
+        spec, "replay", k8s.step_command("replay", RUN_DIR, "--index", _i("index"), "--pins", _i("pins")), spec.gpu,
+        inputs={"parameters": [{"name": "index"}, {"name": "pins"}]})
     reduce = _template(
-        spec, "reduce", "reduce",
-        {"REPLAYJOB_CLAIM": _p("claim"), "REPLAYJOB_MIN_REPEATS": _p("min-repeats"),
-         "REPLAYJOB_OUTPUTS": OUTPUTS}, False,
-        outputs={"parameters": [_out("verdict", "verdict.json", globalName="verdict")]})
-    report = _template(spec, "report", "report",
-                       {"REPLAYJOB_WORKFLOW": "{{workflow.name}}", "REPLAYJOB_STATUS": "{{workflow.status}}"},
-                       False)
-    return [main, prepare, capture, replay, reduce, report]
+        spec, "reduce", k8s.step_command("reduce", RUN_DIR, "--outputs", OUTPUTS), False,
+        outputs={"parameters": [{"name": "verdict", "valueFrom": {"path": f"{OUTPUTS}/verdict.json", "default": ""},
+                                 "globalName": "verdict"}]})
+    return [main, capture, replay, reduce]
 
 
 def executor_rbac(spec: AblationSpec) -> list[Doc]:
     """The executor's service account: it may only record step results (workflowtaskresults)."""
     name = f"{spec.name}-executor"
-    meta = {"name": name, "labels": k8s.labels(spec, "executor")}
+    meta = {"name": name, "labels": _labels(spec, "executor")}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": dict(meta),
@@ -141,17 +131,18 @@ def executor_rbac(spec: AblationSpec) -> list[Doc]:
     ]
 
 
-def workflow(spec: AblationSpec) -> Doc:
+def workflow_template(spec: AblationSpec, text: str) -> Doc:
     return {
-        "apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
-        "metadata": {"name": spec.name, "labels": k8s.labels(spec, "workflow")},
+        "apiVersion": "argoproj.io/v1alpha1", "kind": "WorkflowTemplate",
+        "metadata": {"name": spec.name, "labels": _labels(spec, "workflow")},
         "spec": {
-            "entrypoint": "ablation", "onExit": "report",
-            "arguments": {"parameters": parameters(spec)},
+            "entrypoint": "ablation",
+            "arguments": {"parameters": parameters(spec, text)},
             "automountServiceAccountToken": False,
             "executor": {"serviceAccountName": f"{spec.name}-executor"},
             "securityContext": k8s.pod_security(),
             "activeDeadlineSeconds": 2 * spec.deadline_s,
+            "podGC": {"strategy": "OnPodSuccess"},
             "ttlStrategy": {"secondsAfterCompletion": k8s.TTL_S},
             "volumes": k8s.volumes(spec),
             "templates": templates(spec),
@@ -159,14 +150,22 @@ def workflow(spec: AblationSpec) -> Doc:
     }
 
 
+def workflow(spec: AblationSpec) -> Doc:
+    """One run of the template with its default parameters (``kubectl apply -f`` starts it)."""
+    return {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
+            "metadata": {"name": spec.name, "labels": _labels(spec, "workflow")},
+            "spec": {"workflowTemplateRef": {"name": spec.name}}}
+
+
 HEADER = ("# Rendered by `replayjob k8s render {source} --argo argo/ablation.yaml`; edit the spec, not\n"
-          "# this file.  Apply: kubectl apply -f argo/ablation.yaml (see docs/cluster.md).\n")
+          "# this file.  Run once: kubectl apply -f argo/ablation.yaml; gate on a run:\n"
+          "#   argo submit --from workflowtemplate/{name} -p image=REF --wait   (see docs/cluster.md)\n")
 
 
-def render(spec: AblationSpec) -> list[Doc]:
+def render(spec: AblationSpec, text: str) -> list[Doc]:
     """Every document of ``argo/ablation.yaml``, in apply order."""
-    return [*executor_rbac(spec), k8s.pvc(spec), workflow(spec)]
+    return [*executor_rbac(spec), k8s.pvc(spec), workflow_template(spec, text), workflow(spec)]
 
 
-def dump(spec: AblationSpec, source: str = "ablation.toml") -> str:
-    return k8s.dump(render(spec), HEADER.format(source=source))
+def dump(spec: AblationSpec, text: str, source: str = "ablation.toml") -> str:
+    return k8s.dump(render(spec, text), HEADER.format(source=source, name=spec.name))

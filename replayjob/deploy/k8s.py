@@ -1,47 +1,74 @@
-"""Kubernetes manifests for an ablation (PVC, capture Job, one Indexed replay Job per arm, reduce Job).
+"""Kubernetes manifests for an ablation: the spec ConfigMap, the PVC and three Jobs (capture, one
+Indexed replay Job for every arm and repeat, reduce).
 
-``render(spec)`` returns plain dicts in the Kubernetes API's own field names; ``k8s/base/`` is
-``write(render(load_spec("examples/ablation.toml")), "k8s/base")`` committed, and a test keeps the two
-identical.  ``replayjob.deploy.submit`` creates the same objects with the kubernetes client.
+``render(spec, text)`` returns plain dicts in the Kubernetes API's own field names; ``k8s/base/`` is
+``write(render(*load_spec_text("examples/ablation.toml")), "k8s/base")`` committed, and a test keeps
+the two identical.  ``replayjob.deploy.submit`` creates the same objects, per run, with the
+kubernetes client.  Every container runs one command, ``replayjob step STAGE --spec
+/etc/replayjob/ablation.toml --run-dir /artifacts/runs/NAME/$(REPLAYJOB_RUN_ID) ...`` (no shell:
+replayjob receives SIGTERM itself); the spec reaches the pods as a ConfigMap and is parsed there
+again, strictly.
 
 Decisions written once here:
 
-* exit codes decide failure: ``podFailurePolicy`` fails the Job at once on exit 1 (a verdict) or 2
-  (refused input), ignores disruptions (preemption, eviction, node drain) and lets every other
-  failure (OOM kill, lost node, image pull) count against ``backoffLimit``/``backoffLimitPerIndex``;
-* GPU pods request one ``nvidia.com/gpu`` with requests equal to limits (Guaranteed QoS), select the
-  GPU product by ``nvidia.com/gpu.product``, tolerate the ``nvidia.com/gpu`` taint and refuse to share
-  a node with another replayjob GPU pod (required pod anti-affinity on the hostname), so neighbours
-  cannot skew timings;
+* **runs**: every object carries the label ``replayjob.dev/run-id``; the pods read it through the
+  downward API into their run directory, and ``replayjob step`` checks the run's fingerprint, so two
+  submissions never share artifacts.  ``submit`` names every object ``NAME-RUNID-...``; the static
+  base uses the run id ``base`` (an overlay changes it);
+* **stages without deadlock**: the replay and reduce Jobs are rendered suspended; ``submit`` creates
+  each stage only after the previous one ended (replays only after the capture succeeded), and
+  ``kubectl apply -k`` users resume them in that order (docs/cluster.md), so replays never hold GPUs
+  while the capture waits for one;
+* **parallelism across arms**: one Indexed Job holds every replay (index -> arm, repeat by
+  ``replayjob step``), so the spec's ``parallelism`` bounds all arms together;
+* **exit codes decide retries**: ``podFailurePolicy`` fails the Job at once on exit 1 (a verdict) or
+  2 (refused input), counts 3 (an error: nothing decided) and other failures (OOM kill, lost node)
+  against ``backoffLimit``/``backoffLimitPerIndex``, and ignores disruptions (preemption, eviction,
+  drain).  ``maxFailedIndexes: 0``: a replay that fails for good stops its siblings;
+* **GPU nodes**: the product label (and optionally the driver label) select nodes; the
+  ``nvidia.com/gpu`` taint is tolerated; requests equal limits (Guaranteed QoS); a required pod
+  anti-affinity on the hostname **across every namespace** keeps two pods labelled
+  ``replayjob.dev/gpu-exclusive`` off one node; ``node_gpus = N`` requests every GPU of an N-GPU
+  node so no other pod of any tenant can share it; ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` are the
+  CPU limit; an optional priority class;
+* **provenance**: node name, pod name and image reference reach ``replay_metrics.json`` through the
+  downward API and the environment (:mod:`replayjob.hostinfo`);
 * every pod meets the "restricted" Pod Security Standard, mounts no service-account token, and has a
   read-only root filesystem with emptyDirs for /tmp, caches and /dev/shm.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec
-from replayjob.deploy.commands import command
 from replayjob.fsio import atomic_write_text
 
 KUBERNETES_VERSION = "1.33"  # the API the manifests are validated against
 MOUNT = "/artifacts"
+SPEC_DIR = "/etc/replayjob"
+SPEC_FILE = f"{SPEC_DIR}/ablation.toml"
 CONTAINER = "replayjob"
 UID = 10001
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 EXCLUSIVE_LABEL = "replayjob.dev/gpu-exclusive"
+RUN_ID_LABEL = "replayjob.dev/run-id"
+BASE_RUN_ID = "base"
+INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 TTL_S = 7 * 24 * 3600
 Doc = dict[str, Any]
 
-# Fail the Job on a verdict (1) or a refusal (2); never count a disruption as a failure.
+# Fail the Job on a verdict (1) or a refusal (2); retry an error (3) within the backoff limits;
+# never count a disruption as a failure.
 POD_FAILURE_RULES: list[Doc] = [
     {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [1, 2]}},
     {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+    {"action": "Count", "onExitCodes": {"operator": "In", "values": [3]}},
 ]
 
 RUNTIME_ENV: dict[str, str] = {
@@ -55,27 +82,43 @@ RUNTIME_ENV: dict[str, str] = {
 }
 
 
-def run_dir(spec: AblationSpec) -> str:
-    return f"{MOUNT}/runs/{spec.name}"
+def prefix(spec: AblationSpec, run_id: str | None) -> str:
+    """Object name prefix: the spec's name, plus the run id for a submission."""
+    return spec.name if run_id is None else f"{spec.name}-{run_id}"
 
 
-def labels(spec: AblationSpec, component: str, **extra: str) -> dict[str, str]:
+def labels(spec: AblationSpec, component: str, run_id: str | None = None, **extra: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "replayjob", "app.kubernetes.io/part-of": spec.name,
-            "app.kubernetes.io/component": component, **extra}
+            "app.kubernetes.io/component": component, RUN_ID_LABEL: run_id or BASE_RUN_ID, **extra}
 
 
 def env_list(values: dict[str, str]) -> list[Doc]:
     return [{"name": k, "value": v} for k, v in values.items()]
 
 
-def script_env(spec: AblationSpec) -> dict[str, str]:
-    """What every container needs: run directory, config overrides, determinism and runtime env."""
-    return {"REPLAYJOB_RUN_DIR": run_dir(spec), "REPLAYJOB_CONFIG_SETS": " ".join(spec.config_sets()),
-            **DETERMINISM_ENV, **RUNTIME_ENV}
+def field_env(name: str, path: str) -> Doc:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def threads_env() -> list[Doc]:
+    """OMP/MKL threads = the container's CPU limit (rounded up), so BLAS does not oversubscribe."""
+    return [{"name": name, "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu", "divisor": "1"}}}
+            for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")]
+
+
+def static_env(image: str) -> dict[str, str]:
+    """Determinism, runtime and provenance environment every replayjob container gets."""
+    return {**DETERMINISM_ENV, **RUNTIME_ENV, "REPLAYJOB_IMAGE_REF": image}
+
+
+def step_command(stage: str, run_dir: str, *extra: str) -> list[str]:
+    """The container command of ``stage``: one ``replayjob step`` invocation, no shell."""
+    return ["replayjob", "step", stage, "--spec", SPEC_FILE, "--run-dir", run_dir, *extra]
 
 
 def resources(spec: AblationSpec, gpu: bool) -> Doc:
-    amounts = {"cpu": spec.cpu, "memory": spec.memory, GPU_RESOURCE: "1"} if gpu else {"cpu": "1", "memory": "4Gi"}
+    amounts = ({"cpu": spec.cpu, "memory": spec.memory, GPU_RESOURCE: str(spec.node_gpus or 1)} if gpu
+               else {"cpu": "1", "memory": "4Gi"})
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
@@ -106,97 +149,112 @@ def volumes(spec: AblationSpec) -> list[Doc]:
     ]
 
 
-def container(spec: AblationSpec, name: str, step: str, env: dict[str, str], gpu: bool) -> Doc:
-    return {"name": name, "image": spec.image, "imagePullPolicy": "IfNotPresent",
-            "command": command(step), "env": env_list({**script_env(spec), **env}),
-            "resources": resources(spec, gpu), "securityContext": container_security(),
-            "volumeMounts": [dict(m) for m in VOLUME_MOUNTS]}
+def container(spec: AblationSpec, command: list[str], gpu: bool, extra_env: Sequence[Doc] = ()) -> Doc:
+    env = [*env_list(static_env(spec.image)), field_env("REPLAYJOB_RUN_ID", f"metadata.labels['{RUN_ID_LABEL}']"),
+           field_env("REPLAYJOB_NODE_NAME", "spec.nodeName"), field_env("REPLAYJOB_POD_NAME", "metadata.name"),
+           *threads_env(), *extra_env]
+    return {"name": CONTAINER, "image": spec.image, "imagePullPolicy": "IfNotPresent", "command": command,
+            "env": env, "resources": resources(spec, gpu), "securityContext": container_security(),
+            "volumeMounts": [*(dict(m) for m in VOLUME_MOUNTS),
+                             {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True}]}
 
 
 def gpu_placement(spec: AblationSpec) -> Doc:
-    """Node selection for GPU pods: product label, taint toleration, one such pod per node."""
-    return {
-        "nodeSelector": {GPU_PRODUCT_LABEL: spec.gpu_product},
+    """Node selection for GPU pods: product (and driver) label, taint toleration, one such pod per
+    node across all namespaces, an optional priority class."""
+    selector = {GPU_PRODUCT_LABEL: spec.gpu_product}
+    if spec.driver_version:
+        selector[spec.driver_label] = spec.driver_version
+    out: Doc = {
+        "nodeSelector": selector,
         "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
         "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-            {"labelSelector": {"matchLabels": {EXCLUSIVE_LABEL: "true"}},
+            {"labelSelector": {"matchLabels": {EXCLUSIVE_LABEL: "true"}}, "namespaceSelector": {},
              "topologyKey": "kubernetes.io/hostname"}]}},
     }
+    if spec.priority_class:
+        out["priorityClassName"] = spec.priority_class
+    return out
 
 
-def pod_template(spec: AblationSpec, component: str, containers: list[Doc], gpu: bool,
-                 init: list[Doc] | None = None, arm: str | None = None) -> Doc:
-    lab = labels(spec, component, **({"replayjob.dev/arm": arm} if arm else {}))
+def pod_template(spec: AblationSpec, component: str, cont: Doc, gpu: bool, run_id: str | None) -> Doc:
+    lab = labels(spec, component, run_id)
     if gpu:
         lab[EXCLUSIVE_LABEL] = "true"
     pod: Doc = {"restartPolicy": "Never", "automountServiceAccountToken": False,
-                "enableServiceLinks": False, "securityContext": pod_security()}
-    if init:
-        pod["initContainers"] = init
-    pod["containers"] = containers
-    pod["volumes"] = volumes(spec)
+                "enableServiceLinks": False, "securityContext": pod_security(), "containers": [cont],
+                "volumes": [*volumes(spec), {"name": "spec", "configMap": {"name": f"{prefix(spec, run_id)}-spec"}}]}
     if gpu:
         pod.update(gpu_placement(spec))
     return {"metadata": {"labels": lab}, "spec": pod}
 
 
-def job(spec: AblationSpec, name: str, component: str, body: Doc, template: Doc) -> Doc:
-    lab = labels(spec, component)
+def job(spec: AblationSpec, component: str, body: Doc, template: Doc, run_id: str | None) -> Doc:
+    lab = labels(spec, component, run_id)
     if EXCLUSIVE_LABEL in template["metadata"]["labels"]:
         lab[EXCLUSIVE_LABEL] = "true"  # lets an overlay patch every GPU Job (labelSelector)
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": lab},
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": f"{prefix(spec, run_id)}-{component}", "labels": lab},
             "spec": {**body, "activeDeadlineSeconds": spec.deadline_s, "ttlSecondsAfterFinished": TTL_S,
                      "podFailurePolicy": {"rules": [dict(r) for r in POD_FAILURE_RULES]},
                      "template": template}}
+
+
+def run_dir(spec: AblationSpec) -> str:
+    """The run directory as a container sees it ($(REPLAYJOB_RUN_ID) is expanded by the kubelet)."""
+    return f"{MOUNT}/runs/{spec.name}/$(REPLAYJOB_RUN_ID)"
+
+
+def spec_config_map(spec: AblationSpec, text: str, run_id: str | None = None) -> Doc:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": f"{prefix(spec, run_id)}-spec", "labels": labels(spec, "spec", run_id)},
+            "data": {"ablation.toml": text}}
 
 
 def pvc(spec: AblationSpec) -> Doc:
     body: Doc = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": spec.storage}}}
     if spec.storage_class:
         body["storageClassName"] = spec.storage_class
+    lab = {k: v for k, v in labels(spec, "artifacts").items() if k != RUN_ID_LABEL}  # shared by runs
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": spec.claim_name, "labels": labels(spec, "artifacts")}, "spec": body}
+            "metadata": {"name": spec.claim_name, "labels": lab}, "spec": body}
 
 
-def capture_job(spec: AblationSpec) -> Doc:
-    prepare = container(spec, "prepare", "prepare", {"REPLAYJOB_SEED": str(spec.seed)}, gpu=False)
-    capture = container(spec, CONTAINER, "capture", {}, gpu=spec.gpu)
-    tpl = pod_template(spec, "capture", [capture], spec.gpu, init=[prepare])
-    return job(spec, f"{spec.name}-capture", "capture", {"backoffLimit": 2}, tpl)
+def capture_job(spec: AblationSpec, run_id: str | None = None) -> Doc:
+    cont = container(spec, step_command("capture", run_dir(spec)), spec.gpu)
+    return job(spec, "capture", {"backoffLimit": 2},
+               pod_template(spec, "capture", cont, spec.gpu, run_id), run_id)
 
 
-def replay_job(spec: AblationSpec, arm: str) -> Doc:
-    env = {"REPLAYJOB_ARM": arm, "REPLAYJOB_ARM_SETS": spec.arm(arm).words(),
-           "REPLAYJOB_WAIT_S": str(spec.deadline_s)}
-    tpl = pod_template(spec, "replay", [container(spec, CONTAINER, "replay", env, gpu=spec.gpu)],
-                       spec.gpu, arm=arm)
-    body = {"completionMode": "Indexed", "completions": spec.repeats,
-            "parallelism": min(spec.repeats, spec.parallelism), "backoffLimitPerIndex": 2,
-            "maxFailedIndexes": 0}
-    return job(spec, f"{spec.name}-replay-{arm}", "replay", body, tpl)
+def replay_job(spec: AblationSpec, run_id: str | None = None) -> Doc:
+    cont = container(spec, step_command("replay", run_dir(spec), "--index", "$(REPLAYJOB_INDEX)"), spec.gpu,
+                     [field_env("REPLAYJOB_INDEX", f"metadata.annotations['{INDEX_ANNOTATION}']")])
+    body = {"suspend": True, "completionMode": "Indexed", "completions": spec.size,
+            "parallelism": min(spec.size, spec.parallelism), "backoffLimitPerIndex": 2, "maxFailedIndexes": 0}
+    return job(spec, "replay", body, pod_template(spec, "replay", cont, spec.gpu, run_id), run_id)
 
 
-def reduce_job(spec: AblationSpec) -> Doc:
-    env = {"REPLAYJOB_ARMS": " ".join(a.name for a in spec.arms), "REPLAYJOB_REPEATS": str(spec.repeats),
-           "REPLAYJOB_CLAIM": spec.claim, "REPLAYJOB_MIN_REPEATS": str(spec.effective_min_repeats),
-           "REPLAYJOB_WAIT_S": str(spec.deadline_s)}
-    tpl = pod_template(spec, "reduce", [container(spec, CONTAINER, "reduce", env, gpu=False)], False)
-    return job(spec, f"{spec.name}-reduce", "reduce", {"backoffLimit": 0}, tpl)
+def reduce_job(spec: AblationSpec, run_id: str | None = None) -> Doc:
+    cont = container(spec, step_command("reduce", run_dir(spec)), False)
+    return job(spec, "reduce", {"suspend": True, "backoffLimit": 2},
+               pod_template(spec, "reduce", cont, False, run_id), run_id)
 
 
-def render(spec: AblationSpec) -> dict[str, Doc]:
+def render(spec: AblationSpec, text: str, run_id: str | None = None) -> dict[str, Doc]:
     """File name -> manifest, in apply order, plus ``kustomization.yaml`` listing them."""
-    files: dict[str, Doc] = {"pvc.yaml": pvc(spec), "capture.yaml": capture_job(spec)}
-    for arm in spec.arms:
-        files[f"replay-{arm.name}.yaml"] = replay_job(spec, arm.name)
-    files["reduce.yaml"] = reduce_job(spec)
+    files: dict[str, Doc] = {"spec.yaml": spec_config_map(spec, text, run_id), "pvc.yaml": pvc(spec),
+                             "capture.yaml": capture_job(spec, run_id), "replay.yaml": replay_job(spec, run_id),
+                             "reduce.yaml": reduce_job(spec, run_id)}
     files["kustomization.yaml"] = {"apiVersion": "kustomize.config.k8s.io/v1beta1",
                                    "kind": "Kustomization", "resources": list(files)}
     return files
 
 
 class _Dumper(yaml.SafeDumper):
-    """Block style, multi-line strings as literal blocks, keys in insertion order."""
+    """Block style, multi-line strings as literal blocks, keys in insertion order, no anchors."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 def _str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:

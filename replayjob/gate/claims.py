@@ -22,6 +22,7 @@ from typing import Any
 from replayjob.digest import sha256_file
 from replayjob.errors import ReplayjobError
 from replayjob.gate.evidence import SKIPPED, Replay, Source, Tolerances
+from replayjob.metrics import EFFECTIVE, INITIAL_ADAPTER, LOGICAL
 from replayjob.optbatch.knobs import KNOBS
 
 PASS, FAIL, REFUSED, NOT_APPLICABLE = "pass", "fail", "refused", "not_applicable"
@@ -199,13 +200,13 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
     checks: list[Check] = []
     logical = [(r.label, r.logical) for r in replays] + [(f"{r.label} pin", r.pin_logical) for r in replays]
     checks.append(agree("exact.logical_batch", g, logical, source.logical if source else None,
-                        what="optimizer/logical_batch_sha256 and each replay's pinned expectation"))
+                        what=f"{LOGICAL} and each replay's pinned expectation"))
     checks.append(agree("exact.effective_rows", g, _with_source(source, "effective", replays),
                         source.effective if source else None,
-                        what="optimizer/local_effective_rows_sha256 identical everywhere"))
+                        what=f"{EFFECTIVE} identical everywhere"))
     checks.append(agree("exact.initial_adapter", g, _with_source(source, "initial_adapter", replays),
                         source.initial_adapter if source else None,
-                        what="optimizer_batch/initial_adapter_sha256 identical everywhere"))
+                        what=f"{INITIAL_ADAPTER} identical everywhere"))
     knob_vals = [(r.label, r.knobs) for a in arms.values() for r in a.replays]
     expected_knobs = {a.name: a.knobs for a in arms.values()}
     off = tuple(r.label for a in arms.values() for r in a.replays if _text(r.knobs) != _text(a.knobs))
@@ -338,3 +339,19 @@ def tolerance_pin_check(replays: list[Replay], tolerances: Tolerances | None) ->
     return agree("inputs.tolerances_pinned", "inputs", [(r.label, r.tolerances_sha256) for r in replays],
                  tolerances.sha256, what="optimizer_batch.tolerances_sha256 of every replay",
                  status_on_fail=REFUSED)
+
+
+def hardware_check(replays: list[Replay], mixed_declared: bool) -> Check:
+    """Every replay ran on the same hardware and image (``replayjob.hostinfo.hardware_identity``):
+    refused otherwise, unless mixed hardware was declared (then reported, not enforced)."""
+    from replayjob.hostinfo import hardware_identity
+
+    values = [(r.label, hardware_identity(r.host)) for r in replays]
+    if not values:
+        return Check("inputs.same_hardware", "inputs", NOT_APPLICABLE, None, {}, "no replays", ())
+    check = agree("inputs.same_hardware", "inputs", values, what="device, GPU product, driver, CUDA, torch "
+                  "and image of every replay", status_on_fail=REFUSED)
+    if mixed_declared and check.status == REFUSED:
+        return Check(check.name, check.group, NOT_APPLICABLE, check.expected, check.observed,
+                     "mixed hardware declared (--mixed-hardware): recorded, not enforced", check.offenders)
+    return check

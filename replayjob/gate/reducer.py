@@ -22,7 +22,10 @@ import replayjob
 from replayjob.digest import sha256_file
 from replayjob.errors import RefusedError, UsageError
 from replayjob.gate import claims as C
-from replayjob.gate import stats, updates, verdict
+from replayjob.gate import gradients, stats, updates, verdict
+
+if TYPE_CHECKING:
+    from replayjob.deploy.ablation import AblationSpec
 from replayjob.gate.evidence import (
     MEASURES,
     Replay,
@@ -51,7 +54,8 @@ class Request:
     baseline: str | None = None
     report: Path | None = None
     arms: tuple[str, ...] | None = None  # every arm the verdict must contain (--arms)
-    spec: Path | None = None  # the ablation spec: arms and their overrides come from the plan
+    mixed_hardware: bool = False  # declared: replays may differ in hardware or image (--mixed-hardware)
+    spec: AblationSpec | None = None  # the ablation spec (--spec): arms and their overrides come from the plan
 
 
 class _State:
@@ -86,10 +90,7 @@ def _evaluate(req: Request, st: _State) -> None:
                          hint="e.g. --arms ckpt-off,ckpt-on")
     expected_arms = req.arms
     if req.spec is not None:
-        from replayjob.deploy.ablation import load_spec
-
-        spec = load_spec(req.spec)
-        plan = {a.name: dict(a.overrides) for a in spec.arms}
+        plan = {a.name: dict(a.overrides) for a in req.spec.arms}
         unplanned = [a for a in req.arms or () if a not in plan]
         if unplanned:
             raise UsageError(f"--arms names {', '.join(unplanned)}, not among the spec's arms {', '.join(plan)}",
@@ -111,6 +112,7 @@ def _evaluate(req: Request, st: _State) -> None:
     st.source = read_source(req.source) if req.source is not None else None
     st.tolerances = read_tolerances(req.tolerances) if req.tolerances is not None else None
     st.checks = C.input_checks(st.replays, st.arms, st.source, req.min_repeats, expected_arms)
+    st.checks.append(C.hardware_check(st.replays, req.mixed_hardware))
     if st.source is not None:
         m = st.capture = _capture_manifest(st.source)
         st.checks.append(C.capture_pins_check(st.replays, st.source, {
@@ -120,6 +122,8 @@ def _evaluate(req: Request, st: _State) -> None:
     if req.claim == "bitwise":
         assert st.source is not None
         st.checks += C.bitwise_checks(st.replays, st.arms, st.source)
+        if any(c.status == C.FAIL for c in st.checks if c.group == "bitwise"):
+            st.checks += gradients.localise(st.replays, st.source.final_adapter)  # when traced
     elif req.claim == "approximate":
         _approximate(st)
 
@@ -176,6 +180,7 @@ def _approximate(st: _State) -> None:
     st.checks.append(C.Check(names[1], g, C.FAIL if bad_rel else C.PASS, {"max": hi},
                              st.updates["all"]["relative_delta_l2"],
                              "||u_i - u_j|| / ||u_i|| within and across arms", bad_rel))
+    st.checks += gradients.approximate_checks(st.replays, st.arms)
 
 
 def _arm_stats(st: _State, source: Source | None) -> dict[str, Any]:
@@ -218,7 +223,7 @@ def _document(req: Request, st: _State, refusal: dict[str, Any] | None) -> dict[
         "parameters": {
             "min_repeats": req.min_repeats, "baseline": req.baseline,
             "arms": list(req.arms) if req.arms is not None else None,
-            "spec": None if req.spec is None else _rel(req.spec, base),
+            "spec": None if st.plan is None else {"name": req.spec.name if req.spec else None, "arms": st.plan},
             "bootstrap": {"seed": stats.BOOTSTRAP_SEED, "resamples": stats.BOOTSTRAP_RESAMPLES,
                           "confidence": stats.CONFIDENCE, "interval": "percentile"},
             "tolerances": None if tol is None else {"update_cosine_min": tol.update_cosine_min,

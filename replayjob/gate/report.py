@@ -96,6 +96,64 @@ def _updates(doc: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+LOCALISATION = "bitwise.first_divergent_module"
+
+
+def _localisation(doc: dict[str, Any]) -> dict[str, Any] | None:
+    return next((c for c in doc["checks"] if c["name"] == LOCALISATION and isinstance(c["observed"], dict)), None)
+
+
+def _layers(doc: dict[str, Any], plot_name: str | None) -> list[str]:
+    """Where the traced replays first diverge (bitwise claim) and the per-layer error table."""
+    c = _localisation(doc)
+    if c is None:
+        return []
+    obs = c["observed"]
+    lines = ["## First divergent module (traces)", "", f"Pair {obs['pair']}: {obs['classification']}.", ""]
+    for d in ("forward", "backward"):
+        r = obs[d]
+        lines.append(f"- {d}: " + ("bitwise equal" if r is None else
+                                   f"`{r['name']}` ({r['kind']}, position {r['position']}): {r['status']}, "
+                                   f"relative error {_num(r['rel_l2'])} vs envelope {_num(r['envelope'])} "
+                                   f"({r['envelope_source']})"))
+    lines += ["", "| direction | layer | largest relative error | envelope | sites beyond |", "|---|---|---|---|---|"]
+    for d in ("forward", "backward", "gradients"):
+        for layer in obs["layers"][d]:
+            lines.append(f"| {d} | {layer['layer']} | {_num(layer['max_rel_l2'])} | {_num(layer['envelope'])} | "
+                         f"{layer['beyond']} of {layer['sites']} |")
+    lines.append("")
+    if plot_name is not None:
+        lines += [f"![per-site relative error against the noise envelope]({plot_name})", ""]
+    return lines
+
+
+def layers_png(doc: dict[str, Any]) -> bytes | None:
+    """PNG of the traced pair's relative error per site (execution order) against its envelope, or ``None``."""
+    c = _localisation(doc)
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    if c is None:
+        return None
+    fig = Figure(figsize=(12, 5), dpi=100)
+    ax = fig.subplots()
+    floor = 1e-18  # bitwise-equal sites are drawn on the floor of the log axis
+    for label, pts in c["observed"]["curve"].items():
+        if pts:
+            ax.plot([p[0] for p in pts], [max(p[1], floor) for p in pts], ".-", label=f"{label} relative error")
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color="grey")
+    ax.set_yscale("log")
+    ax.set_xlabel("site position (forward, then backward, then one per parameter gradient)")
+    ax.set_ylabel("relative L2 error (envelope dotted)")
+    ax.set_title(f"trace-diff {c['observed']['pair']}: {c['observed']['classification']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    return buf.getvalue()
+
+
 def plot_png(doc: dict[str, Any]) -> bytes | None:
     """PNG bytes of per-arm distributions, or ``None`` when matplotlib is not installed."""
     try:
@@ -121,7 +179,7 @@ def plot_png(doc: dict[str, Any]) -> bytes | None:
     return buf.getvalue()
 
 
-def render(doc: dict[str, Any], plot_name: str | None) -> str:
+def render(doc: dict[str, Any], plot_name: str | None, layers_name: str | None = None) -> str:
     """The markdown text; ``plot_name`` is the PNG's file name, or ``None`` when there is none."""
     lines = [f"# replayjob reduce: `{doc['claim']}` {doc['status'].upper()}", "",
              f"- exit code: {doc['exit_code']}",
@@ -134,7 +192,7 @@ def render(doc: dict[str, Any], plot_name: str | None) -> str:
         lines.append(f"- refused: {r['message']}" + (f" ({r['where']})" if r["where"] else "")
                      + (f"; fix: {r['hint']}" if r["hint"] else ""))
     lines.append("")
-    lines += _checks(doc) + _spread(doc) + _comparisons(doc) + _updates(doc)
+    lines += _checks(doc) + _layers(doc, layers_name) + _spread(doc) + _comparisons(doc) + _updates(doc)
     lines += ["## Plot", ""]
     if not doc["inputs"]["replays"]:
         lines.append("No replays were read; nothing to plot.")
@@ -151,5 +209,10 @@ def write_report(path: Path, doc: dict[str, Any]) -> Path | None:
     png_path = path.with_suffix(".png") if png is not None else None
     if png is not None and png_path is not None:
         atomic_write_bytes(png_path, png)
-    atomic_write_text(path, render(doc, png_path.name if png_path is not None else None))
+    layers = layers_png(doc)
+    layers_path = path.with_name(path.stem + ".layers.png") if layers is not None else None
+    if layers is not None and layers_path is not None:
+        atomic_write_bytes(layers_path, layers)
+    atomic_write_text(path, render(doc, png_path.name if png_path is not None else None,
+                                   layers_path.name if layers_path is not None else None))
     return png_path

@@ -27,6 +27,7 @@ from replayjob.metrics import (
     EFFECTIVE,
     FINAL_ADAPTER,
     FINAL_ADAPTER_PATH,
+    HOST,
     INITIAL_ADAPTER,
     LOGICAL,
     MANIFEST,
@@ -114,6 +115,10 @@ def replay_doc(*, arm: str, index: int, knobs: dict[str, Any], manifest_sha256: 
         "rows": {"rows": 16, "tokens": 544, "response_tokens": 128, "loss_bearing_tokens": 128,
                  "loss_weight_sum": 1.0},
         "provenance": {"strict_deterministic": True, "math_mode": "pedantic", "device": "cpu"},
+        HOST: {"node": f"node-{index}", "pod": None, "slurm_job": None, "image_ref": None, "image_digest": None,
+                 "device_type": "cpu", "gpu_product": None, "gpu_uuid": None, "driver_version": None,
+                 "cuda_version": None, "torch_version": "2.13.0", "cuda_visible_devices": None,
+                 "cpu_model": "synthetic"},
         "wall_s": 2.0,
     }
 

@@ -40,8 +40,12 @@ class Policy(Protocol):
         """Context in which the model computes the reference (adapter disabled)."""
         ...
 
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The adapter tensors under the weight file's names, sorted (CPU; may share the live storage)."""
+        ...
+
     def save_adapter(self, directory: Path) -> Path:
-        """Write the adapter; return the weight file path."""
+        """Write the adapter (bytes: :func:`replayjob.rl.state.adapter_bytes`); return the weight file path."""
         ...
 
     def load_adapter(self, weight_file: Path, expected_sha256: str | None = None) -> None:

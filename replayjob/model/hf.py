@@ -17,6 +17,7 @@ import torch
 
 from replayjob.config import Config
 from replayjob.config.load import to_dict
+from replayjob.config.redact import redact_text
 from replayjob.digest import sha256_file
 from replayjob.errors import ConfigError, ContractError
 from replayjob.fsio import atomic_write_bytes
@@ -34,7 +35,7 @@ def builtin_model_reference(cfg: Config) -> dict[str, Any]:
     m = to_dict(cfg.model)
     if cfg.model.path:
         cfg_file = Path(cfg.model.path) / "config.json"
-        return {"kind": "local", "path": cfg.model.path,
+        return {"kind": "local", "path": redact_text(cfg.model.path),  # recorded in resume states
                 "config_sha256": sha256_file(cfg_file) if cfg_file.is_file() else None}
     return {"kind": "builtin-tiny", **{k: m[k] for k in _BUILTIN_KEYS}}
 
@@ -47,6 +48,7 @@ class HFPolicy:
         self.cfg = cfg
         self.gradient_checkpointing = cfg.backend.options.gradient_checkpointing
         self._trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._adapter_params: dict[str, torch.nn.Parameter] | None = None
 
     def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return list(self._trainable)
@@ -56,17 +58,26 @@ class HFPolicy:
         return ctx
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
-        from peft import get_peft_model_state_dict
+        """The adapter tensors under peft's weight-file names, sorted; views of the live parameters on the
+        CPU.  peft's walk over the model (milliseconds) runs once: its tensors are the trainable
+        parameters themselves, so later calls read them through a name -> parameter map."""
+        if self._adapter_params is None:
+            from peft import get_peft_model_state_dict
 
-        state = get_peft_model_state_dict(self.model)
-        return {k: v.detach().to("cpu").contiguous() for k, v in sorted(state.items())}
+            state = get_peft_model_state_dict(self.model)
+            by_storage = {p.data_ptr(): p for _, p in self._trainable}
+            found = {k: by_storage.get(v.data_ptr()) for k, v in state.items()}
+            if any(p is None or p.shape != state[k].shape for k, p in found.items()):
+                return {k: v.detach().to("cpu").contiguous() for k, v in sorted(state.items())}
+            self._adapter_params = {k: p for k, p in sorted(found.items()) if p is not None}
+        return {k: p.detach().to("cpu").contiguous() for k, p in self._adapter_params.items()}
 
     def save_adapter(self, directory: Path) -> Path:
-        from safetensors.torch import save
+        from replayjob.rl.state import adapter_bytes
 
         directory.mkdir(parents=True, exist_ok=True)
         weights = directory / ADAPTER_WEIGHTS
-        atomic_write_bytes(weights, save(self.adapter_state(), metadata={"format": "pt"}))
+        atomic_write_bytes(weights, adapter_bytes(self.adapter_state()))
         pcfg = self.model.peft_config["default"].to_dict()
         pcfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in pcfg.items()}
         atomic_write_bytes(directory / ADAPTER_CONFIG, pretty_bytes(_jsonable(pcfg)))

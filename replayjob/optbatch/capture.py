@@ -1,20 +1,22 @@
 """Capture: the source trainer's optimizer batch and RNG state at the optimizer boundary.
 
 ``replayjob capture CONFIG`` (or ``replayjob train`` with ``[optimizer_batch] capture = true``)
-runs the normal source trainer with :class:`CaptureHook`.  Before any work the preconditions are
-checked: trainer ``grpo``, ``max_steps = 1``, ``save_every = 0``, and ``resume.from`` a local state
-whose ``trainer_state.json`` has ``step = -1`` (so the run executes logical step zero exactly once).
+runs the normal source trainer with :class:`CaptureHook` (built by :mod:`replayjob.source_run`).
+Before any work the preconditions are checked: trainer ``grpo``, ``max_steps = 1``, ``save_every =
+0``, and ``resume.from`` a local state whose ``trainer_state.json`` has ``step = -1`` (so the run
+executes logical step zero exactly once).
 
 The hook fires after advantage normalisation, clipping and the token cap, immediately before the
 optimizer call.  On the training thread it only snapshots the rows (CPU tensors, cloned), the Torch
 CPU/CUDA RNG state and the determinism provenance; once the update has returned it hands them to a
 writer thread, so the update neither waits for encoding, hashing or ``fsync`` nor shares the
-cores with them.  The writer encodes and writes
+cores with them (the :class:`~replayjob.rl.hooks.BackgroundWriter` every capture shares).  The
+writer encodes and writes
 ``optimizer_batch_step_000000.safetensors``, then ``optimizer_batch_step_000000.manifest.json``
 last; both atomically and exclusively, so a killed capture leaves no manifest or a complete one
 whose payload verifies, and an existing capture is never overwritten.  The source run still
 performs its own update; before ``metrics.json`` is written the trainer collects
-:meth:`CaptureHook.contribute_metrics`, which waits for the writer and re-raises any error it
+:meth:`CaptureHook.finish`, which waits for the writer and re-raises any error it
 met (the same domain error, so exit 2), then adds the digests a replay pins (:data:`METRIC_KEYS`).
 
 Crash tests kill a capture with ``REPLAYJOB_FAULT_POINT`` (:mod:`replayjob.faults`): at any write
@@ -24,17 +26,13 @@ boundary of the payload or the manifest (``write.half/optimizer_batch_step_00000
 
 from __future__ import annotations
 
-import platform
-import queue
-import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import replayjob
-from replayjob import determinism
-from replayjob.config import Config, load_config, resolved
+from replayjob.config import Config, resolved
 from replayjob.errors import ArtifactExistsError, ConfigError, RefusedError
 from replayjob.faults import point
 from replayjob.fsio import atomic_write_bytes
@@ -48,10 +46,13 @@ from replayjob.metrics import (
     PIN_KEYS,
     SOURCE_FILE,
     SOURCE_FINAL_ADAPTER,
+    STEP,
+    STEPS,
 )
-from replayjob.optbatch import manifest, payload
+from replayjob.optbatch import manifest, payload, stepcapture
 from replayjob.optbatch.contract import optimizer_contract
 from replayjob.rl.batch import OptimizerBatch
+from replayjob.rl.hooks import BackgroundWriter, StepHook, TrainerView
 from replayjob.rl.state import ResumeState, read_state, rng_tensors
 
 CRASH_POINTS = ("capture.start", "capture.before-payload", "capture.payload-written",
@@ -85,32 +86,14 @@ def check_preconditions(cfg: Config) -> ResumeState:
     return state
 
 
-def _producer(cfg: Config) -> dict[str, Any]:
-    strict = cfg.backend.options.strict_deterministic
-    prov = {"strict_deterministic": strict, "math_mode": determinism.math_mode_from_env(strict),
-            "attn_implementation": cfg.backend.options.attn_implementation, **determinism.snapshot()}
-    device = cfg.backend.torch_device
-    out: dict[str, Any] = {"replayjob_version": replayjob.__version__, "torch_version": torch.__version__,
-                           "python": platform.python_version(), "device": device, "provenance": prov}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        out["device_name"] = torch.cuda.get_device_name(torch.device(device))
-    return out
-
-
-class CaptureHook:
-    """A :class:`~replayjob.rl.trainer.StepHooks` that captures step zero's optimizer batch."""
+class CaptureHook(StepHook):
+    """A :class:`~replayjob.rl.hooks.StepHook` that captures step zero's optimizer batch."""
 
     def __init__(self, cfg: Config, out: Path, state: ResumeState):
         self.cfg, self.out, self.state = cfg, out, state
         self.digests: dict[str, str] = {}
-        self._error: BaseException | None = None
         self._snapshot: Snapshot | None = None
-        # Started idle now, before training: a thread started at the step's end would cost the
-        # training thread a GIL switch interval (about 5 ms) while it bootstraps into busy work.
-        self._handoff: queue.SimpleQueue[Snapshot | None] = queue.SimpleQueue()
-        self._writer: threading.Thread | None = threading.Thread(target=self._serve, daemon=True,
-                                                                 name="replayjob-capture-writer")
-        self._writer.start()
+        self._writer = BackgroundWriter("replayjob-capture-writer")  # idle until the update returned
 
     @classmethod
     def prepare(cls, cfg: Config, out: Path) -> CaptureHook:
@@ -127,86 +110,125 @@ class CaptureHook:
                                           hint=f"remove {out} and rerun, or choose a new --out directory")
         return cls(cfg, out, state)
 
-    def on_rollout(self, rollout: Any) -> None:
-        return None
-
     def before_update(self, step: int, batch: OptimizerBatch) -> None:
         if step != CAPTURE_STEP:  # preconditions make this unreachable; refuse rather than mislabel
             raise ConfigError(f"capture covers step {CAPTURE_STEP} only, the trainer is at step {step}")
         point("capture.before-payload")
         rows = OptimizerBatch(**{k: v.detach().to("cpu").clone() for k, v in batch.tensors().items()})
         rng = {k: v.clone() for k, v in rng_tensors().items()}
-        producer = _producer(self.cfg)  # the determinism state at the capture point
+        producer = stepcapture.producer(self.cfg)  # the determinism state at the capture point
         self._snapshot = (step, rows, rng, producer)
 
     def after_update(self, step: int, result: Any) -> None:
-        """Start the writer once the update is done, so it never competes with the update for cores."""
+        """Hand the snapshot to the idle writer once the update is done (it never competes with the update)."""
         point("capture.after-update")
         if self._snapshot is None or self._snapshot[0] != step:
             return
         snapshot, self._snapshot = self._snapshot, None
-        self._handoff.put(snapshot)  # the idle writer wakes; nothing here waits for it
-
-    def _serve(self) -> None:
-        """The writer thread: wait for the one snapshot (None: nothing to write), then write it."""
-        snapshot = self._handoff.get()
-        if snapshot is not None:
-            self._write(*snapshot)
+        self._writer.submit(lambda: self._write(*snapshot))
 
     def _write(self, step: int, batch: OptimizerBatch, rng: dict[str, torch.Tensor],
                producer: dict[str, Any]) -> None:
-        """The writer thread: payload, then the manifest last; an error is kept for :meth:`finish`."""
-        try:
-            data = payload.encode(batch, rng)
-            logical, effective = batch.digests()
-            pname = manifest.payload_name(step)
-            atomic_write_bytes(self.out / pname, data, exclusive=True)
-            point("capture.payload-written")
-            adapter = self.state.adapter_file
-            doc = manifest.build(
-                step=step, producer=producer, payload_file=pname, payload_size=len(data),
-                payload_digest=payload.digest_bytes(data, where=self.out / pname), rng_keys=list(rng),
-                rows=payload.summary(batch), logical=logical, effective=effective,
-                resolved_config=resolved(self.cfg), contract=optimizer_contract(self.cfg),
-                adapter_path=adapter.resolve(), adapter_size=adapter.stat().st_size,
-                adapter_sha256=self.state.adapter_sha256)
-            sha = manifest.write(self.out / manifest.manifest_name(step), doc)
-            point("capture.manifest-written")
-            self.digests = {LOGICAL: logical, EFFECTIVE: effective, MANIFEST: sha,
-                            INITIAL_ADAPTER: self.state.adapter_sha256}
-        except BaseException as exc:  # re-raised on the training thread by finish()
-            self._error = exc
+        """The writer thread: payload, then the manifest last (an error is re-raised by :meth:`finish`)."""
+        data = payload.encode(batch, rng)
+        logical, effective = batch.digests()
+        pname = manifest.payload_name(step)
+        atomic_write_bytes(self.out / pname, data, exclusive=True)
+        point("capture.payload-written")
+        adapter = self.state.adapter_file
+        doc = manifest.build(
+            step=step, producer=producer, payload_file=pname, payload_size=len(data),
+            payload_digest=payload.digest_bytes(data, where=self.out / pname), rng_keys=list(rng),
+            rows=payload.summary(batch), logical=logical, effective=effective,
+            resolved_config=resolved(self.cfg), contract=optimizer_contract(self.cfg),
+            adapter_path=adapter.resolve(), adapter_size=adapter.stat().st_size,
+            adapter_sha256=self.state.adapter_sha256)
+        sha = manifest.write(self.out / manifest.manifest_name(step), doc)
+        point("capture.manifest-written")
+        self.digests = {LOGICAL: logical, EFFECTIVE: effective, MANIFEST: sha,
+                        INITIAL_ADAPTER: self.state.adapter_sha256}
 
-    def finish(self) -> None:
-        """Wait for the writer thread; re-raise the error it met, if any (payload and manifest are done)."""
-        self.abandon()
+    def finish(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Wait for the writer (re-raising its error: the same domain error, so exit 2); then the keys
+        added to the source run's metrics.json: the digests a replay pins."""
+        self._writer.drain()
         if self._snapshot is not None:  # never handed over: the writer was released with nothing
             raise RefusedError("the optimizer batch was snapshotted but its update never returned, so the capture "
                                "was not written", where=self.out, hint="rerun the capture into a new --out directory")
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-
-    def abandon(self) -> None:
-        """Release the writer and wait for it: a snapshot already handed over is written first (the
-        ``None`` that wakes an idle writer is never read after one)."""
-        if self._writer is not None:
-            self._handoff.put(None)
-            self._writer.join()
-            self._writer = None
-
-    def contribute_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """Keys added to the source run's metrics.json: the digests a replay pins (after the writer)."""
-        self.finish()
         point("capture.metrics")
         return {**self.digests, FINAL_ADAPTER: metrics[SOURCE_FINAL_ADAPTER],
                 MANIFEST_PATH: manifest.manifest_name(CAPTURE_STEP)}
 
+    def abandon(self) -> None:
+        """Release the writer and wait for it: a snapshot already handed over is written first."""
+        self._writer.release()
 
-def capture(config: str | Path, overrides: list[str], out: str | Path | None) -> tuple[Path, dict[str, Any]]:
-    """``replayjob capture``: run the source trainer with capture on; return (out dir, metrics)."""
-    from replayjob.rl.trainer import train
 
-    cfg = load_config(config, [*overrides, "optimizer_batch.capture=true"])
-    out_dir = Path(out or cfg.logging.dir)
-    return out_dir, train(cfg, out_dir)
+class StepsCapture(StepHook):
+    """``[optimizer_batch] capture_steps``: capture chosen steps of a run of any length.
+
+    Each chosen step is captured self-sufficiently (:mod:`~replayjob.optbatch.stepcapture`): the
+    training thread clones the rows, RNG, adapter and optimizer state before the update and the
+    adapter after it; the writer writes once the update has returned.  ``finish`` adds
+    ``optimizer_batch/steps`` to metrics.json: per step its pins, including the SHA-256 of the
+    adapter after the real update.
+    """
+
+    def __init__(self, cfg: Config, out: Path, steps: list[int]):
+        self.cfg, self.out, self.steps = cfg, out, sorted(steps)
+        self.captured: list[dict[str, Any]] = []
+        self._view: TrainerView | None = None
+        self._producer: dict[str, Any] = {}
+        self._pending: stepcapture.StepSnapshot | None = None
+        self._writer = BackgroundWriter("replayjob-steps-writer")  # idle until a chosen update returned
+
+    @classmethod
+    def prepare(cls, cfg: Config, out: Path) -> StepsCapture:
+        """Refuse (before any work) steps the run never reaches, a step-zero capture in the same run,
+        and captures already in ``out``."""
+        steps = cfg.optimizer_batch.capture_steps
+        where = "optimizer_batch.capture_steps"
+        if cfg.optimizer_batch.capture:
+            raise ConfigError("capture = true (the step-zero capture) and capture_steps cannot be combined",
+                              where=where, hint="list 0 in capture_steps instead, or drop capture_steps")
+        late = [k for k in steps if k >= cfg.training.max_steps]
+        if late:
+            raise ConfigError(f"steps {late} are not reached: the run's last step is {cfg.training.max_steps - 1}",
+                              where=where, hint="raise training.max_steps or drop those steps")
+        stepcapture.refuse_existing(out, steps, "capture")
+        return cls(cfg, out, steps)
+
+    def on_train_begin(self, view: TrainerView) -> None:
+        early = [k for k in self.steps if k < view.start_step]
+        if early:
+            raise ConfigError(f"steps {early} come before the resume state's next step {view.start_step}",
+                              where="optimizer_batch.capture_steps", hint="capture steps this run executes")
+        self._view = view
+        self._producer = stepcapture.producer(self.cfg)  # the determinism state, fixed for the run
+
+    def before_update(self, step: int, batch: OptimizerBatch) -> None:
+        if step in self.steps:
+            assert self._view is not None  # on_train_begin runs before any step
+            self._pending = stepcapture.take(step, batch, self._view, self._producer)
+
+    def after_update(self, step: int, result: Any) -> None:
+        snap = self._pending
+        if snap is None or snap.step != step:
+            return
+        assert self._view is not None
+        self._pending = None
+        snap.final_adapter = stepcapture.clone_adapter(self._view)
+        ref = self._view.model_reference
+        self._writer.submit(lambda: self.captured.append(stepcapture.write(self.out, snap, self.cfg, ref)))
+
+    def finish(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Wait for the writer (re-raising its first error); every chosen step's pins for metrics.json."""
+        self._writer.drain()
+        missing = sorted(set(self.steps) - {int(c[STEP]) for c in self.captured})
+        if missing:
+            raise RefusedError(f"steps {missing} were chosen but not captured (their update never returned)",
+                               where=self.out, hint="rerun into a new --out directory")
+        return {STEPS: sorted(self.captured, key=lambda c: int(c[STEP]))}
+
+    def abandon(self) -> None:
+        self._writer.release()

@@ -21,10 +21,11 @@ from torch import Tensor
 
 from replayjob.config import Config, from_dict, resolved
 from replayjob.config.diff import differences
+from replayjob.config.redact import redact_text
 from replayjob.digest import normalize_digest
 from replayjob.errors import ContractError, IntegrityError, RefusedError
 from replayjob.metrics import EFFECTIVE, LOGICAL, SKIPPED
-from replayjob.optbatch import knobs, payload
+from replayjob.optbatch import knobs, payload, stepcapture
 from replayjob.optbatch.contract import contract_differences, contract_sha256, optimizer_contract
 from replayjob.optbatch.manifest import Manifest, read_verified
 from replayjob.rl.batch import OptimizerBatch
@@ -70,7 +71,7 @@ class Admission:
 
     @property
     def arm(self) -> str:
-        return self.cfg.optimizer_batch.arm or knobs.arm_name(self.allowed, resolved(self.cfg))
+        return redact_text(self.cfg.optimizer_batch.arm) or knobs.arm_name(self.allowed, resolved(self.cfg))
 
     def knob_values(self) -> dict[str, Any]:
         r = resolved(self.cfg)
@@ -132,9 +133,11 @@ def _check_artifacts(adm: Admission) -> None:
         if m.payload_size > MAX_PAYLOAD_BYTES:
             raise IntegrityError(f"the manifest pins a {m.payload_size}-byte payload, above the "
                                  f"{MAX_PAYLOAD_BYTES}-byte limit", where=p)
-        scan = payload.read(p, keep=adm.keep_rows, expected_size=m.payload_size)
+        nonfinite = stepcapture.nonfinite_admitted(m, adm.cfg)  # flagged in the manifest and opted into
+        scan = payload.read(p, keep=adm.keep_rows, expected_size=m.payload_size, allow_nonfinite=nonfinite)
         if scan.digest == m.payload_digest and scan.fault is None and scan.row_digests() is None:
-            scan = payload.read(p, keep=True, expected_size=m.payload_size)  # some row bears no loss
+            scan = payload.read(p, keep=True, expected_size=m.payload_size,  # some row bears no loss
+                                allow_nonfinite=nonfinite)
     except OSError as exc:
         adm.refuse(f"{p}: cannot read the payload: {exc.strerror}", integrity=True)
         return
@@ -176,9 +179,8 @@ def _check_adapter(adm: Admission) -> None:
     except RefusedError as exc:
         adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
         return
-    if st.step != -1:
-        adm.refuse(f"resume.from is a state at step {st.step}; replay starts from the source's "
-                   "initialisation state (step -1)")
+    for reason in stepcapture.state_reasons(adm.manifest, st, adm.cfg):
+        adm.refuse(reason)  # the start state a captured step pins (step -1 for a step-zero capture)
     if adm.manifest is not None and st.adapter_sha256 != adm.manifest.initial_adapter_sha256:
         adm.refuse(f"adapter hash mismatch: {st.adapter_file} has SHA-256 {st.adapter_sha256}, the source "
                    f"started from {adm.manifest.initial_adapter_sha256}")

@@ -35,6 +35,8 @@ IGNORED: dict[str, str] = {
     "logging.run_name": "free-form label",
     "logging.metadata": "free-form labels",
     "resume.from": "a path; its content is pinned by the initial adapter SHA-256 instead",
+    "training.max_steps": "the run's length; a capture pins its one update's start state and learning rate",
+    "training.save_every": "checkpoint cadence; it never changes an update",
 }
 
 Condition = Callable[[Config, Config], str | None]

@@ -11,17 +11,25 @@ Schema ``replayjob.optimizer_batch_manifest/v2`` (canonical JSON, one object)::
     config            resolved (redacted) and its sha256
     contract          the optimizer contract (redacted) and its sha256
     initial_adapter   path, size, sha256 of the weight file the source started from
+    state             (chosen-step and ring-buffer captures only) the resume state the step starts
+                      from: dir (a bare name next to the manifest), step (= step - 1),
+                      optimizer_sha256 (its optimizer.safetensors), lr (per parameter group),
+                      nonfinite_inputs (the rows hold NaN/Inf: replayed only under
+                      ``optimizer_batch.allow_nonfinite_inputs``)
 
+A manifest without ``state`` is a step-zero capture from a step -1 state (``step`` must be 0).
 A reader passes the manifest's expected SHA-256: the bytes are hashed before they are parsed, then
 every field is type-checked and the embedded digests recomputed; unknown keys are refused.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from replayjob.config.redact import redact_text
 from replayjob.digest import normalize_digest, sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
 from replayjob.fsio import atomic_write_bytes
@@ -33,6 +41,7 @@ OLD_SCHEMAS = {"replayjob.optimizer_batch_manifest/v1"}
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 _KEYS = {"schema", "step", "producer", "payload", "rows", "logical_batch_sha256",
          "local_effective_rows_sha256", "config", "contract", "initial_adapter"}
+_STATE_KEYS = {"dir", "step", "optimizer_sha256", "lr", "nonfinite_inputs"}
 
 
 def file_stem(step: int) -> str:
@@ -88,14 +97,25 @@ class Manifest:
     def initial_adapter_sha256(self) -> str:
         return str(self.doc["initial_adapter"]["sha256"])
 
+    @property
+    def step(self) -> int:
+        return int(self.doc["step"])
+
+    @property
+    def state(self) -> dict[str, Any] | None:
+        """The pinned start state of a chosen-step or ring-buffer capture (None: step zero from step -1)."""
+        out: dict[str, Any] | None = self.doc.get("state")
+        return out
+
 
 def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_size: int, payload_digest: str,
           rng_keys: list[str],
           rows: dict[str, Any], logical: str, effective: str, resolved_config: dict[str, Any],
-          contract: dict[str, Any], adapter_path: Path, adapter_size: int, adapter_sha256: str
-          ) -> dict[str, Any]:
-    """The manifest document (nothing is written)."""
-    return {
+          contract: dict[str, Any], adapter_path: Path, adapter_size: int, adapter_sha256: str,
+          state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest document (nothing is written); ``state`` as the module docstring says; the adapter
+    path is redacted like every config string."""
+    doc = {
         "schema": SCHEMA,
         "step": step,
         "producer": producer,
@@ -106,8 +126,11 @@ def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_siz
         "local_effective_rows_sha256": effective,
         "config": {"sha256": sha256_json(resolved_config), "resolved": resolved_config},
         "contract": {"sha256": sha256_json(contract), "value": contract},
-        "initial_adapter": {"path": str(adapter_path), "size": adapter_size, "sha256": adapter_sha256},
+        "initial_adapter": {"path": redact_text(str(adapter_path)), "size": adapter_size, "sha256": adapter_sha256},
     }
+    if state is not None:
+        doc["state"] = state
+    return doc
 
 
 def write(path: Path, doc: dict[str, Any]) -> str:
@@ -142,9 +165,14 @@ def validate(doc: Any, where: Path) -> dict[str, Any]:
                              f"{SCHEMA!r}", where=where,
                              hint="recapture the source step with this version of replayjob")
     _need(doc.get("schema") == SCHEMA, f"'schema' must be {SCHEMA!r}, found {doc.get('schema')!r}", where)
-    _need(set(doc) == _KEYS, f"keys must be exactly {sorted(_KEYS)}; unknown "
-          f"{sorted(set(doc) - _KEYS)}, missing {sorted(_KEYS - set(doc))}", where)
-    _need(_is_int(doc["step"]) and doc["step"] == 0, "'step' must be 0 (capture covers step zero only)", where)
+    keys = _KEYS | {"state"} if "state" in doc else _KEYS
+    _need(set(doc) == keys, f"keys must be exactly {sorted(keys)}; unknown "
+          f"{sorted(set(doc) - keys)}, missing {sorted(keys - set(doc))}", where)
+    if "state" in doc:
+        _validate_state(doc, where)
+    else:
+        _need(_is_int(doc["step"]) and doc["step"] == 0, "'step' must be 0 (a capture without 'state' covers "
+              "step zero only)", where)
     for sec in ("producer", "payload", "rows", "config", "contract", "initial_adapter"):
         _need(isinstance(doc[sec], dict), f"'{sec}' must be an object", where)
     p = doc["payload"]
@@ -174,6 +202,22 @@ def validate(doc: Any, where: Path) -> dict[str, Any]:
     _need(all(_is_int(rows.get(k)) for k in ("rows", "tokens", "response_tokens", "loss_bearing_tokens")),
           "'rows' needs integer rows, tokens, response_tokens, loss_bearing_tokens", where)
     return doc
+
+
+def _validate_state(doc: dict[str, Any], where: Path) -> None:
+    step, st = doc["step"], doc["state"]
+    _need(_is_int(step) and step >= 0, "'step' must be an integer >= 0", where)
+    _need(isinstance(st, dict) and set(st) == _STATE_KEYS, f"'state' needs exactly {sorted(_STATE_KEYS)}", where)
+    name = st["dir"]
+    _need(isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+          and not name.startswith("."), f"'state.dir' must be a bare directory name, found {name!r}", where)
+    _need(_is_int(st["step"]) and st["step"] == step - 1, f"'state.step' must be {step - 1} (the step "
+          "before the captured one)", where)
+    _hex(st["optimizer_sha256"], "state.optimizer_sha256", where)
+    lr = st["lr"]
+    _need(isinstance(lr, list) and len(lr) > 0 and all(isinstance(x, float) and math.isfinite(x) for x in lr),
+          "'state.lr' must list a finite learning rate per parameter group", where)
+    _need(isinstance(st["nonfinite_inputs"], bool), "'state.nonfinite_inputs' must be true or false", where)
 
 
 def read_verified(path: str | Path, expected_sha256: str) -> Manifest:

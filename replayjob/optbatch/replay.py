@@ -27,13 +27,15 @@ from replayjob import determinism
 from replayjob import metrics as metrics_io
 from replayjob.config import Config, config_sha256, load_config
 from replayjob.digest import sha256_file
-from replayjob.errors import ArtifactExistsError, ContractError, ReplayjobError, UsageError
+from replayjob.errors import ArtifactExistsError, ContractError, UsageError, error_for_exit_status
+from replayjob.hostinfo import host_provenance
 from replayjob.model.backend import load_backend
-from replayjob.optbatch import knobs
+from replayjob.optbatch import knobs, stepcapture
 from replayjob.optbatch.explain import Admission, admit
 from replayjob.rl.diag import peak_memory_value
 from replayjob.rl.state import check_model, restore_rng
 from replayjob.rl.update import make_optimizer, optimizer_update
+from replayjob.trace.recorder import traced_update
 
 METRICS_SCHEMA = metrics_io.REPLAY_SCHEMA
 METRICS_FILE = metrics_io.REPLAY_FILE
@@ -80,11 +82,13 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
         raise ContractError(f"captured token id {top} is outside this model's vocabulary ({vocab})",
                             where=adm.manifest.payload_path)
     optimizer = make_optimizer(policy, cfg)
+    stepcapture.restore_optimizer(optimizer, adm.manifest, adm.state)  # a chosen step's pinned start state
     restore_rng(adm.rng)
     if policy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(policy.device)
     t0 = time.perf_counter()
-    res = optimizer_update(policy, optimizer, adm.batch, cfg)
+    with traced_update(cfg, policy, optimizer, adm.batch) as tracer:  # None (nothing attached) unless --trace
+        res = optimizer_update(policy, optimizer, adm.batch, cfg)
     local_train_wall_s = time.perf_counter() - t0
     peak = peak_memory_value(policy.device)
     final_file = policy.save_adapter(out / FINAL_ADAPTER_DIR)
@@ -94,8 +98,11 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
         metrics_io.FINAL_ADAPTER: sha256_file(final_file),
         metrics_io.FINAL_ADAPTER_PATH: str(final_file.relative_to(out)),
         "provenance": prov,
+        metrics_io.HOST: host_provenance(policy.device),  # node, GPU, driver, CUDA, image (replayjob.hostinfo)
         "wall_s": time.perf_counter() - t_start,
     })
+    if tracer is not None:  # before replay_metrics.json, which pins the trace index
+        metrics[metrics_io.TRACE] = tracer.write(out, metrics)
     metrics_io.write(out / METRICS_FILE, metrics, exclusive=True)
     return metrics
 
@@ -162,6 +169,7 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
         proc = subprocess.run(argv, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip()[-2000:]
-            raise ReplayjobError(f"repeat {i} exited with status {proc.returncode}: {tail}", where=d)
+            raise error_for_exit_status(proc.returncode)(  # 3 or a signal stays retryable (exit 3)
+                f"repeat {i} exited with status {proc.returncode}: {tail}", where=d)
         results.append((d, metrics_io.read_replay(d / METRICS_FILE).doc))
     return results

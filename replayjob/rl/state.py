@@ -104,15 +104,34 @@ def check_model(state: ResumeState, model_ref: dict[str, Any]) -> None:
                             where=state.path / STATE_FILE, hint="use the [model] section the state was made with")
 
 
-def optimizer_bytes(opt: torch.optim.Optimizer) -> bytes:
+def adapter_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    """The adapter weight file's bytes (``adapter_model.safetensors``): one serialisation for every
+    writer, so a captured adapter and a saved one with equal tensors have equal SHA-256."""
     from safetensors.torch import save
 
+    return bytes(save({k: tensors[k] for k in sorted(tensors)}, metadata={"format": "pt"}))
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state as ``"{index}.{name}"`` CPU tensors (views of the live state)."""
     tensors: dict[str, torch.Tensor] = {}
-    for idx, st in opt.state_dict()["state"].items():
-        for k, v in st.items():
+    params = [p for group in opt.param_groups for p in group["params"]]  # state_dict()'s index order
+    for idx, p in enumerate(params):
+        for k, v in opt.state.get(p, {}).items():
             t = v if torch.is_tensor(v) else torch.tensor(v)
             tensors[f"{idx}.{k}"] = t.detach().to("cpu").contiguous()
+    return tensors
+
+
+def optimizer_bytes_of(tensors: dict[str, torch.Tensor]) -> bytes:
+    """``optimizer.safetensors`` bytes of :func:`optimizer_tensors`' result."""
+    from safetensors.torch import save
+
     return bytes(save(tensors, metadata={"format": "replayjob-optimizer"}))
+
+
+def optimizer_bytes(opt: torch.optim.Optimizer) -> bytes:
+    return optimizer_bytes_of(optimizer_tensors(opt))
 
 
 def load_optimizer(opt: torch.optim.Optimizer, path: Path, expected_sha256: str) -> None:

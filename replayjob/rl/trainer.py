@@ -11,17 +11,17 @@ Run it: ``replayjob init d && replayjob train d/source.toml --out runs/source``.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
 import replayjob
-from replayjob import determinism
+from replayjob import determinism, faults
 from replayjob import metrics as metrics_io
 from replayjob.config import Config, config_sha256, resolved
 from replayjob.digest import sha256_file
@@ -31,6 +31,7 @@ from replayjob.model.backend import Policy, load_backend
 from replayjob.rl import stages
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.diag import optimizer_checksum, peak_memory_bytes, stats, tensor_checksum
+from replayjob.rl.hooks import StepHook, StepRollout, TrainerView, abandon_all
 from replayjob.rl.logprobs import padded, token_logprobs
 from replayjob.rl.state import (
     OPTIMIZER_FILE,
@@ -47,43 +48,10 @@ from replayjob.rl.state import (
 from replayjob.rl.task import Task
 from replayjob.rl.update import UpdateResult, make_optimizer, optimizer_update
 
-if TYPE_CHECKING:
-    from replayjob.bundle.hook import BundleCapture
-
 METRICS_SCHEMA = metrics_io.SOURCE_SCHEMA
 DIAG_FILE = "diag.jsonl"
 METRICS_FILE = metrics_io.SOURCE_FILE
 FINAL_ADAPTER_DIR = "final_adapter"
-
-
-@dataclass
-class StepRollout:
-    """What the stages consumed and produced in one step (padded ``[N, T]`` per-token fields)."""
-
-    step: int
-    prompts: list[str]
-    answers: list[str]
-    completions: list[str]
-    prompt_tokens: list[list[int]]
-    response_tokens: list[list[int]]
-    group: Tensor           # [N] semantic group (prompt index)
-    raw: Tensor             # reward.raw [N]
-    scores: Tensor          # reward.post_process [N]
-    mask: Tensor            # [N, T] response-token mask
-    old_logprobs: Tensor    # [N, T]
-    ref_logprobs: Tensor    # [N, T]
-    kl: Tensor              # advantage.kl [N, T]
-    advantages: Tensor      # advantage.estimate (after batch norm / clip) [N, T]
-    loss_mask: Tensor       # mask after the token cap
-    loss_weights: Tensor    # [N, T]
-
-
-class StepHooks(Protocol):
-    def on_rollout(self, rollout: StepRollout) -> None: ...
-
-    def before_update(self, step: int, batch: OptimizerBatch) -> None: ...
-
-    def after_update(self, step: int, result: UpdateResult) -> None: ...
 
 
 def build_rollout(policy: Policy, cfg: Config, task: Task, step: int, seed: int) -> tuple[StepRollout,
@@ -155,6 +123,10 @@ def _response_logprobs(policy: Policy, seqs: list[list[int]], prompt_ids: list[l
     return out
 
 
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
 def prepare_out_dir(out: Path) -> None:
     if (out / METRICS_FILE).exists():
         raise ArtifactExistsError("output directory already holds a run", where=out / METRICS_FILE,
@@ -218,32 +190,25 @@ def start_run(cfg: Config) -> tuple[dict[str, Any], Policy, ResumeState | None]:
     return prov, policy, state
 
 
-def train(cfg: Config, out: Path, hooks: Sequence[StepHooks] = ()) -> dict[str, Any]:
-    """Run the source trainer; return (and write) metrics.json."""
-    if cfg.training.trainer != "grpo":
-        raise ConfigError(f"train runs trainer 'grpo', the config says {cfg.training.trainer!r}",
-                          where="training.trainer", hint="use `replayjob replay` for optimizer_replay configs")
-    from replayjob.bundle.hook import capture_from_env
+def train(cfg: Config, out: Path, hooks: Sequence[StepHook] = ()) -> dict[str, Any]:
+    """Run the source trainer with ``hooks``; return (and write) metrics.json.
 
+    The trainer owns ``hooks`` from this call on (:mod:`replayjob.rl.hooks`): each is finished,
+    in order, before metrics.json is written, and every one is abandoned if anything fails.
+    """
     hooks = list(hooks)
     try:
-        if cfg.optimizer_batch.capture:  # preconditions are checked here, before any work
-            from replayjob.optbatch.capture import CaptureHook
-
-            hooks.append(CaptureHook.prepare(cfg, out))
-        bundles = capture_from_env(cfg)  # trajectory bundles: on only with REPLAYJOB_BUNDLE_CAPTURE=1
-        if bundles is not None:
-            hooks.append(bundles)
-        return _run(cfg, out, hooks, bundles)
+        if cfg.training.trainer != "grpo":
+            raise ConfigError(f"train runs trainer 'grpo', the config says {cfg.training.trainer!r}",
+                              where="training.trainer",
+                              hint="use `replayjob replay` for optimizer_replay configs")
+        return _run(cfg, out, hooks)
     except BaseException:
-        for h in hooks:  # capture hooks own writer threads: release them, finishing any handed-over write
-            abandon = getattr(h, "abandon", None)
-            if abandon is not None:
-                abandon()
+        abandon_all(hooks)
         raise
 
 
-def _run(cfg: Config, out: Path, hooks: list[StepHooks], bundles: BundleCapture | None) -> dict[str, Any]:
+def _run(cfg: Config, out: Path, hooks: list[StepHook]) -> dict[str, Any]:
     prepare_out_dir(out)
     t_start = time.perf_counter()
     prov, policy, state = start_run(cfg)
@@ -260,6 +225,10 @@ def _run(cfg: Config, out: Path, hooks: list[StepHooks], bundles: BundleCapture 
     if start_step >= cfg.training.max_steps:
         raise ConfigError(f"resume state is at step {start_step - 1}; max_steps={cfg.training.max_steps} "
                           "leaves nothing to run", where="training.max_steps")
+    keep_logprobs = any(h.wants_update_logprobs for h in hooks)
+    view = TrainerView(policy.adapter_state, optimizer, policy.model_reference(), start_step)
+    for h in hooks:
+        h.on_train_begin(view)
     task = Task(cfg.environment.task, cfg.environment.max_operand, cfg.environment.nondeterministic_observation)
     last: UpdateResult | None = None
     with _open_diag(out) as diag:
@@ -271,11 +240,12 @@ def _run(cfg: Config, out: Path, hooks: list[StepHooks], bundles: BundleCapture 
                 h.on_rollout(rollout)
             for h in hooks:
                 h.before_update(step, batch)
-            last = optimizer_update(policy, optimizer, batch, cfg, keep_logprobs=bundles is not None)
+            last = optimizer_update(policy, optimizer, batch, cfg, keep_logprobs=keep_logprobs,
+                                    plant_nonfinite_grad=faults.nonfinite_grad_at(step))
             for h in hooks:
                 h.after_update(step, last)
             row = diag_row(step, rollout, last, policy, optimizer, prov, time.perf_counter() - t_start, sample_s)
-            diag.write(canonical_bytes(row) + b"\n")
+            diag.write(canonical_bytes(row, allow_nan=True) + b"\n")  # a diverged step is recorded
             diag.flush()
             if cfg.training.save_every and (step + 1) % cfg.training.save_every == 0:
                 ck = out / "checkpoints" / f"step_{step:06d}"
@@ -292,8 +262,8 @@ def _run(cfg: Config, out: Path, hooks: list[StepHooks], bundles: BundleCapture 
         "device": str(policy.device),
         "steps_run": cfg.training.max_steps - start_step,
         "last_step": cfg.training.max_steps - 1,
-        "loss": last.loss,
-        "grad_norm": last.grad_norm,
+        "loss": _finite_or_none(last.loss),  # strict JSON: a diverged last step is null here, NaN in diag
+        "grad_norm": _finite_or_none(last.grad_norm),
         "initial_adapter_sha256": initial_sha,
         metrics_io.SOURCE_FINAL_ADAPTER: sha256_file(final_file),
         metrics_io.FINAL_ADAPTER_PATH: str(final_file.relative_to(out)),
@@ -302,11 +272,7 @@ def _run(cfg: Config, out: Path, hooks: list[StepHooks], bundles: BundleCapture 
         "provenance": prov,
         "wall_s": time.perf_counter() - t_start,
     }
-    for h in hooks:  # optional: hooks may add flat keys (e.g. the capture digests)
-        contribute = getattr(h, "contribute_metrics", None)
-        if contribute is not None:
-            metrics.update(contribute(metrics))
-    if bundles is not None:  # before metrics.json, which declares the whole run (bundles included) complete
-        bundles.close()  # training is over: drain the background writer, report any write error
+    for h in hooks:  # before metrics.json, which declares the whole run (every capture included) complete
+        metrics.update(h.finish(dict(metrics)))
     metrics_io.write(out / METRICS_FILE, metrics)
     return metrics

@@ -52,8 +52,11 @@ def _sync(device: torch.device) -> None:
 
 
 def optimizer_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: OptimizerBatch,
-                     cfg: Config, keep_logprobs: bool = False) -> UpdateResult:
-    """One update; ``keep_logprobs`` also returns the logprobs the loss saw (read-only copies)."""
+                     cfg: Config, keep_logprobs: bool = False, plant_nonfinite_grad: bool = False) -> UpdateResult:
+    """One update; ``keep_logprobs`` also returns the logprobs the loss saw (read-only copies).
+
+    ``plant_nonfinite_grad`` (tests only, :func:`replayjob.faults.nonfinite_grad_at`) sets one
+    gradient element to NaN after the backward pass, before clipping."""
     a = cfg.algorithm
     dev = policy.device
     optimizer.zero_grad(set_to_none=True)
@@ -92,6 +95,8 @@ def optimizer_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Op
     _sync(dev)
     t3 = time.perf_counter()
     params = [p for _, p in policy.trainable()]
+    if plant_nonfinite_grad and params and params[0].grad is not None:
+        params[0].grad.view(-1)[0] = float("nan")
     max_norm = cfg.optimizer.max_grad_norm
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"),
                                           foreach=False)

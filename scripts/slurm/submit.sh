@@ -5,16 +5,17 @@
 #   scripts/slurm/submit.sh --spec ablation.toml --arms ckpt-off,ckpt-on --repeats 5 \
 #       --out /shared/runs/ab2 --partition gpu --image /shared/images/replayjob.sif --wait
 #
-# Three jobs, chained by Slurm dependencies:
-#   capture  replayjob init (unless --workspace) + replayjob capture  -> <out>/source
-#   replay   --array=0..arms*repeats-1, --dependency=afterok:<capture>, --exclusive, --gres=gpu:N;
-#            task i = (arm, repeat) from the shared ablation spec    -> <out>/replays/task-<i>
+# Three jobs, chained by Slurm dependencies, each running one `replayjob step` command (the one
+# launch implementation the Kubernetes Jobs and the Argo workflow run too):
+#   capture  step capture: init (unless --workspace) + capture       -> <out>/source
+#   replay   --array=0..arms*repeats-1%parallelism, --dependency=afterok:<capture>, --exclusive,
+#            --gres=gpu:N; step replay --index i (arm, repeat)       -> <out>/replays/<arm>/<repeat>
 #   reduce   --dependency=afterany:<array> (a failed replay is missing evidence, never dropped)
-#            replayjob reduce ... --out <out>/verdict.json; its exit code is the verdict's
-# --wait blocks until reduce ends and exits with its code: 0 pass, 1 fail, 2 refused (also when the
-# reduce job ended without a verdict: cancelled, timed out, node failure).  Capture and replays are
-# requeued by Slurm only after infrastructure failures (--requeue: node failure, preemption), never
-# for exit 1 or 2; reduce is never requeued.  <out> and this checkout must be on a filesystem every
+#            step reduce -> <out>/verdict.json; its exit code is the verdict's
+# --wait blocks until reduce ends and exits with its code: 0 pass, 1 fail, 2 refused, 3 error (also
+# when the reduce job ended without a verdict: cancelled, timed out, node failure; nothing was
+# decided, retrying may help).  Every job is requeued after infrastructure failures (--requeue: node
+# failure, preemption) and after exit 3 (lib.sh finish_step), never for exit 1 or 2.  <out> and this checkout must be on a filesystem every
 # node sees.  Slurm-side settings are in <out>/slurm/job.env, logs in <out>/logs/.
 set -euo pipefail
 
@@ -30,8 +31,8 @@ Options:
   --spec FILE            ablation spec TOML (default: $REPO/examples/ablation.toml)
   --arms LIST            comma-separated subset of the spec's arms (default: all, in file order)
   --repeats N            replays per arm (default: the spec's repeats)
-  --claim CLAIM          exact-input or bitwise (default: the spec's claim)
-  --min-repeats N        fewest fresh replays per arm the reducer accepts (default: the spec's)
+  --claim CLAIM          exact-input or bitwise (default: the spec's claim); the fewest replays
+                         per arm the reducer accepts is the spec's min_repeats (lowered to --repeats)
   --partition P          Slurm partition for every job (default: the cluster's default)
   --gpus-per-task N      GPUs per capture and replay task, as --gres=gpu:N (default 1);
                          0 drops every GPU request and runs on CPU (device "cpu")
@@ -51,7 +52,7 @@ Options:
   --dry-run              print the sbatch commands; submit and write nothing
   -h, --help             show this help
 
-Exit codes: 0 submitted (with --wait: pass), 1 fail, 2 refused or no verdict.
+Exit codes: 0 submitted (with --wait: pass), 1 fail, 2 refused, 3 error or no verdict (retryable).
 EOF
 }
 
@@ -64,7 +65,7 @@ need_value() { if [ "$#" -lt 2 ] || [ -z "$2" ]; then die "$1 needs a value (see
 is_count() { [[ "$1" =~ ^[0-9]+$ ]]; }
 abspath() { if [[ "$1" = /* ]]; then echo "$1"; else echo "$PWD/$1"; fi; }
 
-OUT="" SPEC="$REPO/examples/ablation.toml" ARMS="" REPEATS="" CLAIM="" MIN_REPEATS=""
+OUT="" SPEC="$REPO/examples/ablation.toml" ARMS="" REPEATS="" CLAIM=""
 PARTITION="" GPUS=1 IMAGE="" CONTAINER="" VENV="" WORKSPACE="" SOURCE="" WAIT=0 DRY_RUN=0
 BINDS=() SBATCH_ARGS=() PLANTED=()
 while [ "$#" -gt 0 ]; do
@@ -74,7 +75,6 @@ while [ "$#" -gt 0 ]; do
     --arms) need_value "$@"; ARMS=$2; shift ;;
     --repeats) need_value "$@"; REPEATS=$2; shift ;;
     --claim) need_value "$@"; CLAIM=$2; shift ;;
-    --min-repeats) need_value "$@"; MIN_REPEATS=$2; shift ;;
     --partition) need_value "$@"; PARTITION=$2; shift ;;
     --gpus-per-task) need_value "$@"; GPUS=$2; shift ;;
     --image) need_value "$@"; IMAGE=$2; shift ;;
@@ -99,8 +99,6 @@ OUT=$(abspath "$OUT")
 is_count "$GPUS" || die "--gpus-per-task expects an integer >= 0, got '$GPUS'"
 [ -z "$REPEATS" ] || { is_count "$REPEATS" && [ "$REPEATS" -ge 1 ]; } \
   || die "--repeats expects an integer >= 1, got '$REPEATS'"
-[ -z "$MIN_REPEATS" ] || { is_count "$MIN_REPEATS" && [ "$MIN_REPEATS" -ge 1 ]; } \
-  || die "--min-repeats expects an integer >= 1, got '$MIN_REPEATS'"
 [ -f "$SPEC" ] || die "ablation spec $SPEC not found; pass --spec FILE"
 SPEC=$(abspath "$SPEC")
 [ -z "$IMAGE" ] || [ -z "$VENV" ] || die "--image and --venv exclude each other"
@@ -143,32 +141,28 @@ fi
 # shellcheck source=scripts/slurm/lib.sh
 . "$SCRIPTS/lib.sh"
 REPLAYJOB_IMAGE=$IMAGE REPLAYJOB_CONTAINER=$CONTAINER REPLAYJOB_VENV=$VENV REPLAYJOB_OUT=$OUT
-REPLAYJOB_GPUS=0 REPLAYJOB_DETERMINISM_ENV=() REPLAYJOB_BINDS=("${BINDS[@]}" "$(dirname "$SPEC")")
+REPLAYJOB_GPUS=0 REPLAYJOB_BINDS=("${BINDS[@]}" "$(dirname "$SPEC")")
 replayjob_cmd
 SELECT=()
 [ -z "$ARMS" ] || SELECT+=(--arms "$ARMS")
 [ -z "$REPEATS" ] || SELECT+=(--repeats "$REPEATS")
+[ -z "$CLAIM" ] || SELECT+=(--claim "$CLAIM")
 [ "$GPUS" -gt 0 ] || SELECT+=(--device cpu)
-plan=$("${REPLAYJOB[@]}" ablation plan "$SPEC" "${SELECT[@]}") || die "the ablation spec was refused"
-SIZE="" SEED="" DEVICE="" ENV_PINS=() CONFIG_SETS=() TASKS=0 PLAN_MIN="" PLAN_CLAIM="" ARM_NAMES=""
+plan=$("${REPLAYJOB[@]}" step plan --spec "$SPEC" "${SELECT[@]}") || die "the ablation spec was refused"
+SIZE="" PARALLELISM="" DEVICE="" CLAIM="" MIN_REPEATS="" ARM_NAMES=""
 while IFS= read -r line; do
   case "$line" in
     size=*) SIZE=${line#size=} ;;
-    seed=*) SEED=${line#seed=} ;;
+    parallelism=*) PARALLELISM=${line#parallelism=} ;;
     device=*) DEVICE=${line#device=} ;;
-    claim=*) PLAN_CLAIM=${line#claim=} ;;
-    min_repeats=*) PLAN_MIN=${line#min_repeats=} ;;
+    claim=*) CLAIM=${line#claim=} ;;
+    min_repeats=*) MIN_REPEATS=${line#min_repeats=} ;;
     arms=*) ARM_NAMES=${line#arms=} ;;
-    env=*) ENV_PINS+=("${line#env=}") ;;
-    config=*) CONFIG_SETS+=("${line#config=}") ;;
-    task=*) TASKS=$((TASKS + 1)) ;;
   esac
 done <<<"$plan"
-if ! is_count "$SIZE" || [ "$SIZE" -lt 1 ] || [ -z "$SEED" ] || [ "$TASKS" -ne "$SIZE" ]; then
+if ! is_count "$SIZE" || [ "$SIZE" -lt 1 ] || ! is_count "$PARALLELISM"; then
   die "unexpected plan from replayjob: $plan"
 fi
-CLAIM=${CLAIM:-$PLAN_CLAIM}
-MIN_REPEATS=${MIN_REPEATS:-$PLAN_MIN}
 for plant in "${PLANTED[@]}"; do
   [[ ",$ARM_NAMES," = *",${plant%%:*},"* ]] || die "--plant names arm '${plant%%:*}', not one of $ARM_NAMES"
 done
@@ -176,7 +170,7 @@ done
 
 # ---- the three jobs -----------------------------------------------------------------------------
 JOB_ENV=$OUT/slurm/job.env
-common=(--parsable --chdir "$OUT")
+common=(--parsable --chdir "$OUT" --open-mode=append)  # a requeued attempt appends to its log
 [ -z "$PARTITION" ] || common+=(--partition "$PARTITION")
 common+=("${SBATCH_ARGS[@]}")
 gres=()
@@ -184,9 +178,9 @@ gres=()
 capture_cmd=(sbatch "${common[@]}" --job-name replayjob-capture --output "$OUT/logs/capture-%j.out"
   --requeue "${gres[@]}" "$SCRIPTS/capture.sbatch" "$JOB_ENV")
 replay_cmd=(sbatch "${common[@]}" --job-name replayjob-replay --output "$OUT/logs/replay-%A_%a.out"
-  --array "0-$((SIZE - 1))" --exclusive --requeue "${gres[@]}")
+  --array "0-$((SIZE - 1))%$PARALLELISM" --exclusive --requeue "${gres[@]}")
 reduce_cmd=(sbatch "${common[@]}" --job-name replayjob-reduce --output "$OUT/logs/reduce-%j.out"
-  --no-requeue)
+  --requeue)
 
 if [ "$DRY_RUN" = 1 ]; then
   echo "# plan: $SIZE replays (arms $ARM_NAMES), claim $CLAIM, min repeats $MIN_REPEATS, device $DEVICE"
@@ -211,18 +205,24 @@ cp "$SPEC" "$OUT/slurm/ablation.toml"
   echo "# Written by scripts/slurm/submit.sh; sourced by the job scripts."
   # shellcheck disable=SC2034  # read by the job scripts through declare -p
   (
-    REPLAYJOB_SCRIPTS=$SCRIPTS REPLAYJOB_SPEC=$OUT/slurm/ablation.toml REPLAYJOB_SELECT=("${SELECT[@]}")
-    REPLAYJOB_WORKSPACE=$WORKSPACE REPLAYJOB_INIT_WORKSPACE=$INIT_WORKSPACE REPLAYJOB_SOURCE=$SOURCE
-    REPLAYJOB_SEED=$SEED REPLAYJOB_CLAIM=$CLAIM REPLAYJOB_MIN_REPEATS=$MIN_REPEATS REPLAYJOB_GPUS=$GPUS
+    REPLAYJOB_SCRIPTS=$SCRIPTS REPLAYJOB_GPUS=$GPUS REPLAYJOB_MAX_RESTARTS=${REPLAYJOB_MAX_RESTARTS:-2}
     REPLAYJOB_BINDS=("${BINDS[@]}")
-    [ "$WORKSPACE" = "$OUT/workspace" ] || REPLAYJOB_BINDS+=("$WORKSPACE")
-    [ "$SOURCE" = "$OUT/source" ] || REPLAYJOB_BINDS+=("$SOURCE")
-    REPLAYJOB_DETERMINISM_ENV=("${ENV_PINS[@]}") REPLAYJOB_CONFIG_SETS=("${CONFIG_SETS[@]}")
-    REPLAYJOB_PLANTED=("${PLANTED[@]}") REPLAYJOB_ARMS=$ARM_NAMES REPLAYJOB_TASKS=$SIZE
-    declare -p REPLAYJOB_OUT REPLAYJOB_SCRIPTS REPLAYJOB_SPEC REPLAYJOB_SELECT REPLAYJOB_WORKSPACE \
-      REPLAYJOB_INIT_WORKSPACE REPLAYJOB_SOURCE REPLAYJOB_SEED REPLAYJOB_CLAIM REPLAYJOB_MIN_REPEATS \
-      REPLAYJOB_GPUS REPLAYJOB_IMAGE REPLAYJOB_CONTAINER REPLAYJOB_VENV REPLAYJOB_BINDS \
-      REPLAYJOB_DETERMINISM_ENV REPLAYJOB_CONFIG_SETS REPLAYJOB_PLANTED REPLAYJOB_ARMS REPLAYJOB_TASKS
+    REPLAYJOB_STEP=(--spec "$OUT/slurm/ablation.toml" --run-dir "$OUT" "${SELECT[@]}")
+    if [ "$WORKSPACE" != "$OUT/workspace" ]; then
+      REPLAYJOB_BINDS+=("$WORKSPACE")
+      REPLAYJOB_STEP+=(--workspace "$WORKSPACE")
+    fi
+    if [ "$SOURCE" != "$OUT/source" ]; then
+      REPLAYJOB_BINDS+=("$SOURCE")
+      REPLAYJOB_STEP+=(--source "$SOURCE")
+    fi
+    REPLAYJOB_CAPTURE_ARGS=() REPLAYJOB_REPLAY_ARGS=() REPLAYJOB_REDUCE_ARGS=()
+    for plant in "${PLANTED[@]}"; do
+      REPLAYJOB_REPLAY_ARGS+=(--plant "$plant")
+    done
+    declare -p REPLAYJOB_OUT REPLAYJOB_SCRIPTS REPLAYJOB_GPUS REPLAYJOB_MAX_RESTARTS REPLAYJOB_IMAGE \
+      REPLAYJOB_CONTAINER REPLAYJOB_VENV REPLAYJOB_BINDS REPLAYJOB_STEP REPLAYJOB_CAPTURE_ARGS \
+      REPLAYJOB_REPLAY_ARGS REPLAYJOB_REDUCE_ARGS
   )
 } >"$JOB_ENV.tmp"
 mv "$JOB_ENV.tmp" "$JOB_ENV"
@@ -248,7 +248,7 @@ reduce_id=$(first_id "${reduce_cmd[@]}" "--dependency=afterany:$replay_id" "$SCR
 printf 'capture=%s\nreplay=%s\nreduce=%s\n' "$capture_id" "$replay_id" "$reduce_id" >"$OUT/slurm/jobs"
 echo "submit: capture ${capture_id:-(reusing $SOURCE)}, replays $replay_id (array 0-$((SIZE - 1)):" \
   "arms $ARM_NAMES), reduce $reduce_id; claim $CLAIM, min repeats $MIN_REPEATS, gpus/task $GPUS"
-echo "submit: run directory $OUT (logs in $OUT/logs, verdict $OUT/verdict.json)"
+echo "submit: run directory $OUT (logs in $OUT/logs, replays in $OUT/replays/ARM/REPEAT, verdict $OUT/verdict.json)"
 [ "$WAIT" = 1 ] || exit 0
 
 # ---- --wait: block until reduce ends, exit with its code --------------------------------------
@@ -260,14 +260,17 @@ field() { sed -n "s/.*[[:space:]]$1=\([^[:space:]]*\).*/\1/p" <<<" $2" | head -n
 
 last=""
 while :; do
-  record=$(scontrol show job -o "$reduce_id" 2>/dev/null || true)
+  record=$(REPLAYJOB_SCONTROL_TRIES=${REPLAYJOB_SCONTROL_TRIES:-5} scontrol_retry show job -o "$reduce_id" \
+    2>/dev/null || true)
   if [ -z "$record" ]; then
     if command -v sacct >/dev/null 2>&1 && acct=$(sacct -n -X -P -j "$reduce_id" -o State,ExitCode 2>/dev/null) \
       && [ -n "$acct" ]; then
       acct=$(head -n 1 <<<"$acct")
       record="JobState=$(cut -d' ' -f1 <<<"${acct%%|*}") ExitCode=${acct#*|}"
     else
-      die "slurmctld no longer knows reduce job $reduce_id and there is no accounting; read $OUT/verdict.json"
+      echo "submit: slurmctld no longer knows reduce job $reduce_id and there is no accounting;" \
+        "read $OUT/verdict.json" >&2
+      exit 3
     fi
   fi
   state=$(field JobState "$record")
@@ -293,6 +296,11 @@ tasks=$(scontrol show job -o "$replay_id" 2>/dev/null | sed -n 's/.*JobState=\([
 echo "submit: replay tasks: ${tasks:-unknown}"
 if [ "$state" = COMPLETED ] || { [ "$state" = FAILED ] && [ "$signal" = 0 ] && is_count "$status"; }; then
   [ "$state" != COMPLETED ] || status=0
+  if [ "$status" = 3 ]; then
+    echo "submit: reduce exited 3 on its last attempt (an error, nothing was decided; retrying may help);" \
+      "log $OUT/logs/reduce-$reduce_id.out" >&2
+    exit 3
+  fi
   if [ ! -f "$OUT/verdict.json" ]; then
     echo "submit: reduce exited $status but wrote no $OUT/verdict.json; refused" >&2
     exit 2
@@ -300,5 +308,5 @@ if [ "$state" = COMPLETED ] || { [ "$state" = FAILED ] && [ "$signal" = 0 ] && i
   echo "submit: reduce exited $status; verdict $OUT/verdict.json (log $OUT/logs/reduce-$reduce_id.out)"
   exit "$status"
 fi
-echo "submit: reduce job $reduce_id ended $state (exit $exit_code) without a verdict; refused" >&2
-exit 2
+echo "submit: reduce job $reduce_id ended $state (exit $exit_code) without a verdict; nothing was decided" >&2
+exit 3

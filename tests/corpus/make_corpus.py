@@ -344,16 +344,9 @@ def _canon(doc: Any) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"
 
 
-# The capture payload reader parses the header itself before the shared checks; its own words for
-# the causes where they differ from replayjob.tensorfile's (a pickle is named by both).
-PAYLOAD_CAUSES = {
-    "st_empty": "payload.size", "st_truncated_data": "outside the", "st_header_length_past_eof": "header declares",
-    "st_oversized_header": "above the", "st_zero_header": "malformed json", "st_header_not_json": "malformed json",
-    "st_header_not_object": "not a json object", "st_duplicate_names": "duplicate key",
-    "st_offsets_out_of_range": "outside the", "st_offsets_reversed": "outside the", "st_offsets_gap": "missing tensors",
-    "st_trailing_bytes": "trailing bytes", "st_shape_size_mismatch": "bytes for", "st_shape_overflow": "must be 1-d",
-    "st_metadata_not_strings": "does not declare format",
-}
+# The capture payload goes through replayjob.tensorfile like every tensor file, so each entry is refused
+# for the same cause; only an empty payload is refused earlier, by the manifest's size field.
+PAYLOAD_CAUSES = {"st_empty": "payload.size"}
 
 
 def _payload_pin(data: bytes) -> str:

@@ -1,0 +1,349 @@
+"""The one launch implementation: ``replayjob step plan|capture|replay|reduce --spec SPEC --run-dir DIR``.
+
+Kubernetes Jobs, the Argo workflow, the Slurm jobs and ``scripts/local-mid-smoke.sh`` each run one
+``replayjob step`` command per stage and hold no logic of their own.  This module owns, once:
+
+* **the selection**: the spec, optionally restricted (``--arms``, in file order), with another
+  repeat count, device or claim (:func:`select`), validated like the spec itself;
+* **the run record and its fingerprint**: ``RUN/run.json`` holds the SHA-256 of the selected spec and
+  the image reference (``REPLAYJOB_IMAGE_REF``); the first step writes it (exclusively), every later
+  step compares, so a run directory never mixes two runs' artifacts (exit 2);
+* **the output layout** (:class:`Layout`)::
+
+      RUN/run.json                 the run record (fingerprint)
+      RUN/workspace/               replayjob init (unless --workspace names an existing one)
+      RUN/source/                  the capture (metrics.json written last), unless --source
+      RUN/replays/ARM/REPEAT/      one replay each (replay_metrics.json written last)
+      RUN/verdict.json             the reducer's verdict
+      RUN/attempts/                partial outputs of interrupted attempts, moved aside
+
+* **the partial-output policy**: a stage whose completion file exists is reused (a retry or a requeue
+  is idempotent); a partial output of an interrupted attempt is moved to ``RUN/attempts/``, never
+  deleted and never read by the reducer;
+* **strict pins**: a replay reads the capture's two pins from ``source/metrics.json`` with the strict
+  JSON reader (two 64-digit hex digests or exit 2); pins handed over by a workflow controller
+  (``--pins``) must equal them;
+* **index -> (arm, repeat)**: arms in file order, repeats innermost
+  (:meth:`~replayjob.deploy.ablation.AblationSpec.run_for_index`);
+* **the expected arms**: the reducer is told every arm of the selection and the spec's minimum
+  repeats, so a failed replay is missing evidence that is refused by name, never dropped; the reducer
+  always runs once the fan-out has ended and always writes a verdict;
+* **the determinism environment**: a step started without ``DETERMINISM_ENV`` re-executes itself with
+  it (before torch is imported); a contradicting value is refused.
+
+Example:
+    $ replayjob step capture --spec ablation.toml --run-dir /shared/runs/ab1
+    $ replayjob step replay --spec ablation.toml --run-dir /shared/runs/ab1 --index 4
+    $ replayjob step reduce --spec ablation.toml --run-dir /shared/runs/ab1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from replayjob import metrics
+from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec, Run, toml_value
+from replayjob.digest import sha256_json
+from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError, UsageError
+
+RUN_SCHEMA = "replayjob.run/v1"
+RUN_RECORD = "run.json"
+IMAGE_ENV = "REPLAYJOB_IMAGE_REF"
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def select(spec: AblationSpec, arms: str | None = None, repeats: int | None = None,
+           device: str | None = None, claim: str | None = None) -> AblationSpec:
+    """The spec restricted to ``arms`` (comma-separated names, kept in file order), with another
+    repeat count, device or claim.  A ``min_repeats`` above a smaller repeat count is lowered to it."""
+    changes: dict[str, object] = {}
+    if arms is not None:
+        names = [n.strip() for n in arms.split(",") if n.strip()]
+        if not names:
+            raise UsageError("--arms names no arm", hint="e.g. --arms ckpt-off,ckpt-on")
+        if len(set(names)) != len(names):
+            raise UsageError(f"--arms {arms!r} names an arm twice")
+        for name in names:
+            spec.arm(name)  # refuses an unknown name, listing the spec's arms
+        changes["arms"] = tuple(a for a in spec.arms if a.name in names)
+    if repeats is not None:
+        if repeats < 1:
+            raise UsageError(f"--repeats must be >= 1, found {repeats}")
+        changes["repeats"] = repeats
+        changes["min_repeats"] = min(spec.min_repeats, repeats)
+    if device is not None:
+        changes["device"] = device
+    if claim is not None:
+        changes["claim"] = claim
+    try:
+        return dataclasses.replace(spec, **changes)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        raise ConfigError(exc.message, where=f"selection: {exc.where or ''}", hint=exc.hint) from None
+
+
+def plan_lines(spec: AblationSpec) -> list[str]:
+    """What a submitting script needs (Slurm's array size and throttle): one ``key=value`` each."""
+    return [f"size={spec.size}", f"parallelism={spec.parallelism}",
+            "arms=" + ",".join(a.name for a in spec.arms), f"claim={spec.claim}",
+            f"min_repeats={spec.effective_min_repeats}", f"device={spec.device}"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where every artifact of one run lives (see the module docstring)."""
+
+    run: Path
+    workspace: Path
+    source: Path
+
+    @classmethod
+    def of(cls, run_dir: str | Path, workspace: str | Path | None = None,
+           source: str | Path | None = None) -> Layout:
+        run = Path(run_dir).absolute()
+        return cls(run, Path(workspace).absolute() if workspace else run / "workspace",
+                   Path(source).absolute() if source else run / "source")
+
+    @property
+    def replays(self) -> Path:
+        return self.run / "replays"
+
+    def replay(self, arm: str, repeat: int) -> Path:
+        return self.replays / arm / str(repeat)
+
+    @property
+    def verdict(self) -> Path:
+        return self.run / "verdict.json"
+
+    @property
+    def owns_workspace(self) -> bool:
+        return self.workspace == self.run / "workspace"
+
+    @property
+    def owns_source(self) -> bool:
+        return self.source == self.run / "source"
+
+
+def fingerprint(spec: AblationSpec, image: str) -> str:
+    """SHA-256 of the selected spec and the image reference: what makes two runs the same run."""
+    return sha256_json({"spec": dataclasses.asdict(spec), "image": image})
+
+
+def check_run_record(layout: Layout, spec: AblationSpec, *, create: bool = True) -> None:
+    """Write ``RUN/run.json`` if it is absent (exactly one concurrent writer wins), else refuse a run
+    directory whose fingerprint is not this run's."""
+    from replayjob.fsio import atomic_write_bytes
+    from replayjob.jsonio import pretty_bytes, read_json_object
+
+    image = os.environ.get(IMAGE_ENV, "")
+    fp = fingerprint(spec, image)
+    path = layout.run / RUN_RECORD
+    if not path.exists() and create:
+        try:
+            atomic_write_bytes(path, pretty_bytes({"schema": RUN_SCHEMA, "fingerprint": fp, "image": image,
+                                                   "spec": dataclasses.asdict(spec)}), exclusive=True)
+            return
+        except RefusedError:
+            if not path.exists():
+                raise
+    if not path.exists():
+        return
+    doc = read_json_object(path)
+    if doc.get("schema") != RUN_SCHEMA or not isinstance(doc.get("fingerprint"), str):
+        raise IntegrityError(f"not a run record ({RUN_SCHEMA})", where=path)
+    if doc["fingerprint"] != fp:
+        raise ContractError("this run directory holds another run's artifacts (the spec, the selection or "
+                            f"the image differ: fingerprint {doc['fingerprint'][:12]} there, {fp[:12]} here)",
+                            where=layout.run, hint="give every submission its own run directory (a new run id)")
+
+
+def ensure_determinism_env(argv: Sequence[str], *, reexec: bool) -> None:
+    """Pin :data:`DETERMINISM_ENV` in this process; refuse a value that contradicts it.
+
+    Some of it is read only at interpreter start (``PYTHONHASHSEED``), so with ``reexec`` (the console
+    script) a process that lacks any of it re-executes ``replayjob argv`` with it; otherwise (in-process
+    callers) the missing values are set in ``os.environ`` before torch is imported.
+    """
+    missing = {}
+    for key, value in DETERMINISM_ENV.items():
+        have = os.environ.get(key)
+        if have is None:
+            missing[key] = value
+        elif have != value:
+            raise ConfigError(f"{key}={have!r} contradicts the pinned determinism environment ({value!r})",
+                              where="environment", hint=f"unset {key} or set it to {value!r}")
+    if missing and reexec:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "replayjob", *argv], {**os.environ, **missing})
+    os.environ.update({k: v for k, v in missing.items() if k != "PYTHONHASHSEED"})
+
+
+def _set_aside(path: Path, layout: Layout, log: Any) -> None:
+    """Move an interrupted attempt's partial output to ``RUN/attempts/`` (never deleted, never reduced)."""
+    if not path.exists() and not path.is_symlink():
+        return
+    attempts = layout.run / "attempts"
+    attempts.mkdir(parents=True, exist_ok=True)
+    rel = path.relative_to(layout.run) if path.is_relative_to(layout.run) else Path(path.name)
+    aside = attempts / f"{'-'.join(rel.parts)}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.{os.getpid()}"
+    os.replace(path, aside)
+    log(f"step: moved a previous attempt's partial output {path} to {aside}")
+
+
+def _wait_for(path: Path, wait_s: float, what: str, log: Any) -> bool:
+    """Wait up to ``wait_s`` seconds for ``path`` (an earlier stage's completion file)."""
+    deadline = time.monotonic() + wait_s
+    announced = False
+    while not path.is_file():
+        if time.monotonic() >= deadline:
+            return False
+        if not announced:
+            log(f"step: waiting up to {wait_s:.0f} s for {what} ({path})")
+            announced = True
+        time.sleep(min(10.0, max(0.1, deadline - time.monotonic())))
+    return True
+
+
+def read_pins(source: Path) -> tuple[str, str, Path]:
+    """The capture's two pins and its manifest file, read strictly from ``source/metrics.json``
+    (:func:`replayjob.metrics.read_pins`)."""
+    if not (source / metrics.SOURCE_FILE).is_file():
+        raise RefusedError(f"the capture is not complete (no {metrics.SOURCE_FILE})", where=source,
+                           hint="run `replayjob step capture` first; replays start after it succeeded")
+    return metrics.read_pins(source)
+
+
+def _parse_pins(text: str) -> tuple[str, str]:
+    parts = [p.strip().lower() for p in text.split(",")]
+    if len(parts) != 2 or not all(_HEX64.match(p) for p in parts):
+        raise UsageError(f"--pins expects LOGICAL,MANIFEST (two 64-digit hex digests), got {text[:140]!r}")
+    return parts[0], parts[1]
+
+
+def _plants(spec: AblationSpec, plants: Sequence[str]) -> dict[str, list[str]]:
+    """``--plant ARM:KEY=VALUE``: negative controls, an undeclared override in one arm's replays."""
+    out: dict[str, list[str]] = {}
+    for plant in plants:
+        arm, sep, kv = plant.partition(":")
+        if not sep or not re.fullmatch(r"[a-z_][a-z0-9_.]*=.+", kv):
+            raise UsageError(f"--plant expects ARM:KEY=VALUE, got {plant!r}")
+        spec.arm(arm)
+        out.setdefault(arm, []).append(kv)
+    return out
+
+
+def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None, log: Any = print) -> None:
+    """Init the workspace (when the run owns it), capture into ``RUN/source`` unless it is complete,
+    and publish the pins and the fan-out plan under ``outputs`` (Argo output parameters)."""
+    from replayjob.fsio import atomic_write_text
+
+    check_run_record(layout, spec)
+    if not (layout.workspace / "replay.toml").is_file():
+        if not layout.owns_workspace:
+            raise RefusedError("not a `replayjob init` workspace (no replay.toml)", where=layout.workspace)
+        from replayjob.workspace import init_workspace
+
+        _set_aside(layout.workspace, layout, log)  # replay.toml is init's last file: no replay.toml, partial
+        init_workspace(layout.workspace, spec.seed)
+        log(f"step: initialised {layout.workspace}")
+    if (layout.source / metrics.SOURCE_FILE).is_file():
+        log(f"step: {layout.source} is complete; reusing it")
+    elif not layout.owns_source:
+        raise RefusedError(f"the capture given with --source is not complete (no {metrics.SOURCE_FILE})",
+                           where=layout.source)
+    else:
+        from replayjob.source_run import capture
+
+        _set_aside(layout.source, layout, log)
+        sets = [*spec.config_sets()]
+        capture(layout.workspace / "source.toml", sets, layout.source)
+        log(f"step: captured into {layout.source}")
+    logical, manifest, _ = read_pins(layout.source)
+    log(f"{metrics.LOGICAL} {logical}\n{metrics.MANIFEST} {manifest}")
+    if outputs is not None:
+        atomic_write_text(outputs / "logical_sha256", logical)
+        atomic_write_text(outputs / "manifest_sha256", manifest)
+        atomic_write_text(outputs / "pins", f"{logical},{manifest}")
+        atomic_write_text(outputs / "plan.json", "[" + ", ".join(str(r.index) for r in spec.runs()) + "]")
+
+
+def replay_args(spec: AblationSpec, layout: Layout, run: Run, logical: str, manifest: str,
+                manifest_file: Path, planted: Sequence[str] = ()) -> list[str]:
+    """The ``--set`` overrides of one replay: common, the arm's knobs and their declaration, pins."""
+    arm = spec.arm(run.arm)
+    return [*spec.config_sets(), *arm.set_args(), *planted,
+            f"optimizer_batch.replay_path={toml_value(str(manifest_file))}",
+            f"optimizer_batch.expected_logical_sha256={toml_value(logical)}",
+            f"optimizer_batch.expected_manifest_sha256={toml_value(manifest)}",
+            f"optimizer_batch.arm={toml_value(run.arm)}",
+            f"optimizer_batch.allow_config_differences={arm.allow_list()}"]
+
+
+def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | None = None,
+                plants: Sequence[str] = (), wait_s: float = 0, log: Any = print) -> None:
+    """One replay: index -> (arm, repeat), strict pins, ``RUN/replays/ARM/REPEAT`` (reused if complete)."""
+    run = spec.run_for_index(index)
+    planted = _plants(spec, plants).get(run.arm, [])
+    check_run_record(layout, spec)
+    _wait_for(layout.source / metrics.SOURCE_FILE, wait_s, "the capture", log)
+    logical, manifest, manifest_file = read_pins(layout.source)
+    if pins is not None and _parse_pins(pins) != (logical, manifest):
+        raise ContractError(f"the pins handed over by the launcher differ from the capture's {metrics.SOURCE_FILE}",
+                            where=layout.source / metrics.SOURCE_FILE,
+                            hint="the run directory holds another capture; give the run a new run directory")
+    out = layout.replay(run.arm, run.repeat)
+    log(f"step: index {index} is arm {run.arm} repeat {run.repeat} -> {out}")
+    if (out / metrics.REPLAY_FILE).is_file():
+        log(f"step: {out} is complete; reusing it")
+        return
+    _set_aside(out, layout, log)
+    for kv in planted:
+        log(f"step: planted undeclared override {kv} in arm {run.arm}")
+    from replayjob.optbatch.replay import replay_command
+
+    for path, m in replay_command(layout.workspace / "replay.toml",
+                                  replay_args(spec, layout, run, logical, manifest, manifest_file, planted),
+                                  out, None, run.repeat):
+        log(f"step: replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}; wrote "
+            f"{path}/{metrics.REPLAY_FILE}")
+
+
+def expected_files(spec: AblationSpec, layout: Layout) -> Iterator[Path]:
+    for run in spec.runs():
+        yield layout.replay(run.arm, run.repeat) / metrics.REPLAY_FILE
+
+
+def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, outputs: Path | None = None,
+                log: Any = print) -> Any:
+    """Reduce every replay of the run against the capture, for every arm of the selection; always
+    writes ``RUN/verdict.json`` (refused when evidence is missing).  Returns the verdict."""
+    from replayjob.gate.reducer import Request, reduce_evidence
+
+    check_run_record(layout, spec, create=False)
+    deadline = time.monotonic() + wait_s
+    for path in expected_files(spec, layout):
+        if not _wait_for(path, max(0.0, deadline - time.monotonic()), "every replay", log):
+            break
+    missing = [str(p.parent.relative_to(layout.run)) for p in expected_files(spec, layout) if not p.is_file()]
+    if missing:
+        log(f"step: {len(missing)} replay(s) left no {metrics.REPLAY_FILE}: {', '.join(missing)}")
+    layout.replays.mkdir(parents=True, exist_ok=True)
+    verdict = reduce_evidence(Request(
+        paths=[str(layout.replays)], claim=spec.claim, out=layout.verdict, source=layout.source,
+        min_repeats=spec.effective_min_repeats, arms=tuple(a.name for a in spec.arms), spec=spec,
+        mixed_hardware=spec.mixed_hardware))
+    log(verdict.summary())
+    log(f"step: wrote {layout.verdict}")
+    if outputs is not None:
+        from replayjob.fsio import atomic_write_bytes
+
+        atomic_write_bytes(outputs / "verdict.json", layout.verdict.read_bytes())
+    return verdict

@@ -1,0 +1,68 @@
+"""The source run as ``replayjob train`` and ``replayjob capture`` start it: the hooks, then the trainer.
+
+The trainer (:mod:`replayjob.rl.trainer`) is handed its hooks and imports no capture package;
+this module is where the config and the environment choose them (:func:`source_hooks`):
+
+* ``[optimizer_batch] capture = true`` -- :class:`~replayjob.optbatch.capture.CaptureHook`
+  (step zero from a step -1 state, ``max_steps = 1``);
+* ``[optimizer_batch] capture_steps = [K, ...]`` -- :class:`~replayjob.optbatch.capture.StepsCapture`
+  (chosen steps of a run of any length);
+* ``[optimizer_batch] ring_size = N`` -- :class:`~replayjob.optbatch.ring.RingCapture` (the last N
+  steps, written when an anomaly trigger fires);
+* ``REPLAYJOB_BUNDLE_CAPTURE=1`` -- :class:`~replayjob.bundle.hook.BundleCapture`.
+
+Each hook's preconditions are checked as it is built, before any training work.  Until the hooks
+reach the trainer this module owns them: if building one fails, the ones already built are
+abandoned (their writer threads released) before the refusal propagates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from replayjob.config import Config, load_config
+from replayjob.rl.hooks import StepHook, abandon_all
+
+
+def source_hooks(cfg: Config, out: Path) -> list[StepHook]:
+    """The capture hooks ``cfg`` and the environment ask for, preconditions checked, in call order."""
+    from replayjob.bundle.hook import capture_from_env
+    from replayjob.optbatch.capture import CaptureHook, StepsCapture
+    from replayjob.optbatch.ring import RingCapture
+
+    hooks: list[StepHook] = []
+    try:
+        if cfg.optimizer_batch.capture:
+            hooks.append(CaptureHook.prepare(cfg, out))
+        if cfg.optimizer_batch.capture_steps:
+            hooks.append(StepsCapture.prepare(cfg, out))
+        if cfg.optimizer_batch.ring_size:
+            hooks.append(RingCapture.prepare(cfg, out))
+        bundles = capture_from_env(cfg)  # on only with REPLAYJOB_BUNDLE_CAPTURE=1
+        if bundles is not None:
+            hooks.append(bundles)
+    except BaseException:
+        abandon_all(hooks)
+        raise
+    return hooks
+
+
+def train_source(cfg: Config, out: Path, extra_hooks: Sequence[StepHook] = ()) -> dict[str, Any]:
+    """Run the source trainer with ``extra_hooks`` (called first) and the configured capture hooks."""
+    from replayjob.rl.trainer import train
+
+    try:
+        hooks = [*extra_hooks, *source_hooks(cfg, out)]
+    except BaseException:
+        abandon_all(extra_hooks)
+        raise
+    return train(cfg, out, hooks)  # owns the hooks from here: finished or abandoned
+
+
+def capture(config: str | Path, overrides: list[str], out: str | Path | None) -> tuple[Path, dict[str, Any]]:
+    """``replayjob capture``: run the source trainer with capture on; return (out dir, metrics)."""
+    cfg = load_config(config, [*overrides, "optimizer_batch.capture=true"])
+    out_dir = Path(out or cfg.logging.dir)
+    return out_dir, train_source(cfg, out_dir)

@@ -1,0 +1,314 @@
+"""The trace artifact: ``trace/trace.safetensors`` plus ``trace/index.json``, written last.
+
+A trace holds, for one replayed update, every traced module output in forward order and every
+output gradient in backward order (:class:`Site`), each as the unpadded tokens of every logical row
+concatenated in logical row order, so the layout does not depend on micro-batching; per row, the
+SHA-256 of the row's bytes and float64 statistics (L2 norm, max abs, mean); and per trainable
+parameter the accumulated gradient (before clipping) and the update ``after - before``
+(:class:`Param`).  The format is documented in ``docs/trace-format.md``.
+
+Integrity: both files are written atomically and exclusively; the index, written last, pins the
+payload by SHA-256 and size and names every tensor with its shape, so a reader refuses a missing
+index (an interrupted replay), a changed payload, or a payload whose tensors do not match the index.
+The payload is read through :mod:`replayjob.tensorfile` (validated header, no pickle, no symlinks).
+Nothing here imports transformers or peft.
+
+Example:
+    >>> t = read_trace("runs/replays/ckpt-off/repeat-000")   # doctest: +SKIP
+    >>> [s.name for s in t.forward][:2]                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replayjob.digest import normalize_digest, sha256_bytes
+from replayjob.errors import IntegrityError, RefusedError
+from replayjob.fsio import atomic_write_bytes, read_regular_bytes
+from replayjob.jsonio import loads_strict, pretty_bytes
+
+TRACE_SCHEMA = "replayjob.trace/v1"
+TRACE_DIR = "trace"
+INDEX_FILE = "index.json"
+PAYLOAD_FILE = "trace.safetensors"
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+STATS = ("l2", "max_abs", "mean")
+PARAM_STATS = ("grad_l2", "grad_max_abs", "update_l2", "update_max_abs")
+IDENTITY_KEYS = ("manifest_sha256", "logical_batch_sha256", "initial_adapter_sha256", "arm", "repeat_index",
+                 "micro_batch_size", "gradient_checkpointing", "device", "torch_version", "fault")
+_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16"}
+_TORCH = {v: k for k, v in _DTYPES.items()}
+_HINT = "rerun the replay with --trace into a new --out directory"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors spelling of a floating dtype a trace can hold."""
+    if dtype not in _DTYPES:
+        raise IntegrityError(f"a traced tensor has dtype {dtype}; traces hold floating dtypes only")
+    return _DTYPES[dtype]
+
+
+def _row_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def row_stats(values: torch.Tensor, row_tokens: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    """Per row (of ``values`` [T, W], rows of ``row_tokens`` tokens each): float64 stats and SHA-256.
+
+    Statistics are NumPy segment reductions over the whole tensor in float64 (single-threaded: no
+    per-row loop of Torch calls, no intra-op thread pool for these small arrays); each row's digest
+    is taken over a zero-copy slice of the tensor's bytes.
+    """
+    import numpy as np
+
+    lens = np.asarray(row_tokens.tolist(), dtype=np.int64)
+    v = values.detach().contiguous()
+    x = (v if v.dtype in (torch.float32, torch.float64) else v.to(torch.float32)).numpy()
+    x = x.reshape(x.shape[0], -1).astype(np.float64)
+    width = max(x.shape[1], 1)
+    stats = np.zeros((lens.size, len(STATS)), dtype=np.float64)
+    keep = lens > 0
+    if keep.any():
+        starts = (np.cumsum(lens) - lens)[keep]
+        stats[keep, 0] = np.sqrt(np.add.reduceat(np.einsum("ij,ij->i", x, x), starts))
+        stats[keep, 1] = np.maximum.reduceat(np.abs(x).max(axis=1), starts) if x.shape[1] else 0.0
+        stats[keep, 2] = np.add.reduceat(x.sum(axis=1), starts) / (lens[keep] * width)
+    raw = v.view(torch.uint8).numpy().data.cast("B")
+    row_bytes = int(v.element_size()) * (int(v[0].numel()) if v.shape[0] else 0)
+    digests, start = [], 0
+    for k in lens.tolist():
+        digests.append(hashlib.sha256(raw[start:start + k * row_bytes]).hexdigest())
+        start += k * row_bytes
+    return torch.from_numpy(stats), digests
+
+
+@dataclass(frozen=True)
+class Site:
+    """One traced output: ``values`` [tokens, width] over every logical row's unpadded tokens."""
+
+    name: str
+    kind: str
+    values: torch.Tensor
+    stats: torch.Tensor          # float64 [rows, 3]: l2, max_abs, mean
+    sha256: tuple[str, ...]      # one per logical row
+
+    @property
+    def dtype(self) -> str:
+        return dtype_name(self.values.dtype)
+
+    @property
+    def width(self) -> int:
+        return int(self.values.shape[1])
+
+
+@dataclass(frozen=True)
+class Param:
+    """One trainable parameter: its accumulated gradient before clipping and its update."""
+
+    name: str
+    grad: torch.Tensor
+    update: torch.Tensor
+    grad_sha256: str
+    update_sha256: str
+
+
+def make_param(name: str, grad: torch.Tensor, update: torch.Tensor) -> Param:
+    g, u = grad.detach().to("cpu").contiguous(), update.detach().to("cpu").contiguous()
+    return Param(name, g, u, sha256_bytes(_row_bytes(g)), sha256_bytes(_row_bytes(u)))
+
+
+@dataclass(frozen=True)
+class Trace:
+    identity: dict[str, Any]
+    row_tokens: torch.Tensor      # int64 [rows]: unpadded tokens per logical row
+    row_micro_batch: torch.Tensor  # int64 [rows]: which micro-batch processed the row
+    forward: list[Site]
+    backward: list[Site]
+    params: list[Param]
+    untraced: list[str] = field(default_factory=list)
+    path: Path | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.row_tokens.numel())
+
+
+def _stack_digests(digests: list[tuple[str, ...]], rows: int) -> torch.Tensor:
+    raw = b"".join(bytes.fromhex(d) for ds in digests for d in ds)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(len(digests), rows, 32).clone() \
+        if raw else torch.zeros((len(digests), rows, 32), dtype=torch.uint8)
+
+
+def _sites_tensors(prefix: str, sites: list[Site], rows: int) -> dict[str, torch.Tensor]:
+    out = {f"{prefix}.{k:04d}.values": s.values.contiguous() for k, s in enumerate(sites)}
+    out[f"{prefix}.stats"] = (torch.stack([s.stats for s in sites]) if sites
+                              else torch.zeros((0, rows, len(STATS)), dtype=torch.float64))
+    out[f"{prefix}.sha256"] = _stack_digests([s.sha256 for s in sites], rows)
+    return out
+
+
+def _param_stats(p: Param) -> list[float]:
+    g, u = p.grad.to(torch.float64), p.update.to(torch.float64)
+    return [float(torch.linalg.vector_norm(g)), float(g.abs().max()) if g.numel() else 0.0,
+            float(torch.linalg.vector_norm(u)), float(u.abs().max()) if u.numel() else 0.0]
+
+
+def write_trace(run_dir: str | Path, trace: Trace) -> tuple[Path, str]:
+    """Write ``RUN_DIR/trace/`` (payload, then the index last); return the index path and its SHA-256."""
+    from safetensors.torch import save
+
+    d = Path(run_dir) / TRACE_DIR
+    rows = trace.rows
+    tensors: dict[str, torch.Tensor] = {"rows.tokens": trace.row_tokens.to(torch.int64).contiguous(),
+                                        "rows.micro_batch": trace.row_micro_batch.to(torch.int64).contiguous()}
+    tensors.update(_sites_tensors("forward", trace.forward, rows))
+    tensors.update(_sites_tensors("backward", trace.backward, rows))
+    for k, p in enumerate(trace.params):
+        tensors[f"param.{k:04d}.grad"] = p.grad
+        tensors[f"param.{k:04d}.update"] = p.update
+    tensors["param.stats"] = torch.tensor([_param_stats(p) for p in trace.params], dtype=torch.float64) \
+        .reshape(len(trace.params), len(PARAM_STATS))
+    tensors["param.sha256"] = _stack_digests([(p.grad_sha256, p.update_sha256) for p in trace.params], 2)
+    payload = save(tensors, metadata={"format": TRACE_SCHEMA})
+    atomic_write_bytes(d / PAYLOAD_FILE, payload, exclusive=True)
+    index = {
+        "schema": TRACE_SCHEMA,
+        "identity": {k: trace.identity[k] for k in IDENTITY_KEYS},
+        "payload": {"file": PAYLOAD_FILE, "sha256": sha256_bytes(payload), "bytes": len(payload)},
+        "rows": rows, "tokens": int(trace.row_tokens.sum()),
+        "stats": list(STATS), "param_stats": list(PARAM_STATS),
+        "forward": [{"name": s.name, "kind": s.kind, "dtype": s.dtype, "width": s.width} for s in trace.forward],
+        "backward": [{"name": s.name, "kind": s.kind, "dtype": s.dtype, "width": s.width}
+                     for s in trace.backward],
+        "params": [{"name": p.name, "dtype": dtype_name(p.grad.dtype), "shape": list(p.grad.shape)}
+                   for p in trace.params],
+        "untraced": sorted(trace.untraced),
+    }
+    data = pretty_bytes(index)
+    atomic_write_bytes(d / INDEX_FILE, data, exclusive=True)  # last: declares the trace complete
+    return d / INDEX_FILE, sha256_bytes(data)
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+def _fail(where: Path, message: str) -> IntegrityError:
+    return IntegrityError(f"trace refused: {message}", where=where, hint=_HINT)
+
+
+def _expect(cond: bool, where: Path, message: str) -> None:
+    if not cond:
+        raise _fail(where, message)
+
+
+def _entries(index: dict[str, Any], key: str, fields: dict[str, type], where: Path) -> list[dict[str, Any]]:
+    items = index[key]
+    _expect(isinstance(items, list), where, f"{key!r} must be a list")
+    for i, e in enumerate(items):
+        _expect(isinstance(e, dict) and set(e) == set(fields), where,
+                f"{key}[{i}] must have exactly the keys {sorted(fields)}")
+        for f, t in fields.items():
+            ok = isinstance(e[f], t) and not isinstance(e[f], bool)
+            _expect(ok, where, f"{key}[{i}].{f} must be a {t.__name__}")
+    return list(items)
+
+
+def _read_index(d: Path, expected_sha256: str | None) -> dict[str, Any]:
+    p = d / INDEX_FILE
+    if not p.exists():
+        if (d / PAYLOAD_FILE).exists():
+            raise RefusedError("trace is incomplete: the payload exists but index.json (written last) does not",
+                               where=d, hint="the replay was interrupted; " + _HINT)
+        raise RefusedError("no trace here", where=d, hint="replay with --trace (or optimizer_batch.trace = true)")
+    data = read_regular_bytes(p, max_bytes=MAX_INDEX_BYTES, follow_symlinks=False, what="trace index")
+    if expected_sha256 is not None:
+        pin = normalize_digest(expected_sha256, what="the trace index SHA-256")
+        if sha256_bytes(data) != pin:
+            raise IntegrityError(f"trace index SHA-256 is {sha256_bytes(data)}, replay_metrics.json pins {pin}",
+                                 where=p, hint="the trace changed after the replay; " + _HINT)
+    doc = loads_strict(data, where=p)
+    keys = {"schema", "identity", "payload", "rows", "tokens", "stats", "param_stats", "forward", "backward",
+            "params", "untraced"}
+    _expect(isinstance(doc, dict) and set(doc) == keys, p, f"the index must have exactly the keys {sorted(keys)}")
+    _expect(doc["schema"] == TRACE_SCHEMA, p, f"schema is {doc['schema']!r}, expected {TRACE_SCHEMA!r}")
+    _expect(doc["stats"] == list(STATS) and doc["param_stats"] == list(PARAM_STATS), p, "unknown statistics")
+    ident = doc["identity"]
+    _expect(isinstance(ident, dict) and set(ident) == set(IDENTITY_KEYS), p,
+            f"identity must have exactly the keys {sorted(IDENTITY_KEYS)}")
+    for k in ("manifest_sha256", "logical_batch_sha256", "initial_adapter_sha256"):
+        v = ident[k]
+        _expect(isinstance(v, str) and v == v.lower() and len(v) == 64, p, f"identity.{k} is not a digest")
+        normalize_digest(v, what=f"identity.{k}")
+    pay = doc["payload"]
+    _expect(isinstance(pay, dict) and set(pay) == {"file", "sha256", "bytes"} and pay["file"] == PAYLOAD_FILE,
+            p, f"payload must name {PAYLOAD_FILE!r} with its sha256 and bytes")
+    for k in ("rows", "tokens"):
+        _expect(isinstance(doc[k], int) and not isinstance(doc[k], bool) and doc[k] >= 0, p, f"{k} must be >= 0")
+    site = {"name": str, "kind": str, "dtype": str, "width": int}
+    _entries(doc, "forward", site, p)
+    _entries(doc, "backward", site, p)
+    _entries(doc, "params", {"name": str, "dtype": str, "shape": list}, p)
+    _expect(isinstance(doc["untraced"], list) and all(isinstance(x, str) for x in doc["untraced"]), p,
+            "untraced must be a list of names")
+    return doc
+
+
+def _sites(doc: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str, where: Path) -> list[Site]:
+    rows, tokens = doc["rows"], doc["tokens"]
+    entries = doc[prefix]
+    stats, digests = tensors[f"{prefix}.stats"], tensors[f"{prefix}.sha256"]
+    _expect(tuple(stats.shape) == (len(entries), rows, len(STATS)) and stats.dtype == torch.float64, where,
+            f"{prefix}.stats has shape {tuple(stats.shape)}")
+    _expect(tuple(digests.shape) == (len(entries), rows, 32) and digests.dtype == torch.uint8, where,
+            f"{prefix}.sha256 has shape {tuple(digests.shape)}")
+    out = []
+    for k, e in enumerate(entries):
+        v = tensors[f"{prefix}.{k:04d}.values"]
+        _expect(tuple(v.shape) == (tokens, e["width"]) and e["dtype"] in _TORCH and v.dtype == _TORCH[e["dtype"]],
+                where, f"{prefix} site {e['name']!r}: values {v.dtype}{tuple(v.shape)} do not match the index")
+        hexes = tuple(bytes(digests[k, i].tolist()).hex() for i in range(rows))
+        out.append(Site(e["name"], e["kind"], v, stats[k], hexes))
+    return out
+
+
+def read_trace(run_dir: str | Path, expected_index_sha256: str | None = None) -> Trace:
+    """Read and verify ``RUN_DIR/trace/`` (or a trace directory itself); refuse anything inconsistent."""
+    from replayjob import tensorfile
+
+    d = Path(run_dir)
+    if d.name != TRACE_DIR and (d / TRACE_DIR).is_dir():
+        d = d / TRACE_DIR
+    doc = _read_index(d, expected_index_sha256)
+    pay = d / PAYLOAD_FILE
+    if os.path.islink(pay):
+        raise _fail(pay, "the payload is a symbolic link")
+    tensors = tensorfile.load(pay, expected_sha256=doc["payload"]["sha256"], follow_symlinks=False,
+                              dtypes={"F16", "BF16", "F32", "F64", "I64", "U8"})
+    names = {"rows.tokens", "rows.micro_batch", "param.stats", "param.sha256"}
+    for prefix in ("forward", "backward"):
+        names |= {f"{prefix}.stats", f"{prefix}.sha256"} | {f"{prefix}.{k:04d}.values"
+                                                              for k in range(len(doc[prefix]))}
+    names |= {f"param.{k:04d}.{w}" for k in range(len(doc["params"])) for w in ("grad", "update")}
+    extra, missing = sorted(set(tensors) - names), sorted(names - set(tensors))
+    _expect(not extra and not missing, pay, f"tensors do not match the index (missing {missing[:3]}, "
+                                            f"extra {extra[:3]})")
+    rt, mb = tensors["rows.tokens"], tensors["rows.micro_batch"]
+    _expect(rt.dtype == torch.int64 and tuple(rt.shape) == (doc["rows"],) and bool((rt >= 0).all())
+            and int(rt.sum()) == doc["tokens"], pay, "rows.tokens does not match the index")
+    _expect(mb.dtype == torch.int64 and tuple(mb.shape) == (doc["rows"],), pay, "rows.micro_batch has a bad shape")
+    params = []
+    pst = tensors["param.sha256"]
+    _expect(tuple(pst.shape) == (len(doc["params"]), 2, 32), pay, "param.sha256 has a bad shape")
+    for k, e in enumerate(doc["params"]):
+        g, u = tensors[f"param.{k:04d}.grad"], tensors[f"param.{k:04d}.update"]
+        _expect(list(g.shape) == e["shape"] == list(u.shape) and e["dtype"] in _TORCH
+                and g.dtype == u.dtype == _TORCH[e["dtype"]], pay, f"parameter {e['name']!r} does not match the index")
+        params.append(Param(e["name"], g, u, bytes(pst[k, 0].tolist()).hex(), bytes(pst[k, 1].tolist()).hex()))
+    return Trace(identity=dict(doc["identity"]), row_tokens=rt, row_micro_batch=mb,
+                 forward=_sites(doc, tensors, "forward", pay), backward=_sites(doc, tensors, "backward", pay),
+                 params=params, untraced=list(doc["untraced"]), path=d)

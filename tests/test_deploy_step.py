@@ -1,0 +1,197 @@
+"""`replayjob step`: strict validation before any work, the run record, pins, partial outputs, and the
+reducer's hardware check.  In-process and model-free: every refusal here happens before a model is
+built (the whole chain runs in tests/test_deploy_chain.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from replayjob.cli import main
+from replayjob.deploy import step
+from replayjob.deploy.ablation import DETERMINISM_ENV, load_spec
+from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError, UsageError
+from replayjob.gate import synthetic
+from replayjob.gate.reducer import Request, reduce_evidence
+from replayjob.jsonio import pretty_bytes
+
+SPEC = """\
+name = "unit"
+image = "replayjob:dev"
+gpu_product = "none"
+device = "cpu"
+repeats = 2
+
+[arms.ckpt-off]
+
+[arms.ckpt-on]
+"backend.options.gradient_checkpointing" = true
+"""
+LOGICAL, MANIFEST = "a" * 64, "b" * 64
+
+
+@pytest.fixture
+def spec_file(tmp_path: Path) -> Path:
+    path = tmp_path / "ablation.toml"
+    path.write_text(SPEC, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def pinned_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in DETERMINISM_ENV.items():
+        monkeypatch.setenv(key, value)
+
+
+def fake_capture(run: Path, **overrides: object) -> Path:
+    """A capture's metrics.json with the two pins (nothing else is read before the replay starts)."""
+    source = run / "source"
+    source.mkdir(parents=True)
+    doc = {"optimizer/logical_batch_sha256": LOGICAL, "optimizer_batch/manifest_sha256": MANIFEST,
+           "optimizer_batch/manifest_path": "optimizer_batch_step_000000.manifest.json", **overrides}
+    (source / "metrics.json").write_bytes(pretty_bytes(doc))
+    return source
+
+
+def test_the_run_record_refuses_another_runs_directory(spec_file: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = step.Layout.of(tmp_path / "run")
+    spec = load_spec(spec_file)
+    step.check_run_record(layout, spec)
+    step.check_run_record(layout, spec)  # the same run: accepted again
+    with pytest.raises(ContractError, match="another run's artifacts"):
+        step.check_run_record(layout, step.select(spec, repeats=1))
+    monkeypatch.setenv(step.IMAGE_ENV, "registry.example/replayjob@sha256:" + "c" * 64)
+    with pytest.raises(ContractError, match="the image differ"):
+        step.check_run_record(layout, spec)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"optimizer/logical_batch_sha256": "A" * 64}, "optimizer/logical_batch_sha256"),
+    ({"optimizer_batch/manifest_sha256": None}, "optimizer_batch/manifest_sha256"),
+    ({"optimizer_batch/manifest_path": "../elsewhere.json"}, "not a bare file name"),
+])
+def test_pins_are_read_strictly(tmp_path: Path, overrides: dict[str, object], message: str) -> None:
+    source = fake_capture(tmp_path, **overrides)
+    with pytest.raises(IntegrityError, match=message):
+        step.read_pins(source)
+
+
+def test_duplicate_keys_in_the_capture_metrics_are_refused(tmp_path: Path) -> None:
+    source = fake_capture(tmp_path)
+    text = (source / "metrics.json").read_text(encoding="utf-8")
+    (source / "metrics.json").write_text(text.replace("{", '{"optimizer/logical_batch_sha256": "x",', 1),
+                                         encoding="utf-8")
+    with pytest.raises(RefusedError, match="duplicate"):
+        step.read_pins(source)
+
+
+def test_replay_refuses_before_any_work(spec_file: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    base = ["step", "replay", "--spec", str(spec_file), "--run-dir", str(run)]
+    assert main([*base, "--index", "0"]) == 2  # no capture yet
+    assert "the capture is not complete" in capsys.readouterr().err
+    fake_capture(run)
+    assert main([*base, "--index", "4"]) == 2
+    assert "index 4 is outside 0..3" in capsys.readouterr().err
+    assert main([*base, "--index", "0", "--pins", f"{'c' * 64},{MANIFEST}"]) == 2
+    assert "differ from the capture's metrics.json" in capsys.readouterr().err
+    assert main([*base, "--index", "0", "--pins", "nonsense"]) == 2
+    assert "--pins expects LOGICAL,MANIFEST" in capsys.readouterr().err
+    assert main([*base, "--index", "0", "--plant", "nope:a.b=1"]) == 2
+    assert "no arm named 'nope'" in capsys.readouterr().err
+    assert main([*base, "--index", "0", "--plant", "ckpt-on"]) == 2
+    assert "--plant expects ARM:KEY=VALUE" in capsys.readouterr().err
+    assert not (run / "replays").exists()
+
+
+def test_replay_arguments_declare_the_arm_and_carry_the_pins(spec_file: Path, tmp_path: Path) -> None:
+    spec = load_spec(spec_file)
+    layout = step.Layout.of(tmp_path)
+    args = step.replay_args(spec, layout, spec.run_for_index(3), LOGICAL, MANIFEST, tmp_path / "m.json",
+                            ["training.seed=7"])
+    assert args[:3] == ['backend.devices="cpu"', "backend.options.gradient_checkpointing=true", "training.seed=7"]
+    assert f'optimizer_batch.expected_logical_sha256="{LOGICAL}"' in args
+    assert 'optimizer_batch.arm="ckpt-on"' in args
+    assert args[-1] == 'optimizer_batch.allow_config_differences=["backend.options.gradient_checkpointing"]'
+    assert layout.replay("ckpt-on", 1) == tmp_path.absolute() / "replays" / "ckpt-on" / "1"
+
+
+def test_a_partial_output_is_moved_aside_never_deleted(tmp_path: Path) -> None:
+    layout = step.Layout.of(tmp_path)
+    partial = layout.replay("ckpt-off", 0)
+    partial.mkdir(parents=True)
+    (partial / "half-written").write_text("x", encoding="utf-8")
+    lines: list[str] = []
+    step._set_aside(partial, layout, lines.append)
+    assert not partial.exists()
+    (aside,) = (tmp_path / "attempts").iterdir()
+    assert aside.name.startswith("replays-ckpt-off-0.") and (aside / "half-written").read_text() == "x"
+    assert "moved a previous attempt's partial output" in lines[0]
+
+
+def test_a_contradicting_determinism_variable_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    with pytest.raises(ConfigError, match="contradicts the pinned determinism environment"):
+        step.ensure_determinism_env([], reexec=False)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE")
+    step.ensure_determinism_env([], reexec=False)  # in process: set before torch is imported
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == DETERMINISM_ENV["CUBLAS_WORKSPACE_CONFIG"]
+    assert os.environ["NVIDIA_TF32_OVERRIDE"] == "0"
+
+
+def test_reduce_always_writes_a_verdict_naming_the_missing_evidence(
+        spec_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    assert main(["step", "reduce", "--spec", str(spec_file), "--run-dir", str(run)]) == 2
+    out = capsys.readouterr().out
+    assert "4 replay(s) left no replay_metrics.json" in out
+    verdict = json.loads((run / "verdict.json").read_text(encoding="utf-8"))
+    assert (verdict["status"], verdict["exit_code"]) == ("refused", 2)
+    assert verdict["parameters"]["arms"] == ["ckpt-off", "ckpt-on"]
+    assert sorted(verdict["parameters"]["spec"]["arms"]) == ["ckpt-off", "ckpt-on"]  # the spec reached reduce
+
+
+def test_selection_errors_are_usage_errors(spec_file: Path) -> None:
+    with pytest.raises(UsageError, match="names no arm"):
+        step.select(load_spec(spec_file), arms=",")
+
+
+# --- the reducer's hardware check --------------------------------------------------------------
+
+def _evidence(root: Path, gpu_of: dict[int, str]) -> synthetic.Evidence:
+    ev = synthetic.build(root, {"off": {}}, 3)
+    for i, path in enumerate(ev.replay_files):
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc["host"].update(device_type="cuda", gpu_product=gpu_of.get(i, "NVIDIA H100 80GB HBM3"),
+                           driver_version="580.65.06", cuda_version="13.0")
+        path.write_bytes(pretty_bytes(doc))
+    return ev
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_mixed_hardware_is_refused_unless_declared(tmp_path: Path, declared: bool) -> None:
+    ev = _evidence(tmp_path, {2: "NVIDIA H200"})
+    verdict = reduce_evidence(Request(paths=[str(tmp_path / "replays")], claim="exact-input",
+                                      out=tmp_path / "verdict.json", source=ev.source, mixed_hardware=declared))
+    check = next(c for c in verdict.doc["checks"] if c["name"] == "inputs.same_hardware")
+    assert check["offenders"] == ["off#2"]
+    assert check["status"] == ("not_applicable" if declared else "refused")
+    assert (verdict.doc["status"] == "refused") is not declared
+
+
+def test_same_hardware_passes_and_a_malformed_host_is_refused(tmp_path: Path) -> None:
+    ev = _evidence(tmp_path, {})
+    req = Request(paths=[str(tmp_path / "replays")], claim="exact-input", out=tmp_path / "v.json", source=ev.source)
+    check = next(c for c in reduce_evidence(req).doc["checks"] if c["name"] == "inputs.same_hardware")
+    assert check["status"] == "pass" and check["expected"]["gpu_product"] == "NVIDIA H100 80GB HBM3"
+    doc = json.loads(ev.replay_files[0].read_text(encoding="utf-8"))
+    doc["host"]["driver_version"] = 580
+    ev.replay_files[0].write_bytes(pretty_bytes(doc))
+    verdict = reduce_evidence(req)
+    assert verdict.doc["status"] == "refused" and "host.driver_version" in json.dumps(verdict.doc["refusal"])
