@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=8, help="alternating traced/untraced pairs")
     args = p.parse_args(argv)
     pairs = 1 if args.smoke else args.pairs
-    from replayjob.optbatch.capture import capture
+    from replayjob.source_run import capture
     from replayjob.workspace import init_workspace
 
     with tempfile.TemporaryDirectory(prefix="replayjob-trace-bench-") as tmp:

@@ -1,14 +1,19 @@
 """replayjob: trustworthy systems experiments on RL post-training of LoRA adapters.
 
 Usage:
-  replayjob init <dir> [--seed N]
+  replayjob init <dir> [--seed N] [--set KEY=VALUE]...
   replayjob train <config> [--out DIR] [--set KEY=VALUE]...
   replayjob capture <config> [--out DIR] [--set KEY=VALUE]...
   replayjob explain <config> [--json] [--set KEY=VALUE]...
-  replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--trace] [--set KEY=VALUE]...
+  replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--slot SLOT] [--trace] [--set KEY=VALUE]...
   replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR] [--tolerances FILE]
                    [--min-repeats N] [--baseline ARM] [--arms LIST] [--spec SPEC] [--report FILE]
-                   [--mixed-hardware]
+                   [--mixed-hardware] [--budgets FILE] [--max-looks N]
+  replayjob funnel [--out DIR] [--spec SPEC] [--arms LIST] [--repeats N] [--claim CLAIM] [--seed N]
+                   [--resume DIR] [--model DIR] [--device D] [--steps N] [--only-ablation]
+                   [--budgets FILE] [--until-decided --max-repeats N] [--design D] [--no-report]
+                   [--warmup-updates W --measured-updates M]
+                   [--plant-nondeterminism | --plant-kill | --plant-undeclared]
   replayjob step plan --spec SPEC [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob step capture --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--outputs DIR]
                    [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
@@ -40,6 +45,9 @@ Commands:
   explain    Verify a replay config's pins, payload, adapter and contract without a model.
   replay     Replay the captured optimizer batch: one update, no dataset/environment/sampling.
 
+  funnel     The workstation funnel (docs/funnel.md): (1) a short source run twice, diffed;
+             (2) its behavioural signals; (3) capture -> interleaved replays of the spec's arms ->
+             reduce, report and PNG.  OUT/funnel.json lists each stage; exit = first non-passing.
   reduce     Reduce replay metrics to a verdict (exact-input | bitwise | approximate); --out is the
              verdict file, --report a markdown report (plus a PNG with the 'plot' extra).
   step       One stage of an ablation under one run directory, the command every launcher runs
@@ -72,6 +80,8 @@ Options:
   --json            Print the result as JSON.
   --repeat N        Run N replays, each in a fresh process, in DIR/repeat-000 ...
   --repeat-index I  Internal: this replay's index within its arm (set by --repeat and launchers).
+  --slot SLOT       Internal: DESIGN:SEED:BLOCK:POSITION of this replay in a paired schedule (set
+                    by launchers; recorded next to the host record so reduce pairs replays by block).
   --trace           replay: also record a layer-level trace into DIR/trace (optimizer_batch.trace).
   --claim CLAIM     Claim to gate: exact-input, bitwise or approximate.
   --source DIR      The capture run's output directory (its metrics.json and manifest); required by
@@ -80,6 +90,11 @@ Options:
   --min-repeats N   Fewest fresh replays per arm; fewer is refused (default 3).
   --baseline ARM    Arm the others' timing and memory are compared with.
   --report FILE     Also write a markdown report (and a PNG next to it).
+  --budgets FILE    Budget TOML (docs/verdict-format.md): bounds on arm/baseline ratios, pinned
+                    by SHA-256 in [optimizer_batch] budgets_sha256; each bound passes, fails (1) or
+                    is inconclusive (2, with an estimate of the paired blocks that would decide it).
+  --max-looks N     Budgets: the most reduces (looks) this experiment may take; each look decides
+                    at level 0.05/N (Bonferroni alpha spending) [default: 1].
   --mixed-hardware  reduce: the replays may differ in GPU, driver, CUDA, torch or image (declared);
                     without it such a mix is refused (inputs.same_hardware).
   --arms LIST       Comma-separated arms. step: a subset of the spec's arms (kept in file order).
@@ -91,6 +106,7 @@ Options:
                     were launched from; each arm's intended knobs come from its overrides there, and
                     a replay launched without exactly them is refused (--arms, if given, selects a
                     subset of the spec's arms; otherwise every arm of the spec must be there).
+                    funnel: the spec whose arms run (default examples/ablation.toml).
   --run-dir DIR     step: the run's directory (one per submission; see docs/cluster.md for its layout).
   --workspace DIR   step: an existing `replayjob init` directory instead of RUN/workspace.
   --outputs DIR     step: also write pins, plan.json and verdict.json here (Argo output parameters).
@@ -98,6 +114,19 @@ Options:
   --pins PINS       step replay: LOGICAL,MANIFEST handed over by a controller; must equal the capture's.
   --plant PLANT     step replay: ARM:KEY=VALUE, an undeclared override in one arm (a negative control).
   --wait-s S        step: wait up to S seconds for an earlier stage's output [default: 0].
+  --resume DIR      funnel: start from this step -1 resume state instead of the one init writes.
+  --model DIR       funnel: a local model directory (safetensors) instead of the built-in model.
+  --only-ablation   funnel: run stage 3 only (capture -> replays -> reduce).
+  --until-decided   funnel: add one paired block at a time until every budget is decided.
+  --max-repeats N   funnel: the most paired blocks --until-decided may reach (the looks' N).
+  --design D        funnel: schedule of the arms within blocks, abba or random [default: abba].
+  --no-report       funnel: skip report.md and its PNG.
+  --warmup-updates W  funnel: in each replay, W in-process updates from the restored state, discarded.
+  --measured-updates M  funnel: then M measured ones, recorded apart from the fresh-process update
+                    (budget metric in_process_train_wall_s).
+  --plant-nondeterminism  funnel: plant a nondeterministic observation (stage 1 must stop, exit 1).
+  --plant-kill      funnel: plant a signal rule that always KILLs (stage 2 must stop, exit 1).
+  --plant-undeclared  funnel: the baseline arm changes a knob it does not declare (stage 3, exit 2).
   --argo FILE       Also write the Argo workflow (kubectl apply -f FILE) for the spec.
   --namespace NS    Kubernetes namespace (default: the kubeconfig context's, or the pod's own).
   --wait            Also wait for the reducer and exit with its code (submit always creates the
@@ -123,7 +152,8 @@ Options:
   -h --help         Show this help.
   --version         Show the version.
 
-Exit codes: 0 pass, 1 a valid negative verdict, 2 refused (bad input or usage), 3 error (nothing
+Exit codes: 0 pass, 1 a valid negative verdict, 2 refused (bad input or usage) or a budget
+inconclusive (verdict status "inconclusive": add paired blocks and reduce again), 3 error (nothing
 was decided: a bug, out of memory, a device or filesystem failure; retrying may help; the traceback
 goes to replayjob-error-*.txt in the command's output directory, or to stderr).  1 and 2 are final.
 
@@ -159,7 +189,7 @@ def _int(args: dict[str, Any], key: str) -> int:
 def cmd_init(args: dict[str, Any]) -> int:
     from replayjob.workspace import init_workspace
 
-    for path in init_workspace(args["<dir>"], _int(args, "--seed")):
+    for path in init_workspace(args["<dir>"], _int(args, "--seed"), args["--set"]):
         print(f"wrote {path}")
     return 0
 
@@ -213,12 +243,14 @@ def cmd_explain(args: dict[str, Any]) -> int:
 
 def cmd_replay(args: dict[str, Any]) -> int:
     from replayjob import metrics as M
+    from replayjob.deploy.schedule import parse_slot
     from replayjob.optbatch.replay import replay_command
 
     repeat = _int(args, "--repeat") if args["--repeat"] is not None else None
     index = _int(args, "--repeat-index") if args["--repeat-index"] is not None else 0
+    slot = parse_slot(args["--slot"]) if args["--slot"] is not None else None
     sets = [*args["--set"], *(["optimizer_batch.trace=true"] if args["--trace"] else [])]
-    for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index):
+    for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index, slot):
         print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}, "
               f"final adapter sha256 {m[M.FINAL_ADAPTER]}, "
               "in effect: " + ", ".join(f"{k}={v}" for k, v in sorted(m["runtime"].items())))
@@ -240,7 +272,8 @@ def cmd_reduce(args: dict[str, Any]) -> int:
         paths=args["<path>"], claim=args["--claim"], out=out, source=opt("--source"),
         tolerances=opt("--tolerances"),
         min_repeats=_int(args, "--min-repeats") if args["--min-repeats"] is not None else 3,
-        baseline=args["--baseline"], report=opt("--report"),
+        baseline=args["--baseline"], report=opt("--report"), budgets=opt("--budgets"),
+        max_looks=_int(args, "--max-looks"),
         arms=tuple(a.strip() for a in args["--arms"].split(",")) if args["--arms"] is not None else None,
         spec=load_spec(args["--spec"]) if args["--spec"] is not None else None,
         mixed_hardware=bool(args["--mixed-hardware"])))
@@ -248,6 +281,30 @@ def cmd_reduce(args: dict[str, Any]) -> int:
     print(f"wrote {out}" + (f", {args['--report']}" if args["--report"] else ""))
     verdict.raise_for_status()
     return 0
+
+
+def cmd_funnel(args: dict[str, Any]) -> int:
+    import time
+    from pathlib import Path
+
+    from replayjob.funnel import Options, run_funnel
+
+    def opt(key: str) -> Path | None:
+        return Path(args[key]) if args[key] is not None else None
+
+    def num(key: str) -> int | None:
+        return _int(args, key) if args[key] is not None else None
+
+    out = opt("--out") or Path("runs") / ("funnel-" + time.strftime("%Y%m%d-%H%M%S"))
+    return run_funnel(Options(
+        out=out, spec=opt("--spec") or Path("examples/ablation.toml"), arms=args["--arms"],
+        repeats=num("--repeats"), claim=args["--claim"], seed=_int(args, "--seed"), resume=opt("--resume"),
+        model=opt("--model"), device=args["--device"], steps=num("--steps"),
+        only_ablation=args["--only-ablation"], budgets=opt("--budgets"), until_decided=args["--until-decided"],
+        max_repeats=num("--max-repeats"), design=args["--design"],
+        warmup_updates=num("--warmup-updates") or 0, measured_updates=num("--measured-updates") or 0,
+        plant_nondeterminism=args["--plant-nondeterminism"], plant_kill=args["--plant-kill"],
+        plant_undeclared=args["--plant-undeclared"], report=not args["--no-report"]))
 
 
 def cmd_step(args: dict[str, Any]) -> int:
@@ -404,6 +461,7 @@ COMMANDS: dict[str, Handler] = {
     "bundle": cmd_bundle,  # before "replay": `bundle replay` also sets args["replay"]
     "replay": cmd_replay,
     "reduce": cmd_reduce,
+    "funnel": cmd_funnel,
     "diag-diff": cmd_diag_diff,
     "trace-diff": cmd_trace_diff,
     "determinism-check": cmd_determinism_check,

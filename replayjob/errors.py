@@ -5,6 +5,9 @@ Exit codes are the same for every command:
 * 0 -- pass / success (never an exception);
 * 1 -- a valid negative verdict: a gate failed, a divergence or drift was found, a KILL signal;
 * 2 -- refused: missing, malformed, tampered or contradictory input, a contract violation, usage;
+  also an *inconclusive* performance budget (:class:`Inconclusive`, verdict status
+  ``inconclusive``): nothing is wrong with the input, but it cannot decide yet, so a launcher adds
+  repeats rather than give up;
 * 3 -- error: nothing was decided (a bug, out of memory, a device or filesystem failure, a cluster
   API that stayed unreachable); retrying may help.
 
@@ -81,6 +84,14 @@ class NegativeVerdict(ReplayjobError):
     """A valid negative verdict (exit 1): the input was sound and the answer is 'no'."""
 
     exit_code = EXIT_NEGATIVE
+
+
+class Inconclusive(ReplayjobError):
+    """A declared bound the evidence cannot decide yet (exit 2; verdict status ``inconclusive``).
+
+    Not a :class:`RefusedError`: the input is sound, there is just too little of it; the message
+    says how many more paired blocks would decide it.
+    """
 
 
 class OperationalError(ReplayjobError):

@@ -20,7 +20,9 @@ Read once per replay by :func:`host_provenance`, from the launcher's environment
 :func:`hardware_identity` is the part the reducer compares across every replay (``inputs.same_hardware``):
 device type, GPU product, driver, CUDA, torch and the image (its digest, else its reference); on a
 CPU, the CPU model.  Node
-names and GPU UUIDs differ between identical machines and are recorded, not compared.  This module
+names and GPU UUIDs differ between identical machines and are recorded, not compared there;
+:func:`placement` (node and GPU) is what a paired performance budget requires its two replays of one
+block to share.  This module
 imports no torch itself; :func:`host_provenance` takes the device and reads torch lazily.
 """
 
@@ -89,3 +91,16 @@ def hardware_identity(host: dict[str, Any]) -> dict[str, Any]:
     if host.get("device_type") == "cpu":
         ident["cpu_model"] = host.get("cpu_model")
     return ident
+
+
+def placement(host: dict[str, Any], device: str = "") -> str:
+    """``node/device`` of one replay, the place two replays of a paired block must share.
+
+    The device is the GPU's UUID where there is one (a ``cuda:0`` names different GPUs under
+    different ``CUDA_VISIBLE_DEVICES``), else the replay's device string (``cpu``, ``cuda:1``).
+    ``""`` when the node is unknown, so nothing unknown pairs.
+    """
+    node = host.get("node")
+    if not node:
+        return ""
+    return f"{node}/{host.get('gpu_uuid') or device or host.get('device_type') or '?'}"

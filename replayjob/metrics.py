@@ -21,9 +21,11 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from replayjob.config.diff import flatten
+from replayjob.deploy.schedule import DESIGNS, Slot
 from replayjob.digest import normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, read_regular_bytes
+from replayjob.hostinfo import placement
 from replayjob.jsonio import loads_strict, pretty_bytes
 
 SOURCE_FILE = "metrics.json"
@@ -71,6 +73,13 @@ TRACE = "trace"  # {TRACE_INDEX_PATH: TRACE_INDEX, TRACE_INDEX_SHA256: digest}; 
 TRACE_INDEX_PATH = "index_path"
 TRACE_INDEX_SHA256 = "index_sha256"
 TRACE_INDEX = "trace/index.json"  # relative to the replay's directory (replayjob.trace.store)
+# Replay only, optional for the readers: the budget file's pin, the replay's slot in a paired schedule
+# (replayjob.deploy.schedule.Slot.to_json, or null) and its in-process repeats (or null).
+BUDGETS_SHA256 = "budgets_sha256"
+SCHEDULE = "schedule"
+IN_PROCESS = "in_process"
+IN_PROCESS_WALLS = "local_train_wall_s"  # the measured in-process updates' seconds
+IN_PROCESS_LOSS_EQUAL = "loss_equal"  # every in-process update's loss equals the fresh update's
 # Spread metrics: name -> (section, key) in replay_metrics.json.
 MEASURES: dict[str, tuple[str, str]] = {
     "local_train_wall_s": ("timing", "local_train_wall_s"),
@@ -121,7 +130,19 @@ class Replay(Run):
     measures: dict[str, float] = field(default_factory=dict)
     host: dict[str, Any] = field(default_factory=dict)  # replayjob.hostinfo: where it ran
     trace_index_sha256: str | None = None  # the trace/index.json a traced replay pins (docs/trace-format.md)
+    # Optional keys (docs/replay-metrics.md): the device string and the replay's place in a paired schedule.
+    budgets_sha256: str = ""
+    slot: Slot | None = None
+    device: str = ""
+    memory_kind: str = ""
+    in_process_wall_s: tuple[float, ...] | None = None  # measured in-process updates, if any
+    in_process_loss_equal: bool | None = None
     doc: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # as read
+
+    @property
+    def placement(self) -> str:
+        """Node and device this replay ran on (:func:`replayjob.hostinfo.placement`), or ``""``."""
+        return placement(self.host, self.device)
 
     @property
     def label(self) -> str:
@@ -218,6 +239,40 @@ def _run_fields(f: _Fields) -> dict[str, Any]:
     }
 
 
+def _placement(f: _Fields) -> dict[str, Any]:
+    """The optional keys a budget decision reads: pin, schedule slot, device, in-process repeats."""
+    d = f.doc
+    out: dict[str, Any] = {}
+    if d.get(BUDGETS_SHA256):
+        out["budgets_sha256"] = f.digest(BUDGETS_SHA256)
+    if "device" in d:
+        out["device"] = f.text("device", nonempty=False)
+    memory = d.get("memory")
+    if isinstance(memory, dict) and "kind" in memory:
+        out["memory_kind"] = f.text("kind", memory)
+    slot = d.get(SCHEDULE)
+    if slot is not None:
+        if not isinstance(slot, dict) or set(slot) != {"design", "seed", "block", "position"}:
+            raise f.fail(SCHEDULE, "must be null or an object with design, seed, block and position")
+        if slot["design"] not in DESIGNS:
+            raise f.fail(f"{SCHEDULE}.design", f"must be one of {', '.join(DESIGNS)}")
+        ints = [slot[k] for k in ("seed", "block", "position")]
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints):
+            raise f.fail(SCHEDULE, "seed, block and position must be integers >= 0")
+        out["slot"] = Slot(slot["design"], *ints)
+    ip = d.get(IN_PROCESS)
+    if ip is not None:
+        walls = ip.get(IN_PROCESS_WALLS) if isinstance(ip, dict) else None
+        if (not isinstance(walls, list) or not walls or not isinstance(ip.get(IN_PROCESS_LOSS_EQUAL), bool)
+                or any(isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w < math.inf
+                       for w in walls)):
+            raise f.fail(IN_PROCESS, f"must be null or hold a non-empty list {IN_PROCESS_WALLS} of "
+                                     f"seconds and {IN_PROCESS_LOSS_EQUAL}")
+        out["in_process_wall_s"] = tuple(float(w) for w in walls)
+        out["in_process_loss_equal"] = ip[IN_PROCESS_LOSS_EQUAL]
+    return out
+
+
 def read_replay(path: str | Path) -> Replay:
     """Read and validate one replay_metrics.json, or refuse naming the file and the field."""
     from replayjob.optbatch.knobs import KNOBS  # here: the trainer imports this module, and no capture package
@@ -262,7 +317,7 @@ def read_replay(path: str | Path) -> Replay:
         observed=f.names("observed_config_differences"),
         knobs=knobs, skipped=f.names("skipped"), runtime=runtime, rows=rows,
         tolerances_sha256=f.digest("tolerances_sha256") if tol else "", measures=measures, host=host,
-        trace_index_sha256=trace_pin(doc, p), doc=doc,
+        trace_index_sha256=trace_pin(doc, p), doc=doc, **_placement(f),
     )
 
 

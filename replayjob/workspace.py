@@ -86,13 +86,19 @@ def example_configs() -> dict[str, str]:
     return {"train.toml": TRAIN_TOML, "source.toml": SOURCE_TOML, "replay.toml": REPLAY_TOML}
 
 
-def init_workspace(directory: str | Path, seed: int) -> list[Path]:
+def init_workspace(directory: str | Path, seed: int, sets: list[str] | tuple[str, ...] = ()) -> list[Path]:
+    """Write the step -1 state and the example configs into ``directory``.
+
+    ``sets`` (``--set KEY=VALUE``) shape the model the state is made for: a local model directory
+    (``model.path``), the built-in model's size or dtype, the device.  Pass the same overrides to
+    every later command; the state records the model reference they are checked against.
+    """
     d = Path(directory)
     state_dir = d / INIT_DIR
     if (state_dir / "trainer_state.json").exists():
         raise ArtifactExistsError("an initial resume state already exists", where=state_dir,
                                   hint="choose another directory or remove this one")
-    cfg = load_config(None, [f"training.seed={seed}", "backend.options.strict_deterministic=true"])
+    cfg = load_config(None, [*sets, f"training.seed={seed}", "backend.options.strict_deterministic=true"])
     determinism.establish(strict=True, seed=seed)
     policy = load_backend(cfg.backend.name).build(cfg)
     determinism.mark_model_built(True)

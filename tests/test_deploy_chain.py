@@ -308,20 +308,21 @@ def smoke(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
 
 
 def test_local_mid_smoke_on_cpu_passes_and_writes_the_verdict(tmp_path: Path) -> None:
-    proc = smoke("--repeats", "1", "--out", str(tmp_path / "smoke"))
+    """The wrapper runs the funnel (docs/funnel.md; every stage is tested in test_funnel.py)."""
+    proc = smoke("--repeats", "1", "--only-ablation", "--out", str(tmp_path / "smoke"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "running on CPU" in proc.stdout and "wall time" in proc.stdout
+    assert "device cpu" in proc.stdout and "wall time" in proc.stdout
     verdict = json.loads((tmp_path / "smoke" / "verdict.json").read_text(encoding="utf-8"))
     assert verdict["status"] == "pass" and verdict["parameters"]["arms"] == ["ckpt-off", "ckpt-on"]
     assert sorted(p.parent.parent.name for p in (tmp_path / "smoke").glob("replays/*/*/replay_metrics.json")) \
         == ["ckpt-off", "ckpt-on"]
-    assert str(tmp_path / "smoke" / "verdict.json") in proc.stdout
+    assert json.loads((tmp_path / "smoke" / "funnel.json").read_text())["exit_code"] == 0
 
 
 def test_local_mid_smoke_help_and_bad_options() -> None:
     proc = smoke("--help")
     assert proc.returncode == 0
-    for option in ("--repeats", "--arms", "--out", "--claim"):
+    for option in ("--repeats", "--arms", "--out", "--budgets"):
         assert option in proc.stdout
     proc = smoke("--frobnicate")
-    assert proc.returncode == 2 and "unknown option --frobnicate" in proc.stderr
+    assert proc.returncode == 2 and "--frobnicate" in proc.stderr

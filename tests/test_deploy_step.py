@@ -195,3 +195,39 @@ def test_same_hardware_passes_and_a_malformed_host_is_refused(tmp_path: Path) ->
     ev.replay_files[0].write_bytes(pretty_bytes(doc))
     verdict = reduce_evidence(req)
     assert verdict.doc["status"] == "refused" and "host.driver_version" in json.dumps(verdict.doc["refusal"])
+
+
+# ---- a paired schedule and budgets in the spec ---------------------------------------------------
+
+def test_a_paired_schedule_maps_indices_to_blocks_and_slots(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from replayjob.deploy.schedule import plan
+
+    budgets = tmp_path / "budgets.toml"
+    budgets.write_text('[ckpt-on]\nlocal_train_wall_s = { max_ratio = 2.0 }\n', encoding="utf-8")
+    path = tmp_path / "paired.toml"
+    path.write_text(SPEC.replace('repeats = 2\n', f'repeats = 2\nseed = 9\nschedule = "abba"\nbudgets = "{budgets}"\n'),
+                    encoding="utf-8")
+    spec = load_spec(path)
+    runs = spec.runs()
+    # the schedule's run order, block by block; the repeat is the block and each run carries its slot
+    assert [(r.arm, r.slot) for r in runs] == plan(["ckpt-off", "ckpt-on"], 2, "abba", seed=9)
+    assert [r.repeat for r in runs] == [0, 0, 1, 1]
+    assert sorted((r.arm, r.repeat) for r in runs) == [("ckpt-off", 0), ("ckpt-off", 1), ("ckpt-on", 0), ("ckpt-on", 1)]
+    assert main(["step", "plan", "--spec", str(path)]) == 0
+    assert "schedule=abba" in capsys.readouterr().out.splitlines()
+    sets = step.replay_args(spec, step.Layout.of(tmp_path / "run"), runs[0], LOGICAL, MANIFEST, tmp_path / "m.json")
+    from replayjob.digest import sha256_file
+
+    assert f'optimizer_batch.budgets_sha256="{sha256_file(budgets)}"' in sets
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ('schedule = "zigzag"\n', "not a schedule design"),
+    ('budgets = "b.toml"\n', "set schedule too"),
+])
+def test_schedule_and_budget_keys_are_checked(tmp_path: Path, extra: str, needle: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(SPEC.replace('repeats = 2\n', 'repeats = 2\n' + extra), encoding="utf-8")
+    with pytest.raises(ConfigError, match=needle):
+        load_spec(path)

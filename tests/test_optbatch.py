@@ -490,6 +490,30 @@ def test_replay_settings_the_reducer_would_refuse_are_refused_at_admission(
     assert needle in capsys.readouterr().err
 
 
+def test_in_process_repeats_and_slot_are_recorded_apart(baseline: Path, workspace: Path, capture_dir: Path,
+                                                        tmp_path: Path) -> None:
+    """Warm-up + measured updates from the same restored state reproduce the fresh update's loss;
+    the fresh-process timing, the adapter and the slot are what a plain replay records."""
+    out = tmp_path / "ip"
+    argv = run("replay", workspace / "replay.toml", *pins(capture_dir), "optimizer_batch.warmup_updates=1",
+               "optimizer_batch.measured_updates=2", out=out, extra=("--slot", "abba:7:1:0"))
+    assert main(argv) == 0
+    rm = json.loads((out / "replay_metrics.json").read_text())
+    base = json.loads((baseline / "replay_metrics.json").read_text())
+    ip = rm["in_process"]
+    assert ip["warmup_updates"] == 1 and ip["measured_updates"] == 2 and ip["loss_equal"] is True
+    assert len(ip["local_train_wall_s"]) == 2 and all(w > 0 for w in ip["local_train_wall_s"])
+    assert rm["optimizer_batch/final_adapter_sha256"] == base["optimizer_batch/final_adapter_sha256"]
+    assert rm["loss"] == base["loss"] and base["in_process"] is None and base["schedule"] is None
+    assert rm["schedule"] == {"design": "abba", "seed": 7, "block": 1, "position": 0} and rm["host"]["node"]
+
+
+def test_warmup_without_measured_updates_is_refused(workspace: Path, capture_dir: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir), "optimizer_batch.warmup_updates=2",
+                        out=tmp_path / "w"), "measured_updates")
+
+
 # -- the micro-batch-size knob and dropout anywhere in the model ----------------------------------
 
 def _mbs_configs(model_path: str = "", lora_dropout: float = 0.0) -> tuple[Any, Any]:

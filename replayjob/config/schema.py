@@ -103,6 +103,13 @@ class OptimizerBatchConfig:
         default_factory=list)
     arm: str = doc("Condition name for reports; '' derives it from the declared differences.", "")
     tolerances_sha256: str = doc("SHA-256 of a predeclared tolerance file (approximate claim).", "")
+    budgets_sha256: str = doc("SHA-256 of a predeclared budget file (reduce --budgets).", "")
+    warmup_updates: int = doc(
+        "Replay: in-process updates from the same restored state run and discarded after the measured "
+        "fresh-process update.", 0)
+    measured_updates: int = doc(
+        "Replay: in-process updates from the same restored state measured after the warm-up ones "
+        "(recorded apart from the fresh-process update).", 0)
     trace: bool = doc("Replay only: record a layer-level trace (per-module outputs and output gradients, "
                       "parameter gradients and updates) into trace/ beside replay_metrics.json "
                       "(docs/trace-format.md); same as replay --trace.", False)
@@ -131,6 +138,12 @@ class OptimizerBatchConfig:
             if not 0.0 <= getattr(self, name) < float("inf"):
                 raise ConfigError("must be a finite number >= 0 (0 turns the trigger off)",
                                   where=f"optimizer_batch.{name}")
+        if self.warmup_updates < 0 or self.measured_updates < 0:
+            raise ConfigError("must be >= 0", where="optimizer_batch.warmup_updates/measured_updates")
+        if self.warmup_updates and not self.measured_updates:
+            raise ConfigError("warm-up updates without measured ones measure nothing",
+                              where="optimizer_batch.warmup_updates",
+                              hint="set optimizer_batch.measured_updates >= 1 too")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ Example:
     >>> spec = AblationSpec(name="demo", image="replayjob:0.1.0", gpu_product="NVIDIA-H100-80GB-HBM3",
     ...                     arms=(Arm("ckpt-off"), Arm("ckpt-on", {"backend.options.gradient_checkpointing": True})))
     >>> spec.run_for_index(4)
-    Run(arm='ckpt-on', repeat=1, index=4)
+    Run(arm='ckpt-on', repeat=1, index=4, slot=None)
     >>> spec.arm("ckpt-on").set_args(), spec.arm("ckpt-on").allow_list()
     (['backend.options.gradient_checkpointing=true'], '["backend.options.gradient_checkpointing"]')
 """
@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from replayjob.deploy.schedule import DESIGNS, Slot, plan
 from replayjob.errors import ConfigError
 
 # Set in the image and in every GPU container; scripts/slurm and scripts/local-mid-smoke.sh export
@@ -106,11 +107,13 @@ class Arm:
 
 @dataclass(frozen=True)
 class Run:
-    """One replay of the fan-out: array index ``index`` is repeat ``repeat`` of arm ``arm``."""
+    """One replay of the fan-out: array index ``index`` is repeat ``repeat`` of arm ``arm``; with a
+    paired ``schedule`` the repeat is the block and ``slot`` its place in the schedule."""
 
     arm: str
     repeat: int
     index: int
+    slot: Slot | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,8 @@ class AblationSpec:
     priority_class: str = ""
     semaphore: str = ""
     mixed_hardware: bool = False
+    schedule: str = ""  # "" (arms in file order) or a paired design of replayjob.deploy.schedule
+    budgets: str = ""  # a budget TOML (reduce --budgets); pinned into every replay, decided by the reduce
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name) or len(self.name) > 30:
@@ -173,9 +178,15 @@ class AblationSpec:
             if not _QUANTITY.match(getattr(self, key)):
                 raise ConfigError(f"{getattr(self, key)!r} is not a Kubernetes quantity", where=key)
         for key in ("image", "gpu_product", "model_path", "resume", "claim_name", "storage_class",
-                    "driver_version", "driver_label", "priority_class"):
+                    "driver_version", "driver_label", "priority_class", "budgets"):
             if not _SAFE_STR.match(getattr(self, key)):
                 raise ConfigError("no whitespace or quotes allowed", where=key)
+        if self.schedule and self.schedule not in DESIGNS:
+            raise ConfigError(f"{self.schedule!r} is not a schedule design; use one of: " + ", ".join(DESIGNS),
+                              where="schedule")
+        if self.budgets and not self.schedule:
+            raise ConfigError("budgets are decided over paired replays: set schedule too", where="budgets",
+                              hint='schedule = "abba"')
         if self.semaphore and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-._a-zA-Z0-9]+", self.semaphore):
             raise ConfigError(f"{self.semaphore!r} must be CONFIGMAP/KEY", where="semaphore")
 
@@ -199,9 +210,19 @@ class AblationSpec:
         return len(self.arms) * self.repeats
 
     def run_for_index(self, index: int) -> Run:
-        """Array index -> ``(arm, repeat)``: arms in file order, repeats innermost."""
+        """Array index -> ``(arm, repeat)``: arms in file order, repeats innermost.
+
+        With a ``schedule``, the index follows the paired schedule's run order instead
+        (:func:`replayjob.deploy.schedule.plan`, seeded by ``seed``): index ``i`` is position
+        ``i % arms`` of block ``i // arms``, the repeat is the block, and the run carries its slot.
+        """
         if not 0 <= index < self.size:
             raise ConfigError(f"index {index} is outside 0..{self.size - 1}", where="array index")
+        if self.schedule:
+            n = len(self.arms)
+            block = index // n
+            arm, slot = plan([a.name for a in self.arms], 1, self.schedule, self.seed, first_block=block)[index % n]
+            return Run(arm, block, index, slot)
         return Run(self.arms[index // self.repeats].name, index % self.repeats, index)
 
     def runs(self) -> list[Run]:

@@ -24,7 +24,11 @@ Kubernetes Jobs, the Argo workflow, the Slurm jobs and ``scripts/local-mid-smoke
   JSON reader (two 64-digit hex digests or exit 2); pins handed over by a workflow controller
   (``--pins``) must equal them;
 * **index -> (arm, repeat)**: arms in file order, repeats innermost
-  (:meth:`~replayjob.deploy.ablation.AblationSpec.run_for_index`);
+  (:meth:`~replayjob.deploy.ablation.AblationSpec.run_for_index`); with a paired ``schedule`` in the
+  spec, index -> (block, position, arm) in the schedule's run order, the repeat is the block and the
+  replay records its slot (``replay --slot``), so every launcher's replays can be paired;
+* **budgets**: a spec's ``budgets`` file is pinned (``optimizer_batch.budgets_sha256``) in every
+  replay and decided by the reduce (``--budgets``, the first arm the baseline);
 * **the expected arms**: the reducer is told every arm of the selection and the spec's minimum
   repeats, so a failed replay is missing evidence that is refused by name, never dropped; the reducer
   always runs once the fan-out has ended and always writes a verdict;
@@ -93,7 +97,8 @@ def plan_lines(spec: AblationSpec) -> list[str]:
     """What a submitting script needs (Slurm's array size and throttle): one ``key=value`` each."""
     return [f"size={spec.size}", f"parallelism={spec.parallelism}",
             "arms=" + ",".join(a.name for a in spec.arms), f"claim={spec.claim}",
-            f"min_repeats={spec.effective_min_repeats}", f"device={spec.device}"]
+            f"min_repeats={spec.effective_min_repeats}", f"device={spec.device}",
+            f"schedule={spec.schedule or 'none'}"]
 
 
 @dataclass(frozen=True)
@@ -279,12 +284,24 @@ def replay_args(spec: AblationSpec, layout: Layout, run: Run, logical: str, mani
                 manifest_file: Path, planted: Sequence[str] = ()) -> list[str]:
     """The ``--set`` overrides of one replay: common, the arm's knobs and their declaration, pins."""
     arm = spec.arm(run.arm)
-    return [*spec.config_sets(), *arm.set_args(), *planted,
+    budgets = ([f"optimizer_batch.budgets_sha256={toml_value(budgets_pin(spec))}"] if spec.budgets else [])
+    return [*spec.config_sets(), *arm.set_args(), *planted, *budgets,
             f"optimizer_batch.replay_path={toml_value(str(manifest_file))}",
             f"optimizer_batch.expected_logical_sha256={toml_value(logical)}",
             f"optimizer_batch.expected_manifest_sha256={toml_value(manifest)}",
             f"optimizer_batch.arm={toml_value(run.arm)}",
             f"optimizer_batch.allow_config_differences={arm.allow_list()}"]
+
+
+def budgets_pin(spec: AblationSpec) -> str:
+    """SHA-256 of the spec's budget file (refused when it is not a regular file)."""
+    from replayjob.digest import sha256_file
+
+    path = Path(spec.budgets)
+    if not path.is_file():
+        raise RefusedError("the spec's budget file is missing", where=path,
+                           hint="budgets must name a file every step can read (a shared path)")
+    return sha256_file(path)
 
 
 def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | None = None,
@@ -300,7 +317,8 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
                             where=layout.source / metrics.SOURCE_FILE,
                             hint="the run directory holds another capture; give the run a new run directory")
     out = layout.replay(run.arm, run.repeat)
-    log(f"step: index {index} is arm {run.arm} repeat {run.repeat} -> {out}")
+    where = f" (schedule slot {run.slot.arg()})" if run.slot is not None else ""
+    log(f"step: index {index} is arm {run.arm} repeat {run.repeat}{where} -> {out}")
     if (out / metrics.REPLAY_FILE).is_file():
         log(f"step: {out} is complete; reusing it")
         return
@@ -311,7 +329,7 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
 
     for path, m in replay_command(layout.workspace / "replay.toml",
                                   replay_args(spec, layout, run, logical, manifest, manifest_file, planted),
-                                  out, None, run.repeat):
+                                  out, None, run.repeat, run.slot):
         log(f"step: replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}; wrote "
             f"{path}/{metrics.REPLAY_FILE}")
 
@@ -339,7 +357,8 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
     verdict = reduce_evidence(Request(
         paths=[str(layout.replays)], claim=spec.claim, out=layout.verdict, source=layout.source,
         min_repeats=spec.effective_min_repeats, arms=tuple(a.name for a in spec.arms), spec=spec,
-        mixed_hardware=spec.mixed_hardware))
+        mixed_hardware=spec.mixed_hardware, budgets=Path(spec.budgets) if spec.budgets else None,
+        baseline=spec.arms[0].name if spec.budgets else None))
     log(verdict.summary())
     log(f"step: wrote {layout.verdict}")
     if outputs is not None:

@@ -8,6 +8,10 @@ when the exact-input gate does not pass.  A refusal still writes a verdict with 
 ``refused`` whenever the output path is writable.  The report and plot are written before the
 verdict, which is written last.
 
+With ``--budgets`` (any claim), :mod:`.budgets` decides each declared bound once timing is
+admitted and adds a ``budgets`` section and one check per bound; an undecided bound makes the
+verdict ``inconclusive``.
+
 The exact-input and bitwise claims import neither torch nor transformers nor peft.
 """
 
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import replayjob
 from replayjob.digest import sha256_file
 from replayjob.errors import RefusedError, UsageError
+from replayjob.gate import budgets as B
 from replayjob.gate import claims as C
 from replayjob.gate import gradients, stats, updates, verdict
 
@@ -56,6 +61,8 @@ class Request:
     arms: tuple[str, ...] | None = None  # every arm the verdict must contain (--arms)
     mixed_hardware: bool = False  # declared: replays may differ in hardware or image (--mixed-hardware)
     spec: AblationSpec | None = None  # the ablation spec (--spec): arms and their overrides come from the plan
+    budgets: Path | None = None
+    max_looks: int = 1
 
 
 class _State:
@@ -71,6 +78,7 @@ class _State:
         self.arms: dict[str, C.Arm] = {}
         self.checks: list[C.Check] = []
         self.updates: dict[str, Any] | None = None
+        self.budgets: B.Budgets | None = None
 
 
 def _rel(path: Path, base: Path) -> str:
@@ -111,6 +119,7 @@ def _evaluate(req: Request, st: _State) -> None:
         raise UsageError(f"baseline arm {req.baseline!r} is not among the arms: {', '.join(st.arms)}")
     st.source = read_source(req.source) if req.source is not None else None
     st.tolerances = read_tolerances(req.tolerances) if req.tolerances is not None else None
+    _read_budgets(req, st)
     st.checks = C.input_checks(st.replays, st.arms, st.source, req.min_repeats, expected_arms)
     st.checks.append(C.hardware_check(st.replays, req.mixed_hardware))
     if st.source is not None:
@@ -119,6 +128,8 @@ def _evaluate(req: Request, st: _State) -> None:
             "manifest": m.sha256, "payload": m.payload_digest, "logical": m.logical_sha256,
             "effective": m.effective_sha256, "initial_adapter": m.initial_adapter_sha256}))
     st.checks += C.exact_input_checks(st.replays, st.arms, st.source)
+    if st.budgets is not None:
+        st.checks.append(B.pin_check(st.replays, st.budgets))
     if req.claim == "bitwise":
         assert st.source is not None
         st.checks += C.bitwise_checks(st.replays, st.arms, st.source)
@@ -126,6 +137,26 @@ def _evaluate(req: Request, st: _State) -> None:
             st.checks += gradients.localise(st.replays, st.source.final_adapter)  # when traced
     elif req.claim == "approximate":
         _approximate(st)
+
+
+def _read_budgets(req: Request, st: _State) -> None:
+    if req.budgets is None:
+        return
+    if req.max_looks < 1:
+        raise UsageError("--max-looks must be >= 1")
+    st.budgets = B.read_budgets(req.budgets)
+    if req.baseline is None or (st.budgets.baseline not in (None, req.baseline)):
+        raise UsageError(f"budgets are ratios to a baseline arm: pass --baseline (the budget file names "
+                         f"{st.budgets.baseline!r})", where=req.budgets)
+
+
+def _budget_section(req: Request, st: _State, admitted: bool, base: Path) -> dict[str, Any] | None:
+    if st.budgets is None:
+        return None
+    section, checks = B.evaluate(st.budgets, st.arms, req.baseline, req.max_looks, admitted)
+    section["file"] = {"path": _rel(st.budgets.path, base), "sha256": st.budgets.sha256}
+    st.checks += checks
+    return section
 
 
 def _capture_manifest(source: Source) -> Manifest:
@@ -209,11 +240,12 @@ def _comparisons(st: _State, baseline: str | None, admission: str) -> dict[str, 
 
 def _document(req: Request, st: _State, refusal: dict[str, Any] | None) -> dict[str, Any]:
     base = Path(os.path.abspath(req.out)).parent
+    gate_ok = refusal is None and bool(st.checks) and all(
+        c.status in (C.PASS, C.NOT_APPLICABLE) for c in st.checks if c.group in ("inputs", "exact-input"))
+    admission = "admitted" if gate_ok else "not admitted"
+    budgets = _budget_section(req, st, gate_ok, base) if refusal is None else None
     checks = [c.to_json() for c in st.checks]
     status, code, failed = verdict.outcome(checks, refusal)
-    gate_ok = refusal is None and bool(checks) and all(
-        c["status"] in (C.PASS, C.NOT_APPLICABLE) for c in checks if c["group"] in ("inputs", "exact-input"))
-    admission = "admitted" if gate_ok else "not admitted"
     tol = st.tolerances
     doc: dict[str, Any] = {
         "schema": verdict.VERDICT_SCHEMA,
@@ -244,6 +276,14 @@ def _document(req: Request, st: _State, refusal: dict[str, Any] | None) -> dict[
         "updates": st.updates,
         "checks": checks,
     }
+    if st.budgets is not None:  # the section exists only when budgets were requested
+        doc["budgets"] = budgets
+    ip = {a.name: [w for r in a.replays for w in (r.in_process_wall_s or ())] for a in st.arms.values()}
+    if any(ip.values()):  # in-process repeats, reported apart from the fresh-process ones
+        doc["in_process"] = {arm: {"local_train_wall_s": stats.summary(w) if w else None,
+                                   "loss_equal": all(r.in_process_loss_equal is not False
+                                                     for r in st.arms[arm].replays)}
+                             for arm, w in ip.items()}
     doc["summary"] = verdict.summary_line(doc)
     return doc
 

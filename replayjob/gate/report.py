@@ -96,6 +96,41 @@ def _updates(doc: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _budgets(doc: dict[str, Any]) -> list[str]:
+    """Declared bounds and their decisions (present only with reduce --budgets)."""
+    b = doc.get("budgets")
+    if not b:
+        return []
+    proc = b["procedure"]
+    lines = ["## Budgets", "",
+             f"Bounds on arm / `{b['baseline']}` ratios from `{b['file']['path']}` (SHA-256 "
+             f"`{b['file']['sha256'][:16]}…`). {proc['statistic']}; {proc['interval']} at "
+             f"{_num(proc['look_confidence'])} per look ({proc['name']}, alpha {proc['alpha']} over at most "
+             f"{proc['max_looks']} look(s)). Pass: the interval lies inside the bound; fail: wholly outside; "
+             f"inconclusive: it straddles the bound ({proc['estimate']}).", "",
+             "| arm | metric | bound | pairs | ratio | interval | decision | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in b["bounds"]:
+        lines.append(f"| {r['arm']} | {r['metric']} | {r['kind']} {_num(r['limit'])} | {_num(r.get('pairs'))} | "
+                     f"{_num(r.get('ratio'))} | [{_num(r.get('low'))}, {_num(r.get('high'))}] | "
+                     f"{r['decision'].upper() if r['decision'] in ('fail', 'inconclusive') else r['decision']} | "
+                     f"{_cell(r['note'])} |")
+    return [*lines, ""]
+
+
+def _in_process(doc: dict[str, Any]) -> list[str]:
+    ip = doc.get("in_process")
+    if not ip:
+        return []
+    lines = ["## In-process repeats (same restored state, after warm-up; apart from fresh-process timing)", "",
+             "| arm | n | median local_train_wall_s | IQR | loss equal to the fresh update |", "|---|---|---|---|---|"]
+    for arm, info in ip.items():
+        s = info["local_train_wall_s"] or {}
+        lines.append(f"| {arm} | {_num(s.get('n'))} | {_num(s.get('median'))} | {_num(s.get('iqr'))} | "
+                     f"{_num(info['loss_equal'])} |")
+    return [*lines, ""]
+
+
 LOCALISATION = "bitwise.first_divergent_module"
 
 
@@ -192,7 +227,8 @@ def render(doc: dict[str, Any], plot_name: str | None, layers_name: str | None =
         lines.append(f"- refused: {r['message']}" + (f" ({r['where']})" if r["where"] else "")
                      + (f"; fix: {r['hint']}" if r["hint"] else ""))
     lines.append("")
-    lines += _checks(doc) + _layers(doc, layers_name) + _spread(doc) + _comparisons(doc) + _updates(doc)
+    lines += (_checks(doc) + _layers(doc, layers_name) + _spread(doc) + _comparisons(doc) + _budgets(doc)
+              + _in_process(doc) + _updates(doc))
     lines += ["## Plot", ""]
     if not doc["inputs"]["replays"]:
         lines.append("No replays were read; nothing to plot.")

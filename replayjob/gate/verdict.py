@@ -3,6 +3,7 @@
 The document holds no clock time and no absolute path that the inputs do not force, so the same
 inputs give the same bytes (pretty, sorted-key JSON).  Status and exit code follow from the
 checks: any ``refused`` check or refusal -> ``refused`` (2), else any ``fail`` -> ``fail`` (1),
+else any ``inconclusive`` budget -> ``inconclusive`` (2, but not a refusal: add paired blocks),
 else ``pass`` (0).
 
 Example:
@@ -20,6 +21,7 @@ from replayjob.errors import (
     EXIT_NEGATIVE,
     EXIT_OK,
     EXIT_REFUSED,
+    Inconclusive,
     NegativeVerdict,
     RefusedError,
     ReplayjobError,
@@ -46,6 +48,9 @@ def outcome(checks: list[dict[str, Any]], refusal: dict[str, Any] | None) -> tup
         return "refused", EXIT_REFUSED, refused + failed
     if failed:
         return "fail", EXIT_NEGATIVE, failed
+    undecided = [c["name"] for c in checks if c["status"] == "inconclusive"]
+    if undecided:
+        return "inconclusive", EXIT_REFUSED, undecided
     return "pass", EXIT_OK, []
 
 
@@ -80,11 +85,20 @@ class Verdict:
             raise RefusedError(refusal["message"], where=refusal["where"], hint=refusal["hint"])
         bad = [c for c in self.doc["checks"] if c["status"] == self.status]
         named = "; ".join(c["name"] + (f" ({few(c['offenders'])})" if c["offenders"] else "") for c in bad)
+        if self.status == "inconclusive":
+            why = "; ".join(f"{c['name']} (interval [{_g(c['observed']['low'])}, {_g(c['observed']['high'])}] "
+                            f"vs {_g(next(iter(c['expected'].values())))}: {c['detail']})" for c in bad)
+            raise Inconclusive(f"budget(s) not decided yet: {why}", where=self.path,
+                               hint="run more paired blocks (funnel --until-decided) and reduce again")
         if self.status == "refused":
             hints = [HINTS[c["name"]] for c in bad if c["name"] in HINTS]
             raise RefusedError(f"evidence refused by {named}", where=self.path, hint="; ".join(hints) or None)
         raise NegativeVerdict(f"claim {self.doc['claim']} failed: {named}", where=self.path,
                               hint="the checks in the verdict list expected and observed values")
+
+
+def _g(v: Any) -> str:
+    return "-" if v is None else f"{v:.4g}"
 
 
 def few(names: list[str], n: int = 4) -> str:
@@ -96,6 +110,8 @@ def summary_line(doc: dict[str, Any]) -> str:
     n = len(doc["inputs"]["replays"])
     arms = len(doc["arms"])
     head = f"{doc['claim']}: {doc['status']} ({n} replays, {arms} arms, timing {doc['admission']})"
+    if doc.get("budgets"):
+        head += "; budgets " + ", ".join(f"{k} {len(v)}" for k, v in doc["budgets"]["decisions"].items())
     return head + (f"; not passed: {', '.join(doc['failed_checks'])}" if doc["failed_checks"] else "")
 
 

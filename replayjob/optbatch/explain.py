@@ -106,11 +106,12 @@ def _check_pins(adm: Admission) -> None:
                    "optimizer_batch_step_000000.manifest.json)")
     if ob.arm == "source":  # the reducer reserves it for the capture run
         adm.refuse("optimizer_batch.arm 'source' is reserved for the capture run; pick another name")
-    if ob.tolerances_sha256:  # written into replay_metrics.json, where the reducer requires a digest
-        try:
-            normalize_digest(ob.tolerances_sha256, what="optimizer_batch.tolerances_sha256")
-        except IntegrityError as exc:
-            adm.refuse(exc.message, integrity=True)
+    for key in ("tolerances_sha256", "budgets_sha256"):  # in replay_metrics.json, where reduce needs a digest
+        if getattr(ob, key):
+            try:
+                normalize_digest(getattr(ob, key), what=f"optimizer_batch.{key}")
+            except IntegrityError as exc:
+                adm.refuse(exc.message, integrity=True)
 
 
 def _check_artifacts(adm: Admission) -> None:

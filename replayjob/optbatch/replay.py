@@ -10,6 +10,14 @@ module is imported.
 ``replay_metrics.json`` (see ``docs/replay-metrics.md``) stands alone.  ``--repeat N`` runs N
 replays, each in a fresh ``python -m replayjob replay`` process so timings are independent, in
 ``DIR/repeat-000`` ...; each child gets its index through the internal ``--repeat-index`` option.
+A launcher running a paired schedule (:mod:`replayjob.deploy.schedule`) passes ``--slot``, which is
+recorded next to the ``host`` record so the reducer can pair replays by block and check where they ran.
+
+With ``optimizer_batch.measured_updates`` M (and ``warmup_updates`` W), after the fresh-process
+update (the one whose adapter is saved) the same update runs W + M more times in this process, each
+from the same restored state (adapter weights, a fresh optimizer, the captured RNG state); the W
+warm-up ones are discarded and the M measured ones are recorded under ``in_process``, apart from
+the fresh-process timing, with whether each reproduced the fresh update's loss bit for bit.
 """
 
 from __future__ import annotations
@@ -26,10 +34,11 @@ import replayjob
 from replayjob import determinism
 from replayjob import metrics as metrics_io
 from replayjob.config import Config, config_sha256, load_config
+from replayjob.deploy.schedule import Slot
 from replayjob.digest import sha256_file
 from replayjob.errors import ArtifactExistsError, ContractError, UsageError, error_for_exit_status
 from replayjob.hostinfo import host_provenance
-from replayjob.model.backend import load_backend
+from replayjob.model.backend import Policy, load_backend
 from replayjob.optbatch import knobs, stepcapture
 from replayjob.optbatch.explain import Admission, admit
 from replayjob.rl.diag import peak_memory_value
@@ -49,7 +58,38 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
     return n if isinstance(n, int) else None
 
 
-def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
+def _in_process(policy: Policy, cfg: Config, adm: Admission, start: dict[str, torch.Tensor],
+                loss: float) -> dict[str, Any] | None:
+    """The warm-up and measured in-process updates, each from the restored start state."""
+    ob = cfg.optimizer_batch
+    if not ob.measured_updates:
+        return None
+    assert adm.manifest is not None and adm.state is not None
+    assert adm.batch is not None and adm.rng is not None
+    walls: list[float] = []
+    peaks: list[int] = []
+    same = True
+    for i in range(ob.warmup_updates + ob.measured_updates):
+        with torch.no_grad():
+            for name, p in policy.trainable():
+                p.copy_(start[name])
+        optimizer = make_optimizer(policy, cfg)
+        stepcapture.restore_optimizer(optimizer, adm.manifest, adm.state)
+        restore_rng(adm.rng)
+        if policy.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(policy.device)
+        t0 = time.perf_counter()
+        res = optimizer_update(policy, optimizer, adm.batch, cfg)
+        wall = time.perf_counter() - t0
+        same = same and res.loss == loss
+        if i >= ob.warmup_updates:
+            walls.append(wall)
+            peaks.append(peak_memory_value(policy.device))
+    return {"warmup_updates": ob.warmup_updates, "measured_updates": ob.measured_updates,
+            metrics_io.IN_PROCESS_WALLS: walls, "peak_bytes": peaks, metrics_io.IN_PROCESS_LOSS_EQUAL: same}
+
+
+def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = None) -> dict[str, Any]:
     """Admit, then run one replay into ``out``; return (and write) replay_metrics.json."""
     if repeat_index < 0:
         raise UsageError(f"--repeat-index must be >= 0, found {repeat_index}")
@@ -83,6 +123,8 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
                             where=adm.manifest.payload_path)
     optimizer = make_optimizer(policy, cfg)
     stepcapture.restore_optimizer(optimizer, adm.manifest, adm.state)  # a chosen step's pinned start state
+    start = ({n: p.detach().clone() for n, p in policy.trainable()}
+             if cfg.optimizer_batch.measured_updates else {})
     restore_rng(adm.rng)
     if policy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(policy.device)
@@ -92,6 +134,7 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
     local_train_wall_s = time.perf_counter() - t0
     peak = peak_memory_value(policy.device)
     final_file = policy.save_adapter(out / FINAL_ADAPTER_DIR)
+    in_process = _in_process(policy, cfg, adm, start, res.loss)
     observed = knobs.observe_all(knobs.Runtime(policy.model, tuple(res.micro_batch_rows)))
     metrics = _metrics(adm, cfg, repeat_index, res, local_train_wall_s, peak, policy.device, observed)
     metrics.update({
@@ -99,6 +142,8 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0) -> dict[str, Any]:
         metrics_io.FINAL_ADAPTER_PATH: str(final_file.relative_to(out)),
         "provenance": prov,
         metrics_io.HOST: host_provenance(policy.device),  # node, GPU, driver, CUDA, image (replayjob.hostinfo)
+        metrics_io.SCHEDULE: None if slot is None else slot.to_json(),
+        metrics_io.IN_PROCESS: in_process,
         "wall_s": time.perf_counter() - t_start,
     })
     if tracer is not None:  # before replay_metrics.json, which pins the trace index
@@ -142,17 +187,21 @@ def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_tra
         "rows": adm.rows,  # counted and summed as the payload was verified
         "rng_restored": sorted(adm.rng),
         "tolerances_sha256": cfg.optimizer_batch.tolerances_sha256.strip().lower(),  # checked at admission
+        metrics_io.BUDGETS_SHA256: cfg.optimizer_batch.budgets_sha256.strip().lower(),
         "config_sha256": config_sha256(cfg),
     }
 
 
 def replay_command(config: str | Path, overrides: list[str], out: str | Path | None,
-                   repeat: int | None, repeat_index: int) -> list[tuple[Path, dict[str, Any]]]:
+                   repeat: int | None, repeat_index: int,
+                   slot: Slot | None = None) -> list[tuple[Path, dict[str, Any]]]:
     """``replayjob replay``: one replay in this process, or ``repeat`` fresh-process replays."""
     cfg = load_config(config, overrides)
     out_dir = Path(out or cfg.logging.dir)
     if repeat is None:
-        return [(out_dir, replay(cfg, out_dir, repeat_index))]
+        return [(out_dir, replay(cfg, out_dir, repeat_index, slot))]
+    if slot is not None:
+        raise UsageError("--slot names one replay's place in a schedule; it does not combine with --repeat")
     if repeat < 1:
         raise UsageError(f"--repeat must be >= 1, found {repeat}")
     admit(cfg, keep_rows=False).raise_if_refused()  # refuse once, before starting N processes

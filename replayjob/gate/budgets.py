@@ -1,0 +1,263 @@
+"""Performance budgets: declared bounds on arm/baseline ratios, decided from paired replays.
+
+A budget file (TOML, pinned like the tolerances: its SHA-256 goes into ``[optimizer_batch]
+budgets_sha256`` of every replay before the runs) holds, per arm, bounds on the ratio of a metric
+to the baseline arm's::
+
+    baseline = "ckpt-off"            # optional; must agree with reduce --baseline when both are given
+    allow_cross_node = false         # optional; true admits pairs whose two replays ran on different
+                                     # hosts or devices (declared before the runs, hence pinned)
+    [ckpt-on]
+    local_train_wall_s = { max_ratio = 1.35 }
+    peak_memory_bytes = { max_ratio = 0.8 }
+
+Metrics: :data:`TIME_METRICS` (decided on every device) and ``peak_memory_bytes`` (decided only when
+every replay measured CUDA peak allocated memory, reset per replay; CPU max RSS only grows within a
+process and cannot be reset, so there the bound is reported ``not_measurable`` and changes nothing).
+
+**Design.** Replays are paired by the block of the schedule they recorded
+(:mod:`replayjob.deploy.schedule`): in block *b* the arm's value over the baseline's value is one
+per-pair ratio.  Replays without a slot, two schedules, an arm twice in a block, or a pair whose
+replays ran on different hosts or devices (unless ``allow_cross_node``) refuse the decision.
+
+**Procedure.** The statistic is the geometric mean of the per-pair ratios, ``exp(mean(ln r_b))``;
+its interval is the percentile bootstrap over pairs (seeded, :data:`~.stats.BOOTSTRAP_RESAMPLES`
+resamples).  For repeated looks (``--until-decided``) the error is spent with Bonferroni alpha
+spending over at most N looks: each look uses level ``alpha / N`` (interval confidence
+``1 - 0.05 / N``), so by the union bound the chance that any look's interval misses the true
+ratio, and hence that a decision is wrong, is at most 0.05 whichever look stops.  A bound
+passes when the interval lies inside it, fails when it lies wholly outside, and is inconclusive
+when it straddles it (fewer than 2 pairs are always inconclusive).
+
+**Estimate.** For an inconclusive bound with n pairs, estimate e, limit L and h the half-width of
+the interval on L's side (in log space: ``ln(high/e)`` when ``e < L``, else ``ln(e/low)``), the
+width shrinks like ``1/sqrt(n)``, so about ``ceil(n * (h / |ln(L/e)|)^2) - n`` more paired blocks
+(at least 1) would put L outside it.  When ``e == L`` no number of blocks decides it.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from replayjob.digest import sha256_bytes
+from replayjob.errors import IntegrityError
+from replayjob.fsio import read_regular_bytes
+from replayjob.gate import stats
+from replayjob.gate.claims import FAIL, NOT_APPLICABLE, PASS, REFUSED, Arm, Check, agree
+from replayjob.gate.evidence import Replay
+
+INCONCLUSIVE = "inconclusive"
+TIME_METRICS = ("local_train_wall_s", "forward_wall_s", "backward_wall_s", "optimizer_wall_s",
+                "in_process_train_wall_s")
+MEMORY_METRIC = "peak_memory_bytes"
+CUDA_MEMORY = "cuda_max_allocated"
+KINDS = ("max_ratio", "min_ratio")
+ALPHA = 0.05
+PROCEDURE = "bonferroni-alpha-spending"
+ESTIMATE_FORMULA = "more = max(1, ceil(n * (h / |ln(limit / estimate)|)^2) - n)"
+
+
+@dataclass(frozen=True)
+class Bound:
+    arm: str
+    metric: str
+    kind: str  # max_ratio | min_ratio
+    limit: float
+
+    @property
+    def name(self) -> str:
+        return f"budgets.{self.arm}.{self.metric}.{self.kind}"
+
+
+@dataclass(frozen=True)
+class Budgets:
+    path: Path
+    sha256: str
+    baseline: str | None
+    allow_cross_node: bool
+    bounds: tuple[Bound, ...]
+
+
+def read_budgets(path: str | Path) -> Budgets:
+    """Read a budget file strictly; every problem is refused naming the key."""
+    p = Path(path)
+    data = read_regular_bytes(p, max_bytes=1024 * 1024, what="budget file")
+    try:
+        doc = tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
+        raise IntegrityError(f"not a valid TOML budget file: {exc}", where=p) from None
+    hint = 'e.g. [ckpt-on] local_train_wall_s = { max_ratio = 1.35 } (docs/verdict-format.md)'
+    baseline = doc.pop("baseline", None)
+    cross = doc.pop("allow_cross_node", False)
+    if baseline is not None and (not isinstance(baseline, str) or not baseline):
+        raise IntegrityError("baseline must be an arm name", where=f"{p}: baseline", hint=hint)
+    if not isinstance(cross, bool):
+        raise IntegrityError("allow_cross_node must be true or false", where=f"{p}: allow_cross_node")
+    bounds: list[Bound] = []
+    for arm, table in doc.items():
+        if not isinstance(table, dict) or not table:
+            raise IntegrityError("must be a table of metric = { max_ratio = X } entries",
+                                 where=f"{p}: {arm}", hint=hint)
+        for metric, spec in table.items():
+            where = f"{p}: {arm}.{metric}"
+            if metric not in (*TIME_METRICS, MEMORY_METRIC):
+                raise IntegrityError(f"unknown metric {metric!r}", where=where,
+                                     hint="metrics: " + ", ".join((*TIME_METRICS, MEMORY_METRIC)))
+            if not isinstance(spec, dict) or not spec or set(spec) - set(KINDS):
+                raise IntegrityError("must be an inline table with max_ratio and/or min_ratio", where=where,
+                                     hint=hint)
+            for kind in KINDS:
+                if kind in spec:
+                    v = spec[kind]
+                    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+                        raise IntegrityError(f"{kind} must be a positive finite number", where=where)
+                    bounds.append(Bound(arm, metric, kind, float(v)))
+    if not bounds:
+        raise IntegrityError("the budget file declares no bound", where=p, hint=hint)
+    return Budgets(p, sha256_bytes(data), baseline, cross, tuple(bounds))
+
+
+def pin_check(replays: list[Replay], budgets: Budgets) -> Check:
+    """The budget file's SHA-256 was pinned in every replay's config before the runs."""
+    return agree("inputs.budgets_pinned", "inputs", [(r.label, r.budgets_sha256) for r in replays],
+                 budgets.sha256, what="optimizer_batch.budgets_sha256 of every replay", status_on_fail=REFUSED)
+
+
+def _value(r: Replay, metric: str) -> float:
+    if metric == "in_process_train_wall_s":
+        assert r.in_process_wall_s is not None
+        return stats.median(r.in_process_wall_s)
+    return r.measures[metric]
+
+
+def _pairs(arm: Arm, base: Arm, allow_cross_node: bool) -> tuple[list[tuple[Replay, Replay]], list[str]]:
+    """(baseline, arm) replays per shared block, and what refuses the pairing."""
+    problems: list[str] = []
+    by_block: dict[str, dict[int, Replay]] = {}
+    for a in (base, arm):
+        blocks: dict[int, Replay] = {}
+        for r in a.replays:
+            if r.slot is None:
+                problems.append(f"{r.label}: no schedule slot (run the arms interleaved: replay --slot)")
+            elif r.slot.block in blocks:
+                problems.append(f"{r.label}: block {r.slot.block} holds arm {a.name} twice")
+            else:
+                blocks[r.slot.block] = r
+        by_block[a.name] = blocks
+    pairs = [(by_block[base.name][b], by_block[arm.name][b])
+             for b in sorted(set(by_block[base.name]) & set(by_block[arm.name]))]
+    if not allow_cross_node:
+        for rb, ra in pairs:
+            if not rb.placement or rb.placement != ra.placement:
+                problems.append(f"{rb.label} ~ {ra.label}: block ran on {rb.placement or '?'} "
+                                f"and {ra.placement or '?'} (declare allow_cross_node = true to admit)")
+    return pairs, problems
+
+
+def _interval(logs: list[float], confidence: float) -> tuple[float, float, float]:
+    """Geometric mean ratio and its percentile-bootstrap interval over pairs."""
+    import numpy as np
+
+    arr = np.asarray(logs, dtype=np.float64)
+    rng = np.random.RandomState(stats.BOOTSTRAP_SEED)
+    means = arr[rng.randint(0, len(logs), size=(stats.BOOTSTRAP_RESAMPLES, len(logs)))].mean(axis=1)
+    tail = (1.0 - confidence) / 2.0
+    lo, hi = (float(x) for x in np.quantile(means, [tail, 1.0 - tail]))
+    return math.exp(float(arr.mean())), math.exp(lo), math.exp(hi)
+
+
+def more_blocks(n: int, estimate: float, low: float, high: float, limit: float) -> int | None:
+    """Paired blocks to add so the interval clears ``limit`` (:data:`ESTIMATE_FORMULA`)."""
+    if n < 2:
+        return 2 - n
+    d = abs(math.log(limit / estimate))
+    if d == 0.0:
+        return None
+    h = math.log(high / estimate) if estimate < limit else math.log(estimate / low)
+    return max(1, math.ceil(n * (h / d) ** 2) - n)
+
+
+def _decide(bound: Bound, pairs: list[tuple[Replay, Replay]], confidence: float) -> dict[str, Any]:
+    out: dict[str, Any] = {"arm": bound.arm, "metric": bound.metric, "kind": bound.kind, "limit": bound.limit,
+                           "pairs": len(pairs), "ratio": None, "low": None, "high": None, "more_blocks": None}
+    vals = [(_value(b, bound.metric), _value(a, bound.metric)) for b, a in pairs]
+    if any(x <= 0.0 for v in vals for x in v):
+        return {**out, "decision": REFUSED, "note": "a paired value is zero or negative: no ratio"}
+    if len(pairs) < 2:
+        return {**out, "decision": INCONCLUSIVE, "more_blocks": 2 - len(pairs),
+                "note": "fewer than 2 pairs cannot give an interval"}
+    est, low, high = _interval([math.log(a / b) for b, a in vals], confidence)
+    out.update(ratio=est, low=low, high=high)
+    inside = high <= bound.limit if bound.kind == "max_ratio" else low >= bound.limit
+    outside = low > bound.limit if bound.kind == "max_ratio" else high < bound.limit
+    if inside or outside:
+        return {**out, "decision": PASS if inside else FAIL, "note": ""}
+    more = more_blocks(len(pairs), est, low, high, bound.limit)
+    note = ("the estimate equals the limit: no number of blocks decides it" if more is None
+            else f"about {more} more paired block(s) would decide it")
+    return {**out, "decision": INCONCLUSIVE, "more_blocks": more, "note": note}
+
+
+def evaluate(budgets: Budgets, arms: dict[str, Arm], baseline: str | None, max_looks: int,
+             admitted: bool) -> tuple[dict[str, Any], list[Check]]:
+    """Decide every bound: the verdict's ``budgets`` section and one check per bound."""
+    confidence = 1.0 - ALPHA / max_looks
+    slots = sorted({(r.slot.design, r.slot.seed) for a in arms.values() for r in a.replays if r.slot})
+    section: dict[str, Any] = {
+        "file": None, "baseline": baseline, "allow_cross_node": budgets.allow_cross_node,
+        "design": {"pairing": "per schedule block", "schedules": [{"design": d, "seed": s} for d, s in slots]},
+        "procedure": {"name": PROCEDURE, "alpha": ALPHA, "max_looks": max_looks, "look_confidence": confidence,
+                      "statistic": "geometric mean of per-pair ratios (arm / baseline)",
+                      "interval": "percentile bootstrap over pairs", "seed": stats.BOOTSTRAP_SEED,
+                      "resamples": stats.BOOTSTRAP_RESAMPLES, "estimate": ESTIMATE_FORMULA},
+        "bounds": [],
+    }
+    checks: list[Check] = []
+    problems: list[str] = []
+    if len(slots) > 1:
+        problems.append("replays come from more than one schedule: " + ", ".join(f"{d}:{s}" for d, s in slots))
+    pairs: dict[str, list[tuple[Replay, Replay]]] = {}
+    missing = sorted({b.arm for b in budgets.bounds if b.arm not in arms or b.arm == baseline})
+    if baseline is None or baseline not in arms or missing:
+        problems.append(f"budgets need a baseline arm with replays (got {baseline!r}) and bounds on other arms "
+                        f"with replays (not: {', '.join(missing) or '-'})")
+    else:
+        for name in sorted({b.arm for b in budgets.bounds}):
+            pairs[name], found = _pairs(arms[name], arms[baseline], budgets.allow_cross_node)
+            problems += found
+    if any(b.metric == "in_process_train_wall_s" for b in budgets.bounds) and any(
+            r.in_process_wall_s is None for a in arms.values() for r in a.replays):
+        problems.append("an in_process_train_wall_s bound needs optimizer_batch.measured_updates >= 1 in every replay")
+    checks.append(Check("budgets.pairing", "budgets", REFUSED if problems else PASS,
+                        "one schedule; each arm once per block; pairs on one host and device", None,
+                        "paired, interleaved design the bounds are decided on", tuple(problems)))
+    decisions: dict[str, list[str]] = defaultdict(list)
+    for bound in budgets.bounds:
+        row: dict[str, Any]
+        if problems or not admitted:
+            why = "pairing refused" if problems else "timing not admitted: the exact-input gate did not pass"
+            row = {"arm": bound.arm, "metric": bound.metric, "kind": bound.kind, "limit": bound.limit,
+                   "decision": "not_evaluated", "note": why}
+            status = NOT_APPLICABLE
+        elif bound.metric == MEMORY_METRIC and any(
+                r.memory_kind != CUDA_MEMORY for pair in pairs[bound.arm] for r in pair):
+            row = {"arm": bound.arm, "metric": bound.metric, "kind": bound.kind, "limit": bound.limit,
+                   "decision": "not_measurable",
+                   "note": "peak memory is decided only on CUDA (peak allocated, reset per replay); CPU max "
+                           "RSS only grows within a process"}
+            status = NOT_APPLICABLE
+        else:
+            row = _decide(bound, pairs[bound.arm], confidence)
+            status = row["decision"]
+        section["bounds"].append(row)
+        decisions[row["decision"]].append(bound.name)
+        observed = {k: row.get(k) for k in ("ratio", "low", "high", "pairs", "more_blocks")}
+        checks.append(Check(bound.name, "budgets", status, {bound.kind: bound.limit}, observed,
+                            f"{row['decision']}: {row['note']}" if row["note"] else row["decision"]))
+    section["decisions"] = dict(sorted(decisions.items()))
+    return section, checks

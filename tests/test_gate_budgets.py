@@ -1,0 +1,178 @@
+"""Budgets: reduce --budgets over synthetic, paired evidence (docs/verdict-format.md, "Budgets").
+
+The replays are replayjob.gate.synthetic's files with a schedule slot, host, device, budget pin and
+chosen step times written in; each decision (pass / fail / inconclusive with an estimate / not
+measurable on CPU) is checked with its exit code, and every refusal of the pairing is named.
+The real slowdown (micro-batch 1 against the default) is exercised end to end in test_funnel.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replayjob.cli import main
+from replayjob.deploy.schedule import parse_slot, plan
+from replayjob.digest import sha256_file
+from replayjob.errors import IntegrityError, UsageError
+from replayjob.gate import synthetic
+from replayjob.gate.budgets import more_blocks, read_budgets
+from replayjob.gate.verdict import outcome
+from replayjob.jsonio import pretty_bytes
+
+BASE, SLOW = "mb-default", "mb-1"
+MB = "training.micro_batch_size"
+
+
+def budget_file(tmp_path: Path, text: str, name: str = "budgets.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def paired(tmp_path: Path, budgets: Path | None, walls: dict[str, list[float]], *,
+           hosts: dict[str, list[str]] | None = None, slots: bool = True) -> synthetic.Evidence:
+    """Synthetic evidence with ``walls[arm][block]`` as step times, run as an ABBA schedule."""
+    n = len(walls[BASE])
+    ev = synthetic.build(tmp_path / "ev", {BASE: {}, SLOW: {MB: 1}}, n)
+    order = {(arm, s.block): s for arm, s in plan([BASE, SLOW], n, "abba", seed=5)}
+    for f in ev.replay_files:
+        doc = json.loads(f.read_text())
+        arm, i = doc["arm"], doc["repeat_index"]
+        doc["timing"]["local_train_wall_s"] = walls[arm][i]
+        doc["schedule"] = order[(arm, i)].to_json() if slots else None
+        doc["host"]["node"] = (hosts or {}).get(arm, ["node-a"] * n)[i]
+        doc["budgets_sha256"] = sha256_file(budgets) if budgets is not None else ""
+        f.write_bytes(pretty_bytes(doc))
+    return ev
+
+
+def reduce(ev: synthetic.Evidence, budgets: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    out = ev.root.parent / "verdict.json"
+    code = main(["reduce", str(ev.root / "replays"), "--claim", "exact-input", "--source", str(ev.source),
+                 "--out", str(out), "--baseline", BASE, "--budgets", str(budgets), *extra])
+    doc = json.loads(out.read_text())
+    assert doc["exit_code"] == code
+    return code, doc
+
+
+def bound(doc: dict[str, Any], metric: str = "local_train_wall_s") -> dict[str, Any]:
+    (row,) = [b for b in doc["budgets"]["bounds"] if b["metric"] == metric]
+    return row
+
+
+SLOWDOWN = {BASE: [1.0, 1.1, 0.9], SLOW: [3.0, 3.4, 2.6]}
+
+
+def test_violated_budget_fails_generous_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tight = budget_file(tmp_path, f'[{SLOW}]\nlocal_train_wall_s = {{ max_ratio = 1.5 }}\n')
+    code, doc = reduce(paired(tmp_path / "a", tight, SLOWDOWN), tight)
+    assert code == 1 and doc["status"] == "fail"
+    b = bound(doc)
+    assert b["decision"] == "fail" and b["pairs"] == 3 and b["low"] > 1.5
+    assert math.isclose(b["ratio"], 3.0, rel_tol=0.01)
+    assert doc["budgets"]["procedure"]["name"] == "bonferroni-alpha-spending"
+    assert doc["budgets"]["design"]["schedules"] == [{"design": "abba", "seed": 5}]
+    generous = budget_file(tmp_path, f'[{SLOW}]\nlocal_train_wall_s = {{ max_ratio = 10 }}\n', "gen.toml")
+    code, doc = reduce(paired(tmp_path / "b", generous, SLOWDOWN), generous)
+    assert code == 0 and bound(doc)["decision"] == "pass", doc["failed_checks"]
+    assert "budgets pass 1" in capsys.readouterr().out
+
+
+def test_too_close_to_call_is_inconclusive_with_an_estimate(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    close = budget_file(tmp_path, f'[{SLOW}]\nlocal_train_wall_s = {{ max_ratio = 3.0 }}\n')
+    code, doc = reduce(paired(tmp_path, close, {BASE: [1.0, 1.0], SLOW: [2.8, 3.3]}), close, "--min-repeats", "2",
+                       "--report", str(tmp_path / "report.md"))
+    assert code == 2 and doc["status"] == "inconclusive" and doc["refusal"] is None
+    report = (tmp_path / "report.md").read_text()
+    assert "## Budgets" in report and "| INCONCLUSIVE |" in report
+    b = bound(doc)
+    assert b["decision"] == "inconclusive" and b["low"] < 3.0 < b["high"]
+    assert isinstance(b["more_blocks"], int) and b["more_blocks"] >= 1
+    err = capsys.readouterr().err
+    assert "not decided yet" in err and "more paired block" in err and "Traceback" not in err
+
+
+def test_more_looks_widen_each_interval(tmp_path: Path) -> None:
+    """Bonferroni spending: a look among at most 20 is decided at 1 - 0.05/20."""
+    f = budget_file(tmp_path, f'[{SLOW}]\nlocal_train_wall_s = {{ max_ratio = 10 }}\n')
+    walls = {BASE: [1.0, 1.2, 0.8, 1.1, 0.9], SLOW: [3.0, 2.9, 3.6, 2.2, 3.1]}
+    _, one = reduce(paired(tmp_path / "a", f, walls), f)
+    _, many = reduce(paired(tmp_path / "b", f, walls), f, "--max-looks", "20")
+    assert many["budgets"]["procedure"]["look_confidence"] == pytest.approx(0.9975)
+    assert bound(many)["low"] <= bound(one)["low"] and bound(many)["high"] >= bound(one)["high"]
+
+
+def test_estimate_formula() -> None:
+    # n = 4, estimate 1.0, interval [0.8, 1.25], limit 1.1: h = ln 1.25, d = ln 1.1
+    assert more_blocks(4, 1.0, 0.8, 1.25, 1.1) == math.ceil(4 * (math.log(1.25) / math.log(1.1)) ** 2) - 4
+    assert more_blocks(1, 1.0, 1.0, 1.0, 2.0) == 1
+    assert more_blocks(3, 2.0, 1.5, 2.5, 2.0) is None
+
+
+def test_memory_bound_is_not_measurable_on_cpu(tmp_path: Path) -> None:
+    f = budget_file(tmp_path, f'[{SLOW}]\npeak_memory_bytes = {{ max_ratio = 0.8 }}\n')
+    code, doc = reduce(paired(tmp_path, f, SLOWDOWN), f)
+    assert code == 0 and bound(doc, "peak_memory_bytes")["decision"] == "not_measurable"
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("unpinned", "inputs.budgets_pinned"),
+    ("no_slots", "no schedule slot"),
+    ("cross_node", "allow_cross_node"),
+])
+def test_pairing_and_pin_refusals(tmp_path: Path, case: str, needle: str) -> None:
+    f = budget_file(tmp_path, f'[{SLOW}]\nlocal_train_wall_s = {{ max_ratio = 10 }}\n')
+    hosts = {BASE: ["a", "a", "a"], SLOW: ["a", "b", "a"]} if case == "cross_node" else None
+    ev = paired(tmp_path, None if case == "unpinned" else f, SLOWDOWN, hosts=hosts, slots=case != "no_slots")
+    code, doc = reduce(ev, f)
+    assert code == 2 and doc["status"] == "refused"
+    assert needle in json.dumps(doc["checks"])
+    if case == "cross_node":  # declared before the runs (the declaration is in the pinned file)
+        g = budget_file(tmp_path, f'allow_cross_node = true\n[{SLOW}]\nlocal_train_wall_s = {{ max_ratio = 10 }}\n',
+                        "cross.toml")
+        code, doc = reduce(paired(tmp_path / "x", g, SLOWDOWN, hosts=hosts), g)
+        assert code == 0, doc["failed_checks"]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[mb-1]\nlocal_train_wall_s = { max_ratio = -1 }\n", "positive finite"),
+    ("[mb-1]\nwall = { max_ratio = 1 }\n", "unknown metric"),
+    ("[mb-1]\nlocal_train_wall_s = { below = 1 }\n", "max_ratio and/or min_ratio"),
+    ("baseline = 3\n", "baseline must be"),
+    ("", "no bound"),
+])
+def test_malformed_budget_files_are_refused(tmp_path: Path, text: str, needle: str) -> None:
+    with pytest.raises(IntegrityError, match=needle):
+        read_budgets(budget_file(tmp_path, text))
+
+
+def test_budgets_need_a_baseline(tmp_path: Path) -> None:
+    f = budget_file(tmp_path, f'[{SLOW}]\nlocal_train_wall_s = {{ max_ratio = 10 }}\n')
+    ev = paired(tmp_path, f, SLOWDOWN)
+    out = tmp_path / "v.json"
+    code = main(["reduce", str(ev.root / "replays"), "--claim", "exact-input", "--source", str(ev.source),
+                 "--out", str(out), "--budgets", str(f)])
+    assert code == 2 and json.loads(out.read_text())["refusal"]["message"].startswith("budgets are ratios")
+
+
+def test_outcome_order() -> None:
+    checks = [{"name": "a", "status": "inconclusive"}, {"name": "b", "status": "pass"}]
+    assert outcome(checks, None) == ("inconclusive", 2, ["a"])
+    assert outcome([*checks, {"name": "c", "status": "fail"}], None)[0] == "fail"
+
+
+def test_schedule_is_interleaved_and_extendable() -> None:
+    full = plan(["a", "b"], 4, "abba", seed=3)
+    assert [a for a, _ in full[:2]] == [a for a, _ in full[2:4]][::-1]  # alternating order
+    assert plan(["a", "b"], 2, "abba", seed=3, first_block=2) == full[4:]  # blocks added later continue it
+    rnd = plan(["a", "b", "c"], 3, "random", seed=1)
+    assert all(sorted(a for a, s in rnd if s.block == b) == ["a", "b", "c"] for b in range(3))
+    assert parse_slot(full[3][1].arg()) == full[3][1]
+    with pytest.raises(UsageError):
+        parse_slot("abba:1:2")
