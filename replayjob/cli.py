@@ -112,7 +112,7 @@ Options:
   --outputs DIR     step: also write pins, plan.json and verdict.json here (Argo output parameters).
   --index I         step replay: the array index (arms in file order, repeats innermost).
   --pins PINS       step replay: LOGICAL,MANIFEST handed over by a controller; must equal the capture's.
-  --plant PLANT     step replay: ARM:KEY=VALUE, an undeclared override in one arm (a negative control).
+  --plant PLANT     step replay: ARM:SETTING=VALUE, an undeclared override in one arm (a negative control).
   --wait-s S        step: wait up to S seconds for an earlier stage's output [default: 0].
   --resume DIR      funnel: start from this step -1 resume state instead of the one init writes.
   --model DIR       funnel: a local model directory (safetensors) instead of the built-in model.

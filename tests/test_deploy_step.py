@@ -105,7 +105,7 @@ def test_replay_refuses_before_any_work(spec_file: Path, tmp_path: Path,
     assert main([*base, "--index", "0", "--plant", "nope:a.b=1"]) == 2
     assert "no arm named 'nope'" in capsys.readouterr().err
     assert main([*base, "--index", "0", "--plant", "ckpt-on"]) == 2
-    assert "--plant expects ARM:KEY=VALUE" in capsys.readouterr().err
+    assert "--plant expects ARM:SETTING=VALUE" in capsys.readouterr().err
     assert not (run / "replays").exists()
 
 

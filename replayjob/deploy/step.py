@@ -234,12 +234,12 @@ def _parse_pins(text: str) -> tuple[str, str]:
 
 
 def _plants(spec: AblationSpec, plants: Sequence[str]) -> dict[str, list[str]]:
-    """``--plant ARM:KEY=VALUE``: negative controls, an undeclared override in one arm's replays."""
+    """``--plant ARM:SETTING=VALUE``: negative controls, an undeclared override in one arm's replays."""
     out: dict[str, list[str]] = {}
     for plant in plants:
         arm, sep, kv = plant.partition(":")
         if not sep or not re.fullmatch(r"[a-z_][a-z0-9_.]*=.+", kv):
-            raise UsageError(f"--plant expects ARM:KEY=VALUE, got {plant!r}")
+            raise UsageError(f"--plant expects ARM:SETTING=VALUE, got {plant!r}")
         spec.arm(arm)
         out.setdefault(arm, []).append(kv)
     return out
