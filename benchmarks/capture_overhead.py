@@ -133,6 +133,7 @@ def _bundle_env(bundle_dir: Path, capture: bool) -> dict[str, str | None]:
 def _one_run(cfg_path: Path, sets: list[str], out: Path, capture: bool) -> dict[str, Any]:
     from replayjob.config import load_config
     from replayjob.jsonio import loads_strict
+    from replayjob.metrics import MANIFEST
     from replayjob.source_run import train_source
 
     overrides = [*sets, f"optimizer_batch.capture={'true' if capture else 'false'}"]
@@ -155,7 +156,7 @@ def _one_run(cfg_path: Path, sets: list[str], out: Path, capture: bool) -> dict[
         "hooks_s": hooks.seconds,
         "run_s": run_s,
         "run_cpu_s": run_cpu_s,
-        "optbatch_manifest": bool(metrics.get("optimizer_batch/manifest_sha256")),
+        "optbatch_manifest": bool(metrics.get(MANIFEST)),
         "bundles": sorted(p.parent.name for p in bundle_dir.rglob("COMPLETE")) if bundle_dir.is_dir() else [],
         "loss": metrics["loss"],
     }

@@ -44,17 +44,19 @@ PROBE = ("import json, sys\n"
 
 
 
-def pin_args(metrics: dict[str, Any]) -> list[str]:
-    """The two ``--set`` pins a replay or explain of the capture needs, from its metrics.json."""
-    return ["--set", f"optimizer_batch.expected_logical_sha256=\"{metrics['optimizer/logical_batch_sha256']}\"",
-            "--set", f"optimizer_batch.expected_manifest_sha256=\"{metrics['optimizer_batch/manifest_sha256']}\""]
+def pin_args(source: Path) -> list[str]:
+    """The two ``--set`` pins a replay or explain of the capture in ``source`` needs, from its metrics.json."""
+    from replayjob.metrics import read_pins
+
+    logical, manifest, _ = read_pins(source)
+    return ["--set", f"optimizer_batch.expected_logical_sha256=\"{logical}\"",
+            "--set", f"optimizer_batch.expected_manifest_sha256=\"{manifest}\""]
 
 
 def commands(inputs: dict[str, Path]) -> dict[str, tuple[str, list[str], tuple[int, ...]]]:
     """label -> (CLI command name, argv, accepted exit codes) for every no-model command."""
     ws, src, rep, bundle = inputs["workspace"], inputs["source"], inputs["replays"], inputs["bundle"]
-    pins = json.loads((src / "metrics.json").read_text())
-    pin_sets = pin_args(pins)
+    pin_sets = pin_args(src)
     out = inputs["scratch"]
     return {
         "--help": ("--help", ["--help"], (0,)),
@@ -82,10 +84,9 @@ def prepare(work: Path) -> dict[str, Path]:
         rc = main(["capture", str(ws / "source.toml"), "--out", str(src)])
     if rc != 0:
         raise RuntimeError("the capture that makes the benchmark's inputs failed")
-    pins = json.loads((src / "metrics.json").read_text())
     rep = ws / "replays"
     with contextlib.redirect_stdout(io.StringIO()):
-        rc = main(["replay", str(ws / "replay.toml"), "--out", str(rep / "repeat-000"), *pin_args(pins)])
+        rc = main(["replay", str(ws / "replay.toml"), "--out", str(rep / "repeat-000"), *pin_args(src)])
     if rc != 0:
         raise RuntimeError("the replay that makes the benchmark's inputs failed")
     found = sorted(p.parent for p in bundles.rglob("COMPLETE") if p.parent.name.startswith("rollout-"))

@@ -72,14 +72,15 @@ def _process_walls(out: Path) -> dict[str, list[float]]:
 def summarize(out: Path, *, baseline: str, smoke: bool, results: Path, total_s: float,
               verdict_codes: dict[str, int]) -> Path:
     """Write the benchmark JSON for the run in ``out`` and print its one summary line."""
+    from replayjob import metrics as M
     from replayjob.jsonio import loads_strict
 
     diag = (out / "source" / "diag.jsonl").read_bytes().splitlines()
     t = loads_strict(diag[0])["timing"]
     raw_s = float(t["forward_wall_s"]) + float(t["backward_wall_s"]) + float(t["optimizer_wall_s"])
-    replays = [_read(p) for p in sorted((out / "replays").rglob("replay_metrics.json"))]
+    replays = [_read(p) for p in sorted((out / "replays").rglob(M.REPLAY_FILE))]
     if not replays:
-        raise SystemExit(f"no replay_metrics.json under {out / 'replays'}")
+        raise SystemExit(f"no {M.REPLAY_FILE} under {out / 'replays'}")
     walls = _process_walls(out)
     devices = sorted({str(r["device"]) for r in replays})
     if any(d.startswith("cuda") for d in devices):
@@ -99,7 +100,7 @@ def summarize(out: Path, *, baseline: str, smoke: bool, results: Path, total_s: 
             "memory_kind": rs[0]["memory"]["kind"],
             "gradient_checkpointing": sorted({r["runtime"]["backend.options.gradient_checkpointing"] for r in rs}),
             "losses": sorted({r["loss"] for r in rs}),
-            "final_adapters": sorted({r["optimizer_batch/final_adapter_sha256"] for r in rs}),
+            "final_adapters": sorted({r[M.FINAL_ADAPTER] for r in rs}),
         }
     if baseline not in arms:
         raise SystemExit(f"baseline arm {baseline!r} not among the replays' arms {sorted(arms)}")

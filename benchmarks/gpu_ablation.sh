@@ -135,9 +135,9 @@ if [ "$DRY" = 1 ]; then
   PIN_ARGS=(--set 'optimizer_batch.expected_logical_sha256="<from OUT/source/metrics.json>"'
             --set 'optimizer_batch.expected_manifest_sha256="<from OUT/source/metrics.json>"')
 else
-  mapfile -t PINS < <("$PY" -c 'import json, sys
-m = json.load(open(sys.argv[1]))
-print(m["optimizer/logical_batch_sha256"]); print(m["optimizer_batch/manifest_sha256"])' "$OUT/source/metrics.json")
+  mapfile -t PINS < <("$PY" -c 'import sys
+from replayjob.metrics import read_pins
+print(*read_pins(sys.argv[1])[:2], sep="\n")' "$OUT/source")
   PIN_ARGS=(--set "optimizer_batch.expected_logical_sha256=\"${PINS[0]}\""
             --set "optimizer_batch.expected_manifest_sha256=\"${PINS[1]}\"")
 fi

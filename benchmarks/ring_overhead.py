@@ -33,6 +33,7 @@ SMOKE_SETS = ["inference.max_new_tokens=2", "algorithm.prompts_per_step=1", "alg
 
 def _run(cfg_path: Path, sets: list[str], out: Path, ring: int, steps: int) -> dict[str, Any]:
     from replayjob.config import load_config
+    from replayjob.metrics import RING
     from replayjob.source_run import train_source
 
     cfg = load_config(cfg_path, [*sets, f"training.max_steps={steps}", f"optimizer_batch.ring_size={ring}"])
@@ -40,7 +41,7 @@ def _run(cfg_path: Path, sets: list[str], out: Path, ring: int, steps: int) -> d
     metrics = train_source(cfg, out)
     elapsed = [float(json.loads(line)["timing"]["elapsed_s"]) for line in (out / "diag.jsonl").read_text().splitlines()]
     step_s = [b - a for a, b in itertools.pairwise(elapsed)]  # steps 1.. (step 0 includes warm-up effects)
-    ring_doc = metrics.get("optimizer_batch/ring")
+    ring_doc = metrics.get(RING)
     return {"step_s": step_s, "ring": ring_doc, "loss": metrics["loss"]}
 
 

@@ -37,20 +37,23 @@ TARGET = 1.5
 
 
 def _pins(capture: Path) -> list[str]:
-    m = json.loads((capture / "metrics.json").read_text())
-    return [f"optimizer_batch.expected_logical_sha256={json.dumps(m['optimizer/logical_batch_sha256'])}",
-            f"optimizer_batch.expected_manifest_sha256={json.dumps(m['optimizer_batch/manifest_sha256'])}"]
+    from replayjob.metrics import read_pins
+
+    logical, manifest, _ = read_pins(capture)
+    return [f"optimizer_batch.expected_logical_sha256={json.dumps(logical)}",
+            f"optimizer_batch.expected_manifest_sha256={json.dumps(manifest)}"]
 
 
 def _replay(cfg_path: Path, sets: list[str], out: Path, traced: bool) -> dict[str, Any]:
     from replayjob.config import load_config
     from replayjob.optbatch.replay import replay
+    from replayjob.trace.store import TRACE_DIR
 
     cfg = load_config(cfg_path, [*sets, f"optimizer_batch.trace={'true' if traced else 'false'}"])
     t0, c0 = time.perf_counter(), time.process_time()
     metrics = replay(cfg, out)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    size = sum(p.stat().st_size for p in (out / "trace").iterdir()) if traced else 0
+    size = sum(p.stat().st_size for p in (out / TRACE_DIR).iterdir()) if traced else 0
     return {"wall_s": wall, "cpu_s": cpu, "update_s": metrics["timing"]["local_train_wall_s"], "trace_bytes": size}
 
 

@@ -112,7 +112,7 @@ Options:
   --outputs DIR     step: also write pins, plan.json and verdict.json here (Argo output parameters).
   --index I         step replay: the array index (arms in file order, repeats innermost).
   --pins PINS       step replay: LOGICAL,MANIFEST handed over by a controller; must equal the capture's.
-  --plant PLANT     step replay: ARM:KEY=VALUE, an undeclared override in one arm (a negative control).
+  --plant PLANT     step replay: ARM:SETTING=VALUE, an undeclared override in one arm (a negative control).
   --wait-s S        step: wait up to S seconds for an earlier stage's output [default: 0].
   --resume DIR      funnel: start from this step -1 resume state instead of the one init writes.
   --model DIR       funnel: a local model directory (safetensors) instead of the built-in model.
@@ -197,6 +197,7 @@ def cmd_init(args: dict[str, Any]) -> int:
 def cmd_train(args: dict[str, Any]) -> int:
     from pathlib import Path
 
+    from replayjob import metrics as M
     from replayjob.config import load_config
     from replayjob.source_run import train_source
 
@@ -204,25 +205,28 @@ def cmd_train(args: dict[str, Any]) -> int:
     out = Path(args["--out"] or cfg.logging.dir)
     metrics = train_source(cfg, out)
     print(f"trained {metrics['steps_run']} step(s); loss {metrics['loss']!r}")
-    print(f"final adapter sha256 {metrics['final_adapter_sha256']}")
+    print(f"final adapter sha256 {metrics[M.SOURCE_FINAL_ADAPTER]}")
     _print_capture_pins(metrics)
-    print(f"wrote {out}/diag.jsonl, {out}/metrics.json")
+    print(f"wrote {out}/diag.jsonl, {out}/{M.SOURCE_FILE}")
     return 0
 
 
 def _print_capture_pins(metrics: dict[str, Any]) -> None:
+    from replayjob.metrics import CAPTURE_PREFIXES
+
     for key in sorted(metrics):
-        if key.startswith(("optimizer/", "optimizer_batch/")):
+        if key.startswith(CAPTURE_PREFIXES):
             print(f"{key} {metrics[key]}")
 
 
 def cmd_capture(args: dict[str, Any]) -> int:
+    from replayjob import metrics as M
     from replayjob.source_run import capture
 
     out, metrics = capture(args["<config>"], args["--set"], args["--out"])
     print(f"captured step 0 into {out}; loss {metrics['loss']!r}")
     _print_capture_pins(metrics)
-    print(f"wrote {out}/{metrics['optimizer_batch/manifest_path']} (last), {out}/metrics.json")
+    print(f"wrote {out}/{metrics[M.MANIFEST_PATH]} (last), {out}/{M.SOURCE_FILE}")
     return 0
 
 
@@ -238,6 +242,7 @@ def cmd_explain(args: dict[str, Any]) -> int:
 
 
 def cmd_replay(args: dict[str, Any]) -> int:
+    from replayjob import metrics as M
     from replayjob.deploy.schedule import parse_slot
     from replayjob.optbatch.replay import replay_command
 
@@ -247,10 +252,10 @@ def cmd_replay(args: dict[str, Any]) -> int:
     sets = [*args["--set"], *(["optimizer_batch.trace=true"] if args["--trace"] else [])]
     for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index, slot):
         print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}, "
-              f"final adapter sha256 {m['optimizer_batch/final_adapter_sha256']}, "
+              f"final adapter sha256 {m[M.FINAL_ADAPTER]}, "
               "in effect: " + (", ".join(f"{k}={v}" for k, v in sorted(m["runtime"].items()))
                                or f"no registered knobs ({m['framework']})"))
-        print(f"wrote {out}/replay_metrics.json")
+        print(f"wrote {out}/{M.REPLAY_FILE}")
     return 0
 
 

@@ -181,6 +181,7 @@ class Funnel:
             self.common.append(f"resume.from={toml_value(str(Path(opts.resume).resolve()))}")
         self.ws, self.log = self.out / "workspace", self.out / "steps.log"
         self.stages = [Stage(n) for n in STAGES]
+        self.run_plan: AblationSpec = self.spec  # stage 3's spec as written to OUT/ablation.toml
         self.summary: dict[str, Any] | None = None
 
     def sets(self, *extra: str) -> list[str]:
@@ -238,7 +239,7 @@ class Funnel:
             lines += ["", f"[arms.{arm.name}]", *(f'"{k}" = {toml_value(v)}' for k, v in arm.overrides.items())]
         path = self.out / "ablation.toml"
         atomic_write_text(path, "\n".join(lines) + "\n")
-        load_spec(path)  # refused here, naming the key, rather than in every step
+        self.run_plan = load_spec(path)  # refused here, naming the key, rather than in every step
         return path
 
     def ablation(self, st: Stage) -> None:
@@ -260,11 +261,14 @@ class Funnel:
         blocks, looks, done = self.spec.repeats, [], 0
         while True:
             for index in range(done, blocks * len(arms)):  # the schedule's run order, block by block
-                self.say(f"  replay block {index // len(arms)} position {index % len(arms)}")
+                run = self.run_plan.run_for_index(index)
+                assert run.slot is not None
+                self.say(f"  replay block {run.slot.block} position {run.slot.position}: arm {run.arm}")
                 code = cli_step(["step", "replay", *step, "--index", index, *plant], self.log)
                 if code:
                     st.code = code
-                    st.detail = f"replay index {index} (block {index // len(arms)}) exited {code} (see {self.log})"
+                    st.detail = (f"replay of arm {run.arm} (block {run.slot.block}, index {index}) exited {code} "
+                                 f"(see {self.log})")
                     return
             done = blocks * len(arms)
             doc = self.reduce(replays, src, spec)

@@ -1,9 +1,10 @@
 """Shared fixtures: one tiny workspace per test session (the expensive part is built once), the golden
 file convention, and the restoration of torch's global determinism controls after every test.
 
-Markers (pyproject.toml): ``slow`` for tests that run the CLI or a trainer in fresh processes
-(subprocesses, torchrun, Slurm, benchmarks), ``gpu`` for tests that need CUDA (skipped without it).
-``pytest -m "not slow"`` is the quick in-process run.
+Markers (pyproject.toml): ``slow`` for a test that takes more than about 10 s by itself on 2 cores
+(shared fixtures aside; ``pytest --durations=50`` shows them), usually because it runs a trainer,
+capture, replay, chain or benchmark in fresh processes (subprocesses, torchrun, Slurm); ``gpu`` for
+tests that need CUDA (skipped without it).  ``pytest -m "not slow"`` is the quick run.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ def check_result(path: Path, name: str, *, smoke: bool) -> dict[str, object]:
     return doc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SMOKE)
 def test_smoke_mode_runs_and_writes_one_line_and_json(name: str, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:

@@ -141,6 +141,10 @@ def test_k8s_job_commands_chain_to_a_passing_verdict(k8s_run: tuple[Path, list[A
     verdict = json.loads((run / "verdict.json").read_text(encoding="utf-8"))
     assert (verdict["claim"], verdict["status"], verdict["exit_code"]) == ("exact-input", "pass", 0)
     assert verdict["parameters"]["arms"] == ["ckpt-off", "ckpt-on"]
+    # the reduce Job passes the spec: each arm's intended knobs come from the plan, not the replays
+    assert sorted(verdict["parameters"]["spec"]["arms"]) == ["ckpt-off", "ckpt-on"]
+    checks = {c["name"]: c["status"] for c in verdict["checks"]}
+    assert (checks["inputs.arm_plan"], checks["exact.knobs_in_effect"]) == ("pass", "pass")
     metrics = sorted(run.glob("replays/*/*/replay_metrics.json"))
     assert [m.relative_to(run / "replays").parts[:2] for m in metrics] == [("ckpt-off", "0"), ("ckpt-on", "0")]
     for m in metrics:

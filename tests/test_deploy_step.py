@@ -105,7 +105,7 @@ def test_replay_refuses_before_any_work(spec_file: Path, tmp_path: Path,
     assert main([*base, "--index", "0", "--plant", "nope:a.b=1"]) == 2
     assert "no arm named 'nope'" in capsys.readouterr().err
     assert main([*base, "--index", "0", "--plant", "ckpt-on"]) == 2
-    assert "--plant expects ARM:KEY=VALUE" in capsys.readouterr().err
+    assert "--plant expects ARM:SETTING=VALUE" in capsys.readouterr().err
     assert not (run / "replays").exists()
 
 
@@ -154,6 +154,7 @@ def test_reduce_always_writes_a_verdict_naming_the_missing_evidence(
     verdict = json.loads((run / "verdict.json").read_text(encoding="utf-8"))
     assert (verdict["status"], verdict["exit_code"]) == ("refused", 2)
     assert verdict["parameters"]["arms"] == ["ckpt-off", "ckpt-on"]
+    assert sorted(verdict["parameters"]["spec"]["arms"]) == ["ckpt-off", "ckpt-on"]  # the spec reached reduce
 
 
 def test_selection_errors_are_usage_errors(spec_file: Path) -> None:

@@ -278,6 +278,8 @@ def test_report_without_matplotlib_says_how_to_enable(ev: synthetic.Evidence,
 
 @pytest.mark.parametrize("target, change, offender", [
     ("replay", lambda d: d["pins"].update({"payload_spans_sha256": "ab" * 32}), f"{ON}#0 payload pin"),
+    ("replay", lambda d: d["pins"].update({"expected_manifest_sha256": "ab" * 32}), f"{ON}#0 manifest pin"),
+    ("replay", lambda d: d["pins"].update({"expected_logical_sha256": "ab" * 32}), f"{ON}#0 logical pin"),
     ("source", lambda d: d.update({"optimizer/logical_batch_sha256": "ab" * 32}), "source logical"),
     ("source", lambda d: d.update({"optimizer_batch/initial_adapter_sha256": "ab" * 32}), "source initial_adapter"),
 ])

@@ -191,6 +191,7 @@ json.dump(results, open(sys.argv[2], "w"))
 """
 
 
+@pytest.mark.slow
 def test_device_and_fifo_entries_are_refused_without_blocking_or_reading(
         corpus_dir: Path, workspace: Path, sources: dict[str, Path], tmp_path: Path) -> None:
     jobs, expect = [], {}

@@ -398,6 +398,7 @@ BUNDLE_FILES = ["bundle.*", *(f"write.*/{f}" for f in (
     "response_ids.safetensors", "logprobs.safetensors"))]
 
 
+@pytest.mark.slow
 def test_kill_every_writer_at_20_or_more_boundaries(workspace: Path, tmp_path: Path,
                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
     """One driver process: train (checkpoints), capture, bundle writing and reduce, plus races."""

@@ -67,6 +67,7 @@ def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert MARK not in out.out + out.err
 
 
+@pytest.mark.slow
 def test_train_artifacts_hold_no_secret(workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = secret_config(workspace, tmp_path)
     out = tmp_path / "run"
@@ -88,6 +89,7 @@ def with_secrets(template: Path, workspace: Path, tmp_path: Path, name: str) -> 
     return cfg
 
 
+@pytest.mark.slow
 def test_capture_replay_bundles_and_verdict_hold_no_secret(workspace: Path, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     import json

@@ -79,6 +79,17 @@ def repin(d: Path, data: bytes) -> str:
     return sha256_bytes(raw)
 
 
+BUILT_IN_KNOBS = (GC, "backend.options.attn_implementation", "training.micro_batch_size")
+
+
+def observed(rm: dict[str, Any]) -> dict[str, Any]:
+    """The runtime observations of the built-in trainer's knobs (exactly its producer's knobs are recorded)."""
+    from replayjob.optbatch.knobs import BUILTIN, knobs_for
+
+    assert rm["framework"] == BUILTIN and set(rm["runtime"]) == set(knobs_for(BUILTIN)) == set(BUILT_IN_KNOBS)
+    return {k: rm["runtime"][k] for k in BUILT_IN_KNOBS}
+
+
 @pytest.fixture(scope="module")
 def baseline(workspace: Path, capture_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("replay") / "baseline"
@@ -255,7 +266,7 @@ def test_same_condition_replay_matches_the_source_bitwise(baseline: Path, captur
     assert rm["arm"] == "baseline" and rm["repeat_index"] == 0
     assert rm["skipped"] == ["dataset", "environment", "rollout", "sampling"]
     # every registered knob as observed at run time, not copied from the config
-    assert rm["runtime"] == {GC: False, "backend.options.attn_implementation": "eager", "training.micro_batch_size": 4}
+    assert observed(rm) == {GC: False, "backend.options.attn_implementation": "eager", "training.micro_batch_size": 4}
     assert rm["allowed_config_differences"] == rm["observed_config_differences"] == []
     assert rm["memory"]["kind"] == "max_rss" and rm["memory"]["peak_bytes"] > 0
     assert rm["padding"]["real_tokens"] <= rm["padding"]["padded_tokens"]
@@ -279,7 +290,7 @@ def test_gradient_checkpointing_arm_records_the_flag_and_matches(baseline: Path,
                     f'optimizer_batch.allow_config_differences=["{GC}"]', out=tmp_path)) == 0
     rm = json.loads((tmp_path / "replay_metrics.json").read_text())
     base = json.loads((baseline / "replay_metrics.json").read_text())
-    assert rm["runtime"] == {GC: True, "backend.options.attn_implementation": "eager", "training.micro_batch_size": 4}
+    assert observed(rm) == {GC: True, "backend.options.attn_implementation": "eager", "training.micro_batch_size": 4}
     assert rm["arm"] == "gradient_checkpointing=true" and rm["knobs"] == {GC: True}
     assert rm["allowed_config_differences"] == rm["observed_config_differences"] == [GC]
     assert rm["loss"] == source_metrics(capture_dir)["loss"]
@@ -542,10 +553,12 @@ def test_micro_batch_knob_is_refused_for_a_dropout_module_in_the_built_model() -
 
 
 def test_every_registered_knob_is_observed_at_run_time() -> None:
-    from replayjob.optbatch.knobs import KNOBS, Runtime, observe_all
+    from replayjob.optbatch.knobs import BUILTIN, KNOBS, Runtime, knobs_for, observe_all
 
     assert all(k.observe is not None for k in KNOBS.values()), "a knob without an observer cannot be checked"
     model = torch.nn.Linear(2, 2)
     model.gradient_checkpointing = True  # type: ignore[assignment]  # what transformers sets on a module
-    seen = observe_all(Runtime(model, (4, 4, 2)))
-    assert seen == {GC: True, "backend.options.attn_implementation": None, "training.micro_batch_size": 4}
+    seen = observe_all(Runtime(model, (4, 4, 2)))  # the built-in trainer's knobs by default
+    assert set(seen) == set(knobs_for(BUILTIN))
+    assert {k: seen[k] for k in BUILT_IN_KNOBS} == {GC: True, "backend.options.attn_implementation": None,
+                                                    "training.micro_batch_size": 4}

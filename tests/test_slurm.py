@@ -140,7 +140,7 @@ def test_zero_gpus_drops_every_gpu_request(spec_file: Path, tmp_path: Path) -> N
     (["--out", "x", "--gpus-per-task", "-1"], "--gpus-per-task expects an integer"),
     (["--out", "x", "--repeats", "0"], "--repeats expects an integer >= 1"),
     (["--out", "x", "--plant", "nope:a.b=1"], "--plant names arm 'nope'"),
-    (["--out", "x", "--plant", "ckpt-on"], "--plant expects ARM:KEY=VALUE"),
+    (["--out", "x", "--plant", "ckpt-on"], "--plant expects ARM:SETTING=VALUE"),
     (["--out", "x", "--source", "/nonexistent"], "--source needs --workspace"),
     (["--out", "x", "--image", "/nonexistent.sif"], "no such file"),
     (["--out", "x", "--bogus"], "unknown option '--bogus'"),

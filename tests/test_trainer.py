@@ -48,6 +48,7 @@ def test_train_writes_diag_metrics_and_a_changed_adapter(run_a: Path, workspace:
     assert metrics["provenance"]["cublas_workspace_config"] in (":4096:8", ":16:8")
 
 
+@pytest.mark.slow
 def test_same_seed_runs_match_apart_from_timing(run_a: Path, workspace: Path, tmp_path: Path) -> None:
     assert main(["train", str(workspace / "train.toml"), "--out", str(tmp_path / "b"),
                  "--set", "training.max_steps=3"]) == 0
@@ -56,6 +57,7 @@ def test_same_seed_runs_match_apart_from_timing(run_a: Path, workspace: Path, tm
         sha256_file(run_a / "final_adapter/adapter_model.safetensors")
 
 
+@pytest.mark.slow
 def test_nondeterministic_observation_makes_runs_differ(run_a: Path, workspace: Path, tmp_path: Path) -> None:
     assert main(["train", str(workspace / "train.toml"), "--out", str(tmp_path / "c"),
                  "--set", "training.max_steps=1", "--set", "environment.nondeterministic_observation=true"]) == 0
@@ -63,6 +65,7 @@ def test_nondeterministic_observation_makes_runs_differ(run_a: Path, workspace: 
     assert first["checksums"] != rows(run_a / "diag.jsonl")[0]["checksums"]
 
 
+@pytest.mark.slow
 def test_k_steps_plus_resume_equals_n_steps_bitwise(run_a: Path, workspace: Path, tmp_path: Path) -> None:
     ck = run_a / "checkpoints" / "step_000000"
     assert json.loads((ck / "trainer_state.json").read_text())["step"] == 0

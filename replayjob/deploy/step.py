@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from replayjob import metrics
 from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec, Run, toml_value
 from replayjob.digest import sha256_json
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError, UsageError
@@ -61,7 +62,6 @@ RUN_SCHEMA = "replayjob.run/v1"
 RUN_RECORD = "run.json"
 IMAGE_ENV = "REPLAYJOB_IMAGE_REF"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_BARE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
 def select(spec: AblationSpec, arms: str | None = None, repeats: int | None = None,
@@ -218,23 +218,12 @@ def _wait_for(path: Path, wait_s: float, what: str, log: Any) -> bool:
 
 
 def read_pins(source: Path) -> tuple[str, str, Path]:
-    """The capture's two pins and its manifest file, read strictly from ``source/metrics.json``."""
-    from replayjob.jsonio import read_json_object
-
-    path = source / "metrics.json"
-    if not path.is_file():
-        raise RefusedError("the capture is not complete (no metrics.json)", where=source,
+    """The capture's two pins and its manifest file, read strictly from ``source/metrics.json``
+    (:func:`replayjob.metrics.read_pins`)."""
+    if not (source / metrics.SOURCE_FILE).is_file():
+        raise RefusedError(f"the capture is not complete (no {metrics.SOURCE_FILE})", where=source,
                            hint="run `replayjob step capture` first; replays start after it succeeded")
-    m = read_json_object(path)
-    pins = (m.get("optimizer/logical_batch_sha256"), m.get("optimizer_batch/manifest_sha256"))
-    name = m.get("optimizer_batch/manifest_path")
-    for key, value in zip(("optimizer/logical_batch_sha256", "optimizer_batch/manifest_sha256"), pins,
-                          strict=True):
-        if not isinstance(value, str) or not _HEX64.match(value):
-            raise IntegrityError(f"{key} is not a lowercase 64-digit hex SHA-256", where=path)
-    if not isinstance(name, str) or not _BARE.match(name) or name in (".", ".."):
-        raise IntegrityError("optimizer_batch/manifest_path is not a bare file name", where=path)
-    return str(pins[0]), str(pins[1]), source / name
+    return metrics.read_pins(source)
 
 
 def _parse_pins(text: str) -> tuple[str, str]:
@@ -245,12 +234,12 @@ def _parse_pins(text: str) -> tuple[str, str]:
 
 
 def _plants(spec: AblationSpec, plants: Sequence[str]) -> dict[str, list[str]]:
-    """``--plant ARM:KEY=VALUE``: negative controls, an undeclared override in one arm's replays."""
+    """``--plant ARM:SETTING=VALUE``: negative controls, an undeclared override in one arm's replays."""
     out: dict[str, list[str]] = {}
     for plant in plants:
         arm, sep, kv = plant.partition(":")
         if not sep or not re.fullmatch(r"[a-z_][a-z0-9_.]*=.+", kv):
-            raise UsageError(f"--plant expects ARM:KEY=VALUE, got {plant!r}")
+            raise UsageError(f"--plant expects ARM:SETTING=VALUE, got {plant!r}")
         spec.arm(arm)
         out.setdefault(arm, []).append(kv)
     return out
@@ -270,10 +259,10 @@ def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None
         _set_aside(layout.workspace, layout, log)  # replay.toml is init's last file: no replay.toml, partial
         init_workspace(layout.workspace, spec.seed)
         log(f"step: initialised {layout.workspace}")
-    if (layout.source / "metrics.json").is_file():
+    if (layout.source / metrics.SOURCE_FILE).is_file():
         log(f"step: {layout.source} is complete; reusing it")
     elif not layout.owns_source:
-        raise RefusedError("the capture given with --source is not complete (no metrics.json)",
+        raise RefusedError(f"the capture given with --source is not complete (no {metrics.SOURCE_FILE})",
                            where=layout.source)
     else:
         from replayjob.source_run import capture
@@ -283,7 +272,7 @@ def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None
         capture(layout.workspace / "source.toml", sets, layout.source)
         log(f"step: captured into {layout.source}")
     logical, manifest, _ = read_pins(layout.source)
-    log(f"optimizer/logical_batch_sha256 {logical}\noptimizer_batch/manifest_sha256 {manifest}")
+    log(f"{metrics.LOGICAL} {logical}\n{metrics.MANIFEST} {manifest}")
     if outputs is not None:
         atomic_write_text(outputs / "logical_sha256", logical)
         atomic_write_text(outputs / "manifest_sha256", manifest)
@@ -321,16 +310,16 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
     run = spec.run_for_index(index)
     planted = _plants(spec, plants).get(run.arm, [])
     check_run_record(layout, spec)
-    _wait_for(layout.source / "metrics.json", wait_s, "the capture", log)
+    _wait_for(layout.source / metrics.SOURCE_FILE, wait_s, "the capture", log)
     logical, manifest, manifest_file = read_pins(layout.source)
     if pins is not None and _parse_pins(pins) != (logical, manifest):
-        raise ContractError("the pins handed over by the launcher differ from the capture's metrics.json",
-                            where=layout.source / "metrics.json",
+        raise ContractError(f"the pins handed over by the launcher differ from the capture's {metrics.SOURCE_FILE}",
+                            where=layout.source / metrics.SOURCE_FILE,
                             hint="the run directory holds another capture; give the run a new run directory")
     out = layout.replay(run.arm, run.repeat)
     where = f" (schedule slot {run.slot.arg()})" if run.slot is not None else ""
     log(f"step: index {index} is arm {run.arm} repeat {run.repeat}{where} -> {out}")
-    if (out / "replay_metrics.json").is_file():
+    if (out / metrics.REPLAY_FILE).is_file():
         log(f"step: {out} is complete; reusing it")
         return
     _set_aside(out, layout, log)
@@ -342,12 +331,12 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
                                   replay_args(spec, layout, run, logical, manifest, manifest_file, planted),
                                   out, None, run.repeat, run.slot):
         log(f"step: replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}; wrote "
-            f"{path}/replay_metrics.json")
+            f"{path}/{metrics.REPLAY_FILE}")
 
 
 def expected_files(spec: AblationSpec, layout: Layout) -> Iterator[Path]:
     for run in spec.runs():
-        yield layout.replay(run.arm, run.repeat) / "replay_metrics.json"
+        yield layout.replay(run.arm, run.repeat) / metrics.REPLAY_FILE
 
 
 def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, outputs: Path | None = None,
@@ -363,7 +352,7 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
             break
     missing = [str(p.parent.relative_to(layout.run)) for p in expected_files(spec, layout) if not p.is_file()]
     if missing:
-        log(f"step: {len(missing)} replay(s) left no replay_metrics.json: {', '.join(missing)}")
+        log(f"step: {len(missing)} replay(s) left no {metrics.REPLAY_FILE}: {', '.join(missing)}")
     layout.replays.mkdir(parents=True, exist_ok=True)
     verdict = reduce_evidence(Request(
         paths=[str(layout.replays)], claim=spec.claim, out=layout.verdict, source=layout.source,

@@ -21,7 +21,8 @@ from typing import Any
 
 from replayjob.digest import sha256_file
 from replayjob.errors import ReplayjobError
-from replayjob.gate.evidence import REQUIRED_SKIPS, Replay, Source, Tolerances
+from replayjob.gate.evidence import SKIPPED, Replay, Source, Tolerances
+from replayjob.metrics import EFFECTIVE, INITIAL_ADAPTER, LOGICAL
 from replayjob.optbatch.knobs import BUILTIN, Knob, knobs_for
 
 PASS, FAIL, REFUSED, NOT_APPLICABLE = "pass", "fail", "refused", "not_applicable"
@@ -189,8 +190,8 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
     ``capture`` holds the manifest's own digests (``manifest``, ``payload``, ``logical``,
     ``effective``, ``initial_adapter``) and its producer (``framework``: ``replayjob`` for the
     built-in trainer's manifest, else the external trainer it records): a replay whose recorded
-    payload or manifest pin names another capture, a replay of another producer, or source metrics
-    that disagree with their manifest, is refused.
+    payload, manifest or logical pin names another capture, a replay of another producer, or source
+    metrics that disagree with their manifest, is refused.
     """
     values = [(f"source {k}", getattr(source, k), capture[k])
               for k in ("manifest", "logical", "effective", "initial_adapter")]
@@ -198,6 +199,7 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
         values += [(f"{r.label} manifest", r.manifest, capture["manifest"]),
                    (f"{r.label} manifest pin", r.pin_manifest, capture["manifest"]),
                    (f"{r.label} payload pin", r.pin_payload, capture["payload"]),
+                   (f"{r.label} logical pin", r.pin_logical, capture["logical"]),
                    (f"{r.label} framework", r.framework, capture["framework"])]
     bad = {label: {"recorded": got, "capture": want} for label, got, want in values if got != want}
     return Check("inputs.capture_pins", "inputs", REFUSED if bad else PASS,
@@ -226,13 +228,13 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
     checks: list[Check] = []
     logical = [(r.label, r.logical) for r in replays] + [(f"{r.label} pin", r.pin_logical) for r in replays]
     checks.append(agree("exact.logical_batch", g, logical, source.logical if source else None,
-                        what="optimizer/logical_batch_sha256 and each replay's pinned expectation"))
+                        what=f"{LOGICAL} and each replay's pinned expectation"))
     checks.append(agree("exact.effective_rows", g, _with_source(source, "effective", replays),
                         source.effective if source else None,
-                        what="optimizer/local_effective_rows_sha256 identical everywhere"))
+                        what=f"{EFFECTIVE} identical everywhere"))
     checks.append(agree("exact.initial_adapter", g, _with_source(source, "initial_adapter", replays),
                         source.initial_adapter if source else None,
-                        what="optimizer_batch/initial_adapter_sha256 identical everywhere"))
+                        what=f"{INITIAL_ADAPTER} identical everywhere"))
     knob_vals = [(r.label, r.knobs) for a in arms.values() for r in a.replays]
     expected_knobs = {a.name: a.knobs for a in arms.values()}
     off = tuple(r.label for a in arms.values() for r in a.replays if _text(r.knobs) != _text(a.knobs))
@@ -251,9 +253,9 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
     checks.append(Check("exact.config_differences", g, FAIL if bad else PASS,
                         {a.name: sorted(a.intent) for a in arms.values()}, observed,
                         "allowed == observed config differences == the arm's intended knobs", tuple(bad)))
-    missing = {r.label: sorted(set(REQUIRED_SKIPS) - set(r.skipped)) for r in replays}
+    missing = {r.label: sorted(set(SKIPPED) - set(r.skipped)) for r in replays}
     missing = {k: v for k, v in missing.items() if v}
-    checks.append(Check("exact.skipped", g, FAIL if missing else PASS, list(REQUIRED_SKIPS),
+    checks.append(Check("exact.skipped", g, FAIL if missing else PASS, list(SKIPPED),
                         {"missing": missing}, "every replay skipped dataset, environment, rollout, sampling",
                         tuple(missing)))
     checks.append(knobs_in_effect_check(arms, source))

@@ -42,6 +42,10 @@ from replayjob.gate.evidence import (
     read_tolerances,
 )
 
+if TYPE_CHECKING:
+    from replayjob.integrations.manifest import Manifest as IntegrationManifest
+    from replayjob.optbatch.manifest import Manifest
+
 CLAIMS = ("exact-input", "bitwise", "approximate")
 
 
@@ -70,7 +74,7 @@ class _State:
         self.source: Source | None = None
         self.tolerances: Tolerances | None = None
         self.initial: dict[str, Any] | None = None
-        self.capture: Any = None  # the verified capture manifest (optbatch.manifest or integrations.manifest)
+        self.capture: Manifest | IntegrationManifest | None = None  # verified against the source metrics
         self.plan: dict[str, dict[str, Any]] | None = None
         self.arms: dict[str, C.Arm] = {}
         self.checks: list[C.Check] = []
@@ -120,8 +124,7 @@ def _evaluate(req: Request, st: _State) -> None:
     st.checks = C.input_checks(st.replays, st.arms, st.source, req.min_repeats, expected_arms)
     st.checks.append(C.hardware_check(st.replays, req.mixed_hardware))
     if st.source is not None:
-        st.capture = _capture_manifest(st.source)
-        m = st.capture
+        m = st.capture = _capture_manifest(st.source)
         st.checks.append(C.capture_pins_check(st.replays, st.source, {
             "manifest": m.sha256, "payload": m.payload_digest, "logical": m.logical_sha256,
             "effective": m.effective_sha256, "initial_adapter": m.initial_adapter_sha256,
@@ -160,7 +163,7 @@ def _budget_section(req: Request, st: _State, admitted: bool, base: Path) -> dic
     return section
 
 
-def _capture_manifest(source: Source) -> Any:
+def _capture_manifest(source: Source) -> Manifest | IntegrationManifest:
     """The capture manifest next to the source metrics, verified against the SHA-256 they report: the
     built-in trainer's (:mod:`replayjob.optbatch.manifest`) or an external trainer's
     (:mod:`replayjob.integrations.manifest`), told apart by its schema after the bytes matched the pin."""
@@ -178,7 +181,7 @@ def _capture_manifest(source: Source) -> Any:
     return Manifest(path, sha, validate(doc, path))
 
 
-def _initial_adapter(source: Source, man: Any) -> Path:
+def _initial_adapter(source: Source, man: Manifest | IntegrationManifest) -> Path:
     """The initial adapter pinned by the capture manifest ``man``, found with its pinned SHA-256 (an external
     trainer's adapter file sits next to its manifest)."""
     from replayjob.integrations import manifest as imanifest
@@ -210,6 +213,7 @@ def _approximate(st: _State) -> None:
             st.checks.append(C.Check(name, g, C.FAIL, None, None, "not evaluated: the evidence above is refused"))
         return
     assert st.tolerances is not None
+    assert st.capture is not None  # read with the source
     initial = _initial_adapter(st.source, st.capture)
     st.initial = {"path": initial, "sha256": st.source.initial_adapter}
     members = [updates.Member("source", "source", st.source.final_adapter_file)]

@@ -22,8 +22,22 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.digest import sha256_bytes
-from replayjob.gate.evidence import REPLAY_FILE, REPLAY_SCHEMA, REQUIRED_SKIPS, SOURCE_FILE
 from replayjob.jsonio import pretty_bytes
+from replayjob.metrics import (
+    EFFECTIVE,
+    FINAL_ADAPTER,
+    FINAL_ADAPTER_PATH,
+    HOST,
+    INITIAL_ADAPTER,
+    LOGICAL,
+    MANIFEST,
+    REPLAY_FILE,
+    REPLAY_SCHEMA,
+    SKIPPED,
+    SOURCE_FILE,
+    SOURCE_FINAL_ADAPTER,
+    SOURCE_SCHEMA,
+)
 from replayjob.optbatch import manifest as mf
 from replayjob.optbatch.knobs import BUILTIN, knobs_for, lookup
 from replayjob.optbatch.knobs import GRADIENT_CHECKPOINTING as GC_KEY
@@ -90,14 +104,14 @@ def replay_doc(*, arm: str, index: int, knobs: dict[str, Any], manifest_sha256: 
         "arm": arm, "repeat_index": index,
         "pins": {"expected_logical_sha256": digest_of("logical"), "expected_manifest_sha256": manifest_sha256,
                  "payload_spans_sha256": digest_of("payload")},
-        "optimizer/logical_batch_sha256": digest_of("logical"),
-        "optimizer/local_effective_rows_sha256": digest_of("effective"),
-        "optimizer_batch/manifest_sha256": manifest_sha256,
-        "optimizer_batch/initial_adapter_sha256": initial_sha256,
-        "optimizer_batch/final_adapter_sha256": final_sha256,
-        "final_adapter_path": ADAPTER,
+        LOGICAL: digest_of("logical"),
+        EFFECTIVE: digest_of("effective"),
+        MANIFEST: manifest_sha256,
+        INITIAL_ADAPTER: initial_sha256,
+        FINAL_ADAPTER: final_sha256,
+        FINAL_ADAPTER_PATH: ADAPTER,
         "allowed_config_differences": sorted(knobs), "observed_config_differences": sorted(knobs),
-        "knobs": dict(knobs), "skipped": list(REQUIRED_SKIPS),
+        "knobs": dict(knobs), "skipped": list(SKIPPED),
         "runtime": runtime_of(knobs),
         "loss": loss, **_measures(seed, arm, index, knobs),
         "tolerances_sha256": tolerances_sha256, "config_sha256": digest_of(f"config:{sorted(knobs.items())}"),
@@ -105,7 +119,7 @@ def replay_doc(*, arm: str, index: int, knobs: dict[str, Any], manifest_sha256: 
         "rows": {"rows": 16, "tokens": 544, "response_tokens": 128, "loss_bearing_tokens": 128,
                  "loss_weight_sum": 1.0},
         "provenance": {"strict_deterministic": True, "math_mode": "pedantic", "device": "cpu"},
-        "host": {"node": f"node-{index}", "pod": None, "slurm_job": None, "image_ref": None, "image_digest": None,
+        HOST: {"node": f"node-{index}", "pod": None, "slurm_job": None, "image_ref": None, "image_digest": None,
                  "device_type": "cpu", "gpu_product": None, "gpu_uuid": None, "driver_version": None,
                  "cuda_version": None, "torch_version": "2.13.0", "cuda_visible_devices": None,
                  "cpu_model": "synthetic"},
@@ -129,14 +143,14 @@ def _write_source(root: Path, initial: bytes, final: bytes, loss: float) -> tupl
     manifest_sha = mf.write(src / mf.manifest_name(0), doc)
     _put(src / ADAPTER, final)
     metrics = {
-        "schema": "replayjob.metrics/v1", "trainer": "grpo", "loss": loss,
-        "optimizer/logical_batch_sha256": digest_of("logical"),
-        "optimizer/local_effective_rows_sha256": digest_of("effective"),
-        "optimizer_batch/manifest_sha256": manifest_sha,
-        "optimizer_batch/initial_adapter_sha256": sha256_bytes(initial),
-        "optimizer_batch/final_adapter_sha256": sha256_bytes(final),
-        "final_adapter_sha256": sha256_bytes(final),
-        "final_adapter_path": ADAPTER, "config": SOURCE_CONFIG,
+        "schema": SOURCE_SCHEMA, "trainer": "grpo", "loss": loss,
+        LOGICAL: digest_of("logical"),
+        EFFECTIVE: digest_of("effective"),
+        MANIFEST: manifest_sha,
+        INITIAL_ADAPTER: sha256_bytes(initial),
+        FINAL_ADAPTER: sha256_bytes(final),
+        SOURCE_FINAL_ADAPTER: sha256_bytes(final),
+        FINAL_ADAPTER_PATH: ADAPTER, "config": SOURCE_CONFIG,
     }
     _put(src / SOURCE_FILE, pretty_bytes(metrics))
     return src, manifest_sha, init_file

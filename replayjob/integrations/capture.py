@@ -39,16 +39,17 @@ import torch
 
 import replayjob
 from replayjob import determinism
+from replayjob import metrics as metrics_io
 from replayjob.config import redact
 from replayjob.digest import sha256_bytes, sha256_file, sha256_json
 from replayjob.errors import ArtifactExistsError, ContractError, RefusedError
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.integrations import manifest as imanifest
-from replayjob.jsonio import canonical_bytes, pretty_bytes
+from replayjob.jsonio import canonical_bytes
 from replayjob.rl.state import rng_tensors
 
 FINAL_ADAPTER_FILE = "final_adapter/adapter_model.safetensors"
-METRICS_FILE = "metrics.json"
+METRICS_FILE = metrics_io.SOURCE_FILE
 REPLAY_TOML = "replay.toml"
 BASE_MODEL_FILES = ("config.json",)  # hashed with every *.safetensors and *.safetensors.index.json
 _PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -417,16 +418,15 @@ class StepCapture:
         manifest_sha = imanifest.write(manifest_path, doc)
         final_sha = save_adapter(out / FINAL_ADAPTER_FILE, self.model)
         metrics = {
-            "framework": self.framework, "step": self.step,
-            "optimizer/logical_batch_sha256": logical, "optimizer/local_effective_rows_sha256": effective,
-            "optimizer_batch/manifest_sha256": manifest_sha,
-            "optimizer_batch/initial_adapter_sha256": files["adapter"]["sha256"],
-            "optimizer_batch/final_adapter_sha256": final_sha, "final_adapter_path": FINAL_ADAPTER_FILE,
-            "optimizer_batch/manifest_path": names["manifest"],
+            "schema": metrics_io.SOURCE_SCHEMA, metrics_io.FRAMEWORK: self.framework, metrics_io.STEP: self.step,
+            metrics_io.LOGICAL: logical, metrics_io.EFFECTIVE: effective, metrics_io.MANIFEST: manifest_sha,
+            metrics_io.INITIAL_ADAPTER: files["adapter"]["sha256"],
+            metrics_io.FINAL_ADAPTER: final_sha, metrics_io.FINAL_ADAPTER_PATH: FINAL_ADAPTER_FILE,
+            metrics_io.MANIFEST_PATH: names["manifest"],
             "loss": self.loss, "grad_norm": None if grad_norm is None else float(grad_norm),
             "config": self.config,
         }
-        atomic_write_bytes(out / METRICS_FILE, pretty_bytes(metrics), exclusive=True)
+        metrics_io.write(out / METRICS_FILE, metrics, exclusive=True)
         replay_toml = out / REPLAY_TOML
         atomic_write_text(replay_toml, self._replay_toml(manifest_path.resolve(), manifest_sha, logical),
                           exclusive=True)

@@ -7,9 +7,9 @@ optimizer and LR-scheduler state, then for each captured micro-batch the framewo
 step with the Torch RNG state restored right before its loss call, then the framework's clip /
 optimizer step / scheduler step / zero-grad sequence, exactly once.  ``replay_metrics.json`` is
 built by :func:`replayjob.optbatch.replay.metrics_document` and written by
-:func:`~replayjob.optbatch.replay.write_metrics`, with the observation of every registered knob of
-the framework (:func:`replayjob.optbatch.knobs.observe_all`) and the host it ran on, so ``reduce``
-reads and gates it like a built-in replay.
+:func:`~replayjob.optbatch.replay.write_metrics` (through :mod:`replayjob.metrics`), with the
+observation of every registered knob of the framework (:func:`replayjob.optbatch.knobs.observe_all`)
+and the host it ran on, so ``reduce`` reads and gates it like a built-in replay.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from replayjob import determinism
+from replayjob import metrics as metrics_io
 from replayjob.deploy.schedule import Slot
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ArtifactExistsError, ContractError, UsageError
@@ -162,11 +163,11 @@ def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0, slot: Slot | Non
         rng_restored=sorted({k for mb in mbs for k in mb.rng}),
         tolerances_sha256=cfg.optimizer_batch.tolerances_sha256, budgets_sha256=cfg.optimizer_batch.budgets_sha256,
         config_sha256=cfg.sha256)
-    metrics.update({"step": m.step,
-                    "optimizer_batch/final_adapter_sha256": final_sha,
-                    "final_adapter_path": cap.FINAL_ADAPTER_FILE, "provenance": prov,
-                    "schedule": None if slot is None else slot.to_json(),
-                    "in_process": None,  # in-process repeats: replayjob's own trainer only (refused at admission)
+    metrics.update({metrics_io.STEP: m.step,
+                    metrics_io.FINAL_ADAPTER: final_sha,
+                    metrics_io.FINAL_ADAPTER_PATH: cap.FINAL_ADAPTER_FILE, "provenance": prov,
+                    metrics_io.SCHEDULE: None if slot is None else slot.to_json(),
+                    metrics_io.IN_PROCESS: None,  # in-process repeats: replayjob's own trainer only (refused)
                     "wall_s": time.perf_counter() - t_start})
     write_metrics(out, metrics)
     return metrics

@@ -36,6 +36,19 @@ from replayjob.config import Config, resolved
 from replayjob.errors import ArtifactExistsError, ConfigError, RefusedError
 from replayjob.faults import point
 from replayjob.fsio import atomic_write_bytes
+from replayjob.metrics import (
+    EFFECTIVE,
+    FINAL_ADAPTER,
+    INITIAL_ADAPTER,
+    LOGICAL,
+    MANIFEST,
+    MANIFEST_PATH,
+    PIN_KEYS,
+    SOURCE_FILE,
+    SOURCE_FINAL_ADAPTER,
+    STEP,
+    STEPS,
+)
 from replayjob.optbatch import manifest, payload, stepcapture
 from replayjob.optbatch.contract import optimizer_contract
 from replayjob.rl.batch import OptimizerBatch
@@ -46,9 +59,7 @@ CRASH_POINTS = ("capture.start", "capture.before-payload", "capture.payload-writ
                 "capture.manifest-written", "capture.after-update", "capture.metrics")
 CAPTURE_STEP = 0
 Snapshot = tuple[int, OptimizerBatch, dict[str, torch.Tensor], dict[str, Any]]  # step, rows, RNG, producer
-METRIC_KEYS = ("optimizer/logical_batch_sha256", "optimizer/local_effective_rows_sha256",
-               "optimizer_batch/manifest_sha256", "optimizer_batch/initial_adapter_sha256",
-               "optimizer_batch/final_adapter_sha256")
+METRIC_KEYS = PIN_KEYS
 
 
 def check_preconditions(cfg: Config) -> ResumeState:
@@ -91,7 +102,7 @@ class CaptureHook(StepHook):
         state = check_preconditions(cfg)
         for name in (manifest.payload_name(CAPTURE_STEP), manifest.manifest_name(CAPTURE_STEP)):
             if (out / name).exists():
-                if (out / "metrics.json").exists():
+                if (out / SOURCE_FILE).exists():
                     raise ArtifactExistsError("a capture already exists here and is never overwritten",
                                               where=out / name, hint="choose a new --out directory")
                 raise ArtifactExistsError("an interrupted capture (no metrics.json) already exists here and "
@@ -134,12 +145,8 @@ class CaptureHook(StepHook):
             adapter_sha256=self.state.adapter_sha256)
         sha = manifest.write(self.out / manifest.manifest_name(step), doc)
         point("capture.manifest-written")
-        self.digests = {
-            "optimizer/logical_batch_sha256": logical,
-            "optimizer/local_effective_rows_sha256": effective,
-            "optimizer_batch/manifest_sha256": sha,
-            "optimizer_batch/initial_adapter_sha256": self.state.adapter_sha256,
-        }
+        self.digests = {LOGICAL: logical, EFFECTIVE: effective, MANIFEST: sha,
+                        INITIAL_ADAPTER: self.state.adapter_sha256}
 
     def finish(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Wait for the writer (re-raising its error: the same domain error, so exit 2); then the keys
@@ -149,8 +156,8 @@ class CaptureHook(StepHook):
             raise RefusedError("the optimizer batch was snapshotted but its update never returned, so the capture "
                                "was not written", where=self.out, hint="rerun the capture into a new --out directory")
         point("capture.metrics")
-        return {**self.digests, "optimizer_batch/final_adapter_sha256": metrics["final_adapter_sha256"],
-                "optimizer_batch/manifest_path": manifest.manifest_name(CAPTURE_STEP)}
+        return {**self.digests, FINAL_ADAPTER: metrics[SOURCE_FINAL_ADAPTER],
+                MANIFEST_PATH: manifest.manifest_name(CAPTURE_STEP)}
 
     def abandon(self) -> None:
         """Release the writer and wait for it: a snapshot already handed over is written first."""
@@ -217,11 +224,11 @@ class StepsCapture(StepHook):
     def finish(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Wait for the writer (re-raising its first error); every chosen step's pins for metrics.json."""
         self._writer.drain()
-        missing = sorted(set(self.steps) - {int(c["step"]) for c in self.captured})
+        missing = sorted(set(self.steps) - {int(c[STEP]) for c in self.captured})
         if missing:
             raise RefusedError(f"steps {missing} were chosen but not captured (their update never returned)",
                                where=self.out, hint="rerun into a new --out directory")
-        return {"optimizer_batch/steps": sorted(self.captured, key=lambda c: int(c["step"]))}
+        return {STEPS: sorted(self.captured, key=lambda c: int(c[STEP]))}
 
     def abandon(self) -> None:
         self._writer.release()

@@ -26,6 +26,7 @@ from replayjob.config.redact import redact_text
 from replayjob.config.schema import OptimizerBatchConfig
 from replayjob.digest import normalize_digest
 from replayjob.errors import ContractError, IntegrityError, RefusedError
+from replayjob.metrics import EFFECTIVE, LOGICAL, SKIPPED
 from replayjob.optbatch import knobs, payload, stepcapture
 from replayjob.optbatch.contract import contract_differences, contract_sha256, optimizer_contract
 from replayjob.optbatch.manifest import Manifest, read_verified
@@ -33,7 +34,6 @@ from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.state import ResumeState, read_state
 
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024 * 1024
-SKIPPED = ["dataset", "environment", "rollout", "sampling"]
 
 
 @dataclass
@@ -289,8 +289,8 @@ def report(adm: Admission) -> dict[str, Any]:
         "payload": ({"path": str(m.payload_path), "size": m.payload_size, "spans_sha256": m.payload_digest}
                     if m else None),
         "rows": adm.rows,
-        "optimizer/logical_batch_sha256": adm.digests[0] if adm.digests is not None else None,
-        "optimizer/local_effective_rows_sha256": adm.digests[1] if adm.digests is not None else None,
+        LOGICAL: adm.digests[0] if adm.digests is not None else None,
+        EFFECTIVE: adm.digests[1] if adm.digests is not None else None,
         "initial_adapter": ({"path": str(adm.state.adapter_file), "sha256": adm.state.adapter_sha256}
                             if adm.state else None),
         "contract_sha256": contract_sha256(adm.contract) if adm.contract is not None else None,

@@ -32,23 +32,22 @@ import torch
 
 import replayjob
 from replayjob import determinism
+from replayjob import metrics as metrics_io
 from replayjob.config import Config, config_sha256, load_config
 from replayjob.deploy.schedule import Slot
 from replayjob.digest import sha256_file
 from replayjob.errors import ArtifactExistsError, ContractError, UsageError, error_for_exit_status
-from replayjob.fsio import atomic_write_bytes
 from replayjob.hostinfo import host_provenance
-from replayjob.jsonio import pretty_bytes, read_json_object
 from replayjob.model.backend import Policy, load_backend
 from replayjob.optbatch import knobs, stepcapture
-from replayjob.optbatch.explain import SKIPPED, Admission, admit
+from replayjob.optbatch.explain import Admission, admit
 from replayjob.rl.diag import peak_memory_value
 from replayjob.rl.state import check_model, restore_rng
 from replayjob.rl.update import make_optimizer, optimizer_update
 from replayjob.trace.recorder import traced_update
 
-METRICS_SCHEMA = "replayjob.replay_metrics/v2"
-METRICS_FILE = "replay_metrics.json"
+METRICS_SCHEMA = metrics_io.REPLAY_SCHEMA
+METRICS_FILE = metrics_io.REPLAY_FILE
 FINAL_ADAPTER_DIR = "final_adapter"
 
 
@@ -87,7 +86,7 @@ def _in_process(policy: Policy, cfg: Config, adm: Admission, start: dict[str, to
             walls.append(wall)
             peaks.append(peak_memory_value(policy.device))
     return {"warmup_updates": ob.warmup_updates, "measured_updates": ob.measured_updates,
-            "local_train_wall_s": walls, "peak_bytes": peaks, "loss_equal": same}
+            metrics_io.IN_PROCESS_WALLS: walls, "peak_bytes": peaks, metrics_io.IN_PROCESS_LOSS_EQUAL: same}
 
 
 def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = None) -> dict[str, Any]:
@@ -139,15 +138,15 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = No
     observed = knobs.observe_all(knobs.Runtime(policy.model, tuple(res.micro_batch_rows)))
     metrics = _metrics(adm, cfg, repeat_index, res, local_train_wall_s, peak, policy.device, observed)
     metrics.update({
-        "optimizer_batch/final_adapter_sha256": sha256_file(final_file),
-        "final_adapter_path": str(final_file.relative_to(out)),
+        metrics_io.FINAL_ADAPTER: sha256_file(final_file),
+        metrics_io.FINAL_ADAPTER_PATH: str(final_file.relative_to(out)),
         "provenance": prov,
-        "schedule": None if slot is None else slot.to_json(),
-        "in_process": in_process,
+        metrics_io.SCHEDULE: None if slot is None else slot.to_json(),
+        metrics_io.IN_PROCESS: in_process,
         "wall_s": time.perf_counter() - t_start,
     })
     if tracer is not None:  # before replay_metrics.json, which pins the trace index
-        metrics["trace"] = tracer.write(out, metrics)
+        metrics[metrics_io.TRACE] = tracer.write(out, metrics)
     write_metrics(out, metrics)
     return metrics
 
@@ -164,21 +163,21 @@ def metrics_document(*, framework: str, arm: str, repeat_index: int, pins: dict[
     (:func:`replayjob.optbatch.knobs.observe_all`); ``host`` is read here, where the replay ran."""
     return {
         "schema": METRICS_SCHEMA,
-        "framework": framework,
+        metrics_io.FRAMEWORK: framework,
         "replayjob_version": replayjob.__version__,
         "torch_version": torch.__version__,
         "device": str(device),
         "arm": arm,
         "repeat_index": repeat_index,
         "pins": pins,
-        "optimizer/logical_batch_sha256": logical,
-        "optimizer/local_effective_rows_sha256": effective,
-        "optimizer_batch/manifest_sha256": manifest_sha256,
-        "optimizer_batch/initial_adapter_sha256": initial_adapter_sha256,
+        metrics_io.LOGICAL: logical,
+        metrics_io.EFFECTIVE: effective,
+        metrics_io.MANIFEST: manifest_sha256,
+        metrics_io.INITIAL_ADAPTER: initial_adapter_sha256,
         "allowed_config_differences": list(allowed),
         "observed_config_differences": list(observed),
         "knobs": knob_values,
-        "skipped": list(SKIPPED),
+        "skipped": list(metrics_io.SKIPPED),
         "runtime": runtime,  # every registered knob of the framework as observed at run time
         "loss": loss,
         "grad_norm": grad_norm,
@@ -189,15 +188,16 @@ def metrics_document(*, framework: str, arm: str, repeat_index: int, pins: dict[
         "rows": rows,
         "rng_restored": rng_restored,
         "tolerances_sha256": tolerances_sha256.strip().lower(),  # checked at admission
-        "budgets_sha256": budgets_sha256.strip().lower(),
+        metrics_io.BUDGETS_SHA256: budgets_sha256.strip().lower(),
         "config_sha256": config_sha256,
-        "host": host_provenance(device),  # node, GPU, driver, CUDA, image (replayjob.hostinfo)
+        metrics_io.HOST: host_provenance(device),  # node, GPU, driver, CUDA, image (replayjob.hostinfo)
     }
 
 
 def write_metrics(out: Path, metrics: dict[str, Any]) -> None:
-    """Write ``OUT/replay_metrics.json`` atomically and exclusively (the one writer of the file)."""
-    atomic_write_bytes(out / METRICS_FILE, pretty_bytes(metrics), exclusive=True)
+    """Write ``OUT/replay_metrics.json`` exclusively through :func:`replayjob.metrics.write` (every producer's
+    replay calls this)."""
+    metrics_io.write(out / METRICS_FILE, metrics, exclusive=True)
 
 
 def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_train_wall_s: float,
@@ -278,5 +278,5 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
             tail = (proc.stderr or proc.stdout).strip()[-2000:]
             raise error_for_exit_status(proc.returncode)(  # 3 or a signal stays retryable (exit 3)
                 f"repeat {i} exited with status {proc.returncode}: {tail}", where=d)
-        results.append((d, read_json_object(d / METRICS_FILE)))
+        results.append((d, metrics_io.read_replay(d / METRICS_FILE).doc))
     return results

@@ -40,6 +40,15 @@ from typing import Any
 
 from replayjob.config import Config
 from replayjob.errors import ArtifactExistsError
+from replayjob.metrics import (
+    RING,
+    RING_PEAK_BYTES,
+    RING_SIZE,
+    RING_STEPS_OBSERVED,
+    RING_TRAINING_THREAD_S,
+    RING_TRIGGER,
+    RING_WRITTEN,
+)
 from replayjob.optbatch import stepcapture
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.hooks import BackgroundWriter, StepHook, TrainerView
@@ -143,9 +152,10 @@ class RingCapture(StepHook):
     def finish(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Wait for the writer (re-raising its first error); the ring's figures and pins for metrics.json."""
         self._writer.drain()
-        return {"optimizer_batch/ring": {
-            "size": self.cfg.optimizer_batch.ring_size, "steps_observed": self.steps, "peak_bytes": self.peak_bytes,
-            "training_thread_s": self.seconds, "trigger": self.fired, "written": list(self.written)}}
+        return {RING: {
+            RING_SIZE: self.cfg.optimizer_batch.ring_size, RING_STEPS_OBSERVED: self.steps,
+            RING_PEAK_BYTES: self.peak_bytes, RING_TRAINING_THREAD_S: self.seconds, RING_TRIGGER: self.fired,
+            RING_WRITTEN: list(self.written)}}
 
     def abandon(self) -> None:
         self._writer.release()

@@ -44,6 +44,17 @@ from replayjob.config.schema import OptimizerBatchConfig
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ArtifactExistsError
 from replayjob.fsio import atomic_write_bytes
+from replayjob.metrics import (
+    STEP,
+    STEP_EFFECTIVE,
+    STEP_FINAL_ADAPTER,
+    STEP_INITIAL_ADAPTER,
+    STEP_LOGICAL,
+    STEP_MANIFEST,
+    STEP_MANIFEST_PATH,
+    STEP_NONFINITE,
+    STEP_REPLAY_CONFIG,
+)
 from replayjob.optbatch import manifest, payload
 from replayjob.optbatch.contract import optimizer_contract
 from replayjob.rl.batch import OptimizerBatch
@@ -241,11 +252,11 @@ def write(out: Path, snap: StepSnapshot, cfg: Config, model_reference: dict[str,
                        exclusive=True)
     base = relative_to or out
     final = sha256_bytes(adapter_bytes(snap.final_adapter.unpack())) if snap.final_adapter is not None else None
-    return {"step": k, "manifest_path": str((out / mname).relative_to(base)), "manifest_sha256": sha,
-            "logical_batch_sha256": logical, "local_effective_rows_sha256": effective,
-            "initial_adapter_sha256": adapter_sha, "final_adapter_sha256": final,
-            "replay_config": str((out / replay_config_name(k)).relative_to(base)),
-            "nonfinite_inputs": snap.nonfinite}
+    return {STEP: k, STEP_MANIFEST_PATH: str((out / mname).relative_to(base)), STEP_MANIFEST: sha,
+            STEP_LOGICAL: logical, STEP_EFFECTIVE: effective,
+            STEP_INITIAL_ADAPTER: adapter_sha, STEP_FINAL_ADAPTER: final,
+            STEP_REPLAY_CONFIG: str((out / replay_config_name(k)).relative_to(base)),
+            STEP_NONFINITE: snap.nonfinite}
 
 
 def replay_toml(cfg: Config, step: int, logical: str, manifest_sha256: str) -> str:

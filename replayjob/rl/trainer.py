@@ -22,11 +22,11 @@ from torch import Tensor
 
 import replayjob
 from replayjob import determinism, faults
+from replayjob import metrics as metrics_io
 from replayjob.config import Config, config_sha256, resolved
 from replayjob.digest import sha256_file
 from replayjob.errors import ArtifactExistsError, ConfigError
-from replayjob.fsio import atomic_write_bytes
-from replayjob.jsonio import canonical_bytes, pretty_bytes
+from replayjob.jsonio import canonical_bytes
 from replayjob.model.backend import Policy, load_backend
 from replayjob.rl import stages
 from replayjob.rl.batch import OptimizerBatch
@@ -48,9 +48,9 @@ from replayjob.rl.state import (
 from replayjob.rl.task import Task
 from replayjob.rl.update import UpdateResult, make_optimizer, optimizer_update
 
-METRICS_SCHEMA = "replayjob.metrics/v1"
+METRICS_SCHEMA = metrics_io.SOURCE_SCHEMA
 DIAG_FILE = "diag.jsonl"
-METRICS_FILE = "metrics.json"
+METRICS_FILE = metrics_io.SOURCE_FILE
 FINAL_ADAPTER_DIR = "final_adapter"
 
 
@@ -265,8 +265,8 @@ def _run(cfg: Config, out: Path, hooks: list[StepHook]) -> dict[str, Any]:
         "loss": _finite_or_none(last.loss),  # strict JSON: a diverged last step is null here, NaN in diag
         "grad_norm": _finite_or_none(last.grad_norm),
         "initial_adapter_sha256": initial_sha,
-        "final_adapter_sha256": sha256_file(final_file),
-        "final_adapter_path": str(final_file.relative_to(out)),
+        metrics_io.SOURCE_FINAL_ADAPTER: sha256_file(final_file),
+        metrics_io.FINAL_ADAPTER_PATH: str(final_file.relative_to(out)),
         "config_sha256": config_sha256(cfg),
         "config": resolved(cfg),
         "provenance": prov,
@@ -274,5 +274,5 @@ def _run(cfg: Config, out: Path, hooks: list[StepHook]) -> dict[str, Any]:
     }
     for h in hooks:  # before metrics.json, which declares the whole run (every capture included) complete
         metrics.update(h.finish(dict(metrics)))
-    atomic_write_bytes(out / METRICS_FILE, pretty_bytes(metrics))
+    metrics_io.write(out / METRICS_FILE, metrics)
     return metrics

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.errors import ContractError, RefusedError, UsageError
+from replayjob.metrics import REPLAY_FILE, read_replay
 from replayjob.trace.envelope import Bound, cosine, envelope, relative_error, rounding_bound
 from replayjob.trace.store import IDENTITY_KEYS, TRACE_DIR, Site, Trace, dtype_name, read_trace
 
@@ -46,7 +47,7 @@ class Side:
 
 
 def _replay_dirs(path: Path) -> list[Path]:
-    if (path / "replay_metrics.json").is_file() or (path / TRACE_DIR).is_dir():
+    if (path / REPLAY_FILE).is_file() or (path / TRACE_DIR).is_dir():
         return [path]
     reps = sorted(p for p in path.glob("repeat-*") if p.is_dir())
     if not path.is_dir() or not reps:
@@ -58,17 +59,15 @@ def _replay_dirs(path: Path) -> list[Path]:
 def load_side(path: str | Path) -> list[Side]:
     """The traces of a replay directory (one) or of an arm directory (its repeats, in order), verified
     against the index SHA-256 their replay_metrics.json pins."""
-    from replayjob.gate.evidence import read_replay
-
     out = []
     for d in _replay_dirs(Path(path)):
-        metrics = d / "replay_metrics.json"
+        metrics = d / REPLAY_FILE
         if not metrics.is_file():
-            raise RefusedError("no replay_metrics.json (written last) beside the trace: the replay is "
+            raise RefusedError(f"no {REPLAY_FILE} (written last) beside the trace: the replay is "
                                "incomplete", where=d, hint="rerun the replay with --trace into a new --out")
         pin = read_replay(metrics).trace_index_sha256
         if pin is None:
-            raise RefusedError("this replay was not traced (replay_metrics.json has no trace)", where=metrics,
+            raise RefusedError(f"this replay was not traced ({REPLAY_FILE} has no trace)", where=metrics,
                                hint="replay with --trace (or optimizer_batch.trace = true)")
         out.append(Side(d, read_trace(d, expected_index_sha256=pin)))
     return out

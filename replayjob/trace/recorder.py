@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from replayjob import metrics as metrics_io
 from replayjob.config import Config
 from replayjob.errors import ContractError, UsageError
 from replayjob.optbatch.knobs import GRADIENT_CHECKPOINTING
@@ -202,16 +203,16 @@ class Recorder:
     def write(self, out: Path, metrics: dict[str, Any]) -> dict[str, str]:
         """Write ``OUT/trace/`` for the replay whose (not yet written) ``metrics`` are given; return the
         ``trace`` entry of replay_metrics.json (the index's path and SHA-256)."""
-        identity = {"manifest_sha256": metrics["optimizer_batch/manifest_sha256"],
-                    "logical_batch_sha256": metrics["optimizer/logical_batch_sha256"],
-                    "initial_adapter_sha256": metrics["optimizer_batch/initial_adapter_sha256"],
+        identity = {"manifest_sha256": metrics[metrics_io.MANIFEST],
+                    "logical_batch_sha256": metrics[metrics_io.LOGICAL],
+                    "initial_adapter_sha256": metrics[metrics_io.INITIAL_ADAPTER],
                     "arm": metrics["arm"], "repeat_index": metrics["repeat_index"],
                     "micro_batch_size": self.micro_batch_size,
                     "gradient_checkpointing": metrics["runtime"][GRADIENT_CHECKPOINTING],
                     "device": metrics["device"], "torch_version": metrics["torch_version"],
                     "fault": self.fault.spec if self.fault is not None else None}
         index, sha = write_trace(out, self.trace(identity))
-        return {"index_path": index.relative_to(out).as_posix(), "index_sha256": sha}
+        return {metrics_io.TRACE_INDEX_PATH: index.relative_to(out).as_posix(), metrics_io.TRACE_INDEX_SHA256: sha}
 
 
 @contextlib.contextmanager

@@ -46,7 +46,7 @@ Options:
   --source DIR           reuse a finished capture (its metrics.json); needs --workspace; no
                          capture job is submitted
   --sbatch-arg ARG       extra sbatch option for every job (repeatable): --account=A, --time=...
-  --plant ARM:KEY=VALUE  negative control: an undeclared override in one arm's replays, which
+  --plant ARM:SETTING=VALUE  negative control: an undeclared override in one arm's replays, which
                          the gate must reject (repeatable)
   --wait                 block until the reduce job ends; exit with its code
   --dry-run              print the sbatch commands; submit and write nothing
@@ -130,7 +130,7 @@ else
   SOURCE=$OUT/source
 fi
 for plant in "${PLANTED[@]}"; do
-  [[ "$plant" =~ ^[a-z0-9-]+:[a-z_][a-z0-9_.]*=.+$ ]] || die "--plant expects ARM:KEY=VALUE, got '$plant'"
+  [[ "$plant" =~ ^[a-z0-9-]+:[a-z_][a-z0-9_.]*=.+$ ]] || die "--plant expects ARM:SETTING=VALUE, got '$plant'"
 done
 if [ "$DRY_RUN" = 0 ]; then
   command -v sbatch >/dev/null 2>&1 || die "sbatch not found: run this on a Slurm login node"

@@ -1,0 +1,375 @@
+"""The run-metrics artifacts, written and read here only: the source run's ``metrics.json`` and each
+replay's ``replay_metrics.json`` (``docs/replay-metrics.md``).
+
+Both carry the same pin keys (:data:`PIN_KEYS`); the source trainer, the capture hook and replay
+write them with :func:`write` and take their names, schema versions and keys from here, and the
+reducer reads them with :func:`read_replay` / :func:`read_source`, which check every field the
+gate uses once (a malformed file is refused, exit 2, naming the file and the field).  Keys beyond
+the documented ones are ignored by the readers.  Nothing here imports torch, transformers or peft.
+
+Example:
+    >>> REPLAY_FILE, SOURCE_FILE
+    ('replay_metrics.json', 'metrics.json')
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from replayjob.config.diff import flatten
+from replayjob.deploy.schedule import DESIGNS, Slot
+from replayjob.digest import normalize_digest, sha256_bytes
+from replayjob.errors import IntegrityError, RefusedError
+from replayjob.fsio import atomic_write_bytes, read_regular_bytes
+from replayjob.hostinfo import placement
+from replayjob.jsonio import loads_strict, pretty_bytes
+
+SOURCE_FILE = "metrics.json"
+SOURCE_SCHEMA = "replayjob.metrics/v1"
+REPLAY_FILE = "replay_metrics.json"
+REPLAY_SCHEMA = "replayjob.replay_metrics/v2"
+MAX_METRICS_BYTES = 16 * 1024 * 1024
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_BARE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+# Keys both files carry: the digests a replay pins and the gate compares.
+LOGICAL = "optimizer/logical_batch_sha256"
+EFFECTIVE = "optimizer/local_effective_rows_sha256"
+MANIFEST = "optimizer_batch/manifest_sha256"
+INITIAL_ADAPTER = "optimizer_batch/initial_adapter_sha256"
+FINAL_ADAPTER = "optimizer_batch/final_adapter_sha256"
+PIN_KEYS = (LOGICAL, EFFECTIVE, MANIFEST, INITIAL_ADAPTER, FINAL_ADAPTER)
+CAPTURE_PREFIXES = ("optimizer/", "optimizer_batch/")  # every key a capture adds to metrics.json
+FINAL_ADAPTER_PATH = "final_adapter_path"  # relative to the metrics file's directory
+SOURCE_FINAL_ADAPTER = "final_adapter_sha256"  # source only: the trainer's own record of its final adapter
+MANIFEST_PATH = "optimizer_batch/manifest_path"  # source only: the capture manifest's file name
+SKIPPED = ("dataset", "environment", "rollout", "sampling")  # what a replay never touches
+# Source only, written by the capture hooks (replayjob.source_run): chosen steps and the ring buffer.
+STEPS = "optimizer_batch/steps"  # one STEP_* entry per chosen step, in step order
+RING = "optimizer_batch/ring"  # the ring's figures (RING_*) and its written steps (STEP_* entries)
+# One captured step's entry (under STEPS, or RING's RING_WRITTEN): its pins, paths relative to the run.
+STEP = "step"
+STEP_MANIFEST_PATH = "manifest_path"
+STEP_MANIFEST = "manifest_sha256"
+STEP_LOGICAL = "logical_batch_sha256"
+STEP_EFFECTIVE = "local_effective_rows_sha256"
+STEP_INITIAL_ADAPTER = "initial_adapter_sha256"
+STEP_FINAL_ADAPTER = "final_adapter_sha256"  # null when the step's update never returned
+STEP_REPLAY_CONFIG = "replay_config"
+STEP_NONFINITE = "nonfinite_inputs"
+RING_SIZE = "size"
+RING_STEPS_OBSERVED = "steps_observed"
+RING_PEAK_BYTES = "peak_bytes"
+RING_TRAINING_THREAD_S = "training_thread_s"
+RING_TRIGGER = "trigger"
+RING_WRITTEN = "written"
+# Replay only: where it ran (replayjob.hostinfo) and, for a traced replay, the trace index it pins.
+HOST = "host"
+FRAMEWORK = "framework"  # replay_metrics.json: the producer (knobs.PRODUCERS) whose knobs runtime holds
+TRACE = "trace"  # {TRACE_INDEX_PATH: TRACE_INDEX, TRACE_INDEX_SHA256: digest}; absent when not traced
+TRACE_INDEX_PATH = "index_path"
+TRACE_INDEX_SHA256 = "index_sha256"
+TRACE_INDEX = "trace/index.json"  # relative to the replay's directory (replayjob.trace.store)
+# Replay only, optional for the readers: the budget file's pin, the replay's slot in a paired schedule
+# (replayjob.deploy.schedule.Slot.to_json, or null) and its in-process repeats (or null).
+BUDGETS_SHA256 = "budgets_sha256"
+SCHEDULE = "schedule"
+IN_PROCESS = "in_process"
+IN_PROCESS_WALLS = "local_train_wall_s"  # the measured in-process updates' seconds
+IN_PROCESS_LOSS_EQUAL = "loss_equal"  # every in-process update's loss equals the fresh update's
+# Spread metrics: name -> (section, key) in replay_metrics.json.
+MEASURES: dict[str, tuple[str, str]] = {
+    "local_train_wall_s": ("timing", "local_train_wall_s"),
+    "forward_wall_s": ("timing", "forward_wall_s"),
+    "backward_wall_s": ("timing", "backward_wall_s"),
+    "optimizer_wall_s": ("timing", "optimizer_wall_s"),
+    "peak_memory_bytes": ("memory", "peak_bytes"),
+    "padding_fraction": ("padding", "padding_fraction"),
+}
+
+
+def write(path: Path, doc: dict[str, Any], *, exclusive: bool = False) -> None:
+    """Write a metrics document atomically (pretty, sorted keys); ``exclusive`` never replaces one."""
+    atomic_write_bytes(path, pretty_bytes(doc), exclusive=exclusive)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a replay's metrics and the source's metrics.json both report, validated."""
+
+    path: Path
+    sha256: str  # of the metrics file's bytes
+    logical: str
+    effective: str
+    manifest: str
+    initial_adapter: str
+    final_adapter: str
+    final_adapter_file: Path
+    loss: float
+
+
+@dataclass(frozen=True)
+class Replay(Run):
+    """One validated replay_metrics.json."""
+
+    arm: str
+    repeat_index: int
+    framework: str  # the producer whose update was replayed (replayjob.optbatch.knobs.PRODUCERS)
+    pin_logical: str
+    pin_manifest: str
+    pin_payload: str
+    allowed: tuple[str, ...]
+    observed: tuple[str, ...]
+    knobs: dict[str, Any]
+    skipped: tuple[str, ...]
+    runtime: dict[str, Any]  # registered knob -> the value observed in effect at run time
+    rows: int
+    tolerances_sha256: str
+    measures: dict[str, float] = field(default_factory=dict)
+    host: dict[str, Any] = field(default_factory=dict)  # replayjob.hostinfo: where it ran
+    trace_index_sha256: str | None = None  # the trace/index.json a traced replay pins (docs/trace-format.md)
+    # Optional keys (docs/replay-metrics.md): the device string and the replay's place in a paired schedule.
+    budgets_sha256: str = ""
+    slot: Slot | None = None
+    device: str = ""
+    memory_kind: str = ""
+    in_process_wall_s: tuple[float, ...] | None = None  # measured in-process updates, if any
+    in_process_loss_equal: bool | None = None
+    doc: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # as read
+
+    @property
+    def placement(self) -> str:
+        """Node and device this replay ran on (:func:`replayjob.hostinfo.placement`), or ``""``."""
+        return placement(self.host, self.device)
+
+    @property
+    def label(self) -> str:
+        return f"{self.arm}#{self.repeat_index}"
+
+
+@dataclass(frozen=True)
+class Source(Run):
+    """The capture run's metrics.json (``--source DIR``)."""
+
+    config: dict[str, Any]
+
+    def config_value(self, dotted: str) -> Any:
+        """The resolved source config value at ``dotted`` (``None`` when absent)."""
+        return flatten(self.config).get(dotted)
+
+
+def _read(path: Path) -> tuple[dict[str, Any], str]:
+    data = read_regular_bytes(path, max_bytes=MAX_METRICS_BYTES, what="metrics file")
+    doc = loads_strict(data, where=path)
+    if not isinstance(doc, dict):
+        raise IntegrityError(f"expected a JSON object, found {type(doc).__name__}", where=path)
+    return doc, sha256_bytes(data)
+
+
+class _Fields:
+    """Typed access to one document's fields; every failure names the file and the key."""
+
+    def __init__(self, doc: dict[str, Any], where: Path):
+        self.doc, self.where = doc, where
+
+    def fail(self, key: str, what: str) -> IntegrityError:
+        return IntegrityError(f"field {key!r} {what}", where=self.where,
+                              hint="the file does not follow docs/replay-metrics.md; rerun the replay")
+
+    def get(self, key: str, obj: dict[str, Any] | None = None) -> Any:
+        d = self.doc if obj is None else obj
+        if key not in d:
+            raise self.fail(key, "is missing")
+        return d[key]
+
+    def obj(self, key: str) -> dict[str, Any]:
+        v = self.get(key)
+        if not isinstance(v, dict):
+            raise self.fail(key, "must be an object")
+        return v
+
+    def text(self, key: str, obj: dict[str, Any] | None = None, *, nonempty: bool = True) -> str:
+        v = self.get(key, obj)
+        if not isinstance(v, str) or (nonempty and not v):
+            raise self.fail(key, "must be a non-empty string" if nonempty else "must be a string")
+        return v
+
+    def digest(self, key: str, obj: dict[str, Any] | None = None) -> str:
+        v = self.get(key, obj)
+        try:
+            return normalize_digest(v, what=key)
+        except IntegrityError as exc:
+            raise self.fail(key, f"is not a SHA-256 digest ({exc.message})") from None
+
+    def number(self, key: str, obj: dict[str, Any] | None = None, *, lo: float = 0.0,
+               hi: float | None = None) -> float:
+        v = self.get(key, obj)
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise self.fail(key, "must be a number")
+        if v < lo or (hi is not None and v > hi):
+            raise self.fail(key, f"is {v!r}, outside [{lo}, {hi if hi is not None else 'inf'}]")
+        return float(v)
+
+    def names(self, key: str) -> tuple[str, ...]:
+        v = self.get(key)
+        if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+            raise self.fail(key, "must be a list of non-empty strings")
+        return tuple(v)
+
+    def adapter_file(self, key: str) -> Path:
+        rel = self.text(key)
+        pure = PurePosixPath(rel)
+        if pure.is_absolute() or ".." in pure.parts or "\\" in rel:
+            raise self.fail(key, f"must be a relative path inside the run directory, found {rel!r}")
+        return self.where.parent / pure
+
+
+def _run_fields(f: _Fields) -> dict[str, Any]:
+    """What a replay's metrics and the source's metrics.json both report (docs/replay-metrics.md)."""
+    return {
+        "logical": f.digest(LOGICAL),
+        "effective": f.digest(EFFECTIVE),
+        "manifest": f.digest(MANIFEST),
+        "initial_adapter": f.digest(INITIAL_ADAPTER),
+        "final_adapter": f.digest(FINAL_ADAPTER),
+        "final_adapter_file": f.adapter_file(FINAL_ADAPTER_PATH),
+        "loss": f.number("loss", lo=-math.inf),
+    }
+
+
+def _placement(f: _Fields) -> dict[str, Any]:
+    """The optional keys a budget decision reads: pin, schedule slot, device, in-process repeats."""
+    d = f.doc
+    out: dict[str, Any] = {}
+    if d.get(BUDGETS_SHA256):
+        out["budgets_sha256"] = f.digest(BUDGETS_SHA256)
+    if "device" in d:
+        out["device"] = f.text("device", nonempty=False)
+    memory = d.get("memory")
+    if isinstance(memory, dict) and "kind" in memory:
+        out["memory_kind"] = f.text("kind", memory)
+    slot = d.get(SCHEDULE)
+    if slot is not None:
+        if not isinstance(slot, dict) or set(slot) != {"design", "seed", "block", "position"}:
+            raise f.fail(SCHEDULE, "must be null or an object with design, seed, block and position")
+        if slot["design"] not in DESIGNS:
+            raise f.fail(f"{SCHEDULE}.design", f"must be one of {', '.join(DESIGNS)}")
+        ints = [slot[k] for k in ("seed", "block", "position")]
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints):
+            raise f.fail(SCHEDULE, "seed, block and position must be integers >= 0")
+        out["slot"] = Slot(slot["design"], *ints)
+    ip = d.get(IN_PROCESS)
+    if ip is not None:
+        walls = ip.get(IN_PROCESS_WALLS) if isinstance(ip, dict) else None
+        if (not isinstance(walls, list) or not walls or not isinstance(ip.get(IN_PROCESS_LOSS_EQUAL), bool)
+                or any(isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w < math.inf
+                       for w in walls)):
+            raise f.fail(IN_PROCESS, f"must be null or hold a non-empty list {IN_PROCESS_WALLS} of "
+                                     f"seconds and {IN_PROCESS_LOSS_EQUAL}")
+        out["in_process_wall_s"] = tuple(float(w) for w in walls)
+        out["in_process_loss_equal"] = ip[IN_PROCESS_LOSS_EQUAL]
+    return out
+
+
+def read_replay(path: str | Path) -> Replay:
+    """Read and validate one replay_metrics.json, or refuse naming the file and the field."""
+    # here: the trainer imports this module, and no capture package
+    from replayjob.optbatch.knobs import PRODUCERS, knobs_for
+
+    p = Path(path)
+    doc, sha = _read(p)
+    f = _Fields(doc, p)
+    schema = f.get("schema")
+    if schema != REPLAY_SCHEMA:
+        raise IntegrityError(f"schema is {schema!r}, expected {REPLAY_SCHEMA!r}", where=p,
+                             hint="reduce reads replay metrics written by `replayjob replay`")
+    index = f.get("repeat_index")
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise f.fail("repeat_index", "must be an integer >= 0")
+    pins = f.obj("pins")
+    knobs = f.obj("knobs")
+    framework = f.text(FRAMEWORK)
+    if framework not in PRODUCERS:
+        raise f.fail(FRAMEWORK, f"must be one of {list(PRODUCERS)}, found {framework!r}")
+    runtime = f.obj("runtime")
+    registered = sorted(knobs_for(framework))
+    if sorted(runtime) != registered:
+        raise f.fail("runtime", f"must hold the observed value of every registered knob of {framework!r} "
+                                f"{registered}, found {sorted(runtime)}")
+    rows = f.get("rows", f.obj("rows"))
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise f.fail("rows.rows", "must be an integer >= 1")
+    arm = f.text("arm")
+    if arm == "source":
+        raise f.fail("arm", "may not be 'source', the name reduce gives the capture run")
+    tol = f.text("tolerances_sha256", nonempty=False)
+    measures = {}
+    for name, (section, key) in MEASURES.items():
+        hi = 1.0 if name == "padding_fraction" else None
+        measures[name] = f.number(key, f.obj(section), hi=hi)
+    host = f.obj(HOST)
+    bad = sorted(k for k, v in host.items() if v is not None and not isinstance(v, str))
+    if bad:
+        raise f.fail(f"{HOST}.{bad[0]}", "must be a string or null")
+    return Replay(
+        path=p, sha256=sha, arm=arm, repeat_index=index, framework=framework,
+        pin_logical=f.digest("expected_logical_sha256", pins),
+        pin_manifest=f.digest("expected_manifest_sha256", pins),
+        pin_payload=f.digest("payload_spans_sha256", pins), **_run_fields(f),
+        allowed=f.names("allowed_config_differences"),
+        observed=f.names("observed_config_differences"),
+        knobs=knobs, skipped=f.names("skipped"), runtime=runtime, rows=rows,
+        tolerances_sha256=f.digest("tolerances_sha256") if tol else "", measures=measures, host=host,
+        trace_index_sha256=trace_pin(doc, p), doc=doc, **_placement(f),
+    )
+
+
+def trace_pin(doc: dict[str, Any], where: Path) -> str | None:
+    """``trace.index_sha256`` of a traced replay's metrics ``doc`` (its index lies at ``trace.index_path``,
+    always :data:`TRACE_INDEX`), else ``None``; a malformed entry is refused naming ``where``."""
+    if TRACE not in doc:
+        return None
+    f = _Fields(doc, where)
+    t = f.obj(TRACE)
+    if f.text(TRACE_INDEX_PATH, t) != TRACE_INDEX:
+        raise f.fail(f"{TRACE}.{TRACE_INDEX_PATH}", f"must be {TRACE_INDEX!r}")
+    return f.digest(TRACE_INDEX_SHA256, t)
+
+
+def read_source(directory: str | Path) -> Source:
+    """Read and validate the capture run's metrics.json in ``directory``."""
+    d = Path(directory)
+    p = d / SOURCE_FILE
+    if not p.is_file():
+        raise RefusedError(f"no {SOURCE_FILE} in the source directory", where=d,
+                           hint="--source takes the capture run's output directory")
+    doc, sha = _read(p)
+    f = _Fields(doc, p)
+    config = f.obj("config")
+    return Source(path=p, sha256=sha, **_run_fields(f), config=config)
+
+
+
+
+def read_pins(directory: str | Path) -> tuple[str, str, Path]:
+    """The capture's two pins (:data:`LOGICAL`, :data:`MANIFEST`) and its manifest file, read strictly
+    from ``directory``'s metrics.json: lowercase 64-digit hex digests and a bare manifest file name
+    (:data:`MANIFEST_PATH`), duplicate keys refused.  Unlike :func:`read_source` nothing else is
+    required, so a launcher can hand the pins to replays before any of them ran."""
+    from replayjob.jsonio import read_json_object
+
+    d = Path(directory)
+    path = d / SOURCE_FILE
+    m = read_json_object(path)
+    pins = (m.get(LOGICAL), m.get(MANIFEST))
+    name = m.get(MANIFEST_PATH)
+    for key, value in zip((LOGICAL, MANIFEST), pins, strict=True):
+        if not isinstance(value, str) or not _HEX64.match(value):
+            raise IntegrityError(f"{key} is not a lowercase 64-digit hex SHA-256", where=path)
+    if not isinstance(name, str) or not _BARE.match(name) or name in (".", ".."):
+        raise IntegrityError(f"{MANIFEST_PATH} is not a bare file name", where=path)
+    return str(pins[0]), str(pins[1]), d / name
