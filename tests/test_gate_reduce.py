@@ -343,3 +343,21 @@ def test_a_replay_that_observed_no_knobs_is_refused(ev: synthetic.Evidence) -> N
     edit(ev.replay_files[0], lambda d: d.update({"runtime": {"gradient_checkpointing": False}}))
     code, doc = reduce(ev, "exact-input")
     assert code == 2 and "observed value of every registered knob" in doc["refusal"]["message"]
+
+
+
+def test_plot_panels_are_in_human_units_and_never_empty(ev: synthetic.Evidence) -> None:
+    """ms and MiB, and a measure that is zero in every replay (no padding) gets no panel."""
+    from replayjob.gate.report import plot_panels
+
+    _, doc = reduce(ev, "exact-input", "--baseline", OFF)
+    replays = doc["inputs"]["replays"]
+    for r in replays:
+        r["measures"]["padding_fraction"] = 0.0
+    panels = {m: (label, data) for m, label, data in plot_panels(doc)}
+    assert "padding_fraction" not in panels and set(panels) == {
+        "local_train_wall_s", "forward_wall_s", "backward_wall_s", "optimizer_wall_s", "peak_memory_bytes"}
+    label, data = panels["local_train_wall_s"]
+    assert label.endswith("(ms)") and panels["peak_memory_bytes"][0].endswith("(MiB)")
+    assert sorted(v for vals in data for v in vals) == sorted(r["measures"]["local_train_wall_s"] * 1e3
+                                                              for r in replays)

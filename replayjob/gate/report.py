@@ -189,24 +189,58 @@ def layers_png(doc: dict[str, Any]) -> bytes | None:
     return buf.getvalue()
 
 
+# Each measure in human units: (axis label, factor from the recorded unit).  Every axis starts at zero
+# so a small difference is not drawn as a large one.
+_UNITS: dict[str, tuple[str, float]] = {
+    "local_train_wall_s": ("update wall time (ms)", 1e3),
+    "forward_wall_s": ("forward wall time (ms)", 1e3),
+    "backward_wall_s": ("backward wall time (ms)", 1e3),
+    "optimizer_wall_s": ("optimizer step wall time (ms)", 1e3),
+    "peak_memory_bytes": ("peak memory (MiB)", 1 / 2**20),
+    "padding_fraction": ("padding (% of tokens)", 100.0),
+}
+
+
+def plot_panels(doc: dict[str, Any]) -> list[tuple[str, str, list[list[float]]]]:
+    """``(measure, axis label, per-arm values in human units)`` for every measure that has something to
+    show: a measure that is zero (or absent) in every replay gets no panel."""
+    arms = list(doc["arms"])
+    panels = []
+    for m in MEASURES:
+        label, factor = _UNITS.get(m, (m, 1.0))
+        data = [[r["measures"][m] * factor for r in doc["inputs"]["replays"]
+                 if r["arm"] == a and m in r.get("measures", {})] for a in arms]
+        if any(v for vals in data for v in vals):
+            panels.append((m, label, data))
+    return panels
+
+
 def plot_png(doc: dict[str, Any]) -> bytes | None:
-    """PNG bytes of per-arm distributions, or ``None`` when matplotlib is not installed."""
+    """PNG bytes of per-arm distributions (ms, MiB, %; axes from zero; no empty panels), or ``None``
+    when matplotlib is not installed or no measure has anything to show."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         return None
     arms = list(doc["arms"])
-    fig = Figure(figsize=(12, 7), dpi=100)
-    axes = fig.subplots(2, 3).flatten()
-    for ax, m in zip(axes, MEASURES, strict=True):
-        data = [[r["measures"][m] for r in doc["inputs"]["replays"] if r["arm"] == a] for a in arms]
-        if any(data):
-            ax.boxplot(data, whis=(0, 100))
-            for i, vals in enumerate(data, start=1):
-                offsets = [((k % 7) - 3) * 0.03 for k in range(len(vals))]
-                ax.scatter([i + o for o in offsets], vals, s=12, alpha=0.7)
+    panels = plot_panels(doc)
+    if not panels:
+        return None
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(4 * cols, 3.5 * rows), dpi=100)
+    axes = fig.subplots(rows, cols, squeeze=False).flatten()
+    for ax, (m, label, data) in zip(axes, panels, strict=False):
+        ax.boxplot(data, whis=(0, 100))
+        for i, vals in enumerate(data, start=1):
+            offsets = [((k % 7) - 3) * 0.03 for k in range(len(vals))]
+            ax.scatter([i + o for o in offsets], vals, s=12, alpha=0.7)
         ax.set_xticks(range(1, len(arms) + 1), arms, rotation=15, fontsize=8)
+        ax.set_ylim(bottom=0, top=max(v for vals in data for v in vals) * 1.1)
+        ax.set_ylabel(label, fontsize=9)
         ax.set_title(m, fontsize=10)
+    for ax in axes[len(panels):]:
+        ax.remove()
     fig.suptitle(f"replayjob reduce: {doc['claim']} {doc['status']} (timing {doc['admission']})")
     fig.tight_layout()
     buf = io.BytesIO()
@@ -232,6 +266,8 @@ def render(doc: dict[str, Any], plot_name: str | None, layers_name: str | None =
     lines += ["## Plot", ""]
     if not doc["inputs"]["replays"]:
         lines.append("No replays were read; nothing to plot.")
+    elif plot_name is None and not plot_panels(doc):
+        lines.append("No measure is non-zero in any replay; nothing to plot.")
     elif plot_name is None:
         lines.append(f"Plot skipped: matplotlib is not installed. Enable it with `{PLOT_HINT}`.")
     else:
