@@ -107,31 +107,6 @@ def test_too_few_rows_names_the_rules(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "'reward_mean_rising' needs at least 3 rows with reward.mean, found 2" in err
     assert "grad_norm_stable" not in err  # cv needs 2 rows and has them
 
-
-def test_pearson_rule_and_window(tmp_path: Path) -> None:
-    rows = [{"step": i, "r": float(i % 3), "pnl": float(sum(j % 3 for j in range(i + 1)))} for i in range(30)]
-    rows[1]["r"] = 100.0  # the first pair (row 0 has no pnl change); outside the trailing window of 20
-    rule = '''
-[[signal]]
-name = "reward_tracks_pnl"
-leaf = "r"
-reducer = "pearson"
-delta_of = "pnl"
-kill_below = 0.3
-warn_below = 0.5
-meaning = "reward moves with the change in pnl"
-'''
-    unwindowed = evaluate(run_dir(tmp_path, rows), load_rules(rules(tmp_path, rule)))
-    assert unwindowed.verdict == "KILL"  # the outlier counts when every pair does
-    p = rules(tmp_path, rule + "window = 20\n")
-    report = evaluate(run_dir(tmp_path, rows), load_rules(p))
-    res = report.results[0]
-    assert res.status == "OK" and res.value == pytest.approx(1.0) and "over 20 pairs" in res.explanation
-    for r in rows:
-        r["pnl"] = -r["pnl"]
-    assert evaluate(run_dir(tmp_path, rows), load_rules(p)).verdict == "KILL"
-
-
 PEARSON_RULE = '''
 [[signal]]
 name = "reward_tracks_pnl"
@@ -142,6 +117,23 @@ kill_below = 0.3
 warn_below = 0.5
 meaning = "reward moves with the change in pnl"
 '''
+
+
+
+def test_pearson_rule_and_window(tmp_path: Path) -> None:
+    rows = [{"step": i, "r": float(i % 3), "pnl": float(sum(j % 3 for j in range(i + 1)))} for i in range(30)]
+    rows[1]["r"] = 100.0  # the first pair (row 0 has no pnl change); outside the trailing window of 20
+    rule = PEARSON_RULE
+    unwindowed = evaluate(run_dir(tmp_path, rows), load_rules(rules(tmp_path, rule)))
+    assert unwindowed.verdict == "KILL"  # the outlier counts when every pair does
+    p = rules(tmp_path, rule + "window = 20\n")
+    report = evaluate(run_dir(tmp_path, rows), load_rules(p))
+    res = report.results[0]
+    assert res.status == "OK" and res.value == pytest.approx(1.0) and "over 20 pairs" in res.explanation
+    for r in rows:
+        r["pnl"] = -r["pnl"]
+    assert evaluate(run_dir(tmp_path, rows), load_rules(p)).verdict == "KILL"
+
 
 
 @pytest.mark.parametrize("missing", ["r", "pnl"])
