@@ -107,6 +107,7 @@ def test_too_few_rows_names_the_rules(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "'reward_mean_rising' needs at least 3 rows with reward.mean, found 2" in err
     assert "grad_norm_stable" not in err  # cv needs 2 rows and has them
 
+
 PEARSON_RULE = '''
 [[signal]]
 name = "reward_tracks_pnl"
@@ -117,7 +118,6 @@ kill_below = 0.3
 warn_below = 0.5
 meaning = "reward moves with the change in pnl"
 '''
-
 
 
 def test_pearson_rule_and_window(tmp_path: Path) -> None:
