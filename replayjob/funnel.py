@@ -49,7 +49,7 @@ from typing import Any
 from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec, load_spec, toml_value
 from replayjob.deploy.schedule import DESIGNS
 from replayjob.deploy.step import select
-from replayjob.errors import RefusedError, ReplayjobError, UsageError
+from replayjob.errors import RefusedError, ReplayjobError, UsageError, error_for_exit_status
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.jsonio import pretty_bytes, read_json_object
 
@@ -301,7 +301,7 @@ class Funnel:
         verdict.unlink(missing_ok=True)  # a look never reads the previous look's verdict
         code = cli_step(args, self.log)
         if not verdict.is_file():
-            raise RefusedError(f"reduce exited {code} without a verdict", where=self.log)
+            raise error_for_exit_status(code)(f"reduce exited {code} without a verdict", where=self.log)
         return read_json_object(verdict)
 
     # -- the run -----------------------------------------------------------------------------------
@@ -315,7 +315,7 @@ class Funnel:
         self.say(f"funnel: device {self.device}; model: {self.model}; output {self.out}")
         code = cli_step(["init", self.ws, "--seed", self.opts.seed, *self.sets()], self.log)
         if code:
-            raise RefusedError(f"replayjob init exited {code}", where=self.log, hint="see the log")
+            raise error_for_exit_status(code)(f"replayjob init exited {code}", where=self.log, hint="see the log")
         first = 2 if self.opts.only_ablation else 0
         result = 0
         for i, st in enumerate(self.stages):

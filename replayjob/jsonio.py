@@ -120,7 +120,7 @@ def canonical_bytes(obj: Any, *, allow_nan: bool = False) -> bytes:
     try:
         return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                           allow_nan=allow_nan).encode("utf-8")
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:  # NaN, or a value JSON has no form for
         raise IntegrityError(f"cannot write canonical JSON: {exc}") from None
 
 

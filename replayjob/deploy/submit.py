@@ -129,15 +129,13 @@ class Api:
         return None, ""
 
     def exit_code(self, namespace: str, name: str) -> int | None:
-        """The first exit code 1, 2 or 3 among the Job's terminated containers, else None."""
+        """The decisive exit code among the Job's terminated containers, else None: a final 1 or 2 in any
+        attempt outranks a retryable 3 in another, whatever order the API lists the pods in."""
         pods = self.call(f"listing pods of job {name}", self.core.list_namespaced_pod, namespace,
                          label_selector=f"batch.kubernetes.io/job-name={name}")
-        for pod in pods.items:
-            for st in pod.status.container_statuses or []:
-                term = st.state.terminated if st.state else None
-                if term is not None and term.exit_code in (1, 2, 3):
-                    return int(term.exit_code)
-        return None
+        codes = {int(st.state.terminated.exit_code) for pod in pods.items
+                 for st in pod.status.container_statuses or [] if st.state and st.state.terminated}
+        return next((c for c in (1, 2, 3) if c in codes), None)
 
 
 def _wait(api: Api, namespace: str, name: str, poll_s: float, log: Log) -> tuple[str, str]:

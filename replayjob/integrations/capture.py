@@ -45,7 +45,6 @@ from replayjob.digest import sha256_bytes, sha256_file, sha256_json
 from replayjob.errors import ArtifactExistsError, ContractError, RefusedError
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.integrations import manifest as imanifest
-from replayjob.jsonio import canonical_bytes
 from replayjob.rl.state import rng_tensors
 
 FINAL_ADAPTER_FILE = "final_adapter/adapter_model.safetensors"
@@ -413,7 +412,6 @@ class StepCapture:
             "contract": {"sha256": sha256_json(self.contract), "value": self.contract},
             "base_model": self.base_model,
         }
-        json.loads(canonical_bytes(doc))  # every field is JSON before anything declares the capture complete
         manifest_path = out / names["manifest"]
         manifest_sha = imanifest.write(manifest_path, doc)
         final_sha = save_adapter(out / FINAL_ADAPTER_FILE, self.model)

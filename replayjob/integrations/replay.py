@@ -148,13 +148,14 @@ def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0, slot: Slot | Non
     final_sha = cap.save_adapter(out / cap.FINAL_ADAPTER_FILE, session.model)
     rows = tuple(cap.batch_rows([mb]) for mb in mbs)
     runtime = knobs.observe_all(session.runtime(rows), m.framework)  # the framework's knobs, read from its trainer
+    logical = cap.logical_digest(mbs)  # the inputs as replayed, hashed again
     metrics = metrics_document(
         framework=m.framework, arm=adm.arm, repeat_index=repeat_index,
         pins={"expected_logical_sha256": adm.pins["expected_logical_sha256"],
               "expected_manifest_sha256": adm.pins["expected_manifest_sha256"],
               "payload_spans_sha256": m.payload_digest},
-        manifest_sha256=m.sha256, logical=cap.logical_digest(mbs),  # the inputs as replayed, hashed again
-        effective=cap.effective_digest(mbs, cap.logical_digest(mbs)), initial_adapter_sha256=m.initial_adapter_sha256,
+        manifest_sha256=m.sha256, logical=logical, effective=cap.effective_digest(mbs, logical),
+        initial_adapter_sha256=m.initial_adapter_sha256,
         allowed=adm.allowed, observed=adm.observed, knob_values=adm.knob_values(),
         runtime=runtime, loss=loss, grad_norm=grad_norm,
         timing={"local_train_wall_s": t2 - t0, "forward_wall_s": max(t1 - t0 - session.backward_wall_s, 0.0),

@@ -238,9 +238,9 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
         from replayjob.integrations import replay as integration_replay
 
         icfg = admission.load(config, overrides)
-        out_dir = Path(out or ".")
         if out is None:
             raise UsageError("an integration replay needs --out DIR")
+        out_dir = Path(out)
 
         def one(d: Path, index: int) -> dict[str, Any]:
             return integration_replay.replay(icfg, d, index, slot)
