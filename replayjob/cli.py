@@ -475,12 +475,11 @@ def _output_dir(args: dict[str, Any]) -> str | None:
     """The directory a command writes into, as given on its command line (None: it writes nowhere)."""
     if args.get("init"):
         return str(args["<dir>"])
-    if args.get("reduce"):
+    if args.get("--run-dir"):  # `step reduce` also sets args["reduce"]: its directory is the run's
+        return str(args["--run-dir"])
+    if args.get("reduce") and args.get("--out"):
         return os.path.dirname(os.path.abspath(args["--out"]))
-    for key in ("--run-dir", "--out"):
-        if args.get(key):
-            return str(args[key])
-    return None
+    return str(args["--out"]) if args.get("--out") else None
 
 
 def _report_error(name: str, exc: BaseException, out_dir: str | None) -> str:
@@ -538,7 +537,11 @@ def main(argv: Sequence[str] | None = None, *, reexec: bool = False) -> int:
                 print(f"replayjob {name}: {exc.diagnostics()}", file=sys.stderr)
                 return exc.exit_code
             except Exception as exc:
-                print(_report_error(name, exc, _output_dir(args)), file=sys.stderr)
+                try:
+                    out_dir = _output_dir(args)
+                except Exception:  # the error report itself must never turn an error into another code
+                    out_dir = None
+                print(_report_error(name, exc, out_dir), file=sys.stderr)
                 return EXIT_ERROR
     print(__doc__, file=sys.stderr)  # pragma: no cover - docopt guarantees a command
     return EXIT_REFUSED

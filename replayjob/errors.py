@@ -6,13 +6,14 @@ Exit codes are the same for every command:
 * 1 -- a valid negative verdict: a gate failed, a divergence or drift was found, a KILL signal;
 * 2 -- refused: missing, malformed, tampered or contradictory input, a contract violation, usage;
   also an *inconclusive* performance budget (:class:`Inconclusive`, verdict status
-  ``inconclusive``): nothing is wrong with the input, but it cannot decide yet, so a launcher adds
-  repeats rather than give up;
+  ``inconclusive``): nothing is wrong with the input, but it cannot decide yet; whoever wants a
+  decision reads the verdict's status and adds paired blocks (``funnel --until-decided``);
 * 3 -- error: nothing was decided (a bug, out of memory, a device or filesystem failure, a cluster
   API that stayed unreachable); retrying may help.
 
-1 and 2 are final: every launcher (Kubernetes Jobs, Argo, Slurm, ``k8s submit --wait``, the
-scripts) stops on them.  3 is the one retryable outcome.  Only :mod:`replayjob.cli` turns these into
+1 and 2 are final for the launchers: every one (Kubernetes Jobs, Argo, Slurm, ``k8s submit
+--wait``, the scripts) stops on them, and ``verdict.json``'s status tells an inconclusive 2 from a
+refused one.  3 is the one retryable outcome.  Only :mod:`replayjob.cli` turns these into
 a process exit status; library code raises them, and any exception that is not a
 :class:`ReplayjobError` (``MemoryError``, an ``OSError`` that is not a refusal, a bug) becomes 3 there.
 """

@@ -111,3 +111,17 @@ def test_a_failing_write_is_an_error_only_when_the_device_failed(tmp_path: Path,
     err = capsys.readouterr().err
     assert "Traceback" not in err.split("traceback")[0] and _os.strerror(code) in err
     assert not [p for p in (tmp_path / "ws").rglob("*") if p.is_file() and not p.name.startswith("replayjob-error-")]
+
+
+def test_a_crash_in_step_reduce_exits_3_with_the_traceback_in_the_run_dir(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`step reduce` also sets docopt's `reduce` key but has no --out: the error report must still land."""
+    def boom(args: dict[str, Any]) -> int:
+        raise RuntimeError("planted")
+
+    monkeypatch.setitem(COMMANDS, "step", boom)
+    run = tmp_path / "run"
+    assert main(["step", "reduce", "--spec", str(tmp_path / "s.toml"), "--run-dir", str(run)]) == 3
+    assert "RuntimeError: planted" in capsys.readouterr().err
+    (report,) = run.iterdir()
+    assert report.name.startswith("replayjob-error-") and "planted" in report.read_text()

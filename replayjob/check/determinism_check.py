@@ -108,7 +108,8 @@ def _prepare_out(out: str | Path | None) -> Path:
     if out is None:
         return Path(tempfile.mkdtemp(prefix="replayjob-determinism-"))
     p = Path(out)
-    if p.exists() and (not p.is_dir() or any(p.iterdir())):
+    # an earlier attempt's error report (exit 3, replayjob-error-*.txt) does not block its retry
+    if p.exists() and (not p.is_dir() or any(not q.name.startswith("replayjob-error-") for q in p.iterdir())):
         raise ArtifactExistsError("output directory exists and is not empty", where=p,
                                   hint="choose a new --out directory")
     p.mkdir(parents=True, exist_ok=True)

@@ -149,7 +149,8 @@ def _wait(api: Api, namespace: str, name: str, poll_s: float, log: Log) -> tuple
 
 def _failure(api: Api, namespace: str, name: str, reason: str) -> Exception:
     code = api.exit_code(namespace, name)
-    detail = {1: ", exit 1: a negative verdict", 2: ", exit 2: refused input",
+    detail = {1: ", exit 1: a negative verdict",
+              2: ", exit 2: refused input or an inconclusive budget (see verdict.json)",
               3: ", exit 3: an error on every attempt"}.get(code or 0, "")
     cls = error_for_exit_status(code) if code is not None else OperationalError
     return cls(f"job {name} failed ({reason or 'no reason given'}{detail})", where=f"namespace {namespace}",
