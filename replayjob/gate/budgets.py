@@ -38,18 +38,15 @@ width shrinks like ``1/sqrt(n)``, so about ``ceil(n * (h / |ln(L/e)|)^2) - n`` m
 from __future__ import annotations
 
 import math
-import tomllib
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
-from replayjob.fsio import read_regular_bytes
 from replayjob.gate import stats
 from replayjob.gate.claims import FAIL, NOT_APPLICABLE, PASS, REFUSED, Arm, Check, agree
-from replayjob.gate.evidence import Replay
+from replayjob.gate.evidence import Replay, read_pinned_toml
 
 INCONCLUSIVE = "inconclusive"
 TIME_METRICS = ("local_train_wall_s", "forward_wall_s", "backward_wall_s", "optimizer_wall_s",
@@ -86,11 +83,7 @@ class Budgets:
 def read_budgets(path: str | Path) -> Budgets:
     """Read a budget file strictly; every problem is refused naming the key."""
     p = Path(path)
-    data = read_regular_bytes(p, max_bytes=1024 * 1024, what="budget file")
-    try:
-        doc = tomllib.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
-        raise IntegrityError(f"not a valid TOML budget file: {exc}", where=p) from None
+    doc, sha = read_pinned_toml(p, "budget")
     hint = 'e.g. [ckpt-on] local_train_wall_s = { max_ratio = 1.35 } (docs/verdict-format.md)'
     baseline = doc.pop("baseline", None)
     cross = doc.pop("allow_cross_node", False)
@@ -119,7 +112,7 @@ def read_budgets(path: str | Path) -> Budgets:
                     bounds.append(Bound(arm, metric, kind, float(v)))
     if not bounds:
         raise IntegrityError("the budget file declares no bound", where=p, hint=hint)
-    return Budgets(p, sha256_bytes(data), baseline, cross, tuple(bounds))
+    return Budgets(p, sha, baseline, cross, tuple(bounds))
 
 
 def pin_check(replays: list[Replay], budgets: Budgets) -> Check:

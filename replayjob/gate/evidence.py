@@ -17,6 +17,7 @@ import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
@@ -33,7 +34,7 @@ from replayjob.metrics import (
 )
 
 __all__ = ["MEASURES", "REPLAY_FILE", "SKIPPED", "SOURCE_FILE", "Replay", "Source", "Tolerances", "discover",
-           "read_replay", "read_source", "read_tolerances"]
+           "read_pinned_toml", "read_replay", "read_source", "read_tolerances"]
 
 
 @dataclass(frozen=True)
@@ -68,14 +69,20 @@ def discover(paths: Sequence[str | Path]) -> list[Path]:
     return sorted(found)
 
 
-def read_tolerances(path: str | Path) -> Tolerances:
-    """Read a tolerance file: TOML with exactly ``update_cosine_min`` and ``relative_delta_l2_max``."""
-    p = Path(path)
-    data = read_regular_bytes(p, max_bytes=1024 * 1024, what="tolerance file")
+def read_pinned_toml(p: Path, what: str) -> tuple[dict[str, Any], str]:
+    """A predeclared TOML file (tolerances, budgets) and the SHA-256 of its bytes, which replays pin."""
+    data = read_regular_bytes(p, max_bytes=1024 * 1024, what=f"{what} file")
     try:
         doc = tomllib.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
-        raise IntegrityError(f"not a valid TOML tolerance file: {exc}", where=p) from None
+        raise IntegrityError(f"not a valid TOML {what} file: {exc}", where=p) from None
+    return doc, sha256_bytes(data)
+
+
+def read_tolerances(path: str | Path) -> Tolerances:
+    """Read a tolerance file: TOML with exactly ``update_cosine_min`` and ``relative_delta_l2_max``."""
+    p = Path(path)
+    doc, sha = read_pinned_toml(p, "tolerance")
     keys = {"update_cosine_min", "relative_delta_l2_max"}
     unknown = sorted(set(doc) - keys)
     missing = sorted(keys - set(doc))
@@ -90,4 +97,4 @@ def read_tolerances(path: str | Path) -> Tolerances:
         values[k] = float(v)
     if not -1.0 <= values["update_cosine_min"] <= 1.0 or values["relative_delta_l2_max"] < 0.0:
         raise IntegrityError("update_cosine_min must be in [-1, 1], relative_delta_l2_max >= 0", where=p)
-    return Tolerances(p, sha256_bytes(data), values["update_cosine_min"], values["relative_delta_l2_max"])
+    return Tolerances(p, sha, values["update_cosine_min"], values["relative_delta_l2_max"])
