@@ -190,7 +190,6 @@ class StepSnapshot:
     adapter: Packed
     optimizer: Packed
     lr: list[float]
-    nonfinite: bool
     final_adapter: Packed | None = None  # after the real update (the next step's start)
 
     @property
@@ -212,8 +211,7 @@ def take(step: int, batch: OptimizerBatch, view: TrainerView, prod: dict[str, An
     else:
         packed_adapter, packed_optimizer = Packed.of(adapter), Packed.of(optimizer_tensors(opt))
     return StepSnapshot(step=step, rows=rows, rng=rng_tensors(), producer=prod, adapter=packed_adapter,
-                        optimizer=packed_optimizer, lr=[float(g["lr"]) for g in view.optimizer.param_groups],
-                        nonfinite=has_nonfinite(rows))
+                        optimizer=packed_optimizer, lr=[float(g["lr"]) for g in view.optimizer.param_groups])
 
 
 def write(out: Path, snap: StepSnapshot, cfg: Config, model_reference: dict[str, Any],
@@ -230,16 +228,17 @@ def write(out: Path, snap: StepSnapshot, cfg: Config, model_reference: dict[str,
         raise ArtifactExistsError("a captured state already exists here and is never overwritten", where=sdir,
                                   hint="choose a new --out directory") from None
     adapter = adapter_bytes(snap.adapter.unpack())
+    adapter_sha = sha256_bytes(adapter)
     atomic_write_bytes(sdir / ADAPTER_WEIGHTS, adapter, exclusive=True)
-    opt = optimizer_bytes_of(snap.optimizer.unpack())
-    write_state(sdir, k - 1, model_reference, {OPTIMIZER_FILE: opt})
+    pinned = write_state(sdir, k - 1, model_reference, {OPTIMIZER_FILE: optimizer_bytes_of(snap.optimizer.unpack())},
+                         adapter_sha256=adapter_sha)
+    nonfinite = has_nonfinite(snap.rows)  # here, off the training thread
     data = payload.encode(snap.rows, snap.rng)
     logical, effective = snap.rows.digests()
     pname = manifest.payload_name(k)
     atomic_write_bytes(out / pname, data, exclusive=True)
-    adapter_sha = sha256_bytes(adapter)
-    state = {"dir": sdir.name, "step": k - 1, "optimizer_sha256": sha256_bytes(opt), "lr": snap.lr,
-             "nonfinite_inputs": snap.nonfinite}
+    state = {"dir": sdir.name, "step": k - 1, "optimizer_sha256": pinned[OPTIMIZER_FILE], "lr": snap.lr,
+             "nonfinite_inputs": nonfinite}
     doc = manifest.build(
         step=k, producer=snap.producer, payload_file=pname, payload_size=len(data),
         payload_digest=payload.digest_bytes(data, where=out / pname), rng_keys=list(snap.rng),
@@ -256,7 +255,7 @@ def write(out: Path, snap: StepSnapshot, cfg: Config, model_reference: dict[str,
             STEP_LOGICAL: logical, STEP_EFFECTIVE: effective,
             STEP_INITIAL_ADAPTER: adapter_sha, STEP_FINAL_ADAPTER: final,
             STEP_REPLAY_CONFIG: str((out / replay_config_name(k)).relative_to(base)),
-            STEP_NONFINITE: snap.nonfinite}
+            STEP_NONFINITE: nonfinite}
 
 
 def replay_toml(cfg: Config, step: int, logical: str, manifest_sha256: str) -> str:

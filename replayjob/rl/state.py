@@ -87,15 +87,19 @@ def read_state(path: str | Path) -> ResumeState:
     return ResumeState(d, step, model, d / ADAPTER_WEIGHTS, files[ADAPTER_WEIGHTS], dict(files))
 
 
-def write_state(d: Path, step: int, model_ref: dict[str, Any], extra_files: dict[str, bytes]) -> None:
-    """Write extra files, hash everything present, then ``trainer_state.json`` last."""
-    files = {ADAPTER_WEIGHTS: sha256_file(d / ADAPTER_WEIGHTS)}
+def write_state(d: Path, step: int, model_ref: dict[str, Any], extra_files: dict[str, bytes],
+                adapter_sha256: str | None = None) -> dict[str, str]:
+    """Write extra files, hash everything present, then ``trainer_state.json`` last; return the pinned
+    digests.  ``adapter_sha256``: the digest of the adapter file's bytes when the caller already holds
+    them (it wrote them), so the file is not read back."""
+    files = {ADAPTER_WEIGHTS: adapter_sha256 or sha256_file(d / ADAPTER_WEIGHTS)}
     for name, data in extra_files.items():
         atomic_write_bytes(d / name, data)
         files[name] = sha256_bytes(data)  # the bytes just written, not read back
     files = dict(sorted(files.items()))
     doc = {"schema": STATE_SCHEMA, "step": step, "model": model_ref, "files": files}
     atomic_write_bytes(d / STATE_FILE, pretty_bytes(doc))
+    return files
 
 
 def check_model(state: ResumeState, model_ref: dict[str, Any]) -> None:
