@@ -418,7 +418,8 @@ def scan(source: str | Path | Buffer, *, keep: bool | Callable[[str], bool] = Tr
     tile the data section, so this is the plain file digest (a file whose header is invalid is
     still hashed whole, so a caller can report it as modified).  ``digest="spans"`` hashes the header
     block and each span on its own, so ``workers`` threads read and hash tensors in parallel
-    (largest first; SHA-256 and reads release the GIL); an invalid header then has no digest.
+    (largest first; SHA-256 and reads release the GIL); an invalid header then has only the digest of
+    the bytes read as its header block (the first ``8 + length`` bytes, or 8 when that does not fit).
 
     ``keep=True`` reads the file into one buffer (an anonymous mapping: no zero-fill pass; a
     writable in-memory buffer is used in place) that :meth:`ScannedFile.tensors` views without
@@ -469,8 +470,8 @@ def _scan(src: _Source, keep: bool | Callable[[str], bool], schema: Schema | Non
                 buffer.madvise(mmap.MADV_HUGEPAGE)
             memoryview(buffer)[:len(block)] = block
     if header is None:
-        if digest == "spans":
-            return ScannedFile(w, size, None, None, error, None)
+        if digest == "spans":  # only the header block is hashed: a caller compares it with its pin first
+            return ScannedFile(w, size, None, None, error, None, header_sha256=hashlib.sha256(block).digest())
         h = hashlib.sha256(block)
         _read_range(src, len(block), size, buffer, h.update)
         src.check_unchanged()

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors.torch import save
 
+from replayjob import tensorfile
 from replayjob.bundle import BundleWriter, default_config, inspect_path, load_bundle
 from replayjob.bundle.synthetic import write_rollout, write_step
 from replayjob.cli import main
@@ -29,15 +31,11 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return rc, out.out + out.err
 
 
-def _rewrite(p: Path, name: str, edit: Callable[[dict[str, Any]], None]) -> None:
-    """Tamper with a document the way a crafted bundle would: re-sealing every digest above it."""
-    doc = json.loads((p / name).read_text())
-    edit(doc)
-    (p / name).write_bytes(pretty_bytes(doc))
+def _rewrite(p: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Tamper with the manifest the way a crafted bundle would: re-sealing the digest in COMPLETE."""
     m = json.loads((p / "manifest.json").read_text())
-    if name == "index.json":
-        m["index_sha256"] = sha256_json(doc)
-        (p / "manifest.json").write_bytes(pretty_bytes(m))
+    edit(m)
+    (p / "manifest.json").write_bytes(pretty_bytes(m))
     c = json.loads((p / "COMPLETE").read_text())
     c["manifest_sha256"] = sha256_bytes((p / "manifest.json").read_bytes())
     (p / "COMPLETE").write_bytes(pretty_bytes(c))
@@ -50,9 +48,17 @@ def bundle(tmp_path: Path) -> Path:
 
 def test_written_bundle_validates_and_has_the_documented_layout(bundle: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    assert sorted(x.name for x in bundle.iterdir()) == ["COMPLETE", "expected.json", "index.json",
-                                                       "manifest.json", "payloads"]
-    assert all(p.suffix == ".safetensors" for p in (bundle / "payloads").iterdir())
+    assert sorted(x.name for x in bundle.iterdir()) == ["COMPLETE", "manifest.json", "payloads.safetensors"]
+    m = json.loads((bundle / "manifest.json").read_bytes())
+    assert m["format_version"] == "2.0.0" and "samples" in m["index"] and "reward.raw" in m["expected"]
+    data = (bundle / "payloads.safetensors").read_bytes()
+    header = tensorfile.read_header(bundle / "payloads.safetensors")
+    assert sorted(header.tensors) == sorted(m["payloads"])
+    assert m["payload_file"] == {"file": "payloads.safetensors", "bytes": len(data),
+                                 "header_sha256": sha256_bytes(data[:header.data_start])}
+    for name, spec in header.tensors.items():  # every byte pinned: header block, then each tensor's span
+        span = data[header.data_start + spec.begin:header.data_start + spec.end]
+        assert m["payloads"][name]["sha256"] == sha256_bytes(span)
     assert not [x for x in bundle.parent.iterdir() if x.name.startswith(".")]  # no staging left over
     rc, out = _cli(capsys, "bundle", "validate", str(bundle))
     assert rc == 0 and "valid: rollout bundle rollout-000003 (8 samples" in out
@@ -63,7 +69,7 @@ def test_written_bundle_validates_and_has_the_documented_layout(bundle: Path,
 
 def test_writes_are_byte_stable(tmp_path: Path) -> None:
     a, b = write_rollout(tmp_path / "a"), write_rollout(tmp_path / "b")
-    for name in ("manifest.json", "index.json", "expected.json", "COMPLETE"):
+    for name in ("manifest.json", "payloads.safetensors", "COMPLETE"):
         assert (a / name).read_bytes() == (b / name).read_bytes()
 
 
@@ -92,7 +98,7 @@ def test_raw_text_never_enters_a_bundle(tmp_path: Path) -> None:
 def test_unsupported_topology_fails_loudly(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ContractError, match="unsupported topology"):
         BundleWriter(bundle.parent / "x", kind="rollout", rollout_id=0, config=default_config(estimator="ppo"))
-    _rewrite(bundle, "index.json", lambda d: d["config"].update(estimator="gae"))
+    _rewrite(bundle, lambda m: m["index"]["config"].update(estimator="gae"))
     rc, out = _cli(capsys, "bundle", "validate", str(bundle))
     assert rc == 2 and "unsupported topology: estimator 'gae'" in out
 
@@ -102,42 +108,57 @@ def _missing_complete(p: Path) -> None:
 
 
 def _missing_payload(p: Path) -> None:
-    (p / "payloads" / "kl.safetensors").unlink()
+    (p / "payloads.safetensors").unlink()
 
 
-def _checksum(p: Path) -> None:
-    f = p / "payloads" / "old_logprobs.safetensors"
+def _flip_tensor_byte(p: Path, name: str) -> None:
+    """Flip the last byte of tensor ``name`` inside payloads.safetensors."""
+    f = p / "payloads.safetensors"
+    header = tensorfile.read_header(f)
     data = bytearray(f.read_bytes())
-    data[-1] ^= 0x01
+    data[header.data_start + header.tensors[name].end - 1] ^= 0x01
     f.write_bytes(bytes(data))
 
 
+def _checksum(p: Path) -> None:
+    _flip_tensor_byte(p, "old_logprobs")
+
+
+def _header_edit(p: Path) -> None:
+    f = p / "payloads.safetensors"
+    f.write_bytes(f.read_bytes().replace(b'"F64"', b'"I64"', 1))
+
+
 def _stray_pickle(p: Path) -> None:
-    (p / "payloads" / "extra.pt").write_bytes(b"\x80\x04not-loaded")
+    (p / "extra.pt").write_bytes(b"\x80\x04not-loaded")
 
 
 def _declared_pickle(p: Path) -> None:
-    _rewrite(p, "manifest.json", lambda m: m["payloads"]["kl"].update(file="payloads/kl.pt"))
+    _rewrite(p, lambda m: m["payload_file"].update(file="payloads.pt"))
 
 
 def _escape(p: Path) -> None:
-    os.rename(p / "payloads" / "kl.safetensors", p.parent / "kl.safetensors")
-    _rewrite(p, "manifest.json", lambda m: m["payloads"]["kl"].update(file="payloads/../../kl.safetensors"))
+    os.rename(p / "payloads.safetensors", p.parent / "payloads.safetensors")
+    _rewrite(p, lambda m: m["payload_file"].update(file="../payloads.safetensors"))
 
 
 def _escape_name(p: Path) -> None:
-    _rewrite(p, "manifest.json", lambda m: m["payloads"].update({"../../etc": m["payloads"].pop("kl")}))
+    _rewrite(p, lambda m: m["payloads"].update({"../../etc": m["payloads"].pop("kl")}))
 
 
 def _symlink(p: Path) -> None:
-    f = p / "payloads" / "kl.safetensors"
-    outside = p.parent / "kl-outside.safetensors"
+    f = p / "payloads.safetensors"
+    outside = p.parent / "outside.safetensors"
     os.rename(f, outside)
     os.symlink(outside, f)
 
 
 def _undeclared(p: Path) -> None:
-    (p / "payloads" / "notes.safetensors").write_bytes(b"{}")
+    (p / "notes.safetensors").write_bytes(b"{}")
+
+
+def _subdirectory(p: Path) -> None:
+    (p / "extra").mkdir()
 
 
 def _manifest_edit(p: Path) -> None:
@@ -148,15 +169,17 @@ def _manifest_edit(p: Path) -> None:
 
 @pytest.mark.parametrize(("tamper", "cause"), [
     (_missing_complete, "COMPLETE is missing"),
-    (_missing_payload, "payload 'kl' is missing"),
+    (_missing_payload, "the payload file payloads.safetensors is missing"),
     (_checksum, "checksum mismatch for payload 'old_logprobs'"),
+    (_header_edit, "checksum mismatch for payloads.safetensors"),
     (_manifest_edit, "checksum mismatch: manifest.json"),
     (_stray_pickle, "pickle-capable file"),
-    (_declared_pickle, "pickle-capable format"),
-    (_escape, "escapes the bundle directory"),
+    (_declared_pickle, "payload file 'payloads.pt' must be 'payloads.safetensors'"),
+    (_escape, "payload file '../payloads.safetensors' must be 'payloads.safetensors'"),
     (_escape_name, "payload name '../../etc' is not allowed"),
     (_symlink, "symlink"),
-    (_undeclared, "undeclared files in payloads/"),
+    (_undeclared, "unknown entries ['notes.safetensors']"),
+    (_subdirectory, "unknown entries ['extra']"),
 ])
 def test_fail_closed(bundle: Path, capsys: pytest.CaptureFixture[str], tamper: Callable[[Path], None],
                      cause: str) -> None:
@@ -174,7 +197,7 @@ def test_inspect_works_on_an_incomplete_bundle(bundle: Path, capsys: pytest.Capt
     assert rc == 0 and "(INCOMPLETE)" in out and "payload kl [expected] F64" in out
     info = inspect_path(bundle)
     assert info["problems"] == ["COMPLETE is missing: the bundle is incomplete",
-                                "payload 'kl' is missing (payloads/kl.safetensors)"]
+                                "the payload file payloads.safetensors is missing"]
     assert info["stages"]["advantage.estimate"]["capability"] == "recompute"
     rc, out = _cli(capsys, "bundle", "inspect", str(bundle), "--json")
     assert rc == 0 and json.loads(out)["identity"]["rollout_id"] == 3
@@ -283,22 +306,74 @@ def test_a_capture_directory_is_not_a_bundle(tmp_path: Path, capsys: pytest.Capt
     assert rc == 0 and [b["bundle_id"] for b in json.loads(out)["bundles"]] == ["rollout-000003"]
 
 
-def test_payload_files_read_in_parallel_give_the_same_bundle_and_the_first_failure_by_name(
+def test_payloads_read_in_parallel_give_the_same_bundle_and_the_first_failure_by_name(
         bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from replayjob.bundle import reader
 
     serial = load_bundle(bundle)
     monkeypatch.setattr(reader, "PARALLEL_MIN_BYTES", 0)  # the threaded path on a small bundle
     monkeypatch.setattr(reader, "PARALLEL_FILES", 4)
+    monkeypatch.setattr(tensorfile, "CHUNK", 64)  # small chunks, so the file counts as big enough for threads
     monkeypatch.setattr(reader.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(tensorfile.os, "cpu_count", lambda: 4)
     parallel = load_bundle(bundle)
     assert sorted(parallel.payloads) == sorted(serial.payloads)
     for name, t in serial.payloads.items():
         assert t.dtype == parallel.payloads[name].dtype and t.equal(parallel.payloads[name]), name
-    for name in ("ref_logprobs", "old_logprobs"):  # two bad files: the first in name order is named
-        f = bundle / "payloads" / f"{name}.safetensors"
-        data = bytearray(f.read_bytes())
-        data[-1] ^= 0x01
-        f.write_bytes(bytes(data))
+    for name in ("ref_logprobs", "old_logprobs"):  # two bad tensors: the first in name order is named
+        _flip_tensor_byte(bundle, name)
     with pytest.raises(IntegrityError, match="checksum mismatch for payload 'old_logprobs'"):
         load_bundle(bundle)
+
+
+def _as_format_1(p: Path) -> None:
+    """Rewrite a bundle in the format 1.0.0 layout, as that version's writer wrote it: index.json,
+    expected.json and one payloads/<name>.safetensors per tensor, pinned by the manifest."""
+    m = json.loads((p / "manifest.json").read_bytes())
+    tensors = load_bundle(p).payloads
+    (p / "payloads").mkdir()
+    specs = {}
+    for name, t in sorted(tensors.items()):
+        blob = save({name: t.contiguous()})
+        (p / "payloads" / f"{name}.safetensors").write_bytes(blob)
+        specs[name] = {"file": f"payloads/{name}.safetensors", "dtype": m["payloads"][name]["dtype"],
+                       "shape": list(t.shape), "bytes": len(blob), "sha256": sha256_bytes(blob),
+                       "role": m["payloads"][name]["role"]}
+    (p / "payloads.safetensors").unlink()
+    (p / "index.json").write_bytes(pretty_bytes(m["index"]))
+    (p / "expected.json").write_bytes(pretty_bytes(m["expected"]))
+    old = {k: v for k, v in m.items() if k not in ("index", "expected", "payload_file")}
+    old.update(format_version="1.0.0", payloads=specs, index_sha256=sha256_json(m["index"]),
+               expected_sha256=sha256_json(m["expected"]))
+    (p / "manifest.json").write_bytes(pretty_bytes(old))
+    c = json.loads((p / "COMPLETE").read_text())
+    c["manifest_sha256"] = sha256_bytes((p / "manifest.json").read_bytes())
+    (p / "COMPLETE").write_bytes(pretty_bytes(c))
+
+
+@pytest.mark.parametrize("damage", ["none", "manifest", "no-manifest"])
+def test_a_format_1_bundle_is_refused_by_version(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 damage: str) -> None:
+    """docs/bundle-format.md: a 1.x bundle is refused (exit 2) naming both versions and what to do."""
+    p = write_rollout(tmp_path / "v1")
+    _as_format_1(p)
+    if damage == "manifest":
+        (p / "manifest.json").write_bytes(b"{not json")
+    elif damage == "no-manifest":
+        (p / "manifest.json").unlink()
+    want = "'1.0.0'" if damage == "none" else "'1.x'"
+    for cmd in ("validate", "replay"):
+        rc, out = _cli(capsys, "bundle", cmd, str(p))
+        assert rc == 2 and "Traceback" not in out, out
+        assert f"bundle format_version {want} is not read by this replayjob, which reads bundle format 2.0.0" in out
+        assert "capture the bundle again with this replayjob" in out
+    rc, out = _cli(capsys, "bundle", "inspect", str(p))  # inspect never refuses: it says what it found
+    assert rc == 0 and ("format 1.0.0" in out or damage != "none"), out
+
+
+def test_a_manifest_of_another_major_version_is_refused_by_version(bundle: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    for version in ("1.0.0", "3.0.0"):
+        _rewrite(bundle, lambda m, v=version: m.update(format_version=v))
+        rc, out = _cli(capsys, "bundle", "validate", str(bundle))
+        assert rc == 2 and f"bundle format_version {version!r} is not read by this replayjob" in out, out

@@ -24,11 +24,17 @@ from replayjob.errors import IntegrityError
 from replayjob.jsonio import pretty_bytes
 
 
-def _forge_payload(bundle: Path, name: str, data: bytes) -> None:
-    """Replace one payload and re-seal manifest and COMPLETE, as a crafted bundle would."""
-    (bundle / "payloads" / f"{name}.safetensors").write_bytes(data)
+def _forge_payload(bundle: Path, name: str, tensor: torch.Tensor, unpadded: bool = False) -> None:
+    """Replace one tensor of payloads.safetensors and re-seal every digest, as a crafted bundle would."""
+    tensors = dict(tensorfile.load(bundle / "payloads.safetensors"), **{name: tensor})
+    data = _unpadded(tensors) if unpadded else save(tensors)
+    (bundle / "payloads.safetensors").write_bytes(data)
+    scanned = tensorfile.scan(data, keep=False, digest="spans")
+    assert scanned.header_sha256 is not None
     m = json.loads((bundle / "manifest.json").read_text())
-    m["payloads"][name].update(bytes=len(data), sha256=sha256_bytes(data))
+    m["payload_file"].update(bytes=len(data), header_sha256=scanned.header_sha256.hex())
+    for k, spec in m["payloads"].items():
+        spec["sha256"] = scanned.tensor_sha256[k].hex()
     (bundle / "manifest.json").write_bytes(pretty_bytes(m))
     c = json.loads((bundle / "COMPLETE").read_text())
     c["manifest_sha256"] = sha256_bytes((bundle / "manifest.json").read_bytes())
@@ -54,7 +60,7 @@ def test_mask_rows_are_checked_in_both_modes(tmp_path: Path, capsys: pytest.Capt
     assert all(t.device.type == "meta" for t in light.payloads.values())
     assert {k: (v.dtype, v.shape) for k, v in light.payloads.items()} == {
         k: (v.dtype, v.shape) for k, v in full.payloads.items()}
-    assert torch.equal(mask, tensorfile.load(good / "payloads" / "mask.safetensors")["mask"])
+    assert torch.equal(mask, tensorfile.load(good / "payloads.safetensors")["mask"])
     lengths = [s["response_length"] for s in full.samples]
     row = next(i for i, n in enumerate(lengths) if 0 < n < mask.shape[1])  # has ones and zeros
     for label, edit in (("one off", lambda m: m.__setitem__((row, lengths[row] - 1), 0.0)),
@@ -66,17 +72,17 @@ def test_mask_rows_are_checked_in_both_modes(tmp_path: Path, capsys: pytest.Capt
         bad = mask.clone()
         if edit is not None:  # at the aligned offset safetensors writes: checked in place, no copy
             edit(bad)
-            _forge_payload(b, "mask", save({"mask": bad}))
+            _forge_payload(b, "mask", bad)
         else:  # the same bad row at an unaligned offset: copied, then checked
             bad[row, lengths[row] - 1] = 0.0
-            _forge_payload(b, "mask", _unpadded({"mask": bad}))
+            _forge_payload(b, "mask", bad, unpadded=True)
         for argv in (["bundle", "validate", str(b)], ["bundle", "replay", str(b)]):
             assert main(argv) == 2, label
             out = capsys.readouterr()
             assert f"mask row of sample {full.samples[row]['sample_id']!r} does not match" in out.out + out.err
     unaligned = tmp_path / "unaligned_ok"  # a valid mask at an unaligned offset: copied, never refused
     write_rollout(unaligned, max_len=max_len)
-    _forge_payload(unaligned, "mask", _unpadded({"mask": mask}))
+    _forge_payload(unaligned, "mask", mask, unpadded=True)
     assert torch.equal(load_bundle(unaligned).payloads["mask"], mask)
     assert main(["bundle", "validate", str(unaligned)]) == 0
 

@@ -392,10 +392,7 @@ def test_concurrent_bundle_writers_exactly_one_wins(tmp_path: Path) -> None:
 # adapter: these are the boundaries whose order is fixed (before the thread, on it, after it is joined).
 CAPTURE_POINTS = ["capture.start", "capture.before-payload", "write.*/optimizer_batch_step_*",
                   "capture.payload-written", "capture.manifest-written", "capture.metrics", "write.*/metrics.json"]
-BUNDLE_FILES = ["bundle.*", *(f"write.*/{f}" for f in (
-    "COMPLETE", "manifest.json", "index.json", "expected.json", "advantages.safetensors", "kl.safetensors",
-    "label_ids.safetensors", "mask.safetensors", "old_logprobs.safetensors", "ref_logprobs.safetensors",
-    "response_ids.safetensors", "logprobs.safetensors"))]
+BUNDLE_FILES = ["bundle.*", *(f"write.*/{f}" for f in ("COMPLETE", "manifest.json", "payloads.safetensors"))]
 
 
 @pytest.mark.slow

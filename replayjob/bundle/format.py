@@ -1,8 +1,9 @@
 """The trajectory-bundle format: names, stage table, capability matrix and schema checks.
 
-A bundle is a directory (``manifest.json``, ``index.json``, ``expected.json``,
-``payloads/<name>.safetensors``, ``COMPLETE`` last).  This module holds what the writer and the
-reader must agree on, so the two cannot drift apart; ``docs/bundle-format.md`` describes it for
+A bundle is a directory of three files: ``payloads.safetensors`` (every tensor of the bundle, named
+after its payload), ``manifest.json`` (identity, samples, config, expected outputs, and the SHA-256
+of the payload file's header and of each tensor's bytes) and ``COMPLETE`` (last).  This module holds
+what the writer and the reader must agree on, so the two cannot drift apart; ``docs/bundle-format.md`` describes it for
 people.  Every check raises :class:`~replayjob.errors.IntegrityError` (or ``ContractError`` for an
 unsupported topology) with a sentence naming the field.
 """
@@ -24,15 +25,17 @@ DTYPES: dict[str, torch.dtype] = {"F64": torch.float64, "F32": torch.float32, "F
                                   "U8": torch.uint8, "BOOL": torch.bool}
 
 FORMAT = "replayjob.bundle"
-FORMAT_VERSION = "1.0.0"
+FORMAT_VERSION = "2.0.0"
 STAGE_VERSION = "v1"
 
 MANIFEST = "manifest.json"
-INDEX = "index.json"
-EXPECTED = "expected.json"
-PAYLOADS = "payloads"
+PAYLOAD_FILE = "payloads.safetensors"
 COMPLETE = "COMPLETE"
-PAYLOAD_SUFFIX = ".safetensors"
+INDEX = f"{MANIFEST}: index"  # the manifest's sections, as places named in messages
+EXPECTED = f"{MANIFEST}: expected"
+# Top-level entries of a format 1.x bundle (one payload file per tensor, separate documents): a
+# bundle holding any of them is refused by version (:func:`version_error`), never half-read.
+V1_ENTRIES = ("index.json", "expected.json", "payloads")
 # Suffixes of formats that can carry pickle (or arbitrary code); refused anywhere in a bundle.
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt", ".npy", ".npz", ".joblib")
 
@@ -105,15 +108,18 @@ TASKS = ("arithmetic", "reverse")
 SAMPLE_KEYS = {"sample_id", "group", "cohort", "prompt_length", "response_length", "label_length",
                "partition", "consumer_batch", "micro_batch", "rank", "weight_version",
                *(f"{t}_sha256" for t in TEXT_FIELDS), *(f"{t}_prefix" for t in TEXT_FIELDS)}
+_SAMPLE_IDS = ("sample_id", "cohort", "partition", "consumer_batch", "micro_batch", "group")  # checked in order
+_TEXT_KEYS = {t: (f"{t}_sha256", f"{t}_prefix") for t in TEXT_FIELDS}
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 def check_payload_name(name: object) -> str:
-    """A payload name is a short lowercase identifier, so its file can never leave ``payloads/``."""
+    """A payload name is a short lowercase identifier (a tensor name in the payload file)."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise IntegrityError(f"payload name {name!r} is not allowed: use [a-z][a-z0-9_]* (at most 64 "
-                             "characters); names cannot contain '/', '..' or a suffix",
+                             "characters)",
                              where=MANIFEST)
     return name
 
@@ -125,13 +131,29 @@ def check_id(value: object, what: str) -> str:
     return value
 
 
-def payload_file(name: str) -> str:
-    return f"{PAYLOADS}/{check_payload_name(name)}{PAYLOAD_SUFFIX}"
+def version_error(version: object) -> ContractError:
+    """The refusal of a bundle whose format version this reader does not read (exit 2)."""
+    return ContractError(f"bundle format_version {version!r} is not read by this replayjob, which reads bundle "
+                         f"format {FORMAT_VERSION} (one {PAYLOAD_FILE}, samples and expected outputs inside "
+                         f"{MANIFEST})", where=MANIFEST,
+                         hint="capture the bundle again with this replayjob, or read it with the replayjob "
+                              "release that wrote it")
 
 
-def payload_schema(name: str, dtype: str) -> tensorfile.Schema:
-    """A payload file holds exactly one ``[samples, tokens]`` tensor named after it, of its declared dtype."""
-    return tensorfile.Schema(f"payload {name!r}", {name: (dtype, 2)})
+def check_version(version: object) -> None:
+    if not isinstance(version, str) or version.split(".")[0] != FORMAT_VERSION.split(".")[0]:
+        raise version_error(version)
+
+
+def payload_where(name: str) -> str:
+    """Where a payload lives, as messages name it: ``payloads.safetensors: <name>``."""
+    return f"{PAYLOAD_FILE}: {name}"
+
+
+def payload_schema(dtypes: dict[str, str]) -> tensorfile.Schema:
+    """The payload file holds exactly the declared payloads, each a ``[samples, tokens]`` tensor named
+    after it, of its declared dtype."""
+    return tensorfile.Schema("bundle payload file", {name: (dtype, 2) for name, dtype in dtypes.items()})
 
 
 def check_redaction(policy: object) -> dict[str, str]:
@@ -197,44 +219,46 @@ def check_config(cfg: object) -> dict[str, Any]:
 
 
 def check_sample(rec: object, i: int, redaction: dict[str, str]) -> dict[str, Any]:
-    """One per-sample record: identity, lengths, physical provenance, redacted text only."""
-    where = f"{INDEX}: samples[{i}]"
+    """One per-sample record: identity, lengths, physical provenance, redacted text only.
+
+    Runs once per sample on every write and read, so messages are built only when a check fails."""
+    where = f"{INDEX}: samples[{i}]" if not isinstance(rec, dict) or not SAMPLE_KEYS.issuperset(rec) else ""
     if not isinstance(rec, dict):
         raise IntegrityError("sample record must be an object", where=where)
-    unknown = sorted(set(rec) - SAMPLE_KEYS)
-    if unknown:
-        raise IntegrityError(f"unknown sample field(s) {unknown} (raw text is never stored)", where=where)
-    for key in ("sample_id", "cohort", "partition", "consumer_batch", "micro_batch"):
-        if key not in rec:
-            raise IntegrityError(f"sample field {key!r} is missing", where=where)
-        check_id(rec[key], f"samples[{i}].{key}")
-    if "group" not in rec:
-        raise IntegrityError("sample field 'group' is missing (use null when membership is unknown)",
+    if where:
+        raise IntegrityError(f"unknown sample field(s) {sorted(set(rec) - SAMPLE_KEYS)} (raw text is never stored)",
                              where=where)
-    if rec["group"] is not None:
-        check_id(rec["group"], f"samples[{i}].group")
+    for key in _SAMPLE_IDS:
+        if key not in rec:
+            raise IntegrityError(f"sample field {key!r} is missing" + (
+                " (use null when membership is unknown)" if key == "group" else ""), where=f"{INDEX}: samples[{i}]")
+        v = rec[key]
+        if not (isinstance(v, str) and _ID.fullmatch(v)) and not (v is None and key == "group"):
+            check_id(v, f"samples[{i}].{key}")
     for key in ("prompt_length", "response_length", "rank", "weight_version"):
         v = rec.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise IntegrityError(f"sample field {key!r} must be an integer >= 0, found {v!r}", where=where)
+            raise IntegrityError(f"sample field {key!r} must be an integer >= 0, found {v!r}",
+                                 where=f"{INDEX}: samples[{i}]")
     ll = rec.get("label_length")
     if ll is not None and (not isinstance(ll, int) or isinstance(ll, bool) or ll < 0):
-        raise IntegrityError(f"label_length must be null or an integer >= 0, found {ll!r}", where=where)
+        raise IntegrityError(f"label_length must be null or an integer >= 0, found {ll!r}",
+                             where=f"{INDEX}: samples[{i}]")
     for field in TEXT_FIELDS:
         policy = redaction[field]
-        has_hash, has_prefix = f"{field}_sha256" in rec, f"{field}_prefix" in rec
+        sha_key, prefix_key = _TEXT_KEYS[field]
+        has_hash, has_prefix = sha_key in rec, prefix_key in rec
         if has_hash != (policy == "hash") or has_prefix != policy.startswith("truncate:"):
             raise IntegrityError(f"{field} text does not follow the redaction policy {policy!r}",
-                                 where=where)
-        if has_hash and not (isinstance(rec[f"{field}_sha256"], str)
-                             and re.fullmatch(r"[0-9a-f]{64}", rec[f"{field}_sha256"])):
-            raise IntegrityError(f"{field}_sha256 is not a SHA-256 digest", where=where)
+                                 where=f"{INDEX}: samples[{i}]")
+        if has_hash and not (isinstance(rec[sha_key], str) and _SHA256.fullmatch(rec[sha_key])):
+            raise IntegrityError(f"{field}_sha256 is not a SHA-256 digest", where=f"{INDEX}: samples[{i}]")
         if has_prefix:
             limit = int(policy.split(":")[1])
-            prefix = rec[f"{field}_prefix"]
+            prefix = rec[prefix_key]
             if not isinstance(prefix, str) or len(prefix) > limit:
                 raise IntegrityError(f"{field}_prefix is longer than the policy's {limit} characters",
-                                     where=where)
+                                     where=f"{INDEX}: samples[{i}]")
     return dict(rec)
 
 

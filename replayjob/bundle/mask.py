@@ -46,7 +46,7 @@ class MaskRows:
 
     def _fail(self, row: int) -> IntegrityError:
         return IntegrityError(f"mask row of sample {self.sample_ids[row]!r} does not match response_length="
-                              f"{self.lengths[row]}", where=fmt.payload_file("mask"))
+                              f"{self.lengths[row]}", where=fmt.payload_where("mask"))
 
     def __call__(self, spec: TensorSpec, piece: memoryview, first: int) -> None:
         """Check ``piece``: elements ``first ..`` of the mask tensor, just read and hashed."""

@@ -1,18 +1,20 @@
 """Strict bundle reader: format, integrity, safety and dependency closure before any use.
 
 :func:`load_bundle` returns a :class:`Bundle` only when everything holds, in this order: the
-directory is complete (``COMPLETE`` present, the manifest digest it records matches), no symlink
-and no pickle-capable file anywhere, the documents match their schemas and digests, every
-declared payload is a regular file inside ``payloads/`` with the declared size, SHA-256, dtype and
-shape, nothing undeclared sits beside them, and every ``recompute`` stage has its inputs.  A
+directory is complete (``COMPLETE`` present, the manifest digest it records matches), it is not a
+format 1.x bundle (refused by version), no symlink, directory, pickle-capable or unknown file is in
+it, the manifest and its index and expected sections match their schemas, ``payloads.safetensors``
+is a regular file of the declared size whose header block and every tensor's bytes match their
+SHA-256 and whose tensors have the declared dtypes and shapes, and every ``recompute`` stage has
+its inputs.  A
 multi-rank root is read only when its final ``COMPLETE`` exists, its rank list equals the
 ``expected_ranks`` of every ``COMPLETE.<r>`` and every rank manifest, and every listed rank is
 there; a ``rank-<r>/`` directory passed directly is refused until its root is complete.
 
 Threat model: a bundle is untrusted input copied between machines.  Payloads load through
 :mod:`replayjob.tensorfile` (strict header checks) from bytes already hashed (no re-read between
-hash and parse); pickle is never loaded; names are identifiers, so no declared file can lie
-outside the bundle.
+hash and parse); pickle is never loaded; the only files read have fixed names, so nothing read can
+lie outside the bundle.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import math
 import os
 import stat
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,14 +33,14 @@ from replayjob import tensorfile
 from replayjob.bundle import format as fmt
 from replayjob.bundle.mask import MaskRows
 from replayjob.bundle.schema import check_closure, check_expected, check_index, check_manifest
-from replayjob.digest import sha256_bytes, sha256_json
+from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
 from replayjob.fsio import read_regular_bytes
 from replayjob.jsonio import DEFAULT_MAX_BYTES, loads_strict, read_json_object
 
-PARALLEL_FILES = 4  # payload files read at once, at most
+PARALLEL_FILES = 4  # payload tensors read at once, at most
 PARALLEL_MIN_BYTES = 32 * 1024 * 1024  # below this, threads cost more than they save
-_TOP = {fmt.MANIFEST, fmt.INDEX, fmt.EXPECTED, fmt.COMPLETE, fmt.PAYLOADS}
+_TOP = {fmt.MANIFEST, fmt.PAYLOAD_FILE, fmt.COMPLETE}
 
 
 @dataclass
@@ -102,83 +103,98 @@ def _check_dir(path: Path) -> None:
 
 
 def _scan(path: Path) -> None:
-    """Refuse symlinks, pickle-capable files and unknown entries anywhere in a bundle."""
-    for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
-        here = Path(dirpath)
-        for name in dirnames + filenames:
-            p = here / name
-            if p.is_symlink():
-                raise IntegrityError("symlink inside the bundle; symlinks are refused", where=p,
-                                     hint="copy the file into the bundle instead of linking it")
-            if name.lower().endswith(fmt.PICKLE_SUFFIXES):
-                raise IntegrityError("pickle-capable file inside the bundle; only safetensors payloads "
-                                     "are accepted", where=p, hint="remove it; nothing reads pickle")
-        rel = here.relative_to(path)
-        if rel == Path("."):
-            unknown = sorted(set(dirnames + filenames) - _TOP)
-            if unknown:
-                raise IntegrityError(f"unknown entries {unknown} in the bundle", where=path)
-        elif rel == Path(fmt.PAYLOADS):
-            if dirnames:
-                raise IntegrityError(f"directories inside payloads/: {sorted(dirnames)}", where=here)
-        else:
-            raise IntegrityError("unexpected directory inside the bundle", where=here)
+    """Refuse symlinks, pickle-capable files, directories and unknown entries in a bundle."""
+    with os.scandir(path) as it:
+        entries = sorted((e.name, e) for e in it)
+    for name, e in entries:
+        p = path / name
+        if e.is_symlink():
+            raise IntegrityError("symlink inside the bundle; symlinks are refused", where=p,
+                                 hint="copy the file into the bundle instead of linking it")
+        if name.lower().endswith(fmt.PICKLE_SUFFIXES):
+            raise IntegrityError("pickle-capable file inside the bundle; only safetensors payloads "
+                                 "are accepted", where=p, hint="remove it; nothing reads pickle")
+    unknown = sorted(name for name, _ in entries if name not in _TOP)
+    if unknown:
+        raise IntegrityError(f"unknown entries {unknown} in the bundle (a bundle holds {sorted(_TOP)} only)",
+                             where=path)
+    dirs = [name for name, e in entries if e.is_dir(follow_symlinks=False)]
+    if dirs:
+        raise IntegrityError(f"unexpected directory {dirs[0]!r} inside the bundle", where=path / dirs[0])
 
 
 def _read_bytes(p: Path, what: str) -> bytes:
     return read_regular_bytes(p, max_bytes=DEFAULT_MAX_BYTES, follow_symlinks=False, what=what)
 
 
-def _load_payload(path: Path, name: str, spec: dict[str, Any], keep: bool,
-                  visit: MaskRows | None = None) -> Tensor:
-    """One read of the payload file: size and SHA-256 first, then the header parsed from those bytes.
+def _refuse_v1(path: Path) -> None:
+    """A format 1.x bundle (``index.json``, ``expected.json``, ``payloads/``) is refused by its version."""
+    if not any(os.path.lexists(path / name) for name in fmt.V1_ENTRIES):
+        return
+    try:
+        doc = loads_strict(_read_bytes(path / fmt.MANIFEST, "manifest.json"), where=path / fmt.MANIFEST)
+    except IntegrityError:
+        doc = None
+    version = doc.get("format_version") if isinstance(doc, dict) else None
+    if version is None:  # no readable manifest: the layout alone says it is 1.x
+        raise fmt.version_error("1.x")
+    fmt.check_version(version)  # a 2.x manifest beside 1.x entries: refused below as unknown entries
 
-    With ``keep`` the tensor is a zero-copy view over the bytes read; without it (validation only)
-    the file streams through one chunk buffer and a ``meta`` tensor of the declared dtype and shape
-    stands in for it (any numeric use of it fails loudly).
+
+def _load_payloads(path: Path, manifest: dict[str, Any], keep: bool, rows: MaskRows) -> dict[str, Tensor]:
+    """One read of ``payloads.safetensors``: size, header SHA-256 and every tensor's SHA-256 first,
+    then the header, BOOL bytes and mask rows checked on those very bytes.
+
+    The header block and each tensor's bytes are hashed on their own (together they tile the file,
+    so every byte is pinned); with 32 MiB or more, up to four threads read and hash tensors at once
+    (SHA-256 and file reads release the GIL).  With ``keep`` the tensors are zero-copy views over
+    the bytes read; without it (validation only) the file streams through a chunk buffer and
+    ``meta`` tensors of the declared dtypes and shapes stand in (any numeric use fails loudly).
     """
-    p = path / spec["file"]
+    specs, pf = manifest["payloads"], manifest["payload_file"]
+    p = path / fmt.PAYLOAD_FILE
     try:
         st = os.lstat(p)
     except OSError:
-        raise IntegrityError(f"payload {name!r} is missing ({spec['file']})", where=p,
+        if pf is None:
+            return {}
+        raise IntegrityError(f"the payload file {fmt.PAYLOAD_FILE} is missing", where=p,
                              hint="the bundle is incomplete; capture it again") from None
+    if pf is None:
+        raise IntegrityError(f"undeclared {fmt.PAYLOAD_FILE}: the manifest declares no payloads", where=p)
     if not stat.S_ISREG(st.st_mode):
-        raise IntegrityError(f"payload {name!r} is not a regular file (symlinks are refused)", where=p)
-    scanned = tensorfile.scan(p, keep=keep, schema=fmt.payload_schema(name, spec["dtype"]), follow_symlinks=False,
-                              visit=visit)
-    sha = scanned.sha256 or ""
-    if scanned.size != spec["bytes"] or sha != spec["sha256"]:
-        raise IntegrityError(f"checksum mismatch for payload {name!r}: {scanned.size} bytes, sha256 "
-                             f"{sha[:16]}..., manifest says {spec['bytes']} bytes, "
-                             f"{spec['sha256'][:16]}...", where=p, hint="the payload was modified or truncated")
-    header = scanned.validated()  # strict header, schema and BOOL bytes, checked on the hashed bytes
-    ts = header.tensors[name]
-    if ts.dtype != spec["dtype"] or list(ts.shape) != spec["shape"]:
-        raise IntegrityError(f"payload {name!r} is {ts.dtype} {list(ts.shape)}, manifest says {spec['dtype']} "
-                             f"{spec['shape']}", where=p)
-    if visit is not None and visit.checked != math.prod(spec["shape"]):  # never expected: fail closed
-        raise IntegrityError(f"payload {name!r}: only {visit.checked} values were checked", where=p)
+        raise IntegrityError(f"{fmt.PAYLOAD_FILE} is not a regular file (symlinks are refused)", where=p)
+    workers = min(PARALLEL_FILES, len(specs)) if int(pf["bytes"]) >= PARALLEL_MIN_BYTES else 1
+    scanned = tensorfile.scan(p, keep=keep, schema=fmt.payload_schema({n: s["dtype"] for n, s in specs.items()}),
+                              digest="spans", visit=rows, workers=workers, follow_symlinks=False)
+    header_sha = (scanned.header_sha256 or b"").hex()
+    if scanned.size != pf["bytes"] or header_sha != pf["header_sha256"]:
+        raise IntegrityError(f"checksum mismatch for {fmt.PAYLOAD_FILE}: {scanned.size} bytes, header sha256 "
+                             f"{header_sha[:16]}..., manifest says {pf['bytes']} bytes, "
+                             f"{pf['header_sha256'][:16]}...", where=p,
+                             hint="the payload file was modified or truncated")
+    if scanned.header is None:  # the pinned header itself is malformed or is not the declared tensors
+        scanned.validated()
+    for name in sorted(specs):  # the header passed the schema: it holds exactly the declared tensors
+        sha = scanned.tensor_sha256[name].hex()
+        if sha != specs[name]["sha256"]:
+            raise IntegrityError(f"checksum mismatch for payload {name!r}: sha256 {sha[:16]}..., manifest says "
+                                 f"{specs[name]['sha256'][:16]}...", where=fmt.payload_where(name),
+                                 hint="the payload was modified")
+    header = scanned.validated()  # strict header, schema, BOOL bytes and mask rows, on the hashed bytes
+    for name, spec in specs.items():
+        ts = header.tensors[name]
+        if ts.dtype != spec["dtype"] or list(ts.shape) != spec["shape"]:
+            raise IntegrityError(f"payload {name!r} is {ts.dtype} {list(ts.shape)}, manifest says {spec['dtype']} "
+                                 f"{spec['shape']}", where=fmt.payload_where(name))
+    if "mask" in specs and rows.checked != math.prod(specs["mask"]["shape"]):  # never expected: fail closed
+        raise IntegrityError(f"payload 'mask': only {rows.checked} values were checked",
+                             where=fmt.payload_where("mask"))
     if not keep:
-        return torch.empty(ts.shape, dtype=fmt.DTYPES[spec["dtype"]], device="meta")
-    return scanned.tensors()[name]
-
-
-def _load_payloads(path: Path, specs: dict[str, Any], keep: bool, rows: MaskRows) -> dict[str, Tensor]:
-    """Every payload file, several at once when there is enough to read (each is hashed on its own
-    thread; SHA-256 and file reads release the GIL); the first failure in name order is raised."""
-    names = sorted(specs)
-
-    def one(name: str) -> Tensor:
-        return _load_payload(path, name, specs[name], keep=keep, visit=rows if name == "mask" else None)
-
-    total = sum(int(specs[n]["bytes"]) for n in names)
-    workers = min(PARALLEL_FILES, os.cpu_count() or 1, len(names))
-    if workers < 2 or total < PARALLEL_MIN_BYTES:
-        return {n: one(n) for n in names}
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="replayjob-bundle-read") as pool:
-        futures = {n: pool.submit(one, n) for n in sorted(names, key=lambda n: -int(specs[n]["bytes"]))}
-        return {n: futures[n].result() for n in names}  # largest files started first
+        return {n: torch.empty(header.tensors[n].shape, dtype=fmt.DTYPES[specs[n]["dtype"]], device="meta")
+                for n in sorted(specs)}
+    tensors = scanned.tensors()
+    return {n: tensors[n] for n in sorted(specs)}
 
 
 def _load_single(path: Path, tensors: bool = True) -> Bundle:
@@ -186,6 +202,7 @@ def _load_single(path: Path, tensors: bool = True) -> Bundle:
     if not (path / fmt.COMPLETE).exists() and not (path / fmt.COMPLETE).is_symlink():
         raise IntegrityError("incomplete bundle: COMPLETE is missing (the writer did not finish)", where=path,
                              hint="wait for the capture to finish or capture again")
+    _refuse_v1(path)
     _scan(path)
     complete = loads_strict(_read_bytes(path / fmt.COMPLETE, "COMPLETE"), where=path / fmt.COMPLETE)
     if not isinstance(complete, dict) or set(complete) != {"format", "bundle_id", "manifest_sha256"}:
@@ -201,26 +218,14 @@ def _load_single(path: Path, tensors: bool = True) -> Bundle:
     check_manifest(manifest)
     if complete["bundle_id"] != manifest["bundle_id"]:
         raise IntegrityError("COMPLETE and manifest name different bundles", where=path)
-    docs = {}
-    for name, key in ((fmt.INDEX, "index_sha256"), (fmt.EXPECTED, "expected_sha256")):
-        doc = read_json_object(path / name)
-        if sha256_json(doc) != manifest[key]:
-            raise IntegrityError(f"checksum mismatch: {name} does not match the manifest", where=path / name)
-        docs[name] = doc
-    index, expected = docs[fmt.INDEX], docs[fmt.EXPECTED]
+    index, expected = manifest["index"], manifest["expected"]
     check_index(index, manifest)
     n = len(index["samples"])
     check_expected(expected, manifest, n)
-    specs = manifest["payloads"]
-    pdir = path / fmt.PAYLOADS
-    present = sorted(p.name for p in pdir.iterdir()) if pdir.is_dir() else []
-    declared = {Path(s["file"]).name for s in specs.values()}
-    undeclared = [x for x in present if x not in declared]
-    if undeclared:
-        raise IntegrityError(f"undeclared files in payloads/: {undeclared}", where=pdir)
     # Mask rows are checked against the recorded lengths as the mask's bytes stream past the hash.
     rows = MaskRows([s["response_length"] for s in index["samples"]], [s["sample_id"] for s in index["samples"]])
-    payloads = _load_payloads(path, specs, tensors, rows)
+    payloads = _load_payloads(path, manifest, tensors, rows)
+    specs = manifest["payloads"]
     check_closure(manifest, index, expected, {k: (specs[k]["dtype"], list(v.shape)) for k, v in payloads.items()})
     _check_labels(payloads, index)
     mr = manifest["multi_rank"]
@@ -237,7 +242,7 @@ def _check_labels(payloads: dict[str, Tensor], index: dict[str, Any]) -> None:
         for s in index["samples"]:
             if s["label_length"] is not None and s["label_length"] > labels.shape[1]:
                 raise IntegrityError(f"label_length of sample {s['sample_id']!r} exceeds the label_ids width "
-                                     f"{labels.shape[1]}", where=fmt.payload_file("label_ids"))
+                                     f"{labels.shape[1]}", where=fmt.payload_where("label_ids"))
 
 
 def _int_list(value: Any) -> bool:

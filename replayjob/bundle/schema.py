@@ -1,6 +1,7 @@
 """Document checks shared by the writer (before writing) and the reader (before using).
 
-``check_manifest``, ``check_index`` and ``check_expected`` check one document each;
+``check_manifest``, ``check_index`` and ``check_expected`` check the manifest and its ``index`` and
+``expected`` sections;
 ``check_closure`` checks that every stage declared ``recompute`` has its inputs, its recorded
 upstream outputs and its own expected outputs, and that ``recorded-only`` stages have outputs.
 Each returns ``None`` or raises naming the field.
@@ -17,8 +18,9 @@ from replayjob.errors import ContractError, IntegrityError
 
 _HEX = re.compile(r"[0-9a-f]{64}")
 _MANIFEST_KEYS = {"format", "format_version", "bundle_id", "kind", "producer", "stages", "payloads",
-                  "comparison", "redaction", "index_sha256", "expected_sha256", "multi_rank"}
-_SPEC_KEYS = {"file", "dtype", "shape", "bytes", "sha256", "role"}
+                  "payload_file", "comparison", "redaction", "index", "expected", "multi_rank"}
+_SPEC_KEYS = {"dtype", "shape", "sha256", "role"}
+_FILE_KEYS = {"file", "bytes", "header_sha256"}
 W = fmt.MANIFEST
 
 
@@ -26,30 +28,40 @@ def _int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def check_payload_file(name: str, file: object) -> None:
-    """The declared file must be exactly ``payloads/<name>.safetensors``: no pickle, no escape."""
-    where = f"{W}: payloads.{name}.file"
-    if not isinstance(file, str):
-        raise IntegrityError("payload file must be a string", where=where)
-    if file.lower().endswith(fmt.PICKLE_SUFFIXES):
-        raise IntegrityError(f"payload file {file!r} is a pickle-capable format; only safetensors is "
-                             "accepted", where=where, hint="re-export the tensor with safetensors")
-    if file.startswith(("/", "\\")) or ".." in file.replace("\\", "/").split("/") or "\\" in file:
-        raise IntegrityError(f"payload file {file!r} escapes the bundle directory", where=where)
-    if file != fmt.payload_file(name):
-        raise IntegrityError(f"payload file {file!r} must be {fmt.payload_file(name)!r}", where=where)
+def _hex(v: object) -> bool:
+    return isinstance(v, str) and bool(_HEX.fullmatch(v))
+
+
+def check_payload_file(pf: object, names: list[str]) -> None:
+    """``payload_file`` is ``null`` when there are no payloads, else exactly ``payloads.safetensors`` with its
+    size and the SHA-256 of its header block (the tensors' own digests are in ``payloads``)."""
+    where = f"{W}: payload_file"
+    if pf is None:
+        if names:
+            raise IntegrityError(f"payloads {names} are declared but payload_file is null", where=where)
+        return
+    if not isinstance(pf, dict) or set(pf) != _FILE_KEYS:
+        raise IntegrityError(f"payload_file must be null or have exactly {sorted(_FILE_KEYS)}", where=where)
+    if not names:
+        raise IntegrityError("payload_file must be null when no payload is declared", where=where)
+    if pf["file"] != fmt.PAYLOAD_FILE:
+        raise IntegrityError(f"payload file {pf['file']!r} must be {fmt.PAYLOAD_FILE!r}", where=where,
+                             hint="a bundle holds its tensors in one safetensors file; nothing else is read")
+    if not _int(pf["bytes"]) or not _hex(pf["header_sha256"]):
+        raise IntegrityError("bytes and header_sha256 must be an integer and a 64-hex (lowercase) digest",
+                             where=where)
 
 
 def check_manifest(m: dict[str, Any]) -> None:
+    """The manifest, its ``index`` and ``expected`` sections aside (:func:`check_index`, :func:`check_expected`).
+
+    Format and version come first, so that a bundle of another format version is refused by version."""
+    if m.get("format") != fmt.FORMAT:
+        raise IntegrityError(f"not a trajectory bundle (format {m.get('format')!r})", where=W)
+    fmt.check_version(m.get("format_version"))
     if set(m) != _MANIFEST_KEYS:
         raise IntegrityError(f"manifest keys: missing {sorted(_MANIFEST_KEYS - set(m))}, unknown "
                              f"{sorted(set(m) - _MANIFEST_KEYS)}", where=W)
-    if m["format"] != fmt.FORMAT:
-        raise IntegrityError(f"not a trajectory bundle (format {m['format']!r})", where=W)
-    ver = m["format_version"]
-    if not isinstance(ver, str) or ver.split(".")[0] != fmt.FORMAT_VERSION.split(".")[0]:
-        raise ContractError(f"format_version {ver!r} is not readable by this version "
-                            f"({fmt.FORMAT_VERSION})", where=W, hint="use a matching replayjob")
     fmt.check_id(m["bundle_id"], "bundle_id")
     if m["kind"] not in fmt.KINDS:
         raise IntegrityError(f"kind must be one of {list(fmt.KINDS)}", where=W)
@@ -72,15 +84,15 @@ def check_manifest(m: dict[str, Any]) -> None:
         if not isinstance(spec, dict) or set(spec) != _SPEC_KEYS:
             raise IntegrityError(f"payload spec must have exactly {sorted(_SPEC_KEYS)}",
                                  where=f"{W}: payloads.{name}")
-        check_payload_file(name, spec["file"])
         if spec["dtype"] not in fmt.DTYPES or spec["role"] not in ("input", "expected"):
             raise IntegrityError(f"dtype must be one of {list(fmt.DTYPES)}, role input or expected",
                                  where=f"{W}: payloads.{name}")
         if not isinstance(spec["shape"], list) or not all(_int(d) for d in spec["shape"]):
             raise IntegrityError("shape must be a list of integers >= 0", where=f"{W}: payloads.{name}")
-        if not _int(spec["bytes"]) or not isinstance(spec["sha256"], str) or not _HEX.fullmatch(spec["sha256"]):
-            raise IntegrityError("bytes and sha256 must be an integer and a 64-hex digest",
+        if not _hex(spec["sha256"]):
+            raise IntegrityError("sha256 (of the tensor's bytes) must be a 64-hex (lowercase) digest",
                                  where=f"{W}: payloads.{name}")
+    check_payload_file(m["payload_file"], sorted(payloads))
     comp = m["comparison"]
     if not isinstance(comp, dict) or set(comp) != {s for s in want if s != "sample"}:
         raise IntegrityError("comparison must give atol and rtol for every compared stage",
@@ -91,9 +103,9 @@ def check_manifest(m: dict[str, Any]) -> None:
                 for v in tol.values())):
             raise IntegrityError("atol and rtol must be finite numbers >= 0", where=f"{W}: comparison.{s}")
     fmt.check_redaction(m["redaction"])
-    for key in ("index_sha256", "expected_sha256"):
-        if not isinstance(m[key], str) or not _HEX.fullmatch(m[key]):
-            raise IntegrityError(f"{key} must be a 64-hex digest", where=W)
+    for key in ("index", "expected"):
+        if not isinstance(m[key], dict):
+            raise IntegrityError(f"{key} must be an object", where=f"{W}: {key}")
     mr = m["multi_rank"]
     if mr is not None and not (isinstance(mr, dict) and set(mr) == {"rank", "expected_ranks"}
                                and _int(mr["rank"]) and isinstance(mr["expected_ranks"], list)

@@ -29,11 +29,11 @@ class Selection:
 
 def _identity(p: Path) -> tuple[str, int, int | None] | None:
     """(kind, rollout_id, step_id) of a candidate, read for matching only (validated later)."""
-    first = p if (p / fmt.INDEX).exists() else next(iter(sorted(p.glob("rank-*/"))), None)
-    if first is None or not (first / fmt.INDEX).is_file():
+    first = p if (p / fmt.MANIFEST).exists() else next(iter(sorted(p.glob("rank-*/"))), None)
+    if first is None or not (first / fmt.MANIFEST).is_file():
         return None
     try:
-        ix: dict[str, Any] = read_json_object(first / fmt.INDEX)
+        ix: dict[str, Any] = read_json_object(first / fmt.MANIFEST)["index"]
         return str(ix["kind"]), int(ix["identity"]["rollout_id"]), ix["identity"]["step_id"]
     except (IntegrityError, KeyError, TypeError, ValueError):
         return None

@@ -34,7 +34,12 @@ def _single(p: Path) -> dict[str, Any]:
     if not out["complete"]:
         problems.append("COMPLETE is missing: the bundle is incomplete")
     m = _doc(p / fmt.MANIFEST, problems) or {}
-    ix = _doc(p / fmt.INDEX, problems) or {}
+    ix: dict[str, Any] = m["index"] if isinstance(m.get("index"), dict) else {}
+    version = m.get("format_version")
+    if m and (not isinstance(version, str) or version.split(".")[0] != fmt.FORMAT_VERSION.split(".")[0]):
+        problems.append(f"bundle format {version} is not read by this replayjob (it reads {fmt.FORMAT_VERSION})")
+    elif m and not ix:
+        problems.append("the manifest has no index section")
     out.update(bundle_id=m.get("bundle_id"), kind=m.get("kind"), format_version=m.get("format_version"),
                producer=m.get("producer"), redaction=m.get("redaction"), multi_rank=m.get("multi_rank"))
     stages: dict[str, Any] = m["stages"] if isinstance(m.get("stages"), dict) else {}
@@ -42,15 +47,15 @@ def _single(p: Path) -> dict[str, Any]:
                      for s, c in stages.items() if isinstance(c, dict)}
     payloads = []
     specs: dict[str, Any] = m["payloads"] if isinstance(m.get("payloads"), dict) else {}
+    f = p / fmt.PAYLOAD_FILE
+    present = f.is_file() and not f.is_symlink()
+    if specs and not present:
+        problems.append(f"the payload file {fmt.PAYLOAD_FILE} is missing")
     for name, spec in sorted(specs.items()):
         if not isinstance(spec, dict):
             continue
-        f = p / str(spec.get("file", ""))
-        present = f.is_file() and not f.is_symlink()
-        if not present:
-            problems.append(f"payload {name!r} is missing ({spec.get('file')})")
         payloads.append({"name": name, "role": spec.get("role"), "dtype": spec.get("dtype"),
-                         "shape": spec.get("shape"), "bytes": spec.get("bytes"), "present": present})
+                         "shape": spec.get("shape"), "present": present})
     out["payloads"] = payloads
     ident = ix.get("identity") if isinstance(ix.get("identity"), dict) else {}
     out["identity"] = ident
@@ -118,6 +123,6 @@ def render(info: dict[str, Any], indent: str = "") -> str:
             lines.append(f"{indent}  stage {s}: {c['capability']}{reason}")
         for pl in info["payloads"]:
             lines.append(f"{indent}  payload {pl['name']} [{pl['role']}] {pl['dtype']} {pl['shape']} "
-                         f"{pl['bytes']} bytes{'' if pl['present'] else ' MISSING'}")
+                         f"{'' if pl['present'] else ' MISSING'}".rstrip())
     lines += [f"{indent}  problem: {x}" for x in info.get("problems", [])]
     return "\n".join(lines)

@@ -1,9 +1,10 @@
 """``BundleWriter``: build a trajectory bundle by hand or from a trainer, atomically.
 
 The writer checks everything the reader will check before it writes a byte (names, redaction,
-config, dependency closure), stages the bundle in a temporary sibling directory, hashes each
-payload, writes ``index.json``, ``expected.json``, ``manifest.json`` and ``COMPLETE`` (last) and
-renames the directory into place.  With ``rank``/``ranks`` it writes ``<path>/rank-<r>/`` and
+config, dependency closure), stages the bundle in a temporary sibling directory, writes
+``payloads.safetensors`` (every tensor, hashed once: its header block and each tensor's bytes),
+``manifest.json`` and ``COMPLETE`` (last), one ``fsync`` each, syncs the staging directory once and
+renames it into place.  With ``rank``/``ranks`` it writes ``<path>/rank-<r>/`` and
 ``<path>/COMPLETE.<r>``; whichever rank lands last writes the final ``<path>/COMPLETE``.
 
 Example (a two-sample GRPO rollout bundle whose reward stages are recomputed)::
@@ -38,13 +39,14 @@ from safetensors.torch import save as st_save
 from torch import Tensor
 
 import replayjob
+from replayjob import tensorfile
 from replayjob.bundle import format as fmt
 from replayjob.bundle.schema import check_closure, check_expected, check_index, check_manifest
-from replayjob.digest import sha256_bytes, sha256_json
+from replayjob.digest import sha256_bytes
 from replayjob.errors import ArtifactExistsError, IntegrityError
 from replayjob.faults import point
 from replayjob.fsio import atomic_write_bytes, fsync_dir, write_failure
-from replayjob.jsonio import pretty_bytes, read_json_object
+from replayjob.jsonio import canonical_bytes, pretty_bytes, read_json_object
 
 DTYPES = {t: name for name, t in fmt.DTYPES.items()}  # torch dtype -> safetensors name
 
@@ -145,10 +147,10 @@ class BundleWriter:
                                      f"needs the {field} text", hint=f"pass {field}= or set its policy to drop")
             if text is not None:
                 rec.update(redact_text(field, text, policy))
-        self.samples.append(fmt.check_sample(rec, len(self.samples), self.redaction))
+        self.samples.append(rec)  # checked with every other sample by finalize (check_index, as the reader does)
 
     def write_payload(self, name: str, tensor: Tensor, *, role: str = "input") -> None:
-        """Add a tensor payload (``role`` "input" or "expected"); stored as ``payloads/<name>.safetensors``."""
+        """Add a tensor payload (``role`` "input" or "expected"); stored as tensor ``<name>`` of the payload file."""
         fmt.check_payload_name(name)
         if not isinstance(tensor, Tensor):
             raise IntegrityError(f"payload {name!r} must be a torch.Tensor, not {type(tensor).__name__}",
@@ -177,30 +179,45 @@ class BundleWriter:
             self.expected.setdefault(stage, {})[field] = float(value.item() if isinstance(value, Tensor)
                                                               else value)  # type: ignore[arg-type]
 
-    def _documents(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, bytes], dict[str, Any]]:
+    def _documents(self) -> tuple[dict[str, Any], bytes | None]:
+        """The manifest (index and expected outputs inside) and the payload file's bytes (None: no payloads).
+
+        The payload file is hashed once, here: its header block and each tensor's bytes, by the
+        reader's own scan engine (which also checks that the reader will accept the file)."""
         index = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "kind": self.kind,
                  "identity": self.identity, "config": self.config, "samples": self.samples}
-        blobs = {name: st_save({name: t}) for name, t in sorted(self.payloads.items())}
-        specs = {name: {"file": fmt.payload_file(name), "dtype": DTYPES[t.dtype], "shape": list(t.shape),
-                        "bytes": len(blobs[name]), "sha256": sha256_bytes(blobs[name]), "role": self.roles[name]}
-                 for name, t in sorted(self.payloads.items())}
+        names = sorted(self.payloads)
+        dtypes = {name: DTYPES[self.payloads[name].dtype] for name in names}
+        blob: bytes | None = None
+        payload_file: dict[str, Any] | None = None
+        digests: dict[str, str] = {}
+        if names:
+            blob = st_save({name: self.payloads[name] for name in names})
+            scanned = tensorfile.scan(blob, keep=False, schema=fmt.payload_schema(dtypes), digest="spans",
+                                      where=fmt.PAYLOAD_FILE)
+            scanned.validated()
+            assert scanned.header_sha256 is not None
+            digests = {name: scanned.tensor_sha256[name].hex() for name in names}
+            payload_file = {"file": fmt.PAYLOAD_FILE, "bytes": len(blob), "header_sha256": scanned.header_sha256.hex()}
+        specs = {name: {"dtype": dtypes[name], "shape": list(self.payloads[name].shape), "sha256": digests[name],
+                        "role": self.roles[name]} for name in names}
         manifest = {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "bundle_id": self.bundle_id,
                     "kind": self.kind, "producer": self.producer, "stages": self.stages, "payloads": specs,
+                    "payload_file": payload_file,
                     "comparison": {s: self.comparison[s] for s in self.stages if s in self.comparison},
-                    "redaction": self.redaction, "index_sha256": sha256_json(index),
-                    "expected_sha256": sha256_json(self.expected),
+                    "redaction": self.redaction, "index": index, "expected": self.expected,
                     "multi_rank": None if self.ranks is None else {"rank": self.rank,
                                                                    "expected_ranks": self.ranks}}
-        return manifest, index, blobs, self.expected
+        return manifest, blob
 
     def finalize(self) -> Path:
-        """Check, stage, hash, write (``COMPLETE`` last), rename into place; return the bundle path."""
-        manifest, index, blobs, expected = self._documents()
+        """Check, stage, write (``COMPLETE`` last), rename into place; return the bundle path."""
+        manifest, blob = self._documents()
         check_manifest(manifest)
-        check_index(index, manifest)
-        check_expected(expected, manifest, len(self.samples))
-        check_closure(manifest, index, expected, {n: (s["dtype"], s["shape"])
-                                                  for n, s in manifest["payloads"].items()})
+        check_index(manifest["index"], manifest)
+        check_expected(manifest["expected"], manifest, len(self.samples))
+        check_closure(manifest, manifest["index"], manifest["expected"],
+                      {n: (s["dtype"], s["shape"]) for n, s in manifest["payloads"].items()})
         final = self.root if self.ranks is None else self.root / f"rank-{self.rank}"
         if final.exists():
             raise ArtifactExistsError("bundle directory already exists", where=final,
@@ -211,18 +228,14 @@ class BundleWriter:
         except OSError as exc:
             raise write_failure(exc, final.parent, "cannot create the bundle") from None
         try:
-            (tmp / fmt.PAYLOADS).mkdir()
-            for name, blob in blobs.items():
-                _write_new(tmp / fmt.payload_file(name), blob)
-            _write_new(tmp / fmt.INDEX, pretty_bytes(index))
-            _write_new(tmp / fmt.EXPECTED, pretty_bytes(expected))
-            manifest_bytes = pretty_bytes(manifest)
+            if blob is not None:
+                _write_new(tmp / fmt.PAYLOAD_FILE, blob)
+            manifest_bytes = canonical_bytes(manifest)
             _write_new(tmp / fmt.MANIFEST, manifest_bytes)
             manifest_sha = sha256_bytes(manifest_bytes)
             complete = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "manifest_sha256": manifest_sha}
             _write_new(tmp / fmt.COMPLETE, pretty_bytes(complete))
-            fsync_dir(tmp / fmt.PAYLOADS)  # every name in place and durable before the rename publishes them
-            fsync_dir(tmp)
+            fsync_dir(tmp)  # every name in place and durable before the rename publishes them
             point(f"bundle.staged/{final.name}")
             try:
                 os.rename(tmp, final)

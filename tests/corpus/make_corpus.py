@@ -431,16 +431,38 @@ def _bundle_finish(d: Path, manifest: dict[str, Any] | None = None, *, raw: byte
     (d / "COMPLETE").write_bytes(json.dumps({**complete, "manifest_sha256": _sha(data)}, indent=2).encode())
 
 
-def _json_digest(doc: Any) -> str:
-    return _sha(json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
+def _header_block(data: bytes) -> bytes:
+    """What a reader hashes as a safetensors header block: ``8 + length`` bytes when they fit, else 8."""
+    from replayjob.tensorfile import MAX_HEADER_BYTES
+
+    if len(data) < 8:
+        return data
+    (n,) = struct.unpack("<Q", data[:8])
+    return data[:8 + n] if 8 + n <= min(len(data), 8 + MAX_HEADER_BYTES) else data[:8]
+
+
+def forge_payload_file(d: Path, manifest: dict[str, Any], data: bytes) -> None:
+    """Replace a bundle's ``payloads.safetensors`` and re-seal every digest that pins it, as a forger would:
+    the file's size and header digest, and each declared tensor's digest where the header names its span."""
+    (d / "payloads.safetensors").write_bytes(data)
+    block = _header_block(data)
+    specs = {k: dict(v) for k, v in manifest["payloads"].items()}
+    try:
+        head = json.loads(block[8:])
+        for name, spec in specs.items():
+            begin, end = head[name]["data_offsets"]
+            spec["sha256"] = _sha(data[len(block) + begin:len(block) + end])
+    except (ValueError, KeyError, TypeError):
+        pass  # no readable span: the reader refuses the header before it looks at tensor digests
+    _bundle_finish(d, {**manifest, "payloads": specs, "payload_file": {
+        **manifest["payload_file"], "bytes": len(data), "header_sha256": _sha(block)}})
 
 
 def bundle_entries(src: Path, out: Path) -> list[Entry]:
     """Bundle directories fed to `bundle validate`; digests are re-forged so each defect is reached."""
     man = json.loads((src / "manifest.json").read_bytes())
-    index = json.loads((src / "index.json").read_bytes())
-    pname, pspec = sorted(man["payloads"].items())[0]
-    pfile = src / pspec["file"]
+    pfile = src / "payloads.safetensors"
+    pname = sorted(man["payloads"])[0]
     entries: list[Entry] = []
 
     def emit(name: str, expect: str, fn: Callable[[Path], None]) -> None:
@@ -452,40 +474,37 @@ def bundle_entries(src: Path, out: Path) -> list[Entry]:
     for name, (data, expect) in json_mutations(man, int_field="multi_rank", str_field="format",
                                                required="payloads", schema_field="format").items():
         emit(f"bundle_manifest_{name}", expect, lambda d, data=data: _bundle_finish(d, raw=data))
-    for name, (data, expect) in json_mutations(index, int_field="config", str_field="bundle_id",
+    rest = json.dumps({k: v for k, v in man.items() if k != "index"}, indent=1, sort_keys=True).encode()
+    for name, (data, expect) in json_mutations(man["index"], int_field="config", str_field="bundle_id",
                                                required="samples", schema_field="format").items():
-        def forge_index(d: Path, data: bytes = data) -> None:
-            (d / "index.json").write_bytes(data)
-            try:
-                digest = _json_digest(json.loads(data))
-            except (ValueError, RecursionError):
-                digest = man["index_sha256"]
-            _bundle_finish(d, {**man, "index_sha256": digest})
-        emit(f"bundle_index_{name}", expect, forge_index)
+        raw = b'{"index": ' + data + b",\n" + rest[2:]  # the defect spliced in as the manifest's index section
+        emit(f"bundle_index_{name}", expect, lambda d, raw=raw: _bundle_finish(d, raw=raw))
     emit("bundle_complete_mismatch", "checksum mismatch",
          lambda d: (d / "manifest.json").write_bytes((src / "manifest.json").read_bytes() + b" "))
     for name, (data, expect) in safetensors_mutations(pfile.read_bytes()).items():
-        def forge_payload(d: Path, data: bytes = data) -> None:
-            (d / pspec["file"]).write_bytes(data)
-            _bundle_finish(d, {**man, "payloads": {**man["payloads"], pname: {
-                **pspec, "bytes": len(data), "sha256": _sha(data)}}})
-        emit(f"bundle_payload_{name}", expect, forge_payload)
+        emit(f"bundle_payload_{name}", expect, lambda d, data=data: forge_payload_file(d, man, data))
     emit("bundle_payload_digest_mismatch", "checksum mismatch",
-         lambda d: (d / pspec["file"]).write_bytes(_flip_last(pfile.read_bytes())))
+         lambda d: (d / "payloads.safetensors").write_bytes(_flip_last(pfile.read_bytes())))
     for label, bad in {"dotdot": "payloads/../manifest.json", "absolute": "/etc/passwd",
-                       "escape": "../" + Path(pspec["file"]).name, "pickle": f"payloads/{pname}.pt"}.items():
+                       "escape": "../payloads.safetensors", "pickle": "payloads.pt"}.items():
         emit(f"bundle_payload_path_{label}", "payload file", lambda d, bad=bad: _bundle_finish(
-            d, {**man, "payloads": {**man["payloads"], pname: {**pspec, "file": bad}}}))
+            d, {**man, "payload_file": {**man["payload_file"], "file": bad}}))
+    emit("bundle_payload_name_escape", "payload name", lambda d: _bundle_finish(
+        d, {**man, "payloads": {**man["payloads"], "../x": man["payloads"][pname]}}))
     emit("bundle_payload_symlink_outside", "symlink",
-         lambda d: _replace_with_link(d / pspec["file"], _outside_copy(d, pfile)))
-    emit("bundle_payload_device", "symlink", lambda d: _replace_with_link(d / pspec["file"], "/dev/zero"))
-    emit("bundle_payload_fifo", "regular file", lambda d: _replace_with_fifo(d / pspec["file"]))
-    emit("bundle_pickle_file", "pickle", lambda d: (d / "payloads" / "extra.pt").write_bytes(torch_save_bytes()))
+         lambda d: _replace_with_link(d / "payloads.safetensors", _outside_copy(d, pfile)))
+    emit("bundle_payload_device", "symlink", lambda d: _replace_with_link(d / "payloads.safetensors", "/dev/zero"))
+    emit("bundle_payload_fifo", "regular file", lambda d: _replace_with_fifo(d / "payloads.safetensors"))
+    emit("bundle_pickle_file", "pickle", lambda d: (d / "extra.pt").write_bytes(torch_save_bytes()))
     emit("bundle_pickle_top", "pickle", lambda d: (d / "state.pkl").write_bytes(pickle.dumps([1])))
-    emit("bundle_undeclared_payload", "undeclared", lambda d: shutil.copyfile(pfile, d / "payloads" / "x.safetensors"))
+    emit("bundle_undeclared_payload", "unknown entries", lambda d: shutil.copyfile(pfile, d / "x.safetensors"))
+    emit("bundle_payload_directory", "unknown entries", lambda d: (d / "payloads").mkdir())  # a 1.x entry
     emit("bundle_incomplete", "incomplete", lambda d: (d / "COMPLETE").unlink())
     emit("bundle_payload_sha_uppercase", "sha256", lambda d: _bundle_finish(
-        d, {**man, "payloads": {**man["payloads"], pname: {**pspec, "sha256": pspec["sha256"].upper()}}}))
+        d, {**man, "payloads": {**man["payloads"], pname: {**man["payloads"][pname],
+                                                            "sha256": man["payloads"][pname]["sha256"].upper()}}}))
+    emit("bundle_format_v1", "format_version '1.0.0' is not read", lambda d: _bundle_finish(
+        d, {**man, "format_version": "1.0.0"}))
     f = out / "bundle_is_a_file"
     f.write_bytes((src / "manifest.json").read_bytes())
     entries.append(Entry(f.name, "bundle", f.name, "directory"))
