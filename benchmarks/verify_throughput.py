@@ -7,7 +7,7 @@ Two arms, each on about ``--mib`` MiB of payload bytes (1024 = 1 GiB; ``--smoke`
   with the capture's own encoder, digests and manifest writer), then ``replayjob explain`` with
   both pins, in this process, exit 0 required;
 * ``bundle validate``: a seeded synthetic rollout bundle (:mod:`replayjob.bundle.synthetic`, long
-  responses) whose payload files add up to that size, then ``replayjob bundle validate``, exit 0.
+  responses) whose payload file is about that size, then ``replayjob bundle validate``, exit 0.
 
 Baseline, measured in the same process on the same files: one streaming read of every payload
 byte through ``hashlib.sha256`` (8 MiB chunks) -- the least any verifier must do.  Runs alternate
@@ -116,7 +116,7 @@ def build_explain(work: Path, nbytes: int) -> tuple[list[str], list[Path]]:
 
 
 def build_bundle(work: Path, nbytes: int) -> tuple[list[str], list[Path]]:
-    """A synthetic rollout bundle whose payload files add up to about ``nbytes``."""
+    """A synthetic rollout bundle whose payload file holds about ``nbytes``."""
     from replayjob.bundle import synthetic
 
     # A rollout bundle stores six [samples, width] tensors of 8-byte values; responses average
@@ -125,7 +125,7 @@ def build_bundle(work: Path, nbytes: int) -> tuple[list[str], list[Path]]:
     max_len = max(8, nbytes // (6 * 8 * samples))
     path = synthetic.write_rollout(work / "bundle", groups=BUNDLE_GROUPS, group_size=BUNDLE_GROUP_SIZE,
                                    max_len=max_len, seed=0)
-    return ["bundle", "validate", str(path)], sorted((path / "payloads").iterdir())
+    return ["bundle", "validate", str(path)], [path / "payloads.safetensors"]
 
 
 def _profile(fn: Callable[[], None], top: int = 15) -> list[dict[str, Any]]:
