@@ -61,6 +61,9 @@ STEP_INITIAL_ADAPTER = "initial_adapter_sha256"
 STEP_FINAL_ADAPTER = "final_adapter_sha256"  # null when the step's update never returned
 STEP_REPLAY_CONFIG = "replay_config"
 STEP_NONFINITE = "nonfinite_inputs"
+STEP_LOSS = "loss"  # optional: the step's loss as the trainer reported it (the capture API records it)
+STEP_GRAD_NORM = "grad_norm"  # optional: its pre-clip gradient norm
+STEPS_NOT_CAPTURED = "optimizer_batch/steps_not_captured"  # capture API: chosen steps training never completed
 RING_SIZE = "size"
 RING_STEPS_OBSERVED = "steps_observed"
 RING_PEAK_BYTES = "peak_bytes"
@@ -173,12 +176,12 @@ def _read(path: Path) -> tuple[dict[str, Any], str]:
 class _Fields:
     """Typed access to one document's fields; every failure names the file and the key."""
 
-    def __init__(self, doc: dict[str, Any], where: Path):
-        self.doc, self.where = doc, where
+    def __init__(self, doc: dict[str, Any], where: Path, prefix: str = "",
+                 hint: str = "the file does not follow docs/replay-metrics.md; rerun the replay"):
+        self.doc, self.where, self.prefix, self.hint = doc, where, prefix, hint  # prefix: a nested object's path
 
     def fail(self, key: str, what: str) -> IntegrityError:
-        return IntegrityError(f"field {key!r} {what}", where=self.where,
-                              hint="the file does not follow docs/replay-metrics.md; rerun the replay")
+        return IntegrityError(f"field {self.prefix + key!r} {what}", where=self.where, hint=self.hint)
 
     def get(self, key: str, obj: dict[str, Any] | None = None) -> Any:
         d = self.doc if obj is None else obj
@@ -220,8 +223,9 @@ class _Fields:
             raise self.fail(key, "must be a list of non-empty strings")
         return tuple(v)
 
-    def adapter_file(self, key: str) -> Path:
-        rel = self.text(key)
+    def file(self, key: str, obj: dict[str, Any] | None = None) -> Path:
+        """A path relative to the metrics file's directory (never outside it)."""
+        rel = self.text(key, obj)
         pure = PurePosixPath(rel)
         if pure.is_absolute() or ".." in pure.parts or "\\" in rel:
             raise self.fail(key, f"must be a relative path inside the run directory, found {rel!r}")
@@ -236,7 +240,7 @@ def _run_fields(f: _Fields) -> dict[str, Any]:
         "manifest": f.digest(MANIFEST),
         "initial_adapter": f.digest(INITIAL_ADAPTER),
         "final_adapter": f.digest(FINAL_ADAPTER),
-        "final_adapter_file": f.adapter_file(FINAL_ADAPTER_PATH),
+        "final_adapter_file": f.file(FINAL_ADAPTER_PATH),
         "loss": f.number("loss", lo=-math.inf),
     }
 
@@ -353,6 +357,56 @@ def read_source(directory: str | Path) -> Source:
     return Source(path=p, sha256=sha, **_run_fields(f), config=config)
 
 
+@dataclass(frozen=True)
+class StepPins:
+    """One captured step's entry under :data:`STEPS` (built-in trainer and capture API alike)."""
+
+    step: int
+    manifest_path: Path
+    manifest: str
+    logical: str
+    effective: str
+    initial_adapter: str
+    final_adapter: str | None  # the adapter after the real update; None when that update never returned
+    replay_config: Path
+    nonfinite_inputs: bool
+    loss: float | None = None
+    grad_norm: float | None = None
+
+
+def read_steps(directory: str | Path) -> tuple[StepPins, ...]:
+    """The chosen steps a run's metrics.json in ``directory`` records (:data:`STEPS`), in step order,
+    each entry checked (digests, paths inside the directory, distinct ascending steps)."""
+    d = Path(directory)
+    p = d / SOURCE_FILE
+    if not p.is_file():
+        raise RefusedError(f"no {SOURCE_FILE} in the capture directory", where=d,
+                           hint="pass the directory a capture of chosen steps wrote")
+    doc, _ = _read(p)
+    hint = "the file does not follow docs/optimizer-batch.md (chosen steps); capture again into a new directory"
+    f = _Fields(doc, p, hint=hint)
+    entries = f.get(STEPS)
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise f.fail(STEPS, "must be a list of objects")
+    out: list[StepPins] = []
+    for i, e in enumerate(entries):
+        g = _Fields(e, p, f"{STEPS}[{i}].", hint)
+        step = g.get(STEP)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or (out and step <= out[-1].step):
+            raise g.fail(STEP, "must be an integer >= 0, the entries in ascending step order")
+        nonfinite = g.get(STEP_NONFINITE)
+        if not isinstance(nonfinite, bool):
+            raise g.fail(STEP_NONFINITE, "must be true or false")
+        final = None if e.get(STEP_FINAL_ADAPTER) is None else g.digest(STEP_FINAL_ADAPTER)
+        loss = None if e.get(STEP_LOSS) is None else g.number(STEP_LOSS, lo=-math.inf)
+        grad = None if e.get(STEP_GRAD_NORM) is None else g.number(STEP_GRAD_NORM)
+        out.append(StepPins(
+            step=step, manifest_path=g.file(STEP_MANIFEST_PATH), manifest=g.digest(STEP_MANIFEST),
+            logical=g.digest(STEP_LOGICAL), effective=g.digest(STEP_EFFECTIVE),
+            initial_adapter=g.digest(STEP_INITIAL_ADAPTER), final_adapter=final,
+            replay_config=g.file(STEP_REPLAY_CONFIG), nonfinite_inputs=nonfinite,
+            loss=loss, grad_norm=grad))
+    return tuple(out)
 
 
 def read_pins(directory: str | Path) -> tuple[str, str, Path]:

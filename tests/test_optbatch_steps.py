@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from collections import deque
 from pathlib import Path
@@ -24,6 +25,7 @@ from replayjob.config import load_config
 from replayjob.digest import sha256_file
 from replayjob.errors import ArtifactExistsError, ConfigError, IntegrityError
 from replayjob.faults import NONFINITE_GRAD_ENV
+from replayjob.metrics import read_steps
 from replayjob.optbatch import manifest, ring, stepcapture
 from replayjob.rl.state import OPTIMIZER_FILE, read_state, write_state
 
@@ -73,6 +75,9 @@ def replay_metrics(config: Path, out: Path, *extra: str) -> dict[str, Any]:
 def test_a_chosen_step_of_a_six_step_run_replays_bitwise(steps_run: Path, tmp_path: Path) -> None:
     (pins,) = metrics(steps_run)["optimizer_batch/steps"]
     assert pins["step"] == 3 and pins["replay_config"] == STEP3 and pins["nonfinite_inputs"] is False
+    (read,) = read_steps(steps_run)  # the one reader of chosen steps (the capture API writes the same record)
+    assert (read.step, read.manifest, read.final_adapter) == (3, pins["manifest_sha256"], pins["final_adapter_sha256"])
+    assert read.replay_config == steps_run / STEP3 and read.loss is None  # the built-in entry records no loss
     for name in stepcapture.file_names(3):
         assert (steps_run / name).exists(), name
     state = read_state(steps_run / stepcapture.state_dir_name(3))
@@ -179,7 +184,7 @@ def test_config_and_precondition_refusals(workspace: Path, tmp_path: Path) -> No
     with pytest.raises(ConfigError, match="cannot be combined"):
         StepsCapture.prepare(both, tmp_path)
     cfg = load_config(workspace / "train.toml", ["training.max_steps=3", "optimizer_batch.capture_steps=[1]"])
-    (tmp_path / stepcapture.replay_config_name(1)).write_text("")
+    (tmp_path / manifest.replay_config_name(1)).write_text("")
     with pytest.raises(ArtifactExistsError):
         StepsCapture.prepare(cfg, tmp_path)
     (tmp_path / ring.RING_DIR).mkdir()
@@ -239,7 +244,7 @@ def test_nonfinite_inputs_are_flagged_and_replay_only_under_the_opt_in(workspace
     out = tmp_path / "run"
     (pins,) = train_source(cfg, out, [Poison()])["optimizer_batch/steps"]
     assert pins["nonfinite_inputs"] is True
-    config = out / stepcapture.replay_config_name(1)
+    config = out / manifest.replay_config_name(1)
     assert main(["explain", str(config)]) == 2
     err = capsys.readouterr().err
     assert "flagged nonfinite_inputs" in err and "non-finite ref_logprobs" in err
@@ -291,3 +296,18 @@ def test_a_user_trigger_writes_the_buffered_steps_and_memory_stays_bounded(tmp_p
     assert state.step == 2 and state.has_optimizer
     written = {w["step"]: w for w in out["written"]}
     assert written[2]["final_adapter_sha256"] == written[3]["initial_adapter_sha256"]
+
+
+@pytest.mark.parametrize(("edit", "field"), [
+    (lambda e: e.update(manifest_sha256="xyz"), "manifest_sha256"),
+    (lambda e: e.update(replay_config="../elsewhere.toml"), "replay_config"),
+    (lambda e: e.update(step=-1), "step"),
+    (lambda e: e.pop("nonfinite_inputs"), "nonfinite_inputs"),
+    (lambda e: e.update(loss="low"), "loss"),
+])
+def test_read_steps_refuses_a_malformed_entry(steps_run: Path, tmp_path: Path, edit: Any, field: str) -> None:
+    doc = metrics(steps_run)
+    edit(doc["optimizer_batch/steps"][0])
+    (tmp_path / "metrics.json").write_text(json.dumps(doc))
+    with pytest.raises(IntegrityError, match=re.escape(f"'optimizer_batch/steps[0].{field}'")):
+        read_steps(tmp_path)

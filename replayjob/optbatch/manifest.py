@@ -57,6 +57,11 @@ def manifest_name(step: int) -> str:
     return file_stem(step) + ".manifest.json"
 
 
+def replay_config_name(step: int) -> str:
+    """The ready replay config a capture of several chosen steps writes for ``step``."""
+    return f"replay_step_{step:06d}.toml"
+
+
 @dataclass(frozen=True)
 class PinnedManifest:
     """A verified capture manifest: the fields every producer's manifest shares."""
