@@ -101,6 +101,26 @@ def test_capture_does_not_change_the_loop(example_run: tuple[Path, Path], tmp_pa
     assert on["losses"] == off["losses"]
 
 
+def test_several_chosen_steps_of_a_plain_loop_replay_bitwise(example_run: tuple[Path, Path],
+                                                             tmp_path: Path) -> None:
+    from replayjob.metrics import read_steps
+
+    script, _ = example_run
+    mod = _load(script)
+    res = mod.main(tmp_path / "src", capture_step=None, capture_steps=[2, 0])
+    assert res["losses"] == mod.main(tmp_path / "off", capture_step=None)["losses"]  # capture changes nothing
+    d = tmp_path / "src" / "capture"
+    pins = read_steps(d)  # one schema for chosen steps: the built-in trainer's and the capture API's
+    assert [p.step for p in pins] == [0, 2] and json.loads((d / "metrics.json").read_text())["framework"] == "torch"
+    assert not (d / "replay.toml").exists() and not (d / "final_adapter").exists()
+    for p in pins:
+        assert p.replay_config.name == f"replay_step_{p.step:06d}.toml"
+        assert main(["replay", str(p.replay_config), "--out", str(tmp_path / "r" / str(p.step))]) == 0
+        rep = json.loads((tmp_path / "r" / str(p.step) / "replay_metrics.json").read_text())
+        assert rep["optimizer_batch/final_adapter_sha256"] == p.final_adapter != p.initial_adapter
+        assert rep["loss"] == p.loss and rep["grad_norm"] == p.grad_norm and rep["step"] == p.step
+
+
 def test_a_changed_replay_target_is_refused(example_run: tuple[Path, Path], tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     script, _ = example_run
@@ -132,3 +152,10 @@ def test_capture_api_refuses_misuse(example_run: tuple[Path, Path], tmp_path: Pa
     with pytest.raises(cap.CaptureError, match="no micro-batch was recorded"):
         c.finish()
     assert not (tmp_path / "b").exists()  # nothing half-written
+    steps = cap.ChosenSteps(tmp_path / "c", steps=[0, 1], framework="torch", base_model_dir=out / "base",
+                            config={"torch": {}, "model": {"path": str(out / "base")}})
+    assert steps.at(2, model=model, optimizer=opt, scheduler=sched) is None  # not a chosen step
+    assert steps.close().not_captured == (0, 1) and steps.result is not None and steps.result.metrics_path is None
+    assert not (tmp_path / "c").exists()  # no step finished: nothing written
+    with pytest.raises(cap.CaptureError, match=r"step 0 was not captured \(training ended"):
+        steps.result.step(0)
