@@ -22,6 +22,10 @@ local directory only), the redacted config and contract, and the adapter after t
 File discipline: everything is held in memory until :meth:`StepCapture.finish`, which writes the
 safetensors files, then the manifest (exclusively, last), then ``final_adapter/``, ``metrics.json``
 and a ready ``replay.toml`` with the pins filled in.  A step that never finishes writes nothing.
+
+Several steps of one run: :class:`ChosenSteps` hands out one :class:`StepCapture` per chosen step
+(each writes its files and ``replay_step_<K:06d>.toml``) and, at :meth:`ChosenSteps.close`, writes
+``metrics.json`` once with every captured step's pins (the ``optimizer_batch/steps`` record).
 """
 
 from __future__ import annotations

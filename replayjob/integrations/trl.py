@@ -9,8 +9,12 @@ Capture (``pip install 'replayjob[trl]'``)::
     trainer.train()
     cap.result.replay_toml                                          # runs/cap/replay.toml, pins filled in
 
+``steps=[K1, K2, ...]`` instead captures several steps of the run
+(:class:`~replayjob.integrations.capture.ChosenSteps`): per step its files and
+``replay_step_<K:06d>.toml``, and ``metrics.json`` once training ends (``cap.steps_result``).
+
 How it plugs in: a ``TrainerCallback`` snapshots the adapter, optimizer and LR-scheduler state at
-``on_step_begin`` of global step K and finishes the capture at ``on_step_end``, after the
+``on_step_begin`` of (each chosen) global step K and finishes the capture at ``on_step_end``, after the
 transformers loop's clip, ``optimizer.step()``, ``lr_scheduler.step()`` and ``zero_grad()``;
 the trainer's ``compute_loss`` is wrapped so every micro-batch's inputs (exactly the dict TRL's
 loss receives, after generation and buffering) and the Torch RNG state are recorded right before
