@@ -169,7 +169,7 @@ class TRLCapture:
 
         base = _base_model(trainer)
         self.trainer, self.steps, self.several = trainer, steps, several
-        self.step = steps[0]  # the one step of a step=K capture
+        self.step = steps[0]  # the one step of a step=K capture (the first chosen one otherwise)
         peft_cfg = trainer.model.peft_config[trainer.model.active_adapter]
         config = {
             FRAMEWORK: _trl_config(trainer.args),
@@ -183,12 +183,13 @@ class TRLCapture:
         self._base_dir = str(base.config._name_or_path or "")
         self._out = out_dir
         self._chosen: cap.ChosenSteps | None = None
+        self._base_model: dict[str, Any] | None = None  # step=K: hashed here, once
         if several:  # refused now, before training: existing files, a base model not in a local directory
             self._chosen = cap.ChosenSteps(out_dir, steps=steps, framework=FRAMEWORK, base_model_dir=self._base_dir,
                                            config=config)
         else:
             cap.refuse_existing(out_dir, cap.capture_file_names(self.step, several=False))
-            cap.base_model_identity(self._base_dir)
+            self._base_model = cap.base_model_identity(self._base_dir)
         handle = self
 
         class _Callback(TrainerCallback):
@@ -219,7 +220,7 @@ class TRLCapture:
             c = self._chosen.at(k, **live)
         elif k == self.step and self._cap is None:
             c = cap.StepCapture(self._out, step=k, framework=FRAMEWORK, base_model_dir=self._base_dir,
-                                config=self._config, **live)
+                                config=self._config, base_model=self._base_model, **live)
         else:
             c = None
         if c is not None:
