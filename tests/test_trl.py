@@ -329,13 +329,14 @@ def test_capture_arguments_are_checked_before_training(trl_base: Path, trl_captu
 
     trainer, _ = grpo(trl_base, tmp_path, train=False)
     out = tmp_path / "cap"
-    for kwargs, cause in [({}, "exactly one of"), ({"step": 1, "steps": [1]}, "exactly one of"),
+    for kwargs, cause in [({"step": 1, "steps": [1]}, "not both"),
                           ({"steps": [1, 1]}, r"steps \[1\] are listed more than once"),
                           ({"steps": [-1, 2]}, "integers >= 0"), ({"steps": []}, "integers >= 0"),
                           ({"step": -1}, "integer >= 0")]:
         with pytest.raises(UsageError, match=cause) as exc:
             capture_optimizer_batch(trainer, out, **kwargs)
         assert exc.value.exit_code == 2
+    assert capture_optimizer_batch(trainer, out).step == 0  # neither: the first step, as before steps=
     with pytest.raises(cap.CaptureError, match=r"step\(s\) \[3\] are not reached"):
         capture_optimizer_batch(trainer, out, steps=[1, 3])  # max_steps 3: steps 0, 1, 2
     with pytest.raises(ArtifactExistsError):  # a directory already holding step 1's capture, either layout

@@ -128,7 +128,8 @@ def capture_optimizer_batch(trainer: Any, out_dir: str | Path, step: int | None 
     ``step=K`` writes one capture with ``replay.toml``, ``metrics.json`` and ``final_adapter/``
     (``result``); ``steps=[K1, K2, ...]`` writes per step its files and ``replay_step_<K:06d>.toml``,
     and when training ends one ``metrics.json`` with every captured step's pins (``steps_result``).
-    Refused at once (nothing written): both or neither of ``step`` and ``steps``, a negative or
+    With neither, step 0 is captured.
+    Refused at once (nothing written): both ``step`` and ``steps``, a negative or
     repeated step, a step before the trainer's current step or at/after its ``max_steps``, a trainer
     that is not a GRPOTrainer, a model without a PEFT adapter, a base model not loaded from a local
     directory with safetensors weights, or an output directory that already holds one of the files.
@@ -136,10 +137,12 @@ def capture_optimizer_batch(trainer: Any, out_dir: str | Path, step: int | None 
     from peft import PeftModel
     from trl import GRPOTrainer
 
-    if (step is None) == (steps is None):
-        raise UsageError("give exactly one of step=K (one step) and steps=[K, ...] (several steps)",
+    if step is not None and steps is not None:
+        raise UsageError("give one of step=K (one step) and steps=[K, ...] (several steps), not both",
                          where="capture_optimizer_batch",
                          hint="e.g. capture_optimizer_batch(trainer, out, step=1) or (..., steps=[1, 3])")
+    if step is None and steps is None:
+        step = 0  # the first optimizer step, as before steps= existed
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be an integer >= 0, found {step!r}", where="step")
     chosen = (step,) if step is not None else cap.chosen_steps(steps)
