@@ -159,3 +159,51 @@ def test_capture_api_refuses_misuse(example_run: tuple[Path, Path], tmp_path: Pa
     assert not (tmp_path / "c").exists()  # no step finished: nothing written
     with pytest.raises(cap.CaptureError, match=r"step 0 was not captured \(training ended"):
         steps.result.step(0)
+
+
+def test_nonfinite_inputs_are_flagged_and_replay_only_under_the_opt_in(
+        example_run: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A step whose inputs hold an Inf the loss never reads (a broken auxiliary field) is captured with
+    rows.nonfinite_inputs; explain refuses it until optimizer_batch.allow_nonfinite_inputs opts in."""
+    from replayjob.metrics import read_steps
+
+    script, _ = example_run
+    mod = _load(script)
+    clean = mod.micro_batches
+    mod.micro_batches = lambda step: [{**mb, "aux": torch.full((4,), float("inf") if step == 1 else 0.0)}
+                                      for mb in clean(step)]
+    mod.main(tmp_path / "src", capture_step=None, capture_steps=[1])
+    (pins,) = read_steps(tmp_path / "src" / "capture")
+    assert pins.nonfinite_inputs is True
+    capsys.readouterr()
+    assert main(["explain", str(pins.replay_config)]) == 2
+    assert "flagged rows.nonfinite_inputs" in capsys.readouterr().err
+    assert main(["replay", str(pins.replay_config), "--out", str(tmp_path / "r"),
+                 "--set", "optimizer_batch.allow_nonfinite_inputs=true"]) == 0
+    rep = json.loads((tmp_path / "r" / "replay_metrics.json").read_text())
+    assert rep["optimizer_batch/final_adapter_sha256"] == pins.final_adapter and rep["loss"] == pins.loss
+
+
+def test_a_nonfinite_loss_is_null_in_a_step_record_and_refused_for_one_step(
+        example_run: tuple[Path, Path], tmp_path: Path) -> None:
+    """Strict JSON has no NaN: several steps record a non-finite loss as null; a one-step capture, whose
+    metrics.json needs a finite loss, refuses before writing anything."""
+    from replayjob.metrics import read_steps
+
+    script, _ = example_run
+    mod = _load(script)
+    clean = mod.micro_batches
+
+    def poisoned(step: int) -> list[dict[str, Any]]:
+        mbs = clean(step)
+        if step == 1:
+            mbs[0]["advantages"][0] = float("inf")
+        return mbs
+
+    mod.micro_batches = poisoned
+    mod.main(tmp_path / "several", capture_step=None, capture_steps=[1])
+    (pins,) = read_steps(tmp_path / "several" / "capture")
+    assert pins.loss is None and pins.nonfinite_inputs is True
+    with pytest.raises(cap.CaptureError, match="not finite"):
+        mod.main(tmp_path / "one", capture_step=1)
+    assert not list((tmp_path / "one" / "capture").glob("*"))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import importlib.metadata
 import json
+import math
 import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -200,10 +201,12 @@ def has_nonfinite(mbs: list[MicroBatch]) -> bool:
                for m in mbs for t in (*m.inputs.values(), *m.call.values()))
 
 
-def rows_summary(mbs: list[MicroBatch]) -> dict[str, int]:
+def rows_summary(mbs: list[MicroBatch]) -> dict[str, int | bool]:
+    """The manifest's ``rows``: sizes, and ``nonfinite_inputs`` (a float input holds NaN/Inf)."""
     ts = [t for m in mbs for t in (*m.inputs.values(), *m.call.values())]
     return {"rows": batch_rows(mbs), "micro_batches": len(mbs), "tensors": len(ts),
-            "elements": sum(t.numel() for t in ts), "bytes": sum(t.numel() * t.element_size() for t in ts)}
+            "elements": sum(t.numel() for t in ts), "bytes": sum(t.numel() * t.element_size() for t in ts),
+            "nonfinite_inputs": has_nonfinite(mbs)}
 
 
 def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -442,6 +445,13 @@ class StepCapture:
         if not self.micro_batches:
             raise CaptureError(f"no micro-batch was recorded at step {self.step}", where="StepCapture.finish",
                                hint="call record() right before each loss call of the step")
+        finite = math.isfinite(self.loss) and (grad_norm is None or math.isfinite(float(grad_norm)))
+        if not finite and not self.several:
+            raise CaptureError(f"step {self.step}'s loss or gradient norm is not finite (loss {self.loss!r}, grad "
+                               f"norm {grad_norm!r}); a one-step capture's metrics.json records finite values",
+                               where="StepCapture.finish",
+                               hint="capture it as one of several steps (steps=[...]): that record leaves a "
+                                    "non-finite loss or gradient norm null")
         out, names = self.out_dir, self.names
         trainable = list(self._adapter)
         payload: dict[str, torch.Tensor] = {}
@@ -458,6 +468,7 @@ class StepCapture:
             files[role] = {"file": names[role], "size": len(data), "sha256": sha256_bytes(data)}
         logical = logical_digest(self.micro_batches)
         effective = effective_digest(self.micro_batches, logical)
+        rows = rows_summary(self.micro_batches)
         doc = {
             "schema": imanifest.SCHEMA, "framework": self.framework, "step": self.step,
             "producer": {"replayjob": replayjob.__version__, "python": platform.python_version(),
@@ -465,7 +476,7 @@ class StepCapture:
                          "versions": self.config["stack"], "determinism": determinism.snapshot()},
             "files": files, "micro_batches": [m.entry() for m in self.micro_batches],
             "optimizer": opt_doc, "trainable": trainable, "framework_state": self.framework_state,
-            "rows": rows_summary(self.micro_batches),
+            "rows": rows,
             "logical_batch_sha256": logical, "local_effective_rows_sha256": effective,
             "config": {"sha256": sha256_json(self.config), "resolved": self.config},
             "contract": {"sha256": sha256_json(self.contract), "value": self.contract},
@@ -473,8 +484,8 @@ class StepCapture:
         }
         manifest_path = out / names["manifest"]
         manifest_sha = imanifest.write(manifest_path, doc)
-        loss = self.loss
-        grad = None if grad_norm is None else float(grad_norm)
+        loss = self.loss if math.isfinite(self.loss) else None  # strict JSON has no NaN: null in a step record
+        grad = None if grad_norm is None or not math.isfinite(float(grad_norm)) else float(grad_norm)
         metrics: dict[str, Any]
         if self.several:  # the adapter after the real update, hashed in the bytes save_adapter writes
             final_sha = sha256_bytes(adapter_file_bytes(self.model))
@@ -483,7 +494,7 @@ class StepCapture:
                 metrics_io.STEP_MANIFEST: manifest_sha, metrics_io.STEP_LOGICAL: logical,
                 metrics_io.STEP_EFFECTIVE: effective, metrics_io.STEP_INITIAL_ADAPTER: files["adapter"]["sha256"],
                 metrics_io.STEP_FINAL_ADAPTER: final_sha, metrics_io.STEP_REPLAY_CONFIG: self.replay_name,
-                metrics_io.STEP_NONFINITE: has_nonfinite(self.micro_batches),
+                metrics_io.STEP_NONFINITE: rows["nonfinite_inputs"],
                 metrics_io.STEP_LOSS: loss, metrics_io.STEP_GRAD_NORM: grad,
             }
         else:
