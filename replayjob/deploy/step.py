@@ -55,13 +55,12 @@ from typing import Any
 
 from replayjob import metrics
 from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec, Run, toml_value
-from replayjob.digest import sha256_json
+from replayjob.digest import is_sha256_hex, sha256_json
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError, UsageError
 
 RUN_SCHEMA = "replayjob.run/v1"
 RUN_RECORD = "run.json"
 IMAGE_ENV = "REPLAYJOB_IMAGE_REF"
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def select(spec: AblationSpec, arms: str | None = None, repeats: int | None = None,
@@ -228,7 +227,7 @@ def read_pins(source: Path) -> tuple[str, str, Path]:
 
 def _parse_pins(text: str) -> tuple[str, str]:
     parts = [p.strip().lower() for p in text.split(",")]
-    if len(parts) != 2 or not all(_HEX64.match(p) for p in parts):
+    if len(parts) != 2 or not all(is_sha256_hex(p) for p in parts):
         raise UsageError(f"--pins expects LOGICAL,MANIFEST (two 64-digit hex digests), got {text[:140]!r}")
     return parts[0], parts[1]
 
