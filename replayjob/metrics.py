@@ -155,6 +155,7 @@ class Source(Run):
     """The capture run's metrics.json (``--source DIR``)."""
 
     config: dict[str, Any]
+    manifest_file: Path  # the capture manifest named by MANIFEST_PATH, next to the metrics file
 
     def config_value(self, dotted: str) -> Any:
         """The resolved source config value at ``dotted`` (``None`` when absent)."""
@@ -349,7 +350,16 @@ def read_source(directory: str | Path) -> Source:
     doc, sha = _read(p)
     f = _Fields(doc, p)
     config = f.obj("config")
-    return Source(path=p, sha256=sha, **_run_fields(f), config=config)
+    return Source(path=p, sha256=sha, **_run_fields(f), config=config, manifest_file=d / _manifest_name(doc, p))
+
+
+def _manifest_name(doc: dict[str, Any], where: Path) -> str:
+    """The capture manifest's file name (:data:`MANIFEST_PATH`): a bare name in the metrics' directory."""
+    name = doc.get(MANIFEST_PATH)
+    if not isinstance(name, str) or not _BARE.match(name) or name in (".", ".."):
+        raise IntegrityError(f"{MANIFEST_PATH} is not a bare file name", where=where,
+                             hint="keep the capture run's metrics.json as the capture wrote it")
+    return name
 
 
 
@@ -365,10 +375,7 @@ def read_pins(directory: str | Path) -> tuple[str, str, Path]:
     path = d / SOURCE_FILE
     m = read_json_object(path)
     pins = (m.get(LOGICAL), m.get(MANIFEST))
-    name = m.get(MANIFEST_PATH)
     for key, value in zip((LOGICAL, MANIFEST), pins, strict=True):
         if not is_sha256_hex(value):
             raise IntegrityError(f"{key} is not a lowercase 64-digit hex SHA-256", where=path)
-    if not isinstance(name, str) or not _BARE.match(name) or name in (".", ".."):
-        raise IntegrityError(f"{MANIFEST_PATH} is not a bare file name", where=path)
-    return str(pins[0]), str(pins[1]), d / name
+    return str(pins[0]), str(pins[1]), d / _manifest_name(m, path)

@@ -239,14 +239,16 @@ def _validate_state(doc: dict[str, Any], where: Path) -> None:
     need(isinstance(st["nonfinite_inputs"], bool), "'state.nonfinite_inputs' must be true or false", where)
 
 
-def read_pinned(path: str | Path, expected_sha256: str, *, hint: str) -> tuple[Path, str, Any]:
+def read_pinned(path: str | Path, expected_sha256: str, *, hint: str,
+                pin_name: str = "expected_manifest_sha256") -> tuple[Path, str, Any]:
     """Hash a manifest's bytes, compare with the pin, and only then parse them (strict JSON).
 
     Returns (path, sha256, document); the caller validates the document against its schema.
-    ``hint`` says where the manifest should come from when it is missing.
+    ``hint`` says where the manifest should come from when it is missing; ``pin_name`` names the pin
+    in messages.
     """
     p = Path(path)
-    pin = normalize_digest(expected_sha256, what="expected_manifest_sha256")
+    pin = normalize_digest(expected_sha256, what=pin_name)
     try:
         if p.is_symlink() or not p.is_file():
             raise IntegrityError("capture manifest not found (or not a regular file)", where=p, hint=hint)
@@ -257,7 +259,7 @@ def read_pinned(path: str | Path, expected_sha256: str, *, hint: str) -> tuple[P
         raise IntegrityError(f"cannot read the manifest: {exc.strerror}", where=p) from None
     actual = sha256_bytes(data)
     if actual != pin:
-        raise IntegrityError(f"manifest SHA-256 is {actual}, the pin expected_manifest_sha256 is {pin}",
+        raise IntegrityError(f"manifest SHA-256 is {actual}, the pin {pin_name} is {pin}",
                              where=p, hint="the manifest changed after capture, or the pin is from "
                                            "another run; use the digest the source run printed")
     return p, actual, loads_strict(data, where=p)
