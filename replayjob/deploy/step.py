@@ -28,7 +28,10 @@ Kubernetes Jobs, the Argo workflow, the Slurm jobs and ``scripts/local-mid-smoke
   spec, index -> (block, position, arm) in the schedule's run order, the repeat is the block and the
   replay records its slot (``replay --slot``), so every launcher's replays can be paired;
 * **budgets**: a spec's ``budgets`` file is pinned (``optimizer_batch.budgets_sha256``) in every
-  replay and decided by the reduce (``--budgets``, the first arm the baseline);
+  replay and decided by the reduce (``--budgets``; the first arm is always the baseline of the ratios);
+* **one reduce**: the reducer's request comes from the spec alone (``mixed_hardware`` included), plus
+  what a sequential experiment adds (``--blocks N``: the first N blocks, one look; ``--max-looks N``;
+  ``--report FILE``), so the funnel and the cluster launchers reduce alike;
 * **the expected arms**: the reducer is told every arm of the selection and the spec's minimum
   repeats, so a failed replay is missing evidence that is refused by name, never dropped; the reducer
   always runs once the fan-out has ended and always writes a verdict;
@@ -333,31 +336,45 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
             f"{path}/{metrics.REPLAY_FILE}")
 
 
-def expected_files(spec: AblationSpec, layout: Layout) -> Iterator[Path]:
+def expected_files(spec: AblationSpec, layout: Layout, blocks: int | None = None) -> Iterator[Path]:
+    """Every replay's metrics file, or those of the first ``blocks`` repeats (paired blocks) of each arm."""
     for run in spec.runs():
-        yield layout.replay(run.arm, run.repeat) / metrics.REPLAY_FILE
+        if blocks is None or run.repeat < blocks:
+            yield layout.replay(run.arm, run.repeat) / metrics.REPLAY_FILE
 
 
 def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, outputs: Path | None = None,
+                blocks: int | None = None, report: Path | None = None, max_looks: int = 1,
                 log: Any = print) -> Any:
     """Reduce every replay of the run against the capture, for every arm of the selection; always
-    writes ``RUN/verdict.json`` (refused when evidence is missing).  Returns the verdict."""
+    writes ``RUN/verdict.json`` (refused when evidence is missing).  Returns the verdict.
+
+    Everything the reducer is told comes from the spec (claim, arms and their plan, minimum repeats,
+    ``mixed_hardware``, budgets; the first arm is the baseline of the ratios), so every launcher
+    reduces alike.  ``blocks`` reduces only the first N repeats of each arm (one look of a sequential
+    experiment, ``funnel --until-decided``); ``report`` also writes the markdown report (and PNG);
+    ``max_looks`` is the budgets' alpha spending (the most looks the experiment may take)."""
     from replayjob.gate.reducer import Request, reduce_evidence
 
+    if blocks is not None and not 1 <= blocks <= spec.repeats:
+        raise UsageError(f"--blocks must be between 1 and the selection's {spec.repeats} repeats, got {blocks}")
     check_run_record(layout, spec, create=False)
     deadline = time.monotonic() + wait_s
-    for path in expected_files(spec, layout):
+    for path in expected_files(spec, layout, blocks):
         if not _wait_for(path, max(0.0, deadline - time.monotonic()), "every replay", log):
             break
-    missing = [str(p.parent.relative_to(layout.run)) for p in expected_files(spec, layout) if not p.is_file()]
+    expected = list(expected_files(spec, layout, blocks))
+    missing = [str(p.parent.relative_to(layout.run)) for p in expected if not p.is_file()]
     if missing:
         log(f"step: {len(missing)} replay(s) left no {metrics.REPLAY_FILE}: {', '.join(missing)}")
     layout.replays.mkdir(parents=True, exist_ok=True)
+    # one look reads only its blocks' replays, even where later blocks already ran
+    paths = [str(layout.replays)] if blocks is None else [str(p) for p in expected if p.is_file()]
     verdict = reduce_evidence(Request(
-        paths=[str(layout.replays)], claim=spec.claim, out=layout.verdict, source=layout.source,
+        paths=paths, claim=spec.claim, out=layout.verdict, source=layout.source,
         min_repeats=spec.effective_min_repeats, arms=tuple(a.name for a in spec.arms), spec=spec,
         mixed_hardware=spec.mixed_hardware, budgets=Path(spec.budgets) if spec.budgets else None,
-        baseline=spec.arms[0].name if spec.budgets else None))
+        baseline=spec.arms[0].name, report=report, max_looks=max_looks))
     log(verdict.summary())
     log(f"step: wrote {layout.verdict}")
     if outputs is not None:
