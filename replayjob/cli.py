@@ -14,7 +14,7 @@ Usage:
                    [--budgets FILE] [--until-decided --max-repeats N] [--design D] [--no-report]
                    [--warmup-updates W --measured-updates M]
                    [--plant-nondeterminism | --plant-kill | --plant-undeclared]
-  replayjob step plan --spec SPEC [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
+  replayjob step plan --spec SPEC [--plant PLANT]... [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob step capture --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--outputs DIR]
                    [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob step replay --spec SPEC --run-dir DIR --index I [--workspace DIR] [--source DIR]
@@ -114,6 +114,7 @@ Options:
   --index I         step replay: the array index (arms in file order, repeats innermost).
   --pins PINS       step replay: LOGICAL,MANIFEST handed over by a controller; must equal the capture's.
   --plant PLANT     step replay: ARM:SETTING=VALUE, an undeclared override in one arm (a negative control).
+                    step plan: only validated against the selection (exit 2 if malformed).
   --wait-s S        step: wait up to S seconds for an earlier stage's output [default: 0].
   --blocks N        step reduce: only the first N blocks (repeats) of every arm: one look of a
                     sequential experiment (the funnel's --until-decided).
@@ -327,6 +328,7 @@ def cmd_step(args: dict[str, Any]) -> int:
                        _int(args, "--repeats") if args["--repeats"] is not None else None,
                        args["--device"], args["--claim"])
     if args["plan"]:
+        step.parse_plants(spec, args["--plant"])
         print("\n".join(step.plan_lines(spec)))
         return 0
     step.ensure_determinism_env(args[_ARGV], reexec=args[_REEXEC])

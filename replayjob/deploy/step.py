@@ -235,8 +235,11 @@ def _parse_pins(text: str) -> tuple[str, str]:
     return parts[0], parts[1]
 
 
-def _plants(spec: AblationSpec, plants: Sequence[str]) -> dict[str, list[str]]:
-    """``--plant ARM:SETTING=VALUE``: negative controls, an undeclared override in one arm's replays."""
+def parse_plants(spec: AblationSpec, plants: Sequence[str]) -> dict[str, list[str]]:
+    """``--plant ARM:SETTING=VALUE``: negative controls, an undeclared override in one arm's replays.
+
+    The one check of them: ``step replay`` applies them, ``step plan`` validates them for a submitting
+    script (``scripts/slurm/submit.sh``) before anything is submitted (a bad one is exit 2)."""
     out: dict[str, list[str]] = {}
     for plant in plants:
         arm, sep, kv = plant.partition(":")
@@ -310,7 +313,7 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
                 plants: Sequence[str] = (), wait_s: float = 0, log: Any = print) -> None:
     """One replay: index -> (arm, repeat), strict pins, ``RUN/replays/ARM/REPEAT`` (reused if complete)."""
     run = spec.run_for_index(index)
-    planted = _plants(spec, plants).get(run.arm, [])
+    planted = parse_plants(spec, plants).get(run.arm, [])
     check_run_record(layout, spec)
     _wait_for(layout.source / metrics.SOURCE_FILE, wait_s, "the capture", log)
     logical, manifest, manifest_file = read_pins(layout.source)
