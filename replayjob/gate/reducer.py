@@ -191,7 +191,7 @@ def _initial_adapter(source: Source, man: Manifest | IntegrationManifest) -> Pat
         raise RefusedError("the initial adapter pinned by the capture manifest is missing or changed", where=f,
                            hint="keep the capture's files together")
     pinned = man.doc["initial_adapter"]
-    raw = Path(str(pinned["path"]))
+    raw = Path(str(pinned["path"])).expanduser()  # recorded by redact_path: the home directory as ~
     candidates = [raw] if raw.is_absolute() else [Path.cwd() / raw, man.path.parent / raw]
     for c in candidates:
         if c.is_file() and sha256_file(c) == pinned["sha256"] == source.initial_adapter:

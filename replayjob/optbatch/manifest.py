@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replayjob.config.redact import redact_text
+from replayjob.config.redact import redact_path
 from replayjob.digest import normalize_digest, sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
 from replayjob.fsio import atomic_write_bytes
@@ -127,7 +127,7 @@ def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_siz
           contract: dict[str, Any], adapter_path: Path, adapter_size: int, adapter_sha256: str,
           state: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest document (nothing is written); ``state`` as the module docstring says; the adapter
-    path is redacted like every config string."""
+    path is recorded by :func:`~replayjob.config.redact.redact_path` (SECURITY.md)."""
     doc = {
         "schema": SCHEMA,
         "step": step,
@@ -139,7 +139,7 @@ def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_siz
         "local_effective_rows_sha256": effective,
         "config": {"sha256": sha256_json(resolved_config), "resolved": resolved_config},
         "contract": {"sha256": sha256_json(contract), "value": contract},
-        "initial_adapter": {"path": redact_text(str(adapter_path)), "size": adapter_size, "sha256": adapter_sha256},
+        "initial_adapter": {"path": redact_path(adapter_path), "size": adapter_size, "sha256": adapter_sha256},
     }
     if state is not None:
         doc["state"] = state
