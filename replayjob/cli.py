@@ -14,13 +14,14 @@ Usage:
                    [--budgets FILE] [--until-decided --max-repeats N] [--design D] [--no-report]
                    [--warmup-updates W --measured-updates M]
                    [--plant-nondeterminism | --plant-kill | --plant-undeclared]
-  replayjob step plan --spec SPEC [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
+  replayjob step plan --spec SPEC [--plant PLANT]... [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob step capture --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--outputs DIR]
                    [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob step replay --spec SPEC --run-dir DIR --index I [--workspace DIR] [--source DIR]
                    [--pins PINS] [--plant PLANT]... [--wait-s S] [--arms LIST] [--repeats N] [--device D]
                    [--claim CLAIM]
   replayjob step reduce --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--wait-s S] [--outputs DIR]
+                   [--blocks N] [--report FILE] [--max-looks N]
                    [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob k8s render <spec> [--out DIR] [--argo FILE]
   replayjob k8s submit <spec> [--namespace NS] [--wait]
@@ -89,7 +90,7 @@ Options:
   --tolerances FILE Predeclared tolerance TOML, pinned by SHA-256 in the replay configs.
   --min-repeats N   Fewest fresh replays per arm; fewer is refused (default 3).
   --baseline ARM    Arm the others' timing and memory are compared with.
-  --report FILE     Also write a markdown report (and a PNG next to it).
+  --report FILE     reduce, step reduce: also write a markdown report (and a PNG next to it).
   --budgets FILE    Budget TOML (docs/verdict-format.md): bounds on arm/baseline ratios, pinned
                     by SHA-256 in [optimizer_batch] budgets_sha256; each bound passes, fails (1) or
                     is inconclusive (2, with an estimate of the paired blocks that would decide it).
@@ -113,7 +114,10 @@ Options:
   --index I         step replay: the array index (arms in file order, repeats innermost).
   --pins PINS       step replay: LOGICAL,MANIFEST handed over by a controller; must equal the capture's.
   --plant PLANT     step replay: ARM:SETTING=VALUE, an undeclared override in one arm (a negative control).
+                    step plan: only validated against the selection (exit 2 if malformed).
   --wait-s S        step: wait up to S seconds for an earlier stage's output [default: 0].
+  --blocks N        step reduce: only the first N blocks (repeats) of every arm: one look of a
+                    sequential experiment (the funnel's --until-decided).
   --resume DIR      funnel: start from this step -1 resume state instead of the one init writes.
   --model DIR       funnel: a local model directory (safetensors) instead of the built-in model.
   --only-ablation   funnel: run stage 3 only (capture -> replays -> reduce).
@@ -324,6 +328,7 @@ def cmd_step(args: dict[str, Any]) -> int:
                        _int(args, "--repeats") if args["--repeats"] is not None else None,
                        args["--device"], args["--claim"])
     if args["plan"]:
+        step.parse_plants(spec, args["--plant"])
         print("\n".join(step.plan_lines(spec)))
         return 0
     step.ensure_determinism_env(args[_ARGV], reexec=args[_REEXEC])
@@ -336,7 +341,10 @@ def cmd_step(args: dict[str, Any]) -> int:
         step.replay_step(spec, layout, _int(args, "--index"), pins=args["--pins"], plants=args["--plant"],
                          wait_s=wait_s)
     else:
-        step.reduce_step(spec, layout, wait_s=wait_s, outputs=outputs).raise_for_status()
+        step.reduce_step(spec, layout, wait_s=wait_s, outputs=outputs,
+                         blocks=_int(args, "--blocks") if args["--blocks"] is not None else None,
+                         report=Path(args["--report"]) if args["--report"] else None,
+                         max_looks=_int(args, "--max-looks")).raise_for_status()
     return 0
 
 

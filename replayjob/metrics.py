@@ -22,7 +22,7 @@ from typing import Any
 
 from replayjob.config.diff import flatten
 from replayjob.deploy.schedule import DESIGNS, Slot
-from replayjob.digest import normalize_digest, sha256_bytes
+from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.hostinfo import placement
@@ -33,7 +33,6 @@ SOURCE_SCHEMA = "replayjob.metrics/v1"
 REPLAY_FILE = "replay_metrics.json"
 REPLAY_SCHEMA = "replayjob.replay_metrics/v2"
 MAX_METRICS_BYTES = 16 * 1024 * 1024
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _BARE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 # Keys both files carry: the digests a replay pins and the gate compares.
@@ -159,6 +158,7 @@ class Source(Run):
     """The capture run's metrics.json (``--source DIR``)."""
 
     config: dict[str, Any]
+    manifest_file: Path  # the capture manifest named by MANIFEST_PATH, next to the metrics file
 
     def config_value(self, dotted: str) -> Any:
         """The resolved source config value at ``dotted`` (``None`` when absent)."""
@@ -354,7 +354,16 @@ def read_source(directory: str | Path) -> Source:
     doc, sha = _read(p)
     f = _Fields(doc, p)
     config = f.obj("config")
-    return Source(path=p, sha256=sha, **_run_fields(f), config=config)
+    return Source(path=p, sha256=sha, **_run_fields(f), config=config, manifest_file=d / _manifest_name(doc, p))
+
+
+def _manifest_name(doc: dict[str, Any], where: Path) -> str:
+    """The capture manifest's file name (:data:`MANIFEST_PATH`): a bare name in the metrics' directory."""
+    name = doc.get(MANIFEST_PATH)
+    if not isinstance(name, str) or not _BARE.match(name) or name in (".", ".."):
+        raise IntegrityError(f"{MANIFEST_PATH} is not a bare file name", where=where,
+                             hint="keep the capture run's metrics.json as the capture wrote it")
+    return name
 
 
 @dataclass(frozen=True)
@@ -420,10 +429,7 @@ def read_pins(directory: str | Path) -> tuple[str, str, Path]:
     path = d / SOURCE_FILE
     m = read_json_object(path)
     pins = (m.get(LOGICAL), m.get(MANIFEST))
-    name = m.get(MANIFEST_PATH)
     for key, value in zip((LOGICAL, MANIFEST), pins, strict=True):
-        if not isinstance(value, str) or not _HEX64.match(value):
+        if not is_sha256_hex(value):
             raise IntegrityError(f"{key} is not a lowercase 64-digit hex SHA-256", where=path)
-    if not isinstance(name, str) or not _BARE.match(name) or name in (".", ".."):
-        raise IntegrityError(f"{MANIFEST_PATH} is not a bare file name", where=path)
-    return str(pins[0]), str(pins[1]), d / name
+    return str(pins[0]), str(pins[1]), d / _manifest_name(m, path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -42,10 +43,20 @@ def example_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("plain_loop")
     script = d / "plain_torch_loop.py"
     shutil.copy(EXAMPLE, script)
+    # run under a home directory of its own: the base model lies in it (see test_no_home_path_...)
     proc = subprocess.run([sys.executable, str(script), str(d / "out")], capture_output=True, text=True,
-                          timeout=300, check=False)
+                          timeout=300, check=False, env={**os.environ, "HOME": str(d)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return script, d / "out"
+
+
+def test_no_home_path_in_the_integration_capture_manifest(example_run: tuple[Path, Path]) -> None:
+    # the base model's path follows the built-in manifest's rule (replayjob.config.redact.redact_path)
+    _, out = example_run
+    (path,) = (out / "capture").glob("*.manifest.json")
+    assert json.loads(path.read_text())["base_model"]["path"] == "~/out/base"
+    # the replay config names the directory itself: a replay loads it from there
+    assert f'path = "{(out / "base").resolve()}"' in (out / "capture" / "replay.toml").read_text()
 
 
 def test_example_capture_explain_replay_bitwise(example_run: tuple[Path, Path], tmp_path: Path) -> None:

@@ -157,6 +157,14 @@ def test_reduce_always_writes_a_verdict_naming_the_missing_evidence(
     assert sorted(verdict["parameters"]["spec"]["arms"]) == ["ckpt-off", "ckpt-on"]  # the spec reached reduce
 
 
+@pytest.mark.parametrize("blocks", ["0", "3", "x"])
+def test_reduce_refuses_blocks_outside_the_selection(spec_file: Path, tmp_path: Path, blocks: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    assert main(["step", "reduce", "--spec", str(spec_file), "--run-dir", str(run), "--blocks", blocks]) == 2
+    assert "--blocks" in capsys.readouterr().err and not (run / "verdict.json").exists()
+
+
 def test_selection_errors_are_usage_errors(spec_file: Path) -> None:
     with pytest.raises(UsageError, match="names no arm"):
         step.select(load_spec(spec_file), arms=",")

@@ -64,6 +64,8 @@ def test_plan_gives_the_submit_time_facts(spec_file: Path, capsys: pytest.Captur
     assert capsys.readouterr().out.splitlines() == [
         "size=6", "parallelism=4", "arms=ckpt-off,ckpt-on", "claim=exact-input", "min_repeats=3", "device=cpu",
         "schedule=none"]
+    assert main(["step", "plan", "--spec", str(spec_file), "--plant", "ckpt-off:training.micro_batch_size=2"]) == 0
+    assert capsys.readouterr().out.startswith("size=6\n")  # a valid --plant is accepted, the plan unchanged
     spec = load_spec(spec_file)
     assert [(r.arm, r.repeat) for r in spec.runs()] == [
         ("ckpt-off", 0), ("ckpt-off", 1), ("ckpt-off", 2), ("ckpt-on", 0), ("ckpt-on", 1), ("ckpt-on", 2)]
@@ -84,6 +86,10 @@ def test_selection_keeps_file_order_and_lowers_min_repeats(spec_file: Path) -> N
     (["plan", "--spec", "{spec}", "--repeats", "0"], "--repeats must be >= 1"),
     (["plan", "--spec", "{spec}", "--device", "tpu"], "'tpu'"),
     (["plan", "--spec", "{spec}", "--claim", "vibes"], "'vibes' is not a claim"),
+    (["plan", "--spec", "{spec}", "--plant", "ckpt-on"], "--plant expects ARM:SETTING=VALUE"),
+    (["plan", "--spec", "{spec}", "--plant", "ckpt-on:Bad=1"], "--plant expects ARM:SETTING=VALUE"),
+    (["plan", "--spec", "{spec}", "--plant", "nope:a.b=1"], "no arm named 'nope'"),
+    (["plan", "--spec", "{spec}", "--arms", "ckpt-off", "--plant", "ckpt-on:a.b=1"], "no arm named 'ckpt-on'"),
 ])
 def test_plan_refuses_bad_selections(spec_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                      argv: list[str], message: str) -> None:
@@ -139,7 +145,7 @@ def test_zero_gpus_drops_every_gpu_request(spec_file: Path, tmp_path: Path) -> N
     ([], "--out DIR is required"),
     (["--out", "x", "--gpus-per-task", "-1"], "--gpus-per-task expects an integer"),
     (["--out", "x", "--repeats", "0"], "--repeats expects an integer >= 1"),
-    (["--out", "x", "--plant", "nope:a.b=1"], "--plant names arm 'nope'"),
+    (["--out", "x", "--plant", "nope:a.b=1"], "no arm named 'nope'"),
     (["--out", "x", "--plant", "ckpt-on"], "--plant expects ARM:SETTING=VALUE"),
     (["--out", "x", "--source", "/nonexistent"], "--source needs --workspace"),
     (["--out", "x", "--image", "/nonexistent.sif"], "no such file"),

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from replayjob import tensorfile
+from replayjob.digest import is_sha256_hex
 from replayjob.errors import ContractError, IntegrityError
 from replayjob.rl.stages import ESTIMATORS
 
@@ -226,8 +227,7 @@ def check_sample(rec: object, i: int, redaction: dict[str, str]) -> dict[str, An
         if has_hash != (policy == "hash") or has_prefix != policy.startswith("truncate:"):
             raise IntegrityError(f"{field} text does not follow the redaction policy {policy!r}",
                                  where=where)
-        if has_hash and not (isinstance(rec[f"{field}_sha256"], str)
-                             and re.fullmatch(r"[0-9a-f]{64}", rec[f"{field}_sha256"])):
+        if has_hash and not is_sha256_hex(rec[f"{field}_sha256"]):
             raise IntegrityError(f"{field}_sha256 is not a SHA-256 digest", where=where)
         if has_prefix:
             limit = int(policy.split(":")[1])

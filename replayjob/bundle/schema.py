@@ -9,13 +9,12 @@ Each returns ``None`` or raises naming the field.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 from replayjob.bundle import format as fmt
+from replayjob.digest import is_sha256_hex
 from replayjob.errors import ContractError, IntegrityError
 
-_HEX = re.compile(r"[0-9a-f]{64}")
 _MANIFEST_KEYS = {"format", "format_version", "bundle_id", "kind", "producer", "stages", "payloads",
                   "comparison", "redaction", "index_sha256", "expected_sha256", "multi_rank"}
 _SPEC_KEYS = {"file", "dtype", "shape", "bytes", "sha256", "role"}
@@ -78,7 +77,7 @@ def check_manifest(m: dict[str, Any]) -> None:
                                  where=f"{W}: payloads.{name}")
         if not isinstance(spec["shape"], list) or not all(_int(d) for d in spec["shape"]):
             raise IntegrityError("shape must be a list of integers >= 0", where=f"{W}: payloads.{name}")
-        if not _int(spec["bytes"]) or not isinstance(spec["sha256"], str) or not _HEX.fullmatch(spec["sha256"]):
+        if not _int(spec["bytes"]) or not is_sha256_hex(spec["sha256"]):
             raise IntegrityError("bytes and sha256 must be an integer and a 64-hex digest",
                                  where=f"{W}: payloads.{name}")
     comp = m["comparison"]
@@ -92,7 +91,7 @@ def check_manifest(m: dict[str, Any]) -> None:
             raise IntegrityError("atol and rtol must be finite numbers >= 0", where=f"{W}: comparison.{s}")
     fmt.check_redaction(m["redaction"])
     for key in ("index_sha256", "expected_sha256"):
-        if not isinstance(m[key], str) or not _HEX.fullmatch(m[key]):
+        if not is_sha256_hex(m[key]):
             raise IntegrityError(f"{key} must be a 64-hex digest", where=W)
     mr = m["multi_rank"]
     if mr is not None and not (isinstance(mr, dict) and set(mr) == {"rank", "expected_ranks"}

@@ -28,7 +28,10 @@ Kubernetes Jobs, the Argo workflow, the Slurm jobs and ``scripts/local-mid-smoke
   spec, index -> (block, position, arm) in the schedule's run order, the repeat is the block and the
   replay records its slot (``replay --slot``), so every launcher's replays can be paired;
 * **budgets**: a spec's ``budgets`` file is pinned (``optimizer_batch.budgets_sha256``) in every
-  replay and decided by the reduce (``--budgets``, the first arm the baseline);
+  replay and decided by the reduce (``--budgets``; the first arm is always the baseline of the ratios);
+* **one reduce**: the reducer's request comes from the spec alone (``mixed_hardware`` included), plus
+  what a sequential experiment adds (``--blocks N``: the first N blocks, one look; ``--max-looks N``;
+  ``--report FILE``), so the funnel and the cluster launchers reduce alike;
 * **the expected arms**: the reducer is told every arm of the selection and the spec's minimum
   repeats, so a failed replay is missing evidence that is refused by name, never dropped; the reducer
   always runs once the fan-out has ended and always writes a verdict;
@@ -55,13 +58,12 @@ from typing import Any
 
 from replayjob import metrics
 from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec, Run, toml_value
-from replayjob.digest import sha256_json
+from replayjob.digest import is_sha256_hex, sha256_json
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError, UsageError
 
 RUN_SCHEMA = "replayjob.run/v1"
 RUN_RECORD = "run.json"
 IMAGE_ENV = "REPLAYJOB_IMAGE_REF"
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def select(spec: AblationSpec, arms: str | None = None, repeats: int | None = None,
@@ -228,13 +230,16 @@ def read_pins(source: Path) -> tuple[str, str, Path]:
 
 def _parse_pins(text: str) -> tuple[str, str]:
     parts = [p.strip().lower() for p in text.split(",")]
-    if len(parts) != 2 or not all(_HEX64.match(p) for p in parts):
+    if len(parts) != 2 or not all(is_sha256_hex(p) for p in parts):
         raise UsageError(f"--pins expects LOGICAL,MANIFEST (two 64-digit hex digests), got {text[:140]!r}")
     return parts[0], parts[1]
 
 
-def _plants(spec: AblationSpec, plants: Sequence[str]) -> dict[str, list[str]]:
-    """``--plant ARM:SETTING=VALUE``: negative controls, an undeclared override in one arm's replays."""
+def parse_plants(spec: AblationSpec, plants: Sequence[str]) -> dict[str, list[str]]:
+    """``--plant ARM:SETTING=VALUE``: negative controls, an undeclared override in one arm's replays.
+
+    The one check of them: ``step replay`` applies them, ``step plan`` validates them for a submitting
+    script (``scripts/slurm/submit.sh``) before anything is submitted (a bad one is exit 2)."""
     out: dict[str, list[str]] = {}
     for plant in plants:
         arm, sep, kv = plant.partition(":")
@@ -308,7 +313,7 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
                 plants: Sequence[str] = (), wait_s: float = 0, log: Any = print) -> None:
     """One replay: index -> (arm, repeat), strict pins, ``RUN/replays/ARM/REPEAT`` (reused if complete)."""
     run = spec.run_for_index(index)
-    planted = _plants(spec, plants).get(run.arm, [])
+    planted = parse_plants(spec, plants).get(run.arm, [])
     check_run_record(layout, spec)
     _wait_for(layout.source / metrics.SOURCE_FILE, wait_s, "the capture", log)
     logical, manifest, manifest_file = read_pins(layout.source)
@@ -334,31 +339,45 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
             f"{path}/{metrics.REPLAY_FILE}")
 
 
-def expected_files(spec: AblationSpec, layout: Layout) -> Iterator[Path]:
+def expected_files(spec: AblationSpec, layout: Layout, blocks: int | None = None) -> Iterator[Path]:
+    """Every replay's metrics file, or those of the first ``blocks`` repeats (paired blocks) of each arm."""
     for run in spec.runs():
-        yield layout.replay(run.arm, run.repeat) / metrics.REPLAY_FILE
+        if blocks is None or run.repeat < blocks:
+            yield layout.replay(run.arm, run.repeat) / metrics.REPLAY_FILE
 
 
 def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, outputs: Path | None = None,
+                blocks: int | None = None, report: Path | None = None, max_looks: int = 1,
                 log: Any = print) -> Any:
     """Reduce every replay of the run against the capture, for every arm of the selection; always
-    writes ``RUN/verdict.json`` (refused when evidence is missing).  Returns the verdict."""
+    writes ``RUN/verdict.json`` (refused when evidence is missing).  Returns the verdict.
+
+    Everything the reducer is told comes from the spec (claim, arms and their plan, minimum repeats,
+    ``mixed_hardware``, budgets; the first arm is the baseline of the ratios), so every launcher
+    reduces alike.  ``blocks`` reduces only the first N repeats of each arm (one look of a sequential
+    experiment, ``funnel --until-decided``); ``report`` also writes the markdown report (and PNG);
+    ``max_looks`` is the budgets' alpha spending (the most looks the experiment may take)."""
     from replayjob.gate.reducer import Request, reduce_evidence
 
+    if blocks is not None and not 1 <= blocks <= spec.repeats:
+        raise UsageError(f"--blocks must be between 1 and the selection's {spec.repeats} repeats, got {blocks}")
     check_run_record(layout, spec, create=False)
     deadline = time.monotonic() + wait_s
-    for path in expected_files(spec, layout):
+    for path in expected_files(spec, layout, blocks):
         if not _wait_for(path, max(0.0, deadline - time.monotonic()), "every replay", log):
             break
-    missing = [str(p.parent.relative_to(layout.run)) for p in expected_files(spec, layout) if not p.is_file()]
+    expected = list(expected_files(spec, layout, blocks))
+    missing = [str(p.parent.relative_to(layout.run)) for p in expected if not p.is_file()]
     if missing:
         log(f"step: {len(missing)} replay(s) left no {metrics.REPLAY_FILE}: {', '.join(missing)}")
     layout.replays.mkdir(parents=True, exist_ok=True)
+    # one look reads only its blocks' replays, even where later blocks already ran
+    paths = [str(layout.replays)] if blocks is None else [str(p) for p in expected if p.is_file()]
     verdict = reduce_evidence(Request(
-        paths=[str(layout.replays)], claim=spec.claim, out=layout.verdict, source=layout.source,
+        paths=paths, claim=spec.claim, out=layout.verdict, source=layout.source,
         min_repeats=spec.effective_min_repeats, arms=tuple(a.name for a in spec.arms), spec=spec,
         mixed_hardware=spec.mixed_hardware, budgets=Path(spec.budgets) if spec.budgets else None,
-        baseline=spec.arms[0].name if spec.budgets else None))
+        baseline=spec.arms[0].name, report=report, max_looks=max_looks))
     log(verdict.summary())
     log(f"step: wrote {layout.verdict}")
     if outputs is not None:

@@ -191,10 +191,10 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
     ``effective``, ``initial_adapter``) and its producer (``framework``: ``replayjob`` for the
     built-in trainer's manifest, else the external trainer it records): a replay whose recorded
     payload, manifest or logical pin names another capture, a replay of another producer, or source
-    metrics that disagree with their manifest, is refused.
+    metrics that disagree with their manifest, is refused.  The source's own manifest digest is not
+    a row: the manifest was found and verified by it (a mismatch is refused before this check).
     """
-    values = [(f"source {k}", getattr(source, k), capture[k])
-              for k in ("manifest", "logical", "effective", "initial_adapter")]
+    values = [(f"source {k}", getattr(source, k), capture[k]) for k in ("logical", "effective", "initial_adapter")]
     for r in replays:
         values += [(f"{r.label} manifest", r.manifest, capture["manifest"]),
                    (f"{r.label} manifest pin", r.pin_manifest, capture["manifest"]),

@@ -28,6 +28,7 @@ from replayjob.errors import RefusedError, UsageError
 from replayjob.gate import budgets as B
 from replayjob.gate import claims as C
 from replayjob.gate import gradients, stats, updates, verdict
+from replayjob.metrics import MANIFEST
 
 if TYPE_CHECKING:
     from replayjob.deploy.ablation import AblationSpec
@@ -164,18 +165,15 @@ def _budget_section(req: Request, st: _State, admitted: bool, base: Path) -> dic
 
 
 def _capture_manifest(source: Source) -> Manifest | IntegrationManifest:
-    """The capture manifest next to the source metrics, verified against the SHA-256 they report: the
-    built-in trainer's (:mod:`replayjob.optbatch.manifest`) or an external trainer's
-    (:mod:`replayjob.integrations.manifest`), told apart by its schema after the bytes matched the pin."""
+    """The capture manifest the source metrics name, verified against the SHA-256 they report (its
+    bytes are read and hashed once): the built-in trainer's (:mod:`replayjob.optbatch.manifest`) or an
+    external trainer's (:mod:`replayjob.integrations.manifest`), told apart by its schema after the
+    bytes matched the pin."""
     from replayjob.integrations import manifest as imanifest
     from replayjob.optbatch.manifest import Manifest, read_pinned, validate
 
-    d = source.path.parent
-    manifests = [m for m in sorted(d.glob("*.manifest.json")) if sha256_file(m) == source.manifest]
-    if not manifests:
-        raise RefusedError("no capture manifest with the SHA-256 the source metrics report", where=d,
-                           hint="keep the capture run's *.manifest.json next to its metrics.json")
-    path, sha, doc = read_pinned(manifests[0], source.manifest, hint="keep the capture's manifest")
+    path, sha, doc = read_pinned(source.manifest_file, source.manifest, pin_name=f"{source.path}'s {MANIFEST}",
+                                 hint="keep the capture run's manifest next to its metrics.json, unchanged")
     if isinstance(doc, dict) and doc.get("schema") == imanifest.SCHEMA:
         return imanifest.Manifest(path, sha, imanifest.validate(doc, path))
     return Manifest(path, sha, validate(doc, path))
@@ -193,7 +191,7 @@ def _initial_adapter(source: Source, man: Manifest | IntegrationManifest) -> Pat
         raise RefusedError("the initial adapter pinned by the capture manifest is missing or changed", where=f,
                            hint="keep the capture's files together")
     pinned = man.doc["initial_adapter"]
-    raw = Path(str(pinned["path"]))
+    raw = Path(str(pinned["path"])).expanduser()  # recorded by redact_path: the home directory as ~
     candidates = [raw] if raw.is_absolute() else [Path.cwd() / raw, man.path.parent / raw]
     for c in candidates:
         if c.is_file() and sha256_file(c) == pinned["sha256"] == source.initial_adapter:

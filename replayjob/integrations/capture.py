@@ -46,6 +46,7 @@ import replayjob
 from replayjob import determinism
 from replayjob import metrics as metrics_io
 from replayjob.config import redact
+from replayjob.config.redact import redact_path
 from replayjob.digest import sha256_bytes, sha256_file, sha256_json
 from replayjob.errors import ArtifactExistsError, ContractError, RefusedError, UsageError
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
@@ -99,7 +100,7 @@ def base_model_identity(path: str | Path) -> dict[str, Any]:
                            + (f" (found only pickle-based {pickled}, which replayjob never loads)" if pickled else ""),
                            where=d, hint="save the model with save_pretrained(dir, safe_serialization=True)")
     files = {n: sha256_file(d / n) for n in names}
-    return {"path": str(d.resolve()), "files": files, "sha256": sha256_json(files)}
+    return {"path": redact_path(d.resolve()), "files": files, "sha256": sha256_json(files)}
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -381,6 +382,7 @@ class StepCapture:
             raise CaptureError("the model has no trainable parameters", where="model")
         # hashed now: refused before any training
         self.base_model = base_model if base_model is not None else base_model_identity(base_model_dir)
+        self.base_model_dir = Path(base_model_dir).resolve()  # the replay config names it as it is
         self.config = capture_config(config, stack)
         from replayjob.integrations import framework_module
 
@@ -521,7 +523,7 @@ class StepCapture:
             "# and declare it in optimizer_batch.allow_config_differences.",
             "[integration]", f"framework = {_toml_string(self.framework)}",
             *([f"entry = {_toml_string(self.entry)}"] if self.entry else []), "",
-            "[model]", f"path = {_toml_string(self.base_model['path'])}", "",
+            "[model]", f"path = {_toml_string(str(self.base_model_dir))}", "",
             "[optimizer_batch]", f"replay_path = {_toml_string(str(manifest))}",
             f"expected_logical_sha256 = {_toml_string(logical)}",
             f"expected_manifest_sha256 = {_toml_string(manifest_sha)}",

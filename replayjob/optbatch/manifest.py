@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replayjob.config.redact import redact_text
+from replayjob.config.redact import redact_path
 from replayjob.digest import normalize_digest, sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
 from replayjob.fsio import atomic_write_bytes
@@ -132,7 +132,7 @@ def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_siz
           contract: dict[str, Any], adapter_path: Path, adapter_size: int, adapter_sha256: str,
           state: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest document (nothing is written); ``state`` as the module docstring says; the adapter
-    path is redacted like every config string."""
+    path is recorded by :func:`~replayjob.config.redact.redact_path` (SECURITY.md)."""
     doc = {
         "schema": SCHEMA,
         "step": step,
@@ -144,7 +144,7 @@ def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_siz
         "local_effective_rows_sha256": effective,
         "config": {"sha256": sha256_json(resolved_config), "resolved": resolved_config},
         "contract": {"sha256": sha256_json(contract), "value": contract},
-        "initial_adapter": {"path": redact_text(str(adapter_path)), "size": adapter_size, "sha256": adapter_sha256},
+        "initial_adapter": {"path": redact_path(adapter_path), "size": adapter_size, "sha256": adapter_sha256},
     }
     if state is not None:
         doc["state"] = state
@@ -244,14 +244,16 @@ def _validate_state(doc: dict[str, Any], where: Path) -> None:
     need(isinstance(st["nonfinite_inputs"], bool), "'state.nonfinite_inputs' must be true or false", where)
 
 
-def read_pinned(path: str | Path, expected_sha256: str, *, hint: str) -> tuple[Path, str, Any]:
+def read_pinned(path: str | Path, expected_sha256: str, *, hint: str,
+                pin_name: str = "expected_manifest_sha256") -> tuple[Path, str, Any]:
     """Hash a manifest's bytes, compare with the pin, and only then parse them (strict JSON).
 
     Returns (path, sha256, document); the caller validates the document against its schema.
-    ``hint`` says where the manifest should come from when it is missing.
+    ``hint`` says where the manifest should come from when it is missing; ``pin_name`` names the pin
+    in messages.
     """
     p = Path(path)
-    pin = normalize_digest(expected_sha256, what="expected_manifest_sha256")
+    pin = normalize_digest(expected_sha256, what=pin_name)
     try:
         if p.is_symlink() or not p.is_file():
             raise IntegrityError("capture manifest not found (or not a regular file)", where=p, hint=hint)
@@ -262,7 +264,7 @@ def read_pinned(path: str | Path, expected_sha256: str, *, hint: str) -> tuple[P
         raise IntegrityError(f"cannot read the manifest: {exc.strerror}", where=p) from None
     actual = sha256_bytes(data)
     if actual != pin:
-        raise IntegrityError(f"manifest SHA-256 is {actual}, the pin expected_manifest_sha256 is {pin}",
+        raise IntegrityError(f"manifest SHA-256 is {actual}, the pin {pin_name} is {pin}",
                              where=p, hint="the manifest changed after capture, or the pin is from "
                                            "another run; use the digest the source run printed")
     return p, actual, loads_strict(data, where=p)

@@ -129,9 +129,6 @@ if [ -n "$SOURCE" ]; then
 else
   SOURCE=$OUT/source
 fi
-for plant in "${PLANTED[@]}"; do
-  [[ "$plant" =~ ^[a-z0-9-]+:[a-z_][a-z0-9_.]*=.+$ ]] || die "--plant expects ARM:SETTING=VALUE, got '$plant'"
-done
 if [ "$DRY_RUN" = 0 ]; then
   command -v sbatch >/dev/null 2>&1 || die "sbatch not found: run this on a Slurm login node"
   [ ! -e "$OUT/slurm/job.env" ] || die "$OUT already holds a submission; choose a new --out"
@@ -148,7 +145,13 @@ SELECT=()
 [ -z "$REPEATS" ] || SELECT+=(--repeats "$REPEATS")
 [ -z "$CLAIM" ] || SELECT+=(--claim "$CLAIM")
 [ "$GPUS" -gt 0 ] || SELECT+=(--device cpu)
-plan=$("${REPLAYJOB[@]}" step plan --spec "$SPEC" "${SELECT[@]}") || die "the ablation spec was refused"
+PLANT_ARGS=()
+for plant in "${PLANTED[@]}"; do
+  PLANT_ARGS+=(--plant "$plant")
+done
+# step plan also validates every --plant against the selection (the check step replay makes)
+plan=$("${REPLAYJOB[@]}" step plan --spec "$SPEC" "${SELECT[@]}" "${PLANT_ARGS[@]}") \
+  || die "the ablation spec or a --plant was refused (see above)"
 SIZE="" PARALLELISM="" DEVICE="" CLAIM="" MIN_REPEATS="" ARM_NAMES=""
 while IFS= read -r line; do
   case "$line" in
@@ -163,9 +166,6 @@ done <<<"$plan"
 if ! is_count "$SIZE" || [ "$SIZE" -lt 1 ] || ! is_count "$PARALLELISM"; then
   die "unexpected plan from replayjob: $plan"
 fi
-for plant in "${PLANTED[@]}"; do
-  [[ ",$ARM_NAMES," = *",${plant%%:*},"* ]] || die "--plant names arm '${plant%%:*}', not one of $ARM_NAMES"
-done
 [ "$GPUS" -eq 0 ] || [ "$DEVICE" = cuda ] || echo "submit: note: the spec runs on $DEVICE with $GPUS GPU(s) requested" >&2
 
 # ---- the three jobs -----------------------------------------------------------------------------
@@ -216,10 +216,7 @@ cp "$SPEC" "$OUT/slurm/ablation.toml"
       REPLAYJOB_BINDS+=("$SOURCE")
       REPLAYJOB_STEP+=(--source "$SOURCE")
     fi
-    REPLAYJOB_CAPTURE_ARGS=() REPLAYJOB_REPLAY_ARGS=() REPLAYJOB_REDUCE_ARGS=()
-    for plant in "${PLANTED[@]}"; do
-      REPLAYJOB_REPLAY_ARGS+=(--plant "$plant")
-    done
+    REPLAYJOB_CAPTURE_ARGS=() REPLAYJOB_REPLAY_ARGS=("${PLANT_ARGS[@]}") REPLAYJOB_REDUCE_ARGS=()
     declare -p REPLAYJOB_OUT REPLAYJOB_SCRIPTS REPLAYJOB_GPUS REPLAYJOB_MAX_RESTARTS REPLAYJOB_IMAGE \
       REPLAYJOB_CONTAINER REPLAYJOB_VENV REPLAYJOB_BINDS REPLAYJOB_STEP REPLAYJOB_CAPTURE_ARGS \
       REPLAYJOB_REPLAY_ARGS REPLAYJOB_REDUCE_ARGS
