@@ -6,7 +6,7 @@ Usage:
   replayjob capture <config> [--out DIR] [--set KEY=VALUE]...
   replayjob explain <config> [--json] [--set KEY=VALUE]...
   replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--slot SLOT] [--trace] [--set KEY=VALUE]...
-  replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR] [--tolerances FILE]
+  replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR [--source-step K]] [--tolerances FILE]
                    [--min-repeats N] [--baseline ARM] [--arms LIST] [--spec SPEC] [--report FILE]
                    [--mixed-hardware] [--budgets FILE] [--max-looks N]
   replayjob funnel [--out DIR] [--spec SPEC] [--arms LIST] [--repeats N] [--claim CLAIM] [--seed N]
@@ -150,6 +150,10 @@ Options:
   --sample ID       bundle replay: select a sample (expands to its whole group).
   --group ID        bundle replay: select a semantic group.
   --batch ID        bundle replay: select a micro-batch (mb-0000, ...; expands to whole groups).
+  --source-step K   reduce: compare with captured step K of the --source run (a step of
+                    optimizer_batch.capture_steps, a ring-written step, or one of an external
+                    trainer's steps=[...]); its final adapter is pinned by SHA-256 only, so the
+                    approximate claim, which reads the source's adapter file, is refused.
   --step R:S        bundle replay: the step bundle of exactly this actor step (rollout:step).
   --rollout R       bundle replay: the rollout bundle of this rollout id.
   --examples N      bundle replay: mismatching values shown per field [default: 5].
@@ -281,7 +285,8 @@ def cmd_reduce(args: dict[str, Any]) -> int:
         max_looks=_int(args, "--max-looks"),
         arms=tuple(a.strip() for a in args["--arms"].split(",")) if args["--arms"] is not None else None,
         spec=load_spec(args["--spec"]) if args["--spec"] is not None else None,
-        mixed_hardware=bool(args["--mixed-hardware"])))
+        mixed_hardware=bool(args["--mixed-hardware"]),
+        source_step=_int(args, "--source-step") if args["--source-step"] is not None else None))
     print(verdict.summary())
     print(f"wrote {out}" + (f", {args['--report']}" if args["--report"] else ""))
     verdict.raise_for_status()

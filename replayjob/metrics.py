@@ -110,7 +110,7 @@ class Run:
     manifest: str
     initial_adapter: str
     final_adapter: str
-    final_adapter_file: Path
+    final_adapter_file: Path | None  # None: a captured step's source (its SHA-256 is pinned, no file kept)
     loss: float
 
 
@@ -120,6 +120,8 @@ class Replay(Run):
 
     arm: str
     repeat_index: int
+    # a replay always keeps its final adapter file (only a captured step's source has none)
+    final_adapter_file: Path
     framework: str  # the producer whose update was replayed (replayjob.optbatch.knobs.PRODUCERS)
     pin_logical: str
     pin_manifest: str
@@ -344,17 +346,25 @@ def trace_pin(doc: dict[str, Any], where: Path) -> str | None:
     return f.digest(TRACE_INDEX_SHA256, t)
 
 
-def read_source(directory: str | Path) -> Source:
-    """Read and validate the capture run's metrics.json in ``directory``."""
-    d = Path(directory)
-    p = d / SOURCE_FILE
-    if not p.is_file():
-        raise RefusedError(f"no {SOURCE_FILE} in the source directory", where=d,
-                           hint="--source takes the capture run's output directory")
-    doc, sha = _read(p)
+def read_source(directory: str | Path, step: int | None = None) -> Source:
+    """Read and validate the capture run's metrics.json in ``directory``: a one-step capture's pins, or
+    with ``step`` that captured step's record (chosen steps or the ring's written steps), whose final
+    adapter is pinned by SHA-256 only (no file is kept: ``final_adapter_file`` is ``None``)."""
+    p, doc, sha = _read_capture(directory)
     f = _Fields(doc, p)
     config = f.obj("config")
-    return Source(path=p, sha256=sha, **_run_fields(f), config=config, manifest_file=d / _manifest_name(doc, p))
+    if step is None:
+        return Source(path=p, sha256=sha, **_run_fields(f), config=config,
+                      manifest_file=p.parent / _manifest_name(doc, p))
+    e = _captured_step(doc, p, step)
+    if e.final_adapter is None or e.loss is None:
+        raise RefusedError(f"step {step}'s record has no {'final adapter' if e.final_adapter is None else 'loss'}: "
+                           "its update never returned, its loss was not finite, or the capture predates the "
+                           "record's loss", where=p, hint="compare replays of this step with each other, or "
+                                                          "capture the step again")
+    return Source(path=p, sha256=sha, logical=e.logical, effective=e.effective, manifest=e.manifest,
+                  initial_adapter=e.initial_adapter, final_adapter=e.final_adapter, final_adapter_file=None,
+                  loss=e.loss, config=config, manifest_file=e.manifest_path)
 
 
 def _manifest_name(doc: dict[str, Any], where: Path) -> str:
@@ -383,23 +393,17 @@ class StepPins:
     grad_norm: float | None = None
 
 
-def read_steps(directory: str | Path) -> tuple[StepPins, ...]:
-    """The chosen steps a run's metrics.json in ``directory`` records (:data:`STEPS`), in step order,
-    each entry checked (digests, paths inside the directory, distinct ascending steps)."""
-    d = Path(directory)
-    p = d / SOURCE_FILE
-    if not p.is_file():
-        raise RefusedError(f"no {SOURCE_FILE} in the capture directory", where=d,
-                           hint="pass the directory a capture of chosen steps wrote")
-    doc, _ = _read(p)
-    hint = "the file does not follow docs/optimizer-batch.md (chosen steps); capture again into a new directory"
-    f = _Fields(doc, p, hint=hint)
-    entries = f.get(STEPS)
+_STEPS_HINT = "the file does not follow docs/optimizer-batch.md (chosen steps); capture again into a new directory"
+
+
+def _step_entries(doc: dict[str, Any], p: Path, key: str, entries: Any) -> tuple[StepPins, ...]:
+    """Step records (the :data:`STEP_* <STEP>` keys) listed at ``key``, each checked, ascending steps."""
+    f = _Fields(doc, p, hint=_STEPS_HINT)
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise f.fail(STEPS, "must be a list of objects")
+        raise f.fail(key, "must be a list of objects")
     out: list[StepPins] = []
     for i, e in enumerate(entries):
-        g = _Fields(e, p, f"{STEPS}[{i}].", hint)
+        g = _Fields(e, p, f"{key}[{i}].", _STEPS_HINT)
         step = g.get(STEP)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0 or (out and step <= out[-1].step):
             raise g.fail(STEP, "must be an integer >= 0, the entries in ascending step order")
@@ -416,6 +420,37 @@ def read_steps(directory: str | Path) -> tuple[StepPins, ...]:
             replay_config=g.file(STEP_REPLAY_CONFIG), nonfinite_inputs=nonfinite,
             loss=loss, grad_norm=grad))
     return tuple(out)
+
+
+def _read_capture(directory: str | Path) -> tuple[Path, dict[str, Any], str]:
+    d = Path(directory)
+    p = d / SOURCE_FILE
+    if not p.is_file():
+        raise RefusedError(f"no {SOURCE_FILE} in the capture directory", where=d,
+                           hint="pass the directory the capture wrote (its metrics.json)")
+    doc, sha = _read(p)
+    return p, doc, sha
+
+
+def read_steps(directory: str | Path) -> tuple[StepPins, ...]:
+    """The chosen steps a run's metrics.json in ``directory`` records (:data:`STEPS`), in step order,
+    each entry checked (digests, paths inside the directory, distinct ascending steps)."""
+    p, doc, _ = _read_capture(directory)
+    return _step_entries(doc, p, STEPS, doc.get(STEPS))
+
+
+def _captured_step(doc: dict[str, Any], p: Path, step: int) -> StepPins:
+    """Step ``step`` among the chosen steps (:data:`STEPS`) or the ring's written steps (:data:`RING`)."""
+    found: list[StepPins] = []
+    if STEPS in doc:
+        found += [s for s in _step_entries(doc, p, STEPS, doc[STEPS]) if s.step == step]
+    ring = doc.get(RING)
+    if isinstance(ring, dict) and RING_WRITTEN in ring:
+        found += [s for s in _step_entries(doc, p, f"{RING}.{RING_WRITTEN}", ring[RING_WRITTEN]) if s.step == step]
+    if len(found) != 1:
+        raise RefusedError(f"step {step} is {'recorded twice' if found else 'not a captured step'} in {SOURCE_FILE}",
+                           where=p, hint=f"a step listed under {STEPS} or {RING}.{RING_WRITTEN}")
+    return found[0]
 
 
 def read_pins(directory: str | Path) -> tuple[str, str, Path]:

@@ -130,6 +130,11 @@ def test_several_chosen_steps_of_a_plain_loop_replay_bitwise(example_run: tuple[
         rep = json.loads((tmp_path / "r" / str(p.step) / "replay_metrics.json").read_text())
         assert rep["optimizer_batch/final_adapter_sha256"] == p.final_adapter != p.initial_adapter
         assert rep["loss"] == p.loss and rep["grad_norm"] == p.grad_norm and rep["step"] == p.step
+    verdict = tmp_path / "bitwise.json"  # reduce against step 2's record (reduce --source-step)
+    assert main(["reduce", str(tmp_path / "r" / "2"), "--claim", "bitwise", "--source", str(d),
+                 "--source-step", "2", "--min-repeats", "1", "--out", str(verdict)]) == 0
+    assert main(["reduce", str(tmp_path / "r" / "2"), "--claim", "bitwise", "--source", str(d),
+                 "--source-step", "0", "--min-repeats", "1", "--out", str(verdict)]) == 2  # another step's pins
 
 
 def test_a_changed_replay_target_is_refused(example_run: tuple[Path, Path], tmp_path: Path,

@@ -302,8 +302,10 @@ def knobs_in_effect_check(arms: dict[str, Arm], source: Source | None) -> Check:
                  "training.micro_batch_size is expected as min(value, rows)", off)
 
 
-def _disk_sha(path: Path) -> str | None:
+def _disk_sha(path: Path | None) -> str | None:
     """SHA-256 of a regular file (devices and FIFOs refused); ``None`` when unreadable."""
+    if path is None:
+        return None
     try:
         return sha256_file(path)
     except ReplayjobError:
@@ -312,8 +314,8 @@ def _disk_sha(path: Path) -> str | None:
 
 def on_disk_check(replays: list[Replay], source: Source | None) -> Check:
     """Recompute every final adapter's SHA-256 from its file; one that does not match is refused."""
-    members: list[tuple[str, Path, str]] = [(r.label, r.final_adapter_file, r.final_adapter) for r in replays]
-    if source is not None:
+    members = [(r.label, r.final_adapter_file, r.final_adapter) for r in replays]
+    if source is not None and source.final_adapter_file is not None:  # a captured step keeps only the SHA-256
         members.insert(0, ("source", source.final_adapter_file, source.final_adapter))
     mismatched: dict[str, Any] = {}
     for label, path, reported in members:

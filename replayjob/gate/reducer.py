@@ -65,6 +65,7 @@ class Request:
     spec: AblationSpec | None = None  # the ablation spec (--spec): arms and their overrides come from the plan
     budgets: Path | None = None
     max_looks: int = 1
+    source_step: int | None = None  # compare with this captured step of the source run (--source-step)
 
 
 class _State:
@@ -119,7 +120,11 @@ def _evaluate(req: Request, st: _State) -> None:
                          hint="pin its SHA-256 in [optimizer_batch] tolerances_sha256 before the runs")
     if req.baseline is not None and req.baseline not in st.arms and req.baseline not in (req.arms or ()):
         raise UsageError(f"baseline arm {req.baseline!r} is not among the arms: {', '.join(st.arms)}")
-    st.source = read_source(req.source) if req.source is not None else None
+    if req.source_step is not None and req.claim == "approximate":
+        raise UsageError("the approximate claim reads the source's final adapter file, and a captured step keeps "
+                         "only its SHA-256", where="--source-step",
+                         hint="use exact-input or bitwise for a captured step, or capture it as a one-step run")
+    st.source = read_source(req.source, req.source_step) if req.source is not None else None
     st.tolerances = read_tolerances(req.tolerances) if req.tolerances is not None else None
     _read_budgets(req, st)
     st.checks = C.input_checks(st.replays, st.arms, st.source, req.min_repeats, expected_arms)
@@ -214,6 +219,7 @@ def _approximate(st: _State) -> None:
     assert st.capture is not None  # read with the source
     initial = _initial_adapter(st.source, st.capture)
     st.initial = {"path": initial, "sha256": st.source.initial_adapter}
+    assert st.source.final_adapter_file is not None  # a captured step's source is refused above
     members = [updates.Member("source", "source", st.source.final_adapter_file)]
     members += [updates.Member(r.label, r.arm, r.final_adapter_file) for r in st.replays]
     pairs = updates.pairwise(initial, members)

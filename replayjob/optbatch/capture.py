@@ -218,6 +218,7 @@ class StepsCapture(StepHook):
         assert self._view is not None
         self._pending = None
         snap.final_adapter = stepcapture.clone_adapter(self._view)
+        snap.updated(result)
         ref = self._view.model_reference
         self._writer.submit(lambda: self.captured.append(stepcapture.write(self.out, snap, self.cfg, ref)))
 

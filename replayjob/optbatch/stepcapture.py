@@ -27,6 +27,7 @@ manifest's.  Rows holding NaN/Inf are flagged (``state.nonfinite_inputs``) and a
 
 from __future__ import annotations
 
+import math
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +49,10 @@ from replayjob.metrics import (
     STEP,
     STEP_EFFECTIVE,
     STEP_FINAL_ADAPTER,
+    STEP_GRAD_NORM,
     STEP_INITIAL_ADAPTER,
     STEP_LOGICAL,
+    STEP_LOSS,
     STEP_MANIFEST,
     STEP_MANIFEST_PATH,
     STEP_NONFINITE,
@@ -187,6 +190,12 @@ class StepSnapshot:
     optimizer: Packed
     lr: list[float]
     final_adapter: Packed | None = None  # after the real update (the next step's start)
+    loss: float | None = None  # the real update's loss and gradient norm, once it returned
+    grad_norm: float | None = None
+
+    def updated(self, result: Any) -> None:
+        """Record the real update's loss and gradient norm (an :class:`~replayjob.rl.update.UpdateResult`)."""
+        self.loss, self.grad_norm = float(result.loss), float(result.grad_norm)
 
     @property
     def nbytes(self) -> int:
@@ -251,7 +260,12 @@ def write(out: Path, snap: StepSnapshot, cfg: Config, model_reference: dict[str,
             STEP_LOGICAL: logical, STEP_EFFECTIVE: effective,
             STEP_INITIAL_ADAPTER: adapter_sha, STEP_FINAL_ADAPTER: final,
             STEP_REPLAY_CONFIG: str((out / manifest.replay_config_name(k)).relative_to(base)),
-            STEP_NONFINITE: nonfinite}
+            STEP_NONFINITE: nonfinite, STEP_LOSS: _finite(snap.loss), STEP_GRAD_NORM: _finite(snap.grad_norm)}
+
+
+def _finite(v: float | None) -> float | None:
+    """A step record's loss or gradient norm: strict JSON has no NaN, so a non-finite one is null."""
+    return v if v is not None and math.isfinite(v) else None
 
 
 def replay_toml(cfg: Config, step: int, logical: str, manifest_sha256: str) -> str:
