@@ -11,6 +11,10 @@ this module is where the config and the environment choose them (:func:`source_h
   steps, written when an anomaly trigger fires);
 * ``REPLAYJOB_BUNDLE_CAPTURE=1`` -- :class:`~replayjob.bundle.hook.BundleCapture`.
 
+Under ``torchrun`` (:func:`train_command`) the world size is observed into the config and the process
+group wraps the run; over several ranks only the step-zero capture is offered (chosen steps, the ring
+buffer and trajectory bundles capture one process and are refused).
+
 Each hook's preconditions are checked as it is built, before any training work.  Until the hooks
 reach the trainer this module owns them: if building one fails, the ones already built are
 abandoned (their writer threads released) before the refusal propagates.

@@ -19,6 +19,10 @@ performs its own update; before ``metrics.json`` is written the trainer collects
 :meth:`CaptureHook.finish`, which waits for the writer and re-raises any error it
 met (the same domain error, so exit 2), then adds the digests a replay pins (:data:`METRIC_KEYS`).
 
+Over several ranks (``torchrun``, :mod:`replayjob.distributed`) each rank's hook captures that rank's
+shard of the rows into ``rank-<r>/`` and lands ``COMPLETE.<r>``; after a barrier rank 0 verifies every
+rank and writes the root manifest (:mod:`replayjob.optbatch.ranks`) before ``metrics.json``.
+
 Crash tests kill a capture with ``REPLAYJOB_FAULT_POINT`` (:mod:`replayjob.faults`): at any write
 boundary of the payload or the manifest (``write.half/optimizer_batch_step_000000.manifest.json``
 ...), or at the capture's own points :data:`CRASH_POINTS`.
