@@ -171,6 +171,19 @@ def test_a_declared_world_size_the_launcher_contradicts_is_refused(workspace: Pa
     assert not (tmp_path / "b" / "replay_metrics.json").exists()
 
 
+def test_a_rank_killed_mid_capture_stops_the_launch_with_exit_3_and_no_root(workspace: Path, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # rank 1 alone writes COMPLETE.1: it is killed half way through its landing record; rank 0 waits at the
+    # barrier until torchrun stops it (no hang), and nothing claims the capture is complete
+    monkeypatch.setenv("REPLAYJOB_FAULT_POINT", "write.half/COMPLETE.1:1")
+    out = tmp_path / "source"
+    code, tail = distributed.run_launched(2, ["capture", str(workspace / "source.toml"), "--out", str(out),
+                                              "--set", DDP], timeout=600)
+    assert code == 3, tail
+    assert not (out / "optimizer_batch_step_000000.manifest.json").exists() and not (out / "metrics.json").exists()
+    assert not (out / "COMPLETE.1").exists()
+
+
 # -- FSDP2 (fully_shard runs on CPU with gloo) ---------------------------------------------------------
 def test_an_fsdp2_capture_replays_bitwise_and_with_ddp_and_on_one_rank_under_exact_input(
         workspace: Path, capture2: Path, tmp_path: Path) -> None:
