@@ -108,6 +108,10 @@ def observe(cfg: Config, *, running: bool = True, planned: int | None = None) ->
             raise ConfigError("periodic checkpoints write one process's whole optimizer state; refused with "
                               "sharded parameters (fsdp2)", where="training.save_every",
                               hint='set training.save_every = 0, or use "ddp"')
+        if world > 1 and ":" in cfg.backend.torch_device:
+            raise ConfigError(f"backend.devices names one device ({cfg.backend.devices!r}) for {world} ranks",
+                              where="backend.devices",
+                              hint="use devices = \"cuda\": each rank takes cuda:LOCAL_RANK")
         if world > 1 and d.strategy == "none":
             raise ConfigError(f"torchrun launched {world} ranks but distributed.strategy is 'none'",
                               where="distributed.strategy", hint="set distributed.strategy = \"ddp\"")
@@ -199,9 +203,10 @@ def gather_floats(values: Sequence[float]) -> list[list[float]]:
     import torch
     import torch.distributed as dist
 
-    mine = torch.tensor(list(values), dtype=torch.float64)
     if not group_active():
-        return [mine.tolist()]
+        return [[float(v) for v in values]]
+    on = "cuda" if dist.get_backend() == "nccl" else "cpu"  # nccl moves CUDA tensors only (exact bytes either way)
+    mine = torch.tensor(list(values), dtype=torch.float64, device=on)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine)  # gloo and nccl both gather exact bytes
     return [t.tolist() for t in out]
@@ -321,7 +326,7 @@ def wrap(model: torch.nn.Module, cfg: Config, policy: Any = None) -> Parallel | 
         return Parallel("fsdp2", model, None)
     from torch.nn.parallel import DistributedDataParallel
 
-    ids = [torch.device(device).index or 0] if device.startswith("cuda") else None
+    ids = [torch.cuda.current_device()] if device.startswith("cuda") else None  # cuda:LOCAL_RANK (process_group)
     with warnings.catch_warnings():  # broadcast_buffers' deprecation notice: the flag still does what we ask
         warnings.simplefilter("ignore", FutureWarning)
         ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cfg.distributed.bucket_cap_mb,
