@@ -9,11 +9,13 @@ missing rank, an undeclared world-size change, a declared world size the launche
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -149,6 +151,25 @@ def test_a_damaged_capture_over_ranks_is_refused(workspace: Path, capture2: Path
         shutil.rmtree(cap / "rank-1")
     proc = run_cli("explain", str(workspace / "replay.toml"), *pins(cap), *WORLD_1)
     assert proc.returncode == 2 and message in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d["ranks"][1].update(dir="../rank-1"),  # a rank directory outside the capture
+    lambda d: d["distributed"].update(world_size=3),  # ranks listed != world size
+    lambda d: d["ranks"].reverse(),  # ranks out of order
+])
+def test_a_malformed_root_is_refused_even_when_pinned(workspace: Path, capture2: Path, tmp_path: Path,
+                                                      edit: Any) -> None:
+    cap = tmp_path / "source"
+    shutil.copytree(capture2, cap)
+    root = cap / "optimizer_batch_step_000000.manifest.json"
+    doc = json.loads(root.read_text())
+    edit(doc)
+    root.write_text(json.dumps(doc))
+    sha = hashlib.sha256(root.read_bytes()).hexdigest()
+    proc = run_cli("explain", str(workspace / "replay.toml"), *pins(cap), *WORLD_1,
+                   "--set", f'optimizer_batch.expected_manifest_sha256="{sha}"')
+    assert proc.returncode == 2 and "manifest field" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_an_undeclared_world_size_change_is_refused(workspace: Path, capture2: Path) -> None:

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from replayjob import distributed
 from replayjob.errors import ArtifactExistsError, IntegrityError, RefusedError
-from replayjob.fsio import atomic_write_bytes
+from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict
 from replayjob.optbatch import manifest
 from replayjob.optbatch.manifest import Manifest, is_int, need, need_hex, read_payload, read_verified
@@ -49,6 +49,7 @@ from replayjob.rl.batch import OptimizerBatch
 
 SCHEMA = "replayjob.optimizer_batch_ranks/v1"
 RANKS_TAG = b"replayjob.rank-payloads.v1\n"
+MAX_LANDED_BYTES = 64 * 1024  # a landing record is three fields
 _KEYS = {"schema", "step", "producer", "distributed", "ranks", "payload", "rows", "logical_batch_sha256",
          "local_effective_rows_sha256", "config", "contract", "initial_adapter"}
 _DIST_KEYS = {"world_size", "strategy", "bucket_cap_mb", "backend", "sharding"}
@@ -113,7 +114,8 @@ def _read_landed(d: Path, rank: int) -> dict[str, Any]:
         raise IntegrityError(f"rank {rank} has not landed ({landed_name(rank)} is missing): the capture is "
                              "incomplete", where=d,
                              hint="capture again; a capture over ranks is complete only when every rank landed")
-    doc = loads_strict(p.read_bytes(), where=p)
+    doc = loads_strict(read_regular_bytes(p, max_bytes=MAX_LANDED_BYTES, follow_symlinks=False,
+                                          what="landing record"), where=p)
     if not isinstance(doc, dict) or set(doc) != _LANDED_KEYS or doc["rank"] != rank:
         raise IntegrityError(f"malformed landing record (needs exactly {sorted(_LANDED_KEYS)} for rank {rank})",
                              where=p)
