@@ -56,13 +56,18 @@ def capture2(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def replays(workspace: Path, capture2: Path) -> Path:
-    """Arm ``two`` (2 ranks, ``replay --nproc 2``) and arm ``world_size=1`` (one process, a group of one)."""
+    """Arm ``two`` (2 ranks, ``replay --nproc 2``), arm ``world_size=1`` (one process, a group of one) and arm
+    ``bucket_cap_mb=1.0`` (2 ranks, 1 MiB DDP buckets)."""
     d = capture2.parent / "replays"
     two = run_cli("replay", str(workspace / "replay.toml"), "--out", str(d / "two"), "--nproc", "2",
                   *pins(capture2), "--set", 'optimizer_batch.arm="two"')
     assert two.returncode == 0, two.stderr[-3000:]
     one = run_cli("replay", str(workspace / "replay.toml"), "--out", str(d / "one"), *pins(capture2), *WORLD_1)
     assert one.returncode == 0, one.stderr[-3000:]
+    bucket = run_cli("replay", str(workspace / "replay.toml"), "--out", str(d / "bucket"), "--nproc", "2",
+                     *pins(capture2), "--set", "distributed.bucket_cap_mb=1",
+                     "--set", 'optimizer_batch.allow_config_differences=["distributed.bucket_cap_mb"]')
+    assert bucket.returncode == 0, bucket.stderr[-3000:]
     return d
 
 
@@ -106,16 +111,19 @@ def test_same_world_size_replay_is_bitwise_and_one_rank_passes_exact_input(captu
     assert one["runtime"]["distributed.world_size"] == 1 and one["knobs"] == {"distributed.world_size": 1}
     assert [e["rows"] for e in two["distributed"]["ranks"]] == [[0, 8], [8, 16]]
     assert (replays / "two" / rank_file(1)).is_file() and "distributed" not in one
+    bucket = json.loads((replays / "bucket" / "replay_metrics.json").read_text())
+    assert bucket["runtime"]["distributed.bucket_cap_mb"] == 1.0 == bucket["knobs"]["distributed.bucket_cap_mb"]
     verdict = tmp_path / "bitwise.json"
     proc = run_cli("reduce", str(replays / "two"), "--claim", "bitwise", "--source", str(capture2),
                    "--min-repeats", "1", "--out", str(verdict))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     verdict = tmp_path / "exact.json"
     proc = run_cli("reduce", str(replays), "--claim", "exact-input", "--source", str(capture2), "--min-repeats", "1",
-                   "--arms", "two,world_size=1", "--out", str(verdict))
+                   "--arms", "two,world_size=1,bucket_cap_mb=1.0", "--out", str(verdict))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     checks = {c["name"]: c for c in json.loads(verdict.read_text())["checks"]}
-    assert checks["inputs.min_repeats"]["observed"] == {"two": 1, "world_size=1": 1}  # rank files are no repeats
+    # one replay per arm: a replay's rank files are merged into it, never counted as repeats
+    assert checks["inputs.min_repeats"]["observed"] == {"two": 1, "world_size=1": 1, "bucket_cap_mb=1.0": 1}
     assert checks["exact.knobs_in_effect"]["status"] == "pass"
 
 
