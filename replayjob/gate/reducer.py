@@ -171,16 +171,19 @@ def _budget_section(req: Request, st: _State, admitted: bool, base: Path) -> dic
 
 def _capture_manifest(source: Source) -> Manifest | IntegrationManifest:
     """The capture manifest the source metrics name, verified against the SHA-256 they report (its
-    bytes are read and hashed once): the built-in trainer's (:mod:`replayjob.optbatch.manifest`) or an
-    external trainer's (:mod:`replayjob.integrations.manifest`), told apart by its schema after the
-    bytes matched the pin."""
+    bytes are read and hashed once): the built-in trainer's (:mod:`replayjob.optbatch.manifest`, or the
+    root of a capture over ranks, :mod:`replayjob.optbatch.ranks`) or an external trainer's
+    (:mod:`replayjob.integrations.manifest`), told apart by its schema after the bytes matched the pin."""
     from replayjob.integrations import manifest as imanifest
+    from replayjob.optbatch import ranks
     from replayjob.optbatch.manifest import Manifest, read_pinned, validate
 
     path, sha, doc = read_pinned(source.manifest_file, source.manifest, pin_name=f"{source.path}'s {MANIFEST}",
                                  hint="keep the capture run's manifest next to its metrics.json, unchanged")
     if isinstance(doc, dict) and doc.get("schema") == imanifest.SCHEMA:
         return imanifest.Manifest(path, sha, imanifest.validate(doc, path))
+    if isinstance(doc, dict) and doc.get("schema") == ranks.SCHEMA:  # a capture over ranks: its root
+        return ranks.RootManifest(path, sha, ranks.validate(doc, path))
     return Manifest(path, sha, validate(doc, path))
 
 
