@@ -5,7 +5,8 @@ Usage:
   replayjob train <config> [--out DIR] [--set KEY=VALUE]...
   replayjob capture <config> [--out DIR] [--set KEY=VALUE]...
   replayjob explain <config> [--json] [--set KEY=VALUE]...
-  replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--slot SLOT] [--trace] [--set KEY=VALUE]...
+  replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--slot SLOT] [--trace] [--nproc N]
+                   [--set KEY=VALUE]...
   replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR] [--tolerances FILE]
                    [--min-repeats N] [--baseline ARM] [--arms LIST] [--spec SPEC] [--report FILE]
                    [--mixed-hardware] [--budgets FILE] [--max-looks N]
@@ -83,6 +84,8 @@ Options:
   --slot SLOT       Internal: DESIGN:SEED:BLOCK:POSITION of this replay in a paired schedule (set
                     by launchers; recorded next to the host record so reduce pairs replays by block).
   --trace           replay: also record a layer-level trace into DIR/trace (optimizer_batch.trace).
+  --nproc N         replay: run each replay on N ranks of this node (torchrun; distributed.strategy
+                    "ddp"); the ranks' exit codes are merged (a refusal on any rank is 2).
   --claim CLAIM     Claim to gate: exact-input, bitwise or approximate.
   --source DIR      The capture run's output directory (its metrics.json and manifest); required by
                     reduce. step: a finished capture to use instead of RUN/source.
@@ -195,15 +198,12 @@ def cmd_init(args: dict[str, Any]) -> int:
 
 
 def cmd_train(args: dict[str, Any]) -> int:
-    from pathlib import Path
-
     from replayjob import metrics as M
-    from replayjob.config import load_config
-    from replayjob.source_run import train_source
+    from replayjob.source_run import train_command
 
-    cfg = load_config(args["<config>"], args["--set"])
-    out = Path(args["--out"] or cfg.logging.dir)
-    metrics = train_source(cfg, out)
+    out, metrics = train_command(args["<config>"], args["--set"], args["--out"])
+    if not metrics:  # a rank other than 0 of several: rank 0 reports the run
+        return 0
     print(f"trained {metrics['steps_run']} step(s); loss {metrics['loss']!r}")
     print(f"final adapter sha256 {metrics[M.SOURCE_FINAL_ADAPTER]}")
     _print_capture_pins(metrics)
@@ -224,6 +224,8 @@ def cmd_capture(args: dict[str, Any]) -> int:
     from replayjob.source_run import capture
 
     out, metrics = capture(args["<config>"], args["--set"], args["--out"])
+    if not metrics:  # a rank other than 0 of several: it landed its rows; rank 0 wrote the root
+        return 0
     print(f"captured step 0 into {out}; loss {metrics['loss']!r}")
     _print_capture_pins(metrics)
     print(f"wrote {out}/{metrics[M.MANIFEST_PATH]} (last), {out}/{M.SOURCE_FILE}")
@@ -250,7 +252,10 @@ def cmd_replay(args: dict[str, Any]) -> int:
     index = _int(args, "--repeat-index") if args["--repeat-index"] is not None else 0
     slot = parse_slot(args["--slot"]) if args["--slot"] is not None else None
     sets = [*args["--set"], *(["optimizer_batch.trace=true"] if args["--trace"] else [])]
-    for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index, slot):
+    nproc = _int(args, "--nproc") if args["--nproc"] is not None else 1
+    for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index, slot, nproc=nproc):
+        if not m:  # a rank other than 0 of several: rank 0 reports the replay
+            continue
         print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}, "
               f"final adapter sha256 {m[M.FINAL_ADAPTER]}, "
               "in effect: " + (", ".join(f"{k}={v}" for k, v in sorted(m["runtime"].items()))
@@ -520,6 +525,14 @@ def main(argv: Sequence[str] | None = None, *, reexec: bool = False) -> int:
     :func:`_report_error`).  ``reexec`` (the console script only) lets ``step`` re-execute itself to
     pin the determinism environment before the interpreter starts.
     """
+    code = _main(argv, reexec)
+    from replayjob.distributed import record_exit
+
+    record_exit(code)  # one rank of a launch by `replayjob replay --nproc N`: its own code, for the launcher
+    return code
+
+
+def _main(argv: Sequence[str] | None, reexec: bool) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = docopt(__doc__ or "", argv=argv, version=__version__, default_help=True)

@@ -84,6 +84,11 @@ SCHEDULE = "schedule"
 IN_PROCESS = "in_process"
 IN_PROCESS_WALLS = "local_train_wall_s"  # the measured in-process updates' seconds
 IN_PROCESS_LOSS_EQUAL = "loss_equal"  # every in-process update's loss equals the fresh update's
+# Replay over several ranks only (replayjob.distributed): each rank's own figures in RANK_FILE(r) beside
+# replay_metrics.json, which rank 0 writes last with the merged figures and a DISTRIBUTED section listing
+# the rank files by SHA-256; the reader re-merges them (merge_ranks) and refuses figures that differ.
+RANK_SCHEMA = "replayjob.replay_rank_metrics/v1"
+DISTRIBUTED = "distributed"
 # Spread metrics: name -> (section, key) in replay_metrics.json.
 MEASURES: dict[str, tuple[str, str]] = {
     "local_train_wall_s": ("timing", "local_train_wall_s"),
@@ -93,6 +98,72 @@ MEASURES: dict[str, tuple[str, str]] = {
     "peak_memory_bytes": ("memory", "peak_bytes"),
     "padding_fraction": ("padding", "padding_fraction"),
 }
+
+
+def rank_file(rank: int) -> str:
+    """One rank's figures of a replay over several ranks (never read as a replay of its own)."""
+    return f"replay_metrics.rank-{rank}.json"
+
+
+def merge_ranks(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One replay's figures from its ranks' documents, in rank order: the loss summed in rank order
+    (float64, :func:`replayjob.distributed.rank_sum`), each time the slowest rank's (the update is done
+    when every rank is), peak memory the largest rank's, tokens and micro-batches summed."""
+    from replayjob.distributed import rank_sum
+
+    real = sum(int(d["padding"]["real_tokens"]) for d in docs)
+    padded = sum(int(d["padding"]["padded_tokens"]) for d in docs)
+    return {
+        "loss": rank_sum([d["loss"] for d in docs]),
+        "timing": {k: max(float(d["timing"][k]) for d in docs) for k in sorted(docs[0]["timing"])},
+        "memory": {"peak_bytes": max(int(d["memory"]["peak_bytes"]) for d in docs), "kind": docs[0]["memory"]["kind"]},
+        "padding": {"real_tokens": real, "padded_tokens": padded,
+                    "padding_fraction": 1.0 - real / padded if padded else 0.0,
+                    "micro_batches": sum(int(d["padding"]["micro_batches"]) for d in docs)},
+    }
+
+
+def read_rank(path: Path, expected_sha256: str) -> dict[str, Any]:
+    """One rank file of a replay over several ranks, whose bytes must have ``expected_sha256``."""
+    doc, sha = _read(path)
+    if sha != expected_sha256 or doc.get("schema") != RANK_SCHEMA:
+        raise IntegrityError(f"rank file SHA-256 {sha} or schema {doc.get('schema')!r} is not the one written",
+                             where=path, hint="rerun the replay into a new --out directory")
+    return doc
+
+
+def _check_ranks(f: _Fields, doc: dict[str, Any], where: Path) -> None:
+    """A replay over several ranks: every rank file listed, its SHA-256, and the merged figures (exact)."""
+    sec = f.obj(DISTRIBUTED)
+    world = sec.get("world_size")
+    entries = sec.get("ranks")
+    if (isinstance(world, bool) or not isinstance(world, int) or world < 2 or not isinstance(entries, list)
+            or [e.get("rank") if isinstance(e, dict) else None for e in entries] != list(range(world))):
+        raise f.fail(DISTRIBUTED, "must hold world_size >= 2 and one entry per rank 0..world_size-1")
+    docs = []
+    for e in entries:
+        name = e.get("file")
+        if name != rank_file(e["rank"]):
+            raise f.fail(f"{DISTRIBUTED}.ranks", f"rank {e['rank']}'s file must be {rank_file(e['rank'])!r}")
+        rp = where.parent / name
+        rdoc, sha = _read(rp)
+        if sha != e.get("sha256"):
+            raise IntegrityError(f"rank file SHA-256 is {sha}, the replay lists {e.get('sha256')}", where=rp,
+                                 hint="a rank's figures changed after the replay; rerun it")
+        same = {"schema": RANK_SCHEMA, "rank": e["rank"], "world_size": world, "arm": doc.get("arm"),
+                "repeat_index": doc.get("repeat_index")}
+        off = sorted(k for k, v in same.items() if rdoc.get(k) != v)
+        if off:
+            raise IntegrityError(f"rank file fields {off} do not belong to this replay", where=rp)
+        docs.append(rdoc)
+    try:
+        merged = merge_ranks(docs)
+    except (KeyError, TypeError, ValueError):
+        raise IntegrityError("a rank file lacks loss, timing, memory or padding figures", where=where.parent) from None
+    off = sorted(k for k, v in merged.items() if doc.get(k) != v)
+    if off:
+        raise IntegrityError(f"the replay's {', '.join(off)} are not the merge of its ranks' figures", where=where,
+                             hint="replay_metrics.json changed after the replay; rerun it")
 
 
 def write(path: Path, doc: dict[str, Any], *, exclusive: bool = False) -> None:
@@ -315,6 +386,8 @@ def read_replay(path: str | Path) -> Replay:
     for name, (section, key) in MEASURES.items():
         hi = 1.0 if name == "padding_fraction" else None
         measures[name] = f.number(key, f.obj(section), hi=hi)
+    if DISTRIBUTED in doc:  # one replay over several ranks: its rank files merge into it (never repeats)
+        _check_ranks(f, doc, p)
     host = f.obj(HOST)
     bad = sorted(k for k, v in host.items() if v is not None and not isinstance(v, str))
     if bad:

@@ -299,7 +299,7 @@ def knobs_in_effect_check(arms: dict[str, Arm], source: Source | None) -> Check:
     return Check("exact.knobs_in_effect", "exact-input", FAIL if off else PASS, expected, observed,
                  "each registered knob's value observed at run time (from the built model or the update) equals "
                  "the arm's intended value: its override (from --spec, else as declared), else the source's; "
-                 "training.micro_batch_size is expected as min(value, rows)", off)
+                 "training.micro_batch_size is expected as min(value, ceil(rows / distributed.world_size))", off)
 
 
 def _disk_sha(path: Path) -> str | None:

@@ -165,9 +165,11 @@ def _budget_section(req: Request, st: _State, admitted: bool, base: Path) -> dic
 
 def _capture_manifest(source: Source) -> Manifest | IntegrationManifest:
     """The capture manifest next to the source metrics, verified against the SHA-256 they report: the
-    built-in trainer's (:mod:`replayjob.optbatch.manifest`) or an external trainer's
+    built-in trainer's (:mod:`replayjob.optbatch.manifest`, or the root of a capture over ranks,
+    :mod:`replayjob.optbatch.ranks`) or an external trainer's
     (:mod:`replayjob.integrations.manifest`), told apart by its schema after the bytes matched the pin."""
     from replayjob.integrations import manifest as imanifest
+    from replayjob.optbatch import ranks
     from replayjob.optbatch.manifest import Manifest, read_pinned, validate
 
     d = source.path.parent
@@ -178,6 +180,8 @@ def _capture_manifest(source: Source) -> Manifest | IntegrationManifest:
     path, sha, doc = read_pinned(manifests[0], source.manifest, hint="keep the capture's manifest")
     if isinstance(doc, dict) and doc.get("schema") == imanifest.SCHEMA:
         return imanifest.Manifest(path, sha, imanifest.validate(doc, path))
+    if isinstance(doc, dict) and doc.get("schema") == ranks.SCHEMA:  # a capture over ranks: its root
+        return ranks.RootManifest(path, sha, ranks.validate(doc, path))
     return Manifest(path, sha, validate(doc, path))
 
 
