@@ -63,7 +63,7 @@ def test_plan_gives_the_submit_time_facts(spec_file: Path, capsys: pytest.Captur
     assert main(["step", "plan", "--spec", str(spec_file)]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "size=6", "parallelism=4", "arms=ckpt-off,ckpt-on", "claim=exact-input", "min_repeats=3", "device=cpu",
-        "schedule=none"]
+        "schedule=none", "ranks=1", "replays=1:0-5"]
     spec = load_spec(spec_file)
     assert [(r.arm, r.repeat) for r in spec.runs()] == [
         ("ckpt-off", 0), ("ckpt-off", 1), ("ckpt-off", 2), ("ckpt-on", 0), ("ckpt-on", 1), ("ckpt-on", 2)]
