@@ -346,7 +346,7 @@ def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None
         else:
             launch_ranks(spec.ranks, ["capture", str(layout.workspace / "source.toml"), "--out", str(layout.source),
                                       *(w for kv in sets for w in ("--set", kv))], launcher, layout.source)
-        log(f"step: captured into {layout.source}" + (f" on {spec.ranks} ranks" if spec.ranks > 1 else ""))
+        log(f"step: captured into {layout.source}" + (f" on {spec.ranks} ranks ({launcher})" if spec.ranks > 1 else ""))
     logical, manifest, _ = read_pins(layout.source)
     log(f"{metrics.LOGICAL} {logical}\n{metrics.MANIFEST} {manifest}")
     if outputs is not None:
@@ -406,7 +406,7 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
                             hint="the run directory holds another capture; give the run a new run directory")
     out = layout.replay(run.arm, run.repeat)
     where = f" (schedule slot {run.slot.arg()})" if run.slot is not None else ""
-    on = f" on {nproc} ranks" if nproc > 1 else ""
+    on = f" on {nproc} ranks ({launcher})" if nproc > 1 else ""
     log(f"step: index {index} is arm {run.arm} repeat {run.repeat}{where}{on} -> {out}")
     if (out / metrics.REPLAY_FILE).is_file():
         log(f"step: {out} is complete; reusing it")
