@@ -194,6 +194,8 @@ def test_an_arm_s_world_size_sets_its_replays_ranks() -> None:
     ({"flag": True}, "found True"),
     ({"text": "2"}, "found '2'"),
     ({"frac": 1.5}, "found 1.5"),
+    ({"ranks": 2, "same2": 2}, "distributed.world_size = 2 is the capture's ranks: no difference to declare"),
+    ({"ranks": 1, "strategy": None, "same1": 1}, "distributed.world_size = 1 is the capture's ranks"),
 ])
 def test_rank_counts_are_validated_strictly(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -210,3 +212,14 @@ def test_spec_file_refuses_bad_ranks_by_key(tmp_path: Path, edit: str, message: 
     with pytest.raises(ConfigError, match=re.escape(message)) as info:
         load_spec(write(tmp_path, MINIMAL + edit if edit.startswith("[") else edit + MINIMAL))
     assert str(tmp_path / "ablation.toml") in (info.value.where or "")
+
+
+def test_a_spec_file_declares_an_arm_s_world_size_as_a_registered_knob(tmp_path: Path) -> None:
+    text = ("ranks = 2\n" + MINIMAL + '[arms.one-rank]\n"distributed.world_size" = 1\n'
+            '[config]\n"distributed.strategy" = "ddp"\n')
+    spec = load_spec(write(tmp_path, text))
+    assert spec.rank_groups() == {1: [4, 5], 2: [0, 1, 2, 3]}
+    assert spec.arm("one-rank").allow_list() == '["distributed.world_size"]'  # declared, so the gate admits it
+    with pytest.raises(ConfigError, match="the arm one-rank runs 3 ranks, one GPU each, but node_gpus = 2"):
+        load_spec(write(tmp_path, text.replace("= 1\n[config]", "= 3\n[config]").replace("ranks = 2", "ranks = 2\n"
+                                                                                           "node_gpus = 2")))

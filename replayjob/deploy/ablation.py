@@ -213,6 +213,11 @@ class AblationSpec:
             if type(world) is not int or not 1 <= world <= MAX_RANKS:
                 raise ConfigError(f"{WORLD_SIZE} must be an integer between 1 and {MAX_RANKS}, found {world!r}",
                                   where=f"arms.{arm.name}")
+            if WORLD_SIZE in arm.overrides and world == self.ranks:
+                raise ConfigError(f"{WORLD_SIZE} = {world} is the capture's ranks: no difference to declare (the "
+                                  "replay gate refuses a declared difference that is not one)",
+                                  where=f"arms.{arm.name}", hint=f"drop it: an arm's replays run ranks = {self.ranks} "
+                                                                 "unless it declares another count")
             strategy = arm.overrides.get(STRATEGY, self.config.get(STRATEGY, "none"))
             where[f"arm {arm.name}"] = (world, strategy, f"arms.{arm.name}")
         for what, (world, strategy, key) in where.items():
