@@ -105,3 +105,14 @@ def test_two_tasks_form_a_gloo_group_through_the_mapped_environment() -> None:
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
     assert sorted(o.strip() for o, _ in outs) == ["0 2 0 3", "1 2 1 3"]  # 1 + 2 summed on both ranks
+
+
+def test_the_one_launch_function_picks_torchrun_or_srun() -> None:
+    from replayjob import distributed
+
+    argv = ["capture", "source.toml", "--out", "src"]
+    assert distributed.launch_command(2, argv)[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                       "--nproc-per-node", "2"]
+    assert distributed.launch_command(2, argv, "srun") == launch.srun_command(2, argv)
+    with pytest.raises(ConfigError, match="'mpirun' is not a launcher"):
+        distributed.launch_command(2, argv, "mpirun")
