@@ -13,9 +13,11 @@ rank waiting on a failed one raises instead of hanging) and tears it down in a `
 ``none`` needs no group; ``ddp`` (or ``fsdp2``) outside a launcher runs as a group of one in this
 process.  :class:`Parallel` is what one update needs from the ranks (:mod:`replayjob.rl.update`):
 the wrapped model, gradient accumulation without communication until the last micro-batch,
-gradients **summed** over ranks (DDP averages by default: a sum communication hook replaces it,
-because the loss weights are already normalised over the whole logical batch), the global gradient
-norm for clipping, and the loss summed over ranks in rank order, in float64, on every rank.
+gradients **summed** over ranks (DDP averages by default: a sum communication hook replaces it;
+FSDP2's reduce-scatter gets divide factor 1 and a plain SUM; the loss weights are already
+normalised over the whole logical batch), the global gradient norm for clipping (FSDP2: the
+DTensor-aware clip), and the loss summed over ranks in rank order, in float64, on every rank.
+Under FSDP2 the adapter is saved once, unsharded (:func:`save_adapter` gathers it on every rank).
 
 Rows are split contiguously (:func:`shard_bounds`): rank ``r`` of ``W`` takes logical rows
 ``[r * N // W, (r + 1) * N // W)``, so concatenating the shards in rank order is the logical batch.
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 
     from replayjob.config import Config
 
-STRATEGIES = ("none", "ddp", "fsdp2")
+STRATEGIES = ("none", "ddp", "fsdp2")  # fsdp2: torch.distributed.fsdp.fully_shard
 SHARDING = "contiguous"  # rank r of W takes rows [r * N // W, (r + 1) * N // W)
 ROOT_RANK = 0
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -93,8 +95,6 @@ def observe(cfg: Config, *, running: bool = True, planned: int | None = None) ->
     """
     d = cfg.distributed
     launch = launch_env()
-    if running and d.strategy == "fsdp2":
-        raise _fsdp2_refusal()
     if running:
         world = launch.world_size
         if d.world_size is not None and d.world_size != world:
@@ -104,6 +104,10 @@ def observe(cfg: Config, *, running: bool = True, planned: int | None = None) ->
                               where="distributed.world_size",
                               hint=f"launch {d.world_size} ranks (torchrun --nproc-per-node {d.world_size}, or "
                                    f"replayjob replay --nproc {d.world_size}) or drop the declared value")
+        if d.strategy == "fsdp2" and cfg.training.save_every:
+            raise ConfigError("periodic checkpoints write one process's whole optimizer state; refused with "
+                              "sharded parameters (fsdp2)", where="training.save_every",
+                              hint='set training.save_every = 0, or use "ddp"')
         if world > 1 and d.strategy == "none":
             raise ConfigError(f"torchrun launched {world} ranks but distributed.strategy is 'none'",
                               where="distributed.strategy", hint="set distributed.strategy = \"ddp\"")
@@ -113,13 +117,6 @@ def observe(cfg: Config, *, running: bool = True, planned: int | None = None) ->
             raise ConfigError(f"distributed.world_size declares {d.world_size}, --nproc launches {planned}",
                               where="distributed.world_size", hint="make them equal, or drop one")
     return replace(cfg, distributed=replace(d, world_size=world))
-
-
-def _fsdp2_refusal() -> ConfigError:
-    return ConfigError(
-        "distributed.strategy 'fsdp2' is refused: fully_shard replaces the model's parameters with sharded ones, "
-        "and the backend's adapter parameters (the optimizer's, the saved adapter's) are read before the wrap",
-        where="distributed.strategy", hint='use "ddp" (docs/optimizer-batch.md, "Several devices")')
 
 
 def group_active() -> bool:
@@ -257,6 +254,10 @@ class Parallel:
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
         """Accumulate locally; communicate gradients only with the last micro-batch's backward."""
+        if self.strategy == "fsdp2":
+            self.module.set_requires_gradient_sync(last)  # type: ignore[operator]
+            yield
+            return
         if last:
             yield
             return
@@ -272,15 +273,30 @@ class Parallel:
         return total, rank_sum([r[1] for r in rows]) / max(n, 1.0)
 
     def clip(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
-        """Clip to the global norm: DDP's gradients are already identical on every rank after the sum."""
+        """Clip to the global norm: DDP's gradients are identical on every rank after the sum; FSDP2's are
+        shards, whose norm the DTensor-aware clip reduces over ranks."""
         import torch
 
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
-        return float(norm)
+        return float(full(norm))
 
 
-def wrap(model: torch.nn.Module, cfg: Config) -> Parallel | None:
-    """Wrap ``model`` for ``cfg``'s strategy (``None`` for ``none``); the group must exist."""
+def full(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole: a sharded (DTensor) tensor is gathered from every rank (a collective: every rank calls it
+    in the same order), any other tensor is returned as it is (no DTensor exists before its module is loaded)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    if mod is None or not isinstance(t, mod.DTensor):
+        return t
+    whole: torch.Tensor = t.full_tensor()
+    return whole
+
+
+def wrap(model: torch.nn.Module, cfg: Config, policy: Any = None) -> Parallel | None:
+    """Wrap ``model`` for ``cfg``'s strategy (``None`` for ``none``); the group must exist.
+
+    ``fsdp2`` shards ``model`` in place (``fully_shard``, its gradient divide factor set to 1 and a plain
+    SUM reduction, so the reduce-scatter sums) and asks ``policy`` to read its parameters again
+    (``rebind_parameters``: the sharded ones replace them); a backend without that method is refused."""
     import warnings
 
     import torch
@@ -288,11 +304,23 @@ def wrap(model: torch.nn.Module, cfg: Config) -> Parallel | None:
     strategy = cfg.distributed.strategy
     if strategy == "none":
         return None
+    device = cfg.backend.torch_device
     if strategy == "fsdp2":
-        raise _fsdp2_refusal()
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        rebind = getattr(policy, "rebind_parameters", None)
+        if not callable(rebind):
+            raise ConfigError(f"backend {cfg.backend.name!r} cannot read its parameters again after fully_shard",
+                              where="distributed.strategy", hint='use "ddp"')
+        mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (world_size(),))
+        sharded = fully_shard(model, mesh=mesh)
+        sharded.set_gradient_divide_factor(1.0)  # a sum over ranks: the loss weights are normalised already
+        sharded.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+        rebind()
+        return Parallel("fsdp2", model, None)
     from torch.nn.parallel import DistributedDataParallel
 
-    device = cfg.backend.torch_device
     ids = [torch.device(device).index or 0] if device.startswith("cuda") else None
     with warnings.catch_warnings():  # broadcast_buffers' deprecation notice: the flag still does what we ask
         warnings.simplefilter("ignore", FutureWarning)
@@ -306,9 +334,23 @@ def strategy_of(parallel: Parallel | None) -> str:
     """The strategy in effect, as the wrapped model shows it."""
     if parallel is None:
         return "none"
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
-    return "ddp" if isinstance(parallel.module, DistributedDataParallel) else parallel.strategy
+    if isinstance(parallel.module, DistributedDataParallel):
+        return "ddp"
+    return "fsdp2" if isinstance(parallel.module, FSDPModule) else "unknown"
+
+
+def save_adapter(policy: Any, directory: Path, parallel: Parallel | None) -> Path | None:
+    """Rank 0 writes the adapter (one unsharded file) and returns its path; under FSDP2 every rank takes part
+    in gathering the sharded tensors first (the backend's ``adapter_state`` gathers them, in one order)."""
+    if is_root():
+        path: Path = policy.save_adapter(directory)
+        return path
+    if parallel is not None and parallel.strategy == "fsdp2":
+        policy.adapter_state()  # this rank's part of the gathers rank 0's save runs
+    return None
 
 
 # ------------------------------------------------------------------------------------- launching

@@ -90,6 +90,8 @@ def test_explain_verifies_every_rank(workspace: Path, capture2: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep["rows"]["rows"] == 16 and rep[LOGICAL] == json.loads((capture2 / "metrics.json").read_text())[LOGICAL]
+    assert rep["distributed"]["world_size"] == 2 and rep["world_size"] == 1
+    assert [e["rows"] for e in rep["distributed"]["ranks"]] == [[0, 8], [8, 16]]
 
 
 def test_same_world_size_replay_is_bitwise_and_one_rank_passes_exact_input(capture2: Path, replays: Path,
@@ -167,6 +169,36 @@ def test_a_declared_world_size_the_launcher_contradicts_is_refused(workspace: Pa
                                               *pins(capture2), "--set", "distributed.world_size=3"])
     assert code == 2 and "torchrun launched 2 rank(s)" in tail
     assert not (tmp_path / "b" / "replay_metrics.json").exists()
+
+
+# -- FSDP2 (fully_shard runs on CPU with gloo) ---------------------------------------------------------
+def test_an_fsdp2_capture_replays_bitwise_and_with_ddp_and_on_one_rank_under_exact_input(
+        workspace: Path, capture2: Path, tmp_path: Path) -> None:
+    cap = tmp_path / "source"
+    proc = torchrun(2, "capture", str(workspace / "source.toml"), "--out", str(cap),
+                    "--set", 'distributed.strategy="fsdp2"')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    root = json.loads((cap / "optimizer_batch_step_000000.manifest.json").read_text())
+    assert root["distributed"]["strategy"] == "fsdp2"
+    src = json.loads((cap / "metrics.json").read_text())
+    assert src[LOGICAL] == json.loads((capture2 / "metrics.json").read_text())[LOGICAL]  # the same rows
+    fsdp2 = [*pins(cap)[:-2], "--set", 'distributed.strategy="fsdp2"']  # pins() ends with the DDP strategy
+    ddp = run_cli("replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "r" / "ddp"), "--nproc", "2",
+                  *pins(cap), "--set", 'optimizer_batch.allow_config_differences=["distributed.strategy"]')
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    one = run_cli("replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "r" / "one"), *fsdp2, *WORLD_1)
+    assert one.returncode == 0, one.stderr[-3000:]
+    same = run_cli("replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "r" / "same"), "--nproc", "2",
+                   *fsdp2, "--set", 'optimizer_batch.arm="fsdp2"')
+    assert same.returncode == 0, same.stderr[-3000:]
+    rm = json.loads((tmp_path / "r" / "same" / "replay_metrics.json").read_text())
+    assert rm[FINAL_ADAPTER] == src[FINAL_ADAPTER] and rm["loss"] == src["loss"]  # bitwise, same world size
+    runtime = json.loads((tmp_path / "r" / "one" / "replay_metrics.json").read_text())["runtime"]
+    assert runtime["distributed.strategy"] == "fsdp2" and runtime["distributed.bucket_cap_mb"] is None
+    verdict = tmp_path / "v.json"
+    proc = run_cli("reduce", str(tmp_path / "r"), "--claim", "exact-input", "--source", str(cap), "--min-repeats", "1",
+                   "--arms", "fsdp2,strategy=ddp,world_size=1", "--out", str(verdict))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 # -- the parts, without a launcher ------------------------------------------------------------------

@@ -252,7 +252,8 @@ Strategy = Literal["none", "ddp", "fsdp2"]
 class DistributedConfig:
     strategy: Strategy = doc(
         "How the ranks torchrun launches share one update: 'none' (one process, no process group), 'ddp' "
-        "(DistributedDataParallel, gradients summed over ranks); 'fsdp2' (fully_shard) is refused for now "
+        "(DistributedDataParallel, gradients summed over ranks) or 'fsdp2' (fully_shard: parameters, gradients "
+        "and optimizer state sharded over ranks) "
         "(systems-only knob).", "none")
     world_size: int | None = doc(
         "Ranks sharing the update, observed from the launcher (torchrun's WORLD_SIZE; 1 without one) and "

@@ -297,6 +297,8 @@ def report(adm: Admission) -> dict[str, Any]:
         "payload": ({"path": str(m.payload_path), "size": m.payload_size, "spans_sha256": m.payload_digest}
                     if m else None),
         "rows": adm.rows,
+        "distributed": ({**m.doc["distributed"], "ranks": [{"rank": e["rank"], "rows": e["rows"]} for e in m.ranks]}
+                        if isinstance(m, ranks.RootManifest) else None),  # a capture over ranks
         LOGICAL: adm.digests[0] if adm.digests is not None else None,
         EFFECTIVE: adm.digests[1] if adm.digests is not None else None,
         "initial_adapter": ({"path": str(adm.state.adapter_file), "sha256": adm.state.adapter_sha256}
@@ -307,6 +309,7 @@ def report(adm: Admission) -> dict[str, Any]:
         "knobs": adm.knob_values(),
         "arm": adm.arm,
         "rng_states": sorted(adm.rng) if adm.rng is not None else None,
+        "world_size": adm.cfg.distributed.world_size,  # as a replay would have it (declared, else 1)
         "skipped": list(SKIPPED),
         "would": [
             f"establish determinism (strict={adm.cfg.backend.options.strict_deterministic})",
@@ -335,6 +338,11 @@ def render(rep: dict[str, Any]) -> str:
         r = rep["rows"]
         lines.append(f"  rows: {r['rows']}, tokens: {r['tokens']}, response tokens: {r['response_tokens']}, "
                      f"loss-bearing: {r['loss_bearing_tokens']}")
+    if rep.get("distributed"):  # a capture over ranks
+        d = rep["distributed"]
+        lines.append(f"  captured on {d['world_size']} ranks ({d['strategy']}, {d['sharding']} rows: "
+                     + ", ".join(f"rank {e['rank']} [{e['rows'][0]}, {e['rows'][1]})" for e in d["ranks"])
+                     + f"); replayed on {rep['world_size']} rank(s)")
     if rep.get("micro_batches"):  # an external trainer's capture (integrations.admission.report)
         mb = rep["micro_batches"]
         lines.append(f"  {rep.get('framework')} step {rep['manifest']['step']}: {mb['micro_batches']} micro-batch(es), "

@@ -230,7 +230,8 @@ def _observe_world_size(rt: Runtime) -> int:
 
 
 def _observe_strategy(rt: Runtime) -> str:
-    """How the model was wrapped: ``ddp`` (a DistributedDataParallel module), else ``none``."""
+    """How the model was wrapped: ``ddp`` (a DistributedDataParallel module), ``fsdp2`` (a module sharded by
+    ``fully_shard``), else ``none``."""
     from replayjob.distributed import strategy_of
 
     return strategy_of(rt.parallel)
@@ -288,8 +289,9 @@ _KNOBS = (
          model_condition=_no_dropout_in_model, predict=_predict_world_size),
     Knob(STRATEGY,
          "one process accumulates the per-row gradients itself, DDP sums the ranks' accumulated gradients with an "
-         "all-reduce (a sum hook replaces DDP's average, the loss weights being normalised already); the same "
-         "rows and weights, only where and in which order the sums are taken changes", _no_dropout,
+         "all-reduce (a sum hook replaces DDP's average, the loss weights being normalised already), FSDP2 "
+         "reduce-scatters the same sums into parameter shards (divide factor 1) and clips on the global norm; the "
+         "same rows and weights, only where and in which order the sums are taken changes", _no_dropout,
          observe=_observe_strategy, model_condition=_no_dropout_in_model, predict=_predict_strategy),
     Knob(BUCKET_CAP_MB,
          "groups gradient elements into all-reduce messages; each element is still the sum of the same per-rank "

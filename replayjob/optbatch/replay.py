@@ -112,9 +112,11 @@ def _replay(cfg: Config, out: Path, repeat_index: int, slot: Slot | None) -> dic
         if (out / name).exists():
             raise ArtifactExistsError("output directory already holds a replay", where=out / name,
                                       hint="choose a new --out directory")
-    if world > 1 and (cfg.optimizer_batch.trace or cfg.optimizer_batch.measured_updates):
-        raise ConfigError("a traced replay and in-process repeats run in one process; over several ranks they are "
-                          "refused", where="optimizer_batch", hint="drop --trace / measured_updates, or use one rank")
+    if ((world > 1 or cfg.distributed.strategy == "fsdp2")
+            and (cfg.optimizer_batch.trace or cfg.optimizer_batch.measured_updates)):
+        raise ConfigError("a traced replay and in-process repeats run in one process on whole parameters; over "
+                          "several ranks or sharded (fsdp2) they are refused", where="optimizer_batch",
+                          hint="drop --trace / measured_updates, or replay on one rank without fsdp2")
     assert adm.manifest and adm.batch is not None and adm.rng is not None and adm.state  # admitted
     t_start = time.perf_counter()
     strict = cfg.backend.options.strict_deterministic
@@ -137,7 +139,7 @@ def _replay(cfg: Config, out: Path, repeat_index: int, slot: Slot | None) -> dic
     if top >= vocab:
         raise ContractError(f"captured token id {top} is outside this model's vocabulary ({vocab})",
                             where=adm.manifest.payload_path)
-    parallel = distributed.wrap(policy.model, cfg)  # None for strategy "none"
+    parallel = distributed.wrap(policy.model, cfg, policy)  # None for strategy "none"
     batch, bounds = adm.batch, (0, adm.batch.rows)
     if parallel is not None:  # this rank's contiguous shard of the logical rows, re-split for this world size
         bounds = distributed.shard_bounds(batch.rows, world)[rank]
@@ -154,7 +156,7 @@ def _replay(cfg: Config, out: Path, repeat_index: int, slot: Slot | None) -> dic
         res = optimizer_update(policy, optimizer, batch, cfg, parallel=parallel)
     local_train_wall_s = time.perf_counter() - t0
     peak = peak_memory_value(policy.device)
-    final_file = policy.save_adapter(out / FINAL_ADAPTER_DIR) if rank == distributed.ROOT_RANK else None
+    final_file = distributed.save_adapter(policy, out / FINAL_ADAPTER_DIR, parallel)  # rank 0 writes it
     in_process = _in_process(policy, cfg, adm, start, res.loss, batch, parallel)
     mb_rows = [n for rows in distributed.gather_objects(res.micro_batch_rows) for n in rows]
     observed = knobs.observe_all(knobs.Runtime(policy.model, tuple(mb_rows), parallel=parallel, world_size=world))

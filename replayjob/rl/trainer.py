@@ -225,7 +225,7 @@ def _run(cfg: Config, out: Path, hooks: list[StepHook]) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     prov, policy, state = start_run(cfg)
-    parallel = distributed.wrap(policy.model, cfg)  # None for strategy "none"
+    parallel = distributed.wrap(policy.model, cfg, policy)  # None for strategy "none"
     seed = cfg.training.seed if cfg.training.seed is not None else 0
     optimizer = make_optimizer(policy, cfg)
     start_step = 0
@@ -268,11 +268,11 @@ def _run(cfg: Config, out: Path, hooks: list[StepHook]) -> dict[str, Any]:
                 policy.save_adapter(ck)
                 write_state(ck, step, policy.model_reference(),
                             {OPTIMIZER_FILE: optimizer_bytes(optimizer), RNG_FILE: rng_bytes()})
-    if not root:  # its hooks land this rank's part; rank 0 writes the adapter, the root and metrics.json
+    final_file = distributed.save_adapter(policy, out / FINAL_ADAPTER_DIR, parallel)
+    if final_file is None:  # not rank 0: its hooks land this rank's part; rank 0 writes the root and metrics.json
         for h in hooks:
             h.finish({})
         return {}
-    final_file = policy.save_adapter(out / FINAL_ADAPTER_DIR)
     assert last is not None
     metrics = {
         "schema": METRICS_SCHEMA,
