@@ -17,10 +17,10 @@ Usage:
                    [--plant-nondeterminism | --plant-kill | --plant-undeclared]
   replayjob step plan --spec SPEC [--plant PLANT]... [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob step capture --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--outputs DIR]
-                   [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
-  replayjob step replay --spec SPEC --run-dir DIR --index I [--workspace DIR] [--source DIR]
-                   [--pins PINS] [--plant PLANT]... [--wait-s S] [--arms LIST] [--repeats N] [--device D]
-                   [--claim CLAIM]
+                   [--ranks N] [--launcher L] [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
+  replayjob step replay --spec SPEC --run-dir DIR (--index I [--ranks N] | --position K --ranks N)
+                   [--launcher L] [--workspace DIR] [--source DIR] [--pins PINS] [--plant PLANT]...
+                   [--wait-s S] [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob step reduce --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--wait-s S] [--outputs DIR]
                    [--blocks N] [--report FILE] [--max-looks N]
                    [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
@@ -115,6 +115,12 @@ Options:
   --workspace DIR   step: an existing `replayjob init` directory instead of RUN/workspace.
   --outputs DIR     step: also write pins, plan.json and verdict.json here (Argo output parameters).
   --index I         step replay: the array index (arms in file order, repeats innermost).
+  --position K      step replay: the K-th replay (from 0) among those that run --ranks N ranks
+                    (a launcher with one replay Job per rank count).
+  --ranks N         step: the ranks the launcher provisioned (devices); refused unless the spec's
+                    capture or replay runs exactly N ranks.
+  --launcher L      step: how N > 1 ranks start: torchrun (in this process tree) or srun (the
+                    tasks of this Slurm allocation) [default: torchrun].
   --pins PINS       step replay: LOGICAL,MANIFEST handed over by a controller; must equal the capture's.
   --plant PLANT     step replay: ARM:SETTING=VALUE, an undeclared override in one arm (a negative control).
                     step plan: only validated against the selection (exit 2 if malformed).
@@ -345,11 +351,14 @@ def cmd_step(args: dict[str, Any]) -> int:
     layout = step.Layout.of(args["--run-dir"], args["--workspace"], args["--source"])
     outputs = Path(args["--outputs"]) if args["--outputs"] else None
     wait_s = _int(args, "--wait-s")
+    ranks = _int(args, "--ranks") if args["--ranks"] is not None else None
     if args["capture"]:
-        step.capture_step(spec, layout, outputs)
+        step.capture_step(spec, layout, outputs, ranks=ranks, launcher=args["--launcher"])
     elif args["replay"]:
-        step.replay_step(spec, layout, _int(args, "--index"), pins=args["--pins"], plants=args["--plant"],
-                         wait_s=wait_s)
+        index = step.resolve_index(spec, _int(args, "--index") if args["--index"] is not None else None,
+                                   _int(args, "--position") if args["--position"] is not None else None, ranks)
+        step.replay_step(spec, layout, index, pins=args["--pins"], plants=args["--plant"], wait_s=wait_s,
+                         launcher=args["--launcher"])
     else:
         step.reduce_step(spec, layout, wait_s=wait_s, outputs=outputs,
                          blocks=_int(args, "--blocks") if args["--blocks"] is not None else None,

@@ -359,8 +359,16 @@ def save_adapter(policy: Any, directory: Path, parallel: Parallel | None) -> Pat
 
 
 # ------------------------------------------------------------------------------------- launching
-def launch_command(nproc: int, argv: Sequence[str]) -> list[str]:
-    """The one launch of ``nproc`` ranks of ``replayjob ARGV`` on this node (torchrun, standalone)."""
+def launch_command(nproc: int, argv: Sequence[str], launcher: str = "torchrun") -> list[str]:
+    """The one launch of ``nproc`` ranks of ``replayjob ARGV`` on this node: torchrun (standalone), or
+    with ``launcher="srun"`` the tasks of the Slurm allocation this process runs in, each mapped to
+    the variables :func:`launch_env` reads (:mod:`replayjob.deploy.launch`)."""
+    if launcher == "srun":
+        from replayjob.deploy.launch import srun_command
+
+        return srun_command(nproc, argv)
+    if launcher != "torchrun":
+        raise ConfigError(f"{launcher!r} is not a launcher; use torchrun or srun", where="launcher")
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             "-m", "replayjob", *argv]
 
@@ -388,11 +396,13 @@ def merged_exit(launcher_code: int, rank_codes: Sequence[int]) -> int:
     return EXIT_NEGATIVE if EXIT_NEGATIVE in codes else EXIT_ERROR
 
 
-def run_launched(nproc: int, argv: Sequence[str], timeout: float | None = None) -> tuple[int, str]:
-    """Run ``replayjob ARGV`` on ``nproc`` ranks; return the merged exit code and the output's tail."""
+def run_launched(nproc: int, argv: Sequence[str], timeout: float | None = None,
+                 launcher: str = "torchrun") -> tuple[int, str]:
+    """Run ``replayjob ARGV`` on ``nproc`` ranks (:func:`launch_command`); return the merged exit code and
+    the output's tail."""
     with tempfile.TemporaryDirectory(prefix="replayjob-ranks-") as d:
         env = {**os.environ, EXIT_DIR_ENV: d}
-        proc = subprocess.run(launch_command(nproc, argv), capture_output=True, text=True, check=False,
+        proc = subprocess.run(launch_command(nproc, argv, launcher), capture_output=True, text=True, check=False,
                               env=env, timeout=timeout)
         codes = []
         for p in Path(d).glob("rank-*"):

@@ -36,7 +36,14 @@ Kubernetes Jobs, the Argo workflow, the Slurm jobs and ``scripts/local-mid-smoke
   repeats, so a failed replay is missing evidence that is refused by name, never dropped; the reducer
   always runs once the fan-out has ended and always writes a verdict;
 * **the determinism environment**: a step started without ``DETERMINISM_ENV`` re-executes itself with
-  it (before torch is imported); a contradicting value is refused.
+  it (before torch is imported); a contradicting value is refused;
+* **ranks**: the step runs once per job; a capture or replay of N > 1 ranks (the spec's ``ranks``, an
+  arm's ``distributed.world_size``: :meth:`~replayjob.deploy.ablation.AblationSpec.ranks_for_index`)
+  is a child launch of N ranks through :func:`replayjob.distributed.launch_command` (``--launcher
+  torchrun``: in this process tree; ``srun``: the tasks of this Slurm allocation,
+  :mod:`replayjob.deploy.launch`), whose ranks' exit codes are merged; a launcher that names the
+  ranks it provisioned (``--ranks N``) is refused when the spec needs another number, and one with a
+  Job per rank count names a replay by its position among that count's (``--position``).
 
 Example:
     $ replayjob step capture --spec ablation.toml --run-dir /shared/runs/ab1
@@ -96,11 +103,72 @@ def select(spec: AblationSpec, arms: str | None = None, repeats: int | None = No
 
 
 def plan_lines(spec: AblationSpec) -> list[str]:
-    """What a submitting script needs (Slurm's array size and throttle): one ``key=value`` each."""
+    """What a submitting script needs (Slurm's array size and throttle): one ``key=value`` each;
+    ``ranks`` is the capture's, and one ``replays=N:INDEXES`` line per rank count names the array
+    indexes (Slurm's ``--array`` syntax) whose replays run N ranks."""
     return [f"size={spec.size}", f"parallelism={spec.parallelism}",
             "arms=" + ",".join(a.name for a in spec.arms), f"claim={spec.claim}",
             f"min_repeats={spec.effective_min_repeats}", f"device={spec.device}",
-            f"schedule={spec.schedule or 'none'}"]
+            f"schedule={spec.schedule or 'none'}", f"ranks={spec.ranks}",
+            *(f"replays={n}:{index_ranges(ix)}" for n, ix in spec.rank_groups().items())]
+
+
+def index_ranges(indexes: Sequence[int]) -> str:
+    """Ascending indexes as ranges: ``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    runs: list[list[int]] = []
+    for i in indexes:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def plan_file(ranks: int | None = None) -> str:
+    """The ``--outputs`` file listing every array index (``plan.json``), or those whose replays run
+    ``ranks`` ranks (``plan-rN.json``; what a launcher with one replay template per count fans out)."""
+    return "plan.json" if ranks is None else f"plan-r{ranks}.json"
+
+
+def _check_ranks(what: str, needed: int, provisioned: int | None) -> None:
+    if provisioned is not None and provisioned != needed:
+        raise ContractError(f"{what} runs {needed} rank(s) by the spec, but the launcher provisioned {provisioned}",
+                            where="--ranks", hint="render the launcher's manifests or jobs again from this spec "
+                                                  "(replayjob k8s render; scripts/slurm/submit.sh)")
+
+
+def resolve_index(spec: AblationSpec, index: int | None, position: int | None, ranks: int | None) -> int:
+    """The array index of one replay: ``index``, or the ``position``-th of those that run ``ranks``
+    ranks; refused unless that replay runs exactly ``ranks`` ranks (when given)."""
+    if position is not None:
+        groups = spec.rank_groups()
+        if ranks is None:
+            raise UsageError("--position counts among the replays of --ranks N ranks: give --ranks")
+        if ranks not in groups:
+            raise ContractError(f"no replay of this spec runs {ranks} rank(s); its replays run "
+                                + ", ".join(str(n) for n in groups), where="--ranks",
+                                hint="render the launcher's manifests again from this spec (replayjob k8s render)")
+        if not 0 <= position < len(groups[ranks]):
+            raise UsageError(f"--position {position} is outside 0..{len(groups[ranks]) - 1} "
+                             f"(the replays of {ranks} rank(s))")
+        return groups[ranks][position]
+    if index is None:
+        raise UsageError("step replay needs --index I (or --position K with --ranks N)")
+    run = spec.run_for_index(index)
+    _check_ranks(f"index {index} (arm {run.arm})", spec.ranks_for_index(index), ranks)
+    return index
+
+
+def launch_ranks(nproc: int, argv: Sequence[str], launcher: str, where: Path) -> None:
+    """``replayjob ARGV`` on ``nproc`` ranks (:func:`replayjob.distributed.run_launched`); a failed
+    launch is raised with the merged exit code of its ranks."""
+    from replayjob import distributed
+    from replayjob.errors import error_for_exit_status
+
+    code, tail = distributed.run_launched(nproc, argv, launcher=launcher)
+    if code != 0:
+        raise error_for_exit_status(code)(f"{nproc} ranks of `replayjob {argv[0]}` exited with status {code}: "
+                                          f"{tail[-2000:]}", where=where)
 
 
 @dataclass(frozen=True)
@@ -250,11 +318,15 @@ def parse_plants(spec: AblationSpec, plants: Sequence[str]) -> dict[str, list[st
     return out
 
 
-def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None, log: Any = print) -> None:
-    """Init the workspace (when the run owns it), capture into ``RUN/source`` unless it is complete,
-    and publish the pins and the fan-out plan under ``outputs`` (Argo output parameters)."""
+def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None, log: Any = print, *,
+                 ranks: int | None = None, launcher: str = "torchrun") -> None:
+    """Init the workspace (when the run owns it), capture into ``RUN/source`` unless it is complete
+    (on the spec's ``ranks`` ranks), and publish the pins and the fan-out plan under ``outputs``
+    (Argo output parameters)."""
     from replayjob.fsio import atomic_write_text
 
+    _check_launcher(launcher)
+    _check_ranks("the capture", spec.ranks, ranks)
     check_run_record(layout, spec)
     if not (layout.workspace / "replay.toml").is_file():
         if not layout.owns_workspace:
@@ -270,19 +342,32 @@ def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None
         raise RefusedError(f"the capture given with --source is not complete (no {metrics.SOURCE_FILE})",
                            where=layout.source)
     else:
-        from replayjob.source_run import capture
-
         _set_aside(layout.source, layout, log)
         sets = [*spec.config_sets()]
-        capture(layout.workspace / "source.toml", sets, layout.source)
-        log(f"step: captured into {layout.source}")
+        if spec.ranks == 1:
+            from replayjob.source_run import capture
+
+            capture(layout.workspace / "source.toml", sets, layout.source)
+        else:
+            launch_ranks(spec.ranks, ["capture", str(layout.workspace / "source.toml"), "--out", str(layout.source),
+                                      *(w for kv in sets for w in ("--set", kv))], launcher, layout.source)
+        log(f"step: captured into {layout.source}" + (f" on {spec.ranks} ranks ({launcher})" if spec.ranks > 1 else ""))
     logical, manifest, _ = read_pins(layout.source)
     log(f"{metrics.LOGICAL} {logical}\n{metrics.MANIFEST} {manifest}")
     if outputs is not None:
         atomic_write_text(outputs / "logical_sha256", logical)
         atomic_write_text(outputs / "manifest_sha256", manifest)
         atomic_write_text(outputs / "pins", f"{logical},{manifest}")
-        atomic_write_text(outputs / "plan.json", "[" + ", ".join(str(r.index) for r in spec.runs()) + "]")
+        atomic_write_text(outputs / plan_file(), "[" + ", ".join(str(r.index) for r in spec.runs()) + "]")
+        for n, indexes in spec.rank_groups().items():
+            atomic_write_text(outputs / plan_file(n), "[" + ", ".join(map(str, indexes)) + "]")
+
+
+def _check_launcher(launcher: str) -> None:
+    from replayjob.deploy.launch import LAUNCHERS
+
+    if launcher not in LAUNCHERS:
+        raise UsageError(f"--launcher {launcher!r} is not a launcher; use one of: " + ", ".join(LAUNCHERS))
 
 
 def replay_args(spec: AblationSpec, layout: Layout, run: Run, logical: str, manifest: str,
@@ -310,9 +395,12 @@ def budgets_pin(spec: AblationSpec) -> str:
 
 
 def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | None = None,
-                plants: Sequence[str] = (), wait_s: float = 0, log: Any = print) -> None:
-    """One replay: index -> (arm, repeat), strict pins, ``RUN/replays/ARM/REPEAT`` (reused if complete)."""
+                plants: Sequence[str] = (), wait_s: float = 0, log: Any = print, launcher: str = "torchrun") -> None:
+    """One replay: index -> (arm, repeat), strict pins, ``RUN/replays/ARM/REPEAT`` (reused if complete),
+    on the ranks its arm runs."""
+    _check_launcher(launcher)
     run = spec.run_for_index(index)
+    nproc = spec.ranks_for_index(index)
     planted = parse_plants(spec, plants).get(run.arm, [])
     check_run_record(layout, spec)
     _wait_for(layout.source / metrics.SOURCE_FILE, wait_s, "the capture", log)
@@ -323,7 +411,8 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
                             hint="the run directory holds another capture; give the run a new run directory")
     out = layout.replay(run.arm, run.repeat)
     where = f" (schedule slot {run.slot.arg()})" if run.slot is not None else ""
-    log(f"step: index {index} is arm {run.arm} repeat {run.repeat}{where} -> {out}")
+    on = f" on {nproc} ranks ({launcher})" if nproc > 1 else ""
+    log(f"step: index {index} is arm {run.arm} repeat {run.repeat}{where}{on} -> {out}")
     if (out / metrics.REPLAY_FILE).is_file():
         log(f"step: {out} is complete; reusing it")
         return
@@ -334,7 +423,7 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
 
     for path, m in replay_command(layout.workspace / "replay.toml",
                                   replay_args(spec, layout, run, logical, manifest, manifest_file, planted),
-                                  out, None, run.repeat, run.slot):
+                                  out, None, run.repeat, run.slot, nproc=nproc, launcher=launcher):
         log(f"step: replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}; wrote "
             f"{path}/{metrics.REPLAY_FILE}")
 

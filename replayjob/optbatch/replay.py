@@ -284,14 +284,16 @@ def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_tra
 
 def replay_command(config: str | Path, overrides: list[str], out: str | Path | None,
                    repeat: int | None, repeat_index: int,
-                   slot: Slot | None = None, nproc: int = 1) -> list[tuple[Path, dict[str, Any]]]:
+                   slot: Slot | None = None, nproc: int = 1,
+                   launcher: str = "torchrun") -> list[tuple[Path, dict[str, Any]]]:
     """``replayjob replay``: one replay in this process, or ``repeat`` fresh-process replays.
 
     A config with an ``[integration]`` table replays a capture from an external trainer
     (:mod:`replayjob.integrations`); the fan-out is the same for both.  ``nproc`` > 1 runs each replay
     on that many ranks of this node, launched by :func:`replayjob.distributed.run_launched` (also for a
-    single replay without ``repeat``).  On a rank other than 0 (this process launched by torchrun) the
-    metrics returned are ``{}``.
+    single replay without ``repeat``; ``launcher``: torchrun, or srun inside a Slurm allocation, see
+    :func:`replayjob.distributed.launch_command`).  On a rank other than 0 (this process launched by
+    torchrun) the metrics returned are ``{}``.
     """
     from replayjob import integrations
 
@@ -326,7 +328,7 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
         if nproc == 1:
             return [(out_dir, one(out_dir, repeat_index))]
         refuse_early()  # here, before starting N processes
-        return [(out_dir, _spawn(config, overrides, out_dir, repeat_index, nproc, slot))]
+        return [(out_dir, _spawn(config, overrides, out_dir, repeat_index, nproc, slot, launcher))]
     if slot is not None:
         raise UsageError("--slot names one replay's place in a schedule; it does not combine with --repeat")
     if repeat < 1:
@@ -336,11 +338,11 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
     for d in dirs:
         if (d / METRICS_FILE).exists() or (d / FINAL_ADAPTER_DIR).exists():
             raise ArtifactExistsError("a replay already exists here", where=d, hint="choose a new --out")
-    return [(d, _spawn(config, overrides, d, i, nproc)) for i, d in enumerate(dirs)]
+    return [(d, _spawn(config, overrides, d, i, nproc, launcher=launcher)) for i, d in enumerate(dirs)]
 
 
 def _spawn(config: str | Path, overrides: list[str], d: Path, index: int, nproc: int,
-           slot: Slot | None = None) -> dict[str, Any]:
+           slot: Slot | None = None, launcher: str = "torchrun") -> dict[str, Any]:
     """One replay in fresh processes: ``python -m replayjob replay`` (``nproc`` ranks: launched by torchrun)."""
     argv = ["replay", str(Path(config).resolve()), "--out", str(d), "--repeat-index", str(index)]
     if slot is not None:
@@ -351,7 +353,7 @@ def _spawn(config: str | Path, overrides: list[str], d: Path, index: int, nproc:
         proc = subprocess.run([sys.executable, "-m", "replayjob", *argv], capture_output=True, text=True, check=False)
         code, tail = proc.returncode, (proc.stderr or proc.stdout).strip()[-2000:]
     else:
-        code, tail = distributed.run_launched(nproc, argv)
+        code, tail = distributed.run_launched(nproc, argv, launcher=launcher)
     if code != 0:
         raise error_for_exit_status(code)(  # 3 or a signal stays retryable (exit 3)
             f"repeat {index} exited with status {code}: {tail[-2000:]}", where=d)
