@@ -3,7 +3,9 @@
 The model: a tiny causal LM (embedding -> linear head, frozen base weights loaded from safetensors)
 with a trainable low-rank adapter and dropout; the loss: advantage-weighted next-token
 log-likelihood over masked positions; two micro-batches per optimizer step, AdamW, a linear LR
-decay, gradient clipping.  Step 1 of 3 is captured.
+decay, gradient clipping.  Step 1 of 3 is captured (``main(out, capture_steps=[0, 2])`` captures
+several steps with :class:`~replayjob.integrations.capture.ChosenSteps` instead: one
+``replay_step_<K:06d>.toml`` per step and one metrics.json).
 
     python examples/plain_torch_loop.py OUT          # writes OUT/base (the base model) and OUT/capture
     replayjob explain OUT/capture/replay.toml        # 0: a replay would be admitted
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from replayjob.integrations.capture import StepCapture
+from replayjob.integrations.capture import ChosenSteps, StepCapture
 from replayjob.integrations.torch_loop import Target, optimizer_step
 
 CONFIG = {"vocab": 32, "hidden": 16, "rank": 4, "dropout": 0.1, "lr": 1e-2, "steps": 3,
@@ -97,34 +99,42 @@ def micro_batches(step: int) -> list[dict[str, Any]]:
     return out
 
 
-def main(out: Path, capture_step: int | None = 1) -> dict[str, Any]:
+def main(out: Path, capture_step: int | None = 1, capture_steps: list[int] | None = None) -> dict[str, Any]:
     base = write_base(out / "base")
     torch.manual_seed(CONFIG["seed"])
     model, opt, sched = build(base, torch.device("cpu"))
-    cap = None
-    if capture_step is not None:
-        cap = StepCapture(out / "capture", step=capture_step, framework="torch", model=model, optimizer=opt,
-                          scheduler=sched, base_model_dir=base, config={"torch": CONFIG, "model": {"path": str(base)}},
-                          entry=f"{Path(__file__).resolve()}:replay_target")
+    common: dict[str, Any] = {"framework": "torch", "base_model_dir": base, "entry": f"{Path(__file__).resolve()}:"
+                              "replay_target", "config": {"torch": CONFIG, "model": {"path": str(base)}}}
+    cap: StepCapture | None = None
+    chosen: ChosenSteps | None = None
+    if capture_steps is not None:
+        chosen = ChosenSteps(out / "capture", steps=capture_steps, **common)
+    elif capture_step is not None:
+        cap = StepCapture(out / "capture", step=capture_step, model=model, optimizer=opt, scheduler=sched, **common)
     losses = []
     for step in range(CONFIG["steps"]):
-        active = cap is not None and step == capture_step
-        if active:
-            cap.begin()                                    # adapter, optimizer and scheduler state before the step
+        if chosen is not None:  # the chosen step's capture, None for the others
+            c = chosen.at(step, model=model, optimizer=opt, scheduler=sched)
+        else:
+            c = cap if cap is not None and step == cap.step else None
+        if c is not None:
+            c.begin()                                      # adapter, optimizer and scheduler state before the step
         total = 0.0
         for inputs in micro_batches(step):
-            if active:
-                cap.record(inputs)                         # the inputs and the RNG right before the loss call
+            if c is not None:
+                c.record(inputs)                           # the inputs and the RNG right before the loss call
             loss = loss_fn(model, inputs)
             loss.backward()
             total += float(loss.detach())
-            if active:
-                cap.add_loss(float(loss.detach()))
+            if c is not None:
+                c.add_loss(float(loss.detach()))
         grad_norm = optimizer_step(model, opt, sched, CONFIG["max_grad_norm"])
-        if active:
-            cap.finish(grad_norm=grad_norm)                # files, manifest last, metrics.json, replay.toml
+        if c is not None:
+            c.finish(grad_norm=grad_norm)                  # files, manifest last, (metrics.json, replay.toml)
         losses.append(total)
-    return {"losses": losses, "capture": str(out / "capture") if cap else None}
+    if chosen is not None:
+        chosen.close()                                     # several steps: metrics.json, last
+    return {"losses": losses, "capture": str(out / "capture") if cap or chosen else None}
 
 
 if __name__ == "__main__":

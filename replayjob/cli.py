@@ -5,8 +5,9 @@ Usage:
   replayjob train <config> [--out DIR] [--set KEY=VALUE]...
   replayjob capture <config> [--out DIR] [--set KEY=VALUE]...
   replayjob explain <config> [--json] [--set KEY=VALUE]...
-  replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--slot SLOT] [--trace] [--set KEY=VALUE]...
-  replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR] [--tolerances FILE]
+  replayjob replay <config> [--out DIR] [--repeat N | --repeat-index I] [--slot SLOT] [--trace] [--nproc N]
+                   [--set KEY=VALUE]...
+  replayjob reduce <path>... --claim CLAIM --out FILE [--source DIR [--source-step K]] [--tolerances FILE]
                    [--min-repeats N] [--baseline ARM] [--arms LIST] [--spec SPEC] [--report FILE]
                    [--mixed-hardware] [--budgets FILE] [--max-looks N]
   replayjob funnel [--out DIR] [--spec SPEC] [--arms LIST] [--repeats N] [--claim CLAIM] [--seed N]
@@ -14,13 +15,14 @@ Usage:
                    [--budgets FILE] [--until-decided --max-repeats N] [--design D] [--no-report]
                    [--warmup-updates W --measured-updates M]
                    [--plant-nondeterminism | --plant-kill | --plant-undeclared]
-  replayjob step plan --spec SPEC [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
+  replayjob step plan --spec SPEC [--plant PLANT]... [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob step capture --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--outputs DIR]
-                   [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
-  replayjob step replay --spec SPEC --run-dir DIR --index I [--workspace DIR] [--source DIR]
-                   [--pins PINS] [--plant PLANT]... [--wait-s S] [--arms LIST] [--repeats N] [--device D]
-                   [--claim CLAIM]
+                   [--ranks N] [--launcher L] [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
+  replayjob step replay --spec SPEC --run-dir DIR (--index I [--ranks N] | --position K --ranks N)
+                   [--launcher L] [--workspace DIR] [--source DIR] [--pins PINS] [--plant PLANT]...
+                   [--wait-s S] [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob step reduce --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--wait-s S] [--outputs DIR]
+                   [--blocks N] [--report FILE] [--max-looks N]
                    [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob k8s render <spec> [--out DIR] [--argo FILE]
   replayjob k8s submit <spec> [--namespace NS] [--wait]
@@ -83,13 +85,15 @@ Options:
   --slot SLOT       Internal: DESIGN:SEED:BLOCK:POSITION of this replay in a paired schedule (set
                     by launchers; recorded next to the host record so reduce pairs replays by block).
   --trace           replay: also record a layer-level trace into DIR/trace (optimizer_batch.trace).
+  --nproc N         replay: run each replay on N ranks of this node (torchrun; distributed.strategy
+                    "ddp"); the ranks' exit codes are merged (a refusal on any rank is 2).
   --claim CLAIM     Claim to gate: exact-input, bitwise or approximate.
   --source DIR      The capture run's output directory (its metrics.json and manifest); required by
                     reduce. step: a finished capture to use instead of RUN/source.
   --tolerances FILE Predeclared tolerance TOML, pinned by SHA-256 in the replay configs.
   --min-repeats N   Fewest fresh replays per arm; fewer is refused (default 3).
   --baseline ARM    Arm the others' timing and memory are compared with.
-  --report FILE     Also write a markdown report (and a PNG next to it).
+  --report FILE     reduce, step reduce: also write a markdown report (and a PNG next to it).
   --budgets FILE    Budget TOML (docs/verdict-format.md): bounds on arm/baseline ratios, pinned
                     by SHA-256 in [optimizer_batch] budgets_sha256; each bound passes, fails (1) or
                     is inconclusive (2, with an estimate of the paired blocks that would decide it).
@@ -111,9 +115,18 @@ Options:
   --workspace DIR   step: an existing `replayjob init` directory instead of RUN/workspace.
   --outputs DIR     step: also write pins, plan.json and verdict.json here (Argo output parameters).
   --index I         step replay: the array index (arms in file order, repeats innermost).
+  --position K      step replay: the K-th replay (from 0) among those that run --ranks N ranks
+                    (a launcher with one replay Job per rank count).
+  --ranks N         step: the ranks the launcher provisioned (devices); refused unless the spec's
+                    capture or replay runs exactly N ranks.
+  --launcher L      step: how N > 1 ranks start: torchrun (in this process tree) or srun (the
+                    tasks of this Slurm allocation) [default: torchrun].
   --pins PINS       step replay: LOGICAL,MANIFEST handed over by a controller; must equal the capture's.
   --plant PLANT     step replay: ARM:SETTING=VALUE, an undeclared override in one arm (a negative control).
+                    step plan: only validated against the selection (exit 2 if malformed).
   --wait-s S        step: wait up to S seconds for an earlier stage's output [default: 0].
+  --blocks N        step reduce: only the first N blocks (repeats) of every arm: one look of a
+                    sequential experiment (the funnel's --until-decided).
   --resume DIR      funnel: start from this step -1 resume state instead of the one init writes.
   --model DIR       funnel: a local model directory (safetensors) instead of the built-in model.
   --only-ablation   funnel: run stage 3 only (capture -> replays -> reduce).
@@ -146,6 +159,10 @@ Options:
   --sample ID       bundle replay: select a sample (expands to its whole group).
   --group ID        bundle replay: select a semantic group.
   --batch ID        bundle replay: select a micro-batch (mb-0000, ...; expands to whole groups).
+  --source-step K   reduce: compare with captured step K of the --source run (a step of
+                    optimizer_batch.capture_steps, a ring-written step, or one of an external
+                    trainer's steps=[...]); its final adapter is pinned by SHA-256 only, so the
+                    approximate claim, which reads the source's adapter file, is refused.
   --step R:S        bundle replay: the step bundle of exactly this actor step (rollout:step).
   --rollout R       bundle replay: the rollout bundle of this rollout id.
   --examples N      bundle replay: mismatching values shown per field [default: 5].
@@ -195,15 +212,12 @@ def cmd_init(args: dict[str, Any]) -> int:
 
 
 def cmd_train(args: dict[str, Any]) -> int:
-    from pathlib import Path
-
     from replayjob import metrics as M
-    from replayjob.config import load_config
-    from replayjob.source_run import train_source
+    from replayjob.source_run import train_command
 
-    cfg = load_config(args["<config>"], args["--set"])
-    out = Path(args["--out"] or cfg.logging.dir)
-    metrics = train_source(cfg, out)
+    out, metrics = train_command(args["<config>"], args["--set"], args["--out"])
+    if not metrics:  # a rank other than 0 of several: rank 0 reports the run
+        return 0
     print(f"trained {metrics['steps_run']} step(s); loss {metrics['loss']!r}")
     print(f"final adapter sha256 {metrics[M.SOURCE_FINAL_ADAPTER]}")
     _print_capture_pins(metrics)
@@ -224,6 +238,8 @@ def cmd_capture(args: dict[str, Any]) -> int:
     from replayjob.source_run import capture
 
     out, metrics = capture(args["<config>"], args["--set"], args["--out"])
+    if not metrics:  # a rank other than 0 of several: it landed its rows; rank 0 wrote the root
+        return 0
     print(f"captured step 0 into {out}; loss {metrics['loss']!r}")
     _print_capture_pins(metrics)
     print(f"wrote {out}/{metrics[M.MANIFEST_PATH]} (last), {out}/{M.SOURCE_FILE}")
@@ -250,7 +266,10 @@ def cmd_replay(args: dict[str, Any]) -> int:
     index = _int(args, "--repeat-index") if args["--repeat-index"] is not None else 0
     slot = parse_slot(args["--slot"]) if args["--slot"] is not None else None
     sets = [*args["--set"], *(["optimizer_batch.trace=true"] if args["--trace"] else [])]
-    for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index, slot):
+    nproc = _int(args, "--nproc") if args["--nproc"] is not None else 1
+    for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index, slot, nproc=nproc):
+        if not m:  # a rank other than 0 of several: rank 0 reports the replay
+            continue
         print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}, "
               f"final adapter sha256 {m[M.FINAL_ADAPTER]}, "
               "in effect: " + (", ".join(f"{k}={v}" for k, v in sorted(m["runtime"].items()))
@@ -277,7 +296,8 @@ def cmd_reduce(args: dict[str, Any]) -> int:
         max_looks=_int(args, "--max-looks"),
         arms=tuple(a.strip() for a in args["--arms"].split(",")) if args["--arms"] is not None else None,
         spec=load_spec(args["--spec"]) if args["--spec"] is not None else None,
-        mixed_hardware=bool(args["--mixed-hardware"])))
+        mixed_hardware=bool(args["--mixed-hardware"]),
+        source_step=_int(args, "--source-step") if args["--source-step"] is not None else None))
     print(verdict.summary())
     print(f"wrote {out}" + (f", {args['--report']}" if args["--report"] else ""))
     verdict.raise_for_status()
@@ -324,19 +344,26 @@ def cmd_step(args: dict[str, Any]) -> int:
                        _int(args, "--repeats") if args["--repeats"] is not None else None,
                        args["--device"], args["--claim"])
     if args["plan"]:
+        step.parse_plants(spec, args["--plant"])
         print("\n".join(step.plan_lines(spec)))
         return 0
     step.ensure_determinism_env(args[_ARGV], reexec=args[_REEXEC])
     layout = step.Layout.of(args["--run-dir"], args["--workspace"], args["--source"])
     outputs = Path(args["--outputs"]) if args["--outputs"] else None
     wait_s = _int(args, "--wait-s")
+    ranks = _int(args, "--ranks") if args["--ranks"] is not None else None
     if args["capture"]:
-        step.capture_step(spec, layout, outputs)
+        step.capture_step(spec, layout, outputs, ranks=ranks, launcher=args["--launcher"])
     elif args["replay"]:
-        step.replay_step(spec, layout, _int(args, "--index"), pins=args["--pins"], plants=args["--plant"],
-                         wait_s=wait_s)
+        index = step.resolve_index(spec, _int(args, "--index") if args["--index"] is not None else None,
+                                   _int(args, "--position") if args["--position"] is not None else None, ranks)
+        step.replay_step(spec, layout, index, pins=args["--pins"], plants=args["--plant"], wait_s=wait_s,
+                         launcher=args["--launcher"])
     else:
-        step.reduce_step(spec, layout, wait_s=wait_s, outputs=outputs).raise_for_status()
+        step.reduce_step(spec, layout, wait_s=wait_s, outputs=outputs,
+                         blocks=_int(args, "--blocks") if args["--blocks"] is not None else None,
+                         report=Path(args["--report"]) if args["--report"] else None,
+                         max_looks=_int(args, "--max-looks")).raise_for_status()
     return 0
 
 
@@ -520,6 +547,14 @@ def main(argv: Sequence[str] | None = None, *, reexec: bool = False) -> int:
     :func:`_report_error`).  ``reexec`` (the console script only) lets ``step`` re-execute itself to
     pin the determinism environment before the interpreter starts.
     """
+    code = _main(argv, reexec)
+    from replayjob.distributed import record_exit
+
+    record_exit(code)  # one rank of a launch by `replayjob replay --nproc N`: its own code, for the launcher
+    return code
+
+
+def _main(argv: Sequence[str] | None, reexec: bool) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = docopt(__doc__ or "", argv=argv, version=__version__, default_help=True)

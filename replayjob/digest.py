@@ -52,6 +52,12 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def is_sha256_hex(value: object) -> bool:
+    """Whether ``value`` is already a canonical SHA-256 digest: exactly 64 lowercase hex characters
+    (the one digest syntax check; callers that accept uppercase or padding use :func:`normalize_digest`)."""
+    return isinstance(value, str) and _HEX64.fullmatch(value) is not None
+
+
 def normalize_digest(value: object, *, what: str) -> str:
     """Return ``value`` as a lowercase 64-hex SHA-256 digest or raise naming ``what``."""
     if not isinstance(value, str):
@@ -61,6 +67,6 @@ def normalize_digest(value: object, *, what: str) -> str:
     if len(low) != 64:
         raise IntegrityError(f"{what} must be 64 hex characters, found {len(low)}",
                              hint="copy the full digest the source run printed")
-    if not _HEX64.fullmatch(low):
+    if not is_sha256_hex(low):
         raise IntegrityError(f"{what} is not hexadecimal: {value!r}")
     return low

@@ -13,8 +13,9 @@ Stage 3 runs the one launch implementation the Kubernetes Jobs, the Argo workflo
 jobs run (:mod:`replayjob.deploy.step`): it writes the selected spec with its paired schedule and
 budgets to ``OUT/ablation.toml`` and runs ``replayjob step capture`` and ``replayjob step replay
 --index I`` over ``OUT`` (the step layout: ``OUT/run.json``, ``OUT/source``, ``OUT/replays/ARM/BLOCK``),
-index by index in the schedule's run order.  Each look is ``replayjob reduce --spec`` over the blocks
-run so far (with the report and the looks' alpha spending).  Every command goes through
+index by index in the schedule's run order.  Each look is ``replayjob step reduce --blocks N`` over
+the blocks run so far (with the report and the looks' alpha spending), so the funnel reduces exactly
+as the cluster launchers do: everything the reducer is told comes from the spec.  Every command goes through
 :func:`cli_step`, one fresh ``python -m replayjob`` process per step, exactly as a cluster job would.
 ``OUT/funnel.json`` (:data:`SCHEMA`, docs/funnel.md) lists every stage and its outcome and is written last, beside the
 reducer's ``verdict.json``; the exit code is the first non-passing stage's (0 pass, 1 negative,
@@ -150,8 +151,6 @@ class Funnel:
             raise UsageError("plant one negative at a time")
         if opts.warmup_updates < 0 or opts.measured_updates < 0 or (opts.warmup_updates and not opts.measured_updates):
             raise UsageError("--warmup-updates needs --measured-updates M >= 1 (warm-up alone measures nothing)")
-        if opts.until_decided and (opts.budgets is None or opts.max_repeats is None):
-            raise UsageError("--until-decided needs --budgets FILE and --max-repeats N")
         self.opts, self.say = opts, progress
         self.out = Path(opts.out).resolve()
         if (self.out / FUNNEL_FILE).exists():
@@ -159,6 +158,11 @@ class Funnel:
                                hint="choose a new --out")
         self.device = _device(opts.device)
         self.spec: AblationSpec = select(load_spec(opts.spec), opts.arms, opts.repeats, self.device)
+        # --budgets, else the spec's own budget file: the reduce decides it either way
+        budgets = opts.budgets if opts.budgets is not None else (Path(self.spec.budgets) if self.spec.budgets else None)
+        self.budgets = budgets.resolve() if budgets is not None else None
+        if opts.until_decided and (self.budgets is None or opts.max_repeats is None):
+            raise UsageError("--until-decided needs budgets (--budgets FILE or the spec's budgets) and --max-repeats N")
         if opts.max_repeats is not None and opts.max_repeats < self.spec.repeats:
             raise UsageError(f"--max-repeats {opts.max_repeats} is below the {self.spec.repeats} blocks run first")
         self.claim = opts.claim or self.spec.claim
@@ -227,7 +231,7 @@ class Funnel:
         top: dict[str, Any] = {f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)
                                if f.name not in ("arms", "config")}
         top.update(claim=self.claim, device=self.device, seed=self.opts.seed, schedule=self.opts.design,
-                   budgets=str(Path(self.opts.budgets).resolve()) if self.opts.budgets is not None else "")
+                   budgets=str(self.budgets) if self.budgets is not None else "")
         if self.opts.resume is not None:
             top["resume"] = str(Path(self.opts.resume).resolve())
         if self.opts.until_decided:
@@ -271,7 +275,7 @@ class Funnel:
                                  f"(see {self.log})")
                     return
             done = blocks * len(arms)
-            doc = self.reduce(replays, src, spec)
+            doc = self.reduce(spec, blocks)
             looks.append({"blocks": blocks, "status": doc["status"]})
             st.code, st.status = int(doc["exit_code"]), str(doc["status"])
             st.detail = doc["summary"]
@@ -285,18 +289,15 @@ class Funnel:
         st.artifacts["looks"] = ", ".join(f"{x['blocks']} blocks: {x['status']}" for x in looks)
         self.summary = summarize(self.out / "verdict.json", src)
 
-    def reduce(self, replays: Path, src: Path, spec: Path) -> dict[str, Any]:
-        """One look: ``replayjob reduce`` over the blocks run so far (with the report and the looks'
-        alpha spending, which ``step reduce``, one look over the whole fan-out, does not take)."""
-        arms = [a.name for a in self.spec.arms]
-        args: list[Any] = ["reduce", replays, "--claim", self.claim, "--source", src, "--out",
-                           self.out / "verdict.json", "--min-repeats", self.spec.effective_min_repeats,
-                           "--arms", ",".join(arms), "--baseline", arms[0], "--spec", spec]
+    def reduce(self, spec: Path, blocks: int) -> dict[str, Any]:
+        """One look: ``replayjob step reduce --blocks N`` over the blocks run so far, the reduce every
+        launcher runs (the spec's claim, arms, minimum repeats, ``mixed_hardware`` and budgets), with
+        the report and the looks' alpha spending (``--max-looks``)."""
+        args: list[Any] = ["step", "reduce", "--spec", spec, "--run-dir", self.out, "--blocks", blocks]
         if self.opts.report:
             args += ["--report", self.out / "report.md"]
-        if self.opts.budgets is not None:
-            args += ["--budgets", Path(self.opts.budgets).resolve(), "--max-looks",
-                     self.opts.max_repeats or 1]
+        if self.budgets is not None:
+            args += ["--max-looks", self.opts.max_repeats or 1]
         verdict = self.out / "verdict.json"
         verdict.unlink(missing_ok=True)  # a look never reads the previous look's verdict
         code = cli_step(args, self.log)

@@ -22,7 +22,7 @@ from typing import Any
 
 from replayjob.config.diff import flatten
 from replayjob.deploy.schedule import DESIGNS, Slot
-from replayjob.digest import normalize_digest, sha256_bytes
+from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.hostinfo import placement
@@ -33,7 +33,6 @@ SOURCE_SCHEMA = "replayjob.metrics/v1"
 REPLAY_FILE = "replay_metrics.json"
 REPLAY_SCHEMA = "replayjob.replay_metrics/v2"
 MAX_METRICS_BYTES = 16 * 1024 * 1024
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _BARE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 # Keys both files carry: the digests a replay pins and the gate compares.
@@ -61,6 +60,9 @@ STEP_INITIAL_ADAPTER = "initial_adapter_sha256"
 STEP_FINAL_ADAPTER = "final_adapter_sha256"  # null when the step's update never returned
 STEP_REPLAY_CONFIG = "replay_config"
 STEP_NONFINITE = "nonfinite_inputs"
+STEP_LOSS = "loss"  # optional: the step's loss as the trainer reported it (the capture API records it)
+STEP_GRAD_NORM = "grad_norm"  # optional: its pre-clip gradient norm
+STEPS_NOT_CAPTURED = "optimizer_batch/steps_not_captured"  # capture API: chosen steps training never completed
 RING_SIZE = "size"
 RING_STEPS_OBSERVED = "steps_observed"
 RING_PEAK_BYTES = "peak_bytes"
@@ -81,6 +83,11 @@ SCHEDULE = "schedule"
 IN_PROCESS = "in_process"
 IN_PROCESS_WALLS = "local_train_wall_s"  # the measured in-process updates' seconds
 IN_PROCESS_LOSS_EQUAL = "loss_equal"  # every in-process update's loss equals the fresh update's
+# Replay over several ranks only (replayjob.distributed): each rank's own figures in RANK_FILE(r) beside
+# replay_metrics.json, which rank 0 writes last with the merged figures and a DISTRIBUTED section listing
+# the rank files by SHA-256; the reader re-merges them (merge_ranks) and refuses figures that differ.
+RANK_SCHEMA = "replayjob.replay_rank_metrics/v1"
+DISTRIBUTED = "distributed"
 # Spread metrics: name -> (section, key) in replay_metrics.json.
 MEASURES: dict[str, tuple[str, str]] = {
     "local_train_wall_s": ("timing", "local_train_wall_s"),
@@ -90,6 +97,72 @@ MEASURES: dict[str, tuple[str, str]] = {
     "peak_memory_bytes": ("memory", "peak_bytes"),
     "padding_fraction": ("padding", "padding_fraction"),
 }
+
+
+def rank_file(rank: int) -> str:
+    """One rank's figures of a replay over several ranks (never read as a replay of its own)."""
+    return f"replay_metrics.rank-{rank}.json"
+
+
+def merge_ranks(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One replay's figures from its ranks' documents, in rank order: the loss summed in rank order
+    (float64, :func:`replayjob.distributed.rank_sum`), each time the slowest rank's (the update is done
+    when every rank is), peak memory the largest rank's, tokens and micro-batches summed."""
+    from replayjob.distributed import rank_sum
+
+    real = sum(int(d["padding"]["real_tokens"]) for d in docs)
+    padded = sum(int(d["padding"]["padded_tokens"]) for d in docs)
+    return {
+        "loss": rank_sum([d["loss"] for d in docs]),
+        "timing": {k: max(float(d["timing"][k]) for d in docs) for k in sorted(docs[0]["timing"])},
+        "memory": {"peak_bytes": max(int(d["memory"]["peak_bytes"]) for d in docs), "kind": docs[0]["memory"]["kind"]},
+        "padding": {"real_tokens": real, "padded_tokens": padded,
+                    "padding_fraction": 1.0 - real / padded if padded else 0.0,
+                    "micro_batches": sum(int(d["padding"]["micro_batches"]) for d in docs)},
+    }
+
+
+def read_rank(path: Path, expected_sha256: str) -> dict[str, Any]:
+    """One rank file of a replay over several ranks, whose bytes must have ``expected_sha256``."""
+    doc, sha = _read(path)
+    if sha != expected_sha256 or doc.get("schema") != RANK_SCHEMA:
+        raise IntegrityError(f"rank file SHA-256 {sha} or schema {doc.get('schema')!r} is not the one written",
+                             where=path, hint="rerun the replay into a new --out directory")
+    return doc
+
+
+def _check_ranks(f: _Fields, doc: dict[str, Any], where: Path) -> None:
+    """A replay over several ranks: every rank file listed, its SHA-256, and the merged figures (exact)."""
+    sec = f.obj(DISTRIBUTED)
+    world = sec.get("world_size")
+    entries = sec.get("ranks")
+    if (isinstance(world, bool) or not isinstance(world, int) or world < 2 or not isinstance(entries, list)
+            or [e.get("rank") if isinstance(e, dict) else None for e in entries] != list(range(world))):
+        raise f.fail(DISTRIBUTED, "must hold world_size >= 2 and one entry per rank 0..world_size-1")
+    docs = []
+    for e in entries:
+        name = e.get("file")
+        if name != rank_file(e["rank"]):
+            raise f.fail(f"{DISTRIBUTED}.ranks", f"rank {e['rank']}'s file must be {rank_file(e['rank'])!r}")
+        rp = where.parent / name
+        rdoc, sha = _read(rp)
+        if sha != e.get("sha256"):
+            raise IntegrityError(f"rank file SHA-256 is {sha}, the replay lists {e.get('sha256')}", where=rp,
+                                 hint="a rank's figures changed after the replay; rerun it")
+        same = {"schema": RANK_SCHEMA, "rank": e["rank"], "world_size": world, "arm": doc.get("arm"),
+                "repeat_index": doc.get("repeat_index")}
+        off = sorted(k for k, v in same.items() if rdoc.get(k) != v)
+        if off:
+            raise IntegrityError(f"rank file fields {off} do not belong to this replay", where=rp)
+        docs.append(rdoc)
+    try:
+        merged = merge_ranks(docs)
+    except (KeyError, TypeError, ValueError):
+        raise IntegrityError("a rank file lacks loss, timing, memory or padding figures", where=where.parent) from None
+    off = sorted(k for k, v in merged.items() if doc.get(k) != v)
+    if off:
+        raise IntegrityError(f"the replay's {', '.join(off)} are not the merge of its ranks' figures", where=where,
+                             hint="replay_metrics.json changed after the replay; rerun it")
 
 
 def write(path: Path, doc: dict[str, Any], *, exclusive: bool = False) -> None:
@@ -108,7 +181,7 @@ class Run:
     manifest: str
     initial_adapter: str
     final_adapter: str
-    final_adapter_file: Path
+    final_adapter_file: Path | None  # None: a captured step's source (its SHA-256 is pinned, no file kept)
     loss: float
 
 
@@ -118,6 +191,8 @@ class Replay(Run):
 
     arm: str
     repeat_index: int
+    # a replay always keeps its final adapter file (only a captured step's source has none)
+    final_adapter_file: Path
     framework: str  # the producer whose update was replayed (replayjob.optbatch.knobs.PRODUCERS)
     pin_logical: str
     pin_manifest: str
@@ -156,6 +231,7 @@ class Source(Run):
     """The capture run's metrics.json (``--source DIR``)."""
 
     config: dict[str, Any]
+    manifest_file: Path  # the capture manifest named by MANIFEST_PATH, next to the metrics file
 
     def config_value(self, dotted: str) -> Any:
         """The resolved source config value at ``dotted`` (``None`` when absent)."""
@@ -173,12 +249,12 @@ def _read(path: Path) -> tuple[dict[str, Any], str]:
 class _Fields:
     """Typed access to one document's fields; every failure names the file and the key."""
 
-    def __init__(self, doc: dict[str, Any], where: Path):
-        self.doc, self.where = doc, where
+    def __init__(self, doc: dict[str, Any], where: Path, prefix: str = "",
+                 hint: str = "the file does not follow docs/replay-metrics.md; rerun the replay"):
+        self.doc, self.where, self.prefix, self.hint = doc, where, prefix, hint  # prefix: a nested object's path
 
     def fail(self, key: str, what: str) -> IntegrityError:
-        return IntegrityError(f"field {key!r} {what}", where=self.where,
-                              hint="the file does not follow docs/replay-metrics.md; rerun the replay")
+        return IntegrityError(f"field {self.prefix + key!r} {what}", where=self.where, hint=self.hint)
 
     def get(self, key: str, obj: dict[str, Any] | None = None) -> Any:
         d = self.doc if obj is None else obj
@@ -220,8 +296,9 @@ class _Fields:
             raise self.fail(key, "must be a list of non-empty strings")
         return tuple(v)
 
-    def adapter_file(self, key: str) -> Path:
-        rel = self.text(key)
+    def file(self, key: str, obj: dict[str, Any] | None = None) -> Path:
+        """A path relative to the metrics file's directory (never outside it)."""
+        rel = self.text(key, obj)
         pure = PurePosixPath(rel)
         if pure.is_absolute() or ".." in pure.parts or "\\" in rel:
             raise self.fail(key, f"must be a relative path inside the run directory, found {rel!r}")
@@ -236,7 +313,7 @@ def _run_fields(f: _Fields) -> dict[str, Any]:
         "manifest": f.digest(MANIFEST),
         "initial_adapter": f.digest(INITIAL_ADAPTER),
         "final_adapter": f.digest(FINAL_ADAPTER),
-        "final_adapter_file": f.adapter_file(FINAL_ADAPTER_PATH),
+        "final_adapter_file": f.file(FINAL_ADAPTER_PATH),
         "loss": f.number("loss", lo=-math.inf),
     }
 
@@ -311,6 +388,8 @@ def read_replay(path: str | Path) -> Replay:
     for name, (section, key) in MEASURES.items():
         hi = 1.0 if name == "padding_fraction" else None
         measures[name] = f.number(key, f.obj(section), hi=hi)
+    if DISTRIBUTED in doc:  # one replay over several ranks: its rank files merge into it (never repeats)
+        _check_ranks(f, doc, p)
     host = f.obj(HOST)
     bad = sorted(k for k, v in host.items() if v is not None and not isinstance(v, str))
     if bad:
@@ -340,19 +419,111 @@ def trace_pin(doc: dict[str, Any], where: Path) -> str | None:
     return f.digest(TRACE_INDEX_SHA256, t)
 
 
-def read_source(directory: str | Path) -> Source:
-    """Read and validate the capture run's metrics.json in ``directory``."""
+def read_source(directory: str | Path, step: int | None = None) -> Source:
+    """Read and validate the capture run's metrics.json in ``directory``: a one-step capture's pins, or
+    with ``step`` that captured step's record (chosen steps or the ring's written steps), whose final
+    adapter is pinned by SHA-256 only (no file is kept: ``final_adapter_file`` is ``None``)."""
+    p, doc, sha = _read_capture(directory)
+    f = _Fields(doc, p)
+    config = f.obj("config")
+    if step is None:
+        return Source(path=p, sha256=sha, **_run_fields(f), config=config,
+                      manifest_file=p.parent / _manifest_name(doc, p))
+    e = _captured_step(doc, p, step)
+    if e.final_adapter is None or e.loss is None:
+        raise RefusedError(f"step {step}'s record has no {'final adapter' if e.final_adapter is None else 'loss'}: "
+                           "its update never returned, its loss was not finite, or the capture predates the "
+                           "record's loss", where=p, hint="compare replays of this step with each other, or "
+                                                          "capture the step again")
+    return Source(path=p, sha256=sha, logical=e.logical, effective=e.effective, manifest=e.manifest,
+                  initial_adapter=e.initial_adapter, final_adapter=e.final_adapter, final_adapter_file=None,
+                  loss=e.loss, config=config, manifest_file=e.manifest_path)
+
+
+def _manifest_name(doc: dict[str, Any], where: Path) -> str:
+    """The capture manifest's file name (:data:`MANIFEST_PATH`): a bare name in the metrics' directory."""
+    name = doc.get(MANIFEST_PATH)
+    if not isinstance(name, str) or not _BARE.match(name) or name in (".", ".."):
+        raise IntegrityError(f"{MANIFEST_PATH} is not a bare file name", where=where,
+                             hint="keep the capture run's metrics.json as the capture wrote it")
+    return name
+
+
+@dataclass(frozen=True)
+class StepPins:
+    """One captured step's entry under :data:`STEPS` (built-in trainer and capture API alike)."""
+
+    step: int
+    manifest_path: Path
+    manifest: str
+    logical: str
+    effective: str
+    initial_adapter: str
+    final_adapter: str | None  # the adapter after the real update; None when that update never returned
+    replay_config: Path
+    nonfinite_inputs: bool
+    loss: float | None = None
+    grad_norm: float | None = None
+
+
+_STEPS_HINT = "the file does not follow docs/optimizer-batch.md (chosen steps); capture again into a new directory"
+
+
+def _step_entries(doc: dict[str, Any], p: Path, key: str, entries: Any) -> tuple[StepPins, ...]:
+    """Step records (the :data:`STEP_* <STEP>` keys) listed at ``key``, each checked, ascending steps."""
+    f = _Fields(doc, p, hint=_STEPS_HINT)
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise f.fail(key, "must be a list of objects")
+    out: list[StepPins] = []
+    for i, e in enumerate(entries):
+        g = _Fields(e, p, f"{key}[{i}].", _STEPS_HINT)
+        step = g.get(STEP)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or (out and step <= out[-1].step):
+            raise g.fail(STEP, "must be an integer >= 0, the entries in ascending step order")
+        nonfinite = g.get(STEP_NONFINITE)
+        if not isinstance(nonfinite, bool):
+            raise g.fail(STEP_NONFINITE, "must be true or false")
+        final = None if e.get(STEP_FINAL_ADAPTER) is None else g.digest(STEP_FINAL_ADAPTER)
+        loss = None if e.get(STEP_LOSS) is None else g.number(STEP_LOSS, lo=-math.inf)
+        grad = None if e.get(STEP_GRAD_NORM) is None else g.number(STEP_GRAD_NORM)
+        out.append(StepPins(
+            step=step, manifest_path=g.file(STEP_MANIFEST_PATH), manifest=g.digest(STEP_MANIFEST),
+            logical=g.digest(STEP_LOGICAL), effective=g.digest(STEP_EFFECTIVE),
+            initial_adapter=g.digest(STEP_INITIAL_ADAPTER), final_adapter=final,
+            replay_config=g.file(STEP_REPLAY_CONFIG), nonfinite_inputs=nonfinite,
+            loss=loss, grad_norm=grad))
+    return tuple(out)
+
+
+def _read_capture(directory: str | Path) -> tuple[Path, dict[str, Any], str]:
     d = Path(directory)
     p = d / SOURCE_FILE
     if not p.is_file():
-        raise RefusedError(f"no {SOURCE_FILE} in the source directory", where=d,
-                           hint="--source takes the capture run's output directory")
+        raise RefusedError(f"no {SOURCE_FILE} in the capture directory", where=d,
+                           hint="pass the directory the capture wrote (its metrics.json)")
     doc, sha = _read(p)
-    f = _Fields(doc, p)
-    config = f.obj("config")
-    return Source(path=p, sha256=sha, **_run_fields(f), config=config)
+    return p, doc, sha
 
 
+def read_steps(directory: str | Path) -> tuple[StepPins, ...]:
+    """The chosen steps a run's metrics.json in ``directory`` records (:data:`STEPS`), in step order,
+    each entry checked (digests, paths inside the directory, distinct ascending steps)."""
+    p, doc, _ = _read_capture(directory)
+    return _step_entries(doc, p, STEPS, doc.get(STEPS))
+
+
+def _captured_step(doc: dict[str, Any], p: Path, step: int) -> StepPins:
+    """Step ``step`` among the chosen steps (:data:`STEPS`) or the ring's written steps (:data:`RING`)."""
+    found: list[StepPins] = []
+    if STEPS in doc:
+        found += [s for s in _step_entries(doc, p, STEPS, doc[STEPS]) if s.step == step]
+    ring = doc.get(RING)
+    if isinstance(ring, dict) and RING_WRITTEN in ring:
+        found += [s for s in _step_entries(doc, p, f"{RING}.{RING_WRITTEN}", ring[RING_WRITTEN]) if s.step == step]
+    if len(found) != 1:
+        raise RefusedError(f"step {step} is {'recorded twice' if found else 'not a captured step'} in {SOURCE_FILE}",
+                           where=p, hint=f"a step listed under {STEPS} or {RING}.{RING_WRITTEN}")
+    return found[0]
 
 
 def read_pins(directory: str | Path) -> tuple[str, str, Path]:
@@ -366,10 +537,7 @@ def read_pins(directory: str | Path) -> tuple[str, str, Path]:
     path = d / SOURCE_FILE
     m = read_json_object(path)
     pins = (m.get(LOGICAL), m.get(MANIFEST))
-    name = m.get(MANIFEST_PATH)
     for key, value in zip((LOGICAL, MANIFEST), pins, strict=True):
-        if not isinstance(value, str) or not _HEX64.match(value):
+        if not is_sha256_hex(value):
             raise IntegrityError(f"{key} is not a lowercase 64-digit hex SHA-256", where=path)
-    if not isinstance(name, str) or not _BARE.match(name) or name in (".", ".."):
-        raise IntegrityError(f"{MANIFEST_PATH} is not a bare file name", where=path)
-    return str(pins[0]), str(pins[1]), d / name
+    return str(pins[0]), str(pins[1]), d / _manifest_name(m, path)

@@ -11,6 +11,10 @@ this module is where the config and the environment choose them (:func:`source_h
   steps, written when an anomaly trigger fires);
 * ``REPLAYJOB_BUNDLE_CAPTURE=1`` -- :class:`~replayjob.bundle.hook.BundleCapture`.
 
+Under ``torchrun`` (:func:`train_command`) the world size is observed into the config and the process
+group wraps the run; over several ranks only the step-zero capture is offered (chosen steps, the ring
+buffer and trajectory bundles capture one process and are refused).
+
 Each hook's preconditions are checked as it is built, before any training work.  Until the hooks
 reach the trainer this module owns them: if building one fails, the ones already built are
 abandoned (their writer threads released) before the refusal propagates.
@@ -22,7 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from replayjob import distributed
 from replayjob.config import Config, load_config
+from replayjob.errors import ConfigError
 from replayjob.rl.hooks import StepHook, abandon_all
 
 
@@ -33,6 +39,11 @@ def source_hooks(cfg: Config, out: Path) -> list[StepHook]:
     from replayjob.optbatch.ring import RingCapture
 
     hooks: list[StepHook] = []
+    ob = cfg.optimizer_batch
+    if distributed.world_size() > 1 and (ob.capture_steps or ob.ring_size):
+        raise ConfigError("capture_steps and the ring buffer capture one process's steps; over several ranks "
+                          "only the step-zero capture (optimizer_batch.capture) is supported",
+                          where="optimizer_batch", hint="run them without torchrun, or capture step zero")
     try:
         if cfg.optimizer_batch.capture:
             hooks.append(CaptureHook.prepare(cfg, out))
@@ -41,6 +52,11 @@ def source_hooks(cfg: Config, out: Path) -> list[StepHook]:
         if cfg.optimizer_batch.ring_size:
             hooks.append(RingCapture.prepare(cfg, out))
         bundles = capture_from_env(cfg)  # on only with REPLAYJOB_BUNDLE_CAPTURE=1
+        if bundles is not None and distributed.world_size() > 1:
+            bundles.abandon()
+            raise ConfigError("trajectory bundles are captured from one process; REPLAYJOB_BUNDLE_CAPTURE=1 is "
+                              "refused over several ranks", where="REPLAYJOB_BUNDLE_CAPTURE",
+                              hint="unset it, or run without torchrun")
         if bundles is not None:
             hooks.append(bundles)
     except BaseException:
@@ -54,6 +70,7 @@ def train_source(cfg: Config, out: Path, extra_hooks: Sequence[StepHook] = ()) -
     from replayjob.rl.trainer import train
 
     try:
+        cfg = distributed.observe(cfg)  # the world size the run records: the launcher's
         hooks = [*extra_hooks, *source_hooks(cfg, out)]
     except BaseException:
         abandon_all(extra_hooks)
@@ -61,8 +78,17 @@ def train_source(cfg: Config, out: Path, extra_hooks: Sequence[StepHook] = ()) -
     return train(cfg, out, hooks)  # owns the hooks from here: finished or abandoned
 
 
+def train_command(config: str | Path, overrides: list[str], out: str | Path | None,
+                  capture: bool = False) -> tuple[Path, dict[str, Any]]:
+    """``replayjob train`` (``capture``: ``replayjob capture``) in this process, one rank of several under
+    torchrun (:mod:`replayjob.distributed`): the world size observed into the config, the process group
+    around the run.  Returns (out dir, metrics); ``{}`` on a rank other than 0 (rank 0 writes metrics.json)."""
+    cfg = distributed.observe(load_config(config, [*overrides, *(["optimizer_batch.capture=true"] if capture else [])]))
+    out_dir = Path(out or cfg.logging.dir)
+    with distributed.process_group(cfg):
+        return out_dir, train_source(cfg, out_dir)
+
+
 def capture(config: str | Path, overrides: list[str], out: str | Path | None) -> tuple[Path, dict[str, Any]]:
     """``replayjob capture``: run the source trainer with capture on; return (out dir, metrics)."""
-    cfg = load_config(config, [*overrides, "optimizer_batch.capture=true"])
-    out_dir = Path(out or cfg.logging.dir)
-    return out_dir, train_source(cfg, out_dir)
+    return train_command(config, overrides, out, capture=True)

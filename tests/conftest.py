@@ -182,8 +182,10 @@ def reward(completions: list[str], **kwargs: Any) -> list[float]:
 
 
 def grpo(base: Path, out: Path, *, capture_step: int | None = None, max_steps: int = 3,
-         train: bool = True) -> tuple[Any, Any]:
-    """Build the GRPOTrainer of the scenario, optionally instrument it and train; return (trainer, capture)."""
+         train: bool = True, capture_steps: list[int] | None = None,
+         callbacks: list[Any] | None = None) -> tuple[Any, Any]:
+    """Build the GRPOTrainer of the scenario, optionally instrument it (``capture_step=K`` or
+    ``capture_steps=[...]``) and train; return (trainer, capture)."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -199,10 +201,11 @@ def grpo(base: Path, out: Path, *, capture_step: int | None = None, max_steps: i
                       seed=7, save_strategy="no", learning_rate=1e-2, bf16=False, disable_tqdm=True)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args,
                           train_dataset=Dataset.from_dict({"prompt": [f"{i}+{i + 1}=" for i in range(16)]}),
-                          processing_class=tok,
+                          processing_class=tok, callbacks=callbacks,
                           peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, task_type="CAUSAL_LM",
                                                  target_modules=["q_proj", "v_proj"]))
-    handle = capture_optimizer_batch(trainer, out, step=capture_step) if capture_step is not None else None
+    handle = (capture_optimizer_batch(trainer, out, step=capture_step) if capture_step is not None
+              else capture_optimizer_batch(trainer, out, steps=capture_steps) if capture_steps is not None else None)
     if train:
         trainer.train()
     return trainer, handle

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -42,10 +43,20 @@ def example_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("plain_loop")
     script = d / "plain_torch_loop.py"
     shutil.copy(EXAMPLE, script)
+    # run under a home directory of its own: the base model lies in it (see test_no_home_path_...)
     proc = subprocess.run([sys.executable, str(script), str(d / "out")], capture_output=True, text=True,
-                          timeout=300, check=False)
+                          timeout=300, check=False, env={**os.environ, "HOME": str(d)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return script, d / "out"
+
+
+def test_no_home_path_in_the_integration_capture_manifest(example_run: tuple[Path, Path]) -> None:
+    # the base model's path follows the built-in manifest's rule (replayjob.config.redact.redact_path)
+    _, out = example_run
+    (path,) = (out / "capture").glob("*.manifest.json")
+    assert json.loads(path.read_text())["base_model"]["path"] == "~/out/base"
+    # the replay config names the directory itself: a replay loads it from there
+    assert f'path = "{(out / "base").resolve()}"' in (out / "capture" / "replay.toml").read_text()
 
 
 def test_example_capture_explain_replay_bitwise(example_run: tuple[Path, Path], tmp_path: Path) -> None:
@@ -101,6 +112,31 @@ def test_capture_does_not_change_the_loop(example_run: tuple[Path, Path], tmp_pa
     assert on["losses"] == off["losses"]
 
 
+def test_several_chosen_steps_of_a_plain_loop_replay_bitwise(example_run: tuple[Path, Path],
+                                                             tmp_path: Path) -> None:
+    from replayjob.metrics import read_steps
+
+    script, _ = example_run
+    mod = _load(script)
+    res = mod.main(tmp_path / "src", capture_step=None, capture_steps=[2, 0])
+    assert res["losses"] == mod.main(tmp_path / "off", capture_step=None)["losses"]  # capture changes nothing
+    d = tmp_path / "src" / "capture"
+    pins = read_steps(d)  # one schema for chosen steps: the built-in trainer's and the capture API's
+    assert [p.step for p in pins] == [0, 2] and json.loads((d / "metrics.json").read_text())["framework"] == "torch"
+    assert not (d / "replay.toml").exists() and not (d / "final_adapter").exists()
+    for p in pins:
+        assert p.replay_config.name == f"replay_step_{p.step:06d}.toml"
+        assert main(["replay", str(p.replay_config), "--out", str(tmp_path / "r" / str(p.step))]) == 0
+        rep = json.loads((tmp_path / "r" / str(p.step) / "replay_metrics.json").read_text())
+        assert rep["optimizer_batch/final_adapter_sha256"] == p.final_adapter != p.initial_adapter
+        assert rep["loss"] == p.loss and rep["grad_norm"] == p.grad_norm and rep["step"] == p.step
+    verdict = tmp_path / "bitwise.json"  # reduce against step 2's record (reduce --source-step)
+    assert main(["reduce", str(tmp_path / "r" / "2"), "--claim", "bitwise", "--source", str(d),
+                 "--source-step", "2", "--min-repeats", "1", "--out", str(verdict)]) == 0
+    assert main(["reduce", str(tmp_path / "r" / "2"), "--claim", "bitwise", "--source", str(d),
+                 "--source-step", "0", "--min-repeats", "1", "--out", str(verdict)]) == 2  # another step's pins
+
+
 def test_a_changed_replay_target_is_refused(example_run: tuple[Path, Path], tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     script, _ = example_run
@@ -132,3 +168,58 @@ def test_capture_api_refuses_misuse(example_run: tuple[Path, Path], tmp_path: Pa
     with pytest.raises(cap.CaptureError, match="no micro-batch was recorded"):
         c.finish()
     assert not (tmp_path / "b").exists()  # nothing half-written
+    steps = cap.ChosenSteps(tmp_path / "c", steps=[0, 1], framework="torch", base_model_dir=out / "base",
+                            config={"torch": {}, "model": {"path": str(out / "base")}})
+    assert steps.at(2, model=model, optimizer=opt, scheduler=sched) is None  # not a chosen step
+    assert steps.close().not_captured == (0, 1) and steps.result is not None and steps.result.metrics_path is None
+    assert not (tmp_path / "c").exists()  # no step finished: nothing written
+    with pytest.raises(cap.CaptureError, match=r"step 0 was not captured \(training ended"):
+        steps.result.step(0)
+
+
+def test_nonfinite_inputs_are_flagged_and_replay_only_under_the_opt_in(
+        example_run: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A step whose inputs hold an Inf the loss never reads (a broken auxiliary field) is captured with
+    rows.nonfinite_inputs; explain refuses it until optimizer_batch.allow_nonfinite_inputs opts in."""
+    from replayjob.metrics import read_steps
+
+    script, _ = example_run
+    mod = _load(script)
+    clean = mod.micro_batches
+    mod.micro_batches = lambda step: [{**mb, "aux": torch.full((4,), float("inf") if step == 1 else 0.0)}
+                                      for mb in clean(step)]
+    mod.main(tmp_path / "src", capture_step=None, capture_steps=[1])
+    (pins,) = read_steps(tmp_path / "src" / "capture")
+    assert pins.nonfinite_inputs is True
+    capsys.readouterr()
+    assert main(["explain", str(pins.replay_config)]) == 2
+    assert "flagged rows.nonfinite_inputs" in capsys.readouterr().err
+    assert main(["replay", str(pins.replay_config), "--out", str(tmp_path / "r"),
+                 "--set", "optimizer_batch.allow_nonfinite_inputs=true"]) == 0
+    rep = json.loads((tmp_path / "r" / "replay_metrics.json").read_text())
+    assert rep["optimizer_batch/final_adapter_sha256"] == pins.final_adapter and rep["loss"] == pins.loss
+
+
+def test_a_nonfinite_loss_is_null_in_a_step_record_and_refused_for_one_step(
+        example_run: tuple[Path, Path], tmp_path: Path) -> None:
+    """Strict JSON has no NaN: several steps record a non-finite loss as null; a one-step capture, whose
+    metrics.json needs a finite loss, refuses before writing anything."""
+    from replayjob.metrics import read_steps
+
+    script, _ = example_run
+    mod = _load(script)
+    clean = mod.micro_batches
+
+    def poisoned(step: int) -> list[dict[str, Any]]:
+        mbs = clean(step)
+        if step == 1:
+            mbs[0]["advantages"][0] = float("inf")
+        return mbs
+
+    mod.micro_batches = poisoned
+    mod.main(tmp_path / "several", capture_step=None, capture_steps=[1])
+    (pins,) = read_steps(tmp_path / "several" / "capture")
+    assert pins.loss is None and pins.nonfinite_inputs is True
+    with pytest.raises(cap.CaptureError, match="not finite"):
+        mod.main(tmp_path / "one", capture_step=1)
+    assert not list((tmp_path / "one" / "capture").glob("*"))

@@ -232,11 +232,42 @@ class ArgoEmulator:
         return proc, outs
 
     def depends_met(self, expr: str) -> bool:
-        """``a.S || b.T && c.U`` (no parentheses in our manifests): && binds tighter than ||."""
-        def met(term: str) -> bool:
-            task, _, state = term.strip().partition(".")
+        """``(a.S || b.T) && c.U``: terms ``TASK.STATE``, ``&&`` binding tighter than ``||``, parentheses."""
+        tokens = re.findall(r"\(|\)|&&|\|\||[\w-]+(?:\.\w+)?", expr)
+        assert "".join(tokens) == re.sub(r"\s+", "", expr), f"unparsed depends {expr!r}"
+        pos = 0
+
+        def term() -> bool:
+            nonlocal pos
+            tok = tokens[pos]
+            pos += 1
+            if tok == "(":
+                value = either()
+                assert tokens[pos] == ")"
+                pos += 1
+                return value
+            task, _, state = tok.partition(".")
             return self.status.get(task) == (state or "Succeeded")
-        return any(all(met(t) for t in alt.split("&&")) for alt in expr.split("||"))
+
+        def both() -> bool:
+            nonlocal pos
+            value = term()
+            while pos < len(tokens) and tokens[pos] == "&&":
+                pos += 1
+                value = term() and value
+            return value
+
+        def either() -> bool:
+            nonlocal pos
+            value = both()
+            while pos < len(tokens) and tokens[pos] == "||":
+                pos += 1
+                value = both() or value
+            return value
+
+        result = either()
+        assert pos == len(tokens), f"unparsed depends {expr!r}"
+        return result
 
     def run(self, tamper: dict[int, dict[str, str]] | None = None) -> None:
         dag = self.templates[self.wft["spec"]["entrypoint"]]["dag"]
@@ -326,3 +357,52 @@ def test_local_mid_smoke_help_and_bad_options() -> None:
         assert option in proc.stdout
     proc = smoke("--frobnicate")
     assert proc.returncode == 2 and "--frobnicate" in proc.stderr
+
+
+# --- several ranks: 2-rank capture, replays of 2 ranks and of 1 rank (torchrun in the pod, gloo) --------
+
+RANKED = TINY.replace('repeats = 1\n', 'repeats = 1\nranks = 2\n\n[config]\n"distributed.strategy" = "ddp"\n') \
+    .replace('"backend.options.gradient_checkpointing" = true', '"distributed.world_size" = 1') \
+    .replace('name = "chain"', 'name = "ranks"')
+
+
+def test_ranked_jobs_and_workflow_chain_to_a_passing_verdict(tmp_path: Path) -> None:
+    """The rendered Jobs of a spec whose capture and arm ckpt-off run 2 ranks and arm ckpt-on 1
+    (``distributed.world_size = 1``): the capture pod, each per-count replay Job's indexes
+    (``--position K --ranks N``) and the reducer, then the Argo DAG's per-count templates over the
+    same capture (reused); both verdicts pass exact-input."""
+    (tmp_path / "ablation.toml").write_text(RANKED, encoding="utf-8")
+    assert main(["k8s", "render", str(tmp_path / "ablation.toml"), "--out", str(tmp_path / "k8s"),
+                 "--argo", str(tmp_path / "argo.yaml")]) == 0
+    mount = tmp_path / "artifacts"
+    mount.mkdir()
+    text = config_map_text(tmp_path / "k8s")
+    by_name = {d["metadata"]["name"]: d for p in (tmp_path / "k8s").glob("*.yaml") for d in load(p)
+               if d.get("kind") == "Job"}
+    assert sorted(by_name) == ["ranks-capture", "ranks-reduce", "ranks-replay-r1", "ranks-replay-r2"]
+    procs = [run_job(by_name["ranks-capture"], mount, text)]
+    for name in ("ranks-replay-r1", "ranks-replay-r2"):
+        procs += [run_job(by_name[name], mount, text, i) for i in range(by_name[name]["spec"]["completions"])]
+    procs.append(run_job(by_name["ranks-reduce"], mount, text))
+    assert [p.returncode for p in procs] == [0] * 4, "\n".join(p.stdout + p.stderr for p in procs)
+    run = mount / "runs" / "ranks" / "base"
+    assert "on 2 ranks (torchrun)" in procs[0].stdout and "on 2 ranks (torchrun)" in procs[2].stdout
+    assert sorted(p.name for p in (run / "source").glob("rank-*")) == ["rank-0", "rank-1"]
+    off = json.loads((run / "replays" / "ckpt-off" / "0" / "replay_metrics.json").read_text(encoding="utf-8"))
+    on = json.loads((run / "replays" / "ckpt-on" / "0" / "replay_metrics.json").read_text(encoding="utf-8"))
+    assert (off["runtime"]["distributed.world_size"], on["runtime"]["distributed.world_size"]) == (2, 1)
+    verdict = json.loads((run / "verdict.json").read_text(encoding="utf-8"))
+    assert (verdict["status"], verdict["exit_code"]) == ("pass", 0), verdict
+
+    emu = ArgoEmulator(tmp_path / "argo.yaml", mount, "0000-uid")
+    dest = mount / "runs" / emu.name / emu.uid
+    dest.mkdir(parents=True)
+    for name in ("workspace", "source"):
+        shutil.copytree(run / name, dest / name)
+    shutil.copy(run / "run.json", dest / "run.json")
+    emu.run()
+    assert emu.status == {"capture": "Succeeded", "replay-r1": "Succeeded", "replay-r2": "Succeeded",
+                          "reduce": "Succeeded"}, emu.procs
+    assert (json.loads(emu.outputs["capture"]["plan-r1"]), json.loads(emu.outputs["capture"]["plan-r2"])) \
+        == ([1], [0])
+    assert json.loads(emu.outputs["reduce"]["verdict"])["status"] == "pass"

@@ -10,6 +10,7 @@ so none of these tests can pass vacuously.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -25,8 +26,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from replayjob.deploy import argo, k8s
-from replayjob.deploy.ablation import DETERMINISM_ENV, load_spec_text
+from replayjob.deploy import argo, k8s, step
+from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec, Arm, load_spec_text
+from replayjob.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "examples" / "ablation.toml"
@@ -299,7 +301,12 @@ def workflow_problems(wft: Doc, wf: Doc | None = None) -> list[str]:
         if tasks and t["dag"].get("failFast") is not False:
             out.append("failFast: a failed replay could keep the reducer from running")
         reduce = tasks.get("reduce")
-        if reduce is not None and not all(f"replay.{s}" in reduce.get("depends", "") for s in ("Failed", "Errored")):
+        replays = [n for n, s in tasks.items() if templates.get(s["template"], {}).get("metadata", {}).get(
+            "labels", {}).get("app.kubernetes.io/component") == "replay"]
+        if tasks and not replays:
+            out.append("no replay task")
+        if reduce is not None and not all(f"{r}.{s}" in re.split(r"[\s()|&]+", reduce.get("depends", ""))
+                                          for r in replays for s in ("Failed", "Errored")):
             out.append("the reducer runs only when every replay succeeded")
         inputs = {p["name"] for p in t.get("inputs", {}).get("parameters", [])}
         for s in tasks.values():
@@ -327,8 +334,40 @@ def workflow_problems(wft: Doc, wf: Doc | None = None) -> list[str]:
     return out
 
 
+def rank_holders(doc: Doc) -> list[tuple[Doc, Doc, Doc]]:
+    """(pod spec, pod metadata, container) of every capture and replay pod."""
+    if doc["kind"] == "Job":
+        tpl = doc["spec"]["template"]
+        return [(tpl["spec"], tpl["metadata"], c) for c in tpl["spec"]["containers"]]
+    if doc["kind"] == "WorkflowTemplate":
+        return [(doc["spec"], t["metadata"], t["container"]) for t in doc["spec"]["templates"] if "container" in t]
+    return []
+
+
+def rank_problems(doc: Doc) -> list[str]:
+    """A capture or replay pod names its rank count (--ranks N, label replayjob.dev/ranks), requests at
+    least one GPU per rank when it requests GPUs, and mounts a memory-backed, size-limited /dev/shm."""
+    out = []
+    for pod, meta, c in rank_holders(doc):
+        cmd = c["command"]
+        if cmd[2] not in ("capture", "replay"):
+            continue
+        ranks = int(cmd[cmd.index("--ranks") + 1]) if "--ranks" in cmd else None
+        if ranks is None or meta["labels"].get(k8s.RANKS_LABEL) != str(ranks):
+            out.append(f"{cmd[2]} pod does not name its ranks in its command and its label")
+            continue
+        limits = c["resources"]["limits"]
+        if is_gpu(c) and int(limits[k8s.GPU_RESOURCE]) < ranks:
+            out.append(f"{cmd[2]} pod of {ranks} ranks requests {limits[k8s.GPU_RESOURCE]} GPU(s)")
+        shm = [v for v in pod.get("volumes", []) if v["name"] in {m["name"] for m in c.get("volumeMounts", [])
+                                                                  if m["mountPath"] == "/dev/shm"}]
+        if not shm or shm[0].get("emptyDir", {}).get("medium") != "Memory" or not shm[0]["emptyDir"].get("sizeLimit"):
+            out.append(f"{cmd[2]} pod has no memory-backed, size-limited /dev/shm")
+    return out
+
+
 def semantic_problems(doc: Doc) -> list[str]:
-    out = security_problems(doc) + gpu_problems(doc)
+    out = security_problems(doc) + gpu_problems(doc) + rank_problems(doc)
     if doc["kind"] == "Job":
         out += job_problems(doc)
     if doc["kind"] == "WorkflowTemplate":
@@ -544,3 +583,126 @@ def test_overlay_builds_with_kubectl_kustomize_when_available() -> None:
                 for d in docs if d["kind"] == "Job"}
     assert products == {None, "NVIDIA-H200"}
     assert {e for d in docs for e in schema_errors(REPO, d)} == set()
+
+
+# --- several ranks: N GPUs per pod, one replay Job / template per rank count -----------------------
+
+def ranked_spec(**changes: Any) -> AblationSpec:
+    """The example spec with a capture of 2 ranks and arms of 2 (the capture's), 1 and 4 ranks
+    (built directly: the arms' ``distributed.world_size`` is checked by the dataclass itself)."""
+    spec, _ = load_spec_text(SPEC)
+    arms = (Arm("two"), Arm("one", {"distributed.world_size": 1}), Arm("four", {"distributed.world_size": 4}))
+    return dataclasses.replace(spec, arms=arms, ranks=2, config={"distributed.strategy": "ddp"}, **changes)
+
+
+def render_ranked(spec: AblationSpec, tmp_path: Path) -> tuple[dict[str, Doc], list[Doc]]:
+    text = "# the spec text travels verbatim; its content is not read by render\n"
+    files = k8s.render(spec, text)
+    k8s.write(files, tmp_path / "k8s")
+    return files, argo.render(spec, text)
+
+
+def gpus(c: Doc) -> tuple[str, str]:
+    return c["resources"]["requests"][k8s.GPU_RESOURCE], c["resources"]["limits"][k8s.GPU_RESOURCE]
+
+
+def test_arms_of_different_rank_counts_get_one_replay_job_each(tmp_path: Path) -> None:
+    spec = ranked_spec()
+    files, _ = render_ranked(spec, tmp_path)
+    assert list(files) == ["spec.yaml", "pvc.yaml", "capture.yaml", "replay-r1.yaml", "replay-r2.yaml",
+                           "replay-r4.yaml", "reduce.yaml", "kustomization.yaml"]
+    problems = {n: schema_errors(tmp_path / "k8s" / n, d) + (semantic_problems(d) if n != "kustomization.yaml"
+                                                              else []) for n, d in files.items()}
+    assert {k: v for k, v in problems.items() if v} == {}
+    (cap,) = containers_of(files["capture.yaml"])
+    assert gpus(cap) == ("2", "2") and cap["command"][-2:] == ["--ranks", "2"]
+    for ranks, expected in ((1, [3, 4, 5]), (2, [0, 1, 2]), (4, [6, 7, 8])):
+        job = files[f"replay-r{ranks}.yaml"]
+        (c,) = containers_of(job)
+        assert job["metadata"]["name"] == f"replayjob-ablation-replay-r{ranks}"
+        assert job["metadata"]["labels"][k8s.RANKS_LABEL] == str(ranks)
+        assert gpus(c) == (str(ranks), str(ranks))
+        assert c["command"][-4:] == ["--position", "$(REPLAYJOB_INDEX)", "--ranks", str(ranks)]
+        assert job["spec"]["completions"] == len(expected) == len(spec.rank_groups()[ranks])
+        assert spec.rank_groups()[ranks] == expected
+        assert job["spec"]["suspend"] is True
+    dshm = next(v for v in files["replay-r4.yaml"]["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
+    assert dshm == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm}}
+    assert "gres" not in json.dumps(files)  # nothing of Slurm here
+
+
+def test_node_gpus_requests_the_whole_node_whatever_the_ranks(tmp_path: Path) -> None:
+    files, docs = render_ranked(ranked_spec(node_gpus=8), tmp_path)
+    counts = {gpus(c) for d in [*files.values(), *docs] for c in containers_of(d) if is_gpu(c)}
+    assert counts == {("8", "8")}  # capture, every replay Job and template: the node, exclusively
+    with pytest.raises(ConfigError, match="node_gpus = 2"):
+        ranked_spec(node_gpus=2)  # the 4-rank arm does not fit a 2-GPU node
+
+
+def test_a_single_rank_count_keeps_one_replay_job_and_template(tmp_path: Path) -> None:
+    arms = (Arm("a"), Arm("b", {"backend.options.gradient_checkpointing": True}))
+    spec = dataclasses.replace(ranked_spec(), arms=arms)
+    files, docs = render_ranked(spec, tmp_path)
+    assert [n for n in files if n.startswith("replay")] == ["replay.yaml"]
+    (c,) = containers_of(files["replay.yaml"])
+    assert gpus(c) == ("2", "2") and c["command"][-4:] == ["--index", "$(REPLAYJOB_INDEX)", "--ranks", "2"]
+    wft = next(d for d in docs if d["kind"] == "WorkflowTemplate")
+    assert [t["name"] for t in wft["spec"]["templates"]] == ["ablation", "capture", "replay", "reduce"]
+
+
+def test_argo_gets_one_replay_template_per_rank_count_and_validates(tmp_path: Path) -> None:
+    spec = ranked_spec()
+    _, docs = render_ranked(spec, tmp_path)
+    wft = next(d for d in docs if d["kind"] == "WorkflowTemplate")
+    wf = next(d for d in docs if d["kind"] == "Workflow")
+    assert {e for d in docs for e in schema_errors(tmp_path, d)} == set()
+    assert semantic_problems(wft) == [] and workflow_problems(wft, wf) == []
+    templates = {t["name"]: t for t in wft["spec"]["templates"]}
+    assert list(templates) == ["ablation", "capture", "replay-r1", "replay-r2", "replay-r4", "reduce"]
+    tasks = {t["name"]: t for t in templates["ablation"]["dag"]["tasks"]}
+    outputs = {p["name"]: p["valueFrom"]["path"] for p in templates["capture"]["outputs"]["parameters"]}
+    for ranks in (1, 2, 4):
+        t = templates[f"replay-r{ranks}"]
+        assert gpus(t["container"]) == (str(ranks), str(ranks))
+        assert t["metadata"]["labels"]["app.kubernetes.io/component"] == "replay"
+        assert t["container"]["command"][-4:] == ["--ranks", str(ranks), "--pins", "{{inputs.parameters.pins}}"]
+        assert tasks[f"replay-r{ranks}"]["withParam"] == "{{tasks.capture.outputs.parameters." + f"plan-r{ranks}}}}}"
+        assert outputs[f"plan-r{ranks}"] == f"/tmp/outputs/{step.plan_file(ranks)}"
+    assert tasks["reduce"]["depends"] == " && ".join(
+        f"(replay-r{n}.Succeeded || replay-r{n}.Failed || replay-r{n}.Errored)" for n in (1, 2, 4))
+    bad = copy.deepcopy(wft)
+    bad["spec"]["templates"][0]["dag"]["tasks"][-1]["depends"] = "replay-r1.Succeeded || replay-r1.Failed"
+    assert "the reducer runs only when every replay succeeded" in workflow_problems(bad)
+    bad = copy.deepcopy(wft)
+    bad["spec"]["templates"][2]["container"]["resources"]["limits"][k8s.GPU_RESOURCE] = "0"
+    assert "replay pod of 1 ranks requests 0 GPU(s)" in rank_problems(bad)
+
+
+def test_rank_rules_catch_planted_defects(tmp_path: Path) -> None:
+    files, _ = render_ranked(ranked_spec(), tmp_path)
+    job = files["replay-r4.yaml"]
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    bad = copy.deepcopy(job)
+    bad["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][k8s.GPU_RESOURCE] = "1"
+    assert "replay pod of 4 ranks requests 1 GPU(s)" in rank_problems(bad)
+    bad = copy.deepcopy(job)
+    bad["spec"]["template"]["metadata"]["labels"][k8s.RANKS_LABEL] = "2"
+    assert "replay pod does not name its ranks in its command and its label" in rank_problems(bad)
+    bad = copy.deepcopy(job)
+    next(v for v in bad["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")["emptyDir"].pop("medium")
+    assert "replay pod has no memory-backed, size-limited /dev/shm" in rank_problems(bad)
+    assert c["command"].count("--ranks") == 1
+
+
+def test_ranked_manifests_build_with_kubectl_kustomize_when_available(tmp_path: Path) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed; the rendered files are checked by the schema tests above")
+    render_ranked(ranked_spec(), tmp_path)
+    proc = subprocess.run([kubectl, "kustomize", str(tmp_path / "k8s")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    jobs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Job"}
+    assert sorted(jobs) == sorted(["replayjob-ablation-capture", "replayjob-ablation-reduce",
+                                   *(f"replayjob-ablation-replay-r{n}" for n in (1, 2, 4))])
+    assert {e for d in docs for e in schema_errors(tmp_path, d)} == set()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ import yaml
 
 from replayjob import determinism
 from replayjob.cli import main
-from replayjob.deploy.ablation import DETERMINISM_ENV, Arm, Run, load_spec
+from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec, Arm, Run, Value, load_spec
 from replayjob.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,3 +147,79 @@ def test_render_needs_no_model_libraries() -> None:
     proc = subprocess.run([sys.executable, "-c", probe, "k8s", "render", str(SPEC)], capture_output=True,
                           text=True, timeout=120)
     assert proc.stdout.strip() == "0 []", proc.stderr
+
+
+# --- ranks: the capture's world size and each arm's ------------------------------------------------
+
+def ranked(ranks: int = 2, node_gpus: int = 0, device: str = "cuda", strategy: str | None = "ddp",
+           **worlds: object) -> AblationSpec:
+    """A spec built directly (an arm's ``distributed.world_size`` is checked here, by the dataclass)."""
+    config: dict[str, Value] = {} if strategy is None else {"distributed.strategy": strategy}
+    arms = (Arm("same"), *(Arm(name, {"distributed.world_size": w}) for name, w in worlds.items()))  # type: ignore[misc]
+    return AblationSpec(name="ranks", image="replayjob:0.1.0", gpu_product="NVIDIA-H100-80GB-HBM3", arms=arms,
+                        repeats=2, ranks=ranks, node_gpus=node_gpus, device=device, config=config)
+
+
+def test_ranks_default_to_one_and_every_replay_runs_the_capture_s_count(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, MINIMAL))
+    assert spec.ranks == 1 and spec.rank_groups() == {1: [0, 1, 2, 3]}
+    two = load_spec(write(tmp_path, "ranks = 2\n" + MINIMAL + '[config]\n"distributed.strategy" = "ddp"\n'))
+    assert [two.ranks_for_index(i) for i in range(two.size)] == [2, 2, 2, 2]
+    assert two.rank_groups() == {2: [0, 1, 2, 3]} and two.arm_ranks("ckpt-on") == 2
+
+
+def test_an_arm_s_world_size_sets_its_replays_ranks() -> None:
+    spec = ranked(2, one=1, four=4)
+    assert [spec.arm_ranks(a.name) for a in spec.arms] == [2, 1, 4]
+    assert spec.rank_groups() == {1: [2, 3], 2: [0, 1], 4: [4, 5]}  # ascending counts, indexes in order
+    assert [spec.ranks_for_index(i) for i in range(spec.size)] == [2, 2, 1, 1, 4, 4]
+    paired = dataclasses.replace(spec, schedule="abba")  # the groups follow the schedule's index order
+    assert all(paired.ranks_for_index(i) == paired.arm_ranks(paired.run_for_index(i).arm)
+               for i in range(paired.size))
+    assert sorted(i for ix in paired.rank_groups().values() for i in ix) == list(range(paired.size))
+    assert ranked(1, strategy=None).rank_groups() == {1: [0, 1]}  # one process needs no strategy
+    assert ranked(8, node_gpus=8).rank_groups() == {8: [0, 1]}
+    assert ranked(4, node_gpus=2, device="cpu").ranks == 4  # node_gpus bounds GPU ranks only
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"ranks": 0}, "between 1 and 64"),
+    ({"ranks": 65}, "between 1 and 64"),
+    ({"ranks": 2, "strategy": None}, "the capture runs 2 ranks but distributed.strategy is 'none'"),
+    ({"ranks": 2, "strategy": "none"}, "distributed.strategy is 'none'"),
+    ({"ranks": 1, "strategy": None, "two": 2}, "the arm two runs 2 ranks but distributed.strategy"),
+    ({"ranks": 4, "node_gpus": 2}, "the capture runs 4 ranks, one GPU each, but node_gpus = 2"),
+    ({"ranks": 2, "node_gpus": 2, "big": 4}, "the arm big runs 4 ranks, one GPU each, but node_gpus = 2"),
+    ({"zero": 0}, "must be an integer between 1 and 64, found 0"),
+    ({"flag": True}, "found True"),
+    ({"text": "2"}, "found '2'"),
+    ({"frac": 1.5}, "found 1.5"),
+    ({"ranks": 2, "same2": 2}, "distributed.world_size = 2 is the capture's ranks: no difference to declare"),
+    ({"ranks": 1, "strategy": None, "same1": 1}, "distributed.world_size = 1 is the capture's ranks"),
+])
+def test_rank_counts_are_validated_strictly(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ranked(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ("ranks = 0\n", "between 1 and 64"),
+    ('ranks = "2"\n', "must be int, not str"),
+    ("ranks = 2\n", "distributed.strategy is 'none'"),
+    ('[config]\n"distributed.world_size" = 2\n', "set it once, as ranks"),
+])
+def test_spec_file_refuses_bad_ranks_by_key(tmp_path: Path, edit: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        load_spec(write(tmp_path, MINIMAL + edit if edit.startswith("[") else edit + MINIMAL))
+    assert str(tmp_path / "ablation.toml") in (info.value.where or "")
+
+
+def test_a_spec_file_declares_an_arm_s_world_size_as_a_registered_knob(tmp_path: Path) -> None:
+    text = ("ranks = 2\n" + MINIMAL + '[arms.one-rank]\n"distributed.world_size" = 1\n'
+            '[config]\n"distributed.strategy" = "ddp"\n')
+    spec = load_spec(write(tmp_path, text))
+    assert spec.rank_groups() == {1: [4, 5], 2: [0, 1, 2, 3]}
+    assert spec.arm("one-rank").allow_list() == '["distributed.world_size"]'  # declared, so the gate admits it
+    with pytest.raises(ConfigError, match="the arm one-rank runs 3 ranks, one GPU each, but node_gpus = 2"):
+        load_spec(write(tmp_path, text.replace("= 1\n[config]", "= 3\n[config]").replace("ranks = 2", "ranks = 2\n"
+                                                                                           "node_gpus = 2")))

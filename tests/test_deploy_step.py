@@ -4,6 +4,7 @@ built (the whole chain runs in tests/test_deploy_chain.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from replayjob.cli import main
 from replayjob.deploy import step
-from replayjob.deploy.ablation import DETERMINISM_ENV, load_spec
+from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec, Arm, load_spec, spec_from_dict
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError, UsageError
 from replayjob.gate import synthetic
 from replayjob.gate.reducer import Request, reduce_evidence
@@ -157,6 +158,14 @@ def test_reduce_always_writes_a_verdict_naming_the_missing_evidence(
     assert sorted(verdict["parameters"]["spec"]["arms"]) == ["ckpt-off", "ckpt-on"]  # the spec reached reduce
 
 
+@pytest.mark.parametrize("blocks", ["0", "3", "x"])
+def test_reduce_refuses_blocks_outside_the_selection(spec_file: Path, tmp_path: Path, blocks: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    assert main(["step", "reduce", "--spec", str(spec_file), "--run-dir", str(run), "--blocks", blocks]) == 2
+    assert "--blocks" in capsys.readouterr().err and not (run / "verdict.json").exists()
+
+
 def test_selection_errors_are_usage_errors(spec_file: Path) -> None:
     with pytest.raises(UsageError, match="names no arm"):
         step.select(load_spec(spec_file), arms=",")
@@ -231,3 +240,80 @@ def test_schedule_and_budget_keys_are_checked(tmp_path: Path, extra: str, needle
     path.write_text(SPEC.replace('repeats = 2\n', 'repeats = 2\n' + extra), encoding="utf-8")
     with pytest.raises(ConfigError, match=needle):
         load_spec(path)
+
+
+# --- ranks: what the launcher provisioned, checked against the spec ---------------------------------
+
+def ranked_spec() -> AblationSpec:
+    """Capture on 2 ranks; arms of 2 (the capture's), 1 and 4 ranks (built directly: an arm's
+    ``distributed.world_size`` is checked by the dataclass)."""
+    spec = load_spec_text_of(SPEC)
+    return dataclasses.replace(spec, ranks=2, config={"distributed.strategy": "ddp"}, arms=(
+        Arm("two"), Arm("one", {"distributed.world_size": 1}), Arm("four", {"distributed.world_size": 4})))
+
+
+def load_spec_text_of(text: str) -> AblationSpec:
+    import tomllib
+
+    return spec_from_dict(tomllib.loads(text))
+
+
+def test_the_index_of_a_position_among_its_rank_count() -> None:
+    spec = ranked_spec()  # indexes: two 0-1, one 2-3, four 4-5
+    assert [step.resolve_index(spec, None, k, 1) for k in (0, 1)] == [2, 3]
+    assert [step.resolve_index(spec, None, k, 4) for k in (0, 1)] == [4, 5]
+    assert step.resolve_index(spec, 4, None, 4) == step.resolve_index(spec, 4, None, None) == 4
+    with pytest.raises(ContractError, match=r"index 4 \(arm four\) runs 4 rank\(s\) by the spec, but the "
+                                            r"launcher provisioned 2"):
+        step.resolve_index(spec, 4, None, 2)
+    with pytest.raises(ContractError, match=r"no replay of this spec runs 3 rank\(s\); its replays run 1, 2, 4"):
+        step.resolve_index(spec, None, 0, 3)
+    with pytest.raises(UsageError, match=r"--position 2 is outside 0\.\.1"):
+        step.resolve_index(spec, None, 2, 1)
+    with pytest.raises(UsageError, match="give --ranks"):
+        step.resolve_index(spec, None, 0, None)
+    with pytest.raises(ConfigError, match="outside"):
+        step.resolve_index(spec, 6, None, None)
+
+
+def test_plan_names_the_capture_s_ranks_and_each_rank_count_s_indexes() -> None:
+    assert step.plan_lines(ranked_spec())[-4:] == ["ranks=2", "replays=1:2-3", "replays=2:0-1", "replays=4:4-5"]
+    paired = dataclasses.replace(ranked_spec(), schedule="abba", repeats=3)
+    groups = {int(k): v for k, v in (ln.removeprefix("replays=").split(":") for ln in step.plan_lines(paired)
+                                     if ln.startswith("replays="))}
+    assert {n: step.index_ranges(ix) for n, ix in paired.rank_groups().items()} == groups
+    assert [step.index_ranges(x) for x in ([0], [0, 1, 2, 5], [1, 3, 4, 5, 7])] == ["0", "0-2,5", "1,3-5,7"]
+
+
+def test_a_launcher_provisioning_other_ranks_is_refused_before_any_work(
+        spec_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    base = ["--spec", str(spec_file), "--run-dir", str(run)]
+    assert main(["step", "capture", *base, "--ranks", "2"]) == 2
+    assert "the capture runs 1 rank(s) by the spec, but the launcher provisioned 2" in capsys.readouterr().err
+    assert main(["step", "capture", *base, "--launcher", "mpirun"]) == 2
+    assert "--launcher 'mpirun' is not a launcher; use one of: torchrun, srun" in capsys.readouterr().err
+    assert not run.exists()  # refused before the run record, the workspace or the capture
+    fake_capture(run)
+    assert main(["step", "replay", *base, "--index", "1", "--ranks", "4"]) == 2
+    assert "index 1 (arm ckpt-off) runs 1 rank(s) by the spec, but the launcher provisioned 4" in \
+        capsys.readouterr().err
+    assert main(["step", "replay", *base, "--position", "0", "--ranks", "2"]) == 2
+    assert "no replay of this spec runs 2 rank(s); its replays run 1" in capsys.readouterr().err
+    assert main(["step", "replay", *base, "--position", "0"]) == 2  # docopt: --position needs --ranks
+    assert main(["step", "replay", *base, "--index", "0", "--launcher", "x"]) == 2
+    assert "not a launcher" in capsys.readouterr().err
+    assert not (run / "replays").exists()
+
+
+def test_capture_outputs_name_each_rank_count_s_plan(tmp_path: Path) -> None:
+    spec = ranked_spec()
+    layout = step.Layout.of(tmp_path / "run", source=fake_capture(tmp_path / "run"))
+    (layout.workspace).mkdir(parents=True)
+    (layout.workspace / "replay.toml").write_text("")
+    out = tmp_path / "outputs"
+    out.mkdir()
+    step.capture_step(spec, layout, out, log=lambda s: None, ranks=2)
+    assert json.loads((out / step.plan_file()).read_text()) == list(range(spec.size))
+    assert {p.name: json.loads(p.read_text()) for p in sorted(out.glob("plan-r*.json"))} == {
+        "plan-r1.json": [2, 3], "plan-r2.json": [0, 1], "plan-r4.json": [4, 5]}

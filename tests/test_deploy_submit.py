@@ -8,6 +8,8 @@ paths and bodies, and the client's (de)serialisation are real.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import threading
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ from kubernetes import client
 
 from replayjob.cli import main
 from replayjob.deploy import k8s
-from replayjob.deploy.ablation import load_spec_text
+from replayjob.deploy.ablation import Arm, load_spec_text
 from replayjob.deploy.submit import Api, submit
 from replayjob.errors import ArtifactExistsError, OperationalError
 
@@ -223,3 +225,25 @@ def test_submit_without_credentials_is_refused(tmp_path: Path, monkeypatch: pyte
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert main(["k8s", "submit", str(SPEC)]) == 2
     assert "no Kubernetes credentials" in capsys.readouterr().err
+
+
+def test_replay_jobs_of_each_rank_count_run_one_after_another(cluster: tuple[Cluster, client.ApiClient]) -> None:
+    """Arms of different rank counts: one replay Job per count, each created after the one before ended
+    (however it ended), so the spec's parallelism bounds every replay at once; then the reducer."""
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    spec = dataclasses.replace(spec, ranks=2, config={"distributed.strategy": "ddp"}, arms=(
+        Arm("two"), Arm("one", {"distributed.world_size": 1}), Arm("four", {"distributed.world_size": 4})))
+    state.exit_codes["r1"] = 2  # the 1-rank replays fail for good: the others still run, the reducer judges
+    logs: list[str] = []
+    assert submit(spec, text, NS, wait=True, api=fast_api(api), poll_s=0.001, log=logs.append, run_id="r9") == 0
+    jobs = [c.split()[-1].removeprefix("replayjob-ablation-r9-") for c in state.calls if c.startswith("POST jobs")]
+    assert jobs == ["capture", "replay-r1", "replay-r2", "replay-r4", "reduce"]
+    calls = state.calls
+    for before, after in itertools.pairwise(jobs):
+        last_read = max(i for i, c in enumerate(calls) if c == f"GET status replayjob-ablation-r9-{before}")
+        assert calls.index(f"POST jobs replayjob-ablation-r9-{after}") > last_read
+    assert any("replay-r1 failed" in line and "the reducer judges the missing replays" in line for line in logs)
+    gpus = {n: state.objects[("Job", f"replayjob-ablation-r9-{n}")]["spec"]["template"]["spec"]["containers"][0]
+            ["resources"]["limits"][k8s.GPU_RESOURCE] for n in jobs if n != "reduce"}
+    assert gpus == {"capture": "2", "replay-r1": "1", "replay-r2": "2", "replay-r4": "4"}

@@ -125,7 +125,7 @@ def test_init_makes_the_step_minus_one_state_for_a_local_model(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--until-decided", "--max-repeats", "4"], "--until-decided needs --budgets"),
+    (["--until-decided", "--max-repeats", "4"], "--until-decided needs budgets"),
     (["--design", "latin"], "--design must be one of abba, random"),
     (["--device", "tpu"], "--device must be cpu or cuda"),
     (["--warmup-updates", "2"], "--warmup-updates needs --measured-updates"),
@@ -139,3 +139,38 @@ def test_funnel_usage_is_refused_before_any_work(tmp_path: Path, args: list[str]
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_the_specs_mixed_hardware_reaches_the_funnels_verdict(tmp_path: Path, mixed: bool) -> None:
+    """Stage 3's look is `replayjob step reduce` (a real process): the spec's `mixed_hardware` decides
+    whether replays on two torch builds are refused.  The evidence is synthetic (replayjob.gate.synthetic,
+    no training), laid out as the steps lay it out."""
+    from replayjob.deploy import step
+    from replayjob.funnel import Funnel, Options
+    from replayjob.gate import synthetic
+
+    text = SPEC.read_text().replace("repeats = 3\n", f"repeats = 3\nmixed_hardware = {str(mixed).lower()}\n")
+    (spec := tmp_path / "spec.toml").write_text(text)
+    f = Funnel(Options(out=tmp_path / "out", spec=spec, device="cpu", repeats=2, only_ablation=True),
+               progress=lambda line: None)
+    run_spec = f.run_spec()
+    assert f.run_plan.mixed_hardware is mixed
+    step.check_run_record(step.Layout.of(f.out), f.run_plan)  # as `step capture` writes it
+    ev = synthetic.build(f.out, {a.name: dict(a.overrides) for a in f.run_plan.arms}, 3)
+    for arm in f.run_plan.arms:  # the steps' layout: replays/ARM/BLOCK
+        for i in range(3):
+            (f.out / "replays" / arm.name / f"repeat-{i:03d}").rename(f.out / "replays" / arm.name / str(i))
+    other = f.out / "replays" / f.run_plan.arms[1].name / "1" / "replay_metrics.json"
+    doc = json.loads(other.read_text())
+    doc["host"]["torch_version"] = "2.99.0"
+    other.write_text(json.dumps(doc))
+    assert len(ev.replay_files) == 6
+    verdict = f.reduce(run_spec, blocks=2)
+    (hw,) = [c for c in verdict["checks"] if c["name"] == "inputs.same_hardware"]
+    assert hw["status"] == ("not_applicable" if mixed else "refused"), hw
+    assert f"{f.run_plan.arms[1].name}#1" in hw["offenders"]
+    # the look read its two blocks only (block 2 is on disk too)
+    assert sorted(r["path"] for r in verdict["inputs"]["replays"]) == sorted(
+        f"replays/{a.name}/{i}/replay_metrics.json" for a in f.run_plan.arms for i in range(2))
+    assert (f.out / "report.md").is_file()

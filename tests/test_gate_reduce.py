@@ -276,13 +276,20 @@ def test_report_without_matplotlib_says_how_to_enable(ev: synthetic.Evidence,
 
 # -- forged or partial evidence: pins against the capture, intent from the plan --------------------
 
-@pytest.mark.parametrize("target, change, offender", [
+_PIN_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("replay", lambda d: d["pins"].update({"payload_spans_sha256": "ab" * 32}), f"{ON}#0 payload pin"),
     ("replay", lambda d: d["pins"].update({"expected_manifest_sha256": "ab" * 32}), f"{ON}#0 manifest pin"),
     ("replay", lambda d: d["pins"].update({"expected_logical_sha256": "ab" * 32}), f"{ON}#0 logical pin"),
     ("source", lambda d: d.update({"optimizer/logical_batch_sha256": "ab" * 32}), "source logical"),
     ("source", lambda d: d.update({"optimizer_batch/initial_adapter_sha256": "ab" * 32}), "source initial_adapter"),
-])
+    ("source", lambda d: d.update({"optimizer/local_effective_rows_sha256": "ab" * 32}), "source effective"),
+    ("replay", lambda d: d.update({"optimizer_batch/manifest_sha256": "ab" * 32}), f"{ON}#0 manifest"),
+    # a replay of another producer: torch registers no knobs, so its runtime record is empty
+    ("replay", lambda d: d.update({"framework": "torch", "runtime": {}}), f"{ON}#0 framework"),
+]
+
+
+@pytest.mark.parametrize("target, change, offender", _PIN_CASES)
 def test_recorded_pins_are_checked_against_the_capture_manifest(ev: synthetic.Evidence, target: str,
                                                                 change: Callable[[dict[str, Any]], None],
                                                                 offender: str) -> None:
@@ -291,11 +298,31 @@ def test_recorded_pins_are_checked_against_the_capture_manifest(ev: synthetic.Ev
     assert code == 2 and offender in check(doc, "inputs.capture_pins")["offenders"]
 
 
+def test_every_row_of_the_capture_pins_check_has_a_failing_case(ev: synthetic.Evidence) -> None:
+    # against a capture that matches nothing, every row the check has is an offender: each of them must
+    # be one that a case above makes fail on its own (a row compared with itself could never fail)
+    from replayjob.gate import claims, evidence
+
+    replay = evidence.read_replay(ev.replay_files[3])
+    other = {k: "cd" * 32 for k in ("manifest", "payload", "logical", "effective", "initial_adapter")}
+    check = claims.capture_pins_check([replay], evidence.read_source(ev.source), {**other, "framework": "x"})
+    assert set(check.offenders) == {offender for *_, offender in _PIN_CASES}
+
+
 def test_a_replaced_capture_manifest_is_refused(ev: synthetic.Evidence) -> None:
     manifest = next(ev.source.glob("*.manifest.json"))
     manifest.write_bytes(manifest.read_bytes().replace(b'"step":0', b'"step": 0'))
     code, doc = reduce(ev, "exact-input")
-    assert code == 2 and "no capture manifest with the SHA-256" in doc["refusal"]["message"]
+    assert code == 2 and "optimizer_batch/manifest_sha256" in doc["refusal"]["message"]
+
+
+def test_only_the_named_capture_manifest_is_read(ev: synthetic.Evidence) -> None:
+    # a FIFO cannot be hashed (reading it would block): the reducer must not touch other manifests
+    import os
+
+    os.mkfifo(ev.source / "optimizer_batch_step_000009.manifest.json")
+    code, doc = reduce(ev, "exact-input")
+    assert code == 0, doc.get("refusal") or doc["failed_checks"]
 
 
 def spec_file(tmp_path: Path, arms: dict[str, dict[str, Any]]) -> Path:

@@ -23,7 +23,7 @@ from conftest import load_corpus_module, run_cli
 
 from replayjob import tensorfile
 from replayjob.cli import main
-from replayjob.digest import normalize_digest
+from replayjob.digest import is_sha256_hex, normalize_digest
 from replayjob.errors import IntegrityError
 from replayjob.jsonio import read_json
 
@@ -279,6 +279,14 @@ def test_digest_case_and_whitespace_are_normalised_the_same_everywhere() -> None
         assert normalize_digest(variant, what="pin") == low
     with pytest.raises(IntegrityError):
         normalize_digest(64, what="pin")
+
+
+@pytest.mark.parametrize("value", [value for value, _ in corpus.DIGEST_CASES.values()]
+                         + ["AB" * 32, f" {'ab' * 32}", "g" * 64, 64, None])
+def test_the_strict_digest_check_takes_only_canonical_digests(value: object) -> None:
+    # the one syntax check (replayjob.digest.is_sha256_hex) every reader of a stored pin uses
+    assert not is_sha256_hex(value)
+    assert is_sha256_hex("ab" * 32)
 
 
 def test_secret_values_never_appear_in_errors(workspace: Path, tmp_path: Path,

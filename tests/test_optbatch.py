@@ -80,13 +80,16 @@ def repin(d: Path, data: bytes) -> str:
 
 
 BUILT_IN_KNOBS = (GC, "backend.options.attn_implementation", "training.micro_batch_size")
+ONE_PROCESS = {"distributed.world_size": 1, "distributed.strategy": "none", "distributed.bucket_cap_mb": None}
 
 
 def observed(rm: dict[str, Any]) -> dict[str, Any]:
     """The runtime observations of the built-in trainer's knobs (exactly its producer's knobs are recorded)."""
     from replayjob.optbatch.knobs import BUILTIN, knobs_for
 
-    assert rm["framework"] == BUILTIN and set(rm["runtime"]) == set(knobs_for(BUILTIN)) == set(BUILT_IN_KNOBS)
+    assert rm["framework"] == BUILTIN
+    assert set(rm["runtime"]) == set(knobs_for(BUILTIN)) == {*BUILT_IN_KNOBS, *ONE_PROCESS}
+    assert {k: rm["runtime"][k] for k in ONE_PROCESS} == ONE_PROCESS  # one process, no process group
     return {k: rm["runtime"][k] for k in BUILT_IN_KNOBS}
 
 

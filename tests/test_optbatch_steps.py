@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from collections import deque
 from pathlib import Path
@@ -24,6 +25,7 @@ from replayjob.config import load_config
 from replayjob.digest import sha256_file
 from replayjob.errors import ArtifactExistsError, ConfigError, IntegrityError
 from replayjob.faults import NONFINITE_GRAD_ENV
+from replayjob.metrics import read_steps
 from replayjob.optbatch import manifest, ring, stepcapture
 from replayjob.rl.state import OPTIMIZER_FILE, read_state, write_state
 
@@ -73,6 +75,10 @@ def replay_metrics(config: Path, out: Path, *extra: str) -> dict[str, Any]:
 def test_a_chosen_step_of_a_six_step_run_replays_bitwise(steps_run: Path, tmp_path: Path) -> None:
     (pins,) = metrics(steps_run)["optimizer_batch/steps"]
     assert pins["step"] == 3 and pins["replay_config"] == STEP3 and pins["nonfinite_inputs"] is False
+    (read,) = read_steps(steps_run)  # the one reader of chosen steps (the capture API writes the same record)
+    assert (read.step, read.manifest, read.final_adapter) == (3, pins["manifest_sha256"], pins["final_adapter_sha256"])
+    assert read.replay_config == steps_run / STEP3
+    assert (read.loss, read.grad_norm) == (diag(steps_run)[3]["loss"]["policy"], diag(steps_run)[3]["grad_norm"])
     for name in stepcapture.file_names(3):
         assert (steps_run / name).exists(), name
     state = read_state(steps_run / stepcapture.state_dir_name(3))
@@ -141,6 +147,7 @@ def test_the_planted_nonfinite_gradient_writes_the_ring_which_replays(ring_run: 
         assert rm["optimizer_batch/final_adapter_sha256"] == written[step]["final_adapter_sha256"]
         assert rm["loss"] == diag(ring_run)[step]["loss"]["policy"]
     # the triggering step replays its inputs; the fault planted into its update is not part of them
+    assert written[4]["grad_norm"] is None and written[3]["grad_norm"] == diag(ring_run)[3]["grad_norm"]  # NaN: null
     rm = replay_metrics(ring_run / written[4]["replay_config"], tmp_path / "r4")
     assert math.isfinite(rm["grad_norm"]) and rm["optimizer_batch/manifest_sha256"] == written[4]["manifest_sha256"]
 
@@ -179,7 +186,7 @@ def test_config_and_precondition_refusals(workspace: Path, tmp_path: Path) -> No
     with pytest.raises(ConfigError, match="cannot be combined"):
         StepsCapture.prepare(both, tmp_path)
     cfg = load_config(workspace / "train.toml", ["training.max_steps=3", "optimizer_batch.capture_steps=[1]"])
-    (tmp_path / stepcapture.replay_config_name(1)).write_text("")
+    (tmp_path / manifest.replay_config_name(1)).write_text("")
     with pytest.raises(ArtifactExistsError):
         StepsCapture.prepare(cfg, tmp_path)
     (tmp_path / ring.RING_DIR).mkdir()
@@ -239,7 +246,7 @@ def test_nonfinite_inputs_are_flagged_and_replay_only_under_the_opt_in(workspace
     out = tmp_path / "run"
     (pins,) = train_source(cfg, out, [Poison()])["optimizer_batch/steps"]
     assert pins["nonfinite_inputs"] is True
-    config = out / stepcapture.replay_config_name(1)
+    config = out / manifest.replay_config_name(1)
     assert main(["explain", str(config)]) == 2
     err = capsys.readouterr().err
     assert "flagged nonfinite_inputs" in err and "non-finite ref_logprobs" in err
@@ -291,3 +298,42 @@ def test_a_user_trigger_writes_the_buffered_steps_and_memory_stays_bounded(tmp_p
     assert state.step == 2 and state.has_optimizer
     written = {w["step"]: w for w in out["written"]}
     assert written[2]["final_adapter_sha256"] == written[3]["initial_adapter_sha256"]
+
+
+@pytest.mark.parametrize(("edit", "field"), [
+    (lambda e: e.update(manifest_sha256="xyz"), "manifest_sha256"),
+    (lambda e: e.update(replay_config="../elsewhere.toml"), "replay_config"),
+    (lambda e: e.update(step=-1), "step"),
+    (lambda e: e.pop("nonfinite_inputs"), "nonfinite_inputs"),
+    (lambda e: e.update(loss="low"), "loss"),
+])
+def test_read_steps_refuses_a_malformed_entry(steps_run: Path, tmp_path: Path, edit: Any, field: str) -> None:
+    doc = metrics(steps_run)
+    edit(doc["optimizer_batch/steps"][0])
+    (tmp_path / "metrics.json").write_text(json.dumps(doc))
+    with pytest.raises(IntegrityError, match=re.escape(f"'optimizer_batch/steps[0].{field}'")):
+        read_steps(tmp_path)
+
+
+def test_reduce_compares_replays_with_a_captured_step(steps_run: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``reduce --source RUN --source-step K``: the step's record is the source (its final adapter pinned by
+    SHA-256 only); a step that was not captured, or the approximate claim, is refused."""
+    replay_metrics(steps_run / STEP3, tmp_path / "r" / "same" / "repeat-000", "--set", "optimizer_batch.arm=same")
+    out = tmp_path / "v.json"
+    for claim in ("exact-input", "bitwise"):
+        assert main(["reduce", str(tmp_path / "r"), "--claim", claim, "--source", str(steps_run),
+                     "--source-step", "3", "--min-repeats", "1", "--out", str(out)]) == 0, capsys.readouterr()
+        v = json.loads(out.read_text())
+        checks = {c["name"]: c["status"] for c in v["checks"]}
+        assert checks["exact.loss_same_condition"] == checks["inputs.capture_pins"] == "pass"
+    assert main(["reduce", str(tmp_path / "r"), "--claim", "bitwise", "--source", str(steps_run),
+                 "--min-repeats", "1", "--out", str(tmp_path / "whole.json")]) == 2  # the run's own pins: not step 3
+    capsys.readouterr()
+    assert main(["reduce", str(tmp_path / "r"), "--claim", "bitwise", "--source", str(steps_run),
+                 "--source-step", "2", "--min-repeats", "1", "--out", str(tmp_path / "v2.json")]) == 2
+    assert "step 2 is not a captured step" in capsys.readouterr().err
+    assert main(["reduce", str(tmp_path / "r"), "--claim", "approximate", "--source", str(steps_run),
+                 "--source-step", "3", "--tolerances", str(tmp_path / "t.toml"), "--min-repeats", "1",
+                 "--out", str(tmp_path / "v3.json")]) == 2
+    assert "keeps only its SHA-256" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replayjob.config.redact import REDACTED, is_secret_key, redact, redact_url
+from replayjob.config.redact import REDACTED, is_secret_key, redact, redact_path, redact_url
 
 SECRET_KEYS = ["token", "hf_token", "HF_TOKEN", "secret", "client_secret", "password", "db_passwd",
                "api_key", "apiKey", "openai-api-key", "apikey", "credential", "credentials", "auth",
@@ -176,3 +176,36 @@ def test_printed_messages_are_redacted_part_by_part() -> None:
                       hint="check Authorization: Bearer S2")
     assert err.diagnostics() == ("logging.metadata.hf_token: cannot open https://h/m?token=<redacted>\n"
                                  "  fix: check Authorization: Bearer <redacted>")
+
+
+def test_a_recorded_path_names_the_home_directory_as_tilde(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    home = tmp_path / "alice"
+    monkeypatch.setenv("HOME", str(home))
+    assert redact_path(home / "ws" / "init_resume") == "~/ws/init_resume"
+    assert redact_path(home) == "~"
+    assert redact_path(f"{home}-other/x") == f"{home}-other/x"  # a prefix of a name is not the directory
+    assert redact_path(home / "token=s3cr3t" / "m") == f"~/token={REDACTED}"  # redact_text: the value goes whole
+    assert redact_path("/srv/models/base") == "/srv/models/base"
+    assert Path(redact_path(home / "ws")).expanduser() == home / "ws"
+
+
+def test_no_home_path_in_the_builtin_capture_manifest(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A real capture under a home directory: the manifest records the initial adapter as ~/...,
+    and the reducer still finds it (it reads the path back with expanduser)."""
+    import json
+
+    from replayjob.cli import main
+    from replayjob.gate import reducer
+    from replayjob.metrics import read_source
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    ws = tmp_path / "ws"
+    assert main(["init", str(ws)]) == 0
+    assert main(["capture", str(ws / "source.toml"), "--out", str(ws / "src")]) == 0
+    (path,) = ws.joinpath("src").glob("*.manifest.json")
+    recorded = json.loads(path.read_text())["initial_adapter"]["path"]
+    assert recorded == "~/ws/init_resume/adapter_model.safetensors"
+    source = read_source(ws / "src")
+    monkeypatch.chdir("/")
+    assert reducer._initial_adapter(source, reducer._capture_manifest(source)) == ws / "init_resume" / \
+        "adapter_model.safetensors"

@@ -63,7 +63,9 @@ def test_plan_gives_the_submit_time_facts(spec_file: Path, capsys: pytest.Captur
     assert main(["step", "plan", "--spec", str(spec_file)]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "size=6", "parallelism=4", "arms=ckpt-off,ckpt-on", "claim=exact-input", "min_repeats=3", "device=cpu",
-        "schedule=none"]
+        "schedule=none", "ranks=1", "replays=1:0-5"]
+    assert main(["step", "plan", "--spec", str(spec_file), "--plant", "ckpt-off:training.micro_batch_size=2"]) == 0
+    assert capsys.readouterr().out.startswith("size=6\n")  # a valid --plant is accepted, the plan unchanged
     spec = load_spec(spec_file)
     assert [(r.arm, r.repeat) for r in spec.runs()] == [
         ("ckpt-off", 0), ("ckpt-off", 1), ("ckpt-off", 2), ("ckpt-on", 0), ("ckpt-on", 1), ("ckpt-on", 2)]
@@ -84,6 +86,10 @@ def test_selection_keeps_file_order_and_lowers_min_repeats(spec_file: Path) -> N
     (["plan", "--spec", "{spec}", "--repeats", "0"], "--repeats must be >= 1"),
     (["plan", "--spec", "{spec}", "--device", "tpu"], "'tpu'"),
     (["plan", "--spec", "{spec}", "--claim", "vibes"], "'vibes' is not a claim"),
+    (["plan", "--spec", "{spec}", "--plant", "ckpt-on"], "--plant expects ARM:SETTING=VALUE"),
+    (["plan", "--spec", "{spec}", "--plant", "ckpt-on:Bad=1"], "--plant expects ARM:SETTING=VALUE"),
+    (["plan", "--spec", "{spec}", "--plant", "nope:a.b=1"], "no arm named 'nope'"),
+    (["plan", "--spec", "{spec}", "--arms", "ckpt-off", "--plant", "ckpt-on:a.b=1"], "no arm named 'ckpt-on'"),
 ])
 def test_plan_refuses_bad_selections(spec_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                      argv: list[str], message: str) -> None:
@@ -139,7 +145,7 @@ def test_zero_gpus_drops_every_gpu_request(spec_file: Path, tmp_path: Path) -> N
     ([], "--out DIR is required"),
     (["--out", "x", "--gpus-per-task", "-1"], "--gpus-per-task expects an integer"),
     (["--out", "x", "--repeats", "0"], "--repeats expects an integer >= 1"),
-    (["--out", "x", "--plant", "nope:a.b=1"], "--plant names arm 'nope'"),
+    (["--out", "x", "--plant", "nope:a.b=1"], "no arm named 'nope'"),
     (["--out", "x", "--plant", "ckpt-on"], "--plant expects ARM:SETTING=VALUE"),
     (["--out", "x", "--source", "/nonexistent"], "--source needs --workspace"),
     (["--out", "x", "--image", "/nonexistent.sif"], "no such file"),
@@ -469,3 +475,66 @@ finish_step 0
     assert "ExitCode=0:0" in _job_record(retried, slurm_env) and "Restarts=1" in _job_record(retried, slurm_env)
     log = (tmp_path / f"job-{retried}.out").read_text()
     assert "attempt 0" in log and "requeueing job" in log and "attempt 1" in log
+
+
+# ---- several ranks: a capture and replays of 2 tasks, started with srun inside the allocation ------
+
+RANKED = """\
+name = "slurm-ranks"
+image = "replayjob:dev"
+gpu_product = "none"
+device = "cpu"
+repeats = 1
+ranks = 2
+
+[config]
+"distributed.strategy" = "ddp"
+
+[arms.two]
+
+[arms.one]
+"distributed.world_size" = 1
+"""
+
+
+def test_ranked_plan_submits_one_array_per_rank_count(tmp_path: Path) -> None:
+    spec = tmp_path / "ranks.toml"
+    spec.write_text(RANKED)
+    capture, one, two, reduce = _dry_run(spec, tmp_path / "run", "--gpus-per-task", "2")  # ascending counts
+    assert "--nodes=1 --ntasks=2 --gres=gpu:4" in capture
+    assert "--array 0%4" in two and "--nodes=1 --ntasks=2 --gres=gpu:4" in two  # index 0: arm two
+    assert "--array 1%4" in one and "--nodes=1 --ntasks=1 --gres=gpu:2" in one  # index 1: arm one
+    assert all("--dependency=afterok:CAPTURE_ID" in c for c in (two, one))
+    assert "--ntasks" not in reduce and "--dependency=afterany:REPLAY_ID" in reduce
+
+
+@pytest.mark.slow
+def test_two_task_capture_and_replays_under_srun_pass_the_gate(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """The capture and arm two's replay are jobs of 2 tasks whose step starts 2 gloo ranks with srun
+    (RANK etc. mapped from the tasks' Slurm variables); arm one replays the same capture on 1 rank with
+    distributed.world_size declared; the reducer passes exact-input over both arms."""
+    spec = tmp_path / "ranks.toml"
+    spec.write_text(RANKED)
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    res = _submit("--out", str(out), "--spec", str(spec), "--gpus-per-task", "0", "--wait", env=slurm_env,
+                  timeout=900)
+    print(f"2-rank chain through Slurm in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    logs = "\n".join(p.read_text() for p in sorted((out / "logs").glob("*.out")))
+    assert res.returncode == 0, res.stdout + res.stderr + logs
+    assert "on 2 rank(s)" in res.stdout
+    assert "on 2 ranks (srun)" in logs and "repeat 0 on 2 ranks (srun)" in logs  # the capture and arm two
+    jobs = dict(line.split("=") for line in (out / "slurm" / "jobs").read_text().split())
+    assert len(jobs["replay"].split(",")) == 2  # one array per rank count
+    assert "NumTasks=2" in _job_record(jobs["capture"], slurm_env)
+    root = _json(out / "source" / "metrics.json")
+    assert sorted(p.name for p in (out / "source").glob("rank-*")) == ["rank-0", "rank-1"]
+    two = _json(out / "replays" / "two" / "0" / "replay_metrics.json")
+    one = _json(out / "replays" / "one" / "0" / "replay_metrics.json")
+    assert two["distributed"]["world_size"] == 2 and two["runtime"]["distributed.world_size"] == 2
+    assert one["runtime"]["distributed.world_size"] == 1
+    assert two["optimizer/logical_batch_sha256"] == one["optimizer/logical_batch_sha256"] \
+        == root["optimizer/logical_batch_sha256"]
+    assert two["host"]["slurm_job"] and (out / "replays" / "two" / "0" / "replay_metrics.rank-1.json").is_file()
+    verdict = _json(out / "verdict.json")
+    assert (verdict["status"], verdict["claim"]) == ("pass", "exact-input")

@@ -247,3 +247,100 @@ def test_reduce_gates_pass_over_fresh_replays(trl_capture: dict[str, Any], tmp_p
                  "--out", str(tmp_path / "exact.json"), *common]) == 0
     assert main(["reduce", str(reps / "baseline"), "--claim", "bitwise", "--arms", "baseline",
                  "--out", str(tmp_path / "bitwise.json"), *common]) == 0
+
+
+# -- several chosen steps of one run -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trl_steps(trl_base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """max_steps 5 with steps 3, 1 and 4 chosen (unsorted); an early stop after step 3, so step 4 never runs."""
+    from transformers import TrainerCallback
+
+    class StopAfterStep3(TrainerCallback):  # a real early stop (as EarlyStoppingCallback does it)
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == 4:
+                control.should_training_stop = True
+
+    out = tmp_path_factory.mktemp("trl_steps")
+    trainer, handle = grpo(trl_base, out, capture_steps=[3, 1, 4], max_steps=5, callbacks=[StopAfterStep3()])
+    return {"dir": out, "result": handle.steps_result, "log": trainer.state.log_history}
+
+
+def test_several_steps_write_per_step_files_and_one_metrics(trl_steps: dict[str, Any]) -> None:
+    from replayjob.metrics import read_steps
+
+    d, res = trl_steps["dir"], trl_steps["result"]
+    assert sorted(res.captured) == [1, 3] and res.not_captured == (4,)
+    with pytest.raises(cap.CaptureError, match=r"step 4 was not captured \(training ended"):
+        res.step(4)
+    pins = read_steps(d)  # the record the built-in trainer's capture_steps writes
+    assert [p.step for p in pins] == [1, 3]
+    doc = _metrics(d)
+    assert doc["framework"] == "trl" and doc["optimizer_batch/steps_not_captured"] == [4]
+    log = [h for h in trl_steps["log"] if "grad_norm" in h]
+    for p in pins:
+        stem = f"optimizer_batch_step_{p.step:06d}"
+        for suffix in (".safetensors", ".adapter.safetensors", ".optimizer.safetensors", ".manifest.json"):
+            assert (d / f"{stem}{suffix}").is_file()
+        assert p.replay_config == d / f"replay_step_{p.step:06d}.toml"
+        assert p.manifest_path == d / f"{stem}.manifest.json"
+        assert p.manifest == sha256_bytes(p.manifest_path.read_bytes()) == res.step(p.step).manifest_sha256
+        assert p.grad_norm == log[p.step]["grad_norm"] and p.nonfinite_inputs is False
+        m = json.loads(p.manifest_path.read_text())
+        assert m["step"] == p.step and m["optimizer"]["scheduler"]["last_epoch"] == p.step
+        assert m["framework_state"] == {"global_step": p.step, "max_steps": 5} and len(m["micro_batches"]) == 2
+        assert m["files"]["adapter"]["sha256"] == p.initial_adapter != p.final_adapter
+    assert pins[0].final_adapter != pins[1].initial_adapter  # step 2 ran between them
+    assert not (d / "replay.toml").exists() and not (d / "final_adapter").exists()
+    assert not list(d.glob("optimizer_batch_step_000004*")) and not (d / "replay_step_000004.toml").exists()
+
+
+def test_each_chosen_step_replays_bitwise(trl_steps: dict[str, Any], tmp_path: Path) -> None:
+    from replayjob.metrics import read_steps
+
+    for p in read_steps(trl_steps["dir"]):
+        assert main(["explain", str(p.replay_config)]) == 0
+        assert main(["replay", str(p.replay_config), "--out", str(tmp_path / str(p.step))]) == 0
+        r = _metrics(tmp_path / str(p.step), "replay_metrics.json")
+        assert r["step"] == p.step and r["optimizer_batch/manifest_sha256"] == p.manifest
+        assert r["optimizer_batch/initial_adapter_sha256"] == p.initial_adapter
+        assert r["optimizer_batch/final_adapter_sha256"] == p.final_adapter  # TRL's real update of that step
+        assert r["loss"] == p.loss and r["grad_norm"] == p.grad_norm
+
+
+def test_a_step_replay_handed_another_steps_pins_is_refused(trl_steps: dict[str, Any], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from replayjob.metrics import read_steps
+
+    one, three = read_steps(trl_steps["dir"])
+    wrong = [["--set", f'optimizer_batch.expected_manifest_sha256="{one.manifest}"'],
+             ["--set", f'optimizer_batch.replay_path="{one.manifest_path}"']]  # step 1's manifest, step 3's pins
+    for sets in wrong:
+        rc, text = _explain(three.replay_config, capsys, *sets)
+        assert rc == 2 and "Traceback" not in text, text
+        assert main(["replay", str(three.replay_config), "--out", str(tmp_path / "r"), *sets]) == 2
+        assert not (tmp_path / "r" / "replay_metrics.json").exists()
+
+
+def test_capture_arguments_are_checked_before_training(trl_base: Path, trl_capture: dict[str, Any],
+                                                       tmp_path: Path) -> None:
+    from replayjob.errors import ArtifactExistsError, UsageError
+    from replayjob.integrations.trl import capture_optimizer_batch
+
+    trainer, _ = grpo(trl_base, tmp_path, train=False)
+    out = tmp_path / "cap"
+    for kwargs, cause in [({"step": 1, "steps": [1]}, "not both"),
+                          ({"steps": [1, 1]}, r"steps \[1\] are listed more than once"),
+                          ({"steps": [-1, 2]}, "integers >= 0"), ({"steps": []}, "integers >= 0"),
+                          ({"step": -1}, "integer >= 0")]:
+        with pytest.raises(UsageError, match=cause) as exc:
+            capture_optimizer_batch(trainer, out, **kwargs)
+        assert exc.value.exit_code == 2
+    assert capture_optimizer_batch(trainer, out).step == 0  # neither: the first step, as before steps=
+    with pytest.raises(cap.CaptureError, match=r"step\(s\) \[3\] are not reached"):
+        capture_optimizer_batch(trainer, out, steps=[1, 3])  # max_steps 3: steps 0, 1, 2
+    with pytest.raises(ArtifactExistsError):  # a directory already holding step 1's capture, either layout
+        capture_optimizer_batch(trainer, trl_capture["dir"], steps=[0, 1])
+    with pytest.raises(ArtifactExistsError):
+        capture_optimizer_batch(trainer, trl_capture["dir"], step=1)
+    assert not out.exists()

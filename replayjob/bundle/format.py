@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from replayjob import tensorfile
+from replayjob.digest import is_sha256_hex
 from replayjob.errors import ContractError, IntegrityError
 from replayjob.rl.stages import ESTIMATORS
 
@@ -111,7 +112,6 @@ SAMPLE_KEYS = {"sample_id", "group", "cohort", "prompt_length", "response_length
 _SAMPLE_IDS = ("sample_id", "cohort", "partition", "consumer_batch", "micro_batch", "group")  # checked in order
 _TEXT_KEYS = {t: (f"{t}_sha256", f"{t}_prefix") for t in TEXT_FIELDS}
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
@@ -251,7 +251,7 @@ def check_sample(rec: object, i: int, redaction: dict[str, str]) -> dict[str, An
         if has_hash != (policy == "hash") or has_prefix != policy.startswith("truncate:"):
             raise IntegrityError(f"{field} text does not follow the redaction policy {policy!r}",
                                  where=f"{INDEX}: samples[{i}]")
-        if has_hash and not (isinstance(rec[sha_key], str) and _SHA256.fullmatch(rec[sha_key])):
+        if has_hash and not is_sha256_hex(rec[sha_key]):
             raise IntegrityError(f"{field}_sha256 is not a SHA-256 digest", where=f"{INDEX}: samples[{i}]")
         if has_prefix:
             limit = int(policy.split(":")[1])

@@ -10,13 +10,12 @@ Each returns ``None`` or raises naming the field.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 from replayjob.bundle import format as fmt
+from replayjob.digest import is_sha256_hex
 from replayjob.errors import ContractError, IntegrityError
 
-_HEX = re.compile(r"[0-9a-f]{64}")
 _MANIFEST_KEYS = {"format", "format_version", "bundle_id", "kind", "producer", "stages", "payloads",
                   "payload_file", "comparison", "redaction", "index", "expected", "multi_rank"}
 _SPEC_KEYS = {"dtype", "shape", "sha256", "role"}
@@ -26,10 +25,6 @@ W = fmt.MANIFEST
 
 def _int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _hex(v: object) -> bool:
-    return isinstance(v, str) and bool(_HEX.fullmatch(v))
 
 
 def check_payload_file(pf: object, names: list[str]) -> None:
@@ -47,7 +42,7 @@ def check_payload_file(pf: object, names: list[str]) -> None:
     if pf["file"] != fmt.PAYLOAD_FILE:
         raise IntegrityError(f"payload file {pf['file']!r} must be {fmt.PAYLOAD_FILE!r}", where=where,
                              hint="a bundle holds its tensors in one safetensors file; nothing else is read")
-    if not _int(pf["bytes"]) or not _hex(pf["header_sha256"]):
+    if not _int(pf["bytes"]) or not is_sha256_hex(pf["header_sha256"]):
         raise IntegrityError("bytes and header_sha256 must be an integer and a 64-hex (lowercase) digest",
                              where=where)
 
@@ -89,7 +84,7 @@ def check_manifest(m: dict[str, Any]) -> None:
                                  where=f"{W}: payloads.{name}")
         if not isinstance(spec["shape"], list) or not all(_int(d) for d in spec["shape"]):
             raise IntegrityError("shape must be a list of integers >= 0", where=f"{W}: payloads.{name}")
-        if not _hex(spec["sha256"]):
+        if not is_sha256_hex(spec["sha256"]):
             raise IntegrityError("sha256 (of the tensor's bytes) must be a 64-hex (lowercase) digest",
                                  where=f"{W}: payloads.{name}")
     check_payload_file(m["payload_file"], sorted(payloads))

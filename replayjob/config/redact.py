@@ -11,6 +11,11 @@ What is replaced by :data:`REDACTED`:
   secrets nested in JSON or Python-literal strings, whose object or list value goes whole), and
   the credential after ``Bearer`` wherever it stands.
 
+A filesystem path an artifact records as a path (the capture manifests' initial adapter and base
+model) goes through :func:`redact_path`: the user's home directory is written ``~`` (the account
+name and home layout do not travel with the record; ``Path(recorded).expanduser()`` finds the file
+again on the same account), then :func:`redact_text`.
+
 Ordinary training keys such as ``max_new_tokens`` or ``token_cap`` are kept: a key is secret when
 one of its ``_``/``-``/``.``-separated words (or a known compound) is secret-shaped, not when a
 secret word merely appears inside a longer word.
@@ -25,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from itertools import pairwise
@@ -193,6 +199,25 @@ def redact_text(text: str) -> str:
     text = redact_url(_URL.sub(_redact_fragment, text))
     text = _hide_values(text, _PAIR, _secret_pair)
     return _hide_values(text, _BEARER, lambda m: True)
+
+
+def redact_path(path: str | os.PathLike[str]) -> str:
+    """A filesystem path as an artifact records it: under the user's home directory it is written
+    relative to ``~``, then the text goes through :func:`redact_text`.  The one rule for every path
+    a capture manifest records (the built-in trainer's initial adapter, an external trainer's base
+    model); ``Path(recorded).expanduser()`` reads it back.
+
+    Example:
+        >>> redact_path(os.path.join(os.path.expanduser("~"), "runs", "token=abc"))
+        '~/runs/token=<redacted>'
+        >>> redact_path("/srv/models/base")
+        '/srv/models/base'
+    """
+    text = os.fspath(path)
+    home = os.path.expanduser("~").rstrip(os.sep)
+    if home and home != "~" and (text == home or text.startswith(home + os.sep)):
+        text = "~" + text[len(home):]
+    return redact_text(text)
 
 
 def redact(obj: Any) -> Any:

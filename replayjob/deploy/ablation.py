@@ -17,6 +17,10 @@ The API, kept small for every launcher:
   ``effective_min_repeats``;
 * ``Arm``: ``set_args()`` (its ``KEY=VALUE`` overrides), ``allow_list()`` (the TOML list for
   ``optimizer_batch.allow_config_differences``), ``words()`` (the overrides as one string);
+* ranks: ``ranks`` (the capture's world size), ``arm_ranks(name)``, ``ranks_for_index(i)`` (how many
+  ranks one replay runs: the arm's declared ``distributed.world_size``, else ``ranks``) and
+  ``rank_groups()`` (rank count -> the array indexes that need it), so every launcher provisions the
+  same number of devices for the same replay;
 * ``DETERMINISM_ENV``: the environment pinned in the image and every GPU process.
 
 Example:
@@ -39,6 +43,7 @@ from typing import Any
 
 from replayjob.deploy.schedule import DESIGNS, Slot, plan
 from replayjob.errors import ConfigError
+from replayjob.optbatch.knobs import STRATEGY, WORLD_SIZE  # an arm's world size: its replays run that many ranks
 
 # Set in the image and in every GPU container; scripts/slurm and scripts/local-mid-smoke.sh export
 # the same values.  :mod:`replayjob.determinism` records what was actually in force.
@@ -51,6 +56,7 @@ DETERMINISM_ENV: Mapping[str, str] = {
 
 CLAIMS = ("exact-input", "bitwise")
 DEVICES = ("cuda", "cpu")
+MAX_RANKS = 64
 # Kubernetes object names are built as "<name>-replay-<arm>": DNS-1123 labels, short enough.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 # Override values travel through shell words and Argo parameters: no whitespace or quotes.
@@ -148,6 +154,7 @@ class AblationSpec:
     mixed_hardware: bool = False
     schedule: str = ""  # "" (arms in file order) or a paired design of replayjob.deploy.schedule
     budgets: str = ""  # a budget TOML (reduce --budgets); pinned into every replay, decided by the reduce
+    ranks: int = 1  # the capture's world size, and every replay's unless its arm declares distributed.world_size
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name) or len(self.name) > 30:
@@ -167,7 +174,7 @@ class AblationSpec:
             raise ConfigError(f"{self.claim!r} is not a claim; use one of: " + ", ".join(CLAIMS),
                               where="claim")
         if self.device not in DEVICES:
-            raise ConfigError(f"{self.device!r}: use 'cuda' (one GPU per pod) or 'cpu'", where="device")
+            raise ConfigError(f"{self.device!r}: use 'cuda' (one GPU per rank) or 'cpu'", where="device")
         if self.seed < 0 or self.deadline_s < 60 or self.parallelism < 1 or not 0 <= self.node_gpus <= 64:
             raise ConfigError("seed >= 0, deadline_s >= 60, parallelism >= 1 and node_gpus 0..64 are required")
         if self.model_path and not self.resume:
@@ -187,8 +194,60 @@ class AblationSpec:
         if self.budgets and not self.schedule:
             raise ConfigError("budgets are decided over paired replays: set schedule too", where="budgets",
                               hint='schedule = "abba"')
+        self._check_ranks()
         if self.semaphore and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-._a-zA-Z0-9]+", self.semaphore):
             raise ConfigError(f"{self.semaphore!r} must be CONFIGMAP/KEY", where="semaphore")
+
+    def _check_ranks(self) -> None:
+        """Ranks: 1..64, within a node's GPUs when ``node_gpus`` is set, one fact per place (the
+        capture's in ``ranks``, an arm's in its ``distributed.world_size``), and a strategy that
+        shares an update over several ranks wherever a run has more than one."""
+        if not 1 <= self.ranks <= MAX_RANKS:
+            raise ConfigError(f"must be between 1 and {MAX_RANKS}, found {self.ranks}", where="ranks")
+        if WORLD_SIZE in self.config:
+            raise ConfigError(f"{WORLD_SIZE} is the capture's world size: set it once, as ranks",
+                              where=f"config.{WORLD_SIZE}", hint=f"ranks = {self.config[WORLD_SIZE]}")
+        where = {"capture": (self.ranks, self.config.get(STRATEGY, "none"), "ranks")}
+        for arm in self.arms:
+            world = arm.overrides.get(WORLD_SIZE, self.ranks)
+            if type(world) is not int or not 1 <= world <= MAX_RANKS:
+                raise ConfigError(f"{WORLD_SIZE} must be an integer between 1 and {MAX_RANKS}, found {world!r}",
+                                  where=f"arms.{arm.name}")
+            if WORLD_SIZE in arm.overrides and world == self.ranks:
+                raise ConfigError(f"{WORLD_SIZE} = {world} is the capture's ranks: no difference to declare (the "
+                                  "replay gate refuses a declared difference that is not one)",
+                                  where=f"arms.{arm.name}", hint=f"drop it: an arm's replays run ranks = {self.ranks} "
+                                                                 "unless it declares another count")
+            strategy = arm.overrides.get(STRATEGY, self.config.get(STRATEGY, "none"))
+            where[f"arm {arm.name}"] = (world, strategy, f"arms.{arm.name}")
+        for what, (world, strategy, key) in where.items():
+            if self.gpu and self.node_gpus and world > self.node_gpus:
+                raise ConfigError(f"the {what} runs {world} ranks, one GPU each, but node_gpus = {self.node_gpus}: "
+                                  "the ranks of one run share one node", where=key,
+                                  hint=f"at most {self.node_gpus} ranks, or node_gpus = 0 (request the ranks' GPUs "
+                                       "only)")
+            if world > 1 and strategy == "none":
+                raise ConfigError(f"the {what} runs {world} ranks but {STRATEGY} is 'none' (one process)", where=key,
+                                  hint=f'set "{STRATEGY}" = "ddp" in [config]')
+
+    def arm_ranks(self, name: str) -> int:
+        """How many ranks arm ``name``'s replays run: its declared ``distributed.world_size``, else
+        the capture's ``ranks``."""
+        world = self.arm(name).overrides.get(WORLD_SIZE, self.ranks)
+        assert isinstance(world, int)  # checked in __post_init__
+        return world
+
+    def ranks_for_index(self, index: int) -> int:
+        """How many ranks (one device each) the replay at array index ``index`` runs."""
+        return self.arm_ranks(self.run_for_index(index).arm)
+
+    def rank_groups(self) -> dict[int, list[int]]:
+        """Rank count -> the array indexes whose replays run that many ranks (ascending counts); a
+        launcher provisions one group of identical pods or tasks per entry."""
+        groups: dict[int, list[int]] = {}
+        for i in range(self.size):
+            groups.setdefault(self.ranks_for_index(i), []).append(i)
+        return dict(sorted(groups.items()))
 
     @property
     def gpu(self) -> bool:

@@ -13,7 +13,11 @@ node placement are fixed at render time.
 Every container runs one ``replayjob step`` command (no shell: the executor signals replayjob
 itself).  The capture step publishes the pins and the fan-out plan (the array indexes) as output
 parameters; each replay receives its index and the pins, and refuses when they differ from the
-volume's.  The reducer **always runs once the fan-out has ended** (``depends`` on the replays having
+volume's.  A run of N ranks is one pod with N GPUs (torchrun inside it; ``--ranks N`` checked by the
+step against the spec).  When arms run different rank counts there is one replay template per count
+(``replay-rN``, its own GPU request), fanned out over that count's indexes (``plan-rN``, published
+by the capture); the DAG's ``parallelism`` still bounds them all.  The reducer **always runs once
+the fan-out has ended** (``depends`` on the replays having
 succeeded, failed or errored; ``failFast: false``) and writes a verdict, refused when replays are
 missing, so a failed replay is judged, never silently dropped; its exit code fails the workflow when
 the verdict is not a pass.  Retries: exit 3 (an error, nothing decided) and infrastructure errors
@@ -33,7 +37,12 @@ Doc = dict[str, Any]
 OUTPUTS = "/tmp/outputs"
 RUN_DIR = k8s.MOUNT + "/runs/{{workflow.name}}/{{workflow.uid}}"
 RETRY_EXPRESSION = 'lastRetry.status == "Error" || lastRetry.exitCode == "3"'
-REDUCE_DEPENDS = "replay.Succeeded || replay.Failed || replay.Errored"
+
+
+def reduce_depends(tasks: list[str]) -> str:
+    """The reducer runs once every replay task has ended, however it ended."""
+    ended = [f"{t}.Succeeded || {t}.Failed || {t}.Errored" for t in tasks]
+    return ended[0] if len(ended) == 1 else " && ".join(f"({e})" for e in ended)
 
 
 def _p(name: str) -> str:
@@ -55,20 +64,23 @@ def retry() -> Doc:
             "affinity": {"nodeAntiAffinity": {}}}
 
 
-def _container(spec: AblationSpec, command: list[str], gpu: bool) -> Doc:
+def _container(spec: AblationSpec, command: list[str], gpu: bool, ranks: int = 1) -> Doc:
     env = [*k8s.env_list({**k8s.static_env(_p("image"))}),
            k8s.field_env("REPLAYJOB_NODE_NAME", "spec.nodeName"), k8s.field_env("REPLAYJOB_POD_NAME", "metadata.name"),
            *k8s.threads_env()]
     return {"image": _p("image"), "imagePullPolicy": "IfNotPresent", "command": command, "env": env,
-            "resources": k8s.resources(spec, gpu), "securityContext": k8s.container_security(),
+            "resources": k8s.resources(spec, gpu, ranks), "securityContext": k8s.container_security(),
             "volumeMounts": [dict(m) for m in k8s.VOLUME_MOUNTS]}
 
 
-def _template(spec: AblationSpec, name: str, command: list[str], gpu: bool, **fields: Any) -> Doc:
+def _template(spec: AblationSpec, name: str, command: list[str], gpu: bool, ranks: int | None = None,
+              component: str | None = None, **fields: Any) -> Doc:
     tpl: Doc = {"name": name, **fields}
     tpl.setdefault("inputs", {})["artifacts"] = [
         {"name": "spec", "path": k8s.SPEC_FILE, "raw": {"data": _p("spec")}}]
-    lab = _labels(spec, name)
+    lab = _labels(spec, component or name)
+    if ranks is not None:
+        lab[k8s.RANKS_LABEL] = str(ranks)
     if gpu:
         lab[k8s.EXCLUSIVE_LABEL] = "true"
         placement = k8s.gpu_placement(spec)
@@ -80,7 +92,7 @@ def _template(spec: AblationSpec, name: str, command: list[str], gpu: bool, **fi
     tpl["metadata"] = {"labels": lab}
     tpl["activeDeadlineSeconds"] = str(spec.deadline_s)  # IntOrString in the Argo schemas
     tpl["retryStrategy"] = retry()
-    tpl["container"] = _container(spec, command, gpu)
+    tpl["container"] = _container(spec, command, gpu, ranks or 1)
     return tpl
 
 
@@ -93,27 +105,43 @@ def _out(name: str, file: str, **extra: str) -> Doc:
     return {"name": name, "valueFrom": {"path": f"{OUTPUTS}/{file}"}, **extra}
 
 
+def replay_names(spec: AblationSpec) -> dict[int, str]:
+    """Rank count -> its replay template, task and plan output: ``replay`` and ``plan`` when every
+    replay runs the same number of ranks, else ``replay-rN`` and ``plan-rN`` per count."""
+    groups = spec.rank_groups()
+    return {n: "replay" if len(groups) == 1 else f"replay-r{n}" for n in groups}
+
+
+def plan_name(task: str) -> str:
+    return task.replace("replay", "plan")
+
+
 def templates(spec: AblationSpec) -> list[Doc]:
     cap = "{{tasks.capture.outputs.parameters."
-    main = {"name": "ablation", "parallelism": spec.parallelism, "dag": {"failFast": False, "tasks": [
-        {"name": "capture", "template": "capture"},
-        {"name": "replay", "template": "replay", "depends": "capture.Succeeded", "withParam": cap + "plan}}",
+    names = replay_names(spec)
+    replay_tasks = [
+        {"name": task, "template": task, "depends": "capture.Succeeded", "withParam": cap + plan_name(task) + "}}",
          "arguments": {"parameters": [{"name": "index", "value": "{{item}}"},
-                                      {"name": "pins", "value": cap + "pins}}"}]}},
-        {"name": "reduce", "template": "reduce", "depends": REDUCE_DEPENDS},
+                                      {"name": "pins", "value": cap + "pins}}"}]}} for task in names.values()]
+    main = {"name": "ablation", "parallelism": spec.parallelism, "dag": {"failFast": False, "tasks": [
+        {"name": "capture", "template": "capture"}, *replay_tasks,
+        {"name": "reduce", "template": "reduce", "depends": reduce_depends(list(names.values()))},
     ]}}
     capture = _template(
-        spec, "capture", k8s.step_command("capture", RUN_DIR, "--outputs", OUTPUTS), spec.gpu,
+        spec, "capture", k8s.step_command("capture", RUN_DIR, "--ranks", str(spec.ranks), "--outputs", OUTPUTS),
+        spec.gpu, spec.ranks,
         outputs={"parameters": [_out("logical-sha256", "logical_sha256"), _out("manifest-sha256", "manifest_sha256"),
-                                _out("pins", "pins"), _out("plan", "plan.json")]})
-    replay = _template(
-        spec, "replay", k8s.step_command("replay", RUN_DIR, "--index", _i("index"), "--pins", _i("pins")), spec.gpu,
-        inputs={"parameters": [{"name": "index"}, {"name": "pins"}]})
+                                _out("pins", "pins"),
+                                *(_out(plan_name(t), plan_name(t) + ".json") for t in names.values())]})
+    replays = [_template(
+        spec, task, k8s.step_command("replay", RUN_DIR, "--index", _i("index"), "--ranks", str(ranks),
+                                     "--pins", _i("pins")), spec.gpu, ranks, "replay",
+        inputs={"parameters": [{"name": "index"}, {"name": "pins"}]}) for ranks, task in names.items()]
     reduce = _template(
         spec, "reduce", k8s.step_command("reduce", RUN_DIR, "--outputs", OUTPUTS), False,
         outputs={"parameters": [{"name": "verdict", "valueFrom": {"path": f"{OUTPUTS}/verdict.json", "default": ""},
                                  "globalName": "verdict"}]})
-    return [main, capture, replay, reduce]
+    return [main, capture, *replays, reduce]
 
 
 def executor_rbac(spec: AblationSpec) -> list[Doc]:

@@ -21,6 +21,16 @@ Decisions written once here:
   while the capture waits for one;
 * **parallelism across arms**: one Indexed Job holds every replay (index -> arm, repeat by
   ``replayjob step``), so the spec's ``parallelism`` bounds all arms together;
+* **ranks**: a run of N ranks (the spec's ``ranks`` for the capture, an arm's
+  ``distributed.world_size`` for its replays) is one pod that requests N GPUs and starts the ranks
+  with torchrun in its own process tree; every capture and replay command names its rank count
+  (``--ranks N``), which ``replayjob step`` compares with the spec it reads (exit 2 on a mismatch).
+  When arms run different rank counts, each count gets its own Indexed replay Job
+  (``replay-rN.yaml``, ``NAME-replay-rN``, :meth:`~replayjob.deploy.ablation.AblationSpec.rank_groups`)
+  whose completion index is the position among that count's replays (``--position``); ``submit``
+  runs those Jobs one after another, so ``parallelism`` still bounds every replay at once.  The
+  ranks share the pod's memory-backed ``/dev/shm`` (``shm``, which NCCL uses between the ranks and
+  counts against the memory limit);
 * **exit codes decide retries**: ``podFailurePolicy`` fails the Job at once on exit 1 (a verdict) or
   2 (refused input), counts 3 (an error: nothing decided) and other failures (OOM kill, lost node)
   against ``backoffLimit``/``backoffLimitPerIndex``, and ignores disruptions (preemption, eviction,
@@ -28,8 +38,9 @@ Decisions written once here:
 * **GPU nodes**: the product label (and optionally the driver label) select nodes; the
   ``nvidia.com/gpu`` taint is tolerated; requests equal limits (Guaranteed QoS); a required pod
   anti-affinity on the hostname **across every namespace** keeps two pods labelled
-  ``replayjob.dev/gpu-exclusive`` off one node; ``node_gpus = N`` requests every GPU of an N-GPU
-  node so no other pod of any tenant can share it; ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` are the
+  ``replayjob.dev/gpu-exclusive`` off one node; a pod requests one GPU per rank, or, with
+  ``node_gpus = N``, every GPU of an N-GPU node so no other pod of any tenant can share it (its
+  ranks, at most N by the spec's validation, use the first of them); ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` are the
   CPU limit; an optional priority class;
 * **provenance**: node name, pod name and image reference reach ``replay_metrics.json`` through the
   downward API and the environment (:mod:`replayjob.hostinfo`);
@@ -58,6 +69,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 EXCLUSIVE_LABEL = "replayjob.dev/gpu-exclusive"
 RUN_ID_LABEL = "replayjob.dev/run-id"
+RANKS_LABEL = "replayjob.dev/ranks"
 BASE_RUN_ID = "base"
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 TTL_S = 7 * 24 * 3600
@@ -116,8 +128,14 @@ def step_command(stage: str, run_dir: str, *extra: str) -> list[str]:
     return ["replayjob", "step", stage, "--spec", SPEC_FILE, "--run-dir", run_dir, *extra]
 
 
-def resources(spec: AblationSpec, gpu: bool) -> Doc:
-    amounts = ({"cpu": spec.cpu, "memory": spec.memory, GPU_RESOURCE: str(spec.node_gpus or 1)} if gpu
+def gpu_count(spec: AblationSpec, ranks: int) -> int:
+    """GPUs a pod of ``ranks`` ranks requests: one per rank, or the whole node with ``node_gpus``
+    (which the spec's validation keeps >= every run's ranks)."""
+    return spec.node_gpus or ranks
+
+
+def resources(spec: AblationSpec, gpu: bool, ranks: int = 1) -> Doc:
+    amounts = ({"cpu": spec.cpu, "memory": spec.memory, GPU_RESOURCE: str(gpu_count(spec, ranks))} if gpu
                else {"cpu": "1", "memory": "4Gi"})
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
@@ -149,12 +167,13 @@ def volumes(spec: AblationSpec) -> list[Doc]:
     ]
 
 
-def container(spec: AblationSpec, command: list[str], gpu: bool, extra_env: Sequence[Doc] = ()) -> Doc:
+def container(spec: AblationSpec, command: list[str], gpu: bool, extra_env: Sequence[Doc] = (),
+              ranks: int = 1) -> Doc:
     env = [*env_list(static_env(spec.image)), field_env("REPLAYJOB_RUN_ID", f"metadata.labels['{RUN_ID_LABEL}']"),
            field_env("REPLAYJOB_NODE_NAME", "spec.nodeName"), field_env("REPLAYJOB_POD_NAME", "metadata.name"),
            *threads_env(), *extra_env]
     return {"name": CONTAINER, "image": spec.image, "imagePullPolicy": "IfNotPresent", "command": command,
-            "env": env, "resources": resources(spec, gpu), "securityContext": container_security(),
+            "env": env, "resources": resources(spec, gpu, ranks), "securityContext": container_security(),
             "volumeMounts": [*(dict(m) for m in VOLUME_MOUNTS),
                              {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True}]}
 
@@ -177,10 +196,13 @@ def gpu_placement(spec: AblationSpec) -> Doc:
     return out
 
 
-def pod_template(spec: AblationSpec, component: str, cont: Doc, gpu: bool, run_id: str | None) -> Doc:
+def pod_template(spec: AblationSpec, component: str, cont: Doc, gpu: bool, run_id: str | None,
+                 ranks: int | None = None) -> Doc:
     lab = labels(spec, component, run_id)
     if gpu:
         lab[EXCLUSIVE_LABEL] = "true"
+    if ranks is not None:
+        lab[RANKS_LABEL] = str(ranks)
     pod: Doc = {"restartPolicy": "Never", "automountServiceAccountToken": False,
                 "enableServiceLinks": False, "securityContext": pod_security(), "containers": [cont],
                 "volumes": [*volumes(spec), {"name": "spec", "configMap": {"name": f"{prefix(spec, run_id)}-spec"}}]}
@@ -189,12 +211,13 @@ def pod_template(spec: AblationSpec, component: str, cont: Doc, gpu: bool, run_i
     return {"metadata": {"labels": lab}, "spec": pod}
 
 
-def job(spec: AblationSpec, component: str, body: Doc, template: Doc, run_id: str | None) -> Doc:
+def job(spec: AblationSpec, component: str, body: Doc, template: Doc, run_id: str | None, suffix: str = "") -> Doc:
     lab = labels(spec, component, run_id)
-    if EXCLUSIVE_LABEL in template["metadata"]["labels"]:
-        lab[EXCLUSIVE_LABEL] = "true"  # lets an overlay patch every GPU Job (labelSelector)
+    for key in (EXCLUSIVE_LABEL, RANKS_LABEL):  # lets an overlay patch every GPU Job (labelSelector)
+        if key in template["metadata"]["labels"]:
+            lab[key] = template["metadata"]["labels"][key]
     return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": f"{prefix(spec, run_id)}-{component}", "labels": lab},
+            "metadata": {"name": f"{prefix(spec, run_id)}-{component}{suffix}", "labels": lab},
             "spec": {**body, "activeDeadlineSeconds": spec.deadline_s, "ttlSecondsAfterFinished": TTL_S,
                      "podFailurePolicy": {"rules": [dict(r) for r in POD_FAILURE_RULES]},
                      "template": template}}
@@ -221,17 +244,34 @@ def pvc(spec: AblationSpec) -> Doc:
 
 
 def capture_job(spec: AblationSpec, run_id: str | None = None) -> Doc:
-    cont = container(spec, step_command("capture", run_dir(spec)), spec.gpu)
+    cont = container(spec, step_command("capture", run_dir(spec), "--ranks", str(spec.ranks)), spec.gpu,
+                     ranks=spec.ranks)
     return job(spec, "capture", {"backoffLimit": 2},
-               pod_template(spec, "capture", cont, spec.gpu, run_id), run_id)
+               pod_template(spec, "capture", cont, spec.gpu, run_id, spec.ranks), run_id)
 
 
-def replay_job(spec: AblationSpec, run_id: str | None = None) -> Doc:
-    cont = container(spec, step_command("replay", run_dir(spec), "--index", "$(REPLAYJOB_INDEX)"), spec.gpu,
-                     [field_env("REPLAYJOB_INDEX", f"metadata.annotations['{INDEX_ANNOTATION}']")])
-    body = {"suspend": True, "completionMode": "Indexed", "completions": spec.size,
-            "parallelism": min(spec.size, spec.parallelism), "backoffLimitPerIndex": 2, "maxFailedIndexes": 0}
-    return job(spec, "replay", body, pod_template(spec, "replay", cont, spec.gpu, run_id), run_id)
+def replay_files(spec: AblationSpec) -> list[str]:
+    """The replay Jobs' file names, in the order they run: ``replay.yaml`` when every replay runs
+    the same number of ranks, else ``replay-rN.yaml`` per rank count (ascending)."""
+    groups = spec.rank_groups()
+    return ["replay.yaml"] if len(groups) == 1 else [f"replay-r{n}.yaml" for n in groups]
+
+
+def replay_jobs(spec: AblationSpec, run_id: str | None = None) -> list[Doc]:
+    """One Indexed Job per rank count (:func:`replay_files`): index -> replay by ``replayjob step``."""
+    groups = spec.rank_groups()
+    out = []
+    for ranks, indexes in groups.items():
+        where = ["--index"] if len(groups) == 1 else ["--position"]  # the same number with a single group
+        cont = container(spec, step_command("replay", run_dir(spec), *where, "$(REPLAYJOB_INDEX)",
+                                            "--ranks", str(ranks)), spec.gpu,
+                         [field_env("REPLAYJOB_INDEX", f"metadata.annotations['{INDEX_ANNOTATION}']")], ranks)
+        body = {"suspend": True, "completionMode": "Indexed", "completions": len(indexes),
+                "parallelism": min(len(indexes), spec.parallelism), "backoffLimitPerIndex": 2,
+                "maxFailedIndexes": 0}
+        out.append(job(spec, "replay", body, pod_template(spec, "replay", cont, spec.gpu, run_id, ranks), run_id,
+                       "" if len(groups) == 1 else f"-r{ranks}"))
+    return out
 
 
 def reduce_job(spec: AblationSpec, run_id: str | None = None) -> Doc:
@@ -243,7 +283,8 @@ def reduce_job(spec: AblationSpec, run_id: str | None = None) -> Doc:
 def render(spec: AblationSpec, text: str, run_id: str | None = None) -> dict[str, Doc]:
     """File name -> manifest, in apply order, plus ``kustomization.yaml`` listing them."""
     files: dict[str, Doc] = {"spec.yaml": spec_config_map(spec, text, run_id), "pvc.yaml": pvc(spec),
-                             "capture.yaml": capture_job(spec, run_id), "replay.yaml": replay_job(spec, run_id),
+                             "capture.yaml": capture_job(spec, run_id),
+                             **dict(zip(replay_files(spec), replay_jobs(spec, run_id), strict=True)),
                              "reduce.yaml": reduce_job(spec, run_id)}
     files["kustomization.yaml"] = {"apiVersion": "kustomize.config.k8s.io/v1beta1",
                                    "kind": "Kustomization", "resources": list(files)}

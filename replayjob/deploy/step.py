@@ -28,12 +28,22 @@ Kubernetes Jobs, the Argo workflow, the Slurm jobs and ``scripts/local-mid-smoke
   spec, index -> (block, position, arm) in the schedule's run order, the repeat is the block and the
   replay records its slot (``replay --slot``), so every launcher's replays can be paired;
 * **budgets**: a spec's ``budgets`` file is pinned (``optimizer_batch.budgets_sha256``) in every
-  replay and decided by the reduce (``--budgets``, the first arm the baseline);
+  replay and decided by the reduce (``--budgets``; the first arm is always the baseline of the ratios);
+* **one reduce**: the reducer's request comes from the spec alone (``mixed_hardware`` included), plus
+  what a sequential experiment adds (``--blocks N``: the first N blocks, one look; ``--max-looks N``;
+  ``--report FILE``), so the funnel and the cluster launchers reduce alike;
 * **the expected arms**: the reducer is told every arm of the selection and the spec's minimum
   repeats, so a failed replay is missing evidence that is refused by name, never dropped; the reducer
   always runs once the fan-out has ended and always writes a verdict;
 * **the determinism environment**: a step started without ``DETERMINISM_ENV`` re-executes itself with
-  it (before torch is imported); a contradicting value is refused.
+  it (before torch is imported); a contradicting value is refused;
+* **ranks**: the step runs once per job; a capture or replay of N > 1 ranks (the spec's ``ranks``, an
+  arm's ``distributed.world_size``: :meth:`~replayjob.deploy.ablation.AblationSpec.ranks_for_index`)
+  is a child launch of N ranks through :func:`replayjob.distributed.launch_command` (``--launcher
+  torchrun``: in this process tree; ``srun``: the tasks of this Slurm allocation,
+  :mod:`replayjob.deploy.launch`), whose ranks' exit codes are merged; a launcher that names the
+  ranks it provisioned (``--ranks N``) is refused when the spec needs another number, and one with a
+  Job per rank count names a replay by its position among that count's (``--position``).
 
 Example:
     $ replayjob step capture --spec ablation.toml --run-dir /shared/runs/ab1
@@ -55,13 +65,12 @@ from typing import Any
 
 from replayjob import metrics
 from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec, Run, toml_value
-from replayjob.digest import sha256_json
+from replayjob.digest import is_sha256_hex, sha256_json
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError, UsageError
 
 RUN_SCHEMA = "replayjob.run/v1"
 RUN_RECORD = "run.json"
 IMAGE_ENV = "REPLAYJOB_IMAGE_REF"
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def select(spec: AblationSpec, arms: str | None = None, repeats: int | None = None,
@@ -94,11 +103,72 @@ def select(spec: AblationSpec, arms: str | None = None, repeats: int | None = No
 
 
 def plan_lines(spec: AblationSpec) -> list[str]:
-    """What a submitting script needs (Slurm's array size and throttle): one ``key=value`` each."""
+    """What a submitting script needs (Slurm's array size and throttle): one ``key=value`` each;
+    ``ranks`` is the capture's, and one ``replays=N:INDEXES`` line per rank count names the array
+    indexes (Slurm's ``--array`` syntax) whose replays run N ranks."""
     return [f"size={spec.size}", f"parallelism={spec.parallelism}",
             "arms=" + ",".join(a.name for a in spec.arms), f"claim={spec.claim}",
             f"min_repeats={spec.effective_min_repeats}", f"device={spec.device}",
-            f"schedule={spec.schedule or 'none'}"]
+            f"schedule={spec.schedule or 'none'}", f"ranks={spec.ranks}",
+            *(f"replays={n}:{index_ranges(ix)}" for n, ix in spec.rank_groups().items())]
+
+
+def index_ranges(indexes: Sequence[int]) -> str:
+    """Ascending indexes as ranges: ``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    runs: list[list[int]] = []
+    for i in indexes:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def plan_file(ranks: int | None = None) -> str:
+    """The ``--outputs`` file listing every array index (``plan.json``), or those whose replays run
+    ``ranks`` ranks (``plan-rN.json``; what a launcher with one replay template per count fans out)."""
+    return "plan.json" if ranks is None else f"plan-r{ranks}.json"
+
+
+def _check_ranks(what: str, needed: int, provisioned: int | None) -> None:
+    if provisioned is not None and provisioned != needed:
+        raise ContractError(f"{what} runs {needed} rank(s) by the spec, but the launcher provisioned {provisioned}",
+                            where="--ranks", hint="render the launcher's manifests or jobs again from this spec "
+                                                  "(replayjob k8s render; scripts/slurm/submit.sh)")
+
+
+def resolve_index(spec: AblationSpec, index: int | None, position: int | None, ranks: int | None) -> int:
+    """The array index of one replay: ``index``, or the ``position``-th of those that run ``ranks``
+    ranks; refused unless that replay runs exactly ``ranks`` ranks (when given)."""
+    if position is not None:
+        groups = spec.rank_groups()
+        if ranks is None:
+            raise UsageError("--position counts among the replays of --ranks N ranks: give --ranks")
+        if ranks not in groups:
+            raise ContractError(f"no replay of this spec runs {ranks} rank(s); its replays run "
+                                + ", ".join(str(n) for n in groups), where="--ranks",
+                                hint="render the launcher's manifests again from this spec (replayjob k8s render)")
+        if not 0 <= position < len(groups[ranks]):
+            raise UsageError(f"--position {position} is outside 0..{len(groups[ranks]) - 1} "
+                             f"(the replays of {ranks} rank(s))")
+        return groups[ranks][position]
+    if index is None:
+        raise UsageError("step replay needs --index I (or --position K with --ranks N)")
+    run = spec.run_for_index(index)
+    _check_ranks(f"index {index} (arm {run.arm})", spec.ranks_for_index(index), ranks)
+    return index
+
+
+def launch_ranks(nproc: int, argv: Sequence[str], launcher: str, where: Path) -> None:
+    """``replayjob ARGV`` on ``nproc`` ranks (:func:`replayjob.distributed.run_launched`); a failed
+    launch is raised with the merged exit code of its ranks."""
+    from replayjob import distributed
+    from replayjob.errors import error_for_exit_status
+
+    code, tail = distributed.run_launched(nproc, argv, launcher=launcher)
+    if code != 0:
+        raise error_for_exit_status(code)(f"{nproc} ranks of `replayjob {argv[0]}` exited with status {code}: "
+                                          f"{tail[-2000:]}", where=where)
 
 
 @dataclass(frozen=True)
@@ -228,13 +298,16 @@ def read_pins(source: Path) -> tuple[str, str, Path]:
 
 def _parse_pins(text: str) -> tuple[str, str]:
     parts = [p.strip().lower() for p in text.split(",")]
-    if len(parts) != 2 or not all(_HEX64.match(p) for p in parts):
+    if len(parts) != 2 or not all(is_sha256_hex(p) for p in parts):
         raise UsageError(f"--pins expects LOGICAL,MANIFEST (two 64-digit hex digests), got {text[:140]!r}")
     return parts[0], parts[1]
 
 
-def _plants(spec: AblationSpec, plants: Sequence[str]) -> dict[str, list[str]]:
-    """``--plant ARM:SETTING=VALUE``: negative controls, an undeclared override in one arm's replays."""
+def parse_plants(spec: AblationSpec, plants: Sequence[str]) -> dict[str, list[str]]:
+    """``--plant ARM:SETTING=VALUE``: negative controls, an undeclared override in one arm's replays.
+
+    The one check of them: ``step replay`` applies them, ``step plan`` validates them for a submitting
+    script (``scripts/slurm/submit.sh``) before anything is submitted (a bad one is exit 2)."""
     out: dict[str, list[str]] = {}
     for plant in plants:
         arm, sep, kv = plant.partition(":")
@@ -245,11 +318,15 @@ def _plants(spec: AblationSpec, plants: Sequence[str]) -> dict[str, list[str]]:
     return out
 
 
-def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None, log: Any = print) -> None:
-    """Init the workspace (when the run owns it), capture into ``RUN/source`` unless it is complete,
-    and publish the pins and the fan-out plan under ``outputs`` (Argo output parameters)."""
+def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None, log: Any = print, *,
+                 ranks: int | None = None, launcher: str = "torchrun") -> None:
+    """Init the workspace (when the run owns it), capture into ``RUN/source`` unless it is complete
+    (on the spec's ``ranks`` ranks), and publish the pins and the fan-out plan under ``outputs``
+    (Argo output parameters)."""
     from replayjob.fsio import atomic_write_text
 
+    _check_launcher(launcher)
+    _check_ranks("the capture", spec.ranks, ranks)
     check_run_record(layout, spec)
     if not (layout.workspace / "replay.toml").is_file():
         if not layout.owns_workspace:
@@ -265,19 +342,32 @@ def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None
         raise RefusedError(f"the capture given with --source is not complete (no {metrics.SOURCE_FILE})",
                            where=layout.source)
     else:
-        from replayjob.source_run import capture
-
         _set_aside(layout.source, layout, log)
         sets = [*spec.config_sets()]
-        capture(layout.workspace / "source.toml", sets, layout.source)
-        log(f"step: captured into {layout.source}")
+        if spec.ranks == 1:
+            from replayjob.source_run import capture
+
+            capture(layout.workspace / "source.toml", sets, layout.source)
+        else:
+            launch_ranks(spec.ranks, ["capture", str(layout.workspace / "source.toml"), "--out", str(layout.source),
+                                      *(w for kv in sets for w in ("--set", kv))], launcher, layout.source)
+        log(f"step: captured into {layout.source}" + (f" on {spec.ranks} ranks ({launcher})" if spec.ranks > 1 else ""))
     logical, manifest, _ = read_pins(layout.source)
     log(f"{metrics.LOGICAL} {logical}\n{metrics.MANIFEST} {manifest}")
     if outputs is not None:
         atomic_write_text(outputs / "logical_sha256", logical)
         atomic_write_text(outputs / "manifest_sha256", manifest)
         atomic_write_text(outputs / "pins", f"{logical},{manifest}")
-        atomic_write_text(outputs / "plan.json", "[" + ", ".join(str(r.index) for r in spec.runs()) + "]")
+        atomic_write_text(outputs / plan_file(), "[" + ", ".join(str(r.index) for r in spec.runs()) + "]")
+        for n, indexes in spec.rank_groups().items():
+            atomic_write_text(outputs / plan_file(n), "[" + ", ".join(map(str, indexes)) + "]")
+
+
+def _check_launcher(launcher: str) -> None:
+    from replayjob.deploy.launch import LAUNCHERS
+
+    if launcher not in LAUNCHERS:
+        raise UsageError(f"--launcher {launcher!r} is not a launcher; use one of: " + ", ".join(LAUNCHERS))
 
 
 def replay_args(spec: AblationSpec, layout: Layout, run: Run, logical: str, manifest: str,
@@ -305,10 +395,13 @@ def budgets_pin(spec: AblationSpec) -> str:
 
 
 def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | None = None,
-                plants: Sequence[str] = (), wait_s: float = 0, log: Any = print) -> None:
-    """One replay: index -> (arm, repeat), strict pins, ``RUN/replays/ARM/REPEAT`` (reused if complete)."""
+                plants: Sequence[str] = (), wait_s: float = 0, log: Any = print, launcher: str = "torchrun") -> None:
+    """One replay: index -> (arm, repeat), strict pins, ``RUN/replays/ARM/REPEAT`` (reused if complete),
+    on the ranks its arm runs."""
+    _check_launcher(launcher)
     run = spec.run_for_index(index)
-    planted = _plants(spec, plants).get(run.arm, [])
+    nproc = spec.ranks_for_index(index)
+    planted = parse_plants(spec, plants).get(run.arm, [])
     check_run_record(layout, spec)
     _wait_for(layout.source / metrics.SOURCE_FILE, wait_s, "the capture", log)
     logical, manifest, manifest_file = read_pins(layout.source)
@@ -318,7 +411,8 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
                             hint="the run directory holds another capture; give the run a new run directory")
     out = layout.replay(run.arm, run.repeat)
     where = f" (schedule slot {run.slot.arg()})" if run.slot is not None else ""
-    log(f"step: index {index} is arm {run.arm} repeat {run.repeat}{where} -> {out}")
+    on = f" on {nproc} ranks ({launcher})" if nproc > 1 else ""
+    log(f"step: index {index} is arm {run.arm} repeat {run.repeat}{where}{on} -> {out}")
     if (out / metrics.REPLAY_FILE).is_file():
         log(f"step: {out} is complete; reusing it")
         return
@@ -329,36 +423,50 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
 
     for path, m in replay_command(layout.workspace / "replay.toml",
                                   replay_args(spec, layout, run, logical, manifest, manifest_file, planted),
-                                  out, None, run.repeat, run.slot):
+                                  out, None, run.repeat, run.slot, nproc=nproc, launcher=launcher):
         log(f"step: replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}; wrote "
             f"{path}/{metrics.REPLAY_FILE}")
 
 
-def expected_files(spec: AblationSpec, layout: Layout) -> Iterator[Path]:
+def expected_files(spec: AblationSpec, layout: Layout, blocks: int | None = None) -> Iterator[Path]:
+    """Every replay's metrics file, or those of the first ``blocks`` repeats (paired blocks) of each arm."""
     for run in spec.runs():
-        yield layout.replay(run.arm, run.repeat) / metrics.REPLAY_FILE
+        if blocks is None or run.repeat < blocks:
+            yield layout.replay(run.arm, run.repeat) / metrics.REPLAY_FILE
 
 
 def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, outputs: Path | None = None,
+                blocks: int | None = None, report: Path | None = None, max_looks: int = 1,
                 log: Any = print) -> Any:
     """Reduce every replay of the run against the capture, for every arm of the selection; always
-    writes ``RUN/verdict.json`` (refused when evidence is missing).  Returns the verdict."""
+    writes ``RUN/verdict.json`` (refused when evidence is missing).  Returns the verdict.
+
+    Everything the reducer is told comes from the spec (claim, arms and their plan, minimum repeats,
+    ``mixed_hardware``, budgets; the first arm is the baseline of the ratios), so every launcher
+    reduces alike.  ``blocks`` reduces only the first N repeats of each arm (one look of a sequential
+    experiment, ``funnel --until-decided``); ``report`` also writes the markdown report (and PNG);
+    ``max_looks`` is the budgets' alpha spending (the most looks the experiment may take)."""
     from replayjob.gate.reducer import Request, reduce_evidence
 
+    if blocks is not None and not 1 <= blocks <= spec.repeats:
+        raise UsageError(f"--blocks must be between 1 and the selection's {spec.repeats} repeats, got {blocks}")
     check_run_record(layout, spec, create=False)
     deadline = time.monotonic() + wait_s
-    for path in expected_files(spec, layout):
+    for path in expected_files(spec, layout, blocks):
         if not _wait_for(path, max(0.0, deadline - time.monotonic()), "every replay", log):
             break
-    missing = [str(p.parent.relative_to(layout.run)) for p in expected_files(spec, layout) if not p.is_file()]
+    expected = list(expected_files(spec, layout, blocks))
+    missing = [str(p.parent.relative_to(layout.run)) for p in expected if not p.is_file()]
     if missing:
         log(f"step: {len(missing)} replay(s) left no {metrics.REPLAY_FILE}: {', '.join(missing)}")
     layout.replays.mkdir(parents=True, exist_ok=True)
+    # one look reads only its blocks' replays, even where later blocks already ran
+    paths = [str(layout.replays)] if blocks is None else [str(p) for p in expected if p.is_file()]
     verdict = reduce_evidence(Request(
-        paths=[str(layout.replays)], claim=spec.claim, out=layout.verdict, source=layout.source,
+        paths=paths, claim=spec.claim, out=layout.verdict, source=layout.source,
         min_repeats=spec.effective_min_repeats, arms=tuple(a.name for a in spec.arms), spec=spec,
         mixed_hardware=spec.mixed_hardware, budgets=Path(spec.budgets) if spec.budgets else None,
-        baseline=spec.arms[0].name if spec.budgets else None))
+        baseline=spec.arms[0].name, report=report, max_looks=max_looks))
     log(verdict.summary())
     log(f"step: wrote {layout.verdict}")
     if outputs is not None:

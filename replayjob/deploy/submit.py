@@ -7,8 +7,9 @@ another run is ever reused.  The namespace is ``--namespace``, else the kubeconf
 the pod's own (in cluster), else ``default``.
 
 Stages: the spec ConfigMap and the PVC (kept if it exists), the capture Job; only after the capture
-succeeded, the replay Job (every arm and repeat, the spec's ``parallelism`` across all of them), so
-replays never hold GPUs the capture needs; once the replays ended, however they ended, the reduce
+succeeded, the replay Job (every arm and repeat, the spec's ``parallelism`` across all of them; one
+Job per rank count, one after another, when arms run different numbers of ranks), so replays never
+hold GPUs the capture needs; once the replays ended, however they ended, the reduce
 Job, which always writes a verdict (refused when replays are missing).  Within the replay Job a
 replay that fails for good stops its siblings (``maxFailedIndexes: 0``).  Without ``wait`` the
 command returns once the reduce Job exists; with ``wait`` it waits for it and returns its code.
@@ -169,7 +170,8 @@ def submit(spec: AblationSpec, text: str, namespace: str | None, *, wait: bool, 
     api.create(ns, files["spec.yaml"])
     if api.create(ns, files["pvc.yaml"], exist_ok=True):
         log(f"created persistentvolumeclaim/{spec.claim_name}")
-    stages = [files[n] for n in ("capture.yaml", "replay.yaml", "reduce.yaml")]
+    replays = [files[n] for n in k8s.replay_files(spec)]  # one per rank count, one after another
+    stages = [files["capture.yaml"], *replays, files["reduce.yaml"]]
     for body in stages:
         body["spec"]["suspend"] = False  # this stage's turn has come
         name = body["metadata"]["name"]
@@ -180,9 +182,9 @@ def submit(spec: AblationSpec, text: str, namespace: str | None, *, wait: bool, 
         state, reason = _wait(api, ns, name, poll_s, log)
         if state == "Failed" and body is stages[0]:
             raise _failure(api, ns, name, reason)  # no capture, no replays
-        if state == "Failed" and body is stages[1]:
+        if state == "Failed" and any(body is r for r in replays):
             log(f"submit: job {name} failed ({reason}); the reducer judges the missing replays")
-        if state == "Failed" and body is stages[2]:
+        if state == "Failed" and body is stages[-1]:
             raise _failure(api, ns, name, reason)
     log(f"verdict: {k8s.MOUNT}/runs/{spec.name}/{run_id}/verdict.json on PVC {spec.claim_name}")
     return EXIT_OK

@@ -191,10 +191,10 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
     ``effective``, ``initial_adapter``) and its producer (``framework``: ``replayjob`` for the
     built-in trainer's manifest, else the external trainer it records): a replay whose recorded
     payload, manifest or logical pin names another capture, a replay of another producer, or source
-    metrics that disagree with their manifest, is refused.
+    metrics that disagree with their manifest, is refused.  The source's own manifest digest is not
+    a row: the manifest was found and verified by it (a mismatch is refused before this check).
     """
-    values = [(f"source {k}", getattr(source, k), capture[k])
-              for k in ("manifest", "logical", "effective", "initial_adapter")]
+    values = [(f"source {k}", getattr(source, k), capture[k]) for k in ("logical", "effective", "initial_adapter")]
     for r in replays:
         values += [(f"{r.label} manifest", r.manifest, capture["manifest"]),
                    (f"{r.label} manifest pin", r.pin_manifest, capture["manifest"]),
@@ -299,11 +299,13 @@ def knobs_in_effect_check(arms: dict[str, Arm], source: Source | None) -> Check:
     return Check("exact.knobs_in_effect", "exact-input", FAIL if off else PASS, expected, observed,
                  "each registered knob's value observed at run time (from the built model or the update) equals "
                  "the arm's intended value: its override (from --spec, else as declared), else the source's; "
-                 "training.micro_batch_size is expected as min(value, rows)", off)
+                 "training.micro_batch_size is expected as min(value, ceil(rows / distributed.world_size))", off)
 
 
-def _disk_sha(path: Path) -> str | None:
+def _disk_sha(path: Path | None) -> str | None:
     """SHA-256 of a regular file (devices and FIFOs refused); ``None`` when unreadable."""
+    if path is None:
+        return None
     try:
         return sha256_file(path)
     except ReplayjobError:
@@ -312,8 +314,8 @@ def _disk_sha(path: Path) -> str | None:
 
 def on_disk_check(replays: list[Replay], source: Source | None) -> Check:
     """Recompute every final adapter's SHA-256 from its file; one that does not match is refused."""
-    members: list[tuple[str, Path, str]] = [(r.label, r.final_adapter_file, r.final_adapter) for r in replays]
-    if source is not None:
+    members = [(r.label, r.final_adapter_file, r.final_adapter) for r in replays]
+    if source is not None and source.final_adapter_file is not None:  # a captured step keeps only the SHA-256
         members.insert(0, ("source", source.final_adapter_file, source.final_adapter))
     mismatched: dict[str, Any] = {}
     for label, path, reported in members:

@@ -28,6 +28,7 @@ from replayjob.errors import RefusedError, UsageError
 from replayjob.gate import budgets as B
 from replayjob.gate import claims as C
 from replayjob.gate import gradients, stats, updates, verdict
+from replayjob.metrics import MANIFEST
 
 if TYPE_CHECKING:
     from replayjob.deploy.ablation import AblationSpec
@@ -64,6 +65,7 @@ class Request:
     spec: AblationSpec | None = None  # the ablation spec (--spec): arms and their overrides come from the plan
     budgets: Path | None = None
     max_looks: int = 1
+    source_step: int | None = None  # compare with this captured step of the source run (--source-step)
 
 
 class _State:
@@ -118,7 +120,11 @@ def _evaluate(req: Request, st: _State) -> None:
                          hint="pin its SHA-256 in [optimizer_batch] tolerances_sha256 before the runs")
     if req.baseline is not None and req.baseline not in st.arms and req.baseline not in (req.arms or ()):
         raise UsageError(f"baseline arm {req.baseline!r} is not among the arms: {', '.join(st.arms)}")
-    st.source = read_source(req.source) if req.source is not None else None
+    if req.source_step is not None and req.claim == "approximate":
+        raise UsageError("the approximate claim reads the source's final adapter file, and a captured step keeps "
+                         "only its SHA-256", where="--source-step",
+                         hint="use exact-input or bitwise for a captured step, or capture it as a one-step run")
+    st.source = read_source(req.source, req.source_step) if req.source is not None else None
     st.tolerances = read_tolerances(req.tolerances) if req.tolerances is not None else None
     _read_budgets(req, st)
     st.checks = C.input_checks(st.replays, st.arms, st.source, req.min_repeats, expected_arms)
@@ -164,20 +170,20 @@ def _budget_section(req: Request, st: _State, admitted: bool, base: Path) -> dic
 
 
 def _capture_manifest(source: Source) -> Manifest | IntegrationManifest:
-    """The capture manifest next to the source metrics, verified against the SHA-256 they report: the
-    built-in trainer's (:mod:`replayjob.optbatch.manifest`) or an external trainer's
+    """The capture manifest the source metrics name, verified against the SHA-256 they report (its
+    bytes are read and hashed once): the built-in trainer's (:mod:`replayjob.optbatch.manifest`, or the
+    root of a capture over ranks, :mod:`replayjob.optbatch.ranks`) or an external trainer's
     (:mod:`replayjob.integrations.manifest`), told apart by its schema after the bytes matched the pin."""
     from replayjob.integrations import manifest as imanifest
+    from replayjob.optbatch import ranks
     from replayjob.optbatch.manifest import Manifest, read_pinned, validate
 
-    d = source.path.parent
-    manifests = [m for m in sorted(d.glob("*.manifest.json")) if sha256_file(m) == source.manifest]
-    if not manifests:
-        raise RefusedError("no capture manifest with the SHA-256 the source metrics report", where=d,
-                           hint="keep the capture run's *.manifest.json next to its metrics.json")
-    path, sha, doc = read_pinned(manifests[0], source.manifest, hint="keep the capture's manifest")
+    path, sha, doc = read_pinned(source.manifest_file, source.manifest, pin_name=f"{source.path}'s {MANIFEST}",
+                                 hint="keep the capture run's manifest next to its metrics.json, unchanged")
     if isinstance(doc, dict) and doc.get("schema") == imanifest.SCHEMA:
         return imanifest.Manifest(path, sha, imanifest.validate(doc, path))
+    if isinstance(doc, dict) and doc.get("schema") == ranks.SCHEMA:  # a capture over ranks: its root
+        return ranks.RootManifest(path, sha, ranks.validate(doc, path))
     return Manifest(path, sha, validate(doc, path))
 
 
@@ -193,7 +199,7 @@ def _initial_adapter(source: Source, man: Manifest | IntegrationManifest) -> Pat
         raise RefusedError("the initial adapter pinned by the capture manifest is missing or changed", where=f,
                            hint="keep the capture's files together")
     pinned = man.doc["initial_adapter"]
-    raw = Path(str(pinned["path"]))
+    raw = Path(str(pinned["path"])).expanduser()  # recorded by redact_path: the home directory as ~
     candidates = [raw] if raw.is_absolute() else [Path.cwd() / raw, man.path.parent / raw]
     for c in candidates:
         if c.is_file() and sha256_file(c) == pinned["sha256"] == source.initial_adapter:
@@ -216,6 +222,7 @@ def _approximate(st: _State) -> None:
     assert st.capture is not None  # read with the source
     initial = _initial_adapter(st.source, st.capture)
     st.initial = {"path": initial, "sha256": st.source.initial_adapter}
+    assert st.source.final_adapter_file is not None  # a captured step's source is refused above
     members = [updates.Member("source", "source", st.source.final_adapter_file)]
     members += [updates.Member(r.label, r.arm, r.final_adapter_file) for r in st.replays]
     pairs = updates.pairwise(initial, members)

@@ -183,7 +183,20 @@ def _check_payload(adm: Admission, m: Manifest, tensors: dict[str, torch.Tensor]
     if effective != m.effective_sha256:
         adm.refuse(f"payload RNG and accumulation settings hash to {effective}, the manifest says "
                    f"{m.effective_sha256}", integrity=True)
+    _check_nonfinite(adm, m, mbs)
     adm.micro_batches = mbs
+
+
+def _check_nonfinite(adm: Admission, m: Manifest, mbs: list[cap.MicroBatch]) -> None:
+    """Inputs holding NaN/Inf replay only when the manifest flags them and the config opts in."""
+    assert adm.cfg is not None
+    found, flagged = cap.has_nonfinite(mbs), bool(m.doc["rows"].get("nonfinite_inputs", False))
+    if found != flagged:
+        adm.refuse(f"{m.file('payload')}: the inputs {'hold' if found else 'hold no'} non-finite values but the "
+                   f"manifest's rows.nonfinite_inputs says {str(flagged).lower()}", integrity=True)
+    elif found and not adm.cfg.optimizer_batch.allow_nonfinite_inputs:
+        adm.refuse("the capture's inputs hold non-finite values (flagged rows.nonfinite_inputs); replay them only "
+                   "with optimizer_batch.allow_nonfinite_inputs = true")
 
 
 def _check_artifacts(adm: Admission) -> None:

@@ -22,6 +22,10 @@ local directory only), the redacted config and contract, and the adapter after t
 File discipline: everything is held in memory until :meth:`StepCapture.finish`, which writes the
 safetensors files, then the manifest (exclusively, last), then ``final_adapter/``, ``metrics.json``
 and a ready ``replay.toml`` with the pins filled in.  A step that never finishes writes nothing.
+
+Several steps of one run: :class:`ChosenSteps` hands out one :class:`StepCapture` per chosen step
+(each writes its files and ``replay_step_<K:06d>.toml``) and, at :meth:`ChosenSteps.close`, writes
+``metrics.json`` once with every captured step's pins (the ``optimizer_batch/steps`` record).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import copy
 import importlib.metadata
 import json
+import math
 import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -41,10 +46,12 @@ import replayjob
 from replayjob import determinism
 from replayjob import metrics as metrics_io
 from replayjob.config import redact
+from replayjob.config.redact import redact_path
 from replayjob.digest import sha256_bytes, sha256_file, sha256_json
-from replayjob.errors import ArtifactExistsError, ContractError, RefusedError
+from replayjob.errors import ArtifactExistsError, ContractError, RefusedError, UsageError
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.integrations import manifest as imanifest
+from replayjob.optbatch.manifest import replay_config_name
 from replayjob.rl.state import rng_tensors
 
 FINAL_ADAPTER_FILE = "final_adapter/adapter_model.safetensors"
@@ -93,7 +100,7 @@ def base_model_identity(path: str | Path) -> dict[str, Any]:
                            + (f" (found only pickle-based {pickled}, which replayjob never loads)" if pickled else ""),
                            where=d, hint="save the model with save_pretrained(dir, safe_serialization=True)")
     files = {n: sha256_file(d / n) for n in names}
-    return {"path": str(d.resolve()), "files": files, "sha256": sha256_json(files)}
+    return {"path": redact_path(d.resolve()), "files": files, "sha256": sha256_json(files)}
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -189,10 +196,18 @@ def batch_rows(mbs: list[MicroBatch]) -> int:
     return sum(max([int(t.shape[0]) for t in m.inputs.values() if t.dim() > 0] + [1]) for m in mbs)
 
 
-def rows_summary(mbs: list[MicroBatch]) -> dict[str, int]:
+def has_nonfinite(mbs: list[MicroBatch]) -> bool:
+    """True when a floating-point input tensor of a micro-batch holds NaN or Inf."""
+    return any(t.is_floating_point() and not bool(torch.isfinite(t).all())
+               for m in mbs for t in (*m.inputs.values(), *m.call.values()))
+
+
+def rows_summary(mbs: list[MicroBatch]) -> dict[str, int | bool]:
+    """The manifest's ``rows``: sizes, and ``nonfinite_inputs`` (a float input holds NaN/Inf)."""
     ts = [t for m in mbs for t in (*m.inputs.values(), *m.call.values())]
     return {"rows": batch_rows(mbs), "micro_batches": len(mbs), "tensors": len(ts),
-            "elements": sum(t.numel() for t in ts), "bytes": sum(t.numel() * t.element_size() for t in ts)}
+            "elements": sum(t.numel() for t in ts), "bytes": sum(t.numel() * t.element_size() for t in ts),
+            "nonfinite_inputs": has_nonfinite(mbs)}
 
 
 def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -257,13 +272,55 @@ def save_adapter(path: Path, model: torch.nn.Module) -> str:
     Capture (after the real update) and replay write the final adapter through this one function,
     so equal parameters give equal files.
     """
-    data = safetensors_bytes(trainable_parameters(model), "adapter")
+    data = adapter_file_bytes(model)
     atomic_write_bytes(path, data, exclusive=True)
     return sha256_bytes(data)
 
 
+def adapter_file_bytes(model: torch.nn.Module) -> bytes:
+    """The trainable parameters as the bytes :func:`save_adapter` writes (what a final adapter SHA-256 covers)."""
+    return safetensors_bytes(trainable_parameters(model), "adapter")
+
+
 def _toml_string(s: str) -> str:
     return json.dumps(s)  # a JSON string is a valid TOML basic string
+
+
+def capture_config(config: dict[str, Any], stack: Iterable[str]) -> dict[str, Any]:
+    """The config a capture records: the caller's, with the installed ``stack`` versions, redacted."""
+    out: dict[str, Any] = redact({**config, "stack": versions(stack)})
+    return out
+
+
+def capture_file_names(step: int, *, several: bool) -> list[str]:
+    """Every name a capture of ``step`` creates: one step alone (``several`` false) also writes
+    ``final_adapter/``, ``metrics.json`` and ``replay.toml``; one of several chosen steps writes its
+    ``replay_step_<K:06d>.toml`` (metrics.json, shared by the steps, is checked once by the caller)."""
+    names = list(imanifest.file_names(step).values())
+    return names + ([replay_config_name(step)] if several else [METRICS_FILE, REPLAY_TOML, FINAL_ADAPTER_FILE])
+
+
+def refuse_existing(out_dir: Path, names: Iterable[str]) -> None:
+    """Refuse (before any work) when one of ``names`` already exists in ``out_dir``: never overwritten."""
+    for name in names:
+        if (out_dir / name).exists():
+            raise ArtifactExistsError("a capture already exists here", where=out_dir / name,
+                                      hint="choose a new output directory")
+
+
+def chosen_steps(steps: Any) -> tuple[int, ...]:
+    """Validate a list of chosen steps: integers >= 0, no duplicates, at least one; returned in order."""
+    if isinstance(steps, str | bytes) or not isinstance(steps, Iterable):
+        raise UsageError(f"steps must be a list of step numbers, found {steps!r}", where="steps")
+    ks = list(steps)
+    bad = [k for k in ks if isinstance(k, bool) or not isinstance(k, int) or k < 0]
+    if bad or not ks:
+        raise UsageError(f"steps must be integers >= 0 (0-based optimizer steps), found {ks!r}", where="steps",
+                         hint="e.g. steps=[1, 3]")
+    dup = sorted({k for k in ks if ks.count(k) > 1})
+    if dup:
+        raise UsageError(f"steps {dup} are listed more than once", where="steps", hint="list each step once")
+    return tuple(sorted(ks))
 
 
 # -- the capture ------------------------------------------------------------------------------------
@@ -296,12 +353,17 @@ class StepCapture:
         framework_state: JSON the framework needs to stand its trainer at this step.
         entry: framework ``"torch"``: the replay target ``FILE.py:function`` (see
             :mod:`replayjob.integrations.torch_loop`); its file is pinned by SHA-256.
+        several: one of several chosen steps (:class:`ChosenSteps` sets it): ``finish`` writes
+            ``replay_step_<K:06d>.toml`` and neither ``final_adapter/`` nor ``metrics.json``; its
+            result's ``metrics`` is the step's entry for the shared metrics.json.
+        base_model: the identity :func:`base_model_identity` already computed for ``base_model_dir``
+            (several steps hash the base model once).
     """
 
     def __init__(self, out_dir: str | Path, *, step: int, framework: str, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: Any, base_model_dir: str | Path,
                  config: dict[str, Any], framework_state: dict[str, Any] | None = None, stack: Iterable[str] = STACK,
-                 entry: str = ""):
+                 entry: str = "", several: bool = False, base_model: dict[str, Any] | None = None):
         from replayjob.integrations import FRAMEWORKS
 
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -311,16 +373,17 @@ class StepCapture:
                                hint="one of: " + ", ".join(sorted(FRAMEWORKS)))
         self.out_dir = Path(out_dir)
         self.names = imanifest.file_names(step)
-        for name in (*self.names.values(), METRICS_FILE, REPLAY_TOML, FINAL_ADAPTER_FILE):
-            if (self.out_dir / name).exists():
-                raise ArtifactExistsError("a capture already exists here", where=self.out_dir / name,
-                                          hint="choose a new output directory")
+        refuse_existing(self.out_dir, capture_file_names(step, several=several))
+        self.several = several
+        self.replay_name = replay_config_name(step) if several else REPLAY_TOML
         self.step, self.framework = step, framework
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         if not trainable_parameters(model):
             raise CaptureError("the model has no trainable parameters", where="model")
-        self.base_model = base_model_identity(base_model_dir)  # hashed now: refused before any training
-        self.config: dict[str, Any] = redact({**config, "stack": versions(stack)})
+        # hashed now: refused before any training
+        self.base_model = base_model if base_model is not None else base_model_identity(base_model_dir)
+        self.base_model_dir = Path(base_model_dir).resolve()  # the replay config names it as it is
+        self.config = capture_config(config, stack)
         from replayjob.integrations import framework_module
 
         # the framework module's own contract function, the one admission applies to the replay's config
@@ -377,12 +440,20 @@ class StepCapture:
 
     def finish(self, *, grad_norm: float | None = None) -> CaptureResult:
         """After the real update: write payload, adapter and optimizer files, the manifest (last),
-        the final adapter, metrics.json and replay.toml; return the pins."""
+        the final adapter, metrics.json and replay.toml (one of several steps: its replay_step_<K>.toml,
+        the final adapter only hashed); return the pins."""
         if not self.active or self._optimizer is None or self._adapter is None:
             raise CaptureError("finish() without begin()", where="StepCapture.finish")
         if not self.micro_batches:
             raise CaptureError(f"no micro-batch was recorded at step {self.step}", where="StepCapture.finish",
                                hint="call record() right before each loss call of the step")
+        finite = math.isfinite(self.loss) and (grad_norm is None or math.isfinite(float(grad_norm)))
+        if not finite and not self.several:
+            raise CaptureError(f"step {self.step}'s loss or gradient norm is not finite (loss {self.loss!r}, grad "
+                               f"norm {grad_norm!r}); a one-step capture's metrics.json records finite values",
+                               where="StepCapture.finish",
+                               hint="capture it as one of several steps (steps=[...]): that record leaves a "
+                                    "non-finite loss or gradient norm null")
         out, names = self.out_dir, self.names
         trainable = list(self._adapter)
         payload: dict[str, torch.Tensor] = {}
@@ -399,6 +470,7 @@ class StepCapture:
             files[role] = {"file": names[role], "size": len(data), "sha256": sha256_bytes(data)}
         logical = logical_digest(self.micro_batches)
         effective = effective_digest(self.micro_batches, logical)
+        rows = rows_summary(self.micro_batches)
         doc = {
             "schema": imanifest.SCHEMA, "framework": self.framework, "step": self.step,
             "producer": {"replayjob": replayjob.__version__, "python": platform.python_version(),
@@ -406,7 +478,7 @@ class StepCapture:
                          "versions": self.config["stack"], "determinism": determinism.snapshot()},
             "files": files, "micro_batches": [m.entry() for m in self.micro_batches],
             "optimizer": opt_doc, "trainable": trainable, "framework_state": self.framework_state,
-            "rows": rows_summary(self.micro_batches),
+            "rows": rows,
             "logical_batch_sha256": logical, "local_effective_rows_sha256": effective,
             "config": {"sha256": sha256_json(self.config), "resolved": self.config},
             "contract": {"sha256": sha256_json(self.contract), "value": self.contract},
@@ -414,18 +486,30 @@ class StepCapture:
         }
         manifest_path = out / names["manifest"]
         manifest_sha = imanifest.write(manifest_path, doc)
-        final_sha = save_adapter(out / FINAL_ADAPTER_FILE, self.model)
-        metrics = {
-            "schema": metrics_io.SOURCE_SCHEMA, metrics_io.FRAMEWORK: self.framework, metrics_io.STEP: self.step,
-            metrics_io.LOGICAL: logical, metrics_io.EFFECTIVE: effective, metrics_io.MANIFEST: manifest_sha,
-            metrics_io.INITIAL_ADAPTER: files["adapter"]["sha256"],
-            metrics_io.FINAL_ADAPTER: final_sha, metrics_io.FINAL_ADAPTER_PATH: FINAL_ADAPTER_FILE,
-            metrics_io.MANIFEST_PATH: names["manifest"],
-            "loss": self.loss, "grad_norm": None if grad_norm is None else float(grad_norm),
-            "config": self.config,
-        }
-        metrics_io.write(out / METRICS_FILE, metrics, exclusive=True)
-        replay_toml = out / REPLAY_TOML
+        loss = self.loss if math.isfinite(self.loss) else None  # strict JSON has no NaN: null in a step record
+        grad = None if grad_norm is None or not math.isfinite(float(grad_norm)) else float(grad_norm)
+        metrics: dict[str, Any]
+        if self.several:  # the adapter after the real update, hashed in the bytes save_adapter writes
+            final_sha = sha256_bytes(adapter_file_bytes(self.model))
+            metrics = {
+                metrics_io.STEP: self.step, metrics_io.STEP_MANIFEST_PATH: names["manifest"],
+                metrics_io.STEP_MANIFEST: manifest_sha, metrics_io.STEP_LOGICAL: logical,
+                metrics_io.STEP_EFFECTIVE: effective, metrics_io.STEP_INITIAL_ADAPTER: files["adapter"]["sha256"],
+                metrics_io.STEP_FINAL_ADAPTER: final_sha, metrics_io.STEP_REPLAY_CONFIG: self.replay_name,
+                metrics_io.STEP_NONFINITE: rows["nonfinite_inputs"],
+                metrics_io.STEP_LOSS: loss, metrics_io.STEP_GRAD_NORM: grad,
+            }
+        else:
+            final_sha = save_adapter(out / FINAL_ADAPTER_FILE, self.model)
+            metrics = {
+                "schema": metrics_io.SOURCE_SCHEMA, metrics_io.FRAMEWORK: self.framework,
+                metrics_io.STEP: self.step, metrics_io.LOGICAL: logical, metrics_io.EFFECTIVE: effective,
+                metrics_io.MANIFEST: manifest_sha, metrics_io.INITIAL_ADAPTER: files["adapter"]["sha256"],
+                metrics_io.FINAL_ADAPTER: final_sha, metrics_io.FINAL_ADAPTER_PATH: FINAL_ADAPTER_FILE,
+                metrics_io.MANIFEST_PATH: names["manifest"], "loss": loss, "grad_norm": grad, "config": self.config,
+            }
+            metrics_io.write(out / METRICS_FILE, metrics, exclusive=True)
+        replay_toml = out / self.replay_name
         atomic_write_text(replay_toml, self._replay_toml(manifest_path.resolve(), manifest_sha, logical),
                           exclusive=True)
         self.result = CaptureResult(out, manifest_path, manifest_sha, logical, replay_toml, metrics)
@@ -439,9 +523,90 @@ class StepCapture:
             "# and declare it in optimizer_batch.allow_config_differences.",
             "[integration]", f"framework = {_toml_string(self.framework)}",
             *([f"entry = {_toml_string(self.entry)}"] if self.entry else []), "",
-            "[model]", f"path = {_toml_string(self.base_model['path'])}", "",
+            "[model]", f"path = {_toml_string(str(self.base_model_dir))}", "",
             "[optimizer_batch]", f"replay_path = {_toml_string(str(manifest))}",
             f"expected_logical_sha256 = {_toml_string(logical)}",
             f"expected_manifest_sha256 = {_toml_string(manifest_sha)}",
             "allow_config_differences = []", 'arm = ""', "",
         ])
+
+
+# -- several chosen steps ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepsResult:
+    """What a capture of several chosen steps wrote: each captured step's result, the steps training
+    never completed, and the shared ``metrics.json`` (``None`` when no step was captured)."""
+
+    out_dir: Path
+    captured: dict[int, CaptureResult]
+    not_captured: tuple[int, ...]
+    metrics_path: Path | None
+
+    def step(self, k: int) -> CaptureResult:
+        """Step ``k``'s result; refused for a step that was not chosen or not captured."""
+        if k not in self.captured:
+            why = "training ended before it completed" if k in self.not_captured else "it was not chosen"
+            raise CaptureError(f"optimizer step {k} was not captured ({why})", where=str(self.out_dir),
+                               hint="train long enough to complete every chosen step" if k in self.not_captured
+                               else f"captured steps: {sorted(self.captured)}")
+        return self.captured[k]
+
+
+class ChosenSteps:
+    """Capture several chosen steps of one run into one directory (see ``docs/capture-api.md``).
+
+    Per step ``K``: ``optimizer_batch_step_<K:06d>.{safetensors,adapter.safetensors,optimizer.safetensors,
+    manifest.json}`` and ``replay_step_<K:06d>.toml``; after the run, :meth:`close` writes
+    ``metrics.json`` once (last) with each captured step's pins under ``optimizer_batch/steps``
+    (the record the built-in trainer's ``capture_steps`` writes, read by :func:`replayjob.metrics.read_steps`),
+    including the SHA-256 of the adapter after the real update.  Refused at once: invalid steps and any
+    file of a chosen step (or metrics.json) already in ``out_dir``; the base model is hashed here, once.
+    """
+
+    def __init__(self, out_dir: str | Path, *, steps: Iterable[int], framework: str, base_model_dir: str | Path,
+                 config: dict[str, Any], stack: Iterable[str] = STACK, entry: str = ""):
+        self.out_dir = Path(out_dir)
+        self.steps = chosen_steps(steps)
+        refuse_existing(self.out_dir, [METRICS_FILE, *(n for k in self.steps
+                                                       for n in capture_file_names(k, several=True))])
+        self.framework, self.base_model_dir, self.entry = framework, base_model_dir, entry
+        self._config, self._stack = config, tuple(stack)
+        self.base_model = base_model_identity(base_model_dir)
+        self.captures: dict[int, StepCapture] = {}
+        self.result: StepsResult | None = None
+
+    def at(self, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+           framework_state: dict[str, Any] | None = None) -> StepCapture | None:
+        """The :class:`StepCapture` of ``step`` when it is a chosen step not yet begun, else None.
+
+        Call it at the start of each step (before ``begin()``), with the live objects of that step."""
+        if step not in self.steps or step in self.captures or self.result is not None:
+            return None
+        c = StepCapture(self.out_dir, step=step, framework=self.framework, model=model, optimizer=optimizer,
+                        scheduler=scheduler, base_model_dir=self.base_model_dir, config=self._config,
+                        framework_state=framework_state, stack=self._stack, entry=self.entry, several=True,
+                        base_model=self.base_model)
+        self.captures[step] = c
+        return c
+
+    def close(self) -> StepsResult:
+        """After training: drop a step still open, write ``metrics.json`` (exclusively, last) with every
+        finished step's pins, and return the result (idempotent).  Nothing is written when no step finished."""
+        if self.result is not None:
+            return self.result
+        for c in self.captures.values():
+            if c.active:
+                c.abandon()
+        done = {k: c.result for k, c in sorted(self.captures.items()) if c.result is not None}
+        missing = tuple(k for k in self.steps if k not in done)
+        path: Path | None = None
+        if done:
+            first = next(iter(self.captures.values()))
+            path = self.out_dir / METRICS_FILE
+            metrics_io.write(path, {
+                "schema": metrics_io.SOURCE_SCHEMA, metrics_io.FRAMEWORK: self.framework,
+                metrics_io.STEPS: [r.metrics for r in done.values()], metrics_io.STEPS_NOT_CAPTURED: list(missing),
+                "config": first.config}, exclusive=True)
+        self.result = StepsResult(self.out_dir, done, missing, path)
+        return self.result

@@ -13,7 +13,9 @@ Schema ``replayjob.integration_capture/v1`` (canonical JSON, one object)::
                                  the optimizer file, and the LR scheduler's state (or null)
     trainable                    names of the trainable (adapter) parameters, in optimizer order
     framework_state              what the framework needs to stand its trainer at this step
-    rows                         micro_batches, tensors, elements, bytes of the captured inputs
+    rows                         micro_batches, tensors, elements, bytes of the captured inputs, and
+                                 nonfinite_inputs (a float input holds NaN/Inf: replayed only under
+                                 optimizer_batch.allow_nonfinite_inputs)
     logical_batch_sha256         digest of every input of every micro-batch (capture.logical_digest)
     local_effective_rows_sha256  the same plus each micro-batch's RNG and accumulation settings
     config                       resolved (redacted) and its sha256: {<framework>, model, peft, stack}
@@ -118,6 +120,8 @@ def validate(doc: Any, where: Path) -> dict[str, Any]:
     need(is_int(doc["step"]) and doc["step"] >= 0, "'step' must be an integer >= 0", where)
     for sec in ("producer", "files", "optimizer", "framework_state", "rows", "config", "contract", "base_model"):
         need(isinstance(doc[sec], dict), f"'{sec}' must be an object", where)
+    flag = doc["rows"].get("nonfinite_inputs", False)  # absent in captures written before the flag: false
+    need(isinstance(flag, bool), "'rows.nonfinite_inputs' must be true or false", where)
     files = doc["files"]
     need(set(files) == set(FILES), f"'files' needs exactly {list(FILES)}", where)
     for role in FILES:

@@ -9,8 +9,12 @@ Capture (``pip install 'replayjob[trl]'``)::
     trainer.train()
     cap.result.replay_toml                                          # runs/cap/replay.toml, pins filled in
 
+``steps=[K1, K2, ...]`` instead captures several steps of the run
+(:class:`~replayjob.integrations.capture.ChosenSteps`): per step its files and
+``replay_step_<K:06d>.toml``, and ``metrics.json`` once training ends (``cap.steps_result``).
+
 How it plugs in: a ``TrainerCallback`` snapshots the adapter, optimizer and LR-scheduler state at
-``on_step_begin`` of global step K and finishes the capture at ``on_step_end``, after the
+``on_step_begin`` of (each chosen) global step K and finishes the capture at ``on_step_end``, after the
 transformers loop's clip, ``optimizer.step()``, ``lr_scheduler.step()`` and ``zero_grad()``;
 the trainer's ``compute_loss`` is wrapped so every micro-batch's inputs (exactly the dict TRL's
 loss receives, after generation and buffering) and the Torch RNG state are recorded right before
@@ -33,7 +37,7 @@ import contextlib
 import dataclasses
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +45,7 @@ import torch
 
 from replayjob import determinism
 from replayjob.config.redact import REDACTED
-from replayjob.errors import RefusedError
+from replayjob.errors import RefusedError, UsageError
 from replayjob.integrations import capture as cap
 from replayjob.integrations.replay import ReplaySession
 from replayjob.optbatch import knobs
@@ -116,35 +120,59 @@ def _base_model(trainer: Any) -> Any:
     return get() if callable(get) else model
 
 
-def capture_optimizer_batch(trainer: Any, out_dir: str | Path, step: int = 0) -> TRLCapture:
-    """Instrument a ``trl.GRPOTrainer`` before ``train()`` so optimizer step ``step`` is captured.
+def capture_optimizer_batch(trainer: Any, out_dir: str | Path, step: int | None = None, *,
+                            steps: Iterable[int] | None = None) -> TRLCapture:
+    """Instrument a ``trl.GRPOTrainer`` before ``train()`` so optimizer step ``step`` (or each of ``steps``)
+    is captured.
 
-    Refused at once (nothing written): a trainer that is not a GRPOTrainer, a model without a PEFT
-    adapter, a base model not loaded from a local directory with safetensors weights, or an output
-    directory that already holds a capture.  Returns a handle whose ``result`` holds the pins once
-    the step has run.
+    ``step=K`` writes one capture with ``replay.toml``, ``metrics.json`` and ``final_adapter/``
+    (``result``); ``steps=[K1, K2, ...]`` writes per step its files and ``replay_step_<K:06d>.toml``,
+    and when training ends one ``metrics.json`` with every captured step's pins (``steps_result``).
+    With neither, step 0 is captured.
+    Refused at once (nothing written): both ``step`` and ``steps``, a negative or
+    repeated step, a step before the trainer's current step or at/after its ``max_steps``, a trainer
+    that is not a GRPOTrainer, a model without a PEFT adapter, a base model not loaded from a local
+    directory with safetensors weights, or an output directory that already holds one of the files.
     """
     from peft import PeftModel
     from trl import GRPOTrainer
 
+    if step is not None and steps is not None:
+        raise UsageError("give one of step=K (one step) and steps=[K, ...] (several steps), not both",
+                         where="capture_optimizer_batch",
+                         hint="e.g. capture_optimizer_batch(trainer, out, step=1) or (..., steps=[1, 3])")
+    if step is None and steps is None:
+        step = 0  # the first optimizer step, as before steps= existed
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise UsageError(f"step must be an integer >= 0, found {step!r}", where="step")
+    chosen = (step,) if step is not None else cap.chosen_steps(steps)
     if not isinstance(trainer, GRPOTrainer):
         raise cap.CaptureError(f"expected a trl.GRPOTrainer, found {type(trainer).__name__}", where="trainer")
     if not isinstance(trainer.model, PeftModel):
         raise cap.CaptureError("the trainer's model has no PEFT adapter", where="trainer.model",
                                hint="pass peft_config=LoraConfig(...) to GRPOTrainer (replayjob replays adapters)")
-    if trainer.state.global_step > step:
-        raise cap.CaptureError(f"the trainer is already past step {step}", where="step")
-    return TRLCapture(trainer, Path(out_dir), step)
+    past = [k for k in chosen if k < trainer.state.global_step]
+    if past:
+        raise cap.CaptureError(f"the trainer is already past step(s) {past}", where="step" if step is not None
+                               else "steps")
+    late = [k for k in chosen if 0 < trainer.args.max_steps <= k]
+    if late:
+        raise cap.CaptureError(f"step(s) {late} are not reached: the trainer's max_steps is {trainer.args.max_steps} "
+                               "(steps are 0-based)", where="step" if step is not None else "steps",
+                               hint="raise max_steps or choose earlier steps")
+    return TRLCapture(trainer, Path(out_dir), chosen, several=steps is not None)
 
 
 class TRLCapture:
-    """The instrumentation :func:`capture_optimizer_batch` installs; ``result`` once step K finished."""
+    """The instrumentation :func:`capture_optimizer_batch` installs: ``result`` once step K finished
+    (``step=K``), ``steps_result`` once training ended (``steps=[...]``)."""
 
-    def __init__(self, trainer: Any, out_dir: Path, step: int):
+    def __init__(self, trainer: Any, out_dir: Path, steps: tuple[int, ...], *, several: bool):
         from transformers import TrainerCallback
 
         base = _base_model(trainer)
-        self.trainer, self.step = trainer, step
+        self.trainer, self.steps, self.several = trainer, steps, several
+        self.step = steps[0]  # the one step of a step=K capture (the first chosen one otherwise)
         peft_cfg = trainer.model.peft_config[trainer.model.active_adapter]
         config = {
             FRAMEWORK: _trl_config(trainer.args),
@@ -153,39 +181,54 @@ class TRLCapture:
                       "dtype": str(base.dtype).removeprefix("torch.")},
             "peft": jsonable(peft_cfg.to_dict()),
         }
-        self._cap: cap.StepCapture | None = None
+        self._cap: cap.StepCapture | None = None  # the step being captured (or the last one)
         self._config = config
         self._base_dir = str(base.config._name_or_path or "")
-        cap.base_model_identity(self._base_dir)  # refused now, before training, when not a local directory
         self._out = out_dir
+        self._chosen: cap.ChosenSteps | None = None
+        self._base_model: dict[str, Any] | None = None  # step=K: hashed here, once
+        if several:  # refused now, before training: existing files, a base model not in a local directory
+            self._chosen = cap.ChosenSteps(out_dir, steps=steps, framework=FRAMEWORK, base_model_dir=self._base_dir,
+                                           config=config)
+        else:
+            cap.refuse_existing(out_dir, cap.capture_file_names(self.step, several=False))
+            self._base_model = cap.base_model_identity(self._base_dir)
         handle = self
 
         class _Callback(TrainerCallback):
             def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-                if state.global_step == handle.step and handle._cap is None:
-                    handle._begin(state)
+                handle._begin(state)
 
             def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
                 c = handle._cap
-                if c is not None and c.active and state.global_step == handle.step + 1:
+                if c is not None and c.active and state.global_step == c.step + 1:
                     c.finish(grad_norm=handle._grad_norm)
 
             def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
                 c = handle._cap
                 if c is not None and c.active:
-                    c.abandon()  # the step never completed: nothing was written
+                    c.abandon()  # the step never completed: nothing was written for it
+                if handle._chosen is not None:
+                    handle._chosen.close()  # metrics.json, last
 
         self._grad_norm: float | None = None
         self._wrap()
         trainer.add_callback(_Callback())
 
     def _begin(self, state: Any) -> None:
-        t = self.trainer
-        self._cap = cap.StepCapture(
-            self._out, step=self.step, framework=FRAMEWORK, model=t.model, optimizer=t.optimizer,
-            scheduler=t.lr_scheduler, base_model_dir=self._base_dir, config=self._config,
-            framework_state={"global_step": state.global_step, "max_steps": state.max_steps})
-        self._cap.begin()
+        k, t = state.global_step, self.trainer
+        live = {"model": t.model, "optimizer": t.optimizer, "scheduler": t.lr_scheduler,
+                "framework_state": {"global_step": k, "max_steps": state.max_steps}}
+        if self._chosen is not None:
+            c = self._chosen.at(k, **live)
+        elif k == self.step and self._cap is None:
+            c = cap.StepCapture(self._out, step=k, framework=FRAMEWORK, base_model_dir=self._base_dir,
+                                config=self._config, base_model=self._base_model, **live)
+        else:
+            c = None
+        if c is not None:
+            self._cap, self._grad_norm = c, None
+            c.begin()
 
     def _wrap(self) -> None:
         t: Any = self.trainer
@@ -218,11 +261,25 @@ class TRLCapture:
 
     @property
     def result(self) -> cap.CaptureResult:
-        """The finished capture; refused when step K has not run (train() ended earlier)."""
+        """The finished capture of ``step=K``; refused when step K has not run (train() ended earlier)."""
+        if self._chosen is not None:
+            raise cap.CaptureError("several steps were captured; their results are in steps_result",
+                                   where=str(self._out), hint="use steps_result.step(K) or steps_result.captured")
         if self._cap is None or self._cap.result is None:
             raise cap.CaptureError(f"optimizer step {self.step} was not captured (training ended before it "
                                    "completed)", where=str(self._out), hint="train for at least step + 1 steps")
         return self._cap.result
+
+    @property
+    def steps_result(self) -> cap.StepsResult:
+        """The capture of ``steps=[...]`` once training ended: captured steps, those never completed
+        (``not_captured``; ``step(K)`` refuses them) and metrics.json; refused before ``train()`` ended."""
+        if self._chosen is None:
+            raise cap.CaptureError("one step was captured (step=K); its result is in result", where=str(self._out))
+        if self._chosen.result is None:
+            raise cap.CaptureError("training has not ended: metrics.json is written when train() returns",
+                                   where=str(self._out), hint="read steps_result after trainer.train()")
+        return self._chosen.result
 
 
 # -- replay -----------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from replayjob.config import Config
 from replayjob.config.load import to_dict
 from replayjob.config.redact import redact_text
 from replayjob.digest import sha256_file
+from replayjob.distributed import full
 from replayjob.errors import ConfigError, ContractError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes
@@ -70,7 +71,17 @@ class HFPolicy:
             if any(p is None or p.shape != state[k].shape for k, p in found.items()):
                 return {k: v.detach().to("cpu").contiguous() for k, v in sorted(state.items())}
             self._adapter_params = {k: p for k, p in sorted(found.items()) if p is not None}
-        return {k: p.detach().to("cpu").contiguous() for k, p in self._adapter_params.items()}
+        return {k: full(p.detach()).to("cpu").contiguous() for k, p in self._adapter_params.items()}
+
+    def rebind_parameters(self) -> None:
+        """Read the trainable parameters again after a wrapper replaced them under the same names
+        (``fully_shard``, :func:`replayjob.distributed.wrap`); the adapter's name map follows them."""
+        self.adapter_state()  # the weight-file name -> parameter map, built on the parameters being replaced
+        live = dict(self.model.named_parameters())
+        names = {id(p): n for n, p in self._trainable}
+        if self._adapter_params is not None:
+            self._adapter_params = {k: live[names[id(p)]] for k, p in self._adapter_params.items()}
+        self._trainable = [(n, live[n]) for n, _ in self._trainable]
 
     def save_adapter(self, directory: Path) -> Path:
         from replayjob.rl.state import adapter_bytes

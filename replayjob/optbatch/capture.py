@@ -19,6 +19,10 @@ performs its own update; before ``metrics.json`` is written the trainer collects
 :meth:`CaptureHook.finish`, which waits for the writer and re-raises any error it
 met (the same domain error, so exit 2), then adds the digests a replay pins (:data:`METRIC_KEYS`).
 
+Over several ranks (``torchrun``, :mod:`replayjob.distributed`) each rank's hook captures that rank's
+shard of the rows into ``rank-<r>/`` and lands ``COMPLETE.<r>``; after a barrier rank 0 verifies every
+rank and writes the root manifest (:mod:`replayjob.optbatch.ranks`) before ``metrics.json``.
+
 Crash tests kill a capture with ``REPLAYJOB_FAULT_POINT`` (:mod:`replayjob.faults`): at any write
 boundary of the payload or the manifest (``write.half/optimizer_batch_step_000000.manifest.json``
 ...), or at the capture's own points :data:`CRASH_POINTS`.
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 
+from replayjob import distributed
 from replayjob.config import Config, resolved
 from replayjob.errors import ArtifactExistsError, ConfigError, RefusedError
 from replayjob.faults import point
@@ -49,7 +54,7 @@ from replayjob.metrics import (
     STEP,
     STEPS,
 )
-from replayjob.optbatch import manifest, payload, stepcapture
+from replayjob.optbatch import manifest, payload, ranks, stepcapture
 from replayjob.optbatch.contract import optimizer_contract
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.hooks import BackgroundWriter, StepHook, TrainerView
@@ -94,12 +99,22 @@ class CaptureHook(StepHook):
         self.digests: dict[str, str] = {}
         self._snapshot: Snapshot | None = None
         self._writer = BackgroundWriter("replayjob-capture-writer")  # idle until the update returned
+        self.rank, self.world = distributed.rank(), distributed.world_size()
+
+    @property
+    def ranked(self) -> bool:
+        """Over several ranks: this rank writes ``rank-<r>/`` and lands; rank 0 writes the root
+        (:mod:`replayjob.optbatch.ranks`)."""
+        return self.world > 1
 
     @classmethod
     def prepare(cls, cfg: Config, out: Path) -> CaptureHook:
         """Check the preconditions and that ``out`` holds no capture yet (before any work)."""
         point("capture.start")
         state = check_preconditions(cfg)
+        if distributed.world_size() > 1:
+            ranks.refuse_existing(out, distributed.rank(), CAPTURE_STEP)
+            return cls(cfg, out, state)
         for name in (manifest.payload_name(CAPTURE_STEP), manifest.manifest_name(CAPTURE_STEP)):
             if (out / name).exists():
                 if (out / SOURCE_FILE).exists():
@@ -133,18 +148,23 @@ class CaptureHook(StepHook):
         data = payload.encode(batch, rng)
         logical, effective = batch.digests()
         pname = manifest.payload_name(step)
-        atomic_write_bytes(self.out / pname, data, exclusive=True)
+        where = self.out / ranks.rank_dir(self.rank) if self.ranked else self.out
+        if self.ranked:
+            where.mkdir(parents=True)  # refused before any work if it existed
+        atomic_write_bytes(where / pname, data, exclusive=True)
         point("capture.payload-written")
         adapter = self.state.adapter_file
         doc = manifest.build(
             step=step, producer=producer, payload_file=pname, payload_size=len(data),
-            payload_digest=payload.digest_bytes(data, where=self.out / pname), rng_keys=list(rng),
+            payload_digest=payload.digest_bytes(data, where=where / pname), rng_keys=list(rng),
             rows=payload.summary(batch), logical=logical, effective=effective,
             resolved_config=resolved(self.cfg), contract=optimizer_contract(self.cfg),
             adapter_path=adapter.resolve(), adapter_size=adapter.stat().st_size,
             adapter_sha256=self.state.adapter_sha256)
-        sha = manifest.write(self.out / manifest.manifest_name(step), doc)
+        sha = manifest.write(where / manifest.manifest_name(step), doc)
         point("capture.manifest-written")
+        if self.ranked:
+            ranks.land(self.out, self.rank, self.world, sha)
         self.digests = {LOGICAL: logical, EFFECTIVE: effective, MANIFEST: sha,
                         INITIAL_ADAPTER: self.state.adapter_sha256}
 
@@ -155,6 +175,16 @@ class CaptureHook(StepHook):
         if self._snapshot is not None:  # never handed over: the writer was released with nothing
             raise RefusedError("the optimizer batch was snapshotted but its update never returned, so the capture "
                                "was not written", where=self.out, hint="rerun the capture into a new --out directory")
+        if self.ranked:
+            distributed.barrier()  # every rank landed (or raised: the group times out, torchrun stops the rest)
+            if not distributed.is_root():
+                return {}
+            d = self.cfg.distributed
+            logical, effective, sha = ranks.write_root(
+                self.out, step=CAPTURE_STEP, world=self.world, strategy=d.strategy, bucket_cap_mb=d.bucket_cap_mb,
+                backend=distributed.backend_for(self.cfg.backend.torch_device), producer=stepcapture.producer(self.cfg))
+            self.digests = {LOGICAL: logical, EFFECTIVE: effective, MANIFEST: sha,
+                            INITIAL_ADAPTER: self.state.adapter_sha256}
         point("capture.metrics")
         return {**self.digests, FINAL_ADAPTER: metrics[SOURCE_FINAL_ADAPTER],
                 MANIFEST_PATH: manifest.manifest_name(CAPTURE_STEP)}
@@ -218,6 +248,7 @@ class StepsCapture(StepHook):
         assert self._view is not None
         self._pending = None
         snap.final_adapter = stepcapture.clone_adapter(self._view)
+        snap.updated(result)
         ref = self._view.model_reference
         self._writer.submit(lambda: self.captured.append(stepcapture.write(self.out, snap, self.cfg, ref)))
 

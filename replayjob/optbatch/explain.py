@@ -22,18 +22,17 @@ from torch import Tensor
 
 from replayjob.config import Config, from_dict, resolved
 from replayjob.config.diff import differences
+from replayjob.config.load import to_dict
 from replayjob.config.redact import redact_text
-from replayjob.config.schema import OptimizerBatchConfig
+from replayjob.config.schema import DistributedConfig, OptimizerBatchConfig
 from replayjob.digest import normalize_digest
 from replayjob.errors import ContractError, IntegrityError, RefusedError
 from replayjob.metrics import EFFECTIVE, LOGICAL, SKIPPED
-from replayjob.optbatch import knobs, payload, stepcapture
+from replayjob.optbatch import knobs, payload, ranks, stepcapture
 from replayjob.optbatch.contract import contract_differences, contract_sha256, optimizer_contract
-from replayjob.optbatch.manifest import Manifest, read_verified
+from replayjob.optbatch.manifest import Manifest, read_payload
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.state import ResumeState, read_state
-
-MAX_PAYLOAD_BYTES = 16 * 1024 * 1024 * 1024
 
 
 @dataclass
@@ -73,6 +72,7 @@ class Admission(Refusals):
     manifest: Manifest | None = None
     batch: OptimizerBatch | None = None
     rng: dict[str, Tensor] | None = None
+    rank_rngs: list[dict[str, Tensor]] | None = None  # a capture over ranks: each captured rank's RNG state
     digests: tuple[str, str] | None = None  # (logical, effective) of the payload's rows, computed once
     rows: dict[str, int | float] | None = None  # the payload's row counts (payload.summary's keys)
     state: ResumeState | None = None
@@ -86,6 +86,13 @@ class Admission(Refusals):
     @property
     def arm(self) -> str:
         return redact_text(self.cfg.optimizer_batch.arm) or knobs.arm_name(self.allowed, resolved(self.cfg))
+
+    def rng_for(self, rank: int) -> dict[str, Tensor]:
+        """The RNG state rank ``rank`` restores: that captured rank's, else the capture's (rank 0's)."""
+        if self.rank_rngs is not None and rank < len(self.rank_rngs):
+            return self.rank_rngs[rank]
+        assert self.rng is not None
+        return self.rng
 
     def knob_values(self) -> dict[str, Any]:
         r = resolved(self.cfg)
@@ -136,7 +143,7 @@ def _check_artifacts(adm: Admission) -> None:
     if "expected_manifest_sha256" not in adm.pins or not ob.replay_path:
         return
     try:
-        m = adm.manifest = read_verified(ob.replay_path, adm.pins["expected_manifest_sha256"])
+        m = adm.manifest = ranks.read_capture(ob.replay_path, adm.pins["expected_manifest_sha256"])
     except RefusedError as exc:
         adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
         return
@@ -144,34 +151,13 @@ def _check_artifacts(adm: Admission) -> None:
     if pin is not None and pin != m.logical_sha256:
         adm.refuse(f"wrong logical pin: expected_logical_sha256 is {pin}, the manifest's logical batch is "
                    f"{m.logical_sha256}", integrity=True)
-    p = m.payload_path
+    if isinstance(m, ranks.RootManifest):
+        _check_ranks(adm, m)
+        return
     try:
-        if p.is_symlink() or not p.is_file():
-            raise IntegrityError("payload missing (or not a regular file)", where=p)
-        if m.payload_size > MAX_PAYLOAD_BYTES:
-            raise IntegrityError(f"the manifest pins a {m.payload_size}-byte payload, above the "
-                                 f"{MAX_PAYLOAD_BYTES}-byte limit", where=p)
-        nonfinite = stepcapture.nonfinite_admitted(m, adm.cfg)  # flagged in the manifest and opted into
-        scan = payload.read(p, keep=adm.keep_rows, expected_size=m.payload_size, allow_nonfinite=nonfinite)
-        if scan.digest == m.payload_digest and scan.fault is None and scan.row_digests() is None:
-            scan = payload.read(p, keep=True, expected_size=m.payload_size,  # some row bears no loss
-                                allow_nonfinite=nonfinite)
-    except OSError as exc:
-        adm.refuse(f"{p}: cannot read the payload: {exc.strerror}", integrity=True)
-        return
+        scan = read_payload(m, keep=adm.keep_rows, allow_nonfinite=stepcapture.nonfinite_admitted(m, adm.cfg))
     except IntegrityError as exc:
-        adm.refuse(exc.diagnostics(), integrity=True)
-        return
-    if scan.header_fault is not None:
-        adm.refuse(f"{p}: {scan.header_fault.message} (so it is not the payload the manifest pins; nothing in it "
-                   "was used)", integrity=True)
-        return
-    if scan.digest != m.payload_digest:
-        adm.refuse(f"{p}: payload span digest (SHA-256) is {scan.digest}, the manifest pins {m.payload_digest} "
-                   "(the payload changed after capture; nothing in it was used)", integrity=True)
-        return
-    if scan.fault is not None:
-        adm.refuse(scan.fault.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
+        adm.refuse(exc.message, integrity=True)
         return
     adm.batch, adm.rng, adm.rows = scan.batch, scan.rng, scan.rows
     if sorted(adm.rng) != sorted(m.doc["payload"]["rng_keys"]):
@@ -185,6 +171,18 @@ def _check_artifacts(adm: Admission) -> None:
     if effective != m.effective_sha256:
         adm.refuse(f"payload loss-bearing rows hash to {effective}, the manifest says {m.effective_sha256}",
                    integrity=True)
+
+
+def _check_ranks(adm: Admission, m: ranks.RootManifest) -> None:
+    """A capture over ranks: every rank verified and the logical batch rebuilt (:func:`ranks.verify`; the rows
+    are held, also for explain)."""
+    try:
+        v = ranks.verify(m, allow_nonfinite=stepcapture.nonfinite_admitted(m, adm.cfg))
+    except RefusedError as exc:
+        adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
+        return
+    adm.batch, adm.rank_rngs, adm.rng = v.batch, v.rngs, v.rngs[0]
+    adm.rows, adm.digests = payload.summary(v.batch), v.digests
 
 
 def _check_adapter(adm: Admission) -> None:
@@ -236,6 +234,14 @@ def check_contract(out: Refusals, source: dict[str, Any], source_sha: str, repla
                    + f" (source {source_sha}, replay {contract_sha256(replay)})")
 
 
+def source_config(m: Manifest) -> dict[str, Any]:
+    """The source's resolved config as the manifest records it; a capture from before ``[distributed]``
+    existed ran on one process, so that section reads as the defaults with ``world_size = 1``."""
+    if "distributed" in m.config:
+        return m.config
+    return {**m.config, "distributed": to_dict(DistributedConfig(world_size=1))}
+
+
 def _check_contract_and_config(adm: Admission) -> None:
     try:
         adm.contract = optimizer_contract(adm.cfg)
@@ -249,11 +255,11 @@ def _check_contract_and_config(adm: Admission) -> None:
     check_contract(adm, m.contract, m.doc["contract"]["sha256"], adm.contract)
     registered = knobs.knobs_for(knobs.BUILTIN)
     admissible = {k: "systems-only knob" for k in registered}
-    adm.observed = check_differences(adm, m.config, resolved(adm.cfg), adm.allowed, admissible)
+    adm.observed = check_differences(adm, source_config(m), resolved(adm.cfg), adm.allowed, admissible)
     declared_knobs = [k for k in adm.allowed if k in registered and k in adm.observed]
     if declared_knobs:
         try:
-            source_cfg = from_dict(m.config)
+            source_cfg = from_dict(source_config(m))
         except RefusedError as exc:
             adm.refuse(f"the source config in the manifest cannot be read back: {exc.diagnostics()}")
             return
@@ -269,7 +275,9 @@ def admit(cfg: Config, keep_rows: bool = True) -> Admission:
     With ``keep_rows`` the admitted rows are kept (``batch``, for a replay); without, the payload is
     verified streaming and memory stays bounded (``explain``).
     """
-    adm = Admission(cfg=cfg, keep_rows=keep_rows)
+    from replayjob.distributed import observe
+
+    adm = Admission(cfg=observe(cfg, running=False), keep_rows=keep_rows)  # the world size a replay would have
     _check_runner(adm)
     _check_pins(adm)
     _check_artifacts(adm)
@@ -289,6 +297,8 @@ def report(adm: Admission) -> dict[str, Any]:
         "payload": ({"path": str(m.payload_path), "size": m.payload_size, "spans_sha256": m.payload_digest}
                     if m else None),
         "rows": adm.rows,
+        "distributed": ({**m.doc["distributed"], "ranks": [{"rank": e["rank"], "rows": e["rows"]} for e in m.ranks]}
+                        if isinstance(m, ranks.RootManifest) else None),  # a capture over ranks
         LOGICAL: adm.digests[0] if adm.digests is not None else None,
         EFFECTIVE: adm.digests[1] if adm.digests is not None else None,
         "initial_adapter": ({"path": str(adm.state.adapter_file), "sha256": adm.state.adapter_sha256}
@@ -299,6 +309,7 @@ def report(adm: Admission) -> dict[str, Any]:
         "knobs": adm.knob_values(),
         "arm": adm.arm,
         "rng_states": sorted(adm.rng) if adm.rng is not None else None,
+        "world_size": adm.cfg.distributed.world_size,  # as a replay would have it (declared, else 1)
         "skipped": list(SKIPPED),
         "would": [
             f"establish determinism (strict={adm.cfg.backend.options.strict_deterministic})",
@@ -327,6 +338,11 @@ def render(rep: dict[str, Any]) -> str:
         r = rep["rows"]
         lines.append(f"  rows: {r['rows']}, tokens: {r['tokens']}, response tokens: {r['response_tokens']}, "
                      f"loss-bearing: {r['loss_bearing_tokens']}")
+    if rep.get("distributed"):  # a capture over ranks
+        d = rep["distributed"]
+        lines.append(f"  captured on {d['world_size']} ranks ({d['strategy']}, {d['sharding']} rows: "
+                     + ", ".join(f"rank {e['rank']} [{e['rows'][0]}, {e['rows'][1]})" for e in d["ranks"])
+                     + f"); replayed on {rep['world_size']} rank(s)")
     if rep.get("micro_batches"):  # an external trainer's capture (integrations.admission.report)
         mb = rep["micro_batches"]
         lines.append(f"  {rep.get('framework')} step {rep['manifest']['step']}: {mb['micro_batches']} micro-batch(es), "

@@ -45,6 +45,7 @@ IGNORED: dict[str, str] = {
     "resume.from": "a path; its content is pinned by the initial adapter SHA-256 instead",
     "training.max_steps": "the run's length; a capture pins its one update's start state and learning rate",
     "training.save_every": "checkpoint cadence; it never changes an update",
+    "distributed.timeout_s": "how long a rank waits for another; it never changes an update",
 }
 
 Condition = Callable[[Config, Config], str | None]
@@ -56,8 +57,10 @@ class Runtime:
     trainer's replay) the framework's built trainer."""
 
     model: Any
-    micro_batch_rows: tuple[int, ...]  # rows of each micro-batch the update processed, in order
+    micro_batch_rows: tuple[int, ...]  # rows of each micro-batch the update processed, in order (every rank's)
     trainer: Any = None
+    parallel: Any = None  # replayjob.distributed.Parallel: the model as the ranks wrapped it (None: one process)
+    world_size: int = 1  # ranks in the process group the update ran in
 
 
 Observer = Callable[[Runtime], Any]
@@ -221,7 +224,47 @@ def _observe_attention(rt: Runtime) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _observe_world_size(rt: Runtime) -> int:
+    """Ranks in the process group the update ran in (1 without one)."""
+    return rt.world_size
+
+
+def _observe_strategy(rt: Runtime) -> str:
+    """How the model was wrapped: ``ddp`` (a DistributedDataParallel module), ``fsdp2`` (a module sharded by
+    ``fully_shard``), else ``none``."""
+    from replayjob.distributed import strategy_of
+
+    return strategy_of(rt.parallel)
+
+
+def _observe_bucket(rt: Runtime) -> float | None:
+    """DDP's gradient bucket cap in MiB as the wrapper holds it; ``None`` when DDP is not in effect."""
+    return getattr(rt.parallel, "bucket_cap_mb", None) if rt.parallel is not None else None
+
+
+def _predict_world_size(intended: Any, rows: int, arm: Mapping[str, Any]) -> Any:
+    return 1 if intended is None else intended  # a capture from before [distributed] ran on one process
+
+
+def _predict_strategy(intended: Any, rows: int, arm: Mapping[str, Any]) -> Any:
+    return "none" if intended is None else intended
+
+
+def _predict_bucket(intended: Any, rows: int, arm: Mapping[str, Any]) -> Any:
+    return intended if arm.get(STRATEGY) == "ddp" else None  # no buckets without DDP
+
+
+def _predict_micro_batch(intended: Any, rows: int, arm: Mapping[str, Any]) -> Any:
+    """The largest micro-batch: the size, or fewer rows when the largest rank's shard is smaller."""
+    world = arm.get(WORLD_SIZE) or 1
+    shard = -(-rows // world) if isinstance(world, int) and world > 0 else rows
+    return min(intended, shard) if isinstance(intended, int) else intended
+
+
 GRADIENT_CHECKPOINTING = "backend.options.gradient_checkpointing"
+WORLD_SIZE = "distributed.world_size"
+STRATEGY = "distributed.strategy"
+BUCKET_CAP_MB = "distributed.bucket_cap_mb"
 TRL_GRADIENT_CHECKPOINTING = "trl.gradient_checkpointing"
 TRL_USE_REENTRANT = "trl.gradient_checkpointing_kwargs.use_reentrant"
 
@@ -234,10 +277,25 @@ _KNOBS = (
          "loss weights already carry the batch normalisation, padded positions carry zero weight and "
          "are masked from attention, and gradients of a sum of micro-batch losses are the sum of "
          "their gradients", _no_dropout, observe=_observe_micro_batch, model_condition=_no_dropout_in_model,
-         predict=lambda intended, rows, arm: min(intended, rows) if isinstance(intended, int) else intended),
+         predict=_predict_micro_batch),
     Knob("backend.options.attn_implementation",
          "eager and sdpa compute the same softmax(QK^T / sqrt(d) + mask) V; only the kernel "
          "differs", _not_strict, observe=_observe_attention),
+    # Several ranks (replayjob.distributed): the same logical rows split contiguously over the ranks.
+    Knob(WORLD_SIZE,
+         "every rank processes a disjoint shard of the same logical rows and the loss weights are normalised over "
+         "the whole logical batch, so the gradient is the sum of the same per-row gradients however the rows are "
+         "split; only the floating-point summation order changes", _no_dropout, observe=_observe_world_size,
+         model_condition=_no_dropout_in_model, predict=_predict_world_size),
+    Knob(STRATEGY,
+         "one process accumulates the per-row gradients itself, DDP sums the ranks' accumulated gradients with an "
+         "all-reduce (a sum hook replaces DDP's average, the loss weights being normalised already), FSDP2 "
+         "reduce-scatters the same sums into parameter shards (divide factor 1) and clips on the global norm; the "
+         "same rows and weights, only where and in which order the sums are taken changes", _no_dropout,
+         observe=_observe_strategy, model_condition=_no_dropout_in_model, predict=_predict_strategy),
+    Knob(BUCKET_CAP_MB,
+         "groups gradient elements into all-reduce messages; each element is still the sum of the same per-rank "
+         "values", observe=_observe_bucket, predict=_predict_bucket),
     # External trainers (replayjob.integrations): keys of the captured framework config, observed on the
     # framework's built trainer and model.
     Knob(TRL_GRADIENT_CHECKPOINTING,

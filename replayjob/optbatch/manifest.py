@@ -27,16 +27,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from replayjob.config.redact import redact_text
+from replayjob.config.redact import redact_path
 from replayjob.digest import normalize_digest, sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict
 from replayjob.optbatch.knobs import BUILTIN
 
+if TYPE_CHECKING:
+    from replayjob.optbatch.payload import Scanned
+
 SCHEMA = "replayjob.optimizer_batch_manifest/v2"
+MAX_PAYLOAD_BYTES = 16 * 1024 * 1024 * 1024
 # v1 pinned the payload by its plain file SHA-256; v2 pins it by its span digest.
 OLD_SCHEMAS = {"replayjob.optimizer_batch_manifest/v1"}
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
@@ -55,6 +59,11 @@ def payload_name(step: int) -> str:
 
 def manifest_name(step: int) -> str:
     return file_stem(step) + ".manifest.json"
+
+
+def replay_config_name(step: int) -> str:
+    """The ready replay config a capture of several chosen steps writes for ``step``."""
+    return f"replay_step_{step:06d}.toml"
 
 
 @dataclass(frozen=True)
@@ -127,7 +136,7 @@ def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_siz
           contract: dict[str, Any], adapter_path: Path, adapter_size: int, adapter_sha256: str,
           state: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest document (nothing is written); ``state`` as the module docstring says; the adapter
-    path is redacted like every config string."""
+    path is recorded by :func:`~replayjob.config.redact.redact_path` (SECURITY.md)."""
     doc = {
         "schema": SCHEMA,
         "step": step,
@@ -139,7 +148,7 @@ def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_siz
         "local_effective_rows_sha256": effective,
         "config": {"sha256": sha256_json(resolved_config), "resolved": resolved_config},
         "contract": {"sha256": sha256_json(contract), "value": contract},
-        "initial_adapter": {"path": redact_text(str(adapter_path)), "size": adapter_size, "sha256": adapter_sha256},
+        "initial_adapter": {"path": redact_path(adapter_path), "size": adapter_size, "sha256": adapter_sha256},
     }
     if state is not None:
         doc["state"] = state
@@ -239,14 +248,16 @@ def _validate_state(doc: dict[str, Any], where: Path) -> None:
     need(isinstance(st["nonfinite_inputs"], bool), "'state.nonfinite_inputs' must be true or false", where)
 
 
-def read_pinned(path: str | Path, expected_sha256: str, *, hint: str) -> tuple[Path, str, Any]:
+def read_pinned(path: str | Path, expected_sha256: str, *, hint: str,
+                pin_name: str = "expected_manifest_sha256") -> tuple[Path, str, Any]:
     """Hash a manifest's bytes, compare with the pin, and only then parse them (strict JSON).
 
     Returns (path, sha256, document); the caller validates the document against its schema.
-    ``hint`` says where the manifest should come from when it is missing.
+    ``hint`` says where the manifest should come from when it is missing; ``pin_name`` names the pin
+    in messages.
     """
     p = Path(path)
-    pin = normalize_digest(expected_sha256, what="expected_manifest_sha256")
+    pin = normalize_digest(expected_sha256, what=pin_name)
     try:
         if p.is_symlink() or not p.is_file():
             raise IntegrityError("capture manifest not found (or not a regular file)", where=p, hint=hint)
@@ -257,7 +268,7 @@ def read_pinned(path: str | Path, expected_sha256: str, *, hint: str) -> tuple[P
         raise IntegrityError(f"cannot read the manifest: {exc.strerror}", where=p) from None
     actual = sha256_bytes(data)
     if actual != pin:
-        raise IntegrityError(f"manifest SHA-256 is {actual}, the pin expected_manifest_sha256 is {pin}",
+        raise IntegrityError(f"manifest SHA-256 is {actual}, the pin {pin_name} is {pin}",
                              where=p, hint="the manifest changed after capture, or the pin is from "
                                            "another run; use the digest the source run printed")
     return p, actual, loads_strict(data, where=p)
@@ -269,3 +280,37 @@ def read_verified(path: str | Path, expected_sha256: str) -> Manifest:
                                  hint="point optimizer_batch.replay_path at the source run's "
                                       "optimizer_batch_step_000000.manifest.json")
     return Manifest(p, actual, validate(doc, p))
+
+
+def read_payload(m: Manifest, *, keep: bool, allow_nonfinite: bool = False) -> Scanned:
+    """The payload ``m`` pins, read once and verified: its span digest equals the pin, then its structure.
+
+    Raises :class:`IntegrityError` whose message is the whole reason (nothing in a payload that fails
+    is used); the rows are kept when ``keep``, or when the row digests need them (some row bears no loss).
+    """
+    from replayjob.optbatch import payload
+
+    p = m.payload_path
+    try:
+        if p.is_symlink() or not p.is_file():
+            raise IntegrityError("payload missing (or not a regular file)", where=p)
+        if m.payload_size > MAX_PAYLOAD_BYTES:
+            raise IntegrityError(f"the manifest pins a {m.payload_size}-byte payload, above the "
+                                 f"{MAX_PAYLOAD_BYTES}-byte limit", where=p)
+        scan = payload.read(p, keep=keep, expected_size=m.payload_size, allow_nonfinite=allow_nonfinite)
+        if scan.digest == m.payload_digest and scan.fault is None and scan.row_digests() is None:
+            scan = payload.read(p, keep=True, expected_size=m.payload_size,  # some row bears no loss
+                                allow_nonfinite=allow_nonfinite)
+    except OSError as exc:
+        raise IntegrityError(f"{p}: cannot read the payload: {exc.strerror}") from None
+    except IntegrityError as exc:
+        raise IntegrityError(exc.diagnostics()) from None
+    if scan.header_fault is not None:
+        raise IntegrityError(f"{p}: {scan.header_fault.message} (so it is not the payload the manifest pins; "
+                             "nothing in it was used)")
+    if scan.digest != m.payload_digest:
+        raise IntegrityError(f"{p}: payload span digest (SHA-256) is {scan.digest}, the manifest pins "
+                             f"{m.payload_digest} (the payload changed after capture; nothing in it was used)")
+    if scan.fault is not None:
+        raise IntegrityError(scan.fault.diagnostics().replace("\n  fix:", "; fix:"))
+    return scan

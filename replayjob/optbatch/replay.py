@@ -31,16 +31,17 @@ from typing import Any
 import torch
 
 import replayjob
-from replayjob import determinism
+from replayjob import determinism, distributed
 from replayjob import metrics as metrics_io
 from replayjob.config import Config, config_sha256, load_config
 from replayjob.deploy.schedule import Slot
 from replayjob.digest import sha256_file
-from replayjob.errors import ArtifactExistsError, ContractError, UsageError, error_for_exit_status
+from replayjob.errors import ArtifactExistsError, ConfigError, ContractError, UsageError, error_for_exit_status
 from replayjob.hostinfo import host_provenance
 from replayjob.model.backend import Policy, load_backend
 from replayjob.optbatch import knobs, stepcapture
 from replayjob.optbatch.explain import Admission, admit
+from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.diag import peak_memory_value
 from replayjob.rl.state import check_model, restore_rng
 from replayjob.rl.update import make_optimizer, optimizer_update
@@ -59,7 +60,7 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
 
 
 def _in_process(policy: Policy, cfg: Config, adm: Admission, start: dict[str, torch.Tensor],
-                loss: float) -> dict[str, Any] | None:
+                loss: float, batch: OptimizerBatch, parallel: distributed.Parallel | None) -> dict[str, Any] | None:
     """The warm-up and measured in-process updates, each from the restored start state."""
     ob = cfg.optimizer_batch
     if not ob.measured_updates:
@@ -79,7 +80,7 @@ def _in_process(policy: Policy, cfg: Config, adm: Admission, start: dict[str, to
         if policy.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(policy.device)
         t0 = time.perf_counter()
-        res = optimizer_update(policy, optimizer, adm.batch, cfg)
+        res = optimizer_update(policy, optimizer, batch, cfg, parallel=parallel)
         wall = time.perf_counter() - t0
         same = same and res.loss == loss
         if i >= ob.warmup_updates:
@@ -90,15 +91,32 @@ def _in_process(policy: Policy, cfg: Config, adm: Admission, start: dict[str, to
 
 
 def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = None) -> dict[str, Any]:
-    """Admit, then run one replay into ``out``; return (and write) replay_metrics.json."""
+    """Admit, then run one replay into ``out``; return (and write) replay_metrics.json.
+
+    Under torchrun each rank runs this (:mod:`replayjob.distributed`): the world size observed into the
+    config, every rank admits (verifying every captured rank) and takes its shard of the logical rows;
+    rank 0 returns the replay's metrics, the other ranks ``{}``."""
     if repeat_index < 0:
         raise UsageError(f"--repeat-index must be >= 0, found {repeat_index}")
+    cfg = distributed.observe(cfg)
+    with distributed.process_group(cfg):
+        return _replay(cfg, out, repeat_index, slot)
+
+
+def _replay(cfg: Config, out: Path, repeat_index: int, slot: Slot | None) -> dict[str, Any]:
     adm = admit(cfg)
     adm.raise_if_refused()
-    for name in (METRICS_FILE, FINAL_ADAPTER_DIR):
+    world, rank = distributed.world_size(), distributed.rank()
+    names = [METRICS_FILE, FINAL_ADAPTER_DIR] + ([metrics_io.rank_file(rank)] if world > 1 else [])
+    for name in names:
         if (out / name).exists():
             raise ArtifactExistsError("output directory already holds a replay", where=out / name,
                                       hint="choose a new --out directory")
+    if ((world > 1 or cfg.distributed.strategy == "fsdp2")
+            and (cfg.optimizer_batch.trace or cfg.optimizer_batch.measured_updates)):
+        raise ConfigError("a traced replay and in-process repeats run in one process on whole parameters; over "
+                          "several ranks or sharded (fsdp2) they are refused", where="optimizer_batch",
+                          hint="drop --trace / measured_updates, or replay on one rank without fsdp2")
     assert adm.manifest and adm.batch is not None and adm.rng is not None and adm.state  # admitted
     t_start = time.perf_counter()
     strict = cfg.backend.options.strict_deterministic
@@ -121,22 +139,33 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = No
     if top >= vocab:
         raise ContractError(f"captured token id {top} is outside this model's vocabulary ({vocab})",
                             where=adm.manifest.payload_path)
+    parallel = distributed.wrap(policy.model, cfg, policy)  # None for strategy "none"
+    batch, bounds = adm.batch, (0, adm.batch.rows)
+    if parallel is not None:  # this rank's contiguous shard of the logical rows, re-split for this world size
+        bounds = distributed.shard_bounds(batch.rows, world)[rank]
+        batch = batch.shard(*bounds)
     optimizer = make_optimizer(policy, cfg)
     stepcapture.restore_optimizer(optimizer, adm.manifest, adm.state)  # a chosen step's pinned start state
     start = ({n: p.detach().clone() for n, p in policy.trainable()}
              if cfg.optimizer_batch.measured_updates else {})
-    restore_rng(adm.rng)
+    restore_rng(adm.rng_for(rank))
     if policy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(policy.device)
     t0 = time.perf_counter()
     with traced_update(cfg, policy, optimizer, adm.batch) as tracer:  # None (nothing attached) unless --trace
-        res = optimizer_update(policy, optimizer, adm.batch, cfg)
+        res = optimizer_update(policy, optimizer, batch, cfg, parallel=parallel)
     local_train_wall_s = time.perf_counter() - t0
     peak = peak_memory_value(policy.device)
-    final_file = policy.save_adapter(out / FINAL_ADAPTER_DIR)
-    in_process = _in_process(policy, cfg, adm, start, res.loss)
-    observed = knobs.observe_all(knobs.Runtime(policy.model, tuple(res.micro_batch_rows)))
+    final_file = distributed.save_adapter(policy, out / FINAL_ADAPTER_DIR, parallel)  # rank 0 writes it
+    in_process = _in_process(policy, cfg, adm, start, res.loss, batch, parallel)
+    mb_rows = [n for rows in distributed.gather_objects(res.micro_batch_rows) for n in rows]
+    observed = knobs.observe_all(knobs.Runtime(policy.model, tuple(mb_rows), parallel=parallel, world_size=world))
     metrics = _metrics(adm, cfg, repeat_index, res, local_train_wall_s, peak, policy.device, observed)
+    if world > 1:
+        metrics = _land_rank(out, metrics, res, batch, rank, world, bounds, parallel)
+        if not metrics:
+            return {}
+    assert final_file is not None  # rank 0
     metrics.update({
         metrics_io.FINAL_ADAPTER: sha256_file(final_file),
         metrics_io.FINAL_ADAPTER_PATH: str(final_file.relative_to(out)),
@@ -148,6 +177,36 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = No
     if tracer is not None:  # before replay_metrics.json, which pins the trace index
         metrics[metrics_io.TRACE] = tracer.write(out, metrics)
     write_metrics(out, metrics)
+    return metrics
+
+
+def _land_rank(out: Path, metrics: dict[str, Any], res: Any, batch: OptimizerBatch, rank: int, world: int,
+               rows: tuple[int, int], parallel: distributed.Parallel | None) -> dict[str, Any]:
+    """Over several ranks: write this rank's figures (``replay_metrics.rank-<r>.json``), wait for every rank,
+    and on rank 0 return the replay's metrics with the merged figures and the rank files listed (``{}``
+    on the other ranks); see :func:`replayjob.metrics.merge_ranks`."""
+    from replayjob.digest import sha256_bytes
+    from replayjob.jsonio import pretty_bytes
+
+    logical, effective = batch.digests()
+    mine = {"schema": metrics_io.RANK_SCHEMA, "rank": rank, "world_size": world, "arm": metrics["arm"],
+            "repeat_index": metrics["repeat_index"], "rows": list(rows), "shard_logical_sha256": logical,
+            "shard_effective_rows_sha256": effective, "loss": res.local_loss,
+            "micro_batch_rows": list(res.micro_batch_rows), "timing": metrics["timing"],
+            "memory": metrics["memory"], "padding": metrics["padding"], metrics_io.HOST: metrics[metrics_io.HOST]}
+    out.mkdir(parents=True, exist_ok=True)
+    data = pretty_bytes(mine)
+    metrics_io.write(out / metrics_io.rank_file(rank), mine, exclusive=True)
+    shas = distributed.gather_objects(sha256_bytes(data))
+    distributed.barrier()  # every rank's file is on disk
+    if rank != distributed.ROOT_RANK:
+        return {}
+    docs = [metrics_io.read_rank(out / metrics_io.rank_file(r), shas[r]) for r in range(world)]
+    metrics.update(metrics_io.merge_ranks(docs))
+    metrics[metrics_io.DISTRIBUTED] = {
+        "world_size": world, "strategy": distributed.strategy_of(parallel), "sharding": distributed.SHARDING,
+        "ranks": [{"rank": r, "file": metrics_io.rank_file(r), "sha256": shas[r], "rows": docs[r]["rows"]}
+                  for r in range(world)]}
     return metrics
 
 
@@ -225,18 +284,27 @@ def _metrics(adm: Admission, cfg: Config, repeat_index: int, res: Any, local_tra
 
 def replay_command(config: str | Path, overrides: list[str], out: str | Path | None,
                    repeat: int | None, repeat_index: int,
-                   slot: Slot | None = None) -> list[tuple[Path, dict[str, Any]]]:
+                   slot: Slot | None = None, nproc: int = 1,
+                   launcher: str = "torchrun") -> list[tuple[Path, dict[str, Any]]]:
     """``replayjob replay``: one replay in this process, or ``repeat`` fresh-process replays.
 
     A config with an ``[integration]`` table replays a capture from an external trainer
-    (:mod:`replayjob.integrations`); the fan-out is the same for both.
+    (:mod:`replayjob.integrations`); the fan-out is the same for both.  ``nproc`` > 1 runs each replay
+    on that many ranks of this node, launched by :func:`replayjob.distributed.run_launched` (also for a
+    single replay without ``repeat``; ``launcher``: torchrun, or srun inside a Slurm allocation, see
+    :func:`replayjob.distributed.launch_command`).  On a rank other than 0 (this process launched by
+    torchrun) the metrics returned are ``{}``.
     """
     from replayjob import integrations
 
+    if nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, found {nproc}")
     if integrations.is_integration_config(config):
         from replayjob.integrations import admission
         from replayjob.integrations import replay as integration_replay
 
+        if nproc > 1:
+            raise UsageError("an integration replay runs in one process; --nproc applies to replayjob's own trainer")
         icfg = admission.load(config, overrides)
         if out is None:
             raise UsageError("an integration replay needs --out DIR")
@@ -255,9 +323,12 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
             return replay(cfg, d, index, slot)
 
         def refuse_early() -> None:
-            admit(cfg, keep_rows=False).raise_if_refused()
+            admit(distributed.observe(cfg, running=False, planned=nproc), keep_rows=False).raise_if_refused()
     if repeat is None:
-        return [(out_dir, one(out_dir, repeat_index))]
+        if nproc == 1:
+            return [(out_dir, one(out_dir, repeat_index))]
+        refuse_early()  # here, before starting N processes
+        return [(out_dir, _spawn(config, overrides, out_dir, repeat_index, nproc, slot, launcher))]
     if slot is not None:
         raise UsageError("--slot names one replay's place in a schedule; it does not combine with --repeat")
     if repeat < 1:
@@ -267,16 +338,23 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
     for d in dirs:
         if (d / METRICS_FILE).exists() or (d / FINAL_ADAPTER_DIR).exists():
             raise ArtifactExistsError("a replay already exists here", where=d, hint="choose a new --out")
-    results = []
-    for i, d in enumerate(dirs):
-        argv = [sys.executable, "-m", "replayjob", "replay", str(Path(config).resolve()), "--out", str(d),
-                "--repeat-index", str(i)]
-        for item in overrides:
-            argv += ["--set", item]
-        proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip()[-2000:]
-            raise error_for_exit_status(proc.returncode)(  # 3 or a signal stays retryable (exit 3)
-                f"repeat {i} exited with status {proc.returncode}: {tail}", where=d)
-        results.append((d, metrics_io.read_replay(d / METRICS_FILE).doc))
-    return results
+    return [(d, _spawn(config, overrides, d, i, nproc, launcher=launcher)) for i, d in enumerate(dirs)]
+
+
+def _spawn(config: str | Path, overrides: list[str], d: Path, index: int, nproc: int,
+           slot: Slot | None = None, launcher: str = "torchrun") -> dict[str, Any]:
+    """One replay in fresh processes: ``python -m replayjob replay`` (``nproc`` ranks: launched by torchrun)."""
+    argv = ["replay", str(Path(config).resolve()), "--out", str(d), "--repeat-index", str(index)]
+    if slot is not None:
+        argv += ["--slot", slot.arg()]
+    for item in overrides:
+        argv += ["--set", item]
+    if nproc == 1:
+        proc = subprocess.run([sys.executable, "-m", "replayjob", *argv], capture_output=True, text=True, check=False)
+        code, tail = proc.returncode, (proc.stderr or proc.stdout).strip()[-2000:]
+    else:
+        code, tail = distributed.run_launched(nproc, argv, launcher=launcher)
+    if code != 0:
+        raise error_for_exit_status(code)(  # 3 or a signal stays retryable (exit 3)
+            f"repeat {index} exited with status {code}: {tail[-2000:]}", where=d)
+    return metrics_io.read_replay(d / METRICS_FILE).doc

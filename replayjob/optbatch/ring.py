@@ -123,6 +123,8 @@ class RingCapture(StepHook):
             return
         t0 = time.perf_counter()
         self.steps += 1
+        if self.ring and self.ring[-1].step == step:
+            self.ring[-1].updated(result)
         reason = triggered(self.cfg, result.loss, result.grad_norm, self.norms, self.losses)
         if reason is None and self.user_trigger is not None:
             reason = self.user_trigger(step, result)

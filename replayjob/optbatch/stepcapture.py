@@ -27,6 +27,7 @@ manifest's.  Rows holding NaN/Inf are flagged (``state.nonfinite_inputs``) and a
 
 from __future__ import annotations
 
+import math
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +49,10 @@ from replayjob.metrics import (
     STEP,
     STEP_EFFECTIVE,
     STEP_FINAL_ADAPTER,
+    STEP_GRAD_NORM,
     STEP_INITIAL_ADAPTER,
     STEP_LOGICAL,
+    STEP_LOSS,
     STEP_MANIFEST,
     STEP_MANIFEST_PATH,
     STEP_NONFINITE,
@@ -76,14 +79,10 @@ def state_dir_name(step: int) -> str:
     return manifest.file_stem(step) + ".state"
 
 
-def replay_config_name(step: int) -> str:
-    return f"replay_step_{step:06d}.toml"
-
-
 def file_names(step: int) -> list[str]:
     """Every name a capture of ``step`` creates (none may exist beforehand)."""
     return [state_dir_name(step), manifest.payload_name(step), manifest.manifest_name(step),
-            replay_config_name(step)]
+            manifest.replay_config_name(step)]
 
 
 def refuse_existing(out: Path, steps: list[int], what: str) -> None:
@@ -191,6 +190,12 @@ class StepSnapshot:
     optimizer: Packed
     lr: list[float]
     final_adapter: Packed | None = None  # after the real update (the next step's start)
+    loss: float | None = None  # the real update's loss and gradient norm, once it returned
+    grad_norm: float | None = None
+
+    def updated(self, result: Any) -> None:
+        """Record the real update's loss and gradient norm (an :class:`~replayjob.rl.update.UpdateResult`)."""
+        self.loss, self.grad_norm = float(result.loss), float(result.grad_norm)
 
     @property
     def nbytes(self) -> int:
@@ -247,20 +252,26 @@ def write(out: Path, snap: StepSnapshot, cfg: Config, model_reference: dict[str,
         adapter_size=len(adapter), adapter_sha256=adapter_sha, state=state)
     mname = manifest.manifest_name(k)
     sha = manifest.write(out / mname, doc)
-    atomic_write_bytes(out / replay_config_name(k), replay_toml(cfg, k, logical, sha).encode("utf-8"),
+    atomic_write_bytes(out / manifest.replay_config_name(k), replay_toml(cfg, k, logical, sha).encode("utf-8"),
                        exclusive=True)
     base = relative_to or out
     final = sha256_bytes(adapter_bytes(snap.final_adapter.unpack())) if snap.final_adapter is not None else None
     return {STEP: k, STEP_MANIFEST_PATH: str((out / mname).relative_to(base)), STEP_MANIFEST: sha,
             STEP_LOGICAL: logical, STEP_EFFECTIVE: effective,
             STEP_INITIAL_ADAPTER: adapter_sha, STEP_FINAL_ADAPTER: final,
-            STEP_REPLAY_CONFIG: str((out / replay_config_name(k)).relative_to(base)),
-            STEP_NONFINITE: nonfinite}
+            STEP_REPLAY_CONFIG: str((out / manifest.replay_config_name(k)).relative_to(base)),
+            STEP_NONFINITE: nonfinite, STEP_LOSS: _finite(snap.loss), STEP_GRAD_NORM: _finite(snap.grad_norm)}
+
+
+def _finite(v: float | None) -> float | None:
+    """A step record's loss or gradient norm: strict JSON has no NaN, so a non-finite one is null."""
+    return v if v is not None and math.isfinite(v) else None
 
 
 def replay_toml(cfg: Config, step: int, logical: str, manifest_sha256: str) -> str:
     """The replay config of a captured step: the source's (redacted) config as an optimizer replay
     of exactly that step, with both pins and the paths (relative to this file) filled in."""
+    name = manifest.replay_config_name(step)
     doc = resolved(cfg)
     doc["training"].update({"trainer": "optimizer_replay", "max_steps": 1, "save_every": 0})
     doc["resume"]["from"] = state_dir_name(step)
@@ -269,8 +280,8 @@ def replay_toml(cfg: Config, step: int, logical: str, manifest_sha256: str) -> s
                               "expected_logical_sha256": logical, "expected_manifest_sha256": manifest_sha256}
     head = (f"# Replay of the captured step {step}: one update from its pinned start state, no dataset,\n"
             "# environment or sampling.  Paths are relative to this file.\n"
-            f"# Check: replayjob explain {replay_config_name(step)}\n"
-            f"# Run:   replayjob replay {replay_config_name(step)} --out replays/step_{step:06d} --repeat 3\n\n")
+            f"# Check: replayjob explain {name}\n"
+            f"# Run:   replayjob replay {name} --out replays/step_{step:06d} --repeat 3\n\n")
     return head + dumps(doc)
 
 

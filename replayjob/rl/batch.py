@@ -87,6 +87,29 @@ class OptimizerBatch:
         return (_combine(_LOGICAL_TAG, self.rows, sums, _LOGICAL_ARRAYS),
                 _combine(_EFFECTIVE_TAG, int(keep.sum()), eff_sums, _EFFECTIVE_ARRAYS))
 
+    def shard(self, begin: int, end: int) -> OptimizerBatch:
+        """Rows ``[begin, end)`` as a batch of their own (offsets rebased to zero): one rank's share."""
+        t0, t1 = int(self.token_offsets[begin]), int(self.token_offsets[end])
+        r0, r1 = int(self.resp_offsets[begin]), int(self.resp_offsets[end])
+        return OptimizerBatch(
+            tokens=self.tokens[t0:t1].clone(), token_offsets=self.token_offsets[begin:end + 1] - t0,
+            prompt_lens=self.prompt_lens[begin:end].clone(), resp_offsets=self.resp_offsets[begin:end + 1] - r0,
+            **{k: getattr(self, k)[r0:r1].clone() for k in _ROW_FIELDS})
+
+    @staticmethod
+    def concat(parts: list[OptimizerBatch]) -> OptimizerBatch:
+        """The rows of ``parts`` one after another (offsets rebased): the inverse of :meth:`shard`."""
+        def offsets(name: str) -> Tensor:
+            out, base = [torch.zeros(1, dtype=torch.int64)], 0
+            for p in parts:
+                out.append(getattr(p, name)[1:] + base)
+                base += int(getattr(p, name)[-1])
+            return torch.cat(out)
+        return OptimizerBatch(
+            tokens=torch.cat([p.tokens for p in parts]), token_offsets=offsets("token_offsets"),
+            prompt_lens=torch.cat([p.prompt_lens for p in parts]), resp_offsets=offsets("resp_offsets"),
+            **{k: torch.cat([getattr(p, k) for p in parts]) for k in _ROW_FIELDS})
+
     @staticmethod
     def from_padded(seqs: list[list[int]], prompt_lens: list[int], fields: dict[str, Tensor],
                     mask: Tensor) -> OptimizerBatch:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from replayjob.distributed import full
+
 
 def tensor_checksum(named: Iterable[tuple[str, Tensor | None]]) -> dict[str, Any]:
     h = hashlib.sha256()
@@ -25,7 +27,7 @@ def tensor_checksum(named: Iterable[tuple[str, Tensor | None]]) -> dict[str, Any
         if t is None:
             h.update(b"<none>")
             continue
-        c = t.detach().to("cpu").contiguous()
+        c = full(t.detach()).to("cpu").contiguous()  # a sharded tensor whole (every rank computes the row)
         h.update(str(c.dtype).encode())
         h.update(c.reshape(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b"")
         d = c.double()

@@ -11,6 +11,8 @@ Run it: ``replayjob init d && replayjob train d/source.toml --out runs/source``.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import time
 from collections.abc import Sequence
@@ -21,7 +23,7 @@ import torch
 from torch import Tensor
 
 import replayjob
-from replayjob import determinism, faults
+from replayjob import determinism, distributed, faults
 from replayjob import metrics as metrics_io
 from replayjob.config import Config, config_sha256, resolved
 from replayjob.digest import sha256_file
@@ -208,10 +210,22 @@ def train(cfg: Config, out: Path, hooks: Sequence[StepHook] = ()) -> dict[str, A
         raise
 
 
+def _local_shard(batch: OptimizerBatch) -> OptimizerBatch:
+    """This rank's contiguous shard of the logical batch, once the ranks agree on that batch."""
+    distributed.check_same(batch.logical_sha256(), "logical batch")
+    begin, end = distributed.shard_bounds(batch.rows, distributed.world_size())[distributed.rank()]
+    return batch.shard(begin, end)
+
+
 def _run(cfg: Config, out: Path, hooks: list[StepHook]) -> dict[str, Any]:
-    prepare_out_dir(out)
+    root = distributed.is_root()  # over several ranks only rank 0 writes the run's own files
+    if root:
+        prepare_out_dir(out)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     prov, policy, state = start_run(cfg)
+    parallel = distributed.wrap(policy.model, cfg, policy)  # None for strategy "none"
     seed = cfg.training.seed if cfg.training.seed is not None else 0
     optimizer = make_optimizer(policy, cfg)
     start_step = 0
@@ -231,28 +245,34 @@ def _run(cfg: Config, out: Path, hooks: list[StepHook]) -> dict[str, Any]:
         h.on_train_begin(view)
     task = Task(cfg.environment.task, cfg.environment.max_operand, cfg.environment.nondeterministic_observation)
     last: UpdateResult | None = None
-    with _open_diag(out) as diag:
+    with _open_diag(out) if root else contextlib.nullcontext(io.BytesIO()) as diag:
         for step in range(start_step, cfg.training.max_steps):
             t0 = time.perf_counter()
             rollout, batch = build_rollout(policy, cfg, task, step, seed)
             sample_s = time.perf_counter() - t0
             for h in hooks:
                 h.on_rollout(rollout)
+            if parallel is not None:  # every rank built the same logical batch; each takes its shard
+                batch = _local_shard(batch)
             for h in hooks:
                 h.before_update(step, batch)
             last = optimizer_update(policy, optimizer, batch, cfg, keep_logprobs=keep_logprobs,
-                                    plant_nonfinite_grad=faults.nonfinite_grad_at(step))
+                                    plant_nonfinite_grad=faults.nonfinite_grad_at(step), parallel=parallel)
             for h in hooks:
                 h.after_update(step, last)
             row = diag_row(step, rollout, last, policy, optimizer, prov, time.perf_counter() - t_start, sample_s)
             diag.write(canonical_bytes(row, allow_nan=True) + b"\n")  # a diverged step is recorded
             diag.flush()
-            if cfg.training.save_every and (step + 1) % cfg.training.save_every == 0:
+            if root and cfg.training.save_every and (step + 1) % cfg.training.save_every == 0:
                 ck = out / "checkpoints" / f"step_{step:06d}"
                 policy.save_adapter(ck)
                 write_state(ck, step, policy.model_reference(),
                             {OPTIMIZER_FILE: optimizer_bytes(optimizer), RNG_FILE: rng_bytes()})
-    final_file = policy.save_adapter(out / FINAL_ADAPTER_DIR)
+    final_file = distributed.save_adapter(policy, out / FINAL_ADAPTER_DIR, parallel)
+    if final_file is None:  # not rank 0: its hooks land this rank's part; rank 0 writes the root and metrics.json
+        for h in hooks:
+            h.finish({})
+        return {}
     assert last is not None
     metrics = {
         "schema": METRICS_SCHEMA,

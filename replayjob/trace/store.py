@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from replayjob.digest import normalize_digest, sha256_bytes
+from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.jsonio import loads_strict, pretty_bytes
@@ -240,8 +240,7 @@ def _read_index(d: Path, expected_sha256: str | None) -> dict[str, Any]:
             f"identity must have exactly the keys {sorted(IDENTITY_KEYS)}")
     for k in ("manifest_sha256", "logical_batch_sha256", "initial_adapter_sha256"):
         v = ident[k]
-        _expect(isinstance(v, str) and v == v.lower() and len(v) == 64, p, f"identity.{k} is not a digest")
-        normalize_digest(v, what=f"identity.{k}")
+        _expect(is_sha256_hex(v), p, f"identity.{k} is not a SHA-256 digest (64 lowercase hex characters)")
     pay = doc["payload"]
     _expect(isinstance(pay, dict) and set(pay) == {"file", "sha256", "bytes"} and pay["file"] == PAYLOAD_FILE,
             p, f"payload must name {PAYLOAD_FILE!r} with its sha256 and bytes")

@@ -12,6 +12,11 @@
 #            --gres=gpu:N; step replay --index i (arm, repeat)       -> <out>/replays/<arm>/<repeat>
 #   reduce   --dependency=afterany:<array> (a failed replay is missing evidence, never dropped)
 #            step reduce -> <out>/verdict.json; its exit code is the verdict's
+# A capture or replay of R ranks (the spec's `ranks`, an arm's "distributed.world_size") is one job of
+# --ntasks=R on one node (--nodes=1, R times the GPUs per task): the step runs once in the batch
+# script and starts the ranks with `srun --ntasks R` in the allocation (replayjob.deploy.launch maps
+# each task to torch.distributed's environment); with --image, torchrun inside the container starts
+# them.  Arms of different rank counts get one replay array each (sparse --array indexes).
 # --wait blocks until reduce ends and exits with its code: 0 pass, 1 fail, 2 refused, 3 error (also
 # when the reduce job ended without a verdict: cancelled, timed out, node failure; nothing was
 # decided, retrying may help).  Every job is requeued after infrastructure failures (--requeue: node
@@ -34,7 +39,7 @@ Options:
   --claim CLAIM          exact-input or bitwise (default: the spec's claim); the fewest replays
                          per arm the reducer accepts is the spec's min_repeats (lowered to --repeats)
   --partition P          Slurm partition for every job (default: the cluster's default)
-  --gpus-per-task N      GPUs per capture and replay task, as --gres=gpu:N (default 1);
+  --gpus-per-task N      GPUs per rank of a capture or replay, as --gres=gpu:N*ranks (default 1);
                          0 drops every GPU request and runs on CPU (device "cpu")
   --image IMAGE          run replayjob from a container image (a .sif file, or docker://...)
                          with apptainer or singularity: --nv when GPUs are requested, <out> bound
@@ -129,9 +134,6 @@ if [ -n "$SOURCE" ]; then
 else
   SOURCE=$OUT/source
 fi
-for plant in "${PLANTED[@]}"; do
-  [[ "$plant" =~ ^[a-z0-9-]+:[a-z_][a-z0-9_.]*=.+$ ]] || die "--plant expects ARM:SETTING=VALUE, got '$plant'"
-done
 if [ "$DRY_RUN" = 0 ]; then
   command -v sbatch >/dev/null 2>&1 || die "sbatch not found: run this on a Slurm login node"
   [ ! -e "$OUT/slurm/job.env" ] || die "$OUT already holds a submission; choose a new --out"
@@ -148,11 +150,24 @@ SELECT=()
 [ -z "$REPEATS" ] || SELECT+=(--repeats "$REPEATS")
 [ -z "$CLAIM" ] || SELECT+=(--claim "$CLAIM")
 [ "$GPUS" -gt 0 ] || SELECT+=(--device cpu)
-plan=$("${REPLAYJOB[@]}" step plan --spec "$SPEC" "${SELECT[@]}") || die "the ablation spec was refused"
-SIZE="" PARALLELISM="" DEVICE="" CLAIM="" MIN_REPEATS="" ARM_NAMES=""
+PLANT_ARGS=()
+for plant in "${PLANTED[@]}"; do
+  PLANT_ARGS+=(--plant "$plant")
+done
+# step plan also validates every --plant against the selection (the check step replay makes)
+plan=$("${REPLAYJOB[@]}" step plan --spec "$SPEC" "${SELECT[@]}" "${PLANT_ARGS[@]}") \
+  || die "the ablation spec or a --plant was refused (see above)"
+SIZE="" PARALLELISM="" DEVICE="" CLAIM="" MIN_REPEATS="" ARM_NAMES="" RANKS=""
+GROUPS_RANKS=() GROUPS_INDEXES=()  # one replay array per rank count: its ranks and its array indexes
 while IFS= read -r line; do
   case "$line" in
     size=*) SIZE=${line#size=} ;;
+    ranks=*) RANKS=${line#ranks=} ;;
+    replays=*:*)
+      line=${line#replays=}
+      GROUPS_RANKS+=("${line%%:*}")
+      GROUPS_INDEXES+=("${line#*:}")
+      ;;
     parallelism=*) PARALLELISM=${line#parallelism=} ;;
     device=*) DEVICE=${line#device=} ;;
     claim=*) CLAIM=${line#claim=} ;;
@@ -160,11 +175,14 @@ while IFS= read -r line; do
     arms=*) ARM_NAMES=${line#arms=} ;;
   esac
 done <<<"$plan"
-if ! is_count "$SIZE" || [ "$SIZE" -lt 1 ] || ! is_count "$PARALLELISM"; then
+if ! is_count "$SIZE" || [ "$SIZE" -lt 1 ] || ! is_count "$PARALLELISM" || ! is_count "$RANKS" \
+  || [ "${#GROUPS_RANKS[@]}" -lt 1 ]; then
   die "unexpected plan from replayjob: $plan"
 fi
-for plant in "${PLANTED[@]}"; do
-  [[ ",$ARM_NAMES," = *",${plant%%:*},"* ]] || die "--plant names arm '${plant%%:*}', not one of $ARM_NAMES"
+for group in "${!GROUPS_RANKS[@]}"; do
+  if ! is_count "${GROUPS_RANKS[$group]}" || ! [[ "${GROUPS_INDEXES[$group]}" =~ ^[0-9,-]+$ ]]; then
+    die "unexpected plan from replayjob: $plan"
+  fi
 done
 [ "$GPUS" -eq 0 ] || [ "$DEVICE" = cuda ] || echo "submit: note: the spec runs on $DEVICE with $GPUS GPU(s) requested" >&2
 
@@ -173,12 +191,20 @@ JOB_ENV=$OUT/slurm/job.env
 common=(--parsable --chdir "$OUT" --open-mode=append)  # a requeued attempt appends to its log
 [ -z "$PARTITION" ] || common+=(--partition "$PARTITION")
 common+=("${SBATCH_ARGS[@]}")
-gres=()
-[ "$GPUS" -eq 0 ] || gres=("--gres=gpu:$GPUS")
+# ranks_args R: one node, R tasks (one rank each), GPUs for every rank
+ranks_args() {
+  RANKS_ARGS=(--nodes=1 "--ntasks=$1")
+  [ "$GPUS" -eq 0 ] || RANKS_ARGS+=("--gres=gpu:$((GPUS * $1))")
+}
+ranks_args "$RANKS"
 capture_cmd=(sbatch "${common[@]}" --job-name replayjob-capture --output "$OUT/logs/capture-%j.out"
-  --requeue "${gres[@]}" "$SCRIPTS/capture.sbatch" "$JOB_ENV")
-replay_cmd=(sbatch "${common[@]}" --job-name replayjob-replay --output "$OUT/logs/replay-%A_%a.out"
-  --array "0-$((SIZE - 1))%$PARALLELISM" --exclusive --requeue "${gres[@]}")
+  --requeue "${RANKS_ARGS[@]}" "$SCRIPTS/capture.sbatch" "$JOB_ENV")
+# replay_cmd GROUP: REPLAY_CMD, the replay array of one rank count (its indexes, its tasks and GPUs)
+replay_cmd() {
+  ranks_args "${GROUPS_RANKS[$1]}"
+  REPLAY_CMD=(sbatch "${common[@]}" --job-name replayjob-replay --output "$OUT/logs/replay-%A_%a.out"
+    --array "${GROUPS_INDEXES[$1]}%$PARALLELISM" --exclusive --requeue "${RANKS_ARGS[@]}")
+}
 reduce_cmd=(sbatch "${common[@]}" --job-name replayjob-reduce --output "$OUT/logs/reduce-%j.out"
   --requeue)
 
@@ -189,12 +215,15 @@ if [ "$DRY_RUN" = 1 ]; then
     line=$(printf '%q ' "$@")
     echo "${line% }"
   }
+  dep=()
   if [ "$SOURCE" = "$OUT/source" ]; then
     show "${capture_cmd[@]}"
-    show "${replay_cmd[@]}" --dependency=afterok:CAPTURE_ID --kill-on-invalid-dep=yes "$SCRIPTS/replay.sbatch" "$JOB_ENV"
-  else
-    show "${replay_cmd[@]}" "$SCRIPTS/replay.sbatch" "$JOB_ENV"
+    dep=(--dependency=afterok:CAPTURE_ID --kill-on-invalid-dep=yes)
   fi
+  for group in "${!GROUPS_RANKS[@]}"; do
+    replay_cmd "$group"
+    show "${REPLAY_CMD[@]}" "${dep[@]}" "$SCRIPTS/replay.sbatch" "$JOB_ENV"
+  done
   show "${reduce_cmd[@]}" --dependency=afterany:REPLAY_ID "$SCRIPTS/reduce.sbatch" "$JOB_ENV"
   exit 0
 fi
@@ -216,13 +245,14 @@ cp "$SPEC" "$OUT/slurm/ablation.toml"
       REPLAYJOB_BINDS+=("$SOURCE")
       REPLAYJOB_STEP+=(--source "$SOURCE")
     fi
-    REPLAYJOB_CAPTURE_ARGS=() REPLAYJOB_REPLAY_ARGS=() REPLAYJOB_REDUCE_ARGS=()
-    for plant in "${PLANTED[@]}"; do
-      REPLAYJOB_REPLAY_ARGS+=(--plant "$plant")
-    done
+    # How a step starts R > 1 ranks: srun (this allocation's tasks); torchrun inside the container
+    # with --image (srun is not in the image)
+    REPLAYJOB_LAUNCHER=srun
+    [ -z "$IMAGE" ] || REPLAYJOB_LAUNCHER=torchrun
+    REPLAYJOB_CAPTURE_ARGS=() REPLAYJOB_REPLAY_ARGS=("${PLANT_ARGS[@]}") REPLAYJOB_REDUCE_ARGS=()
     declare -p REPLAYJOB_OUT REPLAYJOB_SCRIPTS REPLAYJOB_GPUS REPLAYJOB_MAX_RESTARTS REPLAYJOB_IMAGE \
-      REPLAYJOB_CONTAINER REPLAYJOB_VENV REPLAYJOB_BINDS REPLAYJOB_STEP REPLAYJOB_CAPTURE_ARGS \
-      REPLAYJOB_REPLAY_ARGS REPLAYJOB_REDUCE_ARGS
+      REPLAYJOB_CONTAINER REPLAYJOB_VENV REPLAYJOB_BINDS REPLAYJOB_STEP REPLAYJOB_LAUNCHER \
+      REPLAYJOB_CAPTURE_ARGS REPLAYJOB_REPLAY_ARGS REPLAYJOB_REDUCE_ARGS
   )
 } >"$JOB_ENV.tmp"
 mv "$JOB_ENV.tmp" "$JOB_ENV"
@@ -240,14 +270,24 @@ if [ "$SOURCE" = "$OUT/source" ]; then
   submitted+=("$capture_id")
   dep=("--dependency=afterok:$capture_id" --kill-on-invalid-dep=yes)
 fi
-replay_id=$(first_id "${replay_cmd[@]}" "${dep[@]}" "$SCRIPTS/replay.sbatch" "$JOB_ENV") \
-  || refused "replay array"
-submitted+=("$replay_id")
-reduce_id=$(first_id "${reduce_cmd[@]}" "--dependency=afterany:$replay_id" "$SCRIPTS/reduce.sbatch" "$JOB_ENV") \
-  || refused "reduce job"
+replay_ids=()
+for group in "${!GROUPS_RANKS[@]}"; do
+  replay_cmd "$group"
+  id=$(first_id "${REPLAY_CMD[@]}" "${dep[@]}" "$SCRIPTS/replay.sbatch" "$JOB_ENV") \
+    || refused "replay array of ${GROUPS_RANKS[$group]} rank(s)"
+  submitted+=("$id")
+  replay_ids+=("$id")
+done
+replay_id=$(IFS=,; echo "${replay_ids[*]}")  # every array, comma-separated
+reduce_id=$(first_id "${reduce_cmd[@]}" "--dependency=afterany:${replay_id//,/:}" "$SCRIPTS/reduce.sbatch" \
+  "$JOB_ENV") || refused "reduce job"
 printf 'capture=%s\nreplay=%s\nreduce=%s\n' "$capture_id" "$replay_id" "$reduce_id" >"$OUT/slurm/jobs"
-echo "submit: capture ${capture_id:-(reusing $SOURCE)}, replays $replay_id (array 0-$((SIZE - 1)):" \
-  "arms $ARM_NAMES), reduce $reduce_id; claim $CLAIM, min repeats $MIN_REPEATS, gpus/task $GPUS"
+ranks_note=""
+for group in "${!GROUPS_RANKS[@]}"; do
+  ranks_note+="${ranks_note:+, }${GROUPS_INDEXES[$group]} on ${GROUPS_RANKS[$group]} rank(s)"
+done
+echo "submit: capture ${capture_id:-(reusing $SOURCE)} on $RANKS rank(s), replays $replay_id (array 0-$((SIZE - 1)):" \
+  "arms $ARM_NAMES; $ranks_note), reduce $reduce_id; claim $CLAIM, min repeats $MIN_REPEATS, gpus/rank $GPUS"
 echo "submit: run directory $OUT (logs in $OUT/logs, replays in $OUT/replays/ARM/REPEAT, verdict $OUT/verdict.json)"
 [ "$WAIT" = 1 ] || exit 0
 
@@ -291,7 +331,7 @@ trap - INT TERM
 
 exit_code=$(field ExitCode "$record")
 status=${exit_code%%:*} signal=${exit_code#*:}
-tasks=$(scontrol show job -o "$replay_id" 2>/dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' | sort | uniq -c \
+tasks=$(for id in "${replay_ids[@]}"; do scontrol show job -o "$id" 2>/dev/null; done | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' | sort | uniq -c \
   | awk '{printf "%s%s %s", sep, $1, $2; sep=", "}' || true)
 echo "submit: replay tasks: ${tasks:-unknown}"
 if [ "$state" = COMPLETED ] || { [ "$state" = FAILED ] && [ "$signal" = 0 ] && is_count "$status"; }; then

@@ -1,0 +1,118 @@
+"""``replayjob.deploy.launch``: an srun task's Slurm variables mapped to torch.distributed's.
+
+The mapping is checked value by value, its refusals by name, and for real: two processes given the
+variables srun would give two tasks of one job form a gloo process group through the mapped
+``MASTER_ADDR``/``MASTER_PORT`` and all-reduce a tensor.  The srun launch itself runs in
+tests/test_slurm.py against a real scheduler.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from replayjob.deploy import launch
+from replayjob.errors import ConfigError, UsageError
+
+TASK = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[003-004,9]",
+        "SLURM_JOB_ID": "123456"}
+
+
+def test_a_task_s_slurm_variables_become_torch_distributed_s() -> None:
+    assert launch.rank_env(TASK) == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "gpu003",
+                                     "MASTER_PORT": str(20000 + 123456 % 30000)}
+
+
+@pytest.mark.parametrize(("nodelist", "host"), [
+    ("node1", "node1"), ("node[01-04]", "node01"), ("a-1,b[2-3]", "a-1"), ("gpu[7,9-10]", "gpu7"),
+    ("rack[1-2]-n[05-06]", "rack1-n05"), ("h.example.org,h2", "h.example.org"),
+])
+def test_the_first_host_of_a_host_list(nodelist: str, host: str) -> None:
+    assert launch.first_host(nodelist) == host
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"SLURM_PROCID": None}, "not an srun task: SLURM_PROCID missing"),
+    ({"SLURM_JOB_ID": ""}, "SLURM_JOB_ID missing"),
+    ({"SLURM_PROCID": "2"}, "do not describe a task"),
+    ({"SLURM_NTASKS": "two"}, "do not describe a task"),
+    ({"SLURM_JOB_NODELIST": "node[01-"}, "malformed Slurm host list"),
+    ({"SLURM_JOB_NODELIST": "bad host"}, "malformed Slurm host list"),
+    ({"SLURM_JOB_ID": "12_3"}, "is not a job id"),
+])
+def test_a_malformed_task_environment_is_refused(change: dict[str, str | None], message: str) -> None:
+    env = {k: v for k, v in {**TASK, **change}.items() if v is not None}
+    with pytest.raises(ConfigError, match=message):
+        launch.rank_env(env)
+
+
+def test_ports_differ_between_jobs_and_stay_below_the_ephemeral_range() -> None:
+    ports = {launch.master_port(str(j)) for j in range(1000, 1100)}
+    assert len(ports) == 100 and all(launch.PORT_BASE <= p < launch.PORT_BASE + launch.PORT_SPAN <= 50000
+                                     for p in ports)
+
+
+def test_srun_runs_each_rank_through_the_mapping_on_one_node() -> None:
+    cmd = launch.srun_command(4, ["replay", "cfg.toml", "--out", "o"])
+    assert cmd[:7] == ["srun", "--ntasks", "4", "--nodes", "1", "--kill-on-bad-exit=1", "--export=ALL"]
+    assert cmd[7:] == [sys.executable, "-m", "replayjob.deploy.launch", "replay", "cfg.toml", "--out", "o"]
+    with pytest.raises(UsageError):
+        launch.srun_command(0, ["replay"])
+
+
+def test_the_entry_point_refuses_outside_an_srun_task_with_exit_2() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run([sys.executable, "-m", "replayjob.deploy.launch", "--version"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not an srun task" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _job_id_with_free_port() -> str:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if launch.PORT_BASE <= port < launch.PORT_BASE + launch.PORT_SPAN:
+            return str(port - launch.PORT_BASE)
+    pytest.skip("no free port in the mapped range")
+
+
+RANK_PROGRAM = """
+import os
+from replayjob.deploy import launch
+os.environ.update(launch.rank_env(os.environ))
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print(dist.get_rank(), dist.get_world_size(), os.environ["LOCAL_RANK"], int(t.item()))
+dist.destroy_process_group()
+"""
+
+
+def test_two_tasks_form_a_gloo_group_through_the_mapped_environment() -> None:
+    job = _job_id_with_free_port()
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_PROGRAM], text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE,
+                              env={**base, "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
+                                   "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": job})
+             for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
+    assert sorted(o.strip() for o, _ in outs) == ["0 2 0 3", "1 2 1 3"]  # 1 + 2 summed on both ranks
+
+
+def test_the_one_launch_function_picks_torchrun_or_srun() -> None:
+    from replayjob import distributed
+
+    argv = ["capture", "source.toml", "--out", "src"]
+    assert distributed.launch_command(2, argv)[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                       "--nproc-per-node", "2"]
+    assert distributed.launch_command(2, argv, "srun") == launch.srun_command(2, argv)
+    with pytest.raises(ConfigError, match="'mpirun' is not a launcher"):
+        distributed.launch_command(2, argv, "mpirun")

@@ -1,0 +1,273 @@
+"""Capture and replay over several ranks: real torchrun (``python -m torch.distributed.run``), gloo on CPU.
+
+The chain of issue 20 end to end through the CLI: a 2-rank DDP capture, a 2-rank replay that
+reproduces the source bitwise, a 1-rank replay of the same capture declaring
+``distributed.world_size``, and ``reduce --claim exact-input`` over both arms (each replay's rank
+files merged into it, never counted as repeats); then the refusals: a tampered rank payload, a
+missing rank, an undeclared world-size change, a declared world size the launcher contradicts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from replayjob import distributed
+from replayjob.errors import ConfigError, ContractError
+from replayjob.metrics import FINAL_ADAPTER, LOGICAL, MANIFEST, PIN_KEYS, rank_file
+from replayjob.optbatch import ranks
+from replayjob.rl.batch import OptimizerBatch
+from tests.conftest import run_cli
+
+DDP = 'distributed.strategy="ddp"'
+WORLD_1 = ["--set", "distributed.world_size=1",
+           "--set", 'optimizer_batch.allow_config_differences=["distributed.world_size"]']
+
+
+def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node N -m replayjob ARGS`` (the launcher itself, not our wrapper)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "replayjob", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+
+
+def pins(capture: Path) -> list[str]:
+    m = json.loads((capture / "metrics.json").read_text())
+    return ["--set", f'optimizer_batch.replay_path="{capture / "optimizer_batch_step_000000.manifest.json"}"',
+            "--set", f'optimizer_batch.expected_logical_sha256="{m[LOGICAL]}"',
+            "--set", f'optimizer_batch.expected_manifest_sha256="{m[MANIFEST]}"', "--set", DDP]
+
+
+@pytest.fixture(scope="module")
+def capture2(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist") / "source"
+    proc = torchrun(2, "capture", str(workspace / "source.toml"), "--out", str(out), "--set", DDP)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def replays(workspace: Path, capture2: Path) -> Path:
+    """Arm ``two`` (2 ranks, ``replay --nproc 2``), arm ``world_size=1`` (one process, a group of one) and arm
+    ``bucket_cap_mb=1.0`` (2 ranks, 1 MiB DDP buckets)."""
+    d = capture2.parent / "replays"
+    two = run_cli("replay", str(workspace / "replay.toml"), "--out", str(d / "two"), "--nproc", "2",
+                  *pins(capture2), "--set", 'optimizer_batch.arm="two"')
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = run_cli("replay", str(workspace / "replay.toml"), "--out", str(d / "one"), *pins(capture2), *WORLD_1)
+    assert one.returncode == 0, one.stderr[-3000:]
+    bucket = run_cli("replay", str(workspace / "replay.toml"), "--out", str(d / "bucket"), "--nproc", "2",
+                     *pins(capture2), "--set", "distributed.bucket_cap_mb=1",
+                     "--set", 'optimizer_batch.allow_config_differences=["distributed.bucket_cap_mb"]')
+    assert bucket.returncode == 0, bucket.stderr[-3000:]
+    return d
+
+
+def test_each_rank_lands_then_the_root_with_the_single_device_pins(capture2: Path, capture_dir: Path) -> None:
+    names = {p.name for p in capture2.iterdir()}
+    assert {"rank-0", "rank-1", "COMPLETE.0", "COMPLETE.1", "metrics.json",
+            "optimizer_batch_step_000000.manifest.json"} <= names
+    root = json.loads((capture2 / "optimizer_batch_step_000000.manifest.json").read_text())
+    assert root["schema"] == ranks.SCHEMA
+    assert root["distributed"] == {"world_size": 2, "strategy": "ddp", "bucket_cap_mb": 25.0, "backend": "gloo",
+                                   "sharding": "contiguous"}
+    assert [e["rows"] for e in root["ranks"]] == [[0, 8], [8, 16]]
+    m2 = json.loads((capture2 / "metrics.json").read_text())
+    m1 = json.loads((capture_dir / "metrics.json").read_text())
+    assert set(PIN_KEYS) <= set(m2) and {k for k in m1 if k.startswith("optimizer")} == {
+        k for k in m2 if k.startswith("optimizer")}
+    assert m2["config"]["distributed"]["world_size"] == 2 and m1["config"]["distributed"]["world_size"] == 1
+    # the logical batch does not depend on how the rows were split (the same source config on one process)
+    assert m2[LOGICAL] == m1[LOGICAL]
+    assert m2["optimizer/local_effective_rows_sha256"] == m1["optimizer/local_effective_rows_sha256"]
+    rank1 = json.loads((capture2 / "rank-1" / "optimizer_batch_step_000000.manifest.json").read_text())
+    assert rank1["rows"]["rows"] == 8 and rank1["logical_batch_sha256"] != m2[LOGICAL]  # its own rows
+
+
+def test_explain_verifies_every_rank(workspace: Path, capture2: Path) -> None:
+    proc = run_cli("explain", str(workspace / "replay.toml"), "--json", *pins(capture2), *WORLD_1)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["rows"]["rows"] == 16 and rep[LOGICAL] == json.loads((capture2 / "metrics.json").read_text())[LOGICAL]
+    assert rep["distributed"]["world_size"] == 2 and rep["world_size"] == 1
+    assert [e["rows"] for e in rep["distributed"]["ranks"]] == [[0, 8], [8, 16]]
+
+
+def test_same_world_size_replay_is_bitwise_and_one_rank_passes_exact_input(capture2: Path, replays: Path,
+                                                                         tmp_path: Path) -> None:
+    src = json.loads((capture2 / "metrics.json").read_text())
+    two = json.loads((replays / "two" / "replay_metrics.json").read_text())
+    one = json.loads((replays / "one" / "replay_metrics.json").read_text())
+    assert two[FINAL_ADAPTER] == src[FINAL_ADAPTER] and two["loss"] == src["loss"]  # bitwise, same world size
+    assert two["runtime"]["distributed.world_size"] == 2 and two["runtime"]["distributed.strategy"] == "ddp"
+    assert one["runtime"]["distributed.world_size"] == 1 and one["knobs"] == {"distributed.world_size": 1}
+    assert [e["rows"] for e in two["distributed"]["ranks"]] == [[0, 8], [8, 16]]
+    assert (replays / "two" / rank_file(1)).is_file() and "distributed" not in one
+    bucket = json.loads((replays / "bucket" / "replay_metrics.json").read_text())
+    assert bucket["runtime"]["distributed.bucket_cap_mb"] == 1.0 == bucket["knobs"]["distributed.bucket_cap_mb"]
+    verdict = tmp_path / "bitwise.json"
+    proc = run_cli("reduce", str(replays / "two"), "--claim", "bitwise", "--source", str(capture2),
+                   "--min-repeats", "1", "--out", str(verdict))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    verdict = tmp_path / "exact.json"
+    proc = run_cli("reduce", str(replays), "--claim", "exact-input", "--source", str(capture2), "--min-repeats", "1",
+                   "--arms", "two,world_size=1,bucket_cap_mb=1.0", "--out", str(verdict))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    checks = {c["name"]: c for c in json.loads(verdict.read_text())["checks"]}
+    # one replay per arm: a replay's rank files are merged into it, never counted as repeats
+    assert checks["inputs.min_repeats"]["observed"] == {"two": 1, "world_size=1": 1, "bucket_cap_mb=1.0": 1}
+    assert checks["exact.knobs_in_effect"]["status"] == "pass"
+
+
+def test_a_rank_file_changed_after_the_replay_is_refused(capture2: Path, replays: Path, tmp_path: Path) -> None:
+    d = tmp_path / "two"
+    shutil.copytree(replays / "two", d)
+    doc = json.loads((d / rank_file(1)).read_text())
+    doc["loss"] += 1.0
+    (d / rank_file(1)).write_text(json.dumps(doc))
+    proc = run_cli("reduce", str(d), "--claim", "exact-input", "--source", str(capture2), "--min-repeats", "1",
+                   "--out", str(tmp_path / "v.json"))
+    assert proc.returncode == 2 and "rank file SHA-256" in json.loads((tmp_path / "v.json").read_text())[
+        "refusal"]["message"]
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("payload", "rank 1: "),
+    ("landing", "incomplete capture over 2 ranks: COMPLETE.1 missing"),
+    ("rank-dir", "incomplete capture over 2 ranks: rank-1 missing"),
+])
+def test_a_damaged_capture_over_ranks_is_refused(workspace: Path, capture2: Path, tmp_path: Path, damage: str,
+                                                 message: str) -> None:
+    cap = tmp_path / "source"
+    shutil.copytree(capture2, cap)
+    if damage == "payload":
+        p = cap / "rank-1" / "optimizer_batch_step_000000.safetensors"
+        data = bytearray(p.read_bytes())
+        data[-1] ^= 1
+        p.write_bytes(bytes(data))
+    elif damage == "landing":
+        (cap / "COMPLETE.1").unlink()
+    else:
+        shutil.rmtree(cap / "rank-1")
+    proc = run_cli("explain", str(workspace / "replay.toml"), *pins(cap), *WORLD_1)
+    assert proc.returncode == 2 and message in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d["ranks"][1].update(dir="../rank-1"),  # a rank directory outside the capture
+    lambda d: d["distributed"].update(world_size=3),  # ranks listed != world size
+    lambda d: d["ranks"].reverse(),  # ranks out of order
+])
+def test_a_malformed_root_is_refused_even_when_pinned(workspace: Path, capture2: Path, tmp_path: Path,
+                                                      edit: Any) -> None:
+    cap = tmp_path / "source"
+    shutil.copytree(capture2, cap)
+    root = cap / "optimizer_batch_step_000000.manifest.json"
+    doc = json.loads(root.read_text())
+    edit(doc)
+    root.write_text(json.dumps(doc))
+    sha = hashlib.sha256(root.read_bytes()).hexdigest()
+    proc = run_cli("explain", str(workspace / "replay.toml"), *pins(cap), *WORLD_1,
+                   "--set", f'optimizer_batch.expected_manifest_sha256="{sha}"')
+    assert proc.returncode == 2 and "manifest field" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_an_undeclared_world_size_change_is_refused(workspace: Path, capture2: Path) -> None:
+    proc = run_cli("explain", str(workspace / "replay.toml"), *pins(capture2))
+    assert proc.returncode == 2
+    assert "undeclared difference 'distributed.world_size' (systems-only knob): source 2, replay 1" in proc.stdout
+
+
+def test_a_declared_world_size_the_launcher_contradicts_is_refused(workspace: Path, capture2: Path,
+                                                                   tmp_path: Path) -> None:
+    # one process, declared 2: refused before any work
+    proc = run_cli("replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "a"), *pins(capture2),
+                   "--set", "distributed.world_size=2")
+    assert proc.returncode == 2 and "not launched by torchrun" in proc.stderr
+    assert not (tmp_path / "a").exists()
+    # torchrun launches 2 ranks, the config declares 3: every rank refuses, the launch exits 2 (not torchrun's 1)
+    code, tail = distributed.run_launched(2, ["replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "b"),
+                                              *pins(capture2), "--set", "distributed.world_size=3"])
+    assert code == 2 and "torchrun launched 2 rank(s)" in tail
+    assert not (tmp_path / "b" / "replay_metrics.json").exists()
+
+
+def test_a_rank_killed_mid_capture_stops_the_launch_with_exit_3_and_no_root(workspace: Path, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # rank 1 alone writes COMPLETE.1: it is killed half way through its landing record; rank 0 waits at the
+    # barrier until torchrun stops it (no hang), and nothing claims the capture is complete
+    monkeypatch.setenv("REPLAYJOB_FAULT_POINT", "write.half/COMPLETE.1:1")
+    out = tmp_path / "source"
+    code, tail = distributed.run_launched(2, ["capture", str(workspace / "source.toml"), "--out", str(out),
+                                              "--set", DDP], timeout=600)
+    assert code == 3, tail
+    assert not (out / "optimizer_batch_step_000000.manifest.json").exists() and not (out / "metrics.json").exists()
+    assert not (out / "COMPLETE.1").exists()
+
+
+# -- FSDP2 (fully_shard runs on CPU with gloo) ---------------------------------------------------------
+def test_an_fsdp2_capture_replays_bitwise_and_with_ddp_and_on_one_rank_under_exact_input(
+        workspace: Path, capture2: Path, tmp_path: Path) -> None:
+    cap = tmp_path / "source"
+    proc = torchrun(2, "capture", str(workspace / "source.toml"), "--out", str(cap),
+                    "--set", 'distributed.strategy="fsdp2"')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    root = json.loads((cap / "optimizer_batch_step_000000.manifest.json").read_text())
+    assert root["distributed"]["strategy"] == "fsdp2"
+    src = json.loads((cap / "metrics.json").read_text())
+    assert src[LOGICAL] == json.loads((capture2 / "metrics.json").read_text())[LOGICAL]  # the same rows
+    fsdp2 = [*pins(cap)[:-2], "--set", 'distributed.strategy="fsdp2"']  # pins() ends with the DDP strategy
+    ddp = run_cli("replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "r" / "ddp"), "--nproc", "2",
+                  *pins(cap), "--set", 'optimizer_batch.allow_config_differences=["distributed.strategy"]')
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    one = run_cli("replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "r" / "one"), *fsdp2, *WORLD_1)
+    assert one.returncode == 0, one.stderr[-3000:]
+    same = run_cli("replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "r" / "same"), "--nproc", "2",
+                   *fsdp2, "--set", 'optimizer_batch.arm="fsdp2"')
+    assert same.returncode == 0, same.stderr[-3000:]
+    rm = json.loads((tmp_path / "r" / "same" / "replay_metrics.json").read_text())
+    assert rm[FINAL_ADAPTER] == src[FINAL_ADAPTER] and rm["loss"] == src["loss"]  # bitwise, same world size
+    runtime = json.loads((tmp_path / "r" / "one" / "replay_metrics.json").read_text())["runtime"]
+    assert runtime["distributed.strategy"] == "fsdp2" and runtime["distributed.bucket_cap_mb"] is None
+    verdict = tmp_path / "v.json"
+    proc = run_cli("reduce", str(tmp_path / "r"), "--claim", "exact-input", "--source", str(cap), "--min-repeats", "1",
+                   "--arms", "fsdp2,strategy=ddp,world_size=1", "--out", str(verdict))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- the parts, without a launcher ------------------------------------------------------------------
+def test_shards_concatenate_to_the_logical_batch() -> None:
+    m = torch.ones((5, 3), dtype=torch.float64)
+    m[2, 2] = 0.0
+    fields = {k: torch.rand(5, 3, dtype=torch.float64)
+              for k in ("old_logprobs", "ref_logprobs", "advantages", "loss_weights")}
+    b = OptimizerBatch.from_padded([[1, 2, 3, 4], [5, 6, 7, 8], [1, 2, 3], [4, 5, 6, 7], [9, 8, 7, 6]],
+                                   [1, 1, 1, 1, 1], fields, m)
+    for world in (1, 2, 3, 5):
+        bounds = distributed.shard_bounds(b.rows, world)
+        assert OptimizerBatch.concat([b.shard(*r) for r in bounds]).digests() == b.digests()
+    with pytest.raises(ContractError):
+        distributed.shard_bounds(2, 3)
+
+
+def test_exit_codes_of_a_launch_and_the_rank_environment() -> None:
+    assert distributed.merged_exit(0, []) == 0
+    assert distributed.merged_exit(1, [3, 2]) == 2  # a refusal on any rank
+    assert distributed.merged_exit(1, [3]) == 3
+    assert distributed.merged_exit(1, []) == 3  # killed before recording: nothing decided
+    assert distributed.merged_exit(1, [1, 0]) == 1
+    assert distributed.launch_env({}) == distributed.Launch()
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
+    assert distributed.launch_env(env) == distributed.Launch(1, 2, 1, True)
+    with pytest.raises(ConfigError):
+        distributed.launch_env({**env, "RANK": "2"})
+    with pytest.raises(ConfigError):
+        distributed.launch_env({"RANK": "0"})
