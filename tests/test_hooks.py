@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -55,16 +54,3 @@ def test_the_protocol_defaults_and_abandon_all() -> None:
     assert h.finish({}) == {} and h.wants_update_logprobs is False
     abandon_all([h, h])
     assert Counting.abandoned == 2
-
-
-@pytest.mark.skipif(not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"),
-                    reason="per-thread priorities are a Linux feature")
-def test_a_nice_writer_runs_its_jobs_at_a_lower_priority_and_the_caller_keeps_its_own() -> None:
-    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    seen: list[int] = []
-    for nice in (0, 5):
-        w = BackgroundWriter("test-writer", nice=nice)
-        w.submit(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
-        w.drain()
-    assert seen == [main, min(main + 5, 19)]
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main

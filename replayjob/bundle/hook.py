@@ -46,7 +46,6 @@ ENV_DIR = "REPLAYJOB_BUNDLE_DIR"
 ENV_STEPS = "REPLAYJOB_BUNDLE_STEPS"
 ENV_ROLLOUTS = "REPLAYJOB_BUNDLE_ROLLOUTS"
 WRITER_THREAD = "bundle-writer"  # the name of the hook's writer thread (benchmarks read its CPU clock)
-WRITER_NICE = 19  # the writer thread runs at the lowest priority: it never takes a core from training
 
 
 def capture_from_env(cfg: Config, environ: Mapping[str, str] | None = None) -> BundleCapture | None:
@@ -113,7 +112,7 @@ class BundleCapture(StepHook):
         self._pending: _Snapshot | None = None
         self._held: list[tuple[str, _Snapshot, Tensor | None, float]] = []
         self.written: list[Path] = []
-        self._writer = BackgroundWriter(WRITER_THREAD, nice=WRITER_NICE)  # idle until a step's update returned
+        self._writer = BackgroundWriter(WRITER_THREAD)  # idle until a step's update returned
 
     # StepHook ------------------------------------------------------------------------------
     def on_rollout(self, rollout: StepRollout) -> None:

@@ -50,8 +50,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -154,16 +152,10 @@ class BackgroundWriter:
     * :meth:`drain` -- wait for every job, stop the thread, re-raise the first error kept.
     * :meth:`release` -- wait for the jobs already handed over, stop the thread, raise nothing
       (errors stay in :attr:`errors`).  Idempotent; :meth:`drain` calls it.
-
-    ``nice`` (Linux; ignored where threads cannot be given their own) lowers the thread's scheduling
-    priority by that much: its work then yields the cores to the training thread and Torch's
-    intra-op threads, which otherwise spin in their barriers while a writer slice holds one of
-    their cores (``benchmarks/README.md``, capture_overhead).
     """
 
-    def __init__(self, name: str, nice: int = 0) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.nice = nice
         self.errors: list[BaseException] = []
         self._jobs: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = threading.Thread(target=self._serve, name=name, daemon=True)
@@ -184,10 +176,6 @@ class BackgroundWriter:
         self.errors.append(exc)
 
     def _serve(self) -> None:
-        if self.nice and hasattr(threading, "get_native_id") and hasattr(os, "setpriority"):
-            with contextlib.suppress(OSError):  # a priority is a preference: never a reason to fail
-                tid = threading.get_native_id()
-                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.nice)
         while True:
             job = self._jobs.get()
             if job is None:
