@@ -34,6 +34,7 @@ import contextlib
 import datetime
 import functools
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -270,6 +271,19 @@ class Parallel:
         with no_sync() if callable(no_sync) else contextlib.nullcontext():
             yield
 
+    def check_micro_batches(self, count: int) -> None:
+        """FSDP2 gathers parameters in every micro-batch's forward (a collective), so every rank must run
+        the same number of micro-batches, or the ranks would pair unrelated collectives (a hang under gloo);
+        DDP communicates only in the last backward.  Refused on every rank alike (the counts are gathered)."""
+        if self.strategy != "fsdp2":
+            return
+        counts = [int(c[0]) for c in gather_floats([float(count)])]
+        if len(set(counts)) > 1:
+            raise ContractError(f"under fsdp2 every rank must run the same number of micro-batches; the shards "
+                                f"give {counts}", where="distributed.strategy",
+                                hint="choose a micro_batch_size that splits every rank's shard into as many "
+                                     'micro-batches, another world size, or strategy "ddp"')
+
     def loss_and_ratio(self, loss: float, ratio_sum: float, ratio_n: int) -> tuple[float, float]:
         """The loss over all ranks (summed in rank order) and the mean ratio over every rank's tokens."""
         rows = gather_floats([loss, ratio_sum, float(ratio_n)])
@@ -363,35 +377,36 @@ def launch_command(nproc: int, argv: Sequence[str], launcher: str = "torchrun") 
     """The one launch of ``nproc`` ranks of ``replayjob ARGV`` on this node: torchrun (standalone), or
     with ``launcher="srun"`` the tasks of the Slurm allocation this process runs in, each mapped to
     the variables :func:`launch_env` reads (:mod:`replayjob.deploy.launch`)."""
-    if launcher == "srun":
-        from replayjob.deploy.launch import srun_command
+    from replayjob.deploy.launch import check_launcher, srun_command
 
+    check_launcher(launcher)
+    if launcher == "srun":
         return srun_command(nproc, argv)
-    if launcher != "torchrun":
-        raise ConfigError(f"{launcher!r} is not a launcher; use torchrun or srun", where="launcher")
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             "-m", "replayjob", *argv]
 
 
-def record_exit(code: int) -> None:
-    """Under :func:`run_launched`, write this rank's exit code where the launcher collects it."""
+def record_exit(code: int, rank: str | None = None) -> None:
+    """Under :func:`run_launched`, write this rank's exit code where the launcher collects it (``rank``:
+    the rank when ``RANK`` is not set yet, e.g. an srun task whose Slurm variables were refused)."""
     where = os.environ.get(EXIT_DIR_ENV)
-    r = os.environ.get("RANK")
+    r = os.environ.get("RANK") if rank is None else rank
     if not where or r is None or not r.isdigit():
         return
     with contextlib.suppress(OSError):
         Path(where, f"rank-{int(r)}").write_text(str(code), encoding="utf-8")
 
 
-def merged_exit(launcher_code: int, rank_codes: Sequence[int]) -> int:
+def merged_exit(launcher_code: int, rank_codes: Sequence[int], nproc: int | None = None) -> int:
     """One exit code for a launch: 0 when the launcher succeeded, else a refusal on any rank (2), else
-    an error (3; also when no rank recorded its code: killed), else a negative verdict (1)."""
+    an error (3; also when a rank recorded no code, i.e. it was killed: nothing was decided), else a
+    negative verdict (1) only when every one of the ``nproc`` ranks recorded its code."""
     if launcher_code == 0:
         return EXIT_OK
     codes = set(rank_codes)
     if EXIT_REFUSED in codes:
         return EXIT_REFUSED
-    if EXIT_ERROR in codes or not codes - {EXIT_OK}:
+    if EXIT_ERROR in codes or not codes - {EXIT_OK} or (nproc is not None and len(rank_codes) < nproc):
         return EXIT_ERROR
     return EXIT_NEGATIVE if EXIT_NEGATIVE in codes else EXIT_ERROR
 
@@ -408,4 +423,23 @@ def run_launched(nproc: int, argv: Sequence[str], timeout: float | None = None,
         for p in Path(d).glob("rank-*"):
             with contextlib.suppress(ValueError, OSError):
                 codes.append(int(p.read_text(encoding="utf-8").strip()))
-    return merged_exit(proc.returncode, codes), (proc.stderr or proc.stdout).strip()[-4000:]
+    text = (proc.stderr or "") + (proc.stdout or "")
+    return merged_exit(proc.returncode, codes, nproc), (rank_diagnostics(text) or text.strip())[-4000:]
+
+
+_DIAGNOSTIC = re.compile(r"^replayjob [a-z][a-z-]*( [a-z][a-z-]*)?: ")
+
+
+def rank_diagnostics(text: str) -> str:
+    """The ranks' own diagnostics in a launch's output (``replayjob CMD: what`` and its indented ``fix:``
+    lines), each once, in order: what a refusal says, without the launcher's traceback around it."""
+    out: list[str] = []
+    keep = False
+    for line in text.splitlines():
+        if _DIAGNOSTIC.match(line):
+            keep = True
+        elif not line.startswith("  "):
+            keep = False
+        if keep and line not in out:
+            out.append(line)
+    return "\n".join(out)

@@ -165,9 +165,12 @@ def _check_ranks(f: _Fields, doc: dict[str, Any], where: Path) -> None:
                              hint="replay_metrics.json changed after the replay; rerun it")
 
 
-def write(path: Path, doc: dict[str, Any], *, exclusive: bool = False) -> None:
-    """Write a metrics document atomically (pretty, sorted keys); ``exclusive`` never replaces one."""
-    atomic_write_bytes(path, pretty_bytes(doc), exclusive=exclusive)
+def write(path: Path, doc: dict[str, Any], *, exclusive: bool = False) -> str:
+    """Write a metrics document atomically (pretty, sorted keys); ``exclusive`` never replaces one.
+    Returns the SHA-256 of the bytes written."""
+    data = pretty_bytes(doc)
+    atomic_write_bytes(path, data, exclusive=exclusive)
+    return sha256_bytes(data)
 
 
 @dataclass(frozen=True)

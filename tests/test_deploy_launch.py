@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -114,5 +115,20 @@ def test_the_one_launch_function_picks_torchrun_or_srun() -> None:
     assert distributed.launch_command(2, argv)[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                        "--nproc-per-node", "2"]
     assert distributed.launch_command(2, argv, "srun") == launch.srun_command(2, argv)
-    with pytest.raises(ConfigError, match="'mpirun' is not a launcher"):
+    with pytest.raises(UsageError, match="'mpirun' is not a launcher"):  # the step's own check, written once
         distributed.launch_command(2, argv, "mpirun")
+
+
+def test_a_refused_srun_task_records_its_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its Slurm variables refused, a task records exit 2, so the launch reports the refusal, not a
+    killed rank (3, which the Slurm scripts would requeue)."""
+    from replayjob import distributed
+
+    monkeypatch.setenv(distributed.EXIT_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    for key in ("SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_JOB_ID", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+    assert launch.main(["explain", "nowhere.toml"]) == 2
+    assert (tmp_path / "rank-1").read_text() == "2"
+    assert distributed.merged_exit(1, [2], nproc=2) == 2
+    assert distributed.merged_exit(1, [1], nproc=2) == 3  # a rank recorded nothing: not a verdict

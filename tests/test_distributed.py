@@ -180,6 +180,25 @@ def test_a_malformed_root_is_refused_even_when_pinned(workspace: Path, capture2:
     assert proc.returncode == 2 and "manifest field" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["initial_adapter"].update(sha256="0" * 64), "started from another adapter than the root records"),
+    (lambda d: d["payload"].update(size=d["payload"]["size"] + 1), "is not the ranks' total"),
+])
+def test_a_root_contradicting_its_ranks_is_refused_even_when_pinned(workspace: Path, capture2: Path, tmp_path: Path,
+                                                                   edit: Any, message: str) -> None:
+    """A re-emitted root whose own fields are well formed must still agree with every rank it lists."""
+    cap = tmp_path / "source"
+    shutil.copytree(capture2, cap)
+    root = cap / "optimizer_batch_step_000000.manifest.json"
+    doc = json.loads(root.read_text())
+    edit(doc)
+    root.write_text(json.dumps(doc))
+    sha = hashlib.sha256(root.read_bytes()).hexdigest()
+    proc = run_cli("explain", str(workspace / "replay.toml"), *pins(cap), *WORLD_1,
+                   "--set", f'optimizer_batch.expected_manifest_sha256="{sha}"')
+    assert proc.returncode == 2 and message in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
 def test_an_undeclared_world_size_change_is_refused(workspace: Path, capture2: Path) -> None:
     proc = run_cli("explain", str(workspace / "replay.toml"), *pins(capture2))
     assert proc.returncode == 2
@@ -271,3 +290,46 @@ def test_exit_codes_of_a_launch_and_the_rank_environment() -> None:
         distributed.launch_env({**env, "RANK": "2"})
     with pytest.raises(ConfigError):
         distributed.launch_env({"RANK": "0"})
+
+
+UNEVEN_PROGRAM = """
+import sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from replayjob import distributed
+from replayjob.errors import ContractError
+dist.init_process_group("gloo")
+seen = []
+for strategy in ("ddp", "fsdp2"):
+    p = distributed.Parallel(strategy, torch.nn.Linear(1, 1), None)
+    p.check_micro_batches(2)  # the same count on every rank
+    try:
+        p.check_micro_batches(1 + dist.get_rank())
+        seen.append(strategy + " ran")
+    except ContractError as exc:
+        seen.append(strategy + " refused: " + str(exc))
+Path(sys.argv[1], f"rank-{dist.get_rank()}").write_text("\\n".join(seen))
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_refuses_ranks_with_different_micro_batch_counts_on_every_rank(tmp_path: Path) -> None:
+    """FSDP2 gathers parameters in every forward: unequal micro-batch counts would pair unrelated
+    collectives (a hang under gloo), so every rank refuses alike; DDP communicates in the last backward only."""
+    prog = tmp_path / "uneven.py"
+    prog.write_text(UNEVEN_PROGRAM)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(prog), str(tmp_path)], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(2):
+        ddp, fsdp2 = (tmp_path / f"rank-{r}").read_text().splitlines()
+        assert ddp == "ddp ran" and "fsdp2 refused:" in fsdp2 and "the shards give [1, 2]" in fsdp2
+
+
+def test_a_launch_reports_the_ranks_diagnostics_not_the_launchers_traceback() -> None:
+    text = ("[rank0]: noise\nreplayjob replay: distributed.strategy: refused here\n  fix: do this\n"
+            "replayjob replay: distributed.strategy: refused here\n  fix: do this\n"
+            "Traceback (most recent call last):\n  File \"run.py\", line 1\nreplayjob FAILED\n")
+    assert distributed.rank_diagnostics(text) == ("replayjob replay: distributed.strategy: refused here\n"
+                                                  "  fix: do this")
+    assert distributed.rank_diagnostics("Traceback (most recent call last):\n  File x\n") == ""

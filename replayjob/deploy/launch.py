@@ -41,6 +41,12 @@ SLURM_KEYS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELI
 _HOST = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
+def check_launcher(launcher: str) -> None:
+    """The launchers a step or a launch may name (:data:`LAUNCHERS`); anything else is a usage error."""
+    if launcher not in LAUNCHERS:
+        raise UsageError(f"--launcher {launcher!r} is not a launcher; use one of: " + ", ".join(LAUNCHERS))
+
+
 def first_host(nodelist: str) -> str:
     """The first host of a Slurm host list (``node[01-04,07],other`` -> ``node01``)."""
     text = nodelist.strip()
@@ -98,6 +104,7 @@ def srun_command(nproc: int, argv: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """One srun task: map the Slurm variables (:func:`rank_env`), then run ``replayjob ARGV``."""
     from replayjob.cli import main as cli_main
+    from replayjob.distributed import record_exit
     from replayjob.errors import ReplayjobError
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -105,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.update(rank_env(os.environ))
     except ReplayjobError as exc:
         print(f"replayjob launch: {exc.diagnostics()}", file=sys.stderr)
+        # recorded, so the step reports the refusal (2), not a killed rank (3, which Slurm would requeue)
+        record_exit(exc.exit_code, os.environ.get("SLURM_PROCID", "0"))
         return exc.exit_code
     return cli_main(args)
 

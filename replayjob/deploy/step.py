@@ -65,6 +65,7 @@ from typing import Any
 
 from replayjob import metrics
 from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec, Run, toml_value
+from replayjob.deploy.launch import check_launcher
 from replayjob.digest import is_sha256_hex, sha256_json
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError, UsageError
 
@@ -325,7 +326,7 @@ def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None
     (Argo output parameters)."""
     from replayjob.fsio import atomic_write_text
 
-    _check_launcher(launcher)
+    check_launcher(launcher)
     _check_ranks("the capture", spec.ranks, ranks)
     check_run_record(layout, spec)
     if not (layout.workspace / "replay.toml").is_file():
@@ -363,13 +364,6 @@ def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None
             atomic_write_text(outputs / plan_file(n), "[" + ", ".join(map(str, indexes)) + "]")
 
 
-def _check_launcher(launcher: str) -> None:
-    from replayjob.deploy.launch import LAUNCHERS
-
-    if launcher not in LAUNCHERS:
-        raise UsageError(f"--launcher {launcher!r} is not a launcher; use one of: " + ", ".join(LAUNCHERS))
-
-
 def replay_args(spec: AblationSpec, layout: Layout, run: Run, logical: str, manifest: str,
                 manifest_file: Path, planted: Sequence[str] = ()) -> list[str]:
     """The ``--set`` overrides of one replay: common, the arm's knobs and their declaration, pins."""
@@ -398,7 +392,7 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
                 plants: Sequence[str] = (), wait_s: float = 0, log: Any = print, launcher: str = "torchrun") -> None:
     """One replay: index -> (arm, repeat), strict pins, ``RUN/replays/ARM/REPEAT`` (reused if complete),
     on the ranks its arm runs."""
-    _check_launcher(launcher)
+    check_launcher(launcher)
     run = spec.run_for_index(index)
     nproc = spec.ranks_for_index(index)
     planted = parse_plants(spec, plants).get(run.arm, [])

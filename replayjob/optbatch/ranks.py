@@ -24,7 +24,8 @@ payload pin.  The adapter the capture starts from is the resume state's, saved o
 A reader (:func:`verify`) checks, before any device memory is touched: the root's own fields, that
 exactly the listed ranks landed (no ``rank-*`` or ``COMPLETE.*`` missing or extra), every landing
 record, every rank manifest against its pinned SHA-256 and every payload against its manifest,
-that every rank captured under the root's config and contract, and that the rows concatenated in
+that every rank captured under the root's config and contract from the root's initial adapter, with
+the root's RNG keys and total payload size, and that the rows concatenated in
 rank order hash to the root's logical and effective digests.  A replay at any world size rebuilds
 the logical batch this way and re-shards it.
 """
@@ -201,8 +202,19 @@ def verify(root: RootManifest, allow_nonfinite: bool = False) -> Verified:
     for e, m, b in zip(root.ranks, v.manifests, v.bounds, strict=True):
         if m.payload_digest != e["payload_spans_sha256"] or list(b) != e["rows"]:
             raise IntegrityError(f"rank {e['rank']}'s payload or rows differ from the root's record", where=m.path)
-        if m.doc["config"]["sha256"] != root.doc["config"]["sha256"]:
-            raise IntegrityError(f"rank {e['rank']} captured under another config than the root records", where=m.path)
+        for what in ("config", "contract"):
+            if m.doc[what]["sha256"] != root.doc[what]["sha256"]:
+                raise IntegrityError(f"rank {e['rank']} captured under another {what} than the root records",
+                                     where=m.path)
+        if m.initial_adapter_sha256 != root.initial_adapter_sha256:
+            raise IntegrityError(f"rank {e['rank']} started from another adapter than the root records", where=m.path)
+    rng_keys = sorted(root.doc["payload"]["rng_keys"])
+    for e, m, rng in zip(root.ranks, v.manifests, v.rngs, strict=True):
+        if not sorted(rng) == sorted(m.doc["payload"]["rng_keys"]) == rng_keys:
+            raise IntegrityError(f"rank {e['rank']}'s RNG states {sorted(rng)} differ from its manifest's or the "
+                                 f"root's {rng_keys}", where=m.path)
+    if root.payload_size != sum(m.payload_size for m in v.manifests):
+        raise IntegrityError(f"the root's payload size {root.payload_size} is not the ranks' total", where=root.path)
     if v.digests != (root.logical_sha256, root.effective_sha256):
         raise IntegrityError(f"the ranks' rows in logical order hash to {v.digests[0]}, the root says "
                              f"{root.logical_sha256}", where=root.path)

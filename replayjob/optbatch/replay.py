@@ -185,9 +185,6 @@ def _land_rank(out: Path, metrics: dict[str, Any], res: Any, batch: OptimizerBat
     """Over several ranks: write this rank's figures (``replay_metrics.rank-<r>.json``), wait for every rank,
     and on rank 0 return the replay's metrics with the merged figures and the rank files listed (``{}``
     on the other ranks); see :func:`replayjob.metrics.merge_ranks`."""
-    from replayjob.digest import sha256_bytes
-    from replayjob.jsonio import pretty_bytes
-
     logical, effective = batch.digests()
     mine = {"schema": metrics_io.RANK_SCHEMA, "rank": rank, "world_size": world, "arm": metrics["arm"],
             "repeat_index": metrics["repeat_index"], "rows": list(rows), "shard_logical_sha256": logical,
@@ -195,9 +192,7 @@ def _land_rank(out: Path, metrics: dict[str, Any], res: Any, batch: OptimizerBat
             "micro_batch_rows": list(res.micro_batch_rows), "timing": metrics["timing"],
             "memory": metrics["memory"], "padding": metrics["padding"], metrics_io.HOST: metrics[metrics_io.HOST]}
     out.mkdir(parents=True, exist_ok=True)
-    data = pretty_bytes(mine)
-    metrics_io.write(out / metrics_io.rank_file(rank), mine, exclusive=True)
-    shas = distributed.gather_objects(sha256_bytes(data))
+    shas = distributed.gather_objects(metrics_io.write(out / metrics_io.rank_file(rank), mine, exclusive=True))
     distributed.barrier()  # every rank's file is on disk
     if rank != distributed.ROOT_RANK:
         return {}

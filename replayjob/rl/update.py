@@ -80,6 +80,8 @@ def optimizer_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Op
     kept: dict[int, torch.Tensor] = {}
     model = policy.model if parallel is None else parallel.module
     mbs = micro_batches(batch, cfg.training.micro_batch_size, policy.tokenizer.pad_id)
+    if parallel is not None:
+        parallel.check_micro_batches(len(mbs))
     for i, mb in enumerate(mbs):
         _sync(dev)
         t0 = time.perf_counter()
