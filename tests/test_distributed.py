@@ -161,32 +161,17 @@ def test_a_damaged_capture_over_ranks_is_refused(workspace: Path, capture2: Path
     assert proc.returncode == 2 and message in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("edit", [
-    lambda d: d["ranks"][1].update(dir="../rank-1"),  # a rank directory outside the capture
-    lambda d: d["distributed"].update(world_size=3),  # ranks listed != world size
-    lambda d: d["ranks"].reverse(),  # ranks out of order
-])
-def test_a_malformed_root_is_refused_even_when_pinned(workspace: Path, capture2: Path, tmp_path: Path,
-                                                      edit: Any) -> None:
-    cap = tmp_path / "source"
-    shutil.copytree(capture2, cap)
-    root = cap / "optimizer_batch_step_000000.manifest.json"
-    doc = json.loads(root.read_text())
-    edit(doc)
-    root.write_text(json.dumps(doc))
-    sha = hashlib.sha256(root.read_bytes()).hexdigest()
-    proc = run_cli("explain", str(workspace / "replay.toml"), *pins(cap), *WORLD_1,
-                   "--set", f'optimizer_batch.expected_manifest_sha256="{sha}"')
-    assert proc.returncode == 2 and "manifest field" in proc.stdout, proc.stdout + proc.stderr
-
-
 @pytest.mark.parametrize("edit, message", [
+    (lambda d: d["ranks"][1].update(dir="../rank-1"), "manifest field"),  # a rank directory outside the capture
+    (lambda d: d["distributed"].update(world_size=3), "manifest field"),  # ranks listed != world size
+    (lambda d: d["ranks"].reverse(), "manifest field"),  # ranks out of order
+    # well formed, but contradicting the ranks it lists
     (lambda d: d["initial_adapter"].update(sha256="0" * 64), "started from another adapter than the root records"),
     (lambda d: d["payload"].update(size=d["payload"]["size"] + 1), "is not the ranks' total"),
 ])
-def test_a_root_contradicting_its_ranks_is_refused_even_when_pinned(workspace: Path, capture2: Path, tmp_path: Path,
-                                                                   edit: Any, message: str) -> None:
-    """A re-emitted root whose own fields are well formed must still agree with every rank it lists."""
+def test_a_malformed_or_contradicting_root_is_refused_even_when_pinned(workspace: Path, capture2: Path,
+                                                                       tmp_path: Path, edit: Any,
+                                                                       message: str) -> None:
     cap = tmp_path / "source"
     shutil.copytree(capture2, cap)
     root = cap / "optimizer_batch_step_000000.manifest.json"
