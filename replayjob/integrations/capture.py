@@ -202,12 +202,10 @@ def has_nonfinite(mbs: list[MicroBatch]) -> bool:
                for m in mbs for t in (*m.inputs.values(), *m.call.values()))
 
 
-def rows_summary(mbs: list[MicroBatch]) -> dict[str, int | bool]:
-    """The manifest's ``rows``: sizes, and ``nonfinite_inputs`` (a float input holds NaN/Inf)."""
+def rows_summary(mbs: list[MicroBatch]) -> dict[str, int]:
     ts = [t for m in mbs for t in (*m.inputs.values(), *m.call.values())]
     return {"rows": batch_rows(mbs), "micro_batches": len(mbs), "tensors": len(ts),
-            "elements": sum(t.numel() for t in ts), "bytes": sum(t.numel() * t.element_size() for t in ts),
-            "nonfinite_inputs": has_nonfinite(mbs)}
+            "elements": sum(t.numel() for t in ts), "bytes": sum(t.numel() * t.element_size() for t in ts)}
 
 
 def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -470,7 +468,9 @@ class StepCapture:
             files[role] = {"file": names[role], "size": len(data), "sha256": sha256_bytes(data)}
         logical = logical_digest(self.micro_batches)
         effective = effective_digest(self.micro_batches, logical)
-        rows = rows_summary(self.micro_batches)
+        # the manifest's rows: sizes, and whether a float input holds NaN/Inf (replayed only when opted in)
+        rows: dict[str, int | bool] = {**rows_summary(self.micro_batches),
+                                       "nonfinite_inputs": has_nonfinite(self.micro_batches)}
         doc = {
             "schema": imanifest.SCHEMA, "framework": self.framework, "step": self.step,
             "producer": {"replayjob": replayjob.__version__, "python": platform.python_version(),
