@@ -1,5 +1,8 @@
 """The one validated safetensors reader: every tensor file replayjob reads goes through here.
 
+It also holds the encoder of the per-step hot path (:func:`encode`: bundle capture), which hashes
+each tensor while it builds the file instead of scanning the file again.
+
 A safetensors file is an 8-byte little-endian header length, a JSON header naming each tensor's
 dtype, shape and byte span, then the data section.  Nothing in it is trusted, so before a single
 tensor is built :func:`parse_header` checks that
@@ -37,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import mmap
 import os
@@ -559,6 +563,67 @@ def _read_span(src: _Source, header: Header, spec: TensorSpec, target: memoryvie
                 res.error = exc
         off += k
     return res
+
+
+# ------------------------------------------------------------------------------------ encoder
+# The order the safetensors library lays tensors out in (its dtype order, descending), then by name.
+_FILE_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL")
+
+@dataclass(frozen=True)
+class Encoded:
+    """A tensor file built in memory, with the digests :func:`scan` would find in it.
+
+    ``data`` is the whole file; ``header`` its validated header; ``header_sha256`` and
+    ``tensor_sha256`` are what ``scan(data, digest="spans")`` computes (the header block, each
+    tensor's bytes), taken from the tensors' own memory while the file is assembled."""
+
+    data: bytes
+    header: Header
+    header_sha256: bytes
+    tensor_sha256: dict[str, bytes]
+
+
+def encode(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] | None = None,
+           schema: Schema | None = None, where: str | Path = "<safetensors>") -> Encoded:
+    """Serialize CPU tensors into a safetensors file in memory, hashing each tensor once.
+
+    The layout is the one the safetensors library writes: a compact JSON header padded with spaces
+    to a multiple of 8 bytes, then the data section, tensors in the library's order (by dtype, see
+    :data:`_FILE_ORDER`: largest items first, so every tensor is aligned to its element size for
+    zero-copy reads, then by name); the library loads the result and writes the same bytes
+    (tested).  The header then passes this module's own :func:`parse_header` (with ``schema``), so
+    a file built here is one :func:`scan` accepts.  This is the per-step hot path of bundle
+    capture: one copy of each tensor into the file, no re-read of the file to hash it.
+    """
+    import torch
+
+    if sys.byteorder != "little":  # safetensors is little-endian; tensors are copied as they lie in memory
+        raise IntegrityError("tensor files are little-endian; this host is not", where=str(where))
+    names = {getattr(torch, t): d for d, t in _TORCH_NAMES.items()}
+    entries: list[tuple[int, str, str, list[int], Any]] = []
+    for name, t in tensors.items():
+        dtype = names.get(t.dtype)
+        if dtype is None or t.device.type != "cpu":
+            raise _fail(str(where), f"tensor {name!r} is {t.dtype} on {t.device}; only CPU tensors of "
+                                    f"{', '.join(sorted(ITEMSIZE))} are written")
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        if dtype == "BOOL" and _bad_bool(raw.data):
+            raise _bool_error(str(where), name)
+        entries.append((ITEMSIZE[dtype], name, dtype, list(t.shape), raw))
+    entries.sort(key=lambda e: (_FILE_ORDER.index(e[2]), e[1]))
+    doc: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata is not None else {}
+    off = 0
+    for _, name, dtype, shape, raw in entries:
+        doc[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + raw.nbytes]}
+        off += raw.nbytes
+    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    text += b" " * (-len(text) % 8)
+    block = struct.pack("<Q", len(text)) + text
+    size = len(block) + off
+    header = parse_header(block, size, where=where, schema=schema)
+    data = b"".join([block, *(e[4] for e in entries)])
+    return Encoded(data, header, hashlib.sha256(block).digest(),
+                   {e[1]: hashlib.sha256(e[4]).digest() for e in entries})
 
 
 # ------------------------------------------------------------------------------------ readers

@@ -231,3 +231,40 @@ def test_a_header_length_that_starts_like_a_pickle_stream_is_still_safetensors(h
     assert torch.equal(tensorfile.load_bytes(data)[1]["w"], torch.arange(6, dtype=torch.float32))
     with pytest.raises(IntegrityError, match="pickle stream"):
         tensorfile.load_bytes(pickle.dumps({"w": [1, 2]}, protocol=2) + b"\0" * 16)
+
+
+ALL_DTYPES = {"b": torch.tensor([True, False, True]), "u8": torch.arange(5, dtype=torch.uint8),
+              "i8": torch.tensor([-3, 4], dtype=torch.int8), "i16": torch.tensor([[-300]], dtype=torch.int16),
+              "i32": torch.arange(6, dtype=torch.int32).reshape(2, 3), "i64": torch.tensor(7),
+              "f16": torch.tensor([0.5, -1.0], dtype=torch.float16),
+              "bf16": torch.tensor([1.5, 2.0], dtype=torch.bfloat16), "f32": torch.randn(3, 2).t(),
+              "f64": torch.randn(2, 2, dtype=torch.float64), "empty": torch.zeros(0, 4)}
+
+
+def test_encoded_files_are_read_back_exactly_by_safetensors_and_by_every_reader(tmp_path: Path) -> None:
+    enc = tensorfile.encode(ALL_DTYPES, metadata={"format": "t/v1"})
+    back = st_load(enc.data)  # the safetensors library itself reads what the encoder writes
+    assert back.keys() == ALL_DTYPES.keys()
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in ALL_DTYPES.items())
+    spans = tensorfile.scan(enc.data, digest="spans", keep=False)
+    assert spans.validated() == enc.header and spans.header_sha256 == enc.header_sha256
+    assert spans.tensor_sha256 == enc.tensor_sha256 and enc.header.metadata == {"format": "t/v1"}
+    for spec in enc.header.tensors.values():  # every tensor starts at a multiple of its element size
+        assert (enc.header.data_start + spec.begin) % tensorfile.ITEMSIZE[spec.dtype] == 0
+    p = _write(tmp_path, enc.data)
+    got = tensorfile.load(p)
+    assert all(torch.equal(got[k], v) for k, v in ALL_DTYPES.items())
+    assert enc.data == save({k: v.contiguous() for k, v in ALL_DTYPES.items()}, metadata={"format": "t/v1"})
+
+
+@pytest.mark.parametrize(("tensors", "cause"), [
+    ({"w": torch.zeros(2, 3), "n": torch.zeros(4, dtype=torch.int32)}, "allowed here: F32, I64, U8"),
+    ({"w": torch.zeros(6), "n": torch.zeros(4, dtype=torch.int64)}, "rank 1, expected F32 of rank 2"),
+    ({"w": torch.zeros(2, dtype=torch.complex64)}, "only CPU tensors of"),
+    ({"w": torch.zeros(2, 3), "n": torch.zeros(4, dtype=torch.int64),
+      "extra.0": torch.tensor([1, 2], dtype=torch.uint8).view(torch.bool)}, "BOOL but holds bytes"),
+])
+def test_the_encoder_refuses_what_a_reader_would_refuse(tensors: dict[str, torch.Tensor], cause: str) -> None:
+    with pytest.raises(IntegrityError) as exc:
+        tensorfile.encode(tensors, metadata={"format": "t/v1"}, schema=SCHEMA)
+    assert cause in exc.value.message

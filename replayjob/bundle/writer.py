@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save as st_save
 from torch import Tensor
 
 import replayjob
@@ -182,8 +181,8 @@ class BundleWriter:
     def _documents(self) -> tuple[dict[str, Any], bytes | None]:
         """The manifest (index and expected outputs inside) and the payload file's bytes (None: no payloads).
 
-        The payload file is hashed once, here: its header block and each tensor's bytes, by the
-        reader's own scan engine (which also checks that the reader will accept the file)."""
+        The payload file is built and hashed in one pass (:func:`replayjob.tensorfile.encode`: its
+        header block and each tensor's bytes), its header checked by the reader's own parser."""
         index = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "kind": self.kind,
                  "identity": self.identity, "config": self.config, "samples": self.samples}
         names = sorted(self.payloads)
@@ -192,13 +191,11 @@ class BundleWriter:
         payload_file: dict[str, Any] | None = None
         digests: dict[str, str] = {}
         if names:
-            blob = st_save({name: self.payloads[name] for name in names})
-            scanned = tensorfile.scan(blob, keep=False, schema=fmt.payload_schema(dtypes), digest="spans",
-                                      where=fmt.PAYLOAD_FILE)
-            scanned.validated()
-            assert scanned.header_sha256 is not None
-            digests = {name: scanned.tensor_sha256[name].hex() for name in names}
-            payload_file = {"file": fmt.PAYLOAD_FILE, "bytes": len(blob), "header_sha256": scanned.header_sha256.hex()}
+            encoded = tensorfile.encode({name: self.payloads[name] for name in names},
+                                        schema=fmt.payload_schema(dtypes), where=fmt.PAYLOAD_FILE)
+            blob = encoded.data
+            digests = {name: encoded.tensor_sha256[name].hex() for name in names}
+            payload_file = {"file": fmt.PAYLOAD_FILE, "bytes": len(blob), "header_sha256": encoded.header_sha256.hex()}
         specs = {name: {"dtype": dtypes[name], "shape": list(self.payloads[name].shape), "sha256": digests[name],
                         "role": self.roles[name]} for name in names}
         manifest = {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "bundle_id": self.bundle_id,
