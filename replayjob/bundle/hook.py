@@ -92,6 +92,7 @@ class _Snapshot:
     prompt_lengths: list[int]
     responses: list[list[int]]
     tensors: dict[str, Tensor]
+    records: list[dict[str, Any]] | None = None  # the redacted sample records, built by the first bundle
 
 
 class BundleCapture(StepHook):
@@ -171,8 +172,12 @@ class BundleCapture(StepHook):
         w = BundleWriter(self.directory / fmt.bundle_name(kind, rid, 0 if kind == "step" else None), kind=kind,
                          rollout_id=rid, step_id=0 if kind == "step" else None, config=self.config,
                          producer=self.producer, weight_version=rid)
-        group = snap.tensors["group"].tolist()
         mask = snap.tensors["mask"]
+        if snap.records is not None:  # the step's other bundle built them: same samples, same redaction
+            w.add_records(snap.records)
+            w.write_payload("mask", mask)
+            return w
+        group = snap.tensors["group"].tolist()
         lengths = mask.sum(dim=1).to(torch.int64).tolist()  # one reduction, not one per sample
         tok = ByteTokenizer()
         for i in range(len(snap.responses)):
@@ -181,6 +186,7 @@ class BundleCapture(StepHook):
                          label_length=len(tok.encode(snap.answers[i])), partition=f"p-{rid:06d}",
                          consumer_batch="cb-0000", micro_batch=f"mb-{i // self.micro:04d}",
                          prompt=snap.prompts[i], completion=snap.completions[i], label=snap.answers[i])
+        snap.records = w.samples
         w.write_payload("mask", mask)
         return w
 

@@ -148,6 +148,16 @@ class BundleWriter:
                 rec.update(redact_text(field, text, policy))
         self.samples.append(rec)  # checked with every other sample by finalize (check_index, as the reader does)
 
+    def add_records(self, records: Sequence[dict[str, Any]]) -> None:
+        """Add sample records another writer built with :meth:`add_sample` (already redacted, never raw
+        text): a rollout and a step bundle of one step share theirs.  ``finalize`` checks them against
+        this writer's redaction policy, rank and weight version like any other sample."""
+        for rec in records:
+            if rec.get("rank") != (self.rank or 0):
+                raise IntegrityError(f"sample {rec.get('sample_id')!r} was recorded on rank {rec.get('rank')!r}, "
+                                     f"this writer is rank {self.rank or 0}")
+            self.samples.append(dict(rec))
+
     def write_payload(self, name: str, tensor: Tensor, *, role: str = "input") -> None:
         """Add a tensor payload (``role`` "input" or "expected"); stored as tensor ``<name>`` of the payload file."""
         fmt.check_payload_name(name)
@@ -220,19 +230,28 @@ class BundleWriter:
             raise ArtifactExistsError("bundle directory already exists", where=final,
                                       hint="capture into a new directory")
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
+            if not final.parent.is_dir():
+                final.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         except OSError as exc:
             raise write_failure(exc, final.parent, "cannot create the bundle") from None
         try:
-            if blob is not None:
-                _write_new(tmp / fmt.PAYLOAD_FILE, blob)
-            manifest_bytes = canonical_bytes(manifest)
-            _write_new(tmp / fmt.MANIFEST, manifest_bytes)
-            manifest_sha = sha256_bytes(manifest_bytes)
-            complete = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "manifest_sha256": manifest_sha}
-            _write_new(tmp / fmt.COMPLETE, pretty_bytes(complete))
-            fsync_dir(tmp)  # every name in place and durable before the rename publishes them
+            try:
+                dfd = os.open(tmp, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+            except OSError as exc:
+                raise write_failure(exc, tmp, "cannot open the staging directory") from None
+            try:  # the files are created relative to the staging directory's descriptor, which is synced last
+                if blob is not None:
+                    _write_new(dfd, tmp, fmt.PAYLOAD_FILE, blob)
+                manifest_bytes = canonical_bytes(manifest)
+                _write_new(dfd, tmp, fmt.MANIFEST, manifest_bytes)
+                manifest_sha = sha256_bytes(manifest_bytes)
+                complete = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "manifest_sha256": manifest_sha}
+                _write_new(dfd, tmp, fmt.COMPLETE, pretty_bytes(complete))
+                with contextlib.suppress(OSError):
+                    os.fsync(dfd)  # every name in place and durable before the rename publishes them
+            finally:
+                os.close(dfd)
             point(f"bundle.staged/{final.name}")
             try:
                 os.rename(tmp, final)
@@ -260,28 +279,28 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[os.write(fd, view):]
 
 
-def _write_new(path: Path, data: bytes) -> None:
-    """Create one file of a private staging directory: exclusive create, write, one ``fsync``.
+def _write_new(dfd: int, staging: Path, name: str, data: bytes) -> None:
+    """Create one file of a private staging directory (open as ``dfd``): exclusive create, write, one ``fsync``.
 
     No temporary name and no directory ``fsync`` per file: the staging directory is invisible to
     readers until it is renamed into place, and it is synced once, after its last file.
     """
-    point(f"bundle.open/{path.name}")
+    point(f"bundle.open/{name}")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644, dir_fd=dfd)
     except OSError as exc:
-        raise write_failure(exc, path, "cannot create a bundle file") from None
+        raise write_failure(exc, staging / name, "cannot create a bundle file") from None
     try:
         view, half = memoryview(data), len(data) // 2  # no copy of large payloads
         _write_all(fd, view[:half])
-        point(f"bundle.half/{path.name}")  # a crash here leaves a partial file in staging
+        point(f"bundle.half/{name}")  # a crash here leaves a partial file in staging
         _write_all(fd, view[half:])
         os.fsync(fd)
     except OSError as exc:
-        raise write_failure(exc, path, "cannot write a bundle file") from None
+        raise write_failure(exc, staging / name, "cannot write a bundle file") from None
     finally:
         os.close(fd)
-    point(f"bundle.synced/{path.name}")
+    point(f"bundle.synced/{name}")
 
 
 def try_finalize(root: Path) -> bool:
