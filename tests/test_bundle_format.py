@@ -18,6 +18,7 @@ from safetensors.torch import save
 
 from replayjob import tensorfile
 from replayjob.bundle import BundleWriter, default_config, inspect_path, load_bundle
+from replayjob.bundle.format import DEFAULT_REDACTION
 from replayjob.bundle.synthetic import write_rollout, write_step
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes, sha256_json
@@ -93,6 +94,22 @@ def test_raw_text_never_enters_a_bundle(tmp_path: Path) -> None:
     rec = load_bundle(path).samples[0]
     assert rec["prompt_prefix"] == "Q:SE" and rec["completion_sha256"] == sha256_bytes(b"SECRETANSWER")
     assert "label_sha256" not in rec
+
+
+def test_shared_sample_records_are_checked_by_the_writer_that_adds_them(tmp_path: Path) -> None:
+    cfg = default_config(samples_per_prompt=1)
+    src = BundleWriter(tmp_path / "a", kind="rollout", rollout_id=0, config=cfg)
+    src.add_sample("s-0", group="g-0", prompt_length=3, response_length=1, prompt="Q:1", completion="1",
+                   label="1")
+    truncating = BundleWriter(tmp_path / "b", kind="step", rollout_id=0, step_id=0, config=cfg,
+                              redaction={**DEFAULT_REDACTION, "prompt": "truncate:2"})
+    truncating.add_records(src.samples)  # hashed text where this writer's policy truncates
+    with pytest.raises(IntegrityError, match="does not follow the redaction policy"):
+        truncating.finalize()
+    ranked = BundleWriter(tmp_path / "c", kind="step", rollout_id=0, step_id=0, config=cfg, rank=1, ranks=[0, 1])
+    with pytest.raises(IntegrityError, match="recorded on rank 0, this writer is rank 1"):
+        ranked.add_records(src.samples)
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 
 def test_unsupported_topology_fails_loudly(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
