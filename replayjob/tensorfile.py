@@ -591,9 +591,10 @@ def encode(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] |
     to a multiple of 8 bytes, then the data section, tensors in the library's order (by dtype, see
     :data:`_FILE_ORDER`: largest items first, so every tensor is aligned to its element size for
     zero-copy reads, then by name); the library loads the result and writes the same bytes
-    (tested).  The header then passes this module's own :func:`parse_header` (with ``schema``), so
-    a file built here is one :func:`scan` accepts.  This is the per-step hot path of bundle
-    capture: one copy of each tensor into the file, no re-read of the file to hash it.
+    (tested).  The header is the one :func:`parse_header` would return (the round trip is tested)
+    and passes the format's ``schema``, so a file built here is one :func:`scan` accepts.  This is
+    the per-step hot path of bundle capture: one copy of each tensor into the file, no re-read or
+    re-parse of the file to hash and check it.
     """
     import torch
 
@@ -612,15 +613,32 @@ def encode(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] |
         entries.append((ITEMSIZE[dtype], name, dtype, list(t.shape), raw))
     entries.sort(key=lambda e: (_FILE_ORDER.index(e[2]), e[1]))
     doc: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata is not None else {}
+    specs: dict[str, TensorSpec] = {}
     off = 0
     for _, name, dtype, shape, raw in entries:
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise _fail(str(where), f"tensor name {name!r} cannot be written")
         doc[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + raw.nbytes]}
+        specs[name] = TensorSpec(name, dtype, tuple(shape), off, off + raw.nbytes)
         off += raw.nbytes
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise _fail(str(where), "__metadata__ must map strings to strings")
     text = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     text += b" " * (-len(text) % 8)
+    limit = schema.max_header_bytes if schema is not None else MAX_HEADER_BYTES
+    if len(text) > limit:
+        raise _fail(str(where), f"the header would be {len(text)} bytes, above the {limit}-byte header limit")
     block = struct.pack("<Q", len(text)) + text
-    size = len(block) + off
-    header = parse_header(block, size, where=where, schema=schema)
+    # The header as parse_header would return it, built from the entries themselves (every name,
+    # dtype, shape and span is right by construction; the round trip is tested), then the format's
+    # own schema: names, dtypes, ranks and metadata.
+    header = Header(str(where), len(block) + off, len(block), dict(metadata or {}), specs)
+    if schema is not None:
+        allowed = schema.dtypes
+        bad = sorted({s.dtype for s in specs.values()} - allowed)
+        if bad:
+            raise _fail(str(where), f"tensor dtype(s) {bad} are not allowed here: {', '.join(sorted(allowed))}")
+        schema.check(header)
     data = b"".join([block, *(e[4] for e in entries)])
     return Encoded(data, header, hashlib.sha256(block).digest(),
                    {e[1]: hashlib.sha256(e[4]).digest() for e in entries})
