@@ -417,14 +417,46 @@ def run_launched(nproc: int, argv: Sequence[str], timeout: float | None = None,
     the output's tail."""
     with tempfile.TemporaryDirectory(prefix="replayjob-ranks-") as d:
         env = {**os.environ, EXIT_DIR_ENV: d}
-        proc = subprocess.run(launch_command(nproc, argv, launcher), capture_output=True, text=True, check=False,
-                              env=env, timeout=timeout)
+        proc = run_group(launch_command(nproc, argv, launcher), env, timeout)
         codes = []
         for p in Path(d).glob("rank-*"):
             with contextlib.suppress(ValueError, OSError):
                 codes.append(int(p.read_text(encoding="utf-8").strip()))
     text = (proc.stderr or "") + (proc.stdout or "")
     return merged_exit(proc.returncode, codes, nproc), (rank_diagnostics(text) or text.strip())[-4000:]
+
+
+STOP_GRACE_S = 20.0  # after SIGTERM, how long the launcher gets to stop its ranks before SIGKILL
+
+
+def run_group(cmd: Sequence[str], env: dict[str, str], timeout: float | None = None,
+              grace_s: float = STOP_GRACE_S) -> subprocess.CompletedProcess[str]:
+    """Run a launcher in its own process group and capture its output.
+
+    If this process is interrupted while it waits (a SIGTERM that the CLI turns into an error, Ctrl-C,
+    ``timeout``), the whole group gets SIGTERM, so torchrun or srun stops its ranks as it does for a
+    cancelled job; whatever is left after ``grace_s`` gets SIGKILL.  Nothing of a launch outlives it.
+    """
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        _stop_group(proc, grace_s)
+        raise
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
+def _stop_group(proc: subprocess.Popen[str], grace_s: float) -> None:
+    import signal
+
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher or a rank that ignored SIGTERM
+    proc.wait()
 
 
 _DIAGNOSTIC = re.compile(r"^replayjob [a-z][a-z-]*( [a-z][a-z-]*)?: ")

@@ -132,3 +132,57 @@ def test_a_refused_srun_task_records_its_refusal(tmp_path: Path, monkeypatch: py
     assert (tmp_path / "rank-1").read_text() == "2"
     assert distributed.merged_exit(1, [2], nproc=2) == 2
     assert distributed.merged_exit(1, [1], nproc=2) == 3  # a rank recorded nothing: not a verdict
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_an_interrupted_launch_stops_the_launcher_s_whole_process_group(tmp_path: Path) -> None:
+    """A SIGTERM to the waiting process (the CLI's handler raises, as for a preempted `step`) reaches the
+    launcher and every process it started: a stand-in launcher (sh) and its 'rank' (sleep)."""
+    import signal
+    import threading
+
+    from replayjob import distributed
+
+    pids = tmp_path / "pids"
+    cmd = ["sh", "-c", f'sleep 120 & echo "$$ $!" > {pids}; wait']
+
+    class Terminated(Exception):
+        pass
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated
+
+    def terminate_once_started() -> None:
+        for _ in range(200):
+            if pids.is_file() and len(pids.read_text().split()) == 2:
+                break
+            threading.Event().wait(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        threading.Thread(target=terminate_once_started, daemon=True).start()
+        with pytest.raises(Terminated):
+            distributed.run_group(cmd, dict(os.environ), timeout=60, grace_s=5)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    launcher, rank = (int(x) for x in pids.read_text().split())
+    for _ in range(100):
+        if not _alive(launcher) and not _alive(rank):
+            break
+        threading.Event().wait(0.05)
+    assert not _alive(launcher) and not _alive(rank)
+
+
+def test_a_finished_launch_returns_its_exit_code_and_output() -> None:
+    from replayjob import distributed
+
+    done = distributed.run_group([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"], dict(os.environ))
+    assert done.returncode == 3 and done.stdout.strip() == "out"
