@@ -150,8 +150,8 @@ class BundleWriter:
 
     def add_records(self, records: Sequence[dict[str, Any]]) -> None:
         """Add sample records another writer built with :meth:`add_sample` (already redacted, never raw
-        text): a rollout and a step bundle of one step share theirs.  ``finalize`` checks them against
-        this writer's redaction policy, rank and weight version like any other sample."""
+        text): a rollout and a step bundle of one step share theirs.  Records of another rank are
+        refused here; ``finalize`` checks them against this writer's redaction policy like any other."""
         for rec in records:
             if rec.get("rank") != (self.rank or 0):
                 raise IntegrityError(f"sample {rec.get('sample_id')!r} was recorded on rank {rec.get('rank')!r}, "
@@ -192,7 +192,7 @@ class BundleWriter:
         """The manifest (index and expected outputs inside) and the payload file's bytes (None: no payloads).
 
         The payload file is built and hashed in one pass (:func:`replayjob.tensorfile.encode`: its
-        header block and each tensor's bytes), its header checked by the reader's own parser."""
+        header block and each tensor's bytes), its header checked against the payload schema."""
         index = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "kind": self.kind,
                  "identity": self.identity, "config": self.config, "samples": self.samples}
         names = sorted(self.payloads)
