@@ -170,8 +170,9 @@ def test_funnel_usage_is_refused_before_any_work(tmp_path: Path, args: list[str]
 
 
 @pytest.mark.parametrize("mixed", [True, False])
+@pytest.mark.usefixtures("in_process_steps")
 def test_the_specs_mixed_hardware_reaches_the_funnels_verdict(tmp_path: Path, mixed: bool) -> None:
-    """Stage 3's look is `replayjob step reduce` (a real process): the spec's `mixed_hardware` decides
+    """Stage 3's look is `replayjob step reduce` (here in this process): the spec's `mixed_hardware` decides
     whether replays on two torch builds are refused.  The evidence is synthetic (replayjob.gate.synthetic,
     no training), laid out as the steps lay it out."""
     from replayjob.deploy import step
