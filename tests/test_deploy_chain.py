@@ -293,14 +293,15 @@ class ArgoEmulator:
 def test_argo_reduce_runs_after_a_planted_replay_failure_and_refuses(
         k8s_run: tuple[Path, list[Any]], rendered: Path, tmp_path: Path) -> None:
     """The capture step reuses a prepared volume (its retry path) and still publishes the plan and the
-    pins; replay 0 passes; replay 1 receives pins that are not the capture's (the planted failure) and
-    refuses; the reducer runs anyway and writes a refused verdict naming the arm."""
+    pins; replay 0 passes (reusing the replay the Jobs ran for arm ckpt-off); replay 1 receives pins
+    that are not the capture's (the planted failure) and refuses; the reducer runs anyway and writes a
+    refused verdict naming the arm."""
     run, _ = k8s_run
     mount = tmp_path / "artifacts"
     emu = ArgoEmulator(rendered / "argo.yaml", mount, "0000-uid")
     dest = mount / "runs" / emu.name / emu.uid
     dest.mkdir(parents=True)
-    for name in ("workspace", "source"):
+    for name in ("workspace", "source", "replays/ckpt-off"):
         shutil.copytree(run / name, dest / name)
     shutil.copy(run / "run.json", dest / "run.json")  # same spec, same image: the same run's fingerprint
     emu.run(tamper={1: {"pins": "0" * 64 + "," + "1" * 64}})
@@ -311,7 +312,8 @@ def test_argo_reduce_runs_after_a_planted_replay_failure_and_refuses(
     assert emu.outputs["capture"]["pins"] == (f"{source['optimizer/logical_batch_sha256']},"
                                               f"{source['optimizer_batch/manifest_sha256']}")
     ok, bad = emu.procs["replay"]
-    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.returncode == 0 and "index 0 is arm ckpt-off" in ok.stdout and "reusing" in ok.stdout, \
+        ok.stdout + ok.stderr
     assert bad.returncode == 2 and "differ from the capture's metrics.json" in bad.stderr
     (reduce,) = emu.procs["reduce"]
     assert reduce.returncode == 2, reduce.stdout + reduce.stderr
