@@ -90,7 +90,6 @@ def test_clean_funnel_passes_every_stage(tmp_path: Path, capsys: pytest.CaptureF
     assert arms_in_order[:2] == arms_in_order[2:][::-1]  # ABBA
 
 
-@pytest.mark.slow
 @pytest.mark.usefixtures("in_process_steps")
 def test_violated_budget_fails_once_decided(tmp_path: Path) -> None:
     """--until-decided: one block (one pair) cannot decide; a second block added by the funnel can."""
@@ -122,7 +121,6 @@ def test_planted_kill_stops_at_stage_two(tmp_path: Path) -> None:
     assert not (tmp_path / "kill" / "replays").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.usefixtures("in_process_steps")
 def test_planted_undeclared_difference_stops_at_stage_three(tmp_path: Path) -> None:
     code, doc = funnel(tmp_path / "und", "--only-ablation", "--plant-undeclared")
