@@ -293,14 +293,15 @@ class ArgoEmulator:
 def test_argo_reduce_runs_after_a_planted_replay_failure_and_refuses(
         k8s_run: tuple[Path, list[Any]], rendered: Path, tmp_path: Path) -> None:
     """The capture step reuses a prepared volume (its retry path) and still publishes the plan and the
-    pins; replay 0 passes; replay 1 receives pins that are not the capture's (the planted failure) and
-    refuses; the reducer runs anyway and writes a refused verdict naming the arm."""
+    pins; replay 0 passes (reusing the replay the Jobs ran for arm ckpt-off); replay 1 receives pins
+    that are not the capture's (the planted failure) and refuses; the reducer runs anyway and writes a
+    refused verdict naming the arm."""
     run, _ = k8s_run
     mount = tmp_path / "artifacts"
     emu = ArgoEmulator(rendered / "argo.yaml", mount, "0000-uid")
     dest = mount / "runs" / emu.name / emu.uid
     dest.mkdir(parents=True)
-    for name in ("workspace", "source"):
+    for name in ("workspace", "source", "replays/ckpt-off"):
         shutil.copytree(run / name, dest / name)
     shutil.copy(run / "run.json", dest / "run.json")  # same spec, same image: the same run's fingerprint
     emu.run(tamper={1: {"pins": "0" * 64 + "," + "1" * 64}})
@@ -311,7 +312,8 @@ def test_argo_reduce_runs_after_a_planted_replay_failure_and_refuses(
     assert emu.outputs["capture"]["pins"] == (f"{source['optimizer/logical_batch_sha256']},"
                                               f"{source['optimizer_batch/manifest_sha256']}")
     ok, bad = emu.procs["replay"]
-    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.returncode == 0 and "index 0 is arm ckpt-off" in ok.stdout and "reusing" in ok.stdout, \
+        ok.stdout + ok.stderr
     assert bad.returncode == 2 and "differ from the capture's metrics.json" in bad.stderr
     (reduce,) = emu.procs["reduce"]
     assert reduce.returncode == 2, reduce.stdout + reduce.stderr
@@ -370,7 +372,8 @@ def test_ranked_jobs_and_workflow_chain_to_a_passing_verdict(tmp_path: Path) -> 
     """The rendered Jobs of a spec whose capture and arm ckpt-off run 2 ranks and arm ckpt-on 1
     (``distributed.world_size = 1``): the capture pod, each per-count replay Job's indexes
     (``--position K --ranks N``) and the reducer, then the Argo DAG's per-count templates over the
-    same capture (reused); both verdicts pass exact-input."""
+    same capture and replays (reused: each replay template's position and rank count must still map
+    to its arm, and the reducer judges them again); both verdicts pass exact-input."""
     (tmp_path / "ablation.toml").write_text(RANKED, encoding="utf-8")
     assert main(["k8s", "render", str(tmp_path / "ablation.toml"), "--out", str(tmp_path / "k8s"),
                  "--argo", str(tmp_path / "argo.yaml")]) == 0
@@ -397,12 +400,15 @@ def test_ranked_jobs_and_workflow_chain_to_a_passing_verdict(tmp_path: Path) -> 
     emu = ArgoEmulator(tmp_path / "argo.yaml", mount, "0000-uid")
     dest = mount / "runs" / emu.name / emu.uid
     dest.mkdir(parents=True)
-    for name in ("workspace", "source"):
+    for name in ("workspace", "source", "replays"):  # the Jobs above ran every replay for real
         shutil.copytree(run / name, dest / name)
     shutil.copy(run / "run.json", dest / "run.json")
     emu.run()
     assert emu.status == {"capture": "Succeeded", "replay-r1": "Succeeded", "replay-r2": "Succeeded",
                           "reduce": "Succeeded"}, emu.procs
+    (r1,), (r2,) = emu.procs["replay-r1"], emu.procs["replay-r2"]
+    assert "index 1 is arm ckpt-on repeat 0 ->" in r1.stdout and "reusing" in r1.stdout, r1.stdout
+    assert "index 0 is arm ckpt-off repeat 0 on 2 ranks (torchrun)" in r2.stdout and "reusing" in r2.stdout, r2.stdout
     assert (json.loads(emu.outputs["capture"]["plan-r1"]), json.loads(emu.outputs["capture"]["plan-r2"])) \
         == ([1], [0])
     assert json.loads(emu.outputs["reduce"]["verdict"])["status"] == "pass"

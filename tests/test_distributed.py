@@ -5,6 +5,12 @@ reproduces the source bitwise, a 1-rank replay of the same capture declaring
 ``distributed.world_size``, and ``reduce --claim exact-input`` over both arms (each replay's rank
 files merged into it, never counted as repeats); then the refusals: a tampered rank payload, a
 missing rank, an undeclared world-size change, a declared world size the launcher contradicts.
+
+Every rank of a launch is a real torchrun process (the captures call torchrun directly); the
+commands that run in one process (``explain``, ``reduce``, the 1-rank replays, a refusal before any
+work) and ``replay --nproc 2``, which launches its ranks with torchrun from the calling process, are
+called through ``replayjob.cli.main`` in the test process (``cli``): the boundary of that one
+process is not what these checks are about.
 """
 
 from __future__ import annotations
@@ -21,11 +27,11 @@ import pytest
 import torch
 
 from replayjob import distributed
+from replayjob.cli import main
 from replayjob.errors import ConfigError, ContractError
 from replayjob.metrics import FINAL_ADAPTER, LOGICAL, MANIFEST, PIN_KEYS, rank_file
 from replayjob.optbatch import ranks
 from replayjob.rl.batch import OptimizerBatch
-from tests.conftest import run_cli
 
 DDP = 'distributed.strategy="ddp"'
 WORLD_1 = ["--set", "distributed.world_size=1",
@@ -37,6 +43,13 @@ def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "replayjob", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``replayjob ARGS`` in this process: (exit code, stdout, stderr)."""
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def pins(capture: Path) -> list[str]:
@@ -59,15 +72,12 @@ def replays(workspace: Path, capture2: Path) -> Path:
     """Arm ``two`` (2 ranks, ``replay --nproc 2``), arm ``world_size=1`` (one process, a group of one) and arm
     ``bucket_cap_mb=1.0`` (2 ranks, 1 MiB DDP buckets)."""
     d = capture2.parent / "replays"
-    two = run_cli("replay", str(workspace / "replay.toml"), "--out", str(d / "two"), "--nproc", "2",
-                  *pins(capture2), "--set", 'optimizer_batch.arm="two"')
-    assert two.returncode == 0, two.stderr[-3000:]
-    one = run_cli("replay", str(workspace / "replay.toml"), "--out", str(d / "one"), *pins(capture2), *WORLD_1)
-    assert one.returncode == 0, one.stderr[-3000:]
-    bucket = run_cli("replay", str(workspace / "replay.toml"), "--out", str(d / "bucket"), "--nproc", "2",
-                     *pins(capture2), "--set", "distributed.bucket_cap_mb=1",
-                     "--set", 'optimizer_batch.allow_config_differences=["distributed.bucket_cap_mb"]')
-    assert bucket.returncode == 0, bucket.stderr[-3000:]
+    assert main(["replay", str(workspace / "replay.toml"), "--out", str(d / "two"), "--nproc", "2",
+                 *pins(capture2), "--set", 'optimizer_batch.arm="two"']) == 0
+    assert main(["replay", str(workspace / "replay.toml"), "--out", str(d / "one"), *pins(capture2), *WORLD_1]) == 0
+    assert main(["replay", str(workspace / "replay.toml"), "--out", str(d / "bucket"), "--nproc", "2",
+                 *pins(capture2), "--set", "distributed.bucket_cap_mb=1",
+                 "--set", 'optimizer_batch.allow_config_differences=["distributed.bucket_cap_mb"]']) == 0
     return d
 
 
@@ -92,17 +102,17 @@ def test_each_rank_lands_then_the_root_with_the_single_device_pins(capture2: Pat
     assert rank1["rows"]["rows"] == 8 and rank1["logical_batch_sha256"] != m2[LOGICAL]  # its own rows
 
 
-def test_explain_verifies_every_rank(workspace: Path, capture2: Path) -> None:
-    proc = run_cli("explain", str(workspace / "replay.toml"), "--json", *pins(capture2), *WORLD_1)
-    assert proc.returncode == 0, proc.stderr
-    rep = json.loads(proc.stdout)
+def test_explain_verifies_every_rank(workspace: Path, capture2: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(capsys, "explain", str(workspace / "replay.toml"), "--json", *pins(capture2), *WORLD_1)
+    assert code == 0, err
+    rep = json.loads(out)
     assert rep["rows"]["rows"] == 16 and rep[LOGICAL] == json.loads((capture2 / "metrics.json").read_text())[LOGICAL]
     assert rep["distributed"]["world_size"] == 2 and rep["world_size"] == 1
     assert [e["rows"] for e in rep["distributed"]["ranks"]] == [[0, 8], [8, 16]]
 
 
-def test_same_world_size_replay_is_bitwise_and_one_rank_passes_exact_input(capture2: Path, replays: Path,
-                                                                         tmp_path: Path) -> None:
+def test_same_world_size_replay_is_bitwise_and_one_rank_passes_exact_input(
+        capture2: Path, replays: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = json.loads((capture2 / "metrics.json").read_text())
     two = json.loads((replays / "two" / "replay_metrics.json").read_text())
     one = json.loads((replays / "one" / "replay_metrics.json").read_text())
@@ -114,28 +124,29 @@ def test_same_world_size_replay_is_bitwise_and_one_rank_passes_exact_input(captu
     bucket = json.loads((replays / "bucket" / "replay_metrics.json").read_text())
     assert bucket["runtime"]["distributed.bucket_cap_mb"] == 1.0 == bucket["knobs"]["distributed.bucket_cap_mb"]
     verdict = tmp_path / "bitwise.json"
-    proc = run_cli("reduce", str(replays / "two"), "--claim", "bitwise", "--source", str(capture2),
-                   "--min-repeats", "1", "--out", str(verdict))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    code, out, err = cli(capsys, "reduce", str(replays / "two"), "--claim", "bitwise", "--source", str(capture2),
+                         "--min-repeats", "1", "--out", str(verdict))
+    assert code == 0, out + err
     verdict = tmp_path / "exact.json"
-    proc = run_cli("reduce", str(replays), "--claim", "exact-input", "--source", str(capture2), "--min-repeats", "1",
-                   "--arms", "two,world_size=1,bucket_cap_mb=1.0", "--out", str(verdict))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    code, out, err = cli(capsys, "reduce", str(replays), "--claim", "exact-input", "--source", str(capture2),
+                         "--min-repeats", "1", "--arms", "two,world_size=1,bucket_cap_mb=1.0", "--out", str(verdict))
+    assert code == 0, out + err
     checks = {c["name"]: c for c in json.loads(verdict.read_text())["checks"]}
     # one replay per arm: a replay's rank files are merged into it, never counted as repeats
     assert checks["inputs.min_repeats"]["observed"] == {"two": 1, "world_size=1": 1, "bucket_cap_mb=1.0": 1}
     assert checks["exact.knobs_in_effect"]["status"] == "pass"
 
 
-def test_a_rank_file_changed_after_the_replay_is_refused(capture2: Path, replays: Path, tmp_path: Path) -> None:
+def test_a_rank_file_changed_after_the_replay_is_refused(capture2: Path, replays: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
     d = tmp_path / "two"
     shutil.copytree(replays / "two", d)
     doc = json.loads((d / rank_file(1)).read_text())
     doc["loss"] += 1.0
     (d / rank_file(1)).write_text(json.dumps(doc))
-    proc = run_cli("reduce", str(d), "--claim", "exact-input", "--source", str(capture2), "--min-repeats", "1",
-                   "--out", str(tmp_path / "v.json"))
-    assert proc.returncode == 2 and "rank file SHA-256" in json.loads((tmp_path / "v.json").read_text())[
+    code, _, _ = cli(capsys, "reduce", str(d), "--claim", "exact-input", "--source", str(capture2),
+                     "--min-repeats", "1", "--out", str(tmp_path / "v.json"))
+    assert code == 2 and "rank file SHA-256" in json.loads((tmp_path / "v.json").read_text())[
         "refusal"]["message"]
 
 
@@ -145,7 +156,7 @@ def test_a_rank_file_changed_after_the_replay_is_refused(capture2: Path, replays
     ("rank-dir", "incomplete capture over 2 ranks: rank-1 missing"),
 ])
 def test_a_damaged_capture_over_ranks_is_refused(workspace: Path, capture2: Path, tmp_path: Path, damage: str,
-                                                 message: str) -> None:
+                                                 message: str, capsys: pytest.CaptureFixture[str]) -> None:
     cap = tmp_path / "source"
     shutil.copytree(capture2, cap)
     if damage == "payload":
@@ -157,8 +168,8 @@ def test_a_damaged_capture_over_ranks_is_refused(workspace: Path, capture2: Path
         (cap / "COMPLETE.1").unlink()
     else:
         shutil.rmtree(cap / "rank-1")
-    proc = run_cli("explain", str(workspace / "replay.toml"), *pins(cap), *WORLD_1)
-    assert proc.returncode == 2 and message in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    code, out, err = cli(capsys, "explain", str(workspace / "replay.toml"), *pins(cap), *WORLD_1)
+    assert code == 2 and message in out + err, out + err
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -170,8 +181,8 @@ def test_a_damaged_capture_over_ranks_is_refused(workspace: Path, capture2: Path
     (lambda d: d["payload"].update(size=d["payload"]["size"] + 1), "is not the ranks' total"),
 ])
 def test_a_malformed_or_contradicting_root_is_refused_even_when_pinned(workspace: Path, capture2: Path,
-                                                                       tmp_path: Path, edit: Any,
-                                                                       message: str) -> None:
+                                                                       tmp_path: Path, edit: Any, message: str,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     cap = tmp_path / "source"
     shutil.copytree(capture2, cap)
     root = cap / "optimizer_batch_step_000000.manifest.json"
@@ -179,23 +190,25 @@ def test_a_malformed_or_contradicting_root_is_refused_even_when_pinned(workspace
     edit(doc)
     root.write_text(json.dumps(doc))
     sha = hashlib.sha256(root.read_bytes()).hexdigest()
-    proc = run_cli("explain", str(workspace / "replay.toml"), *pins(cap), *WORLD_1,
-                   "--set", f'optimizer_batch.expected_manifest_sha256="{sha}"')
-    assert proc.returncode == 2 and message in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    code, out, err = cli(capsys, "explain", str(workspace / "replay.toml"), *pins(cap), *WORLD_1,
+                         "--set", f'optimizer_batch.expected_manifest_sha256="{sha}"')
+    assert code == 2 and message in out + err, out + err
 
 
-def test_an_undeclared_world_size_change_is_refused(workspace: Path, capture2: Path) -> None:
-    proc = run_cli("explain", str(workspace / "replay.toml"), *pins(capture2))
-    assert proc.returncode == 2
-    assert "undeclared difference 'distributed.world_size' (systems-only knob): source 2, replay 1" in proc.stdout
+def test_an_undeclared_world_size_change_is_refused(workspace: Path, capture2: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "explain", str(workspace / "replay.toml"), *pins(capture2))
+    assert code == 2
+    assert "undeclared difference 'distributed.world_size' (systems-only knob): source 2, replay 1" in out
 
 
 def test_a_declared_world_size_the_launcher_contradicts_is_refused(workspace: Path, capture2: Path,
-                                                                   tmp_path: Path) -> None:
+                                                                   tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     # one process, declared 2: refused before any work
-    proc = run_cli("replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "a"), *pins(capture2),
-                   "--set", "distributed.world_size=2")
-    assert proc.returncode == 2 and "not launched by torchrun" in proc.stderr
+    code, _, err = cli(capsys, "replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "a"),
+                       *pins(capture2), "--set", "distributed.world_size=2")
+    assert code == 2 and "not launched by torchrun" in err
     assert not (tmp_path / "a").exists()
     # torchrun launches 2 ranks, the config declares 3: every rank refuses, the launch exits 2 (not torchrun's 1)
     code, tail = distributed.run_launched(2, ["replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "b"),
@@ -219,7 +232,7 @@ def test_a_rank_killed_mid_capture_stops_the_launch_with_exit_3_and_no_root(work
 
 # -- FSDP2 (fully_shard runs on CPU with gloo) ---------------------------------------------------------
 def test_an_fsdp2_capture_replays_bitwise_and_with_ddp_and_on_one_rank_under_exact_input(
-        workspace: Path, capture2: Path, tmp_path: Path) -> None:
+        workspace: Path, capture2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cap = tmp_path / "source"
     proc = torchrun(2, "capture", str(workspace / "source.toml"), "--out", str(cap),
                     "--set", 'distributed.strategy="fsdp2"')
@@ -229,22 +242,24 @@ def test_an_fsdp2_capture_replays_bitwise_and_with_ddp_and_on_one_rank_under_exa
     src = json.loads((cap / "metrics.json").read_text())
     assert src[LOGICAL] == json.loads((capture2 / "metrics.json").read_text())[LOGICAL]  # the same rows
     fsdp2 = [*pins(cap)[:-2], "--set", 'distributed.strategy="fsdp2"']  # pins() ends with the DDP strategy
-    ddp = run_cli("replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "r" / "ddp"), "--nproc", "2",
-                  *pins(cap), "--set", 'optimizer_batch.allow_config_differences=["distributed.strategy"]')
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
-    one = run_cli("replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "r" / "one"), *fsdp2, *WORLD_1)
-    assert one.returncode == 0, one.stderr[-3000:]
-    same = run_cli("replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "r" / "same"), "--nproc", "2",
-                   *fsdp2, "--set", 'optimizer_batch.arm="fsdp2"')
-    assert same.returncode == 0, same.stderr[-3000:]
+    code, _, err = cli(capsys, "replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "r" / "ddp"),
+                       "--nproc", "2", *pins(cap),
+                       "--set", 'optimizer_batch.allow_config_differences=["distributed.strategy"]')
+    assert code == 0, err[-3000:]
+    code, _, err = cli(capsys, "replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "r" / "one"),
+                       *fsdp2, *WORLD_1)
+    assert code == 0, err[-3000:]
+    code, _, err = cli(capsys, "replay", str(workspace / "replay.toml"), "--out", str(tmp_path / "r" / "same"),
+                       "--nproc", "2", *fsdp2, "--set", 'optimizer_batch.arm="fsdp2"')
+    assert code == 0, err[-3000:]
     rm = json.loads((tmp_path / "r" / "same" / "replay_metrics.json").read_text())
     assert rm[FINAL_ADAPTER] == src[FINAL_ADAPTER] and rm["loss"] == src["loss"]  # bitwise, same world size
     runtime = json.loads((tmp_path / "r" / "one" / "replay_metrics.json").read_text())["runtime"]
     assert runtime["distributed.strategy"] == "fsdp2" and runtime["distributed.bucket_cap_mb"] is None
     verdict = tmp_path / "v.json"
-    proc = run_cli("reduce", str(tmp_path / "r"), "--claim", "exact-input", "--source", str(cap), "--min-repeats", "1",
-                   "--arms", "fsdp2,strategy=ddp,world_size=1", "--out", str(verdict))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    code, out, err = cli(capsys, "reduce", str(tmp_path / "r"), "--claim", "exact-input", "--source", str(cap),
+                         "--min-repeats", "1", "--arms", "fsdp2,strategy=ddp,world_size=1", "--out", str(verdict))
+    assert code == 0, out + err
 
 
 # -- the parts, without a launcher ------------------------------------------------------------------

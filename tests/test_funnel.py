@@ -4,18 +4,27 @@ Every stage runs for real: source runs in fresh processes, signals, capture, rep
 ablation is the micro-batch one (examples/ablation-microbatch.toml, 2 blocks): micro-batch 1 is a
 real slowdown, so a generous step-time budget passes and a tight one fails; the replays' recorded
 schedule order is checked against the order in which their files were written.
+
+The clean run launches every step as a fresh ``python -m replayjob`` process, as the funnel does
+(and so does ``scripts/local-mid-smoke.sh`` in test_deploy_chain.py); the planted negatives are
+about where the funnel stops, not the process boundary, so they run the same step commands through
+``replayjob.cli.main`` in this process (``in_process_steps``), saving the model stack's import in
+every step.  Stage 1's source runs stay fresh processes everywhere: that is what it checks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from replayjob import funnel as funnel_module
 from replayjob.cli import main
-from replayjob.funnel import FUNNEL_FILE
+from replayjob.funnel import FUNNEL_FILE, STATUS
 from tests.conftest import REPO
 
 SPEC = REPO / "examples" / "ablation-microbatch.toml"
@@ -28,6 +37,21 @@ def funnel(out: Path, *args: str, repeats: int = 2) -> tuple[int, dict[str, Any]
     assert doc["exit_code"] == code and doc["schema"] == "replayjob.funnel/v1"
     assert [s["name"] for s in doc["stages"]] == ["determinism", "signals", "ablation"]
     return code, doc
+
+
+@pytest.fixture
+def in_process_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``replayjob.funnel.cli_step`` with the same command and log, run by ``main`` in this process."""
+    def cli_step(args: Sequence[object], log: Path) -> int:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a", encoding="utf-8") as fh:
+            fh.write("$ replayjob " + " ".join(str(a) for a in args) + "\n")
+            fh.flush()
+            with contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
+                code = main([str(a) for a in args])
+        return code if code in STATUS else 3
+
+    monkeypatch.setattr(funnel_module, "cli_step", cli_step)
 
 
 def budgets(tmp_path: Path, max_ratio: float) -> Path:
@@ -66,7 +90,7 @@ def test_clean_funnel_passes_every_stage(tmp_path: Path, capsys: pytest.CaptureF
     assert arms_in_order[:2] == arms_in_order[2:][::-1]  # ABBA
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("in_process_steps")
 def test_violated_budget_fails_once_decided(tmp_path: Path) -> None:
     """--until-decided: one block (one pair) cannot decide; a second block added by the funnel can."""
     code, doc = funnel(tmp_path / "tight", "--only-ablation", "--budgets", str(budgets(tmp_path, 1.05)),
@@ -80,6 +104,7 @@ def test_violated_budget_fails_once_decided(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("in_process_steps")
 def test_planted_nondeterminism_stops_at_stage_one(tmp_path: Path) -> None:
     code, doc = funnel(tmp_path / "nd", "--plant-nondeterminism")
     assert code == 1 and statuses(doc) == ["fail", "skipped", "skipped"]
@@ -88,6 +113,7 @@ def test_planted_nondeterminism_stops_at_stage_one(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("in_process_steps")
 def test_planted_kill_stops_at_stage_two(tmp_path: Path) -> None:
     code, doc = funnel(tmp_path / "kill", "--plant-kill")
     assert code == 1 and statuses(doc) == ["pass", "fail", "skipped"]
@@ -95,7 +121,7 @@ def test_planted_kill_stops_at_stage_two(tmp_path: Path) -> None:
     assert not (tmp_path / "kill" / "replays").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("in_process_steps")
 def test_planted_undeclared_difference_stops_at_stage_three(tmp_path: Path) -> None:
     code, doc = funnel(tmp_path / "und", "--only-ablation", "--plant-undeclared")
     assert code == 2 and statuses(doc) == ["skipped", "skipped", "refused"]
@@ -142,8 +168,9 @@ def test_funnel_usage_is_refused_before_any_work(tmp_path: Path, args: list[str]
 
 
 @pytest.mark.parametrize("mixed", [True, False])
+@pytest.mark.usefixtures("in_process_steps")
 def test_the_specs_mixed_hardware_reaches_the_funnels_verdict(tmp_path: Path, mixed: bool) -> None:
-    """Stage 3's look is `replayjob step reduce` (a real process): the spec's `mixed_hardware` decides
+    """Stage 3's look is `replayjob step reduce` (here in this process): the spec's `mixed_hardware` decides
     whether replays on two torch builds are refused.  The evidence is synthetic (replayjob.gate.synthetic,
     no training), laid out as the steps lay it out."""
     from replayjob.deploy import step
