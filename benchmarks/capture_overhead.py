@@ -182,12 +182,14 @@ def _steady_run(cfg_path: Path, sets: list[str], out: Path, capture: bool, steps
     bundle_dir = out / "bundles"
     env = _bundle_env(bundle_dir, capture)
     cpu = CpuClock()
+    hooks = HookTimer()
     gc.collect()
-    with common.environment(env):
+    with common.environment(env), hooks.installed():
         metrics = train_source(cfg, out, [cpu])
     elapsed = [float(loads_strict(line)["timing"]["elapsed_s"])
                for line in (out / "diag.jsonl").read_bytes().splitlines()]
     return {"step_s": [b - a for a, b in itertools.pairwise(elapsed)], "loss": metrics["loss"],
+            "hooks_s_per_step": hooks.seconds / steps,
             "cpu_s": [b - a for a, b in itertools.pairwise(cpu.marks)],
             "writer_cpu_s": [b - a for a, b in itertools.pairwise(cpu.writer_marks)],
             "bundles": len(list(bundle_dir.rglob("COMPLETE"))) if bundle_dir.is_dir() else 0}
@@ -217,6 +219,26 @@ def _writer_cpu_s() -> float:
 
     return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident))
                for t in threading.enumerate() if t.name == WRITER_THREAD and t.ident is not None)
+
+
+def run_bootstrap(on: list[list[float]], off: list[list[float]], *, resamples: int = 2000,
+                  seed: int = 0, confidence: float = 0.95) -> tuple[float, float]:
+    """A percentile interval for the ratio of pooled medians (on / off), resampling whole runs.
+
+    Steps of one run share its drift (warm-up, the machine's load at the time), so runs, not steps,
+    are the independent units: each resample draws as many runs as each arm has, with replacement,
+    and pools their steps."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    ratios = []
+    for _ in range(resamples):
+        a = [x for i in rng.randint(0, len(on), len(on)) for x in on[i]]
+        b = [x for i in rng.randint(0, len(off), len(off)) for x in off[i]]
+        ratios.append(statistics.median(a) / statistics.median(b))
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(ratios, [alpha, 1 - alpha])
+    return float(low), float(high)
 
 
 def steady(repeats: int, sets: list[str], work: Path, steps: int) -> dict[str, list[dict[str, Any]]]:
@@ -309,11 +331,17 @@ def main(argv: list[str] | None = None) -> int:
                     "steady_writer_cpu_s": common.stats([x for r in steady_runs["on"] for x in r["writer_cpu_s"]]),
                     "steady_bundles_per_run": [r["bundles"] for r in steady_runs["on"]]}
         steady_m["steady_writer_fraction_of_off"] = steady_m["steady_writer_cpu_s"]["median"] / c_off["median"]
+        steady_m["steady_hooks_s"] = common.stats([r["hooks_s_per_step"] for r in steady_runs["on"]])
+        low, high = run_bootstrap([r["cpu_s"] for r in steady_runs["on"]], [r["cpu_s"] for r in steady_runs["off"]])
+        steady_m["steady_cpu_ratio_interval"] = {"low": low, "high": high, "confidence": 0.95,
+                                                 "resampled": "runs (each run's steps pooled)"}
         steady_detail = (f"; steady state ({steady_steps}-step runs, bundle capture every step) "
                          f"{steady_m['steady_ratio']:.3f}x ({s_on['median']:.4f} vs {s_off['median']:.4f} s), "
-                         f"CPU seconds {steady_m['steady_cpu_ratio']:.3f}x (target <= {STEADY_CPU_TARGET:g}; "
-                         f"per-pair median {steady_m['steady_cpu_paired_ratio']['median']:.3f}x; the bundle "
-                         f"writer thread {steady_m['steady_writer_cpu_s']['median'] * 1e3:.1f} ms CPU a step, "
+                         f"CPU seconds {steady_m['steady_cpu_ratio']:.3f}x [95% {low:.3f}, {high:.3f}] "
+                         f"(target <= {STEADY_CPU_TARGET:g}; "
+                         f"per-pair median {steady_m['steady_cpu_paired_ratio']['median']:.3f}x; the capture hooks "
+                         f"{steady_m['steady_hooks_s']['median'] * 1e3:.1f} ms a step on the training thread, the "
+                         f"bundle writer thread {steady_m['steady_writer_cpu_s']['median'] * 1e3:.1f} ms CPU a step, "
                          f"{steady_m['steady_writer_fraction_of_off']:.1%} of a step's CPU seconds with capture off)")
         if any(r["bundles"] != 2 * steady_steps for r in steady_runs["on"]):
             notes.append("a steady-state run did not write two bundles per step")

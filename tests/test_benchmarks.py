@@ -21,8 +21,8 @@ from benchmarks import common
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_ablation.sh"
-SMOKE = ["capture_overhead", "verify_throughput", "cli_startup", "diag_diff", "bundle_recompute", "ring_overhead"]
-SMOKE = ["capture_overhead", "verify_throughput", "cli_startup", "diag_diff", "bundle_recompute", "trace_overhead"]
+SMOKE = ["capture_overhead", "verify_throughput", "cli_startup", "diag_diff", "bundle_recompute", "ring_overhead",
+         "trace_overhead"]
 
 
 def check_result(path: Path, name: str, *, smoke: bool) -> dict[str, object]:
@@ -50,6 +50,8 @@ def test_smoke_mode_runs_and_writes_one_line_and_json(name: str, tmp_path: Path,
     if name == "capture_overhead":  # "on" really captured both kinds, and the loss did not change
         assert doc["measurements"]["bundle_capture_written"] is True  # type: ignore[index]
         assert doc["measurements"]["steady_bundles_per_run"] == [4]  # type: ignore[index]  # 2 steps x 2
+        interval = doc["measurements"]["steady_cpu_ratio_interval"]  # type: ignore[index]
+        assert 0 < interval["low"] <= interval["high"]
         assert doc["notes"] == []
 
 
