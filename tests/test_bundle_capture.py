@@ -125,58 +125,25 @@ def _hook(workspace: Path, directory: Path) -> BundleCapture:
 
 def test_training_thread_never_waits_for_the_writer(workspace: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The writer's disk work is held on an event: the hook calls must still return at once.
-
-    The step's tensors are on the CPU, so the bundles are built (prepared) on the training thread
-    and only written on the writer thread."""
+    """The writer's finalize is held on an event: the hook calls must still return at once."""
     from replayjob.bundle import writer as writer_mod
 
     gate = threading.Event()
-    threads: dict[str, list[str]] = {"prepare": [], "write": []}
-    real_prepare, real_write = writer_mod.BundleWriter.prepare, writer_mod.BundleWriter.write
+    real = writer_mod.BundleWriter.finalize
 
-    def prepare(self: writer_mod.BundleWriter) -> writer_mod.PreparedBundle:
-        threads["prepare"].append(threading.current_thread().name)
-        return real_prepare(self)
-
-    def held(self: writer_mod.BundleWriter, prepared: writer_mod.PreparedBundle) -> Path:
-        threads["write"].append(threading.current_thread().name)
+    def held(self: writer_mod.BundleWriter) -> Path:
+        assert threading.current_thread().name == "bundle-writer"
         gate.wait(30)
-        return real_write(self, prepared)
+        return real(self)
 
-    monkeypatch.setattr(writer_mod.BundleWriter, "prepare", prepare)
-    monkeypatch.setattr(writer_mod.BundleWriter, "write", held)
+    monkeypatch.setattr(writer_mod.BundleWriter, "finalize", held)
     hook = _hook(workspace, tmp_path / "cap")
     _feed(hook)
     assert not (tmp_path / "cap").exists()  # nothing written yet: the calls did not wait
     gate.set()
     written = hook.close()
-    main_thread = threading.main_thread().name
-    assert threads == {"prepare": [main_thread] * 2, "write": ["bundle-writer"] * 2}
     assert sorted(p.name for p in written) == ["rollout-000000", "step-000000-000000"]
     assert main(["bundle", "replay", str(tmp_path / "cap" / "step-000000-000000")]) == 0
-
-
-def test_a_device_step_s_bundles_are_built_and_written_by_the_writer_thread(workspace: Path, tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """What a GPU step gets (forced here: no GPU): the training thread hands over the snapshots only."""
-    from replayjob.bundle import writer as writer_mod
-
-    threads: list[str] = []
-    real_prepare = writer_mod.BundleWriter.prepare
-
-    def prepare(self: writer_mod.BundleWriter) -> writer_mod.PreparedBundle:
-        threads.append(threading.current_thread().name)
-        return real_prepare(self)
-
-    monkeypatch.setattr(writer_mod.BundleWriter, "prepare", prepare)
-    cfg = load_config(str(workspace / "train.toml"), ["algorithm.group_size=4", "algorithm.prompts_per_step=2"])
-    hook = BundleCapture(cfg, tmp_path / "cap", None, None, build_on_training_thread=False)
-    _feed(hook)
-    written = hook.close()
-    assert threads == ["bundle-writer"] * 2
-    assert sorted(p.name for p in written) == ["rollout-000000", "step-000000-000000"]
-    assert main(["bundle", "replay", str(tmp_path / "cap" / "rollout-000000")]) == 0
 
 
 def test_no_capture_writer_works_during_the_update(workspace: Path, tmp_path: Path,
@@ -217,7 +184,7 @@ def test_no_capture_writer_works_during_the_update(workspace: Path, tmp_path: Pa
         "rollout-000000", "step-000000-000000"]
 
 
-def test_a_build_error_on_the_training_thread_surfaces_when_training_ends(workspace: Path, tmp_path: Path) -> None:
+def test_a_build_error_surfaces_when_training_ends(workspace: Path, tmp_path: Path) -> None:
     from replayjob.rl.hooks import StepRollout
     from replayjob.rl.update import UpdateResult
 

@@ -8,16 +8,11 @@ Off by default; on only through the environment (no config or CLI change):
   which step and rollout bundles are written; unset means all.
 
 The source trainer runs one actor update per rollout, so step ``k`` is rollout ``k``, actor step
-``(k, 0)``, weight version ``k``.  ``on_rollout`` only copies CPU tensors; once the step's update
-has returned, ``after_update`` hands the step's bundles to the hook's
-:class:`~replayjob.rl.hooks.BackgroundWriter` (started idle with the hook), which writes them
-(staging, ``fsync``, rename): never beside its own step's update, but in a multi-step run beside
-the next step, and the training thread never waits on disk.  Who builds them (redacts text, checks,
-encodes the payload file and the JSON: about 1 ms per bundle on the tiny default) depends on where
-the step computes: on a GPU the writer thread does, beside the device's work; on the CPU the
-training thread does, in ``after_update``, because there a background thread takes a core from the
-step's own compute and costs it about twice the thread's CPU time (``benchmarks/README.md``,
-capture_overhead).  ``finish``
+``(k, 0)``, weight version ``k``.  ``on_rollout`` and ``after_update`` only copy CPU tensors; once
+the step's update has returned, ``after_update`` hands the step's bundles to the hook's
+:class:`~replayjob.rl.hooks.BackgroundWriter` (started idle with the hook), which redacts text,
+builds and writes them: never beside its own step's update, but in a multi-step run beside the
+next step (its sampling, and its update too when the writing outlasts the sampling).  ``finish``
 (training has finished) drains the writer and raises the first write error; ``abandon``
 (training failed) drains it quietly.
 Capture never changes training numerics: it reads tensors and consumes no random numbers.
@@ -37,7 +32,7 @@ from torch import Tensor
 
 import replayjob
 from replayjob.bundle import format as fmt
-from replayjob.bundle.writer import BundleWriter, PreparedBundle
+from replayjob.bundle.writer import BundleWriter
 from replayjob.errors import ConfigError, RefusedError, ReplayjobError
 from replayjob.model.tokenizer import ByteTokenizer
 from replayjob.rl.hooks import BackgroundWriter, StepHook, StepRollout
@@ -97,7 +92,6 @@ class _Snapshot:
     prompt_lengths: list[int]
     responses: list[list[int]]
     tensors: dict[str, Tensor]
-    on_cpu: bool  # the step computed on the CPU: its bundles are built on the training thread
     records: list[dict[str, Any]] | None = None  # the redacted sample records, built by the first bundle
 
 
@@ -107,11 +101,10 @@ class BundleCapture(StepHook):
     wants_update_logprobs = True  # a step bundle records the logprobs the loss saw
 
     def __init__(self, cfg: Config, directory: Path, steps: set[tuple[int, int]] | None,
-                 rollouts: set[int] | None, build_on_training_thread: bool | None = None):
+                 rollouts: set[int] | None):
         from replayjob.config import config_sha256
 
         self.directory = directory
-        self.build_on_training_thread = build_on_training_thread  # None: where the step computes (CPU: yes)
         self.steps, self.rollouts = steps, rollouts
         self.config = recompute_config(cfg)
         self.micro = cfg.training.micro_batch_size
@@ -128,8 +121,7 @@ class BundleCapture(StepHook):
                  "loss_weights")
         snap = _Snapshot(rollout.step, list(rollout.prompts), list(rollout.answers), list(rollout.completions),
                          [len(p) for p in rollout.prompt_tokens], [list(r) for r in rollout.response_tokens],
-                         {n: getattr(rollout, n).detach().to("cpu", copy=True) for n in names},
-                         on_cpu=rollout.mask.device.type == "cpu")
+                         {n: getattr(rollout, n).detach().to("cpu", copy=True) for n in names})
         self._pending = snap
         if self.rollouts is None or rollout.step in self.rollouts:
             self._held.append(("rollout", snap, None, 0.0))  # written once the update has returned
@@ -148,37 +140,15 @@ class BundleCapture(StepHook):
             self._release()
 
     def _release(self) -> None:
-        """Hand the held bundles to the idle writer thread (nothing here waits for it).
-
-        A step computed on the CPU has its bundles built here first (checks, payload file, JSON):
-        a background thread would take a core from the step, which on the CPU is the step's own
-        compute, so only the disk work goes to the writer thread.  On a GPU the building runs in the
-        background too, beside the device's work."""
-        for kind, snap, logp, loss in self._held:
-            inline = snap.on_cpu if self.build_on_training_thread is None else self.build_on_training_thread
-            if not inline:
-                self._writer.submit(functools.partial(self._land, kind, snap, logp, loss))
-                continue
-            try:
-                w = self._build(kind, snap, logp, loss)
-                prepared = w.prepare()
-            except Exception as exc:  # a capture error never stops training; it surfaces at finish
-                self._writer.fail(exc)
-                continue
-            self._writer.submit(functools.partial(self._write, w, prepared))
+        """Hand the held bundles to the idle writer thread (nothing here waits for it)."""
+        for item in self._held:
+            self._writer.submit(functools.partial(self._land, *item))
         self._held.clear()
 
-    def _build(self, kind: str, snap: _Snapshot, logp: Tensor | None, loss: float) -> BundleWriter:
-        return self._rollout(snap) if kind == "rollout" else self._step(snap, logp, loss)
-
     def _land(self, kind: str, snap: _Snapshot, logp: Tensor | None, loss: float) -> None:
-        """The writer thread: build, prepare and write one bundle."""
-        w = self._build(kind, snap, logp, loss)
-        self._write(w, w.prepare())
-
-    def _write(self, w: BundleWriter, prepared: PreparedBundle) -> None:
-        """The writer thread: the disk part (staging, fsync, rename)."""
-        self.written.append(w.write(prepared))
+        """The writer thread: build and write one bundle."""
+        w = self._rollout(snap) if kind == "rollout" else self._step(snap, logp, loss)
+        self.written.append(w.finalize())
 
     def finish(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Training is over: drain the writer, raise the first capture error; nothing joins metrics.json."""

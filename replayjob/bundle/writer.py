@@ -31,7 +31,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,17 +70,6 @@ def redact_text(field: str, text: str, policy: str) -> dict[str, str]:
     if policy.startswith("truncate:"):
         return {f"{field}_prefix": text[: int(policy.split(":")[1])]}
     return {}
-
-
-@dataclass(frozen=True)
-class PreparedBundle:
-    """A bundle checked and serialized in memory (:meth:`BundleWriter.prepare`), not yet on disk."""
-
-    final: Path  # the directory it will be renamed to
-    payload: bytes | None  # payloads.safetensors (None: no payloads)
-    manifest: bytes  # manifest.json (canonical JSON)
-    complete: bytes  # COMPLETE
-    manifest_sha256: str
 
 
 class BundleWriter:
@@ -231,13 +219,6 @@ class BundleWriter:
 
     def finalize(self) -> Path:
         """Check, stage, write (``COMPLETE`` last), rename into place; return the bundle path."""
-        return self.write(self.prepare())
-
-    def prepare(self) -> PreparedBundle:
-        """Everything but the disk: check what the reader will check, then serialize the three files.
-
-        No file is touched; :meth:`write` writes the result.  A trainer on the CPU prepares on its own
-        thread and writes on a background one (:mod:`replayjob.bundle.hook`)."""
         manifest, blob = self._documents()
         check_manifest(manifest)
         check_index(manifest["index"], manifest)
@@ -245,14 +226,6 @@ class BundleWriter:
         check_closure(manifest, manifest["index"], manifest["expected"],
                       {n: (s["dtype"], s["shape"]) for n, s in manifest["payloads"].items()})
         final = self.root if self.ranks is None else self.root / f"rank-{self.rank}"
-        manifest_bytes = canonical_bytes(manifest)
-        manifest_sha = sha256_bytes(manifest_bytes)
-        complete = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "manifest_sha256": manifest_sha}
-        return PreparedBundle(final, blob, manifest_bytes, pretty_bytes(complete), manifest_sha)
-
-    def write(self, prepared: PreparedBundle) -> Path:
-        """Stage the prepared files (``COMPLETE`` last), rename into place; return the bundle path."""
-        final = prepared.final
         if final.exists():
             raise ArtifactExistsError("bundle directory already exists", where=final,
                                       hint="capture into a new directory")
@@ -268,10 +241,13 @@ class BundleWriter:
             except OSError as exc:
                 raise write_failure(exc, tmp, "cannot open the staging directory") from None
             try:  # the files are created relative to the staging directory's descriptor, which is synced last
-                if prepared.payload is not None:
-                    _write_new(dfd, tmp, fmt.PAYLOAD_FILE, prepared.payload)
-                _write_new(dfd, tmp, fmt.MANIFEST, prepared.manifest)
-                _write_new(dfd, tmp, fmt.COMPLETE, prepared.complete)
+                if blob is not None:
+                    _write_new(dfd, tmp, fmt.PAYLOAD_FILE, blob)
+                manifest_bytes = canonical_bytes(manifest)
+                _write_new(dfd, tmp, fmt.MANIFEST, manifest_bytes)
+                manifest_sha = sha256_bytes(manifest_bytes)
+                complete = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "manifest_sha256": manifest_sha}
+                _write_new(dfd, tmp, fmt.COMPLETE, pretty_bytes(complete))
                 with contextlib.suppress(OSError):
                     os.fsync(dfd)  # every name in place and durable before the rename publishes them
             finally:
@@ -288,7 +264,7 @@ class BundleWriter:
                 shutil.rmtree(tmp)
             raise
         if self.ranks is not None:
-            self._land_rank(prepared.manifest_sha256)
+            self._land_rank(manifest_sha)
         return self.root
 
     def _land_rank(self, manifest_sha: str) -> None:
