@@ -28,7 +28,9 @@ the steady-state target (<= 1.05) is stated on in ``benchmarks/README.md``; with
 the per-pair ratios (each run's median step against its partner's) and the bundle writer thread's
 own CPU seconds per step (its thread clock), which is what capture itself costs and which other
 load on the machine inflates far less than the process's CPU seconds (Torch's intra-op threads
-spin while they wait for a core).
+spin while they wait for a core), and a 95% bootstrap interval for the CPU-seconds ratio that
+resamples whole runs (:func:`run_bootstrap`): a run's steps share its drift, so runs are the
+independent units, and the interval says how much one benchmark run can show.
 
 On a machine whose cores are all busy, the background bundle writer competes with Torch's
 intra-op threads (one per core by default) and every parallel region can stall; ``--threads 1``
