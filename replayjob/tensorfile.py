@@ -569,6 +569,7 @@ def _read_span(src: _Source, header: Header, spec: TensorSpec, target: memoryvie
 # The order the safetensors library lays tensors out in (its dtype order, descending), then by name.
 _FILE_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL")
 
+
 @dataclass(frozen=True)
 class Encoded:
     """A tensor file built in memory, with the digests :func:`scan` would find in it.
@@ -607,6 +608,8 @@ def encode(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] |
         if dtype is None or t.device.type != "cpu":
             raise _fail(str(where), f"tensor {name!r} is {t.dtype} on {t.device}; only CPU tensors of "
                                     f"{', '.join(sorted(ITEMSIZE))} are written")
+        if t.dim() > MAX_RANK:
+            raise _fail(str(where), f"tensor {name!r} has rank {t.dim()}; readers accept at most {MAX_RANK}")
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         if dtype == "BOOL" and _bad_bool(raw.data):
             raise _bool_error(str(where), name)

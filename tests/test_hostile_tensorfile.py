@@ -263,6 +263,7 @@ def test_encoded_files_are_read_back_exactly_by_safetensors_and_by_every_reader(
     ({"w": torch.zeros(2, dtype=torch.complex64)}, "only CPU tensors of"),
     ({"": torch.zeros(2)}, "tensor name '' cannot be written"),
     ({"__metadata__": torch.zeros(2)}, "tensor name '__metadata__' cannot be written"),
+    ({"w": torch.zeros([1] * 17)}, "has rank 17; readers accept at most 16"),
     ({"w": torch.zeros(2, 3), "n": torch.zeros(4, dtype=torch.int64),
       "extra.0": torch.tensor([1, 2], dtype=torch.uint8).view(torch.bool)}, "BOOL but holds bytes"),
 ])
