@@ -330,16 +330,28 @@ def cmd_funnel(args: dict[str, Any]) -> int:
 
 def cmd_step(args: dict[str, Any]) -> int:
     import signal
-    from pathlib import Path
+    import threading
 
-    from replayjob.deploy import step
-    from replayjob.deploy.ablation import load_spec
     from replayjob.errors import OperationalError
 
     def terminated(signum: int, frame: object) -> None:  # preemption, eviction, scancel: retryable
         raise OperationalError(f"terminated by signal {signum} (preemption, eviction or cancellation)")
 
-    signal.signal(signal.SIGTERM, terminated)
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        return _step(args)
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        return _step(args)
+    finally:  # main() called as a library leaves the caller's handler as it found it
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _step(args: dict[str, Any]) -> int:
+    from pathlib import Path
+
+    from replayjob.deploy import step
+    from replayjob.deploy.ablation import load_spec
+
     spec = step.select(load_spec(args["--spec"]), args["--arms"],
                        _int(args, "--repeats") if args["--repeats"] is not None else None,
                        args["--device"], args["--claim"])

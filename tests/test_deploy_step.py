@@ -317,3 +317,43 @@ def test_capture_outputs_name_each_rank_count_s_plan(tmp_path: Path) -> None:
     assert json.loads((out / step.plan_file()).read_text()) == list(range(spec.size))
     assert {p.name: json.loads(p.read_text()) for p in sorted(out.glob("plan-r*.json"))} == {
         "plan-r1.json": [2, 3], "plan-r2.json": [0, 1], "plan-r4.json": [4, 5]}
+
+
+def test_a_step_stopped_by_sigterm_exits_3_without_a_traceback(tmp_path: Path) -> None:
+    """Preemption, eviction or scancel while a real `step reduce` waits for its replays: exit 3 (retryable)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    proc = subprocess.Popen([sys.executable, "-m", "replayjob", "step", "reduce", "--spec",
+                             str(REPO / "examples" / "ablation.toml"), "--run-dir", str(tmp_path / "run"),
+                             "--wait-s", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # printed once it is waiting
+        assert "waiting up to 120 s" in line, line
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 3, out + err
+    assert "terminated by signal 15" in err and "Traceback" not in err
+
+
+def test_step_in_process_leaves_the_caller_s_sigterm_handler_as_it_was() -> None:
+    import signal
+
+    def mine(signum: int, frame: object) -> None:
+        raise AssertionError("not called")
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        spec = Path(__file__).resolve().parents[1] / "examples" / "ablation.toml"
+        assert main(["step", "plan", "--spec", str(spec)]) == 0
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
