@@ -39,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -584,6 +585,12 @@ class Encoded:
     tensor_sha256: dict[str, bytes]
 
 
+@functools.cache
+def _safetensors_names() -> dict[torch.dtype, str]:
+    """torch dtype -> safetensors name, the inverse of :func:`torch_dtype` (built once)."""
+    return {torch_dtype(d): d for d in _TORCH_NAMES}
+
+
 def encode(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] | None = None,
            schema: Schema | None = None, where: str | Path = "<safetensors>") -> Encoded:
     """Serialize CPU tensors into a safetensors file in memory, hashing each tensor once.
@@ -601,7 +608,7 @@ def encode(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] |
 
     if sys.byteorder != "little":  # safetensors is little-endian; tensors are copied as they lie in memory
         raise IntegrityError("tensor files are little-endian; this host is not", where=str(where))
-    names = {getattr(torch, t): d for d, t in _TORCH_NAMES.items()}
+    names = _safetensors_names()
     entries: list[tuple[int, str, str, list[int], Any]] = []
     for name, t in tensors.items():
         dtype = names.get(t.dtype)
