@@ -173,20 +173,19 @@ class BundleCapture(StepHook):
                          rollout_id=rid, step_id=0 if kind == "step" else None, config=self.config,
                          producer=self.producer, weight_version=rid)
         mask = snap.tensors["mask"]
-        if snap.records is not None:  # the step's other bundle built them: same samples, same redaction
+        if snap.records is None:
+            group = snap.tensors["group"].tolist()
+            lengths = mask.sum(dim=1).to(torch.int64).tolist()  # one reduction, not one per sample
+            tok = ByteTokenizer()
+            for i in range(len(snap.responses)):
+                w.add_sample(f"s-{i:04d}", group=f"g-{int(group[i]):04d}", cohort=f"c-{rid:06d}",
+                             prompt_length=snap.prompt_lengths[i], response_length=lengths[i],
+                             label_length=len(tok.encode(snap.answers[i])), partition=f"p-{rid:06d}",
+                             consumer_batch="cb-0000", micro_batch=f"mb-{i // self.micro:04d}",
+                             prompt=snap.prompts[i], completion=snap.completions[i], label=snap.answers[i])
+            snap.records = w.samples
+        else:  # the step's other bundle built them: same samples, same redaction
             w.add_records(snap.records)
-            w.write_payload("mask", mask)
-            return w
-        group = snap.tensors["group"].tolist()
-        lengths = mask.sum(dim=1).to(torch.int64).tolist()  # one reduction, not one per sample
-        tok = ByteTokenizer()
-        for i in range(len(snap.responses)):
-            w.add_sample(f"s-{i:04d}", group=f"g-{int(group[i]):04d}", cohort=f"c-{rid:06d}",
-                         prompt_length=snap.prompt_lengths[i], response_length=lengths[i],
-                         label_length=len(tok.encode(snap.answers[i])), partition=f"p-{rid:06d}",
-                         consumer_batch="cb-0000", micro_batch=f"mb-{i // self.micro:04d}",
-                         prompt=snap.prompts[i], completion=snap.completions[i], label=snap.answers[i])
-        snap.records = w.samples
         w.write_payload("mask", mask)
         return w
 
