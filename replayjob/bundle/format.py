@@ -140,8 +140,13 @@ def version_error(version: object) -> ContractError:
                               "release that wrote it")
 
 
+def reads_version(version: object) -> bool:
+    """Whether this reader reads a bundle of ``format_version`` (the same major version)."""
+    return isinstance(version, str) and version.split(".")[0] == FORMAT_VERSION.split(".")[0]
+
+
 def check_version(version: object) -> None:
-    if not isinstance(version, str) or version.split(".")[0] != FORMAT_VERSION.split(".")[0]:
+    if not reads_version(version):
         raise version_error(version)
 
 

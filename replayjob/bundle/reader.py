@@ -116,6 +116,7 @@ def _scan(path: Path) -> None:
                                  "are accepted", where=p, hint="remove it; nothing reads pickle")
     unknown = sorted(name for name, _ in entries if name not in _TOP)
     if unknown:
+        _refuse_v1(path)  # a format 1.x bundle is refused by its version, not as unknown entries
         raise IntegrityError(f"unknown entries {unknown} in the bundle (a bundle holds {sorted(_TOP)} only)",
                              where=path)
     dirs = [name for name, e in entries if e.is_dir(follow_symlinks=False)]
@@ -202,7 +203,6 @@ def _load_single(path: Path, tensors: bool = True) -> Bundle:
     if not (path / fmt.COMPLETE).exists() and not (path / fmt.COMPLETE).is_symlink():
         raise IntegrityError("incomplete bundle: COMPLETE is missing (the writer did not finish)", where=path,
                              hint="wait for the capture to finish or capture again")
-    _refuse_v1(path)
     _scan(path)
     complete = loads_strict(_read_bytes(path / fmt.COMPLETE, "COMPLETE"), where=path / fmt.COMPLETE)
     if not isinstance(complete, dict) or set(complete) != {"format", "bundle_id", "manifest_sha256"}:

@@ -36,7 +36,7 @@ def _single(p: Path) -> dict[str, Any]:
     m = _doc(p / fmt.MANIFEST, problems) or {}
     ix: dict[str, Any] = m["index"] if isinstance(m.get("index"), dict) else {}
     version = m.get("format_version")
-    if m and (not isinstance(version, str) or version.split(".")[0] != fmt.FORMAT_VERSION.split(".")[0]):
+    if m and not fmt.reads_version(version):
         problems.append(f"bundle format {version} is not read by this replayjob (it reads {fmt.FORMAT_VERSION})")
     elif m and not ix:
         problems.append("the manifest has no index section")

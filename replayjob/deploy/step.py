@@ -446,10 +446,10 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
         raise UsageError(f"--blocks must be between 1 and the selection's {spec.repeats} repeats, got {blocks}")
     check_run_record(layout, spec, create=False)
     deadline = time.monotonic() + wait_s
-    for path in expected_files(spec, layout, blocks):
+    expected = list(expected_files(spec, layout, blocks))
+    for path in expected:
         if not _wait_for(path, max(0.0, deadline - time.monotonic()), "every replay", log):
             break
-    expected = list(expected_files(spec, layout, blocks))
     missing = [str(p.parent.relative_to(layout.run)) for p in expected if not p.is_file()]
     if missing:
         log(f"step: {len(missing)} replay(s) left no {metrics.REPLAY_FILE}: {', '.join(missing)}")

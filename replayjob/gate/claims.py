@@ -302,10 +302,8 @@ def knobs_in_effect_check(arms: dict[str, Arm], source: Source | None) -> Check:
                  "training.micro_batch_size is expected as min(value, ceil(rows / distributed.world_size))", off)
 
 
-def _disk_sha(path: Path | None) -> str | None:
+def _disk_sha(path: Path) -> str | None:
     """SHA-256 of a regular file (devices and FIFOs refused); ``None`` when unreadable."""
-    if path is None:
-        return None
     try:
         return sha256_file(path)
     except ReplayjobError:

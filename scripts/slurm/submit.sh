@@ -72,7 +72,7 @@ abspath() { if [[ "$1" = /* ]]; then echo "$1"; else echo "$PWD/$1"; fi; }
 
 OUT="" SPEC="$REPO/examples/ablation.toml" ARMS="" REPEATS="" CLAIM=""
 PARTITION="" GPUS=1 IMAGE="" CONTAINER="" VENV="" WORKSPACE="" SOURCE="" WAIT=0 DRY_RUN=0
-BINDS=() SBATCH_ARGS=() PLANTED=()
+BINDS=() SBATCH_ARGS=() PLANT_ARGS=()
 while [ "$#" -gt 0 ]; do
   case "$1" in
     --out) need_value "$@"; OUT=$2; shift ;;
@@ -89,7 +89,7 @@ while [ "$#" -gt 0 ]; do
     --workspace) need_value "$@"; WORKSPACE=$2; shift ;;
     --source) need_value "$@"; SOURCE=$2; shift ;;
     --sbatch-arg) need_value "$@"; SBATCH_ARGS+=("$2"); shift ;;
-    --plant) need_value "$@"; PLANTED+=("$2"); shift ;;
+    --plant) need_value "$@"; PLANT_ARGS+=(--plant "$2"); shift ;;
     --wait) WAIT=1 ;;
     --dry-run) DRY_RUN=1 ;;
     -h | --help) usage; exit 0 ;;
@@ -150,10 +150,6 @@ SELECT=()
 [ -z "$REPEATS" ] || SELECT+=(--repeats "$REPEATS")
 [ -z "$CLAIM" ] || SELECT+=(--claim "$CLAIM")
 [ "$GPUS" -gt 0 ] || SELECT+=(--device cpu)
-PLANT_ARGS=()
-for plant in "${PLANTED[@]}"; do
-  PLANT_ARGS+=(--plant "$plant")
-done
 # step plan also validates every --plant against the selection (the check step replay makes)
 plan=$("${REPLAYJOB[@]}" step plan --spec "$SPEC" "${SELECT[@]}" "${PLANT_ARGS[@]}") \
   || die "the ablation spec or a --plant was refused (see above)"
