@@ -99,6 +99,11 @@ MEASURES: dict[str, tuple[str, str]] = {
 }
 
 
+def finite_or_none(v: float | None) -> float | None:
+    """A step record's loss or gradient norm: strict JSON has no NaN, so a non-finite one is null."""
+    return v if v is not None and math.isfinite(v) else None
+
+
 def rank_file(rank: int) -> str:
     """One rank's figures of a replay over several ranks (never read as a replay of its own)."""
     return f"replay_metrics.rank-{rank}.json"

@@ -486,8 +486,8 @@ class StepCapture:
         }
         manifest_path = out / names["manifest"]
         manifest_sha = imanifest.write(manifest_path, doc)
-        loss = self.loss if math.isfinite(self.loss) else None  # strict JSON has no NaN: null in a step record
-        grad = None if grad_norm is None or not math.isfinite(float(grad_norm)) else float(grad_norm)
+        loss = metrics_io.finite_or_none(self.loss)
+        grad = metrics_io.finite_or_none(None if grad_norm is None else float(grad_norm))
         metrics: dict[str, Any]
         if self.several:  # the adapter after the real update, hashed in the bytes save_adapter writes
             final_sha = sha256_bytes(adapter_file_bytes(self.model))

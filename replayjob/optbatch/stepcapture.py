@@ -27,7 +27,6 @@ manifest's.  Rows holding NaN/Inf are flagged (``state.nonfinite_inputs``) and a
 
 from __future__ import annotations
 
-import math
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +56,7 @@ from replayjob.metrics import (
     STEP_MANIFEST_PATH,
     STEP_NONFINITE,
     STEP_REPLAY_CONFIG,
+    finite_or_none,
 )
 from replayjob.optbatch import manifest, payload
 from replayjob.optbatch.contract import optimizer_contract
@@ -260,12 +260,8 @@ def write(out: Path, snap: StepSnapshot, cfg: Config, model_reference: dict[str,
             STEP_LOGICAL: logical, STEP_EFFECTIVE: effective,
             STEP_INITIAL_ADAPTER: adapter_sha, STEP_FINAL_ADAPTER: final,
             STEP_REPLAY_CONFIG: str((out / manifest.replay_config_name(k)).relative_to(base)),
-            STEP_NONFINITE: nonfinite, STEP_LOSS: _finite(snap.loss), STEP_GRAD_NORM: _finite(snap.grad_norm)}
-
-
-def _finite(v: float | None) -> float | None:
-    """A step record's loss or gradient norm: strict JSON has no NaN, so a non-finite one is null."""
-    return v if v is not None and math.isfinite(v) else None
+            STEP_NONFINITE: nonfinite, STEP_LOSS: finite_or_none(snap.loss),
+            STEP_GRAD_NORM: finite_or_none(snap.grad_norm)}
 
 
 def replay_toml(cfg: Config, step: int, logical: str, manifest_sha256: str) -> str:
