@@ -240,6 +240,7 @@ class Source(Run):
 
     config: dict[str, Any]
     manifest_file: Path  # the capture manifest named by MANIFEST_PATH, next to the metrics file
+    manifest_pin: str = MANIFEST  # the metrics key that pins it, as messages name it
 
     def config_value(self, dotted: str) -> Any:
         """The resolved source config value at ``dotted`` (``None`` when absent)."""
@@ -445,7 +446,8 @@ def read_source(directory: str | Path, step: int | None = None) -> Source:
                                                           "capture the step again")
     return Source(path=p, sha256=sha, logical=e.logical, effective=e.effective, manifest=e.manifest,
                   initial_adapter=e.initial_adapter, final_adapter=e.final_adapter, final_adapter_file=None,
-                  loss=e.loss, config=config, manifest_file=e.manifest_path)
+                  loss=e.loss, config=config, manifest_file=e.manifest_path,
+                  manifest_pin=f"step {step} record's {STEP_MANIFEST}")
 
 
 def _manifest_name(doc: dict[str, Any], where: Path) -> str:

@@ -337,3 +337,10 @@ def test_reduce_compares_replays_with_a_captured_step(steps_run: Path, tmp_path:
                  "--source-step", "3", "--tolerances", str(tmp_path / "t.toml"), "--min-repeats", "1",
                  "--out", str(tmp_path / "v3.json")]) == 2
     assert "keeps only its SHA-256" in capsys.readouterr().err
+    tampered = tmp_path / "tampered"
+    shutil.copytree(steps_run, tampered)
+    manifest = tampered / "optimizer_batch_step_000003.manifest.json"
+    manifest.write_bytes(manifest.read_bytes() + b" ")
+    assert main(["reduce", str(tmp_path / "r"), "--claim", "bitwise", "--source", str(tampered),
+                 "--source-step", "3", "--min-repeats", "1", "--out", str(tmp_path / "v4.json")]) == 2
+    assert "step 3 record's manifest_sha256" in capsys.readouterr().err  # the pin the step's record holds

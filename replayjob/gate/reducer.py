@@ -28,7 +28,6 @@ from replayjob.errors import RefusedError, UsageError
 from replayjob.gate import budgets as B
 from replayjob.gate import claims as C
 from replayjob.gate import gradients, stats, updates, verdict
-from replayjob.metrics import MANIFEST
 
 if TYPE_CHECKING:
     from replayjob.deploy.ablation import AblationSpec
@@ -178,7 +177,8 @@ def _capture_manifest(source: Source) -> Manifest | IntegrationManifest:
     from replayjob.optbatch import ranks
     from replayjob.optbatch.manifest import Manifest, read_pinned, validate
 
-    path, sha, doc = read_pinned(source.manifest_file, source.manifest, pin_name=f"{source.path}'s {MANIFEST}",
+    path, sha, doc = read_pinned(source.manifest_file, source.manifest,
+                                 pin_name=f"{source.path}'s {source.manifest_pin}",
                                  hint="keep the capture run's manifest next to its metrics.json, unchanged")
     if isinstance(doc, dict) and doc.get("schema") == imanifest.SCHEMA:
         return imanifest.Manifest(path, sha, imanifest.validate(doc, path))
