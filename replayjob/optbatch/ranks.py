@@ -199,17 +199,18 @@ def verify(root: RootManifest, allow_nonfinite: bool = False) -> Verified:
             raise IntegrityError(f"rank {e['rank']}'s landing record does not match the root",
                                  where=d / landed_name(e["rank"]))
     v = _read_ranks(d, root.step, [(e["rank"], e["manifest_sha256"]) for e in root.ranks], allow_nonfinite)
-    for e, m, b in zip(root.ranks, v.manifests, v.bounds, strict=True):
+    first = v.manifests[0]  # _read_ranks found every rank's config, contract and adapter equal to rank 0's
+    for what in ("config", "contract"):
+        if first.doc[what]["sha256"] != root.doc[what]["sha256"]:
+            raise IntegrityError(f"rank {root.ranks[0]['rank']} captured under another {what} than the root records",
+                                 where=first.path)
+    if first.initial_adapter_sha256 != root.initial_adapter_sha256:
+        raise IntegrityError(f"rank {root.ranks[0]['rank']} started from another adapter than the root records",
+                             where=first.path)
+    rng_keys = sorted(root.doc["payload"]["rng_keys"])
+    for e, m, b, rng in zip(root.ranks, v.manifests, v.bounds, v.rngs, strict=True):
         if m.payload_digest != e["payload_spans_sha256"] or list(b) != e["rows"]:
             raise IntegrityError(f"rank {e['rank']}'s payload or rows differ from the root's record", where=m.path)
-        for what in ("config", "contract"):
-            if m.doc[what]["sha256"] != root.doc[what]["sha256"]:
-                raise IntegrityError(f"rank {e['rank']} captured under another {what} than the root records",
-                                     where=m.path)
-        if m.initial_adapter_sha256 != root.initial_adapter_sha256:
-            raise IntegrityError(f"rank {e['rank']} started from another adapter than the root records", where=m.path)
-    rng_keys = sorted(root.doc["payload"]["rng_keys"])
-    for e, m, rng in zip(root.ranks, v.manifests, v.rngs, strict=True):
         if not sorted(rng) == sorted(m.doc["payload"]["rng_keys"]) == rng_keys:
             raise IntegrityError(f"rank {e['rank']}'s RNG states {sorted(rng)} differ from its manifest's or the "
                                  f"root's {rng_keys}", where=m.path)
