@@ -29,8 +29,9 @@ the per-pair ratios (each run's median step against its partner's) and the bundl
 own CPU seconds per step (its thread clock), which is what capture itself costs and which other
 load on the machine inflates far less than the process's CPU seconds (Torch's intra-op threads
 spin while they wait for a core), and a 95% bootstrap interval for the CPU-seconds ratio that
-resamples whole runs (:func:`run_bootstrap`): a run's steps share its drift, so runs are the
-independent units, and the interval says how much one benchmark run can show.
+resamples pairs of back-to-back runs (:func:`pair_bootstrap`): a run's steps share its drift and
+a pair shares the machine's state, so pairs are the independent units, and the interval says how
+much one benchmark run can show.
 
 On a machine whose cores are all busy, the background bundle writer competes with Torch's
 intra-op threads (one per core by default) and every parallel region can stall; ``--threads 1``
@@ -223,20 +224,26 @@ def _writer_cpu_s() -> float:
                for t in threading.enumerate() if t.name == WRITER_THREAD and t.ident is not None)
 
 
-def run_bootstrap(on: list[list[float]], off: list[list[float]], *, resamples: int = 2000,
-                  seed: int = 0, confidence: float = 0.95) -> tuple[float, float]:
-    """A percentile interval for the ratio of pooled medians (on / off), resampling whole runs.
+def pair_bootstrap(on: list[list[float]], off: list[list[float]], *, resamples: int = 2000,
+                   seed: int = 0, confidence: float = 0.95) -> tuple[float, float]:
+    """A percentile interval for the ratio of pooled medians (on / off), resampling pairs of runs.
 
-    Steps of one run share its drift (warm-up, the machine's load at the time), so runs, not steps,
-    are the independent units: each resample draws as many runs as each arm has, with replacement,
-    and pools their steps."""
+    ``on[i]`` and ``off[i]`` ran back to back (the arms alternate run by run), so they share the
+    machine's state at that time: its load, and the intra-op threads' drift between regimes that
+    lasts minutes and moves a step's CPU seconds by tens of percent.  A pair, not a step or a run,
+    is the independent unit: each resample draws as many pairs as there are, with replacement, and
+    pools the steps of the drawn runs of each arm.  Resampling the arms independently would add
+    that drift to the interval, which the alternation is there to cancel."""
     import numpy as np
 
+    if len(on) != len(off) or not on:
+        raise ValueError(f"pair_bootstrap needs as many 'on' runs as 'off' runs, at least one ({len(on)}, {len(off)})")
     rng = np.random.RandomState(seed)
     ratios = []
     for _ in range(resamples):
-        a = [x for i in rng.randint(0, len(on), len(on)) for x in on[i]]
-        b = [x for i in rng.randint(0, len(off), len(off)) for x in off[i]]
+        drawn = rng.randint(0, len(on), len(on))
+        a = [x for i in drawn for x in on[i]]
+        b = [x for i in drawn for x in off[i]]
         ratios.append(statistics.median(a) / statistics.median(b))
     alpha = (1 - confidence) / 2
     low, high = np.quantile(ratios, [alpha, 1 - alpha])
@@ -334,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                     "steady_bundles_per_run": [r["bundles"] for r in steady_runs["on"]]}
         steady_m["steady_writer_fraction_of_off"] = steady_m["steady_writer_cpu_s"]["median"] / c_off["median"]
         steady_m["steady_hooks_s"] = common.stats([r["hooks_s_per_step"] for r in steady_runs["on"]])
-        low, high = run_bootstrap([r["cpu_s"] for r in steady_runs["on"]], [r["cpu_s"] for r in steady_runs["off"]])
+        low, high = pair_bootstrap([r["cpu_s"] for r in steady_runs["on"]], [r["cpu_s"] for r in steady_runs["off"]])
         steady_m["steady_cpu_ratio_interval"] = {"low": low, "high": high, "confidence": 0.95,
-                                                 "resampled": "runs (each run's steps pooled)"}
+                                                 "resampled": "pairs of back-to-back runs (their steps pooled)"}
         steady_detail = (f"; steady state ({steady_steps}-step runs, bundle capture every step) "
                          f"{steady_m['steady_ratio']:.3f}x ({s_on['median']:.4f} vs {s_off['median']:.4f} s), "
                          f"CPU seconds {steady_m['steady_cpu_ratio']:.3f}x [95% {low:.3f}, {high:.3f}] "
