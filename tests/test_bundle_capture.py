@@ -102,7 +102,7 @@ def test_environment_switch(workspace: Path, tmp_path: Path) -> None:
             capture_from_env(cfg, env)
 
 
-def _feed(hook: BundleCapture) -> None:
+def _feed(hook: BundleCapture, step: int = 0) -> None:
     """One step through the hook, with tensors from the synthetic step (same stage functions)."""
     from replayjob.rl.hooks import StepRollout
     from replayjob.rl.update import UpdateResult
@@ -110,40 +110,82 @@ def _feed(hook: BundleCapture) -> None:
     s = make(groups=2, group_size=4)
     n = len(s.group)
     resp = [s.t["response_ids"][i, : s.lengths[i]].tolist() for i in range(n)]
-    rollout = StepRollout(0, ["Q:1+2="] * n, s.labels, s.completions, [[1, 2, 3]] * n, resp,
+    rollout = StepRollout(step, ["Q:1+2="] * n, s.labels, s.completions, [[1, 2, 3]] * n, resp,
                           torch.tensor(s.group), s.t["raw"], s.t["scores"], s.t["mask"], s.t["old_logprobs"],
                           s.t["ref_logprobs"], s.t["kl"], s.t["advantages"], s.t["mask"], s.t["loss_weights"])
     hook.on_rollout(rollout)
     flat = torch.cat([s.t["logprobs"][i, : s.lengths[i]] for i in range(n)])
-    hook.after_update(0, UpdateResult(loss=float(s.t["loss"]), grad_norm=0.0, logprobs=flat))
+    hook.after_update(step, UpdateResult(loss=float(s.t["loss"]), grad_norm=0.0, logprobs=flat))
 
 
-def _hook(workspace: Path, directory: Path) -> BundleCapture:
+def _hook(workspace: Path, directory: Path, build_on_training_thread: bool | None = None) -> BundleCapture:
     cfg = load_config(str(workspace / "train.toml"), ["algorithm.group_size=4", "algorithm.prompts_per_step=2"])
-    return BundleCapture(cfg, directory, None, None)
+    return BundleCapture(cfg, directory, None, None, build_on_training_thread)
 
 
-def test_training_thread_never_waits_for_the_writer(workspace: Path, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The writer's finalize is held on an event: the hook calls must still return at once."""
+def _threads(monkeypatch: pytest.MonkeyPatch, gate: threading.Event | None = None) -> dict[str, list[str]]:
+    """Record which thread prepares (builds) and which writes each bundle; writes wait on ``gate``."""
     from replayjob.bundle import writer as writer_mod
 
+    threads: dict[str, list[str]] = {"prepare": [], "write": []}
+    real_prepare, real_write = writer_mod.BundleWriter.prepare, writer_mod.BundleWriter.write
+
+    def prepare(self: writer_mod.BundleWriter) -> writer_mod.PreparedBundle:
+        threads["prepare"].append(threading.current_thread().name)
+        return real_prepare(self)
+
+    def write(self: writer_mod.BundleWriter, prepared: writer_mod.PreparedBundle) -> Path:
+        threads["write"].append(threading.current_thread().name)
+        if gate is not None:
+            gate.wait(30)
+        return real_write(self, prepared)
+
+    monkeypatch.setattr(writer_mod.BundleWriter, "prepare", prepare)
+    monkeypatch.setattr(writer_mod.BundleWriter, "write", write)
+    return threads
+
+
+def test_a_cpu_step_is_built_at_the_next_rollout_and_the_training_thread_never_waits_on_disk(
+        workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step computes on the CPU: nothing is built inside the captured step; the next step's
+    rollout builds its bundles on the training thread; the writer thread writes them, and while the
+    writes are held on an event every hook call still returns at once."""
     gate = threading.Event()
-    real = writer_mod.BundleWriter.finalize
-
-    def held(self: writer_mod.BundleWriter) -> Path:
-        assert threading.current_thread().name == "bundle-writer"
-        gate.wait(30)
-        return real(self)
-
-    monkeypatch.setattr(writer_mod.BundleWriter, "finalize", held)
+    threads = _threads(monkeypatch, gate)
     hook = _hook(workspace, tmp_path / "cap")
-    _feed(hook)
-    assert not (tmp_path / "cap").exists()  # nothing written yet: the calls did not wait
+    _feed(hook, 0)
+    assert threads == {"prepare": [], "write": []}  # the captured step paid for copies only
+    _feed(hook, 1)
+    main_thread = threading.main_thread().name
+    assert threads["prepare"] == [main_thread] * 2  # step 0's two bundles, at step 1's rollout
+    assert not list((tmp_path / "cap").rglob("COMPLETE"))  # nothing written yet: the calls did not wait
     gate.set()
+    written = hook.close()  # builds step 1's on this thread, then drains the writer
+    assert threads == {"prepare": [main_thread] * 4, "write": ["bundle-writer"] * 4}
+    assert sorted(p.name for p in written) == ["rollout-000000", "rollout-000001", "step-000000-000000",
+                                               "step-000001-000000"]
+    assert main(["bundle", "replay", str(tmp_path / "cap" / "step-000001-000000")]) == 0
+
+
+def test_a_device_step_s_bundles_are_built_and_written_by_the_writer_thread(
+        workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a GPU step gets (forced here: no GPU): the training thread hands over the snapshots only,
+    once the update has returned, and the writer thread builds and writes."""
+    threads = _threads(monkeypatch)
+    hook = _hook(workspace, tmp_path / "cap", build_on_training_thread=False)
+    _feed(hook)
     written = hook.close()
+    assert threads == {"prepare": ["bundle-writer"] * 2, "write": ["bundle-writer"] * 2}
     assert sorted(p.name for p in written) == ["rollout-000000", "step-000000-000000"]
-    assert main(["bundle", "replay", str(tmp_path / "cap" / "step-000000-000000")]) == 0
+    assert main(["bundle", "replay", str(tmp_path / "cap" / "rollout-000000")]) == 0
+
+
+def test_an_abandoned_run_still_builds_and_writes_what_it_captured(workspace: Path, tmp_path: Path) -> None:
+    hook = _hook(workspace, tmp_path / "cap")
+    _feed(hook, 0)
+    hook.abandon()  # training failed after step 0's update: its bundles were not built yet
+    assert sorted(p.parent.name for p in (tmp_path / "cap").rglob("COMPLETE")) == [
+        "rollout-000000", "step-000000-000000"]
 
 
 def test_no_capture_writer_works_during_the_update(workspace: Path, tmp_path: Path,

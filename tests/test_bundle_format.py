@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import save
 
 from replayjob import tensorfile
@@ -110,6 +111,39 @@ def test_shared_sample_records_are_checked_by_the_writer_that_adds_them(tmp_path
     with pytest.raises(IntegrityError, match="recorded on rank 0, this writer is rank 1"):
         ranked.add_records(src.samples)
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_sealed_sample_records_are_checked_once_and_cannot_change(tmp_path: Path) -> None:
+    """A step's two bundles share one sealed set: checked when sealed, taken as is by a writer of the
+    same policy and rank, checked again by a writer of another policy, refused on another rank."""
+    cfg = default_config(samples_per_prompt=1)
+    src = BundleWriter(tmp_path / "a", kind="rollout", rollout_id=0, config=cfg)
+    src.add_sample("s-0", group="g-0", prompt_length=3, response_length=1, prompt="Q:1", completion="1", label="1")
+    sealed = src.sealed_records()
+    assert src.sealed_records() is sealed  # sealed once
+    src.samples[0]["sample_id"] = "bad id!"  # the writer's list changes; the sealed set does not
+    step = BundleWriter(tmp_path / "b", kind="step", rollout_id=0, step_id=0, config=cfg)
+    step.add_records(sealed)
+    step.write_payload("mask", torch.ones((1, 1), dtype=torch.bool))
+    step.set_capability("loss.policy", "inspect-only", "not captured here")
+    written = load_bundle(step.finalize()).samples
+    assert written == sealed.records() and written[0]["sample_id"] == "s-0"
+    for stage in ("reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate"):
+        src.set_capability(stage, "unsupported", "not captured")
+    assert load_bundle(src.finalize()).samples == written  # what was checked is what is written
+    truncating = BundleWriter(tmp_path / "c", kind="step", rollout_id=0, step_id=0, config=cfg,
+                              redaction={**DEFAULT_REDACTION, "prompt": "truncate:2"})
+    truncating.add_records(sealed)
+    with pytest.raises(IntegrityError, match="does not follow the redaction policy"):
+        truncating.finalize()
+    ranked = BundleWriter(tmp_path / "d", kind="step", rollout_id=0, step_id=0, config=cfg, rank=1, ranks=[0, 1])
+    with pytest.raises(IntegrityError, match="recorded on rank 0, this writer is rank 1"):
+        ranked.add_records(sealed)
+    bad = BundleWriter(tmp_path / "e", kind="rollout", rollout_id=0, config=cfg)
+    bad.add_sample("bad id!", group="g-0", prompt_length=3, response_length=1, prompt="Q", completion="1", label="1")
+    with pytest.raises(IntegrityError):
+        bad.sealed_records()
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
 
 
 def test_unsupported_topology_fails_loudly(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,18 +8,28 @@ Off by default; on only through the environment (no config or CLI change):
   which step and rollout bundles are written; unset means all.
 
 The source trainer runs one actor update per rollout, so step ``k`` is rollout ``k``, actor step
-``(k, 0)``, weight version ``k``.  ``on_rollout`` and ``after_update`` only copy CPU tensors; once
-the step's update has returned, ``after_update`` hands the step's bundles to the hook's
-:class:`~replayjob.rl.hooks.BackgroundWriter` (started idle with the hook), which redacts text,
-builds and writes them: never beside its own step's update, but in a multi-step run beside the
-next step (its sampling, and its update too when the writing outlasts the sampling).  ``finish``
-(training has finished) drains the writer and raises the first write error; ``abandon``
-(training failed) drains it quietly.
+``(k, 0)``, weight version ``k``.  ``on_rollout`` and ``after_update`` copy CPU tensors, and the
+disk work (staging, ``fsync``, rename) is the hook's :class:`~replayjob.rl.hooks.BackgroundWriter`'s
+(started idle with the hook): the training thread never waits on disk.  Who builds a bundle
+(redacts text, checks what the reader will check, serializes the payload file and the JSON: about
+1 ms per bundle on the tiny default) depends on where the step computes:
+
+* on a GPU, the writer thread builds and writes, beside the device's work: ``after_update`` hands it
+  the step's snapshots once the update has returned;
+* on the CPU, the training thread builds them at the start of the next step's ``on_rollout`` (or in
+  ``finish``), and only the writing goes to the writer thread.  There the step's own compute holds
+  every core, and a thread building beside it slows it by about as much CPU time as the thread
+  spends (``benchmarks/README.md``, capture_overhead): building in line costs the run about half,
+  and the captured step itself nothing.
+
+``finish`` (training has finished) builds what is left, drains the writer and raises the first
+capture error; ``abandon`` (training failed) does the same quietly.
 Capture never changes training numerics: it reads tensors and consumes no random numbers.
 """
 
 from __future__ import annotations
 
+import array
 import functools
 import os
 from collections.abc import Mapping
@@ -32,7 +42,7 @@ from torch import Tensor
 
 import replayjob
 from replayjob.bundle import format as fmt
-from replayjob.bundle.writer import BundleWriter
+from replayjob.bundle.writer import BundleWriter, PreparedBundle, SampleRecords
 from replayjob.errors import ConfigError, RefusedError, ReplayjobError
 from replayjob.model.tokenizer import ByteTokenizer
 from replayjob.rl.hooks import BackgroundWriter, StepHook, StepRollout
@@ -92,7 +102,9 @@ class _Snapshot:
     prompt_lengths: list[int]
     responses: list[list[int]]
     tensors: dict[str, Tensor]
-    records: list[dict[str, Any]] | None = None  # the redacted sample records, built by the first bundle
+    on_cpu: bool  # the step computed on the CPU: its bundles are built on the training thread
+    records: SampleRecords | None = None  # the redacted sample records, built and checked by the first bundle
+    label_ids: list[list[int]] | None = None  # the answers' token ids (byte tokenizer), encoded once
 
 
 class BundleCapture(StepHook):
@@ -101,27 +113,31 @@ class BundleCapture(StepHook):
     wants_update_logprobs = True  # a step bundle records the logprobs the loss saw
 
     def __init__(self, cfg: Config, directory: Path, steps: set[tuple[int, int]] | None,
-                 rollouts: set[int] | None):
+                 rollouts: set[int] | None, build_on_training_thread: bool | None = None):
         from replayjob.config import config_sha256
 
         self.directory = directory
+        self.build_on_training_thread = build_on_training_thread  # None: where the step computes (CPU: yes)
         self.steps, self.rollouts = steps, rollouts
         self.config = recompute_config(cfg)
         self.micro = cfg.training.micro_batch_size
         self.producer = {"name": "replayjob", "trainer": "grpo", "replayjob_version": replayjob.__version__,
                          "torch_version": torch.__version__, "config_sha256": config_sha256(cfg)}
         self._pending: _Snapshot | None = None
-        self._held: list[tuple[str, _Snapshot, Tensor | None, float]] = []
+        self._held: list[tuple[str, _Snapshot, Tensor | None, float]] = []  # until the update has returned
+        self._deferred: list[tuple[str, _Snapshot, Tensor | None, float]] = []  # CPU steps: built at the next rollout
         self.written: list[Path] = []
         self._writer = BackgroundWriter(WRITER_THREAD)  # idle until a step's update returned
 
     # StepHook ------------------------------------------------------------------------------
     def on_rollout(self, rollout: StepRollout) -> None:
+        self._build_deferred()  # the previous step's bundles, when it computed on the CPU
         names = ("group", "raw", "scores", "mask", "old_logprobs", "ref_logprobs", "kl", "advantages",
                  "loss_weights")
         snap = _Snapshot(rollout.step, list(rollout.prompts), list(rollout.answers), list(rollout.completions),
                          [len(p) for p in rollout.prompt_tokens], [list(r) for r in rollout.response_tokens],
-                         {n: getattr(rollout, n).detach().to("cpu", copy=True) for n in names})
+                         {n: getattr(rollout, n).detach().to("cpu", copy=True) for n in names},
+                         on_cpu=rollout.mask.device.type == "cpu")
         self._pending = snap
         if self.rollouts is None or rollout.step in self.rollouts:
             self._held.append(("rollout", snap, None, 0.0))  # written once the update has returned
@@ -140,33 +156,62 @@ class BundleCapture(StepHook):
             self._release()
 
     def _release(self) -> None:
-        """Hand the held bundles to the idle writer thread (nothing here waits for it)."""
+        """Hand the held bundles on, nothing here waits: to the writer thread, or (a step computed on
+        the CPU) to the next step's rollout, where the training thread builds them."""
         for item in self._held:
-            self._writer.submit(functools.partial(self._land, *item))
+            inline = item[1].on_cpu if self.build_on_training_thread is None else self.build_on_training_thread
+            if inline:
+                self._deferred.append(item)
+            else:
+                self._writer.submit(functools.partial(self._land, *item))
         self._held.clear()
+
+    def _build_deferred(self) -> None:
+        """The training thread: build (check and serialize) the deferred bundles and hand each to the
+        writer thread to write.  A build error is kept for ``finish``; training goes on."""
+        for kind, snap, logp, loss in self._deferred:
+            try:
+                w = self._build(kind, snap, logp, loss)
+                prepared = w.prepare()
+            except Exception as exc:  # a capture error never stops training; it surfaces at finish
+                self._writer.fail(exc)
+                continue
+            self._writer.submit(functools.partial(self._write, w, prepared))
+        self._deferred.clear()
+
+    def _build(self, kind: str, snap: _Snapshot, logp: Tensor | None, loss: float) -> BundleWriter:
+        return self._rollout(snap) if kind == "rollout" else self._step(snap, logp, loss)
 
     def _land(self, kind: str, snap: _Snapshot, logp: Tensor | None, loss: float) -> None:
         """The writer thread: build and write one bundle."""
-        w = self._rollout(snap) if kind == "rollout" else self._step(snap, logp, loss)
-        self.written.append(w.finalize())
+        w = self._build(kind, snap, logp, loss)
+        self._write(w, w.prepare())
+
+    def _write(self, w: BundleWriter, prepared: PreparedBundle) -> None:
+        """The writer thread: the disk part (staging, ``fsync``, rename)."""
+        self.written.append(w.write(prepared))
 
     def finish(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
-        """Training is over: drain the writer, raise the first capture error; nothing joins metrics.json."""
+        """Training is over: build what is left, drain the writer, raise the first capture error;
+        nothing joins metrics.json."""
         self.close()
         return {}
 
     def abandon(self) -> None:
         """Training failed: write what was captured, drain the writer, keep its errors to itself."""
         self._release()  # a rollout whose update never returned is still written
+        self._build_deferred()
         self._writer.release()
 
     def close(self) -> list[Path]:
-        """Drain the writer thread (training is over); raise the first capture error; the bundles written."""
+        """Build what is left, drain the writer thread (training is over); raise the first capture
+        error; the bundles written."""
         self._release()  # a rollout whose update never returned is still written
+        self._build_deferred()
         self._writer.drain()
         return list(self.written)
 
-    # background thread ---------------------------------------------------------------------
+    # building (the writer thread, or the training thread for a step computed on the CPU) -----
     def _bundle(self, snap: _Snapshot, kind: str) -> BundleWriter:
         rid = snap.step
         w = BundleWriter(self.directory / fmt.bundle_name(kind, rid, 0 if kind == "step" else None), kind=kind,
@@ -176,14 +221,14 @@ class BundleCapture(StepHook):
         if snap.records is None:
             group = snap.tensors["group"].tolist()
             lengths = mask.sum(dim=1).to(torch.int64).tolist()  # one reduction, not one per sample
-            tok = ByteTokenizer()
+            labels = _label_ids(snap)
             for i in range(len(snap.responses)):
                 w.add_sample(f"s-{i:04d}", group=f"g-{int(group[i]):04d}", cohort=f"c-{rid:06d}",
                              prompt_length=snap.prompt_lengths[i], response_length=lengths[i],
-                             label_length=len(tok.encode(snap.answers[i])), partition=f"p-{rid:06d}",
+                             label_length=len(labels[i]), partition=f"p-{rid:06d}",
                              consumer_batch="cb-0000", micro_batch=f"mb-{i // self.micro:04d}",
                              prompt=snap.prompts[i], completion=snap.completions[i], label=snap.answers[i])
-            snap.records = w.samples
+            snap.records = w.sealed_records()  # checked here once; the step's other bundle takes them as they are
         else:  # the step's other bundle built them: same samples, same redaction
             w.add_records(snap.records)
         w.write_payload("mask", mask)
@@ -194,8 +239,7 @@ class BundleCapture(StepHook):
         t = snap.tensors
         width = int(t["mask"].shape[1])
         if self.config["tokenizer"] == "byte":
-            tok = ByteTokenizer()
-            labels = [tok.encode(a) for a in snap.answers]
+            labels = _label_ids(snap)
             w.write_payload("response_ids", _padded(snap.responses, width))
             w.write_payload("label_ids", _padded(labels, max(1, max(len(x) for x in labels))))
         else:
@@ -229,12 +273,24 @@ class BundleCapture(StepHook):
         return w
 
 
+def _label_ids(snap: _Snapshot) -> list[list[int]]:
+    """The answers' token ids (the byte tokenizer: what ``label_length`` counts), encoded once a step."""
+    if snap.label_ids is None:
+        tok = ByteTokenizer()
+        snap.label_ids = [tok.encode(a) for a in snap.answers]
+    return snap.label_ids
+
+
 def _padded(rows: list[list[int]], width: int) -> Tensor:
-    """``rows`` as an int64 ``[len(rows), width]`` tensor padded with 0, filled in one indexed copy."""
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
-    out = torch.zeros((len(rows), width), dtype=torch.int64)
-    if len(rows) and int(lengths.max()) > width:
-        raise RefusedError(f"a row of {int(lengths.max())} tokens does not fit the width {width}")
-    out[torch.arange(width)[None, :] < lengths[:, None]] = torch.tensor([t for r in rows for t in r],
-                                                                        dtype=torch.int64)
-    return out
+    """``rows`` as an int64 ``[len(rows), width]`` tensor padded with 0 (one buffer, no per-row Torch call)."""
+    longest = max((len(r) for r in rows), default=0)
+    if longest > width:
+        raise RefusedError(f"a row of {longest} tokens does not fit the width {width}")
+    flat = array.array("q")
+    zeros = [0] * width
+    for r in rows:
+        flat.extend(r)
+        flat.extend(zeros[len(r):])
+    if not flat:
+        return torch.zeros((len(rows), width), dtype=torch.int64)
+    return torch.frombuffer(flat, dtype=torch.int64).reshape(len(rows), width)  # the tensor keeps the buffer alive

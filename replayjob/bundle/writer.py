@@ -31,6 +31,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from torch import Tensor
 import replayjob
 from replayjob import tensorfile
 from replayjob.bundle import format as fmt
-from replayjob.bundle.schema import check_closure, check_expected, check_index, check_manifest
+from replayjob.bundle.schema import check_closure, check_expected, check_index, check_manifest, check_samples
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ArtifactExistsError, IntegrityError
 from replayjob.faults import point
@@ -70,6 +71,35 @@ def redact_text(field: str, text: str, policy: str) -> dict[str, str]:
     if policy.startswith("truncate:"):
         return {f"{field}_prefix": text[: int(policy.split(":")[1])]}
     return {}
+
+
+@dataclass(frozen=True)
+class SampleRecords:
+    """Sample records checked once and sealed (:meth:`BundleWriter.sealed_records`), with the
+    redaction policy and the rank they were checked under.
+
+    Immutable: each record is a tuple of ``(key, value)`` pairs whose values are strings, integers
+    or None (what :func:`~replayjob.bundle.format.check_sample` admits).  A step's rollout and step
+    bundles share one set; a writer of the same policy and rank takes it without checking it again.
+    """
+
+    items: tuple[tuple[tuple[str, Any], ...], ...]
+    redaction: tuple[tuple[str, str], ...]
+    rank: int
+
+    def records(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self.items]
+
+
+@dataclass(frozen=True)
+class PreparedBundle:
+    """A bundle checked and serialized in memory (:meth:`BundleWriter.prepare`), not yet on disk."""
+
+    final: Path  # the directory it will be renamed to
+    payload: bytes | None  # payloads.safetensors (None: no payloads)
+    manifest: bytes  # manifest.json (canonical JSON)
+    complete: bytes  # COMPLETE
+    manifest_sha256: str
 
 
 class BundleWriter:
@@ -117,6 +147,7 @@ class BundleWriter:
                                      reason="sampling needs the model; lengths, token ids and redacted text "
                                             "are recorded")
         self.samples: list[dict[str, Any]] = []
+        self._sealed: SampleRecords | None = None  # set while these are exactly the samples, checked
         self.payloads: dict[str, Tensor] = {}
         self.roles: dict[str, str] = {}
         self.expected: dict[str, dict[str, Any]] = {}
@@ -147,16 +178,38 @@ class BundleWriter:
             if text is not None:
                 rec.update(redact_text(field, text, policy))
         self.samples.append(rec)  # checked with every other sample by finalize (check_index, as the reader does)
+        self._sealed = None
 
-    def add_records(self, records: Sequence[dict[str, Any]]) -> None:
+    def add_records(self, records: SampleRecords | Sequence[dict[str, Any]]) -> None:
         """Add sample records another writer built with :meth:`add_sample` (already redacted, never raw
         text): a rollout and a step bundle of one step share theirs.  Records of another rank are
-        refused here; ``finalize`` checks them against this writer's redaction policy like any other."""
+        refused here.  ``finalize`` checks them against this writer's redaction policy like any other,
+        except sealed :class:`SampleRecords` of the same policy added to a writer that had no samples:
+        those were checked under that very policy and cannot have changed since."""
+        if isinstance(records, SampleRecords):
+            if records.rank != (self.rank or 0):
+                raise IntegrityError(f"these sample records were recorded on rank {records.rank}, "
+                                     f"this writer is rank {self.rank or 0}")
+            sealed = not self.samples and dict(records.redaction) == self.redaction
+            self.samples.extend(records.records())
+            self._sealed = records if sealed else None
+            return
         for rec in records:
             if rec.get("rank") != (self.rank or 0):
                 raise IntegrityError(f"sample {rec.get('sample_id')!r} was recorded on rank {rec.get('rank')!r}, "
                                      f"this writer is rank {self.rank or 0}")
             self.samples.append(dict(rec))
+        self._sealed = None
+
+    def sealed_records(self) -> SampleRecords:
+        """This writer's sample records, checked now as the reader will check them, and sealed for
+        another writer of the same step (:meth:`add_records`); this writer's own ``finalize`` then
+        writes exactly the sealed records without checking them again."""
+        if self._sealed is None:
+            check_samples(self.samples, self.redaction)
+            self._sealed = SampleRecords(tuple(tuple(r.items()) for r in self.samples),
+                                         tuple(sorted(self.redaction.items())), self.rank or 0)
+        return self._sealed
 
     def write_payload(self, name: str, tensor: Tensor, *, role: str = "input") -> None:
         """Add a tensor payload (``role`` "input" or "expected"); stored as tensor ``<name>`` of the payload file."""
@@ -193,8 +246,9 @@ class BundleWriter:
 
         The payload file is built and hashed in one pass (:func:`replayjob.tensorfile.encode`: its
         header block and each tensor's bytes), its header checked against the payload schema."""
+        samples = self.samples if self._sealed is None else self._sealed.records()
         index = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "kind": self.kind,
-                 "identity": self.identity, "config": self.config, "samples": self.samples}
+                 "identity": self.identity, "config": self.config, "samples": samples}
         names = sorted(self.payloads)
         dtypes = {name: DTYPES[self.payloads[name].dtype] for name in names}
         blob: bytes | None = None
@@ -219,13 +273,28 @@ class BundleWriter:
 
     def finalize(self) -> Path:
         """Check, stage, write (``COMPLETE`` last), rename into place; return the bundle path."""
+        return self.write(self.prepare())
+
+    def prepare(self) -> PreparedBundle:
+        """Everything but the disk: check what the reader will check, then serialize the three files.
+
+        No file is touched; :meth:`write` writes the result.  Bundle capture on a CPU-only trainer
+        prepares on the training thread and writes on its writer thread (:mod:`replayjob.bundle.hook`)."""
         manifest, blob = self._documents()
         check_manifest(manifest)
-        check_index(manifest["index"], manifest)
+        check_index(manifest["index"], manifest, samples_checked=self._sealed is not None)
         check_expected(manifest["expected"], manifest, len(self.samples))
         check_closure(manifest, manifest["index"], manifest["expected"],
                       {n: (s["dtype"], s["shape"]) for n, s in manifest["payloads"].items()})
         final = self.root if self.ranks is None else self.root / f"rank-{self.rank}"
+        manifest_bytes = canonical_bytes(manifest)
+        manifest_sha = sha256_bytes(manifest_bytes)
+        complete = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "manifest_sha256": manifest_sha}
+        return PreparedBundle(final, blob, manifest_bytes, pretty_bytes(complete), manifest_sha)
+
+    def write(self, prepared: PreparedBundle) -> Path:
+        """Stage the prepared files (``COMPLETE`` last), rename into place; return the bundle path."""
+        final = prepared.final
         if final.exists():
             raise ArtifactExistsError("bundle directory already exists", where=final,
                                       hint="capture into a new directory")
@@ -241,13 +310,10 @@ class BundleWriter:
             except OSError as exc:
                 raise write_failure(exc, tmp, "cannot open the staging directory") from None
             try:  # the files are created relative to the staging directory's descriptor, which is synced last
-                if blob is not None:
-                    _write_new(dfd, tmp, fmt.PAYLOAD_FILE, blob)
-                manifest_bytes = canonical_bytes(manifest)
-                _write_new(dfd, tmp, fmt.MANIFEST, manifest_bytes)
-                manifest_sha = sha256_bytes(manifest_bytes)
-                complete = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "manifest_sha256": manifest_sha}
-                _write_new(dfd, tmp, fmt.COMPLETE, pretty_bytes(complete))
+                if prepared.payload is not None:
+                    _write_new(dfd, tmp, fmt.PAYLOAD_FILE, prepared.payload)
+                _write_new(dfd, tmp, fmt.MANIFEST, prepared.manifest)
+                _write_new(dfd, tmp, fmt.COMPLETE, prepared.complete)
                 with contextlib.suppress(OSError):
                     os.fsync(dfd)  # every name in place and durable before the rename publishes them
             finally:
@@ -264,7 +330,7 @@ class BundleWriter:
                 shutil.rmtree(tmp)
             raise
         if self.ranks is not None:
-            self._land_rank(manifest_sha)
+            self._land_rank(prepared.manifest_sha256)
         return self.root
 
     def _land_rank(self, manifest_sha: str) -> None:
