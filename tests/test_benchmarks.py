@@ -50,8 +50,9 @@ def test_smoke_mode_runs_and_writes_one_line_and_json(name: str, tmp_path: Path,
     if name == "capture_overhead":  # "on" really captured both kinds, and the loss did not change
         assert doc["measurements"]["bundle_capture_written"] is True  # type: ignore[index]
         assert doc["measurements"]["steady_bundles_per_run"] == [4]  # type: ignore[index]  # 2 steps x 2
-        interval = doc["measurements"]["steady_cpu_ratio_interval"]  # type: ignore[index]
-        assert 0 < interval["low"] <= interval["high"]
+        for key in ("steady_cpu_paired_ratio_interval", "steady_cpu_ratio_interval", "steady_cpu_total_ratio_interval"):
+            interval = doc["measurements"][key]  # type: ignore[index]
+            assert 0 < interval["low"] <= interval["high"], key
         assert doc["notes"] == []
 
 
@@ -60,17 +61,18 @@ def test_pair_bootstrap_cancels_drift_shared_by_a_pair() -> None:
     in one regime and "on" costs 3% more.  Resampling pairs keeps the effect and drops the drift."""
     import numpy as np
 
-    from benchmarks.capture_overhead import pair_bootstrap
+    from benchmarks.capture_overhead import pair_bootstrap, pair_median_ratio, pooled_median_ratio, total_ratio
 
     rng = np.random.RandomState(1)
     regimes = [0.19 if (i // 5) % 2 else 0.28 for i in range(30)]
     off = [[r * (1 + 0.01 * rng.randn()) for _ in range(4)] for r in regimes]
     on = [[r * 1.03 * (1 + 0.01 * rng.randn()) for _ in range(4)] for r in regimes]
-    low, high = pair_bootstrap(on, off, resamples=500)
-    assert 1.0 < low < 1.03 < high < 1.06, (low, high)
-    shuffled = list(np.roll(np.array(off), 7, axis=0))  # pairs broken: a pair's runs in different regimes
-    low2, high2 = pair_bootstrap(on, [list(r) for r in shuffled], resamples=500)
-    assert high2 - low2 > 3 * (high - low)
+    shuffled = [list(r) for r in np.roll(np.array(off), 7, axis=0)]  # pairs broken: runs of different regimes
+    for statistic in (pair_median_ratio, pooled_median_ratio, total_ratio):
+        low, high = pair_bootstrap(on, off, statistic=statistic, resamples=500)
+        assert 1.0 < low <= high < 1.06 and low - 0.005 < 1.03 < high + 0.005, (statistic.__name__, low, high)
+        low2, high2 = pair_bootstrap(on, shuffled, statistic=statistic, resamples=500)
+        assert high2 - low2 > 3 * (high - low), statistic.__name__
     with pytest.raises(ValueError, match="as many"):
         pair_bootstrap(on, off[:-1])
 

@@ -4,8 +4,10 @@ The writer checks everything the reader will check before it writes a byte (name
 config, dependency closure), stages the bundle in a temporary sibling directory, writes
 ``payloads.safetensors`` (every tensor, hashed once: its header block and each tensor's bytes),
 ``manifest.json`` and ``COMPLETE`` (last), one ``fsync`` each, syncs the staging directory once and
-renames it into place.  With ``rank``/``ranks`` it writes ``<path>/rank-<r>/`` and
-``<path>/COMPLETE.<r>``; whichever rank lands last writes the final ``<path>/COMPLETE``.
+renames it into place (``finalize``; ``prepare`` is the checks and the three files' bytes in
+memory, ``write`` the disk part, for callers that do them on different threads).  With
+``rank``/``ranks`` it writes ``<path>/rank-<r>/`` and ``<path>/COMPLETE.<r>``; whichever rank lands
+last writes the final ``<path>/COMPLETE``.
 
 Example (a two-sample GRPO rollout bundle whose reward stages are recomputed)::
 
