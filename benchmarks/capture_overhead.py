@@ -24,7 +24,7 @@ the same runs with it off; each step's seconds include the capture work the prev
 (on this CPU-only trainer: building its bundles at this step's rollout, on the training thread,
 and writing them on the writer thread beside this step).
 Reported: the wall-time ratio of steady steps, and the ratio of the process's CPU seconds per
-steady step (all threads, between consecutive steps' rollouts, :class:`CpuClock`), the figure
+steady step (all threads, between consecutive steps' updates, :class:`CpuClock`), the figure
 the steady-state target (<= 1.05) is stated on in ``benchmarks/README.md``; with it the median of
 the per-pair ratios (each run's median step against its partner's), the capture hooks' seconds on
 the training thread per step and the bundle writer thread's own CPU seconds per step (its thread
@@ -177,8 +177,8 @@ def _steady_run(cfg_path: Path, sets: list[str], out: Path, capture: bool, steps
     """A ``steps``-step run with bundle capture on every step (or off): seconds of steps 1 and later.
 
     Optimizer-batch capture covers one step only, so this arm is bundle capture alone.  A step's
-    seconds are the difference of consecutive diag rows' ``elapsed_s``, so each includes whatever
-    the previous step's bundle writer still does in the background.
+    wall seconds are the difference of consecutive diag rows' ``elapsed_s``, its CPU seconds the
+    difference of consecutive :class:`CpuClock` marks; each holds one step's capture work.
     """
     from replayjob.config import load_config
     from replayjob.jsonio import loads_strict
@@ -202,17 +202,20 @@ def _steady_run(cfg_path: Path, sets: list[str], out: Path, capture: bool, steps
 
 
 class CpuClock(StepHook):
-    """Process CPU seconds (every thread's, the bundle writer's included) at each step's rollout, and
-    the bundle writer thread's own CPU seconds (its thread clock; 0 with capture off).
+    """Process CPU seconds (every thread's, the bundle writer's included) just before each step's
+    update, and the bundle writer thread's own CPU seconds (its thread clock; 0 with capture off).
 
-    Consecutive marks bracket one whole step: its update, the writing its bundles cause in the
-    background while the next step samples, and that sampling."""
+    Consecutive marks bracket one whole step and one step's capture work in either design: the
+    update, the writing its bundles cause in the background while the next step samples, that
+    sampling, and every hook's ``on_rollout`` (where a CPU-only trainer builds the previous step's
+    bundles).  A mark taken in ``on_rollout`` instead would come before the capture hook's own (the
+    trainer calls extra hooks first) and miss one build in every run."""
 
     def __init__(self) -> None:
         self.marks: list[float] = []
         self.writer_marks: list[float] = []
 
-    def on_rollout(self, rollout: Any) -> None:
+    def before_update(self, step: int, batch: Any) -> None:
         self.marks.append(time.process_time())
         self.writer_marks.append(_writer_cpu_s())
 
@@ -356,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                     "steady_cpu_on_s": c_on, "steady_cpu_off_s": c_off,
                     "steady_cpu_ratio": common.ratio(c_on["median"], c_off["median"]),
                     "steady_cpu_paired_ratio": common.stats([
-                        statistics.median(a["cpu_s"]) / statistics.median(b["cpu_s"])
+                        pair_median_ratio([a["cpu_s"]], [b["cpu_s"]])
                         for a, b in zip(steady_runs["on"], steady_runs["off"], strict=True)]),
                     "steady_writer_cpu_s": common.stats([x for r in steady_runs["on"] for x in r["writer_cpu_s"]]),
                     "steady_bundles_per_run": [r["bundles"] for r in steady_runs["on"]]}

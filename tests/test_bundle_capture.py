@@ -180,6 +180,44 @@ def test_a_device_step_s_bundles_are_built_and_written_by_the_writer_thread(
     assert main(["bundle", "replay", str(tmp_path / "cap" / "rollout-000000")]) == 0
 
 
+def test_where_the_parameters_live_decides_who_builds(workspace: Path, tmp_path: Path) -> None:
+    """The rollout's tensors are on the CPU whatever the device; the trained parameters are not."""
+    from replayjob.rl.hooks import TrainerView
+
+    def view(device: str) -> TrainerView:
+        param = torch.nn.Parameter(torch.zeros(2, device=device))
+        return TrainerView(lambda: {}, torch.optim.SGD([param], lr=0.1), {}, 0)
+
+    cpu, device = _hook(workspace, tmp_path / "a"), _hook(workspace, tmp_path / "b")
+    cpu.on_train_begin(view("cpu"))
+    device.on_train_begin(view("meta"))  # a device that is not the CPU (no GPU here)
+    assert cpu.build_on_training_thread is True and device.build_on_training_thread is False
+    forced = _hook(workspace, tmp_path / "c", build_on_training_thread=False)
+    forced.on_train_begin(view("cpu"))
+    assert forced.build_on_training_thread is False  # an explicit choice stands
+    for hook in (cpu, device, forced):
+        hook.close()
+
+
+def test_a_build_error_at_the_next_rollout_does_not_stop_training(workspace: Path, tmp_path: Path) -> None:
+    from replayjob.rl.hooks import StepRollout
+    from replayjob.rl.update import UpdateResult
+
+    s = make(groups=2, group_size=4)
+    n = len(s.group)
+    resp = [s.t["response_ids"][i, : s.lengths[i]].tolist() for i in range(n)]
+    hook = _hook(workspace, tmp_path / "cap")
+    hook.on_rollout(StepRollout(0, ["Q:1+2="] * n, s.labels, s.completions, [[1, 2, 3]] * n, resp,
+                                torch.tensor(s.group), s.t["raw"], s.t["scores"], s.t["mask"], s.t["old_logprobs"],
+                                s.t["ref_logprobs"], s.t["kl"], s.t["advantages"], s.t["mask"], s.t["loss_weights"]))
+    hook.after_update(0, UpdateResult(loss=0.0, grad_norm=0.0, logprobs=torch.zeros(3)))  # too few
+    _feed(hook, 1)  # step 1's rollout builds step 0's bundles: the step bundle fails there, silently
+    with pytest.raises(RefusedError, match="exposed 3 logprobs"):
+        hook.close()
+    assert sorted(p.parent.name for p in (tmp_path / "cap").rglob("COMPLETE")) == [
+        "rollout-000000", "rollout-000001", "step-000001-000000"]
+
+
 def test_an_abandoned_run_still_builds_and_writes_what_it_captured(workspace: Path, tmp_path: Path) -> None:
     hook = _hook(workspace, tmp_path / "cap")
     _feed(hook, 0)
@@ -190,11 +228,12 @@ def test_an_abandoned_run_still_builds_and_writes_what_it_captured(workspace: Pa
 
 def test_no_capture_writer_works_during_the_update(workspace: Path, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both writers (started idle) get their work only once the update has returned.
+    """No capture work runs during the update: encoding the optimizer batch's payload (its writer
+    thread) and building a bundle (on this CPU trainer the training thread, at the next rollout or
+    when training ends) both come after it.
 
     A probe hook runs before the capture hooks, so its ``after_update`` marks the moment the update
-    is over and the capture hooks have not yet handed anything over; every writer's first piece of
-    work (encoding the payload, building a bundle) must come after that mark.
+    is over and the capture hooks have not yet handed anything over.
     """
     from replayjob.bundle import hook as hook_mod
     from replayjob.optbatch import capture as capture_mod

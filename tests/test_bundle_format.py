@@ -6,6 +6,7 @@ for exit code 2 and a message naming the cause.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -143,7 +144,44 @@ def test_sealed_sample_records_are_checked_once_and_cannot_change(tmp_path: Path
     bad.add_sample("bad id!", group="g-0", prompt_length=3, response_length=1, prompt="Q", completion="1", label="1")
     with pytest.raises(IntegrityError):
         bad.sealed_records()
-    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
+    forged = dataclasses.replace(sealed, items=((("sample_id", "bad id!"),) + sealed.items[0][1:],))
+    taker = BundleWriter(tmp_path / "f", kind="step", rollout_id=0, step_id=0, config=cfg)
+    taker.add_records(forged)  # not sealed by a writer: checked like plain records
+    with pytest.raises(IntegrityError, match="samples"):
+        taker.prepare()
+    with pytest.raises(IntegrityError, match="prepared by another writer"):
+        truncating.write(step.prepare())
+    assert not any((tmp_path / n).exists() for n in "cdf")
+
+
+def test_sealed_records_are_checked_once_a_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from replayjob.bundle import format as fmt
+
+    calls: list[int] = []
+    real = fmt.check_sample
+    monkeypatch.setattr(fmt, "check_sample", lambda rec, i, red: (calls.append(i), real(rec, i, red))[1])
+    cfg = default_config(samples_per_prompt=1)
+    first = BundleWriter(tmp_path / "a", kind="rollout", rollout_id=0, config=cfg)
+    for i in range(3):
+        first.add_sample(f"s-{i}", group=f"g-{i}", prompt_length=3, response_length=1, prompt="Q", completion="1",
+                         label="1")
+    sealed = first.sealed_records()
+    assert calls == [0, 1, 2]
+    second = BundleWriter(tmp_path / "b", kind="step", rollout_id=0, step_id=0, config=cfg)
+    second.add_records(sealed)
+    second.write_payload("mask", torch.ones((3, 1), dtype=torch.bool))
+    second.set_capability("loss.policy", "inspect-only", "not captured here")
+    second.prepare()
+    for stage in ("reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate"):
+        first.set_capability(stage, "unsupported", "not captured")
+    first.prepare()
+    assert calls == [0, 1, 2]  # sealed once, taken as they are twice
+    plain = BundleWriter(tmp_path / "c", kind="step", rollout_id=0, step_id=0, config=cfg)
+    plain.add_records(sealed.records())  # plain dicts: checked
+    plain.write_payload("mask", torch.ones((3, 1), dtype=torch.bool))
+    plain.set_capability("loss.policy", "inspect-only", "not captured here")
+    plain.prepare()
+    assert calls == [0, 1, 2, 0, 1, 2]
 
 
 def test_unsupported_topology_fails_loudly(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:

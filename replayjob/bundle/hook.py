@@ -46,7 +46,7 @@ from replayjob.bundle import format as fmt
 from replayjob.bundle.writer import BundleWriter, PreparedBundle, SampleRecords
 from replayjob.errors import ConfigError, RefusedError, ReplayjobError
 from replayjob.model.tokenizer import ByteTokenizer
-from replayjob.rl.hooks import BackgroundWriter, StepHook, StepRollout
+from replayjob.rl.hooks import BackgroundWriter, StepHook, StepRollout, TrainerView
 
 if TYPE_CHECKING:
     from replayjob.config import Config
@@ -103,7 +103,6 @@ class _Snapshot:
     prompt_lengths: list[int]
     responses: list[list[int]]
     tensors: dict[str, Tensor]
-    on_cpu: bool  # the step computed on the CPU: its bundles are built on the training thread
     records: SampleRecords | None = None  # the redacted sample records, built and checked by the first bundle
     label_ids: list[list[int]] | None = None  # the answers' token ids (byte tokenizer), encoded once
 
@@ -118,7 +117,8 @@ class BundleCapture(StepHook):
         from replayjob.config import config_sha256
 
         self.directory = directory
-        self.build_on_training_thread = build_on_training_thread  # None: where the step computes (CPU: yes)
+        # None: decided in on_train_begin from where the trained parameters live (all on the CPU: yes)
+        self.build_on_training_thread = build_on_training_thread
         self.steps, self.rollouts = steps, rollouts
         self.config = recompute_config(cfg)
         self.micro = cfg.training.micro_batch_size
@@ -131,14 +131,20 @@ class BundleCapture(StepHook):
         self._writer = BackgroundWriter(WRITER_THREAD)  # idle until a step's update returned
 
     # StepHook ------------------------------------------------------------------------------
+    def on_train_begin(self, view: TrainerView) -> None:
+        """Where the step computes: the trained parameters' devices (the rollout's tensors are built
+        on the CPU whatever the device, so they cannot tell)."""
+        if self.build_on_training_thread is None:
+            devices = {p.device.type for group in view.optimizer.param_groups for p in group["params"]}
+            self.build_on_training_thread = devices <= {"cpu"}
+
     def on_rollout(self, rollout: StepRollout) -> None:
         self._build_deferred()  # the previous step's bundles, when it computed on the CPU
         names = ("group", "raw", "scores", "mask", "old_logprobs", "ref_logprobs", "kl", "advantages",
                  "loss_weights")
         snap = _Snapshot(rollout.step, list(rollout.prompts), list(rollout.answers), list(rollout.completions),
                          [len(p) for p in rollout.prompt_tokens], [list(r) for r in rollout.response_tokens],
-                         {n: getattr(rollout, n).detach().to("cpu", copy=True) for n in names},
-                         on_cpu=rollout.mask.device.type == "cpu")
+                         {n: getattr(rollout, n).detach().to("cpu", copy=True) for n in names})
         self._pending = snap
         if self.rollouts is None or rollout.step in self.rollouts:
             self._held.append(("rollout", snap, None, 0.0))  # written once the update has returned
@@ -160,8 +166,7 @@ class BundleCapture(StepHook):
         """Hand the held bundles on, nothing here waits: to the writer thread, or (a step computed on
         the CPU) to the next step's rollout, where the training thread builds them."""
         for item in self._held:
-            inline = item[1].on_cpu if self.build_on_training_thread is None else self.build_on_training_thread
-            if inline:
+            if self.build_on_training_thread is not False:  # None: not told by a trainer; build in line
                 self._deferred.append(item)
             else:
                 self._writer.submit(functools.partial(self._land, *item))

@@ -32,6 +32,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,11 @@ class SampleRecords:
 
     def records(self) -> list[dict[str, Any]]:
         return [dict(r) for r in self.items]
+
+
+# Sets :meth:`BundleWriter.sealed_records` checked and sealed; any other SampleRecords (built by hand,
+# or by ``dataclasses.replace``) is checked like plain records.  Equal content is checked content.
+_SEALED: weakref.WeakSet[SampleRecords] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -179,7 +185,7 @@ class BundleWriter:
                                      f"needs the {field} text", hint=f"pass {field}= or set its policy to drop")
             if text is not None:
                 rec.update(redact_text(field, text, policy))
-        self.samples.append(rec)  # checked with every other sample by finalize (check_index, as the reader does)
+        self.samples.append(rec)  # checked with every other sample by prepare or sealed_records, as the reader does
         self._sealed = None
 
     def add_records(self, records: SampleRecords | Sequence[dict[str, Any]]) -> None:
@@ -192,7 +198,7 @@ class BundleWriter:
             if records.rank != (self.rank or 0):
                 raise IntegrityError(f"these sample records were recorded on rank {records.rank}, "
                                      f"this writer is rank {self.rank or 0}")
-            sealed = not self.samples and dict(records.redaction) == self.redaction
+            sealed = not self.samples and dict(records.redaction) == self.redaction and records in _SEALED
             self.samples.extend(records.records())
             self._sealed = records if sealed else None
             return
@@ -211,6 +217,7 @@ class BundleWriter:
             check_samples(self.samples, self.redaction)
             self._sealed = SampleRecords(tuple(tuple(r.items()) for r in self.samples),
                                          tuple(sorted(self.redaction.items())), self.rank or 0)
+            _SEALED.add(self._sealed)
         return self._sealed
 
     def write_payload(self, name: str, tensor: Tensor, *, role: str = "input") -> None:
@@ -285,7 +292,7 @@ class BundleWriter:
         manifest, blob = self._documents()
         check_manifest(manifest)
         check_index(manifest["index"], manifest, samples_checked=self._sealed is not None)
-        check_expected(manifest["expected"], manifest, len(self.samples))
+        check_expected(manifest["expected"], manifest, len(manifest["index"]["samples"]))
         check_closure(manifest, manifest["index"], manifest["expected"],
                       {n: (s["dtype"], s["shape"]) for n, s in manifest["payloads"].items()})
         final = self.root if self.ranks is None else self.root / f"rank-{self.rank}"
@@ -297,6 +304,9 @@ class BundleWriter:
     def write(self, prepared: PreparedBundle) -> Path:
         """Stage the prepared files (``COMPLETE`` last), rename into place; return the bundle path."""
         final = prepared.final
+        if final != (self.root if self.ranks is None else self.root / f"rank-{self.rank}"):
+            raise IntegrityError("this bundle was prepared by another writer", where=final,
+                                 hint="write a PreparedBundle with the writer whose prepare() made it")
         if final.exists():
             raise ArtifactExistsError("bundle directory already exists", where=final,
                                       hint="capture into a new directory")
