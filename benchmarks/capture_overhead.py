@@ -238,7 +238,7 @@ def pooled_median_ratio(on: list[list[float]], off: list[list[float]]) -> float:
 def pair_median_ratio(on: list[list[float]], off: list[list[float]]) -> float:
     """The median over pairs of (the 'on' run's median step / its partner 'off' run's median step).
 
-    The judged steady-state figure: a run's steps fall into regimes of the machine (0.19 or 0.29 s
+    The judged steady-state figure: a run's steps fall into regimes of the machine (0.18-0.20 or 0.28-0.30 s
     of CPU a step here, the intra-op threads' spin) that last a few runs, so the pooled medians jump
     between the modes with the mixture while a pair's two runs mostly share one."""
     return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(on, off, strict=True))

@@ -57,7 +57,7 @@ def test_smoke_mode_runs_and_writes_one_line_and_json(name: str, tmp_path: Path,
 
 
 def test_pair_bootstrap_cancels_drift_shared_by_a_pair() -> None:
-    """Runs drift between two regimes (0.19 and 0.28 CPU s a step, as measured here); each pair runs
+    """Runs drift between two regimes (about 0.19 and 0.28 CPU s a step, as measured here); each pair runs
     in one regime and "on" costs 3% more.  Resampling pairs keeps the effect and drops the drift."""
     import numpy as np
 

@@ -11,8 +11,8 @@ The source trainer runs one actor update per rollout, so step ``k`` is rollout `
 ``(k, 0)``, weight version ``k``.  ``on_rollout`` and ``after_update`` copy CPU tensors, and the
 disk work (staging, ``fsync``, rename) is the hook's :class:`~replayjob.rl.hooks.BackgroundWriter`'s
 (started idle with the hook): the training thread never waits on disk.  Who builds a bundle
-(redacts text, checks what the reader will check, serializes the payload file and the JSON: about
-1 ms per bundle on the tiny default) depends on where the step computes:
+(redacts text, checks what the reader will check, serializes the payload file and the JSON) depends
+on where the step computes, which ``on_train_begin`` reads from the trained parameters' devices:
 
 * on a GPU, the writer thread builds and writes, beside the device's work: ``after_update`` hands it
   the step's snapshots once the update has returned;
@@ -20,8 +20,7 @@ disk work (staging, ``fsync``, rename) is the hook's :class:`~replayjob.rl.hooks
   ``finish``), and only the writing goes to the writer thread.  There the step's own compute holds
   every core, so a thread building beside it costs its own CPU time and slows the step as well;
   in line the building costs its CPU time only, and the captured step itself pays for its copies
-  alone (``benchmarks/README.md``, capture_overhead: every step captured cost the tiny trainer
-  about 4.4% of its steady CPU seconds with the building on the writer thread, 3.6% in line).
+  alone (measured in ``benchmarks/README.md``, capture_overhead).
 
 ``finish`` (training has finished) builds what is left, drains the writer and raises the first
 capture error; ``abandon`` (training failed) does the same quietly.
