@@ -102,8 +102,9 @@ def test_environment_switch(workspace: Path, tmp_path: Path) -> None:
             capture_from_env(cfg, env)
 
 
-def _feed(hook: BundleCapture, step: int = 0) -> None:
-    """One step through the hook, with tensors from the synthetic step (same stage functions)."""
+def _feed(hook: BundleCapture, step: int = 0, logprobs: torch.Tensor | None = None) -> None:
+    """One step through the hook, with tensors from the synthetic step (same stage functions);
+    ``logprobs`` replaces the update's flat logprobs (to plant a fault)."""
     from replayjob.rl.hooks import StepRollout
     from replayjob.rl.update import UpdateResult
 
@@ -114,7 +115,7 @@ def _feed(hook: BundleCapture, step: int = 0) -> None:
                           torch.tensor(s.group), s.t["raw"], s.t["scores"], s.t["mask"], s.t["old_logprobs"],
                           s.t["ref_logprobs"], s.t["kl"], s.t["advantages"], s.t["mask"], s.t["loss_weights"])
     hook.on_rollout(rollout)
-    flat = torch.cat([s.t["logprobs"][i, : s.lengths[i]] for i in range(n)])
+    flat = torch.cat([s.t["logprobs"][i, : s.lengths[i]] for i in range(n)]) if logprobs is None else logprobs
     hook.after_update(step, UpdateResult(loss=float(s.t["loss"]), grad_norm=0.0, logprobs=flat))
 
 
@@ -200,17 +201,8 @@ def test_where_the_parameters_live_decides_who_builds(workspace: Path, tmp_path:
 
 
 def test_a_build_error_at_the_next_rollout_does_not_stop_training(workspace: Path, tmp_path: Path) -> None:
-    from replayjob.rl.hooks import StepRollout
-    from replayjob.rl.update import UpdateResult
-
-    s = make(groups=2, group_size=4)
-    n = len(s.group)
-    resp = [s.t["response_ids"][i, : s.lengths[i]].tolist() for i in range(n)]
     hook = _hook(workspace, tmp_path / "cap")
-    hook.on_rollout(StepRollout(0, ["Q:1+2="] * n, s.labels, s.completions, [[1, 2, 3]] * n, resp,
-                                torch.tensor(s.group), s.t["raw"], s.t["scores"], s.t["mask"], s.t["old_logprobs"],
-                                s.t["ref_logprobs"], s.t["kl"], s.t["advantages"], s.t["mask"], s.t["loss_weights"]))
-    hook.after_update(0, UpdateResult(loss=0.0, grad_norm=0.0, logprobs=torch.zeros(3)))  # too few
+    _feed(hook, 0, logprobs=torch.zeros(3))  # too few
     _feed(hook, 1)  # step 1's rollout builds step 0's bundles: the step bundle fails there, silently
     with pytest.raises(RefusedError, match="exposed 3 logprobs"):
         hook.close()
@@ -266,17 +258,8 @@ def test_no_capture_writer_works_during_the_update(workspace: Path, tmp_path: Pa
 
 
 def test_a_build_error_surfaces_when_training_ends(workspace: Path, tmp_path: Path) -> None:
-    from replayjob.rl.hooks import StepRollout
-    from replayjob.rl.update import UpdateResult
-
-    s = make(groups=2, group_size=4)
-    n = len(s.group)
-    resp = [s.t["response_ids"][i, : s.lengths[i]].tolist() for i in range(n)]
     hook = _hook(workspace, tmp_path / "cap")
-    hook.on_rollout(StepRollout(0, ["Q:1+2="] * n, s.labels, s.completions, [[1, 2, 3]] * n, resp,
-                                torch.tensor(s.group), s.t["raw"], s.t["scores"], s.t["mask"], s.t["old_logprobs"],
-                                s.t["ref_logprobs"], s.t["kl"], s.t["advantages"], s.t["mask"], s.t["loss_weights"]))
-    hook.after_update(0, UpdateResult(loss=0.0, grad_norm=0.0, logprobs=torch.zeros(3)))  # too few: no raise here
+    _feed(hook, 0, logprobs=torch.zeros(3))  # too few: no raise here
     with pytest.raises(RefusedError, match="exposed 3 logprobs"):
         hook.close()
     assert (tmp_path / "cap" / "rollout-000000" / "COMPLETE").is_file()  # the rollout bundle still landed
