@@ -144,7 +144,7 @@ def test_sealed_sample_records_are_checked_once_and_cannot_change(tmp_path: Path
     bad.add_sample("bad id!", group="g-0", prompt_length=3, response_length=1, prompt="Q", completion="1", label="1")
     with pytest.raises(IntegrityError):
         bad.sealed_records()
-    forged = dataclasses.replace(sealed, items=((("sample_id", "bad id!"),) + sealed.items[0][1:],))
+    forged = dataclasses.replace(sealed, items=((("sample_id", "bad id!"), *sealed.items[0][1:]),))
     taker = BundleWriter(tmp_path / "f", kind="step", rollout_id=0, step_id=0, config=cfg)
     taker.add_records(forged)  # not sealed by a writer: checked like plain records
     with pytest.raises(IntegrityError, match="samples"):
@@ -159,7 +159,11 @@ def test_sealed_records_are_checked_once_a_step(tmp_path: Path, monkeypatch: pyt
 
     calls: list[int] = []
     real = fmt.check_sample
-    monkeypatch.setattr(fmt, "check_sample", lambda rec, i, red: (calls.append(i), real(rec, i, red))[1])
+    def counted(rec: object, i: int, redaction: dict[str, str]) -> dict[str, Any]:
+        calls.append(i)
+        return real(rec, i, redaction)
+
+    monkeypatch.setattr(fmt, "check_sample", counted)
     cfg = default_config(samples_per_prompt=1)
     first = BundleWriter(tmp_path / "a", kind="rollout", rollout_id=0, config=cfg)
     for i in range(3):
