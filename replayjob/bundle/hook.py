@@ -42,7 +42,7 @@ from torch import Tensor
 
 import replayjob
 from replayjob.bundle import format as fmt
-from replayjob.bundle.writer import BundleWriter, PreparedBundle, SampleRecords
+from replayjob.bundle.writer import BundleWriter, PreparedBundle
 from replayjob.errors import ConfigError, RefusedError, ReplayjobError
 from replayjob.model.tokenizer import ByteTokenizer
 from replayjob.rl.hooks import BackgroundWriter, StepHook, StepRollout, TrainerView
@@ -102,7 +102,7 @@ class _Snapshot:
     prompt_lengths: list[int]
     responses: list[list[int]]
     tensors: dict[str, Tensor]
-    records: SampleRecords | None = None  # the redacted sample records, built and checked by the first bundle
+    records: list[dict[str, Any]] | None = None  # the redacted sample records, built by the first bundle
     label_ids: list[list[int]] | None = None  # the answers' token ids (byte tokenizer), encoded once
 
 
@@ -233,7 +233,7 @@ class BundleCapture(StepHook):
                              label_length=len(labels[i]), partition=f"p-{rid:06d}",
                              consumer_batch="cb-0000", micro_batch=f"mb-{i // self.micro:04d}",
                              prompt=snap.prompts[i], completion=snap.completions[i], label=snap.answers[i])
-            snap.records = w.sealed_records()  # checked here once; the step's other bundle takes them as they are
+            snap.records = w.samples
         else:  # the step's other bundle built them: same samples, same redaction
             w.add_records(snap.records)
         w.write_payload("mask", mask)

@@ -111,19 +111,7 @@ def check_manifest(m: dict[str, Any]) -> None:
                              where=f"{W}: multi_rank")
 
 
-def check_samples(samples: object, redaction: dict[str, str]) -> None:
-    """The index's sample records: a non-empty list, each record checked, sample ids unique."""
-    if not isinstance(samples, list) or not samples:
-        raise IntegrityError("samples must be a non-empty list", where=fmt.INDEX)
-    ids = [fmt.check_sample(s, i, redaction)["sample_id"] for i, s in enumerate(samples)]
-    if len(set(ids)) != len(ids):
-        raise IntegrityError("sample ids must be unique", where=fmt.INDEX)
-
-
-def check_index(ix: dict[str, Any], m: dict[str, Any], *, samples_checked: bool = False) -> None:
-    """The index section.  ``samples_checked``: the writer already checked these very records under
-    this manifest's redaction policy (sealed :class:`~replayjob.bundle.writer.SampleRecords`); a
-    reader always checks them."""
+def check_index(ix: dict[str, Any], m: dict[str, Any]) -> None:
     where = fmt.INDEX
     keys = {"format", "bundle_id", "kind", "identity", "config", "samples"}
     if set(ix) != keys:
@@ -150,8 +138,13 @@ def check_index(ix: dict[str, Any], m: dict[str, Any], *, samples_checked: bool 
     if mr is None and phys["world_size"] != 1:
         raise IntegrityError("world_size > 1 needs a multi-rank bundle layout", where=where)
     fmt.check_config(ix["config"])
-    if not samples_checked:
-        check_samples(ix["samples"], m["redaction"])
+    samples = ix["samples"]
+    if not isinstance(samples, list) or not samples:
+        raise IntegrityError("samples must be a non-empty list", where=where)
+    red = m["redaction"]
+    ids = [fmt.check_sample(s, i, red)["sample_id"] for i, s in enumerate(samples)]
+    if len(set(ids)) != len(ids):
+        raise IntegrityError("sample ids must be unique", where=where)
 
 
 def check_expected(ex: dict[str, Any], m: dict[str, Any], n: int) -> None:

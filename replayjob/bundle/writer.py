@@ -32,7 +32,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +43,7 @@ from torch import Tensor
 import replayjob
 from replayjob import tensorfile
 from replayjob.bundle import format as fmt
-from replayjob.bundle.schema import check_closure, check_expected, check_index, check_manifest, check_samples
+from replayjob.bundle.schema import check_closure, check_expected, check_index, check_manifest
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ArtifactExistsError, IntegrityError
 from replayjob.faults import point
@@ -74,29 +73,6 @@ def redact_text(field: str, text: str, policy: str) -> dict[str, str]:
     if policy.startswith("truncate:"):
         return {f"{field}_prefix": text[: int(policy.split(":")[1])]}
     return {}
-
-
-@dataclass(frozen=True)
-class SampleRecords:
-    """Sample records checked once and sealed (:meth:`BundleWriter.sealed_records`), with the
-    redaction policy and the rank they were checked under.
-
-    Immutable: each record is a tuple of ``(key, value)`` pairs whose values are strings, integers
-    or None (what :func:`~replayjob.bundle.format.check_sample` admits).  A step's rollout and step
-    bundles share one set; a writer of the same policy and rank takes it without checking it again.
-    """
-
-    items: tuple[tuple[tuple[str, Any], ...], ...]
-    redaction: tuple[tuple[str, str], ...]
-    rank: int
-
-    def records(self) -> list[dict[str, Any]]:
-        return [dict(r) for r in self.items]
-
-
-# Sets :meth:`BundleWriter.sealed_records` checked and sealed; any other SampleRecords (built by hand,
-# or by ``dataclasses.replace``) is checked like plain records.  Equal content is checked content.
-_SEALED: weakref.WeakSet[SampleRecords] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -155,7 +131,6 @@ class BundleWriter:
                                      reason="sampling needs the model; lengths, token ids and redacted text "
                                             "are recorded")
         self.samples: list[dict[str, Any]] = []
-        self._sealed: SampleRecords | None = None  # set while these are exactly the samples, checked
         self.payloads: dict[str, Tensor] = {}
         self.roles: dict[str, str] = {}
         self.expected: dict[str, dict[str, Any]] = {}
@@ -185,40 +160,17 @@ class BundleWriter:
                                      f"needs the {field} text", hint=f"pass {field}= or set its policy to drop")
             if text is not None:
                 rec.update(redact_text(field, text, policy))
-        self.samples.append(rec)  # checked with every other sample by prepare or sealed_records, as the reader does
-        self._sealed = None
+        self.samples.append(rec)  # checked with every other sample by prepare (check_index, as the reader does)
 
-    def add_records(self, records: SampleRecords | Sequence[dict[str, Any]]) -> None:
+    def add_records(self, records: Sequence[dict[str, Any]]) -> None:
         """Add sample records another writer built with :meth:`add_sample` (already redacted, never raw
         text): a rollout and a step bundle of one step share theirs.  Records of another rank are
-        refused here.  ``finalize`` checks them against this writer's redaction policy like any other,
-        except sealed :class:`SampleRecords` of the same policy added to a writer that had no samples:
-        those were checked under that very policy and cannot have changed since."""
-        if isinstance(records, SampleRecords):
-            if records.rank != (self.rank or 0):
-                raise IntegrityError(f"these sample records were recorded on rank {records.rank}, "
-                                     f"this writer is rank {self.rank or 0}")
-            sealed = not self.samples and dict(records.redaction) == self.redaction and records in _SEALED
-            self.samples.extend(records.records())
-            self._sealed = records if sealed else None
-            return
+        refused here; ``prepare`` checks them against this writer's redaction policy like any other."""
         for rec in records:
             if rec.get("rank") != (self.rank or 0):
                 raise IntegrityError(f"sample {rec.get('sample_id')!r} was recorded on rank {rec.get('rank')!r}, "
                                      f"this writer is rank {self.rank or 0}")
             self.samples.append(dict(rec))
-        self._sealed = None
-
-    def sealed_records(self) -> SampleRecords:
-        """This writer's sample records, checked now as the reader will check them, and sealed for
-        another writer of the same step (:meth:`add_records`); this writer's own ``finalize`` then
-        writes exactly the sealed records without checking them again."""
-        if self._sealed is None:
-            check_samples(self.samples, self.redaction)
-            self._sealed = SampleRecords(tuple(tuple(r.items()) for r in self.samples),
-                                         tuple(sorted(self.redaction.items())), self.rank or 0)
-            _SEALED.add(self._sealed)
-        return self._sealed
 
     def write_payload(self, name: str, tensor: Tensor, *, role: str = "input") -> None:
         """Add a tensor payload (``role`` "input" or "expected"); stored as tensor ``<name>`` of the payload file."""
@@ -255,9 +207,8 @@ class BundleWriter:
 
         The payload file is built and hashed in one pass (:func:`replayjob.tensorfile.encode`: its
         header block and each tensor's bytes), its header checked against the payload schema."""
-        samples = self.samples if self._sealed is None else self._sealed.records()
         index = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "kind": self.kind,
-                 "identity": self.identity, "config": self.config, "samples": samples}
+                 "identity": self.identity, "config": self.config, "samples": self.samples}
         names = sorted(self.payloads)
         dtypes = {name: DTYPES[self.payloads[name].dtype] for name in names}
         blob: bytes | None = None
@@ -291,8 +242,8 @@ class BundleWriter:
         prepares on the training thread and writes on its writer thread (:mod:`replayjob.bundle.hook`)."""
         manifest, blob = self._documents()
         check_manifest(manifest)
-        check_index(manifest["index"], manifest, samples_checked=self._sealed is not None)
-        check_expected(manifest["expected"], manifest, len(manifest["index"]["samples"]))
+        check_index(manifest["index"], manifest)
+        check_expected(manifest["expected"], manifest, len(self.samples))
         check_closure(manifest, manifest["index"], manifest["expected"],
                       {n: (s["dtype"], s["shape"]) for n, s in manifest["payloads"].items()})
         final = self.root if self.ranks is None else self.root / f"rank-{self.rank}"
