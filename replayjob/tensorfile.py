@@ -609,7 +609,7 @@ def encode(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] |
     if sys.byteorder != "little":  # safetensors is little-endian; tensors are copied as they lie in memory
         raise IntegrityError("tensor files are little-endian; this host is not", where=str(where))
     names = _safetensors_names()
-    entries: list[tuple[int, str, str, list[int], Any]] = []
+    entries: list[tuple[str, str, list[int], Any]] = []
     for name, t in tensors.items():
         dtype = names.get(t.dtype)
         if dtype is None or t.device.type != "cpu":
@@ -620,12 +620,12 @@ def encode(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] |
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         if dtype == "BOOL" and _bad_bool(raw.data):
             raise _bool_error(str(where), name)
-        entries.append((ITEMSIZE[dtype], name, dtype, list(t.shape), raw))
-    entries.sort(key=lambda e: (_FILE_ORDER.index(e[2]), e[1]))
+        entries.append((name, dtype, list(t.shape), raw))
+    entries.sort(key=lambda e: (_FILE_ORDER.index(e[1]), e[0]))
     doc: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata is not None else {}
     specs: dict[str, TensorSpec] = {}
     off = 0
-    for _, name, dtype, shape, raw in entries:
+    for name, dtype, shape, raw in entries:
         if not isinstance(name, str) or not name or name == "__metadata__":
             raise _fail(str(where), f"tensor name {name!r} cannot be written")
         doc[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + raw.nbytes]}
@@ -649,9 +649,9 @@ def encode(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] |
         if bad:
             raise _fail(str(where), f"tensor dtype(s) {bad} are not allowed here: {', '.join(sorted(allowed))}")
         schema.check(header)
-    data = b"".join([block, *(e[4] for e in entries)])
+    data = b"".join([block, *(e[3] for e in entries)])
     return Encoded(data, header, hashlib.sha256(block).digest(),
-                   {e[1]: hashlib.sha256(e[4]).digest() for e in entries})
+                   {e[0]: hashlib.sha256(e[3]).digest() for e in entries})
 
 
 # ------------------------------------------------------------------------------------ readers
