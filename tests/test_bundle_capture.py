@@ -22,7 +22,7 @@ from replayjob.bundle.hook import BundleCapture, capture_from_env
 from replayjob.bundle.synthetic import make
 from replayjob.cli import main
 from replayjob.config import load_config
-from replayjob.errors import ArtifactExistsError, ConfigError, RefusedError
+from replayjob.errors import ArtifactExistsError, ConfigError, RefusedError, ReplayjobError
 
 
 @pytest.fixture(scope="session")
@@ -48,32 +48,39 @@ def _strip(row: dict[str, Any]) -> dict[str, Any]:
 
 def test_capture_writes_the_selected_bundles_which_validate_and_replay(captured: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Step 0: its rollout only (the steps are limited to 1:0); step 1: rollout and actor step in one
+    update bundle, which both selectors find and whose every stage recomputes."""
     cap = captured / "cap"
-    assert sorted(p.name for p in cap.iterdir()) == ["rollout-000000", "rollout-000001", "step-000001-000000"]
-    for name in ("rollout-000000", "rollout-000001", "step-000001-000000"):
+    assert sorted(p.name for p in cap.iterdir()) == ["rollout-000000", "update-000001-000000"]
+    for name in ("rollout-000000", "update-000001-000000"):
         assert main(["bundle", "validate", str(cap / name)]) == 0
     capsys.readouterr()
-    assert main(["bundle", "replay", str(cap), "--rollout", "1", "--json"]) == 0
+    assert main(["bundle", "replay", str(cap), "--rollout", "0", "--json"]) == 0
     rollout = json.loads(capsys.readouterr().out)
     assert {s["stage"]: s["status"] for s in rollout["stages"]} == {
         "sample": "skipped", "reward.raw": "pass", "reward.post_process": "pass", "advantage.kl": "pass",
         "advantage.estimate": "pass"}
-    assert main(["bundle", "replay", str(cap), "--step", "1:0", "--json"]) == 0
-    rep = json.loads(capsys.readouterr().out)
-    assert {s["stage"]: s["status"] for s in rep["stages"]} == {"sample": "skipped", "loss.policy": "pass"}
+    for selector in (["--rollout", "1"], ["--step", "1:0"]):
+        assert main(["bundle", "replay", str(cap), *selector, "--json"]) == 0
+        rep = json.loads(capsys.readouterr().out)
+        assert rep["bundle_id"] == "update-000001-000000"
+        assert {s["stage"]: s["status"] for s in rep["stages"]} == {
+            "sample": "skipped", "reward.raw": "pass", "reward.post_process": "pass", "advantage.kl": "pass",
+            "advantage.estimate": "pass", "loss.policy": "pass"}
 
 
-def test_step_bundle_records_what_the_update_saw(captured: Path) -> None:
+def test_update_bundle_records_what_the_update_saw(captured: Path) -> None:
     metrics = json.loads((captured / "on" / "metrics.json").read_text())
-    b = load_bundle(captured / "cap" / "step-000001-000000")
+    b = load_bundle(captured / "cap" / "update-000001-000000")
     assert b.expected["loss.policy"]["loss"] == metrics["loss"]
     assert b.index["identity"] == {"rollout_id": 1, "step_id": 0,
                                    "physical": {"rank": 0, "world_size": 1, "weight_version": 1}}
     assert b.payloads["logprobs"].dtype == torch.float32
     assert {s["group"] for s in b.samples} == {"g-0000", "g-0001"} and len(b.samples) == 8
-    r = load_bundle(captured / "cap" / "rollout-000001")
-    assert r.capability("reward.raw") == "recompute" and r.config["estimator"] == "grpo"
-    assert torch.equal(r.payloads["mask"], b.payloads["mask"])
+    assert b.capability("reward.raw") == "recompute" and b.config["estimator"] == "grpo"
+    # one payload for the advantages: advantage.estimate's recorded output, the policy loss's input
+    assert b.manifest["payloads"]["advantages"]["role"] == "expected"
+    assert b.expected["advantage.estimate"]["advantages"] == {"payload": "advantages"}
 
 
 def test_capture_does_not_change_training_numerics(captured: Path) -> None:
@@ -102,9 +109,11 @@ def test_environment_switch(workspace: Path, tmp_path: Path) -> None:
             capture_from_env(cfg, env)
 
 
-def _feed(hook: BundleCapture, step: int = 0, logprobs: torch.Tensor | None = None) -> None:
+def _feed(hook: BundleCapture, step: int = 0, logprobs: torch.Tensor | None = None, update: bool = True,
+          loss_delta: float = 0.0) -> None:
     """One step through the hook, with tensors from the synthetic step (same stage functions);
-    ``logprobs`` replaces the update's flat logprobs (to plant a fault)."""
+    ``logprobs`` replaces the update's flat logprobs and ``loss_delta`` shifts its loss (to plant a
+    fault); ``update=False``: the update never returns."""
     from replayjob.rl.hooks import StepRollout
     from replayjob.rl.update import UpdateResult
 
@@ -115,8 +124,10 @@ def _feed(hook: BundleCapture, step: int = 0, logprobs: torch.Tensor | None = No
                           torch.tensor(s.group), s.t["raw"], s.t["scores"], s.t["mask"], s.t["old_logprobs"],
                           s.t["ref_logprobs"], s.t["kl"], s.t["advantages"], s.t["mask"], s.t["loss_weights"])
     hook.on_rollout(rollout)
+    if not update:
+        return
     flat = torch.cat([s.t["logprobs"][i, : s.lengths[i]] for i in range(n)]) if logprobs is None else logprobs
-    hook.after_update(step, UpdateResult(loss=float(s.t["loss"]), grad_norm=0.0, logprobs=flat))
+    hook.after_update(step, UpdateResult(loss=float(s.t["loss"]) + loss_delta, grad_norm=0.0, logprobs=flat))
 
 
 def _hook(workspace: Path, directory: Path, build_on_training_thread: bool | None = None) -> BundleCapture:
@@ -158,14 +169,13 @@ def test_a_cpu_step_is_built_at_the_next_rollout_and_the_training_thread_never_w
     assert threads == {"prepare": [], "write": []}  # the captured step paid for copies only
     _feed(hook, 1)
     main_thread = threading.main_thread().name
-    assert threads["prepare"] == [main_thread] * 2  # step 0's two bundles, at step 1's rollout
+    assert threads["prepare"] == [main_thread]  # step 0's update bundle, at step 1's rollout
     assert not list((tmp_path / "cap").rglob("COMPLETE"))  # nothing written yet: the calls did not wait
     gate.set()
     written = hook.close()  # builds step 1's on this thread, then drains the writer
-    assert threads == {"prepare": [main_thread] * 4, "write": ["bundle-writer"] * 4}
-    assert sorted(p.name for p in written) == ["rollout-000000", "rollout-000001", "step-000000-000000",
-                                               "step-000001-000000"]
-    assert main(["bundle", "replay", str(tmp_path / "cap" / "step-000001-000000")]) == 0
+    assert threads == {"prepare": [main_thread] * 2, "write": ["bundle-writer"] * 2}
+    assert sorted(p.name for p in written) == ["update-000000-000000", "update-000001-000000"]
+    assert main(["bundle", "replay", str(tmp_path / "cap" / "update-000001-000000")]) == 0
 
 
 def test_a_device_step_s_bundles_are_built_and_written_by_the_writer_thread(
@@ -176,9 +186,9 @@ def test_a_device_step_s_bundles_are_built_and_written_by_the_writer_thread(
     hook = _hook(workspace, tmp_path / "cap", build_on_training_thread=False)
     _feed(hook)
     written = hook.close()
-    assert threads == {"prepare": ["bundle-writer"] * 2, "write": ["bundle-writer"] * 2}
-    assert sorted(p.name for p in written) == ["rollout-000000", "step-000000-000000"]
-    assert main(["bundle", "replay", str(tmp_path / "cap" / "rollout-000000")]) == 0
+    assert threads == {"prepare": ["bundle-writer"], "write": ["bundle-writer"]}
+    assert [p.name for p in written] == ["update-000000-000000"]
+    assert main(["bundle", "replay", str(tmp_path / "cap" / "update-000000-000000")]) == 0
 
 
 def test_where_the_parameters_live_decides_who_builds(workspace: Path, tmp_path: Path) -> None:
@@ -200,22 +210,62 @@ def test_where_the_parameters_live_decides_who_builds(workspace: Path, tmp_path:
         hook.close()
 
 
-def test_a_build_error_at_the_next_rollout_does_not_stop_training(workspace: Path, tmp_path: Path) -> None:
+def test_a_step_that_cannot_be_bundled_does_not_stop_training(workspace: Path, tmp_path: Path) -> None:
+    """Too few logprobs for step 0: its actor step is refused (at close), its rollout still lands
+    alone, and step 1 is bundled as usual."""
     hook = _hook(workspace, tmp_path / "cap")
     _feed(hook, 0, logprobs=torch.zeros(3))  # too few
-    _feed(hook, 1)  # step 1's rollout builds step 0's bundles: the step bundle fails there, silently
+    _feed(hook, 1)
     with pytest.raises(RefusedError, match="exposed 3 logprobs"):
         hook.close()
     assert sorted(p.parent.name for p in (tmp_path / "cap").rglob("COMPLETE")) == [
-        "rollout-000000", "rollout-000001", "step-000001-000000"]
+        "rollout-000000", "update-000001-000000"]
+
+
+def test_a_build_error_at_the_next_rollout_does_not_stop_training(workspace: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    hook = _hook(workspace, tmp_path / "cap")
+    _feed(hook, 0)
+    _feed(hook, 1)  # builds step 0's bundle
+    monkeypatch.setattr(hook, "config", {**hook.config, "estimator": "ppo"})  # step 1's cannot be built
+    with pytest.raises(ReplayjobError, match="unsupported topology"):
+        hook.close()  # builds step 1's: refused, kept until here
+    assert [p.parent.name for p in (tmp_path / "cap").rglob("COMPLETE")] == ["update-000000-000000"]
+
+
+def test_an_update_bundle_names_the_loss_as_its_first_divergence(workspace: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Every stage before the loss recomputes; a loss the update reported wrong is the first divergence."""
+    hook = _hook(workspace, tmp_path / "cap")
+    _feed(hook, 0, loss_delta=0.25)
+    hook.close()
+    capsys.readouterr()
+    assert main(["bundle", "replay", str(tmp_path / "cap"), "--step", "0:0", "--json"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["first_divergence"]["stage"] == "loss.policy" and rep["first_divergence"]["field"] == "loss"
+    assert [s["status"] for s in rep["stages"]] == ["skipped", "pass", "pass", "pass", "pass", "fail"]
+
+
+def test_the_selected_rollouts_and_steps_decide_each_bundle_s_kind(workspace: Path, tmp_path: Path) -> None:
+    cfg = load_config(str(workspace / "train.toml"), ["algorithm.group_size=4", "algorithm.prompts_per_step=2"])
+    hook = BundleCapture(cfg, tmp_path / "cap", {(1, 0), (2, 0)}, {0, 1})
+    for step in range(4):
+        _feed(hook, step)
+    written = hook.close()
+    assert sorted(p.name for p in written) == ["rollout-000000", "step-000002-000000", "update-000001-000000"]
+    for p in written:
+        assert main(["bundle", "replay", str(p)]) == 0
 
 
 def test_an_abandoned_run_still_builds_and_writes_what_it_captured(workspace: Path, tmp_path: Path) -> None:
     hook = _hook(workspace, tmp_path / "cap")
     _feed(hook, 0)
-    hook.abandon()  # training failed after step 0's update: its bundles were not built yet
-    assert sorted(p.parent.name for p in (tmp_path / "cap").rglob("COMPLETE")) == [
-        "rollout-000000", "step-000000-000000"]
+    hook.abandon()  # training failed after step 0's update: its bundle was not built yet
+    hook2 = _hook(workspace, tmp_path / "cap2")
+    _feed(hook2, 0, update=False)
+    hook2.abandon()  # training failed inside step 0's update: its rollout is still written, alone
+    assert [p.parent.name for p in (tmp_path / "cap").rglob("COMPLETE")] == ["update-000000-000000"]
+    assert [p.parent.name for p in (tmp_path / "cap2").rglob("COMPLETE")] == ["rollout-000000"]
 
 
 def test_no_capture_writer_works_during_the_update(workspace: Path, tmp_path: Path,
@@ -251,28 +301,28 @@ def test_no_capture_writer_works_during_the_update(workspace: Path, tmp_path: Pa
     monkeypatch.setenv("REPLAYJOB_BUNDLE_DIR", str(tmp_path / "bundles"))
     cfg = load_config(str(workspace / "source.toml"), ["optimizer_batch.capture=true"])
     metrics = train_source(cfg, tmp_path / "run", [Probe()])
-    assert events[0] == "update returned" and sorted(events[1:]) == ["bundle", "bundle", "payload"], events
+    assert events[0] == "update returned" and sorted(events[1:]) == ["bundle", "payload"], events
     assert metrics["optimizer_batch/manifest_sha256"]
-    assert sorted(p.parent.name for p in (tmp_path / "bundles").rglob("COMPLETE")) == [
-        "rollout-000000", "step-000000-000000"]
+    assert [p.parent.name for p in (tmp_path / "bundles").rglob("COMPLETE")] == ["update-000000-000000"]
 
 
-def test_a_build_error_surfaces_when_training_ends(workspace: Path, tmp_path: Path) -> None:
+def test_a_capture_error_surfaces_when_training_ends(workspace: Path, tmp_path: Path) -> None:
     hook = _hook(workspace, tmp_path / "cap")
     _feed(hook, 0, logprobs=torch.zeros(3))  # too few: no raise here
     with pytest.raises(RefusedError, match="exposed 3 logprobs"):
         hook.close()
     assert (tmp_path / "cap" / "rollout-000000" / "COMPLETE").is_file()  # the rollout bundle still landed
-    assert not (tmp_path / "cap" / "step-000000-000000").exists()
+    assert [p.name for p in (tmp_path / "cap").iterdir()] == ["rollout-000000"]
 
 
 def test_write_errors_surface_when_training_ends(workspace: Path, tmp_path: Path) -> None:
-    (tmp_path / "cap" / "rollout-000000").mkdir(parents=True)  # a bundle of that name already exists
+    (tmp_path / "cap" / "update-000000-000000").mkdir(parents=True)  # a bundle of that name already exists
     hook = _hook(workspace, tmp_path / "cap")
-    _feed(hook)
+    _feed(hook, 0)
+    _feed(hook, 1)
     with pytest.raises(ArtifactExistsError, match="bundle directory already exists"):
         hook.close()
-    assert (tmp_path / "cap" / "step-000000-000000" / "COMPLETE").is_file()  # the other bundle still landed
+    assert (tmp_path / "cap" / "update-000001-000000" / "COMPLETE").is_file()  # the next bundle still landed
 
 
 def test_inspect_and_validate_import_no_model_code(captured: Path) -> None:

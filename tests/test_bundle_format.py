@@ -19,8 +19,7 @@ from safetensors.torch import save
 
 from replayjob import tensorfile
 from replayjob.bundle import BundleWriter, default_config, inspect_path, load_bundle
-from replayjob.bundle.format import DEFAULT_REDACTION
-from replayjob.bundle.synthetic import write_rollout, write_step
+from replayjob.bundle.synthetic import make, write_rollout, write_step
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes, sha256_json
 from replayjob.errors import ArtifactExistsError, ContractError, IntegrityError
@@ -52,7 +51,7 @@ def test_written_bundle_validates_and_has_the_documented_layout(bundle: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     assert sorted(x.name for x in bundle.iterdir()) == ["COMPLETE", "manifest.json", "payloads.safetensors"]
     m = json.loads((bundle / "manifest.json").read_bytes())
-    assert m["format_version"] == "2.0.0" and "samples" in m["index"] and "reward.raw" in m["expected"]
+    assert m["format_version"] == "2.1.0" and "samples" in m["index"] and "reward.raw" in m["expected"]
     data = (bundle / "payloads.safetensors").read_bytes()
     header = tensorfile.read_header(bundle / "payloads.safetensors")
     assert sorted(header.tensors) == sorted(m["payloads"])
@@ -97,20 +96,39 @@ def test_raw_text_never_enters_a_bundle(tmp_path: Path) -> None:
     assert "label_sha256" not in rec
 
 
-def test_shared_sample_records_are_checked_by_the_writer_that_adds_them(tmp_path: Path) -> None:
-    cfg = default_config(samples_per_prompt=1)
-    src = BundleWriter(tmp_path / "a", kind="rollout", rollout_id=0, config=cfg)
-    src.add_sample("s-0", group="g-0", prompt_length=3, response_length=1, prompt="Q:1", completion="1",
-                   label="1")
-    truncating = BundleWriter(tmp_path / "b", kind="step", rollout_id=0, step_id=0, config=cfg,
-                              redaction={**DEFAULT_REDACTION, "prompt": "truncate:2"})
-    truncating.add_records(src.samples)  # hashed text where this writer's policy truncates
-    with pytest.raises(IntegrityError, match="does not follow the redaction policy"):
-        truncating.finalize()
-    ranked = BundleWriter(tmp_path / "c", kind="step", rollout_id=0, step_id=0, config=cfg, rank=1, ranks=[0, 1])
-    with pytest.raises(IntegrityError, match="recorded on rank 0, this writer is rank 1"):
-        ranked.add_records(src.samples)
-    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+def test_an_update_bundle_s_loss_reads_the_advantages_its_estimate_recorded(tmp_path: Path) -> None:
+    """In an update bundle the policy loss may take the advantages as ``advantage.estimate``'s
+    recorded output (an expected payload), and only if that stage recorded them."""
+    s = make(groups=1, group_size=2)
+    n = len(s.group)
+
+    def update(name: str, record_advantages: bool) -> BundleWriter:
+        w = BundleWriter(tmp_path / name, kind="update", rollout_id=0, step_id=0, config=s.config)
+        for i in range(n):
+            w.add_sample(f"s-{i}", group="g-0", prompt_length=3, response_length=s.lengths[i],
+                         prompt="Q", completion=s.completions[i], label=s.labels[i])
+        for stage in ("reward.raw", "reward.post_process", "advantage.kl"):
+            w.set_capability(stage, "inspect-only", "not captured here")
+        for name_ in ("mask", "logprobs", "old_logprobs", "ref_logprobs"):
+            w.write_payload(name_, s.t[name_])
+        if record_advantages:
+            w.set_capability("advantage.estimate", "recorded-only", "its inputs are not captured here")
+            w.set_expected("advantage.estimate", "advantages", s.t["advantages"])
+        else:
+            w.set_capability("advantage.estimate", "unsupported", "not captured here")
+            w.write_payload("advantages", s.t["advantages"], role="expected")
+        w.set_expected("loss.policy", "loss_weights", s.t["loss_weights"])
+        w.set_expected("loss.policy", "loss", float(s.t["loss"]))
+        return w
+
+    with pytest.raises(IntegrityError, match="input payload 'advantages' is missing"):
+        update("orphan", record_advantages=False).finalize()
+    assert not (tmp_path / "orphan").exists()
+    b = load_bundle(update("ok", record_advantages=True).finalize())
+    assert b.kind == "update" and b.manifest["payloads"]["advantages"]["role"] == "expected"
+    assert main(["bundle", "replay", str(b.path)]) == 0  # the loss recomputes from those advantages
+    with pytest.raises(IntegrityError, match="needs step_id"):
+        BundleWriter(tmp_path / "x", kind="update", rollout_id=0, config=s.config)
 
 
 def test_a_prepared_bundle_is_written_only_by_the_writer_that_prepared_it(tmp_path: Path) -> None:
@@ -399,7 +417,7 @@ def test_a_format_1_bundle_is_refused_by_version(tmp_path: Path, capsys: pytest.
     for cmd in ("validate", "replay"):
         rc, out = _cli(capsys, "bundle", cmd, str(p))
         assert rc == 2 and "Traceback" not in out, out
-        assert f"bundle format_version {want} is not read by this replayjob, which reads bundle format 2.0.0" in out
+        assert f"bundle format_version {want} is not read by this replayjob, which reads bundle format 2.1.0" in out
         assert "capture the bundle again with this replayjob" in out
     rc, out = _cli(capsys, "bundle", "inspect", str(p))  # inspect never refuses: it says what it found
     assert rc == 0 and ("format 1.0.0" in out or damage != "none"), out
@@ -411,3 +429,10 @@ def test_a_manifest_of_another_major_version_is_refused_by_version(bundle: Path,
         _rewrite(bundle, lambda m, v=version: m.update(format_version=v))
         rc, out = _cli(capsys, "bundle", "validate", str(bundle))
         assert rc == 2 and f"bundle format_version {version!r} is not read by this replayjob" in out, out
+
+
+def test_a_2_0_bundle_is_still_read(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """2.1 added the update kind and nothing else: a rollout or step bundle written as 2.0.0 reads."""
+    _rewrite(bundle, lambda m: m.update(format_version="2.0.0"))
+    rc, out = _cli(capsys, "bundle", "validate", str(bundle))
+    assert rc == 0 and "valid: rollout bundle" in out, out

@@ -115,7 +115,7 @@ def test_capture_replay_bundles_and_verdict_hold_no_secret(workspace: Path, tmp_
     written = {p.name for p in tmp_path.rglob("*") if p.is_file()}
     assert {"replay_metrics.json", "verdict.json", "report.md", "COMPLETE",
             "optimizer_batch_step_000000.manifest.json"} <= written
-    assert sorted(p.name for p in (tmp_path / "bundles").iterdir()) == ["rollout-000000", "step-000000-000000"]
+    assert sorted(p.name for p in (tmp_path / "bundles").iterdir()) == ["update-000000-000000"]
     hits = [h for h in scan(tmp_path) if not h.endswith((".toml",))]  # the inputs themselves hold them
     assert hits == []
     verdict = json.loads((tmp_path / "verdict.json").read_text())

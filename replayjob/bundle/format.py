@@ -26,7 +26,7 @@ DTYPES: dict[str, torch.dtype] = {"F64": torch.float64, "F32": torch.float32, "F
                                   "U8": torch.uint8, "BOOL": torch.bool}
 
 FORMAT = "replayjob.bundle"
-FORMAT_VERSION = "2.0.0"
+FORMAT_VERSION = "2.1.0"
 STAGE_VERSION = "v1"
 
 MANIFEST = "manifest.json"
@@ -40,13 +40,15 @@ V1_ENTRIES = ("index.json", "expected.json", "payloads")
 # Suffixes of formats that can carry pickle (or arbitrary code); refused anywhere in a bundle.
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt", ".npy", ".npz", ".joblib")
 
-KINDS = ("rollout", "step")
+KINDS = ("rollout", "step", "update")
 STAGE_ORDER = ("sample", "reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate",
                "loss.policy")
 KIND_STAGES = {
     "rollout": ("sample", "reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate"),
     "step": ("sample", "loss.policy"),
+    "update": STAGE_ORDER,  # a rollout and the one actor step that consumed it, in one bundle
 }
+STEP_KINDS = ("step", "update")  # the kinds whose identity names an actor step (rollout_id, step_id)
 CAPABILITIES = ("recompute", "recorded-only", "inspect-only", "unsupported")
 
 # stage -> (output field -> "sample" | "token" | "scalar"); token fields live in payloads.
@@ -294,5 +296,18 @@ def parse_step(text: str) -> tuple[int, int]:
 
 
 def bundle_name(kind: str, rollout_id: int, step_id: int | None) -> str:
-    """Directory name of a captured bundle: ``rollout-000012`` or ``step-000012-000000``."""
-    return f"rollout-{rollout_id:06d}" if kind == "rollout" else f"step-{rollout_id:06d}-{step_id or 0:06d}"
+    """Directory name of a captured bundle: ``rollout-000012``, ``step-000012-000000`` or
+    ``update-000012-000000``."""
+    return f"rollout-{rollout_id:06d}" if kind == "rollout" else f"{kind}-{rollout_id:06d}-{step_id or 0:06d}"
+
+
+def recorded_upstream(kind: str, stage: str, payload: str) -> str | None:
+    """The earlier stage of a ``kind`` bundle whose recorded output ``payload`` is, or None.
+
+    In an ``update`` bundle the policy loss consumes the advantages ``advantage.estimate`` recorded:
+    one payload, an expected output of one stage and an input of a later one."""
+    stages = KIND_STAGES[kind]
+    for earlier in stages[: stages.index(stage)]:
+        if OUTPUTS[earlier].get(payload) == "token":
+            return earlier
+    return None

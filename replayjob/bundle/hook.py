@@ -5,12 +5,16 @@ Off by default; on only through the environment (no config or CLI change):
 * ``REPLAYJOB_BUNDLE_CAPTURE=1`` turns it on (``0`` or unset: off; anything else is refused);
 * ``REPLAYJOB_BUNDLE_DIR`` is the capture directory (required when on);
 * ``REPLAYJOB_BUNDLE_STEPS`` (``R:S,...``) and ``REPLAYJOB_BUNDLE_ROLLOUTS`` (``R,...``) limit
-  which step and rollout bundles are written; unset means all.
+  which actor steps and rollouts are captured; unset means all.
 
 The source trainer runs one actor update per rollout, so step ``k`` is rollout ``k``, actor step
-``(k, 0)``, weight version ``k``.  ``on_rollout`` and ``after_update`` copy CPU tensors, and the
-disk work (staging, ``fsync``, rename) is the hook's :class:`~replayjob.rl.hooks.BackgroundWriter`'s
-(started idle with the hook): the training thread never waits on disk.  Who builds a bundle
+``(k, 0)``, weight version ``k``.  A step whose rollout and actor step are both captured is written
+as one ``update`` bundle (every stage, one set of files); a step with only one of them captured, as
+a ``rollout`` or a ``step`` bundle; a rollout whose update never returned, as a rollout bundle.
+
+``on_rollout`` and ``after_update`` copy CPU tensors, and the disk work (staging, ``fsync``,
+rename) is the hook's :class:`~replayjob.rl.hooks.BackgroundWriter`'s (started idle with the hook):
+the training thread never waits on disk.  Who builds a bundle
 (redacts text, checks what the reader will check, serializes the payload file and the JSON) depends
 on where the step computes, which ``on_train_begin`` reads from the trained parameters' devices:
 
@@ -102,7 +106,6 @@ class _Snapshot:
     prompt_lengths: list[int]
     responses: list[list[int]]
     tensors: dict[str, Tensor]
-    records: list[dict[str, Any]] | None = None  # the redacted sample records, built by the first bundle
     label_ids: list[list[int]] | None = None  # the answers' token ids (byte tokenizer), encoded once
 
 
@@ -157,7 +160,16 @@ class BundleCapture(StepHook):
             if logp is None:
                 self._writer.fail(RefusedError("the update did not expose its logprobs; step bundle not written"))
                 return
-            self._held.append(("step", snap, logp.detach().to("cpu", copy=True), float(result.loss)))
+            tokens = int(snap.tensors["mask"].count_nonzero())
+            if tokens != logp.numel():  # a rollout captured with this step is still written, alone
+                self._writer.fail(RefusedError(f"the update exposed {logp.numel()} logprobs for {tokens} response "
+                                               "tokens; step bundle not written"))
+                return
+            kept = (logp.detach().to("cpu", copy=True), float(result.loss))
+            if self._held and self._held[-1][0] == "rollout" and self._held[-1][1] is snap:
+                self._held[-1] = ("update", snap, *kept)  # the rollout and its one step: one bundle
+            else:
+                self._held.append(("step", snap, *kept))
         finally:
             self._release()
 
@@ -185,7 +197,12 @@ class BundleCapture(StepHook):
         self._deferred.clear()
 
     def _build(self, kind: str, snap: _Snapshot, logp: Tensor | None, loss: float) -> BundleWriter:
-        return self._rollout(snap) if kind == "rollout" else self._step(snap, logp, loss)
+        w = self._bundle(snap, kind)
+        if kind != "step":
+            self._rollout(w, snap)
+        if kind != "rollout":
+            self._step(w, snap, logp, loss)
+        return w
 
     def _land(self, kind: str, snap: _Snapshot, logp: Tensor | None, loss: float) -> None:
         """The writer thread: build and write one bundle."""
@@ -219,28 +236,24 @@ class BundleCapture(StepHook):
     # building (the writer thread, or the training thread for a step computed on the CPU) -----
     def _bundle(self, snap: _Snapshot, kind: str) -> BundleWriter:
         rid = snap.step
-        w = BundleWriter(self.directory / fmt.bundle_name(kind, rid, 0 if kind == "step" else None), kind=kind,
-                         rollout_id=rid, step_id=0 if kind == "step" else None, config=self.config,
-                         producer=self.producer, weight_version=rid)
+        step_id = None if kind == "rollout" else 0
+        w = BundleWriter(self.directory / fmt.bundle_name(kind, rid, step_id), kind=kind, rollout_id=rid,
+                         step_id=step_id, config=self.config, producer=self.producer, weight_version=rid)
         mask = snap.tensors["mask"]
-        if snap.records is None:
-            group = snap.tensors["group"].tolist()
-            lengths = mask.sum(dim=1).to(torch.int64).tolist()  # one reduction, not one per sample
-            labels = _label_ids(snap)
-            for i in range(len(snap.responses)):
-                w.add_sample(f"s-{i:04d}", group=f"g-{int(group[i]):04d}", cohort=f"c-{rid:06d}",
-                             prompt_length=snap.prompt_lengths[i], response_length=lengths[i],
-                             label_length=len(labels[i]), partition=f"p-{rid:06d}",
-                             consumer_batch="cb-0000", micro_batch=f"mb-{i // self.micro:04d}",
-                             prompt=snap.prompts[i], completion=snap.completions[i], label=snap.answers[i])
-            snap.records = w.samples
-        else:  # the step's other bundle built them: same samples, same redaction
-            w.add_records(snap.records)
+        group = snap.tensors["group"].tolist()
+        lengths = mask.sum(dim=1).to(torch.int64).tolist()  # one reduction, not one per sample
+        labels = _label_ids(snap)
+        for i in range(len(snap.responses)):
+            w.add_sample(f"s-{i:04d}", group=f"g-{int(group[i]):04d}", cohort=f"c-{rid:06d}",
+                         prompt_length=snap.prompt_lengths[i], response_length=lengths[i],
+                         label_length=len(labels[i]), partition=f"p-{rid:06d}",
+                         consumer_batch="cb-0000", micro_batch=f"mb-{i // self.micro:04d}",
+                         prompt=snap.prompts[i], completion=snap.completions[i], label=snap.answers[i])
         w.write_payload("mask", mask)
         return w
 
-    def _rollout(self, snap: _Snapshot) -> BundleWriter:
-        w = self._bundle(snap, "rollout")
+    def _rollout(self, w: BundleWriter, snap: _Snapshot) -> None:
+        """The rollout's stages: rewards, KL and advantages, with the inputs that recompute them."""
         t = snap.tensors
         width = int(t["mask"].shape[1])
         if self.config["tokenizer"] == "byte":
@@ -255,27 +268,23 @@ class BundleCapture(StepHook):
         w.set_expected("reward.post_process", "scores", t["scores"])
         w.set_expected("advantage.kl", "kl", t["kl"])
         w.set_expected("advantage.estimate", "advantages", t["advantages"])
-        return w
 
-    def _step(self, snap: _Snapshot, flat_logp: Tensor | None, loss: float) -> BundleWriter:
+    def _step(self, w: BundleWriter, snap: _Snapshot, flat_logp: Tensor | None, loss: float) -> None:
+        """The actor step's policy loss, with the logprobs it saw; in an update bundle its other inputs
+        are already there (the advantages as ``advantage.estimate``'s recorded output)."""
         assert flat_logp is not None
-        w = self._bundle(snap, "step")
         t = snap.tensors
         mask = t["mask"]
         # Each mask row is its response's ones then zeros, so the row-major positions of the ones are
         # the flat (concatenated) order of the update's per-token logprobs.
-        where = mask != 0
-        tokens = int(where.sum())
-        if tokens != flat_logp.numel():
-            raise RefusedError(f"the update exposed {flat_logp.numel()} logprobs for {tokens} response tokens")
         logp = torch.zeros(mask.shape, dtype=flat_logp.dtype)
-        logp[where] = flat_logp.reshape(-1)
+        logp[mask != 0] = flat_logp.reshape(-1)  # as many as the mask's ones: checked in after_update
         w.write_payload("logprobs", logp)
         for name in ("old_logprobs", "ref_logprobs", "advantages"):
-            w.write_payload(name, t[name])
+            if name not in w.payloads:
+                w.write_payload(name, t[name])
         w.set_expected("loss.policy", "loss_weights", t["loss_weights"])
         w.set_expected("loss.policy", "loss", loss)
-        return w
 
 
 def _label_ids(snap: _Snapshot) -> list[list[int]]:

@@ -123,8 +123,8 @@ def check_index(ix: dict[str, Any], m: dict[str, Any]) -> None:
         raise IntegrityError("identity must have rollout_id, step_id, physical", where=f"{where}: identity")
     if not _int(ident["rollout_id"]):
         raise IntegrityError("identity.rollout_id must be an integer >= 0", where=f"{where}: identity")
-    if m["kind"] == "step" and not _int(ident["step_id"]):
-        raise IntegrityError("a step bundle's identity needs step_id (an integer >= 0)", where=where)
+    if m["kind"] in fmt.STEP_KINDS and not _int(ident["step_id"]):
+        raise IntegrityError(f"a {m['kind']} bundle's identity needs step_id (an integer >= 0)", where=where)
     if m["kind"] == "rollout" and ident["step_id"] is not None:
         raise IntegrityError("a rollout bundle's identity has step_id null", where=where)
     phys = ident["physical"]
@@ -200,7 +200,9 @@ def check_closure(m: dict[str, Any], ix: dict[str, Any], ex: dict[str, Any],
         if cap != "recompute":
             continue
         for name in fmt.INPUT_PAYLOADS[stage]:
-            if name not in shapes or m["payloads"][name]["role"] != "input":
+            role = m["payloads"][name]["role"] if name in shapes else None
+            upstream = fmt.recorded_upstream(m["kind"], stage, name) if role == "expected" else None
+            if role != "input" and not (upstream and name in ex.get(upstream, {})):
                 raise IntegrityError(f"dependency closure: input payload {name!r} is missing", where=where,
                                      hint="capture it or declare the stage recorded-only")
         for up_stage, field in fmt.UPSTREAM.get(stage, ()):

@@ -1,11 +1,12 @@
 """Choosing what to replay: a bundle inside a capture directory, then samples inside a bundle.
 
-A capture directory holds several bundles (``rollout-*``, ``step-*``, multi-rank roots);
-``--step R:S`` picks the step bundle of exactly that actor step, ``--rollout R`` the rollout
-bundle.  Inside a bundle, ``--sample``, ``--group`` and ``--batch`` (micro-batch ids) select
-samples, and the selection always expands to whole semantic groups, read from each sample's
-recorded membership.  A selected sample without membership is refused: a group is never
-inferred from a batch size.
+A capture directory holds several bundles (``rollout-*``, ``step-*``, ``update-*``, multi-rank
+roots); ``--step R:S`` picks the step or update bundle of exactly that actor step, ``--rollout R``
+the rollout or update bundle of that rollout (an update bundle holds a rollout and its one step).
+Inside a bundle, ``--sample``, ``--group`` and ``--batch`` (micro-batch ids) select samples, and
+the selection always expands to whole semantic groups, read from each sample's recorded
+membership.  A selected sample without membership is refused: a group is never inferred from a
+batch size.
 """
 
 from __future__ import annotations
@@ -57,30 +58,38 @@ def resolve(path: str | Path, step: tuple[int, int] | None, rollout: int | None)
         if ident is None:
             continue
         kind, rid, sid = ident
-        if (step is not None and kind == "step" and (rid, sid) == step) or (
-                rollout is not None and kind == "rollout" and rid == rollout) or (
-                step is None and rollout is None):
+        if _matches(kind, rid, sid, step, rollout):
             matches.append(c)
     if len(matches) == 1:
         return matches[0]
     names = [c.name for c in children]
     if not matches:
         raise ContractError(f"no bundle in the capture directory matches the selector; present: {names}",
-                            where=p, hint="--step R:S matches a step bundle exactly; --rollout R a rollout bundle")
+                            where=p, hint="--step R:S matches a step or update bundle exactly; --rollout R a "
+                                          "rollout or update bundle")
     raise UsageError(f"the capture directory holds {len(matches)} matching bundles: {[c.name for c in matches]}",
                      where=p, hint="choose one with --step R:S or --rollout R, or pass its directory")
+
+
+def _matches(kind: str, rid: int, sid: int | None, step: tuple[int, int] | None, rollout: int | None) -> bool:
+    """Whether a bundle of ``kind`` and identity ``(rid, sid)`` is what ``--step``/``--rollout`` select."""
+    if step is not None:
+        return kind in fmt.STEP_KINDS and (rid, sid) == step
+    if rollout is not None:
+        return kind != "step" and rid == rollout
+    return True
 
 
 def check_identity(b: Bundle, step: tuple[int, int] | None, rollout: int | None) -> None:
     """``--step``/``--rollout`` given with a bundle directory must match its identity exactly."""
     ident = b.index["identity"]
-    if step is not None and (b.kind != "step" or (ident["rollout_id"], ident["step_id"]) != step):
+    if step is not None and not _matches(b.kind, ident["rollout_id"], ident["step_id"], step, None):
         raise ContractError(f"--step {step[0]}:{step[1]} does not match this {b.kind} bundle "
                             f"(rollout {ident['rollout_id']}, step {ident['step_id']})", where=b.path)
-    if rollout is not None and (b.kind != "rollout" or ident["rollout_id"] != rollout):
+    if rollout is not None and not _matches(b.kind, ident["rollout_id"], ident["step_id"], None, rollout):
         raise ContractError(f"--rollout {rollout} does not match this {b.kind} bundle "
                             f"(rollout {ident['rollout_id']})", where=b.path,
-                            hint="--rollout selects rollout bundles; use --step R:S for step bundles")
+                            hint="--rollout selects rollout and update bundles; use --step R:S for step bundles")
 
 
 def select(b: Bundle, samples: list[str], groups: list[str], batches: list[str]) -> Selection:

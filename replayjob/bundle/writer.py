@@ -91,8 +91,10 @@ class BundleWriter:
 
     Args:
         path: the bundle directory to create (for a multi-rank bundle, its root).
-        kind: ``"rollout"`` (reward and advantage stages) or ``"step"`` (loss.policy).
-        rollout_id, step_id: the logical actor step; ``step_id`` is required for ``"step"``.
+        kind: ``"rollout"`` (reward and advantage stages), ``"step"`` (loss.policy) or ``"update"``
+            (all of them: a rollout and the one actor step that consumed it).
+        rollout_id, step_id: the logical actor step; ``step_id`` is required for ``"step"`` and
+            ``"update"``.
         config: the recompute config (see :func:`default_config`).
         rank, ranks: this producer's rank and every rank expected to land (multi-producer only).
     """
@@ -104,8 +106,8 @@ class BundleWriter:
                  rank: int | None = None, ranks: Sequence[int] | None = None):
         if kind not in fmt.KINDS:
             raise IntegrityError(f"bundle kind must be one of {list(fmt.KINDS)}, not {kind!r}")
-        if (kind == "step") != (step_id is not None):
-            raise IntegrityError("a step bundle needs step_id; a rollout bundle must not have one")
+        if (kind in fmt.STEP_KINDS) != (step_id is not None):
+            raise IntegrityError("a step or update bundle needs step_id; a rollout bundle must not have one")
         if (rank is None) != (ranks is None) or (ranks is not None and rank not in ranks):
             raise IntegrityError("pass rank and ranks together, with rank among ranks")
         self.root = Path(path)
@@ -161,16 +163,6 @@ class BundleWriter:
             if text is not None:
                 rec.update(redact_text(field, text, policy))
         self.samples.append(rec)  # checked with every other sample by prepare (check_index, as the reader does)
-
-    def add_records(self, records: Sequence[dict[str, Any]]) -> None:
-        """Add sample records another writer built with :meth:`add_sample` (already redacted, never raw
-        text): a rollout and a step bundle of one step share theirs.  Records of another rank are
-        refused here; ``prepare`` checks them against this writer's redaction policy like any other."""
-        for rec in records:
-            if rec.get("rank") != (self.rank or 0):
-                raise IntegrityError(f"sample {rec.get('sample_id')!r} was recorded on rank {rec.get('rank')!r}, "
-                                     f"this writer is rank {self.rank or 0}")
-            self.samples.append(dict(rec))
 
     def write_payload(self, name: str, tensor: Tensor, *, role: str = "input") -> None:
         """Add a tensor payload (``role`` "input" or "expected"); stored as tensor ``<name>`` of the payload file."""
