@@ -3,7 +3,7 @@
 Commands timed, each on a tiny valid input made here first (a ``replayjob init`` workspace, one
 capture with bundle capture on, one replay): ``--help``, ``diag-diff`` (the capture's diag.jsonl
 against itself), ``reduce --claim exact-input`` and ``--claim bitwise`` (the one replay, ``--source``
-the capture), ``bundle inspect`` and ``bundle validate`` (the captured rollout bundle) and
+the capture), ``bundle inspect`` and ``bundle validate`` (the captured update bundle) and
 ``explain`` (the replay config with its pins).  A command not in this tree's CLI is reported as
 missing, not timed.  Each process also reports whether ``transformers`` or ``peft`` was imported.
 
@@ -89,9 +89,9 @@ def prepare(work: Path) -> dict[str, Path]:
         rc = main(["replay", str(ws / "replay.toml"), "--out", str(rep / "repeat-000"), *pin_args(src)])
     if rc != 0:
         raise RuntimeError("the replay that makes the benchmark's inputs failed")
-    found = sorted(p.parent for p in bundles.rglob("COMPLETE") if p.parent.name.startswith("rollout-"))
+    found = sorted(p.parent for p in bundles.rglob("COMPLETE") if p.parent.name.startswith("update-"))
     if not found:
-        raise RuntimeError(f"bundle capture wrote no rollout bundle under {bundles}")
+        raise RuntimeError(f"bundle capture wrote no update bundle under {bundles}")
     scratch = work / "scratch"
     scratch.mkdir()
     return {"workspace": ws, "source": src, "replays": rep, "bundle": found[0], "scratch": scratch}

@@ -47,9 +47,9 @@ def test_smoke_mode_runs_and_writes_one_line_and_json(name: str, tmp_path: Path,
     assert len(lines) == 1 and lines[0].startswith(f"{name}: ratio "), lines
     assert "smoke run, target not assessed" in lines[0]
     doc = check_result(tmp_path / f"{name}.smoke.json", name, smoke=True)
-    if name == "capture_overhead":  # "on" really captured both kinds, and the loss did not change
+    if name == "capture_overhead":  # "on" really captured every step, and the loss did not change
         assert doc["measurements"]["bundle_capture_written"] is True  # type: ignore[index]
-        assert doc["measurements"]["steady_bundles_per_run"] == [4]  # type: ignore[index]  # 2 steps x 2
+        assert doc["measurements"]["steady_bundles_per_run"] == [2]  # type: ignore[index]  # 2 steps x 1 update
         for key in ("steady_cpu_paired_ratio_interval", "steady_cpu_ratio_interval", "steady_cpu_total_ratio_interval"):
             interval = doc["measurements"][key]  # type: ignore[index]
             assert 0 < interval["low"] <= interval["high"], key

@@ -19,6 +19,7 @@ from safetensors.torch import save
 
 from replayjob import tensorfile
 from replayjob.bundle import BundleWriter, default_config, inspect_path, load_bundle
+from replayjob.bundle import format as fmt
 from replayjob.bundle.synthetic import make, write_rollout, write_step
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes, sha256_json
@@ -51,7 +52,7 @@ def test_written_bundle_validates_and_has_the_documented_layout(bundle: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     assert sorted(x.name for x in bundle.iterdir()) == ["COMPLETE", "manifest.json", "payloads.safetensors"]
     m = json.loads((bundle / "manifest.json").read_bytes())
-    assert m["format_version"] == "2.1.0" and "samples" in m["index"] and "reward.raw" in m["expected"]
+    assert m["format_version"] == "2.0.0" and "samples" in m["index"] and "reward.raw" in m["expected"]
     data = (bundle / "payloads.safetensors").read_bytes()
     header = tensorfile.read_header(bundle / "payloads.safetensors")
     assert sorted(header.tensors) == sorted(m["payloads"])
@@ -126,6 +127,7 @@ def test_an_update_bundle_s_loss_reads_the_advantages_its_estimate_recorded(tmp_
     assert not (tmp_path / "orphan").exists()
     b = load_bundle(update("ok", record_advantages=True).finalize())
     assert b.kind == "update" and b.manifest["payloads"]["advantages"]["role"] == "expected"
+    assert b.manifest["format_version"] == "2.1.0"  # the kind's version; rollout and step bundles stay 2.0.0
     assert main(["bundle", "replay", str(b.path)]) == 0  # the loss recomputes from those advantages
     with pytest.raises(IntegrityError, match="needs step_id"):
         BundleWriter(tmp_path / "x", kind="update", rollout_id=0, config=s.config)
@@ -431,8 +433,14 @@ def test_a_manifest_of_another_major_version_is_refused_by_version(bundle: Path,
         assert rc == 2 and f"bundle format_version {version!r} is not read by this replayjob" in out, out
 
 
-def test_a_2_0_bundle_is_still_read(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """2.1 added the update kind and nothing else: a rollout or step bundle written as 2.0.0 reads."""
-    _rewrite(bundle, lambda m: m.update(format_version="2.0.0"))
-    rc, out = _cli(capsys, "bundle", "validate", str(bundle))
-    assert rc == 0 and "valid: rollout bundle" in out, out
+def test_an_update_bundle_claiming_2_0_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The update kind appeared in 2.1.0: a manifest that says 2.0.0 contradicts itself."""
+    s = make(groups=1, group_size=2)
+    w = BundleWriter(tmp_path / "u", kind="update", rollout_id=0, step_id=0, config=s.config)
+    w.add_sample("s-0", group="g-0", prompt_length=3, response_length=1, prompt="Q", completion="1", label="1")
+    for stage in fmt.KIND_STAGES["update"][1:]:
+        w.set_capability(stage, "inspect-only", "not captured here")
+    path = w.finalize()
+    _rewrite(path, lambda m: m.update(format_version="2.0.0"))
+    rc, out = _cli(capsys, "bundle", "validate", str(path))
+    assert rc == 2 and "update bundles need format_version 2.1.0 or later; this manifest says '2.0.0'" in out, out

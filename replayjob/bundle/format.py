@@ -26,7 +26,9 @@ DTYPES: dict[str, torch.dtype] = {"F64": torch.float64, "F32": torch.float32, "F
                                   "U8": torch.uint8, "BOOL": torch.bool}
 
 FORMAT = "replayjob.bundle"
-FORMAT_VERSION = "2.1.0"
+FORMAT_VERSION = "2.1.0"  # what this reader reads (any 2.x)
+# The version each kind appeared in: a writer writes the oldest minor version that holds its bundle.
+KIND_VERSIONS = {"rollout": "2.0.0", "step": "2.0.0", "update": "2.1.0"}
 STAGE_VERSION = "v1"
 
 MANIFEST = "manifest.json"
@@ -147,9 +149,19 @@ def reads_version(version: object) -> bool:
     return isinstance(version, str) and version.split(".")[0] == FORMAT_VERSION.split(".")[0]
 
 
-def check_version(version: object) -> None:
+def check_version(version: object, kind: object = None) -> None:
+    """Refuse another major version, and a ``kind`` newer than the minor version that claims it."""
     if not reads_version(version):
         raise version_error(version)
+    since = KIND_VERSIONS.get(kind) if isinstance(kind, str) else None
+    if since is not None and _minor(str(version)) < _minor(since):
+        raise IntegrityError(f"{kind} bundles need format_version {since} or later; this manifest says {version!r}",
+                             where=MANIFEST)
+
+
+def _minor(version: str) -> int:
+    parts = version.split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else -1
 
 
 def payload_where(name: str) -> str:

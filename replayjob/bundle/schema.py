@@ -53,7 +53,7 @@ def check_manifest(m: dict[str, Any]) -> None:
     Format and version come first, so that a bundle of another format version is refused by version."""
     if m.get("format") != fmt.FORMAT:
         raise IntegrityError(f"not a trajectory bundle (format {m.get('format')!r})", where=W)
-    fmt.check_version(m.get("format_version"))
+    fmt.check_version(m.get("format_version"), m.get("kind"))
     if set(m) != _MANIFEST_KEYS:
         raise IntegrityError(f"manifest keys: missing {sorted(_MANIFEST_KEYS - set(m))}, unknown "
                              f"{sorted(set(m) - _MANIFEST_KEYS)}", where=W)

@@ -214,7 +214,7 @@ class BundleWriter:
             payload_file = {"file": fmt.PAYLOAD_FILE, "bytes": len(blob), "header_sha256": encoded.header_sha256.hex()}
         specs = {name: {"dtype": dtypes[name], "shape": list(self.payloads[name].shape), "sha256": digests[name],
                         "role": self.roles[name]} for name in names}
-        manifest = {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "bundle_id": self.bundle_id,
+        manifest = {"format": fmt.FORMAT, "format_version": fmt.KIND_VERSIONS[self.kind], "bundle_id": self.bundle_id,
                     "kind": self.kind, "producer": self.producer, "stages": self.stages, "payloads": specs,
                     "payload_file": payload_file,
                     "comparison": {s: self.comparison[s] for s in self.stages if s in self.comparison},
