@@ -163,8 +163,9 @@ Options:
                     optimizer_batch.capture_steps, a ring-written step, or one of an external
                     trainer's steps=[...]); its final adapter is pinned by SHA-256 only, so the
                     approximate claim, which reads the source's adapter file, is refused.
-  --step R:S        bundle replay: the step bundle of exactly this actor step (rollout:step).
-  --rollout R       bundle replay: the rollout bundle of this rollout id.
+  --step R:S        bundle replay: the step or update bundle of exactly this actor step
+                    (rollout:step).
+  --rollout R       bundle replay: the rollout or update bundle of this rollout id.
   --examples N      bundle replay: mismatching values shown per field [default: 5].
   -h --help         Show this help.
   --version         Show the version.

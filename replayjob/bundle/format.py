@@ -51,6 +51,7 @@ KIND_STAGES = {
     "update": STAGE_ORDER,  # a rollout and the one actor step that consumed it, in one bundle
 }
 STEP_KINDS = ("step", "update")  # the kinds whose identity names an actor step (rollout_id, step_id)
+ROLLOUT_KINDS = ("rollout", "update")  # the kinds that hold a rollout's stages
 CAPABILITIES = ("recompute", "recorded-only", "inspect-only", "unsupported")
 
 # stage -> (output field -> "sample" | "token" | "scalar"); token fields live in payloads.

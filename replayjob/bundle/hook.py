@@ -198,9 +198,9 @@ class BundleCapture(StepHook):
 
     def _build(self, kind: str, snap: _Snapshot, logp: Tensor | None, loss: float) -> BundleWriter:
         w = self._bundle(snap, kind)
-        if kind != "step":
+        if kind in fmt.ROLLOUT_KINDS:
             self._rollout(w, snap)
-        if kind != "rollout":
+        if kind in fmt.STEP_KINDS:
             self._step(w, snap, logp, loss)
         return w
 

@@ -76,7 +76,7 @@ def _matches(kind: str, rid: int, sid: int | None, step: tuple[int, int] | None,
     if step is not None:
         return kind in fmt.STEP_KINDS and (rid, sid) == step
     if rollout is not None:
-        return kind != "step" and rid == rollout
+        return kind in fmt.ROLLOUT_KINDS and rid == rollout
     return True
 
 

@@ -644,7 +644,7 @@ def build_sources(workspace: Path, out: Path) -> dict[str, Path]:
         with mock.patch.dict(os.environ, env):  # restored afterwards, whatever they held
             assert main(["train", str(workspace / "train.toml"), "--out", str(out / "bundled")]) == 0
         (out / "SOURCES_DONE").write_text("complete\n")
-    paths["bundle"] = sorted((out / "bundled" / "bundles").glob("rollout-*"))[0]
+    paths["bundle"] = sorted((out / "bundled" / "bundles").glob("update-*"))[0]
     return paths
 
 
