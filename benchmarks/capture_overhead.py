@@ -34,7 +34,9 @@ for a core).  The CPU-seconds ratio is given three ways, each with a 95% bootstr
 resamples pairs of back-to-back runs (:func:`pair_bootstrap`: a run's steps share its drift and a
 pair shares the machine's state, so pairs are the independent units): the median of the per-pair
 ratios (:func:`pair_median_ratio`, the judged figure), the ratio of the pooled medians and the
-ratio of the total CPU seconds.
+ratio of the total CPU seconds.  What capture adds a step is also split by thread
+(:func:`cpu_added_by_thread`: the training thread, the bundle writer, and the rest, i.e. Torch's
+intra-op threads spinning while the training thread runs Python).
 
 On a machine whose cores are all busy, the background bundle writer competes with Torch's
 intra-op threads (one per core by default) and every parallel region can stall; ``--threads 1``
@@ -198,6 +200,7 @@ def _steady_run(cfg_path: Path, sets: list[str], out: Path, capture: bool, steps
             "hooks_s_per_step": hooks.seconds / steps,
             "cpu_s": [b - a for a, b in itertools.pairwise(cpu.marks)],
             "writer_cpu_s": [b - a for a, b in itertools.pairwise(cpu.writer_marks)],
+            "training_cpu_s": [b - a for a, b in itertools.pairwise(cpu.training_marks)],
             "bundles": len(list(bundle_dir.rglob("COMPLETE"))) if bundle_dir.is_dir() else 0}
 
 
@@ -214,10 +217,12 @@ class CpuClock(StepHook):
     def __init__(self) -> None:
         self.marks: list[float] = []
         self.writer_marks: list[float] = []
+        self.training_marks: list[float] = []  # the training thread's own CPU clock
 
     def before_update(self, step: int, batch: Any) -> None:
         self.marks.append(time.process_time())
         self.writer_marks.append(_writer_cpu_s())
+        self.training_marks.append(time.thread_time())  # hooks run on the training thread
 
 
 def _writer_cpu_s() -> float:
@@ -228,6 +233,21 @@ def _writer_cpu_s() -> float:
 
     return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident))
                for t in threading.enumerate() if t.name == WRITER_THREAD and t.ident is not None)
+
+
+def cpu_added_by_thread(on: list[dict[str, Any]], off: list[dict[str, Any]]) -> dict[str, float]:
+    """CPU seconds a step that capture adds, by thread: the median over pairs of back-to-back runs of
+    (the 'on' run's median step - the 'off' run's), for the whole process, the training thread, the
+    bundle writer thread, and the other threads (the process less those two: Torch's intra-op
+    threads, which spin while the training thread runs Python between parallel regions)."""
+    def per_run(r: dict[str, Any], part: str) -> float:
+        cpu, train, writer = r["cpu_s"], r["training_cpu_s"], r["writer_cpu_s"]
+        rows = {"process": cpu, "training": train, "writer": writer,
+                "other": [c - t - w for c, t, w in zip(cpu, train, writer, strict=True)]}[part]
+        return statistics.median(rows)
+
+    return {part: statistics.median(per_run(a, part) - per_run(b, part) for a, b in zip(on, off, strict=True))
+            for part in ("process", "training", "writer", "other")}
 
 
 def pooled_median_ratio(on: list[list[float]], off: list[list[float]]) -> float:
@@ -364,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                     "steady_bundles_per_run": [r["bundles"] for r in steady_runs["on"]]}
         steady_m["steady_writer_fraction_of_off"] = steady_m["steady_writer_cpu_s"]["median"] / c_off["median"]
         steady_m["steady_hooks_s"] = common.stats([r["hooks_s_per_step"] for r in steady_runs["on"]])
+        steady_m["steady_cpu_added_s"] = added = cpu_added_by_thread(steady_runs["on"], steady_runs["off"])
         shown = []  # the three CPU-seconds statistics, the judged one first, each with its pair interval
         for key, label, statistic in (("steady_cpu_paired_ratio", "per-pair median", pair_median_ratio),
                                       ("steady_cpu_ratio", "pooled medians", pooled_median_ratio),
@@ -380,7 +401,10 @@ def main(argv: list[str] | None = None) -> int:
                          f"the capture hooks "
                          f"{steady_m['steady_hooks_s']['median'] * 1e3:.1f} ms a step on the training thread, the "
                          f"bundle writer thread {steady_m['steady_writer_cpu_s']['median'] * 1e3:.1f} ms CPU a step, "
-                         f"{steady_m['steady_writer_fraction_of_off']:.1%} of a step's CPU seconds with capture off)")
+                         f"{steady_m['steady_writer_fraction_of_off']:.1%} of a step's CPU seconds with capture off; "
+                         f"added a step, per-pair median: process {added['process'] * 1e3:.1f} ms, training thread "
+                         f"{added['training'] * 1e3:.1f}, writer {added['writer'] * 1e3:.1f}, other threads "
+                         f"{added['other'] * 1e3:.1f})")
         if any(r["bundles"] != steady_steps for r in steady_runs["on"]):
             notes.append("a steady-state run did not write one (update) bundle per step")
         if len({r["loss"] for r in steady_runs["on"] + steady_runs["off"]}) != 1:

@@ -77,6 +77,22 @@ def test_pair_bootstrap_cancels_drift_shared_by_a_pair() -> None:
         pair_bootstrap(on, off[:-1])
 
 
+def test_cpu_added_by_thread_splits_the_process_figure() -> None:
+    """Pairs whose 'on' run adds 2 ms to the training thread, 1 ms to the writer and 2 ms to the
+    other threads, on a drift the pair shares: the split reads those back and sums to the process."""
+    from benchmarks.capture_overhead import cpu_added_by_thread
+
+    def run(base: float, train: float, writer: float, other: float) -> dict[str, list[float]]:
+        return {"training_cpu_s": [base + train] * 4, "writer_cpu_s": [writer] * 4,
+                "cpu_s": [2 * base + train + writer + other] * 4}
+
+    on = [run(0.1 + k / 100, 0.002, 0.001, 0.002) for k in range(5)]
+    off = [run(0.1 + k / 100, 0.0, 0.0, 0.0) for k in range(5)]
+    added = cpu_added_by_thread(on, off)
+    assert {k: round(v * 1e3, 6) for k, v in added.items()} == {"process": 5.0, "training": 2.0, "writer": 1.0,
+                                                                "other": 2.0}
+
+
 def test_gpu_ablation_dry_run_prints_the_whole_gpu_plan(tmp_path: Path) -> None:
     proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--out", str(tmp_path / "run")], capture_output=True,
                           text=True, timeout=60, check=False)
