@@ -79,7 +79,8 @@ def test_pair_bootstrap_cancels_drift_shared_by_a_pair() -> None:
 
 def test_cpu_added_by_thread_splits_the_process_figure() -> None:
     """Pairs whose 'on' run adds 2 ms to the training thread, 1 ms to the writer and 2 ms to the
-    other threads, on a drift the pair shares: the split reads those back and sums to the process."""
+    other threads, on a drift the pair shares: the split reads those back (each part is its own
+    median over pairs, so on real, varying runs the parts need not add up to the process figure)."""
     from benchmarks.capture_overhead import cpu_added_by_thread
 
     def run(base: float, train: float, writer: float, other: float) -> dict[str, list[float]]:

@@ -222,15 +222,20 @@ def test_a_step_that_cannot_be_bundled_does_not_stop_training(workspace: Path, t
         "rollout-000000", "update-000001-000000"]
 
 
-def test_a_build_error_at_the_next_rollout_does_not_stop_training(workspace: Path, tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_build_error_at_the_next_rollout_does_not_stop_training(workspace: Path, tmp_path: Path) -> None:
+    """Step 0's bundle cannot be built (its config is refused) when step 1's rollout builds it: the
+    error is kept, steps 1 and 2 are bundled, and the error surfaces at close."""
     hook = _hook(workspace, tmp_path / "cap")
+    good = hook.config
     _feed(hook, 0)
-    _feed(hook, 1)  # builds step 0's bundle
-    monkeypatch.setattr(hook, "config", {**hook.config, "estimator": "ppo"})  # step 1's cannot be built
+    hook.config = {**good, "estimator": "ppo"}
+    _feed(hook, 1)  # builds step 0's bundle: refused, kept
+    hook.config = good
+    _feed(hook, 2)  # builds step 1's
     with pytest.raises(ReplayjobError, match="unsupported topology"):
-        hook.close()  # builds step 1's: refused, kept until here
-    assert [p.parent.name for p in (tmp_path / "cap").rglob("COMPLETE")] == ["update-000000-000000"]
+        hook.close()  # builds step 2's, then raises step 0's error
+    assert sorted(p.parent.name for p in (tmp_path / "cap").rglob("COMPLETE")) == [
+        "update-000001-000000", "update-000002-000000"]
 
 
 def test_an_update_bundle_names_the_loss_as_its_first_divergence(workspace: Path, tmp_path: Path,
@@ -306,8 +311,9 @@ def test_no_capture_writer_works_during_the_update(workspace: Path, tmp_path: Pa
     assert [p.parent.name for p in (tmp_path / "bundles").rglob("COMPLETE")] == ["update-000000-000000"]
 
 
-def test_a_capture_error_surfaces_when_training_ends(workspace: Path, tmp_path: Path) -> None:
-    hook = _hook(workspace, tmp_path / "cap")
+@pytest.mark.parametrize("in_line", [None, False])  # a CPU step (built in line) and a device step (writer thread)
+def test_a_capture_error_surfaces_when_training_ends(workspace: Path, tmp_path: Path, in_line: bool | None) -> None:
+    hook = _hook(workspace, tmp_path / "cap", build_on_training_thread=in_line)
     _feed(hook, 0, logprobs=torch.zeros(3))  # too few: no raise here
     with pytest.raises(RefusedError, match="exposed 3 logprobs"):
         hook.close()

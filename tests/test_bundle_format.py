@@ -122,7 +122,7 @@ def test_an_update_bundle_s_loss_reads_the_advantages_its_estimate_recorded(tmp_
         w.set_expected("loss.policy", "loss", float(s.t["loss"]))
         return w
 
-    with pytest.raises(IntegrityError, match="input payload 'advantages' is missing"):
+    with pytest.raises(IntegrityError, match="only an earlier stage's recorded output of the same bundle may feed it"):
         update("orphan", record_advantages=False).finalize()
     assert not (tmp_path / "orphan").exists()
     b = load_bundle(update("ok", record_advantages=True).finalize())
@@ -131,6 +131,32 @@ def test_an_update_bundle_s_loss_reads_the_advantages_its_estimate_recorded(tmp_
     assert main(["bundle", "replay", str(b.path)]) == 0  # the loss recomputes from those advantages
     with pytest.raises(IntegrityError, match="needs step_id"):
         BundleWriter(tmp_path / "x", kind="update", rollout_id=0, config=s.config)
+
+
+def test_a_step_bundle_s_loss_cannot_read_an_expected_payload(tmp_path: Path) -> None:
+    """Only an update bundle records the advantages upstream of the loss: a step bundle whose
+    advantages are marked expected is refused, not read as the loss's input."""
+    s = make(groups=1, group_size=2)
+    w = BundleWriter(tmp_path / "s", kind="step", rollout_id=0, step_id=0, config=s.config)
+    for i in range(len(s.group)):
+        w.add_sample(f"s-{i}", group="g-0", prompt_length=3, response_length=s.lengths[i],
+                     prompt="Q", completion=s.completions[i], label=s.labels[i])
+    for name in ("mask", "logprobs", "old_logprobs", "ref_logprobs"):
+        w.write_payload(name, s.t[name])
+    w.write_payload("advantages", s.t["advantages"], role="expected")
+    w.set_expected("loss.policy", "loss_weights", s.t["loss_weights"])
+    w.set_expected("loss.policy", "loss", float(s.t["loss"]))
+    with pytest.raises(IntegrityError, match=r"'advantages' is an expected output, not an input of loss\.policy"):
+        w.finalize()
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_kind_needs_the_version_it_appeared_in() -> None:
+    assert fmt.kind_version_problem("2.1.0", "update") is None and fmt.kind_version_problem("2.7.3", "update") is None
+    for version in ("2.0.0", "2", "2.x"):
+        assert "update bundles need format_version 2.1.0" in str(fmt.kind_version_problem(version, "update"))
+    for version in ("2.0.0", "2", "2.x", "2.1.0"):
+        assert fmt.kind_version_problem(version, "rollout") is None
 
 
 def test_a_prepared_bundle_is_written_only_by_the_writer_that_prepared_it(tmp_path: Path) -> None:
@@ -444,3 +470,5 @@ def test_an_update_bundle_claiming_2_0_is_refused(tmp_path: Path, capsys: pytest
     _rewrite(path, lambda m: m.update(format_version="2.0.0"))
     rc, out = _cli(capsys, "bundle", "validate", str(path))
     assert rc == 2 and "update bundles need format_version 2.1.0 or later; this manifest says '2.0.0'" in out, out
+    rc, out = _cli(capsys, "bundle", "inspect", str(path))  # inspect shows it, with the version as a problem
+    assert "update bundles need format_version 2.1.0" in out, out

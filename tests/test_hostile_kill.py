@@ -414,8 +414,8 @@ def test_kill_every_writer_at_20_or_more_boundaries(workspace: Path, tmp_path: P
                   "--set", "training.save_every=1", *small]},
         {"name": "capture", "root": str(tmp_path / "capture"), "race": 3, "focus": CAPTURE_POINTS,
          "argv": ["capture", f"{ws}/source.toml", "--out", "{out}"]},
-        {"name": "bundle", "root": str(tmp_path / "bundle"), "race": 2, "focus": BUNDLE_FILES,  # two bundles
-         "argv": ["train", f"{ws}/train.toml", "--out", "{out}", "--set", "training.max_steps=2"],
+        {"name": "bundle", "root": str(tmp_path / "bundle"), "race": 2, "focus": BUNDLE_FILES,
+         "argv": ["train", f"{ws}/train.toml", "--out", "{out}", "--set", "training.max_steps=2"],  # two bundles
          "env": {"REPLAYJOB_BUNDLE_CAPTURE": "1", "REPLAYJOB_BUNDLE_DIR": "{out}/bundles"}},
         {"name": "reduce", "root": str(tmp_path / "reduce"),
          "argv": ["reduce", str(src["replays"]), "--claim", "bitwise", "--source", str(src["source"]),

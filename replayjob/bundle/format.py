@@ -26,9 +26,9 @@ DTYPES: dict[str, torch.dtype] = {"F64": torch.float64, "F32": torch.float32, "F
                                   "U8": torch.uint8, "BOOL": torch.bool}
 
 FORMAT = "replayjob.bundle"
-FORMAT_VERSION = "2.1.0"  # what this reader reads (any 2.x)
 # The version each kind appeared in: a writer writes the oldest minor version that holds its bundle.
 KIND_VERSIONS = {"rollout": "2.0.0", "step": "2.0.0", "update": "2.1.0"}
+FORMAT_VERSION = max(KIND_VERSIONS.values(), key=lambda v: tuple(int(x) for x in v.split(".")))  # reads 2.x
 STAGE_VERSION = "v1"
 
 MANIFEST = "manifest.json"
@@ -50,8 +50,8 @@ KIND_STAGES = {
     "step": ("sample", "loss.policy"),
     "update": STAGE_ORDER,  # a rollout and the one actor step that consumed it, in one bundle
 }
-STEP_KINDS = ("step", "update")  # the kinds whose identity names an actor step (rollout_id, step_id)
-ROLLOUT_KINDS = ("rollout", "update")  # the kinds that hold a rollout's stages
+STEP_KINDS = tuple(k for k, s in KIND_STAGES.items() if "loss.policy" in s)  # identity: (rollout_id, step_id)
+ROLLOUT_KINDS = tuple(k for k, s in KIND_STAGES.items() if "advantage.estimate" in s)  # a rollout's stages
 CAPABILITIES = ("recompute", "recorded-only", "inspect-only", "unsupported")
 
 # stage -> (output field -> "sample" | "token" | "scalar"); token fields live in payloads.
@@ -154,10 +154,17 @@ def check_version(version: object, kind: object = None) -> None:
     """Refuse another major version, and a ``kind`` newer than the minor version that claims it."""
     if not reads_version(version):
         raise version_error(version)
+    problem = kind_version_problem(version, kind)
+    if problem is not None:
+        raise IntegrityError(problem, where=MANIFEST)
+
+
+def kind_version_problem(version: object, kind: object) -> str | None:
+    """Why a ``kind`` bundle cannot be of ``version`` (a 2.x version older than the kind), or None."""
     since = KIND_VERSIONS.get(kind) if isinstance(kind, str) else None
-    if since is not None and _minor(str(version)) < _minor(since):
-        raise IntegrityError(f"{kind} bundles need format_version {since} or later; this manifest says {version!r}",
-                             where=MANIFEST)
+    if since is not None and _minor(since) > 0 and _minor(str(version)) < _minor(since):  # "2", "2.x": no minor
+        return f"{kind} bundles need format_version {since} or later; this manifest says {version!r}"
+    return None
 
 
 def _minor(version: str) -> int:

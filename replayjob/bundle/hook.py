@@ -110,9 +110,9 @@ class _Snapshot:
 
 
 class BundleCapture(StepHook):
-    """A :class:`~replayjob.rl.hooks.StepHook` that writes rollout and step bundles."""
+    """A :class:`~replayjob.rl.hooks.StepHook` that writes update, rollout and step bundles."""
 
-    wants_update_logprobs = True  # a step bundle records the logprobs the loss saw
+    wants_update_logprobs = True  # an update or step bundle records the logprobs the loss saw
 
     def __init__(self, cfg: Config, directory: Path, steps: set[tuple[int, int]] | None,
                  rollouts: set[int] | None, build_on_training_thread: bool | None = None):
@@ -158,12 +158,14 @@ class BundleCapture(StepHook):
                 return
             logp = getattr(result, "logprobs", None)
             if logp is None:
-                self._writer.fail(RefusedError("the update did not expose its logprobs; step bundle not written"))
+                self._writer.fail(RefusedError(f"step {step}: the update did not expose its logprobs; its actor "
+                                               "step is not bundled (a captured rollout is written alone)"))
                 return
             tokens = int(snap.tensors["mask"].count_nonzero())
             if tokens != logp.numel():  # a rollout captured with this step is still written, alone
-                self._writer.fail(RefusedError(f"the update exposed {logp.numel()} logprobs for {tokens} response "
-                                               "tokens; step bundle not written"))
+                self._writer.fail(RefusedError(f"step {step}: the update exposed {logp.numel()} logprobs for {tokens} "
+                                               "response tokens; its actor step is not bundled (a captured rollout "
+                                               "is written alone)"))
                 return
             kept = (logp.detach().to("cpu", copy=True), float(result.loss))
             if self._held and self._held[-1][0] == "rollout" and self._held[-1][1] is snap:
@@ -281,7 +283,7 @@ class BundleCapture(StepHook):
         logp[mask != 0] = flat_logp.reshape(-1)  # as many as the mask's ones: checked in after_update
         w.write_payload("logprobs", logp)
         for name in ("old_logprobs", "ref_logprobs", "advantages"):
-            if name not in w.payloads:
+            if name not in w.payloads:  # an update bundle's rollout stages (built first) wrote them already
                 w.write_payload(name, t[name])
         w.set_expected("loss.policy", "loss_weights", t["loss_weights"])
         w.set_expected("loss.policy", "loss", loss)

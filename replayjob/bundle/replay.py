@@ -1,7 +1,7 @@
 """``bundle replay``: resolve, validate, select, recompute every stage in order, compare, report.
 
 Example:
-    >>> report = replay_bundle("captures/rollout-000000")          # doctest: +SKIP
+    >>> report = replay_bundle("captures/update-000000-000000")    # doctest: +SKIP
     >>> report.first_divergent is None                              # doctest: +SKIP
     True
 """

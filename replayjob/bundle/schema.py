@@ -3,7 +3,9 @@
 ``check_manifest``, ``check_index`` and ``check_expected`` check the manifest and its ``index`` and
 ``expected`` sections;
 ``check_closure`` checks that every stage declared ``recompute`` has its inputs, its recorded
-upstream outputs and its own expected outputs, and that ``recorded-only`` stages have outputs.
+upstream outputs and its own expected outputs, and that ``recorded-only`` stages have outputs.  An
+input payload is an ``input`` payload, or in an ``update`` bundle the token output an earlier stage
+recorded (the policy loss reads the advantages ``advantage.estimate`` recorded).
 Each returns ``None`` or raises naming the field.
 """
 
@@ -202,9 +204,13 @@ def check_closure(m: dict[str, Any], ix: dict[str, Any], ex: dict[str, Any],
         for name in fmt.INPUT_PAYLOADS[stage]:
             role = m["payloads"][name]["role"] if name in shapes else None
             upstream = fmt.recorded_upstream(m["kind"], stage, name) if role == "expected" else None
-            if role != "input" and not (upstream and name in ex.get(upstream, {})):
+            if role is None:
                 raise IntegrityError(f"dependency closure: input payload {name!r} is missing", where=where,
                                      hint="capture it or declare the stage recorded-only")
+            if role != "input" and not (upstream and name in ex.get(upstream, {})):
+                raise IntegrityError(f"dependency closure: payload {name!r} is an expected output, not an input "
+                                     f"of {stage}; only an earlier stage's recorded output of the same bundle "
+                                     "may feed it", where=where)
         for up_stage, field in fmt.UPSTREAM.get(stage, ()):
             if field not in ex.get(up_stage, {}):
                 raise IntegrityError(f"dependency closure: recorded input {up_stage}.{field} is missing",

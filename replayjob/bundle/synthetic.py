@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from replayjob.bundle import format as fmt
 from replayjob.bundle.writer import BundleWriter, default_config
 from replayjob.model.tokenizer import ByteTokenizer
 from replayjob.rl import stages
@@ -108,7 +109,7 @@ def make(*, estimator: str = "grpo", groups: int = 2, group_size: int = 4, max_l
 
 def _writer(path: Path, s: Synthetic, kind: str, rows: list[int], rank: int | None, ranks: list[int] | None,
             groups: bool) -> BundleWriter:
-    w = BundleWriter(path, kind=kind, rollout_id=3, step_id=0 if kind == "step" else None, config=s.config,
+    w = BundleWriter(path, kind=kind, rollout_id=3, step_id=0 if kind in fmt.STEP_KINDS else None, config=s.config,
                      rank=rank, ranks=ranks, weight_version=3)
     size = max(1, len(s.group) // 4)
     for i in rows:
