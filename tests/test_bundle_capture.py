@@ -251,6 +251,22 @@ def test_an_update_bundle_names_the_loss_as_its_first_divergence(workspace: Path
     assert [s["status"] for s in rep["stages"]] == ["skipped", "pass", "pass", "pass", "pass", "fail"]
 
 
+def test_a_reused_capture_directory_makes_rollout_selection_ambiguous(workspace: Path, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that failed inside step 0 left rollout-000000; a rerun into the same directory adds
+    update-000000-000000.  --rollout 0 names both and asks for one; --step 0:0 is exact."""
+    failed, rerun = _hook(workspace, tmp_path / "cap"), _hook(workspace, tmp_path / "cap")
+    _feed(failed, 0, update=False)
+    failed.abandon()
+    _feed(rerun, 0)
+    rerun.close()
+    capsys.readouterr()
+    assert main(["bundle", "replay", str(tmp_path / "cap"), "--rollout", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "2 matching bundles" in err and "rollout-000000" in err and "update-000000-000000" in err, err
+    assert main(["bundle", "replay", str(tmp_path / "cap"), "--step", "0:0"]) == 0
+
+
 def test_the_selected_rollouts_and_steps_decide_each_bundle_s_kind(workspace: Path, tmp_path: Path) -> None:
     cfg = load_config(str(workspace / "train.toml"), ["algorithm.group_size=4", "algorithm.prompts_per_step=2"])
     hook = BundleCapture(cfg, tmp_path / "cap", {(1, 0), (2, 0)}, {0, 1})
