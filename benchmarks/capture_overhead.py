@@ -240,13 +240,14 @@ def cpu_added_by_thread(on: list[dict[str, Any]], off: list[dict[str, Any]]) -> 
     (the 'on' run's median step - the 'off' run's), for the whole process, the training thread, the
     bundle writer thread, and the other threads (the process less those two: Torch's intra-op
     threads, which spin while the training thread runs Python between parallel regions)."""
-    def per_run(r: dict[str, Any], part: str) -> float:
+    def per_run(r: dict[str, Any]) -> dict[str, float]:
         cpu, train, writer = r["cpu_s"], r["training_cpu_s"], r["writer_cpu_s"]
-        rows = {"process": cpu, "training": train, "writer": writer,
-                "other": [c - t - w for c, t, w in zip(cpu, train, writer, strict=True)]}[part]
-        return statistics.median(rows)
+        other = [c - t - w for c, t, w in zip(cpu, train, writer, strict=True)]
+        return {"process": statistics.median(cpu), "training": statistics.median(train),
+                "writer": statistics.median(writer), "other": statistics.median(other)}
 
-    return {part: statistics.median(per_run(a, part) - per_run(b, part) for a, b in zip(on, off, strict=True))
+    pairs = [(per_run(a), per_run(b)) for a, b in zip(on, off, strict=True)]
+    return {part: statistics.median(a[part] - b[part] for a, b in pairs)
             for part in ("process", "training", "writer", "other")}
 
 
@@ -389,12 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         for key, label, statistic in (("steady_cpu_paired_ratio", "per-pair median", pair_median_ratio),
                                       ("steady_cpu_ratio", "pooled medians", pooled_median_ratio),
                                       ("steady_cpu_total_ratio", "totals", total_ratio)):
-            low, high = pair_bootstrap(*cpu_runs, statistic=statistic)
+            value, (low, high) = statistic(*cpu_runs), pair_bootstrap(*cpu_runs, statistic=statistic)
             steady_m[f"{key}_interval"] = {"low": low, "high": high, "confidence": 0.95,
                                            "resampled": "pairs of back-to-back runs"}
             if key != "steady_cpu_paired_ratio":  # that one is kept with its spread, above
-                steady_m[key] = statistic(*cpu_runs)
-            shown.append(f"{label} {statistic(*cpu_runs):.3f}x [95% {low:.3f}, {high:.3f}]")
+                steady_m[key] = value
+            shown.append(f"{label} {value:.3f}x [95% {low:.3f}, {high:.3f}]")
         steady_detail = (f"; steady state ({steady_steps}-step runs, bundle capture every step) "
                          f"{steady_m['steady_ratio']:.3f}x ({s_on['median']:.4f} vs {s_off['median']:.4f} s), "
                          f"CPU seconds {shown[0]} (target <= {STEADY_CPU_TARGET:g}; {shown[1]}, {shown[2]}; "

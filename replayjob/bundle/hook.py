@@ -238,7 +238,7 @@ class BundleCapture(StepHook):
     # building (the writer thread, or the training thread for a step computed on the CPU) -----
     def _bundle(self, snap: _Snapshot, kind: str) -> BundleWriter:
         rid = snap.step
-        step_id = None if kind == "rollout" else 0
+        step_id = 0 if kind in fmt.STEP_KINDS else None
         w = BundleWriter(self.directory / fmt.bundle_name(kind, rid, step_id), kind=kind, rollout_id=rid,
                          step_id=step_id, config=self.config, producer=self.producer, weight_version=rid)
         mask = snap.tensors["mask"]

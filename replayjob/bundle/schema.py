@@ -202,12 +202,11 @@ def check_closure(m: dict[str, Any], ix: dict[str, Any], ex: dict[str, Any],
         if cap != "recompute":
             continue
         for name in fmt.INPUT_PAYLOADS[stage]:
-            role = m["payloads"][name]["role"] if name in shapes else None
-            upstream = fmt.recorded_upstream(m["kind"], stage, name) if role == "expected" else None
-            if role is None:
+            if name not in shapes:
                 raise IntegrityError(f"dependency closure: input payload {name!r} is missing", where=where,
                                      hint="capture it or declare the stage recorded-only")
-            if role != "input" and not (upstream and name in ex.get(upstream, {})):
+            upstream = fmt.recorded_upstream(m["kind"], stage, name)
+            if m["payloads"][name]["role"] != "input" and (upstream is None or name not in ex.get(upstream, {})):
                 raise IntegrityError(f"dependency closure: payload {name!r} is an expected output, not an input "
                                      f"of {stage}; only an earlier stage's recorded output of the same bundle "
                                      "may feed it", where=where)
