@@ -192,6 +192,7 @@ from docopt import DocoptExit, docopt
 
 from replayjob import __version__
 from replayjob.errors import EXIT_ERROR, EXIT_REFUSED, ReplayjobError, UsageError
+from replayjob.streams import guarded
 
 Handler = Callable[[dict[str, Any]], int]
 
@@ -557,10 +558,12 @@ def main(argv: Sequence[str] | None = None, *, reexec: bool = False) -> int:
     A :class:`ReplayjobError` exits with its own code (1 or 2, or 3 for an operational error) and one
     message.  Any other exception (a bug, ``MemoryError``, an ``OSError`` from a failing filesystem or
     device) exits 3: one line with the cause, the traceback in the output directory (see
-    :func:`_report_error`).  ``reexec`` (the console script only) lets ``step`` re-execute itself to
+    :func:`_report_error`).  Output is line-buffered and a closed stdout or stderr never changes the
+    code (:mod:`replayjob.streams`).  ``reexec`` (the console script only) lets ``step`` re-execute itself to
     pin the determinism environment before the interpreter starts.
     """
-    code = _main(argv, reexec)
+    with guarded():  # line-buffered output; a closed reader never changes the code
+        code = _main(argv, reexec)
     from replayjob.distributed import record_exit
 
     record_exit(code)  # one rank of a launch by `replayjob replay --nproc N`: its own code, for the launcher

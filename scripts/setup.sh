@@ -2,8 +2,12 @@
 # Create .venv and install replayjob with its test extra.
 #
 # torch: an existing torch in the base interpreter (for example a CUDA build) is kept by
-# creating the venv with --system-site-packages; otherwise the CPU wheel torch==2.13.0 is
-# installed first, so no multi-GB CUDA build is downloaded.  Override with REPLAYJOB_TORCH_SPEC.
+# creating the venv with --system-site-packages.  Otherwise `pip install torch==2.13.0` runs first,
+# and pip picks the build: from the default index on Linux x86_64 that is the CUDA build (several
+# GB, with the nvidia libraries; it runs on a CPU too).  For the CPU build, point pip at the CPU index
+# through REPLAYJOB_TORCH_SPEC, whose words are pip install's arguments:
+#   REPLAYJOB_TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu'
+# (or PIP_FIND_LINKS / PIP_INDEX_URL naming a local wheel source).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -18,7 +22,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
 fi
 if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
-  "$VENV/bin/pip" install -q "${REPLAYJOB_TORCH_SPEC:-torch==2.13.0}"
+  read -r -a torch_spec <<<"${REPLAYJOB_TORCH_SPEC:-torch==2.13.0}"
+  echo "setup: pip install ${torch_spec[*]}"
+  "$VENV/bin/pip" install -q "${torch_spec[@]}"
 fi
 "$VENV/bin/pip" install -q -e ".[${EXTRAS}]"
-echo "setup: $("$VENV/bin/replayjob" --version) in $VENV"
+echo "setup: $("$VENV/bin/replayjob" --version) in $VENV, torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"

@@ -29,6 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"
 REGEN_ENV = "REPLAYJOB_REGEN_GOLDEN"
 
+# No test relies on the environment to see output as it is printed (the container image sets this;
+# a venv on a workstation or a Slurm node does not): every subprocess a test starts runs without it.
+os.environ.pop("PYTHONUNBUFFERED", None)
+
 
 def assert_golden(path: Path, data: bytes) -> None:
     """``data`` must equal the committed file ``path`` byte for byte.

@@ -125,3 +125,39 @@ def test_a_crash_in_step_reduce_exits_3_with_the_traceback_in_the_run_dir(
     assert "RuntimeError: planted" in capsys.readouterr().err
     (report,) = run.iterdir()
     assert report.name.startswith("replayjob-error-") and "planted" in report.read_text()
+
+
+def _run_with_closed(argv: list[str], closed: tuple[str, ...]) -> tuple[int, str]:
+    """Run ``python -m replayjob argv`` with the named streams' readers already gone (a pipe whose read end
+    is closed, as after ``| head -1`` has exited); returns the exit code and stderr when it is open."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    pipes = {}
+    for name in closed:
+        r, w = os.pipe()
+        os.close(r)
+        pipes[name] = w
+    try:
+        proc = subprocess.run([sys.executable, "-m", "replayjob", *argv], cwd=REPO, text=True, timeout=120,
+                              stdout=pipes.get("stdout", subprocess.DEVNULL),
+                              stderr=pipes.get("stderr", subprocess.PIPE))
+    finally:
+        for w in pipes.values():
+            os.close(w)
+    return proc.returncode, proc.stderr or ""
+
+
+@pytest.mark.parametrize("closed", [("stdout",), ("stderr",), ("stdout", "stderr")])
+@pytest.mark.parametrize(("argv", "code"), [(["step", "plan", "--spec", "examples/ablation.toml"], 0),
+                                            (["explain", "/nonexistent/replay.toml"], 2)])
+def test_a_closed_output_never_changes_the_exit_code(argv: list[str], code: int, closed: tuple[str, ...]) -> None:
+    """`replayjob explain CONFIG | head -1`: the command's own code, no BrokenPipeError traceback, and no
+    120 from the interpreter's final flush."""
+    got, err = _run_with_closed(argv, closed)
+    assert got == code, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+

@@ -107,10 +107,15 @@ def make(*, estimator: str = "grpo", groups: int = 2, group_size: int = 4, max_l
     return Synthetic(cfg, group, cb, lengths, completions, labels, t)
 
 
+# Synthetic bundles are built from fixed inputs: their provenance is fixed too, so their bytes (and the
+# golden files made of them) do not depend on the torch build or the release that wrote them.
+PRODUCER = {"name": "replayjob", "replayjob_version": "synthetic", "torch_version": "synthetic"}
+
+
 def _writer(path: Path, s: Synthetic, kind: str, rows: list[int], rank: int | None, ranks: list[int] | None,
             groups: bool) -> BundleWriter:
     w = BundleWriter(path, kind=kind, rollout_id=3, step_id=0 if kind in fmt.STEP_KINDS else None, config=s.config,
-                     rank=rank, ranks=ranks, weight_version=3)
+                     rank=rank, ranks=ranks, weight_version=3, producer=PRODUCER)
     size = max(1, len(s.group) // 4)
     for i in rows:
         w.add_sample(f"s-{i}", group=f"g-{s.group[i]}" if groups else None, prompt_length=5,
