@@ -33,7 +33,7 @@ SOURCE_SCHEMA = "replayjob.metrics/v1"
 REPLAY_FILE = "replay_metrics.json"
 REPLAY_SCHEMA = "replayjob.replay_metrics/v2"
 MAX_METRICS_BYTES = 16 * 1024 * 1024
-_BARE = re.compile(r"^[A-Za-z0-9_.-]+$")
+_BARE = re.compile(r"[A-Za-z0-9_.-]+")
 
 # Keys both files carry: the digests a replay pins and the gate compares.
 LOGICAL = "optimizer/logical_batch_sha256"
@@ -453,7 +453,7 @@ def read_source(directory: str | Path, step: int | None = None) -> Source:
 def _manifest_name(doc: dict[str, Any], where: Path) -> str:
     """The capture manifest's file name (:data:`MANIFEST_PATH`): a bare name in the metrics' directory."""
     name = doc.get(MANIFEST_PATH)
-    if not isinstance(name, str) or not _BARE.match(name) or name in (".", ".."):
+    if not isinstance(name, str) or not _BARE.fullmatch(name) or name in (".", ".."):
         raise IntegrityError(f"{MANIFEST_PATH} is not a bare file name", where=where,
                              hint="keep the capture run's metrics.json as the capture wrote it")
     return name

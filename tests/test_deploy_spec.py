@@ -223,3 +223,33 @@ def test_a_spec_file_declares_an_arm_s_world_size_as_a_registered_knob(tmp_path:
     with pytest.raises(ConfigError, match="the arm one-rank runs 3 ranks, one GPU each, but node_gpus = 2"):
         load_spec(write(tmp_path, text.replace("= 1\n[config]", "= 3\n[config]").replace("ranks = 2", "ranks = 2\n"
                                                                                            "node_gpus = 2")))
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ('name = "demo"', 'name = "demo\\n"'),
+    ('[arms.ckpt-on]', '["arms"."ckpt-on\\n"]'),
+    ('image = "replayjob:0.1.0"', 'image = "replayjob:0.1.0\\n"'),
+    ('repeats = 2', 'repeats = 2\n[config]\n"backend.options.attn_implementation" = "sdpa\\n"'),
+])
+def test_a_trailing_newline_is_refused_at_plan_and_render(tmp_path: Path, old: str, new: str) -> None:
+    """Full-string matching: `$` also matches before a final newline, so names, the image and [config]
+    values ending in one passed validation and were refused only at `step reduce`, after the replays."""
+    assert old in MINIMAL
+    spec = write(tmp_path, MINIMAL.replace(old, new))
+    with pytest.raises(ConfigError):
+        load_spec(spec)
+    assert main(["step", "plan", "--spec", str(spec)]) == 2
+    assert main(["k8s", "render", str(spec), "--out", str(tmp_path / "k8s")]) == 2
+    assert not (tmp_path / "k8s").exists()
+
+
+def test_slots_and_bare_names_are_matched_over_the_whole_string() -> None:
+    from replayjob.deploy.schedule import parse_slot
+    from replayjob.errors import ReplayjobError, UsageError
+
+    assert parse_slot("abba:1:2:3").block == 2
+    with pytest.raises(UsageError):
+        parse_slot("abba:1:2:3\n")
+    from replayjob import metrics
+    with pytest.raises(ReplayjobError, match="bare file name"):
+        metrics._manifest_name({metrics.MANIFEST_PATH: "manifest.json\n"}, Path("metrics.json"))

@@ -39,7 +39,7 @@ DEFAULT_IGNORES: tuple[str, ...] = (
 MISSING: Any = object()
 """Returned by :func:`get_leaf` when a row has no such leaf."""
 
-_INDEX_TAIL = re.compile(r"(\[\d+\])+$")
+_INDEX_TAIL = re.compile(r"(\[\d+\])+\Z")
 _PART = re.compile(r"([^.\[\]]*)((?:\[\d+\])*)")
 
 

@@ -58,10 +58,10 @@ CLAIMS = ("exact-input", "bitwise")
 DEVICES = ("cuda", "cpu")
 MAX_RANKS = 64
 # Kubernetes object names are built as "<name>-replay-<arm>": DNS-1123 labels, short enough.
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 # Override values travel through shell words and Argo parameters: no whitespace or quotes.
-_SAFE_STR = re.compile(r"^[A-Za-z0-9_./:@+-]*$")
-_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$")
+_SAFE_STR = re.compile(r"[A-Za-z0-9_./:@+-]*")
+_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?")
 
 Value = bool | int | float | str
 
@@ -84,7 +84,7 @@ def _check_overrides(raw: Any, where: str) -> dict[str, Value]:
             raise ConfigError(f"{key!r} is not a dotted config key", where=where,
                               hint='quote it: "backend.options.gradient_checkpointing" = true')
         if not isinstance(value, bool | int | float | str) or (
-                isinstance(value, str) and not _SAFE_STR.match(value)):
+                isinstance(value, str) and not _SAFE_STR.fullmatch(value)):
             raise ConfigError(f"{key} = {value!r}: only booleans, numbers and strings without "
                               "spaces or quotes are allowed", where=where)
         out[key] = value
@@ -157,13 +157,13 @@ class AblationSpec:
     ranks: int = 1  # the capture's world size, and every replay's unless its arm declares distributed.world_size
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name) or len(self.name) > 30:
+        if not _NAME.fullmatch(self.name) or len(self.name) > 30:
             raise ConfigError(f"{self.name!r} must be a lowercase DNS label of at most 30 characters",
                               where="name")
         if not self.arms:
             raise ConfigError("at least one arm is required", where="arms")
         for arm in self.arms:
-            if not _NAME.match(arm.name) or len(arm.name) > 20:
+            if not _NAME.fullmatch(arm.name) or len(arm.name) > 20:
                 raise ConfigError(f"{arm.name!r} must be a lowercase DNS label of at most 20 "
                                   "characters", where=f"arms.{arm.name}")
         if self.repeats < 1:
@@ -182,11 +182,11 @@ class AblationSpec:
                               "adapter for the built-in tiny model only", where="resume",
                               hint="set resume to a step -1 resume state made for that model")
         for key in ("storage", "cpu", "memory", "shm"):
-            if not _QUANTITY.match(getattr(self, key)):
+            if not _QUANTITY.fullmatch(getattr(self, key)):
                 raise ConfigError(f"{getattr(self, key)!r} is not a Kubernetes quantity", where=key)
         for key in ("image", "gpu_product", "model_path", "resume", "claim_name", "storage_class",
                     "driver_version", "driver_label", "priority_class", "budgets"):
-            if not _SAFE_STR.match(getattr(self, key)):
+            if not _SAFE_STR.fullmatch(getattr(self, key)):
                 raise ConfigError("no whitespace or quotes allowed", where=key)
         if self.schedule and self.schedule not in DESIGNS:
             raise ConfigError(f"{self.schedule!r} is not a schedule design; use one of: " + ", ".join(DESIGNS),

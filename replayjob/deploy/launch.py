@@ -38,7 +38,7 @@ LAUNCHERS = ("torchrun", "srun")
 PORT_BASE = 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN: above the well-known and below
 PORT_SPAN = 30000  # the ephemeral ports Linux hands out (32768..60999)
 SLURM_KEYS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_JOB_ID")
-_HOST = re.compile(r"^[A-Za-z0-9._-]+$")
+_HOST = re.compile(r"[A-Za-z0-9._-]+")
 
 
 def check_launcher(launcher: str) -> None:
@@ -65,7 +65,7 @@ def first_host(nodelist: str) -> str:
             continue
         out += ch
         i += 1
-    if not _HOST.match(out):
+    if not _HOST.fullmatch(out):
         raise ConfigError(f"malformed Slurm host list {nodelist!r}", where="SLURM_JOB_NODELIST")
     return out
 

@@ -31,7 +31,7 @@ from typing import Any
 from replayjob.errors import UsageError
 
 DESIGNS = ("abba", "random")
-_SLOT = re.compile(r"^(abba|random):([0-9]{1,18}):([0-9]{1,9}):([0-9]{1,4})$")
+_SLOT = re.compile(r"(abba|random):([0-9]{1,18}):([0-9]{1,9}):([0-9]{1,4})")
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Slot:
 
 def parse_slot(text: str) -> Slot:
     """``DESIGN:SEED:BLOCK:POSITION`` (what :meth:`Slot.arg` writes), or a usage refusal."""
-    m = _SLOT.match(text)
+    m = _SLOT.fullmatch(text)
     if not m:
         raise UsageError(f"--slot expects DESIGN:SEED:BLOCK:POSITION with DESIGN one of "
                          f"{', '.join(DESIGNS)}, got {text!r}", hint="e.g. --slot abba:7:0:1")
