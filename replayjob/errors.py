@@ -34,7 +34,8 @@ class ReplayjobError(Exception):
     ``message`` says what is wrong; ``where`` names the file, key or field; ``hint`` says how to
     fix it.  :meth:`diagnostics` renders the three as the one message the CLI prints, through
     :func:`replayjob.config.redact.redact_text`, so a path or value quoted from a config never
-    prints a credential.
+    prints a credential.  ``str(exc)`` is the same text: an error raised into a user's own training
+    script (the capture API) reads as the CLI would print it, with the path and the fix.
     """
 
     exit_code: int = EXIT_REFUSED
@@ -51,6 +52,9 @@ class ReplayjobError(Exception):
         message = redact_text(self.message)  # each part alone: "key: message" is no key-value pair
         head = f"{redact_text(self.where)}: {message}" if self.where else message
         return f"{head}\n  fix: {redact_text(self.hint)}" if self.hint else head
+
+    def __str__(self) -> str:
+        return self.diagnostics()
 
 
 class RefusedError(ReplayjobError):

@@ -161,3 +161,17 @@ def test_a_closed_output_never_changes_the_exit_code(argv: list[str], code: int,
     assert got == code, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
+
+
+def test_an_error_raised_into_a_user_s_script_reads_as_the_cli_prints_it(tmp_path: Path) -> None:
+    """The capture API raises into training scripts: ``str(exc)`` names where and how to fix, as the CLI does."""
+    from replayjob.errors import ArtifactExistsError
+    from replayjob.integrations.capture import refuse_existing
+
+    (tmp_path / "metrics.json").write_text("{}")
+    with pytest.raises(ArtifactExistsError) as info:
+        refuse_existing(tmp_path, ["metrics.json"])
+    text = str(info.value)
+    assert text == info.value.diagnostics()
+    assert str(tmp_path / "metrics.json") in text and "fix: choose a new output directory" in text
+    assert str(OperationalError("device lost", hint="retry")) == "device lost\n  fix: retry"
