@@ -22,7 +22,7 @@ import io
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 _GONE = (errno.EPIPE, errno.ECONNRESET)
 
@@ -82,7 +82,7 @@ class _Guarded(io.TextIOBase):
 
     @property
     def encoding(self) -> str:  # type: ignore[override]
-        return str(getattr(self._inner, "encoding", "utf-8"))
+        return cast(str, getattr(self._inner, "encoding", None))  # None for a StringIO, as it says
 
     @property
     def errors(self) -> str | None:  # type: ignore[override]
@@ -96,8 +96,8 @@ class _Guarded(io.TextIOBase):
 def guarded() -> Iterator[None]:
     """Line-buffered stdout and stderr that tolerate a closed reader, for the duration of one command."""
     saved = sys.stdout, sys.stderr
-    sys.stdout = _Guarded(saved[0])  # type: ignore[assignment]
-    sys.stderr = _Guarded(saved[1])  # type: ignore[assignment]
+    sys.stdout = _Guarded(saved[0])
+    sys.stderr = _Guarded(saved[1])
     try:
         yield
     finally:
