@@ -445,7 +445,7 @@ def test_a_format_1_bundle_is_refused_by_version(tmp_path: Path, capsys: pytest.
     for cmd in ("validate", "replay"):
         rc, out = _cli(capsys, "bundle", cmd, str(p))
         assert rc == 2 and "Traceback" not in out, out
-        assert f"bundle format_version {want} is not read by this replayjob, which reads bundle format 2.1.0" in out
+        assert f"bundle format_version {want} is not read by this replayjob, which reads bundle format 2.2.0" in out
         assert "capture the bundle again with this replayjob" in out
     rc, out = _cli(capsys, "bundle", "inspect", str(p))  # inspect never refuses: it says what it found
     assert rc == 0 and ("format 1.0.0" in out or damage != "none"), out

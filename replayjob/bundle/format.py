@@ -10,6 +10,7 @@ unsupported topology) with a sentence naming the field.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -28,7 +29,11 @@ DTYPES: dict[str, torch.dtype] = {"F64": torch.float64, "F32": torch.float32, "F
 FORMAT = "replayjob.bundle"
 # The version each kind appeared in: a writer writes the oldest minor version that holds its bundle.
 KIND_VERSIONS = {"rollout": "2.0.0", "step": "2.0.0", "update": "2.1.0"}
-FORMAT_VERSION = max(KIND_VERSIONS.values(), key=lambda v: tuple(int(x) for x in v.split(".")))  # reads 2.x
+# 2.2.0 added the run id of a multi-rank bundle (manifest ``multi_rank.run_id``, ``COMPLETE.<r>`` and the
+# root ``COMPLETE``): a rank directory is written as 2.2.0 whatever its kind; a single bundle keeps its kind's.
+MULTI_RANK_VERSION = "2.2.0"
+FORMAT_VERSION = max([*KIND_VERSIONS.values(), MULTI_RANK_VERSION],
+                     key=lambda v: tuple(int(x) for x in v.split(".")))  # reads 2.x
 STAGE_VERSION = "v1"
 
 MANIFEST = "manifest.json"
@@ -107,6 +112,18 @@ CONFIG_KEYS: dict[str, type | tuple[type, ...]] = {
     "loss_agg": str, "clip_low": float, "clip_high": float, "kl_loss_coef": float,
     "context_parallel": int, "task": (dict, type(None)), "tokenizer": (str, type(None)),
 }
+# Payloads a stage computes with, by the dtypes it needs: token ids are integers (a float id cannot be
+# decoded), log-probabilities, KL, advantages and loss weights are floating point.
+INTEGER_DTYPES = ("I64", "I32", "U8")
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+PAYLOAD_DTYPES: dict[str, tuple[str, ...]] = {
+    **{name: INTEGER_DTYPES for name in ("response_ids", "label_ids")},
+    **{name: FLOAT_DTYPES for name in ("logprobs", "old_logprobs", "ref_logprobs", "kl", "advantages",
+                                       "loss_weights")}}
+# Config values the trainer refuses below 0 (``replayjob.config.schema.AlgorithmConfig``): a bundle whose
+# producer recorded one is refused too, never recomputed with it.
+NON_NEGATIVE = ("std_eps", "kl_reward_coef", "adv_clip", "clip_low", "clip_high", "kl_loss_coef", "token_cap")
+_TRAINER_KEYS = {"clip_low": "clip_eps_low", "clip_high": "clip_eps_high"}  # where the trainer's config differs
 KL_KINDS = ("k1", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
 TASKS = ("arithmetic", "reverse")
@@ -129,11 +146,44 @@ def check_payload_name(name: object) -> str:
     return name
 
 
+def check_payload_dtype(name: str, dtype: str) -> None:
+    """A payload a stage computes with has a dtype of its class (:data:`PAYLOAD_DTYPES`)."""
+    allowed = PAYLOAD_DTYPES.get(name)
+    if allowed is not None and dtype not in allowed:
+        what = "token ids are integers" if allowed is INTEGER_DTYPES else "it holds real numbers"
+        raise IntegrityError(f"payload {name!r} is {dtype}: {what}, so its dtype must be one of {list(allowed)}",
+                             where=f"{MANIFEST}: payloads.{name}",
+                             hint="write it with an integer tensor" if allowed is INTEGER_DTYPES else
+                             "write it with a floating-point tensor")
+
+
 def check_id(value: object, what: str) -> str:
     if not isinstance(value, str) or not _ID.fullmatch(value):
         raise IntegrityError(f"{what} must be a short identifier ([A-Za-z0-9._:-]), found {value!r}",
                              where=INDEX)
     return value
+
+
+def check_run_id(value: object, where: object = None) -> str:
+    """The id of the run a rank of a multi-rank bundle belongs to: a short identifier, chosen once per run."""
+    if not isinstance(value, str) or not _ID.fullmatch(value):
+        raise IntegrityError(f"run_id must be a short identifier ([A-Za-z0-9][A-Za-z0-9._:-]*, at most 128 "
+                             f"characters), found {value!r}", where=str(where) if where is not None else None,
+                             hint="pass the one id of the run every rank writes (replayjob.bundle.writer."
+                                  "shared_run_id)")
+    return value
+
+
+def run_mix(run_ids: dict[int, object]) -> str:
+    """The refusal of ranks that do not carry one run id (``rank -> run id``, None: none recorded)."""
+    first = next(iter(run_ids.items()))
+    other = next(((r, v) for r, v in run_ids.items() if v != first[1]), first)
+    if first[1] is None or other[1] is None:
+        r = first[0] if first[1] is None else other[0]
+        return (f"rank {r} records no run id (written before bundle format {MULTI_RANK_VERSION}): it cannot be "
+                "shown to belong to the same run as the other ranks")
+    return (f"the ranks come from different runs: rank {first[0]} carries run id {first[1]!r}, rank {other[0]} "
+            f"carries run id {other[1]!r}; a multi-rank bundle is one run's ranks")
 
 
 def version_error(version: object) -> ContractError:
@@ -150,20 +200,31 @@ def reads_version(version: object) -> bool:
     return isinstance(version, str) and version.split(".")[0] == FORMAT_VERSION.split(".")[0]
 
 
-def check_version(version: object, kind: object = None) -> None:
-    """Refuse another major version, and a ``kind`` newer than the minor version that claims it."""
+def check_version(version: object, kind: object = None, multi_rank: bool = False) -> None:
+    """Refuse another major version, and a ``kind`` (or a rank of a multi-rank bundle) newer than the
+    minor version that claims it."""
     if not reads_version(version):
         raise version_error(version)
-    problem = kind_version_problem(version, kind)
+    problem = kind_version_problem(version, kind, multi_rank)
     if problem is not None:
-        raise IntegrityError(problem, where=MANIFEST)
+        raise IntegrityError(problem, where=MANIFEST,
+                             hint="capture the bundle again with this replayjob" if multi_rank else None)
 
 
-def kind_version_problem(version: object, kind: object) -> str | None:
-    """Why a ``kind`` bundle cannot be of ``version`` (a 2.x version older than the kind), or None."""
+def bundle_version(kind: str, multi_rank: bool) -> str:
+    """The oldest format version that holds a ``kind`` bundle (a rank directory when ``multi_rank``)."""
+    return max(KIND_VERSIONS[kind], MULTI_RANK_VERSION if multi_rank else "0.0.0", key=lambda v: _minor(v))
+
+
+def kind_version_problem(version: object, kind: object, multi_rank: bool = False) -> str | None:
+    """Why a ``kind`` bundle (a rank directory when ``multi_rank``) cannot be of ``version`` (a 2.x version
+    older than what it holds), or None."""
     since = KIND_VERSIONS.get(kind) if isinstance(kind, str) else None
     if since is not None and _minor(since) > 0 and _minor(str(version)) < _minor(since):  # "2", "2.x": no minor
         return f"{kind} bundles need format_version {since} or later; this manifest says {version!r}"
+    if multi_rank and _minor(str(version)) < _minor(MULTI_RANK_VERSION):
+        return (f"multi-rank bundles (multi_rank set) need format_version {MULTI_RANK_VERSION} or later (every "
+                f"rank records the run id that ties the ranks to one run); this manifest says {version!r}")
     return None
 
 
@@ -232,13 +293,35 @@ def check_config(cfg: object) -> dict[str, Any]:
         raise ContractError(f"unsupported KL estimator {cfg['kl_kind']!r}", where=f"{where}.kl_kind")
     if cfg["loss_agg"] not in LOSS_AGGS:
         raise ContractError(f"unsupported loss aggregation {cfg['loss_agg']!r}", where=f"{where}.loss_agg")
-    if cfg["samples_per_prompt"] < 1 or cfg["token_cap"] < 0:
-        raise IntegrityError("samples_per_prompt must be >= 1 and token_cap >= 0", where=where)
+    for key, typ in CONFIG_KEYS.items():
+        if typ is float and not math.isfinite(cfg[key]):
+            raise IntegrityError(f"config.{key} must be a finite number, found {cfg[key]!r}", where=f"{where}.{key}",
+                                 hint="fix the producer's config and capture again")
+    if cfg["samples_per_prompt"] < 1:
+        raise IntegrityError(f"config.samples_per_prompt must be an integer >= 1, found {cfg['samples_per_prompt']}",
+                             where=f"{where}.samples_per_prompt", hint="record the trainer's group size")
+    if cfg["estimator"] == "rloo" and cfg["samples_per_prompt"] < 2:
+        raise IntegrityError("config.samples_per_prompt must be >= 2 for estimator 'rloo' (its baseline is the "
+                             f"mean of the other samples), found {cfg['samples_per_prompt']}",
+                             where=f"{where}.samples_per_prompt", hint="record the trainer's group size")
+    for key in NON_NEGATIVE:  # clip_low, clip_high >= 0 keep the ratio bounds in order: 1 - low <= 1 <= 1 + high
+        if cfg[key] < 0:
+            low, high = 1 - cfg["clip_low"], 1 + cfg["clip_high"]
+            order = (f" (the ratio clip bounds [1 - clip_low, 1 + clip_high] = [{low!r}, {high!r}] are out of order)"
+                     if key in ("clip_low", "clip_high") and low > high else "")
+            raise IntegrityError(f"config.{key} must be >= 0, found {cfg[key]!r}{order}", where=f"{where}.{key}",
+                                 hint=f"the trainer refuses a negative algorithm.{_TRAINER_KEYS.get(key, key)}; "
+                                      "record the producer's real value (capture again)")
     task = cfg["task"]
     if task is not None and (not isinstance(task, dict) or set(task) != {"name", "max_operand"}
-                             or task["name"] not in TASKS or not isinstance(task["max_operand"], int)):
+                             or task["name"] not in TASKS or not isinstance(task["max_operand"], int)
+                             or isinstance(task["max_operand"], bool)):
         raise ContractError(f"config.task must be null or {{name: one of {list(TASKS)}, max_operand: int}}",
                             where=f"{where}.task")
+    if task is not None and task["max_operand"] < 1:
+        raise IntegrityError(f"config.task.max_operand must be an integer >= 1, found {task['max_operand']}",
+                             where=f"{where}.task.max_operand",
+                             hint="the trainer refuses environment.max_operand < 1; record the trainer's value")
     if cfg["tokenizer"] not in (None, "byte"):
         raise ContractError(f"tokenizer {cfg['tokenizer']!r} cannot be rebuilt offline; only 'byte' can",
                             where=f"{where}.tokenizer", hint="declare reward.raw recorded-only")

@@ -5,11 +5,13 @@ directory is complete (``COMPLETE`` present, the manifest digest it records matc
 format 1.x bundle (refused by version), no symlink, directory, pickle-capable or unknown file is in
 it, the manifest and its index and expected sections match their schemas, ``payloads.safetensors``
 is a regular file of the declared size whose header block and every tensor's bytes match their
-SHA-256 and whose tensors have the declared dtypes and shapes, and every ``recompute`` stage has
-its inputs.  A
+SHA-256 and whose tensors have the declared dtypes and shapes (token ids in the tokenizer's range),
+every ``recompute`` stage has its inputs, and every group recomputed closes.  A
 multi-rank root is read only when its final ``COMPLETE`` exists, its rank list equals the
-``expected_ranks`` of every ``COMPLETE.<r>`` and every rank manifest, and every listed rank is
-there; a ``rank-<r>/`` directory passed directly is refused until its root is complete.
+``expected_ranks`` of every ``COMPLETE.<r>`` and every rank manifest, every listed rank is
+there, every rank carries the root's run id (ranks of two runs are refused, naming both ids) and
+the ranks share one schema (payload dtypes and roles, recorded outputs); a ``rank-<r>/`` directory
+passed directly is refused until its root is complete.
 
 Threat model: a bundle is untrusted input copied between machines.  Payloads load through
 :mod:`replayjob.tensorfile` (strict header checks) from bytes already hashed (no re-read between
@@ -32,11 +34,12 @@ from torch import Tensor
 from replayjob import tensorfile
 from replayjob.bundle import format as fmt
 from replayjob.bundle.mask import MaskRows
-from replayjob.bundle.schema import check_closure, check_expected, check_index, check_manifest
+from replayjob.bundle.schema import check_closure, check_expected, check_groups, check_index, check_manifest
 from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
 from replayjob.fsio import read_regular_bytes
 from replayjob.jsonio import DEFAULT_MAX_BYTES, loads_strict, read_json_object
+from replayjob.model.tokenizer import ByteTokenizer
 
 PARALLEL_FILES = 4  # payload tensors read at once, at most
 PARALLEL_MIN_BYTES = 32 * 1024 * 1024  # below this, threads cost more than they save
@@ -142,9 +145,60 @@ def _refuse_v1(path: Path) -> None:
     fmt.check_version(version)  # a 2.x manifest beside 1.x entries: refused below as unknown entries
 
 
-def _load_payloads(path: Path, manifest: dict[str, Any], keep: bool, rows: MaskRows) -> dict[str, Tensor]:
+class TokenIds:
+    """A ``scan`` visitor: token-id payloads hold ids the tokenizer has, checked as their bytes stream past.
+
+    An id below 0 is never a token (the byte tokenizer's decoder would drop it silently, and the reward
+    be computed on another text); under the byte tokenizer ``response_ids`` are below its vocabulary
+    size and ``label_ids`` (the label text's bytes) below 256.  Padding is 0, so every value is checked.
+    The dtype (an integer one) is checked with the manifest, before the scan.
+    """
+
+    def __init__(self, tokenizer: str | None, sample_ids: list[str]):
+        byte = tokenizer == "byte"
+        self.bounds: dict[str, int | None] = {"response_ids": ByteTokenizer.vocab_size if byte else None,
+                                              "label_ids": 256 if byte else None}
+        self.sample_ids = sample_ids
+
+    def __call__(self, spec: tensorfile.TensorSpec, piece: memoryview, first: int) -> None:
+        """Check ``piece``: elements ``first ..`` of tensor ``spec``, just read and hashed."""
+        if spec.name not in self.bounds or spec.dtype not in fmt.INTEGER_DTYPES or len(spec.shape) != 2:
+            return  # refused by the manifest or the header check
+        dtype = fmt.DTYPES[spec.dtype]
+        count = len(piece) // dtype.itemsize
+        if count:
+            self._check(spec.name, torch.frombuffer(piece, dtype=dtype, count=count), first, spec.shape[1])
+
+    def check_tensor(self, name: str, t: Tensor) -> None:
+        """The same check on a whole ``[N, T]`` tensor (the writer, before it writes)."""
+        if name in self.bounds and t.dim() == 2 and not t.dtype.is_floating_point and t.dtype != torch.bool:
+            self._check(name, t.reshape(-1), 0, t.shape[1])
+
+    def _check(self, name: str, values: Tensor, first: int, width: int) -> None:
+        bound = self.bounds[name]
+        bad = values < 0 if bound is None else (values < 0) | (values >= bound)
+        if bool(bad.any()):
+            k = int(bad.nonzero()[0, 0])
+            row, col = divmod(first + k, max(1, width))
+            sample = self.sample_ids[row] if row < len(self.sample_ids) else f"row {row}"
+            allowed = "integers >= 0" if bound is None else f"integers in [0, {bound})"
+            raise IntegrityError(f"payload {name!r} holds token id {int(values[k])} (sample {sample!r}, token "
+                                 f"{col}): token ids are {allowed}", where=fmt.payload_where(name),
+                                 hint="record the ids the tokenizer produced (pad with 0); a negative or unknown id "
+                                      "would be dropped when the text is decoded")
+
+
+def _visit_all(*visitors: tensorfile.Visitor) -> tensorfile.Visitor:
+    def visit(spec: tensorfile.TensorSpec, piece: memoryview, first: int) -> None:
+        for v in visitors:
+            v(spec, piece, first)
+    return visit
+
+
+def _load_payloads(path: Path, manifest: dict[str, Any], keep: bool, rows: MaskRows,
+                   ids: TokenIds) -> dict[str, Tensor]:
     """One read of ``payloads.safetensors``: size, header SHA-256 and every tensor's SHA-256 first,
-    then the header, BOOL bytes and mask rows checked on those very bytes.
+    then the header, BOOL bytes, mask rows and token ids checked on those very bytes.
 
     The header block and each tensor's bytes are hashed on their own (together they tile the file,
     so every byte is pinned); with 32 MiB or more, up to four threads read and hash tensors at once
@@ -167,7 +221,7 @@ def _load_payloads(path: Path, manifest: dict[str, Any], keep: bool, rows: MaskR
         raise IntegrityError(f"{fmt.PAYLOAD_FILE} is not a regular file (symlinks are refused)", where=p)
     workers = min(PARALLEL_FILES, len(specs)) if int(pf["bytes"]) >= PARALLEL_MIN_BYTES else 1
     scanned = tensorfile.scan(p, keep=keep, schema=fmt.payload_schema({n: s["dtype"] for n, s in specs.items()}),
-                              digest="spans", visit=rows, workers=workers, follow_symlinks=False)
+                              digest="spans", visit=_visit_all(rows, ids), workers=workers, follow_symlinks=False)
     header_sha = (scanned.header_sha256 or b"").hex()
     if scanned.size != pf["bytes"] or header_sha != pf["header_sha256"]:
         raise IntegrityError(f"checksum mismatch for {fmt.PAYLOAD_FILE}: {scanned.size} bytes, header sha256 "
@@ -182,7 +236,7 @@ def _load_payloads(path: Path, manifest: dict[str, Any], keep: bool, rows: MaskR
             raise IntegrityError(f"checksum mismatch for payload {name!r}: sha256 {sha[:16]}..., manifest says "
                                  f"{specs[name]['sha256'][:16]}...", where=fmt.payload_where(name),
                                  hint="the payload was modified")
-    header = scanned.validated()  # strict header, schema, BOOL bytes and mask rows, on the hashed bytes
+    header = scanned.validated()  # strict header, schema, BOOL bytes, mask rows and token ids, on the hashed bytes
     for name, spec in specs.items():
         ts = header.tensors[name]
         if ts.dtype != spec["dtype"] or list(ts.shape) != spec["shape"]:
@@ -223,8 +277,9 @@ def _load_single(path: Path, tensors: bool = True) -> Bundle:
     n = len(index["samples"])
     check_expected(expected, manifest, n)
     # Mask rows are checked against the recorded lengths as the mask's bytes stream past the hash.
-    rows = MaskRows([s["response_length"] for s in index["samples"]], [s["sample_id"] for s in index["samples"]])
-    payloads = _load_payloads(path, manifest, tensors, rows)
+    sample_ids = [s["sample_id"] for s in index["samples"]]
+    rows = MaskRows([s["response_length"] for s in index["samples"]], sample_ids)
+    payloads = _load_payloads(path, manifest, tensors, rows, TokenIds(index["config"]["tokenizer"], sample_ids))
     specs = manifest["payloads"]
     check_closure(manifest, index, expected, {k: (specs[k]["dtype"], list(v.shape)) for k, v in payloads.items()})
     _check_labels(payloads, index)
@@ -249,12 +304,14 @@ def _int_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(type(r) is int and r >= 0 for r in value)
 
 
-def _read_root(root: Path) -> tuple[list[int], dict[str, str]]:
-    """The root ``COMPLETE`` cross-checked against every ``COMPLETE.<r>`` it lists: (ranks, rank -> manifest).
+def _read_root(root: Path) -> tuple[list[int], dict[str, str], str]:
+    """The root ``COMPLETE`` cross-checked against every ``COMPLETE.<r>`` it lists: (ranks, rank -> manifest,
+    run id).
 
     The root's rank list must be exactly the ``expected_ranks`` each landed rank recorded, so a root
     that lists fewer ranks than its producers expected (a rank dropped, its records deleted) is
-    refused, as is a landing record that names another rank, bundle or manifest.
+    refused, as is a landing record that names another rank, bundle or manifest, and a root whose
+    ranks carry different run ids (two runs' ranks landed in one directory).
     """
     landed = sorted(p.name for p in root.glob(f"{fmt.COMPLETE}.*"))
     if not (root / fmt.COMPLETE).is_file() or (root / fmt.COMPLETE).is_symlink():
@@ -263,9 +320,14 @@ def _read_root(root: Path) -> tuple[list[int], dict[str, str]]:
                              hint="wait for every rank to flush or capture again")
     where = root / fmt.COMPLETE
     doc = read_json_object(where, follow_symlinks=False)
-    if set(doc) != {"format", "bundle_id", "ranks", "rank_manifests"} or doc["format"] != fmt.FORMAT:
-        raise IntegrityError(f"root COMPLETE must record exactly format {fmt.FORMAT!r}, bundle_id, ranks and "
+    if set(doc) == {"format", "bundle_id", "ranks", "rank_manifests"}:  # the root of a 2.0 or 2.1 multi-rank bundle
+        raise IntegrityError(f"this multi-rank root records no run id (written before bundle format "
+                             f"{fmt.MULTI_RANK_VERSION}): its ranks cannot be shown to come from one run", where=where,
+                             hint="capture the bundle again with this replayjob")
+    if set(doc) != {"format", "bundle_id", "run_id", "ranks", "rank_manifests"} or doc["format"] != fmt.FORMAT:
+        raise IntegrityError(f"root COMPLETE must record exactly format {fmt.FORMAT!r}, bundle_id, run_id, ranks and "
                              f"rank_manifests, found keys {sorted(doc)}", where=where)
+    fmt.check_run_id(doc["run_id"], where=where)
     ranks, manifests = doc["ranks"], doc["rank_manifests"]
     if not _int_list(ranks) or ranks != sorted(set(ranks)):
         raise IntegrityError(f"root COMPLETE must list the ranks as distinct integers >= 0 in order, found {ranks!r}",
@@ -273,34 +335,50 @@ def _read_root(root: Path) -> tuple[list[int], dict[str, str]]:
     if not isinstance(manifests, dict) or sorted(manifests) != sorted(str(r) for r in ranks):
         raise IntegrityError(f"root COMPLETE records manifests for ranks {sorted(manifests or {})}, its rank list "
                              f"is {ranks}", where=where)
+    records = {}
     for r in ranks:
         rec_path = root / f"{fmt.COMPLETE}.{r}"
         if not rec_path.is_file() or rec_path.is_symlink():
             raise IntegrityError(f"rank {r} is missing ({fmt.COMPLETE}.{r}); expected ranks {ranks}", where=root,
                                  hint="the producer of that rank did not land")
-        rec = read_json_object(rec_path, follow_symlinks=False)
-        if set(rec) != {"format", "bundle_id", "rank", "expected_ranks", "manifest_sha256"}:
-            raise IntegrityError(f"a rank landing record holds exactly format, bundle_id, rank, expected_ranks and "
-                                 f"manifest_sha256, found keys {sorted(rec)}", where=rec_path)
+        records[r] = read_json_object(rec_path, follow_symlinks=False)
+    run_ids = {r: rec.get("run_id") for r, rec in records.items()}
+    if len(set(map(repr, run_ids.values()))) > 1:  # before any other disagreement: the cause, named
+        raise IntegrityError(fmt.run_mix(run_ids), where=root,
+                             hint="capture into a new directory; a directory reused after a failed run keeps the "
+                                  "dead run's ranks")
+    for r, rec in records.items():
+        rec_path = root / f"{fmt.COMPLETE}.{r}"
+        if set(rec) != {"format", "bundle_id", "rank", "expected_ranks", "run_id", "manifest_sha256"}:
+            raise IntegrityError(f"a rank landing record holds exactly format, bundle_id, rank, expected_ranks, run_id "
+                                 f"and manifest_sha256, found keys {sorted(rec)}", where=rec_path)
         expected = rec["expected_ranks"]
         if not _int_list(expected) or sorted(set(expected)) != ranks:
             raise IntegrityError(f"the root COMPLETE lists ranks {ranks} but rank {r}'s producer expected ranks "
                                  f"{expected!r}: a partial root is refused", where=rec_path,
                                  hint="wait for every expected rank to land, or capture again")
+        if rec["run_id"] != doc["run_id"]:
+            raise IntegrityError(f"the ranks come from another run than the root COMPLETE: rank {r} carries run id "
+                                 f"{rec['run_id']!r}, the root COMPLETE records run id {doc['run_id']!r}",
+                                 where=rec_path, hint="capture into a new directory")
         if (rec["rank"], rec["bundle_id"], rec["format"], rec["manifest_sha256"]) != (
                 r, doc["bundle_id"], fmt.FORMAT, manifests[str(r)]):
             raise IntegrityError(f"{fmt.COMPLETE}.{r} disagrees with the root COMPLETE on the rank, the bundle id, "
                                  "the format or the rank's manifest digest", where=rec_path)
-    return ranks, manifests
+    return ranks, manifests, doc["run_id"]
 
 
 def _check_root_complete(rank_dir: Path, multi_rank: dict[str, Any], manifest_sha: str) -> None:
     root, rank = rank_dir.parent, multi_rank["rank"]
     if rank_dir.name != f"rank-{rank}":
         raise IntegrityError(f"a rank bundle lives in rank-{rank}/, found {rank_dir.name}/", where=rank_dir)
-    ranks, manifests = _read_root(root)
+    ranks, manifests, run_id = _read_root(root)
     if manifests.get(str(rank)) != manifest_sha:
         raise IntegrityError(f"root COMPLETE does not record this manifest for rank {rank}", where=root)
+    if multi_rank["run_id"] != run_id:
+        raise IntegrityError(f"the ranks come from different runs: rank {rank}'s manifest carries run id "
+                             f"{multi_rank['run_id']!r}, its root (and every landing record) run id {run_id!r}",
+                             where=rank_dir / fmt.MANIFEST, hint="capture into a new directory")
     if sorted(multi_rank["expected_ranks"]) != ranks:
         raise IntegrityError(f"this rank's manifest expects ranks {sorted(multi_rank['expected_ranks'])}, the root "
                              f"COMPLETE lists {ranks}: a partial root is refused", where=rank_dir / fmt.MANIFEST)
@@ -308,7 +386,7 @@ def _check_root_complete(rank_dir: Path, multi_rank: dict[str, Any], manifest_sh
 
 def _load_root(root: Path, tensors: bool = True) -> Bundle:
     _check_dir(root)
-    ranks, _ = _read_root(root)
+    ranks, _, _ = _read_root(root)
     for entry in root.iterdir():
         ok = entry.name == fmt.COMPLETE or entry.name in {f"rank-{r}" for r in ranks} or entry.name in {
             f"{fmt.COMPLETE}.{r}" for r in ranks}
@@ -324,13 +402,30 @@ def _load_root(root: Path, tensors: bool = True) -> Bundle:
     return merge(root, ranks, parts)
 
 
+def _spec(spec: dict[str, Any] | None) -> str:
+    return "absent" if spec is None else f"{spec['dtype']} ({spec['role']})"
+
+
 def merge(root: Path, ranks: list[int], parts: list[Bundle]) -> Bundle:
     """Concatenate rank shards in rank order (per-token payloads padded to one T)."""
     first = parts[0]
     for b in parts[1:]:
-        for key in ("bundle_id", "kind", "stages", "comparison", "redaction"):
+        for key in ("format_version", "bundle_id", "kind", "stages", "comparison", "redaction"):
             if b.manifest[key] != first.manifest[key]:
                 raise IntegrityError(f"ranks disagree on manifest {key}", where=b.path)
+        # One schema: the same payloads of the same dtypes and roles, the same recorded outputs.  Tensors of
+        # different dtypes are never concatenated (torch.cat would promote them) and graded as one.
+        for name in sorted(set(first.payloads) | set(b.payloads)):
+            s0, s1 = first.manifest["payloads"].get(name), b.manifest["payloads"].get(name)
+            if s0 is None or s1 is None or (s0["dtype"], s0["role"]) != (s1["dtype"], s1["role"]):
+                raise IntegrityError(f"ranks disagree on payload {name!r}: rank {ranks[0]} has it {_spec(s0)}, rank "
+                                     f"{ranks[parts.index(b)]} {_spec(s1)}; ranks of different schemas are never "
+                                     "concatenated", where=fmt.payload_where(name),
+                                     hint="every rank of a run writes the same payloads with the same dtypes")
+        if {s: sorted(f) for s, f in b.expected.items()} != {s: sorted(f) for s, f in first.expected.items()}:
+            raise IntegrityError(f"ranks disagree on the recorded outputs: rank {ranks[0]} records "
+                                 f"{ {s: sorted(f) for s, f in first.expected.items()} }, rank {ranks[parts.index(b)]} "
+                                 f"{ {s: sorted(f) for s, f in b.expected.items()} }", where=b.path)
         ident, ident0 = b.index["identity"], first.index["identity"]
         if b.index["config"] != first.index["config"] or (ident["rollout_id"], ident["step_id"]) != (
                 ident0["rollout_id"], ident0["step_id"]) or set(b.payloads) != set(first.payloads):
@@ -361,10 +456,17 @@ def load_bundle(path: str | Path, *, tensors: bool = True) -> Bundle:
     """Validate and load a bundle directory or a multi-rank root; raise naming the first fault.
 
     ``tensors=False`` (``bundle validate``) runs every check -- digests over every byte, headers,
-    dtypes, shapes, BOOL bytes, mask rows -- but keeps no payload data: ``payloads`` then holds
-    ``meta`` tensors of the recorded dtypes and shapes.
+    dtypes, shapes, BOOL bytes, mask rows, token ids, config ranges, group closure -- but keeps no
+    payload data: ``payloads`` then holds ``meta`` tensors of the recorded dtypes and shapes.  Every
+    structural check ``bundle replay`` relies on is made here, so what ``validate`` passes, ``replay``
+    recomputes.
     """
-    p = Path(path)
+    b = _load(Path(path), tensors)
+    check_groups(b.manifest, b.samples, b.config)  # on the whole bundle: a root's ranks merged
+    return b
+
+
+def _load(p: Path, tensors: bool) -> Bundle:
     if p.is_dir() and not p.is_symlink() and is_multi_rank_root(p):
         return _load_root(p, tensors)
     if p.is_dir() and not p.is_symlink() and not (p / fmt.MANIFEST).exists() and not (p / fmt.COMPLETE).exists():

@@ -20,13 +20,13 @@ Per stage (``rows`` are bundle rows, always whole semantic groups):
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from replayjob.bundle.reader import Bundle
+from replayjob.bundle.schema import check_groups
 from replayjob.errors import ContractError
 from replayjob.model.tokenizer import ByteTokenizer
 from replayjob.rl import stages
@@ -41,19 +41,9 @@ def take_rows(t: Tensor, rows: list[int]) -> Tensor:
 
 
 def _group_ids(b: Bundle, rows: list[int]) -> Tensor:
-    cfg = b.config
     recs = b.samples
+    check_groups(b.manifest, [recs[i] for i in rows], b.config)  # the reader's check, on the rows selected
     labels = [recs[i]["group"] for i in rows]
-    for i, g in zip(rows, labels, strict=True):
-        if g is None:
-            raise ContractError(f"missing group membership for sample {recs[i]['sample_id']!r}",
-                                hint="groups are never inferred from batch sizes")
-    counts = Counter(labels)
-    for g, n in sorted(counts.items()):
-        if n != cfg["samples_per_prompt"]:
-            raise ContractError(f"group {g!r} has {n} member(s) here, the config says samples_per_prompt="
-                                f"{cfg['samples_per_prompt']}: the group closure is incomplete",
-                                hint="capture whole groups; a partial group cannot be normalised")
     order = {g: k for k, g in enumerate(dict.fromkeys(labels))}
     return torch.tensor([order[g] for g in labels], dtype=torch.int64)
 

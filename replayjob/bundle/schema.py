@@ -12,6 +12,7 @@ Each returns ``None`` or raises naming the field.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 from replayjob.bundle import format as fmt
@@ -55,7 +56,7 @@ def check_manifest(m: dict[str, Any]) -> None:
     Format and version come first, so that a bundle of another format version is refused by version."""
     if m.get("format") != fmt.FORMAT:
         raise IntegrityError(f"not a trajectory bundle (format {m.get('format')!r})", where=W)
-    fmt.check_version(m.get("format_version"), m.get("kind"))
+    fmt.check_version(m.get("format_version"), m.get("kind"), multi_rank=isinstance(m.get("multi_rank"), dict))
     if set(m) != _MANIFEST_KEYS:
         raise IntegrityError(f"manifest keys: missing {sorted(_MANIFEST_KEYS - set(m))}, unknown "
                              f"{sorted(set(m) - _MANIFEST_KEYS)}", where=W)
@@ -84,6 +85,7 @@ def check_manifest(m: dict[str, Any]) -> None:
         if spec["dtype"] not in fmt.DTYPES or spec["role"] not in ("input", "expected"):
             raise IntegrityError(f"dtype must be one of {list(fmt.DTYPES)}, role input or expected",
                                  where=f"{W}: payloads.{name}")
+        fmt.check_payload_dtype(name, spec["dtype"])
         if not isinstance(spec["shape"], list) or not all(_int(d) for d in spec["shape"]):
             raise IntegrityError("shape must be a list of integers >= 0", where=f"{W}: payloads.{name}")
         if not is_sha256_hex(spec["sha256"]):
@@ -104,13 +106,15 @@ def check_manifest(m: dict[str, Any]) -> None:
         if not isinstance(m[key], dict):
             raise IntegrityError(f"{key} must be an object", where=f"{W}: {key}")
     mr = m["multi_rank"]
-    if mr is not None and not (isinstance(mr, dict) and set(mr) == {"rank", "expected_ranks"}
+    if mr is not None and not (isinstance(mr, dict) and set(mr) == {"rank", "expected_ranks", "run_id"}
                                and _int(mr["rank"]) and isinstance(mr["expected_ranks"], list)
                                and mr["expected_ranks"] and all(_int(r) for r in mr["expected_ranks"])
                                and mr["rank"] in mr["expected_ranks"]
                                and len(set(mr["expected_ranks"])) == len(mr["expected_ranks"])):
-        raise IntegrityError("multi_rank must be null or {rank, expected_ranks} with rank listed",
+        raise IntegrityError("multi_rank must be null or {rank, expected_ranks, run_id} with rank listed",
                              where=f"{W}: multi_rank")
+    if mr is not None:
+        fmt.check_run_id(mr["run_id"], where=f"{W}: multi_rank.run_id")
 
 
 def check_index(ix: dict[str, Any], m: dict[str, Any]) -> None:
@@ -170,6 +174,29 @@ def check_expected(ex: dict[str, Any], m: dict[str, Any], n: int) -> None:
             elif value != {"payload": field} or m["payloads"].get(field, {}).get("role") != "expected":
                 raise IntegrityError(f"must be {{\"payload\": \"{field}\"}} naming an expected payload",
                                      where=w)
+
+
+def check_groups(m: dict[str, Any], samples: list[dict[str, Any]], cfg: dict[str, Any]) -> None:
+    """Group closure, when ``reward.post_process`` is recomputed: every sample names its semantic group and
+    every group holds exactly ``samples_per_prompt`` members.
+
+    The one implementation of the check: the writer runs it on a single bundle, the reader on the whole
+    bundle (a multi-rank root's ranks merged, so ``bundle validate`` refuses what ``bundle replay`` would),
+    and replay again on the rows it selected (always whole groups)."""
+    if m["stages"].get("reward.post_process", {}).get("capability") != "recompute":
+        return
+    where = f"{fmt.INDEX}: samples"
+    for s in samples:
+        if s["group"] is None:
+            raise ContractError(f"missing group membership for sample {s['sample_id']!r}", where=where,
+                                hint="groups are never inferred from batch sizes")
+    spp = cfg["samples_per_prompt"]
+    for g, n in sorted(Counter(s["group"] for s in samples).items()):
+        if n != spp:
+            raise ContractError(f"group {g!r} has {n} member(s) here, the config says samples_per_prompt={spp}: "
+                                "the group closure is incomplete", where=where,
+                                hint="capture whole groups with the trainer's samples_per_prompt; a partial "
+                                     "group cannot be normalised")
 
 
 def check_closure(m: dict[str, Any], ix: dict[str, Any], ex: dict[str, Any],

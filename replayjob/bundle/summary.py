@@ -38,7 +38,8 @@ def _single(p: Path) -> dict[str, Any]:
     version = m.get("format_version")
     if m and not fmt.reads_version(version):
         problems.append(f"bundle format {version} is not read by this replayjob (it reads {fmt.FORMAT_VERSION})")
-    elif m and (kind_problem := fmt.kind_version_problem(version, m.get("kind"))):
+    elif m and (kind_problem := fmt.kind_version_problem(version, m.get("kind"),
+                                                         isinstance(m.get("multi_rank"), dict))):
         problems.append(kind_problem)
     elif m and not ix:
         problems.append("the manifest has no index section")

@@ -110,12 +110,14 @@ def make(*, estimator: str = "grpo", groups: int = 2, group_size: int = 4, max_l
 # Synthetic bundles are built from fixed inputs: their provenance is fixed too, so their bytes (and the
 # golden files made of them) do not depend on the torch build or the release that wrote them.
 PRODUCER = {"name": "replayjob", "replayjob_version": "synthetic", "torch_version": "synthetic"}
+RUN_ID = "synthetic-run"  # the run id of a synthetic multi-rank bundle's ranks (one run, unless told otherwise)
 
 
 def _writer(path: Path, s: Synthetic, kind: str, rows: list[int], rank: int | None, ranks: list[int] | None,
-            groups: bool) -> BundleWriter:
+            groups: bool, run_id: str = RUN_ID) -> BundleWriter:
     w = BundleWriter(path, kind=kind, rollout_id=3, step_id=0 if kind in fmt.STEP_KINDS else None, config=s.config,
-                     rank=rank, ranks=ranks, weight_version=3, producer=PRODUCER)
+                     rank=rank, ranks=ranks, run_id=run_id if ranks is not None else None, weight_version=3,
+                     producer=PRODUCER)
     size = max(1, len(s.group) // 4)
     for i in rows:
         w.add_sample(f"s-{i}", group=f"g-{s.group[i]}" if groups else None, prompt_length=5,
@@ -137,14 +139,16 @@ def _take(t: Tensor, rows: list[int], name: str, inject: Inject) -> Tensor:
 
 
 def write_rollout(path: str | Path, *, inject: Inject | None = None, groups_recorded: bool = True,
-                  rank: int | None = None, ranks: list[int] | None = None, **spec: Any) -> Path:
-    """A rollout bundle (all stages ``recompute``); with ``ranks``, rank ``r`` holds groups ``r::len``."""
+                  rank: int | None = None, ranks: list[int] | None = None, run_id: str = RUN_ID,
+                  **spec: Any) -> Path:
+    """A rollout bundle (all stages ``recompute``); with ``ranks``, rank ``r`` holds groups ``r::len``
+    (and records ``run_id``)."""
     s = make(**spec)
     inject = inject or {}
     n = len(s.group)
     rows = list(range(n)) if ranks is None else [i for i in range(n)
                                                  if s.group[i] % len(ranks) == ranks.index(rank or 0)]
-    w = _writer(Path(path), s, "rollout", rows, rank, ranks, groups_recorded)
+    w = _writer(Path(path), s, "rollout", rows, rank, ranks, groups_recorded, run_id)
     for name in ("response_ids", "label_ids", "old_logprobs", "ref_logprobs"):
         w.write_payload(name, s.t[name][rows])
     w.set_expected("reward.raw", "raw", s.t["raw"][rows])
@@ -157,14 +161,14 @@ def write_rollout(path: str | Path, *, inject: Inject | None = None, groups_reco
 
 
 def write_step(path: str | Path, *, inject: Inject | None = None, rank: int | None = None,
-               ranks: list[int] | None = None, **spec: Any) -> Path:
+               ranks: list[int] | None = None, run_id: str = RUN_ID, **spec: Any) -> Path:
     """A step bundle (``loss.policy`` recompute); with ``ranks``, rank ``r`` holds groups ``r::len``
-    and records the loss of its own rows (each rank's loss is over what it consumed)."""
+    and records the loss of its own rows (each rank's loss is over what it consumed) and ``run_id``."""
     s = make(**spec)
     n = len(s.group)
     rows = list(range(n)) if ranks is None else [i for i in range(n)
                                                  if s.group[i] % len(ranks) == ranks.index(rank or 0)]
-    w = _writer(Path(path), s, "step", rows, rank, ranks, True)
+    w = _writer(Path(path), s, "step", rows, rank, ranks, True, run_id)
     t = {k: s.t[k][rows] for k in ("mask", "logprobs", "old_logprobs", "ref_logprobs")}
     t["advantages"] = _take(s.t["advantages"], rows, "advantages", inject or {})
     for name in ("logprobs", "old_logprobs", "ref_logprobs", "advantages"):

@@ -1,13 +1,15 @@
 """``BundleWriter``: build a trajectory bundle by hand or from a trainer, atomically.
 
 The writer checks everything the reader will check before it writes a byte (names, redaction,
-config, dependency closure), stages the bundle in a temporary sibling directory, writes
+config and its ranges, payload dtypes, token ids, group closure, dependency closure), stages the
+bundle in a temporary sibling directory, writes
 ``payloads.safetensors`` (every tensor, hashed once: its header block and each tensor's bytes),
 ``manifest.json`` and ``COMPLETE`` (last), one ``fsync`` each, syncs the staging directory once and
 renames it into place (``finalize``; ``prepare`` is the checks and the three files' bytes in
 memory, ``write`` the disk part, for callers that do them on different threads).  With
-``rank``/``ranks`` it writes ``<path>/rank-<r>/`` and ``<path>/COMPLETE.<r>``; whichever rank lands
-last writes the final ``<path>/COMPLETE``.
+``rank``/``ranks``/``run_id`` it writes ``<path>/rank-<r>/`` and ``<path>/COMPLETE.<r>``; whichever rank
+lands last writes the final ``<path>/COMPLETE``, unless the landed ranks carry different run ids
+(two runs' ranks in one directory: refused, :func:`shared_run_id` chooses one id per run).
 
 Example (a two-sample GRPO rollout bundle whose reward stages are recomputed)::
 
@@ -30,9 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,14 +46,53 @@ from torch import Tensor
 import replayjob
 from replayjob import tensorfile
 from replayjob.bundle import format as fmt
-from replayjob.bundle.schema import check_closure, check_expected, check_index, check_manifest
+from replayjob.bundle.reader import TokenIds
+from replayjob.bundle.schema import check_closure, check_expected, check_groups, check_index, check_manifest
 from replayjob.digest import sha256_bytes
-from replayjob.errors import ArtifactExistsError, IntegrityError
+from replayjob.errors import ArtifactExistsError, ConfigError, IntegrityError
 from replayjob.faults import point
 from replayjob.fsio import atomic_write_bytes, fsync_dir, write_failure
 from replayjob.jsonio import canonical_bytes, pretty_bytes, read_json_object
 
 DTYPES = {t: name for name, t in fmt.DTYPES.items()}  # torch dtype -> safetensors name
+ENV_RUN_ID = "REPLAYJOB_BUNDLE_RUN_ID"  # a multi-rank bundle's run id, set by the launcher (one per launch)
+ENV_ELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"  # torchrun's rendezvous id (a fresh UUID with --standalone)
+ENV_ELASTIC_RESTART = "TORCHELASTIC_RESTART_COUNT"  # torchrun's restart of the workers (an attempt: another run)
+
+
+def new_run_id() -> str:
+    """A fresh random run id (128 bits, hex)."""
+    return secrets.token_hex(16)
+
+
+def shared_run_id(environ: Mapping[str, str] | None = None) -> str:
+    """The run id every rank of this run passes to its :class:`BundleWriter` (``run_id=``); call it once per
+    run, on every rank.
+
+    In order: ``REPLAYJOB_BUNDLE_RUN_ID`` (the launcher sets one fresh value per launch, the same on every
+    rank); with torch.distributed initialised, a random id rank 0 draws and every rank receives (a
+    collective: every rank must call it, at the same point); under torchrun (``TORCHELASTIC_RUN_ID``, not
+    its default ``none``), the rendezvous id and restart count (an elastic restart is another run: its ranks
+    must not complete a root the failed attempt began).  Anything else is refused: a run id drawn by each
+    process alone would tie nothing.
+    """
+    env = os.environ if environ is None else environ
+    explicit = env.get(ENV_RUN_ID, "").strip()
+    if explicit:
+        return fmt.check_run_id(explicit, where=ENV_RUN_ID)
+    from replayjob import distributed
+
+    if distributed.group_active():
+        mine = new_run_id() if distributed.rank() == distributed.ROOT_RANK else None
+        return fmt.check_run_id(distributed.gather_objects(mine)[distributed.ROOT_RANK], where="torch.distributed")
+    elastic = env.get(ENV_ELASTIC_RUN_ID, "").strip()
+    if elastic and elastic != "none":
+        return fmt.check_run_id(f"{elastic}.{env.get(ENV_ELASTIC_RESTART, '0').strip() or '0'}",
+                                where=ENV_ELASTIC_RUN_ID)
+    raise ConfigError("no run id is shared by every rank of this run", where=ENV_RUN_ID,
+                      hint=f"set {ENV_RUN_ID} in the launcher (one fresh value per launch, e.g. "
+                           "`python -c 'import secrets; print(secrets.token_hex(16))'`), or call shared_run_id() "
+                           "once torch.distributed is initialised")
 
 
 def default_config(**overrides: Any) -> dict[str, Any]:
@@ -97,19 +139,29 @@ class BundleWriter:
             ``"update"``.
         config: the recompute config (see :func:`default_config`).
         rank, ranks: this producer's rank and every rank expected to land (multi-producer only).
+        run_id: the id of the run (multi-producer only, then required): chosen once per run and passed to
+            every rank's writer, e.g. :func:`shared_run_id`.  Every rank records it (manifest
+            ``multi_rank.run_id``, ``COMPLETE.<r>``); the root is written, and read, only when all agree.
     """
 
     def __init__(self, path: str | Path, *, kind: str, rollout_id: int, config: dict[str, Any],
                  step_id: int | None = None, bundle_id: str | None = None,
                  producer: dict[str, Any] | None = None, redaction: dict[str, str] | None = None,
                  comparison: dict[str, dict[str, float]] | None = None, weight_version: int = 0,
-                 rank: int | None = None, ranks: Sequence[int] | None = None):
+                 rank: int | None = None, ranks: Sequence[int] | None = None, run_id: str | None = None):
         if kind not in fmt.KINDS:
             raise IntegrityError(f"bundle kind must be one of {list(fmt.KINDS)}, not {kind!r}")
         if (kind in fmt.STEP_KINDS) != (step_id is not None):
             raise IntegrityError("a step or update bundle needs step_id; a rollout bundle must not have one")
         if (rank is None) != (ranks is None) or (ranks is not None and rank not in ranks):
             raise IntegrityError("pass rank and ranks together, with rank among ranks")
+        if ranks is None and run_id is not None:
+            raise IntegrityError("run_id ties the ranks of a multi-rank bundle to one run: pass it with rank and ranks")
+        if ranks is not None and run_id is None:
+            raise IntegrityError("a multi-rank bundle needs run_id: one id chosen once per run and passed to every "
+                                 "rank's writer", hint="pass run_id=shared_run_id() (replayjob.bundle.writer), or "
+                                                       f"set {ENV_RUN_ID} in the launcher")
+        self.run_id = None if run_id is None else fmt.check_run_id(run_id, where="run_id")
         self.root = Path(path)
         self.kind = kind
         self.rank = rank
@@ -214,13 +266,14 @@ class BundleWriter:
             payload_file = {"file": fmt.PAYLOAD_FILE, "bytes": len(blob), "header_sha256": encoded.header_sha256.hex()}
         specs = {name: {"dtype": dtypes[name], "shape": list(self.payloads[name].shape), "sha256": digests[name],
                         "role": self.roles[name]} for name in names}
-        manifest = {"format": fmt.FORMAT, "format_version": fmt.KIND_VERSIONS[self.kind], "bundle_id": self.bundle_id,
+        manifest = {"format": fmt.FORMAT, "format_version": fmt.bundle_version(self.kind, self.ranks is not None),
+                    "bundle_id": self.bundle_id,
                     "kind": self.kind, "producer": self.producer, "stages": self.stages, "payloads": specs,
                     "payload_file": payload_file,
                     "comparison": {s: self.comparison[s] for s in self.stages if s in self.comparison},
                     "redaction": self.redaction, "index": index, "expected": self.expected,
-                    "multi_rank": None if self.ranks is None else {"rank": self.rank,
-                                                                   "expected_ranks": self.ranks}}
+                    "multi_rank": None if self.ranks is None else {"rank": self.rank, "expected_ranks": self.ranks,
+                                                                   "run_id": self.run_id}}
         return manifest, blob
 
     def finalize(self) -> Path:
@@ -238,6 +291,12 @@ class BundleWriter:
         check_expected(manifest["expected"], manifest, len(self.samples))
         check_closure(manifest, manifest["index"], manifest["expected"],
                       {n: (s["dtype"], s["shape"]) for n, s in manifest["payloads"].items()})
+        if self.ranks is None:  # a rank's groups close only with the other ranks' (checked by the reader)
+            check_groups(manifest, self.samples, self.config)
+        ids = TokenIds(self.config["tokenizer"], [s["sample_id"] for s in self.samples])
+        for name in fmt.ID_FIELDS:
+            if name in self.payloads:
+                ids.check_tensor(name, self.payloads[name])
         final = self.root if self.ranks is None else self.root / f"rank-{self.rank}"
         manifest_bytes = canonical_bytes(manifest)
         manifest_sha = sha256_bytes(manifest_bytes)
@@ -290,7 +349,7 @@ class BundleWriter:
 
     def _land_rank(self, manifest_sha: str) -> None:
         doc = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "rank": self.rank,
-               "expected_ranks": self.ranks, "manifest_sha256": manifest_sha}
+               "expected_ranks": self.ranks, "run_id": self.run_id, "manifest_sha256": manifest_sha}
         atomic_write_bytes(self.root / f"{fmt.COMPLETE}.{self.rank}", pretty_bytes(doc), exclusive=True)
         try_finalize(self.root)
 
@@ -337,9 +396,15 @@ def try_finalize(root: Path) -> bool:
             expected = [int(r) for r in doc["expected_ranks"]]
         except (KeyError, TypeError, ValueError):
             raise IntegrityError("rank landing record lacks rank or expected_ranks", where=p) from None
+    run_ids = {r: doc.get("run_id") for r, doc in sorted(landed.items())}
+    if len(set(run_ids.values())) > 1 or None in run_ids.values():  # before anything is final: refuse loudly
+        raise IntegrityError(fmt.run_mix(run_ids), where=root,
+                             hint="capture into a new directory; a directory reused after a failed run keeps the "
+                                  "dead run's ranks")
     if expected is None or sorted(landed) != sorted(expected):
         return (root / fmt.COMPLETE).exists()
-    final = {"format": fmt.FORMAT, "bundle_id": next(iter(landed.values()))["bundle_id"], "ranks": expected,
+    final = {"format": fmt.FORMAT, "bundle_id": next(iter(landed.values()))["bundle_id"],
+             "run_id": next(iter(run_ids.values())), "ranks": expected,
              "rank_manifests": {str(r): landed[r]["manifest_sha256"] for r in sorted(landed)}}
     with contextlib.suppress(ArtifactExistsError):
         atomic_write_bytes(root / fmt.COMPLETE, pretty_bytes(final), exclusive=True)
