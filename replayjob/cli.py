@@ -249,12 +249,13 @@ def cmd_capture(args: dict[str, Any]) -> int:
 
 
 def cmd_explain(args: dict[str, Any]) -> int:
-    import json
-
     from replayjob.optbatch.explain import explain, render
 
     adm, rep = explain(args["<config>"], args["--set"])
-    print(json.dumps(rep, indent=2, sort_keys=True) if args["--json"] else render(rep))
+    if args["--json"]:
+        _print_json(rep)
+    else:
+        print(render(rep))
     adm.raise_if_refused()
     return 0
 
@@ -336,16 +337,25 @@ def cmd_step(args: dict[str, Any]) -> int:
 
     from replayjob.errors import OperationalError
 
-    def terminated(signum: int, frame: object) -> None:  # preemption, eviction, scancel: retryable
-        raise OperationalError(f"terminated by signal {signum} (preemption, eviction or cancellation)")
+    def terminated(signum: int, frame: object) -> None:  # preemption, eviction, scancel, requeue: retryable
+        raise _Terminated(signum)
 
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         return _step(args)
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
         return _step(args)
+    except _Terminated as exc:
+        raise OperationalError(f"terminated by signal {exc.args[0]} (preemption, eviction or cancellation)") from None
     finally:  # main() called as a library leaves the caller's handler as it found it
         signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(BaseException):
+    """SIGTERM during a step.  A BaseException, as KeyboardInterrupt is: the signal may arrive inside a
+    library's ``except Exception`` (an import probe, a retry loop), and an Exception raised there would
+    be swallowed and the step would run on to completion beside the attempt Slurm or Kubernetes starts
+    next, both writing the same replay."""
 
 
 def _step(args: dict[str, Any]) -> int:
@@ -413,11 +423,16 @@ def _diff_options(args: dict[str, Any]) -> dict[str, Any]:
     return {"tol": tol, "ignore": args["--ignore"], "top": _int(args, "--top")}
 
 
-def _print_report(report: Any, as_json: bool) -> None:
+def _print_json(obj: Any) -> None:
+    """``--json`` output: strict JSON (a NaN or an infinity is refused, never printed)."""
     from replayjob.jsonio import pretty_bytes
 
+    print(pretty_bytes(obj).decode("utf-8"), end="")
+
+
+def _print_report(report: Any, as_json: bool) -> None:
     if as_json:
-        print(pretty_bytes(report.to_json()).decode("utf-8"), end="")
+        _print_json(report.to_json())
     else:
         print(report.render())
 
@@ -431,12 +446,13 @@ def cmd_diag_diff(args: dict[str, Any]) -> int:
 
 
 def cmd_trace_diff(args: dict[str, Any]) -> int:
-    import json
-
     from replayjob.trace.diff import render, trace_diff
 
     rep = trace_diff(args["<a>"], args["<b>"], args["--reference"] or None)
-    print(json.dumps(rep, indent=2, sort_keys=True) if args["--json"] else render(rep))
+    if args["--json"]:
+        _print_json(rep)
+    else:
+        print(render(rep))
     return int(rep["exit_code"])
 
 
@@ -464,14 +480,17 @@ def cmd_signals(args: dict[str, Any]) -> int:
 
 
 def cmd_bundle(args: dict[str, Any]) -> int:
-    import json
+    from replayjob.jsonio import pretty_bytes
 
     path = args["<bundle>"]
     if args["inspect"]:
         from replayjob.bundle.summary import inspect_path, render
 
         info = inspect_path(path)
-        print(json.dumps(info, indent=2, sort_keys=True) if args["--json"] else render(info))
+        if args["--json"]:
+            _print_json(info)
+        else:
+            print(render(info))
         return 0
     if args["validate"]:
         from replayjob.bundle.reader import load_bundle
@@ -479,7 +498,7 @@ def cmd_bundle(args: dict[str, Any]) -> int:
         b = load_bundle(path, tensors=False)  # every check, no payload data kept
         summary = {"valid": True, "path": str(b.path), "bundle_id": b.manifest["bundle_id"], "kind": b.kind,
                    "samples": len(b.samples), "payloads": sorted(b.payloads), "ranks": b.ranks}
-        print(json.dumps(summary, indent=2, sort_keys=True) if args["--json"] else
+        print(pretty_bytes(summary).decode("utf-8").rstrip("\n") if args["--json"] else
               f"valid: {b.kind} bundle {summary['bundle_id']} ({summary['samples']} samples, "
               f"{len(b.payloads)} payloads{', ranks ' + str(b.ranks) if b.ranks else ''})")
         return 0
@@ -490,7 +509,12 @@ def cmd_bundle(args: dict[str, Any]) -> int:
                            batches=args["--batch"], step=args["--step"],
                            rollout=_int(args, "--rollout") if args["--rollout"] is not None else None,
                            max_examples=_int(args, "--examples"))
-    print(json.dumps(report.to_json(), indent=2, sort_keys=True) if args["--json"] else render_report(report))
+    if args["--json"]:  # a non-finite value compared is reported as a string ("NaN"), never a bare NaN
+        from replayjob.jsonio import non_finite_as_strings
+
+        _print_json(non_finite_as_strings(report.to_json()))
+    else:
+        print(render_report(report))
     return 1 if report.diverged else 0
 
 

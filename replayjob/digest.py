@@ -28,16 +28,17 @@ def sha256_json(obj: Any) -> str:
     return sha256_bytes(canonical_bytes(obj))
 
 
-def sha256_file(path: str | Path) -> str:
+def sha256_file(path: str | Path, *, follow_symlinks: bool = False) -> str:
     """Stream a regular file through SHA-256 in fixed-size chunks, reusing one buffer.
 
-    Devices and FIFOs are refused (hashing ``/dev/zero`` would never end), see
+    Devices and FIFOs are refused (hashing ``/dev/zero`` would never end), and so is a symbolic link
+    unless ``follow_symlinks`` (a file the user names, not one inside an artifact), see
     :func:`replayjob.fsio.open_regular`.
     """
     from replayjob.fsio import open_regular
 
     h = hashlib.sha256()
-    fd, size = open_regular(path, what="file to hash")
+    fd, size = open_regular(path, follow_symlinks=follow_symlinks, what="file to hash")
     buf = bytearray(min(CHUNK, max(size, 4096)))  # small files get small buffers
     view = memoryview(buf)
     try:

@@ -1,6 +1,16 @@
 """Atomic, crash-safe writes (temp file in the same directory, fsync, rename, fsync directory), and
 the one guarded way to open a file an artifact names (regular files only, never blocking).
 
+The symlink rule for reading artifacts: :func:`open_regular` (and every reader built on it:
+:func:`read_regular_bytes`, :func:`replayjob.digest.sha256_file`, :mod:`replayjob.tensorfile`,
+:func:`replayjob.jsonio.read_json`) never opens a file through a symbolic link unless the caller
+passes ``follow_symlinks=True``, which only readers of files a user names directly do (configs,
+specs, tolerance and budget files, a model's files); and :func:`check_no_symlinks` /
+:func:`resolve_inside` refuse a path one of whose components *below* an artifact root (a replay,
+capture or trace directory) is a symbolic link, a device, a FIFO or a socket.  The root itself and
+its parents are not checked: the directory a user names may be reached through links (``/tmp`` on
+macOS).
+
 A reader therefore sees either nothing or a complete file.  Each boundary is a
 :func:`replayjob.faults.point` (``write.open``, ``write.temp``, ``write.half``, ``write.synced``,
 ``write.linked`` for exclusive writes, ``write.renamed``), so the kill tests can crash between any two.
@@ -103,11 +113,17 @@ def atomic_write_text(path: str | Path, text: str, *, exclusive: bool = False) -
     atomic_write_bytes(path, text.encode("utf-8"), exclusive=exclusive)
 
 
-def open_regular(path: str | Path, *, follow_symlinks: bool = True, what: str = "file") -> tuple[int, int]:
+_LINK_HINT = "copy the file or directory into the artifact instead of linking to it"
+
+
+def open_regular(path: str | Path, *, follow_symlinks: bool = False, what: str = "file") -> tuple[int, int]:
     """Open ``path`` read-only and return ``(fd, size)``, refusing anything but a regular file.
 
     The open never blocks (a FIFO would otherwise hang the reader) and the type is checked on the
-    open descriptor, so a device, FIFO, socket or directory is refused before a byte is read.
+    open descriptor, so a device, FIFO, socket or directory is refused before a byte is read.  A
+    symbolic link as the last component is refused (``O_NOFOLLOW``) unless ``follow_symlinks``:
+    only a file the user names directly (a config) may be one; the directories above it are the
+    caller's to check (:func:`check_no_symlinks`).
     """
     point(f"read.open/{Path(path).name}")  # crash boundaries for readers, too (e.g. reduce)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -117,8 +133,8 @@ def open_regular(path: str | Path, *, follow_symlinks: bool = True, what: str = 
         fd = os.open(path, flags)
     except OSError as exc:
         if not follow_symlinks and Path(path).is_symlink():
-            raise IntegrityError(f"{what} is a symbolic link; symlinks are refused", where=path,
-                                 hint="copy the file instead of linking it") from None
+            raise IntegrityError(f"{what} is a symbolic link, not a regular file; symlinks inside artifacts "
+                                 "are refused", where=path, hint=_LINK_HINT) from None
         raise IntegrityError(f"cannot open {what}: {exc.strerror}", where=path, hint="check the path") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -127,9 +143,10 @@ def open_regular(path: str | Path, *, follow_symlinks: bool = True, what: str = 
     return fd, st.st_size
 
 
-def read_regular_bytes(path: str | Path, *, max_bytes: int, follow_symlinks: bool = True,
+def read_regular_bytes(path: str | Path, *, max_bytes: int, follow_symlinks: bool = False,
                        what: str = "file") -> bytes:
-    """All bytes of a regular file of at most ``max_bytes``, read through one descriptor."""
+    """All bytes of a regular file of at most ``max_bytes``, read through one descriptor (a symbolic link
+    refused unless ``follow_symlinks``, see :func:`open_regular`)."""
     fd, size = open_regular(path, follow_symlinks=follow_symlinks, what=what)
     try:
         if size > max_bytes:
@@ -148,3 +165,41 @@ def read_regular_bytes(path: str | Path, *, max_bytes: int, follow_symlinks: boo
     finally:
         os.close(fd)
     return b"".join(chunks)
+
+
+def check_no_symlinks(root: str | Path, path: str | Path, *, what: str = "artifact file") -> Path:
+    """Return ``path`` unless a component of it below ``root`` is a symbolic link, device, FIFO or socket.
+
+    ``path`` must be ``root`` or lie lexically below it (``root / relative``, no ``..``).  Each
+    component after ``root`` is examined with ``lstat`` (never followed), from the top down: a link
+    anywhere (a linked ``final_adapter/``, ``trace/`` or ``rank-1/`` directory, or a linked file) is
+    refused, as is a component above the last that is not a directory, and a last component that is
+    neither a regular file nor a directory.  The walk stops quietly at the first component that does
+    not exist (the open that follows reports the missing file).  ``root`` itself and its parents are
+    not examined: the directory a user names may be reached through links.
+    """
+    r, p = Path(root), Path(path)
+    try:
+        parts = p.relative_to(r).parts
+    except ValueError:
+        raise IntegrityError(f"{what} is not inside its artifact directory {r}", where=p) from None
+    if ".." in parts:
+        raise IntegrityError(f"{what} leaves its artifact directory through '..'", where=p)
+    cur = r
+    for i, part in enumerate(parts):
+        cur = cur / part
+        try:
+            mode = os.lstat(cur).st_mode
+        except FileNotFoundError:
+            return p
+        except OSError as exc:
+            raise IntegrityError(f"cannot examine {what}: {exc.strerror}", where=cur) from None
+        if stat.S_ISLNK(mode):
+            raise IntegrityError(f"{what}: {part!r} is a symbolic link; symlinks inside artifacts are refused",
+                                 where=cur, hint=_LINK_HINT)
+        last = i == len(parts) - 1
+        if not stat.S_ISDIR(mode) and not (last and stat.S_ISREG(mode)):
+            kind = "regular file or directory" if last else "directory"
+            raise IntegrityError(f"{what}: {part!r} is not a {kind} (devices, FIFOs and sockets are refused)",
+                                 where=cur)
+    return p

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -91,10 +92,11 @@ def loads_strict(data: bytes | str, *, where: str | Path = "<json>") -> Any:
         raise IntegrityError(f"malformed JSON: {exc}", where=where) from None
 
 
-def read_json(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES, follow_symlinks: bool = True) -> Any:
+def read_json(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES, follow_symlinks: bool = False) -> Any:
     """Read and strictly parse a JSON file; a missing, oversized or non-regular file is refused.
 
-    Devices and FIFOs are refused without blocking (:func:`replayjob.fsio.read_regular_bytes`).
+    Devices and FIFOs are refused without blocking, and a symbolic link unless ``follow_symlinks``
+    (:func:`replayjob.fsio.read_regular_bytes`).
     """
     from replayjob.fsio import read_regular_bytes
 
@@ -104,7 +106,7 @@ def read_json(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES, follow_sy
 
 
 def read_json_object(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES,
-                     follow_symlinks: bool = True) -> dict[str, Any]:
+                     follow_symlinks: bool = False) -> dict[str, Any]:
     """:func:`read_json` that also requires a top-level object."""
     doc = read_json(path, max_bytes=max_bytes, follow_symlinks=follow_symlinks)
     if not isinstance(doc, dict):
@@ -124,8 +126,21 @@ def canonical_bytes(obj: Any, *, allow_nan: bool = False) -> bytes:
         raise IntegrityError(f"cannot write canonical JSON: {exc}") from None
 
 
+def non_finite_as_strings(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float replaced by the string ``"NaN"``, ``"Infinity"`` or
+    ``"-Infinity"`` (the form diag-diff's JSON uses), so a strict writer can emit it."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")
+    if isinstance(obj, dict):
+        return {k: non_finite_as_strings(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [non_finite_as_strings(v) for v in obj]
+    return obj
+
+
 def pretty_bytes(obj: Any) -> bytes:
-    """Stable human-readable JSON (sorted keys, two-space indent, trailing newline)."""
+    """Stable human-readable JSON (sorted keys, two-space indent, trailing newline); strict: a NaN or an
+    infinity is refused (:class:`IntegrityError`), never written.  Every CLI ``--json`` output uses it."""
     try:
         text = json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False)
     except ValueError as exc:

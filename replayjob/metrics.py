@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -24,7 +25,7 @@ from replayjob.config.diff import flatten
 from replayjob.deploy.schedule import DESIGNS, Slot
 from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
-from replayjob.fsio import atomic_write_bytes, read_regular_bytes
+from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
 from replayjob.hostinfo import placement
 from replayjob.jsonio import loads_strict, pretty_bytes
 
@@ -109,6 +110,18 @@ def rank_file(rank: int) -> str:
     return f"replay_metrics.rank-{rank}.json"
 
 
+_RANK_FILE = re.compile(r"^replay_metrics\.rank-(0|[1-9][0-9]*)\.json$")  # rank_file(r), r >= 0
+
+
+def rank_files_present(directory: Path) -> list[str]:
+    """The names of the rank files (:func:`rank_file`) lying in ``directory``, by rank."""
+    try:
+        names = [n for n in os.listdir(directory) if _RANK_FILE.match(n)]
+    except OSError as exc:
+        raise IntegrityError(f"cannot list the replay's directory: {exc.strerror}", where=directory) from None
+    return sorted(names, key=lambda n: int(n.split("-")[-1].split(".")[0]))
+
+
 def merge_ranks(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """One replay's figures from its ranks' documents, in rank order: the loss summed in rank order
     (float64, :func:`replayjob.distributed.rank_sum`), each time the slowest rank's (the update is done
@@ -168,6 +181,31 @@ def _check_ranks(f: _Fields, doc: dict[str, Any], where: Path) -> None:
     if off:
         raise IntegrityError(f"the replay's {', '.join(off)} are not the merge of its ranks' figures", where=where,
                              hint="replay_metrics.json changed after the replay; rerun it")
+
+
+def _check_world(f: _Fields, doc: dict[str, Any], where: Path, runtime: dict[str, Any]) -> None:
+    """The replay's world size, told three ways, is one number: its :data:`DISTRIBUTED` record (absent: one
+    process), the rank files lying beside it (exactly the record's, none without one) and the world size and
+    strategy it observed at run time (``runtime``, for a producer that registers them).  Evidence that
+    contradicts itself is refused: a deleted record would leave its rank files unread and its figures
+    unchecked."""
+    from replayjob.optbatch.knobs import STRATEGY, WORLD_SIZE
+
+    sec = doc.get(DISTRIBUTED)
+    world = sec["world_size"] if isinstance(sec, dict) else 1  # checked by _check_ranks when present
+    present = rank_files_present(where.parent)
+    listed = [rank_file(r) for r in range(world)] if isinstance(sec, dict) else []
+    if present != listed:
+        raise f.fail(DISTRIBUTED, (f"records {world} ranks ({', '.join(listed)})" if listed else
+                                   "is absent (one process)") + f", but the rank files beside the replay are "
+                                  f"{', '.join(present) or 'none'}: the evidence contradicts itself")
+    if WORLD_SIZE in runtime and (isinstance(runtime[WORLD_SIZE], bool) or runtime[WORLD_SIZE] != world):
+        raise f.fail(f"runtime.{WORLD_SIZE}", f"is {runtime[WORLD_SIZE]!r}, but the replay's {DISTRIBUTED!r} "
+                                             f"record says {world} rank(s): the evidence contradicts itself")
+    strategy = sec.get("strategy") if isinstance(sec, dict) else None
+    if strategy is not None and STRATEGY in runtime and runtime[STRATEGY] != strategy:
+        raise f.fail(f"runtime.{STRATEGY}", f"is {runtime[STRATEGY]!r}, but the replay's {DISTRIBUTED!r} record "
+                                           f"says {strategy!r}: the evidence contradicts itself")
 
 
 def write(path: Path, doc: dict[str, Any], *, exclusive: bool = False) -> str:
@@ -241,6 +279,8 @@ class Source(Run):
     config: dict[str, Any]
     manifest_file: Path  # the capture manifest named by MANIFEST_PATH, next to the metrics file
     manifest_pin: str = MANIFEST  # the metrics key that pins it, as messages name it
+    grad_norm: float | None = None  # the update's pre-clip gradient norm (None: absent, or not finite)
+    record: str = ""  # where the compared numbers lie in the metrics file: "" (top level) or a step record's key
 
     def config_value(self, dotted: str) -> Any:
         """The resolved source config value at ``dotted`` (``None`` when absent)."""
@@ -306,12 +346,13 @@ class _Fields:
         return tuple(v)
 
     def file(self, key: str, obj: dict[str, Any] | None = None) -> Path:
-        """A path relative to the metrics file's directory (never outside it)."""
+        """A path relative to the metrics file's directory (never outside it, no component below that
+        directory a symbolic link: :func:`replayjob.fsio.check_no_symlinks`)."""
         rel = self.text(key, obj)
         pure = PurePosixPath(rel)
         if pure.is_absolute() or ".." in pure.parts or "\\" in rel:
             raise self.fail(key, f"must be a relative path inside the run directory, found {rel!r}")
-        return self.where.parent / pure
+        return check_no_symlinks(self.where.parent, self.where.parent / pure, what=f"{self.prefix + key} {rel!r}")
 
 
 def _run_fields(f: _Fields) -> dict[str, Any]:
@@ -399,6 +440,7 @@ def read_replay(path: str | Path) -> Replay:
         measures[name] = f.number(key, f.obj(section), hi=hi)
     if DISTRIBUTED in doc:  # one replay over several ranks: its rank files merge into it (never repeats)
         _check_ranks(f, doc, p)
+    _check_world(f, doc, p, runtime)
     host = f.obj(HOST)
     bad = sorted(k for k, v in host.items() if v is not None and not isinstance(v, str))
     if bad:
@@ -433,11 +475,19 @@ def read_source(directory: str | Path, step: int | None = None) -> Source:
     with ``step`` that captured step's record (chosen steps or the ring's written steps), whose final
     adapter is pinned by SHA-256 only (no file is kept: ``final_adapter_file`` is ``None``)."""
     p, doc, sha = _read_capture(directory)
-    f = _Fields(doc, p)
+    f = _Fields(doc, p, hint=f"keep the capture run's {SOURCE_FILE} as the capture wrote it (docs/replay-metrics.md)")
     config = f.obj("config")
+    if step is None and LOGICAL not in doc and MANIFEST not in doc:
+        captured = _captured_steps(doc, p)
+        if captured:  # chosen steps or a ring buffer: no one-step capture to compare with, so say which step
+            listed = ", ".join(str(s) for s in captured)
+            raise RefusedError(f"this run captured several steps ({listed}) and no one-step capture: reduce "
+                               "compares with one captured step, named with --source-step K", where=p,
+                               hint=f"pass --source-step K with K the step the replays replayed (captured: {listed})")
     if step is None:
+        grad = None if doc.get("grad_norm") is None else f.number("grad_norm")
         return Source(path=p, sha256=sha, **_run_fields(f), config=config,
-                      manifest_file=p.parent / _manifest_name(doc, p))
+                      manifest_file=p.parent / _manifest_name(doc, p), grad_norm=grad)
     e = _captured_step(doc, p, step)
     if e.final_adapter is None or e.loss is None:
         raise RefusedError(f"step {step}'s record has no {'final adapter' if e.final_adapter is None else 'loss'}: "
@@ -447,7 +497,7 @@ def read_source(directory: str | Path, step: int | None = None) -> Source:
     return Source(path=p, sha256=sha, logical=e.logical, effective=e.effective, manifest=e.manifest,
                   initial_adapter=e.initial_adapter, final_adapter=e.final_adapter, final_adapter_file=None,
                   loss=e.loss, config=config, manifest_file=e.manifest_path,
-                  manifest_pin=f"step {step} record's {STEP_MANIFEST}")
+                  manifest_pin=f"step {step} record's {STEP_MANIFEST}", grad_norm=e.grad_norm, record=e.key)
 
 
 def _manifest_name(doc: dict[str, Any], where: Path) -> str:
@@ -474,6 +524,7 @@ class StepPins:
     nonfinite_inputs: bool
     loss: float | None = None
     grad_norm: float | None = None
+    key: str = field(default="", compare=False)  # where the record lies in metrics.json: "optimizer_batch/steps[0]"
 
 
 _STEPS_HINT = "the file does not follow docs/optimizer-batch.md (chosen steps); capture again into a new directory"
@@ -501,7 +552,7 @@ def _step_entries(doc: dict[str, Any], p: Path, key: str, entries: Any) -> tuple
             logical=g.digest(STEP_LOGICAL), effective=g.digest(STEP_EFFECTIVE),
             initial_adapter=g.digest(STEP_INITIAL_ADAPTER), final_adapter=final,
             replay_config=g.file(STEP_REPLAY_CONFIG), nonfinite_inputs=nonfinite,
-            loss=loss, grad_norm=grad))
+            loss=loss, grad_norm=grad, key=f"{key}[{i}]"))
     return tuple(out)
 
 
@@ -522,17 +573,31 @@ def read_steps(directory: str | Path) -> tuple[StepPins, ...]:
     return _step_entries(doc, p, STEPS, doc.get(STEPS))
 
 
-def _captured_step(doc: dict[str, Any], p: Path, step: int) -> StepPins:
-    """Step ``step`` among the chosen steps (:data:`STEPS`) or the ring's written steps (:data:`RING`)."""
+def _step_records(doc: dict[str, Any], p: Path) -> list[StepPins]:
+    """Every captured step's record: the chosen steps (:data:`STEPS`), then the ring's written steps (:data:`RING`)."""
     found: list[StepPins] = []
     if STEPS in doc:
-        found += [s for s in _step_entries(doc, p, STEPS, doc[STEPS]) if s.step == step]
+        found += _step_entries(doc, p, STEPS, doc[STEPS])
     ring = doc.get(RING)
     if isinstance(ring, dict) and RING_WRITTEN in ring:
-        found += [s for s in _step_entries(doc, p, f"{RING}.{RING_WRITTEN}", ring[RING_WRITTEN]) if s.step == step]
+        found += _step_entries(doc, p, f"{RING}.{RING_WRITTEN}", ring[RING_WRITTEN])
+    return found
+
+
+def _captured_steps(doc: dict[str, Any], p: Path) -> list[int]:
+    """The steps a run's metrics record captured (chosen steps and the ring's written ones), ascending."""
+    return sorted({s.step for s in _step_records(doc, p)})
+
+
+def _captured_step(doc: dict[str, Any], p: Path, step: int) -> StepPins:
+    """Step ``step`` among the chosen steps (:data:`STEPS`) or the ring's written steps (:data:`RING`)."""
+    records = _step_records(doc, p)
+    found = [s for s in records if s.step == step]
     if len(found) != 1:
+        listed = ", ".join(str(s) for s in sorted({s.step for s in records})) or "none"
         raise RefusedError(f"step {step} is {'recorded twice' if found else 'not a captured step'} in {SOURCE_FILE}",
-                           where=p, hint=f"a step listed under {STEPS} or {RING}.{RING_WRITTEN}")
+                           where=p, hint=f"pass --source-step K with a step listed under {STEPS} or "
+                                         f"{RING}.{RING_WRITTEN} (captured: {listed})")
     return found[0]
 
 

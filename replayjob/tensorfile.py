@@ -27,6 +27,8 @@ checked over the same bytes that are parsed (one read, no second open), and only
 built, by one builder (:func:`build_tensor`: zero-copy views of the bytes read, never pickle), for a
 whole file in memory (:func:`load`, at most 2 GiB by default) or one tensor at a time from its
 validated span (:class:`TensorReader`, what ``reduce`` uses on adapters, and :func:`iter_tensors`).
+A file is opened through :func:`replayjob.fsio.open_regular`: regular files only, and a symbolic
+link is refused unless the caller passes ``follow_symlinks=True`` (a model file the user names).
 
 Example:
     >>> import torch, tempfile, pathlib
@@ -409,7 +411,7 @@ def _keep_set(keep: bool | Callable[[str], bool], header: Header) -> set[str]:
 
 def scan(source: str | Path | Buffer, *, keep: bool | Callable[[str], bool] = True, schema: Schema | None = None,
          dtypes: frozenset[str] | set[str] | None = None, digest: Literal["file", "spans"] = "file",
-         visit: Visitor | None = None, workers: int = 1, follow_symlinks: bool = True,
+         visit: Visitor | None = None, workers: int = 1, follow_symlinks: bool = False,
          max_bytes: int = 2 * 1024 ** 3, expected_size: int | None = None,
          where: str | Path | None = None) -> ScannedFile:
     """Read a tensor file (a path, or bytes already in memory) once: hash, validate, check, keep.
@@ -665,7 +667,7 @@ def _check_pin(actual: str | None, expected: str | None, where: str) -> None:
 
 
 def read_header(path: str | Path, *, dtypes: frozenset[str] | set[str] | None = None,
-                schema: Schema | None = None, follow_symlinks: bool = True) -> Header:
+                schema: Schema | None = None, follow_symlinks: bool = False) -> Header:
     """Validate only the header (reads ``8 + header length`` bytes, never the data)."""
     fd, size = _open_regular(path, follow_symlinks)
     try:
@@ -687,7 +689,7 @@ def load_bytes(data: Buffer, *, where: str | Path = "<safetensors>", expected_sh
 
 def load(path: str | Path, *, expected_sha256: str | None = None,
          dtypes: frozenset[str] | set[str] | None = None, schema: Schema | None = None,
-         follow_symlinks: bool = True, max_bytes: int = 2 * 1024 ** 3) -> dict[str, torch.Tensor]:
+         follow_symlinks: bool = False, max_bytes: int = 2 * 1024 ** 3) -> dict[str, torch.Tensor]:
     """Read a whole tensor file once (bounded by ``max_bytes``), verify, validate, build the tensors."""
     scanned = scan(path, dtypes=dtypes, schema=schema, follow_symlinks=follow_symlinks, max_bytes=max_bytes)
     _check_pin(scanned.sha256, expected_sha256, str(path))
@@ -696,7 +698,7 @@ def load(path: str | Path, *, expected_sha256: str | None = None,
 
 def iter_tensors(path: str | Path, *, expected_sha256: str | None = None,
                  dtypes: frozenset[str] | set[str] | None = None,
-                 follow_symlinks: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                 follow_symlinks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` in file order, one tensor in memory at a time.
 
     The header is validated before the first tensor.  With ``expected_sha256`` the bytes are hashed
@@ -722,7 +724,7 @@ class TensorReader:
 
     def __init__(self, path: str | Path, *, expected_sha256: str | None = None,
                  dtypes: frozenset[str] | set[str] | None = None, schema: Schema | None = None,
-                 follow_symlinks: bool = True):
+                 follow_symlinks: bool = False):
         self.path = Path(path)
         self._fd, size = _open_regular(path, follow_symlinks)
         try:

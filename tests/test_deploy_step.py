@@ -344,6 +344,37 @@ def test_a_step_stopped_by_sigterm_exits_3_without_a_traceback(tmp_path: Path) -
     assert "terminated by signal 15" in err and "Traceback" not in err
 
 
+SWALLOWING_STEP = """
+import os, signal, sys, time
+from replayjob import cli
+
+def step_inside_a_library_that_catches_everything(args):
+    try:  # an import probe or a retry loop in a library: SIGTERM arrives in here
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    except Exception:
+        pass
+    return 0
+
+cli._step = step_inside_a_library_that_catches_everything
+sys.exit(cli.main(["step", "plan", "--spec", sys.argv[1]]))
+"""
+
+
+def test_sigterm_inside_a_library_s_except_exception_still_stops_the_step() -> None:
+    """A requeued Slurm task whose first attempt ran on (the signal swallowed by an ``except Exception``)
+    wrote the same replay as its second attempt; the signal must stop the step wherever it lands."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-c", SWALLOWING_STEP, str(REPO / "examples" / "ablation.toml")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "terminated by signal 15" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_step_in_process_leaves_the_caller_s_sigterm_handler_as_it_was() -> None:
     import signal
 

@@ -154,6 +154,7 @@ def test_a_rank_file_changed_after_the_replay_is_refused(capture2: Path, replays
     ("payload", "rank 1: "),
     ("landing", "incomplete capture over 2 ranks: COMPLETE.1 missing"),
     ("rank-dir", "incomplete capture over 2 ranks: rank-1 missing"),
+    ("rank-link", "'rank-1' is a symbolic link"),  # a valid rank directory, moved out and linked back
 ])
 def test_a_damaged_capture_over_ranks_is_refused(workspace: Path, capture2: Path, tmp_path: Path, damage: str,
                                                  message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -166,6 +167,9 @@ def test_a_damaged_capture_over_ranks_is_refused(workspace: Path, capture2: Path
         p.write_bytes(bytes(data))
     elif damage == "landing":
         (cap / "COMPLETE.1").unlink()
+    elif damage == "rank-link":
+        shutil.move(cap / "rank-1", tmp_path / "elsewhere")
+        (cap / "rank-1").symlink_to(tmp_path / "elsewhere")
     else:
         shutil.rmtree(cap / "rank-1")
     code, out, err = cli(capsys, "explain", str(workspace / "replay.toml"), *pins(cap), *WORLD_1)
@@ -307,7 +311,7 @@ for strategy in ("ddp", "fsdp2"):
         p.check_micro_batches(1 + dist.get_rank())
         seen.append(strategy + " ran")
     except ContractError as exc:
-        seen.append(strategy + " refused: " + str(exc))
+        seen.append(strategy + " refused: " + str(exc).replace("\\n", " "))
 Path(sys.argv[1], f"rank-{dist.get_rank()}").write_text("\\n".join(seen))
 dist.destroy_process_group()
 """

@@ -152,6 +152,19 @@ def test_malformed_budget_files_are_refused(tmp_path: Path, text: str, needle: s
         read_budgets(budget_file(tmp_path, text))
 
 
+def test_contradictory_bounds_are_refused_not_graded(tmp_path: Path) -> None:
+    """min_ratio above max_ratio: no ratio meets both, so the file contradicts itself; it is refused (2), never
+    graded fail (the ratio, about 3, is above max_ratio = 2)."""
+    f = budget_file(tmp_path, f'[{SLOW}]\nlocal_train_wall_s = {{ min_ratio = 4.0, max_ratio = 2.0 }}\n')
+    code, doc = reduce(paired(tmp_path, f, SLOWDOWN), f)
+    assert code == 2 and doc["status"] == "refused", doc["failed_checks"]
+    assert "min_ratio 4.0 is above max_ratio 2.0" in doc["refusal"]["message"]
+    assert doc["refusal"]["where"].endswith(f"{SLOW}.local_train_wall_s")
+    equal = budget_file(tmp_path, f'[{SLOW}]\nlocal_train_wall_s = {{ min_ratio = 2.0, max_ratio = 2.0 }}\n',
+                        "equal.toml")
+    assert len(read_budgets(equal).bounds) == 2  # a point is a bound, not a contradiction
+
+
 def test_budgets_need_a_baseline(tmp_path: Path) -> None:
     f = budget_file(tmp_path, f'[{SLOW}]\nlocal_train_wall_s = {{ max_ratio = 10 }}\n')
     ev = paired(tmp_path, f, SLOWDOWN)

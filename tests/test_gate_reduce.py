@@ -284,6 +284,10 @@ _PIN_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("source", lambda d: d.update({"optimizer_batch/initial_adapter_sha256": "ab" * 32}), "source initial_adapter"),
     ("source", lambda d: d.update({"optimizer/local_effective_rows_sha256": "ab" * 32}), "source effective"),
     ("replay", lambda d: d.update({"optimizer_batch/manifest_sha256": "ab" * 32}), f"{ON}#0 manifest"),
+    # the numbers the claims compare replays with: sealed in the manifest's outcome, pinned by every replay
+    ("source", lambda d: d.update({"loss": 0.25}), "source loss"),
+    ("source", lambda d: d.update({"grad_norm": 1.5}), "source grad_norm"),
+    ("source", lambda d: d.update({"optimizer_batch/final_adapter_sha256": "ab" * 32}), "source final_adapter"),
     # a replay of another producer: torch registers no knobs, so its runtime record is empty
     ("replay", lambda d: d.update({"framework": "torch", "runtime": {}}), f"{ON}#0 framework"),
 ]
@@ -304,7 +308,8 @@ def test_every_row_of_the_capture_pins_check_has_a_failing_case(ev: synthetic.Ev
     from replayjob.gate import claims, evidence
 
     replay = evidence.read_replay(ev.replay_files[3])
-    other = {k: "cd" * 32 for k in ("manifest", "payload", "logical", "effective", "initial_adapter")}
+    other: dict[str, Any] = {k: "cd" * 32 for k in ("manifest", "payload", "logical", "effective", "initial_adapter")}
+    other["outcome"] = {"loss": 9.0, "grad_norm": 9.0, "final_adapter_sha256": "cd" * 32}
     check = claims.capture_pins_check([replay], evidence.read_source(ev.source), {**other, "framework": "x"})
     assert set(check.offenders) == {offender for *_, offender in _PIN_CASES}
 
@@ -388,3 +393,234 @@ def test_plot_panels_are_in_human_units_and_never_empty(ev: synthetic.Evidence) 
     assert label.endswith("(ms)") and panels["peak_memory_bytes"][0].endswith("(MiB)")
     assert sorted(v for vals in data for v in vals) == sorted(r["measures"]["local_train_wall_s"] * 1e3
                                                               for r in replays)
+
+
+# -- evidence that contradicts itself is refused, never graded --------------------------------------
+
+TWO = "two-ranks"
+TWO_KNOBS: dict[str, Any] = {"distributed.world_size": 2, "distributed.strategy": "ddp"}
+
+
+def _over_two_ranks(f: Path) -> None:
+    """Rewrite one synthetic replay as a replay over two ranks: each rank's figures in its rank file, the
+    merged figures and the ``distributed`` record in replay_metrics.json (as replayjob.optbatch.replay writes)."""
+    from replayjob.digest import sha256_bytes
+    from replayjob.metrics import RANK_SCHEMA, merge_ranks, rank_file
+
+    doc = json.loads(f.read_text())
+    ranks = []
+    for r in range(2):
+        pad = {"real_tokens": 240, "padded_tokens": 272, "padding_fraction": 1 - 240 / 272, "micro_batches": 2}
+        ranks.append({"schema": RANK_SCHEMA, "rank": r, "world_size": 2, "arm": doc["arm"],
+                      "repeat_index": doc["repeat_index"], "rows": [8 * r, 8 * r + 8], "loss": doc["loss"] / 2,
+                      "timing": {k: v * (1 + r / 10) for k, v in doc["timing"].items()},
+                      "memory": doc["memory"], "padding": pad, "host": doc["host"]})
+    shas = []
+    for r, rdoc in enumerate(ranks):
+        data = pretty_bytes(rdoc)
+        (f.parent / rank_file(r)).write_bytes(data)
+        shas.append(sha256_bytes(data))
+    doc.update(merge_ranks(ranks))
+    doc["distributed"] = {"world_size": 2, "strategy": "ddp", "sharding": "contiguous",
+                          "ranks": [{"rank": r, "file": rank_file(r), "sha256": shas[r], "rows": ranks[r]["rows"]}
+                                    for r in range(2)]}
+    f.write_bytes(pretty_bytes(doc))
+
+
+@pytest.fixture
+def ranked(tmp_path: Path) -> synthetic.Evidence:
+    """A same-condition arm and an arm whose replays each ran over two ranks (DDP)."""
+    ev = synthetic.build(tmp_path / "ev", {OFF: {}, TWO: TWO_KNOBS}, 3)
+    for f in ev.replay_files[3:]:
+        _over_two_ranks(f)
+    return ev
+
+
+def _rank_file_copy(d: Path) -> None:
+    (d / "replay_metrics.rank-2.json").write_bytes((d / "replay_metrics.rank-1.json").read_bytes())
+
+
+@pytest.mark.parametrize("damage, needle", [
+    # the record says two ranks, the runtime record one: graded on the runtime alone this failed (1)
+    (lambda f: edit(f, lambda d: d["runtime"].update({"distributed.world_size": 1})),
+     "'runtime.distributed.world_size' is 1, but the replay's 'distributed' record says 2 rank(s)"),
+    (lambda f: edit(f, lambda d: d["runtime"].update({"distributed.strategy": "fsdp2"})),
+     "'runtime.distributed.strategy' is 'fsdp2', but the replay's 'distributed' record says 'ddp'"),
+    # the record deleted: its rank files were left unread and the replay passed (0)
+    (lambda f: edit(f, lambda d: d.pop("distributed")),
+     "'distributed' is absent (one process), but the rank files beside the replay are "
+     "replay_metrics.rank-0.json, replay_metrics.rank-1.json"),
+    # ... and the runtime record made to agree with the deletion: graded on the knobs (1)
+    (lambda f: edit(f, lambda d: (d.pop("distributed"), d["runtime"].update({"distributed.world_size": 1}))),
+     "'distributed' is absent (one process), but the rank files beside"),
+    # a third rank file beside a two-rank replay
+    (lambda f: _rank_file_copy(f.parent),
+     "'distributed' records 2 ranks (replay_metrics.rank-0.json, replay_metrics.rank-1.json), but the rank files "
+     "beside the replay are replay_metrics.rank-0.json, replay_metrics.rank-1.json, replay_metrics.rank-2.json"),
+    # rank files beside a replay of one process
+    (lambda f: (f.parent / "replay_metrics.rank-0.json").write_text("{}"),
+     "'distributed' is absent (one process), but the rank files beside the replay are replay_metrics.rank-0.json"),
+], ids=["runtime-world", "runtime-strategy", "record-deleted", "record-and-runtime", "extra-rank-file",
+        "rank-file-beside-one-process"])
+def test_a_replay_whose_world_size_contradicts_itself_is_refused(ranked: synthetic.Evidence,
+                                                                 damage: Callable[[Path], Any], needle: str) -> None:
+    assert reduce(ranked, "exact-input")[0] == 0  # intact: the ranks merge into each replay
+    # replay_files: the baseline arm's three (one process each), then the two-rank arm's
+    target = ranked.replay_files[1 if needle.endswith("are replay_metrics.rank-0.json") else 4]
+    damage(target)
+    code, doc = reduce(ranked, "exact-input")
+    assert code == 2 and doc["status"] == "refused", doc["failed_checks"]
+    assert needle in doc["refusal"]["message"] and "contradicts itself" in doc["refusal"]["message"]
+    assert doc["refusal"]["where"] == str(target)
+
+
+# -- the source numbers the claims compare with are pinned: sealed in the capture manifest -----------
+
+def _cli(ev: synthetic.Evidence, claim: str, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str]:
+    """reduce through the command line: exit code and what it printed (the refusal's message and hint)."""
+    capsys.readouterr()
+    code = main(["reduce", str(ev.root / "replays"), "--claim", claim, "--source", str(ev.source),
+                 "--out", str(ev.root.parent / "cli.json"), *extra])
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+def _replace_source_adapter(ev: synthetic.Evidence) -> None:
+    """Another final adapter for the source, its file and the digest metrics.json reports changed together
+    (consistent on disk, so inputs.final_adapter_on_disk cannot see it)."""
+    from replayjob.digest import sha256_bytes
+
+    data = b"another final adapter"
+    (ev.source / synthetic.ADAPTER).write_bytes(data)
+    edit(ev.source / "metrics.json", lambda d: d.update({"optimizer_batch/final_adapter_sha256": sha256_bytes(data),
+                                                         "final_adapter_sha256": sha256_bytes(data)}))
+
+
+@pytest.mark.parametrize("claim, change, field, before", [
+    # graded before the seal: the loss edit failed exact.loss_same_condition (1), the gradient norm was never
+    # compared (0), and a replaced final adapter failed bitwise.final_vs_source (1)
+    ("exact-input", lambda ev: edit(ev.source / "metrics.json", lambda d: d.update({"loss": 0.25})),
+     "metrics.json: loss is 0.25, the capture manifest seals 0.5", 1),
+    ("exact-input", lambda ev: edit(ev.source / "metrics.json", lambda d: d.update({"grad_norm": 1.5})),
+     "metrics.json: grad_norm is 1.5, the capture manifest seals 0.25", 0),
+    ("exact-input", lambda ev: edit(ev.source / "metrics.json", lambda d: d.pop("grad_norm")),
+     "metrics.json: grad_norm is None, the capture manifest seals 0.25", 0),
+    ("bitwise", _replace_source_adapter, "metrics.json: optimizer_batch/final_adapter_sha256 is '", 1),
+], ids=["loss", "grad-norm", "grad-norm-deleted", "final-adapter"])
+def test_an_edited_source_number_is_refused_naming_the_file_and_field(
+        ev: synthetic.Evidence, capsys: pytest.CaptureFixture[str], claim: str,
+        change: Callable[[synthetic.Evidence], None], field: str, before: int) -> None:
+    assert reduce(ev, claim)[0] == 0
+    change(ev)
+    code, doc = reduce(ev, claim)
+    assert code == 2 and doc["status"] == "refused", (before, doc["failed_checks"])
+    c = check(doc, "inputs.capture_pins")
+    assert c["status"] == "refused" and len(c["offenders"]) == 1 and c["offenders"][0].startswith("source ")
+    assert c["expected"]["outcome"]["loss"] == 0.5 and c["expected"]["outcome"]["grad_norm"] == 0.25
+    code, text = _cli(ev, claim, capsys)
+    assert code == 2 and field in text and "inputs.capture_pins" in text, text
+
+
+def _as_steps_source(ev: synthetic.Evidence, steps: tuple[int, ...] = (0, 3)) -> None:
+    """The source as a run that captured chosen steps (docs/optimizer-batch.md): its one-step pins moved into
+    step 0's record under optimizer_batch/steps, and a record for another step beside it."""
+    def move(d: dict[str, Any]) -> None:
+        record = {"step": 0, "manifest_path": d.pop("optimizer_batch/manifest_path"),
+                  "manifest_sha256": d.pop("optimizer_batch/manifest_sha256"),
+                  "logical_batch_sha256": d.pop("optimizer/logical_batch_sha256"),
+                  "local_effective_rows_sha256": d.pop("optimizer/local_effective_rows_sha256"),
+                  "initial_adapter_sha256": d.pop("optimizer_batch/initial_adapter_sha256"),
+                  "final_adapter_sha256": d.pop("optimizer_batch/final_adapter_sha256"),
+                  "replay_config": "replay_step_000000.toml", "nonfinite_inputs": False,
+                  "loss": d["loss"], "grad_norm": d["grad_norm"]}
+        d["optimizer_batch/steps"] = [{**record, "step": k} for k in steps]
+    edit(ev.source / "metrics.json", move)
+
+
+def test_an_edited_step_record_is_refused_naming_the_record(ev: synthetic.Evidence,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    _as_steps_source(ev, (0,))
+    assert reduce(ev, "bitwise", "--source-step", "0")[0] == 0
+    edit(ev.source / "metrics.json", lambda d: d["optimizer_batch/steps"][0].update({"loss": 0.75}))
+    code, doc = reduce(ev, "bitwise", "--source-step", "0")
+    assert code == 2 and check(doc, "inputs.capture_pins")["offenders"] == ["source loss"]  # graded 1 before
+    code, text = _cli(ev, "bitwise", capsys, "--source-step", "0")
+    assert code == 2 and "metrics.json: optimizer_batch/steps[0].loss is 0.75, the capture manifest seals 0.5" in text
+
+
+def test_a_capture_manifest_that_seals_nothing_is_refused(ev: synthetic.Evidence,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A manifest without ``outcome`` (written before the seal) pins none of the source numbers: the evidence is
+    refused, whatever the numbers say (every pin renewed, so nothing else differs)."""
+    from replayjob.digest import sha256_bytes
+    from replayjob.jsonio import canonical_bytes
+    from replayjob.optbatch import manifest as mf
+
+    path = ev.source / mf.manifest_name(0)
+    doc = json.loads(path.read_bytes())
+    doc.pop("outcome")
+    data = canonical_bytes(doc) + b"\n"
+    path.write_bytes(data)
+    sha = sha256_bytes(data)
+    edit(ev.source / "metrics.json", lambda d: d.update({"optimizer_batch/manifest_sha256": sha}))
+    for f in ev.replay_files:
+        edit(f, lambda d: (d.update({"optimizer_batch/manifest_sha256": sha}),
+                           d["pins"].update({"expected_manifest_sha256": sha})))
+    code, doc = reduce(ev, "exact-input")
+    c = check(doc, "inputs.capture_pins")
+    assert code == 2 and c["expected"]["outcome"] is None
+    assert c["offenders"] == ["source loss", "source grad_norm", "source final_adapter"]
+    code, text = _cli(ev, "exact-input", capsys)
+    assert code == 2 and "metrics.json: loss, metrics.json: grad_norm, metrics.json: optimizer_batch/final_adapter_" \
+        "sha256: pinned by nothing, the capture manifest seals no outcome" in text, text
+
+
+# -- claims that cannot apply are refused, naming what would apply ----------------------------------
+
+def test_a_declared_stack_difference_is_refused_under_exact_claims(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    ev = synthetic.build(tmp_path / "ev", {OFF: {}, "new-trl": {"stack.trl": "1.16.0"}}, 3)
+    for claim in ("exact-input", "bitwise"):
+        code, doc = reduce(ev, claim)  # graded 1 (exact.systems_only failed) before
+        c = check(doc, "exact.systems_only")
+        assert code == 2 and c["status"] == "refused" and "--claim approximate" in c["detail"], claim
+        assert c["offenders"] == ["new-trl#0", "new-trl#1", "new-trl#2"]
+        code, text = _cli(ev, claim, capsys)
+        assert code == 2 and "reduce with --claim approximate" in text
+
+
+def test_only_arms_off_the_source_conditions_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ev = synthetic.build(tmp_path / "ev", {ON: {GC_KEY: True}}, 3)
+    code, doc = reduce(ev, "exact-input")  # graded 1 (exact.loss_same_condition failed) before
+    c = check(doc, "exact.loss_same_condition")
+    assert code == 2 and c["status"] == "refused" and c["observed"]["members"] == ["source"]
+    assert "add an arm that replays under the source's own conditions" in c["detail"]
+    code, text = _cli(ev, "exact-input", capsys)
+    assert code == 2 and "add an arm replayed under the source's own conditions" in text
+
+
+# -- hints point at the fix ------------------------------------------------------------------------
+
+def test_an_unknown_arm_name_says_the_arm_does_not_exist(ev: synthetic.Evidence,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    code, text = _cli(ev, "exact-input", capsys, "--arms", f"{OFF},{ON},ckpt-of")
+    assert code == 2
+    assert f"--arms names ckpt-of, but no replay has that arm: it does not exist among the arms found ({OFF}, {ON})" \
+        in text, text
+    assert "run more fresh replays" not in text  # it was the only hint before
+    edit(ev.replay_files[5], lambda d: d.update({"repeat_index": 7}))  # an arm that exists but is short stays so
+    code, text = _cli(ev, "exact-input", capsys, "--min-repeats", "4", "--arms", f"{OFF},{ON}")
+    assert code == 2 and "run more fresh replays" in text and "does not exist" not in text
+
+
+def test_a_several_step_source_without_source_step_says_which_steps(ev: synthetic.Evidence,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    _as_steps_source(ev, (0, 3))
+    code, doc = reduce(ev, "exact-input")
+    msg, hint = doc["refusal"]["message"], doc["refusal"]["hint"]
+    assert code == 2 and "captured several steps (0, 3)" in msg and "--source-step K" in msg
+    assert hint == "pass --source-step K with K the step the replays replayed (captured: 0, 3)"
+    assert "rerun the replay" not in msg + hint and "is missing" not in msg  # what it said before
+    code, doc = reduce(ev, "exact-input", "--source-step", "5")
+    assert code == 2 and "(captured: 0, 3)" in doc["refusal"]["hint"]
+    assert reduce(ev, "exact-input", "--source-step", "0")[0] == 0

@@ -28,6 +28,7 @@ from replayjob.errors import IntegrityError
 from replayjob.jsonio import read_json
 
 corpus = load_corpus_module()
+EXAMPLE_SPEC = Path(__file__).resolve().parents[1] / "examples" / "ablation.toml"
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +38,7 @@ def sources(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     return paths
 
 
-CORPUS_SOURCES = ("state", "capture", "bundle", "metrics", "diag")
+CORPUS_SOURCES = ("state", "capture", "bundle", "metrics", "diag", "trace")
 
 
 @pytest.fixture(scope="session")
@@ -84,6 +85,12 @@ COMMANDS: dict[str, Command] = {
     "diag": lambda p, pins, ws, src, out: ["diag-diff", str(p), str(src["diag"])],
     "rules": lambda p, pins, ws, src, out: ["signals", str(src["source"]), "--rules", str(p)],
     "spec": lambda p, pins, ws, src, out: ["step", "plan", "--spec", str(p)],
+    "budgets": lambda p, pins, ws, src, out: [
+        "reduce", str(src["replays"]), "--claim", "exact-input", "--budgets", str(p),
+        "--out", str(out / "verdict.json"), "--source", str(src["source"]), "--min-repeats", "1"],
+    "trace": lambda p, pins, ws, src, out: ["trace-diff", str(p), pins["valid"]],
+    "run": lambda p, pins, ws, src, out: ["step", "replay", "--spec", str(EXAMPLE_SPEC), "--run-dir", str(p),
+                                          "--index", "0"],
 }
 ENTRY_TIMEOUT_S = 60  # a reader that blocks (a FIFO, /dev/zero) fails its entry instead of hanging the suite
 

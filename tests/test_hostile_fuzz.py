@@ -293,3 +293,159 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     keys = [k for k, _ in pairs]
     assert len(keys) == len(set(keys)), f"accepted a row with a duplicate key: {keys}"
     return dict(pairs)
+
+
+# ------------------------------- readers added later: traces, budgets, run records, multi-rank bundles,
+# ------------------------------- integration capture manifests
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_trace_evidence import _trace
+
+    from replayjob.trace.store import write_trace
+
+    d = tmp_path_factory.mktemp("trace") / "run"
+    write_trace(d, _trace())
+    return d
+
+
+@FUZZ
+@given(data=st.data())
+def test_trace_mutations_are_refused_or_read_as_the_original_values(
+        data: st.DataObject, trace_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every byte of a trace is pinned (index -> payload -> per-row digests recomputed from the values):
+    a mutation, even with every pin re-sealed, is refused or changes nothing that is compared."""
+    from replayjob.trace.store import INDEX_FILE, PAYLOAD_FILE, TRACE_DIR, read_trace
+
+    original = read_trace(trace_dir)
+    d = tmp_path_factory.mktemp("trace") / "run"
+    shutil.copytree(trace_dir, d)
+    t = d / TRACE_DIR
+    index = json.loads((t / INDEX_FILE).read_bytes())
+    if data.draw(st.booleans()):  # the payload, its pin in the index re-sealed
+        blob = mutate(data, (t / PAYLOAD_FILE).read_bytes())
+        (t / PAYLOAD_FILE).write_bytes(blob)
+        index["payload"].update(sha256=sha256_bytes(blob), bytes=len(blob))
+        (t / INDEX_FILE).write_bytes(json.dumps(index).encode())
+    else:  # the index, structure-aware, read without an outside pin
+        (t / INDEX_FILE).write_bytes(json.dumps(mutate_doc(data, index)).encode())
+    try:
+        got = read_trace(d)
+    except ReplayjobError:
+        return
+    assert torch.equal(got.row_tokens, original.row_tokens)
+    assert torch.equal(got.row_micro_batch, original.row_micro_batch)
+    for a, b in ((got.forward, original.forward), (got.backward, original.backward)):
+        assert [(s.name, s.sha256) for s in a] == [(s.name, s.sha256) for s in b]
+        assert all(torch.equal(x.values, y.values) for x, y in zip(a, b, strict=True))
+    assert [(p.name, p.grad_sha256, p.update_sha256) for p in got.params] == \
+        [(p.name, p.grad_sha256, p.update_sha256) for p in original.params]
+    assert all(torch.equal(p.grad, q.grad) and torch.equal(p.update, q.update)
+               for p, q in zip(got.params, original.params, strict=True))
+
+
+BUDGETS = b"""baseline = "ckpt-off"
+allow_cross_node = false
+[ckpt-on]
+local_train_wall_s = { max_ratio = 1.35, min_ratio = 0.5 }
+optimizer_wall_s = { max_ratio = 2.0 }
+"""
+
+
+@FUZZ
+@given(data=st.data())
+def test_budget_mutations_are_refused_or_read_as_sound_bounds(data: st.DataObject,
+                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    import math
+
+    from replayjob.gate.budgets import read_budgets
+
+    p = tmp_path_factory.mktemp("budgets") / "budgets.toml"
+    blob = mutate(data, BUDGETS)
+    p.write_bytes(blob)
+    try:
+        got = read_budgets(p)
+    except ReplayjobError:
+        return
+    assert got.sha256 == sha256_bytes(blob) and got.bounds
+    limits: dict[tuple[str, str], dict[str, float]] = {}
+    for b in got.bounds:
+        assert math.isfinite(b.limit) and b.limit > 0, b
+        limits.setdefault((b.arm, b.metric), {})[b.kind] = b.limit
+    for kinds in limits.values():  # a lower bound above the upper one can never be met: refused
+        assert kinds.get("min_ratio", 0.0) <= kinds.get("max_ratio", math.inf), kinds
+
+
+@FUZZ
+@given(data=st.data())
+def test_run_record_mutations_are_refused_or_name_this_run(data: st.DataObject,
+                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
+    from conftest import REPO
+
+    from replayjob.deploy import step
+    from replayjob.deploy.ablation import load_spec
+
+    spec = load_spec(REPO / "examples" / "ablation.toml")
+    layout = step.Layout.of(tmp_path_factory.mktemp("run") / "r")
+    layout.run.mkdir()
+    step.check_run_record(layout, spec)
+    record = layout.run / step.RUN_RECORD
+    original = record.read_bytes()
+    blob = mutate(data, original) if data.draw(st.booleans()) else json.dumps(
+        mutate_doc(data, json.loads(original))).encode()
+    record.write_bytes(blob)
+    try:
+        step.check_run_record(layout, spec)
+    except ReplayjobError:
+        return
+    assert json.loads(blob)["fingerprint"] == json.loads(original)["fingerprint"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from replayjob.bundle.synthetic import write_rollout
+
+    root = tmp_path_factory.mktemp("ranked") / "b"
+    for r in (0, 1):
+        write_rollout(root, rank=r, ranks=[0, 1], groups=4)
+    return root
+
+
+@FUZZ
+@given(data=st.data())
+def test_multi_rank_bundle_mutations_are_refused_or_load_as_exactly_the_original(
+        data: st.DataObject, two_rank_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    from replayjob.bundle.reader import load_bundle
+
+    original = load_bundle(two_rank_bundle)
+    d = tmp_path_factory.mktemp("ranked") / "b"
+    shutil.copytree(two_rank_bundle, d)
+    target = data.draw(st.sampled_from(sorted(p for p in d.rglob("*") if p.is_file())))
+    target.write_bytes(mutate(data, target.read_bytes()))
+    try:
+        got = load_bundle(d)
+    except ReplayjobError:
+        return
+    assert (got.manifest, got.index, got.expected) == (original.manifest, original.index, original.expected)
+    assert _same(got.payloads, original.payloads)
+
+
+@FUZZ
+@given(data=st.data())
+def test_integration_manifest_mutations_never_pass_the_pin(data: st.DataObject, trl_capture: dict[str, Any],
+                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
+    from replayjob.integrations import manifest
+
+    src = next(trl_capture["dir"].glob("*.manifest.json"))
+    original = src.read_bytes()
+    p = tmp_path_factory.mktemp("iman") / src.name
+    blob = mutate(data, original) if data.draw(st.booleans()) else json.dumps(
+        mutate_doc(data, json.loads(original))).encode()
+    p.write_bytes(blob)
+    if blob != original:
+        with pytest.raises(ReplayjobError):
+            manifest.read_verified(p, sha256_bytes(original))
+    try:  # a pin copied from the tampered file: the validator refuses or accepts exactly what is written
+        got = manifest.read_verified(p, sha256_bytes(blob))
+    except ReplayjobError:
+        return
+    assert got.doc == json.loads(blob)

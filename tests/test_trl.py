@@ -213,17 +213,19 @@ def test_trl_version_change_refused_unless_declared_then_approximate_only(
     assert main(["replay", str(d / "replay.toml"), "--out", str(tmp_path / "r" / "new-trl"), *declared]) == 0
     assert _metrics(tmp_path / "r" / "new-trl", "replay_metrics.json")["knobs"] == {"stack.trl": "1.16.0"}
     common = [str(tmp_path / "r"), "--source", str(d), "--min-repeats", "1"]
-    # approximate: the update tolerances are evaluated and pass; the verdict still needs a same-condition arm
-    # (replays under the capture's own TRL), which this environment cannot run, so only that check fails
+    # approximate: the verdict needs a same-condition arm (replays under the capture's own TRL), which this
+    # environment cannot run, so exact.loss_same_condition cannot be made: it alone refuses the evidence (2),
+    # and the update tolerances are then not evaluated
     assert main(["reduce", *common, "--claim", "approximate", "--tolerances", str(tol),
-                 "--out", str(tmp_path / "approximate.json")]) == 1
-    approx = {c["name"]: c["status"] for c in json.loads((tmp_path / "approximate.json").read_text())["checks"]}
-    assert approx["approximate.update_cosine"] == approx["approximate.relative_delta_l2"] == "pass"
-    assert [k for k, v in approx.items() if v != "pass" and v != "not_applicable"] == ["exact.loss_same_condition"]
-    # exact-input (and bitwise) refuse to call a version difference systems-only
-    assert main(["reduce", *common, "--claim", "exact-input", "--out", str(tmp_path / "exact.json")]) == 1
-    checks = {c["name"]: c["status"] for c in json.loads((tmp_path / "exact.json").read_text())["checks"]}
-    assert checks["exact.systems_only"] == "fail"
+                 "--out", str(tmp_path / "approximate.json")]) == 2
+    approx = {c["name"]: c for c in json.loads((tmp_path / "approximate.json").read_text())["checks"]}
+    assert [k for k, c in approx.items() if c["status"] == "refused"] == ["exact.loss_same_condition"]
+    assert "not evaluated" in approx["approximate.update_cosine"]["detail"]
+    # exact-input (and bitwise) cannot judge a version difference: refused, naming the approximate claim
+    assert main(["reduce", *common, "--claim", "exact-input", "--out", str(tmp_path / "exact.json")]) == 2
+    checks = {c["name"]: c for c in json.loads((tmp_path / "exact.json").read_text())["checks"]}
+    assert checks["exact.systems_only"]["status"] == "refused"
+    assert "--claim approximate" in checks["exact.systems_only"]["detail"]
 
 
 @pytest.mark.slow

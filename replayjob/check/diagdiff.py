@@ -1,7 +1,9 @@
 """``diag-diff``: stream two JSONL diagnostics files and compare every row leaf by leaf.
 
 Rows are aligned by their integer ``step`` when both files have one (each file's steps must
-increase), else by position; a row on one side only is a difference.  Leaves compare under
+increase), else by position; a row on one side only is a difference.  Files that would read as equal
+without one leaf compared (every leaf of every aligned row ignored) are refused: equality over
+nothing is no evidence.  Leaves compare under
 :mod:`replayjob.check.leafdiff`'s rules; leaves matched by the ignore patterns
 (:data:`~replayjob.check.leaves.DEFAULT_IGNORES` plus ``--ignore``) are skipped.
 
@@ -29,7 +31,7 @@ from replayjob.check.diagreport import DiffReport, RowDivergence
 from replayjob.check.leafdiff import Tolerance, compare_leaves
 from replayjob.check.leaves import DEFAULT_IGNORES, IgnoreSet, Location, flatten
 from replayjob.check.rows import iter_rows
-from replayjob.errors import IntegrityError, UsageError
+from replayjob.errors import IntegrityError, RefusedError, UsageError
 
 MAX_PLAN = 10_000
 FIRST_ROWS = 10
@@ -140,6 +142,11 @@ def diff_files(path_a: str | Path, path_b: str | Path, *, tol: Tolerance | None 
             b.advance()
         index += 1
     report.rows_a, report.rows_b = a.count, b.count
+    if report.equal and not report.leaves_compared:
+        raise RefusedError(f"nothing compared: every leaf of the {report.rows_compared} aligned row(s) is ignored "
+                           f"or empty, so the files cannot read as equal", where=f"{a.path} vs {b.path}",
+                           hint="narrow --ignore (the default ignores are wall-clock times, rates and memory "
+                                "peaks) so that some leaf is compared")
     return report
 
 
@@ -152,10 +159,13 @@ def _compare_pair(report: DiffReport, index: int, ra: tuple[int, dict[str, Any]]
         _blank(row_a, plan)
         _blank(row_b, plan)
     if _same_bytes(row_a, row_b):
+        if not report.leaves_compared:  # until the first row with a leaf that is compared, not after
+            report.leaves_compared = any(path for path in flatten(row_a, ig))
         report.last_row = RowDivergence(index, step, line_a, line_b, "leaves", 0, [])
         return
     found: set[Location] = set()
     la, lb = flatten(row_a, ig, found), flatten(row_b, ig, found)
+    report.leaves_compared = report.leaves_compared or any(path and path in lb for path in la)
     if len(plan) < MAX_PLAN:
         plan.update(found)
     drifts = compare_leaves(la, lb, tol)

@@ -63,6 +63,7 @@ class DiffReport:
     first: RowDivergence | None = None
     first_rows: list[RowDivergence] = field(default_factory=list)
     last_row: RowDivergence | None = None
+    leaves_compared: bool = False  # some leaf (not ignored, not the empty row itself) was compared
 
     @property
     def equal(self) -> bool:

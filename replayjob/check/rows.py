@@ -26,7 +26,8 @@ def open_jsonl(path: str | Path) -> Any:
         raise IntegrityError("is a directory, not a JSONL file", where=p, hint="pass the diag.jsonl inside it")
     if not p.exists() and not p.is_symlink():
         raise IntegrityError("file not found", where=p, hint="check the path")
-    fd, _size = open_regular(p, what="JSONL file")  # devices and FIFOs refused without blocking
+    # devices and FIFOs refused without blocking; a JSONL file the user names may be a link
+    fd, _size = open_regular(p, follow_symlinks=True, what="JSONL file")
     return os.fdopen(fd, "rb")  # the caller closes it (iter_rows streams it across a generator)
 
 

@@ -212,7 +212,8 @@ def load_rules(path: str | Path | None) -> Rules:
     try:
         if not p.exists() and not p.is_symlink():
             raise FileNotFoundError(p)
-        text = read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, what="rules file").decode("utf-8")
+        text = read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, follow_symlinks=True,
+                                  what="rules file").decode("utf-8")
     except FileNotFoundError:
         raise ConfigError("rules file not found", where=p, hint="check the --rules path") from None
     except UnicodeDecodeError:

@@ -30,6 +30,7 @@ from replayjob.check.leaves import MISSING, get_leaf, parse_path
 from replayjob.check.rows import iter_rows
 from replayjob.check.rules import ConsistencyRule, Rules, SignalRule
 from replayjob.errors import IntegrityError, RefusedError
+from replayjob.fsio import check_no_symlinks
 from replayjob.jsonio import read_json_object
 
 SCHEMA = "replayjob.signals_verdict/1"
@@ -94,10 +95,11 @@ class SignalsReport:
 
 
 def resolve_source(source: str | Path) -> tuple[Path, Path]:
-    """``(diag.jsonl, directory holding summaries)`` for a run directory or a diag file."""
+    """``(diag.jsonl, directory holding summaries)`` for a run directory or a diag file (a diag.jsonl found
+    in a run directory may not be a symbolic link; one named directly may)."""
     p = Path(source)
     if p.is_dir():
-        return p / DIAG_FILE, p
+        return check_no_symlinks(p, p / DIAG_FILE, what="diag file"), p
     return p, p.parent
 
 

@@ -36,7 +36,7 @@ def read_toml(path: str | Path, *, what: str = "config") -> dict[str, Any]:
     if not p.exists() and not p.is_symlink():
         raise ConfigError(f"{what} file not found", where=p, hint="check the path")
     try:
-        data = read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, what=f"{what} file")
+        data = read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, follow_symlinks=True, what=f"{what} file")
     except ReplayjobError as exc:
         raise ConfigError(exc.message, where=p, hint=exc.hint) from None
     try:

@@ -359,7 +359,8 @@ def load_spec_text(path: str | Path) -> tuple[AblationSpec, str]:
         if not p.exists() and not p.is_symlink():
             raise FileNotFoundError(p)
         # regular files only (a FIFO would block the reader); the parser's nesting limit is a RecursionError
-        text = read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, what="ablation spec").decode("utf-8")
+        text = read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, follow_symlinks=True,
+                                  what="ablation spec").decode("utf-8")
         data = tomllib.loads(text)
     except FileNotFoundError:
         raise ConfigError("ablation spec not found", where=p) from None

@@ -385,7 +385,7 @@ def budgets_pin(spec: AblationSpec) -> str:
     if not path.is_file():
         raise RefusedError("the spec's budget file is missing", where=path,
                            hint="budgets must name a file every step can read (a shared path)")
-    return sha256_file(path)
+    return sha256_file(path, follow_symlinks=True)  # a file the spec names, not an artifact
 
 
 def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | None = None,

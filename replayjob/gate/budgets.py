@@ -110,6 +110,10 @@ def read_budgets(path: str | Path) -> Budgets:
                     if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
                         raise IntegrityError(f"{kind} must be a positive finite number", where=where)
                     bounds.append(Bound(arm, metric, kind, float(v)))
+            if set(KINDS) <= set(spec) and spec["min_ratio"] > spec["max_ratio"]:  # no ratio meets both
+                raise IntegrityError(f"min_ratio {spec['min_ratio']} is above max_ratio {spec['max_ratio']}: the "
+                                     "bounds contradict each other, so no measurement could decide them",
+                                     where=where, hint="swap them, or declare one bound")
     if not bounds:
         raise IntegrityError("the budget file declares no bound", where=p, hint=hint)
     return Budgets(p, sha, baseline, cross, tuple(bounds))
@@ -179,12 +183,17 @@ def _decide(bound: Bound, pairs: list[tuple[Replay, Replay]], confidence: float)
     out: dict[str, Any] = {"arm": bound.arm, "metric": bound.metric, "kind": bound.kind, "limit": bound.limit,
                            "pairs": len(pairs), "ratio": None, "low": None, "high": None, "more_blocks": None}
     vals = [(_value(b, bound.metric), _value(a, bound.metric)) for b, a in pairs]
-    if any(x <= 0.0 for v in vals for x in v):
-        return {**out, "decision": REFUSED, "note": "a paired value is zero or negative: no ratio"}
+    if any(not math.isfinite(x) or x <= 0.0 for v in vals for x in v):  # a NaN is never within a bound
+        return {**out, "decision": REFUSED, "note": "a paired value is zero, negative or not finite: no ratio"}
     if len(pairs) < 2:
         return {**out, "decision": INCONCLUSIVE, "more_blocks": 2 - len(pairs),
                 "note": "fewer than 2 pairs cannot give an interval"}
-    est, low, high = _interval([math.log(a / b) for b, a in vals], confidence)
+    logs = [math.log(a / b) for b, a in vals]
+    if not all(math.isfinite(x) for x in logs):
+        return {**out, "decision": REFUSED, "note": "a per-pair ratio is not finite (overflow)"}
+    est, low, high = _interval(logs, confidence)
+    if not all(math.isfinite(x) for x in (est, low, high)):
+        return {**out, "decision": REFUSED, "note": "the ratio or its interval is not finite"}
     out.update(ratio=est, low=low, high=high)
     inside = high <= bound.limit if bound.kind == "max_ratio" else low >= bound.limit
     outside = low > bound.limit if bound.kind == "max_ratio" else high < bound.limit

@@ -22,8 +22,8 @@ from typing import Any
 from replayjob.digest import sha256_file
 from replayjob.errors import ReplayjobError
 from replayjob.gate.evidence import SKIPPED, Replay, Source, Tolerances
-from replayjob.metrics import EFFECTIVE, INITIAL_ADAPTER, LOGICAL
-from replayjob.optbatch.knobs import BUILTIN, Knob, knobs_for
+from replayjob.metrics import EFFECTIVE, FINAL_ADAPTER, INITIAL_ADAPTER, LOGICAL, SOURCE_FILE, STEP_FINAL_ADAPTER
+from replayjob.optbatch.knobs import BUILTIN, STACK_PREFIX, Knob, knobs_for
 
 PASS, FAIL, REFUSED, NOT_APPLICABLE = "pass", "fail", "refused", "not_applicable"
 
@@ -178,35 +178,55 @@ def systems_only_check(arms: dict[str, Arm]) -> Check:
     the approximate claim)."""
     unregistered = {a.name: sorted(k for k in a.intent if k not in a.registered) for a in arms.values()}
     unregistered = {k: v for k, v in unregistered.items() if v}
+    stack = sorted({k for keys in unregistered.values() for k in keys if k.startswith(STACK_PREFIX)})
+    if stack:  # the claim cannot apply to a version difference: refused (the approximate claim is the one for it)
+        return Check("exact.systems_only", "exact-input", REFUSED, "registered systems-only knobs", unregistered,
+                     f"a declared stack (version) difference ({', '.join(stack)}) cannot be judged by the exact-input "
+                     "or bitwise claim, which admit systems-only knobs only: reduce these replays with --claim "
+                     "approximate (and a pinned --tolerances file)",
+                     tuple(r.label for a in arms.values() if a.name in unregistered for r in a.replays))
     return Check("exact.systems_only", "exact-input", FAIL if unregistered else PASS, "registered systems-only knobs",
                  unregistered, "every declared difference is a registered systems-only knob (a declared stack "
                  "difference is for the approximate claim only)",
                  tuple(r.label for a in arms.values() if a.name in unregistered for r in a.replays))
 
 
-def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str, str]) -> Check:
+def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str, Any]) -> Check:
     """The source metrics and every replay's recorded pins against the verified capture manifest.
 
     ``capture`` holds the manifest's own digests (``manifest``, ``payload``, ``logical``,
-    ``effective``, ``initial_adapter``) and its producer (``framework``: ``replayjob`` for the
-    built-in trainer's manifest, else the external trainer it records): a replay whose recorded
-    payload, manifest or logical pin names another capture, a replay of another producer, or source
-    metrics that disagree with their manifest, is refused.  The source's own manifest digest is not
-    a row: the manifest was found and verified by it (a mismatch is refused before this check).
+    ``effective``, ``initial_adapter``), its producer (``framework``: ``replayjob`` for the
+    built-in trainer's manifest, else the external trainer it records) and the source update's
+    ``outcome`` it seals (loss, grad_norm, final_adapter_sha256; ``None`` in a capture written
+    before the seal): a replay whose recorded payload, manifest or logical pin names another
+    capture, a replay of another producer, or source metrics that disagree with their manifest --
+    among them the numbers the claims compare replays with, which nothing but the manifest pins --
+    are refused.  The source's own manifest digest is not a row: the manifest was found and
+    verified by it (a mismatch is refused before this check).
     """
     values = [(f"source {k}", getattr(source, k), capture[k]) for k in ("logical", "effective", "initial_adapter")]
+    sealed = capture.get("outcome") or {}
+    at = f"{SOURCE_FILE}: " + (f"{source.record}." if source.record else "")
+    fields = {"source loss": at + "loss", "source grad_norm": at + "grad_norm",
+              "source final_adapter": at + (f"{STEP_FINAL_ADAPTER}" if source.record else FINAL_ADAPTER)}
+    values += [("source loss", source.loss, sealed.get("loss")),
+               ("source grad_norm", source.grad_norm, sealed.get("grad_norm")),
+               ("source final_adapter", source.final_adapter, sealed.get("final_adapter_sha256"))]
     for r in replays:
         values += [(f"{r.label} manifest", r.manifest, capture["manifest"]),
                    (f"{r.label} manifest pin", r.pin_manifest, capture["manifest"]),
                    (f"{r.label} payload pin", r.pin_payload, capture["payload"]),
                    (f"{r.label} logical pin", r.pin_logical, capture["logical"]),
                    (f"{r.label} framework", r.framework, capture["framework"])]
-    bad = {label: {"recorded": got, "capture": want} for label, got, want in values if got != want}
+    bad = {label: {"recorded": got, "capture": want, **({"field": fields[label]} if label in fields else {})}
+           for label, got, want in values if not _same(got, want)}
     return Check("inputs.capture_pins", "inputs", REFUSED if bad else PASS,
                  {"manifest": capture["manifest"], "payload_spans_sha256": capture["payload"],
-                  "framework": capture["framework"]},
-                 {"mismatched": bad}, "the source metrics and each replay's recorded manifest and payload pins "
-                 "and producer match the capture manifest (verified against its SHA-256)", tuple(bad))
+                  "framework": capture["framework"], "outcome": capture.get("outcome")},
+                 {"mismatched": bad}, "the source metrics (their digests, and the loss, gradient norm and final "
+                 "adapter digest the claims compare with, which the manifest's outcome seals: a manifest written "
+                 "before the seal pins none of them) and each replay's recorded manifest and payload pins and "
+                 "producer match the capture manifest (verified against its SHA-256)", tuple(bad))
 
 
 def plan_check(arms: dict[str, Arm]) -> Check:
@@ -261,11 +281,13 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
     checks.append(knobs_in_effect_check(arms, source))
     same = [r for a in arms.values() if a.same_condition(source) for r in a.replays]
     losses = _with_source(source, "loss", same)
-    if len(losses) < 2:
-        checks.append(Check("exact.loss_same_condition", g, FAIL, "source and same-condition replays",
-                            {"members": [lbl for lbl, _ in losses]},
-                            "no same-condition replay to compare the loss with: add an arm that replays "
-                            "under the source's own conditions (no declared knobs)"))
+    if len(losses) < 2:  # the check cannot be made, so the claim cannot be graded: refused, not failed
+        checks.append(Check("exact.loss_same_condition", g, REFUSED, "source and same-condition replays",
+                            {"members": [lbl for lbl, _ in losses],
+                             "arms": {a.name: a.intent for a in arms.values()}},
+                            "no same-condition replay to compare the loss with (every arm differs from the "
+                            "source's conditions): add an arm that replays under the source's own conditions (no "
+                            "declared knobs) and reduce it with these"))
     else:
         checks.append(agree("exact.loss_same_condition", g, losses, source.loss if source else None,
                             what="source and same-condition replays report the same loss, exactly"))

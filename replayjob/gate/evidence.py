@@ -71,7 +71,7 @@ def discover(paths: Sequence[str | Path]) -> list[Path]:
 
 def read_pinned_toml(p: Path, what: str) -> tuple[dict[str, Any], str]:
     """A predeclared TOML file (tolerances, budgets) and the SHA-256 of its bytes, which replays pin."""
-    data = read_regular_bytes(p, max_bytes=1024 * 1024, what=f"{what} file")
+    data = read_regular_bytes(p, max_bytes=1024 * 1024, follow_symlinks=True, what=f"{what} file")  # user-named
     try:
         doc = tomllib.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:

@@ -9,6 +9,9 @@
   for the gradient's dtype and reduction length -- never a zero floor.  Relative L2 fails when the
   interval's upper end exceeds the envelope; cosine fails when its lower end is below
   ``1 - envelope**2`` (equal-norm vectors at relative distance ``e`` have ``1 - cos = e**2 / 2``).
+  A NaN or an infinity in any gradient compared (or in the envelope) fails both, for that parameter
+  and pair of arms: the row then holds ``null`` statistics and ``non_finite: true``.  Traces with no
+  trainable parameter in common are refused: a check over nothing does not pass.
 * Bitwise claim: when it fails and the differing replays are traced, the first divergent module in
   forward and backward order between the first traced replay and the first traced replay whose
   final adapter differs from it, with the per-site error curve for the report.
@@ -18,6 +21,7 @@ Traces are read against the index SHA-256 each replay_metrics.json pins; a tampe
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from replayjob.gate import claims as C
@@ -50,7 +54,7 @@ def _median_interval(values: list[list[float]]) -> tuple[float, float, float]:
 def _param_rows(traced: list[tuple[Replay, Any]], arms: dict[str, C.Arm]) -> tuple[list[dict[str, Any]],
                                                                                      list[str], list[str]]:
     from replayjob.trace.diff import rounding_scale
-    from replayjob.trace.envelope import cosine, envelope, relative_error, rounding_bound
+    from replayjob.trace.envelope import cosine, envelope, finite_or_none, relative_error, rounding_bound
     from replayjob.trace.store import dtype_name
 
     by_arm: dict[str, list[Any]] = {}
@@ -70,17 +74,25 @@ def _param_rows(traced: list[tuple[Replay, Any]], arms: dict[str, C.Arm]) -> tup
             for ay in names[x + 1:]:
                 rel = [[relative_error(gi, gj) for gj in grads[ay]] for gi in grads[ax]]
                 cos = [[cosine(gi, gj) for gj in grads[ay]] for gi in grads[ax]]
-                r_med, r_lo, r_hi = _median_interval(rel)
+                # the non-finite marker (NaN) in any error, or in the envelope, is never within a bound
+                non_finite = not math.isfinite(bound.value) or not all(
+                    math.isfinite(v) for line in rel for v in line) or any(
+                    c is not None and not math.isfinite(c) for line in cos for c in line)
+                r_med, r_lo, r_hi = (math.nan,) * 3 if non_finite else _median_interval(rel)
                 row: dict[str, Any] = {"parameter": p0.name, "arms": f"{ax} ~ {ay}", "pairs": len(rel) * len(rel[0]),
-                                       "relative_l2": {"median": r_med, "low": r_lo, "high": r_hi},
-                                       "envelope": bound.value, "envelope_source": bound.source, "cosine": None}
-                if all(c is not None for line in cos for c in line):
+                                       "relative_l2": {"median": finite_or_none(r_med), "low": finite_or_none(r_lo),
+                                                       "high": finite_or_none(r_hi)},
+                                       "envelope": finite_or_none(bound.value), "envelope_source": bound.source,
+                                       "cosine": None, "non_finite": non_finite}
+                if non_finite:
+                    bad_cos.append(f"{ax} ~ {ay}: {p0.name} (non-finite)")
+                elif all(c is not None for line in cos for c in line):
                     c_med, c_lo, c_hi = _median_interval([[float(c or 0.0) for c in line] for line in cos])
                     row["cosine"] = {"median": c_med, "low": c_lo, "high": c_hi, "floor": 1.0 - bound.value ** 2}
                     if c_lo < 1.0 - bound.value ** 2:
                         bad_cos.append(f"{ax} ~ {ay}: {p0.name}")
-                if r_hi > bound.value:
-                    bad_rel.append(f"{ax} ~ {ay}: {p0.name}")
+                if non_finite or r_hi > bound.value:
+                    bad_rel.append(f"{ax} ~ {ay}: {p0.name}" + (" (non-finite)" if non_finite else ""))
                 rows.append(row)
     return rows, bad_rel, bad_cos
 
@@ -98,6 +110,9 @@ def approximate_checks(replays: list[Replay], arms: dict[str, C.Arm]) -> list[C.
     if len({tuple(p.name for p in t.params) for _, t in traced}) != 1:
         return [C.Check(n, g, C.REFUSED, "the same trainable parameters in every trace", None,
                         "traces hold different parameters: not replays of one model") for n in names]
+    if not traced[0][1].params:
+        return [C.Check(n, g, C.REFUSED, "the same trainable parameters in every trace", {"parameters": 0},
+                        "the traces hold no trainable parameter: no gradient was compared") for n in names]
     rows, bad_rel, bad_cos = _param_rows(traced, arms)
     boot = {"seed": stats.BOOTSTRAP_SEED, "resamples": stats.BOOTSTRAP_RESAMPLES, "confidence": stats.CONFIDENCE}
     untraced = sorted(r.label for r in replays if r.trace_index_sha256 is None)

@@ -133,7 +133,7 @@ def _evaluate(req: Request, st: _State) -> None:
         st.checks.append(C.capture_pins_check(st.replays, st.source, {
             "manifest": m.sha256, "payload": m.payload_digest, "logical": m.logical_sha256,
             "effective": m.effective_sha256, "initial_adapter": m.initial_adapter_sha256,
-            "framework": m.framework}))
+            "framework": m.framework, "outcome": m.outcome}))
     st.checks += C.exact_input_checks(st.replays, st.arms, st.source)
     if req.claim != "approximate":
         st.checks.append(C.systems_only_check(st.arms))
@@ -228,9 +228,7 @@ def _approximate(st: _State) -> None:
     pairs = updates.pairwise(initial, members)
     st.updates = updates.summarize(pairs)
     lo, hi = st.tolerances.update_cosine_min, st.tolerances.relative_delta_l2_max
-    bad_cos = tuple(f"{p.a.label} ~ {p.b.label}" for p in pairs if p.cosine is None or p.cosine < lo)
-    bad_rel = tuple(f"{p.a.label} -> {p.b.label}" for p in pairs
-                    if p.relative_delta_l2 is None or p.relative_delta_l2 > hi)
+    bad_cos, bad_rel = updates.offenders(pairs, lo, hi)
     st.checks.append(C.Check(names[0], g, C.FAIL if bad_cos else C.PASS, {"min": lo},
                              st.updates["all"]["cosine"], "pairwise update cosine within and across arms",
                              bad_cos))

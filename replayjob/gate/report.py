@@ -174,7 +174,8 @@ def layers_png(doc: dict[str, Any]) -> bytes | None:
     fig = Figure(figsize=(12, 5), dpi=100)
     ax = fig.subplots()
     floor = 1e-18  # bitwise-equal sites are drawn on the floor of the log axis
-    for label, pts in c["observed"]["curve"].items():
+    for label, all_pts in c["observed"]["curve"].items():
+        pts = [p for p in all_pts if p[1] is not None and p[2] is not None]  # a non-finite error is null
         if pts:
             ax.plot([p[0] for p in pts], [max(p[1], floor) for p in pts], ".-", label=f"{label} relative error")
             ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color="grey")

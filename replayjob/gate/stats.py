@@ -63,7 +63,8 @@ def bootstrap_ratio(numerator: Sequence[float], denominator: Sequence[float], *,
     """Ratio of medians (numerator / denominator) with a percentile bootstrap interval.
 
     Returns ``ratio``, ``low``, ``high``, ``excludes_1`` and ``note``; the interval (or all four)
-    is ``None``, with a ``note``, when a median of the denominator, or of a resample of it, is zero.
+    is ``None``, with a ``note``, when a median of the denominator, or of a resample of it, is zero, or
+    when a value, the ratio or the interval is not finite (a NaN never decides ``excludes_1``).
     """
     return bootstrap_ratios({"x": numerator}, {"x": denominator}, seed=seed, resamples=resamples,
                             confidence=confidence)["x"]
@@ -91,16 +92,26 @@ def bootstrap_ratios(numerator: dict[str, Sequence[float]], denominator: dict[st
         den = np.asarray(denominator[key], dtype=np.float64)
         res: dict[str, Any] = {"ratio": None, "low": None, "high": None, "excludes_1": None, "note": ""}
         out[key] = res
+        if not (np.isfinite(num).all() and np.isfinite(den).all()):
+            res["note"] = "a value is not finite; ratio undefined"
+            continue
         den_median = median(den.tolist())
         if den_median == 0.0:
             res["note"] = "baseline median is zero; ratio undefined"
             continue
-        res["ratio"] = median(num.tolist()) / den_median
+        ratio = median(num.tolist()) / den_median
+        if not math.isfinite(ratio):
+            res["note"] = "the ratio is not finite (overflow); undefined"
+            continue
+        res["ratio"] = ratio
         den_med = _resampled_medians(np, den, den_idx)
         if bool(np.any(den_med == 0.0)):
             res["note"] = "a bootstrap resample of the baseline has median zero; interval undefined"
             continue
         num_med = _resampled_medians(np, num, num_idx)
         low, high = (float(x) for x in np.quantile(num_med / den_med, [alpha, 1.0 - alpha]))  # type 7
+        if not (math.isfinite(low) and math.isfinite(high)):
+            res["note"] = "the interval is not finite (overflow); undefined"
+            continue
         res.update(low=low, high=high, excludes_1=bool(low > 1.0 or high < 1.0))
     return out

@@ -1,7 +1,8 @@
 """Synthetic evidence for the reducer's tests and benchmark: a source run and replays, on disk.
 
 Files follow ``docs/replay-metrics.md`` key for key; the source directory holds a capture manifest
-built and validated by :mod:`replayjob.optbatch.manifest`, a ``metrics.json`` and a final adapter.
+built and validated by :mod:`replayjob.optbatch.manifest` (its ``outcome`` sealing the source's loss,
+gradient norm and final adapter digest), a ``metrics.json`` and a final adapter.
 Everything is a pure function of the arguments (no clock, no absolute path inside a file), so two
 builds in different directories give the same bytes.  Adapter contents are the caller's bytes
 (real safetensors files when update geometry matters, any bytes otherwise).
@@ -44,6 +45,7 @@ from replayjob.optbatch.knobs import BUILTIN, knobs_for, lookup
 from replayjob.optbatch.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 
 ADAPTER = "final_adapter/adapter_model.safetensors"
+SOURCE_GRAD_NORM = 0.25  # the source update's gradient norm (sealed in the manifest with its loss and final adapter)
 SOURCE_CONFIG: dict[str, Any] = {
     "backend": {"options": {"attn_implementation": "eager", "gradient_checkpointing": False}},
     "training": {"micro_batch_size": 4, "trainer": "grpo"},
@@ -140,11 +142,12 @@ def _write_source(root: Path, initial: bytes, final: bytes, loss: float) -> tupl
                    logical=digest_of("logical"), effective=digest_of("effective"),
                    resolved_config=SOURCE_CONFIG, contract={"schema": "synthetic"},
                    adapter_path=Path("..") / "init_resume" / "adapter_model.safetensors",
-                   adapter_size=len(initial), adapter_sha256=sha256_bytes(initial))
+                   adapter_size=len(initial), adapter_sha256=sha256_bytes(initial),
+                   sealed=mf.outcome(loss, SOURCE_GRAD_NORM, sha256_bytes(final)))
     manifest_sha = mf.write(src / mf.manifest_name(0), doc)
     _put(src / ADAPTER, final)
     metrics = {
-        "schema": SOURCE_SCHEMA, "trainer": "grpo", "loss": loss,
+        "schema": SOURCE_SCHEMA, "trainer": "grpo", "loss": loss, "grad_norm": SOURCE_GRAD_NORM,
         LOGICAL: digest_of("logical"),
         EFFECTIVE: digest_of("effective"),
         MANIFEST: manifest_sha,

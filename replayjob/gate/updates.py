@@ -6,7 +6,9 @@ The files are opened with :class:`replayjob.tensorfile.TensorReader` (header val
 files only) and read one tensor name at a time (that tensor from every file, in float64), so peak
 memory is one tensor per member, not one adapter;
 ``||u_i - u_j||^2`` is accumulated from the differences themselves, not from the Gram matrix, so
-near-identical updates are not lost to cancellation.  Every file must hold the same tensor names,
+near-identical updates are not lost to cancellation.  An update holding a NaN or an infinity gives
+its pairs the non-finite marker (NaN) for both measures, which the approximate claim fails and the
+summary counts as ``non_finite`` (never in min/median/max).  Every file must hold the same tensor names,
 shapes and dtypes, or the comparison is refused.
 """
 
@@ -84,6 +86,9 @@ def pairwise(initial: Path, members: list[Member]) -> list[Pair]:
         for j in range(n):
             if i == j:
                 continue
+            if not all(math.isfinite(x) for x in (gram[i][i], gram[j][j], gram[i][j], dist2[i][j])):
+                pairs.append(Pair(members[i], members[j], math.nan, math.nan))  # the non-finite marker
+                continue
             ni, nj = math.sqrt(gram[i][i]), math.sqrt(gram[j][j])
             cos = gram[i][j] / (ni * nj) if ni > 0 and nj > 0 else None
             rel = math.sqrt(dist2[i][j]) / ni if ni > 0 else None
@@ -91,12 +96,25 @@ def pairwise(initial: Path, members: list[Member]) -> list[Pair]:
     return pairs
 
 
+def offenders(pairs: list[Pair], cosine_min: float, relative_delta_l2_max: float) -> tuple[tuple[str, ...],
+                                                                                          tuple[str, ...]]:
+    """The pairs whose cosine is below ``cosine_min`` and those whose relative delta-L2 exceeds
+    ``relative_delta_l2_max``; an undefined (``None``) or non-finite value is never within a tolerance."""
+    bad_cos = tuple(f"{p.a.label} ~ {p.b.label}" for p in pairs
+                    if p.cosine is None or not math.isfinite(p.cosine) or p.cosine < cosine_min)
+    bad_rel = tuple(f"{p.a.label} -> {p.b.label}" for p in pairs if p.relative_delta_l2 is None
+                    or not math.isfinite(p.relative_delta_l2) or p.relative_delta_l2 > relative_delta_l2_max)
+    return bad_cos, bad_rel
+
+
 def _spread(values: list[float | None]) -> dict[str, Any]:
-    known = sorted(v for v in values if v is not None)
+    known = sorted(v for v in values if v is not None and math.isfinite(v))
+    non_finite = sum(v is not None and not math.isfinite(v) for v in values)
+    undefined = sum(v is None for v in values)
     if not known:
-        return {"min": None, "median": None, "max": None, "undefined": len(values)}
-    return {"min": known[0], "median": quantile(known, 0.5), "max": known[-1],
-            "undefined": len(values) - len(known)}
+        return {"min": None, "median": None, "max": None, "undefined": undefined, "non_finite": non_finite}
+    return {"min": known[0], "median": quantile(known, 0.5), "max": known[-1], "undefined": undefined,
+            "non_finite": non_finite}
 
 
 def summarize(pairs: list[Pair]) -> dict[str, Any]:

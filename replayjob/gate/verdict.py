@@ -37,7 +37,55 @@ HINTS = {
     "inputs.unique_repeats": "give each replay of an arm its own --repeat-index, or drop the duplicate",
     "inputs.tolerances_pinned": "set [optimizer_batch] tolerances_sha256 to the tolerance file's SHA-256 "
                                 "before the runs, then replay again",
+    "inputs.capture_pins": "reduce the capture's own, unedited metrics.json with replays of that capture (a "
+                           "manifest without 'outcome' predates the seal of the source's numbers: capture again)",
+    "exact.systems_only": "a declared stack (version) difference is graded by the approximate claim: reduce with "
+                          "--claim approximate --tolerances FILE",
+    "exact.loss_same_condition": "add an arm replayed under the source's own conditions (no declared knobs) and "
+                                 "reduce it together with these arms",
 }
+
+
+def hints(bad: list[dict[str, Any]]) -> list[str]:
+    """How to fix each refusing check in ``bad``, in order.  An arm named by ``--arms`` that no replay has is
+    said not to exist, with the arms found; it is not counted short of repeats (run more replays) too."""
+    out: list[str] = []
+    missing: set[str] = set()
+    for c in bad:
+        if c["name"] == "inputs.expected_arms":
+            found, named = set(c["observed"] or ()), set(c["expected"] or ())
+            missing = named - found
+            parts = []
+            if missing:
+                parts.append(f"--arms names {', '.join(sorted(missing))}, but no replay has that arm: it does not "
+                             f"exist among the arms found ({', '.join(sorted(found)) or 'none'}); fix the --arms "
+                             "name (or, if every replay of that arm failed, rerun them)")
+            if found - named:
+                parts.append(f"the replays also hold arm(s) {', '.join(sorted(found - named))} that --arms does "
+                             "not name: name them too, or leave their replays out")
+            out += parts
+    for c in bad:
+        if c["name"] == "inputs.min_repeats":
+            if any(a not in missing for a in c["offenders"]):
+                out.append(HINTS[c["name"]])
+        elif c["name"] in HINTS:
+            out.append(HINTS[c["name"]])
+    return out
+
+
+def unsealed(bad: list[dict[str, Any]]) -> str:
+    """The source numbers (file and field) that differ from those the capture manifest seals, as a sentence."""
+    rows = []
+    for c in bad:
+        if c["name"] != "inputs.capture_pins":
+            continue
+        fields = [m for m in (c["observed"] or {}).get("mismatched", {}).values() if "field" in m]
+        if fields and (c["expected"] or {}).get("outcome") is None:
+            rows.append(f"{', '.join(m['field'] for m in fields)}: pinned by nothing, the capture manifest seals no "
+                        "outcome (it was written before replayjob sealed the source's numbers)")
+        else:
+            rows += [f"{m['field']} is {m['recorded']!r}, the capture manifest seals {m['capture']!r}" for m in fields]
+    return "; ".join(rows)
 
 
 def outcome(checks: list[dict[str, Any]], refusal: dict[str, Any] | None) -> tuple[str, int, list[str]]:
@@ -91,8 +139,9 @@ class Verdict:
             raise Inconclusive(f"budget(s) not decided yet: {why}", where=self.path,
                                hint="run more paired blocks (funnel --until-decided) and reduce again")
         if self.status == "refused":
-            hints = [HINTS[c["name"]] for c in bad if c["name"] in HINTS]
-            raise RefusedError(f"evidence refused by {named}", where=self.path, hint="; ".join(hints) or None)
+            why = unsealed(bad)
+            raise RefusedError(f"evidence refused by {named}" + (f": {why}" if why else ""), where=self.path,
+                               hint="; ".join(hints(bad)) or None)
         raise NegativeVerdict(f"claim {self.doc['claim']} failed: {named}", where=self.path,
                               hint="the checks in the verdict list expected and observed values")
 

@@ -46,7 +46,8 @@ def is_integration_config(path: str | Path) -> bool:
     from replayjob.fsio import read_regular_bytes
 
     try:  # regular files only (a FIFO or device is never opened for reading here)
-        doc = tomllib.loads(read_regular_bytes(path, max_bytes=MAX_TOML_BYTES, what="config file").decode("utf-8"))
+        doc = tomllib.loads(read_regular_bytes(path, max_bytes=MAX_TOML_BYTES, follow_symlinks=True,
+                                               what="config file").decode("utf-8"))
     except (ReplayjobError, OSError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError):
         return False
     return isinstance(doc.get("integration"), dict)

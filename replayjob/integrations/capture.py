@@ -51,7 +51,7 @@ from replayjob.digest import sha256_bytes, sha256_file, sha256_json
 from replayjob.errors import ArtifactExistsError, ContractError, RefusedError, UsageError
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.integrations import manifest as imanifest
-from replayjob.optbatch.manifest import replay_config_name
+from replayjob.optbatch.manifest import OUTCOME, outcome, replay_config_name
 from replayjob.rl.state import rng_tensors
 
 FINAL_ADAPTER_FILE = "final_adapter/adapter_model.safetensors"
@@ -471,6 +471,9 @@ class StepCapture:
         # the manifest's rows: sizes, and whether a float input holds NaN/Inf (replayed only when opted in)
         rows: dict[str, int | bool] = {**rows_summary(self.micro_batches),
                                        "nonfinite_inputs": has_nonfinite(self.micro_batches)}
+        loss = metrics_io.finite_or_none(self.loss)
+        grad = metrics_io.finite_or_none(None if grad_norm is None else float(grad_norm))
+        final_sha = sha256_bytes(adapter_file_bytes(self.model))  # the adapter after the real update
         doc = {
             "schema": imanifest.SCHEMA, "framework": self.framework, "step": self.step,
             "producer": {"replayjob": replayjob.__version__, "python": platform.python_version(),
@@ -483,14 +486,13 @@ class StepCapture:
             "config": {"sha256": sha256_json(self.config), "resolved": self.config},
             "contract": {"sha256": sha256_json(self.contract), "value": self.contract},
             "base_model": self.base_model,
+            # sealed: the numbers metrics.json (or the step record) reports, pinned with this manifest
+            OUTCOME: outcome(loss, grad, final_sha),
         }
         manifest_path = out / names["manifest"]
         manifest_sha = imanifest.write(manifest_path, doc)
-        loss = metrics_io.finite_or_none(self.loss)
-        grad = metrics_io.finite_or_none(None if grad_norm is None else float(grad_norm))
         metrics: dict[str, Any]
         if self.several:  # the adapter after the real update, hashed in the bytes save_adapter writes
-            final_sha = sha256_bytes(adapter_file_bytes(self.model))
             metrics = {
                 metrics_io.STEP: self.step, metrics_io.STEP_MANIFEST_PATH: names["manifest"],
                 metrics_io.STEP_MANIFEST: manifest_sha, metrics_io.STEP_LOGICAL: logical,
@@ -500,7 +502,10 @@ class StepCapture:
                 metrics_io.STEP_LOSS: loss, metrics_io.STEP_GRAD_NORM: grad,
             }
         else:
-            final_sha = save_adapter(out / FINAL_ADAPTER_FILE, self.model)
+            if save_adapter(out / FINAL_ADAPTER_FILE, self.model) != final_sha:
+                raise CaptureError("the final adapter file's SHA-256 is not the one sealed in the manifest",
+                                   where=out / FINAL_ADAPTER_FILE, hint="the model changed during finish(); "
+                                                                        "report it as a bug")
             metrics = {
                 "schema": metrics_io.SOURCE_SCHEMA, metrics_io.FRAMEWORK: self.framework,
                 metrics_io.STEP: self.step, metrics_io.LOGICAL: logical, metrics_io.EFFECTIVE: effective,

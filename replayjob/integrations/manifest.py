@@ -21,6 +21,10 @@ Schema ``replayjob.integration_capture/v1`` (canonical JSON, one object)::
     config                       resolved (redacted) and its sha256: {<framework>, model, peft, stack}
     contract                     what defines the update's math (redacted) and its sha256
     base_model                   path, files {name: sha256} (config and safetensors weights), sha256
+    outcome                      the real update as it returned: loss, grad_norm (null when not finite or
+                                 not given) and final_adapter_sha256 (the adapter after it, in the bytes
+                                 save_adapter writes); what reduce compares metrics.json's numbers with
+                                 (absent only in captures written before it)
 
 The payload holds ``mb0000.inputs.<key>``, ``mb0000.call.<key>`` and ``mb0000.rng.<cpu|cuda.N>``;
 the adapter file the trainable parameters by name just before the step; the optimizer file
@@ -37,7 +41,17 @@ from typing import Any
 from replayjob.digest import sha256_bytes, sha256_json
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import canonical_bytes
-from replayjob.optbatch.manifest import PinnedManifest, file_stem, is_int, need, need_hex, read_pinned, validate_pins
+from replayjob.optbatch.manifest import (
+    OUTCOME,
+    PinnedManifest,
+    file_stem,
+    is_int,
+    need,
+    need_hex,
+    read_pinned,
+    validate_outcome,
+    validate_pins,
+)
 
 SCHEMA = "replayjob.integration_capture/v1"
 FILES = ("payload", "adapter", "optimizer")
@@ -114,8 +128,10 @@ def validate(doc: Any, where: Path) -> dict[str, Any]:
     """Check every field's presence and type, and recompute the embedded digests."""
     need(isinstance(doc, dict), "document must be a JSON object", where)
     need(doc.get("schema") == SCHEMA, f"'schema' must be {SCHEMA!r}, found {doc.get('schema')!r}", where)
-    need(set(doc) == _KEYS, f"keys must be exactly {sorted(_KEYS)}; unknown {sorted(set(doc) - _KEYS)}, "
-          f"missing {sorted(_KEYS - set(doc))}", where)
+    keys = _KEYS | ({OUTCOME} & set(doc))
+    need(set(doc) == keys, f"keys must be exactly {sorted(keys)}; unknown {sorted(set(doc) - keys)}, "
+          f"missing {sorted(keys - set(doc))}", where)
+    validate_outcome(doc, where)
     need(isinstance(doc["framework"], str) and doc["framework"] != "", "'framework' must be a name", where)
     need(is_int(doc["step"]) and doc["step"] >= 0, "'step' must be an integer >= 0", where)
     for sec in ("producer", "files", "optimizer", "framework_state", "rows", "config", "contract", "base_model"):

@@ -37,7 +37,7 @@ def builtin_model_reference(cfg: Config) -> dict[str, Any]:
     if cfg.model.path:
         cfg_file = Path(cfg.model.path) / "config.json"
         return {"kind": "local", "path": redact_text(cfg.model.path),  # recorded in resume states
-                "config_sha256": sha256_file(cfg_file) if cfg_file.is_file() else None}
+                "config_sha256": sha256_file(cfg_file, follow_symlinks=True) if cfg_file.is_file() else None}
     return {"kind": "builtin-tiny", **{k: m[k] for k in _BUILTIN_KEYS}}
 
 

@@ -8,13 +8,15 @@ executes logical step zero exactly once).
 
 The hook fires after advantage normalisation, clipping and the token cap, immediately before the
 optimizer call.  On the training thread it only snapshots the rows (CPU tensors, cloned), the Torch
-CPU/CUDA RNG state and the determinism provenance; once the update has returned it hands them to a
-writer thread, so the update neither waits for encoding, hashing or ``fsync`` nor shares the
-cores with them (the :class:`~replayjob.rl.hooks.BackgroundWriter` every capture shares).  The
-writer encodes and writes
+CPU/CUDA RNG state and the determinism provenance; once the update has returned it copies the adapter
+after it (one process) and hands them, with the update's loss and gradient norm, to a writer thread,
+so the update neither waits for encoding, hashing or ``fsync`` nor shares the cores with them (the
+:class:`~replayjob.rl.hooks.BackgroundWriter` every capture shares).  The writer encodes and writes
 ``optimizer_batch_step_000000.safetensors``, then ``optimizer_batch_step_000000.manifest.json``
 last; both atomically and exclusively, so a killed capture leaves no manifest or a complete one
-whose payload verifies, and an existing capture is never overwritten.  The source run still
+whose payload verifies, and an existing capture is never overwritten.  The manifest seals the update's
+``outcome`` (loss, gradient norm, the SHA-256 of the adapter after it), the numbers ``reduce`` compares
+replays with; ``finish`` refuses a run whose metrics.json would report others.  The source run still
 performs its own update; before ``metrics.json`` is written the trainer collects
 :meth:`CaptureHook.finish`, which waits for the writer and re-raises any error it
 met (the same domain error, so exit 2), then adds the digests a replay pins (:data:`METRIC_KEYS`).
@@ -30,6 +32,7 @@ boundary of the payload or the manifest (``write.half/optimizer_batch_step_00000
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,7 +41,8 @@ import torch
 
 from replayjob import distributed
 from replayjob.config import Config, resolved
-from replayjob.errors import ArtifactExistsError, ConfigError, RefusedError
+from replayjob.digest import sha256_bytes
+from replayjob.errors import ArtifactExistsError, ConfigError, IntegrityError, RefusedError
 from replayjob.faults import point
 from replayjob.fsio import atomic_write_bytes
 from replayjob.metrics import (
@@ -58,12 +62,14 @@ from replayjob.optbatch import manifest, payload, ranks, stepcapture
 from replayjob.optbatch.contract import optimizer_contract
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.hooks import BackgroundWriter, StepHook, TrainerView
-from replayjob.rl.state import ResumeState, read_state, rng_tensors
+from replayjob.rl.state import ResumeState, adapter_bytes, read_state, rng_tensors
 
 CRASH_POINTS = ("capture.start", "capture.before-payload", "capture.payload-written",
                 "capture.manifest-written", "capture.after-update", "capture.metrics")
 CAPTURE_STEP = 0
-Snapshot = tuple[int, OptimizerBatch, dict[str, torch.Tensor], dict[str, Any]]  # step, rows, RNG, producer
+# step, rows, RNG, producer, and the update as it returned: loss, grad norm, the adapter after it (one process)
+Snapshot = tuple[int, OptimizerBatch, dict[str, torch.Tensor], dict[str, Any], float, float,
+                 stepcapture.Packed | None]
 METRIC_KEYS = PIN_KEYS
 
 
@@ -100,6 +106,8 @@ class CaptureHook(StepHook):
         self._snapshot: Snapshot | None = None
         self._writer = BackgroundWriter("replayjob-capture-writer")  # idle until the update returned
         self.rank, self.world = distributed.rank(), distributed.world_size()
+        self._view: TrainerView | None = None
+        self.sealed: dict[str, Any] | None = None  # the manifest's outcome, checked against metrics.json's numbers
 
     @property
     def ranked(self) -> bool:
@@ -125,6 +133,9 @@ class CaptureHook(StepHook):
                                           hint=f"remove {out} and rerun, or choose a new --out directory")
         return cls(cfg, out, state)
 
+    def on_train_begin(self, view: TrainerView) -> None:
+        self._view = view  # the adapter after the update is sealed in the manifest (one process)
+
     def before_update(self, step: int, batch: OptimizerBatch) -> None:
         if step != CAPTURE_STEP:  # preconditions make this unreachable; refuse rather than mislabel
             raise ConfigError(f"capture covers step {CAPTURE_STEP} only, the trainer is at step {step}")
@@ -132,19 +143,24 @@ class CaptureHook(StepHook):
         rows = OptimizerBatch(**{k: v.detach().to("cpu").clone() for k, v in batch.tensors().items()})
         rng = {k: v.clone() for k, v in rng_tensors().items()}
         producer = stepcapture.producer(self.cfg)  # the determinism state at the capture point
-        self._snapshot = (step, rows, rng, producer)
+        self._snapshot = (step, rows, rng, producer, math.nan, math.nan, None)
 
     def after_update(self, step: int, result: Any) -> None:
-        """Hand the snapshot to the idle writer once the update is done (it never competes with the update)."""
+        """Hand the snapshot, with the update's loss, gradient norm and (one process) a copy of the adapter after
+        it, to the idle writer once the update is done (it never competes with the update)."""
         point("capture.after-update")
         if self._snapshot is None or self._snapshot[0] != step:
             return
-        snapshot, self._snapshot = self._snapshot, None
+        after = stepcapture.clone_adapter(self._view) if self._view is not None and not self.ranked else None
+        loss, grad_norm = (float(getattr(result, k, math.nan)) for k in ("loss", "grad_norm"))
+        snapshot = (*self._snapshot[:4], loss, grad_norm, after)
+        self._snapshot = None
         self._writer.submit(lambda: self._write(*snapshot))
 
     def _write(self, step: int, batch: OptimizerBatch, rng: dict[str, torch.Tensor],
-               producer: dict[str, Any]) -> None:
-        """The writer thread: payload, then the manifest last (an error is re-raised by :meth:`finish`)."""
+               producer: dict[str, Any], loss: float, grad_norm: float, after: stepcapture.Packed | None) -> None:
+        """The writer thread: payload, then the manifest last (an error is re-raised by :meth:`finish`); one
+        process seals the update's outcome in it (over ranks the root, written by :meth:`finish`, does)."""
         data = payload.encode(batch, rng)
         logical, effective = batch.digests()
         pname = manifest.payload_name(step)
@@ -154,13 +170,15 @@ class CaptureHook(StepHook):
         atomic_write_bytes(where / pname, data, exclusive=True)
         point("capture.payload-written")
         adapter = self.state.adapter_file
+        if after is not None:  # the bytes the trainer's final adapter file holds (max_steps = 1: this update's)
+            self.sealed = manifest.outcome(loss, grad_norm, sha256_bytes(adapter_bytes(after.unpack())))
         doc = manifest.build(
             step=step, producer=producer, payload_file=pname, payload_size=len(data),
             payload_digest=payload.digest_bytes(data, where=where / pname), rng_keys=list(rng),
             rows=payload.summary(batch), logical=logical, effective=effective,
             resolved_config=resolved(self.cfg), contract=optimizer_contract(self.cfg),
             adapter_path=adapter.resolve(), adapter_size=adapter.stat().st_size,
-            adapter_sha256=self.state.adapter_sha256)
+            adapter_sha256=self.state.adapter_sha256, sealed=None if self.ranked else self.sealed)
         sha = manifest.write(where / manifest.manifest_name(step), doc)
         point("capture.manifest-written")
         if self.ranked:
@@ -180,11 +198,19 @@ class CaptureHook(StepHook):
             if not distributed.is_root():
                 return {}
             d = self.cfg.distributed
+            self.sealed = manifest.outcome(metrics.get("loss"), metrics.get("grad_norm"),
+                                           metrics[SOURCE_FINAL_ADAPTER])
             logical, effective, sha = ranks.write_root(
                 self.out, step=CAPTURE_STEP, world=self.world, strategy=d.strategy, bucket_cap_mb=d.bucket_cap_mb,
-                backend=distributed.backend_for(self.cfg.backend.torch_device), producer=stepcapture.producer(self.cfg))
+                backend=distributed.backend_for(self.cfg.backend.torch_device), producer=stepcapture.producer(self.cfg),
+                sealed=self.sealed)
             self.digests = {LOGICAL: logical, EFFECTIVE: effective, MANIFEST: sha,
                             INITIAL_ADAPTER: self.state.adapter_sha256}
+        reported = manifest.outcome(metrics.get("loss"), metrics.get("grad_norm"), metrics[SOURCE_FINAL_ADAPTER])
+        if self.sealed != reported:  # reduce would refuse this capture: say so now, naming both
+            raise IntegrityError(f"the capture manifest seals the update's outcome {self.sealed}, but the run "
+                                 f"reports {reported} for metrics.json", where=self.out,
+                                 hint="the update is not reproducible within this run; report it as a bug")
         point("capture.metrics")
         return {**self.digests, FINAL_ADAPTER: metrics[SOURCE_FINAL_ADAPTER],
                 MANIFEST_PATH: manifest.manifest_name(CAPTURE_STEP)}

@@ -133,7 +133,8 @@ def _dropouts(cfg: Config) -> list[str]:
     if cfg.model.path:
         where = f"{cfg.model.path}/config.json"
         try:
-            found += [f"{where}: {d}" for d in _config_dropouts(read_json_object(where))]
+            # a model directory the user names (a Hugging Face snapshot links its files): links followed
+            found += [f"{where}: {d}" for d in _config_dropouts(read_json_object(where, follow_symlinks=True))]
         except RefusedError as exc:
             found.append(f"{where} cannot be read to rule dropout out ({exc.message})")
     return found

@@ -16,8 +16,15 @@ Schema ``replayjob.optimizer_batch_manifest/v2`` (canonical JSON, one object)::
                       optimizer_sha256 (its optimizer.safetensors), lr (per parameter group),
                       nonfinite_inputs (the rows hold NaN/Inf: replayed only under
                       ``optimizer_batch.allow_nonfinite_inputs``)
+    outcome           the source's own update of this step as it returned: loss, grad_norm (each
+                      null when not finite) and final_adapter_sha256 (the adapter after the update, in
+                      the bytes every adapter writer uses); absent only in captures written before it
 
 A manifest without ``state`` is a step-zero capture from a step -1 state (``step`` must be 0).
+``outcome`` seals the numbers ``reduce`` compares replays with: the source's ``metrics.json`` (or its
+step record) reports them too, but nothing pins that file, while every replay pins this manifest's
+SHA-256, so ``reduce`` refuses source metrics whose loss, gradient norm or final adapter digest
+differ from the sealed ones (``inputs.capture_pins``).
 A reader passes the manifest's expected SHA-256: the bytes are hashed before they are parsed, then
 every field is type-checked and the embedded digests recomputed; unknown keys are refused.
 """
@@ -32,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from replayjob.config.redact import redact_path
 from replayjob.digest import normalize_digest, sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
-from replayjob.fsio import atomic_write_bytes
+from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict
 from replayjob.optbatch.knobs import BUILTIN
 
@@ -47,6 +54,8 @@ MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 _KEYS = {"schema", "step", "producer", "payload", "rows", "logical_batch_sha256",
          "local_effective_rows_sha256", "config", "contract", "initial_adapter"}
 _STATE_KEYS = {"dir", "step", "optimizer_sha256", "lr", "nonfinite_inputs"}
+OUTCOME = "outcome"
+_OUTCOME_KEYS = {"loss", "grad_norm", "final_adapter_sha256"}
 
 
 def file_stem(step: int) -> str:
@@ -85,6 +94,13 @@ class PinnedManifest:
     @property
     def config(self) -> dict[str, Any]:
         out: dict[str, Any] = self.doc["config"]["resolved"]
+        return out
+
+    @property
+    def outcome(self) -> dict[str, Any] | None:
+        """The source update's sealed loss, grad_norm and final_adapter_sha256 (:func:`outcome`); ``None`` in
+        a capture written before the seal."""
+        out: dict[str, Any] | None = self.doc.get(OUTCOME)
         return out
 
     @property
@@ -130,13 +146,38 @@ class Manifest(PinnedManifest):
         return out
 
 
+def outcome(loss: float | None, grad_norm: float | None, final_adapter_sha256: str | None) -> dict[str, Any]:
+    """A manifest's ``outcome``: the source update's loss and gradient norm (``None`` when not finite, as
+    ``metrics.json`` records them) and the SHA-256 of the adapter after it."""
+    def finite(v: float | None) -> float | None:
+        return float(v) if v is not None and math.isfinite(v) else None
+
+    return {"loss": finite(loss), "grad_norm": finite(grad_norm), "final_adapter_sha256": final_adapter_sha256}
+
+
+def validate_outcome(doc: dict[str, Any], where: Path) -> None:
+    """A manifest's optional ``outcome`` (every producer's manifest reader uses it)."""
+    if OUTCOME not in doc:
+        return
+    o = doc[OUTCOME]
+    need(isinstance(o, dict) and set(o) == _OUTCOME_KEYS, f"'{OUTCOME}' needs exactly {sorted(_OUTCOME_KEYS)}",
+         where)
+    for k in ("loss", "grad_norm"):
+        v = o[k]
+        need(v is None or (isinstance(v, float) and math.isfinite(v)), f"'{OUTCOME}.{k}' must be a finite "
+             "number or null", where)
+    if o["final_adapter_sha256"] is not None:
+        need_hex(o["final_adapter_sha256"], f"{OUTCOME}.final_adapter_sha256", where)
+
+
 def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_size: int, payload_digest: str,
           rng_keys: list[str],
           rows: dict[str, Any], logical: str, effective: str, resolved_config: dict[str, Any],
           contract: dict[str, Any], adapter_path: Path, adapter_size: int, adapter_sha256: str,
-          state: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The manifest document (nothing is written); ``state`` as the module docstring says; the adapter
-    path is recorded by :func:`~replayjob.config.redact.redact_path` (SECURITY.md)."""
+          state: dict[str, Any] | None = None, sealed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest document (nothing is written); ``state`` as the module docstring says, ``sealed`` its
+    ``outcome`` (:func:`outcome`); the adapter path is recorded by
+    :func:`~replayjob.config.redact.redact_path` (SECURITY.md)."""
     doc = {
         "schema": SCHEMA,
         "step": step,
@@ -152,6 +193,8 @@ def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_siz
     }
     if state is not None:
         doc["state"] = state
+    if sealed is not None:
+        doc[OUTCOME] = sealed
     return doc
 
 
@@ -200,9 +243,10 @@ def validate(doc: Any, where: Path) -> dict[str, Any]:
                              f"{SCHEMA!r}", where=where,
                              hint="recapture the source step with this version of replayjob")
     need(doc.get("schema") == SCHEMA, f"'schema' must be {SCHEMA!r}, found {doc.get('schema')!r}", where)
-    keys = _KEYS | {"state"} if "state" in doc else _KEYS
+    keys = _KEYS | {k for k in ("state", OUTCOME) if k in doc}
     need(set(doc) == keys, f"keys must be exactly {sorted(keys)}; unknown "
          f"{sorted(set(doc) - keys)}, missing {sorted(keys - set(doc))}", where)
+    validate_outcome(doc, where)
     if "state" in doc:
         _validate_state(doc, where)
     else:
@@ -263,7 +307,7 @@ def read_pinned(path: str | Path, expected_sha256: str, *, hint: str,
             raise IntegrityError("capture manifest not found (or not a regular file)", where=p, hint=hint)
         if p.stat().st_size > MAX_MANIFEST_BYTES:
             raise IntegrityError(f"manifest is above the {MAX_MANIFEST_BYTES}-byte limit", where=p)
-        data = p.read_bytes()
+        data = read_regular_bytes(p, max_bytes=MAX_MANIFEST_BYTES, what="capture manifest")  # never a link
     except OSError as exc:
         raise IntegrityError(f"cannot read the manifest: {exc.strerror}", where=p) from None
     actual = sha256_bytes(data)

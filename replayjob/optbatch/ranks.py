@@ -15,14 +15,16 @@ rank 0 reads every landed rank back and verifies it, and writes the root manifes
 
 The root holds what a single-device manifest holds -- producer, row counts, the logical-batch and
 effective-rows digests (over every rank's rows in logical order, so independent of how rows were
-split), config, optimizer contract, initial adapter -- plus ``distributed`` (world size, strategy,
+split), config, optimizer contract, initial adapter, the source update's sealed ``outcome`` (loss, gradient
+norm, final adapter, as ``metrics.json`` reports them) -- plus ``distributed`` (world size, strategy,
 bucket size, backend, sharding) and ``ranks``: per rank its directory, manifest SHA-256, payload
 span digest and ``[begin, end)`` logical rows.  Its ``payload.spans_sha256`` is the digest of the
 ranks' payload span digests in rank order (:func:`ranks_digest`), which replays record as their
 payload pin.  The adapter the capture starts from is the resume state's, saved once, unsharded.
 
 A reader (:func:`verify`) checks, before any device memory is touched: the root's own fields, that
-exactly the listed ranks landed (no ``rank-*`` or ``COMPLETE.*`` missing or extra), every landing
+exactly the listed ranks landed (no ``rank-*`` or ``COMPLETE.*`` missing or extra, and no ``rank-*``
+directory a symbolic link), every landing
 record, every rank manifest against its pinned SHA-256 and every payload against its manifest,
 that every rank captured under the root's config and contract from the root's initial adapter, with
 the root's RNG keys and total payload size, and that the rows concatenated in
@@ -42,7 +44,7 @@ from torch import Tensor
 
 from replayjob import distributed
 from replayjob.errors import ArtifactExistsError, IntegrityError, RefusedError
-from replayjob.fsio import atomic_write_bytes, read_regular_bytes
+from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict
 from replayjob.optbatch import manifest
 from replayjob.optbatch.manifest import Manifest, is_int, need, need_hex, read_payload, read_verified
@@ -151,8 +153,9 @@ def _read_ranks(d: Path, step: int, entries: list[tuple[int, str]], allow_nonfin
     """Read and verify each ``(rank, manifest SHA-256)`` in ``d`` and concatenate their rows in rank order."""
     parts, rngs, manifests, bounds, begin = [], [], [], [], 0
     for r, sha in entries:
-        try:
-            m = read_verified(d / rank_dir(r) / manifest.manifest_name(step), sha)
+        try:  # no linked rank-<r>/ (nor file in it): fsio.check_no_symlinks below the capture directory
+            path = check_no_symlinks(d, d / rank_dir(r) / manifest.manifest_name(step), what=f"rank {r}'s manifest")
+            m = read_verified(path, sha)
             scan = read_payload(m, keep=True, allow_nonfinite=allow_nonfinite)
         except RefusedError as exc:
             raise IntegrityError(f"rank {r}: {exc.diagnostics()}".replace("\n  fix:", "; fix:")) from None
@@ -224,8 +227,9 @@ def verify(root: RootManifest, allow_nonfinite: bool = False) -> Verified:
 
 # ------------------------------------------------------------------------------------- the root
 def write_root(out: Path, *, step: int, world: int, strategy: str, bucket_cap_mb: float, backend: str,
-               producer: dict[str, Any]) -> tuple[str, str, str]:
-    """Rank 0, once every rank landed: verify them all, then write the root manifest (exclusive, last).
+               producer: dict[str, Any], sealed: dict[str, Any] | None = None) -> tuple[str, str, str]:
+    """Rank 0, once every rank landed: verify them all, then write the root manifest (exclusive, last), with
+    ``sealed`` as its ``outcome`` (:func:`replayjob.optbatch.manifest.outcome`).
 
     Returns (logical, effective, root SHA-256)."""
     from replayjob.optbatch.payload import summary
@@ -248,6 +252,8 @@ def write_root(out: Path, *, step: int, world: int, strategy: str, bucket_cap_mb
         "config": first.doc["config"], "contract": first.doc["contract"],
         "initial_adapter": first.doc["initial_adapter"],
     }
+    if sealed is not None:
+        doc[manifest.OUTCOME] = sealed
     sha = manifest.write(out / manifest.manifest_name(step), doc)
     return logical, effective, sha
 
@@ -255,9 +261,11 @@ def write_root(out: Path, *, step: int, world: int, strategy: str, bucket_cap_mb
 def validate(doc: Any, where: Path) -> dict[str, Any]:
     """The root's own fields (the ranks themselves are checked by :func:`verify`)."""
     need(isinstance(doc, dict) and doc.get("schema") == SCHEMA, f"'schema' must be {SCHEMA!r}", where)
-    need(set(doc) == _KEYS, f"keys must be exactly {sorted(_KEYS)}; unknown {sorted(set(doc) - _KEYS)}, "
-         f"missing {sorted(_KEYS - set(doc))}", where)
+    keys = _KEYS | ({manifest.OUTCOME} & set(doc))
+    need(set(doc) == keys, f"keys must be exactly {sorted(keys)}; unknown {sorted(set(doc) - keys)}, "
+         f"missing {sorted(keys - set(doc))}", where)
     need(is_int(doc["step"]) and doc["step"] == 0, "'step' must be 0 (captures over ranks cover step zero)", where)
+    manifest.validate_outcome(doc, where)
     dist = doc["distributed"]
     need(isinstance(dist, dict) and set(dist) == _DIST_KEYS, f"'distributed' needs exactly {sorted(_DIST_KEYS)}", where)
     world = dist["world_size"]

@@ -8,7 +8,9 @@ resume state of step ``K - 1``.  Files, for ``K = 3`` (all next to each other)::
     optimizer_batch_step_000003.state/          resume state of step 2 (rl/state.py layout):
         adapter_model.safetensors, optimizer.safetensors, trainer_state.json (last)
     optimizer_batch_step_000003.safetensors     payload: rows + RNG
-    optimizer_batch_step_000003.manifest.json   pins all of it (its ``state`` section); written last
+    optimizer_batch_step_000003.manifest.json   pins all of it (its ``state`` section) and seals the real
+                                                update's loss, gradient norm and final adapter (``outcome``,
+                                                what the step record reports); written last
     replay_step_000003.toml                     a ready replay config with the pins filled in
 
 On the training thread, :func:`take` only clones (rows, RNG, adapter, optimizer tensors) and
@@ -244,18 +246,19 @@ def write(out: Path, snap: StepSnapshot, cfg: Config, model_reference: dict[str,
     atomic_write_bytes(out / pname, data, exclusive=True)
     state = {"dir": sdir.name, "step": k - 1, "optimizer_sha256": pinned[OPTIMIZER_FILE], "lr": snap.lr,
              "nonfinite_inputs": nonfinite}
+    final = sha256_bytes(adapter_bytes(snap.final_adapter.unpack())) if snap.final_adapter is not None else None
     doc = manifest.build(
         step=k, producer=snap.producer, payload_file=pname, payload_size=len(data),
         payload_digest=payload.digest_bytes(data, where=out / pname), rng_keys=list(snap.rng),
         rows=payload.summary(snap.rows), logical=logical, effective=effective, resolved_config=resolved(cfg),
         contract=optimizer_contract(cfg), adapter_path=(sdir / ADAPTER_WEIGHTS).resolve(),
-        adapter_size=len(adapter), adapter_sha256=adapter_sha, state=state)
+        adapter_size=len(adapter), adapter_sha256=adapter_sha, state=state,
+        sealed=manifest.outcome(snap.loss, snap.grad_norm, final))  # the step record's numbers, pinned
     mname = manifest.manifest_name(k)
     sha = manifest.write(out / mname, doc)
     atomic_write_bytes(out / manifest.replay_config_name(k), replay_toml(cfg, k, logical, sha).encode("utf-8"),
                        exclusive=True)
     base = relative_to or out
-    final = sha256_bytes(adapter_bytes(snap.final_adapter.unpack())) if snap.final_adapter is not None else None
     return {STEP: k, STEP_MANIFEST_PATH: str((out / mname).relative_to(base)), STEP_MANIFEST: sha,
             STEP_LOGICAL: logical, STEP_EFFECTIVE: effective,
             STEP_INITIAL_ADAPTER: adapter_sha, STEP_FINAL_ADAPTER: final,

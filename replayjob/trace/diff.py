@@ -6,8 +6,15 @@ compared, the others are same-condition repeats for the noise envelope (:mod:`.e
 are matched by module name and compared row by row over unpadded tokens, so arms with different
 micro-batch sizes line up and a padding or shape difference is never a divergence.
 
+Both traces must hold the same sites (forward, backward, parameters), each name once; a site in one
+trace only is refused (exit 2), except output gradients that only one side of a pair differing in
+gradient checkpointing records (listed as ``unmatched``), and so is a pair with no site in common.
+The report says how many sites it compared (``compared``).
+
 Each site gets ``equal`` (every row's SHA-256 equal), ``noise`` (relative error within its envelope)
-or ``beyond``.  The first divergent site in forward order and in backward order (output gradients,
+or ``beyond``; a site holding a NaN or an infinity in either trace is ``beyond`` (its error is the
+non-finite marker, written ``null`` with ``non_finite: true``; the JSON never holds NaN).
+The first divergent site in forward order and in backward order (output gradients,
 then parameter gradients, then updates) are named, with per-layer curves of the largest relative
 error.  Exit code: 0 trace-identical, 1 divergent (whatever the classification), 2 refused (traces of
 different captures, tampered or incomplete).  Nothing here imports transformers or peft.
@@ -18,14 +25,24 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replayjob.errors import ContractError, RefusedError, UsageError
+from replayjob.errors import ContractError, IntegrityError, RefusedError, UsageError
+from replayjob.fsio import check_no_symlinks
 from replayjob.metrics import REPLAY_FILE, read_replay
-from replayjob.trace.envelope import Bound, cosine, envelope, relative_error, rounding_bound
+from replayjob.trace.envelope import (
+    Bound,
+    all_finite,
+    cosine,
+    envelope,
+    finite_or_none,
+    relative_error,
+    rounding_bound,
+)
 from replayjob.trace.store import IDENTITY_KEYS, TRACE_DIR, Site, Trace, dtype_name, read_trace
 
 DIFF_SCHEMA = "replayjob.trace_diff/v1"
@@ -61,7 +78,7 @@ def load_side(path: str | Path) -> list[Side]:
     against the index SHA-256 their replay_metrics.json pins."""
     out = []
     for d in _replay_dirs(Path(path)):
-        metrics = d / REPLAY_FILE
+        metrics = check_no_symlinks(path, d / REPLAY_FILE, what="replay")  # e.g. a linked repeat-NNN/
         if not metrics.is_file():
             raise RefusedError(f"no {REPLAY_FILE} (written last) beside the trace: the replay is "
                                "incomplete", where=d, hint="rerun the replay with --trace into a new --out")
@@ -100,14 +117,50 @@ def _site_error(a: Site, b: Site, where: Path) -> SiteError:
         raise ContractError(f"site {a.name!r} is {a.dtype} x {a.width} in one trace and {b.dtype} x {b.width} "
                             "in the other: not the same model", where=where)
     same = [x == y for x, y in zip(a.sha256, b.sha256, strict=True)]
-    if all(same):
-        return SiteError(True, 0.0, 0.0, len(same), None)
+    if all(same):  # bitwise equal, but a NaN or an infinity is never evidence of agreement
+        zero = 0.0 if all_finite(a.values) else math.nan
+        return SiteError(True, zero, zero, len(same), None)
     diff = (a.values.double() - b.values.double()).abs()
     return SiteError(False, relative_error(a.values, b.values), float(diff.max()), sum(same), same.index(False))
 
 
+def _site_names(t: Trace) -> dict[str, list[str]]:
+    return {"forward": [s.name for s in t.forward], "backward": [s.name for s in t.backward],
+            "param": [p.name for p in t.params]}
+
+
+def _check_sites(a: Trace, b: Trace, where: Path) -> None:
+    """Refuse duplicate site names, sites in one trace only and a pair with nothing in common.
+
+    Output gradients one trace only records are admitted when the two differ in gradient
+    checkpointing (checkpointed segments make more outputs require grad); they stay ``unmatched``."""
+    hint = "compare traces of one model and capture, each written by `replayjob replay --trace`"
+    na, nb = _site_names(a), _site_names(b)
+    for t, names in ((a, na), (b, nb)):
+        dups = sorted({f"{k}:{n}" for k, ns in names.items() for n in ns if ns.count(n) > 1})
+        if dups:
+            raise IntegrityError(f"the trace names {len(dups)} site(s) more than once: {', '.join(dups[:5])}",
+                                 where=t.path or where, hint=hint)
+    gc_differs = a.identity.get("gradient_checkpointing") != b.identity.get("gradient_checkpointing")
+    odd: list[str] = []
+    for kind in ("forward", "backward", "param"):
+        if kind == "backward" and gc_differs:
+            continue
+        only_a, only_b = sorted(set(na[kind]) - set(nb[kind])), sorted(set(nb[kind]) - set(na[kind]))
+        odd += [f"{kind}:{n} (only in {a.path or 'A'})" for n in only_a]
+        odd += [f"{kind}:{n} (only in {b.path or 'B'})" for n in only_b]
+    if odd:
+        raise ContractError(f"the traces do not hold the same sites ({len(odd)} unmatched): {'; '.join(odd[:5])}",
+                            where=where, hint=hint)
+    if not any(set(na[k]) & set(nb[k]) for k in na):
+        raise ContractError("the traces have no site in common: nothing to compare", where=where, hint=hint)
+
+
 def _errors(a: Trace, b: Trace, where: Path) -> dict[str, SiteError]:
-    """Errors of every site both traces hold, keyed ``forward:NAME``, ``backward:NAME``, ``grad:``/``update:``."""
+    """Errors of every site both traces hold, keyed ``forward:NAME``, ``backward:NAME``, ``grad:``/``update:``.
+
+    Refused (:func:`_check_sites`) unless both hold the same sites, each once."""
+    _check_sites(a, b, where)
     out: dict[str, SiteError] = {}
     for prefix, xs, ys in (("forward", a.forward, b.forward), ("backward", a.backward, b.backward)):
         other = {s.name: s for s in ys}
@@ -116,16 +169,15 @@ def _errors(a: Trace, b: Trace, where: Path) -> dict[str, SiteError]:
                 out[f"{prefix}:{s.name}"] = _site_error(s, other[s.name], where)
     params = {p.name: p for p in b.params}
     for p in a.params:
-        q = params.get(p.name)
-        if q is None:
-            continue
+        q = params[p.name]
         if p.grad.shape != q.grad.shape:
             raise ContractError(f"parameter {p.name!r} has different shapes in the two traces", where=where)
         for kind, x, y, hx, hy in (("grad", p.grad, q.grad, p.grad_sha256, q.grad_sha256),
                                    ("update", p.update, q.update, p.update_sha256, q.update_sha256)):
             eq = hx == hy
-            out[f"{kind}:{p.name}"] = SiteError(eq, 0.0 if eq else relative_error(x, y),
-                                                0.0 if eq else float((x.double() - y.double()).abs().max()),
+            zero = 0.0 if all_finite(x) else math.nan  # bitwise equal NaNs are no agreement either
+            out[f"{kind}:{p.name}"] = SiteError(eq, zero if eq else relative_error(x, y),
+                                                zero if eq else float((x.double() - y.double()).abs().max()),
                                                 1 if eq else 0, None)
     return out
 
@@ -168,8 +220,9 @@ class TraceDiff:
         e = self.main[key]
         bound = self._bound(key, dtype, k, position)
         return {"position": position, "name": name, "kind": kind, "status": bound.judge(e.rel, e.bitwise),
-                "rel_l2": e.rel, "max_abs": e.max_abs, "equal_rows": e.equal_rows, "first_row": e.first_row,
-                "envelope": bound.value, "envelope_source": bound.source}
+                "rel_l2": finite_or_none(e.rel), "max_abs": finite_or_none(e.max_abs), "equal_rows": e.equal_rows,
+                "first_row": e.first_row, "envelope": finite_or_none(bound.value), "envelope_source": bound.source,
+                "non_finite": not all(math.isfinite(x) for x in (e.rel, e.max_abs, bound.value))}
 
     def report(self) -> dict[str, Any]:
         ta, tb = self.a[0].trace, self.b[0].trace
@@ -194,19 +247,26 @@ class TraceDiff:
             rec: dict[str, Any] = {"name": p.name}
             for kind, x, y in (("grad", p.grad, q.grad), ("update", p.update, q.update)):
                 r = self._record(f"{kind}:{p.name}", p.name, kind, dtype_name(x.dtype), k_params, pos)
-                r["cosine"] = cosine(x, y)
+                c = cosine(x, y)
+                r["cosine"] = finite_or_none(c)
+                r["non_finite"] = r["non_finite"] or (c is not None and not math.isfinite(c))
                 rec[kind] = r
             params.append(rec)
         backward_chain = bwd + [p["grad"] for p in params] + [p["update"] for p in params]
         statuses = [r["status"] for r in fwd + backward_chain]
         worst = "beyond" if "beyond" in statuses else "noise" if "noise" in statuses else "equal"
         sources = [r["envelope_source"] for r in fwd + backward_chain]
+        compared = {"forward": len(fwd), "backward": len(bwd), "params": len(params)}
+        compared["sites"] = len(fwd) + len(bwd) + 2 * len(params)  # a parameter is two sites: grad, update
+        if compared["sites"] == 0:  # _check_sites refuses this first; never report "identical" over nothing
+            raise ContractError("no site compared", where=self.b[0].path)
         return {
             "schema": DIFF_SCHEMA,
             "a": self._side(self.a), "b": self._side(self.b),
             "reference": None if self.reference is None else [str(s.path) for s in self.reference],
             "identical": worst == "equal", "classification": worst,
-            "exit_code": 0 if worst == "equal" else 1,
+            "exit_code": 0 if worst == "equal" else 1, "compared": compared,
+            "non_finite_sites": sum(bool(r["non_finite"]) for r in fwd + backward_chain),
             "first_divergence": {"forward": _first(fwd), "backward": _first(backward_chain)},
             "envelope": {"repeat_pairs": len(self.repeats),
                          "sources": {k: sources.count(k) for k in ("repeats", "reference", "rounding")},
@@ -242,12 +302,20 @@ def _layers(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for r in records:
         cur = out.setdefault(layer_of(r["name"]), {"layer": layer_of(r["name"]), "max_rel_l2": 0.0,
-                                                    "envelope": r["envelope"], "beyond": 0, "sites": 0})
+                                                    "envelope": r["envelope"], "beyond": 0, "sites": 0,
+                                                    "non_finite": 0})
         cur["sites"] += 1
         cur["beyond"] += r["status"] == "beyond"
-        if r["rel_l2"] >= cur["max_rel_l2"]:
+        cur["non_finite"] += bool(r["non_finite"])
+        if cur["non_finite"] and cur["max_rel_l2"] is not None and r["rel_l2"] is None:
+            cur["max_rel_l2"], cur["envelope"] = None, r["envelope"]  # a non-finite error is the largest
+        elif cur["max_rel_l2"] is not None and r["rel_l2"] is not None and r["rel_l2"] >= cur["max_rel_l2"]:
             cur["max_rel_l2"], cur["envelope"] = r["rel_l2"], r["envelope"]
     return list(out.values())
+
+
+def _g(x: float | None) -> str:
+    return "non-finite" if x is None else f"{x:.3g}"
 
 
 def _where(r: dict[str, Any] | None) -> str:
@@ -255,7 +323,7 @@ def _where(r: dict[str, Any] | None) -> str:
         return "none (bitwise equal)"
     row = f", first differing row {r['first_row']}" if r["first_row"] is not None else ""
     return (f"{r['kind']} {r['name']} (position {r['position']}): {r['status']}, relative error "
-            f"{r['rel_l2']:.3g} vs envelope {r['envelope']:.3g} ({r['envelope_source']}){row}")
+            f"{_g(r['rel_l2'])} vs envelope {_g(r['envelope'])} ({r['envelope_source']}){row}")
 
 
 def render(rep: dict[str, Any]) -> str:
@@ -263,6 +331,9 @@ def render(rep: dict[str, Any]) -> str:
     lines = [f"trace-diff {rep['a']['label']} ({rep['a']['path']}) vs {rep['b']['label']} ({rep['b']['path']})",
              f"result: {'trace-identical' if rep['identical'] else 'divergent'}; classification "
              f"{rep['classification']} (equal | noise: within the envelope | beyond)",
+             f"compared {rep['compared']['sites']} sites: {rep['compared']['forward']} forward, "
+             f"{rep['compared']['backward']} backward, {rep['compared']['params']} parameters (gradient and "
+             f"update); {rep['non_finite_sites']} hold a non-finite value",
              f"first divergence, forward:  {_where(rep['first_divergence']['forward'])}",
              f"first divergence, backward: {_where(rep['first_divergence']['backward'])}"]
     env = rep["envelope"]
@@ -273,15 +344,15 @@ def render(rep: dict[str, Any]) -> str:
     for direction in ("forward", "backward", "gradients"):
         lines.append(f"per-layer largest relative error ({direction}):")
         for layer in rep["layers"][direction]:
-            lines.append(f"  {layer['layer']:>6}  {layer['max_rel_l2']:.3g}  (envelope {layer['envelope']:.3g}, "
+            lines.append(f"  {layer['layer']:>6}  {_g(layer['max_rel_l2'])}  (envelope {_g(layer['envelope'])}, "
                          f"{layer['beyond']} of {layer['sites']} sites beyond)")
     changed = [p for p in rep["params"] if p["grad"]["status"] != "equal" or p["update"]["status"] != "equal"]
     if changed:
         lines.append(f"parameters differing: {len(changed)} of {len(rep['params'])}")
         for p in changed[:8]:
             g, u = p["grad"], p["update"]
-            lines.append(f"  {p['name']}: grad {g['status']} {g['rel_l2']:.3g} (cosine {g['cosine']}), "
-                         f"update {u['status']} {u['rel_l2']:.3g}")
+            lines.append(f"  {p['name']}: grad {g['status']} {_g(g['rel_l2'])} (cosine {g['cosine']}), "
+                         f"update {u['status']} {_g(u['rel_l2'])}")
     for side, names in rep["unmatched"].items():
         if names:
             lines.append(f"{side}: {len(names)} site(s) not in the other trace, e.g. {names[0]}")

@@ -10,7 +10,8 @@ parameter the accumulated gradient (before clipping) and the update ``after - be
 Integrity: both files are written atomically and exclusively; the index, written last, pins the
 payload by SHA-256 and size and names every tensor with its shape, so a reader refuses a missing
 index (an interrupted replay), a changed payload, or a payload whose tensors do not match the index.
-The payload is read through :mod:`replayjob.tensorfile` (validated header, no pickle, no symlinks).
+The payload is read through :mod:`replayjob.tensorfile` (validated header, no pickle), and neither
+file nor ``trace/`` itself may be a symbolic link (:func:`replayjob.fsio.check_no_symlinks`).
 Nothing here imports transformers or peft.
 
 Example:
@@ -28,7 +29,7 @@ import torch
 
 from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
-from replayjob.fsio import atomic_write_bytes, read_regular_bytes
+from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
 from replayjob.jsonio import loads_strict, pretty_bytes
 
 TRACE_SCHEMA = "replayjob.trace/v1"
@@ -77,13 +78,19 @@ def row_stats(values: torch.Tensor, row_tokens: torch.Tensor) -> tuple[torch.Ten
         stats[keep, 0] = np.sqrt(np.add.reduceat(np.einsum("ij,ij->i", x, x), starts))
         stats[keep, 1] = np.maximum.reduceat(np.abs(x).max(axis=1), starts) if x.shape[1] else 0.0
         stats[keep, 2] = np.add.reduceat(x.sum(axis=1), starts) / (lens[keep] * width)
+    return torch.from_numpy(stats), row_digests(v, lens.tolist())
+
+
+def row_digests(values: torch.Tensor, row_tokens: list[int]) -> list[str]:
+    """The SHA-256 of each row's bytes (rows of ``row_tokens`` tokens each, in order), over zero-copy slices."""
+    v = values.detach().contiguous()
     raw = v.view(torch.uint8).numpy().data.cast("B")
     row_bytes = int(v.element_size()) * (int(v[0].numel()) if v.shape[0] else 0)
     digests, start = [], 0
-    for k in lens.tolist():
+    for k in row_tokens:
         digests.append(sha256_bytes(raw[start:start + k * row_bytes]))
         start += k * row_bytes
-    return torch.from_numpy(stats), digests
+    return digests
 
 
 @dataclass(frozen=True)
@@ -250,6 +257,10 @@ def _read_index(d: Path, expected_sha256: str | None) -> dict[str, Any]:
     _entries(doc, "forward", site, p)
     _entries(doc, "backward", site, p)
     _entries(doc, "params", {"name": str, "dtype": str, "shape": list}, p)
+    for key in ("forward", "backward", "params"):
+        names = [e["name"] for e in doc[key]]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        _expect(not dups, p, f"{key} names {len(dups)} site(s) more than once: {dups[:5]}")
     _expect(isinstance(doc["untraced"], list) and all(isinstance(x, str) for x in doc["untraced"]), p,
             "untraced must be a list of names")
     return doc
@@ -257,6 +268,7 @@ def _read_index(d: Path, expected_sha256: str | None) -> dict[str, Any]:
 
 def _sites(doc: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str, where: Path) -> list[Site]:
     rows, tokens = doc["rows"], doc["tokens"]
+    doc_row_tokens = [int(x) for x in tensors["rows.tokens"].tolist()]
     entries = doc[prefix]
     stats, digests = tensors[f"{prefix}.stats"], tensors[f"{prefix}.sha256"]
     _expect(tuple(stats.shape) == (len(entries), rows, len(STATS)) and stats.dtype == torch.float64, where,
@@ -269,17 +281,24 @@ def _sites(doc: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str, w
         _expect(tuple(v.shape) == (tokens, e["width"]) and e["dtype"] in _TORCH and v.dtype == _TORCH[e["dtype"]],
                 where, f"{prefix} site {e['name']!r}: values {v.dtype}{tuple(v.shape)} do not match the index")
         hexes = tuple(bytes(digests[k, i].tolist()).hex() for i in range(rows))
-        out.append(Site(e["name"], e["kind"], v, stats[k], hexes))
+        actual = row_digests(v, doc_row_tokens)  # never trust the recorded table: recompute from the bytes
+        bad = [i for i in range(rows) if actual[i] != hexes[i]]
+        _expect(not bad, where, f"{prefix} site {e['name']!r}: the recorded SHA-256 of {len(bad)} row(s) (first: "
+                                f"row {bad[0] if bad else 0}) does not match the values' bytes")
+        out.append(Site(e["name"], e["kind"], v, stats[k], tuple(actual)))
     return out
 
 
 def read_trace(run_dir: str | Path, expected_index_sha256: str | None = None) -> Trace:
-    """Read and verify ``RUN_DIR/trace/`` (or a trace directory itself); refuse anything inconsistent."""
+    """Read and verify ``RUN_DIR/trace/`` (or a trace directory itself); refuse anything inconsistent,
+    and a trace reached through a symbolic link below ``run_dir`` (a linked ``trace/`` or file)."""
     from replayjob import tensorfile
 
-    d = Path(run_dir)
+    root = d = Path(run_dir)
     if d.name != TRACE_DIR and (d / TRACE_DIR).is_dir():
         d = d / TRACE_DIR
+    for name in (INDEX_FILE, PAYLOAD_FILE):
+        check_no_symlinks(root, d / name, what="trace")
     doc = _read_index(d, expected_index_sha256)
     pay = d / PAYLOAD_FILE
     tensors = tensorfile.load(pay, expected_sha256=doc["payload"]["sha256"], follow_symlinks=False,
@@ -303,7 +322,11 @@ def read_trace(run_dir: str | Path, expected_index_sha256: str | None = None) ->
         g, u = tensors[f"param.{k:04d}.grad"], tensors[f"param.{k:04d}.update"]
         _expect(list(g.shape) == e["shape"] == list(u.shape) and e["dtype"] in _TORCH
                 and g.dtype == u.dtype == _TORCH[e["dtype"]], pay, f"parameter {e['name']!r} does not match the index")
-        params.append(Param(e["name"], g, u, bytes(pst[k, 0].tolist()).hex(), bytes(pst[k, 1].tolist()).hex()))
+        recorded = (bytes(pst[k, 0].tolist()).hex(), bytes(pst[k, 1].tolist()).hex())
+        actual = (sha256_bytes(_row_bytes(g)), sha256_bytes(_row_bytes(u)))
+        _expect(recorded == actual, pay, f"parameter {e['name']!r}: the recorded gradient or update SHA-256 does "
+                                         "not match the tensors' bytes")
+        params.append(Param(e["name"], g, u, *actual))
     return Trace(identity=dict(doc["identity"]), row_tokens=rt, row_micro_batch=mb,
                  forward=_sites(doc, tensors, "forward", pay), backward=_sites(doc, tensors, "backward", pay),
                  params=params, untraced=list(doc["untraced"]), path=d)

@@ -18,6 +18,7 @@ valid sources are built with the real commands into ``OUT-sources``), or pass re
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -576,16 +577,178 @@ def diag_entries(src: Path, out: Path) -> list[Entry]:
     return entries
 
 
+# ----------------------------------------- readers added later: budgets, traces, ranked bundles, runs
+def budget_mutations() -> dict[str, Mutation]:
+    """Budget files (`reduce --budgets FILE`), each refused by cause before any bound is graded."""
+    ok = b"[ckpt-on]\nlocal_train_wall_s = { max_ratio = 1.35 }\n"
+    return {
+        "budget_min_above_max": (b"[ckpt-on]\nlocal_train_wall_s = { max_ratio = 1.1, min_ratio = 1.5 }\n",
+                                 "min_ratio"),
+        "budget_negative": (b"[ckpt-on]\nlocal_train_wall_s = { max_ratio = -1.0 }\n", "max_ratio"),
+        "budget_nan": (b"[ckpt-on]\nlocal_train_wall_s = { max_ratio = nan }\n", "max_ratio"),
+        "budget_infinite": (b"[ckpt-on]\nlocal_train_wall_s = { min_ratio = inf }\n", "min_ratio"),
+        "budget_bool": (b"[ckpt-on]\nlocal_train_wall_s = { max_ratio = true }\n", "max_ratio"),
+        "budget_unknown_metric": (b"[ckpt-on]\nwall = { max_ratio = 1.2 }\n", "unknown metric"),
+        "budget_unknown_kind": (b"[ckpt-on]\nlocal_train_wall_s = { ratio = 1.2 }\n", "inline table"),
+        "budget_no_bound": (b'baseline = "ckpt-off"\n', "no bound"),
+        "budget_invalid_toml": (b"[ckpt-on\n", "budget"),
+        "budget_invalid_utf8": (ok + b"# \xff\n", "budget"),
+        "budget_deep_nesting": (ok + b"x = " + b"[" * 2000 + b"]" * 2000 + b"\n", "budget"),
+    }
+
+
+def _reseal(replay: Path, edit: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """Re-pin a traced replay after an edit of its trace, as a forger would: the payload in the index,
+    then the index in ``replay_metrics.json``."""
+    from replayjob.trace.store import INDEX_FILE, PAYLOAD_FILE, TRACE_DIR
+
+    t = replay / TRACE_DIR
+    index = json.loads((t / INDEX_FILE).read_bytes())
+    data = (t / PAYLOAD_FILE).read_bytes()
+    index["payload"].update(sha256=_sha(data), bytes=len(data))
+    if edit is not None:
+        edit(index)
+    blob = json.dumps(index, indent=1).encode()
+    (t / INDEX_FILE).write_bytes(blob)
+    metrics = json.loads((replay / "replay_metrics.json").read_bytes())
+    metrics["trace"]["index_sha256"] = _sha(blob)
+    (replay / "replay_metrics.json").write_bytes(json.dumps(metrics, indent=1).encode())
+
+
+def trace_entries(src: Path, out: Path) -> list[Entry]:
+    """Traced replays (`trace-diff ENTRY VALID`, VALID the traced replay they were copied from), each
+    re-sealed after its edit so that only recomputing from the bytes can refuse it."""
+    from safetensors.torch import load as st_load
+
+    from replayjob.trace.store import INDEX_FILE, PAYLOAD_FILE, TRACE_DIR
+
+    entries: list[Entry] = []
+
+    def emit(name: str, expect: str, fn: Callable[[Path], None]) -> None:
+        d = out / name
+        shutil.copytree(src, d)
+        fn(d)
+        entries.append(Entry(name, "trace", str(d.relative_to(out)), expect, {"valid": str(src)}))
+
+    def edit_payload(fn: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Path], None]:
+        def apply(d: Path) -> None:
+            p = d / TRACE_DIR / PAYLOAD_FILE
+            tensors = st_load(p.read_bytes())
+            fn(tensors)
+            p.write_bytes(save(tensors, metadata={"format": "replayjob.trace/v1"}))
+            _reseal(d)
+        return apply
+
+    def swap_sites(t: dict[str, torch.Tensor]) -> None:  # two same-shaped sites' values swapped
+        names = sorted(k for k in t if k.startswith("forward.") and k.endswith(".values"))
+        pair = next((a, b) for a in names for b in names if a < b and t[a].shape == t[b].shape
+                    and not torch.equal(t[a], t[b]))
+        t[pair[0]], t[pair[1]] = t[pair[1]].clone(), t[pair[0]].clone()
+
+    def swap_grad(t: dict[str, torch.Tensor]) -> None:  # a gradient and its update swapped (where they differ)
+        k = next(name[:-len(".grad")] for name in sorted(t) if name.startswith("param.") and name.endswith(".grad")
+                 and not torch.equal(t[name], t[name[:-len(".grad")] + ".update"]))
+        t[f"{k}.grad"], t[f"{k}.update"] = t[f"{k}.update"].clone(), t[f"{k}.grad"].clone()
+
+    def duplicate(index: dict[str, Any]) -> None:
+        index["forward"][1]["name"] = index["forward"][0]["name"]
+
+    def rename_all(index: dict[str, Any]) -> None:
+        for kind in ("forward", "backward"):
+            for k, e in enumerate(index[kind]):
+                e["name"] = f"elsewhere.{kind}.{k}"
+
+    def link_dir(d: Path) -> None:
+        shutil.move(str(d / TRACE_DIR), str(d / "elsewhere"))
+        os.symlink("elsewhere", d / TRACE_DIR)
+
+    emit("trace_swapped_sites", "does not match the values' bytes", edit_payload(swap_sites))
+    emit("trace_swapped_grad", "does not match the tensors' bytes", edit_payload(swap_grad))
+    emit("trace_duplicate_site", "more than once", lambda d: _reseal(d, duplicate))
+    emit("trace_other_sites", "do not hold the same sites", lambda d: _reseal(d, rename_all))
+    emit("trace_no_index", "index", lambda d: (d / TRACE_DIR / INDEX_FILE).unlink())
+    emit("trace_stale_pin", "trace changed after the replay", lambda d: (d / TRACE_DIR / INDEX_FILE).write_bytes(
+        (d / TRACE_DIR / INDEX_FILE).read_bytes() + b"\n"))
+    emit("trace_linked_dir", "link", link_dir)
+    return entries
+
+
+def ranked_bundle_entries(out: Path) -> list[Entry]:
+    """Two-rank bundles (`bundle validate`): ranks of two runs, a rank missing, a linked rank."""
+    from replayjob.bundle import format as fmt
+    from replayjob.bundle.synthetic import write_rollout
+    from replayjob.errors import ReplayjobError
+
+    entries: list[Entry] = []
+
+    def emit(name: str, expect: str, fn: Callable[[Path], None]) -> None:
+        root = out / "ranked" / name
+        fn(root)
+        entries.append(Entry(name, "bundle", str(root.relative_to(out)), expect))
+
+    def two_runs(root: Path) -> None:  # run A's rank 0 and run B's rank 1 under a root written by hand
+        write_rollout(root, rank=0, ranks=[0, 1], groups=4, run_id="run-a")
+        with contextlib.suppress(ReplayjobError):  # the landing refuses the root; a forger writes it
+            write_rollout(root, rank=1, ranks=[0, 1], groups=4, run_id="run-b")
+        recs = {r: json.loads((root / f"{fmt.COMPLETE}.{r}").read_bytes()) for r in (0, 1)}
+        (root / fmt.COMPLETE).write_bytes(_canon({
+            "format": fmt.FORMAT, "bundle_id": recs[0]["bundle_id"], "run_id": "run-a", "ranks": [0, 1],
+            "rank_manifests": {str(r): recs[r]["manifest_sha256"] for r in (0, 1)}}))
+
+    def one_rank(root: Path) -> None:
+        write_rollout(root, rank=0, ranks=[0, 1], groups=4)
+
+    def linked_rank(root: Path) -> None:
+        for r in (0, 1):
+            write_rollout(root, rank=r, ranks=[0, 1], groups=4)
+        rank1 = next(p for p in sorted(root.iterdir()) if p.is_dir() and p.name.endswith("1"))
+        shutil.move(str(rank1), str(root.parent / f"{root.name}-rank1"))
+        os.symlink(root.parent / f"{root.name}-rank1", rank1)
+
+    emit("ranked_two_runs", "run id", two_runs)
+    emit("ranked_rank_missing", "complete", one_rank)
+    emit("ranked_linked_rank", "link", linked_rank)
+    return entries
+
+
+def run_record_entries(out: Path) -> list[Entry]:
+    """Run directories whose `run.json` is not this run's (`step replay --index 0 --run-dir ENTRY`)."""
+    entries: list[Entry] = []
+    record = {"schema": "replayjob.run/v1", "fingerprint": "0" * 64, "image": "", "spec": {}}
+    cases: dict[str, tuple[bytes | None, str]] = {
+        "run_other_fingerprint": (_canon(record), "another run"),
+        "run_not_json": (b"{not json", "json"),
+        "run_wrong_schema": (_canon({**record, "schema": "replayjob.run/v0"}), "run record"),
+        "run_duplicate_key": (b'{"schema": "replayjob.run/v1", "schema": "x", "fingerprint": "0"}', "duplicate"),
+        "run_record_directory": (None, "regular file"),
+    }
+    for name, (data, expect) in cases.items():
+        d = out / "runs" / name
+        d.mkdir(parents=True)
+        if data is None:
+            (d / "run.json").mkdir()
+        else:
+            (d / "run.json").write_bytes(data)
+        entries.append(Entry(name, "run", str(d.relative_to(out)), expect))
+    d = out / "runs" / "run_linked_record"
+    d.mkdir()
+    (out / "runs" / "elsewhere.json").write_bytes(_canon(record))
+    os.symlink("../elsewhere.json", d / "run.json")
+    entries.append(Entry("run_linked_record", "run", str(d.relative_to(out)), "link"))
+    return entries
+
+
 # ------------------------------------------------------------------------------------------ driver
 def standalone_entries(out: Path) -> list[Entry]:
-    """Self-contained entries: tensor files, pickle files, tolerance files, configs, signal rules and
-    ablation specs."""
+    """Self-contained entries: tensor files, pickle files, tolerance and budget files, configs, signal rules,
+    ablation specs, traces, two-rank bundles and run records."""
     entries: list[Entry] = []
     pickles = {"pickle_pt": (torch_save_bytes(), "pickle is never loaded"),
                "pickle_pkl": (pickle.dumps([1, 2], protocol=2), "pickle is never loaded")}
     for folder, ext, target, files in (
             ("tensors", "safetensors", "tensorfile", {**safetensors_mutations(), **pickles}),
             ("tolerances", "toml", "tolerances", tolerance_mutations()),
+            ("budgets", "toml", "budgets", budget_mutations()),
             ("configs", "toml", "config", toml_mutations())):
         (out / folder).mkdir(parents=True, exist_ok=True)
         for name, (data, expect) in files.items():
@@ -610,6 +773,7 @@ def standalone_entries(out: Path) -> list[Entry]:
             entries.append(Entry(f"{target}_{name}", target, f"{target}/{name}.toml", expect))
         os.mkfifo(d / "fifo.toml")
         entries.append(Entry(f"{target}_fifo", target, f"{target}/fifo.toml", "regular file"))
+    entries += ranked_bundle_entries(out) + run_record_entries(out)
     return entries
 
 
@@ -619,13 +783,15 @@ REPLAYS = 8  # >= reduce's default --min-repeats (3); eight give reduce 20+ cras
 def build_sources(workspace: Path, out: Path) -> dict[str, Path]:
     """Valid artifacts of every kind, made by the real commands from a `replayjob init` workspace.
 
-    A capture (``source``), :data:`REPLAYS` replays of it (``replays/r0``...), a training run with trajectory
+    A capture (``source``), :data:`REPLAYS` replays of it (``replays/r0``...), a traced replay
+    (``traced/r0``), a training run with trajectory
     bundles (``bundled/bundles``); ``SOURCES_DONE`` is written last, so a second call reuses them.
     """
     from replayjob.cli import main
 
     paths = {"capture": out / "source", "metrics": out / "replays" / "r0", "diag": out / "source" / "diag.jsonl",
-             "source": out / "source", "replays": out / "replays", "state": workspace / "init_resume"}
+             "source": out / "source", "replays": out / "replays", "state": workspace / "init_resume",
+             "trace": out / "traced" / "r0"}
     if not (out / "SOURCES_DONE").exists():
         if out.exists():
             shutil.rmtree(out)
@@ -639,6 +805,8 @@ def build_sources(workspace: Path, out: Path) -> dict[str, Path]:
             argv = ["replay", str(workspace / "replay.toml"), "--out", str(out / "replays" / f"r{i}"),
                     "--repeat-index", str(i)]
             assert main([*argv, *(x for p in pins for x in ("--set", p))]) == 0
+        argv = ["replay", str(workspace / "replay.toml"), "--out", str(out / "traced" / "r0"), "--trace"]
+        assert main([*argv, *(x for p in pins for x in ("--set", p))]) == 0
         (out / "replay-pins.txt").write_text("\n".join(pins) + "\n")
         env = {"REPLAYJOB_BUNDLE_CAPTURE": "1", "REPLAYJOB_BUNDLE_DIR": str(out / "bundled" / "bundles")}
         with mock.patch.dict(os.environ, env):  # restored afterwards, whatever they held
@@ -650,7 +818,7 @@ def build_sources(workspace: Path, out: Path) -> dict[str, Path]:
 
 SOURCES: dict[str, Callable[[Path, Path], list[Entry]]] = {
     "state": state_entries, "capture": capture_entries, "bundle": bundle_entries,
-    "metrics": metrics_entries, "diag": diag_entries}
+    "metrics": metrics_entries, "diag": diag_entries, "trace": trace_entries}
 
 
 def generate(out: Path, sources: dict[str, Path] | None = None) -> list[Entry]:

@@ -1,0 +1,309 @@
+"""Evidence that cannot support a verdict, on tiny synthetic traces built in-process (fast, no replay).
+
+Class 1, non-finite evidence: a NaN or an infinity in compared evidence is never within a bound, in
+either argument order, and no ``--json`` output holds a bare ``NaN``/``Infinity``.
+Class 2, comparisons over nothing: missing, extra, duplicate or no common sites are refused, every
+recorded digest is recomputed from the bytes, and a comparison says how much it compared.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from replayjob.cli import main
+from replayjob.digest import sha256_bytes
+from replayjob.errors import ContractError, IntegrityError, RefusedError
+from replayjob.jsonio import pretty_bytes
+from replayjob.trace import diff as trace_diff_mod
+from replayjob.trace.diff import Side, TraceDiff
+from replayjob.trace.envelope import Bound, cosine, envelope, relative_error
+from replayjob.trace.store import IDENTITY_KEYS, Site, Trace, make_param, read_trace, row_stats, write_trace
+
+ROWS = torch.tensor([2, 3])  # two logical rows: 5 tokens
+NON_FINITE = [math.nan, math.inf, -math.inf]
+ORDERS = ["finite_first", "non_finite_first"]
+ARMS: Any = {"x": None, "y": None}  # only the arm names are read
+
+
+def _fake(**fields: Any) -> Any:
+    """A stand-in for a Replay: only the fields the code under test reads."""
+    return SimpleNamespace(**fields)
+
+
+def _identity(**over: Any) -> dict[str, Any]:
+    ident: dict[str, Any] = {k: None for k in IDENTITY_KEYS}
+    ident.update(manifest_sha256="a" * 64, logical_batch_sha256="b" * 64, initial_adapter_sha256="c" * 64,
+                 arm="baseline", repeat_index=0, micro_batch_size=1, gradient_checkpointing=False, device="cpu",
+                 torch_version=torch.__version__)
+    ident.update(over)
+    return ident
+
+
+def _site(name: str, values: torch.Tensor) -> Site:
+    stats, digests = row_stats(values, ROWS)
+    return Site(name, "Linear", values, stats, tuple(digests))
+
+
+def _trace(forward: tuple[str, ...] = ("m.0", "m.1"), backward: tuple[str, ...] = ("m.1",),
+           params: tuple[str, ...] = ("m.0.weight",), poison: float | None = None, **ident: Any) -> Trace:
+    """A tiny trace; ``poison`` replaces one element of every site value, gradient and update."""
+    def values(k: int) -> torch.Tensor:
+        v = torch.arange(20, dtype=torch.float32).reshape(5, 4) / (k + 1) + 1
+        if poison is not None:
+            v[3, 1] = poison
+        return v
+
+    g = torch.linspace(0.5, 1.5, 6).reshape(2, 3)
+    if poison is not None:
+        g = g.clone()
+        g[0, 2] = poison
+    return Trace(identity=_identity(**ident), row_tokens=ROWS.clone(),
+                 row_micro_batch=torch.zeros(2, dtype=torch.int64),
+                 forward=[_site(n, values(k)) for k, n in enumerate(forward)],
+                 backward=[_site(n, values(k) * 0.01) for k, n in enumerate(backward)],
+                 params=[make_param(n, g.clone(), -0.1 * g) for n in params])
+
+
+def _side(tmp: Path, name: str, t: Trace) -> Side:
+    """Written with the real writer and read back through the verifying reader."""
+    write_trace(tmp / name, t)
+    return Side(tmp / name, read_trace(tmp / name))
+
+
+def _strict(text: str) -> Any:
+    def refuse(name: str) -> Any:
+        raise AssertionError(f"non-strict JSON literal {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.fixture
+def cli_diff(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+             capsys: pytest.CaptureFixture[str]) -> Any:
+    """``trace-diff A B --json`` through the CLI on synthetic traces (the replay_metrics pin step skipped)."""
+    monkeypatch.setattr(trace_diff_mod, "load_side", lambda p: [Side(Path(p), read_trace(p))])
+
+    def run(a: Trace, b: Trace) -> tuple[int, Any, str]:
+        for name, t in (("a", a), ("b", b)):
+            if not (tmp_path / name).exists():
+                write_trace(tmp_path / name, t)
+        capsys.readouterr()
+        rc = main(["trace-diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+        out = capsys.readouterr()
+        return rc, (_strict(out.out) if rc in (0, 1) else None), out.err
+    return run
+
+
+# ---------------------------------------------------------------------------------- class 1: non-finite
+
+@pytest.mark.parametrize("bad", NON_FINITE)
+@pytest.mark.parametrize("order", ORDERS)
+def test_non_finite_evidence_is_never_within_a_bound(bad: float, order: str, cli_diff: Any) -> None:
+    ok = torch.ones(6)
+    poisoned = ok.clone()
+    poisoned[2] = bad
+    x, y = (ok, poisoned) if order == "finite_first" else (poisoned, ok)
+    rel, cos = relative_error(x, y), cosine(x, y)
+    assert math.isnan(rel) and cos is not None and math.isnan(cos)
+    assert math.isnan(relative_error(poisoned, poisoned))  # bitwise equal NaNs are no agreement either
+    assert Bound(1e-3, "rounding").judge(rel, False) == "beyond"
+    assert Bound(1e-3, "rounding").judge(math.nan, True) == "beyond"
+    assert Bound(math.nan, "repeats").judge(0.0, False) == "beyond"
+    assert math.isnan(envelope([bad, 0.0][:: 1 if order == "finite_first" else -1], None, 1e-5).value)
+    assert math.isnan(envelope([], bad, 1e-5).value)
+
+    # trace-diff through the CLI: beyond in both argument orders, strict JSON with an explicit marker
+    a, b = _trace(), _trace(poison=bad)
+    rc, rep, _ = cli_diff(*((a, b) if order == "finite_first" else (b, a)))
+    assert rc == 1 and rep["classification"] == "beyond" and not rep["identical"]
+    site = rep["forward"][0]
+    assert site["status"] == "beyond" and site["rel_l2"] is None and site["non_finite"] is True
+    grad = rep["params"][0]["grad"]
+    assert grad["status"] == "beyond" and grad["rel_l2"] is None and grad["cosine"] is None and grad["non_finite"]
+    assert rep["non_finite_sites"] == rep["compared"]["sites"] == 5
+    assert rep["layers"]["forward"][0]["max_rel_l2"] is None and rep["layers"]["forward"][0]["non_finite"] == 2
+    assert "non-finite" in trace_diff_mod.render(rep)
+
+
+@pytest.mark.parametrize("bad", NON_FINITE)
+def test_identical_non_finite_traces_are_not_trace_identical(bad: float, tmp_path: Path) -> None:
+    t = _trace(poison=bad)
+    rep = TraceDiff([_side(tmp_path, "a", t)], [_side(tmp_path, "b", t)]).report()
+    assert rep["classification"] == "beyond" and rep["exit_code"] == 1
+    assert all(r["status"] == "beyond" and r["non_finite"] for r in rep["forward"] + rep["backward"])
+    pretty_bytes(rep)  # strict: would raise on a NaN
+
+
+@pytest.mark.parametrize("bad", NON_FINITE)
+@pytest.mark.parametrize("order", ORDERS)
+def test_non_finite_gradients_fail_the_approximate_claim(bad: float, order: str) -> None:
+    from replayjob.gate.gradients import _param_rows
+
+    traces = [_trace(), _trace(), _trace(poison=bad)]
+    arms = ["x", "x", "y"] if order == "finite_first" else ["y", "y", "x"]
+    traced = [(_fake(arm=arm), t) for arm, t in zip(arms, traces, strict=True)]
+    rows, bad_rel, bad_cos = _param_rows(traced, ARMS)
+    assert bad_rel and bad_cos and rows[0]["non_finite"] is True
+    assert rows[0]["relative_l2"] == {"median": None, "low": None, "high": None}
+    pretty_bytes(rows)
+    # a non-finite repeat inside one arm makes the envelope non-finite: never a wider bound
+    traced = [(_fake(arm="x"), _trace()), (_fake(arm="x"), _trace(poison=bad)),
+              (_fake(arm="y"), _trace())]
+    rows, bad_rel, _ = _param_rows(traced, ARMS)
+    assert bad_rel and rows[0]["envelope"] is None
+
+
+@pytest.mark.parametrize("bad", NON_FINITE)
+def test_non_finite_updates_budgets_and_ratios_are_never_within_a_bound(bad: float, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from replayjob.gate import budgets, stats, updates
+
+    init = tmp_path / "init.safetensors"
+    save_file({"w": torch.zeros(4)}, str(init))
+    members = []
+    for i, u in enumerate([torch.ones(4), torch.tensor([1.0, 1.0, bad, 1.0])]):
+        save_file({"w": u}, str(tmp_path / f"{i}.safetensors"))
+        members.append(updates.Member(f"r{i}", "x", tmp_path / f"{i}.safetensors"))
+    pairs = updates.pairwise(init, members)
+    for p in pairs:  # both orders
+        assert p.cosine is not None and p.relative_delta_l2 is not None
+        assert not math.isfinite(p.cosine) and not math.isfinite(p.relative_delta_l2)
+    s = updates.summarize(pairs)["all"]
+    assert s["cosine"]["non_finite"] == 2 and s["cosine"]["median"] is None
+    pretty_bytes(s)
+    bad_cos, bad_rel = updates.offenders(pairs, -1.0, 1e9)  # the loosest tolerances still fail them
+    assert len(bad_cos) == len(bad_rel) == 2
+
+    r = stats.bootstrap_ratio([1.0, bad, 1.0], [1.0, 1.0, 1.0], resamples=50)
+    assert r["ratio"] is None and r["excludes_1"] is None
+    r = stats.bootstrap_ratio([1.0, 1.0, 1.0], [1.0, bad, 1.0], resamples=50)
+    assert r["ratio"] is None and r["excludes_1"] is None
+
+    def replay(v: float) -> Any:
+        return _fake(measures={"local_train_wall_s": v})
+
+    bound = budgets.Bound("on", "local_train_wall_s", "max_ratio", 1.5)
+    for pair in ((replay(1.0), replay(bad)), (replay(bad), replay(1.0))):
+        out = budgets._decide(bound, [pair, (replay(1.0), replay(1.0))], 0.95)
+        assert out["decision"] == "refused" and "not finite" in out["note"]
+
+
+def test_cli_json_writer_never_emits_nan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from replayjob.bundle.synthetic import write_rollout
+    from replayjob.jsonio import non_finite_as_strings
+
+    with pytest.raises(IntegrityError):
+        pretty_bytes({"x": math.nan})
+    assert non_finite_as_strings({"a": [math.nan, math.inf, -math.inf, 1.0]}) == \
+        {"a": ["NaN", "Infinity", "-Infinity", 1.0]}
+    p = write_rollout(tmp_path / "nan", inject={"kl": (1, 0, float("nan"))})
+    capsys.readouterr()
+    assert main(["bundle", "replay", str(p), "--json"]) == 1
+    rep = _strict(capsys.readouterr().out)
+    assert rep["verdict"] == "diverged"
+
+
+# ------------------------------------------------------------------------- class 2: over nothing
+
+@pytest.mark.parametrize(("a_kw", "b_kw", "named"), [
+    ({"forward": ("m.0",), "backward": (), "params": ()},
+     {"forward": ("n.0",), "backward": (), "params": ()}, "forward:m.0"),  # nothing in common
+    ({}, {"forward": ("m.0", "m.1", "m.2")}, "forward:m.2"),              # extra site
+    ({}, {"backward": ()}, "backward:m.1"),                                  # missing site
+    ({}, {"params": ("m.0.weight", "m.1.weight")}, "param:m.1.weight"),      # extra parameter
+])
+@pytest.mark.parametrize("order", ORDERS)
+def test_trace_diff_refuses_unmatched_sites(a_kw: dict[str, Any], b_kw: dict[str, Any], named: str, order: str,
+                                            cli_diff: Any) -> None:
+    a, b = _trace(**a_kw), _trace(**b_kw)
+    rc, _, err = cli_diff(*((a, b) if order == "finite_first" else (b, a)))
+    assert rc == 2 and named in err and "fix:" in err and "Traceback" not in err
+
+
+def test_trace_diff_says_what_it_compared_and_admits_checkpointing_gradients(tmp_path: Path) -> None:
+    rep = TraceDiff([_side(tmp_path, "a", _trace())], [_side(tmp_path, "b", _trace())]).report()
+    assert rep["identical"] and rep["compared"] == {"forward": 2, "backward": 1, "params": 1, "sites": 5}
+    assert "compared 5 sites" in trace_diff_mod.render(rep)
+    gc = _side(tmp_path, "gc", _trace(backward=("m.0", "m.1"), gradient_checkpointing=True))
+    rep = TraceDiff([_side(tmp_path, "a2", _trace())], [gc]).report()
+    assert rep["unmatched"] == {"only_a": [], "only_b": ["backward:m.0"]} and rep["compared"]["backward"] == 1
+    with pytest.raises(ContractError, match=r"backward:m\.0"):  # the same extra site without the knob
+        TraceDiff([_side(tmp_path, "a3", _trace())], [_side(tmp_path, "b3", _trace(backward=("m.0", "m.1")))])
+
+
+def test_approximate_claim_over_no_parameter_is_refused(tmp_path: Path) -> None:
+    from replayjob.gate.claims import REFUSED
+    from replayjob.gate.gradients import approximate_checks
+
+    replays: list[Any] = []
+    for i, arm in enumerate(("x", "y")):
+        _, sha = write_trace(tmp_path / arm, _trace(params=()))
+        replays.append(_fake(arm=arm, label=f"{arm}#{i}", trace_index_sha256=sha,
+                                       path=tmp_path / arm / "replay_metrics.json"))
+    checks = approximate_checks(replays, ARMS)
+    assert [c.status for c in checks] == [REFUSED, REFUSED] and "no trainable parameter" in checks[0].detail
+
+
+def test_duplicate_site_names_are_refused(tmp_path: Path) -> None:
+    dup = _trace(forward=("m.0", "m.0"))
+    write_trace(tmp_path / "dup", dup)
+    with pytest.raises(IntegrityError, match="more than once"):
+        read_trace(tmp_path / "dup")
+    with pytest.raises(IntegrityError, match=r"forward:m\.0"):  # in-memory traces too (last must not win)
+        TraceDiff([Side(tmp_path / "x", dup)], [Side(tmp_path / "y", dup)])
+
+
+def _reseal(d: Path, change: Any) -> None:
+    """Rewrite the payload with ``change(tensors)``, then re-pin it in the index (a re-sealed forgery)."""
+    from safetensors.torch import load, save
+
+    pay, index = d / "trace" / "trace.safetensors", d / "trace" / "index.json"
+    tensors = load(pay.read_bytes())
+    change(tensors)
+    data = save(tensors, metadata={"format": "replayjob.trace/v1"})
+    pay.chmod(0o644)
+    pay.write_bytes(data)
+    doc = json.loads(index.read_text())
+    doc["payload"].update(sha256=sha256_bytes(data), bytes=len(data))
+    index.chmod(0o644)
+    index.write_bytes(pretty_bytes(doc))
+
+
+def _swap_sites(t: dict[str, torch.Tensor]) -> None:
+    t["forward.0000.values"], t["forward.0001.values"] = t["forward.0001.values"], t["forward.0000.values"]
+
+
+def _swap_params(t: dict[str, torch.Tensor]) -> None:
+    t["param.0000.grad"], t["param.0000.update"] = t["param.0000.update"], t["param.0000.grad"]
+
+
+@pytest.mark.parametrize(("change", "message"), [(_swap_sites, "forward site 'm.0'"),
+                                                 (_swap_params, "parameter 'm.0.weight'")])
+def test_recorded_digests_are_recomputed_from_the_bytes(change: Any, message: str, tmp_path: Path) -> None:
+    write_trace(tmp_path / "t", _trace())
+    read_trace(tmp_path / "t")
+    _reseal(tmp_path / "t", change)
+    with pytest.raises(IntegrityError, match=message) as exc:
+        read_trace(tmp_path / "t")
+    assert "does not match" in exc.value.message
+
+
+def test_diag_diff_refuses_to_call_nothing_equal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"step": 0, "wall_s": 1.0}\n{"step": 1, "wall_s": 2.0}\n')
+    b.write_text('{"step": 0, "wall_s": 3.0}\n{"step": 1, "wall_s": 4.0}\n')
+    assert main(["diag-diff", str(a), str(b), "--ignore", "step"]) == 2  # every leaf ignored: refused
+    assert "nothing compared" in capsys.readouterr().err
+    assert main(["diag-diff", str(a), str(b)]) == 0  # the steps are compared: equal
+    b.write_text('{"step": 0, "wall_s": 1.0}\n{"step": 1, "wall_s": 2.0}\n')
+    assert main(["diag-diff", str(a), str(b), "--ignore", "step"]) == 2  # byte-equal rows, nothing compared
+    with pytest.raises(RefusedError, match="nothing compared"):
+        from replayjob.check.diagdiff import diff_files
+        diff_files(a, b, ignore=["step"])
