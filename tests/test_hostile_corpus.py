@@ -137,6 +137,23 @@ def test_corpus_is_deterministic_and_large(corpus_dir: Path, tmp_path: Path, sou
     assert len(entries(corpus_dir)) >= 250
 
 
+def test_every_integration_capture_entry_is_refused_by_explain(
+        trl_capture: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The external trainers' capture manifest and its files (made from the shared TRL capture)."""
+    chosen = corpus.integration_entries(trl_capture["dir"], tmp_path / "c")
+    assert len(chosen) >= 25
+    (tmp_path / "out").mkdir()
+    for e in chosen:
+        p, pins = tmp_path / "c" / e.path, e.pins
+        argv = ["explain", pins["config"], "--set", f"optimizer_batch.replay_path={p}",
+                "--set", f"optimizer_batch.expected_manifest_sha256={pins['manifest']}",
+                "--set", f"optimizer_batch.expected_logical_sha256={pins['logical']}"]
+        try:
+            refuse(argv, e.expect, [tmp_path / "c", trl_capture["dir"]], tmp_path / "out" / e.name, capsys)
+        except AssertionError as exc:
+            raise AssertionError(f"{e.name}: {exc}") from None
+
+
 @pytest.mark.parametrize("target", sorted(COMMANDS))
 def test_every_entry_is_refused_by_the_command_that_reads_it(
         target: str, corpus_dir: Path, workspace: Path, sources: dict[str, Path], tmp_path: Path,

@@ -449,3 +449,39 @@ def test_integration_manifest_mutations_never_pass_the_pin(data: st.DataObject, 
     except ReplayjobError:
         return
     assert got.doc == json.loads(blob)
+
+
+@pytest.fixture(scope="module")
+def two_rank_capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_symlinks import capture_over_two_ranks
+
+    out = tmp_path_factory.mktemp("ranked_capture") / "source"
+    capture_over_two_ranks(out)
+    return out
+
+
+@FUZZ
+@given(data=st.data())
+def test_multi_rank_capture_mutations_are_refused_or_read_as_the_original_batch(
+        data: st.DataObject, two_rank_capture: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every file of a capture over ranks (root manifest, each rank's manifest, payload and landing
+    record) is pinned from the root, whose SHA-256 the user holds: a mutation is refused or is a no-op."""
+    from replayjob.optbatch import manifest as mf
+    from replayjob.optbatch import ranks
+
+    root_file = two_rank_capture / mf.manifest_name(0)
+    pin = sha256_bytes(root_file.read_bytes())
+    original = ranks.verify(ranks.read_capture(root_file, pin))
+    d = tmp_path_factory.mktemp("ranked_capture") / "source"
+    shutil.copytree(two_rank_capture, d)
+    target = data.draw(st.sampled_from(sorted(p for p in d.rglob("*") if p.is_file())))
+    target.write_bytes(mutate(data, target.read_bytes()))
+    try:
+        root = ranks.read_capture(d / mf.manifest_name(0), pin)
+        assert isinstance(root, ranks.RootManifest)
+        got = ranks.verify(root)
+    except ReplayjobError:
+        return
+    assert got.digests == original.digests and got.bounds == original.bounds
+    assert _same(got.batch.tensors(), original.batch.tensors())
+    assert all(_same(a, b) for a, b in zip(got.rngs, original.rngs, strict=True))

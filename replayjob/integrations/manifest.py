@@ -128,7 +128,9 @@ def validate(doc: Any, where: Path) -> dict[str, Any]:
     """Check every field's presence and type, and recompute the embedded digests."""
     need(isinstance(doc, dict), "document must be a JSON object", where)
     need(doc.get("schema") == SCHEMA, f"'schema' must be {SCHEMA!r}, found {doc.get('schema')!r}", where)
-    keys = _KEYS | ({OUTCOME} & set(doc))
+    keys = _KEYS | {OUTCOME}  # every capture of this schema seals its outcome (reduce compares with it)
+    need(OUTCOME in doc, f"'{OUTCOME}' is missing: the capture was written by an earlier release and seals "
+         "none of the numbers reduce compares with; capture the step again", where)
     need(set(doc) == keys, f"keys must be exactly {sorted(keys)}; unknown {sorted(set(doc) - keys)}, "
           f"missing {sorted(keys - set(doc))}", where)
     validate_outcome(doc, where)

@@ -738,6 +738,46 @@ def run_record_entries(out: Path) -> list[Entry]:
     return entries
 
 
+def integration_entries(src: Path, out: Path) -> list[Entry]:
+    """An external trainer's capture (the TRL producer's manifest and files), fed to `explain` with its
+    own replay config and the pins each entry carries (re-sealed for a mutated manifest, so the
+    validator behind the pin is exercised)."""
+    mname = next(p.name for p in src.glob("*.manifest.json"))
+    mbytes = (src / mname).read_bytes()
+    man = json.loads(mbytes)
+    entries: list[Entry] = []
+
+    def emit(name: str, expect: str, *, manifest: bytes | None = None, doc: dict[str, Any] | None = None,
+             fix: Callable[[Path], None] | None = None, pin: str | None = None) -> None:
+        d = out / name
+        shutil.copytree(src, d, symlinks=True)
+        data = manifest if manifest is not None else (_canon(doc) if doc is not None else mbytes)
+        (d / mname).write_bytes(data)
+        if fix is not None:
+            fix(d)
+        pins = {"manifest": pin if pin is not None else _sha(data), "logical": man["logical_batch_sha256"],
+                "config": str(src / "replay.toml")}
+        entries.append(Entry(name, "integration", f"{d.name}/{mname}", expect, pins))
+
+    for name, (data, expect) in json_mutations(man, int_field="step", str_field="framework",
+                                               required="files").items():
+        emit(f"integration_{name}", expect, manifest=data)
+    emit("integration_manifest_pin_mismatch", "sha-256", manifest=mbytes.rstrip() + b" \n", pin=_sha(mbytes))
+    emit("integration_unknown_key", "unknown", doc={**man, "surprise": 1})
+    emit("integration_unknown_framework", "framework", doc={**man, "framework": "nonesuch"})
+    for role in ("adapter", "optimizer", "payload"):
+        f = man["files"][role]["file"]
+        emit(f"integration_{role}_name_dotdot", "file", doc={**man, "files": {
+            **man["files"], role: {**man["files"][role], "file": "../" + f}}})
+        emit(f"integration_{role}_digest_mismatch", "sha-256",
+             fix=lambda d, f=f: (d / f).write_bytes(_flip_last((src / f).read_bytes())))
+        emit(f"integration_{role}_symlink", "link",
+             fix=lambda d, f=f: _replace_with_link(d / f, _outside_copy(d, src / f)))
+        emit(f"integration_{role}_missing", "file", fix=lambda d, f=f: (d / f).unlink())
+    emit("integration_outcome_missing", "outcome", doc={k: v for k, v in man.items() if k != "outcome"})
+    return entries
+
+
 # ------------------------------------------------------------------------------------------ driver
 def standalone_entries(out: Path) -> list[Entry]:
     """Self-contained entries: tensor files, pickle files, tolerance and budget files, configs, signal rules,
