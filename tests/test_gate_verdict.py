@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import assert_golden
 
 from replayjob.cli import main
@@ -49,13 +50,14 @@ def test_outcome_precedence() -> None:
 
 
 def test_reduce_never_imports_the_model_stack(tmp_path: Path) -> None:
+    """Neither the model stack nor torch: adapters are hashed and header-checked as files."""
     ev = synthetic.build(tmp_path / "ev", ARMS, 3)
     code = (
         "import sys\n"
         "from replayjob.cli import main\n"
         "codes = [main(['reduce', sys.argv[1], '--claim', c, '--out', sys.argv[2] + c, '--source', sys.argv[3],"
         " '--baseline', 'baseline']) for c in ('exact-input', 'bitwise')]\n"
-        "print(codes, sorted(m for m in ('transformers', 'peft') if m in sys.modules))\n"
+        "print(codes, sorted(m for m in ('transformers', 'peft', 'torch') if m in sys.modules))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(ev.root / "replays"), str(tmp_path / "v-"),
                            str(ev.source)], capture_output=True, text=True, timeout=120)
@@ -72,3 +74,23 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "reduce_many.smoke.json").read_text())
     assert res["mode"] == "smoke" and res["measurements"]["files"] == 20
     assert res["measurements"]["exact_input_s"]["median"] > 0 and res["target_met"] is None
+
+
+def test_reduce_prints_the_comparison_table_and_each_budget_decision(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The ratios and budget decisions are on the console, not only in the JSON and the report."""
+    from replayjob.gate.verdict import console_table
+
+    _reduce(tmp_path, "exact-input")
+    out = capsys.readouterr().out.splitlines()
+    doc = json.loads((tmp_path / "out" / "verdict.json").read_bytes())
+    ratios = doc["comparisons"]["ratios"]["gradient_checkpointing=true"]
+    assert out[0] == doc["summary"] and out[1].startswith("ratios against baseline")
+    for metric, r in ratios.items():
+        row = next(line for line in out if f" {metric} " in line)
+        assert f"{r['ratio']:.3f}" in row and f"[{r['low']:.3f}, {r['high']:.3f}]" in row
+        assert row.split()[-1] == ("yes" if r["excludes_1"] else "no")
+    bound = {"arm": "ckpt-on", "metric": "local_train_wall_s", "kind": "max_ratio", "limit": 1.35, "ratio": 1.21,
+             "low": 1.1, "high": 1.3, "decision": "pass", "note": ""}
+    lines = console_table({"comparisons": None, "budgets": {"bounds": [bound]}})
+    assert lines == ["budget ckpt-on.local_train_wall_s max_ratio 1.35: pass (ratio 1.210 [1.100, 1.300])"]

@@ -122,7 +122,9 @@ class Verdict:
         return int(self.doc["exit_code"])
 
     def summary(self) -> str:
-        return str(self.doc["summary"])
+        """The one-line summary, then the comparison table and each budget decision (what a reader of
+        the console needs without opening the JSON)."""
+        return "\n".join([str(self.doc["summary"]), *console_table(self.doc)])
 
     def raise_for_status(self) -> None:
         """Raise :class:`NegativeVerdict` on ``fail`` and :class:`RefusedError` on ``refused``."""
@@ -153,6 +155,35 @@ def _g(v: Any) -> str:
 def few(names: list[str], n: int = 4) -> str:
     """The first ``n`` names, and how many more."""
     return ", ".join(names[:n]) + (f", ... (+{len(names) - n})" if len(names) > n else "")
+
+
+def _ratio(v: Any) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def console_table(doc: dict[str, Any]) -> list[str]:
+    """The ratios against the baseline (arm, metric, ratio, 95% interval, whether it excludes 1) and every
+    budget decision, as aligned text lines; nothing when there is nothing to show."""
+    comparisons = doc.get("comparisons") or {}
+    rows = [(arm, metric, _ratio(r.get("ratio")),
+             "-" if r.get("low") is None else f"[{_ratio(r['low'])}, {_ratio(r['high'])}]",
+             {True: "yes", False: "no"}.get(r.get("excludes_1"), "-"), r.get("note") or "")
+            for arm, metrics in sorted((comparisons.get("ratios") or {}).items())
+            for metric, r in sorted(metrics.items())]
+    lines: list[str] = []
+    if rows:
+        head = ("arm", "metric", "ratio", "95% interval", "excludes 1", "")
+        widths = [max(len(str(x[i])) for x in [head, *rows]) for i in range(5)]
+        lines.append(f"ratios against {comparisons.get('baseline')} ({comparisons.get('statistic', 'ratio')}; "
+                     f"timing {comparisons.get('admission', doc.get('admission'))}):")
+        for row in [head, *rows]:
+            lines.append("  " + "  ".join(str(row[i]).ljust(widths[i]) for i in range(5)).rstrip()
+                         + (f"  ({row[5]})" if row[5] else ""))
+    for b in (doc.get("budgets") or {}).get("bounds") or []:
+        interval = "" if b.get("low") is None else f" [{_ratio(b['low'])}, {_ratio(b['high'])}]"
+        lines.append(f"budget {b['arm']}.{b['metric']} {b['kind']} {b['limit']:g}: {b['decision']} "
+                     f"(ratio {_ratio(b.get('ratio'))}{interval})" + (f"; {b['note']}" if b.get("note") else ""))
+    return lines
 
 
 def summary_line(doc: dict[str, Any]) -> str:
