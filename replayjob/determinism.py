@@ -18,6 +18,10 @@ from typing import Any
 from replayjob.errors import DeterminismError
 
 MATH_MODES: tuple[str, ...] = ("prod", "pedantic", "default")
+# NCCL settings that change the order (or the place) in which ranks' values are summed; recorded with
+# the controls (ALGO and PROTO are pinned in replayjob.deploy.ablation.DETERMINISM_ENV).
+NCCL_NUMERICS = ("NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE",
+                 "NCCL_COLLNET_ENABLE", "NCCL_BUFFSIZE", "NCCL_NTHREADS")
 CUBLAS_OK = (":4096:8", ":16:8")
 ENV_MATH_MODE = "REPLAYJOB_MATH_MODE"
 
@@ -105,4 +109,5 @@ def snapshot() -> dict[str, Any]:
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         "nvidia_tf32_override": os.environ.get("NVIDIA_TF32_OVERRIDE"),
         "pythonhashseed": os.environ.get("PYTHONHASHSEED"),
+        **{name.lower(): os.environ.get(name) for name in NCCL_NUMERICS},
     }

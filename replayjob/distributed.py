@@ -415,8 +415,11 @@ def run_launched(nproc: int, argv: Sequence[str], timeout: float | None = None,
                  launcher: str = "torchrun") -> tuple[int, str]:
     """Run ``replayjob ARGV`` on ``nproc`` ranks (:func:`launch_command`); return the merged exit code and
     the output's tail."""
+    from replayjob.deploy.launch import rank_thread_env
+
     with tempfile.TemporaryDirectory(prefix="replayjob-ranks-") as d:
         env = {**os.environ, EXIT_DIR_ENV: d}
+        env.update(rank_thread_env(env, nproc, launcher))  # each rank's share of the pod's threads
         proc = run_group(launch_command(nproc, argv, launcher), env, timeout)
         codes = []
         for p in Path(d).glob("rank-*"):

@@ -1,15 +1,19 @@
 """The rendered manifests' own container commands, extracted from the YAML files, run here on CPU.
 
-No cluster exists here, so this test plays the parts a cluster plays, and only those: the shared
-volume is a temporary directory substituted for the ``/artifacts`` mount; the spec ConfigMap (Jobs)
-or raw input artifact (Argo) is a file at ``/etc/replayjob/ablation.toml``'s place; each pod's
-emptyDirs are fresh directories; the kubelet's downward API (run-id label, node name, pod name,
-completion-index annotation, CPU limit) and its ``$(VAR)`` expansion, the Job controller's stage
-order, and Argo's ``{{...}}`` substitution, ``withParam`` fan-out, ``depends`` and output parameters
-are emulated by the small interpreters below (an unknown reference fails the test).  The manifests
-are rendered by ``replayjob k8s render`` from a tiny spec (CPU, 2 arms x 1 repeat), and a test
-checks that the committed ones differ from them only in the spec's values.  The ``replayjob step``
-commands and every artifact are real.
+No cluster exists here, so this test plays the parts a cluster plays, and only those: the Kubernetes
+API is the emulator of tests/k8s_emulator.py (the rendered setup and run files are applied to it, as
+`kubectl apply -k` would); the Job controller and the kubelet are :class:`Kubelet`, which starts each
+created Job's pods as local processes running the container's own command; the shared volume is a
+temporary directory substituted for the ``/artifacts`` mount; the spec ConfigMap (Jobs) or raw input
+artifact (Argo) is a file at ``/etc/replayjob/ablation.toml``'s place; each pod's emptyDirs are fresh
+directories; the downward API (labels the Job controller adds, the run-id label, node and pod name,
+namespace, completion-index annotation, CPU limit) and ``$(VAR)`` expansion, and Argo's ``{{...}}``
+substitution, ``withParam`` fan-out, ``depends`` and output parameters are emulated by the small
+interpreters below (an unknown reference fails the test).  The driver pod is given the emulator's
+kubeconfig (``KUBECONFIG``; in a cluster it uses its service account's token) and a short poll
+interval (``REPLAYJOB_POLL_S``).  The manifests are rendered by ``replayjob k8s render`` from a tiny
+spec (CPU, 2 arms x 1 repeat), and a test checks that the committed ones differ from them only in
+the spec's values.  The driver, the ``replayjob step`` commands and every artifact are real.
 """
 
 from __future__ import annotations
@@ -20,13 +24,22 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from k8s_emulator import NS, Cluster, kubeconfig, serve
+from kubernetes import client
 
 from replayjob.cli import main
+from replayjob.deploy import k8s
+from replayjob.deploy.ablation import load_spec_text
+from replayjob.deploy.submit import Api
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)
@@ -36,6 +49,7 @@ TINY = """\
 name = "chain"
 image = "registry.example/replayjob@sha256:""" + "ab" * 32 + """"
 gpu_product = "none"
+storage_class = "local-rwx"
 device = "cpu"
 repeats = 1
 
@@ -54,7 +68,7 @@ def load(path: Path) -> list[Doc]:
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("rendered")
     (d / "ablation.toml").write_text(TINY, encoding="utf-8")
-    assert main(["k8s", "render", str(d / "ablation.toml"), "--out", str(d / "k8s"),
+    assert main(["k8s", "render", str(d / "ablation.toml"), "--out", str(d / "k8s"), "--setup", str(d / "setup"),
                  "--argo", str(d / "argo.yaml")]) == 0
     return d
 
@@ -63,13 +77,13 @@ class Pod:
     """One pod's filesystem and downward API: the volume, its emptyDirs, the spec file."""
 
     def __init__(self, mount: Path, name: str, spec_text: str, labels: dict[str, str],
-                 annotations: dict[str, str] | None = None):
-        self.mount, self.name = mount, name
+                 annotations: dict[str, str] | None = None, extra_env: dict[str, str] | None = None):
+        self.mount, self.name, self.extra_env = mount, name, extra_env or {}
         self.root = mount.parent / "pods" / name
         for sub in ("tmp", "cache", "spec"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         (self.root / "spec" / "ablation.toml").write_text(spec_text, encoding="utf-8")
-        self.fields = {"spec.nodeName": "node-a", "metadata.name": name,
+        self.fields = {"spec.nodeName": "node-a", "metadata.name": name, "metadata.namespace": NS,
                        **{f"metadata.labels['{k}']": v for k, v in labels.items()},
                        **{f"metadata.annotations['{k}']": v for k, v in (annotations or {}).items()}}
 
@@ -86,58 +100,143 @@ class Pod:
             if "value" in e:
                 env[e["name"]] = self.local(e["value"])
             elif "fieldRef" in e["valueFrom"]:
-                env[e["name"]] = self.fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+                env[e["name"]] = self.fields.get(e["valueFrom"]["fieldRef"]["fieldPath"], "")  # a missing label: ""
             else:
                 assert e["valueFrom"]["resourceFieldRef"]["resource"] == "limits.cpu"
                 env[e["name"]] = "1"
         cmd = [self.local(re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], w)) for w in c["command"]]
         assert cmd[0] == "replayjob"  # one command, no shell
         env["PATH"] = f"{BIN}:/usr/bin:/bin"
+        env.update(self.extra_env)
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
-def jobs(directory: Path) -> dict[str, Doc]:
-    return {d["metadata"]["labels"]["app.kubernetes.io/component"]: d
-            for p in directory.glob("*.yaml") for d in load(p) if d.get("kind") == "Job"}
-
-
-def run_job(job: Doc, mount: Path, spec_text: str, index: int | None = None) -> subprocess.CompletedProcess[str]:
+def run_job(job: Doc, mount: Path, spec_text: str, index: int | None = None, name: str | None = None,
+            extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """One pod of ``job`` (its index), labelled as the Job controller labels its pods."""
     tpl = job["spec"]["template"]
-    ann = {"batch.kubernetes.io/job-completion-index": str(index)} if index is not None else None
-    name = f"{job['metadata']['name']}-{index if index is not None else 0}"
-    return Pod(mount, name, spec_text, tpl["metadata"]["labels"], ann).run(tpl["spec"]["containers"][0])
+    ann = {k8s.INDEX_ANNOTATION: str(index)} if index is not None else None
+    labels = {**tpl["metadata"]["labels"], k8s.JOB_NAME_LABEL: job["metadata"]["name"],
+              k8s.CONTROLLER_UID_LABEL: job["metadata"].get("uid", "")}
+    name = name or f"{job['metadata']['name']}-{index if index is not None else 0}"
+    return Pod(mount, name, spec_text, labels, ann, extra_env).run(tpl["spec"]["containers"][0])
 
 
-def config_map_text(directory: Path) -> str:
-    (cm,) = load(directory / "spec.yaml")
-    text: str = cm["data"]["ablation.toml"]
-    return text
+def volume_config_map(job: Doc) -> str:
+    return next(v["configMap"]["name"] for v in job["spec"]["template"]["spec"]["volumes"] if "configMap" in v)
+
+
+@dataclass
+class Kubelet:
+    """The Job controller and the kubelet: each created Job's pods, in index order, as local processes
+    (a driver pod registered with the emulator first, as the driver reads its own pod)."""
+
+    cluster: Cluster
+    mount: Path
+    kubeconfig: Path
+    procs: dict[str, list[subprocess.CompletedProcess[str]]] = field(default_factory=dict)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def __call__(self, job: Doc) -> None:
+        thread = threading.Thread(target=self.run, args=(job,), daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def run(self, job: Doc) -> None:
+        name = job["metadata"]["name"]
+        text = self.cluster.objects[("ConfigMap", volume_config_map(job))]["data"]["ablation.toml"]
+        if job["metadata"]["labels"]["app.kubernetes.io/component"] == k8s.DRIVER:
+            pod = f"{name}-x7k2p"
+            self.cluster.add({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod},
+                              "spec": job["spec"]["template"]["spec"]})
+            procs = [run_job(job, self.mount, text, name=pod, extra_env={
+                "KUBECONFIG": str(self.kubeconfig), "REPLAYJOB_POLL_S": "0.2"})]
+        elif job["spec"].get("completionMode") == "Indexed":
+            procs = [run_job(job, self.mount, text, i) for i in range(job["spec"]["completions"])]
+        else:
+            procs = [run_job(job, self.mount, text)]
+        codes = {p.returncode for p in procs}
+        self.procs[name] = procs
+        with self.cluster.lock:
+            self.cluster.finished[name] = next((c for c in (1, 2, 3) if c in codes), max(codes))
+
+
+@dataclass
+class KubeRun:
+    """One run applied from the rendered files, driven to its end."""
+
+    cluster: Cluster
+    kubelet: Kubelet
+    run_id: str
+    run: Path  # its run directory
+    text: str  # its spec, as the run's ConfigMap holds it
+
+    def stage(self, component: str) -> Doc:
+        return next(d for (k, _), d in self.cluster.objects.items() if k == "Job"
+                    and d["metadata"]["labels"]["app.kubernetes.io/component"] == component)
 
 
 @pytest.fixture(scope="module")
-def k8s_run(rendered: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
-    """The Job controller's part: capture, then every index of the replay Job, then reduce."""
-    mount = tmp_path_factory.mktemp("k8s") / "artifacts"
+def k8s_run(rendered: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeRun]:
+    """`kubectl apply -k setup`, then `kubectl apply -k k8s` (the base: spec ConfigMap and driver): the
+    driver creates the stages one after another, each run by the Kubelet, until the reducer's verdict."""
+    tmp = tmp_path_factory.mktemp("k8s")
+    mount = tmp / "artifacts"
     mount.mkdir()
-    js, text = jobs(rendered / "k8s"), config_map_text(rendered / "k8s")
-    procs = [run_job(js["capture"], mount, text)]
-    procs += [run_job(js["replay"], mount, text, i) for i in range(js["replay"]["spec"]["completions"])]
-    procs.append(run_job(js["reduce"], mount, text))
-    return mount / "runs" / "chain" / "base", procs
+    cluster = Cluster()
+    cluster.running_reads, cluster.scripted = 0, False  # a Job ends when its pods have
+    with serve(cluster) as host:
+        (tmp / "kubeconfig").write_text(kubeconfig(host), encoding="utf-8")
+        kubelet = Kubelet(cluster, mount, tmp / "kubeconfig")
+        cluster.on_create = kubelet
+        api = Api(client.ApiClient(client.Configuration(host=host)), log=lambda s: None)
+        for name in load(rendered / "setup" / "kustomization.yaml")[0]["resources"]:
+            cluster.add(load(rendered / "setup" / name)[0])  # applied once, before
+        for name in load(rendered / "k8s" / "kustomization.yaml")[0]["resources"]:
+            api.create(NS, load(rendered / "k8s" / name)[0])  # the run: its ConfigMap, then the driver
+        deadline = time.monotonic() + 600
+        while "chain-driver" not in cluster.finished:
+            assert time.monotonic() < deadline, "the driver never ended"
+            time.sleep(0.1)
+        for thread in kubelet.threads:
+            thread.join(timeout=60)
+        (drv,) = kubelet.procs["chain-driver"]
+        match = re.search(r"driver: run ([0-9a-f]{16}) in namespace", drv.stdout)
+        assert match, drv.stdout + drv.stderr
+        run_id = match.group(1)
+        text = cluster.objects[("ConfigMap", f"chain-{run_id}-spec")]["data"]["ablation.toml"]
+        yield KubeRun(cluster, kubelet, run_id, mount / "runs" / "chain" / run_id, text)
 
 
-def test_committed_manifests_run_the_same_commands_as_the_tiny_render(rendered: Path) -> None:
-    ours, committed = jobs(rendered / "k8s"), jobs(REPO / "k8s" / "base")
-    for stage, job in ours.items():
-        c = job["spec"]["template"]["spec"]["containers"][0]
-        c2 = committed[stage]["spec"]["template"]["spec"]["containers"][0]
-        assert c["command"] == [w.replace("replayjob-ablation", "chain") for w in c2["command"]]
-        assert [e["name"] for e in c["env"]] == [e["name"] for e in c2["env"]]
+def test_committed_manifests_run_the_same_commands_as_the_tiny_render(rendered: Path, k8s_run: KubeRun) -> None:
+    """The committed base's driver, and the stages it creates for the example spec, run the commands
+    the tiny spec's driver and stages ran here."""
+    (ours,), (committed,) = load(rendered / "k8s" / "driver.yaml"), load(REPO / "k8s" / "base" / "driver.yaml")
+    c, c2 = ours["spec"]["template"]["spec"]["containers"][0], committed["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == c2["command"] == ["replayjob", "k8s", "drive", "--spec", k8s.SPEC_FILE]
+    assert [e["name"] for e in c["env"]] == [e["name"] for e in c2["env"]]
+    example = k8s.stage_jobs(load_spec_text(REPO / "examples" / "ablation.toml")[0], k8s_run.run_id)
+    for stage, job in example.items():
+        ran = k8s_run.stage(job["metadata"]["labels"]["app.kubernetes.io/component"])
+        c, c2 = ran["spec"]["template"]["spec"]["containers"][0], job["spec"]["template"]["spec"]["containers"][0]
+        assert c["command"] == [w.replace("replayjob-ablation", "chain") for w in c2["command"]], stage
+        assert [e["name"] for e in c["env"]] == [e["name"] for e in c2["env"]], stage
 
 
-def test_k8s_job_commands_chain_to_a_passing_verdict(k8s_run: tuple[Path, list[Any]]) -> None:
-    run, procs = k8s_run
-    assert [p.returncode for p in procs] == [0, 0, 0, 0], "\n".join(p.stdout + p.stderr for p in procs)
+def test_k8s_job_commands_chain_to_a_passing_verdict(k8s_run: KubeRun) -> None:
+    """The driver chained capture, replays and reduce (each created after the one before ended) to the
+    reducer's code; the run directory is the driver Job's uid's, never the base's."""
+    run, procs = k8s_run.run, k8s_run.kubelet.procs
+    prefix = f"chain-{k8s_run.run_id}"
+    order = [c.split()[-1] for c in k8s_run.cluster.calls if c.startswith("POST jobs")]
+    assert order == ["chain-driver", f"{prefix}-capture", f"{prefix}-replay", f"{prefix}-reduce"]
+    flat = [p for name in order[1:] for p in procs[name]]
+    assert [p.returncode for p in flat] == [0, 0, 0, 0], "\n".join(p.stdout + p.stderr for p in flat)
+    (drv,) = procs["chain-driver"]
+    assert drv.returncode == 0 and "the reducer exited 0" in drv.stdout, drv.stdout + drv.stderr
+    me = k8s_run.cluster.objects[("Job", "chain-driver")]
+    assert k8s_run.run_id == me["metadata"]["uid"].replace("-", "")[:16]
+    assert me["metadata"]["labels"][k8s.RUN_ID_LABEL] == k8s_run.run_id
     verdict = json.loads((run / "verdict.json").read_text(encoding="utf-8"))
     assert (verdict["claim"], verdict["status"], verdict["exit_code"]) == ("exact-input", "pass", 0)
     assert verdict["parameters"]["arms"] == ["ckpt-off", "ckpt-on"]
@@ -155,28 +254,35 @@ def test_k8s_job_commands_chain_to_a_passing_verdict(k8s_run: tuple[Path, list[A
         # provenance from the downward API and the environment the manifests set
         assert (data["host"]["node"], data["host"]["device_type"]) == ("node-a", "cpu")
         assert data["host"]["image_digest"] == "sha256:" + "ab" * 32
-        assert data["host"]["pod"].startswith("chain-replay-")
+        assert data["host"]["pod"].startswith(f"{prefix}-replay-")
         assert data["provenance"]["pythonhashseed"] == "0"
+        assert data["provenance"]["nccl_algo"] == "Ring"
     record = json.loads((run / "run.json").read_text(encoding="utf-8"))
     assert record["image"].endswith("ab" * 32) and len(record["fingerprint"]) == 64
+    assert record["image_digest"] == "sha256:" + "ab" * 32
 
 
-def test_retried_pods_reuse_completed_stages(k8s_run: tuple[Path, list[Any]], rendered: Path) -> None:
+def test_retried_pods_reuse_completed_stages(k8s_run: KubeRun) -> None:
     """A retried pod (an infrastructure failure after the work was done) neither redoes nor refuses it."""
-    run, _ = k8s_run
-    js, text = jobs(rendered / "k8s"), config_map_text(rendered / "k8s")
+    run, mount = k8s_run.run, k8s_run.run.parents[2]
     before = (run / "source" / "metrics.json").stat().st_mtime_ns
-    for proc in (run_job(js["capture"], run.parents[2], text), run_job(js["replay"], run.parents[2], text, 1)):
+    for proc in (run_job(k8s_run.stage("capture"), mount, k8s_run.text),
+                 run_job(k8s_run.stage("replay"), mount, k8s_run.text, 1)):
         assert proc.returncode == 0 and "reusing" in proc.stdout, proc.stdout + proc.stderr
     assert (run / "source" / "metrics.json").stat().st_mtime_ns == before
 
 
-def test_a_run_directory_of_another_spec_is_refused(k8s_run: tuple[Path, list[Any]], rendered: Path) -> None:
-    run, _ = k8s_run
-    text = config_map_text(rendered / "k8s").replace("repeats = 1", "repeats = 2")
-    proc = run_job(jobs(rendered / "k8s")["replay"], run.parents[2], text, 1)
+def test_a_run_directory_of_another_spec_is_refused(k8s_run: KubeRun) -> None:
+    """An edited spec is refused: by the run record (a seed) or, for a field the manifests were
+    computed from (the number of replays), by the render-time check before that."""
+    mount = k8s_run.run.parents[2]
+    text = k8s_run.text.replace("repeats = 1", "repeats = 1\nseed = 7")
+    proc = run_job(k8s_run.stage("replay"), mount, text, 1)
     assert proc.returncode == 2 and "holds another run's artifacts" in proc.stderr
     assert "Traceback" not in proc.stderr
+    text = k8s_run.text.replace("repeats = 1", "repeats = 2")
+    proc = run_job(k8s_run.stage("replay"), mount, text, 1)
+    assert proc.returncode == 2 and 'replays = {"1": 2} rendered, {"1": 4} here' in proc.stderr, proc.stderr
 
 
 # --- Argo --------------------------------------------------------------------------------------
@@ -289,14 +395,33 @@ class ArgoEmulator:
             self.procs[task["name"]] = procs
             self.status[task["name"]] = "Failed" if failed else "Succeeded"
 
+    def workflow_status(self) -> Doc:
+        """The Workflow object the controller would hold now: one pod node per step run, with its
+        template, phase and exit code, and the global verdict output (what `argo wait` reads)."""
+        nodes, phase = {}, "Succeeded"
+        for task, procs in self.procs.items():
+            template = next(t["template"] for t in self.templates["ablation"]["dag"]["tasks"] if t["name"] == task)
+            for n, proc in enumerate(procs):
+                nid = f"{self.name}-{task}-{n}"
+                nodes[nid] = {"id": nid, "name": f"{self.name}.{task}({n})", "displayName": f"{task}({n})",
+                              "type": "Pod", "templateName": template,
+                              "phase": "Succeeded" if proc.returncode == 0 else "Failed",
+                              "outputs": {"exitCode": str(proc.returncode)}}
+                phase = phase if proc.returncode == 0 else "Failed"
+        verdict = self.outputs.get("reduce", {}).get("verdict", "")
+        return {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
+                "metadata": {"name": self.name, "uid": self.uid}, "spec": {"workflowTemplateRef": {"name": self.name}},
+                "status": {"phase": phase, "nodes": nodes,
+                           "outputs": {"parameters": [{"name": "verdict", "value": verdict}]}}}
+
 
 def test_argo_reduce_runs_after_a_planted_replay_failure_and_refuses(
-        k8s_run: tuple[Path, list[Any]], rendered: Path, tmp_path: Path) -> None:
+        k8s_run: KubeRun, rendered: Path, tmp_path: Path) -> None:
     """The capture step reuses a prepared volume (its retry path) and still publishes the plan and the
     pins; replay 0 passes (reusing the replay the Jobs ran for arm ckpt-off); replay 1 receives pins
     that are not the capture's (the planted failure) and refuses; the reducer runs anyway and writes a
     refused verdict naming the arm."""
-    run, _ = k8s_run
+    run = k8s_run.run
     mount = tmp_path / "artifacts"
     emu = ArgoEmulator(rendered / "argo.yaml", mount, "0000-uid")
     dest = mount / "runs" / emu.name / emu.uid
@@ -328,8 +453,31 @@ def test_argo_reduce_waits_for_the_fan_out_however_it_ends(rendered: Path, tmp_p
     emu = ArgoEmulator(rendered / "argo.yaml", tmp_path, "u")
     reduce = next(t for t in emu.templates["ablation"]["dag"]["tasks"] if t["name"] == "reduce")
     for state, expected in (("Succeeded", True), ("Failed", True), ("Errored", True), ("Omitted", False)):
-        emu.status = {"replay": state}
+        emu.status = {"capture": "Succeeded", "replay": state}
         assert emu.depends_met(reduce["depends"]) is expected, state
+    for state in ("Failed", "Errored"):  # no replay runs then; the reducer still does
+        emu.status = {"capture": state, "replay": "Omitted"}
+        assert emu.depends_met(reduce["depends"]) is True, state
+
+
+def test_argo_a_failed_capture_still_ends_in_a_refused_verdict_that_argo_wait_returns(
+        rendered: Path, tmp_path: Path) -> None:
+    """The capture fails (here: its template provisions another rank count than the spec's, refused
+    before any work); no replay runs, the reducer does and writes a refused verdict; the Workflow's
+    status then gives `replayjob argo wait` the reduce step's code, 2."""
+    from replayjob.deploy.workflow import workflow_code
+
+    emu = ArgoEmulator(rendered / "argo.yaml", tmp_path / "artifacts", "1111-uid")
+    cmd = emu.templates["capture"]["container"]["command"]
+    cmd[cmd.index("--ranks") + 1] = "2"
+    emu.run()
+    assert emu.status == {"capture": "Failed", "replay": "Omitted", "reduce": "Failed"}, emu.procs
+    (reduce,) = emu.procs["reduce"]
+    assert reduce.returncode == 2 and "step: no capture" in reduce.stdout, reduce.stdout + reduce.stderr
+    verdict = json.loads(emu.outputs["reduce"]["verdict"])
+    assert (verdict["status"], verdict["exit_code"]) == ("refused", 2)
+    code, line = workflow_code(emu.workflow_status())
+    assert code == 2 and "reduce step reduce(0) exited 2" in line and "verdict refused" in line
 
 
 # --- the workstation script ------------------------------------------------------------------
@@ -379,16 +527,15 @@ def test_ranked_jobs_and_workflow_chain_to_a_passing_verdict(tmp_path: Path) -> 
                  "--argo", str(tmp_path / "argo.yaml")]) == 0
     mount = tmp_path / "artifacts"
     mount.mkdir()
-    text = config_map_text(tmp_path / "k8s")
-    by_name = {d["metadata"]["name"]: d for p in (tmp_path / "k8s").glob("*.yaml") for d in load(p)
-               if d.get("kind") == "Job"}
-    assert sorted(by_name) == ["ranks-capture", "ranks-reduce", "ranks-replay-r1", "ranks-replay-r2"]
-    procs = [run_job(by_name["ranks-capture"], mount, text)]
-    for name in ("ranks-replay-r1", "ranks-replay-r2"):
+    spec, text = load_spec_text(tmp_path / "ablation.toml")
+    by_name = {d["metadata"]["name"]: d for d in k8s.stage_jobs(spec, "r1").values()}  # what its driver creates
+    assert sorted(by_name) == ["ranks-r1-capture", "ranks-r1-reduce", "ranks-r1-replay-r1", "ranks-r1-replay-r2"]
+    procs = [run_job(by_name["ranks-r1-capture"], mount, text)]
+    for name in ("ranks-r1-replay-r1", "ranks-r1-replay-r2"):
         procs += [run_job(by_name[name], mount, text, i) for i in range(by_name[name]["spec"]["completions"])]
-    procs.append(run_job(by_name["ranks-reduce"], mount, text))
+    procs.append(run_job(by_name["ranks-r1-reduce"], mount, text))
     assert [p.returncode for p in procs] == [0] * 4, "\n".join(p.stdout + p.stderr for p in procs)
-    run = mount / "runs" / "ranks" / "base"
+    run = mount / "runs" / "ranks" / "r1"
     assert "on 2 ranks (torchrun)" in procs[0].stdout and "on 2 ranks (torchrun)" in procs[2].stdout
     assert sorted(p.name for p in (run / "source").glob("rank-*")) == ["rank-0", "rank-1"]
     off = json.loads((run / "replays" / "ckpt-off" / "0" / "replay_metrics.json").read_text(encoding="utf-8"))

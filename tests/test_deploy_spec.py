@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -19,12 +20,21 @@ SPEC = REPO / "examples" / "ablation.toml"
 MINIMAL = """
 name = "demo"
 image = "replayjob:0.1.0"
+image_policy = "local"
 gpu_product = "NVIDIA-H100-80GB-HBM3"
+storage_class = "nfs-rwx"
 repeats = 2
 [arms.ckpt-off]
 [arms.ckpt-on]
 "backend.options.gradient_checkpointing" = true
 """
+
+
+def stages(path: Path) -> dict[str, Any]:
+    """The stage Jobs the driver creates for the spec at ``path`` (run id r1)."""
+    from replayjob.deploy import k8s
+
+    return k8s.stage_jobs(load_spec(path), "r1")
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -61,7 +71,40 @@ def test_determinism_env_is_accepted_by_the_strict_controls(monkeypatch: pytest.
     monkeypatch.setenv(determinism.ENV_MATH_MODE, DETERMINISM_ENV[determinism.ENV_MATH_MODE])
     assert determinism.math_mode_from_env(strict=True) == "pedantic"
     assert set(DETERMINISM_ENV) == {"CUBLAS_WORKSPACE_CONFIG", "NVIDIA_TF32_OVERRIDE", "PYTHONHASHSEED",
-                                    "REPLAYJOB_MATH_MODE"}
+                                    "REPLAYJOB_MATH_MODE", "NCCL_ALGO", "NCCL_PROTO"}
+    # the NCCL settings that change how ranks sum are pinned (algorithm, protocol) or recorded (all)
+    assert {"NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_NVLS_ENABLE"} <= set(determinism.NCCL_NUMERICS)
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    monkeypatch.setenv("NCCL_MAX_NCHANNELS", "4")
+    snap = determinism.snapshot()
+    assert (snap["nccl_algo"], snap["nccl_max_nchannels"]) == ("Ring", "4")
+
+
+def test_a_render_needs_a_storage_class(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A ReadWriteMany claim on a default class that only offers ReadWriteOnce never binds, and every
+    pod stays Pending without an error: the class is named, or nothing is rendered."""
+    spec = write(tmp_path, MINIMAL.replace('storage_class = "nfs-rwx"\n', ""))
+    assert main(["k8s", "render", str(spec), "--setup", str(tmp_path / "setup")]) == 2
+    assert "a storage class is required" in capsys.readouterr().err and not (tmp_path / "setup").exists()
+    assert main(["step", "plan", "--spec", str(spec)]) == 0  # outside a render it is not needed
+
+
+def test_cpu_and_memory_are_per_rank_and_the_pod_s_threads_are_shared_among_its_ranks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from replayjob.deploy.ablation import scale_quantity
+    from replayjob.deploy.launch import rank_thread_env
+
+    assert [scale_quantity(q, n) for q, n in (("8", 4), ("64Gi", 2), ("0.5", 3), ("500m", 4), ("1.25", 4))] == [
+        "32", "128Gi", "1.5", "2000m", "5"]
+    text = "ranks = 2\n" + MINIMAL + '[config]\n"distributed.strategy" = "ddp"\n'
+    jobs = list(stages(write(tmp_path, text)).values())
+    requests = [d["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"] for d in jobs]
+    assert requests[:2] == [{"cpu": "16", "memory": "128Gi", "nvidia.com/gpu": "2"}] * 2  # capture, replays
+    assert requests[2] == {"cpu": "1", "memory": "4Gi"}  # the reducer runs one process
+    pod = {"OMP_NUM_THREADS": "16", "MKL_NUM_THREADS": "16"}
+    assert rank_thread_env(pod, 2, "torchrun") == {"OMP_NUM_THREADS": "8", "MKL_NUM_THREADS": "8"}
+    assert rank_thread_env({"OMP_NUM_THREADS": "3"}, 4, "torchrun")["OMP_NUM_THREADS"] == "1"
+    assert rank_thread_env(pod, 2, "srun") == {} and rank_thread_env(pod, 1, "torchrun") == {}
 
 
 @pytest.mark.parametrize(("edit", "message"), [
@@ -99,18 +142,22 @@ def test_k8s_render_prints_and_writes_the_manifests(tmp_path: Path, capsys: pyte
     assert main(["k8s", "render", str(spec)]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
-        ("ConfigMap", "demo-spec"), ("PersistentVolumeClaim", "replayjob-artifacts"), ("Job", "demo-capture"),
-        ("Job", "demo-replay"), ("Job", "demo-reduce")]
-    assert docs[0]["data"]["ablation.toml"] == MINIMAL  # the pods parse the spec itself, strictly
-    replay = docs[3]["spec"]
-    assert (replay["completions"], replay["parallelism"], replay["suspend"]) == (4, 4, True)
-    out, wf = tmp_path / "base", tmp_path / "wf.yaml"
-    assert main(["k8s", "render", str(spec), "--out", str(out), "--argo", str(wf)]) == 0
+        ("PersistentVolumeClaim", "replayjob-artifacts"), ("ServiceAccount", "demo-driver"), ("Role", "demo-driver"),
+        ("RoleBinding", "demo-driver"), ("ConfigMap", "demo-spec"), ("Job", "demo-driver")]
+    assert docs[4]["data"]["ablation.toml"] == MINIMAL  # the pods parse the spec itself, strictly
+    replay = stages(spec)["replay.yaml"]["spec"]  # what the driver creates
+    assert (replay["completions"], replay["parallelism"], "suspend" in replay) == (4, 4, False)
+    out, wf, setup, wf_setup = tmp_path / "base", tmp_path / "wf.yaml", tmp_path / "setup", tmp_path / "wfs.yaml"
+    assert main(["k8s", "render", str(spec), "--out", str(out), "--argo", str(wf), "--setup", str(setup),
+                 "--argo-setup", str(wf_setup)]) == 0
     assert sorted(p.name for p in out.iterdir()) == [
-        "capture.yaml", "kustomization.yaml", "pvc.yaml", "reduce.yaml", "replay.yaml", "spec.yaml"]
+        "driver.yaml", "kustomization.yaml", "kustomizeconfig.yaml", "spec.yaml"]
+    assert sorted(p.name for p in setup.iterdir()) == [
+        "kustomization.yaml", "pvc.yaml", "role.yaml", "rolebinding.yaml", "serviceaccount.yaml"]
     kinds = [d["kind"] for d in yaml.safe_load_all(wf.read_text(encoding="utf-8"))]
-    assert kinds == ["ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim", "WorkflowTemplate",
-                     "Workflow"]
+    assert kinds == ["WorkflowTemplate", "Workflow"]
+    kinds = [d["kind"] for d in yaml.safe_load_all(wf_setup.read_text(encoding="utf-8"))]
+    assert kinds == ["ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim"]
 
 
 def test_gpu_placement_options_render(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -118,17 +165,46 @@ def test_gpu_placement_options_render(tmp_path: Path, capsys: pytest.CaptureFixt
                            'priority_class = "gpu-batch"\nsemaphore = "gpu-pool/h100"\nparallelism = 3')
     spec = write(tmp_path, text)
     assert main(["k8s", "render", str(spec), "--argo", str(tmp_path / "wf.yaml")]) == 0
-    docs = list(yaml.safe_load_all(capsys.readouterr().out.split("wrote ")[0]))
-    pod = docs[3]["spec"]["template"]["spec"]
+    replay = stages(spec)["replay.yaml"]
+    pod = replay["spec"]["template"]["spec"]
+    assert replay["metadata"]["name"] == "demo-r1-replay"
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
                                    "nvidia.com/cuda.driver.major": "580"}
-    assert pod["priorityClassName"] == "gpu-batch" and docs[3]["spec"]["parallelism"] == 3
+    assert pod["priorityClassName"] == "gpu-batch" and replay["spec"]["parallelism"] == 3
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
-    wft = [d for d in yaml.safe_load_all((tmp_path / "wf.yaml").read_text(encoding="utf-8"))][4]
+    wft = next(iter(yaml.safe_load_all((tmp_path / "wf.yaml").read_text(encoding="utf-8"))))
     replay = next(t for t in wft["spec"]["templates"] if t["name"] == "replay")
     assert replay["synchronization"] == {"semaphores": [{"configMapKeyRef": {"name": "gpu-pool", "key": "h100"}}]}
     with pytest.raises(ConfigError, match="CONFIGMAP/KEY"):
         load_spec(write(tmp_path, MINIMAL.replace("repeats = 2", 'repeats = 2\nsemaphore = "nokey"')))
+
+
+DIGEST = "registry.example.org/ml/replayjob@sha256:" + "a" * 64
+
+
+def test_a_render_for_a_cluster_refuses_an_image_without_a_digest(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tag may name other bytes tomorrow (and the default one exists in no registry): rendering for a
+    cluster needs the digest, unless the spec declares local development.  Outside a render (plan, the
+    funnel, a workstation's steps) a tag stays accepted."""
+    tag = write(tmp_path, MINIMAL.replace('image_policy = "local"\n', ""))
+    for args in (["--out", str(tmp_path / "k8s")], ["--argo", str(tmp_path / "wf.yaml")], []):
+        assert main(["k8s", "render", str(tag), *args]) == 2
+        err = capsys.readouterr().err
+        assert "'replayjob:0.1.0' is not named by its digest" in err and "image_policy" in err
+    assert not (tmp_path / "k8s").exists() and not (tmp_path / "wf.yaml").exists()
+    assert main(["step", "plan", "--spec", str(tag)]) == 0
+    capsys.readouterr()
+    pinned = write(tmp_path, MINIMAL.replace('image = "replayjob:0.1.0"\nimage_policy = "local"',
+                                             f'image = "{DIGEST}"'))
+    assert load_spec(pinned).image_policy == "digest"
+    assert main(["k8s", "render", str(pinned), "--out", str(tmp_path / "k8s")]) == 0
+    assert f"image: {DIGEST}" in (tmp_path / "k8s" / "driver.yaml").read_text(encoding="utf-8")
+    for bad in ("sha256:" + "a" * 64, "replayjob@sha256:" + "A" * 64, "replayjob@sha256:abc"):
+        with pytest.raises(ConfigError, match="not named by its digest"):
+            dataclasses.replace(load_spec(pinned), image=bad).check_cluster()
+    with pytest.raises(ConfigError, match="not an image policy"):
+        load_spec(write(tmp_path, MINIMAL.replace('"local"', '"sometimes"')))
 
 
 def test_k8s_render_refuses_a_bad_spec_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

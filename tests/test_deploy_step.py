@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,8 @@ def spec_file(tmp_path: Path) -> Path:
 def pinned_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key, value in DETERMINISM_ENV.items():
         monkeypatch.setenv(key, value)
+    for key in (step.IMAGE_ENV, step.DIGEST_ENV, "REPLAYJOB_RENDERED"):
+        monkeypatch.delenv(key, raising=False)
 
 
 def fake_capture(run: Path, **overrides: object) -> Path:
@@ -68,6 +71,107 @@ def test_the_run_record_refuses_another_runs_directory(spec_file: Path, tmp_path
     monkeypatch.setenv(step.IMAGE_ENV, "registry.example/replayjob@sha256:" + "c" * 64)
     with pytest.raises(ContractError, match="the image differ"):
         step.check_run_record(layout, spec)
+
+
+def test_the_run_record_names_the_image_by_its_digest(spec_file: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The image's digest, from its reference or (an Apptainer .sif file) from REPLAYJOB_IMAGE_DIGEST,
+    is recorded and fingerprinted; a tag alone is refused before any work unless the spec is local."""
+    spec = load_spec(spec_file)
+    digest = "sha256:" + "d" * 64
+    monkeypatch.setenv(step.IMAGE_ENV, "registry.example/replayjob:0.1.0")
+    with pytest.raises(ConfigError, match="not named by its digest"):
+        step.image_identity(spec)
+    run = tmp_path / "refused"
+    assert main(["step", "capture", "--spec", str(spec_file), "--run-dir", str(run)]) == 2
+    assert "image_policy" in capsys.readouterr().err and not run.exists()
+    local = dataclasses.replace(spec, image_policy="local")
+    assert step.image_identity(local) == ("registry.example/replayjob:0.1.0", None)
+    monkeypatch.setenv(step.IMAGE_ENV, "/shared/images/replayjob.sif")
+    monkeypatch.setenv(step.DIGEST_ENV, digest)
+    assert step.image_identity(spec) == ("/shared/images/replayjob.sif", digest)
+    layout = step.Layout.of(tmp_path / "run")
+    step.check_run_record(layout, spec)
+    record = json.loads((layout.run / step.RUN_RECORD).read_text(encoding="utf-8"))
+    assert (record["image"], record["image_digest"]) == ("/shared/images/replayjob.sif", digest)
+    assert record["fingerprint"] == step.fingerprint(spec, digest)
+    monkeypatch.setenv(step.DIGEST_ENV, "sha256:" + "e" * 64)  # the same path, another file
+    with pytest.raises(ContractError, match="another run's artifacts"):
+        step.check_run_record(layout, spec)
+    for bad in ("d" * 64, "sha256:" + "D" * 64):
+        monkeypatch.setenv(step.DIGEST_ENV, bad)
+        with pytest.raises(ConfigError, match="64 lowercase hex"):
+            step.image_identity(spec)
+    monkeypatch.setenv(step.IMAGE_ENV, "registry.example/replayjob@sha256:" + "f" * 64)
+    monkeypatch.setenv(step.DIGEST_ENV, digest)
+    with pytest.raises(ContractError, match="contradicts the digest"):
+        step.image_identity(spec)
+
+
+def test_the_run_record_keeps_the_environment_and_names_an_unwritable_runs_directory(
+        spec_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = load_spec(spec_file)
+    monkeypatch.setenv("NCCL_MAX_NCHANNELS", "2")
+    layout = step.Layout.of(tmp_path / "runs" / "unit" / "r1")
+    step.check_run_record(layout, spec)
+    env = json.loads((layout.run / step.RUN_RECORD).read_text(encoding="utf-8"))["environment"]
+    assert {k: env[k] for k in DETERMINISM_ENV} == dict(DETERMINISM_ENV)
+    assert (env["NCCL_ALGO"], env["NCCL_MAX_NCHANNELS"], env["NCCL_NVLS_ENABLE"]) == ("Ring", "2", None)
+
+    def denied(self: Path, *args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "mkdir", denied)
+    with pytest.raises(RefusedError, match="cannot create the run directory") as info:
+        step.check_run_record(step.Layout.of(tmp_path / "runs" / "unit" / "r2"), spec)
+    assert "uid 10001" in (info.value.hint or "") and str(tmp_path / "runs") in (info.value.hint or "")
+
+
+def test_prune_deletes_only_runs_idle_for_longer_than_asked(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    runs = tmp_path / "runs"
+    old, fresh, busy = runs / "a" / "old", runs / "a" / "fresh", runs / "b" / "busy"
+    for run in (old, fresh, busy):
+        (run / "replays" / "x" / "0").mkdir(parents=True)
+        (run / step.RUN_RECORD).write_text("{}")
+    (runs / "not-a-run").mkdir()
+    day = 86400.0
+    for path in [*old.rglob("*"), old, *busy.rglob("*"), busy]:
+        os.utime(path, (time.time() - 40 * day, time.time() - 40 * day))
+    os.utime(busy / "replays" / "x" / "0", None)  # a replay still writing, deep inside an old run
+    assert main(["step", "prune", "--run-root", str(runs), "--older-than", "30", "--dry-run"]) == 0
+    assert "would delete" in capsys.readouterr().out and old.exists()
+    assert main(["step", "prune", "--run-root", str(runs), "--older-than", "30"]) == 0
+    assert "1 of 3 run(s) deleted" in capsys.readouterr().out
+    assert not old.exists() and fresh.exists() and busy.exists() and (runs / "not-a-run").exists()
+    assert main(["step", "prune", "--run-root", str(runs), "--older-than", "0"]) == 2
+    assert main(["step", "prune", "--run-root", str(tmp_path / "none"), "--older-than", "1"]) == 2
+
+
+def test_a_spec_differing_in_render_time_fields_is_refused(spec_file: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """An Argo spec parameter or an edited ConfigMap may change arms' knobs and config, not what the
+    manifests were computed from: each such field is named, before any work."""
+    spec = load_spec(spec_file)
+    step.check_rendered(spec)  # not launched from manifests: nothing to compare
+    monkeypatch.setenv("REPLAYJOB_RENDERED", json.dumps(spec.render_fields()))
+    step.check_rendered(spec)
+    step.check_rendered(dataclasses.replace(spec, seed=9, arms=(Arm("x"), Arm("y", {"training.micro_batch_size": 1}))))
+    other = dataclasses.replace(spec, parallelism=8, cpu="2", claim_name="other", repeats=3, node_gpus=2)
+    with pytest.raises(ContractError) as info:
+        step.check_rendered(other)
+    for needle in ('claim_name = "replayjob-artifacts" rendered, "other" here', 'cpu = "8" rendered, "2" here',
+                   "node_gpus = 0 rendered, 2 here", "parallelism = 4 rendered, 8 here",
+                   'replays = {"1": 4} rendered, {"1": 6} here'):
+        assert needle in info.value.message
+    run = tmp_path / "run"
+    assert main(["step", "capture", "--spec", str(spec_file), "--run-dir", str(run), "--repeats", "3"]) == 2
+    assert "fields fixed at render time" in capsys.readouterr().err and not run.exists()
+    monkeypatch.setenv("REPLAYJOB_RENDERED", "[1]")
+    with pytest.raises(ConfigError, match="not a JSON object"):
+        step.check_rendered(spec)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -1,9 +1,14 @@
-"""`replayjob k8s submit`: the real kubernetes client against an HTTP emulator on loopback.
+"""`replayjob k8s submit|resume` and the in-cluster driver: the real kubernetes client against an HTTP
+emulator on loopback.
 
-No cluster exists here.  The emulator below answers the handful of API calls submit makes (create a
-PVC, create a Job, read a Job's status, list a Job's pods) with Kubernetes-shaped JSON, and plays
-the Job controller by finishing each Job with an exit code the test scripts.  The requests, their
-paths and bodies, and the client's (de)serialisation are real.
+No cluster exists here.  The emulator (tests/k8s_emulator.py) answers the API calls replayjob makes
+(read the setup, create a ConfigMap and Jobs, read and patch them, read a Job's status and pods) with
+Kubernetes-shaped JSON, assigns every created object a uid, and plays the Job controller by finishing
+each stage Job with an exit code the test scripts.  A created driver Job gets a pod (registered with
+the emulator, labelled by the Job controller's labels) whose driver, `replayjob.deploy.driver.drive`,
+runs in a thread with the emulator as its API server, as `replayjob k8s drive` runs in the cluster;
+its return value finishes the driver Job.  The requests, their paths and bodies, and the client's
+(de)serialisation are real.
 """
 
 from __future__ import annotations
@@ -11,191 +16,183 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
+import shutil
+import subprocess
 import threading
+import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlparse
 
 import pytest
+import yaml
+from k8s_emulator import NS, Cluster, as_sent, kubeconfig, serve
 from kubernetes import client
 
 from replayjob.cli import main
-from replayjob.deploy import k8s
-from replayjob.deploy.ablation import Arm, load_spec_text
+from replayjob.deploy import driver, k8s
+from replayjob.deploy.ablation import Arm, load_spec_text, spec_from_text
 from replayjob.deploy.submit import Api, submit
-from replayjob.errors import ArtifactExistsError, OperationalError
+from replayjob.errors import ArtifactExistsError, OperationalError, ReplayjobError
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "examples" / "ablation.toml"
-NS = "ablation-ns"
-
-
-class Cluster:
-    """State of the emulated API server: created objects, the order of calls, scripted outcomes."""
-
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
-        self.calls: list[str] = []
-        self.exit_codes: dict[str, int] = {}  # job stage (capture, replay, reduce) -> exit code (default 0)
-        self.reads: dict[str, int] = {}
-        self.running_reads = 1  # status reads that still answer "running"
-        self.unavailable = 0  # status reads answered 503 first (the API server restarting)
-        self.lock = threading.Lock()
-
-    @staticmethod
-    def stage(name: str) -> str:
-        return name.rsplit("-", 1)[1]
-
-    def job_status(self, name: str) -> dict[str, Any]:
-        self.reads[name] = self.reads.get(name, 0) + 1
-        if self.reads[name] <= self.running_reads:
-            return {"active": 1}
-        code = self.exit_codes.get(self.stage(name), 0)
-        if code == 0:
-            return {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
-        reason = "PodFailurePolicy" if code in (1, 2) else "BackoffLimitExceeded"
-        return {"failed": 1, "conditions": [{"type": "Failed", "status": "True", "reason": reason}]}
-
-
-def handler_for(cluster: Cluster) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:  # keep pytest output clean
-            pass
-
-        def reply(self, code: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            parts = urlparse(self.path).path.strip("/").split("/")
-            assert parts[-3:-1] == ["namespaces", NS], self.path
-            key = (body["kind"], body["metadata"]["name"])
-            with cluster.lock:
-                cluster.calls.append(f"POST {parts[-1]} {key[1]}")
-                if key in cluster.objects:
-                    self.reply(409, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                     "reason": "AlreadyExists", "code": 409})
-                    return
-                cluster.objects[key] = body
-            self.reply(201, body)
-
-        def do_GET(self) -> None:
-            url = urlparse(self.path)
-            parts = url.path.strip("/").split("/")
-            with cluster.lock:
-                if parts[-1] == "status" and parts[-3] == "jobs":
-                    name = parts[-2]
-                    cluster.calls.append(f"GET status {name}")
-                    if cluster.unavailable > 0:
-                        cluster.unavailable -= 1
-                        self.reply(503, {"kind": "Status", "code": 503, "reason": "ServiceUnavailable"})
-                        return
-                    job = dict(cluster.objects[("Job", name)])
-                    self.reply(200, {**job, "status": cluster.job_status(name)})
-                    return
-                if parts[-1] == "pods":
-                    selector = parse_qs(url.query)["labelSelector"][0]
-                    name = selector.split("=", 1)[1]
-                    assert selector.startswith("batch.kubernetes.io/job-name=")
-                    cluster.calls.append(f"GET pods {name}")
-                    terminated = {"exitCode": cluster.exit_codes.get(cluster.stage(name), 0), "reason": "Error"}
-                    status = {"name": "replayjob", "image": "replayjob:0.1.0", "imageID": "", "ready": False,
-                              "restartCount": 0, "state": {"terminated": terminated}}
-                    pod = {"metadata": {"name": f"{name}-0"}, "status": {"containerStatuses": [status]}}
-                    self.reply(200, {"kind": "PodList", "apiVersion": "v1", "items": [pod]})
-                    return
-            self.reply(404, {"kind": "Status", "code": 404})
-
-    return Handler
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Cluster, client.ApiClient]]:
-    state = Cluster()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler_for(state))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    host = f"http://127.0.0.1:{server.server_address[1]}"
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-        "clusters": [{"name": "emu", "cluster": {"server": host}}],
-        "users": [{"name": "emu", "user": {"token": "emulator"}}],
-        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": NS}}]}),
-        encoding="utf-8")
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    api = client.ApiClient(client.Configuration(host=host))
-    yield state, api
-    api.close()
-    server.shutdown()
-    server.server_close()
+Doc = dict[str, Any]
 
 
 def fast_api(api: client.ApiClient) -> Api:
     return Api(api, backoff_s=0.001, log=lambda s: None)
 
 
-def test_wait_creates_stage_by_stage_and_bodies_are_the_rendered_manifests(
-        cluster: tuple[Cluster, client.ApiClient]) -> None:
+class Kubelet:
+    """Starts each created driver Job's pod: registers it with the emulator (the labels the Job
+    controller adds, the container's image and environment) and runs its driver in a thread."""
+
+    def __init__(self, cluster: Cluster, api: client.ApiClient):
+        self.cluster, self.api, self.logs, self.threads = cluster, api, [], []
+        self.pods: dict[str, Doc] = {}
+
+    def __call__(self, job: Doc) -> None:
+        if job["metadata"]["labels"].get("app.kubernetes.io/component") == k8s.DRIVER:
+            thread = threading.Thread(target=self.run, args=(job,), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def env(self, job: Doc, pod: Doc) -> dict[str, str]:
+        (cont,) = pod["spec"]["containers"]
+        fields = {"metadata.name": pod["metadata"]["name"], "metadata.namespace": NS,
+                  **{f"metadata.labels['{k}']": v for k, v in pod["metadata"]["labels"].items()}}
+        return {e["name"]: e["value"] if "value" in e else fields.get(e["valueFrom"]["fieldRef"]["fieldPath"], "")
+                for e in cont["env"]}
+
+    def run(self, job: Doc) -> None:
+        meta = job["metadata"]
+        template = job["spec"]["template"]
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": f"{meta['name']}-x7k2p", "labels": {
+                   **template["metadata"]["labels"], k8s.CONTROLLER_UID_LABEL: meta["uid"],
+                   k8s.JOB_NAME_LABEL: meta["name"]}},
+               "spec": template["spec"]}
+        with self.cluster.lock:
+            self.pods[meta["name"]] = self.cluster.add(pod)
+        env = self.env(job, pod)
+        config_map = next(v["configMap"]["name"] for v in template["spec"]["volumes"] if "configMap" in v)
+        deadline = time.monotonic() + 10
+        while ("ConfigMap", config_map) not in self.cluster.objects:  # the kubelet retries the mount
+            assert time.monotonic() < deadline, f"configmap {config_map} never came"
+            time.sleep(0.01)
+        text = self.cluster.objects[("ConfigMap", config_map)]["data"]["ablation.toml"]
+        try:
+            code = driver.drive(spec_from_text(text), text, driver.Context.from_env(env), fast_api(self.api),
+                                poll_s=0.001, log=self.logs.append)
+        except ReplayjobError as exc:
+            self.logs.append(exc.diagnostics())
+            code = exc.exit_code
+        with self.cluster.lock:
+            self.cluster.finished[meta["name"]] = code
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=30)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Cluster, client.ApiClient]]:
+    state = Cluster()
+    state.running_reads = 0  # the emulated stage Jobs finish at once
+    for _name, doc in k8s.render_setup(load_spec_text(SPEC)[0]).items():  # the namespace's setup, applied once
+        if k8s.is_manifest(doc):
+            state.add(doc)
+    with serve(state) as host:
+        path = tmp_path / "kubeconfig"
+        path.write_text(kubeconfig(host), encoding="utf-8")
+        monkeypatch.setenv("KUBECONFIG", str(path))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        api = client.ApiClient(client.Configuration(host=host))
+        yield state, api
+        api.close()
+
+
+@pytest.fixture
+def kubelet(cluster: tuple[Cluster, client.ApiClient]) -> Iterator[Kubelet]:
+    state, api = cluster
+    runner = Kubelet(state, api)
+    state.on_create = runner
+    yield runner
+    runner.join()
+
+
+def jobs_created(state: Cluster) -> list[str]:
+    """The Jobs created, in order (a create answered 409 is not one)."""
+    conflicts = {c.split()[-1] for c in state.calls if c.startswith("CONFLICT jobs")}
+    return [c.split()[-1] for c in state.calls if c.startswith("POST jobs") and c.split()[-1] not in conflicts]
+
+
+def test_submit_creates_the_driver_which_chains_the_stages_in_the_cluster(
+        cluster: tuple[Cluster, client.ApiClient], kubelet: Kubelet) -> None:
     state, api = cluster
     spec, text = load_spec_text(SPEC)
-    assert submit(spec, text, NS, wait=True, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r1") == 0
+    logs: list[str] = []
+    assert submit(spec, text, NS, wait=True, api=fast_api(api), poll_s=0.001, log=logs.append, run_id="r1") == 0
+    prefix = "replayjob-ablation-r1"
+    assert jobs_created(state) == [f"{prefix}-driver", f"{prefix}-capture", f"{prefix}-replay", f"{prefix}-reduce"]
     creates = [c for c in state.calls if c.startswith("POST")]
-    assert creates == ["POST configmaps replayjob-ablation-r1-spec", "POST persistentvolumeclaims replayjob-artifacts",
-                       "POST jobs replayjob-ablation-r1-capture", "POST jobs replayjob-ablation-r1-replay",
-                       "POST jobs replayjob-ablation-r1-reduce"]
+    assert creates[:2] == [f"POST jobs {prefix}-driver", f"POST configmaps {prefix}-spec"]  # submit's two calls
     calls = state.calls
     done = {name: max(i for i, c in enumerate(calls) if c == f"GET status {name}") for name in state.reads}
-    assert calls.index("POST jobs replayjob-ablation-r1-replay") > done["replayjob-ablation-r1-capture"]
-    assert calls.index("POST jobs replayjob-ablation-r1-reduce") > done["replayjob-ablation-r1-replay"]
-    rendered = {(d["kind"], d["metadata"]["name"]): d for d in k8s.render(spec, text, "r1").values()
-                if "metadata" in d}
-    for key, body in state.objects.items():
-        expected = json.loads(json.dumps(rendered[key]))
-        if key[0] == "Job":
-            assert body["spec"].pop("suspend") is False  # created when its stage's turn has come
-            expected["spec"].pop("suspend", None)
-            labels = body["spec"]["template"]["metadata"]["labels"]
-            assert labels[k8s.RUN_ID_LABEL] == "r1"  # the pods' run directory comes from this label
-        assert body == expected, key
+    assert calls.index(f"POST jobs {prefix}-replay") > done[f"{prefix}-capture"]
+    assert calls.index(f"POST jobs {prefix}-reduce") > done[f"{prefix}-replay"]
+    driver_job = state.objects[("Job", f"{prefix}-driver")]
+    owner = k8s.owner_reference(driver_job)
+    rendered = {**{d["metadata"]["name"]: d for d in k8s.render(spec, text, "r1").values() if k8s.is_manifest(d)},
+                **{d["metadata"]["name"]: d for d in k8s.stage_jobs(spec, "r1", owner).values()}}
+    rendered[f"{prefix}-spec"]["metadata"]["ownerReferences"] = [owner]  # the spec goes with its run
+    for (kind, name), stored in state.objects.items():
+        if kind in ("PersistentVolumeClaim", "ServiceAccount", "Role", "RoleBinding", "Pod"):
+            continue  # the setup's, and the emulated driver pod
+        assert as_sent(stored) == json.loads(json.dumps(rendered[name])), name
+        if kind == "Job":
+            assert stored["spec"]["template"]["metadata"]["labels"][k8s.RUN_ID_LABEL] == "r1"
+            tokens = stored["spec"]["template"]["spec"]["automountServiceAccountToken"]
+            assert tokens is (name.endswith("-driver"))  # only the driver talks to the API
+    assert any("the reducer exited 0" in line for line in kubelet.logs)
 
 
-@pytest.mark.parametrize(("failing", "code", "expected_exit", "message", "created"), [
-    ("reduce", 1, 1, "exit 1: a negative verdict", ["capture", "replay", "reduce"]),
-    ("capture", 2, 2, "exit 2: refused input", ["capture"]),
-    ("capture", 3, 3, "exit 3: an error on every attempt", ["capture"]),
-    ("reduce", 137, 3, "BackoffLimitExceeded", ["capture", "replay", "reduce"]),
-    ("replay", 2, 0, "the reducer judges the missing replays", ["capture", "replay", "reduce"]),
+@pytest.mark.parametrize(("codes", "expected_exit", "message", "created"), [
+    ({"reduce": 1}, 1, "exit 1: a negative verdict", ["capture", "replay", "reduce"]),
+    ({"capture": 2, "reduce": 2}, 2, "exit 2: refused input", ["capture", "reduce"]),
+    ({"capture": 3, "reduce": 2}, 2, "exit 2: refused input", ["capture", "reduce"]),
+    ({"reduce": 3}, 3, "exit 3: an error on every attempt", ["capture", "replay", "reduce"]),
+    ({"reduce": 137}, 3, "exit 3: an error on every attempt", ["capture", "replay", "reduce"]),
+    ({"replay": 2, "reduce": 2}, 2, "exit 2", ["capture", "replay", "reduce"]),
 ])
-def test_cli_exit_code_follows_the_failed_job(cluster: tuple[Cluster, client.ApiClient], failing: str,
-                                              code: int, expected_exit: int, message: str, created: list[str],
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_exit_code_is_the_reducer_s_and_a_failed_capture_still_ends_in_a_verdict(
+        cluster: tuple[Cluster, client.ApiClient], kubelet: Kubelet, codes: dict[str, int], expected_exit: int,
+        message: str, created: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A capture that failed for good (2, or 3 on every attempt) runs no replay, and the reducer
+    still runs: its verdict (refused: no capture) is the run's."""
     state, _ = cluster
-    state.running_reads = 0  # the CLI polls every 10 s; the emulated Jobs finish at once
-    state.exit_codes[failing] = code
+    state.exit_codes.update(codes)
     assert main(["k8s", "submit", str(SPEC), "--wait"]) == expected_exit  # namespace: the context's
     captured = capsys.readouterr()
-    assert message in captured.err + captured.out
-    assert [Cluster.stage(c.split()[-1]) for c in state.calls if c.startswith("POST jobs")] == created
+    if expected_exit:
+        assert message in captured.err, captured.err
+    assert [Cluster.stage(j) for j in jobs_created(state)] == ["driver", *created]
+    if "capture" in codes:
+        assert any("no replay runs; the reducer writes the verdict (refused: no capture)" in line
+                   for line in kubelet.logs)
 
 
-def test_each_submission_is_its_own_run(cluster: tuple[Cluster, client.ApiClient],
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_each_submission_is_its_own_run_and_needs_no_client_after_it(
+        cluster: tuple[Cluster, client.ApiClient], capsys: pytest.CaptureFixture[str]) -> None:
     state, api = cluster
-    state.running_reads = 0
     assert main(["k8s", "submit", str(SPEC)]) == 0
     assert main(["k8s", "submit", str(SPEC)]) == 0
-    jobs = [c.split()[-1] for c in state.calls if c.startswith("POST jobs")]
-    assert len(jobs) == 6 and len({j.rsplit("-", 1)[0] for j in jobs}) == 2  # two run ids
-    assert not any(c.startswith("GET status") and c.endswith("-reduce") for c in state.calls)  # no --wait
+    jobs = jobs_created(state)
+    assert len(jobs) == 2 and all(j.endswith("-driver") for j in jobs) and jobs[0] != jobs[1]  # two run ids
+    assert not any(c.startswith("GET status") for c in state.calls)  # no --wait: nothing followed
+    assert "replayjob k8s resume" in capsys.readouterr().out
     spec, text = load_spec_text(SPEC)
     with pytest.raises(ArtifactExistsError, match="already exists"):  # a run id is never reused
         submit(spec, text, NS, wait=False, api=fast_api(api), poll_s=0.001, log=lambda s: None,
@@ -204,8 +201,8 @@ def test_each_submission_is_its_own_run(cluster: tuple[Cluster, client.ApiClient
 
 def test_api_errors_are_retried_with_backoff_then_give_exit_3(cluster: tuple[Cluster, client.ApiClient]) -> None:
     state, api = cluster
-    state.running_reads = 0
     state.unavailable = 3
+    state.finished["replayjob-ablation-r2-driver"] = 0  # a driver that has ended
     spec, text = load_spec_text(SPEC)
     log: list[str] = []
     sleeps: list[float] = []
@@ -219,6 +216,16 @@ def test_api_errors_are_retried_with_backoff_then_give_exit_3(cluster: tuple[Clu
     assert exc.value.exit_code == 3
 
 
+def test_a_namespace_without_its_setup_is_refused_before_anything_is_created(
+        cluster: tuple[Cluster, client.ApiClient], capsys: pytest.CaptureFixture[str]) -> None:
+    """A run never creates what outlives it (the claim, the driver's account)."""
+    state, _ = cluster
+    del state.objects[("ServiceAccount", "replayjob-ablation-driver")]
+    assert main(["k8s", "submit", str(SPEC)]) == 2
+    assert "no ServiceAccount replayjob-ablation-driver" in capsys.readouterr().err
+    assert not any(c.startswith("POST") for c in state.calls)
+
+
 def test_submit_without_credentials_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
@@ -227,17 +234,157 @@ def test_submit_without_credentials_is_refused(tmp_path: Path, monkeypatch: pyte
     assert "no Kubernetes credentials" in capsys.readouterr().err
 
 
+def kustomized(directory: Path) -> list[Doc]:
+    """`kubectl kustomize DIR` (offline), or [] where kubectl is not installed."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        return []
+    # kubectl reads no cluster for this; a KUBECONFIG naming the emulator only slows its start-up
+    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+    proc = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def apply(state: Cluster, docs: list[Doc]) -> None:
+    """`kubectl apply` of rendered (or kustomize-built) documents into the emulator."""
+    api = fast_api(client.ApiClient(client.Configuration(host=state.host)))
+    for doc in docs:
+        if k8s.is_manifest(doc):
+            api.create(NS, doc)
+
+
+def test_two_applies_of_the_kustomize_base_never_share_a_run(
+        cluster: tuple[Cluster, client.ApiClient], kubelet: Kubelet) -> None:
+    """The base names no run: each driver Job takes its run id from its own metadata.uid, labels
+    itself with it, and its run's ConfigMap and stage Jobs carry it (a new run directory per apply,
+    even of byte-identical files)."""
+    state, _api = cluster
+    spec, text = load_spec_text(SPEC)
+    base = k8s.render(spec, text)
+    for doc in filter(k8s.is_manifest, base.values()):
+        assert k8s.RUN_ID_LABEL not in doc["metadata"]["labels"]
+    assert k8s.RUN_ID_LABEL not in base["driver.yaml"]["spec"]["template"]["metadata"]["labels"]
+    runs = []
+    for _ in range(2):
+        state.objects.pop(("Job", "replayjob-ablation-driver"), None)  # the first one's TTL has passed
+        state.objects.pop(("ConfigMap", "replayjob-ablation-spec"), None)
+        state.finished.pop("replayjob-ablation-driver", None)
+        apply(state, kustomized(REPO / "k8s" / "base") or list(base.values()))
+        kubelet.join()
+        uid = kubelet.pods["replayjob-ablation-driver"]["metadata"]["labels"][k8s.CONTROLLER_UID_LABEL]
+        run_id = driver.run_id_from_uid(uid)
+        runs.append(run_id)
+        assert state.finished["replayjob-ablation-driver"] == 0
+        me = state.objects[("Job", "replayjob-ablation-driver")]
+        assert me["metadata"]["labels"][k8s.RUN_ID_LABEL] == run_id  # so `k8s resume RUN_ID` finds it
+        for name in (f"replayjob-ablation-{run_id}-{s}" for s in ("capture", "replay", "reduce")):
+            job = state.objects[("Job", name)]
+            assert job["metadata"]["ownerReferences"] == [k8s.owner_reference(me)]
+            assert job["spec"]["template"]["metadata"]["labels"][k8s.RUN_ID_LABEL] == run_id
+        config_map = state.objects[("ConfigMap", f"replayjob-ablation-{run_id}-spec")]
+        assert config_map["data"]["ablation.toml"] == text
+        assert config_map["metadata"]["ownerReferences"] == [k8s.owner_reference(me)]
+    assert runs[0] != runs[1] and all(len(r) == 16 for r in runs)
+
+
+def test_the_driver_runs_the_image_its_pod_runs_and_refuses_a_tag(
+        cluster: tuple[Cluster, client.ApiClient], kubelet: Kubelet) -> None:
+    """Whatever set the driver's image (a kustomize images:, a patch), its stages run that image and
+    record it; a tag is refused (exit 2) before any stage unless the spec is local."""
+    state, _api = cluster
+    spec, text = load_spec_text(SPEC)
+    pinned = "registry.example.org/ml/replayjob@sha256:" + "1" * 64
+    base = k8s.render(spec, text)
+    base["driver.yaml"]["spec"]["template"]["spec"]["containers"][0]["image"] = pinned  # a patch, not images:
+    apply(state, list(base.values()))
+    kubelet.join()
+    stages = [d for (k, _), d in state.objects.items() if k == "Job" and not d["metadata"]["name"].endswith("driver")]
+    assert len(stages) == 3
+    for job in stages:
+        (c,) = job["spec"]["template"]["spec"]["containers"]
+        assert c["image"] == pinned and {e["name"]: e.get("value") for e in c["env"]}["REPLAYJOB_IMAGE_REF"] == pinned
+    assert any(f"this pod runs {pinned} while REPLAYJOB_IMAGE_REF says replayjob:0.1.0" in ln for ln in kubelet.logs)
+
+    strict = text.replace('image_policy = "local"', 'image_policy = "digest"')
+    state.objects.clear()
+    for doc in k8s.render_setup(spec).values():
+        if k8s.is_manifest(doc):
+            state.add(doc)
+    pinned_spec = dataclasses.replace(spec, image=pinned, image_policy="digest")
+    apply(state, list(k8s.render(pinned_spec, strict).values()))
+    kubelet.join()
+    assert state.finished["replayjob-ablation-driver"] == 0
+    state.objects.clear()
+    tagged = k8s.render(pinned_spec, strict)
+    tagged["driver.yaml"]["spec"]["template"]["spec"]["containers"][0]["image"] = "registry.example.org/rj:2"
+    mark = len(state.calls)
+    apply(state, list(tagged.values()))
+    kubelet.join()
+    assert state.finished["replayjob-ablation-driver"] == 2
+    assert [c for c in state.calls[mark:] if c.startswith("POST")] == [  # no stage ran
+        "POST configmaps replayjob-ablation-spec", "POST jobs replayjob-ablation-driver"]
+    assert any("is not named by its digest" in line for line in kubelet.logs)
+
+
+def test_resume_starts_a_new_driver_that_adopts_the_finished_stages(
+        cluster: tuple[Cluster, client.ApiClient], kubelet: Kubelet, capsys: pytest.CaptureFixture[str]) -> None:
+    """A driver that ended without finishing the run (its retries used up): `k8s resume RUN_ID` starts
+    another with the same run id, image and GPU product; it adopts the capture (not run again) and
+    creates the rest; the run's ConfigMap gets the new driver as a second owner."""
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    state.on_create = None  # the first driver never runs: it dies before chaining anything
+    submit(spec, text, NS, wait=False, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r7")
+    first = state.objects[("Job", "replayjob-ablation-r7-driver")]
+    gpu = next(e for e in first["spec"]["template"]["spec"]["containers"][0]["env"]
+               if e["name"] == "REPLAYJOB_GPU_PRODUCT")
+    gpu["value"] = "NVIDIA-H200"  # an overlay's
+    capture = k8s.stage_jobs(spec, "r7", k8s.owner_reference(first))["capture.yaml"]
+    state.add(capture)  # it ran and succeeded before the driver died
+    assert main(["k8s", "resume", "r7"]) == 0
+    assert "is still driving it" in capsys.readouterr().out  # the first driver has not ended
+    state.finished["replayjob-ablation-r7-driver"] = 3
+    state.on_create = kubelet
+    assert main(["k8s", "resume", "r7", "--wait"]) == 0
+    kubelet.join()
+    assert "started job/replayjob-ablation-r7-driver-2" in capsys.readouterr().out
+    assert jobs_created(state)[-3:] == ["replayjob-ablation-r7-driver-2", "replayjob-ablation-r7-replay",
+                                        "replayjob-ablation-r7-reduce"]  # the capture was adopted
+    assert "CONFLICT jobs replayjob-ablation-r7-capture" in state.calls
+    assert any("adopted job/replayjob-ablation-r7-capture" in line for line in kubelet.logs)
+    second = state.objects[("Job", "replayjob-ablation-r7-driver-2")]
+    owners = [r["name"] for r in state.objects[("ConfigMap", "replayjob-ablation-r7-spec")]["metadata"]
+              ["ownerReferences"]]
+    assert owners == ["replayjob-ablation-r7-driver", "replayjob-ablation-r7-driver-2"]
+    assert [r["name"] for r in state.objects[("Job", "replayjob-ablation-r7-capture")]["metadata"]
+            ["ownerReferences"]] == owners
+    env = {e["name"]: e.get("value") for e in second["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["REPLAYJOB_GPU_PRODUCT"] == "NVIDIA-H200"
+    assert second["spec"]["template"]["metadata"]["labels"][k8s.RUN_ID_LABEL] == "r7"
+    replay = state.objects[("Job", "replayjob-ablation-r7-replay")]
+    assert replay["spec"]["template"]["spec"]["nodeSelector"][k8s.GPU_PRODUCT_LABEL] == "NVIDIA-H200"
+    assert main(["k8s", "resume", "nope"]) == 2
+    assert "no run nope" in capsys.readouterr().err
+
+
 def test_replay_jobs_of_each_rank_count_run_one_after_another(cluster: tuple[Cluster, client.ApiClient]) -> None:
-    """Arms of different rank counts: one replay Job per count, each created after the one before ended
-    (however it ended), so the spec's parallelism bounds every replay at once; then the reducer."""
+    """Arms of different rank counts: one replay Job per count, each created by the driver after the one
+    before ended (however it ended), so the spec's parallelism bounds every replay at once; then the
+    reducer."""
     state, api = cluster
     spec, text = load_spec_text(SPEC)
     spec = dataclasses.replace(spec, ranks=2, config={"distributed.strategy": "ddp"}, arms=(
         Arm("two"), Arm("one", {"distributed.world_size": 1}), Arm("four", {"distributed.world_size": 4})))
     state.exit_codes["r1"] = 2  # the 1-rank replays fail for good: the others still run, the reducer judges
     logs: list[str] = []
-    assert submit(spec, text, NS, wait=True, api=fast_api(api), poll_s=0.001, log=logs.append, run_id="r9") == 0
-    jobs = [c.split()[-1].removeprefix("replayjob-ablation-r9-") for c in state.calls if c.startswith("POST jobs")]
+    me = state.add({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "replayjob-ablation-r9-driver",
+                                                                           "labels": {}}})
+    ctx = driver.Context(namespace=NS, job="replayjob-ablation-r9-driver", uid=me["metadata"]["uid"], pod="",
+                         run_id="r9", gpu_product="", image=spec.image)
+    assert driver.drive(spec, text, ctx, fast_api(api), poll_s=0.001, log=logs.append) == 0
+    jobs = [j.removeprefix("replayjob-ablation-r9-") for j in jobs_created(state)]
     assert jobs == ["capture", "replay-r1", "replay-r2", "replay-r4", "reduce"]
     calls = state.calls
     for before, after in itertools.pairwise(jobs):
@@ -247,3 +394,14 @@ def test_replay_jobs_of_each_rank_count_run_one_after_another(cluster: tuple[Clu
     gpus = {n: state.objects[("Job", f"replayjob-ablation-r9-{n}")]["spec"]["template"]["spec"]["containers"][0]
             ["resources"]["limits"][k8s.GPU_RESOURCE] for n in jobs if n != "reduce"}
     assert gpus == {"capture": "2", "replay-r1": "1", "replay-r2": "2", "replay-r4": "4"}
+
+
+def test_the_driver_refuses_outside_its_pod_and_names_the_run_from_the_uid() -> None:
+    with pytest.raises(ReplayjobError, match="not a driver Job's pod"):
+        driver.Context.from_env({})
+    env = {"REPLAYJOB_DRIVER_JOB": "x-driver", "REPLAYJOB_DRIVER_UID": "0f1e2d3c-4b5a-4697-8869-7a6b5c4d3e2f",
+           "REPLAYJOB_NAMESPACE": NS, "REPLAYJOB_RUN_ID": ""}
+    assert driver.Context.from_env(env).run_id == "0f1e2d3c4b5a4697"
+    assert driver.Context.from_env({**env, "REPLAYJOB_RUN_ID": "r1"}).run_id == "r1"
+    with pytest.raises(ReplayjobError, match="not a Kubernetes uid"):
+        driver.run_id_from_uid("nope")

@@ -9,6 +9,7 @@ localhost).  Where no cluster can be started they are skipped with the reason, e
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -160,11 +161,15 @@ def test_submit_refuses_bad_usage(spec_file: Path, args: list[str], message: str
 def test_container_command_keeps_gpu_visibility_under_cleanenv(tmp_path: Path) -> None:
     """The apptainer/singularity command lib.sh builds (no runtime runs; the argv is printed):
     --cleanenv drops the host environment, so the GPUs Slurm allocated, the Slurm ids and the thread
-    counts are passed on explicitly."""
+    counts are passed on explicitly; a .sif file is identified by its SHA-256, computed by the job
+    (a missing file, as a docker:// reference, gets none: the step refuses it unless the spec is local)."""
+    sif = tmp_path / "replayjob.sif"
+    sif.write_bytes(b"stand-in image\n")
+    digest = "sha256:" + hashlib.sha256(sif.read_bytes()).hexdigest()
     script = f"""
 set -euo pipefail
 . {SLURM / 'lib.sh'}
-REPLAYJOB_IMAGE=/img/replayjob.sif REPLAYJOB_CONTAINER=apptainer REPLAYJOB_OUT=/shared/run
+REPLAYJOB_IMAGE={sif} REPLAYJOB_CONTAINER=apptainer REPLAYJOB_OUT=/shared/run
 REPLAYJOB_GPUS=1 REPLAYJOB_BINDS=(/models)
 CUDA_VISIBLE_DEVICES=2 SLURM_JOB_ID=77 SLURM_CPUS_PER_TASK=8
 replayjob_cmd
@@ -178,10 +183,13 @@ echo "${{REPLAYJOB[*]}}"
                            check=True).stdout.splitlines()
     assert lines == [
         "apptainer exec --cleanenv --bind /shared/run --bind /models --nv --env CUDA_VISIBLE_DEVICES=2 "
-        "--env SLURM_JOB_ID=77 --env REPLAYJOB_IMAGE_REF=/img/replayjob.sif --env OMP_NUM_THREADS=8 "
-        "--env MKL_NUM_THREADS=8 /img/replayjob.sif replayjob",
+        f"--env SLURM_JOB_ID=77 --env REPLAYJOB_IMAGE_REF={sif} --env REPLAYJOB_IMAGE_DIGEST={digest} "
+        f"--env OMP_NUM_THREADS=8 --env MKL_NUM_THREADS=8 {sif} replayjob",
         "apptainer exec --cleanenv --bind /shared/run --bind /models --env SLURM_JOB_ID=77 "
-        "--env REPLAYJOB_IMAGE_REF=/img/replayjob.sif /img/replayjob.sif replayjob"]
+        f"--env REPLAYJOB_IMAGE_REF={sif} --env REPLAYJOB_IMAGE_DIGEST={digest} {sif} replayjob"]
+    sif.write_bytes(b"another image\n")  # the same path, other bytes: another identity
+    again = subprocess.run(["bash", "-c", script], text=True, capture_output=True, check=True).stdout
+    assert digest not in again and "REPLAYJOB_IMAGE_DIGEST=sha256:" in again
 
 
 def test_image_mode_runs_the_plan_through_the_container(spec_file: Path, tmp_path: Path) -> None:
@@ -209,7 +217,8 @@ exec {REPO / '.venv' / 'bin'}/"$cmd" "$@"
     assert "# plan: 6 replays" in res.stdout
     assert log.read_text().splitlines() == [
         f"exec --cleanenv --bind {out} --bind /models --bind {spec_file.parent} "
-        f"--env REPLAYJOB_IMAGE_REF={image} {image} replayjob step plan --spec {spec_file} --device cpu"]
+        f"--env REPLAYJOB_IMAGE_REF={image} --env REPLAYJOB_IMAGE_DIGEST=sha256:"
+        f"{hashlib.sha256(image.read_bytes()).hexdigest()} {image} replayjob step plan --spec {spec_file} --device cpu"]
 
 
 def test_scripts_are_shellcheck_clean() -> None:

@@ -52,10 +52,19 @@ DETERMINISM_ENV: Mapping[str, str] = {
     "NVIDIA_TF32_OVERRIDE": "0",
     "PYTHONHASHSEED": "0",
     "REPLAYJOB_MATH_MODE": "pedantic",
+    # Between ranks, NCCL's tuner picks the collective's algorithm and protocol by message size and
+    # topology, and each sums in its own order: pinned, so a capture and its replays (on any node)
+    # reduce gradients alike.  The settings recorded with them: replayjob.determinism.NCCL_NUMERICS.
+    "NCCL_ALGO": "Ring",
+    "NCCL_PROTO": "Simple",
 }
 
 CLAIMS = ("exact-input", "bitwise")
 DEVICES = ("cuda", "cpu")
+# "digest": the image is named by its digest (REGISTRY/replayjob@sha256:...), required to render
+# manifests for a cluster; "local": a tag is accepted, for local development (a workstation, kind).
+IMAGE_POLICIES = ("digest", "local")
+_DIGEST_REF = re.compile(r"[^@\s]+@sha256:[0-9a-f]{64}")
 MAX_RANKS = 64
 # Kubernetes object names are built as "<name>-replay-<arm>": DNS-1123 labels, short enough.
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -64,6 +73,24 @@ _SAFE_STR = re.compile(r"[A-Za-z0-9_./:@+-]*")
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?")
 
 Value = bool | int | float | str
+
+
+def scale_quantity(quantity: str, factor: int) -> str:
+    """A Kubernetes quantity (as ``_QUANTITY`` accepts) times ``factor``: ``64Gi`` x 2 = ``128Gi``."""
+    from decimal import Decimal
+
+    m = _QUANTITY.fullmatch(quantity)
+    if m is None:
+        raise ConfigError(f"{quantity!r} is not a Kubernetes quantity")
+    number = quantity[:len(quantity) - len(m.group(2) or "")]
+    value = Decimal(number) * factor
+    text = format(value.normalize(), "f") if value != value.to_integral() else str(int(value))
+    return text + (m.group(2) or "")
+
+
+def is_digest_ref(ref: str) -> bool:
+    """Whether ``ref`` names an image by its digest (``NAME@sha256:`` and 64 hex digits)."""
+    return bool(_DIGEST_REF.fullmatch(ref))
 
 
 def toml_value(value: Value) -> str:
@@ -155,6 +182,8 @@ class AblationSpec:
     schedule: str = ""  # "" (arms in file order) or a paired design of replayjob.deploy.schedule
     budgets: str = ""  # a budget TOML (reduce --budgets); pinned into every replay, decided by the reduce
     ranks: int = 1  # the capture's world size, and every replay's unless its arm declares distributed.world_size
+    image_policy: str = "digest"  # "digest" (a cluster render needs image = ...@sha256:...) or "local"
+    queue: str = ""  # a Kueue LocalQueue: label kueue.x-k8s.io/queue-name on every Job and workflow pod
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name) or len(self.name) > 30:
@@ -188,6 +217,11 @@ class AblationSpec:
                     "driver_version", "driver_label", "priority_class", "budgets"):
             if not _SAFE_STR.fullmatch(getattr(self, key)):
                 raise ConfigError("no whitespace or quotes allowed", where=key)
+        if self.queue and (not _NAME.fullmatch(self.queue) or len(self.queue) > 63):
+            raise ConfigError(f"{self.queue!r} must be a LocalQueue name (a lowercase DNS label)", where="queue")
+        if self.image_policy not in IMAGE_POLICIES:
+            raise ConfigError(f"{self.image_policy!r} is not an image policy; use one of: " + ", ".join(IMAGE_POLICIES),
+                              where="image_policy")
         if self.schedule and self.schedule not in DESIGNS:
             raise ConfigError(f"{self.schedule!r} is not a schedule design; use one of: " + ", ".join(DESIGNS),
                               where="schedule")
@@ -229,6 +263,33 @@ class AblationSpec:
             if world > 1 and strategy == "none":
                 raise ConfigError(f"the {what} runs {world} ranks but {STRATEGY} is 'none' (one process)", where=key,
                                   hint=f'set "{STRATEGY}" = "ddp" in [config]')
+
+    def check_cluster(self) -> None:
+        """What rendering manifests for a cluster needs beyond a valid spec: an image named by its
+        digest (unless ``image_policy = "local"``), so the fingerprint of every run names the bytes
+        that ran and no pod waits on a GPU node for a tag that exists in no registry; and a storage
+        class (the claim must be ReadWriteMany)."""
+        if self.image_policy != "local" and not is_digest_ref(self.image):
+            raise ConfigError(f"{self.image!r} is not named by its digest", where="image",
+                              hint="push the image and use REGISTRY/replayjob@sha256:... (docker inspect --format "
+                                   "'{{index .RepoDigests 0}}' IMAGE), or set image_policy = \"local\" for a local "
+                                   "development cluster")
+        if not self.storage_class:
+            raise ConfigError("a storage class is required: a ReadWriteMany claim on a default class that only "
+                              "offers ReadWriteOnce never binds, and every pod stays Pending without an error",
+                              where="storage_class",
+                              hint="kubectl get storageclass; name one that offers ReadWriteMany (NFS, CephFS, a "
+                                   "cloud file store: standard-rwx on GKE, efs-sc on EKS, azurefile-csi on AKS)")
+
+    def render_fields(self) -> dict[str, Any]:
+        """The fields manifests are computed from at render time (resources, placement, deadlines,
+        parallelism, the claim, the number of replays per rank count), which a spec handed to the
+        pods later (an edited ConfigMap, Argo's ``spec`` parameter) cannot change: every container
+        carries them (``REPLAYJOB_RENDERED``) and ``replayjob step`` refuses a spec that differs.  The
+        image and the GPU product are not among them: they are the launchers' own parameters."""
+        out: dict[str, Any] = {key: getattr(self, key) for key in RENDER_FIELDS}
+        out["replays"] = {str(n): len(ix) for n, ix in self.rank_groups().items()}
+        return out
 
     def arm_ranks(self, name: str) -> int:
         """How many ranks arm ``name``'s replays run: its declared ``distributed.world_size``, else
@@ -300,6 +361,10 @@ class AblationSpec:
         return sets + [f"{k}={toml_value(v)}" for k, v in sorted(self.config.items())]
 
 
+RENDERED_ENV = "REPLAYJOB_RENDERED"  # every rendered container: the render_fields() it was computed from
+RENDER_FIELDS = ("claim_name", "storage", "storage_class", "cpu", "memory", "shm", "deadline_s", "parallelism",
+                 "node_gpus", "driver_version", "driver_label", "priority_class", "semaphore", "device", "ranks",
+                 "image_policy", "queue")
 _FIELDS = {f for f in AblationSpec.__dataclass_fields__ if f != "arms"}
 _TYPES: dict[str, type] = {name: {"int": int, "str": str, "bool": bool}[str(f.type)]
                            for name, f in AblationSpec.__dataclass_fields__.items()
@@ -361,9 +426,21 @@ def load_spec_text(path: str | Path) -> tuple[AblationSpec, str]:
         # regular files only (a FIFO would block the reader); the parser's nesting limit is a RecursionError
         text = read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, follow_symlinks=True,
                                   what="ablation spec").decode("utf-8")
-        data = tomllib.loads(text)
     except FileNotFoundError:
         raise ConfigError("ablation spec not found", where=p) from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
+    except UnicodeDecodeError as exc:
         raise ConfigError(f"not valid TOML: {exc}", where=p) from None
-    return spec_from_dict(data, str(p)), text
+    return spec_from_text(text, str(p)), text
+
+
+def spec_from_text(text: str, where: str = "ablation") -> AblationSpec:
+    """A spec from its TOML text (a ConfigMap's, say), as strictly as :func:`load_spec`."""
+    from replayjob.config.load import MAX_TOML_BYTES
+
+    if len(text.encode("utf-8")) > MAX_TOML_BYTES:
+        raise ConfigError(f"larger than {MAX_TOML_BYTES} bytes", where=where)
+    try:
+        data = tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:  # the parser's nesting limit is a RecursionError
+        raise ConfigError(f"not valid TOML: {exc}", where=where) from None
+    return spec_from_dict(data, where)

@@ -1,10 +1,12 @@
 """The Argo workflow of an ablation: capture -> replays (arms x repeats) -> reduce, as a DAG.
 
-``argo/ablation.yaml`` is ``dump(*load_spec_text("examples/ablation.toml"))`` committed; a test keeps
-them identical.  The file holds everything ``kubectl apply -f`` needs: the executor's service account
-and its one permission, the artifacts PVC, a **WorkflowTemplate** (the gating entry point for
-repeated runs: ``argo submit --from workflowtemplate/NAME -p key=value --wait``) and a Workflow with
-a fixed name that runs that template once.
+``argo/ablation.yaml`` is ``dump(*load_spec_text("examples/ablation.toml"))`` committed, and
+``argo/setup.yaml`` is :func:`dump_setup`'s; a test keeps them identical.  What outlives runs is apart,
+applied once (``argo/setup.yaml``: the executor's service account and its one permission, the claim
+that holds every run's data), so deleting a run never deletes data; ``argo/ablation.yaml`` holds a
+**WorkflowTemplate** (the gating entry point for repeated runs: ``argo submit --from
+workflowtemplate/NAME -p key=value --wait``) and a Workflow with a fixed name that runs that template
+once, so ``kubectl apply -f argo/ablation.yaml`` runs one ablation.
 
 Parameters: ``spec`` (the ablation spec's TOML text, parsed again strictly in every pod, which
 receives it as a raw input artifact), ``image`` and ``gpu-product``.  Resources, GPU requests and
@@ -17,13 +19,20 @@ volume's.  A run of N ranks is one pod with N GPUs (torchrun inside it; ``--rank
 step against the spec).  When arms run different rank counts there is one replay template per count
 (``replay-rN``, its own GPU request), fanned out over that count's indexes (``plan-rN``, published
 by the capture); the DAG's ``parallelism`` still bounds them all.  The reducer **always runs once
-the fan-out has ended** (``depends`` on the replays having
-succeeded, failed or errored; ``failFast: false``) and writes a verdict, refused when replays are
-missing, so a failed replay is judged, never silently dropped; its exit code fails the workflow when
-the verdict is not a pass.  Retries: exit 3 (an error, nothing decided) and infrastructure errors
-only, on another node; 1 and 2 are final.  ``podGC`` deletes the pods of successful steps; every
-template has ``activeDeadlineSeconds``; the replays and the capture may take a semaphore for the
-GPU pool (``semaphore = "CONFIGMAP/KEY"`` in the spec) and a priority class.
+the fan-out has ended** (``depends`` on the replays having succeeded, failed or errored, or on the
+capture having failed; ``failFast: false``) and writes a verdict, refused when replays are missing
+(or the capture), so a failed replay is judged, never silently dropped; its exit code fails the
+workflow when the verdict is not a pass, and ``replayjob argo wait``
+(:mod:`replayjob.deploy.workflow`) returns it.  Retries: exit 3 (an error, nothing decided) and
+infrastructure errors only, on another node; 1 and 2 are final.  ``podGC`` deletes the pods of
+successful steps; every template has ``activeDeadlineSeconds``; the replays and the capture may take
+a semaphore for the GPU pool (``semaphore = "CONFIGMAP/KEY"`` in the spec); every step takes the
+spec's priority class, and with ``queue`` every workflow pod carries ``kueue.x-k8s.io/queue-name``
+(``podMetadata``).  The workflow's own deadline is sized from the waves
+(:func:`replayjob.deploy.k8s.run_deadline_s`).  What the templates were rendered with (resources,
+parallelism, the claim, the number of replays: ``REPLAYJOB_RENDERED``) is compared by every step
+with the ``spec`` parameter it receives: a submitted spec that differs there is refused, not
+silently run with the rendered values.
 """
 
 from __future__ import annotations
@@ -40,9 +49,11 @@ RETRY_EXPRESSION = 'lastRetry.status == "Error" || lastRetry.exitCode == "3"'
 
 
 def reduce_depends(tasks: list[str]) -> str:
-    """The reducer runs once every replay task has ended, however it ended."""
+    """The reducer runs once every replay task has ended, however it ended, or once the capture failed
+    (no replay runs then, and the verdict is refused: no capture): every run ends with a verdict."""
     ended = [f"{t}.Succeeded || {t}.Failed || {t}.Errored" for t in tasks]
-    return ended[0] if len(ended) == 1 else " && ".join(f"({e})" for e in ended)
+    replays = ended[0] if len(ended) == 1 else " && ".join(f"({e})" for e in ended)
+    return f"capture.Failed || capture.Errored || ({replays})"
 
 
 def _p(name: str) -> str:
@@ -59,13 +70,13 @@ def parameters(spec: AblationSpec, text: str) -> list[Doc]:
 
 
 def retry() -> Doc:
-    return {"limit": "2", "retryPolicy": "Always", "expression": RETRY_EXPRESSION,
+    return {"limit": str(k8s.RETRIES), "retryPolicy": "Always", "expression": RETRY_EXPRESSION,
             "backoff": {"duration": "30s", "factor": "2", "maxDuration": "10m"},
             "affinity": {"nodeAntiAffinity": {}}}
 
 
 def _container(spec: AblationSpec, command: list[str], gpu: bool, ranks: int = 1) -> Doc:
-    env = [*k8s.env_list({**k8s.static_env(_p("image"))}),
+    env = [*k8s.env_list({**k8s.static_env(_p("image"), spec)}),
            k8s.field_env("REPLAYJOB_NODE_NAME", "spec.nodeName"), k8s.field_env("REPLAYJOB_POD_NAME", "metadata.name"),
            *k8s.threads_env()]
     return {"image": _p("image"), "imagePullPolicy": "IfNotPresent", "command": command, "env": env,
@@ -89,6 +100,8 @@ def _template(spec: AblationSpec, name: str, command: list[str], gpu: bool, rank
         if spec.semaphore:
             cm, key = spec.semaphore.split("/", 1)
             tpl["synchronization"] = {"semaphores": [{"configMapKeyRef": {"name": cm, "key": key}}]}
+    if spec.priority_class:  # every step, GPU or not
+        tpl["priorityClassName"] = spec.priority_class
     tpl["metadata"] = {"labels": lab}
     tpl["activeDeadlineSeconds"] = str(spec.deadline_s)  # IntOrString in the Argo schemas
     tpl["retryStrategy"] = retry()
@@ -135,7 +148,8 @@ def templates(spec: AblationSpec) -> list[Doc]:
                                 *(_out(plan_name(t), plan_name(t) + ".json") for t in names.values())]})
     replays = [_template(
         spec, task, k8s.step_command("replay", RUN_DIR, "--index", _i("index"), "--ranks", str(ranks),
-                                     "--pins", _i("pins")), spec.gpu, ranks, "replay",
+                                     "--pins", _i("pins"), "--wait-s", str(k8s.REPLAY_WAIT_S)), spec.gpu, ranks,
+        "replay",
         inputs={"parameters": [{"name": "index"}, {"name": "pins"}]}) for ranks, task in names.items()]
     reduce = _template(
         spec, "reduce", k8s.step_command("reduce", RUN_DIR, "--outputs", OUTPUTS), False,
@@ -169,7 +183,8 @@ def workflow_template(spec: AblationSpec, text: str) -> Doc:
             "automountServiceAccountToken": False,
             "executor": {"serviceAccountName": f"{spec.name}-executor"},
             "securityContext": k8s.pod_security(),
-            "activeDeadlineSeconds": 2 * spec.deadline_s,
+            **({"podMetadata": {"labels": {k8s.QUEUE_LABEL: spec.queue}}} if spec.queue else {}),
+            "activeDeadlineSeconds": k8s.run_deadline_s(spec, concurrent_counts=True),  # from the waves
             "podGC": {"strategy": "OnPodSuccess"},
             "ttlStrategy": {"secondsAfterCompletion": k8s.TTL_S},
             "volumes": k8s.volumes(spec),
@@ -186,14 +201,33 @@ def workflow(spec: AblationSpec) -> Doc:
 
 
 HEADER = ("# Rendered by `replayjob k8s render {source} --argo argo/ablation.yaml`; edit the spec, not\n"
-          "# this file.  Run once: kubectl apply -f argo/ablation.yaml; gate on a run:\n"
-          "#   argo submit --from workflowtemplate/{name} -p image=REF --wait   (see docs/cluster.md)\n")
+          "# this file.  First, once per namespace: kubectl apply -f argo/setup.yaml.  Then each\n"
+          "# kubectl apply -f argo/ablation.yaml runs one ablation; gate on a run with the reducer's code:\n"
+          "#   argo submit --from workflowtemplate/{name} -p image=REF -o name, then\n"
+          "#   replayjob argo wait NAME   (0 pass, 1 fail, 2 refused, 3 error; see docs/cluster.md)\n")
+SETUP_HEADER = ("# Rendered by `replayjob k8s render {source} --argo-setup argo/setup.yaml`; edit the spec, not\n"
+                "# this file.  Applied once per namespace, before any run: the executor's service account\n"
+                "# and the claim that holds every run.  Deleting it deletes every run's data.\n")
+
+
+def render_setup(spec: AblationSpec) -> list[Doc]:
+    """What outlives every run (``argo/setup.yaml``, applied once): the executor's service account and
+    its one permission, and the claim that holds every run's data."""
+    spec.check_cluster()
+    return [*executor_rbac(spec), k8s.pvc(spec)]
 
 
 def render(spec: AblationSpec, text: str) -> list[Doc]:
-    """Every document of ``argo/ablation.yaml``, in apply order."""
-    return [*executor_rbac(spec), k8s.pvc(spec), workflow_template(spec, text), workflow(spec)]
+    """Every document of ``argo/ablation.yaml``, in apply order: the WorkflowTemplate and one Workflow
+    (refused unless the spec can run on a cluster:
+    :meth:`~replayjob.deploy.ablation.AblationSpec.check_cluster`)."""
+    spec.check_cluster()
+    return [workflow_template(spec, text), workflow(spec)]
 
 
 def dump(spec: AblationSpec, text: str, source: str = "ablation.toml") -> str:
     return k8s.dump(render(spec, text), HEADER.format(source=source, name=spec.name))
+
+
+def dump_setup(spec: AblationSpec, source: str = "ablation.toml") -> str:
+    return k8s.dump(render_setup(spec), SETUP_HEADER.format(source=source))

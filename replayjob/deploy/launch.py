@@ -93,6 +93,23 @@ def rank_env(environ: Mapping[str, str]) -> dict[str, str]:
             "MASTER_PORT": str(master_port(environ["SLURM_JOB_ID"]))}
 
 
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def rank_thread_env(environ: Mapping[str, str], nproc: int, launcher: str) -> dict[str, str]:
+    """Each rank's share of the threads: under torchrun the ranks share one pod, whose
+    ``OMP_NUM_THREADS`` (its CPU limit, or this machine's CPUs) is divided among them; an srun task's
+    is already its own (``SLURM_CPUS_PER_TASK``), left as it is."""
+    if launcher != "torchrun" or nproc <= 1:
+        return {}
+    out = {}
+    for name in THREAD_VARS:
+        raw = environ.get(name, "")
+        total = int(raw) if raw.isdigit() and int(raw) > 0 else (os.cpu_count() or 1)
+        out[name] = str(max(1, total // nproc))
+    return out
+
+
 def srun_command(nproc: int, argv: Sequence[str]) -> list[str]:
     """``nproc`` tasks of ``replayjob ARGV`` on one node of this allocation, one rank each."""
     if nproc < 1:

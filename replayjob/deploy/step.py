@@ -6,8 +6,13 @@ Kubernetes Jobs, the Argo workflow, the Slurm jobs and ``scripts/local-mid-smoke
 * **the selection**: the spec, optionally restricted (``--arms``, in file order), with another
   repeat count, device or claim (:func:`select`), validated like the spec itself;
 * **the run record and its fingerprint**: ``RUN/run.json`` holds the SHA-256 of the selected spec and
-  the image reference (``REPLAYJOB_IMAGE_REF``); the first step writes it (exclusively), every later
-  step compares, so a run directory never mixes two runs' artifacts (exit 2);
+  the image's identity (:func:`image_identity`: the digest of ``REPLAYJOB_IMAGE_REF``, or of an
+  Apptainer ``.sif`` file, ``REPLAYJOB_IMAGE_DIGEST``; a tag alone only under ``image_policy =
+  "local"``), and records both; the first step writes it (exclusively), every later step compares, so
+  a run directory never mixes two runs' artifacts, nor two images (exit 2);
+* **the render-time fields**: a step launched from rendered manifests (``REPLAYJOB_RENDERED``)
+  refuses a spec whose resources, parallelism, claim, deadlines or number of replays differ from
+  those the manifests were rendered with (:func:`check_rendered`);
 * **the output layout** (:class:`Layout`)::
 
       RUN/run.json                 the run record (fingerprint)
@@ -45,6 +50,9 @@ Kubernetes Jobs, the Argo workflow, the Slurm jobs and ``scripts/local-mid-smoke
   ranks it provisioned (``--ranks N``) is refused when the spec needs another number, and one with a
   Job per rank count names a replay by its position among that count's (``--position``).
 
+* **retention**: ``step prune --run-root DIR --older-than DAYS`` deletes the run directories in which
+  nothing was written for that long (:func:`prune_runs`).
+
 Example:
     $ replayjob step capture --spec ablation.toml --run-dir /shared/runs/ab1
     $ replayjob step replay --spec ablation.toml --run-dir /shared/runs/ab1 --index 4
@@ -53,6 +61,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -64,7 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from replayjob import metrics
-from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec, Run, toml_value
+from replayjob.deploy.ablation import DETERMINISM_ENV, RENDERED_ENV, AblationSpec, Run, is_digest_ref, toml_value
 from replayjob.deploy.launch import check_launcher
 from replayjob.digest import is_sha256_hex, sha256_json
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError, UsageError
@@ -72,6 +81,7 @@ from replayjob.errors import ConfigError, ContractError, IntegrityError, Refused
 RUN_SCHEMA = "replayjob.run/v1"
 RUN_RECORD = "run.json"
 IMAGE_ENV = "REPLAYJOB_IMAGE_REF"
+DIGEST_ENV = "REPLAYJOB_IMAGE_DIGEST"
 
 
 def select(spec: AblationSpec, arms: str | None = None, repeats: int | None = None,
@@ -207,8 +217,67 @@ class Layout:
         return self.source == self.run / "source"
 
 
+def image_identity(spec: AblationSpec) -> tuple[str, str | None]:
+    """The image this step runs from: its reference (``REPLAYJOB_IMAGE_REF``, "" outside a container)
+    and its digest: the reference's ``@sha256:`` part, else ``REPLAYJOB_IMAGE_DIGEST`` (the SHA-256 of
+    an Apptainer ``.sif`` file, set by the Slurm jobs).  A reference without a digest is refused unless
+    the spec declares ``image_policy = "local"``: a tag can move between two steps of one run."""
+    ref = os.environ.get(IMAGE_ENV, "")
+    digest = ref.split("@", 1)[1] if is_digest_ref(ref) else None
+    given = os.environ.get(DIGEST_ENV, "")
+    if given:
+        if not re.fullmatch(r"sha256:[0-9a-f]{64}", given):
+            raise ConfigError(f"{DIGEST_ENV}={given[:80]!r} is not sha256: and 64 lowercase hex digits",
+                              where="environment")
+        if digest is not None and given != digest:
+            raise ContractError(f"{DIGEST_ENV} ({given}) contradicts the digest of {IMAGE_ENV} ({ref})",
+                                where="environment")
+        digest = given
+    if ref and digest is None and spec.image_policy != "local":
+        raise ConfigError(f"the image {ref!r} is not named by its digest, so this run could not tell it from "
+                          "another image under the same tag", where=IMAGE_ENV,
+                          hint="run REGISTRY/replayjob@sha256:... (render the manifests from a spec whose image "
+                               "is pinned), or declare image_policy = \"local\" in the spec for local development")
+    return ref, digest
+
+
+def check_rendered(spec: AblationSpec) -> None:
+    """Refuse a spec whose render-time fields (:meth:`AblationSpec.render_fields`) differ from those the
+    launcher's manifests were rendered with (``REPLAYJOB_RENDERED``, set in every rendered container):
+    an edited ConfigMap or an Argo ``spec`` parameter cannot change parallelism, resources, the claim
+    or the number of replays after the fact, while the run record would claim it did."""
+    import json
+
+    raw = os.environ.get(RENDERED_ENV)
+    if raw is None:
+        return  # not launched from rendered manifests (Slurm, the funnel, a workstation)
+    try:
+        rendered = json.loads(raw)
+        if not isinstance(rendered, dict):
+            raise ValueError("not an object")
+    except ValueError as exc:
+        raise ConfigError(f"{RENDERED_ENV} is not a JSON object: {exc}", where="environment") from None
+    mine = json.loads(json.dumps(spec.render_fields()))
+    differ = [f"{k} = {json.dumps(rendered.get(k))} rendered, {json.dumps(mine.get(k))} here"
+              for k in sorted(set(rendered) | set(mine)) if rendered.get(k) != mine.get(k)]
+    if differ:
+        raise ContractError("the spec differs from the one the manifests were rendered with in fields fixed at "
+                            "render time: " + "; ".join(differ), where=RENDERED_ENV,
+                            hint="render the manifests again from this spec (replayjob k8s render); Argo's spec "
+                                 "parameter may change arms, repeats' knobs and config, not these fields")
+
+
+def run_environment() -> dict[str, str | None]:
+    """The determinism environment and the NCCL settings that change numerics, as the first step of
+    the run saw them (recorded in ``run.json``; every replay records its own in its provenance)."""
+    from replayjob.determinism import NCCL_NUMERICS
+
+    return {name: os.environ.get(name) for name in dict.fromkeys([*DETERMINISM_ENV, *NCCL_NUMERICS])}
+
+
 def fingerprint(spec: AblationSpec, image: str) -> str:
-    """SHA-256 of the selected spec and the image reference: what makes two runs the same run."""
+    """SHA-256 of the selected spec and the image (its digest where there is one, else its reference):
+    what makes two runs the same run."""
     return sha256_json({"spec": dataclasses.asdict(spec), "image": image})
 
 
@@ -218,12 +287,19 @@ def check_run_record(layout: Layout, spec: AblationSpec, *, create: bool = True)
     from replayjob.fsio import atomic_write_bytes
     from replayjob.jsonio import pretty_bytes, read_json_object
 
-    image = os.environ.get(IMAGE_ENV, "")
-    fp = fingerprint(spec, image)
+    image, digest = image_identity(spec)
+    fp = fingerprint(spec, digest or image)
     path = layout.run / RUN_RECORD
     if not path.exists() and create:
         try:
+            layout.run.mkdir(parents=True, exist_ok=True)
+        except PermissionError as exc:
+            raise RefusedError(f"cannot create the run directory: {exc.strerror}", where=layout.run,
+                               hint=f"the image runs as uid 10001: create {layout.run.parent.parent} on the claim, "
+                                    "owned by that uid, once (docs/cluster.md, 'Storage')") from None
+        try:
             atomic_write_bytes(path, pretty_bytes({"schema": RUN_SCHEMA, "fingerprint": fp, "image": image,
+                                                   "image_digest": digest, "environment": run_environment(),
                                                    "spec": dataclasses.asdict(spec)}), exclusive=True)
             return
         except RefusedError:
@@ -238,6 +314,42 @@ def check_run_record(layout: Layout, spec: AblationSpec, *, create: bool = True)
         raise ContractError("this run directory holds another run's artifacts (the spec, the selection or "
                             f"the image differ: fingerprint {doc['fingerprint'][:12]} there, {fp[:12]} here)",
                             where=layout.run, hint="give every submission its own run directory (a new run id)")
+
+
+def prune_runs(root: Path, older_than_days: int, *, dry_run: bool = False, now: float | None = None,
+               log: Any = print) -> list[Path]:
+    """Retention: delete every run directory under ``root`` (a directory holding ``run.json``, at any
+    depth: ``runs/NAME/RUNID``) in which nothing was written for ``older_than_days`` days (the newest
+    modification time of anything in it).  Symbolic links are never followed; ``dry_run`` lists only.
+    Returns the directories (to be) deleted."""
+    import shutil
+
+    if older_than_days < 1:
+        raise UsageError(f"--older-than must be at least 1 day, found {older_than_days}")
+    if not root.is_dir() or root.is_symlink():
+        raise RefusedError("not a directory of runs", where=root, hint="e.g. /artifacts/runs on the claim")
+    cutoff = (time.time() if now is None else now) - older_than_days * 86400
+    runs: list[Path] = []
+    for top, dirs, files in os.walk(root):
+        if RUN_RECORD in files:
+            runs.append(Path(top))
+            dirs.clear()  # a run's own tree holds no other run
+    out = []
+    for run in sorted(runs):
+        newest = run.lstat().st_mtime
+        for top, dirs, files in os.walk(run):
+            for name in (*dirs, *files):
+                with contextlib.suppress(OSError):
+                    newest = max(newest, os.lstat(os.path.join(top, name)).st_mtime)
+        if newest >= cutoff:
+            continue
+        age = (cutoff + older_than_days * 86400 - newest) / 86400
+        log(f"prune: {'would delete' if dry_run else 'deleting'} {run} (nothing written for {age:.0f} days)")
+        if not dry_run:
+            shutil.rmtree(run)
+        out.append(run)
+    log(f"prune: {len(out)} of {len(runs)} run(s) {'would be ' if dry_run else ''}deleted under {root}")
+    return out
 
 
 def ensure_determinism_env(argv: Sequence[str], *, reexec: bool) -> None:
@@ -327,6 +439,7 @@ def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None
     from replayjob.fsio import atomic_write_text
 
     check_launcher(launcher)
+    check_rendered(spec)
     _check_ranks("the capture", spec.ranks, ranks)
     check_run_record(layout, spec)
     if not (layout.workspace / "replay.toml").is_file():
@@ -393,6 +506,7 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
     """One replay: index -> (arm, repeat), strict pins, ``RUN/replays/ARM/REPEAT`` (reused if complete),
     on the ranks its arm runs."""
     check_launcher(launcher)
+    check_rendered(spec)
     run = spec.run_for_index(index)
     nproc = spec.ranks_for_index(index)
     planted = parse_plants(spec, plants).get(run.arm, [])
@@ -444,6 +558,7 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
 
     if blocks is not None and not 1 <= blocks <= spec.repeats:
         raise UsageError(f"--blocks must be between 1 and the selection's {spec.repeats} repeats, got {blocks}")
+    check_rendered(spec)
     check_run_record(layout, spec, create=False)
     deadline = time.monotonic() + wait_s
     expected = list(expected_files(spec, layout, blocks))
@@ -451,6 +566,9 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
         if not _wait_for(path, max(0.0, deadline - time.monotonic()), "every replay", log):
             break
     missing = [str(p.parent.relative_to(layout.run)) for p in expected if not p.is_file()]
+    if not (layout.source / metrics.SOURCE_FILE).is_file():
+        log(f"step: no capture: {layout.source} holds no {metrics.SOURCE_FILE} (the capture failed or never ran); "
+            "the verdict is refused")
     if missing:
         log(f"step: {len(missing)} replay(s) left no {metrics.REPLAY_FILE}: {', '.join(missing)}")
     layout.replays.mkdir(parents=True, exist_ok=True)

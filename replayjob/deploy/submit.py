@@ -1,23 +1,26 @@
-"""``replayjob k8s submit``: create one run of an ablation with the kubernetes client, stage by stage.
+"""``replayjob k8s submit|resume``: start one run of an ablation in the cluster; no client in the chain.
+
+A run is chained **in the cluster** by its driver, a Job running ``replayjob k8s drive``
+(:mod:`replayjob.deploy.driver`), not by this process: ``submit`` creates the driver Job and the run's
+spec ConfigMap (owned by the driver, so it goes with the run) and returns, or with ``wait`` follows
+the driver and returns its code, the reducer's.  A CI runner that dies after ``submit`` leaves the
+run going to its verdict; ``wait`` on a run submitted earlier is ``resume RUN_ID --wait``.
 
 Every submission is its own run: a run id (UTC time plus random hex) names its objects
-(``NAME-RUNID-capture`` ...), labels them and, through the downward API, becomes its run directory
-``/artifacts/runs/NAME/RUNID``; ``replayjob step`` checks the run's fingerprint there, so nothing of
-another run is ever reused.  The namespace is ``--namespace``, else the kubeconfig context's, else
-the pod's own (in cluster), else ``default``.
+(``NAME-RUNID-driver``, ``-capture`` ...), labels them and, through the downward API, becomes its run
+directory ``/artifacts/runs/NAME/RUNID``; ``replayjob step`` checks the run's fingerprint there, so
+nothing of another run is ever reused.  The namespace is ``--namespace``, else the kubeconfig
+context's, else the pod's own (in cluster), else ``default``.  What outlives runs (the claim, the
+driver's service account and Role) is applied once per namespace (``k8s/setup``); a submission into
+a namespace without it is refused.
 
-Stages: the spec ConfigMap and the PVC (kept if it exists), the capture Job; only after the capture
-succeeded, the replay Job (every arm and repeat, the spec's ``parallelism`` across all of them; one
-Job per rank count, one after another, when arms run different numbers of ranks), so replays never
-hold GPUs the capture needs; once the replays ended, however they ended, the reduce
-Job, which always writes a verdict (refused when replays are missing).  Within the replay Job a
-replay that fails for good stops its siblings (``maxFailedIndexes: 0``).  Without ``wait`` the
-command returns once the reduce Job exists; with ``wait`` it waits for it and returns its code.
+``resume RUN_ID`` starts a new driver for a run whose driver ended without finishing it (its retries
+used up, an API outage) and adds it as an owner of the run's ConfigMap; the new driver adopts the
+stage Jobs that exist and creates the rest.  With a driver still running it only follows it.
 
-Exit codes: a stage that failed for good passes its container's code on: 1 (a negative verdict) and 2
-(refused) are final; 3 (an error on every attempt) and infrastructure failures that used up their
-retries are errors (3, retryable).  API calls are retried with exponential backoff on connection
-errors, 429 and 5xx; an API that stays unreachable is an error (3).
+Exit codes: the driver's, which is the reducer's (0 pass, 1 a negative verdict, 2 refused; 3 an error
+on every attempt, or a run that ended without a verdict).  API calls are retried with exponential
+backoff on connection errors, 429 and 5xx; an API that stays unreachable is an error (3).
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ class Api:
 
         self.default_namespace = _load_config() if api_client is None else "default"
         api_client = api_client or client.ApiClient()
+        self.client = api_client
         self.core, self.batch = client.CoreV1Api(api_client), client.BatchV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)  # Argo's Workflows
         self.tries, self.backoff_s, self.sleep, self.log = tries, backoff_s, sleep, log
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -102,25 +107,84 @@ class Api:
             delay = min(delay * 2, 60.0)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def create(self, namespace: str, body: dict[str, Any], *, exist_ok: bool = False) -> bool:
+    def _method(self, kind: str, verb: str) -> Callable[..., Any]:
+        api, plural = {"ConfigMap": (self.core, "config_map"),
+                       "PersistentVolumeClaim": (self.core, "persistent_volume_claim"),
+                       "ServiceAccount": (self.core, "service_account"), "Pod": (self.core, "pod"),
+                       "Job": (self.batch, "job")}[kind]
+        fn: Callable[..., Any] = getattr(api, f"{verb}_namespaced_{plural}")
+        return fn
+
+    def as_dict(self, obj: Any) -> dict[str, Any]:
+        out: dict[str, Any] = self.client.sanitize_for_serialization(obj)
+        return out
+
+    def create(self, namespace: str, body: dict[str, Any], *, exist_ok: bool = False) -> dict[str, Any] | None:
+        """Create ``body``; return the object as created (its ``metadata.uid``), or None when it existed
+        and ``exist_ok``."""
         from kubernetes.client.exceptions import ApiException
 
-        api, method = {"ConfigMap": (self.core, "create_namespaced_config_map"),
-                       "PersistentVolumeClaim": (self.core, "create_namespaced_persistent_volume_claim"),
-                       "Job": (self.batch, "create_namespaced_job")}[body["kind"]]
-        fn: Callable[..., Any] = getattr(api, method)
         name = f"{body['kind']} {body['metadata']['name']}"
         try:
-            self.call(f"creating {name}", fn, namespace=namespace, body=body)
-            return True
+            return self.as_dict(self.call(f"creating {name}", self._method(body["kind"], "create"),
+                                          namespace=namespace, body=body))
         except ApiException as exc:
             if exc.status == 409 and exist_ok:
-                return False
+                return None
             if exc.status == 409:
                 raise ArtifactExistsError(f"{name} already exists", where=f"namespace {namespace}",
                                           hint="every submission gets a new run id; delete the old objects") from None
             raise RefusedError(f"creating {name} failed: HTTP {exc.status} {exc.reason}",
                                where=f"namespace {namespace}") from None
+
+    def read(self, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
+        """The object, or None when there is none (404); any other refusal is one."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return self.as_dict(self.call(f"reading {kind} {name}", self._method(kind, "read"), name, namespace))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise RefusedError(f"reading {kind} {name} failed: HTTP {exc.status} {exc.reason}",
+                               where=f"namespace {namespace}") from None
+
+    def exists(self, namespace: str, kind: str, name: str) -> bool:
+        return self.read(namespace, kind, name) is not None
+
+    def list_of(self, namespace: str, kind: str, selector: str) -> list[dict[str, Any]]:
+        """The objects of ``kind`` whose labels match ``selector`` (``k=v,k2=v2``)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            found = self.call(f"listing {kind} {selector}", self._method(kind, "list"), namespace,
+                              label_selector=selector)
+        except ApiException as exc:
+            raise RefusedError(f"listing {kind} failed: HTTP {exc.status} {exc.reason}",
+                               where=f"namespace {namespace}") from None
+        return [self.as_dict(item) for item in found.items]
+
+    def patch(self, namespace: str, kind: str, name: str, ops: list[dict[str, Any]]) -> None:
+        """Apply a JSON patch (RFC 6902) to the object."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.call(f"patching {kind} {name}", self._method(kind, "patch"), name, namespace, ops)
+        except ApiException as exc:
+            raise RefusedError(f"patching {kind} {name} failed: HTTP {exc.status} {exc.reason}",
+                               where=f"namespace {namespace}") from None
+
+    def add_owner(self, namespace: str, kind: str, doc: dict[str, Any], owner: dict[str, Any]) -> bool:
+        """Make ``owner`` one more owner of ``doc`` (a ``kind``; deleted once all its owners are); False
+        when it was one."""
+        meta = doc["metadata"]
+        refs = meta.get("ownerReferences") or []
+        if any(r.get("uid") == owner["uid"] for r in refs):
+            return False
+        op = ({"op": "add", "path": "/metadata/ownerReferences/-", "value": owner} if refs
+              else {"op": "add", "path": "/metadata/ownerReferences", "value": [owner]})
+        self.patch(namespace, kind, meta["name"], [op])
+        return True
 
     def job_state(self, namespace: str, name: str) -> tuple[str | None, str]:
         job = self.call(f"reading job {name}", self.batch.read_namespaced_job_status, name, namespace)
@@ -140,12 +204,16 @@ class Api:
 
 
 def _wait(api: Api, namespace: str, name: str, poll_s: float, log: Log) -> tuple[str, str]:
+    """Poll a Job until it has ended: every ``poll_s`` seconds, sooner at first (0.5 s, doubling), so a
+    short stage is seen ending soon after it did."""
+    delay = min(poll_s, 0.5)
     while True:
         state, reason = api.job_state(namespace, name)
         if state is not None:
             log(f"job {name}: {state}{' (' + reason + ')' if reason else ''}")
             return state, reason
-        api.sleep(poll_s)
+        api.sleep(delay)
+        delay = min(poll_s, delay * 2)
 
 
 def _failure(api: Api, namespace: str, name: str, reason: str) -> Exception:
@@ -158,33 +226,92 @@ def _failure(api: Api, namespace: str, name: str, reason: str) -> Exception:
                hint=f"kubectl logs -n {namespace} job/{name}")
 
 
+def check_setup(api: Api, namespace: str, spec: AblationSpec) -> None:
+    """Refuse a run in a namespace without the once-applied setup (the claim, the driver's account): a
+    run never creates what outlives it, so deleting a run never deletes data."""
+    for kind, name in (("PersistentVolumeClaim", spec.claim_name), ("ServiceAccount", k8s.driver_account(spec))):
+        if not api.exists(namespace, kind, name):
+            raise RefusedError(f"no {kind} {name}: the namespace's setup is not applied",
+                               where=f"namespace {namespace}",
+                               hint=f"once per namespace: replayjob k8s render SPEC --setup k8s/setup && "
+                                    f"kubectl -n {namespace} apply -k k8s/setup")
+
+
+def job_ended(job: dict[str, Any]) -> bool:
+    return any(c.get("status") == "True" and c.get("type") in ("Complete", "Failed")
+               for c in (job.get("status") or {}).get("conditions") or [])
+
+
+def wait_driver(api: Api, namespace: str, name: str, poll_s: float, log: Log) -> int:
+    """Follow a driver Job to its end; its code is the reducer's (a failure is raised with it)."""
+    log(f"following job/{name} (kubectl -n {namespace} logs -f job/{name})")
+    state, reason = _wait(api, namespace, name, poll_s, log)
+    if state == "Complete":
+        return EXIT_OK
+    raise _failure(api, namespace, name, reason)
+
+
 def submit(spec: AblationSpec, text: str, namespace: str | None, *, wait: bool, api_client: Any | None = None,
            poll_s: float = 10.0, log: Log = print, run_id: str | None = None, api: Api | None = None) -> int:
-    """Create one run stage by stage (see the module docstring); with ``wait``, the reducer's code."""
+    """Start one run: its driver Job and its spec ConfigMap (owned by the driver); with ``wait``,
+    follow the driver and return its code (see the module docstring)."""
+    run_id = run_id or new_run_id()
+    files = k8s.render(spec, text, run_id)  # refused (a tag image, ...) before the API is touched
     api = api or Api(api_client, log=log)
     ns = namespace or api.default_namespace
-    run_id = run_id or new_run_id()
-    files = k8s.render(spec, text, run_id)
-    log(f"submit: run {run_id} in namespace {ns}; run directory {k8s.MOUNT}/runs/{spec.name}/{run_id} "
-        f"on PVC {spec.claim_name}")
-    api.create(ns, files["spec.yaml"])
-    if api.create(ns, files["pvc.yaml"], exist_ok=True):
-        log(f"created persistentvolumeclaim/{spec.claim_name}")
-    replays = [files[n] for n in k8s.replay_files(spec)]  # one per rank count, one after another
-    stages = [files["capture.yaml"], *replays, files["reduce.yaml"]]
-    for body in stages:
-        body["spec"]["suspend"] = False  # this stage's turn has come
-        name = body["metadata"]["name"]
-        api.create(ns, body)
-        log(f"created job/{name}")
-        if body is stages[-1] and not wait:
-            break
-        state, reason = _wait(api, ns, name, poll_s, log)
-        if state == "Failed" and body is stages[0]:
-            raise _failure(api, ns, name, reason)  # no capture, no replays
-        if state == "Failed" and any(body is r for r in replays):
-            log(f"submit: job {name} failed ({reason}); the reducer judges the missing replays")
-        if state == "Failed" and body is stages[-1]:
-            raise _failure(api, ns, name, reason)
+    check_setup(api, ns, spec)
+    driver = api.create(ns, files["driver.yaml"])
+    assert driver is not None
+    config_map = files["spec.yaml"]
+    config_map["metadata"]["ownerReferences"] = [k8s.owner_reference(driver)]  # it goes with the run
+    api.create(ns, config_map)
+    name = driver["metadata"]["name"]
+    log(f"submit: run {run_id} in namespace {ns}: job/{name} chains capture, replays and reduce in the cluster; "
+        f"run directory {k8s.MOUNT}/runs/{spec.name}/{run_id} on PVC {spec.claim_name}")
+    if not wait:
+        log(f"follow it: replayjob k8s resume {run_id} --namespace {ns} --wait")
+        return EXIT_OK
+    code = wait_driver(api, ns, name, poll_s, log)
     log(f"verdict: {k8s.MOUNT}/runs/{spec.name}/{run_id}/verdict.json on PVC {spec.claim_name}")
-    return EXIT_OK
+    return code
+
+
+def resume(run_id: str, namespace: str | None, *, wait: bool, api_client: Any | None = None, poll_s: float = 10.0,
+           log: Log = print, api: Api | None = None) -> int:
+    """Continue run ``run_id``: follow its driver if one still runs, else start a new one (see the
+    module docstring)."""
+    from replayjob.deploy.ablation import spec_from_text
+
+    api = api or Api(api_client, log=log)
+    ns = namespace or api.default_namespace
+    selector = f"{k8s.RUN_ID_LABEL}={run_id},app.kubernetes.io/component="
+    maps = api.list_of(ns, "ConfigMap", selector + "spec")
+    if not maps:
+        raise RefusedError(f"no run {run_id}: its spec ConfigMap is gone (the run was deleted, or its jobs' TTL "
+                           "passed)", where=f"namespace {ns}", hint="submit a new run")
+    config_map = maps[0]
+    where = f"configmap {config_map['metadata']['name']}"
+    spec = spec_from_text((config_map.get("data") or {}).get("ablation.toml", ""), where)
+    drivers = sorted(api.list_of(ns, "Job", selector + k8s.DRIVER),
+                     key=lambda d: str(d["metadata"].get("creationTimestamp") or ""))
+    running = [d for d in drivers if not job_ended(d)]
+    if running:
+        name = running[-1]["metadata"]["name"]
+        log(f"resume: run {run_id}: job/{name} is still driving it")
+    else:
+        body = k8s.driver_job(spec, run_id, config_map["metadata"]["name"], suffix=f"-{len(drivers) + 1}")
+        if drivers:  # the image and GPU product the run's first driver ran with (an overlay may have set them)
+            previous = drivers[-1]["spec"]["template"]["spec"]["containers"][0]
+            mine = body["spec"]["template"]["spec"]["containers"][0]
+            mine["image"] = previous["image"]
+            given = {e["name"]: e for e in previous.get("env") or [] if "value" in e}
+            mine["env"] = [given.get(e["name"], e) if e["name"] in ("REPLAYJOB_IMAGE_REF", "REPLAYJOB_GPU_PRODUCT")
+                           else e for e in mine["env"]]
+        driver = api.create(ns, body)
+        assert driver is not None
+        name = driver["metadata"]["name"]
+        api.add_owner(ns, "ConfigMap", config_map, k8s.owner_reference(driver))
+        log(f"resume: run {run_id}: started job/{name}, which adopts the run's jobs and creates the rest")
+    if not wait:
+        return EXIT_OK
+    return wait_driver(api, ns, name, poll_s, log)

@@ -37,6 +37,13 @@ replayjob_cmd() {
       fi
     done
     REPLAYJOB+=(--env "REPLAYJOB_IMAGE_REF=$REPLAYJOB_IMAGE")
+    # A .sif file is identified by its SHA-256, computed by every job from the file it runs: a file
+    # replaced between two jobs of one run changes the run's fingerprint, and the step refuses.
+    if [ -f "$REPLAYJOB_IMAGE" ]; then
+      local digest
+      digest=$(sha256sum "$REPLAYJOB_IMAGE") || { echo "job: cannot read $REPLAYJOB_IMAGE" >&2; exit 3; }
+      REPLAYJOB+=(--env "REPLAYJOB_IMAGE_DIGEST=sha256:${digest%% *}")
+    fi
     if [ -n "$threads" ]; then
       REPLAYJOB+=(--env "OMP_NUM_THREADS=$threads" --env "MKL_NUM_THREADS=$threads")
     fi
