@@ -23,6 +23,7 @@ def doc(text: str, default: Any = None, **kw: Any) -> Any:
 Trainer = Literal["grpo", "optimizer_replay"]
 Estimator = Literal["grpo", "dr_grpo", "rloo"]
 DType = Literal["float32", "bfloat16", "float16"]
+SamplingDType = Literal["model", "bfloat16", "float16"]
 
 
 @dataclass(frozen=True)
@@ -79,12 +80,23 @@ class InferenceConfig:
     engine: Literal["pytorch"] = doc("Sampling engine; 'pytorch' samples with the policy itself.", "pytorch")
     max_new_tokens: int = doc("Longest completion in tokens.", 8)
     temperature: float = doc("Sampling temperature (> 0).", 1.0)
+    top_p: float = doc("Nucleus sampling: keep the most likely tokens whose probabilities first reach top_p, "
+                       "renormalised; 1 keeps every token.", 1.0)
+    top_k: int = doc("Keep only the top_k most likely tokens, renormalised; 0 keeps every token.", 0)
+    sampling_dtype: SamplingDType = doc(
+        "Precision of the sampler's forward: 'model' runs it in model.dtype; 'bfloat16' or 'float16' "
+        "under torch.autocast, as a lower-precision inference engine does. The trainer's logprobs always "
+        "run in model.dtype (docs/mismatch.md).", "model")
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError("must be >= 1", where="inference.max_new_tokens")
         if not self.temperature > 0:
             raise ConfigError("must be > 0", where="inference.temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError("must be in (0, 1] (1 keeps every token)", where="inference.top_p")
+        if self.top_k < 0:
+            raise ConfigError("must be >= 0 (0 keeps every token)", where="inference.top_k")
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,7 @@ class OptimizerBatchConfig:
     arm: str = doc("Condition name for reports; '' derives it from the declared differences.", "")
     tolerances_sha256: str = doc("SHA-256 of a predeclared tolerance file (approximate claim).", "")
     budgets_sha256: str = doc("SHA-256 of a predeclared budget file (reduce --budgets).", "")
+    mismatch_bound_sha256: str = doc("SHA-256 of a predeclared mismatch bound file (mismatch --bound).", "")
     warmup_updates: int = doc(
         "Replay: in-process updates from the same restored state run and discarded after the measured "
         "fresh-process update.", 0)
@@ -218,6 +231,10 @@ class AlgorithmConfig:
     token_cap: int = doc("Cap on response tokens per batch that carry loss weight; 0 disables.", 0)
     loss_agg: Literal["token-mean", "seq-mean-token-mean"] = doc("How token losses are averaged.",
                                                                  "token-mean")
+    logprob_temperature: Literal["sampling", "none"] = doc(
+        "The trainer's logprobs (old, reference and the loss's): 'sampling' divides the logits by "
+        "inference.temperature, as the sampler does; 'none' does not, as releases before this setting did "
+        "(consistent with the sampler only at temperature 1; docs/mismatch.md).", "sampling")
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:

@@ -126,7 +126,7 @@ def check_pins(ob: OptimizerBatchConfig, out: Refusals, pins: dict[str, str], ma
         out.refuse(f"optimizer_batch.replay_path is required (the source's {manifest_name})")
     if ob.arm == "source":  # the reducer reserves it for the capture run
         out.refuse("optimizer_batch.arm 'source' is reserved for the capture run; pick another name")
-    for key in ("tolerances_sha256", "budgets_sha256"):  # in replay_metrics.json, where reduce needs a digest
+    for key in ("tolerances_sha256", "budgets_sha256", "mismatch_bound_sha256"):  # each must be a digest
         if getattr(ob, key):
             try:
                 normalize_digest(getattr(ob, key), what=f"optimizer_batch.{key}")
@@ -235,11 +235,25 @@ def check_contract(out: Refusals, source: dict[str, Any], source_sha: str, repla
 
 
 def source_config(m: Manifest) -> dict[str, Any]:
-    """The source's resolved config as the manifest records it; a capture from before ``[distributed]``
-    existed ran on one process, so that section reads as the defaults with ``world_size = 1``."""
-    if "distributed" in m.config:
-        return m.config
-    return {**m.config, "distributed": to_dict(DistributedConfig(world_size=1))}
+    """The source's resolved config as the manifest records it, read as what the capture ran.
+
+    A capture from before ``[distributed]`` existed ran on one process, so that section reads as the
+    defaults with ``world_size = 1``.  One from before the sampler's truncation and dtype settings
+    sampled without truncation in the model's dtype (``top_p = 1``, ``top_k = 0``, ``sampling_dtype =
+    "model"``), and its trainer applied no temperature to its logprobs: ``algorithm.logprob_temperature``
+    reads ``"none"``, or ``"sampling"`` at temperature 1, where the two are the same computation.
+    """
+    out = dict(m.config)
+    if "distributed" not in out:
+        out["distributed"] = to_dict(DistributedConfig(world_size=1))
+    inference = out.get("inference")
+    if isinstance(inference, dict) and "sampling_dtype" not in inference:
+        out["inference"] = {**inference, "top_p": 1.0, "top_k": 0, "sampling_dtype": "model"}
+    algorithm = out.get("algorithm")
+    if isinstance(algorithm, dict) and "logprob_temperature" not in algorithm:
+        at_one = isinstance(inference, dict) and inference.get("temperature") == 1.0
+        out["algorithm"] = {**algorithm, "logprob_temperature": "sampling" if at_one else "none"}
+    return out
 
 
 def _check_contract_and_config(adm: Admission) -> None:

@@ -2,7 +2,9 @@
 
 Tensors: ``tokens``, ``token_offsets``, ``prompt_lens``, ``resp_offsets`` (int64),
 ``old_logprobs``, ``ref_logprobs``, ``advantages``, ``loss_weights`` (float64), ``rng.cpu`` and
-``rng.cuda.N`` (uint8).  Metadata names the format and its version.
+``rng.cuda.N`` (uint8), and optionally ``sampler_logprobs`` (float64, one per response token: the
+sampler's own view, read by ``replayjob mismatch``; a payload written before the sampler recorded it
+has none, which means "no sampler source recorded").  Metadata names the format and its version.
 
 The payload is pinned by its **span digest** (:data:`DIGEST_TAG`): the SHA-256 of a domain tag, the
 file size (u64), the SHA-256 of the header block (the 8-byte length and the JSON header), then for
@@ -62,14 +64,16 @@ DIGEST_TAG = b"replayjob.payload-spans.v1\n"
 MAX_HEADER_BYTES = 1024 * 1024
 INT_FIELDS = ("tokens", "token_offsets", "prompt_lens", "resp_offsets")
 FLOAT_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "loss_weights")
-STREAMED = ("tokens", *FLOAT_FIELDS)  # per-token arrays: never held when streaming
+OPTIONAL_FLOAT_FIELDS = (batch_mod.SAMPLER_FIELD,)  # per response token when present; not in the row digests
+STREAMED = ("tokens", *FLOAT_FIELDS, *OPTIONAL_FLOAT_FIELDS)  # per-token arrays: never held when streaming
 RNG_PREFIX = "rng."
 MAX_WORKERS = 4  # spans hashed at once, at most
 Buffer = tensorfile.Buffer
 Span = tuple[int, int, int]  # absolute (begin, end, element count)
 SCHEMA = tensorfile.Schema(
     "payload", {**{k: ("I64", 1) for k in INT_FIELDS}, **{k: ("F64", 1) for k in FLOAT_FIELDS}, "rng.cpu": ("U8", 1)},
-    optional=((r"rng\.cuda\.(0|[1-9][0-9]*)", "U8", 1),),  # ASCII digits only (matched with re.ASCII)
+    optional=((r"rng\.cuda\.(0|[1-9][0-9]*)", "U8", 1),  # ASCII digits only (matched with re.ASCII)
+              *((name, "F64", 1) for name in OPTIONAL_FLOAT_FIELDS)),
     metadata={"format": FORMAT}, max_header_bytes=MAX_HEADER_BYTES)
 _SUM_CHUNK = 1 << 16  # elements per exact-sum step: small temporaries stay in the allocator's cache
 
@@ -202,7 +206,7 @@ class _Checks:
             a = np.frombuffer(piece, dtype="<i8")
             res = self.results[name]
             res.negative = res.negative or bool(a.size and a.min() < 0)
-        elif name in FLOAT_FIELDS:
+        elif name in FLOAT_FIELDS or name in OPTIONAL_FLOAT_FIELDS:
             _check_floats(name, np.frombuffer(piece, dtype="<f8"), first, self.results[name])
 
 
@@ -274,7 +278,8 @@ def _scan(source: str | Path | Buffer, keep: bool, where: str | Path | None,
         out.fault = scanned.error
         return out
     ints = {k: np.frombuffer(scanned.kept[k], dtype="<i8") for k in ("token_offsets", "prompt_lens", "resp_offsets")}
-    counts = {k: header.tensors[k].shape[0] for k in (*INT_FIELDS, *FLOAT_FIELDS)}
+    floats = (*FLOAT_FIELDS, *(k for k in OPTIONAL_FLOAT_FIELDS if k in header.tensors))
+    counts = {k: header.tensors[k].shape[0] for k in (*INT_FIELDS, *floats)}
     try:
         _check_content(header, counts, ints, checks.results, where, allow_nonfinite)
     except IntegrityError as exc:
@@ -293,7 +298,7 @@ def _scan(source: str | Path | Buffer, keep: bool, where: str | Path | None,
     rng_names = [k for k in header.tensors if k.startswith(RNG_PREFIX)]
     out.rng = {k[len(RNG_PREFIX):]: t for k, t in scanned.tensors(rng_names).items()}
     if keep:
-        out.batch = OptimizerBatch(**scanned.tensors((*INT_FIELDS, *FLOAT_FIELDS)))
+        out.batch = OptimizerBatch(**scanned.tensors((*INT_FIELDS, *floats)))
     return out
 
 
@@ -306,7 +311,7 @@ def _check_content(header: tensorfile.Header, counts: dict[str, int], ints: dict
     check_ragged(ints, counts, where)
     if results["tokens"].negative:
         raise _fail("negative token id", where)
-    for f in FLOAT_FIELDS:
+    for f in (*FLOAT_FIELDS, *OPTIONAL_FLOAT_FIELDS):
         first = results[f].first_nonfinite
         if first is not None and not (allow_nonfinite and f != "loss_weights"):
             row = int(np.searchsorted(ints["resp_offsets"], first, side="right")) - 1
@@ -339,7 +344,7 @@ def check_ragged(ints: dict[str, np.ndarray], counts: dict[str, int], where: str
             raise _fail(f"{name} decreases at row {i} ({int(offs[i])} -> {int(offs[i + 1])})", where)
     if tok_off[-1] != counts["tokens"]:
         raise _fail(f"token_offsets end at {int(tok_off[-1])} but there are {counts['tokens']} tokens", where)
-    for f in FLOAT_FIELDS:
+    for f in (*FLOAT_FIELDS, *(k for k in OPTIONAL_FLOAT_FIELDS if k in counts)):
         if resp_off[-1] != counts[f]:
             raise _fail(f"resp_offsets end at {int(resp_off[-1])} but {f} has {counts[f]} values", where)
     # Offsets now lie in [0, count], so these differences cannot overflow; the prompt length is

@@ -14,6 +14,11 @@ Digest layout (v2; little-endian throughout), SHA-256 of::
     ref_logprobs, advantages, loss_weights (float64):
         u64 element count, then the 32-byte SHA-256 of the array's little-endian bytes
 
+An optional per-response-token float64 array, ``sampler_logprobs`` (the sampler's own
+log-probability of each sampled token, ``docs/mismatch.md``), travels with the rows but is not
+consumed by the update, so it is in neither digest (the payload's span digest covers it); a batch
+without it (a capture written before the sampler recorded it) has no sampler source.
+
 The effective rows are those with at least one non-zero loss weight; their arrays are the logical
 ones restricted to those rows, offsets rebased to start at zero.  Each flat array is hashed whole
 (a zero-copy view of contiguous memory), the large ones on parallel threads (hashlib releases
@@ -34,6 +39,7 @@ import torch
 from torch import Tensor
 
 _ROW_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "loss_weights")
+SAMPLER_FIELD = "sampler_logprobs"  # optional, not hashed into the row digests
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class OptimizerBatch:
     ref_logprobs: Tensor    # float64 [sum(resp)]
     advantages: Tensor      # float64 [sum(resp)]
     loss_weights: Tensor    # float64 [sum(resp)]: mask, token cap and loss normalisation folded in
+    sampler_logprobs: Tensor | None = None  # float64 [sum(resp)], optional: the sampler's view
 
     @property
     def rows(self) -> int:
@@ -62,8 +69,12 @@ class OptimizerBatch:
         return int(self.resp_offsets[-1])
 
     def tensors(self) -> dict[str, Tensor]:
-        return {name: getattr(self, name) for name in (
+        """Every array by name (``sampler_logprobs`` only when present)."""
+        out = {name: getattr(self, name) for name in (
             "tokens", "token_offsets", "prompt_lens", "resp_offsets", *_ROW_FIELDS)}
+        if self.sampler_logprobs is not None:
+            out[SAMPLER_FIELD] = self.sampler_logprobs
+        return out
 
     def logical_sha256(self) -> str:
         return self.digests()[0]
@@ -94,11 +105,13 @@ class OptimizerBatch:
         return OptimizerBatch(
             tokens=self.tokens[t0:t1].clone(), token_offsets=self.token_offsets[begin:end + 1] - t0,
             prompt_lens=self.prompt_lens[begin:end].clone(), resp_offsets=self.resp_offsets[begin:end + 1] - r0,
-            **{k: getattr(self, k)[r0:r1].clone() for k in _ROW_FIELDS})
+            **{k: getattr(self, k)[r0:r1].clone() for k in _ROW_FIELDS},
+            sampler_logprobs=None if self.sampler_logprobs is None else self.sampler_logprobs[r0:r1].clone())
 
     @staticmethod
     def concat(parts: list[OptimizerBatch]) -> OptimizerBatch:
-        """The rows of ``parts`` one after another (offsets rebased): the inverse of :meth:`shard`."""
+        """The rows of ``parts`` one after another (offsets rebased): the inverse of :meth:`shard`
+        (``sampler_logprobs`` only when every part has them)."""
         def offsets(name: str) -> Tensor:
             out, base = [torch.zeros(1, dtype=torch.int64)], 0
             for p in parts:
@@ -108,12 +121,15 @@ class OptimizerBatch:
         return OptimizerBatch(
             tokens=torch.cat([p.tokens for p in parts]), token_offsets=offsets("token_offsets"),
             prompt_lens=torch.cat([p.prompt_lens for p in parts]), resp_offsets=offsets("resp_offsets"),
-            **{k: torch.cat([getattr(p, k) for p in parts]) for k in _ROW_FIELDS})
+            **{k: torch.cat([getattr(p, k) for p in parts]) for k in _ROW_FIELDS},
+            sampler_logprobs=(torch.cat([p.sampler_logprobs for p in parts])  # type: ignore[misc]
+                              if all(p.sampler_logprobs is not None for p in parts) else None))
 
     @staticmethod
     def from_padded(seqs: list[list[int]], prompt_lens: list[int], fields: dict[str, Tensor],
                     mask: Tensor) -> OptimizerBatch:
-        """Build from per-row token lists and padded ``[N, T]`` response-token fields."""
+        """Build from per-row token lists and padded ``[N, T]`` response-token fields (``sampler_logprobs``
+        among them is optional)."""
         lens = [int(mask[i].sum()) for i in range(len(seqs))]
         for i, (s, p) in enumerate(zip(seqs, prompt_lens, strict=True)):
             if len(s) - p != lens[i]:
@@ -126,6 +142,7 @@ class OptimizerBatch:
             prompt_lens=torch.tensor(prompt_lens, dtype=torch.int64),
             resp_offsets=_offsets(lens),
             **{k: flat(fields[k]) for k in _ROW_FIELDS},
+            sampler_logprobs=flat(fields[SAMPLER_FIELD]) if SAMPLER_FIELD in fields else None,
         )
 
 

@@ -1,7 +1,8 @@
 """The source trainer (``training.trainer = "grpo"``): real one-step-at-a-time GRPO on LoRA.
 
-Per step: prompts from the seeded toy task -> G sampled completions per prompt -> reward.raw ->
-reward.post_process -> old and reference logprobs -> advantage.kl -> advantage.estimate (then
+Per step: prompts from the seeded toy task -> G sampled completions per prompt (the sampler's own
+logprob of each token recorded) -> reward.raw -> reward.post_process -> old and reference logprobs (at
+the sampling temperature, ``algorithm.logprob_temperature``) -> advantage.kl -> advantage.estimate (then
 optional batch normalisation, clipping and the token cap) -> loss weights -> the optimizer batch
 -> hooks (capture point) -> one AdamW update -> a diag.jsonl row.  Checkpoints every
 ``save_every`` steps; resuming from one continues bitwise-identically on CPU.
@@ -34,7 +35,7 @@ from replayjob.rl import stages
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.diag import optimizer_checksum, peak_memory_bytes, stats, tensor_checksum
 from replayjob.rl.hooks import StepHook, StepRollout, TrainerView, abandon_all
-from replayjob.rl.logprobs import padded, token_logprobs
+from replayjob.rl.logprobs import logprob_temperature, padded, token_logprobs
 from replayjob.rl.state import (
     OPTIMIZER_FILE,
     RNG_FILE,
@@ -71,7 +72,8 @@ def build_rollout(policy: Policy, cfg: Config, task: Task, step: int, seed: int)
             prompt_ids.append(ids)
             answers.append(p.answer)
             group.append(gi)
-    responses = sample(policy, prompt_ids, cfg.inference.max_new_tokens, cfg.inference.temperature)
+    sampled = sample(policy, prompt_ids, cfg.inference)
+    responses = sampled.tokens
     completions = [tok.decode([t for t in r if t != tok.eos_id]) for r in responses]
     raw = stages.reward_raw(completions, answers, task.score)
     g = torch.tensor(group, dtype=torch.int64)
@@ -80,8 +82,10 @@ def build_rollout(policy: Policy, cfg: Config, task: Task, step: int, seed: int)
     seqs = [p + r for p, r in zip(prompt_ids, responses, strict=True)]
     N, T = len(seqs), max(len(r) for r in responses)
     mask = torch.zeros((N, T), dtype=torch.float64)
+    sampler = torch.zeros((N, T), dtype=torch.float64)  # the sampler's own logprobs (docs/mismatch.md)
     for i, r in enumerate(responses):
         mask[i, : len(r)] = 1.0
+        sampler[i, : len(r)] = torch.tensor(sampled.logprobs[i], dtype=torch.float64)
     old = _response_logprobs(policy, seqs, prompt_ids, responses, T, cfg, reference=False)
     ref = _response_logprobs(policy, seqs, prompt_ids, responses, T, cfg, reference=True)
     kl = stages.token_kl(old, ref, mask, "k1")
@@ -95,7 +99,8 @@ def build_rollout(policy: Policy, cfg: Config, task: Task, step: int, seed: int)
                           prompt_ids, responses, g, raw, scores, mask, old, ref, kl, adv, loss_mask, weights)
     batch = OptimizerBatch.from_padded(
         seqs, [len(p) for p in prompt_ids],
-        {"old_logprobs": old, "ref_logprobs": ref, "advantages": adv, "loss_weights": weights}, mask)
+        {"old_logprobs": old, "ref_logprobs": ref, "advantages": adv, "loss_weights": weights,
+         "sampler_logprobs": sampler}, mask)
     return rollout, batch
 
 
@@ -107,15 +112,16 @@ def _response_logprobs(policy: Policy, seqs: list[list[int]], prompt_ids: list[l
     model.eval()
     out = torch.zeros((len(seqs), T), dtype=torch.float64)
     mbs = cfg.training.micro_batch_size
+    temperature = logprob_temperature(cfg)
     try:
         for start in range(0, len(seqs), mbs):
             chunk = list(range(start, min(start + mbs, len(seqs))))
             ids, att = padded([seqs[i] for i in chunk], policy.tokenizer.pad_id, policy.device)
             if reference:
                 with policy.reference():
-                    lp = token_logprobs(model, ids, att)
+                    lp = token_logprobs(model, ids, att, temperature)
             else:
-                lp = token_logprobs(model, ids, att)
+                lp = token_logprobs(model, ids, att, temperature)
             lp = lp.double().cpu()
             for j, i in enumerate(chunk):
                 p, n = len(prompt_ids[i]), len(responses[i])

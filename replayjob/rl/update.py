@@ -24,7 +24,7 @@ from replayjob.config import Config
 from replayjob.model.backend import Policy
 from replayjob.rl import stages
 from replayjob.rl.batch import OptimizerBatch, micro_batches
-from replayjob.rl.logprobs import token_logprobs
+from replayjob.rl.logprobs import logprob_temperature, token_logprobs
 
 if TYPE_CHECKING:
     from replayjob.distributed import Parallel
@@ -79,6 +79,7 @@ def optimizer_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Op
     ratio_n = 0
     kept: dict[int, torch.Tensor] = {}
     model = policy.model if parallel is None else parallel.module
+    temperature = logprob_temperature(cfg)  # the sampling temperature, as the old logprobs applied it
     mbs = micro_batches(batch, cfg.training.micro_batch_size, policy.tokenizer.pad_id)
     if parallel is not None:
         parallel.check_micro_batches(len(mbs))
@@ -86,7 +87,7 @@ def optimizer_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Op
         _sync(dev)
         t0 = time.perf_counter()
         with contextlib.nullcontext() if parallel is None else parallel.micro_batch(last=i == len(mbs) - 1):
-            logp = token_logprobs(model, mb.input_ids.to(dev), mb.attention_mask.to(dev))
+            logp = token_logprobs(model, mb.input_ids.to(dev), mb.attention_mask.to(dev), temperature)
             m = mb.resp_mask.to(dev)
             loss = stages.policy_loss(logp, mb.old_logprobs.to(dev), mb.advantages.to(dev),
                                       mb.loss_weights.to(dev), clip_low=a.clip_eps_low, clip_high=a.clip_eps_high,

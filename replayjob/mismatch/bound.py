@@ -1,0 +1,69 @@
+"""The declared mismatch bound: a small TOML file, pinned by SHA-256 before the capture is examined.
+
+On CPU a same-condition recompute is bitwise, so there is no noise floor to infer a bound from: it
+is declared.  The file holds exactly::
+
+    max_abs_log_ratio = 1e-4    # the largest per-token |log pi_trainer - log pi_source|
+    max_kl = 1e-8               # the largest k3 KL estimate (mean of rho - 1 - log rho)
+    band = 0.001                # d: a token's ratio rho is outside the band when |rho - 1| > d
+    max_outside_share = 0.0     # the largest share of tokens outside the band
+
+and its SHA-256 is pinned in the capture's replay config as ``[optimizer_batch]
+mismatch_bound_sha256``, as a tolerance file is pinned (``tolerances_sha256``): a bound that is not
+pinned, or whose bytes do not match the pin, is refused (exit 2) before anything is recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from replayjob.digest import normalize_digest
+from replayjob.errors import IntegrityError
+from replayjob.gate.evidence import read_pinned_toml
+
+KEYS = ("max_abs_log_ratio", "max_kl", "band", "max_outside_share")
+EXAMPLE = "max_abs_log_ratio = 1e-4, max_kl = 1e-8, band = 0.001, max_outside_share = 0.0"
+
+
+@dataclass(frozen=True)
+class Bound:
+    path: Path
+    sha256: str
+    max_abs_log_ratio: float
+    max_kl: float
+    band: float
+    max_outside_share: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": str(self.path), "sha256": self.sha256, **{k: getattr(self, k) for k in KEYS}}
+
+
+def read_bound(path: str | Path, pin: str) -> Bound:
+    """Read the bound file and check it against ``pin`` (``optimizer_batch.mismatch_bound_sha256``)."""
+    p = Path(path)
+    doc, sha = read_pinned_toml(p, "mismatch bound")
+    unknown, missing = sorted(set(doc) - set(KEYS)), sorted(set(KEYS) - set(doc))
+    if unknown or missing:
+        raise IntegrityError(f"mismatch bound keys: unknown {unknown}, missing {missing}", where=p,
+                             hint=f"write exactly {EXAMPLE}")
+    values = {}
+    for k in KEYS:
+        v = doc[k]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            raise IntegrityError(f"{k} must be a finite number >= 0", where=p)
+        values[k] = float(v)
+    if values["max_outside_share"] > 1:
+        raise IntegrityError("max_outside_share is a share of tokens, in [0, 1]", where=p)
+    if not pin:
+        raise IntegrityError("the mismatch bound is not pinned: a bound chosen after seeing the result decides "
+                             "nothing", where="optimizer_batch.mismatch_bound_sha256",
+                             hint=f"set optimizer_batch.mismatch_bound_sha256 = \"{sha}\" in the capture's replay "
+                                  "config (or --set it) when the bound is declared")
+    want = normalize_digest(pin, what="optimizer_batch.mismatch_bound_sha256")
+    if want != sha:
+        raise IntegrityError(f"the mismatch bound file hashes to {sha}, the replay config pins {want}", where=p,
+                             hint="use the bound file that was declared, or declare this one by pinning its SHA-256")
+    return Bound(p, sha, **values)

@@ -1,0 +1,203 @@
+"""The recompute for a capture of replayjob's own trainer.
+
+The model is rebuilt exactly as a replay rebuilds it (admission, determinism controls, the backend,
+the pinned start adapter re-hashed as it loads) and runs in eval mode under ``torch.no_grad``: no
+sampling, no update.  The trainer's view is :func:`replayjob.rl.logprobs.token_logprobs` at the
+temperature the trainer applies, over the update's own right-padded micro-batches.  The sampler's
+view is the capture's ``sampler_logprobs``; the trainer's own ``old_logprobs`` (same step, same
+function) are the second source.  Both were produced with the weights of step K: no policy lag.
+
+Passes (each a forward over every captured token):
+
+* ``trainer``: the update's layout in the model's dtype (the trainer's values, and from its logits the
+  temperature and truncation hypotheses);
+* ``precision``: the same layout with the forward under the sampler's autocast dtype (only when the
+  sampler ran in another dtype);
+* ``padding``: the sampler's layout -- every row's prompt left-padded to the longest prompt of the
+  step, the response after it, positions counted from the attention mask -- in the model's dtype;
+* ``position``: the sampler's layout with positions counted over the padding (0, 1, 2, ... from the
+  first column), the classic left-padding bug;
+* ``combined``: the sampler's layout and dtype with its temperature and truncation: the sampler's
+  computation, recomputed in one forward.
+
+The extra passes run only when some source differs from the trainer's values at all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from replayjob import determinism
+from replayjob.config import Config
+from replayjob.errors import ContractError
+from replayjob.mismatch.views import Collector, Side, Source, Views
+from replayjob.model.backend import Policy, load_backend
+from replayjob.optbatch.explain import Admission
+from replayjob.rl.batch import OptimizerBatch, micro_batches
+from replayjob.rl.logprobs import logprob_temperature, logprobs_of, response_logits, truncate
+from replayjob.rl.sampling import precision
+from replayjob.rl.state import check_model
+
+TRAINER_LAYOUT = "right-padded micro-batches of training.micro_batch_size rows, positions from the mask"
+SAMPLER_LAYOUT = "every row's prompt left-padded to the step's longest prompt, positions from the mask"
+
+
+def build_policy(cfg: Config, adm: Admission) -> Policy:
+    """The policy at the captured step, built as a replay builds it (the start adapter re-hashed)."""
+    assert adm.manifest is not None and adm.state is not None
+    strict = cfg.backend.options.strict_deterministic
+    determinism.establish(strict=strict, seed=cfg.training.seed)
+    policy = load_backend(cfg.backend.name).build(cfg)
+    determinism.mark_model_built(strict)
+    check_model(adm.state, policy.model_reference())
+    policy.load_adapter(adm.state.adapter_file, adm.manifest.initial_adapter_sha256)
+    return policy
+
+
+def sides(cfg: Config) -> tuple[Side, Side]:
+    """The trainer's and the sampler's settings as the capture's config records them."""
+    inf = cfg.inference
+    trainer = Side(temperature=logprob_temperature(cfg), dtype="model", layout=TRAINER_LAYOUT)
+    sampler = Side(temperature=inf.temperature, top_k=inf.top_k, top_p=inf.top_p, dtype=inf.sampling_dtype,
+                   layout=SAMPLER_LAYOUT)
+    return trainer, sampler
+
+
+def sources(batch: OptimizerBatch, trainer: Side, sampler: Side) -> list[Source]:
+    lag_reason = "sampled at step K with the weights of step K: the reference trainer samples, then updates"
+    out = []
+    if batch.sampler_logprobs is not None:
+        out.append(Source("sampler", "sampler_logprobs", "the sampler's log-probability of each token it drew, "
+                          "under the distribution it drew from", sampler, 0, lag_reason,
+                          batch.sampler_logprobs.double()))
+    out.append(Source("trainer_old", "old_logprobs", "the trainer's own logprobs at sampling time (eval mode), "
+                      "the PPO ratio's denominator", trainer, 0, lag_reason, batch.old_logprobs.double()))
+    return out
+
+
+def token_index(batch: OptimizerBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per response token: its row, position, token id and the sampler's left padding of its row."""
+    resp = (batch.resp_offsets[1:] - batch.resp_offsets[:-1]).to(torch.int64)
+    rows = torch.repeat_interleave(torch.arange(batch.rows), resp)
+    starts = torch.repeat_interleave(batch.resp_offsets[:-1], resp)
+    position = torch.arange(batch.response_tokens()) - starts
+    token = torch.cat([batch.row_tokens(i)[int(batch.prompt_lens[i]):] for i in range(batch.rows)])
+    longest = int(batch.prompt_lens.max())
+    pad = (longest - batch.prompt_lens)[rows]
+    return rows, position, token.to(torch.int64), pad.to(torch.int64)
+
+
+def _trainer_layout(batch: OptimizerBatch, size: int, pad_id: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    for mb in micro_batches(batch, size, pad_id):
+        yield mb.input_ids, mb.attention_mask, mb.resp_mask > 0
+
+
+def _sampler_layout(batch: OptimizerBatch, size: int, pad_id: int,
+                    plain_positions: bool = False) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """Rows as the sampler held them: prompts left-padded to the step's longest, responses after."""
+    longest = int(batch.prompt_lens.max())
+    for start in range(0, batch.rows, size):
+        rows = list(range(start, min(start + size, batch.rows)))
+        resp = [int(batch.resp_offsets[i + 1] - batch.resp_offsets[i]) for i in rows]
+        width = longest + max(resp)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+        att = torch.zeros((len(rows), width), dtype=torch.int64)
+        mask = torch.zeros((len(rows), width - 1), dtype=torch.bool)
+        for j, i in enumerate(rows):
+            p, n = int(batch.prompt_lens[i]), resp[j]
+            ids[j, longest - p:longest + n] = batch.row_tokens(i)
+            att[j, longest - p:longest + n] = 1
+            mask[j, longest - 1:longest - 1 + n] = True
+        pos = (torch.arange(width).expand(len(rows), width) if plain_positions
+               else (att.cumsum(-1) - 1).clamp_min(0))
+        yield ids, att, pos, mask
+
+
+def _forward(model: torch.nn.Module, ids: Tensor, att: Tensor, pos: Tensor) -> Tensor:
+    return model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False).logits[:, :-1, :].float()
+
+
+@torch.no_grad()
+def recompute(policy: Policy, batch: OptimizerBatch, cfg: Config) -> Views:
+    """Every pass of the module docstring over the captured rows; the per-token views."""
+    trainer, sampler = sides(cfg)
+    srcs = sources(batch, trainer, sampler)
+    row, position, token, pad = token_index(batch)
+    col = Collector(row, position, token, pad, trainer, sampler, srcs)
+    model, dev = policy.model, policy.device
+    size, pad_id = cfg.training.micro_batch_size, policy.tokenizer.pad_id
+    was_training = model.training
+    model.eval()
+    timings: dict[str, float] = {}
+    try:
+        t0 = time.perf_counter()
+        trainer_pass(col, model, dev, batch, size, pad_id)
+        timings["trainer"] = time.perf_counter() - t0
+        if any(bool((s.values != col.views.trainer).any()) for s in srcs):
+            _extra_passes(col, model, dev, batch, size, pad_id, trainer, sampler, timings)
+    finally:
+        model.train(was_training)
+    views = col.finish()
+    views.passes = [f"{name} ({seconds:.3f} s)" for name, seconds in timings.items()]
+    return views
+
+
+@torch.no_grad()
+def trainer_pass(col: Collector, model: torch.nn.Module, dev: torch.device, batch: OptimizerBatch, size: int,
+                 pad_id: int) -> None:
+    """The trainer's values over the update's micro-batches, with the hypotheses its logits give."""
+    start = 0
+    for ids, att, mask in _trainer_layout(batch, size, pad_id):
+        ids, att, mask = ids.to(dev), att.to(dev), mask.to(dev)
+        logits = response_logits(model, ids, att)  # what token_logprobs computes, kept for the hypotheses
+        values = logprobs_of(logits, ids[:, 1:], col.views.trainer_side.temperature)[mask]
+        col.trainer_chunk(start, values, logits[mask])
+        start += int(values.numel())
+
+
+def _extra_passes(col: Collector, model: torch.nn.Module, dev: torch.device, batch: OptimizerBatch, size: int,
+                  pad_id: int, trainer: Side, sampler: Side, timings: dict[str, float]) -> None:
+    def run(name: str, test: str, label: str, chunks: Iterator[Any], dtype: str, side: Side) -> None:
+        t0 = time.perf_counter()
+        start = 0
+        for chunk in chunks:
+            if len(chunk) == 3:
+                ids, att, mask = (t.to(dev) for t in chunk)
+                pos = (att.cumsum(-1) - 1).clamp_min(0)
+            else:
+                ids, att, pos, mask = (t.to(dev) for t in chunk)
+            with precision(dtype, dev):
+                logits = _forward(model, ids, att, pos)
+            if side.truncates:
+                logits = truncate(logits / side.temperature, side.top_k, side.top_p)
+                values = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)[mask]
+            else:
+                values = logprobs_of(logits, ids[:, 1:], side.temperature)[mask]
+            col.hypothesis(test, label, start, values)
+            start += int(values.numel())
+        timings[name] = time.perf_counter() - t0
+
+    if sampler.dtype != "model":
+        run("precision", "precision", f"the trainer's computation with its forward under {sampler.dtype} autocast",
+            _trainer_layout(batch, size, pad_id), sampler.dtype, trainer)
+    run("padding", "padding", "the trainer's computation in the sampler's layout (prompts left-padded)",
+        _sampler_layout(batch, size, pad_id), "model", trainer)
+    run("position", "padding", "the sampler's layout with positions counted over the padding",
+        _sampler_layout(batch, size, pad_id, plain_positions=True), "model", trainer)
+    run("combined", "combined", "every recorded sampler setting at once (layout, dtype, temperature, truncation)",
+        _sampler_layout(batch, size, pad_id), sampler.dtype, sampler)
+
+
+def check_vocabulary(policy: Policy, batch: OptimizerBatch, where: str) -> None:
+    """A captured token id must index this model's vocabulary (as a replay checks)."""
+    get = getattr(policy.model, "get_input_embeddings", None)
+    n = getattr(get(), "num_embeddings", None) if callable(get) else None
+    vocab = n if isinstance(n, int) else policy.tokenizer.vocab_size
+    top = int(batch.tokens.max())
+    if top >= vocab:
+        raise ContractError(f"captured token id {top} is outside this model's vocabulary ({vocab})", where=where)
