@@ -16,6 +16,7 @@ Usage:
                    [--warmup-updates W --measured-updates M]
                    [--plant-nondeterminism | --plant-kill | --plant-undeclared]
   replayjob step plan --spec SPEC [--plant PLANT]... [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
+  replayjob step prune --run-root DIR --older-than DAYS [--dry-run]
   replayjob step capture --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--outputs DIR]
                    [--ranks N] [--launcher L] [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob step replay --spec SPEC --run-dir DIR (--index I [--ranks N] | --position K --ranks N)
@@ -24,9 +25,13 @@ Usage:
   replayjob step reduce --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--wait-s S] [--outputs DIR]
                    [--blocks N] [--report FILE] [--max-looks N]
                    [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
-  replayjob k8s render <spec> [--out DIR] [--argo FILE]
+  replayjob k8s render <spec> [--out DIR] [--setup DIR] [--argo FILE] [--argo-setup FILE]
   replayjob k8s submit <spec> [--namespace NS] [--wait]
+  replayjob k8s resume <run-id> [--namespace NS] [--wait]
+  replayjob k8s drive --spec SPEC
+  replayjob argo wait <workflow> [--namespace NS]
   replayjob trace-diff <a> <b> [--reference DIR]... [--json]
+  replayjob mismatch <capture> [--bound FILE] [--allow-lag] [--json] [--set KEY=VALUE]...
   replayjob diag-diff <a.jsonl> <b.jsonl> [--rtol R] [--atol A] [--ignore GLOB]... [--top N] [--json]
   replayjob determinism-check <config> [--runs K] [--steps N] [--out DIR] [--set KEY=VALUE]...
                    [--rtol R] [--atol A] [--ignore GLOB]... [--top N] [--json]
@@ -55,13 +60,24 @@ Commands:
   step       One stage of an ablation under one run directory, the command every launcher runs
              (Jobs, Argo, Slurm, scripts): `capture` (init + capture, reused when complete),
              `replay --index I` (index -> arm, repeat; strict pins), `reduce` (every arm of the
-             spec; always writes RUN/verdict.json), `plan` (size, parallelism, arms: KEY=VALUE).
-  k8s        `render` an ablation spec as Kubernetes manifests (--out DIR; --argo FILE for the
-             Argo workflow), or `submit` them with the kubernetes client (--wait: the reducer's code).
+             spec; always writes RUN/verdict.json), `plan` (size, parallelism, arms: KEY=VALUE),
+             `prune` (retention: delete runs in which nothing was written for --older-than days).
+  k8s        `render` an ablation spec as Kubernetes manifests (a run's in --out DIR, the once-applied
+             setup in --setup DIR, the Argo workflow in --argo FILE), `submit` one run (its
+             in-cluster driver Job chains the stages; --wait: the reducer's code), `resume` a run
+             whose driver ended early, or `drive` (the driver Job's own command).
+  argo       `wait` for an Argo workflow to end and exit with its reduce step's code (0 pass, 1 fail,
+             2 refused, 3 error or no verdict), which `argo submit --wait` (0 or 1) does not tell.
   trace-diff Compare two traced replays (replay --trace) of one capture, or two arm directories of
              them: the first divergent module in forward and in backward order, per-layer errors,
              each divergence classified bitwise equal / within the noise envelope / beyond it
              (docs/trace-format.md); exit 0 identical, 1 divergent, 2 refused.
+  mismatch   Recompute the trainer's per-token logprobs of a capture's completions from the pinned
+             model state of that step (no sampling, no update), compare them with every logprob
+             source the capture records (the sampler's own, the trainer's old ones), attribute the
+             gap (temperature, truncation, precision, padding) and state the policy lag
+             (docs/mismatch.md); <capture> is its replay config or a capture directory holding one.
+             Exit 0 within the declared --bound, 1 beyond it, 2 refused or no bound declared.
   diag-diff  Compare two JSONL diagnostics leaf by leaf (rows aligned by step, else position);
              exit 1 on drift with the first divergent row and its largest drifts.
   determinism-check
@@ -125,6 +141,9 @@ Options:
   --plant PLANT     step replay: ARM:SETTING=VALUE, an undeclared override in one arm (a negative control).
                     step plan: only validated against the selection (exit 2 if malformed).
   --wait-s S        step: wait up to S seconds for an earlier stage's output [default: 0].
+  --run-root DIR    step prune: the directory holding run directories (/artifacts/runs on the claim).
+  --older-than DAYS step prune: delete the runs in which nothing was written for DAYS days.
+  --dry-run         step prune: list what would be deleted; delete nothing.
   --blocks N        step reduce: only the first N blocks (repeats) of every arm: one look of a
                     sequential experiment (the funnel's --until-decided).
   --resume DIR      funnel: start from this step -1 resume state instead of the one init writes.
@@ -141,10 +160,17 @@ Options:
   --plant-kill      funnel: plant a signal rule that always KILLs (stage 2 must stop, exit 1).
   --plant-undeclared  funnel: the baseline arm changes a knob it does not declare (stage 3, exit 2).
   --argo FILE       Also write the Argo workflow (kubectl apply -f FILE) for the spec.
+  --setup DIR       Also write what outlives runs, applied once per namespace (kubectl apply -k DIR):
+                    the claim holding every run's data.
+  --argo-setup FILE Also write Argo's once-per-namespace file: the executor's account and the claim.
   --namespace NS    Kubernetes namespace (default: the kubeconfig context's, or the pod's own).
-  --wait            Also wait for the reducer and exit with its code (submit always creates the
-                    stages in order: replays only after the capture succeeded).
+  --wait            Also follow the run's driver and exit with its code, the reducer's (the driver
+                    chains the stages in the cluster either way: replays only after the capture).
   --reference DIR   trace-diff: a replay of a pair (give it twice) declared to differ only by noise.
+  --bound FILE      mismatch: the declared bound TOML (docs/mismatch.md), pinned by SHA-256 in
+                    [optimizer_batch] mismatch_bound_sha256; without it the report ends in exit 2.
+  --allow-lag       mismatch: attribute and decide across a policy lag (a source whose weights
+                    predate the captured step, e.g. TRL's num_iterations > 1).
   --rtol R          diag-diff: numbers are equal when |a-b| <= atol + rtol*|b| [default: 1e-5].
   --atol A          diag-diff: absolute tolerance [default: 1e-7].
   --ignore GLOB     diag-diff: also ignore leaves matching GLOB (only * and ? are wildcards).
@@ -364,6 +390,9 @@ def _step(args: dict[str, Any]) -> int:
     from replayjob.deploy import step
     from replayjob.deploy.ablation import load_spec
 
+    if args["prune"]:  # retention: no spec, no run directory
+        step.prune_runs(Path(args["--run-root"]), _int(args, "--older-than"), dry_run=args["--dry-run"])
+        return 0
     spec = step.select(load_spec(args["--spec"]), args["--arms"],
                        _int(args, "--repeats") if args["--repeats"] is not None else None,
                        args["--device"], args["--claim"])
@@ -396,21 +425,41 @@ def cmd_k8s(args: dict[str, Any]) -> int:
     from replayjob.deploy.ablation import load_spec_text
     from replayjob.deploy.submit import submit
 
+    if args["drive"]:
+        from replayjob.deploy import driver
+
+        return driver.main(args["--spec"])
+    if args["resume"]:
+        from replayjob.deploy.submit import resume
+
+        return resume(args["<run-id>"], args["--namespace"], wait=args["--wait"])
     spec, text = load_spec_text(args["<spec>"])
     if args["submit"]:
         return submit(spec, text, args["--namespace"], wait=args["--wait"])
-    files = k8s.render(spec, text)
+    from replayjob.fsio import atomic_write_text
+
+    files, setup = k8s.render(spec, text), k8s.render_setup(spec)
     if args["--out"]:
         for path in k8s.write(files, args["--out"], source=args["<spec>"]):
             print(f"wrote {path}")
     else:
-        print(k8s.dump([d for d in files.values() if d["kind"] != "Kustomization"]), end="")
+        print(k8s.dump([d for d in [*setup.values(), *files.values()] if k8s.is_manifest(d)]), end="")
+    if args["--setup"]:
+        for path in k8s.write(setup, args["--setup"], source=args["<spec>"], header=k8s.SETUP_HEADER):
+            print(f"wrote {path}")
     if args["--argo"]:
-        from replayjob.fsio import atomic_write_text
-
         atomic_write_text(args["--argo"], argo.dump(spec, text, source=args["<spec>"]))
         print(f"wrote {args['--argo']}")
+    if args["--argo-setup"]:
+        atomic_write_text(args["--argo-setup"], argo.dump_setup(spec, source=args["<spec>"]))
+        print(f"wrote {args['--argo-setup']}")
     return 0
+
+
+def cmd_argo(args: dict[str, Any]) -> int:
+    from replayjob.deploy.workflow import wait_for_workflow
+
+    return wait_for_workflow(args["<workflow>"], args["--namespace"])
 
 
 def _diff_options(args: dict[str, Any]) -> dict[str, Any]:
@@ -454,6 +503,18 @@ def cmd_trace_diff(args: dict[str, Any]) -> int:
     else:
         print(render(rep))
     return int(rep["exit_code"])
+
+
+def cmd_mismatch(args: dict[str, Any]) -> int:
+    from replayjob.mismatch import check_capture
+
+    report = check_capture(args["<capture>"], args["--set"], args["--bound"], allow_lag=bool(args["--allow-lag"]))
+    if args["--json"]:
+        _print_json(report.to_json())
+    else:
+        print(report.render())
+    report.raise_for_decision()
+    return 0
 
 
 def cmd_determinism_check(args: dict[str, Any]) -> int:
@@ -530,9 +591,11 @@ COMMANDS: dict[str, Handler] = {
     "funnel": cmd_funnel,
     "diag-diff": cmd_diag_diff,
     "trace-diff": cmd_trace_diff,
+    "mismatch": cmd_mismatch,
     "determinism-check": cmd_determinism_check,
     "signals": cmd_signals,
     "k8s": cmd_k8s,
+    "argo": cmd_argo,
 }
 
 

@@ -187,9 +187,9 @@ def reward(completions: list[str], **kwargs: Any) -> list[float]:
 
 def grpo(base: Path, out: Path, *, capture_step: int | None = None, max_steps: int = 3,
          train: bool = True, capture_steps: list[int] | None = None,
-         callbacks: list[Any] | None = None) -> tuple[Any, Any]:
+         callbacks: list[Any] | None = None, lora_dropout: float = 0.1, **config: Any) -> tuple[Any, Any]:
     """Build the GRPOTrainer of the scenario, optionally instrument it (``capture_step=K`` or
-    ``capture_steps=[...]``) and train; return (trainer, capture)."""
+    ``capture_steps=[...]``) and train; return (trainer, capture).  ``config``: other GRPOConfig values."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -202,11 +202,11 @@ def grpo(base: Path, out: Path, *, capture_step: int | None = None, max_steps: i
     args = GRPOConfig(output_dir=str(out / "trainer"), per_device_train_batch_size=4, num_generations=4,
                       gradient_accumulation_steps=2, num_iterations=2, beta=0.04, max_completion_length=6,
                       max_steps=max_steps, logging_steps=1, report_to=[], use_cpu=True, gradient_checkpointing=False,
-                      seed=7, save_strategy="no", learning_rate=1e-2, bf16=False, disable_tqdm=True)
+                      seed=7, save_strategy="no", learning_rate=1e-2, bf16=False, disable_tqdm=True, **config)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args,
                           train_dataset=Dataset.from_dict({"prompt": [f"{i}+{i + 1}=" for i in range(16)]}),
                           processing_class=tok, callbacks=callbacks,
-                          peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, task_type="CAUSAL_LM",
+                          peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=lora_dropout, task_type="CAUSAL_LM",
                                                  target_modules=["q_proj", "v_proj"]))
     handle = (capture_optimizer_batch(trainer, out, step=capture_step) if capture_step is not None
               else capture_optimizer_batch(trainer, out, steps=capture_steps) if capture_steps is not None else None)
@@ -229,3 +229,13 @@ def trl_capture(trl_base: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     trainer, handle = grpo(trl_base, out, capture_step=TRL_STEP)
     return {"dir": out, "result": handle.result, "log": trainer.state.log_history,
             "adapter": {n: p.detach().clone() for n, p in cap.trainable_parameters(trainer.model).items()}}
+
+
+@pytest.fixture(scope="session")
+def trl_capture_nodrop(trl_base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The scenario without dropout (LoRA dropout 0), loss_type "grpo", step 2 captured (the first whose rewards
+    vary within a group, so its gradient is not zero): the source of the arms compared with the baseline's
+    update (shared: copy before modifying)."""
+    out = tmp_path_factory.mktemp("trl_capture_nodrop")
+    trainer, handle = grpo(trl_base, out, capture_step=2, lora_dropout=0.0, loss_type="grpo")
+    return {"dir": out, "result": handle.result, "log": trainer.state.log_history}

@@ -515,7 +515,8 @@ def test_knobs_belong_to_their_producers_and_each_is_observed() -> None:
                                                  "backend.options.attn_implementation", "distributed.world_size",
                                                  "distributed.strategy", "distributed.bucket_cap_mb"}
     assert set(knobs.knobs_for("trl")) == {"trl.gradient_checkpointing", "model.attn_implementation",
-                                           "trl.gradient_checkpointing_kwargs.use_reentrant"}
+                                           "trl.gradient_checkpointing_kwargs.use_reentrant",
+                                           "trl.per_device_train_batch_size"}
     assert knobs.knobs_for("torch") == {}  # a plain loop's whole config is its contract
     from replayjob.integrations import FRAMEWORKS
 
@@ -537,7 +538,7 @@ def test_trl_knobs_are_read_from_the_checkpoint_function_in_effect() -> None:
     rt = knobs.Runtime(model, (2, 2))
     off = knobs.observe_all(rt, "trl")
     assert off == {"trl.gradient_checkpointing": False, "trl.gradient_checkpointing_kwargs.use_reentrant": None,
-                   "model.attn_implementation": "sdpa"}
+                   "model.attn_implementation": "sdpa", "trl.per_device_train_batch_size": 2}
     for layer in model:  # as activation_checkpointing_enable installs it
         layer.gradient_checkpointing = True  # type: ignore[assignment]
         layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=True)  # type: ignore[assignment]

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -54,6 +54,8 @@ def test_capture_writes_the_step_with_pins_and_a_ready_replay_toml(trl_capture: 
     metrics = _metrics(d)
     log = [h for h in trl_capture["log"] if "grad_norm" in h]
     assert metrics["grad_norm"] == log[STEP]["grad_norm"]
+    assert metrics["loss"] == log[STEP]["loss"]  # accumulated in float32 as transformers logs it (logging_steps=1)
+    assert log[STEP]["step"] == STEP + 1  # step K is 0-based: TRL logs it as step K + 1
     assert metrics["optimizer_batch/manifest_sha256"] == res.manifest_sha256 == sha256_bytes(res.manifest.read_bytes())
     toml = res.replay_toml.read_text()
     assert res.manifest_sha256 in toml and res.logical_sha256 in toml
@@ -240,7 +242,8 @@ def test_reduce_gates_pass_over_fresh_replays(trl_capture: dict[str, Any], tmp_p
     # observed on the rebuilt TRL trainer: checkpointing on, transformers' non-reentrant default, the captured kernel
     attn = json.loads(res.manifest.read_text())["config"]["resolved"]["model"]["attn_implementation"]
     assert gc["runtime"] == {"trl.gradient_checkpointing": True, "model.attn_implementation": attn,
-                             "trl.gradient_checkpointing_kwargs.use_reentrant": False}
+                             "trl.gradient_checkpointing_kwargs.use_reentrant": False,
+                             "trl.per_device_train_batch_size": 4}
     base = _metrics(reps / "baseline" / "repeat-000", "replay_metrics.json")
     assert base["runtime"]["trl.gradient_checkpointing"] is False
     assert base["runtime"]["trl.gradient_checkpointing_kwargs.use_reentrant"] is None  # no checkpoint function
@@ -290,7 +293,9 @@ def test_several_steps_write_per_step_files_and_one_metrics(trl_steps: dict[str,
         assert p.grad_norm == log[p.step]["grad_norm"] and p.nonfinite_inputs is False
         m = json.loads(p.manifest_path.read_text())
         assert m["step"] == p.step and m["optimizer"]["scheduler"]["last_epoch"] == p.step
-        assert m["framework_state"] == {"global_step": p.step, "max_steps": 5} and len(m["micro_batches"]) == 2
+        logprobs = {"micro_step": 2 * p.step, "generate_every": 4, "sources": {"old_per_token_logps": "trainer_old"}}
+        assert m["framework_state"] == {"global_step": p.step, "max_steps": 5, "logprobs": logprobs}
+        assert len(m["micro_batches"]) == 2
         assert m["files"]["adapter"]["sha256"] == p.initial_adapter != p.final_adapter
     assert pins[0].final_adapter != pins[1].initial_adapter  # step 2 ran between them
     assert not (d / "replay.toml").exists() and not (d / "final_adapter").exists()
@@ -346,3 +351,273 @@ def test_capture_arguments_are_checked_before_training(trl_base: Path, trl_captu
     with pytest.raises(ArtifactExistsError):
         capture_optimizer_batch(trainer, trl_capture["dir"], step=1)
     assert not out.exists()
+
+
+# -- knob names ---------------------------------------------------------------------------------------
+
+def test_checkpointing_under_either_name_and_reentrant_only_with_checkpointing(
+        trl_capture: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers' current ``activation_checkpointing`` and its deprecated twin ``gradient_checkpointing`` name
+    one setting: an override under either name takes effect (observed on the rebuilt model) and is compared under
+    the old name; ``use_reentrant`` without checkpointing runs no checkpoint function: not present, refused."""
+    toml = trl_capture["result"].replay_toml
+    new = ["--set", "trl.activation_checkpointing=true",
+           "--set", 'optimizer_batch.allow_config_differences=["trl.activation_checkpointing"]']
+    rc, text = _explain(toml, capsys, *new)
+    assert rc == 0, text
+    assert main(["replay", str(toml), "--out", str(tmp_path / "new"), *new]) == 0
+    r = _metrics(tmp_path / "new", "replay_metrics.json")
+    assert r["arm"] == "gradient_checkpointing=true" and r["runtime"]["trl.gradient_checkpointing"] is True
+    assert r["allowed_config_differences"] == ["trl.gradient_checkpointing"]
+    kwargs = ["--set", "trl.activation_checkpointing_kwargs={use_reentrant=true}", *new[:2],
+              "--set", 'optimizer_batch.allow_config_differences=["trl.activation_checkpointing",'
+                       '"trl.activation_checkpointing_kwargs.use_reentrant"]']
+    rc, text = _explain(toml, capsys, *kwargs)
+    assert rc == 0, text
+    both = ["--set", "trl.activation_checkpointing=true", "--set", "trl.gradient_checkpointing=false",
+            "--set", 'optimizer_batch.allow_config_differences=["trl.gradient_checkpointing"]']
+    rc, text = _explain(toml, capsys, *both)
+    assert rc == 2 and "name one transformers setting" in text, text
+    for name in ("gradient", "activation"):
+        alone = ["--set", f"trl.{name}_checkpointing_kwargs={{use_reentrant=true}}",
+                 "--set", f'optimizer_batch.allow_config_differences=["trl.{name}_checkpointing_kwargs.use_reentrant"]']
+        rc, text = _explain(toml, capsys, *alone)
+        assert rc == 2 and "'trl.gradient_checkpointing_kwargs.use_reentrant' is not present" in text, text
+        assert main(["replay", str(toml), "--out", str(tmp_path / name), *alone]) == 2
+
+
+# -- arms proven against the baseline's update (dropout 0) ----------------------------------------------
+
+def _rewritten(res: Any, d: Path, **trl: Any) -> list[str]:
+    """A copy of the capture whose manifest records other GRPOConfig values (``trl``), its config and contract
+    digests recomputed; the ``--set`` pins of a replay of the copy.  Its replays are compared with each other,
+    never with the source's recorded update (which ran the original values)."""
+    shutil.copytree(res.out_dir, d, ignore=shutil.ignore_patterns("trainer"))
+    name = res.manifest.name
+    doc = json.loads((d / name).read_text())
+    doc["config"]["resolved"]["trl"].update(trl)
+    doc["config"]["sha256"] = sha256_json(doc["config"]["resolved"])
+    doc["contract"]["value"]["update"].update({k: v for k, v in trl.items() if k in doc["contract"]["value"]["update"]})
+    doc["contract"]["sha256"] = sha256_json(doc["contract"]["value"])
+    data = canonical_bytes(doc) + b"\n"
+    (d / name).write_bytes(data)
+    return ["--set", f'optimizer_batch.replay_path="{d / name}"',
+            "--set", f'optimizer_batch.expected_manifest_sha256="{sha256_bytes(data)}"']
+
+
+def _update(d: Path, initial: dict[str, torch.Tensor]) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    final = load_file(str(d / cap.FINAL_ADAPTER_FILE))
+    return torch.cat([(final[n].double() - initial[n].double()).reshape(-1) for n in sorted(initial)])
+
+
+def _against_baseline(base: Path, arm: Path, initial: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The arm's update against the baseline's: cosine and relative L2 distance of the adapter updates, and the
+    differences of the reported loss (absolute) and pre-clip gradient norm (relative)."""
+    a, b = _update(arm, initial), _update(base, initial)
+    ra, rb = _metrics(arm, "replay_metrics.json"), _metrics(base, "replay_metrics.json")
+    return {"cosine": float(torch.nn.functional.cosine_similarity(a, b, dim=0)),
+            "relative_delta_l2": float((a - b).norm() / b.norm()),
+            "loss": abs(ra["loss"] - rb["loss"]),  # absolute: a GRPO loss of O(1) terms cancels to ~0
+            "grad_norm": abs(ra["grad_norm"] - rb["grad_norm"]) / rb["grad_norm"]}
+
+
+def _equal_within_fp(c: dict[str, float]) -> bool:
+    return c["cosine"] >= 1 - 1e-6 and c["relative_delta_l2"] <= 1e-4 and c["loss"] <= 1e-6 and c["grad_norm"] <= 1e-5
+
+
+
+
+def _arm(*sets: str, knobs: list[str]) -> list[str]:
+    out = []
+    for s in sets:
+        out += ["--set", s]
+    return [*out, "--set", "optimizer_batch.allow_config_differences=" + json.dumps(knobs)]
+
+
+GRPO_ARMS = {
+    "checkpointing": _arm("trl.gradient_checkpointing=true", knobs=["trl.gradient_checkpointing"]),
+    "reentrant": _arm("trl.gradient_checkpointing=true", "trl.gradient_checkpointing_kwargs={use_reentrant=true}",
+                      knobs=["trl.gradient_checkpointing", "trl.gradient_checkpointing_kwargs.use_reentrant"]),
+    "sdpa": _arm('model.attn_implementation="sdpa"', knobs=["model.attn_implementation"]),
+    "micro2": _arm("trl.per_device_train_batch_size=2", knobs=["trl.per_device_train_batch_size"]),
+    "micro8": _arm("trl.per_device_train_batch_size=8", knobs=["trl.per_device_train_batch_size"]),
+}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "sapo", "luspo", "dapo"])
+def test_each_admitted_knob_updates_as_the_baseline(loss_type: str, trl_capture_nodrop: dict[str, Any],
+                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """exact-input does not compare an arm's update with the baseline's, so each admitted TRL knob is proven here:
+    the arm's adapter update equals the baseline replay's within floating-point tolerance, on the dropout-0
+    capture (grpo as captured; the other loss types on a copy recording them).  A re-split that keeps the
+    captured accumulation steps, i.e. a wrong normaliser (grpo's, and dapo's ratio), fails the same comparison."""
+    from safetensors.torch import load_file
+
+    from replayjob.integrations import trl as trl_mod
+
+    res = trl_capture_nodrop["result"]
+    sets = [] if loss_type == "grpo" else _rewritten(res, tmp_path / "cap", loss_type=loss_type)
+    toml = res.replay_toml
+    initial = load_file(str(res.manifest.with_name(res.manifest.name.replace(".manifest.json",
+                                                                             ".adapter.safetensors"))))
+    assert main(["replay", str(toml), "--out", str(tmp_path / "baseline"), *sets]) == 0
+    if loss_type == "grpo":  # the capture's loss is the one TRL logged at that step (float32 accumulation)
+        assert _metrics(res.out_dir)["loss"] == trl_capture_nodrop["log"][2]["loss"]
+    arms = GRPO_ARMS if loss_type == "grpo" else {"micro2": GRPO_ARMS["micro2"]}
+    for arm, arm_sets in arms.items():
+        assert main(["replay", str(toml), "--out", str(tmp_path / arm), *sets, *arm_sets]) == 0, arm
+        c = _against_baseline(tmp_path / "baseline", tmp_path / arm, initial)
+        assert _equal_within_fp(c), (arm, c)
+    r = _metrics(tmp_path / "micro2", "replay_metrics.json")
+    assert r["runtime"]["trl.per_device_train_batch_size"] == 2  # the micro-batch size the update ran
+    assert r["arm"] == "per_device_train_batch_size=2"
+    if loss_type not in ("grpo", "dapo"):
+        return
+    geometry = trl_mod.resplit_geometry
+
+    def wrong(source: dict[str, Any], replay: dict[str, Any], rows: int) -> dict[str, int]:
+        # the captured accumulation steps: grpo divides each micro-batch by 2 instead of 4, and dapo's ratio
+        # current_gradient_accumulation_steps / steps_per_generation is 2/4 instead of the captured 2/2
+        return {**geometry(source, replay, rows),
+                "gradient_accumulation_steps": int(source["gradient_accumulation_steps"])}
+
+    monkeypatch.setattr(trl_mod, "resplit_geometry", wrong)
+    assert main(["replay", str(toml), "--out", str(tmp_path / "planted"), *sets, *GRPO_ARMS["micro2"]]) == 0
+    c = _against_baseline(tmp_path / "baseline", tmp_path / "planted", initial)
+    assert not _equal_within_fp(c), c
+
+
+def test_micro_batch_arm_refused_where_a_re_split_is_not_exact(
+        trl_capture: dict[str, Any], trl_capture_nodrop: dict[str, Any], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    micro = GRPO_ARMS["micro2"]
+    res = trl_capture_nodrop["result"]
+    cases = [
+        (trl_capture["result"].replay_toml, micro, "dropout draws one random mask per micro-batch"),  # LoRA dropout
+        (res.replay_toml, [*_rewritten(res, tmp_path / "bnpo", loss_type="bnpo"), *micro],
+         "bnpo divides each micro-batch's loss by that micro-batch's own token count"),
+        (res.replay_toml, _arm("trl.per_device_train_batch_size=3", knobs=["trl.per_device_train_batch_size"]),
+         "3 does not divide the step's 8 rows"),
+        (res.replay_toml, [*_rewritten(res, tmp_path / "entropy", entropy_coef=0.01), *micro], "entropy bonus"),
+    ]
+    for toml, sets, cause in cases:
+        rc, text = _explain(toml, capsys, *sets)
+        assert rc == 2 and cause in text and "Traceback" not in text, text
+    assert main(["replay", str(cases[1][0]), "--out", str(tmp_path / "r"), *cases[1][1]]) == 2
+    assert not (tmp_path / "r" / "replay_metrics.json").exists()
+
+
+# -- vLLM generation -------------------------------------------------------------------------------------
+
+class FakeVLLMGeneration:
+    """Stands in for ``trl.generation.vllm_generation.VLLMGeneration`` (no vLLM on CPU): built with the same
+    keyword arguments, ``sync_weights()`` does nothing, and ``generate`` returns what vLLM's does, per prompt
+    (prompt ids, completion ids, the sampled tokens' logprobs as ``[[lp], ...]`` and their token ids), with
+    completions of varied length and made-up sampler logprobs: most sequences near the trainer's own logprobs
+    (importance ratios different from 1), every fourth far below them (ratio above the clip: masked)."""
+
+    built: ClassVar[list[dict[str, Any]]] = []
+
+    def __init__(self, **kwargs: Any) -> None:
+        FakeVLLMGeneration.built.append(kwargs)
+        self.max_completion_length = int(kwargs["max_completion_length"])
+        self.calls = 0
+
+    def sync_weights(self) -> None:
+        pass
+
+    def generate(self, prompts: list[list[int]], images: Any, num_generations: int, profiler: Any = None) -> tuple:
+        g = torch.Generator().manual_seed(1000 + self.calls)
+        self.calls += 1
+        completions, logprobs, token_ids = [], [], []
+        for i, _ in enumerate(prompts):
+            n = 2 + (i + self.calls) % (self.max_completion_length - 1)
+            ids = torch.randint(2, 97, (n,), generator=g).tolist()
+            lp = -6.5 if i % 4 == 0 else -4.5 - 0.05 * (i % 3)
+            completions.append(ids)
+            logprobs.append([[lp] for _ in ids])
+            token_ids.append([[t] for t in ids])
+        return [list(p) for p in prompts], completions, logprobs, token_ids
+
+
+def test_vllm_generated_step_replays_bitwise_with_the_sampler_correction(
+        trl_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run generating with vLLM (``use_vllm``, here TRL's vLLM generation class patched to return completions and
+    sampler logprobs as it does) and TRL's importance-sampling correction (sequence_mask, clip_max 3): the replay
+    builds the trainer without vLLM, applies the captured ratios as the source did and is bitwise; a replay
+    that dropped the correction is not."""
+    import trl.trainer.grpo_trainer as grpo_trainer
+
+    from replayjob.integrations import trl as trl_mod
+
+    monkeypatch.setattr(grpo_trainer, "VLLMGeneration", FakeVLLMGeneration)
+    _, handle = grpo(trl_base, tmp_path / "cap", capture_step=1, max_steps=2, use_vllm=True,
+                     vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_max=3.0)
+    assert len(FakeVLLMGeneration.built) == 1
+    res = handle.result
+    m = json.loads(res.manifest.read_text())
+    assert {"importance_sampling_ratio", "sampling_per_token_logps", "old_per_token_logps"} <= set(
+        m["micro_batches"][0]["inputs"]["tensors"])
+    update = m["contract"]["value"]["update"]
+    assert update["use_vllm"] is True and update["vllm_importance_sampling_mode"] == "sequence_mask"
+    from safetensors.torch import load_file
+
+    payload = load_file(str(res.out_dir / m["files"]["payload"]["file"]))
+    ratios = torch.cat([t.reshape(-1) for k, t in payload.items() if k.endswith(".importance_sampling_ratio")])
+    assert bool((ratios == 0).any()) and bool(((ratios != 0) & (ratios != 1)).any())  # masked, and corrected
+
+    def no_vllm(**kwargs: Any) -> Any:
+        raise AssertionError("the replay started vLLM")
+
+    monkeypatch.setattr(grpo_trainer, "VLLMGeneration", no_vllm)
+    assert main(["replay", str(res.replay_toml), "--out", str(tmp_path / "r")]) == 0
+    r, s = _metrics(tmp_path / "r", "replay_metrics.json"), _metrics(res.out_dir)
+    assert r["optimizer_batch/final_adapter_sha256"] == s["optimizer_batch/final_adapter_sha256"]
+    assert r["loss"] == s["loss"] and r["grad_norm"] == s["grad_norm"]
+    for key, value in (("vllm_importance_sampling_clip_max", "2.0"), ("use_vllm", "false")):
+        rc, text = _explain(res.replay_toml, capsys, "--set", f"trl.{key}={value}")
+        assert rc == 2 and f"optimizer contract differs from the source's at update.{key}" in text, text
+    monkeypatch.setattr(trl_mod, "_sampler_correction", lambda trainer, values: None)  # the correction dropped
+    assert main(["replay", str(res.replay_toml), "--out", str(tmp_path / "dropped")]) == 0
+    dropped = _metrics(tmp_path / "dropped", "replay_metrics.json")
+    assert dropped["optimizer_batch/final_adapter_sha256"] != s["optimizer_batch/final_adapter_sha256"]
+
+
+# -- RLOOTrainer ----------------------------------------------------------------------------------------
+
+def test_rloo_step_replays_bitwise(trl_base: Path, tmp_path: Path) -> None:
+    """RLOOTrainer through the same producer: its loss is a per-sequence mean and the transformers loop divides it
+    by the accumulation steps; step 1 is captured (loss as logged), then replayed bitwise."""
+    from conftest import reward
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import RLOOConfig, RLOOTrainer
+
+    from replayjob.integrations.trl import capture_optimizer_batch
+
+    model = AutoModelForCausalLM.from_pretrained(trl_base, dtype=torch.float32, attn_implementation="eager")
+    args = RLOOConfig(output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=4, num_generations=4,
+                      gradient_accumulation_steps=2, num_iterations=2, beta=0.04, max_completion_length=6,
+                      max_steps=2, logging_steps=1, report_to=[], use_cpu=True, seed=7, save_strategy="no",
+                      learning_rate=1e-2, bf16=False, disable_tqdm=True)
+    trainer = RLOOTrainer(model=model, reward_funcs=reward, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": [f"{i}+{i + 1}=" for i in range(16)]}),
+                          processing_class=AutoTokenizer.from_pretrained(trl_base),
+                          peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, task_type="CAUSAL_LM",
+                                                 target_modules=["q_proj", "v_proj"]))
+    handle = capture_optimizer_batch(trainer, tmp_path / "cap", step=1)
+    trainer.train()
+    res = handle.result
+    m = json.loads(res.manifest.read_text())
+    assert m["contract"]["value"]["update"]["trainer"] == "RLOOTrainer" and len(m["micro_batches"]) == 2
+    s = _metrics(res.out_dir)
+    log = [h for h in trainer.state.log_history if "grad_norm" in h]
+    assert s["loss"] == log[1]["loss"] and s["grad_norm"] == log[1]["grad_norm"]
+    assert main(["replay", str(res.replay_toml), "--out", str(tmp_path / "r")]) == 0
+    r = _metrics(tmp_path / "r", "replay_metrics.json")
+    assert r["optimizer_batch/final_adapter_sha256"] == s["optimizer_batch/final_adapter_sha256"]
+    assert r["optimizer_batch/final_adapter_sha256"] != r["optimizer_batch/initial_adapter_sha256"]
+    assert r["loss"] == s["loss"] and r["grad_norm"] == s["grad_norm"]

@@ -21,6 +21,7 @@ which is admitted for the approximate claim only.  Nothing here imports a framew
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,6 +263,21 @@ def _ignored(key: str) -> bool:
     return key == "model.path"  # a path; its content is pinned by the base model's file hashes instead
 
 
+def _with_source_values(resolved: dict[str, Any], src: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    """``resolved`` with each dotted key of ``keys`` that the source has set back to the source's value."""
+    out = copy.deepcopy(resolved)
+    for key in keys:
+        *parents, leaf = key.split(".")
+        node: Any = out
+        have: Any = src
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+            have = have.get(part) if isinstance(have, dict) else None
+        if isinstance(node, dict) and isinstance(have, dict) and leaf in have:
+            node[leaf] = copy.deepcopy(have[leaf])
+    return out
+
+
 def _check_config(adm: Admission) -> None:
     cfg, m = adm.cfg, adm.manifest
     assert cfg is not None
@@ -269,14 +285,25 @@ def _check_config(adm: Admission) -> None:
     if m is None or m.framework != cfg.framework:
         return
     src = m.config
+    fw = framework_module(cfg.framework)
     resolved = dict(src)
     model_over = {k: v for k, v in cfg.model.items() if k != "path"}
     resolved["model"] = {**_merge(src.get("model", {}), model_over, "model", adm), "path": cfg.model["path"]}
-    resolved[cfg.framework] = _merge(src.get(cfg.framework, {}), cfg.overrides, cfg.framework, adm)
+    overrides = dict(cfg.overrides)
+    canonical = getattr(fw, "canonical_names", None)  # one setting under two names: compared under one
+    if canonical is not None:
+        overrides, adm.allowed, why = canonical(src.get(cfg.framework, {}), overrides, adm.allowed)
+        for reason in why:
+            adm.refuse(reason)
+    resolved[cfg.framework] = _merge(src.get(cfg.framework, {}), overrides, cfg.framework, adm)
+    mirror = getattr(fw, "mirror_aliases", None)
+    if mirror is not None:
+        resolved[cfg.framework] = mirror(resolved[cfg.framework])
     resolved["stack"] = cap.versions(src.get("stack", {}))
     adm.resolved = resolved
     try:
-        adm.contract = framework_module(cfg.framework).contract(resolved)
+        # a declared systems-only knob is no part of the update's contract: its source value stands in
+        adm.contract = fw.contract(_with_source_values(resolved, src, adm.allowed))
     except RefusedError as exc:
         adm.refuse(exc.diagnostics())
         return
@@ -290,7 +317,13 @@ def _check_config(adm: Admission) -> None:
         adm.refuse(f"integration.entry is not used by framework {cfg.framework!r}; remove it")
     admissible = {k: f"systems-only knob of {cfg.framework}" for k in knobs.knobs_for(cfg.framework)}
     admissible.update({k: "stack difference, admitted for the approximate claim only" for k in knobs.stack_keys(src)})
-    adm.observed = check_differences(adm, src, resolved, adm.allowed, admissible, ignored=_ignored)
+    ignored = getattr(fw, "ignored", None)
+    adm.observed = check_differences(adm, src, resolved, adm.allowed, admissible,
+                                     ignored=lambda k: _ignored(k) or bool(ignored is not None and ignored(k)))
+    refusals = getattr(fw, "knob_refusals", None)
+    if refusals is not None:
+        for reason in refusals(adm):
+            adm.refuse(reason)
 
 
 def admit(cfg: ReplayConfig) -> Admission:

@@ -57,6 +57,16 @@ class ReplaySession:
     def step(self) -> float:
         raise NotImplementedError
 
+    def plan(self, mbs: list[cap.MicroBatch]) -> list[cap.MicroBatch]:
+        """The micro-batches the update runs: the captured ones (a framework whose knobs regroup rows returns
+        them regrouped; the logical digest stays the captured inputs')."""
+        return mbs
+
+    def reported_loss(self, summed: float) -> float:
+        """The step's loss as the framework reports it, from the sum of the micro-batch losses (that sum by
+        default; TRL: accumulated in float32 and averaged over ranks, as its trainer logs it)."""
+        return summed
+
     def runtime(self, rows: tuple[int, ...]) -> knobs.Runtime:
         """What the framework's knobs are observed from after the update (the built model by default)."""
         return knobs.Runtime(self.model, rows)
@@ -136,17 +146,19 @@ def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0, slot: Slot | Non
     if session.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(session.device)
     loss = 0.0
+    planned = session.plan(mbs)
     t0 = time.perf_counter()
-    for mb in mbs:
+    for mb in planned:
         loss += session.micro_batch(mb, _on(session.device, mb.inputs, mb.input_values),
                                     _on(session.device, mb.call, mb.call_values),
                                     lambda mb=mb: restore_rng(mb.rng))  # type: ignore[misc]
+    loss = session.reported_loss(loss)
     t1 = time.perf_counter()
     grad_norm = session.step()
     t2 = time.perf_counter()
     peak = peak_memory_value(session.device)
     final_sha = cap.save_adapter(out / cap.FINAL_ADAPTER_FILE, session.model)
-    rows = tuple(cap.batch_rows([mb]) for mb in mbs)
+    rows = tuple(cap.batch_rows([mb]) for mb in planned)  # the micro-batch sizes the update ran
     runtime = knobs.observe_all(session.runtime(rows), m.framework)  # the framework's knobs, read from its trainer
     logical = cap.logical_digest(mbs)  # the inputs as replayed, hashed again
     metrics = metrics_document(

@@ -1,4 +1,5 @@
-"""TRL integration: capture a real ``trl.GRPOTrainer`` step, and replay it with TRL's own training step.
+"""TRL integration: capture a real ``trl.GRPOTrainer`` (or ``trl.RLOOTrainer``) step, and replay it with TRL's
+own training step.
 
 Capture (``pip install 'replayjob[trl]'``)::
 
@@ -18,7 +19,8 @@ How it plugs in: a ``TrainerCallback`` snapshots the adapter, optimizer and LR-s
 transformers loop's clip, ``optimizer.step()``, ``lr_scheduler.step()`` and ``zero_grad()``;
 the trainer's ``compute_loss`` is wrapped so every micro-batch's inputs (exactly the dict TRL's
 loss receives, after generation and buffering) and the Torch RNG state are recorded right before
-the loss call, and ``training_step`` so its reported loss is summed.  Nothing else changes: the
+the loss call, and ``training_step`` so its reported loss is accumulated as the transformers loop
+logs it (:class:`LoggedLoss`).  Nothing else changes: the
 wrappers read state and consume no random numbers.
 
 Replay (:func:`build_replay`) loads the base model from its directory, builds a ``GRPOTrainer``
@@ -55,6 +57,10 @@ if TYPE_CHECKING:
 
 FRAMEWORK = "trl"
 TESTED = {"trl": "1.16.0"}
+# The TRL trainers a capture takes, each with its config class; a capture of another than GRPOTrainer records the
+# class in its config (TRAINER_KEY) and contract.
+TRAINERS = {"GRPOTrainer": "GRPOConfig", "RLOOTrainer": "RLOOConfig"}
+TRAINER_KEY = "trl_trainer"
 # GRPOConfig fields that define the update's math (absent ones in another TRL version are recorded as None).
 CONTRACT_KEYS = (
     "loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "scale_rewards",
@@ -65,6 +71,12 @@ CONTRACT_KEYS = (
     "bf16", "fp16", "tf32", "entropy_coef", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
     "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg", "off_policy_mask_threshold",
 )
+
+# With vLLM generation (use_vllm), TRL multiplies each token's loss by the importance-sampling ratio it computed from
+# the sampler's logprobs at generation time (in the captured inputs) when the correction is on: these settings join
+# the contract then (only then, so a capture without vLLM keeps its contract).
+VLLM_CONTRACT_KEYS = ("use_vllm", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                      "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
 
 
 class _Refused(RuntimeError):
@@ -99,13 +111,187 @@ def _trl_config(args: Any) -> dict[str, Any]:
     return out
 
 
+# transformers' current checkpointing names and their deprecated twins (``TrainingArguments`` resolves one from the
+# other and then mirrors it): one setting, recorded under both names, compared and declared under the old one.
+KNOB_ALIASES = {"activation_checkpointing": "gradient_checkpointing",
+                "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
+
+
+def canonical_names(captured: dict[str, Any], overrides: dict[str, Any],
+                    allowed: list[str]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """Overrides and declared keys with ``activation_checkpointing*`` under the name replayjob compares,
+    ``gradient_checkpointing*`` (either works); refusal reasons when both names are set to different values."""
+    out, why = dict(overrides), []
+    for alias, name in KNOB_ALIASES.items():
+        if alias not in out or name not in captured:
+            continue  # a capture without the old name (another transformers) keeps the new one as it is
+        value = out.pop(alias)
+        if name in out and out[name] != value:
+            why.append(f"{FRAMEWORK}.{alias} and {FRAMEWORK}.{name} name one transformers setting; they are set to "
+                       f"different values ({value!r} vs {out[name]!r}): set one of them")
+        out[name] = value
+    prefixes = {f"{FRAMEWORK}.{a}": f"{FRAMEWORK}.{n}" for a, n in KNOB_ALIASES.items()}
+    keys = []
+    for key in allowed:
+        for alias, name in prefixes.items():
+            if (key == alias or key.startswith(alias + ".")) and name.split(".", 1)[1] in captured:
+                key = name + key[len(alias):]
+        keys.append(key)
+    return out, sorted(set(keys)), why
+
+
+def mirror_aliases(values: dict[str, Any]) -> dict[str, Any]:
+    """The resolved framework config with each ``activation_checkpointing*`` key equal to its twin, as
+    ``TrainingArguments`` leaves them."""
+    out = dict(values)
+    for alias, name in KNOB_ALIASES.items():
+        if alias in out and name in out:
+            out[alias] = out[name]
+    return out
+
+
+def ignored(key: str) -> bool:
+    """Keys never compared: the ``activation_checkpointing*`` mirrors (their twins are compared)."""
+    return any(key == f"{FRAMEWORK}.{a}" or key.startswith(f"{FRAMEWORK}.{a}.") for a in KNOB_ALIASES)
+
+
+def knob_refusals(adm: Admission) -> list[str]:
+    """Why a declared TRL knob does not hold for this capture and replay (beyond being present and registered)."""
+    t = (adm.resolved or {}).get(FRAMEWORK, {})
+    why = []
+    if knobs.TRL_USE_REENTRANT in adm.allowed and t.get("gradient_checkpointing") is not True:
+        why.append(f"declared difference {knobs.TRL_USE_REENTRANT!r} is not present: the replay runs without "
+                   "activation checkpointing, so no checkpoint function (reentrant or not) runs; declare it with "
+                   f"{knobs.TRL_GRADIENT_CHECKPOINTING} = true or remove it")
+    if knobs.TRL_MICRO_BATCH in adm.allowed:
+        why += _resplit_refusals(adm)
+    return why
+
+
+# The micro-batch knob: one step's captured rows re-split into micro-batches of another size.  Admitted for the loss
+# types whose normalisation makes the split exact (with equal micro-batch sizes): each micro-batch's loss is a sum
+# over its rows divided by (its rows x the accumulation steps), by (its rows x max_completion_length x the
+# accumulation steps), or (dapo) by num_items_in_batch / num_processes x current_gradient_accumulation_steps /
+# steps_per_generation, a ratio the replay keeps by scaling steps_per_generation with the accumulation steps.
+RESPLIT_EXACT = ("grpo", "dr_grpo", "sapo", "luspo", "dapo")
+RESPLIT_REFUSED = {
+    "bnpo": "bnpo divides each micro-batch's loss by that micro-batch's own token count, so regrouped rows are "
+            "weighted differently",
+}
+_GEOMETRY = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation")
+
+
+def resplit_geometry(source: dict[str, Any], replay: dict[str, Any], rows: int) -> dict[str, int]:
+    """The batch geometry the replay's trainer runs: the captured ``rows`` in micro-batches of the replay's
+    ``per_device_train_batch_size``, as many accumulation steps as that makes, and ``steps_per_generation``
+    scaled with them, so the generation batch and the ratio TRL's ``dapo`` normaliser uses
+    (``current_gradient_accumulation_steps / steps_per_generation``) are kept.  The source's own geometry when
+    the size is unchanged."""
+    size, acc, spg = (int(source[k]) for k in _GEOMETRY)
+    new = int(replay["per_device_train_batch_size"])
+    if new == size:
+        return {"per_device_train_batch_size": size, "gradient_accumulation_steps": acc, "steps_per_generation": spg}
+    new_acc = rows // new
+    return {"per_device_train_batch_size": new, "gradient_accumulation_steps": new_acc,
+            "steps_per_generation": spg * new_acc // acc}
+
+
+def _row_inputs(mb: cap.MicroBatch) -> tuple[int, list[str]]:
+    """A micro-batch's rows and the names of its per-row inputs (tensors whose first dimension is the rows)."""
+    rows = cap.batch_rows([mb])
+    return rows, sorted(k for k, t in mb.inputs.items() if t.dim() > 0 and int(t.shape[0]) == rows)
+
+
+def resplit(mbs: list[cap.MicroBatch], size: int, accumulation_steps: int) -> list[cap.MicroBatch]:
+    """The captured micro-batches' rows, in order, as micro-batches of ``size`` rows, each run with
+    ``accumulation_steps``; inputs that are not per-row (equal in every captured micro-batch, checked at
+    admission) are shared, and each new micro-batch restores the RNG state of the captured one its first row
+    came from (dropout is off: nothing in the loss draws from it)."""
+    _, per_row = _row_inputs(mbs[0])
+    joined = {k: torch.cat([mb.inputs[k] for mb in mbs]) for k in per_row}
+    first_rows = [0]
+    for mb in mbs:
+        first_rows.append(first_rows[-1] + cap.batch_rows([mb]))
+    total = first_rows[-1]
+    out = []
+    for start in range(0, total, size):
+        src = max(i for i in range(len(mbs)) if first_rows[i] <= start)
+        ins = {**mbs[0].inputs, **{k: t[start:start + size].clone() for k, t in joined.items()}}
+        out.append(cap.MicroBatch(ins, dict(mbs[0].input_values), dict(mbs[0].call), dict(mbs[0].call_values),
+                                  dict(mbs[src].rng), start + size >= total, accumulation_steps))
+    return out
+
+
+def _resplit_refusals(adm: Admission) -> list[str]:
+    m, r, mbs = adm.manifest, adm.resolved, adm.micro_batches
+    if m is None or r is None or mbs is None:
+        return []  # refused already, for another reason
+    src, t = m.config.get(FRAMEWORK, {}), r.get(FRAMEWORK, {})
+    key, why = knobs.TRL_MICRO_BATCH, []
+    if r.get(TRAINER_KEY):
+        return [f"{key}: re-splitting is admitted for GRPOTrainer's loss types only, not {r[TRAINER_KEY]}"]
+    loss = t.get("loss_type")
+    if loss in RESPLIT_REFUSED or loss not in RESPLIT_EXACT:
+        why.append(f"{key}: loss_type {loss!r} does not make a re-split exact ("
+                   + RESPLIT_REFUSED.get(str(loss), "only " + ", ".join(RESPLIT_EXACT) + " are admitted") + ")")
+    if t.get("entropy_coef") or t.get("use_adaptive_entropy"):
+        why.append(f"{key}: the entropy bonus divides by each micro-batch's own token count")
+    if (t.get("top_entropy_quantile") or 1.0) < 1.0:
+        why.append(f"{key}: top_entropy_quantile < 1 masks by a quantile of each micro-batch's entropies")
+    dropouts = []
+    lora = (r.get("peft") or {}).get("lora_dropout")
+    if isinstance(lora, int | float) and lora > 0:
+        dropouts.append(f"peft.lora_dropout={lora}")
+    try:
+        from replayjob.jsonio import read_json_object
+
+        base = read_json_object(Path(str(r["model"]["path"])) / "config.json", follow_symlinks=True)
+        dropouts += [f"model config {d}" for d in knobs.config_dropouts(base)]
+    except RefusedError:
+        pass  # the base model check names it
+    if dropouts:
+        why.append(f"{key}: dropout draws one random mask per micro-batch, so regrouping rows would redraw the "
+                   "masks: " + ", ".join(dropouts))
+    rows = cap.batch_rows(mbs)
+    new = t.get("per_device_train_batch_size")
+    size, acc, spg = (src.get(k) for k in _GEOMETRY)
+    if not isinstance(new, int) or isinstance(new, bool) or new < 1:
+        return [*why, f"{key} must be an integer >= 1, found {new!r}"]
+    if rows != size * acc or any(cap.batch_rows([mb]) != size for mb in mbs):
+        why.append(f"{key}: the capture's {len(mbs)} micro-batches of {[cap.batch_rows([mb]) for mb in mbs]} rows "
+                   f"are not {acc} of {size} (the captured geometry)")
+    elif rows % new or (size * spg) % new:
+        why.append(f"{key}: {new} does not divide the step's {rows} rows and the generation batch's {size * spg} "
+                   "rows into equal micro-batches (the admitted loss types are exact only with equal sizes)")
+    per_row = {tuple(_row_inputs(mb)[1]) for mb in mbs}
+    shared = [k for k in mbs[0].inputs if k not in _row_inputs(mbs[0])[1]]
+    mixed = len(per_row) != 1 or any(
+        mb.input_values != mbs[0].input_values or mb.call_values != mbs[0].call_values
+        or sorted(mb.call) != sorted(mbs[0].call) or any(not torch.equal(mb.call[k], mbs[0].call[k]) for k in mb.call)
+        or any(not torch.equal(mb.inputs[k], mbs[0].inputs[k]) for k in shared)
+        or any(mb.inputs[k].shape[1:] != mbs[0].inputs[k].shape[1:] for k in _row_inputs(mbs[0])[1])
+        for mb in mbs)
+    if mixed:
+        why.append(f"{key}: the captured micro-batches differ in inputs that are not per-row ({shared}) or in "
+                   "padded widths (rows of different generation batches), so their rows cannot be regrouped")
+    return why
+
+
 def contract(resolved: dict[str, Any]) -> dict[str, Any]:
     """The TRL update's contract from a resolved config (pure: no TRL import)."""
     t = resolved.get(FRAMEWORK, {})
+    update = {k: t.get(k) for k in CONTRACT_KEYS}
+    if t.get("use_vllm"):
+        update.update({k: t.get(k) for k in VLLM_CONTRACT_KEYS})
+    if resolved.get(TRAINER_KEY):  # RLOOTrainer: its own loss (a per-sequence mean); GRPO captures omit it
+        if resolved[TRAINER_KEY] not in TRAINERS:
+            raise RefusedError(f"unknown TRL trainer {resolved[TRAINER_KEY]!r}", where=TRAINER_KEY,
+                               hint="replayjob replays " + ", ".join(TRAINERS))
+        update["trainer"] = resolved[TRAINER_KEY]
     return {
         "schema": "replayjob.integration_contract/v1",
         "framework": FRAMEWORK,
-        "update": {k: t.get(k) for k in CONTRACT_KEYS},
+        "update": update,
         "sequence": "training_step per captured micro-batch; clip (max_grad_norm > 0); optimizer.step; "
                     "lr_scheduler.step unless skipped; zero_grad",
         "dtype": resolved.get("model", {}).get("dtype"),
@@ -123,7 +309,8 @@ def _base_model(trainer: Any) -> Any:
 def capture_optimizer_batch(trainer: Any, out_dir: str | Path, step: int | None = None, *,
                             steps: Iterable[int] | None = None) -> TRLCapture:
     """Instrument a ``trl.GRPOTrainer`` before ``train()`` so optimizer step ``step`` (or each of ``steps``)
-    is captured.
+    is captured.  Steps are 0-based: step K starts at ``trainer.state.global_step == K`` and is the one TRL
+    logs as ``step`` K+1.
 
     ``step=K`` writes one capture with ``replay.toml``, ``metrics.json`` and ``final_adapter/``
     (``result``); ``steps=[K1, K2, ...]`` writes per step its files and ``replay_step_<K:06d>.toml``,
@@ -131,11 +318,11 @@ def capture_optimizer_batch(trainer: Any, out_dir: str | Path, step: int | None 
     With neither, step 0 is captured.
     Refused at once (nothing written): both ``step`` and ``steps``, a negative or
     repeated step, a step before the trainer's current step or at/after its ``max_steps``, a trainer
-    that is not a GRPOTrainer, a model without a PEFT adapter, a base model not loaded from a local
+    that is not a GRPOTrainer or RLOOTrainer, a model without a PEFT adapter, a base model not loaded from a local
     directory with safetensors weights, or an output directory that already holds one of the files.
     """
     from peft import PeftModel
-    from trl import GRPOTrainer
+    from trl import GRPOTrainer, RLOOTrainer
 
     if step is not None and steps is not None:
         raise UsageError("give one of step=K (one step) and steps=[K, ...] (several steps), not both",
@@ -146,8 +333,9 @@ def capture_optimizer_batch(trainer: Any, out_dir: str | Path, step: int | None 
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be an integer >= 0, found {step!r}", where="step")
     chosen = (step,) if step is not None else cap.chosen_steps(steps)
-    if not isinstance(trainer, GRPOTrainer):
-        raise cap.CaptureError(f"expected a trl.GRPOTrainer, found {type(trainer).__name__}", where="trainer")
+    if not isinstance(trainer, GRPOTrainer | RLOOTrainer):
+        raise cap.CaptureError(f"expected a trl.GRPOTrainer or trl.RLOOTrainer, found {type(trainer).__name__}",
+                               where="trainer")
     if not isinstance(trainer.model, PeftModel):
         raise cap.CaptureError("the trainer's model has no PEFT adapter", where="trainer.model",
                                hint="pass peft_config=LoraConfig(...) to GRPOTrainer (replayjob replays adapters)")
@@ -161,6 +349,41 @@ def capture_optimizer_batch(trainer: Any, out_dir: str | Path, step: int | None 
                                "(steps are 0-based)", where="step" if step is not None else "steps",
                                hint="raise max_steps or choose earlier steps")
     return TRLCapture(trainer, Path(out_dir), chosen, several=steps is not None)
+
+
+class LoggedLoss:
+    """A step's loss as the transformers loop logs it: each micro-batch's ``training_step`` loss added to a
+    float32 tensor on the trainer's device (``Trainer._tr_loss``), then gathered over the ranks and averaged
+    (``nested_gather(...).mean().item()``): at ``logging_steps=1`` equal to the logged ``loss``."""
+
+    def __init__(self, device: Any):
+        self.total = torch.tensor(0.0, device=device)
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.total += loss.detach()
+
+    def value(self, parallel_mode: Any) -> float:
+        from transformers.trainer_pt_utils import nested_gather
+
+        return float(nested_gather(self.total, parallel_mode).mean().item())
+
+
+def logprob_record(trainer: Any) -> dict[str, Any]:
+    """What a capture records about the step's logprob sources, for ``replayjob mismatch``: the trainer's
+    micro-step at the step's start and its generation period (which say whose weights generated each
+    micro-batch), and the logprob inputs this run produces, named by source: ``sampler``
+    (``sampling_per_token_logps``, vLLM or a ``rollout_func`` only) and ``trainer_old``
+    (``old_per_token_logps``: the trainer's own, when generations are reused or the vLLM correction is on)."""
+    args = trainer.args
+    every = int(args.steps_per_generation) * int(trainer.num_iterations)
+    vllm_correction = bool(getattr(trainer, "use_vllm", False)) and bool(
+        getattr(trainer, "vllm_importance_sampling_correction", False))
+    sources = {}
+    if getattr(trainer, "use_vllm", False) or getattr(trainer, "rollout_func", None) is not None:
+        sources["sampling_per_token_logps"] = "sampler"
+    if int(args.gradient_accumulation_steps) % every != 0 or vllm_correction:
+        sources["old_per_token_logps"] = "trainer_old"
+    return {"micro_step": int(getattr(trainer, "_step", 0)), "generate_every": every, "sources": sources}
 
 
 class TRLCapture:
@@ -181,6 +404,10 @@ class TRLCapture:
                       "dtype": str(base.dtype).removeprefix("torch.")},
             "peft": jsonable(peft_cfg.to_dict()),
         }
+        from trl import GRPOTrainer
+
+        if not isinstance(trainer, GRPOTrainer):  # an RLOOTrainer (a GRPO capture's config stays as it was)
+            config[TRAINER_KEY] = "RLOOTrainer"
         self._cap: cap.StepCapture | None = None  # the step being captured (or the last one)
         self._config = config
         self._base_dir = str(base.config._name_or_path or "")
@@ -202,6 +429,7 @@ class TRLCapture:
             def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
                 c = handle._cap
                 if c is not None and c.active and state.global_step == c.step + 1:
+                    c.loss = handle._loss.value(args.parallel_mode)
                     c.finish(grad_norm=handle._grad_norm)
 
             def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -212,13 +440,14 @@ class TRLCapture:
                     handle._chosen.close()  # metrics.json, last
 
         self._grad_norm: float | None = None
+        self._loss = LoggedLoss(trainer.args.device)
         self._wrap()
         trainer.add_callback(_Callback())
 
     def _begin(self, state: Any) -> None:
         k, t = state.global_step, self.trainer
         live = {"model": t.model, "optimizer": t.optimizer, "scheduler": t.lr_scheduler,
-                "framework_state": {"global_step": k, "max_steps": state.max_steps}}
+                "framework_state": {"global_step": k, "max_steps": state.max_steps, "logprobs": logprob_record(t)}}
         if self._chosen is not None:
             c = self._chosen.at(k, **live)
         elif k == self.step and self._cap is None:
@@ -227,7 +456,7 @@ class TRLCapture:
         else:
             c = None
         if c is not None:
-            self._cap, self._grad_norm = c, None
+            self._cap, self._grad_norm, self._loss = c, None, LoggedLoss(t.args.device)
             c.begin()
 
     def _wrap(self) -> None:
@@ -246,7 +475,7 @@ class TRLCapture:
             loss = training_step(*a, **kw)
             c = self._cap
             if c is not None and c.active:
-                c.add_loss(float(loss))
+                self._loss.add(loss)
             return loss
 
         def noting_grad_norm(*a: Any, **kw: Any) -> Any:
@@ -306,22 +535,23 @@ def _no_generation(*args: Any, **kwargs: Any) -> Any:
     raise _Refused("a replay tried to generate completions")
 
 
-_ALIASES = {"activation_checkpointing": "gradient_checkpointing",
-            "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
+_ALIASES = KNOB_ALIASES
 _DERIVED = ("generation_batch_size",)  # GRPOConfig derives it from steps_per_generation (both may not be passed)
 _LOCAL = ("output_dir", "logging_dir", "report_to")  # where the replay's trainer would write; never used
 
 
-def _grpo_config(values: dict[str, Any], out: Path) -> Any:
-    """A GRPOConfig built from the captured (and overridden) values, checked to come out equal.
+def _grpo_config(values: dict[str, Any], out: Path, config_class: str = "GRPOConfig") -> Any:
+    """A GRPOConfig (or ``config_class``) built from the captured (and overridden) values, checked to come out equal.
 
-    transformers' deprecated ``gradient_checkpointing*`` names are the ones replayjob records and
-    overrides; their ``activation_checkpointing*`` twins are set from them.  Redacted values are not
+    transformers' deprecated ``gradient_checkpointing*`` names are the ones replayjob compares (an override
+    under the current ``activation_checkpointing*`` name is moved to them at admission,
+    :func:`canonical_names`); their ``activation_checkpointing*`` twins are set from them.  Redacted values are not
     passed.  Any field the installed TRL resolves to another value than the capture's is refused.
     """
-    from trl import GRPOConfig
+    import trl
 
-    fields = {f.name for f in dataclasses.fields(GRPOConfig) if f.init}
+    config_cls = getattr(trl, config_class)
+    fields = {f.name for f in dataclasses.fields(config_cls) if f.init}
     unknown = sorted(set(values) - fields)
     if unknown:
         raise RefusedError(f"captured GRPOConfig keys {unknown[:5]} are unknown to the installed TRL",
@@ -332,10 +562,11 @@ def _grpo_config(values: dict[str, Any], out: Path) -> Any:
             kwargs[alias] = values[name]
     for key in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
         kwargs[key] = {k: v for k, v in (kwargs.get(key) or {}).items() if v is not None} or None
-    args = GRPOConfig(output_dir=str(out / "trainer"), report_to=[], **kwargs)
+    kwargs["use_vllm"] = False  # never start vLLM: the sampler's part is in the captured inputs (_sampler_correction)
+    args = config_cls(output_dir=str(out / "trainer"), report_to=[], **kwargs)
     built = _trl_config(args)
     off = sorted(k for k, v in values.items()
-                 if k not in (*_LOCAL, *_ALIASES) and v != REDACTED and built.get(k) != v)
+                 if k not in (*_LOCAL, *_ALIASES, "use_vllm") and v != REDACTED and built.get(k) != v)
     if off:
         raise RefusedError(f"the installed TRL resolves GRPOConfig {off[:5]} to other values than the capture "
                            f"({[built.get(k) for k in off[:5]]} vs {[values[k] for k in off[:5]]})", where="trl",
@@ -343,13 +574,23 @@ def _grpo_config(values: dict[str, Any], out: Path) -> Any:
     return args
 
 
+def _sampler_correction(trainer: Any, values: dict[str, Any]) -> None:
+    """Apply vLLM's importance-sampling correction as the source did, on a trainer built without vLLM.
+
+    ``GRPOTrainer`` builds its vLLM generation object when ``use_vllm`` is set, so the replay's trainer is built
+    with it off; its ``_compute_loss`` multiplies by the captured ``importance_sampling_ratio`` only when
+    ``use_vllm`` and ``vllm_importance_sampling_correction`` are both true, so ``use_vllm`` is restored on the
+    trainer (the correction settings were set from the captured config).  Generation stays disabled."""
+    trainer.use_vllm = bool(values.get("use_vllm", False))
+
+
 class TRLSession(ReplaySession):
     """A GRPOTrainer stood at the captured step (see the module docstring)."""
 
     def __init__(self, adm: Admission, out: Path):
+        import trl
         from peft import LoraConfig
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        from trl import GRPOTrainer
 
         m, r = adm.manifest, adm.resolved
         assert m is not None and r is not None
@@ -365,10 +606,14 @@ class TRLSession(ReplaySession):
                                hint="save the tokenizer next to the weights (GRPOTrainer needs one to be "
                                     "built; the replay never tokenises)") from None
         peft = {k: v for k, v in r["peft"].items() if k in {f.name for f in dataclasses.fields(LoraConfig)}}
-        args = _grpo_config(r[FRAMEWORK], out)
-        trainer: Any = GRPOTrainer(model=model, reward_funcs=[_no_reward], args=args,
+        mbs = adm.micro_batches or []
+        self.geometry = resplit_geometry(m.config[FRAMEWORK], r[FRAMEWORK], cap.batch_rows(mbs))
+        kind = str(r.get(TRAINER_KEY) or "GRPOTrainer")
+        args = _grpo_config({**r[FRAMEWORK], **self.geometry}, out, TRAINERS[kind])
+        trainer: Any = getattr(trl, kind)(model=model, reward_funcs=[_no_reward], args=args,
                                    train_dataset=_placeholder_dataset(), processing_class=tok,
                                    peft_config=LoraConfig(**peft))
+        _sampler_correction(trainer, r[FRAMEWORK])
         trainer._generate_and_score_completions = _no_generation
         trainer._generate = _no_generation
         trainer._prepare_inputs = lambda inputs: inputs  # the captured dict is what _prepare_inputs returned
@@ -385,6 +630,7 @@ class TRLSession(ReplaySession):
         self.trainer, self.model = trainer, wrapped
         self.optimizer, self.scheduler = trainer.optimizer, trainer.lr_scheduler
         self.device = trainer.args.device
+        self._loss = LoggedLoss(self.device)
         self._before_loss: Callable[[], None] = _no_generation
         compute_loss, backward = trainer.compute_loss, trainer.accelerator.backward
 
@@ -411,7 +657,19 @@ class TRLSession(ReplaySession):
         ctx = contextlib.nullcontext() if mb.sync_gradients else t.accelerator.no_sync(model=self.model)
         with ctx:
             loss = t.training_step(self.model, inputs, call.get("num_items_in_batch"))
+        self._loss.add(loss)
         return float(loss)
+
+    def plan(self, mbs: list[cap.MicroBatch]) -> list[cap.MicroBatch]:
+        """The captured micro-batches, re-split (:func:`resplit`) when the micro-batch knob changes their size."""
+        size = self.geometry["per_device_train_batch_size"]
+        if all(cap.batch_rows([mb]) == size for mb in mbs):
+            return mbs
+        return resplit(mbs, size, self.geometry["gradient_accumulation_steps"])
+
+    def reported_loss(self, summed: float) -> float:
+        """The step's loss as the transformers loop logs it (:class:`LoggedLoss`), not the float sum."""
+        return self._loss.value(self.trainer.args.parallel_mode)
 
     def step(self) -> float:
         from transformers.trainer import GreedyLR

@@ -23,8 +23,10 @@ the observation of exactly those (:func:`knobs_for`).
 Example:
     >>> sorted(knobs_for("replayjob"))[:2]
     ['backend.options.attn_implementation', 'backend.options.gradient_checkpointing']
-    >>> sorted(knobs_for("trl"))
-    ['model.attn_implementation', 'trl.gradient_checkpointing', 'trl.gradient_checkpointing_kwargs.use_reentrant']
+    >>> sorted(knobs_for("trl"))[:2]
+    ['model.attn_implementation', 'trl.gradient_checkpointing']
+    >>> sorted(knobs_for("trl"))[2:]
+    ['trl.gradient_checkpointing_kwargs.use_reentrant', 'trl.per_device_train_batch_size']
 """
 
 from __future__ import annotations
@@ -110,14 +112,14 @@ def _positive(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
-def _config_dropouts(doc: Any, prefix: str = "") -> list[str]:
+def config_dropouts(doc: Any, prefix: str = "") -> list[str]:
     """``key=p`` for every dropout probability > 0 in a model config document (any depth)."""
     found: list[str] = []
     if isinstance(doc, dict):
         for k, v in sorted(doc.items(), key=lambda kv: str(kv[0])):
             name = f"{prefix}{k}"
             if isinstance(v, dict):
-                found += _config_dropouts(v, name + ".")
+                found += config_dropouts(v, name + ".")
             elif ("dropout" in str(k) or "pdrop" in str(k)) and _positive(v):
                 found.append(f"{name}={v}")
     return found
@@ -134,7 +136,7 @@ def _dropouts(cfg: Config) -> list[str]:
         where = f"{cfg.model.path}/config.json"
         try:
             # a model directory the user names (a Hugging Face snapshot links its files): links followed
-            found += [f"{where}: {d}" for d in _config_dropouts(read_json_object(where, follow_symlinks=True))]
+            found += [f"{where}: {d}" for d in config_dropouts(read_json_object(where, follow_symlinks=True))]
         except RefusedError as exc:
             found.append(f"{where} cannot be read to rule dropout out ({exc.message})")
     return found
@@ -156,7 +158,7 @@ def _no_dropout_in_model(model: Any) -> str | None:
     config = getattr(model, "config", None)
     to_dict = getattr(config, "to_dict", None)
     if callable(to_dict):
-        found += [f"config {d}" for d in _config_dropouts(to_dict())]
+        found += [f"config {d}" for d in config_dropouts(to_dict())]
     if found:
         return ("the built model draws dropout masks per micro-batch: " + ", ".join(found[:5])
                 + (f" and {len(found) - 5} more" if len(found) > 5 else ""))
@@ -268,6 +270,7 @@ STRATEGY = "distributed.strategy"
 BUCKET_CAP_MB = "distributed.bucket_cap_mb"
 TRL_GRADIENT_CHECKPOINTING = "trl.gradient_checkpointing"
 TRL_USE_REENTRANT = "trl.gradient_checkpointing_kwargs.use_reentrant"
+TRL_MICRO_BATCH = "trl.per_device_train_batch_size"
 
 _KNOBS = (
     Knob(GRADIENT_CHECKPOINTING,
@@ -307,6 +310,13 @@ _KNOBS = (
          "the reentrant and non-reentrant torch.utils.checkpoint variants recompute the same operations "
          "with the RNG state preserved; they differ only in how autograd re-enters the recomputation",
          observe=_observe_reentrant, predict=_predict_reentrant, frameworks=("trl",)),
+    Knob(TRL_MICRO_BATCH,
+         "the step's captured rows are re-split into micro-batches of this size, the accumulation steps (and, for "
+         "dapo, steps_per_generation) scaled so each row keeps its loss weight; admitted only for the loss types "
+         "whose normalisation makes that exact (grpo, dr_grpo, sapo, luspo, dapo; equal micro-batch sizes) and "
+         "without dropout, whose masks would be redrawn (checked by the TRL integration at admission)",
+         observe=_observe_micro_batch, model_condition=_no_dropout_in_model, predict=_predict_micro_batch,
+         frameworks=("trl",)),
     Knob("model.attn_implementation",
          "eager and sdpa compute the same softmax(QK^T / sqrt(d) + mask) V for the model the replay "
          "loads from the base model directory; only the kernel differs",
