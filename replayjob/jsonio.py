@@ -4,6 +4,15 @@ Everything replayjob reads is untrusted, so :func:`loads_strict` refuses what th
 library quietly accepts: invalid UTF-8, duplicate keys (no last-one-wins), ``NaN`` and
 ``Infinity`` literals, integers beyond 64 bits and documents nested deeper than a limit.
 
+Speed: a document is first parsed by msgspec's C parser (strict JSON: it refuses the ``NaN`` and
+``Infinity`` literals, invalid UTF-8, lone surrogates, numbers out of range), and that result is
+kept only when it provably reads as the standard library reads it (:func:`fast_loads`): no
+duplicate key (every ``:`` byte of the text is accounted for by a member of an object or, in a text
+without escapes, by a ``:`` inside a string; a duplicate would leave one over), and, for
+:func:`loads_strict`, the depth and integer limits hold.  Anything else -- an error, a doubt -- is
+parsed again by the standard library with the rules above, which decides and words the refusal, so
+what is accepted, what it reads as and every message are exactly the standard library's.
+
 Example:
     >>> canonical_bytes({"b": 1, "a": [1.5, "x"]})
     b'{"a":[1.5,"x"],"b":1}'
@@ -13,14 +22,98 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from replayjob.errors import IntegrityError
 
+try:
+    import msgspec
+
+    _DECODE: Callable[[bytes | str], Any] | None = msgspec.json.Decoder().decode
+except ImportError:  # pragma: no cover - msgspec is a dependency; without it the standard library reads all
+    _DECODE = None
+
 MAX_DEPTH = 64
 MAX_INT_DIGITS = 20  # 2**64 has 20 digits
+_INT_BOUND = 10 ** MAX_INT_DIGITS  # an integer of at most MAX_INT_DIGITS digits is below this in magnitude
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+MISS = object()  # what fast_loads returns when the standard library must decide
+FAST_DEPTH = 200  # without the strict limits, documents nested deeper are parsed by the standard library
+
+
+class _Doubt(Exception):
+    """The fast parse cannot vouch for this document: the standard library decides."""
+
+
+def _members(obj: Any, depth: int, strict: bool) -> int:
+    """Members of every object in ``obj`` (a dict or list), nested ones included.  :class:`_Doubt` past
+    :data:`FAST_DEPTH` levels (deeper documents are left to the standard library's own recursion limit);
+    with ``strict``, past :data:`MAX_DEPTH` levels or on an integer of more than :data:`MAX_INT_DIGITS`
+    digits (what :func:`loads_strict` refuses)."""
+    if depth > (MAX_DEPTH if strict else FAST_DEPTH):
+        raise _Doubt
+    if type(obj) is dict:
+        n = len(obj)
+        values: Any = obj.values()
+    else:
+        n, values = 0, obj
+    for v in values:
+        t = type(v)
+        if t is dict or t is list:
+            n += _members(v, depth + 1, strict)
+        elif strict and t is int and not -_INT_BOUND < v < _INT_BOUND:
+            raise _Doubt
+    return n
+
+
+def _string_colons(obj: Any) -> int:
+    """``:`` characters inside every key and string value of ``obj``."""
+    t = type(obj)
+    if t is str:
+        return int(obj.count(":"))
+    n = 0
+    if t is dict:
+        for k, v in obj.items():
+            n += k.count(":") + _string_colons(v)
+    elif t is list:
+        for v in obj:
+            n += _string_colons(v)
+    return n
+
+
+def fast_loads(data: bytes | str, *, strict: bool = True) -> Any:
+    """msgspec's parse of ``data`` when it provably equals the standard library's, else :data:`MISS`.
+
+    msgspec keeps the last of duplicate keys, so the members it built are counted: each came from a
+    ``:`` of the text, so when they account for every ``:`` byte (a ``:`` byte is never part of a
+    multi-byte UTF-8 character) no member was dropped.  A text with ``:`` inside strings passes when it
+    has no backslash (so the strings read exactly as written) and members plus the ``:`` in the strings
+    read account for every one.  ``strict``: also :func:`loads_strict`'s depth and integer limits (the
+    diag reader has neither; a document nested deeper than :data:`FAST_DEPTH` is left to the standard
+    library, whose recursion limit decides as it always did).
+    """
+    if _DECODE is None:  # pragma: no cover
+        return MISS
+    try:
+        obj = _DECODE(data)
+        t = type(obj)
+        if t is dict or t is list:
+            n = _members(obj, 1, strict)
+        elif strict and t is int and not -_INT_BOUND < obj < _INT_BOUND:
+            return MISS
+        else:
+            n = 0
+        if isinstance(data, bytes):
+            colons, escaped = data.count(b":"), b"\\" in data
+        else:
+            colons, escaped = data.count(":"), "\\" in data
+        if n == colons or (not escaped and n + _string_colons(obj) == colons):
+            return obj
+    except Exception:  # any doubt (a parse error, the depth, an integer's size): the standard library decides
+        pass
+    return MISS
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -69,6 +162,15 @@ def _depth_ok(text: str) -> bool:
 
 def loads_strict(data: bytes | str, *, where: str | Path = "<json>") -> Any:
     """Parse one JSON document strictly or raise :class:`IntegrityError` naming ``where``."""
+    obj = fast_loads(data)
+    if obj is not MISS:
+        return obj
+    return loads_stdlib(data, where=where)
+
+
+def loads_stdlib(data: bytes | str, *, where: str | Path = "<json>") -> Any:
+    """:func:`loads_strict` by the standard library alone: what decides whenever the fast parse cannot vouch
+    for a document (and the reference the fast parse is tested against)."""
     if isinstance(data, bytes):
         try:
             text = data.decode("utf-8")

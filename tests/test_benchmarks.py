@@ -22,7 +22,7 @@ from benchmarks import common
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_ablation.sh"
 SMOKE = ["capture_overhead", "verify_throughput", "cli_startup", "diag_diff", "bundle_recompute", "ring_overhead",
-         "trace_overhead"]
+         "trace_overhead", "mismatch_recompute"]
 
 
 def check_result(path: Path, name: str, *, smoke: bool) -> dict[str, object]:

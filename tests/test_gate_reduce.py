@@ -117,8 +117,40 @@ def test_an_altered_final_adapter_is_refused_under_every_claim(ev: synthetic.Evi
     assert doc["admission"] == "not admitted"
 
 
+@pytest.mark.parametrize("claim", ["exact-input", "bitwise"])
+@pytest.mark.parametrize("content, needle", [
+    (b"final adapter weights", "header declares"),  # raw bytes, no header
+    (b"\x80\x04" + b"\x00" * 30, "pickle"),
+    (synthetic.adapter_file(b"x" * 16)[:-4], "data section"),  # a truncated body: its spans do not fit
+])
+def test_a_final_adapter_that_is_not_safetensors_is_refused(tmp_path: Path, claim: str, content: bytes,
+                                                            needle: str) -> None:
+    """The hash the run recorded matches, but the bytes are not a valid safetensors file: refused (2), read by
+    the one reader (tensorfile) without building a tensor."""
+    ev = synthetic.build(tmp_path / "ev", ARMS, 3, final=lambda arm, i: content if (arm, i) == (ON, 2)
+                         else synthetic.FINAL)
+    code, doc = reduce(ev, claim)
+    assert code == 2 and doc["status"] == "refused" and "inputs.final_adapter_on_disk" in doc["failed_checks"]
+    c = check(doc, "inputs.final_adapter_on_disk")
+    assert c["offenders"] == [f"{ON}#2"] and c["observed"]["mismatched"] == {}
+    assert needle in c["observed"]["invalid"][f"{ON}#2"]
+
+
+def test_adapters_are_hashed_on_several_threads_when_large(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above the size threshold the files are hashed in parallel; the verdict is the same, a bad file still named."""
+    from replayjob.gate import claims
+
+    monkeypatch.setattr(claims, "PARALLEL_HASH_BYTES", 1)
+    ev = synthetic.build(tmp_path / "ev", ARMS, 3)
+    assert reduce(ev, "bitwise")[0] == 0
+    (ev.replay_files[4].parent / synthetic.ADAPTER).write_bytes(b"tampered")
+    code, doc = reduce(ev, "exact-input")
+    assert code == 2 and check(doc, "inputs.final_adapter_on_disk")["offenders"] == [f"{ON}#1"]
+
+
 def test_differing_final_hashes_fail_bitwise_only(tmp_path: Path) -> None:
-    ev = synthetic.build(tmp_path / "ev", ARMS, 3, final=lambda arm, i: f"weights {arm} {i}".encode())
+    ev = synthetic.build(tmp_path / "ev", ARMS, 3,
+                         final=lambda arm, i: synthetic.adapter_file(f"weights {arm} {i}".encode()))
     assert reduce(ev, "exact-input")[0] == 0
     code, doc = reduce(ev, "bitwise")
     assert code == 1
@@ -163,7 +195,8 @@ def test_loss_compared_only_within_the_same_condition(ev: synthetic.Evidence) ->
 
 
 def test_unchanged_final_adapter_fails(tmp_path: Path) -> None:
-    ev = synthetic.build(tmp_path / "ev", ARMS, 3, initial=b"same", final=b"same")
+    ev = synthetic.build(tmp_path / "ev", ARMS, 3, initial=synthetic.adapter_file(b"same"),
+                         final=synthetic.adapter_file(b"same"))
     code, doc = reduce(ev, "exact-input")
     assert code == 1 and len(check(doc, "exact.final_adapter_changed")["offenders"]) == 6
 

@@ -88,9 +88,21 @@ def test_reduce_prints_the_comparison_table_and_each_budget_decision(tmp_path: P
     assert out[0] == doc["summary"] and out[1].startswith("ratios against baseline")
     for metric, r in ratios.items():
         row = next(line for line in out if f" {metric} " in line)
-        assert f"{r['ratio']:.3f}" in row and f"[{r['low']:.3f}, {r['high']:.3f}]" in row
-        assert row.split()[-1] == ("yes" if r["excludes_1"] else "no")
+        assert f"{r['ratio']:.3f}" in row
+        if r["low"] is None:  # CPU memory: provenance, no interval
+            assert r["note"] in row and " - " in row
+        else:
+            assert f"[{r['low']:.3f}, {r['high']:.3f}]" in row
+            assert row.split()[-1] == ("yes" if r["excludes_1"] else "no")
     bound = {"arm": "ckpt-on", "metric": "local_train_wall_s", "kind": "max_ratio", "limit": 1.35, "ratio": 1.21,
              "low": 1.1, "high": 1.3, "decision": "pass", "note": ""}
     lines = console_table({"comparisons": None, "budgets": {"bounds": [bound]}})
     assert lines == ["budget ckpt-on.local_train_wall_s max_ratio 1.35: pass (ratio 1.210 [1.100, 1.300])"]
+
+
+def test_cpu_memory_is_provenance_never_a_ratio_with_an_interval(tmp_path: Path) -> None:
+    """On CPU the replay's peak memory is the process's max RSS: shown, never an interval that 'excludes 1'."""
+    doc = json.loads(_reduce(tmp_path, "exact-input"))
+    memory = doc["comparisons"]["ratios"]["gradient_checkpointing=true"]["peak_memory_bytes"]
+    assert memory["ratio"] is not None and (memory["low"], memory["high"], memory["excludes_1"]) == (None,) * 3
+    assert "provenance only" in memory["note"]

@@ -271,3 +271,39 @@ def test_the_encoder_refuses_what_a_reader_would_refuse(tensors: dict[str, torch
     with pytest.raises(IntegrityError) as exc:
         tensorfile.encode(tensors, metadata={"format": "t/v1"}, schema=SCHEMA)
     assert cause in exc.value.message
+
+
+def test_a_scan_that_keeps_nothing_hashes_the_whole_file_across_span_boundaries(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nothing kept or visited and no BOOL tensor, the data section is read in whole chunks: the digest
+    is still the file's, chunk boundaries falling inside tensors; a BOOL tensor keeps its byte check."""
+    import hashlib
+
+    monkeypatch.setattr(tensorfile, "CHUNK", 24)  # many chunks, none aligned with a tensor
+    tensors = {f"layer.{i}.lora_{ab}": torch.arange(i + 3, dtype=dt) for i in range(5) for ab, dt in
+               (("A", torch.float32), ("B", torch.bfloat16))}
+    p = _write(tmp_path, save(tensors))
+    scanned = tensorfile.scan(p, keep=False)
+    assert scanned.sha256 == hashlib.sha256(p.read_bytes()).hexdigest()
+    assert sorted(scanned.validated().tensors) == sorted(tensors)
+    bad = bytearray(save({"w": torch.zeros(3), "m": torch.tensor([True, False, True])}))
+    bad[-2] = 7  # a BOOL byte other than 0 and 1
+    q = _write(tmp_path, bytes(bad), "bool.safetensors")
+    scanned = tensorfile.scan(q, keep=False)
+    assert scanned.sha256 == hashlib.sha256(bytes(bad)).hexdigest()
+    with pytest.raises(IntegrityError, match="BOOL"):
+        scanned.validated()
+
+
+def test_a_header_validated_once_is_reused_only_for_the_same_bytes_and_size() -> None:
+    """reduce reads one header layout per ablation many times: a validated header is kept by its bytes and
+    the file size; every hit names its own file and owns its dicts, and a different size is validated anew."""
+    data = save({"a": torch.zeros(4), "b": torch.ones(2, 3)})
+    first = tensorfile.parse_header(data, len(data), where="one")
+    first.tensors.clear()  # a caller's change to its own copy reaches no later hit
+    again = tensorfile.parse_header(data, len(data), where="two")
+    assert again.where == "two" and sorted(again.tensors) == ["a", "b"]
+    assert again.tensors["b"].shape == (2, 3) and again.data_start == first.data_start
+    with pytest.raises(IntegrityError, match="data section") as exc:
+        tensorfile.parse_header(data + b"\0", len(data) + 1, where="three")  # same header bytes, a byte more
+    assert "three" in exc.value.diagnostics()

@@ -1,4 +1,5 @@
-"""Commands that need no model never import transformers or peft (they start fast on any node).
+"""Commands that need no model never import transformers or peft (they start fast on any node), and
+``reduce`` for the exact-input and bitwise claims imports no torch at all.
 
 Each command runs in a fresh interpreter on a small valid input (a real capture, a real replay, a
 synthetic bundle written by ``BundleWriter``) through ``replayjob.cli.main``; the process then
@@ -21,7 +22,8 @@ PROBE = ("import json, sys\n"
          "from replayjob.cli import main\n"
          "rc = main(sys.argv[2:])\n"
          "heavy = sorted(m for m in ('transformers', 'peft', 'trl') if m in sys.modules)\n"
-         "open(sys.argv[1], 'w').write(json.dumps({'rc': rc, 'heavy': heavy}))\n")
+         "torch = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:5]\n"
+         "open(sys.argv[1], 'w').write(json.dumps({'rc': rc, 'heavy': heavy, 'torch': torch}))\n")
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +68,16 @@ def test_command_imports_neither_transformers_nor_peft(label: str, inputs: dict[
     result = probe(_argv(label, inputs), tmp_path / "probe.json")
     assert result["rc"] == 0, f"{label} did not accept its valid input (exit {result['rc']})"
     assert result["heavy"] == [], f"replayjob {label} imported {result['heavy']}"
+
+
+@pytest.mark.parametrize("claim", ["exact-input", "bitwise"])
+def test_reduce_of_exact_input_and_bitwise_imports_no_torch(claim: str, inputs: dict[str, Path],
+                                                           tmp_path: Path) -> None:
+    """The gate that runs on every submission hashes adapters as files and reads metrics: no torch (about
+    1.5 s of imports on a 2-core machine).  The input is a real capture and a real replay."""
+    result = probe(_argv(f"reduce {claim}", inputs), tmp_path / "probe.json")
+    assert result["rc"] == 0, f"reduce --claim {claim} did not accept its valid input (exit {result['rc']})"
+    assert result["torch"] == [], f"reduce --claim {claim} imported {result['torch']}"
 
 
 def test_explain_of_a_trl_capture_imports_no_framework(trl_capture: dict[str, object], tmp_path: Path) -> None:

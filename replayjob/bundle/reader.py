@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -145,6 +146,9 @@ def _refuse_v1(path: Path) -> None:
     fmt.check_version(version)  # a 2.x manifest beside 1.x entries: refused below as unknown entries
 
 
+_NP_INTEGER = {"I64": np.int64, "I32": np.int32, "U8": np.uint8}  # fmt.INTEGER_DTYPES as NumPy reads them
+
+
 class TokenIds:
     """A ``scan`` visitor: token-id payloads hold ids the tokenizer has, checked as their bytes stream past.
 
@@ -166,8 +170,16 @@ class TokenIds:
             return  # refused by the manifest or the header check
         dtype = fmt.DTYPES[spec.dtype]
         count = len(piece) // dtype.itemsize
-        if count:
-            self._check(spec.name, torch.frombuffer(piece, dtype=dtype, count=count), first, spec.shape[1])
+        if not count:
+            return
+        # One min and one max over the chunk on this thread (NumPy: no temporary arrays, and no wake-up of
+        # Torch's intra-op pool from each hashing thread, which on a busy 2-core machine cost more than the
+        # hashing); only a chunk that breaks the bound is searched for its first offending id.
+        values = np.frombuffer(piece, dtype=_NP_INTEGER[spec.dtype], count=count)
+        bound = self.bounds[spec.name]
+        if values.min() >= 0 and (bound is None or values.max() < bound):
+            return
+        self._check(spec.name, torch.frombuffer(piece, dtype=dtype, count=count), first, spec.shape[1])
 
     def check_tensor(self, name: str, t: Tensor) -> None:
         """The same check on a whole ``[N, T]`` tensor (the writer, before it writes)."""

@@ -1,10 +1,14 @@
 """Streaming reader of JSONL diagnostics: one JSON object per line, one line at a time.
 
 Diagnostics are large (thousands of rows of hundreds of leaves), so a file is never held in
-memory.  Each line is parsed by the standard library's C parser, which accepts the ``NaN`` and
+memory.  Each line reads as the standard library's parser reads it, which accepts the ``NaN`` and
 ``Infinity`` literals Python writers emit for non-finite metrics (a diverged loss is exactly what
-these checks must see).  Blank lines are skipped; anything else that is not a JSON object is
-refused with its line number, so a truncated or corrupted file never passes as a shorter one.
+these checks must see) and refuses duplicate keys here.  A line is first parsed by msgspec's faster
+C parser (:func:`replayjob.jsonio.fast_loads`: kept only when it provably reads the same, duplicate
+keys included); a line it refuses or cannot vouch for (a ``NaN``, a duplicate key, deep nesting,
+invalid UTF-8) is parsed by the standard library, which decides.  Blank lines are skipped; anything
+else that is not a JSON object is refused with its line number, so a truncated or corrupted file
+never passes as a shorter one.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 from replayjob.errors import IntegrityError
 from replayjob.fsio import open_regular
+from replayjob.jsonio import fast_loads
 
 
 def open_jsonl(path: str | Path) -> Any:
@@ -42,6 +47,15 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def parse_line(line: bytes, lineno: int, where: str | Path) -> dict[str, Any]:
     """Parse one JSONL line into an object, or refuse naming ``where`` and the line number."""
+    row = fast_loads(line, strict=False)
+    if type(row) is dict:
+        return row
+    return parse_line_stdlib(line, lineno, where)
+
+
+def parse_line_stdlib(line: bytes, lineno: int, where: str | Path) -> dict[str, Any]:
+    """:func:`parse_line` by the standard library alone: what decides whenever the fast parse cannot vouch
+    for a line (and the reference the fast parse is tested against)."""
     try:
         row = json.loads(line, object_pairs_hook=_unique_keys)
     except UnicodeDecodeError as exc:

@@ -6,20 +6,23 @@ its expected value, what was observed and the replays that broke it.  A check's 
 answer, exit 2) or ``not_applicable`` (the rule has nothing to compare; it does not change the
 outcome).  Groups: ``inputs`` (admissibility of the evidence itself), ``exact-input``,
 ``bitwise``, ``approximate``.  Checks here read only metric files and file metadata, plus the
-SHA-256 of adapter files for the on-disk check; update geometry lives in :mod:`.updates`.
+SHA-256 and safetensors header of adapter files for the on-disk check (hashed as files: no torch);
+update geometry lives in :mod:`.updates`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections import Counter
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from replayjob.digest import sha256_file
 from replayjob.errors import ReplayjobError
 from replayjob.gate.evidence import SKIPPED, Replay, Source, Tolerances
 from replayjob.metrics import EFFECTIVE, FINAL_ADAPTER, INITIAL_ADAPTER, LOGICAL, SOURCE_FILE, STEP_FINAL_ADAPTER
@@ -324,28 +327,56 @@ def knobs_in_effect_check(arms: dict[str, Arm], source: Source | None) -> Check:
                  "training.micro_batch_size is expected as min(value, ceil(rows / distributed.world_size))", off)
 
 
-def _disk_sha(path: Path) -> str | None:
-    """SHA-256 of a regular file (devices and FIFOs refused); ``None`` when unreadable."""
+PARALLEL_HASH_BYTES = 32 * 1024 * 1024  # adapters adding up to less are hashed on one thread
+HASH_WORKERS = 4  # adapter files hashed at once, at most (SHA-256 and reads release the GIL)
+
+
+def _disk_scan(path: Path) -> tuple[str | None, str | None]:
+    """One read of an adapter file through :func:`replayjob.tensorfile.scan` (no tensor built, nothing kept):
+    its SHA-256 (``None`` when unreadable) and, when the bytes are not a valid safetensors file, why."""
+    from replayjob import tensorfile
+
     try:
-        return sha256_file(path)
+        scanned = tensorfile.scan(path, keep=False)
     except ReplayjobError:
-        return None
+        return None, None
+    return scanned.sha256, None if scanned.error is None else scanned.error.message
+
+
+def _disk_scans(paths: list[Path]) -> list[tuple[str | None, str | None]]:
+    """:func:`_disk_scan` of every path, in order; several files at once when they are large together."""
+    total = 0
+    for p in paths:
+        with contextlib.suppress(OSError):
+            total += os.stat(p, follow_symlinks=False).st_size
+    workers = min(HASH_WORKERS, os.cpu_count() or 1, len(paths))
+    if workers < 2 or total < PARALLEL_HASH_BYTES:
+        return [_disk_scan(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="replayjob-adapter-hash") as pool:
+        return list(pool.map(_disk_scan, paths))
 
 
 def on_disk_check(replays: list[Replay], source: Source | None) -> Check:
-    """Recompute every final adapter's SHA-256 from its file; one that does not match is refused."""
+    """Recompute every final adapter's SHA-256 from its file and check its safetensors header (the one
+    reader, :mod:`replayjob.tensorfile`; no tensor is built): a file that does not match, or that matches
+    but is not a valid safetensors file, is refused."""
     members = [(r.label, r.final_adapter_file, r.final_adapter) for r in replays]
     if source is not None and source.final_adapter_file is not None:  # a captured step keeps only the SHA-256
         members.insert(0, ("source", source.final_adapter_file, source.final_adapter))
     mismatched: dict[str, Any] = {}
-    for label, path, reported in members:
-        actual = _disk_sha(path)
+    invalid: dict[str, str] = {}
+    for (label, _path, reported), (actual, error) in zip(members, _disk_scans([m[1] for m in members]),
+                                                         strict=True):
         if actual != reported:
             mismatched[label] = {"reported": reported, "on_disk": actual}
-    return Check("inputs.final_adapter_on_disk", "inputs", REFUSED if mismatched else PASS,
-                 "on-disk SHA-256 == reported final_adapter_sha256", {"mismatched": mismatched},
-                 "an adapter file altered, truncated or missing after the run is not evidence of anything",
-                 tuple(mismatched))
+        elif error is not None:
+            invalid[label] = error
+    offenders = (*mismatched, *invalid)
+    return Check("inputs.final_adapter_on_disk", "inputs", REFUSED if offenders else PASS,
+                 "on-disk SHA-256 == reported final_adapter_sha256, and a valid safetensors file",
+                 {"mismatched": mismatched, "invalid": invalid},
+                 "an adapter file altered, truncated or missing after the run, or one that is not a valid "
+                 "safetensors file, is not evidence of anything", tuple(offenders))
 
 
 def bitwise_checks(replays: list[Replay], arms: dict[str, Arm], source: Source) -> list[Check]:

@@ -258,6 +258,13 @@ def _comparisons(st: _State, baseline: str | None, admission: str) -> dict[str, 
                 continue
             ratios[a.name] = stats.bootstrap_ratios({m: [r.measures[m] for r in a.replays] for m in MEASURES},
                                                     {m: [r.measures[m] for r in base] for m in MEASURES})
+            memory = ratios[a.name].get(B.MEMORY_METRIC)
+            if memory is not None and any(r.memory_kind != B.CUDA_MEMORY for r in [*a.replays, *base]):
+                # A process's max RSS only grows and counts the interpreter and libraries: provenance, not
+                # evidence about the arm. Its ratio is shown, never an interval that could "exclude 1".
+                memory.update(low=None, high=None, excludes_1=None,
+                              note="max RSS of the replay process (CPU): provenance only, no interval; "
+                                   "memory is compared on CUDA's allocator peak")
     return {"baseline": baseline, "admission": admission, "statistic": "ratio of medians (arm / baseline)",
             "ratios": ratios}
 

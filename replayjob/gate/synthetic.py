@@ -4,8 +4,9 @@ Files follow ``docs/replay-metrics.md`` key for key; the source directory holds 
 built and validated by :mod:`replayjob.optbatch.manifest` (its ``outcome`` sealing the source's loss,
 gradient norm and final adapter digest), a ``metrics.json`` and a final adapter.
 Everything is a pure function of the arguments (no clock, no absolute path inside a file), so two
-builds in different directories give the same bytes.  Adapter contents are the caller's bytes
-(real safetensors files when update geometry matters, any bytes otherwise).
+builds in different directories give the same bytes.  Adapter contents are the caller's bytes:
+valid safetensors files, since reduce checks every final adapter's header (:func:`adapter_file` builds
+one from any bytes without torch; real tensors when update geometry matters).
 
 Example:
     >>> import tempfile
@@ -16,7 +17,9 @@ Example:
 
 from __future__ import annotations
 
+import json
 import random
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +46,7 @@ from replayjob.metrics import (
 from replayjob.optbatch import manifest as mf
 from replayjob.optbatch.knobs import BUILTIN, knobs_for, lookup
 from replayjob.optbatch.knobs import GRADIENT_CHECKPOINTING as GC_KEY
+from replayjob.tensorfile import ITEMSIZE
 
 ADAPTER = "final_adapter/adapter_model.safetensors"
 SOURCE_GRAD_NORM = 0.25  # the source update's gradient norm (sealed in the manifest with its loss and final adapter)
@@ -50,6 +54,27 @@ SOURCE_CONFIG: dict[str, Any] = {
     "backend": {"options": {"attn_implementation": "eager", "gradient_checkpointing": False}},
     "training": {"micro_batch_size": 4, "trainer": "grpo"},
 }
+
+
+def adapter_file(data: bytes, *, tensors: int = 1, dtype: str = "U8") -> bytes:
+    """A valid safetensors file (built without torch) whose data section is ``data``, split evenly into
+    ``tensors`` one-dimensional tensors of ``dtype``: an adapter that passes reduce's header check, its
+    digest decided by ``data``."""
+    item = ITEMSIZE[dtype]
+    if tensors < 1 or len(data) % (tensors * item):
+        raise ValueError(f"{len(data)} bytes do not split into {tensors} tensors of {dtype}")
+    per = len(data) // tensors
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    for i in range(tensors):
+        header[f"base_model.model.layers.{i // 2}.lora_{'AB'[i % 2]}.weight"] = {
+            "dtype": dtype, "shape": [per // item], "data_offsets": [i * per, (i + 1) * per]}
+    text = json.dumps(header, separators=(",", ":")).encode("ascii")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data
+
+
+INITIAL = adapter_file(b"initial adapter weights")
+FINAL = adapter_file(b"final adapter weights")
 
 
 def digest_of(text: str) -> str:
@@ -162,7 +187,7 @@ def _write_source(root: Path, initial: bytes, final: bytes, loss: float) -> tupl
 
 
 def build(root: Path, arms: dict[str, dict[str, Any]], repeats: int | dict[str, int], *,
-          initial: bytes = b"initial adapter weights", final: bytes | AdapterBytes = b"final adapter weights",
+          initial: bytes = INITIAL, final: bytes | AdapterBytes = FINAL,
           source_final: bytes | None = None, loss: float = 0.5, seed: int = 0,
           tolerances_sha256: str = "") -> Evidence:
     """Write a source run and ``repeats`` replays per arm (``arms`` maps arm name -> declared knobs)."""

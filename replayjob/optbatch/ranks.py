@@ -38,9 +38,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from replayjob import distributed
 from replayjob.errors import ArtifactExistsError, IntegrityError, RefusedError
@@ -48,7 +46,11 @@ from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_b
 from replayjob.jsonio import canonical_bytes, loads_strict
 from replayjob.optbatch import manifest
 from replayjob.optbatch.manifest import Manifest, is_int, need, need_hex, read_payload, read_verified
-from replayjob.rl.batch import OptimizerBatch
+
+if TYPE_CHECKING:  # reading a root manifest (reduce) needs no tensors: torch loads with the payload
+    from torch import Tensor
+
+    from replayjob.rl.batch import OptimizerBatch
 
 SCHEMA = "replayjob.optimizer_batch_ranks/v1"
 RANKS_TAG = b"replayjob.rank-payloads.v1\n"
@@ -151,6 +153,8 @@ class Verified:
 
 def _read_ranks(d: Path, step: int, entries: list[tuple[int, str]], allow_nonfinite: bool = False) -> Verified:
     """Read and verify each ``(rank, manifest SHA-256)`` in ``d`` and concatenate their rows in rank order."""
+    from replayjob.rl.batch import OptimizerBatch
+
     parts, rngs, manifests, bounds, begin = [], [], [], [], 0
     for r, sha in entries:
         try:  # no linked rank-<r>/ (nor file in it): fsio.check_no_symlinks below the capture directory
