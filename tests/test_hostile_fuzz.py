@@ -197,18 +197,24 @@ def test_capture_manifest_mutations_never_pass_the_pin(data: st.DataObject, sour
                                                        tmp_path_factory: pytest.TempPathFactory) -> None:
     from replayjob.optbatch import manifest
 
-    src = next(sources["capture"].glob("*.manifest.json"))
+    _manifest_mutation_never_passes_the_pin(data, next(sources["capture"].glob("*.manifest.json")),
+                                            manifest.read_verified, tmp_path_factory.mktemp("man"))
+
+
+def _manifest_mutation_never_passes_the_pin(data: st.DataObject, src: Path, read_verified: Any, tmp: Path) -> None:
+    """Mutate a copy of the manifest ``src`` (bytes or structure): the user's pin refuses every change, and a
+    pin copied from the tampered file leaves the validator behind it to refuse or accept exactly what is
+    written."""
     original = src.read_bytes()
-    d = tmp_path_factory.mktemp("man")
-    p = d / src.name
-    doc = json.loads(original)
-    blob = mutate(data, original) if data.draw(st.booleans()) else json.dumps(mutate_doc(data, doc)).encode()
+    p = tmp / src.name
+    blob = mutate(data, original) if data.draw(st.booleans()) else json.dumps(
+        mutate_doc(data, json.loads(original))).encode()
     p.write_bytes(blob)
     if blob != original:  # the pin the user holds refuses every change, before parsing
         with pytest.raises(ReplayjobError):
-            manifest.read_verified(p, sha256_bytes(original))
-    try:  # a pin copied from the tampered file: the validator behind the pin refuses or accepts cleanly
-        got = manifest.read_verified(p, sha256_bytes(blob))
+            read_verified(p, sha256_bytes(original))
+    try:
+        got = read_verified(p, sha256_bytes(blob))
     except ReplayjobError:
         return
     assert got.doc == json.loads(blob)
@@ -237,10 +243,16 @@ def test_bundle_mutations_are_refused_or_load_as_exactly_the_original(
     from replayjob.bundle.reader import load_bundle
 
     original = load_bundle(sources["bundle"])
-    d = tmp_path_factory.mktemp("bundle") / sources["bundle"].name
-    shutil.copytree(sources["bundle"], d)
-    files = sorted(p for p in d.rglob("*") if p.is_file())
-    target = data.draw(st.sampled_from(files))
+    _bundle_mutation_is_refused_or_a_no_op(data, sources["bundle"], original, tmp_path_factory.mktemp("bundle"))
+
+
+def _bundle_mutation_is_refused_or_a_no_op(data: st.DataObject, src: Path, original: Any, tmp: Path) -> None:
+    """Mutate one file of a copy of bundle ``src``: refused, or it loads as exactly ``original``."""
+    from replayjob.bundle.reader import load_bundle
+
+    d = tmp / src.name
+    shutil.copytree(src, d)
+    target = data.draw(st.sampled_from(sorted(p for p in d.rglob("*") if p.is_file())))
     target.write_bytes(mutate(data, target.read_bytes()))
     try:
         got = load_bundle(d)
@@ -416,17 +428,8 @@ def test_multi_rank_bundle_mutations_are_refused_or_load_as_exactly_the_original
         data: st.DataObject, two_rank_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     from replayjob.bundle.reader import load_bundle
 
-    original = load_bundle(two_rank_bundle)
-    d = tmp_path_factory.mktemp("ranked") / "b"
-    shutil.copytree(two_rank_bundle, d)
-    target = data.draw(st.sampled_from(sorted(p for p in d.rglob("*") if p.is_file())))
-    target.write_bytes(mutate(data, target.read_bytes()))
-    try:
-        got = load_bundle(d)
-    except ReplayjobError:
-        return
-    assert (got.manifest, got.index, got.expected) == (original.manifest, original.index, original.expected)
-    assert _same(got.payloads, original.payloads)
+    _bundle_mutation_is_refused_or_a_no_op(data, two_rank_bundle, load_bundle(two_rank_bundle),
+                                           tmp_path_factory.mktemp("ranked"))
 
 
 @FUZZ
@@ -435,20 +438,8 @@ def test_integration_manifest_mutations_never_pass_the_pin(data: st.DataObject, 
                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
     from replayjob.integrations import manifest
 
-    src = next(trl_capture["dir"].glob("*.manifest.json"))
-    original = src.read_bytes()
-    p = tmp_path_factory.mktemp("iman") / src.name
-    blob = mutate(data, original) if data.draw(st.booleans()) else json.dumps(
-        mutate_doc(data, json.loads(original))).encode()
-    p.write_bytes(blob)
-    if blob != original:
-        with pytest.raises(ReplayjobError):
-            manifest.read_verified(p, sha256_bytes(original))
-    try:  # a pin copied from the tampered file: the validator refuses or accepts exactly what is written
-        got = manifest.read_verified(p, sha256_bytes(blob))
-    except ReplayjobError:
-        return
-    assert got.doc == json.loads(blob)
+    _manifest_mutation_never_passes_the_pin(data, next(trl_capture["dir"].glob("*.manifest.json")),
+                                            manifest.read_verified, tmp_path_factory.mktemp("iman"))
 
 
 @pytest.fixture(scope="module")
