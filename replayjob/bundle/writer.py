@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 import replayjob
-from replayjob import tensorfile
+from replayjob import distributed, tensorfile
 from replayjob.bundle import format as fmt
 from replayjob.bundle.reader import TokenIds
 from replayjob.bundle.schema import check_closure, check_expected, check_groups, check_index, check_manifest
@@ -80,8 +80,6 @@ def shared_run_id(environ: Mapping[str, str] | None = None) -> str:
     explicit = env.get(ENV_RUN_ID, "").strip()
     if explicit:
         return fmt.check_run_id(explicit, where=ENV_RUN_ID)
-    from replayjob import distributed
-
     if distributed.group_active():
         mine = new_run_id() if distributed.rank() == distributed.ROOT_RANK else None
         return fmt.check_run_id(distributed.gather_objects(mine)[distributed.ROOT_RANK], where="torch.distributed")

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from replayjob.config.load import MAX_TOML_BYTES
 from replayjob.deploy.schedule import DESIGNS, Slot, plan
 from replayjob.errors import ConfigError
 from replayjob.optbatch.knobs import STRATEGY, WORLD_SIZE  # an arm's world size: its replays run that many ranks
@@ -416,7 +417,6 @@ def load_spec(path: str | Path) -> AblationSpec:
 
 def load_spec_text(path: str | Path) -> tuple[AblationSpec, str]:
     """:func:`load_spec` and the file's text (what the manifests ship to the pods, parsed there again)."""
-    from replayjob.config.load import MAX_TOML_BYTES
     from replayjob.fsio import read_regular_bytes
 
     p = Path(path)

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from replayjob.deploy import k8s
-from replayjob.deploy.ablation import AblationSpec
+from replayjob.deploy.ablation import AblationSpec, load_spec_text
+from replayjob.deploy.step import check_rendered
 from replayjob.deploy.submit import Api, Log, _wait
 from replayjob.errors import EXIT_ERROR, EXIT_OK, ConfigError, ContractError
 
@@ -155,9 +156,6 @@ def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: floa
 
 def main(spec_path: str, environ: Mapping[str, str] | None = None, api: Api | None = None, log: Log = print) -> int:
     """``replayjob k8s drive --spec FILE``, in the driver Job's pod."""
-    from replayjob.deploy.ablation import load_spec_text
-    from replayjob.deploy.step import check_rendered
-
     env = os.environ if environ is None else environ
     spec, text = load_spec_text(spec_path)
     check_rendered(spec)

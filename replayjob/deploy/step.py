@@ -75,6 +75,7 @@ from typing import Any
 from replayjob import metrics
 from replayjob.deploy.ablation import DETERMINISM_ENV, RENDERED_ENV, AblationSpec, Run, is_digest_ref, toml_value
 from replayjob.deploy.launch import check_launcher
+from replayjob.determinism import NCCL_NUMERICS
 from replayjob.digest import is_sha256_hex, sha256_json
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError, UsageError
 
@@ -270,8 +271,6 @@ def check_rendered(spec: AblationSpec) -> None:
 def run_environment() -> dict[str, str | None]:
     """The determinism environment and the NCCL settings that change numerics, as the first step of
     the run saw them (recorded in ``run.json``; every replay records its own in its provenance)."""
-    from replayjob.determinism import NCCL_NUMERICS
-
     return {name: os.environ.get(name) for name in dict.fromkeys([*DETERMINISM_ENV, *NCCL_NUMERICS])}
 
 

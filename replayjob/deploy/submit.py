@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.deploy import k8s
-from replayjob.deploy.ablation import AblationSpec
+from replayjob.deploy.ablation import AblationSpec, spec_from_text
 from replayjob.errors import EXIT_OK, ArtifactExistsError, OperationalError, RefusedError, error_for_exit_status
 
 Log = Callable[[str], None]
@@ -280,8 +280,6 @@ def resume(run_id: str, namespace: str | None, *, wait: bool, api_client: Any | 
            log: Log = print, api: Api | None = None) -> int:
     """Continue run ``run_id``: follow its driver if one still runs, else start a new one (see the
     module docstring)."""
-    from replayjob.deploy.ablation import spec_from_text
-
     api = api or Api(api_client, log=log)
     ns = namespace or api.default_namespace
     selector = f"{k8s.RUN_ID_LABEL}={run_id},app.kubernetes.io/component="

@@ -26,6 +26,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from replayjob.deploy.submit import Api
 from replayjob.errors import EXIT_ERROR, RefusedError
 
 GROUP, VERSION, PLURAL = "argoproj.io", "v1alpha1", "workflows"
@@ -101,8 +102,6 @@ def wait_for_workflow(name: str, namespace: str | None, *, api: Any | None = Non
                       log: Callable[[str], None] = print) -> int:
     """``replayjob argo wait``: the reduce step's code of workflow ``name`` once it has ended."""
     from kubernetes.client.exceptions import ApiException
-
-    from replayjob.deploy.submit import Api
 
     api = api or Api(None, log=log)
     ns = namespace or api.default_namespace

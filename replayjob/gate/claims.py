@@ -23,6 +23,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from replayjob import tensorfile
 from replayjob.errors import ReplayjobError
 from replayjob.gate.evidence import SKIPPED, Replay, Source, Tolerances
 from replayjob.metrics import EFFECTIVE, FINAL_ADAPTER, INITIAL_ADAPTER, LOGICAL, SOURCE_FILE, STEP_FINAL_ADAPTER
@@ -334,8 +335,6 @@ HASH_WORKERS = 4  # adapter files hashed at once, at most (SHA-256 and reads rel
 def _disk_scan(path: Path) -> tuple[str | None, str | None]:
     """One read of an adapter file through :func:`replayjob.tensorfile.scan` (no tensor built, nothing kept):
     its SHA-256 (``None`` when unreadable) and, when the bytes are not a valid safetensors file, why."""
-    from replayjob import tensorfile
-
     try:
         scanned = tensorfile.scan(path, keep=False)
     except ReplayjobError:

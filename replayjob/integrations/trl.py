@@ -50,6 +50,7 @@ from replayjob.config.redact import REDACTED
 from replayjob.errors import RefusedError, UsageError
 from replayjob.integrations import capture as cap
 from replayjob.integrations.replay import ReplaySession
+from replayjob.jsonio import read_json_object
 from replayjob.optbatch import knobs
 
 if TYPE_CHECKING:
@@ -243,8 +244,6 @@ def _resplit_refusals(adm: Admission) -> list[str]:
     if isinstance(lora, int | float) and lora > 0:
         dropouts.append(f"peft.lora_dropout={lora}")
     try:
-        from replayjob.jsonio import read_json_object
-
         base = read_json_object(Path(str(r["model"]["path"])) / "config.json", follow_symlinks=True)
         dropouts += [f"model config {d}" for d in knobs.config_dropouts(base)]
     except RefusedError:
