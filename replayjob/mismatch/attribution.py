@@ -105,6 +105,19 @@ def _fill(res: TestResult, best: tuple[Hypothesis, float, float, float, int]) ->
                                f"(residual mean |.| {mean:.3g}, max {top:.3g})")
 
 
+def _tested(name: str, applicable: bool, reason: str, v: Views, src: Source, ok: Tensor,
+            hyps: list[Hypothesis]) -> TestResult:
+    """A test's result: not applicable with ``reason``, else its best-explaining hypothesis filled in."""
+    res = TestResult(name, applicable)
+    if not applicable:
+        res.reason = reason
+        return res
+    best = _best(hyps, src.values, v.trainer, ok)
+    assert best is not None  # applicable implies hypotheses
+    _fill(res, best)
+    return res
+
+
 def attribute(v: Views, src: Source, allow_lag: bool) -> Attribution:
     """Run every test on one source (see the module docstring)."""
     ok = ~torch.isnan(src.values) & torch.isfinite(v.trainer)
@@ -141,13 +154,10 @@ def attribute(v: Views, src: Source, allow_lag: bool) -> Attribution:
 
 
 def _temperature(v: Views, src: Source, ok: Tensor, hyps: list[Hypothesis]) -> TestResult:
-    res = TestResult("temperature", bool(hyps))
-    if not hyps:
-        res.reason = "the trainer's temperature is the only one recorded, and it is 1"
+    res = _tested("temperature", bool(hyps), "the trainer's temperature is the only one recorded, and it is 1",
+                  v, src, ok, hyps)
+    if not res.applicable:
         return res
-    best = _best(hyps, src.values, v.trainer, ok)
-    assert best is not None
-    _fill(res, best)
     residual = v.grid_residual.get(src.name)
     if residual is not None and v.grid:
         fit = fitted_temperature(residual)
@@ -158,15 +168,10 @@ def _temperature(v: Views, src: Source, ok: Tensor, hyps: list[Hypothesis]) -> T
 
 
 def _truncation(v: Views, src: Source, ok: Tensor, hyps: list[Hypothesis]) -> TestResult:
-    res = TestResult("truncation", bool(hyps) and src.side.truncates)
-    if not res.applicable:
-        res.reason = "the source's settings truncate nothing: top_k = 0, top_p = 1" if hyps or not \
-            src.side.truncates else "no truncation recomputed"
-        return res
-    best = _best(hyps, src.values, v.trainer, ok)
-    assert best is not None
-    _fill(res, best)
-    if v.outside_set is not None:
+    res = _tested("truncation", bool(hyps) and src.side.truncates,
+                  "the source's settings truncate nothing: top_k = 0, top_p = 1" if hyps or not src.side.truncates
+                  else "no truncation recomputed", v, src, ok, hyps)
+    if res.applicable and v.outside_set is not None:
         out = int(v.outside_set[ok].sum())
         res.evidence.append(f"{out} of {int(ok.sum())} sampled tokens lie outside the trainer's top_k="
                             f"{src.side.top_k}, top_p={src.side.top_p:g} set")
@@ -176,25 +181,16 @@ def _truncation(v: Views, src: Source, ok: Tensor, hyps: list[Hypothesis]) -> Te
 
 
 def _precision(v: Views, src: Source, ok: Tensor, hyps: list[Hypothesis]) -> TestResult:
-    res = TestResult("precision", bool(hyps) and src.side.dtype != v.trainer_side.dtype)
-    if not res.applicable:
-        res.reason = ("the source's forward ran in the trainer's dtype" if src.side.recorded
-                      else "the source's dtype is not recorded")
-        return res
-    best = _best(hyps, src.values, v.trainer, ok)
-    assert best is not None
-    _fill(res, best)
-    return res
+    return _tested("precision", bool(hyps) and src.side.dtype != v.trainer_side.dtype,
+                   "the source's forward ran in the trainer's dtype" if src.side.recorded
+                   else "the source's dtype is not recorded", v, src, ok, hyps)
 
 
 def _padding(v: Views, src: Source, ok: Tensor, lr: Tensor, hyps: list[Hypothesis]) -> TestResult:
-    res = TestResult("padding", bool(hyps) and src.side.layout != v.trainer_side.layout)
+    res = _tested("padding", bool(hyps) and src.side.layout != v.trainer_side.layout,
+                  "the source used the trainer's layout" if hyps else "no other layout recomputed", v, src, ok, hyps)
     if not res.applicable:
-        res.reason = "the source used the trainer's layout" if hyps else "no other layout recomputed"
         return res
-    best = _best(hyps, src.values, v.trainer, ok)
-    assert best is not None
-    _fill(res, best)
     offsets = stats.by_pad_offset(lr, v.row[ok], v.pad_offset[ok])
     groups = ", ".join(f"{g['offset']}: {g['abs_mean']:.3g}" for g in offsets["groups"][:8])
     corr = offsets["correlation"]
@@ -221,11 +217,5 @@ def _follows_offset(lr: Tensor, pad: Tensor, corr: float | None) -> float | None
 
 
 def _combined(v: Views, src: Source, ok: Tensor, hyps: list[Hypothesis]) -> TestResult:
-    res = TestResult("combined", bool(hyps) and src.side == v.sampler_side)
-    if not res.applicable:
-        res.reason = "only for the sampler's own source" if hyps else "not recomputed"
-        return res
-    best = _best(hyps, src.values, v.trainer, ok)
-    assert best is not None
-    _fill(res, best)
-    return res
+    return _tested("combined", bool(hyps) and src.side == v.sampler_side,
+                   "only for the sampler's own source" if hyps else "not recomputed", v, src, ok, hyps)
