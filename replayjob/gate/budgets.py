@@ -80,6 +80,12 @@ class Budgets:
     bounds: tuple[Bound, ...]
 
 
+def cuda_memory(replays: list[Replay]) -> bool:
+    """Did every replay measure CUDA's allocator peak (reset per replay)?  Only then is peak memory evidence
+    about an arm; a CPU replay's max RSS only grows and counts the interpreter (provenance)."""
+    return all(r.memory_kind == CUDA_MEMORY for r in replays)
+
+
 def read_budgets(path: str | Path) -> Budgets:
     """Read a budget file strictly; every problem is refused naming the key."""
     p = Path(path)
@@ -246,8 +252,7 @@ def evaluate(budgets: Budgets, arms: dict[str, Arm], baseline: str | None, max_l
             row = {"arm": bound.arm, "metric": bound.metric, "kind": bound.kind, "limit": bound.limit,
                    "decision": "not_evaluated", "note": why}
             status = NOT_APPLICABLE
-        elif bound.metric == MEMORY_METRIC and any(
-                r.memory_kind != CUDA_MEMORY for pair in pairs[bound.arm] for r in pair):
+        elif bound.metric == MEMORY_METRIC and not cuda_memory([r for pair in pairs[bound.arm] for r in pair]):
             row = {"arm": bound.arm, "metric": bound.metric, "kind": bound.kind, "limit": bound.limit,
                    "decision": "not_measurable",
                    "note": "peak memory is decided only on CUDA (peak allocated, reset per replay); CPU max "

@@ -259,7 +259,7 @@ def _comparisons(st: _State, baseline: str | None, admission: str) -> dict[str, 
             ratios[a.name] = stats.bootstrap_ratios({m: [r.measures[m] for r in a.replays] for m in MEASURES},
                                                     {m: [r.measures[m] for r in base] for m in MEASURES})
             memory = ratios[a.name].get(B.MEMORY_METRIC)
-            if memory is not None and any(r.memory_kind != B.CUDA_MEMORY for r in [*a.replays, *base]):
+            if memory is not None and not B.cuda_memory([*a.replays, *base]):
                 # A process's max RSS only grows and counts the interpreter and libraries: provenance, not
                 # evidence about the arm. Its ratio is shown, never an interval that could "exclude 1".
                 memory.update(low=None, high=None, excludes_1=None,
