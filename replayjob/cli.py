@@ -218,6 +218,8 @@ from docopt import DocoptExit, docopt
 
 from replayjob import __version__
 from replayjob.errors import EXIT_ERROR, EXIT_REFUSED, ReplayjobError, UsageError
+from replayjob.fsio import atomic_write_text
+from replayjob.jsonio import non_finite_as_strings, pretty_bytes
 from replayjob.streams import guarded
 
 Handler = Callable[[dict[str, Any]], int]
@@ -436,8 +438,6 @@ def cmd_k8s(args: dict[str, Any]) -> int:
     spec, text = load_spec_text(args["<spec>"])
     if args["submit"]:
         return submit(spec, text, args["--namespace"], wait=args["--wait"])
-    from replayjob.fsio import atomic_write_text
-
     files, setup = k8s.render(spec, text), k8s.render_setup(spec)
     if args["--out"]:
         for path in k8s.write(files, args["--out"], source=args["<spec>"]):
@@ -474,8 +474,6 @@ def _diff_options(args: dict[str, Any]) -> dict[str, Any]:
 
 def _print_json(obj: Any) -> None:
     """``--json`` output: strict JSON (a NaN or an infinity is refused, never printed)."""
-    from replayjob.jsonio import pretty_bytes
-
     print(pretty_bytes(obj).decode("utf-8"), end="")
 
 
@@ -541,8 +539,6 @@ def cmd_signals(args: dict[str, Any]) -> int:
 
 
 def cmd_bundle(args: dict[str, Any]) -> int:
-    from replayjob.jsonio import pretty_bytes
-
     path = args["<bundle>"]
     if args["inspect"]:
         from replayjob.bundle.summary import inspect_path, render
@@ -571,8 +567,6 @@ def cmd_bundle(args: dict[str, Any]) -> int:
                            rollout=_int(args, "--rollout") if args["--rollout"] is not None else None,
                            max_examples=_int(args, "--examples"))
     if args["--json"]:  # a non-finite value compared is reported as a string ("NaN"), never a bare NaN
-        from replayjob.jsonio import non_finite_as_strings
-
         _print_json(non_finite_as_strings(report.to_json()))
     else:
         print(render_report(report))
@@ -623,8 +617,6 @@ def _report_error(name: str, exc: BaseException, out_dir: str | None) -> str:
            f"{type(exc).__name__}{': ' + cause if cause else ''}"
     if out_dir is not None:
         try:
-            from replayjob.fsio import atomic_write_text
-
             os.makedirs(out_dir, exist_ok=True)
             path = os.path.join(out_dir, f"replayjob-error-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
                                          f"-{os.getpid()}.txt")

@@ -435,8 +435,6 @@ def load_spec_text(path: str | Path) -> tuple[AblationSpec, str]:
 
 def spec_from_text(text: str, where: str = "ablation") -> AblationSpec:
     """A spec from its TOML text (a ConfigMap's, say), as strictly as :func:`load_spec`."""
-    from replayjob.config.load import MAX_TOML_BYTES
-
     if len(text.encode("utf-8")) > MAX_TOML_BYTES:
         raise ConfigError(f"larger than {MAX_TOML_BYTES} bytes", where=where)
     try:

@@ -78,6 +78,8 @@ from replayjob.deploy.launch import check_launcher
 from replayjob.determinism import NCCL_NUMERICS
 from replayjob.digest import is_sha256_hex, sha256_json
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError, UsageError
+from replayjob.fsio import atomic_write_text
+from replayjob.jsonio import pretty_bytes, read_json_object
 
 RUN_SCHEMA = "replayjob.run/v1"
 RUN_RECORD = "run.json"
@@ -284,8 +286,6 @@ def check_run_record(layout: Layout, spec: AblationSpec, *, create: bool = True)
     """Write ``RUN/run.json`` if it is absent (exactly one concurrent writer wins), else refuse a run
     directory whose fingerprint is not this run's."""
     from replayjob.fsio import atomic_write_bytes
-    from replayjob.jsonio import pretty_bytes, read_json_object
-
     image, digest = image_identity(spec)
     fp = fingerprint(spec, digest or image)
     path = layout.run / RUN_RECORD
@@ -435,8 +435,6 @@ def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None
     """Init the workspace (when the run owns it), capture into ``RUN/source`` unless it is complete
     (on the spec's ``ranks`` ranks), and publish the pins and the fan-out plan under ``outputs``
     (Argo output parameters)."""
-    from replayjob.fsio import atomic_write_text
-
     check_launcher(launcher)
     check_rendered(spec)
     _check_ranks("the capture", spec.ranks, ranks)
