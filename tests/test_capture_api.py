@@ -223,3 +223,102 @@ def test_a_nonfinite_loss_is_null_in_a_step_record_and_refused_for_one_step(
     with pytest.raises(cap.CaptureError, match="not finite"):
         mod.main(tmp_path / "one", capture_step=1)
     assert not list((tmp_path / "one" / "capture").glob("*"))
+
+
+# A user's loop as the example, with three micro-batches, a cosine schedule, and inputs that put every
+# float tensor after them at offsets of the payload that are not 64-byte aligned (odd-sized tensors whose
+# names sort first).  Its loss logs where each tensor it receives lives (when the test asks it to).
+UNALIGNED_LOOP = '''
+
+CONFIG.update(accumulation=3)
+_example_micro_batches, _example_loss = micro_batches, loss_fn
+
+
+def micro_batches(step):
+    out = _example_micro_batches(step)
+    for i, mb in enumerate(out):
+        mb["aaa_odd"] = torch.arange(7, dtype=torch.float32) + i   # 28 bytes
+        mb["aab_flag"] = torch.ones(3, dtype=torch.uint8)          # 3 bytes
+    return out
+
+
+def loss_fn(model, inputs):
+    import os
+    log = os.environ.get("REPLAYJOB_TEST_TENSOR_LOG")
+    if log:
+        with open(log, "a", encoding="utf-8") as fh:
+            for k, t in inputs.items():
+                if isinstance(t, torch.Tensor):
+                    fh.write(json.dumps({"name": k, "ptr": t.data_ptr(),
+                                         "storage": t.untyped_storage().data_ptr(),
+                                         "nbytes": t.untyped_storage().nbytes()}) + "\\n")
+    return _example_loss(model, inputs)
+
+
+def build(base, device):
+    model = TinyLM(base, CONFIG["rank"], CONFIG["dropout"]).to(device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=CONFIG["lr"], foreach=False)
+    return model, opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=CONFIG["steps"])
+'''
+
+
+@pytest.fixture(scope="module")
+def unaligned_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("unaligned_loop")
+    script = d / "unaligned_loop.py"
+    text = EXAMPLE.read_text()
+    main_at = text.index("\nif __name__ ==")
+    script.write_text(text[:main_at] + UNALIGNED_LOOP + text[main_at:])
+    proc = subprocess.run([sys.executable, str(script), str(d / "out")], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return d / "out" / "capture"
+
+
+def test_inputs_at_unaligned_payload_offsets_reach_the_loss_in_fresh_memory_and_replay_bitwise(
+        unaligned_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from replayjob.integrations import replay as integration_replay
+
+    log = tmp_path / "tensors.jsonl"
+    monkeypatch.setenv("REPLAYJOB_TEST_TENSOR_LOG", str(log))
+    admitted: list[Any] = []
+    real_admit = integration_replay.admit
+
+    def keeping_admit(cfg: Any) -> Any:
+        adm = real_admit(cfg)
+        admitted.append(adm)
+        return adm
+
+    monkeypatch.setattr(integration_replay, "admit", keeping_admit)
+    toml = unaligned_run / "replay.toml"
+    assert main(["replay", str(toml), "--out", str(tmp_path / "r")]) == 0
+    src = json.loads((unaligned_run / "metrics.json").read_text())
+    rep = json.loads((tmp_path / "r" / "replay_metrics.json").read_text())
+    assert rep["optimizer_batch/final_adapter_sha256"] == src["optimizer_batch/final_adapter_sha256"]
+    assert rep["loss"] == src["loss"] and rep["padding"]["micro_batches"] == 3
+    # the payload's float tensors do sit off 64 bytes (else this test would prove nothing) ...
+    payload = [t for mb in admitted[0].micro_batches for t in mb.inputs.values()]
+    assert any(t.data_ptr() % 64 for t in payload if t.is_floating_point())
+    spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+             for t in payload]
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(seen) == 3 * 5  # three micro-batches, five tensors each (two inputs are plain values)
+    for s in seen:  # ... and what reached the loss is fresh, aligned memory of its own
+        assert s["ptr"] % 64 == 0, s
+        assert not any(lo < s["storage"] + s["nbytes"] and s["storage"] < hi for lo, hi in spans), s
+
+
+def test_plain_loop_in_process_repeats_and_trace_refusal(unaligned_run: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    toml = unaligned_run / "replay.toml"
+    assert main(["replay", str(toml), "--out", str(tmp_path / "w"), "--set", "optimizer_batch.warmup_updates=1",
+                 "--set", "optimizer_batch.measured_updates=2"]) == 0
+    rep = json.loads((tmp_path / "w" / "replay_metrics.json").read_text())
+    ip = rep["in_process"]
+    assert ip["warmup_updates"] == 1 and ip["measured_updates"] == 2 and ip["loss_equal"] is True
+    assert len(ip["local_train_wall_s"]) == 2 and all(w > 0 for w in ip["local_train_wall_s"])
+    src = json.loads((unaligned_run / "metrics.json").read_text())
+    assert rep["optimizer_batch/final_adapter_sha256"] == src["optimizer_batch/final_adapter_sha256"]
+    # this loop's inputs name no input_ids: a traced replay is refused, saying why
+    assert main(["replay", str(toml), "--out", str(tmp_path / "t"), "--trace"]) == 2
+    assert "no input_ids" in capsys.readouterr().err

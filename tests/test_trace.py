@@ -291,6 +291,7 @@ def test_recorder_keys_rows_logically_and_refuses_an_unplanned_forward() -> None
     import torch
 
     from replayjob.errors import ContractError
+    from replayjob.producers.session import MicroStep
     from replayjob.rl.batch import micro_batches
     from replayjob.trace.recorder import Recorder
 
@@ -298,7 +299,9 @@ def test_recorder_keys_rows_logically_and_refuses_an_unplanned_forward() -> None
     batch = _toy_batch()
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = torch.optim.SGD([p for _, p in params], lr=0.1)
-    rec = Recorder(model, batch, 2, 0, params, opt)  # type: ignore[arg-type]
+    plan = [MicroStep(tuple(mb.rows), None, mb, mb.input_ids, mb.attention_mask)
+            for mb in micro_batches(batch, 2, 0)]  # type: ignore[arg-type]
+    rec = Recorder(model, plan, params, opt)
     with rec.attached():
         for mb in micro_batches(batch, 2, 0):  # type: ignore[arg-type]
             out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
@@ -314,7 +317,7 @@ def test_recorder_keys_rows_logically_and_refuses_an_unplanned_forward() -> None
     assert [p.name for p in t.params] == ["lin.weight", "lin.bias"] and torch.equal(t.params[0].grad, grad)
     assert torch.equal(t.params[0].update, model.lin.weight.detach() - before)  # type: ignore[union-attr]
     assert model.lin._forward_hooks == {}  # type: ignore[union-attr]  # detached afterwards
-    rec2 = Recorder(model, batch, 2, 0, params, opt)  # type: ignore[arg-type]
+    rec2 = Recorder(model, plan, params, opt)
     with rec2.attached(), pytest.raises(ContractError, match="not micro-batch 0"):
         model(input_ids=torch.tensor([[9, 9]]), attention_mask=torch.ones(1, 2))
 

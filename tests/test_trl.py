@@ -621,3 +621,42 @@ def test_rloo_step_replays_bitwise(trl_base: Path, tmp_path: Path) -> None:
     assert r["optimizer_batch/final_adapter_sha256"] == s["optimizer_batch/final_adapter_sha256"]
     assert r["optimizer_batch/final_adapter_sha256"] != r["optimizer_batch/initial_adapter_sha256"]
     assert r["loss"] == s["loss"] and r["grad_norm"] == s["grad_norm"]
+
+
+def test_traced_replays_key_rows_alike_and_compare_the_checkpointing_arm_module_by_module(
+        trl_capture: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from replayjob.trace.store import read_trace
+
+    toml = str(trl_capture["result"].replay_toml)
+    runs = {name: tmp_path / name for name in ("a", "b", "gc")}
+    for name, extra in (("a", []), ("b", ["--repeat-index", "1"]), ("gc", GC)):
+        assert main(["replay", toml, "--out", str(runs[name]), "--trace", *extra]) == 0
+    t = read_trace(runs["a"])
+    m = _metrics(runs["a"], "replay_metrics.json")
+    assert t.identity["logical_batch_sha256"] == m["optimizer/logical_batch_sha256"]
+    assert t.identity["gradient_checkpointing"] is False and t.identity["micro_batch_size"] == m["rows"]["rows"] // 2
+    # rows keyed by the producer's token mask: prompt and completion tokens that are real, each row once
+    assert int(t.row_tokens.sum()) == t.forward[0].values.shape[0] == m["padding"]["real_tokens"]
+    assert {p.name.rsplit(".", 3)[-3] for p in t.params} == {"lora_A", "lora_B"}
+    # tracing leaves the update unchanged
+    assert m["optimizer_batch/final_adapter_sha256"] == _metrics(trl_capture["dir"])["optimizer_batch/final_adapter_sha256"]
+    capsys.readouterr()
+    assert main(["trace-diff", str(runs["a"]), str(runs["b"]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["identical"] is True
+    rc = main(["trace-diff", str(runs["a"]), str(runs["gc"]), "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc in (0, 1) and rep["classification"] in ("equal", "noise") and rep["b"]["gradient_checkpointing"] is True
+    assert not [n for n in rep["unmatched"]["only_b"] if n.startswith("forward:")]
+    assert len(rep["forward"]) == len(t.forward) and len(rep["backward"]) > 10
+
+
+def test_in_process_repeats_reproduce_the_fresh_update(trl_capture: dict[str, Any], tmp_path: Path) -> None:
+    res = trl_capture["result"]
+    assert main(["replay", str(res.replay_toml), "--out", str(tmp_path / "w"),
+                 "--set", "optimizer_batch.warmup_updates=1", "--set", "optimizer_batch.measured_updates=2"]) == 0
+    r = _metrics(tmp_path / "w", "replay_metrics.json")
+    ip = r["in_process"]
+    assert ip["warmup_updates"] == 1 and ip["measured_updates"] == 2 and ip["loss_equal"] is True
+    assert len(ip["local_train_wall_s"]) == 2
+    # the saved adapter is the fresh update's, equal to the source's
+    assert r["optimizer_batch/final_adapter_sha256"] == _metrics(res.out_dir)["optimizer_batch/final_adapter_sha256"]

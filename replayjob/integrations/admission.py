@@ -333,12 +333,6 @@ def admit(cfg: ReplayConfig) -> Admission:
     if ob.capture or ob.capture_steps or ob.ring_size:
         adm.refuse("optimizer_batch.capture, capture_steps and ring_size are source-run settings; an integration "
                    "replay config must leave them unset (the capture API captures an external trainer's steps)")
-    if ob.warmup_updates or ob.measured_updates:
-        adm.refuse("optimizer_batch.warmup_updates and measured_updates (in-process repeats) are implemented for "
-                   "replayjob's own trainer; an integration replay measures each fresh process: use --repeat N")
-    if ob.trace:
-        adm.refuse("optimizer_batch.trace (replay --trace) records replayjob's own trainer's layers; an external "
-                   "trainer's replay cannot be traced yet: drop --trace")
     check_pins(cfg.optimizer_batch, adm, adm.pins, "optimizer_batch_step_<K>.manifest.json")
     _check_artifacts(adm)
     _check_base_model(adm)

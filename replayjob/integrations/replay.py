@@ -1,63 +1,57 @@
-"""One replayed update of an external trainer's capture, shared by every framework.
+"""The session every external producer's replay shares: a framework's trainer stood at the captured step.
 
-Order: admission (:mod:`~replayjob.integrations.admission`; nothing is built unless it admits),
-the framework's session (its own trainer on the base model, no dataset, reward or generation),
-the captured adapter copied into the trainable parameters (re-hashed after loading), the captured
-optimizer and LR-scheduler state, then for each captured micro-batch the framework's own training
-step with the Torch RNG state restored right before its loss call, then the framework's clip /
-optimizer step / scheduler step / zero-grad sequence, exactly once.  ``replay_metrics.json`` is
-built by :func:`replayjob.optbatch.replay.metrics_document` and written by
-:func:`~replayjob.optbatch.replay.write_metrics` (through :mod:`replayjob.metrics`), with the
-observation of every registered knob of the framework (:func:`replayjob.optbatch.knobs.observe_all`)
-and the host it ran on, so ``reduce`` reads and gates it like a built-in replay.
+A framework module (``trl.py``, ``torch_loop.py``) subclasses :class:`ReplaySession` and says only
+how to rebuild its trainer (no dataset, reward or generation), how to run one captured micro-batch
+through its own training step (:meth:`ReplaySession.run`) and its own clip / optimizer step /
+scheduler step / zero-grad (:meth:`ReplaySession.optimizer_step`).  Everything else is here once,
+for the one replay driver (:mod:`replayjob.producers.driver`, which owns the sequence and writes
+``replay_metrics.json``): the captured adapter copied into the trainable parameters (re-hashed after
+loading), the captured optimizer and LR-scheduler state, the plan of micro-batches with the RNG
+state captured before each loss call, every captured tensor handed over in freshly allocated memory
+(:func:`replayjob.producers.driver.fresh`), and the producer's part of the metrics.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from replayjob import determinism
-from replayjob import metrics as metrics_io
 from replayjob.deploy.schedule import Slot
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ArtifactExistsError, ContractError, UsageError
 from replayjob.integrations import capture as cap
-from replayjob.integrations import framework_module
 from replayjob.integrations.admission import Admission, ReplayConfig, admit
 from replayjob.optbatch import knobs
-from replayjob.optbatch.replay import METRICS_FILE, metrics_document, write_metrics
-from replayjob.rl.diag import peak_memory_value
-from replayjob.rl.state import restore_rng
+from replayjob.producers import driver, producer_module
+from replayjob.producers.session import MicroStep, Outcome, Session
 
 
-class ReplaySession:
-    """What a framework module's ``build_replay(adm, out)`` returns: its trainer, stood at the step.
+class ReplaySession(Session):
+    """What a framework module's ``build_replay(adm, out)`` returns (see the module docstring).
 
-    ``micro_batch`` runs one captured micro-batch through the framework's own training step and
-    calls ``before_loss`` immediately before the loss; ``step`` performs the framework's clip,
+    ``run`` runs one captured micro-batch through the framework's own training step and calls
+    ``before_loss`` immediately before the loss; ``optimizer_step`` performs the framework's clip,
     optimizer step, scheduler step and zero-grad once and returns the pre-clip gradient norm.
     ``backward_wall_s`` accumulates the time spent in backward when the framework can tell it.
     """
 
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
     scheduler: Any = None
-    device: torch.device = torch.device("cpu")
     backward_wall_s: float = 0.0
+    adm: Admission
+    _summed: float = 0.0
 
-    def micro_batch(self, mb: cap.MicroBatch, inputs: dict[str, Any], call: dict[str, Any],
-                    before_loss: Callable[[], None]) -> float:
+    # -- what a framework module provides -----------------------------------------------------------
+    def run(self, mb: cap.MicroBatch, inputs: dict[str, Any], call: dict[str, Any],
+            before_loss: Callable[[], None]) -> float:
         raise NotImplementedError
 
-    def step(self) -> float:
+    def optimizer_step(self) -> float:
         raise NotImplementedError
 
-    def plan(self, mbs: list[cap.MicroBatch]) -> list[cap.MicroBatch]:
+    def regroup(self, mbs: list[cap.MicroBatch]) -> list[cap.MicroBatch]:
         """The micro-batches the update runs: the captured ones (a framework whose knobs regroup rows returns
         them regrouped; the logical digest stays the captured inputs')."""
         return mbs
@@ -67,13 +61,95 @@ class ReplaySession:
         default; TRL: accumulated in float32 and averaged over ranks, as its trainer logs it)."""
         return summed
 
-    def runtime(self, rows: tuple[int, ...]) -> knobs.Runtime:
+    def observe(self, rows: tuple[int, ...]) -> knobs.Runtime:
         """What the framework's knobs are observed from after the update (the built model by default)."""
         return knobs.Runtime(self.model, rows)
 
+    def trace_inputs(self, mb: cap.MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The ``input_ids`` the model receives for ``mb`` and its token mask (a captured ``input_ids`` and
+        ``attention_mask`` by default; ``None`` where the capture holds none: not traceable)."""
+        ids = mb.inputs.get("input_ids")
+        mask = mb.inputs.get("attention_mask")
+        if ids is not None and mask is None:
+            mask = torch.ones_like(ids)
+        return ids, mask
 
-def _on(device: torch.device, group: dict[str, torch.Tensor], values: dict[str, Any]) -> dict[str, Any]:
-    return {**{k: t.to(device) for k, t in group.items()}, **values}
+    def gradient_checkpointing(self, runtime: dict[str, Any]) -> bool:
+        """Whether activation checkpointing was on (the model's own flag by default)."""
+        return bool(getattr(self.model, "is_gradient_checkpointing", False))
+
+    # -- the driver's protocol ----------------------------------------------------------------------
+    def bind(self, adm: Admission) -> ReplaySession:
+        self.adm = adm
+        self.framework = adm.cfg.framework if adm.cfg is not None else ""
+        if self.trace_refusal is None and any(None in self.trace_inputs(mb) for mb in adm.micro_batches or []):
+            self.trace_refusal = ("its captured inputs hold no input_ids (and token mask) the trace can key "
+                                  "rows by")
+        return self
+
+    def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return list(cap.trainable_parameters(self.model).items())
+
+    def restore(self) -> None:
+        load_state(self.adm, self)
+
+    def plan(self) -> list[MicroStep]:
+        out, first = [], 0
+        for mb in self.regroup(self.adm.micro_batches or []):
+            n = cap.batch_rows([mb])
+            ids, mask = self.trace_inputs(mb)
+            out.append(MicroStep(tuple(range(first, first + n)), mb.rng or None, mb, ids, mask))
+            first += n
+        return out
+
+    def begin(self, n_micro_batches: int) -> None:
+        self._summed, self.backward_wall_s = 0.0, 0.0
+
+    def micro_batch(self, i: int, step: MicroStep, before_loss: Callable[[], None]) -> None:
+        mb: cap.MicroBatch = step.data
+        dev = self.device
+        inputs = {**{k: driver.fresh(t, dev) for k, t in mb.inputs.items()}, **mb.input_values}
+        call = {**{k: driver.fresh(t, dev) for k, t in mb.call.items()}, **mb.call_values}
+        self._summed += self.run(mb, inputs, call, before_loss)
+
+    def finish(self) -> Outcome:
+        backward = self.backward_wall_s
+        loss = self.reported_loss(self._summed)
+        grad_norm = self.optimizer_step()
+        return Outcome(loss, grad_norm, backward_wall_s=backward)
+
+    def save_adapter(self, out: Path) -> Path | None:
+        cap.save_adapter(out / cap.FINAL_ADAPTER_FILE, self.model)
+        return out / cap.FINAL_ADAPTER_FILE
+
+    def runtime(self, plan: list[MicroStep]) -> knobs.Runtime:
+        return self.observe(tuple(len(s.rows) for s in plan))
+
+    def provenance(self) -> dict[str, Any]:
+        return {"attn_implementation": (self.adm.resolved or {}).get("model", {}).get("attn_implementation"),
+                "device": str(self.device)}
+
+    def document(self, outcome: Outcome, plan: list[MicroStep]) -> dict[str, Any]:
+        adm, m, mbs = self.adm, self.adm.manifest, self.adm.micro_batches
+        assert m is not None and mbs is not None and adm.cfg is not None
+        logical = cap.logical_digest(mbs)  # the inputs as replayed, hashed again
+        ob = adm.cfg.optimizer_batch
+        return dict(
+            framework=m.framework,
+            pins={"expected_logical_sha256": adm.pins["expected_logical_sha256"],
+                  "expected_manifest_sha256": adm.pins["expected_manifest_sha256"],
+                  "payload_spans_sha256": m.payload_digest},
+            manifest_sha256=m.sha256, logical=logical, effective=cap.effective_digest(mbs, logical),
+            initial_adapter_sha256=m.initial_adapter_sha256, allowed=adm.allowed, observed=adm.observed,
+            knob_values=adm.knob_values(), padding=padding(mbs), rows=cap.rows_summary(mbs),
+            rng_restored=sorted({k for mb in mbs for k in mb.rng}),
+            tolerances_sha256=ob.tolerances_sha256, budgets_sha256=ob.budgets_sha256,
+            config_sha256=adm.cfg.sha256, step=m.step)
+
+    def trace_identity(self, runtime: dict[str, Any]) -> dict[str, Any]:
+        plan = self.regroup(self.adm.micro_batches or [])
+        return {"micro_batch_size": cap.batch_rows(plan[:1]) if plan else 0,
+                "gradient_checkpointing": self.gradient_checkpointing(runtime)}
 
 
 def padding(mbs: list[cap.MicroBatch]) -> dict[str, Any]:
@@ -108,7 +184,10 @@ def load_state(adm: Admission, session: ReplaySession) -> None:
                             where=m.file("adapter"))
     ordered = [p for g in session.optimizer.param_groups for p in g["params"]]
     doc = m.doc["optimizer"]
-    session.optimizer.load_state_dict(cap.join_optimizer_state(adm.optimizer, doc, ordered, m.file("optimizer")))
+    # copies: the optimizer keeps the tensors it is given and updates them in place (in-process repeats
+    # restore the same captured state again)
+    state = {k: t.clone() for k, t in adm.optimizer.items()}
+    session.optimizer.load_state_dict(cap.join_optimizer_state(state, doc, ordered, m.file("optimizer")))
     if doc["scheduler"] is not None:
         if session.scheduler is None:
             raise ContractError("the capture holds an LR-scheduler state but the rebuilt trainer has no scheduler",
@@ -117,70 +196,25 @@ def load_state(adm: Admission, session: ReplaySession) -> None:
 
 
 def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0, slot: Slot | None = None) -> dict[str, Any]:
-    """Admit, then run one replay into ``out``; return (and write) replay_metrics.json (``slot``: its place in
-    a paired schedule, recorded as for a built-in replay)."""
+    """Admit, then run one replay into ``out`` through the one driver; return (and write) replay_metrics.json
+    (``slot``: its place in a paired schedule, recorded as for a built-in replay)."""
     if repeat_index < 0:
         raise UsageError(f"--repeat-index must be >= 0, found {repeat_index}")
     adm = admit(cfg)
     adm.raise_if_refused()
-    for name in (METRICS_FILE, cap.FINAL_ADAPTER_FILE):
+    for name in (driver.METRICS_FILE, cap.FINAL_ADAPTER_FILE):
         if (out / name).exists():
             raise ArtifactExistsError("output directory already holds a replay", where=out / name,
                                       hint="choose a new --out directory")
-    m, mbs = adm.manifest, adm.micro_batches
-    assert m is not None and mbs is not None and adm.resolved is not None
-    t_start = time.perf_counter()
-    prov = determinism.establish(strict=False, seed=None)
-    session: ReplaySession = framework_module(m.framework).build_replay(adm, out)
-    determinism.mark_model_built(False)
-    for key in adm.allowed:  # admitted; a knob's condition on the built model is checked too (stack keys have none)
-        knob = knobs.KNOBS.get(key)
-        why = knob.model_refusal(session.model) if knob is not None else None
-        if why:
-            raise ContractError(f"difference {key!r} is not systems-only here: {why}",
-                                where=cfg.optimizer_batch.replay_path or "optimizer_batch.replay_path",
-                                hint=f"remove {key!r} from this arm")
-    load_state(adm, session)
-    prov["attn_implementation"] = adm.resolved.get("model", {}).get("attn_implementation")
-    prov["device"] = str(session.device)
-    if session.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(session.device)
-    loss = 0.0
-    planned = session.plan(mbs)
-    t0 = time.perf_counter()
-    for mb in planned:
-        loss += session.micro_batch(mb, _on(session.device, mb.inputs, mb.input_values),
-                                    _on(session.device, mb.call, mb.call_values),
-                                    lambda mb=mb: restore_rng(mb.rng))  # type: ignore[misc]
-    loss = session.reported_loss(loss)
-    t1 = time.perf_counter()
-    grad_norm = session.step()
-    t2 = time.perf_counter()
-    peak = peak_memory_value(session.device)
-    final_sha = cap.save_adapter(out / cap.FINAL_ADAPTER_FILE, session.model)
-    rows = tuple(cap.batch_rows([mb]) for mb in planned)  # the micro-batch sizes the update ran
-    runtime = knobs.observe_all(session.runtime(rows), m.framework)  # the framework's knobs, read from its trainer
-    logical = cap.logical_digest(mbs)  # the inputs as replayed, hashed again
-    metrics = metrics_document(
-        framework=m.framework, arm=adm.arm, repeat_index=repeat_index,
-        pins={"expected_logical_sha256": adm.pins["expected_logical_sha256"],
-              "expected_manifest_sha256": adm.pins["expected_manifest_sha256"],
-              "payload_spans_sha256": m.payload_digest},
-        manifest_sha256=m.sha256, logical=logical, effective=cap.effective_digest(mbs, logical),
-        initial_adapter_sha256=m.initial_adapter_sha256,
-        allowed=adm.allowed, observed=adm.observed, knob_values=adm.knob_values(),
-        runtime=runtime, loss=loss, grad_norm=grad_norm,
-        timing={"local_train_wall_s": t2 - t0, "forward_wall_s": max(t1 - t0 - session.backward_wall_s, 0.0),
-                "backward_wall_s": session.backward_wall_s, "optimizer_wall_s": t2 - t1},
-        peak=peak, device=session.device, padding=padding(mbs), rows=cap.rows_summary(mbs),
-        rng_restored=sorted({k for mb in mbs for k in mb.rng}),
-        tolerances_sha256=cfg.optimizer_batch.tolerances_sha256, budgets_sha256=cfg.optimizer_batch.budgets_sha256,
-        config_sha256=cfg.sha256)
-    metrics.update({metrics_io.STEP: m.step,
-                    metrics_io.FINAL_ADAPTER: final_sha,
-                    metrics_io.FINAL_ADAPTER_PATH: cap.FINAL_ADAPTER_FILE, "provenance": prov,
-                    metrics_io.SCHEDULE: None if slot is None else slot.to_json(),
-                    metrics_io.IN_PROCESS: None,  # in-process repeats: replayjob's own trainer only (refused)
-                    "wall_s": time.perf_counter() - t_start})
-    write_metrics(out, metrics)
-    return metrics
+    m = adm.manifest
+    assert m is not None and adm.micro_batches is not None and adm.resolved is not None
+
+    def build() -> Session:
+        session: ReplaySession = producer_module(m.framework).build_replay(adm, out)
+        return session.bind(adm)
+
+    ob = cfg.optimizer_batch
+    return driver.replay(build, out, arm=adm.arm, repeat_index=repeat_index, slot=slot, allowed=adm.allowed,
+                         strict=False, seed=None, trace=ob.trace, warmup_updates=ob.warmup_updates,
+                         measured_updates=ob.measured_updates,
+                         where=ob.replay_path or "optimizer_batch.replay_path")

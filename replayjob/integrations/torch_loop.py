@@ -114,14 +114,14 @@ class TorchSession(ReplaySession):
         self.target, self.model, self.optimizer, self.scheduler = t, t.model, t.optimizer, t.scheduler
         self.device = device
 
-    def micro_batch(self, mb: cap.MicroBatch, inputs: dict[str, Any], call: dict[str, Any],
-                    before_loss: Callable[[], None]) -> float:
+    def run(self, mb: cap.MicroBatch, inputs: dict[str, Any], call: dict[str, Any],
+            before_loss: Callable[[], None]) -> float:
         before_loss()
         loss = self.target.loss(self.model, inputs, **call)
         loss.backward()
         return float(loss.detach())
 
-    def step(self) -> float:
+    def optimizer_step(self) -> float:
         return optimizer_step(self.model, self.optimizer, self.scheduler, self.target.max_grad_norm)
 
 

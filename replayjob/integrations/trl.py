@@ -647,8 +647,8 @@ class TRLSession(ReplaySession):
         trainer.compute_loss = restoring_compute_loss
         trainer.accelerator.backward = timed_backward
 
-    def micro_batch(self, mb: cap.MicroBatch, inputs: dict[str, Any], call: dict[str, Any],
-                    before_loss: Callable[[], None]) -> float:
+    def run(self, mb: cap.MicroBatch, inputs: dict[str, Any], call: dict[str, Any],
+            before_loss: Callable[[], None]) -> float:
         t = self.trainer
         t.accelerator.gradient_state._set_sync_gradients(mb.sync_gradients)
         t.current_gradient_accumulation_steps = mb.accumulation_steps
@@ -659,7 +659,7 @@ class TRLSession(ReplaySession):
         self._loss.add(loss)
         return float(loss)
 
-    def plan(self, mbs: list[cap.MicroBatch]) -> list[cap.MicroBatch]:
+    def regroup(self, mbs: list[cap.MicroBatch]) -> list[cap.MicroBatch]:
         """The captured micro-batches, re-split (:func:`resplit`) when the micro-batch knob changes their size."""
         size = self.geometry["per_device_train_batch_size"]
         if all(cap.batch_rows([mb]) == size for mb in mbs):
@@ -670,7 +670,7 @@ class TRLSession(ReplaySession):
         """The step's loss as the transformers loop logs it (:class:`LoggedLoss`), not the float sum."""
         return self._loss.value(self.trainer.args.parallel_mode)
 
-    def step(self) -> float:
+    def optimizer_step(self) -> float:
         from transformers.trainer import GreedyLR
 
         t = self.trainer
@@ -683,7 +683,22 @@ class TRLSession(ReplaySession):
         self.model.zero_grad()
         return float(grad_norm)
 
-    def runtime(self, rows: tuple[int, ...]) -> knobs.Runtime:
+    def begin(self, n_micro_batches: int) -> None:
+        super().begin(n_micro_batches)
+        self._loss = LoggedLoss(self.device)
+
+    def trace_inputs(self, mb: cap.MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The sequence TRL's loss feeds the model: prompt and completion ids, and their masks, side by side."""
+        i = mb.inputs
+        if not all(k in i for k in ("prompt_ids", "completion_ids", "prompt_mask", "completion_mask")):
+            return None, None
+        return (torch.cat([i["prompt_ids"], i["completion_ids"]], dim=1),
+                torch.cat([i["prompt_mask"], i["completion_mask"]], dim=1))
+
+    def gradient_checkpointing(self, runtime: dict[str, Any]) -> bool:
+        return bool(runtime.get(knobs.TRL_GRADIENT_CHECKPOINTING))
+
+    def observe(self, rows: tuple[int, ...]) -> knobs.Runtime:
         """TRL's knobs are observed on the trainer's own (PEFT) model and the trainer."""
         return knobs.Runtime(self.trainer.model, rows, trainer=self.trainer)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,7 @@ import torch
 from replayjob.config import Config
 from replayjob.model.backend import Policy
 from replayjob.rl import stages
-from replayjob.rl.batch import OptimizerBatch, micro_batches
+from replayjob.rl.batch import MicroBatch, OptimizerBatch, micro_batches
 from replayjob.rl.logprobs import logprob_temperature, token_logprobs
 
 if TYPE_CHECKING:
@@ -62,32 +63,50 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def optimizer_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: OptimizerBatch,
-                     cfg: Config, keep_logprobs: bool = False, plant_nonfinite_grad: bool = False,
-                     parallel: Parallel | None = None) -> UpdateResult:
-    """One update; ``keep_logprobs`` also returns the logprobs the loss saw (read-only copies);
-    ``parallel``: this rank's part of an update shared by ranks (``batch`` is this rank's shard).
+class Update:
+    """One update taken apart: :meth:`micro_batches`, :meth:`begin`, one :meth:`micro_batch` per
+    micro-batch in order, then :meth:`finish` (clip and step).  :func:`optimizer_update` runs them in
+    that order for the trainer; a replay driver runs the same pieces, restoring the captured RNG state
+    right before the first micro-batch's loss, so both perform the same math on the same rows."""
 
-    ``plant_nonfinite_grad`` (tests only, :func:`replayjob.faults.nonfinite_grad_at`) sets one
-    gradient element to NaN after the backward pass, before clipping."""
-    a = cfg.algorithm
-    dev = policy.device
-    optimizer.zero_grad(set_to_none=True)
-    res = UpdateResult(loss=0.0, grad_norm=0.0)
-    total = torch.zeros((), dtype=torch.float64)
-    ratio_sum = torch.zeros((), dtype=torch.float64)
-    ratio_n = 0
-    kept: dict[int, torch.Tensor] = {}
-    model = policy.model if parallel is None else parallel.module
-    temperature = logprob_temperature(cfg)  # the sampling temperature, as the old logprobs applied it
-    mbs = micro_batches(batch, cfg.training.micro_batch_size, policy.tokenizer.pad_id)
-    if parallel is not None:
-        parallel.check_micro_batches(len(mbs))
-    for i, mb in enumerate(mbs):
+    def __init__(self, policy: Policy, optimizer: torch.optim.Optimizer, cfg: Config, *,
+                 keep_logprobs: bool = False, parallel: Parallel | None = None):
+        self.policy, self.optimizer, self.cfg = policy, optimizer, cfg
+        self.keep_logprobs, self.parallel = keep_logprobs, parallel
+        self.model = policy.model if parallel is None else parallel.module
+        self.temperature = logprob_temperature(cfg)  # the sampling temperature, as the old logprobs applied it
+        self.planned = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.res = UpdateResult(loss=0.0, grad_norm=0.0)
+        self.total = torch.zeros((), dtype=torch.float64)
+        self.ratio_sum = torch.zeros((), dtype=torch.float64)
+        self.ratio_n = 0
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def micro_batches(self, batch: OptimizerBatch) -> list[MicroBatch]:
+        """``batch`` split into the micro-batches this update runs (``training.micro_batch_size``)."""
+        return micro_batches(batch, self.cfg.training.micro_batch_size, self.policy.tokenizer.pad_id)
+
+    def begin(self, n_micro_batches: int) -> None:
+        """Zero the gradients and the step's sums before its first micro-batch."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset()
+        self.planned = n_micro_batches
+        if self.parallel is not None:
+            self.parallel.check_micro_batches(n_micro_batches)
+
+    def micro_batch(self, i: int, mb: MicroBatch, before_loss: Callable[[], None] | None = None) -> None:
+        """Forward, loss and backward of micro-batch ``i`` (``before_loss`` runs right before the forward)."""
+        a, dev, res = self.cfg.algorithm, self.policy.device, self.res
         _sync(dev)
         t0 = time.perf_counter()
-        with contextlib.nullcontext() if parallel is None else parallel.micro_batch(last=i == len(mbs) - 1):
-            logp = token_logprobs(model, mb.input_ids.to(dev), mb.attention_mask.to(dev), temperature)
+        last = i == self.planned - 1
+        with contextlib.nullcontext() if self.parallel is None else self.parallel.micro_batch(last=last):
+            if before_loss is not None:
+                before_loss()
+            logp = token_logprobs(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev), self.temperature)
             m = mb.resp_mask.to(dev)
             loss = stages.policy_loss(logp, mb.old_logprobs.to(dev), mb.advantages.to(dev),
                                       mb.loss_weights.to(dev), clip_low=a.clip_eps_low, clip_high=a.clip_eps_high,
@@ -99,39 +118,61 @@ def optimizer_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Op
         t2 = time.perf_counter()
         with torch.no_grad():
             ratio = torch.exp(logp.double() - mb.old_logprobs.to(dev)) * m
-            ratio_sum += ratio.sum().cpu()
-            ratio_n += int(m.sum())
-        total += loss.detach().cpu()
-        if keep_logprobs:
+            self.ratio_sum += ratio.sum().cpu()
+            self.ratio_n += int(m.sum())
+        self.total += loss.detach().cpu()
+        if self.keep_logprobs:
             lp = logp.detach().cpu()
-            kept.update({i: lp[j][mb.resp_mask[j] > 0] for j, i in enumerate(mb.rows)})
+            self.kept.update({r: lp[j][mb.resp_mask[j] > 0] for j, r in enumerate(mb.rows)})
         res.forward_wall_s += t1 - t0
         res.backward_wall_s += t2 - t1
         res.micro_batches += 1
         res.micro_batch_rows.append(len(mb.rows))
         res.real_tokens += mb.real_tokens
         res.padded_tokens += mb.padded_tokens
-    _sync(dev)
-    t3 = time.perf_counter()
-    params = [p for _, p in policy.trainable()]
-    if plant_nonfinite_grad and params and params[0].grad is not None:
-        params[0].grad.view(-1)[0] = float("nan")
-    max_norm = cfg.optimizer.max_grad_norm
-    if parallel is None:
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"),
-                                                    foreach=False))
-    else:
-        norm = parallel.clip(params, max_norm if max_norm > 0 else float("inf"))
-    optimizer.step()
-    _sync(dev)
-    res.optimizer_wall_s = time.perf_counter() - t3
-    if parallel is None:
-        res.loss = float(total)
-        res.ratio_mean = float(ratio_sum / max(ratio_n, 1))
-    else:
-        res.local_loss = float(total)
-        res.loss, res.ratio_mean = parallel.loss_and_ratio(float(total), float(ratio_sum), ratio_n)
-    res.grad_norm = norm
-    if keep_logprobs:
-        res.logprobs = torch.cat([kept[i] for i in range(batch.rows)])
-    return res
+
+    def finish(self, rows: int, plant_nonfinite_grad: bool = False) -> UpdateResult:
+        """Clip the global gradient norm, step the optimizer once and return the update's result
+        (``rows``: the logical rows of this rank's batch, for the kept logprobs)."""
+        res, dev = self.res, self.policy.device
+        _sync(dev)
+        t3 = time.perf_counter()
+        params = [p for _, p in self.policy.trainable()]
+        if plant_nonfinite_grad and params and params[0].grad is not None:
+            params[0].grad.view(-1)[0] = float("nan")
+        max_norm = self.cfg.optimizer.max_grad_norm
+        if self.parallel is None:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"),
+                                                        foreach=False))
+        else:
+            norm = self.parallel.clip(params, max_norm if max_norm > 0 else float("inf"))
+        self.optimizer.step()
+        _sync(dev)
+        res.optimizer_wall_s = time.perf_counter() - t3
+        if self.parallel is None:
+            res.loss = float(self.total)
+            res.ratio_mean = float(self.ratio_sum / max(self.ratio_n, 1))
+        else:
+            res.local_loss = float(self.total)
+            res.loss, res.ratio_mean = self.parallel.loss_and_ratio(float(self.total), float(self.ratio_sum),
+                                                                    self.ratio_n)
+        res.grad_norm = norm
+        if self.keep_logprobs:
+            res.logprobs = torch.cat([self.kept[i] for i in range(rows)])
+        return res
+
+
+def optimizer_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: OptimizerBatch,
+                     cfg: Config, keep_logprobs: bool = False, plant_nonfinite_grad: bool = False,
+                     parallel: Parallel | None = None) -> UpdateResult:
+    """One update; ``keep_logprobs`` also returns the logprobs the loss saw (read-only copies);
+    ``parallel``: this rank's part of an update shared by ranks (``batch`` is this rank's shard).
+
+    ``plant_nonfinite_grad`` (tests only, :func:`replayjob.faults.nonfinite_grad_at`) sets one
+    gradient element to NaN after the backward pass, before clipping."""
+    update = Update(policy, optimizer, cfg, keep_logprobs=keep_logprobs, parallel=parallel)
+    mbs = update.micro_batches(batch)
+    update.begin(len(mbs))
+    for i, mb in enumerate(mbs):
+        update.micro_batch(i, mb)
+    return update.finish(batch.rows, plant_nonfinite_grad)

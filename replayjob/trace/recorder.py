@@ -1,8 +1,10 @@
 """Recording a trace while one update runs: module hooks attached only at replay with tracing on.
 
-:class:`Recorder` wraps :func:`replayjob.rl.update.optimizer_update` from outside (``with
-recorder.attached(): optimizer_update(...)``), so the update itself is unchanged and costs nothing
-extra when tracing is off.  While attached:
+:class:`Recorder` wraps a producer's update from outside (the replay driver attaches it around
+:func:`replayjob.producers.driver.update`), so the update itself is unchanged and costs nothing
+extra when tracing is off.  It works from the session's plan (each micro-batch's logical rows, the
+``input_ids`` its root module receives and the producer's token mask), so every producer's rows are
+keyed the same way.  While attached:
 
 * a forward pre-hook on the root model starts each micro-batch and checks that its ``input_ids``
   are exactly the next micro-batch of the captured rows (so rows are mapped to their logical index);
@@ -16,8 +18,9 @@ extra when tracing is off.  While attached:
 * a post-accumulate-grad hook on each trainable parameter keeps its gradient before clipping, and
   optimizer step hooks take the update ``after - before``.
 
-After each micro-batch only the unpadded tokens of each row are kept (on the CPU), keyed by
-logical row, so traces of arms with different micro-batch sizes line up row by row.
+After each micro-batch only each row's real tokens (where the producer's token mask is nonzero) are
+kept (on the CPU), keyed by logical row, so traces of arms with different micro-batch sizes line up
+row by row.
 """
 
 from __future__ import annotations
@@ -30,11 +33,8 @@ from typing import Any
 import torch
 
 from replayjob import metrics as metrics_io
-from replayjob.config import Config
-from replayjob.errors import ContractError, UsageError
-from replayjob.optbatch.knobs import GRADIENT_CHECKPOINTING
-from replayjob.rl.batch import MicroBatch, OptimizerBatch, micro_batches
-from replayjob.trace import fault as faults
+from replayjob.errors import ContractError
+from replayjob.producers.session import MicroStep
 from replayjob.trace.fault import Fault, install
 from replayjob.trace.store import Param, Site, Trace, make_param, row_stats, write_trace
 
@@ -54,14 +54,23 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
 class Recorder:
     """Collects one trace of one update; see the module docstring for what is recorded."""
 
-    def __init__(self, model: torch.nn.Module, batch: OptimizerBatch, micro_batch_size: int, pad_id: int,
+    def __init__(self, model: torch.nn.Module, plan: list[MicroStep],
                  params: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer,
                  fault: Fault | None = None):
         self.model = model
-        self.micro_batch_size = micro_batch_size
-        self.plan: list[MicroBatch] = micro_batches(batch, micro_batch_size, pad_id)
-        self.row_tokens = (batch.token_offsets[1:] - batch.token_offsets[:-1]).to(torch.int64)
-        self.row_mb = torch.zeros(batch.rows, dtype=torch.int64)
+        if any(s.trace_ids is None or s.trace_mask is None for s in plan):
+            raise ContractError("the producer names no input_ids or token mask for its micro-batches",
+                                hint="a traced replay needs both; drop --trace")
+        self.plan = plan
+        self.masks = [(s.trace_mask != 0).cpu() for s in plan]  # type: ignore[union-attr]
+        rows = sorted(r for s in plan for r in s.rows)
+        if rows != list(range(len(rows))):
+            raise ContractError("the micro-batches do not hold each logical row once", hint="trace only replays")
+        self.row_tokens = torch.zeros(len(rows), dtype=torch.int64)
+        for s, mask in zip(plan, self.masks, strict=True):
+            for j, r in enumerate(s.rows):
+                self.row_tokens[r] = int(mask[j].sum())
+        self.row_mb = torch.zeros(len(rows), dtype=torch.int64)
         self.params = params
         self.optimizer = optimizer
         self.fault = fault
@@ -88,9 +97,9 @@ class Recorder:
         self.mb += 1
         ids = kwargs.get("input_ids", args[0] if args else None)
         if self.mb >= len(self.plan) or not isinstance(ids, torch.Tensor) \
-                or not torch.equal(ids.detach().cpu(), self.plan[self.mb].input_ids):
+                or not torch.equal(ids.detach().cpu(), self.plan[self.mb].trace_ids.cpu()):  # type: ignore[union-attr]
             raise ContractError(f"traced forward {self.mb} is not micro-batch {self.mb} of the captured rows",
-                                hint="tracing follows optimizer_update's micro-batches; trace only replays")
+                                hint="tracing follows the replay's micro-batches, one forward each; trace only replays")
         for i in self.plan[self.mb].rows:
             self.row_mb[i] = self.mb
         self.forward_done = False
@@ -106,8 +115,12 @@ class Recorder:
             return
         recompute = self.forward_done
         key = self._key(name, self._recalls if recompute else self._calls)
+        if module is self.model:  # the root returned: what runs now is recomputation in backward
+            self.forward_done = True
         t = _first_tensor(output)
-        b, length = self.plan[self.mb].input_ids.shape
+        ids = self.plan[self.mb].trace_ids
+        assert ids is not None
+        b, length = ids.shape
         if t is None or t.dim() < 2 or tuple(t.shape[:2]) != (b, length) or not t.is_floating_point():
             self.untraced.add(key)
             return
@@ -120,8 +133,6 @@ class Recorder:
         if t.requires_grad and key not in self._grad_hooked:
             self._grad_hooked.add(key)
             t.register_hook(lambda g, key=key: self._grad(key, g))
-        if module is self.model:
-            self.forward_done = True
 
     def _grad(self, key: str, g: torch.Tensor) -> None:
         if key not in self.bwd_rows:
@@ -133,14 +144,13 @@ class Recorder:
         """Keep the unpadded tokens of each row of the finished micro-batch, keyed by logical row."""
         if self.mb < 0:
             return
-        mb = self.plan[self.mb]
-        lens = [int(x) for x in mb.attention_mask.sum(dim=1)]
+        mb, mask = self.plan[self.mb], self.masks[self.mb]
         for pending, store in ((self._pending_fwd, self.fwd_rows), (self._pending_bwd, self.bwd_rows)):
             for key, t in pending.items():
                 rows = store.setdefault(key, {})
                 flat = t.reshape(t.shape[0], t.shape[1], -1).to("cpu")
                 for j, i in enumerate(mb.rows):
-                    rows[i] = flat[j, :lens[j]]
+                    rows[i] = flat[j][mask[j]]
             pending.clear()
 
     # -- attaching -----------------------------------------------------------------------------------
@@ -200,35 +210,17 @@ class Recorder:
         return Trace(identity=identity, row_tokens=self.row_tokens.clone(), row_micro_batch=self.row_mb.clone(),
                      forward=fwd, backward=bwd, params=params, untraced=sorted(self.untraced - {s.name for s in fwd}))
 
-    def write(self, out: Path, metrics: dict[str, Any]) -> dict[str, str]:
-        """Write ``OUT/trace/`` for the replay whose (not yet written) ``metrics`` are given; return the
-        ``trace`` entry of replay_metrics.json (the index's path and SHA-256)."""
+    def write(self, out: Path, metrics: dict[str, Any], producer: dict[str, Any]) -> dict[str, str]:
+        """Write ``OUT/trace/`` for the replay whose (not yet written) ``metrics`` are given (``producer``:
+        its ``micro_batch_size`` and ``gradient_checkpointing``); return the ``trace`` entry of
+        replay_metrics.json (the index's path and SHA-256)."""
         identity = {"manifest_sha256": metrics[metrics_io.MANIFEST],
                     "logical_batch_sha256": metrics[metrics_io.LOGICAL],
                     "initial_adapter_sha256": metrics[metrics_io.INITIAL_ADAPTER],
                     "arm": metrics["arm"], "repeat_index": metrics["repeat_index"],
-                    "micro_batch_size": self.micro_batch_size,
-                    "gradient_checkpointing": metrics["runtime"][GRADIENT_CHECKPOINTING],
+                    "micro_batch_size": producer["micro_batch_size"],
+                    "gradient_checkpointing": producer["gradient_checkpointing"],
                     "device": metrics["device"], "torch_version": metrics["torch_version"],
                     "fault": self.fault.spec if self.fault is not None else None}
         index, sha = write_trace(out, self.trace(identity))
         return {metrics_io.TRACE_INDEX_PATH: index.relative_to(out).as_posix(), metrics_io.TRACE_INDEX_SHA256: sha}
-
-
-@contextlib.contextmanager
-def traced_update(cfg: Config, policy: Any, optimizer: torch.optim.Optimizer,
-                  batch: OptimizerBatch | None) -> Iterator[Recorder | None]:
-    """Around a replay's one update: a :class:`Recorder` attached when ``optimizer_batch.trace`` is on
-    (``--trace``), else ``None`` with nothing attached (free when off).  The test-only fault
-    (:mod:`.fault`) is refused unless tracing is on."""
-    armed = faults.armed()
-    if not cfg.optimizer_batch.trace:
-        if armed is not None:
-            raise UsageError(f"{faults.FAULT_ENV} is set but tracing is off", hint="add --trace, or unset it")
-        yield None
-        return
-    assert batch is not None
-    rec = Recorder(policy.model, batch, cfg.training.micro_batch_size, policy.tokenizer.pad_id,
-                   policy.trainable(), optimizer, armed)
-    with rec.attached():
-        yield rec
