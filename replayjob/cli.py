@@ -12,8 +12,8 @@ Usage:
                    [--mixed-hardware] [--budgets FILE] [--max-looks N]
   replayjob funnel [--out DIR] [--spec SPEC] [--arms LIST] [--repeats N] [--claim CLAIM] [--seed N]
                    [--resume DIR] [--model DIR] [--device D] [--steps N] [--only-ablation]
-                   [--budgets FILE] [--until-decided --max-repeats N] [--design D] [--no-report]
-                   [--warmup-updates W --measured-updates M]
+                   [--budgets FILE] [--until-decided | --fixed-blocks] [--max-repeats N] [--design D] [--no-report]
+                   [--warmup-updates W --measured-updates M] [--capture DIR [--replay-config NAME]]
                    [--plant-nondeterminism | --plant-kill | --plant-undeclared]
   replayjob step plan --spec SPEC [--plant PLANT]... [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob step prune --run-root DIR --older-than DAYS [--dry-run]
@@ -105,7 +105,8 @@ Options:
                     "ddp"); the ranks' exit codes are merged (a refusal on any rank is 2).
   --claim CLAIM     Claim to gate: exact-input, bitwise or approximate.
   --source DIR      The capture run's output directory (its metrics.json and manifest); required by
-                    reduce. step: a finished capture to use instead of RUN/source.
+                    reduce. step: a finished capture to use instead of RUN/source (a spec's
+                    [capture] names an existing capture of any producer instead).
   --tolerances FILE Predeclared tolerance TOML, pinned by SHA-256 in the replay configs.
   --min-repeats N   Fewest fresh replays per arm; fewer is refused (default 3).
   --baseline ARM    Arm the others' timing and memory are compared with.
@@ -149,13 +150,22 @@ Options:
   --resume DIR      funnel: start from this step -1 resume state instead of the one init writes.
   --model DIR       funnel: a local model directory (safetensors) instead of the built-in model.
   --only-ablation   funnel: run stage 3 only (capture -> replays -> reduce).
-  --until-decided   funnel: add one paired block at a time until every budget is decided.
-  --max-repeats N   funnel: the most paired blocks --until-decided may reach (the looks' N).
+  --capture DIR     funnel: run stage 3 only, on this existing capture (replayjob's, TRL's or a plain
+                    PyTorch loop's), pinned as it recorded; the spec gets a [capture] table.
+  --replay-config NAME  funnel --capture: the capture's replay config (default replay.toml; one
+                    of several chosen steps: replay_step_<K:06d>.toml).
+  --until-decided   funnel (the default): add one paired block at a time until every budget (without
+                    budgets: every comparison with the baseline) is decided, or --max-repeats blocks ran.
+  --fixed-blocks    funnel: run exactly --repeats (the spec's repeats) blocks, one look.
+  --max-repeats N   funnel: the most paired blocks until decided (the looks' N; default:
+                    replayjob.funnel.MAX_BLOCKS, 8, or the spec's repeats when more).
   --design D        funnel: schedule of the arms within blocks, abba or random [default: abba].
   --no-report       funnel: skip report.md and its PNG.
-  --warmup-updates W  funnel: in each replay, W in-process updates from the restored state, discarded.
+  --warmup-updates W  funnel: in each replay, W in-process updates from the restored state, discarded
+                    (default: replayjob.funnel.WARMUP_UPDATES, 2).
   --measured-updates M  funnel: then M measured ones, recorded apart from the fresh-process update
-                    (budget metric in_process_train_wall_s).
+                    (budget metric in_process_train_wall_s; default: MEASURED_UPDATES, 8; zero for
+                    both turns them off).
   --plant-nondeterminism  funnel: plant a nondeterministic observation (stage 1 must stop, exit 1).
   --plant-kill      funnel: plant a signal rule that always KILLs (stage 2 must stop, exit 1).
   --plant-undeclared  funnel: the baseline arm changes a knob it does not declare (stage 3, exit 2).
@@ -199,7 +209,9 @@ Options:
 Exit codes: 0 pass, 1 a valid negative verdict, 2 refused (bad input or usage) or a budget
 inconclusive (verdict status "inconclusive": add paired blocks and reduce again), 3 error (nothing
 was decided: a bug, out of memory, a device or filesystem failure; retrying may help; the traceback
-goes to replayjob-error-*.txt in the command's output directory, or to stderr).  1 and 2 are final.
+goes to replayjob-error-*.txt in the command's output directory, or to stderr; or the verdict status
+"contended": a time budget rests on replays something contended with, replay those blocks).  1 and 2
+are final.
 
 Leaves diag-diff and determinism-check ignore by default (wall-clock times, rates, memory peaks;
 a pattern matches the full leaf path or its last key): elapsed_s, *_elapsed_s, wall_s, *_wall_s,
@@ -217,9 +229,22 @@ from typing import Any
 from docopt import DocoptExit, docopt
 
 from replayjob import __version__
-from replayjob.errors import EXIT_ERROR, EXIT_REFUSED, ReplayjobError, UsageError
+from replayjob import metrics as M
+from replayjob.check import diagdiff
+from replayjob.check.determinism_check import check
+from replayjob.check.leafdiff import Tolerance
+from replayjob.check.rules import load_rules
+from replayjob.check.signals import evaluate
+from replayjob.deploy import external, step
+from replayjob.deploy.ablation import load_spec, load_spec_text
+from replayjob.deploy.schedule import parse_slot
+from replayjob.distributed import record_exit
+from replayjob.errors import EXIT_ERROR, EXIT_REFUSED, OperationalError, ReplayjobError, UsageError
 from replayjob.fsio import atomic_write_text
+from replayjob.funnel import Options, run_funnel
+from replayjob.gate import reducer
 from replayjob.jsonio import non_finite_as_strings, pretty_bytes
+from replayjob.metrics import CAPTURE_PREFIXES
 from replayjob.streams import guarded
 
 Handler = Callable[[dict[str, Any]], int]
@@ -242,7 +267,6 @@ def cmd_init(args: dict[str, Any]) -> int:
 
 
 def cmd_train(args: dict[str, Any]) -> int:
-    from replayjob import metrics as M
     from replayjob.source_run import train_command
 
     out, metrics = train_command(args["<config>"], args["--set"], args["--out"])
@@ -256,7 +280,6 @@ def cmd_train(args: dict[str, Any]) -> int:
 
 
 def _print_capture_pins(metrics: dict[str, Any]) -> None:
-    from replayjob.metrics import CAPTURE_PREFIXES
 
     for key in sorted(metrics):
         if key.startswith(CAPTURE_PREFIXES):
@@ -264,7 +287,6 @@ def _print_capture_pins(metrics: dict[str, Any]) -> None:
 
 
 def cmd_capture(args: dict[str, Any]) -> int:
-    from replayjob import metrics as M
     from replayjob.source_run import capture
 
     out, metrics = capture(args["<config>"], args["--set"], args["--out"])
@@ -289,8 +311,6 @@ def cmd_explain(args: dict[str, Any]) -> int:
 
 
 def cmd_replay(args: dict[str, Any]) -> int:
-    from replayjob import metrics as M
-    from replayjob.deploy.schedule import parse_slot
     from replayjob.optbatch.replay import replay_command
 
     repeat = _int(args, "--repeat") if args["--repeat"] is not None else None
@@ -312,14 +332,12 @@ def cmd_replay(args: dict[str, Any]) -> int:
 def cmd_reduce(args: dict[str, Any]) -> int:
     from pathlib import Path
 
-    from replayjob.deploy.ablation import load_spec
-    from replayjob.gate.reducer import Request, reduce_evidence
 
     def opt(key: str) -> Path | None:
         return Path(args[key]) if args[key] is not None else None
 
     out = Path(args["--out"])
-    verdict = reduce_evidence(Request(
+    verdict = reducer.reduce_evidence(reducer.Request(
         paths=args["<path>"], claim=args["--claim"], out=out, source=opt("--source"),
         tolerances=opt("--tolerances"),
         min_repeats=_int(args, "--min-repeats") if args["--min-repeats"] is not None else 3,
@@ -339,7 +357,6 @@ def cmd_funnel(args: dict[str, Any]) -> int:
     import time
     from pathlib import Path
 
-    from replayjob.funnel import Options, run_funnel
 
     def opt(key: str) -> Path | None:
         return Path(args[key]) if args[key] is not None else None
@@ -352,18 +369,19 @@ def cmd_funnel(args: dict[str, Any]) -> int:
         out=out, spec=opt("--spec") or Path("examples/ablation.toml"), arms=args["--arms"],
         repeats=num("--repeats"), claim=args["--claim"], seed=_int(args, "--seed"), resume=opt("--resume"),
         model=opt("--model"), device=args["--device"], steps=num("--steps"),
-        only_ablation=args["--only-ablation"], budgets=opt("--budgets"), until_decided=args["--until-decided"],
+        only_ablation=args["--only-ablation"], budgets=opt("--budgets"), until_decided=not args["--fixed-blocks"],
         max_repeats=num("--max-repeats"), design=args["--design"],
-        warmup_updates=num("--warmup-updates") or 0, measured_updates=num("--measured-updates") or 0,
+        **{k: n for k, n in (("warmup_updates", num("--warmup-updates")),
+                             ("measured_updates", num("--measured-updates"))) if n is not None},
         plant_nondeterminism=args["--plant-nondeterminism"], plant_kill=args["--plant-kill"],
-        plant_undeclared=args["--plant-undeclared"], report=not args["--no-report"]))
+        plant_undeclared=args["--plant-undeclared"], report=not args["--no-report"], capture=opt("--capture"),
+        replay_config=args["--replay-config"]))
 
 
 def cmd_step(args: dict[str, Any]) -> int:
     import signal
     import threading
 
-    from replayjob.errors import OperationalError
 
     def terminated(signum: int, frame: object) -> None:  # preemption, eviction, scancel, requeue: retryable
         raise _Terminated(signum)
@@ -389,8 +407,6 @@ class _Terminated(BaseException):
 def _step(args: dict[str, Any]) -> int:
     from pathlib import Path
 
-    from replayjob.deploy import step
-    from replayjob.deploy.ablation import load_spec
 
     if args["prune"]:  # retention: no spec, no run directory
         step.prune_runs(Path(args["--run-root"]), _int(args, "--older-than"), dry_run=args["--dry-run"])
@@ -399,11 +415,13 @@ def _step(args: dict[str, Any]) -> int:
                        _int(args, "--repeats") if args["--repeats"] is not None else None,
                        args["--device"], args["--claim"])
     if args["plan"]:
+
+        external.check(spec)  # an existing capture: its pins, and the arms' keys among its producer's knobs
         step.parse_plants(spec, args["--plant"])
         print("\n".join(step.plan_lines(spec)))
         return 0
-    step.ensure_determinism_env(args[_ARGV], reexec=args[_REEXEC])
-    layout = step.Layout.of(args["--run-dir"], args["--workspace"], args["--source"])
+    step.ensure_determinism_env(args[_ARGV], reexec=args[_REEXEC], spec=spec)
+    layout = step.layout_for(spec, args["--run-dir"], args["--workspace"], args["--source"])
     outputs = Path(args["--outputs"]) if args["--outputs"] else None
     wait_s = _int(args, "--wait-s")
     ranks = _int(args, "--ranks") if args["--ranks"] is not None else None
@@ -424,7 +442,6 @@ def _step(args: dict[str, Any]) -> int:
 
 def cmd_k8s(args: dict[str, Any]) -> int:
     from replayjob.deploy import argo, k8s
-    from replayjob.deploy.ablation import load_spec_text
     from replayjob.deploy.submit import submit
 
     if args["drive"]:
@@ -436,6 +453,8 @@ def cmd_k8s(args: dict[str, Any]) -> int:
 
         return resume(args["<run-id>"], args["--namespace"], wait=args["--wait"])
     spec, text = load_spec_text(args["<spec>"])
+
+    external.check(spec, reachable_only=True, log=lambda line: print(line, file=sys.stderr))
     if args["submit"]:
         return submit(spec, text, args["--namespace"], wait=args["--wait"])
     files, setup = k8s.render(spec, text), k8s.render_setup(spec)
@@ -463,7 +482,6 @@ def cmd_argo(args: dict[str, Any]) -> int:
 
 
 def _diff_options(args: dict[str, Any]) -> dict[str, Any]:
-    from replayjob.check.leafdiff import Tolerance
 
     try:
         tol = Tolerance(rtol=float(args["--rtol"]), atol=float(args["--atol"]))
@@ -485,9 +503,8 @@ def _print_report(report: Any, as_json: bool) -> None:
 
 
 def cmd_diag_diff(args: dict[str, Any]) -> int:
-    from replayjob.check.diagdiff import diff_files
 
-    report = diff_files(args["<a.jsonl>"], args["<b.jsonl>"], **_diff_options(args))
+    report = diagdiff.diff_files(args["<a.jsonl>"], args["<b.jsonl>"], **_diff_options(args))
     _print_report(report, args["--json"])
     return report.exit_code
 
@@ -516,7 +533,6 @@ def cmd_mismatch(args: dict[str, Any]) -> int:
 
 
 def cmd_determinism_check(args: dict[str, Any]) -> int:
-    from replayjob.check.determinism_check import check
 
     report = check(args["<config>"], runs=_int(args, "--runs"),
                    steps=_int(args, "--steps") if args["--steps"] is not None else None,
@@ -527,8 +543,6 @@ def cmd_determinism_check(args: dict[str, Any]) -> int:
 
 
 def cmd_signals(args: dict[str, Any]) -> int:
-    from replayjob.check.rules import load_rules
-    from replayjob.check.signals import evaluate
 
     report = evaluate(args["<run>"], load_rules(args["--rules"]))
     if args["--quiet"]:
@@ -643,7 +657,6 @@ def main(argv: Sequence[str] | None = None, *, reexec: bool = False) -> int:
     """
     with guarded():  # line-buffered output; a closed reader never changes the code
         code = _main(argv, reexec)
-    from replayjob.distributed import record_exit
 
     record_exit(code)  # one rank of a launch by `replayjob replay --nproc N`: its own code, for the launcher
     return code

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.errors import IntegrityError
+from replayjob.fsio import open_regular
 from replayjob.jsonio import canonical_bytes
 
 CHUNK = 8 * 1024 * 1024
@@ -35,7 +36,6 @@ def sha256_file(path: str | Path, *, follow_symlinks: bool = False) -> str:
     unless ``follow_symlinks`` (a file the user names, not one inside an artifact), see
     :func:`replayjob.fsio.open_regular`.
     """
-    from replayjob.fsio import open_regular
 
     h = hashlib.sha256()
     fd, size = open_regular(path, follow_symlinks=follow_symlinks, what="file to hash")

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from replayjob.errors import EXIT_ERROR, EXIT_NEGATIVE, EXIT_OK, EXIT_REFUSED, ConfigError, ContractError
+from replayjob.launch import check_launcher, rank_thread_env, srun_command
 
 if TYPE_CHECKING:
     import torch
@@ -376,8 +377,7 @@ def save_adapter(policy: Any, directory: Path, parallel: Parallel | None) -> Pat
 def launch_command(nproc: int, argv: Sequence[str], launcher: str = "torchrun") -> list[str]:
     """The one launch of ``nproc`` ranks of ``replayjob ARGV`` on this node: torchrun (standalone), or
     with ``launcher="srun"`` the tasks of the Slurm allocation this process runs in, each mapped to
-    the variables :func:`launch_env` reads (:mod:`replayjob.deploy.launch`)."""
-    from replayjob.deploy.launch import check_launcher, srun_command
+    the variables :func:`launch_env` reads (:mod:`replayjob.launch`)."""
 
     check_launcher(launcher)
     if launcher == "srun":
@@ -415,7 +415,6 @@ def run_launched(nproc: int, argv: Sequence[str], timeout: float | None = None,
                  launcher: str = "torchrun") -> tuple[int, str]:
     """Run ``replayjob ARGV`` on ``nproc`` ranks (:func:`launch_command`); return the merged exit code and
     the output's tail."""
-    from replayjob.deploy.launch import rank_thread_env
 
     with tempfile.TemporaryDirectory(prefix="replayjob-ranks-") as d:
         env = {**os.environ, EXIT_DIR_ENV: d}

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from replayjob.redact import redact_text
+
 EXIT_OK = 0
 EXIT_NEGATIVE = 1
 EXIT_REFUSED = 2
@@ -33,7 +35,7 @@ class ReplayjobError(Exception):
 
     ``message`` says what is wrong; ``where`` names the file, key or field; ``hint`` says how to
     fix it.  :meth:`diagnostics` renders the three as the one message the CLI prints, through
-    :func:`replayjob.config.redact.redact_text`, so a path or value quoted from a config never
+    :func:`replayjob.redact.redact_text`, so a path or value quoted from a config never
     prints a credential.  ``str(exc)`` is the same text: an error raised into a user's own training
     script (the capture API) reads as the CLI would print it, with the path and the fix.
     """
@@ -47,8 +49,6 @@ class ReplayjobError(Exception):
         self.hint = hint
 
     def diagnostics(self) -> str:
-        from replayjob.config.redact import redact_text
-
         message = redact_text(self.message)  # each part alone: "key: message" is no key-value pair
         head = f"{redact_text(self.where)}: {message}" if self.where else message
         return f"{head}\n  fix: {redact_text(self.hint)}" if self.hint else head

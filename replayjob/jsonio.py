@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.errors import IntegrityError
+from replayjob.fsio import read_regular_bytes
 
 try:
     import msgspec
@@ -200,7 +201,6 @@ def read_json(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES, follow_sy
     Devices and FIFOs are refused without blocking, and a symbolic link unless ``follow_symlinks``
     (:func:`replayjob.fsio.read_regular_bytes`).
     """
-    from replayjob.fsio import read_regular_bytes
 
     p = Path(path)
     data = read_regular_bytes(p, max_bytes=max_bytes, follow_symlinks=follow_symlinks, what="JSON file")

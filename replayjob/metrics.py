@@ -21,13 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from replayjob import __version__
 from replayjob.config.diff import flatten
 from replayjob.deploy.schedule import DESIGNS, Slot
 from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
+from replayjob.distributed import rank_sum
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
 from replayjob.hostinfo import placement
-from replayjob.jsonio import loads_strict, pretty_bytes
+from replayjob.jsonio import loads_strict, pretty_bytes, read_json_object
+from replayjob.optbatch.knobs import STRATEGY, WORLD_SIZE, knobs_for
+from replayjob.producers import PRODUCERS
 
 SOURCE_FILE = "metrics.json"
 SOURCE_SCHEMA = "replayjob.metrics/v1"
@@ -72,7 +76,7 @@ RING_TRIGGER = "trigger"
 RING_WRITTEN = "written"
 # Replay only: where it ran (replayjob.hostinfo) and, for a traced replay, the trace index it pins.
 HOST = "host"
-FRAMEWORK = "framework"  # replay_metrics.json: the producer (knobs.PRODUCERS) whose knobs runtime holds
+FRAMEWORK = "framework"  # replay_metrics.json: the producer (replayjob.producers.PRODUCERS) whose knobs runtime holds
 TRACE = "trace"  # {TRACE_INDEX_PATH: TRACE_INDEX, TRACE_INDEX_SHA256: digest}; absent when not traced
 TRACE_INDEX_PATH = "index_path"
 TRACE_INDEX_SHA256 = "index_sha256"
@@ -84,6 +88,9 @@ SCHEDULE = "schedule"
 IN_PROCESS = "in_process"
 IN_PROCESS_WALLS = "local_train_wall_s"  # the measured in-process updates' seconds
 IN_PROCESS_LOSS_EQUAL = "loss_equal"  # every in-process update's loss equals the fresh update's
+# Replay only, optional for the readers: what contended with the timed updates (replayjob.contention.Probe's
+# record); absent in metrics written before the probe: "not recorded".
+CONTENTION = "contention"
 # Replay over several ranks only (replayjob.distributed): each rank's own figures in RANK_FILE(r) beside
 # replay_metrics.json, which rank 0 writes last with the merged figures and a DISTRIBUTED section listing
 # the rank files by SHA-256; the reader re-merges them (merge_ranks) and refuses figures that differ.
@@ -126,7 +133,6 @@ def merge_ranks(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """One replay's figures from its ranks' documents, in rank order: the loss summed in rank order
     (float64, :func:`replayjob.distributed.rank_sum`), each time the slowest rank's (the update is done
     when every rank is), peak memory the largest rank's, tokens and micro-batches summed."""
-    from replayjob.distributed import rank_sum
 
     real = sum(int(d["padding"]["real_tokens"]) for d in docs)
     padded = sum(int(d["padding"]["padded_tokens"]) for d in docs)
@@ -189,7 +195,6 @@ def _check_world(f: _Fields, doc: dict[str, Any], where: Path, runtime: dict[str
     strategy it observed at run time (``runtime``, for a producer that registers them).  Evidence that
     contradicts itself is refused: a deleted record would leave its rank files unread and its figures
     unchecked."""
-    from replayjob.optbatch.knobs import STRATEGY, WORLD_SIZE
 
     sec = doc.get(DISTRIBUTED)
     world = sec["world_size"] if isinstance(sec, dict) else 1  # checked by _check_ranks when present
@@ -216,6 +221,85 @@ def write(path: Path, doc: dict[str, Any], *, exclusive: bool = False) -> str:
     return sha256_bytes(data)
 
 
+def replay_document(*, framework: str, arm: str, repeat_index: int, pins: dict[str, str], manifest_sha256: str,
+                    logical: str, effective: str, initial_adapter_sha256: str, allowed: list[str],
+                    observed: list[str], knob_values: dict[str, Any], runtime: dict[str, Any], loss: float,
+                    grad_norm: float, timing: dict[str, float], peak: int, device: str, torch_version: str,
+                    host: dict[str, Any], padding: dict[str, Any], rows: dict[str, Any], rng_restored: list[str],
+                    tolerances_sha256: str, budgets_sha256: str, config_sha256: str,
+                    step: int | None = None) -> dict[str, Any]:
+    """The ``replay_metrics.json`` document (docs/replay-metrics.md) before the final adapter, provenance,
+    schedule, in-process repeats, contention and whole-run wall time are added (the replay driver,
+    :mod:`replayjob.producers.driver`, adds them and writes it with :func:`write_replay`).  ``runtime``
+    holds the observation of every registered knob of ``framework``; ``host``: where it ran
+    (:func:`replayjob.hostinfo.host_provenance`)."""
+    doc: dict[str, Any] = {
+        "schema": REPLAY_SCHEMA,
+        FRAMEWORK: framework,
+        "replayjob_version": __version__,
+        "torch_version": torch_version,
+        "device": device,
+        "arm": arm,
+        "repeat_index": repeat_index,
+        "pins": pins,
+        LOGICAL: logical,
+        EFFECTIVE: effective,
+        MANIFEST: manifest_sha256,
+        INITIAL_ADAPTER: initial_adapter_sha256,
+        "allowed_config_differences": list(allowed),
+        "observed_config_differences": list(observed),
+        "knobs": knob_values,
+        "skipped": list(SKIPPED),
+        "runtime": runtime,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "timing": timing,
+        "memory": {"peak_bytes": peak,
+                   "kind": "cuda_max_allocated" if device.startswith("cuda") else "max_rss"},
+        "padding": padding,
+        "rows": rows,
+        "rng_restored": rng_restored,
+        "tolerances_sha256": tolerances_sha256.strip().lower(),  # checked at admission
+        BUDGETS_SHA256: budgets_sha256.strip().lower(),
+        "config_sha256": config_sha256,
+        HOST: host,
+    }
+    if step is not None:
+        doc[STEP] = step
+    return doc
+
+
+def source_document(*, trainer: str, torch_version: str, device: str, steps_run: int, last_step: int,
+                    loss: float, grad_norm: float, initial_adapter_sha256: str | None, final_adapter_sha256: str,
+                    final_adapter_path: str, config_sha256: str, config: dict[str, Any], provenance: dict[str, Any],
+                    wall_s: float) -> dict[str, Any]:
+    """The reference trainer's ``metrics.json`` before its capture hooks add their records (strict JSON:
+    a diverged last step's loss or norm is null here, NaN in diag.jsonl)."""
+    return {
+        "schema": SOURCE_SCHEMA,
+        "trainer": trainer,
+        "replayjob_version": __version__,
+        "torch_version": torch_version,
+        "device": device,
+        "steps_run": steps_run,
+        "last_step": last_step,
+        "loss": finite_or_none(loss),
+        "grad_norm": finite_or_none(grad_norm),
+        "initial_adapter_sha256": initial_adapter_sha256,
+        SOURCE_FINAL_ADAPTER: final_adapter_sha256,
+        FINAL_ADAPTER_PATH: final_adapter_path,
+        "config_sha256": config_sha256,
+        "config": config,
+        "provenance": provenance,
+        "wall_s": wall_s,
+    }
+
+
+def write_replay(out: Path, doc: dict[str, Any]) -> str:
+    """Write ``OUT/replay_metrics.json`` exclusively (never replacing a replay); its SHA-256."""
+    return write(out / REPLAY_FILE, doc, exclusive=True)
+
+
 @dataclass(frozen=True)
 class Run:
     """What a replay's metrics and the source's metrics.json both report, validated."""
@@ -239,7 +323,7 @@ class Replay(Run):
     repeat_index: int
     # a replay always keeps its final adapter file (only a captured step's source has none)
     final_adapter_file: Path
-    framework: str  # the producer whose update was replayed (replayjob.optbatch.knobs.PRODUCERS)
+    framework: str  # the producer whose update was replayed (replayjob.producers.PRODUCERS)
     pin_logical: str
     pin_manifest: str
     pin_payload: str
@@ -260,6 +344,7 @@ class Replay(Run):
     memory_kind: str = ""
     in_process_wall_s: tuple[float, ...] | None = None  # measured in-process updates, if any
     in_process_loss_equal: bool | None = None
+    contention: dict[str, Any] | None = None  # replayjob.contention record; None: not recorded
     doc: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # as read
 
     @property
@@ -369,7 +454,7 @@ def _run_fields(f: _Fields) -> dict[str, Any]:
 
 
 def _placement(f: _Fields) -> dict[str, Any]:
-    """The optional keys a budget decision reads: pin, schedule slot, device, in-process repeats."""
+    """The optional keys a budget decision reads: pin, schedule slot, device, in-process repeats, contention."""
     d = f.doc
     out: dict[str, Any] = {}
     if d.get(BUDGETS_SHA256):
@@ -399,13 +484,20 @@ def _placement(f: _Fields) -> dict[str, Any]:
                                      f"seconds and {IN_PROCESS_LOSS_EQUAL}")
         out["in_process_wall_s"] = tuple(float(w) for w in walls)
         out["in_process_loss_equal"] = ip[IN_PROCESS_LOSS_EQUAL]
+    c = d.get(CONTENTION)
+    if c is not None:
+        if (not isinstance(c, dict) or not isinstance(c.get("contended"), bool)
+                or not isinstance(c.get("reasons"), list) or not all(isinstance(x, str) and x for x in c["reasons"])
+                or c["contended"] != bool(c["reasons"])):
+            raise f.fail(CONTENTION, "must be null or an object with contended (true or false) and reasons (a list "
+                                     "of strings, non-empty exactly when contended)")
+        out["contention"] = c
     return out
 
 
 def read_replay(path: str | Path) -> Replay:
     """Read and validate one replay_metrics.json, or refuse naming the file and the field."""
     # here: the trainer imports this module, and no capture package
-    from replayjob.optbatch.knobs import PRODUCERS, knobs_for
 
     p = Path(path)
     doc, sha = _read(p)
@@ -606,7 +698,6 @@ def read_pins(directory: str | Path) -> tuple[str, str, Path]:
     from ``directory``'s metrics.json: lowercase 64-digit hex digests and a bare manifest file name
     (:data:`MANIFEST_PATH`), duplicate keys refused.  Unlike :func:`read_source` nothing else is
     required, so a launcher can hand the pins to replays before any of them ran."""
-    from replayjob.jsonio import read_json_object
 
     d = Path(directory)
     path = d / SOURCE_FILE

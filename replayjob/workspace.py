@@ -81,6 +81,13 @@ arm = ""
 """
 
 
+def _in_comment(text: str) -> str:
+    """``text`` as a TOML comment may hold it: control characters (a newline would end the comment,
+    the others are invalid there) written as their escapes; the directory is only mentioned there."""
+    return "".join(c.encode("unicode_escape").decode("ascii") if (c < " " and c != "\t") or c == "\x7f" else c
+                   for c in text)
+
+
 def example_configs() -> dict[str, str]:
     """Example configs written next to the resume state (file name -> TOML text)."""
     return {"train.toml": TRAIN_TOML, "source.toml": SOURCE_TOML, "replay.toml": REPLAY_TOML}
@@ -109,6 +116,6 @@ def init_workspace(directory: str | Path, seed: int, sets: list[str] | tuple[str
         path = d / name
         if path.exists():
             raise ArtifactExistsError("refusing to overwrite an existing config", where=path)
-        atomic_write_text(path, text.format(seed=seed, dir=d))
+        atomic_write_text(path, text.format(seed=seed, dir=_in_comment(str(d))))
         written.append(path)
     return written

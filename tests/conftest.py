@@ -10,6 +10,7 @@ tests that need CUDA (skipped without it).  ``pytest -m "not slow"`` is the quic
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -239,3 +240,34 @@ def trl_capture_nodrop(trl_base: Path, tmp_path_factory: pytest.TempPathFactory)
     out = tmp_path_factory.mktemp("trl_capture_nodrop")
     trainer, handle = grpo(trl_base, out, capture_step=2, lora_dropout=0.0, loss_type="grpo")
     return {"dir": out, "result": handle.result, "log": trainer.state.log_history}
+
+
+@pytest.fixture(scope="session")
+def trl_capture_steps(trl_base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`trl_capture_nodrop`'s scenario (step 2: a non-zero update) captured as a user's normal training
+    process runs, without any determinism variable (its math mode, recorded in the update's contract, is
+    therefore "default"): the existing capture the cluster paths replay as it is (its spec's ``[capture]``
+    table, whose math mode defaults to that; shared: never modified)."""
+    out = tmp_path_factory.mktemp("trl_capture_steps")
+    saved = os.environ.pop(determinism.ENV_MATH_MODE, None)
+    try:
+        grpo(trl_base, out, capture_step=2, lora_dropout=0.0, loss_type="grpo")
+    finally:
+        if saved is not None:
+            os.environ[determinism.ENV_MATH_MODE] = saved
+    return out
+
+
+def capture_spec(capture: Path, *, name: str = "trl", arms: str = '[arms.baseline]\n\n[arms.ckpt]\n'
+                 '"trl.gradient_checkpointing" = true\n', pins: tuple[str, str] | None = None,
+                 math_mode: str | None = None, **top: Any) -> str:
+    """An ablation spec whose ``[capture]`` names ``capture`` (pinned by its metrics.json unless ``pins``; its
+    ``math_mode`` when given, else none: "default"), CPU, one repeat, a local image; ``top``: other top-level keys."""
+    doc = json.loads((capture / "metrics.json").read_text(encoding="utf-8"))
+    logical, manifest = pins or (doc["optimizer/logical_batch_sha256"], doc["optimizer_batch/manifest_sha256"])
+    head = {"name": name, "image": "replayjob:dev", "image_policy": "local", "gpu_product": "none",
+            "storage_class": "local-rwx", "device": "cpu", "repeats": 1, **top}
+    lines = [f"{k} = {json.dumps(v)}" for k, v in head.items()]
+    lines += ["", "[capture]", f'dir = "{capture}"', f'logical_sha256 = "{logical}"',
+              f'manifest_sha256 = "{manifest}"', *([f'math_mode = "{math_mode}"'] if math_mode else []), "", arms]
+    return "\n".join(lines)

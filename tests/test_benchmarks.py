@@ -3,7 +3,8 @@
 The Python benchmarks run in-process (their models and imports are already warm in the test
 session) with ``--results`` in a temporary directory; ``reduce_many``'s smoke run is covered by
 the reducer's own tests.  ``gpu_ablation.sh`` is checked with ``--dry-run`` (the full GPU plan),
-shellcheck where it is installed, and ``--tiny`` (the whole chain on CPU, fresh processes).
+shellcheck where it is installed; its ``--tiny`` whole chain on CPU (fresh processes) runs inside
+``scripts/gpu/check.sh --cpu`` (tests/test_gpu_check.py), which checks its figures.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from benchmarks import common
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_ablation.sh"
+# funnel_intervals is not smoke-run here: it is two whole funnels (about a minute even at one block each),
+# whose every part tests/test_funnel.py runs; its command is in benchmarks/README.md
 SMOKE = ["capture_overhead", "verify_throughput", "cli_startup", "diag_diff", "bundle_recompute", "ring_overhead",
-         "trace_overhead", "mismatch_recompute"]
+         "trace_overhead", "mismatch_recompute", "inprocess_spread"]
 
 
 def check_result(path: Path, name: str, *, smoke: bool) -> dict[str, object]:
@@ -121,16 +124,3 @@ def test_gpu_ablation_is_shellcheck_clean() -> None:
     assert proc.returncode == 0, proc.stdout
 
 
-@pytest.mark.slow
-def test_gpu_ablation_tiny_chain_on_cpu(tmp_path: Path) -> None:
-    out, results = tmp_path / "run", tmp_path / "results"
-    proc = subprocess.run(["bash", str(SCRIPT), "--tiny", "--repeats", "1", "--out", str(out), "--results",
-                           str(results)], capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = check_result(results / "gpu_ablation.smoke.json", "gpu_ablation", smoke=True)
-    m = doc["measurements"]
-    assert isinstance(m, dict)
-    assert m["verdict_exit_codes"] == {"exact-input": 0, "bitwise": 0}
-    assert sorted(m["arms"]) == ["ckpt-off", "ckpt-on"]
-    assert m["arms"]["ckpt-on"]["gradient_checkpointing"] == [True]
-    assert (out / "verdict-exact-input.json").is_file()

@@ -51,7 +51,7 @@ def example_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def test_no_home_path_in_the_integration_capture_manifest(example_run: tuple[Path, Path]) -> None:
-    # the base model's path follows the built-in manifest's rule (replayjob.config.redact.redact_path)
+    # the base model's path follows the built-in manifest's rule (replayjob.redact.redact_path)
     _, out = example_run
     (path,) = (out / "capture").glob("*.manifest.json")
     assert json.loads(path.read_text())["base_model"]["path"] == "~/out/base"
@@ -63,6 +63,8 @@ def test_example_capture_explain_replay_bitwise(example_run: tuple[Path, Path], 
     _, out = example_run
     toml = out / "capture" / "replay.toml"
     assert main(["explain", str(toml)]) == 0
+    assert main(["replay", str(toml), "--out", str(tmp_path / "r2"), "--nproc", "2"]) == 2  # one process, by name
+    assert not (tmp_path / "r2").exists()
     assert main(["replay", str(toml), "--out", str(tmp_path / "r")]) == 0
     src = json.loads((out / "capture" / "metrics.json").read_text())
     rep = json.loads((tmp_path / "r" / "replay_metrics.json").read_text())

@@ -490,7 +490,7 @@ def smoke(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
 
 def test_local_mid_smoke_on_cpu_passes_and_writes_the_verdict(tmp_path: Path) -> None:
     """The wrapper runs the funnel (docs/funnel.md; every stage is tested in test_funnel.py)."""
-    proc = smoke("--repeats", "1", "--only-ablation", "--out", str(tmp_path / "smoke"))
+    proc = smoke("--repeats", "1", "--fixed-blocks", "--only-ablation", "--out", str(tmp_path / "smoke"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "device cpu" in proc.stdout and "wall time" in proc.stdout
     verdict = json.loads((tmp_path / "smoke" / "verdict.json").read_text(encoding="utf-8"))
@@ -559,3 +559,58 @@ def test_ranked_jobs_and_workflow_chain_to_a_passing_verdict(tmp_path: Path) -> 
     assert (json.loads(emu.outputs["capture"]["plan-r1"]), json.loads(emu.outputs["capture"]["plan-r2"])) \
         == ([1], [0])
     assert json.loads(emu.outputs["reduce"]["verdict"])["status"] == "pass"
+
+
+def test_a_trl_capture_chains_through_the_rendered_jobs_and_workflow(trl_capture_steps: Path, tmp_path: Path) -> None:
+    """A spec whose [capture] names an existing TRL capture (reachable from every pod: here its local
+    path) runs unedited through the rendered Jobs' and the Argo workflow's own commands: the capture
+    pod verifies it (no workspace, no training, RUN/capture.json), the replay pod replays its own
+    replay.toml, the reducer judges it against the capture; a wrong pin is refused
+    at render."""
+    from tests.conftest import capture_spec
+
+    image = {"image": "registry.example/replayjob@sha256:" + "ab" * 32, "image_policy": "digest"}
+    arm = "[arms.baseline]\n"  # one replay (the arms' TRL knobs are the funnel test's)
+    (tmp_path / "ablation.toml").write_text(capture_spec(trl_capture_steps, name="trlchain", arms=arm, **image))
+    assert main(["k8s", "render", str(tmp_path / "ablation.toml"), "--out", str(tmp_path / "k8s"),
+                 "--argo", str(tmp_path / "argo.yaml")]) == 0
+    mount = tmp_path / "artifacts"
+    mount.mkdir()
+    spec, text = load_spec_text(tmp_path / "ablation.toml")
+    by_name = {d["metadata"]["name"]: d for d in k8s.stage_jobs(spec, "r1").values()}
+    replay = by_name["trlchain-r1-replay"]
+    procs = [run_job(by_name["trlchain-r1-capture"], mount, text),
+             *(run_job(replay, mount, text, i) for i in range(replay["spec"]["completions"])),
+             run_job(by_name["trlchain-r1-reduce"], mount, text)]
+    assert [p.returncode for p in procs] == [0] * 3, "\n".join(p.stdout + p.stderr for p in procs)
+    run = mount / "runs" / "trlchain" / "r1"
+    assert "verified the trl capture" in procs[0].stdout and "no training" in procs[0].stdout
+    assert not (run / "workspace").exists() and not (run / "source").exists()
+    assert json.loads((run / "capture.json").read_text())["admission"]["admitted"] is True
+    m = json.loads((run / "replays" / "baseline" / "0" / "replay_metrics.json").read_text(encoding="utf-8"))
+    assert (m["framework"], m["arm"], m["host"]["pod"].startswith("trlchain-r1-replay-")) == ("trl", "baseline", True)
+    verdict = json.loads((run / "verdict.json").read_text(encoding="utf-8"))
+    assert (verdict["status"], verdict["exit_code"]) == ("pass", 0), verdict
+
+    emu = ArgoEmulator(tmp_path / "argo.yaml", mount, "0000-uid")
+    dest = mount / "runs" / emu.name / emu.uid
+    dest.mkdir(parents=True)
+    shutil.copytree(run / "replays", dest / "replays")  # the Jobs above ran every replay for real
+    shutil.copy(run / "run.json", dest / "run.json")
+    emu.run()
+    assert emu.status == {"capture": "Succeeded", "replay": "Succeeded", "reduce": "Succeeded"}, emu.procs
+    assert "verified the trl capture" in emu.procs["capture"][0].stdout
+    source = json.loads((trl_capture_steps / "metrics.json").read_text(encoding="utf-8"))
+    assert emu.outputs["capture"]["pins"] == (f"{source['optimizer/logical_batch_sha256']},"
+                                              f"{source['optimizer_batch/manifest_sha256']}")
+    assert json.loads(emu.outputs["reduce"]["verdict"])["status"] == "pass"
+
+    # wrong pins, a knob of replayjob's own trainer but not of TRL's, or a math mode the capture did not run in
+    bad = tmp_path / "bad.toml"
+    for text in (capture_spec(trl_capture_steps, name="trlchain", pins=("0" * 64, "1" * 64), **image),
+                 capture_spec(trl_capture_steps, name="trlchain", math_mode="pedantic", **image),
+                 capture_spec(trl_capture_steps, name="trlchain", **image,
+                              arms='[arms.on]\n"backend.options.attn_implementation" = "sdpa"\n')):
+        bad.write_text(text)
+        assert main(["k8s", "render", str(bad), "--out", str(tmp_path / "never")]) == 2
+        assert not (tmp_path / "never").exists()

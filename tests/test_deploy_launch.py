@@ -1,4 +1,4 @@
-"""``replayjob.deploy.launch``: an srun task's Slurm variables mapped to torch.distributed's.
+"""``replayjob.launch``: an srun task's Slurm variables mapped to torch.distributed's.
 
 The mapping is checked value by value, its refusals by name, and for real: two processes given the
 variables srun would give two tasks of one job form a gloo process group through the mapped
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from replayjob.deploy import launch
+from replayjob import launch
 from replayjob.errors import ConfigError, UsageError
 
 TASK = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[003-004,9]",
@@ -59,15 +59,16 @@ def test_ports_differ_between_jobs_and_stay_below_the_ephemeral_range() -> None:
 
 def test_srun_runs_each_rank_through_the_mapping_on_one_node() -> None:
     cmd = launch.srun_command(4, ["replay", "cfg.toml", "--out", "o"])
-    assert cmd[:7] == ["srun", "--ntasks", "4", "--nodes", "1", "--kill-on-bad-exit=1", "--export=ALL"]
-    assert cmd[7:] == [sys.executable, "-m", "replayjob.deploy.launch", "replay", "cfg.toml", "--out", "o"]
+    assert cmd[:7] == ["srun", "--ntasks", "4", "--nodes", "1", "--kill-on-bad-exit=1",
+                       f"--export=ALL,{launch.SRUN_TASK_ENV}=1"]
+    assert cmd[7:] == [sys.executable, "-m", "replayjob", "replay", "cfg.toml", "--out", "o"]
     with pytest.raises(UsageError):
         launch.srun_command(0, ["replay"])
 
 
 def test_the_entry_point_refuses_outside_an_srun_task_with_exit_2() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    proc = subprocess.run([sys.executable, "-m", "replayjob.deploy.launch", "--version"], env=env,
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, launch.SRUN_TASK_ENV: "1"}
+    proc = subprocess.run([sys.executable, "-m", "replayjob", "--version"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not an srun task" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -84,7 +85,7 @@ def _job_id_with_free_port() -> str:
 
 RANK_PROGRAM = """
 import os
-from replayjob.deploy import launch
+from replayjob import launch
 os.environ.update(launch.rank_env(os.environ))
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -119,16 +120,17 @@ def test_the_one_launch_function_picks_torchrun_or_srun() -> None:
         distributed.launch_command(2, argv, "mpirun")
 
 
-def test_a_refused_srun_task_records_its_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its Slurm variables refused, a task records exit 2, so the launch reports the refusal, not a
-    killed rank (3, which the Slurm scripts would requeue)."""
+def test_a_refused_srun_task_records_its_refusal(tmp_path: Path) -> None:
+    """Its Slurm variables refused, a task (``python -m replayjob`` marked as one) records exit 2, so the
+    launch reports the refusal, not a killed rank (3, which the Slurm scripts would requeue)."""
     from replayjob import distributed
 
-    monkeypatch.setenv(distributed.EXIT_DIR_ENV, str(tmp_path))
-    monkeypatch.setenv("SLURM_PROCID", "1")
-    for key in ("SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_JOB_ID", "RANK"):
-        monkeypatch.delenv(key, raising=False)
-    assert launch.main(["explain", "nowhere.toml"]) == 2
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_JOB_ID", "RANK")}
+    env.update({distributed.EXIT_DIR_ENV: str(tmp_path), "SLURM_PROCID": "1", launch.SRUN_TASK_ENV: "1"})
+    proc = subprocess.run([sys.executable, "-m", "replayjob", "explain", "nowhere.toml"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not an srun task" in proc.stderr
     assert (tmp_path / "rank-1").read_text() == "2"
     assert distributed.merged_exit(1, [2], nproc=2) == 2
     assert distributed.merged_exit(1, [1], nproc=2) == 3  # a rank recorded nothing: not a verdict

@@ -92,7 +92,7 @@ def test_a_render_needs_a_storage_class(tmp_path: Path, capsys: pytest.CaptureFi
 def test_cpu_and_memory_are_per_rank_and_the_pod_s_threads_are_shared_among_its_ranks(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from replayjob.deploy.ablation import scale_quantity
-    from replayjob.deploy.launch import rank_thread_env
+    from replayjob.launch import rank_thread_env
 
     assert [scale_quantity(q, n) for q, n in (("8", 4), ("64Gi", 2), ("0.5", 3), ("500m", 4), ("1.25", 4))] == [
         "32", "128Gi", "1.5", "2000m", "5"]
@@ -131,7 +131,7 @@ def test_spec_refuses_min_repeats_above_repeats_and_missing_files(tmp_path: Path
         load_spec(write(tmp_path, MINIMAL.replace("repeats = 2", "repeats = 2\nmin_repeats = 3")))
     with pytest.raises(ConfigError, match="not found"):
         load_spec(tmp_path / "missing.toml")
-    with pytest.raises(ConfigError, match="not valid TOML"):
+    with pytest.raises(ConfigError, match="invalid TOML"):
         load_spec(write(tmp_path, "name = [\n"))
     with pytest.raises(ConfigError, match=r"\[arms\]"):
         load_spec(write(tmp_path, MINIMAL.split("[arms")[0]))

@@ -81,7 +81,7 @@ def test_clean_funnel_passes_every_stage(tmp_path: Path, capsys: pytest.CaptureF
     assert isinstance(arms["mb-1"]["adapter_equal_source"], bool)  # regrouped sums may round differently
     assert arms["mb-1"]["step_ratio"][0] > 1.0  # micro-batch 1 is slower
     printed = capsys.readouterr().out
-    assert "ratio [95% interval]" in printed and "budget mb-1 local_train_wall_s max_ratio 50: pass" in printed
+    assert "ratio [interval]" in printed and "budget mb-1 local_train_wall_s max_ratio 50: pass" in printed
     # the replays ran interleaved, in the order their schedule records
     files = sorted((out / "replays").glob("*/*/replay_metrics.json"), key=lambda p: p.stat().st_mtime_ns)
     slots = [json.loads(p.read_text())["schedule"] for p in files]
@@ -92,11 +92,16 @@ def test_clean_funnel_passes_every_stage(tmp_path: Path, capsys: pytest.CaptureF
 
 @pytest.mark.usefixtures("in_process_steps")
 def test_violated_budget_fails_once_decided(tmp_path: Path) -> None:
-    """--until-decided: one block (one pair) cannot decide; a second block added by the funnel can."""
+    """Until decided (the default): one block (one pair) cannot decide; a second block added by the funnel can.
+    Timed while other work contended with a block twice, nothing is decided: reported, and the test skipped."""
     code, doc = funnel(tmp_path / "tight", "--only-ablation", "--budgets", str(budgets(tmp_path, 1.05)),
-                       "--until-decided", "--max-repeats", "2", repeats=1)
+                       "--max-repeats", "2", repeats=1)
+    if code == 3 and doc["stages"][2]["status"] == "contended":
+        assert "contended again after one retry" in doc["stages"][2]["detail"]
+        pytest.skip("other work on this host contended with the timed updates: " + doc["stages"][2]["detail"])
     assert code == 1 and statuses(doc) == ["skipped", "skipped", "fail"]
-    assert doc["stages"][2]["artifacts"]["looks"] == "1 blocks: inconclusive, 2 blocks: fail"
+    looks = doc["stages"][2]["artifacts"]["looks"]  # a contended look (replayed once) may come between
+    assert looks.startswith("1 blocks: ") and "1 blocks: inconclusive" in looks and looks.endswith("2 blocks: fail")
     verdict = json.loads((tmp_path / "tight" / "verdict.json").read_text())
     assert verdict["budgets"]["procedure"]["max_looks"] == 2
     (row,) = [b for b in doc["summary"]["budgets"] if b["metric"] == "local_train_wall_s"]
@@ -151,10 +156,10 @@ def test_init_makes_the_step_minus_one_state_for_a_local_model(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--until-decided", "--max-repeats", "4"], "--until-decided needs budgets"),
+    (["--fixed-blocks", "--max-repeats", "4"], "--max-repeats caps the blocks added until decided"),
     (["--design", "latin"], "--design must be one of abba, random"),
     (["--device", "tpu"], "--device must be cpu or cuda"),
-    (["--warmup-updates", "2"], "--warmup-updates needs --measured-updates"),
+    (["--warmup-updates", "2", "--measured-updates", "0"], "--warmup-updates needs --measured-updates"),
     (["--budgets", "b.toml", "--until-decided", "--max-repeats", "1"], "--max-repeats 1 is below"),
 ])
 def test_funnel_usage_is_refused_before_any_work(tmp_path: Path, args: list[str], needle: str,
@@ -201,3 +206,183 @@ def test_the_specs_mixed_hardware_reaches_the_funnels_verdict(tmp_path: Path, mi
     assert sorted(r["path"] for r in verdict["inputs"]["replays"]) == sorted(
         f"replays/{a.name}/{i}/replay_metrics.json" for a in f.run_plan.arms for i in range(2))
     assert (f.out / "report.md").is_file()
+
+
+# --- an existing capture (TRL): only the ablation stage, on that capture --------------------------
+
+def arms_only(tmp_path: Path, arms: str = '[arms.baseline]\n\n[arms.ckpt]\n"trl.gradient_checkpointing" = true\n'
+              ) -> Path:
+    """A spec without [capture] (``funnel --capture`` adds it): CPU, one repeat, the arms given."""
+    (spec := tmp_path / "arms.toml").write_text('name = "trl"\nimage = "replayjob:dev"\nimage_policy = "local"\n'
+                                                f'gpu_product = "none"\ndevice = "cpu"\nrepeats = 1\n\n{arms}')
+    return spec
+
+
+@pytest.mark.usefixtures("in_process_steps")
+def test_funnel_replays_an_existing_trl_capture_with_its_budgets(trl_capture_steps: Path, tmp_path: Path) -> None:
+    """`funnel --capture DIR`: no init, no source run; the spec written with a [capture] table; a baseline
+    and a TRL gradient-checkpointing arm replayed from the capture and reduced against it with a budget
+    (one block: decided or inconclusive; contended when the shared host interfered with the timing)."""
+    out = tmp_path / "cap"
+    (b := tmp_path / "budgets.toml").write_text('baseline = "baseline"\n[ckpt]\n'
+                                                "local_train_wall_s = { max_ratio = 50.0 }\n")
+    code = main(["funnel", "--out", str(out), "--device", "cpu", "--spec", str(arms_only(tmp_path)),
+                 "--capture", str(trl_capture_steps), "--budgets", str(b), "--no-report", "--fixed-blocks",
+                 "--warmup-updates", "0", "--measured-updates", "0"])
+    doc = json.loads((out / FUNNEL_FILE).read_text())
+    assert code == doc["exit_code"], doc["stages"]
+    assert statuses(doc)[:2] == ["skipped", "skipped"] and "existing capture" in doc["stages"][0]["detail"]
+    # decided (0 pass, 1 fail), undecided after one block (2), or timed on a contended host (3: nothing decided)
+    assert (code, doc["stages"][2]["status"]) in {(0, "pass"), (1, "fail"), (2, "inconclusive"),
+                                                   (3, "contended")}, doc["stages"][2]
+    assert not (out / "workspace").exists() and not (out / "source").exists()
+    written = (out / "ablation.toml").read_text()
+    assert f'dir = "{trl_capture_steps}"' in written and 'math_mode = "default"' in written  # the capture's own
+    record = json.loads((out / "capture.json").read_text())
+    assert (record["producer"], record["admission"]["admitted"]) == ("trl", True)
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert {c["name"]: c["status"] for c in verdict["checks"]}["exact.knobs_in_effect"] == "pass"
+    assert verdict["budgets"]["bounds"][0]["arm"] == "ckpt"
+    runtime = {p.parent.parent.name: json.loads(p.read_text())["runtime"]
+               for p in (out / "replays").glob("*/0/replay_metrics.json")}
+    assert {a: r["trl.gradient_checkpointing"] for a, r in runtime.items()} == {"baseline": False, "ckpt": True}
+    assert doc["summary"]["arms"]["baseline"]["loss_equal_source"]
+
+
+@pytest.mark.parametrize("case", ["knob", "pins", "mode"])
+def test_funnel_refuses_a_non_knob_arm_or_wrong_pins_before_any_replay(
+        trl_capture_steps: Path, tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A replayjob knob in an arm of a TRL capture (with --capture), or a spec whose [capture] pins are not
+    the capture's: exit 2 at the funnel's start, nothing written."""
+    from tests.conftest import capture_spec
+
+    out = tmp_path / "never"
+    if case == "knob":
+        args = ["--capture", str(trl_capture_steps), "--spec",
+                str(arms_only(tmp_path, '[arms.base]\n\n[arms.on]\n"backend.options.gradient_checkpointing" = true\n'))]
+        needle = "'backend.options.gradient_checkpointing' is not a systems-only knob of trl"
+    elif case == "pins":
+        (spec := tmp_path / "spec.toml").write_text(capture_spec(trl_capture_steps, pins=("a" * 64, "b" * 64)))
+        args, needle = ["--spec", str(spec)], "capture.logical_sha256 is " + "a" * 64
+    else:  # a capture made in a normal process ("default"), named as if made in pedantic mode
+        (spec := tmp_path / "spec.toml").write_text(capture_spec(trl_capture_steps, math_mode="pedantic"))
+        args, needle = ["--spec", str(spec)], "the capture ran in math mode 'default'"
+    assert main(["funnel", "--out", str(out), "--device", "cpu", *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def look(status: str = "pass", *, undecided: bool = False, contended: tuple[int, ...] = (),
+         budgets: bool = False) -> dict[str, Any]:
+    """A verdict document as far as the funnel's loop reads it: status, paired decisions, contended blocks."""
+    codes = {"pass": 0, "fail": 1, "inconclusive": 2, "contended": 3}
+    row = {"decision": "undecided" if undecided else "decided", "pairs": 3, "ratio": 1.1, "low": 0.8, "high": 1.5}
+    doc: dict[str, Any] = {
+        "status": status, "exit_code": codes[status], "summary": f"exact-input: {status}", "failed_checks": [],
+        "comparisons": {"paired": {"metric": "in_process_train_wall_s", "arms": {"mb-1": row}}},
+        "contention": {"contended": [{"arm": "mb-1", "repeat_index": b, "block": b, "reasons": ["run-queue wait 50%"]}
+                                     for b in contended]}}
+    if budgets:
+        doc["budgets"] = {"bounds": [{"arm": "mb-1", "metric": "local_train_wall_s", "kind": "max_ratio",
+                                      "decision": "inconclusive" if status == "inconclusive" else "pass"}]}
+    return doc
+
+
+def scripted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, looks: list[dict[str, Any]],
+             **options: Any) -> tuple[Any, Any, list[int], list[int]]:
+    """Stage 3's loop with every step faked: replays record their index, each reduce returns the next of
+    ``looks`` (and the blocks it read).  Returns the funnel, its stage, the replay indexes and the looks' blocks."""
+    from replayjob.funnel import Funnel, Options, Stage
+
+    ran: list[int] = []
+    seen: list[int] = []
+
+    def cli_step(args: Sequence[object], log: Path) -> int:
+        if list(args[:2]) == ["step", "replay"]:
+            index = int(str(args[list(args).index("--index") + 1]))
+            ran.append(index)
+            arm = f.run_plan.run_for_index(index)
+            d = f.out / "replays" / arm.arm / str(arm.repeat)
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "replay_metrics.json").write_text("{}")
+        return 0
+
+    def reduce(self: Any, spec: Path, blocks: int) -> dict[str, Any]:
+        seen.append(blocks)
+        return looks.pop(0)
+
+    monkeypatch.setattr(funnel_module, "cli_step", cli_step)
+    monkeypatch.setattr(funnel_module.Funnel, "reduce", reduce)
+    monkeypatch.setattr(funnel_module, "summarize", lambda *a: {})
+    f = Funnel(Options(out=tmp_path / "out", spec=SPEC, device="cpu", only_ablation=True, **options),
+               progress=lambda line: None)
+    f.out.mkdir(parents=True)
+    st = Stage("ablation")
+    f.ablation(st)
+    assert not looks, "every scripted look was read"
+    return f, st, ran, seen
+
+
+def test_blocks_are_added_by_default_until_each_comparison_is_decided(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    f, st, ran, seen = scripted(tmp_path, monkeypatch, [look(undecided=True), look(undecided=True), look()],
+                                repeats=2)
+    assert f.max_blocks == funnel_module.MAX_BLOCKS and seen == [2, 3, 4]
+    assert ran == list(range(8)) and st.code == 0 and st.artifacts["looks"].startswith("2 blocks: pass")
+    assert f.summary is not None and f.summary["blocks"] == 4
+    text = (f.out / "ablation.toml").read_text()
+    assert f"repeats = {funnel_module.MAX_BLOCKS}" in text
+    assert f'"optimizer_batch.measured_updates" = {funnel_module.MEASURED_UPDATES}' in text
+
+
+def test_the_cap_stops_an_undecided_comparison_as_inconclusive(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    _, st, _, seen = scripted(tmp_path, monkeypatch, [look(undecided=True)] * 3, repeats=2, max_repeats=4)
+    assert seen == [2, 3, 4] and st.code == 0
+    assert "inconclusive after 4 blocks: mb-1 in_process_train_wall_s" in st.detail
+
+
+def test_fixed_blocks_take_one_look(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f, _, ran, seen = scripted(tmp_path, monkeypatch, [look(undecided=True)], repeats=2, until_decided=False)
+    assert seen == [2] and ran == [0, 1, 2, 3] and f.max_blocks == 2
+
+
+def test_budgets_drive_the_looks_when_declared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With budgets, a decided bound stops the looks even where the comparison's interval includes 1."""
+    _, st, _, seen = scripted(tmp_path, monkeypatch, [look("inconclusive", budgets=True),
+                                                       look(undecided=True, budgets=True)], repeats=2)
+    assert seen == [2, 3] and st.code == 0
+
+
+def test_a_contended_block_is_replayed_once_in_fresh_directories(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    f, st, ran, seen = scripted(tmp_path, monkeypatch, [look("contended", contended=(1,)), look()], repeats=2)
+    assert seen == [2, 2] and ran == [0, 1, 2, 3, 2, 3] and st.code == 0
+    aside = sorted(p.name for p in (f.out / "attempts").iterdir())
+    assert aside == ["contended-mb-1-1.0", "contended-mb-default-1.0"]
+    assert (f.out / "replays" / "mb-1" / "1" / "replay_metrics.json").is_file()  # replayed again
+
+
+def test_contention_twice_is_reported_exit_3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without budgets the reducer passes the numbers, but timing from a block contended after its one retry
+    is reported: the stage is ``contended`` (exit 3: nothing decided, retrying may help)."""
+    _, st, ran, seen = scripted(tmp_path, monkeypatch, [look(contended=(0,)), look(contended=(0,))], repeats=2)
+    assert seen == [2, 2] and ran == [0, 1, 2, 3, 0, 1]
+    assert (st.code, st.status) == (3, "contended") and "block(s) 0 contended again after one retry" in st.detail
+    assert "mb-1#0: run-queue wait 50%" in st.detail
+
+
+def test_render_says_inconclusive_rather_than_a_wide_interval() -> None:
+    from replayjob.funnel import render
+
+    arm = {"median_step_wall_s": 0.5, "median_warm_wall_s": 0.4, "step_ratio": [1.2, 0.04, 30.0],
+           "decision": "undecided", "peak_memory_ratio": 1.0, "memory_kind": ["max_rss"],
+           "loss_equal_source": True, "adapter_equal_source": True}
+    summary = {"baseline": "mb-default", "admission": "admitted", "timing_metric": "in_process_train_wall_s",
+               "confidence": 0.99375, "paired": True, "contended": [], "blocks": 8, "max_blocks": 8, "max_looks": 8,
+               "arms": {"mb-default": {**arm, "decision": None}, "mb-1": arm}, "budgets": []}
+    text = render({"status": "pass", "exit_code": 0, "device": "cpu", "model": "tiny", "stages": [],
+                   "summary": summary, "wall_s": 1.0})
+    assert "inconclusive after 8 blocks" in text and "30" not in text.split("mb-1")[1].split("\n")[0]
+    assert "paired per block, interval at confidence 0.9938 (one look of at most 8)" in text

@@ -17,12 +17,10 @@ import pytest
 
 from replayjob.cli import main
 from replayjob.deploy.schedule import parse_slot, plan
-from replayjob.digest import sha256_file
 from replayjob.errors import IntegrityError, UsageError
 from replayjob.gate import synthetic
 from replayjob.gate.budgets import more_blocks, read_budgets
 from replayjob.gate.verdict import outcome
-from replayjob.jsonio import pretty_bytes
 
 BASE, SLOW = "mb-default", "mb-1"
 MB = "training.micro_batch_size"
@@ -37,18 +35,8 @@ def budget_file(tmp_path: Path, text: str, name: str = "budgets.toml") -> Path:
 def paired(tmp_path: Path, budgets: Path | None, walls: dict[str, list[float]], *,
            hosts: dict[str, list[str]] | None = None, slots: bool = True) -> synthetic.Evidence:
     """Synthetic evidence with ``walls[arm][block]`` as step times, run as an ABBA schedule."""
-    n = len(walls[BASE])
-    ev = synthetic.build(tmp_path / "ev", {BASE: {}, SLOW: {MB: 1}}, n)
-    order = {(arm, s.block): s for arm, s in plan([BASE, SLOW], n, "abba", seed=5)}
-    for f in ev.replay_files:
-        doc = json.loads(f.read_text())
-        arm, i = doc["arm"], doc["repeat_index"]
-        doc["timing"]["local_train_wall_s"] = walls[arm][i]
-        doc["schedule"] = order[(arm, i)].to_json() if slots else None
-        doc["host"]["node"] = (hosts or {}).get(arm, ["node-a"] * n)[i]
-        doc["budgets_sha256"] = sha256_file(budgets) if budgets is not None else ""
-        f.write_bytes(pretty_bytes(doc))
-    return ev
+    return synthetic.paired(tmp_path / "ev", {BASE: {}, SLOW: {MB: 1}}, walls, budgets=budgets, hosts=hosts,
+                            slots=slots)
 
 
 def reduce(ev: synthetic.Evidence, budgets: Path, *extra: str) -> tuple[int, dict[str, Any]]:

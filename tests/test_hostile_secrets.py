@@ -132,7 +132,7 @@ def test_capture_replay_bundles_and_verdict_hold_no_secret(workspace: Path, tmp_
     ("python t.py --token-cap 4 --out {out}", "python t.py --token-cap 4 --out {out}"),
 ])
 def test_recorded_commands_are_redacted(command: str, expected: str) -> None:
-    from replayjob.config.redact import redact_command
+    from replayjob.redact import redact_command
 
     assert redact_command(command) == expected
 

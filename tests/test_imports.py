@@ -125,3 +125,16 @@ def test_the_trainer_imports_no_capture_package_and_captures_import_the_protocol
     for capture in ("replayjob.optbatch.capture", "replayjob.bundle.hook"):
         assert "replayjob.rl.hooks" in seen[capture], (capture, seen[capture])
         assert "replayjob.rl.trainer" not in seen[capture], (capture, seen[capture])
+
+
+def test_the_public_api_is_at_the_package_top_and_imports_nothing_heavy() -> None:
+    code = ("import sys, replayjob\n"
+            "assert not [m for m in ('torch', 'transformers', 'trl') if m in sys.modules], sys.modules.keys()\n"
+            "assert replayjob.StepCapture.__module__ == 'replayjob.integrations.capture'\n"
+            "assert 'trl' not in sys.modules  # the capture API alone imports no framework\n"
+            "from replayjob import ChosenSteps, MicroStep, Outcome, PRODUCERS, Session, Target, main, optimizer_step\n"
+            "assert set(PRODUCERS) == {'replayjob', 'trl', 'torch'} and callable(main) and callable(optimizer_step)\n"
+            "assert sorted(dir(replayjob)) == sorted(replayjob.__all__)\n"
+            "try:\n    replayjob.nothing_here\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit(1)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]

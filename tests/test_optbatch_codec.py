@@ -516,13 +516,14 @@ def test_knobs_belong_to_their_producers_and_each_is_observed() -> None:
                                                  "distributed.strategy", "distributed.bucket_cap_mb"}
     assert set(knobs.knobs_for("trl")) == {"trl.gradient_checkpointing", "model.attn_implementation",
                                            "trl.gradient_checkpointing_kwargs.use_reentrant",
-                                           "trl.per_device_train_batch_size"}
+                                           "trl.per_device_train_batch_size", "distributed.num_processes",
+                                           "trl.gradient_accumulation_steps", "trl.steps_per_generation"}
     assert knobs.knobs_for("torch") == {}  # a plain loop's whole config is its contract
-    from replayjob.integrations import FRAMEWORKS
+    from replayjob.producers import BUILTIN, EXTERNAL, PRODUCERS
 
-    assert set(knobs.PRODUCERS) == {knobs.BUILTIN, *FRAMEWORKS}
-    assert set(knobs.KNOBS) == {k for p in knobs.PRODUCERS for k in knobs.knobs_for(p)}
-    assert all(k.observe is not None and set(k.frameworks) <= set(knobs.PRODUCERS) for k in knobs.KNOBS.values())
+    assert set(PRODUCERS) == {knobs.BUILTIN, *EXTERNAL} and BUILTIN == knobs.BUILTIN
+    assert set(knobs.KNOBS) == {k for p in PRODUCERS for k in knobs.knobs_for(p)}
+    assert all(k.observe is not None and set(k.frameworks) <= set(PRODUCERS) for k in knobs.KNOBS.values())
 
 
 def test_trl_knobs_are_read_from_the_checkpoint_function_in_effect() -> None:
@@ -538,7 +539,9 @@ def test_trl_knobs_are_read_from_the_checkpoint_function_in_effect() -> None:
     rt = knobs.Runtime(model, (2, 2))
     off = knobs.observe_all(rt, "trl")
     assert off == {"trl.gradient_checkpointing": False, "trl.gradient_checkpointing_kwargs.use_reentrant": None,
-                   "model.attn_implementation": "sdpa", "trl.per_device_train_batch_size": 2}
+                   "model.attn_implementation": "sdpa", "trl.per_device_train_batch_size": 2,
+                   "distributed.num_processes": None, "trl.gradient_accumulation_steps": None,
+                   "trl.steps_per_generation": None}  # no trainer: not observed
     for layer in model:  # as activation_checkpointing_enable installs it
         layer.gradient_checkpointing = True  # type: ignore[assignment]
         layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=True)  # type: ignore[assignment]

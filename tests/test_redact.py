@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replayjob.config.redact import REDACTED, is_secret_key, redact, redact_path, redact_url
+from replayjob.redact import REDACTED, is_secret_key, redact, redact_path, redact_url
 
 SECRET_KEYS = ["token", "hf_token", "HF_TOKEN", "secret", "client_secret", "password", "db_passwd",
                "api_key", "apiKey", "openai-api-key", "apikey", "credential", "credentials", "auth",
@@ -87,7 +87,7 @@ KEPT_STRINGS = ["nightly-ablation", "runs/2024-06-01/ckpt#3", "/data/models/llam
 
 @pytest.mark.parametrize(("text", "expected"), STRING_FORMS)
 def test_secrets_inside_strings_are_redacted(text: str, expected: str) -> None:
-    from replayjob.config.redact import redact_text
+    from replayjob.redact import redact_text
 
     got = redact_text(text)
     assert got == expected
@@ -99,7 +99,7 @@ def test_secrets_inside_strings_are_redacted(text: str, expected: str) -> None:
 
 @pytest.mark.parametrize("text", KEPT_STRINGS)
 def test_ordinary_strings_are_kept(text: str) -> None:
-    from replayjob.config.redact import redact_text
+    from replayjob.redact import redact_text
 
     assert redact_text(text) == text
 
@@ -110,7 +110,7 @@ def test_keys_are_redacted_as_text_and_collisions_hide_both() -> None:
 
 
 def test_recorded_commands_redact_inside_words() -> None:
-    from replayjob.config.redact import redact_command
+    from replayjob.redact import redact_command
 
     cmd = "curl -H 'Authorization: Bearer S1' 'https://h/x?token=S2&v=1' --set 'logging.run_name=\"a#b\"'"
     assert redact_command(cmd) == ("curl -H 'Authorization: Bearer <redacted>' 'https://h/x?token=<redacted>&v=1' "
@@ -119,7 +119,7 @@ def test_recorded_commands_redact_inside_words() -> None:
 
 def test_hostile_strings_stay_linear() -> None:
     """Inputs built to make a backtracking scan quadratic or a recursive one deep finish and stay whole."""
-    from replayjob.config.redact import redact_text
+    from replayjob.redact import redact_text
 
     for text in ["a" * 100_000 + "://", "Authorization: " + "Bearer " * 20_000 + "S1", "token=" + "{" * 50_000,
                  '"token": "' + "\\" * 50_001, "x@" * 50_000]:
@@ -132,7 +132,7 @@ def test_hostile_strings_stay_linear() -> None:
                 max_size=24))
 @settings(max_examples=300, deadline=None)
 def test_redact_text_is_idempotent(parts: list[str]) -> None:
-    from replayjob.config.redact import redact_text
+    from replayjob.redact import redact_text
 
     once = redact_text("".join(parts))
     assert redact_text(once) == once

@@ -61,10 +61,15 @@ def _submit(*args: str, env: dict[str, str] | None = None,
 # ---- the fan-out plan (replayjob step plan) ------------------------------------------------------
 
 def test_plan_gives_the_submit_time_facts(spec_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from replayjob.deploy.ablation import DETERMINISM_ENV
+
     assert main(["step", "plan", "--spec", str(spec_file)]) == 0
-    assert capsys.readouterr().out.splitlines() == [
+    lines = capsys.readouterr().out.splitlines()
+    assert [x for x in lines if not x.startswith("env=")] == [
         "size=6", "parallelism=4", "arms=ckpt-off,ckpt-on", "claim=exact-input", "min_repeats=3", "device=cpu",
         "schedule=none", "ranks=1", "replays=1:0-5"]
+    # the environment every job of this spec pins (a built-in capture: the pinned math mode)
+    assert [x for x in lines if x.startswith("env=")] == [f"env={k}={v}" for k, v in DETERMINISM_ENV.items()]
     assert main(["step", "plan", "--spec", str(spec_file), "--plant", "ckpt-off:training.micro_batch_size=2"]) == 0
     assert capsys.readouterr().out.startswith("size=6\n")  # a valid --plant is accepted, the plan unchanged
     spec = load_spec(spec_file)
@@ -548,3 +553,57 @@ def test_two_task_capture_and_replays_under_srun_pass_the_gate(slurm_env: dict[s
     assert two["host"]["slurm_job"] and (out / "replays" / "two" / "0" / "replay_metrics.rank-1.json").is_file()
     verdict = _json(out / "verdict.json")
     assert (verdict["status"], verdict["claim"]) == ("pass", "exact-input")
+
+
+# ---- an existing capture (TRL): the spec's [capture] table ----------------------------------------
+
+@pytest.mark.parametrize("case", ["knob", "pins", "mode"])
+def test_plan_refuses_a_non_knob_arm_or_wrong_pins_of_an_existing_capture(
+        trl_capture_steps: Path, tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`step plan` (what submit.sh asks first) reads the capture's manifest: an arm key that is a knob of
+    replayjob's own trainer but not of TRL, the capture's producer, pins that are not the capture's, or a
+    math mode other than the one it ran in (a normal process: "default"), are refused (exit 2) before
+    anything is submitted."""
+    from conftest import capture_spec
+
+    if case == "knob":
+        text = capture_spec(trl_capture_steps, arms='[arms.on]\n"training.micro_batch_size" = 2\n')
+        needle = "'training.micro_batch_size' is not a systems-only knob of trl"
+    elif case == "pins":
+        text = capture_spec(trl_capture_steps, pins=("0" * 64, "1" * 64))
+        needle = "capture.logical_sha256 is " + "0" * 64
+    else:
+        text = capture_spec(trl_capture_steps, math_mode="pedantic")
+        needle = "the capture ran in math mode 'default', but the spec's capture.math_mode is 'pedantic'"
+    (spec := tmp_path / "spec.toml").write_text(text)
+    assert main(["step", "plan", "--spec", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    res = _submit("--out", str(tmp_path / "run"), "--spec", str(spec), "--gpus-per-task", "0", "--dry-run")
+    assert res.returncode == 2 and needle in res.stderr
+
+
+@pytest.mark.slow
+def test_trl_capture_replays_and_reduces_through_the_scheduler(slurm_env: dict[str, str], trl_capture_steps: Path,
+                                                               tmp_path: Path) -> None:
+    """A spec naming an existing TRL capture through the unedited jobs: the capture job verifies it
+    (`step capture`: no workspace, no training), the replay array replays its own replay.toml (`step
+    replay`, one arm: the arms' knobs are the funnel test's), the reducer judges it against the capture
+    (`step reduce`)."""
+    from conftest import capture_spec
+
+    (spec := tmp_path / "spec.toml").write_text(capture_spec(trl_capture_steps, name="slurm-trl"))
+    out = tmp_path / "run"
+    res = _submit("--out", str(out), "--spec", str(spec), "--gpus-per-task", "0", "--arms", "baseline", "--wait",
+                  env={**slurm_env, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    logs = "\n".join(p.read_text() for p in sorted((out / "logs").glob("*.out")))
+    assert res.returncode == 0, res.stdout + res.stderr + logs
+    assert "verified the trl capture" in logs and "no training" in logs
+    assert not (out / "workspace").exists() and not (out / "source").exists()
+    assert _json(out / "capture.json")["producer"] == "trl"
+    assert "REPLAYJOB_MATH_MODE=default" in (out / "slurm" / "job.env").read_text()  # the capture's, from step plan
+    m = _json(out / "replays" / "baseline" / "0" / "replay_metrics.json")
+    assert (m["framework"], m["arm"], m["runtime"]["trl.gradient_checkpointing"]) == ("trl", "baseline", False)
+    assert m["host"]["slurm_job"] and m["provenance"]["pythonhashseed"] == "0"
+    verdict = _json(out / "verdict.json")
+    assert (verdict["status"], verdict["exit_code"]) == ("pass", 0), verdict

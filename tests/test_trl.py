@@ -232,22 +232,23 @@ def test_trl_version_change_refused_unless_declared_then_approximate_only(
 
 @pytest.mark.slow
 def test_reduce_gates_pass_over_fresh_replays(trl_capture: dict[str, Any], tmp_path: Path) -> None:
-    """3 fresh-process replays per arm (baseline, gradient checkpointing): exact-input and bitwise pass."""
+    """2 fresh-process replays per arm (baseline, gradient checkpointing): exact-input and bitwise pass."""
     res = trl_capture["result"]
     reps = tmp_path / "replays"
-    assert main(["replay", str(res.replay_toml), "--out", str(reps / "baseline"), "--repeat", "3"]) == 0
-    assert main(["replay", str(res.replay_toml), "--out", str(reps / "ckpt"), "--repeat", "3", *GC]) == 0
+    assert main(["replay", str(res.replay_toml), "--out", str(reps / "baseline"), "--repeat", "2"]) == 0
+    assert main(["replay", str(res.replay_toml), "--out", str(reps / "ckpt"), "--repeat", "2", *GC]) == 0
     gc = _metrics(reps / "ckpt" / "repeat-000", "replay_metrics.json")
     assert gc["arm"] == "gradient_checkpointing=true" and gc["framework"] == "trl"
     # observed on the rebuilt TRL trainer: checkpointing on, transformers' non-reentrant default, the captured kernel
     attn = json.loads(res.manifest.read_text())["config"]["resolved"]["model"]["attn_implementation"]
     assert gc["runtime"] == {"trl.gradient_checkpointing": True, "model.attn_implementation": attn,
                              "trl.gradient_checkpointing_kwargs.use_reentrant": False,
-                             "trl.per_device_train_batch_size": 4}
+                             "trl.per_device_train_batch_size": 4, "distributed.num_processes": 1,
+                             "trl.gradient_accumulation_steps": 2, "trl.steps_per_generation": 2}
     base = _metrics(reps / "baseline" / "repeat-000", "replay_metrics.json")
     assert base["runtime"]["trl.gradient_checkpointing"] is False
     assert base["runtime"]["trl.gradient_checkpointing_kwargs.use_reentrant"] is None  # no checkpoint function
-    common = ["--source", str(res.out_dir), "--baseline", "baseline"]
+    common = ["--source", str(res.out_dir), "--baseline", "baseline", "--min-repeats", "2"]
     assert main(["reduce", str(reps), "--claim", "exact-input", "--arms", "baseline,gradient_checkpointing=true",
                  "--out", str(tmp_path / "exact.json"), *common]) == 0
     assert main(["reduce", str(reps / "baseline"), "--claim", "bitwise", "--arms", "baseline",
@@ -639,7 +640,8 @@ def test_traced_replays_key_rows_alike_and_compare_the_checkpointing_arm_module_
     assert int(t.row_tokens.sum()) == t.forward[0].values.shape[0] == m["padding"]["real_tokens"]
     assert {p.name.rsplit(".", 3)[-3] for p in t.params} == {"lora_A", "lora_B"}
     # tracing leaves the update unchanged
-    assert m["optimizer_batch/final_adapter_sha256"] == _metrics(trl_capture["dir"])["optimizer_batch/final_adapter_sha256"]
+    src = _metrics(trl_capture["dir"])
+    assert m["optimizer_batch/final_adapter_sha256"] == src["optimizer_batch/final_adapter_sha256"]
     capsys.readouterr()
     assert main(["trace-diff", str(runs["a"]), str(runs["b"]), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["identical"] is True

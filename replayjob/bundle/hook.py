@@ -47,6 +47,7 @@ from torch import Tensor
 import replayjob
 from replayjob.bundle import format as fmt
 from replayjob.bundle.writer import BundleWriter, PreparedBundle
+from replayjob.config import config_sha256
 from replayjob.errors import ConfigError, RefusedError, ReplayjobError
 from replayjob.model.tokenizer import ByteTokenizer
 from replayjob.rl.hooks import BackgroundWriter, StepHook, StepRollout, TrainerView
@@ -116,7 +117,6 @@ class BundleCapture(StepHook):
 
     def __init__(self, cfg: Config, directory: Path, steps: set[tuple[int, int]] | None,
                  rollouts: set[int] | None, build_on_training_thread: bool | None = None):
-        from replayjob.config import config_sha256
 
         self.directory = directory
         # None: decided in on_train_begin from where the trained parameters live (all on the CPU: yes)

@@ -33,10 +33,12 @@ from replayjob.check.diagdiff import check_options, diff_files
 from replayjob.check.diagreport import DiffReport
 from replayjob.check.leafdiff import Tolerance
 from replayjob.check.rows import iter_rows
-from replayjob.config.redact import redact_command
+from replayjob.config import load_config
+from replayjob.determinism import math_mode_from_env
 from replayjob.errors import EXIT_ERROR, ArtifactExistsError, ConfigError, OperationalError, RefusedError, UsageError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes
+from replayjob.redact import redact_command
 
 SCHEMA = "replayjob.determinism_check/1"
 REPORT_FILE = "determinism_check.json"
@@ -124,8 +126,6 @@ def trainer_argv(config: str | Path, run_dir: Path, sets: Sequence[str]) -> list
 
 
 def _validate_trainer_config(config: str | Path, sets: Sequence[str]) -> None:
-    from replayjob.config import load_config
-    from replayjob.determinism import math_mode_from_env
 
     cfg = load_config(config, list(sets))
     if cfg.training.trainer != "grpo":

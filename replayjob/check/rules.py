@@ -19,12 +19,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import tomli as tomllib
-
 from replayjob.check.leaves import parse_path
-from replayjob.config.load import MAX_TOML_BYTES
+from replayjob.config.load import read_toml, read_toml_text
 from replayjob.errors import ConfigError, UsageError
-from replayjob.fsio import read_regular_bytes
 
 SCHEMA = "replayjob.signals/1"
 REDUCERS: dict[str, int] = {"last": 1, "mean": 1, "min": 1, "max": 1, "cv": 2, "slope": 3, "pearson": 3}
@@ -182,10 +179,11 @@ def _consistency(raw: Any, where: str) -> ConsistencyRule:
 
 def parse_rules(text: str, source: str) -> Rules:
     """Parse and validate rules TOML text; ``source`` names it in errors."""
-    try:
-        doc = tomllib.loads(text)
-    except (tomllib.TOMLDecodeError, RecursionError) as exc:  # the parser's nesting limit is a RecursionError
-        raise ConfigError(f"invalid TOML: {exc}", where=source) from None
+    return rules_from_doc(read_toml_text(text, source, what="rules file"), source)
+
+
+def rules_from_doc(doc: dict[str, Any], source: str) -> Rules:
+    """Validate parsed rules; ``source`` names them in errors."""
     _check_keys(doc, {"schema", "signal", "consistency"}, source)
     if doc.get("schema", SCHEMA) != SCHEMA:
         raise ConfigError(f"schema {doc.get('schema')!r} is not {SCHEMA!r}", where=source)
@@ -208,16 +206,4 @@ def load_rules(path: str | Path | None) -> Rules:
     if path is None:
         text = resources.files("replayjob").joinpath("data", DEFAULT_RULES).read_text(encoding="utf-8")
         return parse_rules(text, f"(default) {DEFAULT_RULES}")
-    p = Path(path)
-    try:
-        if not p.exists() and not p.is_symlink():
-            raise FileNotFoundError(p)
-        text = read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, follow_symlinks=True,
-                                  what="rules file").decode("utf-8")
-    except FileNotFoundError:
-        raise ConfigError("rules file not found", where=p, hint="check the --rules path") from None
-    except UnicodeDecodeError:
-        raise ConfigError("rules file is not valid UTF-8", where=p) from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read rules file: {exc.strerror}", where=p) from None
-    return parse_rules(text, str(p))
+    return rules_from_doc(read_toml(path, what="rules file"), str(path))  # regular files only

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from replayjob.config.load import from_dict, load_config, to_dict
-from replayjob.config.redact import redact
 from replayjob.config.schema import Config
 from replayjob.digest import sha256_json
+from replayjob.redact import redact
 
 
 def resolved(cfg: Config) -> dict[str, Any]:

@@ -1,9 +1,14 @@
 """TOML text of a resolved config, which :func:`replayjob.config.load_config` reads back unchanged.
 
-Used to write ready-to-run configs (a captured step's ``replay_step_<K>.toml``).  Only what the
-config tree holds is supported: tables, strings, booleans, integers, finite floats, lists of
-scalars; ``None`` (an unset optional) is left out, which the loader reads as the default ``None``.
-Strings are written as TOML basic strings with JSON escapes (a subset of TOML's).
+The one TOML writer: every config, spec and ``--set KEY=VALUE`` replayjob writes goes through
+:func:`toml_value` (one value), :func:`toml_key` (one key) or :func:`dumps` (a document: a captured
+step's ``replay_step_<K>.toml``).  Supported: tables, strings, booleans, 64-bit integers, finite
+floats, lists and inline tables of those; ``None`` (an unset optional) is left out of a table,
+which the loader reads as the default ``None``.  Strings are TOML basic strings: ``"``, ``\\`` and
+every control character escaped, other characters written as they are (UTF-8), so any path that is
+valid Unicode reads back unchanged.  A non-finite float (TOML's ``nan``/``inf``, which no replayjob
+setting accepts) and a string holding a lone surrogate (a file name that is not valid UTF-8) are
+refused with :class:`~replayjob.errors.ConfigError` rather than written.
 
 Example:
     >>> print(dumps({"training": {"trainer": "grpo", "seed": None}, "lora": {"target_modules": ["q_proj"]}}))
@@ -13,34 +18,58 @@ Example:
     [lora]
     target_modules = ["q_proj"]
     <BLANKLINE>
+    >>> print(toml_value('say "hi"'), toml_value({"x.y": [1, 2.5, True]}))
+    "say \\"hi\\"" {"x.y" = [1, 2.5, true]}
 """
 
 from __future__ import annotations
 
-import json
 import math
+import re
 from typing import Any
 
+from replayjob.errors import ConfigError
 
-def value(v: Any, where: str) -> str:
-    """One TOML value."""
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+_NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f\x7f]')
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def toml_string(s: str, where: str = "value") -> str:
+    """``s`` as a TOML basic string (every escape TOML requires)."""
+    if any("\ud800" <= c <= "\udfff" for c in s):
+        raise ConfigError("a string holding a lone surrogate (bytes that are not UTF-8) cannot be written as TOML",
+                          where=where, hint="rename the file or directory to a valid UTF-8 name")
+    return '"' + _NEEDS_ESCAPE.sub(lambda m: _ESCAPES.get(m.group(), f"\\u{ord(m.group()):04x}"), s) + '"'
+
+
+def toml_key(k: str, where: str = "key") -> str:
+    """A key: bare when TOML allows it, else quoted (so ``"a.b"`` stays one key, not a dotted path)."""
+    return k if _BARE_KEY.fullmatch(k) else toml_string(k, where)
+
+
+def toml_value(v: Any, where: str = "value") -> str:
+    """One TOML value, as a config line or ``--set KEY=VALUE`` (:func:`replayjob.config.load.parse_override`)
+    reads it back: str, bool, int, finite float, list, dict (an inline table)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int):
+        if not -(2**63) <= v < 2**63:
+            raise ConfigError(f"{v} is outside TOML's signed 64-bit integers", where=where)
         return str(v)
     if isinstance(v, float):
         if not math.isfinite(v):
-            raise ValueError(f"{where}: a config float must be finite, found {v!r}")
+            raise ConfigError(f"a float written to a config must be finite, found {v!r}", where=where)
         return repr(v)
     if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(value(x, f"{where}[{i}]") for i, x in enumerate(v)) + "]"
-    raise ValueError(f"{where}: {type(v).__name__} cannot be written as a config value")
+        return toml_string(v, where)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(toml_value(x, f"{where}[{i}]") for i, x in enumerate(v)) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{toml_key(str(k), where)} = {toml_value(x, f'{where}.{k}')}"
+                               for k, x in v.items()) + "}"
+    raise ConfigError(f"{type(v).__name__} cannot be written as a TOML value", where=where)
 
-
-def _key(k: str) -> str:
-    return k if k and all(c.isalnum() or c in "_-" for c in k) and k.isascii() else json.dumps(k)
 
 
 def dumps(doc: dict[str, Any]) -> str:
@@ -51,9 +80,9 @@ def dumps(doc: dict[str, Any]) -> str:
         scalars = [(k, v) for k, v in node.items() if not isinstance(v, dict) and v is not None]
         tables = [(k, v) for k, v in node.items() if isinstance(v, dict)]
         if path and (scalars or not tables):
-            out.append("[" + ".".join(_key(p) for p in path) + "]")
+            out.append("[" + ".".join(toml_key(p) for p in path) + "]")
         for k, v in scalars:
-            out.append(f"{_key(k)} = {value(v, '.'.join([*path, k]))}")
+            out.append(f"{toml_key(k)} = {toml_value(v, '.'.join([*path, k]))}")
         if path and (scalars or not tables):
             out.append("")
         for k, v in tables:

@@ -9,60 +9,98 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import tomllib  # the one TOML parser: every module reads TOML through the functions below
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-import tomli as tomllib  # the same parser as the standard library's tomllib, on every Python
-
-from replayjob.config.redact import REDACTED, is_secret_key, redact_text
 from replayjob.config.schema import TOML_NAMES, Config
-from replayjob.errors import ConfigError
+from replayjob.errors import ConfigError, ReplayjobError
+from replayjob.fsio import read_regular_bytes
+from replayjob.redact import REDACTED, is_secret_key, redact_text
 
 MAX_TOML_BYTES = 16 * 1024 * 1024
 
 
-def read_toml(path: str | Path, *, what: str = "config") -> dict[str, Any]:
-    """Read any TOML input (configs, ablation specs, rules, tolerances) or refuse naming the cause.
+def read_toml_file_bytes(path: str | Path, *, what: str = "config file", max_bytes: int = MAX_TOML_BYTES,
+                         error: type[ReplayjobError] = ConfigError) -> bytes:
+    """The bytes of a TOML file, unparsed: a regular file of at most ``max_bytes`` (devices and FIFOs
+    refused without blocking; a symbolic link followed, the file being user-named).
 
-    A regular file of at most :data:`MAX_TOML_BYTES` (devices and FIFOs refused without blocking),
-    valid UTF-8, valid TOML; the parser's nesting limit surfaces as a refusal, not a traceback.
+    A pinned file (budgets, tolerances, a mismatch bound) is hashed over exactly these bytes, and the
+    pin checked, before :func:`read_toml_bytes` parses them.
     """
-    from replayjob.errors import ReplayjobError
-    from replayjob.fsio import read_regular_bytes
 
     p = Path(path)
     if not p.exists() and not p.is_symlink():
-        raise ConfigError(f"{what} file not found", where=p, hint="check the path")
+        raise error(f"{what} not found", where=p, hint="check the path")
     try:
-        data = read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, follow_symlinks=True, what=f"{what} file")
+        return read_regular_bytes(p, max_bytes=max_bytes, follow_symlinks=True, what=what)
     except ReplayjobError as exc:
-        raise ConfigError(exc.message, where=p, hint=exc.hint) from None
+        raise error(exc.message, where=p, hint=exc.hint) from None
+    except OSError as exc:
+        raise error(f"cannot read {what}: {exc.strerror}", where=p) from None
+
+
+def read_toml_text(text: str, where: str | Path, *, what: str = "config file",
+                   error: type[ReplayjobError] = ConfigError) -> dict[str, Any]:
+    """Parse TOML text or refuse naming ``where`` and the line: a key or table defined twice, a
+    syntax error, nesting past the parser's limit."""
     try:
-        return tomllib.loads(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ConfigError(f"{what} is not valid UTF-8", where=p) from None
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"invalid TOML: {exc}", where=p) from None
-    except RecursionError as exc:  # tomli's own nesting limits surface as RecursionError
-        raise ConfigError(f"invalid TOML: {exc}", where=p) from None
+        twice = "overwrite" in str(exc) or "twice" in str(exc)
+        raise error(f"invalid TOML in {what}: {exc}", where=where,
+                    hint="a key or table is defined twice; keep one" if twice else None) from None
+    except RecursionError:  # the parser's nesting limit
+        raise error(f"invalid TOML in {what}: nested too deeply to parse", where=where) from None
+
+
+def read_toml_bytes(data: bytes, where: str | Path, *, what: str = "config file", max_bytes: int = MAX_TOML_BYTES,
+                    error: type[ReplayjobError] = ConfigError) -> dict[str, Any]:
+    """Parse TOML bytes already read (and, for a pinned file, already checked against its pin)."""
+    if len(data) > max_bytes:
+        raise error(f"{what} is {len(data)} bytes, above the {max_bytes}-byte limit", where=where)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise error(f"{what} is not valid UTF-8 (at line {line})", where=where) from None
+    return read_toml_text(text, where, what=what, error=error)
+
+
+def read_toml(path: str | Path, *, what: str = "config file", max_bytes: int = MAX_TOML_BYTES,
+              error: type[ReplayjobError] = ConfigError) -> dict[str, Any]:
+    """Read any TOML input (configs, ablation specs, rules) or refuse naming the file and the cause:
+    :func:`read_toml_file_bytes`, then :func:`read_toml_bytes`."""
+    data = read_toml_file_bytes(path, what=what, max_bytes=max_bytes, error=error)
+    return read_toml_bytes(data, Path(path), what=what, max_bytes=max_bytes, error=error)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
-    """``a.b=value`` -> (["a", "b"], typed value); the value is read as TOML, else as a string."""
+    """``a.b=value`` -> (["a", "b"], typed value); the value is read as TOML, else as a string.
+
+    The one parser of ``--set KEY=VALUE`` (what :func:`replayjob.config.dump.toml_value` writes).
+    """
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {key!r} is not KEY=VALUE", where="--set",
                           hint="for example --set training.seed=7")
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
+        doc = tomllib.loads(f"v = {raw}")
+        value = doc["v"] if set(doc) == {"v"} else raw  # a value, not a value followed by more TOML
     except tomllib.TOMLDecodeError:
         value = raw
     except RecursionError as exc:
         raise ConfigError(f"override value is nested too deeply ({exc})", where=key) from None
     return key.split("."), value
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``--set`` items as ``{"a.b": typed value}``, in order (a later item wins)."""
+    return {".".join(parts): value for parts, value in map(parse_override, items)}
 
 
 # Keys holding filesystem paths: relative values are resolved against the config file's
@@ -162,7 +200,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"expected an integer, found {type(value).__name__} {_shown(value, where)}", where=where)
-        if not -(2**63) <= value < 2**63:  # TOML integers are 64-bit; tomli does not enforce it
+        if not -(2**63) <= value < 2**63:  # TOML integers are 64-bit; the parser does not enforce it
             raise ConfigError("integer is outside the signed 64-bit range", where=where)
         return value
     if tp is float:

@@ -21,7 +21,13 @@ The API, kept small for every launcher:
   ranks one replay runs: the arm's declared ``distributed.world_size``, else ``ranks``) and
   ``rank_groups()`` (rank count -> the array indexes that need it), so every launcher provisions the
   same number of devices for the same replay;
-* ``DETERMINISM_ENV``: the environment pinned in the image and every GPU process.
+* ``DETERMINISM_ENV``: the determinism environment of the built-in capture stage (math mode
+  ``pedantic``), set in the image; ``AblationSpec.determinism_env()`` is what every launcher pins for
+  one spec: the same, with the math mode of its existing capture (``[capture] math_mode``);
+* ``capture`` (the ``[capture]`` table, :class:`CaptureRef`): an existing capture of any producer
+  replayed instead of running the built-in capture stage (:mod:`replayjob.deploy.external`); its arm
+  keys are then checked against that producer's knobs, ``resume`` is refused and ``[config]`` holds
+  replay settings (``optimizer_batch.*``) only.
 
 Example:
     >>> spec = AblationSpec(name="demo", image="replayjob:0.1.0", gpu_product="NVIDIA-H100-80GB-HBM3",
@@ -35,19 +41,28 @@ Example:
 from __future__ import annotations
 
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from replayjob.config.load import MAX_TOML_BYTES
+from replayjob.config.dump import toml_value
+from replayjob.config.load import MAX_TOML_BYTES, read_toml_bytes, read_toml_file_bytes, read_toml_text
 from replayjob.deploy.schedule import DESIGNS, Slot, plan
+from replayjob.determinism import ENV_MATH_MODE, MATH_MODES
+from replayjob.digest import is_sha256_hex
 from replayjob.errors import ConfigError
-from replayjob.optbatch.knobs import STRATEGY, WORLD_SIZE  # an arm's world size: its replays run that many ranks
+from replayjob.optbatch.knobs import (  # an arm's world size: its replays run that many ranks
+    BUILTIN,
+    KNOBS,
+    STRATEGY,
+    WORLD_SIZE,
+    knobs_for,
+)
 
-# Set in the image and in every GPU container; scripts/slurm and scripts/local-mid-smoke.sh export
-# the same values.  :mod:`replayjob.determinism` records what was actually in force.
+# Set in the image; every launcher pins AblationSpec.determinism_env() (these values, with the math mode of
+# the spec's existing capture): the Kubernetes Jobs, the Argo workflow, scripts/slurm (from `step plan`), and
+# every `replayjob step` itself.  :mod:`replayjob.determinism` records what was actually in force.
 DETERMINISM_ENV: Mapping[str, str] = {
     "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
     "NVIDIA_TF32_OVERRIDE": "0",
@@ -59,6 +74,11 @@ DETERMINISM_ENV: Mapping[str, str] = {
     "NCCL_ALGO": "Ring",
     "NCCL_PROTO": "Simple",
 }
+
+# The math mode of the built-in capture stage (strict determinism); an existing capture's is its own.
+BUILTIN_MATH_MODE = "pedantic"
+# An existing capture's math mode when [capture] names none: that of a process that sets nothing.
+DEFAULT_CAPTURE_MATH_MODE = "default"
 
 CLAIMS = ("exact-input", "bitwise")
 DEVICES = ("cuda", "cpu")
@@ -94,15 +114,6 @@ def is_digest_ref(ref: str) -> bool:
     return bool(_DIGEST_REF.fullmatch(ref))
 
 
-def toml_value(value: Value) -> str:
-    """A scalar written as TOML (what ``--set KEY=VALUE`` reads back)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    return f'"{value}"'
-
-
 def _check_overrides(raw: Any, where: str) -> dict[str, Value]:
     if not isinstance(raw, dict):
         raise ConfigError("must be a table of dotted config keys", where=where)
@@ -132,11 +143,75 @@ class Arm:
 
     def allow_list(self) -> str:
         """The TOML list for ``optimizer_batch.allow_config_differences``."""
-        return "[" + ", ".join(f'"{k}"' for k in sorted(self.overrides)) + "]"
+        return toml_value(sorted(self.overrides))
 
     def words(self) -> str:
         """The overrides as one whitespace-separated string (the scripts' ``REPLAYJOB_ARM_SETS``)."""
         return " ".join(self.set_args())
+
+
+# [config] keys an existing capture's replays may take: replay-side settings, none of them the step's own
+_STEP_KEYS = ("optimizer_batch.replay_path", "optimizer_batch.expected_logical_sha256",
+              "optimizer_batch.expected_manifest_sha256", "optimizer_batch.arm",
+              "optimizer_batch.allow_config_differences", "optimizer_batch.budgets_sha256",
+              "optimizer_batch.capture", "optimizer_batch.capture_steps", "optimizer_batch.ring_size")
+_REPLAY_CONFIG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.toml")
+
+
+@dataclass(frozen=True)
+class CaptureRef:
+    """The spec's ``[capture]`` table: an existing capture (any producer: replayjob's trainer, TRL, a plain
+    PyTorch loop) replayed instead of running the built-in capture stage.  ``dir`` is the directory the
+    capture wrote (absolute: every step resolves it on its own machine, the shared volume),
+    ``replay_config`` the replay config it wrote there (``replay.toml``, or ``replay_step_<K:06d>.toml``
+    for one of several chosen steps), the two pins it printed, both required (fail closed), and
+    ``math_mode``, the math mode the capture's process ran in (``REPLAYJOB_MATH_MODE``; ``default``, that
+    of a process that sets nothing, unless given), which every step of the spec pins and which must equal
+    the one the capture's contract records.  :mod:`replayjob.deploy.external` verifies it."""
+
+    dir: str
+    logical_sha256: str
+    manifest_sha256: str
+    replay_config: str = "replay.toml"
+    math_mode: str = DEFAULT_CAPTURE_MATH_MODE
+
+
+_CAPTURE_KEYS = ("dir", "replay_config", "logical_sha256", "manifest_sha256", "math_mode")
+_CAPTURE_OPTIONAL = ("replay_config", "math_mode")
+
+
+def _capture_ref(raw: dict[str, Any], where: str) -> CaptureRef:
+    """A ``[capture]`` table, checked: keys, an absolute directory, a bare replay-config name, two pins."""
+
+    unknown = sorted(set(raw) - set(_CAPTURE_KEYS))
+    if unknown:
+        raise ConfigError("unknown key(s): " + ", ".join(unknown), where=f"{where}: capture",
+                          hint="[capture] takes " + ", ".join(_CAPTURE_KEYS))
+    missing = [k for k in _CAPTURE_KEYS if k not in _CAPTURE_OPTIONAL and k not in raw]
+    if missing:
+        raise ConfigError("missing " + ", ".join(missing) + ": an existing capture is named by its directory "
+                          "and pinned by both digests it printed", where=f"{where}: capture",
+                          hint="optimizer/logical_batch_sha256 and optimizer_batch/manifest_sha256 of its "
+                               "metrics.json (or the step's record under optimizer_batch/steps)")
+    for key in _CAPTURE_KEYS:
+        if key in raw and type(raw[key]) is not str:
+            raise ConfigError(f"must be a string, not {type(raw[key]).__name__}", where=f"{where}: capture.{key}")
+    ref = CaptureRef(**raw)
+    if not ref.dir.startswith("/") or not _SAFE_STR.fullmatch(ref.dir):
+        raise ConfigError(f"{ref.dir!r} must be an absolute path without whitespace or quotes",
+                          where=f"{where}: capture.dir",
+                          hint="every step reads it on its own machine: a path on the shared volume")
+    if not _REPLAY_CONFIG.fullmatch(ref.replay_config):
+        raise ConfigError(f"{ref.replay_config!r} must be the bare name of a .toml file in the capture directory",
+                          where=f"{where}: capture.replay_config", hint="replay.toml, or replay_step_000003.toml")
+    for key in ("logical_sha256", "manifest_sha256"):
+        if not is_sha256_hex(getattr(ref, key)):
+            raise ConfigError("must be a lowercase 64-digit hex SHA-256", where=f"{where}: capture.{key}")
+    if ref.math_mode not in MATH_MODES:
+        raise ConfigError(f"{ref.math_mode!r} is not a math mode", where=f"{where}: capture.math_mode",
+                          hint="the capture process's REPLAYJOB_MATH_MODE, one of: " + ", ".join(MATH_MODES)
+                               + f" ({DEFAULT_CAPTURE_MATH_MODE!r} when it set none)")
+    return ref
 
 
 @dataclass(frozen=True)
@@ -185,6 +260,7 @@ class AblationSpec:
     ranks: int = 1  # the capture's world size, and every replay's unless its arm declares distributed.world_size
     image_policy: str = "digest"  # "digest" (a cluster render needs image = ...@sha256:...) or "local"
     queue: str = ""  # a Kueue LocalQueue: label kueue.x-k8s.io/queue-name on every Job and workflow pod
+    capture: CaptureRef | None = None  # [capture]: an existing capture replaces the built-in capture stage
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name) or len(self.name) > 30:
@@ -207,7 +283,9 @@ class AblationSpec:
             raise ConfigError(f"{self.device!r}: use 'cuda' (one GPU per rank) or 'cpu'", where="device")
         if self.seed < 0 or self.deadline_s < 60 or self.parallelism < 1 or not 0 <= self.node_gpus <= 64:
             raise ConfigError("seed >= 0, deadline_s >= 60, parallelism >= 1 and node_gpus 0..64 are required")
-        if self.model_path and not self.resume:
+        if self.capture is not None:
+            self._check_capture()
+        elif self.model_path and not self.resume:
             raise ConfigError("a model directory needs its own resume state: `replayjob init` writes an "
                               "adapter for the built-in tiny model only", where="resume",
                               hint="set resume to a step -1 resume state made for that model")
@@ -232,6 +310,22 @@ class AblationSpec:
         self._check_ranks()
         if self.semaphore and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-._a-zA-Z0-9]+", self.semaphore):
             raise ConfigError(f"{self.semaphore!r} must be CONFIGMAP/KEY", where="semaphore")
+
+    def _check_capture(self) -> None:
+        """What a spec naming an existing capture may say: no capture stage runs, so nothing that
+        configures one (``resume``, the captured config in ``[config]``) applies; ``[config]`` may hold
+        only replay-side ``optimizer_batch.*`` settings (applied to every replay), and ``model_path``
+        names the base model directory the replays load (its files are hashed against the capture's)."""
+        if self.resume:
+            raise ConfigError("resume configures the built-in capture stage, which does not run for an existing "
+                              "capture", where="resume", hint="drop resume (the capture pins its own start state)")
+        for key in self.config:
+            if not key.startswith("optimizer_batch.") or key in _STEP_KEYS:
+                raise ConfigError(f"{key} cannot apply to an existing capture: its captured config is fixed (a "
+                                  "systems-only difference belongs in an arm), and the step sets the capture's "
+                                  "path, pins, arm and declarations itself", where=f"config.{key}",
+                                  hint="[config] may hold replay settings only (optimizer_batch.tolerances_sha256, "
+                                       "optimizer_batch.allow_nonfinite_inputs, ...)")
 
     def _check_ranks(self) -> None:
         """Ranks: 1..64, within a node's GPUs when ``node_gpus`` is set, one fact per place (the
@@ -281,6 +375,18 @@ class AblationSpec:
                               where="storage_class",
                               hint="kubectl get storageclass; name one that offers ReadWriteMany (NFS, CephFS, a "
                                    "cloud file store: standard-rwx on GKE, efs-sc on EKS, azurefile-csi on AKS)")
+
+    @property
+    def math_mode(self) -> str:
+        """The math mode every step of this spec runs in: its existing capture's (``[capture] math_mode``),
+        else the built-in capture stage's (:data:`BUILTIN_MATH_MODE`)."""
+        return self.capture.math_mode if self.capture is not None else BUILTIN_MATH_MODE
+
+    def determinism_env(self) -> dict[str, str]:
+        """The determinism environment every launcher pins for this spec (the Jobs' and the workflow's
+        containers, the Slurm jobs, ``replayjob step`` itself): :data:`DETERMINISM_ENV` with the spec's
+        :attr:`math_mode`."""
+        return {**DETERMINISM_ENV, ENV_MATH_MODE: self.math_mode}
 
     def render_fields(self) -> dict[str, Any]:
         """The fields manifests are computed from at render time (resources, placement, deadlines,
@@ -390,6 +496,8 @@ def spec_from_dict(data: dict[str, Any], where: str = "ablation") -> AblationSpe
         if type(value) is not expected:
             raise ConfigError(f"must be {expected.__name__}, not {type(value).__name__}",
                               where=f"{where}: {key}")
+    if "capture" in kwargs:
+        kwargs["capture"] = _capture_ref(kwargs["capture"], where)
     try:
         spec = AblationSpec(arms=arms, **kwargs)
     except ConfigError as exc:
@@ -400,9 +508,10 @@ def spec_from_dict(data: dict[str, Any], where: str = "ablation") -> AblationSpe
 
 def _check_knobs(spec: AblationSpec, where: str) -> None:
     """Arm overrides must be registered systems-only knobs; anything else would change the math."""
-    from replayjob.optbatch.knobs import BUILTIN, knobs_for
 
-    registered = knobs_for(BUILTIN)  # the spec drives replayjob's own trainer
+    # the spec drives replayjob's own trainer; an existing capture's producer is read from its manifest
+    # (replayjob.deploy.external.check): here, only what is no producer's knob
+    registered = knobs_for(BUILTIN) if spec.capture is None else KNOBS
     for arm in spec.arms:
         for key in arm.overrides:
             if key not in registered:
@@ -417,28 +526,13 @@ def load_spec(path: str | Path) -> AblationSpec:
 
 def load_spec_text(path: str | Path) -> tuple[AblationSpec, str]:
     """:func:`load_spec` and the file's text (what the manifests ship to the pods, parsed there again)."""
-    from replayjob.fsio import read_regular_bytes
-
     p = Path(path)
-    try:
-        if not p.exists() and not p.is_symlink():
-            raise FileNotFoundError(p)
-        # regular files only (a FIFO would block the reader); the parser's nesting limit is a RecursionError
-        text = read_regular_bytes(p, max_bytes=MAX_TOML_BYTES, follow_symlinks=True,
-                                  what="ablation spec").decode("utf-8")
-    except FileNotFoundError:
-        raise ConfigError("ablation spec not found", where=p) from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"not valid TOML: {exc}", where=p) from None
-    return spec_from_text(text, str(p)), text
+    data = read_toml_file_bytes(p, what="ablation spec")  # regular files only: a FIFO would block the reader
+    return spec_from_dict(read_toml_bytes(data, p, what="ablation spec"), str(p)), data.decode("utf-8")
 
 
 def spec_from_text(text: str, where: str = "ablation") -> AblationSpec:
     """A spec from its TOML text (a ConfigMap's, say), as strictly as :func:`load_spec`."""
     if len(text.encode("utf-8")) > MAX_TOML_BYTES:
         raise ConfigError(f"larger than {MAX_TOML_BYTES} bytes", where=where)
-    try:
-        data = tomllib.loads(text)
-    except (tomllib.TOMLDecodeError, RecursionError) as exc:  # the parser's nesting limit is a RecursionError
-        raise ConfigError(f"not valid TOML: {exc}", where=where) from None
-    return spec_from_dict(data, where)
+    return spec_from_dict(read_toml_text(text, where, what="ablation spec"), where)

@@ -80,7 +80,7 @@ from typing import Any
 
 import yaml
 
-from replayjob.deploy.ablation import DETERMINISM_ENV, RENDERED_ENV, AblationSpec, scale_quantity
+from replayjob.deploy.ablation import RENDERED_ENV, AblationSpec, scale_quantity
 from replayjob.fsio import atomic_write_text
 
 # The oldest Kubernetes the manifests run on: Jobs' podFailurePolicy rules on exit codes alone (1.27 and
@@ -160,8 +160,10 @@ def threads_env() -> list[Doc]:
 
 def static_env(image: str, spec: AblationSpec) -> dict[str, str]:
     """Determinism, runtime and provenance environment every replayjob container gets, and the fields
-    the manifests were rendered with (which ``replayjob step`` compares with the spec it reads)."""
-    return {**DETERMINISM_ENV, **RUNTIME_ENV, "REPLAYJOB_IMAGE_REF": image,
+    the manifests were rendered with (which ``replayjob step`` compares with the spec it reads).  The
+    determinism environment is the spec's (:meth:`~replayjob.deploy.ablation.AblationSpec.determinism_env`:
+    the math mode of its existing capture), set explicitly: it overrides the image's own ``ENV``."""
+    return {**spec.determinism_env(), **RUNTIME_ENV, "REPLAYJOB_IMAGE_REF": image,
             RENDERED_ENV: rendered_value(spec)}
 
 
@@ -207,7 +209,7 @@ def gpu_count(spec: AblationSpec, ranks: int) -> int:
 def resources(spec: AblationSpec, gpu: bool, ranks: int = 1) -> Doc:
     """Requests equal to limits.  ``cpu`` and ``memory`` are per rank: a pod of N ranks requests N
     times them (N times one CPU and 4Gi without a GPU), so each rank's share
-    (``OMP_NUM_THREADS`` / N, :func:`replayjob.deploy.launch.rank_thread_env`) stays the spec's."""
+    (``OMP_NUM_THREADS`` / N, :func:`replayjob.launch.rank_thread_env`) stays the spec's."""
     cpu, memory = (spec.cpu, spec.memory) if gpu else ("1", "4Gi")
     amounts = {"cpu": scale_quantity(cpu, ranks), "memory": scale_quantity(memory, ranks)}
     if gpu:

@@ -18,6 +18,8 @@ Kubernetes Jobs, the Argo workflow, the Slurm jobs and ``scripts/local-mid-smoke
       RUN/run.json                 the run record (fingerprint)
       RUN/workspace/               replayjob init (unless --workspace names an existing one)
       RUN/source/                  the capture (metrics.json written last), unless --source
+                                   or the spec's [capture] names an existing one (any producer)
+      RUN/capture.json             an existing capture, verified by step capture (no training)
       RUN/replays/ARM/REPEAT/      one replay each (replay_metrics.json written last)
       RUN/verdict.json             the reducer's verdict
       RUN/attempts/                partial outputs of interrupted attempts, moved aside
@@ -40,13 +42,15 @@ Kubernetes Jobs, the Argo workflow, the Slurm jobs and ``scripts/local-mid-smoke
 * **the expected arms**: the reducer is told every arm of the selection and the spec's minimum
   repeats, so a failed replay is missing evidence that is refused by name, never dropped; the reducer
   always runs once the fan-out has ended and always writes a verdict;
-* **the determinism environment**: a step started without ``DETERMINISM_ENV`` re-executes itself with
-  it (before torch is imported); a contradicting value is refused;
+* **the determinism environment**: a step started without the spec's
+  (:meth:`~replayjob.deploy.ablation.AblationSpec.determinism_env`: ``DETERMINISM_ENV`` with the math
+  mode of the spec's existing capture) re-executes itself with it (before torch is imported); a
+  contradicting value is refused;
 * **ranks**: the step runs once per job; a capture or replay of N > 1 ranks (the spec's ``ranks``, an
   arm's ``distributed.world_size``: :meth:`~replayjob.deploy.ablation.AblationSpec.ranks_for_index`)
   is a child launch of N ranks through :func:`replayjob.distributed.launch_command` (``--launcher
   torchrun``: in this process tree; ``srun``: the tasks of this Slurm allocation,
-  :mod:`replayjob.deploy.launch`), whose ranks' exit codes are merged; a launcher that names the
+  :mod:`replayjob.launch`), whose ranks' exit codes are merged; a launcher that names the
   ranks it provisioned (``--ranks N``) is refused when the spec needs another number, and one with a
   Job per rank count names a replay by its position among that count's (``--position``).
 
@@ -72,14 +76,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replayjob import metrics
-from replayjob.deploy.ablation import DETERMINISM_ENV, RENDERED_ENV, AblationSpec, Run, is_digest_ref, toml_value
-from replayjob.deploy.launch import check_launcher
+from replayjob import distributed, metrics
+from replayjob.config.dump import toml_value
+from replayjob.deploy import external
+from replayjob.deploy.ablation import DETERMINISM_ENV, RENDERED_ENV, AblationSpec, Run, is_digest_ref
+from replayjob.deploy.external import capture_pins, replay_sets
 from replayjob.determinism import NCCL_NUMERICS
-from replayjob.digest import is_sha256_hex, sha256_json
-from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError, UsageError
-from replayjob.fsio import atomic_write_text
+from replayjob.digest import is_sha256_hex, sha256_file, sha256_json
+from replayjob.errors import (
+    ConfigError,
+    ContractError,
+    IntegrityError,
+    RefusedError,
+    ReplayjobError,
+    UsageError,
+    error_for_exit_status,
+)
+from replayjob.fsio import atomic_write_bytes, atomic_write_text
+from replayjob.gate import reducer
 from replayjob.jsonio import pretty_bytes, read_json_object
+from replayjob.launch import check_launcher
 
 RUN_SCHEMA = "replayjob.run/v1"
 RUN_RECORD = "run.json"
@@ -118,12 +134,15 @@ def select(spec: AblationSpec, arms: str | None = None, repeats: int | None = No
 
 def plan_lines(spec: AblationSpec) -> list[str]:
     """What a submitting script needs (Slurm's array size and throttle): one ``key=value`` each;
-    ``ranks`` is the capture's, and one ``replays=N:INDEXES`` line per rank count names the array
-    indexes (Slurm's ``--array`` syntax) whose replays run N ranks."""
+    one ``env=NAME=VALUE`` line per variable of the spec's determinism environment
+    (:meth:`~replayjob.deploy.ablation.AblationSpec.determinism_env`, which every job pins: its math
+    mode is the existing capture's); ``ranks`` is the capture's, and one ``replays=N:INDEXES`` line
+    per rank count names the array indexes (Slurm's ``--array`` syntax) whose replays run N ranks."""
     return [f"size={spec.size}", f"parallelism={spec.parallelism}",
             "arms=" + ",".join(a.name for a in spec.arms), f"claim={spec.claim}",
             f"min_repeats={spec.effective_min_repeats}", f"device={spec.device}",
-            f"schedule={spec.schedule or 'none'}", f"ranks={spec.ranks}",
+            f"schedule={spec.schedule or 'none'}",
+            *(f"env={name}={value}" for name, value in spec.determinism_env().items()), f"ranks={spec.ranks}",
             *(f"replays={n}:{index_ranges(ix)}" for n, ix in spec.rank_groups().items())]
 
 
@@ -176,8 +195,6 @@ def resolve_index(spec: AblationSpec, index: int | None, position: int | None, r
 def launch_ranks(nproc: int, argv: Sequence[str], launcher: str, where: Path) -> None:
     """``replayjob ARGV`` on ``nproc`` ranks (:func:`replayjob.distributed.run_launched`); a failed
     launch is raised with the merged exit code of its ranks."""
-    from replayjob import distributed
-    from replayjob.errors import error_for_exit_status
 
     code, tail = distributed.run_launched(nproc, argv, launcher=launcher)
     if code != 0:
@@ -218,6 +235,21 @@ class Layout:
     @property
     def owns_source(self) -> bool:
         return self.source == self.run / "source"
+
+
+def layout_for(spec: AblationSpec, run_dir: str | Path, workspace: str | Path | None = None,
+               source: str | Path | None = None) -> Layout:
+    """The run's layout; with the spec's ``[capture]`` its source is that capture (no workspace): a
+    ``--workspace`` is refused, a ``--source`` must name the same directory."""
+    if spec.capture is None:
+        return Layout.of(run_dir, workspace, source)
+    if workspace:
+        raise UsageError("--workspace: the spec names an existing capture ([capture]), so no workspace is used",
+                         hint="drop --workspace")
+    if source and Path(source).absolute() != Path(spec.capture.dir):
+        raise ContractError(f"--source {source} contradicts the spec's capture.dir {spec.capture.dir}",
+                            where="--source", hint="drop --source: the spec names the capture")
+    return Layout.of(run_dir, None, spec.capture.dir)
 
 
 def image_identity(spec: AblationSpec) -> tuple[str, str | None]:
@@ -285,7 +317,6 @@ def fingerprint(spec: AblationSpec, image: str) -> str:
 def check_run_record(layout: Layout, spec: AblationSpec, *, create: bool = True) -> None:
     """Write ``RUN/run.json`` if it is absent (exactly one concurrent writer wins), else refuse a run
     directory whose fingerprint is not this run's."""
-    from replayjob.fsio import atomic_write_bytes
     image, digest = image_identity(spec)
     fp = fingerprint(spec, digest or image)
     path = layout.run / RUN_RECORD
@@ -351,21 +382,27 @@ def prune_runs(root: Path, older_than_days: int, *, dry_run: bool = False, now: 
     return out
 
 
-def ensure_determinism_env(argv: Sequence[str], *, reexec: bool) -> None:
-    """Pin :data:`DETERMINISM_ENV` in this process; refuse a value that contradicts it.
+def ensure_determinism_env(argv: Sequence[str], *, reexec: bool, spec: AblationSpec | None = None) -> None:
+    """Pin ``spec``'s determinism environment (:meth:`~replayjob.deploy.ablation.AblationSpec.determinism_env`;
+    without a spec, the built-in capture stage's :data:`DETERMINISM_ENV`) in this process; refuse a value
+    that contradicts it.
 
     Some of it is read only at interpreter start (``PYTHONHASHSEED``), so with ``reexec`` (the console
     script) a process that lacks any of it re-executes ``replayjob argv`` with it; otherwise (in-process
     callers) the missing values are set in ``os.environ`` before torch is imported.
     """
     missing = {}
-    for key, value in DETERMINISM_ENV.items():
+    pinned = spec.determinism_env() if spec is not None else DETERMINISM_ENV
+    for key, value in pinned.items():
         have = os.environ.get(key)
         if have is None:
             missing[key] = value
         elif have != value:
+            rendered = RENDERED_ENV in os.environ  # launched from manifests rendered from another spec
             raise ConfigError(f"{key}={have!r} contradicts the pinned determinism environment ({value!r})",
-                              where="environment", hint=f"unset {key} or set it to {value!r}")
+                              where="environment",
+                              hint="render the manifests again from this spec (replayjob k8s render)" if rendered
+                              else f"unset {key} or set it to {value!r}")
     if missing and reexec:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -433,12 +470,18 @@ def parse_plants(spec: AblationSpec, plants: Sequence[str]) -> dict[str, list[st
 def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None, log: Any = print, *,
                  ranks: int | None = None, launcher: str = "torchrun") -> None:
     """Init the workspace (when the run owns it), capture into ``RUN/source`` unless it is complete
-    (on the spec's ``ranks`` ranks), and publish the pins and the fan-out plan under ``outputs``
-    (Argo output parameters)."""
+    (on the spec's ``ranks`` ranks), or, for the spec's ``[capture]``, verify that existing capture
+    (:func:`replayjob.deploy.external.verify`: no training, no workspace), and publish the pins and
+    the fan-out plan under ``outputs`` (Argo output parameters)."""
     check_launcher(launcher)
     check_rendered(spec)
     _check_ranks("the capture", spec.ranks, ranks)
     check_run_record(layout, spec)
+    if spec.capture is not None:  # an existing capture: verified and recorded, nothing trained
+
+        found = external.verify(spec, layout.run, log)
+        _publish(spec, found.logical, found.manifest_sha256, outputs, log)
+        return
     if not (layout.workspace / "replay.toml").is_file():
         if not layout.owns_workspace:
             raise RefusedError("not a `replayjob init` workspace (no replay.toml)", where=layout.workspace)
@@ -464,6 +507,11 @@ def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None
                                       *(w for kv in sets for w in ("--set", kv))], launcher, layout.source)
         log(f"step: captured into {layout.source}" + (f" on {spec.ranks} ranks ({launcher})" if spec.ranks > 1 else ""))
     logical, manifest, _ = read_pins(layout.source)
+    _publish(spec, logical, manifest, outputs, log)
+
+
+def _publish(spec: AblationSpec, logical: str, manifest: str, outputs: Path | None, log: Any) -> None:
+    """Print the capture's pins; under ``outputs`` (Argo output parameters) also the pins and the plan."""
     log(f"{metrics.LOGICAL} {logical}\n{metrics.MANIFEST} {manifest}")
     if outputs is not None:
         atomic_write_text(outputs / "logical_sha256", logical)
@@ -489,7 +537,6 @@ def replay_args(spec: AblationSpec, layout: Layout, run: Run, logical: str, mani
 
 def budgets_pin(spec: AblationSpec) -> str:
     """SHA-256 of the spec's budget file (refused when it is not a regular file)."""
-    from replayjob.digest import sha256_file
 
     path = Path(spec.budgets)
     if not path.is_file():
@@ -508,8 +555,17 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
     nproc = spec.ranks_for_index(index)
     planted = parse_plants(spec, plants).get(run.arm, [])
     check_run_record(layout, spec)
-    _wait_for(layout.source / metrics.SOURCE_FILE, wait_s, "the capture", log)
-    logical, manifest, manifest_file = read_pins(layout.source)
+    config, found = layout.workspace / "replay.toml", None
+    if spec.capture is not None:  # an existing capture: its own replay config, once step capture verified it
+
+        if not _wait_for(layout.run / external.CAPTURE_RECORD, wait_s, "the capture's verification", log):
+            raise RefusedError(f"the capture was not verified (no {external.CAPTURE_RECORD})", where=layout.run,
+                               hint="run `replayjob step capture` first; replays start after it succeeded")
+        found = external.locate(spec)
+        config, logical, manifest, manifest_file = found.config, found.logical, found.manifest_sha256, found.manifest
+    else:
+        _wait_for(layout.source / metrics.SOURCE_FILE, wait_s, "the capture", log)
+        logical, manifest, manifest_file = read_pins(layout.source)
     if pins is not None and _parse_pins(pins) != (logical, manifest):
         raise ContractError(f"the pins handed over by the launcher differ from the capture's {metrics.SOURCE_FILE}",
                             where=layout.source / metrics.SOURCE_FILE,
@@ -526,9 +582,16 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
         log(f"step: planted undeclared override {kv} in arm {run.arm}")
     from replayjob.optbatch.replay import replay_command
 
-    for path, m in replay_command(layout.workspace / "replay.toml",
-                                  replay_args(spec, layout, run, logical, manifest, manifest_file, planted),
-                                  out, None, run.repeat, run.slot, nproc=nproc, launcher=launcher):
+    if found is not None:
+
+        arm = spec.arm(run.arm)
+        budgets = ([f"optimizer_batch.budgets_sha256={toml_value(budgets_pin(spec))}"] if spec.budgets else [])
+        args = [*replay_sets(spec, found), *arm.set_args(), *planted, *budgets,
+                f"optimizer_batch.arm={toml_value(run.arm)}",
+                f"optimizer_batch.allow_config_differences={arm.allow_list()}"]
+    else:
+        args = replay_args(spec, layout, run, logical, manifest, manifest_file, planted)
+    for path, m in replay_command(config, args, out, None, run.repeat, run.slot, nproc=nproc, launcher=launcher):
         log(f"step: replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}; wrote "
             f"{path}/{metrics.REPLAY_FILE}")
 
@@ -551,7 +614,6 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
     reduces alike.  ``blocks`` reduces only the first N repeats of each arm (one look of a sequential
     experiment, ``funnel --until-decided``); ``report`` also writes the markdown report (and PNG);
     ``max_looks`` is the budgets' alpha spending (the most looks the experiment may take)."""
-    from replayjob.gate.reducer import Request, reduce_evidence
 
     if blocks is not None and not 1 <= blocks <= spec.repeats:
         raise UsageError(f"--blocks must be between 1 and the selection's {spec.repeats} repeats, got {blocks}")
@@ -569,17 +631,23 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
     if missing:
         log(f"step: {len(missing)} replay(s) left no {metrics.REPLAY_FILE}: {', '.join(missing)}")
     layout.replays.mkdir(parents=True, exist_ok=True)
+    source_step = None
+    if spec.capture is not None:  # one of several chosen steps: compared with that step's record
+
+        try:
+            source_step = capture_pins(layout.source, spec.capture.replay_config)[3]
+        except ReplayjobError as exc:  # the reducer refuses the source itself, in the verdict it always writes
+            log(f"step: the capture cannot be read: {exc.message}")
     # one look reads only its blocks' replays, even where later blocks already ran
     paths = [str(layout.replays)] if blocks is None else [str(p) for p in expected if p.is_file()]
-    verdict = reduce_evidence(Request(
+    verdict = reducer.reduce_evidence(reducer.Request(
         paths=paths, claim=spec.claim, out=layout.verdict, source=layout.source,
         min_repeats=spec.effective_min_repeats, arms=tuple(a.name for a in spec.arms), spec=spec,
         mixed_hardware=spec.mixed_hardware, budgets=Path(spec.budgets) if spec.budgets else None,
-        baseline=spec.arms[0].name, report=report, max_looks=max_looks))
+        baseline=spec.arms[0].name, report=report, max_looks=max_looks, source_step=source_step))
     log(verdict.summary())
     log(f"step: wrote {layout.verdict}")
     if outputs is not None:
-        from replayjob.fsio import atomic_write_bytes
 
         atomic_write_bytes(outputs / "verdict.json", layout.verdict.read_bytes())
     return verdict

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from replayjob.gate.claims import FAIL, NOT_APPLICABLE, PASS, REFUSED, Arm, Chec
 from replayjob.gate.evidence import Replay, read_pinned_toml
 
 INCONCLUSIVE = "inconclusive"
+CONTENDED = "contended"  # a timing decision would rest on replays a contention probe flagged (exit 3)
 TIME_METRICS = ("local_train_wall_s", "forward_wall_s", "backward_wall_s", "optimizer_wall_s",
                 "in_process_train_wall_s")
 MEMORY_METRIC = "peak_memory_bytes"
@@ -131,7 +133,8 @@ def pin_check(replays: list[Replay], budgets: Budgets) -> Check:
                  budgets.sha256, what="optimizer_batch.budgets_sha256 of every replay", status_on_fail=REFUSED)
 
 
-def _value(r: Replay, metric: str) -> float:
+def metric_value(r: Replay, metric: str) -> float:
+    """A replay's value of a budget metric: a timing, or the median of its measured in-process updates."""
     if metric == "in_process_train_wall_s":
         assert r.in_process_wall_s is not None
         return stats.median(r.in_process_wall_s)
@@ -188,7 +191,7 @@ def more_blocks(n: int, estimate: float, low: float, high: float, limit: float) 
 def _decide(bound: Bound, pairs: list[tuple[Replay, Replay]], confidence: float) -> dict[str, Any]:
     out: dict[str, Any] = {"arm": bound.arm, "metric": bound.metric, "kind": bound.kind, "limit": bound.limit,
                            "pairs": len(pairs), "ratio": None, "low": None, "high": None, "more_blocks": None}
-    vals = [(_value(b, bound.metric), _value(a, bound.metric)) for b, a in pairs]
+    vals = [(metric_value(b, bound.metric), metric_value(a, bound.metric)) for b, a in pairs]
     if any(not math.isfinite(x) or x <= 0.0 for v in vals for x in v):  # a NaN is never within a bound
         return {**out, "decision": REFUSED, "note": "a paired value is zero, negative or not finite: no ratio"}
     if len(pairs) < 2:
@@ -212,8 +215,10 @@ def _decide(bound: Bound, pairs: list[tuple[Replay, Replay]], confidence: float)
 
 
 def evaluate(budgets: Budgets, arms: dict[str, Arm], baseline: str | None, max_looks: int,
-             admitted: bool) -> tuple[dict[str, Any], list[Check]]:
-    """Decide every bound: the verdict's ``budgets`` section and one check per bound."""
+             admitted: bool, contended: Sequence[str] = ()) -> tuple[dict[str, Any], list[Check]]:
+    """Decide every bound: the verdict's ``budgets`` section and one check per bound.  ``contended`` names
+    the replays whose timing is not admitted (:mod:`replayjob.contention`): a time bound is then
+    ``not_evaluated`` (memory bounds are still decided)."""
     confidence = 1.0 - ALPHA / max_looks
     slots = sorted({(r.slot.design, r.slot.seed) for a in arms.values() for r in a.replays if r.slot})
     section: dict[str, Any] = {
@@ -247,8 +252,9 @@ def evaluate(budgets: Budgets, arms: dict[str, Arm], baseline: str | None, max_l
     decisions: dict[str, list[str]] = defaultdict(list)
     for bound in budgets.bounds:
         row: dict[str, Any]
-        if problems or not admitted:
-            why = "pairing refused" if problems else "timing not admitted: the exact-input gate did not pass"
+        if problems or not admitted or (contended and bound.metric in TIME_METRICS):
+            why = ("pairing refused" if problems else "timing not admitted: the exact-input gate did not pass"
+                   if not admitted else f"timing not admitted: contended replay(s) {', '.join(contended)}")
             row = {"arm": bound.arm, "metric": bound.metric, "kind": bound.kind, "limit": bound.limit,
                    "decision": "not_evaluated", "note": why}
             status = NOT_APPLICABLE
@@ -268,3 +274,38 @@ def evaluate(budgets: Budgets, arms: dict[str, Arm], baseline: str | None, max_l
                             f"{row['decision']}: {row['note']}" if row["note"] else row["decision"]))
     section["decisions"] = dict(sorted(decisions.items()))
     return section, checks
+
+
+def paired_comparisons(arms: dict[str, Arm], baseline: str | None, metric: str, max_looks: int,
+                       admitted: bool) -> dict[str, Any] | None:
+    """Each arm's paired comparison with the baseline on ``metric`` at the per-look level of the alpha
+    spending (confidence ``1 - ALPHA / max_looks``, as the budgets): the geometric mean of the per-block
+    ratios and its bootstrap interval; ``decided`` when the interval excludes 1.  None unless every replay
+    has a schedule slot (an unpaired run has no blocks to add)."""
+    replays = [r for a in arms.values() for r in a.replays]
+    if baseline is None or baseline not in arms or not replays or any(r.slot is None for r in replays):
+        return None
+    confidence = 1.0 - ALPHA / max_looks
+    out: dict[str, Any] = {"metric": metric, "max_looks": max_looks, "look_confidence": confidence,
+                           "statistic": "geometric mean of per-pair ratios (arm / baseline)",
+                           "interval": "percentile bootstrap over pairs", "arms": {}}
+    for name in sorted(a for a in arms if a != baseline):
+        pairs, problems = _pairs(arms[name], arms[baseline], allow_cross_node=True)
+        row: dict[str, Any] = {"pairs": len(pairs), "ratio": None, "low": None, "high": None, "excludes_1": None}
+        vals = [(metric_value(b, metric), metric_value(a, metric)) for b, a in pairs] if not problems else []
+        if problems:
+            row.update(decision="not_evaluated", note="; ".join(problems))
+        elif not admitted:
+            row.update(decision="not_evaluated", note="timing not admitted")
+        elif any(not math.isfinite(x) or x <= 0.0 for v in vals for x in v):
+            row.update(decision="not_evaluated", note="a paired value is zero, negative or not finite")
+        elif len(pairs) < 2:
+            row.update(decision="undecided", note="fewer than 2 pairs cannot give an interval")
+        else:
+            est, low, high = _interval([math.log(a / b) for b, a in vals], confidence)
+            excludes = low > 1.0 or high < 1.0
+            row.update(ratio=est, low=low, high=high, excludes_1=excludes,
+                       decision="decided" if excludes else "undecided",
+                       note="" if excludes else "the interval includes 1: more paired blocks may decide it")
+        out["arms"][name] = row
+    return out

@@ -26,6 +26,7 @@ from typing import Any
 from replayjob import tensorfile
 from replayjob.errors import ReplayjobError
 from replayjob.gate.evidence import SKIPPED, Replay, Source, Tolerances
+from replayjob.hostinfo import hardware_identity
 from replayjob.metrics import EFFECTIVE, FINAL_ADAPTER, INITIAL_ADAPTER, LOGICAL, SOURCE_FILE, STEP_FINAL_ADAPTER
 from replayjob.optbatch.knobs import BUILTIN, STACK_PREFIX, Knob, knobs_for
 
@@ -424,7 +425,6 @@ def tolerance_pin_check(replays: list[Replay], tolerances: Tolerances | None) ->
 def hardware_check(replays: list[Replay], mixed_declared: bool) -> Check:
     """Every replay ran on the same hardware and image (``replayjob.hostinfo.hardware_identity``):
     refused otherwise, unless mixed hardware was declared (then reported, not enforced)."""
-    from replayjob.hostinfo import hardware_identity
 
     values = [(r.label, hardware_identity(r.host)) for r in replays]
     if not values:

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from replayjob.config.load import read_toml_bytes, read_toml_file_bytes
 from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
-from replayjob.fsio import read_regular_bytes
 from replayjob.metrics import (
     MEASURES,
     REPLAY_FILE,
@@ -69,14 +68,19 @@ def discover(paths: Sequence[str | Path]) -> list[Path]:
     return sorted(found)
 
 
-def read_pinned_toml(p: Path, what: str) -> tuple[dict[str, Any], str]:
-    """A predeclared TOML file (tolerances, budgets) and the SHA-256 of its bytes, which replays pin."""
-    data = read_regular_bytes(p, max_bytes=1024 * 1024, follow_symlinks=True, what=f"{what} file")  # user-named
-    try:
-        doc = tomllib.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
-        raise IntegrityError(f"not a valid TOML {what} file: {exc}", where=p) from None
-    return doc, sha256_bytes(data)
+def read_pinned_toml(p: Path, what: str, expected_sha256: str | None = None) -> tuple[dict[str, Any], str]:
+    """A predeclared TOML file (tolerances, budgets) and the SHA-256 of its bytes, which replays pin.
+
+    The bytes are read once and hashed before they are parsed: the digest covers exactly what is
+    parsed, and with ``expected_sha256`` a file that is not the pinned one is refused unparsed.
+    """
+    kw: dict[str, Any] = {"what": f"{what} file", "max_bytes": 1024 * 1024, "error": IntegrityError}
+    data = read_toml_file_bytes(p, **kw)  # user-named: a symbolic link is followed, a FIFO refused
+    sha = sha256_bytes(data)
+    if expected_sha256 is not None and sha != expected_sha256:
+        raise IntegrityError(f"the {what} file hashes to {sha}, the pin is {expected_sha256}", where=p,
+                             hint=f"use the {what} file that was pinned")
+    return read_toml_bytes(data, p, **kw), sha
 
 
 def read_tolerances(path: str | Path) -> Tolerances:

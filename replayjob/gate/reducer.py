@@ -12,6 +12,11 @@ With ``--budgets`` (any claim), :mod:`.budgets` decides each declared bound once
 admitted and adds a ``budgets`` section and one check per bound; an undecided bound makes the
 verdict ``inconclusive``.
 
+Timing from a replay whose contention probe (:mod:`replayjob.contention`, ``contention`` in its
+metrics) says ``contended`` is never admitted: the ``contention`` section names those replays, the
+timing ratios lose their intervals, time bounds are ``not_evaluated`` and, where a time bound would
+have been decided on them, the check ``timing.uncontended`` makes the verdict ``contended`` (exit 3).
+
 The exact-input and bitwise claims import neither torch nor transformers nor peft.
 """
 
@@ -31,6 +36,7 @@ from replayjob.gate import gradients, stats, updates, verdict
 
 if TYPE_CHECKING:
     from replayjob.deploy.ablation import AblationSpec
+from replayjob.contention import THRESHOLDS
 from replayjob.gate.evidence import (
     MEASURES,
     Replay,
@@ -41,12 +47,17 @@ from replayjob.gate.evidence import (
     read_source,
     read_tolerances,
 )
+from replayjob.gate.report import write_report
+from replayjob.integrations import manifest as imanifest
+from replayjob.optbatch import ranks
+from replayjob.optbatch.manifest import Manifest, read_pinned, validate
 
 if TYPE_CHECKING:
     from replayjob.integrations.manifest import Manifest as IntegrationManifest
     from replayjob.optbatch.manifest import Manifest
 
 CLAIMS = ("exact-input", "bitwise", "approximate")
+IN_PROCESS_METRIC = "in_process_train_wall_s"  # the median of a replay's measured in-process updates
 
 
 @dataclass(frozen=True)
@@ -159,10 +170,11 @@ def _read_budgets(req: Request, st: _State) -> None:
                          f"{st.budgets.baseline!r})", where=req.budgets)
 
 
-def _budget_section(req: Request, st: _State, admitted: bool, base: Path) -> dict[str, Any] | None:
+def _budget_section(req: Request, st: _State, admitted: bool, base: Path,
+                    contended: list[str]) -> dict[str, Any] | None:
     if st.budgets is None:
         return None
-    section, checks = B.evaluate(st.budgets, st.arms, req.baseline, req.max_looks, admitted)
+    section, checks = B.evaluate(st.budgets, st.arms, req.baseline, req.max_looks, admitted, contended)
     section["file"] = {"path": _rel(st.budgets.path, base), "sha256": st.budgets.sha256}
     st.checks += checks
     return section
@@ -173,15 +185,16 @@ def _capture_manifest(source: Source) -> Manifest | IntegrationManifest:
     bytes are read and hashed once): the built-in trainer's (:mod:`replayjob.optbatch.manifest`, or the
     root of a capture over ranks, :mod:`replayjob.optbatch.ranks`) or an external trainer's
     (:mod:`replayjob.integrations.manifest`), told apart by its schema after the bytes matched the pin."""
-    from replayjob.integrations import manifest as imanifest
-    from replayjob.optbatch import ranks
-    from replayjob.optbatch.manifest import Manifest, read_pinned, validate
 
     path, sha, doc = read_pinned(source.manifest_file, source.manifest,
                                  pin_name=f"{source.path}'s {source.manifest_pin}",
                                  hint="keep the capture run's manifest next to its metrics.json, unchanged")
     if isinstance(doc, dict) and doc.get("schema") == imanifest.SCHEMA:
         return imanifest.Manifest(path, sha, imanifest.validate(doc, path))
+    if isinstance(doc, dict) and doc.get("schema") == imanifest.RANKS_SCHEMA:  # an external trainer's, over processes
+        from replayjob.integrations.ranks import read_capture
+
+        return read_capture(path, sha)  # the root with every part verified
     if isinstance(doc, dict) and doc.get("schema") == ranks.SCHEMA:  # a capture over ranks: its root
         return ranks.RootManifest(path, sha, ranks.validate(doc, path))
     return Manifest(path, sha, validate(doc, path))
@@ -190,7 +203,6 @@ def _capture_manifest(source: Source) -> Manifest | IntegrationManifest:
 def _initial_adapter(source: Source, man: Manifest | IntegrationManifest) -> Path:
     """The initial adapter pinned by the capture manifest ``man``, found with its pinned SHA-256 (an external
     trainer's adapter file sits next to its manifest)."""
-    from replayjob.integrations import manifest as imanifest
 
     if isinstance(man, imanifest.Manifest):
         f = man.file("adapter")
@@ -249,32 +261,85 @@ def _arm_stats(st: _State, source: Source | None) -> dict[str, Any]:
     return out
 
 
-def _comparisons(st: _State, baseline: str | None, admission: str) -> dict[str, Any]:
+def _timing_metric(st: _State) -> str:
+    """The timing a decision reads by default: the warm in-process updates where every replay ran them
+    (their median per replay), else the fresh-process update."""
+    replays = [r for a in st.arms.values() for r in a.replays]
+    return IN_PROCESS_METRIC if replays and all(r.in_process_wall_s for r in replays) else "local_train_wall_s"
+
+
+def _measures(a: C.Arm, metric: str) -> list[float]:
+    return [B.metric_value(r, metric) for r in a.replays]
+
+
+def _comparisons(st: _State, baseline: str | None, admission: str, contended: list[str],
+                 max_looks: int) -> dict[str, Any]:
     ratios: dict[str, Any] = {}
+    metric = _timing_metric(st)
+    measures = (*MEASURES, *((IN_PROCESS_METRIC,) if metric == IN_PROCESS_METRIC else ()))
     if baseline is not None and baseline in st.arms:
-        base = st.arms[baseline].replays
+        base = st.arms[baseline]
         for a in st.arms.values():
             if a.name == baseline:
                 continue
-            ratios[a.name] = stats.bootstrap_ratios({m: [r.measures[m] for r in a.replays] for m in MEASURES},
-                                                    {m: [r.measures[m] for r in base] for m in MEASURES})
+            ratios[a.name] = stats.bootstrap_ratios({m: _measures(a, m) for m in measures},
+                                                    {m: _measures(base, m) for m in measures})
+            for m in B.TIME_METRICS if contended else ():
+                if m in ratios[a.name]:
+                    ratios[a.name][m].update(low=None, high=None, excludes_1=None,
+                                             note="timing not admitted: contended replay(s) "
+                                                  + verdict.few(contended))
             memory = ratios[a.name].get(B.MEMORY_METRIC)
-            if memory is not None and not B.cuda_memory([*a.replays, *base]):
+            if memory is not None and not B.cuda_memory([*a.replays, *base.replays]):
                 # A process's max RSS only grows and counts the interpreter and libraries: provenance, not
                 # evidence about the arm. Its ratio is shown, never an interval that could "exclude 1".
                 memory.update(low=None, high=None, excludes_1=None,
                               note="max RSS of the replay process (CPU): provenance only, no interval; "
                                    "memory is compared on CUDA's allocator peak")
-    return {"baseline": baseline, "admission": admission, "statistic": "ratio of medians (arm / baseline)",
-            "ratios": ratios}
+    out = {"baseline": baseline, "admission": admission, "statistic": "ratio of medians (arm / baseline)",
+           "ratios": ratios}
+    paired = B.paired_comparisons(st.arms, baseline, metric, max_looks, admission == "admitted")
+    if paired is not None:  # a paired schedule: is each comparison decided at this look's level?
+        out["paired"] = paired
+    return out
+
+
+def _contention(st: _State, base: Path) -> tuple[dict[str, Any] | None, list[str]]:
+    """The ``contention`` section (None when no replay recorded a probe) and the contended replays' labels."""
+    replays = [r for a in st.arms.values() for r in a.replays]
+    if not any(r.contention is not None for r in replays):
+        return None, []
+
+    bad = sorted((r for r in replays if r.contention is not None and r.contention["contended"]),
+                 key=lambda r: (r.arm, r.repeat_index))
+    return {"thresholds": dict(THRESHOLDS), "recorded": sum(r.contention is not None for r in replays),
+            "not_recorded": [r.label for r in replays if r.contention is None],
+            "contended": [{"arm": r.arm, "repeat_index": r.repeat_index, "path": _rel(r.path, base),
+                           "block": None if r.slot is None else r.slot.block,
+                           "reasons": list((r.contention or {})["reasons"])} for r in bad]}, [r.label for r in bad]
+
+
+def _contention_check(st: _State, contended: list[str], gate_ok: bool) -> C.Check:
+    """``timing.uncontended``: ``contended`` when a time bound would be decided on a contended replay."""
+    time_bounds = st.budgets is not None and any(b.metric in B.TIME_METRICS for b in st.budgets.bounds)
+    expected = "no replay's contention probe says contended (docs/replay-metrics.md, contention)"
+    if not contended:
+        return C.Check("timing.uncontended", "timing", C.PASS, expected, [], "no replay was contended")
+    detail = "timing not admitted: " + ("time budgets rest on contended replays; replay those blocks again"
+                                        if gate_ok and time_bounds else "no decision rests on it")
+    status = B.CONTENDED if gate_ok and time_bounds else C.NOT_APPLICABLE
+    return C.Check("timing.uncontended", "timing", status, expected, contended, detail, tuple(contended))
 
 
 def _document(req: Request, st: _State, refusal: dict[str, Any] | None) -> dict[str, Any]:
     base = Path(os.path.abspath(req.out)).parent
     gate_ok = refusal is None and bool(st.checks) and all(
         c.status in (C.PASS, C.NOT_APPLICABLE) for c in st.checks if c.group in ("inputs", "exact-input"))
-    admission = "admitted" if gate_ok else "not admitted"
-    budgets = _budget_section(req, st, gate_ok, base) if refusal is None else None
+    contention, contended = _contention(st, base)
+    admission = "not admitted" if not gate_ok else "not admitted (contended)" if contended else "admitted"
+    if contention is not None and refusal is None:
+        st.checks.append(_contention_check(st, contended, gate_ok))
+    budgets = _budget_section(req, st, gate_ok, base, contended) if refusal is None else None
     checks = [c.to_json() for c in st.checks]
     status, code, failed = verdict.outcome(checks, refusal)
     tol = st.tolerances
@@ -303,12 +368,14 @@ def _document(req: Request, st: _State, refusal: dict[str, Any] | None) -> dict[
                 "path": _rel(st.initial["path"], base), "sha256": st.initial["sha256"]},
         },
         "arms": _arm_stats(st, st.source),
-        "comparisons": _comparisons(st, req.baseline, admission),
+        "comparisons": _comparisons(st, req.baseline, admission, contended, req.max_looks),
         "updates": st.updates,
         "checks": checks,
     }
     if st.budgets is not None:  # the section exists only when budgets were requested
         doc["budgets"] = budgets
+    if contention is not None:  # only when some replay recorded a contention probe
+        doc["contention"] = contention
     ip = {a.name: [w for r in a.replays for w in (r.in_process_wall_s or ())] for a in st.arms.values()}
     if any(ip.values()):  # in-process repeats, reported apart from the fresh-process ones
         doc["in_process"] = {arm: {"local_train_wall_s": stats.summary(w) if w else None,
@@ -329,7 +396,6 @@ def reduce_evidence(req: Request) -> verdict.Verdict:
         refusal = verdict.refusal_of(exc)
     doc = _document(req, st, refusal)
     if req.report is not None:
-        from replayjob.gate.report import write_report
 
         write_report(req.report, doc)
     return verdict.write(req.out, doc)

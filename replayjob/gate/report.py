@@ -69,7 +69,12 @@ def _comparisons(doc: dict[str, Any]) -> list[str]:
                 "No ratios: no other arm was read.", ""]
     boot = doc["parameters"]["bootstrap"]
     lines = [f"## Comparisons against `{comp['baseline']}` ({comp['admission']})", ""]
-    if comp["admission"] != "admitted":
+    if comp["admission"] == "not admitted (contended)":
+        names = ", ".join(f"{c['arm']}#{c['repeat_index']} ({'; '.join(c['reasons'])})"
+                          for c in (doc.get("contention") or {}).get("contended", []))
+        lines += [f"**Timing conclusions: not admitted (contended).** Something contended with replay(s) {names} "
+                  "while their updates were timed; the timing ratios carry no interval.", ""]
+    elif comp["admission"] != "admitted":
         lines += ["**Timing and memory conclusions: not admitted.** The exact-input gate did not pass, "
                   "so these ratios are not evidence of a systems difference.", ""]
     lines += [f"{comp['statistic']}; {int(boot['confidence'] * 100)}% {boot['interval']} bootstrap "

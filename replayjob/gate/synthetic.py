@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from replayjob.digest import sha256_bytes
+from replayjob.deploy.schedule import plan
+from replayjob.digest import sha256_bytes, sha256_file
 from replayjob.jsonio import pretty_bytes
 from replayjob.metrics import (
     EFFECTIVE,
@@ -209,3 +210,27 @@ def build(root: Path, arms: dict[str, dict[str, Any]], repeats: int | dict[str, 
             _put(d / REPLAY_FILE, pretty_bytes(doc))
             ev.replay_files.append(d / REPLAY_FILE)
     return ev
+
+
+def paired(root: Path, arms: dict[str, dict[str, Any]], walls: dict[str, list[float]], *,
+           budgets: Path | None = None, hosts: dict[str, list[str]] | None = None, slots: bool = True,
+           edit: Callable[[dict[str, Any], str, int], None] | None = None) -> Evidence:
+    """Evidence of ``arms`` (:func:`build`) run as a seeded ABBA schedule with ``walls[arm][block]`` as each
+    replay's step time, every replay on ``hosts[arm][block]`` (one node by default), pinned to ``budgets``;
+    ``edit(doc, arm, block)`` changes each replay's document further before it is written."""
+    names = list(arms)
+    n = len(walls[names[0]])
+    ev = build(root, arms, n)
+    order = {(arm, s.block): s for arm, s in plan(names, n, "abba", seed=5)}
+    for f in ev.replay_files:
+        doc = json.loads(f.read_text())
+        arm, i = doc["arm"], doc["repeat_index"]
+        doc["timing"]["local_train_wall_s"] = walls[arm][i]
+        doc["schedule"] = order[(arm, i)].to_json() if slots else None
+        doc["host"]["node"] = (hosts or {}).get(arm, ["node-a"] * n)[i]
+        doc["budgets_sha256"] = sha256_file(budgets) if budgets is not None else ""
+        if edit is not None:
+            edit(doc, arm, i)
+        f.write_bytes(pretty_bytes(doc))
+    return ev
+

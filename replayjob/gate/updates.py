@@ -22,6 +22,7 @@ from typing import Any
 
 from replayjob.errors import IntegrityError
 from replayjob.gate.stats import quantile
+from replayjob.tensorfile import TensorReader
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,6 @@ class Pair:
 
 
 def _open_all(stack: ExitStack, paths: list[Path]) -> list[Any]:
-    from replayjob.tensorfile import TensorReader
 
     # validated header (limits, dtypes, spans, pickle refused) before any tensor; regular files only
     return [stack.enter_context(TensorReader(p, follow_symlinks=False)) for p in paths]

@@ -3,8 +3,9 @@
 The document holds no clock time and no absolute path that the inputs do not force, so the same
 inputs give the same bytes (pretty, sorted-key JSON).  Status and exit code follow from the
 checks: any ``refused`` check or refusal -> ``refused`` (2), else any ``fail`` -> ``fail`` (1),
-else any ``inconclusive`` budget -> ``inconclusive`` (2, but not a refusal: add paired blocks),
-else ``pass`` (0).
+else a ``contended`` check (a budget's timing rests on replays a contention probe flagged) ->
+``contended`` (3: nothing decided, replaying those blocks may help), else any ``inconclusive`` budget
+-> ``inconclusive`` (2, but not a refusal: add paired blocks), else ``pass`` (0).
 
 Example:
     >>> outcome([{"name": "a", "status": "pass"}, {"name": "b", "status": "fail"}], None)
@@ -18,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.errors import (
+    EXIT_ERROR,
     EXIT_NEGATIVE,
     EXIT_OK,
     EXIT_REFUSED,
     Inconclusive,
     NegativeVerdict,
+    OperationalError,
     RefusedError,
     ReplayjobError,
 )
@@ -96,6 +99,9 @@ def outcome(checks: list[dict[str, Any]], refusal: dict[str, Any] | None) -> tup
         return "refused", EXIT_REFUSED, refused + failed
     if failed:
         return "fail", EXIT_NEGATIVE, failed
+    contended = [c["name"] for c in checks if c["status"] == "contended"]
+    if contended:
+        return "contended", EXIT_ERROR, contended
     undecided = [c["name"] for c in checks if c["status"] == "inconclusive"]
     if undecided:
         return "inconclusive", EXIT_REFUSED, undecided
@@ -140,6 +146,10 @@ class Verdict:
                             f"vs {_g(next(iter(c['expected'].values())))}: {c['detail']})" for c in bad)
             raise Inconclusive(f"budget(s) not decided yet: {why}", where=self.path,
                                hint="run more paired blocks (funnel --until-decided) and reduce again")
+        if self.status == "contended":
+            raise OperationalError(f"timing not admitted: {named}", where=self.path,
+                                   hint="replay the contended blocks on a quieter host (or the same blocks again) "
+                                        "and reduce again")
         if self.status == "refused":
             why = unsealed(bad)
             raise RefusedError(f"evidence refused by {named}" + (f": {why}" if why else ""), where=self.path,
@@ -179,6 +189,15 @@ def console_table(doc: dict[str, Any]) -> list[str]:
         for row in [head, *rows]:
             lines.append("  " + "  ".join(str(row[i]).ljust(widths[i]) for i in range(5)).rstrip()
                          + (f"  ({row[5]})" if row[5] else ""))
+    for c in (doc.get("contention") or {}).get("contended") or []:
+        lines.append(f"timing not admitted (contended): {c['arm']} repeat {c['repeat_index']}"
+                     + ("" if c.get("block") is None else f" (block {c['block']})") + f": {'; '.join(c['reasons'])}")
+    paired = comparisons.get("paired") or {}
+    for arm, r in sorted(paired.get("arms", {}).items()):
+        interval = "" if r.get("low") is None else f" [{_ratio(r['low'])}, {_ratio(r['high'])}]"
+        lines.append(f"paired {arm} {paired['metric']} at {paired['look_confidence']:.4g}: {r['decision']} "
+                     f"(ratio {_ratio(r.get('ratio'))}{interval}, {r['pairs']} pairs)"
+                     + (f"; {r['note']}" if r.get("note") else ""))
     for b in (doc.get("budgets") or {}).get("bounds") or []:
         interval = "" if b.get("low") is None else f" [{_ratio(b['low'])}, {_ratio(b['high'])}]"
         lines.append(f"budget {b['arm']}.{b['metric']} {b['kind']} {b['limit']:g}: {b['decision']} "

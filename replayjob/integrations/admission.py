@@ -31,15 +31,17 @@ import torch
 from replayjob import tensorfile
 from replayjob.config import redact
 from replayjob.config.load import _absolutize, apply_overrides, build, read_toml
-from replayjob.config.redact import redact_text
 from replayjob.config.schema import OptimizerBatchConfig
 from replayjob.digest import sha256_json
+from replayjob.distributed import launch_env
 from replayjob.errors import ConfigError, RefusedError
-from replayjob.integrations import FRAMEWORKS, framework_module
 from replayjob.integrations import capture as cap
-from replayjob.integrations.manifest import Manifest, read_verified
+from replayjob.integrations import ranks as iranks
+from replayjob.integrations.manifest import Manifest
 from replayjob.optbatch import knobs
 from replayjob.optbatch.explain import SKIPPED, Refusals, check_contract, check_differences, check_pins
+from replayjob.producers import EXTERNAL, producer_module
+from replayjob.redact import redact_text
 
 MODEL_KEYS = ("path", "attn_implementation")
 
@@ -68,11 +70,11 @@ def load(path: str | Path, overrides: list[str]) -> ReplayConfig:
     integ = data.get("integration")
     if not isinstance(integ, dict) or not isinstance(integ.get("framework"), str):
         raise ConfigError("[integration] needs framework = \"<name>\"", where="integration.framework",
-                          hint="one of: " + ", ".join(sorted(FRAMEWORKS)))
+                          hint="one of: " + ", ".join(sorted(EXTERNAL)))
     framework = integ["framework"]
-    if framework not in FRAMEWORKS:
+    if framework not in EXTERNAL:
         raise ConfigError(f"unknown framework {framework!r}", where="integration.framework",
-                          hint="one of: " + ", ".join(sorted(FRAMEWORKS)))
+                          hint="one of: " + ", ".join(sorted(EXTERNAL)))
     extra = sorted(set(integ) - {"framework", "entry"})
     if extra or not isinstance(integ.get("entry", ""), str):
         raise ConfigError(f"unknown or mistyped keys {extra or ['entry']}", where="integration",
@@ -108,6 +110,15 @@ class Admission(Refusals):
     contract: dict[str, Any] | None = None
     allowed: list[str] = field(default_factory=list)
     observed: list[str] = field(default_factory=list)
+    #: a capture over several processes: each process's micro-batches (``micro_batches`` holds them all, in rank
+    #: order); None for a one-process capture
+    rank_micro_batches: list[list[cap.MicroBatch]] | None = None
+    #: how many processes the replay runs on (the launcher's, or --nproc in the process that launches them)
+    processes: int = 1
+
+    @property
+    def captured_processes(self) -> int:
+        return iranks.processes(self.manifest)
 
     def raise_if_refused(self) -> None:
         assert self.cfg is not None
@@ -157,7 +168,10 @@ def _group(tensors: dict[str, torch.Tensor], prefix: str, spec: dict[str, Any], 
     return out
 
 
-def _check_payload(adm: Admission, m: Manifest, tensors: dict[str, torch.Tensor]) -> None:
+def _check_payload(adm: Admission, m: Manifest, tensors: dict[str, torch.Tensor],
+                   part: bool = False) -> list[cap.MicroBatch] | None:
+    """The payload against its manifest; the micro-batches (``part``: one process's of several, checked against
+    its own manifest only; the caller checks the whole against the root and the pins)."""
     left = dict(tensors)
     mbs = []
     for i, e in enumerate(m.micro_batches):
@@ -172,9 +186,9 @@ def _check_payload(adm: Admission, m: Manifest, tensors: dict[str, torch.Tensor]
     if left:
         adm.refuse(f"{m.file('payload')}: tensors the manifest does not describe: {sorted(left)[:5]}", integrity=True)
     if not adm.admitted:
-        return
+        return None
     logical = cap.logical_digest(mbs)
-    pin = adm.pins.get("expected_logical_sha256")
+    pin = None if part else adm.pins.get("expected_logical_sha256")
     if logical != m.logical_sha256:
         adm.refuse(f"payload inputs hash to {logical}, the manifest says {m.logical_sha256}", integrity=True)
     elif pin is not None and pin != logical:
@@ -184,8 +198,37 @@ def _check_payload(adm: Admission, m: Manifest, tensors: dict[str, torch.Tensor]
     if effective != m.effective_sha256:
         adm.refuse(f"payload RNG and accumulation settings hash to {effective}, the manifest says "
                    f"{m.effective_sha256}", integrity=True)
+    if part:
+        return mbs
     _check_nonfinite(adm, m, mbs)
     adm.micro_batches = mbs
+    return mbs
+
+
+def _check_parts(adm: Admission, m: iranks.RootManifest) -> None:
+    """A capture over several processes: every part's payload against its manifest, then every micro-batch in
+    rank order against the root's digests and the logical pin."""
+    parts = []
+    for part in m.parts:
+        payload = _load_file(adm, part, "payload")
+        mbs = _check_payload(adm, part, payload, part=True) if payload is not None else None
+        if mbs is None:
+            return
+        parts.append(mbs)
+    every = [mb for p in parts for mb in p]
+    logical = cap.logical_digest(every)
+    pin = adm.pins.get("expected_logical_sha256")
+    if logical != m.logical_sha256:
+        adm.refuse(f"the processes' inputs in rank order hash to {logical}, the root says {m.logical_sha256}",
+                   integrity=True)
+    elif pin is not None and pin != logical:
+        adm.refuse(f"wrong logical pin: expected_logical_sha256 is {pin}, the captured inputs are {logical}",
+                   integrity=True)
+    if cap.effective_digest(every, logical) != m.effective_sha256:
+        adm.refuse("the processes' RNG and accumulation settings do not hash to the root's effective digest",
+                   integrity=True)
+    _check_nonfinite(adm, m, every)
+    adm.micro_batches, adm.rank_micro_batches = every, parts
 
 
 def _check_nonfinite(adm: Admission, m: Manifest, mbs: list[cap.MicroBatch]) -> None:
@@ -206,7 +249,7 @@ def _check_artifacts(adm: Admission) -> None:
     if "expected_manifest_sha256" not in adm.pins or not cfg.optimizer_batch.replay_path:
         return
     try:
-        m = read_verified(cfg.optimizer_batch.replay_path, adm.pins["expected_manifest_sha256"])
+        m = iranks.read_capture(cfg.optimizer_batch.replay_path, adm.pins["expected_manifest_sha256"])
     except RefusedError as exc:
         adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
         return
@@ -215,14 +258,18 @@ def _check_artifacts(adm: Admission) -> None:
         adm.refuse(f"the capture was produced by {m.framework!r}, the config says integration.framework = "
                    f"{cfg.framework!r}")
         return
-    payload = _load_file(adm, m, "payload")
-    if payload is not None:
-        _check_payload(adm, m, payload)
-    adm.adapter = _load_file(adm, m, "adapter")
+    if isinstance(m, iranks.RootManifest):
+        _check_parts(adm, m)  # the adapter and optimizer files every part shares are process 0's (read below)
+    else:
+        payload = _load_file(adm, m, "payload")
+        if payload is not None:
+            _check_payload(adm, m, payload)
+    first = m.parts[0] if isinstance(m, iranks.RootManifest) else m  # every part holds these same bytes
+    adm.adapter = _load_file(adm, first, "adapter")
     if adm.adapter is not None and sorted(adm.adapter) != sorted(m.doc["trainable"]):
         adm.refuse(f"{m.file('adapter')}: parameters differ from the manifest's trainable list", integrity=True)
         adm.adapter = None
-    adm.optimizer = _load_file(adm, m, "optimizer")
+    adm.optimizer = _load_file(adm, first, "optimizer")
 
 
 def _check_base_model(adm: Admission) -> None:
@@ -285,7 +332,11 @@ def _check_config(adm: Admission) -> None:
     if m is None or m.framework != cfg.framework:
         return
     src = m.config
-    fw = framework_module(cfg.framework)
+    fw = producer_module(cfg.framework)
+    if adm.processes > 1 and not getattr(fw, "RANKS", False):
+        adm.refuse(f"a {cfg.framework} replay runs in one process; {adm.processes} were launched")
+    if adm.processes > 1 or adm.captured_processes > 1:  # the process count, compared as a config key
+        src = {**src, "distributed": {"num_processes": adm.captured_processes}}
     resolved = dict(src)
     model_over = {k: v for k, v in cfg.model.items() if k != "path"}
     resolved["model"] = {**_merge(src.get("model", {}), model_over, "model", adm), "path": cfg.model["path"]}
@@ -300,6 +351,8 @@ def _check_config(adm: Admission) -> None:
     if mirror is not None:
         resolved[cfg.framework] = mirror(resolved[cfg.framework])
     resolved["stack"] = cap.versions(src.get("stack", {}))
+    if "distributed" in src:
+        resolved["distributed"] = {"num_processes": adm.processes}
     adm.resolved = resolved
     try:
         # a declared systems-only knob is no part of the update's contract: its source value stands in
@@ -308,7 +361,7 @@ def _check_config(adm: Admission) -> None:
         adm.refuse(exc.diagnostics())
         return
     check_contract(adm, m.contract, m.doc["contract"]["sha256"], adm.contract)
-    check_entry = getattr(framework_module(cfg.framework), "check_entry", None)
+    check_entry = getattr(producer_module(cfg.framework), "check_entry", None)
     if check_entry is not None:
         why = check_entry(cfg.entry, m.doc["framework_state"].get("entry"))
         if why:
@@ -326,9 +379,12 @@ def _check_config(adm: Admission) -> None:
             adm.refuse(reason)
 
 
-def admit(cfg: ReplayConfig) -> Admission:
-    """Run every admission check; never raises for a failed check (see :meth:`Admission.raise_if_refused`)."""
-    adm = Admission(cfg=cfg)
+def admit(cfg: ReplayConfig, processes: int | None = None) -> Admission:
+    """Run every admission check; never raises for a failed check (see :meth:`Admission.raise_if_refused`).
+
+    ``processes``: how many processes the replay will run on (default: this process's launcher's)."""
+
+    adm = Admission(cfg=cfg, processes=launch_env().world_size if processes is None else processes)
     ob = cfg.optimizer_batch
     if ob.capture or ob.capture_steps or ob.ring_size:
         adm.refuse("optimizer_batch.capture, capture_steps and ring_size are source-run settings; an integration "
@@ -351,8 +407,9 @@ def report(adm: Admission) -> dict[str, Any]:
         "pins": dict(adm.pins),
         "framework": cfg.framework,
         "manifest": {"path": str(m.path), "sha256": m.sha256, "step": m.step} if m else None,
-        "payload": ({"path": str(m.file("payload")), "size": m.doc["files"]["payload"]["size"],
-                     "sha256": m.file_sha256("payload")} if m else None),
+        "payload": ({"path": str(m.file("payload")),
+                     "size": sum(p.doc["files"]["payload"]["size"] for p in getattr(m, "parts", ()) or (m,)),
+                     "sha256": m.payload_digest} if m else None),
         "rows": None,
         "micro_batches": m.doc["rows"] if m else None,
         "optimizer/logical_batch_sha256": m.logical_sha256 if m and adm.micro_batches is not None else None,

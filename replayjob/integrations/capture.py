@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
-import json
 import math
 import platform
 from collections.abc import Iterable, Mapping
@@ -46,12 +45,14 @@ import replayjob
 from replayjob import determinism
 from replayjob import metrics as metrics_io
 from replayjob.config import redact
-from replayjob.config.redact import redact_path
+from replayjob.config.dump import toml_value
 from replayjob.digest import sha256_bytes, sha256_file, sha256_json
 from replayjob.errors import ArtifactExistsError, ContractError, RefusedError, UsageError
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.integrations import manifest as imanifest
 from replayjob.optbatch.manifest import OUTCOME, outcome, replay_config_name
+from replayjob.producers import EXTERNAL, producer_module
+from replayjob.redact import redact_path
 from replayjob.rl.state import rng_tensors
 
 FINAL_ADAPTER_FILE = "final_adapter/adapter_model.safetensors"
@@ -173,21 +174,28 @@ class MicroBatch:
         return out
 
 
-def logical_digest(mbs: list[MicroBatch]) -> str:
-    """SHA-256 over every input (name, dtype, shape, bytes) and value of every micro-batch, in order."""
+def logical_entries(mbs: list[MicroBatch]) -> list[dict[str, Any]]:
+    """What :func:`logical_digest` hashes, per micro-batch (JSON: each tensor by dtype, shape and SHA-256)."""
     def group(ts: Mapping[str, torch.Tensor], vs: Mapping[str, Any]) -> dict[str, Any]:
         return {"tensors": {k: [dtype_name(t), list(t.shape), sha256_bytes(tensor_bytes(t))]
                             for k, t in sorted(ts.items())}, "values": dict(sorted(vs.items()))}
-    return sha256_json([{"inputs": group(m.inputs, m.input_values), "call": group(m.call, m.call_values)}
-                        for m in mbs])
+    return [{"inputs": group(m.inputs, m.input_values), "call": group(m.call, m.call_values)} for m in mbs]
+
+
+def logical_digest(mbs: list[MicroBatch]) -> str:
+    """SHA-256 over every input (name, dtype, shape, bytes) and value of every micro-batch, in order."""
+    return sha256_json(logical_entries(mbs))
+
+
+def effective_entries(mbs: list[MicroBatch]) -> list[dict[str, Any]]:
+    """What :func:`effective_digest` adds to the logical digest, per micro-batch."""
+    return [{"rng": {k: sha256_bytes(tensor_bytes(t)) for k, t in sorted(m.rng.items())},
+             "sync_gradients": m.sync_gradients, "accumulation_steps": m.accumulation_steps} for m in mbs]
 
 
 def effective_digest(mbs: list[MicroBatch], logical: str) -> str:
     """The logical digest plus what else each loss call consumed: its RNG states and accumulation settings."""
-    return sha256_json({"logical": logical,
-                        "micro_batches": [{"rng": {k: sha256_bytes(tensor_bytes(t)) for k, t in sorted(m.rng.items())},
-                                           "sync_gradients": m.sync_gradients,
-                                           "accumulation_steps": m.accumulation_steps} for m in mbs]})
+    return sha256_json({"logical": logical, "micro_batches": effective_entries(mbs)})
 
 
 def batch_rows(mbs: list[MicroBatch]) -> int:
@@ -280,10 +288,6 @@ def adapter_file_bytes(model: torch.nn.Module) -> bytes:
     return safetensors_bytes(trainable_parameters(model), "adapter")
 
 
-def _toml_string(s: str) -> str:
-    return json.dumps(s)  # a JSON string is a valid TOML basic string
-
-
 def capture_config(config: dict[str, Any], stack: Iterable[str]) -> dict[str, Any]:
     """The config a capture records: the caller's, with the installed ``stack`` versions, redacted."""
     out: dict[str, Any] = redact({**config, "stack": versions(stack)})
@@ -341,7 +345,7 @@ class StepCapture:
     Args:
         out_dir: where the files go; a manifest already there for this step is refused.
         step: the 0-based optimizer step being captured (recorded; the caller decides when).
-        framework: a key of :data:`replayjob.integrations.FRAMEWORKS` (which module replays it).
+        framework: a key of :data:`replayjob.producers.EXTERNAL` (which module replays it).
         model, optimizer, scheduler: the live objects; trainable parameters are those with
             ``requires_grad``, in the order the optimizer holds them.
         base_model_dir: the local directory the base model was loaded from.
@@ -356,22 +360,28 @@ class StepCapture:
             result's ``metrics`` is the step's entry for the shared metrics.json.
         base_model: the identity :func:`base_model_identity` already computed for ``base_model_dir``
             (several steps hash the base model once).
+        part: one process's part of a capture over several processes
+            (:mod:`replayjob.integrations.ranks`): ``finish`` writes the payload, adapter, optimizer
+            files and the manifest only; the root manifest, ``final_adapter/``, ``metrics.json`` and
+            ``replay.toml`` are written once, by the first process, next to the process directories.
     """
 
     def __init__(self, out_dir: str | Path, *, step: int, framework: str, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: Any, base_model_dir: str | Path,
                  config: dict[str, Any], framework_state: dict[str, Any] | None = None, stack: Iterable[str] = STACK,
-                 entry: str = "", several: bool = False, base_model: dict[str, Any] | None = None):
-        from replayjob.integrations import FRAMEWORKS
+                 entry: str = "", several: bool = False, base_model: dict[str, Any] | None = None,
+                 part: bool = False):
 
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CaptureError(f"step must be an integer >= 0, found {step!r}", where="step")
-        if framework not in FRAMEWORKS:
+        if framework not in EXTERNAL:
             raise CaptureError(f"unknown framework {framework!r}", where="framework",
-                               hint="one of: " + ", ".join(sorted(FRAMEWORKS)))
+                               hint="one of: " + ", ".join(sorted(EXTERNAL)))
         self.out_dir = Path(out_dir)
         self.names = imanifest.file_names(step)
-        refuse_existing(self.out_dir, capture_file_names(step, several=several))
+        refuse_existing(self.out_dir, list(imanifest.file_names(step).values()) if part
+                        else capture_file_names(step, several=several))
+        self.part = part
         self.several = several
         self.replay_name = replay_config_name(step) if several else REPLAY_TOML
         self.step, self.framework = step, framework
@@ -382,10 +392,9 @@ class StepCapture:
         self.base_model = base_model if base_model is not None else base_model_identity(base_model_dir)
         self.base_model_dir = Path(base_model_dir).resolve()  # the replay config names it as it is
         self.config = capture_config(config, stack)
-        from replayjob.integrations import framework_module
 
         # the framework module's own contract function, the one admission applies to the replay's config
-        self.contract: dict[str, Any] = redact(framework_module(framework).contract(self.config))
+        self.contract: dict[str, Any] = redact(producer_module(framework).contract(self.config))
         state = dict(framework_state or {})
         self.entry = ""
         if entry:  # a plain loop's replay target (FILE.py:function), pinned by the file's SHA-256
@@ -491,6 +500,9 @@ class StepCapture:
         }
         manifest_path = out / names["manifest"]
         manifest_sha = imanifest.write(manifest_path, doc)
+        if self.part:  # one process's part of a capture over several: the root writes the rest
+            self.result = CaptureResult(out, manifest_path, manifest_sha, logical, out.parent / REPLAY_TOML, {})
+            return self.result
         metrics: dict[str, Any]
         if self.several:  # the adapter after the real update, hashed in the bytes save_adapter writes
             metrics = {
@@ -526,12 +538,12 @@ class StepCapture:
             "# `replayjob explain` checks it without a model; `replayjob replay --out DIR` runs one update.",
             f"# A systems-only difference: --set {self.framework}.<key>=VALUE (or model.attn_implementation)",
             "# and declare it in optimizer_batch.allow_config_differences.",
-            "[integration]", f"framework = {_toml_string(self.framework)}",
-            *([f"entry = {_toml_string(self.entry)}"] if self.entry else []), "",
-            "[model]", f"path = {_toml_string(str(self.base_model_dir))}", "",
-            "[optimizer_batch]", f"replay_path = {_toml_string(str(manifest))}",
-            f"expected_logical_sha256 = {_toml_string(logical)}",
-            f"expected_manifest_sha256 = {_toml_string(manifest_sha)}",
+            "[integration]", f"framework = {toml_value(self.framework)}",
+            *([f"entry = {toml_value(self.entry)}"] if self.entry else []), "",
+            "[model]", f"path = {toml_value(str(self.base_model_dir))}", "",
+            "[optimizer_batch]", f"replay_path = {toml_value(str(manifest))}",
+            f"expected_logical_sha256 = {toml_value(logical)}",
+            f"expected_manifest_sha256 = {toml_value(manifest_sha)}",
             "allow_config_differences = []", 'arm = ""', "",
         ])
 

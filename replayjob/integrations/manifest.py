@@ -2,7 +2,7 @@
 
 Schema ``replayjob.integration_capture/v1`` (canonical JSON, one object)::
 
-    schema, framework, step      producer framework (a key of integrations.FRAMEWORKS), 0-based step
+    schema, framework, step      producer framework (one of replayjob.producers.EXTERNAL), 0-based step
     producer                     replayjob, python, device, versions of the stack, determinism snapshot
     files                        payload, adapter, optimizer: each {file (bare name), size, sha256}
     micro_batches                per micro-batch, in the order the loss saw them: inputs and call,
@@ -30,6 +30,8 @@ The payload holds ``mb0000.inputs.<key>``, ``mb0000.call.<key>`` and ``mb0000.rn
 the adapter file the trainable parameters by name just before the step; the optimizer file
 ``state.<index>.<key>``.  A reader hashes the manifest's bytes against the pin before parsing
 (:func:`replayjob.optbatch.manifest.read_pinned`), then checks every field; unknown keys are refused.
+A step captured over several processes has one such manifest per process (in ``rank-<r>/``) and a root of
+schema :data:`RANKS_SCHEMA` (:mod:`replayjob.integrations.ranks`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from replayjob.optbatch.manifest import (
 )
 
 SCHEMA = "replayjob.integration_capture/v1"
+RANKS_SCHEMA = "replayjob.integration_ranks/v1"  # the root of a capture over several processes (integrations.ranks)
 FILES = ("payload", "adapter", "optimizer")
 _KEYS = {"schema", "framework", "step", "producer", "files", "micro_batches", "optimizer", "trainable",
          "framework_state", "rows", "logical_batch_sha256", "local_effective_rows_sha256", "config",

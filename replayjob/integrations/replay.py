@@ -19,11 +19,15 @@ from typing import Any
 
 import torch
 
+from replayjob import distributed
+from replayjob import metrics as metrics_io
 from replayjob.deploy.schedule import Slot
 from replayjob.digest import sha256_bytes
+from replayjob.distributed import launch_env
 from replayjob.errors import ArtifactExistsError, ContractError, UsageError
 from replayjob.integrations import capture as cap
 from replayjob.integrations.admission import Admission, ReplayConfig, admit
+from replayjob.metrics import rank_file
 from replayjob.optbatch import knobs
 from replayjob.producers import driver, producer_module
 from replayjob.producers.session import MicroStep, Outcome, Session
@@ -42,6 +46,9 @@ class ReplaySession(Session):
     backward_wall_s: float = 0.0
     adm: Admission
     _summed: float = 0.0
+    _reported: float = 0.0
+    rank: int = 0  # this process among the replay's (a framework that runs over several sets them)
+    world: int = 1
 
     # -- what a framework module provides -----------------------------------------------------------
     def run(self, mb: cap.MicroBatch, inputs: dict[str, Any], call: dict[str, Any],
@@ -114,13 +121,55 @@ class ReplaySession(Session):
 
     def finish(self) -> Outcome:
         backward = self.backward_wall_s
-        loss = self.reported_loss(self._summed)
+        loss = self._reported = self.reported_loss(self._summed)
         grad_norm = self.optimizer_step()
         return Outcome(loss, grad_norm, backward_wall_s=backward)
 
     def save_adapter(self, out: Path) -> Path | None:
+        if self.rank != 0:  # several processes: process 0 writes the adapter every process holds
+            return None
         cap.save_adapter(out / cap.FINAL_ADAPTER_FILE, self.model)
         return out / cap.FINAL_ADAPTER_FILE
+
+    def rank_loss(self) -> float:
+        """This process's entry for the step's loss (the replay's loss is the entries' sum in rank order): the
+        framework's reported loss, which already spans every process (TRL averages the processes' sums as it
+        logs them), on process 0, and 0 on the others."""
+        return self._reported if self.rank == 0 else 0.0
+
+    def land(self, out: Path, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Over several processes: write this process's figures (``replay_metrics.rank-<r>.json``), wait for every
+        process, and on process 0 return the metrics with the merged figures and the rank files listed (``{}``
+        on the others); as the built-in trainer's replay (:func:`replayjob.metrics.merge_ranks`)."""
+        if self.world == 1:
+            return metrics
+
+        every = self.adm.micro_batches or []
+        mine = self.regroup(every)
+        begin = cap.batch_rows(every[:self.rank * len(mine)]) if self.rank else 0
+        logical = cap.logical_digest(mine)
+        pad = metrics["padding"]
+        doc = {"schema": metrics_io.RANK_SCHEMA, "rank": self.rank, "world_size": self.world, "arm": metrics["arm"],
+               "repeat_index": metrics["repeat_index"], "rows": [begin, begin + cap.batch_rows(mine)],
+               "shard_logical_sha256": logical, "shard_effective_rows_sha256": cap.effective_digest(mine, logical),
+               "loss": self.rank_loss(), "micro_batch_rows": [cap.batch_rows([mb]) for mb in mine],
+               "timing": metrics["timing"], "memory": metrics["memory"], "padding": {
+                   # as merge_ranks counts them: padded_tokens are every position after padding
+                   **pad, "padded_tokens": pad["real_tokens"] + pad["padded_tokens"]},
+               metrics_io.HOST: metrics[metrics_io.HOST]}
+        out.mkdir(parents=True, exist_ok=True)
+        shas = distributed.gather_objects(metrics_io.write(out / metrics_io.rank_file(self.rank), doc,
+                                                           exclusive=True))
+        distributed.barrier()  # every process's file is on disk
+        if self.rank != distributed.ROOT_RANK:
+            return {}
+        docs = [metrics_io.read_rank(out / metrics_io.rank_file(r), shas[r]) for r in range(self.world)]
+        metrics.update(metrics_io.merge_ranks(docs))
+        metrics[metrics_io.DISTRIBUTED] = {
+            "world_size": self.world, "strategy": "ddp", "sharding": "contiguous micro-batches",
+            "ranks": [{"rank": r, "file": metrics_io.rank_file(r), "sha256": shas[r], "rows": docs[r]["rows"]}
+                      for r in range(self.world)]}
+        return metrics
 
     def runtime(self, plan: list[MicroStep]) -> knobs.Runtime:
         return self.observe(tuple(len(s.rows) for s in plan))
@@ -141,7 +190,8 @@ class ReplaySession(Session):
                   "payload_spans_sha256": m.payload_digest},
             manifest_sha256=m.sha256, logical=logical, effective=cap.effective_digest(mbs, logical),
             initial_adapter_sha256=m.initial_adapter_sha256, allowed=adm.allowed, observed=adm.observed,
-            knob_values=adm.knob_values(), padding=padding(mbs), rows=cap.rows_summary(mbs),
+            knob_values=adm.knob_values(), rows=cap.rows_summary(mbs),
+            padding=padding([s.data for s in plan] if self.world > 1 else mbs),  # this process's (land merges)
             rng_restored=sorted({k for mb in mbs for k in mb.rng}),
             tolerances_sha256=ob.tolerances_sha256, budgets_sha256=ob.budgets_sha256,
             config_sha256=adm.cfg.sha256, step=m.step)
@@ -202,7 +252,10 @@ def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0, slot: Slot | Non
         raise UsageError(f"--repeat-index must be >= 0, found {repeat_index}")
     adm = admit(cfg)
     adm.raise_if_refused()
-    for name in (driver.METRICS_FILE, cap.FINAL_ADAPTER_FILE):
+
+    launch = launch_env()
+    for name in (driver.METRICS_FILE, cap.FINAL_ADAPTER_FILE, *([rank_file(launch.rank)] if launch.world_size > 1
+                                                               else [])):
         if (out / name).exists():
             raise ArtifactExistsError("output directory already holds a replay", where=out / name,
                                       hint="choose a new --out directory")

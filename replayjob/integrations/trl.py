@@ -14,6 +14,12 @@ Capture (``pip install 'replayjob[trl]'``)::
 (:class:`~replayjob.integrations.capture.ChosenSteps`): per step its files and
 ``replay_step_<K:06d>.toml``, and ``metrics.json`` once training ends (``cap.steps_result``).
 
+Under ``accelerate launch`` or ``torchrun`` (DDP) the same call in every process captures step K over all of
+them (:mod:`replayjob.integrations.ranks`: one part per process in ``rank-<r>/``, one root written by process 0);
+a replay runs on any process count (``replayjob replay --nproc N``), each process taking its contiguous run
+of the captured micro-batches, and another count than the capture's is the knob ``distributed.num_processes``,
+admitted per loss type where TRL's normalisation keeps the gradient (:func:`knob_refusals`).
+
 How it plugs in: a ``TrainerCallback`` snapshots the adapter, optimizer and LR-scheduler state at
 ``on_step_begin`` of (each chosen) global step K and finishes the capture at ``on_step_end``, after the
 transformers loop's clip, ``optimizer.step()``, ``lr_scheduler.step()`` and ``zero_grad()``;
@@ -46,12 +52,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from replayjob import determinism
-from replayjob.config.redact import REDACTED
 from replayjob.errors import RefusedError, UsageError
 from replayjob.integrations import capture as cap
+from replayjob.integrations import ranks as iranks
 from replayjob.integrations.replay import ReplaySession
 from replayjob.jsonio import read_json_object
 from replayjob.optbatch import knobs
+from replayjob.optbatch.ranks import rank_dir
+from replayjob.redact import REDACTED
 
 if TYPE_CHECKING:
     from replayjob.integrations.admission import Admission
@@ -166,6 +174,67 @@ def knob_refusals(adm: Admission) -> list[str]:
                    f"{knobs.TRL_GRADIENT_CHECKPOINTING} = true or remove it")
     if knobs.TRL_MICRO_BATCH in adm.allowed:
         why += _resplit_refusals(adm)
+    if NUM_PROCESSES in adm.allowed:
+        why += _process_refusals(adm)
+    else:
+        why += [f"{k} is admitted only with {NUM_PROCESSES} (a process-count change): alone it changes the weight "
+                "of each micro-batch's loss" for k in (knobs.TRL_ACCUMULATION, knobs.TRL_STEPS_PER_GENERATION)
+                if k in adm.allowed]
+    return why
+
+
+# Several processes (DDP).  A replay runs on any process count; each process takes a contiguous run of the captured
+# micro-batches in rank order (each restoring the RNG state captured before its own loss call) and DDP averages the
+# processes' gradients.  The process count is compared as the config key distributed.num_processes; a change is
+# admitted where TRL's normalisation keeps the gradient (docs/capture-api.md, "Several processes"): every captured
+# micro-batch is run whole (replay processes x gradient_accumulation_steps = the captured micro-batches), the
+# generation batch is kept (processes x steps_per_generation), and for the losses whose normaliser names the
+# process count (dapo, cispo, vespo: num_items_in_batch / num_processes x current_gradient_accumulation_steps /
+# steps_per_generation) the ratio gradient_accumulation_steps / steps_per_generation is kept.
+RANKS = True
+NUM_PROCESSES = knobs.TRL_NUM_PROCESSES
+PROCESS_EXACT = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")  # divided by the accumulation steps alone
+PROCESS_RATIO = ("dapo", "cispo", "vespo")  # divided by num_items_in_batch / num_processes x acc / spg
+_PROCESS_GEOMETRY = ("gradient_accumulation_steps", "steps_per_generation")
+
+
+def _process_refusals(adm: Admission) -> list[str]:
+    m, r, mbs = adm.manifest, adm.resolved, adm.micro_batches
+    if m is None or r is None or mbs is None:
+        return []  # refused already, for another reason
+    src, t, key = m.config.get(FRAMEWORK, {}), r.get(FRAMEWORK, {}), NUM_PROCESSES
+    p, p2, n = adm.captured_processes, adm.processes, len(mbs)
+    acc, spg = (int(src[k]) for k in _PROCESS_GEOMETRY)
+    acc2, spg2 = (int(t[k]) for k in _PROCESS_GEOMETRY)
+    why = []
+    if knobs.TRL_MICRO_BATCH in adm.allowed:
+        why.append(f"{key}: a process-count change and {knobs.TRL_MICRO_BATCH} are not admitted together")
+    if r.get(TRAINER_KEY):
+        why.append(f"{key}: a process-count change is admitted for GRPOTrainer's loss types only, not "
+                   f"{r[TRAINER_KEY]}")
+    if p2 * acc2 != n:
+        fix = (f"set {FRAMEWORK}.gradient_accumulation_steps = {n // p2} (declared)" if n % p2 == 0
+               else f"choose a process count that divides {n}")
+        why.append(f"{key}: the capture holds {n} micro-batches ({p} process(es) x {acc} accumulation steps); "
+                   f"{p2} process(es) x gradient_accumulation_steps {acc2} would run {p2 * acc2}, so each would not "
+                   f"be run exactly once with its weight: {fix}")
+    loss = t.get("loss_type")
+    if loss in PROCESS_RATIO and acc * spg2 != acc2 * spg:
+        why.append(f"{key}: loss_type {loss!r} divides each micro-batch's loss by num_items_in_batch / "
+                   "num_processes x current_gradient_accumulation_steps / steps_per_generation, and DDP averages "
+                   "over the processes, so the gradient is kept only with gradient_accumulation_steps / "
+                   f"steps_per_generation kept: captured {acc}/{spg}, replay {acc2}/{spg2} would scale it by "
+                   f"{acc * spg2 / (acc2 * spg):g}" + (f"; set {FRAMEWORK}.steps_per_generation = {spg * acc2 // acc} "
+                                                       "(declared)" if (spg * acc2) % acc == 0 else ""))
+    elif loss not in PROCESS_RATIO and loss not in PROCESS_EXACT:
+        why.append(f"{key}: loss_type {loss!r} is not covered (admitted: " + ", ".join(PROCESS_EXACT + PROCESS_RATIO)
+                   + ")")
+    elif p * spg != p2 * spg2:
+        why.append(f"{key}: the generation batch (processes x steps_per_generation x per_device_train_batch_size) "
+                   f"changes from {p} x {spg} to {p2} x {spg2}; GRPOConfig derives it from the process count: set "
+                   f"{FRAMEWORK}.steps_per_generation = {p * spg // p2} (declared)")
+    if t.get("use_adaptive_entropy"):
+        why.append(f"{key}: the adaptive entropy controller tracks a window over the processes")
     return why
 
 
@@ -190,8 +259,8 @@ def resplit_geometry(source: dict[str, Any], replay: dict[str, Any], rows: int) 
     the size is unchanged."""
     size, acc, spg = (int(source[k]) for k in _GEOMETRY)
     new = int(replay["per_device_train_batch_size"])
-    if new == size:
-        return {"per_device_train_batch_size": size, "gradient_accumulation_steps": acc, "steps_per_generation": spg}
+    if new == size:  # the replay's accumulation: the source's, unless a process-count change declares another
+        return {k: int(replay[k]) for k in _GEOMETRY}
     new_acc = rows // new
     return {"per_device_train_batch_size": new, "gradient_accumulation_steps": new_acc,
             "steps_per_generation": spg * new_acc // acc}
@@ -407,13 +476,30 @@ class TRLCapture:
 
         if not isinstance(trainer, GRPOTrainer):  # an RLOOTrainer (a GRPO capture's config stays as it was)
             config[TRAINER_KEY] = "RLOOTrainer"
+        # several processes (DDP): each captures its own micro-batches as a part (integrations.ranks)
+        self.rank, self.world = int(trainer.accelerator.process_index), int(trainer.accelerator.num_processes)
+        self._root: cap.CaptureResult | None = None
+        if self.world > 1:
+            config["distributed"] = {"num_processes": self.world}  # one-process captures record none
+            kind = str(getattr(trainer.accelerator.distributed_type, "value", trainer.accelerator.distributed_type))
+            if not kind.startswith("MULTI_"):  # DDP; FSDP and DeepSpeed shard the adapter or optimizer state
+                raise cap.CaptureError(f"a capture over several processes takes data-parallel (DDP) runs; this one "
+                                       f"runs {kind}", where="trainer.accelerator",
+                                       hint="capture a DDP run (accelerate launch / torchrun without FSDP or "
+                                            "DeepSpeed); see docs/capture-api.md, 'Several processes'")
         self._cap: cap.StepCapture | None = None  # the step being captured (or the last one)
         self._config = config
         self._base_dir = str(base.config._name_or_path or "")
         self._out = out_dir
         self._chosen: cap.ChosenSteps | None = None
         self._base_model: dict[str, Any] | None = None  # step=K: hashed here, once
-        if several:  # refused now, before training: existing files, a base model not in a local directory
+        if several and self.world > 1:
+            raise cap.CaptureError(f"steps=[...] is captured in one process; this run has {self.world}",
+                                   where="steps", hint="capture one step (step=K) of a run over several processes")
+        if self.world > 1:
+            iranks.refuse_existing(out_dir, self.rank, self.step)
+            self._base_model = cap.base_model_identity(self._base_dir)
+        elif several:  # refused now, before training: existing files, a base model not in a local directory
             self._chosen = cap.ChosenSteps(out_dir, steps=steps, framework=FRAMEWORK, base_model_dir=self._base_dir,
                                            config=config)
         else:
@@ -428,8 +514,10 @@ class TRLCapture:
             def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
                 c = handle._cap
                 if c is not None and c.active and state.global_step == c.step + 1:
-                    c.loss = handle._loss.value(args.parallel_mode)
+                    c.loss = handle._loss.value(args.parallel_mode)  # gathered over the processes
                     c.finish(grad_norm=handle._grad_norm)
+                    if handle.world > 1:  # land; process 0 writes the root
+                        handle._root = iranks.finish(handle._out, c, handle.rank, handle.world)
 
             def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
                 c = handle._cap
@@ -450,8 +538,10 @@ class TRLCapture:
         if self._chosen is not None:
             c = self._chosen.at(k, **live)
         elif k == self.step and self._cap is None:
-            c = cap.StepCapture(self._out, step=k, framework=FRAMEWORK, base_model_dir=self._base_dir,
-                                config=self._config, base_model=self._base_model, **live)
+            part = self.world > 1
+            c = cap.StepCapture(self._out / rank_dir(self.rank) if part else self._out, step=k, framework=FRAMEWORK,
+                                base_model_dir=self._base_dir, config=self._config, base_model=self._base_model,
+                                part=part, **live)
         else:
             c = None
         if c is not None:
@@ -496,6 +586,9 @@ class TRLCapture:
         if self._cap is None or self._cap.result is None:
             raise cap.CaptureError(f"optimizer step {self.step} was not captured (training ended before it "
                                    "completed)", where=str(self._out), hint="train for at least step + 1 steps")
+        if self.world > 1:
+            assert self._root is not None
+            return self._root
         return self._cap.result
 
     @property
@@ -626,7 +719,12 @@ class TRLSession(ReplaySession):
         wrapped, _ = trainer._prepare_for_training(int(state["max_steps"]), None, None)
         trainer.state.global_step = int(state["global_step"])
         wrapped.zero_grad()
-        self.trainer, self.model = trainer, wrapped
+        # several processes: DDP wraps the model; the adapter is read and written on the trainer's own model
+        self.rank, self.world = int(trainer.accelerator.process_index), int(trainer.accelerator.num_processes)
+        self.trainer, self.wrapped = trainer, wrapped
+        self.model = trainer.model if self.world > 1 else wrapped
+        if self.world > 1:
+            self.trace_refusal = self.repeat_refusal = f"it runs on {self.world} processes"
         self.optimizer, self.scheduler = trainer.optimizer, trainer.lr_scheduler
         self.device = trainer.args.device
         self._loss = LoggedLoss(self.device)
@@ -653,18 +751,24 @@ class TRLSession(ReplaySession):
         t.accelerator.gradient_state._set_sync_gradients(mb.sync_gradients)
         t.current_gradient_accumulation_steps = mb.accumulation_steps
         self._before_loss = before_loss
-        ctx = contextlib.nullcontext() if mb.sync_gradients else t.accelerator.no_sync(model=self.model)
+        ctx = contextlib.nullcontext() if mb.sync_gradients else t.accelerator.no_sync(model=self.wrapped)
         with ctx:
-            loss = t.training_step(self.model, inputs, call.get("num_items_in_batch"))
+            loss = t.training_step(self.wrapped, inputs, call.get("num_items_in_batch"))
         self._loss.add(loss)
         return float(loss)
 
     def regroup(self, mbs: list[cap.MicroBatch]) -> list[cap.MicroBatch]:
-        """The captured micro-batches, re-split (:func:`resplit`) when the micro-batch knob changes their size."""
-        size = self.geometry["per_device_train_batch_size"]
-        if all(cap.batch_rows([mb]) == size for mb in mbs):
+        """The captured micro-batches, re-split (:func:`resplit`) when the micro-batch knob changes their size; over
+        several processes (or from a capture over several) this process's contiguous run of them in rank order,
+        each with the replay's accumulation steps and gradients synchronised with the last."""
+        size, acc = self.geometry["per_device_train_batch_size"], self.geometry["gradient_accumulation_steps"]
+        if not all(cap.batch_rows([mb]) == size for mb in mbs):
+            return resplit(mbs, size, acc)
+        if self.world == 1 and self.adm.rank_micro_batches is None:
             return mbs
-        return resplit(mbs, size, self.geometry["gradient_accumulation_steps"])
+        mine = mbs[self.rank * acc:(self.rank + 1) * acc]
+        return [dataclasses.replace(mb, accumulation_steps=acc, sync_gradients=i == len(mine) - 1)
+                for i, mb in enumerate(mine)]
 
     def reported_loss(self, summed: float) -> float:
         """The step's loss as the transformers loop logs it (:class:`LoggedLoss`), not the float sum."""
@@ -674,13 +778,13 @@ class TRLSession(ReplaySession):
         from transformers.trainer import GreedyLR
 
         t = self.trainer
-        grad_norm = t._clip_grad_norm(self.model) if t.args.max_grad_norm > 0 else None
-        grad_norm = t._get_grad_norm(self.model, grad_norm=grad_norm)
+        grad_norm = t._clip_grad_norm(self.wrapped) if t.args.max_grad_norm > 0 else None
+        grad_norm = t._get_grad_norm(self.wrapped, grad_norm=grad_norm)
         t.optimizer.step()
         if not t.accelerator.optimizer_step_was_skipped and not isinstance(
                 t.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau | GreedyLR):
             t.lr_scheduler.step()
-        self.model.zero_grad()
+        self.wrapped.zero_grad()
         return float(grad_norm)
 
     def begin(self, n_micro_batches: int) -> None:

@@ -23,13 +23,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from replayjob import integrations
 from replayjob.config import from_dict, load_config
 from replayjob.errors import UsageError
 from replayjob.mismatch import builtin, external
 from replayjob.mismatch.bound import Bound, read_bound
 from replayjob.mismatch.report import Report, build
 from replayjob.optbatch.explain import admit, source_config
+from replayjob.producers import BUILTIN
+from replayjob.producers.manifests import producer_of
 
 __all__ = ["Bound", "Report", "check_capture", "read_bound", "resolve_capture"]
 
@@ -51,7 +52,7 @@ def check_capture(capture: str | Path, overrides: list[str], bound: str | Path |
                   allow_lag: bool = False) -> Report:
     """Recompute, compare, attribute and decide (the report's ``decision`` holds the exit code)."""
     config = resolve_capture(capture)
-    if integrations.is_integration_config(config):
+    if producer_of(config, overrides) != BUILTIN:
         return external.check(config, overrides, bound, allow_lag)
     cfg = load_config(config, overrides)
     declared = read_bound(bound, cfg.optimizer_batch.mismatch_bound_sha256) if bound is not None else None

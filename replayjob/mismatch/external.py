@@ -36,12 +36,13 @@ from torch import Tensor
 
 from replayjob import determinism
 from replayjob.errors import UsageError
-from replayjob.integrations import admission, framework_module
+from replayjob.integrations import admission
 from replayjob.integrations import capture as cap
 from replayjob.integrations.replay import load_state
 from replayjob.mismatch.bound import Bound, read_bound
 from replayjob.mismatch.report import Report, build
 from replayjob.mismatch.views import Collector, Side, Source, Views
+from replayjob.producers import producer_module
 from replayjob.rl.logprobs import logprobs_of, truncate
 
 TRAINER_LAYOUT = "TRL: prompts left-padded, completions right-padded, no position ids"
@@ -69,7 +70,7 @@ def check(config: Path, overrides: list[str], bound: str | Path | None, allow_la
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="replayjob-mismatch-") as tmp:
         determinism.establish(strict=False, seed=None)
-        session = framework_module("trl").build_replay(adm, Path(tmp))
+        session = producer_module("trl").build_replay(adm, Path(tmp))
         determinism.mark_model_built(False)
         load_state(adm, session)
         views = recompute(session, adm.micro_batches, adm.resolved, m.doc["framework_state"], m.step)

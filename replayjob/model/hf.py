@@ -15,15 +15,16 @@ from typing import Any
 
 import torch
 
+from replayjob import tensorfile
 from replayjob.config import Config
 from replayjob.config.load import to_dict
-from replayjob.config.redact import redact_text
 from replayjob.digest import sha256_file
 from replayjob.distributed import full
 from replayjob.errors import ConfigError, ContractError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes
 from replayjob.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from replayjob.redact import redact_text
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -97,7 +98,6 @@ class HFPolicy:
     def load_adapter(self, weight_file: Path, expected_sha256: str | None = None) -> None:
         from peft import set_peft_model_state_dict
 
-        from replayjob import tensorfile
 
         # one read: the pin is checked over the very bytes the tensors are built from, and the
         # file is validated before that (pickle and malformed files refused)

@@ -19,6 +19,7 @@ from typing import Any
 
 from replayjob import determinism
 from replayjob.config import Config, redact
+from replayjob.config.diff import differences
 from replayjob.config.load import to_dict
 from replayjob.digest import sha256_json
 
@@ -66,6 +67,5 @@ def contract_sha256(contract: dict[str, Any]) -> str:
 
 def contract_differences(source: dict[str, Any], replay: dict[str, Any]) -> list[str]:
     """Dotted keys where two contracts differ (empty when they match exactly)."""
-    from replayjob.config.diff import differences
 
     return differences(source, replay)

@@ -20,17 +20,20 @@ from typing import Any
 
 from torch import Tensor
 
-from replayjob.config import Config, from_dict, resolved
+from replayjob.config import Config, from_dict, load_config, resolved
 from replayjob.config.diff import differences
 from replayjob.config.load import to_dict
-from replayjob.config.redact import redact_text
 from replayjob.config.schema import DistributedConfig, OptimizerBatchConfig
 from replayjob.digest import normalize_digest
+from replayjob.distributed import observe
 from replayjob.errors import ContractError, IntegrityError, RefusedError
 from replayjob.metrics import EFFECTIVE, LOGICAL, SKIPPED
 from replayjob.optbatch import knobs, payload, ranks, stepcapture
 from replayjob.optbatch.contract import contract_differences, contract_sha256, optimizer_contract
 from replayjob.optbatch.manifest import Manifest, read_payload
+from replayjob.producers import BUILTIN
+from replayjob.producers.manifests import producer_of
+from replayjob.redact import redact_text
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.state import ResumeState, read_state
 
@@ -289,7 +292,6 @@ def admit(cfg: Config, keep_rows: bool = True) -> Admission:
     With ``keep_rows`` the admitted rows are kept (``batch``, for a replay); without, the payload is
     verified streaming and memory stays bounded (``explain``).
     """
-    from replayjob.distributed import observe
 
     adm = Admission(cfg=observe(cfg, running=False), keep_rows=keep_rows)  # the world size a replay would have
     _check_runner(adm)
@@ -373,13 +375,11 @@ def render(rep: dict[str, Any]) -> str:
 def explain(config: str | Path, overrides: list[str]) -> tuple[Refusals, dict[str, Any]]:
     """``replayjob explain``: load the config, admit, and build the report.
 
-    A config with an ``[integration]`` table is an external trainer's capture
-    (:mod:`replayjob.integrations.admission`, the same rules).
+    The capture's manifest names its producer: an external trainer's capture is admitted by
+    :mod:`replayjob.integrations.admission` (the same rules).
     """
-    from replayjob import integrations
-    from replayjob.config import load_config
 
-    if integrations.is_integration_config(config):
+    if producer_of(config, overrides) != BUILTIN:
         from replayjob.integrations import admission
 
         return admission.explain(config, overrides)

@@ -35,7 +35,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from replayjob import producers
 from replayjob.config import Config
+from replayjob.distributed import strategy_of
+from replayjob.errors import RefusedError
+from replayjob.jsonio import read_json_object
 
 # Keys (or whole sections) that are never compared between source and replay, with the reason.
 IGNORED: dict[str, str] = {
@@ -69,15 +73,14 @@ Observer = Callable[[Runtime], Any]
 # (intended value, replayed rows, every intended knob value of the arm) -> the observation it implies
 Predictor = Callable[[Any, int, Mapping[str, Any]], Any]
 
-BUILTIN = "replayjob"  # the producer name of replayjob's own trainer (capture, replay)
-PRODUCERS = (BUILTIN, "trl", "torch")  # replayjob's trainer and replayjob.integrations.FRAMEWORKS
+BUILTIN = producers.BUILTIN  # the producer name of replayjob's own trainer (capture, replay)
 
 
 @dataclass(frozen=True)
 class Knob:
     """A systems-only config key: why it cannot change the update, when that holds, how it is observed.
 
-    ``frameworks`` names the producers whose runs the key belongs to (:data:`PRODUCERS`): a replay
+    ``frameworks`` names the producers whose runs the key belongs to (:data:`replayjob.producers.PRODUCERS`): a replay
     may declare, and records the observation of, exactly its own producer's knobs.
     ``condition`` is checked on both configs at admission; ``model_condition`` on the built model
     before the update (a replay that declares the knob is refused when either gives a reason).
@@ -128,8 +131,6 @@ def config_dropouts(doc: Any, prefix: str = "") -> list[str]:
 def _dropouts(cfg: Config) -> list[str]:
     """Every dropout the config switches on: LoRA's and any in a local base model's config.json
     (the built-in tiny model has none: its attention dropout is 0)."""
-    from replayjob.errors import RefusedError
-    from replayjob.jsonio import read_json_object
 
     found = [f"lora.dropout={cfg.lora.dropout}"] if cfg.lora.dropout else []
     if cfg.model.path:
@@ -235,7 +236,6 @@ def _observe_world_size(rt: Runtime) -> int:
 def _observe_strategy(rt: Runtime) -> str:
     """How the model was wrapped: ``ddp`` (a DistributedDataParallel module), ``fsdp2`` (a module sharded by
     ``fully_shard``), else ``none``."""
-    from replayjob.distributed import strategy_of
 
     return strategy_of(rt.parallel)
 
@@ -271,6 +271,27 @@ BUCKET_CAP_MB = "distributed.bucket_cap_mb"
 TRL_GRADIENT_CHECKPOINTING = "trl.gradient_checkpointing"
 TRL_USE_REENTRANT = "trl.gradient_checkpointing_kwargs.use_reentrant"
 TRL_MICRO_BATCH = "trl.per_device_train_batch_size"
+TRL_NUM_PROCESSES = "distributed.num_processes"  # a TRL run's process count (DDP), compared as a config key
+TRL_ACCUMULATION = "trl.gradient_accumulation_steps"
+TRL_STEPS_PER_GENERATION = "trl.steps_per_generation"
+
+
+def _observe_processes(rt: Runtime) -> int | None:
+    """The processes the external trainer's accelerator ran the update on."""
+    n = getattr(getattr(rt.trainer, "accelerator", None), "num_processes", None)
+    return n if isinstance(n, int) else None
+
+
+def _predict_processes(intended: Any, rows: int, arm: Mapping[str, Any]) -> Any:
+    """A capture that records no process count ran on one process."""
+    return 1 if intended is None else intended
+
+
+def _trainer_arg(name: str) -> Observer:
+    """An observer of the external trainer's own argument ``name`` (as its training step reads it)."""
+    def observe(rt: Runtime) -> Any:
+        return getattr(getattr(rt.trainer, "args", None), name, None)
+    return observe
 
 _KNOBS = (
     Knob(GRADIENT_CHECKPOINTING,
@@ -321,6 +342,22 @@ _KNOBS = (
          "eager and sdpa compute the same softmax(QK^T / sqrt(d) + mask) V for the model the replay "
          "loads from the base model directory; only the kernel differs",
          observe=_observe_attention, frameworks=("trl",)),
+    # A TRL run over several processes (DDP): the process count and, with it only, the accumulation that runs every
+    # captured micro-batch once (the per-loss-type rule is checked by the TRL integration at admission).
+    Knob(TRL_NUM_PROCESSES,
+         "each process runs a contiguous run of the captured micro-batches whole, restoring each one's captured RNG "
+         "state, and DDP averages the processes' gradients; with processes x gradient_accumulation_steps kept, each "
+         "micro-batch's weight is kept, and for dapo/cispo/vespo (whose normaliser divides by the process count) "
+         "gradient_accumulation_steps / steps_per_generation too; only the summation order changes",
+         observe=_observe_processes, predict=_predict_processes, frameworks=("trl",)),
+    Knob(TRL_ACCUMULATION,
+         "the accumulation steps of a process-count change (admitted only with distributed.num_processes): "
+         "processes x accumulation steps runs every captured micro-batch exactly once",
+         observe=_trainer_arg("gradient_accumulation_steps"), frameworks=("trl",)),
+    Knob(TRL_STEPS_PER_GENERATION,
+         "the generation period of a process-count change (admitted only with distributed.num_processes): it keeps "
+         "the generation batch and, for dapo/cispo/vespo, the accumulation ratio of the loss's normaliser",
+         observe=_trainer_arg("steps_per_generation"), frameworks=("trl",)),
 )
 
 KNOBS: dict[str, Knob] = {k.key: k for k in _KNOBS}

@@ -36,12 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from replayjob.config.redact import redact_path
 from replayjob.digest import normalize_digest, sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
 from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict
 from replayjob.optbatch.knobs import BUILTIN
+from replayjob.redact import redact_path
 
 if TYPE_CHECKING:
     from replayjob.optbatch.payload import Scanned
@@ -177,7 +177,7 @@ def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_siz
           state: dict[str, Any] | None = None, sealed: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest document (nothing is written); ``state`` as the module docstring says, ``sealed`` its
     ``outcome`` (:func:`outcome`); the adapter path is recorded by
-    :func:`~replayjob.config.redact.redact_path` (SECURITY.md)."""
+    :func:`~replayjob.redact.redact_path` (SECURITY.md)."""
     doc = {
         "schema": SCHEMA,
         "step": step,

@@ -34,7 +34,8 @@ from replayjob.errors import ArtifactExistsError, ContractError, UsageError, err
 from replayjob.model.backend import load_backend
 from replayjob.optbatch import knobs, stepcapture
 from replayjob.optbatch.explain import Admission, admit
-from replayjob.producers import driver
+from replayjob.producers import driver, producer_module
+from replayjob.producers.manifests import producer_of
 from replayjob.producers.session import MicroStep, Outcome, Session
 from replayjob.rl.state import check_model
 from replayjob.rl.update import Update, UpdateResult, make_optimizer
@@ -212,24 +213,25 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
                    launcher: str = "torchrun") -> list[tuple[Path, dict[str, Any]]]:
     """``replayjob replay``: one replay in this process, or ``repeat`` fresh-process replays.
 
-    A config with an ``[integration]`` table replays a capture from an external trainer
-    (:mod:`replayjob.integrations`); the fan-out is the same for both.  ``nproc`` > 1 runs each replay
-    on that many ranks of this node, launched by :func:`replayjob.distributed.run_launched` (also for a
-    single replay without ``repeat``; ``launcher``: torchrun, or srun inside a Slurm allocation, see
+    The capture's manifest names its producer (:func:`replayjob.producers.manifests.producer_of`): an external
+    trainer's capture is replayed through :mod:`replayjob.integrations`; the fan-out is the same for
+    all (``nproc`` > 1 for a producer whose module sets ``RANKS``, TRL; refused by name for the others).
+    ``nproc`` > 1 runs each replay on that many ranks of this node, launched by
+    :func:`replayjob.distributed.run_launched` (also for a single replay without ``repeat``;
+    ``launcher``: torchrun, or srun inside a Slurm allocation, see
     :func:`replayjob.distributed.launch_command`).  On a rank other than 0 (this process launched by
     torchrun) the metrics returned are ``{}``.
     """
-    from replayjob import integrations
-
     if nproc < 1:
         raise UsageError(f"--nproc must be >= 1, found {nproc}")
-    if integrations.is_integration_config(config):
+    if producer_of(config, overrides) != knobs.BUILTIN:
         from replayjob.integrations import admission
         from replayjob.integrations import replay as integration_replay
 
-        if nproc > 1:
-            raise UsageError("an integration replay runs in one process; --nproc applies to replayjob's own trainer")
         icfg = admission.load(config, overrides)
+        if nproc > 1 and not getattr(producer_module(icfg.framework), "RANKS", False):
+            raise UsageError(f"a {icfg.framework} replay runs in one process; --nproc applies to replayjob's own "
+                             "trainer and to producers that replay over several processes (trl)", where="--nproc")
         if out is None:
             raise UsageError("an integration replay needs --out DIR")
         out_dir = Path(out)
@@ -238,7 +240,7 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
             return integration_replay.replay(icfg, d, index, slot)
 
         def refuse_early() -> None:
-            admission.admit(icfg).raise_if_refused()
+            admission.admit(icfg, processes=nproc).raise_if_refused()
     else:
         cfg = load_config(config, overrides)
         out_dir = Path(out or cfg.logging.dir)

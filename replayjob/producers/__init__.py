@@ -14,8 +14,9 @@ A producer is a module registered in :data:`PRODUCERS` under the name its captur
 
 The sequence of a replay (pins, RNG restored before each loss call, state, micro-batches, clip and
 step, in-process repeats, trace, metrics) is owned by one driver, :mod:`replayjob.producers.driver`,
-whatever the producer.  A third framework is one more module and one more entry here.  Importing
-this package imports no framework and no torch.
+whatever the producer; :func:`replayjob.producers.manifests.producer_of` reads which producer wrote
+a capture from its manifest.  A third framework is one more module and one more entry here.  This
+module imports nothing but the error root: every layer may name producers.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ PRODUCERS: dict[str, str] = {
     "trl": "replayjob.integrations.trl",
     "torch": "replayjob.integrations.torch_loop",
 }
+
+
+# the producers the public capture API records (every one but the built-in trainer)
+EXTERNAL = tuple(name for name in PRODUCERS if name != BUILTIN)
 
 
 def producer_module(name: str) -> Any:

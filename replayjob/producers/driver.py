@@ -11,8 +11,10 @@
 5. the final adapter saved; then W warm-up and M measured in-process updates, each from the same
    restored state (``optimizer_batch.warmup_updates`` / ``measured_updates``), recorded apart from
    the fresh-process update under ``in_process`` with whether each reproduced its loss bit for bit;
-6. the producer's knobs observed at run time, and ``replay_metrics.json`` built
-   (:func:`metrics_document`) and written (:func:`write_metrics`) here only.
+   what contended with the host while these timed updates ran is recorded under ``contention``
+   (:class:`replayjob.contention.Probe`);
+6. the producer's knobs observed at run time, and ``replay_metrics.json`` built and written by its
+   artifact module (:func:`replayjob.metrics.replay_document`, :func:`replayjob.metrics.write_replay`).
 
 Every captured tensor reaches a producer's loss in freshly allocated memory (:func:`fresh`): a view
 into a payload's bytes may sit at an offset CPU kernels vectorise differently, which changes the
@@ -29,9 +31,9 @@ from typing import Any
 
 import torch
 
-import replayjob
 from replayjob import determinism
 from replayjob import metrics as metrics_io
+from replayjob.contention import Probe
 from replayjob.deploy.schedule import Slot
 from replayjob.digest import sha256_file
 from replayjob.errors import ConfigError, ContractError, UsageError
@@ -43,7 +45,6 @@ from replayjob.rl.state import restore_rng
 from replayjob.trace import fault as faults
 from replayjob.trace.recorder import Recorder
 
-METRICS_SCHEMA = metrics_io.REPLAY_SCHEMA
 METRICS_FILE = metrics_io.REPLAY_FILE
 
 
@@ -159,15 +160,17 @@ def replay(build: Callable[[], Session], out: Path, *, arm: str, repeat_index: i
     prov.update(session.provenance())
     plan = session.plan()
     _reset_peak(session.device)
-    with traced(session, plan, trace) as tracer:
-        outcome, timing = update(session, plan)
-    peak = peak_memory_value(session.device)
-    final_file = session.save_adapter(out)
-    repeats = in_process(session, plan, outcome.loss, warmup_updates, measured_updates)
+    with Probe(session.device) as probe:  # what contended with the timed updates
+        with traced(session, plan, trace) as tracer:
+            outcome, timing = update(session, plan)
+        peak = peak_memory_value(session.device)
+        final_file = session.save_adapter(out)
+        repeats = in_process(session, plan, outcome.loss, warmup_updates, measured_updates)
     runtime = knobs.observe_all(session.runtime(plan), session.framework)
-    metrics = metrics_document(**session.document(outcome, plan), arm=arm, repeat_index=repeat_index,
-                               runtime=runtime, loss=outcome.loss, grad_norm=outcome.grad_norm, timing=timing,
-                               peak=peak, device=session.device)
+    metrics = metrics_io.replay_document(
+        **session.document(outcome, plan), arm=arm, repeat_index=repeat_index, runtime=runtime, loss=outcome.loss,
+        grad_norm=outcome.grad_norm, timing=timing, peak=peak, device=str(session.device),
+        torch_version=torch.__version__, host=host_provenance(session.device))
     metrics = session.land(out, metrics)
     if not metrics:
         return {}
@@ -177,59 +180,9 @@ def replay(build: Callable[[], Session], out: Path, *, arm: str, repeat_index: i
                     "provenance": prov,
                     metrics_io.SCHEDULE: None if slot is None else slot.to_json(),
                     metrics_io.IN_PROCESS: repeats,
+                    metrics_io.CONTENTION: probe.record(),
                     "wall_s": time.perf_counter() - t_start})
     if tracer is not None:  # before replay_metrics.json, which pins the trace index
         metrics[metrics_io.TRACE] = tracer.write(out, metrics, session.trace_identity(runtime))
-    write_metrics(out, metrics)
+    metrics_io.write_replay(out, metrics)
     return metrics
-
-
-def metrics_document(*, framework: str, arm: str, repeat_index: int, pins: dict[str, str], manifest_sha256: str,
-                     logical: str, effective: str, initial_adapter_sha256: str, allowed: list[str],
-                     observed: list[str], knob_values: dict[str, Any], runtime: dict[str, Any], loss: float,
-                     grad_norm: float, timing: dict[str, float], peak: int, device: torch.device,
-                     padding: dict[str, Any], rows: dict[str, Any], rng_restored: list[str],
-                     tolerances_sha256: str, budgets_sha256: str, config_sha256: str,
-                     step: int | None = None) -> dict[str, Any]:
-    """The ``replay_metrics.json`` document (docs/replay-metrics.md) before the final adapter, provenance
-    and whole-run wall time are added.  ``runtime`` holds the observation of every registered knob of
-    ``framework`` (:func:`replayjob.optbatch.knobs.observe_all`); ``host`` is read here, where the replay ran."""
-    doc = {
-        "schema": METRICS_SCHEMA,
-        metrics_io.FRAMEWORK: framework,
-        "replayjob_version": replayjob.__version__,
-        "torch_version": torch.__version__,
-        "device": str(device),
-        "arm": arm,
-        "repeat_index": repeat_index,
-        "pins": pins,
-        metrics_io.LOGICAL: logical,
-        metrics_io.EFFECTIVE: effective,
-        metrics_io.MANIFEST: manifest_sha256,
-        metrics_io.INITIAL_ADAPTER: initial_adapter_sha256,
-        "allowed_config_differences": list(allowed),
-        "observed_config_differences": list(observed),
-        "knobs": knob_values,
-        "skipped": list(metrics_io.SKIPPED),
-        "runtime": runtime,  # every registered knob of the framework as observed at run time
-        "loss": loss,
-        "grad_norm": grad_norm,
-        "timing": timing,
-        "memory": {"peak_bytes": peak,
-                   "kind": "cuda_max_allocated" if device.type == "cuda" else "max_rss"},
-        "padding": padding,
-        "rows": rows,
-        "rng_restored": rng_restored,
-        "tolerances_sha256": tolerances_sha256.strip().lower(),  # checked at admission
-        metrics_io.BUDGETS_SHA256: budgets_sha256.strip().lower(),
-        "config_sha256": config_sha256,
-        metrics_io.HOST: host_provenance(device),  # node, GPU, driver, CUDA, image (replayjob.hostinfo)
-    }
-    if step is not None:
-        doc[metrics_io.STEP] = step
-    return doc
-
-
-def write_metrics(out: Path, metrics: dict[str, Any]) -> None:
-    """Write ``OUT/replay_metrics.json`` exclusively through :func:`replayjob.metrics.write` (the one writer)."""
-    metrics_io.write(out / METRICS_FILE, metrics, exclusive=True)

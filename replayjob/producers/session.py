@@ -101,7 +101,7 @@ class Session:
 
     def document(self, outcome: Outcome, plan: list[MicroStep]) -> dict[str, Any]:
         """The producer's part of ``replay_metrics.json``: the keyword arguments of
-        :func:`replayjob.producers.driver.metrics_document` that come from its admission."""
+        :func:`replayjob.metrics.replay_document` that come from its admission."""
         raise NotImplementedError
 
     def trace_identity(self, runtime: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +22,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-import replayjob
 from replayjob import determinism, distributed, faults
 from replayjob import metrics as metrics_io
 from replayjob.config import Config, config_sha256, resolved
@@ -51,7 +49,6 @@ from replayjob.rl.state import (
 from replayjob.rl.task import Task
 from replayjob.rl.update import UpdateResult, make_optimizer, optimizer_update
 
-METRICS_SCHEMA = metrics_io.SOURCE_SCHEMA
 DIAG_FILE = "diag.jsonl"
 METRICS_FILE = metrics_io.SOURCE_FILE
 FINAL_ADAPTER_DIR = "final_adapter"
@@ -129,10 +126,6 @@ def _response_logprobs(policy: Policy, seqs: list[list[int]], prompt_ids: list[l
     finally:
         model.train(was_training)
     return out
-
-
-def _finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None
 
 
 def prepare_out_dir(out: Path) -> None:
@@ -280,24 +273,13 @@ def _run(cfg: Config, out: Path, hooks: list[StepHook]) -> dict[str, Any]:
             h.finish({})
         return {}
     assert last is not None
-    metrics = {
-        "schema": METRICS_SCHEMA,
-        "trainer": "grpo",
-        "replayjob_version": replayjob.__version__,
-        "torch_version": torch.__version__,
-        "device": str(policy.device),
-        "steps_run": cfg.training.max_steps - start_step,
-        "last_step": cfg.training.max_steps - 1,
-        "loss": _finite_or_none(last.loss),  # strict JSON: a diverged last step is null here, NaN in diag
-        "grad_norm": _finite_or_none(last.grad_norm),
-        "initial_adapter_sha256": initial_sha,
-        metrics_io.SOURCE_FINAL_ADAPTER: sha256_file(final_file),
-        metrics_io.FINAL_ADAPTER_PATH: str(final_file.relative_to(out)),
-        "config_sha256": config_sha256(cfg),
-        "config": resolved(cfg),
-        "provenance": prov,
-        "wall_s": time.perf_counter() - t_start,
-    }
+    metrics = metrics_io.source_document(
+        trainer="grpo", torch_version=torch.__version__, device=str(policy.device),
+        steps_run=cfg.training.max_steps - start_step, last_step=cfg.training.max_steps - 1,
+        loss=last.loss, grad_norm=last.grad_norm, initial_adapter_sha256=initial_sha,
+        final_adapter_sha256=sha256_file(final_file), final_adapter_path=str(final_file.relative_to(out)),
+        config_sha256=config_sha256(cfg), config=resolved(cfg), provenance=prov,
+        wall_s=time.perf_counter() - t_start)
     for h in hooks:  # before metrics.json, which declares the whole run (every capture included) complete
         metrics.update(h.finish(dict(metrics)))
     metrics_io.write(out / METRICS_FILE, metrics)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from replayjob import tensorfile
 from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
@@ -292,7 +293,6 @@ def _sites(doc: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str, w
 def read_trace(run_dir: str | Path, expected_index_sha256: str | None = None) -> Trace:
     """Read and verify ``RUN_DIR/trace/`` (or a trace directory itself); refuse anything inconsistent,
     and a trace reached through a symbolic link below ``run_dir`` (a linked ``trace/`` or file)."""
-    from replayjob import tensorfile
 
     root = d = Path(run_dir)
     if d.name != TRACE_DIR and (d / TRACE_DIR).is_dir():

@@ -6,7 +6,9 @@
 # `replayjob step` command, which owns the layout, the pins, the partial-output policy and the
 # determinism environment.  job.env names how to run replayjob: from a container image (apptainer
 # or singularity, with --nv when GPUs are requested and the output tree bound) or from a virtual
-# environment.
+# environment, and the spec's determinism environment (REPLAYJOB_ENV: NAME=VALUE words, the `env=`
+# lines of `replayjob step plan`; its math mode is the existing capture's), set in every job: passed
+# with --env into the container (over the image's own ENV) or exported.
 
 # replayjob_cmd: fill the array REPLAYJOB with the command that runs the replayjob CLI.
 replayjob_cmd() {
@@ -47,10 +49,18 @@ replayjob_cmd() {
     if [ -n "$threads" ]; then
       REPLAYJOB+=(--env "OMP_NUM_THREADS=$threads" --env "MKL_NUM_THREADS=$threads")
     fi
+    local pinned
+    for pinned in ${REPLAYJOB_ENV[@]+"${REPLAYJOB_ENV[@]}"}; do
+      REPLAYJOB+=(--env "$pinned")
+    done
     REPLAYJOB+=("$REPLAYJOB_IMAGE" replayjob)
   else
     local venv=${REPLAYJOB_VENV:?job.env names neither an image nor a virtual environment}
     REPLAYJOB=("$venv/bin/replayjob")
+    local pinned
+    for pinned in ${REPLAYJOB_ENV[@]+"${REPLAYJOB_ENV[@]}"}; do
+      export "${pinned?}"
+    done
     if [ -n "$threads" ]; then
       export OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads
     fi

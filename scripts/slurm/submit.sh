@@ -14,7 +14,7 @@
 #            step reduce -> <out>/verdict.json; its exit code is the verdict's
 # A capture or replay of R ranks (the spec's `ranks`, an arm's "distributed.world_size") is one job of
 # --ntasks=R on one node (--nodes=1, R times the GPUs per task): the step runs once in the batch
-# script and starts the ranks with `srun --ntasks R` in the allocation (replayjob.deploy.launch maps
+# script and starts the ranks with `srun --ntasks R` in the allocation (replayjob.launch maps
 # each task to torch.distributed's environment); with --image, torchrun inside the container starts
 # them.  Arms of different rank counts get one replay array each (sparse --array indexes).
 # --wait blocks until reduce ends and exits with its code: 0 pass, 1 fail, 2 refused, 3 error (also
@@ -154,11 +154,13 @@ SELECT=()
 plan=$("${REPLAYJOB[@]}" step plan --spec "$SPEC" "${SELECT[@]}" "${PLANT_ARGS[@]}") \
   || die "the ablation spec or a --plant was refused (see above)"
 SIZE="" PARALLELISM="" DEVICE="" CLAIM="" MIN_REPEATS="" ARM_NAMES="" RANKS=""
+PINNED_ENV=()  # the spec's determinism environment, NAME=VALUE: every job sets it (lib.sh replayjob_cmd)
 GROUPS_RANKS=() GROUPS_INDEXES=()  # one replay array per rank count: its ranks and its array indexes
 while IFS= read -r line; do
   case "$line" in
     size=*) SIZE=${line#size=} ;;
     ranks=*) RANKS=${line#ranks=} ;;
+    env=*) PINNED_ENV+=("${line#env=}") ;;
     replays=*:*)
       line=${line#replays=}
       GROUPS_RANKS+=("${line%%:*}")
@@ -179,6 +181,10 @@ for group in "${!GROUPS_RANKS[@]}"; do
   if ! is_count "${GROUPS_RANKS[$group]}" || ! [[ "${GROUPS_INDEXES[$group]}" =~ ^[0-9,-]+$ ]]; then
     die "unexpected plan from replayjob: $plan"
   fi
+done
+[ "${#PINNED_ENV[@]}" -ge 1 ] || die "unexpected plan from replayjob (no determinism environment): $plan"
+for pinned in "${PINNED_ENV[@]}"; do
+  [[ "$pinned" =~ ^[A-Z_][A-Z0-9_]*=[^[:space:]]*$ ]] || die "unexpected plan from replayjob: $plan"
 done
 [ "$GPUS" -eq 0 ] || [ "$DEVICE" = cuda ] || echo "submit: note: the spec runs on $DEVICE with $GPUS GPU(s) requested" >&2
 
@@ -232,6 +238,7 @@ cp "$SPEC" "$OUT/slurm/ablation.toml"
   (
     REPLAYJOB_SCRIPTS=$SCRIPTS REPLAYJOB_GPUS=$GPUS REPLAYJOB_MAX_RESTARTS=${REPLAYJOB_MAX_RESTARTS:-2}
     REPLAYJOB_BINDS=("${BINDS[@]}")
+    REPLAYJOB_ENV=("${PINNED_ENV[@]}")
     REPLAYJOB_STEP=(--spec "$OUT/slurm/ablation.toml" --run-dir "$OUT" "${SELECT[@]}")
     if [ "$WORKSPACE" != "$OUT/workspace" ]; then
       REPLAYJOB_BINDS+=("$WORKSPACE")
@@ -247,7 +254,7 @@ cp "$SPEC" "$OUT/slurm/ablation.toml"
     [ -z "$IMAGE" ] || REPLAYJOB_LAUNCHER=torchrun
     REPLAYJOB_CAPTURE_ARGS=() REPLAYJOB_REPLAY_ARGS=("${PLANT_ARGS[@]}") REPLAYJOB_REDUCE_ARGS=()
     declare -p REPLAYJOB_OUT REPLAYJOB_SCRIPTS REPLAYJOB_GPUS REPLAYJOB_MAX_RESTARTS REPLAYJOB_IMAGE \
-      REPLAYJOB_CONTAINER REPLAYJOB_VENV REPLAYJOB_BINDS REPLAYJOB_STEP REPLAYJOB_LAUNCHER \
+      REPLAYJOB_CONTAINER REPLAYJOB_VENV REPLAYJOB_BINDS REPLAYJOB_ENV REPLAYJOB_STEP REPLAYJOB_LAUNCHER \
       REPLAYJOB_CAPTURE_ARGS REPLAYJOB_REPLAY_ARGS REPLAYJOB_REDUCE_ARGS
   )
 } >"$JOB_ENV.tmp"

@@ -5,9 +5,9 @@ process); a run that needs ``N`` ranks starts them through :func:`replayjob.dist
 By default that is ``torchrun --standalone`` in the step's own process tree (a Kubernetes pod, a
 workstation).  Under Slurm (``step --launcher srun``, what ``scripts/slurm/*.sbatch`` pass) the ranks
 are the allocation's tasks instead: :func:`srun_command` runs ``srun --ntasks N`` with
-``python -m replayjob.deploy.launch ARGV...`` as each task, and that entry point (:func:`main`) maps
-the task's Slurm variables to the ones ``torch.distributed`` reads (:func:`rank_env`), written once
-here, then runs ``replayjob ARGV`` in that process:
+``python -m replayjob ARGV...`` as each task, marked by :data:`SRUN_TASK_ENV`; the entry point
+(``replayjob/__main__.py``) maps the task's Slurm variables to the ones ``torch.distributed`` reads
+(:func:`rank_env`, written once here), then runs ``replayjob ARGV`` in that process:
 
 * ``RANK`` = ``SLURM_PROCID``, ``WORLD_SIZE`` = ``SLURM_NTASKS``, ``LOCAL_RANK`` = ``SLURM_LOCALID``;
 * ``MASTER_ADDR`` = the first host of the allocation (:func:`first_host` of ``SLURM_JOB_NODELIST``);
@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from replayjob.errors import ConfigError, UsageError
 
 LAUNCHERS = ("torchrun", "srun")
+SRUN_TASK_ENV = "REPLAYJOB_SRUN_TASK"  # set on each srun task: ``python -m replayjob`` maps its Slurm variables
 PORT_BASE = 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN: above the well-known and below
 PORT_SPAN = 30000  # the ephemeral ports Linux hands out (32768..60999)
 SLURM_KEYS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_JOB_ID")
@@ -83,7 +84,8 @@ def rank_env(environ: Mapping[str, str]) -> dict[str, str]:
     missing = [k for k in SLURM_KEYS if not environ.get(k)]
     if missing:
         raise ConfigError("not an srun task: " + ", ".join(missing) + " missing", where="environment",
-                          hint="replayjob.deploy.launch runs as the task of `srun --ntasks N` (step --launcher srun)")
+                          hint=f"{SRUN_TASK_ENV} marks the task of `srun --ntasks N` (step --launcher srun); "
+                               "unset it to run replayjob outside an allocation")
     rank, world, local = (environ[k] for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
     if not (rank.isdigit() and world.isdigit() and local.isdigit()) or not int(rank) < int(world):
         raise ConfigError(f"SLURM_PROCID {rank} / SLURM_NTASKS {world} / SLURM_LOCALID {local} do not describe "
@@ -114,26 +116,5 @@ def srun_command(nproc: int, argv: Sequence[str]) -> list[str]:
     """``nproc`` tasks of ``replayjob ARGV`` on one node of this allocation, one rank each."""
     if nproc < 1:
         raise UsageError(f"a launch needs at least one rank, found {nproc}")
-    return ["srun", "--ntasks", str(nproc), "--nodes", "1", "--kill-on-bad-exit=1", "--export=ALL",
-            sys.executable, "-m", "replayjob.deploy.launch", *argv]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """One srun task: map the Slurm variables (:func:`rank_env`), then run ``replayjob ARGV``."""
-    from replayjob.cli import main as cli_main
-    from replayjob.distributed import record_exit
-    from replayjob.errors import ReplayjobError
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        os.environ.update(rank_env(os.environ))
-    except ReplayjobError as exc:
-        print(f"replayjob launch: {exc.diagnostics()}", file=sys.stderr)
-        # recorded, so the step reports the refusal (2), not a killed rank (3, which Slurm would requeue)
-        record_exit(exc.exit_code, os.environ.get("SLURM_PROCID", "0"))
-        return exc.exit_code
-    return cli_main(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return ["srun", "--ntasks", str(nproc), "--nodes", "1", "--kill-on-bad-exit=1",
+            f"--export=ALL,{SRUN_TASK_ENV}=1", sys.executable, "-m", "replayjob", *argv]

@@ -1,0 +1,172 @@
+"""TRL over several processes: a GRPOTrainer step captured in each process of a two-process DDP run (torchrun,
+gloo on CPU), replayed bitwise on two processes, and on one process where TRL's loss normalisation keeps the
+gradient (``dapo``: gradient_accumulation_steps / steps_per_generation kept), refused where it does not.
+
+One capture per module (``ranks_capture``: the conftest scenario with LoRA dropout 0 and loss_type "dapo", step 1
+of 2, launched by ``tests/trl_ranks_source.py``); refusals run in-process on copies of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("trl", reason="the TRL tests need the 'trl' extra: pip install -e '.[trl]'")
+os.environ["HF_HUB_OFFLINE"] = "1"  # inherited by the launched processes
+
+import torch
+
+from replayjob.cli import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_determinism_mode")]
+
+STEP = 1
+SCRIPT = Path(__file__).resolve().parent / "trl_ranks_source.py"
+ONE_PROCESS = ["--set", "trl.gradient_accumulation_steps=4", "--set", "trl.steps_per_generation=4",
+               "--set", 'optimizer_batch.allow_config_differences=["distributed.num_processes", '
+                        '"trl.gradient_accumulation_steps", "trl.steps_per_generation"]']
+
+
+@pytest.fixture(scope="module")
+def ranks_capture(trl_base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("trl_ranks_capture")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+           str(trl_base), str(out), str(STEP), "lora_dropout=0.0", 'loss_type="dapo"']
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    source = json.loads((out / "source.json").read_text())
+    return {"dir": out, "source": source, "toml": Path(source["replay_toml"])}
+
+
+@pytest.fixture(scope="module")
+def two_process_replay(ranks_capture: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``replayjob replay --nproc 2`` of the capture (the same-condition baseline)."""
+    out = tmp_path_factory.mktemp("trl_ranks_replays") / "baseline"
+    assert main(["replay", str(ranks_capture["toml"]), "--out", str(out), "--nproc", "2"]) == 0
+    return out
+
+
+def _metrics(path: Path) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(path.read_text())
+    return out
+
+
+def _adapter(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = load_file(path)
+    return out
+
+
+def test_two_process_capture_writes_one_root_over_both_parts(ranks_capture: dict[str, Any]) -> None:
+    d, src = ranks_capture["dir"], ranks_capture["source"]
+    assert src["num_processes"] == 2  # the source run really ran on two processes (torchrun, gloo)
+    root = _metrics(Path(src["manifest"]))
+    assert root["schema"] == "replayjob.integration_ranks/v1" and root["world_size"] == 2 and root["step"] == STEP
+    assert [e["dir"] for e in root["ranks"]] == ["rank-0", "rank-1"]
+    assert root["config"]["resolved"]["distributed"] == {"num_processes": 2}
+    for r in (0, 1):
+        part = _metrics(d / f"rank-{r}" / f"optimizer_batch_step_{STEP:06d}.manifest.json")
+        assert len(part["micro_batches"]) == 2 and part["micro_batches"][1]["sync_gradients"] is True
+        assert json.loads((d / f"COMPLETE.{r}").read_text())["manifest_sha256"] == root["ranks"][r]["manifest_sha256"]
+    parts = [_metrics(d / f"rank-{r}" / f"optimizer_batch_step_{STEP:06d}.manifest.json") for r in (0, 1)]
+    assert parts[0]["logical_batch_sha256"] != parts[1]["logical_batch_sha256"]  # each process its own rows
+    metrics = _metrics(d / "metrics.json")
+    assert metrics["optimizer_batch/manifest_sha256"] == src["manifest_sha256"]
+    assert metrics["optimizer/logical_batch_sha256"] == root["logical_batch_sha256"]
+    log = [h for h in src["log"] if "grad_norm" in h]
+    assert metrics["loss"] == log[STEP]["loss"] and metrics["grad_norm"] == log[STEP]["grad_norm"]
+    assert metrics["optimizer_batch/final_adapter_sha256"] != metrics["optimizer_batch/initial_adapter_sha256"]
+
+
+def test_two_process_replay_is_bitwise(ranks_capture: dict[str, Any], two_process_replay: Path) -> None:
+    out = two_process_replay
+    assert sorted(p.name for p in out.glob("replay_metrics*.json")) == [
+        "replay_metrics.json", "replay_metrics.rank-0.json", "replay_metrics.rank-1.json"]
+    r, s = _metrics(out / "replay_metrics.json"), _metrics(ranks_capture["dir"] / "metrics.json")
+    assert r["optimizer_batch/final_adapter_sha256"] == s["optimizer_batch/final_adapter_sha256"]
+    assert r["loss"] == s["loss"] and r["grad_norm"] == s["grad_norm"]
+    assert r["optimizer/logical_batch_sha256"] == s["optimizer/logical_batch_sha256"]
+    assert r["distributed"]["world_size"] == 2 and [e["rows"] for e in r["distributed"]["ranks"]] == [[0, 8], [8, 16]]
+    assert r["arm"] == "baseline"
+
+
+def test_one_process_replay_of_dapo_keeps_the_ratio(ranks_capture: dict[str, Any], two_process_replay: Path,
+                                                    tmp_path: Path) -> None:
+    out = tmp_path / "one"
+    assert main(["replay", str(ranks_capture["toml"]), "--out", str(out), *ONE_PROCESS]) == 0
+    r, s = _metrics(out / "replay_metrics.json"), _metrics(ranks_capture["dir"] / "metrics.json")
+    assert "distributed" not in r and r["padding"]["micro_batches"] == 4
+    assert r["optimizer/logical_batch_sha256"] == s["optimizer/logical_batch_sha256"]
+    assert r["arm"] == "num_processes=1+gradient_accumulation_steps=4+steps_per_generation=4"
+    got, want = _adapter(out / "final_adapter/adapter_model.safetensors"), _adapter(
+        ranks_capture["dir"] / "final_adapter/adapter_model.safetensors")
+    start = _adapter(ranks_capture["dir"] / "rank-0" / f"optimizer_batch_step_{STEP:06d}.adapter.safetensors")
+    moved = max(float((want[k] - start[k]).abs().max()) for k in want)
+    off = max(float((want[k] - got[k]).abs().max()) for k in want)
+    assert off < 1e-4 * moved  # the same update; only the order of the sums differs
+    assert r["runtime"]["distributed.num_processes"] == 1 and r["runtime"]["trl.steps_per_generation"] == 4
+    # exact-input: the same inputs, every difference a registered knob in effect (one repeat per arm here)
+    assert main(["reduce", str(two_process_replay), str(out), "--claim", "exact-input", "--source",
+                 str(ranks_capture["dir"]), "--baseline", "baseline", "--arms", f"baseline,{r['arm']}",
+                 "--min-repeats", "1", "--out", str(tmp_path / "verdict.json")]) == 0
+
+
+@pytest.mark.parametrize(("sets", "cause"), [
+    (["--set", "trl.gradient_accumulation_steps=4", "--set", 'optimizer_batch.allow_config_differences='
+      '["distributed.num_processes", "trl.gradient_accumulation_steps"]'],
+     "captured 2/2, replay 4/2 would scale it by 0.5; set trl.steps_per_generation = 4"),
+    (["--set", 'optimizer_batch.allow_config_differences=["distributed.num_processes"]'],
+     "would run 2, so each would not be run exactly once"),
+    ([], "undeclared difference 'distributed.num_processes'"),
+    (["--set", "trl.gradient_accumulation_steps=4", "--set",
+      'optimizer_batch.allow_config_differences=["trl.gradient_accumulation_steps"]'],
+     "trl.gradient_accumulation_steps is admitted only with distributed.num_processes"),
+])
+def test_one_process_replay_is_refused_where_the_gradient_would_change(
+        sets: list[str], cause: str, ranks_capture: dict[str, Any], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert main(["explain", str(ranks_capture["toml"]), *sets]) == 2
+    text = capsys.readouterr()
+    assert cause in text.out + text.err
+    assert main(["replay", str(ranks_capture["toml"]), "--out", str(tmp_path / "r"), *sets]) == 2
+    assert not (tmp_path / "r" / "replay_metrics.json").exists()
+
+
+@pytest.mark.parametrize(("case", "cause"), [("missing landing", "lacks COMPLETE.1"),
+                                             ("payload byte", "payload")])
+def test_a_damaged_part_is_refused(case: str, cause: str, ranks_capture: dict[str, Any], tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "cap"
+    shutil.copytree(ranks_capture["dir"], d, ignore=shutil.ignore_patterns("trainer"))
+    if case == "missing landing":
+        (d / "COMPLETE.1").unlink()
+    else:
+        p = d / "rank-1" / f"optimizer_batch_step_{STEP:06d}.safetensors"
+        data = bytearray(p.read_bytes())
+        data[-3] ^= 0x01
+        p.write_bytes(bytes(data))
+    sets = ["--set", f'optimizer_batch.replay_path="{d / f"optimizer_batch_step_{STEP:06d}.manifest.json"}"']
+    capsys.readouterr()
+    assert main(["explain", str(ranks_capture["toml"]), *sets, *ONE_PROCESS]) == 2
+    text = capsys.readouterr()
+    assert cause in text.out + text.err and "Traceback" not in text.out + text.err
+
+
+def test_the_cluster_steps_refuse_a_capture_over_several_processes(ranks_capture: dict[str, Any], tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A spec naming a two-process capture is refused at plan (never misread as another kind of capture)."""
+    from conftest import capture_spec
+
+    spec = tmp_path / "spec.toml"
+    spec.write_text(capture_spec(ranks_capture["toml"].parent, arms="[arms.baseline]\n"))
+    capsys.readouterr()
+    assert main(["step", "plan", "--spec", str(spec)]) == 2
+    assert "ran on 2 processes" in capsys.readouterr().err
