@@ -192,6 +192,15 @@ def process_group(cfg: Config) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def leave_process_group() -> None:
+    """Destroy the default process group when one is open (one a framework's launcher opened, e.g.
+    accelerate under torchrun): a group left to the interpreter's exit can abort a rank."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def shard_bounds(rows: int, world: int) -> list[tuple[int, int]]:
     """Each rank's contiguous ``[begin, end)`` of ``rows`` logical rows (:data:`SHARDING`)."""
     if rows < world:

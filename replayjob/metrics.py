@@ -30,7 +30,7 @@ from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
 from replayjob.hostinfo import placement
 from replayjob.jsonio import loads_strict, pretty_bytes, read_json_object
-from replayjob.optbatch.knobs import STRATEGY, WORLD_SIZE, knobs_for
+from replayjob.knobs import STRATEGY, WORLD_SIZE, knobs_for
 from replayjob.producers import PRODUCERS
 
 SOURCE_FILE = "metrics.json"

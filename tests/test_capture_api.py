@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
+from replayjob import knobs
 from replayjob.cli import main
 from replayjob.integrations import capture as cap
-from replayjob.optbatch import knobs
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
 

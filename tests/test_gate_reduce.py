@@ -13,7 +13,7 @@ import pytest
 from replayjob.cli import main
 from replayjob.gate import synthetic
 from replayjob.jsonio import pretty_bytes
-from replayjob.optbatch.knobs import GRADIENT_CHECKPOINTING as GC_KEY
+from replayjob.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 
 OFF, ON = "baseline", "gradient_checkpointing=true"
 ARMS: dict[str, dict[str, Any]] = {OFF: {}, ON: {GC_KEY: True}}

@@ -13,7 +13,7 @@ from conftest import assert_golden
 from replayjob.cli import main
 from replayjob.gate import synthetic
 from replayjob.gate.verdict import VERDICT_SCHEMA, outcome
-from replayjob.optbatch.knobs import GRADIENT_CHECKPOINTING as GC_KEY
+from replayjob.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "verdict_bitwise.json"  # the other goldens: tests/test_golden.py

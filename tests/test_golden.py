@@ -22,9 +22,9 @@ from replayjob.cli import main
 from replayjob.digest import sha256_bytes, sha256_file
 from replayjob.gate import synthetic
 from replayjob.jsonio import pretty_bytes
+from replayjob.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 from replayjob.optbatch import manifest as mf
 from replayjob.optbatch import payload
-from replayjob.optbatch.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 from replayjob.rl.batch import OptimizerBatch
 
 ARMS = {"baseline": {}, "gradient_checkpointing=true": {GC_KEY: True}}

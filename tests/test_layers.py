@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "replayjob.contention", "=replayjob.producers")),
     ("config", ("replayjob.config",)),
     ("runtime", ("replayjob.launch", "replayjob.distributed", "replayjob.determinism", "replayjob.model",
-                 "replayjob.rl", "replayjob.optbatch.knobs")),
+                 "replayjob.rl", "replayjob.knobs")),
     ("artifacts", ("replayjob.metrics", "replayjob.optbatch.manifest", "replayjob.optbatch.payload",
                    "replayjob.optbatch.ranks", "replayjob.integrations.manifest", "replayjob.trace.store",
                    "replayjob.deploy.schedule")),

@@ -85,7 +85,7 @@ ONE_PROCESS = {"distributed.world_size": 1, "distributed.strategy": "none", "dis
 
 def observed(rm: dict[str, Any]) -> dict[str, Any]:
     """The runtime observations of the built-in trainer's knobs (exactly its producer's knobs are recorded)."""
-    from replayjob.optbatch.knobs import BUILTIN, knobs_for
+    from replayjob.knobs import BUILTIN, knobs_for
 
     assert rm["framework"] == BUILTIN
     assert set(rm["runtime"]) == set(knobs_for(BUILTIN)) == {*BUILT_IN_KNOBS, *ONE_PROCESS}
@@ -532,7 +532,7 @@ def _mbs_configs(model_path: str = "", lora_dropout: float = 0.0) -> tuple[Any, 
 ])
 def test_micro_batch_knob_is_refused_for_any_dropout_in_a_local_model(tmp_path: Path, config_json: dict[str, Any],
                                                                       needle: str) -> None:
-    from replayjob.optbatch.knobs import KNOBS
+    from replayjob.knobs import KNOBS
 
     (tmp_path / "config.json").write_text(json.dumps(config_json))
     source, replay = _mbs_configs(str(tmp_path))
@@ -545,7 +545,7 @@ def test_micro_batch_knob_is_refused_for_any_dropout_in_a_local_model(tmp_path: 
 
 
 def test_micro_batch_knob_is_refused_for_a_dropout_module_in_the_built_model() -> None:
-    from replayjob.optbatch.knobs import KNOBS
+    from replayjob.knobs import KNOBS
 
     knob = KNOBS["training.micro_batch_size"]
     plain = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))
@@ -556,7 +556,7 @@ def test_micro_batch_knob_is_refused_for_a_dropout_module_in_the_built_model() -
 
 
 def test_every_registered_knob_is_observed_at_run_time() -> None:
-    from replayjob.optbatch.knobs import BUILTIN, KNOBS, Runtime, knobs_for, observe_all
+    from replayjob.knobs import BUILTIN, KNOBS, Runtime, knobs_for, observe_all
 
     assert all(k.observe is not None for k in KNOBS.values()), "a knob without an observer cannot be checked"
     model = torch.nn.Linear(2, 2)

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from replayjob import tensorfile
+from replayjob import knobs, tensorfile
 from replayjob.config import load_config
 from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
 from replayjob.jsonio import canonical_bytes
-from replayjob.optbatch import knobs, manifest, payload
+from replayjob.optbatch import manifest, payload
 from replayjob.optbatch.contract import contract_sha256, optimizer_contract
 from replayjob.rl import batch as batch_mod
 from replayjob.rl.batch import OptimizerBatch

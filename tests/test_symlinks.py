@@ -24,9 +24,9 @@ from replayjob.errors import IntegrityError
 from replayjob.fsio import check_no_symlinks, read_regular_bytes
 from replayjob.gate import synthetic
 from replayjob.jsonio import pretty_bytes, read_json
+from replayjob.knobs import WORLD_SIZE
 from replayjob.optbatch import manifest as mf
 from replayjob.optbatch import payload, ranks
-from replayjob.optbatch.knobs import WORLD_SIZE
 from replayjob.rl.batch import OptimizerBatch
 
 ARMS: dict[str, dict[str, Any]] = {"one": {}, "two": {WORLD_SIZE: 2}}

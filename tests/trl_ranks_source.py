@@ -26,6 +26,12 @@ def main(argv: list[str]) -> None:
                "manifest_sha256": res.manifest_sha256, "logical_sha256": res.logical_sha256,
                "replay_toml": str(res.replay_toml), "log": trainer.state.log_history}
         (out / "source.json").write_text(json.dumps(doc))
+    # leave the process group before the interpreter exits (a group torn down by exit can abort a rank)
+    import torch.distributed as dist
+
+    trainer.accelerator.wait_for_everyone()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ from replayjob.deploy.schedule import DESIGNS, Slot, plan
 from replayjob.determinism import ENV_MATH_MODE, MATH_MODES
 from replayjob.digest import is_sha256_hex
 from replayjob.errors import ConfigError
-from replayjob.optbatch.knobs import (  # an arm's world size: its replays run that many ranks
+from replayjob.knobs import (  # an arm's world size: its replays run that many ranks
     BUILTIN,
     KNOBS,
     STRATEGY,

@@ -12,7 +12,7 @@ it.  This module holds what is specific to an existing capture, once:
   the producer read from the manifest (hashed against its pin before it is parsed), never guessed
   from the replay config;
 * :func:`check`: every arm key a systems-only knob of that producer
-  (:func:`replayjob.optbatch.knobs.knobs_for`), the spec's ``[capture] math_mode`` (the mode every
+  (:func:`replayjob.knobs.knobs_for`), the spec's ``[capture] math_mode`` (the mode every
   step pins) the one the capture's contract records, and one rank for an external trainer's capture
   (its replay runs in one process); run by ``step plan``, ``k8s render``, the funnel and ``step
   capture`` before anything starts;
@@ -45,7 +45,7 @@ from replayjob.errors import ConfigError, ContractError, IntegrityError, Refused
 from replayjob.fsio import atomic_write_bytes
 from replayjob.integrations import manifest as imanifest
 from replayjob.jsonio import pretty_bytes, read_json_object
-from replayjob.optbatch.knobs import BUILTIN, WORLD_SIZE, knobs_for
+from replayjob.knobs import BUILTIN, WORLD_SIZE, knobs_for
 from replayjob.optbatch.manifest import read_pinned
 
 CAPTURE_RECORD = "capture.json"  # RUN/capture.json: the verified capture (step capture writes it)
@@ -62,7 +62,7 @@ class Located:
     manifest: Path  # its manifest file
     logical: str
     manifest_sha256: str
-    producer: str  # replayjob.optbatch.knobs.PRODUCERS: from the manifest
+    producer: str  # replayjob.knobs.PRODUCERS: from the manifest
     step: int | None  # the chosen step whose record pins it (reduce --source-step); None: a one-step capture
     math_mode: str | None = None  # the math mode the capture's contract records (None: it records none)
 

@@ -27,8 +27,8 @@ from replayjob import tensorfile
 from replayjob.errors import ReplayjobError
 from replayjob.gate.evidence import SKIPPED, Replay, Source, Tolerances
 from replayjob.hostinfo import hardware_identity
+from replayjob.knobs import BUILTIN, STACK_PREFIX, Knob, knobs_for
 from replayjob.metrics import EFFECTIVE, FINAL_ADAPTER, INITIAL_ADAPTER, LOGICAL, SOURCE_FILE, STEP_FINAL_ADAPTER
-from replayjob.optbatch.knobs import BUILTIN, STACK_PREFIX, Knob, knobs_for
 
 PASS, FAIL, REFUSED, NOT_APPLICABLE = "pass", "fail", "refused", "not_applicable"
 

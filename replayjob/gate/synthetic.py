@@ -28,6 +28,8 @@ from typing import Any
 from replayjob.deploy.schedule import plan
 from replayjob.digest import sha256_bytes, sha256_file
 from replayjob.jsonio import pretty_bytes
+from replayjob.knobs import BUILTIN, knobs_for, lookup
+from replayjob.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 from replayjob.metrics import (
     EFFECTIVE,
     FINAL_ADAPTER,
@@ -45,8 +47,6 @@ from replayjob.metrics import (
     SOURCE_SCHEMA,
 )
 from replayjob.optbatch import manifest as mf
-from replayjob.optbatch.knobs import BUILTIN, knobs_for, lookup
-from replayjob.optbatch.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 from replayjob.tensorfile import ITEMSIZE
 
 ADAPTER = "final_adapter/adapter_model.safetensors"

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from replayjob import tensorfile
+from replayjob import knobs, tensorfile
 from replayjob.config import redact
 from replayjob.config.load import _absolutize, apply_overrides, build, read_toml
 from replayjob.config.schema import OptimizerBatchConfig
@@ -38,7 +38,6 @@ from replayjob.errors import ConfigError, RefusedError
 from replayjob.integrations import capture as cap
 from replayjob.integrations import ranks as iranks
 from replayjob.integrations.manifest import Manifest
-from replayjob.optbatch import knobs
 from replayjob.optbatch.explain import SKIPPED, Refusals, check_contract, check_differences, check_pins
 from replayjob.producers import EXTERNAL, producer_module
 from replayjob.redact import redact_text

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from replayjob import distributed
+from replayjob import distributed, knobs
 from replayjob import metrics as metrics_io
 from replayjob.deploy.schedule import Slot
 from replayjob.digest import sha256_bytes
@@ -28,7 +28,6 @@ from replayjob.errors import ArtifactExistsError, ContractError, UsageError
 from replayjob.integrations import capture as cap
 from replayjob.integrations.admission import Admission, ReplayConfig, admit
 from replayjob.metrics import rank_file
-from replayjob.optbatch import knobs
 from replayjob.producers import driver, producer_module
 from replayjob.producers.session import MicroStep, Outcome, Session
 
@@ -267,7 +266,10 @@ def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0, slot: Slot | Non
         return session.bind(adm)
 
     ob = cfg.optimizer_batch
-    return driver.replay(build, out, arm=adm.arm, repeat_index=repeat_index, slot=slot, allowed=adm.allowed,
-                         strict=False, seed=None, trace=ob.trace, warmup_updates=ob.warmup_updates,
-                         measured_updates=ob.measured_updates,
-                         where=ob.replay_path or "optimizer_batch.replay_path")
+    try:
+        return driver.replay(build, out, arm=adm.arm, repeat_index=repeat_index, slot=slot, allowed=adm.allowed,
+                             strict=False, seed=None, trace=ob.trace, warmup_updates=ob.warmup_updates,
+                             measured_updates=ob.measured_updates,
+                             where=ob.replay_path or "optimizer_batch.replay_path")
+    finally:  # the framework's launcher opened the process group; leave it before the interpreter exits
+        distributed.leave_process_group()

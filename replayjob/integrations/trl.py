@@ -51,13 +51,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from replayjob import determinism
+from replayjob import determinism, knobs
 from replayjob.errors import RefusedError, UsageError
 from replayjob.integrations import capture as cap
 from replayjob.integrations import ranks as iranks
 from replayjob.integrations.replay import ReplaySession
 from replayjob.jsonio import read_json_object
-from replayjob.optbatch import knobs
 from replayjob.optbatch.ranks import rank_dir
 from replayjob.redact import REDACTED
 

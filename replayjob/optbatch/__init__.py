@@ -4,7 +4,7 @@ A source run captures, at the trainer's optimizer boundary, the rows the optimiz
 the Torch RNG state (:mod:`~replayjob.optbatch.payload`), pinned by a manifest written last
 (:mod:`~replayjob.optbatch.manifest`).  A replay verifies every pin, the optimizer contract
 (:mod:`~replayjob.optbatch.contract`) and the declared systems-only differences
-(:mod:`~replayjob.optbatch.knobs`), then performs exactly one update on those rows without any
+(:mod:`~replayjob.knobs`), then performs exactly one update on those rows without any
 dataset, environment or sampling (:mod:`~replayjob.optbatch.replay`).
 
 Importing this package imports neither transformers nor peft.

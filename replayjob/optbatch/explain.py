@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import Tensor
 
+from replayjob import knobs
 from replayjob.config import Config, from_dict, load_config, resolved
 from replayjob.config.diff import differences
 from replayjob.config.load import to_dict
@@ -28,7 +29,7 @@ from replayjob.digest import normalize_digest
 from replayjob.distributed import observe
 from replayjob.errors import ContractError, IntegrityError, RefusedError
 from replayjob.metrics import EFFECTIVE, LOGICAL, SKIPPED
-from replayjob.optbatch import knobs, payload, ranks, stepcapture
+from replayjob.optbatch import payload, ranks, stepcapture
 from replayjob.optbatch.contract import contract_differences, contract_sha256, optimizer_contract
 from replayjob.optbatch.manifest import Manifest, read_payload
 from replayjob.producers import BUILTIN

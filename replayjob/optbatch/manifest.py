@@ -40,7 +40,7 @@ from replayjob.digest import normalize_digest, sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
 from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict
-from replayjob.optbatch.knobs import BUILTIN
+from replayjob.knobs import BUILTIN
 from replayjob.redact import redact_path
 
 if TYPE_CHECKING:

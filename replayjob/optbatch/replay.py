@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from replayjob import distributed
+from replayjob import distributed, knobs
 from replayjob import metrics as metrics_io
 from replayjob.config import Config, config_sha256, load_config
 from replayjob.deploy.schedule import Slot
 from replayjob.errors import ArtifactExistsError, ContractError, UsageError, error_for_exit_status
 from replayjob.model.backend import load_backend
-from replayjob.optbatch import knobs, stepcapture
+from replayjob.optbatch import stepcapture
 from replayjob.optbatch.explain import Admission, admit
 from replayjob.producers import driver, producer_module
 from replayjob.producers.manifests import producer_of

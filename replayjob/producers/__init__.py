@@ -7,7 +7,7 @@ A producer is a module registered in :data:`PRODUCERS` under the name its captur
   :mod:`replayjob.optbatch.capture`, any other loop through the public capture API
   :mod:`replayjob.integrations.capture`);
 * **contract and knobs**: what defines its update (``contract``) and its registered systems-only
-  knobs (:mod:`replayjob.optbatch.knobs`, each knob naming the producers it belongs to);
+  knobs (:mod:`replayjob.knobs`, each knob naming the producers it belongs to);
 * **a replay session** (:class:`~replayjob.producers.session.Session`): its trainer rebuilt from a
   verified capture, which runs one captured micro-batch through its own loss and performs its own
   clip and optimizer step; and the observation of its knobs at run time.

@@ -31,14 +31,13 @@ from typing import Any
 
 import torch
 
-from replayjob import determinism
+from replayjob import determinism, knobs
 from replayjob import metrics as metrics_io
 from replayjob.contention import Probe
 from replayjob.deploy.schedule import Slot
 from replayjob.digest import sha256_file
 from replayjob.errors import ConfigError, ContractError, UsageError
 from replayjob.hostinfo import host_provenance
-from replayjob.optbatch import knobs
 from replayjob.producers.session import MicroStep, Outcome, Session
 from replayjob.rl.diag import peak_memory_value
 from replayjob.rl.state import restore_rng

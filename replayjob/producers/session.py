@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from replayjob.optbatch import knobs
+from replayjob import knobs
 
 
 @dataclass
