@@ -359,11 +359,15 @@ def test_flipped_payload_byte(capture_dir: Path, workspace: Path, tmp_path: Path
                         out=tmp_path / "o"), "payload span digest", "nothing in it was used")
 
 
+@pytest.mark.parametrize("flip", ["case", "control"])
 def test_flipped_manifest_byte(capture_dir: Path, workspace: Path, tmp_path: Path,
-                               capsys: pytest.CaptureFixture[str]) -> None:
+                               capsys: pytest.CaptureFixture[str], flip: str) -> None:
+    """A changed manifest is refused by its pin, whether or not the change leaves it valid JSON (the pin is
+    checked over the bytes before anything parses them, the choice of producer included)."""
     d = copy_capture(capture_dir, tmp_path)
     data = bytearray((d / MANIFEST).read_bytes())
-    data[len(data) // 2] ^= 0x20
+    i = data.index(b'"schema"') + 2  # a letter inside a key: a case flip stays valid JSON, a control byte does not
+    data[i] = data[i] ^ 0x20 if flip == "case" else 0x01
     (d / MANIFEST).write_bytes(bytes(data))
     refused(capsys, run("replay", workspace / "replay.toml", *pins(capture_dir, replay_path=d / MANIFEST),
                         out=tmp_path / "o"), "manifest SHA-256 is", "expected_manifest_sha256")
