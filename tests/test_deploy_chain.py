@@ -491,6 +491,8 @@ def smoke(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
 def test_local_mid_smoke_on_cpu_passes_and_writes_the_verdict(tmp_path: Path) -> None:
     """The wrapper runs the funnel (docs/funnel.md; every stage is tested in test_funnel.py)."""
     proc = smoke("--repeats", "1", "--fixed-blocks", "--only-ablation", "--out", str(tmp_path / "smoke"))
+    if proc.returncode == 3 and json.loads((tmp_path / "smoke" / "funnel.json").read_text())["status"] == "contended":
+        pytest.skip("other work on this host contended with the timed updates (reported as such, exit 3)")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "device cpu" in proc.stdout and "wall time" in proc.stdout
     verdict = json.loads((tmp_path / "smoke" / "verdict.json").read_text(encoding="utf-8"))

@@ -69,6 +69,8 @@ def statuses(doc: dict[str, Any]) -> list[str]:
 def test_clean_funnel_passes_every_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "clean"
     code, doc = funnel(out, "--budgets", str(budgets(tmp_path, 50.0)))
+    if code == 3 and doc["stages"][2]["status"] == "contended":  # the host's other work, reported as such
+        pytest.skip("other work on this host contended with the timed updates: " + doc["stages"][2]["detail"])
     assert code == 0, doc["stages"]
     assert statuses(doc) == ["pass", "pass", "pass"]
     verdict = json.loads((out / "verdict.json").read_text())
