@@ -47,7 +47,7 @@ from replayjob import metrics as metrics_io
 from replayjob.config import redact
 from replayjob.config.dump import toml_value
 from replayjob.digest import sha256_bytes, sha256_file, sha256_json
-from replayjob.errors import ArtifactExistsError, ContractError, RefusedError, UsageError
+from replayjob.errors import ArtifactExistsError, ConfigError, ContractError, RefusedError, UsageError
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.integrations import manifest as imanifest
 from replayjob.optbatch.manifest import OUTCOME, outcome, replay_config_name
@@ -288,6 +288,18 @@ def adapter_file_bytes(model: torch.nn.Module) -> bytes:
     return safetensors_bytes(trainable_parameters(model), "adapter")
 
 
+def entry_identity(entry: str) -> dict[str, str]:
+    """``FILE.py:function`` as recorded: the resolved file path, the function name and the file's SHA-256."""
+    path, sep, func = entry.rpartition(":")
+    if not sep or not path.endswith(".py") or not func.isidentifier():
+        raise ConfigError(f"entry {entry!r} is not FILE.py:function", where="integration.entry",
+                          hint="name the replay target, e.g. examples/plain_torch_loop.py:replay_target")
+    p = Path(path).resolve()
+    if not p.is_file():
+        raise ConfigError("replay target file not found", where=str(p))
+    return {"file": str(p), "function": func, "sha256": sha256_file(p)}
+
+
 def capture_config(config: dict[str, Any], stack: Iterable[str]) -> dict[str, Any]:
     """The config a capture records: the caller's, with the installed ``stack`` versions, redacted."""
     out: dict[str, Any] = redact({**config, "stack": versions(stack)})
@@ -398,8 +410,6 @@ class StepCapture:
         state = dict(framework_state or {})
         self.entry = ""
         if entry:  # a plain loop's replay target (FILE.py:function), pinned by the file's SHA-256
-            from replayjob.integrations.torch_loop import entry_identity
-
             state["entry"] = ident = entry_identity(entry)
             self.entry = f"{ident['file']}:{ident['function']}"
         self.framework_state = _json_value(state, "framework_state")

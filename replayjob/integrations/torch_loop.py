@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from replayjob import determinism
-from replayjob.digest import sha256_file
 from replayjob.errors import ConfigError, ContractError
 from replayjob.integrations import capture as cap
 from replayjob.integrations.replay import ReplaySession
@@ -61,18 +60,6 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sch
     return float(norm)
 
 
-def entry_identity(entry: str) -> dict[str, str]:
-    """``FILE.py:function`` as recorded: the resolved file path, the function name and the file's SHA-256."""
-    path, sep, func = entry.rpartition(":")
-    if not sep or not path.endswith(".py") or not func.isidentifier():
-        raise ConfigError(f"entry {entry!r} is not FILE.py:function", where="integration.entry",
-                          hint="name the replay target, e.g. examples/plain_torch_loop.py:replay_target")
-    p = Path(path).resolve()
-    if not p.is_file():
-        raise ConfigError("replay target file not found", where=str(p))
-    return {"file": str(p), "function": func, "sha256": sha256_file(p)}
-
-
 def contract(resolved: dict[str, Any]) -> dict[str, Any]:
     """The whole user config of the loop defines the update (pure: nothing imported)."""
     return {"schema": "replayjob.integration_contract/v1", "framework": FRAMEWORK,
@@ -83,7 +70,7 @@ def contract(resolved: dict[str, Any]) -> dict[str, Any]:
 def check_entry(entry: str, recorded: Any) -> str | None:
     """Why the config's replay target is not the one recorded at capture, or None."""
     try:
-        have = entry_identity(entry)
+        have = cap.entry_identity(entry)
     except ConfigError as exc:
         return exc.diagnostics()
     if not isinstance(recorded, dict) or have["sha256"] != recorded.get("sha256") \
@@ -98,7 +85,7 @@ class TorchSession(ReplaySession):
 
     def __init__(self, adm: Admission, out: Path):
         assert adm.cfg is not None and adm.resolved is not None
-        ident = entry_identity(adm.cfg.entry)
+        ident = cap.entry_identity(adm.cfg.entry)
         spec = importlib.util.spec_from_file_location("replayjob_replay_target", ident["file"])
         if spec is None or spec.loader is None:
             raise ConfigError("cannot import the replay target", where=ident["file"])

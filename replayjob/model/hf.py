@@ -25,6 +25,7 @@ from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes
 from replayjob.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from replayjob.redact import redact_text
+from replayjob.rl.state import adapter_bytes
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -85,8 +86,6 @@ class HFPolicy:
         self._trainable = [(n, live[n]) for n, _ in self._trainable]
 
     def save_adapter(self, directory: Path) -> Path:
-        from replayjob.rl.state import adapter_bytes
-
         directory.mkdir(parents=True, exist_ok=True)
         weights = directory / ADAPTER_WEIGHTS
         atomic_write_bytes(weights, adapter_bytes(self.adapter_state()))

@@ -31,6 +31,8 @@ from replayjob import metrics as metrics_io
 from replayjob.config import Config, config_sha256, load_config
 from replayjob.deploy.schedule import Slot
 from replayjob.errors import ArtifactExistsError, ContractError, UsageError, error_for_exit_status
+from replayjob.integrations import admission
+from replayjob.integrations import replay as integration_replay
 from replayjob.model.backend import load_backend
 from replayjob.optbatch import stepcapture
 from replayjob.optbatch.explain import Admission, admit
@@ -225,9 +227,6 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
     if nproc < 1:
         raise UsageError(f"--nproc must be >= 1, found {nproc}")
     if producer_of(config, overrides) != knobs.BUILTIN:
-        from replayjob.integrations import admission
-        from replayjob.integrations import replay as integration_replay
-
         icfg = admission.load(config, overrides)
         if nproc > 1 and not getattr(producer_module(icfg.framework), "RANKS", False):
             raise UsageError(f"a {icfg.framework} replay runs in one process; --nproc applies to replayjob's own "

@@ -34,6 +34,7 @@ from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.diag import optimizer_checksum, peak_memory_bytes, stats, tensor_checksum
 from replayjob.rl.hooks import StepHook, StepRollout, TrainerView, abandon_all
 from replayjob.rl.logprobs import logprob_temperature, padded, token_logprobs
+from replayjob.rl.sampling import sample
 from replayjob.rl.state import (
     OPTIMIZER_FILE,
     RNG_FILE,
@@ -57,8 +58,6 @@ FINAL_ADAPTER_DIR = "final_adapter"
 def build_rollout(policy: Policy, cfg: Config, task: Task, step: int, seed: int) -> tuple[StepRollout,
                                                                                          OptimizerBatch]:
     """Everything up to the capture point: sample, score, estimate, weigh."""
-    from replayjob.rl.sampling import sample
-
     a = cfg.algorithm
     tok = policy.tokenizer
     prompts = task.prompts(seed, step, a.prompts_per_step)
