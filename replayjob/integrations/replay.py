@@ -88,9 +88,6 @@ class ReplaySession(Session):
     def bind(self, adm: Admission) -> ReplaySession:
         self.adm = adm
         self.framework = adm.cfg.framework if adm.cfg is not None else ""
-        if self.trace_refusal is None and any(None in self.trace_inputs(mb) for mb in adm.micro_batches or []):
-            self.trace_refusal = ("its captured inputs hold no input_ids (and token mask) the trace can key "
-                                  "rows by")
         return self
 
     def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -104,6 +101,8 @@ class ReplaySession(Session):
         for mb in self.regroup(self.adm.micro_batches or []):
             n = cap.batch_rows([mb])
             ids, mask = self.trace_inputs(mb)
+            if (ids is None or mask is None) and self.trace_refusal is None:  # the driver plans before tracing
+                self.trace_refusal = "its captured inputs hold no input_ids (and token mask) the trace can key rows by"
             out.append(MicroStep(tuple(range(first, first + n)), mb.rng or None, mb, ids, mask))
             first += n
         return out
