@@ -14,7 +14,7 @@ and after the first update :meth:`~Session.save_adapter`, :meth:`~Session.runtim
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,6 @@ class Outcome:
     backward_wall_s: float = 0.0
     forward_wall_s: float | None = None  # None: the driver's loop time less backward
     optimizer_wall_s: float | None = None  # None: the driver's time around finish()
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Session:
