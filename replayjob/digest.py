@@ -53,6 +53,32 @@ def sha256_file(path: str | Path, *, follow_symlinks: bool = False) -> str:
     return h.hexdigest()
 
 
+BATCH_DIGEST = "replayjob.batch_digest/v3"
+
+
+def batch_sha256(kind: str, parts: list[dict[str, Any]]) -> str:
+    """The one batch digest every producer's ``logical_batch_sha256`` and ``local_effective_rows_sha256`` are.
+
+    SHA-256 of the canonical JSON (:func:`replayjob.jsonio.canonical_bytes`) of::
+
+        {"digest": "replayjob.batch_digest/v3", "kind": KIND, "parts": [PART, ...]}
+
+    ``kind`` is ``"logical"`` or ``"effective"``; the parts are in the order the update consumed them (the
+    built-in trainer's rows are one part of flat ragged arrays; a captured loop's are one part per micro-batch,
+    several processes' concatenated in rank order), each ``{"tensors": {NAME: [DTYPE, SHAPE, SHA256]},
+    "values": {NAME: JSON}}`` with SHA256 over the tensor's little-endian row-major bytes.  Equal parts give
+    equal digests whoever produced them; the parts a producer hands in are documented where it builds them
+    (``docs/optimizer-batch.md``).
+    """
+    return sha256_json({"digest": BATCH_DIGEST, "kind": kind, "parts": parts})
+
+
+def batch_part(tensors: dict[str, tuple[str, list[int], str]], values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One part of :func:`batch_sha256`: tensors by ``(dtype, shape, SHA-256)`` and JSON values, keys sorted."""
+    return {"tensors": {k: [d, list(shape), sha] for k, (d, shape, sha) in sorted(tensors.items())},
+            "values": dict(sorted((values or {}).items()))}
+
+
 def is_sha256_hex(value: object) -> bool:
     """Whether ``value`` is already a canonical SHA-256 digest: exactly 64 lowercase hex characters
     (the one digest syntax check; callers that accept uppercase or padding use :func:`normalize_digest`)."""

@@ -232,7 +232,7 @@ class Funnel:
         d = Path(opts.capture).resolve()
         name = opts.replay_config or external.DEFAULT_REPLAY_CONFIG
         logical, manifest, path, _ = external.capture_pins(d, name)
-        mode = external.read_manifest(path, manifest)[2]  # the math mode the capture ran in, which every step pins
+        mode = external.read_manifest(path, manifest)[1]  # the math mode the capture ran in, which every step pins
         data = read_toml(opts.spec, what="ablation spec")
         data["capture"] = {"dir": str(d), "replay_config": name, "logical_sha256": logical,
                            "manifest_sha256": manifest, **({"math_mode": mode} if mode is not None else {})}

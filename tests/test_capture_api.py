@@ -286,8 +286,8 @@ def test_inputs_at_unaligned_payload_offsets_reach_the_loss_in_fresh_memory_and_
     admitted: list[Any] = []
     real_admit = integration_replay.admit
 
-    def keeping_admit(cfg: Any) -> Any:
-        adm = real_admit(cfg)
+    def keeping_admit(cfg: Any, **kwargs: Any) -> Any:
+        adm = real_admit(cfg, **kwargs)
         admitted.append(adm)
         return adm
 

@@ -4,7 +4,6 @@ process that sets none), checked against the mode the capture's contract records
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -16,17 +15,23 @@ from replayjob.cli import main
 from replayjob.deploy import argo, k8s, step
 from replayjob.deploy.ablation import DETERMINISM_ENV, load_spec_text
 from replayjob.errors import ConfigError
+from replayjob.optbatch import manifest as mf
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def fake_capture(d: Path, mode: str) -> tuple[str, str]:
-    """A capture directory holding just what ``step plan`` reads: metrics.json's pins, a manifest (of
-    replayjob's own trainer) whose contract records ``mode``, and its replay config; returns the pins."""
+    """A capture directory holding just what ``step plan`` reads: metrics.json's pins, a valid manifest (of
+    replayjob's own trainer; its payload is not read at plan) whose contract records ``mode``, and its replay
+    config; returns the pins."""
     d.mkdir()
-    data = json.dumps({"schema": "replayjob.optimizer_batch/v1", "contract": {"value": {"math_mode": mode}}}).encode()
-    (d / "m.manifest.json").write_bytes(data)
-    logical, manifest = "a" * 64, hashlib.sha256(data).hexdigest()
+    logical = "a" * 64
+    doc = mf.build(step=0, producer={"device": "cpu"}, payload_file=mf.payload_name(0), payload_size=1,
+                   payload_digest="d" * 64, rng_keys=["cpu"],
+                   rows={"rows": 1, "tokens": 2, "response_tokens": 1, "loss_bearing_tokens": 1}, logical=logical,
+                   effective="b" * 64, resolved_config={}, contract={"math_mode": mode},
+                   adapter_path=Path("a.safetensors"), adapter_size=1, adapter_sha256="c" * 64)
+    manifest = mf.write(d / "m.manifest.json", doc)
     (d / metrics.SOURCE_FILE).write_text(json.dumps({metrics.LOGICAL: logical, metrics.MANIFEST: manifest,
                                                      metrics.MANIFEST_PATH: "m.manifest.json"}))
     (d / "replay.toml").write_text("")

@@ -30,7 +30,6 @@ from replayjob import distributed
 from replayjob.cli import main
 from replayjob.errors import ConfigError, ContractError
 from replayjob.metrics import FINAL_ADAPTER, LOGICAL, MANIFEST, PIN_KEYS, rank_file
-from replayjob.optbatch import ranks
 from replayjob.rl.batch import OptimizerBatch
 
 DDP = 'distributed.strategy="ddp"'
@@ -86,7 +85,7 @@ def test_each_rank_lands_then_the_root_with_the_single_device_pins(capture2: Pat
     assert {"rank-0", "rank-1", "COMPLETE.0", "COMPLETE.1", "metrics.json",
             "optimizer_batch_step_000000.manifest.json"} <= names
     root = json.loads((capture2 / "optimizer_batch_step_000000.manifest.json").read_text())
-    assert root["schema"] == ranks.SCHEMA
+    assert root["schema"] == "replayjob.capture_manifest/v3" and root["framework"] == "replayjob"
     assert root["distributed"] == {"world_size": 2, "strategy": "ddp", "bucket_cap_mb": 25.0, "backend": "gloo",
                                    "sharding": "contiguous"}
     assert [e["rows"] for e in root["ranks"]] == [[0, 8], [8, 16]]

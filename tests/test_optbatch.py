@@ -115,7 +115,7 @@ def test_capture_writes_payload_manifest_and_pins(capture_dir: Path, workspace: 
     assert m["optimizer_batch/final_adapter_sha256"] != init_sha
     doc = json.loads((capture_dir / MANIFEST).read_text())
     assert doc["payload"]["spans_sha256"] == payload.digest_bytes((capture_dir / PAYLOAD).read_bytes())
-    assert doc["schema"] == "replayjob.optimizer_batch_manifest/v2"
+    assert doc["schema"] == "replayjob.capture_manifest/v3" and doc["framework"] == "replayjob"
     assert doc["logical_batch_sha256"] == m["optimizer/logical_batch_sha256"]
     assert doc["initial_adapter"]["sha256"] == init_sha
     assert doc["initial_adapter"]["size"] == (workspace / "init_resume" / ADAPTER_WEIGHTS).stat().st_size

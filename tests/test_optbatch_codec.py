@@ -22,6 +22,7 @@ from replayjob.errors import IntegrityError
 from replayjob.jsonio import canonical_bytes
 from replayjob.optbatch import manifest, payload
 from replayjob.optbatch.contract import contract_sha256, optimizer_contract
+from replayjob.producers import manifests
 from replayjob.rl import batch as batch_mod
 from replayjob.rl.batch import OptimizerBatch
 
@@ -189,31 +190,31 @@ def test_rng_state_of_the_wrong_size_is_refused() -> None:
     refused(payload.encode(make_batch(), {"cpu": torch.zeros(7, dtype=torch.uint8)}), "rng.cpu has 7 bytes")
 
 
-def _reference_digest(tag: bytes, rows: int, arrays: list[tuple[torch.Tensor, str]]) -> str:
-    """The documented v2 layout, written out independently of replayjob.rl.batch."""
-    h = hashlib.sha256(tag)
-    h.update(struct.pack("<Q", rows))
-    for t, fmt in arrays:
-        h.update(struct.pack("<Q", t.numel()))
-        h.update(hashlib.sha256(t.numpy().astype(fmt).tobytes()).digest())
-    return h.hexdigest()
+def _reference_digest(kind: str, arrays: list[tuple[str, torch.Tensor, str]]) -> str:
+    """The documented batch digest (replayjob.digest.batch_sha256 of the rows' one part), written out
+    independently of replayjob.rl.batch and replayjob.digest."""
+    tensors = {name: ["int64" if fmt == "<i8" else "float64", [t.numel()],
+                      hashlib.sha256(t.numpy().astype(fmt).tobytes()).hexdigest()] for name, t, fmt in arrays}
+    doc = {"digest": "replayjob.batch_digest/v3", "kind": kind, "parts": [{"tensors": tensors, "values": {}}]}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _reference(b: OptimizerBatch, keep: list[int]) -> tuple[str, str]:
-    def arrays(rows: list[int]) -> list[tuple[torch.Tensor, str]]:
+    def arrays(rows: list[int]) -> list[tuple[str, torch.Tensor, str]]:
         toks = [b.row_tokens(i) for i in rows]
         resp = [b.row_field("loss_weights", i).numel() for i in rows]
 
         def cat(xs: list[torch.Tensor], dt: torch.dtype) -> torch.Tensor:
             return torch.cat(xs) if xs else torch.zeros(0, dtype=dt)
-        out = [(torch.tensor([0, *itertools.accumulate(t.numel() for t in toks)]), "<i8"),
-               (b.prompt_lens[rows], "<i8"), (torch.tensor([0, *itertools.accumulate(resp)]), "<i8"),
-               (cat(toks, torch.int64), "<i8")]
-        return out + [(cat([b.row_field(k, i) for i in rows], torch.float64), "<f8") for k in FIELDS]
+        out = [("token_offsets", torch.tensor([0, *itertools.accumulate(t.numel() for t in toks)]), "<i8"),
+               ("prompt_lens", b.prompt_lens[rows], "<i8"),
+               ("resp_offsets", torch.tensor([0, *itertools.accumulate(resp)]), "<i8"),
+               ("tokens", cat(toks, torch.int64), "<i8")]
+        return out + [(k, cat([b.row_field(k, i) for i in rows], torch.float64), "<f8") for k in FIELDS]
     everything = list(range(b.rows))
-    return (_reference_digest(b"replayjob.logical-rows.v2\n", b.rows, arrays(everything)),
-            _reference_digest(b"replayjob.effective-rows.v2\n", len(keep),
-                              [(torch.tensor(keep, dtype=torch.int64), "<i8"), *arrays(keep)]))
+    return (_reference_digest("logical", arrays(everything)),
+            _reference_digest("effective", [("row_index", torch.tensor(keep, dtype=torch.int64), "<i8"),
+                                            *arrays(keep)]))
 
 
 def test_row_digests_follow_the_documented_layout() -> None:
@@ -384,11 +385,15 @@ def test_overflowing_sums_and_non_finite_values_raise_no_warning_and_no_tracebac
         payload.decode(huge)
 
 
-def test_a_manifest_from_the_plain_sha256_schema_is_refused_with_a_recapture_hint(tmp_path: Path) -> None:
-    doc = {**manifest_doc(), "schema": "replayjob.optimizer_batch_manifest/v1"}
+@pytest.mark.parametrize("old", manifest.OLD_SCHEMAS)
+def test_a_manifest_of_an_earlier_release_is_refused_naming_both_versions(tmp_path: Path, old: str) -> None:
+    doc = {**manifest_doc(), "schema": old}
+    p, sha = write_manifest(tmp_path, doc)
     with pytest.raises(IntegrityError) as exc:
-        manifest.validate(doc, tmp_path / "m.json")
-    assert "older replayjob" in exc.value.message and "recapture" in exc.value.diagnostics()
+        manifests.read(p, sha)
+    assert exc.value.exit_code == 2
+    assert old in exc.value.message and manifest.SCHEMA in exc.value.message and "earlier replayjob release" in \
+        exc.value.message and "capture the step again" in exc.value.diagnostics()
 
 
 def test_decode_views_a_writable_buffer_and_copies_unaligned_spans() -> None:

@@ -68,7 +68,8 @@ def test_two_process_capture_writes_one_root_over_both_parts(ranks_capture: dict
     d, src = ranks_capture["dir"], ranks_capture["source"]
     assert src["num_processes"] == 2  # the source run really ran on two processes (torchrun, gloo)
     root = _metrics(Path(src["manifest"]))
-    assert root["schema"] == "replayjob.integration_ranks/v1" and root["world_size"] == 2 and root["step"] == STEP
+    assert root["schema"] == "replayjob.capture_manifest/v3" and root["framework"] == "trl"
+    assert root["world_size"] == 2 and root["step"] == STEP
     assert [e["dir"] for e in root["ranks"]] == ["rank-0", "rank-1"]
     assert root["config"]["resolved"]["distributed"] == {"num_processes": 2}
     for r in (0, 1):

@@ -32,7 +32,7 @@ Every refusal is exit 2.  Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +43,11 @@ from replayjob.deploy.ablation import AblationSpec
 from replayjob.determinism import ENV_MATH_MODE
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes
-from replayjob.integrations import manifest as imanifest
+from replayjob.integrations import manifest as external_manifest
 from replayjob.jsonio import pretty_bytes, read_json_object
 from replayjob.knobs import BUILTIN, WORLD_SIZE, knobs_for
-from replayjob.optbatch.manifest import read_pinned
+from replayjob.producers import manifests
+from replayjob.producers.manifests import CaptureManifest
 
 CAPTURE_RECORD = "capture.json"  # RUN/capture.json: the verified capture (step capture writes it)
 CAPTURE_SCHEMA = "replayjob.run_capture/v1"
@@ -65,6 +66,7 @@ class Located:
     producer: str  # replayjob.knobs.PRODUCERS: from the manifest
     step: int | None  # the chosen step whose record pins it (reduce --source-step); None: a one-step capture
     math_mode: str | None = None  # the math mode the capture's contract records (None: it records none)
+    record: CaptureManifest | None = field(default=None, compare=False, repr=False)  # the verified manifest
 
 
 def capture_pins(directory: Path, replay_config: str) -> tuple[str, str, Path, int | None]:
@@ -112,32 +114,25 @@ def locate(spec: AblationSpec) -> Located:
                                 where=d / metrics.SOURCE_FILE,
                                 hint="the directory holds another capture, or the pin is from another run: pin the "
                                      "digests this capture printed")
-    p, producer, mode = read_manifest(path, manifest)
-    return Located(d, d / ref.replay_config, p, logical, manifest, producer, step, mode)
+    m, mode = read_manifest(path, manifest)
+    return Located(d, d / ref.replay_config, m.path, logical, manifest, m.framework, step, mode, m)
 
 
-def read_manifest(path: Path, manifest_sha256: str) -> tuple[Path, str, str | None]:
-    """A capture's manifest file, hashed against its pin before it is parsed, its producer and the math
-    mode its optimizer contract records (``None`` where it records none)."""
+def read_manifest(path: Path, manifest_sha256: str) -> tuple[CaptureManifest, str | None]:
+    """A capture's manifest through the one reader (hashed against its pin before it is parsed, validated by its
+    producer's rules) and the math mode its optimizer contract records (``None`` where it records none)."""
 
-    p, _, doc = read_pinned(path, manifest_sha256, pin_name="capture.manifest_sha256",
-                            hint="keep the capture directory as the capture wrote it")
-    if isinstance(doc, dict) and doc.get("schema") == imanifest.RANKS_SCHEMA:
+    m = manifests.read(path, manifest_sha256, pin_name="capture.manifest_sha256",
+                       hint="keep the capture directory as the capture wrote it")
+    if isinstance(m, external_manifest.RootManifest):
         # a capture over several processes: its replay launches that many (`replayjob replay --nproc N`);
         # the steps run an external trainer's replay in one process, so they refuse it rather than misread it
-        raise ContractError(f"the capture ran on {doc.get('world_size')} processes; the cluster steps replay an "
-                            "external trainer's capture on one process", where=p,
+        raise ContractError(f"the capture ran on {m.world_size} processes; the cluster steps replay an "
+                            "external trainer's capture on one process", where=m.path,
                             hint="replay it with `replayjob replay CONFIG --nproc N` on one node, or capture the "
                                  "step on one process for the cluster path")
-    if isinstance(doc, dict) and doc.get("schema") == imanifest.SCHEMA:
-        producer = imanifest.validate(doc, p)["framework"]
-    else:
-        producer = BUILTIN  # the built-in manifest (validated by its explain in verify)
-    contract = doc.get("contract") if isinstance(doc, dict) else None
-    value = contract.get("value") if isinstance(contract, dict) else None
-    mode = value.get("math_mode") if isinstance(value, dict) else None
-    return p, str(producer), mode if isinstance(mode, str) else None
-
+    mode = m.contract.get("math_mode")
+    return m, mode if isinstance(mode, str) else None
 
 
 def check(spec: AblationSpec, *, reachable_only: bool = False, log: Any = print) -> Located | None:
@@ -198,12 +193,12 @@ def verify(spec: AblationSpec, run: Path, log: Any = print) -> Located:
     if found.producer == BUILTIN:
         from replayjob.optbatch import explain
 
-        adm: Any = explain.admit(load_config(found.config, sets), keep_rows=False)
+        adm: Any = explain.admit(load_config(found.config, sets), keep_rows=False, manifest=found.record)
         rep = explain.report(adm)
     else:
         from replayjob.integrations import admission
 
-        adm, rep = admission.explain(found.config, sets)
+        adm, rep = admission.explain(found.config, sets, found.record)
     adm.raise_for(str(found.config))
     atomic_write_bytes(run / CAPTURE_RECORD, pretty_bytes({
         "schema": CAPTURE_SCHEMA, "dir": str(found.dir), "replay_config": found.config.name,

@@ -49,8 +49,8 @@ from replayjob.gate.evidence import (
 )
 from replayjob.gate.report import write_report
 from replayjob.integrations import manifest as imanifest
-from replayjob.optbatch import ranks
-from replayjob.optbatch.manifest import Manifest, read_pinned, validate
+from replayjob.optbatch.manifest import Manifest
+from replayjob.producers import manifests
 
 if TYPE_CHECKING:
     from replayjob.integrations.manifest import Manifest as IntegrationManifest
@@ -186,18 +186,8 @@ def _capture_manifest(source: Source) -> Manifest | IntegrationManifest:
     root of a capture over ranks, :mod:`replayjob.optbatch.ranks`) or an external trainer's
     (:mod:`replayjob.integrations.manifest`), told apart by its schema after the bytes matched the pin."""
 
-    path, sha, doc = read_pinned(source.manifest_file, source.manifest,
-                                 pin_name=f"{source.path}'s {source.manifest_pin}",
-                                 hint="keep the capture run's manifest next to its metrics.json, unchanged")
-    if isinstance(doc, dict) and doc.get("schema") == imanifest.SCHEMA:
-        return imanifest.Manifest(path, sha, imanifest.validate(doc, path))
-    if isinstance(doc, dict) and doc.get("schema") == imanifest.RANKS_SCHEMA:  # an external trainer's, over processes
-        from replayjob.integrations.ranks import read_capture
-
-        return read_capture(path, sha)  # the root with every part verified
-    if isinstance(doc, dict) and doc.get("schema") == ranks.SCHEMA:  # a capture over ranks: its root
-        return ranks.RootManifest(path, sha, ranks.validate(doc, path))
-    return Manifest(path, sha, validate(doc, path))
+    return manifests.read(source.manifest_file, source.manifest, pin_name=f"{source.path}'s {source.manifest_pin}",
+                          hint="keep the capture run's manifest next to its metrics.json, unchanged")
 
 
 def _initial_adapter(source: Source, man: Manifest | IntegrationManifest) -> Path:

@@ -34,12 +34,14 @@ from replayjob.config.load import _absolutize, apply_overrides, build, read_toml
 from replayjob.config.schema import OptimizerBatchConfig
 from replayjob.digest import sha256_json
 from replayjob.distributed import launch_env
-from replayjob.errors import ConfigError, RefusedError
+from replayjob.errors import ConfigError, IntegrityError, RefusedError
 from replayjob.integrations import capture as cap
-from replayjob.integrations import ranks as iranks
+from replayjob.integrations import manifest as imanifest
 from replayjob.integrations.manifest import Manifest
 from replayjob.optbatch.explain import SKIPPED, Refusals, check_contract, check_differences, check_pins
+from replayjob.optbatch.manifest import PinnedManifest
 from replayjob.producers import EXTERNAL, producer_module
+from replayjob.producers.manifests import reuse
 from replayjob.redact import redact_text
 
 MODEL_KEYS = ("path", "attn_implementation")
@@ -101,6 +103,7 @@ class Admission(Refusals):
 
     cfg: ReplayConfig | None = None
     pins: dict[str, str] = field(default_factory=dict)
+    given: PinnedManifest | None = None  # the manifest as a caller already verified it
     manifest: Manifest | None = None
     micro_batches: list[cap.MicroBatch] | None = None
     adapter: dict[str, torch.Tensor] | None = None
@@ -117,7 +120,7 @@ class Admission(Refusals):
 
     @property
     def captured_processes(self) -> int:
-        return iranks.processes(self.manifest)
+        return imanifest.processes(self.manifest)
 
     def raise_if_refused(self) -> None:
         assert self.cfg is not None
@@ -193,7 +196,7 @@ def _check_payload(adm: Admission, m: Manifest, tensors: dict[str, torch.Tensor]
     elif pin is not None and pin != logical:
         adm.refuse(f"wrong logical pin: expected_logical_sha256 is {pin}, the captured inputs are {logical}",
                    integrity=True)
-    effective = cap.effective_digest(mbs, logical)
+    effective = cap.effective_digest(mbs)
     if effective != m.effective_sha256:
         adm.refuse(f"payload RNG and accumulation settings hash to {effective}, the manifest says "
                    f"{m.effective_sha256}", integrity=True)
@@ -204,7 +207,7 @@ def _check_payload(adm: Admission, m: Manifest, tensors: dict[str, torch.Tensor]
     return mbs
 
 
-def _check_parts(adm: Admission, m: iranks.RootManifest) -> None:
+def _check_parts(adm: Admission, m: imanifest.RootManifest) -> None:
     """A capture over several processes: every part's payload against its manifest, then every micro-batch in
     rank order against the root's digests and the logical pin."""
     parts = []
@@ -223,7 +226,7 @@ def _check_parts(adm: Admission, m: iranks.RootManifest) -> None:
     elif pin is not None and pin != logical:
         adm.refuse(f"wrong logical pin: expected_logical_sha256 is {pin}, the captured inputs are {logical}",
                    integrity=True)
-    if cap.effective_digest(every, logical) != m.effective_sha256:
+    if cap.effective_digest(every) != m.effective_sha256:
         adm.refuse("the processes' RNG and accumulation settings do not hash to the root's effective digest",
                    integrity=True)
     _check_nonfinite(adm, m, every)
@@ -248,22 +251,25 @@ def _check_artifacts(adm: Admission) -> None:
     if "expected_manifest_sha256" not in adm.pins or not cfg.optimizer_batch.replay_path:
         return
     try:
-        m = iranks.read_capture(cfg.optimizer_batch.replay_path, adm.pins["expected_manifest_sha256"])
+        found = reuse(adm.given, cfg.optimizer_batch.replay_path, adm.pins["expected_manifest_sha256"])
+        if not isinstance(found, Manifest):
+            raise IntegrityError(f"the capture was written by {found.framework!r}, not the capture API",
+                                 where=found.path)
     except RefusedError as exc:
         adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
         return
-    adm.manifest = m
+    m = adm.manifest = found
     if m.framework != cfg.framework:
         adm.refuse(f"the capture was produced by {m.framework!r}, the config says integration.framework = "
                    f"{cfg.framework!r}")
         return
-    if isinstance(m, iranks.RootManifest):
+    if isinstance(m, imanifest.RootManifest):
         _check_parts(adm, m)  # the adapter and optimizer files every part shares are process 0's (read below)
     else:
         payload = _load_file(adm, m, "payload")
         if payload is not None:
             _check_payload(adm, m, payload)
-    first = m.parts[0] if isinstance(m, iranks.RootManifest) else m  # every part holds these same bytes
+    first = m.parts[0] if isinstance(m, imanifest.RootManifest) else m  # every part holds these same bytes
     adm.adapter = _load_file(adm, first, "adapter")
     if adm.adapter is not None and sorted(adm.adapter) != sorted(m.doc["trainable"]):
         adm.refuse(f"{m.file('adapter')}: parameters differ from the manifest's trainable list", integrity=True)
@@ -378,12 +384,15 @@ def _check_config(adm: Admission) -> None:
             adm.refuse(reason)
 
 
-def admit(cfg: ReplayConfig, processes: int | None = None) -> Admission:
+def admit(cfg: ReplayConfig, processes: int | None = None, manifest: PinnedManifest | None = None) -> Admission:
     """Run every admission check; never raises for a failed check (see :meth:`Admission.raise_if_refused`).
 
-    ``processes``: how many processes the replay will run on (default: this process's launcher's)."""
+    ``processes``: how many processes the replay will run on (default: this process's launcher's);
+    ``manifest``: the capture's manifest as the caller already verified it (used when it is the one the config
+    pins, so its bytes are read once)."""
 
-    adm = Admission(cfg=cfg, processes=launch_env().world_size if processes is None else processes)
+    adm = Admission(cfg=cfg, processes=launch_env().world_size if processes is None else processes,
+                    given=manifest)
     ob = cfg.optimizer_batch
     if ob.capture or ob.capture_steps or ob.ring_size:
         adm.refuse("optimizer_batch.capture, capture_steps and ring_size are source-run settings; an integration "
@@ -434,7 +443,8 @@ def report(adm: Admission) -> dict[str, Any]:
     }
 
 
-def explain(config: str | Path, overrides: list[str]) -> tuple[Admission, dict[str, Any]]:
-    """``replayjob explain`` for an integration replay config."""
-    adm = admit(load(config, overrides))
+def explain(config: str | Path, overrides: list[str],
+            manifest: PinnedManifest | None = None) -> tuple[Admission, dict[str, Any]]:
+    """``replayjob explain`` for an integration replay config (``manifest``: as :func:`admit` takes it)."""
+    adm = admit(load(config, overrides), manifest=manifest)
     return adm, report(adm)

@@ -30,7 +30,6 @@ Several steps of one run: :class:`ChosenSteps` hands out one :class:`StepCapture
 
 from __future__ import annotations
 
-import copy
 import importlib.metadata
 import math
 import platform
@@ -46,21 +45,27 @@ from replayjob import determinism
 from replayjob import metrics as metrics_io
 from replayjob.config import redact
 from replayjob.config.dump import toml_value
-from replayjob.digest import sha256_bytes, sha256_file, sha256_json
-from replayjob.errors import ArtifactExistsError, ConfigError, ContractError, RefusedError, UsageError
+from replayjob.digest import batch_part, batch_sha256, sha256_bytes, sha256_file, sha256_json
+from replayjob.errors import ArtifactExistsError, ConfigError, RefusedError, UsageError
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.integrations import manifest as imanifest
-from replayjob.optbatch.manifest import OUTCOME, outcome, replay_config_name
+from replayjob.optbatch.manifest import OUTCOME, SCHEMA, outcome, replay_config_name
 from replayjob.producers import EXTERNAL, producer_module
 from replayjob.redact import redact_path
-from replayjob.rl.state import rng_tensors
+from replayjob.rl.state import (
+    adapter_bytes,
+    json_value,
+    optimizer_bytes_of,
+    rng_tensors,
+    safetensors_bytes,
+    split_optimizer_state,
+)
 
 FINAL_ADAPTER_FILE = "final_adapter/adapter_model.safetensors"
 METRICS_FILE = metrics_io.SOURCE_FILE
 REPLAY_TOML = "replay.toml"
 BASE_MODEL_FILES = ("config.json",)  # hashed with every *.safetensors and *.safetensors.index.json
 _PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-EMPTY_STATE = "state.none"  # the optimizer file's one tensor when the optimizer holds no state yet
 STACK = ("torch", "transformers", "peft", "accelerate", "trl")
 
 
@@ -115,19 +120,10 @@ def dtype_name(t: torch.Tensor) -> str:
 
 
 def _json_value(v: Any, where: str) -> Any:
-    if v is None or isinstance(v, bool | int | str):
-        return v
-    if isinstance(v, float):
-        if v != v or v in (float("inf"), float("-inf")):
-            raise CaptureError(f"{where} is a non-finite number", where=where,
-                               hint="only finite inputs can be captured")
-        return v
-    if isinstance(v, list | tuple):
-        return [_json_value(x, f"{where}[{i}]") for i, x in enumerate(v)]
-    if isinstance(v, Mapping) and all(isinstance(k, str) for k in v):
-        return {k: _json_value(x, f"{where}.{k}") for k, x in v.items()}
-    raise CaptureError(f"{where} is a {type(v).__name__}, which is neither a tensor nor a JSON value",
-                       where=where, hint="pass tensors, numbers, strings, lists or None to record()")
+    try:
+        return json_value(v, where)
+    except RefusedError as exc:
+        raise CaptureError(exc.message, where=exc.where, hint=exc.hint) from None
 
 
 def split_group(values: Mapping[str, Any], where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -174,28 +170,40 @@ class MicroBatch:
         return out
 
 
+def _tensor(t: torch.Tensor) -> tuple[str, list[int], str]:
+    return dtype_name(t), list(t.shape), sha256_bytes(tensor_bytes(t))
+
+
 def logical_entries(mbs: list[MicroBatch]) -> list[dict[str, Any]]:
-    """What :func:`logical_digest` hashes, per micro-batch (JSON: each tensor by dtype, shape and SHA-256)."""
-    def group(ts: Mapping[str, torch.Tensor], vs: Mapping[str, Any]) -> dict[str, Any]:
-        return {"tensors": {k: [dtype_name(t), list(t.shape), sha256_bytes(tensor_bytes(t))]
-                            for k, t in sorted(ts.items())}, "values": dict(sorted(vs.items()))}
-    return [{"inputs": group(m.inputs, m.input_values), "call": group(m.call, m.call_values)} for m in mbs]
+    """The parts :func:`logical_digest` hashes: per micro-batch, its ``inputs.<key>`` and ``call.<key>``
+    tensors and values (:func:`replayjob.digest.batch_part`)."""
+    return [batch_part({**{f"inputs.{k}": _tensor(t) for k, t in m.inputs.items()},
+                        **{f"call.{k}": _tensor(t) for k, t in m.call.items()}},
+                       {**{f"inputs.{k}": v for k, v in m.input_values.items()},
+                        **{f"call.{k}": v for k, v in m.call_values.items()}}) for m in mbs]
 
 
 def logical_digest(mbs: list[MicroBatch]) -> str:
-    """SHA-256 over every input (name, dtype, shape, bytes) and value of every micro-batch, in order."""
-    return sha256_json(logical_entries(mbs))
+    """The one batch digest (:func:`replayjob.digest.batch_sha256`, kind ``logical``) of every input (name,
+    dtype, shape, bytes) and value of every micro-batch, in order."""
+    return batch_sha256("logical", logical_entries(mbs))
 
 
 def effective_entries(mbs: list[MicroBatch]) -> list[dict[str, Any]]:
-    """What :func:`effective_digest` adds to the logical digest, per micro-batch."""
-    return [{"rng": {k: sha256_bytes(tensor_bytes(t)) for k, t in sorted(m.rng.items())},
-             "sync_gradients": m.sync_gradients, "accumulation_steps": m.accumulation_steps} for m in mbs]
+    """The parts :func:`effective_digest` hashes: each micro-batch's logical part plus its ``rng.<device>``
+    states and its ``sync_gradients`` and ``accumulation_steps``."""
+    out = []
+    for m, part in zip(mbs, logical_entries(mbs), strict=True):
+        rng = {f"rng.{k}": _tensor(t) for k, t in m.rng.items()}
+        values = {**part["values"], "sync_gradients": m.sync_gradients, "accumulation_steps": m.accumulation_steps}
+        out.append(batch_part({**{k: tuple(v) for k, v in part["tensors"].items()}, **rng}, values))
+    return out
 
 
-def effective_digest(mbs: list[MicroBatch], logical: str) -> str:
-    """The logical digest plus what else each loss call consumed: its RNG states and accumulation settings."""
-    return sha256_json({"logical": logical, "micro_batches": effective_entries(mbs)})
+def effective_digest(mbs: list[MicroBatch]) -> str:
+    """The batch digest (kind ``effective``) of what each loss call consumed: its inputs, its RNG states and
+    its accumulation settings."""
+    return batch_sha256("effective", effective_entries(mbs))
 
 
 def batch_rows(mbs: list[MicroBatch]) -> int:
@@ -221,57 +229,6 @@ def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def split_optimizer_state(sd: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """An optimizer ``state_dict`` as tensors (``state.<i>.<key>``) and a JSON description of the rest."""
-    tensors: dict[str, torch.Tensor] = {}
-    state: dict[str, dict[str, Any]] = {}
-    keys: dict[str, list[str]] = {}
-    for idx, entry in sd["state"].items():
-        for key, v in entry.items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"state.{idx}.{key}"] = v.detach().to("cpu", copy=True).contiguous()
-                keys.setdefault(str(idx), []).append(key)
-            else:
-                state.setdefault(str(idx), {})[key] = _json_value(v, f"optimizer state {idx}.{key}")
-    groups = [_json_value(g, f"optimizer param_groups[{i}]") for i, g in enumerate(sd["param_groups"])]
-    return tensors, {"param_groups": groups, "state": state, "tensors": {k: sorted(v) for k, v in keys.items()}}
-
-
-def join_optimizer_state(tensors: Mapping[str, torch.Tensor], doc: Mapping[str, Any],
-                         params: list[torch.nn.Parameter], where: str | Path) -> dict[str, Any]:
-    """Rebuild an optimizer ``state_dict`` from :func:`split_optimizer_state`'s parts, checking every
-    tensor's shape against its parameter (a state that does not fit the adapter is refused)."""
-    expected = {f"state.{i}.{k}" for i, ks in doc["tensors"].items() for k in ks} or {EMPTY_STATE}
-    if set(tensors) != expected:
-        raise ContractError(f"optimizer file tensors {sorted(set(tensors) ^ expected)[:5]} do not match the "
-                            "manifest's optimizer description", where=where)
-    state: dict[int, dict[str, Any]] = {}
-    for idx in sorted({*doc["tensors"], *doc["state"]}, key=int):
-        i = int(idx)
-        if not 0 <= i < len(params):
-            raise ContractError(f"optimizer state for parameter {i}, but the adapter has {len(params)}", where=where)
-        entry: dict[str, Any] = dict(doc["state"].get(idx, {}))
-        for key in doc["tensors"].get(idx, []):
-            t = tensors[f"state.{idx}.{key}"]
-            if t.dim() > 0 and tuple(t.shape) != tuple(params[i].shape):
-                raise ContractError(f"optimizer state {idx}.{key} has shape {tuple(t.shape)}, its parameter "
-                                    f"{tuple(params[i].shape)}", where=where)
-            entry[key] = t.to(params[i].device) if t.dim() > 0 else t
-        state[i] = entry
-    groups = copy.deepcopy(doc["param_groups"])
-    for g in groups:
-        if "betas" in g and isinstance(g["betas"], list):
-            g["betas"] = tuple(g["betas"])
-    return {"state": state, "param_groups": groups}
-
-
-def safetensors_bytes(tensors: Mapping[str, torch.Tensor], kind: str) -> bytes:
-    from safetensors.torch import save
-
-    return bytes(save({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()},
-                      metadata={"format": f"replayjob-{kind}"}))
-
-
 def save_adapter(path: Path, model: torch.nn.Module) -> str:
     """Write the trainable parameters as safetensors (atomically); return the file's SHA-256.
 
@@ -284,8 +241,9 @@ def save_adapter(path: Path, model: torch.nn.Module) -> str:
 
 
 def adapter_file_bytes(model: torch.nn.Module) -> bytes:
-    """The trainable parameters as the bytes :func:`save_adapter` writes (what a final adapter SHA-256 covers)."""
-    return safetensors_bytes(trainable_parameters(model), "adapter")
+    """The trainable parameters as the bytes :func:`save_adapter` writes (what a final adapter SHA-256 covers):
+    :func:`replayjob.rl.state.adapter_bytes`, the serialisation every producer's adapter files use."""
+    return adapter_bytes(trainable_parameters(model))
 
 
 def entry_identity(entry: str) -> dict[str, str]:
@@ -477,16 +435,14 @@ class StepCapture:
         for i, mb in enumerate(self.micro_batches):
             payload.update(mb.payload(i))
         opt_tensors, opt_doc = self._optimizer
-        if not opt_tensors:  # safetensors needs one tensor; an empty state (step 0) records its absence
-            opt_tensors = {EMPTY_STATE: torch.zeros(0)}
-            opt_doc = {**opt_doc, "tensors": {}}
         files: dict[str, dict[str, Any]] = {}
-        for role, tensors in (("payload", payload), ("adapter", self._adapter), ("optimizer", opt_tensors)):
-            data = safetensors_bytes(tensors, role)
+        # one serialisation of adapter and optimizer state for every producer (replayjob.rl.state)
+        for role, data in (("payload", safetensors_bytes(payload, "replayjob-payload")),
+                           ("adapter", adapter_bytes(self._adapter)), ("optimizer", optimizer_bytes_of(opt_tensors))):
             atomic_write_bytes(out / names[role], data, exclusive=True)
             files[role] = {"file": names[role], "size": len(data), "sha256": sha256_bytes(data)}
         logical = logical_digest(self.micro_batches)
-        effective = effective_digest(self.micro_batches, logical)
+        effective = effective_digest(self.micro_batches)
         # the manifest's rows: sizes, and whether a float input holds NaN/Inf (replayed only when opted in)
         rows: dict[str, int | bool] = {**rows_summary(self.micro_batches),
                                        "nonfinite_inputs": has_nonfinite(self.micro_batches)}
@@ -494,7 +450,7 @@ class StepCapture:
         grad = metrics_io.finite_or_none(None if grad_norm is None else float(grad_norm))
         final_sha = sha256_bytes(adapter_file_bytes(self.model))  # the adapter after the real update
         doc = {
-            "schema": imanifest.SCHEMA, "framework": self.framework, "step": self.step,
+            "schema": SCHEMA, "framework": self.framework, "step": self.step,
             "producer": {"replayjob": replayjob.__version__, "python": platform.python_version(),
                          "device": str(next(iter(trainable_parameters(self.model).values())).device),
                          "versions": self.config["stack"], "determinism": determinism.snapshot()},

@@ -1,6 +1,7 @@
 """The manifest of an external trainer's capture: what pins one optimizer step, written last.
 
-Schema ``replayjob.integration_capture/v1`` (canonical JSON, one object)::
+The one capture manifest schema (:data:`replayjob.optbatch.manifest.SCHEMA`) as the capture API writes it
+(``framework`` one of replayjob.producers.EXTERNAL; canonical JSON, one object)::
 
     schema, framework, step      producer framework (one of replayjob.producers.EXTERNAL), 0-based step
     producer                     replayjob, python, device, versions of the stack, determinism snapshot
@@ -31,7 +32,7 @@ the adapter file the trainable parameters by name just before the step; the opti
 ``state.<index>.<key>``.  A reader hashes the manifest's bytes against the pin before parsing
 (:func:`replayjob.optbatch.manifest.read_pinned`), then checks every field; unknown keys are refused.
 A step captured over several processes has one such manifest per process (in ``rank-<r>/``) and a root of
-schema :data:`RANKS_SCHEMA` (:mod:`replayjob.integrations.ranks`).
+the same schema that lists them in ``ranks`` (:mod:`replayjob.integrations.ranks`).
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.digest import sha256_bytes, sha256_json
-from replayjob.fsio import atomic_write_bytes
-from replayjob.jsonio import canonical_bytes
+from replayjob.errors import IntegrityError
+from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
+from replayjob.jsonio import canonical_bytes, loads_strict
 from replayjob.optbatch.manifest import (
     OUTCOME,
     PinnedManifest,
+    check_schema,
     file_stem,
     is_int,
     need,
@@ -54,9 +57,9 @@ from replayjob.optbatch.manifest import (
     validate_outcome,
     validate_pins,
 )
+from replayjob.optbatch.ranks import landed_name, rank_dir, ranks_digest
+from replayjob.producers import EXTERNAL
 
-SCHEMA = "replayjob.integration_capture/v1"
-RANKS_SCHEMA = "replayjob.integration_ranks/v1"  # the root of a capture over several processes (integrations.ranks)
 FILES = ("payload", "adapter", "optimizer")
 _KEYS = {"schema", "framework", "step", "producer", "files", "micro_batches", "optimizer", "trainable",
          "framework_state", "rows", "logical_batch_sha256", "local_effective_rows_sha256", "config",
@@ -73,10 +76,6 @@ def file_names(step: int) -> dict[str, str]:
 @dataclass(frozen=True)
 class Manifest(PinnedManifest):
     """A verified integration capture manifest."""
-
-    @property
-    def framework(self) -> str:
-        return str(self.doc["framework"])
 
     @property
     def step(self) -> int:
@@ -129,15 +128,15 @@ def _group(g: Any, what: str, where: Path) -> None:
 
 def validate(doc: Any, where: Path) -> dict[str, Any]:
     """Check every field's presence and type, and recompute the embedded digests."""
-    need(isinstance(doc, dict), "document must be a JSON object", where)
-    need(doc.get("schema") == SCHEMA, f"'schema' must be {SCHEMA!r}, found {doc.get('schema')!r}", where)
+    check_schema(doc, where)
+    need(doc["framework"] in EXTERNAL, f"'framework' must be one of {list(EXTERNAL)} in a capture API manifest, "
+         f"found {str(doc['framework'])[:40]!r}", where)
     keys = _KEYS | {OUTCOME}  # every capture of this schema seals its outcome (reduce compares with it)
     need(OUTCOME in doc, f"'{OUTCOME}' is missing: the capture was written by an earlier release and seals "
          "none of the numbers reduce compares with; capture the step again", where)
     need(set(doc) == keys, f"keys must be exactly {sorted(keys)}; unknown {sorted(set(doc) - keys)}, "
           f"missing {sorted(keys - set(doc))}", where)
     validate_outcome(doc, where)
-    need(isinstance(doc["framework"], str) and doc["framework"] != "", "'framework' must be a name", where)
     need(is_int(doc["step"]) and doc["step"] >= 0, "'step' must be an integer >= 0", where)
     for sec in ("producer", "files", "optimizer", "framework_state", "rows", "config", "contract", "base_model"):
         need(isinstance(doc[sec], dict), f"'{sec}' must be an object", where)
@@ -192,3 +191,151 @@ def read_verified(path: str | Path, expected_sha256: str) -> Manifest:
                                  hint="point optimizer_batch.replay_path at the capture's "
                                       "optimizer_batch_step_<K>.manifest.json (its replay.toml has it)")
     return Manifest(p, actual, validate(doc, p))
+
+
+# ------------------------------------------------------------------------------------- a root over processes
+_ROOT_KEYS = {"schema", "framework", "step", "world_size", "ranks", "payload_sha256", "rows", "logical_batch_sha256",
+         "local_effective_rows_sha256", "config", "contract", "base_model", "framework_state", "trainable",
+         "optimizer", OUTCOME}
+_ROOT_RANK_KEYS = {"rank", "dir", "manifest_sha256", "logical_batch_sha256", "micro_batches"}
+_SAME = ("adapter", "optimizer")  # files every part holds with the same bytes (the ranks start equal)
+
+
+
+
+@dataclass(frozen=True)
+class RootManifest(Manifest):
+    """The root of a capture over several processes, with every part verified (``parts``, in rank order).
+
+    It reads as one capture: its files are process 0's (the initial adapter and optimizer state every part
+    shares), its micro-batches every part's in rank order, its payload pin :data:`payload_sha256`."""
+
+    parts: tuple[Manifest, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return int(self.doc["world_size"])
+
+    def file(self, role: str) -> Path:
+        return self.parts[0].file(role)
+
+    def file_sha256(self, role: str) -> str:
+        return self.parts[0].file_sha256(role)
+
+    @property
+    def payload_digest(self) -> str:
+        return str(self.doc["payload_sha256"])
+
+    @property
+    def micro_batches(self) -> list[dict[str, Any]]:
+        return [e for p in self.parts for e in p.micro_batches]
+
+
+def processes(m: Manifest | None) -> int:
+    """How many processes ran the captured step (1 for a one-process capture)."""
+    return m.world_size if isinstance(m, RootManifest) else 1
+
+
+def check_parts(parts: list[Manifest]) -> None:
+    """The parts are one data-parallel step: same step, config, contract, base model, initial adapter,
+    optimizer state and final adapter."""
+    first = parts[0]
+    for r, p in enumerate(parts[1:], start=1):
+        same = {"step": p.step == first.step, "framework": p.framework == first.framework,
+                "config": p.doc["config"]["sha256"] == first.doc["config"]["sha256"],
+                "contract": p.doc["contract"]["sha256"] == first.doc["contract"]["sha256"],
+                "base model": p.doc["base_model"]["sha256"] == first.doc["base_model"]["sha256"],
+                "trainable parameters": p.doc["trainable"] == first.doc["trainable"],
+                **{f"{role} state": p.file_sha256(role) == first.file_sha256(role) for role in _SAME},
+                "final adapter": (p.doc[OUTCOME]["final_adapter_sha256"]
+                                  == first.doc[OUTCOME]["final_adapter_sha256"])}
+        off = [k for k, ok in same.items() if not ok]
+        if off:
+            raise IntegrityError(f"process {r}'s part differs from process 0's in {', '.join(off)}: the processes "
+                                 "did not run one data-parallel step", where=p.path,
+                                 hint="capture a data-parallel (DDP) run: every process starts from and ends "
+                                      "with the same adapter")
+
+
+# ------------------------------------------------------------------------------------- reading
+def _check_listing(d: Path, world: int) -> None:
+    want = {rank_dir(r) for r in range(world)} | {landed_name(r) for r in range(world)}
+    have = {p.name for p in d.iterdir() if p.name.startswith(("rank-", "COMPLETE."))}
+    if have != want:
+        missing, extra = sorted(want - have), sorted(have - want)
+        raise IntegrityError(f"the root lists {world} processes, the directory "
+                             + (f"lacks {', '.join(missing)}" if missing else f"also holds {', '.join(extra)}"),
+                             where=d, hint="capture again into a new directory; every process must land")
+
+
+def _check_landed(d: Path, rank: int, world: int, sha: str) -> None:
+    p = d / landed_name(rank)
+    doc = loads_strict(read_regular_bytes(p, max_bytes=64 * 1024, follow_symlinks=False, what="landing record"),
+                       where=p)
+    if doc != {"rank": rank, "world_size": world, "manifest_sha256": sha}:
+        raise IntegrityError(f"process {rank}'s landing record does not match the root", where=p)
+
+
+def read_capture(path: str | Path, expected_sha256: str) -> Manifest:
+    """The manifest at ``path`` pinned by ``expected_sha256``: a one-process capture's (as
+    :func:`replayjob.integrations.manifest.read_verified`), or a root with every part verified."""
+    p, sha, doc = read_pinned(path, expected_sha256,
+                              hint="point optimizer_batch.replay_path at the capture's "
+                                   "optimizer_batch_step_<K>.manifest.json (its replay.toml has it)")
+    return of(p, sha, doc)
+
+
+def of(p: Path, sha: str, doc: Any) -> Manifest:
+    """A capture API manifest whose bytes matched their pin: one process's (validated), or a root (it lists
+    ``ranks``) with every part verified."""
+    if not (isinstance(doc, dict) and "ranks" in doc):
+        return Manifest(p, sha, validate(doc, p))
+    validate_root(doc, p)
+    d, world = p.parent, int(doc["world_size"])
+    _check_listing(d, world)
+    parts = []
+    for e in doc["ranks"]:
+        _check_landed(d, e["rank"], world, e["manifest_sha256"])
+        where = check_no_symlinks(d, d / e["dir"] / p.name, what=f"process {e['rank']}'s manifest")
+        part = read_verified(where, e["manifest_sha256"])
+        if part.logical_sha256 != e["logical_batch_sha256"] or len(part.micro_batches) != e["micro_batches"]:
+            raise IntegrityError(f"process {e['rank']}'s part does not match the root's record", where=where)
+        parts.append(part)
+    check_parts(parts)
+    first = parts[0]
+    for k in ("config", "contract", "base_model", "framework_state", "trainable", "optimizer", OUTCOME):
+        if doc[k] != first.doc[k]:
+            raise IntegrityError(f"the root's {k} is not process 0's", where=p)
+    if doc["framework"] != first.framework or doc["step"] != first.step:
+        raise IntegrityError("the root's framework or step is not process 0's", where=p)
+    if doc["payload_sha256"] != ranks_digest([m.payload_digest for m in parts]):
+        raise IntegrityError("the root's payload_sha256 is not the digest of its parts' payloads", where=p)
+    return RootManifest(p, sha, doc, tuple(parts))
+
+
+def validate_root(doc: Any, where: Path) -> dict[str, Any]:
+    """The root's own fields (:func:`of` checks the parts)."""
+    check_schema(doc, where)
+    need(set(doc) == _ROOT_KEYS, f"keys must be exactly {sorted(_ROOT_KEYS)}; unknown {sorted(set(doc) - _ROOT_KEYS)}, "
+         f"missing {sorted(_ROOT_KEYS - set(doc))}", where)
+    validate_outcome(doc, where)
+    validate_pins(doc, where)
+    need(doc["framework"] in EXTERNAL, f"'framework' must be one of {list(EXTERNAL)} in a capture API root", where)
+    need(is_int(doc["step"]) and doc["step"] >= 0, "'step' must be an integer >= 0", where)
+    world = doc["world_size"]
+    need(is_int(world) and world >= 2, "'world_size' must be an integer >= 2", where)
+    ranks = doc["ranks"]
+    need(isinstance(ranks, list) and len(ranks) == world, "'ranks' must list one entry per process", where)
+    for r, e in enumerate(ranks):
+        need(isinstance(e, dict) and set(e) == _ROOT_RANK_KEYS and e["rank"] == r and e["dir"] == rank_dir(r)
+             and is_int(e["micro_batches"]) and e["micro_batches"] >= 1,
+             f"ranks[{r}] needs rank {r}, dir {rank_dir(r)!r}, manifest_sha256, logical_batch_sha256, "
+             "micro_batches >= 1", where)
+        need_hex(e["manifest_sha256"], f"ranks[{r}].manifest_sha256", where)
+        need_hex(e["logical_batch_sha256"], f"ranks[{r}].logical_batch_sha256", where)
+    need_hex(doc["payload_sha256"], "payload_sha256", where)
+    for sec in ("rows", "base_model", "framework_state", "optimizer"):
+        need(isinstance(doc[sec], dict), f"'{sec}' must be an object", where)
+    need(isinstance(doc["rows"].get("nonfinite_inputs"), bool), "'rows.nonfinite_inputs' must be true or false",
+         where)
+    return doc

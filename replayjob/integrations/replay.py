@@ -28,8 +28,10 @@ from replayjob.errors import ArtifactExistsError, ContractError, UsageError
 from replayjob.integrations import capture as cap
 from replayjob.integrations.admission import Admission, ReplayConfig, admit
 from replayjob.metrics import rank_file
+from replayjob.optbatch.manifest import PinnedManifest
 from replayjob.producers import driver, producer_module
 from replayjob.producers.session import MicroStep, Outcome, Session
+from replayjob.rl.state import adapter_bytes, join_optimizer_state
 
 
 class ReplaySession(Session):
@@ -149,7 +151,7 @@ class ReplaySession(Session):
         pad = metrics["padding"]
         doc = {"schema": metrics_io.RANK_SCHEMA, "rank": self.rank, "world_size": self.world, "arm": metrics["arm"],
                "repeat_index": metrics["repeat_index"], "rows": [begin, begin + cap.batch_rows(mine)],
-               "shard_logical_sha256": logical, "shard_effective_rows_sha256": cap.effective_digest(mine, logical),
+               "shard_logical_sha256": logical, "shard_effective_rows_sha256": cap.effective_digest(mine),
                "loss": self.rank_loss(), "micro_batch_rows": [cap.batch_rows([mb]) for mb in mine],
                "timing": metrics["timing"], "memory": metrics["memory"], "padding": {
                    # as merge_ranks counts them: padded_tokens are every position after padding
@@ -186,7 +188,7 @@ class ReplaySession(Session):
             pins={"expected_logical_sha256": adm.pins["expected_logical_sha256"],
                   "expected_manifest_sha256": adm.pins["expected_manifest_sha256"],
                   "payload_spans_sha256": m.payload_digest},
-            manifest_sha256=m.sha256, logical=logical, effective=cap.effective_digest(mbs, logical),
+            manifest_sha256=m.sha256, logical=logical, effective=cap.effective_digest(mbs),
             initial_adapter_sha256=m.initial_adapter_sha256, allowed=adm.allowed, observed=adm.observed,
             knob_values=adm.knob_values(), rows=cap.rows_summary(mbs),
             padding=padding([s.data for s in plan] if self.world > 1 else mbs),  # this process's (land merges)
@@ -226,16 +228,15 @@ def load_state(adm: Admission, session: ReplaySession) -> None:
                 raise ContractError(f"adapter tensor {name} is {t.dtype}{list(t.shape)}, the model's parameter "
                                     f"{p.dtype}{list(p.shape)}", where=m.file("adapter"))
             p.copy_(t)
-    loaded = sha256_bytes(cap.safetensors_bytes(params, "adapter"))
+    loaded = sha256_bytes(adapter_bytes(params))
     if loaded != m.initial_adapter_sha256:  # the bytes the model now holds are the pinned ones
         raise ContractError(f"the loaded adapter hashes to {loaded}, the manifest pins {m.initial_adapter_sha256}",
                             where=m.file("adapter"))
     ordered = [p for g in session.optimizer.param_groups for p in g["params"]]
     doc = m.doc["optimizer"]
-    # copies: the optimizer keeps the tensors it is given and updates them in place (in-process repeats
-    # restore the same captured state again)
-    state = {k: t.clone() for k, t in adm.optimizer.items()}
-    session.optimizer.load_state_dict(cap.join_optimizer_state(state, doc, ordered, m.file("optimizer")))
+    # join copies every tensor: the optimizer updates them in place, and in-process repeats restore the
+    # captured state again
+    session.optimizer.load_state_dict(join_optimizer_state(adm.optimizer, doc, ordered, m.file("optimizer")))
     if doc["scheduler"] is not None:
         if session.scheduler is None:
             raise ContractError("the capture holds an LR-scheduler state but the rebuilt trainer has no scheduler",
@@ -243,12 +244,14 @@ def load_state(adm: Admission, session: ReplaySession) -> None:
         session.scheduler.load_state_dict(doc["scheduler"])
 
 
-def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0, slot: Slot | None = None) -> dict[str, Any]:
+def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0, slot: Slot | None = None,
+           manifest: PinnedManifest | None = None) -> dict[str, Any]:
     """Admit, then run one replay into ``out`` through the one driver; return (and write) replay_metrics.json
-    (``slot``: its place in a paired schedule, recorded as for a built-in replay)."""
+    (``slot``: its place in a paired schedule, recorded as for a built-in replay; ``manifest``: the capture's
+    manifest as the caller verified it, :func:`~replayjob.integrations.admission.admit`)."""
     if repeat_index < 0:
         raise UsageError(f"--repeat-index must be >= 0, found {repeat_index}")
-    adm = admit(cfg)
+    adm = admit(cfg, manifest=manifest)
     adm.raise_if_refused()
 
     launch = launch_env()

@@ -52,11 +52,12 @@ def check_capture(capture: str | Path, overrides: list[str], bound: str | Path |
                   allow_lag: bool = False) -> Report:
     """Recompute, compare, attribute and decide (the report's ``decision`` holds the exit code)."""
     config = resolve_capture(capture)
-    if producer_of(config, overrides) != BUILTIN:
-        return external.check(config, overrides, bound, allow_lag)
+    producer, manifest = producer_of(config, overrides)
+    if producer != BUILTIN:
+        return external.check(config, overrides, bound, allow_lag, manifest)
     cfg = load_config(config, overrides)
     declared = read_bound(bound, cfg.optimizer_batch.mismatch_bound_sha256) if bound is not None else None
-    adm = admit(cfg)
+    adm = admit(cfg, manifest=manifest)
     adm.raise_if_refused()
     assert adm.manifest is not None and adm.batch is not None
     source_cfg = from_dict(source_config(adm.manifest))  # the settings the capture ran with

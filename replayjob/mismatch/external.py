@@ -42,6 +42,7 @@ from replayjob.integrations.replay import load_state
 from replayjob.mismatch.bound import Bound, read_bound
 from replayjob.mismatch.report import Report, build
 from replayjob.mismatch.views import Collector, Side, Source, Views
+from replayjob.optbatch.manifest import PinnedManifest
 from replayjob.producers import producer_module
 from replayjob.rl.logprobs import logprobs_of, truncate
 
@@ -55,12 +56,13 @@ DESCRIPTIONS = {
 }
 
 
-def check(config: Path, overrides: list[str], bound: str | Path | None, allow_lag: bool) -> Report:
+def check(config: Path, overrides: list[str], bound: str | Path | None, allow_lag: bool,
+          manifest: PinnedManifest | None = None) -> Report:
     """``replayjob mismatch`` for an integration replay config (see the module docstring)."""
     icfg = admission.load(config, overrides)
     declared: Bound | None = (read_bound(bound, icfg.optimizer_batch.mismatch_bound_sha256)
                               if bound is not None else None)
-    adm = admission.admit(icfg)
+    adm = admission.admit(icfg, manifest=manifest)
     adm.raise_if_refused()
     m = adm.manifest
     assert m is not None and adm.micro_batches is not None and adm.resolved is not None

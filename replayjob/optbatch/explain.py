@@ -31,9 +31,9 @@ from replayjob.errors import ContractError, IntegrityError, RefusedError
 from replayjob.metrics import EFFECTIVE, LOGICAL, SKIPPED
 from replayjob.optbatch import payload, ranks, stepcapture
 from replayjob.optbatch.contract import contract_differences, contract_sha256, optimizer_contract
-from replayjob.optbatch.manifest import Manifest, read_payload
+from replayjob.optbatch.manifest import Manifest, PinnedManifest, read_payload
 from replayjob.producers import BUILTIN
-from replayjob.producers.manifests import producer_of
+from replayjob.producers.manifests import producer_of, reuse
 from replayjob.redact import redact_text
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.state import ResumeState, read_state
@@ -73,6 +73,7 @@ class Admission(Refusals):
     cfg: Config = field(default_factory=Config)
     keep_rows: bool = True  # False: verify streaming, holding no payload rows (explain)
     pins: dict[str, str] = field(default_factory=dict)
+    given: PinnedManifest | None = None  # the manifest as a caller already verified it
     manifest: Manifest | None = None
     batch: OptimizerBatch | None = None
     rng: dict[str, Tensor] | None = None
@@ -147,7 +148,11 @@ def _check_artifacts(adm: Admission) -> None:
     if "expected_manifest_sha256" not in adm.pins or not ob.replay_path:
         return
     try:
-        m = adm.manifest = ranks.read_capture(ob.replay_path, adm.pins["expected_manifest_sha256"])
+        m = reuse(adm.given, ob.replay_path, adm.pins["expected_manifest_sha256"])
+        if not isinstance(m, Manifest):
+            raise IntegrityError(f"the capture was written by {m.framework!r}, not the built-in trainer",
+                                 where=m.path)
+        adm.manifest = m
     except RefusedError as exc:
         adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
         return
@@ -287,14 +292,17 @@ def _check_contract_and_config(adm: Admission) -> None:
                 adm.refuse(f"difference {key!r} is not systems-only here: {why}")
 
 
-def admit(cfg: Config, keep_rows: bool = True) -> Admission:
+def admit(cfg: Config, keep_rows: bool = True, manifest: PinnedManifest | None = None) -> Admission:
     """Run every admission check on a replay config; never raises for a failed check.
 
     With ``keep_rows`` the admitted rows are kept (``batch``, for a replay); without, the payload is
-    verified streaming and memory stays bounded (``explain``).
+    verified streaming and memory stays bounded (``explain``).  ``manifest``: the capture's manifest as the
+    caller already verified it (:func:`replayjob.producers.manifests.producer_of`), used when it is the one
+    the config pins, so its bytes are read once.
     """
 
-    adm = Admission(cfg=observe(cfg, running=False), keep_rows=keep_rows)  # the world size a replay would have
+    adm = Admission(cfg=observe(cfg, running=False), keep_rows=keep_rows,  # the world size a replay would have
+                    given=manifest)
     _check_runner(adm)
     _check_pins(adm)
     _check_artifacts(adm)
@@ -380,9 +388,10 @@ def explain(config: str | Path, overrides: list[str]) -> tuple[Refusals, dict[st
     :mod:`replayjob.integrations.admission` (the same rules).
     """
 
-    if producer_of(config, overrides) != BUILTIN:
+    producer, manifest = producer_of(config, overrides)
+    if producer != BUILTIN:
         from replayjob.integrations import admission
 
-        return admission.explain(config, overrides)
-    adm = admit(load_config(config, overrides), keep_rows=False)
+        return admission.explain(config, overrides, manifest)
+    adm = admit(load_config(config, overrides), keep_rows=False, manifest=manifest)
     return adm, report(adm)

@@ -1,8 +1,19 @@
 """The capture manifest: what pins a captured optimizer batch, written last and verified first.
 
-Schema ``replayjob.optimizer_batch_manifest/v2`` (canonical JSON, one object)::
+One schema, ``replayjob.capture_manifest/v3`` (:data:`SCHEMA`), for every producer: ``framework`` names the
+producer that wrote it (``replayjob``: the built-in trainer; ``trl``, ``torch``: the capture API,
+:mod:`replayjob.integrations.manifest`), and a root over several processes lists them in ``ranks``
+(:mod:`replayjob.optbatch.ranks`, :mod:`replayjob.integrations.ranks`).  Every producer's manifest holds
+``schema``, ``framework``, ``step``, ``producer`` (provenance), ``rows``, ``logical_batch_sha256`` and
+``local_effective_rows_sha256`` (:func:`replayjob.digest.batch_sha256`), ``config`` and ``contract`` (each
+with its SHA-256) and the sealed ``outcome``; the rest is the producer's, checked by its module.
+:func:`replayjob.producers.manifests.read` is the one reader: it hashes the bytes against the pin, then
+dispatches on ``framework`` and ``ranks``.  Manifests of an earlier release's schemas (:data:`OLD_SCHEMAS`)
+are refused naming both versions.
 
-    schema, step
+The built-in trainer's manifest (``framework = "replayjob"``, canonical JSON, one object)::
+
+    schema, framework, step
     producer          replayjob and torch versions, python, device, determinism provenance
     payload           file (a bare name next to the manifest), size, spans_sha256 (the payload's span
                       digest, :mod:`replayjob.optbatch.payload`; RNG included), rng_keys
@@ -40,18 +51,22 @@ from replayjob.digest import normalize_digest, sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
 from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict
-from replayjob.knobs import BUILTIN
+from replayjob.producers import BUILTIN
 from replayjob.redact import redact_path
 
 if TYPE_CHECKING:
     from replayjob.optbatch.payload import Scanned
 
-SCHEMA = "replayjob.optimizer_batch_manifest/v2"
+SCHEMA = "replayjob.capture_manifest/v3"
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024 * 1024
-# v1 pinned the payload by its plain file SHA-256; v2 pins it by its span digest.
-OLD_SCHEMAS = {"replayjob.optimizer_batch_manifest/v1"}
+# earlier releases wrote one schema per producer and layout (the built-in trainer's v1 pinned its payload by
+# the file's SHA-256, v2 by its span digest; the built-in root over ranks; the capture API's, one process or
+# several); v3 is one schema whose ``framework`` names the producer
+OLD_SCHEMAS = ("replayjob.optimizer_batch_manifest/v1", "replayjob.optimizer_batch_manifest/v2",
+               "replayjob.optimizer_batch_ranks/v1", "replayjob.integration_capture/v1",
+               "replayjob.integration_ranks/v1")
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
-_KEYS = {"schema", "step", "producer", "payload", "rows", "logical_batch_sha256",
+_KEYS = {"schema", "framework", "step", "producer", "payload", "rows", "logical_batch_sha256",
          "local_effective_rows_sha256", "config", "contract", "initial_adapter"}
 _STATE_KEYS = {"dir", "step", "optimizer_sha256", "lr", "nonfinite_inputs"}
 OUTCOME = "outcome"
@@ -84,6 +99,11 @@ class PinnedManifest:
     doc: dict[str, Any]
 
     @property
+    def framework(self) -> str:
+        """The producer that wrote the capture (``replayjob``: the built-in trainer)."""
+        return str(self.doc["framework"])
+
+    @property
     def logical_sha256(self) -> str:
         return str(self.doc["logical_batch_sha256"])
 
@@ -112,11 +132,6 @@ class PinnedManifest:
 @dataclass(frozen=True)
 class Manifest(PinnedManifest):
     """The built-in trainer's capture manifest."""
-
-    @property
-    def framework(self) -> str:
-        """The producer: replayjob's own trainer (an external trainer's manifest names its framework)."""
-        return BUILTIN
 
     @property
     def payload_path(self) -> Path:
@@ -180,6 +195,7 @@ def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_siz
     :func:`~replayjob.redact.redact_path` (SECURITY.md)."""
     doc = {
         "schema": SCHEMA,
+        "framework": BUILTIN,
         "step": step,
         "producer": producer,
         "payload": {"file": payload_file, "size": payload_size, "spans_sha256": payload_digest,
@@ -235,14 +251,26 @@ def validate_pins(doc: dict[str, Any], where: Path) -> None:
         need(sha256_json(s[inner]) == s["sha256"], f"'{sec}.sha256' does not match its content", where)
 
 
+def check_schema(doc: Any, where: Path) -> dict[str, Any]:
+    """The one schema check every producer's reader makes first: an object of :data:`SCHEMA` naming its
+    producer in ``framework``; a manifest of an earlier release's schema is refused naming both versions."""
+    need(isinstance(doc, dict), "document must be a JSON object", where)
+    schema = doc.get("schema")
+    if isinstance(schema, str) and schema in OLD_SCHEMAS:
+        raise IntegrityError(f"capture manifest schema {schema!r} was written by an earlier replayjob release; this "
+                             f"release reads {SCHEMA!r}", where=where,
+                             hint="capture the step again with this release (the earlier release still replays "
+                                  "its own captures)")
+    need(schema == SCHEMA, f"'schema' must be {SCHEMA!r}, found {str(schema)[:80]!r}", where)
+    need(isinstance(doc.get("framework"), str) and doc["framework"] != "", "'framework' must name the producer",
+         where)
+    return doc
+
+
 def validate(doc: Any, where: Path) -> dict[str, Any]:
     """Check every field's presence and type, and recompute the embedded digests."""
-    need(isinstance(doc, dict), "document must be a JSON object", where)
-    if isinstance(doc.get("schema"), str) and doc["schema"] in OLD_SCHEMAS:
-        raise IntegrityError(f"manifest schema {doc['schema']!r} is from an older replayjob; this one reads "
-                             f"{SCHEMA!r}", where=where,
-                             hint="recapture the source step with this version of replayjob")
-    need(doc.get("schema") == SCHEMA, f"'schema' must be {SCHEMA!r}, found {doc.get('schema')!r}", where)
+    check_schema(doc, where)
+    need(doc["framework"] == BUILTIN, f"'framework' must be {BUILTIN!r} in the built-in trainer's manifest", where)
     keys = _KEYS | {k for k in ("state", OUTCOME) if k in doc}
     need(set(doc) == keys, f"keys must be exactly {sorted(keys)}; unknown "
          f"{sorted(set(doc) - keys)}, missing {sorted(keys - set(doc))}", where)

@@ -52,10 +52,9 @@ if TYPE_CHECKING:  # reading a root manifest (reduce) needs no tensors: torch lo
 
     from replayjob.rl.batch import OptimizerBatch
 
-SCHEMA = "replayjob.optimizer_batch_ranks/v1"
 RANKS_TAG = b"replayjob.rank-payloads.v1\n"
 MAX_LANDED_BYTES = 64 * 1024  # a landing record is three fields
-_KEYS = {"schema", "step", "producer", "distributed", "ranks", "payload", "rows", "logical_batch_sha256",
+_KEYS = {"schema", "framework", "step", "producer", "distributed", "ranks", "payload", "rows", "logical_batch_sha256",
          "local_effective_rows_sha256", "config", "contract", "initial_adapter"}
 _DIST_KEYS = {"world_size", "strategy", "bucket_cap_mb", "backend", "sharding"}
 _RANK_KEYS = {"rank", "dir", "manifest_sha256", "payload_spans_sha256", "rows"}
@@ -191,7 +190,13 @@ def read_capture(path: str | Path, expected_sha256: str) -> Manifest:
     p, sha, doc = manifest.read_pinned(path, expected_sha256,
                                        hint="point optimizer_batch.replay_path at the source run's "
                                             "optimizer_batch_step_000000.manifest.json")
-    if isinstance(doc, dict) and doc.get("schema") == SCHEMA:
+    return of(p, sha, doc)
+
+
+def of(p: Path, sha: str, doc: Any) -> Manifest:
+    """A built-in manifest whose bytes matched their pin: the root of a capture over ranks (it lists
+    ``ranks``) or a single-device one, validated."""
+    if isinstance(doc, dict) and "ranks" in doc:
         return RootManifest(p, sha, validate(doc, p))
     return Manifest(p, sha, manifest.validate(doc, p))
 
@@ -244,7 +249,7 @@ def write_root(out: Path, *, step: int, world: int, strategy: str, bucket_cap_mb
     first = v.manifests[0]
     logical, effective = v.digests
     doc = {
-        "schema": SCHEMA, "step": step, "producer": producer,
+        "schema": manifest.SCHEMA, "framework": manifest.BUILTIN, "step": step, "producer": producer,
         "distributed": {"world_size": world, "strategy": strategy, "bucket_cap_mb": bucket_cap_mb,
                         "backend": backend, "sharding": distributed.SHARDING},
         "ranks": [{"rank": r, "dir": rank_dir(r), "manifest_sha256": sha, "payload_spans_sha256": m.payload_digest,
@@ -264,7 +269,8 @@ def write_root(out: Path, *, step: int, world: int, strategy: str, bucket_cap_mb
 
 def validate(doc: Any, where: Path) -> dict[str, Any]:
     """The root's own fields (the ranks themselves are checked by :func:`verify`)."""
-    need(isinstance(doc, dict) and doc.get("schema") == SCHEMA, f"'schema' must be {SCHEMA!r}", where)
+    manifest.check_schema(doc, where)
+    need(doc["framework"] == manifest.BUILTIN, f"'framework' must be {manifest.BUILTIN!r} in a built-in root", where)
     keys = _KEYS | ({manifest.OUTCOME} & set(doc))
     need(set(doc) == keys, f"keys must be exactly {sorted(keys)}; unknown {sorted(set(doc) - keys)}, "
          f"missing {sorted(keys - set(doc))}", where)

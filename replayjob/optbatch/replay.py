@@ -37,7 +37,7 @@ from replayjob.model.backend import load_backend
 from replayjob.optbatch import stepcapture
 from replayjob.optbatch.explain import Admission, admit
 from replayjob.producers import driver, producer_module
-from replayjob.producers.manifests import producer_of
+from replayjob.producers.manifests import CaptureManifest, producer_of
 from replayjob.producers.session import MicroStep, Outcome, Session
 from replayjob.rl.state import check_model
 from replayjob.rl.update import Update, UpdateResult, make_optimizer
@@ -183,8 +183,10 @@ class BuiltinSession(Session):
         return metrics
 
 
-def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = None) -> dict[str, Any]:
-    """Admit, then run one replay into ``out`` through the one driver; return (and write) replay_metrics.json.
+def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = None,
+           manifest: CaptureManifest | None = None) -> dict[str, Any]:
+    """Admit, then run one replay into ``out`` through the one driver; return (and write) replay_metrics.json
+    (``manifest``: the capture's manifest as the caller verified it, :func:`admit`).
 
     Under torchrun each rank runs this (:mod:`replayjob.distributed`): the world size observed into the
     config, every rank admits (verifying every captured rank) and takes its shard of the logical rows;
@@ -193,7 +195,7 @@ def replay(cfg: Config, out: Path, repeat_index: int = 0, slot: Slot | None = No
         raise UsageError(f"--repeat-index must be >= 0, found {repeat_index}")
     cfg = distributed.observe(cfg)
     with distributed.process_group(cfg):
-        adm = admit(cfg)
+        adm = admit(cfg, manifest=manifest)
         adm.raise_if_refused()
         world, rank = distributed.world_size(), distributed.rank()
         names = [METRICS_FILE, FINAL_ADAPTER_DIR] + ([metrics_io.rank_file(rank)] if world > 1 else [])
@@ -226,7 +228,8 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
     """
     if nproc < 1:
         raise UsageError(f"--nproc must be >= 1, found {nproc}")
-    if producer_of(config, overrides) != knobs.BUILTIN:
+    producer, manifest = producer_of(config, overrides)
+    if producer != knobs.BUILTIN:
         icfg = admission.load(config, overrides)
         if nproc > 1 and not getattr(producer_module(icfg.framework), "RANKS", False):
             raise UsageError(f"a {icfg.framework} replay runs in one process; --nproc applies to replayjob's own "
@@ -236,19 +239,20 @@ def replay_command(config: str | Path, overrides: list[str], out: str | Path | N
         out_dir = Path(out)
 
         def one(d: Path, index: int) -> dict[str, Any]:
-            return integration_replay.replay(icfg, d, index, slot)
+            return integration_replay.replay(icfg, d, index, slot, manifest)
 
         def refuse_early() -> None:
-            admission.admit(icfg, processes=nproc).raise_if_refused()
+            admission.admit(icfg, processes=nproc, manifest=manifest).raise_if_refused()
     else:
         cfg = load_config(config, overrides)
         out_dir = Path(out or cfg.logging.dir)
 
         def one(d: Path, index: int) -> dict[str, Any]:
-            return replay(cfg, d, index, slot)
+            return replay(cfg, d, index, slot, manifest)
 
         def refuse_early() -> None:
-            admit(distributed.observe(cfg, running=False, planned=nproc), keep_rows=False).raise_if_refused()
+            admit(distributed.observe(cfg, running=False, planned=nproc), keep_rows=False,
+                  manifest=manifest).raise_if_refused()
     if repeat is None:
         if nproc == 1:
             return [(out_dir, one(out_dir, repeat_index))]

@@ -172,7 +172,7 @@ def live_optimizer_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's live state values under :func:`~replayjob.rl.state.optimizer_tensors`' names,
     untouched (no per-tensor calls: what a refill compares by identity and copies from)."""
     params = [p for group in opt.param_groups for p in group["params"]]
-    return {f"{i}.{k}": v for i, p in enumerate(params) for k, v in opt.state.get(p, {}).items()}
+    return {f"state.{i}.{k}": v for i, p in enumerate(params) for k, v in opt.state.get(p, {}).items()}
 
 
 def has_nonfinite(rows: OptimizerBatch) -> bool:

@@ -5,14 +5,10 @@ reference logprobs, advantages and loss weights.  Rows are stored flat with offs
 captured to safetensors.  ``logical_sha256`` hashes the rows themselves in logical order, so it
 does not depend on micro-batching; ``effective_sha256`` hashes only rows that carry loss weight.
 
-Digest layout (v2; little-endian throughout), SHA-256 of::
-
-    domain tag ("replayjob.logical-rows.v2\n" or "replayjob.effective-rows.v2\n")
-    u64 row count
-    for each array of the rows, in this order -- row_index (effective only: the kept rows'
-    logical indices), token_offsets, prompt_lens, resp_offsets, tokens (int64), old_logprobs,
-    ref_logprobs, advantages, loss_weights (float64):
-        u64 element count, then the 32-byte SHA-256 of the array's little-endian bytes
+Digests: :func:`replayjob.digest.batch_sha256` (every producer's one batch digest) of one part whose
+tensors are the rows' flat arrays -- token_offsets, prompt_lens, resp_offsets, tokens (int64),
+old_logprobs, ref_logprobs, advantages, loss_weights (float64), each ``[dtype, [count], SHA-256 of its
+little-endian bytes]`` -- plus, in the effective digest, ``row_index`` (the kept rows' logical indices).
 
 An optional per-response-token float64 array, ``sampler_logprobs`` (the sampler's own
 log-probability of each sampled token, ``docs/mismatch.md``), travels with the rows but is not
@@ -30,13 +26,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import struct
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from replayjob.digest import batch_part, batch_sha256
 
 _ROW_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "loss_weights")
 SAMPLER_FIELD = "sampler_logprobs"  # optional, not hashed into the row digests
@@ -95,8 +92,7 @@ class OptimizerBatch:
         eff = _select_rows(self, keep)
         sums = {**(known or {}), **_array_digests({**logical, **{f"effective.{k}": v for k, v in eff.items()}})}
         eff_sums = {k: sums[f"effective.{k}"] for k in _EFFECTIVE_ARRAYS}
-        return (_combine(_LOGICAL_TAG, self.rows, sums, _LOGICAL_ARRAYS),
-                _combine(_EFFECTIVE_TAG, int(keep.sum()), eff_sums, _EFFECTIVE_ARRAYS))
+        return _combine("logical", sums, _LOGICAL_ARRAYS), _combine("effective", eff_sums, _EFFECTIVE_ARRAYS)
 
     def shard(self, begin: int, end: int) -> OptimizerBatch:
         """Rows ``[begin, end)`` as a batch of their own (offsets rebased to zero): one rank's share."""
@@ -153,8 +149,6 @@ def _offsets(lengths: list[int]) -> Tensor:
     return torch.tensor(out, dtype=torch.int64)
 
 
-_LOGICAL_TAG = b"replayjob.logical-rows.v2\n"
-_EFFECTIVE_TAG = b"replayjob.effective-rows.v2\n"
 _LOGICAL_ARRAYS = ("token_offsets", "prompt_lens", "resp_offsets", "tokens", *_ROW_FIELDS)
 _EFFECTIVE_ARRAYS = ("row_index", *_LOGICAL_ARRAYS)
 _PARALLEL_MIN_BYTES = 4 * 1024 * 1024  # below this a thread costs more than it saves
@@ -221,18 +215,14 @@ def _array_digests(arrays: dict[str, Tensor]) -> dict[str, tuple[int, bytes]]:
 def digests_from_sums(rows: int, sums: dict[str, tuple[int, bytes]]) -> tuple[str, str]:
     """``(logical, effective)`` from the logical arrays' ``(count, SHA-256)`` when every row bears loss."""
     row_index = _array_digests({"row_index": torch.arange(rows)})["row_index"]
-    return (_combine(_LOGICAL_TAG, rows, sums, _LOGICAL_ARRAYS),
-            _combine(_EFFECTIVE_TAG, rows, {"row_index": row_index, **sums}, _EFFECTIVE_ARRAYS))
+    return _combine("logical", sums, _LOGICAL_ARRAYS), _combine("effective", {"row_index": row_index, **sums},
+                                                                _EFFECTIVE_ARRAYS)
 
 
-def _combine(tag: bytes, rows: int, sums: dict[str, tuple[int, bytes]], order: tuple[str, ...]) -> str:
-    h = hashlib.sha256(tag)
-    h.update(struct.pack("<Q", rows))
-    for name in order:
-        count, digest = sums[name]
-        h.update(struct.pack("<Q", count))
-        h.update(digest)
-    return h.hexdigest()
+def _combine(kind: str, sums: dict[str, tuple[int, bytes]], names: tuple[str, ...]) -> str:
+    """The rows' one part of :func:`replayjob.digest.batch_sha256` from each array's ``(count, SHA-256)``."""
+    tensors = {n: ("float64" if n in _ROW_FIELDS else "int64", [sums[n][0]], sums[n][1].hex()) for n in names}
+    return batch_sha256(kind, [batch_part(tensors)])
 
 
 @dataclass(frozen=True)

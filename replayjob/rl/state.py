@@ -14,6 +14,10 @@ Every file listed in ``files`` is verified by SHA-256 before it is used; nothing
 
 from __future__ import annotations
 
+import copy
+import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,30 +112,110 @@ def check_model(state: ResumeState, model_ref: dict[str, Any]) -> None:
                             where=state.path / STATE_FILE, hint="use the [model] section the state was made with")
 
 
-def adapter_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    """The adapter weight file's bytes (``adapter_model.safetensors``): one serialisation for every
-    writer, so a captured adapter and a saved one with equal tensors have equal SHA-256."""
+def safetensors_bytes(tensors: Mapping[str, torch.Tensor], fmt: str) -> bytes:
+    """The one safetensors serialisation every state file uses: CPU, contiguous, keys sorted, ``fmt`` as
+    the file's ``format`` metadata."""
     from safetensors.torch import save
 
-    return bytes(save({k: tensors[k] for k in sorted(tensors)}, metadata={"format": "pt"}))
+    return bytes(save({k: tensors[k].detach().to("cpu").contiguous() for k in sorted(tensors)},
+                      metadata={"format": fmt}))
+
+
+def adapter_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """The adapter weight file's bytes (``adapter_model.safetensors``, a captured adapter, a final adapter):
+    one serialisation for every producer and writer, so equal tensors under equal names have equal SHA-256."""
+    return safetensors_bytes(tensors, "pt")
+
+
+# -- optimizer state: one serialisation for every producer ---------------------------------------------
+#
+# ``optimizer.safetensors`` holds the optimizer's per-parameter tensor state as ``state.<i>.<key>`` (``i`` the
+# parameter's index in ``state_dict()`` order, across groups), or the one tensor ``state.none`` when the
+# optimizer holds no state yet.  What is not a tensor (param_groups, non-tensor per-parameter values) is
+# described in JSON by :func:`split_optimizer_state`; a capture records that description in its manifest.
+
+EMPTY_STATE = "state.none"
+_LEGACY_KEY = re.compile(r"^(\d+)\.(\w+)$")  # "<i>.<key>": checkpoints written before the shared names
+
+
+def json_value(v: Any, where: str) -> Any:
+    """``v`` as JSON (finite numbers, strings, lists, string-keyed objects), or refuse naming ``where``."""
+    if v is None or isinstance(v, bool | int | str):
+        return v
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise RefusedError(f"{where} is a non-finite number", where=where,
+                               hint="only finite inputs can be captured")
+        return v
+    if isinstance(v, list | tuple):
+        return [json_value(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    if isinstance(v, Mapping) and all(isinstance(k, str) for k in v):
+        return {k: json_value(x, f"{where}.{k}") for k, x in v.items()}
+    raise RefusedError(f"{where} is a {type(v).__name__}, which is neither a tensor nor a JSON value",
+                       where=where, hint="pass tensors, numbers, strings, lists or None to record()")
+
+
+def split_optimizer_state(sd: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer ``state_dict`` as tensors (``state.<i>.<key>``, CPU copies) and a JSON description of the
+    rest: ``param_groups``, non-tensor per-parameter ``state`` and, per parameter, its ``tensors`` keys."""
+    tensors: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    keys: dict[str, list[str]] = {}
+    for idx, entry in sd["state"].items():
+        for key, v in entry.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"state.{idx}.{key}"] = v.detach().to("cpu", copy=True).contiguous()
+                keys.setdefault(str(idx), []).append(key)
+            else:
+                state.setdefault(str(idx), {})[key] = json_value(v, f"optimizer state {idx}.{key}")
+    groups = [json_value(g, f"optimizer param_groups[{i}]") for i, g in enumerate(sd["param_groups"])]
+    return tensors, {"param_groups": groups, "state": state, "tensors": {k: sorted(v) for k, v in keys.items()}}
+
+
+def join_optimizer_state(tensors: Mapping[str, torch.Tensor], doc: Mapping[str, Any],
+                         params: list[torch.nn.Parameter], where: str | Path) -> dict[str, Any]:
+    """Rebuild an optimizer ``state_dict`` from :func:`split_optimizer_state`'s parts, checking every
+    tensor's shape against its parameter (a state that does not fit the adapter is refused).  Every tensor
+    is a fresh copy on its parameter's device: the optimizer keeps the tensors it is given and updates them
+    in place, so none may be a view of a file's buffer or of a state that is restored again."""
+    expected = {f"state.{i}.{k}" for i, ks in doc["tensors"].items() for k in ks} or {EMPTY_STATE}
+    if set(tensors) != expected:
+        raise ContractError(f"optimizer file tensors {sorted(set(tensors) ^ expected)[:5]} do not match the "
+                            "optimizer description", where=where)
+    state: dict[int, dict[str, Any]] = {}
+    for idx in sorted({*doc["tensors"], *doc["state"]}, key=int):
+        i = int(idx)
+        if not 0 <= i < len(params):
+            raise ContractError(f"optimizer state for parameter {i}, but the adapter has {len(params)}", where=where)
+        entry: dict[str, Any] = dict(doc["state"].get(idx, {}))
+        for key in doc["tensors"].get(idx, []):
+            t = tensors[f"state.{idx}.{key}"]
+            if t.dim() > 0 and tuple(t.shape) != tuple(params[i].shape):
+                raise ContractError(f"optimizer state {idx}.{key} has shape {tuple(t.shape)}, its parameter "
+                                    f"{tuple(params[i].shape)}", where=where)
+            fresh = torch.empty(t.shape, dtype=t.dtype, device=params[i].device if t.dim() > 0 else t.device)
+            entry[key] = fresh.copy_(t)
+        state[i] = entry
+    groups = copy.deepcopy(doc["param_groups"])
+    for g in groups:
+        if "betas" in g and isinstance(g["betas"], list):
+            g["betas"] = tuple(g["betas"])
+    return {"state": state, "param_groups": groups}
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The optimizer's per-parameter state as ``"{index}.{name}"`` CPU tensors (views of the live state)."""
-    tensors: dict[str, torch.Tensor] = {}
-    params = [p for group in opt.param_groups for p in group["params"]]  # state_dict()'s index order
-    for idx, p in enumerate(params):
-        for k, v in opt.state.get(p, {}).items():
-            t = v if torch.is_tensor(v) else torch.tensor(v)
-            tensors[f"{idx}.{k}"] = t.detach().to("cpu").contiguous()
+    """The built-in trainer's optimizer state as :func:`split_optimizer_state`'s tensors (its param_groups
+    come from the config; a non-tensor per-parameter value is refused, since no description is kept)."""
+    tensors, doc = split_optimizer_state(opt.state_dict())
+    if doc["state"]:
+        raise ContractError(f"the optimizer holds non-tensor state {sorted(doc['state'])[:3]}, which a "
+                            "resume state does not record", hint="use torch.optim.AdamW")
     return tensors
 
 
-def optimizer_bytes_of(tensors: dict[str, torch.Tensor]) -> bytes:
-    """``optimizer.safetensors`` bytes of :func:`optimizer_tensors`' result."""
-    from safetensors.torch import save
-
-    return bytes(save(tensors, metadata={"format": "replayjob-optimizer"}))
+def optimizer_bytes_of(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """``optimizer.safetensors`` bytes of :func:`split_optimizer_state`'s tensors (every producer's)."""
+    return safetensors_bytes(tensors or {EMPTY_STATE: torch.zeros(0)}, "replayjob-optimizer")
 
 
 def optimizer_bytes(opt: torch.optim.Optimizer) -> bytes:
@@ -139,16 +223,28 @@ def optimizer_bytes(opt: torch.optim.Optimizer) -> bytes:
 
 
 def load_optimizer(opt: torch.optim.Optimizer, path: Path, expected_sha256: str) -> None:
-    """Load optimizer state from ``path``; the bytes loaded are the bytes checked against the pin."""
+    """Load a built-in resume state's optimizer file into ``opt`` (its param_groups kept); the bytes loaded
+    are the bytes checked against the pin.  Files written before the shared names (``<i>.<key>``) load too."""
     flat = tensorfile.load(path, expected_sha256=expected_sha256, follow_symlinks=False)
-    state: dict[int, dict[str, torch.Tensor]] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    keys: dict[str, list[str]] = {}
     for key, t in flat.items():
-        idx, _, name = key.partition(".")
-        state.setdefault(int(idx), {})[name] = t
+        legacy = _LEGACY_KEY.match(key)
+        if legacy:
+            key = f"state.{legacy.group(1)}.{legacy.group(2)}"
+        tensors[key] = t
+        if key != EMPTY_STATE:
+            _, idx, name = key.split(".", 2)
+            keys.setdefault(idx, []).append(name)
     sd = opt.state_dict()
-    if set(state) - set(range(len(sd["param_groups"][0]["params"]))):
-        raise ContractError("optimizer state does not match the adapter parameters", where=path)
-    opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+    params = [p for g in opt.param_groups for p in g["params"]]
+    doc = {"tensors": keys, "state": {}, "param_groups": sd["param_groups"]}
+    try:
+        joined = join_optimizer_state(tensors, doc, params, path)
+    except ContractError as exc:
+        raise ContractError(f"optimizer state does not match the adapter parameters: {exc.message}",
+                            where=path) from None
+    opt.load_state_dict(joined)
 
 
 def rng_tensors(prefix: str = "") -> dict[str, torch.Tensor]:
@@ -161,9 +257,7 @@ def rng_tensors(prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 def rng_bytes() -> bytes:
-    from safetensors.torch import save
-
-    return bytes(save(rng_tensors(), metadata={"format": "replayjob-rng"}))
+    return safetensors_bytes(rng_tensors(), "replayjob-rng")
 
 
 def restore_rng(tensors: dict[str, torch.Tensor], prefix: str = "") -> None:
