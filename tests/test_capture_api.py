@@ -82,6 +82,36 @@ def test_example_capture_explain_replay_bitwise(example_run: tuple[Path, Path], 
     assert checks["inputs.final_adapter_on_disk"]["status"] == checks["exact.knobs_in_effect"]["status"] == "pass"
 
 
+def test_a_plain_loop_capture_runs_through_the_cluster_steps(example_run: tuple[Path, Path], tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The steps every launcher runs (the Jobs, the Argo workflow and the Slurm scripts call these commands) for a
+    spec whose [capture] names a plain-loop capture: plan, capture (verified, no training), replay (the capture's
+    own replay.toml), reduce (judged against the capture); an arm key that is no knob of the "torch" producer is
+    refused at plan, naming the producer."""
+    from tests.conftest import capture_spec
+
+    capture = example_run[1] / "capture"
+    spec, run = tmp_path / "spec.toml", tmp_path / "run"
+    spec.write_text(capture_spec(capture, name="plain", arms="[arms.baseline]\n"))
+    for argv in (["step", "plan", "--spec", str(spec)],
+                 ["step", "capture", "--spec", str(spec), "--run-dir", str(run)],
+                 ["step", "replay", "--spec", str(spec), "--run-dir", str(run), "--index", "0"],
+                 ["step", "reduce", "--spec", str(spec), "--run-dir", str(run)]):
+        assert main(argv) == 0, (argv, capsys.readouterr().err)
+    out = capsys.readouterr().out
+    assert "verified the torch capture" in out and "no training" in out
+    assert json.loads((run / "capture.json").read_text())["producer"] == "torch"
+    rep = json.loads((run / "replays" / "baseline" / "0" / "replay_metrics.json").read_text())
+    src = json.loads((capture / "metrics.json").read_text())
+    assert (rep["framework"], rep["loss"]) == ("torch", src["loss"])
+    assert rep["optimizer_batch/final_adapter_sha256"] == src["optimizer_batch/final_adapter_sha256"]
+    verdict = json.loads((run / "verdict.json").read_text())
+    assert (verdict["status"], verdict["exit_code"]) == ("pass", 0), verdict
+    spec.write_text(capture_spec(capture, name="plain"))  # the default arms toggle a TRL knob
+    assert main(["step", "plan", "--spec", str(spec)]) == 2
+    assert "is not a systems-only knob of torch" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("edit", "field"), [
     (lambda d: d["pins"].update(payload_spans_sha256="0" * 64), "payload pin"),
     (lambda d: d.update(framework="trl", runtime=dict.fromkeys(knobs.knobs_for("trl"))), "framework"),
