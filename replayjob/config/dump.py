@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 from replayjob.errors import ConfigError
@@ -90,3 +91,23 @@ def dumps(doc: dict[str, Any]) -> str:
 
     table(doc, [])
     return "\n".join(out)
+
+
+def replay_pins(replay_path: str | Path, logical_sha256: str, manifest_sha256: str) -> dict[str, str]:
+    """The one place a replay config's pins are written: ``[optimizer_batch]``'s ``replay_path`` (the capture
+    manifest), ``expected_logical_sha256`` and ``expected_manifest_sha256``, keyed by their dotted paths.
+    Every writer (a capture's replay config, the ``--set`` overrides of the cluster steps) takes them from here."""
+    return {"optimizer_batch.replay_path": str(replay_path),
+            "optimizer_batch.expected_logical_sha256": logical_sha256,
+            "optimizer_batch.expected_manifest_sha256": manifest_sha256}
+
+
+def set_args(values: dict[str, Any]) -> list[str]:
+    """``--set KEY=VALUE`` arguments for dotted keys and values, each value written by :func:`toml_value`."""
+    return [f"{k}={toml_value(v, k)}" for k, v in values.items()]
+
+
+def section(values: dict[str, Any], name: str) -> dict[str, Any]:
+    """The keys of ``values`` under the section ``name`` (``"optimizer_batch.x"`` -> ``"x"``)."""
+    prefix = name + "."
+    return {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}

@@ -38,7 +38,7 @@ from typing import Any
 
 from replayjob import metrics
 from replayjob.config import load_config
-from replayjob.config.dump import toml_value
+from replayjob.config.dump import replay_pins, set_args, toml_value
 from replayjob.deploy.ablation import AblationSpec
 from replayjob.determinism import ENV_MATH_MODE
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError
@@ -172,9 +172,7 @@ def replay_sets(spec: AblationSpec, found: Located) -> list[str]:
     external trainer's replay runs where its captured config puts it (TRL's ``use_cpu``, a plain loop's
     device): the spec's ``device`` is then only what the launchers provision."""
 
-    sets = [f"optimizer_batch.replay_path={toml_value(str(found.manifest))}",
-            f"optimizer_batch.expected_logical_sha256={toml_value(found.logical)}",
-            f"optimizer_batch.expected_manifest_sha256={toml_value(found.manifest_sha256)}"]
+    sets = set_args(replay_pins(found.manifest, found.logical, found.manifest_sha256))
     if found.producer == BUILTIN:
         sets.append(f"backend.devices={toml_value(spec.device)}")
     if spec.model_path:

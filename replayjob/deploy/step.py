@@ -77,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 from replayjob import distributed, metrics
-from replayjob.config.dump import toml_value
+from replayjob.config.dump import replay_pins, set_args, toml_value
 from replayjob.deploy import external
 from replayjob.deploy.ablation import DETERMINISM_ENV, RENDERED_ENV, AblationSpec, Run, is_digest_ref
 from replayjob.deploy.external import capture_pins, replay_sets
@@ -528,9 +528,7 @@ def replay_args(spec: AblationSpec, layout: Layout, run: Run, logical: str, mani
     arm = spec.arm(run.arm)
     budgets = ([f"optimizer_batch.budgets_sha256={toml_value(budgets_pin(spec))}"] if spec.budgets else [])
     return [*spec.config_sets(), *arm.set_args(), *planted, *budgets,
-            f"optimizer_batch.replay_path={toml_value(str(manifest_file))}",
-            f"optimizer_batch.expected_logical_sha256={toml_value(logical)}",
-            f"optimizer_batch.expected_manifest_sha256={toml_value(manifest)}",
+            *set_args(replay_pins(manifest_file, logical, manifest)),
             f"optimizer_batch.arm={toml_value(run.arm)}",
             f"optimizer_batch.allow_config_differences={arm.allow_list()}"]
 

@@ -44,7 +44,7 @@ import replayjob
 from replayjob import determinism
 from replayjob import metrics as metrics_io
 from replayjob.config import redact
-from replayjob.config.dump import toml_value
+from replayjob.config.dump import replay_pins, section, toml_value
 from replayjob.digest import batch_part, batch_sha256, sha256_bytes, sha256_file, sha256_json
 from replayjob.errors import ArtifactExistsError, ConfigError, RefusedError, UsageError
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
@@ -507,9 +507,8 @@ class StepCapture:
             "[integration]", f"framework = {toml_value(self.framework)}",
             *([f"entry = {toml_value(self.entry)}"] if self.entry else []), "",
             "[model]", f"path = {toml_value(str(self.base_model_dir))}", "",
-            "[optimizer_batch]", f"replay_path = {toml_value(str(manifest))}",
-            f"expected_logical_sha256 = {toml_value(logical)}",
-            f"expected_manifest_sha256 = {toml_value(manifest_sha)}",
+            "[optimizer_batch]", *(f"{k} = {toml_value(v)}" for k, v in
+                                   section(replay_pins(manifest, logical, manifest_sha), "optimizer_batch").items()),
             "allow_config_differences = []", 'arm = ""', "",
         ])
 

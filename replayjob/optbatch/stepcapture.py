@@ -40,7 +40,7 @@ from torch import Tensor
 import replayjob
 from replayjob import determinism
 from replayjob.config import Config, resolved
-from replayjob.config.dump import dumps
+from replayjob.config.dump import dumps, replay_pins, section
 from replayjob.config.load import to_dict
 from replayjob.config.schema import OptimizerBatchConfig
 from replayjob.digest import sha256_bytes
@@ -274,9 +274,8 @@ def replay_toml(cfg: Config, step: int, logical: str, manifest_sha256: str) -> s
     doc = resolved(cfg)
     doc["training"].update({"trainer": "optimizer_replay", "max_steps": 1, "save_every": 0})
     doc["resume"]["from"] = state_dir_name(step)
-    doc["optimizer_batch"] = {**to_dict(OptimizerBatchConfig()),
-                              "replay_path": manifest.manifest_name(step),
-                              "expected_logical_sha256": logical, "expected_manifest_sha256": manifest_sha256}
+    doc["optimizer_batch"] = {**to_dict(OptimizerBatchConfig()), **section(
+        replay_pins(manifest.manifest_name(step), logical, manifest_sha256), "optimizer_batch")}
     head = (f"# Replay of the captured step {step}: one update from its pinned start state, no dataset,\n"
             "# environment or sampling.  Paths are relative to this file.\n"
             f"# Check: replayjob explain {name}\n"
