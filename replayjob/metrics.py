@@ -295,6 +295,51 @@ def source_document(*, trainer: str, torch_version: str, device: str, steps_run:
     }
 
 
+def step_record(*, step: int, manifest_path: str, manifest_sha256: str, logical: str, effective: str,
+                initial_adapter_sha256: str, final_adapter_sha256: str | None, replay_config: str,
+                nonfinite_inputs: bool, loss: float | None, grad_norm: float | None) -> dict[str, Any]:
+    """One captured step's record (an entry of :data:`STEPS` or of the ring's :data:`RING_WRITTEN`): its
+    manifest and pins, its adapters, its replay config, and the loss and gradient norm the trainer reported
+    (null when not finite)."""
+    return {STEP: step, STEP_MANIFEST_PATH: manifest_path, STEP_MANIFEST: manifest_sha256, STEP_LOGICAL: logical,
+            STEP_EFFECTIVE: effective, STEP_INITIAL_ADAPTER: initial_adapter_sha256,
+            STEP_FINAL_ADAPTER: final_adapter_sha256, STEP_REPLAY_CONFIG: replay_config,
+            STEP_NONFINITE: nonfinite_inputs, STEP_LOSS: finite_or_none(loss),
+            STEP_GRAD_NORM: finite_or_none(grad_norm)}
+
+
+def capture_document(*, framework: str, step: int, logical: str, effective: str, manifest_sha256: str,
+                     manifest_path: str, initial_adapter_sha256: str, final_adapter_sha256: str,
+                     final_adapter_path: str, loss: float | None, grad_norm: float | None,
+                     config: dict[str, Any]) -> dict[str, Any]:
+    """The capture API's ``metrics.json`` for one captured step (one process, or a root over several)."""
+    return {"schema": SOURCE_SCHEMA, FRAMEWORK: framework, STEP: step, LOGICAL: logical, EFFECTIVE: effective,
+            MANIFEST: manifest_sha256, INITIAL_ADAPTER: initial_adapter_sha256, FINAL_ADAPTER: final_adapter_sha256,
+            FINAL_ADAPTER_PATH: final_adapter_path, MANIFEST_PATH: manifest_path, "loss": finite_or_none(loss),
+            "grad_norm": finite_or_none(grad_norm), "config": config}
+
+
+def steps_document(*, framework: str, steps: list[dict[str, Any]], not_captured: list[int],
+                   config: dict[str, Any]) -> dict[str, Any]:
+    """The capture API's ``metrics.json`` for several chosen steps: each captured step's :func:`step_record`
+    and the chosen steps training never completed."""
+    return {"schema": SOURCE_SCHEMA, FRAMEWORK: framework, STEPS: steps, STEPS_NOT_CAPTURED: not_captured,
+            "config": config}
+
+
+def rank_document(*, rank: int, world_size: int, replay: dict[str, Any], rows: list[int], shard_logical: str,
+                  shard_effective: str, loss: float | None, micro_batch_rows: list[int],
+                  padding: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One rank's ``replay_metrics.rank-<r>.json`` (:data:`RANK_SCHEMA`): its shard of the replay whose
+    document is ``replay`` (arm, repeat, timing, memory, padding unless given, host), as :func:`merge_ranks`
+    reads it."""
+    return {"schema": RANK_SCHEMA, "rank": rank, "world_size": world_size, "arm": replay["arm"],
+            "repeat_index": replay["repeat_index"], "rows": rows, "shard_logical_sha256": shard_logical,
+            "shard_effective_rows_sha256": shard_effective, "loss": loss, "micro_batch_rows": micro_batch_rows,
+            "timing": replay["timing"], "memory": replay["memory"],
+            "padding": replay["padding"] if padding is None else padding, HOST: replay[HOST]}
+
+
 def write_replay(out: Path, doc: dict[str, Any]) -> str:
     """Write ``OUT/replay_metrics.json`` exclusively (never replacing a replay); its SHA-256."""
     return write(out / REPLAY_FILE, doc, exclusive=True)

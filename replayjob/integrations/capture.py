@@ -49,7 +49,7 @@ from replayjob.digest import batch_part, batch_sha256, sha256_bytes, sha256_file
 from replayjob.errors import ArtifactExistsError, ConfigError, RefusedError, UsageError
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.integrations import manifest as imanifest
-from replayjob.optbatch.manifest import OUTCOME, SCHEMA, outcome, replay_config_name
+from replayjob.optbatch.manifest import outcome, replay_config_name
 from replayjob.producers import EXTERNAL, producer_module
 from replayjob.redact import redact_path
 from replayjob.rl.state import (
@@ -449,21 +449,16 @@ class StepCapture:
         loss = metrics_io.finite_or_none(self.loss)
         grad = metrics_io.finite_or_none(None if grad_norm is None else float(grad_norm))
         final_sha = sha256_bytes(adapter_file_bytes(self.model))  # the adapter after the real update
-        doc = {
-            "schema": SCHEMA, "framework": self.framework, "step": self.step,
-            "producer": {"replayjob": replayjob.__version__, "python": platform.python_version(),
-                         "device": str(next(iter(trainable_parameters(self.model).values())).device),
-                         "versions": self.config["stack"], "determinism": determinism.snapshot()},
-            "files": files, "micro_batches": [m.entry() for m in self.micro_batches],
-            "optimizer": opt_doc, "trainable": trainable, "framework_state": self.framework_state,
-            "rows": rows,
-            "logical_batch_sha256": logical, "local_effective_rows_sha256": effective,
-            "config": {"sha256": sha256_json(self.config), "resolved": self.config},
-            "contract": {"sha256": sha256_json(self.contract), "value": self.contract},
-            "base_model": self.base_model,
+        doc = imanifest.build(
+            framework=self.framework, step=self.step,
+            producer={"replayjob": replayjob.__version__, "python": platform.python_version(),
+                      "device": str(next(iter(trainable_parameters(self.model).values())).device),
+                      "versions": self.config["stack"], "determinism": determinism.snapshot()},
+            files=files, micro_batches=[m.entry() for m in self.micro_batches], optimizer=opt_doc,
+            trainable=trainable, framework_state=self.framework_state, rows=rows, logical=logical,
+            effective=effective, config=self.config, contract=self.contract, base_model=self.base_model,
             # sealed: the numbers metrics.json (or the step record) reports, pinned with this manifest
-            OUTCOME: outcome(loss, grad, final_sha),
-        }
+            sealed=outcome(loss, grad, final_sha))
         manifest_path = out / names["manifest"]
         manifest_sha = imanifest.write(manifest_path, doc)
         if self.part:  # one process's part of a capture over several: the root writes the rest
@@ -471,26 +466,21 @@ class StepCapture:
             return self.result
         metrics: dict[str, Any]
         if self.several:  # the adapter after the real update, hashed in the bytes save_adapter writes
-            metrics = {
-                metrics_io.STEP: self.step, metrics_io.STEP_MANIFEST_PATH: names["manifest"],
-                metrics_io.STEP_MANIFEST: manifest_sha, metrics_io.STEP_LOGICAL: logical,
-                metrics_io.STEP_EFFECTIVE: effective, metrics_io.STEP_INITIAL_ADAPTER: files["adapter"]["sha256"],
-                metrics_io.STEP_FINAL_ADAPTER: final_sha, metrics_io.STEP_REPLAY_CONFIG: self.replay_name,
-                metrics_io.STEP_NONFINITE: rows["nonfinite_inputs"],
-                metrics_io.STEP_LOSS: loss, metrics_io.STEP_GRAD_NORM: grad,
-            }
+            metrics = metrics_io.step_record(
+                step=self.step, manifest_path=names["manifest"], manifest_sha256=manifest_sha, logical=logical,
+                effective=effective, initial_adapter_sha256=files["adapter"]["sha256"], final_adapter_sha256=final_sha,
+                replay_config=self.replay_name, nonfinite_inputs=bool(rows["nonfinite_inputs"]), loss=loss,
+                grad_norm=grad)
         else:
             if save_adapter(out / FINAL_ADAPTER_FILE, self.model) != final_sha:
                 raise CaptureError("the final adapter file's SHA-256 is not the one sealed in the manifest",
                                    where=out / FINAL_ADAPTER_FILE, hint="the model changed during finish(); "
                                                                         "report it as a bug")
-            metrics = {
-                "schema": metrics_io.SOURCE_SCHEMA, metrics_io.FRAMEWORK: self.framework,
-                metrics_io.STEP: self.step, metrics_io.LOGICAL: logical, metrics_io.EFFECTIVE: effective,
-                metrics_io.MANIFEST: manifest_sha, metrics_io.INITIAL_ADAPTER: files["adapter"]["sha256"],
-                metrics_io.FINAL_ADAPTER: final_sha, metrics_io.FINAL_ADAPTER_PATH: FINAL_ADAPTER_FILE,
-                metrics_io.MANIFEST_PATH: names["manifest"], "loss": loss, "grad_norm": grad, "config": self.config,
-            }
+            metrics = metrics_io.capture_document(
+                framework=self.framework, step=self.step, logical=logical, effective=effective,
+                manifest_sha256=manifest_sha, manifest_path=names["manifest"],
+                initial_adapter_sha256=files["adapter"]["sha256"], final_adapter_sha256=final_sha,
+                final_adapter_path=FINAL_ADAPTER_FILE, loss=loss, grad_norm=grad, config=self.config)
             metrics_io.write(out / METRICS_FILE, metrics, exclusive=True)
         replay_toml = out / self.replay_name
         atomic_write_text(replay_toml, self._replay_toml(manifest_path.resolve(), manifest_sha, logical),
@@ -586,9 +576,8 @@ class ChosenSteps:
         if done:
             first = next(iter(self.captures.values()))
             path = self.out_dir / METRICS_FILE
-            metrics_io.write(path, {
-                "schema": metrics_io.SOURCE_SCHEMA, metrics_io.FRAMEWORK: self.framework,
-                metrics_io.STEPS: [r.metrics for r in done.values()], metrics_io.STEPS_NOT_CAPTURED: list(missing),
-                "config": first.config}, exclusive=True)
+            metrics_io.write(path, metrics_io.steps_document(
+                framework=self.framework, steps=[r.metrics for r in done.values()], not_captured=list(missing),
+                config=first.config), exclusive=True)
         self.result = StepsResult(self.out_dir, done, missing, path)
         return self.result

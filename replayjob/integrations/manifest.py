@@ -47,6 +47,7 @@ from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_b
 from replayjob.jsonio import canonical_bytes, loads_strict
 from replayjob.optbatch.manifest import (
     OUTCOME,
+    SCHEMA,
     PinnedManifest,
     check_schema,
     file_stem,
@@ -100,6 +101,21 @@ class Manifest(PinnedManifest):
     def micro_batches(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = self.doc["micro_batches"]
         return out
+
+
+def build(*, framework: str, step: int, producer: dict[str, Any], files: dict[str, dict[str, Any]],
+          micro_batches: list[dict[str, Any]], optimizer: dict[str, Any], trainable: list[str],
+          framework_state: dict[str, Any], rows: dict[str, Any], logical: str, effective: str,
+          config: dict[str, Any], contract: dict[str, Any], base_model: dict[str, Any],
+          sealed: dict[str, Any]) -> dict[str, Any]:
+    """One process's capture manifest document (nothing is written; :func:`write` validates and writes it);
+    ``sealed`` its ``outcome`` (:func:`replayjob.optbatch.manifest.outcome`)."""
+    return {"schema": SCHEMA, "framework": framework, "step": step, "producer": producer, "files": files,
+            "micro_batches": micro_batches, "optimizer": optimizer, "trainable": trainable,
+            "framework_state": framework_state, "rows": rows, "logical_batch_sha256": logical,
+            "local_effective_rows_sha256": effective, "config": {"sha256": sha256_json(config), "resolved": config},
+            "contract": {"sha256": sha256_json(contract), "value": contract}, "base_model": base_model,
+            OUTCOME: sealed}
 
 
 def write(path: Path, doc: dict[str, Any]) -> str:
@@ -311,6 +327,23 @@ def of(p: Path, sha: str, doc: Any) -> Manifest:
     if doc["payload_sha256"] != ranks_digest([m.payload_digest for m in parts]):
         raise IntegrityError("the root's payload_sha256 is not the digest of its parts' payloads", where=p)
     return RootManifest(p, sha, doc, tuple(parts))
+
+
+def build_root(parts: list[Manifest], micro_batches: list[int], *, rows: dict[str, Any], logical: str,
+               effective: str) -> dict[str, Any]:
+    """The root document over verified ``parts`` (process 0 first; ``micro_batches`` per part), with the
+    digests over every part's micro-batches in rank order; what every part shares is process 0's."""
+    first = parts[0]
+    return {
+        "schema": SCHEMA, "framework": first.framework, "step": first.step, "world_size": len(parts),
+        "ranks": [{"rank": r, "dir": rank_dir(r), "manifest_sha256": p.sha256,
+                   "logical_batch_sha256": p.logical_sha256, "micro_batches": n}
+                  for r, (p, n) in enumerate(zip(parts, micro_batches, strict=True))],
+        "payload_sha256": ranks_digest([p.payload_digest for p in parts]),
+        "rows": rows, "logical_batch_sha256": logical, "local_effective_rows_sha256": effective,
+        **{k: first.doc[k] for k in ("config", "contract", "base_model", "framework_state", "trainable",
+                                     "optimizer", OUTCOME)},
+    }
 
 
 def validate_root(doc: Any, where: Path) -> dict[str, Any]:

@@ -41,8 +41,8 @@ from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.integrations import capture as cap
 from replayjob.integrations import manifest as imanifest
 from replayjob.jsonio import canonical_bytes
-from replayjob.optbatch.manifest import OUTCOME, SCHEMA
-from replayjob.optbatch.ranks import land, landed_name, rank_dir, ranks_digest
+from replayjob.optbatch.manifest import OUTCOME
+from replayjob.optbatch.ranks import land, landed_name, rank_dir
 
 
 def refuse_existing(out: Path, rank: int, step: int) -> None:
@@ -93,16 +93,8 @@ def _write_root(out: Path, c: cap.StepCapture, every: list[dict[str, Any]]) -> d
     effective = batch_sha256("effective", [x for e in every for x in e["effective"]])
     rows: dict[str, Any] = {k: sum(int(e["rows"][k]) for e in every) for k in every[0]["rows"]}
     rows["nonfinite_inputs"] = any(e["nonfinite"] for e in every)
-    doc = {
-        "schema": SCHEMA, "framework": first.framework, "step": first.step, "world_size": len(parts),
-        "ranks": [{"rank": r, "dir": rank_dir(r), "manifest_sha256": e["manifest_sha256"],
-                   "logical_batch_sha256": p.logical_sha256, "micro_batches": len(e["logical"])}
-                  for r, (e, p) in enumerate(zip(every, parts, strict=True))],
-        "payload_sha256": ranks_digest([p.payload_digest for p in parts]),
-        "rows": rows, "logical_batch_sha256": logical, "local_effective_rows_sha256": effective,
-        **{k: first.doc[k] for k in ("config", "contract", "base_model", "framework_state", "trainable",
-                                     "optimizer", OUTCOME)},
-    }
+    doc = imanifest.build_root(parts, [len(e["logical"]) for e in every], rows=rows, logical=logical,
+                               effective=effective)
     path = out / names["manifest"]
     imanifest.validate_root(doc, path)
     data = canonical_bytes(doc) + b"\n"
@@ -112,13 +104,11 @@ def _write_root(out: Path, c: cap.StepCapture, every: list[dict[str, Any]]) -> d
     if cap.save_adapter(out / cap.FINAL_ADAPTER_FILE, c.model) != sealed["final_adapter_sha256"]:
         raise cap.CaptureError("the final adapter file's SHA-256 is not the one sealed in the manifests",
                                where=out / cap.FINAL_ADAPTER_FILE)
-    metrics = {
-        "schema": metrics_io.SOURCE_SCHEMA, metrics_io.FRAMEWORK: first.framework,
-        metrics_io.STEP: first.step, metrics_io.LOGICAL: logical, metrics_io.EFFECTIVE: effective,
-        metrics_io.MANIFEST: sha, metrics_io.INITIAL_ADAPTER: first.initial_adapter_sha256,
-        metrics_io.FINAL_ADAPTER: sealed["final_adapter_sha256"], metrics_io.FINAL_ADAPTER_PATH: cap.FINAL_ADAPTER_FILE,
-        metrics_io.MANIFEST_PATH: names["manifest"], "loss": sealed["loss"], "grad_norm": sealed["grad_norm"],
-        "config": first.config}
+    metrics = metrics_io.capture_document(
+        framework=first.framework, step=first.step, logical=logical, effective=effective, manifest_sha256=sha,
+        manifest_path=names["manifest"], initial_adapter_sha256=first.initial_adapter_sha256,
+        final_adapter_sha256=sealed["final_adapter_sha256"], final_adapter_path=cap.FINAL_ADAPTER_FILE,
+        loss=sealed["loss"], grad_norm=sealed["grad_norm"], config=first.config)
     metrics_io.write(out / cap.METRICS_FILE, metrics, exclusive=True)
     atomic_write_text(out / cap.REPLAY_TOML, c._replay_toml(path.resolve(), sha, logical), exclusive=True)
     return {"manifest": str(path), "sha256": sha, "logical": logical, "metrics": metrics}

@@ -149,14 +149,12 @@ class ReplaySession(Session):
         begin = cap.batch_rows(every[:self.rank * len(mine)]) if self.rank else 0
         logical = cap.logical_digest(mine)
         pad = metrics["padding"]
-        doc = {"schema": metrics_io.RANK_SCHEMA, "rank": self.rank, "world_size": self.world, "arm": metrics["arm"],
-               "repeat_index": metrics["repeat_index"], "rows": [begin, begin + cap.batch_rows(mine)],
-               "shard_logical_sha256": logical, "shard_effective_rows_sha256": cap.effective_digest(mine),
-               "loss": self.rank_loss(), "micro_batch_rows": [cap.batch_rows([mb]) for mb in mine],
-               "timing": metrics["timing"], "memory": metrics["memory"], "padding": {
-                   # as merge_ranks counts them: padded_tokens are every position after padding
-                   **pad, "padded_tokens": pad["real_tokens"] + pad["padded_tokens"]},
-               metrics_io.HOST: metrics[metrics_io.HOST]}
+        doc = metrics_io.rank_document(
+            rank=self.rank, world_size=self.world, replay=metrics, rows=[begin, begin + cap.batch_rows(mine)],
+            shard_logical=logical, shard_effective=cap.effective_digest(mine), loss=self.rank_loss(),
+            micro_batch_rows=[cap.batch_rows([mb]) for mb in mine],
+            # as merge_ranks counts them: padded_tokens are every position after padding
+            padding={**pad, "padded_tokens": pad["real_tokens"] + pad["padded_tokens"]})
         out.mkdir(parents=True, exist_ok=True)
         shas = distributed.gather_objects(metrics_io.write(out / metrics_io.rank_file(self.rank), doc,
                                                            exclusive=True))

@@ -164,11 +164,9 @@ class BuiltinSession(Session):
         res, rank, world = self.result, self.rank, self.world
         assert res is not None
         logical, effective = self.batch.digests()
-        mine = {"schema": metrics_io.RANK_SCHEMA, "rank": rank, "world_size": world, "arm": metrics["arm"],
-                "repeat_index": metrics["repeat_index"], "rows": list(self.bounds), "shard_logical_sha256": logical,
-                "shard_effective_rows_sha256": effective, "loss": res.local_loss,
-                "micro_batch_rows": list(res.micro_batch_rows), "timing": metrics["timing"],
-                "memory": metrics["memory"], "padding": metrics["padding"], metrics_io.HOST: metrics[metrics_io.HOST]}
+        mine = metrics_io.rank_document(rank=rank, world_size=world, replay=metrics, rows=list(self.bounds),
+                                        shard_logical=logical, shard_effective=effective, loss=res.local_loss,
+                                        micro_batch_rows=list(res.micro_batch_rows))
         out.mkdir(parents=True, exist_ok=True)
         shas = distributed.gather_objects(metrics_io.write(out / metrics_io.rank_file(rank), mine, exclusive=True))
         distributed.barrier()  # every rank's file is on disk

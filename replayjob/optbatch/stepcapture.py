@@ -47,18 +47,7 @@ from replayjob.digest import sha256_bytes
 from replayjob.errors import ArtifactExistsError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.metrics import (
-    STEP,
-    STEP_EFFECTIVE,
-    STEP_FINAL_ADAPTER,
-    STEP_GRAD_NORM,
-    STEP_INITIAL_ADAPTER,
-    STEP_LOGICAL,
-    STEP_LOSS,
-    STEP_MANIFEST,
-    STEP_MANIFEST_PATH,
-    STEP_NONFINITE,
-    STEP_REPLAY_CONFIG,
-    finite_or_none,
+    step_record,
 )
 from replayjob.optbatch import manifest, payload
 from replayjob.optbatch.contract import optimizer_contract
@@ -259,12 +248,11 @@ def write(out: Path, snap: StepSnapshot, cfg: Config, model_reference: dict[str,
     atomic_write_bytes(out / manifest.replay_config_name(k), replay_toml(cfg, k, logical, sha).encode("utf-8"),
                        exclusive=True)
     base = relative_to or out
-    return {STEP: k, STEP_MANIFEST_PATH: str((out / mname).relative_to(base)), STEP_MANIFEST: sha,
-            STEP_LOGICAL: logical, STEP_EFFECTIVE: effective,
-            STEP_INITIAL_ADAPTER: adapter_sha, STEP_FINAL_ADAPTER: final,
-            STEP_REPLAY_CONFIG: str((out / manifest.replay_config_name(k)).relative_to(base)),
-            STEP_NONFINITE: nonfinite, STEP_LOSS: finite_or_none(snap.loss),
-            STEP_GRAD_NORM: finite_or_none(snap.grad_norm)}
+    return step_record(step=k, manifest_path=str((out / mname).relative_to(base)), manifest_sha256=sha,
+                       logical=logical, effective=effective, initial_adapter_sha256=adapter_sha,
+                       final_adapter_sha256=final,
+                       replay_config=str((out / manifest.replay_config_name(k)).relative_to(base)),
+                       nonfinite_inputs=nonfinite, loss=snap.loss, grad_norm=snap.grad_norm)
 
 
 def replay_toml(cfg: Config, step: int, logical: str, manifest_sha256: str) -> str:
