@@ -78,7 +78,7 @@ from typing import Any
 
 from replayjob import distributed, metrics
 from replayjob.config.dump import replay_pins, set_args, toml_value
-from replayjob.deploy import external
+from replayjob.deploy import external, runrecord
 from replayjob.deploy.ablation import DETERMINISM_ENV, RENDERED_ENV, AblationSpec, Run, is_digest_ref
 from replayjob.deploy.external import capture_pins, replay_sets
 from replayjob.determinism import NCCL_NUMERICS
@@ -86,7 +86,6 @@ from replayjob.digest import is_sha256_hex, sha256_file, sha256_json
 from replayjob.errors import (
     ConfigError,
     ContractError,
-    IntegrityError,
     RefusedError,
     ReplayjobError,
     UsageError,
@@ -94,11 +93,9 @@ from replayjob.errors import (
 )
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.gate import reducer
-from replayjob.jsonio import pretty_bytes, read_json_object
 from replayjob.launch import check_launcher
 
-RUN_SCHEMA = "replayjob.run/v1"
-RUN_RECORD = "run.json"
+RUN_RECORD = runrecord.FILE
 IMAGE_ENV = "REPLAYJOB_IMAGE_REF"
 DIGEST_ENV = "REPLAYJOB_IMAGE_DIGEST"
 
@@ -328,21 +325,17 @@ def check_run_record(layout: Layout, spec: AblationSpec, *, create: bool = True)
                                hint=f"the image runs as uid 10001: create {layout.run.parent.parent} on the claim, "
                                     "owned by that uid, once (docs/cluster.md, 'Storage')") from None
         try:
-            atomic_write_bytes(path, pretty_bytes({"schema": RUN_SCHEMA, "fingerprint": fp, "image": image,
-                                                   "image_digest": digest, "environment": run_environment(),
-                                                   "spec": dataclasses.asdict(spec)}), exclusive=True)
+            runrecord.write(path, runrecord.RunRecord(fp, image, digest, run_environment(), dataclasses.asdict(spec)))
             return
         except RefusedError:
             if not path.exists():
                 raise
     if not path.exists():
         return
-    doc = read_json_object(path)
-    if doc.get("schema") != RUN_SCHEMA or not isinstance(doc.get("fingerprint"), str):
-        raise IntegrityError(f"not a run record ({RUN_SCHEMA})", where=path)
-    if doc["fingerprint"] != fp:
+    there = runrecord.read(path).fingerprint
+    if there != fp:
         raise ContractError("this run directory holds another run's artifacts (the spec, the selection or "
-                            f"the image differ: fingerprint {doc['fingerprint'][:12]} there, {fp[:12]} here)",
+                            f"the image differ: fingerprint {there[:12]} there, {fp[:12]} here)",
                             where=layout.run, hint="give every submission its own run directory (a new run id)")
 
 

@@ -714,11 +714,13 @@ def ranked_bundle_entries(out: Path) -> list[Entry]:
 def run_record_entries(out: Path) -> list[Entry]:
     """Run directories whose `run.json` is not this run's (`step replay --index 0 --run-dir ENTRY`)."""
     entries: list[Entry] = []
-    record = {"schema": "replayjob.run/v1", "fingerprint": "0" * 64, "image": "", "spec": {}}
+    record = {"schema": "replayjob.run/v1", "fingerprint": "0" * 64, "image": "", "image_digest": None,
+              "environment": {}, "spec": {}}
     cases: dict[str, tuple[bytes | None, str]] = {
         "run_other_fingerprint": (_canon(record), "another run"),
         "run_not_json": (b"{not json", "json"),
         "run_wrong_schema": (_canon({**record, "schema": "replayjob.run/v0"}), "run record"),
+        "run_missing_field": (_canon({k: v for k, v in record.items() if k != "environment"}), "run record"),
         "run_duplicate_key": (b'{"schema": "replayjob.run/v1", "schema": "x", "fingerprint": "0"}', "duplicate"),
         "run_record_directory": (None, "regular file"),
     }
