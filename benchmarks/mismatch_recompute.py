@@ -33,6 +33,7 @@ import torch
 from benchmarks import common
 from replayjob.cli import main as cli_main
 from replayjob.config import from_dict, load_config
+from replayjob.distributed import observe
 from replayjob.mismatch import builtin, check_capture, report
 from replayjob.mismatch.views import Collector
 from replayjob.optbatch.explain import admit, source_config
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         whole = check_capture(config, overrides)
         command_s = time.perf_counter() - t0
         cfg = load_config(config, overrides)
-        adm = admit(cfg)
+        adm = admit(observe(cfg, running=False))  # resolved as the command resolves it
         adm.raise_if_refused()
         assert adm.manifest is not None and adm.batch is not None
         source_cfg = from_dict(source_config(adm.manifest))

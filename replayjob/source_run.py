@@ -66,11 +66,11 @@ def source_hooks(cfg: Config, out: Path) -> list[StepHook]:
 
 
 def train_source(cfg: Config, out: Path, extra_hooks: Sequence[StepHook] = ()) -> dict[str, Any]:
-    """Run the source trainer with ``extra_hooks`` (called first) and the configured capture hooks."""
+    """Run the source trainer with ``extra_hooks`` (called first) and the configured capture hooks; ``cfg`` as
+    the entry point resolved it (:func:`replayjob.distributed.observe`: the world size the run records)."""
     from replayjob.rl.trainer import train
 
     try:
-        cfg = distributed.observe(cfg)  # the world size the run records: the launcher's
         hooks = [*extra_hooks, *source_hooks(cfg, out)]
     except BaseException:
         abandon_all(extra_hooks)

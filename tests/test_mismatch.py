@@ -21,6 +21,7 @@ from conftest import replay_pins
 
 from replayjob.cli import main
 from replayjob.digest import sha256_file
+from replayjob.distributed import observe
 from replayjob.mismatch import stats
 from replayjob.optbatch import payload
 from replayjob.rl.batch import OptimizerBatch
@@ -171,7 +172,7 @@ def test_a_sampler_attending_its_left_padding_is_attributed_to_the_padding(
     assert main(["capture", str(workspace / "source.toml"), "--out", str(d), "--set", sets[0]]) == 0
     argv = mismatch(workspace, d, sets)[2:]
     cfg = load_config(workspace / "replay.toml", [v for i, v in enumerate(argv) if i % 2])
-    adm = admit(cfg)
+    adm = admit(observe(cfg, running=False))  # resolved as an entry point resolves it
     adm.raise_if_refused()
     assert adm.manifest is not None and adm.batch is not None
     policy = builtin.build_policy(cfg, adm)

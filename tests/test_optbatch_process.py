@@ -15,6 +15,7 @@ from conftest import REPO
 from replayjob.cli import main
 from replayjob.config import load_config
 from replayjob.digest import sha256_file
+from replayjob.distributed import observe
 from replayjob.faults import POINT_ENV
 from replayjob.optbatch.explain import admit
 
@@ -60,7 +61,7 @@ def test_a_killed_capture_leaves_no_manifest_or_a_verified_one(workspace: Path, 
                 f'optimizer_batch.replay_path="{out / MANIFEST}"',
                 f"optimizer_batch.expected_logical_sha256={doc['logical_batch_sha256']}",
                 f"optimizer_batch.expected_manifest_sha256={sha256_file(out / MANIFEST)}"])
-            adm = admit(cfg)
+            adm = admit(observe(cfg, running=False))  # resolved as an entry point resolves it
             assert adm.admitted, (spec, adm.reasons)
         # a rerun into the same directory refuses, naming what is already there
         assert main(["capture", str(workspace / "source.toml"), "--out", str(out)]) == 2

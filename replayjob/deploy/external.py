@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from replayjob import metrics
+from replayjob import distributed, metrics
 from replayjob.config import load_config
 from replayjob.config.dump import replay_pins, set_args, toml_value
 from replayjob.deploy.ablation import AblationSpec
@@ -191,7 +191,8 @@ def verify(spec: AblationSpec, run: Path, log: Any = print) -> Located:
     if found.producer == BUILTIN:
         from replayjob.optbatch import explain
 
-        adm: Any = explain.admit(load_config(found.config, sets), keep_rows=False, manifest=found.record)
+        cfg = distributed.observe(load_config(found.config, sets), running=False)  # the world size a replay has
+        adm: Any = explain.admit(cfg, keep_rows=False, manifest=found.record)
         rep = explain.report(adm)
     else:
         from replayjob.integrations import admission

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from replayjob.config import from_dict, load_config
+from replayjob.distributed import observe
 from replayjob.errors import UsageError
 from replayjob.mismatch import builtin, external
 from replayjob.mismatch.bound import Bound, read_bound
@@ -55,7 +56,7 @@ def check_capture(capture: str | Path, overrides: list[str], bound: str | Path |
     producer, manifest = producer_of(config, overrides)
     if producer != BUILTIN:
         return external.check(config, overrides, bound, allow_lag, manifest)
-    cfg = load_config(config, overrides)
+    cfg = observe(load_config(config, overrides), running=False)  # one process: the declared world size, or 1
     declared = read_bound(bound, cfg.optimizer_batch.mismatch_bound_sha256) if bound is not None else None
     adm = admit(cfg, manifest=manifest)
     adm.raise_if_refused()

@@ -298,11 +298,11 @@ def admit(cfg: Config, keep_rows: bool = True, manifest: PinnedManifest | None =
     With ``keep_rows`` the admitted rows are kept (``batch``, for a replay); without, the payload is
     verified streaming and memory stays bounded (``explain``).  ``manifest``: the capture's manifest as the
     caller already verified it (:func:`replayjob.producers.manifests.producer_of`), used when it is the one
-    the config pins, so its bytes are read once.
+    the config pins, so its bytes are read once.  ``cfg`` is resolved once, at the entry point
+    (:func:`replayjob.distributed.observe`: the world size this process runs, or the one a replay would have).
     """
 
-    adm = Admission(cfg=observe(cfg, running=False), keep_rows=keep_rows,  # the world size a replay would have
-                    given=manifest)
+    adm = Admission(cfg=cfg, keep_rows=keep_rows, given=manifest)
     _check_runner(adm)
     _check_pins(adm)
     _check_artifacts(adm)
@@ -393,5 +393,5 @@ def explain(config: str | Path, overrides: list[str]) -> tuple[Refusals, dict[st
         from replayjob.integrations import admission
 
         return admission.explain(config, overrides, manifest)
-    adm = admit(load_config(config, overrides), keep_rows=False, manifest=manifest)
+    adm = admit(observe(load_config(config, overrides), running=False), keep_rows=False, manifest=manifest)
     return adm, report(adm)
