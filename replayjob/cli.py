@@ -235,9 +235,11 @@ from replayjob.check.determinism_check import check
 from replayjob.check.leafdiff import Tolerance
 from replayjob.check.rules import load_rules
 from replayjob.check.signals import evaluate
-from replayjob.deploy import external, step
+from replayjob.deploy import argo, driver, external, k8s, step
 from replayjob.deploy.ablation import load_spec, load_spec_text
 from replayjob.deploy.schedule import parse_slot
+from replayjob.deploy.submit import resume, submit
+from replayjob.deploy.workflow import wait_for_workflow
 from replayjob.distributed import record_exit
 from replayjob.errors import EXIT_ERROR, EXIT_REFUSED, OperationalError, ReplayjobError, UsageError
 from replayjob.fsio import atomic_write_text
@@ -299,7 +301,7 @@ def cmd_capture(args: dict[str, Any]) -> int:
 
 
 def cmd_explain(args: dict[str, Any]) -> int:
-    from replayjob.optbatch.explain import explain, render
+    from replayjob.producers.explain import explain, render
 
     adm, rep = explain(args["<config>"], args["--set"])
     if args["--json"]:
@@ -441,16 +443,9 @@ def _step(args: dict[str, Any]) -> int:
 
 
 def cmd_k8s(args: dict[str, Any]) -> int:
-    from replayjob.deploy import argo, k8s
-    from replayjob.deploy.submit import submit
-
     if args["drive"]:
-        from replayjob.deploy import driver
-
         return driver.main(args["--spec"])
     if args["resume"]:
-        from replayjob.deploy.submit import resume
-
         return resume(args["<run-id>"], args["--namespace"], wait=args["--wait"])
     spec, text = load_spec_text(args["<spec>"])
 
@@ -476,8 +471,6 @@ def cmd_k8s(args: dict[str, Any]) -> int:
 
 
 def cmd_argo(args: dict[str, Any]) -> int:
-    from replayjob.deploy.workflow import wait_for_workflow
-
     return wait_for_workflow(args["<workflow>"], args["--namespace"])
 
 

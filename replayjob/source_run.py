@@ -27,17 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from replayjob import distributed
+from replayjob.bundle.hook import capture_from_env
 from replayjob.config import Config, load_config
 from replayjob.errors import ConfigError
+from replayjob.optbatch.capture import CaptureHook, StepsCapture
+from replayjob.optbatch.ring import RingCapture
 from replayjob.rl.hooks import StepHook, abandon_all
+from replayjob.rl.trainer import train
 
 
 def source_hooks(cfg: Config, out: Path) -> list[StepHook]:
     """The capture hooks ``cfg`` and the environment ask for, preconditions checked, in call order."""
-    from replayjob.bundle.hook import capture_from_env
-    from replayjob.optbatch.capture import CaptureHook, StepsCapture
-    from replayjob.optbatch.ring import RingCapture
-
     hooks: list[StepHook] = []
     ob = cfg.optimizer_batch
     if distributed.world_size() > 1 and (ob.capture_steps or ob.ring_size):
@@ -68,8 +68,6 @@ def source_hooks(cfg: Config, out: Path) -> list[StepHook]:
 def train_source(cfg: Config, out: Path, extra_hooks: Sequence[StepHook] = ()) -> dict[str, Any]:
     """Run the source trainer with ``extra_hooks`` (called first) and the configured capture hooks; ``cfg`` as
     the entry point resolved it (:func:`replayjob.distributed.observe`: the world size the run records)."""
-    from replayjob.rl.trainer import train
-
     try:
         hooks = [*extra_hooks, *source_hooks(cfg, out)]
     except BaseException:

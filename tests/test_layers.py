@@ -5,6 +5,11 @@ above (imports under ``if TYPE_CHECKING:`` are annotations, not imports, and are
 README's file tree shows the same floors:
 
   core -> config -> runtime -> artifacts -> producers -> analysis -> launch -> cli
+
+Two more rules keep the floors honest: no two modules import each other (directly or in a ring, imports
+inside functions counted), and a replayjob module is imported inside a function only to defer a heavy
+third-party package (:data:`HEAVY`: the model stack, plotting) that importing it would pull in, from a
+module that has not pulled one in already (so ``replayjob k8s render`` or ``reduce`` start without torch).
 """
 
 from __future__ import annotations
@@ -57,12 +62,17 @@ def layer_of(module: str) -> int | None:
     return best[0] if best else None
 
 
-def own_imports(module: str, source: str, known: set[str], is_package: bool = False) -> list[tuple[str, int]]:
-    """Every replayjob module ``source`` imports (anywhere in the file, but under TYPE_CHECKING), with its line."""
+def _imports(module: str, source: str, known: set[str], is_package: bool
+             ) -> list[tuple[str, int, bool]]:
+    """Every module ``source`` imports (anywhere in the file, but under TYPE_CHECKING): its name (a replayjob
+    module, or a third-party package's top-level name), the line, and whether the import is deferred (inside
+    a function: it runs when the function is called, not when the module is imported)."""
     tree = ast.parse(source)
     typing_only = {id(n) for node in ast.walk(tree)
                    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
                    for n in ast.walk(node)}
+    deferred = {id(n) for node in ast.walk(tree)
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) for n in ast.walk(node)}
     pkg = module if is_package else module.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
@@ -83,8 +93,17 @@ def own_imports(module: str, source: str, known: set[str], is_package: bool = Fa
                 parts = name.split(".")
                 while len(parts) > 1 and ".".join(parts) not in known:
                     parts.pop()
-                out.append((".".join(parts), node.lineno))
+                name = ".".join(parts)
+            else:
+                name = name.split(".")[0]
+            out.append((name, node.lineno, id(node) in deferred))
     return out
+
+
+def own_imports(module: str, source: str, known: set[str], is_package: bool = False) -> list[tuple[str, int]]:
+    """Every replayjob module ``source`` imports (anywhere in the file, but under TYPE_CHECKING), with its line."""
+    return [(name, line) for name, line, _ in _imports(module, source, known, is_package)
+            if name == "replayjob" or name.startswith("replayjob.")]
 
 
 def violations(mods: dict[str, str], packages: frozenset[str] | set[str] = frozenset()) -> list[str]:
@@ -131,3 +150,123 @@ def test_typing_only_imports_and_downward_imports_pass() -> None:
     mods = {m: p.read_text(encoding="utf-8") for m, p in modules().items()}
     mods["replayjob.digest"] = source
     assert not [v for v in violations(mods) if v.startswith("replayjob.digest")]
+
+
+# The third-party packages whose import is deferred to the commands that need them: the model stack (seconds
+# to import, and absent from a render or a reduce that needs none of it) and the plotting library.
+HEAVY = frozenset({"torch", "transformers", "peft", "trl", "accelerate", "datasets", "matplotlib"})
+
+
+def heavy_modules(mods: dict[str, str], packages: set[str]) -> dict[str, str]:
+    """Each replayjob module that imports a heavy package when it is imported (directly or through the modules
+    and packages it imports at its top), with the heavy package it reaches first."""
+    known = set(mods)
+    top: dict[str, set[str]] = {}
+    for m, src in mods.items():
+        names = {n for n, _, deferred in _imports(m, src, known, m in packages) if not deferred}
+        parents = {".".join(m.split(".")[:i]) for i in range(1, len(m.split(".")))} & known
+        top[m] = (names | parents) - {m}
+    found: dict[str, str] = {}
+
+    def reach(m: str, seen: set[str]) -> str | None:
+        if m in found:
+            return found[m]
+        for n in sorted(top.get(m, ())):
+            if n in HEAVY:
+                return n
+        for n in sorted(top.get(m, ())):
+            if n in top and n not in seen:
+                hit = reach(n, seen | {n})
+                if hit:
+                    return hit
+        return None
+
+    for m in mods:
+        hit = reach(m, {m})
+        if hit:
+            found[m] = hit
+    return found
+
+
+def deferral_violations(mods: dict[str, str], packages: set[str]) -> list[str]:
+    """A replayjob module imported inside a function although importing it pulls in no heavy package: only
+    the heavy third-party packages are imported late (through the modules that need them); everything else
+    is imported at the top, where the file shows its floors."""
+    heavy = heavy_modules(mods, packages)
+    known = set(mods)
+    out = []
+    for m, src in sorted(mods.items()):
+        for name, line, deferred in _imports(m, src, known, m in packages):
+            if not deferred or not name.startswith("replayjob") or name == m:
+                continue
+            if name not in heavy:
+                out.append(f"{m}:{line} imports {name} inside a function, but {name} imports no heavy package "
+                           f"({', '.join(sorted(HEAVY))}): import it at the top")
+            elif m in heavy:
+                out.append(f"{m}:{line} imports {name} inside a function, but {m} imports {heavy[m]} already: "
+                           "import it at the top")
+    return out
+
+
+def test_only_heavy_packages_are_imported_late() -> None:
+    mods = {m: p.read_text(encoding="utf-8") for m, p in modules().items()}
+    packages = {m for m, p in modules().items() if p.name == "__init__.py"}
+    assert deferral_violations(mods, packages) == []
+
+
+def test_a_light_module_imported_inside_a_function_is_reported() -> None:
+    mods = {m: p.read_text(encoding="utf-8") for m, p in modules().items()}
+    packages = {m for m, p in modules().items() if p.name == "__init__.py"}
+    mods["replayjob.gate.verdict"] += ("\n\ndef _late():\n    from replayjob.digest import sha256_bytes\n"
+                                       "    return sha256_bytes\n")
+    assert any(v.startswith("replayjob.gate.verdict:") and "replayjob.digest inside a function" in v
+               for v in deferral_violations(mods, packages))
+    assert "replayjob.rl.batch" in heavy_modules(mods, packages)  # torch at its top
+    assert "replayjob.digest" not in heavy_modules(mods, packages)
+
+
+def import_cycles(mods: dict[str, str], packages: set[str]) -> list[list[str]]:
+    """Groups of replayjob modules that import each other, directly or in a ring (every import counted,
+    those inside functions included)."""
+    known = set(mods)
+    graph = {m: {n for n, _ in own_imports(m, src, known, m in packages) if n != m and n in known}
+             for m, src in mods.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_modules_import_each_other() -> None:
+    mods = {m: p.read_text(encoding="utf-8") for m, p in modules().items()}
+    packages = {m for m, p in modules().items() if p.name == "__init__.py"}
+    assert import_cycles(mods, packages) == []
+    mods["replayjob.optbatch.explain"] += "\n\ndef _late():\n    from replayjob.integrations import admission\n"
+    assert ["replayjob.integrations.admission", "replayjob.optbatch.explain"] in import_cycles(mods, packages)

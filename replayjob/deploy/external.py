@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from replayjob import distributed, metrics
-from replayjob.config import load_config
+from replayjob import metrics
 from replayjob.config.dump import replay_pins, set_args, toml_value
 from replayjob.deploy.ablation import AblationSpec
 from replayjob.determinism import ENV_MATH_MODE
@@ -188,16 +187,9 @@ def verify(spec: AblationSpec, run: Path, log: Any = print) -> Located:
     found = check(spec)
     assert found is not None
     sets = replay_sets(spec, found)
-    if found.producer == BUILTIN:
-        from replayjob.optbatch import explain
+    from replayjob.producers.explain import explain  # imports torch: a render never calls verify
 
-        cfg = distributed.observe(load_config(found.config, sets), running=False)  # the world size a replay has
-        adm: Any = explain.admit(cfg, keep_rows=False, manifest=found.record)
-        rep = explain.report(adm)
-    else:
-        from replayjob.integrations import admission
-
-        adm, rep = admission.explain(found.config, sets, found.record)
+    adm, rep = explain(found.config, sets, found.record)
     adm.raise_for(str(found.config))
     atomic_write_bytes(run / CAPTURE_RECORD, pretty_bytes({
         "schema": CAPTURE_SCHEMA, "dir": str(found.dir), "replay_config": found.config.name,

@@ -15,25 +15,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
 from replayjob import knobs
-from replayjob.config import Config, from_dict, load_config, resolved
+from replayjob.config import Config, from_dict, resolved
 from replayjob.config.diff import differences
 from replayjob.config.load import to_dict
 from replayjob.config.schema import DistributedConfig, OptimizerBatchConfig
 from replayjob.digest import normalize_digest
-from replayjob.distributed import observe
 from replayjob.errors import ContractError, IntegrityError, RefusedError
 from replayjob.metrics import EFFECTIVE, LOGICAL, SKIPPED
 from replayjob.optbatch import payload, ranks, stepcapture
 from replayjob.optbatch.contract import contract_differences, contract_sha256, optimizer_contract
 from replayjob.optbatch.manifest import Manifest, PinnedManifest, read_payload
-from replayjob.producers import BUILTIN
-from replayjob.producers.manifests import producer_of, reuse
+from replayjob.producers.manifests import reuse
 from replayjob.redact import redact_text
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.state import ResumeState, read_state
@@ -379,19 +376,3 @@ def render(rep: dict[str, Any]) -> str:
         lines.append("  a replay would:")
         lines.extend(f"    - {step}" for step in rep["would"])
     return "\n".join(lines)
-
-
-def explain(config: str | Path, overrides: list[str]) -> tuple[Refusals, dict[str, Any]]:
-    """``replayjob explain``: load the config, admit, and build the report.
-
-    The capture's manifest names its producer: an external trainer's capture is admitted by
-    :mod:`replayjob.integrations.admission` (the same rules).
-    """
-
-    producer, manifest = producer_of(config, overrides)
-    if producer != BUILTIN:
-        from replayjob.integrations import admission
-
-        return admission.explain(config, overrides, manifest)
-    adm = admit(observe(load_config(config, overrides), running=False), keep_rows=False, manifest=manifest)
-    return adm, report(adm)

@@ -1,0 +1,35 @@
+"""``replayjob explain`` for a capture of any producer: its manifest names the producer, whose admission runs.
+
+The built-in trainer's captures are admitted by :mod:`replayjob.optbatch.explain`, every other producer's by
+:mod:`replayjob.integrations.admission` (the same rules); both report in one format (:func:`render`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from replayjob.config import load_config
+from replayjob.distributed import observe
+from replayjob.integrations import admission
+from replayjob.optbatch import explain as builtin
+from replayjob.optbatch.explain import Refusals, render
+from replayjob.producers import BUILTIN
+from replayjob.producers.manifests import CaptureManifest, producer_of
+
+__all__ = ["explain", "render"]
+
+
+def explain(config: str | Path, overrides: list[str],
+            manifest: CaptureManifest | None = None) -> tuple[Refusals, dict[str, Any]]:
+    """Load the config, admit it by its capture's producer's rules (the manifest read once: ``manifest`` when
+    the caller verified it already), and build the report; never raises for a failed check (the caller raises
+    :meth:`Refusals.raise_for`)."""
+    if manifest is None:
+        producer, manifest = producer_of(config, overrides)
+    else:
+        producer = manifest.framework
+    if producer != BUILTIN:
+        return admission.explain(config, overrides, manifest)
+    adm = builtin.admit(observe(load_config(config, overrides), running=False), keep_rows=False, manifest=manifest)
+    return adm, builtin.report(adm)
