@@ -169,11 +169,21 @@ class CaptureRef:
     of a process that sets nothing, unless given), which every step of the spec pins and which must equal
     the one the capture's contract records.  :mod:`replayjob.deploy.external` verifies it."""
 
-    dir: str
-    logical_sha256: str
-    manifest_sha256: str
-    replay_config: str = "replay.toml"
-    math_mode: str = DEFAULT_CAPTURE_MATH_MODE
+    dir: str = field(metadata={"doc": "The directory the capture wrote: an absolute path on the shared volume, without "
+                                      "whitespace or quotes (every step resolves it on its own machine)."})
+    logical_sha256: str = field(metadata={"doc": "The logical batch digest the capture printed "
+                                                 "(optimizer/logical_batch_sha256 of its metrics.json, or the step's "
+                                                 "record under optimizer_batch/steps): lowercase 64-digit hex."})
+    manifest_sha256: str = field(metadata={"doc": "The manifest digest the capture printed "
+                                                  "(optimizer_batch/manifest_sha256 of its metrics.json, or the step's "
+                                                  "record): lowercase 64-digit hex."})
+    replay_config: str = field(default="replay.toml", metadata={
+        "doc": "The replay config the capture wrote in dir, as a bare .toml file name: replay.toml, or "
+               "replay_step_<K:06d>.toml for one of several chosen steps."})
+    math_mode: str = field(default=DEFAULT_CAPTURE_MATH_MODE, metadata={
+        "doc": "The math mode the capture's process ran in (its REPLAYJOB_MATH_MODE; 'default' when it set none), "
+               "one of: " + ", ".join(f"'{m}'" for m in MATH_MODES) + ". Every step of the spec pins it, and it "
+               "must equal the one the capture's contract records."})
 
 
 _CAPTURE_KEYS = ("dir", "replay_config", "logical_sha256", "manifest_sha256", "math_mode")
@@ -227,40 +237,92 @@ class Run:
 
 @dataclass(frozen=True)
 class AblationSpec:
-    """A whole ablation; see ``examples/ablation.toml`` for every field with its meaning."""
+    """A whole ablation: every field's ``doc`` is its meaning (``docs/spec.md``; an example:
+    ``examples/ablation.toml``)."""
 
-    name: str
-    image: str
-    gpu_product: str
-    arms: tuple[Arm, ...]
-    repeats: int = 3
-    min_repeats: int = 0
-    claim: str = "exact-input"
-    seed: int = 123
-    device: str = "cuda"
-    model_path: str = ""
-    resume: str = ""
-    config: dict[str, Value] = field(default_factory=dict)
-    claim_name: str = "replayjob-artifacts"
-    storage: str = "50Gi"
-    storage_class: str = ""
-    cpu: str = "8"
-    memory: str = "64Gi"
-    shm: str = "8Gi"
-    deadline_s: int = 21600
-    parallelism: int = 4
-    node_gpus: int = 0
-    driver_version: str = ""
-    driver_label: str = "nvidia.com/cuda.driver.major"
-    priority_class: str = ""
-    semaphore: str = ""
-    mixed_hardware: bool = False
-    schedule: str = ""  # "" (arms in file order) or a paired design of replayjob.deploy.schedule
-    budgets: str = ""  # a budget TOML (reduce --budgets); pinned into every replay, decided by the reduce
-    ranks: int = 1  # the capture's world size, and every replay's unless its arm declares distributed.world_size
-    image_policy: str = "digest"  # "digest" (a cluster render needs image = ...@sha256:...) or "local"
-    queue: str = ""  # a Kueue LocalQueue: label kueue.x-k8s.io/queue-name on every Job and workflow pod
-    capture: CaptureRef | None = None  # [capture]: an existing capture replaces the built-in capture stage
+    name: str = field(metadata={"doc": "Kubernetes name prefix and run directory: a lowercase DNS label of at most "
+                                       "30 characters."})
+    image: str = field(metadata={"doc": "The image built from docker/Dockerfile; on a cluster, "
+                                        "REGISTRY/replayjob@sha256:... (see image_policy)."})
+    gpu_product: str = field(metadata={"doc": "Node label nvidia.com/gpu.product of the GPU nodes to use."})
+    arms: tuple[Arm, ...] = field(metadata={
+        "doc": "The [arms.NAME] tables, one per arm (at least one), in file order; NAME is a lowercase DNS label "
+               "of at most 20 characters. Each maps a quoted dotted config key to a TOML value (a boolean, a "
+               "number, or a string without whitespace or quotes): the systems-only knobs its replays change. "
+               "Every key must be a registered knob and is declared in optimizer_batch.allow_config_differences, "
+               "so it is the only difference allowed; distributed.world_size sets how many ranks the arm's "
+               "replays run. An empty table is an arm that changes nothing."})
+    repeats: int = field(default=3, metadata={"doc": "Fresh replays per arm (>= 1)."})
+    min_repeats: int = field(default=0, metadata={
+        "doc": "The reducer refuses fewer repeats per arm: 0..repeats, where 0 means repeats."})
+    claim: str = field(default="exact-input", metadata={
+        "doc": "What `replayjob reduce` checks: " + " or ".join(f"'{c}'" for c in CLAIMS) + "."})
+    seed: int = field(default=123, metadata={
+        "doc": "Seed of `replayjob init` (initial adapter, example configs) and of a paired schedule (>= 0)."})
+    device: str = field(default="cuda", metadata={
+        "doc": "'cuda' (one GPU per rank) or 'cpu' (the same Jobs without GPUs)."})
+    model_path: str = field(default="", metadata={
+        "doc": "A model directory on the shared volume ('' = the built-in tiny model); needs resume. With "
+               "[capture], the base model directory the replays load (its files are hashed against the "
+               "capture's)."})
+    resume: str = field(default="", metadata={
+        "doc": "A resume state (step -1) on the shared volume ('' = the one `replayjob init` writes); refused "
+               "with [capture]."})
+    config: dict[str, Value] = field(default_factory=dict, metadata={
+        "doc": "The [config] table: overrides applied to the capture and to every replay, each a quoted dotted "
+               "config key = TOML value (as in an arm). Never distributed.world_size (that is ranks). With "
+               "[capture], replay settings (optimizer_batch.*) only, and none of those the step sets itself."})
+    claim_name: str = field(default="replayjob-artifacts", metadata={
+        "doc": "The ReadWriteMany PVC holding every artifact."})
+    storage: str = field(default="50Gi", metadata={"doc": "Size of that claim (a Kubernetes quantity)."})
+    storage_class: str = field(default="", metadata={
+        "doc": "A storage class offering ReadWriteMany (kubectl get storageclass; standard-rwx on GKE, efs-sc on "
+               "EKS, azurefile-csi on AKS, NFS, CephFS); required to render for a cluster."})
+    cpu: str = field(default="8", metadata={
+        "doc": "CPU per rank (a Kubernetes quantity): a pod of N ranks requests N times cpu, requests equal "
+               "limits, and each rank's OMP_NUM_THREADS is its share."})
+    memory: str = field(default="64Gi", metadata={
+        "doc": "Memory per rank (a Kubernetes quantity): a pod of N ranks requests N times memory, requests "
+               "equal limits."})
+    shm: str = field(default="8Gi", metadata={"doc": "Size of the memory-backed /dev/shm (a Kubernetes quantity)."})
+    deadline_s: int = field(default=21600, metadata={
+        "doc": "activeDeadlineSeconds of each pod, Jobs and Argo steps (>= 60); the Jobs' and the workflow's own "
+               "are sized from it, the waves and the retries."})
+    parallelism: int = field(default=4, metadata={
+        "doc": "Replays running at once, all arms together (>= 1; at most one per GPU node)."})
+    node_gpus: int = field(default=0, metadata={
+        "doc": "0: one GPU per rank, and no other replayjob GPU pod on the node (any namespace); N (1..64): "
+               "request all N GPUs of the node, so no pod of anyone can share it (a run's ranks must fit)."})
+    driver_version: str = field(default="", metadata={
+        "doc": "'' = any driver; else only nodes whose driver_label has this value."})
+    driver_label: str = field(default="nvidia.com/cuda.driver.major", metadata={
+        "doc": "The node label (GPU feature discovery) driver_version is matched against."})
+    priority_class: str = field(default="", metadata={
+        "doc": "PriorityClass of every pod of a run ('' = the cluster default)."})
+    semaphore: str = field(default="", metadata={
+        "doc": "Argo: a CONFIGMAP/KEY semaphore limiting the GPU pods of all workflows ('' = none)."})
+    mixed_hardware: bool = field(default=False, metadata={
+        "doc": "true declares that arms may run on different GPUs, drivers or images."})
+    schedule: str = field(default="", metadata={
+        "doc": "'' = index -> (arm, repeat), arms in file order; " + " or ".join(f"'{d}'" for d in DESIGNS)
+               + ": a paired schedule seeded by seed (index i is in block i // arms), each replay recording its "
+               "slot (docs/verdict-format.md, Budgets)."})
+    budgets: str = field(default="", metadata={
+        "doc": "A budget TOML (docs/budgets.md) decided by the reduce (reduce --budgets); needs schedule, is "
+               "pinned into every replay, and the first arm is the baseline ('' = none)."})
+    ranks: int = field(default=1, metadata={
+        "doc": f"The capture's world size (torch.distributed ranks, one GPU each; 1..{MAX_RANKS}), and every "
+               "replay's unless its arm sets distributed.world_size; > 1 needs distributed.strategy = 'ddp' in "
+               "[config]."})
+    image_policy: str = field(default="digest", metadata={
+        "doc": "'digest': rendering for a cluster refuses an image not named by its digest "
+               "(REGISTRY/replayjob@sha256:...); 'local': a tag is accepted (a workstation, kind)."})
+    queue: str = field(default="", metadata={
+        "doc": "A Kueue LocalQueue: label kueue.x-k8s.io/queue-name on every Job and workflow pod ('' = none)."})
+    capture: CaptureRef | None = field(default=None, metadata={
+        "doc": "The [capture] table: an existing capture (any producer) replayed instead of running the built-in "
+               "capture stage; its arm keys are checked against that producer's knobs, resume is refused and "
+               "[config] holds replay settings only."})
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name) or len(self.name) > 30:

@@ -56,6 +56,31 @@ TIME_METRICS = ("local_train_wall_s", "forward_wall_s", "backward_wall_s", "opti
 MEMORY_METRIC = "peak_memory_bytes"
 CUDA_MEMORY = "cuda_max_allocated"
 KINDS = ("max_ratio", "min_ratio")
+# The meaning of each top-level key, metric and bound kind of a budget file (docs/budgets.md is rendered from them).
+KEY_DOCS: dict[str, str] = {
+    "baseline": "Optional: the arm (a string) every ratio's denominator is measured on; when reduce --baseline "
+                "names one too, the two must agree.",
+    "allow_cross_node": "Optional, true or false (default false): true admits pairs whose two replays ran on "
+                        "different hosts or devices; declared before the runs, hence pinned.",
+}
+METRIC_DOCS: dict[str, str] = {
+    "local_train_wall_s": "The replay's measured seconds of its one optimizer update (micro-batch assembly, "
+                          "forward, backward, gradient clipping, optimizer step; device-synchronised on CUDA).",
+    "forward_wall_s": "The replay's measured seconds of the update's forward passes.",
+    "backward_wall_s": "The replay's measured seconds of the update's backward passes.",
+    "optimizer_wall_s": "The replay's measured seconds of the update's optimizer step.",
+    "in_process_train_wall_s": "The median of the replay's measured in-process updates' seconds; needs "
+                               "optimizer_batch.measured_updates >= 1 in every replay.",
+    MEMORY_METRIC: "The replay's peak memory in bytes: decided only when every paired replay measured CUDA peak "
+                   "allocated memory (reset per replay); otherwise (CPU max RSS, which only grows within a "
+                   "process) the bound is reported not_measurable and changes nothing.",
+}
+KIND_DOCS: dict[str, str] = {
+    "max_ratio": "Upper bound X on the ratio arm / baseline: pass when the interval's high <= X, fail when its "
+                 "low > X, else inconclusive.",
+    "min_ratio": "Lower bound Y on the ratio arm / baseline: pass when the interval's low >= Y, fail when its "
+                 "high < Y, else inconclusive.",
+}
 ALPHA = 0.05
 PROCEDURE = "bonferroni-alpha-spending"
 ESTIMATE_FORMULA = "more = max(1, ceil(n * (h / |ln(limit / estimate)|)^2) - n)"
