@@ -26,6 +26,7 @@ _PUBLIC = {
     "ChosenSteps": "replayjob.integrations.capture",
     "CaptureResult": "replayjob.integrations.capture",
     "StepsResult": "replayjob.integrations.capture",
+    "CaptureError": "replayjob.errors",
     "Target": "replayjob.integrations.torch_loop",
     "optimizer_step": "replayjob.integrations.torch_loop",
     "capture_optimizer_batch": "replayjob.integrations.trl",

@@ -85,6 +85,10 @@ class ArtifactExistsError(RefusedError):
     """A write would overwrite an existing artifact."""
 
 
+class CaptureError(RefusedError):
+    """The step cannot be captured as asked (a precondition of the capture API does not hold)."""
+
+
 class NegativeVerdict(ReplayjobError):
     """A valid negative verdict (exit 1): the input was sound and the answer is 'no'."""
 

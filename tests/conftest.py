@@ -24,7 +24,7 @@ import torch
 
 from replayjob import determinism
 from replayjob.cli import main
-from replayjob.integrations import capture as cap
+from replayjob.integrations import _files
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"
@@ -229,7 +229,7 @@ def trl_capture(trl_base: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     out = tmp_path_factory.mktemp("trl_capture")
     trainer, handle = grpo(trl_base, out, capture_step=TRL_STEP)
     return {"dir": out, "result": handle.result, "log": trainer.state.log_history,
-            "adapter": {n: p.detach().clone() for n, p in cap.trainable_parameters(trainer.model).items()}}
+            "adapter": {n: p.detach().clone() for n, p in _files.trainable_parameters(trainer.model).items()}}
 
 
 @pytest.fixture(scope="session")

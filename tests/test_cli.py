@@ -166,7 +166,7 @@ def test_a_closed_output_never_changes_the_exit_code(argv: list[str], code: int,
 def test_an_error_raised_into_a_user_s_script_reads_as_the_cli_prints_it(tmp_path: Path) -> None:
     """The capture API raises into training scripts: ``str(exc)`` names where and how to fix, as the CLI does."""
     from replayjob.errors import ArtifactExistsError
-    from replayjob.integrations.capture import refuse_existing
+    from replayjob.integrations._files import refuse_existing
 
     (tmp_path / "metrics.json").write_text("{}")
     with pytest.raises(ArtifactExistsError) as info:

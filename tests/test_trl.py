@@ -26,6 +26,7 @@ from conftest import grpo
 
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes, sha256_json
+from replayjob.integrations import _files
 from replayjob.integrations import capture as cap
 from replayjob.jsonio import canonical_bytes
 
@@ -50,7 +51,7 @@ def test_capture_writes_the_step_with_pins_and_a_ready_replay_toml(trl_capture: 
             "ref_per_token_logps", "num_items_in_batch"} <= keys
     assert m["micro_batches"][0]["sync_gradients"] is False and m["micro_batches"][1]["sync_gradients"] is True
     assert m["optimizer"]["tensors"] and m["optimizer"]["scheduler"]["last_epoch"] == STEP  # K > 0: Adam moments
-    assert set(m["config"]["resolved"]["stack"]) == set(cap.STACK)
+    assert set(m["config"]["resolved"]["stack"]) == set(_files.STACK)
     metrics = _metrics(d)
     log = [h for h in trl_capture["log"] if "grad_norm" in h]
     assert metrics["grad_norm"] == log[STEP]["grad_norm"]
@@ -67,7 +68,7 @@ def test_capture_does_not_change_training(trl_base: Path, trl_capture: dict[str,
     on = [(h.get("loss"), h.get("grad_norm")) for h in trl_capture["log"]]
     off = [(h.get("loss"), h.get("grad_norm")) for h in trainer.state.log_history]
     assert on == off and len(on) == 4  # three steps and the summary, bitwise equal
-    final = cap.trainable_parameters(trainer.model)
+    final = _files.trainable_parameters(trainer.model)
     assert set(final) == set(trl_capture["adapter"])
     assert all(torch.equal(final[n], t) for n, t in trl_capture["adapter"].items())
 
@@ -409,7 +410,7 @@ def _rewritten(res: Any, d: Path, **trl: Any) -> list[str]:
 def _update(d: Path, initial: dict[str, torch.Tensor]) -> torch.Tensor:
     from safetensors.torch import load_file
 
-    final = load_file(str(d / cap.FINAL_ADAPTER_FILE))
+    final = load_file(str(d / _files.FINAL_ADAPTER_FILE))
     return torch.cat([(final[n].double() - initial[n].double()).reshape(-1) for n in sorted(initial)])
 
 

@@ -35,7 +35,7 @@ from replayjob.config.schema import OptimizerBatchConfig
 from replayjob.digest import sha256_json
 from replayjob.distributed import launch_env
 from replayjob.errors import ConfigError, IntegrityError, RefusedError
-from replayjob.integrations import capture as cap
+from replayjob.integrations import _files, _microbatch
 from replayjob.integrations import manifest as imanifest
 from replayjob.integrations.manifest import Manifest
 from replayjob.optbatch.explain import SKIPPED, Refusals, check_contract, check_differences, check_pins
@@ -105,7 +105,7 @@ class Admission(Refusals):
     pins: dict[str, str] = field(default_factory=dict)
     given: PinnedManifest | None = None  # the manifest as a caller already verified it
     manifest: Manifest | None = None
-    micro_batches: list[cap.MicroBatch] | None = None
+    micro_batches: list[_microbatch.MicroBatch] | None = None
     adapter: dict[str, torch.Tensor] | None = None
     optimizer: dict[str, torch.Tensor] | None = None
     resolved: dict[str, Any] | None = None
@@ -114,7 +114,7 @@ class Admission(Refusals):
     observed: list[str] = field(default_factory=list)
     #: a capture over several processes: each process's micro-batches (``micro_batches`` holds them all, in rank
     #: order); None for a one-process capture
-    rank_micro_batches: list[list[cap.MicroBatch]] | None = None
+    rank_micro_batches: list[list[_microbatch.MicroBatch]] | None = None
     #: how many processes the replay runs on (the launcher's, or --nproc in the process that launches them)
     processes: int = 1
 
@@ -163,15 +163,15 @@ def _group(tensors: dict[str, torch.Tensor], prefix: str, spec: dict[str, Any], 
         if t is None:
             adm.refuse(f"{where}: tensor {prefix}{name} is missing from the payload", integrity=True)
             continue
-        if cap.dtype_name(t) != want["dtype"] or list(t.shape) != want["shape"]:
-            adm.refuse(f"{where}: {prefix}{name} is {cap.dtype_name(t)}{list(t.shape)}, the manifest says "
+        if _microbatch.dtype_name(t) != want["dtype"] or list(t.shape) != want["shape"]:
+            adm.refuse(f"{where}: {prefix}{name} is {_microbatch.dtype_name(t)}{list(t.shape)}, the manifest says "
                        f"{want['dtype']}{want['shape']}", integrity=True)
         out[name] = t
     return out
 
 
 def _check_payload(adm: Admission, m: Manifest, tensors: dict[str, torch.Tensor],
-                   part: bool = False) -> list[cap.MicroBatch] | None:
+                   part: bool = False) -> list[_microbatch.MicroBatch] | None:
     """The payload against its manifest; the micro-batches (``part``: one process's of several, checked against
     its own manifest only; the caller checks the whole against the root and the pins)."""
     left = dict(tensors)
@@ -183,20 +183,20 @@ def _check_payload(adm: Admission, m: Manifest, tensors: dict[str, torch.Tensor]
         rng = {k: left.pop(f"mb{i:04d}.rng.{k}") for k in e["rng"] if f"mb{i:04d}.rng.{k}" in left}
         if sorted(rng) != sorted(e["rng"]):
             adm.refuse(f"{w}: RNG states {sorted(rng)} differ from the manifest's {e['rng']}", integrity=True)
-        mbs.append(cap.MicroBatch(ins, dict(e["inputs"]["values"]), call, dict(e["call"]["values"]), rng,
+        mbs.append(_microbatch.MicroBatch(ins, dict(e["inputs"]["values"]), call, dict(e["call"]["values"]), rng,
                                   e["sync_gradients"], e["accumulation_steps"]))
     if left:
         adm.refuse(f"{m.file('payload')}: tensors the manifest does not describe: {sorted(left)[:5]}", integrity=True)
     if not adm.admitted:
         return None
-    logical = cap.logical_digest(mbs)
+    logical = _microbatch.logical_digest(mbs)
     pin = None if part else adm.pins.get("expected_logical_sha256")
     if logical != m.logical_sha256:
         adm.refuse(f"payload inputs hash to {logical}, the manifest says {m.logical_sha256}", integrity=True)
     elif pin is not None and pin != logical:
         adm.refuse(f"wrong logical pin: expected_logical_sha256 is {pin}, the captured inputs are {logical}",
                    integrity=True)
-    effective = cap.effective_digest(mbs)
+    effective = _microbatch.effective_digest(mbs)
     if effective != m.effective_sha256:
         adm.refuse(f"payload RNG and accumulation settings hash to {effective}, the manifest says "
                    f"{m.effective_sha256}", integrity=True)
@@ -218,7 +218,7 @@ def _check_parts(adm: Admission, m: imanifest.RootManifest) -> None:
             return
         parts.append(mbs)
     every = [mb for p in parts for mb in p]
-    logical = cap.logical_digest(every)
+    logical = _microbatch.logical_digest(every)
     pin = adm.pins.get("expected_logical_sha256")
     if logical != m.logical_sha256:
         adm.refuse(f"the processes' inputs in rank order hash to {logical}, the root says {m.logical_sha256}",
@@ -226,17 +226,17 @@ def _check_parts(adm: Admission, m: imanifest.RootManifest) -> None:
     elif pin is not None and pin != logical:
         adm.refuse(f"wrong logical pin: expected_logical_sha256 is {pin}, the captured inputs are {logical}",
                    integrity=True)
-    if cap.effective_digest(every) != m.effective_sha256:
+    if _microbatch.effective_digest(every) != m.effective_sha256:
         adm.refuse("the processes' RNG and accumulation settings do not hash to the root's effective digest",
                    integrity=True)
     _check_nonfinite(adm, m, every)
     adm.micro_batches, adm.rank_micro_batches = every, parts
 
 
-def _check_nonfinite(adm: Admission, m: Manifest, mbs: list[cap.MicroBatch]) -> None:
+def _check_nonfinite(adm: Admission, m: Manifest, mbs: list[_microbatch.MicroBatch]) -> None:
     """Inputs holding NaN/Inf replay only when the manifest flags them and the config opts in."""
     assert adm.cfg is not None
-    found, flagged = cap.has_nonfinite(mbs), bool(m.doc["rows"].get("nonfinite_inputs", False))
+    found, flagged = _microbatch.has_nonfinite(mbs), bool(m.doc["rows"].get("nonfinite_inputs", False))
     if found != flagged:
         adm.refuse(f"{m.file('payload')}: the inputs {'hold' if found else 'hold no'} non-finite values but the "
                    f"manifest's rows.nonfinite_inputs says {str(flagged).lower()}", integrity=True)
@@ -283,7 +283,7 @@ def _check_base_model(adm: Admission) -> None:
         return
     want = adm.manifest.doc["base_model"]
     try:
-        have = cap.base_model_identity(adm.cfg.model["path"])
+        have = _files.base_model_identity(adm.cfg.model["path"])
     except RefusedError as exc:
         adm.refuse(f"model.path: {exc.message}")
         return
@@ -355,7 +355,7 @@ def _check_config(adm: Admission) -> None:
     mirror = getattr(fw, "mirror_aliases", None)
     if mirror is not None:
         resolved[cfg.framework] = mirror(resolved[cfg.framework])
-    resolved["stack"] = cap.versions(src.get("stack", {}))
+    resolved["stack"] = _files.versions(src.get("stack", {}))
     if "distributed" in src:
         resolved["distributed"] = {"num_processes": adm.processes}
     adm.resolved = resolved

@@ -30,7 +30,6 @@ Several steps of one run: :class:`ChosenSteps` hands out one :class:`StepCapture
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 import platform
 from collections.abc import Iterable, Mapping
@@ -45,254 +44,47 @@ from replayjob import determinism
 from replayjob import metrics as metrics_io
 from replayjob.config import redact
 from replayjob.config.dump import replay_pins, section, toml_value
-from replayjob.digest import batch_part, batch_sha256, sha256_bytes, sha256_file, sha256_json
-from replayjob.errors import ArtifactExistsError, ConfigError, RefusedError, UsageError
+from replayjob.digest import sha256_bytes
+from replayjob.errors import CaptureError
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.integrations import manifest as imanifest
+from replayjob.integrations._files import (
+    FINAL_ADAPTER_FILE,
+    METRICS_FILE,
+    REPLAY_TOML,
+    STACK,
+    adapter_file_bytes,
+    base_model_identity,
+    capture_config,
+    capture_file_names,
+    chosen_steps,
+    entry_identity,
+    refuse_existing,
+    save_adapter,
+    trainable_parameters,
+)
+from replayjob.integrations._microbatch import (
+    MicroBatch,
+    captured_json,
+    effective_digest,
+    has_nonfinite,
+    logical_digest,
+    rows_summary,
+    split_group,
+)
 from replayjob.optbatch.manifest import outcome, replay_config_name
 from replayjob.producers import EXTERNAL, producer_module
-from replayjob.redact import redact_path
 from replayjob.rl.state import (
     adapter_bytes,
-    json_value,
     optimizer_bytes_of,
     rng_tensors,
     safetensors_bytes,
     split_optimizer_state,
 )
 
-FINAL_ADAPTER_FILE = "final_adapter/adapter_model.safetensors"
-METRICS_FILE = metrics_io.SOURCE_FILE
-REPLAY_TOML = "replay.toml"
-BASE_MODEL_FILES = ("config.json",)  # hashed with every *.safetensors and *.safetensors.index.json
-_PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-STACK = ("torch", "transformers", "peft", "accelerate", "trl")
-
-
-class CaptureError(RefusedError):
-    """The step cannot be captured as asked (a precondition of the capture API does not hold)."""
-
-
-# -- pieces shared by capture and admission ---------------------------------------------------------
-
-def versions(packages: Iterable[str]) -> dict[str, str | None]:
-    """Installed versions (package metadata, nothing imported); None for a package not installed."""
-    out: dict[str, str | None] = {}
-    for name in packages:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-def base_model_identity(path: str | Path) -> dict[str, Any]:
-    """The base model as a directory of files: config and safetensors weights, each by SHA-256.
-
-    Refused: a path that is not a local directory, one without ``config.json`` or safetensors
-    weights, and one whose weights are only pickle-based (``.bin``/``.pt``), which replay never loads.
-    """
-    d = Path(path)
-    if not d.is_dir():
-        raise CaptureError("the base model was not loaded from a local directory (its weights must be hashable "
-                           "and loadable at replay)", where=str(path),
-                           hint="download the model to a directory and load it from there "
-                                "(from_pretrained('/path/to/dir'))")
-    names = sorted(p.name for p in d.iterdir() if p.is_file() and not p.is_symlink()
-                   and (p.name in BASE_MODEL_FILES or p.name.endswith((".safetensors", ".safetensors.index.json"))))
-    if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
-        pickled = sorted(p.name for p in d.iterdir() if p.name.endswith(_PICKLE_WEIGHTS))
-        raise CaptureError("the base model directory needs config.json and safetensors weights"
-                           + (f" (found only pickle-based {pickled}, which replayjob never loads)" if pickled else ""),
-                           where=d, hint="save the model with save_pretrained(dir, safe_serialization=True)")
-    files = {n: sha256_file(d / n) for n in names}
-    return {"path": redact_path(d.resolve()), "files": files, "sha256": sha256_json(files)}
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The tensor's elements as bytes, in row-major order (the safetensors data layout)."""
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return bytes(flat.view(torch.uint8).numpy().tobytes()) if flat.numel() else b""
-
-
-def dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def _json_value(v: Any, where: str) -> Any:
-    try:
-        return json_value(v, where)
-    except RefusedError as exc:
-        raise CaptureError(exc.message, where=exc.where, hint=exc.hint) from None
-
-
-def split_group(values: Mapping[str, Any], where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors (detached CPU copies in their own dtype) and JSON values of one input mapping."""
-    tensors: dict[str, torch.Tensor] = {}
-    plain: dict[str, Any] = {}
-    for key, v in values.items():
-        if not isinstance(key, str) or not key or "." in key:
-            raise CaptureError(f"{where} key {key!r} must be a non-empty string without '.'", where=where)
-        if isinstance(v, torch.Tensor):
-            tensors[key] = v.detach().to("cpu", copy=True).contiguous()
-        else:
-            plain[key] = _json_value(v, f"{where}.{key}")
-    return tensors, plain
-
-
-def describe(tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> dict[str, Any]:
-    """One micro-batch group as the manifest records it."""
-    return {"tensors": {k: {"dtype": dtype_name(t), "shape": list(t.shape)} for k, t in sorted(tensors.items())},
-            "values": dict(sorted(values.items()))}
-
-
-@dataclass
-class MicroBatch:
-    """One recorded loss call: its inputs, keyword arguments, RNG and accumulation settings."""
-
-    inputs: dict[str, torch.Tensor]
-    input_values: dict[str, Any]
-    call: dict[str, torch.Tensor]
-    call_values: dict[str, Any]
-    rng: dict[str, torch.Tensor]
-    sync_gradients: bool
-    accumulation_steps: int
-
-    def entry(self) -> dict[str, Any]:
-        return {"inputs": describe(self.inputs, self.input_values), "call": describe(self.call, self.call_values),
-                "rng": sorted(self.rng), "sync_gradients": self.sync_gradients,
-                "accumulation_steps": self.accumulation_steps}
-
-    def payload(self, i: int) -> dict[str, torch.Tensor]:
-        out = {f"mb{i:04d}.inputs.{k}": t for k, t in self.inputs.items()}
-        out.update({f"mb{i:04d}.call.{k}": t for k, t in self.call.items()})
-        out.update({f"mb{i:04d}.rng.{k}": t for k, t in self.rng.items()})
-        return out
-
-
-def _tensor(t: torch.Tensor) -> tuple[str, list[int], str]:
-    return dtype_name(t), list(t.shape), sha256_bytes(tensor_bytes(t))
-
-
-def logical_entries(mbs: list[MicroBatch]) -> list[dict[str, Any]]:
-    """The parts :func:`logical_digest` hashes: per micro-batch, its ``inputs.<key>`` and ``call.<key>``
-    tensors and values (:func:`replayjob.digest.batch_part`)."""
-    return [batch_part({**{f"inputs.{k}": _tensor(t) for k, t in m.inputs.items()},
-                        **{f"call.{k}": _tensor(t) for k, t in m.call.items()}},
-                       {**{f"inputs.{k}": v for k, v in m.input_values.items()},
-                        **{f"call.{k}": v for k, v in m.call_values.items()}}) for m in mbs]
-
-
-def logical_digest(mbs: list[MicroBatch]) -> str:
-    """The one batch digest (:func:`replayjob.digest.batch_sha256`, kind ``logical``) of every input (name,
-    dtype, shape, bytes) and value of every micro-batch, in order."""
-    return batch_sha256("logical", logical_entries(mbs))
-
-
-def effective_entries(mbs: list[MicroBatch]) -> list[dict[str, Any]]:
-    """The parts :func:`effective_digest` hashes: each micro-batch's logical part plus its ``rng.<device>``
-    states and its ``sync_gradients`` and ``accumulation_steps``."""
-    out = []
-    for m, part in zip(mbs, logical_entries(mbs), strict=True):
-        rng = {f"rng.{k}": _tensor(t) for k, t in m.rng.items()}
-        values = {**part["values"], "sync_gradients": m.sync_gradients, "accumulation_steps": m.accumulation_steps}
-        out.append(batch_part({**{k: tuple(v) for k, v in part["tensors"].items()}, **rng}, values))
-    return out
-
-
-def effective_digest(mbs: list[MicroBatch]) -> str:
-    """The batch digest (kind ``effective``) of what each loss call consumed: its inputs, its RNG states and
-    its accumulation settings."""
-    return batch_sha256("effective", effective_entries(mbs))
-
-
-def batch_rows(mbs: list[MicroBatch]) -> int:
-    """Rows (sequences, samples) the micro-batches hold: per micro-batch the largest leading dimension of
-    its input tensors (the batch dimension every per-row input shares), at least 1."""
-    return sum(max([int(t.shape[0]) for t in m.inputs.values() if t.dim() > 0] + [1]) for m in mbs)
-
-
-def has_nonfinite(mbs: list[MicroBatch]) -> bool:
-    """True when a floating-point input tensor of a micro-batch holds NaN or Inf."""
-    return any(t.is_floating_point() and not bool(torch.isfinite(t).all())
-               for m in mbs for t in (*m.inputs.values(), *m.call.values()))
-
-
-def rows_summary(mbs: list[MicroBatch]) -> dict[str, int]:
-    ts = [t for m in mbs for t in (*m.inputs.values(), *m.call.values())]
-    return {"rows": batch_rows(mbs), "micro_batches": len(mbs), "tensors": len(ts),
-            "elements": sum(t.numel() for t in ts), "bytes": sum(t.numel() * t.element_size() for t in ts)}
-
-
-def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The parameters the optimizer updates (``requires_grad``), by name, in the model's order."""
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def save_adapter(path: Path, model: torch.nn.Module) -> str:
-    """Write the trainable parameters as safetensors (atomically); return the file's SHA-256.
-
-    Capture (after the real update) and replay write the final adapter through this one function,
-    so equal parameters give equal files.
-    """
-    data = adapter_file_bytes(model)
-    atomic_write_bytes(path, data, exclusive=True)
-    return sha256_bytes(data)
-
-
-def adapter_file_bytes(model: torch.nn.Module) -> bytes:
-    """The trainable parameters as the bytes :func:`save_adapter` writes (what a final adapter SHA-256 covers):
-    :func:`replayjob.rl.state.adapter_bytes`, the serialisation every producer's adapter files use."""
-    return adapter_bytes(trainable_parameters(model))
-
-
-def entry_identity(entry: str) -> dict[str, str]:
-    """``FILE.py:function`` as recorded: the resolved file path, the function name and the file's SHA-256."""
-    path, sep, func = entry.rpartition(":")
-    if not sep or not path.endswith(".py") or not func.isidentifier():
-        raise ConfigError(f"entry {entry!r} is not FILE.py:function", where="integration.entry",
-                          hint="name the replay target, e.g. examples/plain_torch_loop.py:replay_target")
-    p = Path(path).resolve()
-    if not p.is_file():
-        raise ConfigError("replay target file not found", where=str(p))
-    return {"file": str(p), "function": func, "sha256": sha256_file(p)}
-
-
-def capture_config(config: dict[str, Any], stack: Iterable[str]) -> dict[str, Any]:
-    """The config a capture records: the caller's, with the installed ``stack`` versions, redacted."""
-    out: dict[str, Any] = redact({**config, "stack": versions(stack)})
-    return out
-
-
-def capture_file_names(step: int, *, several: bool) -> list[str]:
-    """Every name a capture of ``step`` creates: one step alone (``several`` false) also writes
-    ``final_adapter/``, ``metrics.json`` and ``replay.toml``; one of several chosen steps writes its
-    ``replay_step_<K:06d>.toml`` (metrics.json, shared by the steps, is checked once by the caller)."""
-    names = list(imanifest.file_names(step).values())
-    return names + ([replay_config_name(step)] if several else [METRICS_FILE, REPLAY_TOML, FINAL_ADAPTER_FILE])
-
-
-def refuse_existing(out_dir: Path, names: Iterable[str]) -> None:
-    """Refuse (before any work) when one of ``names`` already exists in ``out_dir``: never overwritten."""
-    for name in names:
-        if (out_dir / name).exists():
-            raise ArtifactExistsError("a capture already exists here", where=out_dir / name,
-                                      hint="choose a new output directory")
-
-
-def chosen_steps(steps: Any) -> tuple[int, ...]:
-    """Validate a list of chosen steps: integers >= 0, no duplicates, at least one; returned in order."""
-    if isinstance(steps, str | bytes) or not isinstance(steps, Iterable):
-        raise UsageError(f"steps must be a list of step numbers, found {steps!r}", where="steps")
-    ks = list(steps)
-    bad = [k for k in ks if isinstance(k, bool) or not isinstance(k, int) or k < 0]
-    if bad or not ks:
-        raise UsageError(f"steps must be integers >= 0 (0-based optimizer steps), found {ks!r}", where="steps",
-                         hint="e.g. steps=[1, 3]")
-    dup = sorted({k for k in ks if ks.count(k) > 1})
-    if dup:
-        raise UsageError(f"steps {dup} are listed more than once", where="steps", hint="list each step once")
-    return tuple(sorted(ks))
+#: the capture API (what a user's loop imports); the pieces it is made of are internals
+#: (:mod:`replayjob.integrations._microbatch`, :mod:`replayjob.integrations._files`)
+__all__ = ["CaptureError", "CaptureResult", "ChosenSteps", "StepCapture", "StepsResult"]
 
 
 # -- the capture ------------------------------------------------------------------------------------
@@ -370,7 +162,7 @@ class StepCapture:
         if entry:  # a plain loop's replay target (FILE.py:function), pinned by the file's SHA-256
             state["entry"] = ident = entry_identity(entry)
             self.entry = f"{ident['file']}:{ident['function']}"
-        self.framework_state = _json_value(state, "framework_state")
+        self.framework_state = captured_json(state, "framework_state")
         self.micro_batches: list[MicroBatch] = []
         self.loss = 0.0
         self._adapter: dict[str, torch.Tensor] | None = None
@@ -387,7 +179,7 @@ class StepCapture:
         self._adapter = {n: p.detach().to("cpu", copy=True) for n, p in trainable_parameters(self.model).items()}
         tensors, doc = split_optimizer_state(self.optimizer.state_dict())
         sched = self.scheduler.state_dict() if self.scheduler is not None else None
-        doc["scheduler"] = _json_value(sched, "scheduler state") if sched is not None else None
+        doc["scheduler"] = captured_json(sched, "scheduler state") if sched is not None else None
         self._optimizer = (tensors, doc)
 
     def record(self, inputs: Mapping[str, Any], call: Mapping[str, Any] | None = None, *,

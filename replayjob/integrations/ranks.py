@@ -38,6 +38,7 @@ from replayjob import metrics as metrics_io
 from replayjob.digest import batch_sha256, sha256_bytes
 from replayjob.errors import ArtifactExistsError
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
+from replayjob.integrations import _files, _microbatch
 from replayjob.integrations import capture as cap
 from replayjob.integrations import manifest as imanifest
 from replayjob.jsonio import canonical_bytes
@@ -47,7 +48,7 @@ from replayjob.optbatch.ranks import land, landed_name, rank_dir
 
 def refuse_existing(out: Path, rank: int, step: int) -> None:
     """Refuse (before training) this process's directory and landing record, and the root's files."""
-    names = [rank_dir(rank), landed_name(rank), *cap.capture_file_names(step, several=False)]
+    names = [rank_dir(rank), landed_name(rank), *_files.capture_file_names(step, several=False)]
     for name in names:
         if (out / name).exists():
             raise ArtifactExistsError("a capture already exists here and is never overwritten", where=out / name,
@@ -62,9 +63,10 @@ def finish(out: Path, c: cap.StepCapture, rank: int, world: int) -> cap.CaptureR
     part = c.result
     assert part is not None
     land(out, rank, world, part.manifest_sha256)
-    mine = {"manifest_sha256": part.manifest_sha256, "logical": cap.logical_entries(c.micro_batches),
-            "effective": cap.effective_entries(c.micro_batches), "rows": cap.rows_summary(c.micro_batches),
-            "nonfinite": cap.has_nonfinite(c.micro_batches)}
+    mbs = c.micro_batches
+    mine = {"manifest_sha256": part.manifest_sha256, "logical": _microbatch.logical_entries(mbs),
+            "effective": _microbatch.effective_entries(mbs), "rows": _microbatch.rows_summary(mbs),
+            "nonfinite": _microbatch.has_nonfinite(mbs)}
     every = distributed.gather_objects(mine)
     distributed.barrier()  # every part is on disk
     done, failed = None, None
@@ -79,7 +81,7 @@ def finish(out: Path, c: cap.StepCapture, rank: int, world: int) -> cap.CaptureR
     if root is None:
         raise cap.CaptureError("process 0 could not write the root manifest (its own error says why)",
                                where=str(out), hint="nothing of this capture is usable; capture again")
-    return cap.CaptureResult(out, Path(root["manifest"]), root["sha256"], root["logical"], out / cap.REPLAY_TOML,
+    return cap.CaptureResult(out, Path(root["manifest"]), root["sha256"], root["logical"], out / _files.REPLAY_TOML,
                              root["metrics"])
 
 
@@ -101,16 +103,16 @@ def _write_root(out: Path, c: cap.StepCapture, every: list[dict[str, Any]]) -> d
     atomic_write_bytes(path, data, exclusive=True)  # the root: the last manifest written
     sha = sha256_bytes(data)
     sealed = first.doc[OUTCOME]
-    if cap.save_adapter(out / cap.FINAL_ADAPTER_FILE, c.model) != sealed["final_adapter_sha256"]:
+    if _files.save_adapter(out / _files.FINAL_ADAPTER_FILE, c.model) != sealed["final_adapter_sha256"]:
         raise cap.CaptureError("the final adapter file's SHA-256 is not the one sealed in the manifests",
-                               where=out / cap.FINAL_ADAPTER_FILE)
+                               where=out / _files.FINAL_ADAPTER_FILE)
     metrics = metrics_io.capture_document(
         framework=first.framework, step=first.step, logical=logical, effective=effective, manifest_sha256=sha,
         manifest_path=names["manifest"], initial_adapter_sha256=first.initial_adapter_sha256,
-        final_adapter_sha256=sealed["final_adapter_sha256"], final_adapter_path=cap.FINAL_ADAPTER_FILE,
+        final_adapter_sha256=sealed["final_adapter_sha256"], final_adapter_path=_files.FINAL_ADAPTER_FILE,
         loss=sealed["loss"], grad_norm=sealed["grad_norm"], config=first.config)
-    metrics_io.write(out / cap.METRICS_FILE, metrics, exclusive=True)
-    atomic_write_text(out / cap.REPLAY_TOML, c._replay_toml(path.resolve(), sha, logical), exclusive=True)
+    metrics_io.write(out / _files.METRICS_FILE, metrics, exclusive=True)
+    atomic_write_text(out / _files.REPLAY_TOML, c._replay_toml(path.resolve(), sha, logical), exclusive=True)
     return {"manifest": str(path), "sha256": sha, "logical": logical, "metrics": metrics}
 
 

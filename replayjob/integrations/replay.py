@@ -25,7 +25,7 @@ from replayjob.deploy.schedule import Slot
 from replayjob.digest import sha256_bytes
 from replayjob.distributed import launch_env
 from replayjob.errors import ArtifactExistsError, ContractError, UsageError
-from replayjob.integrations import capture as cap
+from replayjob.integrations import _files, _microbatch
 from replayjob.integrations.admission import Admission, ReplayConfig, admit
 from replayjob.metrics import rank_file
 from replayjob.optbatch.manifest import PinnedManifest
@@ -52,14 +52,14 @@ class ReplaySession(Session):
     world: int = 1
 
     # -- what a framework module provides -----------------------------------------------------------
-    def run(self, mb: cap.MicroBatch, inputs: dict[str, Any], call: dict[str, Any],
+    def run(self, mb: _microbatch.MicroBatch, inputs: dict[str, Any], call: dict[str, Any],
             before_loss: Callable[[], None]) -> float:
         raise NotImplementedError
 
     def optimizer_step(self) -> float:
         raise NotImplementedError
 
-    def regroup(self, mbs: list[cap.MicroBatch]) -> list[cap.MicroBatch]:
+    def regroup(self, mbs: list[_microbatch.MicroBatch]) -> list[_microbatch.MicroBatch]:
         """The micro-batches the update runs: the captured ones (a framework whose knobs regroup rows returns
         them regrouped; the logical digest stays the captured inputs')."""
         return mbs
@@ -73,7 +73,7 @@ class ReplaySession(Session):
         """What the framework's knobs are observed from after the update (the built model by default)."""
         return knobs.Runtime(self.model, rows)
 
-    def trace_inputs(self, mb: cap.MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def trace_inputs(self, mb: _microbatch.MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The ``input_ids`` the model receives for ``mb`` and its token mask (a captured ``input_ids`` and
         ``attention_mask`` by default; ``None`` where the capture holds none: not traceable)."""
         ids = mb.inputs.get("input_ids")
@@ -93,7 +93,7 @@ class ReplaySession(Session):
         return self
 
     def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return list(cap.trainable_parameters(self.model).items())
+        return list(_files.trainable_parameters(self.model).items())
 
     def restore(self) -> None:
         load_state(self.adm, self)
@@ -101,7 +101,7 @@ class ReplaySession(Session):
     def plan(self) -> list[MicroStep]:
         out, first = [], 0
         for mb in self.regroup(self.adm.micro_batches or []):
-            n = cap.batch_rows([mb])
+            n = _microbatch.batch_rows([mb])
             ids, mask = self.trace_inputs(mb)
             if (ids is None or mask is None) and self.trace_refusal is None:  # the driver plans before tracing
                 self.trace_refusal = "its captured inputs hold no input_ids (and token mask) the trace can key rows by"
@@ -113,7 +113,7 @@ class ReplaySession(Session):
         self._summed, self.backward_wall_s = 0.0, 0.0
 
     def micro_batch(self, i: int, step: MicroStep, before_loss: Callable[[], None]) -> None:
-        mb: cap.MicroBatch = step.data
+        mb: _microbatch.MicroBatch = step.data
         dev = self.device
         inputs = {**{k: driver.fresh(t, dev) for k, t in mb.inputs.items()}, **mb.input_values}
         call = {**{k: driver.fresh(t, dev) for k, t in mb.call.items()}, **mb.call_values}
@@ -128,8 +128,8 @@ class ReplaySession(Session):
     def save_adapter(self, out: Path) -> Path | None:
         if self.rank != 0:  # several processes: process 0 writes the adapter every process holds
             return None
-        cap.save_adapter(out / cap.FINAL_ADAPTER_FILE, self.model)
-        return out / cap.FINAL_ADAPTER_FILE
+        _files.save_adapter(out / _files.FINAL_ADAPTER_FILE, self.model)
+        return out / _files.FINAL_ADAPTER_FILE
 
     def rank_loss(self) -> float:
         """This process's entry for the step's loss (the replay's loss is the entries' sum in rank order): the
@@ -146,13 +146,13 @@ class ReplaySession(Session):
 
         every = self.adm.micro_batches or []
         mine = self.regroup(every)
-        begin = cap.batch_rows(every[:self.rank * len(mine)]) if self.rank else 0
-        logical = cap.logical_digest(mine)
+        begin = _microbatch.batch_rows(every[:self.rank * len(mine)]) if self.rank else 0
+        logical = _microbatch.logical_digest(mine)
         pad = metrics["padding"]
         doc = metrics_io.rank_document(
-            rank=self.rank, world_size=self.world, replay=metrics, rows=[begin, begin + cap.batch_rows(mine)],
-            shard_logical=logical, shard_effective=cap.effective_digest(mine), loss=self.rank_loss(),
-            micro_batch_rows=[cap.batch_rows([mb]) for mb in mine],
+            rank=self.rank, world_size=self.world, replay=metrics, rows=[begin, begin + _microbatch.batch_rows(mine)],
+            shard_logical=logical, shard_effective=_microbatch.effective_digest(mine), loss=self.rank_loss(),
+            micro_batch_rows=[_microbatch.batch_rows([mb]) for mb in mine],
             # as merge_ranks counts them: padded_tokens are every position after padding
             padding={**pad, "padded_tokens": pad["real_tokens"] + pad["padded_tokens"]})
         out.mkdir(parents=True, exist_ok=True)
@@ -179,16 +179,16 @@ class ReplaySession(Session):
     def document(self, outcome: Outcome, plan: list[MicroStep]) -> dict[str, Any]:
         adm, m, mbs = self.adm, self.adm.manifest, self.adm.micro_batches
         assert m is not None and mbs is not None and adm.cfg is not None
-        logical = cap.logical_digest(mbs)  # the inputs as replayed, hashed again
+        logical = _microbatch.logical_digest(mbs)  # the inputs as replayed, hashed again
         ob = adm.cfg.optimizer_batch
         return dict(
             framework=m.framework,
             pins={"expected_logical_sha256": adm.pins["expected_logical_sha256"],
                   "expected_manifest_sha256": adm.pins["expected_manifest_sha256"],
                   "payload_spans_sha256": m.payload_digest},
-            manifest_sha256=m.sha256, logical=logical, effective=cap.effective_digest(mbs),
+            manifest_sha256=m.sha256, logical=logical, effective=_microbatch.effective_digest(mbs),
             initial_adapter_sha256=m.initial_adapter_sha256, allowed=adm.allowed, observed=adm.observed,
-            knob_values=adm.knob_values(), rows=cap.rows_summary(mbs),
+            knob_values=adm.knob_values(), rows=_microbatch.rows_summary(mbs),
             padding=padding([s.data for s in plan] if self.world > 1 else mbs),  # this process's (land merges)
             rng_restored=sorted({k for mb in mbs for k in mb.rng}),
             tolerances_sha256=ob.tolerances_sha256, budgets_sha256=ob.budgets_sha256,
@@ -196,11 +196,11 @@ class ReplaySession(Session):
 
     def trace_identity(self, runtime: dict[str, Any]) -> dict[str, Any]:
         plan = self.regroup(self.adm.micro_batches or [])
-        return {"micro_batch_size": cap.batch_rows(plan[:1]) if plan else 0,
+        return {"micro_batch_size": _microbatch.batch_rows(plan[:1]) if plan else 0,
                 "gradient_checkpointing": self.gradient_checkpointing(runtime)}
 
 
-def padding(mbs: list[cap.MicroBatch]) -> dict[str, Any]:
+def padding(mbs: list[_microbatch.MicroBatch]) -> dict[str, Any]:
     """Real and padded positions, counted over every captured input named ``*mask``."""
     masks = [t for m in mbs for k, t in m.inputs.items() if k.endswith("mask")]
     total = sum(t.numel() for t in masks)
@@ -213,7 +213,7 @@ def load_state(adm: Admission, session: ReplaySession) -> None:
     """Copy the captured adapter into the trainable parameters and load the optimizer and scheduler state."""
     m = adm.manifest
     assert m is not None and adm.adapter is not None and adm.optimizer is not None
-    params = cap.trainable_parameters(session.model)
+    params = _files.trainable_parameters(session.model)
     if list(params) != list(m.doc["trainable"]):
         missing = sorted(set(m.doc["trainable"]) - set(params))
         extra = sorted(set(params) - set(m.doc["trainable"]))
@@ -253,7 +253,7 @@ def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0, slot: Slot | Non
     adm.raise_if_refused()
 
     launch = launch_env()
-    for name in (driver.METRICS_FILE, cap.FINAL_ADAPTER_FILE, *([rank_file(launch.rank)] if launch.world_size > 1
+    for name in (driver.METRICS_FILE, _files.FINAL_ADAPTER_FILE, *([rank_file(launch.rank)] if launch.world_size > 1
                                                                else [])):
         if (out / name).exists():
             raise ArtifactExistsError("output directory already holds a replay", where=out / name,

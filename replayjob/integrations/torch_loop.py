@@ -24,7 +24,7 @@ import torch
 
 from replayjob import determinism
 from replayjob.errors import ConfigError, ContractError
-from replayjob.integrations import capture as cap
+from replayjob.integrations import _files, _microbatch
 from replayjob.integrations.replay import ReplaySession
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sch
     Clip the trainable parameters' gradients to ``max_grad_norm`` (norm only when None),
     ``optimizer.step()``, ``scheduler.step()`` when there is one, ``optimizer.zero_grad(set_to_none=True)``.
     """
-    params = list(cap.trainable_parameters(model).values())
+    params = list(_files.trainable_parameters(model).values())
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
     optimizer.step()
     if scheduler is not None:
@@ -70,7 +70,7 @@ def contract(resolved: dict[str, Any]) -> dict[str, Any]:
 def check_entry(entry: str, recorded: Any) -> str | None:
     """Why the config's replay target is not the one recorded at capture, or None."""
     try:
-        have = cap.entry_identity(entry)
+        have = _files.entry_identity(entry)
     except ConfigError as exc:
         return exc.diagnostics()
     if not isinstance(recorded, dict) or have["sha256"] != recorded.get("sha256") \
@@ -85,7 +85,7 @@ class TorchSession(ReplaySession):
 
     def __init__(self, adm: Admission, out: Path):
         assert adm.cfg is not None and adm.resolved is not None
-        ident = cap.entry_identity(adm.cfg.entry)
+        ident = _files.entry_identity(adm.cfg.entry)
         spec = importlib.util.spec_from_file_location("replayjob_replay_target", ident["file"])
         if spec is None or spec.loader is None:
             raise ConfigError("cannot import the replay target", where=ident["file"])
@@ -101,7 +101,7 @@ class TorchSession(ReplaySession):
         self.target, self.model, self.optimizer, self.scheduler = t, t.model, t.optimizer, t.scheduler
         self.device = device
 
-    def run(self, mb: cap.MicroBatch, inputs: dict[str, Any], call: dict[str, Any],
+    def run(self, mb: _microbatch.MicroBatch, inputs: dict[str, Any], call: dict[str, Any],
             before_loss: Callable[[], None]) -> float:
         before_loss()
         loss = self.target.loss(self.model, inputs, **call)

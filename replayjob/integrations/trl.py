@@ -53,6 +53,7 @@ import torch
 
 from replayjob import determinism, knobs
 from replayjob.errors import RefusedError, UsageError
+from replayjob.integrations import _files, _microbatch
 from replayjob.integrations import capture as cap
 from replayjob.integrations import ranks as iranks
 from replayjob.integrations.replay import ReplaySession
@@ -265,13 +266,13 @@ def resplit_geometry(source: dict[str, Any], replay: dict[str, Any], rows: int) 
             "steps_per_generation": spg * new_acc // acc}
 
 
-def _row_inputs(mb: cap.MicroBatch) -> tuple[int, list[str]]:
+def _row_inputs(mb: _microbatch.MicroBatch) -> tuple[int, list[str]]:
     """A micro-batch's rows and the names of its per-row inputs (tensors whose first dimension is the rows)."""
-    rows = cap.batch_rows([mb])
+    rows = _microbatch.batch_rows([mb])
     return rows, sorted(k for k, t in mb.inputs.items() if t.dim() > 0 and int(t.shape[0]) == rows)
 
 
-def resplit(mbs: list[cap.MicroBatch], size: int, accumulation_steps: int) -> list[cap.MicroBatch]:
+def resplit(mbs: list[_microbatch.MicroBatch], size: int, accumulation_steps: int) -> list[_microbatch.MicroBatch]:
     """The captured micro-batches' rows, in order, as micro-batches of ``size`` rows, each run with
     ``accumulation_steps``; inputs that are not per-row (equal in every captured micro-batch, checked at
     admission) are shared, and each new micro-batch restores the RNG state of the captured one its first row
@@ -280,13 +281,13 @@ def resplit(mbs: list[cap.MicroBatch], size: int, accumulation_steps: int) -> li
     joined = {k: torch.cat([mb.inputs[k] for mb in mbs]) for k in per_row}
     first_rows = [0]
     for mb in mbs:
-        first_rows.append(first_rows[-1] + cap.batch_rows([mb]))
+        first_rows.append(first_rows[-1] + _microbatch.batch_rows([mb]))
     total = first_rows[-1]
     out = []
     for start in range(0, total, size):
         src = max(i for i in range(len(mbs)) if first_rows[i] <= start)
         ins = {**mbs[0].inputs, **{k: t[start:start + size].clone() for k, t in joined.items()}}
-        out.append(cap.MicroBatch(ins, dict(mbs[0].input_values), dict(mbs[0].call), dict(mbs[0].call_values),
+        out.append(_microbatch.MicroBatch(ins, dict(mbs[0].input_values), dict(mbs[0].call), dict(mbs[0].call_values),
                                   dict(mbs[src].rng), start + size >= total, accumulation_steps))
     return out
 
@@ -319,13 +320,14 @@ def _resplit_refusals(adm: Admission) -> list[str]:
     if dropouts:
         why.append(f"{key}: dropout draws one random mask per micro-batch, so regrouping rows would redraw the "
                    "masks: " + ", ".join(dropouts))
-    rows = cap.batch_rows(mbs)
+    rows = _microbatch.batch_rows(mbs)
     new = t.get("per_device_train_batch_size")
     size, acc, spg = (src.get(k) for k in _GEOMETRY)
     if not isinstance(new, int) or isinstance(new, bool) or new < 1:
         return [*why, f"{key} must be an integer >= 1, found {new!r}"]
-    if rows != size * acc or any(cap.batch_rows([mb]) != size for mb in mbs):
-        why.append(f"{key}: the capture's {len(mbs)} micro-batches of {[cap.batch_rows([mb]) for mb in mbs]} rows "
+    if rows != size * acc or any(_microbatch.batch_rows([mb]) != size for mb in mbs):
+        sizes = [_microbatch.batch_rows([mb]) for mb in mbs]
+        why.append(f"{key}: the capture's {len(mbs)} micro-batches of {sizes} rows "
                    f"are not {acc} of {size} (the captured geometry)")
     elif rows % new or (size * spg) % new:
         why.append(f"{key}: {new} does not divide the step's {rows} rows and the generation batch's {size * spg} "
@@ -399,7 +401,7 @@ def capture_optimizer_batch(trainer: Any, out_dir: str | Path, step: int | None 
         step = 0  # the first optimizer step, as before steps= existed
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be an integer >= 0, found {step!r}", where="step")
-    chosen = (step,) if step is not None else cap.chosen_steps(steps)
+    chosen = (step,) if step is not None else _files.chosen_steps(steps)
     if not isinstance(trainer, GRPOTrainer | RLOOTrainer):
         raise cap.CaptureError(f"expected a trl.GRPOTrainer or trl.RLOOTrainer, found {type(trainer).__name__}",
                                where="trainer")
@@ -497,13 +499,13 @@ class TRLCapture:
                                    where="steps", hint="capture one step (step=K) of a run over several processes")
         if self.world > 1:
             iranks.refuse_existing(out_dir, self.rank, self.step)
-            self._base_model = cap.base_model_identity(self._base_dir)
+            self._base_model = _files.base_model_identity(self._base_dir)
         elif several:  # refused now, before training: existing files, a base model not in a local directory
             self._chosen = cap.ChosenSteps(out_dir, steps=steps, framework=FRAMEWORK, base_model_dir=self._base_dir,
                                            config=config)
         else:
-            cap.refuse_existing(out_dir, cap.capture_file_names(self.step, several=False))
-            self._base_model = cap.base_model_identity(self._base_dir)
+            _files.refuse_existing(out_dir, _files.capture_file_names(self.step, several=False))
+            self._base_model = _files.base_model_identity(self._base_dir)
         handle = self
 
         class _Callback(TrainerCallback):
@@ -698,7 +700,7 @@ class TRLSession(ReplaySession):
                                     "built; the replay never tokenises)") from None
         peft = {k: v for k, v in r["peft"].items() if k in {f.name for f in dataclasses.fields(LoraConfig)}}
         mbs = adm.micro_batches or []
-        self.geometry = resplit_geometry(m.config[FRAMEWORK], r[FRAMEWORK], cap.batch_rows(mbs))
+        self.geometry = resplit_geometry(m.config[FRAMEWORK], r[FRAMEWORK], _microbatch.batch_rows(mbs))
         kind = str(r.get(TRAINER_KEY) or "GRPOTrainer")
         args = _grpo_config({**r[FRAMEWORK], **self.geometry}, out, TRAINERS[kind])
         trainer: Any = getattr(trl, kind)(model=model, reward_funcs=[_no_reward], args=args,
@@ -744,7 +746,7 @@ class TRLSession(ReplaySession):
         trainer.compute_loss = restoring_compute_loss
         trainer.accelerator.backward = timed_backward
 
-    def run(self, mb: cap.MicroBatch, inputs: dict[str, Any], call: dict[str, Any],
+    def run(self, mb: _microbatch.MicroBatch, inputs: dict[str, Any], call: dict[str, Any],
             before_loss: Callable[[], None]) -> float:
         t = self.trainer
         t.accelerator.gradient_state._set_sync_gradients(mb.sync_gradients)
@@ -756,12 +758,12 @@ class TRLSession(ReplaySession):
         self._loss.add(loss)
         return float(loss)
 
-    def regroup(self, mbs: list[cap.MicroBatch]) -> list[cap.MicroBatch]:
+    def regroup(self, mbs: list[_microbatch.MicroBatch]) -> list[_microbatch.MicroBatch]:
         """The captured micro-batches, re-split (:func:`resplit`) when the micro-batch knob changes their size; over
         several processes (or from a capture over several) this process's contiguous run of them in rank order,
         each with the replay's accumulation steps and gradients synchronised with the last."""
         size, acc = self.geometry["per_device_train_batch_size"], self.geometry["gradient_accumulation_steps"]
-        if not all(cap.batch_rows([mb]) == size for mb in mbs):
+        if not all(_microbatch.batch_rows([mb]) == size for mb in mbs):
             return resplit(mbs, size, acc)
         if self.world == 1 and self.adm.rank_micro_batches is None:
             return mbs
@@ -790,7 +792,7 @@ class TRLSession(ReplaySession):
         super().begin(n_micro_batches)
         self._loss = LoggedLoss(self.device)
 
-    def trace_inputs(self, mb: cap.MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def trace_inputs(self, mb: _microbatch.MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The sequence TRL's loss feeds the model: prompt and completion ids, and their masks, side by side."""
         i = mb.inputs
         if not all(k in i for k in ("prompt_ids", "completion_ids", "prompt_mask", "completion_mask")):

@@ -36,8 +36,7 @@ from torch import Tensor
 
 from replayjob import determinism
 from replayjob.errors import UsageError
-from replayjob.integrations import admission
-from replayjob.integrations import capture as cap
+from replayjob.integrations import _microbatch, admission
 from replayjob.integrations.replay import load_state
 from replayjob.mismatch.bound import Bound, read_bound
 from replayjob.mismatch.report import Report, build
@@ -114,7 +113,7 @@ def _forward_logits(model: torch.nn.Module, ids: Tensor, att: Tensor, keep: int)
 
 
 @torch.no_grad()
-def recompute(session: Any, mbs: list[cap.MicroBatch], resolved: dict[str, Any], state: dict[str, Any],
+def recompute(session: Any, mbs: list[_microbatch.MicroBatch], resolved: dict[str, Any], state: dict[str, Any],
               step: int) -> Views:
     trl = resolved.get("trl", {})
     trainer_side, sampler_side = sides(trl)
@@ -182,14 +181,14 @@ def recompute(session: Any, mbs: list[cap.MicroBatch], resolved: dict[str, Any],
     return views
 
 
-def _inputs(mb: cap.MicroBatch, dev: torch.device) -> tuple[Tensor, Tensor, int]:
+def _inputs(mb: _microbatch.MicroBatch, dev: torch.device) -> tuple[Tensor, Tensor, int]:
     ins = mb.inputs
     ids = torch.cat([ins["prompt_ids"], ins["completion_ids"]], dim=1).to(dev)
     att = torch.cat([ins["prompt_mask"], ins["completion_mask"]], dim=1).to(dev)
     return ids, att, int(ins["completion_ids"].shape[1])
 
 
-def _alone(col: Collector, trainer: Any, model: torch.nn.Module, mbs: list[cap.MicroBatch], masks: list[Tensor],
+def _alone(col: Collector, trainer: Any, model: torch.nn.Module, mbs: list[_microbatch.MicroBatch], masks: list[Tensor],
            dev: torch.device, test: str, side: Side, timings: dict[str, float]) -> None:
     """Each sequence alone and unpadded, through TRL's function (``padding``) or with every recorded sampler
     setting (``combined``)."""
