@@ -66,9 +66,11 @@ def source_hooks(cfg: Config, out: Path) -> list[StepHook]:
 
 
 def train_source(cfg: Config, out: Path, extra_hooks: Sequence[StepHook] = ()) -> dict[str, Any]:
-    """Run the source trainer with ``extra_hooks`` (called first) and the configured capture hooks; ``cfg`` as
-    the entry point resolved it (:func:`replayjob.distributed.observe`: the world size the run records)."""
+    """Run the source trainer with ``extra_hooks`` (called first) and the configured capture hooks: the one
+    entry of every source run, where its config is resolved (:func:`replayjob.distributed.observe`: the
+    world size the run records is the launcher's)."""
     try:
+        cfg = distributed.observe(cfg)
         hooks = [*extra_hooks, *source_hooks(cfg, out)]
     except BaseException:
         abandon_all(extra_hooks)
@@ -80,8 +82,9 @@ def train_command(config: str | Path, overrides: list[str], out: str | Path | No
                   capture: bool = False) -> tuple[Path, dict[str, Any]]:
     """``replayjob train`` (``capture``: ``replayjob capture``) in this process, one rank of several under
     torchrun (:mod:`replayjob.distributed`): the world size observed into the config, the process group
-    around the run.  Returns (out dir, metrics); ``{}`` on a rank other than 0 (rank 0 writes metrics.json)."""
-    cfg = distributed.observe(load_config(config, [*overrides, *(["optimizer_batch.capture=true"] if capture else [])]))
+    around the run (the config is resolved by :func:`train_source`).  Returns (out dir, metrics); ``{}`` on a
+    rank other than 0 (rank 0 writes metrics.json)."""
+    cfg = load_config(config, [*overrides, *(["optimizer_batch.capture=true"] if capture else [])])
     out_dir = Path(out or cfg.logging.dir)
     with distributed.process_group(cfg):
         return out_dir, train_source(cfg, out_dir)
