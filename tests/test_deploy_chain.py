@@ -488,6 +488,7 @@ def smoke(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.timed  # the funnel times warm updates: run alone on the host
 def test_local_mid_smoke_on_cpu_passes_and_writes_the_verdict(tmp_path: Path) -> None:
     """The wrapper runs the funnel (docs/funnel.md; every stage is tested in test_funnel.py)."""
     proc = smoke("--repeats", "1", "--fixed-blocks", "--only-ablation", "--out", str(tmp_path / "smoke"))

@@ -42,6 +42,7 @@ def reduce(root: Path, source: Path, claim: str, *extra: str) -> tuple[int, dict
     return code, json.loads(out.read_text())
 
 
+@pytest.mark.timed  # asserts the timing comparison admitted (no contention)
 def test_real_replays_pass_every_claim(replays: Path, capture_dir: Path) -> None:
     for claim, extra in (("exact-input", ("--report", str(replays / "report.md"))), ("bitwise", ()),
                          ("approximate", ("--tolerances", str(replays / "tolerances.toml")))):
