@@ -110,6 +110,7 @@ def test_explain_verifies_every_rank(workspace: Path, capture2: Path, capsys: py
     assert [e["rows"] for e in rep["distributed"]["ranks"]] == [[0, 8], [8, 16]]
 
 
+@pytest.mark.slow
 def test_same_world_size_replay_is_bitwise_and_one_rank_passes_exact_input(
         capture2: Path, replays: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = json.loads((capture2 / "metrics.json").read_text())
@@ -136,6 +137,7 @@ def test_same_world_size_replay_is_bitwise_and_one_rank_passes_exact_input(
     assert checks["exact.knobs_in_effect"]["status"] == "pass"
 
 
+@pytest.mark.slow
 def test_a_rank_file_changed_after_the_replay_is_refused(capture2: Path, replays: Path, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     d = tmp_path / "two"
@@ -234,6 +236,7 @@ def test_a_rank_killed_mid_capture_stops_the_launch_with_exit_3_and_no_root(work
 
 
 # -- FSDP2 (fully_shard runs on CPU with gloo) ---------------------------------------------------------
+@pytest.mark.slow
 def test_an_fsdp2_capture_replays_bitwise_and_with_ddp_and_on_one_rank_under_exact_input(
         workspace: Path, capture2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cap = tmp_path / "source"
