@@ -80,6 +80,7 @@ def replays(workspace: Path, capture2: Path) -> Path:
     return d
 
 
+@pytest.mark.slow  # a two-rank capture (torchrun): its own, or the module's shared one
 def test_each_rank_lands_then_the_root_with_the_single_device_pins(capture2: Path, capture_dir: Path) -> None:
     names = {p.name for p in capture2.iterdir()}
     assert {"rank-0", "rank-1", "COMPLETE.0", "COMPLETE.1", "metrics.json",
@@ -101,6 +102,7 @@ def test_each_rank_lands_then_the_root_with_the_single_device_pins(capture2: Pat
     assert rank1["rows"]["rows"] == 8 and rank1["logical_batch_sha256"] != m2[LOGICAL]  # its own rows
 
 
+@pytest.mark.slow  # a two-rank capture (torchrun): its own, or the module's shared one
 def test_explain_verifies_every_rank(workspace: Path, capture2: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(capsys, "explain", str(workspace / "replay.toml"), "--json", *pins(capture2), *WORLD_1)
     assert code == 0, err
@@ -151,6 +153,7 @@ def test_a_rank_file_changed_after_the_replay_is_refused(capture2: Path, replays
         "refusal"]["message"]
 
 
+@pytest.mark.slow  # a two-rank capture (torchrun): its own, or the module's shared one
 @pytest.mark.parametrize("damage, message", [
     ("payload", "rank 1: "),
     ("landing", "incomplete capture over 2 ranks: COMPLETE.1 missing"),
@@ -177,6 +180,7 @@ def test_a_damaged_capture_over_ranks_is_refused(workspace: Path, capture2: Path
     assert code == 2 and message in out + err, out + err
 
 
+@pytest.mark.slow  # a two-rank capture (torchrun): its own, or the module's shared one
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d["ranks"][1].update(dir="../rank-1"), "manifest field"),  # a rank directory outside the capture
     (lambda d: d["distributed"].update(world_size=3), "manifest field"),  # ranks listed != world size
@@ -200,6 +204,7 @@ def test_a_malformed_or_contradicting_root_is_refused_even_when_pinned(workspace
     assert code == 2 and message in out + err, out + err
 
 
+@pytest.mark.slow  # a two-rank capture (torchrun): its own, or the module's shared one
 def test_an_undeclared_world_size_change_is_refused(workspace: Path, capture2: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(capsys, "explain", str(workspace / "replay.toml"), *pins(capture2))
@@ -207,6 +212,7 @@ def test_an_undeclared_world_size_change_is_refused(workspace: Path, capture2: P
     assert "undeclared difference 'distributed.world_size' (systems-only knob): source 2, replay 1" in out
 
 
+@pytest.mark.slow  # a two-rank capture (torchrun): its own, or the module's shared one
 def test_a_declared_world_size_the_launcher_contradicts_is_refused(workspace: Path, capture2: Path,
                                                                    tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -222,6 +228,7 @@ def test_a_declared_world_size_the_launcher_contradicts_is_refused(workspace: Pa
     assert not (tmp_path / "b" / "replay_metrics.json").exists()
 
 
+@pytest.mark.slow  # a two-rank capture (torchrun): its own, or the module's shared one
 def test_a_rank_killed_mid_capture_stops_the_launch_with_exit_3_and_no_root(workspace: Path, tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     # rank 1 alone writes COMPLETE.1: it is killed half way through its landing record; rank 0 waits at the

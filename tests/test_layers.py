@@ -15,6 +15,7 @@ module that has not pulled one in already (so ``replayjob k8s render`` or ``redu
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
     out = {}
     for p in sorted(PACKAGE.rglob("*.py")):
