@@ -64,8 +64,15 @@ def layer_of(module: str) -> int | None:
     return best[0] if best else None
 
 
-def _imports(module: str, source: str, known: set[str], is_package: bool
+def _imports(module: str, source: str, known: set[str] | frozenset[str], is_package: bool
              ) -> list[tuple[str, int, bool]]:
+    """:func:`_imports_of`, each file parsed once per test session (the rules below read every module)."""
+    return list(_imports_of(module, source, frozenset(known), is_package))
+
+
+@functools.cache
+def _imports_of(module: str, source: str, known: frozenset[str], is_package: bool
+                ) -> tuple[tuple[str, int, bool], ...]:
     """Every module ``source`` imports (anywhere in the file, but under TYPE_CHECKING): its name (a replayjob
     module, or a third-party package's top-level name), the line, and whether the import is deferred (inside
     a function: it runs when the function is called, not when the module is imported)."""
@@ -99,7 +106,7 @@ def _imports(module: str, source: str, known: set[str], is_package: bool
             else:
                 name = name.split(".")[0]
             out.append((name, node.lineno, id(node) in deferred))
-    return out
+    return tuple(out)
 
 
 def own_imports(module: str, source: str, known: set[str], is_package: bool = False) -> list[tuple[str, int]]:
