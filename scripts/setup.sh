@@ -21,6 +21,16 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
   fi
 fi
+# the venv is current when it was set up from these very requirements (pyproject.toml, this script, the
+# extras): the editable install follows code changes by itself, so pip runs again only when they change
+stamp="$VENV/.replayjob-setup"
+want="$(cat pyproject.toml "$0" | sha256sum | cut -d' ' -f1) $EXTRAS"
+found='import importlib.util as u, sys; sys.exit(not (u.find_spec("torch") and u.find_spec("replayjob")))'
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "$found" >/dev/null 2>&1; then
+  echo "setup: $VENV is current (requirements unchanged)"
+  exit 0
+fi
+rm -f "$stamp"
 if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
   read -r -a torch_spec <<<"${REPLAYJOB_TORCH_SPEC:-torch==2.13.0}"
   echo "setup: pip install ${torch_spec[*]}"
@@ -28,3 +38,4 @@ if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
 fi
 "$VENV/bin/pip" install -q -e ".[${EXTRAS}]"
 echo "setup: $("$VENV/bin/replayjob" --version) in $VENV, torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+echo "$want" > "$stamp"
