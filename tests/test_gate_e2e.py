@@ -15,6 +15,9 @@ from replayjob.digest import sha256_bytes
 
 ON_KNOB = ["--set", "backend.options.gradient_checkpointing=true",
            "--set", 'optimizer_batch.allow_config_differences=["backend.options.gradient_checkpointing"]']
+# the replays are timed, and a claim asserts the timing comparison admitted (no contention): the module runs
+# alone on the host, its six replays made once
+pytestmark = pytest.mark.timed
 TOLERANCES = b"update_cosine_min = 0.999\nrelative_delta_l2_max = 0.01\n"
 
 
@@ -42,7 +45,6 @@ def reduce(root: Path, source: Path, claim: str, *extra: str) -> tuple[int, dict
     return code, json.loads(out.read_text())
 
 
-@pytest.mark.timed  # asserts the timing comparison admitted (no contention)
 def test_real_replays_pass_every_claim(replays: Path, capture_dir: Path) -> None:
     for claim, extra in (("exact-input", ("--report", str(replays / "report.md"))), ("bitwise", ()),
                          ("approximate", ("--tolerances", str(replays / "tolerances.toml")))):
