@@ -326,6 +326,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # two ranks under torchrun
 def test_fsdp2_refuses_ranks_with_different_micro_batch_counts_on_every_rank(tmp_path: Path) -> None:
     """FSDP2 gathers parameters in every forward: unequal micro-batch counts would pair unrelated
     collectives (a hang under gloo), so every rank refuses alike; DDP communicates in the last backward only."""
