@@ -93,7 +93,7 @@ def test_probe_record_is_json_and_consistent() -> None:
         Probe("cpu").record()
 
 
-@pytest.mark.timed
+@pytest.mark.alone
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
 def test_a_cpu_hog_on_the_same_core_trips_the_probe() -> None:
     """A busy subprocess pinned to this process's one core while the probed loop runs: contended."""
@@ -218,7 +218,7 @@ def test_the_reader_refuses_a_malformed_contention_record(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.timed
+@pytest.mark.alone
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
 def test_a_cpu_hog_during_one_blocks_replays_is_not_admitted(tmp_path: Path) -> None:
     """End to end through the replay driver's own ``contention`` record: the funnel's stage 3 (steps run in

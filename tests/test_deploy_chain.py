@@ -488,7 +488,7 @@ def smoke(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.timed  # the funnel times warm updates: run alone on the host
+@pytest.mark.alone  # the funnel times warm updates: run alone on the host
 def test_local_mid_smoke_on_cpu_passes_and_writes_the_verdict(tmp_path: Path) -> None:
     """The wrapper runs the funnel (docs/funnel.md; every stage is tested in test_funnel.py)."""
     proc = smoke("--repeats", "1", "--fixed-blocks", "--only-ablation", "--out", str(tmp_path / "smoke"))
@@ -519,6 +519,7 @@ RANKED = TINY.replace('repeats = 1\n', 'repeats = 1\nranks = 2\n\n[config]\n"dis
     .replace('name = "chain"', 'name = "ranks"')
 
 
+@pytest.mark.alone  # replays of two ranks rendezvous (torchrun, gloo)
 def test_ranked_jobs_and_workflow_chain_to_a_passing_verdict(tmp_path: Path) -> None:
     """The rendered Jobs of a spec whose capture and arm ckpt-off run 2 ranks and arm ckpt-on 1
     (``distributed.world_size = 1``): the capture pod, each per-count replay Job's indexes

@@ -19,6 +19,8 @@ import pytest
 from replayjob import launch
 from replayjob.errors import ConfigError, UsageError
 
+pytestmark = pytest.mark.alone  # two tasks form a gloo group on a fixed port: run alone on the host
+
 TASK = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[003-004,9]",
         "SLURM_JOB_ID": "123456"}
 

@@ -32,6 +32,8 @@ from replayjob.errors import ConfigError, ContractError
 from replayjob.metrics import FINAL_ADAPTER, LOGICAL, MANIFEST, PIN_KEYS, rank_file
 from replayjob.rl.batch import OptimizerBatch
 
+pytestmark = pytest.mark.alone  # ranks under torchrun rendezvous (gloo): run alone on the host
+
 DDP = 'distributed.strategy="ddp"'
 WORLD_1 = ["--set", "distributed.world_size=1",
            "--set", 'optimizer_batch.allow_config_differences=["distributed.world_size"]']

@@ -27,7 +27,7 @@ from replayjob.cli import main
 from replayjob.funnel import FUNNEL_FILE, STATUS
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.timed  # stage 3 times warm updates: run alone on the host
+pytestmark = pytest.mark.alone  # stage 3 times warm updates: run alone on the host
 
 SPEC = REPO / "examples" / "ablation-microbatch.toml"
 

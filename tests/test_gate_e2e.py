@@ -17,7 +17,7 @@ ON_KNOB = ["--set", "backend.options.gradient_checkpointing=true",
            "--set", 'optimizer_batch.allow_config_differences=["backend.options.gradient_checkpointing"]']
 # the replays are timed, and a claim asserts the timing comparison admitted (no contention): the module runs
 # alone on the host, its six replays made once
-pytestmark = pytest.mark.timed
+pytestmark = pytest.mark.alone
 TOLERANCES = b"update_cosine_min = 0.999\nrelative_delta_l2_max = 0.01\n"
 
 

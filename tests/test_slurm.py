@@ -524,6 +524,7 @@ def test_ranked_plan_submits_one_array_per_rank_count(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # two tasks rendezvous (gloo)
 def test_two_task_capture_and_replays_under_srun_pass_the_gate(slurm_env: dict[str, str], tmp_path: Path) -> None:
     """The capture and arm two's replay are jobs of 2 tasks whose step starts 2 gloo ranks with srun
     (RANK etc. mapped from the tasks' Slurm variables); arm one replays the same capture on 1 rank with

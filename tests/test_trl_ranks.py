@@ -24,7 +24,8 @@ import torch
 
 from replayjob.cli import main
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_determinism_mode")]
+pytestmark = [pytest.mark.slow, pytest.mark.alone,  # several processes rendezvous (torchrun, gloo)
+              pytest.mark.usefixtures("fresh_determinism_mode")]
 
 STEP = 1
 SCRIPT = Path(__file__).resolve().parent / "trl_ranks_source.py"
