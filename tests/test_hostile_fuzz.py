@@ -458,11 +458,11 @@ def test_multi_rank_capture_mutations_are_refused_or_read_as_the_original_batch(
     """Every file of a capture over ranks (root manifest, each rank's manifest, payload and landing
     record) is pinned from the root, whose SHA-256 the user holds: a mutation is refused or is a no-op."""
     from replayjob.optbatch import manifest as mf
-    from replayjob.optbatch import ranks
+    from replayjob.optbatch import rankrows, ranks
 
     root_file = two_rank_capture / mf.manifest_name(0)
     pin = sha256_bytes(root_file.read_bytes())
-    original = ranks.verify(ranks.read_capture(root_file, pin))
+    original = rankrows.verify(ranks.read_capture(root_file, pin))
     d = tmp_path_factory.mktemp("ranked_capture") / "source"
     shutil.copytree(two_rank_capture, d)
     target = data.draw(st.sampled_from(sorted(p for p in d.rglob("*") if p.is_file())))
@@ -470,7 +470,7 @@ def test_multi_rank_capture_mutations_are_refused_or_read_as_the_original_batch(
     try:
         root = ranks.read_capture(d / mf.manifest_name(0), pin)
         assert isinstance(root, ranks.RootManifest)
-        got = ranks.verify(root)
+        got = rankrows.verify(root)
     except ReplayjobError:
         return
     assert got.digests == original.digests and got.bounds == original.bounds

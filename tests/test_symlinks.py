@@ -26,7 +26,7 @@ from replayjob.gate import synthetic
 from replayjob.jsonio import pretty_bytes, read_json
 from replayjob.knobs import WORLD_SIZE
 from replayjob.optbatch import manifest as mf
-from replayjob.optbatch import payload, ranks
+from replayjob.optbatch import payload, rankrows, ranks
 from replayjob.rl.batch import OptimizerBatch
 
 ARMS: dict[str, dict[str, Any]] = {"one": {}, "two": {WORLD_SIZE: 2}}
@@ -216,7 +216,7 @@ def capture_over_two_ranks(out: Path) -> ranks.RootManifest:
                        adapter_path=Path("adapter_model.safetensors"), adapter_size=1,
                        adapter_sha256=synthetic.digest_of("initial"))
         ranks.land(out, r, 2, mf.write(where / mf.manifest_name(0), doc))
-    *_, sha = ranks.write_root(out, step=0, world=2, strategy="ddp", bucket_cap_mb=25.0, backend="gloo",
+    *_, sha = rankrows.write_root(out, step=0, world=2, strategy="ddp", bucket_cap_mb=25.0, backend="gloo",
                                producer={"replayjob_version": "0.1.0"})
     root = ranks.read_capture(out / mf.manifest_name(0), sha)
     assert isinstance(root, ranks.RootManifest)
@@ -225,8 +225,8 @@ def capture_over_two_ranks(out: Path) -> ranks.RootManifest:
 
 def test_a_capture_whose_rank_directory_is_a_link_is_refused(tmp_path: Path) -> None:
     root = capture_over_two_ranks(tmp_path / "source")
-    assert ranks.verify(root).batch.rows == 4  # the control: every rank verifies
+    assert rankrows.verify(root).batch.rows == 4  # the control: every rank verifies
     link = link_away(tmp_path / "source" / ranks.rank_dir(1), tmp_path / "outside")
     with pytest.raises(IntegrityError) as e:
-        ranks.verify(root)  # what explain and replay run on a capture over ranks
+        rankrows.verify(root)  # what explain and replay run on a capture over ranks
     refused_for_the_link(e.value.exit_code, e.value.diagnostics(), link)

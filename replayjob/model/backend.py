@@ -2,8 +2,8 @@
 
 A backend turns a :class:`~replayjob.config.Config` into a :class:`Policy`: a trainable model
 (base weights frozen, adapter trainable), its tokenizer and adapter I/O.  The built-in ``hf``
-backend (transformers + peft) is registered here; users add their own through the
-``replayjob.backends`` entry-point group, naming a class with ``build(cfg) -> Policy``.
+backend (transformers + peft) is registered in the package metadata like any other; users add their
+own through the ``replayjob.backends`` entry-point group, naming a class with ``build(cfg) -> Policy``.
 """
 
 from __future__ import annotations
@@ -65,14 +65,12 @@ class Backend(Protocol):
 
 
 def load_backend(name: str) -> Backend:
-    if name == "hf":
-        from replayjob.model.hf import HFBackend
-
-        return HFBackend()
+    """The backend registered as ``name`` in the ``replayjob.backends`` entry points (the built-in ``hf``
+    one is registered there by replayjob's own package metadata)."""
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             backend: Backend = ep.load()()
             return backend
-    known = sorted({"hf", *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
+    known = sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
     raise ConfigError(f"unknown backend {name!r}", where="backend.name",
                       hint="installed backends: " + ", ".join(known))

@@ -58,7 +58,7 @@ from replayjob.metrics import (
     STEP,
     STEPS,
 )
-from replayjob.optbatch import manifest, payload, ranks, stepcapture
+from replayjob.optbatch import manifest, payload, rankrows, ranks, stepcapture
 from replayjob.optbatch.contract import optimizer_contract
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.hooks import BackgroundWriter, StepHook, TrainerView
@@ -200,7 +200,7 @@ class CaptureHook(StepHook):
             d = self.cfg.distributed
             self.sealed = manifest.outcome(metrics.get("loss"), metrics.get("grad_norm"),
                                            metrics[SOURCE_FINAL_ADAPTER])
-            logical, effective, sha = ranks.write_root(
+            logical, effective, sha = rankrows.write_root(
                 self.out, step=CAPTURE_STEP, world=self.world, strategy=d.strategy, bucket_cap_mb=d.bucket_cap_mb,
                 backend=distributed.backend_for(self.cfg.backend.torch_device), producer=stepcapture.producer(self.cfg),
                 sealed=self.sealed)

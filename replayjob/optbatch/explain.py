@@ -27,9 +27,10 @@ from replayjob.config.schema import DistributedConfig, OptimizerBatchConfig
 from replayjob.digest import normalize_digest
 from replayjob.errors import ContractError, IntegrityError, RefusedError
 from replayjob.metrics import EFFECTIVE, LOGICAL, SKIPPED
-from replayjob.optbatch import payload, ranks, stepcapture
+from replayjob.optbatch import payload, rankrows, ranks, stepcapture
 from replayjob.optbatch.contract import contract_differences, contract_sha256, optimizer_contract
-from replayjob.optbatch.manifest import Manifest, PinnedManifest, read_payload
+from replayjob.optbatch.manifest import Manifest, PinnedManifest
+from replayjob.optbatch.payload import read_payload
 from replayjob.producers.manifests import reuse
 from replayjob.redact import redact_text
 from replayjob.rl.batch import OptimizerBatch
@@ -180,10 +181,10 @@ def _check_artifacts(adm: Admission) -> None:
 
 
 def _check_ranks(adm: Admission, m: ranks.RootManifest) -> None:
-    """A capture over ranks: every rank verified and the logical batch rebuilt (:func:`ranks.verify`; the rows
+    """A capture over ranks: every rank verified and the logical batch rebuilt (:func:`rankrows.verify`; the rows
     are held, also for explain)."""
     try:
-        v = ranks.verify(m, allow_nonfinite=stepcapture.nonfinite_admitted(m, adm.cfg))
+        v = rankrows.verify(m, allow_nonfinite=stepcapture.nonfinite_admitted(m, adm.cfg))
     except RefusedError as exc:
         adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
         return

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from replayjob.digest import normalize_digest, sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
@@ -53,9 +53,6 @@ from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict
 from replayjob.producers import BUILTIN
 from replayjob.redact import redact_path
-
-if TYPE_CHECKING:
-    from replayjob.optbatch.payload import Scanned
 
 SCHEMA = "replayjob.capture_manifest/v3"
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024 * 1024
@@ -352,37 +349,3 @@ def read_verified(path: str | Path, expected_sha256: str) -> Manifest:
                                  hint="point optimizer_batch.replay_path at the source run's "
                                       "optimizer_batch_step_000000.manifest.json")
     return Manifest(p, actual, validate(doc, p))
-
-
-def read_payload(m: Manifest, *, keep: bool, allow_nonfinite: bool = False) -> Scanned:
-    """The payload ``m`` pins, read once and verified: its span digest equals the pin, then its structure.
-
-    Raises :class:`IntegrityError` whose message is the whole reason (nothing in a payload that fails
-    is used); the rows are kept when ``keep``, or when the row digests need them (some row bears no loss).
-    """
-    from replayjob.optbatch import payload
-
-    p = m.payload_path
-    try:
-        if p.is_symlink() or not p.is_file():
-            raise IntegrityError("payload missing (or not a regular file)", where=p)
-        if m.payload_size > MAX_PAYLOAD_BYTES:
-            raise IntegrityError(f"the manifest pins a {m.payload_size}-byte payload, above the "
-                                 f"{MAX_PAYLOAD_BYTES}-byte limit", where=p)
-        scan = payload.read(p, keep=keep, expected_size=m.payload_size, allow_nonfinite=allow_nonfinite)
-        if scan.digest == m.payload_digest and scan.fault is None and scan.row_digests() is None:
-            scan = payload.read(p, keep=True, expected_size=m.payload_size,  # some row bears no loss
-                                allow_nonfinite=allow_nonfinite)
-    except OSError as exc:
-        raise IntegrityError(f"{p}: cannot read the payload: {exc.strerror}") from None
-    except IntegrityError as exc:
-        raise IntegrityError(exc.diagnostics()) from None
-    if scan.header_fault is not None:
-        raise IntegrityError(f"{p}: {scan.header_fault.message} (so it is not the payload the manifest pins; "
-                             "nothing in it was used)")
-    if scan.digest != m.payload_digest:
-        raise IntegrityError(f"{p}: payload span digest (SHA-256) is {scan.digest}, the manifest pins "
-                             f"{m.payload_digest} (the payload changed after capture; nothing in it was used)")
-    if scan.fault is not None:
-        raise IntegrityError(scan.fault.diagnostics().replace("\n  fix:", "; fix:"))
-    return scan

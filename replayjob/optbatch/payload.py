@@ -54,6 +54,7 @@ from torch import Tensor
 
 from replayjob import tensorfile
 from replayjob.errors import IntegrityError
+from replayjob.optbatch.manifest import MAX_PAYLOAD_BYTES, Manifest
 from replayjob.rl import batch as batch_mod
 from replayjob.rl.batch import OptimizerBatch
 
@@ -401,3 +402,35 @@ def summary(batch: OptimizerBatch) -> dict[str, int | float]:
             "response_tokens": batch.response_tokens(),
             "loss_bearing_tokens": int((weights != 0).sum()),
             "loss_weight_sum": exact_sum(weights)}
+
+
+def read_payload(m: Manifest, *, keep: bool, allow_nonfinite: bool = False) -> Scanned:
+    """The payload ``m`` pins, read once and verified: its span digest equals the pin, then its structure.
+
+    Raises :class:`IntegrityError` whose message is the whole reason (nothing in a payload that fails
+    is used); the rows are kept when ``keep``, or when the row digests need them (some row bears no loss).
+    """
+    p = m.payload_path
+    try:
+        if p.is_symlink() or not p.is_file():
+            raise IntegrityError("payload missing (or not a regular file)", where=p)
+        if m.payload_size > MAX_PAYLOAD_BYTES:
+            raise IntegrityError(f"the manifest pins a {m.payload_size}-byte payload, above the "
+                                 f"{MAX_PAYLOAD_BYTES}-byte limit", where=p)
+        scan = read(p, keep=keep, expected_size=m.payload_size, allow_nonfinite=allow_nonfinite)
+        if scan.digest == m.payload_digest and scan.fault is None and scan.row_digests() is None:
+            scan = read(p, keep=True, expected_size=m.payload_size,  # some row bears no loss
+                                allow_nonfinite=allow_nonfinite)
+    except OSError as exc:
+        raise IntegrityError(f"{p}: cannot read the payload: {exc.strerror}") from None
+    except IntegrityError as exc:
+        raise IntegrityError(exc.diagnostics()) from None
+    if scan.header_fault is not None:
+        raise IntegrityError(f"{p}: {scan.header_fault.message} (so it is not the payload the manifest pins; "
+                             "nothing in it was used)")
+    if scan.digest != m.payload_digest:
+        raise IntegrityError(f"{p}: payload span digest (SHA-256) is {scan.digest}, the manifest pins "
+                             f"{m.payload_digest} (the payload changed after capture; nothing in it was used)")
+    if scan.fault is not None:
+        raise IntegrityError(scan.fault.diagnostics().replace("\n  fix:", "; fix:"))
+    return scan

@@ -2,11 +2,11 @@
 
 Under ``torchrun`` with ``W`` ranks (:mod:`replayjob.distributed`), every rank trains on its
 contiguous shard of the logical rows and captures exactly those rows, with the usual discipline
-(:mod:`replayjob.optbatch.capture`): payload, then its manifest (schema v2, the rank's own rows
+(:mod:`replayjob.optbatch.capture`): payload, then its manifest (the rank's own rows
 and digests), both atomic and exclusive, in ``rank-<r>/``; then the rank *lands*: ``COMPLETE.<r>``
 (rank, world size, the rank manifest's SHA-256) next to the rank directories.  After a barrier,
-rank 0 reads every landed rank back and verifies it, and writes the root manifest last
-(:data:`SCHEMA`), then ``metrics.json``::
+rank 0 reads every landed rank back and verifies it, and writes the root manifest last (the one
+capture manifest schema, listing ``ranks``), then ``metrics.json``::
 
     optimizer_batch_step_000000.manifest.json   the root: written last, pinned by metrics.json
     COMPLETE.0 ... COMPLETE.<W-1>               one landing record per rank
@@ -22,14 +22,14 @@ span digest and ``[begin, end)`` logical rows.  Its ``payload.spans_sha256`` is 
 ranks' payload span digests in rank order (:func:`ranks_digest`), which replays record as their
 payload pin.  The adapter the capture starts from is the resume state's, saved once, unsharded.
 
-A reader (:func:`verify`) checks, before any device memory is touched: the root's own fields, that
-exactly the listed ranks landed (no ``rank-*`` or ``COMPLETE.*`` missing or extra, and no ``rank-*``
-directory a symbolic link), every landing
-record, every rank manifest against its pinned SHA-256 and every payload against its manifest,
-that every rank captured under the root's config and contract from the root's initial adapter, with
-the root's RNG keys and total payload size, and that the rows concatenated in
-rank order hash to the root's logical and effective digests.  A replay at any world size rebuilds
-the logical batch this way and re-shards it.
+This module holds the root's record and reader; reading the ranks' rows back
+(:func:`replayjob.optbatch.rankrows.verify`, torch) checks, before any device memory is touched: the root's
+own fields, that exactly the listed ranks landed (no ``rank-*`` or ``COMPLETE.*`` missing or extra, and no
+``rank-*`` directory a symbolic link), every landing record, every rank manifest against its pinned SHA-256
+and every payload against its manifest, that every rank captured under the root's config and contract from the
+root's initial adapter, with the root's RNG keys and total payload size, and that the rows concatenated in
+rank order hash to the root's logical and effective digests. A replay at any world size rebuilds the logical
+batch this way and re-shards it.
 """
 
 from __future__ import annotations
@@ -41,16 +41,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from replayjob import distributed
-from replayjob.errors import ArtifactExistsError, IntegrityError, RefusedError
-from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
+from replayjob.errors import ArtifactExistsError, IntegrityError
+from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict
 from replayjob.optbatch import manifest
-from replayjob.optbatch.manifest import Manifest, is_int, need, need_hex, read_payload, read_verified
+from replayjob.optbatch.manifest import Manifest, is_int, need, need_hex
 
 if TYPE_CHECKING:  # reading a root manifest (reduce) needs no tensors: torch loads with the payload
-    from torch import Tensor
 
-    from replayjob.rl.batch import OptimizerBatch
+    pass
 
 RANKS_TAG = b"replayjob.rank-payloads.v1\n"
 MAX_LANDED_BYTES = 64 * 1024  # a landing record is three fields
@@ -112,7 +111,7 @@ def land(out: Path, rank: int, world: int, manifest_sha256: str) -> None:
 
 
 # ------------------------------------------------------------------------------------- reading
-def _read_landed(d: Path, rank: int) -> dict[str, Any]:
+def read_landed(d: Path, rank: int) -> dict[str, Any]:
     p = d / landed_name(rank)
     if p.is_symlink() or not p.is_file():
         raise IntegrityError(f"rank {rank} has not landed ({landed_name(rank)} is missing): the capture is "
@@ -126,7 +125,7 @@ def _read_landed(d: Path, rank: int) -> dict[str, Any]:
     return doc
 
 
-def _check_listing(d: Path, world: int) -> None:
+def check_listing(d: Path, world: int) -> None:
     """Exactly ranks 0..W-1 have a directory and a landing record: none missing, none extra."""
     want = {rank_dir(r) for r in range(world)} | {landed_name(r) for r in range(world)}
     have = {p.name for p in d.iterdir() if p.name.startswith(("rank-", "COMPLETE."))}
@@ -139,54 +138,10 @@ def _check_listing(d: Path, world: int) -> None:
                              hint="a capture directory holds one capture; capture again into a new --out")
 
 
-@dataclass
-class Verified:
-    """Every rank of a capture read back and verified, and the logical batch they make together."""
-
-    batch: OptimizerBatch
-    rngs: list[dict[str, Tensor]]  # per captured rank, in rank order
-    manifests: list[Manifest]
-    bounds: list[tuple[int, int]]
-    digests: tuple[str, str]  # (logical, effective) of the concatenated rows
-
-
-def _read_ranks(d: Path, step: int, entries: list[tuple[int, str]], allow_nonfinite: bool = False) -> Verified:
-    """Read and verify each ``(rank, manifest SHA-256)`` in ``d`` and concatenate their rows in rank order."""
-    from replayjob.rl.batch import OptimizerBatch
-
-    parts, rngs, manifests, bounds, begin = [], [], [], [], 0
-    for r, sha in entries:
-        try:  # no linked rank-<r>/ (nor file in it): fsio.check_no_symlinks below the capture directory
-            path = check_no_symlinks(d, d / rank_dir(r) / manifest.manifest_name(step), what=f"rank {r}'s manifest")
-            m = read_verified(path, sha)
-            scan = read_payload(m, keep=True, allow_nonfinite=allow_nonfinite)
-        except RefusedError as exc:
-            raise IntegrityError(f"rank {r}: {exc.diagnostics()}".replace("\n  fix:", "; fix:")) from None
-        assert scan.batch is not None
-        if scan.row_digests() != (m.logical_sha256, m.effective_sha256):
-            raise IntegrityError(f"rank {r}: its payload rows do not hash to its manifest's digests", where=m.path)
-        parts.append(scan.batch)
-        rngs.append(scan.rng)
-        manifests.append(m)
-        bounds.append((begin, begin + scan.batch.rows))
-        begin += scan.batch.rows
-    first = manifests[0]
-    for r, m in zip((e[0] for e in entries), manifests, strict=True):
-        for what in ("config", "contract"):
-            if m.doc[what]["sha256"] != first.doc[what]["sha256"]:
-                raise IntegrityError(f"rank {r} captured under another {what} than rank 0", where=m.path)
-        if m.initial_adapter_sha256 != first.initial_adapter_sha256:
-            raise IntegrityError(f"rank {r} started from another adapter than rank 0", where=m.path)
-    batch = OptimizerBatch.concat(parts)
-    if bounds != distributed.shard_bounds(batch.rows, len(entries)):
-        raise IntegrityError(f"the ranks' rows {bounds} are not the {distributed.SHARDING} split of {batch.rows} rows",
-                             where=d)
-    return Verified(batch, rngs, manifests, bounds, batch.digests())
-
-
 def read_capture(path: str | Path, expected_sha256: str) -> Manifest:
     """The capture manifest at ``path`` pinned by ``expected_sha256``: a single-device manifest, or the root of
-    a capture over ranks (:class:`RootManifest`, its own fields validated; :func:`verify` checks the ranks)."""
+    a capture over ranks (:class:`RootManifest`, its own fields validated;
+    :func:`~replayjob.optbatch.rankrows.verify` checks the ranks)."""
     p, sha, doc = manifest.read_pinned(path, expected_sha256,
                                        hint="point optimizer_batch.replay_path at the source run's "
                                             "optimizer_batch_step_000000.manifest.json")
@@ -201,74 +156,9 @@ def of(p: Path, sha: str, doc: Any) -> Manifest:
     return Manifest(p, sha, manifest.validate(doc, p))
 
 
-def verify(root: RootManifest, allow_nonfinite: bool = False) -> Verified:
-    """Every rank of ``root`` (see the module docstring); raises :class:`IntegrityError` naming the first fault."""
-    d = root.path.parent
-    _check_listing(d, root.world_size)
-    for e in root.ranks:
-        landed = _read_landed(d, e["rank"])
-        if landed != {"rank": e["rank"], "world_size": root.world_size, "manifest_sha256": e["manifest_sha256"]}:
-            raise IntegrityError(f"rank {e['rank']}'s landing record does not match the root",
-                                 where=d / landed_name(e["rank"]))
-    v = _read_ranks(d, root.step, [(e["rank"], e["manifest_sha256"]) for e in root.ranks], allow_nonfinite)
-    first = v.manifests[0]  # _read_ranks found every rank's config, contract and adapter equal to rank 0's
-    for what in ("config", "contract"):
-        if first.doc[what]["sha256"] != root.doc[what]["sha256"]:
-            raise IntegrityError(f"rank {root.ranks[0]['rank']} captured under another {what} than the root records",
-                                 where=first.path)
-    if first.initial_adapter_sha256 != root.initial_adapter_sha256:
-        raise IntegrityError(f"rank {root.ranks[0]['rank']} started from another adapter than the root records",
-                             where=first.path)
-    rng_keys = sorted(root.doc["payload"]["rng_keys"])
-    for e, m, b, rng in zip(root.ranks, v.manifests, v.bounds, v.rngs, strict=True):
-        if m.payload_digest != e["payload_spans_sha256"] or list(b) != e["rows"]:
-            raise IntegrityError(f"rank {e['rank']}'s payload or rows differ from the root's record", where=m.path)
-        if not sorted(rng) == sorted(m.doc["payload"]["rng_keys"]) == rng_keys:
-            raise IntegrityError(f"rank {e['rank']}'s RNG states {sorted(rng)} differ from its manifest's or the "
-                                 f"root's {rng_keys}", where=m.path)
-    if root.payload_size != sum(m.payload_size for m in v.manifests):
-        raise IntegrityError(f"the root's payload size {root.payload_size} is not the ranks' total", where=root.path)
-    if v.digests != (root.logical_sha256, root.effective_sha256):
-        raise IntegrityError(f"the ranks' rows in logical order hash to {v.digests[0]}, the root says "
-                             f"{root.logical_sha256}", where=root.path)
-    return v
-
-
 # ------------------------------------------------------------------------------------- the root
-def write_root(out: Path, *, step: int, world: int, strategy: str, bucket_cap_mb: float, backend: str,
-               producer: dict[str, Any], sealed: dict[str, Any] | None = None) -> tuple[str, str, str]:
-    """Rank 0, once every rank landed: verify them all, then write the root manifest (exclusive, last), with
-    ``sealed`` as its ``outcome`` (:func:`replayjob.optbatch.manifest.outcome`).
-
-    Returns (logical, effective, root SHA-256)."""
-    from replayjob.optbatch.payload import summary
-
-    entries = [(r, str(_read_landed(out, r)["manifest_sha256"])) for r in range(world)]
-    _check_listing(out, world)
-    v = _read_ranks(out, step, entries)
-    first = v.manifests[0]
-    logical, effective = v.digests
-    doc = {
-        "schema": manifest.SCHEMA, "framework": manifest.BUILTIN, "step": step, "producer": producer,
-        "distributed": {"world_size": world, "strategy": strategy, "bucket_cap_mb": bucket_cap_mb,
-                        "backend": backend, "sharding": distributed.SHARDING},
-        "ranks": [{"rank": r, "dir": rank_dir(r), "manifest_sha256": sha, "payload_spans_sha256": m.payload_digest,
-                   "rows": list(b)} for (r, sha), m, b in zip(entries, v.manifests, v.bounds, strict=True)],
-        "payload": {"spans_sha256": ranks_digest([m.payload_digest for m in v.manifests]),
-                    "size": sum(m.payload_size for m in v.manifests),
-                    "rng_keys": list(first.doc["payload"]["rng_keys"])},
-        "rows": summary(v.batch), "logical_batch_sha256": logical, "local_effective_rows_sha256": effective,
-        "config": first.doc["config"], "contract": first.doc["contract"],
-        "initial_adapter": first.doc["initial_adapter"],
-    }
-    if sealed is not None:
-        doc[manifest.OUTCOME] = sealed
-    sha = manifest.write(out / manifest.manifest_name(step), doc)
-    return logical, effective, sha
-
-
 def validate(doc: Any, where: Path) -> dict[str, Any]:
-    """The root's own fields (the ranks themselves are checked by :func:`verify`)."""
+    """The root's own fields (the ranks themselves are checked by :func:`~replayjob.optbatch.rankrows.verify`)."""
     manifest.check_schema(doc, where)
     need(doc["framework"] == manifest.BUILTIN, f"'framework' must be {manifest.BUILTIN!r} in a built-in root", where)
     keys = _KEYS | ({manifest.OUTCOME} & set(doc))
