@@ -155,16 +155,18 @@ def json_value(v: Any, where: str) -> Any:
                        where=where, hint="pass tensors, numbers, strings, lists or None to record()")
 
 
-def split_optimizer_state(sd: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """An optimizer ``state_dict`` as tensors (``state.<i>.<key>``, CPU copies) and a JSON description of the
-    rest: ``param_groups``, non-tensor per-parameter ``state`` and, per parameter, its ``tensors`` keys."""
+def split_optimizer_state(sd: Mapping[str, Any], *, copy: bool = True
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer ``state_dict`` as tensors (``state.<i>.<key>``: CPU copies, or with ``copy`` false the CPU
+    tensors themselves, for a caller that copies them at once) and a JSON description of the rest:
+    ``param_groups``, non-tensor per-parameter ``state`` and, per parameter, its ``tensors`` keys."""
     tensors: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
     keys: dict[str, list[str]] = {}
     for idx, entry in sd["state"].items():
         for key, v in entry.items():
             if isinstance(v, torch.Tensor):
-                tensors[f"state.{idx}.{key}"] = v.detach().to("cpu", copy=True).contiguous()
+                tensors[f"state.{idx}.{key}"] = v.detach().to("cpu", copy=copy).contiguous()
                 keys.setdefault(str(idx), []).append(key)
             else:
                 state.setdefault(str(idx), {})[key] = json_value(v, f"optimizer state {idx}.{key}")
@@ -204,9 +206,10 @@ def join_optimizer_state(tensors: Mapping[str, torch.Tensor], doc: Mapping[str, 
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The built-in trainer's optimizer state as :func:`split_optimizer_state`'s tensors (its param_groups
-    come from the config; a non-tensor per-parameter value is refused, since no description is kept)."""
-    tensors, doc = split_optimizer_state(opt.state_dict())
+    """The built-in trainer's optimizer state as :func:`split_optimizer_state`'s tensors, not copied (the
+    snapshot packs them at once; its param_groups come from the config; a non-tensor per-parameter value
+    is refused, since no description is kept)."""
+    tensors, doc = split_optimizer_state(opt.state_dict(), copy=False)
     if doc["state"]:
         raise ContractError(f"the optimizer holds non-tensor state {sorted(doc['state'])[:3]}, which a "
                             "resume state does not record", hint="use torch.optim.AdamW")
