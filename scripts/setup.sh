@@ -24,7 +24,7 @@ fi
 # the venv is current when it was set up from these very requirements (pyproject.toml, this script, the
 # extras): the editable install follows code changes by itself, so pip runs again only when they change
 stamp="$VENV/.replayjob-setup"
-want="$(cat pyproject.toml "$0" | sha256sum | cut -d' ' -f1) $EXTRAS"
+want="$(cat pyproject.toml "$0" | "$PYTHON" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())') $EXTRAS"
 found='import importlib.util as u, sys; sys.exit(not (u.find_spec("torch") and u.find_spec("replayjob")))'
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "$found" >/dev/null 2>&1; then
   echo "setup: $VENV is current (requirements unchanged)"
