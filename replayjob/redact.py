@@ -55,7 +55,9 @@ _TOKEN_COUNT_WORDS = {"max", "min", "new", "cap", "count", "num", "per", "limit"
                       "length", "id", "ids", "type", "level", "weight", "weights", "mean", "sum"}
 # Schemes start where a word starts and are at most 32 characters, so no text makes a scan quadratic.
 _SCHEME_RE = r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]{0,31}://"
-_URL_CRED = re.compile(rf"(?P<scheme>{_SCHEME_RE})(?P<cred>[^/@\s]+)@")
+# Credentials hold no angle bracket (RFC 3986 has them percent-encoded), so a ``<redacted>`` this module
+# wrote into a URL is never read back as a credential (redaction is idempotent).
+_URL_CRED = re.compile(rf"(?P<scheme>{_SCHEME_RE})(?P<cred>[^/@\s<>]+)@")
 # A URL as it stands in free text: it ends at whitespace, a quote or an angle bracket (so the
 # ``<redacted>`` this module writes is never read as part of a URL).
 _URL = re.compile(rf"{_SCHEME_RE}[^\s\"'<>]*")
