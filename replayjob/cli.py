@@ -221,383 +221,54 @@ a pattern matches the full leaf path or its last key): elapsed_s, *_elapsed_s, w
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
+import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from docopt import DocoptExit, docopt
 
 from replayjob import __version__
-from replayjob import metrics as M
-from replayjob.check import diagdiff
-from replayjob.check.determinism_check import check
-from replayjob.check.leafdiff import Tolerance
-from replayjob.check.rules import load_rules
-from replayjob.check.signals import evaluate
-from replayjob.deploy import argo, driver, external, k8s, step
-from replayjob.deploy.ablation import load_spec, load_spec_text
-from replayjob.deploy.schedule import parse_slot
-from replayjob.deploy.submit import resume, submit
-from replayjob.deploy.workflow import wait_for_workflow
+from replayjob.commands import ARGV, REEXEC
 from replayjob.distributed import record_exit
-from replayjob.errors import EXIT_ERROR, EXIT_REFUSED, OperationalError, ReplayjobError, UsageError
+from replayjob.errors import EXIT_ERROR, EXIT_REFUSED, ReplayjobError
 from replayjob.fsio import atomic_write_text
-from replayjob.funnel import Options, run_funnel
-from replayjob.gate import reducer
-from replayjob.jsonio import non_finite_as_strings, pretty_bytes
-from replayjob.metrics import CAPTURE_PREFIXES
 from replayjob.streams import guarded
 
 Handler = Callable[[dict[str, Any]], int]
 
-
-def _int(args: dict[str, Any], key: str) -> int:
-    raw = args[key]
-    try:
-        return int(raw)
-    except (TypeError, ValueError):
-        raise UsageError(f"{key} expects an integer, got {raw!r}") from None
-
-
-def cmd_init(args: dict[str, Any]) -> int:
-    from replayjob.workspace import init_workspace
-
-    for path in init_workspace(args["<dir>"], _int(args, "--seed"), args["--set"]):
-        print(f"wrote {path}")
-    return 0
-
-
-def cmd_train(args: dict[str, Any]) -> int:
-    from replayjob.source_run import train_command
-
-    out, metrics = train_command(args["<config>"], args["--set"], args["--out"])
-    if not metrics:  # a rank other than 0 of several: rank 0 reports the run
-        return 0
-    print(f"trained {metrics['steps_run']} step(s); loss {metrics['loss']!r}")
-    print(f"final adapter sha256 {metrics[M.SOURCE_FINAL_ADAPTER]}")
-    _print_capture_pins(metrics)
-    print(f"wrote {out}/diag.jsonl, {out}/{M.SOURCE_FILE}")
-    return 0
-
-
-def _print_capture_pins(metrics: dict[str, Any]) -> None:
-
-    for key in sorted(metrics):
-        if key.startswith(CAPTURE_PREFIXES):
-            print(f"{key} {metrics[key]}")
-
-
-def cmd_capture(args: dict[str, Any]) -> int:
-    from replayjob.source_run import capture
-
-    out, metrics = capture(args["<config>"], args["--set"], args["--out"])
-    if not metrics:  # a rank other than 0 of several: it landed its rows; rank 0 wrote the root
-        return 0
-    print(f"captured step 0 into {out}; loss {metrics['loss']!r}")
-    _print_capture_pins(metrics)
-    print(f"wrote {out}/{metrics[M.MANIFEST_PATH]} (last), {out}/{M.SOURCE_FILE}")
-    return 0
-
-
-def cmd_explain(args: dict[str, Any]) -> int:
-    from replayjob.producers.explain import explain, render
-
-    adm, rep = explain(args["<config>"], args["--set"])
-    if args["--json"]:
-        _print_json(rep)
-    else:
-        print(render(rep))
-    adm.raise_if_refused()
-    return 0
-
-
-def cmd_replay(args: dict[str, Any]) -> int:
-    from replayjob.optbatch.replay import replay_command
-
-    repeat = _int(args, "--repeat") if args["--repeat"] is not None else None
-    index = _int(args, "--repeat-index") if args["--repeat-index"] is not None else 0
-    slot = parse_slot(args["--slot"]) if args["--slot"] is not None else None
-    sets = [*args["--set"], *(["optimizer_batch.trace=true"] if args["--trace"] else [])]
-    nproc = _int(args, "--nproc") if args["--nproc"] is not None else 1
-    for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index, slot, nproc=nproc):
-        if not m:  # a rank other than 0 of several: rank 0 reports the replay
-            continue
-        print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}, "
-              f"final adapter sha256 {m[M.FINAL_ADAPTER]}, "
-              "in effect: " + (", ".join(f"{k}={v}" for k, v in sorted(m["runtime"].items()))
-                               or f"no registered knobs ({m['framework']})"))
-        print(f"wrote {out}/{M.REPLAY_FILE}")
-    return 0
-
-
-def cmd_reduce(args: dict[str, Any]) -> int:
-    from pathlib import Path
-
-
-    def opt(key: str) -> Path | None:
-        return Path(args[key]) if args[key] is not None else None
-
-    out = Path(args["--out"])
-    verdict = reducer.reduce_evidence(reducer.Request(
-        paths=args["<path>"], claim=args["--claim"], out=out, source=opt("--source"),
-        tolerances=opt("--tolerances"),
-        min_repeats=_int(args, "--min-repeats") if args["--min-repeats"] is not None else 3,
-        baseline=args["--baseline"], report=opt("--report"), budgets=opt("--budgets"),
-        max_looks=_int(args, "--max-looks"),
-        arms=tuple(a.strip() for a in args["--arms"].split(",")) if args["--arms"] is not None else None,
-        spec=load_spec(args["--spec"]) if args["--spec"] is not None else None,
-        mixed_hardware=bool(args["--mixed-hardware"]),
-        source_step=_int(args, "--source-step") if args["--source-step"] is not None else None))
-    print(verdict.summary())
-    print(f"wrote {out}" + (f", {args['--report']}" if args["--report"] else ""))
-    verdict.raise_for_status()
-    return 0
-
-
-def cmd_funnel(args: dict[str, Any]) -> int:
-    import time
-    from pathlib import Path
-
-
-    def opt(key: str) -> Path | None:
-        return Path(args[key]) if args[key] is not None else None
-
-    def num(key: str) -> int | None:
-        return _int(args, key) if args[key] is not None else None
-
-    out = opt("--out") or Path("runs") / ("funnel-" + time.strftime("%Y%m%d-%H%M%S"))
-    return run_funnel(Options(
-        out=out, spec=opt("--spec") or Path("examples/ablation.toml"), arms=args["--arms"],
-        repeats=num("--repeats"), claim=args["--claim"], seed=_int(args, "--seed"), resume=opt("--resume"),
-        model=opt("--model"), device=args["--device"], steps=num("--steps"),
-        only_ablation=args["--only-ablation"], budgets=opt("--budgets"), until_decided=not args["--fixed-blocks"],
-        max_repeats=num("--max-repeats"), design=args["--design"],
-        **{k: n for k, n in (("warmup_updates", num("--warmup-updates")),
-                             ("measured_updates", num("--measured-updates"))) if n is not None},
-        plant_nondeterminism=args["--plant-nondeterminism"], plant_kill=args["--plant-kill"],
-        plant_undeclared=args["--plant-undeclared"], report=not args["--no-report"], capture=opt("--capture"),
-        replay_config=args["--replay-config"]))
-
-
-def cmd_step(args: dict[str, Any]) -> int:
-    import signal
-    import threading
-
-
-    def terminated(signum: int, frame: object) -> None:  # preemption, eviction, scancel, requeue: retryable
-        raise _Terminated(signum)
-
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        return _step(args)
-    previous = signal.signal(signal.SIGTERM, terminated)
-    try:
-        return _step(args)
-    except _Terminated as exc:
-        raise OperationalError(f"terminated by signal {exc.args[0]} (preemption, eviction or cancellation)") from None
-    finally:  # main() called as a library leaves the caller's handler as it found it
-        signal.signal(signal.SIGTERM, previous)
-
-
-class _Terminated(BaseException):
-    """SIGTERM during a step.  A BaseException, as KeyboardInterrupt is: the signal may arrive inside a
-    library's ``except Exception`` (an import probe, a retry loop), and an Exception raised there would
-    be swallowed and the step would run on to completion beside the attempt Slurm or Kubernetes starts
-    next, both writing the same replay."""
-
-
-def _step(args: dict[str, Any]) -> int:
-    from pathlib import Path
-
-
-    if args["prune"]:  # retention: no spec, no run directory
-        step.prune_runs(Path(args["--run-root"]), _int(args, "--older-than"), dry_run=args["--dry-run"])
-        return 0
-    spec = step.select(load_spec(args["--spec"]), args["--arms"],
-                       _int(args, "--repeats") if args["--repeats"] is not None else None,
-                       args["--device"], args["--claim"])
-    if args["plan"]:
-
-        external.check(spec)  # an existing capture: its pins, and the arms' keys among its producer's knobs
-        step.parse_plants(spec, args["--plant"])
-        print("\n".join(step.plan_lines(spec)))
-        return 0
-    step.ensure_determinism_env(args[_ARGV], reexec=args[_REEXEC], spec=spec)
-    layout = step.layout_for(spec, args["--run-dir"], args["--workspace"], args["--source"])
-    outputs = Path(args["--outputs"]) if args["--outputs"] else None
-    wait_s = _int(args, "--wait-s")
-    ranks = _int(args, "--ranks") if args["--ranks"] is not None else None
-    if args["capture"]:
-        step.capture_step(spec, layout, outputs, ranks=ranks, launcher=args["--launcher"])
-    elif args["replay"]:
-        index = step.resolve_index(spec, _int(args, "--index") if args["--index"] is not None else None,
-                                   _int(args, "--position") if args["--position"] is not None else None, ranks)
-        step.replay_step(spec, layout, index, pins=args["--pins"], plants=args["--plant"], wait_s=wait_s,
-                         launcher=args["--launcher"])
-    else:
-        step.reduce_step(spec, layout, wait_s=wait_s, outputs=outputs,
-                         blocks=_int(args, "--blocks") if args["--blocks"] is not None else None,
-                         report=Path(args["--report"]) if args["--report"] else None,
-                         max_looks=_int(args, "--max-looks")).raise_for_status()
-    return 0
-
-
-def cmd_k8s(args: dict[str, Any]) -> int:
-    if args["drive"]:
-        return driver.main(args["--spec"])
-    if args["resume"]:
-        return resume(args["<run-id>"], args["--namespace"], wait=args["--wait"])
-    spec, text = load_spec_text(args["<spec>"])
-
-    external.check(spec, reachable_only=True, log=lambda line: print(line, file=sys.stderr))
-    if args["submit"]:
-        return submit(spec, text, args["--namespace"], wait=args["--wait"])
-    files, setup = k8s.render(spec, text), k8s.render_setup(spec)
-    if args["--out"]:
-        for path in k8s.write(files, args["--out"], source=args["<spec>"]):
-            print(f"wrote {path}")
-    else:
-        print(k8s.dump([d for d in [*setup.values(), *files.values()] if k8s.is_manifest(d)]), end="")
-    if args["--setup"]:
-        for path in k8s.write(setup, args["--setup"], source=args["<spec>"], header=k8s.SETUP_HEADER):
-            print(f"wrote {path}")
-    if args["--argo"]:
-        atomic_write_text(args["--argo"], argo.dump(spec, text, source=args["<spec>"]))
-        print(f"wrote {args['--argo']}")
-    if args["--argo-setup"]:
-        atomic_write_text(args["--argo-setup"], argo.dump_setup(spec, source=args["<spec>"]))
-        print(f"wrote {args['--argo-setup']}")
-    return 0
-
-
-def cmd_argo(args: dict[str, Any]) -> int:
-    return wait_for_workflow(args["<workflow>"], args["--namespace"])
-
-
-def _diff_options(args: dict[str, Any]) -> dict[str, Any]:
-
-    try:
-        tol = Tolerance(rtol=float(args["--rtol"]), atol=float(args["--atol"]))
-    except ValueError:
-        raise UsageError(f"--rtol/--atol expect numbers, got {args['--rtol']!r}, {args['--atol']!r}") from None
-    return {"tol": tol, "ignore": args["--ignore"], "top": _int(args, "--top")}
-
-
-def _print_json(obj: Any) -> None:
-    """``--json`` output: strict JSON (a NaN or an infinity is refused, never printed)."""
-    print(pretty_bytes(obj).decode("utf-8"), end="")
-
-
-def _print_report(report: Any, as_json: bool) -> None:
-    if as_json:
-        _print_json(report.to_json())
-    else:
-        print(report.render())
-
-
-def cmd_diag_diff(args: dict[str, Any]) -> int:
-
-    report = diagdiff.diff_files(args["<a.jsonl>"], args["<b.jsonl>"], **_diff_options(args))
-    _print_report(report, args["--json"])
-    return report.exit_code
-
-
-def cmd_trace_diff(args: dict[str, Any]) -> int:
-    from replayjob.trace.diff import render, trace_diff
-
-    rep = trace_diff(args["<a>"], args["<b>"], args["--reference"] or None)
-    if args["--json"]:
-        _print_json(rep)
-    else:
-        print(render(rep))
-    return int(rep["exit_code"])
-
-
-def cmd_mismatch(args: dict[str, Any]) -> int:
-    from replayjob.mismatch import check_capture
-
-    report = check_capture(args["<capture>"], args["--set"], args["--bound"], allow_lag=bool(args["--allow-lag"]))
-    if args["--json"]:
-        _print_json(report.to_json())
-    else:
-        print(report.render())
-    report.raise_for_decision()
-    return 0
-
-
-def cmd_determinism_check(args: dict[str, Any]) -> int:
-
-    report = check(args["<config>"], runs=_int(args, "--runs"),
-                   steps=_int(args, "--steps") if args["--steps"] is not None else None,
-                   out=args["--out"], sets=args["--set"], command=args["--command"], **_diff_options(args),
-                   progress=lambda line: print(line, file=sys.stderr))
-    _print_report(report, args["--json"])
-    return report.exit_code
-
-
-def cmd_signals(args: dict[str, Any]) -> int:
-
-    report = evaluate(args["<run>"], load_rules(args["--rules"]))
-    if args["--quiet"]:
-        print(report.quiet())
-    else:
-        _print_report(report, args["--json"])
-    return report.exit_code
-
-
-def cmd_bundle(args: dict[str, Any]) -> int:
-    path = args["<bundle>"]
-    if args["inspect"]:
-        from replayjob.bundle.summary import inspect_path, render
-
-        info = inspect_path(path)
-        if args["--json"]:
-            _print_json(info)
-        else:
-            print(render(info))
-        return 0
-    if args["validate"]:
-        from replayjob.bundle.reader import load_bundle
-
-        b = load_bundle(path, tensors=False)  # every check, no payload data kept
-        summary = {"valid": True, "path": str(b.path), "bundle_id": b.manifest["bundle_id"], "kind": b.kind,
-                   "samples": len(b.samples), "payloads": sorted(b.payloads), "ranks": b.ranks}
-        print(pretty_bytes(summary).decode("utf-8").rstrip("\n") if args["--json"] else
-              f"valid: {b.kind} bundle {summary['bundle_id']} ({summary['samples']} samples, "
-              f"{len(b.payloads)} payloads{', ranks ' + str(b.ranks) if b.ranks else ''})")
-        return 0
-    from replayjob.bundle.replay import replay_bundle
-    from replayjob.bundle.report import render as render_report
-
-    report = replay_bundle(path, stage=args["--stage"], samples=args["--sample"], groups=args["--group"],
-                           batches=args["--batch"], step=args["--step"],
-                           rollout=_int(args, "--rollout") if args["--rollout"] is not None else None,
-                           max_examples=_int(args, "--examples"))
-    if args["--json"]:  # a non-finite value compared is reported as a string ("NaN"), never a bare NaN
-        _print_json(non_finite_as_strings(report.to_json()))
-    else:
-        print(render_report(report))
-    return 1 if report.diverged else 0
-
-
-COMMANDS: dict[str, Handler] = {
-    "step": cmd_step,  # first: `step capture|replay|reduce` also sets args["capture"] ...
-    "init": cmd_init,
-    "train": cmd_train,
-    "capture": cmd_capture,
-    "explain": cmd_explain,
-    "bundle": cmd_bundle,  # before "replay": `bundle replay` also sets args["replay"]
-    "replay": cmd_replay,
-    "reduce": cmd_reduce,
-    "funnel": cmd_funnel,
-    "diag-diff": cmd_diag_diff,
-    "trace-diff": cmd_trace_diff,
-    "mismatch": cmd_mismatch,
-    "determinism-check": cmd_determinism_check,
-    "signals": cmd_signals,
-    "k8s": cmd_k8s,
-    "argo": cmd_argo,
+# command -> "module:handler" in replayjob.commands, each module loaded when its command runs: a
+# command imports its own module only, so `--help` and `reduce` never import what `replay` needs.  Order
+# matters where docopt sets two names: `step capture|replay|reduce` also sets args["capture"] ..., and
+# `bundle replay` also sets args["replay"].
+COMMANDS: dict[str, str] = {
+    "step": "replayjob.commands.deploy:cmd_step",
+    "init": "replayjob.commands.source:cmd_init",
+    "train": "replayjob.commands.source:cmd_train",
+    "capture": "replayjob.commands.source:cmd_capture",
+    "explain": "replayjob.commands.replay:cmd_explain",
+    "bundle": "replayjob.commands.bundle:cmd_bundle",
+    "replay": "replayjob.commands.replay:cmd_replay",
+    "reduce": "replayjob.commands.reduce:cmd_reduce",
+    "funnel": "replayjob.commands.funnel:cmd_funnel",
+    "diag-diff": "replayjob.commands.checks:cmd_diag_diff",
+    "trace-diff": "replayjob.commands.trace:cmd_trace_diff",
+    "mismatch": "replayjob.commands.mismatch:cmd_mismatch",
+    "determinism-check": "replayjob.commands.checks:cmd_determinism_check",
+    "signals": "replayjob.commands.checks:cmd_signals",
+    "k8s": "replayjob.commands.deploy:cmd_k8s",
+    "argo": "replayjob.commands.deploy:cmd_argo",
 }
+
+
+def handler(name: str) -> Handler:
+    """The handler of command ``name`` (its module imported now)."""
+    module, _, function = COMMANDS[name].partition(":")
+    found: Handler = getattr(importlib.import_module(module), function)
+    return found
 
 
 def _output_dir(args: dict[str, Any]) -> str | None:
@@ -615,9 +286,6 @@ def _report_error(name: str, exc: BaseException, out_dir: str | None) -> str:
     """Write ``exc``'s traceback to ``out_dir/replayjob-error-<time>-<pid>.txt`` (stderr when there is no
     output directory or it cannot be written) and return the one line the CLI prints.  The file name
     matches no artifact, so a retry into the same directory is not refused because of it."""
-    import time
-    import traceback
-
     text = "".join(traceback.format_exception(exc))
     cause = (str(exc).strip().splitlines() or [""])[0][:300]
     head = f"replayjob {name}: error (exit 3, nothing was decided; retrying may help): " \
@@ -633,9 +301,6 @@ def _report_error(name: str, exc: BaseException, out_dir: str | None) -> str:
             pass
     print(text, file=sys.stderr, end="")
     return f"{head}; traceback above"
-
-
-_ARGV, _REEXEC = "<argv>", "<reexec>"  # what main adds to docopt's arguments for `step`
 
 
 def main(argv: Sequence[str] | None = None, *, reexec: bool = False) -> int:
@@ -664,11 +329,11 @@ def _main(argv: Sequence[str] | None, reexec: bool) -> int:
         return EXIT_REFUSED
     except SystemExit as exc:  # --help / --version
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_REFUSED
-    args[_ARGV], args[_REEXEC] = argv, reexec
-    for name, handler in COMMANDS.items():
+    args[ARGV], args[REEXEC] = argv, reexec
+    for name in COMMANDS:
         if args.get(name):
             try:
-                return handler(args)
+                return handler(name)(args)
             except ReplayjobError as exc:
                 print(f"replayjob {name}: {exc.diagnostics()}", file=sys.stderr)
                 return exc.exit_code

@@ -262,7 +262,6 @@ class Funnel:
 
     # -- stages ------------------------------------------------------------------------------------
     def determinism(self, st: Stage) -> None:
-
         steps = self.opts.steps or max(2, *(r.min_rows for r in load_rules(None).signals))
         plant = ["environment.nondeterministic_observation=true"] if self.opts.plant_nondeterminism else []
         rep = check(self.ws / "train.toml", runs=2, steps=steps, out=self.out / "determinism",
@@ -273,7 +272,6 @@ class Funnel:
         st.artifacts = {"report": str(self.out / "determinism" / "determinism_check.json")}
 
     def signals(self, st: Stage) -> None:
-
         rules_path = None
         if self.opts.plant_kill:
             from importlib import resources

@@ -616,6 +616,11 @@ def _safetensors_names() -> dict[torch.dtype, str]:
     return {torch_dtype(d): d for d in _TORCH_NAMES}
 
 
+def safetensors_name(dtype: torch.dtype) -> str | None:
+    """The safetensors name of a torch dtype on the allow-list (None: not on it)."""
+    return _safetensors_names().get(dtype)
+
+
 def encode(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] | None = None,
            schema: Schema | None = None, where: str | Path = "<safetensors>") -> Encoded:
     """Serialize CPU tensors into a safetensors file in memory, hashing each tensor once.

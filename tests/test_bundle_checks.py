@@ -21,7 +21,7 @@ from replayjob import tensorfile
 from replayjob.bundle import format as fmt
 from replayjob.bundle.reader import load_bundle
 from replayjob.bundle.synthetic import _writer, make, write_rollout
-from replayjob.bundle.writer import DTYPES, ENV_RUN_ID, BundleWriter, default_config, shared_run_id
+from replayjob.bundle.writer import ENV_RUN_ID, BundleWriter, default_config, shared_run_id
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ConfigError, IntegrityError
@@ -65,7 +65,7 @@ def _forge(p: Path, edit: Callable[[dict[str, Any]], None] | None = None,
         enc = tensorfile.encode(payloads)
         (p / fmt.PAYLOAD_FILE).write_bytes(enc.data)
         for name, t in payloads.items():
-            m["payloads"][name].update(dtype=DTYPES[t.dtype], shape=list(t.shape),
+            m["payloads"][name].update(dtype=tensorfile.safetensors_name(t.dtype), shape=list(t.shape),
                                        sha256=enc.tensor_sha256[name].hex())
         m["payload_file"].update(bytes=len(enc.data), header_sha256=enc.header_sha256.hex())
     if edit is not None:

@@ -20,6 +20,19 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
         assert f"replayjob {name}" in out
 
 
+def test_every_command_resolves_to_a_handler_of_the_commands_package() -> None:
+    import importlib
+    import inspect
+
+    from replayjob.cli import handler
+    for name, target in COMMANDS.items():
+        module, _, function = target.partition(":")
+        assert module.startswith("replayjob.commands.") and function.startswith("cmd_"), target
+        found = handler(name)
+        assert found is getattr(importlib.import_module(module), function)
+        assert list(inspect.signature(found).parameters) == ["args"], target
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == replayjob.__version__
@@ -64,15 +77,14 @@ def test_unexpected_exception_exits_3_with_the_traceback_in_the_output_directory
 
 def test_memory_error_in_init_exits_3_and_a_retry_is_not_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    import replayjob.workspace as workspace
+    import replayjob.commands.source as source
 
-    real = workspace.init_workspace
-    monkeypatch.setattr(workspace, "init_workspace", _raise(MemoryError()))
+    monkeypatch.setattr(source, "init_workspace", _raise(MemoryError()))
     assert main(["init", str(tmp_path / "ws")]) == 3
     err = capsys.readouterr().err
     assert "MemoryError; traceback in" in err and "Traceback" not in err
     assert len(list((tmp_path / "ws").glob("replayjob-error-*.txt"))) == 1
-    monkeypatch.setattr(workspace, "init_workspace", real)
+    monkeypatch.undo()
     assert main(["init", str(tmp_path / "ws")]) == 0  # the traceback file is no artifact
 
 
@@ -119,7 +131,9 @@ def test_a_crash_in_step_reduce_exits_3_with_the_traceback_in_the_run_dir(
     def boom(args: dict[str, Any]) -> int:
         raise RuntimeError("planted")
 
-    monkeypatch.setitem(COMMANDS, "step", boom)
+    import replayjob.commands.deploy as deploy
+
+    monkeypatch.setattr(deploy, "cmd_step", boom)
     run = tmp_path / "run"
     assert main(["step", "reduce", "--spec", str(tmp_path / "s.toml"), "--run-dir", str(run)]) == 3
     assert "RuntimeError: planted" in capsys.readouterr().err

@@ -451,6 +451,7 @@ def test_a_step_stopped_by_sigterm_exits_3_without_a_traceback(tmp_path: Path) -
 SWALLOWING_STEP = """
 import os, signal, sys, time
 from replayjob import cli
+from replayjob.commands import deploy
 
 def step_inside_a_library_that_catches_everything(args):
     try:  # an import probe or a retry loop in a library: SIGTERM arrives in here
@@ -460,7 +461,7 @@ def step_inside_a_library_that_catches_everything(args):
         pass
     return 0
 
-cli._step = step_inside_a_library_that_catches_everything
+deploy._step = step_inside_a_library_that_catches_everything
 sys.exit(cli.main(["step", "plan", "--spec", sys.argv[1]]))
 """
 

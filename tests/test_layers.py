@@ -7,14 +7,22 @@ README's file tree shows the same floors:
   core -> config -> runtime -> artifacts -> producers -> analysis -> launch -> cli
 
 Two more rules keep the floors honest: no two modules import each other (directly or in a ring, imports
-inside functions counted), and no replayjob module is imported inside a function except the few listed in
-:data:`KNOWN_LATE`, each deferring torch from a command that starts without it; the list may only shrink.
+inside functions counted), and every import of a replayjob module is at the top of its file: only the heavy
+third-party packages (:data:`HEAVY`: torch and the model stack, matplotlib) are imported late, inside the
+functions that use them, so importing any replayjob module imports none of them and a command that needs no
+model (``--help``, a render, a reduce) never pays for one.  Three tables load a module by name, each a
+registry rather than a dependency: the CLI's ``COMMANDS`` (a command imports its own module of
+``replayjob.commands`` only), the producer registry (a capture names its producer) and the public names at the
+package top (PEP 562); each entry of each is checked to resolve, and to lie in the layers.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,7 +44,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                    "replayjob.trace.recorder", "replayjob.trace.fault")),
     ("analysis", ("replayjob.bundle", "replayjob.trace", "replayjob.gate", "replayjob.check", "replayjob.mismatch")),
     ("launch", ("replayjob.deploy", "replayjob.source_run", "replayjob.workspace", "replayjob.funnel")),
-    ("cli", ("replayjob.cli", "replayjob.__main__")),
+    ("cli", ("replayjob.cli", "replayjob.commands", "replayjob.__main__")),
 )
 
 
@@ -160,89 +168,25 @@ def test_typing_only_imports_and_downward_imports_pass() -> None:
     assert not [v for v in violations(mods) if v.startswith("replayjob.digest")]
 
 
-# The third-party packages whose import is deferred to the commands that need them: the model stack (seconds
-# to import, and absent from a render or a reduce that needs none of it) and the plotting library.
+# The third-party packages imported only inside the functions that use them: the model stack (seconds to
+# import, and absent from a render or a reduce that needs none of it) and the plotting library.
 HEAVY = frozenset({"torch", "transformers", "peft", "trl", "accelerate", "datasets", "matplotlib"})
 
 
-def heavy_modules(mods: dict[str, str], packages: set[str]) -> dict[str, str]:
-    """Each replayjob module that imports a heavy package when it is imported (directly or through the modules
-    and packages it imports at its top), with the heavy package it reaches first."""
+def deferral_violations(mods: dict[str, str], packages: set[str]) -> list[str]:
+    """Every import that breaks the deferral rule: a replayjob module imported inside a function (import it at
+    the top: no replayjob module imports a heavy package when it is imported, so there is nothing to defer),
+    and a heavy package imported at a module's top (import it in the functions that use it; annotations
+    import it under ``if TYPE_CHECKING:``)."""
     known = set(mods)
-    top: dict[str, set[str]] = {}
-    for m, src in mods.items():
-        names = {n for n, _, deferred in _imports(m, src, known, m in packages) if not deferred}
-        parents = {".".join(m.split(".")[:i]) for i in range(1, len(m.split(".")))} & known
-        top[m] = (names | parents) - {m}
-    found: dict[str, str] = {}
-
-    def reach(m: str, seen: set[str]) -> str | None:
-        if m in found:
-            return found[m]
-        for n in sorted(top.get(m, ())):
-            if n in HEAVY:
-                return n
-        for n in sorted(top.get(m, ())):
-            if n in top and n not in seen:
-                hit = reach(n, seen | {n})
-                if hit:
-                    return hit
-        return None
-
-    for m in mods:
-        hit = reach(m, {m})
-        if hit:
-            found[m] = hit
-    return found
-
-
-# The imports of replayjob's own modules that still sit inside functions, each deferring torch (and what it
-# pulls in) from a command that starts without it: the CLI's dispatch (`--help`, `k8s render`, `reduce`,
-# `diag-diff` import no torch), the launch steps (a render or a plan imports no torch), and the reducer's
-# gradient evidence (traces are read only when a replay recorded one).  ARCHITECTURE.md allows late imports
-# of heavy third-party packages only: the way to empty this list is for these targets to import torch
-# inside their own functions, or to split a torch-free half from them.  A new entry fails the test, and so
-# does an entry that no longer exists (the list only shrinks).
-KNOWN_LATE = {
-    "replayjob.cli": {"replayjob.bundle.reader", "replayjob.bundle.replay", "replayjob.bundle.report",
-                      "replayjob.bundle.summary", "replayjob.mismatch", "replayjob.optbatch.replay",
-                      "replayjob.producers.explain", "replayjob.source_run", "replayjob.trace.diff",
-                      "replayjob.workspace"},
-    "replayjob.deploy.external": {"replayjob.producers.explain"},
-    "replayjob.deploy.step": {"replayjob.optbatch.replay", "replayjob.source_run", "replayjob.workspace"},
-    "replayjob.gate.gradients": {"replayjob.trace.diff", "replayjob.trace.envelope", "replayjob.trace.store"},
-}
-
-
-def late_imports(mods: dict[str, str], packages: set[str]) -> dict[str, set[str]]:
-    """Each module's imports of other replayjob modules inside a function (TYPE_CHECKING ones aside)."""
-    known = set(mods)
-    out: dict[str, set[str]] = {}
-    for m, src in mods.items():
-        for name, _, deferred in _imports(m, src, known, m in packages):
-            if deferred and name.startswith("replayjob") and name != m:
-                out.setdefault(m, set()).add(name)
-    return out
-
-
-def deferral_violations(mods: dict[str, str], packages: set[str],
-                        known: dict[str, set[str]] | None = None) -> list[str]:
-    """Every late import of a replayjob module that is not in :data:`KNOWN_LATE`, every entry of it that no
-    longer exists, and every listed one whose target pulls in no heavy package (nothing to defer)."""
-    known = KNOWN_LATE if known is None else known
-    heavy = heavy_modules(mods, packages)
-    late = late_imports(mods, packages)
     out = []
-    for m in sorted(set(late) | set(known)):
-        for name in sorted(late.get(m, set()) - known.get(m, set())):
-            out.append(f"{m} imports {name} inside a function: import it at the top (only heavy third-party "
-                       "packages are imported late)")
-        for name in sorted(known.get(m, set()) - late.get(m, set())):
-            out.append(f"KNOWN_LATE lists {m} -> {name}, which is no longer a late import: drop the entry")
-        for name in sorted(late.get(m, set()) & known.get(m, set())):
-            if name not in heavy or m in heavy:
-                out.append(f"{m} imports {name} inside a function, which defers no heavy package: import it at "
-                           "the top and drop the entry")
+    for m, src in sorted(mods.items()):
+        for name, line, deferred in _imports(m, src, known, m in packages):
+            own = name == "replayjob" or name.startswith("replayjob.")
+            if deferred and own and name != m:
+                out.append(f"{m}:{line} imports {name} inside a function: import it at the top")
+            elif not deferred and name in HEAVY:
+                out.append(f"{m}:{line} imports {name} at its top: import it inside the functions that use it")
     return out
 
 
@@ -252,27 +196,32 @@ def test_only_heavy_packages_are_imported_late() -> None:
     assert deferral_violations(mods, packages) == []
 
 
-def test_a_new_late_import_or_a_stale_entry_is_reported() -> None:
+def test_a_late_own_import_or_an_early_heavy_import_is_reported() -> None:
     mods = {m: p.read_text(encoding="utf-8") for m, p in modules().items()}
     packages = {m for m, p in modules().items() if p.name == "__init__.py"}
-    # a light module, and a heavy one, imported inside a function of a module not listed
     mods["replayjob.gate.verdict"] += ("\n\ndef _late():\n    from replayjob.digest import sha256_bytes\n"
-                                       "    from replayjob.rl.batch import OptimizerBatch\n"
-                                       "    return sha256_bytes, OptimizerBatch\n")
+                                       "    import torch\n    return sha256_bytes, torch\n")
+    mods["replayjob.rl.batch"] = "import torch\nfrom transformers import AutoModel\n" + mods["replayjob.rl.batch"]
+    mods["replayjob.metrics"] += "\nif TYPE_CHECKING:\n    import torch\n"
     found = deferral_violations(mods, packages)
-    assert "replayjob.gate.verdict imports replayjob.digest inside a function" in "\n".join(found)
-    assert "replayjob.gate.verdict imports replayjob.rl.batch inside a function" in "\n".join(found)
-    # an entry whose late import is gone must go; a listed import of a light module defers nothing
-    stale = {**KNOWN_LATE, "replayjob.funnel": {"replayjob.rl.batch"},
-             "replayjob.gate.verdict": {"replayjob.digest", "replayjob.rl.batch"}}
-    found = deferral_violations(mods, packages, stale)
-    assert any(v.startswith("KNOWN_LATE lists replayjob.funnel -> replayjob.rl.batch, which is no longer")
-               for v in found)
-    assert any(v.startswith("replayjob.gate.verdict imports replayjob.digest inside a function, which defers no")
-               for v in found)
-    assert not any("replayjob.gate.verdict imports replayjob.rl.batch" in v for v in found)
-    assert "replayjob.rl.batch" in heavy_modules(mods, packages)  # torch at its top
-    assert "replayjob.digest" not in heavy_modules(mods, packages)
+    verdict = [v for v in found if v.startswith("replayjob.gate.verdict:")]
+    assert len(verdict) == 1 and "imports replayjob.digest inside a function" in verdict[0]  # torch late: allowed
+    assert "replayjob.rl.batch:1 imports torch at its top" in "\n".join(found)
+    assert "replayjob.rl.batch:2 imports transformers at its top" in "\n".join(found)
+    assert not [v for v in found if v.startswith("replayjob.metrics")]  # annotations only
+
+
+def test_importing_every_module_imports_no_heavy_package() -> None:
+    """What the source rules promise, checked on the running interpreter: every replayjob module imported in
+    one fresh process (the entry points' dynamic lookups included), and no heavy package loaded."""
+    names = sorted(m for m in modules() if m != "replayjob.__main__")
+    probe = ("import importlib, json, sys\n"
+             f"for m in {names!r}:\n    importlib.import_module(m)\n"
+             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & set(sys.argv[1:]))))\n")
+    proc = subprocess.run([sys.executable, "-c", probe, *sorted(HEAVY)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == []
 
 
 def import_cycles(mods: dict[str, str], packages: set[str]) -> list[list[str]]:
@@ -320,3 +269,19 @@ def test_no_modules_import_each_other() -> None:
     assert import_cycles(mods, packages) == []
     mods["replayjob.optbatch.explain"] += "\n\ndef _late():\n    from replayjob.integrations import admission\n"
     assert ["replayjob.integrations.admission", "replayjob.optbatch.explain"] in import_cycles(mods, packages)
+
+
+def test_every_entry_of_the_name_keyed_tables_resolves_within_the_layers() -> None:
+    import importlib
+
+    import replayjob
+    from replayjob.cli import COMMANDS, handler
+    from replayjob.producers import PRODUCERS
+
+    for name, target in COMMANDS.items():  # the CLI's commands: modules of the cli layer itself
+        assert layer_of(target.partition(":")[0]) == len(LAYERS) - 1 and callable(handler(name)), target
+    for name, module in PRODUCERS.items():  # producers' replay modules: below the analysis that reads them
+        assert layer_of(module) is not None and layer_of(module) <= layer_of("replayjob.producers.driver"), module
+        assert importlib.import_module(module).__name__ == module, name
+    for name in replayjob.__all__:  # the public API: every name there
+        assert getattr(replayjob, name) is not None, name

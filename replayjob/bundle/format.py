@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replayjob import tensorfile
 from replayjob.digest import is_sha256_hex
 from replayjob.errors import ContractError, IntegrityError
 from replayjob.rl.stages import ESTIMATORS
 
-# The payload dtypes a bundle may hold: safetensors name -> torch dtype (the one list every part uses).
-DTYPES: dict[str, torch.dtype] = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-                                  "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-                                  "U8": torch.uint8, "BOOL": torch.bool}
+if TYPE_CHECKING:
+    pass
+
+# The payload dtypes a bundle may hold, by their safetensors names (the one list every part uses; the torch
+# dtype of each is tensorfile.torch_dtype(name)).
+DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "U8", "BOOL")
 
 FORMAT = "replayjob.bundle"
 # The version each kind appeared in: a writer writes the oldest minor version that holds its bundle.

@@ -41,9 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
-
 import replayjob
 from replayjob.bundle import format as fmt
 from replayjob.bundle.writer import BundleWriter, PreparedBundle
@@ -53,6 +50,8 @@ from replayjob.model.tokenizer import ByteTokenizer
 from replayjob.rl.hooks import BackgroundWriter, StepHook, StepRollout, TrainerView
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from replayjob.config import Config
     from replayjob.rl.update import UpdateResult
 
@@ -117,7 +116,7 @@ class BundleCapture(StepHook):
 
     def __init__(self, cfg: Config, directory: Path, steps: set[tuple[int, int]] | None,
                  rollouts: set[int] | None, build_on_training_thread: bool | None = None):
-
+        import torch
         self.directory = directory
         # None: decided in on_train_begin from where the trained parameters live (all on the CPU: yes)
         self.build_on_training_thread = build_on_training_thread
@@ -237,6 +236,7 @@ class BundleCapture(StepHook):
 
     # building (the writer thread, or the training thread for a step computed on the CPU) -----
     def _bundle(self, snap: _Snapshot, kind: str) -> BundleWriter:
+        import torch
         rid = snap.step
         step_id = 0 if kind in fmt.STEP_KINDS else None
         w = BundleWriter(self.directory / fmt.bundle_name(kind, rid, step_id), kind=kind, rollout_id=rid,
@@ -274,6 +274,7 @@ class BundleCapture(StepHook):
     def _step(self, w: BundleWriter, snap: _Snapshot, flat_logp: Tensor | None, loss: float) -> None:
         """The actor step's policy loss, with the logprobs it saw; in an update bundle its other inputs
         are already there (the advantages as ``advantage.estimate``'s recorded output)."""
+        import torch
         assert flat_logp is not None
         t = snap.tensors
         mask = t["mask"]
@@ -299,6 +300,7 @@ def _label_ids(snap: _Snapshot) -> list[list[int]]:
 
 def _padded(rows: list[list[int]], width: int) -> Tensor:
     """``rows`` as an int64 ``[len(rows), width]`` tensor padded with 0 (one buffer, no per-row Torch call)."""
+    import torch
     longest = max((len(r) for r in rows), default=0)
     if longest > width:
         raise RefusedError(f"a row of {longest} tokens does not fit the width {width}")

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
 from replayjob.bundle import format as fmt
 from replayjob.errors import IntegrityError
+from replayjob.tensorfile import torch_dtype
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from replayjob.tensorfile import TensorSpec
 
 _LONG_ROW = 1024  # from this width on, rows are compared piece by piece against the template
@@ -37,6 +37,7 @@ class MaskRows:
     """
 
     def __init__(self, lengths: list[int], sample_ids: list[str]):
+        import torch
         self.lengths = lengths
         self.sample_ids = sample_ids
         self.lengths_t = torch.tensor(lengths, dtype=torch.int64)
@@ -50,9 +51,10 @@ class MaskRows:
 
     def __call__(self, spec: TensorSpec, piece: memoryview, first: int) -> None:
         """Check ``piece``: elements ``first ..`` of the mask tensor, just read and hashed."""
+        import torch
         if spec.name != "mask" or len(spec.shape) != 2 or spec.shape[0] != len(self.lengths):
             return  # the reader refuses this file by its header; nothing here is checked
-        width, dtype = spec.shape[1], fmt.DTYPES[spec.dtype]
+        width, dtype = spec.shape[1], torch_dtype(spec.dtype)
         if self._template is None:
             too_long = [i for i, n in enumerate(self.lengths) if n > width]
             if too_long:
@@ -67,6 +69,7 @@ class MaskRows:
 
     def _check(self, values: Tensor, first: int, width: int) -> None:
         """Elements ``first ..`` of the row-major ``[N, width]`` mask, in pieces of at most ``_GRAIN``."""
+        import torch
         assert self._template is not None and self._cols is not None
         pos, n = 0, values.numel()
         while pos < n:

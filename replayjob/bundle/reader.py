@@ -26,11 +26,9 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from replayjob import tensorfile
 from replayjob.bundle import format as fmt
@@ -41,6 +39,9 @@ from replayjob.errors import IntegrityError
 from replayjob.fsio import read_regular_bytes
 from replayjob.jsonio import DEFAULT_MAX_BYTES, loads_strict, read_json_object
 from replayjob.model.tokenizer import ByteTokenizer
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 PARALLEL_FILES = 4  # payload tensors read at once, at most
 PARALLEL_MIN_BYTES = 32 * 1024 * 1024  # below this, threads cost more than they save
@@ -166,9 +167,10 @@ class TokenIds:
 
     def __call__(self, spec: tensorfile.TensorSpec, piece: memoryview, first: int) -> None:
         """Check ``piece``: elements ``first ..`` of tensor ``spec``, just read and hashed."""
+        import torch
         if spec.name not in self.bounds or spec.dtype not in fmt.INTEGER_DTYPES or len(spec.shape) != 2:
             return  # refused by the manifest or the header check
-        dtype = fmt.DTYPES[spec.dtype]
+        dtype = tensorfile.torch_dtype(spec.dtype)
         count = len(piece) // dtype.itemsize
         if not count:
             return
@@ -183,6 +185,7 @@ class TokenIds:
 
     def check_tensor(self, name: str, t: Tensor) -> None:
         """The same check on a whole ``[N, T]`` tensor (the writer, before it writes)."""
+        import torch
         if name in self.bounds and t.dim() == 2 and not t.dtype.is_floating_point and t.dtype != torch.bool:
             self._check(name, t.reshape(-1), 0, t.shape[1])
 
@@ -218,6 +221,7 @@ def _load_payloads(path: Path, manifest: dict[str, Any], keep: bool, rows: MaskR
     the bytes read; without it (validation only) the file streams through a chunk buffer and
     ``meta`` tensors of the declared dtypes and shapes stand in (any numeric use fails loudly).
     """
+    import torch
     specs, pf = manifest["payloads"], manifest["payload_file"]
     p = path / fmt.PAYLOAD_FILE
     try:
@@ -258,7 +262,7 @@ def _load_payloads(path: Path, manifest: dict[str, Any], keep: bool, rows: MaskR
         raise IntegrityError(f"payload 'mask': only {rows.checked} values were checked",
                              where=fmt.payload_where("mask"))
     if not keep:
-        return {n: torch.empty(header.tensors[n].shape, dtype=fmt.DTYPES[specs[n]["dtype"]], device="meta")
+        return {n: torch.empty(header.tensors[n].shape, dtype=tensorfile.torch_dtype(specs[n]["dtype"]), device="meta")
                 for n in sorted(specs)}
     tensors = scanned.tensors()
     return {n: tensors[n] for n in sorted(specs)}
@@ -420,6 +424,7 @@ def _spec(spec: dict[str, Any] | None) -> str:
 
 def merge(root: Path, ranks: list[int], parts: list[Bundle]) -> Bundle:
     """Concatenate rank shards in rank order (per-token payloads padded to one T)."""
+    import torch
     first = parts[0]
     for b in parts[1:]:
         for key in ("format_version", "bundle_id", "kind", "stages", "comparison", "redaction"):

@@ -20,10 +20,7 @@ Per stage (``rows`` are bundle rows, always whole semantic groups):
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from replayjob.bundle.reader import Bundle
 from replayjob.bundle.schema import check_groups
@@ -31,6 +28,9 @@ from replayjob.errors import ContractError
 from replayjob.model.tokenizer import ByteTokenizer
 from replayjob.rl import stages
 from replayjob.rl.task import Task
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def take_rows(t: Tensor, rows: list[int]) -> Tensor:
@@ -41,6 +41,7 @@ def take_rows(t: Tensor, rows: list[int]) -> Tensor:
 
 
 def _group_ids(b: Bundle, rows: list[int]) -> Tensor:
+    import torch
     recs = b.samples
     check_groups(b.manifest, [recs[i] for i in rows], b.config)  # the reader's check, on the rows selected
     labels = [recs[i]["group"] for i in rows]
@@ -63,6 +64,7 @@ def reward_raw(b: Bundle, rows: list[int]) -> dict[str, Tensor]:
 
 
 def post_process(b: Bundle, rows: list[int]) -> dict[str, Tensor]:
+    import torch
     cfg = b.config
     raw = take_rows(torch.tensor(b.expected["reward.raw"]["raw"], dtype=torch.float64), rows)
     try:
@@ -79,6 +81,7 @@ def token_kl(b: Bundle, rows: list[int]) -> dict[str, Tensor]:
 
 
 def advantage_estimate(b: Bundle, rows: list[int]) -> dict[str, Tensor]:
+    import torch
     cfg = b.config
     scores = take_rows(torch.tensor(b.expected["reward.post_process"]["scores"], dtype=torch.float64), rows)
     kl, mask = take_rows(b.payloads["kl"], rows), take_rows(b.payloads["mask"], rows)
@@ -96,6 +99,7 @@ def advantage_estimate(b: Bundle, rows: list[int]) -> dict[str, Tensor]:
 
 def policy_loss(b: Bundle, rows: list[int]) -> dict[str, Any]:
     """Returns ``loss_weights`` [rows, T] and ``loss``: one float64 scalar per loss cohort."""
+    import torch
     cfg = b.config
     p = b.payloads
     weights = []

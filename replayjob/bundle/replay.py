@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from replayjob.bundle import format as fmt
 from replayjob.bundle.reader import Bundle, load_bundle
 from replayjob.bundle.recompute import RECOMPUTE, cohort_level, take_rows
@@ -46,6 +44,7 @@ def replay_bundle(path: str | Path, *, stage: str = "all", samples: list[str] | 
 
 
 def run_stage(b: Bundle, stage: str, sel: Selection, only: str, max_examples: int) -> StageResult:
+    import torch
     cap = b.capability(stage)
     if only not in ("all", stage):
         return StageResult(stage, cap, "skipped", f"not selected (--stage {only})")

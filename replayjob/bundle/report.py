@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
+
 
 DEFAULT_EXAMPLES = 5
 
@@ -81,6 +82,7 @@ class Report:
 def compare(name: str, expected: Tensor, actual: Tensor, sample_ids: list[str], atol: float, rtol: float,
             max_examples: int = DEFAULT_EXAMPLES) -> FieldResult:
     """Compare one field; ``expected``/``actual`` are ``[]`` (scalar), ``[N]`` or ``[N, T]``."""
+    import torch
     e = expected.to(torch.float64)
     a = actual.to(torch.float64)
     if e.shape != a.shape:

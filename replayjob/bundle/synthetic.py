@@ -22,16 +22,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from replayjob.bundle import format as fmt
 from replayjob.bundle.writer import BundleWriter, default_config
 from replayjob.model.tokenizer import ByteTokenizer
 from replayjob.rl import stages
 from replayjob.rl.task import Task
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 Inject = dict[str, tuple[int, int, float]]
 
@@ -52,6 +52,7 @@ class Synthetic:
 def make(*, estimator: str = "grpo", groups: int = 2, group_size: int = 4, max_len: int = 6, seed: int = 0,
          consumer_batches: int = 1, streaming_bug: bool = False, **config: Any) -> Synthetic:
     """Generate inputs and run the stages; see the module docstring for ``streaming_bug``."""
+    import torch
     gen = torch.Generator().manual_seed(seed)
     cfg = default_config(estimator=estimator, samples_per_prompt=group_size,
                          task={"name": "arithmetic", "max_operand": 99}, **config)

@@ -38,10 +38,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 import replayjob
 from replayjob import distributed, tensorfile
@@ -54,7 +51,9 @@ from replayjob.faults import point
 from replayjob.fsio import atomic_write_bytes, fsync_dir, write_failure
 from replayjob.jsonio import canonical_bytes, pretty_bytes, read_json_object
 
-DTYPES = {t: name for name, t in fmt.DTYPES.items()}  # torch dtype -> safetensors name
+if TYPE_CHECKING:
+    from torch import Tensor
+
 ENV_RUN_ID = "REPLAYJOB_BUNDLE_RUN_ID"  # a multi-rank bundle's run id, set by the launcher (one per launch)
 ENV_ELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"  # torchrun's rendezvous id (a fresh UUID with --standalone)
 ENV_ELASTIC_RESTART = "TORCHELASTIC_RESTART_COUNT"  # torchrun's restart of the workers (an attempt: another run)
@@ -147,6 +146,7 @@ class BundleWriter:
                  producer: dict[str, Any] | None = None, redaction: dict[str, str] | None = None,
                  comparison: dict[str, dict[str, float]] | None = None, weight_version: int = 0,
                  rank: int | None = None, ranks: Sequence[int] | None = None, run_id: str | None = None):
+        import torch
         if kind not in fmt.KINDS:
             raise IntegrityError(f"bundle kind must be one of {list(fmt.KINDS)}, not {kind!r}")
         if (kind in fmt.STEP_KINDS) != (step_id is not None):
@@ -216,11 +216,12 @@ class BundleWriter:
 
     def write_payload(self, name: str, tensor: Tensor, *, role: str = "input") -> None:
         """Add a tensor payload (``role`` "input" or "expected"); stored as tensor ``<name>`` of the payload file."""
+        from torch import Tensor
         fmt.check_payload_name(name)
         if not isinstance(tensor, Tensor):
             raise IntegrityError(f"payload {name!r} must be a torch.Tensor, not {type(tensor).__name__}",
                                  hint="bundles hold tensors only; put metadata in the index")
-        if tensor.dtype not in DTYPES:
+        if tensorfile.safetensors_name(tensor.dtype) not in fmt.DTYPES:
             raise IntegrityError(f"payload {name!r}: dtype {tensor.dtype} is not supported")
         if name in self.payloads:
             raise IntegrityError(f"payload {name!r} was already written")
@@ -229,6 +230,7 @@ class BundleWriter:
 
     def set_expected(self, stage: str, field: str, value: Tensor | Sequence[float] | float) -> None:
         """Record a stage output: token fields as tensor payloads, others as JSON numbers."""
+        from torch import Tensor
         shape = fmt.OUTPUTS.get(stage, {}).get(field)
         if shape is None:
             raise IntegrityError(f"stage {stage!r} has no output field {field!r}")
@@ -252,7 +254,7 @@ class BundleWriter:
         index = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "kind": self.kind,
                  "identity": self.identity, "config": self.config, "samples": self.samples}
         names = sorted(self.payloads)
-        dtypes = {name: DTYPES[self.payloads[name].dtype] for name in names}
+        dtypes = {name: str(tensorfile.safetensors_name(self.payloads[name].dtype)) for name in names}
         blob: bytes | None = None
         payload_file: dict[str, Any] | None = None
         digests: dict[str, str] = {}

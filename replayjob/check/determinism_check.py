@@ -126,7 +126,6 @@ def trainer_argv(config: str | Path, run_dir: Path, sets: Sequence[str]) -> list
 
 
 def _validate_trainer_config(config: str | Path, sets: Sequence[str]) -> None:
-
     cfg = load_config(config, list(sets))
     if cfg.training.trainer != "grpo":
         raise ConfigError(f"determinism-check runs the source trainer ('grpo'), the config says "

@@ -46,6 +46,7 @@ from replayjob.integrations import manifest as external_manifest
 from replayjob.jsonio import pretty_bytes, read_json_object
 from replayjob.knobs import BUILTIN, WORLD_SIZE, knobs_for
 from replayjob.producers import manifests
+from replayjob.producers.explain import explain
 from replayjob.producers.manifests import CaptureManifest
 
 CAPTURE_RECORD = "capture.json"  # RUN/capture.json: the verified capture (step capture writes it)
@@ -187,8 +188,6 @@ def verify(spec: AblationSpec, run: Path, log: Any = print) -> Located:
     found = check(spec)
     assert found is not None
     sets = replay_sets(spec, found)
-    from replayjob.producers.explain import explain  # imports torch: a render never calls verify
-
     adm, rep = explain(found.config, sets, found.record)
     adm.raise_for(str(found.config))
     atomic_write_bytes(run / CAPTURE_RECORD, pretty_bytes({

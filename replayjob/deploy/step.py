@@ -94,6 +94,9 @@ from replayjob.errors import (
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.gate import reducer
 from replayjob.launch import check_launcher
+from replayjob.optbatch.replay import replay_command
+from replayjob.source_run import capture
+from replayjob.workspace import init_workspace
 
 RUN_RECORD = runrecord.FILE
 IMAGE_ENV = "REPLAYJOB_IMAGE_REF"
@@ -478,8 +481,6 @@ def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None
     if not (layout.workspace / "replay.toml").is_file():
         if not layout.owns_workspace:
             raise RefusedError("not a `replayjob init` workspace (no replay.toml)", where=layout.workspace)
-        from replayjob.workspace import init_workspace
-
         _set_aside(layout.workspace, layout, log)  # replay.toml is init's last file: no replay.toml, partial
         init_workspace(layout.workspace, spec.seed)
         log(f"step: initialised {layout.workspace}")
@@ -492,8 +493,6 @@ def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None
         _set_aside(layout.source, layout, log)
         sets = [*spec.config_sets()]
         if spec.ranks == 1:
-            from replayjob.source_run import capture
-
             capture(layout.workspace / "source.toml", sets, layout.source)
         else:
             launch_ranks(spec.ranks, ["capture", str(layout.workspace / "source.toml"), "--out", str(layout.source),
@@ -571,8 +570,6 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
     _set_aside(out, layout, log)
     for kv in planted:
         log(f"step: planted undeclared override {kv} in arm {run.arm}")
-    from replayjob.optbatch.replay import replay_command
-
     if found is not None:
 
         arm = spec.arm(run.arm)

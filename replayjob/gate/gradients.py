@@ -27,11 +27,12 @@ from typing import Any
 from replayjob.gate import claims as C
 from replayjob.gate import stats
 from replayjob.gate.evidence import Replay
+from replayjob.trace.diff import Side, TraceDiff, rounding_scale
+from replayjob.trace.envelope import cosine, envelope, finite_or_none, relative_error, rounding_bound
+from replayjob.trace.store import Trace, dtype_name, read_trace
 
 
-def _traced(replays: list[Replay]) -> list[tuple[Replay, Any]]:
-    from replayjob.trace.store import read_trace
-
+def _traced(replays: list[Replay]) -> list[tuple[Replay, Trace]]:
     return [(r, read_trace(r.path.parent, expected_index_sha256=r.trace_index_sha256))
             for r in replays if r.trace_index_sha256 is not None]
 
@@ -51,12 +52,8 @@ def _median_interval(values: list[list[float]]) -> tuple[float, float, float]:
     return float(np.median(grid)), low, high
 
 
-def _param_rows(traced: list[tuple[Replay, Any]], arms: dict[str, C.Arm]) -> tuple[list[dict[str, Any]],
+def _param_rows(traced: list[tuple[Replay, Trace]], arms: dict[str, C.Arm]) -> tuple[list[dict[str, Any]],
                                                                                      list[str], list[str]]:
-    from replayjob.trace.diff import rounding_scale
-    from replayjob.trace.envelope import cosine, envelope, finite_or_none, relative_error, rounding_bound
-    from replayjob.trace.store import dtype_name
-
     by_arm: dict[str, list[Any]] = {}
     for r, t in traced:
         by_arm.setdefault(r.arm, []).append((r, t))
@@ -131,8 +128,6 @@ def localise(replays: list[Replay], source_final_adapter: str) -> list[C.Check]:
     The reference is a traced replay that reproduced the source's final adapter when there is one
     (else the first by arm and repeat), compared with the first traced replay that differs from it.
     """
-    from replayjob.trace.diff import Side, TraceDiff
-
     order = sorted(replays, key=lambda r: (r.final_adapter != source_final_adapter, r.arm, r.repeat_index))
     traced = _traced(order)
     if not traced:

@@ -7,9 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replayjob import metrics as metrics_io
 from replayjob.config import redact
@@ -20,6 +18,9 @@ from replayjob.integrations import manifest as imanifest
 from replayjob.optbatch.manifest import replay_config_name
 from replayjob.redact import redact_path
 from replayjob.rl.state import adapter_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 FINAL_ADAPTER_FILE = "final_adapter/adapter_model.safetensors"
 METRICS_FILE = metrics_io.SOURCE_FILE

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replayjob.digest import batch_part, batch_sha256, sha256_bytes
 from replayjob.errors import CaptureError, RefusedError
 from replayjob.rl.state import json_value
 
+if TYPE_CHECKING:
+    import torch
+
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """The tensor's elements as bytes, in row-major order (the safetensors data layout)."""
+    import torch
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     return bytes(flat.view(torch.uint8).numpy().tobytes()) if flat.numel() else b""
 
@@ -35,6 +37,7 @@ def captured_json(v: Any, where: str) -> Any:
 
 def split_group(values: Mapping[str, Any], where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Tensors (detached CPU copies in their own dtype) and JSON values of one input mapping."""
+    import torch
     tensors: dict[str, torch.Tensor] = {}
     plain: dict[str, Any] = {}
     for key, v in values.items():
@@ -121,6 +124,7 @@ def batch_rows(mbs: list[MicroBatch]) -> int:
 
 def has_nonfinite(mbs: list[MicroBatch]) -> bool:
     """True when a floating-point input tensor of a micro-batch holds NaN or Inf."""
+    import torch
     return any(t.is_floating_point() and not bool(torch.isfinite(t).all())
                for m in mbs for t in (*m.inputs.values(), *m.call.values()))
 

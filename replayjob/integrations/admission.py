@@ -24,9 +24,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replayjob import knobs, tensorfile
 from replayjob.config import redact
@@ -43,6 +41,9 @@ from replayjob.optbatch.manifest import PinnedManifest
 from replayjob.producers import EXTERNAL, producer_module
 from replayjob.producers.manifests import reuse
 from replayjob.redact import redact_text
+
+if TYPE_CHECKING:
+    import torch
 
 MODEL_KEYS = ("path", "attn_implementation")
 

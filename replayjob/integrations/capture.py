@@ -35,9 +35,7 @@ import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 import replayjob
 from replayjob import determinism
@@ -81,6 +79,9 @@ from replayjob.rl.state import (
     safetensors_bytes,
     split_optimizer_state,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 #: the capture API (what a user's loop imports); the pieces it is made of are internals
 #: (:mod:`replayjob.integrations._microbatch`, :mod:`replayjob.integrations._files`)
@@ -133,7 +134,6 @@ class StepCapture:
                  config: dict[str, Any], framework_state: dict[str, Any] | None = None, stack: Iterable[str] = STACK,
                  entry: str = "", several: bool = False, base_model: dict[str, Any] | None = None,
                  part: bool = False):
-
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CaptureError(f"step must be an integer >= 0, found {step!r}", where="step")
         if framework not in EXTERNAL:

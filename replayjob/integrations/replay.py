@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replayjob import distributed, knobs
 from replayjob import metrics as metrics_io
@@ -32,6 +30,9 @@ from replayjob.optbatch.manifest import PinnedManifest
 from replayjob.producers import driver, producer_module
 from replayjob.producers.session import MicroStep, Outcome, Session
 from replayjob.rl.state import adapter_bytes, join_optimizer_state
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ReplaySession(Session):
@@ -76,6 +77,7 @@ class ReplaySession(Session):
     def trace_inputs(self, mb: _microbatch.MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The ``input_ids`` the model receives for ``mb`` and its token mask (a captured ``input_ids`` and
         ``attention_mask`` by default; ``None`` where the capture holds none: not traceable)."""
+        import torch
         ids = mb.inputs.get("input_ids")
         mask = mb.inputs.get("attention_mask")
         if ids is not None and mask is None:
@@ -202,6 +204,7 @@ class ReplaySession(Session):
 
 def padding(mbs: list[_microbatch.MicroBatch]) -> dict[str, Any]:
     """Real and padded positions, counted over every captured input named ``*mask``."""
+    import torch
     masks = [t for m in mbs for k, t in m.inputs.items() if k.endswith("mask")]
     total = sum(t.numel() for t in masks)
     real = sum(int(torch.count_nonzero(t)) for t in masks)
@@ -211,6 +214,7 @@ def padding(mbs: list[_microbatch.MicroBatch]) -> dict[str, Any]:
 
 def load_state(adm: Admission, session: ReplaySession) -> None:
     """Copy the captured adapter into the trainable parameters and load the optimizer and scheduler state."""
+    import torch
     m = adm.manifest
     assert m is not None and adm.adapter is not None and adm.optimizer is not None
     params = _files.trainable_parameters(session.model)

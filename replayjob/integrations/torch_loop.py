@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from replayjob import determinism
 from replayjob.errors import ConfigError, ContractError
 from replayjob.integrations import _files, _microbatch
 from replayjob.integrations.replay import ReplaySession
 
 if TYPE_CHECKING:
+    import torch
+
     from replayjob.integrations.admission import Admission
 
 FRAMEWORK = "torch"
@@ -51,6 +51,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sch
     Clip the trainable parameters' gradients to ``max_grad_norm`` (norm only when None),
     ``optimizer.step()``, ``scheduler.step()`` when there is one, ``optimizer.zero_grad(set_to_none=True)``.
     """
+    import torch
     params = list(_files.trainable_parameters(model).values())
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
     optimizer.step()
@@ -84,6 +85,7 @@ class TorchSession(ReplaySession):
     """The user's loop pieces, rebuilt by the replay target."""
 
     def __init__(self, adm: Admission, out: Path):
+        import torch
         assert adm.cfg is not None and adm.resolved is not None
         ident = _files.entry_identity(adm.cfg.entry)
         spec = importlib.util.spec_from_file_location("replayjob_replay_target", ident["file"])

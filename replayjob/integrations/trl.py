@@ -49,8 +49,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from replayjob import determinism, knobs
 from replayjob.errors import RefusedError, UsageError
 from replayjob.integrations import _files, _microbatch
@@ -62,6 +60,8 @@ from replayjob.optbatch.ranks import rank_dir
 from replayjob.redact import REDACTED
 
 if TYPE_CHECKING:
+    import torch
+
     from replayjob.integrations.admission import Admission
 
 FRAMEWORK = "trl"
@@ -277,6 +277,7 @@ def resplit(mbs: list[_microbatch.MicroBatch], size: int, accumulation_steps: in
     ``accumulation_steps``; inputs that are not per-row (equal in every captured micro-batch, checked at
     admission) are shared, and each new micro-batch restores the RNG state of the captured one its first row
     came from (dropout is off: nothing in the loss draws from it)."""
+    import torch
     _, per_row = _row_inputs(mbs[0])
     joined = {k: torch.cat([mb.inputs[k] for mb in mbs]) for k in per_row}
     first_rows = [0]
@@ -293,6 +294,7 @@ def resplit(mbs: list[_microbatch.MicroBatch], size: int, accumulation_steps: in
 
 
 def _resplit_refusals(adm: Admission) -> list[str]:
+    import torch
     m, r, mbs = adm.manifest, adm.resolved, adm.micro_batches
     if m is None or r is None or mbs is None:
         return []  # refused already, for another reason
@@ -426,6 +428,7 @@ class LoggedLoss:
     (``nested_gather(...).mean().item()``): at ``logging_steps=1`` equal to the logged ``loss``."""
 
     def __init__(self, device: Any):
+        import torch
         self.total = torch.tensor(0.0, device=device)
 
     def add(self, loss: torch.Tensor) -> None:
@@ -681,6 +684,7 @@ class TRLSession(ReplaySession):
     """A GRPOTrainer stood at the captured step (see the module docstring)."""
 
     def __init__(self, adm: Admission, out: Path):
+        import torch
         import trl
         from peft import LoraConfig
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -776,6 +780,7 @@ class TRLSession(ReplaySession):
         return self._loss.value(self.trainer.args.parallel_mode)
 
     def optimizer_step(self) -> float:
+        import torch
         from transformers.trainer import GreedyLR
 
         t = self.trainer
@@ -794,6 +799,7 @@ class TRLSession(ReplaySession):
 
     def trace_inputs(self, mb: _microbatch.MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The sequence TRL's loss feeds the model: prompt and completion ids, and their masks, side by side."""
+        import torch
         i = mb.inputs
         if not all(k in i for k in ("prompt_ids", "completion_ids", "prompt_mask", "completion_mask")):
             return None, None

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from replayjob.mismatch import stats
 from replayjob.mismatch.views import Hypothesis, Source, Views, fitted_temperature
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 CLOSES = 0.9  # share of the gap a test must explain to close it
 TESTS = ("temperature", "truncation", "precision", "padding", "combined")
@@ -75,6 +75,7 @@ class Attribution:
 
 def _explain(recorded: Tensor, trainer: Tensor, hyp: Tensor) -> tuple[float, float, float, int]:
     """``(explained, residual mean, residual max, tokens outside)`` over finite hypothesis values."""
+    import torch
     gap = (recorded - trainer).abs().mean()
     inside = torch.isfinite(hyp)
     outside = int((~inside).sum())
@@ -120,6 +121,7 @@ def _tested(name: str, applicable: bool, reason: str, v: Views, src: Source, ok:
 
 def attribute(v: Views, src: Source, allow_lag: bool) -> Attribution:
     """Run every test on one source (see the module docstring)."""
+    import torch
     ok = ~torch.isnan(src.values) & torch.isfinite(v.trainer)
     lr = v.trainer[ok] - src.values[ok]
     size = {"abs_mean": float(lr.abs().mean()) if lr.numel() else 0.0,

@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from replayjob import determinism
 from replayjob.config import Config
@@ -42,6 +39,10 @@ from replayjob.rl.batch import OptimizerBatch, micro_batches
 from replayjob.rl.logprobs import logprob_temperature, logprobs_of, response_logits, truncate
 from replayjob.rl.sampling import precision
 from replayjob.rl.state import check_model
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
 TRAINER_LAYOUT = "right-padded micro-batches of training.micro_batch_size rows, positions from the mask"
 SAMPLER_LAYOUT = "every row's prompt left-padded to the step's longest prompt, positions from the mask"
@@ -82,6 +83,7 @@ def sources(batch: OptimizerBatch, trainer: Side, sampler: Side) -> list[Source]
 
 def token_index(batch: OptimizerBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per response token: its row, position, token id and the sampler's left padding of its row."""
+    import torch
     resp = (batch.resp_offsets[1:] - batch.resp_offsets[:-1]).to(torch.int64)
     rows = torch.repeat_interleave(torch.arange(batch.rows), resp)
     starts = torch.repeat_interleave(batch.resp_offsets[:-1], resp)
@@ -100,6 +102,7 @@ def _trainer_layout(batch: OptimizerBatch, size: int, pad_id: int) -> Iterator[t
 def _sampler_layout(batch: OptimizerBatch, size: int, pad_id: int,
                     plain_positions: bool = False) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor]]:
     """Rows as the sampler held them: prompts left-padded to the step's longest, responses after."""
+    import torch
     longest = int(batch.prompt_lens.max())
     for start in range(0, batch.rows, size):
         rows = list(range(start, min(start + size, batch.rows)))
@@ -122,9 +125,9 @@ def _forward(model: torch.nn.Module, ids: Tensor, att: Tensor, pos: Tensor) -> T
     return model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False).logits[:, :-1, :].float()
 
 
-@torch.no_grad()
 def recompute(policy: Policy, batch: OptimizerBatch, cfg: Config) -> Views:
     """Every pass of the module docstring over the captured rows; the per-token views."""
+    import torch
     trainer, sampler = sides(cfg)
     srcs = sources(batch, trainer, sampler)
     row, position, token, pad = token_index(batch)
@@ -134,34 +137,37 @@ def recompute(policy: Policy, batch: OptimizerBatch, cfg: Config) -> Views:
     was_training = model.training
     model.eval()
     timings: dict[str, float] = {}
-    try:
-        t0 = time.perf_counter()
-        trainer_pass(col, model, dev, batch, size, pad_id)
-        timings["trainer"] = time.perf_counter() - t0
-        if any(bool((s.values != col.views.trainer).any()) for s in srcs):
-            _extra_passes(col, model, dev, batch, size, pad_id, trainer, sampler, timings)
-    finally:
-        model.train(was_training)
+    with torch.no_grad():
+        try:
+            t0 = time.perf_counter()
+            trainer_pass(col, model, dev, batch, size, pad_id)
+            timings["trainer"] = time.perf_counter() - t0
+            if any(bool((s.values != col.views.trainer).any()) for s in srcs):
+                _extra_passes(col, model, dev, batch, size, pad_id, trainer, sampler, timings)
+        finally:
+            model.train(was_training)
     views = col.finish()
     views.passes = [f"{name} ({seconds:.3f} s)" for name, seconds in timings.items()]
     return views
 
 
-@torch.no_grad()
 def trainer_pass(col: Collector, model: torch.nn.Module, dev: torch.device, batch: OptimizerBatch, size: int,
                  pad_id: int) -> None:
     """The trainer's values over the update's micro-batches, with the hypotheses its logits give."""
-    start = 0
-    for ids, att, mask in _trainer_layout(batch, size, pad_id):
-        ids, att, mask = ids.to(dev), att.to(dev), mask.to(dev)
-        logits = response_logits(model, ids, att)  # what token_logprobs computes, kept for the hypotheses
-        values = logprobs_of(logits, ids[:, 1:], col.views.trainer_side.temperature)[mask]
-        col.trainer_chunk(start, values, logits[mask])
-        start += int(values.numel())
+    import torch
+    with torch.no_grad():
+        start = 0
+        for ids, att, mask in _trainer_layout(batch, size, pad_id):
+            ids, att, mask = ids.to(dev), att.to(dev), mask.to(dev)
+            logits = response_logits(model, ids, att)  # what token_logprobs computes, kept for the hypotheses
+            values = logprobs_of(logits, ids[:, 1:], col.views.trainer_side.temperature)[mask]
+            col.trainer_chunk(start, values, logits[mask])
+            start += int(values.numel())
 
 
 def _extra_passes(col: Collector, model: torch.nn.Module, dev: torch.device, batch: OptimizerBatch, size: int,
                   pad_id: int, trainer: Side, sampler: Side, timings: dict[str, float]) -> None:
+    import torch
     def run(name: str, test: str, label: str, chunks: Iterator[Any], dtype: str, side: Side) -> None:
         t0 = time.perf_counter()
         start = 0

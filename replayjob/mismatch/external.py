@@ -29,10 +29,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from replayjob import determinism
 from replayjob.errors import UsageError
@@ -44,6 +41,10 @@ from replayjob.mismatch.views import Collector, Side, Source, Views
 from replayjob.optbatch.manifest import PinnedManifest
 from replayjob.producers import producer_module
 from replayjob.rl.logprobs import logprobs_of, truncate
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
 TRAINER_LAYOUT = "TRL: prompts left-padded, completions right-padded, no position ids"
 SAMPLER_LAYOUT = "each sequence alone, unpadded (an inference engine's layout; assumed)"
@@ -112,9 +113,9 @@ def _forward_logits(model: torch.nn.Module, ids: Tensor, att: Tensor, keep: int)
     return model(input_ids=ids, attention_mask=att).logits[:, -keep - 1:-1, :].float()
 
 
-@torch.no_grad()
 def recompute(session: Any, mbs: list[_microbatch.MicroBatch], resolved: dict[str, Any], state: dict[str, Any],
               step: int) -> Views:
+    import torch
     trl = resolved.get("trl", {})
     trainer_side, sampler_side = sides(trl)
     trainer, model, dev = session.trainer, session.model, session.device
@@ -150,25 +151,26 @@ def recompute(session: Any, mbs: list[_microbatch.MicroBatch], resolved: dict[st
     model.eval()
     timings: dict[str, float] = {}
     agree = 0.0
-    try:
-        t0 = time.perf_counter()
-        start = 0
-        for mb, mask in zip(mbs, masks, strict=True):
-            ids, att, keep = _inputs(mb, dev)
-            lp, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, att, keep)
-            logits = _forward_logits(model, ids, att, keep)
-            m = mask.to(dev)
-            values = lp[m]
-            y = ids[:, -keep:][m]
-            agree = max(agree, float((logprobs_of(logits[m], y, trainer_side.temperature) - values).abs().max()))
-            col.trainer_chunk(start, values, logits[m])
-            start += int(values.numel())
-        timings["trainer"] = time.perf_counter() - t0
-        if any(bool((s.values != col.views.trainer).any()) for s in sources):
-            _alone(col, trainer, model, mbs, masks, dev, "padding", trainer_side, timings)
-            _alone(col, trainer, model, mbs, masks, dev, "combined", sampler_side, timings)
-    finally:
-        model.train(was_training)
+    with torch.no_grad():
+        try:
+            t0 = time.perf_counter()
+            start = 0
+            for mb, mask in zip(mbs, masks, strict=True):
+                ids, att, keep = _inputs(mb, dev)
+                lp, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, att, keep)
+                logits = _forward_logits(model, ids, att, keep)
+                m = mask.to(dev)
+                values = lp[m]
+                y = ids[:, -keep:][m]
+                agree = max(agree, float((logprobs_of(logits[m], y, trainer_side.temperature) - values).abs().max()))
+                col.trainer_chunk(start, values, logits[m])
+                start += int(values.numel())
+            timings["trainer"] = time.perf_counter() - t0
+            if any(bool((s.values != col.views.trainer).any()) for s in sources):
+                _alone(col, trainer, model, mbs, masks, dev, "padding", trainer_side, timings)
+                _alone(col, trainer, model, mbs, masks, dev, "combined", sampler_side, timings)
+        finally:
+            model.train(was_training)
     views = col.finish()
     views.passes = [f"{name} ({seconds:.3f} s)" for name, seconds in timings.items()]
     views.notes.append(f"TRL's per-token function and log_softmax(logits / {trainer_side.temperature:g}) of a plain "
@@ -182,6 +184,7 @@ def recompute(session: Any, mbs: list[_microbatch.MicroBatch], resolved: dict[st
 
 
 def _inputs(mb: _microbatch.MicroBatch, dev: torch.device) -> tuple[Tensor, Tensor, int]:
+    import torch
     ins = mb.inputs
     ids = torch.cat([ins["prompt_ids"], ins["completion_ids"]], dim=1).to(dev)
     att = torch.cat([ins["prompt_mask"], ins["completion_mask"]], dim=1).to(dev)
@@ -192,6 +195,7 @@ def _alone(col: Collector, trainer: Any, model: torch.nn.Module, mbs: list[_micr
            dev: torch.device, test: str, side: Side, timings: dict[str, float]) -> None:
     """Each sequence alone and unpadded, through TRL's function (``padding``) or with every recorded sampler
     setting (``combined``)."""
+    import torch
     t0 = time.perf_counter()
     start = 0
     for mb, mask in zip(mbs, masks, strict=True):

@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from replayjob.errors import EXIT_NEGATIVE, EXIT_OK, EXIT_REFUSED, NegativeVerdict, RefusedError
 from replayjob.mismatch import stats
 from replayjob.mismatch.attribution import Attribution, attribute
@@ -63,6 +61,7 @@ class Report:
         return int(self.decision["exit_code"])
 
     def to_json(self) -> dict[str, Any]:
+        import torch
         v = self.views
         return {"schema": SCHEMA, "capture": self.capture,
                 "trainer": v.trainer_side.to_json(), "sampler": v.sampler_side.to_json(),
@@ -81,6 +80,7 @@ class Report:
             raise RefusedError(d["reason"], where=self.capture.get("manifest"), hint=d.get("hint"))
 
     def render(self) -> str:
+        import torch
         v = self.views
         c = self.capture
         lines = [f"mismatch: {c['framework']} capture of step {c['step']} ({c['manifest']}): {v.tokens} response "
@@ -137,6 +137,7 @@ def _render_source(s: SourceReport) -> list[str]:
 
 
 def source_report(v: Views, src: Source, bound: Bound | None, allow_lag: bool) -> SourceReport:
+    import torch
     ok = ~torch.isnan(src.values) & torch.isfinite(v.trainer)
     lr = v.trainer[ok] - src.values[ok]
     bands = tuple(sorted({*stats.BANDS, *((bound.band,) if bound else ())}))

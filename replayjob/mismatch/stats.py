@@ -22,10 +22,11 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
+
 
 BANDS = (0.001, 0.01, 0.1)
 WORST = 5
@@ -45,6 +46,7 @@ def _q(ordered: Tensor, q: float) -> float:
 
 def summary(lr: Tensor, bands: tuple[float, ...] = BANDS) -> dict[str, Any]:
     """Distribution, KL estimates and band shares of per-token log-ratios ``lr`` (finite values)."""
+    import torch
     n = int(lr.numel())
     if n == 0:
         return {"tokens": 0, "mean": 0.0, "std": 0.0, "abs_mean": 0.0, "abs_p50": 0.0, "abs_p90": 0.0,
@@ -74,12 +76,14 @@ def _band_key(d: float) -> str:
 
 
 def outside_share(lr: Tensor, d: float) -> float:
+    import torch
     return float(((torch.exp(lr) - 1).abs() > d).double().mean()) if lr.numel() else 0.0
 
 
 def per_row(lr: Tensor, row: Tensor) -> dict[str, Tensor]:
     """Per row present (ascending): its id, tokens, largest |log-ratio| and the index of its first token at that
     value, the mean |log-ratio| and the sum of log-ratios (one pass of scatter operations, no loop over rows)."""
+    import torch
     rows, inv = torch.unique(row, return_inverse=True)
     r, n = int(rows.numel()), int(lr.numel())
     a = lr.abs()
@@ -94,6 +98,7 @@ def per_row(lr: Tensor, row: Tensor) -> dict[str, Tensor]:
 
 def worst_sequences(lr: Tensor, row: Tensor, position: Tensor, n: int = WORST) -> list[dict[str, Any]]:
     """The ``n`` rows with the largest per-token |log-ratio|: where it is, and the row's sums."""
+    import torch
     if lr.numel() == 0:
         return []
     p = per_row(lr, row)
@@ -106,6 +111,7 @@ def worst_sequences(lr: Tensor, row: Tensor, position: Tensor, n: int = WORST) -
 def worst_tokens(lr: Tensor, row: Tensor, position: Tensor, token: Tensor, recorded: Tensor, trainer: Tensor,
                  n: int = 2 * WORST) -> list[dict[str, Any]]:
     """The ``n`` tokens with the largest |log-ratio|."""
+    import torch
     k = min(n, int(lr.numel()))
     if k == 0:
         return []
@@ -136,6 +142,7 @@ def by_pad_offset(lr: Tensor, row: Tensor, pad: Tensor) -> dict[str, Any]:
     """Per left-padding offset of the sampler's rows: rows, tokens and mean |log-ratio|; and the
     correlation between a row's offset and its mean |log-ratio| (None with fewer than two offsets or no
     spread)."""
+    import torch
     if lr.numel() == 0:
         return {"groups": [], "correlation": None}
     p = per_row(lr, row)

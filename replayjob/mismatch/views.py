@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from replayjob.rl.logprobs import logprobs_of, truncate
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 GRID_BLOCK_ELEMENTS = 1 << 24  # logits per block of grid temperatures (64 MiB in float32)
 TEMPERATURE_GRID = tuple(math.exp(math.log(0.25) + i * (math.log(4.0) - math.log(0.25)) / 48) for i in range(49))
@@ -101,6 +101,7 @@ class Collector:
 
     def __init__(self, row: Tensor, position: Tensor, token: Tensor, pad_offset: Tensor, trainer_side: Side,
                  sampler_side: Side, sources: list[Source]):
+        import torch
         n = int(token.numel())
         self.views = Views(row=row, position=position, token=token, pad_offset=pad_offset,
                            trainer=torch.full((n,), math.nan, dtype=torch.float64), trainer_side=trainer_side,
@@ -117,6 +118,7 @@ class Collector:
     def trainer_chunk(self, start: int, trainer_values: Tensor, logits: Tensor, grid: bool = True) -> None:
         """The trainer's values for tokens ``[start, start + n)`` and their float32 logits ``[n, V]``
         (undivided), from which the temperature and truncation hypotheses are derived here."""
+        import torch
         n = int(trainer_values.numel())
         sl = slice(start, start + n)
         y = self.views.token[sl].to(logits.device)
@@ -136,6 +138,7 @@ class Collector:
     def _grid_chunk(self, sl: slice, logits: Tensor, y: Tensor) -> None:
         """Squared residuals of every source against ``log_softmax(logits / T)`` for each grid ``T``, the
         temperatures taken in blocks of at most :data:`GRID_BLOCK_ELEMENTS` logits."""
+        import torch
         n, vocab = logits.shape
         block = max(1, GRID_BLOCK_ELEMENTS // max(1, n * vocab))
         index = y.view(1, n, 1)
@@ -150,6 +153,7 @@ class Collector:
 
     def hypothesis(self, test: str, label: str, start: int, values: Tensor) -> None:
         """Values of a hypothesis that needed its own forward, for tokens ``[start, start + n)``."""
+        import torch
         key = (test, label)
         if key not in self._extra:
             self._extra[key] = torch.full((self.views.tokens,), math.nan, dtype=torch.float64)
@@ -186,6 +190,7 @@ def candidate_temperatures(trainer: Side, others: list[Side]) -> list[float]:
 def fitted_temperature(residual: Tensor) -> float:
     """The temperature minimising the squared residuals on :data:`TEMPERATURE_GRID`, refined by the parabola
     through the grid minimum and its neighbours (in log T, where the grid is even)."""
+    import torch
     i = int(torch.argmin(residual))
     x = math.log(TEMPERATURE_GRID[i])
     if 0 < i < len(TEMPERATURE_GRID) - 1:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replayjob import tensorfile
 from replayjob.config import Config
@@ -27,9 +25,11 @@ from replayjob.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from replayjob.redact import redact_text
 from replayjob.rl.state import adapter_bytes
 
+if TYPE_CHECKING:
+    import torch
+
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BUILTIN_KEYS = ("init_seed", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads", "max_position_embeddings")
 
@@ -132,6 +132,7 @@ class HFBackend:
     name = "hf"
 
     def build(self, cfg: Config) -> HFPolicy:
+        import torch
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\..*")
         from peft import LoraConfig, get_peft_model
 
@@ -139,7 +140,7 @@ class HFBackend:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"backend.devices = {cfg.backend.devices!r} but no CUDA device is visible",
                               where="backend.devices", hint="use devices = \"cpu\" on this machine")
-        dtype = _DTYPES[cfg.model.dtype]
+        dtype = getattr(torch, cfg.model.dtype)  # float32, bfloat16 or float16 (the schema's choices)
         attn = cfg.backend.options.attn_implementation
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.model.init_seed)

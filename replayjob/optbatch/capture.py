@@ -35,9 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replayjob import distributed
 from replayjob.config import Config, resolved
@@ -64,12 +62,16 @@ from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.hooks import BackgroundWriter, StepHook, TrainerView
 from replayjob.rl.state import ResumeState, adapter_bytes, read_state, rng_tensors
 
+if TYPE_CHECKING:
+    import torch
+
+    # step, rows, RNG, producer, and the update as it returned: loss, grad norm, the adapter after it (one process)
+    Snapshot = tuple[int, OptimizerBatch, dict[str, torch.Tensor], dict[str, Any], float, float,
+                     stepcapture.Packed | None]
+
 CRASH_POINTS = ("capture.start", "capture.before-payload", "capture.payload-written",
                 "capture.manifest-written", "capture.after-update", "capture.metrics")
 CAPTURE_STEP = 0
-# step, rows, RNG, producer, and the update as it returned: loss, grad norm, the adapter after it (one process)
-Snapshot = tuple[int, OptimizerBatch, dict[str, torch.Tensor], dict[str, Any], float, float,
-                 stepcapture.Packed | None]
 METRIC_KEYS = PIN_KEYS
 
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from replayjob import knobs
 from replayjob.config import Config, from_dict, resolved
@@ -35,6 +33,9 @@ from replayjob.producers.manifests import reuse
 from replayjob.redact import redact_text
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.state import ResumeState, read_state
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass

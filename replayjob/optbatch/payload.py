@@ -47,16 +47,18 @@ import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from replayjob import tensorfile
 from replayjob.errors import IntegrityError
 from replayjob.optbatch.manifest import MAX_PAYLOAD_BYTES, Manifest
 from replayjob.rl import batch as batch_mod
 from replayjob.rl.batch import OptimizerBatch
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 # One metadata key only: safetensors writes metadata from a hash map, so several keys would come
 # out in a different order from run to run and the same batch would not give the same bytes.
@@ -81,6 +83,7 @@ _SUM_CHUNK = 1 << 16  # elements per exact-sum step: small temporaries stay in t
 
 def encode(batch: OptimizerBatch, rng: dict[str, Tensor]) -> bytes:
     """Serialise ``batch`` and the RNG states (keys ``cpu``, ``cuda.N``) to safetensors bytes."""
+    import torch
     from safetensors.torch import save
 
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in batch.tensors().items()}
@@ -181,6 +184,7 @@ class ExactSum:
 
 def exact_sum(t: Tensor) -> float:
     """``math.fsum`` of a float64 tensor (the correctly rounded sum); see :class:`ExactSum`."""
+    import torch
     acc = ExactSum()
     acc.add(t.detach().to("cpu", torch.float64).contiguous().numpy())
     return acc.value()
@@ -309,6 +313,7 @@ def _check_content(header: tensorfile.Header, counts: dict[str, int], ints: dict
 
     ``allow_nonfinite`` admits NaN/Inf in the logprobs and advantages (a capture flagged so, replayed
     under ``optimizer_batch.allow_nonfinite_inputs``); never in the loss weights."""
+    import torch
     check_ragged(ints, counts, where)
     if results["tokens"].negative:
         raise _fail("negative token id", where)

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from replayjob import distributed
 from replayjob.errors import IntegrityError, RefusedError
@@ -27,6 +25,9 @@ from replayjob.optbatch.ranks import (
     read_landed,
 )
 from replayjob.rl.batch import OptimizerBatch
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass

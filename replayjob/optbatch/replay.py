@@ -22,9 +22,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replayjob import distributed, knobs
 from replayjob import metrics as metrics_io
@@ -41,6 +39,9 @@ from replayjob.producers.manifests import CaptureManifest, producer_of
 from replayjob.producers.session import MicroStep, Outcome, Session
 from replayjob.rl.state import check_model
 from replayjob.rl.update import Update, UpdateResult, make_optimizer
+
+if TYPE_CHECKING:
+    import torch
 
 METRICS_FILE = metrics_io.REPLAY_FILE
 FINAL_ADAPTER_DIR = "final_adapter"
@@ -92,6 +93,7 @@ class BuiltinSession(Session):
 
     def restore(self) -> None:
         """The pinned adapter weights and a fresh optimizer holding the captured state (a chosen step's)."""
+        import torch
         assert self.adm.manifest is not None and self.adm.state is not None
         with torch.no_grad():
             for name, p in self.policy.trainable():

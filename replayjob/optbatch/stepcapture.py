@@ -32,10 +32,7 @@ from __future__ import annotations
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 import replayjob
 from replayjob import determinism
@@ -65,6 +62,10 @@ from replayjob.rl.state import (
     write_state,
 )
 
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
 
 def state_dir_name(step: int) -> str:
     return manifest.file_stem(step) + ".state"
@@ -87,6 +88,7 @@ def refuse_existing(out: Path, steps: list[int], what: str) -> None:
 
 def producer(cfg: Config) -> dict[str, Any]:
     """Versions, device and the determinism provenance at the capture point (the manifest's ``producer``)."""
+    import torch
     strict = cfg.backend.options.strict_deterministic
     prov = {"strict_deterministic": strict, "math_mode": determinism.math_mode_from_env(strict),
             "attn_implementation": cfg.backend.options.attn_implementation, **determinism.snapshot()}
@@ -114,6 +116,7 @@ class Packed:
 
     @classmethod
     def of(cls, tensors: dict[str, Tensor]) -> Packed:
+        import torch
         groups: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
         for name, t in tensors.items():
             groups.setdefault(t.dtype, []).append((name, t.detach()))
@@ -130,6 +133,8 @@ class Packed:
         """Copy ``tensors`` into this pack's buffers in one call (no allocation); False (nothing copied)
         when their names, types, dtypes or shapes differ from the packed ones.  The same tensor objects
         as the last refill's (an optimizer updates its state in place) skip the comparison."""
+        import torch
+        from torch import Tensor
         sources = list(tensors.values())
         same = self._sources is not None and len(sources) == len(self._sources) and all(
             a is b for a, b in zip(sources, self._sources, strict=True))
@@ -166,6 +171,7 @@ def live_optimizer_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 def has_nonfinite(rows: OptimizerBatch) -> bool:
     """True when a float row field holds NaN or Inf."""
+    import torch
     return not all(bool(torch.isfinite(t).all()) for k, t in rows.tensors().items() if t.is_floating_point())
 
 

@@ -27,9 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replayjob import determinism, knobs
 from replayjob import metrics as metrics_io
@@ -44,22 +42,28 @@ from replayjob.rl.state import restore_rng
 from replayjob.trace import fault as faults
 from replayjob.trace.recorder import Recorder
 
+if TYPE_CHECKING:
+    import torch
+
 METRICS_FILE = metrics_io.REPLAY_FILE
 
 
 def fresh(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy of ``t`` on ``device`` in newly allocated, contiguous memory (never a view of a payload)."""
+    import torch
     out = torch.empty(t.shape, dtype=t.dtype, device=device)
     out.copy_(t)
     return out
 
 
 def _sync(device: torch.device) -> None:
+    import torch
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _reset_peak(device: torch.device) -> None:
+    import torch
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -118,6 +122,7 @@ def traced(session: Session, plan: list[MicroStep], enabled: bool) -> Iterator[A
     """A :class:`~replayjob.trace.recorder.Recorder` attached around the update when ``enabled``
     (``--trace``), else ``None`` with nothing attached.  The test-only fault is refused unless tracing
     is on; a producer that cannot be traced is refused by name."""
+    import torch
     armed = faults.armed()
     if not enabled:
         if armed is not None:
@@ -141,6 +146,7 @@ def replay(build: Callable[[], Session], out: Path, *, arm: str, repeat_index: i
     """Run one admitted replay into ``out`` (see the module docstring); return replay_metrics.json
     (``{}`` on a rank other than the root).  ``build`` returns the producer's session; ``allowed``: the
     declared knobs (each checked on the built model); ``where``: the config key a refusal names."""
+    import torch
     t_start = time.perf_counter()
     prov = determinism.establish(strict=strict, seed=seed)
     session = build()

@@ -16,11 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replayjob import knobs
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -58,7 +59,7 @@ class Session:
     framework: str = ""
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    device: torch.device = torch.device("cpu")
+    device: torch.device
     #: why this producer cannot run a traced replay or in-process repeats here (None: it can)
     trace_refusal: str | None = None
     repeat_refusal: str | None = None

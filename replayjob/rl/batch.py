@@ -29,11 +29,12 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from replayjob.digest import batch_part, batch_sha256
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 _ROW_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "loss_weights")
 SAMPLER_FIELD = "sampler_logprobs"  # optional, not hashed into the row digests
@@ -108,6 +109,7 @@ class OptimizerBatch:
     def concat(parts: list[OptimizerBatch]) -> OptimizerBatch:
         """The rows of ``parts`` one after another (offsets rebased): the inverse of :meth:`shard`
         (``sampler_logprobs`` only when every part has them)."""
+        import torch
         def offsets(name: str) -> Tensor:
             out, base = [torch.zeros(1, dtype=torch.int64)], 0
             for p in parts:
@@ -126,6 +128,7 @@ class OptimizerBatch:
                     mask: Tensor) -> OptimizerBatch:
         """Build from per-row token lists and padded ``[N, T]`` response-token fields (``sampler_logprobs``
         among them is optional)."""
+        import torch
         lens = [int(mask[i].sum()) for i in range(len(seqs))]
         for i, (s, p) in enumerate(zip(seqs, prompt_lens, strict=True)):
             if len(s) - p != lens[i]:
@@ -143,6 +146,7 @@ class OptimizerBatch:
 
 
 def _offsets(lengths: list[int]) -> Tensor:
+    import torch
     out = [0]
     for n in lengths:
         out.append(out[-1] + n)
@@ -156,6 +160,7 @@ _PARALLEL_MIN_BYTES = 4 * 1024 * 1024  # below this a thread costs more than it 
 
 def effective_rows(b: OptimizerBatch) -> Tensor:
     """A bool mask over rows: True where the row has at least one non-zero loss weight."""
+    import torch
     nonzero = b.loss_weights != 0
     resp_lens = b.resp_offsets[1:] - b.resp_offsets[:-1]
     if bool(nonzero.all()):
@@ -166,6 +171,7 @@ def effective_rows(b: OptimizerBatch) -> Tensor:
 
 def _select_rows(b: OptimizerBatch, keep: Tensor) -> dict[str, Tensor]:
     """The arrays of the kept rows, offsets rebased; masks are built per token, not per row."""
+    import torch
     tok_lens = b.token_offsets[1:] - b.token_offsets[:-1]
     resp_lens = b.resp_offsets[1:] - b.resp_offsets[:-1]
     tok_mask = torch.repeat_interleave(keep, tok_lens, output_size=int(b.tokens.numel()))
@@ -178,11 +184,13 @@ def _select_rows(b: OptimizerBatch, keep: Tensor) -> dict[str, Tensor]:
 
 
 def _offsets_of(lengths: Tensor) -> Tensor:
+    import torch
     return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.to(torch.int64).cumsum(0)])
 
 
 def _le_view(t: Tensor) -> memoryview:
     """A zero-copy view of ``t``'s little-endian bytes (int64 / float64; copies only if it must)."""
+    import torch
     dtype = torch.float64 if t.dtype.is_floating_point else torch.int64
     t = t.detach()
     if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
@@ -214,6 +222,7 @@ def _array_digests(arrays: dict[str, Tensor]) -> dict[str, tuple[int, bytes]]:
 
 def digests_from_sums(rows: int, sums: dict[str, tuple[int, bytes]]) -> tuple[str, str]:
     """``(logical, effective)`` from the logical arrays' ``(count, SHA-256)`` when every row bears loss."""
+    import torch
     row_index = _array_digests({"row_index": torch.arange(rows)})["row_index"]
     return _combine("logical", sums, _LOGICAL_ARRAYS), _combine("effective", {"row_index": row_index, **sums},
                                                                 _EFFECTIVE_ARRAYS)
@@ -241,6 +250,7 @@ class MicroBatch:
 
 def micro_batches(b: OptimizerBatch, size: int, pad_id: int) -> list[MicroBatch]:
     """Split rows in logical order into right-padded micro-batches of ``size`` rows."""
+    import torch
     out = []
     for start in range(0, b.rows, size):
         rows = list(range(start, min(start + size, b.rows)))

@@ -10,15 +10,17 @@ from __future__ import annotations
 import hashlib
 import resource
 from collections.abc import Iterable
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from replayjob.distributed import full
 
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
 
 def tensor_checksum(named: Iterable[tuple[str, Tensor | None]]) -> dict[str, Any]:
+    import torch
     h = hashlib.sha256()
     total = 0.0
     sq = 0.0
@@ -37,6 +39,7 @@ def tensor_checksum(named: Iterable[tuple[str, Tensor | None]]) -> dict[str, Any
 
 
 def optimizer_checksum(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    import torch
     items: list[tuple[str, Tensor | None]] = []
     for idx, st in sorted(opt.state_dict()["state"].items()):
         for k in sorted(st):
@@ -56,6 +59,7 @@ def stats(x: Tensor, mask: Tensor | None = None) -> dict[str, float]:
 
 
 def peak_memory_bytes(device: torch.device) -> dict[str, int]:
+    import torch
     out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if device.type == "cuda":
         out["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))

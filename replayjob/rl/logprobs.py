@@ -19,10 +19,13 @@ Example:
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from replayjob.config import Config
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
 
 def response_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -36,6 +39,7 @@ def response_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: T
 def logprobs_of(logits: Tensor, target: Tensor, temperature: float = 1.0) -> Tensor:
     """``log_softmax(logits / temperature)`` at ``target`` (last dimension); at temperature 1 the logits
     are not divided at all."""
+    import torch
     if temperature != 1.0:
         logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
@@ -62,6 +66,7 @@ def truncate(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     most likely token is always kept.  A softmax of the result is the renormalised truncated
     distribution.  With ``top_k = 0`` and ``top_p = 1`` the logits are returned unchanged.
     """
+    import torch
     if top_k <= 0 and top_p >= 1.0:
         return logits
     out = logits
@@ -80,6 +85,7 @@ def truncate(logits: Tensor, top_k: int, top_p: float) -> Tensor:
 
 
 def padded(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    import torch
     L = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), L), pad_id, dtype=torch.int64)
     att = torch.zeros((len(seqs), L), dtype=torch.int64)

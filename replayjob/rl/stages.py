@@ -15,9 +15,11 @@ Example (GRPO on one group of four):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
+
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 STAGES = ("reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate", "loss.policy")
@@ -26,6 +28,7 @@ STAGES = ("reward.raw", "reward.post_process", "advantage.kl", "advantage.estima
 def reward_raw(completions: Sequence[str], answers: Sequence[str],
                score: Callable[[str, str], float]) -> Tensor:
     """reward.raw: the verifier's score per sample."""
+    import torch
     return torch.tensor([score(c, a) for c, a in zip(completions, answers, strict=True)],
                         dtype=torch.float64)
 
@@ -36,6 +39,7 @@ def post_process(raw: Tensor, group: Tensor, estimator: str, std_eps: float) -> 
     ``group`` holds each sample's semantic group id; groups are never inferred from positions.
     grpo: (r - mean_g) / (std_g + eps); dr_grpo: r - mean_g; rloo: r - mean of the others.
     """
+    import torch
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown estimator {estimator!r}")
     raw = raw.to(torch.float64)
@@ -59,6 +63,7 @@ def post_process(raw: Tensor, group: Tensor, estimator: str, std_eps: float) -> 
 
 def token_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: str = "k1") -> Tensor:
     """advantage.kl: per-token KL estimate of policy vs reference (k1 = log ratio; k3 unbiased, >= 0)."""
+    import torch
     d = (logp - ref_logp).to(torch.float64)
     kl = d if kind == "k1" else torch.exp(-d) + d - 1.0
     return kl * mask
@@ -66,12 +71,14 @@ def token_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: str = "k1") -> 
 
 def advantage_estimate(scores: Tensor, kl: Tensor, mask: Tensor, kl_reward_coef: float) -> Tensor:
     """advantage.estimate: the sample score on every response token, less the KL penalty."""
+    import torch
     adv = scores.to(torch.float64)[:, None] - kl_reward_coef * kl
     return adv * mask
 
 
 def batch_normalize(adv: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     """Whitening over every response token of the batch."""
+    import torch
     m = mask.to(torch.float64)
     n = m.sum().clamp_min(1.0)
     mean = (adv * m).sum() / n
@@ -85,6 +92,7 @@ def clip_advantages(adv: Tensor, c: float) -> Tensor:
 
 def token_cap(mask: Tensor, cap: int) -> Tensor:
     """Keep at most ``cap`` loss-bearing response tokens, in row-major order; 0 disables."""
+    import torch
     if cap <= 0:
         return mask
     flat = mask.reshape(-1).to(torch.float64)
@@ -98,6 +106,7 @@ def loss_weights(mask: Tensor, agg: str) -> Tensor:
     Because the normalisation is folded in once, the loss of a batch is the sum of its
     micro-batches' losses in exact arithmetic, whatever the micro-batch size.
     """
+    import torch
     m = mask.to(torch.float64)
     if agg == "token-mean":
         return m / m.sum().clamp_min(1.0)
@@ -114,6 +123,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, weights: Tensor, *,
 
     Returns ``sum(weights * token_loss)`` as a float64 scalar.
     """
+    import torch
     logp = logp.to(torch.float64)
     ratio = torch.exp(logp - old_logp)
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv)

@@ -20,15 +20,16 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replayjob import tensorfile
 from replayjob.digest import normalize_digest, sha256_bytes, sha256_file
 from replayjob.errors import ContractError, IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes, read_json_object
+
+if TYPE_CHECKING:
+    import torch
 
 STATE_SCHEMA = "replayjob.trainer_state/v1"
 STATE_FILE = "trainer_state.json"
@@ -160,6 +161,7 @@ def split_optimizer_state(sd: Mapping[str, Any], *, copy: bool = True
     """An optimizer ``state_dict`` as tensors (``state.<i>.<key>``: CPU copies, or with ``copy`` false the CPU
     tensors themselves, for a caller that copies them at once) and a JSON description of the rest:
     ``param_groups``, non-tensor per-parameter ``state`` and, per parameter, its ``tensors`` keys."""
+    import torch
     tensors: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
     keys: dict[str, list[str]] = {}
@@ -180,6 +182,7 @@ def join_optimizer_state(tensors: Mapping[str, torch.Tensor], doc: Mapping[str, 
     tensor's shape against its parameter (a state that does not fit the adapter is refused).  Every tensor
     is a fresh copy on its parameter's device: the optimizer keeps the tensors it is given and updates them
     in place, so none may be a view of a file's buffer or of a state that is restored again."""
+    import torch
     expected = {f"state.{i}.{k}" for i, ks in doc["tensors"].items() for k in ks} or {EMPTY_STATE}
     if set(tensors) != expected:
         raise ContractError(f"optimizer file tensors {sorted(set(tensors) ^ expected)[:5]} do not match the "
@@ -218,6 +221,7 @@ def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
 
 def optimizer_bytes_of(tensors: Mapping[str, torch.Tensor]) -> bytes:
     """``optimizer.safetensors`` bytes of :func:`split_optimizer_state`'s tensors (every producer's)."""
+    import torch
     return safetensors_bytes(tensors or {EMPTY_STATE: torch.zeros(0)}, "replayjob-optimizer")
 
 
@@ -252,6 +256,7 @@ def load_optimizer(opt: torch.optim.Optimizer, path: Path, expected_sha256: str)
 
 def rng_tensors(prefix: str = "") -> dict[str, torch.Tensor]:
     """Torch CPU and per-device CUDA RNG states, keyed ``{prefix}cpu`` / ``{prefix}cuda.N``."""
+    import torch
     out = {f"{prefix}cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i in range(torch.cuda.device_count()):
@@ -264,6 +269,7 @@ def rng_bytes() -> bytes:
 
 
 def restore_rng(tensors: dict[str, torch.Tensor], prefix: str = "") -> None:
+    import torch
     torch.set_rng_state(tensors[f"{prefix}cpu"])
     for key, t in tensors.items():
         if key.startswith(f"{prefix}cuda."):

@@ -17,10 +17,7 @@ import io
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from replayjob import determinism, distributed, faults
 from replayjob import metrics as metrics_io
@@ -50,6 +47,10 @@ from replayjob.rl.state import (
 from replayjob.rl.task import Task
 from replayjob.rl.update import UpdateResult, make_optimizer, optimizer_update
 
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
 DIAG_FILE = "diag.jsonl"
 METRICS_FILE = metrics_io.SOURCE_FILE
 FINAL_ADAPTER_DIR = "final_adapter"
@@ -58,6 +59,7 @@ FINAL_ADAPTER_DIR = "final_adapter"
 def build_rollout(policy: Policy, cfg: Config, task: Task, step: int, seed: int) -> tuple[StepRollout,
                                                                                          OptimizerBatch]:
     """Everything up to the capture point: sample, score, estimate, weigh."""
+    import torch
     a = cfg.algorithm
     tok = policy.tokenizer
     prompts = task.prompts(seed, step, a.prompts_per_step)
@@ -100,31 +102,32 @@ def build_rollout(policy: Policy, cfg: Config, task: Task, step: int, seed: int)
     return rollout, batch
 
 
-@torch.no_grad()
 def _response_logprobs(policy: Policy, seqs: list[list[int]], prompt_ids: list[list[int]],
                        responses: list[list[int]], T: int, cfg: Config, *, reference: bool) -> Tensor:
-    model = policy.model
-    was_training = model.training
-    model.eval()
-    out = torch.zeros((len(seqs), T), dtype=torch.float64)
-    mbs = cfg.training.micro_batch_size
-    temperature = logprob_temperature(cfg)
-    try:
-        for start in range(0, len(seqs), mbs):
-            chunk = list(range(start, min(start + mbs, len(seqs))))
-            ids, att = padded([seqs[i] for i in chunk], policy.tokenizer.pad_id, policy.device)
-            if reference:
-                with policy.reference():
+    import torch
+    with torch.no_grad():
+        model = policy.model
+        was_training = model.training
+        model.eval()
+        out = torch.zeros((len(seqs), T), dtype=torch.float64)
+        mbs = cfg.training.micro_batch_size
+        temperature = logprob_temperature(cfg)
+        try:
+            for start in range(0, len(seqs), mbs):
+                chunk = list(range(start, min(start + mbs, len(seqs))))
+                ids, att = padded([seqs[i] for i in chunk], policy.tokenizer.pad_id, policy.device)
+                if reference:
+                    with policy.reference():
+                        lp = token_logprobs(model, ids, att, temperature)
+                else:
                     lp = token_logprobs(model, ids, att, temperature)
-            else:
-                lp = token_logprobs(model, ids, att, temperature)
-            lp = lp.double().cpu()
-            for j, i in enumerate(chunk):
-                p, n = len(prompt_ids[i]), len(responses[i])
-                out[i, :n] = lp[j, p - 1 : p - 1 + n]
-    finally:
-        model.train(was_training)
-    return out
+                lp = lp.double().cpu()
+                for j, i in enumerate(chunk):
+                    p, n = len(prompt_ids[i]), len(responses[i])
+                    out[i, :n] = lp[j, p - 1 : p - 1 + n]
+        finally:
+            model.train(was_training)
+        return out
 
 
 def prepare_out_dir(out: Path) -> None:
@@ -216,6 +219,7 @@ def _local_shard(batch: OptimizerBatch) -> OptimizerBatch:
 
 
 def _run(cfg: Config, out: Path, hooks: list[StepHook]) -> dict[str, Any]:
+    import torch
     root = distributed.is_root()  # over several ranks only rank 0 writes the run's own files
     if root:
         prepare_out_dir(out)

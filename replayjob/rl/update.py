@@ -19,8 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from replayjob.config import Config
 from replayjob.model.backend import Policy
 from replayjob.rl import stages
@@ -28,6 +26,8 @@ from replayjob.rl.batch import MicroBatch, OptimizerBatch, micro_batches
 from replayjob.rl.logprobs import logprob_temperature, token_logprobs
 
 if TYPE_CHECKING:
+    import torch
+
     from replayjob.distributed import Parallel
 
 
@@ -53,12 +53,14 @@ class UpdateResult:
 
 
 def make_optimizer(policy: Policy, cfg: Config) -> torch.optim.Optimizer:
+    import torch
     o = cfg.optimizer
     return torch.optim.AdamW([p for _, p in policy.trainable()], lr=o.lr, betas=(o.betas[0], o.betas[1]),
                              eps=o.eps, weight_decay=o.weight_decay, foreach=False)
 
 
 def _sync(device: torch.device) -> None:
+    import torch
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -79,6 +81,7 @@ class Update:
         self._reset()
 
     def _reset(self) -> None:
+        import torch
         self.res = UpdateResult(loss=0.0, grad_norm=0.0)
         self.total = torch.zeros((), dtype=torch.float64)
         self.ratio_sum = torch.zeros((), dtype=torch.float64)
@@ -99,6 +102,7 @@ class Update:
 
     def micro_batch(self, i: int, mb: MicroBatch, before_loss: Callable[[], None] | None = None) -> None:
         """Forward, loss and backward of micro-batch ``i`` (``before_loss`` runs right before the forward)."""
+        import torch
         a, dev, res = self.cfg.algorithm, self.policy.device, self.res
         _sync(dev)
         t0 = time.perf_counter()
@@ -134,6 +138,7 @@ class Update:
     def finish(self, rows: int, plant_nonfinite_grad: bool = False) -> UpdateResult:
         """Clip the global gradient norm, step the optimizer once and return the update's result
         (``rows``: the logical rows of this rank's batch, for the kept logprobs)."""
+        import torch
         res, dev = self.res, self.policy.device
         _sync(dev)
         t3 = time.perf_counter()

@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 ROUNDING_CONSTANT = 4.0
 UNIT_ROUNDOFF = {"F64": 2.0 ** -53, "F32": 2.0 ** -24, "F16": 2.0 ** -11, "BF16": 2.0 ** -8}
@@ -35,6 +38,7 @@ REPEAT_FACTOR = 2.0
 
 def all_finite(*tensors: torch.Tensor) -> bool:
     """Whether every element of every tensor is finite (no NaN, no infinity)."""
+    import torch
     return all(bool(torch.isfinite(t.detach()).all()) for t in tensors)
 
 
@@ -45,6 +49,7 @@ def finite_or_none(x: float | None) -> float | None:
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """``||a - b|| / max(||a||, ||b||)`` in float64; 0 when both are zero; NaN when either is not finite."""
+    import torch
     if not all_finite(a, b):
         return math.nan
     x, y = a.detach().to(torch.float64), b.detach().to(torch.float64)
@@ -57,6 +62,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
     """Cosine of two tensors as flat float64 vectors; ``None`` when either is zero; NaN when either is not
     finite."""
+    import torch
     if not all_finite(a, b):
         return math.nan
     x, y = a.detach().to(torch.float64).flatten(), b.detach().to(torch.float64).flatten()

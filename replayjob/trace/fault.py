@@ -18,11 +18,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replayjob.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 FAULT_ENV = "REPLAYJOB_TRACE_FAULT"
 DEFAULT_SCALE = 1e-3
@@ -60,6 +61,7 @@ def armed() -> Fault | None:
 
 def install(model: torch.nn.Module, fault: Fault) -> torch.utils.hooks.RemovableHandle:
     """Register the perturbing forward hook on ``fault.module``; call before any recording hook."""
+    import torch
     modules = dict(model.named_modules())
     if fault.module not in modules:
         near = sorted(n for n in modules if fault.module.rsplit(".", 1)[-1] in n)[:5]

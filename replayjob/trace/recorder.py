@@ -28,9 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replayjob import metrics as metrics_io
 from replayjob.errors import ContractError
@@ -38,8 +36,12 @@ from replayjob.producers.session import MicroStep
 from replayjob.trace.fault import Fault, install
 from replayjob.trace.store import Param, Site, Trace, make_param, row_stats, write_trace
 
+if TYPE_CHECKING:
+    import torch
+
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
+    import torch
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
@@ -57,6 +59,7 @@ class Recorder:
     def __init__(self, model: torch.nn.Module, plan: list[MicroStep],
                  params: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer,
                  fault: Fault | None = None):
+        import torch
         self.model = model
         if any(s.trace_ids is None or s.trace_mask is None for s in plan):
             raise ContractError("the producer names no input_ids or token mask for its micro-batches",
@@ -93,6 +96,7 @@ class Recorder:
 
     # -- hooks ---------------------------------------------------------------------------------------
     def _begin(self, _m: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        import torch
         self._flush()
         self.mb += 1
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -183,6 +187,7 @@ class Recorder:
 
     # -- result --------------------------------------------------------------------------------------
     def _sites(self, order: list[str], store: dict[str, dict[int, torch.Tensor]]) -> list[Site]:
+        import torch
         n = int(self.row_tokens.numel())
         out = []
         for key in order:

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replayjob import tensorfile
 from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
 from replayjob.jsonio import loads_strict, pretty_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 TRACE_SCHEMA = "replayjob.trace/v1"
 TRACE_DIR = "trace"
@@ -42,19 +43,20 @@ STATS = ("l2", "max_abs", "mean")
 PARAM_STATS = ("grad_l2", "grad_max_abs", "update_l2", "update_max_abs")
 IDENTITY_KEYS = ("manifest_sha256", "logical_batch_sha256", "initial_adapter_sha256", "arm", "repeat_index",
                  "micro_batch_size", "gradient_checkpointing", "device", "torch_version", "fault")
-_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16"}
-_TORCH = {v: k for k, v in _DTYPES.items()}
+_FLOATS = ("F32", "F64", "F16", "BF16")  # the dtypes a trace holds, by their safetensors names
 _HINT = "rerun the replay with --trace into a new --out directory"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The safetensors spelling of a floating dtype a trace can hold."""
-    if dtype not in _DTYPES:
+    name = tensorfile.safetensors_name(dtype)
+    if name not in _FLOATS:
         raise IntegrityError(f"a traced tensor has dtype {dtype}; traces hold floating dtypes only")
-    return _DTYPES[dtype]
+    return name
 
 
 def _row_bytes(t: torch.Tensor) -> bytes:
+    import torch
     return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
 
 
@@ -66,6 +68,7 @@ def row_stats(values: torch.Tensor, row_tokens: torch.Tensor) -> tuple[torch.Ten
     is taken over a zero-copy slice of the tensor's bytes.
     """
     import numpy as np
+    import torch
 
     lens = np.asarray(row_tokens.tolist(), dtype=np.int64)
     v = values.detach().contiguous()
@@ -84,6 +87,7 @@ def row_stats(values: torch.Tensor, row_tokens: torch.Tensor) -> tuple[torch.Ten
 
 def row_digests(values: torch.Tensor, row_tokens: list[int]) -> list[str]:
     """The SHA-256 of each row's bytes (rows of ``row_tokens`` tokens each, in order), over zero-copy slices."""
+    import torch
     v = values.detach().contiguous()
     raw = v.view(torch.uint8).numpy().data.cast("B")
     row_bytes = int(v.element_size()) * (int(v[0].numel()) if v.shape[0] else 0)
@@ -146,12 +150,14 @@ class Trace:
 
 
 def _stack_digests(digests: list[tuple[str, ...]], rows: int) -> torch.Tensor:
+    import torch
     raw = b"".join(bytes.fromhex(d) for ds in digests for d in ds)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(len(digests), rows, 32).clone() \
         if raw else torch.zeros((len(digests), rows, 32), dtype=torch.uint8)
 
 
 def _sites_tensors(prefix: str, sites: list[Site], rows: int) -> dict[str, torch.Tensor]:
+    import torch
     out = {f"{prefix}.{k:04d}.values": s.values.contiguous() for k, s in enumerate(sites)}
     out[f"{prefix}.stats"] = (torch.stack([s.stats for s in sites]) if sites
                               else torch.zeros((0, rows, len(STATS)), dtype=torch.float64))
@@ -160,6 +166,7 @@ def _sites_tensors(prefix: str, sites: list[Site], rows: int) -> dict[str, torch
 
 
 def _param_stats(p: Param) -> list[float]:
+    import torch
     g, u = p.grad.to(torch.float64), p.update.to(torch.float64)
     return [float(torch.linalg.vector_norm(g)), float(g.abs().max()) if g.numel() else 0.0,
             float(torch.linalg.vector_norm(u)), float(u.abs().max()) if u.numel() else 0.0]
@@ -167,6 +174,7 @@ def _param_stats(p: Param) -> list[float]:
 
 def write_trace(run_dir: str | Path, trace: Trace) -> tuple[Path, str]:
     """Write ``RUN_DIR/trace/`` (payload, then the index last); return the index path and its SHA-256."""
+    import torch
     from safetensors.torch import save
 
     d = Path(run_dir) / TRACE_DIR
@@ -268,6 +276,7 @@ def _read_index(d: Path, expected_sha256: str | None) -> dict[str, Any]:
 
 
 def _sites(doc: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str, where: Path) -> list[Site]:
+    import torch
     rows, tokens = doc["rows"], doc["tokens"]
     doc_row_tokens = [int(x) for x in tensors["rows.tokens"].tolist()]
     entries = doc[prefix]
@@ -279,7 +288,8 @@ def _sites(doc: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str, w
     out = []
     for k, e in enumerate(entries):
         v = tensors[f"{prefix}.{k:04d}.values"]
-        _expect(tuple(v.shape) == (tokens, e["width"]) and e["dtype"] in _TORCH and v.dtype == _TORCH[e["dtype"]],
+        _expect(tuple(v.shape) == (tokens, e["width"]) and e["dtype"] in _FLOATS
+                and v.dtype == tensorfile.torch_dtype(e["dtype"]),
                 where, f"{prefix} site {e['name']!r}: values {v.dtype}{tuple(v.shape)} do not match the index")
         hexes = tuple(bytes(digests[k, i].tolist()).hex() for i in range(rows))
         actual = row_digests(v, doc_row_tokens)  # never trust the recorded table: recompute from the bytes
@@ -293,6 +303,7 @@ def _sites(doc: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str, w
 def read_trace(run_dir: str | Path, expected_index_sha256: str | None = None) -> Trace:
     """Read and verify ``RUN_DIR/trace/`` (or a trace directory itself); refuse anything inconsistent,
     and a trace reached through a symbolic link below ``run_dir`` (a linked ``trace/`` or file)."""
+    import torch
 
     root = d = Path(run_dir)
     if d.name != TRACE_DIR and (d / TRACE_DIR).is_dir():
@@ -320,8 +331,9 @@ def read_trace(run_dir: str | Path, expected_index_sha256: str | None = None) ->
     _expect(tuple(pst.shape) == (len(doc["params"]), 2, 32), pay, "param.sha256 has a bad shape")
     for k, e in enumerate(doc["params"]):
         g, u = tensors[f"param.{k:04d}.grad"], tensors[f"param.{k:04d}.update"]
-        _expect(list(g.shape) == e["shape"] == list(u.shape) and e["dtype"] in _TORCH
-                and g.dtype == u.dtype == _TORCH[e["dtype"]], pay, f"parameter {e['name']!r} does not match the index")
+        _expect(list(g.shape) == e["shape"] == list(u.shape) and e["dtype"] in _FLOATS
+                and g.dtype == u.dtype == tensorfile.torch_dtype(e["dtype"]), pay,
+                f"parameter {e['name']!r} does not match the index")
         recorded = (bytes(pst[k, 0].tolist()).hex(), bytes(pst[k, 1].tolist()).hex())
         actual = (sha256_bytes(_row_bytes(g)), sha256_bytes(_row_bytes(u)))
         _expect(recorded == actual, pay, f"parameter {e['name']!r}: the recorded gradient or update SHA-256 does "

@@ -1,0 +1,38 @@
+"""`explain` and `replay`: a capture's admission, and its replay under an arm's knobs (any producer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from replayjob import metrics as M
+from replayjob.commands._args import integer, print_json
+from replayjob.deploy.schedule import parse_slot
+from replayjob.optbatch.replay import replay_command
+from replayjob.producers import explain
+
+
+def cmd_explain(args: dict[str, Any]) -> int:
+    adm, rep = explain.explain(args["<config>"], args["--set"])
+    if args["--json"]:
+        print_json(rep)
+    else:
+        print(explain.render(rep))
+    adm.raise_if_refused()
+    return 0
+
+
+def cmd_replay(args: dict[str, Any]) -> int:
+    repeat = integer(args, "--repeat") if args["--repeat"] is not None else None
+    index = integer(args, "--repeat-index") if args["--repeat-index"] is not None else 0
+    slot = parse_slot(args["--slot"]) if args["--slot"] is not None else None
+    sets = [*args["--set"], *(["optimizer_batch.trace=true"] if args["--trace"] else [])]
+    nproc = integer(args, "--nproc") if args["--nproc"] is not None else 1
+    for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index, slot, nproc=nproc):
+        if not m:  # a rank other than 0 of several: rank 0 reports the replay
+            continue
+        print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}, "
+              f"final adapter sha256 {m[M.FINAL_ADAPTER]}, "
+              "in effect: " + (", ".join(f"{k}={v}" for k, v in sorted(m["runtime"].items()))
+                               or f"no registered knobs ({m['framework']})"))
+        print(f"wrote {out}/{M.REPLAY_FILE}")
+    return 0
