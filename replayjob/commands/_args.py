@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from replayjob.check.leafdiff import Tolerance
 from replayjob.errors import UsageError
 from replayjob.jsonio import pretty_bytes
 from replayjob.metrics import CAPTURE_PREFIXES
 
+T = TypeVar("T")
+
 
 def integer(args: dict[str, Any], key: str) -> int:
+    """Option ``key`` as an integer (refused, exit 2, when it is not one)."""
     raw = args[key]
     try:
         return int(raw)
     except (TypeError, ValueError):
         raise UsageError(f"{key} expects an integer, got {raw!r}") from None
+
+
+def integer_or(args: dict[str, Any], key: str, default: T) -> int | T:
+    """Option ``key`` as an integer, or ``default`` when it is not given."""
+    return default if args[key] is None else integer(args, key)
+
+
+def path_or_none(args: dict[str, Any], key: str) -> Path | None:
+    """Option ``key`` as a path, or None when it is not given."""
+    return None if args[key] is None else Path(args[key])
 
 
 def diff_options(args: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from replayjob.bundle import report as bundle_report
 from replayjob.bundle import summary
 from replayjob.bundle.reader import load_bundle
 from replayjob.bundle.replay import replay_bundle
-from replayjob.commands._args import integer, print_json
+from replayjob.commands._args import integer, integer_or, print_json
 from replayjob.jsonio import non_finite_as_strings, pretty_bytes
 
 
@@ -31,7 +31,7 @@ def cmd_bundle(args: dict[str, Any]) -> int:
         return 0
     report = replay_bundle(path, stage=args["--stage"], samples=args["--sample"], groups=args["--group"],
                            batches=args["--batch"], step=args["--step"],
-                           rollout=integer(args, "--rollout") if args["--rollout"] is not None else None,
+                           rollout=integer_or(args, "--rollout", None),
                            max_examples=integer(args, "--examples"))
     if args["--json"]:  # a non-finite value compared is reported as a string ("NaN"), never a bare NaN
         print_json(non_finite_as_strings(report.to_json()))

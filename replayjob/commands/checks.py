@@ -9,7 +9,7 @@ from replayjob.check import diagdiff
 from replayjob.check.determinism_check import check
 from replayjob.check.rules import load_rules
 from replayjob.check.signals import evaluate
-from replayjob.commands._args import diff_options, integer, print_report
+from replayjob.commands._args import diff_options, integer, integer_or, print_report
 
 
 def cmd_diag_diff(args: dict[str, Any]) -> int:
@@ -20,7 +20,7 @@ def cmd_diag_diff(args: dict[str, Any]) -> int:
 
 def cmd_determinism_check(args: dict[str, Any]) -> int:
     report = check(args["<config>"], runs=integer(args, "--runs"),
-                   steps=integer(args, "--steps") if args["--steps"] is not None else None,
+                   steps=integer_or(args, "--steps", None),
                    out=args["--out"], sets=args["--set"], command=args["--command"], **diff_options(args),
                    progress=lambda line: print(line, file=sys.stderr))
     print_report(report, args["--json"])

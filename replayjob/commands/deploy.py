@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.commands import ARGV, REEXEC
-from replayjob.commands._args import integer
+from replayjob.commands._args import integer, integer_or
 from replayjob.deploy import argo, driver, external, k8s, step
 from replayjob.deploy.ablation import load_spec, load_spec_text
 from replayjob.deploy.submit import resume, submit
@@ -45,7 +45,7 @@ def _step(args: dict[str, Any]) -> int:
         step.prune_runs(Path(args["--run-root"]), integer(args, "--older-than"), dry_run=args["--dry-run"])
         return 0
     spec = step.select(load_spec(args["--spec"]), args["--arms"],
-                       integer(args, "--repeats") if args["--repeats"] is not None else None,
+                       integer_or(args, "--repeats", None),
                        args["--device"], args["--claim"])
     if args["plan"]:
         external.check(spec)  # an existing capture: its pins, and the arms' keys among its producer's knobs
@@ -56,17 +56,17 @@ def _step(args: dict[str, Any]) -> int:
     layout = step.layout_for(spec, args["--run-dir"], args["--workspace"], args["--source"])
     outputs = Path(args["--outputs"]) if args["--outputs"] else None
     wait_s = integer(args, "--wait-s")
-    ranks = integer(args, "--ranks") if args["--ranks"] is not None else None
+    ranks = integer_or(args, "--ranks", None)
     if args["capture"]:
         step.capture_step(spec, layout, outputs, ranks=ranks, launcher=args["--launcher"])
     elif args["replay"]:
-        index = step.resolve_index(spec, integer(args, "--index") if args["--index"] is not None else None,
-                                   integer(args, "--position") if args["--position"] is not None else None, ranks)
+        index = step.resolve_index(spec, integer_or(args, "--index", None),
+                                   integer_or(args, "--position", None), ranks)
         step.replay_step(spec, layout, index, pins=args["--pins"], plants=args["--plant"], wait_s=wait_s,
                          launcher=args["--launcher"])
     else:
         step.reduce_step(spec, layout, wait_s=wait_s, outputs=outputs,
-                         blocks=integer(args, "--blocks") if args["--blocks"] is not None else None,
+                         blocks=integer_or(args, "--blocks", None),
                          report=Path(args["--report"]) if args["--report"] else None,
                          max_looks=integer(args, "--max-looks")).raise_for_status()
     return 0

@@ -6,26 +6,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from replayjob.commands._args import integer
+from replayjob.commands._args import integer, integer_or, path_or_none
 from replayjob.funnel import Options, run_funnel
 
 
 def cmd_funnel(args: dict[str, Any]) -> int:
-    def opt(key: str) -> Path | None:
-        return Path(args[key]) if args[key] is not None else None
-
-    def num(key: str) -> int | None:
-        return integer(args, key) if args[key] is not None else None
-
-    out = opt("--out") or Path("runs") / ("funnel-" + time.strftime("%Y%m%d-%H%M%S"))
+    out = path_or_none(args, "--out") or Path("runs") / ("funnel-" + time.strftime("%Y%m%d-%H%M%S"))
+    updates = {"warmup_updates": integer_or(args, "--warmup-updates", None),
+               "measured_updates": integer_or(args, "--measured-updates", None)}
     return run_funnel(Options(
-        out=out, spec=opt("--spec") or Path("examples/ablation.toml"), arms=args["--arms"],
-        repeats=num("--repeats"), claim=args["--claim"], seed=integer(args, "--seed"), resume=opt("--resume"),
-        model=opt("--model"), device=args["--device"], steps=num("--steps"),
-        only_ablation=args["--only-ablation"], budgets=opt("--budgets"), until_decided=not args["--fixed-blocks"],
-        max_repeats=num("--max-repeats"), design=args["--design"],
-        **{k: n for k, n in (("warmup_updates", num("--warmup-updates")),
-                             ("measured_updates", num("--measured-updates"))) if n is not None},
+        out=out, spec=path_or_none(args, "--spec") or Path("examples/ablation.toml"), arms=args["--arms"],
+        repeats=integer_or(args, "--repeats", None), claim=args["--claim"], seed=integer(args, "--seed"),
+        resume=path_or_none(args, "--resume"), model=path_or_none(args, "--model"), device=args["--device"],
+        steps=integer_or(args, "--steps", None), only_ablation=args["--only-ablation"],
+        budgets=path_or_none(args, "--budgets"), until_decided=not args["--fixed-blocks"],
+        max_repeats=integer_or(args, "--max-repeats", None), design=args["--design"],
+        **{k: n for k, n in updates.items() if n is not None},
         plant_nondeterminism=args["--plant-nondeterminism"], plant_kill=args["--plant-kill"],
-        plant_undeclared=args["--plant-undeclared"], report=not args["--no-report"], capture=opt("--capture"),
-        replay_config=args["--replay-config"]))
+        plant_undeclared=args["--plant-undeclared"], report=not args["--no-report"],
+        capture=path_or_none(args, "--capture"), replay_config=args["--replay-config"]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from replayjob import metrics as M
-from replayjob.commands._args import integer, print_json
+from replayjob.commands._args import integer_or, print_json
 from replayjob.deploy.schedule import parse_slot
 from replayjob.optbatch.replay import replay_command
 from replayjob.producers import explain
@@ -22,11 +22,11 @@ def cmd_explain(args: dict[str, Any]) -> int:
 
 
 def cmd_replay(args: dict[str, Any]) -> int:
-    repeat = integer(args, "--repeat") if args["--repeat"] is not None else None
-    index = integer(args, "--repeat-index") if args["--repeat-index"] is not None else 0
+    repeat = integer_or(args, "--repeat", None)
+    index = integer_or(args, "--repeat-index", 0)
     slot = parse_slot(args["--slot"]) if args["--slot"] is not None else None
     sets = [*args["--set"], *(["optimizer_batch.trace=true"] if args["--trace"] else [])]
-    nproc = integer(args, "--nproc") if args["--nproc"] is not None else 1
+    nproc = integer_or(args, "--nproc", 1)
     for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index, slot, nproc=nproc):
         if not m:  # a rank other than 0 of several: rank 0 reports the replay
             continue
