@@ -8,7 +8,11 @@ the capture), ``bundle inspect`` and ``bundle validate`` (the captured update bu
 missing, not timed.  Each process also reports whether ``transformers`` or ``peft`` was imported.
 
 The installed ``replayjob`` console script is timed (what a user runs); runs alternate between the
-bare interpreter and each command so that load on the machine hits both alike.
+bare interpreter and each command so that load on the machine hits both alike.  Commands run with
+``PYTHONDONTWRITEBYTECODE`` removed from their environment, so the untimed first start writes the
+bytecode cache a user's installation has: with the variable set every start compiles each module
+again (about 0.13 s of a ``reduce`` start on a 2-core Xeon).  The JSON says whether the cache was
+there (``bytecode_cached``).
 
 Ratio: median ``replayjob --help`` seconds / median ``python -c pass`` seconds.  Target: ``--help``
 within 0.3 s of the bare interpreter (median difference <= 0.3 s); also judged: ``reduce`` for the
@@ -22,8 +26,10 @@ Run: ``python -m benchmarks.cli_startup [--smoke] [--repeats N]``
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -105,9 +111,22 @@ def _launcher() -> list[str]:
     return [str(script)] if script.is_file() else [sys.executable, "-m", "replayjob"]
 
 
+# Every timed process: the caller's environment, but bytecode is cached as in a user's installation.
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
+def bytecode_cached() -> bool:
+    """Whether the CLI's modules have their bytecode cache (written by the untimed first start)."""
+    import replayjob.cli
+    import replayjob.commands.reduce
+
+    return all(Path(importlib.util.cache_from_source(m.__file__)).is_file()
+               for m in (replayjob.cli, replayjob.commands.reduce) if m.__file__)
+
+
 def _time(argv: list[str], ok: tuple[int, ...]) -> float:
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False, env=ENV)
     dt = time.perf_counter() - t0
     if proc.returncode not in ok:
         raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
@@ -118,7 +137,7 @@ def probe(argv: list[str], work: Path) -> dict[str, Any]:
     """Run ``replayjob.cli.main(argv)`` in a fresh interpreter; return its exit code and heavy imports."""
     out = work / f"probe-{time.perf_counter_ns()}.json"
     proc = subprocess.run([sys.executable, "-c", PROBE, str(out), *argv], capture_output=True, text=True,
-                          check=False)
+                          check=False, env=ENV)
     if not out.is_file():
         raise RuntimeError(f"probe of {argv} wrote nothing: {proc.stderr.strip()[-500:]}")
     result: dict[str, Any] = json.loads(out.read_text())
@@ -142,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {"python -c pass": [], **{k: [] for k in present}}
         for _cmd, cmd_argv, ok in present.values() if not args.smoke else ():  # untimed warm-up
             _time([*launch, *cmd_argv], ok)
+        cached = bytecode_cached()
         for _ in range(repeats):
             for label, (_, cmd_argv, ok) in present.items():
                 times["python -c pass"].append(_time(bare, (0,)))
@@ -160,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     heavy = sorted(label for label, d in per_command.items() if d["heavy_imports"])
     worst = max(per_command, key=lambda k: per_command[k]["delta_s"])
     notes = [f"not in this tree's CLI, not timed: {', '.join(missing)}"] if missing else []
+    if not cached:
+        notes.append("no bytecode cache beside the package (not writable?): every start compiled its modules")
     if heavy:
         notes.append(f"imported transformers or peft: {', '.join(heavy)}")
     common.report(
@@ -173,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"+{per_command[worst]['delta_s']:.3f} s; heavy imports in {len(heavy)} of {len(per_command)} "
                 f"commands" + (f"; missing: {', '.join(missing)}" if missing else "")),
         measurements={"bare_s": st["python -c pass"], "commands": per_command, "missing_commands": missing},
-        parameters={"repeats": repeats, "launcher": launch}, notes=notes)
+        parameters={"repeats": repeats, "launcher": launch, "bytecode_cached": cached}, notes=notes)
     return 0
 
 
