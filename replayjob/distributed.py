@@ -188,16 +188,27 @@ def process_group(cfg: Config) -> Iterator[None]:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     try:
         yield
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: the other ranks may never reach one
+        raise
+    leave_process_group(synchronize=True)
 
 
-def leave_process_group() -> None:
-    """Destroy the default process group when one is open (one a framework's launcher opened, e.g.
-    accelerate under torchrun): a group left to the interpreter's exit can abort a rank."""
+def leave_process_group(*, synchronize: bool) -> None:
+    """Destroy the default process group when one is open (also one a framework's launcher opened, e.g.
+    accelerate under torchrun): a group left to the interpreter's exit can abort a rank.
+
+    ``synchronize`` (the work succeeded on this rank): every rank first meets at a barrier, so that no
+    rank tears its connections down while a peer still has a collective in flight on them (gloo aborts
+    that peer).  After an error there is no barrier: the other ranks may never reach it."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if synchronize and dist.get_world_size() > 1:
+            dist.barrier()
+    finally:
         dist.destroy_process_group()
 
 
@@ -434,7 +445,7 @@ def run_launched(nproc: int, argv: Sequence[str], timeout: float | None = None,
             with contextlib.suppress(ValueError, OSError):
                 codes.append(int(p.read_text(encoding="utf-8").strip()))
     text = (proc.stderr or "") + (proc.stdout or "")
-    return merged_exit(proc.returncode, codes, nproc), (rank_diagnostics(text) or text.strip())[-4000:]
+    return merged_exit(proc.returncode, codes, nproc), (rank_diagnostics(text) or launch_failure(text))[-4000:]
 
 
 STOP_GRACE_S = 20.0  # after SIGTERM, how long the launcher gets to stop its ranks before SIGKILL
@@ -471,6 +482,25 @@ def _stop_group(proc: subprocess.Popen[str], grace_s: float) -> None:
 
 
 _DIAGNOSTIC = re.compile(r"^replayjob [a-z][a-z-]*( [a-z][a-z-]*)?: ")
+
+
+_LAUNCHER_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def launch_failure(text: str, keep: int = 1200) -> str:
+    """What a failed launch's output says when no rank printed a diagnostic (a rank crashed): the ranks'
+    last ``keep`` characters before torchrun's own traceback (where a crashed rank's message is, e.g.
+    ``terminate called after throwing ...``), then torchrun's root-cause summary.  Output of another
+    launcher is returned whole."""
+    at = text.rfind(_LAUNCHER_FAILED)
+    if at < 0:
+        return text.strip()
+    start = text.rfind(_TRACEBACK, 0, at)
+    ranks = text[:start if start >= 0 else at].strip()
+    root = text.find("Root Cause", at)
+    summary = text[root if root >= 0 else at:].strip()
+    return (f"{ranks[-keep:]}\n[torchrun] {summary}" if ranks else f"[torchrun] {summary}")
 
 
 def rank_diagnostics(text: str) -> str:

@@ -349,3 +349,42 @@ def test_a_launch_reports_the_ranks_diagnostics_not_the_launchers_traceback() ->
     assert distributed.rank_diagnostics(text) == ("replayjob replay: distributed.strategy: refused here\n"
                                                   "  fix: do this")
     assert distributed.rank_diagnostics("Traceback (most recent call last):\n  File x\n") == ""
+
+
+# torchrun's stderr when rank 1 aborted (recorded from torch 2.13's launcher; paths shortened): the rank's own
+# message comes before the launcher's traceback, the failed rank's signal after it.
+CRASHED = """
+*****************************************
+Setting OMP_NUM_THREADS environment variable for each process to be 1 in default
+*****************************************
+terminate called after throwing an instance of 'gloo::IoException'
+E1206 04:46:43.074000 9522 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -6) local_rank: 1
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+=====================================================
+replayjob FAILED
+-----------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+-----------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 9528)  (SIGABRT)
+  traceback : Signal 6 (SIGABRT) received by PID 9528
+=====================================================
+replayed arm baseline repeat 0: loss -0.0043
+"""
+
+
+def test_a_crashed_rank_is_reported_with_its_own_last_words_and_the_launchers_root_cause() -> None:
+    said = distributed.launch_failure(CRASHED)
+    assert "terminate called after throwing an instance of 'gloo::IoException'" in said
+    assert "[torchrun] Root Cause" in said and "Signal 6 (SIGABRT)" in said
+    assert "raise ChildFailedError" not in said and "_run_module_as_main" not in said  # the launcher's traceback
+    assert distributed.launch_failure("srun: error: task 1: Aborted\n") == "srun: error: task 1: Aborted"
+    long = "x" * 5000 + "\nterminate called\n" + CRASHED[CRASHED.index("Traceback"):]
+    assert distributed.launch_failure(long).startswith("x" * 10) and len(distributed.launch_failure(long)) < 2000

@@ -199,7 +199,7 @@ def launch_ranks(nproc: int, argv: Sequence[str], launcher: str, where: Path) ->
     code, tail = distributed.run_launched(nproc, argv, launcher=launcher)
     if code != 0:
         raise error_for_exit_status(code)(f"{nproc} ranks of `replayjob {argv[0]}` exited with status {code}: "
-                                          f"{tail[-2000:]}", where=where)
+                                          f"{tail}", where=where)
 
 
 @dataclass(frozen=True)

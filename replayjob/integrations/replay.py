@@ -271,9 +271,12 @@ def replay(cfg: ReplayConfig, out: Path, repeat_index: int = 0, slot: Slot | Non
 
     ob = cfg.optimizer_batch
     try:
-        return driver.replay(build, out, arm=adm.arm, repeat_index=repeat_index, slot=slot, allowed=adm.allowed,
+        done = driver.replay(build, out, arm=adm.arm, repeat_index=repeat_index, slot=slot, allowed=adm.allowed,
                              strict=False, seed=None, trace=ob.trace, warmup_updates=ob.warmup_updates,
                              measured_updates=ob.measured_updates,
                              where=ob.replay_path or "optimizer_batch.replay_path")
-    finally:  # the framework's launcher opened the process group; leave it before the interpreter exits
-        distributed.leave_process_group()
+    except BaseException:  # the framework's launcher opened the process group; leave it before exit
+        distributed.leave_process_group(synchronize=False)
+        raise
+    distributed.leave_process_group(synchronize=True)
+    return done

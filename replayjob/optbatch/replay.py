@@ -285,5 +285,5 @@ def _spawn(config: str | Path, overrides: list[str], d: Path, index: int, nproc:
         code, tail = distributed.run_launched(nproc, argv, launcher=launcher)
     if code != 0:
         raise error_for_exit_status(code)(  # 3 or a signal stays retryable (exit 3)
-            f"repeat {index} exited with status {code}: {tail[-2000:]}", where=d)
+            f"repeat {index} exited with status {code}: {tail}", where=d)
     return metrics_io.read_replay(d / METRICS_FILE).doc
