@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from replayjob import determinism
 from replayjob.errors import ConfigError, ContractError
 from replayjob.integrations import _files, _microbatch
 from replayjob.integrations.replay import ReplaySession
+from replayjob.optbatch.contract import integration_contract
 
 if TYPE_CHECKING:
     import torch
@@ -63,9 +63,8 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sch
 
 def contract(resolved: dict[str, Any]) -> dict[str, Any]:
     """The whole user config of the loop defines the update (pure: nothing imported)."""
-    return {"schema": "replayjob.integration_contract/v1", "framework": FRAMEWORK,
-            "update": resolved.get(FRAMEWORK, {}), "sequence": "loss.backward per captured micro-batch; "
-            "integrations.torch_loop.optimizer_step", "math_mode": determinism.math_mode_from_env(False)}
+    return integration_contract(FRAMEWORK, resolved.get(FRAMEWORK, {}), "loss.backward per captured "
+                                "micro-batch; integrations.torch_loop.optimizer_step")
 
 
 def check_entry(entry: str, recorded: Any) -> str | None:

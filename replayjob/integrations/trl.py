@@ -49,13 +49,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from replayjob import determinism, knobs
+from replayjob import knobs
 from replayjob.errors import RefusedError, UsageError
 from replayjob.integrations import _files, _microbatch
 from replayjob.integrations import capture as cap
 from replayjob.integrations import ranks as iranks
 from replayjob.integrations.replay import ReplaySession
 from replayjob.jsonio import read_json_object
+from replayjob.optbatch.contract import integration_contract
 from replayjob.optbatch.ranks import rank_dir
 from replayjob.redact import REDACTED
 
@@ -359,16 +360,9 @@ def contract(resolved: dict[str, Any]) -> dict[str, Any]:
             raise RefusedError(f"unknown TRL trainer {resolved[TRAINER_KEY]!r}", where=TRAINER_KEY,
                                hint="replayjob replays " + ", ".join(TRAINERS))
         update["trainer"] = resolved[TRAINER_KEY]
-    return {
-        "schema": "replayjob.integration_contract/v1",
-        "framework": FRAMEWORK,
-        "update": update,
-        "sequence": "training_step per captured micro-batch; clip (max_grad_norm > 0); optimizer.step; "
-                    "lr_scheduler.step unless skipped; zero_grad",
-        "dtype": resolved.get("model", {}).get("dtype"),
-        "adapter": resolved.get("peft"),
-        "math_mode": determinism.math_mode_from_env(False),
-    }
+    return integration_contract(FRAMEWORK, update, "training_step per captured micro-batch; clip (max_grad_norm "
+                                "> 0); optimizer.step; lr_scheduler.step unless skipped; zero_grad",
+                                dtype=resolved.get("model", {}).get("dtype"), adapter=resolved.get("peft"))
 
 
 def _base_model(trainer: Any) -> Any:

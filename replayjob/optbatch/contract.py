@@ -24,6 +24,7 @@ from replayjob.config.load import to_dict
 from replayjob.digest import sha256_json
 
 CONTRACT_SCHEMA = "replayjob.optimizer_contract/v1"
+INTEGRATION_CONTRACT_SCHEMA = "replayjob.integration_contract/v1"  # a producer other than the built-in trainer
 
 
 def _model_reference(cfg: Config) -> dict[str, Any]:
@@ -58,6 +59,14 @@ def optimizer_contract(cfg: Config) -> dict[str, Any]:
     }
     out: dict[str, Any] = redact(contract)
     return out
+
+
+def integration_contract(framework: str, update: dict[str, Any], sequence: str, **fields: Any) -> dict[str, Any]:
+    """The contract of a producer other than the built-in trainer: ``update``, the part of its config that
+    defines the math of one update; ``sequence``, the calls one update makes; ``fields``, what else the
+    producer pins (dtype, adapter); and the math mode the environment sets (pure: nothing imported)."""
+    return {"schema": INTEGRATION_CONTRACT_SCHEMA, "framework": framework, "update": update, "sequence": sequence,
+            **fields, "math_mode": determinism.math_mode_from_env(False)}
 
 
 def contract_sha256(contract: dict[str, Any]) -> str:
