@@ -21,8 +21,8 @@ from replayjob.optbatch.ranks import (
     check_listing,
     landed_name,
     rank_dir,
-    ranks_digest,
     read_landed,
+    root_document,
 )
 from replayjob.rl.batch import OptimizerBatch
 
@@ -117,20 +117,10 @@ def write_root(out: Path, *, step: int, world: int, strategy: str, bucket_cap_mb
     v = _read_ranks(out, step, entries)
     first = v.manifests[0]
     logical, effective = v.digests
-    doc = {
-        "schema": manifest.SCHEMA, "framework": manifest.BUILTIN, "step": step, "producer": producer,
-        "distributed": {"world_size": world, "strategy": strategy, "bucket_cap_mb": bucket_cap_mb,
-                        "backend": backend, "sharding": distributed.SHARDING},
-        "ranks": [{"rank": r, "dir": rank_dir(r), "manifest_sha256": sha, "payload_spans_sha256": m.payload_digest,
-                   "rows": list(b)} for (r, sha), m, b in zip(entries, v.manifests, v.bounds, strict=True)],
-        "payload": {"spans_sha256": ranks_digest([m.payload_digest for m in v.manifests]),
-                    "size": sum(m.payload_size for m in v.manifests),
-                    "rng_keys": list(first.doc["payload"]["rng_keys"])},
-        "rows": summary(v.batch), "logical_batch_sha256": logical, "local_effective_rows_sha256": effective,
-        "config": first.doc["config"], "contract": first.doc["contract"],
-        "initial_adapter": first.doc["initial_adapter"],
-    }
-    if sealed is not None:
-        doc[manifest.OUTCOME] = sealed
+    doc = root_document(
+        step=step, producer=producer, world=world, strategy=strategy, bucket_cap_mb=bucket_cap_mb, backend=backend,
+        ranks=[(r, sha, m.payload_digest, b) for (r, sha), m, b in zip(entries, v.manifests, v.bounds, strict=True)],
+        payload_size=sum(m.payload_size for m in v.manifests), rng_keys=first.doc["payload"]["rng_keys"],
+        rows=summary(v.batch), logical=logical, effective=effective, first_rank=first.doc, sealed=sealed)
     sha = manifest.write(out / manifest.manifest_name(step), doc)
     return logical, effective, sha

@@ -38,7 +38,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from replayjob import distributed
 from replayjob.errors import ArtifactExistsError, IntegrityError
@@ -46,10 +46,6 @@ from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict
 from replayjob.optbatch import manifest
 from replayjob.optbatch.manifest import Manifest, is_int, need, need_hex
-
-if TYPE_CHECKING:  # reading a root manifest (reduce) needs no tensors: torch loads with the payload
-
-    pass
 
 RANKS_TAG = b"replayjob.rank-payloads.v1\n"
 MAX_LANDED_BYTES = 64 * 1024  # a landing record is three fields
@@ -75,6 +71,31 @@ def ranks_digest(payload_digests: list[str]) -> str:
     for d in payload_digests:
         h.update(bytes.fromhex(d))
     return h.hexdigest()
+
+
+def root_document(*, step: int, producer: dict[str, Any], world: int, strategy: str, bucket_cap_mb: float,
+                  backend: str, ranks: list[tuple[int, str, str, tuple[int, int]]], payload_size: int,
+                  rng_keys: list[str], rows: dict[str, Any], logical: str, effective: str,
+                  first_rank: dict[str, Any], sealed: dict[str, Any] | None) -> dict[str, Any]:
+    """The root manifest's document: ``ranks`` lists (rank, manifest SHA-256, payload span digest,
+    ``[begin, end)`` logical rows) in rank order; config, contract and initial adapter are rank 0's
+    (``first_rank``: its manifest document, which every other rank's was verified to match); ``sealed``
+    the source update's outcome (:func:`replayjob.optbatch.manifest.outcome`)."""
+    doc: dict[str, Any] = {
+        "schema": manifest.SCHEMA, "framework": manifest.BUILTIN, "step": step, "producer": producer,
+        "distributed": {"world_size": world, "strategy": strategy, "bucket_cap_mb": bucket_cap_mb,
+                        "backend": backend, "sharding": distributed.SHARDING},
+        "ranks": [{"rank": r, "dir": rank_dir(r), "manifest_sha256": sha, "payload_spans_sha256": spans,
+                   "rows": list(bounds)} for r, sha, spans, bounds in ranks],
+        "payload": {"spans_sha256": ranks_digest([spans for _, _, spans, _ in ranks]), "size": payload_size,
+                    "rng_keys": list(rng_keys)},
+        "rows": rows, "logical_batch_sha256": logical, "local_effective_rows_sha256": effective,
+        "config": first_rank["config"], "contract": first_rank["contract"],
+        "initial_adapter": first_rank["initial_adapter"],
+    }
+    if sealed is not None:
+        doc[manifest.OUTCOME] = sealed
+    return doc
 
 
 @dataclass(frozen=True)
