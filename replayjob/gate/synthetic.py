@@ -34,17 +34,15 @@ from replayjob.metrics import (
     EFFECTIVE,
     FINAL_ADAPTER,
     FINAL_ADAPTER_PATH,
-    HOST,
     INITIAL_ADAPTER,
     LOGICAL,
     MANIFEST,
     MANIFEST_PATH,
     REPLAY_FILE,
-    REPLAY_SCHEMA,
-    SKIPPED,
     SOURCE_FILE,
     SOURCE_FINAL_ADAPTER,
     SOURCE_SCHEMA,
+    replay_document,
 )
 from replayjob.optbatch import manifest as mf
 from replayjob.tensorfile import ITEMSIZE
@@ -102,6 +100,8 @@ def _put(path: Path, data: bytes) -> None:
 
 
 def _measures(seed: int, arm: str, index: int, knobs: dict[str, Any]) -> dict[str, Any]:
+    """Timing, peak memory and padding of one replay: stable noise from (seed, arm, index); gradient
+    checkpointing trades backward time for memory."""
     rng = random.Random(f"{seed}:{arm}:{index}")
     ckpt = bool(knobs.get(GC_KEY, False))
     noise = [1.0 + (rng.random() - 0.5) * 0.1 for _ in range(5)]
@@ -110,7 +110,7 @@ def _measures(seed: int, arm: str, index: int, knobs: dict[str, Any]) -> dict[st
     return {
         "timing": {"local_train_wall_s": fwd + bwd + opt + 0.05 * noise[3], "forward_wall_s": fwd,
                    "backward_wall_s": bwd, "optimizer_wall_s": opt},
-        "memory": {"peak_bytes": int(1_000_000_000 * (0.7 if ckpt else 1.0) * noise[4]), "kind": "max_rss"},
+        "peak": int(1_000_000_000 * (0.7 if ckpt else 1.0) * noise[4]),
         "padding": {"real_tokens": real, "padded_tokens": padded, "padding_fraction": 1 - real / padded,
                     "micro_batches": 4},
     }
@@ -126,34 +126,26 @@ def runtime_of(knobs: dict[str, Any], rows: int = 16) -> dict[str, Any]:
 
 def replay_doc(*, arm: str, index: int, knobs: dict[str, Any], manifest_sha256: str, initial_sha256: str,
                final_sha256: str, loss: float, seed: int = 0, tolerances_sha256: str = "") -> dict[str, Any]:
-    """One replay_metrics.json document."""
-    return {
-        "schema": REPLAY_SCHEMA, "framework": BUILTIN, "replayjob_version": "0.1.0", "torch_version": "2.4.0",
-        "device": "cpu",
-        "arm": arm, "repeat_index": index,
-        "pins": {"expected_logical_sha256": digest_of("logical"), "expected_manifest_sha256": manifest_sha256,
-                 "payload_spans_sha256": digest_of("payload")},
-        LOGICAL: digest_of("logical"),
-        EFFECTIVE: digest_of("effective"),
-        MANIFEST: manifest_sha256,
-        INITIAL_ADAPTER: initial_sha256,
-        FINAL_ADAPTER: final_sha256,
-        FINAL_ADAPTER_PATH: ADAPTER,
-        "allowed_config_differences": sorted(knobs), "observed_config_differences": sorted(knobs),
-        "knobs": dict(knobs), "skipped": list(SKIPPED),
-        "runtime": runtime_of(knobs),
-        "loss": loss, **_measures(seed, arm, index, knobs),
-        "tolerances_sha256": tolerances_sha256, "config_sha256": digest_of(f"config:{sorted(knobs.items())}"),
-        "grad_norm": 0.25, "rng_restored": ["cpu"],
-        "rows": {"rows": 16, "tokens": 544, "response_tokens": 128, "loss_bearing_tokens": 128,
-                 "loss_weight_sum": 1.0},
-        "provenance": {"strict_deterministic": True, "math_mode": "pedantic", "device": "cpu"},
-        HOST: {"node": f"node-{index}", "pod": None, "slurm_job": None, "image_ref": None, "image_digest": None,
-                 "device_type": "cpu", "gpu_product": None, "gpu_uuid": None, "driver_version": None,
-                 "cuda_version": None, "torch_version": "2.13.0", "cuda_visible_devices": None,
-                 "cpu_model": "synthetic"},
-        "wall_s": 2.0,
-    }
+    """One replay_metrics.json document: :func:`replayjob.metrics.replay_document` and what the replay
+    driver adds to it (final adapter, provenance, wall time)."""
+    doc = replay_document(
+        framework=BUILTIN, arm=arm, repeat_index=index,
+        pins={"expected_logical_sha256": digest_of("logical"), "expected_manifest_sha256": manifest_sha256,
+              "payload_spans_sha256": digest_of("payload")},
+        manifest_sha256=manifest_sha256, logical=digest_of("logical"), effective=digest_of("effective"),
+        initial_adapter_sha256=initial_sha256, allowed=sorted(knobs), observed=sorted(knobs),
+        knob_values=dict(knobs), runtime=runtime_of(knobs), loss=loss, grad_norm=0.25,
+        **_measures(seed, arm, index, knobs), device="cpu", torch_version="2.4.0",
+        host={"node": f"node-{index}", "pod": None, "slurm_job": None, "image_ref": None, "image_digest": None,
+              "device_type": "cpu", "gpu_product": None, "gpu_uuid": None, "driver_version": None,
+              "cuda_version": None, "torch_version": "2.13.0", "cuda_visible_devices": None,
+              "cpu_model": "synthetic"},
+        rows={"rows": 16, "tokens": 544, "response_tokens": 128, "loss_bearing_tokens": 128, "loss_weight_sum": 1.0},
+        rng_restored=["cpu"], tolerances_sha256=tolerances_sha256, budgets_sha256="",
+        config_sha256=digest_of(f"config:{sorted(knobs.items())}"))
+    doc.update({FINAL_ADAPTER: final_sha256, FINAL_ADAPTER_PATH: ADAPTER, "wall_s": 2.0,
+                "provenance": {"strict_deterministic": True, "math_mode": "pedantic", "device": "cpu"}})
+    return doc
 
 
 def _write_source(root: Path, initial: bytes, final: bytes, loss: float) -> tuple[Path, str, Path]:
