@@ -40,9 +40,8 @@ from replayjob.metrics import (
     MANIFEST_PATH,
     REPLAY_FILE,
     SOURCE_FILE,
-    SOURCE_FINAL_ADAPTER,
-    SOURCE_SCHEMA,
     replay_document,
+    source_document,
 )
 from replayjob.optbatch import manifest as mf
 from replayjob.tensorfile import ITEMSIZE
@@ -164,17 +163,15 @@ def _write_source(root: Path, initial: bytes, final: bytes, loss: float) -> tupl
                    sealed=mf.outcome(loss, SOURCE_GRAD_NORM, sha256_bytes(final)))
     manifest_sha = mf.write(src / mf.manifest_name(0), doc)
     _put(src / ADAPTER, final)
-    metrics = {
-        "schema": SOURCE_SCHEMA, "trainer": "grpo", "loss": loss, "grad_norm": SOURCE_GRAD_NORM,
-        LOGICAL: digest_of("logical"),
-        EFFECTIVE: digest_of("effective"),
-        MANIFEST: manifest_sha,
-        MANIFEST_PATH: mf.manifest_name(0),
-        INITIAL_ADAPTER: sha256_bytes(initial),
-        FINAL_ADAPTER: sha256_bytes(final),
-        SOURCE_FINAL_ADAPTER: sha256_bytes(final),
-        FINAL_ADAPTER_PATH: ADAPTER, "config": SOURCE_CONFIG,
-    }
+    metrics = source_document(  # the built-in trainer's metrics.json, then what its capture hook adds
+        trainer="grpo", torch_version="2.4.0", device="cpu", steps_run=1, last_step=0, loss=loss,
+        grad_norm=SOURCE_GRAD_NORM, initial_adapter_sha256=sha256_bytes(initial),
+        final_adapter_sha256=sha256_bytes(final), final_adapter_path=ADAPTER,
+        config_sha256=digest_of("source config"), config=SOURCE_CONFIG,
+        provenance={"strict_deterministic": True, "math_mode": "pedantic", "device": "cpu"}, wall_s=2.0)
+    metrics.update({LOGICAL: digest_of("logical"), EFFECTIVE: digest_of("effective"), MANIFEST: manifest_sha,
+                    INITIAL_ADAPTER: sha256_bytes(initial), FINAL_ADAPTER: sha256_bytes(final),
+                    MANIFEST_PATH: mf.manifest_name(0)})
     _put(src / SOURCE_FILE, pretty_bytes(metrics))
     return src, manifest_sha, init_file
 
