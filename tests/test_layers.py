@@ -285,3 +285,28 @@ def test_every_entry_of_the_name_keyed_tables_resolves_within_the_layers() -> No
         assert importlib.import_module(module).__name__ == module, name
     for name in replayjob.__all__:  # the public API: every name there
         assert getattr(replayjob, name) is not None, name
+
+
+def private_name_imports(mods: dict[str, str]) -> list[str]:
+    """Every ``from M import _name`` of replayjob code where ``_name`` is not a module: a name with a leading
+    underscore is its module's own (make it public there, with a docstring, when another module needs it).
+    Underscore *modules* (``integrations._files``) are a package's internals and may be imported."""
+    known = set(mods)
+    out = []
+    for m, src in sorted(mods.items()):
+        for node in ast.walk(ast.parse(src)):
+            if not isinstance(node, ast.ImportFrom) or node.level or not (node.module or "").startswith("replayjob"):
+                continue
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__") and f"{node.module}.{a.name}" not in known:
+                    out.append(f"{m}:{node.lineno} imports {node.module}.{a.name}")
+    return out
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    mods = {m: p.read_text(encoding="utf-8") for m, p in modules().items()}
+    assert private_name_imports(mods) == []
+    planted = "\nfrom replayjob.config.load import _deepcopy\nfrom replayjob.integrations import _files\n"
+    mods["replayjob.gate.verdict"] += planted
+    line = mods["replayjob.gate.verdict"].count("\n") - 1  # the first planted line
+    assert private_name_imports(mods) == [f"replayjob.gate.verdict:{line} imports replayjob.config.load._deepcopy"]

@@ -108,7 +108,9 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
 PATH_KEYS = (("resume", "from"), ("model", "path"), ("optimizer_batch", "replay_path"))
 
 
-def _absolutize(data: dict[str, Any], base: Path) -> dict[str, Any]:
+def absolutize_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Resolve the relative paths under :data:`PATH_KEYS` of a config read from a file against ``base``
+    (the file's directory), in place; returns ``data``."""
     for section, key in PATH_KEYS:
         node = data.get(section)
         if isinstance(node, dict) and isinstance(node.get(key), str) and node[key]:
@@ -246,7 +248,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     Relative paths in the file resolve against the file's directory; in ``--set``, against the
     working directory.
     """
-    data = _absolutize(read_toml(path), Path(path).resolve().parent) if path is not None else {}
+    data = absolutize_paths(read_toml(path), Path(path).resolve().parent) if path is not None else {}
     try:
         data = apply_overrides(data, list(overrides or []))
         cfg: Config = build(Config, data)

@@ -9,7 +9,8 @@ from typing import Any
 from replayjob.config.schema import TOML_NAMES, Config
 
 
-def _default(f: dataclasses.Field[Any]) -> str:
+def default_text(f: dataclasses.Field[Any]) -> str:
+    """A field's default as a reference table shows it (TOML spelling)."""
     if f.default is not dataclasses.MISSING:
         value = f.default
     elif f.default_factory is not dataclasses.MISSING:
@@ -25,7 +26,8 @@ def _default(f: dataclasses.Field[Any]) -> str:
     return repr(value).replace("'", '"')
 
 
-def _type(tp: Any) -> str:
+def type_text(tp: Any) -> str:
+    """A field's type as a reference table shows it."""
     if isinstance(tp, type):
         return tp.__name__
     return str(tp).replace("typing.", "").replace("NoneType", "None").replace("'", '"')
@@ -46,8 +48,8 @@ def reference_markdown() -> str:
             if dataclasses.is_dataclass(hints[f.name]):
                 subs.append((hints[f.name], f"{prefix}.{name}" if prefix else name))
                 continue
-            kind = _type(hints[f.name]).replace("|", "or")
-            rows.append(f"| `{name}` | `{kind}` | `{_default(f)}` | {f.metadata['doc']} |")
+            kind = type_text(hints[f.name]).replace("|", "or")
+            rows.append(f"| `{name}` | `{kind}` | `{default_text(f)}` | {f.metadata['doc']} |")
         if rows:
             lines.extend([f"## [{prefix}]", "", "| key | type | default | meaning |", "|---|---|---|---|",
                           *rows, ""])

@@ -38,7 +38,7 @@ from typing import Any
 from replayjob.deploy import k8s
 from replayjob.deploy.ablation import AblationSpec, load_spec_text
 from replayjob.deploy.step import check_rendered
-from replayjob.deploy.submit import Api, Log, _wait
+from replayjob.deploy.submit import Api, Log, wait_job
 from replayjob.errors import EXIT_ERROR, EXIT_OK, ConfigError, ContractError
 
 POLL_ENV = "REPLAYJOB_POLL_S"  # seconds between two reads of a stage Job's status [default: 10]
@@ -134,7 +134,7 @@ def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: floa
 
     def run(body: dict[str, Any]) -> str:
         _ensure(api, ns, body, owner, log)
-        return _wait(api, ns, body["metadata"]["name"], poll_s, log)[0]
+        return wait_job(api, ns, body["metadata"]["name"], poll_s, log)[0]
 
     if run(capture) == "Complete":
         for body in stages.values():  # one replay Job per rank count, one after another

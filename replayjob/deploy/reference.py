@@ -12,8 +12,9 @@ import sys
 import typing
 from typing import Any
 
-from replayjob.config.reference import _default, _type
+from replayjob.config.reference import default_text, type_text
 from replayjob.deploy.ablation import AblationSpec, CaptureRef
+from replayjob.errors import EXIT_OK, EXIT_REFUSED
 from replayjob.gate.budgets import KEY_DOCS, KIND_DOCS, KINDS, MEMORY_METRIC, METRIC_DOCS, TIME_METRICS
 
 USAGE = "usage: python -m replayjob.deploy.reference spec|budgets"
@@ -29,7 +30,7 @@ def _key(name: str, hint: Any) -> tuple[str, str]:
         return f"[{name}.NAME]", "tables"
     if typing.get_origin(hint) is dict or any(dataclasses.is_dataclass(a) for a in typing.get_args(hint)):
         return f"[{name}]", "table"
-    return name, _type(hint).replace("|", "or")
+    return name, type_text(hint).replace("|", "or")
 
 
 def _table(cls: Any) -> list[str]:
@@ -37,7 +38,7 @@ def _table(cls: Any) -> list[str]:
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         key, kind = _key(f.name, hints[f.name])
-        rows.append(f"| `{key}` | `{kind}` | `{_default(f)}` | {f.metadata['doc']} |")
+        rows.append(f"| `{key}` | `{kind}` | `{default_text(f)}` | {f.metadata['doc']} |")
     return rows
 
 
@@ -102,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0] not in DOCUMENTS:
         print(USAGE, file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     print(DOCUMENTS[args[0]](), end="")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

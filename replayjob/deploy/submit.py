@@ -203,7 +203,7 @@ class Api:
         return next((c for c in (1, 2, 3) if c in codes), None)
 
 
-def _wait(api: Api, namespace: str, name: str, poll_s: float, log: Log) -> tuple[str, str]:
+def wait_job(api: Api, namespace: str, name: str, poll_s: float, log: Log) -> tuple[str, str]:
     """Poll a Job until it has ended: every ``poll_s`` seconds, sooner at first (0.5 s, doubling), so a
     short stage is seen ending soon after it did."""
     delay = min(poll_s, 0.5)
@@ -245,7 +245,7 @@ def job_ended(job: dict[str, Any]) -> bool:
 def wait_driver(api: Api, namespace: str, name: str, poll_s: float, log: Log) -> int:
     """Follow a driver Job to its end; its code is the reducer's (a failure is raised with it)."""
     log(f"following job/{name} (kubectl -n {namespace} logs -f job/{name})")
-    state, reason = _wait(api, namespace, name, poll_s, log)
+    state, reason = wait_job(api, namespace, name, poll_s, log)
     if state == "Complete":
         return EXIT_OK
     raise _failure(api, namespace, name, reason)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from replayjob import knobs, tensorfile
 from replayjob.config import redact
-from replayjob.config.load import _absolutize, apply_overrides, build, read_toml
+from replayjob.config.load import absolutize_paths, apply_overrides, build, read_toml
 from replayjob.config.schema import OptimizerBatchConfig
 from replayjob.digest import sha256_json
 from replayjob.distributed import launch_env
@@ -68,7 +68,7 @@ class ReplayConfig:
 def load(path: str | Path, overrides: list[str]) -> ReplayConfig:
     """Read a replay config; unknown sections and keys are refused with their dotted path."""
     p = Path(path)
-    data = apply_overrides(_absolutize(read_toml(p), p.resolve().parent), overrides)
+    data = apply_overrides(absolutize_paths(read_toml(p), p.resolve().parent), overrides)
     integ = data.get("integration")
     if not isinstance(integ, dict) or not isinstance(integ.get("framework"), str):
         raise ConfigError("[integration] needs framework = \"<name>\"", where="integration.framework",
