@@ -221,6 +221,7 @@ a pattern matches the full leaf path or its last key): elapsed_s, *_elapsed_s, w
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -269,6 +270,35 @@ def handler(name: str) -> Handler:
     module, _, function = COMMANDS[name].partition(":")
     found: Handler = getattr(importlib.import_module(module), function)
     return found
+
+
+_WHOLE_DOC = ("-h", "--help", "--version")
+
+
+@functools.cache
+def _command_usages(doc: str) -> dict[str, str]:
+    """For each command word, ``doc`` with only that command's usage lines (and their continuation lines)."""
+    head, sep, rest = doc.partition("Usage:\n")
+    usage, blank, tail = rest.partition("\n\n")
+    lines: dict[str, list[str]] = {}
+    word = ""
+    for line in usage.splitlines():
+        parts = line.split()
+        if parts[0] == "replayjob":
+            word = parts[1]
+        lines.setdefault(word, []).append(line)
+    return {w: head + sep + "\n".join(ls) + blank + tail for w, ls in lines.items() if not w.startswith("-")}
+
+
+def usage_for(argv: Sequence[str], doc: str | None = None) -> str:
+    """The usage text that parses ``argv``: the lines of the command it names (docopt's parse grows much
+    faster than linearly with the number of usage lines: the whole text costs tens of milliseconds on every
+    start and every in-process call), or the whole text for help, the version or an unknown command (whose
+    error then shows every command).  A command's parse yields the keys of its own usage lines only."""
+    doc = (__doc__ or "") if doc is None else doc
+    if not argv or any(a in _WHOLE_DOC for a in argv):
+        return doc
+    return _command_usages(doc).get(argv[0], doc)
 
 
 def _output_dir(args: dict[str, Any]) -> str | None:
@@ -323,7 +353,7 @@ def main(argv: Sequence[str] | None = None, *, reexec: bool = False) -> int:
 def _main(argv: Sequence[str] | None, reexec: bool) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = docopt(__doc__ or "", argv=argv, version=__version__, default_help=True)
+        args = docopt(usage_for(argv), argv=argv, version=__version__, default_help=True)
     except DocoptExit as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_REFUSED

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import ast
 import errno
+import inspect
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import replayjob
-from replayjob.cli import COMMANDS, main
+from replayjob.cli import COMMANDS, main, usage_for
 from replayjob.errors import EXIT_ERROR, NegativeVerdict, OperationalError, RefusedError, error_for_exit_status
 
 
@@ -31,6 +34,87 @@ def test_every_command_resolves_to_a_handler_of_the_commands_package() -> None:
         found = handler(name)
         assert found is getattr(importlib.import_module(module), function)
         assert list(inspect.signature(found).parameters) == ["args"], target
+
+
+# One valid command line per usage line of the CLI (every required argument and option given).
+EXAMPLES = [
+    ["init", "d"], ["train", "c.toml"], ["capture", "c.toml", "--out", "o"], ["explain", "c.toml", "--json"],
+    ["replay", "c.toml", "--repeat", "3", "--set", "a=1", "--trace"],
+    ["reduce", "r1", "r2", "--claim", "bitwise", "--out", "v.json", "--source", "s", "--source-step", "2"],
+    ["funnel", "--out", "o", "--plant-kill", "--capture", "c", "--replay-config", "r.toml"],
+    ["step", "plan", "--spec", "s.toml", "--plant", "p"], ["step", "prune", "--run-root", "r", "--older-than", "3"],
+    ["step", "capture", "--spec", "s.toml", "--run-dir", "r"],
+    ["step", "replay", "--spec", "s.toml", "--run-dir", "r", "--position", "1", "--ranks", "2"],
+    ["step", "reduce", "--spec", "s.toml", "--run-dir", "r", "--blocks", "2"],
+    ["k8s", "render", "s.toml", "--out", "o"], ["k8s", "submit", "s.toml", "--wait"], ["k8s", "resume", "id"],
+    ["k8s", "drive", "--spec", "s.toml"], ["argo", "wait", "wf"], ["trace-diff", "a", "b", "--reference", "r"],
+    ["mismatch", "c", "--bound", "b.toml"], ["diag-diff", "a.jsonl", "b.jsonl", "--ignore", "x*"],
+    ["determinism-check", "c.toml", "--runs", "2"], ["determinism-check", "--command", "run {out}"],
+    ["signals", "run", "--quiet"], ["bundle", "inspect", "b"], ["bundle", "validate", "b", "--json"],
+    ["bundle", "replay", "b", "--sample", "1", "--sample", "2", "--rollout", "0"],
+]
+
+
+def test_a_command_parses_with_its_own_usage_lines_exactly_as_with_the_whole_text() -> None:
+    """What usage_for trims (every other command's lines) changes no value the command's parse yields."""
+    from docopt import docopt
+
+    whole = replayjob.cli.__doc__ or ""
+    usage = whole.split("Usage:\n", 1)[1].split("\n\n", 1)[0]
+    assert {argv[0] for argv in EXAMPLES} == set(COMMANDS)
+    assert sum(line.startswith("  replayjob ") for line in usage.splitlines()) == len(EXAMPLES) + 2  # help, version
+    for argv in EXAMPLES:
+        own = usage_for(argv)
+        assert own != whole and own.count("\n  replayjob ") < whole.count("\n  replayjob "), argv
+        full, trimmed = docopt(whole, argv=argv), docopt(own, argv=argv)
+        assert {k: full[k] for k in trimmed} == dict(trimmed), argv
+    for argv in (["--help"], ["reduce", "--help"], ["--version"], ["nosuchcommand"], []):
+        assert usage_for(argv) == whole
+
+
+def _keys_read(fn: object, table: dict[str, object], seen: set[str]) -> set[str]:
+    """The docopt keys a handler reads (args["K"], args.get("K"), helper(args, "K")), following the calls it
+    makes to functions of its module and of replayjob.commands._args."""
+    tree = ast.parse(inspect.getsource(fn).strip() if not isinstance(fn, str) else fn)
+    keys: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "args" \
+                and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+            keys.add(node.slice.value)
+        elif isinstance(node, ast.Call):
+            pos = [a for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            getter = isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
+                and node.func.value.id == "args" and node.func.attr == "get"
+            helper = bool(node.args) and isinstance(node.args[0], ast.Name) and node.args[0].id == "args"
+            if pos and (getter or helper):
+                keys.add(pos[0].value)
+            name = node.func.id if isinstance(node.func, ast.Name) else None
+            if name in table and name not in seen:
+                seen.add(name)
+                keys |= _keys_read(table[name], table, seen)
+    return keys
+
+
+def test_every_handler_reads_only_what_its_commands_usage_declares() -> None:
+    """A command parses with its own usage lines only (usage_for), so a key of another command's lines is not
+    in its arguments: every key a handler reads must be declared by its command's lines."""
+    import importlib
+
+    from replayjob.commands import _args
+
+    for name, target in COMMANDS.items():
+        module, _, function = target.partition(":")
+        mod = importlib.import_module(module)
+        table = {k: v for m in (mod, _args) for k, v in vars(m).items()
+                 if inspect.isfunction(v) and v.__module__ == m.__name__}
+        own = usage_for([name]).split("Usage:\n", 1)[1].split("\n\n", 1)[0]
+        words = set(re.findall(r"<[^>]+>|--[a-z-]+|(?<![-<])\b[a-z][a-z-]*\b", own))
+        read = _keys_read(getattr(mod, function), table, {function})
+        assert read, target
+        assert read <= words, f"{name}: {sorted(read - words)} not in its usage lines"
+        if name == "reduce":  # planted: a key of diag-diff's lines read by reduce is reported
+            planted = "def cmd_reduce(args):\n    return args['--rtol'], args.get('--claim'), integer(args, '--top')\n"
+            assert _keys_read(planted, {}, set()) - words == {"--rtol", "--top"}
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
