@@ -43,13 +43,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from replayjob.config import Config
 from replayjob.errors import EXIT_ERROR, EXIT_NEGATIVE, EXIT_OK, EXIT_REFUSED, ConfigError, ContractError
 from replayjob.launch import check_launcher, rank_thread_env, srun_command
 
 if TYPE_CHECKING:
     import torch
 
-    from replayjob.config import Config
 
 STRATEGIES = ("none", "ddp", "fsdp2")  # fsdp2: torch.distributed.fsdp.fully_shard
 SHARDING = "contiguous"  # rank r of W takes rows [r * N // W, (r + 1) * N // W)

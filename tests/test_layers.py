@@ -1,7 +1,8 @@
 """The layer order of replayjob's own modules, checked for every import, including those inside functions.
 
 Each module belongs to one layer; a module may import its own layer and the layers below it, never one
-above (imports under ``if TYPE_CHECKING:`` are annotations, not imports, and are not checked).  The
+above.  ``if TYPE_CHECKING:`` holds heavy third-party names for annotations only, never a replayjob
+module: one imported there would be an edge these rules do not see (a hidden cycle or upward import).  The
 README's file tree shows the same floors:
 
   core -> config -> runtime -> artifacts -> producers -> analysis -> launch -> cli
@@ -39,7 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "replayjob.rl", "replayjob.knobs")),
     ("artifacts", ("replayjob.metrics", "replayjob.optbatch.manifest", "replayjob.optbatch.payload",
                    "replayjob.optbatch.ranks", "replayjob.integrations.manifest", "replayjob.trace.store",
-                   "replayjob.deploy.schedule")),
+                   "replayjob.deploy.schedule", "replayjob.deploy.ablation")),  # the spec: an input record
     ("producers", ("replayjob.producers", "replayjob.optbatch", "replayjob.integrations", "replayjob.rl.trainer",
                    "replayjob.trace.recorder", "replayjob.trace.fault")),
     ("analysis", ("replayjob.bundle", "replayjob.trace", "replayjob.gate", "replayjob.check", "replayjob.mismatch")),
@@ -310,3 +311,28 @@ def test_no_module_imports_another_modules_private_name() -> None:
     mods["replayjob.gate.verdict"] += planted
     line = mods["replayjob.gate.verdict"].count("\n") - 1  # the first planted line
     assert private_name_imports(mods) == [f"replayjob.gate.verdict:{line} imports replayjob.config.load._deepcopy"]
+
+
+def typing_only_own_imports(mods: dict[str, str]) -> list[str]:
+    """Every replayjob module imported under ``if TYPE_CHECKING:`` (import it at the top: importing a replayjob
+    module imports nothing heavy, so only a cycle or an upward import could be hidden there)."""
+    out = []
+    for m, src in sorted(mods.items()):
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                for n in ast.walk(node):
+                    names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+                        [n.module or ""] if isinstance(n, ast.ImportFrom) and not n.level else []
+                    out += [f"{m}:{n.lineno} imports {name} under TYPE_CHECKING" for name in names
+                            if name == "replayjob" or name.startswith("replayjob.")]
+    return out
+
+
+def test_no_replayjob_module_is_imported_for_annotations_only() -> None:
+    mods = {m: p.read_text(encoding="utf-8") for m, p in modules().items()}
+    assert typing_only_own_imports(mods) == []
+    mods["replayjob.metrics"] += ("\nif TYPE_CHECKING:\n    import torch\n"
+                                  "    from replayjob.gate.verdict import Verdict\n")
+    line = mods["replayjob.metrics"].count("\n")  # the planted import's line; torch beside it is allowed
+    assert typing_only_own_imports(mods) == [
+        f"replayjob.metrics:{line} imports replayjob.gate.verdict under TYPE_CHECKING"]

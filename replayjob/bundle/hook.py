@@ -44,16 +44,15 @@ from typing import TYPE_CHECKING, Any
 import replayjob
 from replayjob.bundle import format as fmt
 from replayjob.bundle.writer import BundleWriter, PreparedBundle
-from replayjob.config import config_sha256
+from replayjob.config import Config, config_sha256
 from replayjob.errors import ConfigError, RefusedError, ReplayjobError
 from replayjob.model.tokenizer import ByteTokenizer
 from replayjob.rl.hooks import BackgroundWriter, StepHook, StepRollout, TrainerView
+from replayjob.rl.update import UpdateResult
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from replayjob.config import Config
-    from replayjob.rl.update import UpdateResult
 
 ENV_CAPTURE = "REPLAYJOB_BUNDLE_CAPTURE"
 ENV_DIR = "REPLAYJOB_BUNDLE_DIR"

@@ -15,12 +15,11 @@ from typing import TYPE_CHECKING
 
 from replayjob.bundle import format as fmt
 from replayjob.errors import IntegrityError
-from replayjob.tensorfile import torch_dtype
+from replayjob.tensorfile import TensorSpec, torch_dtype
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from replayjob.tensorfile import TensorSpec
 
 _LONG_ROW = 1024  # from this width on, rows are compared piece by piece against the template
 # Torch runs an operation on more elements than this in its intra-op thread pool; on a busy machine

@@ -25,18 +25,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import replayjob
+from replayjob.contention import THRESHOLDS
+from replayjob.deploy.ablation import AblationSpec
 from replayjob.digest import sha256_file
 from replayjob.errors import RefusedError, UsageError
 from replayjob.gate import budgets as B
 from replayjob.gate import claims as C
 from replayjob.gate import gradients, stats, updates, verdict
-
-if TYPE_CHECKING:
-    from replayjob.deploy.ablation import AblationSpec
-from replayjob.contention import THRESHOLDS
 from replayjob.gate.evidence import (
     MEASURES,
     Replay,
@@ -51,10 +49,6 @@ from replayjob.gate.report import write_report
 from replayjob.integrations import manifest as imanifest
 from replayjob.optbatch.manifest import Manifest
 from replayjob.producers import manifests
-
-if TYPE_CHECKING:
-    from replayjob.integrations.manifest import Manifest as IntegrationManifest
-    from replayjob.optbatch.manifest import Manifest
 
 CLAIMS = ("exact-input", "bitwise", "approximate")
 IN_PROCESS_METRIC = "in_process_train_wall_s"  # the median of a replay's measured in-process updates
@@ -86,7 +80,7 @@ class _State:
         self.source: Source | None = None
         self.tolerances: Tolerances | None = None
         self.initial: dict[str, Any] | None = None
-        self.capture: Manifest | IntegrationManifest | None = None  # verified against the source metrics
+        self.capture: Manifest | imanifest.Manifest | None = None  # verified against the source metrics
         self.plan: dict[str, dict[str, Any]] | None = None
         self.arms: dict[str, C.Arm] = {}
         self.checks: list[C.Check] = []
@@ -180,7 +174,7 @@ def _budget_section(req: Request, st: _State, admitted: bool, base: Path,
     return section
 
 
-def _capture_manifest(source: Source) -> Manifest | IntegrationManifest:
+def _capture_manifest(source: Source) -> Manifest | imanifest.Manifest:
     """The capture manifest the source metrics name, verified against the SHA-256 they report (its
     bytes are read and hashed once): the built-in trainer's (:mod:`replayjob.optbatch.manifest`, or the
     root of a capture over ranks, :mod:`replayjob.optbatch.ranks`) or an external trainer's
@@ -190,7 +184,7 @@ def _capture_manifest(source: Source) -> Manifest | IntegrationManifest:
                           hint="keep the capture run's manifest next to its metrics.json, unchanged")
 
 
-def _initial_adapter(source: Source, man: Manifest | IntegrationManifest) -> Path:
+def _initial_adapter(source: Source, man: Manifest | imanifest.Manifest) -> Path:
     """The initial adapter pinned by the capture manifest ``man``, found with its pinned SHA-256 (an external
     trainer's adapter file sits next to its manifest)."""
 

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from replayjob.errors import ConfigError, ContractError
 from replayjob.integrations import _files, _microbatch
+from replayjob.integrations.admission import Admission
 from replayjob.integrations.replay import ReplaySession
 from replayjob.optbatch.contract import integration_contract
 
 if TYPE_CHECKING:
     import torch
 
-    from replayjob.integrations.admission import Admission
 
 FRAMEWORK = "torch"
 

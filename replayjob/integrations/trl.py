@@ -54,6 +54,7 @@ from replayjob.errors import RefusedError, UsageError
 from replayjob.integrations import _files, _microbatch
 from replayjob.integrations import capture as cap
 from replayjob.integrations import ranks as iranks
+from replayjob.integrations.admission import Admission
 from replayjob.integrations.replay import ReplaySession
 from replayjob.jsonio import read_json_object
 from replayjob.optbatch.contract import integration_contract
@@ -63,7 +64,6 @@ from replayjob.redact import REDACTED
 if TYPE_CHECKING:
     import torch
 
-    from replayjob.integrations.admission import Admission
 
 FRAMEWORK = "trl"
 TESTED = {"trl": "1.16.0"}

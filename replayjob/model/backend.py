@@ -13,13 +13,13 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from replayjob.config import Config
 from replayjob.errors import ConfigError
+from replayjob.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import torch
 
-    from replayjob.config import Config
-    from replayjob.model.tokenizer import Tokenizer
 
 ENTRY_POINT_GROUP = "replayjob.backends"
 

@@ -56,12 +56,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from replayjob.rl.batch import OptimizerBatch
+from replayjob.rl.update import UpdateResult
+
 if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-    from replayjob.rl.batch import OptimizerBatch
-    from replayjob.rl.update import UpdateResult
 
 
 @dataclass

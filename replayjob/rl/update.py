@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from replayjob.config import Config
+from replayjob.distributed import Parallel
 from replayjob.model.backend import Policy
 from replayjob.rl import stages
 from replayjob.rl.batch import MicroBatch, OptimizerBatch, micro_batches
@@ -28,7 +29,6 @@ from replayjob.rl.logprobs import logprob_temperature, token_logprobs
 if TYPE_CHECKING:
     import torch
 
-    from replayjob.distributed import Parallel
 
 
 @dataclass
