@@ -290,12 +290,12 @@ def _command_usages(doc: str) -> dict[str, str]:
     return {w: head + sep + "\n".join(ls) + blank + tail for w, ls in lines.items() if not w.startswith("-")}
 
 
-def usage_for(argv: Sequence[str], doc: str | None = None) -> str:
+def usage_for(argv: Sequence[str]) -> str:
     """The usage text that parses ``argv``: the lines of the command it names (docopt's parse grows much
     faster than linearly with the number of usage lines: the whole text costs tens of milliseconds on every
     start and every in-process call), or the whole text for help, the version or an unknown command (whose
     error then shows every command).  A command's parse yields the keys of its own usage lines only."""
-    doc = (__doc__ or "") if doc is None else doc
+    doc = __doc__ or ""
     if not argv or any(a in _WHOLE_DOC for a in argv):
         return doc
     return _command_usages(doc).get(argv[0], doc)

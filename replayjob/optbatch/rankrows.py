@@ -115,12 +115,11 @@ def write_root(out: Path, *, step: int, world: int, strategy: str, bucket_cap_mb
     entries = [(r, str(read_landed(out, r)["manifest_sha256"])) for r in range(world)]
     check_listing(out, world)
     v = _read_ranks(out, step, entries)
-    first = v.manifests[0]
     logical, effective = v.digests
     doc = root_document(
         step=step, producer=producer, world=world, strategy=strategy, bucket_cap_mb=bucket_cap_mb, backend=backend,
         ranks=[(r, sha, m.payload_digest, b) for (r, sha), m, b in zip(entries, v.manifests, v.bounds, strict=True)],
-        payload_size=sum(m.payload_size for m in v.manifests), rng_keys=first.doc["payload"]["rng_keys"],
-        rows=summary(v.batch), logical=logical, effective=effective, first_rank=first.doc, sealed=sealed)
+        payload_size=sum(m.payload_size for m in v.manifests), rows=summary(v.batch), logical=logical,
+        effective=effective, first_rank=v.manifests[0].doc, sealed=sealed)
     sha = manifest.write(out / manifest.manifest_name(step), doc)
     return logical, effective, sha

@@ -75,10 +75,10 @@ def ranks_digest(payload_digests: list[str]) -> str:
 
 def root_document(*, step: int, producer: dict[str, Any], world: int, strategy: str, bucket_cap_mb: float,
                   backend: str, ranks: list[tuple[int, str, str, tuple[int, int]]], payload_size: int,
-                  rng_keys: list[str], rows: dict[str, Any], logical: str, effective: str,
+                  rows: dict[str, Any], logical: str, effective: str,
                   first_rank: dict[str, Any], sealed: dict[str, Any] | None) -> dict[str, Any]:
     """The root manifest's document: ``ranks`` lists (rank, manifest SHA-256, payload span digest,
-    ``[begin, end)`` logical rows) in rank order; config, contract and initial adapter are rank 0's
+    ``[begin, end)`` logical rows) in rank order; config, contract, initial adapter and RNG keys are rank 0's
     (``first_rank``: its manifest document, which every other rank's was verified to match); ``sealed``
     the source update's outcome (:func:`replayjob.optbatch.manifest.outcome`)."""
     doc: dict[str, Any] = {
@@ -88,7 +88,7 @@ def root_document(*, step: int, producer: dict[str, Any], world: int, strategy: 
         "ranks": [{"rank": r, "dir": rank_dir(r), "manifest_sha256": sha, "payload_spans_sha256": spans,
                    "rows": list(bounds)} for r, sha, spans, bounds in ranks],
         "payload": {"spans_sha256": ranks_digest([spans for _, _, spans, _ in ranks]), "size": payload_size,
-                    "rng_keys": list(rng_keys)},
+                    "rng_keys": list(first_rank["payload"]["rng_keys"])},
         "rows": rows, "logical_batch_sha256": logical, "local_effective_rows_sha256": effective,
         "config": first_rank["config"], "contract": first_rank["contract"],
         "initial_adapter": first_rank["initial_adapter"],
