@@ -18,7 +18,8 @@ Ratio: median ``replayjob --help`` seconds / median ``python -c pass`` seconds. 
 within 0.3 s of the bare interpreter (median difference <= 0.3 s); also judged: ``reduce`` for the
 exact-input and bitwise claims within 0.3 s of it (the gate every submission runs; neither imports
 torch).  Every command's median, its difference from the bare interpreter and whether it imported
-torch are in the JSON.
+torch are in the JSON, and (reported, not judged) docopt's in-process parse of the ``reduce`` command
+line with the whole usage text and with its command's lines only (``reduce_parse_s``).
 
 Run: ``python -m benchmarks.cli_startup [--smoke] [--repeats N]``
 """
@@ -144,6 +145,24 @@ def probe(argv: list[str], work: Path) -> dict[str, Any]:
     return result
 
 
+def parse_cost(argv: list[str], repeats: int) -> dict[str, float]:
+    """Median seconds of docopt's parse of ``argv`` in this process: with the whole usage text and with the
+    lines of its command only (what the CLI parses, :func:`replayjob.cli.usage_for`)."""
+    from docopt import docopt
+
+    import replayjob.cli as cli
+
+    out = {}
+    for label, doc in (("whole_usage_s", cli.__doc__ or ""), ("own_usage_s", cli.usage_for(argv))):
+        runs = []
+        for _ in range(max(repeats, 3)):
+            t0 = time.perf_counter()
+            docopt(doc, argv=argv, default_help=True)
+            runs.append(time.perf_counter() - t0)
+        out[label] = sorted(runs)[len(runs) // 2]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = common.parser(__doc__.splitlines()[0] if __doc__ else NAME)
     p.add_argument("--repeats", type=int, default=None, help="timed starts per command (default 15; smoke 1)")
@@ -167,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 times["python -c pass"].append(_time(bare, (0,)))
                 times[label].append(_time([*launch, *cmd_argv], ok))
         # tests/test_imports.py asserts the imports; the smoke run leaves the probes to it.
+        parse = parse_cost(table["reduce bitwise"][1], repeats)
         imports = {} if args.smoke else {label: probe(cmd_argv, work) for label, (_, cmd_argv, _) in present.items()}
     st = {label: common.stats(v) for label, v in times.items()}
     base = st["python -c pass"]["median"]
@@ -191,10 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         target=common.Target("<=", TARGET_DELTA_S, helpd["delta_s"], metric="--help minus bare (s)"),
         also=[common.Target("<=", TARGET_DELTA_S, per_command[k]["delta_s"], metric=f"{k} minus bare (s)")
               for k in REDUCE if k in per_command],
-        detail=(f"--help {helpd['median_s']:.3f} s vs bare {base:.3f} s; slowest {worst} "
+        detail=(f"--help {helpd['median_s']:.3f} s vs bare {base:.3f} s; reduce's usage parse "
+                f"{parse['own_usage_s'] * 1e3:.1f} ms (whole text {parse['whole_usage_s'] * 1e3:.1f} ms); "
+                f"slowest {worst} "
                 f"+{per_command[worst]['delta_s']:.3f} s; heavy imports in {len(heavy)} of {len(per_command)} "
                 f"commands" + (f"; missing: {', '.join(missing)}" if missing else "")),
-        measurements={"bare_s": st["python -c pass"], "commands": per_command, "missing_commands": missing},
+        measurements={"bare_s": st["python -c pass"], "commands": per_command, "missing_commands": missing,
+                      "reduce_parse_s": parse},
         parameters={"repeats": repeats, "launcher": launch, "bytecode_cached": cached}, notes=notes)
     return 0
 
