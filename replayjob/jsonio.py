@@ -2,7 +2,8 @@
 
 Everything replayjob reads is untrusted, so :func:`loads_strict` refuses what the standard
 library quietly accepts: invalid UTF-8, duplicate keys (no last-one-wins), ``NaN`` and
-``Infinity`` literals, integers beyond 64 bits and documents nested deeper than a limit.
+``Infinity`` literals, numbers that overflow to an infinity (``1e400``), integers beyond 64 bits and
+documents nested deeper than a limit.
 
 Speed: a document is first parsed by msgspec's C parser (strict JSON: it refuses the ``NaN`` and
 ``Infinity`` literals, invalid UTF-8, lone surrogates, numbers out of range), and that result is
@@ -136,6 +137,13 @@ def _bounded_int(text: str) -> int:
     return int(text)
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 overflows to an infinity: as non-finite as the literal
+        raise ValueError(f"number {text[:32]}{'...' if len(text) > 32 else ''} overflows to a non-finite float")
+    return value
+
+
 def _depth_ok(text: str) -> bool:
     if text.count("[") + text.count("{") <= MAX_DEPTH:
         return True  # cannot nest deeper than the number of openers (C-speed fast path)
@@ -187,6 +195,7 @@ def loads_stdlib(data: bytes | str, *, where: str | Path = "<json>") -> Any:
             object_pairs_hook=_no_duplicates,
             parse_constant=_no_constant,
             parse_int=_bounded_int,
+            parse_float=_finite_float,
         )
     except json.JSONDecodeError as exc:
         raise IntegrityError(f"malformed JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",

@@ -141,3 +141,13 @@ def test_byte_mutations_read_or_are_refused_as_the_standard_library_does(data: s
         elif len(base) > 1:
             del base[i]
     agree(bytes(base))
+
+
+@pytest.mark.parametrize("data", [b"1e400", b"-1e400", b'{"a":[1,{"b":1e400}]}', b'{"a":-1E+400}',
+                                  b'{"a":' + b"9" * 400 + b'.5}', b'[1.7976931348623159e308]'])
+def test_numbers_that_overflow_to_infinity_are_refused_on_both_paths(data: bytes) -> None:
+    """An overflowing number is as non-finite as the ``Infinity`` literal: refused whichever parser decides."""
+    for fn in (loads_strict, loads_stdlib):
+        with pytest.raises(IntegrityError, match="overflows to a non-finite float"):
+            fn(data)
+    assert loads_strict(b'{"a":1e-400}') == {"a": 0.0}  # underflow to zero is a finite value
