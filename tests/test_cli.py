@@ -273,3 +273,32 @@ def test_an_error_raised_into_a_user_s_script_reads_as_the_cli_prints_it(tmp_pat
     assert text == info.value.diagnostics()
     assert str(tmp_path / "metrics.json") in text and "fix: choose a new output directory" in text
     assert str(OperationalError("device lost", hint="retry")) == "device lost\n  fix: retry"
+
+
+def test_every_integer_option_has_a_declared_range() -> None:
+    """Each option a command reads through ``integer``/``integer_or`` is in OPTION_RANGES, and only those are."""
+    from replayjob.commands import _args
+    read = set()
+    for path in (Path(replayjob.__file__).parent / "commands").glob("*.py"):
+        read |= set(re.findall(r"integer(?:_or)?\(args, \"(--[a-z-]+)\"", path.read_text()))
+    assert read == set(_args.OPTION_RANGES), (read ^ set(_args.OPTION_RANGES))
+
+
+@pytest.mark.parametrize("key", sorted(__import__("replayjob.commands._args", fromlist=["_"]).OPTION_RANGES))
+def test_an_integer_option_outside_its_range_is_refused(key: str) -> None:
+    from replayjob.commands._args import OPTION_RANGES, integer
+    lo, hi = OPTION_RANGES[key]
+    assert integer({key: str(lo)}, key) == lo and integer({key: str(hi)}, key) == hi
+    for bad in (lo - 1, hi + 1):
+        with pytest.raises(RefusedError, match=f"{key} must be between"):
+            integer({key: str(bad)}, key)
+
+
+@pytest.mark.parametrize("looks", ["0", "-3", "1001", "99999999999999999999999"])
+def test_reduce_refuses_an_absurd_max_looks_whatever_else_is_given(looks: str, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """No --budgets: the range holds anyway (a zero once reached the paired comparison and divided by it)."""
+    out = tmp_path / "verdict.json"
+    code = main(["reduce", str(tmp_path), "--claim", "exact-input", "--out", str(out), "--max-looks", looks])
+    err = capsys.readouterr().err
+    assert code == 2 and "--max-looks" in err and "Traceback" not in err

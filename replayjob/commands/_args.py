@@ -12,14 +12,47 @@ from replayjob.metrics import CAPTURE_PREFIXES
 
 T = TypeVar("T")
 
+INT64_MAX = 2**63 - 1
+# Every integer option of every command, with the closed range it accepts: checked when the option is
+# read, whatever other options are given (a test fails on an integer option missing here).
+OPTION_RANGES: dict[str, tuple[int, int]] = {
+    "--seed": (0, INT64_MAX),
+    "--repeat": (1, 10_000),
+    "--repeat-index": (0, 9_999),
+    "--nproc": (1, 4_096),
+    "--min-repeats": (1, 10_000),
+    "--max-looks": (1, 1_000),  # each look spends alpha / max_looks: past a thousand no interval decides
+    "--source-step": (0, INT64_MAX),
+    "--top": (0, 1_000_000),
+    "--older-than": (1, 36_500),
+    "--repeats": (1, 10_000),
+    "--wait-s": (0, 7 * 24 * 3600),
+    "--ranks": (1, 65_536),
+    "--index": (0, 10_000_000),
+    "--position": (0, 10_000_000),
+    "--blocks": (1, 10_000),
+    "--warmup-updates": (0, 10_000),
+    "--measured-updates": (1, 10_000),
+    "--steps": (1, 10_000_000),
+    "--max-repeats": (1, 10_000),
+    "--rollout": (0, INT64_MAX),
+    "--examples": (0, 1_000_000),
+    "--runs": (2, 1_000),
+}
+
 
 def integer(args: dict[str, Any], key: str) -> int:
-    """Option ``key`` as an integer (refused, exit 2, when it is not one)."""
+    """Option ``key`` as an integer in its declared range (:data:`OPTION_RANGES`; refused, exit 2, when it is
+    not an integer or out of range)."""
     raw = args[key]
     try:
-        return int(raw)
+        value = int(raw)
     except (TypeError, ValueError):
         raise UsageError(f"{key} expects an integer, got {raw!r}") from None
+    lo, hi = OPTION_RANGES.get(key, (-INT64_MAX - 1, INT64_MAX))
+    if not lo <= value <= hi:
+        raise UsageError(f"{key} must be between {lo} and {hi}, got {value}")
+    return value
 
 
 def integer_or(args: dict[str, Any], key: str, default: T) -> int | T:

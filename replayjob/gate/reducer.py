@@ -100,6 +100,8 @@ def _evaluate(req: Request, st: _State) -> None:
         raise UsageError(f"unknown claim {req.claim!r}; use one of {', '.join(CLAIMS)}")
     if req.min_repeats < 1:
         raise UsageError("--min-repeats must be >= 1")
+    if req.max_looks < 1:  # whatever other options are given: the paired comparisons divide by it
+        raise UsageError("--max-looks must be >= 1")
     if req.arms is not None and (not req.arms or not all(req.arms) or len(set(req.arms)) != len(req.arms)):
         raise UsageError(f"--arms must name distinct, non-empty arms, got {','.join(req.arms)!r}",
                          hint="e.g. --arms ckpt-off,ckpt-on")
@@ -156,8 +158,6 @@ def _evaluate(req: Request, st: _State) -> None:
 def _read_budgets(req: Request, st: _State) -> None:
     if req.budgets is None:
         return
-    if req.max_looks < 1:
-        raise UsageError("--max-looks must be >= 1")
     st.budgets = B.read_budgets(req.budgets)
     if req.baseline is None or (st.budgets.baseline not in (None, req.baseline)):
         raise UsageError(f"budgets are ratios to a baseline arm: pass --baseline (the budget file names "
