@@ -22,6 +22,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from replayjob import __version__
+from replayjob.artifacts.contention import ContentionRecord
+from replayjob.artifacts.document import decode
 from replayjob.config.diff import flatten
 from replayjob.deploy.schedule import DESIGNS, Slot
 from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
@@ -81,6 +83,11 @@ TRACE = "trace"  # {TRACE_INDEX_PATH: TRACE_INDEX, TRACE_INDEX_SHA256: digest}; 
 TRACE_INDEX_PATH = "index_path"
 TRACE_INDEX_SHA256 = "index_sha256"
 TRACE_INDEX = "trace/index.json"  # relative to the replay's directory (replayjob.trace.store)
+# An MoE model's routing (replayjob.model.moe, docs/moe.md): a replay pins its routing.safetensors under
+# ROUTING ({"path", "sha256"}; absent for a dense model); a source run lists each captured step's file under
+# SOURCE_ROUTING ([{"step", "path", "sha256"}]).
+ROUTING = "routing"
+SOURCE_ROUTING = "routing/steps"
 # Replay only, optional for the readers: the budget file's pin, the replay's slot in a paired schedule
 # (replayjob.deploy.schedule.Slot.to_json, or null) and its in-process repeats (or null).
 BUDGETS_SHA256 = "budgets_sha256"
@@ -530,12 +537,11 @@ def _placement(f: _Fields) -> dict[str, Any]:
         out["in_process_wall_s"] = tuple(float(w) for w in walls)
         out["in_process_loss_equal"] = ip[IN_PROCESS_LOSS_EQUAL]
     c = d.get(CONTENTION)
-    if c is not None:
-        if (not isinstance(c, dict) or not isinstance(c.get("contended"), bool)
-                or not isinstance(c.get("reasons"), list) or not all(isinstance(x, str) and x for x in c["reasons"])
-                or c["contended"] != bool(c["reasons"])):
-            raise f.fail(CONTENTION, "must be null or an object with contended (true or false) and reasons (a list "
-                                     "of strings, non-empty exactly when contended)")
+    if c is not None:  # declared (replayjob.artifacts.contention): its flag is recomputed from its figures
+        try:
+            decode(c, ContentionRecord, where=f.where, hint=f.hint)
+        except IntegrityError as exc:
+            raise f.fail(CONTENTION, exc.message) from None
         out["contention"] = c
     return out
 

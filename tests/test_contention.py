@@ -33,7 +33,7 @@ MB = "training.micro_batch_size"
 QUIET = {"device": "cpu", "cpus": 2, "online_cpus": 2, "cpu_per_wall": 0.991, "involuntary_switches_per_s": 30.0,
          "run_queue_wait_share": 0.006, "steal_share": 0.027, "loadavg_before": [0.35, 0.31, 0.15],
          "loadavg_after": [0.48, 0.34, 0.16], "cuda": None}
-HOGGED = {**QUIET, "cpus": 1, "cpu_per_wall": 0.499, "involuntary_switches_per_s": 125.3,
+HOGGED = {**QUIET, "cpus": 1, "cpu_per_wall": 0.499, "involuntary_switches_per_s": 125.0,
           "run_queue_wait_share": 0.501, "steal_share": 0.0}
 
 
@@ -119,8 +119,11 @@ def test_a_cpu_hog_on_the_same_core_trips_the_probe() -> None:
 
 
 def record(contended: bool) -> dict[str, Any]:
-    rec = {**(HOGGED if contended else QUIET), "schema": contention.SCHEMA, "wall_s": 1.0, "cpu_s": 1.0,
-           "unavailable": {}, "thresholds": dict(contention.THRESHOLDS)}
+    """A complete, consistent record of a one-second window (every summary agreeing with its figures)."""
+    figures = HOGGED if contended else QUIET
+    rec = {**figures, "schema": contention.SCHEMA, "wall_s": 1.0, "cpu_s": figures["cpu_per_wall"],
+           "involuntary_switches": int(figures["involuntary_switches_per_s"]), "voluntary_switches": 3,
+           "run_queue_wait_s": 0.01, "unavailable": {}, "thresholds": dict(contention.THRESHOLDS)}
     reasons = decide(rec)
     return {**rec, "contended": bool(reasons), "reasons": reasons}
 
@@ -212,6 +215,35 @@ def test_the_reader_refuses_a_malformed_contention_record(tmp_path: Path) -> Non
         f.write_bytes(pretty_bytes(doc))
         with pytest.raises(IntegrityError, match="contention"):
             read_replay(f)
+    quiet, hogged = record(False), record(True)
+    forged = {  # each: what the record claims -> the rule that refuses it
+        "uncontended, figures over a threshold": ({**hogged, "contended": False, "reasons": []}, "reasons"),
+        "a flag with no figure behind it": ({**quiet, "contended": True, "reasons": ["busy"]}, "reasons"),
+        "reasons that are not the figures'": ({**hogged, "reasons": hogged["reasons"][:1]}, "reasons"),
+        "a rate that is not count / wall": ({**quiet, "involuntary_switches_per_s": 1.0}, "involuntary_switches_per_s"),
+        "CPU per wall that is not cpu / wall": ({**hogged, "cpu_per_wall": 0.9}, "cpu_per_wall"),
+        "a count as a float": ({**quiet, "involuntary_switches": 30.0}, "expected `int`, got `float`"),
+        "a count as a bool": ({**quiet, "voluntary_switches": True}, "expected `int`, got `bool`"),
+        "a share above 1": ({**quiet, "steal_share": 1.5}, "steal_share"),
+        "a negative load": ({**quiet, "loadavg_before": [-1.0, 0.0, 0.0]}, "loadavg_before"),
+        "an unknown schema": ({**quiet, "schema": "replayjob.contention/v9"}, "schema"),
+        "an unknown field": ({**quiet, "note": "trust me"}, "unknown field `note`"),
+        "a missing figure": ({k: v for k, v in quiet.items() if k != "run_queue_wait_share"}, "run_queue_wait_share"),
+        "other thresholds": ({**quiet, "thresholds": {**quiet["thresholds"], "run_queue_wait_share_max": 0.9}},
+                             "thresholds"),
+        "CUDA figures on a CPU device": ({**quiet, "cuda": {"device": "cuda:0", "read_by": None, "note": "",
+                                                            "processes_before": None, "processes_after": None,
+                                                            "other_processes": None}}, "cuda"),
+    }
+    for what, (bad, rule) in forged.items():
+        doc[CONTENTION] = bad
+        f.write_bytes(pretty_bytes(doc))
+        with pytest.raises(IntegrityError, match="contention") as info:
+            read_replay(f)
+        assert rule in info.value.message, (what, info.value.message)
+    doc[CONTENTION] = hogged
+    f.write_bytes(pretty_bytes(doc))
+    assert read_replay(f).contention == hogged
     doc[CONTENTION] = None
     f.write_bytes(pretty_bytes(doc))
     assert read_replay(f).contention is None
@@ -301,3 +333,20 @@ def test_cuda_other_processes_are_read_from_nvidia_smi(tmp_path: Path, monkeypat
     rec = probe.record()
     assert rec["cuda"]["other_processes"] is None and "PID namespace" in rec["unavailable"]["cuda_processes"]
     assert not any("CUDA" in r for r in rec["reasons"])
+
+
+def test_the_cuda_figures_count_of_other_processes_is_recomputed_from_its_process_lists() -> None:
+    from replayjob.artifacts.contention import ContentionRecord
+    from replayjob.artifacts.document import decode
+    procs = [{"pid": 10, "used_bytes": 2**20}, {"pid": 11, "used_bytes": None}]
+    cuda = {"device": "cuda:0", "read_by": "nvml", "processes_before": procs[:1], "processes_after": procs,
+            "other_processes": 1, "note": ""}
+    rec = {**record(False), "device": "cuda:0", "cuda": cuda}
+    rec["reasons"] = decide(rec)
+    rec["contended"] = bool(rec["reasons"])
+    assert rec["contended"] and "other compute process" in rec["reasons"][-1]
+    assert decode(rec, ContentionRecord, where="m.json").cuda is not None
+    hidden = {**rec, "cuda": {**cuda, "other_processes": 0}, "contended": False,
+              "reasons": [r for r in rec["reasons"] if "other compute" not in r]}
+    with pytest.raises(IntegrityError, match="other_processes"):
+        decode(hidden, ContentionRecord, where="m.json")

@@ -38,8 +38,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("replayjob.config",)),
     ("runtime", ("replayjob.launch", "replayjob.distributed", "replayjob.determinism", "replayjob.model",
                  "replayjob.rl", "replayjob.knobs")),
-    ("artifacts", ("replayjob.metrics", "replayjob.optbatch.manifest", "replayjob.optbatch.payload",
-                   "replayjob.optbatch.ranks", "replayjob.integrations.manifest", "replayjob.trace.store",
+    ("artifacts", ("replayjob.artifacts", "replayjob.metrics", "replayjob.optbatch.manifest",
+                   "replayjob.optbatch.payload", "replayjob.optbatch.ranks", "replayjob.integrations.manifest",
+                   "replayjob.trace.store",
                    "replayjob.deploy.schedule", "replayjob.deploy.ablation")),  # the spec: an input record
     ("producers", ("replayjob.producers", "replayjob.optbatch", "replayjob.integrations", "replayjob.rl.trainer",
                    "replayjob.trace.recorder", "replayjob.trace.fault")),

@@ -1,0 +1,84 @@
+"""The contention record a replay stores under ``contention`` (docs/replay-metrics.md), declared.
+
+The figures are what :class:`replayjob.contention.Probe` read around the timed updates; every field that
+summarises others is recomputed when the record is read, and a difference refused: the rates
+(``cpu_per_wall``, ``involuntary_switches_per_s``), the CUDA device's count of other processes (from the
+process lists) and, above all, ``contended`` and ``reasons``, recomputed by the thresholds in force
+(:func:`replayjob.contention.decide`).  A record that calls itself uncontended while its own figures cross
+a threshold therefore never admits timing.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from replayjob.artifacts.document import Count, Document, NonNegative, Positive, Share, Text, agree, to_builtins
+from replayjob.contention import SCHEMA, THRESHOLDS, decide
+
+LoadAverage = Annotated[list[NonNegative], msgspec.Meta(min_length=3, max_length=3)]
+
+
+class CudaProcess(Document, frozen=True):
+    pid: Count
+    used_bytes: Count | None
+
+
+def other_processes(before: list[CudaProcess] | None, after: list[CudaProcess] | None) -> int | None:
+    """Other compute processes on the device: of each list (this process among them, or taken as one of them
+    where a PID namespace hides it), all but one; the larger; None where neither list tells."""
+    counts = [len({p.pid for p in procs}) - 1 for procs in (before, after) if procs]
+    return max(counts) if counts else None
+
+
+class CudaFigures(Document, frozen=True):
+    device: Text
+    read_by: Literal["nvml", "nvidia-smi"] | None
+    processes_before: list[CudaProcess] | None
+    processes_after: list[CudaProcess] | None
+    other_processes: Count | None
+    note: str
+
+    def __post_init__(self) -> None:
+        agree("other_processes", self.other_processes, other_processes(self.processes_before, self.processes_after))
+
+
+class ContentionRecord(Document, frozen=True):
+    """One probe's window (schema ``replayjob.contention/v1``)."""
+
+    schema: Literal["replayjob.contention/v1"]
+    device: Text
+    cpus: Positive
+    online_cpus: Positive | None
+    wall_s: Annotated[float, msgspec.Meta(gt=0.0, le=1e9)]
+    cpu_s: NonNegative
+    cpu_per_wall: NonNegative
+    involuntary_switches: Count
+    involuntary_switches_per_s: NonNegative
+    voluntary_switches: Count
+    run_queue_wait_s: NonNegative | None
+    run_queue_wait_share: Share | None
+    steal_share: Share | None
+    loadavg_before: LoadAverage | None
+    loadavg_after: LoadAverage | None
+    cuda: CudaFigures | None
+    unavailable: dict[Text, Text]
+    thresholds: dict[str, float]
+    contended: bool
+    reasons: list[Text]
+
+    def __post_init__(self) -> None:
+        assert self.schema == SCHEMA
+        agree("thresholds", self.thresholds, THRESHOLDS)
+        agree("cpu_per_wall", self.cpu_per_wall, self.cpu_s / self.wall_s)
+        agree("involuntary_switches_per_s", self.involuntary_switches_per_s, self.involuntary_switches / self.wall_s)
+        if (self.cuda is None) == self.device.startswith("cuda"):
+            raise ValueError("`cuda` holds the CUDA figures exactly when the device is a CUDA device")
+        reasons = decide(self.figures())
+        agree("reasons", self.reasons, reasons)
+        agree("contended", self.contended, bool(reasons))
+
+    def figures(self) -> dict[str, Any]:
+        """The record as a plain dict (what :func:`replayjob.contention.decide` reads)."""
+        return to_builtins(self)

@@ -1,0 +1,99 @@
+"""How a document is declared, and the one way a declared document is read.
+
+A document replayjob reads is a :class:`Document`: a ``msgspec.Struct`` whose fields declare each value's
+type, range and finiteness (the aliases below), whether it may be absent (a default) and, through
+``__post_init__``, the rules that tie fields together, above all **summaries**: a field that is a
+function of other fields or of a payload (a flag of its figures, a rate of a count and a time, a row
+count) is recomputed from them and a difference refused.  :func:`decode` turns already-parsed JSON or
+TOML into the declared type, or refuses naming the file, the field and the rule it broke; nothing is
+coerced (``false`` or ``0.0`` where an integer is declared is refused, and so is an integer beyond 64
+bits, a NaN or an infinity, an unknown key or schema).  Duplicate keys, non-finite literals and numbers
+that overflow are refused one step earlier, by the strict parsers (:func:`replayjob.jsonio.loads_strict`,
+:mod:`replayjob.config.load`).
+
+Example:
+    >>> class Point(Document, frozen=True):
+    ...     x: Count
+    ...     share: Share = 0.0
+    >>> decode({"x": 3}, Point, where="p.json")
+    Point(x=3, share=0.0)
+    >>> decode({"x": True}, Point, where="p.json")
+    Traceback (most recent call last):
+    ...
+    replayjob.errors.IntegrityError: p.json: field `x`: expected `int`, got `bool`
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+
+from replayjob.errors import IntegrityError
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+_FLOAT_MAX = sys.float_info.max
+
+Int = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+"""A signed 64-bit integer (never a bool, never a float with an integral value)."""
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+"""An integer >= 0 that fits 64 bits."""
+Positive = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+"""An integer >= 1 that fits 64 bits."""
+Finite = Annotated[float, msgspec.Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
+"""A finite number (an integer is read as a float; NaN and the infinities fail both bounds)."""
+NonNegative = Annotated[float, msgspec.Meta(ge=0.0, le=_FLOAT_MAX)]
+"""A finite number >= 0."""
+Share = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+"""A fraction in [0, 1]."""
+Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+"""A SHA-256 digest: 64 lower-case hexadecimal digits."""
+Text = Annotated[str, msgspec.Meta(min_length=1)]
+"""A non-empty string."""
+
+
+class Document(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The base of every declared document: no unknown field, every field typed; immutable once read.
+
+    A subclass repeats ``frozen=True`` (type checkers read each class's own options).  Its ``__post_init__``
+    states its cross-field rules and summaries; it raises
+    :class:`ValueError` with a sentence naming the field, which :func:`decode` reports with the file.
+    """
+
+
+D = TypeVar("D", bound=Document)
+
+
+def describe(exc: msgspec.ValidationError) -> str:
+    """msgspec's ``Expected `int`, got `bool` - at `$.a.b``` as ``field `a.b`: expected `int`, got `bool```."""
+    text = str(exc)
+    rule, sep, at = text.rpartition(" - at `")
+    if not sep:
+        return text[:1].lower() + text[1:]
+    path = at.rstrip("`").removeprefix("$").lstrip(".")
+    return f"field `{path}`: {rule[:1].lower()}{rule[1:]}" if path else rule[:1].lower() + rule[1:]
+
+
+def decode(obj: Any, kind: type[D], *, where: str | Path, hint: str | None = None) -> D:
+    """``obj`` (parsed JSON or TOML) as the declared ``kind``, or :class:`IntegrityError` naming ``where``, the
+    field and the rule it broke."""
+    try:
+        return msgspec.convert(obj, kind, strict=True)
+    except msgspec.ValidationError as exc:
+        raise IntegrityError(describe(exc), where=where, hint=hint) from None
+
+
+def to_builtins(doc: Document) -> dict[str, Any]:
+    """The plain JSON-able form of a declared document (what its writer serialises)."""
+    out = msgspec.to_builtins(doc)
+    assert isinstance(out, dict)
+    return out
+
+
+def agree(field: str, recorded: Any, recomputed: Any) -> None:
+    """Refuse a summary ``field`` whose recorded value is not the one recomputed from what it summarises."""
+    if recorded != recomputed:
+        raise ValueError(f"`{field}` is {recorded!r}, but what it summarises gives {recomputed!r}")
