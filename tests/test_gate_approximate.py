@@ -91,10 +91,19 @@ def test_unpinned_tolerance_file_is_refused(tmp_path: Path) -> None:
     assert doc["updates"] is None
 
 
-def test_bad_tolerance_file_is_refused(tmp_path: Path) -> None:
-    ev, tol = build(tmp_path, tol=b"update_cosine_min = 0.9\nslack = 1\n")
+@pytest.mark.parametrize(("text", "rule"), [
+    (b"update_cosine_min = 0.9\nrelative_delta_l2_max = 0.1\nslack = 1\n", "unknown field `slack`"),
+    (b"update_cosine_min = 0.9\n", "missing required field `relative_delta_l2_max`"),
+    (b"update_cosine_min = 1.5\nrelative_delta_l2_max = 0.1\n", "field `update_cosine_min`: expected `float` <= 1.0"),
+    (b"update_cosine_min = 0.9\nrelative_delta_l2_max = nan\n", "field `relative_delta_l2_max`"),
+    (b"update_cosine_min = 0.9\nrelative_delta_l2_max = inf\n", "field `relative_delta_l2_max`"),
+    (b"update_cosine_min = true\nrelative_delta_l2_max = 0.1\n", "expected `float`, got `bool`"),
+    (b"update_cosine_min = 0.9\nrelative_delta_l2_max = 99999999999999999999\n", "outside the signed 64-bit range"),
+])
+def test_bad_tolerance_file_is_refused(text: bytes, rule: str, tmp_path: Path) -> None:
+    ev, tol = build(tmp_path, tol=text)
     code, doc = reduce(ev, tol)
-    assert code == 2 and "unknown ['slack']" in doc["refusal"]["message"]
+    assert code == 2 and rule in doc["refusal"]["message"], doc["refusal"]["message"]
 
 
 def test_unreachable_initial_adapter_is_refused(tmp_path: Path) -> None:

@@ -106,7 +106,7 @@ def test_bound_must_be_declared_and_pinned(case: str, workspace: Path, capture_d
     assert main(mismatch(workspace, capture_dir, pin, "--bound", str(path))) == 2
     err = capsys.readouterr()
     assert err.out == ""  # refused before anything is recomputed
-    assert {"unpinned": "not pinned", "wrong pin": "hashes to", "unknown key": "unknown ['extra']"}[case] in err.err
+    assert {"unpinned": "not pinned", "wrong pin": "hashes to", "unknown key": "unknown field `extra`"}[case] in err.err
 
 
 def test_a_capture_directory_names_its_one_replay_config(capture_dir: Path, tmp_path: Path,
@@ -272,3 +272,24 @@ def test_figures_of_known_log_ratios() -> None:
     assert s["outside"]["0.1"] == 0.5 and s["bitwise_equal_share"] == 0.5 and s["abs_max"] == pytest.approx(0.2)
     worst = stats.worst_sequences(lr, torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1]))
     assert [w["row"] for w in worst] == [0, 1] and worst[0]["at_position"] == 1
+
+
+@pytest.mark.parametrize(("line", "rule"), [
+    ("max_kl = 18446744073709551617", "outside the signed 64-bit range"),
+    ("max_kl = -1", "field `max_kl`: expected `float` >= 0.0"),
+    ("max_kl = nan", "field `max_kl`"),
+    ("max_kl = inf", "field `max_kl`"),
+    ("max_kl = true", "expected `float`, got `bool`"),
+    ('max_kl = "1e-8"', "expected `float`, got `str`"),
+])
+def test_the_bound_file_is_read_through_its_declaration(line: str, rule: str, tmp_path: Path) -> None:
+    """Every value is a finite number in its range; an integer wider than 64 bits is refused by the TOML reader."""
+    from replayjob.artifacts.mismatch_bound import read_bound
+    from replayjob.errors import IntegrityError
+    path = tmp_path / "bound.toml"
+    path.write_text(TIGHT.replace("max_kl = 1e-10", line))
+    with pytest.raises(IntegrityError) as info:
+        read_bound(path, sha256_file(path))
+    assert rule in info.value.message and str(path) in info.value.diagnostics()
+    path.write_text(TIGHT)
+    assert read_bound(path, sha256_file(path)).max_kl == 1e-10

@@ -31,6 +31,8 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from replayjob.config.load import read_toml_bytes, read_toml_file_bytes
+from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
 
 INT64_MIN = -(2**63)
@@ -97,3 +99,25 @@ def agree(field: str, recorded: Any, recomputed: Any) -> None:
     """Refuse a summary ``field`` whose recorded value is not the one recomputed from what it summarises."""
     if recorded != recomputed:
         raise ValueError(f"`{field}` is {recorded!r}, but what it summarises gives {recomputed!r}")
+
+
+def read_pinned_toml(p: Path, what: str, expected_sha256: str | None = None) -> tuple[dict[str, Any], str]:
+    """A predeclared TOML file (tolerances, budgets, a mismatch bound) and the SHA-256 of its bytes, which
+    replays pin.
+
+    The bytes are read once and hashed before they are parsed: the digest covers exactly what is
+    parsed, and with ``expected_sha256`` a file that is not the pinned one is refused unparsed.
+    """
+    kw: dict[str, Any] = {"what": f"{what} file", "max_bytes": 1024 * 1024, "error": IntegrityError}
+    data = read_toml_file_bytes(p, **kw)  # user-named: a symbolic link is followed, a FIFO refused
+    sha = sha256_bytes(data)
+    if expected_sha256 is not None and sha != expected_sha256:
+        raise IntegrityError(f"the {what} file hashes to {sha}, the pin is {expected_sha256}", where=p,
+                             hint=f"use the {what} file that was pinned")
+    return read_toml_bytes(data, p, **kw), sha
+
+
+def read_declared_toml(p: Path, kind: type[D], what: str, hint: str) -> tuple[D, str]:
+    """:func:`read_pinned_toml`, then :func:`decode` as the declared ``kind``."""
+    doc, sha = read_pinned_toml(p, what)
+    return decode(doc, kind, where=p, hint=hint), sha

@@ -48,13 +48,35 @@ def read_toml_text(text: str, where: str | Path, *, what: str = "config file",
     """Parse TOML text or refuse naming ``where`` and the line: a key or table defined twice, a
     syntax error, nesting past the parser's limit."""
     try:
-        return tomllib.loads(text)
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         twice = "overwrite" in str(exc) or "twice" in str(exc)
         raise error(f"invalid TOML in {what}: {exc}", where=where,
                     hint="a key or table is defined twice; keep one" if twice else None) from None
     except RecursionError:  # the parser's nesting limit
         raise error(f"invalid TOML in {what}: nested too deeply to parse", where=where) from None
+    wide = _wide_integer(doc, "")
+    if wide is not None:  # TOML integers are signed 64-bit; Python's parser reads any size
+        raise error(f"invalid TOML in {what}: the integer at {wide} is outside the signed 64-bit range",
+                    where=where)
+    return doc
+
+
+def _wide_integer(value: Any, path: str) -> str | None:
+    """The dotted path of the first integer in ``value`` outside the signed 64-bit range, or None."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = _wide_integer(v, f"{path}.{k}" if path else str(k))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _wide_integer(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    elif type(value) is int and not -(2**63) <= value < 2**63:
+        return path or "<top>"
+    return None
 
 
 def read_toml_bytes(data: bytes, where: str | Path, *, what: str = "config file", max_bytes: int = MAX_TOML_BYTES,

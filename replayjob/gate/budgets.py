@@ -44,10 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from replayjob.artifacts.document import read_pinned_toml
 from replayjob.errors import IntegrityError
 from replayjob.gate import stats
 from replayjob.gate.claims import FAIL, NOT_APPLICABLE, PASS, REFUSED, Arm, Check, agree
-from replayjob.gate.evidence import Replay, read_pinned_toml
+from replayjob.gate.evidence import Replay
 
 INCONCLUSIVE = "inconclusive"
 CONTENDED = "contended"  # a timing decision would rest on replays a contention probe flagged (exit 3)

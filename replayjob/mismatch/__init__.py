@@ -8,7 +8,7 @@ logprob source the capture records, named by what produced it (``sampler``: the 
 distribution, the k1 and k3 KL estimates, the share of ratios outside ``[1 - d, 1 + d]``, the worst
 sequences and positions, a profile along the position, the policy lag, and the attribution tests
 (:mod:`~replayjob.mismatch.attribution`).  The decision against a declared, pinned bound
-(:mod:`~replayjob.mismatch.bound`) is the exit code (:mod:`~replayjob.mismatch.report`).
+(:mod:`~replayjob.artifacts.mismatch_bound`) is the exit code (:mod:`~replayjob.mismatch.report`).
 
 Modules: ``views`` (per-token data, the collector), ``builtin`` and ``external`` (the recompute for
 replayjob's own trainer and for a TRL capture), ``stats``, ``attribution``, ``bound``, ``report``.
@@ -23,11 +23,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from replayjob.artifacts.mismatch_bound import Bound, read_bound
 from replayjob.config import from_dict, load_config
 from replayjob.distributed import observe
 from replayjob.errors import UsageError
 from replayjob.mismatch import builtin, external
-from replayjob.mismatch.bound import Bound, read_bound
 from replayjob.mismatch.report import Report, build
 from replayjob.optbatch.explain import admit, source_config
 from replayjob.producers import BUILTIN

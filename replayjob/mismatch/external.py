@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from replayjob import determinism
+from replayjob.artifacts.mismatch_bound import Bound, read_bound
 from replayjob.errors import UsageError
 from replayjob.integrations import _microbatch, admission
 from replayjob.integrations.replay import load_state
-from replayjob.mismatch.bound import Bound, read_bound
 from replayjob.mismatch.report import Report, build
 from replayjob.mismatch.views import Collector, Side, Source, Views
 from replayjob.optbatch.manifest import PinnedManifest

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from replayjob.artifacts.mismatch_bound import Bound
 from replayjob.errors import EXIT_NEGATIVE, EXIT_OK, EXIT_REFUSED, NegativeVerdict, RefusedError
 from replayjob.mismatch import stats
 from replayjob.mismatch.attribution import Attribution, attribute
-from replayjob.mismatch.bound import Bound
 from replayjob.mismatch.views import Source, Views
 
 SCHEMA = "replayjob.mismatch/v1"

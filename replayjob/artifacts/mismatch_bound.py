@@ -15,17 +15,23 @@ pinned, or whose bytes do not match the pin, is refused (exit 2) before anything
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from replayjob.artifacts.document import Document, NonNegative, Share, read_declared_toml
 from replayjob.digest import normalize_digest
 from replayjob.errors import IntegrityError
-from replayjob.gate.evidence import read_pinned_toml
 
 KEYS = ("max_abs_log_ratio", "max_kl", "band", "max_outside_share")
 EXAMPLE = "max_abs_log_ratio = 1e-4, max_kl = 1e-8, band = 0.001, max_outside_share = 0.0"
+
+
+class BoundFile(Document, frozen=True):
+    max_abs_log_ratio: NonNegative
+    max_kl: NonNegative
+    band: NonNegative
+    max_outside_share: Share
 
 
 @dataclass(frozen=True)
@@ -42,21 +48,10 @@ class Bound:
 
 
 def read_bound(path: str | Path, pin: str) -> Bound:
-    """Read the bound file and check it against ``pin`` (``optimizer_batch.mismatch_bound_sha256``)."""
+    """Read the bound file through its declaration and check it against ``pin``
+    (``optimizer_batch.mismatch_bound_sha256``)."""
     p = Path(path)
-    doc, sha = read_pinned_toml(p, "mismatch bound")
-    unknown, missing = sorted(set(doc) - set(KEYS)), sorted(set(KEYS) - set(doc))
-    if unknown or missing:
-        raise IntegrityError(f"mismatch bound keys: unknown {unknown}, missing {missing}", where=p,
-                             hint=f"write exactly {EXAMPLE}")
-    values = {}
-    for k in KEYS:
-        v = doc[k]
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-            raise IntegrityError(f"{k} must be a finite number >= 0", where=p)
-        values[k] = float(v)
-    if values["max_outside_share"] > 1:
-        raise IntegrityError("max_outside_share is a share of tokens, in [0, 1]", where=p)
+    doc, sha = read_declared_toml(p, BoundFile, "mismatch bound", f"write exactly {EXAMPLE}")
     if not pin:
         raise IntegrityError("the mismatch bound is not pinned: a bound chosen after seeing the result decides "
                              "nothing", where="optimizer_batch.mismatch_bound_sha256",
@@ -66,4 +61,4 @@ def read_bound(path: str | Path, pin: str) -> Bound:
     if want != sha:
         raise IntegrityError(f"the mismatch bound file hashes to {sha}, the replay config pins {want}", where=p,
                              hint="use the bound file that was declared, or declare this one by pinning its SHA-256")
-    return Bound(p, sha, **values)
+    return Bound(p, sha, **{k: float(getattr(doc, k)) for k in KEYS})
