@@ -81,6 +81,7 @@ def repin(d: Path, data: bytes) -> str:
 
 BUILT_IN_KNOBS = (GC, "backend.options.attn_implementation", "training.micro_batch_size")
 ONE_PROCESS = {"distributed.world_size": 1, "distributed.strategy": "none", "distributed.bucket_cap_mb": None}
+DENSE = {"model.routing": "free", "model.experts_implementation": "eager"}  # no router, experts as transformers reports
 
 
 def observed(rm: dict[str, Any]) -> dict[str, Any]:
@@ -88,8 +89,9 @@ def observed(rm: dict[str, Any]) -> dict[str, Any]:
     from replayjob.knobs import BUILTIN, knobs_for
 
     assert rm["framework"] == BUILTIN
-    assert set(rm["runtime"]) == set(knobs_for(BUILTIN)) == {*BUILT_IN_KNOBS, *ONE_PROCESS}
+    assert set(rm["runtime"]) == set(knobs_for(BUILTIN)) == {*BUILT_IN_KNOBS, *ONE_PROCESS, *DENSE}
     assert {k: rm["runtime"][k] for k in ONE_PROCESS} == ONE_PROCESS  # one process, no process group
+    assert {k: rm["runtime"][k] for k in DENSE} == DENSE
     return {k: rm["runtime"][k] for k in BUILT_IN_KNOBS}
 
 

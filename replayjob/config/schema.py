@@ -139,6 +139,10 @@ class OptimizerBatchConfig:
         "Ring trigger: |loss| above this multiple of the running median |loss| of earlier steps; 0: off.", 0.0)
     allow_nonfinite_inputs: bool = doc(
         "Replay runs: admit a capture whose manifest flags non-finite inputs (refused otherwise).", False)
+    routing_path: str = doc(
+        "Replay with model.routing = 'forced': the routing evidence whose experts the forward uses (a source "
+        "run's routing_step_<K>.safetensors or a replay's routing.safetensors; docs/moe.md).", "")
+    routing_sha256: str = doc("SHA-256 pin of optimizer_batch.routing_path (required with it).", "")
 
     def __post_init__(self) -> None:
         steps = self.capture_steps
@@ -170,15 +174,31 @@ class ModelConfig:
     num_heads: int = doc("Built-in model: attention heads.", 4)
     num_kv_heads: int = doc("Built-in model: key/value heads.", 2)
     max_position_embeddings: int = doc("Built-in model: longest sequence.", 128)
+    architecture: Literal["llama", "qwen3_moe"] = doc(
+        "Built-in model: 'llama' (dense) or 'qwen3_moe' (mixture of experts, transformers' Qwen3-MoE classes; "
+        "docs/moe.md).", "llama")
+    num_experts: int = doc("Built-in MoE model: experts per MoE layer (>= 2).", 4)
+    num_experts_per_tok: int = doc("Built-in MoE model: experts each token is routed to (top-k, < num_experts).", 2)
+    moe_intermediate_size: int = doc("Built-in MoE model: each expert's MLP size.", 64)
+    routing: Literal["free", "forced"] = doc(
+        "MoE models: 'free' routes each token to the router's top-k experts; 'forced' (replays only) uses the "
+        "experts recorded in optimizer_batch.routing_path, the weights recomputed from the live router logits "
+        "(systems-only knob; docs/moe.md).", "free")
+    experts_implementation: Literal["eager", "batched_mm", "grouped_mm"] = doc(
+        "MoE models: transformers' experts kernel (a loop over experts, batched or grouped matmul; "
+        "systems-only knob).", "eager")
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "max_position_embeddings"):
+                     "max_position_embeddings", "moe_intermediate_size"):
             if getattr(self, name) < 1:
                 raise ConfigError("must be >= 1", where=f"model.{name}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ConfigError("hidden_size must divide by num_heads, num_heads by num_kv_heads",
                               where="model")
+        if not 1 <= self.num_experts_per_tok < self.num_experts:
+            raise ConfigError(f"must be in [1, num_experts) (num_experts = {self.num_experts}): a router that "
+                              "picks every expert has nothing to route", where="model.num_experts_per_tok")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from replayjob.distributed import full
 from replayjob.errors import ConfigError, ContractError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes
+from replayjob.model import moe
 from replayjob.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from replayjob.redact import redact_text
 from replayjob.rl.state import adapter_bytes
@@ -32,6 +33,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 _BUILTIN_KEYS = ("init_seed", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads", "max_position_embeddings")
+_MOE_KEYS = ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 def builtin_model_reference(cfg: Config) -> dict[str, Any]:
@@ -40,6 +42,8 @@ def builtin_model_reference(cfg: Config) -> dict[str, Any]:
         cfg_file = Path(cfg.model.path) / "config.json"
         return {"kind": "local", "path": redact_text(cfg.model.path),  # recorded in resume states
                 "config_sha256": sha256_file(cfg_file, follow_symlinks=True) if cfg_file.is_file() else None}
+    if cfg.model.architecture != "llama":  # the dense model's reference is the one earlier states recorded
+        return {"kind": "builtin-tiny", **{k: m[k] for k in _BUILTIN_KEYS + _MOE_KEYS}}
     return {"kind": "builtin-tiny", **{k: m[k] for k in _BUILTIN_KEYS}}
 
 
@@ -52,6 +56,8 @@ class HFPolicy:
         self.gradient_checkpointing = cfg.backend.options.gradient_checkpointing
         self._trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._adapter_params: dict[str, torch.nn.Parameter] | None = None
+        #: the MoE routers' observer (and, under model.routing = "forced", their forcing); None: no router
+        self.routing: moe.Routing | None = moe.attach(model, cfg)
 
     def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return list(self._trainable)
@@ -163,6 +169,8 @@ class HFBackend:
 
 
 def _base_model(cfg: Config, attn: str, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
+    if not cfg.model.path and cfg.model.architecture == "qwen3_moe":
+        return moe.tiny_model(cfg, attn), ByteTokenizer()
     if not cfg.model.path:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -175,10 +183,10 @@ def _base_model(cfg: Config, attn: str, dtype: torch.dtype) -> tuple[Any, Tokeni
                            pad_token_id=tok.pad_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
                            tie_word_embeddings=False, attn_implementation=attn)  # type: ignore[call-arg]
         return LlamaForCausalLM(lcfg), tok
-    return _local_model(Path(cfg.model.path), attn, dtype)
+    return _local_model(Path(cfg.model.path), attn, dtype, cfg)
 
 
-def _local_model(path: Path, attn: str, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
+def _local_model(path: Path, attn: str, dtype: torch.dtype, cfg: Config) -> tuple[Any, Tokenizer]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (path / "config.json").is_file():
@@ -190,6 +198,7 @@ def _local_model(path: Path, attn: str, dtype: torch.dtype) -> tuple[Any, Tokeni
                           hint="convert the checkpoint to safetensors (save_pretrained(safe_serialization=True))")
     model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, use_safetensors=True,
                                                  dtype=dtype, attn_implementation=attn)
+    moe.set_experts_implementation(model, cfg.model.experts_implementation)
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         return model, HFTokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
     if model.config.vocab_size >= ByteTokenizer.vocab_size:

@@ -36,6 +36,7 @@ from replayjob.deploy.schedule import Slot
 from replayjob.digest import sha256_file
 from replayjob.errors import ConfigError, ContractError, UsageError
 from replayjob.hostinfo import host_provenance
+from replayjob.model import moe
 from replayjob.producers.session import MicroStep, Outcome, Session
 from replayjob.rl.diag import peak_memory_value
 from replayjob.rl.state import restore_rng
@@ -189,5 +190,9 @@ def replay(build: Callable[[], Session], out: Path, *, arm: str, repeat_index: i
                     "wall_s": time.perf_counter() - t_start})
     if tracer is not None:  # before replay_metrics.json, which pins the trace index
         metrics[metrics_io.TRACE] = tracer.write(out, metrics, session.trace_identity(runtime))
+    routing = moe.replay_evidence(session.model, out, {"logical_batch_sha256": metrics[metrics_io.LOGICAL],
+                                                       "manifest_sha256": metrics[metrics_io.MANIFEST]})
+    if routing is not None:  # an MoE model's routing of the fresh update, pinned like the trace
+        metrics[metrics_io.ROUTING] = routing
     metrics_io.write_replay(out, metrics)
     return metrics

@@ -13,6 +13,7 @@ Run it: ``replayjob init d && replayjob train d/source.toml --out runs/source``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import time
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from replayjob.config import Config, config_sha256, resolved
 from replayjob.digest import sha256_file
 from replayjob.errors import ArtifactExistsError, ConfigError
 from replayjob.jsonio import canonical_bytes
+from replayjob.model import moe
 from replayjob.model.backend import Policy, load_backend
 from replayjob.rl import stages
 from replayjob.rl.batch import OptimizerBatch
@@ -128,6 +130,19 @@ def _response_logprobs(policy: Policy, seqs: list[list[int]], prompt_ids: list[l
         finally:
             model.train(was_training)
         return out
+
+
+def _write_routing(policy: Policy, out: Path, step: int, batch: OptimizerBatch) -> list[dict[str, Any]]:
+    """An MoE model's routing of the update of a captured ``step`` (one process), beside metrics.json: the
+    table a replay forces (``model.routing = "forced"``) or compares its own with; its ``routing/steps``
+    entry (none for a dense model, or over several ranks, where no rank holds every row)."""
+    routing = getattr(policy, "routing", None)
+    if routing is None or routing.last is None:
+        return []
+    name = moe.source_step_file(step)
+    identity = {"logical_batch_sha256": batch.logical_sha256()}
+    sha = moe.write_table(out / name, dataclasses.replace(routing.last, identity=identity))
+    return [{"step": step, "path": name, "sha256": sha}]
 
 
 def prepare_out_dir(out: Path) -> None:
@@ -247,6 +262,9 @@ def _run(cfg: Config, out: Path, hooks: list[StepHook]) -> dict[str, Any]:
         h.on_train_begin(view)
     task = Task(cfg.environment.task, cfg.environment.max_operand, cfg.environment.nondeterministic_observation)
     last: UpdateResult | None = None
+    ob = cfg.optimizer_batch
+    routing_steps = set(ob.capture_steps) | ({0} if ob.capture else set())  # captured steps: their routing too
+    routed: list[dict[str, Any]] = []
     with _open_diag(out) if root else contextlib.nullcontext(io.BytesIO()) as diag:
         for step in range(start_step, cfg.training.max_steps):
             t0 = time.perf_counter()
@@ -260,6 +278,8 @@ def _run(cfg: Config, out: Path, hooks: list[StepHook]) -> dict[str, Any]:
                 h.before_update(step, batch)
             last = optimizer_update(policy, optimizer, batch, cfg, keep_logprobs=keep_logprobs,
                                     plant_nonfinite_grad=faults.nonfinite_grad_at(step), parallel=parallel)
+            if root and step in routing_steps:
+                routed.extend(_write_routing(policy, out, step, batch))
             for h in hooks:
                 h.after_update(step, last)
             row = diag_row(step, rollout, last, policy, optimizer, prov, time.perf_counter() - t_start, sample_s)
@@ -283,6 +303,8 @@ def _run(cfg: Config, out: Path, hooks: list[StepHook]) -> dict[str, Any]:
         final_adapter_sha256=sha256_file(final_file), final_adapter_path=str(final_file.relative_to(out)),
         config_sha256=config_sha256(cfg), config=resolved(cfg), provenance=prov,
         wall_s=time.perf_counter() - t_start)
+    if routed:
+        metrics[metrics_io.SOURCE_ROUTING] = routed
     for h in hooks:  # before metrics.json, which declares the whole run (every capture included) complete
         metrics.update(h.finish(dict(metrics)))
     metrics_io.write(out / METRICS_FILE, metrics)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from replayjob.config import Config
 from replayjob.distributed import Parallel
+from replayjob.errors import ConfigError
 from replayjob.model.backend import Policy
 from replayjob.rl import stages
 from replayjob.rl.batch import MicroBatch, OptimizerBatch, micro_batches
@@ -78,6 +79,11 @@ class Update:
         self.model = policy.model if parallel is None else parallel.module
         self.temperature = logprob_temperature(cfg)  # the sampling temperature, as the old logprobs applied it
         self.planned = 0
+        # an MoE model's routing (replayjob.model.moe), observed or forced per logical row: in one process only
+        self.routing = getattr(policy, "routing", None) if parallel is None else None
+        if parallel is not None and cfg.model.routing == "forced":
+            raise ConfigError("forced routing runs in one process; over several ranks it is refused",
+                              where="model.routing", hint="replay with distributed.strategy = 'none'")
         self._reset()
 
     def _reset(self) -> None:
@@ -97,6 +103,8 @@ class Update:
         self.optimizer.zero_grad(set_to_none=True)
         self._reset()
         self.planned = n_micro_batches
+        if self.routing is not None:
+            self.routing.begin_update()
         if self.parallel is not None:
             self.parallel.check_micro_batches(n_micro_batches)
 
@@ -107,7 +115,9 @@ class Update:
         _sync(dev)
         t0 = time.perf_counter()
         last = i == self.planned - 1
-        with contextlib.nullcontext() if self.parallel is None else self.parallel.micro_batch(last=last):
+        routed = contextlib.nullcontext() if self.routing is None else self.routing.micro_batch(mb.rows,
+                                                                                                  mb.attention_mask)
+        with contextlib.nullcontext() if self.parallel is None else self.parallel.micro_batch(last=last), routed:
             if before_loss is not None:
                 before_loss()
             logp = token_logprobs(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev), self.temperature)
@@ -154,6 +164,8 @@ class Update:
         self.optimizer.step()
         _sync(dev)
         res.optimizer_wall_s = time.perf_counter() - t3
+        if self.routing is not None:
+            self.routing.end_update()
         if self.parallel is None:
             res.loss = float(self.total)
             res.ratio_mean = float(self.ratio_sum / max(self.ratio_n, 1))

@@ -1,0 +1,467 @@
+"""Mixture-of-experts routing: the built-in tiny MoE model, routing observed per token, and routing forced.
+
+A transformers MoE layer (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral) asks its router (``*TopKRouter``) for
+``(router_logits, top-k weights, top-k expert indices)`` over the flattened ``[rows x length]`` tokens and
+sends each token to those experts.  :class:`Routing` wraps every router of a built model:
+
+* **observed** -- while the update runs a micro-batch (:meth:`Routing.micro_batch`, opened by
+  :class:`replayjob.rl.update.Update`), each router's first call records, for every real token (attention
+  mask nonzero) of every logical row, the experts used, their weights, and the router-logit margin (the
+  k-th largest logit less the (k+1)-th: how far the token is from choosing another expert set).  Later
+  calls in the same micro-batch (gradient-checkpointing recomputation) are not recorded again.  One
+  update's records make one :class:`RoutingTable` (keyed like a trace: every row's tokens concatenated in
+  logical row order, so micro-batching does not change the layout);
+* **forced** (``model.routing = "forced"``) -- the router computes its logits and softmax as usual, but the
+  expert indices of real tokens come from a recorded table (``optimizer_batch.routing_path``, pinned by
+  ``optimizer_batch.routing_sha256``); the weights are the live probabilities gathered at those indices
+  and normalised as the router does, so the gradient through the router is kept.  Padding tokens keep the
+  router's own choice.  When the recorded indices are the router's own, every value is bitwise the free
+  forward's (``torch.gather`` selects the same values ``torch.topk`` returns, and its backward scatters the
+  same gradients).
+
+The table is written as safetensors (:data:`SCHEMA`, through :mod:`replayjob.tensorfile`, never pickle):
+``routing.safetensors`` beside a replay's ``replay_metrics.json`` (which pins it under ``routing``), or
+``routing_step_<K>.safetensors`` beside a source run's ``metrics.json`` (``routing/steps``).
+
+``REPLAYJOB_ROUTING_FAULT=SCALE`` (tests only, read when a model is built) makes each router *choose* its
+experts from logits shifted by ``+SCALE`` on even and ``-SCALE`` on odd experts, while the weights are
+still the unshifted probabilities: its only effect is to flip the expert set of the tokens whose margin is
+below about ``2 * SCALE``.  It is recorded in the table's metadata (``fault``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import types
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from replayjob import tensorfile
+from replayjob.config import Config
+from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
+from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError
+from replayjob.fsio import atomic_write_bytes
+from replayjob.model.tokenizer import ByteTokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+ROUTING_SCHEMA = "replayjob.routing/v1"
+ROUTING_FILE = "routing.safetensors"
+FAULT_ENV = "REPLAYJOB_ROUTING_FAULT"
+_FIELDS = ("experts", "weights", "margin", "forced")
+_METADATA = ("format", "layers", "top_k", "num_experts", "mode", "fault", "identity")
+# router classes whose forward is reproduced under forcing -> whether the top-k weights are cast back to
+# the logits' dtype (Mixtral keeps them in float32)
+_FORCEABLE = {"Qwen3MoeTopKRouter": True, "Qwen2MoeTopKRouter": True, "OlmoeTopKRouter": True,
+              "MixtralTopKRouter": False}
+_HINT = "record the routing again (a replay of an MoE model writes routing.safetensors)"
+
+
+def tiny_model(cfg: Config, attn: str) -> Any:
+    """The built-in tiny Qwen3-MoE causal LM (random weights from the caller's seeded RNG): every decoder
+    layer's MLP is a sparse MoE block of ``model.num_experts`` experts, top-``model.num_experts_per_tok``
+    routing with normalised top-k weights (as Qwen3-MoE ships), no auxiliary loss."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok, mc = ByteTokenizer(), cfg.model
+    qcfg = Qwen3MoeConfig(vocab_size=tok.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
+                          num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads,
+                          num_key_value_heads=mc.num_kv_heads,
+                          max_position_embeddings=mc.max_position_embeddings, num_experts=mc.num_experts,
+                          num_experts_per_tok=mc.num_experts_per_tok, moe_intermediate_size=mc.moe_intermediate_size,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+                          router_aux_loss_coef=0.0, pad_token_id=tok.pad_id, bos_token_id=tok.bos_id,
+                          eos_token_id=tok.eos_id, tie_word_embeddings=False, attn_implementation=attn,
+                          experts_implementation=mc.experts_implementation)  # type: ignore[call-arg]
+    return Qwen3MoeForCausalLM(qcfg)
+
+
+def routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The MoE routers of ``model`` by module name, in module order (top-k routers of transformers' MoE
+    classes: a ``*TopKRouter`` with ``top_k``, ``num_experts`` and a ``weight``)."""
+    return [(n, m) for n, m in model.named_modules()
+            if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k") and hasattr(m, "num_experts")
+            and hasattr(m, "weight")]
+
+
+def set_experts_implementation(model: Any, name: str) -> None:
+    """Switch a loaded model's experts kernel (``model.experts_implementation``); a model without experts
+    accepts only the default."""
+    if not routers(model):
+        if name != "eager":
+            raise ConfigError(f"the model has no MoE experts to run with {name!r}",
+                              where="model.experts_implementation", hint="leave it at 'eager' for a dense model")
+        return
+    model.set_experts_implementation(name)
+
+
+def experts_implementation(model: Any) -> str | None:
+    """The experts kernel the built model dispatches to (``None``: the model has no experts)."""
+    if not routers(model):
+        return None
+    value = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    return value if isinstance(value, str) else None
+
+
+# -------------------------------------------------------------------------------------------- the table
+
+@dataclass(frozen=True)
+class LayerRouting:
+    """One router's record over every logical row's real tokens (``T`` tokens, top-``k``)."""
+
+    name: str
+    experts: torch.Tensor   # int64 [T, k]: the experts used, in the router's order
+    weights: torch.Tensor   # float32 [T, k]: their weights
+    margin: torch.Tensor    # float32 [T]: k-th largest router logit less the (k+1)-th (live router)
+    forced: torch.Tensor    # bool [T]: the experts used are not the live router's top-k set
+
+    def expert_sets(self) -> torch.Tensor:
+        """The experts used per token, sorted (a set, comparable across tables)."""
+        return self.experts.sort(dim=-1).values
+
+
+@dataclass(frozen=True)
+class RoutingTable:
+    """One update's routing: per router, per real token of every logical row."""
+
+    row_tokens: torch.Tensor  # int64 [rows]
+    layers: list[LayerRouting]
+    top_k: int
+    num_experts: int
+    mode: str                 # "free" | "forced"
+    fault: str | None
+    identity: dict[str, str]  # logical_batch_sha256 (and the manifest's) of the rows it was recorded on
+
+    @property
+    def tokens(self) -> int:
+        return int(self.row_tokens.sum())
+
+    def row_of_token(self) -> torch.Tensor:
+        """The logical row of each token position (int64 [T])."""
+        import torch
+        return torch.repeat_interleave(torch.arange(self.row_tokens.numel()), self.row_tokens)
+
+    def encode(self) -> bytes:
+        import torch
+        tensors: dict[str, torch.Tensor] = {"rows.tokens": self.row_tokens.to(torch.int64).contiguous()}
+        for k, lay in enumerate(self.layers):
+            tensors[f"layer.{k:04d}.experts"] = lay.experts.to(torch.int64).contiguous()
+            tensors[f"layer.{k:04d}.weights"] = lay.weights.to(torch.float32).contiguous()
+            tensors[f"layer.{k:04d}.margin"] = lay.margin.to(torch.float32).contiguous()
+            tensors[f"layer.{k:04d}.forced"] = lay.forced.to(torch.bool).contiguous()
+        meta = {"format": ROUTING_SCHEMA, "layers": json.dumps([lay.name for lay in self.layers]),
+                "top_k": str(self.top_k), "num_experts": str(self.num_experts), "mode": self.mode,
+                "fault": self.fault or "", "identity": json.dumps(self.identity, sort_keys=True)}
+        return tensorfile.encode(tensors, metadata=meta, schema=_schema(len(self.layers))).data
+
+
+def _schema(n_layers: int) -> tensorfile.Schema:
+    layer = r"layer\.[0-9]{4}\."
+    return tensorfile.Schema(what="routing file", tensors={"rows.tokens": ("I64", 1)},
+                             optional=((layer + "experts", "I64", 2), (layer + "weights", "F32", 2),
+                                       (layer + "margin", "F32", 1), (layer + "forced", "BOOL", 1)),
+                             max_header_bytes=16 * 1024 * 1024)
+
+
+def write_table(path: Path, table: RoutingTable) -> str:
+    """Write ``table`` to ``path`` atomically and exclusively; its SHA-256."""
+    data = table.encode()
+    atomic_write_bytes(path, data, exclusive=True)
+    return sha256_bytes(data)
+
+
+def _fail(where: Path, message: str) -> IntegrityError:
+    return IntegrityError(f"routing file refused: {message}", where=where, hint=_HINT)
+
+
+def read_table(path: str | Path, expected_sha256: str | None) -> RoutingTable:
+    """Read and verify a routing file (pinned by ``expected_sha256`` when given): the safetensors checks,
+    the exact tensors of :data:`ROUTING_SCHEMA`, every shape, expert indices in range and finite weights."""
+    import torch
+    p = Path(path)
+    if not p.is_file():
+        raise RefusedError("no routing file here", where=p, hint=_HINT)
+    tensors = tensorfile.load(p, expected_sha256=expected_sha256, schema=_schema(0))
+    header = tensorfile.read_header(p, schema=_schema(0))
+    meta = header.metadata
+    if sorted(meta) != sorted(_METADATA) or meta.get("format") != ROUTING_SCHEMA:
+        raise _fail(p, f"metadata must hold exactly {sorted(_METADATA)} with format {ROUTING_SCHEMA!r}")
+    try:
+        names = json.loads(meta["layers"])
+        identity = json.loads(meta["identity"])
+        top_k, n_exp = int(meta["top_k"]), int(meta["num_experts"])
+    except ValueError:
+        raise _fail(p, "metadata layers, identity, top_k or num_experts is malformed") from None
+    if (not isinstance(names, list) or not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names)
+            or not isinstance(identity, dict) or not all(isinstance(v, str) for v in identity.values())):
+        raise _fail(p, "metadata layers must be distinct names and identity a map of strings")
+    if not 1 <= top_k < n_exp or meta["mode"] not in ("free", "forced"):
+        raise _fail(p, f"top_k {top_k}, num_experts {n_exp} or mode {meta['mode']!r} is invalid")
+    expected = {"rows.tokens"} | {f"layer.{k:04d}.{f}" for k in range(len(names)) for f in _FIELDS}
+    if set(tensors) != expected:
+        raise _fail(p, f"tensors do not match the {len(names)} layers the metadata names")
+    rt = tensors["rows.tokens"]
+    if bool((rt < 0).any()):
+        raise _fail(p, "rows.tokens holds a negative count")
+    t = int(rt.sum())
+    layers = []
+    for k, name in enumerate(names):
+        e, w, m, f = (tensors[f"layer.{k:04d}.{x}"] for x in _FIELDS)
+        if tuple(e.shape) != (t, top_k) or tuple(w.shape) != (t, top_k) or tuple(m.shape) != (t,) \
+                or tuple(f.shape) != (t,):
+            raise _fail(p, f"layer {name!r} does not hold {t} tokens x top-{top_k}")
+        if t and (int(e.min()) < 0 or int(e.max()) >= n_exp):
+            raise _fail(p, f"layer {name!r} names an expert outside [0, {n_exp})")
+        if t and bool((e.sort(dim=-1).values[:, 1:] == e.sort(dim=-1).values[:, :-1]).any()):
+            raise _fail(p, f"layer {name!r} routes a token to one expert twice")
+        if not bool(torch.isfinite(w).all()):
+            raise _fail(p, f"layer {name!r} holds a non-finite weight")
+        layers.append(LayerRouting(name, e, w, m, f))
+    return RoutingTable(rt, layers, top_k, n_exp, meta["mode"], meta["fault"] or None, identity)
+
+
+def evidence_entry(doc: dict[str, Any] | None, where: Path) -> tuple[Path, str] | None:
+    """The routing file and SHA-256 a ``routing`` entry of replay_metrics.json pins (``None``: no entry)."""
+    if doc is None:
+        return None
+    if not isinstance(doc, dict) or set(doc) != {"path", "sha256"} or doc["path"] != ROUTING_FILE \
+            or not is_sha256_hex(doc["sha256"]):
+        raise IntegrityError(f"field 'routing' must be {{\"path\": {ROUTING_FILE!r}, \"sha256\": <SHA-256>}}",
+                             where=where, hint="rerun the replay")
+    return where.parent / ROUTING_FILE, doc["sha256"]
+
+
+# ---------------------------------------------------------------------------------------- the controller
+
+@dataclass
+class _MicroBatch:
+    rows: tuple[int, ...]
+    mask: torch.Tensor        # bool [B, L] on the CPU
+    real: torch.Tensor        # bool [B * L] on the model's device
+    seen: set[int]
+    forced: dict[int, torch.Tensor]  # router index -> int64 [real tokens, k] on the device
+
+
+class Routing:
+    """Every router of one built model, observed (and forced, under ``model.routing = "forced"``); see the
+    module docstring."""
+
+    def __init__(self, model: torch.nn.Module, found: list[tuple[str, torch.nn.Module]], mode: str,
+                 table: RoutingTable | None, fault: float | None):
+        self.names = [n for n, _ in found]
+        self.modules: list[Any] = [m for _, m in found]
+        self.top_k = int(self.modules[0].top_k)
+        self.num_experts = int(self.modules[0].num_experts)
+        self.mode, self.table, self.fault = mode, table, fault
+        self._mb: _MicroBatch | None = None
+        self._records: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}
+        self.first: RoutingTable | None = None  # the first complete update's routing (a replay's evidence)
+        self.last: RoutingTable | None = None   # the latest complete update's (a source step's)
+        self._row_offsets: list[int] = []
+        if table is not None:
+            self._check_table(table)
+            self._row_offsets = [0, *table.row_tokens.cumsum(0).tolist()]
+        for i, m in enumerate(self.modules):
+            if mode == "forced" or fault is not None:
+                m.forward = types.MethodType(lambda mod, hs, i=i: self._routed(i, mod, hs), m)
+            else:
+                m.register_forward_hook(lambda _m, _a, out, i=i: self._observed(i, out))
+
+    def _check_table(self, table: RoutingTable) -> None:
+        if table.top_k != self.top_k or table.num_experts != self.num_experts or \
+                [lay.name for lay in table.layers] != self.names:
+            raise ContractError(f"the routing file routes {len(table.layers)} layers top-{table.top_k} of "
+                                f"{table.num_experts} experts; this model has {len(self.names)} routers, top-"
+                                f"{self.top_k} of {self.num_experts}", where="optimizer_batch.routing_path",
+                                hint="force routing recorded on this model and capture")
+
+    # -- the update's micro-batches ------------------------------------------------------------------
+    def begin_update(self) -> None:
+        self._records = {i: {} for i in range(len(self.modules))}
+
+    def end_update(self) -> None:
+        """Close one update: its records become :attr:`last` (and :attr:`first`, the first time)."""
+        import torch
+        rows = sorted(self._records[0]) if self._records else []
+        if not rows or rows != list(range(len(rows))) \
+                or any(sorted(r) != rows for r in self._records.values()):
+            return  # not every row seen by every router (e.g. several ranks): no table
+        counts = torch.tensor([int(self._records[0][r][0].shape[0]) for r in rows], dtype=torch.int64)
+        layers = []
+        for i, name in enumerate(self.names):
+            parts = [self._records[i][r] for r in rows]
+            layers.append(LayerRouting(name, *(torch.cat([p[f] for p in parts]) for f in range(4))))
+        self.last = RoutingTable(counts, layers, self.top_k, self.num_experts, self.mode,
+                                 None if self.fault is None else repr(self.fault), {})
+        if self.first is None:
+            self.first = self.last
+
+    @contextlib.contextmanager
+    def micro_batch(self, rows: list[int] | tuple[int, ...], attention_mask: torch.Tensor) -> Iterator[None]:
+        """Route (and record) the forward and backward of one micro-batch of logical ``rows``."""
+        mask = attention_mask.detach().to("cpu") != 0
+        device = self.modules[0].weight.device
+        self._mb = _MicroBatch(tuple(rows), mask, mask.reshape(-1).to(device), set(), {})
+        if self.table is not None:
+            for j, r in enumerate(rows):
+                have = int(self.table.row_tokens[r]) if r < self.table.row_tokens.numel() else -1
+                if have != int(mask[j].sum()):
+                    raise ContractError(f"the forced routing holds {have} tokens for logical row {r}, the "
+                                        f"replay's row has {int(mask[j].sum())}", where="optimizer_batch.routing_path",
+                                        hint="force routing recorded on this capture's rows")
+        try:
+            yield
+        finally:
+            self._mb = None
+
+    # -- the routers ---------------------------------------------------------------------------------
+    def _observed(self, i: int, output: Any) -> None:
+        mb = self._mb
+        if mb is None or i in mb.seen:
+            return
+        mb.seen.add(i)
+        logits, weights, experts = output
+        self._keep(i, mb, logits, weights, experts, None)
+
+    def _keep(self, i: int, mb: _MicroBatch, logits: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+              live: torch.Tensor | None) -> None:
+        import torch
+        with torch.no_grad():
+            real = mb.real
+            lg = logits.detach()[real].float()
+            top = torch.topk(lg, self.top_k + 1, dim=-1).values
+            margin = top[:, self.top_k - 1] - top[:, self.top_k]
+            used = experts.detach()[real]
+            if live is None:
+                forced = torch.zeros(used.shape[0], dtype=torch.bool, device=used.device)
+            else:
+                forced = (used.sort(dim=-1).values != live[real].sort(dim=-1).values).any(dim=-1)
+            parts = [used.to("cpu", torch.int64), weights.detach()[real].to("cpu", torch.float32),
+                     margin.to("cpu"), forced.to("cpu")]
+        counts = mb.mask.sum(dim=1).tolist()
+        start = 0
+        for r, n in zip(mb.rows, counts, strict=True):
+            self._records[i][r] = tuple(p[start:start + n] for p in parts)
+            start += n
+
+    def _forced_indices(self, i: int, mb: _MicroBatch) -> torch.Tensor:
+        import torch
+        got = mb.forced.get(i)
+        if got is None:
+            assert self.table is not None
+            lay = self.table.layers[i]
+            got = torch.cat([lay.experts[self._row_offsets[r]:self._row_offsets[r + 1]] for r in mb.rows])
+            got = mb.forced[i] = got.to(mb.real.device)
+        return got
+
+    def _routed(self, i: int, router: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The router's forward with the expert choice replaced (forced routing, or the test-only fault)."""
+        import torch
+        import torch.nn.functional as F
+        hs = hidden_states.reshape(-1, router.hidden_dim)
+        logits = F.linear(hs, router.weight)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        if self.fault is not None:
+            shift = torch.tensor([self.fault if e % 2 == 0 else -self.fault for e in range(self.num_experts)],
+                                 dtype=logits.dtype, device=logits.device)
+            choice = torch.softmax(logits.detach() + shift, dtype=torch.float, dim=-1)
+        else:
+            choice = probs.detach()
+        live = torch.topk(choice, self.top_k, dim=-1).indices
+        mb = self._mb
+        experts = live
+        if self.mode == "forced" and mb is not None:
+            experts = live.clone()
+            experts[mb.real] = self._forced_indices(i, mb)
+        weights = probs.gather(-1, experts)
+        if getattr(router, "norm_topk_prob", True):
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if _FORCEABLE[type(router).__name__]:
+            weights = weights.to(logits.dtype)
+        if mb is not None and i not in mb.seen:
+            mb.seen.add(i)
+            self._keep(i, mb, logits, weights, experts, live if self.mode == "forced" else None)
+        return logits, weights, experts
+
+
+def _fault() -> float | None:
+    raw = os.environ.get(FAULT_ENV, "")
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{FAULT_ENV}={raw!r} is not a positive number", where=FAULT_ENV, hint="unset it")
+    return value
+
+
+_ATTACHED: weakref.WeakKeyDictionary[Any, Routing] = weakref.WeakKeyDictionary()
+
+
+def attached(model: Any) -> Routing | None:
+    """The :class:`Routing` :func:`attach` put on ``model`` (``None``: not an MoE model)."""
+    try:
+        return _ATTACHED.get(model)
+    except TypeError:  # not weakly referenceable: never attached
+        return None
+
+
+def replay_evidence(model: Any, out: Path, identity: dict[str, str]) -> dict[str, str] | None:
+    """Write the first update's routing of ``model`` to ``OUT/routing.safetensors`` (``identity``: the
+    capture's digests it was recorded on); the ``routing`` entry of replay_metrics.json that pins it, or
+    ``None`` when the model has no router or no complete update was recorded (several ranks)."""
+    routing = attached(model)
+    if routing is None or routing.first is None:
+        return None
+    sha = write_table(out / ROUTING_FILE, dataclasses.replace(routing.first, identity=dict(identity)))
+    return {"path": ROUTING_FILE, "sha256": sha}
+
+
+def source_step_file(step: int) -> str:
+    """A source run's routing file for step ``step`` (beside its metrics.json)."""
+    return f"routing_step_{step:06d}.safetensors"
+
+
+def attach(model: torch.nn.Module, cfg: Config) -> Routing | None:
+    """The :class:`Routing` of a built model (``None`` when it has no router); under ``model.routing =
+    "forced"`` the pinned routing file is read and verified first."""
+    found = routers(model)
+    mode = cfg.model.routing
+    if not found:
+        if mode == "forced":
+            raise ConfigError("model.routing = 'forced' needs a mixture-of-experts model; this one has no router",
+                              where="model.routing", hint="set model.architecture = 'qwen3_moe' or leave routing free")
+        return None
+    unknown = sorted({type(m).__name__ for _, m in found} - set(_FORCEABLE))
+    fault = _fault()
+    if (mode == "forced" or fault is not None) and unknown:
+        raise ConfigError(f"routing of {unknown[0]} cannot be forced (known routers: {', '.join(sorted(_FORCEABLE))})",
+                          where="model.routing", hint="leave model.routing = 'free'")
+    table = None
+    if mode == "forced":
+        ob = cfg.optimizer_batch
+        if cfg.training.trainer != "optimizer_replay":
+            raise ConfigError("forced routing applies to replays; a source run routes freely", where="model.routing",
+                              hint="set model.routing = 'free' in the source config")
+        if not ob.routing_path or not ob.routing_sha256:
+            raise ConfigError("model.routing = 'forced' needs optimizer_batch.routing_path and its routing_sha256",
+                              where="optimizer_batch.routing_path",
+                              hint="point it at the source run's routing_step_<K>.safetensors with its pin from "
+                                   "metrics.json")
+        table = read_table(ob.routing_path, normalize_digest(ob.routing_sha256, what="optimizer_batch.routing_sha256"))
+        pinned = ob.expected_logical_sha256.strip().lower()
+        recorded = table.identity.get("logical_batch_sha256")
+        if pinned and recorded != pinned:
+            raise ContractError(f"the routing file was recorded on logical batch {recorded}, this replay pins {pinned}",
+                                where=ob.routing_path, hint="force routing recorded on this capture's rows")
+    routing = _ATTACHED[model] = Routing(model, found, mode, table, fault)
+    return routing

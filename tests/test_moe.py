@@ -1,0 +1,206 @@
+"""Mixture-of-experts routing on the built-in tiny Qwen3-MoE model (CPU): routing observed, captured and forced.
+
+Every run here is real: ``replayjob init`` / ``capture`` / ``replay`` through ``replayjob.cli.main`` on a
+transformers Qwen3-MoE model with a peft LoRA adapter built from config (two MoE layers, four experts,
+top-2).  One capture and its replays are shared by the module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import replay_pins
+
+from replayjob.cli import main
+from replayjob.config import load_config
+from replayjob.errors import ConfigError, IntegrityError
+from replayjob.model import moe
+from replayjob.model.backend import load_backend
+
+MOE = ["--set", 'model.architecture="qwen3_moe"']
+
+
+def forced(routing_file: Path, sha: str) -> list[str]:
+    return ["--set", 'model.routing="forced"', "--set", 'optimizer_batch.allow_config_differences=["model.routing"]',
+            "--set", f'optimizer_batch.routing_path="{routing_file}"',
+            "--set", f'optimizer_batch.routing_sha256="{sha}"']
+
+
+def metrics(d: Path, name: str = "replay_metrics.json") -> dict[str, Any]:
+    return json.loads((d / name).read_text())
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    d = tmp_path_factory.mktemp("moe")
+    assert main(["init", str(d), "--seed", "123", *MOE]) == 0
+    src = d / "source"
+    assert main(["capture", str(d / "source.toml"), "--out", str(src), *MOE]) == 0
+    entry = metrics(src, "metrics.json")["routing/steps"][0]
+    out: dict[str, Any] = {"ws": d, "source": src, "routing_file": src / entry["path"], "routing_sha": entry["sha256"]}
+
+    def replay(name: str, *extra: str) -> Path:
+        assert main(["replay", str(d / "replay.toml"), "--out", str(d / name), *replay_pins(src), *MOE, *extra]) == 0
+        return d / name
+
+    out["free"] = replay("free", "--trace")
+    out["forced"] = replay("forced", "--trace", *forced(out["routing_file"], out["routing_sha"]))
+    return out
+
+
+def test_tiny_moe_model_is_built_from_config() -> None:
+    cfg = load_config(None, ['model.architecture="qwen3_moe"', "training.seed=1", "model.num_experts=6",
+                             "model.num_experts_per_tok=3"])
+    policy = load_backend("hf").build(cfg)
+    base = policy.model.get_base_model()
+    assert type(base).__name__ == "Qwen3MoeForCausalLM" and base.config.num_experts == 6
+    assert policy.routing is not None and policy.routing.top_k == 3 and len(policy.routing.names) == 2
+    assert all(".lora_" in n for n, _ in policy.trainable())  # experts and routers stay frozen; LoRA trains
+    assert policy.model_reference()["architecture"] == "qwen3_moe"
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        load_config(None, ['model.architecture="qwen3_moe"', "model.num_experts_per_tok=4"])
+
+
+def test_dense_model_has_no_routing_and_refuses_forcing() -> None:
+    dense = load_backend("hf").build(load_config(None, ["training.seed=1"]))
+    assert dense.routing is None and "architecture" not in dense.model_reference()  # earlier states still match
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        load_backend("hf").build(load_config(None, ["training.seed=1", 'model.routing="forced"']))
+
+
+def test_capture_records_the_source_steps_routing(moe_runs: dict[str, Any]) -> None:
+    m = metrics(moe_runs["source"], "metrics.json")
+    assert m["routing/steps"][0]["step"] == 0
+    assert hashlib.sha256(moe_runs["routing_file"].read_bytes()).hexdigest() == moe_runs["routing_sha"]
+    t = moe.read_table(moe_runs["routing_file"], moe_runs["routing_sha"])
+    assert t.identity == {"logical_batch_sha256": m["optimizer/logical_batch_sha256"]}
+    assert [lay.name for lay in t.layers] == [f"base_model.model.model.layers.{i}.mlp.gate" for i in (0, 1)]
+    assert t.top_k == 2 and t.num_experts == 4 and t.mode == "free" and t.fault is None
+    for lay in t.layers:
+        assert lay.experts.shape == (t.tokens, 2) and not bool(lay.forced.any())
+        assert torch.allclose(lay.weights.sum(-1), torch.ones(t.tokens))  # normalised top-2 weights
+        assert bool((lay.margin >= 0).all())
+
+
+def test_same_condition_replay_is_bitwise_and_pins_its_routing(moe_runs: dict[str, Any]) -> None:
+    src, r = metrics(moe_runs["source"], "metrics.json"), metrics(moe_runs["free"])
+    assert r["optimizer_batch/final_adapter_sha256"] == src["optimizer_batch/final_adapter_sha256"]
+    assert r["loss"] == src["loss"]
+    pin = r["routing"]
+    assert pin["path"] == "routing.safetensors"
+    assert hashlib.sha256((moe_runs["free"] / pin["path"]).read_bytes()).hexdigest() == pin["sha256"]
+    mine = moe.read_table(moe_runs["free"] / pin["path"], pin["sha256"])
+    theirs = moe.read_table(moe_runs["routing_file"], moe_runs["routing_sha"])
+    assert mine.identity["manifest_sha256"] == r["optimizer_batch/manifest_sha256"]
+    assert torch.equal(mine.row_tokens, theirs.row_tokens)
+    for a, b in zip(mine.layers, theirs.layers, strict=True):
+        assert torch.equal(a.experts, b.experts) and torch.equal(a.weights, b.weights)
+        assert torch.equal(a.margin, b.margin)
+
+
+def test_forced_replay_of_the_source_routing_is_bitwise(moe_runs: dict[str, Any]) -> None:
+    src, r = metrics(moe_runs["source"], "metrics.json"), metrics(moe_runs["forced"])
+    assert r["optimizer_batch/final_adapter_sha256"] == src["optimizer_batch/final_adapter_sha256"]
+    assert r["runtime"]["model.routing"] == "forced" and metrics(moe_runs["free"])["runtime"]["model.routing"] == "free"
+    t = moe.read_table(moe_runs["forced"] / "routing.safetensors", r["routing"]["sha256"])
+    assert t.mode == "forced" and not any(bool(lay.forced.any()) for lay in t.layers)
+
+
+def test_forcing_other_experts_routes_there(moe_runs: dict[str, Any], tmp_path: Path) -> None:
+    """The rule's own test: a forced table that differs at one token routes that token (and only it) there."""
+    base = moe.read_table(moe_runs["routing_file"], moe_runs["routing_sha"])
+    lay = base.layers[1]
+    token = int(lay.margin.argmax())  # far from a tie: the free router never picks the forced set here
+    experts = lay.experts.clone()
+    unused = [e for e in range(base.num_experts) if e not in experts[token].tolist()]
+    experts[token] = torch.tensor(unused[:2])
+    changed = dataclasses.replace(base, layers=[base.layers[0], dataclasses.replace(lay, experts=experts)])
+    path = tmp_path / "changed.safetensors"
+    sha = moe.write_table(path, changed)
+    out = tmp_path / "r"
+    assert main(["replay", str(moe_runs["ws"] / "replay.toml"), "--out", str(out), *replay_pins(moe_runs["source"]),
+                 *MOE, *forced(path, sha)]) == 0
+    r = metrics(out)
+    assert r["optimizer_batch/final_adapter_sha256"] != metrics(moe_runs["source"], "metrics.json")[
+        "optimizer_batch/final_adapter_sha256"]
+    got = moe.read_table(out / "routing.safetensors", r["routing"]["sha256"])
+    assert got.layers[1].forced.nonzero().flatten().tolist() == [token]
+    assert sorted(got.layers[1].experts[token].tolist()) == sorted(unused[:2])
+    assert torch.equal(got.layers[0].experts, base.layers[0].experts)
+
+
+def test_forced_router_keeps_its_gradient_bitwise() -> None:
+    """Forcing the router's own choice: the router weight's gradient (through the recomputed weights) and
+    the LoRA gradients are bitwise the free forward's."""
+    cfg = load_config(None, ['model.architecture="qwen3_moe"', "training.seed=1"])
+    ids = torch.randint(3, 200, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[2, 6:] = 0
+
+    def run(policy: Any) -> dict[str, torch.Tensor]:
+        routing = policy.routing
+        for m in routing.modules:
+            m.weight.requires_grad_(True)
+        routing.begin_update()
+        with routing.micro_batch([0, 1, 2], mask):
+            policy.model(input_ids=ids, attention_mask=mask).logits.float().pow(2).mean().backward()
+        routing.end_update()
+        grads = {f"router{i}": m.weight.grad.clone() for i, m in enumerate(routing.modules)}
+        grads.update({n: p.grad.clone() for n, p in policy.trainable()})
+        return grads
+
+    free_policy = load_backend("hf").build(cfg)
+    free = run(free_policy)
+    table = free_policy.routing.last
+    assert table is not None and table.tokens == int(mask.sum())
+    forced_policy = load_backend("hf").build(cfg)
+    forced_policy.routing.mode, forced_policy.routing.table = "forced", table  # as attach() sets it up
+    forced_policy.routing._row_offsets = [0, *table.row_tokens.cumsum(0).tolist()]
+    for i, m in enumerate(forced_policy.routing.modules):
+        m.forward = lambda hs, i=i, m=m: forced_policy.routing._routed(i, m, hs)
+    got = run(forced_policy)
+    assert all(float(g.abs().sum()) > 0 for k, g in free.items() if k.startswith("router"))
+    assert free.keys() == got.keys() and all(torch.equal(free[k], got[k]) for k in free)
+
+
+def test_forcing_without_a_pinned_file_is_refused(moe_runs: dict[str, Any], capsys: pytest.CaptureFixture[str],
+                                                  tmp_path: Path) -> None:
+    cfg, pins = str(moe_runs["ws"] / "replay.toml"), replay_pins(moe_runs["source"])
+    rc = main(["replay", cfg, "--out", str(tmp_path / "a"), *pins, *MOE, "--set", 'model.routing="forced"',
+               "--set", 'optimizer_batch.allow_config_differences=["model.routing"]'])
+    assert rc == 2 and "routing_path" in capsys.readouterr().err
+    rc = main(["replay", cfg, "--out", str(tmp_path / "b"), *pins, *MOE,
+               *forced(moe_runs["routing_file"], "0" * 64)])
+    assert rc == 2 and "SHA-256" in capsys.readouterr().err
+    rc = main(["replay", cfg, "--out", str(tmp_path / "c"), *pins, *MOE, "--set", 'model.routing="forced"'])
+    assert rc == 2 and "model.routing" in capsys.readouterr().err  # an undeclared difference
+
+
+def test_routing_file_reader_fails_closed(moe_runs: dict[str, Any], tmp_path: Path) -> None:
+    t = moe.read_table(moe_runs["routing_file"], moe_runs["routing_sha"])
+    bad = t.layers[0].experts.clone()
+    bad[0, 0] = t.num_experts  # no such expert
+    path = tmp_path / "bad.safetensors"
+    moe.write_table(path, dataclasses.replace(t, layers=[dataclasses.replace(t.layers[0], experts=bad), t.layers[1]]))
+    with pytest.raises(IntegrityError, match="outside"):
+        moe.read_table(path, None)
+    twice = t.layers[0].experts.clone()
+    twice[0, 1] = twice[0, 0]
+    path = tmp_path / "twice.safetensors"
+    moe.write_table(path, dataclasses.replace(t, layers=[dataclasses.replace(t.layers[0], experts=twice), t.layers[1]]))
+    with pytest.raises(IntegrityError, match="twice"):
+        moe.read_table(path, None)
+    copy = tmp_path / "copy.safetensors"
+    shutil.copy(moe_runs["routing_file"], copy)
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 1
+    copy.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="SHA-256"):
+        moe.read_table(copy, moe_runs["routing_sha"])
