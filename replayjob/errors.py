@@ -29,6 +29,23 @@ EXIT_NEGATIVE = 1
 EXIT_REFUSED = 2
 EXIT_ERROR = 3
 
+# Which exit statuses of a stage (a container, a Slurm task, a child process) end it for good, declared
+# once for every launcher: the Jobs' podFailurePolicy, Argo's retry expression, the Slurm scripts'
+# requeue, ``k8s submit``, ``determinism-check`` and replay's child processes all read these.  A
+# decided outcome (1, 2) is final; every other non-zero status is retried (:func:`is_retryable`): 3,
+# and a death by a signal, 137 (SIGKILL) included.  137 is the container's OOM kill, but just as often
+# the kubelet's node-pressure eviction, a preemption's or a drain's kill after the grace period, or
+# Slurm's time limit, and the status cannot tell them apart; nothing was decided, and the launchers'
+# retry count (two more attempts, each bounded by the pod's deadline) bounds what a kill that repeats
+# (a replay that does not fit its memory limit) can cost.
+FINAL_EXIT_STATUSES = frozenset({EXIT_NEGATIVE, EXIT_REFUSED})
+
+
+def is_retryable(status: int) -> bool:
+    """Whether a stage that ended with process ``status`` is retried: any failure but a decided 1 or 2
+    (negative statuses are Python's death by a signal, 128 + N a shell's)."""
+    return status != EXIT_OK and status not in FINAL_EXIT_STATUSES
+
 
 class ReplayjobError(Exception):
     """Root of every domain error.
@@ -116,8 +133,6 @@ def error_for_exit_status(status: int) -> type[ReplayjobError]:
     1 and 2 keep their meaning; 3, any other status and death by a signal (negative, or 128 + N from
     a shell) are errors: nothing was decided, so the caller's exit is retryable too.
     """
-    if status == EXIT_NEGATIVE:
-        return NegativeVerdict
-    if status == EXIT_REFUSED:
-        return RefusedError
-    return OperationalError
+    if status not in FINAL_EXIT_STATUSES:
+        return OperationalError
+    return NegativeVerdict if status == EXIT_NEGATIVE else RefusedError

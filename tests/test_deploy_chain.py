@@ -420,7 +420,7 @@ def test_argo_reduce_runs_after_a_planted_replay_failure_and_refuses(
     """The capture step reuses a prepared volume (its retry path) and still publishes the plan and the
     pins; replay 0 passes (reusing the replay the Jobs ran for arm ckpt-off); replay 1 receives pins
     that are not the capture's (the planted failure) and refuses; the reducer runs anyway and writes a
-    refused verdict naming the arm."""
+    verdict naming the arm: incomplete (exit 3), since the missing replay decided nothing."""
     run = k8s_run.run
     mount = tmp_path / "artifacts"
     emu = ArgoEmulator(rendered / "argo.yaml", mount, "0000-uid")
@@ -441,9 +441,9 @@ def test_argo_reduce_runs_after_a_planted_replay_failure_and_refuses(
         ok.stdout + ok.stderr
     assert bad.returncode == 2 and "differ from the capture's metrics.json" in bad.stderr
     (reduce,) = emu.procs["reduce"]
-    assert reduce.returncode == 2, reduce.stdout + reduce.stderr
+    assert reduce.returncode == 3, reduce.stdout + reduce.stderr  # nothing decided: a stage left no replay
     verdict = json.loads(emu.outputs["reduce"]["verdict"])
-    assert (verdict["status"], verdict["exit_code"]) == ("refused", 2)
+    assert (verdict["status"], verdict["exit_code"], verdict["missing"]) == ("incomplete", 3, ["replays/ckpt-on/0"])
     expected = next(c for c in verdict["checks"] if c["name"] == "inputs.expected_arms")
     assert (expected["status"], expected["offenders"]) == ("refused", ["ckpt-on"])
     assert (dest / "verdict.json").is_file()
@@ -460,11 +460,11 @@ def test_argo_reduce_waits_for_the_fan_out_however_it_ends(rendered: Path, tmp_p
         assert emu.depends_met(reduce["depends"]) is True, state
 
 
-def test_argo_a_failed_capture_still_ends_in_a_refused_verdict_that_argo_wait_returns(
+def test_argo_a_failed_capture_still_ends_in_a_verdict_that_argo_wait_returns(
         rendered: Path, tmp_path: Path) -> None:
     """The capture fails (here: its template provisions another rank count than the spec's, refused
-    before any work); no replay runs, the reducer does and writes a refused verdict; the Workflow's
-    status then gives `replayjob argo wait` the reduce step's code, 2."""
+    before any work); no replay runs, the reducer does and writes an incomplete verdict (nothing was
+    decided); the Workflow's status then gives `replayjob argo wait` the reduce step's code, 3."""
     from replayjob.deploy.workflow import workflow_code
 
     emu = ArgoEmulator(rendered / "argo.yaml", tmp_path / "artifacts", "1111-uid")
@@ -473,11 +473,11 @@ def test_argo_a_failed_capture_still_ends_in_a_refused_verdict_that_argo_wait_re
     emu.run()
     assert emu.status == {"capture": "Failed", "replay": "Omitted", "reduce": "Failed"}, emu.procs
     (reduce,) = emu.procs["reduce"]
-    assert reduce.returncode == 2 and "step: no capture" in reduce.stdout, reduce.stdout + reduce.stderr
+    assert reduce.returncode == 3 and "step: no capture" in reduce.stdout, reduce.stdout + reduce.stderr
     verdict = json.loads(emu.outputs["reduce"]["verdict"])
-    assert (verdict["status"], verdict["exit_code"]) == ("refused", 2)
+    assert (verdict["status"], verdict["exit_code"]) == ("incomplete", 3) and "source" in verdict["missing"]
     code, line = workflow_code(emu.workflow_status())
-    assert code == 2 and "reduce step reduce(0) exited 2" in line and "verdict refused" in line
+    assert code == 3 and "reduce step reduce(0) exited 3" in line and "verdict incomplete" in line
 
 
 # --- the workstation script ------------------------------------------------------------------

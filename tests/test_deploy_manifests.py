@@ -275,13 +275,16 @@ def exit_code_problems(rules: list[Doc]) -> list[str]:
             out.append(f"exit codes {values} not sorted and unique")
         if codes["operator"] == "In" and 0 in values:
             out.append("exit code 0 used with In")
-        if rule["action"] != "FailJob" and {1, 2} & set(values):
+        matched = set(values) if codes["operator"] == "In" else set(range(1, 256)) - set(values)
+        if rule["action"] != "FailJob" and {1, 2} & matched:
             out.append("exit 1 or 2 is retried")
     if not any(r.get("action") == "FailJob" and r.get("onExitCodes", {}).get("values") == [1, 2]
                for r in rules):
         out.append("no FailJob rule for exit codes 1 and 2")
     if any(r.get("action") == "FailJob" and 3 in r.get("onExitCodes", {}).get("values", []) for r in rules):
         out.append("exit 3 (retryable) fails the Job")
+    if any(r.get("action") == "FailJob" and 137 in r.get("onExitCodes", {}).get("values", []) for r in rules):
+        out.append("exit 137 (a SIGKILL: retryable) fails the Job")
     return out
 
 
@@ -452,7 +455,7 @@ def workflow_problems(wft: Doc, wf: Doc | None = None) -> list[str]:
             if t["container"]["command"][2] == "replay" and not waits_for_the_capture(t["container"]["command"]):
                 out.append(f"template {t['name']} refuses instead of waiting for the capture")
             if t.get("retryStrategy", {}).get("expression") != argo.RETRY_EXPRESSION:
-                out.append(f"template {t['name']} does not retry exactly exit 3 and errors")
+                out.append(f"template {t['name']} does not retry exactly what is not final (exit 1, 2)")
             if "activeDeadlineSeconds" not in t:
                 out.append(f"template {t['name']} has no activeDeadlineSeconds")
     return out
@@ -569,7 +572,7 @@ def test_semantic_rules_catch_planted_defects() -> None:
     assert "failFast: a failed replay could keep the reducer from running" in workflow_problems(bad)
     bad = copy.deepcopy(wft)
     bad["spec"]["templates"][2]["retryStrategy"]["expression"] = "true"
-    assert "template replay does not retry exactly exit 3 and errors" in workflow_problems(bad)
+    assert "template replay does not retry exactly what is not final (exit 1, 2)" in workflow_problems(bad)
     bad = copy.deepcopy(wft)
     bad["spec"]["templates"][2]["container"]["command"] = bad["spec"]["templates"][2]["container"]["command"][:-2]
     assert "template replay refuses instead of waiting for the capture" in workflow_problems(bad)

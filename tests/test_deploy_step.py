@@ -253,11 +253,15 @@ def test_a_contradicting_determinism_variable_is_refused(monkeypatch: pytest.Mon
 def test_reduce_always_writes_a_verdict_naming_the_missing_evidence(
         spec_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
-    assert main(["step", "reduce", "--spec", str(spec_file), "--run-dir", str(run)]) == 2
-    out = capsys.readouterr().out
-    assert "4 replay(s) left no replay_metrics.json" in out
+    """Evidence a stage did not produce (it failed, was evicted, never ran) decides nothing: the verdict
+    is incomplete (exit 3, retryable), naming what is missing, never a refusal of the user's input (2)."""
+    assert main(["step", "reduce", "--spec", str(spec_file), "--run-dir", str(run)]) == 3
+    out = capsys.readouterr()
+    assert "4 replay(s) left no replay_metrics.json" in out.out and "nothing decided: 5 stage output(s)" in out.err
     verdict = json.loads((run / "verdict.json").read_text(encoding="utf-8"))
-    assert (verdict["status"], verdict["exit_code"]) == ("refused", 2)
+    assert (verdict["status"], verdict["exit_code"]) == ("incomplete", 3)
+    assert verdict["missing"] == ["replays/ckpt-off/0", "replays/ckpt-off/1", "replays/ckpt-on/0",
+                                  "replays/ckpt-on/1", "source"]
     assert verdict["parameters"]["arms"] == ["ckpt-off", "ckpt-on"]
     assert sorted(verdict["parameters"]["spec"]["arms"]) == ["ckpt-off", "ckpt-on"]  # the spec reached reduce
 

@@ -12,7 +12,7 @@ from conftest import assert_golden
 
 from replayjob.cli import main
 from replayjob.gate import synthetic
-from replayjob.gate.verdict import VERDICT_SCHEMA, outcome
+from replayjob.gate.verdict import VERDICT_SCHEMA, incomplete, outcome
 from replayjob.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,3 +106,25 @@ def test_cpu_memory_is_provenance_never_a_ratio_with_an_interval(tmp_path: Path)
     memory = doc["comparisons"]["ratios"]["gradient_checkpointing=true"]["peak_memory_bytes"]
     assert memory["ratio"] is not None and (memory["low"], memory["high"], memory["excludes_1"]) == (None,) * 3
     assert "provenance only" in memory["note"]
+
+
+def test_a_refusal_for_want_of_evidence_a_stage_did_not_produce_is_incomplete(tmp_path: Path) -> None:
+    """Only a refusal resting on missing evidence becomes incomplete (3); any other outcome stands."""
+    ev = synthetic.build(tmp_path / "ev", ARMS, 3, seed=7)
+    ev.replay_files[0].unlink()
+    out = tmp_path / "verdict.json"
+    assert main(["reduce", str(ev.root / "replays"), "--claim", "bitwise", "--out", str(out), "--source",
+                 str(ev.source), "--baseline", "baseline"]) == 2
+    doc = json.loads(out.read_bytes())
+    assert doc["status"] == "refused" and set(doc["failed_checks"]) == {"inputs.min_repeats"}
+    got = incomplete(doc, ["replays/baseline/0"])
+    assert (got["status"], got["exit_code"], got["missing"]) == ("incomplete", 3, ["replays/baseline/0"])
+    assert got["summary"].endswith("1 stage output(s) missing; not passed: inputs.min_repeats")
+    assert incomplete(doc, []) is doc  # nothing missing: the refusal is the input's
+    other = {**doc, "checks": [*doc["checks"], {"name": "inputs.capture_pins", "status": "refused"}]}
+    assert incomplete(other, ["replays/baseline/0"]) is other  # refused for another reason too: stands
+    tampered = {**doc, "refusal": {"message": "m", "where": "w", "hint": None}}
+    assert incomplete(tampered, ["replays/baseline/0"]) is tampered  # a refusal of a replay that is there
+    assert incomplete({**tampered, "inputs": {**doc["inputs"], "replays": []}}, ["replays/x/0"])["exit_code"] == 3
+    failed = {**doc, "status": "fail", "exit_code": 1}
+    assert incomplete(failed, ["replays/baseline/0"]) is failed

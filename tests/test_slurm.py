@@ -416,7 +416,7 @@ def test_cancelled_replay_refuses_and_requeued_replay_reruns(
         chain: tuple[subprocess.CompletedProcess[str], Path], spec_file: Path,
         slurm_env: dict[str, str], tmp_path: Path) -> None:
     """One array of two replays, sharing the scheduler time of two checks: task 0 is cancelled
-    mid-run (the reducer must refuse: fewer repeats than asked, never a pass); task 1 is requeued
+    mid-run (the verdict must be incomplete, exit 3: fewer repeats than asked, never a pass); task 1 is requeued
     mid-run as after a node failure (it must rerun to completion as restart 1)."""
     _, first = chain
     out = tmp_path / "cancelled"
@@ -446,7 +446,7 @@ def test_cancelled_replay_refuses_and_requeued_replay_reruns(
         if jobs_file.is_file():  # leave nothing queued behind a failed assertion
             ids = [v for v in (line.split("=")[1] for line in jobs_file.read_text().split()) if v]
             subprocess.run(["scancel", *ids], env=slurm_env, capture_output=True)
-    assert proc.returncode == 2, output
+    assert proc.returncode == 3, output  # a replay's stage never finished: nothing was decided
     assert "JobState=CANCELLED" in _job_record(f"{array}_0", slurm_env)
     rerun = _job_record(f"{array}_1", slurm_env)
     assert "JobState=COMPLETED" in rerun and "Restarts=1" in rerun
@@ -454,7 +454,9 @@ def test_cancelled_replay_refuses_and_requeued_replay_reruns(
     assert "restart 0" in log and "restart 1" in log  # --open-mode=append keeps both attempts
     assert (out / "replays" / "ckpt-off" / "1" / "replay_metrics.json").is_file()
     verdict = _json(out / "verdict.json")
-    assert verdict["status"] == "refused"
+    assert (verdict["status"], verdict["missing"]) == ("incomplete", ["replays/ckpt-off/0"])
+    assert "Restarts=0" in _job_record(dict(line.split("=") for line in jobs_file.read_text().split())["reduce"],
+                                       slurm_env)  # a written verdict is not reduced again
     repeats = next(c for c in verdict["checks"] if c["name"] == "inputs.min_repeats")
     assert (repeats["status"], repeats["expected"], repeats["observed"]) == ("refused", 2, {"ckpt-off": 1})
 

@@ -11,7 +11,8 @@ Two modes:
 Each run gets ``OUT/run_<i>/`` with its stdout and stderr kept beside it as ``OUT/run_<i>.stdout.log``
 and ``.stderr.log``.  ``OUT/determinism_check.json`` (the report) is written last.  A run that exits
 non-zero is refused (exit 2) with its status and the tail of its stderr, except a run that crashed
-(exit 3, or killed by a signal), which decided nothing (exit 3, retryable); a drift is a negative
+(any status but 1 or 2: :func:`replayjob.errors.is_retryable`, a signal included), which decided nothing
+(exit 3, retryable); a drift is a negative
 verdict (exit 1).  The math mode (``REPLAYJOB_MATH_MODE``) is inherited by every run, and the mode
 recorded in the first run's diag provenance is reported, so a verdict says which mode produced it.
 """
@@ -35,7 +36,14 @@ from replayjob.check.leafdiff import Tolerance
 from replayjob.check.rows import iter_rows
 from replayjob.config import load_config
 from replayjob.determinism import math_mode_from_env
-from replayjob.errors import EXIT_ERROR, ArtifactExistsError, ConfigError, OperationalError, RefusedError, UsageError
+from replayjob.errors import (
+    ArtifactExistsError,
+    ConfigError,
+    OperationalError,
+    RefusedError,
+    UsageError,
+    is_retryable,
+)
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes
 from replayjob.redact import redact_command
@@ -161,8 +169,9 @@ def _run_one(index: int, total: int, argv: list[str], out: Path) -> RunRecord:
     if proc.returncode != 0:
         how = (f"was killed by signal {-proc.returncode}" if proc.returncode < 0
                else f"exited with status {proc.returncode}")
-        # a run that crashed (exit 3, a signal) decided nothing: exit 3, retryable; anything else is refused
-        crashed = proc.returncode < 0 or proc.returncode == EXIT_ERROR or proc.returncode > 128
+        # a run that crashed (exit 3, a signal: any status the launchers retry) decided nothing: exit 3,
+        # retryable; a decided 1 or 2 is refused
+        crashed = is_retryable(proc.returncode)
         cls = OperationalError if crashed else RunFailedError
         raise cls(f"run {index + 1} of {total} {how}; the end of its stderr:\n{_stderr_tail(err_path)}",
                   where=run_dir, hint=f"full stderr in {err_path}")

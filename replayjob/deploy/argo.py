@@ -23,8 +23,9 @@ the fan-out has ended** (``depends`` on the replays having succeeded, failed or 
 capture having failed; ``failFast: false``) and writes a verdict, refused when replays are missing
 (or the capture), so a failed replay is judged, never silently dropped; its exit code fails the
 workflow when the verdict is not a pass, and ``replayjob argo wait``
-(:mod:`replayjob.deploy.workflow`) returns it.  Retries: exit 3 (an error, nothing decided) and
-infrastructure errors only, on another node; 1 and 2 are final.  ``podGC`` deletes the pods of
+(:mod:`replayjob.deploy.workflow`) returns it.  Retries: infrastructure errors and every failure whose
+exit code is not final (3: nothing decided; a signal), on another node; 1 and 2 are final
+(:data:`replayjob.errors.FINAL_EXIT_STATUSES`, as in the Jobs' ``podFailurePolicy``).  ``podGC`` deletes the pods of
 successful steps; every template has ``activeDeadlineSeconds``; the replays and the capture may take
 a semaphore for the GPU pool (``semaphore = "CONFIGMAP/KEY"`` in the spec); every step takes the
 spec's priority class, and with ``queue`` every workflow pod carries ``kueue.x-k8s.io/queue-name``
@@ -41,11 +42,22 @@ from typing import Any
 
 from replayjob.deploy import k8s
 from replayjob.deploy.ablation import AblationSpec
+from replayjob.errors import FINAL_EXIT_STATUSES
 
 Doc = dict[str, Any]
 OUTPUTS = "/tmp/outputs"
 RUN_DIR = k8s.MOUNT + "/runs/{{workflow.name}}/{{workflow.uid}}"
-RETRY_EXPRESSION = 'lastRetry.status == "Error" || lastRetry.exitCode == "3"'
+
+
+def retry_expression() -> str:
+    """Argo's retry condition: an error of the pod or the controller, or a failure whose exit code is not
+    final (:data:`replayjob.errors.FINAL_EXIT_STATUSES`), as the Jobs' ``podFailurePolicy`` counts it:
+    3, a signal (137), a pod past its deadline (no exit code)."""
+    final = ", ".join(f'"{c}"' for c in sorted(FINAL_EXIT_STATUSES))
+    return f'lastRetry.status == "Error" || !(lastRetry.exitCode in [{final}])'
+
+
+RETRY_EXPRESSION = retry_expression()
 
 
 def reduce_depends(tasks: list[str]) -> str:

@@ -39,8 +39,9 @@ Decisions written once here:
   runs those Jobs one after another, so ``parallelism`` still bounds every replay at once.  The
   ranks share the pod's memory-backed ``/dev/shm`` (``shm``, which NCCL uses between the ranks and
   counts against the memory limit);
-* **exit codes decide retries**: ``podFailurePolicy`` fails the Job at once on exit 1 (a verdict) or
-  2 (refused input), counts 3 (an error: nothing decided) and other failures (OOM kill, lost node)
+* **exit codes decide retries**: ``podFailurePolicy`` fails the Job at once on a final status
+  (:data:`replayjob.errors.FINAL_EXIT_STATUSES`: 1, a verdict, or 2, refused input), counts every
+  other failure (3, an error: nothing decided; a signal such as an OOM kill's 137; a lost node)
   against ``backoffLimit``/``backoffLimitPerIndex``, and ignores disruptions (preemption, eviction,
   drain).  ``maxFailedIndexes: 0``: a replay that fails for good stops its siblings;
 * **deadlines**: ``deadline_s`` bounds every pod (the pod's own ``activeDeadlineSeconds``, as Argo's
@@ -81,6 +82,7 @@ from typing import Any
 import yaml
 
 from replayjob.deploy.ablation import RENDERED_ENV, AblationSpec, scale_quantity
+from replayjob.errors import FINAL_EXIT_STATUSES
 from replayjob.fsio import atomic_write_text
 
 # The oldest Kubernetes the manifests run on: Jobs' podFailurePolicy rules on exit codes alone (1.27 and
@@ -110,12 +112,13 @@ INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 TTL_S = 7 * 24 * 3600
 Doc = dict[str, Any]
 
-# Fail the Job on a verdict (1) or a refusal (2); retry an error (3) within the backoff limits;
-# never count a disruption as a failure.
+# Fail the Job on a decided outcome (replayjob.errors.FINAL_EXIT_STATUSES: a verdict, 1, or a
+# refusal, 2); count every other failure (3, a signal such as 137, a pod past its deadline) against
+# the backoff limits, so it is retried; never count a disruption (preemption, eviction, drain).
 POD_FAILURE_RULES: list[Doc] = [
-    {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [1, 2]}},
+    {"action": "FailJob", "onExitCodes": {"operator": "In", "values": sorted(FINAL_EXIT_STATUSES)}},
     {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-    {"action": "Count", "onExitCodes": {"operator": "In", "values": [3]}},
+    {"action": "Count", "onExitCodes": {"operator": "NotIn", "values": sorted(FINAL_EXIT_STATUSES)}},
 ]
 
 RUNTIME_ENV: dict[str, str] = {

@@ -613,9 +613,10 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
         if not _wait_for(path, max(0.0, deadline - time.monotonic()), "every replay", log):
             break
     missing = [str(p.parent.relative_to(layout.run)) for p in expected if not p.is_file()]
-    if not (layout.source / metrics.SOURCE_FILE).is_file():
+    no_capture = not (layout.source / metrics.SOURCE_FILE).is_file()
+    if no_capture:
         log(f"step: no capture: {layout.source} holds no {metrics.SOURCE_FILE} (the capture failed or never ran); "
-            "the verdict is refused")
+            "nothing can be decided")
     if missing:
         log(f"step: {len(missing)} replay(s) left no {metrics.REPLAY_FILE}: {', '.join(missing)}")
     layout.replays.mkdir(parents=True, exist_ok=True)
@@ -632,7 +633,8 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
         paths=paths, claim=spec.claim, out=layout.verdict, source=layout.source,
         min_repeats=spec.effective_min_repeats, arms=tuple(a.name for a in spec.arms), spec=spec,
         mixed_hardware=spec.mixed_hardware, budgets=Path(spec.budgets) if spec.budgets else None,
-        baseline=spec.arms[0].name, report=report, max_looks=max_looks, source_step=source_step))
+        baseline=spec.arms[0].name, report=report, max_looks=max_looks, source_step=source_step,
+        missing=tuple(missing) + (("source",) if no_capture else ())))
     log(verdict.summary())
     log(f"step: wrote {layout.verdict}")
     if outputs is not None:

@@ -34,7 +34,16 @@ from typing import Any
 
 from replayjob.deploy import k8s
 from replayjob.deploy.ablation import AblationSpec, spec_from_text
-from replayjob.errors import EXIT_OK, ArtifactExistsError, OperationalError, RefusedError, error_for_exit_status
+from replayjob.errors import (
+    EXIT_ERROR,
+    EXIT_OK,
+    FINAL_EXIT_STATUSES,
+    ArtifactExistsError,
+    OperationalError,
+    RefusedError,
+    error_for_exit_status,
+    is_retryable,
+)
 
 Log = Callable[[str], None]
 RETRY_STATUS = (429, 500, 502, 503, 504)
@@ -200,7 +209,17 @@ class Api:
                          label_selector=f"batch.kubernetes.io/job-name={name}")
         codes = {int(st.state.terminated.exit_code) for pod in pods.items
                  for st in pod.status.container_statuses or [] if st.state and st.state.terminated}
-        return next((c for c in (1, 2, 3) if c in codes), None)
+        return decisive_code(codes)
+
+
+def decisive_code(codes: set[int]) -> int | None:
+    """The code that decides among the exit codes of a Job's attempts: a final one
+    (:data:`~replayjob.errors.FINAL_EXIT_STATUSES`, the lowest) outranks a retryable one, which is 3
+    (nothing decided) whatever the status (137, a signal); None when every attempt exited 0."""
+    final = sorted(codes & FINAL_EXIT_STATUSES)
+    if final:
+        return final[0]
+    return EXIT_ERROR if any(is_retryable(c) for c in codes) else None
 
 
 def wait_job(api: Api, namespace: str, name: str, poll_s: float, log: Log) -> tuple[str, str]:

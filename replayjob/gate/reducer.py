@@ -70,6 +70,7 @@ class Request:
     budgets: Path | None = None
     max_looks: int = 1
     source_step: int | None = None  # compare with this captured step of the source run (--source-step)
+    missing: tuple[str, ...] = ()  # outputs of stages that failed or never ran: the verdict is incomplete (3)
 
 
 class _State:
@@ -379,6 +380,8 @@ def reduce_evidence(req: Request) -> verdict.Verdict:
     except RefusedError as exc:  # IntegrityError, UsageError, ... are RefusedErrors
         refusal = verdict.refusal_of(exc)
     doc = _document(req, st, refusal)
+    if req.missing:  # refused for want of evidence a stage did not produce: nothing was decided (3)
+        doc = verdict.incomplete(doc, req.missing)
     if req.report is not None:
 
         write_report(req.report, doc)

@@ -108,6 +108,27 @@ def outcome(checks: list[dict[str, Any]], refusal: dict[str, Any] | None) -> tup
     return "pass", EXIT_OK, []
 
 
+# The checks that refuse a verdict for want of evidence: an arm with no replay, an arm short of replays.
+MISSING_EVIDENCE_CHECKS = frozenset({"inputs.expected_arms", "inputs.min_repeats"})
+
+
+def incomplete(doc: dict[str, Any], missing: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """The verdict of a run whose stages left ``missing`` outputs (run-directory paths: ``source``, a
+    replay's ``replays/ARM/REPEAT``) because they failed, were evicted or never ran: a refusal that rests
+    only on that missing evidence becomes ``incomplete`` (exit 3: nothing was decided, running the stages
+    again may decide it), listing them in ``missing``.  Any other outcome stands: a check refused for
+    another reason, a fail, a pass on the evidence there is."""
+    if doc["status"] != "refused" or not missing:
+        return doc
+    if not {c["name"] for c in doc["checks"] if c["status"] == "refused"} <= MISSING_EVIDENCE_CHECKS:
+        return doc
+    if doc["refusal"] is not None and "source" not in missing and (doc.get("inputs") or {}).get("replays"):
+        return doc  # a refusal of evidence that is there (a tampered replay) stands
+    out = {**doc, "status": "incomplete", "exit_code": EXIT_ERROR, "missing": sorted(missing)}
+    out["summary"] = summary_line(out)
+    return out
+
+
 def refusal_of(exc: ReplayjobError) -> dict[str, Any]:
     return {"message": exc.message, "where": exc.where, "hint": exc.hint}
 
@@ -136,6 +157,10 @@ class Verdict:
         """Raise :class:`NegativeVerdict` on ``fail`` and :class:`RefusedError` on ``refused``."""
         if self.status == "pass":
             return
+        if self.status == "incomplete":
+            raise OperationalError(f"nothing decided: {len(self.doc['missing'])} stage output(s) missing "
+                                   f"({few(self.doc['missing'])}): their stage failed, was evicted or never ran",
+                                   where=self.path, hint="the stages' logs say why; run them again and reduce again")
         refusal = self.doc.get("refusal")
         if refusal:
             raise RefusedError(refusal["message"], where=refusal["where"], hint=refusal["hint"])
@@ -211,6 +236,8 @@ def summary_line(doc: dict[str, Any]) -> str:
     head = f"{doc['claim']}: {doc['status']} ({n} replays, {arms} arms, timing {doc['admission']})"
     if doc.get("budgets"):
         head += "; budgets " + ", ".join(f"{k} {len(v)}" for k, v in doc["budgets"]["decisions"].items())
+    if doc.get("missing"):
+        head += f"; {len(doc['missing'])} stage output(s) missing"
     return head + (f"; not passed: {', '.join(doc['failed_checks'])}" if doc["failed_checks"] else "")
 
 

@@ -89,20 +89,36 @@ scontrol_retry() {
   done
 }
 
+# The exit statuses that end a step for good (a decided negative verdict, a refusal):
+# replayjob.errors.FINAL_EXIT_STATUSES, which a test compares with this line.  Every other non-zero
+# status (3, a signal such as 137: an OOM kill, an eviction's or a time limit's SIGKILL) is retried.
+REPLAYJOB_FINAL_STATUSES=(1 2)
+
+# is_retryable CODE: whether a step that exited CODE is retried (replayjob.errors.is_retryable).
+is_retryable() {
+  local final
+  [ "$1" -ne 0 ] || return 1
+  for final in "${REPLAYJOB_FINAL_STATUSES[@]}"; do
+    [ "$1" -ne "$final" ] || return 1
+  done
+}
+
 # finish_step CODE: end the job with replayjob's exit code.  1 (a negative verdict) and 2 (refused)
-# are final.  3 (an error: nothing was decided) is retried: the job requeues itself, keeping its job
-# id (an array task only itself), at most REPLAYJOB_MAX_RESTARTS times (default 2; Slurm's
-# SLURM_RESTART_COUNT counts), and the dependent jobs wait for the new attempt.  When the retries
-# are used up, or the requeue fails, the job ends with 3.
+# are final.  Any other failure (3: nothing was decided; a signal) is retried: the job requeues
+# itself, keeping its job id (an array task only itself), at most REPLAYJOB_MAX_RESTARTS times
+# (default 2; Slurm's SLURM_RESTART_COUNT counts), and the dependent jobs wait for the new attempt.
+# When the retries are used up, or the requeue fails, the job ends with 3.
 finish_step() {
   local code=$1
-  if [ "$code" -eq 3 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt "${REPLAYJOB_MAX_RESTARTS:-2}" ] \
-    && [ -n "${SLURM_JOB_ID:-}" ]; then
-    echo "job: exit 3 (error, nothing was decided): requeueing job $SLURM_JOB_ID," \
-      "restart $((${SLURM_RESTART_COUNT:-0} + 1)) of ${REPLAYJOB_MAX_RESTARTS:-2}"
-    if scontrol_retry requeue "$SLURM_JOB_ID"; then
-      exit 0  # slurmctld ends this attempt and queues the next
+  if is_retryable "$code"; then
+    if [ "${SLURM_RESTART_COUNT:-0}" -lt "${REPLAYJOB_MAX_RESTARTS:-2}" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+      echo "job: exit $code (error, nothing was decided): requeueing job $SLURM_JOB_ID," \
+        "restart $((${SLURM_RESTART_COUNT:-0} + 1)) of ${REPLAYJOB_MAX_RESTARTS:-2}"
+      if scontrol_retry requeue "$SLURM_JOB_ID"; then
+        exit 0  # slurmctld ends this attempt and queues the next
+      fi
     fi
+    exit 3
   fi
   exit "$code"
 }

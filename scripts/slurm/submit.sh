@@ -339,14 +339,14 @@ tasks=$(for id in "${replay_ids[@]}"; do scontrol show job -o "$id" 2>/dev/null;
 echo "submit: replay tasks: ${tasks:-unknown}"
 if [ "$state" = COMPLETED ] || { [ "$state" = FAILED ] && [ "$signal" = 0 ] && is_count "$status"; }; then
   [ "$state" != COMPLETED ] || status=0
-  if [ "$status" = 3 ]; then
-    echo "submit: reduce exited 3 on its last attempt (an error, nothing was decided; retrying may help);" \
+  if is_retryable "$status"; then
+    echo "submit: reduce exited $status on its last attempt (an error, nothing was decided; retrying may help);" \
       "log $OUT/logs/reduce-$reduce_id.out" >&2
     exit 3
   fi
   if [ ! -f "$OUT/verdict.json" ]; then
-    echo "submit: reduce exited $status but wrote no $OUT/verdict.json; refused" >&2
-    exit 2
+    echo "submit: reduce exited $status but wrote no $OUT/verdict.json; nothing was decided" >&2
+    exit 3
   fi
   echo "submit: reduce exited $status; verdict $OUT/verdict.json (log $OUT/logs/reduce-$reduce_id.out)"
   exit "$status"
