@@ -107,3 +107,20 @@ def test_the_slurm_scripts_requeue_what_is_retryable() -> None:
     for script in ("capture.sbatch", "replay.sbatch", "reduce.sbatch"):  # each ends through finish_step
         assert 'finish_step "$code"' in (LIB.parent / script).read_text(encoding="utf-8"), script
 
+
+def test_argo_retries_are_bounded_by_count_and_the_pod_deadline_not_wall_time() -> None:
+    """backoff.maxDuration counts from the first attempt, Pending time in a GPU queue included, and
+    overrides a retried pod's deadline: it must not bound the retries; the count and each attempt's own
+    activeDeadlineSeconds do."""
+    from replayjob.deploy import k8s
+
+    templates = [(d, t) for _, d in all_docs() if d.get("kind") == "WorkflowTemplate" for t in d["spec"]["templates"]
+                 if "container" in t]
+    assert templates
+    for doc, t in templates:
+        retry = t["retryStrategy"]
+        assert retry["limit"] == str(k8s.RETRIES), t["name"]
+        assert "maxDuration" not in retry.get("backoff", {}), t["name"]
+        assert int(t["activeDeadlineSeconds"]) > 0, t["name"]
+        # the workflow's own deadline leaves room for every attempt of every stage
+        assert doc["spec"]["activeDeadlineSeconds"] >= int(t["activeDeadlineSeconds"]) * k8s.ATTEMPTS * 3

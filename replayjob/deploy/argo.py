@@ -25,7 +25,11 @@ capture having failed; ``failFast: false``) and writes a verdict, refused when r
 workflow when the verdict is not a pass, and ``replayjob argo wait``
 (:mod:`replayjob.deploy.workflow`) returns it.  Retries: infrastructure errors and every failure whose
 exit code is not final (3: nothing decided; a signal), on another node; 1 and 2 are final
-(:data:`replayjob.errors.FINAL_EXIT_STATUSES`, as in the Jobs' ``podFailurePolicy``).  ``podGC`` deletes the pods of
+(:data:`replayjob.errors.FINAL_EXIT_STATUSES`, as in the Jobs' ``podFailurePolicy``).  Retries are
+bounded by their count (:data:`~replayjob.deploy.k8s.RETRIES`) and each attempt by the pod's own
+``activeDeadlineSeconds``, never by wall time since the first attempt: Argo's
+``backoff.maxDuration`` counts the time a pod waited Pending for a GPU, so a replay that queued that
+long would get no retry, and it overrides a retried pod's deadline.  ``podGC`` deletes the pods of
 successful steps; every template has ``activeDeadlineSeconds``; the replays and the capture may take
 a semaphore for the GPU pool (``semaphore = "CONFIGMAP/KEY"`` in the spec); every step takes the
 spec's priority class, and with ``queue`` every workflow pod carries ``kueue.x-k8s.io/queue-name``
@@ -83,7 +87,7 @@ def parameters(spec: AblationSpec, text: str) -> list[Doc]:
 
 def retry() -> Doc:
     return {"limit": str(k8s.RETRIES), "retryPolicy": "Always", "expression": RETRY_EXPRESSION,
-            "backoff": {"duration": "30s", "factor": "2", "maxDuration": "10m"},
+            "backoff": {"duration": "30s", "factor": "2"},  # no maxDuration: see the module docstring
             "affinity": {"nodeAntiAffinity": {}}}
 
 
