@@ -40,7 +40,6 @@ from replayjob.config import Config
 from replayjob.distributed import strategy_of
 from replayjob.errors import RefusedError
 from replayjob.jsonio import read_json_object
-from replayjob.model import moe
 
 # Keys (or whole sections) that are never compared between source and replay, with the reason.
 IGNORED: dict[str, str] = {
@@ -71,8 +70,9 @@ class Runtime:
 
 
 Observer = Callable[[Runtime], Any]
-# (intended value, replayed rows, every intended knob value of the arm) -> the observation it implies
-Predictor = Callable[[Any, int, Mapping[str, Any]], Any]
+# (intended value, replayed rows, every intended knob value of the arm, the source's value of every knob) -> the
+# observation it implies
+Predictor = Callable[[Any, int, Mapping[str, Any], Mapping[str, Any]], Any]
 
 BUILTIN = producers.BUILTIN  # the producer name of replayjob's own trainer (capture, replay)
 
@@ -87,7 +87,10 @@ class Knob:
     before the update (a replay that declares the knob is refused when either gives a reason).
     ``observe`` reads the value in effect at run time (``None`` when the runtime does not report it,
     which never equals an intended value); ``predict`` maps the intended value, the replayed row
-    count and the arm's other intended knob values to the observation it implies (identity when absent).
+    count, the arm's other intended knob values and the source's knob values to the observation it implies
+    (identity when absent).  A knob whose value the replay derives from another's (TRL's accumulation steps
+    when the micro-batch size changes) predicts it with the very rule the replay applies, so the replay, the
+    ``exact.knobs_in_effect`` check of ``reduce`` and the funnel expect one value.
     """
 
     key: str
@@ -106,10 +109,11 @@ class Knob:
         """Why this knob may not differ on this built model, or None when it may."""
         return self.model_condition(model) if self.model_condition else None
 
-    def expected(self, intended: Any, rows: int, arm: Mapping[str, Any] | None = None) -> Any:
+    def expected(self, intended: Any, rows: int, arm: Mapping[str, Any] | None = None,
+                 source: Mapping[str, Any] | None = None) -> Any:
         """The observation ``intended`` implies for a replay of ``rows`` rows whose other knobs are
-        intended as in ``arm``."""
-        return self.predict(intended, rows, arm or {}) if self.predict else intended
+        intended as in ``arm``, of a source whose knobs had the values ``source``."""
+        return self.predict(intended, rows, arm or {}, source or {}) if self.predict else intended
 
 
 def _positive(value: Any) -> bool:
@@ -212,7 +216,7 @@ def _observe_reentrant(rt: Runtime) -> bool | None:
 _DEFAULT_USE_REENTRANT = False
 
 
-def _predict_reentrant(intended: Any, rows: int, arm: Mapping[str, Any]) -> Any:
+def _predict_reentrant(intended: Any, rows: int, arm: Mapping[str, Any], source: Mapping[str, Any]) -> Any:
     if arm.get(TRL_GRADIENT_CHECKPOINTING) is not True:
         return None  # no checkpoint function in effect
     return _DEFAULT_USE_REENTRANT if intended is None else intended
@@ -246,19 +250,19 @@ def _observe_bucket(rt: Runtime) -> float | None:
     return getattr(rt.parallel, "bucket_cap_mb", None) if rt.parallel is not None else None
 
 
-def _predict_world_size(intended: Any, rows: int, arm: Mapping[str, Any]) -> Any:
+def _predict_world_size(intended: Any, rows: int, arm: Mapping[str, Any], source: Mapping[str, Any]) -> Any:
     return 1 if intended is None else intended  # a capture from before [distributed] ran on one process
 
 
-def _predict_strategy(intended: Any, rows: int, arm: Mapping[str, Any]) -> Any:
+def _predict_strategy(intended: Any, rows: int, arm: Mapping[str, Any], source: Mapping[str, Any]) -> Any:
     return "none" if intended is None else intended
 
 
-def _predict_bucket(intended: Any, rows: int, arm: Mapping[str, Any]) -> Any:
+def _predict_bucket(intended: Any, rows: int, arm: Mapping[str, Any], source: Mapping[str, Any]) -> Any:
     return intended if arm.get(STRATEGY) == "ddp" else None  # no buckets without DDP
 
 
-def _predict_micro_batch(intended: Any, rows: int, arm: Mapping[str, Any]) -> Any:
+def _predict_micro_batch(intended: Any, rows: int, arm: Mapping[str, Any], source: Mapping[str, Any]) -> Any:
     """The largest micro-batch: the size, or fewer rows when the largest rank's shard is smaller."""
     world = arm.get(WORLD_SIZE) or 1
     shard = -(-rows // world) if isinstance(world, int) and world > 0 else rows
@@ -283,9 +287,46 @@ def _observe_processes(rt: Runtime) -> int | None:
     return n if isinstance(n, int) else None
 
 
-def _predict_processes(intended: Any, rows: int, arm: Mapping[str, Any]) -> Any:
+def _predict_processes(intended: Any, rows: int, arm: Mapping[str, Any], source: Mapping[str, Any]) -> Any:
     """A capture that records no process count ran on one process."""
     return 1 if intended is None else intended
+
+
+TRL_GEOMETRY = (TRL_MICRO_BATCH, TRL_ACCUMULATION, TRL_STEPS_PER_GENERATION)
+
+
+def trl_geometry(source: Mapping[str, Any], arm: Mapping[str, Any], rows: int) -> dict[str, Any]:
+    """The batch geometry a TRL replay of ``rows`` captured rows runs, by key of :data:`TRL_GEOMETRY`.
+
+    ``source`` holds the capture's values of the three keys, ``arm`` the replay's intended ones.  With the
+    micro-batch size kept, the arm's own values (a process-count change declares the accumulation steps and the
+    generation period itself).  With another size (only ever declared alone, on a one-process capture), the
+    captured rows are re-split into micro-batches of that size: as many accumulation steps as that makes, and
+    ``steps_per_generation`` scaled with them, so the generation batch and the ratio TRL's ``dapo`` normaliser
+    reads (``current_gradient_accumulation_steps / steps_per_generation``) are kept.  The replay builds its
+    trainer with these values and the ``predict`` hooks of the two derived knobs return them, so the replay and
+    the knobs-in-effect check of ``reduce`` (and the funnel) expect the same values.
+
+    >>> trl_geometry({TRL_MICRO_BATCH: 4, TRL_ACCUMULATION: 2, TRL_STEPS_PER_GENERATION: 2},
+    ...              {TRL_MICRO_BATCH: 2, TRL_ACCUMULATION: 2, TRL_STEPS_PER_GENERATION: 2}, 8)[TRL_ACCUMULATION]
+    4
+    """
+    kept = {k: arm.get(k) for k in TRL_GEOMETRY}
+    counts = [source.get(k) for k in TRL_GEOMETRY] + [arm.get(TRL_MICRO_BATCH), rows]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in counts):
+        return kept  # a source that records no geometry (not a TRL capture)
+    size, acc, spg, new, _ = (int(v) for v in counts)
+    if new == size:
+        return kept
+    new_acc = rows // new
+    return {TRL_MICRO_BATCH: new, TRL_ACCUMULATION: new_acc, TRL_STEPS_PER_GENERATION: spg * new_acc // acc}
+
+
+def _predict_geometry(key: str) -> Predictor:
+    """The predict hook of a TRL knob the replay derives from the micro-batch size (:func:`trl_geometry`)."""
+    def predict(intended: Any, rows: int, arm: Mapping[str, Any], source: Mapping[str, Any]) -> Any:
+        return trl_geometry(source, {**arm, key: intended}, rows)[key]
+    return predict
 
 
 def _trainer_arg(name: str) -> Observer:
@@ -353,47 +394,19 @@ _KNOBS = (
          observe=_observe_processes, predict=_predict_processes, frameworks=("trl",)),
     Knob(TRL_ACCUMULATION,
          "the accumulation steps of a process-count change (admitted only with distributed.num_processes): "
-         "processes x accumulation steps runs every captured micro-batch exactly once",
-         observe=_trainer_arg("gradient_accumulation_steps"), frameworks=("trl",)),
+         "processes x accumulation steps runs every captured micro-batch exactly once; derived (trl_geometry) "
+         "when trl.per_device_train_batch_size changes",
+         observe=_trainer_arg("gradient_accumulation_steps"), predict=_predict_geometry(TRL_ACCUMULATION),
+         frameworks=("trl",)),
     Knob(TRL_STEPS_PER_GENERATION,
          "the generation period of a process-count change (admitted only with distributed.num_processes): it keeps "
-         "the generation batch and, for dapo/cispo/vespo, the accumulation ratio of the loss's normaliser",
-         observe=_trainer_arg("steps_per_generation"), frameworks=("trl",)),
-)
-
-# Mixture-of-experts models (replayjob.model.moe, docs/moe.md).
-MOE_ROUTING = "model.routing"
-MOE_EXPERTS_IMPLEMENTATION = "model.experts_implementation"
-
-
-def _observe_routing(rt: Runtime) -> str:
-    """``forced`` or ``free``, as the model's routers run (a model without routers routes nothing: ``free``)."""
-    routing = moe.attached(rt.model)
-    return "free" if routing is None else routing.mode
-
-
-def _observe_experts(rt: Runtime) -> str | None:
-    """The experts kernel the built model's config dispatches to (transformers reports ``eager`` for a model
-    without experts)."""
-    value = getattr(getattr(rt.model, "config", None), "_experts_implementation", None)
-    return value if isinstance(value, str) else None
-
-
-_MOE_KNOBS = (
-    Knob(MOE_ROUTING,
-         "forcing the experts the source's own update chose (its routing_step_<K> file, pinned) selects for every "
-         "real token the experts the router's top-k selects there, with the weights gathered from the same live "
-         "softmax, so the forward and its gradient are the free forward's; only where a changed arm's router would "
-         "choose other experts (a routing flip) does forcing keep the source's choice",
-         observe=_observe_routing),
-    Knob(MOE_EXPERTS_IMPLEMENTATION,
-         "eager, batched_mm and grouped_mm compute the same sum over each token's top-k experts of routing weight "
-         "x expert MLP; only the kernel and its summation order differ",
-         observe=_observe_experts),
+         "the generation batch and, for dapo/cispo/vespo, the accumulation ratio of the loss's normaliser; derived "
+         "(trl_geometry) when trl.per_device_train_batch_size changes",
+         observe=_trainer_arg("steps_per_generation"), predict=_predict_geometry(TRL_STEPS_PER_GENERATION),
+         frameworks=("trl",)),
 )
 
 KNOBS: dict[str, Knob] = {k.key: k for k in _KNOBS}
-KNOBS.update({k.key: k for k in _MOE_KNOBS})
 
 
 def knobs_for(framework: str) -> dict[str, Knob]:

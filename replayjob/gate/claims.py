@@ -100,6 +100,10 @@ class Arm:
         return {k: self.intent[k] if k in self.intent else (source.config_value(k) if source else None)
                 for k in sorted(self.registered)}
 
+    def source_values(self, source: Source | None) -> dict[str, Any]:
+        """Every registered knob of the arm's producer as the source ran it (what a derived knob's rule reads)."""
+        return {k: source.config_value(k) if source else None for k in sorted(self.registered)}
+
 
 def group_arms(replays: Iterable[Replay], plan: dict[str, dict[str, Any]] | None = None) -> dict[str, Arm]:
     """Replays grouped by arm; ``plan`` (arm -> overrides, from the ablation spec) sets each arm's intent."""
@@ -306,17 +310,19 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
 
 
 def knobs_in_effect_check(arms: dict[str, Arm], source: Source | None) -> Check:
-    """Every registered knob, as the replay observed it at run time, equals the arm's intended value."""
+    """Every registered knob, as the replay observed it at run time, equals the value the arm's intended value
+    implies (:meth:`replayjob.knobs.Knob.expected`, the rule the replay applies: a derived knob such as TRL's
+    accumulation steps under a changed micro-batch size is expected as the replay rescaled it)."""
     expected: dict[str, Any] = {}
     per_arm: dict[str, Any] = {}
     mismatched: dict[str, Any] = {}
     for a in arms.values():
-        intended = a.intended(source)
+        intended, captured = a.intended(source), a.source_values(source)
         expected[a.name] = intended
         seen: dict[str, Counter[str]] = {k: Counter() for k in intended}
         for r in a.replays:
             for k, v in intended.items():
-                want, got = a.registered[k].expected(v, r.rows, intended), r.runtime.get(k)
+                want, got = a.registered[k].expected(v, r.rows, intended, captured), r.runtime.get(k)
                 seen[k][_text(got)] += 1
                 if not _same(got, want):
                     mismatched.setdefault(r.label, {})[k] = {"observed": got, "expected": want}

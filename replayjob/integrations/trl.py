@@ -253,18 +253,17 @@ _GEOMETRY = ("per_device_train_batch_size", "gradient_accumulation_steps", "step
 
 
 def resplit_geometry(source: dict[str, Any], replay: dict[str, Any], rows: int) -> dict[str, int]:
-    """The batch geometry the replay's trainer runs: the captured ``rows`` in micro-batches of the replay's
-    ``per_device_train_batch_size``, as many accumulation steps as that makes, and ``steps_per_generation``
-    scaled with them, so the generation batch and the ratio TRL's ``dapo`` normaliser uses
-    (``current_gradient_accumulation_steps / steps_per_generation``) are kept.  The source's own geometry when
-    the size is unchanged."""
-    size, acc, spg = (int(source[k]) for k in _GEOMETRY)
-    new = int(replay["per_device_train_batch_size"])
-    if new == size:  # the replay's accumulation: the source's, unless a process-count change declares another
-        return {k: int(replay[k]) for k in _GEOMETRY}
-    new_acc = rows // new
-    return {"per_device_train_batch_size": new, "gradient_accumulation_steps": new_acc,
-            "steps_per_generation": spg * new_acc // acc}
+    """The batch geometry the replay's trainer runs for the captured ``rows``: the replay's
+    ``per_device_train_batch_size`` and the accumulation steps and ``steps_per_generation`` the registry's
+    ``predict`` hooks derive from it (:func:`replayjob.knobs.trl_geometry`), the hooks ``reduce`` and the funnel
+    expect the observed values from."""
+    src = {f"{FRAMEWORK}.{k}": int(source[k]) for k in _GEOMETRY}
+    arm = {f"{FRAMEWORK}.{k}": int(replay[k]) for k in _GEOMETRY}
+    out = {k: arm[f"{FRAMEWORK}.{k}"] for k in _GEOMETRY}
+    for k in _GEOMETRY[1:]:  # the derived knobs, each through its own hook
+        key = f"{FRAMEWORK}.{k}"
+        out[k] = int(knobs.KNOBS[key].expected(arm[key], rows, arm, src))
+    return out
 
 
 def _row_inputs(mb: _microbatch.MicroBatch) -> tuple[int, list[str]]:
