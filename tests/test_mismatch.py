@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -293,3 +294,37 @@ def test_the_bound_file_is_read_through_its_declaration(line: str, rule: str, tm
     assert rule in info.value.message and str(path) in info.value.diagnostics()
     path.write_text(TIGHT)
     assert read_bound(path, sha256_file(path)).max_kl == 1e-10
+
+
+@pytest.mark.parametrize("share", ["one", "half", "all"])
+def test_non_finite_logprobs_are_never_within_a_bound(share: str, tmp_path: Path) -> None:
+    """The finite tokens agree exactly; NaN and infinite sampler logprobs are counted, located and decide
+    "beyond" (exit 1): they were once left out, and a source half or wholly NaN was decided within."""
+    from replayjob.artifacts.mismatch_bound import read_bound
+    from replayjob.mismatch.report import decide, source_report
+    from replayjob.mismatch.views import Side, Source, Views
+    n = 8
+    trainer = -torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    values = trainer.clone()
+    bad = {"one": [5], "half": [0, 2, 4, 6], "all": list(range(n))}[share]
+    for k, i in enumerate(bad):
+        values[i] = (math.nan, math.inf, -math.inf)[k % 3]
+    side = Side(temperature=1.0)
+    src = Source("sampler", "sampler_logprobs", "the sampler", side, 0, "same step", values)
+    views = Views(row=torch.arange(n) // 4, position=torch.arange(n) % 4, token=torch.arange(n) + 10,
+                  pad_offset=torch.zeros(n, dtype=torch.int64), trainer=trainer, trainer_side=side,
+                  sampler_side=side, sources=[src])
+    path = tmp_path / "bound.toml"
+    path.write_text(TIGHT)
+    rep = source_report(views, src, read_bound(path, sha256_file(path)), allow_lag=False)
+    assert rep.nonfinite_tokens == len(bad) and rep.summary["tokens"] == n - len(bad)
+    assert [(w["row"], w["position"]) for w in rep.nonfinite_at] == [(i // 4, i % 4) for i in bad]
+    assert rep.nonfinite_at[0]["source"] in ("NaN", "Infinity", "-Infinity")
+    assert rep.bound is not None and rep.bound["checks"]["nonfinite_tokens"] == {"value": len(bad), "limit": 0,
+                                                                                 "ok": False}
+    decision = decide([rep], None, False)
+    assert decision["exit_code"] == 2  # no bound: nothing decided
+    rep_json = json.dumps(rep.to_json(), allow_nan=False)  # strict JSON: non-finite values as strings
+    assert '"nonfinite"' in rep_json
+    decision = decide([rep], read_bound(path, sha256_file(path)), False)
+    assert decision["status"] == "beyond" and decision["exit_code"] == 1 and "nonfinite_tokens" in decision["reason"]

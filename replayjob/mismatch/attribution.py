@@ -122,7 +122,7 @@ def _tested(name: str, applicable: bool, reason: str, v: Views, src: Source, ok:
 def attribute(v: Views, src: Source, allow_lag: bool) -> Attribution:
     """Run every test on one source (see the module docstring)."""
     import torch
-    ok = ~torch.isnan(src.values) & torch.isfinite(v.trainer)
+    ok = torch.isfinite(src.values) & torch.isfinite(v.trainer)  # the finite tokens (non-finite: reported apart)
     lr = v.trainer[ok] - src.values[ok]
     size = {"abs_mean": float(lr.abs().mean()) if lr.numel() else 0.0,
             "abs_max": float(lr.abs().max()) if lr.numel() else 0.0}

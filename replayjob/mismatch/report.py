@@ -1,13 +1,17 @@
-"""The mismatch report (schema ``replayjob.mismatch/v1``), its decision and its text form.
+"""The mismatch report (schema ``replayjob.mismatch/v2``), its decision and its text form.
 
 The decision, in order: no recorded source refuses (2: nothing to compare); no bound refuses for a
 decision (2, ``no bound declared``), after the report; a source whose weights predate step K refuses
 (2) unless the lag is allowed; then every source within the bound passes (0), any beyond it is a
-negative verdict (1) naming the source, the figure and the attribution.
+negative verdict (1) naming the source, the figure and the attribution.  A token whose recorded or
+recomputed logprob is NaN or infinite is never within a bound: such tokens are set apart from the
+figures, counted and listed by row and position, and any one of them puts its source beyond the bound
+(the check ``nonfinite_tokens``, limit 0).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +21,14 @@ from replayjob.mismatch import stats
 from replayjob.mismatch.attribution import Attribution, attribute
 from replayjob.mismatch.views import Source, Views
 
-SCHEMA = "replayjob.mismatch/v1"
+SCHEMA = "replayjob.mismatch/v2"
 NO_BOUND = "no bound declared"
+NONFINITE_SHOWN = 10  # non-finite tokens listed by position (all are counted)
+
+
+def _number_text(x: float) -> float | str:
+    """A logprob as strict JSON holds it: the number, or "NaN" / "Infinity" / "-Infinity"."""
+    return x if math.isfinite(x) else ("NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity"))
 
 
 @dataclass
@@ -30,7 +40,8 @@ class SourceReport:
     profile: list[dict[str, Any]]
     by_pad_offset: dict[str, Any]
     attribution: Attribution
-    skipped_tokens: int
+    nonfinite_tokens: int  # tokens whose recorded or recomputed logprob is NaN or infinite: never within a bound
+    nonfinite_at: list[dict[str, Any]] = field(default_factory=list)  # the first few, by row and position
     bound: dict[str, Any] | None = None
 
     @property
@@ -40,7 +51,8 @@ class SourceReport:
     def to_json(self) -> dict[str, Any]:
         s = self.source
         return {"name": s.name, "field": s.field, "description": s.description, "settings": s.side.to_json(),
-                "policy_lag": {"steps": s.lag, "reason": s.lag_reason}, "skipped_tokens": self.skipped_tokens,
+                "policy_lag": {"steps": s.lag, "reason": s.lag_reason},
+                "nonfinite": {"tokens": self.nonfinite_tokens, "first": self.nonfinite_at},
                 "log_ratio": self.summary, "worst_sequences": self.worst_sequences,
                 "worst_tokens": self.worst_tokens, "profile": self.profile, "by_pad_offset": self.by_pad_offset,
                 **self.attribution.to_json(), "bound": self.bound}
@@ -107,7 +119,7 @@ def _render_source(s: SourceReport) -> list[str]:
     out = [f"source {src.name} ({src.field}): {src.description}",
            f"  policy lag: {lag} ({src.lag_reason})",
            f"  log-ratio (log pi_trainer - log pi_source) over {m['tokens']} tokens"
-           + (f" ({s.skipped_tokens} without a recorded value left out)" if s.skipped_tokens else "")
+           + (f" ({s.nonfinite_tokens} non-finite token(s) set apart)" if s.nonfinite_tokens else "")
            + f": mean {m['mean']:.3g}, std {m['std']:.3g}; |.| p50 {m['abs_p50']:.3g}, p90 {m['abs_p90']:.3g}, "
              f"p99 {m['abs_p99']:.3g}, max {m['abs_max']:.3g}; bitwise equal {100 * m['bitwise_equal_share']:.1f}%",
            f"  KL estimates: k1 {m['k1']:.3g}, k3 {m['k3']:.3g}; ratio outside [1-d, 1+d]: "
@@ -121,6 +133,10 @@ def _render_source(s: SourceReport) -> list[str]:
         out.append("  by position: " + " | ".join(
             f"{p['positions'][0]}{'' if p['positions'][0] == p['positions'][1] else '-' + str(p['positions'][1])}: "
             f"{p['abs_mean']:.3g}" for p in s.profile))
+    if s.nonfinite_tokens:
+        out.append(f"  non-finite: {s.nonfinite_tokens} token(s), never within a bound; first: " + "; ".join(
+            f"row {w['row']} pos {w['position']} (source {w['source']}, trainer {w['trainer']})"
+            for w in s.nonfinite_at))
     for t in s.attribution.tests:
         if not t.applicable:
             out.append(f"  test {t.name}: not applicable ({t.reason})")
@@ -138,7 +154,11 @@ def _render_source(s: SourceReport) -> list[str]:
 
 def source_report(v: Views, src: Source, bound: Bound | None, allow_lag: bool) -> SourceReport:
     import torch
-    ok = ~torch.isnan(src.values) & torch.isfinite(v.trainer)
+    ok = torch.isfinite(src.values) & torch.isfinite(v.trainer)
+    bad = (~ok).nonzero().flatten()[:NONFINITE_SHOWN].tolist()
+    nonfinite_at = [{"row": int(v.row[i]), "position": int(v.position[i]), "token": int(v.token[i]),
+                     "source": _number_text(float(src.values[i])), "trainer": _number_text(float(v.trainer[i]))}
+                    for i in bad]
     lr = v.trainer[ok] - src.values[ok]
     bands = tuple(sorted({*stats.BANDS, *((bound.band,) if bound else ())}))
     summary = stats.summary(lr, bands)
@@ -147,10 +167,11 @@ def source_report(v: Views, src: Source, bound: Bound | None, allow_lag: bool) -
         src, summary, stats.worst_sequences(lr, row, pos),
         stats.worst_tokens(lr, row, pos, v.token[ok], src.values[ok], v.trainer[ok]),
         stats.profile(lr, pos), stats.by_pad_offset(lr, row, v.pad_offset[ok]), attribute(v, src, allow_lag),
-        skipped_tokens=int((~ok).sum()))
+        nonfinite_tokens=int((~ok).sum()), nonfinite_at=nonfinite_at)
     if bound is not None:
         share = stats.outside_share(lr, bound.band)
-        checks = {"abs_log_ratio_max": {"value": summary["abs_max"], "limit": bound.max_abs_log_ratio},
+        checks = {"nonfinite_tokens": {"value": rep.nonfinite_tokens, "limit": 0},
+                  "abs_log_ratio_max": {"value": summary["abs_max"], "limit": bound.max_abs_log_ratio},
                   "kl_k3": {"value": summary["k3"], "limit": bound.max_kl},
                   f"outside_share_d={bound.band:g}": {"value": share, "limit": bound.max_outside_share}}
         for c in checks.values():
