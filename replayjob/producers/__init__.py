@@ -33,6 +33,7 @@ PRODUCERS: dict[str, str] = {
     BUILTIN: "replayjob.optbatch.replay",
     "trl": "replayjob.integrations.trl",
     "torch": "replayjob.integrations.torch_loop",
+    "verl": "replayjob.integrations.verl",
 }
 
 
