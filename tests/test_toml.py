@@ -242,3 +242,16 @@ def test_funnel_run_spec_reads_back(tmp_path: Path) -> None:
         g.run_spec()
     assert "TOML" not in exc.value.message
     assert read_toml(g.out / "ablation.toml")["config"]["model.path"] == str(model)
+
+
+def test_integers_outside_the_signed_64_bit_range_are_refused_wherever_they_sit() -> None:
+    """TOML integers are 64-bit; Python's parser reads any size, so every TOML read checks them."""
+    from replayjob.config.load import read_toml_text
+    from replayjob.errors import ConfigError
+    assert read_toml_text("a = 9223372036854775807\nb = -9223372036854775808\n", "t.toml") == {
+        "a": 2**63 - 1, "b": -(2**63)}
+    for text, at in (("a = 9223372036854775808", "at a "), ("[t]\nx = [1, -9223372036854775809]", "at t.x[1] "),
+                     ("a = [{b = 0x1_0000_0000_0000_0000}]", "at a[0].b ")):
+        with pytest.raises(ConfigError, match="outside the signed 64-bit range") as info:
+            read_toml_text(text, "t.toml")
+        assert at in info.value.message

@@ -63,19 +63,17 @@ def read_toml_text(text: str, where: str | Path, *, what: str = "config file",
 
 
 def _wide_integer(value: Any, path: str) -> str | None:
-    """The dotted path of the first integer in ``value`` outside the signed 64-bit range, or None."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            found = _wide_integer(v, f"{path}.{k}" if path else str(k))
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            found = _wide_integer(v, f"{path}[{i}]")
-            if found is not None:
-                return found
-    elif type(value) is int and not -(2**63) <= value < 2**63:
-        return path or "<top>"
+    """The dotted path of the first integer in ``value`` outside the signed 64-bit range, or None (a walk with
+    its own stack: a table nested as deeply as the parser allows is no recursion limit here)."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((x, f"{at}.{k}" if at else str(k)) for k, x in reversed(v.items()))
+        elif isinstance(v, list):
+            stack.extend((x, f"{at}[{i}]") for i, x in reversed(list(enumerate(v))))
+        elif type(v) is int and not -(2**63) <= v < 2**63:
+            return at or "<top>"
     return None
 
 
