@@ -134,7 +134,7 @@ def test_the_writer_refuses_what_the_reader_refuses(tmp_path: Path) -> None:
         BundleWriter(tmp_path / "x", kind="rollout", rollout_id=0,
                      config=default_config(task={"name": "arithmetic", "max_operand": 0}))
     s = make()
-    w = _writer(tmp_path / "x", s, "rollout", list(range(8)), None, None, True)
+    w = _writer(tmp_path / "x", s, "rollout", list(range(8)), None, None, True, None)
     for name in ("old_logprobs", "ref_logprobs"):
         w.write_payload(name, s.t[name])
     w.write_payload("response_ids", s.t["response_ids"])
@@ -199,12 +199,19 @@ def test_a_root_mixing_two_runs_is_refused_naming_both(tmp_path: Path, capsys: p
     assert rc == 2 and "different runs" in out and "Traceback" not in out, out
 
 
+def test_a_multi_rank_synthetic_bundle_needs_a_run_id_chosen_per_run(tmp_path: Path) -> None:
+    """No default run id: two runs writing ranks into one root with a shared constant would complete it."""
+    with pytest.raises(ConfigError, match="run id they share"):
+        write_rollout(tmp_path / "mr", rank=0, ranks=[0, 1], groups=4)
+    assert not (tmp_path / "mr").exists()
+
+
 def test_a_multi_rank_root_without_run_ids_is_refused_by_version(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """A 2.0/2.1 multi-rank bundle records no run id: its ranks cannot be shown to be one run's."""
     root = tmp_path / "mr"
     for r in (0, 1):
-        write_rollout(root, rank=r, ranks=[0, 1], groups=4)
+        write_rollout(root, rank=r, ranks=[0, 1], groups=4, run_id="run-a")
     assert load_bundle(root).manifest["format_version"] == fmt.MULTI_RANK_VERSION == "2.2.0"
     shas = {}
     for r in (0, 1):  # rewritten as replayjob 2.0 wrote it
@@ -227,7 +234,7 @@ def test_a_multi_rank_root_without_run_ids_is_refused_by_version(tmp_path: Path,
 def _step_rank(root: Path, rank: int, logprobs_dtype: torch.dtype) -> None:
     s = make(groups=4)
     rows = [i for i in range(len(s.group)) if s.group[i] % 2 == rank]
-    w = _writer(root, s, "step", rows, rank, [0, 1], True)
+    w = _writer(root, s, "step", rows, rank, [0, 1], True, "run-a")
     logp = s.t["logprobs"][rows].to(logprobs_dtype)
     w.write_payload("logprobs", logp)
     for name in ("old_logprobs", "ref_logprobs", "advantages"):

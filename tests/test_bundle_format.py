@@ -21,6 +21,7 @@ from replayjob import tensorfile
 from replayjob.bundle import BundleWriter, default_config, inspect_path, load_bundle
 from replayjob.bundle import format as fmt
 from replayjob.bundle.synthetic import make, write_rollout, write_step
+from replayjob.bundle.writer import new_run_id
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes, sha256_json
 from replayjob.errors import ArtifactExistsError, ContractError, IntegrityError
@@ -285,14 +286,15 @@ def test_inspect_works_on_an_incomplete_bundle(bundle: Path, capsys: pytest.Capt
 
 def test_multi_rank_landing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "mr"
-    write_rollout(root, rank=1, ranks=[0, 1], groups=4)
+    run = new_run_id()
+    write_rollout(root, rank=1, ranks=[0, 1], groups=4, run_id=run)
     assert sorted(x.name for x in root.iterdir()) == ["COMPLETE.1", "rank-1"]
     for target in (root, root / "rank-1"):  # the rank directory does not bypass the root check
         rc, out = _cli(capsys, "bundle", "validate", str(target))
         assert rc == 2 and "COMPLETE is missing" in out
     rc, out = _cli(capsys, "bundle", "inspect", str(root))
     assert rc == 0 and "rank 0 has not landed" in out
-    write_rollout(root, rank=0, ranks=[0, 1], groups=4)  # the last rank to land writes COMPLETE
+    write_rollout(root, rank=0, ranks=[0, 1], groups=4, run_id=run)  # the last rank to land writes COMPLETE
     final = json.loads((root / "COMPLETE").read_text())
     assert final["ranks"] == [0, 1] and set(final["rank_manifests"]) == {"0", "1"}
     b = load_bundle(root)
@@ -300,8 +302,9 @@ def test_multi_rank_landing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert _cli(capsys, "bundle", "replay", str(root))[0] == 0
     assert _cli(capsys, "bundle", "replay", str(root / "rank-0"))[0] == 0
     step = tmp_path / "mr-step"
+    run = new_run_id()
     for r in (0, 1):
-        write_step(step, rank=r, ranks=[0, 1], groups=4, inject={"loss": (0, 0, 0.5)} if r == 1 else None)
+        write_step(step, rank=r, ranks=[0, 1], groups=4, run_id=run, inject={"loss": (0, 0, 0.5)} if r == 1 else None)
     rc, out = _cli(capsys, "bundle", "replay", str(step))
     assert rc == 1 and "loss <rank 1>: expected=" in out and "loss: 1/2 mismatched" in out
     os.rename(root / "rank-1", tmp_path / "elsewhere")
@@ -350,8 +353,9 @@ def _root_carries_an_extra_key(root: Path) -> None:
 def test_a_partial_or_inconsistent_multi_rank_root_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                               tamper: Callable[[Path], None], needle: str) -> None:
     root = tmp_path / "mr"
+    run = new_run_id()
     for r in (0, 1):
-        write_rollout(root, rank=r, ranks=[0, 1], groups=4)
+        write_rollout(root, rank=r, ranks=[0, 1], groups=4, run_id=run)
     assert load_bundle(root).ranks == [0, 1]
     tamper(root)
     for target in (root, root / "rank-0"):

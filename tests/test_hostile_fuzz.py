@@ -418,7 +418,7 @@ def two_rank_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("ranked") / "b"
     for r in (0, 1):
-        write_rollout(root, rank=r, ranks=[0, 1], groups=4)
+        write_rollout(root, rank=r, ranks=[0, 1], groups=4, run_id="fuzz-run")
     return root
 
 

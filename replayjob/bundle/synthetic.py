@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from replayjob.bundle import format as fmt
 from replayjob.bundle.writer import BundleWriter, default_config
+from replayjob.errors import ConfigError
 from replayjob.model.tokenizer import ByteTokenizer
 from replayjob.rl import stages
 from replayjob.rl.task import Task
@@ -111,11 +112,13 @@ def make(*, estimator: str = "grpo", groups: int = 2, group_size: int = 4, max_l
 # Synthetic bundles are built from fixed inputs: their provenance is fixed too, so their bytes (and the
 # golden files made of them) do not depend on the torch build or the release that wrote them.
 PRODUCER = {"name": "replayjob", "replayjob_version": "synthetic", "torch_version": "synthetic"}
-RUN_ID = "synthetic-run"  # the run id of a synthetic multi-rank bundle's ranks (one run, unless told otherwise)
 
 
 def _writer(path: Path, s: Synthetic, kind: str, rows: list[int], rank: int | None, ranks: list[int] | None,
-            groups: bool, run_id: str = RUN_ID) -> BundleWriter:
+            groups: bool, run_id: str | None) -> BundleWriter:
+    if ranks is not None and run_id is None:  # no default: two runs' ranks could then complete one root
+        raise ConfigError("a multi-rank bundle's ranks record the run id they share: pass run_id", where="run_id",
+                          hint="draw one per run (replayjob.bundle.writer.new_run_id()) and pass it to every rank")
     w = BundleWriter(path, kind=kind, rollout_id=3, step_id=0 if kind in fmt.STEP_KINDS else None, config=s.config,
                      rank=rank, ranks=ranks, run_id=run_id if ranks is not None else None, weight_version=3,
                      producer=PRODUCER)
@@ -140,10 +143,10 @@ def _take(t: Tensor, rows: list[int], name: str, inject: Inject) -> Tensor:
 
 
 def write_rollout(path: str | Path, *, inject: Inject | None = None, groups_recorded: bool = True,
-                  rank: int | None = None, ranks: list[int] | None = None, run_id: str = RUN_ID,
+                  rank: int | None = None, ranks: list[int] | None = None, run_id: str | None = None,
                   **spec: Any) -> Path:
     """A rollout bundle (all stages ``recompute``); with ``ranks``, rank ``r`` holds groups ``r::len``
-    (and records ``run_id``)."""
+    (and records ``run_id``, which the caller draws once per run and passes to every rank)."""
     s = make(**spec)
     inject = inject or {}
     n = len(s.group)
@@ -162,7 +165,7 @@ def write_rollout(path: str | Path, *, inject: Inject | None = None, groups_reco
 
 
 def write_step(path: str | Path, *, inject: Inject | None = None, rank: int | None = None,
-               ranks: list[int] | None = None, run_id: str = RUN_ID, **spec: Any) -> Path:
+               ranks: list[int] | None = None, run_id: str | None = None, **spec: Any) -> Path:
     """A step bundle (``loss.policy`` recompute); with ``ranks``, rank ``r`` holds groups ``r::len``
     and records the loss of its own rows (each rank's loss is over what it consumed) and ``run_id``."""
     s = make(**spec)

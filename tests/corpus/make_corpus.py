@@ -696,11 +696,11 @@ def ranked_bundle_entries(out: Path) -> list[Entry]:
             "rank_manifests": {str(r): recs[r]["manifest_sha256"] for r in (0, 1)}}))
 
     def one_rank(root: Path) -> None:
-        write_rollout(root, rank=0, ranks=[0, 1], groups=4)
+        write_rollout(root, rank=0, ranks=[0, 1], groups=4, run_id="corpus-run")
 
     def linked_rank(root: Path) -> None:
         for r in (0, 1):
-            write_rollout(root, rank=r, ranks=[0, 1], groups=4)
+            write_rollout(root, rank=r, ranks=[0, 1], groups=4, run_id="corpus-run")
         rank1 = next(p for p in sorted(root.iterdir()) if p.is_dir() and p.name.endswith("1"))
         shutil.move(str(rank1), str(root.parent / f"{root.name}-rank1"))
         os.symlink(root.parent / f"{root.name}-rank1", rank1)
