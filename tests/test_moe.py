@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,12 @@ from replayjob.config import load_config
 from replayjob.errors import ConfigError, IntegrityError
 from replayjob.model import moe
 from replayjob.model.backend import load_backend
+from replayjob.trace import fault
+from replayjob.trace.store import read_trace
 
 MOE = ["--set", 'model.architecture="qwen3_moe"']
+FLIP_SCALE = "2e-3"  # flips the expert set of the few tokens whose router-logit margin is about 4e-3 or less
+ATTENTION = "base_model.model.model.layers.0.self_attn.o_proj"
 
 
 def forced(routing_file: Path, sha: str) -> list[str]:
@@ -52,6 +57,19 @@ def moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     out["free"] = replay("free", "--trace")
     out["forced"] = replay("forced", "--trace", *forced(out["routing_file"], out["routing_sha"]))
+    os.environ[moe.FAULT_ENV] = FLIP_SCALE
+    try:  # the perturbed arm: its only effect is a handful of routing flips, then the same arm with routing forced
+        out["flips"] = replay("flips", "--trace", "--repeat-index", "1")
+        out["flips_forced"] = replay("flips_forced", "--trace", "--repeat-index", "1",
+                                     *forced(out["routing_file"], out["routing_sha"]))
+    finally:
+        del os.environ[moe.FAULT_ENV]
+    fault.configure(f"{ATTENTION}:1e-3")
+    try:  # a numerical difference upstream of the routers, with routing held fixed
+        out["numeric_forced"] = replay("numeric_forced", "--trace", "--repeat-index", "2",
+                                       *forced(out["routing_file"], out["routing_sha"]))
+    finally:
+        fault.configure()
     return out
 
 
@@ -204,3 +222,97 @@ def test_routing_file_reader_fails_closed(moe_runs: dict[str, Any], tmp_path: Pa
     copy.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="SHA-256"):
         moe.read_table(copy, moe_runs["routing_sha"])
+
+
+def trace_diff(capsys: pytest.CaptureFixture[str], a: Path, b: Path) -> tuple[int, dict[str, Any]]:
+    capsys.readouterr()
+    rc = main(["trace-diff", str(a), str(b), "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_same_condition_trace_diff_reports_identical_routing(moe_runs: dict[str, Any],
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    rc, rep = trace_diff(capsys, moe_runs["free"], moe_runs["forced"])
+    assert rc == 0 and rep["routing"]["attribution"] == "identical" and rep["routing"]["flipped"] == 0
+    assert rep["routing"]["mode_a"] == "free" and rep["routing"]["mode_b"] == "forced"
+
+
+def test_routing_flips_are_located_to_layer_and_token(moe_runs: dict[str, Any],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    rc, rep = trace_diff(capsys, moe_runs["free"], moe_runs["flips"])
+    rt = rep["routing"]
+    assert rc == 1 and rt["attribution"] == "downstream-of-flips" and rt["fault_b"] == repr(float(FLIP_SCALE))
+    assert 0 < rt["flipped"] <= 10  # a handful
+    first = rt["first_flip"]
+    block = first["layer"].rsplit(".", 1)[0]
+    assert rt["flip_block"] == block and first["margin_a"] < 4 * float(FLIP_SCALE)
+    assert sorted(first["experts_a"]) != sorted(first["experts_b"])
+    # the trace, read on its own, agrees: nothing differs before the flipped layer's MoE block, and the block's
+    # output first differs at exactly the flipped row and token
+    fwd = rep["first_divergence"]["forward"]
+    assert fwd["name"] == block and fwd["first_row"] == first["row"]
+    assert all(r["status"] == "equal" for r in rep["forward"] if r["position"] < fwd["position"])
+    ta, tb = read_trace(moe_runs["free"]), read_trace(moe_runs["flips"])
+    va = next(s.values for s in ta.forward if s.name == block)
+    vb = next(s.values for s in tb.forward if s.name == block)
+    differs = (va != vb).any(dim=-1).nonzero().flatten().tolist()
+    assert differs[0] == first["position"]
+    assert first["token"] == first["position"] - int(ta.row_tokens[:first["row"]].sum())
+    layer = next(lay for lay in rt["layers"] if lay["layer"] == first["layer"])
+    assert layer["share"] == pytest.approx(layer["flipped"] / layer["tokens"])
+    assert layer["weights_max_abs_unflipped"] == 0.0  # in the flipped layer only the flipped tokens changed
+
+
+def test_forcing_the_source_routing_removes_the_flips(moe_runs: dict[str, Any],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    src = metrics(moe_runs["source"], "metrics.json")
+    r = metrics(moe_runs["flips_forced"])
+    assert r["optimizer_batch/final_adapter_sha256"] == src["optimizer_batch/final_adapter_sha256"]
+    rc, rep = trace_diff(capsys, moe_runs["free"], moe_runs["flips_forced"])
+    assert rc == 0 and rep["routing"]["flipped"] == 0
+    # where the perturbed router would have chosen otherwise, forcing kept the source's experts: in the first
+    # flipped layer exactly the tokens the free perturbed arm flipped
+    first = trace_diff(capsys, moe_runs["free"], moe_runs["flips"])[1]["routing"]["first_flip"]
+    t_forced = moe.read_table(moe_runs["flips_forced"] / "routing.safetensors", r["routing"]["sha256"])
+    t_free = moe.read_table(moe_runs["flips"] / "routing.safetensors", metrics(moe_runs["flips"])["routing"]["sha256"])
+    t_src = moe.read_table(moe_runs["routing_file"], moe_runs["routing_sha"])
+    k = [lay.name for lay in t_src.layers].index(first["layer"])
+    flipped = (t_src.layers[k].expert_sets() != t_free.layers[k].expert_sets()).any(-1)
+    assert torch.equal(t_forced.layers[k].forced, flipped)
+
+
+def test_a_numerical_difference_with_routing_held_is_named(moe_runs: dict[str, Any],
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    rc, rep = trace_diff(capsys, moe_runs["forced"], moe_runs["numeric_forced"])
+    assert rc == 1 and rep["routing"]["flipped"] == 0 and rep["routing"]["attribution"] == "identical-routing"
+    assert rep["first_divergence"]["forward"]["name"] == ATTENTION
+    capsys.readouterr()
+    assert main(["trace-diff", str(moe_runs["free"]), str(moe_runs["flips"])]) == 1
+    text = capsys.readouterr().out
+    assert "differs only downstream of routing flips" in text and "first flip: layer 0" in text
+
+
+def test_a_difference_upstream_of_the_flips_is_named(moe_runs: dict[str, Any], tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    fault.configure(f"{ATTENTION}:0.05")
+    try:
+        assert main(["replay", str(moe_runs["ws"] / "replay.toml"), "--out", str(tmp_path / "r"),
+                     *replay_pins(moe_runs["source"]), *MOE, "--trace"]) == 0
+    finally:
+        fault.configure()
+    rc, rep = trace_diff(capsys, moe_runs["free"], tmp_path / "r")
+    assert rc == 1 and rep["routing"]["flipped"] > 0 and rep["routing"]["attribution"] == "upstream-of-flips"
+
+
+def test_routing_evidence_is_verified_against_its_pin(moe_runs: dict[str, Any], tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "flips"
+    shutil.copytree(moe_runs["flips"], d)
+    data = bytearray((d / "routing.safetensors").read_bytes())
+    data[-1] ^= 1
+    (d / "routing.safetensors").write_bytes(bytes(data))
+    assert main(["trace-diff", str(moe_runs["free"]), str(d)]) == 2
+    assert "SHA-256" in capsys.readouterr().err
+    (d / "routing.safetensors").unlink()
+    assert main(["trace-diff", str(moe_runs["free"]), str(d)]) == 2
+    assert "routing" in capsys.readouterr().err

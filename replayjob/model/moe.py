@@ -126,6 +126,10 @@ class LayerRouting:
         """The experts used per token, sorted (a set, comparable across tables)."""
         return self.experts.sort(dim=-1).values
 
+    def weights_by_expert(self) -> torch.Tensor:
+        """The weights in the order of :meth:`expert_sets` (each expert's weight, whatever the router's order)."""
+        return self.weights.gather(-1, self.experts.argsort(dim=-1))
+
 
 @dataclass(frozen=True)
 class RoutingTable:
@@ -225,6 +229,50 @@ def read_table(path: str | Path, expected_sha256: str | None) -> RoutingTable:
             raise _fail(p, f"layer {name!r} holds a non-finite weight")
         layers.append(LayerRouting(name, e, w, m, f))
     return RoutingTable(rt, layers, top_k, n_exp, meta["mode"], meta["fault"] or None, identity)
+
+
+def compare(a: RoutingTable, b: RoutingTable) -> dict[str, Any]:
+    """Routing agreement of two tables of the same rows: per layer the tokens whose expert *set* differs (a
+    routing flip), their share, the first flipped token (logical row, token within the row) with both sides'
+    router-logit margins there, and the largest weight difference over the tokens that did not flip; the first
+    flip over all layers (layers in model order, tokens in logical order).  Refused unless both tables route the
+    same rows through the same routers."""
+    import torch
+    if not torch.equal(a.row_tokens, b.row_tokens):
+        raise ContractError("the routing tables hold different rows", hint="compare routing of one capture")
+    if [lay.name for lay in a.layers] != [lay.name for lay in b.layers] or a.top_k != b.top_k \
+            or a.num_experts != b.num_experts:
+        raise ContractError("the routing tables route different layers or top-k", hint="compare one model's routing")
+    row = a.row_of_token()
+    starts = torch.cumsum(a.row_tokens, 0) - a.row_tokens
+    layers, first = [], None
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        flipped = (la.expert_sets() != lb.expert_sets()).any(dim=-1)
+        n = int(flipped.sum())
+        kept = ~flipped
+        wa, wb = la.weights_by_expert()[kept].double(), lb.weights_by_expert()[kept].double()
+        wdiff = float((wa - wb).abs().max()) if bool(kept.any()) else 0.0
+        rec: dict[str, Any] = {"layer": la.name, "tokens": a.tokens, "flipped": n,
+                               "share": n / a.tokens if a.tokens else 0.0, "weights_max_abs_unflipped": wdiff,
+                               "first": None}
+        if n:
+            t = int(flipped.nonzero()[0, 0])
+            r = int(row[t])
+            rec["first"] = {"row": r, "token": t - int(starts[r]), "position": t,
+                            "experts_a": la.experts[t].tolist(), "experts_b": lb.experts[t].tolist(),
+                            "margin_a": float(la.margin[t]), "margin_b": float(lb.margin[t])}
+            if first is None:
+                first = {"layer": la.name, **rec["first"]}
+        layers.append(rec)
+    total = sum(rec["flipped"] for rec in layers)
+    return {"layers": layers, "flipped": total, "identical": total == 0 and all(
+        rec["weights_max_abs_unflipped"] == 0 for rec in layers),
+            "first_flip": first, "mode_a": a.mode, "mode_b": b.mode, "fault_a": a.fault, "fault_b": b.fault}
+
+
+def block_of(router_name: str) -> str:
+    """The MoE block a router belongs to (its parent module: ``...layers.N.mlp`` for ``...layers.N.mlp.gate``)."""
+    return router_name.rsplit(".", 1)[0]
 
 
 def evidence_entry(doc: dict[str, Any] | None, where: Path) -> tuple[Path, str] | None:
@@ -368,14 +416,14 @@ class Routing:
         hs = hidden_states.reshape(-1, router.hidden_dim)
         logits = F.linear(hs, router.weight)
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
-        if self.fault is not None:
+        live = torch.topk(probs.detach(), self.top_k, dim=-1).indices
+        mb = self._mb
+        if self.fault is not None and mb is not None:  # real tokens choose from shifted logits (tests only)
             shift = torch.tensor([self.fault if e % 2 == 0 else -self.fault for e in range(self.num_experts)],
                                  dtype=logits.dtype, device=logits.device)
-            choice = torch.softmax(logits.detach() + shift, dtype=torch.float, dim=-1)
-        else:
-            choice = probs.detach()
-        live = torch.topk(choice, self.top_k, dim=-1).indices
-        mb = self._mb
+            shifted = torch.topk(torch.softmax(logits.detach() + shift, dtype=torch.float, dim=-1), self.top_k,
+                                 dim=-1).indices
+            live = torch.where(mb.real.unsqueeze(-1), shifted, live)
         experts = live
         if self.mode == "forced" and mb is not None:
             experts = live.clone()

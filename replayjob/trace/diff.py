@@ -33,7 +33,9 @@ from typing import Any
 
 from replayjob.errors import ContractError, IntegrityError, RefusedError, UsageError
 from replayjob.fsio import check_no_symlinks
-from replayjob.metrics import REPLAY_FILE, read_replay
+from replayjob.metrics import REPLAY_FILE, ROUTING, read_replay
+from replayjob.model import moe
+from replayjob.model.moe import RoutingTable
 from replayjob.trace.envelope import (
     Bound,
     all_finite,
@@ -46,6 +48,17 @@ from replayjob.trace.envelope import (
 from replayjob.trace.store import IDENTITY_KEYS, TRACE_DIR, Site, Trace, dtype_name, read_trace
 
 DIFF_SCHEMA = "replayjob.trace_diff/v1"
+# How two MoE replays' difference relates to their routing (``routing.attribution``), in human terms.
+ATTRIBUTIONS = {
+    "identical": "identical routing and identical traces",
+    "identical-routing": "differs with identical routing: every token went to the same experts, so the "
+                         "difference is numerical (a kernel, a dtype, a summation order), not a routing flip",
+    "downstream-of-flips": "differs only downstream of routing flips: every traced output before the MoE block "
+                           "of the first flip is bitwise equal",
+    "upstream-of-flips": "differs upstream of the first routing flip: a numerical difference reached the "
+                         "router first, and the flips follow from it",
+    "flips-only": "routing flips with bitwise equal traced outputs",
+}
 SAME_CAPTURE = ("manifest_sha256", "logical_batch_sha256", "initial_adapter_sha256")
 _LAYER = re.compile(r"\.layers\.(\d+)(?:\.|$)")
 
@@ -56,6 +69,7 @@ class Side:
 
     path: Path
     trace: Trace
+    routing: RoutingTable | None = None  # an MoE model's routing evidence, as replay_metrics.json pins it
 
     @property
     def label(self) -> str:
@@ -82,11 +96,16 @@ def load_side(path: str | Path) -> list[Side]:
         if not metrics.is_file():
             raise RefusedError(f"no {REPLAY_FILE} (written last) beside the trace: the replay is "
                                "incomplete", where=d, hint="rerun the replay with --trace into a new --out")
-        pin = read_replay(metrics).trace_index_sha256
+        rep = read_replay(metrics)
+        pin = rep.trace_index_sha256
         if pin is None:
             raise RefusedError(f"this replay was not traced ({REPLAY_FILE} has no trace)", where=metrics,
                                hint="replay with --trace (or optimizer_batch.trace = true)")
-        out.append(Side(d, read_trace(d, expected_index_sha256=pin)))
+        entry = moe.evidence_entry(rep.doc.get(ROUTING), metrics)
+        if entry is not None:
+            check_no_symlinks(path, entry[0], what="routing")
+        routing = moe.read_table(*entry) if entry is not None else None
+        out.append(Side(d, read_trace(d, expected_index_sha256=pin), routing))
     return out
 
 
@@ -275,8 +294,36 @@ class TraceDiff:
             "layers": {"forward": _layers(fwd), "backward": _layers(bwd),
                        "gradients": _layers([p["grad"] for p in params])},
             "unmatched": self._unmatched(ta, tb),
+            "routing": self._routing(fwd),
             "forward": fwd, "backward": bwd, "params": params,
         }
+
+    def _routing(self, fwd: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Routing agreement of an MoE model's two replays (:func:`replayjob.model.moe.compare`) and where the
+        traces' first forward divergence lies against the first routing flip (:data:`ATTRIBUTIONS`); ``None``
+        for a model without routers."""
+        ra, rb = self.a[0].routing, self.b[0].routing
+        if ra is None and rb is None:
+            return None
+        if ra is None or rb is None:
+            raise ContractError("only one of the replays recorded its routing: not the same model",
+                                where=self.b[0].path, hint="compare replays of one MoE capture")
+        rep = moe.compare(ra, rb)
+        first = _first(fwd)
+        flip = rep["first_flip"]
+        if flip is None:
+            rep["attribution"], rep["flip_block"] = ("identical" if first is None else "identical-routing"), None
+            return rep
+        block = moe.block_of(flip["layer"])
+        at = next((r["position"] for r in fwd if r["name"] == block), None)
+        rep["flip_block"] = block
+        if first is None:
+            rep["attribution"] = "flips-only"
+        elif at is not None and first["position"] >= at:
+            rep["attribution"] = "downstream-of-flips"
+        else:
+            rep["attribution"] = "upstream-of-flips"
+        return rep
 
     @staticmethod
     def _side(sides: list[Side]) -> dict[str, Any]:
@@ -356,7 +403,25 @@ def render(rep: dict[str, Any]) -> str:
     for side, names in rep["unmatched"].items():
         if names:
             lines.append(f"{side}: {len(names)} site(s) not in the other trace, e.g. {names[0]}")
+    lines += _render_routing(rep["routing"])
     return "\n".join(lines)
+
+
+def _render_routing(rt: dict[str, Any] | None) -> list[str]:
+    if rt is None:
+        return []
+    lines = [f"routing: {rt['flipped']} token-layer routing flip(s) (expert set changed); "
+             f"{ATTRIBUTIONS[rt['attribution']]}"]
+    for lay in rt["layers"]:
+        lines.append(f"  {layer_of(lay['layer']):>6}  {lay['flipped']} of {lay['tokens']} tokens flipped "
+                     f"({100 * lay['share']:.2f}%); largest weight difference elsewhere "
+                     f"{lay['weights_max_abs_unflipped']:.3g}")
+    f = rt["first_flip"]
+    if f is not None:
+        lines.append(f"first flip: layer {layer_of(f['layer'])} ({f['layer']}), row {f['row']}, token {f['token']}: "
+                     f"experts {f['experts_a']} -> {f['experts_b']}, router-logit margin {f['margin_a']:.3g} "
+                     f"(a) / {f['margin_b']:.3g} (b)")
+    return lines
 
 
 def trace_diff(a: str | Path, b: str | Path, reference: list[str] | None = None) -> dict[str, Any]:
