@@ -39,7 +39,9 @@ class Cluster:
         self.running_reads = 1  # status reads of a Job that still answer "running"
         self.unavailable = 0  # status reads answered 503 first (the API server restarting)
         self.finished: dict[str, int] = {}  # job name -> exit code, set by whoever ran it (a driver thread)
-        self.workflows: dict[str, list[Doc]] = {}  # name -> status documents served in turn (the last stays)
+        self.workflows: dict[str, list[Doc]] = {}  # name -> status documents served in turn (the last stays;
+        # an empty one: the Workflow was deleted, 404)
+        self.forbidden: set[str] = set()  # names whose reads are refused (403: the credentials lack the verb)
         self.on_create: Callable[[Doc], None] | None = None  # called (outside the lock) for each created Job
         self.host = ""  # the API server's URL while served
         self.scripted = True  # stage Jobs end with exit_codes; False: only when someone ran them (finished)
@@ -213,13 +215,18 @@ def handler_for(cluster: Cluster) -> type[BaseHTTPRequestHandler]:
                     cluster.calls.append(f"GET pods {job_name}")
                     self.reply(200, {"kind": "PodList", "apiVersion": "v1", "items": cluster.pods_of(job_name)})
                     return
+                if name is not None and name in cluster.forbidden:
+                    cluster.calls.append(f"FORBIDDEN {rest[0]} {name}")
+                    self.status(403, "Forbidden")
+                    return
                 if kind == "Workflow" and name is not None:
                     cluster.calls.append(f"GET workflows {name}")
                     docs = cluster.workflows.get(name)
-                    if not docs:
+                    doc = (docs.pop(0) if len(docs) > 1 else docs[0]) if docs else {}
+                    if not doc:
                         self.status(404, "NotFound")
                         return
-                    self.reply(200, docs.pop(0) if len(docs) > 1 else docs[0])
+                    self.reply(200, doc)
                     return
                 if name is None:  # a list by label selector
                     cluster.calls.append(f"LIST {rest[0]} {selector}")

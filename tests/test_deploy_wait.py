@@ -20,11 +20,12 @@ from test_deploy_manifests import ARGO_VERSIONS, argo_errors
 from replayjob.cli import main
 from replayjob.deploy.submit import Api
 from replayjob.deploy.workflow import wait_for_workflow, workflow_code
+from replayjob.errors import OperationalError
 
 DOCS = Path(__file__).resolve().parent / "workflows"
 NAME = "replayjob-ablation-7xk2p"
-EXPECTED = {"succeeded.json": 0, "failed-gate.json": 1, "capture-failed.json": 2, "reduce-retried.json": 0,
-            "reduce-error.json": 3, "deadline.json": 3}
+EXPECTED = {"succeeded.json": 0, "failed-gate.json": 1, "refused.json": 2, "capture-failed.json": 3,
+            "reduce-retried.json": 0, "reduce-error.json": 3, "deadline.json": 3}
 
 
 def load(name: str) -> dict[str, Any]:
@@ -42,13 +43,13 @@ def test_the_status_documents_are_argo_workflows() -> None:
 
 
 @pytest.mark.parametrize(("name", "code"), sorted(EXPECTED.items()))
-def test_the_reduce_step_s_code_is_the_exit_code(name: str, code: int) -> None:
+def test_the_verdict_and_the_reduce_step_s_code_decide(name: str, code: int) -> None:
     got, line = workflow_code(load(name))
     assert got == code, line
     if name == "reduce-retried.json":
         assert "reduce(1) exited 0, attempt 2" in line  # the last attempt, not the first listed
     if name == "capture-failed.json":
-        assert "verdict refused" in line
+        assert "exited 3" in line and "verdict incomplete (exit 3)" in line
     if name == "deadline.json":
         assert "without a verdict: Max duration limit exceeded" in line
 
@@ -56,11 +57,89 @@ def test_the_reduce_step_s_code_is_the_exit_code(name: str, code: int) -> None:
 def test_a_verdict_without_a_reduce_node_and_offloaded_nodes() -> None:
     doc = load("failed-gate.json")
     doc["status"]["nodes"] = {}
-    assert workflow_code(doc) == (1, "workflow Failed: verdict fail")
+    assert workflow_code(doc) == (1, "workflow Failed: verdict fail (exit 1)")
     doc["status"].pop("outputs")
     doc["status"]["offloadNodeStatusVersion"] = "fnv:123"
     code, line = workflow_code(doc)
     assert code == 3 and "offloaded" in line
+
+
+def verdict_of(doc: dict[str, Any]) -> dict[str, Any]:
+    value = next(p["value"] for p in doc["status"]["outputs"]["parameters"] if p["name"] == "verdict")
+    out: dict[str, Any] = json.loads(value)
+    return out
+
+
+def with_verdict(doc: dict[str, Any], value: str) -> dict[str, Any]:
+    for p in doc["status"]["outputs"]["parameters"]:
+        if p["name"] == "verdict":
+            p["value"] = value
+    return doc
+
+
+def reduce_pods(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [n for n in doc["status"]["nodes"].values() if n.get("templateName") == "reduce" and n["type"] == "Pod"]
+
+
+def forged(base: str, edit: Any) -> tuple[int, str]:
+    doc = load(base)
+    verdict = verdict_of(doc)
+    text = edit(verdict)
+    return workflow_code(with_verdict(doc, text if isinstance(text, str) else json.dumps(verdict)))
+
+
+@pytest.mark.parametrize(("what", "base", "edit"), [
+    ("exit_code false", "refused.json", lambda v: v.update(exit_code=False)),
+    ("exit_code 0.0", "refused.json", lambda v: v.update(exit_code=0.0)),
+    ("refused with exit_code 0", "refused.json", lambda v: v.update(exit_code=0)),
+    ("a duplicated exit_code whose last value is 0", "refused.json",
+     lambda v: json.dumps(v)[:-1] + ', "exit_code": 0}'),
+    ("an unknown key", "succeeded.json", lambda v: v.update(trusted=True)),
+    ("another schema", "succeeded.json", lambda v: v.update(schema="replayjob.verdict/v9")),
+    ("a status its checks contradict", "failed-gate.json", lambda v: v.update(status="pass", exit_code=0)),
+    ("not JSON", "succeeded.json", lambda v: "{not json"),
+    ("a list", "succeeded.json", lambda v: "[0]"),
+])
+def test_a_forged_or_unreadable_verdict_is_never_a_pass(what: str, base: str, edit: Any) -> None:
+    """An unreadable verdict is exit 3 naming the verdict and the pod's code, never the pod's 0 alone."""
+    code, line = forged(base, edit)
+    assert code == 3, (what, line)
+    assert "the verdict cannot be read" in line and "exited" in line, line
+
+
+def test_the_pod_s_code_and_the_verdict_must_agree() -> None:
+    doc = load("succeeded.json")
+    for pod in reduce_pods(doc):
+        pod["outputs"]["exitCode"] = "1"
+    code, line = workflow_code(doc)
+    assert code == 3 and "exited 1" in line and "verdict pass (exit 0)" in line and "disagree" in line
+    doc = load("refused.json")
+    with_verdict(doc, json.dumps(verdict_of(load("succeeded.json"))))
+    code, line = workflow_code(doc)  # a pass verdict beside a reducer that exited 2: not a pass
+    assert code == 3 and "exited 2" in line and "disagree" in line
+    doc = load("succeeded.json")  # the pod's 0 without a verdict decides nothing
+    with_verdict(doc, "")
+    code, line = workflow_code(doc)
+    assert code == 3 and "without a verdict" in line and "exited 0" in line
+
+
+@pytest.mark.parametrize(("what", "edit", "named"), [
+    ("status a list", lambda d: d.update(status=[]), "status: expected `object | null`, got `array`"),
+    ("nodes a list", lambda d: d["status"].update(nodes=[]), "status.nodes: expected `object | null`, got `array`"),
+    ("a node a string", lambda d: d["status"]["nodes"].update(x="Pod"), "status.nodes.x: expected `object`, got `str`"),
+    ("exitCode an int", lambda d: reduce_pods(d)[0]["outputs"].update(exitCode=0), "exitCode"),
+    ("phase an int", lambda d: d["status"].update(phase=3), "status.phase: expected `str | null`, got `int`"),
+    ("parameters an object", lambda d: d["status"]["outputs"].update(parameters={}), "status.outputs.parameters"),
+    ("a node a list", lambda d: d.clear() or d.update(status={"nodes": {"a": []}}),
+     "status.nodes.a: expected `object`, got `array`"),
+])
+def test_a_malformed_status_is_exit_3_with_one_line_naming_it(what: str, edit: Any, named: str) -> None:
+    doc = load("succeeded.json")
+    edit(doc)
+    with pytest.raises(OperationalError) as err:
+        workflow_code(doc, NAME)
+    assert named in err.value.message and f"workflow {NAME}: malformed status" in err.value.message, what
+    assert "\n" not in err.value.message
 
 
 @pytest.fixture
@@ -74,7 +153,7 @@ def emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[
         yield state, host
 
 
-@pytest.mark.parametrize("name", ["failed-gate.json", "capture-failed.json", "reduce-error.json"])
+@pytest.mark.parametrize("name", ["failed-gate.json", "refused.json", "capture-failed.json", "reduce-error.json"])
 def test_argo_wait_exits_with_the_reduce_step_s_code(emulator: tuple[Cluster, str], name: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     state, _ = emulator
@@ -101,3 +180,44 @@ def test_argo_wait_refuses_a_missing_workflow(emulator: tuple[Cluster, str],
                                               capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["argo", "wait", "nope", "--namespace", NS]) == 2
     assert "no workflow nope" in capsys.readouterr().err
+
+
+def test_argo_wait_on_a_malformed_status_prints_one_line_and_no_traceback(
+        emulator: tuple[Cluster, str], capsys: pytest.CaptureFixture[str]) -> None:
+    state, _ = emulator
+    doc = load("succeeded.json")
+    doc["status"]["nodes"] = ["not", "a", "mapping"]
+    state.workflows[NAME] = [doc]
+    assert main(["argo", "wait", NAME]) == 3
+    err = capsys.readouterr().err
+    assert f"workflow {NAME}: malformed status: status.nodes" in err and "Traceback" not in err
+
+
+def test_argo_wait_without_credentials_is_3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert main(["argo", "wait", NAME]) == 3
+    assert "no Kubernetes credentials" in capsys.readouterr().err
+
+
+def test_a_workflow_deleted_while_followed_and_a_403_are_3(emulator: tuple[Cluster, str]) -> None:
+    state, host = emulator
+    lines: list[str] = []
+    api = Api(client.ApiClient(client.Configuration(host=host)), backoff_s=0.001, sleep=lambda s: None,
+              log=lines.append)
+    state.workflows[NAME] = [load("running.json"), {}]  # served once, then gone (404)
+    with pytest.raises(OperationalError, match="deleted while it was followed"):
+        wait_for_workflow(NAME, NS, api=api, poll_s=0, log=lines.append)
+    state.forbidden.add(NAME)
+    with pytest.raises(OperationalError, match="HTTP 403"):
+        wait_for_workflow(NAME, NS, api=api, poll_s=0, log=lines.append)
+
+
+def test_argo_wait_has_a_deadline_of_its_own(emulator: tuple[Cluster, str]) -> None:
+    state, host = emulator
+    state.workflows[NAME] = [load("running.json")]
+    api = Api(client.ApiClient(client.Configuration(host=host)), backoff_s=0.001, sleep=lambda s: None,
+              log=lambda s: None)
+    with pytest.raises(OperationalError, match=r"still Running after 0\.5 s"):
+        wait_for_workflow(NAME, NS, api=api, poll_s=0, log=lambda s: None, deadline_s=0.5)

@@ -11,8 +11,9 @@ import pytest
 from conftest import assert_golden
 
 from replayjob.cli import main
+from replayjob.errors import IntegrityError
 from replayjob.gate import synthetic
-from replayjob.gate.verdict import VERDICT_SCHEMA, incomplete, outcome
+from replayjob.gate.verdict import VERDICT_SCHEMA, incomplete, outcome, read_verdict
 from replayjob.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,6 +120,7 @@ def test_a_refusal_for_want_of_evidence_a_stage_did_not_produce_is_incomplete(tm
     assert doc["status"] == "refused" and set(doc["failed_checks"]) == {"inputs.min_repeats"}
     got = incomplete(doc, ["replays/baseline/0"])
     assert (got["status"], got["exit_code"], got["missing"]) == ("incomplete", 3, ["replays/baseline/0"])
+    assert read_verdict(json.dumps(got).encode(), where="v").exit_code == 3  # the reader accepts it
     assert got["summary"].endswith("1 stage output(s) missing; not passed: inputs.min_repeats")
     assert incomplete(doc, []) is doc  # nothing missing: the refusal is the input's
     other = {**doc, "checks": [*doc["checks"], {"name": "inputs.capture_pins", "status": "refused"}]}
@@ -128,3 +130,33 @@ def test_a_refusal_for_want_of_evidence_a_stage_did_not_produce_is_incomplete(tm
     assert incomplete({**tampered, "inputs": {**doc["inputs"], "replays": []}}, ["replays/x/0"])["exit_code"] == 3
     failed = {**doc, "status": "fail", "exit_code": 1}
     assert incomplete(failed, ["replays/baseline/0"]) is failed
+
+
+def test_the_verdict_reader_reads_what_the_reducer_writes_and_refuses_every_mutation(tmp_path: Path) -> None:
+    """One reader (read_verdict) for every launcher's outcome: each top-level field absent, of the wrong
+    type, or unknown, and a duplicated key, is refused (IntegrityError, exit 2) naming the field."""
+    data = GOLDEN.read_bytes()
+    verdict = read_verdict(GOLDEN)
+    assert (verdict.status, verdict.exit_code) == ("pass", 0)
+    assert read_verdict(data, where="param").doc == json.loads(data)
+    doc = json.loads(data)
+    wrong = {str: 7, int: "0", list: {}, dict: [], type(None): 1.5}
+    for key, value in doc.items():
+        if key == "updates":
+            continue  # null or an object: checked with an object below
+        for mutated in ({k: v for k, v in doc.items() if k != key}, {**doc, key: wrong[type(value)]}):
+            with pytest.raises(IntegrityError):
+                read_verdict(json.dumps(mutated).encode(), where="v")
+    with pytest.raises(IntegrityError, match="`updates`"):
+        read_verdict(json.dumps({**doc, "updates": []}).encode(), where="v")
+    with pytest.raises(IntegrityError, match="unknown field `extra`"):
+        read_verdict(json.dumps({**doc, "extra": 1}).encode(), where="v")
+    with pytest.raises(IntegrityError, match="duplicate key 'status'"):
+        read_verdict(data.rstrip()[:-1] + b', "status": "pass"}', where="v")
+    for code in (False, 0.0, 1, "0"):
+        with pytest.raises(IntegrityError, match="exit_code"):
+            read_verdict(json.dumps({**doc, "exit_code": code}).encode(), where="v")
+    with pytest.raises(IntegrityError, match="failed_checks"):
+        read_verdict(json.dumps({**doc, "failed_checks": ["exact.loss"]}).encode(), where="v")
+    with pytest.raises(IntegrityError, match="incomplete"):  # incomplete without missing evidence
+        read_verdict(json.dumps({**doc, "status": "incomplete", "exit_code": 3, "missing": ["source"]}).encode())

@@ -71,9 +71,9 @@ def _load_config() -> str:
     try:
         config.load_kube_config(config_file=path)
         _, active = config.list_kube_config_contexts(config_file=path)
-    except (config.ConfigException, OSError) as exc:
-        raise RefusedError(f"no Kubernetes credentials: {exc}",
-                           hint="set KUBECONFIG or run inside the cluster") from None
+    except (config.ConfigException, OSError) as exc:  # the cluster cannot be reached: nothing decided (3)
+        raise OperationalError(f"no Kubernetes credentials: {exc}",
+                               hint="set KUBECONFIG or run inside the cluster") from None
     return str((active or {}).get("context", {}).get("namespace") or "default")
 
 

@@ -1,18 +1,27 @@
-"""``replayjob argo wait WORKFLOW``: gate CI on an Argo run with the reduce step's own exit code.
+"""``replayjob argo wait WORKFLOW``: gate CI on an Argo run with the reducer's verdict.
 
 ``argo submit --wait`` and ``argo wait`` exit 0 or 1 only, so a failed gate, a refusal and an error
-(the one retryable outcome) look alike.  This command reads the Workflow's status through the
-Kubernetes API (``argoproj.io/v1alpha1``, ``workflows``) until the workflow has ended, then returns
-the reduce step's code (:func:`workflow_code`):
+(the one retryable outcome) look alike.  This command reads the Workflow through the Kubernetes API
+(``argoproj.io/v1alpha1``, ``workflows``) until it has ended, then decides from two witnesses
+(:func:`workflow_code`):
 
-1. the exit code of the reduce step's last pod (``status.nodes``: the pod nodes of template
-   ``reduce``; with retries, the last attempt), 0, 1, 2 or 3;
-2. else the ``exit_code`` of the verdict the reducer wrote (the global output parameter ``verdict``);
-3. else 3: the workflow ended without a verdict (deadline exceeded, stopped, deleted pods, a
-   controller error): nothing was decided.
+* the **verdict** the reducer wrote (the global output parameter ``verdict``), read through the one
+  strict verdict reader (:func:`replayjob.gate.verdict.read_verdict`: no duplicate keys, an integer exit
+  code, status and code agreeing with the checks);
+* the **reduce step's exit code**: its last pod's (``status.nodes``: the pod nodes of template
+  ``reduce``; with retries, the last attempt).
+
+Both there and agreeing: that code.  A verdict alone (the pod nodes offloaded or gone): its code.  A
+verdict that cannot be read, or one that disagrees with the pod's code: 3, naming both.  No verdict: 3,
+nothing was decided (deadline exceeded, stopped, deleted pods, a controller error).  A status that is
+not what Argo writes (a status, the nodes or a node that is no mapping, a field of the wrong type) is 3
+too, with one line naming the workflow and what was wrong: the outcome is never read from it.  A
+Workflow deleted while it was followed, a refused request (403) and an API that stays unreachable, no
+credentials included, are 3; only a Workflow that never existed (404 at the first read: the name is
+wrong) is refused (2).
 
 Every submitted run ends with a verdict: the reducer runs once the replays have ended, however they
-ended, and also when the capture failed (no replays run; the verdict is refused: no capture).
+ended, and also when the capture failed (no replays run; the verdict is incomplete: no capture).
 
 Example:
     $ argo -n NS submit --from workflowtemplate/replayjob-ablation -p image=REF -o name
@@ -22,101 +31,191 @@ Example:
 
 from __future__ import annotations
 
-import json
+import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from replayjob.deploy.submit import Api
-from replayjob.errors import EXIT_ERROR, RefusedError
+from replayjob.errors import EXIT_ERROR, OperationalError, RefusedError, ReplayjobError, is_retryable
+from replayjob.gate.verdict import Verdict, read_verdict
 
 GROUP, VERSION, PLURAL = "argoproj.io", "v1alpha1", "workflows"
 ENDED = ("Succeeded", "Failed", "Error")
 REDUCE = "reduce"
-CODES = ("0", "1", "2", "3")
 Doc = dict[str, Any]
 
 
-def _reduce_pods(nodes: dict[str, Doc]) -> list[Doc]:
+class _Read(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields of an Argo object replayjob reads, typed; every other field is Argo's and ignored."""
+
+
+class Parameter(_Read, frozen=True):
+    name: str
+    value: str | None = None
+
+
+class Outputs(_Read, frozen=True):
+    exitCode: str | None = None
+    parameters: list[Parameter] | None = None
+
+
+class Node(_Read, frozen=True):
+    type: str | None = None
+    templateName: str | None = None
+    displayName: str | None = None
+    phase: str | None = None
+    message: str | None = None
+    children: list[str] | None = None
+    startedAt: str | None = None
+    finishedAt: str | None = None
+    outputs: Outputs | None = None
+
+
+class WorkflowStatus(_Read, frozen=True):
+    phase: str | None = None
+    message: str | None = None
+    progress: str | None = None
+    nodes: dict[str, Any] | None = None  # each a Node, read on its own so that a malformed one is named
+    outputs: Outputs | None = None
+    offloadNodeStatusVersion: str | None = None
+
+
+class Workflow(_Read, frozen=True):
+    status: WorkflowStatus | None = None
+
+
+def _convert(obj: Any, kind: type[Any], name: str, prefix: str = "") -> Any:
+    try:
+        return msgspec.convert(obj, kind, strict=True)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        rule, sep, at = text.rpartition(" - at `")
+        rule = rule if sep else text
+        where = prefix + at.rstrip("`").removeprefix("$") if sep else prefix
+        raise OperationalError(f"workflow {name}: malformed status: {where.lstrip('.') or 'the object'}: "
+                               f"{rule[:1].lower()}{rule[1:]}",
+                               hint="argo get shows the object; nothing was decided from it") from None
+
+
+def read_workflow(doc: Any, name: str) -> tuple[WorkflowStatus, dict[str, Node]]:
+    """The status of Workflow ``name`` and its nodes as declared, or :class:`OperationalError` (3) naming the
+    field that was malformed."""
+    status: WorkflowStatus = _convert(doc, Workflow, name).status or WorkflowStatus()
+    nodes = {key: _convert(node, Node, name, f"status.nodes.{key}") for key, node in (status.nodes or {}).items()}
+    return status, nodes
+
+
+def _reduce_pods(nodes: dict[str, Node]) -> list[Node]:
     """The reduce step's pod nodes, in attempt order (a retry node's children, else by start time)."""
-    pods = {nid: n for nid, n in nodes.items() if n.get("type") == "Pod" and n.get("templateName") == REDUCE}
+    pods = {nid: n for nid, n in nodes.items() if n.type == "Pod" and n.templateName == REDUCE}
     for node in nodes.values():
-        if node.get("type") == "Retry" and node.get("templateName") == REDUCE:
-            ordered = [pods[c] for c in node.get("children") or [] if c in pods]
+        if node.type == "Retry" and node.templateName == REDUCE:
+            ordered = [pods[c] for c in node.children or [] if c in pods]
             if ordered:
                 return ordered
-    return sorted(pods.values(), key=lambda n: (str(n.get("startedAt") or ""), str(n.get("finishedAt") or "")))
+    return sorted(pods.values(), key=lambda n: (n.startedAt or "", n.finishedAt or ""))
 
 
-def _verdict_parameter(status: Doc) -> Doc | None:
-    for p in (status.get("outputs") or {}).get("parameters") or []:
-        if isinstance(p, dict) and p.get("name") == "verdict" and p.get("value"):
+def _pod_code(pod: Node) -> int | None:
+    """A pod's exit code as replayjob reads it: 0, 1, 2, or 3 for any retryable status (137, a signal)."""
+    text = pod.outputs.exitCode if pod.outputs is not None else None
+    if text is None or not text.lstrip("-").isdigit() or len(text) > 6:
+        return None
+    code = int(text)
+    return EXIT_ERROR if is_retryable(code) else code
+
+
+def _verdict(status: WorkflowStatus, name: str) -> tuple[Verdict | None, str | None]:
+    """(the verdict, None), (None, why it cannot be read), or (None, None) when there is none."""
+    for p in (status.outputs.parameters or []) if status.outputs is not None else []:
+        if p.name == "verdict" and p.value:
             try:
-                doc = json.loads(p["value"])
-            except ValueError:
-                return None
-            return doc if isinstance(doc, dict) else None
-    return None
+                return read_verdict(p.value.encode("utf-8"), where=f"workflow {name}: output verdict"), None
+            except ReplayjobError as exc:
+                return None, exc.message
+    return None, None
 
 
-def workflow_code(workflow: Doc) -> tuple[int, str]:
-    """The reduce step's exit code of an ended workflow and one line saying where it comes from."""
-    status = workflow.get("status") or {}
-    phase = status.get("phase") or "Unknown"
-    pods = _reduce_pods(status.get("nodes") or {})
-    verdict = _verdict_parameter(status)
-    said = f" (verdict {verdict.get('status')})" if verdict else ""
+def workflow_code(workflow: Any, name: str = "") -> tuple[int, str]:
+    """The outcome of an ended workflow and one line saying where it comes from (see the module docstring)."""
+    name = name or str(((workflow or {}).get("metadata") or {}).get("name") if isinstance(workflow, dict) else "")
+    status, nodes = read_workflow(workflow, name)
+    phase = status.phase or "Unknown"
+    pods = _reduce_pods(nodes)
+    verdict, unreadable = _verdict(status, name)
+    pod_code = _pod_code(pods[-1]) if pods else None
+    step = ""
     if pods:
-        last = pods[-1]
-        code = str((last.get("outputs") or {}).get("exitCode", ""))
-        if code in CODES:
-            tries = f", attempt {len(pods)}" if len(pods) > 1 else ""
-            step = last.get("displayName", REDUCE)
-            return int(code), f"workflow {phase}: reduce step {step} exited {code}{tries}{said}"
-    if verdict is not None and verdict.get("exit_code") in (0, 1, 2):
-        return int(verdict["exit_code"]), f"workflow {phase}: verdict {verdict.get('status')}"
-    message = status.get("message") or "no reduce step ran to its end"
-    if status.get("offloadNodeStatusVersion") and not status.get("nodes"):
+        tries = f", attempt {len(pods)}" if len(pods) > 1 else ""
+        step = f"reduce step {pods[-1].displayName or REDUCE} exited {pod_code}{tries}"
+    if unreadable is not None:
+        return EXIT_ERROR, (f"workflow {phase}: the verdict cannot be read ({unreadable})"
+                            + (f"; {step}" if step else "") + ": nothing decided")
+    if verdict is not None:
+        said = f"verdict {verdict.status} (exit {verdict.exit_code})"
+        if pod_code is not None and pod_code != verdict.exit_code:
+            return EXIT_ERROR, f"workflow {phase}: {step} but the {said}: they disagree, nothing decided"
+        return verdict.exit_code, f"workflow {phase}: " + (f"{step}, {said}" if step else said)
+    message = status.message or "no reduce step ran to its end"
+    if status.offloadNodeStatusVersion and not status.nodes:
         message += "; node statuses are offloaded (argo get shows them)"
-    return EXIT_ERROR, f"workflow {phase} without a verdict: {message}"
+    return EXIT_ERROR, f"workflow {phase} without a verdict: " + (f"{step}; " if step else "") + message
 
 
 def wait(get: Callable[[], Doc], *, poll_s: float = 10.0, sleep: Callable[[float], None], log: Callable[[str], None],
-         name: str) -> int:
-    """Poll ``get()`` (the Workflow) until its phase has ended; return :func:`workflow_code`."""
+         name: str, deadline_s: float | None = None, clock: Callable[[], float] | None = None) -> int:
+    """Poll ``get()`` (the Workflow) until its phase has ended; return :func:`workflow_code`.  With
+    ``deadline_s``, a workflow still running after that long is exit 3 (the run goes on)."""
+    now = clock or time.monotonic
+    end = None if deadline_s is None else now() + deadline_s
     seen = None
     while True:
         doc = get()
-        status = doc.get("status") or {}
-        phase = status.get("phase") or "Pending"
+        status, _ = read_workflow(doc, name)
+        phase = status.phase or "Pending"
         if phase != seen:
-            log(f"argo wait: workflow {name}: {phase}" + (f" ({status['progress']})" if status.get("progress") else ""))
+            log(f"argo wait: workflow {name}: {phase}" + (f" ({status.progress})" if status.progress else ""))
             seen = phase
         if phase in ENDED:
-            code, line = workflow_code(doc)
+            code, line = workflow_code(doc, name)
             log(f"argo wait: {line}; exit {code}")
             return code
+        if end is not None and now() >= end:
+            raise OperationalError(f"workflow {name} is still {phase} after {deadline_s:g} s of waiting",
+                                   hint=f"the run goes on: replayjob argo wait {name} again")
         sleep(poll_s)
 
 
 def wait_for_workflow(name: str, namespace: str | None, *, api: Any | None = None, poll_s: float = 10.0,
-                      log: Callable[[str], None] = print) -> int:
-    """``replayjob argo wait``: the reduce step's code of workflow ``name`` once it has ended."""
+                      log: Callable[[str], None] = print, deadline_s: float | None = None) -> int:
+    """``replayjob argo wait``: the outcome of workflow ``name`` once it has ended."""
     from kubernetes.client.exceptions import ApiException
 
     api = api or Api(None, log=log)
     ns = namespace or api.default_namespace
+    seen = False
 
     def get() -> Doc:
+        nonlocal seen
         try:
             doc: Doc = api.call(f"reading workflow {name}", api.custom.get_namespaced_custom_object,
                                 GROUP, VERSION, ns, PLURAL, name)
         except ApiException as exc:
-            if exc.status == 404:
+            if exc.status == 404 and not seen:
                 raise RefusedError(f"no workflow {name}", where=f"namespace {ns}",
                                    hint="argo list; a workflow deleted by its TTL keeps its verdict on the claim "
                                         "(runs/NAME/UID/verdict.json)") from None
-            raise RefusedError(f"reading workflow {name} failed: HTTP {exc.status} {exc.reason}",
-                               where=f"namespace {ns}") from None
+            if exc.status == 404:
+                raise OperationalError(f"workflow {name} was deleted while it was followed; nothing decided",
+                                       where=f"namespace {ns}",
+                                       hint="its verdict, if the reducer wrote one, is on the claim "
+                                            "(runs/NAME/UID/verdict.json)") from None
+            raise OperationalError(f"reading workflow {name} failed: HTTP {exc.status} {exc.reason}",
+                                   where=f"namespace {ns}",
+                                   hint="403: the credentials may not read workflows in this namespace") from None
+        seen = True
         return doc
 
-    return wait(get, poll_s=poll_s, sleep=api.sleep, log=log, name=name)
+    return wait(get, poll_s=poll_s, sleep=api.sleep, log=log, name=name, deadline_s=deadline_s)

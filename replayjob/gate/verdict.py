@@ -16,21 +16,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
+
+from replayjob.artifacts.document import Document, Text, decode
 from replayjob.errors import (
     EXIT_ERROR,
     EXIT_NEGATIVE,
     EXIT_OK,
     EXIT_REFUSED,
     Inconclusive,
+    IntegrityError,
     NegativeVerdict,
     OperationalError,
     RefusedError,
     ReplayjobError,
 )
 from replayjob.fsio import atomic_write_bytes
-from replayjob.jsonio import pretty_bytes
+from replayjob.jsonio import loads_strict, pretty_bytes, read_json
 
 VERDICT_SCHEMA = "replayjob.verdict/v2"
 # How to fix each refusing check.
@@ -239,6 +243,103 @@ def summary_line(doc: dict[str, Any]) -> str:
     if doc.get("missing"):
         head += f"; {len(doc['missing'])} stage output(s) missing"
     return head + (f"; not passed: {', '.join(doc['failed_checks'])}" if doc["failed_checks"] else "")
+
+
+# --- the declaration, and the one reader every launcher's outcome goes through -----------------------
+
+STATUS_CODES = {"pass": EXIT_OK, "fail": EXIT_NEGATIVE, "refused": EXIT_REFUSED, "inconclusive": EXIT_REFUSED,
+                "contended": EXIT_ERROR, "incomplete": EXIT_ERROR}
+MAX_VERDICT_BYTES = 64 * 1024 * 1024
+
+
+class Refusal(Document, frozen=True):
+    message: str
+    where: str | None
+    hint: str | None
+
+
+class VerdictCheck(Document, frozen=True):
+    name: Text
+    group: str
+    status: Literal["pass", "fail", "refused", "not_applicable", "inconclusive", "contended"]
+    expected: Any
+    observed: Any
+    detail: str
+    offenders: list[str]
+
+
+class VerdictDocument(Document, frozen=True):
+    """``verdict.json``'s top level (docs/verdict-format.md).  Summaries recomputed when it is read: the
+    status, the exit code and ``failed_checks`` follow from the checks and the refusal (:func:`outcome`;
+    ``incomplete`` from a refusal that rests only on the ``missing`` evidence), and the exit code from the
+    status (:data:`STATUS_CODES`)."""
+
+    schema: Literal["replayjob.verdict/v2"]
+    replayjob_version: Text
+    claim: Literal["exact-input", "bitwise", "approximate"]
+    status: Literal["pass", "fail", "refused", "inconclusive", "contended", "incomplete"]
+    exit_code: Annotated[int, msgspec.Meta(ge=0, le=3)]
+    summary: str
+    failed_checks: list[str]
+    refusal: Refusal | None
+    admission: str
+    parameters: dict[str, Any]
+    inputs: dict[str, Any]
+    arms: dict[str, Any]
+    comparisons: dict[str, Any]
+    updates: dict[str, Any] | None
+    checks: list[VerdictCheck]
+    budgets: dict[str, Any] | None = None
+    in_process: dict[str, Any] | None = None
+    contention: dict[str, Any] | None = None
+    missing: Annotated[list[Text], msgspec.Meta(min_length=1)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.exit_code != STATUS_CODES[self.status]:
+            raise ValueError(f"`exit_code` is {self.exit_code}, but status {self.status!r} exits "
+                             f"{STATUS_CODES[self.status]}")
+        checks = [{"name": c.name, "status": c.status} for c in self.checks]
+        refusal = None if self.refusal is None else {"message": self.refusal.message}
+        status, _, failed = outcome(checks, refusal)
+        if self.status == "incomplete":
+            if self.missing is None or status != "refused" or not {
+                    c.name for c in self.checks if c.status == "refused"} <= MISSING_EVIDENCE_CHECKS:
+                raise ValueError("status 'incomplete' needs `missing` and a refusal that rests only on it "
+                                 f"(the checks give {status!r})")
+        elif status != self.status:
+            raise ValueError(f"`status` is {self.status!r}, but the checks and the refusal give {status!r}")
+        elif self.missing is not None:
+            raise ValueError(f"`missing` belongs to an incomplete verdict, not a {self.status!r} one")
+        if self.failed_checks != failed:
+            raise ValueError(f"`failed_checks` is {self.failed_checks!r}, but the checks give {failed!r}")
+
+
+def read_verdict(source: Path | str | bytes, *, where: str | None = None) -> Verdict:
+    """The verdict at ``source`` (a file, or its bytes as a launcher handed them over: a workflow's output
+    parameter, a run's ConfigMap), read strictly: JSON without duplicate keys or non-finite numbers
+    (:func:`replayjob.jsonio.loads_strict`), the declared fields and types only (``false`` or ``0.0`` is no
+    exit code), the status, exit code and failed checks agreeing with the checks.  Anything else is an
+    :class:`IntegrityError` naming ``where`` (the file), the field and the rule.
+
+    Example:
+        >>> read_verdict(b'{"schema": "replayjob.verdict/v2", "exit_code": false}', where="wf/verdict")
+        Traceback (most recent call last):
+        ...
+        replayjob.errors.IntegrityError: wf/verdict: field `exit_code`: expected `int`, got `bool`
+    """
+    if isinstance(source, bytes):
+        label = where or "<verdict>"
+        obj = loads_strict(source, where=label)
+    else:
+        label = where or str(source)
+        obj = read_json(source, max_bytes=MAX_VERDICT_BYTES)
+    if not isinstance(obj, dict):
+        raise IntegrityError(f"a verdict is a JSON object, not {type(obj).__name__}", where=label)
+    if obj.get("schema") != VERDICT_SCHEMA:
+        raise IntegrityError(f"not a verdict of schema {VERDICT_SCHEMA}: schema {obj.get('schema')!r}", where=label,
+                             hint="read it with the replayjob version that wrote it")
+    decode(obj, VerdictDocument, where=label)
+    return Verdict(Path(label), obj)
 
 
 def write(path: Path, doc: dict[str, Any]) -> Verdict:
