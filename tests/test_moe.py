@@ -56,6 +56,8 @@ def moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         return d / name
 
     out["free"] = replay("free", "--trace")
+    out["batched"] = replay("batched", "--trace", "--set", 'model.experts_implementation="batched_mm"',
+                            "--set", 'optimizer_batch.allow_config_differences=["model.experts_implementation"]')
     out["forced"] = replay("forced", "--trace", *forced(out["routing_file"], out["routing_sha"]))
     os.environ[moe.FAULT_ENV] = FLIP_SCALE
     try:  # the perturbed arm: its only effect is a handful of routing flips, then the same arm with routing forced
@@ -316,3 +318,15 @@ def test_routing_evidence_is_verified_against_its_pin(moe_runs: dict[str, Any], 
     (d / "routing.safetensors").unlink()
     assert main(["trace-diff", str(moe_runs["free"]), str(d)]) == 2
     assert "routing" in capsys.readouterr().err
+
+
+def test_experts_kernel_arm_is_judged_with_routing_held(moe_runs: dict[str, Any],
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers' batched-matmul experts against the eager loop: the kernel is observed in effect, every
+    token keeps its experts, and what differs (summation order only) stays within the rounding envelope."""
+    r = metrics(moe_runs["batched"])
+    assert r["runtime"]["model.experts_implementation"] == "batched_mm"
+    assert metrics(moe_runs["free"])["runtime"]["model.experts_implementation"] == "eager"
+    rc, rep = trace_diff(capsys, moe_runs["free"], moe_runs["batched"])
+    assert rep["routing"]["flipped"] == 0 and rep["classification"] in ("equal", "noise")
+    assert rep["routing"]["attribution"] == ("identical" if rc == 0 else "identical-routing")
