@@ -190,6 +190,9 @@ def test_a_damaged_capture_over_ranks_is_refused(workspace: Path, capture2: Path
     # well formed, but contradicting the ranks it lists
     (lambda d: d["initial_adapter"].update(sha256="0" * 64), "started from another adapter than the root records"),
     (lambda d: d["payload"].update(size=d["payload"]["size"] + 1), "is not the ranks' total"),
+    # a summary of the ranks' rows that is not theirs (recomputed from the payloads)
+    (lambda d: d["rows"].update(loss_weight_sum=d["rows"]["loss_weight_sum"] + 1.0), "rows.loss_weight_sum is"),
+    (lambda d: d["rows"].update(tokens=d["rows"]["tokens"] - 1), "rows.tokens is"),
 ])
 def test_a_malformed_or_contradicting_root_is_refused_even_when_pinned(workspace: Path, capture2: Path,
                                                                        tmp_path: Path, edit: Any, message: str,

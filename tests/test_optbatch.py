@@ -571,3 +571,26 @@ def test_every_registered_knob_is_observed_at_run_time() -> None:
     assert set(seen) == set(knobs_for(BUILTIN))
     assert {k: seen[k] for k in BUILT_IN_KNOBS} == {GC: True, "backend.options.attn_implementation": None,
                                                     "training.micro_batch_size": 4}
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda doc: doc["rows"].update(rows=doc["rows"]["rows"] + 1), "rows.rows is"),
+    (lambda doc: doc["rows"].update(loss_weight_sum=doc["rows"]["loss_weight_sum"] * 2), "rows.loss_weight_sum is"),
+    (lambda doc: doc["rows"].update(loss_bearing_tokens=1), "rows.loss_bearing_tokens is"),
+    (lambda doc: doc["rows"].update(tokens=float(doc["rows"]["tokens"])), "'rows' needs integer"),
+    (lambda doc: doc["rows"].pop("response_tokens"), "'rows' needs integer"),
+    (lambda doc: doc["rows"].update(extra=1), "rows.extra is 1, the payload gives None"),
+    (lambda doc: doc["outcome"].update(grad_norm=-1.0), "'outcome.grad_norm' is a norm"),
+])
+def test_a_manifest_whose_summaries_disagree_with_its_payload_is_refused(
+        edit: Any, needle: str, capture_dir: Path, workspace: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The manifest is rewritten self-consistently and re-pinned: only the summary recomputed from the payload
+    (or the declared range of the sealed outcome) stands between it and a replay."""
+    d = copy_capture(capture_dir, tmp_path)
+    doc = json.loads((d / MANIFEST).read_text())
+    edit(doc)
+    raw = canonical_bytes(doc) + b"\n"
+    (d / MANIFEST).write_bytes(raw)
+    refused(capsys, run("explain", workspace / "replay.toml",
+                        *pins(capture_dir, manifest=sha256_bytes(raw), replay_path=d / MANIFEST)), needle)

@@ -95,6 +95,21 @@ def to_builtins(doc: Document) -> dict[str, Any]:
     return out
 
 
+def check_summaries(recorded: Any, recomputed: dict[str, Any], *, where: str | Path, what: str) -> None:
+    """Refuse (:class:`IntegrityError`) a document's summary block ``what`` unless it holds exactly the values
+    recomputed from the payload it summarises (every differing field named, recorded and recomputed)."""
+    if not isinstance(recorded, dict):
+        raise IntegrityError(f"field `{what}` must be an object summarising the payload", where=where)
+    keys = sorted(set(recorded) | set(recomputed))
+    bad = [f"{what}.{k} is {recorded.get(k)!r}, the payload gives {recomputed.get(k)!r}" for k in keys
+           if k not in recorded or k not in recomputed or type(recorded[k]) is not type(recomputed[k])
+           or recorded[k] != recomputed[k]]
+    if bad:
+        raise IntegrityError("the manifest's summary of its payload is not the payload's: " + "; ".join(bad),
+                             where=where, hint="a summary is recomputed from what it summarises; capture the step "
+                                               "again rather than editing its manifest")
+
+
 def agree(field: str, recorded: Any, recomputed: Any) -> None:
     """Refuse a summary ``field`` whose recorded value is not the one recomputed from what it summarises."""
     if recorded != recomputed:

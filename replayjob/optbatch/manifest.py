@@ -178,6 +178,7 @@ def validate_outcome(doc: dict[str, Any], where: Path) -> None:
         v = o[k]
         need(v is None or (isinstance(v, float) and math.isfinite(v)), f"'{OUTCOME}.{k}' must be a finite "
              "number or null", where)
+    need(o["grad_norm"] is None or o["grad_norm"] >= 0.0, f"'{OUTCOME}.grad_norm' is a norm: >= 0 or null", where)
     if o["final_adapter_sha256"] is not None:
         need_hex(o["final_adapter_sha256"], f"{OUTCOME}.final_adapter_sha256", where)
 

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from replayjob import tensorfile
+from replayjob.artifacts.document import check_summaries
 from replayjob.errors import IntegrityError
 from replayjob.optbatch.manifest import MAX_PAYLOAD_BYTES, Manifest
 from replayjob.rl import batch as batch_mod
@@ -438,4 +439,6 @@ def read_payload(m: Manifest, *, keep: bool, allow_nonfinite: bool = False) -> S
                              f"{m.payload_digest} (the payload changed after capture; nothing in it was used)")
     if scan.fault is not None:
         raise IntegrityError(scan.fault.diagnostics().replace("\n  fix:", "; fix:"))
+    assert scan.rows is not None
+    check_summaries(m.doc["rows"], scan.rows, where=m.path, what="rows")  # counts and the weight sum, recomputed
     return scan

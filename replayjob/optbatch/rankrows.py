@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from replayjob import distributed
+from replayjob.artifacts.document import check_summaries
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import check_no_symlinks
 from replayjob.optbatch import manifest
@@ -100,6 +101,7 @@ def verify(root: RootManifest, allow_nonfinite: bool = False) -> Verified:
                                  f"root's {rng_keys}", where=m.path)
     if root.payload_size != sum(m.payload_size for m in v.manifests):
         raise IntegrityError(f"the root's payload size {root.payload_size} is not the ranks' total", where=root.path)
+    check_summaries(root.doc["rows"], summary(v.batch), where=root.path, what="rows")  # the ranks' rows, recomputed
     if v.digests != (root.logical_sha256, root.effective_sha256):
         raise IntegrityError(f"the ranks' rows in logical order hash to {v.digests[0]}, the root says "
                              f"{root.logical_sha256}", where=root.path)
