@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ if importlib.util.find_spec("verl") is None:
 
 import torch
 
+from replayjob.cli import main
 from replayjob.integrations import verl as rv
 from replayjob.integrations.verl_platform import use_cpu
 
@@ -59,6 +61,7 @@ def build_worker(base: Path, *, loss_mode: str = "vanilla", agg: str = "token-me
         HFModelConfig,
         TrainingWorkerConfig,
     )
+    from verl.workers.config.actor import PolicyLossConfig
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
 
@@ -68,8 +71,9 @@ def build_worker(base: Path, *, loss_mode: str = "vanilla", agg: str = "token-me
                           override_config={"attn_implementation": "sdpa"})
     actor = FSDPActorConfig(strategy="fsdp2", ppo_mini_batch_size=mini, ppo_micro_batch_size_per_gpu=micro,
                             ppo_epochs=epochs, rollout_n=1, loss_agg_mode=agg, entropy_coeff=entropy,
-                            use_kl_loss=kl, kl_loss_coef=0.01, policy_loss={"loss_mode": loss_mode},
-                            optim=FSDPOptimizerConfig(lr=1e-2, total_training_steps=10, lr_warmup_steps=2),
+                            use_kl_loss=kl, kl_loss_coef=0.01, policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+                            optim=FSDPOptimizerConfig(lr=1e-2, total_training_steps=6, lr_warmup_steps=0,
+                                                            lr_scheduler_type="cosine"),
                             fsdp_config=FSDPEngineConfig(dtype="float32"), use_remove_padding=remove_padding)
     actor.model_config = model
     cfg = TrainingWorkerConfig(model_type="language_model", model_config=model, engine_config=actor.engine,
@@ -161,3 +165,49 @@ def test_a_real_verl_update_runs_on_cpu(base: Path, tmp_path: Path) -> None:
     assert len(metrics["grad_norm"]) == 2  # 8 rows, mini-batches of 4: two optimizer steps
     assert all(g > 0 for g in metrics["grad_norm"])
     assert str(next(worker.engine.module.parameters()).device) == "cpu"
+
+
+@pytest.fixture(scope="module")
+def vanilla(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two updates of 8 rows in mini-batches of 4 (optimizer steps 0-3), steps 1 and 2 captured: the last
+    mini-batch of the first update (the LR scheduler steps after it) and the first of the second."""
+    out = tmp_path_factory.mktemp("vanilla") / "cap"
+    capture, _ = run(out, base, steps=[1, 2])
+    assert capture.close().captured.keys() == {1, 2}
+    return out
+
+
+def _step(capture_dir: Path, k: int) -> dict[str, Any]:
+    doc = json.loads((capture_dir / "metrics.json").read_text())
+    (entry,) = [s for s in doc["optimizer_batch/steps"] if s["step"] == k]
+    return dict(entry)
+
+
+def test_capture_records_the_engine_step_in_replayjob_formats(vanilla: Path) -> None:
+    manifest = json.loads((vanilla / "optimizer_batch_step_000002.manifest.json").read_text())
+    assert manifest["framework"] == "verl"
+    state = manifest["framework_state"]
+    assert state["position"] == {"update": 1, "epoch": 0, "mini_batch": 0, "mini_batches_per_epoch": 2, "epochs": 1}
+    (mb,) = manifest["micro_batches"]
+    assert set(mb["inputs"]["tensors"]) >= {"input_ids", "input_ids__offsets", "old_log_probs", "advantages"}
+    batch = mb["inputs"]["values"]["batch"]
+    assert batch["nested"] == ["input_ids", "position_ids"] and batch["batch_size"] == [4]
+    assert batch["non_tensor"]["update_lr_scheduler"] is False
+    assert "use_remove_padding" not in batch["non_tensor"]  # an engine setting: recorded in verl.engine
+    verl = manifest["config"]["resolved"]["verl"]
+    assert verl["engine"]["use_remove_padding"] is True and verl["engine"]["micro_batch_size_per_gpu"] == 2
+    assert verl["actor"]["loss_agg_mode"] == "token-mean" and verl["loss"] == "ppo_loss"
+    assert mb["rng"] == ["cpu"]
+    assert not any(p.suffix in (".pt", ".pkl", ".bin") for p in vanilla.rglob("*"))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_captured_step_replays_bitwise(vanilla: Path, tmp_path: Path, k: int) -> None:
+    toml = vanilla / f"replay_step_{k:06d}.toml"
+    assert main(["explain", str(toml)]) == 0
+    assert main(["replay", str(toml), "--out", str(tmp_path / "r")]) == 0
+    metrics = json.loads((tmp_path / "r" / "replay_metrics.json").read_text())
+    src = _step(vanilla, k)
+    assert src["final_adapter_sha256"] != src["initial_adapter_sha256"]  # the step changed the parameters
+    assert metrics["optimizer_batch/final_adapter_sha256"] == src["final_adapter_sha256"]
+    assert metrics["loss"] == src["loss"] and metrics["grad_norm"] == src["grad_norm"]

@@ -151,13 +151,17 @@ def encode_batch(data: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     plain: dict[str, Any] = {}
     stacks: dict[str, Any] = {}
     nested: list[str] = []
+    wrapped: list[str] = []  # NonTensorData holding a tensor (verl's unpad "indices"): captured as a tensor
     for key in sorted(data.keys()):
         if not isinstance(key, str) or not key or "." in key or key.endswith(OFFSETS):
             raise cap.CaptureError(f"batch key {key!r} cannot be captured (a nested key, or a name the capture "
                                    "uses itself)", where="verl batch")
         v = data.get(key)
         where = f"verl batch {key}"
-        if isinstance(v, NonTensorData):
+        if isinstance(v, NonTensorData) and isinstance(v.data, torch.Tensor):
+            tensors[key] = v.data
+            wrapped.append(key)
+        elif isinstance(v, NonTensorData):
             plain[key] = _batch_value(v.data, where)
         elif isinstance(v, NonTensorStack):
             stacks[key] = _batch_value(v.tolist(), where)
@@ -176,7 +180,7 @@ def encode_batch(data: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             raise cap.CaptureError(f"a {type(v).__name__} in the update batch is not captured", where=where)
     engine = {field: plain.pop(key) for key, field in ENGINE_KEYS.items() if key in plain}
     batch = {"batch_size": [int(s) for s in data.batch_size], "non_tensor": plain, "non_tensor_stacks": stacks,
-             "nested": nested}
+             "nested": nested, "non_tensor_tensors": wrapped}
     return {**tensors, "batch": batch}, engine
 
 
@@ -202,11 +206,15 @@ def decode_batch(inputs: dict[str, Any], engine: dict[str, Any]) -> Any:
             continue
         if key in meta["nested"]:
             source[key] = torch.nested.nested_tensor_from_jagged(t, inputs[key + OFFSETS])
+        elif key in meta["non_tensor_tensors"]:
+            continue
         else:
             source[key] = t
     td = TensorDict(source=source, batch_size=meta["batch_size"])
     for key, value in meta["non_tensor"].items():
         td[key] = NonTensorData(value)
+    for key in meta["non_tensor_tensors"]:
+        td[key] = NonTensorData(inputs[key])
     for key, values in meta["non_tensor_stacks"].items():
         tu.assign_non_tensor_stack(td, key, values)
     for key, field in ENGINE_KEYS.items():
@@ -442,10 +450,33 @@ def capture_actor_steps(worker: Any, out_dir: str | Path, step: int | None = Non
 
 # -- replay -----------------------------------------------------------------------------------------
 
-def _section(cls: Any, values: dict[str, Any], **extra: Any) -> Any:
-    from verl.utils.config import omega_conf_to_dataclass
+def _build(cls: Any, values: dict[str, Any], extra: dict[str, Any]) -> Any:
+    """``cls(**values)`` with each nested dataclass field (``policy_loss``, ``qat``, ``mtp``, ...) built from its
+    recorded object the same way, a recorded list given back as the tuple a tuple default is, and ``extra``
+    passed as it is."""
+    kwargs: dict[str, Any] = dict(extra)
+    for f in dataclasses.fields(cls):
+        if f.name in extra or f.name not in values or not f.init:
+            continue
+        v = values[f.name]
+        factory = f.default_factory
+        if isinstance(v, dict) and isinstance(factory, type) and dataclasses.is_dataclass(factory):
+            v = _build(factory, v, {})
+        elif isinstance(v, list) and isinstance(f.default, tuple):
+            v = tuple(v)
+        kwargs[f.name] = v
+    return cls(**kwargs)
 
-    return omega_conf_to_dataclass({**values, **extra}, dataclass_type=cls)
+
+def _section(section: str, cls: Any, values: dict[str, Any], **extra: Any) -> Any:
+    """verl's config dataclass of one section built from its recorded values, then checked field by field against
+    them, so the engine runs with exactly the resolved values."""
+    built = _build(cls, values, extra)
+    for name, want in values.items():
+        if name not in extra and jsonable(getattr(built, name)) != want:
+            raise ContractError(f"verl.{section}.{name} builds as {jsonable(getattr(built, name))!r}, the resolved "
+                                f"config says {want!r}", where=f"verl.{section}.{name}")
+    return built
 
 
 def build_engine(values: dict[str, Any], model_path: Path) -> tuple[Any, Any]:
@@ -456,10 +487,10 @@ def build_engine(values: dict[str, Any], model_path: Path) -> tuple[Any, Any]:
     from verl.workers.utils import losses
 
     engine_values = dict(values["engine"])
-    model = _section(HFModelConfig, values["model"], path=str(model_path), load_tokenizer=False)
-    optim = _section(FSDPOptimizerConfig, values["optim"])
-    engine_cfg = _section(FSDPEngineConfig, engine_values)
-    actor = _section(FSDPActorConfig, values["actor"], rollout_n=1, optim=values["optim"], fsdp_config=engine_values,
+    model = _section("model", HFModelConfig, values["model"], path=str(model_path), load_tokenizer=False)
+    optim = _section("optim", FSDPOptimizerConfig, values["optim"])
+    engine_cfg = _section("engine", FSDPEngineConfig, engine_values)
+    actor = _section("actor", FSDPActorConfig, values["actor"], rollout_n=1, optim=optim, fsdp_config=engine_cfg,
                      use_dynamic_bsz=engine_values["use_dynamic_bsz"],
                      ppo_micro_batch_size_per_gpu=engine_values["micro_batch_size_per_gpu"],
                      ppo_max_token_len_per_gpu=engine_values["max_token_len_per_gpu"] or 16384)

@@ -65,16 +65,19 @@ def _off(v: Any) -> bool:
     return v in (False, None, 0, "", {}, [])
 
 
-def _disabled(v: Any) -> bool:
-    return isinstance(v, dict) and _off(v.get("enable", v.get("enabled", False))) and v.get("mode") in (
-        None, "disabled")
+def _not_enabled(v: Any) -> bool:
+    return isinstance(v, dict) and _off(v.get("enable", False))
+
+
+def _mode_disabled(v: Any) -> bool:
+    return isinstance(v, dict) and v.get("mode") == "disabled"
 
 
 _TARGET = _irrelevant("hydra's instantiation target (the dataclass itself), not a setting")
 _ENGINE_HERE = "the engine reads its own copy (verl.engine.{0}), which the capture records"
 _SEQUENCE_PARALLEL = _refused("Ulysses sequence parallelism splits each sequence over ranks; a replay runs whole "
                               "sequences on each rank", lambda v: v == 1)
-_QAT = _refused("quantisation-aware training rewrites the model's linear layers; not replayed", _disabled)
+_QAT = _refused("quantisation-aware training rewrites the model's linear layers; not replayed", _not_enabled)
 _INFERENCE = _irrelevant("log-prob inference only (compute_log_prob / compute_ref_log_prob), not the update")
 _PATH = _irrelevant("a path; the base model directory the replay config names is pinned by the SHA-256 of its "
                     "config.json and safetensors files")
@@ -154,7 +157,7 @@ FIELDS: dict[str, dict[str, Field]] = {
         "seed": _irrelevant("seeds the engine when it is built; the capture restores the Torch RNG state right "
                             "before the step"),
         "full_determinism": _contract(),
-        "router_replay": _refused("mixture-of-experts router replay is not replayed", _disabled),
+        "router_replay": _refused("mixture-of-experts router replay is not replayed", _mode_disabled),
         "wrap_policy": _contract(),
         "offload_policy": _contract(),
         "reshard_after_forward": _contract(),
@@ -231,7 +234,7 @@ FIELDS: dict[str, dict[str, Field]] = {
         "fused_kernel_options": _contract(),
         "tiled_mlp": _contract(),
         "architectures": _contract(),
-        "mtp": _refused("multi-token prediction layers are not replayed", _disabled),
+        "mtp": _refused("multi-token prediction layers are not replayed", _not_enabled),
     },
 }
 
