@@ -23,6 +23,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # inherited by the launched processes
 import torch
 
 from replayjob.cli import main
+from replayjob.integrations import manifest as imanifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone,  # several processes rendezvous (torchrun, gloo)
               pytest.mark.usefixtures("fresh_determinism_mode")]
@@ -143,13 +144,28 @@ def test_one_process_replay_is_refused_where_the_gradient_would_change(
 
 
 @pytest.mark.parametrize(("case", "cause"), [("missing landing", "lacks COMPLETE.1"),
-                                             ("payload byte", "payload")])
+                                             ("payload byte", "payload"),
+                                             ("linked part", "'rank-1' is a symbolic link"),
+                                             ("linked adapter", "process 1's adapter file"),
+                                             ("linked optimizer", "is a symbolic link"),
+                                             ("short optimizer", "process 1's optimizer file is")])
 def test_a_damaged_part_is_refused(case: str, cause: str, ranks_capture: dict[str, Any], tmp_path: Path,
                                    capsys: pytest.CaptureFixture[str]) -> None:
     d = tmp_path / "cap"
     shutil.copytree(ranks_capture["dir"], d, ignore=shutil.ignore_patterns("trainer"))
+    names = imanifest.file_names(STEP)
     if case == "missing landing":
         (d / "COMPLETE.1").unlink()
+    elif case == "linked part":  # the whole part directory moved out and linked back
+        shutil.move(d / "rank-1", tmp_path / "elsewhere")
+        (d / "rank-1").symlink_to(tmp_path / "elsewhere")
+    elif case in ("linked adapter", "linked optimizer", "short optimizer"):  # files a replay never reads
+        f = d / "rank-1" / names["adapter" if case == "linked adapter" else "optimizer"]  # (process 0's are read)
+        shutil.move(f, tmp_path / f.name)
+        if case.startswith("linked"):
+            f.symlink_to(tmp_path / f.name)
+        else:
+            f.write_bytes((tmp_path / f.name).read_bytes()[:-1])
     else:
         p = d / "rank-1" / f"optimizer_batch_step_{STEP:06d}.safetensors"
         data = bytearray(p.read_bytes())

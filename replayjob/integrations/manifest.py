@@ -316,6 +316,7 @@ def of(p: Path, sha: str, doc: Any) -> Manifest:
         part = read_verified(where, e["manifest_sha256"])
         if part.logical_sha256 != e["logical_batch_sha256"] or len(part.micro_batches) != e["micro_batches"]:
             raise IntegrityError(f"process {e['rank']}'s part does not match the root's record", where=where)
+        _check_part_files(d, part, e["rank"])
         parts.append(part)
     check_parts(parts)
     first = parts[0]
@@ -327,6 +328,24 @@ def of(p: Path, sha: str, doc: Any) -> Manifest:
     if doc["payload_sha256"] != ranks_digest([m.payload_digest for m in parts]):
         raise IntegrityError("the root's payload_sha256 is not the digest of its parts' payloads", where=p)
     return RootManifest(p, sha, doc, tuple(parts))
+
+
+def _check_part_files(d: Path, part: Manifest, rank: int) -> None:
+    """Every file a part pins, whether or not a replay reads it (the initial adapter and optimizer state are read
+    from process 0's part only): inside the capture, reached through no symbolic link, a regular file of its
+    pinned size."""
+    for role, spec in sorted(part.doc["files"].items()):
+        f = check_no_symlinks(d, part.file(role), what=f"process {rank}'s {role} file")
+        try:
+            size = f.stat().st_size if f.is_file() else None
+        except OSError:
+            size = None
+        if size is None:
+            raise IntegrityError(f"process {rank}'s {role} file is missing (or not a regular file)", where=f,
+                                 hint="keep every part of the capture together, as it was written")
+        if size != spec["size"]:
+            raise IntegrityError(f"process {rank}'s {role} file is {size} bytes, its manifest pins {spec['size']}",
+                                 where=f, hint="the file changed after capture; capture the step again")
 
 
 def build_root(parts: list[Manifest], micro_batches: list[int], *, rows: dict[str, Any], logical: str,
