@@ -230,3 +230,17 @@ def test_a_capture_whose_rank_directory_is_a_link_is_refused(tmp_path: Path) -> 
     with pytest.raises(IntegrityError) as e:
         rankrows.verify(root)  # what explain and replay run on a capture over ranks
     refused_for_the_link(e.value.exit_code, e.value.diagnostics(), link)
+
+
+@pytest.mark.parametrize("name", ["replay.toml", "replay_step_000000.toml"])
+def test_a_specs_capture_whose_replay_config_is_a_link_is_refused(ev: synthetic.Evidence, name: str,
+                                                                  tmp_path: Path) -> None:
+    """A spec's ``[capture]`` names a replay config inside the capture: read through no link (it was followed)."""
+    from replayjob.deploy.external import capture_pins
+    config = ev.source / name
+    config.write_text("# the capture's replay config\n")
+    if name == "replay.toml":  # control: the regular file is the capture's own
+        assert capture_pins(ev.source, name)[1] == ev.manifest_sha256
+    link_away(config, tmp_path / "outside")
+    with pytest.raises(IntegrityError, match="symbolic link"):
+        capture_pins(ev.source, name)

@@ -41,7 +41,7 @@ from replayjob.config.dump import replay_pins, set_args, toml_value
 from replayjob.deploy.ablation import AblationSpec
 from replayjob.determinism import ENV_MATH_MODE
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError
-from replayjob.fsio import atomic_write_bytes
+from replayjob.fsio import atomic_write_bytes, check_no_symlinks
 from replayjob.integrations import manifest as external_manifest
 from replayjob.jsonio import pretty_bytes, read_json_object
 from replayjob.knobs import BUILTIN, WORLD_SIZE, knobs_for
@@ -76,7 +76,7 @@ def capture_pins(directory: Path, replay_config: str) -> tuple[str, str, Path, i
         raise RefusedError(f"not a finished capture (no {metrics.SOURCE_FILE})", where=directory,
                            hint="capture.dir must name the directory a capture wrote (metrics.json is its last "
                                 "file), reachable at the same path from every step (the shared volume)")
-    config = directory / replay_config
+    config = check_no_symlinks(directory, directory / replay_config, what=f"the capture's {replay_config}")
     if replay_config == DEFAULT_REPLAY_CONFIG:
         logical, manifest, path = metrics.read_pins(directory)
         if not config.is_file():
