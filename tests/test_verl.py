@@ -211,3 +211,42 @@ def test_a_captured_step_replays_bitwise(vanilla: Path, tmp_path: Path, k: int) 
     assert src["final_adapter_sha256"] != src["initial_adapter_sha256"]  # the step changed the parameters
     assert metrics["optimizer_batch/final_adapter_sha256"] == src["final_adapter_sha256"]
     assert metrics["loss"] == src["loss"] and metrics["grad_norm"] == src["grad_norm"]
+
+
+# another policy loss and aggregation mode, with the entropy bonus and the KL loss, on a LoRA adapter; and a third
+# loss and mode with full fine-tuning.  One step each (step=K: replay.toml, metrics.json, final_adapter/).
+SCENARIOS = {
+    "lora-gspo-seq-mean-token-mean": {"loss_mode": "gspo", "agg": "seq-mean-token-mean", "lora": 4, "entropy": 0.01,
+                                      "kl": True},
+    "full-cispo-seq-mean-token-sum-norm": {"loss_mode": "cispo", "agg": "seq-mean-token-sum-norm"},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+def scenario(request: pytest.FixtureRequest, base: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    out = tmp_path_factory.mktemp(request.param) / "cap"
+    worker = build_worker(base, **SCENARIOS[request.param])
+    capture = rv.capture_actor_steps(worker, out, step=2)
+    trainer = TinyTrainer(worker)
+    for u in range(2):
+        trainer._update_actor(rollout_batch(200 + u))
+    assert capture.result.replay_toml == out / "replay.toml"
+    return request.param, out
+
+
+def test_losses_aggregations_and_lora_replay_bitwise(scenario: tuple[str, Path], tmp_path: Path) -> None:
+    name, out = scenario
+    src = json.loads((out / "metrics.json").read_text())
+    manifest = json.loads(next(out.glob("*.manifest.json")).read_text())
+    trainable = manifest["trainable"]
+    if SCENARIOS[name].get("lora"):
+        assert trainable and all("lora_" in n for n in trainable)  # the adapter only
+    else:
+        assert any(n.endswith("embed_tokens.weight") for n in trainable)  # every parameter
+    assert src["optimizer_batch/final_adapter_sha256"] != src["optimizer_batch/initial_adapter_sha256"]
+    assert main(["replay", str(out / "replay.toml"), "--out", str(tmp_path / "r")]) == 0
+    rep = json.loads((tmp_path / "r" / "replay_metrics.json").read_text())
+    assert rep["optimizer_batch/final_adapter_sha256"] == src["optimizer_batch/final_adapter_sha256"]
+    assert (tmp_path / "r" / "final_adapter" / "adapter_model.safetensors").read_bytes() == \
+        (out / "final_adapter" / "adapter_model.safetensors").read_bytes()
+    assert rep["loss"] == src["loss"]
