@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from replayjob import knobs
 from replayjob.errors import RefusedError, UsageError
-from replayjob.integrations import _files, _microbatch
+from replayjob.integrations import _files, _microbatch, trl_fields
 from replayjob.integrations import capture as cap
 from replayjob.integrations import ranks as iranks
 from replayjob.integrations.admission import Admission
@@ -71,22 +71,8 @@ TESTED = {"trl": "1.16.0"}
 # class in its config (TRAINER_KEY) and contract.
 TRAINERS = {"GRPOTrainer": "GRPOConfig", "RLOOTrainer": "RLOOConfig"}
 TRAINER_KEY = "trl_trainer"
-# GRPOConfig fields that define the update's math (absent ones in another TRL version are recorded as None).
-CONTRACT_KEYS = (
-    "loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "scale_rewards",
-    "num_iterations", "top_entropy_quantile", "mask_truncated_completions", "use_bias_correction_kl",
-    "max_grad_norm", "optim", "optim_args", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
-    "adam_epsilon", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "max_steps",
-    "gradient_accumulation_steps", "per_device_train_batch_size", "steps_per_generation", "num_generations",
-    "bf16", "fp16", "tf32", "entropy_coef", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
-    "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg", "off_policy_mask_threshold",
-)
-
-# With vLLM generation (use_vllm), TRL multiplies each token's loss by the importance-sampling ratio it computed from
-# the sampler's logprobs at generation time (in the captured inputs) when the correction is on: these settings join
-# the contract then (only then, so a capture without vLLM keeps its contract).
-VLLM_CONTRACT_KEYS = ("use_vllm", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-                      "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
+# Every GRPOConfig / RLOOConfig field is classified in trl_fields.FIELDS (contract, knob, irrelevant, refused): the
+# contract, what a replay's trainer is built with and what a capture may not set all come from that one table.
 
 
 class _Refused(RuntimeError):
@@ -168,7 +154,7 @@ def ignored(key: str) -> bool:
 def knob_refusals(adm: Admission) -> list[str]:
     """Why a declared TRL knob does not hold for this capture and replay (beyond being present and registered)."""
     t = (adm.resolved or {}).get(FRAMEWORK, {})
-    why = []
+    why = trl_fields.refusals(t)
     if knobs.TRL_USE_REENTRANT in adm.allowed and t.get("gradient_checkpointing") is not True:
         why.append(f"declared difference {knobs.TRL_USE_REENTRANT!r} is not present: the replay runs without "
                    "activation checkpointing, so no checkpoint function (reentrant or not) runs; declare it with "
@@ -351,9 +337,7 @@ def _resplit_refusals(adm: Admission) -> list[str]:
 def contract(resolved: dict[str, Any]) -> dict[str, Any]:
     """The TRL update's contract from a resolved config (pure: no TRL import)."""
     t = resolved.get(FRAMEWORK, {})
-    update = {k: t.get(k) for k in CONTRACT_KEYS}
-    if t.get("use_vllm"):
-        update.update({k: t.get(k) for k in VLLM_CONTRACT_KEYS})
+    update = {k: t.get(k) for k in trl_fields.contract_fields(t)}
     if resolved.get(TRAINER_KEY):  # RLOOTrainer: its own loss (a per-sequence mean); GRPO captures omit it
         if resolved[TRAINER_KEY] not in TRAINERS:
             raise RefusedError(f"unknown TRL trainer {resolved[TRAINER_KEY]!r}", where=TRAINER_KEY,
@@ -625,17 +609,18 @@ def _no_generation(*args: Any, **kwargs: Any) -> Any:
 
 
 _ALIASES = KNOB_ALIASES
-_DERIVED = ("generation_batch_size",)  # GRPOConfig derives it from steps_per_generation (both may not be passed)
-_LOCAL = ("output_dir", "logging_dir", "report_to")  # where the replay's trainer would write; never used
 
 
 def _grpo_config(values: dict[str, Any], out: Path, config_class: str = "GRPOConfig") -> Any:
     """A GRPOConfig (or ``config_class``) built from the captured (and overridden) values, checked to come out equal.
 
+    Only the contract and knob fields are passed (:func:`trl_fields.replayed_fields`); the fields irrelevant to the
+    update (generation, rewards, logging, ...) take TRL's defaults, so the replay never depends on them (a capture
+    with two reward functions and their ``reward_weights`` replays with one stand-in that refuses to be called).
     transformers' deprecated ``gradient_checkpointing*`` names are the ones replayjob compares (an override
     under the current ``activation_checkpointing*`` name is moved to them at admission,
     :func:`canonical_names`); their ``activation_checkpointing*`` twins are set from them.  Redacted values are not
-    passed.  Any field the installed TRL resolves to another value than the capture's is refused.
+    passed.  Any passed field the installed TRL resolves to another value than the capture's is refused.
     """
     import trl
 
@@ -645,7 +630,8 @@ def _grpo_config(values: dict[str, Any], out: Path, config_class: str = "GRPOCon
     if unknown:
         raise RefusedError(f"captured GRPOConfig keys {unknown[:5]} are unknown to the installed TRL",
                            where="trl", hint="replay with the TRL version the capture recorded")
-    kwargs = {k: v for k, v in values.items() if k not in (*_DERIVED, *_LOCAL) and v != REDACTED}
+    replayed = set(trl_fields.replayed_fields())
+    kwargs = {k: v for k, v in values.items() if k in replayed and v != REDACTED}
     for alias, name in _ALIASES.items():
         if name in values:
             kwargs[alias] = values[name]
@@ -655,7 +641,7 @@ def _grpo_config(values: dict[str, Any], out: Path, config_class: str = "GRPOCon
     args = config_cls(output_dir=str(out / "trainer"), report_to=[], **kwargs)
     built = _trl_config(args)
     off = sorted(k for k, v in values.items()
-                 if k not in (*_LOCAL, *_ALIASES, "use_vllm") and v != REDACTED and built.get(k) != v)
+                 if k in replayed and k not in (*_ALIASES, "use_vllm") and v != REDACTED and built.get(k) != v)
     if off:
         raise RefusedError(f"the installed TRL resolves GRPOConfig {off[:5]} to other values than the capture "
                            f"({[built.get(k) for k in off[:5]]} vs {[values[k] for k in off[:5]]})", where="trl",
