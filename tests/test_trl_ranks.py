@@ -188,3 +188,29 @@ def test_the_cluster_steps_refuse_a_capture_over_several_processes(ranks_capture
     capsys.readouterr()
     assert main(["step", "plan", "--spec", str(spec)]) == 2
     assert "ran on 2 processes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("field", "change"), [("rows", 1), ("micro_batches", 1), ("bytes", -4),
+                                               ("nonfinite_inputs", None)])
+def test_a_root_whose_rows_summary_lies_is_refused_even_when_pinned(field: str, change: int | None,
+                                                                    ranks_capture: dict[str, Any], tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The root is rewritten with a false summary of its parts' micro-batches and re-pinned: recomputed, refused."""
+    import json
+
+    from replayjob.digest import sha256_bytes
+    from replayjob.jsonio import canonical_bytes
+    d = tmp_path / "cap"
+    shutil.copytree(ranks_capture["dir"], d, ignore=shutil.ignore_patterns("trainer"))
+    root = d / f"optimizer_batch_step_{STEP:06d}.manifest.json"
+    doc = json.loads(root.read_text())
+    rows = doc["rows"]
+    rows[field] = (not rows[field]) if change is None else rows[field] + change
+    raw = canonical_bytes(doc) + b"\n"
+    root.write_bytes(raw)
+    sets = ["--set", f'optimizer_batch.replay_path="{root}"',
+            "--set", f'optimizer_batch.expected_manifest_sha256="{sha256_bytes(raw)}"']
+    capsys.readouterr()
+    assert main(["explain", str(ranks_capture["toml"]), *sets, *ONE_PROCESS]) == 2
+    text = capsys.readouterr()
+    assert f"rows.{field} is" in text.out + text.err and "Traceback" not in text.out + text.err, text.out + text.err

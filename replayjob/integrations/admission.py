@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from replayjob import knobs, tensorfile
+from replayjob.artifacts.document import check_summaries
 from replayjob.config import redact
 from replayjob.config.load import absolutize_paths, apply_overrides, build, read_toml
 from replayjob.config.schema import OptimizerBatchConfig
@@ -238,6 +239,12 @@ def _check_nonfinite(adm: Admission, m: Manifest, mbs: list[_microbatch.MicroBat
     """Inputs holding NaN/Inf replay only when the manifest flags them and the config opts in."""
     assert adm.cfg is not None
     found, flagged = _microbatch.has_nonfinite(mbs), bool(m.doc["rows"].get("nonfinite_inputs", False))
+    try:  # the manifest's (or the root's) rows block summarises the micro-batches: recomputed from them
+        check_summaries({"nonfinite_inputs": False, **m.doc["rows"]},
+                        {**_microbatch.rows_summary(mbs), "nonfinite_inputs": found}, where=m.path, what="rows")
+    except IntegrityError as exc:
+        adm.refuse(f"{m.path}: {exc.message}", integrity=True)
+        return
     if found != flagged:
         adm.refuse(f"{m.file('payload')}: the inputs {'hold' if found else 'hold no'} non-finite values but the "
                    f"manifest's rows.nonfinite_inputs says {str(flagged).lower()}", integrity=True)
