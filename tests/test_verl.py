@@ -16,6 +16,9 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -93,7 +96,8 @@ def verl_worker_env() -> Iterator[None]:
     """The rank variables verl's Worker reads (a Ray worker has them), set for its construction only: verl's
     Worker writes them into os.environ, and the replays later in this process are not launched processes."""
     saved = dict(os.environ)
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"})
     try:
         yield
     finally:
@@ -250,3 +254,89 @@ def test_losses_aggregations_and_lora_replay_bitwise(scenario: tuple[str, Path],
     assert (tmp_path / "r" / "final_adapter" / "adapter_model.safetensors").read_bytes() == \
         (out / "final_adapter" / "adapter_model.safetensors").read_bytes()
     assert rep["loss"] == src["loss"]
+
+
+def test_explain_replay_reduce_through_the_cli_in_fresh_processes(vanilla: Path, tmp_path: Path) -> None:
+    """The commands a verl user runs, each in its own process: explain, two replays (one with in-process warm
+    repeats), then reduce's bitwise and exact-input claims against the capture's step record."""
+    toml = vanilla / "replay_step_000002.toml"
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "replayjob", *argv], capture_output=True, text=True,
+                              timeout=300, check=False)
+
+    proc = cli("explain", str(toml), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["admitted"] and report["framework"] == "verl" and report["manifest"]["step"] == 2
+    for i, extra in enumerate(([], ["--set", "optimizer_batch.warmup_updates=1",
+                                     "--set", "optimizer_batch.measured_updates=2"])):
+        proc = cli("replay", str(toml), "--out", str(tmp_path / "r" / f"repeat-{i:03d}"), "--repeat-index", str(i),
+                   *extra)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    warm = json.loads((tmp_path / "r" / "repeat-001" / "replay_metrics.json").read_text())["in_process"]
+    assert warm["measured_updates"] == 2 and warm["loss_equal"] is True
+    for claim in ("bitwise", "exact-input"):
+        verdict = tmp_path / f"{claim}.json"
+        assert main(["reduce", str(tmp_path / "r"), "--claim", claim, "--source", str(vanilla), "--source-step",
+                     "2", "--min-repeats", "2", "--out", str(verdict)]) == 0, verdict.read_text()
+        doc = json.loads(verdict.read_text())
+        checks = {c["name"]: c for c in doc["checks"]}
+        assert checks["inputs.capture_pins"]["status"] == "pass"
+        assert checks["inputs.capture_pins"]["expected"]["framework"] == "verl"
+
+
+def test_admission_refuses_a_changed_update_and_a_tampered_payload(vanilla: Path, tmp_path: Path) -> None:
+    toml = vanilla / "replay_step_000001.toml"
+    # a contract field of the loss: refused, not replayed
+    assert main(["explain", str(toml), "--set", "verl.actor.clip_ratio_high=0.3"]) == 2
+    assert main(["replay", str(toml), "--out", str(tmp_path / "r"), "--set", "verl.actor.loss_agg_mode=token-sum",
+                 "--set", 'optimizer_batch.allow_config_differences=["verl.actor.loss_agg_mode"]']) == 2
+    assert not (tmp_path / "r").exists()
+    # a key the capture did not record (an irrelevant field) cannot be set
+    assert main(["explain", str(toml), "--set", "verl.actor.ppo_epochs=2"]) == 2
+    copy = tmp_path / "cap"
+    shutil.copytree(vanilla, copy)
+    payload = copy / "optimizer_batch_step_000001.safetensors"
+    data = bytearray(payload.read_bytes())
+    data[-1] ^= 1
+    payload.write_bytes(bytes(data))
+    text = (copy / "replay_step_000001.toml").read_text().replace(str(vanilla), str(copy))
+    (copy / "replay_step_000001.toml").write_text(text)
+    assert main(["explain", str(copy / "replay_step_000001.toml")]) == 2
+
+
+def test_every_verl_config_field_is_classified() -> None:
+    """The declaration covers exactly the installed verl's fields: a new field fails here (and a capture of a config
+    that has it is refused), a field verl dropped is reported as stale."""
+    import dataclasses
+    import importlib
+
+    from replayjob.integrations.verl_fields import FIELDS, KINDS, SECTIONS
+
+    for section, (module, name) in SECTIONS.items():
+        cls = getattr(importlib.import_module(module), name)
+        have = {f.name for f in dataclasses.fields(cls)}
+        assert sorted(have - set(FIELDS[section])) == [], f"unclassified verl.{section} fields"
+        assert sorted(set(FIELDS[section]) - have) == [], f"stale verl.{section} entries"
+        for field_name, f in FIELDS[section].items():
+            assert f.kind in KINDS, (section, field_name)
+            assert f.kind in ("contract",) or f.why, (section, field_name)  # every other class says why
+
+
+def test_a_capture_refuses_an_unclassified_field_and_a_refused_value(base: Path) -> None:
+    import dataclasses
+
+    from verl.workers.config import FSDPOptimizerConfig
+
+    from replayjob.errors import CaptureError
+
+    planted = dataclasses.make_dataclass("PlantedOptimizerConfig", [("new_knob", int, dataclasses.field(default=1))],
+                                         bases=(FSDPOptimizerConfig,))
+    with pytest.raises(CaptureError, match=r"verl\.optim\.new_knob is not classified"):
+        rv.section_values("optim", planted())
+    from verl.workers.config import HFModelConfig
+
+    model = HFModelConfig(path=str(base), load_tokenizer=False, trust_remote_code=True)
+    with pytest.raises(CaptureError, match=r"verl\.model\.trust_remote_code = True is not replayed"):
+        rv.section_values("model", model)

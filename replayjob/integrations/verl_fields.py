@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 CONTRACT, KNOB, IRRELEVANT, REFUSED = "contract", "knob", "irrelevant", "refused"
+KINDS = (CONTRACT, KNOB, IRRELEVANT, REFUSED)
 
 #: section -> (module, class) of the dataclass whose fields it records
 SECTIONS: dict[str, tuple[str, str]] = {

@@ -5,7 +5,8 @@ its device calls fail.  :func:`use_cpu` registers a CPU platform through verl's 
 (``verl.plugin.platform.set_platform``, before anything asks for the platform), registers verl's
 ``FSDPEngineWithLMHead`` for the device ``cpu`` in verl's ``EngineRegistry`` (which lists only cuda/npu), and
 initialises ``torch.distributed`` with gloo when no process group exists (verl's engine calls collectives even
-on one process; under ``torchrun`` the launcher's ``RANK``/``WORLD_SIZE`` are used).  On a machine with CUDA
+on one process; under ``torchrun`` the launcher's rendezvous is used, else a free local port; the environment is
+left as it was).  On a machine with CUDA
 nothing here is needed: verl picks its own platform.
 
 What the platform reports: device ``cpu``, backend ``gloo``, no IPC, no profiler ranges, memory figures 0
@@ -161,11 +162,10 @@ def use_cpu() -> None:
             if "cpu" not in registry:
                 EngineRegistry.register(model_type="language_model", backend=backend, device="cpu")(
                     FSDPEngineWithLMHead)
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("gloo", rank=int(os.environ.get("RANK", "0")),
+    if not dist.is_initialized():  # a launcher's rendezvous (torchrun), else one process on a free local port
+        launched = "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
+        dist.init_process_group("gloo", init_method=None if launched else f"tcp://127.0.0.1:{_free_port()}",
+                                rank=int(os.environ.get("RANK", "0")),
                                 world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
 
