@@ -1,0 +1,250 @@
+"""Every declared document (``replayjob.artifacts``) is fuzzed from its declaration.
+
+Two properties, for every :class:`~replayjob.artifacts.document.Document` in the package:
+
+* **Nothing is left open.** Every number is bounded (integers within 64 bits, floats finite), nothing is
+  typed ``Any``: a field added without its range fails here, before an attack finds it.
+* **Every field refuses what it must.** From one valid document per declaration, each field in turn is
+  replaced by values its declared type must refuse (a bool or a float where an integer is declared, a
+  string for a number, NaN and the infinities, one past each bound, ``null`` where it is not allowed, a
+  wrong schema), removed when it is required, and an unknown key is added: each is refused by
+  :func:`~replayjob.artifacts.document.decode` with an :class:`IntegrityError` naming the file and the field.
+  Hypothesis then mutates nested values (lists, mappings, sub-documents) at random the same way.
+
+The mutations are chosen from the field's declared type, never filtered by trying them: the first property
+fails on a declaration weakened to an unbounded type, the second on a reader that does not enforce what is
+declared.  The documents' summaries (a flag or rate recomputed from its figures) are refused through the same
+path; their own cases are in the tests of each document (test_contention.py, test_optbatch.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import math
+import pkgutil
+import sys
+from typing import Any
+
+import msgspec
+import msgspec.inspect as mi
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import replayjob.artifacts
+from replayjob.artifacts.document import Document, decode
+from replayjob.contention import Probe
+from replayjob.errors import IntegrityError
+
+FLOAT_MAX = sys.float_info.max
+
+
+def declared() -> list[type[Document]]:
+    out = []
+    for info in pkgutil.iter_modules(replayjob.artifacts.__path__):
+        mod = importlib.import_module(f"replayjob.artifacts.{info.name}")
+        out += [c for _, c in inspect.getmembers(mod, inspect.isclass)
+                if issubclass(c, Document) and c is not Document and c.__module__ == mod.__name__]
+    return out
+
+
+def contention_record() -> dict[str, Any]:
+    with Probe("cpu") as probe:
+        sum(range(10_000))
+    return probe.record()
+
+
+# One valid document per top-level declaration (a sub-document is exercised inside its parent).
+VALID: dict[str, Any] = {
+    "ContentionRecord": contention_record,
+    "TolerancesFile": lambda: {"update_cosine_min": 0.99, "relative_delta_l2_max": 0.1},
+    "BoundFile": lambda: {"max_abs_log_ratio": 1e-4, "max_kl": 1e-8, "band": 0.001, "max_outside_share": 0.0},
+}
+NESTED = {"CudaProcess", "CudaFigures"}  # reached through ContentionRecord.cuda (a CUDA record below)
+
+
+def test_every_declaration_has_a_valid_example_or_a_parent() -> None:
+    names = {c.__name__ for c in declared()}
+    assert names == set(VALID) | NESTED, names ^ (set(VALID) | NESTED)
+
+
+def _open_ends(t: mi.Type, at: str) -> list[str]:
+    """Where the declared type ``t`` leaves a number unbounded or a value untyped."""
+    if isinstance(t, mi.AnyType):
+        return [f"{at}: Any"]
+    if isinstance(t, mi.IntType):
+        lo = t.ge if t.ge is not None else (t.gt + 1 if t.gt is not None else None)
+        hi = t.le if t.le is not None else (t.lt - 1 if t.lt is not None else None)
+        ok = lo is not None and hi is not None and lo >= -(2**63) and hi <= 2**63 - 1
+        return [] if ok else [f"{at}: integer without 64-bit bounds"]
+    if isinstance(t, mi.FloatType):
+        lo = t.ge if t.ge is not None else t.gt
+        hi = t.le if t.le is not None else t.lt
+        ok = lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi)
+        return [] if ok else [f"{at}: float without finite bounds (NaN or an infinity would pass)"]
+    if isinstance(t, mi.UnionType):
+        return [x for m in t.types for x in _open_ends(m, at)]
+    if isinstance(t, mi.ListType | mi.SetType | mi.FrozenSetType | mi.VarTupleType):
+        return _open_ends(t.item_type, f"{at}[]")
+    if isinstance(t, mi.DictType):
+        return _open_ends(t.key_type, f"{at}{{key}}") + _open_ends(t.value_type, f"{at}{{}}")
+    if isinstance(t, mi.StructType):
+        return [x for f in t.fields for x in _open_ends(f.type, f"{at}.{f.name}")]
+    return []
+
+
+@pytest.mark.parametrize("kind", declared(), ids=lambda c: c.__name__)
+def test_no_declared_field_is_left_open(kind: type[Document]) -> None:
+    ti = mi.type_info(kind)
+    assert isinstance(ti, mi.StructType) and ti.forbid_unknown_fields
+    # a float field summarising thresholds is a mapping of named constants, compared whole with the constants
+    exempt = {"ContentionRecord.thresholds{}"}
+    assert [e for e in _open_ends(ti, kind.__name__) if e.split(":")[0] not in exempt] == []
+
+
+def refused_values(t: mi.Type) -> list[Any]:
+    """Values the declared type ``t`` must refuse, from the type alone."""
+    if isinstance(t, mi.UnionType):
+        nullable = any(isinstance(m, mi.NoneType) for m in t.types)
+        members = [m for m in t.types if not isinstance(m, mi.NoneType)]
+        out = [v for m in members for v in refused_values(m) if v is not None]
+        return out if nullable else [*out, None]
+    out: list[Any] = [None]
+    if isinstance(t, mi.IntType):
+        out += [True, 1.5, 2.0, "1"]
+        if t.ge is not None:
+            out.append(t.ge - 1)
+        if t.le is not None:
+            out.append(t.le + 1)
+    elif isinstance(t, mi.FloatType):
+        out += [True, "1.0", math.nan, math.inf, -math.inf]
+        if t.ge is not None and t.ge > -FLOAT_MAX:
+            out.append(t.ge - max(1.0, abs(t.ge)))
+        if t.gt is not None:
+            out.append(t.gt)
+        if t.le is not None and t.le < FLOAT_MAX:
+            out.append(t.le + max(1.0, abs(t.le)))
+    elif isinstance(t, mi.StrType):
+        out += [1, True]
+        if t.min_length:
+            out.append("")
+    elif isinstance(t, mi.BoolType):
+        out += [1, 0, "true"]
+    elif isinstance(t, mi.LiteralType):
+        out += ["replayjob.unknown/v0", 7]
+    elif isinstance(t, mi.ListType):
+        out += ["x", {}]
+        if t.min_length:
+            out.append([])
+    elif isinstance(t, mi.DictType):
+        out += [[], "x"]
+    elif isinstance(t, mi.StructType):
+        out += [[], "x", {"unknown": 1}]
+    return out
+
+
+def cases() -> list[tuple[str, str, int | str]]:
+    out: list[tuple[str, str, int | str]] = []
+    for kind in declared():
+        if kind.__name__ not in VALID:
+            continue
+        for f in mi.type_info(kind).fields:  # type: ignore[attr-defined]
+            out += [(kind.__name__, f.name, i) for i in range(len(refused_values(f.type)))]
+            if f.required:
+                out.append((kind.__name__, f.name, "absent"))
+    return out
+
+
+KINDS = {c.__name__: c for c in declared()}
+EXAMPLES = {name: make() for name, make in VALID.items()}
+
+
+@pytest.mark.parametrize(("name", "field", "which"), cases(), ids=lambda x: str(x))
+def test_each_field_refuses_what_its_declaration_refuses(name: str, field: str, which: Any) -> None:
+    kind, doc = KINDS[name], copy.deepcopy(EXAMPLES[name])
+    decode(copy.deepcopy(doc), kind, where="doc.json")  # the example itself is valid
+    if which == "absent":
+        del doc[field]
+    else:
+        ftype = next(f.type for f in mi.type_info(kind).fields if f.name == field)  # type: ignore[attr-defined]
+        doc[field] = refused_values(ftype)[which]
+    with pytest.raises(IntegrityError) as info:
+        decode(doc, kind, where="doc.json")
+    text = info.value.diagnostics()
+    assert text.startswith("doc.json: ") and "Traceback" not in text
+    # the field is named: by its path, or by a rule about it (a summary recomputed from it)
+    assert field in text or "summarises" in text, text
+
+
+@pytest.mark.parametrize("name", sorted(VALID))
+def test_an_unknown_field_is_refused(name: str) -> None:
+    doc = {**copy.deepcopy(EXAMPLES[name]), "trust_me": True}
+    with pytest.raises(IntegrityError, match="unknown field `trust_me`"):
+        decode(doc, KINDS[name], where="doc.json")
+
+
+def _paths(value: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every nested position of ``value`` (its own position included)."""
+    out = [at]
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += _paths(v, (*at, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += _paths(v, (*at, i))
+    return out
+
+
+CUDA = {"device": "cuda:0", "read_by": "nvidia-smi", "note": "",
+        "processes_before": [{"pid": 7, "used_bytes": 2**20}], "processes_after": [{"pid": 7, "used_bytes": None}],
+        "other_processes": 0}
+
+
+def cuda_record() -> dict[str, Any]:
+    from replayjob.contention import decide
+    rec = {**copy.deepcopy(EXAMPLES["ContentionRecord"]), "device": "cuda:0", "cuda": copy.deepcopy(CUDA)}
+    rec["reasons"] = decide(rec)
+    rec["contended"] = bool(rec["reasons"])
+    return rec
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_nested_mutations_are_refused(data: st.DataObject) -> None:
+    """A random nested position of a valid document (a CUDA contention record reaches the sub-documents) is
+    replaced by a value of another JSON kind, or removed: refused, or read as exactly what was written."""
+    name = data.draw(st.sampled_from([*sorted(VALID), "cuda"]))
+    doc = cuda_record() if name == "cuda" else copy.deepcopy(EXAMPLES[name])
+    kind = KINDS["ContentionRecord" if name == "cuda" else name]
+    decode(copy.deepcopy(doc), kind, where="doc.json")
+    path = data.draw(st.sampled_from([p for p in _paths(doc) if p]))
+    parent = doc
+    for k in path[:-1]:
+        parent = parent[k]
+    swap: Any = data.draw(st.sampled_from(["absent", None, True, -1, 2**64, 1.5, math.nan, "", "x", [], {}]))
+    if swap == "absent":
+        if isinstance(parent, list):
+            parent.pop(path[-1])
+        else:
+            del parent[path[-1]]
+    else:
+        parent[path[-1]] = swap
+    try:
+        got = decode(doc, kind, where="doc.json")
+    except IntegrityError as exc:
+        assert exc.where == "doc.json" and exc.message
+        return
+    # accepted: only where the declaration allows the value, and then it reads back exactly as written
+    assert msgspec.to_builtins(got) == doc or _nan_equal(msgspec.to_builtins(got), doc)
+
+
+def _nan_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_nan_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_nan_equal(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
