@@ -340,3 +340,25 @@ def test_a_capture_refuses_an_unclassified_field_and_a_refused_value(base: Path)
     model = HFModelConfig(path=str(base), load_tokenizer=False, trust_remote_code=True)
     with pytest.raises(CaptureError, match=r"verl\.model\.trust_remote_code = True is not replayed"):
         rv.section_values("model", model)
+
+
+def test_the_config_switch_captures_the_actor_worker_it_is_imported_in(base: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl_hook, imported as verl imports an ``external_lib`` in a worker, instruments the worker whose loss is the
+    actor's ppo_loss when the environment asks for a capture, and nothing when it does not."""
+    import importlib
+
+    hook = importlib.import_module("replayjob.integrations.verl_hook")
+    hook.install()  # idempotent: the import installed it already
+    worker = build_worker(base)  # the environment asks for nothing
+    assert getattr(worker, hook.ATTRIBUTE, None) is None
+    monkeypatch.setenv(hook.DIR_ENV, str(tmp_path / "cap"))
+    monkeypatch.setenv(hook.STEPS_ENV, "1")
+    worker = build_worker(base)
+    TinyTrainer(worker)._update_actor(rollout_batch(7))
+    capture = getattr(worker, hook.ATTRIBUTE)
+    assert capture.result.replay_toml == tmp_path / "cap" / "replay.toml"
+    assert main(["explain", str(capture.result.replay_toml)]) == 0
+    monkeypatch.setenv(hook.STEPS_ENV, "one")
+    with pytest.raises(Exception, match="must be step numbers"):
+        build_worker(base)

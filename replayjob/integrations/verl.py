@@ -23,7 +23,8 @@ JSON (never verl's pickle dumps); the engine's systems settings that travel in t
 (``use_remove_padding``, ``use_dynamic_bsz``, ``micro_batch_size_per_gpu``, ``max_token_len_per_gpu``,
 ``use_fused_kernels``) are checked against the engine config and recorded there; the Torch RNG state right
 before the step; the trainable parameters (the LoRA adapter, or every parameter for full fine-tuning) and the
-AdamW state as full tensors (gathered from FSDP2's DTensors); the LR scheduler state; and the four config
+AdamW state as full tensors (gathered from FSDP2's DTensors); the LR scheduler state (in ``framework_state``: verl
+steps it once per update, not once per optimizer step); and the four config
 sections of :mod:`replayjob.integrations.verl_fields` (every field classified).
 
 Replay (:func:`build_replay`) runs without Ray and without rollout: it builds verl's FSDP engine
@@ -39,6 +40,7 @@ tensordict only inside functions, so ``explain`` uses :func:`contract` without t
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import enum
 import functools
@@ -395,10 +397,14 @@ class VerlCapture:
     def _open(self, k: int, position: dict[str, int]) -> cap.StepCapture | None:
         if k not in self.steps:
             return None
+        # verl steps its LR scheduler once per update (after the last mini-batch), not once per optimizer step: its
+        # state travels in framework_state, where it means what verl means by it (restore_state loads it)
         live: dict[str, Any] = {"model": FullParameters(self.engine.module),
-                                "optimizer": FullOptimizer(self.engine.optimizer),
-                                "scheduler": self.engine.lr_scheduler}
-        state = {"position": position, "optimizer_step": k, "world_size": 1}
+                                "optimizer": FullOptimizer(self.engine.optimizer), "scheduler": None}
+        sched = self.engine.lr_scheduler
+        state = {"position": position, "optimizer_step": k, "world_size": 1,
+                 "lr_scheduler": None if sched is None else _microbatch.captured_json(sched.state_dict(),
+                                                                                       "verl LR scheduler state")}
         if self._chosen is not None:
             return self._chosen.at(k, framework_state=state, **live)
         return cap.StepCapture(self._out, step=k, framework=FRAMEWORK, base_model_dir=self.base_dir,
@@ -606,8 +612,12 @@ def restore_state(adm: Admission, session: VerlSession) -> None:
             if isinstance(t, torch.Tensor) and t.dim() > 0:
                 entry[key] = placed(t, ordered[i])
     session.optimizer.load_state_dict(state)
-    if doc["scheduler"] is not None:
-        session.scheduler.load_state_dict(doc["scheduler"])
+    sched = m.doc["framework_state"].get("lr_scheduler")
+    if (sched is None) != (session.scheduler is None):
+        raise ContractError("the capture and the rebuilt engine disagree on whether there is an LR scheduler",
+                            where=m.path)
+    if sched is not None:
+        session.scheduler.load_state_dict(copy.deepcopy(sched))
 
 
 def build_replay(adm: Admission, out: Path) -> VerlSession:
