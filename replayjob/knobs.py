@@ -156,6 +156,18 @@ def _no_dropout(source: Config, replay: Config) -> str | None:
     return None
 
 
+def _regroupable(source: Config, replay: Config) -> str | None:
+    """No dropout (:func:`_no_dropout`) and no router loss: an MoE model's load-balancing loss is a product of
+    per-micro-batch means, so regrouping rows into other micro-batches or ranks changes it."""
+    why = _no_dropout(source, replay)
+    coefs = sorted({c.model.router_aux_loss_coef for c in (source, replay) if c.model.router_aux_loss_coef})
+    if why is None and coefs:
+        return (f"model.router_aux_loss_coef = {coefs[0]} adds a load-balancing loss computed per micro-batch (a "
+                "product of the micro-batch's expert shares and mean router probabilities), which regrouping the rows "
+                "changes")
+    return why
+
+
 def _no_dropout_in_model(model: Any) -> str | None:
     """Every dropout module with p > 0 and every ``*dropout*`` config attribute > 0 of the built model."""
     from torch.nn.modules.dropout import _DropoutNd
@@ -343,7 +355,7 @@ _KNOBS = (
     Knob("training.micro_batch_size",
          "loss weights already carry the batch normalisation, padded positions carry zero weight and "
          "are masked from attention, and gradients of a sum of micro-batch losses are the sum of "
-         "their gradients", _no_dropout, observe=_observe_micro_batch, model_condition=_no_dropout_in_model,
+         "their gradients", _regroupable, observe=_observe_micro_batch, model_condition=_no_dropout_in_model,
          predict=_predict_micro_batch),
     Knob("backend.options.attn_implementation",
          "eager and sdpa compute the same softmax(QK^T / sqrt(d) + mask) V; only the kernel "
@@ -352,13 +364,13 @@ _KNOBS = (
     Knob(WORLD_SIZE,
          "every rank processes a disjoint shard of the same logical rows and the loss weights are normalised over "
          "the whole logical batch, so the gradient is the sum of the same per-row gradients however the rows are "
-         "split; only the floating-point summation order changes", _no_dropout, observe=_observe_world_size,
+         "split; only the floating-point summation order changes", _regroupable, observe=_observe_world_size,
          model_condition=_no_dropout_in_model, predict=_predict_world_size),
     Knob(STRATEGY,
          "one process accumulates the per-row gradients itself, DDP sums the ranks' accumulated gradients with an "
          "all-reduce (a sum hook replaces DDP's average, the loss weights being normalised already), FSDP2 "
          "reduce-scatters the same sums into parameter shards (divide factor 1) and clips on the global norm; the "
-         "same rows and weights, only where and in which order the sums are taken changes", _no_dropout,
+         "same rows and weights, only where and in which order the sums are taken changes", _regroupable,
          observe=_observe_strategy, model_condition=_no_dropout_in_model, predict=_predict_strategy),
     Knob(BUCKET_CAP_MB,
          "groups gradient elements into all-reduce messages; each element is still the sum of the same per-rank "

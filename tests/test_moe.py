@@ -330,3 +330,30 @@ def test_experts_kernel_arm_is_judged_with_routing_held(moe_runs: dict[str, Any]
     rc, rep = trace_diff(capsys, moe_runs["free"], moe_runs["batched"])
     assert rep["routing"]["flipped"] == 0 and rep["classification"] in ("equal", "noise")
     assert rep["routing"]["attribution"] == ("identical" if rc == 0 else "identical-routing")
+
+
+def test_router_loss_is_part_of_the_contract_and_the_update(moe_runs: dict[str, Any], tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    aux = ["--set", "model.router_aux_loss_coef=0.01"]
+    src = tmp_path / "source"
+    assert main(["capture", str(moe_runs["ws"] / "source.toml"), "--out", str(src), *MOE, *aux]) == 0
+    m, plain = metrics(src, "metrics.json"), metrics(moe_runs["source"], "metrics.json")
+    assert m["optimizer/logical_batch_sha256"] == plain["optimizer/logical_batch_sha256"]  # the same rows
+    assert m["loss"] > plain["loss"]  # the load-balancing term is positive
+    assert m["optimizer_batch/final_adapter_sha256"] != plain["optimizer_batch/final_adapter_sha256"]
+    manifest = json.loads((src / m["optimizer_batch/manifest_path"]).read_text())
+    assert manifest["contract"]["value"]["loss"]["router_aux_loss_coef"] == 0.01
+    cfg = str(moe_runs["ws"] / "replay.toml")
+    aux += ["--set", f'optimizer_batch.replay_path="{src / m["optimizer_batch/manifest_path"]}"']
+    assert main(["replay", cfg, "--out", str(tmp_path / "same"), *replay_pins(src), *MOE, *aux]) == 0
+    same = metrics(tmp_path / "same")
+    assert same["optimizer_batch/final_adapter_sha256"] == m["optimizer_batch/final_adapter_sha256"]
+    capsys.readouterr()
+    assert main(["replay", cfg, "--out", str(tmp_path / "off"), *replay_pins(src), *MOE, *aux[2:]]) == 2
+    assert "router_aux_loss_coef" in capsys.readouterr().err
+    assert main(["replay", cfg, "--out", str(tmp_path / "mb1"), *replay_pins(src), *MOE, *aux,
+                 "--set", "training.micro_batch_size=1",
+                 "--set", 'optimizer_batch.allow_config_differences=["training.micro_batch_size"]']) == 2
+    assert "load-balancing loss computed per micro-batch" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="no router"):
+        load_backend("hf").build(load_config(None, ["training.seed=1", "model.router_aux_loss_coef=0.01"]))

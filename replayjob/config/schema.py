@@ -187,6 +187,10 @@ class ModelConfig:
     experts_implementation: Literal["eager", "batched_mm", "grouped_mm"] = doc(
         "MoE models: transformers' experts kernel (a loop over experts, batched or grouped matmul; "
         "systems-only knob).", "eager")
+    router_aux_loss_coef: float = doc(
+        "MoE models: coefficient of the load-balancing router loss (transformers' load_balancing_loss_func over "
+        "each micro-batch's real tokens) added to each micro-batch's loss; 0 disables it. Part of the optimizer "
+        "contract; with it on, micro-batches and ranks cannot be regrouped (docs/moe.md).", 0.0)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -196,6 +200,8 @@ class ModelConfig:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ConfigError("hidden_size must divide by num_heads, num_heads by num_kv_heads",
                               where="model")
+        if not 0.0 <= self.router_aux_loss_coef < float("inf"):
+            raise ConfigError("must be a finite number >= 0 (0 disables it)", where="model.router_aux_loss_coef")
         if not 1 <= self.num_experts_per_tok < self.num_experts:
             raise ConfigError(f"must be in [1, num_experts) (num_experts = {self.num_experts}): a router that "
                               "picks every expert has nothing to route", where="model.num_experts_per_tok")

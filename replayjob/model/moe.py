@@ -485,6 +485,9 @@ def attach(model: torch.nn.Module, cfg: Config) -> Routing | None:
     found = routers(model)
     mode = cfg.model.routing
     if not found:
+        if cfg.model.router_aux_loss_coef:
+            raise ConfigError("a router loss needs a mixture-of-experts model; this one has no router",
+                              where="model.router_aux_loss_coef", hint="set it to 0 for a dense model")
         if mode == "forced":
             raise ConfigError("model.routing = 'forced' needs a mixture-of-experts model; this one has no router",
                               where="model.routing", hint="set model.architecture = 'qwen3_moe' or leave routing free")

@@ -32,8 +32,10 @@ def _model_reference(cfg: Config) -> dict[str, Any]:
     m = to_dict(cfg.model)
     if cfg.model.path:
         return {"kind": "local", "path": cfg.model.path}
-    keys = ("init_seed", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-            "max_position_embeddings")
+    keys: tuple[str, ...] = ("init_seed", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                             "num_kv_heads", "max_position_embeddings")
+    if cfg.model.architecture != "llama":  # a mixture-of-experts model (docs/moe.md); a dense one's is unchanged
+        keys += ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
     return {"kind": "builtin-tiny", **{k: m[k] for k in keys}}
 
 
@@ -57,6 +59,9 @@ def optimizer_contract(cfg: Config) -> dict[str, Any]:
         "strict_deterministic": opts.strict_deterministic,
         "math_mode": determinism.math_mode_from_env(opts.strict_deterministic),
     }
+    if cfg.model.architecture != "llama" or cfg.model.router_aux_loss_coef:  # the router loss (docs/moe.md)
+        loss: dict[str, Any] = contract["loss"]  # type: ignore[assignment]
+        loss["router_aux_loss_coef"] = cfg.model.router_aux_loss_coef
     out: dict[str, Any] = redact(contract)
     return out
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from replayjob.config import Config
+from replayjob.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +35,19 @@ def response_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: T
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False).logits
     return logits[:, :-1, :].float()
+
+
+def response_logits_and_aux(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor,
+                                                                                                       Tensor]:
+    """:func:`response_logits` and the MoE model's load-balancing router loss of the same forward (transformers'
+    ``aux_loss`` under ``output_router_logits``, over the real tokens of ``attention_mask``)."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                output_router_logits=True)
+    if out.aux_loss is None:
+        raise ConfigError("the model reports no router loss (not a mixture-of-experts model)",
+                          where="model.router_aux_loss_coef", hint="set it to 0 for a dense model")
+    return out.logits[:, :-1, :].float(), out.aux_loss
 
 
 def logprobs_of(logits: Tensor, target: Tensor, temperature: float = 1.0) -> Tensor:

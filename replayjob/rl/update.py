@@ -25,7 +25,7 @@ from replayjob.errors import ConfigError
 from replayjob.model.backend import Policy
 from replayjob.rl import stages
 from replayjob.rl.batch import MicroBatch, OptimizerBatch, micro_batches
-from replayjob.rl.logprobs import logprob_temperature, token_logprobs
+from replayjob.rl.logprobs import logprob_temperature, logprobs_of, response_logits_and_aux, token_logprobs
 
 if TYPE_CHECKING:
     import torch
@@ -120,11 +120,18 @@ class Update:
         with contextlib.nullcontext() if self.parallel is None else self.parallel.micro_batch(last=last), routed:
             if before_loss is not None:
                 before_loss()
-            logp = token_logprobs(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev), self.temperature)
+            aux_coef = self.cfg.model.router_aux_loss_coef
+            if aux_coef:  # an MoE model's load-balancing loss, per micro-batch as transformers adds it
+                logits, aux = response_logits_and_aux(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev))
+                logp = logprobs_of(logits, mb.input_ids[:, 1:].to(dev), self.temperature)
+            else:
+                logp = token_logprobs(self.model, mb.input_ids.to(dev), mb.attention_mask.to(dev), self.temperature)
             m = mb.resp_mask.to(dev)
             loss = stages.policy_loss(logp, mb.old_logprobs.to(dev), mb.advantages.to(dev),
                                       mb.loss_weights.to(dev), clip_low=a.clip_eps_low, clip_high=a.clip_eps_high,
                                       ref_logp=mb.ref_logprobs.to(dev), kl_coef=a.kl_loss_coef)
+            if aux_coef:
+                loss = loss + aux_coef * aux.to(loss.dtype)
             _sync(dev)
             t1 = time.perf_counter()
             loss.backward()
