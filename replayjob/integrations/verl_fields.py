@@ -248,3 +248,21 @@ def classify(section: str, name: str) -> Field | None:
 def knob_keys() -> list[str]:
     """The dotted keys classified as systems knobs (each registered in :mod:`replayjob.knobs`)."""
     return [f"verl.{s}.{n}" for s, fields in FIELDS.items() for n, f in fields.items() if f.kind == KNOB]
+
+
+DOC_BEGIN, DOC_END = "<!-- verl-fields: begin -->\n", "<!-- verl-fields: end -->"
+
+
+def table() -> str:
+    """The classification as the Markdown table docs/verl.md carries between :data:`DOC_BEGIN` and :data:`DOC_END`
+    (``python -m replayjob.integrations.verl_fields`` prints it; a test checks the page against it)."""
+    rows = ["| Field | Class | Why / rule |", "|---|---|---|"]
+    for section, fields in FIELDS.items():
+        for name, f in fields.items():
+            why = f.why.replace("|", "\\|") if f.kind != CONTRACT else "defines the update's math"
+            rows.append(f"| `verl.{section}.{name}` | {f.kind} | {why} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(table(), end="")

@@ -1,0 +1,32 @@
+"""docs/verl.md carries the classification table of every verl config field exactly as verl_fields declares it.
+
+Runs in the main environment (verl_fields imports nothing from verl); the walk over the installed verl's
+dataclasses is in tests/test_verl.py, which needs verl.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from replayjob.integrations import verl_fields
+from replayjob.integrations.verl_fields import DOC_BEGIN, DOC_END, FIELDS, KINDS, KNOB
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "verl.md"
+
+
+def test_the_verl_page_carries_the_generated_table() -> None:
+    text = DOC.read_text(encoding="utf-8")
+    begin, end = text.index(DOC_BEGIN) + len(DOC_BEGIN), text.index(DOC_END)
+    assert text[begin:end] == verl_fields.table(), "regenerate: python -m replayjob.integrations.verl_fields"
+
+
+def test_every_class_is_known_and_every_knob_is_registered() -> None:
+    from replayjob import knobs
+
+    registered = knobs.knobs_for("verl")
+    for section, fields in FIELDS.items():
+        for name, f in fields.items():
+            assert f.kind in KINDS, (section, name)
+            if f.kind == KNOB:
+                assert f"verl.{section}.{name}" in registered, f"verl.{section}.{name} is not a registered knob"
+    assert sorted(registered) == sorted(verl_fields.knob_keys())
