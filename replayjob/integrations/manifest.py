@@ -160,6 +160,19 @@ def validate(doc: Any, where: Path) -> dict[str, Any]:
     need(isinstance(flag, bool), "'rows.nonfinite_inputs' must be true or false", where)
     files = doc["files"]
     need(set(files) == set(FILES), f"'files' needs exactly {list(FILES)}", where)
+    # the step names every file of the capture, its manifest included: a relabelled step is a contradiction
+    named = file_names(doc["step"])
+    need(where.name == named["manifest"], f"'step' is {doc['step']}, but the manifest is {where.name!r} (step "
+         f"{doc['step']}'s is {named['manifest']!r})", where)
+    for role in FILES:
+        need(isinstance(files[role], dict) and files[role].get("file") == named[role], f"files.{role}.file must be "
+             f"{named[role]!r}, the name of step {doc['step']}'s {role}", where)
+    seen = doc["framework_state"].get("global_step", doc["step"])  # a trainer that records its own step counter
+    need(seen == doc["step"], f"'step' is {doc['step']}, but framework_state.global_step is {seen!r}", where)
+    sched = doc["optimizer"].get("scheduler")  # stepped once per optimizer step (optimizer_step, every trainer)
+    epoch = sched.get("last_epoch", doc["step"]) if isinstance(sched, dict) else doc["step"]
+    need(epoch == doc["step"], f"'step' is {doc['step']}, but the captured LR scheduler has stepped {epoch!r} "
+         "time(s) (optimizer.scheduler.last_epoch)", where)
     for role in FILES:
         f = files[role]
         need(isinstance(f, dict) and set(f) == {"file", "size", "sha256"}, f"'files.{role}' needs file, size, "
