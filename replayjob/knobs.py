@@ -466,3 +466,34 @@ def arm_name(declared: list[str], replay_resolved: dict[str, Any]) -> str:
 def observe_all(rt: Runtime, framework: str = BUILTIN) -> dict[str, Any]:
     """The value in effect at run time of every registered knob of ``framework`` (``None``: not reported)."""
     return {key: knob.observe(rt) if knob.observe else None for key, knob in sorted(knobs_for(framework).items())}
+
+
+# verl (replayjob.integrations.verl): settings of verl's engine in the captured actor update, observed on the
+# replay's engine (its session records what the engine ran in ``observed``).
+VERL_MICRO_BATCH = "verl.engine.micro_batch_size_per_gpu"
+VERL_GRADIENT_CHECKPOINTING = "verl.model.enable_gradient_checkpointing"
+
+
+def _verl_observed(name: str) -> Observer:
+    def observe(rt: Runtime) -> Any:
+        seen = getattr(rt.trainer, "observed", None)
+        return seen.get(name) if isinstance(seen, dict) else None
+    return observe
+
+
+_VERL_KNOBS = (
+    Knob(VERL_MICRO_BATCH,
+         "verl's ppo_loss normalises every micro-batch's loss by the whole mini-batch (batch_num_tokens, "
+         "global_batch_size and dp_size are computed before the engine splits it), so the gradient is the sum of the "
+         "same per-token terms however the rows are split; only the summation order changes, so bitwise equality is "
+         "not expected (exact-input or approximate judge it); refused with dropout (masks redrawn), with dynamic "
+         "batch sizes (the size is not used) and for policy losses that select tokens by micro-batch statistics "
+         "(clip_cov, kl_cov; checked by the verl integration at admission)",
+         observe=_verl_observed("micro_batch_size_per_gpu"), model_condition=_no_dropout_in_model,
+         frameworks=("verl",)),
+    Knob(VERL_GRADIENT_CHECKPOINTING,
+         "transformers recomputes each layer's forward on the same inputs during backward, restoring the Torch RNG "
+         "state for the recomputation, so the gradients are the plain forward's",
+         observe=_observe_checkpointing, frameworks=("verl",)),
+)
+KNOBS.update({k.key: k for k in _VERL_KNOBS})

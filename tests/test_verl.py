@@ -37,6 +37,9 @@ from replayjob.integrations.verl_platform import use_cpu
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
 
 ROWS, PROMPT, RESPONSE = 8, 5, 6
+# verl's FSDP engine computes in bfloat16 unless mixed_precision says otherwise (its default param_dtype, with
+# autocast); a knob's rule is checked at float32, where rounding is far below the tolerance
+FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
 
 def tiny_model(d: Path) -> Path:
@@ -54,7 +57,7 @@ def tiny_model(d: Path) -> Path:
 
 def build_worker(base: Path, *, loss_mode: str = "vanilla", agg: str = "token-mean", lora: int = 0,
                  remove_padding: bool = True, micro: int = 2, mini: int = 4, epochs: int = 1,
-                 entropy: float = 0.0, kl: bool = False) -> Any:
+                 entropy: float = 0.0, kl: bool = False, fp32: bool = False) -> Any:
     """verl's actor TrainingWorker built as ActorRolloutRefWorker.init_model builds it (its engine-config
     assignments included), on the CPU."""
     from verl.workers.config import (
@@ -77,7 +80,8 @@ def build_worker(base: Path, *, loss_mode: str = "vanilla", agg: str = "token-me
                             use_kl_loss=kl, kl_loss_coef=0.01, policy_loss=PolicyLossConfig(loss_mode=loss_mode),
                             optim=FSDPOptimizerConfig(lr=1e-2, total_training_steps=6, lr_warmup_steps=0,
                                                             lr_scheduler_type="cosine"),
-                            fsdp_config=FSDPEngineConfig(dtype="float32"), use_remove_padding=remove_padding)
+                            fsdp_config=FSDPEngineConfig(dtype="float32", mixed_precision=FP32 if fp32 else None),
+                            use_remove_padding=remove_padding)
     actor.model_config = model
     cfg = TrainingWorkerConfig(model_type="language_model", model_config=model, engine_config=actor.engine,
                                optimizer_config=actor.optim, checkpoint_config=actor.checkpoint)
@@ -174,9 +178,10 @@ def test_a_real_verl_update_runs_on_cpu(base: Path, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def vanilla(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two updates of 8 rows in mini-batches of 4 (optimizer steps 0-3), steps 1 and 2 captured: the last
-    mini-batch of the first update (the LR scheduler steps after it) and the first of the second."""
+    mini-batch of the first update (the LR scheduler steps after it) and the first of the second; float32 (the
+    other scenarios run verl's default bfloat16 mixed precision)."""
     out = tmp_path_factory.mktemp("vanilla") / "cap"
-    capture, _ = run(out, base, steps=[1, 2])
+    capture, _ = run(out, base, steps=[1, 2], fp32=True)
     assert capture.close().captured.keys() == {1, 2}
     return out
 
@@ -362,3 +367,50 @@ def test_the_config_switch_captures_the_actor_worker_it_is_imported_in(base: Pat
     monkeypatch.setenv(hook.STEPS_ENV, "one")
     with pytest.raises(Exception, match="must be step numbers"):
         build_worker(base)
+
+
+def _update_of(replay_dir: Path, capture_dir: Path, k: int) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    after = load_file(str(replay_dir / "final_adapter" / "adapter_model.safetensors"))
+    before = load_file(str(capture_dir / f"optimizer_batch_step_{k:06d}.adapter.safetensors"))
+    return torch.cat([(after[n].double() - before[n].double()).flatten() for n in sorted(after)])
+
+
+KNOB_ARMS = {
+    "micro-batch-1": ["verl.engine.micro_batch_size_per_gpu=1"],
+    "micro-batch-4": ["verl.engine.micro_batch_size_per_gpu=4"],
+    "checkpointing": ["verl.model.enable_gradient_checkpointing=true"],
+}
+
+
+def test_registered_knobs_keep_the_update_and_are_observed(vanilla: Path, tmp_path: Path) -> None:
+    """Each arm of a registered verl knob: admitted, observed in effect on the replay's engine, judged by reduce's
+    exact-input claim, and its update equal to the baseline replay's within floating-point tolerance (an arm that
+    changed the math, e.g. a loss normalised per micro-batch, would fail the comparison)."""
+    toml = vanilla / "replay_step_000002.toml"
+    assert main(["replay", str(toml), "--out", str(tmp_path / "baseline")]) == 0
+    base = _update_of(tmp_path / "baseline", vanilla, 2)
+    for arm, sets in KNOB_ARMS.items():
+        key = sets[0].split("=")[0]
+        argv = [a for s in sets for a in ("--set", s)]
+        argv += ["--set", f'optimizer_batch.allow_config_differences=["{key}"]']
+        out = tmp_path / "arms" / arm
+        assert main(["replay", str(toml), "--out", str(out), *argv]) == 0, arm
+        rep = json.loads((out / "replay_metrics.json").read_text())
+        want = json.loads(sets[0].split("=")[1])
+        assert rep["runtime"][key] == want, (arm, rep["runtime"])
+        delta = _update_of(out, vanilla, 2)
+        cos = float(torch.dot(delta, base) / (delta.norm() * base.norm()))
+        assert cos >= 1 - 1e-6 and float((delta - base).norm() / base.norm()) <= 1e-4, (arm, cos)
+    verdict = tmp_path / "exact-input.json"  # every arm with the same-condition baseline
+    assert main(["reduce", str(tmp_path / "baseline"), str(tmp_path / "arms"), "--claim", "exact-input", "--source",
+                 str(vanilla), "--source-step", "2", "--min-repeats", "1", "--out", str(verdict)]) == 0, \
+        verdict.read_text()[-3000:]
+    checks = {c["name"]: c["status"] for c in json.loads(verdict.read_text())["checks"]}
+    assert checks["exact.knobs_in_effect"] == checks["exact.systems_only"] == "pass"
+    # an undeclared difference, and a knob whose rule does not hold (micro-batch size under dynamic batching)
+    assert main(["explain", str(toml), "--set", "verl.engine.micro_batch_size_per_gpu=1"]) == 2
+    assert main(["explain", str(toml), "--set", "verl.engine.micro_batch_size_per_gpu=1", "--set",
+                 "verl.engine.use_dynamic_bsz=true", "--set", 'optimizer_batch.allow_config_differences=['
+                 '"verl.engine.micro_batch_size_per_gpu", "verl.engine.use_dynamic_bsz"]']) == 2

@@ -49,6 +49,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from replayjob import knobs
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ConfigError, ContractError, UsageError
 from replayjob.integrations import _files, _microbatch
@@ -454,6 +455,27 @@ def capture_actor_steps(worker: Any, out_dir: str | Path, step: int | None = Non
     return VerlCapture(worker, Path(out_dir), chosen, several=steps is not None, first_step=first_step)
 
 
+# -- knobs ------------------------------------------------------------------------------------------
+
+# policy losses that select tokens by statistics over each micro-batch (the covariance-based clip and KL)
+MICRO_BATCH_STATISTICS = ("clip_cov", "kl_cov")
+
+
+def knob_refusals(adm: Admission) -> list[str]:
+    """Why a declared verl knob does not hold for this capture and replay (beyond being registered and present)."""
+    v = (adm.resolved or {}).get(FRAMEWORK, {})
+    why = []
+    if knobs.VERL_MICRO_BATCH in adm.allowed:
+        mode = ((v.get("actor") or {}).get("policy_loss") or {}).get("loss_mode", "vanilla")
+        if mode in MICRO_BATCH_STATISTICS:
+            why.append(f"{knobs.VERL_MICRO_BATCH}: policy loss {mode!r} selects tokens by statistics over each "
+                       "micro-batch, so another split changes which tokens it clips")
+        if (v.get("engine") or {}).get("use_dynamic_bsz"):
+            why.append(f"declared difference {knobs.VERL_MICRO_BATCH!r} is not present: the engine splits by token "
+                       "budget (use_dynamic_bsz) and does not use the micro-batch size")
+    return why
+
+
 # -- replay -----------------------------------------------------------------------------------------
 
 def _build(cls: Any, values: dict[str, Any], extra: dict[str, Any]) -> Any:
@@ -527,6 +549,24 @@ class VerlSession(ReplaySession):
         self.scheduler = self.engine.lr_scheduler
         self._mode: contextlib.ExitStack | None = None
         self._update_lr = False
+        # what the engine ran, for the knobs' observation: the rows of each micro-batch its forward_step received
+        self.micro_rows: list[int] = []
+        forward = self.engine.forward_step
+
+        def forward_step(micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+            self.micro_rows.append(int(micro_batch.batch_size[0]))
+            return forward(micro_batch, loss_function=loss_function, forward_only=forward_only)
+
+        self.engine.forward_step = forward_step
+
+    @property
+    def observed(self) -> dict[str, Any]:
+        """The engine settings in effect, as the last update ran them (read by the verl knobs' observers)."""
+        fixed = not self.engine_values.get("use_dynamic_bsz")
+        return {"micro_batch_size_per_gpu": max(self.micro_rows) if fixed and self.micro_rows else None}
+
+    def observe(self, rows: tuple[int, ...]) -> knobs.Runtime:
+        return knobs.Runtime(self.model, rows, trainer=self)
 
     def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return list(FullParameters(self.model).named_parameters())
@@ -549,6 +589,7 @@ class VerlSession(ReplaySession):
             self._mode.enter_context(self.engine.train_mode(disable_auto_offload=bool(
                 inputs["batch"]["non_tensor"].get("disable_auto_offload", False))))
         maybe_fix_3d_position_ids(data)
+        self.micro_rows = []
         self.engine.optimizer_zero_grad()
         before_loss()
         out = self.engine.forward_backward_batch(data, self.loss_fn, forward_only=False)

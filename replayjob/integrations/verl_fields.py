@@ -149,7 +149,8 @@ FIELDS: dict[str, dict[str, Field]] = {
         "dtype": _contract(),
         "use_dynamic_bsz": _contract(),
         "max_token_len_per_gpu": _contract(),
-        "micro_batch_size_per_gpu": _contract(),
+        "micro_batch_size_per_gpu": Field(KNOB, "the engine's micro-batch size: the same rows and loss normalisation, "
+                                            "another summation order (replayjob.knobs.VERL_MICRO_BATCH)"),
         "infer_max_token_len_per_gpu": _INFERENCE,
         "infer_micro_batch_size_per_gpu": _INFERENCE,
         "use_fused_kernels": _refused("verl's fused kernels (Triton) are not replayed; capture with "
@@ -219,7 +220,8 @@ FIELDS: dict[str, dict[str, Field]] = {
                                     "a model class it registers would be refused by the base model's "
                                     "architectures, which the pinned config.json names"),
         "override_config": _contract(),
-        "enable_gradient_checkpointing": _contract(),
+        "enable_gradient_checkpointing": Field(KNOB, "recomputes each layer's forward in backward with the RNG state "
+                                                     "restored (replayjob.knobs.VERL_GRADIENT_CHECKPOINTING)"),
         "enable_activation_offload": _contract(),
         "use_remove_padding": _contract(),
         "lora_rank": _contract(),
