@@ -18,8 +18,11 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
+
+from replayjob.errors import FINAL_EXIT_STATUSES
 
 Doc = dict[str, Any]
 NS = "ablation-ns"
@@ -42,6 +45,11 @@ class Cluster:
         self.workflows: dict[str, list[Doc]] = {}  # name -> status documents served in turn (the last stays;
         # an empty one: the Workflow was deleted, 404)
         self.forbidden: set[str] = set()  # names whose reads are refused (403: the credentials lack the verb)
+        self.deleted: set[str] = set()  # Jobs whose status reads answer 404 (deleted while followed)
+        self.statuses: dict[str, Any] = {}  # Job name -> the status its reads answer, whatever it is (malformed)
+        self.pods: dict[str, list[Doc]] = {}  # Job name -> the pods its pod lists answer (instead of one)
+        self.refuse: dict[tuple[str, str], int] = {}  # (POST or PATCH, name) -> the HTTP status answered instead
+        self.lost_replies: set[str] = set()  # names whose first create is done but answered 500 (a lost reply)
         self.on_create: Callable[[Doc], None] | None = None  # called (outside the lock) for each created Job
         self.host = ""  # the API server's URL while served
         self.scripted = True  # stage Jobs end with exit_codes; False: only when someone ran them (finished)
@@ -72,7 +80,9 @@ class Cluster:
             return None  # a driver (or, unscripted, any Job) ends when whoever runs it says so
         return self.exit_codes.get(self.stage(name), 0)
 
-    def job_status(self, name: str, *, count: bool = True) -> Doc:
+    def job_status(self, name: str, *, count: bool = True) -> Any:
+        if name in self.statuses:
+            return self.statuses[name]
         if count:  # status reads (a Job's /status) count towards running_reads; plain reads and lists peek
             self.reads[name] = self.reads.get(name, 0) + 1
         elif self.reads.get(name, 0) < self.running_reads and name not in self.finished:
@@ -82,10 +92,12 @@ class Cluster:
             return {"active": 1}
         if code == 0:
             return {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
-        reason = "PodFailurePolicy" if code in (1, 2) else "BackoffLimitExceeded"
+        reason = "PodFailurePolicy" if code in FINAL_EXIT_STATUSES else "BackoffLimitExceeded"
         return {"failed": 1, "conditions": [{"type": "Failed", "status": "True", "reason": reason}]}
 
     def pods_of(self, job: str) -> list[Doc]:
+        if job in self.pods:
+            return self.pods[job]
         code = self.job_code(job)
         state = {"terminated": {"exitCode": code, "reason": "Error" if code else "Completed"}} if code is not None \
             else {"running": {}}
@@ -93,6 +105,19 @@ class Cluster:
                   "restartCount": 0, "state": state}
         return [{"metadata": {"name": f"{job}-0", "labels": {"batch.kubernetes.io/job-name": job}},
                  "status": {"containerStatuses": [status]}}]
+
+
+WORKFLOWS = Path(__file__).resolve().parent / "workflows"
+
+
+def verdict_text(code: int) -> str | None:
+    """A real verdict whose exit code is ``code`` (the reducer's output over synthetic evidence, as the Argo
+    status documents in tests/workflows/ carry it), or None for 3: a reducer that errored wrote none."""
+    name = {0: "succeeded.json", 1: "failed-gate.json", 2: "refused.json"}.get(code)
+    if name is None:
+        return None
+    doc = json.loads((WORKFLOWS / name).read_text(encoding="utf-8"))
+    return str(next(p["value"] for p in doc["status"]["outputs"]["parameters"] if p["name"] == "verdict"))
 
 
 SERVER_FIELDS = ("uid", "resourceVersion", "namespace")
@@ -169,6 +194,9 @@ def handler_for(cluster: Cluster) -> type[BaseHTTPRequestHandler]:
             key = (body["kind"], body["metadata"]["name"])
             with cluster.lock:
                 cluster.calls.append(f"POST {rest[0]} {key[1]}")
+                if ("POST", key[1]) in cluster.refuse:
+                    self.status(cluster.refuse[("POST", key[1])], "Refused")
+                    return
                 if key in cluster.objects:
                     cluster.calls.append(f"CONFLICT {rest[0]} {key[1]}")
                     self.status(409, "AlreadyExists")
@@ -176,6 +204,10 @@ def handler_for(cluster: Cluster) -> type[BaseHTTPRequestHandler]:
                 created = cluster.add(body)
             if body["kind"] == "Job" and cluster.on_create is not None:
                 cluster.on_create(created)  # before the reply: its caller then knows it has started
+            if key[1] in cluster.lost_replies:
+                cluster.lost_replies.discard(key[1])
+                self.status(500, "InternalError")  # created, but the reply never reached the client
+                return
             self.reply(201, created)
 
         def do_PATCH(self) -> None:
@@ -184,6 +216,9 @@ def handler_for(cluster: Cluster) -> type[BaseHTTPRequestHandler]:
             assert self.headers["Content-Type"] == "application/json-patch+json", self.headers["Content-Type"]
             with cluster.lock:
                 cluster.calls.append(f"PATCH {rest[0]} {name}")
+                if ("PATCH", str(name)) in cluster.refuse:
+                    self.status(cluster.refuse[("PATCH", str(name))], "Conflict")
+                    return
                 doc = cluster.objects.get((str(kind), str(name)))
                 if doc is None:
                     self.status(404, "NotFound")
@@ -200,11 +235,18 @@ def handler_for(cluster: Cluster) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             rest, kind, name, query = self.route()
             with cluster.lock:
+                if name is not None and name in cluster.forbidden:
+                    cluster.calls.append(f"FORBIDDEN {rest[0]} {name}")
+                    self.status(403, "Forbidden")
+                    return
                 if kind == "Job" and rest[-1] == "status":
                     cluster.calls.append(f"GET status {name}")
                     if cluster.unavailable > 0:
                         cluster.unavailable -= 1
                         self.status(503, "ServiceUnavailable")
+                        return
+                    if name in cluster.deleted or ("Job", str(name)) not in cluster.objects:
+                        self.status(404, "NotFound")
                         return
                     job = dict(cluster.objects[("Job", str(name))])
                     self.reply(200, {**job, "status": cluster.job_status(str(name))})
@@ -214,10 +256,6 @@ def handler_for(cluster: Cluster) -> type[BaseHTTPRequestHandler]:
                     job_name = selector.split("=", 1)[1]
                     cluster.calls.append(f"GET pods {job_name}")
                     self.reply(200, {"kind": "PodList", "apiVersion": "v1", "items": cluster.pods_of(job_name)})
-                    return
-                if name is not None and name in cluster.forbidden:
-                    cluster.calls.append(f"FORBIDDEN {rest[0]} {name}")
-                    self.status(403, "Forbidden")
                     return
                 if kind == "Workflow" and name is not None:
                     cluster.calls.append(f"GET workflows {name}")

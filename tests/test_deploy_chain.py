@@ -233,7 +233,10 @@ def test_k8s_job_commands_chain_to_a_passing_verdict(k8s_run: KubeRun) -> None:
     flat = [p for name in order[1:] for p in procs[name]]
     assert [p.returncode for p in flat] == [0, 0, 0, 0], "\n".join(p.stdout + p.stderr for p in flat)
     (drv,) = procs["chain-driver"]
-    assert drv.returncode == 0 and "the reducer exited 0" in drv.stdout, drv.stdout + drv.stderr
+    assert drv.returncode == 0 and f"the reducer (job/{prefix}-reduce) exited 0, verdict pass (exit 0)" in drv.stdout, \
+        drv.stdout + drv.stderr
+    published = k8s_run.cluster.objects[("ConfigMap", f"{prefix}-spec")]["data"][k8s.VERDICT_KEY]
+    assert published == (run / "verdict.json").read_text(encoding="utf-8")  # read back through the strict reader
     me = k8s_run.cluster.objects[("Job", "chain-driver")]
     assert k8s_run.run_id == me["metadata"]["uid"].replace("-", "")[:16]
     assert me["metadata"]["labels"][k8s.RUN_ID_LABEL] == k8s_run.run_id

@@ -14,7 +14,7 @@ from conftest import REPO
 from test_deploy_manifests import all_docs
 
 from replayjob.deploy import argo
-from replayjob.deploy.submit import decisive_code
+from replayjob.deploy.outcome import decisive_code
 from replayjob.errors import (
     FINAL_EXIT_STATUSES,
     NegativeVerdict,
@@ -83,7 +83,7 @@ def test_the_driver_s_decisive_code() -> None:
 
 
 @pytest.mark.parametrize("path", ["replayjob/check/determinism_check.py", "replayjob/optbatch/replay.py",
-                                  "replayjob/deploy/submit.py"])
+                                  "replayjob/deploy/submit.py", "replayjob/deploy/outcome.py"])
 def test_python_callers_import_the_declaration_and_spell_no_code(path: str) -> None:
     source = (REPO / path).read_text(encoding="utf-8")
     assert re.search(r"\b(is_retryable|error_for_exit_status|FINAL_EXIT_STATUSES)\b", source), path

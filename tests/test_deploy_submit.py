@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_emulator import NS, Cluster, as_sent, kubeconfig, serve
+from k8s_emulator import NS, Cluster, as_sent, kubeconfig, serve, verdict_text
 from kubernetes import client
 
 from replayjob.cli import main
@@ -49,9 +49,11 @@ class Kubelet:
     """Starts each created driver Job's pod: registers it with the emulator (the labels the Job
     controller adds, the container's image and environment) and runs its driver in a thread."""
 
-    def __init__(self, cluster: Cluster, api: client.ApiClient):
+    def __init__(self, cluster: Cluster, api: client.ApiClient, claim: Path):
         self.cluster, self.api, self.logs, self.threads = cluster, api, [], []
         self.pods: dict[str, Doc] = {}
+        self.claim = claim  # the claim as the driver's pod mounts it: the reducer's verdict is written there
+        self.verdicts: dict[str, str | None] = {}  # run id -> the verdict the reducer writes (else by its code)
 
     def __call__(self, job: Doc) -> None:
         if job["metadata"]["labels"].get("app.kubernetes.io/component") == k8s.DRIVER:
@@ -83,9 +85,16 @@ class Kubelet:
             assert time.monotonic() < deadline, f"configmap {config_map} never came"
             time.sleep(0.01)
         text = self.cluster.objects[("ConfigMap", config_map)]["data"]["ablation.toml"]
+        env[k8s.ARTIFACTS_ENV] = str(self.claim)
         try:
-            code = driver.drive(spec_from_text(text), text, driver.Context.from_env(env), fast_api(self.api),
-                                poll_s=0.001, log=self.logs.append)
+            ctx = driver.Context.from_env(env)
+            spec = spec_from_text(text)
+            verdict = self.verdicts.get(ctx.run_id, verdict_text(self.cluster.exit_codes.get("reduce", 0)))
+            if verdict is not None:  # what the reducer's pod writes on the claim
+                path = self.claim / "runs" / spec.name / ctx.run_id / "verdict.json"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(verdict, encoding="utf-8")
+            code = driver.drive(spec, text, ctx, fast_api(self.api), poll_s=0.001, log=self.logs.append)
         except ReplayjobError as exc:
             self.logs.append(exc.diagnostics())
             code = exc.exit_code
@@ -115,9 +124,9 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[C
 
 
 @pytest.fixture
-def kubelet(cluster: tuple[Cluster, client.ApiClient]) -> Iterator[Kubelet]:
+def kubelet(cluster: tuple[Cluster, client.ApiClient], tmp_path: Path) -> Iterator[Kubelet]:
     state, api = cluster
-    runner = Kubelet(state, api)
+    runner = Kubelet(state, api, tmp_path / "claim")
     state.on_create = runner
     yield runner
     runner.join()
@@ -148,6 +157,7 @@ def test_submit_creates_the_driver_which_chains_the_stages_in_the_cluster(
     rendered = {**{d["metadata"]["name"]: d for d in k8s.render(spec, text, "r1").values() if k8s.is_manifest(d)},
                 **{d["metadata"]["name"]: d for d in k8s.stage_jobs(spec, "r1", owner).values()}}
     rendered[f"{prefix}-spec"]["metadata"]["ownerReferences"] = [owner]  # the spec goes with its run
+    rendered[f"{prefix}-spec"]["data"][k8s.VERDICT_KEY] = verdict_text(0)  # published by the driver
     for (kind, name), stored in state.objects.items():
         if kind in ("PersistentVolumeClaim", "ServiceAccount", "Role", "RoleBinding", "Pod"):
             continue  # the setup's, and the emulated driver pod
@@ -156,15 +166,16 @@ def test_submit_creates_the_driver_which_chains_the_stages_in_the_cluster(
             assert stored["spec"]["template"]["metadata"]["labels"][k8s.RUN_ID_LABEL] == "r1"
             tokens = stored["spec"]["template"]["spec"]["automountServiceAccountToken"]
             assert tokens is (name.endswith("-driver"))  # only the driver talks to the API
-    assert any("the reducer exited 0" in line for line in kubelet.logs)
+    assert any("the reducer (job/replayjob-ablation-r1-reduce) exited 0, verdict pass (exit 0)" in line
+               for line in kubelet.logs)
 
 
 @pytest.mark.parametrize(("codes", "expected_exit", "message", "created"), [
     ({"reduce": 1}, 1, "exit 1: a negative verdict", ["capture", "replay", "reduce"]),
     ({"capture": 2, "reduce": 2}, 2, "exit 2: refused input", ["capture", "reduce"]),
     ({"capture": 3, "reduce": 2}, 2, "exit 2: refused input", ["capture", "reduce"]),
-    ({"reduce": 3}, 3, "exit 3: an error on every attempt", ["capture", "replay", "reduce"]),
-    ({"reduce": 137}, 3, "exit 3: an error on every attempt", ["capture", "replay", "reduce"]),
+    ({"reduce": 3}, 3, "no verdict; job ", ["capture", "replay", "reduce"]),
+    ({"reduce": 137}, 3, "exit 3: nothing was decided", ["capture", "replay", "reduce"]),
     ({"replay": 2, "reduce": 2}, 2, "exit 2", ["capture", "replay", "reduce"]),
 ])
 def test_cli_exit_code_is_the_reducer_s_and_a_failed_capture_still_ends_in_a_verdict(
@@ -207,7 +218,8 @@ def test_api_errors_are_retried_with_backoff_then_give_exit_3(cluster: tuple[Clu
     log: list[str] = []
     sleeps: list[float] = []
     retrying = Api(api, backoff_s=0.5, sleep=sleeps.append, log=log.append)
-    assert submit(spec, text, NS, wait=True, api=retrying, poll_s=0.001, log=log.append, run_id="r2") == 0
+    with pytest.raises(OperationalError, match="no verdict"):  # the driver ended and published no verdict
+        submit(spec, text, NS, wait=True, api=retrying, poll_s=0.001, log=log.append, run_id="r2")
     assert sleeps[:3] == [0.5, 1.0, 2.0] and sum("HTTP 503; retrying" in line for line in log) == 3
     state.unavailable = 100
     with pytest.raises(OperationalError, match="HTTP 503") as exc:
@@ -226,11 +238,12 @@ def test_a_namespace_without_its_setup_is_refused_before_anything_is_created(
     assert not any(c.startswith("POST") for c in state.calls)
 
 
-def test_submit_without_credentials_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_submit_without_credentials_is_3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The cluster cannot be reached: nothing was decided (3), not a refusal of the input (2)."""
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    assert main(["k8s", "submit", str(SPEC)]) == 2
+    assert main(["k8s", "submit", str(SPEC)]) == 3
     assert "no Kubernetes credentials" in capsys.readouterr().err
 
 
@@ -341,7 +354,8 @@ def test_resume_starts_a_new_driver_that_adopts_the_finished_stages(
     gpu = next(e for e in first["spec"]["template"]["spec"]["containers"][0]["env"]
                if e["name"] == "REPLAYJOB_GPU_PRODUCT")
     gpu["value"] = "NVIDIA-H200"  # an overlay's
-    capture = k8s.stage_jobs(spec, "r7", k8s.owner_reference(first))["capture.yaml"]
+    capture = k8s.stage_jobs(dataclasses.replace(spec, gpu_product="NVIDIA-H200"), "r7",
+                             k8s.owner_reference(first))["capture.yaml"]  # as the first driver rendered it
     state.add(capture)  # it ran and succeeded before the driver died
     assert main(["k8s", "resume", "r7"]) == 0
     assert "is still driving it" in capsys.readouterr().out  # the first driver has not ended
@@ -369,7 +383,8 @@ def test_resume_starts_a_new_driver_that_adopts_the_finished_stages(
     assert "no run nope" in capsys.readouterr().err
 
 
-def test_replay_jobs_of_each_rank_count_run_one_after_another(cluster: tuple[Cluster, client.ApiClient]) -> None:
+def test_replay_jobs_of_each_rank_count_run_one_after_another(cluster: tuple[Cluster, client.ApiClient],
+                                                              tmp_path: Path) -> None:
     """Arms of different rank counts: one replay Job per count, each created by the driver after the one
     before ended (however it ended), so the spec's parallelism bounds every replay at once; then the
     reducer."""
@@ -379,10 +394,13 @@ def test_replay_jobs_of_each_rank_count_run_one_after_another(cluster: tuple[Clu
         Arm("two"), Arm("one", {"distributed.world_size": 1}), Arm("four", {"distributed.world_size": 4})))
     state.exit_codes["r1"] = 2  # the 1-rank replays fail for good: the others still run, the reducer judges
     logs: list[str] = []
+    claim = tmp_path / "claim"
+    (claim / "runs" / spec.name / "r9").mkdir(parents=True)
+    (claim / "runs" / spec.name / "r9" / "verdict.json").write_text(str(verdict_text(0)), encoding="utf-8")
     me = state.add({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "replayjob-ablation-r9-driver",
                                                                            "labels": {}}})
     ctx = driver.Context(namespace=NS, job="replayjob-ablation-r9-driver", uid=me["metadata"]["uid"], pod="",
-                         run_id="r9", gpu_product="", image=spec.image)
+                         run_id="r9", gpu_product="", image=spec.image, artifacts=str(claim))
     assert driver.drive(spec, text, ctx, fast_api(api), poll_s=0.001, log=logs.append) == 0
     jobs = [j.removeprefix("replayjob-ablation-r9-") for j in jobs_created(state)]
     assert jobs == ["capture", "replay-r1", "replay-r2", "replay-r4", "reduce"]
@@ -405,3 +423,224 @@ def test_the_driver_refuses_outside_its_pod_and_names_the_run_from_the_uid() -> 
     assert driver.Context.from_env({**env, "REPLAYJOB_RUN_ID": "r1"}).run_id == "r1"
     with pytest.raises(ReplayjobError, match="not a Kubernetes uid"):
         driver.run_id_from_uid("nope")
+
+
+# --- the outcome: the verdict, read strictly and cross-checked, never a Job's condition alone ---------
+
+def forged_verdict(code: int, **edit: Any) -> str:
+    doc = json.loads(str(verdict_text(code)))
+    doc.update(edit)
+    return json.dumps(doc)
+
+
+@pytest.mark.parametrize(("verdict", "reduce", "expected", "said"), [
+    (forged_verdict(2, exit_code=False), 2, 3, "the verdict cannot be read"),
+    (forged_verdict(2, exit_code=0.0), 2, 3, "expected `int`, got `float`"),
+    (forged_verdict(2, exit_code=0), 2, 3, "status 'refused' exits 2"),
+    (str(verdict_text(2))[:-1] + ', "exit_code": 0}', 2, 3, "duplicate key 'exit_code'"),
+    (str(verdict_text(0)), 2, 3, "they disagree"),  # a pass the reducer's own code contradicts
+    (None, 0, 3, "no verdict"),  # the reducer's 0 alone decides nothing
+    (str(verdict_text(1)), 1, 1, "verdict fail (exit 1)"),
+])
+def test_the_driver_judges_the_verdict_it_reads_with_the_reducer_s_code(
+        cluster: tuple[Cluster, client.ApiClient], kubelet: Kubelet, verdict: str | None, reduce: int,
+        expected: int, said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    state.exit_codes["reduce"] = reduce
+    kubelet.verdicts["r5"] = verdict
+    code = None
+    try:
+        code = submit(spec, text, NS, wait=True, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r5")
+    except ReplayjobError as exc:
+        code = exc.exit_code
+        assert said in exc.message or said in " ".join(kubelet.logs), (exc.message, kubelet.logs)
+    assert code == expected
+    assert any(said in line for line in kubelet.logs), kubelet.logs
+
+
+@pytest.mark.parametrize(("status", "pods", "said"), [
+    ({"conditions": [{"type": "Complete", "status": "True"}]}, [], "no exit code to confirm"),  # no pod
+    ({"conditions": [{"type": "Complete", "status": "True"}, {"type": "Failed", "status": "True"}]}, None,
+     "both Complete and Failed are true"),
+    ({"conditions": [{"status": "True"}]}, None, "malformed status: status.conditions[0]: object missing "
+                                                 "required field `type`"),
+    ([], None, "malformed status: status: expected `object | null`, got `array`"),
+    ({"conditions": [{"type": "Complete", "status": "True"}]}, "exit1", "its pod exited 1"),
+])
+def test_a_driver_job_s_condition_alone_never_passes(
+        cluster: tuple[Cluster, client.ApiClient], status: Any, pods: Any, said: str) -> None:
+    """`Complete` with no pod, with a pod that exited 1, with `Failed` too; a condition without a type; a
+    status that is a list: exit 3 (or the pod's code, contradicted by the verdict) with one line."""
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    name = "replayjob-ablation-r6-driver"
+    state.statuses[name] = status
+    if pods == "exit1":
+        pods = [{"metadata": {"name": f"{name}-a"}, "status": {"containerStatuses": [
+            {"name": "replayjob", "state": {"terminated": {"exitCode": 1}}}]}}]
+    if pods is not None:
+        state.pods[name] = pods
+    submit(spec, text, NS, wait=False, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r6")
+    cm = state.objects[("ConfigMap", "replayjob-ablation-r6-spec")]
+    cm["data"][k8s.VERDICT_KEY] = verdict_text(0)  # a pass published beside the run's spec
+    with pytest.raises(OperationalError) as err:
+        submit_wait(api, "r6")
+    assert said in err.value.message and "\n" not in err.value.message, err.value.message
+
+
+def submit_wait(api: client.ApiClient, run_id: str) -> int:
+    from replayjob.deploy.submit import wait_driver
+
+    return wait_driver(fast_api(api), NS, f"replayjob-ablation-{run_id}-driver", f"replayjob-ablation-{run_id}-spec",
+                       0.001, lambda s: None)
+
+
+def test_a_job_deleted_mid_run_and_a_403_are_3_with_one_line(
+        cluster: tuple[Cluster, client.ApiClient], capsys: pytest.CaptureFixture[str]) -> None:
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    submit(spec, text, NS, wait=False, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r8")
+    state.deleted.add("replayjob-ablation-r8-driver")
+    with pytest.raises(OperationalError, match=r"HTTP 404 .*deleted while the run waited for it"):
+        submit_wait(api, "r8")
+    state.deleted.clear()
+    state.forbidden.add("replayjob-ablation-r8-driver")
+    assert main(["k8s", "resume", "r8", "--wait"]) == 3
+    err = capsys.readouterr().err
+    assert "HTTP 403" in err and "Traceback" not in err
+
+
+# --- a run adopts only what it created; infrastructure failures are 3 --------------------------------
+
+def foreign_job(spec: Any, run_id: str, stage: str, **edit: Any) -> Doc:
+    """A stage Job of that name that this run did not create: no owner, another image (edit overrides)."""
+    job = k8s.stage_jobs(spec, run_id)[f"{stage}.yaml"]
+    job["spec"]["template"]["spec"]["containers"][0]["image"] = edit.get("image", "evil.example/rj:latest")
+    if "owner" in edit:
+        job["metadata"]["ownerReferences"] = [edit["owner"]]
+    return job
+
+
+@pytest.mark.parametrize(("stage", "owned", "said"), [
+    ("reduce", False, "it is owned by no driver of this run"),
+    ("capture", False, "it is owned by no driver of this run"),
+    ("capture", True, "its labels or pod template are not the ones this run renders"),
+])
+def test_the_driver_adopts_no_job_it_did_not_create(
+        cluster: tuple[Cluster, client.ApiClient], kubelet: Kubelet, stage: str, owned: bool, said: str) -> None:
+    """A pre-existing stage Job (another image, no owner, or owned but another pod template) is refused
+    (2); it is never followed, so its exit code never becomes the run's."""
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    original = state.on_create
+    state.on_create = None
+    submit(spec, text, NS, wait=False, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r4")
+    me = state.objects[("Job", "replayjob-ablation-r4-driver")]
+    extra = {"owner": k8s.owner_reference(me)} if owned else {}
+    state.add(foreign_job(spec, "r4", stage, **extra))
+    state.exit_codes[stage] = 0
+    state.on_create = original
+    kubelet(me)  # the driver's pod starts now
+    kubelet.join()
+    assert state.finished["replayjob-ablation-r4-driver"] == 2
+    assert any(f"job/replayjob-ablation-r4-{stage} exists but is not this run's: {said}" in line
+               for line in kubelet.logs), kubelet.logs
+    if stage == "reduce":  # the capture and replays ran; the foreign reducer was never followed
+        assert not any(c == "GET status replayjob-ablation-r4-reduce" for c in state.calls)
+
+
+def test_resume_refuses_a_second_or_edited_spec_config_map(
+        cluster: tuple[Cluster, client.ApiClient], capsys: pytest.CaptureFixture[str]) -> None:
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    submit(spec, text, NS, wait=False, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r3")
+    state.finished["replayjob-ablation-r3-driver"] = 3
+    cm = state.objects[("ConfigMap", "replayjob-ablation-r3-spec")]
+    twin = json.loads(json.dumps(cm))
+    twin["metadata"]["name"] = "replayjob-ablation-r3-other"
+    state.add(twin)
+    assert main(["k8s", "resume", "r3"]) == 2
+    assert "2 ConfigMaps carry its labels" in capsys.readouterr().err
+    del state.objects[("ConfigMap", "replayjob-ablation-r3-other")]
+    cm["data"]["ablation.toml"] = text.replace("repeats = 3", "repeats = 2")  # another valid spec
+    assert spec_from_text(cm["data"]["ablation.toml"]).repeats == 2
+    mark = len(state.calls)
+    assert main(["k8s", "resume", "r3"]) == 2
+    assert "holds another spec than the one run r3 was submitted with" in capsys.readouterr().err
+    assert not any(c.startswith("POST") for c in state.calls[mark:])  # no driver started
+
+
+def test_a_run_id_is_checked_before_any_request(cluster: tuple[Cluster, client.ApiClient],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    state, api = cluster
+    assert main(["k8s", "resume", "rt3run0001,app.kubernetes.io/component=spec"]) == 2
+    assert "is not a run id" in capsys.readouterr().err
+    spec, text = load_spec_text(SPEC)
+    with pytest.raises(ReplayjobError, match="is not a run id"):
+        submit(spec, text, NS, wait=False, api=fast_api(api), log=lambda s: None, run_id="A,b=c")
+    assert state.calls == []
+
+
+def test_infrastructure_failures_during_a_run_are_3(
+        cluster: tuple[Cluster, client.ApiClient], kubelet: Kubelet) -> None:
+    """A 403 creating a stage Job and a 409 patching the driver's label are the cluster's failures: 3."""
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    state.refuse[("POST", "replayjob-ablation-r2-capture")] = 403
+    with pytest.raises(OperationalError):
+        submit(spec, text, NS, wait=True, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r2")
+    kubelet.join()
+    assert state.finished["replayjob-ablation-r2-driver"] == 3
+    assert any("creating Job replayjob-ablation-r2-capture failed: HTTP 403" in line for line in kubelet.logs)
+    base = k8s.render(spec, text)  # the base's driver labels itself with its run id: a 409 there
+    state.refuse[("PATCH", "replayjob-ablation-driver")] = 409
+    apply(state, list(base.values()))
+    kubelet.join()
+    assert state.finished["replayjob-ablation-driver"] == 3
+    assert any("patching Job replayjob-ablation-driver failed: HTTP 409" in line for line in kubelet.logs)
+
+
+def test_a_driver_create_whose_reply_was_lost_is_adopted(
+        cluster: tuple[Cluster, client.ApiClient], kubelet: Kubelet) -> None:
+    """The create is done but answered 500; the retry answers 409: the Job is this submission's own."""
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    state.lost_replies.add("replayjob-ablation-r1-driver")
+    assert submit(spec, text, NS, wait=True, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r1") == 0
+    assert state.calls.count("POST jobs replayjob-ablation-r1-driver") == 2
+    assert "CONFLICT jobs replayjob-ablation-r1-driver" in state.calls
+
+
+def test_waits_have_a_deadline_of_their_own(cluster: tuple[Cluster, client.ApiClient]) -> None:
+    """A Job that never gets conditions is not polled forever: exit 3 after its deadline (time suspended
+    by a queue not counted)."""
+    from replayjob.deploy.submit import wait_driver
+
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    submit(spec, text, NS, wait=False, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r0")
+    state.statuses["replayjob-ablation-r0-driver"] = {}  # never any condition
+    with pytest.raises(OperationalError, match="has not ended after"):
+        wait_driver(fast_api(api), NS, "replayjob-ablation-r0-driver", "replayjob-ablation-r0-spec", 0.05,
+                    lambda s: None, deadline_s=1.0)
+    job = state.objects[("Job", "replayjob-ablation-r0-driver")]
+    job["spec"]["suspend"] = True  # held by a queue: the deadline does not run
+    reads = len(state.calls)
+    ended: list[str] = []
+
+    def follow() -> None:
+        try:
+            wait_driver(fast_api(api), NS, "replayjob-ablation-r0-driver", "replayjob-ablation-r0-spec", 0.05,
+                        lambda s: None, deadline_s=1.0)
+        except OperationalError as exc:
+            ended.append(exc.message)
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    time.sleep(1.0)
+    assert thread.is_alive() and len(state.calls) - reads > 5  # still waiting, still polling
+    state.statuses.pop("replayjob-ablation-r0-driver")
+    state.finished["replayjob-ablation-r0-driver"] = 3
+    thread.join(timeout=10)
+    assert not thread.is_alive() and "no verdict" in ended[0]  # it ended when the Job did, not at a deadline

@@ -22,8 +22,12 @@ follow Jobs, read pods, keep ConfigMaps, in its namespace).  It:
    (no replays; the verdict is refused: no capture), so every run ends with a verdict;
 6. adopts the stage Jobs that already exist (a retried driver pod, ``k8s resume``): a finished stage
    is not run again;
-7. exits with the reducer's code: 0 pass, 1 a negative verdict, 2 refused, 3 an error on every
-   attempt or no verdict.  Its own exit 3 (an API that stayed unreachable) is retried by its Job.
+7. reads the reducer's verdict from the claim (mounted read-only) through the one strict verdict reader,
+   cross-checks it with the reducer's exit code (:func:`replayjob.deploy.outcome.judge`), publishes it in
+   the run's ConfigMap (``verdict.json``, where ``k8s submit|resume --wait`` read it) and exits with its
+   code: 0 pass, 1 a negative verdict, 2 refused, 3 an error on every attempt, no verdict, a verdict
+   that cannot be read or that the reducer's code contradicts.  Its own exit 3 (an API that stayed
+   unreachable) is retried by its Job.
 """
 
 from __future__ import annotations
@@ -33,16 +37,17 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from replayjob.deploy import k8s
+from replayjob.deploy import k8s, outcome
 from replayjob.deploy.ablation import AblationSpec, load_spec_text
 from replayjob.deploy.step import check_rendered
-from replayjob.deploy.submit import Api, Log, wait_job
-from replayjob.errors import EXIT_ERROR, EXIT_OK, ConfigError, ContractError
+from replayjob.deploy.submit import Api, Log, is_rendered, job_deadline_s, run_drivers, wait_job
+from replayjob.errors import EXIT_OK, ConfigError, ContractError, ReplayjobError
+from replayjob.gate.verdict import read_verdict
 
 POLL_ENV = "REPLAYJOB_POLL_S"  # seconds between two reads of a stage Job's status [default: 10]
-_RUN_ID = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?")
 
 
 def run_id_from_uid(uid: str) -> str:
@@ -65,6 +70,7 @@ class Context:
     run_id: str
     gpu_product: str
     image: str
+    artifacts: str = k8s.MOUNT  # where the claim is mounted (read-only): the reducer's verdict is read there
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Context:
@@ -74,11 +80,12 @@ class Context:
             raise ConfigError("not a driver Job's pod: " + ", ".join(missing) + " missing", where="environment",
                               hint="`replayjob k8s drive` runs as the driver Job rendered by `replayjob k8s render`")
         run_id = environ.get("REPLAYJOB_RUN_ID") or run_id_from_uid(environ["REPLAYJOB_DRIVER_UID"])
-        if not _RUN_ID.fullmatch(run_id):
+        if not k8s.RUN_ID_PATTERN.fullmatch(run_id):
             raise ConfigError(f"run id {run_id!r} is not a DNS label fragment", where="REPLAYJOB_RUN_ID")
         return cls(namespace=environ["REPLAYJOB_NAMESPACE"], job=environ["REPLAYJOB_DRIVER_JOB"],
                    uid=environ["REPLAYJOB_DRIVER_UID"], pod=environ.get("REPLAYJOB_POD_NAME", ""), run_id=run_id,
-                   gpu_product=environ.get("REPLAYJOB_GPU_PRODUCT", ""), image=environ.get("REPLAYJOB_IMAGE_REF", ""))
+                   gpu_product=environ.get("REPLAYJOB_GPU_PRODUCT", ""), image=environ.get("REPLAYJOB_IMAGE_REF", ""),
+                   artifacts=environ.get(k8s.ARTIFACTS_ENV) or k8s.MOUNT)
 
     @property
     def owner(self) -> dict[str, Any]:
@@ -97,9 +104,12 @@ def running_image(api: Api, ctx: Context, log: Log) -> str:
     return image
 
 
-def _ensure(api: Api, ns: str, body: dict[str, Any], owner: dict[str, Any], log: Log) -> dict[str, Any]:
-    """Create ``body``, or adopt the object of that name (a retried or resumed driver): it gets
-    ``owner`` among its owners.  Returns the object as it is."""
+def _ensure(api: Api, ns: str, body: dict[str, Any], owner: dict[str, Any], log: Log,
+            owners: set[str]) -> dict[str, Any]:
+    """Create ``body``, or adopt the object of that name when this run created it (a retried or resumed
+    driver): owned by one of the run's drivers (``owners``: their uids), with the labels and, for a Job,
+    the pod template this run renders.  Anything else of that name is refused (2): a run never follows
+    an object it did not create.  Returns the object as it is."""
     created = api.create(ns, body, exist_ok=True)
     kind, name = body["kind"], body["metadata"]["name"]
     if created is not None:
@@ -107,7 +117,15 @@ def _ensure(api: Api, ns: str, body: dict[str, Any], owner: dict[str, Any], log:
         return created
     found = api.read(ns, kind, name)
     if found is None:  # deleted in between: create it again
-        return _ensure(api, ns, body, owner, log)
+        return _ensure(api, ns, body, owner, log, owners)
+    refs = found["metadata"].get("ownerReferences") or []
+    uids = {r.get("uid") for r in refs if isinstance(r, dict)}
+    why = ("it is owned by no driver of this run" if not uids & owners
+           else "" if is_rendered(found, body) else "its labels or pod template are not the ones this run renders")
+    if why:
+        raise ContractError(f"{kind.lower()}/{name} exists but is not this run's: {why}", where=f"namespace {ns}",
+                            hint=f"delete {kind.lower()}/{name} (kubectl -n {ns} delete {kind.lower()} {name}) or "
+                                 "submit a new run")
     if api.add_owner(ns, kind, found, owner):
         log(f"driver: adopted {kind.lower()}/{name}")
     return found
@@ -125,7 +143,8 @@ def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: floa
                                         "value": ctx.run_id}])  # so `k8s resume RUN_ID` finds it
     log(f"driver: run {ctx.run_id} in namespace {ns}, image {spec.image}; run directory "
         f"{k8s.MOUNT}/runs/{spec.name}/{ctx.run_id} on PVC {spec.claim_name}")
-    config_map = _ensure(api, ns, k8s.owned(k8s.spec_config_map(spec, text, ctx.run_id), owner), owner, log)
+    owners = {ctx.uid, *(str(d["metadata"].get("uid")) for d in run_drivers(api, ns, spec, ctx.run_id))}
+    config_map = _ensure(api, ns, k8s.owned(k8s.spec_config_map(spec, text, ctx.run_id), owner), owner, log, owners)
     if (config_map.get("data") or {}).get("ablation.toml") != text:
         raise ContractError(f"configmap/{config_map['metadata']['name']} holds another spec than this run's",
                             where=f"namespace {ns}", hint="a run keeps its spec; submit a new run for another")
@@ -133,8 +152,8 @@ def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: floa
     capture, reduce = stages.pop("capture.yaml"), stages.pop("reduce.yaml")
 
     def run(body: dict[str, Any]) -> str:
-        _ensure(api, ns, body, owner, log)
-        return wait_job(api, ns, body["metadata"]["name"], poll_s, log)[0]
+        _ensure(api, ns, body, owner, log, owners)
+        return wait_job(api, ns, body["metadata"]["name"], poll_s, log, job_deadline_s(body))[0]
 
     if run(capture) == "Complete":
         for body in stages.values():  # one replay Job per rank count, one after another
@@ -144,12 +163,20 @@ def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: floa
         log(f"driver: job/{capture['metadata']['name']} failed for good: no replay runs; the reducer writes the "
             "verdict (refused: no capture)")
     name = reduce["metadata"]["name"]
-    if run(reduce) == "Complete":
-        code = EXIT_OK
-    else:
-        found = api.exit_code(ns, name)
-        code = found if found is not None else EXIT_ERROR
-    log(f"driver: run {ctx.run_id}: the reducer exited {code}; verdict: {k8s.MOUNT}/runs/{spec.name}/{ctx.run_id}/"
+    pod_code = EXIT_OK if run(reduce) == "Complete" else api.exit_code(ns, name)
+    path = Path(ctx.artifacts) / "runs" / spec.name / ctx.run_id / "verdict.json"
+    verdict, unreadable = None, None
+    if path.exists():
+        try:
+            verdict = read_verdict(path, where=f"{k8s.MOUNT}/runs/{spec.name}/{ctx.run_id}/verdict.json")
+        except ReplayjobError as exc:
+            unreadable = exc.message
+    step = f"the reducer (job/{name}) exited {'with no exit code' if pod_code is None else pod_code}"
+    code, line = outcome.judge(verdict, unreadable, pod_code, step)
+    if verdict is not None:  # published beside the run's spec: `k8s submit|resume --wait` read it there
+        api.patch(ns, "ConfigMap", config_map["metadata"]["name"],
+                  [{"op": "add", "path": "/data/" + k8s.VERDICT_KEY, "value": path.read_text(encoding="utf-8")}])
+    log(f"driver: run {ctx.run_id}: {line}; exit {code}; verdict: {k8s.MOUNT}/runs/{spec.name}/{ctx.run_id}/"
         f"verdict.json on PVC {spec.claim_name}")
     return code
 

@@ -75,6 +75,8 @@ Decisions written once here:
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -82,7 +84,7 @@ from typing import Any
 import yaml
 
 from replayjob.deploy.ablation import RENDERED_ENV, AblationSpec, scale_quantity
-from replayjob.errors import FINAL_EXIT_STATUSES
+from replayjob.errors import FINAL_EXIT_STATUSES, UsageError
 from replayjob.fsio import atomic_write_text
 
 # The oldest Kubernetes the manifests run on: Jobs' podFailurePolicy rules on exit codes alone (1.27 and
@@ -108,6 +110,10 @@ CONTROLLER_UID_LABEL = "batch.kubernetes.io/controller-uid"  # set on a Job's po
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 REPLAY_WAIT_S = 600  # a replay admitted early (a queue) or on a node that sees the capture late waits this long
 DRIVER = "driver"
+ARTIFACTS_ENV = "REPLAYJOB_ARTIFACTS"  # where the driver's pod mounts the claim (read-only: it reads the verdict)
+VERDICT_KEY = "verdict.json"  # the key of the run's ConfigMap the driver publishes the verdict under
+SPEC_ANNOTATION = "replayjob.dev/spec-sha256"  # on a driver Job: the SHA-256 of the spec text it was rendered from
+RUN_ID_PATTERN = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?")
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 TTL_S = 7 * 24 * 3600
 Doc = dict[str, Any]
@@ -436,7 +442,23 @@ def driver_rbac(spec: AblationSpec) -> dict[str, Doc]:
 DRIVER_RESOURCES = {"cpu": "500m", "memory": "512Mi"}
 
 
-def driver_job(spec: AblationSpec, run_id: str | None, config_map: str, suffix: str = "") -> Doc:
+def check_run_id(run_id: str, where: str = "run id") -> str:
+    """``run_id`` when it is a DNS-label fragment (it names objects and is a label value and a selector
+    term), checked before any request; else :class:`~replayjob.errors.UsageError` (a comma, a ``=``, ...)."""
+    if not RUN_ID_PATTERN.fullmatch(run_id):
+        raise UsageError(f"run id {run_id!r} is not a run id: lower-case letters, digits and '-', at most 40, "
+                         "starting and ending with a letter or digit", where=where,
+                         hint="use the run id `k8s submit` printed")
+    return run_id
+
+
+def spec_sha256(text: str) -> str:
+    """The SHA-256 of a run's spec text, which its driver Jobs carry (:data:`SPEC_ANNOTATION`)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def driver_job(spec: AblationSpec, run_id: str | None, config_map: str, suffix: str = "",
+               text: str | None = None) -> Doc:
     """The in-cluster driver: ``replayjob k8s drive``, which creates the run's spec ConfigMap and its
     stage Jobs one after another (owned by this Job), waits for each and exits with the reducer's
     code.  Its run id is ``run_id`` (a submission, a resumed run) or, in the kustomize base, derived
@@ -445,26 +467,32 @@ def driver_job(spec: AblationSpec, run_id: str | None, config_map: str, suffix: 
            field_env("REPLAYJOB_RUN_ID", f"metadata.labels['{RUN_ID_LABEL}']"),
            field_env("REPLAYJOB_DRIVER_UID", f"metadata.labels['{CONTROLLER_UID_LABEL}']"),
            field_env("REPLAYJOB_DRIVER_JOB", f"metadata.labels['{JOB_NAME_LABEL}']"),
-           field_env("REPLAYJOB_POD_NAME", "metadata.name"), field_env("REPLAYJOB_NAMESPACE", "metadata.namespace")]
+           field_env("REPLAYJOB_POD_NAME", "metadata.name"), field_env("REPLAYJOB_NAMESPACE", "metadata.namespace"),
+           {"name": ARTIFACTS_ENV, "value": MOUNT}]
     cont = {"name": CONTAINER, "image": spec.image, "imagePullPolicy": "IfNotPresent",
             "command": ["replayjob", "k8s", "drive", "--spec", SPEC_FILE], "env": env,
             "resources": {"requests": dict(DRIVER_RESOURCES), "limits": dict(DRIVER_RESOURCES)},
             "securityContext": container_security(),
             "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
-                             {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True}]}
+                             {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True},
+                             {"name": "artifacts", "mountPath": MOUNT, "readOnly": True}]}
     deadline = run_deadline_s(spec, concurrent_counts=False)
     pod: Doc = {"restartPolicy": "Never", "activeDeadlineSeconds": deadline, "serviceAccountName": driver_account(spec),
                 "automountServiceAccountToken": True,  # the only pod of a run that talks to the API
                 "enableServiceLinks": False, "securityContext": pod_security(), "containers": [cont],
                 "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
-                            {"name": "spec", "configMap": {"name": config_map}}]}
+                            {"name": "spec", "configMap": {"name": config_map}},
+                            {"name": "artifacts", "persistentVolumeClaim": {"claimName": spec.claim_name,
+                                                                            "readOnly": True}}]}
     if spec.priority_class:
         pod["priorityClassName"] = spec.priority_class
     lab = labels(spec, DRIVER, run_id)
     if spec.queue:
         lab[QUEUE_LABEL] = spec.queue
-    return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": f"{prefix(spec, run_id)}-{DRIVER}{suffix}", "labels": lab},
+    meta: Doc = {"name": f"{prefix(spec, run_id)}-{DRIVER}{suffix}", "labels": lab}
+    if text is not None:  # `k8s resume` refuses a run whose ConfigMap now holds another spec
+        meta["annotations"] = {SPEC_ANNOTATION: spec_sha256(text)}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
             "spec": {**_queued(spec, {"backoffLimit": RETRIES}), "activeDeadlineSeconds": deadline,
                      "ttlSecondsAfterFinished": TTL_S,
                      "podFailurePolicy": {"rules": [dict(r) for r in POD_FAILURE_RULES]},
@@ -507,7 +535,8 @@ def render(spec: AblationSpec, text: str, run_id: str | None = None) -> dict[str
     unless the spec can run on a cluster (:meth:`~replayjob.deploy.ablation.AblationSpec.check_cluster`)."""
     spec.check_cluster()
     cm = spec_config_map(spec, text, run_id)
-    files: dict[str, Doc] = {"spec.yaml": cm, "driver.yaml": driver_job(spec, run_id, cm["metadata"]["name"])}
+    files: dict[str, Doc] = {"spec.yaml": cm, "driver.yaml": driver_job(spec, run_id, cm["metadata"]["name"],
+                                                                         text=text)}
     files["kustomization.yaml"] = kustomization(list(files), configurations=True)
     files[KUSTOMIZE_CONFIG_FILE] = dict(KUSTOMIZE_CONFIG)
     return files

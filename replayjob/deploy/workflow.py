@@ -37,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from replayjob.deploy.outcome import judge
 from replayjob.deploy.submit import Api
 from replayjob.errors import EXIT_ERROR, OperationalError, RefusedError, ReplayjobError, is_retryable
 from replayjob.gate.verdict import Verdict, read_verdict
@@ -150,14 +151,9 @@ def workflow_code(workflow: Any, name: str = "") -> tuple[int, str]:
     if pods:
         tries = f", attempt {len(pods)}" if len(pods) > 1 else ""
         step = f"reduce step {pods[-1].displayName or REDUCE} exited {pod_code}{tries}"
-    if unreadable is not None:
-        return EXIT_ERROR, (f"workflow {phase}: the verdict cannot be read ({unreadable})"
-                            + (f"; {step}" if step else "") + ": nothing decided")
-    if verdict is not None:
-        said = f"verdict {verdict.status} (exit {verdict.exit_code})"
-        if pod_code is not None and pod_code != verdict.exit_code:
-            return EXIT_ERROR, f"workflow {phase}: {step} but the {said}: they disagree, nothing decided"
-        return verdict.exit_code, f"workflow {phase}: " + (f"{step}, {said}" if step else said)
+    if unreadable is not None or verdict is not None:
+        code, line = judge(verdict, unreadable, pod_code, step or "no reduce pod")
+        return code, f"workflow {phase}: {line}"
     message = status.message or "no reduce step ran to its end"
     if status.offloadNodeStatusVersion and not status.nodes:
         message += "; node statuses are offloaded (argo get shows them)"
