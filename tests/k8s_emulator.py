@@ -28,7 +28,7 @@ Doc = dict[str, Any]
 NS = "ablation-ns"
 PLURALS = {"configmaps": "ConfigMap", "persistentvolumeclaims": "PersistentVolumeClaim",
            "serviceaccounts": "ServiceAccount", "pods": "Pod", "jobs": "Job", "workflows": "Workflow",
-           "roles": "Role", "rolebindings": "RoleBinding"}
+           "roles": "Role", "rolebindings": "RoleBinding", "events": "Event"}
 
 
 class Cluster:
@@ -50,6 +50,7 @@ class Cluster:
         self.pods: dict[str, list[Doc]] = {}  # Job name -> the pods its pod lists answer (instead of one)
         self.refuse: dict[tuple[str, str], int] = {}  # (POST or PATCH, name) -> the HTTP status answered instead
         self.lost_replies: set[str] = set()  # names whose first create is done but answered 500 (a lost reply)
+        self.events: list[Doc] = []  # Events, listed by involvedObject.name (the Job controller's FailedCreate)
         self.on_create: Callable[[Doc], None] | None = None  # called (outside the lock) for each created Job
         self.host = ""  # the API server's URL while served
         self.scripted = True  # stage Jobs end with exit_codes; False: only when someone ran them (finished)
@@ -265,6 +266,13 @@ def handler_for(cluster: Cluster) -> type[BaseHTTPRequestHandler]:
                         self.status(404, "NotFound")
                         return
                     self.reply(200, doc)
+                    return
+                if kind == "Event" and name is None:
+                    field = query.get("fieldSelector", [""])[0]
+                    involved = field.removeprefix("involvedObject.name=")
+                    cluster.calls.append(f"LIST events {involved}")
+                    items = [e for e in cluster.events if e.get("involvedObject", {}).get("name") == involved]
+                    self.reply(200, {"kind": "EventList", "apiVersion": "v1", "metadata": {}, "items": items})
                     return
                 if name is None:  # a list by label selector
                     cluster.calls.append(f"LIST {rest[0]} {selector}")

@@ -54,6 +54,7 @@ class Kubelet:
         self.pods: dict[str, Doc] = {}
         self.claim = claim  # the claim as the driver's pod mounts it: the reducer's verdict is written there
         self.verdicts: dict[str, str | None] = {}  # run id -> the verdict the reducer writes (else by its code)
+        self.start_grace_s = 300.0  # how long the drivers let a stage stay unable to start
 
     def __call__(self, job: Doc) -> None:
         if job["metadata"]["labels"].get("app.kubernetes.io/component") == k8s.DRIVER:
@@ -94,7 +95,8 @@ class Kubelet:
                 path = self.claim / "runs" / spec.name / ctx.run_id / "verdict.json"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(verdict, encoding="utf-8")
-            code = driver.drive(spec, text, ctx, fast_api(self.api), poll_s=0.001, log=self.logs.append)
+            code = driver.drive(spec, text, ctx, fast_api(self.api), poll_s=0.001, log=self.logs.append,
+                                start_grace_s=self.start_grace_s)
         except ReplayjobError as exc:
             self.logs.append(exc.diagnostics())
             code = exc.exit_code
@@ -644,3 +646,75 @@ def test_waits_have_a_deadline_of_their_own(cluster: tuple[Cluster, client.ApiCl
     state.finished["replayjob-ablation-r0-driver"] = 3
     thread.join(timeout=10)
     assert not thread.is_alive() and "no verdict" in ended[0]  # it ended when the Job did, not at a deadline
+
+
+# --- fail fast: a stage that cannot start ends the run within the grace period, named ------------------
+
+def pending_pod(job: str, *, scheduled: Doc | None = None, waiting: Doc | None = None) -> Doc:
+    status: Doc = {"phase": "Pending"}
+    if scheduled is not None:
+        status["conditions"] = [{"type": "PodScheduled", "status": "False", **scheduled}]
+    if waiting is not None:
+        status["containerStatuses"] = [{"name": "replayjob", "state": {"waiting": waiting}}]
+    return {"metadata": {"name": f"{job}-abcde"}, "status": status}
+
+
+UNSCHEDULABLE = {"reason": "Unschedulable", "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}
+PULL = {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "registry.example.org/rj@sha256:11"'}
+QUOTA = "pods \"replayjob-ablation-r5-capture-x\" is forbidden: exceeded quota: gpu, requested: nvidia.com/gpu=1"
+
+
+@pytest.mark.parametrize(("stage", "cause", "reason", "message"), [
+    ("capture", "unschedulable", "Unschedulable", UNSCHEDULABLE["message"]),
+    ("replay", "pull", "ImagePullBackOff", PULL["message"]),
+    ("capture", "quota", "FailedCreate", QUOTA),
+])
+def test_a_stage_that_cannot_start_ends_the_run_with_3_naming_pod_reason_and_message(
+        cluster: tuple[Cluster, client.ApiClient], kubelet: Kubelet, stage: str, cause: str, reason: str,
+        message: str) -> None:
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    job = f"replayjob-ablation-r5-{stage}"
+    state.statuses[job] = {"active": 1}  # it never ends by itself
+    if cause == "unschedulable":
+        state.pods[job] = [pending_pod(job, scheduled=UNSCHEDULABLE)]
+    elif cause == "pull":
+        state.pods[job] = [pending_pod(job, waiting=PULL)]
+    else:
+        state.pods[job] = []
+        state.events.append({"reason": "FailedCreate", "type": "Warning", "message": message,
+                             "involvedObject": {"kind": "Job", "name": job}})
+    kubelet.start_grace_s = 0.2
+    logs: list[str] = []
+    with pytest.raises(OperationalError) as err:
+        submit(spec, text, NS, wait=True, api=fast_api(api), poll_s=0.001, log=logs.append, run_id="r5")
+    kubelet.join()
+    assert state.finished["replayjob-ablation-r5-driver"] == 3
+    pod = f"job {job}" if cause == "quota" else f"pod {job}-abcde"
+    assert f"the driver stopped the run: stage {stage} ({job}): {pod}: {reason}: {message}" in err.value.message
+    record = json.loads(state.objects[("ConfigMap", "replayjob-ablation-r5-spec")]["data"]["stopped.json"])
+    assert (record["stage"], record["pod"], record["reason"], record["exit_code"]) == (stage, pod, reason, 3)
+    assert any(f"job {job}: waiting: {pod}: {reason}" in line for line in kubelet.logs)  # progress while waiting
+    assert any(line.startswith("driver: stage 1/3: job/") for line in kubelet.logs)  # capture, replay, reduce
+
+
+def test_a_pod_that_is_pending_only_briefly_is_waited_for(
+        cluster: tuple[Cluster, client.ApiClient], kubelet: Kubelet) -> None:
+    """Unschedulable for less than the grace period (a node pool scaling up), then running: the run goes on."""
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    job = "replayjob-ablation-r6-capture"
+    state.pods[job] = [pending_pod(job, scheduled=UNSCHEDULABLE)]
+    state.statuses[job] = {"active": 1}
+
+    def scaled_up() -> None:
+        time.sleep(0.3)
+        with state.lock:
+            del state.pods[job]
+            del state.statuses[job]
+
+    kubelet.start_grace_s = 5.0
+    threading.Thread(target=scaled_up, daemon=True).start()
+    assert submit(spec, text, NS, wait=True, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r6") == 0
+    kubelet.join()
+    assert any(f"job {job}: waiting: pod {job}-abcde: Unschedulable" in line for line in kubelet.logs)

@@ -33,6 +33,7 @@ follow Jobs, read pods, keep ConfigMaps, in its namespace).  It:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -43,7 +44,18 @@ from typing import Any
 from replayjob.deploy import k8s, outcome
 from replayjob.deploy.ablation import AblationSpec, load_spec_text
 from replayjob.deploy.step import check_rendered
-from replayjob.deploy.submit import Api, Log, is_rendered, job_deadline_s, run_drivers, wait_job
+from replayjob.deploy.submit import (
+    START_GRACE_ENV,
+    START_GRACE_S,
+    STOPPED_KEY,
+    Api,
+    Log,
+    StageStuck,
+    is_rendered,
+    job_deadline_s,
+    run_drivers,
+    wait_job,
+)
 from replayjob.errors import EXIT_OK, ConfigError, ContractError, ReplayjobError
 from replayjob.gate.verdict import read_verdict
 
@@ -131,7 +143,8 @@ def _ensure(api: Api, ns: str, body: dict[str, Any], owner: dict[str, Any], log:
     return found
 
 
-def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: float = 10.0, log: Log = print) -> int:
+def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: float = 10.0, log: Log = print,
+          start_grace_s: float = START_GRACE_S) -> int:
     """Chain one run's stages (see the module docstring); return the reducer's code."""
     ns, owner = ctx.namespace, ctx.owner
     spec = dataclasses.replace(spec, image=running_image(api, ctx, log),
@@ -151,9 +164,24 @@ def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: floa
     stages = k8s.stage_jobs(spec, ctx.run_id, owner)
     capture, reduce = stages.pop("capture.yaml"), stages.pop("reduce.yaml")
 
+    total = len(stages) + 2
+
     def run(body: dict[str, Any]) -> str:
         _ensure(api, ns, body, owner, log, owners)
-        return wait_job(api, ns, body["metadata"]["name"], poll_s, log, job_deadline_s(body))[0]
+        name = body["metadata"]["name"]
+        started.append(name)
+        log(f"driver: stage {len(started)}/{total}: job/{name}")
+        try:
+            return wait_job(api, ns, name, poll_s, log, job_deadline_s(body), start_grace_s)[0]
+        except StageStuck as exc:  # recorded beside the run's spec, where `k8s ... --wait` reads it
+            record = outcome.stopped_record(body["metadata"]["labels"]["app.kubernetes.io/component"], name,
+                                            exc.cause)
+            api.patch(ns, "ConfigMap", config_map["metadata"]["name"],
+                      [{"op": "add", "path": "/data/" + STOPPED_KEY, "value": json.dumps(record, sort_keys=True)}])
+            log(f"driver: run {ctx.run_id} stopped: stage {record['stage']}: {exc.cause.line()}; exit 3")
+            raise
+
+    started: list[str] = []
 
     if run(capture) == "Complete":
         for body in stages.values():  # one replay Job per rank count, one after another
@@ -187,8 +215,11 @@ def main(spec_path: str, environ: Mapping[str, str] | None = None, api: Api | No
     spec, text = load_spec_text(spec_path)
     check_rendered(spec)
     ctx = Context.from_env(env)
-    try:
-        poll_s = float(env.get(POLL_ENV) or 10.0)
-    except ValueError:
-        raise ConfigError(f"{POLL_ENV}={env.get(POLL_ENV)!r} is not a number of seconds", where="environment") from None
-    return drive(spec, text, ctx, api or Api(None, log=log), poll_s=poll_s, log=log)
+    seconds = {}
+    for name, default in ((POLL_ENV, 10.0), (START_GRACE_ENV, START_GRACE_S)):
+        try:
+            seconds[name] = float(env.get(name) or default)
+        except ValueError:
+            raise ConfigError(f"{name}={env.get(name)!r} is not a number of seconds", where="environment") from None
+    return drive(spec, text, ctx, api or Api(None, log=log), poll_s=seconds[POLL_ENV], log=log,
+                 start_grace_s=seconds[START_GRACE_ENV])

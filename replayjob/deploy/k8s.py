@@ -426,6 +426,7 @@ def driver_rbac(spec: AblationSpec) -> dict[str, Doc]:
     rules = [{"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "create", "patch"]},
              {"apiGroups": ["batch"], "resources": ["jobs/status"], "verbs": ["get"]},
              {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+             {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},  # FailedCreate is only an Event
              {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch"]}]
     return {
         "serviceaccount.yaml": {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta),

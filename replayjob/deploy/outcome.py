@@ -20,12 +20,14 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 
-from replayjob.errors import EXIT_ERROR, FINAL_EXIT_STATUSES, OperationalError, is_retryable
+from replayjob.errors import EXIT_ERROR, FINAL_EXIT_STATUSES, OperationalError, ReplayjobError, is_retryable
 from replayjob.gate.verdict import Verdict
+from replayjob.jsonio import loads_strict
 
 T = TypeVar("T")
 
@@ -64,6 +66,7 @@ class Terminated(_Read, frozen=True):
 
 class ContainerState(_Read, frozen=True):
     terminated: Terminated | None = None
+    waiting: Waiting | None = None
 
 
 class ContainerStatus(_Read, frozen=True):
@@ -73,7 +76,20 @@ class ContainerStatus(_Read, frozen=True):
 
 class PodStatus(_Read, frozen=True):
     phase: str | None = None
+    conditions: list[PodCondition] | None = None
     containerStatuses: list[ContainerStatus] | None = None
+
+
+class Waiting(_Read, frozen=True):
+    reason: str | None = None
+    message: str | None = None
+
+
+class PodCondition(_Read, frozen=True):
+    type: str
+    status: str
+    reason: str | None = None
+    message: str | None = None
 
 
 class PodMeta(_Read, frozen=True):
@@ -87,6 +103,58 @@ class Pod(_Read, frozen=True):
 
 class PodList(_Read, frozen=True):
     items: list[Pod]
+
+
+class InvolvedObject(_Read, frozen=True):
+    kind: str | None = None
+    name: str | None = None
+
+
+class Event(_Read, frozen=True):
+    reason: str | None = None
+    message: str | None = None
+    type: str | None = None
+    involvedObject: InvolvedObject | None = None
+
+
+class EventList(_Read, frozen=True):
+    items: list[Event]
+
+
+# What keeps a stage from ever starting: the scheduler finds no node, the image cannot be pulled, the Job
+# controller cannot create the pod (quota, an admission webhook, pod security: an Event only).
+PULL_FAILURES = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName")
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """Why a stage's pod has not started: the pod (or the Job, for FailedCreate), the reason, its message."""
+
+    pod: str
+    reason: str
+    message: str
+
+    def line(self) -> str:
+        return f"{self.pod}: {self.reason}: {self.message}"
+
+
+def stuck(job: str, pods_doc: Any, events_doc: Any) -> Stuck | None:
+    """The first reason Job ``job``'s stage cannot start, from its pods (Unschedulable, an image that
+    cannot be pulled) and the Job's events (FailedCreate); None while nothing stands in its way."""
+    for pod in read_status(pods_doc, PodList, f"pods of job {job}").items:
+        status = pod.status or PodStatus()
+        for cond in status.conditions or []:
+            if cond.type == "PodScheduled" and cond.status == "False" and cond.reason == "Unschedulable":
+                return Stuck(f"pod {pod.metadata.name}", "Unschedulable", cond.message or "")
+        for st in status.containerStatuses or []:
+            waiting = st.state.waiting if st.state is not None else None
+            if waiting is not None and waiting.reason in PULL_FAILURES:
+                return Stuck(f"pod {pod.metadata.name}", waiting.reason, waiting.message or "")
+    for event in read_status(events_doc, EventList, f"events of job {job}").items:
+        obj = event.involvedObject
+        if event.reason == "FailedCreate" and obj is not None and obj.kind == "Job" and obj.name == job:
+            return Stuck(f"job {job}", "FailedCreate", event.message or "")
+    return None
 
 
 def read_status(doc: Any, kind: type[T], what: str) -> T:
@@ -149,3 +217,36 @@ def judge(verdict: Verdict | None, unreadable: str | None, code: int | None, ste
     if code is not None and code != verdict.exit_code:
         return EXIT_ERROR, f"{step} but the {said}: they disagree, nothing decided"
     return verdict.exit_code, f"{step}, {said}" if code is not None else said
+
+
+STOPPED_SCHEMA = "replayjob.stopped/v1"
+
+
+class Stopped(_Read, frozen=True, forbid_unknown_fields=True):
+    """Why a driver stopped its run before a verdict (a stage that could not start), as it records it in
+    the run's ConfigMap (``stopped.json``)."""
+
+    schema: str
+    stage: str
+    job: str
+    pod: str
+    reason: str
+    message: str
+    exit_code: int
+
+
+def stopped_record(stage: str, job: str, cause: Stuck) -> dict[str, Any]:
+    """The record a driver writes when it stops its run because stage ``stage`` (Job ``job``) cannot start."""
+    return {"schema": STOPPED_SCHEMA, "stage": stage, "job": job, "pod": cause.pod, "reason": cause.reason,
+            "message": cause.message, "exit_code": EXIT_ERROR}
+
+
+def read_stopped(text: str, where: str) -> str:
+    """One line of a driver's ``stopped.json`` record (stage, pod, reason, message), or why it is unreadable."""
+    try:
+        rec = msgspec.convert(loads_strict(text, where=where), Stopped, strict=True)
+    except (msgspec.ValidationError, ReplayjobError) as exc:
+        return f"its record cannot be read ({exc})"
+    if rec.schema != STOPPED_SCHEMA:
+        return f"its record has schema {rec.schema!r}, not {STOPPED_SCHEMA}"
+    return f"stage {rec.stage} ({rec.job}): {rec.pod}: {rec.reason}: {rec.message}"

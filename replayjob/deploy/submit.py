@@ -255,6 +255,14 @@ class Api:
         doc = self.raw(f"reading job {name}", namespace, self.batch.read_namespaced_job_status, name, namespace)
         return outcome.job_end(doc, name)
 
+    def stage_stuck(self, namespace: str, name: str) -> outcome.Stuck | None:
+        """What keeps Job ``name``'s pods from starting, from its pods and its events (read-only ``events``)."""
+        pods = self.raw(f"listing pods of job {name}", namespace, self.core.list_namespaced_pod, namespace,
+                        label_selector=f"{k8s.JOB_NAME_LABEL}={name}")
+        events = self.raw(f"listing events of job {name}", namespace, self.core.list_namespaced_event, namespace,
+                          field_selector=f"involvedObject.name={name}")
+        return outcome.stuck(name, pods, events)
+
     def exit_code(self, namespace: str, name: str) -> int | None:
         """The decisive exit code among the Job's terminated containers, else None: a final 1 or 2 in any
         attempt outranks a retryable 3 in another, whatever order the API lists the pods in."""
@@ -264,16 +272,34 @@ class Api:
 
 
 WAIT_GRACE_S = 600  # how long past a Job's own deadline its wait goes on (the Job controller's lag)
+START_GRACE_ENV = "REPLAYJOB_START_GRACE_S"  # how long a stage may stay unable to start [default: 300]
+START_GRACE_S = 300.0
+STOPPED_KEY = "stopped.json"  # the run's ConfigMap key under which a driver records why it stopped a run
 
 
-def wait_job(api: Api, namespace: str, name: str, poll_s: float, log: Log,
-             deadline_s: float | None = None) -> tuple[str, str]:
+class StageStuck(OperationalError):
+    """A stage that cannot start (Unschedulable, an image that cannot be pulled, FailedCreate) stayed so
+    for the grace period: exit 3, naming the pod and the Kubernetes reason and message."""
+
+    def __init__(self, job: str, cause: outcome.Stuck, waited: float, namespace: str):
+        super().__init__(f"job {job} could not start for {waited:.0f} s: {cause.line()}",
+                         where=f"namespace {namespace}",
+                         hint=f"kubectl -n {namespace} describe job {job}; fix the cause (a node pool, the image, "
+                              "a quota) and resume the run")
+        self.job, self.cause = job, cause
+
+
+def wait_job(api: Api, namespace: str, name: str, poll_s: float, log: Log, deadline_s: float | None = None,
+             start_grace_s: float | None = None) -> tuple[str, str]:
     """Poll a Job until it has ended: every ``poll_s`` seconds, sooner at first (0.5 s, doubling), so a
     short stage is seen ending soon after it did.  With ``deadline_s`` the wait has a deadline of its own:
     a Job not ended after that long unsuspended (time a queue holds it suspended is not counted) is
-    :class:`OperationalError` (3), whatever its conditions say or fail to say."""
+    :class:`OperationalError` (3), whatever its conditions say or fail to say.  With ``start_grace_s``,
+    what keeps the Job's pods from starting (:func:`replayjob.deploy.outcome.stuck`) is reported as it
+    changes and ends the wait (:class:`StageStuck`, 3) once it has lasted that long."""
     delay = min(poll_s, 0.5)
-    waited = 0.0
+    waited = stuck_for = 0.0
+    cause: outcome.Stuck | None = None
     while True:
         state, reason, suspended = api.job_state(namespace, name)
         if state is not None:
@@ -283,8 +309,19 @@ def wait_job(api: Api, namespace: str, name: str, poll_s: float, log: Log,
             raise OperationalError(f"job {name} has not ended after {waited:.0f} s of waiting (its deadline and "
                                    f"{WAIT_GRACE_S} s more); nothing decided", where=f"namespace {namespace}",
                                    hint=f"kubectl -n {namespace} describe job {name}")
+        if start_grace_s is not None and not suspended:
+            now = api.stage_stuck(namespace, name)
+            if now != cause:
+                if now is not None:
+                    log(f"job {name}: waiting: {now.line()} (ends the run after {start_grace_s:g} s)")
+                elif cause is not None:
+                    log(f"job {name}: {cause.reason} is gone; running")
+                cause, stuck_for = now, 0.0
+            if cause is not None and stuck_for >= start_grace_s:
+                raise StageStuck(name, cause, stuck_for, namespace)
         api.sleep(delay)
         waited += 0.0 if suspended else delay
+        stuck_for += delay if cause is not None else 0.0
         delay = min(poll_s, delay * 2)
 
 
@@ -348,6 +385,9 @@ def wait_driver(api: Api, namespace: str, name: str, config_map: str, poll_s: fl
         except ReplayjobError as exc:
             unreadable = exc.message
     how = "no pod" if code is None else f"its pod exited {code}"
+    stopped = data.get(STOPPED_KEY) if isinstance(data, dict) else None
+    if verdict is None and unreadable is None and isinstance(stopped, str):
+        how += f"; the driver stopped the run: {outcome.read_stopped(stopped, config_map)}"
     judged, line = outcome.judge(verdict, unreadable, code,
                                  f"job {name} {state}{' (' + reason + ')' if reason else ''}, {how}", need_code=True)
     log(f"submit: {line}; exit {judged}")
