@@ -34,7 +34,7 @@ from replayjob.config.schema import OptimizerBatchConfig
 from replayjob.digest import sha256_json
 from replayjob.distributed import launch_env
 from replayjob.errors import ConfigError, IntegrityError, RefusedError
-from replayjob.integrations import _files, _microbatch
+from replayjob.integrations import _files, _microbatch, precision
 from replayjob.integrations import manifest as imanifest
 from replayjob.integrations.manifest import Manifest
 from replayjob.optbatch.explain import SKIPPED, Refusals, check_contract, check_differences, check_pins
@@ -422,6 +422,8 @@ def report(adm: Admission) -> dict[str, Any]:
     m, cfg = adm.manifest, adm.cfg
     assert cfg is not None
     mbs = adm.micro_batches or []
+    recorded = m.doc["framework_state"].get("precision") if m else None
+    prec = recorded if isinstance(recorded, dict) else None
     return {
         "admitted": adm.admitted,
         "reasons": list(adm.reasons),
@@ -443,6 +445,10 @@ def report(adm: Admission) -> dict[str, Any]:
         "knobs": adm.knob_values(),
         "arm": adm.arm,
         "rng_states": sorted({k for mb in mbs for k in mb.rng}) or None,
+        # the precision the captured update computed in (a capture from before it was recorded: null), and the
+        # approximate claim's tolerances it suggests for systems changes (replayjob.integrations.precision)
+        "precision": prec,
+        "suggested_tolerances": precision.suggested_tolerances(prec) if prec else None,
         "skipped": list(SKIPPED),
         "would": [
             f"build the {cfg.framework} trainer on the base model {cfg.model['path']} (no dataset, no reward "
@@ -456,8 +462,9 @@ def report(adm: Admission) -> dict[str, Any]:
     }
 
 
-def explain(config: str | Path, overrides: list[str],
-            manifest: PinnedManifest | None = None) -> tuple[Admission, dict[str, Any]]:
-    """``replayjob explain`` for an integration replay config (``manifest``: as :func:`admit` takes it)."""
-    adm = admit(load(config, overrides), manifest=manifest)
+def explain(config: str | Path, overrides: list[str], manifest: PinnedManifest | None = None,
+            processes: int | None = None) -> tuple[Admission, dict[str, Any]]:
+    """``replayjob explain`` for an integration replay config (``manifest``, ``processes``: as :func:`admit` takes
+    them; ``explain --nproc N`` passes N, the count ``replay --nproc N`` admits with before it launches)."""
+    adm = admit(load(config, overrides), processes=processes, manifest=manifest)
     return adm, report(adm)

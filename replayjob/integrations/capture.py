@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import replayjob
-from replayjob import determinism
+from replayjob import determinism, knobs
 from replayjob import metrics as metrics_io
 from replayjob.config import redact
 from replayjob.config.dump import replay_pins, section, toml_value
@@ -102,6 +102,29 @@ class CaptureResult:
     metrics: dict[str, Any]
 
 
+def default_stack(framework: str) -> tuple[str, ...]:
+    """The packages whose installed versions a capture records (``stack.<package>``, a difference admitted for the
+    approximate claim only): TRL's whole stack for ``trl``; for another producer (a plain loop) torch and whichever
+    of the others its process has imported, so a capture names only what the loop can have run."""
+    import sys
+
+    if framework == "trl":
+        return STACK
+    return ("torch", *(p for p in STACK if p != "torch" and p in sys.modules))
+
+
+def knob_hint(framework: str) -> list[str]:
+    """The replay config's comment lines on systems-only differences: the producer's own knobs, or that it has
+    none (a plain loop's whole config is the contract)."""
+    names = sorted(knobs.knobs_for(framework))
+    if not names:
+        return [f"# Framework {framework!r} has no systems-only knobs: its whole config is the contract, so every",
+                "# replay runs the captured update (compare repeats with `replayjob reduce`; a changed library",
+                "# version is a declared stack.<package> difference, admitted for the approximate claim only)."]
+    return [f"# A systems-only difference: --set KEY=VALUE for one of {', '.join(names)},",
+            "# declared in optimizer_batch.allow_config_differences (docs/capture-api.md lists what each holds for)."]
+
+
 class StepCapture:
     """Capture one optimizer step of any PyTorch training loop (see the module docstring).
 
@@ -131,8 +154,9 @@ class StepCapture:
 
     def __init__(self, out_dir: str | Path, *, step: int, framework: str, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: Any, base_model_dir: str | Path,
-                 config: dict[str, Any], framework_state: dict[str, Any] | None = None, stack: Iterable[str] = STACK,
-                 entry: str = "", several: bool = False, base_model: dict[str, Any] | None = None,
+                 config: dict[str, Any], framework_state: dict[str, Any] | None = None,
+                 stack: Iterable[str] | None = None, entry: str = "", several: bool = False,
+                 base_model: dict[str, Any] | None = None,
                  part: bool = False):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CaptureError(f"step must be an integer >= 0, found {step!r}", where="step")
@@ -153,7 +177,7 @@ class StepCapture:
         # hashed now: refused before any training
         self.base_model = base_model if base_model is not None else base_model_identity(base_model_dir)
         self.base_model_dir = Path(base_model_dir).resolve()  # the replay config names it as it is
-        self.config = capture_config(config, stack)
+        self.config = capture_config(config, default_stack(framework) if stack is None else stack)
 
         # the framework module's own contract function, the one admission applies to the replay's config
         self.contract: dict[str, Any] = redact(producer_module(framework).contract(self.config))
@@ -196,6 +220,13 @@ class StepCapture:
         rng = {k: t.clone() for k, t in rng_tensors().items()}
         self.micro_batches.append(MicroBatch(ins, in_vals, kw, kw_vals, rng, bool(sync_gradients),
                                              int(accumulation_steps)))
+
+    def note(self, key: str, value: Any) -> None:
+        """Add ``key`` to the step's ``framework_state`` (a fact observed during the step, such as the precision
+        its forward ran in); refused outside begin() ... finish()."""
+        if not self.active:
+            raise CaptureError("note() outside begin() ... finish()", where="StepCapture.note")
+        self.framework_state[key] = captured_json(value, f"framework_state.{key}")
 
     def add_loss(self, value: float) -> None:
         """Add one micro-batch's reported loss to the step's loss (in the order the loop sums it)."""
@@ -284,8 +315,7 @@ class StepCapture:
         return "\n".join([
             f"# Replay of optimizer step {self.step} captured from {self.framework}.",
             "# `replayjob explain` checks it without a model; `replayjob replay --out DIR` runs one update.",
-            f"# A systems-only difference: --set {self.framework}.<key>=VALUE (or model.attn_implementation)",
-            "# and declare it in optimizer_batch.allow_config_differences.",
+            *knob_hint(self.framework),
             "[integration]", f"framework = {toml_value(self.framework)}",
             *([f"entry = {toml_value(self.entry)}"] if self.entry else []), "",
             "[model]", f"path = {toml_value(str(self.base_model_dir))}", "",
@@ -329,13 +359,13 @@ class ChosenSteps:
     """
 
     def __init__(self, out_dir: str | Path, *, steps: Iterable[int], framework: str, base_model_dir: str | Path,
-                 config: dict[str, Any], stack: Iterable[str] = STACK, entry: str = ""):
+                 config: dict[str, Any], stack: Iterable[str] | None = None, entry: str = ""):
         self.out_dir = Path(out_dir)
         self.steps = chosen_steps(steps)
         refuse_existing(self.out_dir, [METRICS_FILE, *(n for k in self.steps
                                                        for n in capture_file_names(k, several=True))])
         self.framework, self.base_model_dir, self.entry = framework, base_model_dir, entry
-        self._config, self._stack = config, tuple(stack)
+        self._config, self._stack = config, tuple(default_stack(framework) if stack is None else stack)
         self.base_model = base_model_identity(base_model_dir)
         self.captures: dict[int, StepCapture] = {}
         self.result: StepsResult | None = None

@@ -175,8 +175,16 @@ class ReplaySession(Session):
         return self.observe(tuple(len(s.rows) for s in plan))
 
     def provenance(self) -> dict[str, Any]:
-        return {"attn_implementation": (self.adm.resolved or {}).get("model", {}).get("attn_implementation"),
-                "device": str(self.device)}
+        """The attention kernel, the device and, where the capture recorded it, the dtype the update's matmuls
+        computed in (``compute_dtype``: the replay runs the captured precision policy, whose flags are contract;
+        ``trace-diff`` bounds rounding by it)."""
+        m = self.adm.manifest
+        recorded = m.doc["framework_state"].get("precision") if m is not None else None
+        out = {"attn_implementation": (self.adm.resolved or {}).get("model", {}).get("attn_implementation"),
+               "device": str(self.device)}
+        if isinstance(recorded, dict) and isinstance(recorded.get("compute_dtype"), str):
+            out["compute_dtype"] = recorded["compute_dtype"]
+        return out
 
     def document(self, outcome: Outcome, plan: list[MicroStep]) -> dict[str, Any]:
         adm, m, mbs = self.adm, self.adm.manifest, self.adm.micro_batches

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from replayjob import knobs
 from replayjob.errors import RefusedError, UsageError
-from replayjob.integrations import _files, _microbatch, trl_fields
+from replayjob.integrations import _files, _microbatch, precision, trl_fields
 from replayjob.integrations import capture as cap
 from replayjob.integrations import ranks as iranks
 from replayjob.integrations.admission import Admission
@@ -348,6 +348,14 @@ def contract(resolved: dict[str, Any]) -> dict[str, Any]:
                                 dtype=resolved.get("model", {}).get("dtype"), adapter=resolved.get("peft"))
 
 
+def _first_linear(model: Any) -> Any:
+    """The first ``torch.nn.Linear`` of ``model`` (every forward calls one; PEFT calls the base model's ``forward``
+    directly, so a hook on the model itself would not run), else the model."""
+    import torch
+
+    return next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), model)
+
+
 def _base_model(trainer: Any) -> Any:
     model = trainer.model
     get = getattr(model, "get_base_model", None)
@@ -495,6 +503,7 @@ class TRLCapture:
             def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
                 c = handle._cap
                 if c is not None and c.active and state.global_step == c.step + 1:
+                    c.note("precision", precision.of_trainer(handle.trainer, handle._probe.seen))
                     c.loss = handle._loss.value(args.parallel_mode)  # gathered over the processes
                     c.finish(grad_norm=handle._grad_norm)
                     if handle.world > 1:  # land; process 0 writes the root
@@ -509,6 +518,9 @@ class TRLCapture:
 
         self._grad_norm: float | None = None
         self._loss = LoggedLoss(trainer.args.device)
+        # the precision the step's loss forward really ran in (accelerate's autocast wraps the model's forward):
+        # observed on the first linear layer of the first loss call's forward, recorded as framework_state.precision
+        self._probe = precision.Probe(_first_linear(base), getattr(trainer.args.device, "type", "cpu"))
         self._wrap()
         trainer.add_callback(_Callback())
 
@@ -527,6 +539,7 @@ class TRLCapture:
             c = None
         if c is not None:
             self._cap, self._grad_norm, self._loss = c, None, LoggedLoss(t.args.device)
+            self._probe.seen = None
             c.begin()
 
     def _wrap(self) -> None:
@@ -539,6 +552,8 @@ class TRLCapture:
                 c.record(inputs, {"num_items_in_batch": kw.get("num_items_in_batch")},
                          sync_gradients=bool(t.accelerator.sync_gradients),
                          accumulation_steps=int(t.current_gradient_accumulation_steps))
+                if len(c.micro_batches) == 1:  # the loss's own forward (generation ran earlier, outside autocast)
+                    self._probe.arm()
             return compute_loss(model, inputs, *a, **kw)
 
         def summing_training_step(*a: Any, **kw: Any) -> Any:

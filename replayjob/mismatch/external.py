@@ -78,12 +78,26 @@ def check(config: Path, overrides: list[str], bound: str | Path | None, allow_la
         views = recompute(session, adm.micro_batches, adm.resolved, m.doc["framework_state"], m.step)
     capture_doc = {"config": str(config), "manifest": str(m.path), "manifest_sha256": m.sha256,
                    "framework": "trl", "step": m.step}
-    return build(capture_doc, views, declared, allow_lag, time.perf_counter() - t0)
+    rep = build(capture_doc, views, declared, allow_lag, time.perf_counter() - t0)
+    if not rep.sources:  # the built-in hint (capture again: its sampler records logprobs) does not hold for TRL
+        rep.decision = {**rep.decision, "hint": NO_SOURCE_HINT}
+    return rep
 
 
-def sides(trl: dict[str, Any]) -> tuple[Side, Side]:
+# What makes a TRL run keep a logprob source replayjob can compare with the trainer (logprob_record's rule).
+NO_SOURCE_HINT = ("TRL keeps the sampler's logprobs only with use_vllm=True (or a rollout_func) and its own old "
+                  "logprobs only when generations are reused (num_iterations > 1, or steps_per_generation > "
+                  "gradient_accumulation_steps) or the vLLM correction is on: capture a step of a run with one of "
+                  "these")
+
+
+def sides(trl: dict[str, Any], state: dict[str, Any] | None = None) -> tuple[Side, Side]:
+    """The trainer's side runs in the precision the capture recorded (``framework_state.precision``: the autocast
+    dtype of the loss's forward, bf16 under TRL's default ``bf16=True``), the sampler's is not recorded."""
     t = float(trl.get("temperature") or 1.0)
-    trainer = Side(temperature=t, dtype="model", layout=TRAINER_LAYOUT)
+    autocast = ((state or {}).get("precision") or {}).get("autocast") or {}
+    dtype = str(autocast["dtype"]) if autocast.get("enabled") and autocast.get("dtype") else "model"
+    trainer = Side(temperature=t, dtype=dtype, layout=TRAINER_LAYOUT)
     sampler = Side(temperature=t, top_k=int(trl.get("top_k") or 0), top_p=float(trl.get("top_p") or 1.0),
                    dtype="model", layout=SAMPLER_LAYOUT, recorded=False)
     return trainer, sampler
@@ -117,7 +131,7 @@ def recompute(session: Any, mbs: list[_microbatch.MicroBatch], resolved: dict[st
               step: int) -> Views:
     import torch
     trl = resolved.get("trl", {})
-    trainer_side, sampler_side = sides(trl)
+    trainer_side, sampler_side = sides(trl, state)
     trainer, model, dev = session.trainer, session.model, session.device
     for mb in mbs:
         missing = [k for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask") if k not in mb.inputs]

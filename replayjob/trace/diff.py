@@ -37,6 +37,7 @@ from replayjob.metrics import REPLAY_FILE, ROUTING, read_replay
 from replayjob.model import moe
 from replayjob.model.moe import RoutingTable
 from replayjob.trace.envelope import (
+    UNIT_ROUNDOFF,
     Bound,
     all_finite,
     cosine,
@@ -59,6 +60,8 @@ ATTRIBUTIONS = {
                          "router first, and the flips follow from it",
     "flips-only": "routing flips with bitwise equal traced outputs",
 }
+# replay_metrics.json's provenance.compute_dtype (replayjob.integrations.precision) as a traced dtype's name
+COMPUTE_DTYPES = {"float64": "F64", "float32": "F32", "tf32": "F16", "float16": "F16", "bfloat16": "BF16"}
 SAME_CAPTURE = ("manifest_sha256", "logical_batch_sha256", "initial_adapter_sha256")
 _LAYER = re.compile(r"\.layers\.(\d+)(?:\.|$)")
 
@@ -70,6 +73,8 @@ class Side:
     path: Path
     trace: Trace
     routing: RoutingTable | None = None  # an MoE model's routing evidence, as replay_metrics.json pins it
+    compute_dtype: str | None = None  # the traced tensors' dtype name of the precision the matmuls ran in (BF16 under
+    #                                   bf16 autocast), as replay_metrics.json's provenance records it
 
     @property
     def label(self) -> str:
@@ -105,7 +110,8 @@ def load_side(path: str | Path) -> list[Side]:
         if entry is not None:
             check_no_symlinks(path, entry[0], what="routing")
         routing = moe.read_table(*entry) if entry is not None else None
-        out.append(Side(d, read_trace(d, expected_index_sha256=pin), routing))
+        compute = COMPUTE_DTYPES.get(str((rep.doc.get("provenance") or {}).get("compute_dtype")))
+        out.append(Side(d, read_trace(d, expected_index_sha256=pin), routing, compute))
     return out
 
 
@@ -233,6 +239,9 @@ class TraceDiff:
     def _bound(self, key: str, dtype: str, k: int, position: int) -> Bound:
         reps = [e[key].rel for e in self.repeats if key in e]
         ref = self.ref[key].rel if self.ref is not None and key in self.ref else None
+        # a tensor held in float32 that bf16 autocast computed rounds as bf16: the coarser of the two bounds it
+        computed = [s.compute_dtype for s in (self.a[0], self.b[0]) if s.compute_dtype]
+        dtype = max([dtype, *computed], key=lambda d: UNIT_ROUNDOFF[d])
         return envelope(reps, ref, rounding_bound(dtype, k, position))
 
     def _record(self, key: str, name: str, kind: str, dtype: str, k: int, position: int) -> dict[str, Any]:
