@@ -183,6 +183,25 @@ def test_a_changed_replay_target_is_refused(example_run: tuple[Path, Path], tmp_
     assert "is not the one recorded at capture" in capsys.readouterr().err
 
 
+def test_a_plain_loops_hints_name_actions_that_work_for_it(example_run: tuple[Path, Path], tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The replay config's header suggests no ``--set torch.<key>`` override (every one is refused: the whole config is
+    the contract) but what does work, and a declared difference's refusal offers only the stack versions of what
+    the loop's process imported (torch here: not TRL's or PEFT's)."""
+    _, out = example_run
+    toml = out / "capture" / "replay.toml"
+    header = [line for line in toml.read_text().splitlines() if line.startswith("#")]
+    assert not any("--set torch." in line for line in header) and "no systems-only knobs" in "\n".join(header)
+    assert "replayjob reduce" in "\n".join(header) and "stack.<package>" in "\n".join(header)
+    capsys.readouterr()
+    assert main(["explain", str(toml), "--set", 'optimizer_batch.allow_config_differences=["torch.lr"]']) == 2
+    err = capsys.readouterr().err
+    assert "(allowed: stack.torch)" in err and "stack.trl" not in err and "stack.peft" not in err, err
+    manifest = json.loads(next((out / "capture").glob("*.manifest.json")).read_text())
+    assert sorted(manifest["config"]["resolved"]["stack"]) == ["torch"]
+    # what the header offers works: repeats of the same condition reduce bitwise (the example test shows one)
+
+
 def test_capture_api_refuses_misuse(example_run: tuple[Path, Path], tmp_path: Path) -> None:
     script, out = example_run
     mod = _load(script)
