@@ -12,7 +12,7 @@ from replayjob.producers import explain
 
 
 def cmd_explain(args: dict[str, Any]) -> int:
-    adm, rep = explain.explain(args["<config>"], args["--set"])
+    adm, rep = explain.explain(args["<config>"], args["--set"], nproc=integer_or(args, "--nproc", None))
     if args["--json"]:
         print_json(rep)
     else:

@@ -20,16 +20,18 @@ from replayjob.producers.manifests import CaptureManifest, producer_of
 __all__ = ["explain", "render"]
 
 
-def explain(config: str | Path, overrides: list[str],
-            manifest: CaptureManifest | None = None) -> tuple[Refusals, dict[str, Any]]:
+def explain(config: str | Path, overrides: list[str], manifest: CaptureManifest | None = None,
+            nproc: int | None = None) -> tuple[Refusals, dict[str, Any]]:
     """Load the config, admit it by its capture's producer's rules (the manifest read once: ``manifest`` when
     the caller verified it already), and build the report; never raises for a failed check (the caller raises
-    :meth:`Refusals.raise_for`)."""
+    :meth:`Refusals.raise_for`).  ``nproc``: check a replay on that many processes (``replay --nproc N``'s
+    admission before it launches them); ``None``: as the launcher of this process says (one without one)."""
     if manifest is None:
         producer, manifest = producer_of(config, overrides)
     else:
         producer = manifest.framework
     if producer != BUILTIN:
-        return admission.explain(config, overrides, manifest)
-    adm = builtin.admit(observe(load_config(config, overrides), running=False), keep_rows=False, manifest=manifest)
+        return admission.explain(config, overrides, manifest, processes=nproc)
+    adm = builtin.admit(observe(load_config(config, overrides), running=False, planned=nproc), keep_rows=False,
+                        manifest=manifest)
     return adm, builtin.report(adm)
