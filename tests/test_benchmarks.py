@@ -25,7 +25,7 @@ SCRIPT = REPO / "benchmarks" / "gpu_ablation.sh"
 # funnel_intervals is not smoke-run here: it is two whole funnels (about a minute even at one block each),
 # whose every part tests/test_funnel.py runs; its command is in benchmarks/README.md
 SMOKE = ["capture_overhead", "verify_throughput", "cli_startup", "diag_diff", "bundle_recompute", "ring_overhead",
-         "trace_overhead", "mismatch_recompute", "inprocess_spread"]
+         "trace_overhead", "mismatch_recompute", "inprocess_spread", "moe_routing"]
 
 
 def check_result(path: Path, name: str, *, smoke: bool) -> dict[str, object]:

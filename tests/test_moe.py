@@ -64,6 +64,12 @@ def moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         out["flips"] = replay("flips", "--trace", "--repeat-index", "1")
         out["flips_forced"] = replay("flips_forced", "--trace", "--repeat-index", "1",
                                      *forced(out["routing_file"], out["routing_sha"]))
+        both = '["model.routing", "backend.options.gradient_checkpointing"]'
+        gc_forced = [*forced(out["routing_file"], out["routing_sha"])[:2],
+                     "--set", f"optimizer_batch.allow_config_differences={both}",
+                     *forced(out["routing_file"], out["routing_sha"])[4:],
+                     "--set", "backend.options.gradient_checkpointing=true"]
+        out["flips_forced_gc"] = replay("flips_forced_gc", "--repeat-index", "1", *gc_forced)
     finally:
         del os.environ[moe.FAULT_ENV]
     fault.configure(f"{ATTENTION}:1e-3")
@@ -357,3 +363,42 @@ def test_router_loss_is_part_of_the_contract_and_the_update(moe_runs: dict[str, 
     assert "load-balancing loss computed per micro-batch" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="no router"):
         load_backend("hf").build(load_config(None, ["training.seed=1", "model.router_aux_loss_coef=0.01"]))
+
+
+def test_forced_routing_holds_through_checkpointing_recomputation(moe_runs: dict[str, Any]) -> None:
+    """Under gradient checkpointing each layer's forward, routers included, runs again in backward: the
+    forced experts hold there too (the perturbed router would flip tokens otherwise), so the update is
+    still bitwise the source's, and the routing is recorded once per micro-batch."""
+    src, r = metrics(moe_runs["source"], "metrics.json"), metrics(moe_runs["flips_forced_gc"])
+    assert r["runtime"]["backend.options.gradient_checkpointing"] is True
+    assert r["optimizer_batch/final_adapter_sha256"] == src["optimizer_batch/final_adapter_sha256"]
+    t = moe.read_table(moe_runs["flips_forced_gc"] / "routing.safetensors", r["routing"]["sha256"])
+    base = moe.read_table(moe_runs["routing_file"], moe_runs["routing_sha"])
+    assert t.tokens == base.tokens and any(bool(lay.forced.any()) for lay in t.layers)
+    assert all(torch.equal(a.experts, b.experts) for a, b in zip(t.layers, base.layers, strict=True))
+
+
+def test_routing_table_is_in_logical_row_order_whatever_the_micro_batches() -> None:
+    """Rows recorded in micro-batches out of order (or of another size) land in logical order, token by token
+    as one micro-batch of every row records them."""
+    policy = load_backend("hf").build(load_config(None, ['model.architecture="qwen3_moe"', "training.seed=1"]))
+    ids = torch.randint(3, 200, (4, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    mask[3, 2:] = 0
+    routing = policy.routing
+    tables = []
+    with torch.no_grad():
+        for groups in ([[0, 1, 2, 3]], [[2, 3], [0, 1]], [[0], [1], [2], [3]]):
+            routing.begin_update()
+            for rows in groups:
+                with routing.micro_batch(rows, mask[rows]):
+                    policy.model(input_ids=ids[rows], attention_mask=mask[rows])
+            routing.end_update()
+            tables.append(routing.last)
+    assert tables[0].row_tokens.tolist() == [7, 5, 7, 2]
+    for t in tables[1:]:
+        assert torch.equal(t.row_tokens, tables[0].row_tokens)
+        for a, b in zip(t.layers, tables[0].layers, strict=True):
+            assert torch.equal(a.experts, b.experts) and torch.allclose(a.weights, b.weights)
+    assert routing.first is tables[0]

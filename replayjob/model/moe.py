@@ -293,6 +293,8 @@ class _MicroBatch:
     rows: tuple[int, ...]
     mask: torch.Tensor        # bool [B, L] on the CPU
     real: torch.Tensor        # bool [B * L] on the model's device
+    index: torch.Tensor       # int64: the positions of ``real`` (the real tokens in row order)
+    counts: list[int]         # real tokens per row
     seen: set[int]
     forced: dict[int, torch.Tensor]  # router index -> int64 [real tokens, k] on the device
 
@@ -309,7 +311,8 @@ class Routing:
         self.num_experts = int(self.modules[0].num_experts)
         self.mode, self.table, self.fault = mode, table, fault
         self._mb: _MicroBatch | None = None
-        self._records: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}
+        # router index -> one (rows, tokens per row, (experts, weights, margin, forced)) per micro-batch
+        self._records: dict[int, list[tuple[tuple[int, ...], list[int], tuple[torch.Tensor, ...]]]] = {}
         self.first: RoutingTable | None = None  # the first complete update's routing (a replay's evidence)
         self.last: RoutingTable | None = None   # the latest complete update's (a source step's)
         self._row_offsets: list[int] = []
@@ -332,20 +335,35 @@ class Routing:
 
     # -- the update's micro-batches ------------------------------------------------------------------
     def begin_update(self) -> None:
-        self._records = {i: {} for i in range(len(self.modules))}
+        self._records = {i: [] for i in range(len(self.modules))}
 
     def end_update(self) -> None:
         """Close one update: its records become :attr:`last` (and :attr:`first`, the first time)."""
         import torch
-        rows = sorted(self._records[0]) if self._records else []
-        if not rows or rows != list(range(len(rows))) \
-                or any(sorted(r) != rows for r in self._records.values()):
+        records0 = self._records.get(0, [])
+        flat = [r for mb_rows, _, _ in records0 for r in mb_rows]
+        if flat and flat == list(range(len(flat))) and all(  # micro-batches of consecutive rows, in order
+                [rec[0] for rec in records] == [rec[0] for rec in records0] for records in self._records.values()):
+            self._close(torch.tensor([n for _, per_row, _ in records0 for n in per_row], dtype=torch.int64),
+                        [LayerRouting(name, *(torch.cat([rec[2][f] for rec in self._records[i]]) for f in range(4)))
+                         for i, name in enumerate(self.names)])
+            return
+        by_layer: list[dict[int, tuple[torch.Tensor, ...]]] = []
+        for records in self._records.values():
+            rows: dict[int, tuple[torch.Tensor, ...]] = {}
+            for mb_rows, per_row, parts in records:
+                pieces = [p.split(per_row) for p in parts]
+                for j, r in enumerate(mb_rows):
+                    rows[r] = tuple(pc[j] for pc in pieces)
+            by_layer.append(rows)
+        order = sorted(by_layer[0]) if by_layer else []
+        if not order or order != list(range(len(order))) or any(sorted(r) != order for r in by_layer):
             return  # not every row seen by every router (e.g. several ranks): no table
-        counts = torch.tensor([int(self._records[0][r][0].shape[0]) for r in rows], dtype=torch.int64)
-        layers = []
-        for i, name in enumerate(self.names):
-            parts = [self._records[i][r] for r in rows]
-            layers.append(LayerRouting(name, *(torch.cat([p[f] for p in parts]) for f in range(4))))
+        counts = torch.tensor([int(by_layer[0][r][0].shape[0]) for r in order], dtype=torch.int64)
+        self._close(counts, [LayerRouting(name, *(torch.cat([rows[r][f] for r in order]) for f in range(4)))
+                             for name, rows in zip(self.names, by_layer, strict=True)])
+
+    def _close(self, counts: torch.Tensor, layers: list[LayerRouting]) -> None:
         self.last = RoutingTable(counts, layers, self.top_k, self.num_experts, self.mode,
                                  None if self.fault is None else repr(self.fault), {})
         if self.first is None:
@@ -356,7 +374,8 @@ class Routing:
         """Route (and record) the forward and backward of one micro-batch of logical ``rows``."""
         mask = attention_mask.detach().to("cpu") != 0
         device = self.modules[0].weight.device
-        self._mb = _MicroBatch(tuple(rows), mask, mask.reshape(-1).to(device), set(), {})
+        real = mask.reshape(-1).to(device)
+        self._mb = _MicroBatch(tuple(rows), mask, real, real.nonzero().squeeze(-1), mask.sum(dim=1).tolist(), set(), {})
         if self.table is not None:
             for j, r in enumerate(rows):
                 have = int(self.table.row_tokens[r]) if r < self.table.row_tokens.numel() else -1
@@ -380,24 +399,20 @@ class Routing:
 
     def _keep(self, i: int, mb: _MicroBatch, logits: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               live: torch.Tensor | None) -> None:
+        """Keep the micro-batch's real tokens of one router's call (split by row when the update ends)."""
         import torch
         with torch.no_grad():
-            real = mb.real
-            lg = logits.detach()[real].float()
-            top = torch.topk(lg, self.top_k + 1, dim=-1).values
+            idx = mb.index
+            top = torch.topk(logits.detach().index_select(0, idx).float(), self.top_k + 1, dim=-1).values
             margin = top[:, self.top_k - 1] - top[:, self.top_k]
-            used = experts.detach()[real]
+            used = experts.detach().index_select(0, idx)
             if live is None:
                 forced = torch.zeros(used.shape[0], dtype=torch.bool, device=used.device)
             else:
-                forced = (used.sort(dim=-1).values != live[real].sort(dim=-1).values).any(dim=-1)
-            parts = [used.to("cpu", torch.int64), weights.detach()[real].to("cpu", torch.float32),
-                     margin.to("cpu"), forced.to("cpu")]
-        counts = mb.mask.sum(dim=1).tolist()
-        start = 0
-        for r, n in zip(mb.rows, counts, strict=True):
-            self._records[i][r] = tuple(p[start:start + n] for p in parts)
-            start += n
+                forced = (used.sort(dim=-1).values != live.index_select(0, idx).sort(dim=-1).values).any(dim=-1)
+            parts = (used.to("cpu", torch.int64), weights.detach().index_select(0, idx).to("cpu", torch.float32),
+                     margin.to("cpu"), forced.to("cpu"))
+        self._records[i].append((mb.rows, mb.counts, parts))
 
     def _forced_indices(self, i: int, mb: _MicroBatch) -> torch.Tensor:
         import torch
