@@ -310,8 +310,8 @@ def security_problems(doc: Doc) -> list[str]:
         if driver and pod.get("serviceAccountName") != account:
             out.append("the driver runs under another service account")
         for vol in pod.get("volumes", []):
-            if set(vol) - {"name", "persistentVolumeClaim", "emptyDir", "configMap"}:
-                out.append(f"volume {vol['name']} is not a PVC, ConfigMap or emptyDir")
+            if set(vol) - {"name", "persistentVolumeClaim", "emptyDir", "configMap", "secret"}:
+                out.append(f"volume {vol['name']} is not a PVC, ConfigMap, Secret or emptyDir")
         mounts = {v["name"]: v for v in pod.get("volumes", [])}
         if not driver and mounts.get("dshm", {}).get("emptyDir", {}).get("medium") != "Memory":
             out.append("no memory-backed /dev/shm")

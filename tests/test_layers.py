@@ -41,7 +41,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("artifacts", ("replayjob.artifacts", "replayjob.metrics", "replayjob.optbatch.manifest",
                    "replayjob.optbatch.payload", "replayjob.optbatch.ranks", "replayjob.integrations.manifest",
                    "replayjob.trace.store",
-                   "replayjob.deploy.schedule", "replayjob.deploy.ablation")),  # the spec: an input record
+                   "replayjob.deploy.schedule", "replayjob.deploy.ablation",
+                   "replayjob.deploy.pods")),  # the spec (and its [pods] table): an input record
     ("producers", ("replayjob.producers", "replayjob.optbatch", "replayjob.integrations", "replayjob.rl.trainer",
                    "replayjob.trace.recorder", "replayjob.trace.fault")),
     ("analysis", ("replayjob.bundle", "replayjob.trace", "replayjob.gate", "replayjob.check", "replayjob.mismatch")),

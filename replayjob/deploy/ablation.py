@@ -48,6 +48,8 @@ from typing import Any
 
 from replayjob.config.dump import toml_value
 from replayjob.config.load import MAX_TOML_BYTES, read_toml_bytes, read_toml_file_bytes, read_toml_text
+from replayjob.deploy.pods import Pods, read_pods
+from replayjob.deploy.pods import to_dict as pods_to_dict
 from replayjob.deploy.schedule import DESIGNS, Slot, plan
 from replayjob.determinism import ENV_MATH_MODE, MATH_MODES
 from replayjob.digest import is_sha256_hex
@@ -319,6 +321,11 @@ class AblationSpec:
                "(REGISTRY/replayjob@sha256:...); 'local': a tag is accepted (a workstation, kind)."})
     queue: str = field(default="", metadata={
         "doc": "A Kueue LocalQueue: label kueue.x-k8s.io/queue-name on every Job and workflow pod ('' = none)."})
+    pods: Pods | None = field(default=None, metadata={
+        "doc": "The [pods] table: tolerations, node selector, affinity, pull secrets, annotations, labels, runtime "
+               "class, scheduler, service account, extra env and volumes for every stage pod ([pods.all]), the GPU "
+               "stages ([pods.gpu]) or the CPU stages ([pods.cpu]); the determinism environment and the security "
+               "context cannot be changed (docs/cluster.md, Your cluster)."})
     capture: CaptureRef | None = field(default=None, metadata={
         "doc": "The [capture] table: an existing capture (any producer) replayed instead of running the built-in "
                "capture stage; its arm keys are checked against that producer's knobs, resume is refused and "
@@ -457,6 +464,8 @@ class AblationSpec:
         carries them (``REPLAYJOB_RENDERED``) and ``replayjob step`` refuses a spec that differs.  The
         image and the GPU product are not among them: they are the launchers' own parameters."""
         out: dict[str, Any] = {key: getattr(self, key) for key in RENDER_FIELDS}
+        if self.pods is not None:  # only when declared: specs without one keep their rendered fields
+            out["pods"] = pods_to_dict(self.pods)
         out["replays"] = {str(n): len(ix) for n, ix in self.rank_groups().items()}
         return out
 
@@ -560,6 +569,8 @@ def spec_from_dict(data: dict[str, Any], where: str = "ablation") -> AblationSpe
                               where=f"{where}: {key}")
     if "capture" in kwargs:
         kwargs["capture"] = _capture_ref(kwargs["capture"], where)
+    if "pods" in kwargs:
+        kwargs["pods"] = read_pods(kwargs["pods"], f"{where}: pods")
     try:
         spec = AblationSpec(arms=arms, **kwargs)
     except ConfigError as exc:

@@ -42,9 +42,10 @@ silently run with the rendered values.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from replayjob.deploy import k8s
+from replayjob.deploy import k8s, pods
 from replayjob.deploy.ablation import AblationSpec
 from replayjob.errors import FINAL_EXIT_STATUSES
 
@@ -122,7 +123,24 @@ def _template(spec: AblationSpec, name: str, command: list[str], gpu: bool, rank
     tpl["activeDeadlineSeconds"] = str(spec.deadline_s)  # IntOrString in the Argo schemas
     tpl["retryStrategy"] = retry()
     tpl["container"] = _container(spec, command, gpu, ranks or 1)
+    _customise(tpl, pods.for_stage(spec.pods, gpu=gpu))
     return tpl
+
+
+def _customise(tpl: Doc, settings: pods.PodSettings) -> None:
+    """The spec's ``[pods]`` settings on a template, as the Jobs' pods get them (:func:`pods.apply`): the
+    fields a template has are set on it, the rest (pull secrets, runtime class) through ``podSpecPatch``."""
+    pod: Doc = {key: tpl[key] for key in ("tolerations", "nodeSelector", "affinity") if key in tpl}
+    pod["volumes"] = []
+    pods.apply(pod, tpl["metadata"], tpl["container"], settings)
+    for key in ("tolerations", "nodeSelector", "affinity", "serviceAccountName", "schedulerName"):
+        if key in pod:
+            tpl[key] = pod[key]
+    if pod["volumes"]:
+        tpl["volumes"] = pod["volumes"]
+    patch = {key: pod[key] for key in ("imagePullSecrets", "runtimeClassName") if key in pod}
+    if patch:
+        tpl["podSpecPatch"] = json.dumps(patch, sort_keys=True)
 
 
 def _labels(spec: AblationSpec, component: str) -> dict[str, str]:

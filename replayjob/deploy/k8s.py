@@ -83,6 +83,7 @@ from typing import Any
 
 import yaml
 
+from replayjob.deploy import pods
 from replayjob.deploy.ablation import RENDERED_ENV, AblationSpec, scale_quantity
 from replayjob.errors import FINAL_EXIT_STATUSES, UsageError
 from replayjob.fsio import atomic_write_text
@@ -298,7 +299,9 @@ def pod_template(spec: AblationSpec, component: str, cont: Doc, gpu: bool, run_i
         pod.update(gpu_placement(spec))
     if spec.priority_class:  # every pod of the run, GPU or not: a stage never waits behind another's priority
         pod["priorityClassName"] = spec.priority_class
-    return {"metadata": {"labels": lab}, "spec": pod}
+    meta: Doc = {"labels": lab}
+    pods.apply(pod, meta, cont, pods.for_stage(spec.pods, gpu=gpu))  # the spec's [pods], as on Argo
+    return {"metadata": meta, "spec": pod}
 
 
 def job(spec: AblationSpec, component: str, body: Doc, template: Doc, run_id: str | None, suffix: str = "",

@@ -12,8 +12,11 @@ import sys
 import typing
 from typing import Any
 
+import msgspec
+
 from replayjob.config.reference import default_text, type_text
 from replayjob.deploy.ablation import AblationSpec, CaptureRef
+from replayjob.deploy.pods import FIELD_DOCS
 from replayjob.errors import EXIT_OK, EXIT_REFUSED
 from replayjob.gate.budgets import KEY_DOCS, KIND_DOCS, KINDS, MEMORY_METRIC, METRIC_DOCS, TIME_METRICS
 
@@ -28,7 +31,8 @@ def _key(name: str, hint: Any) -> tuple[str, str]:
     """The key as a file spells it, and its TOML type."""
     if typing.get_origin(hint) is tuple:
         return f"[{name}.NAME]", "tables"
-    if typing.get_origin(hint) is dict or any(dataclasses.is_dataclass(a) for a in typing.get_args(hint)):
+    if typing.get_origin(hint) is dict or any(dataclasses.is_dataclass(a) or (
+            isinstance(a, type) and issubclass(a, msgspec.Struct)) for a in typing.get_args(hint)):
         return f"[{name}]", "table"
     return name, type_text(hint).replace("|", "or")
 
@@ -57,7 +61,14 @@ def spec_markdown() -> str:
              "## Top-level keys", "", *_table(AblationSpec), "",
              "## [capture]", "",
              f"Optional. Unknown keys are refused. Required: {_required_keys(CaptureRef)}.", "",
-             *_table(CaptureRef), ""]
+             *_table(CaptureRef), "",
+             "## [pods]", "",
+             "Optional: `[pods.all]` (every stage pod), `[pods.gpu]` (the GPU stages), `[pods.cpu]` (the CPU stages); "
+             "each takes the keys below, with Kubernetes' own meaning. Unknown keys are refused, and so are the "
+             "determinism and runtime environment, the security context and replayjob's own labels, node selector "
+             "keys, volumes and mount paths (docs/cluster.md, Your cluster).", "",
+             "| key | type | meaning |", "|---|---|---|",
+             *(f"| `{key}` | {kind} | {doc} |" for key, (kind, doc) in FIELD_DOCS.items()), ""]
     return "\n".join(lines)
 
 
