@@ -4,6 +4,7 @@ the Kubernetes and Argo schemas; the determinism environment and the security co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -149,3 +150,21 @@ def test_what_would_change_a_replay_or_its_isolation_is_refused_with_the_reason(
 
 def test_the_documented_keys_are_the_declared_ones() -> None:
     assert list(pods.FIELD_DOCS) == [f.name for f in msgspec.structs.fields(pods.PodSettings)]
+
+
+def test_the_committed_workflow_is_named_from_the_content_it_runs() -> None:
+    """Applying argo/ablation.yaml again is a no-op (same name); a changed spec, image or capture is a new
+    Workflow (a new run), never an update of a finished one."""
+    spec, text = load_spec_text(SPEC)
+    wf = argo.render(spec, text)[1]
+    digest = argo.content_sha256(spec, text)
+    assert wf["metadata"]["name"] == f"{spec.name}-{digest[:10]}" and len(wf["metadata"]["name"]) <= 63
+    assert wf["metadata"]["annotations"][argo.CONTENT_ANNOTATION] == digest
+    assert argo.render(*load_spec_text(SPEC))[1] == wf  # the same file: the same object
+    edited = text.replace("repeats = 3", "repeats = 2")
+    assert edited != text
+    other = argo.render(spec_from_text(edited), edited)[1]
+    assert other["metadata"]["name"] != wf["metadata"]["name"]
+    assert other["spec"]["workflowTemplateRef"] == wf["spec"]["workflowTemplateRef"]  # one template, updated
+    image = argo.render(dataclasses.replace(spec, image="replayjob:0.2.0"), text)[1]
+    assert image["metadata"]["name"] != wf["metadata"]["name"]

@@ -5,8 +5,10 @@
 applied once (``argo/setup.yaml``: the executor's service account and its one permission, the claim
 that holds every run's data), so deleting a run never deletes data; ``argo/ablation.yaml`` holds a
 **WorkflowTemplate** (the gating entry point for repeated runs: ``argo submit --from
-workflowtemplate/NAME -p key=value --wait``) and a Workflow with a fixed name that runs that template
-once, so ``kubectl apply -f argo/ablation.yaml`` runs one ablation.
+workflowtemplate/NAME -p key=value --wait``) and a Workflow that runs that template once, named from the
+content it runs (``NAME-`` and the first 10 hex digits of :func:`content_sha256`: spec, image, GPU
+product, capture pins), so ``kubectl apply -f argo/ablation.yaml`` runs one ablation, applying it again
+changes nothing, and a changed spec is a new Workflow, a new run.
 
 Parameters: ``spec`` (the ablation spec's TOML text, parsed again strictly in every pod, which
 receives it as a raw input artifact), ``image`` and ``gpu-product``.  Resources, GPU requests and
@@ -42,6 +44,7 @@ silently run with the rendered values.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -227,10 +230,25 @@ def workflow_template(spec: AblationSpec, text: str) -> Doc:
     }
 
 
-def workflow(spec: AblationSpec) -> Doc:
-    """One run of the template with its default parameters (``kubectl apply -f`` starts it)."""
+CONTENT_ANNOTATION = "replayjob.dev/content-sha256"
+
+
+def content_sha256(spec: AblationSpec, text: str) -> str:
+    """The SHA-256 of what one run of the template runs: the spec's text, the image, the GPU product and the
+    pins of an existing capture."""
+    capture = [spec.capture.logical_sha256, spec.capture.manifest_sha256] if spec.capture is not None else None
+    doc = {"spec": text, "image": spec.image, "gpu_product": spec.gpu_product, "capture": capture}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def workflow(spec: AblationSpec, text: str) -> Doc:
+    """One run of the template with its default parameters (``kubectl apply -f`` starts it), named from the
+    content it runs (:func:`content_sha256`): applying the same file again changes nothing, a changed spec
+    (or image, or capture) is a new Workflow, so a new run."""
+    digest = content_sha256(spec, text)
     return {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
-            "metadata": {"name": spec.name, "labels": _labels(spec, "workflow")},
+            "metadata": {"name": f"{spec.name}-{digest[:10]}", "labels": _labels(spec, "workflow"),
+                         "annotations": {CONTENT_ANNOTATION: digest}},
             "spec": {"workflowTemplateRef": {"name": spec.name}}}
 
 
@@ -256,7 +274,7 @@ def render(spec: AblationSpec, text: str) -> list[Doc]:
     (refused unless the spec can run on a cluster:
     :meth:`~replayjob.deploy.ablation.AblationSpec.check_cluster`)."""
     spec.check_cluster()
-    return [workflow_template(spec, text), workflow(spec)]
+    return [workflow_template(spec, text), workflow(spec, text)]
 
 
 def dump(spec: AblationSpec, text: str, source: str = "ablation.toml") -> str:
