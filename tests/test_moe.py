@@ -324,6 +324,16 @@ def test_routing_evidence_is_verified_against_its_pin(moe_runs: dict[str, Any], 
     (d / "routing.safetensors").unlink()
     assert main(["trace-diff", str(moe_runs["free"]), str(d)]) == 2
     assert "routing" in capsys.readouterr().err
+    shutil.copy(moe_runs["flips"] / "routing.safetensors", d / "routing.safetensors")
+    doc = metrics(d)
+    doc["routing"]["path"] = "../routing.safetensors"
+    (d / "replay_metrics.json").write_text(json.dumps(doc))
+    assert main(["trace-diff", str(moe_runs["free"]), str(d)]) == 2
+    assert "routing" in capsys.readouterr().err  # a path outside the fixed layout is refused
+    del doc["routing"]  # one side without routing evidence: not comparable as an MoE pair
+    (d / "replay_metrics.json").write_text(json.dumps(doc))
+    assert main(["trace-diff", str(moe_runs["free"]), str(d)]) == 2
+    assert "only one of the replays recorded its routing" in capsys.readouterr().err
 
 
 def test_experts_kernel_arm_is_judged_with_routing_held(moe_runs: dict[str, Any],
