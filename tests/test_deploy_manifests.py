@@ -154,8 +154,11 @@ def test_a_queue_and_a_priority_class_reach_every_job_and_every_pod(tmp_path: Pa
     files, docs = render_ranked(spec, tmp_path)
     jobs = [d for d in files.values() if d.get("kind") == "Job"]
     assert len(jobs) == 6  # the driver, capture, 3 replay Jobs, reduce
-    assert all(d["metadata"]["labels"][k8s.QUEUE_LABEL] == "gpu-team" for d in jobs)
-    assert all(d["spec"]["suspend"] is True for d in jobs)  # Kueue starts each when its queue admits it
+    stages = [d for d in jobs if not is_driver(d)]
+    assert all(d["metadata"]["labels"][k8s.QUEUE_LABEL] == "gpu-team" for d in stages)
+    assert all(d["spec"]["suspend"] is True for d in stages)  # Kueue starts each when its queue admits it
+    (drv,) = [d for d in jobs if is_driver(d)]  # it only waits: no quota reservation held for the whole run
+    assert k8s.QUEUE_LABEL not in drv["metadata"]["labels"] and "suspend" not in drv["spec"]
     assert {d["spec"]["template"]["spec"].get("priorityClassName") for d in jobs} == {"batch-high"}
     wft = next(d for d in docs if d["kind"] == "WorkflowTemplate")
     assert wft["spec"]["podMetadata"] == {"labels": {k8s.QUEUE_LABEL: "gpu-team"}}

@@ -58,8 +58,8 @@ Decisions written once here:
   ranks, at most N by the spec's validation, use the first of them); ``cpu`` and ``memory`` are per
   rank (a pod of N ranks requests N times them); ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` are the
   CPU limit, divided among the ranks by the step;
-* **queues and priorities**: ``queue`` labels every Job ``kueue.x-k8s.io/queue-name`` (Kueue admits
-  it); ``priority_class`` is every pod's (capture, replays, reduce), not only the GPU pods';
+* **queues and priorities**: ``queue`` labels every stage Job ``kueue.x-k8s.io/queue-name`` (Kueue
+  admits it), not the driver (it would hold a quota reservation for the whole run while it waits); ``priority_class`` is every pod's (capture, replays, reduce), not only the GPU pods';
 * **Kubernetes >= 1.29** (:data:`MIN_KUBERNETES_VERSION`): exit-code-only ``podFailurePolicy`` rules
   and ``backoffLimitPerIndex``; validated strictly at that version and at the latest;
 * **provenance**: node name, pod name and image reference reach ``replay_metrics.json`` through the
@@ -490,14 +490,14 @@ def driver_job(spec: AblationSpec, run_id: str | None, config_map: str, suffix: 
                                                                             "readOnly": True}}]}
     if spec.priority_class:
         pod["priorityClassName"] = spec.priority_class
+    # no queue label: Kueue would hold a quota reservation for the driver for the whole run (up to the run's
+    # deadline) while it only waits; its stages are queued, each when its turn comes
     lab = labels(spec, DRIVER, run_id)
-    if spec.queue:
-        lab[QUEUE_LABEL] = spec.queue
     meta: Doc = {"name": f"{prefix(spec, run_id)}-{DRIVER}{suffix}", "labels": lab}
     if text is not None:  # `k8s resume` refuses a run whose ConfigMap now holds another spec
         meta["annotations"] = {SPEC_ANNOTATION: spec_sha256(text)}
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
-            "spec": {**_queued(spec, {"backoffLimit": RETRIES}), "activeDeadlineSeconds": deadline,
+            "spec": {"backoffLimit": RETRIES, "activeDeadlineSeconds": deadline,
                      "ttlSecondsAfterFinished": TTL_S,
                      "podFailurePolicy": {"rules": [dict(r) for r in POD_FAILURE_RULES]},
                      "template": {"metadata": {"labels": labels(spec, DRIVER, run_id)}, "spec": pod}}}
