@@ -412,3 +412,20 @@ def test_routing_table_is_in_logical_row_order_whatever_the_micro_batches() -> N
         for a, b in zip(t.layers, tables[0].layers, strict=True):
             assert torch.equal(a.experts, b.experts) and torch.allclose(a.weights, b.weights)
     assert routing.first is tables[0]
+
+
+def test_a_chosen_step_records_its_routing_and_replays_forced_bitwise(moe_runs: dict[str, Any],
+                                                                      tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert main(["train", str(moe_runs["ws"] / "train.toml"), "--out", str(run), *MOE,
+                 "--set", "training.max_steps=2", "--set", "optimizer_batch.capture_steps=[1]"]) == 0
+    m = metrics(run, "metrics.json")
+    (step,) = m["optimizer_batch/steps"]
+    (entry,) = m["routing/steps"]
+    assert entry["step"] == 1 and entry["path"] == "routing_step_000001.safetensors"
+    table = moe.read_table(run / entry["path"], entry["sha256"])
+    assert table.identity["logical_batch_sha256"] == step["logical_batch_sha256"]
+    out = tmp_path / "forced"
+    assert main(["replay", str(run / step["replay_config"]), "--out", str(out), *MOE,
+                 *forced(run / entry["path"], entry["sha256"])]) == 0
+    assert metrics(out)["optimizer_batch/final_adapter_sha256"] == step["final_adapter_sha256"]
