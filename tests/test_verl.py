@@ -3,23 +3,20 @@
 Everything here runs verl 0.9.1's own FSDP2 engine (``TrainingWorker``, ``FSDPEngineWithLMHead``,
 ``ppo_loss``) on a tiny random-init Qwen2 built from a config (nothing downloaded), on the CPU through
 :mod:`replayjob.integrations.verl_platform` (verl's ``set_platform`` hook, gloo, world size 1).  The driver
-:class:`TinyTrainer` is shaped like ``RayPPOTrainer._update_actor(batch)``: it turns a padded ``DataProto``
-into verl's no-padding ``TensorDict`` with verl's own functions and calls the actor worker's
-``train_mini_batch`` (what ``ActorRolloutRefWorker.update_actor`` calls), in-process instead of through Ray.
+(``TinyTrainer`` in benchmarks/verl_tiny.py, shared with the capture-overhead benchmark) is shaped like
+``RayPPOTrainer._update_actor(batch)``: it turns a padded ``DataProto`` into verl's no-padding ``TensorDict``
+with verl's own functions and calls the actor worker's ``train_mini_batch`` (what
+``ActorRolloutRefWorker.update_actor`` calls), in-process instead of through Ray.
 Skipped, with the reason, where verl is not importable (the main suite; ``scripts/test-verl.sh`` runs it).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,129 +27,11 @@ if importlib.util.find_spec("verl") is None:
 
 import torch
 
+from benchmarks.verl_tiny import TinyTrainer, build_worker, rollout_batch, tiny_model
 from replayjob.cli import main
 from replayjob.integrations import verl as rv
-from replayjob.integrations.verl_platform import use_cpu
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
-
-ROWS, PROMPT, RESPONSE = 8, 5, 6
-# verl's FSDP engine computes in bfloat16 unless mixed_precision says otherwise (its default param_dtype, with
-# autocast); a knob's rule is checked at float32, where rounding is far below the tolerance
-FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
-
-
-def tiny_model(d: Path) -> Path:
-    """A random-init two-layer Qwen2 saved as safetensors (no download)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    if not (d / "config.json").exists():
-        torch.manual_seed(0)
-        cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                          tie_word_embeddings=False)
-        Qwen2ForCausalLM(cfg).save_pretrained(d)
-    return d
-
-
-def build_worker(base: Path, *, loss_mode: str = "vanilla", agg: str = "token-mean", lora: int = 0,
-                 remove_padding: bool = True, micro: int = 2, mini: int = 4, epochs: int = 1,
-                 entropy: float = 0.0, kl: bool = False, fp32: bool = False) -> Any:
-    """verl's actor TrainingWorker built as ActorRolloutRefWorker.init_model builds it (its engine-config
-    assignments included), on the CPU."""
-    from verl.workers.config import (
-        FSDPActorConfig,
-        FSDPEngineConfig,
-        FSDPOptimizerConfig,
-        HFModelConfig,
-        TrainingWorkerConfig,
-    )
-    from verl.workers.config.actor import PolicyLossConfig
-    from verl.workers.engine_workers import TrainingWorker
-    from verl.workers.utils.losses import ppo_loss
-
-    use_cpu()
-    model = HFModelConfig(path=str(base), load_tokenizer=False, use_remove_padding=remove_padding,
-                          enable_gradient_checkpointing=False, lora_rank=lora, lora_alpha=8,
-                          override_config={"attn_implementation": "sdpa"})
-    actor = FSDPActorConfig(strategy="fsdp2", ppo_mini_batch_size=mini, ppo_micro_batch_size_per_gpu=micro,
-                            ppo_epochs=epochs, rollout_n=1, loss_agg_mode=agg, entropy_coeff=entropy,
-                            use_kl_loss=kl, kl_loss_coef=0.01, policy_loss=PolicyLossConfig(loss_mode=loss_mode),
-                            optim=FSDPOptimizerConfig(lr=1e-2, total_training_steps=6, lr_warmup_steps=0,
-                                                            lr_scheduler_type="cosine"),
-                            fsdp_config=FSDPEngineConfig(dtype="float32", mixed_precision=FP32 if fp32 else None),
-                            use_remove_padding=remove_padding)
-    actor.model_config = model
-    cfg = TrainingWorkerConfig(model_type="language_model", model_config=model, engine_config=actor.engine,
-                               optimizer_config=actor.optim, checkpoint_config=actor.checkpoint)
-    cfg.engine_config.use_dynamic_bsz = False
-    cfg.engine_config.micro_batch_size_per_gpu = micro
-    cfg.engine_config.use_remove_padding = remove_padding
-    with verl_worker_env():
-        worker = TrainingWorker(cfg)
-    worker.reset()
-    worker.set_loss_fn(functools.partial(ppo_loss, config=actor))
-    return worker
-
-
-@contextlib.contextmanager
-def verl_worker_env() -> Iterator[None]:
-    """The rank variables verl's Worker reads (a Ray worker has them), set for its construction only: verl's
-    Worker writes them into os.environ, and the replays later in this process are not launched processes."""
-    saved = dict(os.environ)
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"})
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-class TinyTrainer:
-    """``RayPPOTrainer._update_actor(batch)`` in one process: the same DataProto -> no-padding TensorDict
-    conversion and settings, handed to the actor worker's ``train_mini_batch``."""
-
-    def __init__(self, worker: Any, *, mini: int = 4, epochs: int = 1, temperature: float = 1.0):
-        self.worker, self.mini, self.epochs, self.temperature = worker, mini, epochs, temperature
-
-    def _update_actor(self, batch: Any) -> dict[str, Any]:
-        from verl.utils import tensordict_utils as tu
-        from verl.workers.utils.padding import left_right_2_no_padding
-
-        batch.meta_info["multi_turn"] = False
-        batch.meta_info["temperature"] = self.temperature
-        td = left_right_2_no_padding(batch.to_tensordict())
-        cfg = self.worker.loss_fn.keywords["config"]
-        tu.assign_non_tensor(td, calculate_entropy=cfg.calculate_entropy or cfg.entropy_coeff != 0.0,
-                             distillation_use_topk=False, distillation_only=False, global_batch_size=self.mini,
-                             mini_batch_size=self.mini, epochs=self.epochs, seed=cfg.data_loader_seed,
-                             dataloader_kwargs={"shuffle": cfg.shuffle}, compute_loss=True)
-        out = self.worker.train_mini_batch(td)
-        return dict(tu.get(out, "metrics"))
-
-
-def rollout_batch(seed: int) -> Any:
-    """A batch as verl's driver holds it after rollout and advantage estimation: left-padded prompts, right-padded
-    responses, old and reference logprobs, advantages."""
-    from verl import DataProto
-
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(1, 96, (ROWS, PROMPT), generator=g)
-    responses = torch.randint(1, 96, (ROWS, RESPONSE), generator=g)
-    pmask = torch.ones(ROWS, PROMPT, dtype=torch.long)
-    rmask = torch.ones(ROWS, RESPONSE, dtype=torch.long)
-    for r in range(ROWS):
-        pmask[r, : r % 3] = 0
-        rmask[r, RESPONSE - (r % 4):] = 0
-    attn = torch.cat([pmask, rmask], 1)
-    return DataProto.from_dict(tensors={
-        "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attn,
-        "position_ids": torch.clamp(torch.cumsum(attn, 1) - 1, min=0), "prompts": prompts, "responses": responses,
-        "response_mask": rmask.float(), "old_log_probs": -torch.rand(ROWS, RESPONSE, generator=g) * 4,
-        "ref_log_prob": -torch.rand(ROWS, RESPONSE, generator=g) * 4,
-        "advantages": torch.randn(ROWS, RESPONSE, generator=g)})
-
 
 def run(out: Path, base: Path, *, steps: list[int] | None = None, updates: int = 2, **worker_kw: Any) -> Any:
     worker = build_worker(base, **worker_kw)
@@ -414,3 +293,41 @@ def test_registered_knobs_keep_the_update_and_are_observed(vanilla: Path, tmp_pa
     assert main(["explain", str(toml), "--set", "verl.engine.micro_batch_size_per_gpu=1", "--set",
                  "verl.engine.use_dynamic_bsz=true", "--set", 'optimizer_batch.allow_config_differences=['
                  '"verl.engine.micro_batch_size_per_gpu", "verl.engine.use_dynamic_bsz"]']) == 2
+
+
+def test_the_capture_overhead_benchmark_runs(tmp_path: Path) -> None:
+    """benchmarks/verl_capture_overhead.py's smoke mode writes a valid result (no time is asserted here)."""
+    from benchmarks import common, verl_capture_overhead
+
+    assert verl_capture_overhead.main(["--smoke", "--results", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "verl_capture_overhead.smoke.json").read_text())
+    assert doc["schema"] == common.SCHEMA and doc["mode"] == "smoke" and doc["target"]["value"] == 1.02
+    assert doc["measurements"]["update_seconds_on"]["n"] == doc["parameters"]["updates"]
+
+
+@pytest.mark.alone
+@pytest.mark.slow
+def test_two_data_parallel_processes_capture_and_replay_bitwise(base: Path, tmp_path: Path) -> None:
+    """World size 2 (torchrun, gloo, FSDP2 sharding the parameters over both): each process captures its own share
+    of the mini-batch as a part, process 0 writes the root; a replay on two processes reproduces the update
+    bitwise, and a replay on one process is refused (the process count is no verl knob)."""
+    out = tmp_path / "cap"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "benchmarks.verl_tiny", str(out), str(base), "2"], capture_output=True, text=True,
+                          timeout=600, check=False, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["COMPLETE.0", "COMPLETE.1", "final_adapter", "metrics.json",
+                                                      "optimizer_batch_step_000002.manifest.json", "rank-0", "rank-1",
+                                                      "replay.toml"]
+    root = json.loads((out / "optimizer_batch_step_000002.manifest.json").read_text())
+    assert root["world_size"] == 2
+    assert main(["replay", str(out / "replay.toml"), "--out", str(tmp_path / "one")]) == 2
+    assert main(["replay", str(out / "replay.toml"), "--out", str(tmp_path / "r" / "repeat-000"), "--nproc", "2"]) == 0
+    rep = json.loads((tmp_path / "r" / "repeat-000" / "replay_metrics.json").read_text())
+    src = json.loads((out / "metrics.json").read_text())
+    assert rep["distributed"]["world_size"] == 2
+    assert rep["optimizer_batch/final_adapter_sha256"] == src["optimizer_batch/final_adapter_sha256"]
+    assert rep["loss"] == src["loss"] and rep["grad_norm"] == src["grad_norm"]
+    verdict = tmp_path / "bitwise.json"
+    assert main(["reduce", str(tmp_path / "r"), "--claim", "bitwise", "--source", str(out), "--min-repeats", "1",
+                 "--out", str(verdict)]) == 0, verdict.read_text()[-2000:]

@@ -33,7 +33,8 @@ sections, on the CPU through :mod:`replayjob.integrations.verl_platform` when th
 captured parameters and optimizer and scheduler state in (re-hashed), restores the RNG, and runs exactly what
 ``BaseEngine.train_batch`` runs on the captured batch with verl's ``ppo_loss`` (``optimizer_zero_grad``,
 ``forward_backward_batch``, ``optimizer_step``), then ``lr_scheduler_step`` when the captured batch says
-``update_lr_scheduler``.  One process (world size 1) in this release.  This module imports verl, torch and
+``update_lr_scheduler``.  Over several data-parallel processes each captures its share as a part and a replay
+runs on as many (``--nproc N``).  This module imports verl, torch and
 tensordict only inside functions, so ``explain`` uses :func:`contract` without them.
 """
 
@@ -52,19 +53,23 @@ from typing import TYPE_CHECKING, Any
 from replayjob import knobs
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ConfigError, ContractError, UsageError
+from replayjob.fsio import atomic_write_bytes
 from replayjob.integrations import _files, _microbatch
 from replayjob.integrations import capture as cap
+from replayjob.integrations import ranks as iranks
 from replayjob.integrations.admission import Admission
 from replayjob.integrations.replay import ReplaySession
 from replayjob.integrations.verl_fields import CONTRACT, FIELDS, REFUSED, SECTIONS, classify
 from replayjob.integrations.verl_platform import use_cpu
 from replayjob.optbatch.contract import integration_contract
+from replayjob.optbatch.ranks import rank_dir
 from replayjob.rl.state import adapter_bytes, join_optimizer_state
 
 if TYPE_CHECKING:
     import torch
 
 FRAMEWORK = "verl"
+RANKS = True  # a capture over several data-parallel processes replays over as many (replayjob replay --nproc N)
 TESTED = {"verl": "0.9.1"}
 STACK = ("torch", "transformers", "peft", "verl", "tensordict")
 LOSSES = ("ppo_loss",)  # the loss functions of verl.workers.utils.losses a capture takes
@@ -226,6 +231,18 @@ def decode_batch(inputs: dict[str, Any], engine: dict[str, Any]) -> Any:
     return td
 
 
+def reported_loss(losses: list[Any], world: int) -> float:
+    """The step's loss as verl's TrainingWorker reports it: the micro-batch losses summed as a float32 tensor and
+    averaged over the data-parallel processes."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.sum(torch.tensor(losses, dtype=torch.float32))
+    if world > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    return float(total.item())
+
+
 # -- full tensors from FSDP2's DTensors --------------------------------------------------------------
 
 def full(t: Any) -> Any:
@@ -237,12 +254,21 @@ def full(t: Any) -> Any:
 
 class FullParameters:
     """The engine module's trainable parameters as full tensors, under their names (what the capture API reads
-    as a model: ``named_parameters``), gathered afresh at each call."""
+    as a model: ``named_parameters``), gathered afresh at each call until :meth:`freeze` (gathering is a
+    collective: after the step every process freezes them once, so that process 0 alone can write them)."""
 
     def __init__(self, module: Any):
         self.module = module
+        self.frozen: dict[str, Any] | None = None
+
+    def freeze(self) -> None:
+        self.frozen = {name: full(p.detach()) for name, p in self.module.named_parameters() if p.requires_grad}
 
     def named_parameters(self) -> Iterator[tuple[str, Any]]:
+        if self.frozen is not None:
+            for name, t in self.frozen.items():
+                yield name, t.detach().requires_grad_(True)
+            return
         for name, p in self.module.named_parameters():
             if p.requires_grad:
                 yield name, full(p.detach()).requires_grad_(True)
@@ -308,10 +334,10 @@ class VerlCapture:
         self.steps, self.several = steps, several
         self.next_step = first_step
         self.config = {FRAMEWORK: capture_config(self.worker)}
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world != 1:
-            raise cap.CaptureError(f"this release captures verl at world size 1; this run has {world} processes",
-                                   where="torch.distributed", hint="capture a one-process run (docs/verl.md)")
+        # data parallel over several processes: each captures its own mini-batch shard as a part in rank-<r>/ and
+        # process 0 writes the root (integrations.ranks); the parameters and optimizer state are gathered full on
+        # every process, so the parts agree
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         base = self.engine.model_config.local_path or self.engine.model_config.path
         self.base_dir = str(Path(str(base)).resolve())
         self.config["model"] = {"path": self.base_dir}
@@ -319,7 +345,18 @@ class VerlCapture:
         self._cap: cap.StepCapture | None = None
         self._chosen: cap.ChosenSteps | None = None
         self._base_model: dict[str, Any] | None = None
-        if several:
+        if self.world > 1:
+            if several:
+                raise cap.CaptureError(f"steps=[...] is captured in one process; this run has {self.world}",
+                                       where="steps", hint="capture one step (step=K) of a run over several processes")
+            if int(self.engine.get_data_parallel_size()) != self.world:
+                raise cap.CaptureError(f"the engine's data-parallel size is {self.engine.get_data_parallel_size()} "
+                                       f"over {self.world} processes (sequence or model parallelism)",
+                                       where="verl engine", hint="capture a data-parallel FSDP2 run")
+            self.config["distributed"] = {"num_processes": self.world}  # one-process captures record none
+            iranks.refuse_existing(out_dir, self.rank, steps[0])
+            self._base_model = _files.base_model_identity(self.base_dir)
+        elif several:
             self._chosen = cap.ChosenSteps(out_dir, steps=steps, framework=FRAMEWORK, base_model_dir=self.base_dir,
                                            config=self.config, stack=STACK)
         else:
@@ -339,8 +376,8 @@ class VerlCapture:
             from verl.utils import tensordict_utils as tu
             size = tu.get(data, "mini_batch_size", None)
             count = tu.get(data, "num_mini_batch", None)
-            rows = int(data.shape[0])
-            per = (rows // int(size)) if size else int(count or 1)
+            rows = int(data.shape[0])  # this process's share; the mini-batch size is the global one
+            per = (rows * engine.get_data_parallel_size() // int(size)) if size else int(count or 1)
             handle._position = {"update": handle._position["update"] + 1, "mini_batch": 0, "epoch": 0,
                                 "mini_batches": per, "epochs": int(tu.get(data, "epochs", 1) or 1), "index": 0}
             return mini(data, *args, **kwargs)
@@ -360,7 +397,6 @@ class VerlCapture:
                 "mini_batches_per_epoch": per, "epochs": p["epochs"]}
 
     def _train_batch(self, train: Any, data: Any, loss_function: Any) -> Any:
-        import torch
 
         k = self.next_step
         self.next_step += 1
@@ -385,11 +421,15 @@ class VerlCapture:
             c.abandon()
             raise
         out = train(data, loss_function)
+        after: Any = c.model
+        after.freeze()  # the parameters after the step, gathered once on every process
         losses = out.get("loss", []) if isinstance(out, dict) else []
-        c.add_loss(float(torch.sum(torch.tensor(losses))))  # TrainingWorker's reported loss of the step
+        c.add_loss(reported_loss(losses, self.world))  # TrainingWorker's reported loss of the step
         grad_norm = out["metrics"].get("grad_norm") if isinstance(out, dict) else None
         res = c.finish(grad_norm=None if grad_norm is None else float(grad_norm))
-        if self._chosen is None:
+        if self.world > 1:  # land; process 0 writes the root
+            self._result = iranks.finish(self._out, c, self.rank, self.world)
+        elif self._chosen is None:
             self._result = res
         elif all(s in self._chosen.captures and self._chosen.captures[s].result is not None for s in self.steps):
             self._chosen.close()  # every chosen step is captured: metrics.json, last
@@ -403,14 +443,15 @@ class VerlCapture:
         live: dict[str, Any] = {"model": FullParameters(self.engine.module),
                                 "optimizer": FullOptimizer(self.engine.optimizer), "scheduler": None}
         sched = self.engine.lr_scheduler
-        state = {"position": position, "optimizer_step": k, "world_size": 1,
+        state = {"position": position, "optimizer_step": k, "world_size": self.world,
                  "lr_scheduler": None if sched is None else _microbatch.captured_json(sched.state_dict(),
                                                                                        "verl LR scheduler state")}
         if self._chosen is not None:
             return self._chosen.at(k, framework_state=state, **live)
-        return cap.StepCapture(self._out, step=k, framework=FRAMEWORK, base_model_dir=self.base_dir,
-                               config=self.config, framework_state=state, stack=STACK,
-                               base_model=self._base_model, **live)
+        part = self.world > 1
+        return cap.StepCapture(self._out / rank_dir(self.rank) if part else self._out, step=k, framework=FRAMEWORK,
+                               base_model_dir=self.base_dir, config=self.config, framework_state=state, stack=STACK,
+                               base_model=self._base_model, part=part, **live)
 
     @property
     def result(self) -> cap.CaptureResult:
@@ -438,8 +479,10 @@ def capture_actor_steps(worker: Any, out_dir: str | Path, step: int | None = Non
     ``final_adapter/`` (``result``); ``steps=[...]`` writes each step's files and ``replay_step_<K:06d>.toml``,
     and ``metrics.json`` once every chosen step is captured (or at ``close()``).  Refused at once (nothing
     written): both or neither-valid ``step``/``steps``, a worker whose loss is not verl's ``ppo_loss``, a config
-    field that is not classified or holds a refused value, a world size other than 1, a base model not in a
-    local directory with safetensors weights, and files of a chosen step already in ``out_dir``."""
+    field that is not classified or holds a refused value, ``steps=[...]`` over several processes (each process
+    calls this for one step: its share becomes a part, process 0 writes the root), model or sequence
+    parallelism, a base model not in a local directory with safetensors weights, and files of a chosen step
+    already in ``out_dir``."""
     if step is not None and steps is not None:
         raise UsageError("give one of step=K and steps=[K, ...], not both", where="capture_actor_steps")
     if step is None and steps is None:
@@ -541,6 +584,11 @@ class VerlSession(ReplaySession):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cpu":
             use_cpu()
+        import torch.distributed as dist
+
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        if self.world > 1:
+            self.repeat_refusal = f"it runs on {self.world} processes"
         values = adm.resolved[FRAMEWORK]
         self.engine_values = values["engine"]
         self.engine, self.loss_fn = build_engine(values, Path(adm.resolved["model"]["path"]))
@@ -570,6 +618,17 @@ class VerlSession(ReplaySession):
 
     def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return list(FullParameters(self.model).named_parameters())
+
+    def regroup(self, mbs: list[_microbatch.MicroBatch]) -> list[_microbatch.MicroBatch]:
+        """Over several processes, this process's contiguous run of the captured steps' shards in rank order (each
+        process captured its own; admission keeps the process count)."""
+        if self.world == 1 and self.adm.rank_micro_batches is None:
+            return mbs
+        per = len(mbs) // self.world
+        return mbs[self.rank * per:(self.rank + 1) * per]
+
+    def reported_loss(self, summed: float) -> float:
+        return reported_loss([summed], self.world)
 
     def trace_inputs(self, mb: _microbatch.MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return None, None
@@ -607,8 +666,11 @@ class VerlSession(ReplaySession):
         return grad_norm
 
     def save_adapter(self, out: Path) -> Path | None:
+        params = dict(FullParameters(self.model).named_parameters())  # gathered on every process (a collective)
+        if self.rank != 0:
+            return None
         path = out / _files.FINAL_ADAPTER_FILE
-        _files.save_adapter(path, FullParameters(self.model))  # type: ignore[arg-type]
+        atomic_write_bytes(path, adapter_bytes(params), exclusive=True)  # the bytes _files.save_adapter writes
         return path
 
 
