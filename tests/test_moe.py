@@ -348,6 +348,7 @@ def test_experts_kernel_arm_is_judged_with_routing_held(moe_runs: dict[str, Any]
     assert rep["routing"]["attribution"] == ("identical" if rc == 0 else "identical-routing")
 
 
+@pytest.mark.slow
 def test_router_loss_is_part_of_the_contract_and_the_update(moe_runs: dict[str, Any], tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     aux = ["--set", "model.router_aux_loss_coef=0.01"]
@@ -414,6 +415,7 @@ def test_routing_table_is_in_logical_row_order_whatever_the_micro_batches() -> N
     assert routing.first is tables[0]
 
 
+@pytest.mark.slow
 def test_a_chosen_step_records_its_routing_and_replays_forced_bitwise(moe_runs: dict[str, Any],
                                                                       tmp_path: Path) -> None:
     run = tmp_path / "run"
