@@ -472,6 +472,8 @@ def observe_all(rt: Runtime, framework: str = BUILTIN) -> dict[str, Any]:
 # replay's engine (its session records what the engine ran in ``observed``).
 VERL_MICRO_BATCH = "verl.engine.micro_batch_size_per_gpu"
 VERL_GRADIENT_CHECKPOINTING = "verl.model.enable_gradient_checkpointing"
+VERL_DYNAMIC_BSZ = "verl.engine.use_dynamic_bsz"
+VERL_MAX_TOKENS = "verl.engine.max_token_len_per_gpu"
 
 
 def _verl_observed(name: str) -> Observer:
@@ -495,5 +497,17 @@ _VERL_KNOBS = (
          "transformers recomputes each layer's forward on the same inputs during backward, restoring the Torch RNG "
          "state for the recomputation, so the gradients are the plain forward's",
          observe=_observe_checkpointing, frameworks=("verl",)),
+    Knob(VERL_DYNAMIC_BSZ,
+         "the engine groups the mini-batch's rows into micro-batches by a token budget instead of a row count (and "
+         "puts the outputs back in row order); the loss is normalised by the whole mini-batch as with fixed "
+         "micro-batches, so only the grouping and the summation order change (not bitwise); refused with dropout "
+         "and without a token budget (checked by the verl integration at admission)",
+         observe=_verl_observed("use_dynamic_bsz"), model_condition=_no_dropout_in_model, frameworks=("verl",)),
+    Knob(VERL_MAX_TOKENS,
+         "the token budget of a micro-batch under dynamic batch sizes: another grouping of the same rows, the loss "
+         "normalised by the whole mini-batch; admitted only where use_dynamic_bsz is on (checked by the verl "
+         "integration at admission)",
+         observe=_verl_observed("max_token_len_per_gpu"), model_condition=_no_dropout_in_model,
+         frameworks=("verl",)),
 )
 KNOBS.update({k.key: k for k in _VERL_KNOBS})

@@ -516,6 +516,13 @@ def knob_refusals(adm: Admission) -> list[str]:
         if (v.get("engine") or {}).get("use_dynamic_bsz"):
             why.append(f"declared difference {knobs.VERL_MICRO_BATCH!r} is not present: the engine splits by token "
                        "budget (use_dynamic_bsz) and does not use the micro-batch size")
+    engine = v.get("engine") or {}
+    if knobs.VERL_MAX_TOKENS in adm.allowed and not engine.get("use_dynamic_bsz"):
+        why.append(f"declared difference {knobs.VERL_MAX_TOKENS!r} is not present: the engine splits by row count "
+                   "(use_dynamic_bsz is false) and does not use the token budget")
+    if engine.get("use_dynamic_bsz") and not engine.get("max_token_len_per_gpu"):
+        why.append("verl.engine.use_dynamic_bsz needs verl.engine.max_token_len_per_gpu (the token budget of a "
+                   "micro-batch)")
     return why
 
 
@@ -599,6 +606,7 @@ class VerlSession(ReplaySession):
         self._update_lr = False
         # what the engine ran, for the knobs' observation: the rows of each micro-batch its forward_step received
         self.micro_rows: list[int] = []
+        self.batch_settings: dict[str, Any] = {}
         forward = self.engine.forward_step
 
         def forward_step(micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
@@ -609,9 +617,13 @@ class VerlSession(ReplaySession):
 
     @property
     def observed(self) -> dict[str, Any]:
-        """The engine settings in effect, as the last update ran them (read by the verl knobs' observers)."""
-        fixed = not self.engine_values.get("use_dynamic_bsz")
-        return {"micro_batch_size_per_gpu": max(self.micro_rows) if fixed and self.micro_rows else None}
+        """The engine settings in effect, as the last update ran them (read by the verl knobs' observers): each as
+        the batch the engine's ``forward_backward_batch`` received carried it, and the micro-batch size, where the
+        engine splits by row count, as the largest micro-batch its ``forward_step`` received."""
+        seen = dict(self.batch_settings)
+        if not seen.get("use_dynamic_bsz") and self.micro_rows:
+            seen["micro_batch_size_per_gpu"] = max(self.micro_rows)
+        return seen
 
     def observe(self, rows: tuple[int, ...]) -> knobs.Runtime:
         return knobs.Runtime(self.model, rows, trainer=self)
@@ -639,9 +651,11 @@ class VerlSession(ReplaySession):
     def run(self, mb: _microbatch.MicroBatch, inputs: dict[str, Any], call: dict[str, Any],
             before_loss: Any) -> float:
         import torch
+        from verl.utils import tensordict_utils as tu
         from verl.utils.tensordict_utils import maybe_fix_3d_position_ids
 
         data = decode_batch(inputs, self.engine_values)
+        self.batch_settings = {field: tu.get_non_tensor_data(data, key, None) for key, field in ENGINE_KEYS.items()}
         self._update_lr = bool(inputs["batch"]["non_tensor"].get("update_lr_scheduler", False))
         if self._mode is None:
             self._mode = contextlib.ExitStack()

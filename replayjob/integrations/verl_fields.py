@@ -147,8 +147,11 @@ FIELDS: dict[str, dict[str, Field]] = {
         "forward_only": _refused("an engine built forward-only performs no update", _off),
         "strategy": _contract(),
         "dtype": _contract(),
-        "use_dynamic_bsz": _contract(),
-        "max_token_len_per_gpu": _contract(),
+        "use_dynamic_bsz": Field(KNOB, "micro-batches by a token budget instead of a row count: the same rows and "
+                                   "loss normalisation, another grouping and summation order "
+                                   "(replayjob.knobs.VERL_DYNAMIC_BSZ)"),
+        "max_token_len_per_gpu": Field(KNOB, "the token budget of a micro-batch under use_dynamic_bsz "
+                                         "(replayjob.knobs.VERL_MAX_TOKENS)"),
         "micro_batch_size_per_gpu": Field(KNOB, "the engine's micro-batch size: the same rows and loss normalisation, "
                                             "another summation order (replayjob.knobs.VERL_MICRO_BATCH)"),
         "infer_max_token_len_per_gpu": _INFERENCE,
