@@ -46,7 +46,7 @@ from replayjob import tensorfile
 from replayjob.config import Config
 from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError
-from replayjob.fsio import atomic_write_bytes
+from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.model.tokenizer import ByteTokenizer
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
 ROUTING_SCHEMA = "replayjob.routing/v1"
 ROUTING_FILE = "routing.safetensors"
+MAX_ROUTING_BYTES = 2 * 1024 ** 3  # one read: the pin is checked over the bytes the tables are built from
 FAULT_ENV = "REPLAYJOB_ROUTING_FAULT"
 _FIELDS = ("experts", "weights", "margin", "forced")
 _METADATA = ("format", "layers", "top_k", "num_experts", "mode", "fault", "identity")
@@ -185,15 +186,17 @@ def _fail(where: Path, message: str) -> IntegrityError:
     return IntegrityError(f"routing file refused: {message}", where=where, hint=_HINT)
 
 
-def read_table(path: str | Path, expected_sha256: str | None) -> RoutingTable:
+def read_table(path: str | Path, expected_sha256: str | None, *, follow_symlinks: bool = False) -> RoutingTable:
     """Read and verify a routing file (pinned by ``expected_sha256`` when given): the safetensors checks,
-    the exact tensors of :data:`ROUTING_SCHEMA`, every shape, expert indices in range and finite weights."""
+    the exact tensors of :data:`ROUTING_SCHEMA`, every shape, expert indices in range and finite weights.
+    ``follow_symlinks``: the file is one the user names (``optimizer_batch.routing_path``), not one inside an
+    artifact."""
     import torch
     p = Path(path)
     if not p.is_file():
         raise RefusedError("no routing file here", where=p, hint=_HINT)
-    tensors = tensorfile.load(p, expected_sha256=expected_sha256, schema=_schema(0))
-    header = tensorfile.read_header(p, schema=_schema(0))
+    data = read_regular_bytes(p, max_bytes=MAX_ROUTING_BYTES, follow_symlinks=follow_symlinks, what="routing file")
+    header, tensors = tensorfile.load_bytes(data, where=p, expected_sha256=expected_sha256, schema=_schema(0))
     meta = header.metadata
     if sorted(meta) != sorted(_METADATA) or meta.get("format") != ROUTING_SCHEMA:
         raise _fail(p, f"metadata must hold exactly {sorted(_METADATA)} with format {ROUTING_SCHEMA!r}")
@@ -523,7 +526,8 @@ def attach(model: torch.nn.Module, cfg: Config) -> Routing | None:
                               where="optimizer_batch.routing_path",
                               hint="point it at the source run's routing_step_<K>.safetensors with its pin from "
                                    "metrics.json")
-        table = read_table(ob.routing_path, normalize_digest(ob.routing_sha256, what="optimizer_batch.routing_sha256"))
+        table = read_table(ob.routing_path, normalize_digest(ob.routing_sha256, what="optimizer_batch.routing_sha256"),
+                           follow_symlinks=True)
         pinned = ob.expected_logical_sha256.strip().lower()
         recorded = table.identity.get("logical_batch_sha256")
         if pinned and recorded != pinned:
