@@ -179,15 +179,21 @@ def check_no_symlinks(root: str | Path, path: str | Path, *, what: str = "artifa
     not examined: the directory a user names may be reached through links.
     """
     r, p = Path(root), Path(path)
-    try:
-        parts = p.relative_to(r).parts
-    except ValueError:
-        raise IntegrityError(f"{what} is not inside its artifact directory {r}", where=p) from None
+    rs, ps = str(r), str(p)  # both as pathlib spells them (normalised): the common case costs no path objects
+    if rs != "/" and ps.startswith(rs + "/"):
+        parts: tuple[str, ...] | list[str] = ps[len(rs) + 1:].split("/")
+    elif ps == rs:
+        parts = ()
+    else:
+        try:
+            parts = p.relative_to(r).parts
+        except ValueError:
+            raise IntegrityError(f"{what} is not inside its artifact directory {r}", where=p) from None
     if ".." in parts:
         raise IntegrityError(f"{what} leaves its artifact directory through '..'", where=p)
-    cur = r
+    cur = rs
     for i, part in enumerate(parts):
-        cur = cur / part
+        cur = os.path.join(cur, part)
         try:
             mode = os.lstat(cur).st_mode
         except FileNotFoundError:

@@ -3,9 +3,11 @@ replay's ``replay_metrics.json`` (``docs/replay-metrics.md``).
 
 Both carry the same pin keys (:data:`PIN_KEYS`); the source trainer, the capture hook and replay
 write them with :func:`write` and take their names, schema versions and keys from here, and the
-reducer reads them with :func:`read_replay` / :func:`read_source`, which check every field the
-gate uses once (a malformed file is refused, exit 2, naming the file and the field).  Keys beyond
-the documented ones are ignored by the readers.  Nothing here imports torch, transformers or peft.
+reducer reads them with :func:`read_replay` / :func:`read_source`.  A replay's document is read through
+its declaration (:mod:`replayjob.artifacts.replay_metrics`: every key typed and ranged, an unknown or
+missing key refused), then against its producer's knobs and the files beside it; the source's metrics
+are checked field by field where the gate uses them.  A malformed file is refused (exit 2) naming the
+file and the field.  Nothing here imports torch, transformers or peft.
 
 Example:
     >>> REPLAY_FILE, SOURCE_FILE
@@ -22,8 +24,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from replayjob import __version__
-from replayjob.artifacts.contention import ContentionRecord
 from replayjob.artifacts.document import decode
+from replayjob.artifacts.replay_metrics import ReplayMetrics
 from replayjob.config.diff import flatten
 from replayjob.deploy.schedule import DESIGNS, Slot
 from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
@@ -505,112 +507,52 @@ def _run_fields(f: _Fields) -> dict[str, Any]:
     }
 
 
-def _placement(f: _Fields) -> dict[str, Any]:
-    """The optional keys a budget decision reads: pin, schedule slot, device, in-process repeats, contention."""
-    d = f.doc
-    out: dict[str, Any] = {}
-    if d.get(BUDGETS_SHA256):
-        out["budgets_sha256"] = f.digest(BUDGETS_SHA256)
-    if "device" in d:
-        out["device"] = f.text("device", nonempty=False)
-    memory = d.get("memory")
-    if isinstance(memory, dict) and "kind" in memory:
-        out["memory_kind"] = f.text("kind", memory)
-    slot = d.get(SCHEDULE)
-    if slot is not None:
-        if not isinstance(slot, dict) or set(slot) != {"design", "seed", "block", "position"}:
-            raise f.fail(SCHEDULE, "must be null or an object with design, seed, block and position")
-        if slot["design"] not in DESIGNS:
-            raise f.fail(f"{SCHEDULE}.design", f"must be one of {', '.join(DESIGNS)}")
-        ints = [slot[k] for k in ("seed", "block", "position")]
-        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints):
-            raise f.fail(SCHEDULE, "seed, block and position must be integers >= 0")
-        out["slot"] = Slot(slot["design"], *ints)
-    ip = d.get(IN_PROCESS)
-    if ip is not None:
-        walls = ip.get(IN_PROCESS_WALLS) if isinstance(ip, dict) else None
-        if (not isinstance(walls, list) or not walls or not isinstance(ip.get(IN_PROCESS_LOSS_EQUAL), bool)
-                or any(isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w < math.inf
-                       for w in walls)):
-            raise f.fail(IN_PROCESS, f"must be null or hold a non-empty list {IN_PROCESS_WALLS} of "
-                                     f"seconds and {IN_PROCESS_LOSS_EQUAL}")
-        out["in_process_wall_s"] = tuple(float(w) for w in walls)
-        out["in_process_loss_equal"] = ip[IN_PROCESS_LOSS_EQUAL]
-    c = d.get(CONTENTION)
-    if c is not None:  # declared (replayjob.artifacts.contention): its flag is recomputed from its figures
-        try:
-            decode(c, ContentionRecord, where=f.where, hint=f.hint)
-        except IntegrityError as exc:
-            raise f.fail(CONTENTION, exc.message) from None
-        out["contention"] = c
-    return out
-
-
 def read_replay(path: str | Path) -> Replay:
-    """Read and validate one replay_metrics.json, or refuse naming the file and the field."""
+    """Read one replay_metrics.json through its declaration (:class:`~replayjob.artifacts.replay_metrics.
+    ReplayMetrics`: every key typed and ranged, none unknown), then the rules that tie it to its producer's
+    knobs and to the files beside it; refuse naming the file and the field."""
     # here: the trainer imports this module, and no capture package
 
     p = Path(path)
     doc, sha = _read(p)
     f = _Fields(doc, p)
-    schema = f.get("schema")
-    if schema != REPLAY_SCHEMA:
-        raise IntegrityError(f"schema is {schema!r}, expected {REPLAY_SCHEMA!r}", where=p,
+    if doc.get("schema") != REPLAY_SCHEMA:  # the version first, in words of its own
+        raise IntegrityError(f"schema is {doc.get('schema')!r}, expected {REPLAY_SCHEMA!r}", where=p,
                              hint="reduce reads replay metrics written by `replayjob replay`")
-    index = f.get("repeat_index")
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-        raise f.fail("repeat_index", "must be an integer >= 0")
-    pins = f.obj("pins")
-    knobs = f.obj("knobs")
-    framework = f.text(FRAMEWORK)
-    if framework not in PRODUCERS:
-        raise f.fail(FRAMEWORK, f"must be one of {list(PRODUCERS)}, found {framework!r}")
-    runtime = f.obj("runtime")
-    registered = sorted(knobs_for(framework))
-    if sorted(runtime) != registered:
-        raise f.fail("runtime", f"must hold the observed value of every registered knob of {framework!r} "
-                                f"{registered}, found {sorted(runtime)}")
-    rows = f.get("rows", f.obj("rows"))
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+    d = decode(doc, ReplayMetrics, where=p, hint=f.hint)
+    if d.framework not in PRODUCERS:
+        raise f.fail(FRAMEWORK, f"must be one of {list(PRODUCERS)}, found {d.framework!r}")
+    registered = sorted(knobs_for(d.framework))
+    if sorted(d.runtime) != registered:
+        raise f.fail("runtime", f"must hold the observed value of every registered knob of {d.framework!r} "
+                                f"{registered}, found {sorted(d.runtime)}")
+    rows = doc["rows"].get("rows")
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows < 2**63:
         raise f.fail("rows.rows", "must be an integer >= 1")
-    arm = f.text("arm")
-    if arm == "source":
+    if d.arm == "source":
         raise f.fail("arm", "may not be 'source', the name reduce gives the capture run")
-    tol = f.text("tolerances_sha256", nonempty=False)
-    measures = {}
-    for name, (section, key) in MEASURES.items():
-        hi = 1.0 if name == "padding_fraction" else None
-        measures[name] = f.number(key, f.obj(section), hi=hi)
-    if DISTRIBUTED in doc:  # one replay over several ranks: its rank files merge into it (never repeats)
+    if d.schedule is not None and d.schedule.design not in DESIGNS:
+        raise f.fail(f"{SCHEDULE}.design", f"must be one of {', '.join(DESIGNS)}")
+    if d.distributed is not None:  # one replay over several ranks: its rank files merge into it (never repeats)
         _check_ranks(f, doc, p)
-    _check_world(f, doc, p, runtime)
-    host = f.obj(HOST)
-    bad = sorted(k for k, v in host.items() if v is not None and not isinstance(v, str))
-    if bad:
-        raise f.fail(f"{HOST}.{bad[0]}", "must be a string or null")
+    _check_world(f, doc, p, d.runtime)
+    measures = {name: float(getattr(getattr(d, section), key)) for name, (section, key) in MEASURES.items()}
+    slot = d.schedule
     return Replay(
-        path=p, sha256=sha, arm=arm, repeat_index=index, framework=framework,
-        pin_logical=f.digest("expected_logical_sha256", pins),
-        pin_manifest=f.digest("expected_manifest_sha256", pins),
-        pin_payload=f.digest("payload_spans_sha256", pins), **_run_fields(f),
-        allowed=f.names("allowed_config_differences"),
-        observed=f.names("observed_config_differences"),
-        knobs=knobs, skipped=f.names("skipped"), runtime=runtime, rows=rows,
-        tolerances_sha256=f.digest("tolerances_sha256") if tol else "", measures=measures, host=host,
-        trace_index_sha256=trace_pin(doc, p), doc=doc, **_placement(f),
-    )
-
-
-def trace_pin(doc: dict[str, Any], where: Path) -> str | None:
-    """``trace.index_sha256`` of a traced replay's metrics ``doc`` (its index lies at ``trace.index_path``,
-    always :data:`TRACE_INDEX`), else ``None``; a malformed entry is refused naming ``where``."""
-    if TRACE not in doc:
-        return None
-    f = _Fields(doc, where)
-    t = f.obj(TRACE)
-    if f.text(TRACE_INDEX_PATH, t) != TRACE_INDEX:
-        raise f.fail(f"{TRACE}.{TRACE_INDEX_PATH}", f"must be {TRACE_INDEX!r}")
-    return f.digest(TRACE_INDEX_SHA256, t)
+        path=p, sha256=sha, arm=d.arm, repeat_index=d.repeat_index, framework=d.framework,
+        pin_logical=d.pins.expected_logical_sha256, pin_manifest=d.pins.expected_manifest_sha256,
+        pin_payload=d.pins.payload_spans_sha256, logical=d.logical, effective=d.effective, manifest=d.manifest,
+        initial_adapter=d.initial_adapter, final_adapter=d.final_adapter,
+        final_adapter_file=f.file(FINAL_ADAPTER_PATH), loss=d.loss,
+        allowed=tuple(d.allowed_config_differences), observed=tuple(d.observed_config_differences),
+        knobs=doc["knobs"], skipped=tuple(d.skipped), runtime=doc["runtime"], rows=rows,
+        tolerances_sha256=d.tolerances_sha256, measures=measures, host=doc[HOST],
+        trace_index_sha256=d.trace.index_sha256 if d.trace is not None else None, doc=doc,
+        budgets_sha256=d.budgets_sha256, device=d.device, memory_kind=d.memory.kind,
+        slot=None if slot is None else Slot(slot.design, slot.seed, slot.block, slot.position),
+        in_process_wall_s=None if d.in_process is None else tuple(d.in_process.local_train_wall_s),
+        in_process_loss_equal=None if d.in_process is None else d.in_process.loss_equal,
+        contention=doc.get(CONTENTION))
 
 
 def read_source(directory: str | Path, step: int | None = None) -> Source:

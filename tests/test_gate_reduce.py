@@ -218,7 +218,7 @@ def test_malformed_metrics_are_refused(ev: synthetic.Evidence, text: str, needle
 def test_missing_fields_are_refused(ev: synthetic.Evidence, key: str) -> None:
     edit(ev.replay_files[0], lambda d: d.pop(key))
     code, doc = reduce(ev, "exact-input")
-    assert code == 2 and repr(key) in doc["refusal"]["message"]
+    assert code == 2 and f"missing required field `{key}`" in doc["refusal"]["message"]
 
 
 def test_arm_named_source_is_refused(ev: synthetic.Evidence) -> None:

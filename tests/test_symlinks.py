@@ -137,9 +137,12 @@ def split_into_ranks(replay: Path) -> None:
     for r, d in enumerate(docs):
         data = pretty_bytes(d)
         (replay.parent / M.rank_file(r)).write_bytes(data)
-        entries.append({"rank": r, "file": M.rank_file(r), "sha256": sha256_bytes(data)})
+        rows = doc["rows"]["rows"]
+        entries.append({"rank": r, "file": M.rank_file(r), "sha256": sha256_bytes(data),
+                        "rows": [0, rows] if r == 0 else [rows, rows]})
     doc.update(M.merge_ranks(docs))
-    doc[M.DISTRIBUTED] = {"world_size": 2, "strategy": doc["runtime"].get("distributed.strategy"), "ranks": entries}
+    doc[M.DISTRIBUTED] = {"world_size": 2, "strategy": doc["runtime"].get("distributed.strategy"),
+                          "sharding": "contiguous", "ranks": entries}
     replay.write_bytes(pretty_bytes(doc))
 
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from replayjob.artifacts.document import Count, Document, NonNegative, Positive, Share, Text, agree, to_builtins
+from replayjob.artifacts.document import Count, Document, Finite, NonNegative, Positive, Share, Text, agree, to_builtins
 from replayjob.contention import SCHEMA, THRESHOLDS, decide
 
 LoadAverage = Annotated[list[NonNegative], msgspec.Meta(min_length=3, max_length=3)]
@@ -64,7 +64,7 @@ class ContentionRecord(Document, frozen=True):
     loadavg_after: LoadAverage | None
     cuda: CudaFigures | None
     unavailable: dict[Text, Text]
-    thresholds: dict[str, float]
+    thresholds: dict[Text, Finite]
     contended: bool
     reasons: list[Text]
 

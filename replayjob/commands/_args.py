@@ -32,7 +32,7 @@ OPTION_RANGES: dict[str, tuple[int, int]] = {
     "--position": (0, 10_000_000),
     "--blocks": (1, 10_000),
     "--warmup-updates": (0, 10_000),
-    "--measured-updates": (1, 10_000),
+    "--measured-updates": (0, 10_000),  # 0: no in-process updates (with --warmup-updates: refused by the funnel)
     "--steps": (1, 10_000_000),
     "--max-repeats": (1, 10_000),
     "--rollout": (0, INT64_MAX),

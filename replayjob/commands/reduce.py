@@ -7,21 +7,27 @@ from typing import Any
 
 from replayjob.commands._args import integer, integer_or, path_or_none
 from replayjob.deploy.ablation import load_spec
+from replayjob.errors import UsageError
 from replayjob.gate import reducer
 
 
 def cmd_reduce(args: dict[str, Any]) -> int:
     out = Path(args["--out"])
+    refused: UsageError | None = None  # an option outside its range: refused in a verdict, like every usage
+    min_repeats, max_looks, source_step = 3, 1, None
+    try:
+        min_repeats, max_looks = integer_or(args, "--min-repeats", 3), integer(args, "--max-looks")
+        source_step = integer_or(args, "--source-step", None)
+    except UsageError as exc:
+        refused = exc
     verdict = reducer.reduce_evidence(reducer.Request(
         paths=args["<path>"], claim=args["--claim"], out=out, source=path_or_none(args, "--source"),
         tolerances=path_or_none(args, "--tolerances"),
-        min_repeats=integer_or(args, "--min-repeats", 3),
         baseline=args["--baseline"], report=path_or_none(args, "--report"), budgets=path_or_none(args, "--budgets"),
-        max_looks=integer(args, "--max-looks"),
         arms=tuple(a.strip() for a in args["--arms"].split(",")) if args["--arms"] is not None else None,
         spec=load_spec(args["--spec"]) if args["--spec"] is not None else None,
-        mixed_hardware=bool(args["--mixed-hardware"]),
-        source_step=integer_or(args, "--source-step", None)))
+        mixed_hardware=bool(args["--mixed-hardware"]), usage_error=refused, min_repeats=min_repeats,
+        max_looks=max_looks, source_step=source_step))
     print(verdict.summary())
     print(f"wrote {out}" + (f", {args['--report']}" if args["--report"] else ""))
     verdict.raise_for_status()

@@ -70,6 +70,7 @@ class Request:
     budgets: Path | None = None
     max_looks: int = 1
     source_step: int | None = None  # compare with this captured step of the source run (--source-step)
+    usage_error: RefusedError | None = None  # an option the command line refused: the verdict records it
     missing: tuple[str, ...] = ()  # outputs of stages that failed or never ran: the verdict is incomplete (3)
 
 
@@ -97,6 +98,8 @@ def _rel(path: Path, base: Path) -> str:
 
 
 def _evaluate(req: Request, st: _State) -> None:
+    if req.usage_error is not None:
+        raise req.usage_error
     if req.claim not in CLAIMS:
         raise UsageError(f"unknown claim {req.claim!r}; use one of {', '.join(CLAIMS)}")
     if req.min_repeats < 1:

@@ -1,0 +1,150 @@
+"""``replay_metrics.json`` (schema ``replayjob.replay_metrics/v2``, docs/replay-metrics.md), declared.
+
+Every key the one replay driver writes (:mod:`replayjob.producers.driver`, for every producer) is declared
+here with its type and range, and nothing else is read: an unknown key, a missing one, a bool or float where
+a count is declared, a digest that is not 64 lower-case hex digits, a negative time or a share above 1 is
+refused by :func:`replayjob.artifacts.document.decode` naming the file and the field.  The rules that tie
+the document to the files beside it (rank files, the final adapter, the trace index, the knob registry) are
+:func:`replayjob.metrics.read_replay`'s, which reads through this declaration first.
+
+Three blocks are opaque on purpose and said so in :data:`OPAQUE`: recorded for people or compared whole,
+never decided on field by field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+
+from replayjob.artifacts.contention import ContentionRecord
+from replayjob.artifacts.document import Count, Digest, Document, Finite, Int, NonNegative, Share, Text
+
+Scalar = str | bool | Int | Finite | None
+"""A knob's value as the replay config sets it (compared whole with the arm's intent and the runtime's)."""
+DigestOrEmpty = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{64})?$")]
+"""A pin that may be unset (``""``: no tolerance or budget file was pinned)."""
+
+
+class Pins(Document, frozen=True):
+    expected_logical_sha256: Digest
+    expected_manifest_sha256: Digest
+    payload_spans_sha256: Digest
+
+
+class Timing(Document, frozen=True):
+    local_train_wall_s: NonNegative
+    forward_wall_s: NonNegative
+    backward_wall_s: NonNegative
+    optimizer_wall_s: NonNegative
+
+
+class Memory(Document, frozen=True):
+    peak_bytes: Count
+    kind: Literal["max_rss", "cuda_max_allocated"]
+
+
+class Padding(Document, frozen=True):
+    real_tokens: Count
+    padded_tokens: Count
+    padding_fraction: Share
+    micro_batches: Count
+
+
+class Slot(Document, frozen=True):
+    design: Text
+    seed: Count
+    block: Count
+    position: Count
+
+
+class InProcess(Document, frozen=True):
+    warmup_updates: Annotated[int, msgspec.Meta(ge=0, le=10_000)]
+    measured_updates: Annotated[int, msgspec.Meta(ge=1, le=10_000)]
+    local_train_wall_s: Annotated[list[NonNegative], msgspec.Meta(min_length=1)]
+    peak_bytes: list[Count]
+    loss_equal: bool
+
+    def __post_init__(self) -> None:
+        if not len(self.local_train_wall_s) == len(self.peak_bytes) == self.measured_updates:
+            raise ValueError("`local_train_wall_s` and `peak_bytes` hold one value per measured update "
+                             "(`measured_updates`)")
+
+
+class TracePin(Document, frozen=True):
+    index_path: Literal["trace/index.json"]
+    index_sha256: Digest
+
+
+class RoutingPin(Document, frozen=True):
+    path: Literal["routing.safetensors"]
+    sha256: Digest
+
+
+class RankEntry(Document, frozen=True):
+    rank: Count
+    file: Text
+    sha256: Digest
+    rows: list[Count]
+
+
+class Distributed(Document, frozen=True):
+    world_size: Annotated[int, msgspec.Meta(ge=2, le=1 << 20)]
+    strategy: Text
+    sharding: Text
+    ranks: list[RankEntry]
+
+    def __post_init__(self) -> None:
+        if [e.rank for e in self.ranks] != list(range(self.world_size)):
+            raise ValueError("`ranks` holds one entry per rank 0..world_size-1, in rank order")
+
+
+class ReplayMetrics(Document, frozen=True, kw_only=True):
+    """One replay's evidence, as the replay driver writes it."""
+
+    OPAQUE: ClassVar[dict[str, str]] = {
+        "provenance": "determinism provenance, recorded for people (the gate decides on runtime and host)",
+        "rows": "the producer's own row and token counts, recorded for people (each producer counts its own "
+                "way); the one the gate reads, rows.rows, is checked by the reader",
+        "knobs": "the arm's knob values as set, compared whole with the arm's intent",
+    }
+
+    schema: Literal["replayjob.replay_metrics/v2"]
+    framework: Text
+    replayjob_version: Text
+    torch_version: Text
+    device: Text
+    arm: Text
+    repeat_index: Count
+    step: Count | None = None
+    pins: Pins
+    logical: Digest = msgspec.field(name="optimizer/logical_batch_sha256")
+    effective: Digest = msgspec.field(name="optimizer/local_effective_rows_sha256")
+    manifest: Digest = msgspec.field(name="optimizer_batch/manifest_sha256")
+    initial_adapter: Digest = msgspec.field(name="optimizer_batch/initial_adapter_sha256")
+    final_adapter: Digest = msgspec.field(name="optimizer_batch/final_adapter_sha256")
+    final_adapter_path: Text
+    allowed_config_differences: list[Text]
+    observed_config_differences: list[Text]
+    knobs: dict[str, Any]
+    skipped: list[Text]
+    runtime: dict[Text, Scalar]
+    loss: Finite
+    grad_norm: NonNegative | None
+    timing: Timing
+    memory: Memory
+    padding: Padding
+    rows: dict[str, Any]
+    rng_restored: list[Text]
+    tolerances_sha256: DigestOrEmpty
+    budgets_sha256: DigestOrEmpty
+    config_sha256: Digest
+    host: dict[Text, str | None]
+    provenance: dict[str, Any]
+    schedule: Slot | None = None
+    in_process: InProcess | None = None
+    contention: ContentionRecord | None = None
+    wall_s: NonNegative
+    trace: TracePin | None = None
+    routing: RoutingPin | None = None
+    distributed: Distributed | None = None
