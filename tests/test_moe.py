@@ -162,10 +162,10 @@ def test_forcing_other_experts_routes_there(moe_runs: dict[str, Any], tmp_path: 
     assert torch.equal(got.layers[0].experts, base.layers[0].experts)
 
 
-def test_forced_router_keeps_its_gradient_bitwise() -> None:
-    """Forcing the router's own choice: the router weight's gradient (through the recomputed weights) and
-    the LoRA gradients are bitwise the free forward's."""
-    cfg = load_config(None, ['model.architecture="qwen3_moe"', "training.seed=1"])
+def free_and_forced_gradients(sets: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One forward and backward of a policy built from ``sets`` with its routing recorded, then of a second
+    one with that routing forced: the router weights' and LoRA gradients of each."""
+    cfg = load_config(None, [*sets, "training.seed=1"])
     ids = torch.randint(3, 200, (3, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[2, 6:] = 0
@@ -191,8 +191,34 @@ def test_forced_router_keeps_its_gradient_bitwise() -> None:
     forced_policy.routing._row_offsets = [0, *table.row_tokens.cumsum(0).tolist()]
     for i, m in enumerate(forced_policy.routing.modules):
         m.forward = lambda hs, i=i, m=m: forced_policy.routing._routed(i, m, hs)
-    got = run(forced_policy)
+    return free, run(forced_policy)
+
+
+def test_forced_router_keeps_its_gradient_bitwise() -> None:
+    """Forcing the router's own choice: the router weight's gradient (through the recomputed weights) and
+    the LoRA gradients are bitwise the free forward's."""
+    free, got = free_and_forced_gradients(['model.architecture="qwen3_moe"'])
     assert all(float(g.abs().sum()) > 0 for k, g in free.items() if k.startswith("router"))
+    assert free.keys() == got.keys() and all(torch.equal(free[k], got[k]) for k in free)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "olmoe"])
+def test_a_local_moe_model_is_observed_and_forced(kind: str, tmp_path: Path) -> None:
+    """A transformers MoE model directory (safetensors) of another class: its routers are found, and forcing
+    their own routing is bitwise the free forward and backward."""
+    from transformers import MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM
+
+    common = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    if kind == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))
+    else:
+        model = OlmoeForCausalLM(OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                             pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    model.save_pretrained(tmp_path / kind, safe_serialization=True)
+    free, got = free_and_forced_gradients([f'model.path="{tmp_path / kind}"'])
+    assert sum(k.startswith("router") for k in free) == 2
     assert free.keys() == got.keys() and all(torch.equal(free[k], got[k]) for k in free)
 
 

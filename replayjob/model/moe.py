@@ -100,7 +100,11 @@ def set_experts_implementation(model: Any, name: str) -> None:
             raise ConfigError(f"the model has no MoE experts to run with {name!r}",
                               where="model.experts_implementation", hint="leave it at 'eager' for a dense model")
         return
-    model.set_experts_implementation(name)
+    try:
+        model.set_experts_implementation(name)
+    except (ValueError, KeyError, ImportError) as exc:
+        raise ConfigError(f"transformers cannot run this model's experts with {name!r}: {exc}",
+                          where="model.experts_implementation", hint="use 'eager'") from None
 
 
 def experts_implementation(model: Any) -> str | None:
@@ -397,6 +401,10 @@ class Routing:
         if mb is None or i in mb.seen:
             return
         mb.seen.add(i)
+        if not (isinstance(output, tuple) and len(output) == 3):
+            raise ContractError(f"router {self.names[i]} ({type(self.modules[i]).__name__}) does not return "
+                                "(logits, top-k weights, top-k experts): its routing cannot be recorded",
+                                hint="use a transformers MoE class with a *TopKRouter (Qwen3-MoE, Mixtral, OLMoE)")
         logits, weights, experts = output
         self._keep(i, mb, logits, weights, experts, None)
 
