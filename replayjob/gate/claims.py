@@ -113,8 +113,20 @@ def group_arms(replays: Iterable[Replay], plan: dict[str, dict[str, Any]] | None
     return arms
 
 
+_SCALAR_TEXT = {None: "null", True: "true", False: "false"}
+
+
 def _text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    """``value`` as one comparable string: itself for a string, else its JSON (sorted keys); the scalars a knob
+    holds are spelled without the encoder (the same text, thousands of times cheaper per replay)."""
+    t = type(value)
+    if t is str:
+        return value
+    if value is None or t is bool:
+        return _SCALAR_TEXT[value]
+    if t is int:
+        return str(value)
+    return json.dumps(value, sort_keys=True)
 
 
 def _same(a: Any, b: Any) -> bool:
