@@ -66,7 +66,8 @@ def test_plan_gives_the_submit_time_facts(spec_file: Path, capsys: pytest.Captur
     assert main(["step", "plan", "--spec", str(spec_file)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [x for x in lines if not x.startswith("env=")] == [
-        "size=6", "parallelism=4", "arms=ckpt-off,ckpt-on", "claim=exact-input", "min_repeats=3", "device=cpu",
+        "size=6", "parallelism=4", "cpus=1", "mem_mib=4096", "time_min=360", "node_gpus=0",
+        "arms=ckpt-off,ckpt-on", "claim=exact-input", "min_repeats=3", "device=cpu",
         "schedule=none", "ranks=1", "replays=1:0-5"]
     # the environment every job of this spec pins (a built-in capture: the pinned math mode)
     assert [x for x in lines if x.startswith("env=")] == [f"env={k}={v}" for k, v in DETERMINISM_ENV.items()]
@@ -89,7 +90,7 @@ def test_selection_keeps_file_order_and_lowers_min_repeats(spec_file: Path) -> N
     (["replay", "--spec", "{spec}", "--run-dir", "{run}", "--index", "6"], "outside 0..5"),
     (["plan", "--spec", "{spec}", "--arms", "nope"], "no arm named 'nope'"),
     (["plan", "--spec", "{spec}", "--arms", "ckpt-on,ckpt-on"], "names an arm twice"),
-    (["plan", "--spec", "{spec}", "--repeats", "0"], "--repeats must be >= 1"),
+    (["plan", "--spec", "{spec}", "--repeats", "0"], "--repeats must be between 1 and"),
     (["plan", "--spec", "{spec}", "--device", "tpu"], "'tpu'"),
     (["plan", "--spec", "{spec}", "--claim", "vibes"], "'vibes' is not a claim"),
     (["plan", "--spec", "{spec}", "--plant", "ckpt-on"], "--plant expects ARM:SETTING=VALUE"),
@@ -309,9 +310,10 @@ def test_trivial_job_exit_code_through_the_scheduler(slurm_env: dict[str, str], 
 
 
 @pytest.mark.slow
-def test_failed_capture_cancels_the_array_and_refuses(slurm_env: dict[str, str], spec_file: Path,
-                                                      tmp_path: Path) -> None:
-    """afterok + --kill-on-invalid-dep: no replay runs without a capture; reduce still judges."""
+def test_failed_capture_cancels_the_array_and_ends_incomplete(slurm_env: dict[str, str], spec_file: Path,
+                                                               tmp_path: Path) -> None:
+    """afterok + --kill-on-invalid-dep: no replay runs without a capture; reduce still judges: nothing was
+    decided (incomplete, exit 3), and the reduce job is not requeued for it."""
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "source.toml").write_text("[training]\nnot_a_setting = 1\n")
@@ -319,13 +321,14 @@ def test_failed_capture_cancels_the_array_and_refuses(slurm_env: dict[str, str],
     out = tmp_path / "run"
     res = _submit("--out", str(out), "--spec", str(spec_file), "--gpus-per-task", "0",
                   "--workspace", str(ws), "--wait", env=slurm_env, timeout=300)
-    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.returncode == 3, res.stdout + res.stderr
     jobs = dict(line.split("=") for line in (out / "slurm" / "jobs").read_text().split())
     assert "JobState=FAILED" in _job_record(jobs["capture"], slurm_env)
+    assert "Restarts=0" in _job_record(jobs["reduce"], slurm_env)
     replays = _job_record(jobs["replay"], slurm_env)
     assert "JobState=CANCELLED" in replays and "JobState=RUNNING" not in replays
     assert not list((out / "replays").rglob("replay_metrics.json"))
-    assert _json(out / "verdict.json")["status"] == "refused"
+    assert _json(out / "verdict.json")["status"] == "incomplete"
 
 
 # ---- the whole chain through the scheduler (tiny default, CPU, no GPU requests) ----------------------
@@ -522,7 +525,29 @@ def test_ranked_plan_submits_one_array_per_rank_count(tmp_path: Path) -> None:
     assert "--array 0%4" in two and "--nodes=1 --ntasks=2 --gres=gpu:4" in two  # index 0: arm two
     assert "--array 1%4" in one and "--nodes=1 --ntasks=1 --gres=gpu:2" in one  # index 1: arm one
     assert all("--dependency=afterok:CAPTURE_ID" in c for c in (two, one))
+    # one rank count's array after the other: the spec's parallelism bounds every replay at once
+    assert "--dependency=afterok:CAPTURE_ID --kill" in one
+    assert "--dependency=afterok:CAPTURE_ID\\,afterany:REPLAY_ID_0" in two  # as printf %q shows it
     assert "--ntasks" not in reduce and "--dependency=afterany:REPLAY_ID" in reduce
+
+
+def test_every_task_asks_for_the_spec_s_resources(spec_file: Path, tmp_path: Path) -> None:
+    """CPUs and memory per rank (1 and 4 GiB without GPUs, as the Kubernetes pods), the spec's deadline as
+    --time, and with node_gpus every GPU of the node."""
+    text = spec_file.read_text().replace('device = "cpu"', 'device = "cuda"')
+    gpu = tmp_path / "gpu.toml"
+    gpu.write_text('cpu = "6"\nmemory = "48Gi"\ndeadline_s = 3601\n' + text, encoding="utf-8")
+    capture, replay, reduce = _dry_run(gpu, tmp_path / "run")
+    for cmd in (capture, replay):
+        assert "--cpus-per-task=6" in cmd and "--mem=49152M" in cmd and "--time=61" in cmd, cmd
+    assert "--cpus-per-task=1" in reduce and "--mem=4096M" in reduce and "--time=61" in reduce
+    cpu = _dry_run(spec_file, tmp_path / "cpu", "--gpus-per-task", "0")
+    assert all("--cpus-per-task=1" in c and "--mem=4096M" in c for c in cpu)
+    site = _dry_run(gpu, tmp_path / "site", "--sbatch-arg", "--time=30")  # a site's limit comes last: it wins
+    assert all(c.index("--time=61") < c.index("--time=30") for c in site)
+    whole = tmp_path / "whole.toml"
+    whole.write_text("node_gpus = 8\n" + text, encoding="utf-8")
+    assert "--gres=gpu:8" in _dry_run(whole, tmp_path / "whole")[1]
 
 
 @pytest.mark.slow

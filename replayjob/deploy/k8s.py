@@ -59,7 +59,8 @@ Decisions written once here:
   rank (a pod of N ranks requests N times them); ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` are the
   CPU limit, divided among the ranks by the step;
 * **queues and priorities**: ``queue`` labels every stage Job ``kueue.x-k8s.io/queue-name`` (Kueue
-  admits it), not the driver (it would hold a quota reservation for the whole run while it waits); ``priority_class`` is every pod's (capture, replays, reduce), not only the GPU pods';
+  admits it), not the driver (it would hold a quota reservation for the whole run while it waits);
+  ``priority_class`` is every pod's (capture, replays, reduce), not only the GPU pods';
 * **Kubernetes >= 1.29** (:data:`MIN_KUBERNETES_VERSION`): exit-code-only ``podFailurePolicy`` rules
   and ``backoffLimitPerIndex``; validated strictly at that version and at the latest;
 * **provenance**: node name, pod name and image reference reach ``replay_metrics.json`` through the

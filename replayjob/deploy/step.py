@@ -132,13 +132,33 @@ def select(spec: AblationSpec, arms: str | None = None, repeats: int | None = No
         raise ConfigError(exc.message, where=f"selection: {exc.where or ''}", hint=exc.hint) from None
 
 
+_UNITS = {"": 1, "k": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3,
+          "Ti": 1024**4}
+
+
+def slurm_resources(spec: AblationSpec) -> tuple[int, int, int]:
+    """(CPUs per rank, MiB of memory per rank, minutes) a Slurm capture or replay task asks for: the spec's
+    ``cpu`` and ``memory`` (or 1 CPU and 4 GiB without GPUs, as the Kubernetes pods), rounded up, and its
+    ``deadline_s``."""
+    cpu, memory = (spec.cpu, spec.memory) if spec.gpu else ("1", "4Gi")
+    cores = -(-int(cpu[:-1]) // 1000) if cpu.endswith("m") else int(-(-float(cpu) // 1))
+    m = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", memory)
+    assert m is not None  # the spec validated it as a quantity
+    mib = int(-(-float(m.group(1)) * _UNITS[m.group(2)] // 1024**2))
+    return max(1, cores), max(1, mib), -(-spec.deadline_s // 60)
+
+
 def plan_lines(spec: AblationSpec) -> list[str]:
     """What a submitting script needs (Slurm's array size and throttle): one ``key=value`` each;
     one ``env=NAME=VALUE`` line per variable of the spec's determinism environment
     (:meth:`~replayjob.deploy.ablation.AblationSpec.determinism_env`, which every job pins: its math
     mode is the existing capture's); ``ranks`` is the capture's, and one ``replays=N:INDEXES`` line
-    per rank count names the array indexes (Slurm's ``--array`` syntax) whose replays run N ranks."""
+    per rank count names the array indexes (Slurm's ``--array`` syntax) whose replays run N ranks;
+    ``cpus``, ``mem_mib`` (per rank), ``time_min`` and ``node_gpus`` are the resources every capture
+    and replay task asks for (:func:`slurm_resources`)."""
+    cpus, mem_mib, minutes = slurm_resources(spec)
     return [f"size={spec.size}", f"parallelism={spec.parallelism}",
+            f"cpus={cpus}", f"mem_mib={mem_mib}", f"time_min={minutes}", f"node_gpus={spec.node_gpus}",
             "arms=" + ",".join(a.name for a in spec.arms), f"claim={spec.claim}",
             f"min_repeats={spec.effective_min_repeats}", f"device={spec.device}",
             f"schedule={spec.schedule or 'none'}",

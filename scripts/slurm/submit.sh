@@ -10,6 +10,10 @@
 #   capture  step capture: init (unless --workspace) + capture       -> <out>/source
 #   replay   --array=0..arms*repeats-1%parallelism, --dependency=afterok:<capture>, --exclusive,
 #            --gres=gpu:N; step replay --index i (arm, repeat)       -> <out>/replays/<arm>/<repeat>
+#            (one array per rank count, each after the one before: parallelism bounds them all)
+# Every capture and replay task asks for the spec's resources (step plan: --cpus-per-task and --mem
+# per rank, 1 CPU and 4 GiB without GPUs, --time from deadline_s, every GPU of the node with
+# node_gpus); reduce for 1 CPU, 4 GiB and the same --time.
 #   reduce   --dependency=afterany:<array> (a failed replay is missing evidence, never dropped)
 #            step reduce -> <out>/verdict.json; its exit code is the verdict's
 # A capture or replay of R ranks (the spec's `ranks`, an arm's "distributed.world_size") is one job of
@@ -154,11 +158,16 @@ SELECT=()
 plan=$("${REPLAYJOB[@]}" step plan --spec "$SPEC" "${SELECT[@]}" "${PLANT_ARGS[@]}") \
   || die "the ablation spec or a --plant was refused (see above)"
 SIZE="" PARALLELISM="" DEVICE="" CLAIM="" MIN_REPEATS="" ARM_NAMES="" RANKS=""
+CPUS="" MEM_MIB="" TIME_MIN="" NODE_GPUS=""  # the spec's resources per rank (step plan)
 PINNED_ENV=()  # the spec's determinism environment, NAME=VALUE: every job sets it (lib.sh replayjob_cmd)
 GROUPS_RANKS=() GROUPS_INDEXES=()  # one replay array per rank count: its ranks and its array indexes
 while IFS= read -r line; do
   case "$line" in
     size=*) SIZE=${line#size=} ;;
+    cpus=*) CPUS=${line#cpus=} ;;
+    mem_mib=*) MEM_MIB=${line#mem_mib=} ;;
+    time_min=*) TIME_MIN=${line#time_min=} ;;
+    node_gpus=*) NODE_GPUS=${line#node_gpus=} ;;
     ranks=*) RANKS=${line#ranks=} ;;
     env=*) PINNED_ENV+=("${line#env=}") ;;
     replays=*:*)
@@ -174,6 +183,7 @@ while IFS= read -r line; do
   esac
 done <<<"$plan"
 if ! is_count "$SIZE" || [ "$SIZE" -lt 1 ] || ! is_count "$PARALLELISM" || ! is_count "$RANKS" \
+  || ! is_count "$CPUS" || ! is_count "$MEM_MIB" || ! is_count "$TIME_MIN" || ! is_count "$NODE_GPUS" \
   || [ "${#GROUPS_RANKS[@]}" -lt 1 ]; then
   die "unexpected plan from replayjob: $plan"
 fi
@@ -192,23 +202,37 @@ done
 JOB_ENV=$OUT/slurm/job.env
 common=(--parsable --chdir "$OUT" --open-mode=append)  # a requeued attempt appends to its log
 [ -z "$PARTITION" ] || common+=(--partition "$PARTITION")
-common+=("${SBATCH_ARGS[@]}")
-# ranks_args R: one node, R tasks (one rank each), GPUs for every rank
+# ranks_args R: one node, R tasks (one rank each), GPUs for every rank (all of the node's with the
+# spec's node_gpus), and the spec's CPUs and memory per rank and its deadline
 ranks_args() {
   RANKS_ARGS=(--nodes=1 "--ntasks=$1")
-  [ "$GPUS" -eq 0 ] || RANKS_ARGS+=("--gres=gpu:$((GPUS * $1))")
+  if [ "$GPUS" -gt 0 ] && [ "$NODE_GPUS" -gt 0 ]; then
+    RANKS_ARGS+=("--gres=gpu:$NODE_GPUS")
+  elif [ "$GPUS" -gt 0 ]; then
+    RANKS_ARGS+=("--gres=gpu:$((GPUS * $1))")
+  fi
+  RANKS_ARGS+=("--cpus-per-task=$CPUS" "--mem=$((MEM_MIB * $1))M" "--time=$TIME_MIN")
 }
 ranks_args "$RANKS"
 capture_cmd=(sbatch "${common[@]}" --job-name replayjob-capture --output "$OUT/logs/capture-%j.out"
-  --requeue "${RANKS_ARGS[@]}" "$SCRIPTS/capture.sbatch" "$JOB_ENV")
+  --requeue "${RANKS_ARGS[@]}" "${SBATCH_ARGS[@]}" "$SCRIPTS/capture.sbatch" "$JOB_ENV")
 # replay_cmd GROUP: REPLAY_CMD, the replay array of one rank count (its indexes, its tasks and GPUs)
 replay_cmd() {
   ranks_args "${GROUPS_RANKS[$1]}"
   REPLAY_CMD=(sbatch "${common[@]}" --job-name replayjob-replay --output "$OUT/logs/replay-%A_%a.out"
-    --array "${GROUPS_INDEXES[$1]}%$PARALLELISM" --exclusive --requeue "${RANKS_ARGS[@]}")
+    --array "${GROUPS_INDEXES[$1]}%$PARALLELISM" --exclusive --requeue "${RANKS_ARGS[@]}" "${SBATCH_ARGS[@]}")
 }
 reduce_cmd=(sbatch "${common[@]}" --job-name replayjob-reduce --output "$OUT/logs/reduce-%j.out"
-  --requeue)
+  --requeue --cpus-per-task=1 --mem=4096M "--time=$TIME_MIN" "${SBATCH_ARGS[@]}")  # a site's options last
+# replay_dep GROUP: the dependency of a replay array: the capture's success, and the end of the array
+# before it (one rank count's array after another, so parallelism bounds every replay at once)
+replay_dep() {
+  local after=()
+  [ -z "${CAPTURE_DEP:-}" ] || after+=("afterok:$CAPTURE_DEP")
+  [ "$1" -eq 0 ] || after+=("afterany:$2")
+  DEP_ARGS=()
+  [ "${#after[@]}" -eq 0 ] || DEP_ARGS=("--dependency=$(IFS=,; echo "${after[*]}")" --kill-on-invalid-dep=yes)
+}
 
 if [ "$DRY_RUN" = 1 ]; then
   echo "# plan: $SIZE replays (arms $ARM_NAMES), claim $CLAIM, min repeats $MIN_REPEATS, device $DEVICE"
@@ -217,14 +241,15 @@ if [ "$DRY_RUN" = 1 ]; then
     line=$(printf '%q ' "$@")
     echo "${line% }"
   }
-  dep=()
+  CAPTURE_DEP=""
   if [ "$SOURCE" = "$OUT/source" ]; then
     show "${capture_cmd[@]}"
-    dep=(--dependency=afterok:CAPTURE_ID --kill-on-invalid-dep=yes)
+    CAPTURE_DEP=CAPTURE_ID
   fi
   for group in "${!GROUPS_RANKS[@]}"; do
     replay_cmd "$group"
-    show "${REPLAY_CMD[@]}" "${dep[@]}" "$SCRIPTS/replay.sbatch" "$JOB_ENV"
+    replay_dep "$group" "REPLAY_ID_$((group - 1))"
+    show "${REPLAY_CMD[@]}" "${DEP_ARGS[@]}" "$SCRIPTS/replay.sbatch" "$JOB_ENV"
   done
   show "${reduce_cmd[@]}" --dependency=afterany:REPLAY_ID "$SCRIPTS/reduce.sbatch" "$JOB_ENV"
   exit 0
@@ -266,17 +291,17 @@ refused() {  # a half-submitted chain would run without its gate: cancel what wa
   [ "${#submitted[@]}" -eq 0 ] || scancel "${submitted[@]}" || true
   die "sbatch refused the $1${submitted[*]:+; cancelled job(s) ${submitted[*]}}"
 }
-dep=()
-capture_id=""
+capture_id="" CAPTURE_DEP=""
 if [ "$SOURCE" = "$OUT/source" ]; then
   capture_id=$(first_id "${capture_cmd[@]}") || refused "capture job"
   submitted+=("$capture_id")
-  dep=("--dependency=afterok:$capture_id" --kill-on-invalid-dep=yes)
+  CAPTURE_DEP=$capture_id
 fi
 replay_ids=()
 for group in "${!GROUPS_RANKS[@]}"; do
   replay_cmd "$group"
-  id=$(first_id "${REPLAY_CMD[@]}" "${dep[@]}" "$SCRIPTS/replay.sbatch" "$JOB_ENV") \
+  replay_dep "$group" "${replay_ids[*]: -1}"
+  id=$(first_id "${REPLAY_CMD[@]}" "${DEP_ARGS[@]}" "$SCRIPTS/replay.sbatch" "$JOB_ENV") \
     || refused "replay array of ${GROUPS_RANKS[$group]} rank(s)"
   submitted+=("$id")
   replay_ids+=("$id")
