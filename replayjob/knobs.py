@@ -474,6 +474,8 @@ VERL_MICRO_BATCH = "verl.engine.micro_batch_size_per_gpu"
 VERL_GRADIENT_CHECKPOINTING = "verl.model.enable_gradient_checkpointing"
 VERL_DYNAMIC_BSZ = "verl.engine.use_dynamic_bsz"
 VERL_MAX_TOKENS = "verl.engine.max_token_len_per_gpu"
+VERL_REMOVE_PADDING = "verl.engine.use_remove_padding"  # with its twin in the model section, declared together
+VERL_REMOVE_PADDING_MODEL = "verl.model.use_remove_padding"
 
 
 def _verl_observed(name: str) -> Observer:
@@ -509,5 +511,16 @@ _VERL_KNOBS = (
          "integration at admission)",
          observe=_verl_observed("max_token_len_per_gpu"), model_condition=_no_dropout_in_model,
          frameworks=("verl",)),
+    Knob(VERL_REMOVE_PADDING,
+         "packs each micro-batch's rows into one sequence (position ids restarting per row) instead of padding them "
+         "to a rectangle: attention stays within each row and padded positions carry no loss either way, so only "
+         "the kernels' shapes and the summation order change (not bitwise); declared together with "
+         "verl.model.use_remove_padding, which the engine reads when it builds the model (checked by the verl "
+         "integration at admission)",
+         observe=_verl_observed("use_remove_padding"), frameworks=("verl",)),
+    Knob(VERL_REMOVE_PADDING_MODEL,
+         "the model-side switch of verl.engine.use_remove_padding (the attention patch applied when the engine "
+         "builds the model); the same rule, declared together with it",
+         observe=_verl_observed("model.use_remove_padding"), frameworks=("verl",)),
 )
 KNOBS.update({k.key: k for k in _VERL_KNOBS})

@@ -261,6 +261,7 @@ KNOB_ARMS = {
     "micro-batch-4": ["verl.engine.micro_batch_size_per_gpu=4"],
     "checkpointing": ["verl.model.enable_gradient_checkpointing=true"],
     "dynamic": ["verl.engine.use_dynamic_bsz=true", "verl.engine.max_token_len_per_gpu=24"],
+    "padded": ["verl.engine.use_remove_padding=false", "verl.model.use_remove_padding=false"],
 }
 
 
@@ -293,6 +294,9 @@ def test_registered_knobs_keep_the_update_and_are_observed(vanilla: Path, tmp_pa
     assert main(["explain", str(toml), "--set", "verl.engine.micro_batch_size_per_gpu=1", "--set",
                  "verl.engine.use_dynamic_bsz=true", "--set", 'optimizer_batch.allow_config_differences=['
                  '"verl.engine.micro_batch_size_per_gpu", "verl.engine.use_dynamic_bsz"]']) == 2
+    # remove-padding is one setting in two sections: declaring one half is refused
+    assert main(["explain", str(toml), "--set", "verl.engine.use_remove_padding=false", "--set",
+                 'optimizer_batch.allow_config_differences=["verl.engine.use_remove_padding"]']) == 2
 
 
 def test_the_capture_overhead_benchmark_runs(tmp_path: Path) -> None:

@@ -520,6 +520,12 @@ def knob_refusals(adm: Admission) -> list[str]:
     if knobs.VERL_MAX_TOKENS in adm.allowed and not engine.get("use_dynamic_bsz"):
         why.append(f"declared difference {knobs.VERL_MAX_TOKENS!r} is not present: the engine splits by row count "
                    "(use_dynamic_bsz is false) and does not use the token budget")
+    pair = (knobs.VERL_REMOVE_PADDING, knobs.VERL_REMOVE_PADDING_MODEL)
+    declared = [k for k in pair if k in adm.allowed]
+    model = v.get("model") or {}
+    if declared and (len(declared) == 1 or engine.get("use_remove_padding") != model.get("use_remove_padding")):
+        why.append(f"{pair[0]} and {pair[1]} are one setting (the engine packs rows as the model was patched to "
+                   "read them): declare both and set them to the same value")
     if engine.get("use_dynamic_bsz") and not engine.get("max_token_len_per_gpu"):
         why.append("verl.engine.use_dynamic_bsz needs verl.engine.max_token_len_per_gpu (the token budget of a "
                    "micro-batch)")
@@ -621,6 +627,7 @@ class VerlSession(ReplaySession):
         the batch the engine's ``forward_backward_batch`` received carried it, and the micro-batch size, where the
         engine splits by row count, as the largest micro-batch its ``forward_step`` received."""
         seen = dict(self.batch_settings)
+        seen["model.use_remove_padding"] = bool(self.engine.use_remove_padding)  # as the engine built the model
         if not seen.get("use_dynamic_bsz") and self.micro_rows:
             seen["micro_batch_size_per_gpu"] = max(self.micro_rows)
         return seen

@@ -158,7 +158,9 @@ FIELDS: dict[str, dict[str, Field]] = {
         "infer_micro_batch_size_per_gpu": _INFERENCE,
         "use_fused_kernels": _refused("verl's fused kernels (Triton) are not replayed; capture with "
                                       "use_fused_kernels=False", _off),
-        "use_remove_padding": _contract(),
+        "use_remove_padding": Field(KNOB, "packed rows instead of padded ones: the same per-row attention and "
+                                      "loss, other kernel shapes and summation order; declared with "
+                                      "verl.model.use_remove_padding (replayjob.knobs.VERL_REMOVE_PADDING)"),
         "seed": _irrelevant("seeds the engine when it is built; the capture restores the Torch RNG state right "
                             "before the step"),
         "full_determinism": _contract(),
@@ -226,7 +228,8 @@ FIELDS: dict[str, dict[str, Field]] = {
         "enable_gradient_checkpointing": Field(KNOB, "recomputes each layer's forward in backward with the RNG state "
                                                      "restored (replayjob.knobs.VERL_GRADIENT_CHECKPOINTING)"),
         "enable_activation_offload": _contract(),
-        "use_remove_padding": _contract(),
+        "use_remove_padding": Field(KNOB, "the model-side switch of verl.engine.use_remove_padding, declared with "
+                                      "it (replayjob.knobs.VERL_REMOVE_PADDING_MODEL)"),
         "lora_rank": _contract(),
         "lora_alpha": _contract(),
         "target_modules": _contract(),
