@@ -40,6 +40,7 @@ from replayjob.config import Config
 from replayjob.distributed import strategy_of
 from replayjob.errors import RefusedError
 from replayjob.jsonio import read_json_object
+from replayjob.model import moe
 
 # Keys (or whole sections) that are never compared between source and replay, with the reason.
 IGNORED: dict[str, str] = {
@@ -418,7 +419,39 @@ _KNOBS = (
          frameworks=("trl",)),
 )
 
+# Mixture-of-experts models (replayjob.model.moe, docs/moe.md).
+MOE_ROUTING = "model.routing"
+MOE_EXPERTS_IMPLEMENTATION = "model.experts_implementation"
+
+
+def _observe_routing(rt: Runtime) -> str:
+    """``forced`` or ``free``, as the model's routers run (a model without routers routes nothing: ``free``)."""
+    routing = moe.attached(rt.model)
+    return "free" if routing is None else routing.mode
+
+
+def _observe_experts(rt: Runtime) -> str | None:
+    """The experts kernel the built model's config dispatches to (transformers reports ``eager`` for a model
+    without experts)."""
+    value = getattr(getattr(rt.model, "config", None), "_experts_implementation", None)
+    return value if isinstance(value, str) else None
+
+
+_MOE_KNOBS = (
+    Knob(MOE_ROUTING,
+         "forcing the experts the source's own update chose (its routing_step_<K> file, pinned) selects for every "
+         "real token the experts the router's top-k selects there, with the weights gathered from the same live "
+         "softmax, so the forward and its gradient are the free forward's; only where a changed arm's router would "
+         "choose other experts (a routing flip) does forcing keep the source's choice",
+         observe=_observe_routing),
+    Knob(MOE_EXPERTS_IMPLEMENTATION,
+         "eager, batched_mm and grouped_mm compute the same sum over each token's top-k experts of routing weight "
+         "x expert MLP; only the kernel and its summation order differ",
+         observe=_observe_experts),
+)
+
 KNOBS: dict[str, Knob] = {k.key: k for k in _KNOBS}
+KNOBS.update({k.key: k for k in _MOE_KNOBS})
 
 
 def knobs_for(framework: str) -> dict[str, Knob]:
