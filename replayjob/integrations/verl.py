@@ -397,7 +397,6 @@ class VerlCapture:
                 "mini_batches_per_epoch": per, "epochs": p["epochs"]}
 
     def _train_batch(self, train: Any, data: Any, loss_function: Any) -> Any:
-
         k = self.next_step
         self.next_step += 1
         position = self._position_now()
