@@ -3,6 +3,7 @@ launches them: the same refusals for the same configs, before any process starts
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -63,3 +64,26 @@ def test_explain_nproc_refuses_a_producer_that_replays_in_one_process(capsys: py
     assert _run(capsys, "explain", toml, "--nproc", "1")[0] == 0
     code, text = _run(capsys, "explain", toml, "--nproc", "2")
     assert code == 2 and "a torch replay runs in one process" in text and "Traceback" not in text, text
+
+
+def test_a_capture_refuses_a_trainer_on_fewer_processes_than_launched(trl_base: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's WORLD_SIZE is the process count asked for; a trainer that runs on another (built outside the
+    launched processes' group) is refused before training, and a one-process run records that none was asked."""
+    from conftest import grpo
+
+    from replayjob.integrations import capture as cap
+    from replayjob.integrations.trl import capture_optimizer_batch
+
+    trainer, _ = grpo(trl_base, tmp_path / "a", train=False)
+    launched = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for k, v in launched.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(cap.CaptureError, match=r"started 2 processes \(WORLD_SIZE\) but the trainer runs on 1"):
+        capture_optimizer_batch(trainer, tmp_path / "out", step=0)
+    assert not (tmp_path / "out").exists()
+    for k in launched:
+        monkeypatch.delenv(k)
+    _, handle = grpo(trl_base, tmp_path / "b", capture_step=0, max_steps=1)
+    launch = json.loads(handle.result.manifest.read_text())["framework_state"]["launch"]
+    assert launch == {"requested_processes": None, "processes": 1}

@@ -296,7 +296,11 @@ def test_several_steps_write_per_step_files_and_one_metrics(trl_steps: dict[str,
         m = json.loads(p.manifest_path.read_text())
         assert m["step"] == p.step and m["optimizer"]["scheduler"]["last_epoch"] == p.step
         logprobs = {"micro_step": 2 * p.step, "generate_every": 4, "sources": {"old_per_token_logps": "trainer_old"}}
-        assert m["framework_state"] == {"global_step": p.step, "max_steps": 5, "logprobs": logprobs}
+        precision = m["framework_state"]["precision"]  # each chosen step records its own (float32 here)
+        assert (precision["compute_dtype"], precision["autocast"]["enabled"]) == ("float32", False)
+        assert m["framework_state"] == {"global_step": p.step, "max_steps": 5, "logprobs": logprobs,
+                                        "precision": precision, "launch": {"requested_processes": None,
+                                                                           "processes": 1}}
         assert len(m["micro_batches"]) == 2
         assert m["files"]["adapter"]["sha256"] == p.initial_adapter != p.final_adapter
     assert pins[0].final_adapter != pins[1].initial_adapter  # step 2 ran between them

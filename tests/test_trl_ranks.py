@@ -214,3 +214,20 @@ def test_a_root_whose_rows_summary_lies_is_refused_even_when_pinned(field: str, 
     assert main(["explain", str(ranks_capture["toml"]), *sets, *ONE_PROCESS]) == 2
     text = capsys.readouterr()
     assert f"rows.{field} is" in text.out + text.err and "Traceback" not in text.out + text.err, text.out + text.err
+
+
+def test_the_documented_accelerate_line_captures_over_two_cpu_processes(trl_base: Path, tmp_path: Path) -> None:
+    """docs/capture-api.md's CPU line, ``accelerate launch --multi_gpu --num_processes 2 train.py`` (on a machine
+    without a GPU accelerate then runs gloo processes; ``--cpu --num_processes 2`` would start one), really starts two
+    processes, and the capture records the process count the launcher was asked for."""
+    out = tmp_path / "cap"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", "0", str(SCRIPT), str(trl_base), str(out), "0", "lora_dropout=0.0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # the CPU line, on any machine
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    source = json.loads((out / "source.json").read_text())
+    assert source["num_processes"] == 2
+    root = _metrics(Path(source["manifest"]))
+    assert root["world_size"] == 2 and root["framework_state"]["launch"] == {"requested_processes": 2,
+                                                                            "processes": 2}

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from replayjob import knobs
+from replayjob.distributed import launch_env
 from replayjob.errors import RefusedError, UsageError
 from replayjob.integrations import _files, _microbatch, precision, trl_fields
 from replayjob.integrations import capture as cap
@@ -468,6 +469,15 @@ class TRLCapture:
         # several processes (DDP): each captures its own micro-batches as a part (integrations.ranks)
         self.rank, self.world = int(trainer.accelerator.process_index), int(trainer.accelerator.num_processes)
         self._root: cap.CaptureResult | None = None
+        # how many processes the launcher was asked for, where it says (torchrun and `accelerate launch --multi_gpu`
+        # set WORLD_SIZE; `accelerate launch --cpu --num_processes N` runs the script once and says nothing)
+        requested = launch_env().world_size if launch_env().launched else None
+        if requested is not None and requested != self.world:
+            raise cap.CaptureError(f"the launcher started {requested} processes (WORLD_SIZE) but the trainer runs on "
+                                   f"{self.world}", where="trainer.accelerator",
+                                   hint="build the trainer inside the launched processes (see docs/capture-api.md, "
+                                        "'Several processes', for launch lines that work)")
+        self._launch = {"requested_processes": requested, "processes": self.world}
         if self.world > 1:
             config["distributed"] = {"num_processes": self.world}  # one-process captures record none
             kind = str(getattr(trainer.accelerator.distributed_type, "value", trainer.accelerator.distributed_type))
@@ -527,7 +537,8 @@ class TRLCapture:
     def _begin(self, state: Any) -> None:
         k, t = state.global_step, self.trainer
         live = {"model": t.model, "optimizer": t.optimizer, "scheduler": t.lr_scheduler,
-                "framework_state": {"global_step": k, "max_steps": state.max_steps, "logprobs": logprob_record(t)}}
+                "framework_state": {"global_step": k, "max_steps": state.max_steps, "logprobs": logprob_record(t),
+                                    "launch": self._launch}}
         if self._chosen is not None:
             c = self._chosen.at(k, **live)
         elif k == self.step and self._cap is None:
