@@ -620,7 +620,7 @@ def test_every_container_carries_the_fields_it_was_rendered_with() -> None:
     placement, deadlines, parallelism, the claim and the number of replays per rank count."""
     spec, _ = load_spec_text(SPEC)
     containers = [c for _, d in all_docs() for c in containers_of(d)]
-    assert len(containers) == 7  # the driver, its 3 stage Jobs, Argo's 3 step templates
+    assert len(containers) == 8  # the driver, its 3 stage Jobs, Argo's 3 step templates and its exit handler's
     expected = json.loads(json.dumps(spec.render_fields()))
     assert all(rendered_env(c) == expected for c in containers)
     assert expected["replays"] == {"1": 6} and expected["parallelism"] == 4 and expected["cpu"] == "8"
@@ -632,6 +632,7 @@ def test_jobs_and_workflow_run_the_same_step_commands() -> None:
     differing only in where the run directory, the index and the pins come from."""
     wft = argo_doc("WorkflowTemplate")
     argo_cmds = {t["name"]: t["container"]["command"] for t in wft["spec"]["templates"] if "container" in t}
+    assert argo_cmds.pop(argo.FINAL) == argo_cmds["reduce"]  # the exit handler reduces as the reducer does
     job_cmds = {d["metadata"]["labels"]["app.kubernetes.io/component"]: c["command"]
                 for _, d in stage_docs() for c in containers_of(d)}
     assert set(argo_cmds) == set(job_cmds) == {"capture", "replay", "reduce"}
@@ -884,7 +885,8 @@ def test_a_single_rank_count_keeps_one_replay_job_and_template(tmp_path: Path) -
     (c,) = containers_of(files["replay.yaml"])
     assert gpus(c) == ("2", "2") and c["command"][-6:-2] == ["--index", "$(REPLAYJOB_INDEX)", "--ranks", "2"]
     wft = next(d for d in docs if d["kind"] == "WorkflowTemplate")
-    assert [t["name"] for t in wft["spec"]["templates"]] == ["ablation", "capture", "replay", "reduce"]
+    assert [t["name"] for t in wft["spec"]["templates"]] == ["ablation", "capture", "replay", "reduce", argo.ON_EXIT,
+                                                             argo.FINAL]
 
 
 def test_argo_gets_one_replay_template_per_rank_count_and_validates(tmp_path: Path) -> None:
@@ -895,7 +897,8 @@ def test_argo_gets_one_replay_template_per_rank_count_and_validates(tmp_path: Pa
     assert {e for d in docs for e in schema_errors(tmp_path, d)} == set()
     assert semantic_problems(wft) == [] and workflow_problems(wft, wf) == []
     templates = {t["name"]: t for t in wft["spec"]["templates"]}
-    assert list(templates) == ["ablation", "capture", "replay-r1", "replay-r2", "replay-r4", "reduce"]
+    assert list(templates) == ["ablation", "capture", "replay-r1", "replay-r2", "replay-r4", "reduce", argo.ON_EXIT,
+                               argo.FINAL]
     tasks = {t["name"]: t for t in templates["ablation"]["dag"]["tasks"]}
     outputs = {p["name"]: p["valueFrom"]["path"] for p in templates["capture"]["outputs"]["parameters"]}
     for ranks in (1, 2, 4):
@@ -944,3 +947,18 @@ def test_ranked_manifests_build_with_kubectl_kustomize_when_available(tmp_path: 
     env = {e["name"]: e.get("value") for e in drv["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert json.loads(env["REPLAYJOB_RENDERED"])["replays"] == {"1": 3, "2": 3, "4": 3}
     assert {e for d in docs for e in schema_errors(tmp_path, d)} == set()
+
+
+def test_every_ended_workflow_has_a_verdict_from_its_exit_handler() -> None:
+    """A failed reducer pod, a stopped workflow or one past its deadline: the exit handler runs the reduce
+    step again over what the run left (incomplete, exit 3, when evidence is missing) and publishes the same
+    global `verdict` output `replayjob argo wait` reads; it does not run after a Succeeded workflow."""
+    wft = argo_doc("WorkflowTemplate")
+    templates = {t["name"]: t for t in wft["spec"]["templates"]}
+    assert wft["spec"]["onExit"] == argo.ON_EXIT
+    ((step,),) = templates[argo.ON_EXIT]["steps"]
+    assert step["template"] == argo.FINAL and step["when"] == "{{workflow.status}} != Succeeded"
+    final, reduce = templates[argo.FINAL], templates["reduce"]
+    assert final["container"]["command"] == reduce["container"]["command"]
+    assert final["outputs"] == reduce["outputs"] and final["outputs"]["parameters"][0]["globalName"] == "verdict"
+    assert final["retryStrategy"] == reduce["retryStrategy"] and "activeDeadlineSeconds" in final

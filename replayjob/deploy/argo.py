@@ -54,6 +54,7 @@ from replayjob.errors import FINAL_EXIT_STATUSES
 
 Doc = dict[str, Any]
 OUTPUTS = "/tmp/outputs"
+ON_EXIT, FINAL = "on-exit", "final-verdict"  # the exit handler and its reduce step
 RUN_DIR = k8s.MOUNT + "/runs/{{workflow.name}}/{{workflow.uid}}"
 
 
@@ -188,11 +189,18 @@ def templates(spec: AblationSpec) -> list[Doc]:
                                      "--pins", _i("pins"), "--wait-s", str(k8s.REPLAY_WAIT_S)), spec.gpu, ranks,
         "replay",
         inputs={"parameters": [{"name": "index"}, {"name": "pins"}]}) for ranks, task in names.items()]
-    reduce = _template(
-        spec, "reduce", k8s.step_command("reduce", RUN_DIR, "--outputs", OUTPUTS), False,
-        outputs={"parameters": [{"name": "verdict", "valueFrom": {"path": f"{OUTPUTS}/verdict.json", "default": ""},
-                                 "globalName": "verdict"}]})
-    return [main, capture, *replays, reduce]
+    verdict_out = {"parameters": [{"name": "verdict", "valueFrom": {"path": f"{OUTPUTS}/verdict.json", "default": ""},
+                                   "globalName": "verdict"}]}
+    reduce = _template(spec, "reduce", k8s.step_command("reduce", RUN_DIR, "--outputs", OUTPUTS), False,
+                       outputs=verdict_out)
+    # the exit handler: a workflow that ended otherwise than Succeeded (a failed reducer pod, a stop, the
+    # deadline) still ends with a verdict: the reduce step again over what the run left (same inputs, same
+    # bytes; missing evidence makes it incomplete, exit 3), published as the same global output
+    final = _template(spec, FINAL, k8s.step_command("reduce", RUN_DIR, "--outputs", OUTPUTS), False,
+                      component="reduce", outputs=verdict_out)
+    on_exit = {"name": ON_EXIT, "steps": [[{"name": FINAL, "template": FINAL,
+                                            "when": "{{workflow.status}} != Succeeded"}]]}
+    return [main, capture, *replays, reduce, on_exit, final]
 
 
 def executor_rbac(spec: AblationSpec) -> list[Doc]:
@@ -216,6 +224,7 @@ def workflow_template(spec: AblationSpec, text: str) -> Doc:
         "metadata": {"name": spec.name, "labels": _labels(spec, "workflow")},
         "spec": {
             "entrypoint": "ablation",
+            "onExit": ON_EXIT,  # every ended workflow has a verdict
             "arguments": {"parameters": parameters(spec, text)},
             "automountServiceAccountToken": False,
             "executor": {"serviceAccountName": f"{spec.name}-executor"},
