@@ -19,7 +19,7 @@ from test_deploy_manifests import ARGO_VERSIONS, argo_errors
 
 from replayjob.cli import main
 from replayjob.deploy.submit import Api
-from replayjob.deploy.workflow import wait_for_workflow, workflow_code
+from replayjob.deploy.workflow import wait, wait_for_workflow, workflow_code
 from replayjob.errors import OperationalError
 
 DOCS = Path(__file__).resolve().parent / "workflows"
@@ -221,3 +221,45 @@ def test_argo_wait_has_a_deadline_of_its_own(emulator: tuple[Cluster, str]) -> N
               log=lambda s: None)
     with pytest.raises(OperationalError, match=r"still Running after 0\.5 s"):
         wait_for_workflow(NAME, NS, api=api, poll_s=0, log=lambda s: None, deadline_s=0.5)
+
+
+def with_pending_pod(message: str) -> dict[str, Any]:
+    doc = load("running.json")
+    doc["status"]["nodes"]["replayjob-ablation-7xk2p-201"] = {
+        "id": "replayjob-ablation-7xk2p-201", "name": "replayjob-ablation-7xk2p.replay(0:0)",
+        "displayName": "replay(0:0)", "type": "Pod", "templateName": "replay", "phase": "Pending",
+        "message": message, "boundaryID": "replayjob-ablation-7xk2p"}
+    return doc
+
+
+@pytest.mark.parametrize("message", ["Unschedulable: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                                     'ImagePullBackOff: Back-off pulling image "registry.example.org/rj@sha256:1"'])
+def test_argo_wait_ends_a_wait_on_a_pod_that_cannot_start(emulator: tuple[Cluster, str], message: str) -> None:
+    """A replay pod Pending for a reason that does not pass (no node, no image) for the grace period: exit 3
+    naming the step, the reason and the message; it is reported as soon as it appears."""
+    state, host = emulator
+    doc = with_pending_pod(message)
+    for version in ARGO_VERSIONS:
+        assert argo_errors(doc, version) == [], version  # the shape Argo writes
+    state.workflows[NAME] = [doc]
+    lines: list[str] = []
+    api = Api(client.ApiClient(client.Configuration(host=host)), backoff_s=0.001, sleep=lambda s: None,
+              log=lines.append)
+    reason, _, detail = message.partition(": ")
+    with pytest.raises(OperationalError) as err:
+        wait(lambda: api.call("get", api.custom.get_namespaced_custom_object, "argoproj.io", "v1alpha1", NS,
+                              "workflows", NAME), poll_s=10, sleep=lambda s: None, log=lines.append, name=NAME,
+             start_grace_s=60)
+    assert f"step replay(0:0) (pod node replayjob-ablation-7xk2p-201): {reason}: {detail} for 60 s" in \
+        err.value.message
+    assert any(f"waiting: step replay(0:0) (pod node replayjob-ablation-7xk2p-201): {reason}" in ln for ln in lines)
+    assert state.calls.count(f"GET workflows {NAME}") == 7  # first seen, then six polls of 10 s
+
+
+def test_argo_wait_waits_for_a_pod_pending_only_briefly(emulator: tuple[Cluster, str]) -> None:
+    state, host = emulator
+    state.workflows[NAME] = [with_pending_pod("Unschedulable: 0/3 nodes are available"), load("running.json"),
+                             load("reduce-retried.json")]
+    api = Api(client.ApiClient(client.Configuration(host=host)), backoff_s=0.001, sleep=lambda s: None,
+              log=lambda s: None)
+    assert wait_for_workflow(NAME, NS, api=api, poll_s=0, log=lambda s: None) == 0

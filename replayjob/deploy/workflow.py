@@ -31,15 +31,16 @@ Example:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from replayjob.deploy.outcome import judge
-from replayjob.deploy.submit import Api
-from replayjob.errors import EXIT_ERROR, OperationalError, RefusedError, ReplayjobError, is_retryable
+from replayjob.deploy.outcome import PULL_FAILURES, Stuck, judge
+from replayjob.deploy.submit import START_GRACE_ENV, START_GRACE_S, Api
+from replayjob.errors import EXIT_ERROR, ConfigError, OperationalError, RefusedError, ReplayjobError, is_retryable
 from replayjob.gate.verdict import Verdict, read_verdict
 
 GROUP, VERSION, PLURAL = "argoproj.io", "v1alpha1", "workflows"
@@ -160,24 +161,55 @@ def workflow_code(workflow: Any, name: str = "") -> tuple[int, str]:
     return EXIT_ERROR, f"workflow {phase} without a verdict: " + (f"{step}; " if step else "") + message
 
 
+STUCK_REASONS = ("Unschedulable", *PULL_FAILURES)  # a pod node's message, "REASON: ...", while Pending
+
+
+def stuck_pods(nodes: dict[str, Node]) -> dict[str, Stuck]:
+    """The workflow's pod nodes that cannot start (Pending with an Unschedulable or image-pull message),
+    by node id."""
+    out = {}
+    for nid, node in nodes.items():
+        reason, _, message = (node.message or "").partition(":")
+        if node.type == "Pod" and node.phase == "Pending" and reason.strip() in STUCK_REASONS:
+            out[nid] = Stuck(f"step {node.displayName or nid} (pod node {nid})", reason.strip(), message.strip())
+    return out
+
+
 def wait(get: Callable[[], Doc], *, poll_s: float = 10.0, sleep: Callable[[float], None], log: Callable[[str], None],
-         name: str, deadline_s: float | None = None, clock: Callable[[], float] | None = None) -> int:
+         name: str, deadline_s: float | None = None, clock: Callable[[], float] | None = None,
+         start_grace_s: float | None = None) -> int:
     """Poll ``get()`` (the Workflow) until its phase has ended; return :func:`workflow_code`.  With
-    ``deadline_s``, a workflow still running after that long is exit 3 (the run goes on)."""
+    ``deadline_s``, a workflow still running after that long is exit 3 (the run goes on).  Progress is
+    logged as it changes, and each pod that cannot start (:func:`stuck_pods`) as it appears; with
+    ``start_grace_s``, one that stays so that long (counted in polls) ends the wait with exit 3 naming the
+    step, the reason and the message."""
     now = clock or time.monotonic
     end = None if deadline_s is None else now() + deadline_s
     seen = None
+    stuck_for: dict[str, float] = {}
     while True:
         doc = get()
-        status, _ = read_workflow(doc, name)
+        status, nodes = read_workflow(doc, name)
         phase = status.phase or "Pending"
-        if phase != seen:
-            log(f"argo wait: workflow {name}: {phase}" + (f" ({status.progress})" if status.progress else ""))
-            seen = phase
+        said = f"{phase}" + (f" ({status.progress})" if status.progress else "")
+        if said != seen:
+            log(f"argo wait: workflow {name}: {said}")
+            seen = said
         if phase in ENDED:
             code, line = workflow_code(doc, name)
             log(f"argo wait: {line}; exit {code}")
             return code
+        stuck = stuck_pods(nodes)
+        for nid, cause in stuck.items():
+            if nid not in stuck_for:
+                log(f"argo wait: workflow {name}: waiting: {cause.line()}")
+        stuck_for = {nid: stuck_for.get(nid, -poll_s) + poll_s for nid in stuck}
+        late = [(nid, t) for nid, t in stuck_for.items() if start_grace_s is not None and t >= start_grace_s]
+        if late:
+            cause = stuck[late[0][0]]
+            raise OperationalError(f"workflow {name}: {cause.line()} for {late[0][1]:g} s; nothing decided",
+                                   hint=f"fix the cause (a node pool, a pull secret) and retry the workflow, or "
+                                        f"argo stop {name}: its exit handler then writes the verdict")
         if end is not None and now() >= end:
             raise OperationalError(f"workflow {name} is still {phase} after {deadline_s:g} s of waiting",
                                    hint=f"the run goes on: replayjob argo wait {name} again")
@@ -214,4 +246,10 @@ def wait_for_workflow(name: str, namespace: str | None, *, api: Any | None = Non
         seen = True
         return doc
 
-    return wait(get, poll_s=poll_s, sleep=api.sleep, log=log, name=name, deadline_s=deadline_s)
+    grace = os.environ.get(START_GRACE_ENV)
+    try:
+        start_grace_s = float(grace) if grace else START_GRACE_S
+    except ValueError:
+        raise ConfigError(f"{START_GRACE_ENV}={grace!r} is not a number of seconds", where="environment") from None
+    return wait(get, poll_s=poll_s, sleep=api.sleep, log=log, name=name, deadline_s=deadline_s,
+                start_grace_s=start_grace_s)
