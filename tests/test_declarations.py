@@ -290,3 +290,26 @@ def test_every_declared_field_is_on_its_documents_page(name: str) -> None:
     missing = [f.encode_name for f in mi.type_info(KINDS[name]).fields  # type: ignore[attr-defined]
                if f"`{f.encode_name}`" not in text]
     assert missing == [], f"docs/{PAGES[name]} does not name {missing}"
+
+
+def test_claims_are_declared_once() -> None:
+    """The verdict's declaration, the spec, the CLI's usage text and docs/verdict-format.md take the claims from
+    the one table (replayjob.artifacts.claims)."""
+    import typing
+    from pathlib import Path
+
+    from replayjob import cli
+    from replayjob.artifacts import claims
+    from replayjob.deploy import ablation
+    from replayjob.gate.verdict import VerdictDocument
+    ftype = next(f.type for f in mi.type_info(VerdictDocument).fields  # type: ignore[attr-defined]
+                 if f.name == "claim")
+    assert isinstance(ftype, mi.LiteralType) and sorted(ftype.values) == sorted(claims.NAMES)
+    assert typing.get_args(typing.get_type_hints(VerdictDocument)["claim"]) == claims.NAMES
+    assert ablation.CLAIMS == claims.SPEC_NAMES and set(claims.SPEC_NAMES) < set(claims.NAMES)
+    doc = cli.__doc__ or ""
+    assert "--claim CLAIM" in doc and all(c in doc for c in claims.NAMES)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "verdict-format.md").read_text()
+    assert claims.reference_table() in page
+    with pytest.raises(Exception, match="unknown claim 'nope'; use one of exact-input, bitwise, approximate"):
+        claims.claim("nope")

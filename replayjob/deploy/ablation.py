@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from replayjob.artifacts.claims import SPEC_NAMES
 from replayjob.config.dump import toml_value
 from replayjob.config.load import MAX_TOML_BYTES, read_toml_bytes, read_toml_file_bytes, read_toml_text
 from replayjob.deploy.pods import Pods, read_pods
@@ -82,7 +83,7 @@ BUILTIN_MATH_MODE = "pedantic"
 # An existing capture's math mode when [capture] names none: that of a process that sets nothing.
 DEFAULT_CAPTURE_MATH_MODE = "default"
 
-CLAIMS = ("exact-input", "bitwise")
+CLAIMS = SPEC_NAMES  # the claims a spec may run (replayjob.artifacts.claims: the approximate claim needs tolerances)
 DEVICES = ("cuda", "cpu")
 # "digest": the image is named by its digest (REGISTRY/replayjob@sha256:...), required to render
 # manifests for a cluster; "local": a tag is accepted, for local development (a workstation, kind).

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import replayjob
+from replayjob.artifacts import claims
 from replayjob.contention import THRESHOLDS
 from replayjob.deploy.ablation import AblationSpec
 from replayjob.digest import sha256_file
@@ -50,7 +51,6 @@ from replayjob.integrations import manifest as imanifest
 from replayjob.optbatch.manifest import Manifest
 from replayjob.producers import manifests
 
-CLAIMS = ("exact-input", "bitwise", "approximate")
 IN_PROCESS_METRIC = "in_process_train_wall_s"  # the median of a replay's measured in-process updates
 
 
@@ -100,8 +100,7 @@ def _rel(path: Path, base: Path) -> str:
 def _evaluate(req: Request, st: _State) -> None:
     if req.usage_error is not None:
         raise req.usage_error
-    if req.claim not in CLAIMS:
-        raise UsageError(f"unknown claim {req.claim!r}; use one of {', '.join(CLAIMS)}")
+    cl = claims.claim(req.claim)  # its rules come from the one table (replayjob.artifacts.claims)
     if req.min_repeats < 1:
         raise UsageError("--min-repeats must be >= 1")
     if req.max_looks < 1:  # whatever other options are given: the paired comparisons divide by it
@@ -120,20 +119,22 @@ def _evaluate(req: Request, st: _State) -> None:
         st.plan = {a: plan[a] for a in expected_arms}
     st.replays = [read_replay(p) for p in discover(req.paths)]
     st.arms = C.group_arms(st.replays, st.plan)
-    if req.tolerances is not None and req.claim != "approximate":
-        raise UsageError("--tolerances applies only to --claim approximate")
+    if req.tolerances is not None and not cl.needs_tolerances:
+        raise UsageError(f"--tolerances applies only to --claim "
+                         f"{' or '.join(c.name for c in claims.CLAIMS if c.needs_tolerances)}")
     if req.source is None:  # the initial adapter and the loss are compared with the source's
         raise UsageError(f"the {req.claim} claim compares against the source run; pass --source DIR",
                          hint="--source takes the capture run's output directory")
-    if req.claim == "approximate" and req.tolerances is None:
-        raise UsageError("the approximate claim needs a predeclared tolerance file: --tolerances FILE",
+    if cl.needs_tolerances and req.tolerances is None:
+        raise UsageError(f"the {cl.name} claim needs a predeclared tolerance file: --tolerances FILE",
                          hint="pin its SHA-256 in [optimizer_batch] tolerances_sha256 before the runs")
     if req.baseline is not None and req.baseline not in st.arms and req.baseline not in (req.arms or ()):
         raise UsageError(f"baseline arm {req.baseline!r} is not among the arms: {', '.join(st.arms)}")
-    if req.source_step is not None and req.claim == "approximate":
-        raise UsageError("the approximate claim reads the source's final adapter file, and a captured step keeps "
+    if req.source_step is not None and not cl.source_step:
+        raise UsageError(f"the {cl.name} claim reads the source's final adapter file, and a captured step keeps "
                          "only its SHA-256", where="--source-step",
-                         hint="use exact-input or bitwise for a captured step, or capture it as a one-step run")
+                         hint=f"use {' or '.join(c.name for c in claims.CLAIMS if c.source_step)} for a captured "
+                              "step, or capture it as a one-step run")
     st.source = read_source(req.source, req.source_step) if req.source is not None else None
     st.tolerances = read_tolerances(req.tolerances) if req.tolerances is not None else None
     _read_budgets(req, st)
@@ -146,16 +147,16 @@ def _evaluate(req: Request, st: _State) -> None:
             "effective": m.effective_sha256, "initial_adapter": m.initial_adapter_sha256,
             "framework": m.framework, "outcome": m.outcome}))
     st.checks += C.exact_input_checks(st.replays, st.arms, st.source)
-    if req.claim != "approximate":
+    if cl.systems_only:
         st.checks.append(C.systems_only_check(st.arms))
     if st.budgets is not None:
         st.checks.append(B.pin_check(st.replays, st.budgets))
-    if req.claim == "bitwise":
+    if "bitwise" in cl.groups:
         assert st.source is not None
         st.checks += C.bitwise_checks(st.replays, st.arms, st.source)
         if any(c.status == C.FAIL for c in st.checks if c.group == "bitwise"):
             st.checks += gradients.localise(st.replays, st.source.final_adapter)  # when traced
-    elif req.claim == "approximate":
+    if "approximate" in cl.groups:
         _approximate(st)
 
 
