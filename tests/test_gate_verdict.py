@@ -73,8 +73,9 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("reduce_many: ratio ") and "20 files" in lines[0]
     res = json.loads((tmp_path / "reduce_many.smoke.json").read_text())
-    assert res["mode"] == "smoke" and res["measurements"]["files"] == 20
-    assert res["measurements"]["exact_input_s"]["median"] > 0 and res["target_met"] is None
+    run = res["measurements"]["runs"]["20"]
+    assert res["mode"] == "smoke" and run["files"] == 20 and res["target_met"] is None
+    assert run["exact_input_s"]["median"] > 0 and res["measurements"]["ms_per_file_above_floor"]["20"] > 0
 
 
 def test_reduce_prints_the_comparison_table_and_each_budget_decision(tmp_path: Path,
