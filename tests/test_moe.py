@@ -457,3 +457,19 @@ def test_a_chosen_step_records_its_routing_and_replays_forced_bitwise(moe_runs: 
     assert main(["replay", str(run / step["replay_config"]), "--out", str(out), *MOE,
                  *forced(run / entry["path"], entry["sha256"])]) == 0
     assert metrics(out)["optimizer_batch/final_adapter_sha256"] == step["final_adapter_sha256"]
+
+
+def test_flips_between_same_condition_repeats_are_reported(moe_runs: dict[str, Any], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """An arm directory's repeats are the routing's own noise: their flips are counted beside the arms'."""
+    quiet, noisy = tmp_path / "quiet", tmp_path / "noisy"
+    for arm, second in ((quiet, moe_runs["forced"]), (noisy, moe_runs["flips"])):
+        shutil.copytree(moe_runs["free"], arm / "repeat-000")
+        shutil.copytree(second, arm / "repeat-001")
+    rc, rep = trace_diff(capsys, quiet, moe_runs["flips"])
+    assert rc == 1 and rep["routing"]["repeat_pairs"] == 1 and rep["routing"]["repeat_flipped"] == 0
+    flips = rep["routing"]["flipped"]
+    rc, rep = trace_diff(capsys, noisy, moe_runs["flips"])
+    assert rc == 1 and rep["routing"]["repeat_flipped"] == flips > 0  # repeats differ by the perturbed arm's flips
+    rc, rep = trace_diff(capsys, moe_runs["free"], moe_runs["flips"])
+    assert rc == 1 and rep["routing"]["repeat_pairs"] == 0 and rep["routing"]["repeat_flipped"] is None

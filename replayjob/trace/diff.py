@@ -318,6 +318,14 @@ class TraceDiff:
             raise ContractError("only one of the replays recorded its routing: not the same model",
                                 where=self.b[0].path, hint="compare replays of one MoE capture")
         rep = moe.compare(ra, rb)
+        # same-condition repeats (repeat-NNN of one arm) are the routing's own noise: flips between them
+        pairs = [(side[0].routing, r.routing) for side in (self.a, self.b) for r in side[1:]]
+        if any(x is None or y is None for x, y in pairs):
+            raise ContractError("a repeat recorded no routing while the first replay of its arm did",
+                                where=self.b[0].path, hint="compare repeats of one MoE capture")
+        rep["repeat_pairs"] = len(pairs)
+        rep["repeat_flipped"] = max((moe.compare(x, y)["flipped"] for x, y in pairs if x is not None and y is not None),
+                                    default=None)
         first = _first(fwd)
         flip = rep["first_flip"]
         if flip is None:
@@ -421,6 +429,9 @@ def _render_routing(rt: dict[str, Any] | None) -> list[str]:
         return []
     lines = [f"routing: {rt['flipped']} token-layer routing flip(s) (expert set changed); "
              f"{ATTRIBUTIONS[rt['attribution']]}"]
+    if rt["repeat_pairs"]:
+        lines.append(f"  same-condition repeats: at most {rt['repeat_flipped']} flip(s) over {rt['repeat_pairs']} "
+                     "repeat pair(s)")
     for lay in rt["layers"]:
         lines.append(f"  {layer_of(lay['layer']):>6}  {lay['flipped']} of {lay['tokens']} tokens flipped "
                      f"({100 * lay['share']:.2f}%); largest weight difference elsewhere "
