@@ -292,7 +292,7 @@ class Funnel:
         With ``--until-decided`` it holds ``--max-repeats`` blocks, of which the looks run a prefix."""
         sp = self.spec
         top: dict[str, Any] = {f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)
-                               if f.name not in ("arms", "config", "capture")}
+                               if f.name not in ("arms", "config", "capture", "pods")}  # pods: no stage pod here
         top.update(claim=self.claim, device=self.device, seed=self.opts.seed, schedule=self.opts.design,
                    budgets=str(self.budgets) if self.budgets is not None else "")
         if self.opts.resume is not None:

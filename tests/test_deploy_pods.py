@@ -168,3 +168,15 @@ def test_the_committed_workflow_is_named_from_the_content_it_runs() -> None:
     assert other["spec"]["workflowTemplateRef"] == wf["spec"]["workflowTemplateRef"]  # one template, updated
     image = argo.render(dataclasses.replace(spec, image="replayjob:0.2.0"), text)[1]
     assert image["metadata"]["name"] != wf["metadata"]["name"]
+
+
+def test_a_run_of_a_customised_spec_is_recorded_and_fingerprinted(customised: tuple[Any, str], tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run record holds [pods] as data, and two specs that differ only there are two runs."""
+    from replayjob.deploy import step
+
+    spec, _ = customised
+    plain, _ = load_spec_text(SPEC)
+    assert step.fingerprint(spec, "img") != step.fingerprint(dataclasses.replace(spec, pods=plain.pods), "img")
+    doc = step.spec_document(spec)
+    assert doc["pods"]["gpu"]["runtimeClassName"] == "nvidia" and json.loads(json.dumps(doc))["pods"] == doc["pods"]

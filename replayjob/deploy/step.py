@@ -81,6 +81,7 @@ from replayjob.config.dump import replay_pins, set_args, toml_value
 from replayjob.deploy import external, runrecord
 from replayjob.deploy.ablation import DETERMINISM_ENV, RENDERED_ENV, AblationSpec, Run, is_digest_ref
 from replayjob.deploy.external import capture_pins, replay_sets
+from replayjob.deploy.pods import to_dict as pods_to_dict
 from replayjob.determinism import NCCL_NUMERICS
 from replayjob.digest import is_sha256_hex, sha256_file, sha256_json
 from replayjob.errors import (
@@ -328,10 +329,17 @@ def run_environment() -> dict[str, str | None]:
     return {name: os.environ.get(name) for name in dict.fromkeys([*DETERMINISM_ENV, *NCCL_NUMERICS])}
 
 
+def spec_document(spec: AblationSpec) -> dict[str, Any]:
+    """The selected spec as plain JSON-able data (the run record's ``spec``; its ``[pods]`` table as data)."""
+    doc = dataclasses.asdict(spec)
+    doc["pods"] = pods_to_dict(spec.pods) if spec.pods is not None else None
+    return doc
+
+
 def fingerprint(spec: AblationSpec, image: str) -> str:
     """SHA-256 of the selected spec and the image (its digest where there is one, else its reference):
     what makes two runs the same run."""
-    return sha256_json({"spec": dataclasses.asdict(spec), "image": image})
+    return sha256_json({"spec": spec_document(spec), "image": image})
 
 
 def check_run_record(layout: Layout, spec: AblationSpec, *, create: bool = True) -> None:
@@ -348,7 +356,7 @@ def check_run_record(layout: Layout, spec: AblationSpec, *, create: bool = True)
                                hint=f"the image runs as uid 10001: create {layout.run.parent.parent} on the claim, "
                                     "owned by that uid, once (docs/cluster.md, 'Storage')") from None
         try:
-            runrecord.write(path, runrecord.RunRecord(fp, image, digest, run_environment(), dataclasses.asdict(spec)))
+            runrecord.write(path, runrecord.RunRecord(fp, image, digest, run_environment(), spec_document(spec)))
             return
         except RefusedError:
             if not path.exists():
