@@ -283,11 +283,6 @@ def _check_artifacts(adm: Admission) -> None:
         adm.refuse(f"{m.file('adapter')}: parameters differ from the manifest's trainable list", integrity=True)
         adm.adapter = None
     adm.optimizer = _load_file(adm, first, "optimizer")
-    counts = sorted({int(t.item()) for k, t in (adm.optimizer or {}).items() if k.endswith(".step") and t.numel() == 1})
-    if counts and counts[-1] > m.step:  # Adam-style per-parameter step counters: no more steps than came before
-        adm.refuse(f"{m.file('optimizer')}: the optimizer state has taken {counts[-1]} step(s), more than the "
-                   f"{m.step} before step {m.step}, which the manifest says it stands before", integrity=True)
-        # (fewer is possible: a mixed-precision loss scaler skips the steps whose gradients overflowed)
 
 
 def _check_base_model(adm: Admission) -> None:

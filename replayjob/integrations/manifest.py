@@ -169,10 +169,12 @@ def validate(doc: Any, where: Path) -> dict[str, Any]:
              f"{named[role]!r}, the name of step {doc['step']}'s {role}", where)
     seen = doc["framework_state"].get("global_step", doc["step"])  # a trainer that records its own step counter
     need(seen == doc["step"], f"'step' is {doc['step']}, but framework_state.global_step is {seen!r}", where)
-    sched = doc["optimizer"].get("scheduler")  # stepped once per optimizer step (optimizer_step, every trainer)
-    epoch = sched.get("last_epoch", doc["step"]) if isinstance(sched, dict) else doc["step"]
-    need(epoch == doc["step"], f"'step' is {doc['step']}, but the captured LR scheduler has stepped {epoch!r} "
-         "time(s) (optimizer.scheduler.last_epoch)", where)
+    # an LR scheduler stepped with the optimizer (optimizer_step, Trainer) has stepped at most once per step before
+    # this one (fewer where a loss scaler skipped a step); a producer stepping it otherwise keeps it elsewhere
+    sched = doc["optimizer"].get("scheduler")
+    epoch = sched.get("last_epoch", 0) if isinstance(sched, dict) else 0
+    need(not is_int(epoch) or epoch <= doc["step"], f"'step' is {doc['step']}, but the captured LR scheduler has "
+         f"already stepped {epoch!r} time(s) (optimizer.scheduler.last_epoch)", where)
     for role in FILES:
         f = files[role]
         need(isinstance(f, dict) and set(f) == {"file", "size", "sha256"}, f"'files.{role}' needs file, size, "
