@@ -20,6 +20,7 @@ import torch
 from trl_scenario import capture
 
 from replayjob.cli import main
+from replayjob.digest import sha256_file
 from replayjob.integrations import precision
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
@@ -86,6 +87,18 @@ def test_a_systems_change_is_judged_against_the_recorded_precision(bf16: Any, tm
     assert main(["explain", str(bf16.replay_toml), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["precision"] == recorded and report["suggested_tolerances"] == ok
+    # the approximate claim with the suggested tolerance file, pinned before the runs: the arm passes against the
+    # baseline and the source; held to float32's, it fails
+    for name, tol in (("bf16", ok), ("fp32", fp32)):
+        (f := tmp_path / f"{name}.toml").write_text("".join(f"{k} = {v!r}\n" for k, v in tol.items()))
+        pin = ["--set", f'optimizer_batch.tolerances_sha256="{sha256_file(f)}"']
+        reps = tmp_path / f"claim-{name}"
+        assert main(["replay", str(bf16.replay_toml), "--out", str(reps / "baseline"), "--repeat", "1", *pin]) == 0
+        assert main(["replay", str(bf16.replay_toml), "--out", str(reps / "micro"), "--repeat", "1", *pin,
+                     *MICRO]) == 0
+        code = main(["reduce", str(reps), "--claim", "approximate", "--source", str(bf16.out_dir), "--tolerances",
+                     str(f), "--baseline", "baseline", "--min-repeats", "1", "--out", str(tmp_path / f"{name}.json")])
+        assert code == (0 if name == "bf16" else 1), (name, code)
 
 
 @pytest.mark.slow
