@@ -112,6 +112,16 @@ def test_a_capture_setting_a_refused_field_is_refused(field: str, value: Any, tr
     assert not (tmp_path / "r" / "replay_metrics.json").exists()
 
 
+def test_an_override_of_an_irrelevant_field_says_so(trl_capture: dict[str, Any],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """explain reads the table: an override of a logging field is refused as a difference, and named irrelevant to
+    the update (the replay would run TRL's default for it), not as a key that may change the math only."""
+    capsys.readouterr()
+    assert main(["explain", str(trl_capture["result"].replay_toml), "--set", "trl.logging_steps=5"]) == 2
+    err = capsys.readouterr().err
+    assert "trl.logging_steps is irrelevant to the update (logging:" in err and "remove the override" in err, err
+
+
 def length_reward(completions: list[str], **kwargs: Any) -> list[float]:
     return [float(len(c) % 4) for c in completions]
 

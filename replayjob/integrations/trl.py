@@ -156,6 +156,12 @@ def knob_refusals(adm: Admission) -> list[str]:
     """Why a declared TRL knob does not hold for this capture and replay (beyond being present and registered)."""
     t = (adm.resolved or {}).get(FRAMEWORK, {})
     why = trl_fields.refusals(t)
+    for key in adm.observed:  # an override the table calls irrelevant: say so, and what the replay runs instead
+        f = trl_fields.FIELDS.get(key.removeprefix(f"{FRAMEWORK}.").split(".")[0])
+        mine = key.startswith(f"{FRAMEWORK}.") and key not in adm.allowed
+        if mine and f is not None and f.kind == trl_fields.IRRELEVANT:
+            why.append(f"{key} is irrelevant to the update ({f.reason}): the replay runs TRL's default for it "
+                       "whatever the config says; remove the override")
     if knobs.TRL_USE_REENTRANT in adm.allowed and t.get("gradient_checkpointing") is not True:
         why.append(f"declared difference {knobs.TRL_USE_REENTRANT!r} is not present: the replay runs without "
                    "activation checkpointing, so no checkpoint function (reentrant or not) runs; declare it with "
