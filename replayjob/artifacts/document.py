@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -85,7 +86,42 @@ def decode(obj: Any, kind: type[D], *, where: str | Path, hint: str | None = Non
     try:
         return msgspec.convert(obj, kind, strict=True)
     except msgspec.ValidationError as exc:
-        raise IntegrityError(describe(exc), where=where, hint=hint) from None
+        raise IntegrityError(_with_key(describe(exc), obj, kind), where=where, hint=hint) from None
+
+
+_SEGMENT = re.compile(r"\.([^.\[]+)|\[(\d+)\]|\[\.\.\.\]")
+
+
+def _with_key(text: str, obj: Any, kind: type[Document]) -> str:
+    """msgspec names a mapping's bad value ``[...]``: name its key instead (the first whose removal ends this
+    refusal), so ``host[...]`` reads ``host.driver_version``."""
+    m = re.match(r"field `([^`]*)`", text)
+    if m is None or "[...]" not in m.group(1):
+        return text
+    path = m.group(1)
+    head = path[:path.index("[...]")]
+    container: Any = obj
+    for name, index in ((g[0], g[1]) for g in _SEGMENT.findall("." + head)):
+        try:
+            container = container[int(index)] if index else container[name]
+        except (KeyError, IndexError, TypeError, ValueError):
+            return text
+    if not isinstance(container, dict):
+        return text
+    items = list(container.items())
+    for key, _ in items:
+        del container[key]
+        try:
+            msgspec.convert(obj, kind, strict=True)
+            fixed = True
+        except msgspec.ValidationError as exc:
+            fixed = describe(exc) != text
+        finally:  # restored in place, in its order: the caller's object is left as it was
+            container.clear()
+            container.update(items)
+        if fixed:
+            return text.replace(f"`{path}`", f"`{head}.{key}{path[len(head) + 5:]}`", 1)
+    return text
 
 
 def to_builtins(doc: Document) -> dict[str, Any]:
