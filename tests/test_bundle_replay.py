@@ -150,7 +150,7 @@ def test_incomplete_group_closure_is_refused(tmp_path: Path, capsys: pytest.Capt
     from replayjob.bundle.synthetic import Synthetic, _writer
 
     s: Synthetic = make()
-    w = _writer(tmp_path / "half", s, "rollout", [0, 1, 2, 4, 5, 6, 7], None, None, True)
+    w = _writer(tmp_path / "half", s, "rollout", [0, 1, 2, 4, 5, 6, 7], None, None, True, None)
     rows = [0, 1, 2, 4, 5, 6, 7]
     for name in ("response_ids", "label_ids", "old_logprobs", "ref_logprobs"):
         w.write_payload(name, s.t[name][rows])

@@ -214,10 +214,23 @@ def test_a_late_own_import_or_an_early_heavy_import_is_reported() -> None:
     assert not [v for v in found if v.startswith("replayjob.metrics")]  # annotations only
 
 
+# Modules another program imports for their side effect, never imported by replayjob: their import is their work.
+PLUGINS = {"replayjob.integrations.verl_hook": "verl imports it by name (actor_rollout_ref.model.external_lib); "
+                                                "installing the capture around verl's engine is its import"}
+
+
+def test_plugins_are_imported_by_no_replayjob_module() -> None:
+    known = set(modules())
+    for name, path in modules().items():
+        src = path.read_text()
+        found = {n for n, _ in own_imports(name, src, known, path.name == "__init__.py")} & set(PLUGINS)
+        assert not found, f"{name} imports {found}: a plugin is imported by the program it plugs into only"
+
+
 def test_importing_every_module_imports_no_heavy_package() -> None:
     """What the source rules promise, checked on the running interpreter: every replayjob module imported in
     one fresh process (the entry points' dynamic lookups included), and no heavy package loaded."""
-    names = sorted(m for m in modules() if m != "replayjob.__main__")
+    names = sorted(m for m in modules() if m != "replayjob.__main__" and m not in PLUGINS)
     probe = ("import importlib, json, sys\n"
              f"for m in {names!r}:\n    importlib.import_module(m)\n"
              "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & set(sys.argv[1:]))))\n")

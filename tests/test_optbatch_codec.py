@@ -518,7 +518,8 @@ def test_knob_conditions() -> None:
 def test_knobs_belong_to_their_producers_and_each_is_observed() -> None:
     assert set(knobs.knobs_for("replayjob")) == {"backend.options.gradient_checkpointing", "training.micro_batch_size",
                                                  "backend.options.attn_implementation", "distributed.world_size",
-                                                 "distributed.strategy", "distributed.bucket_cap_mb"}
+                                                 "distributed.strategy", "distributed.bucket_cap_mb",
+                                                 "model.routing", "model.experts_implementation"}  # MoE (docs/moe.md)
     assert set(knobs.knobs_for("trl")) == {"trl.gradient_checkpointing", "model.attn_implementation",
                                            "trl.gradient_checkpointing_kwargs.use_reentrant",
                                            "trl.per_device_train_batch_size", "distributed.num_processes",
