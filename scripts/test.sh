@@ -6,7 +6,8 @@
 # rendezvous (torchrun, srun, gloo).
 #   bash scripts/test.sh            everything (what CI runs)
 #   bash scripts/test.sh --quick    lint, types and the tests not marked slow (the edit loop)
-#   bash scripts/test.sh [--quick] -- ARGS...   extra pytest arguments for both phases (e.g. -k NAME, -x)
+#   bash scripts/test.sh [--quick] -- ARGS...   extra pytest arguments for both phases (e.g. -k NAME, -x); verl's
+#                                                 tests (their own environment, scripts/test-verl.sh) run only without
 set -euo pipefail
 cd "$(dirname "$0")/.."
 marks="not alone"
@@ -35,3 +36,6 @@ for phase in parallel alone; do
   if [ "$status" -eq 0 ]; then ran=1; elif [ "$status" -ne 5 ]; then exit "$status"; fi
 done
 if [ "$ran" -eq 0 ]; then echo "test.sh: no test selected" >&2; exit 5; fi
+# verl's pins cannot share the main environment (docs/verl.md): its tests run in .venv-verl, built from the same
+# files (scripts/test-verl.sh); a run narrowed by extra pytest arguments leaves them out
+if [ "${#extra[@]}" -eq 0 ]; then bash scripts/test-verl.sh; fi
