@@ -25,7 +25,7 @@ from typing import Any
 
 from replayjob import __version__
 from replayjob.artifacts.document import decode
-from replayjob.artifacts.replay_metrics import ReplayMetrics
+from replayjob.artifacts.replay_metrics import Distributed, ReplayMetrics
 from replayjob.config.diff import flatten
 from replayjob.deploy.schedule import DESIGNS, Slot
 from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
@@ -164,25 +164,20 @@ def read_rank(path: Path, expected_sha256: str) -> dict[str, Any]:
     return doc
 
 
-def _check_ranks(f: _Fields, doc: dict[str, Any], where: Path) -> None:
-    """A replay over several ranks: every rank file listed, its SHA-256, and the merged figures (exact)."""
-    sec = f.obj(DISTRIBUTED)
-    world = sec.get("world_size")
-    entries = sec.get("ranks")
-    if (isinstance(world, bool) or not isinstance(world, int) or world < 2 or not isinstance(entries, list)
-            or [e.get("rank") if isinstance(e, dict) else None for e in entries] != list(range(world))):
-        raise f.fail(DISTRIBUTED, "must hold world_size >= 2 and one entry per rank 0..world_size-1")
+def _check_ranks(f: _Fields, doc: dict[str, Any], where: Path, dist: Distributed) -> None:
+    """A replay over several ranks: every rank file listed, its SHA-256, and the merged figures (exact).  The
+    record's shape (world size >= 2, one entry per rank in order) is its declaration's."""
+    world = dist.world_size
     docs = []
-    for e in entries:
-        name = e.get("file")
-        if name != rank_file(e["rank"]):
-            raise f.fail(f"{DISTRIBUTED}.ranks", f"rank {e['rank']}'s file must be {rank_file(e['rank'])!r}")
-        rp = where.parent / name
+    for e in dist.ranks:
+        if e.file != rank_file(e.rank):
+            raise f.fail(f"{DISTRIBUTED}.ranks", f"rank {e.rank}'s file must be {rank_file(e.rank)!r}")
+        rp = where.parent / e.file
         rdoc, sha = _read(rp)
-        if sha != e.get("sha256"):
-            raise IntegrityError(f"rank file SHA-256 is {sha}, the replay lists {e.get('sha256')}", where=rp,
+        if sha != e.sha256:
+            raise IntegrityError(f"rank file SHA-256 is {sha}, the replay lists {e.sha256}", where=rp,
                                  hint="a rank's figures changed after the replay; rerun it")
-        same = {"schema": RANK_SCHEMA, "rank": e["rank"], "world_size": world, "arm": doc.get("arm"),
+        same = {"schema": RANK_SCHEMA, "rank": e.rank, "world_size": world, "arm": doc.get("arm"),
                 "repeat_index": doc.get("repeat_index")}
         off = sorted(k for k, v in same.items() if rdoc.get(k) != v)
         if off:
@@ -198,17 +193,16 @@ def _check_ranks(f: _Fields, doc: dict[str, Any], where: Path) -> None:
                              hint="replay_metrics.json changed after the replay; rerun it")
 
 
-def _check_world(f: _Fields, doc: dict[str, Any], where: Path, runtime: dict[str, Any]) -> None:
+def _check_world(f: _Fields, where: Path, runtime: dict[str, Any], dist: Distributed | None) -> None:
     """The replay's world size, told three ways, is one number: its :data:`DISTRIBUTED` record (absent: one
     process), the rank files lying beside it (exactly the record's, none without one) and the world size and
     strategy it observed at run time (``runtime``, for a producer that registers them).  Evidence that
     contradicts itself is refused: a deleted record would leave its rank files unread and its figures
     unchecked."""
 
-    sec = doc.get(DISTRIBUTED)
-    world = sec["world_size"] if isinstance(sec, dict) else 1  # checked by _check_ranks when present
+    world = dist.world_size if dist is not None else 1
     present = rank_files_present(where.parent)
-    listed = [rank_file(r) for r in range(world)] if isinstance(sec, dict) else []
+    listed = [rank_file(r) for r in range(world)] if dist is not None else []
     if present != listed:
         raise f.fail(DISTRIBUTED, (f"records {world} ranks ({', '.join(listed)})" if listed else
                                    "is absent (one process)") + f", but the rank files beside the replay are "
@@ -216,7 +210,7 @@ def _check_world(f: _Fields, doc: dict[str, Any], where: Path, runtime: dict[str
     if WORLD_SIZE in runtime and (isinstance(runtime[WORLD_SIZE], bool) or runtime[WORLD_SIZE] != world):
         raise f.fail(f"runtime.{WORLD_SIZE}", f"is {runtime[WORLD_SIZE]!r}, but the replay's {DISTRIBUTED!r} "
                                              f"record says {world} rank(s): the evidence contradicts itself")
-    strategy = sec.get("strategy") if isinstance(sec, dict) else None
+    strategy = dist.strategy if dist is not None else None
     if strategy is not None and STRATEGY in runtime and runtime[STRATEGY] != strategy:
         raise f.fail(f"runtime.{STRATEGY}", f"is {runtime[STRATEGY]!r}, but the replay's {DISTRIBUTED!r} record "
                                            f"says {strategy!r}: the evidence contradicts itself")
@@ -534,8 +528,8 @@ def read_replay(path: str | Path) -> Replay:
     if d.schedule is not None and d.schedule.design not in DESIGNS:
         raise f.fail(f"{SCHEDULE}.design", f"must be one of {', '.join(DESIGNS)}")
     if d.distributed is not None:  # one replay over several ranks: its rank files merge into it (never repeats)
-        _check_ranks(f, doc, p)
-    _check_world(f, doc, p, d.runtime)
+        _check_ranks(f, doc, p, d.distributed)
+    _check_world(f, p, d.runtime, d.distributed)
     measures = {name: float(getattr(getattr(d, section), key)) for name, (section, key) in MEASURES.items()}
     slot = d.schedule
     return Replay(
