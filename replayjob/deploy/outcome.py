@@ -21,10 +21,11 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from replayjob.artifacts.document import Document, decode
 from replayjob.errors import EXIT_ERROR, FINAL_EXIT_STATUSES, OperationalError, ReplayjobError, is_retryable
 from replayjob.gate.verdict import Verdict
 from replayjob.jsonio import loads_strict
@@ -32,92 +33,93 @@ from replayjob.jsonio import loads_strict
 T = TypeVar("T")
 
 
-class _Read(msgspec.Struct, frozen=True, kw_only=True):
-    """The fields of an API object replayjob reads, typed; every other field is the API's and ignored."""
+class ApiObject(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields of a cluster API object replayjob reads (Kubernetes, Argo), typed; every other field is the
+    API's and ignored."""
 
 
-class Condition(_Read, frozen=True):
+class Condition(ApiObject, frozen=True):
     type: str
     status: str
     reason: str | None = None
     message: str | None = None
 
 
-class JobStatus(_Read, frozen=True):
+class JobStatus(ApiObject, frozen=True):
     conditions: list[Condition] | None = None
     active: int | None = None
     failed: int | None = None
     succeeded: int | None = None
 
 
-class JobSpec(_Read, frozen=True):
+class JobSpec(ApiObject, frozen=True):
     suspend: bool | None = None
 
 
-class Job(_Read, frozen=True):
+class Job(ApiObject, frozen=True):
     spec: JobSpec | None = None
     status: JobStatus | None = None
 
 
-class Terminated(_Read, frozen=True):
+class Terminated(ApiObject, frozen=True):
     exitCode: int
     reason: str | None = None
 
 
-class ContainerState(_Read, frozen=True):
+class ContainerState(ApiObject, frozen=True):
     terminated: Terminated | None = None
     waiting: Waiting | None = None
 
 
-class ContainerStatus(_Read, frozen=True):
+class ContainerStatus(ApiObject, frozen=True):
     name: str
     state: ContainerState | None = None
 
 
-class PodStatus(_Read, frozen=True):
+class PodStatus(ApiObject, frozen=True):
     phase: str | None = None
     conditions: list[PodCondition] | None = None
     containerStatuses: list[ContainerStatus] | None = None
 
 
-class Waiting(_Read, frozen=True):
+class Waiting(ApiObject, frozen=True):
     reason: str | None = None
     message: str | None = None
 
 
-class PodCondition(_Read, frozen=True):
+class PodCondition(ApiObject, frozen=True):
     type: str
     status: str
     reason: str | None = None
     message: str | None = None
 
 
-class PodMeta(_Read, frozen=True):
+class PodMeta(ApiObject, frozen=True):
     name: str
 
 
-class Pod(_Read, frozen=True):
+class Pod(ApiObject, frozen=True):
     metadata: PodMeta
     status: PodStatus | None = None
 
 
-class PodList(_Read, frozen=True):
+class PodList(ApiObject, frozen=True):
     items: list[Pod]
 
 
-class InvolvedObject(_Read, frozen=True):
+class InvolvedObject(ApiObject, frozen=True):
     kind: str | None = None
     name: str | None = None
 
 
-class Event(_Read, frozen=True):
+class Event(ApiObject, frozen=True):
     reason: str | None = None
     message: str | None = None
     type: str | None = None
     involvedObject: InvolvedObject | None = None
 
 
-class EventList(_Read, frozen=True):
+class EventList(ApiObject, frozen=True):
     items: list[Event]
 
 
@@ -157,18 +159,20 @@ def stuck(job: str, pods_doc: Any, events_doc: Any) -> Stuck | None:
     return None
 
 
-def read_status(doc: Any, kind: type[T], what: str) -> T:
-    """``doc`` (the API's JSON) as the declared ``kind``, or :class:`OperationalError` naming ``what`` and the
-    field that was malformed."""
+def read_status(doc: Any, kind: type[T], what: str, *, prefix: str = "",
+                hint: str = "nothing was decided from it; kubectl get -o yaml shows the object") -> T:
+    """``doc`` (the API's JSON; at ``prefix`` within its object) as the declared ``kind``, or
+    :class:`OperationalError` naming ``what`` and the field that was malformed.  Every cluster object replayjob
+    reads (Jobs, pods, Events, Argo Workflows and their nodes) goes through it."""
     try:
         return msgspec.convert(doc, kind, strict=True)
     except msgspec.ValidationError as exc:
         text = str(exc)
         rule, sep, at = text.rpartition(" - at `")
         rule = rule if sep else text
-        where = at.rstrip("`").removeprefix("$").lstrip(".") if sep else ""
+        where = (prefix + at.rstrip("`").removeprefix("$") if sep else prefix).lstrip(".")
         raise OperationalError(f"{what}: malformed status: {where or 'the object'}: {rule[:1].lower()}{rule[1:]}",
-                               hint="nothing was decided from it; kubectl get -o yaml shows the object") from None
+                               hint=hint) from None
 
 
 def job_end(doc: Any, name: str) -> tuple[str | None, str, bool]:
@@ -222,17 +226,17 @@ def judge(verdict: Verdict | None, unreadable: str | None, code: int | None, ste
 STOPPED_SCHEMA = "replayjob.stopped/v1"
 
 
-class Stopped(_Read, frozen=True, forbid_unknown_fields=True):
+class Stopped(Document, frozen=True):
     """Why a driver stopped its run before a verdict (a stage that could not start), as it records it in
     the run's ConfigMap (``stopped.json``)."""
 
-    schema: str
+    schema: Literal["replayjob.stopped/v1"]
     stage: str
     job: str
     pod: str
     reason: str
     message: str
-    exit_code: int
+    exit_code: Literal[3]
 
 
 def stopped_record(stage: str, job: str, cause: Stuck) -> dict[str, Any]:
@@ -244,9 +248,7 @@ def stopped_record(stage: str, job: str, cause: Stuck) -> dict[str, Any]:
 def read_stopped(text: str, where: str) -> str:
     """One line of a driver's ``stopped.json`` record (stage, pod, reason, message), or why it is unreadable."""
     try:
-        rec = msgspec.convert(loads_strict(text, where=where), Stopped, strict=True)
-    except (msgspec.ValidationError, ReplayjobError) as exc:
+        rec = decode(loads_strict(text, where=where), Stopped, where=where)
+    except ReplayjobError as exc:
         return f"its record cannot be read ({exc})"
-    if rec.schema != STOPPED_SCHEMA:
-        return f"its record has schema {rec.schema!r}, not {STOPPED_SCHEMA}"
     return f"stage {rec.stage} ({rec.job}): {rec.pod}: {rec.reason}: {rec.message}"

@@ -36,9 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
-from replayjob.deploy.outcome import PULL_FAILURES, Stuck, judge
+from replayjob.deploy.outcome import PULL_FAILURES, ApiObject, Stuck, judge, read_status
 from replayjob.deploy.submit import START_GRACE_ENV, START_GRACE_S, Api
 from replayjob.errors import EXIT_ERROR, ConfigError, OperationalError, RefusedError, ReplayjobError, is_retryable
 from replayjob.gate.verdict import Verdict, read_verdict
@@ -49,21 +47,17 @@ REDUCE = "reduce"
 Doc = dict[str, Any]
 
 
-class _Read(msgspec.Struct, frozen=True, kw_only=True):
-    """The fields of an Argo object replayjob reads, typed; every other field is Argo's and ignored."""
-
-
-class Parameter(_Read, frozen=True):
+class Parameter(ApiObject, frozen=True):
     name: str
     value: str | None = None
 
 
-class Outputs(_Read, frozen=True):
+class Outputs(ApiObject, frozen=True):
     exitCode: str | None = None
     parameters: list[Parameter] | None = None
 
 
-class Node(_Read, frozen=True):
+class Node(ApiObject, frozen=True):
     type: str | None = None
     templateName: str | None = None
     displayName: str | None = None
@@ -75,7 +69,7 @@ class Node(_Read, frozen=True):
     outputs: Outputs | None = None
 
 
-class WorkflowStatus(_Read, frozen=True):
+class WorkflowStatus(ApiObject, frozen=True):
     phase: str | None = None
     message: str | None = None
     progress: str | None = None
@@ -84,21 +78,13 @@ class WorkflowStatus(_Read, frozen=True):
     offloadNodeStatusVersion: str | None = None
 
 
-class Workflow(_Read, frozen=True):
+class Workflow(ApiObject, frozen=True):
     status: WorkflowStatus | None = None
 
 
 def _convert(obj: Any, kind: type[Any], name: str, prefix: str = "") -> Any:
-    try:
-        return msgspec.convert(obj, kind, strict=True)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        rule, sep, at = text.rpartition(" - at `")
-        rule = rule if sep else text
-        where = prefix + at.rstrip("`").removeprefix("$") if sep else prefix
-        raise OperationalError(f"workflow {name}: malformed status: {where.lstrip('.') or 'the object'}: "
-                               f"{rule[:1].lower()}{rule[1:]}",
-                               hint="argo get shows the object; nothing was decided from it") from None
+    return read_status(obj, kind, f"workflow {name}", prefix=prefix,
+                       hint="argo get shows the object; nothing was decided from it")
 
 
 def read_workflow(doc: Any, name: str) -> tuple[WorkflowStatus, dict[str, Node]]:
