@@ -29,7 +29,7 @@ from typing import Any
 
 from benchmarks import common
 from benchmarks.capture_overhead import pair_bootstrap
-from benchmarks.trl_precision_floor import _reward, build_base
+from benchmarks.trl_precision_floor import build_base, reward
 
 CAPTURED = 2  # the chosen step K (0-based)
 
@@ -64,7 +64,7 @@ def run(base: Path, out: Path, steps: int, capture: bool) -> tuple[list[float], 
                       gradient_accumulation_steps=2, num_iterations=2, beta=0.04, max_completion_length=6,
                       max_steps=steps, logging_steps=1, report_to=[], use_cpu=True, seed=7, save_strategy="no",
                       learning_rate=1e-2, disable_tqdm=True, bf16=False, gradient_checkpointing=False)
-    trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=args,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args,
                           train_dataset=Dataset.from_dict({"prompt": [f"{i}+{i + 1}=" for i in range(64)]}),
                           processing_class=AutoTokenizer.from_pretrained(base),
                           peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",

@@ -164,26 +164,18 @@ TRL_STEP = 1
 
 
 def build_base(d: Path) -> Path:
-    """A tiny Qwen2 from a config and a character-level tokenizer, both saved to ``d`` (nothing fetched)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    """A tiny Qwen2 from a config and a character-level tokenizer, both saved to ``d`` (nothing fetched): the
+    benchmarks' builder, at the tests' hidden size."""
+    from benchmarks.trl_precision_floor import build_base as build
 
-    vocab = {"<pad>": 0, "<eos>": 1, **{chr(c): i + 2 for i, c in enumerate(range(32, 127))}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=False, eos_token_id=1, pad_token_id=0)
-    Qwen2ForCausalLM(cfg).save_pretrained(d)
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(d)
-    return d
+    return build(d, hidden=32)
 
 
 def reward(completions: list[str], **kwargs: Any) -> list[float]:
     """Varies within a group (so advantages are non-zero)."""
-    return [float(c.count("1")) + 0.5 * (len(c) % 3) for c in completions]
+    from benchmarks.trl_precision_floor import reward as varying
+
+    return varying(completions, **kwargs)
 
 
 def grpo(base: Path, out: Path, *, capture_step: int | None = None, max_steps: int = 3,

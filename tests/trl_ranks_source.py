@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repository: the scenario's tiny model (benchmarks)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from conftest import grpo
