@@ -72,7 +72,7 @@ class StepClock(StepHook):
 
     Passed to ``train_source()`` as the first hook, its ``on_rollout`` runs right after sampling and before
     any capture hook; the trainer builds the step's diag row right after the last hook's
-    ``after_update``, so wrapping :func:`replayjob.rl.trainer.diag_row` (restored afterwards) reads
+    ``after_update``, so wrapping :func:`replayjob.producers.builtin.trainer.diag_row` (restored afterwards) reads
     the clock once every capture hook has returned.  Step seconds = the trainer's own
     ``sample_wall_s`` + (diag-row call - first ``on_rollout``).
     """
@@ -86,7 +86,7 @@ class StepClock(StepHook):
 
     @contextlib.contextmanager
     def around_diag_row(self) -> Iterator[None]:
-        from replayjob.rl import trainer
+        from replayjob.producers.builtin import trainer
 
         original = trainer.diag_row
 
@@ -112,7 +112,7 @@ class HookTimer:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         from replayjob.bundle.hook import BundleCapture
-        from replayjob.optbatch.capture import CaptureHook
+        from replayjob.producers.builtin.capture import CaptureHook
 
         originals = [(cls, name, getattr(cls, name)) for cls in (BundleCapture, CaptureHook)
                      for name in self.METHODS]
@@ -144,10 +144,10 @@ def _bundle_env(bundle_dir: Path, capture: bool) -> dict[str, str | None]:
 
 
 def _one_run(cfg_path: Path, sets: list[str], out: Path, capture: bool) -> dict[str, Any]:
+    from replayjob.artifacts.metrics import MANIFEST
     from replayjob.config import load_config
     from replayjob.jsonio import loads_strict
-    from replayjob.metrics import MANIFEST
-    from replayjob.source_run import train_source
+    from replayjob.launch.source_run import train_source
 
     overrides = [*sets, f"optimizer_batch.capture={'true' if capture else 'false'}"]
     cfg = load_config(cfg_path, overrides)
@@ -184,7 +184,7 @@ def _steady_run(cfg_path: Path, sets: list[str], out: Path, capture: bool, steps
     """
     from replayjob.config import load_config
     from replayjob.jsonio import loads_strict
-    from replayjob.source_run import train_source
+    from replayjob.launch.source_run import train_source
 
     cfg = load_config(cfg_path, [*sets, "optimizer_batch.capture=false", f"training.max_steps={steps}"])
     bundle_dir = out / "bundles"
@@ -297,7 +297,7 @@ def pair_bootstrap(on: list[list[float]], off: list[list[float]], *,
 
 def steady(repeats: int, sets: list[str], work: Path, steps: int) -> dict[str, list[dict[str, Any]]]:
     """Alternate ``repeats`` multi-step runs per arm (after one untimed pair)."""
-    from replayjob.workspace import init_workspace
+    from replayjob.launch.workspace import init_workspace
 
     ws = work / "ws-steady"
     init_workspace(ws, 123)
@@ -312,7 +312,7 @@ def steady(repeats: int, sets: list[str], work: Path, steps: int) -> dict[str, l
 
 def run(repeats: int, warmup: int, sets: list[str], work: Path) -> dict[str, Any]:
     """Interleave ``warmup`` + ``repeats`` runs per arm; return per-arm statistics and raw runs."""
-    from replayjob.workspace import init_workspace
+    from replayjob.launch.workspace import init_workspace
 
     ws = work / "ws"
     init_workspace(ws, 123)

@@ -56,7 +56,7 @@ PROBE = ("import json, sys\n"
 
 def pin_args(source: Path) -> list[str]:
     """The two ``--set`` pins a replay or explain of the capture in ``source`` needs, from its metrics.json."""
-    from replayjob.metrics import read_pins
+    from replayjob.artifacts.metrics import read_pins
 
     logical, manifest, _ = read_pins(source)
     return ["--set", f"optimizer_batch.expected_logical_sha256=\"{logical}\"",
@@ -84,7 +84,7 @@ def commands(inputs: dict[str, Path]) -> dict[str, tuple[str, list[str], tuple[i
 def prepare(work: Path) -> dict[str, Path]:
     """A workspace, one capture (with a bundle) and one replay, made in this process."""
     from replayjob.cli import main
-    from replayjob.workspace import init_workspace
+    from replayjob.launch.workspace import init_workspace
 
     ws = work / "ws"
     init_workspace(ws, 123)

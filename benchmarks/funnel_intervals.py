@@ -6,7 +6,7 @@ against the default: a real slowdown) on the CPU:
 * **before**: the former defaults, ``--fixed-blocks --repeats 3 --warmup-updates 0 --measured-updates 0``:
   the fresh-process update of each replay, the unpaired ratio of medians with its 95% interval;
 * **after**: the defaults (warm in-process updates, blocks added until the paired comparison is decided,
-  at most :data:`replayjob.funnel.MAX_BLOCKS`): the paired interval at the look's level.
+  at most :data:`replayjob.launch.funnel.MAX_BLOCKS`): the paired interval at the look's level.
 
 The ratio is the after interval's log-width over the before one's, ``ln(high / low)`` (lower is
 tighter; the after interval is at the stricter per-look level, so a ratio below 1 is won despite it).
@@ -34,7 +34,7 @@ TARGET = 1.0
 
 
 def _run(out: Path, args: list[str], paired_interval: bool) -> dict[str, Any]:
-    from replayjob.funnel import Options, run_funnel
+    from replayjob.launch.funnel import Options, run_funnel
 
     opts: dict[str, Any] = {"out": out, "spec": SPEC, "device": "cpu", "only_ablation": True, "report": False}
     i = 0

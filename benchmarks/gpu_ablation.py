@@ -32,11 +32,11 @@ BUDGET_S = 480.0
 
 def init_state(directory: Path, config: Path, sets: list[str]) -> Path:
     """Write ``directory`` as an initialisation state (step -1) for the model ``config`` + ``sets`` build."""
-    from replayjob import determinism
     from replayjob.config import load_config
     from replayjob.errors import ArtifactExistsError
     from replayjob.model.backend import load_backend
     from replayjob.rl.state import write_state
+    from replayjob.runtime import determinism
 
     if (directory / "trainer_state.json").exists():
         raise ArtifactExistsError("an initial resume state already exists", where=directory)
@@ -72,7 +72,7 @@ def _process_walls(out: Path) -> dict[str, list[float]]:
 def summarize(out: Path, *, baseline: str, smoke: bool, results: Path, total_s: float,
               verdict_codes: dict[str, int]) -> Path:
     """Write the benchmark JSON for the run in ``out`` and print its one summary line."""
-    from replayjob import metrics as M
+    from replayjob.artifacts import metrics as M
     from replayjob.jsonio import loads_strict
 
     diag = (out / "source" / "diag.jsonl").read_bytes().splitlines()

@@ -136,7 +136,7 @@ if [ "$DRY" = 1 ]; then
             --set 'optimizer_batch.expected_manifest_sha256="<from OUT/source/metrics.json>"')
 else
   mapfile -t PINS < <("$PY" -c 'import sys
-from replayjob.metrics import read_pins
+from replayjob.artifacts.metrics import read_pins
 print(*read_pins(sys.argv[1])[:2], sep="\n")' "$OUT/source")
   PIN_ARGS=(--set "optimizer_batch.expected_logical_sha256=\"${PINS[0]}\""
             --set "optimizer_batch.expected_manifest_sha256=\"${PINS[1]}\"")

@@ -5,8 +5,8 @@ One ``replayjob init`` workspace and one capture of the built-in tiny model, the
 the fresh-process update and then ``W_max + M_max`` in-process updates from the same restored state
 (``optimizer_batch.measured_updates``, none discarded).  For every W <= W_max and M <= M_max the
 relative IQR of updates ``W+1 .. W+M`` (IQR / median) is computed per replay, and the median over
-replays reported.  The funnel's defaults (:data:`replayjob.funnel.WARMUP_UPDATES`,
-:data:`replayjob.funnel.MEASURED_UPDATES`) are judged: their relative IQR must be below 0.10.  The
+replays reported.  The funnel's defaults (:data:`replayjob.launch.funnel.WARMUP_UPDATES`,
+:data:`replayjob.launch.funnel.MEASURED_UPDATES`) are judged: their relative IQR must be below 0.10.  The
 fresh-process update's ratio to the warm median is reported beside (why the warm ones are timed).
 
 ``python -m benchmarks.inprocess_spread [--smoke] [--replays N] [--max-warmup W] [--max-measured M]``
@@ -37,7 +37,7 @@ def rel_iqr(values: list[float]) -> float:
 
 
 def _pins(capture: Path) -> list[str]:
-    from replayjob.metrics import read_pins
+    from replayjob.artifacts.metrics import read_pins
 
     logical, manifest, _ = read_pins(capture)
     return [f"optimizer_batch.expected_logical_sha256={json.dumps(logical)}",
@@ -57,7 +57,7 @@ def _replay(ws: Path, sets: list[str], out: Path, updates: int) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    from replayjob.funnel import MEASURED_UPDATES, WARMUP_UPDATES
+    from replayjob.launch.funnel import MEASURED_UPDATES, WARMUP_UPDATES
 
     p = common.parser(__doc__ or NAME)
     p.add_argument("--replays", type=int, default=5, help="fresh replay processes")
@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     replays, wmax, mmax = (1, 1, 3) if args.smoke else (args.replays, args.max_warmup, args.max_measured)
     w_def, m_def = (min(WARMUP_UPDATES, wmax), min(MEASURED_UPDATES, mmax))
-    from replayjob.source_run import capture
-    from replayjob.workspace import init_workspace
+    from replayjob.launch.source_run import capture
+    from replayjob.launch.workspace import init_workspace
 
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="replayjob-inprocess-bench-") as tmp:

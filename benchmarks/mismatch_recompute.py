@@ -33,12 +33,12 @@ import torch
 from benchmarks import common
 from replayjob.cli import main as cli_main
 from replayjob.config import from_dict, load_config
-from replayjob.distributed import observe
 from replayjob.mismatch import builtin, check_capture, report
 from replayjob.mismatch.views import Collector
-from replayjob.optbatch.explain import admit, source_config
+from replayjob.producers.builtin.admission import admit, source_config
 from replayjob.rl.batch import micro_batches
 from replayjob.rl.logprobs import logprob_temperature, token_logprobs
+from replayjob.runtime.distributed import observe
 
 NAME = "mismatch_recompute"
 TARGET = 8.0

@@ -3,7 +3,7 @@
 One ``replayjob init`` workspace and one capture of the built-in tiny Qwen3-MoE model
 (``model.architecture = "qwen3_moe"``: two MoE layers, four experts, top-2, 16 rows), then three replay
 sessions of it built side by side in one process, exactly as ``replayjob replay`` builds them (admission,
-the backend, the pinned adapter, a fresh optimizer; :class:`replayjob.optbatch.replay.BuiltinSession`):
+the backend, the pinned adapter, a fresh optimizer; :class:`replayjob.producers.builtin.replay.BuiltinSession`):
 
 * **unobserved** -- the model built without its :class:`replayjob.model.moe.Routing` (the benchmark
   substitutes ``moe.attach`` with one that attaches nothing): no router hook, no per-micro-batch
@@ -44,11 +44,11 @@ ARMS = ("unobserved", "observed", "forced")
 def _session(ws: Path, sets: list[str], arm: str) -> tuple[Any, list[Any]]:
     from unittest import mock
 
-    from replayjob import determinism, distributed
     from replayjob.config import load_config
     from replayjob.model import moe
-    from replayjob.optbatch.explain import admit
-    from replayjob.optbatch.replay import BuiltinSession
+    from replayjob.producers.builtin.admission import admit
+    from replayjob.producers.builtin.replay import BuiltinSession
+    from replayjob.runtime import determinism, distributed
 
     cfg = distributed.observe(load_config(ws / "replay.toml", sets))  # as replay() resolves it: one process
     determinism.establish(strict=cfg.backend.options.strict_deterministic, seed=cfg.training.seed)
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # one intra-op thread, as the funnel runs CPU steps: no spinning pool in the figures
-    from replayjob.source_run import capture
-    from replayjob.workspace import init_workspace
+    from replayjob.launch.source_run import capture
+    from replayjob.launch.workspace import init_workspace
 
     wall: dict[str, list[float]] = {a: [] for a in ARMS}
     cpu: dict[str, list[float]] = {a: [] for a in ARMS}

@@ -45,7 +45,7 @@ from benchmarks import common
 from replayjob.gate import synthetic
 from replayjob.gate.evidence import REPLAY_FILE, SOURCE_FILE
 from replayjob.gate.reducer import Request, reduce_evidence
-from replayjob.knobs import GRADIENT_CHECKPOINTING as GC_KEY
+from replayjob.runtime.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 
 NAME = "reduce_many"
 TARGET = 1.5  # x the in-process floor, at every file count (the per-file cost above hashing)

@@ -32,9 +32,9 @@ SMOKE_SETS = ["inference.max_new_tokens=2", "algorithm.prompts_per_step=1", "alg
 
 
 def _run(cfg_path: Path, sets: list[str], out: Path, ring: int, steps: int) -> dict[str, Any]:
+    from replayjob.artifacts.metrics import RING
     from replayjob.config import load_config
-    from replayjob.metrics import RING
-    from replayjob.source_run import train_source
+    from replayjob.launch.source_run import train_source
 
     cfg = load_config(cfg_path, [*sets, f"training.max_steps={steps}", f"optimizer_batch.ring_size={ring}"])
     gc.collect()
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = args.runs or (1 if args.smoke else 6)
     steps = args.steps or (3 if args.smoke else 8)
     sets = [*(SMOKE_SETS if args.smoke else []), *args.sets]
-    from replayjob.workspace import init_workspace
+    from replayjob.launch.workspace import init_workspace
 
     results: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
     with tempfile.TemporaryDirectory(prefix="replayjob-bench-") as tmp:

@@ -37,7 +37,7 @@ TARGET = 1.5
 
 
 def _pins(capture: Path) -> list[str]:
-    from replayjob.metrics import read_pins
+    from replayjob.artifacts.metrics import read_pins
 
     logical, manifest, _ = read_pins(capture)
     return [f"optimizer_batch.expected_logical_sha256={json.dumps(logical)}",
@@ -45,9 +45,9 @@ def _pins(capture: Path) -> list[str]:
 
 
 def _replay(cfg_path: Path, sets: list[str], out: Path, traced: bool) -> dict[str, Any]:
+    from replayjob.artifacts.trace_store import TRACE_DIR
     from replayjob.config import load_config
-    from replayjob.optbatch.replay import replay
-    from replayjob.trace.store import TRACE_DIR
+    from replayjob.producers.builtin.replay import replay
 
     cfg = load_config(cfg_path, [*sets, f"optimizer_batch.trace={'true' if traced else 'false'}"])
     t0, c0 = time.perf_counter(), time.process_time()
@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=8, help="alternating traced/untraced pairs")
     args = p.parse_args(argv)
     pairs = 1 if args.smoke else args.pairs
-    from replayjob.source_run import capture
-    from replayjob.workspace import init_workspace
+    from replayjob.launch.source_run import capture
+    from replayjob.launch.workspace import init_workspace
 
     with tempfile.TemporaryDirectory(prefix="replayjob-trace-bench-") as tmp:
         ws = Path(tmp) / "ws"

@@ -42,7 +42,7 @@ def run(base: Path, out: Path, steps: int, capture: bool) -> tuple[list[float], 
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from replayjob.integrations.trl import capture_optimizer_batch
+    from replayjob.producers.trl.producer import capture_optimizer_batch
 
     wall: list[float] = []
     cpu: list[float] = []

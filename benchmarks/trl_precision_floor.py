@@ -8,7 +8,7 @@ Each arm's adapter update is compared with the baseline's: relative L2 distance 
 below which an approximate claim cannot tell a systems change from rounding, per loss type and precision.
 
 Ratio: the largest relative L2 distance of any arm divided by the tolerance the capture's recorded precision
-suggests (:func:`replayjob.integrations.precision.suggested_tolerances`); target <= 1: the suggested tolerance
+suggests (:func:`replayjob.producers.api.precision.suggested_tolerances`); target <= 1: the suggested tolerance
 holds every measured floor.  docs/precision.md reports the figures.
 
 Run: ``python -m benchmarks.trl_precision_floor [--smoke] [--hidden N]`` (``--smoke``: one loss type, one arm).
@@ -65,7 +65,7 @@ def capture(base: Path, out: Path, loss_type: str, bf16: bool) -> Any:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from replayjob.integrations.trl import capture_optimizer_batch
+    from replayjob.producers.trl.producer import capture_optimizer_batch
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
     args = GRPOConfig(output_dir=str(out / "trainer"), per_device_train_batch_size=4, num_generations=4,
@@ -106,7 +106,7 @@ def floors(tmp: Path, base: Path, loss_type: str, name: str, arms: dict[str, lis
     import torch
     from safetensors.torch import load_file
 
-    from replayjob.integrations import precision
+    from replayjob.producers.api import precision
 
     res = capture(base, tmp / f"{loss_type}-{name}", loss_type, PRECISIONS[name])
     manifest = json.loads(res.manifest.read_text())

@@ -52,7 +52,7 @@ TARGET_PARALLEL = 1.2  # bundle validate seconds / raw SHA-256 seconds at the sa
 CHUNK = 8 * 1024 * 1024
 PROMPT_LEN, RESP_LEN = 16, 4096
 BUNDLE_GROUPS, BUNDLE_GROUP_SIZE = 16, 8
-EXPLAIN_WORKERS = 4  # replayjob.optbatch.payload.MAX_WORKERS: tensors explain hashes at once
+EXPLAIN_WORKERS = 4  # replayjob.artifacts.capture_payload.MAX_WORKERS: tensors explain hashes at once
 BUNDLE_WORKERS = 4  # replayjob.bundle.reader.PARALLEL_FILES: tensors bundle validate hashes at once
 
 
@@ -110,11 +110,12 @@ def build_explain(work: Path, nbytes: int) -> tuple[list[str], list[Path]]:
     """A real capture whose payload is swapped for a ``nbytes`` batch; return explain's argv and payload."""
     import torch
 
+    from replayjob.artifacts import capture_manifest as manifest
+    from replayjob.artifacts import capture_payload as payload
     from replayjob.cli import main
     from replayjob.fsio import atomic_write_bytes
-    from replayjob.optbatch import manifest, payload
+    from replayjob.launch.workspace import init_workspace
     from replayjob.rl.batch import OptimizerBatch
-    from replayjob.workspace import init_workspace
 
     ws = work / "ws"
     init_workspace(ws, 123)

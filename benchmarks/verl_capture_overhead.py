@@ -1,7 +1,7 @@
 """verl capture overhead: an actor update with a capture installed, against the same update without one.
 
 Two verl actor workers are built alike (benchmarks/verl_tiny.py: verl 0.9.1's FSDP2 engine on the CPU, a tiny
-Qwen2); one gets :func:`replayjob.integrations.verl.capture_actor_steps` for one chosen optimizer step, the
+Qwen2); one gets :func:`replayjob.producers.verl.producer.capture_actor_steps` for one chosen optimizer step, the
 other nothing (installed after two untimed warm-up updates of each).  Updates alternate between them (off, on,
 off, ...), each on the same batches, so drift in the machine hits both alike.  An update is
 ``TinyTrainer._update_actor`` (``RayPPOTrainer._update_actor``'s shape: the batch conversion and the worker's
@@ -36,7 +36,7 @@ CAPTURED_UPDATE = 1  # the first optimizer step of the second update is captured
 
 
 def run(updates: int, tmp: Path) -> dict[str, list[float]]:
-    from replayjob.integrations.verl import capture_actor_steps
+    from replayjob.producers.verl.producer import capture_actor_steps
 
     base = tiny_model(tmp / "base")
     off, on = build_worker(base, fp32=True), build_worker(base, fp32=True)

@@ -2,7 +2,7 @@
 
 A random-init two-layer Qwen2 built from a config (nothing downloaded), verl 0.9.1's actor ``TrainingWorker``
 built as ``ActorRolloutRefWorker.init_model`` builds it (on the CPU through
-:mod:`replayjob.integrations.verl_platform`), a driver shaped like ``RayPPOTrainer._update_actor(batch)`` (the
+:mod:`replayjob.producers.verl.platform`), a driver shaped like ``RayPPOTrainer._update_actor(batch)`` (the
 same ``DataProto`` -> no-padding ``TensorDict`` conversion and settings, handed to the worker's
 ``train_mini_batch`` in-process instead of through Ray), and the padded batch verl's driver holds after rollout.
 Needs verl (``pip install -e '.[verl]'``).
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from replayjob.integrations.verl_platform import use_cpu
+from replayjob.producers.verl.platform import use_cpu
 
 ROWS, PROMPT, RESPONSE = 8, 5, 6
 # verl's FSDP engine computes in bfloat16 unless mixed_precision says otherwise (its default param_dtype, with
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     processes): two updates of a vanilla float32 run, optimizer step STEP captured into OUT."""
     import sys
 
-    from replayjob.integrations.verl import capture_actor_steps
+    from replayjob.producers.verl.producer import capture_actor_steps
 
     out, base, step = (argv if argv is not None else sys.argv[1:])[:3]
     worker = build_worker(tiny_model(Path(base)), fp32=True)

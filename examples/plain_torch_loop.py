@@ -4,7 +4,7 @@ The model: a tiny causal LM (embedding -> linear head, frozen base weights loade
 with a trainable low-rank adapter and dropout; the loss: advantage-weighted next-token
 log-likelihood over masked positions; two micro-batches per optimizer step, AdamW, a linear LR
 decay, gradient clipping.  Step 1 of 3 is captured (``main(out, capture_steps=[0, 2])`` captures
-several steps with :class:`~replayjob.integrations.capture.ChosenSteps` instead: one
+several steps with :class:`~replayjob.producers.api.capture.ChosenSteps` instead: one
 ``replay_step_<K:06d>.toml`` per step and one metrics.json).
 
     python examples/plain_torch_loop.py OUT          # writes OUT/base (the base model) and OUT/capture
@@ -25,8 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from replayjob.integrations.capture import ChosenSteps, StepCapture
-from replayjob.integrations.torch_loop import Target, optimizer_step
+from replayjob import ChosenSteps, StepCapture, Target, optimizer_step
 
 CONFIG = {"vocab": 32, "hidden": 16, "rank": 4, "dropout": 0.1, "lr": 1e-2, "steps": 3,
           "accumulation": 2, "max_grad_norm": 1.0, "seed": 3}

@@ -7,11 +7,13 @@ imports neither torch nor any framework):
   :class:`CaptureResult`, :class:`StepsResult`, and for its replay target :class:`Target` and
   :func:`optimizer_step` (docs/capture-api.md);
 * a TRL trainer: :func:`capture_optimizer_batch` (README, "Using replayjob with TRL");
+* a verl run: :func:`capture_actor_steps` (docs/verl.md);
 * the producer protocol a new framework implements: :class:`Session`, :class:`MicroStep`,
   :class:`Outcome`, the registry :data:`PRODUCERS` (:mod:`replayjob.producers`);
 * the command line: :func:`main` (``replayjob ...``; exit 0 pass, 1 fail, 2 refused, 3 error).
 
-Everything else is internal: its modules may change between releases.
+Everything else is internal: its modules may change between releases (a module that moved keeps its old
+import path for one release, with a :class:`DeprecationWarning`: :mod:`replayjob.integrations`).
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "StepCapture": "replayjob.integrations.capture",
-    "ChosenSteps": "replayjob.integrations.capture",
-    "CaptureResult": "replayjob.integrations.capture",
-    "StepsResult": "replayjob.integrations.capture",
+    "StepCapture": "replayjob.producers.api.capture",
+    "ChosenSteps": "replayjob.producers.api.capture",
+    "CaptureResult": "replayjob.producers.api.capture",
+    "StepsResult": "replayjob.producers.api.capture",
     "CaptureError": "replayjob.errors",
-    "Target": "replayjob.integrations.torch_loop",
-    "optimizer_step": "replayjob.integrations.torch_loop",
-    "capture_optimizer_batch": "replayjob.integrations.trl",
+    "Target": "replayjob.producers.torch_loop",
+    "optimizer_step": "replayjob.producers.torch_loop",
+    "capture_optimizer_batch": "replayjob.producers.trl.producer",
+    "capture_actor_steps": "replayjob.producers.verl.producer",
     "Session": "replayjob.producers.session",
     "MicroStep": "replayjob.producers.session",
     "Outcome": "replayjob.producers.session",

@@ -1,16 +1,18 @@
 """``python -m replayjob``: the command line.
 
-As an srun task (:data:`replayjob.launch.SRUN_TASK_ENV`, set by :func:`replayjob.launch.srun_command`)
-the task's Slurm variables are first mapped to the ones torch.distributed reads; a task whose
+As an srun task (:data:`~replayjob.runtime.slurm_ranks.SRUN_TASK_ENV`, set by
+:func:`~replayjob.runtime.slurm_ranks.srun_command`) the task's Slurm variables are first mapped to the ones
+torch.distributed reads; a task whose
 variables are refused exits 2 and records that code where the launch collects its ranks' codes.
 """
 
 import os
 import sys
 
-from replayjob import distributed, launch
 from replayjob.cli import console_main
 from replayjob.errors import ReplayjobError
+from replayjob.runtime import distributed
+from replayjob.runtime import slurm_ranks as launch
 
 if os.environ.get(launch.SRUN_TASK_ENV):
     try:

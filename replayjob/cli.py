@@ -159,11 +159,11 @@ Options:
                     budgets: every comparison with the baseline) is decided, or --max-repeats blocks ran.
   --fixed-blocks    funnel: run exactly --repeats (the spec's repeats) blocks, one look.
   --max-repeats N   funnel: the most paired blocks until decided (the looks' N; default:
-                    replayjob.funnel.MAX_BLOCKS, 8, or the spec's repeats when more).
+                    replayjob.launch.funnel.MAX_BLOCKS, 8, or the spec's repeats when more).
   --design D        funnel: schedule of the arms within blocks, abba or random [default: abba].
   --no-report       funnel: skip report.md and its PNG.
   --warmup-updates W  funnel: in each replay, W in-process updates from the restored state, discarded
-                    (default: replayjob.funnel.WARMUP_UPDATES, 2).
+                    (default: replayjob.launch.funnel.WARMUP_UPDATES, 2).
   --measured-updates M  funnel: then M measured ones, recorded apart from the fresh-process update
                     (budget metric in_process_train_wall_s; default: MEASURED_UPDATES, 8; zero for
                     both turns them off).
@@ -235,9 +235,9 @@ from docopt import DocoptExit, docopt
 
 from replayjob import __version__
 from replayjob.commands import ARGV, REEXEC
-from replayjob.distributed import record_exit
 from replayjob.errors import EXIT_ERROR, EXIT_REFUSED, ReplayjobError
 from replayjob.fsio import atomic_write_text
+from replayjob.runtime.distributed import record_exit
 from replayjob.streams import guarded
 
 Handler = Callable[[dict[str, Any]], int]
@@ -247,7 +247,7 @@ Handler = Callable[[dict[str, Any]], int]
 # matters where docopt sets two names: `step capture|replay|reduce` also sets args["capture"] ..., and
 # `bundle replay` also sets args["replay"].
 COMMANDS: dict[str, str] = {
-    "step": "replayjob.commands.deploy:cmd_step",
+    "step": "replayjob.commands.launch:cmd_step",
     "init": "replayjob.commands.source:cmd_init",
     "train": "replayjob.commands.source:cmd_train",
     "capture": "replayjob.commands.source:cmd_capture",
@@ -261,8 +261,8 @@ COMMANDS: dict[str, str] = {
     "mismatch": "replayjob.commands.mismatch:cmd_mismatch",
     "determinism-check": "replayjob.commands.checks:cmd_determinism_check",
     "signals": "replayjob.commands.checks:cmd_signals",
-    "k8s": "replayjob.commands.deploy:cmd_k8s",
-    "argo": "replayjob.commands.deploy:cmd_argo",
+    "k8s": "replayjob.commands.launch:cmd_k8s",
+    "argo": "replayjob.commands.launch:cmd_argo",
 }
 
 

@@ -12,7 +12,7 @@ its parents are not checked: the directory a user names may be reached through l
 macOS).
 
 A reader therefore sees either nothing or a complete file.  Each boundary is a
-:func:`replayjob.faults.point` (``write.open``, ``write.temp``, ``write.half``, ``write.synced``,
+:func:`replayjob.crashpoints.point` (``write.open``, ``write.temp``, ``write.half``, ``write.synced``,
 ``write.linked`` for exclusive writes, ``write.renamed``), so the kill tests can crash between any two.
 
 ``exclusive=True`` refuses to replace an existing destination (checked again at rename time with a
@@ -28,8 +28,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from replayjob.crashpoints import point
 from replayjob.errors import ArtifactExistsError, IntegrityError, OperationalError, RefusedError, ReplayjobError
-from replayjob.faults import point
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)  # read once at import: artifacts get the process's usual file mode

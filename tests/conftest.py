@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import torch
 
-from replayjob import determinism
 from replayjob.cli import main
-from replayjob.integrations import _files
+from replayjob.producers.api import files as _files
+from replayjob.runtime import determinism
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"
@@ -53,7 +53,7 @@ _ENV_CONTROLS = ("CUBLAS_WORKSPACE_CONFIG", "NVIDIA_TF32_OVERRIDE", "PYTHONHASHS
 
 
 def determinism_state() -> dict[str, Any]:
-    """Every process-global determinism control :mod:`replayjob.determinism` may change."""
+    """Every process-global determinism control :mod:`replayjob.runtime.determinism` may change."""
     m = torch.backends.cuda.matmul
     return {
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
@@ -153,7 +153,7 @@ def fresh_determinism_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process replays of external trainers build models without strict determinism, which marks the
     process relaxed (a later strict run is refused, as it should be in one process); each test using this
     fixture leaves the mark as it found it, as a fresh process would."""
-    from replayjob import determinism
+    from replayjob.runtime import determinism
 
     monkeypatch.setattr(determinism, "_process_mode", determinism._process_mode)
 
@@ -188,7 +188,7 @@ def grpo(base: Path, out: Path, *, capture_step: int | None = None, max_steps: i
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from replayjob.integrations.trl import capture_optimizer_batch
+    from replayjob.producers.trl.producer import capture_optimizer_batch
 
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")

@@ -299,9 +299,9 @@ def test_no_capture_writer_works_during_the_update(workspace: Path, tmp_path: Pa
     is over and the capture hooks have not yet handed anything over.
     """
     from replayjob.bundle import hook as hook_mod
-    from replayjob.optbatch import capture as capture_mod
+    from replayjob.launch.source_run import train_source
+    from replayjob.producers.builtin import capture as capture_mod
     from replayjob.rl.hooks import StepHook
-    from replayjob.source_run import train_source
 
     events: list[str] = []
 

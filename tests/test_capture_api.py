@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from replayjob import knobs
 from replayjob.cli import main
-from replayjob.integrations import capture as cap
+from replayjob.producers.api import capture as cap
+from replayjob.runtime import knobs
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
 
@@ -146,7 +146,7 @@ def test_capture_does_not_change_the_loop(example_run: tuple[Path, Path], tmp_pa
 
 def test_several_chosen_steps_of_a_plain_loop_replay_bitwise(example_run: tuple[Path, Path],
                                                              tmp_path: Path) -> None:
-    from replayjob.metrics import read_steps
+    from replayjob.artifacts.metrics import read_steps
 
     script, _ = example_run
     mod = _load(script)
@@ -232,7 +232,7 @@ def test_nonfinite_inputs_are_flagged_and_replay_only_under_the_opt_in(
         example_run: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A step whose inputs hold an Inf the loss never reads (a broken auxiliary field) is captured with
     rows.nonfinite_inputs; explain refuses it until optimizer_batch.allow_nonfinite_inputs opts in."""
-    from replayjob.metrics import read_steps
+    from replayjob.artifacts.metrics import read_steps
 
     script, _ = example_run
     mod = _load(script)
@@ -255,7 +255,7 @@ def test_a_nonfinite_loss_is_null_in_a_step_record_and_refused_for_one_step(
         example_run: tuple[Path, Path], tmp_path: Path) -> None:
     """Strict JSON has no NaN: several steps record a non-finite loss as null; a one-step capture, whose
     metrics.json needs a finite loss, refuses before writing anything."""
-    from replayjob.metrics import read_steps
+    from replayjob.artifacts.metrics import read_steps
 
     script, _ = example_run
     mod = _load(script)
@@ -328,7 +328,7 @@ def unaligned_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_inputs_at_unaligned_payload_offsets_reach_the_loss_in_fresh_memory_and_replay_bitwise(
         unaligned_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from replayjob.integrations import replay as integration_replay
+    from replayjob.producers.api import replay as integration_replay
 
     log = tmp_path / "tensors.jsonl"
     monkeypatch.setenv("REPLAYJOB_TEST_TENSOR_LOG", str(log))
@@ -379,8 +379,8 @@ def _relabelled(example_run: tuple[Path, Path], tmp_path: Path, capsys: pytest.C
                 files: bool, manifest: bool) -> tuple[int, str]:
     """A copy of the plain-loop capture of step 1 relabelled to ``step`` (with ``files``: its files renamed to
     match; ``manifest``: the manifest file too), re-pinned, then explained: (exit code, stdout + stderr)."""
+    from replayjob.artifacts.api_manifest import FILES, file_names
     from replayjob.digest import sha256_bytes
-    from replayjob.integrations.manifest import FILES, file_names
     from replayjob.jsonio import canonical_bytes
     script, _ = example_run
     d = tmp_path / "copy"

@@ -1,6 +1,6 @@
 """The math mode of an existing capture: the spec's ``[capture] math_mode`` (default "default", the mode of a
 process that sets none), checked against the mode the capture's contract records, and pinned by every launcher
-(:meth:`~replayjob.deploy.ablation.AblationSpec.determinism_env`) in place of the built-in stage's "pedantic"."""
+(:meth:`~replayjob.artifacts.spec.AblationSpec.determinism_env`) in place of the built-in stage's "pedantic"."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
-from replayjob import determinism, metrics
+from replayjob.artifacts import capture_manifest as mf
+from replayjob.artifacts import metrics
+from replayjob.artifacts.spec import DETERMINISM_ENV, load_spec_text
 from replayjob.cli import main
-from replayjob.deploy import argo, k8s, step
-from replayjob.deploy.ablation import DETERMINISM_ENV, load_spec_text
 from replayjob.errors import ConfigError
-from replayjob.optbatch import manifest as mf
+from replayjob.launch import argo, k8s, step
+from replayjob.runtime import determinism
 
 REPO = Path(__file__).resolve().parents[1]
 

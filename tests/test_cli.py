@@ -215,7 +215,7 @@ def test_a_crash_in_step_reduce_exits_3_with_the_traceback_in_the_run_dir(
     def boom(args: dict[str, Any]) -> int:
         raise RuntimeError("planted")
 
-    import replayjob.commands.deploy as deploy
+    import replayjob.commands.launch as deploy
 
     monkeypatch.setattr(deploy, "cmd_step", boom)
     run = tmp_path / "run"
@@ -264,7 +264,7 @@ def test_a_closed_output_never_changes_the_exit_code(argv: list[str], code: int,
 def test_an_error_raised_into_a_user_s_script_reads_as_the_cli_prints_it(tmp_path: Path) -> None:
     """The capture API raises into training scripts: ``str(exc)`` names where and how to fix, as the CLI does."""
     from replayjob.errors import ArtifactExistsError
-    from replayjob.integrations._files import refuse_existing
+    from replayjob.producers.api.files import refuse_existing
 
     (tmp_path / "metrics.json").write_text("{}")
     with pytest.raises(ArtifactExistsError) as info:

@@ -1,4 +1,4 @@
-"""The contention guard (replayjob/contention.py) and what reduce makes of its record.
+"""The contention guard (replayjob/runtime/contention_probe.py) and what reduce makes of its record.
 
 The thresholds are checked on stated figures (those measured on the 2-core development machine: a
 busy loop alone, and the same loop sharing its core with a CPU hog); one test plants a real CPU hog
@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from replayjob import contention
+from replayjob.artifacts.metrics import CONTENTION, read_replay
 from replayjob.cli import main
-from replayjob.contention import Probe, decide
 from replayjob.errors import IntegrityError
 from replayjob.gate import synthetic
 from replayjob.jsonio import pretty_bytes
-from replayjob.metrics import CONTENTION, read_replay
+from replayjob.runtime import contention_probe as contention
+from replayjob.runtime.contention_probe import Probe, decide
 
 BASE, SLOW = "mb-default", "mb-1"
 MB = "training.micro_batch_size"
@@ -259,8 +259,8 @@ def test_a_cpu_hog_during_one_blocks_replays_is_not_admitted(tmp_path: Path) -> 
     naming block 1's replays.  Other work on the machine may flag more replays; block 1's must be among them."""
     import contextlib
 
-    from replayjob import funnel as funnel_module
-    from replayjob.funnel import FUNNEL_FILE, STATUS
+    from replayjob.launch import funnel as funnel_module
+    from replayjob.launch.funnel import FUNNEL_FILE, STATUS
 
     spec = Path(__file__).resolve().parents[1] / "examples" / "ablation-microbatch.toml"
     saved = os.sched_getaffinity(0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import json
 import math
 import pkgutil
 import sys
@@ -34,9 +35,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import replayjob.artifacts
+from replayjob.artifacts.cluster_status import Stuck, stopped_record
 from replayjob.artifacts.document import Document, decode
-from replayjob.contention import Probe
 from replayjob.errors import IntegrityError
+from replayjob.runtime.contention_probe import Probe
 
 FLOAT_MAX = sys.float_info.max
 
@@ -75,16 +77,26 @@ def replay_metrics() -> dict[str, Any]:
     return doc
 
 
+def verdict() -> dict[str, Any]:
+    """A verdict as the reducer writes it (the committed golden one)."""
+    from pathlib import Path
+    return json.loads((Path(__file__).resolve().parent / "golden" / "verdict_exact_input.json").read_text())
+
+
 # One valid document per top-level declaration (a sub-document is exercised inside its parent).
 VALID: dict[str, Any] = {
     "ContentionRecord": contention_record,
     "TolerancesFile": lambda: {"update_cosine_min": 0.99, "relative_delta_l2_max": 0.1},
     "BoundFile": lambda: {"max_abs_log_ratio": 1e-4, "max_kl": 1e-8, "band": 0.001, "max_outside_share": 0.0},
     "ReplayMetrics": replay_metrics,
+    "VerdictDocument": verdict,
+    "Stopped": lambda: stopped_record("replay", "rj-run-replay", Stuck(pod="rj-run-replay-0-x", reason="Unschedulable",
+                                                                      message="0/3 nodes are available")),
 }
 NESTED = {"CudaProcess", "CudaFigures",  # reached through ContentionRecord.cuda (a CUDA record below)
           "Pins", "Timing", "Memory", "Padding", "Slot", "InProcess", "TracePin", "RoutingPin", "RankEntry",
-          "Distributed"}  # ReplayMetrics' sections
+          "Distributed",  # ReplayMetrics' sections
+          "VerdictCheck", "Refusal"}  # VerdictDocument's
 
 
 def test_every_declaration_has_a_valid_example_or_a_parent() -> None:
@@ -112,8 +124,9 @@ def _open_ends(t: mi.Type, at: str) -> list[str]:
         return _open_ends(t.item_type, f"{at}[]")
     if isinstance(t, mi.DictType):
         return _open_ends(t.key_type, f"{at}{{key}}") + _open_ends(t.value_type, f"{at}{{}}")
-    if isinstance(t, mi.StructType):
-        return [x for f in t.fields for x in _open_ends(f.type, f"{at}.{f.name}")]
+    if isinstance(t, mi.StructType):  # a block its declaration names OPAQUE (with the reason) is read whole
+        opaque = getattr(t.cls, "OPAQUE", {})
+        return [x for f in t.fields if f.name not in opaque for x in _open_ends(f.type, f"{at}.{f.name}")]
     return []
 
 
@@ -122,7 +135,7 @@ def test_no_declared_field_is_left_open(kind: type[Document]) -> None:
     ti = mi.type_info(kind)
     assert isinstance(ti, mi.StructType) and ti.forbid_unknown_fields
     # a block a declaration names OPAQUE (with the reason) is recorded or compared whole, never read field by field
-    exempt = {f"{kind.__name__}.{k}{{}}" for k in getattr(kind, "OPAQUE", {})}
+    exempt = {f"{kind.__name__}.{k}{tail}" for k in getattr(kind, "OPAQUE", {}) for tail in ("", "{}")}
     assert all(isinstance(why, str) and len(why) > 20 for why in getattr(kind, "OPAQUE", {}).values())
     assert [e for e in _open_ends(ti, kind.__name__) if e.split(":")[0] not in exempt] == []
 
@@ -227,7 +240,7 @@ CUDA = {"device": "cuda:0", "read_by": "nvidia-smi", "note": "",
 
 
 def cuda_record() -> dict[str, Any]:
-    from replayjob.contention import decide
+    from replayjob.runtime.contention_probe import decide
     rec = {**copy.deepcopy(EXAMPLES["ContentionRecord"]), "device": "cuda:0", "cuda": copy.deepcopy(CUDA)}
     rec["reasons"] = decide(rec)
     rec["contended"] = bool(rec["reasons"])
@@ -280,7 +293,8 @@ def _nan_equal(a: Any, b: Any) -> bool:
 # Each declared document's page names every one of its fields (a field cannot be checked and undocumented, nor
 # documented under a name the reader does not take): the declaration -> its page.
 PAGES = {"ReplayMetrics": "replay-metrics.md", "ContentionRecord": "replay-metrics.md",
-         "TolerancesFile": "verdict-format.md", "BoundFile": "mismatch.md"}
+         "TolerancesFile": "verdict-format.md", "BoundFile": "mismatch.md", "VerdictDocument": "verdict-format.md",
+         "VerdictCheck": "verdict-format.md", "Refusal": "verdict-format.md", "Stopped": "cluster.md"}
 
 
 @pytest.mark.parametrize("name", sorted(PAGES))
@@ -300,8 +314,8 @@ def test_claims_are_declared_once() -> None:
 
     from replayjob import cli
     from replayjob.artifacts import claims
-    from replayjob.deploy import ablation
-    from replayjob.gate.verdict import VerdictDocument
+    from replayjob.artifacts import spec as ablation
+    from replayjob.artifacts.verdict import VerdictDocument
     ftype = next(f.type for f in mi.type_info(VerdictDocument).fields  # type: ignore[attr-defined]
                  if f.name == "claim")
     assert isinstance(ftype, mi.LiteralType) and sorted(ftype.values) == sorted(claims.NAMES)

@@ -36,10 +36,10 @@ import yaml
 from k8s_emulator import NS, Cluster, kubeconfig, serve
 from kubernetes import client
 
+from replayjob.artifacts.spec import load_spec_text
 from replayjob.cli import main
-from replayjob.deploy import k8s
-from replayjob.deploy.ablation import load_spec_text
-from replayjob.deploy.submit import Api
+from replayjob.launch import k8s
+from replayjob.launch.submit import Api
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)
@@ -468,7 +468,7 @@ def test_argo_a_failed_capture_still_ends_in_a_verdict_that_argo_wait_returns(
     """The capture fails (here: its template provisions another rank count than the spec's, refused
     before any work); no replay runs, the reducer does and writes an incomplete verdict (nothing was
     decided); the Workflow's status then gives `replayjob argo wait` the reduce step's code, 3."""
-    from replayjob.deploy.workflow import workflow_code
+    from replayjob.launch.workflow import workflow_code
 
     emu = ArgoEmulator(rendered / "argo.yaml", tmp_path / "artifacts", "1111-uid")
     cmd = emu.templates["capture"]["container"]["command"]

@@ -1,4 +1,4 @@
-"""``replayjob.launch``: an srun task's Slurm variables mapped to torch.distributed's.
+"""``replayjob.runtime.slurm_ranks``: an srun task's Slurm variables mapped to torch.distributed's.
 
 The mapping is checked value by value, its refusals by name, and for real: two processes given the
 variables srun would give two tasks of one job form a gloo process group through the mapped
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from replayjob import launch
 from replayjob.errors import ConfigError, UsageError
+from replayjob.runtime import slurm_ranks as launch
 
 pytestmark = pytest.mark.alone  # two tasks form a gloo group on a fixed port: run alone on the host
 
@@ -112,7 +112,7 @@ def test_two_tasks_form_a_gloo_group_through_the_mapped_environment() -> None:
 
 
 def test_the_one_launch_function_picks_torchrun_or_srun() -> None:
-    from replayjob import distributed
+    from replayjob.runtime import distributed
 
     argv = ["capture", "source.toml", "--out", "src"]
     assert distributed.launch_command(2, argv)[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -125,7 +125,7 @@ def test_the_one_launch_function_picks_torchrun_or_srun() -> None:
 def test_a_refused_srun_task_records_its_refusal(tmp_path: Path) -> None:
     """Its Slurm variables refused, a task (``python -m replayjob`` marked as one) records exit 2, so the
     launch reports the refusal, not a killed rank (3, which the Slurm scripts would requeue)."""
-    from replayjob import distributed
+    from replayjob.runtime import distributed
 
     env = {k: v for k, v in os.environ.items()
            if k not in ("SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_JOB_ID", "RANK")}
@@ -152,7 +152,7 @@ def test_an_interrupted_launch_stops_the_launcher_s_whole_process_group(tmp_path
     import signal
     import threading
 
-    from replayjob import distributed
+    from replayjob.runtime import distributed
 
     pids = tmp_path / "pids"
     cmd = ["sh", "-c", f'sleep 120 & echo "$$ $!" > {pids}; wait']
@@ -186,7 +186,7 @@ def test_an_interrupted_launch_stops_the_launcher_s_whole_process_group(tmp_path
 
 
 def test_a_finished_launch_returns_its_exit_code_and_output() -> None:
-    from replayjob import distributed
+    from replayjob.runtime import distributed
 
     done = distributed.run_group([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"], dict(os.environ))
     assert done.returncode == 3 and done.stdout.strip() == "out"

@@ -27,9 +27,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from replayjob.deploy import argo, k8s, step
-from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec, Arm, load_spec_text
+from replayjob.artifacts.spec import DETERMINISM_ENV, AblationSpec, Arm, load_spec_text
 from replayjob.errors import ConfigError
+from replayjob.launch import argo, k8s, step
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "examples" / "ablation.toml"

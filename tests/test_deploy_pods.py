@@ -13,9 +13,10 @@ import msgspec
 import pytest
 from test_deploy_manifests import SPEC, schema_errors, semantic_problems
 
-from replayjob.deploy import argo, k8s, pods
-from replayjob.deploy.ablation import DETERMINISM_ENV, load_spec_text, spec_from_text
+from replayjob.artifacts import pods
+from replayjob.artifacts.spec import DETERMINISM_ENV, load_spec_text, spec_from_text
 from replayjob.errors import ConfigError
+from replayjob.launch import argo, k8s
 
 Doc = dict[str, Any]
 PODS = """
@@ -173,7 +174,7 @@ def test_the_committed_workflow_is_named_from_the_content_it_runs() -> None:
 def test_a_run_of_a_customised_spec_is_recorded_and_fingerprinted(customised: tuple[Any, str], tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The run record holds [pods] as data, and two specs that differ only there are two runs."""
-    from replayjob.deploy import step
+    from replayjob.launch import step
 
     spec, _ = customised
     plain, _ = load_spec_text(SPEC)

@@ -13,8 +13,7 @@ import pytest
 from conftest import REPO
 from test_deploy_manifests import all_docs
 
-from replayjob.deploy import argo
-from replayjob.deploy.outcome import decisive_code
+from replayjob.artifacts.cluster_status import decisive_code
 from replayjob.errors import (
     FINAL_EXIT_STATUSES,
     NegativeVerdict,
@@ -23,6 +22,7 @@ from replayjob.errors import (
     error_for_exit_status,
     is_retryable,
 )
+from replayjob.launch import argo
 
 STATUSES = range(0, 256)
 LIB = REPO / "scripts" / "slurm" / "lib.sh"
@@ -82,8 +82,8 @@ def test_the_driver_s_decisive_code() -> None:
     assert decisive_code({0}) is None and decisive_code(set()) is None
 
 
-@pytest.mark.parametrize("path", ["replayjob/check/determinism_check.py", "replayjob/optbatch/replay.py",
-                                  "replayjob/deploy/submit.py", "replayjob/deploy/outcome.py"])
+@pytest.mark.parametrize("path", ["replayjob/check/determinism_check.py", "replayjob/producers/builtin/replay.py",
+                                  "replayjob/launch/submit.py", "replayjob/artifacts/cluster_status.py"])
 def test_python_callers_import_the_declaration_and_spell_no_code(path: str) -> None:
     source = (REPO / path).read_text(encoding="utf-8")
     assert re.search(r"\b(is_retryable|error_for_exit_status|FINAL_EXIT_STATUSES)\b", source), path
@@ -112,7 +112,7 @@ def test_argo_retries_are_bounded_by_count_and_the_pod_deadline_not_wall_time() 
     """backoff.maxDuration counts from the first attempt, Pending time in a GPU queue included, and
     overrides a retried pod's deadline: it must not bound the retries; the count and each attempt's own
     activeDeadlineSeconds do."""
-    from replayjob.deploy import k8s
+    from replayjob.launch import k8s
 
     templates = [(d, t) for _, d in all_docs() if d.get("kind") == "WorkflowTemplate" for t in d["spec"]["templates"]
                  if "container" in t]

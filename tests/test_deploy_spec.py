@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
-from replayjob import determinism
+from replayjob.artifacts.spec import DETERMINISM_ENV, AblationSpec, Arm, Run, Value, load_spec
 from replayjob.cli import main
-from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec, Arm, Run, Value, load_spec
 from replayjob.errors import ConfigError
+from replayjob.runtime import determinism
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "examples" / "ablation.toml"
@@ -32,7 +32,7 @@ repeats = 2
 
 def stages(path: Path) -> dict[str, Any]:
     """The stage Jobs the driver creates for the spec at ``path`` (run id r1)."""
-    from replayjob.deploy import k8s
+    from replayjob.launch import k8s
 
     return k8s.stage_jobs(load_spec(path), "r1")
 
@@ -91,8 +91,8 @@ def test_a_render_needs_a_storage_class(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_cpu_and_memory_are_per_rank_and_the_pod_s_threads_are_shared_among_its_ranks(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from replayjob.deploy.ablation import scale_quantity
-    from replayjob.launch import rank_thread_env
+    from replayjob.artifacts.spec import scale_quantity
+    from replayjob.runtime.slurm_ranks import rank_thread_env
 
     assert [scale_quantity(q, n) for q, n in (("8", 4), ("64Gi", 2), ("0.5", 3), ("500m", 4), ("1.25", 4))] == [
         "32", "128Gi", "1.5", "2000m", "5"]
@@ -320,12 +320,12 @@ def test_a_trailing_newline_is_refused_at_plan_and_render(tmp_path: Path, old: s
 
 
 def test_slots_and_bare_names_are_matched_over_the_whole_string() -> None:
-    from replayjob.deploy.schedule import parse_slot
+    from replayjob.artifacts.schedule import parse_slot
     from replayjob.errors import ReplayjobError, UsageError
 
     assert parse_slot("abba:1:2:3").block == 2
     with pytest.raises(UsageError):
         parse_slot("abba:1:2:3\n")
-    from replayjob import metrics
+    from replayjob.artifacts import metrics
     with pytest.raises(ReplayjobError, match="bare file name"):
         metrics._manifest_name({metrics.MANIFEST_PATH: "manifest.json\n"}, Path("metrics.json"))

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from replayjob.artifacts.spec import DETERMINISM_ENV, AblationSpec, Arm, load_spec, spec_from_dict
 from replayjob.cli import main
-from replayjob.deploy import step
-from replayjob.deploy.ablation import DETERMINISM_ENV, AblationSpec, Arm, load_spec, spec_from_dict
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError, UsageError
 from replayjob.gate import synthetic
 from replayjob.gate.reducer import Request, reduce_evidence
 from replayjob.jsonio import pretty_bytes
+from replayjob.launch import step
 
 SPEC = """\
 name = "unit"
@@ -318,7 +318,7 @@ def test_same_hardware_passes_and_a_malformed_host_is_refused(tmp_path: Path) ->
 
 def test_a_paired_schedule_maps_indices_to_blocks_and_slots(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    from replayjob.deploy.schedule import plan
+    from replayjob.artifacts.schedule import plan
 
     budgets = tmp_path / "budgets.toml"
     budgets.write_text('[ckpt-on]\nlocal_train_wall_s = { max_ratio = 2.0 }\n', encoding="utf-8")
@@ -455,7 +455,7 @@ def test_a_step_stopped_by_sigterm_exits_3_without_a_traceback(tmp_path: Path) -
 SWALLOWING_STEP = """
 import os, signal, sys, time
 from replayjob import cli
-from replayjob.commands import deploy
+from replayjob.commands import launch as deploy
 
 def step_inside_a_library_that_catches_everything(args):
     try:  # an import probe or a retry loop in a library: SIGTERM arrives in here

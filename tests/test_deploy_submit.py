@@ -5,7 +5,7 @@ No cluster exists here.  The emulator (tests/k8s_emulator.py) answers the API ca
 (read the setup, create a ConfigMap and Jobs, read and patch them, read a Job's status and pods) with
 Kubernetes-shaped JSON, assigns every created object a uid, and plays the Job controller by finishing
 each stage Job with an exit code the test scripts.  A created driver Job gets a pod (registered with
-the emulator, labelled by the Job controller's labels) whose driver, `replayjob.deploy.driver.drive`,
+the emulator, labelled by the Job controller's labels) whose driver, `replayjob.launch.k8s_driver.drive`,
 runs in a thread with the emulator as its API server, as `replayjob k8s drive` runs in the cluster;
 its return value finishes the driver Job.  The requests, their paths and bodies, and the client's
 (de)serialisation are real.
@@ -30,11 +30,12 @@ import yaml
 from k8s_emulator import NS, Cluster, as_sent, kubeconfig, serve, verdict_text
 from kubernetes import client
 
+from replayjob.artifacts.spec import Arm, load_spec_text, spec_from_text
 from replayjob.cli import main
-from replayjob.deploy import driver, k8s
-from replayjob.deploy.ablation import Arm, load_spec_text, spec_from_text
-from replayjob.deploy.submit import Api, submit
 from replayjob.errors import ArtifactExistsError, OperationalError, ReplayjobError
+from replayjob.launch import k8s
+from replayjob.launch import k8s_driver as driver
+from replayjob.launch.submit import Api, submit
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "examples" / "ablation.toml"
@@ -492,7 +493,7 @@ def test_a_driver_job_s_condition_alone_never_passes(
 
 
 def submit_wait(api: client.ApiClient, run_id: str) -> int:
-    from replayjob.deploy.submit import wait_driver
+    from replayjob.launch.submit import wait_driver
 
     return wait_driver(fast_api(api), NS, f"replayjob-ablation-{run_id}-driver", f"replayjob-ablation-{run_id}-spec",
                        0.001, lambda s: None)
@@ -617,7 +618,7 @@ def test_a_driver_create_whose_reply_was_lost_is_adopted(
 def test_waits_have_a_deadline_of_their_own(cluster: tuple[Cluster, client.ApiClient]) -> None:
     """A Job that never gets conditions is not polled forever: exit 3 after its deadline (time suspended
     by a queue not counted)."""
-    from replayjob.deploy.submit import wait_driver
+    from replayjob.launch.submit import wait_driver
 
     state, api = cluster
     spec, text = load_spec_text(SPEC)

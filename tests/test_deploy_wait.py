@@ -1,7 +1,7 @@
 """`replayjob argo wait WORKFLOW`: the reduce step's exit code (0/1/2/3) from a Workflow's status.
 
 The Workflow status documents in tests/workflows/ are validated against the vendored Argo schemas,
-then read by :func:`replayjob.deploy.workflow.workflow_code` directly and served by the Kubernetes
+then read by :func:`replayjob.launch.workflow.workflow_code` directly and served by the Kubernetes
 API emulator (tests/k8s_emulator.py) to the real kubernetes client behind the CLI.
 """
 
@@ -18,9 +18,9 @@ from kubernetes import client
 from test_deploy_manifests import ARGO_VERSIONS, argo_errors
 
 from replayjob.cli import main
-from replayjob.deploy.submit import Api
-from replayjob.deploy.workflow import wait, wait_for_workflow, workflow_code
 from replayjob.errors import OperationalError
+from replayjob.launch.submit import Api
+from replayjob.launch.workflow import wait, wait_for_workflow, workflow_code
 
 DOCS = Path(__file__).resolve().parent / "workflows"
 NAME = "replayjob-ablation-7xk2p"

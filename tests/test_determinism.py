@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replayjob import determinism
 from replayjob.errors import DeterminismError
+from replayjob.runtime import determinism
 
 
 @pytest.fixture(autouse=True)

@@ -26,11 +26,11 @@ from typing import Any
 import pytest
 import torch
 
-from replayjob import distributed
+from replayjob.artifacts.metrics import FINAL_ADAPTER, LOGICAL, MANIFEST, PIN_KEYS, rank_file
 from replayjob.cli import main
 from replayjob.errors import ConfigError, ContractError
-from replayjob.metrics import FINAL_ADAPTER, LOGICAL, MANIFEST, PIN_KEYS, rank_file
 from replayjob.rl.batch import OptimizerBatch
+from replayjob.runtime import distributed
 
 pytestmark = pytest.mark.alone  # ranks under torchrun rendezvous (gloo): run alone on the host
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from conftest import REPO, assert_golden
 
+from replayjob.artifacts.spec import AblationSpec, CaptureRef
 from replayjob.config.reference import reference_markdown
-from replayjob.deploy.ablation import AblationSpec, CaptureRef
-from replayjob.deploy.reference import budgets_markdown, spec_markdown
-from replayjob.deploy.reference import main as reference_main
 from replayjob.gate.budgets import KIND_DOCS, KINDS, MEMORY_METRIC, METRIC_DOCS, TIME_METRICS, read_budgets
+from replayjob.launch.reference import budgets_markdown, spec_markdown
+from replayjob.launch.reference import main as reference_main
 
 
 def test_config_reference_is_current() -> None:
@@ -23,7 +23,7 @@ def test_config_reference_is_current() -> None:
 
 def test_spec_reference_is_current() -> None:
     path = REPO / "docs" / "spec.md"
-    assert_golden(path, spec_markdown().encode("utf-8"))  # or: python -m replayjob.deploy.reference spec > docs/spec.md
+    assert_golden(path, spec_markdown().encode("utf-8"))  # or: python -m replayjob.launch.reference spec > docs/spec.md
 
 
 def test_budgets_reference_is_current() -> None:

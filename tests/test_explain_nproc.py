@@ -72,8 +72,8 @@ def test_a_capture_refuses_a_trainer_on_fewer_processes_than_launched(trl_base: 
     launched processes' group) is refused before training, and a one-process run records that none was asked."""
     from conftest import grpo
 
-    from replayjob.integrations import capture as cap
-    from replayjob.integrations.trl import capture_optimizer_batch
+    from replayjob.producers.api import capture as cap
+    from replayjob.producers.trl.producer import capture_optimizer_batch
 
     trainer, _ = grpo(trl_base, tmp_path / "a", train=False)
     launched = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}

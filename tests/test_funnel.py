@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from replayjob import funnel as funnel_module
 from replayjob.cli import main
-from replayjob.funnel import FUNNEL_FILE, STATUS
+from replayjob.launch import funnel as funnel_module
+from replayjob.launch.funnel import FUNNEL_FILE, STATUS
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.alone  # stage 3 times warm updates: run alone on the host
@@ -43,7 +43,7 @@ def funnel(out: Path, *args: str, repeats: int = 2) -> tuple[int, dict[str, Any]
 
 @pytest.fixture
 def in_process_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``replayjob.funnel.cli_step`` with the same command and log, run by ``main`` in this process."""
+    """``replayjob.launch.funnel.cli_step`` with the same command and log, run by ``main`` in this process."""
     def cli_step(args: Sequence[object], log: Path) -> int:
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("a", encoding="utf-8") as fh:
@@ -182,9 +182,9 @@ def test_the_specs_mixed_hardware_reaches_the_funnels_verdict(tmp_path: Path, mi
     """Stage 3's look is `replayjob step reduce` (here in this process): the spec's `mixed_hardware` decides
     whether replays on two torch builds are refused.  The evidence is synthetic (replayjob.gate.synthetic,
     no training), laid out as the steps lay it out."""
-    from replayjob.deploy import step
-    from replayjob.funnel import Funnel, Options
     from replayjob.gate import synthetic
+    from replayjob.launch import step
+    from replayjob.launch.funnel import Funnel, Options
 
     text = SPEC.read_text().replace("repeats = 3\n", f"repeats = 3\nmixed_hardware = {str(mixed).lower()}\n")
     (spec := tmp_path / "spec.toml").write_text(text)
@@ -301,7 +301,7 @@ def scripted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, looks: list[dict[s
              **options: Any) -> tuple[Any, Any, list[int], list[int]]:
     """Stage 3's loop with every step faked: replays record their index, each reduce returns the next of
     ``looks`` (and the blocks it read).  Returns the funnel, its stage, the replay indexes and the looks' blocks."""
-    from replayjob.funnel import Funnel, Options, Stage
+    from replayjob.launch.funnel import Funnel, Options, Stage
 
     ran: list[int] = []
     seen: list[int] = []
@@ -382,7 +382,7 @@ def test_contention_twice_is_reported_exit_3(tmp_path: Path, monkeypatch: pytest
 
 
 def test_render_says_inconclusive_rather_than_a_wide_interval() -> None:
-    from replayjob.funnel import render
+    from replayjob.launch.funnel import render
 
     arm = {"median_step_wall_s": 0.5, "median_warm_wall_s": 0.4, "step_ratio": [1.2, 0.04, 30.0],
            "decision": "undecided", "peak_memory_ratio": 1.0, "memory_kind": ["max_rss"],

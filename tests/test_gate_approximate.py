@@ -15,7 +15,7 @@ from replayjob.cli import main
 from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
 from replayjob.gate import synthetic, updates
-from replayjob.knobs import GRADIENT_CHECKPOINTING as GC_KEY
+from replayjob.runtime.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 
 OFF, ON = "baseline", "gradient_checkpointing=true"
 ARMS: dict[str, dict[str, Any]] = {OFF: {}, ON: {GC_KEY: True}}

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
+from replayjob.artifacts.schedule import parse_slot, plan
+from replayjob.artifacts.verdict import outcome
 from replayjob.cli import main
-from replayjob.deploy.schedule import parse_slot, plan
 from replayjob.errors import IntegrityError, UsageError
 from replayjob.gate import synthetic
 from replayjob.gate.budgets import more_blocks, read_budgets
-from replayjob.gate.verdict import outcome
 
 BASE, SLOW = "mb-default", "mb-1"
 MB = "training.micro_batch_size"

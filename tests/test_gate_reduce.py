@@ -13,7 +13,7 @@ import pytest
 from replayjob.cli import main
 from replayjob.gate import synthetic
 from replayjob.jsonio import pretty_bytes
-from replayjob.knobs import GRADIENT_CHECKPOINTING as GC_KEY
+from replayjob.runtime.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 
 OFF, ON = "baseline", "gradient_checkpointing=true"
 ARMS: dict[str, dict[str, Any]] = {OFF: {}, ON: {GC_KEY: True}}
@@ -436,9 +436,10 @@ TWO_KNOBS: dict[str, Any] = {"distributed.world_size": 2, "distributed.strategy"
 
 def _over_two_ranks(f: Path) -> None:
     """Rewrite one synthetic replay as a replay over two ranks: each rank's figures in its rank file, the
-    merged figures and the ``distributed`` record in replay_metrics.json (as replayjob.optbatch.replay writes)."""
+    merged figures and the ``distributed`` record in replay_metrics.json (as
+    replayjob.producers.builtin.replay writes)."""
+    from replayjob.artifacts.metrics import RANK_SCHEMA, merge_ranks, rank_file
     from replayjob.digest import sha256_bytes
-    from replayjob.metrics import RANK_SCHEMA, merge_ranks, rank_file
 
     doc = json.loads(f.read_text())
     ranks = []
@@ -585,9 +586,9 @@ def test_a_capture_manifest_that_seals_nothing_is_refused(ev: synthetic.Evidence
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """A manifest without ``outcome`` (written before the seal) pins none of the source numbers: the evidence is
     refused, whatever the numbers say (every pin renewed, so nothing else differs)."""
+    from replayjob.artifacts import capture_manifest as mf
     from replayjob.digest import sha256_bytes
     from replayjob.jsonio import canonical_bytes
-    from replayjob.optbatch import manifest as mf
 
     path = ev.source / mf.manifest_name(0)
     doc = json.loads(path.read_bytes())

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from conftest import assert_golden
 
+from replayjob.artifacts.verdict import VERDICT_SCHEMA, incomplete, outcome, read_verdict
 from replayjob.cli import main
 from replayjob.errors import IntegrityError
 from replayjob.gate import synthetic
-from replayjob.gate.verdict import VERDICT_SCHEMA, incomplete, outcome, read_verdict
-from replayjob.knobs import GRADIENT_CHECKPOINTING as GC_KEY
+from replayjob.runtime.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "verdict_bitwise.json"  # the other goldens: tests/test_golden.py
@@ -81,7 +81,7 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
 def test_reduce_prints_the_comparison_table_and_each_budget_decision(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """The ratios and budget decisions are on the console, not only in the JSON and the report."""
-    from replayjob.gate.verdict import console_table
+    from replayjob.artifacts.verdict import console_table
 
     _reduce(tmp_path, "exact-input")
     out = capsys.readouterr().out.splitlines()

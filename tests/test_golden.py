@@ -16,16 +16,16 @@ import torch
 from conftest import GOLDEN, assert_golden
 from safetensors.torch import save
 
+from replayjob.artifacts import capture_manifest as mf
+from replayjob.artifacts import capture_payload as payload
 from replayjob.bundle import load_bundle
 from replayjob.bundle.synthetic import write_rollout
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes, sha256_file
 from replayjob.gate import synthetic
 from replayjob.jsonio import pretty_bytes
-from replayjob.knobs import GRADIENT_CHECKPOINTING as GC_KEY
-from replayjob.optbatch import manifest as mf
-from replayjob.optbatch import payload
 from replayjob.rl.batch import OptimizerBatch
+from replayjob.runtime.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 
 ARMS = {"baseline": {}, "gradient_checkpointing=true": {GC_KEY: True}}
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import run_cli
 
-from replayjob.deploy.ablation import DETERMINISM_ENV
+from replayjob.artifacts.spec import DETERMINISM_ENV
 from replayjob.digest import sha256_file
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,

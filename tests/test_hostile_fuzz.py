@@ -195,7 +195,7 @@ def sources(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 @given(data=st.data())
 def test_capture_manifest_mutations_never_pass_the_pin(data: st.DataObject, sources: dict[str, Path],
                                                        tmp_path_factory: pytest.TempPathFactory) -> None:
-    from replayjob.optbatch import manifest
+    from replayjob.artifacts import capture_manifest as manifest
 
     _manifest_mutation_never_passes_the_pin(data, next(sources["capture"].glob("*.manifest.json")),
                                             manifest.read_verified, tmp_path_factory.mktemp("man"))
@@ -224,7 +224,7 @@ def _manifest_mutation_never_passes_the_pin(data: st.DataObject, src: Path, read
 @given(data=st.data())
 def test_capture_payload_mutations_are_refused_or_decode_as_safetensors_reads_them(
         data: st.DataObject, sources: dict[str, Path]) -> None:
-    from replayjob.optbatch import payload
+    from replayjob.artifacts import capture_payload as payload
 
     original = next(sources["capture"].glob("*.safetensors")).read_bytes()
     blob = mutate(data, original)
@@ -313,7 +313,7 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def trace_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from test_trace_evidence import _trace
 
-    from replayjob.trace.store import write_trace
+    from replayjob.artifacts.trace_store import write_trace
 
     d = tmp_path_factory.mktemp("trace") / "run"
     write_trace(d, _trace())
@@ -326,7 +326,7 @@ def test_trace_mutations_are_refused_or_read_as_the_original_values(
         data: st.DataObject, trace_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Every byte of a trace is pinned (index -> payload -> per-row digests recomputed from the values):
     a mutation, even with every pin re-sealed, is refused or changes nothing that is compared."""
-    from replayjob.trace.store import INDEX_FILE, PAYLOAD_FILE, TRACE_DIR, read_trace
+    from replayjob.artifacts.trace_store import INDEX_FILE, PAYLOAD_FILE, TRACE_DIR, read_trace
 
     original = read_trace(trace_dir)
     d = tmp_path_factory.mktemp("trace") / "run"
@@ -393,8 +393,8 @@ def test_run_record_mutations_are_refused_or_name_this_run(data: st.DataObject,
                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
     from conftest import REPO
 
-    from replayjob.deploy import step
-    from replayjob.deploy.ablation import load_spec
+    from replayjob.artifacts.spec import load_spec
+    from replayjob.launch import step
 
     spec = load_spec(REPO / "examples" / "ablation.toml")
     layout = step.Layout.of(tmp_path_factory.mktemp("run") / "r")
@@ -436,7 +436,7 @@ def test_multi_rank_bundle_mutations_are_refused_or_load_as_exactly_the_original
 @given(data=st.data())
 def test_integration_manifest_mutations_never_pass_the_pin(data: st.DataObject, trl_capture: dict[str, Any],
                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
-    from replayjob.integrations import manifest
+    from replayjob.artifacts import api_manifest as manifest
 
     _manifest_mutation_never_passes_the_pin(data, next(trl_capture["dir"].glob("*.manifest.json")),
                                             manifest.read_verified, tmp_path_factory.mktemp("iman"))
@@ -457,8 +457,9 @@ def test_multi_rank_capture_mutations_are_refused_or_read_as_the_original_batch(
         data: st.DataObject, two_rank_capture: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Every file of a capture over ranks (root manifest, each rank's manifest, payload and landing
     record) is pinned from the root, whose SHA-256 the user holds: a mutation is refused or is a no-op."""
-    from replayjob.optbatch import manifest as mf
-    from replayjob.optbatch import rankrows, ranks
+    from replayjob.artifacts import capture_manifest as mf
+    from replayjob.artifacts import capture_root as ranks
+    from replayjob.producers.builtin import rows as rankrows
 
     root_file = two_rank_capture / mf.manifest_name(0)
     pin = sha256_bytes(root_file.read_bytes())

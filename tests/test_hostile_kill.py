@@ -1,7 +1,7 @@
 """Crash safety: SIGKILL writers at deterministic write boundaries, then verify what remains and rerun.
 
 One driver process (this file run as a script) imports replayjob once, runs each writer once with
-``REPLAYJOB_FAULT_TRACE`` to list the boundaries it passes (``replayjob/faults.py``), then for each
+``REPLAYJOB_FAULT_TRACE`` to list the boundaries it passes (``replayjob/crashpoints.py``), then for each
 chosen boundary N forks a child that runs the same command with ``REPLAYJOB_FAULT_POINT=*:N`` and so
 SIGKILLs itself there.  After each kill the driver checks that what remains is absent, complete and
 verifiable, or incomplete and refused by its reader; then reruns the command on the same directory:
@@ -57,9 +57,10 @@ def verify_train(out: Path) -> str:
 
 def verify_capture(out: Path) -> str:
     """A manifest in place must verify with its payload; 'complete' also needs metrics.json to pin it."""
+    from replayjob.artifacts import capture_manifest as manifest
+    from replayjob.artifacts import capture_payload as payload
     from replayjob.digest import sha256_file
     from replayjob.jsonio import read_json_object
-    from replayjob.optbatch import manifest, payload
 
     found = sorted(out.glob("*.manifest.json")) if out.is_dir() else []
     for m in found:
@@ -111,7 +112,7 @@ VERIFIERS: dict[str, Callable[[Path], str]] = {"train": verify_train, "capture":
 def _spawn(argv: list[str], log: Path, spec: str | None = None, trace: Path | None = None,
            env: dict[str, str] | None = None) -> int:
     """Fork a child that runs ``main(argv)`` with its output in ``log``; return its pid."""
-    from replayjob import faults
+    from replayjob import crashpoints as faults
     from replayjob.cli import main
 
     sys.stdout.flush()
@@ -284,7 +285,7 @@ def check_points(result: dict[str, Any]) -> None:
 
 
 def test_fault_points_cost_nothing_and_reject_a_bad_spec(tmp_path: Path) -> None:
-    from replayjob import faults
+    from replayjob import crashpoints as faults
     from replayjob.errors import UsageError
     from replayjob.fsio import atomic_write_bytes
 

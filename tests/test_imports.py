@@ -115,21 +115,25 @@ def _imports_of(*modules: str) -> dict[str, list[str]]:
 
 def test_the_trainer_imports_no_capture_package_and_captures_import_the_protocol_not_the_trainer() -> None:
     """The hook protocol (replayjob.rl.hooks) is the one meeting point of trainer and captures."""
-    seen = _imports_of("replayjob.rl.trainer", "replayjob.optbatch.capture", "replayjob.bundle.hook")
-    trainer = seen["replayjob.rl.trainer"]
+    seen = _imports_of("replayjob.producers.builtin.trainer", "replayjob.producers.builtin.capture",
+                      "replayjob.bundle.hook")
+    trainer = seen["replayjob.producers.builtin.trainer"]
     assert "replayjob.rl.hooks" in trainer
-    assert not [m for m in trainer if m.startswith(("replayjob.optbatch", "replayjob.bundle"))], trainer
-    source = (Path(__file__).resolve().parents[1] / "replayjob" / "rl" / "trainer.py").read_text()
-    assert "replayjob.optbatch" not in source and "replayjob.bundle" not in source  # no lazy import either
-    for capture in ("replayjob.optbatch.capture", "replayjob.bundle.hook"):
+    # the trainer's own folder holds the captures: none of them (nor the capture API, nor the bundle hook) loads
+    captures = [m for m in trainer if m.startswith(("replayjob.producers.", "replayjob.bundle"))
+                and m not in ("replayjob.producers.builtin", "replayjob.producers.builtin.trainer")]
+    assert captures == [], trainer
+    source = (Path(__file__).resolve().parents[1] / "replayjob" / "producers" / "builtin" / "trainer.py").read_text()
+    assert "replayjob.producers" not in source and "replayjob.bundle" not in source  # no lazy import either
+    for capture in ("replayjob.producers.builtin.capture", "replayjob.bundle.hook"):
         assert "replayjob.rl.hooks" in seen[capture], (capture, seen[capture])
-        assert "replayjob.rl.trainer" not in seen[capture], (capture, seen[capture])
+        assert "replayjob.producers.builtin.trainer" not in seen[capture], (capture, seen[capture])
 
 
 def test_the_public_api_is_at_the_package_top_and_imports_nothing_heavy() -> None:
     code = ("import sys, replayjob\n"
             "assert not [m for m in ('torch', 'transformers', 'trl') if m in sys.modules], sys.modules.keys()\n"
-            "assert replayjob.StepCapture.__module__ == 'replayjob.integrations.capture'\n"
+            "assert replayjob.StepCapture.__module__ == 'replayjob.producers.api.capture'\n"
             "assert 'trl' not in sys.modules  # the capture API alone imports no framework\n"
             "from replayjob import ChosenSteps, MicroStep, Outcome, PRODUCERS, Session, Target, main, optimizer_step\n"
             "assert set(PRODUCERS) == {'replayjob', 'trl', 'torch', 'verl'}\n"

@@ -5,7 +5,7 @@ above.  ``if TYPE_CHECKING:`` holds heavy third-party names for annotations only
 module: one imported there would be an edge these rules do not see (a hidden cycle or upward import).  The
 README's file tree shows the same floors:
 
-  core -> config -> runtime -> artifacts -> producers -> analysis -> launch -> cli
+  core -> config -> runtime -> artifacts -> producers -> analysis -> launch -> cli (-> deprecated paths)
 
 Two more rules keep the floors honest: no two modules import each other (directly or in a ring, imports
 inside functions counted), and every import of a replayjob module is at the top of its file: only the heavy
@@ -30,25 +30,22 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "replayjob"
 
-# (layer, the modules in it: a dotted prefix, or "=name" for exactly that module)
+# (layer, its folders under replayjob/). "." is the package's own top: the modules directly in replayjob/ (the
+# core: errors, digests, JSON, files, the safetensors codec, the producer registry) but for the entry points,
+# which are named as files in the cli layer.  A module's folder is its layer; a new folder belongs to none until
+# it is placed here.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("core", ("=replayjob", "replayjob.errors", "replayjob.redact", "replayjob.digest", "replayjob.jsonio",
-              "replayjob.fsio", "replayjob.faults", "replayjob.streams", "replayjob.tensorfile", "replayjob.hostinfo",
-              "replayjob.contention", "=replayjob.producers")),
-    ("config", ("replayjob.config",)),
-    ("runtime", ("replayjob.launch", "replayjob.distributed", "replayjob.determinism", "replayjob.model",
-                 "replayjob.rl", "replayjob.knobs")),
-    ("artifacts", ("replayjob.artifacts", "replayjob.metrics", "replayjob.optbatch.manifest",
-                   "replayjob.optbatch.payload", "replayjob.optbatch.ranks", "replayjob.integrations.manifest",
-                   "replayjob.trace.store",
-                   "replayjob.deploy.schedule", "replayjob.deploy.ablation",
-                   "replayjob.deploy.pods")),  # the spec (and its [pods] table): an input record
-    ("producers", ("replayjob.producers", "replayjob.optbatch", "replayjob.integrations", "replayjob.rl.trainer",
-                   "replayjob.trace.recorder", "replayjob.trace.fault")),
-    ("analysis", ("replayjob.bundle", "replayjob.trace", "replayjob.gate", "replayjob.check", "replayjob.mismatch")),
-    ("launch", ("replayjob.deploy", "replayjob.source_run", "replayjob.workspace", "replayjob.funnel")),
-    ("cli", ("replayjob.cli", "replayjob.commands", "replayjob.__main__")),
+    ("core", (".",)),
+    ("config", ("config",)),
+    ("runtime", ("runtime", "model", "rl")),
+    ("artifacts", ("artifacts",)),
+    ("producers", ("producers",)),
+    ("analysis", ("bundle", "trace", "gate", "check", "mismatch")),
+    ("launch", ("launch",)),
+    ("cli", ("commands", "cli.py", "__main__.py")),
+    ("deprecated", ("integrations",)),  # old import paths kept for one release; nothing of replayjob imports them
 )
+LAYER = {name: i for i, (name, _) in enumerate(LAYERS)}
 
 
 @functools.cache
@@ -62,16 +59,20 @@ def modules() -> dict[str, Path]:
 
 
 def layer_of(module: str) -> int | None:
-    """The index of ``module``'s layer (the most specific entry wins), or None when it has none."""
-    best: tuple[int, int] | None = None
-    for i, (_, entries) in enumerate(LAYERS):
-        for e in entries:
-            if e.startswith("="):
-                if module == e[1:]:
-                    return i
-            elif (module == e or module.startswith(e + ".")) and (best is None or len(e) > best[1]):
-                best = (i, len(e))
-    return best[0] if best else None
+    """The index of ``module``'s layer: its folder's, or the core's for a module directly in replayjob/ (the
+    entry points aside), or None when its folder is in no layer."""
+    parts = module.split(".")
+    if parts[0] != "replayjob":
+        return None
+    top = parts[1] if len(parts) > 1 else None
+    for i, (_, folders) in enumerate(LAYERS):
+        if top is None and "." in folders:
+            return i
+        if top is not None and (top in folders or (len(parts) == 2 and f"{top}.py" in folders)):
+            return i
+    if top is not None and len(parts) == 2 and not (PACKAGE / top).is_dir():
+        return next(i for i, (_, folders) in enumerate(LAYERS) if "." in folders)
+    return None
 
 
 def _imports(module: str, source: str, known: set[str] | frozenset[str], is_package: bool
@@ -151,10 +152,10 @@ def test_every_import_respects_the_layer_order() -> None:
     # an upward import hidden inside a function is found as surely as one at the top
     ("replayjob.errors", "def f():\n    from replayjob.cli import main\n    return main\n",
      "replayjob.errors:2 imports replayjob.cli"),
-    ("replayjob.metrics", "import replayjob.gate.reducer\n", "imports replayjob.gate.reducer"),
+    ("replayjob.artifacts.metrics", "import replayjob.gate.reducer\n", "imports replayjob.gate.reducer"),
     ("replayjob.rl.update", "def f():\n    from replayjob.producers import driver\n",
      "imports replayjob.producers.driver"),
-    ("replayjob.newthing", "x = 1\n", "replayjob.newthing: in no layer"),
+    ("replayjob.newfolder.thing", "x = 1\n", "replayjob.newfolder.thing: in no layer"),
 ])
 def test_a_planted_upward_import_is_reported(module: str, source: str, needle: str) -> None:
     mods = {m: p.read_text(encoding="utf-8") for m, p in modules().items()}
@@ -202,21 +203,22 @@ def test_only_heavy_packages_are_imported_late() -> None:
 def test_a_late_own_import_or_an_early_heavy_import_is_reported() -> None:
     mods = {m: p.read_text(encoding="utf-8") for m, p in modules().items()}
     packages = {m for m, p in modules().items() if p.name == "__init__.py"}
-    mods["replayjob.gate.verdict"] += ("\n\ndef _late():\n    from replayjob.digest import sha256_bytes\n"
+    mods["replayjob.artifacts.verdict"] += ("\n\ndef _late():\n    from replayjob.digest import sha256_bytes\n"
                                        "    import torch\n    return sha256_bytes, torch\n")
     mods["replayjob.rl.batch"] = "import torch\nfrom transformers import AutoModel\n" + mods["replayjob.rl.batch"]
-    mods["replayjob.metrics"] += "\nif TYPE_CHECKING:\n    import torch\n"
+    mods["replayjob.artifacts.metrics"] += "\nif TYPE_CHECKING:\n    import torch\n"
     found = deferral_violations(mods, packages)
-    verdict = [v for v in found if v.startswith("replayjob.gate.verdict:")]
+    verdict = [v for v in found if v.startswith("replayjob.artifacts.verdict:")]
     assert len(verdict) == 1 and "imports replayjob.digest inside a function" in verdict[0]  # torch late: allowed
     assert "replayjob.rl.batch:1 imports torch at its top" in "\n".join(found)
     assert "replayjob.rl.batch:2 imports transformers at its top" in "\n".join(found)
-    assert not [v for v in found if v.startswith("replayjob.metrics")]  # annotations only
+    assert not [v for v in found if v.startswith("replayjob.artifacts.metrics")]  # annotations only
 
 
 # Modules another program imports for their side effect, never imported by replayjob: their import is their work.
-PLUGINS = {"replayjob.integrations.verl_hook": "verl imports it by name (actor_rollout_ref.model.external_lib); "
-                                                "installing the capture around verl's engine is its import"}
+PLUGINS = {"replayjob.producers.verl.hook": "verl imports it by name (actor_rollout_ref.model.external_lib); "
+                                          "installing the capture around verl's engine is its import",
+           "replayjob.integrations.verl_hook": "the same plugin under its deprecated name"}
 
 
 def test_plugins_are_imported_by_no_replayjob_module() -> None:
@@ -283,8 +285,10 @@ def test_no_modules_import_each_other() -> None:
     mods = {m: p.read_text(encoding="utf-8") for m, p in modules().items()}
     packages = {m for m, p in modules().items() if p.name == "__init__.py"}
     assert import_cycles(mods, packages) == []
-    mods["replayjob.optbatch.explain"] += "\n\ndef _late():\n    from replayjob.integrations import admission\n"
-    assert ["replayjob.integrations.admission", "replayjob.optbatch.explain"] in import_cycles(mods, packages)
+    mods["replayjob.producers.builtin.admission"] += ("\n\ndef _late():\n"
+                                                      "    from replayjob.producers.api import admission\n")
+    assert ["replayjob.producers.api.admission", "replayjob.producers.builtin.admission"] in import_cycles(
+        mods, packages)
 
 
 def test_every_entry_of_the_name_keyed_tables_resolves_within_the_layers() -> None:
@@ -295,9 +299,9 @@ def test_every_entry_of_the_name_keyed_tables_resolves_within_the_layers() -> No
     from replayjob.producers import PRODUCERS
 
     for name, target in COMMANDS.items():  # the CLI's commands: modules of the cli layer itself
-        assert layer_of(target.partition(":")[0]) == len(LAYERS) - 1 and callable(handler(name)), target
-    for name, module in PRODUCERS.items():  # producers' replay modules: below the analysis that reads them
-        assert layer_of(module) is not None and layer_of(module) <= layer_of("replayjob.producers.driver"), module
+        assert layer_of(target.partition(":")[0]) == LAYER["cli"] and callable(handler(name)), target
+    for name, module in PRODUCERS.items():  # producers' replay modules: in the producers' folder
+        assert layer_of(module) == LAYER["producers"], module
         assert importlib.import_module(module).__name__ == module, name
     for name in replayjob.__all__:  # the public API: every name there
         assert getattr(replayjob, name) is not None, name
@@ -306,7 +310,7 @@ def test_every_entry_of_the_name_keyed_tables_resolves_within_the_layers() -> No
 def private_name_imports(mods: dict[str, str]) -> list[str]:
     """Every ``from M import _name`` of replayjob code where ``_name`` is not a module: a name with a leading
     underscore is its module's own (make it public there, with a docstring, when another module needs it).
-    Underscore *modules* (``integrations._files``) are a package's internals and may be imported."""
+    Underscore *modules* (``commands._args``) are a package's internals and may be imported."""
     known = set(mods)
     out = []
     for m, src in sorted(mods.items()):
@@ -322,10 +326,10 @@ def private_name_imports(mods: dict[str, str]) -> list[str]:
 def test_no_module_imports_another_modules_private_name() -> None:
     mods = {m: p.read_text(encoding="utf-8") for m, p in modules().items()}
     assert private_name_imports(mods) == []
-    planted = "\nfrom replayjob.config.load import _deepcopy\nfrom replayjob.integrations import _files\n"
-    mods["replayjob.gate.verdict"] += planted
-    line = mods["replayjob.gate.verdict"].count("\n") - 1  # the first planted line
-    assert private_name_imports(mods) == [f"replayjob.gate.verdict:{line} imports replayjob.config.load._deepcopy"]
+    planted = "\nfrom replayjob.config.load import _deepcopy\nfrom replayjob.commands import _args\n"
+    mods["replayjob.artifacts.verdict"] += planted
+    line = mods["replayjob.artifacts.verdict"].count("\n") - 1  # the first planted line
+    assert private_name_imports(mods) == [f"replayjob.artifacts.verdict:{line} imports replayjob.config.load._deepcopy"]
 
 
 def typing_only_own_imports(mods: dict[str, str]) -> list[str]:
@@ -346,8 +350,8 @@ def typing_only_own_imports(mods: dict[str, str]) -> list[str]:
 def test_no_replayjob_module_is_imported_for_annotations_only() -> None:
     mods = {m: p.read_text(encoding="utf-8") for m, p in modules().items()}
     assert typing_only_own_imports(mods) == []
-    mods["replayjob.metrics"] += ("\nif TYPE_CHECKING:\n    import torch\n"
-                                  "    from replayjob.gate.verdict import Verdict\n")
-    line = mods["replayjob.metrics"].count("\n")  # the planted import's line; torch beside it is allowed
+    mods["replayjob.artifacts.metrics"] += ("\nif TYPE_CHECKING:\n    import torch\n"
+                                  "    from replayjob.artifacts.verdict import Verdict\n")
+    line = mods["replayjob.artifacts.metrics"].count("\n")  # the planted import's line; torch beside it is allowed
     assert typing_only_own_imports(mods) == [
-        f"replayjob.metrics:{line} imports replayjob.gate.verdict under TYPE_CHECKING"]
+        f"replayjob.artifacts.metrics:{line} imports replayjob.artifacts.verdict under TYPE_CHECKING"]

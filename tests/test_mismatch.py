@@ -20,13 +20,13 @@ import pytest
 import torch
 from conftest import replay_pins
 
+from replayjob.artifacts import capture_payload as payload
 from replayjob.cli import main
 from replayjob.digest import sha256_file
-from replayjob.distributed import observe
 from replayjob.mismatch import stats
-from replayjob.optbatch import payload
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.logprobs import logprobs_of, truncate
+from replayjob.runtime.distributed import observe
 
 TIGHT = "max_abs_log_ratio = 1e-5\nmax_kl = 1e-10\nband = 1e-4\nmax_outside_share = 0.0\n"
 LOGPROB_NONE = 'algorithm.logprob_temperature="none"'
@@ -166,7 +166,7 @@ def test_a_sampler_attending_its_left_padding_is_attributed_to_the_padding(
     whose attention covered its left padding (recomputed in the sampler's layout with an all-ones mask)."""
     from replayjob.config import from_dict, load_config
     from replayjob.mismatch import builtin, report
-    from replayjob.optbatch.explain import admit, source_config
+    from replayjob.producers.builtin.admission import admit, source_config
 
     sets = ['environment.task="reverse"']
     d = tmp_path / "rev"
@@ -240,7 +240,7 @@ def test_payload_without_sampler_logprobs_reads_as_no_sampler_source() -> None:
 def test_old_capture_configs_read_as_what_they_ran() -> None:
     """A capture written before these settings existed sampled untruncated in the model's dtype, and its
     trainer applied no temperature (which at temperature 1 is the same computation)."""
-    from replayjob.optbatch.explain import source_config
+    from replayjob.producers.builtin.admission import source_config
 
     class M:
         def __init__(self, t: float):

@@ -19,13 +19,13 @@ import pytest
 import torch
 from conftest import replay_pins
 
+from replayjob.artifacts.trace_store import read_trace
 from replayjob.cli import main
 from replayjob.config import load_config
 from replayjob.errors import ConfigError, IntegrityError
 from replayjob.model import moe
 from replayjob.model.backend import load_backend
-from replayjob.trace import fault
-from replayjob.trace.store import read_trace
+from replayjob.producers import trace_fault as fault
 
 MOE = ["--set", 'model.architecture="qwen3_moe"']
 FLIP_SCALE = "2e-3"  # flips the expert set of the few tokens whose router-logit margin is about 4e-3 or less

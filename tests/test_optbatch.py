@@ -18,11 +18,11 @@ import torch
 from conftest import REPO
 from safetensors.torch import load_file, save_file
 
+from replayjob.artifacts import capture_payload as payload
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes, sha256_file
 from replayjob.jsonio import canonical_bytes
-from replayjob.optbatch import payload
-from replayjob.optbatch.capture import METRIC_KEYS
+from replayjob.producers.builtin.capture import METRIC_KEYS
 from replayjob.rl.state import ADAPTER_WEIGHTS, read_state, write_state
 
 MANIFEST = "optimizer_batch_step_000000.manifest.json"
@@ -86,7 +86,7 @@ DENSE = {"model.routing": "free", "model.experts_implementation": "eager"}  # no
 
 def observed(rm: dict[str, Any]) -> dict[str, Any]:
     """The runtime observations of the built-in trainer's knobs (exactly its producer's knobs are recorded)."""
-    from replayjob.knobs import BUILTIN, knobs_for
+    from replayjob.runtime.knobs import BUILTIN, knobs_for
 
     assert rm["framework"] == BUILTIN
     assert set(rm["runtime"]) == set(knobs_for(BUILTIN)) == {*BUILT_IN_KNOBS, *ONE_PROCESS, *DENSE}
@@ -191,7 +191,7 @@ def test_a_capture_writer_error_surfaces_before_metrics(workspace: Path, tmp_pat
     """The writer thread's refusal is re-raised on the training thread, the same domain error."""
     from replayjob.config import load_config
     from replayjob.errors import ArtifactExistsError, RefusedError
-    from replayjob.optbatch.capture import CaptureHook
+    from replayjob.producers.builtin.capture import CaptureHook
     from replayjob.rl.batch import OptimizerBatch
 
     cfg = load_config(workspace / "source.toml", ["optimizer_batch.capture=true"])
@@ -220,8 +220,8 @@ def test_a_failed_capture_run_leaves_no_writer_thread_behind(workspace: Path, tm
 
     from replayjob.config import load_config
     from replayjob.errors import ConfigError
-    from replayjob.rl import trainer
-    from replayjob.source_run import train_source
+    from replayjob.launch.source_run import train_source
+    from replayjob.producers.builtin import trainer
 
     def writers() -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name in ("replayjob-capture-writer", "bundle-writer")]
@@ -538,7 +538,7 @@ def _mbs_configs(model_path: str = "", lora_dropout: float = 0.0) -> tuple[Any, 
 ])
 def test_micro_batch_knob_is_refused_for_any_dropout_in_a_local_model(tmp_path: Path, config_json: dict[str, Any],
                                                                       needle: str) -> None:
-    from replayjob.knobs import KNOBS
+    from replayjob.runtime.knobs import KNOBS
 
     (tmp_path / "config.json").write_text(json.dumps(config_json))
     source, replay = _mbs_configs(str(tmp_path))
@@ -551,7 +551,7 @@ def test_micro_batch_knob_is_refused_for_any_dropout_in_a_local_model(tmp_path: 
 
 
 def test_micro_batch_knob_is_refused_for_a_dropout_module_in_the_built_model() -> None:
-    from replayjob.knobs import KNOBS
+    from replayjob.runtime.knobs import KNOBS
 
     knob = KNOBS["training.micro_batch_size"]
     plain = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))
@@ -562,7 +562,7 @@ def test_micro_batch_knob_is_refused_for_a_dropout_module_in_the_built_model() -
 
 
 def test_every_registered_knob_is_observed_at_run_time() -> None:
-    from replayjob.knobs import BUILTIN, KNOBS, Runtime, knobs_for, observe_all
+    from replayjob.runtime.knobs import BUILTIN, KNOBS, Runtime, knobs_for, observe_all
 
     assert all(k.observe is not None for k in KNOBS.values()), "a knob without an observer cannot be checked"
     model = torch.nn.Linear(2, 2)

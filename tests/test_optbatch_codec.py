@@ -15,16 +15,18 @@ import numpy as np
 import pytest
 import torch
 
-from replayjob import knobs, tensorfile
+from replayjob import tensorfile
+from replayjob.artifacts import capture_manifest as manifest
+from replayjob.artifacts import capture_payload as payload
+from replayjob.artifacts import capture_reader as manifests
 from replayjob.config import load_config
 from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
 from replayjob.jsonio import canonical_bytes
-from replayjob.optbatch import manifest, payload
-from replayjob.optbatch.contract import contract_sha256, optimizer_contract
-from replayjob.producers import manifests
+from replayjob.producers.contract import contract_sha256, optimizer_contract
 from replayjob.rl import batch as batch_mod
 from replayjob.rl.batch import OptimizerBatch
+from replayjob.runtime import knobs
 
 FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "loss_weights")
 

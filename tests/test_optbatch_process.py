@@ -14,10 +14,10 @@ from conftest import REPO
 
 from replayjob.cli import main
 from replayjob.config import load_config
+from replayjob.crashpoints import POINT_ENV
 from replayjob.digest import sha256_file
-from replayjob.distributed import observe
-from replayjob.faults import POINT_ENV
-from replayjob.optbatch.explain import admit
+from replayjob.producers.builtin.admission import admit
+from replayjob.runtime.distributed import observe
 
 MANIFEST = "optimizer_batch_step_000000.manifest.json"
 PAYLOAD = "optimizer_batch_step_000000.safetensors"
@@ -77,7 +77,8 @@ flags = [x for s in sets for x in ("--set", s)]
 rc_explain = main(["explain", cfg, *flags])
 after_explain = sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "peft"))
 rc_replay = main(["replay", cfg, "--out", out, *flags])
-watched = ("replayjob.rl.sampling", "replayjob.rl.task", "replayjob.rl.trainer", "datasets", "transformers")
+watched = ("replayjob.rl.sampling", "replayjob.rl.task", "replayjob.producers.builtin.trainer", "datasets",
+           "transformers")
 print(json.dumps({"rc": [rc_explain, rc_replay], "after_explain": after_explain,
                   "after_replay": sorted(m for m in sys.modules if m in watched)}))
 """

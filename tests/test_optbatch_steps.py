@@ -20,13 +20,15 @@ from typing import Any
 import pytest
 import torch
 
+from replayjob.artifacts import capture_manifest as manifest
+from replayjob.artifacts.metrics import read_steps
 from replayjob.cli import main
 from replayjob.config import load_config
+from replayjob.crashpoints import NONFINITE_GRAD_ENV
 from replayjob.digest import sha256_file
 from replayjob.errors import ArtifactExistsError, ConfigError, IntegrityError
-from replayjob.faults import NONFINITE_GRAD_ENV
-from replayjob.metrics import read_steps
-from replayjob.optbatch import manifest, ring, stepcapture
+from replayjob.producers.builtin import ring
+from replayjob.producers.builtin import steps as stepcapture
 from replayjob.rl.state import OPTIMIZER_FILE, read_state, write_state
 
 SMALL = ["algorithm.prompts_per_step=2", "algorithm.group_size=4", "inference.max_new_tokens=4"]
@@ -169,8 +171,8 @@ def test_triggers() -> None:
 
 
 def test_config_and_precondition_refusals(workspace: Path, tmp_path: Path) -> None:
-    from replayjob.optbatch.capture import StepsCapture
-    from replayjob.optbatch.ring import RingCapture
+    from replayjob.producers.builtin.capture import StepsCapture
+    from replayjob.producers.builtin.ring import RingCapture
 
     for bad, where in (("optimizer_batch.capture_steps=[-1]", "capture_steps"),
                        ("optimizer_batch.capture_steps=[2, 2]", "capture_steps"),
@@ -233,9 +235,9 @@ def test_the_run_records_each_steps_files_once(steps_run: Path) -> None:
 def test_nonfinite_inputs_are_flagged_and_replay_only_under_the_opt_in(workspace: Path, tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """A source whose reference logprobs hold a NaN (unused by the loss: kl_loss_coef = 0)."""
+    from replayjob.launch.source_run import train_source
     from replayjob.rl.batch import OptimizerBatch
     from replayjob.rl.hooks import StepHook
-    from replayjob.source_run import train_source
 
     class Poison(StepHook):  # runs before the capture hook, as a broken reference model would
         def before_update(self, step: int, batch: OptimizerBatch) -> None:
@@ -266,7 +268,7 @@ def test_steps_before_the_resume_state_are_refused(steps_run: Path, workspace: P
 
 def test_a_user_trigger_writes_the_buffered_steps_and_memory_stays_bounded(tmp_path: Path) -> None:
     """RingCapture driven directly with a real optimizer on two small parameters (no model needed)."""
-    from replayjob.optbatch.ring import RingCapture
+    from replayjob.producers.builtin.ring import RingCapture
     from replayjob.rl.batch import OptimizerBatch
     from replayjob.rl.hooks import TrainerView
     from replayjob.rl.update import UpdateResult

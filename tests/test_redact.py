@@ -157,9 +157,9 @@ def test_config_digest_covers_the_redacted_config_only() -> None:
 
 def test_paths_recorded_from_a_config_are_redacted(tmp_path: Path) -> None:
     """The capture manifest's adapter path (from resume.from) and a resume state's model path."""
+    from replayjob.artifacts import capture_manifest as manifest
     from replayjob.config import load_config
     from replayjob.model.hf import builtin_model_reference
-    from replayjob.optbatch import manifest
 
     doc = manifest.build(step=0, producer={}, payload_file="p.safetensors", payload_size=8, payload_digest="0" * 64,
                          rng_keys=["cpu"], rows={}, logical="0" * 64, effective="0" * 64, resolved_config={},
@@ -195,9 +195,9 @@ def test_no_home_path_in_the_builtin_capture_manifest(monkeypatch: pytest.Monkey
     and the reducer still finds it (it reads the path back with expanduser)."""
     import json
 
+    from replayjob.artifacts.metrics import read_source
     from replayjob.cli import main
     from replayjob.gate import reducer
-    from replayjob.metrics import read_source
 
     monkeypatch.setenv("HOME", str(tmp_path))
     ws = tmp_path / "ws"

@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 from conftest import REPO
 
+from replayjob.artifacts.spec import DETERMINISM_ENV, load_spec
 from replayjob.cli import main
-from replayjob.deploy.ablation import DETERMINISM_ENV, load_spec
-from replayjob.deploy.step import select
 from replayjob.errors import ReplayjobError
+from replayjob.launch.step import select
 
 SLURM = REPO / "scripts" / "slurm"
 SUBMIT = SLURM / "submit.sh"
@@ -61,7 +61,7 @@ def _submit(*args: str, env: dict[str, str] | None = None,
 # ---- the fan-out plan (replayjob step plan) ------------------------------------------------------
 
 def test_plan_gives_the_submit_time_facts(spec_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from replayjob.deploy.ablation import DETERMINISM_ENV
+    from replayjob.artifacts.spec import DETERMINISM_ENV
 
     assert main(["step", "plan", "--spec", str(spec_file)]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -17,17 +17,19 @@ from typing import Any
 import pytest
 import torch
 
-from replayjob import metrics as M
+from replayjob.artifacts import capture_manifest as mf
+from replayjob.artifacts import capture_payload as payload
+from replayjob.artifacts import capture_root as ranks
+from replayjob.artifacts import metrics as M
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes, sha256_file
 from replayjob.errors import IntegrityError
 from replayjob.fsio import check_no_symlinks, read_regular_bytes
 from replayjob.gate import synthetic
 from replayjob.jsonio import pretty_bytes, read_json
-from replayjob.knobs import WORLD_SIZE
-from replayjob.optbatch import manifest as mf
-from replayjob.optbatch import payload, rankrows, ranks
+from replayjob.producers.builtin import rows as rankrows
 from replayjob.rl.batch import OptimizerBatch
+from replayjob.runtime.knobs import WORLD_SIZE
 
 ARMS: dict[str, dict[str, Any]] = {"one": {}, "two": {WORLD_SIZE: 2}}
 
@@ -162,7 +164,7 @@ def test_reduce_refuses_a_linked_rank_metrics_file(tmp_path: Path) -> None:
 def traced_replay(d: Path, index: int) -> Path:
     """A replay directory holding a tiny trace (written by the trace writer) and the replay_metrics.json
     that pins its index, as ``replay --trace`` leaves one."""
-    from replayjob.trace.store import IDENTITY_KEYS, Site, Trace, make_param, row_stats, write_trace
+    from replayjob.artifacts.trace_store import IDENTITY_KEYS, Site, Trace, make_param, row_stats, write_trace
 
     row_tokens = torch.tensor([2, 3], dtype=torch.int64)
     values = torch.arange(10, dtype=torch.float32).reshape(5, 2)
@@ -239,7 +241,7 @@ def test_a_capture_whose_rank_directory_is_a_link_is_refused(tmp_path: Path) -> 
 def test_a_specs_capture_whose_replay_config_is_a_link_is_refused(ev: synthetic.Evidence, name: str,
                                                                   tmp_path: Path) -> None:
     """A spec's ``[capture]`` names a replay config inside the capture: read through no link (it was followed)."""
-    from replayjob.deploy.external import capture_pins
+    from replayjob.launch.capture_ref import capture_pins
     config = ev.source / name
     config.write_text("# the capture's replay config\n")
     if name == "replay.toml":  # control: the regular file is the capture's own

@@ -154,7 +154,7 @@ def test_only_the_loader_imports_a_toml_parser() -> None:
 
 @pytest.mark.usefixtures("fresh_determinism_mode")
 def test_init_workspace_configs_read_back_in_an_odd_directory(tmp_path: Path) -> None:
-    from replayjob.workspace import init_workspace
+    from replayjob.launch.workspace import init_workspace
 
     d = odd_dir(tmp_path)
     init_workspace(d, seed=5)
@@ -166,7 +166,7 @@ def test_init_workspace_configs_read_back_in_an_odd_directory(tmp_path: Path) ->
 
 
 def test_workspace_comments_hold_any_directory_name() -> None:
-    from replayjob.workspace import _in_comment, example_configs
+    from replayjob.launch.workspace import _in_comment, example_configs
 
     d = "/tmp/a\nb\tc\x01\x7f " + ODD
     for text in example_configs().values():
@@ -175,7 +175,7 @@ def test_workspace_comments_hold_any_directory_name() -> None:
 
 
 def test_chosen_step_replay_config_reads_back(tmp_path: Path) -> None:
-    from replayjob.optbatch.stepcapture import replay_toml, state_dir_name
+    from replayjob.producers.builtin.steps import replay_toml, state_dir_name
 
     d = odd_dir(tmp_path)
     model = str(odd_dir(tmp_path, "model " + ODD))
@@ -189,8 +189,8 @@ def test_chosen_step_replay_config_reads_back(tmp_path: Path) -> None:
 
 
 def test_capture_api_replay_toml_reads_back(tmp_path: Path) -> None:
-    from replayjob.integrations import admission
-    from replayjob.integrations.capture import StepCapture
+    from replayjob.producers.api import admission
+    from replayjob.producers.api.capture import StepCapture
 
     d = odd_dir(tmp_path)
     base, manifest = odd_dir(tmp_path, "base " + ODD), d / "step.manifest.json"
@@ -207,8 +207,8 @@ def test_capture_api_replay_toml_reads_back(tmp_path: Path) -> None:
 
 
 def test_deploy_step_replay_sets_read_back(tmp_path: Path) -> None:
-    from replayjob.deploy import step
-    from replayjob.deploy.ablation import spec_from_text
+    from replayjob.artifacts.spec import spec_from_text
+    from replayjob.launch import step
 
     spec = spec_from_text('name = "unit"\nimage = "replayjob:dev"\ngpu_product = "none"\ndevice = "cpu"\n'
                           'repeats = 1\n[arms.a]\n[arms.b]\n"backend.options.gradient_checkpointing" = true\n')
@@ -223,7 +223,7 @@ def test_deploy_step_replay_sets_read_back(tmp_path: Path) -> None:
 
 
 def test_funnel_run_spec_reads_back(tmp_path: Path) -> None:
-    from replayjob.funnel import Funnel, Options
+    from replayjob.launch.funnel import Funnel, Options
 
     spec = REPO / "examples" / "ablation-microbatch.toml"
     out = odd_dir(tmp_path, "out " + ODD)

@@ -2,7 +2,7 @@
 
 Every replay here is a real one (tiny Llama + peft LoRA built from config), run in-process through
 ``replayjob.cli.main``; the planted fault is the test-only ``REPLAYJOB_TRACE_FAULT`` hook armed
-in-process with :func:`replayjob.trace.fault.configure`.
+in-process with :func:`replayjob.producers.trace_fault.configure`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from conftest import replay_pins
 
+from replayjob.artifacts.trace_store import read_trace
 from replayjob.cli import main
 from replayjob.jsonio import pretty_bytes
-from replayjob.trace import fault
+from replayjob.producers import trace_fault as fault
 from replayjob.trace.envelope import Bound, envelope, relative_error, rounding_bound
-from replayjob.trace.store import read_trace
 
 FAULT_MODULE = "base_model.model.model.layers.1.mlp.down_proj"
 MB1 = ["--set", "training.micro_batch_size=1",
@@ -185,7 +185,7 @@ def test_fault_spec_and_envelope_rules() -> None:
 def test_row_stats_match_per_row_reductions(dtype: str) -> None:
     import torch
 
-    from replayjob.trace.store import row_stats
+    from replayjob.artifacts.trace_store import row_stats
 
     v = torch.randn(10, 7, generator=torch.Generator().manual_seed(0)).to(getattr(torch, dtype))
     st, dg = row_stats(v, torch.tensor([3, 0, 7]))
@@ -292,8 +292,8 @@ def test_recorder_keys_rows_logically_and_refuses_an_unplanned_forward() -> None
 
     from replayjob.errors import ContractError
     from replayjob.producers.session import MicroStep
+    from replayjob.producers.trace_recorder import Recorder
     from replayjob.rl.batch import micro_batches
-    from replayjob.trace.recorder import Recorder
 
     model: torch.nn.Module = _Toy.build()  # type: ignore[assignment]
     batch = _toy_batch()

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from replayjob.artifacts.trace_store import IDENTITY_KEYS, Site, Trace, make_param, read_trace, row_stats, write_trace
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ContractError, IntegrityError, RefusedError
@@ -24,7 +25,6 @@ from replayjob.jsonio import pretty_bytes
 from replayjob.trace import diff as trace_diff_mod
 from replayjob.trace.diff import Side, TraceDiff
 from replayjob.trace.envelope import Bound, cosine, envelope, relative_error
-from replayjob.trace.store import IDENTITY_KEYS, Site, Trace, make_param, read_trace, row_stats, write_trace
 
 ROWS = torch.tensor([2, 3])  # two logical rows: 5 tokens
 NON_FINITE = [math.nan, math.inf, -math.inf]

@@ -26,9 +26,9 @@ from conftest import grpo
 
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes, sha256_json
-from replayjob.integrations import _files
-from replayjob.integrations import capture as cap
 from replayjob.jsonio import canonical_bytes
+from replayjob.producers.api import capture as cap
+from replayjob.producers.api import files as _files
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
 
@@ -114,7 +114,7 @@ def test_step_zero_replays_bitwise_from_an_empty_optimizer(trl_base: Path, tmp_p
 
 
 def test_capture_refuses_a_base_model_not_in_a_local_directory(trl_base: Path, tmp_path: Path) -> None:
-    from replayjob.integrations.trl import capture_optimizer_batch
+    from replayjob.producers.trl.producer import capture_optimizer_batch
 
     trainer, _ = grpo(trl_base, tmp_path, train=False)
     trainer.model.get_base_model().config._name_or_path = "Qwen/Qwen2-0.5B"  # as if loaded from the Hub
@@ -274,7 +274,7 @@ def trl_steps(trl_base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 
 def test_several_steps_write_per_step_files_and_one_metrics(trl_steps: dict[str, Any]) -> None:
-    from replayjob.metrics import read_steps
+    from replayjob.artifacts.metrics import read_steps
 
     d, res = trl_steps["dir"], trl_steps["result"]
     assert sorted(res.captured) == [1, 3] and res.not_captured == (4,)
@@ -309,7 +309,7 @@ def test_several_steps_write_per_step_files_and_one_metrics(trl_steps: dict[str,
 
 
 def test_each_chosen_step_replays_bitwise(trl_steps: dict[str, Any], tmp_path: Path) -> None:
-    from replayjob.metrics import read_steps
+    from replayjob.artifacts.metrics import read_steps
 
     for p in read_steps(trl_steps["dir"]):
         assert main(["explain", str(p.replay_config)]) == 0
@@ -323,7 +323,7 @@ def test_each_chosen_step_replays_bitwise(trl_steps: dict[str, Any], tmp_path: P
 
 def test_a_step_replay_handed_another_steps_pins_is_refused(trl_steps: dict[str, Any], tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    from replayjob.metrics import read_steps
+    from replayjob.artifacts.metrics import read_steps
 
     one, three = read_steps(trl_steps["dir"])
     wrong = [["--set", f'optimizer_batch.expected_manifest_sha256="{one.manifest}"'],
@@ -338,7 +338,7 @@ def test_a_step_replay_handed_another_steps_pins_is_refused(trl_steps: dict[str,
 def test_capture_arguments_are_checked_before_training(trl_base: Path, trl_capture: dict[str, Any],
                                                        tmp_path: Path) -> None:
     from replayjob.errors import ArtifactExistsError, UsageError
-    from replayjob.integrations.trl import capture_optimizer_batch
+    from replayjob.producers.trl.producer import capture_optimizer_batch
 
     trainer, _ = grpo(trl_base, tmp_path, train=False)
     out = tmp_path / "cap"
@@ -461,7 +461,7 @@ def test_each_admitted_knob_updates_as_the_baseline(loss_type: str, trl_capture_
     captured accumulation steps, i.e. a wrong normaliser (grpo's, and dapo's ratio), fails the same comparison."""
     from safetensors.torch import load_file
 
-    from replayjob.integrations import trl as trl_mod
+    from replayjob.producers.trl import producer as trl_mod
 
     res = trl_capture_nodrop["result"]
     sets = [] if loss_type == "grpo" else _rewritten(res, tmp_path / "cap", loss_type=loss_type)
@@ -556,7 +556,7 @@ def test_vllm_generated_step_replays_bitwise_with_the_sampler_correction(
     that dropped the correction is not."""
     import trl.trainer.grpo_trainer as grpo_trainer
 
-    from replayjob.integrations import trl as trl_mod
+    from replayjob.producers.trl import producer as trl_mod
 
     monkeypatch.setattr(grpo_trainer, "VLLMGeneration", FakeVLLMGeneration)
     _, handle = grpo(trl_base, tmp_path / "cap", capture_step=1, max_steps=2, use_vllm=True,
@@ -602,7 +602,7 @@ def test_rloo_step_replays_bitwise(trl_base: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import RLOOConfig, RLOOTrainer
 
-    from replayjob.integrations.trl import capture_optimizer_batch
+    from replayjob.producers.trl.producer import capture_optimizer_batch
 
     model = AutoModelForCausalLM.from_pretrained(trl_base, dtype=torch.float32, attn_implementation="eager")
     args = RLOOConfig(output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=4, num_generations=4,
@@ -631,7 +631,7 @@ def test_rloo_step_replays_bitwise(trl_base: Path, tmp_path: Path) -> None:
 
 def test_traced_replays_key_rows_alike_and_compare_the_checkpointing_arm_module_by_module(
         trl_capture: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from replayjob.trace.store import read_trace
+    from replayjob.artifacts.trace_store import read_trace
 
     toml = str(trl_capture["result"].replay_toml)
     runs = {name: tmp_path / name for name in ("a", "b", "gc")}

@@ -1,5 +1,5 @@
 """Every field of the installed TRL's GRPOConfig and RLOOConfig is classified in one table
-(replayjob/integrations/trl_fields.py), and that table drives the contract, the replay's trainer, the refusals of
+(replayjob/producers/trl/fields.py), and that table drives the contract, the replay's trainer, the refusals of
 explain and replay, the knobs and docs/trl-fields.md.  A capture made with two reward functions and
 ``reward_weights`` is admitted and replayed bitwise (the update reads the captured advantages, not the rewards).
 """
@@ -21,12 +21,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
 from conftest import REPO, reward
 
-from replayjob import knobs
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes, sha256_json
-from replayjob.integrations import trl as trl_mod
-from replayjob.integrations import trl_fields as tf
 from replayjob.jsonio import canonical_bytes
+from replayjob.producers.trl import fields as tf
+from replayjob.producers.trl import producer as trl_mod
+from replayjob.runtime import knobs
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
 
@@ -77,7 +77,7 @@ def test_the_contract_is_the_tables_contract_fields() -> None:
 
 def test_the_docs_page_is_generated_from_the_table() -> None:
     text = (REPO / "docs" / "trl-fields.md").read_text(encoding="utf-8")
-    assert text == tf.markdown(), "regenerate: python -m replayjob.integrations.trl_fields > docs/trl-fields.md"
+    assert text == tf.markdown(), "regenerate: python -m replayjob.producers.trl.fields > docs/trl-fields.md"
     for name in tf.FIELDS:
         assert f"| `{name}` |" in text
 
@@ -134,7 +134,7 @@ def test_two_reward_functions_with_weights_are_admitted_and_replayed_bitwise(trl
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from replayjob.integrations.trl import capture_optimizer_batch
+    from replayjob.producers.trl.producer import capture_optimizer_batch
 
     model = AutoModelForCausalLM.from_pretrained(trl_base, dtype=torch.float32, attn_implementation="eager")
     args = GRPOConfig(output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=4, num_generations=4,

@@ -16,9 +16,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 from trl_scenario import capture
 
-from replayjob import knobs
 from replayjob.cli import main
-from replayjob.mismatch.external import NO_SOURCE_HINT
+from replayjob.mismatch.trl import NO_SOURCE_HINT
+from replayjob.runtime import knobs
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
 

@@ -2,8 +2,8 @@
 then ``reduce --claim exact-input`` and the funnel on the capture.
 
 The arm declares ``trl.per_device_train_batch_size`` only; the replay derives the accumulation steps and
-``steps_per_generation`` from it (:func:`replayjob.knobs.trl_geometry`, the registry's ``predict`` hooks), and the
-knobs-in-effect check must expect exactly the values the replay ran.  A planted expectation that keeps the captured
+``steps_per_generation`` from it (:func:`replayjob.runtime.knobs.trl_geometry`, the registry's ``predict`` hooks), and
+the knobs-in-effect check must expect exactly the values the replay ran.  A planted expectation that keeps the captured
 accumulation steps (the rule before the hooks) fails the same check.
 """
 
@@ -23,10 +23,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 from conftest import grpo
 
-from replayjob import funnel as funnel_module
-from replayjob import knobs
 from replayjob.cli import main
-from replayjob.funnel import FUNNEL_FILE, STATUS
+from replayjob.launch import funnel as funnel_module
+from replayjob.launch.funnel import FUNNEL_FILE, STATUS
+from replayjob.runtime import knobs
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
 
@@ -54,7 +54,7 @@ def test_the_derived_knobs_come_from_one_rule() -> None:
     """The replay's geometry and the reduce expectation are the registry's hooks: 4 x 2 rows re-split into
     micro-batches of 2 run 4 accumulation steps and (dapo's ratio kept) steps_per_generation 4; a kept size keeps
     the arm's own values (a process-count change declares them)."""
-    from replayjob.integrations.trl import resplit_geometry
+    from replayjob.producers.trl.producer import resplit_geometry
 
     src = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "steps_per_generation": 2}
     assert resplit_geometry(src, {**src, "per_device_train_batch_size": 2}, 8) == {

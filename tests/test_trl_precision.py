@@ -21,7 +21,7 @@ from trl_scenario import capture
 
 from replayjob.cli import main
 from replayjob.digest import sha256_file
-from replayjob.integrations import precision
+from replayjob.producers.api import precision
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
 

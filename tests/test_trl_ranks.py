@@ -22,8 +22,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # inherited by the launched processes
 
 import torch
 
+from replayjob.artifacts import api_manifest as imanifest
 from replayjob.cli import main
-from replayjob.integrations import manifest as imanifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone,  # several processes rendezvous (torchrun, gloo)
               pytest.mark.usefixtures("fresh_determinism_mode")]

@@ -2,7 +2,7 @@
 
 Everything here runs verl 0.9.1's own FSDP2 engine (``TrainingWorker``, ``FSDPEngineWithLMHead``,
 ``ppo_loss``) on a tiny random-init Qwen2 built from a config (nothing downloaded), on the CPU through
-:mod:`replayjob.integrations.verl_platform` (verl's ``set_platform`` hook, gloo, world size 1).  The driver
+:mod:`replayjob.producers.verl.platform` (verl's ``set_platform`` hook, gloo, world size 1).  The driver
 (``TinyTrainer`` in benchmarks/verl_tiny.py, shared with the capture-overhead benchmark) is shaped like
 ``RayPPOTrainer._update_actor(batch)``: it turns a padded ``DataProto`` into verl's no-padding ``TensorDict``
 with verl's own functions and calls the actor worker's ``train_mini_batch`` (what
@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.verl_tiny import TinyTrainer, build_worker, rollout_batch, tiny_model
 from replayjob.cli import main
-from replayjob.integrations import verl as rv
+from replayjob.producers.verl import producer as rv
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
 
@@ -196,7 +196,7 @@ def test_every_verl_config_field_is_classified() -> None:
     import dataclasses
     import importlib
 
-    from replayjob.integrations.verl_fields import FIELDS, KINDS, SECTIONS
+    from replayjob.producers.verl.fields import FIELDS, KINDS, SECTIONS
 
     for section, (module, name) in SECTIONS.items():
         cls = getattr(importlib.import_module(module), name)
@@ -232,7 +232,7 @@ def test_the_config_switch_captures_the_actor_worker_it_is_imported_in(base: Pat
     actor's ppo_loss when the environment asks for a capture, and nothing when it does not."""
     import importlib
 
-    hook = importlib.import_module("replayjob.integrations.verl_hook")
+    hook = importlib.import_module("replayjob.producers.verl.hook")
     hook.install()  # idempotent: the import installed it already
     worker = build_worker(base)  # the environment asks for nothing
     assert getattr(worker, hook.ATTRIBUTE, None) is None

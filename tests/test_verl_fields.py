@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from replayjob.integrations import verl_fields
-from replayjob.integrations.verl_fields import DOC_BEGIN, DOC_END, FIELDS, KINDS, KNOB
+from replayjob.producers.verl import fields as verl_fields
+from replayjob.producers.verl.fields import DOC_BEGIN, DOC_END, FIELDS, KINDS, KNOB
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "verl.md"
 
@@ -17,11 +17,11 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "verl.md"
 def test_the_verl_page_carries_the_generated_table() -> None:
     text = DOC.read_text(encoding="utf-8")
     begin, end = text.index(DOC_BEGIN) + len(DOC_BEGIN), text.index(DOC_END)
-    assert text[begin:end] == verl_fields.table(), "regenerate: python -m replayjob.integrations.verl_fields"
+    assert text[begin:end] == verl_fields.table(), "regenerate: python -m replayjob.producers.verl.fields"
 
 
 def test_every_class_is_known_and_every_knob_is_registered() -> None:
-    from replayjob import knobs
+    from replayjob.runtime import knobs
 
     registered = knobs.knobs_for("verl")
     for section, fields in FIELDS.items():

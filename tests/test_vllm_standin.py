@@ -1,4 +1,4 @@
-"""The stand-in vLLM sampler (replayjob.integrations.vllm_standin) in TRL's place: a vLLM-shaped step captured on a
+"""The stand-in vLLM sampler (replayjob.producers.trl.vllm_standin) in TRL's place: a vLLM-shaped step captured on a
 CPU, replayed bitwise, and its sampler logprobs compared by ``replayjob mismatch``: the gap the stand-in opens by
 truncation is attributed to truncation; its precision opens a gap that sampling in the model's dtype does not."""
 
@@ -17,7 +17,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 from conftest import grpo
 
 from replayjob.cli import main
-from replayjob.integrations.vllm_standin import stand_in
+from replayjob.producers.trl.vllm_standin import stand_in
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
 

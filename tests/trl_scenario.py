@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from conftest import reward
 
-from replayjob.integrations.trl import capture_optimizer_batch
+from replayjob.producers.trl.producer import capture_optimizer_batch
 
 
 def capture(base: Path, out: Path, *, step: int = 2, **config: Any) -> Any:

@@ -3,7 +3,7 @@
 
 Each :class:`Claim` says what a pass means, the check groups it grades, what it needs and where it may be
 used; the reducer (:mod:`replayjob.gate.reducer`) takes its rules from here, the spec
-(:mod:`replayjob.deploy.ablation`) the claims a spec may run, the verdict's declaration its names, and
+(:mod:`replayjob.artifacts.spec`) the claims a spec may run, the verdict's declaration its names, and
 docs/verdict-format.md's table of claims is rendered from :func:`reference_table` (a test compares them).
 """
 

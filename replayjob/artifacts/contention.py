@@ -1,10 +1,10 @@
 """The contention record a replay stores under ``contention`` (docs/replay-metrics.md), declared.
 
-The figures are what :class:`replayjob.contention.Probe` read around the timed updates; every field that
+The figures are what :class:`replayjob.runtime.contention_probe.Probe` read around the timed updates; every field that
 summarises others is recomputed when the record is read, and a difference refused: the rates
 (``cpu_per_wall``, ``involuntary_switches_per_s``), the CUDA device's count of other processes (from the
 process lists) and, above all, ``contended`` and ``reasons``, recomputed by the thresholds in force
-(:func:`replayjob.contention.decide`).  A record that calls itself uncontended while its own figures cross
+(:func:`replayjob.runtime.contention_probe.decide`).  A record that calls itself uncontended while its own figures cross
 a threshold therefore never admits timing.
 """
 
@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from replayjob.artifacts.document import Count, Document, Finite, NonNegative, Positive, Share, Text, agree, to_builtins
-from replayjob.contention import SCHEMA, THRESHOLDS, decide
+from replayjob.runtime.contention_probe import SCHEMA, THRESHOLDS, decide
 
 LoadAverage = Annotated[list[NonNegative], msgspec.Meta(min_length=3, max_length=3)]
 
@@ -80,5 +80,5 @@ class ContentionRecord(Document, frozen=True):
         agree("contended", self.contended, bool(reasons))
 
     def figures(self) -> dict[str, Any]:
-        """The record as a plain dict (what :func:`replayjob.contention.decide` reads)."""
+        """The record as a plain dict (what :func:`replayjob.runtime.contention_probe.decide` reads)."""
         return to_builtins(self)

@@ -5,7 +5,7 @@ here with its type and range, and nothing else is read: an unknown key, a missin
 a count is declared, a digest that is not 64 lower-case hex digits, a negative time or a share above 1 is
 refused by :func:`replayjob.artifacts.document.decode` naming the file and the field.  The rules that tie
 the document to the files beside it (rank files, the final adapter, the trace index, the knob registry) are
-:func:`replayjob.metrics.read_replay`'s, which reads through this declaration first.
+:func:`replayjob.artifacts.metrics.read_replay`'s, which reads through this declaration first.
 
 Three blocks are opaque on purpose and said so in :data:`OPAQUE`: recorded for people or compared whole,
 never decided on field by field.

@@ -41,15 +41,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import replayjob
-from replayjob import distributed, tensorfile
+from replayjob import tensorfile
 from replayjob.bundle import format as fmt
 from replayjob.bundle.reader import TokenIds
 from replayjob.bundle.schema import check_closure, check_expected, check_groups, check_index, check_manifest
+from replayjob.crashpoints import point
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ArtifactExistsError, ConfigError, IntegrityError
-from replayjob.faults import point
 from replayjob.fsio import atomic_write_bytes, fsync_dir, write_failure
 from replayjob.jsonio import canonical_bytes, pretty_bytes, read_json_object
+from replayjob.runtime import distributed
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -35,7 +35,6 @@ from replayjob.check.diagreport import DiffReport
 from replayjob.check.leafdiff import Tolerance
 from replayjob.check.rows import iter_rows
 from replayjob.config import load_config
-from replayjob.determinism import math_mode_from_env
 from replayjob.errors import (
     ArtifactExistsError,
     ConfigError,
@@ -47,6 +46,7 @@ from replayjob.errors import (
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes
 from replayjob.redact import redact_command
+from replayjob.runtime.determinism import math_mode_from_env
 
 SCHEMA = "replayjob.determinism_check/1"
 REPORT_FILE = "determinism_check.json"

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, TypeVar
 
+from replayjob.artifacts.metrics import CAPTURE_PREFIXES
 from replayjob.check.leafdiff import Tolerance
 from replayjob.errors import UsageError
 from replayjob.jsonio import pretty_bytes
-from replayjob.metrics import CAPTURE_PREFIXES
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.commands._args import integer, integer_or, path_or_none
-from replayjob.funnel import Options, run_funnel
+from replayjob.launch.funnel import Options, run_funnel
 
 
 def cmd_funnel(args: dict[str, Any]) -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from replayjob.artifacts.spec import load_spec
 from replayjob.commands._args import integer, integer_or, path_or_none
-from replayjob.deploy.ablation import load_spec
 from replayjob.errors import UsageError
 from replayjob.gate import reducer
 

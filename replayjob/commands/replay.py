@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from replayjob import metrics as M
+from replayjob.artifacts import metrics as M
+from replayjob.artifacts.schedule import parse_slot
 from replayjob.commands._args import integer_or, print_json
-from replayjob.deploy.schedule import parse_slot
-from replayjob.optbatch.replay import replay_command
 from replayjob.producers import explain
+from replayjob.producers.builtin.replay import replay_command
 
 
 def cmd_explain(args: dict[str, Any]) -> int:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from replayjob import metrics as M
-from replayjob import source_run
+from replayjob.artifacts import metrics as M
 from replayjob.commands._args import integer, print_capture_pins
-from replayjob.workspace import init_workspace
+from replayjob.launch import source_run
+from replayjob.launch.workspace import init_workspace
 
 
 def cmd_init(args: dict[str, Any]) -> int:

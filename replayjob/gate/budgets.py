@@ -16,7 +16,7 @@ every replay measured CUDA peak allocated memory, reset per replay; CPU max RSS 
 process and cannot be reset, so there the bound is reported ``not_measurable`` and changes nothing).
 
 **Design.** Replays are paired by the block of the schedule they recorded
-(:mod:`replayjob.deploy.schedule`): in block *b* the arm's value over the baseline's value is one
+(:mod:`replayjob.artifacts.schedule`): in block *b* the arm's value over the baseline's value is one
 per-pair ratio.  Replays without a slot, two schedules, an arm twice in a block, or a pair whose
 replays ran on different hosts or devices (unless ``allow_cross_node``) refuse the decision.
 
@@ -243,7 +243,7 @@ def _decide(bound: Bound, pairs: list[tuple[Replay, Replay]], confidence: float)
 def evaluate(budgets: Budgets, arms: dict[str, Arm], baseline: str | None, max_looks: int,
              admitted: bool, contended: Sequence[str] = ()) -> tuple[dict[str, Any], list[Check]]:
     """Decide every bound: the verdict's ``budgets`` section and one check per bound.  ``contended`` names
-    the replays whose timing is not admitted (:mod:`replayjob.contention`): a time bound is then
+    the replays whose timing is not admitted (:mod:`replayjob.runtime.contention_probe`): a time bound is then
     ``not_evaluated`` (memory bounds are still decided)."""
     confidence = 1.0 - ALPHA / max_looks
     slots = sorted({(r.slot.design, r.slot.seed) for a in arms.values() for r in a.replays if r.slot})

@@ -24,11 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from replayjob import tensorfile
+from replayjob.artifacts.metrics import (
+    EFFECTIVE,
+    FINAL_ADAPTER,
+    INITIAL_ADAPTER,
+    LOGICAL,
+    SOURCE_FILE,
+    STEP_FINAL_ADAPTER,
+)
 from replayjob.errors import ReplayjobError
 from replayjob.gate.evidence import SKIPPED, Replay, Source, Tolerances
 from replayjob.hostinfo import hardware_identity
-from replayjob.knobs import BUILTIN, STACK_PREFIX, Knob, knobs_for
-from replayjob.metrics import EFFECTIVE, FINAL_ADAPTER, INITIAL_ADAPTER, LOGICAL, SOURCE_FILE, STEP_FINAL_ADAPTER
+from replayjob.runtime.knobs import BUILTIN, STACK_PREFIX, Knob, knobs_for
 
 PASS, FAIL, REFUSED, NOT_APPLICABLE = "pass", "fail", "refused", "not_applicable"
 
@@ -323,7 +330,7 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
 
 def knobs_in_effect_check(arms: dict[str, Arm], source: Source | None) -> Check:
     """Every registered knob, as the replay observed it at run time, equals the value the arm's intended value
-    implies (:meth:`replayjob.knobs.Knob.expected`, the rule the replay applies: a derived knob such as TRL's
+    implies (:meth:`replayjob.runtime.knobs.Knob.expected`, the rule the replay applies: a derived knob such as TRL's
     accumulation steps under a changed micro-batch size is expected as the replay rescaled it)."""
     expected: dict[str, Any] = {}
     per_arm: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """Evidence: which replay metric files a verdict is built from, and the tolerance file.
 
-The metric files themselves are read by :mod:`replayjob.metrics` (one reader per artifact, beside
+The metric files themselves are read by :mod:`replayjob.artifacts.metrics` (one reader per artifact, beside
 its writer), and the tolerance file by its declaration (:mod:`replayjob.artifacts.tolerances`), re-exported
 here for the gate: :func:`read_replay`, :func:`read_source`, :func:`read_tolerances`, :class:`Replay`,
 :class:`Source`, :class:`Tolerances`.  Nothing here imports torch, transformers or peft.
@@ -17,9 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from replayjob.artifacts.document import read_pinned_toml
-from replayjob.artifacts.tolerances import Tolerances, read_tolerances
-from replayjob.errors import RefusedError
-from replayjob.metrics import (
+from replayjob.artifacts.metrics import (
     MEASURES,
     REPLAY_FILE,
     SKIPPED,
@@ -29,6 +27,8 @@ from replayjob.metrics import (
     read_replay,
     read_source,
 )
+from replayjob.artifacts.tolerances import Tolerances, read_tolerances
+from replayjob.errors import RefusedError
 
 __all__ = ["MEASURES", "REPLAY_FILE", "SKIPPED", "SOURCE_FILE", "Replay", "Source", "Tolerances", "discover",
            "read_pinned_toml", "read_replay", "read_source", "read_tolerances"]

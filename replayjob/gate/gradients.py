@@ -24,12 +24,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from replayjob.artifacts.trace_store import Trace, dtype_name, read_trace
 from replayjob.gate import claims as C
 from replayjob.gate import stats
 from replayjob.gate.evidence import Replay
 from replayjob.trace.diff import Side, TraceDiff, rounding_scale
 from replayjob.trace.envelope import cosine, envelope, finite_or_none, relative_error, rounding_bound
-from replayjob.trace.store import Trace, dtype_name, read_trace
 
 
 def _traced(replays: list[Replay]) -> list[tuple[Replay, Trace]]:

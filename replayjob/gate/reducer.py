@@ -12,7 +12,7 @@ With ``--budgets`` (any claim), :mod:`.budgets` decides each declared bound once
 admitted and adds a ``budgets`` section and one check per bound; an undecided bound makes the
 verdict ``inconclusive``.
 
-Timing from a replay whose contention probe (:mod:`replayjob.contention`, ``contention`` in its
+Timing from a replay whose contention probe (:mod:`replayjob.runtime.contention_probe`, ``contention`` in its
 metrics) says ``contended`` is never admitted: the ``contention`` section names those replays, the
 timing ratios lose their intervals, time bounds are ``not_evaluated`` and, where a time bound would
 have been decided on them, the check ``timing.uncontended`` makes the verdict ``contended`` (exit 3).
@@ -28,14 +28,16 @@ from pathlib import Path
 from typing import Any
 
 import replayjob
-from replayjob.artifacts import claims
-from replayjob.contention import THRESHOLDS
-from replayjob.deploy.ablation import AblationSpec
+from replayjob.artifacts import api_manifest as imanifest
+from replayjob.artifacts import capture_reader as manifests
+from replayjob.artifacts import claims, verdict
+from replayjob.artifacts.capture_manifest import Manifest
+from replayjob.artifacts.spec import AblationSpec
 from replayjob.digest import sha256_file
 from replayjob.errors import RefusedError, UsageError
 from replayjob.gate import budgets as B
 from replayjob.gate import claims as C
-from replayjob.gate import gradients, stats, updates, verdict
+from replayjob.gate import gradients, stats, updates
 from replayjob.gate.evidence import (
     MEASURES,
     Replay,
@@ -47,9 +49,7 @@ from replayjob.gate.evidence import (
     read_tolerances,
 )
 from replayjob.gate.report import write_report
-from replayjob.integrations import manifest as imanifest
-from replayjob.optbatch.manifest import Manifest
-from replayjob.producers import manifests
+from replayjob.runtime.contention_probe import THRESHOLDS
 
 IN_PROCESS_METRIC = "in_process_train_wall_s"  # the median of a replay's measured in-process updates
 
@@ -181,9 +181,9 @@ def _budget_section(req: Request, st: _State, admitted: bool, base: Path,
 
 def _capture_manifest(source: Source) -> Manifest | imanifest.Manifest:
     """The capture manifest the source metrics name, verified against the SHA-256 they report (its
-    bytes are read and hashed once): the built-in trainer's (:mod:`replayjob.optbatch.manifest`, or the
-    root of a capture over ranks, :mod:`replayjob.optbatch.ranks`) or an external trainer's
-    (:mod:`replayjob.integrations.manifest`), told apart by its schema after the bytes matched the pin."""
+    bytes are read and hashed once): the built-in trainer's (:mod:`replayjob.artifacts.capture_manifest`, or the
+    root of a capture over ranks, :mod:`replayjob.artifacts.capture_root`) or an external trainer's
+    (:mod:`replayjob.artifacts.api_manifest`), told apart by its schema after the bytes matched the pin."""
 
     return manifests.read(source.manifest_file, source.manifest, pin_name=f"{source.path}'s {source.manifest_pin}",
                           hint="keep the capture run's manifest next to its metrics.json, unchanged")

@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from replayjob.artifacts.verdict import few
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.gate.evidence import MEASURES
-from replayjob.gate.verdict import few
 
 PLOT_HINT = "pip install 'replayjob[plot]'"
 _CELL = 100

@@ -1,7 +1,7 @@
 """Synthetic evidence for the reducer's tests and benchmark: a source run and replays, on disk.
 
 Files follow ``docs/replay-metrics.md`` key for key; the source directory holds a capture manifest
-built and validated by :mod:`replayjob.optbatch.manifest` (its ``outcome`` sealing the source's loss,
+built and validated by :mod:`replayjob.artifacts.capture_manifest` (its ``outcome`` sealing the source's loss,
 gradient norm and final adapter digest), a ``metrics.json`` and a final adapter.
 Everything is a pure function of the arguments (no clock, no absolute path inside a file), so two
 builds in different directories give the same bytes.  Adapter contents are the caller's bytes:
@@ -25,12 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from replayjob.deploy.schedule import plan
-from replayjob.digest import sha256_bytes, sha256_file
-from replayjob.jsonio import pretty_bytes
-from replayjob.knobs import BUILTIN, knobs_for, lookup
-from replayjob.knobs import GRADIENT_CHECKPOINTING as GC_KEY
-from replayjob.metrics import (
+from replayjob.artifacts import capture_manifest as mf
+from replayjob.artifacts.metrics import (
     EFFECTIVE,
     FINAL_ADAPTER,
     FINAL_ADAPTER_PATH,
@@ -43,7 +39,11 @@ from replayjob.metrics import (
     replay_document,
     source_document,
 )
-from replayjob.optbatch import manifest as mf
+from replayjob.artifacts.schedule import plan
+from replayjob.digest import sha256_bytes, sha256_file
+from replayjob.jsonio import pretty_bytes
+from replayjob.runtime.knobs import BUILTIN, knobs_for, lookup
+from replayjob.runtime.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 from replayjob.tensorfile import ITEMSIZE
 
 ADAPTER = "final_adapter/adapter_model.safetensors"
@@ -125,7 +125,7 @@ def runtime_of(knobs: dict[str, Any], rows: int = 16) -> dict[str, Any]:
 
 def replay_doc(*, arm: str, index: int, knobs: dict[str, Any], manifest_sha256: str, initial_sha256: str,
                final_sha256: str, loss: float, seed: int = 0, tolerances_sha256: str = "") -> dict[str, Any]:
-    """One replay_metrics.json document: :func:`replayjob.metrics.replay_document` and what the replay
+    """One replay_metrics.json document: :func:`replayjob.artifacts.metrics.replay_document` and what the replay
     driver adds to it (final adapter, provenance, wall time)."""
     doc = replay_document(
         framework=BUILTIN, arm=arm, repeat_index=index,

@@ -1,15 +1,27 @@
-"""Capture and replay for trainers other than replayjob's own: one module per framework.
+"""Deprecated import paths, kept for one release: the producers now live in :mod:`replayjob.producers`.
 
-The framework-neutral part lives in :mod:`~replayjob.integrations.capture` (the public capture API
-any PyTorch loop can call), :mod:`~replayjob.integrations.manifest` (the capture's schema),
-:mod:`~replayjob.integrations.admission` (explain: the shared admission rules, no model) and
-:mod:`~replayjob.integrations.replay` (one update from a verified capture).  A framework module
-(``trl.py``) adds only what is specific to it: how to instrument its trainer and how to rebuild it
-and run one captured micro-batch through its own training step.
+============================================  ===============================================
+``replayjob.integrations.capture``            :mod:`replayjob.producers.api.capture`
+``replayjob.integrations.torch_loop``         :mod:`replayjob.producers.torch_loop`
+``replayjob.integrations.trl``                :mod:`replayjob.producers.trl.producer`
+``replayjob.integrations.verl``               :mod:`replayjob.producers.verl.producer`
+``replayjob.integrations.verl_hook``          :mod:`replayjob.producers.verl.hook`
+============================================  ===============================================
 
-The one producer registry (:data:`replayjob.producers.PRODUCERS`) maps the framework name a manifest
-records to the module that replays it; a second framework (verl, OpenRLHF) is one more entry there
-and one more module here.  Importing this package imports no framework.
+Each old module re-exports the new one's names and warns once (:class:`DeprecationWarning`) when imported;
+the public names at the package top (``replayjob.StepCapture``, ``replayjob.capture_optimizer_batch``) never
+moved.  Nothing in replayjob imports these modules.
 """
 
 from __future__ import annotations
+
+import importlib
+import warnings
+from types import ModuleType
+
+
+def forward(old: str, new: str) -> ModuleType:
+    """Warn that ``old`` moved to ``new`` and return the new module (its names are re-exported by the caller)."""
+    warnings.warn(f"{old} moved to {new}; import it from there (the old path goes in the next release)",
+                  DeprecationWarning, stacklevel=3)
+    return importlib.import_module(new)

@@ -23,15 +23,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from replayjob.artifacts.capture_reader import producer_of
 from replayjob.artifacts.mismatch_bound import Bound, read_bound
 from replayjob.config import from_dict, load_config
-from replayjob.distributed import observe
 from replayjob.errors import UsageError
-from replayjob.mismatch import builtin, external
+from replayjob.mismatch import builtin
+from replayjob.mismatch import trl as external
 from replayjob.mismatch.report import Report, build
-from replayjob.optbatch.explain import admit, source_config
 from replayjob.producers import BUILTIN
-from replayjob.producers.manifests import producer_of
+from replayjob.producers.builtin.admission import admit, source_config
+from replayjob.runtime.distributed import observe
 
 __all__ = ["Bound", "Report", "check_capture", "read_bound", "resolve_capture"]
 

@@ -29,16 +29,16 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from replayjob import determinism
 from replayjob.config import Config
 from replayjob.errors import ContractError
 from replayjob.mismatch.views import Collector, Side, Source, Views
 from replayjob.model.backend import Policy, load_backend
-from replayjob.optbatch.explain import Admission
+from replayjob.producers.builtin.admission import Admission
 from replayjob.rl.batch import OptimizerBatch, micro_batches
 from replayjob.rl.logprobs import logprob_temperature, logprobs_of, response_logits, truncate
 from replayjob.rl.sampling import precision
 from replayjob.rl.state import check_model
+from replayjob.runtime import determinism
 
 if TYPE_CHECKING:
     import torch

@@ -2,7 +2,7 @@
 each attribution test's alternative recompute (the hypotheses), all float64 and in one flat order
 (rows in logical order, positions ascending).
 
-A recompute (:mod:`~replayjob.mismatch.builtin`, :mod:`~replayjob.mismatch.external`) feeds a
+A recompute (:mod:`~replayjob.mismatch.builtin`, :mod:`~replayjob.mismatch.trl`) feeds a
 :class:`Collector` one micro-batch at a time, so only per-token numbers are kept, never logits.  From
 the trainer's own logits it derives the cheap hypotheses on the spot: the logits divided by another
 temperature (each candidate, and a grid for the best-fitting one) and the trainer's distribution

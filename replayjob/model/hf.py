@@ -17,7 +17,6 @@ from replayjob import tensorfile
 from replayjob.config import Config
 from replayjob.config.load import to_dict
 from replayjob.digest import sha256_file
-from replayjob.distributed import full
 from replayjob.errors import ConfigError, ContractError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes
@@ -25,6 +24,7 @@ from replayjob.model import moe
 from replayjob.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from replayjob.redact import redact_text
 from replayjob.rl.state import adapter_bytes
+from replayjob.runtime.distributed import full
 
 if TYPE_CHECKING:
     import torch
@@ -83,7 +83,7 @@ class HFPolicy:
 
     def rebind_parameters(self) -> None:
         """Read the trainable parameters again after a wrapper replaced them under the same names
-        (``fully_shard``, :func:`replayjob.distributed.wrap`); the adapter's name map follows them."""
+        (``fully_shard``, :func:`replayjob.runtime.distributed.wrap`); the adapter's name map follows them."""
         self.adapter_state()  # the weight-file name -> parameter map, built on the parameters being replaced
         live = dict(self.model.named_parameters())
         names = {id(p): n for n, p in self._trainable}

@@ -7,14 +7,15 @@
 4. one update: for each micro-batch the captured Torch RNG state restored immediately before its
    loss call, the producer's forward, loss and backward; then its clip / optimizer step / scheduler
    step / zero-grad once (:meth:`Session.finish`); with ``--trace`` a
-   :class:`~replayjob.trace.recorder.Recorder` attached around it;
+   :class:`~replayjob.producers.trace_recorder.Recorder` attached around it;
 5. the final adapter saved; then W warm-up and M measured in-process updates, each from the same
    restored state (``optimizer_batch.warmup_updates`` / ``measured_updates``), recorded apart from
    the fresh-process update under ``in_process`` with whether each reproduced its loss bit for bit;
    what contended with the host while these timed updates ran is recorded under ``contention``
-   (:class:`replayjob.contention.Probe`);
+   (:class:`replayjob.runtime.contention_probe.Probe`);
 6. the producer's knobs observed at run time, and ``replay_metrics.json`` built and written by its
-   artifact module (:func:`replayjob.metrics.replay_document`, :func:`replayjob.metrics.write_replay`).
+   artifact module (:func:`~replayjob.artifacts.metrics.replay_document`,
+   :func:`~replayjob.artifacts.metrics.write_replay`).
 
 Every captured tensor reaches a producer's loss in freshly allocated memory (:func:`fresh`): a view
 into a payload's bytes may sit at an offset CPU kernels vectorise differently, which changes the
@@ -29,19 +30,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from replayjob import determinism, knobs
-from replayjob import metrics as metrics_io
-from replayjob.contention import Probe
-from replayjob.deploy.schedule import Slot
+from replayjob.artifacts import metrics as metrics_io
+from replayjob.artifacts.schedule import Slot
 from replayjob.digest import sha256_file
 from replayjob.errors import ConfigError, ContractError, UsageError
 from replayjob.hostinfo import host_provenance
 from replayjob.model import moe
+from replayjob.producers import trace_fault as faults
 from replayjob.producers.session import MicroStep, Outcome, Session
+from replayjob.producers.trace_recorder import Recorder
 from replayjob.rl.diag import peak_memory_value
 from replayjob.rl.state import restore_rng
-from replayjob.trace import fault as faults
-from replayjob.trace.recorder import Recorder
+from replayjob.runtime import determinism, knobs
+from replayjob.runtime.contention_probe import Probe
 
 if TYPE_CHECKING:
     import torch
@@ -120,7 +121,7 @@ def in_process(session: Session, plan: list[MicroStep], loss: float, warmup: int
 
 @contextmanager
 def traced(session: Session, plan: list[MicroStep], enabled: bool) -> Iterator[Any]:
-    """A :class:`~replayjob.trace.recorder.Recorder` attached around the update when ``enabled``
+    """A :class:`~replayjob.producers.trace_recorder.Recorder` attached around the update when ``enabled``
     (``--trace``), else ``None`` with nothing attached.  The test-only fault is refused unless tracing
     is on; a producer that cannot be traced is refused by name."""
     import torch

@@ -1,7 +1,7 @@
 """``replayjob explain`` for a capture of any producer: its manifest names the producer, whose admission runs.
 
-The built-in trainer's captures are admitted by :mod:`replayjob.optbatch.explain`, every other producer's by
-:mod:`replayjob.integrations.admission` (the same rules); both report in one format (:func:`render`).
+The built-in trainer's captures are admitted by :mod:`replayjob.producers.builtin.admission`, every other producer's by
+:mod:`replayjob.producers.api.admission` (the same rules); both report in one format (:func:`render`).
 """
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from replayjob.artifacts.capture_reader import CaptureManifest, producer_of
 from replayjob.config import load_config
-from replayjob.distributed import observe
-from replayjob.integrations import admission
-from replayjob.optbatch import explain as builtin
-from replayjob.optbatch.explain import Refusals, render
 from replayjob.producers import BUILTIN
-from replayjob.producers.manifests import CaptureManifest, producer_of
+from replayjob.producers.api import admission
+from replayjob.producers.builtin import admission as builtin
+from replayjob.producers.builtin.admission import Refusals, render
+from replayjob.runtime.distributed import observe
 
 __all__ = ["explain", "render"]
 

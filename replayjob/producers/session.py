@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from replayjob import knobs
+from replayjob.runtime import knobs
 
 if TYPE_CHECKING:
     import torch
@@ -101,7 +101,7 @@ class Session:
 
     def document(self, outcome: Outcome, plan: list[MicroStep]) -> dict[str, Any]:
         """The producer's part of ``replay_metrics.json``: the keyword arguments of
-        :func:`replayjob.metrics.replay_document` that come from its admission."""
+        :func:`replayjob.artifacts.metrics.replay_document` that come from its admission."""
         raise NotImplementedError
 
     def trace_identity(self, runtime: dict[str, Any]) -> dict[str, Any]:

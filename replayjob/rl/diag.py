@@ -12,7 +12,7 @@ import resource
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from replayjob.distributed import full
+from replayjob.runtime.distributed import full
 
 if TYPE_CHECKING:
     import torch

@@ -1,7 +1,7 @@
 """The step-hook protocol: what a trainer calls at each step and what every capture implements.
 
 A trainer is handed its hooks (a sequence of :class:`StepHook`) and imports no capture package;
-captures (``replayjob.optbatch.capture``, ``replayjob.bundle.hook``) import this module, never the
+captures (``replayjob.producers.builtin.capture``, ``replayjob.bundle.hook``) import this module, never the
 trainer.  The command layer (:mod:`replayjob.run`) builds the hooks a config and the environment
 ask for and hands them over.
 

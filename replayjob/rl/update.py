@@ -5,7 +5,7 @@ Micro-batches are processed in logical order; the batch loss is the sum of micro
 (the loss weights already carry the normalisation); gradients are clipped to
 ``optimizer.max_grad_norm`` and AdamW steps once.
 
-Over several ranks (``parallel``, :class:`replayjob.distributed.Parallel`) each rank runs this on its
+Over several ranks (``parallel``, :class:`replayjob.runtime.distributed.Parallel`) each rank runs this on its
 shard of the logical rows: gradients are accumulated locally and summed over ranks with the last
 micro-batch's backward, the global norm is clipped, and the reported loss is the ranks' losses
 summed in rank order (float64).  Without ``parallel`` nothing else changes.
@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from replayjob.config import Config
-from replayjob.distributed import Parallel
 from replayjob.errors import ConfigError
 from replayjob.model.backend import Policy
 from replayjob.rl import stages
 from replayjob.rl.batch import MicroBatch, OptimizerBatch, micro_batches
 from replayjob.rl.logprobs import logprob_temperature, logprobs_of, response_logits_and_aux, token_logprobs
+from replayjob.runtime.distributed import Parallel
 
 if TYPE_CHECKING:
     import torch
@@ -192,7 +192,7 @@ def optimizer_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Op
     """One update; ``keep_logprobs`` also returns the logprobs the loss saw (read-only copies);
     ``parallel``: this rank's part of an update shared by ranks (``batch`` is this rank's shard).
 
-    ``plant_nonfinite_grad`` (tests only, :func:`replayjob.faults.nonfinite_grad_at`) sets one
+    ``plant_nonfinite_grad`` (tests only, :func:`replayjob.crashpoints.nonfinite_grad_at`) sets one
     gradient element to NaN after the backward pass, before clipping."""
     update = Update(policy, optimizer, cfg, keep_logprobs=keep_logprobs, parallel=parallel)
     mbs = update.micro_batches(batch)

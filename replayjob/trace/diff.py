@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from replayjob.artifacts.metrics import REPLAY_FILE, ROUTING, read_replay
+from replayjob.artifacts.trace_store import IDENTITY_KEYS, TRACE_DIR, Site, Trace, dtype_name, read_trace
 from replayjob.errors import ContractError, IntegrityError, RefusedError, UsageError
 from replayjob.fsio import check_no_symlinks
-from replayjob.metrics import REPLAY_FILE, ROUTING, read_replay
 from replayjob.model import moe
 from replayjob.model.moe import RoutingTable
 from replayjob.trace.envelope import (
@@ -46,7 +47,6 @@ from replayjob.trace.envelope import (
     relative_error,
     rounding_bound,
 )
-from replayjob.trace.store import IDENTITY_KEYS, TRACE_DIR, Site, Trace, dtype_name, read_trace
 
 DIFF_SCHEMA = "replayjob.trace_diff/v1"
 # How two MoE replays' difference relates to their routing (``routing.attribution``), in human terms.
@@ -60,7 +60,7 @@ ATTRIBUTIONS = {
                          "router first, and the flips follow from it",
     "flips-only": "routing flips with bitwise equal traced outputs",
 }
-# replay_metrics.json's provenance.compute_dtype (replayjob.integrations.precision) as a traced dtype's name
+# replay_metrics.json's provenance.compute_dtype (replayjob.producers.api.precision) as a traced dtype's name
 COMPUTE_DTYPES = {"float64": "F64", "float32": "F32", "tf32": "F16", "float16": "F16", "bfloat16": "BF16"}
 SAME_CAPTURE = ("manifest_sha256", "logical_batch_sha256", "initial_adapter_sha256")
 _LAYER = re.compile(r"\.layers\.(\d+)(?:\.|$)")

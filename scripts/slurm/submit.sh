@@ -18,7 +18,7 @@
 #            step reduce -> <out>/verdict.json; its exit code is the verdict's
 # A capture or replay of R ranks (the spec's `ranks`, an arm's "distributed.world_size") is one job of
 # --ntasks=R on one node (--nodes=1, R times the GPUs per task): the step runs once in the batch
-# script and starts the ranks with `srun --ntasks R` in the allocation (replayjob.launch maps
+# script and starts the ranks with `srun --ntasks R` in the allocation (replayjob.runtime.slurm_ranks maps
 # each task to torch.distributed's environment); with --image, torchrun inside the container starts
 # them.  Arms of different rank counts get one replay array each (sparse --array indexes).
 # --wait blocks until reduce ends and exits with its code: 0 pass, 1 fail, 2 refused, 3 error (also

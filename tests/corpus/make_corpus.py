@@ -353,8 +353,8 @@ PAYLOAD_CAUSES = {"st_empty": "payload.size"}
 def _payload_pin(data: bytes) -> str:
     """The span digest a forger would pin, made with replayjob's own function; a header too broken to
     have one gets the plain SHA-256 (it is refused for its header before any pin is compared)."""
+    from replayjob.artifacts.capture_payload import digest_bytes
     from replayjob.errors import ReplayjobError
-    from replayjob.optbatch.payload import digest_bytes
 
     try:
         return digest_bytes(data)
@@ -600,7 +600,7 @@ def budget_mutations() -> dict[str, Mutation]:
 def _reseal(replay: Path, edit: Callable[[dict[str, Any]], None] | None = None) -> None:
     """Re-pin a traced replay after an edit of its trace, as a forger would: the payload in the index,
     then the index in ``replay_metrics.json``."""
-    from replayjob.trace.store import INDEX_FILE, PAYLOAD_FILE, TRACE_DIR
+    from replayjob.artifacts.trace_store import INDEX_FILE, PAYLOAD_FILE, TRACE_DIR
 
     t = replay / TRACE_DIR
     index = json.loads((t / INDEX_FILE).read_bytes())
@@ -620,7 +620,7 @@ def trace_entries(src: Path, out: Path) -> list[Entry]:
     re-sealed after its edit so that only recomputing from the bytes can refuse it."""
     from safetensors.torch import load as st_load
 
-    from replayjob.trace.store import INDEX_FILE, PAYLOAD_FILE, TRACE_DIR
+    from replayjob.artifacts.trace_store import INDEX_FILE, PAYLOAD_FILE, TRACE_DIR
 
     entries: list[Entry] = []
 

@@ -1,0 +1,222 @@
+"""A capture over several ranks: each rank's payload and manifest, then one root written once all landed.
+
+Under ``torchrun`` with ``W`` ranks (:mod:`replayjob.runtime.distributed`), every rank trains on its
+contiguous shard of the logical rows and captures exactly those rows, with the usual discipline
+(:mod:`replayjob.producers.builtin.capture`): payload, then its manifest (the rank's own rows
+and digests), both atomic and exclusive, in ``rank-<r>/``; then the rank *lands*: ``COMPLETE.<r>``
+(rank, world size, the rank manifest's SHA-256) next to the rank directories.  After a barrier,
+rank 0 reads every landed rank back and verifies it, and writes the root manifest last (the one
+capture manifest schema, listing ``ranks``), then ``metrics.json``::
+
+    optimizer_batch_step_000000.manifest.json   the root: written last, pinned by metrics.json
+    COMPLETE.0 ... COMPLETE.<W-1>               one landing record per rank
+    rank-0/optimizer_batch_step_000000.{safetensors,manifest.json}
+    rank-1/...
+
+The root holds what a single-device manifest holds -- producer, row counts, the logical-batch and
+effective-rows digests (over every rank's rows in logical order, so independent of how rows were
+split), config, optimizer contract, initial adapter, the source update's sealed ``outcome`` (loss, gradient
+norm, final adapter, as ``metrics.json`` reports them) -- plus ``distributed`` (world size, strategy,
+bucket size, backend, sharding) and ``ranks``: per rank its directory, manifest SHA-256, payload
+span digest and ``[begin, end)`` logical rows.  Its ``payload.spans_sha256`` is the digest of the
+ranks' payload span digests in rank order (:func:`ranks_digest`), which replays record as their
+payload pin.  The adapter the capture starts from is the resume state's, saved once, unsharded.
+
+This module holds the root's record and reader; reading the ranks' rows back
+(:func:`replayjob.producers.builtin.rows.verify`, torch) checks, before any device memory is touched: the root's
+own fields, that exactly the listed ranks landed (no ``rank-*`` or ``COMPLETE.*`` missing or extra, and no
+``rank-*`` directory a symbolic link), every landing record, every rank manifest against its pinned SHA-256
+and every payload against its manifest, that every rank captured under the root's config and contract from the
+root's initial adapter, with the root's RNG keys and total payload size, and that the rows concatenated in
+rank order hash to the root's logical and effective digests. A replay at any world size rebuilds the logical
+batch this way and re-shards it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from replayjob.artifacts import capture_manifest as manifest
+from replayjob.artifacts.capture_manifest import Manifest, is_int, need, need_hex
+from replayjob.errors import ArtifactExistsError, IntegrityError
+from replayjob.fsio import atomic_write_bytes, read_regular_bytes
+from replayjob.jsonio import canonical_bytes, loads_strict
+from replayjob.runtime import distributed
+
+RANKS_TAG = b"replayjob.rank-payloads.v1\n"
+MAX_LANDED_BYTES = 64 * 1024  # a landing record is three fields
+_KEYS = {"schema", "framework", "step", "producer", "distributed", "ranks", "payload", "rows", "logical_batch_sha256",
+         "local_effective_rows_sha256", "config", "contract", "initial_adapter"}
+_DIST_KEYS = {"world_size", "strategy", "bucket_cap_mb", "backend", "sharding"}
+_RANK_KEYS = {"rank", "dir", "manifest_sha256", "payload_spans_sha256", "rows"}
+_LANDED_KEYS = {"rank", "world_size", "manifest_sha256"}
+
+
+def rank_dir(rank: int) -> str:
+    return f"rank-{rank}"
+
+
+def landed_name(rank: int) -> str:
+    return f"COMPLETE.{rank}"
+
+
+def ranks_digest(payload_digests: list[str]) -> str:
+    """The root's payload pin: SHA-256 of a tag, the rank count and each rank's payload span digest."""
+    h = hashlib.sha256(RANKS_TAG)
+    h.update(struct.pack("<Q", len(payload_digests)))
+    for d in payload_digests:
+        h.update(bytes.fromhex(d))
+    return h.hexdigest()
+
+
+def root_document(*, step: int, producer: dict[str, Any], world: int, strategy: str, bucket_cap_mb: float,
+                  backend: str, ranks: list[tuple[int, str, str, tuple[int, int]]], payload_size: int,
+                  rows: dict[str, Any], logical: str, effective: str,
+                  first_rank: dict[str, Any], sealed: dict[str, Any] | None) -> dict[str, Any]:
+    """The root manifest's document: ``ranks`` lists (rank, manifest SHA-256, payload span digest,
+    ``[begin, end)`` logical rows) in rank order; config, contract, initial adapter and RNG keys are rank 0's
+    (``first_rank``: its manifest document, which every other rank's was verified to match); ``sealed``
+    the source update's outcome (:func:`replayjob.artifacts.capture_manifest.outcome`)."""
+    doc: dict[str, Any] = {
+        "schema": manifest.SCHEMA, "framework": manifest.BUILTIN, "step": step, "producer": producer,
+        "distributed": {"world_size": world, "strategy": strategy, "bucket_cap_mb": bucket_cap_mb,
+                        "backend": backend, "sharding": distributed.SHARDING},
+        "ranks": [{"rank": r, "dir": rank_dir(r), "manifest_sha256": sha, "payload_spans_sha256": spans,
+                   "rows": list(bounds)} for r, sha, spans, bounds in ranks],
+        "payload": {"spans_sha256": ranks_digest([spans for _, _, spans, _ in ranks]), "size": payload_size,
+                    "rng_keys": list(first_rank["payload"]["rng_keys"])},
+        "rows": rows, "logical_batch_sha256": logical, "local_effective_rows_sha256": effective,
+        "config": first_rank["config"], "contract": first_rank["contract"],
+        "initial_adapter": first_rank["initial_adapter"],
+    }
+    if sealed is not None:
+        doc[manifest.OUTCOME] = sealed
+    return doc
+
+
+@dataclass(frozen=True)
+class RootManifest(Manifest):
+    """The root manifest of a capture over several ranks (the fields a replay pins, as a single-device one)."""
+
+    @property
+    def ranks(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = self.doc["ranks"]
+        return out
+
+    @property
+    def world_size(self) -> int:
+        return int(self.doc["distributed"]["world_size"])
+
+    @property
+    def payload_path(self) -> Path:
+        """Rank 0's payload (named in messages; every rank's is verified)."""
+        return self.path.parent / rank_dir(0) / manifest.payload_name(self.step)
+
+
+def refuse_existing(out: Path, rank: int, step: int) -> None:
+    """Refuse (before any work) a rank directory, landing record or root that already exists."""
+    for p in (out / rank_dir(rank), out / landed_name(rank), out / manifest.manifest_name(step)):
+        if p.exists():
+            raise ArtifactExistsError("a capture over ranks already exists here and is never overwritten", where=p,
+                                      hint="choose a new --out directory")
+
+
+def land(out: Path, rank: int, world: int, manifest_sha256: str) -> None:
+    """This rank's payload and manifest are written: record it (``COMPLETE.<r>``, exclusive)."""
+    doc = {"rank": rank, "world_size": world, "manifest_sha256": manifest_sha256}
+    atomic_write_bytes(out / landed_name(rank), canonical_bytes(doc) + b"\n", exclusive=True)
+
+
+# ------------------------------------------------------------------------------------- reading
+def read_landed(d: Path, rank: int) -> dict[str, Any]:
+    p = d / landed_name(rank)
+    if p.is_symlink() or not p.is_file():
+        raise IntegrityError(f"rank {rank} has not landed ({landed_name(rank)} is missing): the capture is "
+                             "incomplete", where=d,
+                             hint="capture again; a capture over ranks is complete only when every rank landed")
+    doc = loads_strict(read_regular_bytes(p, max_bytes=MAX_LANDED_BYTES, follow_symlinks=False,
+                                          what="landing record"), where=p)
+    if not isinstance(doc, dict) or set(doc) != _LANDED_KEYS or doc["rank"] != rank:
+        raise IntegrityError(f"malformed landing record (needs exactly {sorted(_LANDED_KEYS)} for rank {rank})",
+                             where=p)
+    return doc
+
+
+def check_listing(d: Path, world: int) -> None:
+    """Exactly ranks 0..W-1 have a directory and a landing record: none missing, none extra."""
+    want = {rank_dir(r) for r in range(world)} | {landed_name(r) for r in range(world)}
+    have = {p.name for p in d.iterdir() if p.name.startswith(("rank-", "COMPLETE."))}
+    extra, missing = sorted(have - want), sorted(want - have)
+    if missing:
+        raise IntegrityError(f"incomplete capture over {world} ranks: {', '.join(missing)} missing", where=d,
+                             hint="capture again; every rank must land before the root is used")
+    if extra:
+        raise IntegrityError(f"the root lists {world} ranks, the directory also holds {', '.join(extra)}", where=d,
+                             hint="a capture directory holds one capture; capture again into a new --out")
+
+
+def read_capture(path: str | Path, expected_sha256: str) -> Manifest:
+    """The capture manifest at ``path`` pinned by ``expected_sha256``: a single-device manifest, or the root of
+    a capture over ranks (:class:`RootManifest`, its own fields validated;
+    :func:`~replayjob.producers.builtin.rows.verify` checks the ranks)."""
+    p, sha, doc = manifest.read_pinned(path, expected_sha256,
+                                       hint="point optimizer_batch.replay_path at the source run's "
+                                            "optimizer_batch_step_000000.manifest.json")
+    return of(p, sha, doc)
+
+
+def of(p: Path, sha: str, doc: Any) -> Manifest:
+    """A built-in manifest whose bytes matched their pin: the root of a capture over ranks (it lists
+    ``ranks``) or a single-device one, validated."""
+    if isinstance(doc, dict) and "ranks" in doc:
+        return RootManifest(p, sha, validate(doc, p))
+    return Manifest(p, sha, manifest.validate(doc, p))
+
+
+# ------------------------------------------------------------------------------------- the root
+def validate(doc: Any, where: Path) -> dict[str, Any]:
+    """The root's own fields (the ranks themselves are checked by :func:`~replayjob.producers.builtin.rows.verify`)."""
+    manifest.check_schema(doc, where)
+    need(doc["framework"] == manifest.BUILTIN, f"'framework' must be {manifest.BUILTIN!r} in a built-in root", where)
+    keys = _KEYS | ({manifest.OUTCOME} & set(doc))
+    need(set(doc) == keys, f"keys must be exactly {sorted(keys)}; unknown {sorted(set(doc) - keys)}, "
+         f"missing {sorted(keys - set(doc))}", where)
+    need(is_int(doc["step"]) and doc["step"] == 0, "'step' must be 0 (captures over ranks cover step zero)", where)
+    manifest.validate_outcome(doc, where)
+    dist = doc["distributed"]
+    need(isinstance(dist, dict) and set(dist) == _DIST_KEYS, f"'distributed' needs exactly {sorted(_DIST_KEYS)}", where)
+    world = dist["world_size"]
+    need(is_int(world) and world >= 1, "'distributed.world_size' must be an integer >= 1", where)
+    need(dist["strategy"] in distributed.STRATEGIES and dist["sharding"] == distributed.SHARDING,
+         f"'distributed' strategy must be one of {list(distributed.STRATEGIES)}, sharding "
+         f"{distributed.SHARDING!r}", where)
+    ranks = doc["ranks"]
+    need(isinstance(ranks, list) and len(ranks) == world, f"'ranks' must list the {world} ranks", where)
+    end = 0
+    for r, e in enumerate(ranks):
+        need(isinstance(e, dict) and set(e) == _RANK_KEYS and e["rank"] == r and e["dir"] == rank_dir(r),
+             f"'ranks[{r}]' needs exactly {sorted(_RANK_KEYS)} for rank {r} in {rank_dir(r)}", where)
+        need_hex(e["manifest_sha256"], f"ranks[{r}].manifest_sha256", where)
+        need_hex(e["payload_spans_sha256"], f"ranks[{r}].payload_spans_sha256", where)
+        rows = e["rows"]
+        need(isinstance(rows, list) and len(rows) == 2 and all(is_int(x) for x in rows) and rows[0] == end
+             and rows[1] > rows[0], f"'ranks[{r}].rows' must be [begin, end) following the previous rank's", where)
+        end = rows[1]
+    p = doc["payload"]
+    need(isinstance(p, dict) and set(p) == {"spans_sha256", "size", "rng_keys"}
+         and is_int(p["size"]) and isinstance(p["rng_keys"], list), "'payload' needs spans_sha256, size, rng_keys",
+         where)
+    need(p["spans_sha256"] == ranks_digest([e["payload_spans_sha256"] for e in ranks]),
+         "'payload.spans_sha256' does not match the ranks' payload digests", where)
+    need(isinstance(doc["rows"], dict) and doc["rows"].get("rows") == end, f"'rows.rows' must be {end}", where)
+    manifest.validate_pins(doc, where)
+    a = doc["initial_adapter"]
+    need(isinstance(a, dict) and set(a) == {"path", "size", "sha256"}, "'initial_adapter' needs path, size, sha256",
+         where)
+    need_hex(a["sha256"], "initial_adapter.sha256", where)
+    need(isinstance(doc["producer"], dict), "'producer' must be an object", where)
+    return dict(doc)

@@ -1,0 +1,254 @@
+"""How a cluster run's outcome is read: the Job and pod status fields the driver and ``k8s ... --wait``
+read, declared, and the one rule that turns a verdict and a reducer's exit code into an exit code.
+
+The Kubernetes API's JSON is read through the declarations below (the fields replayjob reads, typed;
+every other field is the API's and ignored), never through the client's models: a status that is not
+what the API writes (a status that is a list, a condition without a type, an exit code that is a
+string) is :class:`~replayjob.errors.OperationalError` (exit 3) with one line naming the object and
+the field, never a traceback, and nothing is decided from it.
+
+:func:`judge` is the rule every launcher's wait applies (``argo wait``, the in-cluster driver,
+``k8s submit|resume --wait``): the verdict, read through
+:func:`replayjob.artifacts.verdict.read_verdict`, and the reducer's exit code must agree; a verdict alone
+decides; a verdict that cannot be read, one that disagrees with the code, or none at all is 3
+(nothing was decided), naming both.
+
+Example:
+    >>> judge(None, None, 0, "reduce exited 0")
+    (3, 'no verdict; reduce exited 0: nothing decided')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from replayjob.artifacts.document import Document, decode
+from replayjob.artifacts.verdict import Verdict
+from replayjob.errors import EXIT_ERROR, FINAL_EXIT_STATUSES, OperationalError, ReplayjobError, is_retryable
+from replayjob.jsonio import loads_strict
+
+T = TypeVar("T")
+
+
+class ApiObject(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields of a cluster API object replayjob reads (Kubernetes, Argo), typed; every other field is the
+    API's and ignored."""
+
+
+class Condition(ApiObject, frozen=True):
+    type: str
+    status: str
+    reason: str | None = None
+    message: str | None = None
+
+
+class JobStatus(ApiObject, frozen=True):
+    conditions: list[Condition] | None = None
+    active: int | None = None
+    failed: int | None = None
+    succeeded: int | None = None
+
+
+class JobSpec(ApiObject, frozen=True):
+    suspend: bool | None = None
+
+
+class Job(ApiObject, frozen=True):
+    spec: JobSpec | None = None
+    status: JobStatus | None = None
+
+
+class Terminated(ApiObject, frozen=True):
+    exitCode: int
+    reason: str | None = None
+
+
+class ContainerState(ApiObject, frozen=True):
+    terminated: Terminated | None = None
+    waiting: Waiting | None = None
+
+
+class ContainerStatus(ApiObject, frozen=True):
+    name: str
+    state: ContainerState | None = None
+
+
+class PodStatus(ApiObject, frozen=True):
+    phase: str | None = None
+    conditions: list[PodCondition] | None = None
+    containerStatuses: list[ContainerStatus] | None = None
+
+
+class Waiting(ApiObject, frozen=True):
+    reason: str | None = None
+    message: str | None = None
+
+
+class PodCondition(ApiObject, frozen=True):
+    type: str
+    status: str
+    reason: str | None = None
+    message: str | None = None
+
+
+class PodMeta(ApiObject, frozen=True):
+    name: str
+
+
+class Pod(ApiObject, frozen=True):
+    metadata: PodMeta
+    status: PodStatus | None = None
+
+
+class PodList(ApiObject, frozen=True):
+    items: list[Pod]
+
+
+class InvolvedObject(ApiObject, frozen=True):
+    kind: str | None = None
+    name: str | None = None
+
+
+class Event(ApiObject, frozen=True):
+    reason: str | None = None
+    message: str | None = None
+    type: str | None = None
+    involvedObject: InvolvedObject | None = None
+
+
+class EventList(ApiObject, frozen=True):
+    items: list[Event]
+
+
+# What keeps a stage from ever starting: the scheduler finds no node, the image cannot be pulled, the Job
+# controller cannot create the pod (quota, an admission webhook, pod security: an Event only).
+PULL_FAILURES = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName")
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """Why a stage's pod has not started: the pod (or the Job, for FailedCreate), the reason, its message."""
+
+    pod: str
+    reason: str
+    message: str
+
+    def line(self) -> str:
+        return f"{self.pod}: {self.reason}: {self.message}"
+
+
+def stuck(job: str, pods_doc: Any, events_doc: Any) -> Stuck | None:
+    """The first reason Job ``job``'s stage cannot start, from its pods (Unschedulable, an image that
+    cannot be pulled) and the Job's events (FailedCreate); None while nothing stands in its way."""
+    for pod in read_status(pods_doc, PodList, f"pods of job {job}").items:
+        status = pod.status or PodStatus()
+        for cond in status.conditions or []:
+            if cond.type == "PodScheduled" and cond.status == "False" and cond.reason == "Unschedulable":
+                return Stuck(f"pod {pod.metadata.name}", "Unschedulable", cond.message or "")
+        for st in status.containerStatuses or []:
+            waiting = st.state.waiting if st.state is not None else None
+            if waiting is not None and waiting.reason in PULL_FAILURES:
+                return Stuck(f"pod {pod.metadata.name}", waiting.reason, waiting.message or "")
+    for event in read_status(events_doc, EventList, f"events of job {job}").items:
+        obj = event.involvedObject
+        if event.reason == "FailedCreate" and obj is not None and obj.kind == "Job" and obj.name == job:
+            return Stuck(f"job {job}", "FailedCreate", event.message or "")
+    return None
+
+
+def read_status(doc: Any, kind: type[T], what: str, *, prefix: str = "",
+                hint: str = "nothing was decided from it; kubectl get -o yaml shows the object") -> T:
+    """``doc`` (the API's JSON; at ``prefix`` within its object) as the declared ``kind``, or
+    :class:`OperationalError` naming ``what`` and the field that was malformed.  Every cluster object replayjob
+    reads (Jobs, pods, Events, Argo Workflows and their nodes) goes through it."""
+    try:
+        return msgspec.convert(doc, kind, strict=True)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        rule, sep, at = text.rpartition(" - at `")
+        rule = rule if sep else text
+        where = (prefix + at.rstrip("`").removeprefix("$") if sep else prefix).lstrip(".")
+        raise OperationalError(f"{what}: malformed status: {where or 'the object'}: {rule[:1].lower()}{rule[1:]}",
+                               hint=hint) from None
+
+
+def job_end(doc: Any, name: str) -> tuple[str | None, str, bool]:
+    """(``Complete`` or ``Failed``, its reason, whether it is suspended) of an ended Job, (None, "", ...) of a
+    running one.  A Job that says both is malformed (3)."""
+    job = read_status(doc, Job, f"job {name}")
+    status = job.status or JobStatus()
+    suspended = bool(job.spec is not None and job.spec.suspend)
+    ended = [c for c in status.conditions or [] if c.status == "True" and c.type in ("Complete", "Failed")]
+    if len({c.type for c in ended}) > 1:
+        raise OperationalError(f"job {name}: malformed status: both Complete and Failed are true",
+                               hint="nothing was decided from it; kubectl get -o yaml shows the object")
+    return (ended[0].type, ended[0].reason or "", suspended) if ended else (None, "", suspended)
+
+
+def pod_codes(doc: Any, job: str) -> set[int]:
+    """The exit codes of the terminated containers of a Job's pods (every attempt)."""
+    pods = read_status(doc, PodList, f"pods of job {job}")
+    statuses = [st for pod in pods.items if pod.status is not None for st in pod.status.containerStatuses or []]
+    return {st.state.terminated.exitCode for st in statuses if st.state is not None and st.state.terminated is not None}
+
+
+def decisive_code(codes: set[int]) -> int | None:
+    """The code that decides among the exit codes of a Job's attempts: a final one
+    (:data:`~replayjob.errors.FINAL_EXIT_STATUSES`, the lowest) outranks a retryable one, which is 3
+    (nothing decided) whatever the status (137, a signal); None when every attempt exited 0."""
+    final = sorted(codes & FINAL_EXIT_STATUSES)
+    if final:
+        return final[0]
+    return EXIT_ERROR if any(is_retryable(c) for c in codes) else None
+
+
+def judge(verdict: Verdict | None, unreadable: str | None, code: int | None, step: str, *,
+          need_code: bool = False) -> tuple[int, str]:
+    """The exit code of a run from its verdict and the reducer's (or the driver's) exit ``code``, and one line
+    saying why.  ``unreadable`` is why a verdict that exists cannot be read; ``step`` says where ``code``
+    comes from (``reduce step reduce(0) exited 0``).  With ``need_code`` a verdict alone decides nothing
+    (the pod that would confirm it is gone)."""
+    if unreadable is not None:
+        return EXIT_ERROR, f"the verdict cannot be read ({unreadable}); {step}: nothing decided"
+    if verdict is None:
+        return EXIT_ERROR, f"no verdict; {step}: nothing decided"
+    if code is None and need_code:
+        return EXIT_ERROR, f"{step}: no exit code to confirm the verdict {verdict.status}, nothing decided"
+    said = f"verdict {verdict.status} (exit {verdict.exit_code})"
+    if code is not None and code != verdict.exit_code:
+        return EXIT_ERROR, f"{step} but the {said}: they disagree, nothing decided"
+    return verdict.exit_code, f"{step}, {said}" if code is not None else said
+
+
+STOPPED_SCHEMA = "replayjob.stopped/v1"
+
+
+class Stopped(Document, frozen=True):
+    """Why a driver stopped its run before a verdict (a stage that could not start), as it records it in
+    the run's ConfigMap (``stopped.json``)."""
+
+    schema: Literal["replayjob.stopped/v1"]
+    stage: str
+    job: str
+    pod: str
+    reason: str
+    message: str
+    exit_code: Literal[3]
+
+
+def stopped_record(stage: str, job: str, cause: Stuck) -> dict[str, Any]:
+    """The record a driver writes when it stops its run because stage ``stage`` (Job ``job``) cannot start."""
+    return {"schema": STOPPED_SCHEMA, "stage": stage, "job": job, "pod": cause.pod, "reason": cause.reason,
+            "message": cause.message, "exit_code": EXIT_ERROR}
+
+
+def read_stopped(text: str, where: str) -> str:
+    """One line of a driver's ``stopped.json`` record (stage, pod, reason, message), or why it is unreadable."""
+    try:
+        rec = decode(loads_strict(text, where=where), Stopped, where=where)
+    except ReplayjobError as exc:
+        return f"its record cannot be read ({exc})"
+    return f"stage {rec.stage} ({rec.job}): {rec.pod}: {rec.reason}: {rec.message}"

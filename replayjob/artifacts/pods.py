@@ -1,0 +1,257 @@
+"""Pod customisation: what a cluster needs of every stage pod, declared in the spec's ``[pods]`` table.
+
+Dedicated GPU pools carry their own taints and labels, a private registry needs pull secrets, cost
+allocation and autoscalers read annotations, some clusters need a runtime class or a scheduler.  The
+spec declares these once, for every stage pod (``[pods.all]``), the GPU stages (``[pods.gpu]``: the
+capture and the replays on GPUs) or the CPU stages (``[pods.cpu]``: the reducer, and the capture and
+replays of a ``device = "cpu"`` spec), and the Jobs (:mod:`replayjob.launch.k8s`), the Argo templates
+(:mod:`replayjob.launch.argo`) and the in-cluster driver's stage Jobs apply them alike
+(:func:`for_stage` then :func:`apply`).  A typed subset, read strictly (:class:`PodSettings`); unknown
+keys are refused, and so is whatever would change what a replay measures or how it is isolated:
+
+* the **determinism environment** and replayjob's own variables (``env`` may not name them: the
+  spec's ``determinism_env()``, the runtime variables, ``REPLAYJOB_*``, ``OMP_NUM_THREADS``...);
+* the **security context** (``securityContext``, ``privileged``, host namespaces, capabilities: every
+  pod meets the restricted Pod Security Standard, and only the driver mounts a token);
+* replayjob's **own labels, node selector keys, volumes and mount paths** (the run id, the GPU
+  product, ``/artifacts``, ``/dev/shm`` ...).
+
+Example:
+    >>> s = read_pods({"gpu": {"tolerations": [{"key": "dedicated", "value": "rl", "effect": "NoSchedule"}]}})
+    >>> for_stage(s, gpu=True).tolerations[0].key
+    'dedicated'
+    >>> read_pods({"all": {"env": {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}}})
+    Traceback (most recent call last):
+    ...
+    replayjob.errors.ConfigError: pods.all.env: CUBLAS_WORKSPACE_CONFIG is replayjob's own variable: ...
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from replayjob.errors import ConfigError
+from replayjob.runtime.determinism import NCCL_NUMERICS
+
+Doc = dict[str, Any]
+Name = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]
+LabelKey = Annotated[str, msgspec.Meta(pattern=r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]"
+                                               r"([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")]
+LabelValue = Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")]
+EnvName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+Path_ = Annotated[str, msgspec.Meta(pattern=r"^/[^:]*$")]
+
+# The security context and isolation are not customisable; say why when a spec tries.
+FORBIDDEN = {
+    "securityContext": "the security context is fixed: every pod meets the restricted Pod Security Standard",
+    "privileged": "the security context is fixed: every pod meets the restricted Pod Security Standard",
+    "capabilities": "the security context is fixed: every pod meets the restricted Pod Security Standard",
+    "hostNetwork": "host namespaces would let a replay see (and disturb) the node's other work",
+    "hostPID": "host namespaces would let a replay see (and disturb) the node's other work",
+    "hostIPC": "host namespaces would let a replay see (and disturb) the node's other work",
+    "automountServiceAccountToken": "only the driver's pod mounts a service-account token",
+    "containers": "every stage runs one `replayjob step` command, rendered from the spec",
+    "resources": "resources come from the spec's cpu, memory and GPU fields (requests equal limits)",
+}
+OWN_LABEL_PREFIXES = ("app.kubernetes.io/", "replayjob.dev/", "batch.kubernetes.io/", "kueue.x-k8s.io/",
+                      "workflows.argoproj.io/")
+OWN_NODE_LABELS = ("nvidia.com/gpu.product",)
+OWN_VOLUMES = ("artifacts", "tmp", "cache", "dshm", "spec")
+OWN_PATHS = ("/artifacts", "/tmp", "/cache", "/dev/shm", "/etc/replayjob")
+OWN_ENV = re.compile(r"(REPLAYJOB_.*|OMP_NUM_THREADS|MKL_NUM_THREADS|HOME|TMPDIR|XDG_CACHE_HOME|HF_HOME|"
+                     r"HF_HUB_OFFLINE|TRITON_CACHE_DIR|PYTHONDONTWRITEBYTECODE|PYTHONHASHSEED|CUDA_.*|NCCL_.*|"
+                     r"TORCH_.*|CUBLAS_.*|NVIDIA_.*)")
+
+
+class _Strict(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class Toleration(_Strict, frozen=True):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    tolerationSeconds: int | None = None
+
+
+class Volume(_Strict, frozen=True):
+    """An extra volume and where the stage container mounts it (one source)."""
+
+    name: Name
+    mountPath: Path_
+    readOnly: bool = True
+    configMap: str | None = None
+    secret: str | None = None  # the Secret's name
+    persistentVolumeClaim: str | None = None
+
+
+class PodSettings(_Strict, frozen=True):
+    """One of ``[pods.all]``, ``[pods.gpu]``, ``[pods.cpu]``: Kubernetes' own field names and meanings."""
+
+    tolerations: list[Toleration] = []
+    nodeSelector: dict[LabelKey, LabelValue] = {}
+    affinity: dict[Literal["nodeAffinity", "podAffinity", "podAntiAffinity"], dict[str, Any]] = {}
+    imagePullSecrets: list[Name] = []
+    annotations: dict[LabelKey, str] = {}
+    labels: dict[LabelKey, LabelValue] = {}
+    runtimeClassName: Name | None = None
+    schedulerName: str | None = None
+    serviceAccountName: Name | None = None
+    env: dict[EnvName, str] = {}
+    volumes: list[Volume] = []
+
+
+class Pods(_Strict, frozen=True):
+    all: PodSettings = PodSettings()
+    gpu: PodSettings = PodSettings()
+    cpu: PodSettings = PodSettings()
+
+
+# What each key of [pods.all|gpu|cpu] takes and does (docs/spec.md is generated from it; a test keeps it
+# equal to PodSettings' fields).
+FIELD_DOCS = {
+    "tolerations": ("list of {key, operator, value, effect, tolerationSeconds}",
+                    "added to replayjob's own (the nvidia.com/gpu taint on GPU pods)"),
+    "nodeSelector": ("table of label = value", "merged with replayjob's own (GPU product, driver label), which it "
+                                                "cannot change"),
+    "affinity": ("table: nodeAffinity, podAffinity, podAntiAffinity",
+                 "each term added to replayjob's own (one replayjob GPU pod per node)"),
+    "imagePullSecrets": ("list of Secret names", "pull secrets of a private registry"),
+    "annotations": ("table", "pod annotations (karpenter.sh/do-not-disrupt, cluster-autoscaler.kubernetes.io/"
+                             "safe-to-evict, cost allocation)"),
+    "labels": ("table", "pod labels (a node pool's, cost allocation); not under replayjob's own prefixes"),
+    "runtimeClassName": ("string", "the pods' RuntimeClass"),
+    "schedulerName": ("string", "the scheduler that places the pods"),
+    "serviceAccountName": ("string", "the pods' service account (no token is mounted: identity through the node "
+                                     "or a registry)"),
+    "env": ("table of NAME = value", "extra environment of the stage container; never replayjob's own or the "
+                                     "determinism variables"),
+    "volumes": ("list of {name, mountPath, readOnly, configMap | secret | persistentVolumeClaim}",
+                "extra volumes mounted in the stage container (read-only unless readOnly = false)"),
+}
+
+
+def _refuse(settings: PodSettings, where: str) -> None:
+    for name in settings.env:
+        if OWN_ENV.fullmatch(name) or name in NCCL_NUMERICS:
+            raise ConfigError(f"{name} is replayjob's own variable: the determinism and runtime environment "
+                              "cannot be overridden (it is what makes two replays comparable)", where=f"{where}.env",
+                              hint="set determinism through the spec ([capture] math_mode) or the image")
+    for key in (*settings.labels, *settings.annotations):
+        if key.startswith(OWN_LABEL_PREFIXES):
+            raise ConfigError(f"{key} is replayjob's own label or annotation (runs, stages, queues)",
+                              where=f"{where}", hint="choose a key under your own prefix")
+    for key in settings.nodeSelector:
+        if key in OWN_NODE_LABELS:
+            raise ConfigError(f"{key} is set from the spec's gpu_product", where=f"{where}.nodeSelector",
+                              hint="set gpu_product (or the driver_version/driver_label fields) instead")
+    for v in settings.volumes:
+        sources = [s for s in (v.configMap, v.secret, v.persistentVolumeClaim) if s]
+        if len(sources) != 1:
+            raise ConfigError(f"volume {v.name} needs exactly one of configMap, secret, persistentVolumeClaim",
+                              where=f"{where}.volumes")
+        if v.name in OWN_VOLUMES or any(v.mountPath == p or v.mountPath.startswith(p + "/") or
+                                        p.startswith(v.mountPath.rstrip("/") + "/") for p in OWN_PATHS):
+            raise ConfigError(f"volume {v.name} at {v.mountPath} would replace or hide replayjob's own "
+                              f"({', '.join(OWN_VOLUMES)} at {', '.join(OWN_PATHS)})", where=f"{where}.volumes")
+
+
+def read_pods(raw: Any, where: str = "pods") -> Pods:
+    """The ``[pods]`` table, declared and refused as the module docstring says (:class:`ConfigError`, exit 2)."""
+    if not isinstance(raw, dict):
+        raise ConfigError("must be a table ([pods.all], [pods.gpu], [pods.cpu])", where=where)
+    for part, table in raw.items():
+        for key in table if isinstance(table, dict) else ():
+            if key in FORBIDDEN:
+                raise ConfigError(f"{key} cannot be customised: {FORBIDDEN[key]}", where=f"{where}.{part}.{key}")
+    try:
+        pods = msgspec.convert(raw, Pods, strict=True)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        rule, sep, at = text.rpartition(" - at `")
+        path = at.rstrip("`").removeprefix("$").lstrip(".") if sep else ""
+        raise ConfigError((rule if sep else text), where=f"{where}.{path}" if path else where,
+                          hint="docs/cluster.md, Your cluster: the keys [pods.all|gpu|cpu] take") from None
+    for part in ("all", "gpu", "cpu"):
+        _refuse(getattr(pods, part), f"{where}.{part}")
+    return pods
+
+
+def to_dict(pods: Pods) -> Doc:
+    """The table as plain data (what the render-time fields record)."""
+    out = msgspec.to_builtins(pods)
+    assert isinstance(out, dict)
+    return out
+
+
+def for_stage(pods: Pods | None, *, gpu: bool) -> PodSettings:
+    """The settings of a GPU or a CPU stage pod: ``all``, then ``gpu`` or ``cpu`` (lists concatenated, maps
+    merged, single values from the more specific table)."""
+    if pods is None:
+        return PodSettings()
+    one, two = pods.all, pods.gpu if gpu else pods.cpu
+    return PodSettings(
+        tolerations=[*one.tolerations, *two.tolerations], nodeSelector={**one.nodeSelector, **two.nodeSelector},
+        affinity=_merge_affinity(one.affinity, two.affinity),
+        imagePullSecrets=[*one.imagePullSecrets, *(s for s in two.imagePullSecrets if s not in one.imagePullSecrets)],
+        annotations={**one.annotations, **two.annotations}, labels={**one.labels, **two.labels},
+        runtimeClassName=two.runtimeClassName or one.runtimeClassName,
+        schedulerName=two.schedulerName or one.schedulerName,
+        serviceAccountName=two.serviceAccountName or one.serviceAccountName,
+        env={**one.env, **two.env}, volumes=[*one.volumes, *two.volumes])
+
+
+def _merge_affinity(one: dict[Any, dict[str, Any]], two: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
+    out: dict[Any, dict[str, Any]] = {k: dict(v) for k, v in one.items()}
+    for kind, rules in two.items():
+        mine = out.setdefault(kind, {})
+        for field_name, value in rules.items():
+            mine[field_name] = [*mine.get(field_name, []), *value] if isinstance(value, list) else value
+    return out
+
+
+def volume_docs(settings: PodSettings) -> tuple[list[Doc], list[Doc]]:
+    """(pod volumes, container volume mounts) of the extra volumes."""
+    vols, mounts = [], []
+    for v in settings.volumes:
+        source = ({"configMap": {"name": v.configMap}} if v.configMap else {"secret": {"secretName": v.secret}}
+                  if v.secret else {"persistentVolumeClaim": {"claimName": v.persistentVolumeClaim,
+                                                              "readOnly": v.readOnly}})
+        vols.append({"name": v.name, **source})
+        mounts.append({"name": v.name, "mountPath": v.mountPath, "readOnly": v.readOnly})
+    return vols, mounts
+
+
+def apply(pod: Doc, meta: Doc, container: Doc, settings: PodSettings) -> None:
+    """Apply ``settings`` to a pod spec (``pod``), its metadata (``meta``) and its stage container, in place:
+    what replayjob set stays (tolerations and affinity terms are added to its own, the node selector
+    keeps its GPU keys)."""
+    if settings.tolerations:
+        pod["tolerations"] = [*pod.get("tolerations", []),
+                              *({k: v for k, v in msgspec.to_builtins(t).items() if v is not None}
+                                for t in settings.tolerations)]
+    if settings.nodeSelector:
+        pod["nodeSelector"] = {**settings.nodeSelector, **pod.get("nodeSelector", {})}
+    if settings.affinity:
+        mine = pod.get("affinity", {})
+        merged = _merge_affinity(settings.affinity, mine)
+        pod["affinity"] = {k: merged[k] for k in sorted(merged)}
+    if settings.imagePullSecrets:
+        pod["imagePullSecrets"] = [{"name": n} for n in settings.imagePullSecrets]
+    for key in ("runtimeClassName", "schedulerName", "serviceAccountName"):
+        if getattr(settings, key):
+            pod[key] = getattr(settings, key)
+    if settings.labels:
+        meta["labels"] = {**settings.labels, **meta.get("labels", {})}
+    if settings.annotations:
+        meta["annotations"] = {**meta.get("annotations", {}), **settings.annotations}
+    if settings.env:
+        container["env"] = [*container["env"], *({"name": k, "value": v} for k, v in settings.env.items())]
+    vols, mounts = volume_docs(settings)
+    if vols:
+        pod["volumes"] = [*pod.get("volumes", []), *vols]
+        container["volumeMounts"] = [*container.get("volumeMounts", []), *mounts]

@@ -1,0 +1,365 @@
+"""The verdict: schema ``replayjob.verdict/v2`` (docs/verdict-format.md), its outcome and its atomic write.
+
+The document holds no clock time and no absolute path that the inputs do not force, so the same
+inputs give the same bytes (pretty, sorted-key JSON).  Status and exit code follow from the
+checks: any ``refused`` check or refusal -> ``refused`` (2), else any ``fail`` -> ``fail`` (1),
+else a ``contended`` check (a budget's timing rests on replays a contention probe flagged) ->
+``contended`` (3: nothing decided, replaying those blocks may help), else any ``inconclusive`` budget
+-> ``inconclusive`` (2, but not a refusal: add paired blocks), else ``pass`` (0).
+
+Example:
+    >>> outcome([{"name": "a", "status": "pass"}, {"name": "b", "status": "fail"}], None)
+    ('fail', 1, ['b'])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+
+from replayjob.artifacts.document import Document, Text, decode
+from replayjob.errors import (
+    EXIT_ERROR,
+    EXIT_NEGATIVE,
+    EXIT_OK,
+    EXIT_REFUSED,
+    Inconclusive,
+    IntegrityError,
+    NegativeVerdict,
+    OperationalError,
+    RefusedError,
+    ReplayjobError,
+)
+from replayjob.fsio import atomic_write_bytes
+from replayjob.jsonio import loads_strict, pretty_bytes, read_json
+
+VERDICT_SCHEMA = "replayjob.verdict/v2"
+# How to fix each refusing check.
+HINTS = {
+    "inputs.min_repeats": "run more fresh replays per arm (replay --repeat N) or lower --min-repeats",
+    "inputs.single_source": "reduce the replays of one capture at a time",
+    "inputs.unique_repeats": "give each replay of an arm its own --repeat-index, or drop the duplicate",
+    "inputs.tolerances_pinned": "set [optimizer_batch] tolerances_sha256 to the tolerance file's SHA-256 "
+                                "before the runs, then replay again",
+    "inputs.capture_pins": "reduce the capture's own, unedited metrics.json with replays of that capture (a "
+                           "manifest without 'outcome' predates the seal of the source's numbers: capture again)",
+    "exact.systems_only": "a declared stack (version) difference is graded by the approximate claim: reduce with "
+                          "--claim approximate --tolerances FILE",
+    "exact.loss_same_condition": "add an arm replayed under the source's own conditions (no declared knobs) and "
+                                 "reduce it together with these arms",
+}
+
+
+def hints(bad: list[dict[str, Any]]) -> list[str]:
+    """How to fix each refusing check in ``bad``, in order.  An arm named by ``--arms`` that no replay has is
+    said not to exist, with the arms found; it is not counted short of repeats (run more replays) too."""
+    out: list[str] = []
+    missing: set[str] = set()
+    for c in bad:
+        if c["name"] == "inputs.expected_arms":
+            found, named = set(c["observed"] or ()), set(c["expected"] or ())
+            missing = named - found
+            parts = []
+            if missing:
+                parts.append(f"--arms names {', '.join(sorted(missing))}, but no replay has that arm: it does not "
+                             f"exist among the arms found ({', '.join(sorted(found)) or 'none'}); fix the --arms "
+                             "name (or, if every replay of that arm failed, rerun them)")
+            if found - named:
+                parts.append(f"the replays also hold arm(s) {', '.join(sorted(found - named))} that --arms does "
+                             "not name: name them too, or leave their replays out")
+            out += parts
+    for c in bad:
+        if c["name"] == "inputs.min_repeats":
+            if any(a not in missing for a in c["offenders"]):
+                out.append(HINTS[c["name"]])
+        elif c["name"] in HINTS:
+            out.append(HINTS[c["name"]])
+    return out
+
+
+def unsealed(bad: list[dict[str, Any]]) -> str:
+    """The source numbers (file and field) that differ from those the capture manifest seals, as a sentence."""
+    rows = []
+    for c in bad:
+        if c["name"] != "inputs.capture_pins":
+            continue
+        fields = [m for m in (c["observed"] or {}).get("mismatched", {}).values() if "field" in m]
+        if fields and (c["expected"] or {}).get("outcome") is None:
+            rows.append(f"{', '.join(m['field'] for m in fields)}: pinned by nothing, the capture manifest seals no "
+                        "outcome (it was written before replayjob sealed the source's numbers)")
+        else:
+            rows += [f"{m['field']} is {m['recorded']!r}, the capture manifest seals {m['capture']!r}" for m in fields]
+    return "; ".join(rows)
+
+
+def outcome(checks: list[dict[str, Any]], refusal: dict[str, Any] | None) -> tuple[str, int, list[str]]:
+    """(status, exit code, names of the checks that did not pass) for a list of check objects."""
+    refused = [c["name"] for c in checks if c["status"] == "refused"]
+    failed = [c["name"] for c in checks if c["status"] == "fail"]
+    if refusal is not None or refused:
+        return "refused", EXIT_REFUSED, refused + failed
+    if failed:
+        return "fail", EXIT_NEGATIVE, failed
+    contended = [c["name"] for c in checks if c["status"] == "contended"]
+    if contended:
+        return "contended", EXIT_ERROR, contended
+    undecided = [c["name"] for c in checks if c["status"] == "inconclusive"]
+    if undecided:
+        return "inconclusive", EXIT_REFUSED, undecided
+    return "pass", EXIT_OK, []
+
+
+# The checks that refuse a verdict for want of evidence: an arm with no replay, an arm short of replays.
+MISSING_EVIDENCE_CHECKS = frozenset({"inputs.expected_arms", "inputs.min_repeats"})
+
+
+def incomplete(doc: dict[str, Any], missing: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """The verdict of a run whose stages left ``missing`` outputs (run-directory paths: ``source``, a
+    replay's ``replays/ARM/REPEAT``) because they failed, were evicted or never ran: a refusal that rests
+    only on that missing evidence becomes ``incomplete`` (exit 3: nothing was decided, running the stages
+    again may decide it), listing them in ``missing``.  Any other outcome stands: a check refused for
+    another reason, a fail, a pass on the evidence there is."""
+    if doc["status"] != "refused" or not missing:
+        return doc
+    if not {c["name"] for c in doc["checks"] if c["status"] == "refused"} <= MISSING_EVIDENCE_CHECKS:
+        return doc
+    if doc["refusal"] is not None and "source" not in missing and (doc.get("inputs") or {}).get("replays"):
+        return doc  # a refusal of evidence that is there (a tampered replay) stands
+    out = {**doc, "status": "incomplete", "exit_code": EXIT_ERROR, "missing": sorted(missing)}
+    out["summary"] = summary_line(out)
+    return out
+
+
+def refusal_of(exc: ReplayjobError) -> dict[str, Any]:
+    return {"message": exc.message, "where": exc.where, "hint": exc.hint}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A written verdict: its document and where it lies."""
+
+    path: Path
+    doc: dict[str, Any]
+
+    @property
+    def status(self) -> str:
+        return str(self.doc["status"])
+
+    @property
+    def exit_code(self) -> int:
+        return int(self.doc["exit_code"])
+
+    def summary(self) -> str:
+        """The one-line summary, then the comparison table and each budget decision (what a reader of
+        the console needs without opening the JSON)."""
+        return "\n".join([str(self.doc["summary"]), *console_table(self.doc)])
+
+    def raise_for_status(self) -> None:
+        """Raise :class:`NegativeVerdict` on ``fail`` and :class:`RefusedError` on ``refused``."""
+        if self.status == "pass":
+            return
+        if self.status == "incomplete":
+            raise OperationalError(f"nothing decided: {len(self.doc['missing'])} stage output(s) missing "
+                                   f"({few(self.doc['missing'])}): their stage failed, was evicted or never ran",
+                                   where=self.path, hint="the stages' logs say why; run them again and reduce again")
+        refusal = self.doc.get("refusal")
+        if refusal:
+            raise RefusedError(refusal["message"], where=refusal["where"], hint=refusal["hint"])
+        bad = [c for c in self.doc["checks"] if c["status"] == self.status]
+        named = "; ".join(c["name"] + (f" ({few(c['offenders'])})" if c["offenders"] else "") for c in bad)
+        if self.status == "inconclusive":
+            why = "; ".join(f"{c['name']} (interval [{_g(c['observed']['low'])}, {_g(c['observed']['high'])}] "
+                            f"vs {_g(next(iter(c['expected'].values())))}: {c['detail']})" for c in bad)
+            raise Inconclusive(f"budget(s) not decided yet: {why}", where=self.path,
+                               hint="run more paired blocks (funnel --until-decided) and reduce again")
+        if self.status == "contended":
+            raise OperationalError(f"timing not admitted: {named}", where=self.path,
+                                   hint="replay the contended blocks on a quieter host (or the same blocks again) "
+                                        "and reduce again")
+        if self.status == "refused":
+            why = unsealed(bad)
+            raise RefusedError(f"evidence refused by {named}" + (f": {why}" if why else ""), where=self.path,
+                               hint="; ".join(hints(bad)) or None)
+        raise NegativeVerdict(f"claim {self.doc['claim']} failed: {named}", where=self.path,
+                              hint="the checks in the verdict list expected and observed values")
+
+
+def _g(v: Any) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def few(names: list[str], n: int = 4) -> str:
+    """The first ``n`` names, and how many more."""
+    return ", ".join(names[:n]) + (f", ... (+{len(names) - n})" if len(names) > n else "")
+
+
+def _ratio(v: Any) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def console_table(doc: dict[str, Any]) -> list[str]:
+    """The ratios against the baseline (arm, metric, ratio, 95% interval, whether it excludes 1) and every
+    budget decision, as aligned text lines; nothing when there is nothing to show."""
+    comparisons = doc.get("comparisons") or {}
+    rows = [(arm, metric, _ratio(r.get("ratio")),
+             "-" if r.get("low") is None else f"[{_ratio(r['low'])}, {_ratio(r['high'])}]",
+             {True: "yes", False: "no"}.get(r.get("excludes_1"), "-"), r.get("note") or "")
+            for arm, metrics in sorted((comparisons.get("ratios") or {}).items())
+            for metric, r in sorted(metrics.items())]
+    lines: list[str] = []
+    if rows:
+        head = ("arm", "metric", "ratio", "95% interval", "excludes 1", "")
+        widths = [max(len(str(x[i])) for x in [head, *rows]) for i in range(5)]
+        lines.append(f"ratios against {comparisons.get('baseline')} ({comparisons.get('statistic', 'ratio')}; "
+                     f"timing {comparisons.get('admission', doc.get('admission'))}):")
+        for row in [head, *rows]:
+            lines.append("  " + "  ".join(str(row[i]).ljust(widths[i]) for i in range(5)).rstrip()
+                         + (f"  ({row[5]})" if row[5] else ""))
+    for c in (doc.get("contention") or {}).get("contended") or []:
+        lines.append(f"timing not admitted (contended): {c['arm']} repeat {c['repeat_index']}"
+                     + ("" if c.get("block") is None else f" (block {c['block']})") + f": {'; '.join(c['reasons'])}")
+    paired = comparisons.get("paired") or {}
+    for arm, r in sorted(paired.get("arms", {}).items()):
+        interval = "" if r.get("low") is None else f" [{_ratio(r['low'])}, {_ratio(r['high'])}]"
+        lines.append(f"paired {arm} {paired['metric']} at {paired['look_confidence']:.4g}: {r['decision']} "
+                     f"(ratio {_ratio(r.get('ratio'))}{interval}, {r['pairs']} pairs)"
+                     + (f"; {r['note']}" if r.get("note") else ""))
+    for b in (doc.get("budgets") or {}).get("bounds") or []:
+        interval = "" if b.get("low") is None else f" [{_ratio(b['low'])}, {_ratio(b['high'])}]"
+        lines.append(f"budget {b['arm']}.{b['metric']} {b['kind']} {b['limit']:g}: {b['decision']} "
+                     f"(ratio {_ratio(b.get('ratio'))}{interval})" + (f"; {b['note']}" if b.get("note") else ""))
+    return lines
+
+
+def summary_line(doc: dict[str, Any]) -> str:
+    n = len(doc["inputs"]["replays"])
+    arms = len(doc["arms"])
+    head = f"{doc['claim']}: {doc['status']} ({n} replays, {arms} arms, timing {doc['admission']})"
+    if doc.get("budgets"):
+        head += "; budgets " + ", ".join(f"{k} {len(v)}" for k, v in doc["budgets"]["decisions"].items())
+    if doc.get("missing"):
+        head += f"; {len(doc['missing'])} stage output(s) missing"
+    return head + (f"; not passed: {', '.join(doc['failed_checks'])}" if doc["failed_checks"] else "")
+
+
+# --- the declaration, and the one reader every launcher's outcome goes through -----------------------
+
+STATUS_CODES = {"pass": EXIT_OK, "fail": EXIT_NEGATIVE, "refused": EXIT_REFUSED, "inconclusive": EXIT_REFUSED,
+                "contended": EXIT_ERROR, "incomplete": EXIT_ERROR}
+MAX_VERDICT_BYTES = 64 * 1024 * 1024
+
+
+class Refusal(Document, frozen=True):
+    message: str
+    where: str | None
+    hint: str | None
+
+
+class VerdictCheck(Document, frozen=True):
+    OPAQUE: ClassVar[dict[str, str]] = {
+        "expected": "the check's threshold or intended value, in the check's own shape (a number, a digest, a list "
+                    "or a table), shown to people; the status beside it is what is decided",
+        "observed": "what the reducer measured for the check, in the same shape as expected, shown to people",
+    }
+
+    name: Text
+    group: str
+    status: Literal["pass", "fail", "refused", "not_applicable", "inconclusive", "contended"]
+    expected: Any
+    observed: Any
+    detail: str
+    offenders: list[str]
+
+
+class VerdictDocument(Document, frozen=True):
+    """``verdict.json``'s top level (docs/verdict-format.md).  Summaries recomputed when it is read: the
+    status, the exit code and ``failed_checks`` follow from the checks and the refusal (:func:`outcome`;
+    ``incomplete`` from a refusal that rests only on the ``missing`` evidence), and the exit code from the
+    status (:data:`STATUS_CODES`)."""
+
+    OPAQUE: ClassVar[dict[str, str]] = {
+        "parameters": "the reduce options as given, recorded for people (each was range-checked before the reduce)",
+        "inputs": "the digests and paths of what the reduce read, recorded for people and audits",
+        "arms": "per-arm figures (timing, memory, knobs), the evidence behind the checks, shown to people",
+        "comparisons": "per-pair comparisons (ratios, intervals), the evidence behind the checks, shown to people",
+        "updates": "update geometry per replay (cosine, relative delta-L2), the evidence behind the checks",
+        "budgets": "the budget decisions with their bounds, the evidence behind the budget checks",
+        "in_process": "the warm in-process repeats' figures, the evidence behind their checks",
+        "contention": "what contended with each replay, the evidence behind the contended status",
+    }
+
+    schema: Literal["replayjob.verdict/v2"]
+    replayjob_version: Text
+    claim: Literal["exact-input", "bitwise", "approximate"]
+    status: Literal["pass", "fail", "refused", "inconclusive", "contended", "incomplete"]
+    exit_code: Annotated[int, msgspec.Meta(ge=0, le=3)]
+    summary: str
+    failed_checks: list[str]
+    refusal: Refusal | None
+    admission: str
+    parameters: dict[str, Any]
+    inputs: dict[str, Any]
+    arms: dict[str, Any]
+    comparisons: dict[str, Any]
+    updates: dict[str, Any] | None
+    checks: list[VerdictCheck]
+    budgets: dict[str, Any] | None = None
+    in_process: dict[str, Any] | None = None
+    contention: dict[str, Any] | None = None
+    missing: Annotated[list[Text], msgspec.Meta(min_length=1)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.exit_code != STATUS_CODES[self.status]:
+            raise ValueError(f"`exit_code` is {self.exit_code}, but status {self.status!r} exits "
+                             f"{STATUS_CODES[self.status]}")
+        checks = [{"name": c.name, "status": c.status} for c in self.checks]
+        refusal = None if self.refusal is None else {"message": self.refusal.message}
+        status, _, failed = outcome(checks, refusal)
+        if self.status == "incomplete":
+            if self.missing is None or status != "refused" or not {
+                    c.name for c in self.checks if c.status == "refused"} <= MISSING_EVIDENCE_CHECKS:
+                raise ValueError("status 'incomplete' needs `missing` and a refusal that rests only on it "
+                                 f"(the checks give {status!r})")
+        elif status != self.status:
+            raise ValueError(f"`status` is {self.status!r}, but the checks and the refusal give {status!r}")
+        elif self.missing is not None:
+            raise ValueError(f"`missing` belongs to an incomplete verdict, not a {self.status!r} one")
+        if self.failed_checks != failed:
+            raise ValueError(f"`failed_checks` is {self.failed_checks!r}, but the checks give {failed!r}")
+
+
+def read_verdict(source: Path | str | bytes, *, where: str | None = None) -> Verdict:
+    """The verdict at ``source`` (a file, or its bytes as a launcher handed them over: a workflow's output
+    parameter, a run's ConfigMap), read strictly: JSON without duplicate keys or non-finite numbers
+    (:func:`replayjob.jsonio.loads_strict`), the declared fields and types only (``false`` or ``0.0`` is no
+    exit code), the status, exit code and failed checks agreeing with the checks.  Anything else is an
+    :class:`IntegrityError` naming ``where`` (the file), the field and the rule.
+
+    Example:
+        >>> read_verdict(b'{"schema": "replayjob.verdict/v2", "exit_code": false}', where="wf/verdict")
+        Traceback (most recent call last):
+        ...
+        replayjob.errors.IntegrityError: wf/verdict: field `exit_code`: expected `int`, got `bool`
+    """
+    if isinstance(source, bytes):
+        label = where or "<verdict>"
+        obj = loads_strict(source, where=label)
+    else:
+        label = where or str(source)
+        obj = read_json(source, max_bytes=MAX_VERDICT_BYTES)
+    if not isinstance(obj, dict):
+        raise IntegrityError(f"a verdict is a JSON object, not {type(obj).__name__}", where=label)
+    if obj.get("schema") != VERDICT_SCHEMA:
+        raise IntegrityError(f"not a verdict of schema {VERDICT_SCHEMA}: schema {obj.get('schema')!r}", where=label,
+                             hint="read it with the replayjob version that wrote it")
+    decode(obj, VerdictDocument, where=label)
+    return Verdict(Path(label), obj)
+
+
+def write(path: Path, doc: dict[str, Any]) -> Verdict:
+    """Write ``doc`` atomically (temp file, fsync, rename) and return the :class:`Verdict`."""
+    atomic_write_bytes(path, pretty_bytes(doc))
+    return Verdict(path, doc)

@@ -1,0 +1,481 @@
+"""``replayjob k8s submit|resume``: start one run of an ablation in the cluster; no client in the chain.
+
+A run is chained **in the cluster** by its driver, a Job running ``replayjob k8s drive``
+(:mod:`replayjob.launch.k8s_driver`), not by this process: ``submit`` creates the driver Job and the run's
+spec ConfigMap (owned by the driver, so it goes with the run) and returns, or with ``wait`` follows
+the driver and returns its code, the reducer's.  A CI runner that dies after ``submit`` leaves the
+run going to its verdict; ``wait`` on a run submitted earlier is ``resume RUN_ID --wait``.
+
+Every submission is its own run: a run id (UTC time plus random hex) names its objects
+(``NAME-RUNID-driver``, ``-capture`` ...), labels them and, through the downward API, becomes its run
+directory ``/artifacts/runs/NAME/RUNID``; ``replayjob step`` checks the run's fingerprint there, so
+nothing of another run is ever reused.  The namespace is ``--namespace``, else the kubeconfig
+context's, else the pod's own (in cluster), else ``default``.  What outlives runs (the claim, the
+driver's service account and Role) is applied once per namespace (``k8s/setup``); a submission into
+a namespace without it is refused.
+
+``resume RUN_ID`` starts a new driver for a run whose driver ended without finishing it (its retries
+used up, an API outage) and adds it as an owner of the run's ConfigMap; the new driver adopts the
+stage Jobs that exist and creates the rest.  With a driver still running it only follows it.
+
+Exit codes: the driver's, which is the reducer's (0 pass, 1 a negative verdict, 2 refused; 3 an error
+on every attempt, or a run that ended without a verdict).  API calls are retried with exponential
+backoff on connection errors, 429 and 5xx; an API that stays unreachable is an error (3).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from replayjob.artifacts import cluster_status as outcome
+from replayjob.artifacts.spec import AblationSpec, spec_from_text
+from replayjob.artifacts.verdict import read_verdict
+from replayjob.errors import (
+    EXIT_OK,
+    ArtifactExistsError,
+    ContractError,
+    OperationalError,
+    RefusedError,
+    ReplayjobError,
+    error_for_exit_status,
+)
+from replayjob.jsonio import loads_strict
+from replayjob.launch import k8s
+
+Log = Callable[[str], None]
+RETRY_STATUS = (429, 500, 502, 503, 504)
+HINT_403 = "the account may not do this in the namespace: apply the namespace's setup (k8s/setup), or ask its admin"
+
+
+def contains(actual: Any, expected: Any) -> bool:
+    """Whether ``actual`` holds everything ``expected`` says (the API server adds defaults: extra keys are
+    fine, a different or missing value is not)."""
+    if isinstance(expected, dict):
+        return isinstance(actual, dict) and all(k in actual and contains(actual[k], v) for k, v in expected.items())
+    if isinstance(expected, list):
+        return isinstance(actual, list) and len(actual) == len(expected) and all(
+            contains(a, e) for a, e in zip(actual, expected, strict=True))
+    return bool(actual == expected)
+
+
+def is_rendered(found: dict[str, Any], body: dict[str, Any]) -> bool:
+    """Whether an object found under ``body``'s name is ``body`` as this run rendered it: its labels, and for a
+    Job its pod template (what its pods would run)."""
+    same = contains(found.get("metadata", {}).get("labels") or {}, body["metadata"].get("labels") or {})
+    if body.get("kind") == "Job":
+        same = same and contains((found.get("spec") or {}).get("template"), body["spec"]["template"])
+    return same
+IN_CLUSTER_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def new_run_id() -> str:
+    """A run id: UTC time to the second and 16 random bits, a DNS-label fragment (16 characters)."""
+    return time.strftime("%y%m%d%H%M%S", time.gmtime()) + secrets.token_hex(2)
+
+
+def _load_config() -> str:
+    """Load credentials; return the namespace they imply (kubeconfig context's, or the pod's own)."""
+    from kubernetes import config
+
+    try:
+        config.load_incluster_config()
+        try:
+            return IN_CLUSTER_NAMESPACE.read_text(encoding="utf-8").strip() or "default"
+        except OSError:
+            return "default"
+    except config.ConfigException:
+        pass
+    path = os.environ.get("KUBECONFIG") or None  # read now (the client reads it once, at import)
+    try:
+        config.load_kube_config(config_file=path)
+        _, active = config.list_kube_config_contexts(config_file=path)
+    except (config.ConfigException, OSError) as exc:  # the cluster cannot be reached: nothing decided (3)
+        raise OperationalError(f"no Kubernetes credentials: {exc}",
+                               hint="set KUBECONFIG or run inside the cluster") from None
+    return str((active or {}).get("context", {}).get("namespace") or "default")
+
+
+class Api:
+    """The few calls submit makes, each retried with exponential backoff on transient failures."""
+
+    def __init__(self, api_client: Any | None, *, tries: int = 6, backoff_s: float = 1.0,
+                 sleep: Callable[[float], None] = time.sleep, log: Log = print):
+        from kubernetes import client
+
+        self.default_namespace = _load_config() if api_client is None else "default"
+        api_client = api_client or client.ApiClient()
+        self.client = api_client
+        self.core, self.batch = client.CoreV1Api(api_client), client.BatchV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)  # Argo's Workflows
+        self.tries, self.backoff_s, self.sleep, self.log = tries, backoff_s, sleep, log
+        self.retried = False
+
+    def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        delay = self.backoff_s
+        self.retried = False
+        for attempt in range(1, self.tries + 1):
+            try:
+                return fn(*args, **kwargs)
+            except ApiException as exc:
+                if exc.status not in RETRY_STATUS or attempt == self.tries:
+                    if exc.status in RETRY_STATUS:
+                        raise OperationalError(f"{what}: the API answered HTTP {exc.status} {exc.reason} "
+                                               f"{self.tries} times") from None
+                    raise
+                cause = f"HTTP {exc.status}"
+            except (HTTPError, OSError) as exc:
+                if attempt == self.tries:
+                    raise OperationalError(f"{what}: the API server stayed unreachable ({self.tries} tries): "
+                                           f"{type(exc).__name__}") from None
+                cause = type(exc).__name__
+            self.retried = True  # a reply may have been lost: a create that now answers 409 may be this one's
+            self.log(f"submit: {what}: {cause}; retrying in {delay:.0f} s ({attempt}/{self.tries})")
+            self.sleep(delay)
+            delay = min(delay * 2, 60.0)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _method(self, kind: str, verb: str) -> Callable[..., Any]:
+        api, plural = {"ConfigMap": (self.core, "config_map"),
+                       "PersistentVolumeClaim": (self.core, "persistent_volume_claim"),
+                       "ServiceAccount": (self.core, "service_account"), "Pod": (self.core, "pod"),
+                       "Job": (self.batch, "job")}[kind]
+        fn: Callable[..., Any] = getattr(api, f"{verb}_namespaced_{plural}")
+        return fn
+
+    def as_dict(self, obj: Any) -> dict[str, Any]:
+        out: dict[str, Any] = self.client.sanitize_for_serialization(obj)
+        return out
+
+    def create(self, namespace: str, body: dict[str, Any], *, exist_ok: bool = False) -> dict[str, Any] | None:
+        """Create ``body``; return the object as created (its ``metadata.uid``), or None when it existed
+        and ``exist_ok``.  A create answered 409 after a retry (its first reply lost) returns the object that
+        exists when it is this one (:func:`is_rendered`: the labels and the pod template sent); any other
+        failure of the cluster is :class:`OperationalError` (3)."""
+        from kubernetes.client.exceptions import ApiException
+
+        name = f"{body['kind']} {body['metadata']['name']}"
+        try:
+            return self.as_dict(self.call(f"creating {name}", self._method(body["kind"], "create"),
+                                          namespace=namespace, body=body))
+        except ApiException as exc:
+            if exc.status == 409 and exist_ok:
+                return None
+            if exc.status == 409 and self.retried:
+                found = self.read(namespace, body["kind"], body["metadata"]["name"])
+                if found is not None and is_rendered(found, body):
+                    self.log(f"submit: {name} was created by a request whose reply was lost; it is this one")
+                    return found
+            if exc.status == 409:
+                raise ArtifactExistsError(f"{name} already exists", where=f"namespace {namespace}",
+                                          hint="every submission gets a new run id; delete the old objects") from None
+            raise OperationalError(f"creating {name} failed: HTTP {exc.status} {exc.reason}",
+                                   where=f"namespace {namespace}", hint=HINT_403 if exc.status == 403 else None) \
+                from None
+
+    def read(self, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
+        """The object as the API's JSON, or None when there is none (404); any other failure is
+        :class:`OperationalError` (3)."""
+        doc = self.raw(f"reading {kind} {name}", namespace, self._method(kind, "read"), name, namespace,
+                       missing_ok=True)
+        if doc is not None and not (isinstance(doc, dict) and isinstance(doc.get("metadata"), dict)):
+            raise OperationalError(f"reading {kind} {name}: malformed object: no metadata mapping",
+                                   where=f"namespace {namespace}")
+        return doc
+
+    def exists(self, namespace: str, kind: str, name: str) -> bool:
+        return self.read(namespace, kind, name) is not None
+
+    def list_of(self, namespace: str, kind: str, selector: str) -> list[dict[str, Any]]:
+        """The objects of ``kind`` whose labels match ``selector`` (``k=v,k2=v2``), as the API's JSON."""
+        doc = self.raw(f"listing {kind} {selector}", namespace, self._method(kind, "list"), namespace,
+                       label_selector=selector)
+        items = doc.get("items") if isinstance(doc, dict) else None
+        if not isinstance(items, list) or not all(isinstance(i, dict) and isinstance(i.get("metadata"), dict)
+                                                  for i in items):
+            raise OperationalError(f"listing {kind} {selector}: malformed list: items are not objects with "
+                                   "metadata", where=f"namespace {namespace}")
+        return items
+
+    def patch(self, namespace: str, kind: str, name: str, ops: list[dict[str, Any]]) -> None:
+        """Apply a JSON patch (RFC 6902) to the object; a failure (a 409, a 403) is :class:`OperationalError`."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.call(f"patching {kind} {name}", self._method(kind, "patch"), name, namespace, ops)
+        except ApiException as exc:
+            raise OperationalError(f"patching {kind} {name} failed: HTTP {exc.status} {exc.reason}",
+                                   where=f"namespace {namespace}", hint=HINT_403 if exc.status == 403 else None) \
+                from None
+
+    def add_owner(self, namespace: str, kind: str, doc: dict[str, Any], owner: dict[str, Any]) -> bool:
+        """Make ``owner`` one more owner of ``doc`` (a ``kind``; deleted once all its owners are); False
+        when it was one."""
+        meta = doc["metadata"]
+        refs = meta.get("ownerReferences") or []
+        if any(r.get("uid") == owner["uid"] for r in refs):
+            return False
+        op = ({"op": "add", "path": "/metadata/ownerReferences/-", "value": owner} if refs
+              else {"op": "add", "path": "/metadata/ownerReferences", "value": [owner]})
+        self.patch(namespace, kind, meta["name"], [op])
+        return True
+
+    def raw(self, what: str, namespace: str, fn: Callable[..., Any], *args: Any, missing_ok: bool = False,
+            **kwargs: Any) -> Any:
+        """The API's JSON answer to ``fn`` (no client model in between: the answer is read through
+        :mod:`replayjob.artifacts.cluster_status`'s declarations).  A refusal (403), an object gone (404) or a body
+        that is no JSON is :class:`OperationalError` (3): the cluster failed, not the input."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            reply = self.call(what, fn, *args, _preload_content=False, **kwargs)
+        except ApiException as exc:
+            if exc.status == 404 and missing_ok:
+                return None
+            gone = " (deleted while the run waited for it)" if exc.status == 404 else ""
+            raise OperationalError(f"{what} failed: HTTP {exc.status} {exc.reason}{gone}",
+                                   where=f"namespace {namespace}",
+                                   hint="nothing was decided; 403: the credentials lack this permission") from None
+        try:
+            return loads_strict(reply.data, where=what)
+        except ReplayjobError as exc:
+            raise OperationalError(f"{what}: the API answered no JSON object ({exc.message})",
+                                   where=f"namespace {namespace}") from None
+
+    def job_state(self, namespace: str, name: str) -> tuple[str | None, str, bool]:
+        """(``Complete`` or ``Failed``, its reason, whether it is suspended) of Job ``name``; (None, "", ...)
+        while it runs."""
+        doc = self.raw(f"reading job {name}", namespace, self.batch.read_namespaced_job_status, name, namespace)
+        return outcome.job_end(doc, name)
+
+    def stage_stuck(self, namespace: str, name: str) -> outcome.Stuck | None:
+        """What keeps Job ``name``'s pods from starting, from its pods and its events (read-only ``events``)."""
+        pods = self.raw(f"listing pods of job {name}", namespace, self.core.list_namespaced_pod, namespace,
+                        label_selector=f"{k8s.JOB_NAME_LABEL}={name}")
+        events = self.raw(f"listing events of job {name}", namespace, self.core.list_namespaced_event, namespace,
+                          field_selector=f"involvedObject.name={name}")
+        return outcome.stuck(name, pods, events)
+
+    def exit_code(self, namespace: str, name: str) -> int | None:
+        """The decisive exit code among the Job's terminated containers, else None: a final 1 or 2 in any
+        attempt outranks a retryable 3 in another, whatever order the API lists the pods in."""
+        doc = self.raw(f"listing pods of job {name}", namespace, self.core.list_namespaced_pod, namespace,
+                       label_selector=f"{k8s.JOB_NAME_LABEL}={name}")
+        return outcome.decisive_code(outcome.pod_codes(doc, name))
+
+
+WAIT_GRACE_S = 600  # how long past a Job's own deadline its wait goes on (the Job controller's lag)
+START_GRACE_ENV = "REPLAYJOB_START_GRACE_S"  # how long a stage may stay unable to start [default: 300]
+START_GRACE_S = 300.0
+STOPPED_KEY = "stopped.json"  # the run's ConfigMap key under which a driver records why it stopped a run
+
+
+class StageStuck(OperationalError):
+    """A stage that cannot start (Unschedulable, an image that cannot be pulled, FailedCreate) stayed so
+    for the grace period: exit 3, naming the pod and the Kubernetes reason and message."""
+
+    def __init__(self, job: str, cause: outcome.Stuck, waited: float, namespace: str):
+        super().__init__(f"job {job} could not start for {waited:.0f} s: {cause.line()}",
+                         where=f"namespace {namespace}",
+                         hint=f"kubectl -n {namespace} describe job {job}; fix the cause (a node pool, the image, "
+                              "a quota) and resume the run")
+        self.job, self.cause = job, cause
+
+
+def wait_job(api: Api, namespace: str, name: str, poll_s: float, log: Log, deadline_s: float | None = None,
+             start_grace_s: float | None = None) -> tuple[str, str]:
+    """Poll a Job until it has ended: every ``poll_s`` seconds, sooner at first (0.5 s, doubling), so a
+    short stage is seen ending soon after it did.  With ``deadline_s`` the wait has a deadline of its own:
+    a Job not ended after that long unsuspended (time a queue holds it suspended is not counted) is
+    :class:`OperationalError` (3), whatever its conditions say or fail to say.  With ``start_grace_s``,
+    what keeps the Job's pods from starting (:func:`replayjob.artifacts.cluster_status.stuck`) is reported as it
+    changes and ends the wait (:class:`StageStuck`, 3) once it has lasted that long."""
+    delay = min(poll_s, 0.5)
+    waited = stuck_for = 0.0
+    cause: outcome.Stuck | None = None
+    while True:
+        state, reason, suspended = api.job_state(namespace, name)
+        if state is not None:
+            log(f"job {name}: {state}{' (' + reason + ')' if reason else ''}")
+            return state, reason
+        if deadline_s is not None and waited >= deadline_s:
+            raise OperationalError(f"job {name} has not ended after {waited:.0f} s of waiting (its deadline and "
+                                   f"{WAIT_GRACE_S} s more); nothing decided", where=f"namespace {namespace}",
+                                   hint=f"kubectl -n {namespace} describe job {name}")
+        if start_grace_s is not None and not suspended:
+            now = api.stage_stuck(namespace, name)
+            if now != cause:
+                if now is not None:
+                    log(f"job {name}: waiting: {now.line()} (ends the run after {start_grace_s:g} s)")
+                elif cause is not None:
+                    log(f"job {name}: {cause.reason} is gone; running")
+                cause, stuck_for = now, 0.0
+            if cause is not None and stuck_for >= start_grace_s:
+                raise StageStuck(name, cause, stuck_for, namespace)
+        api.sleep(delay)
+        waited += 0.0 if suspended else delay
+        stuck_for += delay if cause is not None else 0.0
+        delay = min(poll_s, delay * 2)
+
+
+def job_deadline_s(job: dict[str, Any]) -> float | None:
+    """How long to wait for ``job`` (rendered): its ``activeDeadlineSeconds`` and :data:`WAIT_GRACE_S`."""
+    seconds = (job.get("spec") or {}).get("activeDeadlineSeconds")
+    return None if not isinstance(seconds, int) else float(seconds + WAIT_GRACE_S)
+
+
+def run_drivers(api: Api, ns: str, spec: AblationSpec, run_id: str) -> list[dict[str, Any]]:
+    """The driver Jobs of run ``run_id``: labelled with it as drivers and named as its drivers are
+    (``NAME-RUNID-driver``, the kustomize base's ``NAME-driver``, ``...-driver-N`` for resumed ones), oldest
+    first."""
+    name = re.compile(f"({re.escape(k8s.prefix(spec, run_id))}|{re.escape(spec.name)})-{k8s.DRIVER}(-[0-9]+)?")
+    found = api.list_of(ns, "Job", f"{k8s.RUN_ID_LABEL}={run_id},app.kubernetes.io/component={k8s.DRIVER}")
+    mine = [d for d in found if name.fullmatch(str(d["metadata"].get("name")))]
+    return sorted(mine, key=lambda d: str(d["metadata"].get("creationTimestamp") or ""))
+
+
+def check_setup(api: Api, namespace: str, spec: AblationSpec) -> None:
+    """Refuse a run in a namespace without the once-applied setup (the claim, the driver's account): a
+    run never creates what outlives it, so deleting a run never deletes data."""
+    for kind, name in (("PersistentVolumeClaim", spec.claim_name), ("ServiceAccount", k8s.driver_account(spec))):
+        if not api.exists(namespace, kind, name):
+            raise RefusedError(f"no {kind} {name}: the namespace's setup is not applied",
+                               where=f"namespace {namespace}",
+                               hint=f"once per namespace: replayjob k8s render SPEC --setup k8s/setup && "
+                                    f"kubectl -n {namespace} apply -k k8s/setup")
+
+
+def job_ended(job: dict[str, Any]) -> bool:
+    return any(c.get("status") == "True" and c.get("type") in ("Complete", "Failed")
+               for c in (job.get("status") or {}).get("conditions") or [])
+
+
+DETAIL = {1: "a negative verdict", 2: "refused input or an inconclusive budget (see verdict.json)",
+          3: "nothing was decided"}
+
+
+def wait_driver(api: Api, namespace: str, name: str, config_map: str, poll_s: float, log: Log,
+                deadline_s: float | None = None) -> int:
+    """Follow a driver Job to its end, then judge the run (:func:`replayjob.artifacts.cluster_status.judge`) from the
+    verdict the driver published in the run's ConfigMap, read through the strict verdict reader, and the
+    driver's own exit code (its pods'); never from the Job's condition alone.  A code other than 0 is
+    raised with the line that explains it."""
+    log(f"following job/{name} (kubectl -n {namespace} logs -f job/{name})")
+    state, reason = wait_job(api, namespace, name, poll_s, log, deadline_s)
+    codes = outcome.pod_codes(api.raw(f"listing pods of job {name}", namespace, api.core.list_namespaced_pod,
+                                      namespace, label_selector=f"{k8s.JOB_NAME_LABEL}={name}"), name)
+    code = (EXIT_OK if codes else None) if state == "Complete" else outcome.decisive_code(codes)
+    if state == "Complete" and codes and EXIT_OK not in codes:
+        code = outcome.decisive_code(codes)  # Complete, but no attempt exited 0: the pods say otherwise
+    doc = api.raw(f"reading configmap {config_map}", namespace, api.core.read_namespaced_config_map, config_map,
+                  namespace)
+    data = (doc.get("data") or {}) if isinstance(doc, dict) else {}
+    text = data.get(k8s.VERDICT_KEY) if isinstance(data, dict) else None
+    verdict, unreadable = None, None
+    if text is not None:
+        try:
+            verdict = read_verdict(str(text).encode("utf-8"), where=f"configmap/{config_map}: {k8s.VERDICT_KEY}")
+        except ReplayjobError as exc:
+            unreadable = exc.message
+    how = "no pod" if code is None else f"its pod exited {code}"
+    stopped = data.get(STOPPED_KEY) if isinstance(data, dict) else None
+    if verdict is None and unreadable is None and isinstance(stopped, str):
+        how += f"; the driver stopped the run: {outcome.read_stopped(stopped, config_map)}"
+    judged, line = outcome.judge(verdict, unreadable, code,
+                                 f"job {name} {state}{' (' + reason + ')' if reason else ''}, {how}", need_code=True)
+    log(f"submit: {line}; exit {judged}")
+    if judged == EXIT_OK:
+        return EXIT_OK
+    raise error_for_exit_status(judged)(f"{line} (exit {judged}: {DETAIL[judged]})", where=f"namespace {namespace}",
+                                        hint=f"kubectl logs -n {namespace} job/{name}")
+
+
+def submit(spec: AblationSpec, text: str, namespace: str | None, *, wait: bool, api_client: Any | None = None,
+           poll_s: float = 10.0, log: Log = print, run_id: str | None = None, api: Api | None = None) -> int:
+    """Start one run: its driver Job and its spec ConfigMap (owned by the driver); with ``wait``,
+    follow the driver and return its code (see the module docstring)."""
+    run_id = k8s.check_run_id(run_id or new_run_id())
+    files = k8s.render(spec, text, run_id)  # refused (a tag image, ...) before the API is touched
+    api = api or Api(api_client, log=log)
+    ns = namespace or api.default_namespace
+    check_setup(api, ns, spec)
+    driver = api.create(ns, files["driver.yaml"])
+    assert driver is not None
+    config_map = files["spec.yaml"]
+    config_map["metadata"]["ownerReferences"] = [k8s.owner_reference(driver)]  # it goes with the run
+    api.create(ns, config_map)
+    name = driver["metadata"]["name"]
+    log(f"submit: run {run_id} in namespace {ns}: job/{name} chains capture, replays and reduce in the cluster; "
+        f"run directory {k8s.MOUNT}/runs/{spec.name}/{run_id} on PVC {spec.claim_name}")
+    if not wait:
+        log(f"follow it: replayjob k8s resume {run_id} --namespace {ns} --wait")
+        return EXIT_OK
+    code = wait_driver(api, ns, name, config_map["metadata"]["name"], poll_s, log, job_deadline_s(driver))
+    log(f"verdict: {k8s.MOUNT}/runs/{spec.name}/{run_id}/verdict.json on PVC {spec.claim_name}")
+    return code
+
+
+def resume(run_id: str, namespace: str | None, *, wait: bool, api_client: Any | None = None, poll_s: float = 10.0,
+           log: Log = print, api: Api | None = None) -> int:
+    """Continue run ``run_id``: follow its driver if one still runs, else start a new one (see the
+    module docstring)."""
+    k8s.check_run_id(run_id)  # before any request: it becomes a label selector and object names
+    api = api or Api(api_client, log=log)
+    ns = namespace or api.default_namespace
+    selector = f"{k8s.RUN_ID_LABEL}={run_id},app.kubernetes.io/component="
+    maps = api.list_of(ns, "ConfigMap", selector + "spec")
+    if not maps:
+        raise RefusedError(f"no run {run_id}: its spec ConfigMap is gone (the run was deleted, or its jobs' TTL "
+                           "passed)", where=f"namespace {ns}", hint="submit a new run")
+    if len(maps) > 1:
+        raise ContractError(f"run {run_id}: {len(maps)} ConfigMaps carry its labels "
+                            f"({', '.join(sorted(str(m['metadata'].get('name')) for m in maps))})",
+                            where=f"namespace {ns}", hint="a run has one spec ConfigMap; delete the others")
+    config_map = maps[0]
+    where = f"configmap {config_map['metadata']['name']}"
+    text = (config_map.get("data") or {}).get("ablation.toml", "")
+    spec = spec_from_text(text, where)
+    if config_map["metadata"]["name"] != f"{k8s.prefix(spec, run_id)}-spec":
+        raise ContractError(f"{where} carries run {run_id}'s labels but is not its spec ConfigMap "
+                            f"({k8s.prefix(spec, run_id)}-spec)", where=f"namespace {ns}")
+    drivers = run_drivers(api, ns, spec, run_id)
+    refs = {r.get("uid") for r in config_map["metadata"].get("ownerReferences") or [] if isinstance(r, dict)}
+    if not drivers or not refs & {d["metadata"].get("uid") for d in drivers}:
+        raise ContractError(f"{where} is owned by no driver of run {run_id}", where=f"namespace {ns}",
+                            hint="resume only runs `k8s submit` (or the kustomize base) started")
+    pinned = (drivers[0]["metadata"].get("annotations") or {}).get(k8s.SPEC_ANNOTATION)
+    if pinned is not None and pinned != k8s.spec_sha256(text):
+        raise ContractError(f"{where} holds another spec than the one run {run_id} was submitted with "
+                            f"(SHA-256 {k8s.spec_sha256(text)}, its driver says {pinned})", where=f"namespace {ns}",
+                            hint="a run keeps its spec; submit a new run for another")
+    running = [d for d in drivers if not job_ended(d)]
+    if running:
+        followed = running[-1]
+        name = followed["metadata"]["name"]
+        log(f"resume: run {run_id}: job/{name} is still driving it")
+    else:
+        body = k8s.driver_job(spec, run_id, config_map["metadata"]["name"], suffix=f"-{len(drivers) + 1}",
+                              text=text)
+        if drivers:  # the image and GPU product the run's first driver ran with (an overlay may have set them)
+            previous = drivers[-1]["spec"]["template"]["spec"]["containers"][0]
+            mine = body["spec"]["template"]["spec"]["containers"][0]
+            mine["image"] = previous["image"]
+            given = {e["name"]: e for e in previous.get("env") or [] if "value" in e}
+            mine["env"] = [given.get(e["name"], e) if e["name"] in ("REPLAYJOB_IMAGE_REF", "REPLAYJOB_GPU_PRODUCT")
+                           else e for e in mine["env"]]
+        driver = api.create(ns, body)
+        assert driver is not None
+        followed, name = driver, driver["metadata"]["name"]
+        api.add_owner(ns, "ConfigMap", config_map, k8s.owner_reference(driver))
+        log(f"resume: run {run_id}: started job/{name}, which adopts the run's jobs and creates the rest")
+    if not wait:
+        return EXIT_OK
+    return wait_driver(api, ns, name, config_map["metadata"]["name"], poll_s, log, job_deadline_s(followed))

@@ -1,0 +1,468 @@
+"""Admission of a replay of an external trainer's capture, and its ``replayjob explain``: no model.
+
+The replay config (the ``replay.toml`` a capture writes)::
+
+    [integration]  framework = "trl"      (must equal the manifest's; selects the module that replays)
+                   entry = "pkg.mod:fn"   (framework "torch" only: the user's replay target)
+    [model]        path = "/base/model"   (hashed and compared with the capture's base model)
+                   attn_implementation    (optional; a registered systems-only knob)
+    [optimizer_batch]                     (the built-in section: replay_path, both pins, arm,
+                                           allow_config_differences, tolerances_sha256)
+    [<framework>]                         (optional overrides of the captured framework config)
+
+The checks are the built-in rules (:mod:`replayjob.producers.builtin.admission` supplies the shared ones):
+both pins; the manifest bytes against their pin before parsing; each safetensors file against the
+manifest's size and SHA-256 before deserialising; the inputs' structure and the logical and
+effective digests recomputed from the tensors; the base model's files by SHA-256; the optimizer
+contract; and every difference between the captured config and the replay's (installed stack
+versions included) declared, present, and a registered systems-only knob, or a stack difference,
+which is admitted for the approximate claim only.  Nothing here imports a framework or builds a model.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from replayjob import tensorfile
+from replayjob.artifacts import api_manifest as imanifest
+from replayjob.artifacts.api_manifest import Manifest
+from replayjob.artifacts.capture_manifest import PinnedManifest
+from replayjob.artifacts.capture_reader import reuse
+from replayjob.artifacts.document import check_summaries
+from replayjob.config import redact
+from replayjob.config.load import absolutize_paths, apply_overrides, build, read_toml
+from replayjob.config.schema import OptimizerBatchConfig
+from replayjob.digest import sha256_json
+from replayjob.errors import ConfigError, IntegrityError, RefusedError
+from replayjob.producers import EXTERNAL, producer_module
+from replayjob.producers.api import files as _files
+from replayjob.producers.api import microbatch as _microbatch
+from replayjob.producers.api import precision
+from replayjob.producers.builtin.admission import SKIPPED, Refusals, check_contract, check_differences, check_pins
+from replayjob.redact import redact_text
+from replayjob.runtime import knobs
+from replayjob.runtime.distributed import launch_env
+
+if TYPE_CHECKING:
+    import torch
+
+MODEL_KEYS = ("path", "attn_implementation")
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """A loaded integration replay config (TOML + ``--set``)."""
+
+    path: Path
+    framework: str
+    entry: str
+    model: dict[str, Any]
+    overrides: dict[str, Any]
+    optimizer_batch: OptimizerBatchConfig
+    document: dict[str, Any]
+
+    @property
+    def sha256(self) -> str:
+        return sha256_json(redact(self.document))
+
+
+def load(path: str | Path, overrides: list[str]) -> ReplayConfig:
+    """Read a replay config; unknown sections and keys are refused with their dotted path."""
+    p = Path(path)
+    data = apply_overrides(absolutize_paths(read_toml(p), p.resolve().parent), overrides)
+    integ = data.get("integration")
+    if not isinstance(integ, dict) or not isinstance(integ.get("framework"), str):
+        raise ConfigError("[integration] needs framework = \"<name>\"", where="integration.framework",
+                          hint="one of: " + ", ".join(sorted(EXTERNAL)))
+    framework = integ["framework"]
+    if framework not in EXTERNAL:
+        raise ConfigError(f"unknown framework {framework!r}", where="integration.framework",
+                          hint="one of: " + ", ".join(sorted(EXTERNAL)))
+    extra = sorted(set(integ) - {"framework", "entry"})
+    if extra or not isinstance(integ.get("entry", ""), str):
+        raise ConfigError(f"unknown or mistyped keys {extra or ['entry']}", where="integration",
+                          hint="[integration] takes framework and (framework 'torch') entry")
+    unknown = sorted(set(data) - {"integration", "model", "optimizer_batch", framework})
+    if unknown:
+        raise ConfigError(f"unknown section {unknown[0]!r}", where=unknown[0],
+                          hint=f"sections: integration, model, optimizer_batch, {framework}")
+    model = data.get("model", {})
+    if not isinstance(model, dict) or sorted(set(model) - set(MODEL_KEYS)):
+        raise ConfigError("[model] takes only " + ", ".join(MODEL_KEYS), where="model")
+    if not isinstance(model.get("path"), str) or not model["path"]:
+        raise ConfigError("model.path is required: the base model directory", where="model.path",
+                          hint="the capture's replay.toml has it")
+    fw = data.get(framework, {})
+    if not isinstance(fw, dict):
+        raise ConfigError("must be a table of overrides", where=framework)
+    ob = build(OptimizerBatchConfig, data.get("optimizer_batch", {}), "optimizer_batch")
+    return ReplayConfig(p, framework, str(integ.get("entry", "")), dict(model), fw, ob, data)
+
+
+@dataclass
+class Admission(Refusals):
+    """What was verified for one integration replay, and every refusal reason."""
+
+    cfg: ReplayConfig | None = None
+    pins: dict[str, str] = field(default_factory=dict)
+    given: PinnedManifest | None = None  # the manifest as a caller already verified it
+    manifest: Manifest | None = None
+    micro_batches: list[_microbatch.MicroBatch] | None = None
+    adapter: dict[str, torch.Tensor] | None = None
+    optimizer: dict[str, torch.Tensor] | None = None
+    resolved: dict[str, Any] | None = None
+    contract: dict[str, Any] | None = None
+    allowed: list[str] = field(default_factory=list)
+    observed: list[str] = field(default_factory=list)
+    #: a capture over several processes: each process's micro-batches (``micro_batches`` holds them all, in rank
+    #: order); None for a one-process capture
+    rank_micro_batches: list[list[_microbatch.MicroBatch]] | None = None
+    #: how many processes the replay runs on (the launcher's, or --nproc in the process that launches them)
+    processes: int = 1
+
+    @property
+    def captured_processes(self) -> int:
+        return imanifest.processes(self.manifest)
+
+    def raise_if_refused(self) -> None:
+        assert self.cfg is not None
+        self.raise_for(self.cfg.optimizer_batch.replay_path or "optimizer_batch.replay_path")
+
+    @property
+    def arm(self) -> str:
+        assert self.cfg is not None
+        return redact_text(self.cfg.optimizer_batch.arm) or knobs.arm_name(self.allowed, self.resolved or {})
+
+    def knob_values(self) -> dict[str, Any]:
+        out: dict[str, Any] = redact({k: knobs.lookup(self.resolved or {}, k) for k in sorted(self.allowed)})
+        return out
+
+
+def _load_file(adm: Admission, m: Manifest, role: str) -> dict[str, torch.Tensor] | None:
+    """One capture file, its size and SHA-256 checked against the manifest before it is deserialised."""
+    p = m.file(role)
+    spec = m.doc["files"][role]
+    what = {"payload": "payload", "adapter": "initial adapter", "optimizer": "optimizer state"}[role]
+    try:
+        if p.is_symlink() or not p.is_file():
+            raise RefusedError(f"{what} file missing (or not a regular file)", where=p)
+        if p.stat().st_size != spec["size"]:
+            raise RefusedError(f"{what} file is {p.stat().st_size} bytes, the manifest pins {spec['size']} "
+                               "(it changed after capture; nothing in it was used)", where=p)
+        return tensorfile.load(p, expected_sha256=spec["sha256"], follow_symlinks=False)
+    except RefusedError as exc:
+        adm.refuse(f"{what}: " + exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
+    except OSError as exc:
+        adm.refuse(f"{p}: cannot read the {what}: {exc.strerror}", integrity=True)
+    return None
+
+
+def _group(tensors: dict[str, torch.Tensor], prefix: str, spec: dict[str, Any], where: str,
+           adm: Admission) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, want in spec["tensors"].items():
+        t = tensors.pop(f"{prefix}{name}", None)
+        if t is None:
+            adm.refuse(f"{where}: tensor {prefix}{name} is missing from the payload", integrity=True)
+            continue
+        if _microbatch.dtype_name(t) != want["dtype"] or list(t.shape) != want["shape"]:
+            adm.refuse(f"{where}: {prefix}{name} is {_microbatch.dtype_name(t)}{list(t.shape)}, the manifest says "
+                       f"{want['dtype']}{want['shape']}", integrity=True)
+        out[name] = t
+    return out
+
+
+def _check_payload(adm: Admission, m: Manifest, tensors: dict[str, torch.Tensor],
+                   part: bool = False) -> list[_microbatch.MicroBatch] | None:
+    """The payload against its manifest; the micro-batches (``part``: one process's of several, checked against
+    its own manifest only; the caller checks the whole against the root and the pins)."""
+    left = dict(tensors)
+    mbs = []
+    for i, e in enumerate(m.micro_batches):
+        w = f"{m.file('payload')} micro-batch {i}"
+        ins = _group(left, f"mb{i:04d}.inputs.", e["inputs"], w, adm)
+        call = _group(left, f"mb{i:04d}.call.", e["call"], w, adm)
+        rng = {k: left.pop(f"mb{i:04d}.rng.{k}") for k in e["rng"] if f"mb{i:04d}.rng.{k}" in left}
+        if sorted(rng) != sorted(e["rng"]):
+            adm.refuse(f"{w}: RNG states {sorted(rng)} differ from the manifest's {e['rng']}", integrity=True)
+        mbs.append(_microbatch.MicroBatch(ins, dict(e["inputs"]["values"]), call, dict(e["call"]["values"]), rng,
+                                  e["sync_gradients"], e["accumulation_steps"]))
+    if left:
+        adm.refuse(f"{m.file('payload')}: tensors the manifest does not describe: {sorted(left)[:5]}", integrity=True)
+    if not adm.admitted:
+        return None
+    logical = _microbatch.logical_digest(mbs)
+    pin = None if part else adm.pins.get("expected_logical_sha256")
+    if logical != m.logical_sha256:
+        adm.refuse(f"payload inputs hash to {logical}, the manifest says {m.logical_sha256}", integrity=True)
+    elif pin is not None and pin != logical:
+        adm.refuse(f"wrong logical pin: expected_logical_sha256 is {pin}, the captured inputs are {logical}",
+                   integrity=True)
+    effective = _microbatch.effective_digest(mbs)
+    if effective != m.effective_sha256:
+        adm.refuse(f"payload RNG and accumulation settings hash to {effective}, the manifest says "
+                   f"{m.effective_sha256}", integrity=True)
+    if part:
+        return mbs
+    _check_nonfinite(adm, m, mbs)
+    adm.micro_batches = mbs
+    return mbs
+
+
+def _check_parts(adm: Admission, m: imanifest.RootManifest) -> None:
+    """A capture over several processes: every part's payload against its manifest, then every micro-batch in
+    rank order against the root's digests and the logical pin."""
+    parts = []
+    for part in m.parts:
+        payload = _load_file(adm, part, "payload")
+        mbs = _check_payload(adm, part, payload, part=True) if payload is not None else None
+        if mbs is None:
+            return
+        parts.append(mbs)
+    every = [mb for p in parts for mb in p]
+    logical = _microbatch.logical_digest(every)
+    pin = adm.pins.get("expected_logical_sha256")
+    if logical != m.logical_sha256:
+        adm.refuse(f"the processes' inputs in rank order hash to {logical}, the root says {m.logical_sha256}",
+                   integrity=True)
+    elif pin is not None and pin != logical:
+        adm.refuse(f"wrong logical pin: expected_logical_sha256 is {pin}, the captured inputs are {logical}",
+                   integrity=True)
+    if _microbatch.effective_digest(every) != m.effective_sha256:
+        adm.refuse("the processes' RNG and accumulation settings do not hash to the root's effective digest",
+                   integrity=True)
+    _check_nonfinite(adm, m, every)
+    adm.micro_batches, adm.rank_micro_batches = every, parts
+
+
+def _check_nonfinite(adm: Admission, m: Manifest, mbs: list[_microbatch.MicroBatch]) -> None:
+    """Inputs holding NaN/Inf replay only when the manifest flags them and the config opts in."""
+    assert adm.cfg is not None
+    found, flagged = _microbatch.has_nonfinite(mbs), bool(m.doc["rows"].get("nonfinite_inputs", False))
+    try:  # the manifest's (or the root's) rows block summarises the micro-batches: recomputed from them
+        check_summaries({"nonfinite_inputs": False, **m.doc["rows"]},
+                        {**_microbatch.rows_summary(mbs), "nonfinite_inputs": found}, where=m.path, what="rows")
+    except IntegrityError as exc:
+        adm.refuse(f"{m.path}: {exc.message}", integrity=True)
+        return
+    if found != flagged:
+        adm.refuse(f"{m.file('payload')}: the inputs {'hold' if found else 'hold no'} non-finite values but the "
+                   f"manifest's rows.nonfinite_inputs says {str(flagged).lower()}", integrity=True)
+    elif found and not adm.cfg.optimizer_batch.allow_nonfinite_inputs:
+        adm.refuse("the capture's inputs hold non-finite values (flagged rows.nonfinite_inputs); replay them only "
+                   "with optimizer_batch.allow_nonfinite_inputs = true")
+
+
+def _check_artifacts(adm: Admission) -> None:
+    cfg = adm.cfg
+    assert cfg is not None
+    if "expected_manifest_sha256" not in adm.pins or not cfg.optimizer_batch.replay_path:
+        return
+    try:
+        found = reuse(adm.given, cfg.optimizer_batch.replay_path, adm.pins["expected_manifest_sha256"])
+        if not isinstance(found, Manifest):
+            raise IntegrityError(f"the capture was written by {found.framework!r}, not the capture API",
+                                 where=found.path)
+    except RefusedError as exc:
+        adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
+        return
+    m = adm.manifest = found
+    if m.framework != cfg.framework:
+        adm.refuse(f"the capture was produced by {m.framework!r}, the config says integration.framework = "
+                   f"{cfg.framework!r}")
+        return
+    if isinstance(m, imanifest.RootManifest):
+        _check_parts(adm, m)  # the adapter and optimizer files every part shares are process 0's (read below)
+    else:
+        payload = _load_file(adm, m, "payload")
+        if payload is not None:
+            _check_payload(adm, m, payload)
+    first = m.parts[0] if isinstance(m, imanifest.RootManifest) else m  # every part holds these same bytes
+    adm.adapter = _load_file(adm, first, "adapter")
+    if adm.adapter is not None and sorted(adm.adapter) != sorted(m.doc["trainable"]):
+        adm.refuse(f"{m.file('adapter')}: parameters differ from the manifest's trainable list", integrity=True)
+        adm.adapter = None
+    adm.optimizer = _load_file(adm, first, "optimizer")
+
+
+def _check_base_model(adm: Admission) -> None:
+    assert adm.cfg is not None
+    if adm.manifest is None:
+        return
+    want = adm.manifest.doc["base_model"]
+    try:
+        have = _files.base_model_identity(adm.cfg.model["path"])
+    except RefusedError as exc:
+        adm.refuse(f"model.path: {exc.message}")
+        return
+    if have["sha256"] != want["sha256"]:
+        diff = sorted(n for n in set(have["files"]) | set(want["files"])
+                      if have["files"].get(n) != want["files"].get(n))
+        adm.refuse(f"different base model: {have['path']} differs from the captured {want['path']} in "
+                   + ", ".join(f"{n} ({(have['files'].get(n) or 'absent')[:12]} vs "
+                               f"{(want['files'].get(n) or 'absent')[:12]})" for n in diff[:4]))
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any], where: str, adm: Admission) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if k not in base:
+            adm.refuse(f"{where}.{k} is not a key of the captured config (overrides may only change "
+                       "captured keys)")
+        elif isinstance(v, dict) and isinstance(base[k], dict):
+            out[k] = {**base[k], **v}
+        elif base[k] is not None and (type(v) is not type(base[k]) and not (isinstance(v, int | float)
+                                                                           and isinstance(base[k], float))):
+            adm.refuse(f"{where}.{k} is {type(v).__name__}, the captured value is {type(base[k]).__name__}")
+        else:
+            out[k] = v
+    return out
+
+
+def _ignored(key: str) -> bool:
+    return key == "model.path"  # a path; its content is pinned by the base model's file hashes instead
+
+
+def _with_source_values(resolved: dict[str, Any], src: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    """``resolved`` with each dotted key of ``keys`` that the source has set back to the source's value."""
+    out = copy.deepcopy(resolved)
+    for key in keys:
+        *parents, leaf = key.split(".")
+        node: Any = out
+        have: Any = src
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+            have = have.get(part) if isinstance(have, dict) else None
+        if isinstance(node, dict) and isinstance(have, dict) and leaf in have:
+            node[leaf] = copy.deepcopy(have[leaf])
+    return out
+
+
+def _check_config(adm: Admission) -> None:
+    cfg, m = adm.cfg, adm.manifest
+    assert cfg is not None
+    adm.allowed = sorted(set(cfg.optimizer_batch.allow_config_differences))
+    if m is None or m.framework != cfg.framework:
+        return
+    src = m.config
+    fw = producer_module(cfg.framework)
+    if adm.processes > 1 and not getattr(fw, "RANKS", False):
+        adm.refuse(f"a {cfg.framework} replay runs in one process; {adm.processes} were launched")
+    if adm.processes > 1 or adm.captured_processes > 1:  # the process count, compared as a config key
+        src = {**src, "distributed": {"num_processes": adm.captured_processes}}
+    resolved = dict(src)
+    model_over = {k: v for k, v in cfg.model.items() if k != "path"}
+    resolved["model"] = {**_merge(src.get("model", {}), model_over, "model", adm), "path": cfg.model["path"]}
+    overrides = dict(cfg.overrides)
+    canonical = getattr(fw, "canonical_names", None)  # one setting under two names: compared under one
+    if canonical is not None:
+        overrides, adm.allowed, why = canonical(src.get(cfg.framework, {}), overrides, adm.allowed)
+        for reason in why:
+            adm.refuse(reason)
+    resolved[cfg.framework] = _merge(src.get(cfg.framework, {}), overrides, cfg.framework, adm)
+    mirror = getattr(fw, "mirror_aliases", None)
+    if mirror is not None:
+        resolved[cfg.framework] = mirror(resolved[cfg.framework])
+    resolved["stack"] = _files.versions(src.get("stack", {}))
+    if "distributed" in src:
+        resolved["distributed"] = {"num_processes": adm.processes}
+    adm.resolved = resolved
+    try:
+        # a declared systems-only knob is no part of the update's contract: its source value stands in
+        adm.contract = fw.contract(_with_source_values(resolved, src, adm.allowed))
+    except RefusedError as exc:
+        adm.refuse(exc.diagnostics())
+        return
+    check_contract(adm, m.contract, m.doc["contract"]["sha256"], adm.contract)
+    check_entry = getattr(producer_module(cfg.framework), "check_entry", None)
+    if check_entry is not None:
+        why = check_entry(cfg.entry, m.doc["framework_state"].get("entry"))
+        if why:
+            adm.refuse(f"integration.entry: {why}")
+    elif cfg.entry:
+        adm.refuse(f"integration.entry is not used by framework {cfg.framework!r}; remove it")
+    admissible = {k: f"systems-only knob of {cfg.framework}" for k in knobs.knobs_for(cfg.framework)}
+    admissible.update({k: "stack difference, admitted for the approximate claim only" for k in knobs.stack_keys(src)})
+    ignored = getattr(fw, "ignored", None)
+    adm.observed = check_differences(adm, src, resolved, adm.allowed, admissible,
+                                     ignored=lambda k: _ignored(k) or bool(ignored is not None and ignored(k)))
+    refusals = getattr(fw, "knob_refusals", None)
+    if refusals is not None:
+        for reason in refusals(adm):
+            adm.refuse(reason)
+
+
+def admit(cfg: ReplayConfig, processes: int | None = None, manifest: PinnedManifest | None = None) -> Admission:
+    """Run every admission check; never raises for a failed check (see :meth:`Admission.raise_if_refused`).
+
+    ``processes``: how many processes the replay will run on (default: this process's launcher's);
+    ``manifest``: the capture's manifest as the caller already verified it (used when it is the one the config
+    pins, so its bytes are read once)."""
+
+    adm = Admission(cfg=cfg, processes=launch_env().world_size if processes is None else processes,
+                    given=manifest)
+    ob = cfg.optimizer_batch
+    if ob.capture or ob.capture_steps or ob.ring_size:
+        adm.refuse("optimizer_batch.capture, capture_steps and ring_size are source-run settings; an integration "
+                   "replay config must leave them unset (the capture API captures an external trainer's steps)")
+    check_pins(cfg.optimizer_batch, adm, adm.pins, "optimizer_batch_step_<K>.manifest.json")
+    _check_artifacts(adm)
+    _check_base_model(adm)
+    _check_config(adm)
+    return adm
+
+
+def report(adm: Admission) -> dict[str, Any]:
+    """What was verified and what a replay would do (the ``--json`` output; the built-in report's keys)."""
+    m, cfg = adm.manifest, adm.cfg
+    assert cfg is not None
+    mbs = adm.micro_batches or []
+    recorded = m.doc["framework_state"].get("precision") if m else None
+    prec = recorded if isinstance(recorded, dict) else None
+    return {
+        "admitted": adm.admitted,
+        "reasons": list(adm.reasons),
+        "pins": dict(adm.pins),
+        "framework": cfg.framework,
+        "manifest": {"path": str(m.path), "sha256": m.sha256, "step": m.step} if m else None,
+        "payload": ({"path": str(m.file("payload")),
+                     "size": sum(p.doc["files"]["payload"]["size"] for p in getattr(m, "parts", ()) or (m,)),
+                     "sha256": m.payload_digest} if m else None),
+        "rows": None,
+        "micro_batches": m.doc["rows"] if m else None,
+        "optimizer/logical_batch_sha256": m.logical_sha256 if m and adm.micro_batches is not None else None,
+        "optimizer/local_effective_rows_sha256": m.effective_sha256 if m and adm.micro_batches is not None else None,
+        "initial_adapter": {"path": str(m.file("adapter")), "sha256": m.initial_adapter_sha256} if m else None,
+        "base_model": m.doc["base_model"]["path"] if m else None,
+        "contract_sha256": sha256_json(adm.contract) if adm.contract is not None else None,
+        "allowed_config_differences": list(adm.allowed),
+        "observed_config_differences": list(adm.observed),
+        "knobs": adm.knob_values(),
+        "arm": adm.arm,
+        "rng_states": sorted({k for mb in mbs for k in mb.rng}) or None,
+        # the precision the captured update computed in (a capture from before it was recorded: null), and the
+        # approximate claim's tolerances it suggests for systems changes (replayjob.producers.api.precision)
+        "precision": prec,
+        "suggested_tolerances": precision.suggested_tolerances(prec) if prec else None,
+        "skipped": list(SKIPPED),
+        "would": [
+            f"build the {cfg.framework} trainer on the base model {cfg.model['path']} (no dataset, no reward "
+            "function, no generation)",
+            "load the captured adapter, optimizer and LR-scheduler state",
+            f"run the {len(mbs)} captured micro-batch(es) through the framework's own training step, each after "
+            "restoring the Torch RNG state captured before its loss call",
+            "clip gradients, optimizer step, scheduler step, zero grad (once)",
+            "save final_adapter/ and replay_metrics.json",
+        ],
+    }
+
+
+def explain(config: str | Path, overrides: list[str], manifest: PinnedManifest | None = None,
+            processes: int | None = None) -> tuple[Admission, dict[str, Any]]:
+    """``replayjob explain`` for an integration replay config (``manifest``, ``processes``: as :func:`admit` takes
+    them; ``explain --nproc N`` passes N, the count ``replay --nproc N`` admits with before it launches)."""
+    adm = admit(load(config, overrides), processes=processes, manifest=manifest)
+    return adm, report(adm)
