@@ -235,6 +235,42 @@ def test_forcing_without_a_pinned_file_is_refused(moe_runs: dict[str, Any], caps
     assert rc == 2 and "model.routing" in capsys.readouterr().err  # an undeclared difference
 
 
+@pytest.mark.parametrize("case", ["missing", "tampered", "fewer tokens", "another model"])
+def test_explain_checks_the_forced_routing_file_before_any_model(case: str, moe_runs: dict[str, Any], tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forced replay's routing file that is missing, not the pinned bytes, or of another shape than the capture's
+    rows or the model's routers is refused by explain (exit 2, every reason, no traceback); no model is built."""
+    def no_model(*_a: Any, **_k: Any) -> Any:
+        raise AssertionError("a model was built")
+    monkeypatch.setattr(moe, "tiny_model", no_model)
+    cfg, pins = str(moe_runs["ws"] / "replay.toml"), replay_pins(moe_runs["source"])
+    assert main(["explain", cfg, *pins, *MOE, *forced(moe_runs["routing_file"], moe_runs["routing_sha"])]) == 0
+    t = moe.read_table(moe_runs["routing_file"], moe_runs["routing_sha"])
+    path, sha = tmp_path / "routing.safetensors", moe_runs["routing_sha"]
+    if case == "tampered":
+        data = bytearray(moe_runs["routing_file"].read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+    elif case == "fewer tokens":  # the last row one token short: a consistent file, pinned, of other rows
+        rt = t.row_tokens.clone()
+        rt[-1] -= 1
+        short = [moe.LayerRouting(lay.name, lay.experts[:-1], lay.weights[:-1], lay.margin[:-1], lay.forced[:-1])
+                 for lay in t.layers]
+        sha = moe.write_table(path, dataclasses.replace(t, row_tokens=rt, layers=short))
+    elif case == "another model":  # a third router
+        sha = moe.write_table(path, dataclasses.replace(t, layers=[*t.layers, dataclasses.replace(t.layers[1],
+                                                                                                   name="extra")]))
+    capsys.readouterr()
+    rc = main(["explain", cfg, *pins, *MOE, *forced(path, sha)])
+    err = capsys.readouterr()
+    assert rc == 2 and "Traceback" not in err.err
+    text = err.out + err.err
+    assert {"missing": "no routing file here", "tampered": "SHA-256",
+            "fewer tokens": f"holds {t.row_tokens.numel()} rows of {t.tokens - 1} tokens that are not",
+            "another model": "routes 3 layers top-2 of 4 experts; this model has 2 MoE layers"}[case] in text
+
+
 def test_routing_file_reader_fails_closed(moe_runs: dict[str, Any], tmp_path: Path) -> None:
     t = moe.read_table(moe_runs["routing_file"], moe_runs["routing_sha"])
     bad = t.layers[0].experts.clone()

@@ -277,6 +277,45 @@ def compare(a: RoutingTable, b: RoutingTable) -> dict[str, Any]:
             "first_flip": first, "mode_a": a.mode, "mode_b": b.mode, "fault_a": a.fault, "fault_b": b.fault}
 
 
+def forced_file_reasons(cfg: Config, logical_sha256: str | None, row_tokens: list[int] | None,
+                        rows: int | None, tokens: int | None) -> list[str]:
+    """Why a replay's forced routing file cannot be used, checked before any model is built (``explain`` and a
+    replay's admission): both settings given, the file present and pinned (its SHA-256), its rows recorded on the
+    replay's logical batch, its shape that of the captured rows (``row_tokens`` per row when the rows are held,
+    else the ``rows`` and ``tokens`` counts) and, for the built-in MoE model, of its routers (one per decoder
+    layer, top-``num_experts_per_tok`` of ``num_experts``).  Empty: admitted (or the routing is free)."""
+    if cfg.model.routing != "forced":
+        return []
+    ob = cfg.optimizer_batch
+    if not ob.routing_path or not ob.routing_sha256:
+        return ["model.routing = 'forced' needs optimizer_batch.routing_path and its routing_sha256 (the source "
+                "run's routing_step_<K>.safetensors and its pin from metrics.json)"]
+    try:
+        table = read_table(ob.routing_path, normalize_digest(ob.routing_sha256, what="optimizer_batch.routing_sha256"),
+                           follow_symlinks=True)
+    except RefusedError as exc:
+        return [f"forced routing: {exc.diagnostics()}".replace("\n  fix:", "; fix:")]
+    out = []
+    recorded = table.identity.get("logical_batch_sha256")
+    if logical_sha256 is not None and recorded != logical_sha256:
+        out.append(f"the forced routing file {ob.routing_path} was recorded on logical batch {recorded}, this "
+                   f"replay's is {logical_sha256}: force routing recorded on this capture's rows")
+    have = [int(n) for n in table.row_tokens.tolist()]
+    if row_tokens is not None and have != row_tokens:
+        out.append(f"the forced routing file {ob.routing_path} holds {len(have)} rows of {sum(have)} tokens that are "
+                   f"not the captured rows' {len(row_tokens)} rows of {sum(row_tokens)} tokens")
+    elif row_tokens is None and rows is not None and tokens is not None and (len(have), sum(have)) != (rows, tokens):
+        out.append(f"the forced routing file {ob.routing_path} holds {len(have)} rows of {sum(have)} tokens, the "
+                   f"capture {rows} rows of {tokens} tokens")
+    mc = cfg.model
+    if not mc.path and mc.architecture == "qwen3_moe" and (len(table.layers), table.top_k, table.num_experts) != (
+            mc.num_layers, mc.num_experts_per_tok, mc.num_experts):
+        out.append(f"the forced routing file {ob.routing_path} routes {len(table.layers)} layers top-{table.top_k} "
+                   f"of {table.num_experts} experts; this model has {mc.num_layers} MoE layers, top-"
+                   f"{mc.num_experts_per_tok} of {mc.num_experts}")
+    return out
+
+
 def block_of(router_name: str) -> str:
     """The MoE block a router belongs to (its parent module: ``...layers.N.mlp`` for ``...layers.N.mlp.gate``)."""
     return router_name.rsplit(".", 1)[0]

@@ -29,6 +29,7 @@ from replayjob.config.load import to_dict
 from replayjob.config.schema import DistributedConfig, OptimizerBatchConfig
 from replayjob.digest import normalize_digest
 from replayjob.errors import ContractError, IntegrityError, RefusedError
+from replayjob.model import moe
 from replayjob.producers.builtin import rows as rankrows
 from replayjob.producers.builtin import steps as stepcapture
 from replayjob.producers.contract import contract_differences, contract_sha256, optimizer_contract
@@ -196,6 +197,16 @@ def _check_ranks(adm: Admission, m: ranks.RootManifest) -> None:
     adm.rows, adm.digests = payload.summary(v.batch), v.digests
 
 
+def _check_routing(adm: Admission) -> None:
+    """A forced routing file (``model.routing = "forced"``): present, pinned, of this capture's rows and this
+    model's routers (:func:`replayjob.model.moe.forced_file_reasons`), before any model is built."""
+    b, m = adm.batch, adm.manifest
+    per_row = None if b is None else (b.token_offsets[1:] - b.token_offsets[:-1]).tolist()
+    n, t = (int(adm.rows["rows"]), int(adm.rows["tokens"])) if adm.rows else (None, None)
+    for reason in moe.forced_file_reasons(adm.cfg, m.logical_sha256 if m is not None else None, per_row, n, t):
+        adm.refuse(reason, integrity=True)
+
+
 def _check_adapter(adm: Admission) -> None:
     src = adm.cfg.resume.from_
     if not src:
@@ -308,6 +319,7 @@ def admit(cfg: Config, keep_rows: bool = True, manifest: PinnedManifest | None =
     _check_runner(adm)
     _check_pins(adm)
     _check_artifacts(adm)
+    _check_routing(adm)
     _check_adapter(adm)
     _check_contract_and_config(adm)
     return adm
