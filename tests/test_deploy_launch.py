@@ -87,7 +87,7 @@ def _job_id_with_free_port() -> str:
 
 RANK_PROGRAM = """
 import os
-from replayjob import launch
+from replayjob.runtime import slurm_ranks as launch
 os.environ.update(launch.rank_env(os.environ))
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")

@@ -444,7 +444,10 @@ def _set_aside(path: Path, layout: Layout, log: Any) -> None:
     attempts.mkdir(parents=True, exist_ok=True)
     rel = path.relative_to(layout.run) if path.is_relative_to(layout.run) else Path(path.name)
     aside = attempts / f"{'-'.join(rel.parts)}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.{os.getpid()}"
-    os.replace(path, aside)
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:  # the step of another node of the same replay (a multi-node run) moved it first
+        return
     log(f"step: moved a previous attempt's partial output {path} to {aside}")
 
 

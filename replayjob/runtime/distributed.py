@@ -23,7 +23,8 @@ Rows are split contiguously (:func:`shard_bounds`): rank ``r`` of ``W`` takes lo
 ``[r * N // W, (r + 1) * N // W)``, so concatenating the shards in rank order is the logical batch.
 
 :func:`launch_command` is the one launch of ``N`` ranks (``python -m torch.distributed.run
---standalone --nproc-per-node N -m replayjob ...``) and :func:`run_launched` runs it and maps the
+--standalone --nproc-per-node N -m replayjob ...``; over ``K`` nodes, this node's ``N / K`` joining
+torchrun's c10d rendezvous, :func:`rendezvous`) and :func:`run_launched` runs it and maps the
 ranks' own exit codes (each rank records its code when :data:`EXIT_DIR_ENV` names a directory;
 torchrun itself reports 1 for any failed rank): a refusal on any rank is 2, else an error 3.
 """
@@ -394,15 +395,83 @@ def save_adapter(policy: Any, directory: Path, parallel: Parallel | None) -> Pat
 
 
 # ------------------------------------------------------------------------------------- launching
-def launch_command(nproc: int, argv: Sequence[str], launcher: str = "torchrun") -> list[str]:
-    """The one launch of ``nproc`` ranks of ``replayjob ARGV`` on this node: torchrun (standalone), or
-    with ``launcher="srun"`` the tasks of the Slurm allocation this process runs in, each mapped to
-    the variables :func:`launch_env` reads (:mod:`replayjob.runtime.slurm_ranks`)."""
+# A launch over several nodes (a Kubernetes JobSet's pods: replayjob.launch.jobset renders these into
+# every pod): how many nodes take part, the c10d rendezvous endpoint (HOST:PORT of the first node's
+# stable name) and the rendezvous id (one per run and replay).  Unset: one node, torchrun --standalone.
+NODES_ENV = "REPLAYJOB_NODES"
+RDZV_ENDPOINT_ENV = "REPLAYJOB_RDZV_ENDPOINT"
+RDZV_ID_ENV = "REPLAYJOB_RDZV_ID"
+RDZV_BACKEND = "c10d"  # torchrun's own rendezvous: a TCPStore on the endpoint's host, no etcd
+_ENDPOINT = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?:[0-9]{1,5}")
+_RDZV_ID = re.compile(r"[A-Za-z0-9][-A-Za-z0-9_.]{0,127}")
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the agents of a launch over ``nodes`` nodes meet (torchrun's c10d rendezvous)."""
+
+    nodes: int
+    endpoint: str
+    id: str
+
+
+def rendezvous(environ: dict[str, str] | None = None) -> Rendezvous | None:
+    """The launch's rendezvous over several nodes (:data:`NODES_ENV`, :data:`RDZV_ENDPOINT_ENV`,
+    :data:`RDZV_ID_ENV`), or None for one node; a partial or malformed one is refused (2)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(NODES_ENV, "")
+    if not raw:
+        if env.get(RDZV_ENDPOINT_ENV) or env.get(RDZV_ID_ENV):
+            raise ConfigError(f"a rendezvous without {NODES_ENV}", where="environment",
+                              hint=f"set {NODES_ENV}, {RDZV_ENDPOINT_ENV} and {RDZV_ID_ENV} together")
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) <= 64:
+        raise ConfigError(f"{NODES_ENV}={raw!r} is not a node count (1..64)", where="environment")
+    if int(raw) == 1:
+        return None
+    endpoint, rid = env.get(RDZV_ENDPOINT_ENV, ""), env.get(RDZV_ID_ENV, "")
+    if not _ENDPOINT.fullmatch(endpoint) or not 0 < int(endpoint.rsplit(":", 1)[1]) < 65536:
+        raise ConfigError(f"{RDZV_ENDPOINT_ENV}={endpoint!r} is not HOST:PORT", where="environment",
+                          hint="the first node's stable name and a port, e.g. run-replay-0-0.run:29400")
+    if not _RDZV_ID.fullmatch(rid):
+        raise ConfigError(f"{RDZV_ID_ENV}={rid!r} is not a rendezvous id (letters, digits, -_.)",
+                          where="environment")
+    return Rendezvous(int(raw), endpoint, rid)
+
+
+def local_ranks(nproc: int, launcher: str = "torchrun", environ: dict[str, str] | None = None) -> int:
+    """How many of a launch's ``nproc`` ranks run on this node: all of them, or under a rendezvous over
+    ``K`` nodes ``nproc / K`` (refused unless ``K`` divides ``nproc``); srun's tasks are the allocation's."""
+    rdzv = rendezvous(environ) if launcher == "torchrun" else None
+    if rdzv is None:
+        return nproc
+    if nproc % rdzv.nodes:
+        raise ConfigError(f"{nproc} ranks do not split evenly over {NODES_ENV}={rdzv.nodes} nodes",
+                          where="environment", hint="render the launcher's manifests again from the spec")
+    return nproc // rdzv.nodes
+
+
+def launch_command(nproc: int, argv: Sequence[str], launcher: str = "torchrun",
+                   environ: dict[str, str] | None = None) -> list[str]:
+    """The one launch of ``nproc`` ranks of ``replayjob ARGV``: torchrun (standalone, this node), or,
+    under a :func:`rendezvous`, this node's share of them joining torchrun's c10d rendezvous with the
+    other nodes' (``--nnodes K --nproc-per-node nproc/K``; ranks are numbered across the nodes); or
+    with ``launcher="srun"`` the tasks of the Slurm allocation this process runs in (on every node of
+    it), each mapped to the variables :func:`launch_env` reads (:mod:`replayjob.runtime.slurm_ranks`)."""
 
     check_launcher(launcher)
     if launcher == "srun":
-        return srun_command(nproc, argv)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+        return srun_command(nproc, argv, environ)
+    rdzv = rendezvous(environ)
+    if rdzv is None:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                "-m", "replayjob", *argv]
+    # --max-restarts 0: a failed rank fails the launch (exit 3, the engine retries the whole gang), as
+    # --standalone does; every node's agent waits at torchrun's exit barrier for the others, so a node
+    # returns only once every rank (rank 0 writing the replay's metrics included) has ended
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(rdzv.nodes),
+            "--nproc-per-node", str(local_ranks(nproc, launcher, environ)), "--rdzv-backend", RDZV_BACKEND,
+            "--rdzv-endpoint", rdzv.endpoint, "--rdzv-id", rdzv.id, "--max-restarts", "0",
             "-m", "replayjob", *argv]
 
 
@@ -436,16 +505,17 @@ def run_launched(nproc: int, argv: Sequence[str], timeout: float | None = None,
     """Run ``replayjob ARGV`` on ``nproc`` ranks (:func:`launch_command`); return the merged exit code and
     the output's tail."""
 
+    local = local_ranks(nproc, launcher)  # this node's ranks: their codes are the ones recorded here
     with tempfile.TemporaryDirectory(prefix="replayjob-ranks-") as d:
         env = {**os.environ, EXIT_DIR_ENV: d}
-        env.update(rank_thread_env(env, nproc, launcher))  # each rank's share of the pod's threads
+        env.update(rank_thread_env(env, local, launcher))  # each rank's share of the pod's threads
         proc = run_group(launch_command(nproc, argv, launcher), env, timeout)
         codes = []
         for p in Path(d).glob("rank-*"):
             with contextlib.suppress(ValueError, OSError):
                 codes.append(int(p.read_text(encoding="utf-8").strip()))
     text = (proc.stderr or "") + (proc.stdout or "")
-    return merged_exit(proc.returncode, codes, nproc), (rank_diagnostics(text) or launch_failure(text))[-4000:]
+    return merged_exit(proc.returncode, codes, local), (rank_diagnostics(text) or launch_failure(text))[-4000:]
 
 
 STOP_GRACE_S = 20.0  # after SIGTERM, how long the launcher gets to stop its ranks before SIGKILL

@@ -15,7 +15,11 @@ are the allocation's tasks instead: :func:`srun_command` runs ``srun --ntasks N`
   own job id), so two jobs sharing a node do not collide.
 
 The ranks of one run share one node (``srun --nodes 1``; the sbatch scripts request ``--nodes=1``),
-as under torchrun, so ``LOCAL_RANK`` names the rank's GPU among the job's.
+as under torchrun, so ``LOCAL_RANK`` names the rank's GPU among the job's; a run that needs more GPUs
+than a node has (the spec's ``node_gpus``) gets ``--nodes=K --ntasks-per-node=N/K`` from the sbatch
+scripts, and :func:`srun_command` spreads its tasks over every node of the allocation
+(:func:`allocation_nodes`): ``LOCAL_RANK`` is then the task's GPU on its own node, and ``MASTER_ADDR``
+the allocation's first node, which hosts rank 0 (Slurm numbers tasks node by node, block distribution).
 
 Example:
     >>> rank_env({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
@@ -112,9 +116,24 @@ def rank_thread_env(environ: Mapping[str, str], nproc: int, launcher: str) -> di
     return out
 
 
-def srun_command(nproc: int, argv: Sequence[str]) -> list[str]:
-    """``nproc`` tasks of ``replayjob ARGV`` on one node of this allocation, one rank each."""
+def allocation_nodes(environ: Mapping[str, str] | None = None) -> int:
+    """How many nodes this allocation has (``SLURM_JOB_NUM_NODES``, else ``SLURM_NNODES``; 1 outside one)."""
+    env = os.environ if environ is None else environ
+    raw = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"SLURM_JOB_NUM_NODES {raw!r} is not a node count", where="environment")
+    return int(raw)
+
+
+def srun_command(nproc: int, argv: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:
+    """``nproc`` tasks of ``replayjob ARGV`` on every node of this allocation (one node, or the nodes the
+    job asked for when a run needs more GPUs than one has), the same number on each, one rank each."""
     if nproc < 1:
         raise UsageError(f"a launch needs at least one rank, found {nproc}")
-    return ["srun", "--ntasks", str(nproc), "--nodes", "1", "--kill-on-bad-exit=1",
+    nodes = allocation_nodes(environ)
+    if nproc % nodes:
+        raise ConfigError(f"{nproc} ranks do not split evenly over the allocation's {nodes} nodes",
+                          where="environment", hint="submit again from the spec (scripts/slurm/submit.sh)")
+    spread = ["--nodes", str(nodes)] + (["--ntasks-per-node", str(nproc // nodes)] if nodes > 1 else [])
+    return ["srun", "--ntasks", str(nproc), *spread, "--kill-on-bad-exit=1",
             f"--export=ALL,{SRUN_TASK_ENV}=1", sys.executable, "-m", "replayjob", *argv]
