@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from replayjob.artifacts.spec import DETERMINISM_ENV, AblationSpec, Arm, load_spec_text
-from replayjob.errors import ConfigError
+from replayjob.errors import ConfigError, UsageError
 from replayjob.launch import argo, k8s, step
 
 REPO = Path(__file__).resolve().parents[1]
@@ -873,8 +873,10 @@ def test_node_gpus_requests_the_whole_node_whatever_the_ranks(tmp_path: Path) ->
     files, docs = render_ranked(ranked_spec(node_gpus=8), tmp_path)
     counts = {gpus(c) for d in [*files.values(), *docs] for c in containers_of(d) if is_gpu(c)}
     assert counts == {("8", "8")}  # capture, every replay Job and template: the node, exclusively
-    with pytest.raises(ConfigError, match="node_gpus = 2"):
-        ranked_spec(node_gpus=2)  # the 4-rank arm does not fit a 2-GPU node
+    # the 4-rank arm does not fit a 2-GPU node: it runs on 2 nodes (a JobSet, tests/test_deploy_jobset.py),
+    # which the driver's Jobs and the Argo workflow, one pod per replay, refuse to render
+    with pytest.raises(UsageError, match="replay 6, replay 7, replay 8 run on more than one node"):
+        render_ranked(ranked_spec(node_gpus=2), tmp_path)
 
 
 def test_a_single_rank_count_keeps_one_replay_job_and_template(tmp_path: Path) -> None:

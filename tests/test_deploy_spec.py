@@ -255,7 +255,10 @@ def test_an_arm_s_world_size_sets_its_replays_ranks() -> None:
     assert sorted(i for ix in paired.rank_groups().values() for i in ix) == list(range(paired.size))
     assert ranked(1, strategy=None).rank_groups() == {1: [0, 1]}  # one process needs no strategy
     assert ranked(8, node_gpus=8).rank_groups() == {8: [0, 1]}
-    assert ranked(4, node_gpus=2, device="cpu").ranks == 4  # node_gpus bounds GPU ranks only
+    assert ranked(4, node_gpus=2, device="cpu").nodes_for(4) == (1, 4)  # node_gpus counts GPUs only
+    assert ranked(4, node_gpus=2).nodes_for(4) == (2, 2)  # more ranks than a node's GPUs: several nodes
+    assert ranked(2, node_gpus=8, big=16).nodes_for(16) == (2, 8) and ranked(2, node_gpus=8).nodes_for(8) == (1, 8)
+    assert ranked(2, node_gpus=8, twelve=12).nodes_for(12) == (2, 6)  # the fewest nodes, as many ranks on each
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -264,8 +267,8 @@ def test_an_arm_s_world_size_sets_its_replays_ranks() -> None:
     ({"ranks": 2, "strategy": None}, "the capture runs 2 ranks but distributed.strategy is 'none'"),
     ({"ranks": 2, "strategy": "none"}, "distributed.strategy is 'none'"),
     ({"ranks": 1, "strategy": None, "two": 2}, "the arm two runs 2 ranks but distributed.strategy"),
-    ({"ranks": 4, "node_gpus": 2}, "the capture runs 4 ranks, one GPU each, but node_gpus = 2"),
-    ({"ranks": 2, "node_gpus": 2, "big": 4}, "the arm big runs 4 ranks, one GPU each, but node_gpus = 2"),
+    ({"ranks": 3, "node_gpus": 2}, "the capture runs 3 ranks, one GPU each, over 2 nodes of node_gpus = 2"),
+    ({"ranks": 2, "node_gpus": 2, "big": 5}, "the arm big runs 5 ranks, one GPU each, over 3 nodes of node_gpus = 2"),
     ({"zero": 0}, "must be an integer between 1 and 64, found 0"),
     ({"flag": True}, "found True"),
     ({"text": "2"}, "found '2'"),
@@ -296,7 +299,7 @@ def test_a_spec_file_declares_an_arm_s_world_size_as_a_registered_knob(tmp_path:
     spec = load_spec(write(tmp_path, text))
     assert spec.rank_groups() == {1: [4, 5], 2: [0, 1, 2, 3]}
     assert spec.arm("one-rank").allow_list() == '["distributed.world_size"]'  # declared, so the gate admits it
-    with pytest.raises(ConfigError, match="the arm one-rank runs 3 ranks, one GPU each, but node_gpus = 2"):
+    with pytest.raises(ConfigError, match="the arm one-rank runs 3 ranks, one GPU each, over 2 nodes of node_gpus = 2"):
         load_spec(write(tmp_path, text.replace("= 1\n[config]", "= 3\n[config]").replace("ranks = 2", "ranks = 2\n"
                                                                                            "node_gpus = 2")))
 

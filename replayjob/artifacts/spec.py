@@ -19,8 +19,9 @@ The API, kept small for every launcher:
   ``optimizer_batch.allow_config_differences``), ``words()`` (the overrides as one string);
 * ranks: ``ranks`` (the capture's world size), ``arm_ranks(name)``, ``ranks_for_index(i)`` (how many
   ranks one replay runs: the arm's declared ``distributed.world_size``, else ``ranks``) and
-  ``rank_groups()`` (rank count -> the array indexes that need it), so every launcher provisions the
-  same number of devices for the same replay;
+  ``rank_groups()`` (rank count -> the array indexes that need it), and ``nodes_for(world)`` (nodes and
+  ranks per node: more than one node when a run needs more GPUs than ``node_gpus``), so every launcher
+  provisions the same number of devices for the same replay;
 * ``DETERMINISM_ENV``: the determinism environment of the built-in capture stage (math mode
   ``pedantic``), set in the image; ``AblationSpec.determinism_env()`` is what every launcher pins for
   one spec: the same, with the math mode of its existing capture (``[capture] math_mode``);
@@ -294,8 +295,10 @@ class AblationSpec:
     parallelism: int = field(default=4, metadata={
         "doc": "Replays running at once, all arms together (>= 1; at most one per GPU node)."})
     node_gpus: int = field(default=0, metadata={
-        "doc": "0: one GPU per rank, and no other replayjob GPU pod on the node (any namespace); N (1..64): "
-               "request all N GPUs of the node, so no pod of anyone can share it (a run's ranks must fit)."})
+        "doc": "0: one GPU per rank, and no other replayjob GPU pod on the node (any namespace); N (1..64): the "
+               "GPUs a node has: every GPU pod requests all N, so no pod of anyone can share the node, and a run of "
+               "more than N ranks runs on ceil(ranks / N) nodes, the same number of ranks on each (a Kubernetes "
+               "JobSet, srun across nodes; docs/cluster.md, Multi-node replays)."})
     driver_version: str = field(default="", metadata={
         "doc": "'' = any driver; else only nodes whose driver_label has this value."})
     driver_label: str = field(default="nvidia.com/cuda.driver.major", metadata={
@@ -398,7 +401,7 @@ class AblationSpec:
                                        "optimizer_batch.allow_nonfinite_inputs, ...)")
 
     def _check_ranks(self) -> None:
-        """Ranks: 1..64, within a node's GPUs when ``node_gpus`` is set, one fact per place (the
+        """Ranks: 1..64, split evenly over the nodes they need when ``node_gpus`` is set, one fact per place (the
         capture's in ``ranks``, an arm's in its ``distributed.world_size``), and a strategy that
         shares an update over several ranks wherever a run has more than one."""
         if not 1 <= self.ranks <= MAX_RANKS:
@@ -420,11 +423,14 @@ class AblationSpec:
             strategy = arm.overrides.get(STRATEGY, self.config.get(STRATEGY, "none"))
             where[f"arm {arm.name}"] = (world, strategy, f"arms.{arm.name}")
         for what, (world, strategy, key) in where.items():
-            if self.gpu and self.node_gpus and world > self.node_gpus:
-                raise ConfigError(f"the {what} runs {world} ranks, one GPU each, but node_gpus = {self.node_gpus}: "
-                                  "the ranks of one run share one node", where=key,
-                                  hint=f"at most {self.node_gpus} ranks, or node_gpus = 0 (request the ranks' GPUs "
-                                       "only)")
+            nodes = self._nodes(world)
+            if world % nodes:
+                per = -(-world // nodes)
+                raise ConfigError(f"the {what} runs {world} ranks, one GPU each, over {nodes} nodes of node_gpus = "
+                                  f"{self.node_gpus}: the ranks do not split evenly over the nodes (torchrun and "
+                                  "srun start as many on every node)", where=key,
+                                  hint=f"{nodes * (world // nodes)} or {nodes * per} ranks ({nodes} nodes of "
+                                       f"{world // nodes} or {per}), or at most {self.node_gpus} (one node)")
             if world > 1 and strategy == "none":
                 raise ConfigError(f"the {what} runs {world} ranks but {STRATEGY} is 'none' (one process)", where=key,
                                   hint=f'set "{STRATEGY}" = "ddp" in [config]')
@@ -468,6 +474,31 @@ class AblationSpec:
         if self.pods is not None:  # only when declared: specs without one keep their rendered fields
             out["pods"] = pods_to_dict(self.pods)
         out["replays"] = {str(n): len(ix) for n, ix in self.rank_groups().items()}
+        return out
+
+    def _nodes(self, world: int) -> int:
+        return -(-world // self.node_gpus) if self.gpu and self.node_gpus else 1
+
+    def nodes_for(self, world: int) -> tuple[int, int]:
+        """``(nodes, ranks per node)`` of a run of ``world`` ranks: one node, unless the run needs more GPUs
+        than a node has (``node_gpus``, GPU runs only); then the fewest nodes that hold them,
+        ``ceil(world / node_gpus)``, each running the same number of ranks (the spec's validation keeps
+        ``world`` a multiple of the node count).  Every launcher provisions from it: a Kubernetes JobSet
+        of that many pods (:mod:`replayjob.launch.jobset`), a Slurm job of ``--nodes`` x
+        ``--ntasks-per-node``."""
+        nodes = self._nodes(world)
+        return nodes, world // nodes
+
+    def across_nodes(self) -> dict[str, int]:
+        """What runs on more than one node (:meth:`nodes_for`): ``"capture"`` and each replay's array
+        index (as a string) -> its node count; empty when every run fits one node."""
+        out = {}
+        if self.nodes_for(self.ranks)[0] > 1:
+            out["capture"] = self.nodes_for(self.ranks)[0]
+        for index in range(self.size):
+            nodes = self.nodes_for(self.ranks_for_index(index))[0]
+            if nodes > 1:
+                out[str(index)] = nodes
         return out
 
     def arm_ranks(self, name: str) -> int:

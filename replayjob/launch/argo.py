@@ -282,8 +282,10 @@ def render_setup(spec: AblationSpec) -> list[Doc]:
 def render(spec: AblationSpec, text: str) -> list[Doc]:
     """Every document of ``argo/ablation.yaml``, in apply order: the WorkflowTemplate and one Workflow
     (refused unless the spec can run on a cluster:
-    :meth:`~replayjob.artifacts.spec.AblationSpec.check_cluster`)."""
+    :meth:`~replayjob.artifacts.spec.AblationSpec.check_cluster`), and refused for a spec with a run across
+    nodes (:func:`replayjob.launch.k8s.check_one_node`: each step is one pod)."""
     spec.check_cluster()
+    k8s.check_one_node(spec, "the Argo workflow")
     return [workflow_template(spec, text), workflow(spec, text)]
 
 

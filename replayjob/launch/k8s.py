@@ -533,12 +533,27 @@ def render_setup(spec: AblationSpec) -> dict[str, Doc]:
     return files
 
 
+def check_one_node(spec: AblationSpec, launcher: str) -> None:
+    """Refuse (2) a spec with a run across nodes (:meth:`~replayjob.artifacts.spec.AblationSpec.across_nodes`)
+    for a launcher that runs every capture and replay in one pod: that pod would request more GPUs than a
+    node has, and never be scheduled."""
+    runs = spec.across_nodes()
+    if runs:
+        what = ", ".join("the capture" if k == "capture" else f"replay {k}" for k in list(runs)[:4])
+        raise UsageError(f"{what}{' ...' if len(runs) > 4 else ''} run{'s' if len(runs) == 1 else ''} on more than "
+                         f"one node (node_gpus = {spec.node_gpus}), and {launcher} runs each capture and replay "
+                         "in one pod", where="node_gpus",
+                         hint="runs across nodes are JobSets (replayjob.launch.jobset; docs/cluster.md, Multi-node "
+                              "replays) or Slurm jobs of several nodes (scripts/slurm/submit.sh)")
+
+
 def render(spec: AblationSpec, text: str, run_id: str | None = None) -> dict[str, Doc]:
     """One run's files (``k8s/base``): the spec ConfigMap and the driver Job, ``kustomization.yaml``
     listing them and kustomize's image configuration (:data:`KUSTOMIZE_CONFIG`); what outlives runs
     is :func:`render_setup`'s, the stages are :func:`stage_jobs` (the driver creates them).  Refused
     unless the spec can run on a cluster (:meth:`~replayjob.artifacts.spec.AblationSpec.check_cluster`)."""
     spec.check_cluster()
+    check_one_node(spec, "the in-cluster driver")
     cm = spec_config_map(spec, text, run_id)
     files: dict[str, Doc] = {"spec.yaml": cm, "driver.yaml": driver_job(spec, run_id, cm["metadata"]["name"],
                                                                          text=text)}
