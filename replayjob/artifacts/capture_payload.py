@@ -85,12 +85,11 @@ _SUM_CHUNK = 1 << 16  # elements per exact-sum step: small temporaries stay in t
 def encode(batch: OptimizerBatch, rng: dict[str, Tensor]) -> bytes:
     """Serialise ``batch`` and the RNG states (keys ``cpu``, ``cuda.N``) to safetensors bytes."""
     import torch
-    from safetensors.torch import save
 
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in batch.tensors().items()}
     for key, t in rng.items():
         tensors[RNG_PREFIX + key] = t.detach().to("cpu", torch.uint8).contiguous()
-    return bytes(save(tensors, metadata={"format": FORMAT}))
+    return tensorfile.encode(tensors, metadata={"format": FORMAT}, schema=SCHEMA, where="optimizer-batch payload").data
 
 
 def _fail(msg: str, where: str | Path | None, hint: str | None = None) -> IntegrityError:

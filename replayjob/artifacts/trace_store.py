@@ -175,7 +175,6 @@ def _param_stats(p: Param) -> list[float]:
 def write_trace(run_dir: str | Path, trace: Trace) -> tuple[Path, str]:
     """Write ``RUN_DIR/trace/`` (payload, then the index last); return the index path and its SHA-256."""
     import torch
-    from safetensors.torch import save
 
     d = Path(run_dir) / TRACE_DIR
     rows = trace.rows
@@ -189,7 +188,7 @@ def write_trace(run_dir: str | Path, trace: Trace) -> tuple[Path, str]:
     tensors["param.stats"] = torch.tensor([_param_stats(p) for p in trace.params], dtype=torch.float64) \
         .reshape(len(trace.params), len(PARAM_STATS))
     tensors["param.sha256"] = _stack_digests([(p.grad_sha256, p.update_sha256) for p in trace.params], 2)
-    payload = save(tensors, metadata={"format": TRACE_SCHEMA})
+    payload = tensorfile.encode(tensors, metadata={"format": TRACE_SCHEMA}, where=d / PAYLOAD_FILE).data
     atomic_write_bytes(d / PAYLOAD_FILE, payload, exclusive=True)
     index = {
         "schema": TRACE_SCHEMA,

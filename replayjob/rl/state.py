@@ -116,10 +116,8 @@ def check_model(state: ResumeState, model_ref: dict[str, Any]) -> None:
 def safetensors_bytes(tensors: Mapping[str, torch.Tensor], fmt: str) -> bytes:
     """The one safetensors serialisation every state file uses: CPU, contiguous, keys sorted, ``fmt`` as
     the file's ``format`` metadata."""
-    from safetensors.torch import save
-
-    return bytes(save({k: tensors[k].detach().to("cpu").contiguous() for k in sorted(tensors)},
-                      metadata={"format": fmt}))
+    return tensorfile.encode({k: tensors[k].detach().to("cpu").contiguous() for k in sorted(tensors)},
+                             metadata={"format": fmt}).data
 
 
 def adapter_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
