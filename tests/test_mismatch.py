@@ -180,7 +180,7 @@ def test_a_sampler_attending_its_left_padding_is_attributed_to_the_padding(
     planted = []
     with torch.no_grad():
         policy.model.eval()
-        for ids, att, pos, mask in builtin._sampler_layout(adm.batch, 4, policy.tokenizer.pad_id):
+        for _, ids, att, pos, mask in builtin._sampler_layout(adm.batch, 4, policy.tokenizer.pad_id):
             logits = builtin._forward(policy.model, ids, torch.ones_like(att), pos)
             planted.append(logprobs_of(logits, ids[:, 1:], 1.0)[mask].double())
     batch = dataclasses.replace(adm.batch, sampler_logprobs=torch.cat(planted))

@@ -509,3 +509,63 @@ def test_flips_between_same_condition_repeats_are_reported(moe_runs: dict[str, A
     assert rc == 1 and rep["routing"]["repeat_flipped"] == flips > 0  # repeats differ by the perturbed arm's flips
     rc, rep = trace_diff(capsys, moe_runs["free"], moe_runs["flips"])
     assert rc == 1 and rep["routing"]["repeat_pairs"] == 0 and rep["routing"]["repeat_flipped"] is None
+
+
+def moe_mismatch(moe_runs: dict[str, Any], capsys: pytest.CaptureFixture[str],
+                 *extra: str) -> tuple[int, dict[str, Any]]:
+    src = moe_runs["source"]
+    capsys.readouterr()
+    rc = main(["mismatch", str(moe_runs["ws"] / "replay.toml"), *replay_pins(src), *MOE, "--set",
+               f'optimizer_batch.replay_path="{src / "optimizer_batch_step_000000.manifest.json"}"', *extra, "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_mismatch_attributes_a_gap_to_routing_flips_and_locates_them(moe_runs: dict[str, Any], tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mismatch tool on an MoE capture: every pass records its routing.  Unperturbed, the sampler-side pass routes
+    every token as the trainer's pass and nothing is attributed to routing.  With the test-only fault on the trainer
+    side (a trainer whose router differs from the sampler's), a handful of tokens flip: both sources' gaps are
+    attributed to routing flips (forcing the sampler-side experts on the trainer closes them), the flips are located
+    at the layers and tokens where a replay under the same fault flips against the source (an independent record), and
+    the response tokens at or after them carry the whole gap of the trainer's own logprobs."""
+    rc, doc = moe_mismatch(moe_runs, capsys)
+    assert rc == 2 and doc["schema"] == "replayjob.mismatch/v3"
+    assert doc["routing"]["passes"]["combined"]["flipped"] == 0 and doc["routing"]["fault"] is None
+    sampler = next(s for s in doc["sources"] if s["name"] == "sampler")
+    test = next(t for t in sampler["tests"] if t["test"] == "routing")
+    assert not test["applicable"] and "no routing flip" in test["reason"]
+    assert sampler["routing"]["flipped"] == 0 and sampler["attribution"].startswith("unexplained")
+
+    bound = tmp_path / "bound.toml"
+    bound.write_text("max_abs_log_ratio = 1e-5\nmax_kl = 1e-10\nband = 1e-4\nmax_outside_share = 0.0\n")
+    monkeypatch.setenv(moe.FAULT_ENV, FLIP_SCALE)
+    pin = hashlib.sha256(bound.read_bytes()).hexdigest()
+    rc, doc = moe_mismatch(moe_runs, capsys, "--set", f'optimizer_batch.mismatch_bound_sha256="{pin}"', "--bound",
+                           str(bound))
+    assert rc == 1 and doc["decision"]["status"] == "beyond" and "attributed to routing" in doc["decision"]["reason"]
+    assert doc["routing"]["passes"]["routing"]["mode"] == "forced"
+    src = {s["name"]: s for s in doc["sources"]}
+    for s in src.values():
+        assert s["attribution"] == "routing"
+        test = next(t for t in s["tests"] if t["test"] == "routing")
+        assert test["closes"] and test["explained"] > 0.99
+        assert not next(t for t in s["tests"] if t["test"] == "padding")["closes"]  # the layout is not it
+    old = src["trainer_old"]
+    assert old["routing"]["mass_downstream"] == 1.0 and old["log_ratio"]["abs_max"] > 1e-4
+    assert 0 < old["routing"]["response_tokens_downstream"] < old["routing"]["response_tokens"]
+
+    # where: the replay under the same fault flipped exactly these (layer, row, token) against the source's routing
+    source = moe.read_table(moe_runs["routing_file"], moe_runs["routing_sha"])
+    flips = moe.read_table(moe_runs["flips"] / "routing.safetensors", metrics(moe_runs["flips"])["routing"]["sha256"])
+    row_of, starts = source.row_of_token(), torch.cumsum(source.row_tokens, 0) - source.row_tokens
+    expected = []
+    for la, lb in zip(source.layers, flips.layers, strict=True):
+        for t in (la.expert_sets() != lb.expert_sets()).any(dim=-1).nonzero().flatten().tolist():
+            expected.append((t, la.name, int(row_of[t]), t - int(starts[row_of[t]])))
+    located = old["routing"]["flips"]
+    assert 0 < len(located) <= 10 and old["routing"]["flipped"] == len(expected)
+    assert [(f["layer"], f["row"], f["token"]) for f in located] == [e[1:] for e in sorted(expected)]
+    per_layer = {lay["layer"]: lay["flipped"] for lay in old["routing"]["layers"]}
+    assert per_layer == {lay.name: sum(e[1] == lay.name for e in expected) for lay in source.layers}
+    assert all(sorted(f["experts_trainer"]) != sorted(f["experts_sampler"]) for f in located)

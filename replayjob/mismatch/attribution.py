@@ -17,6 +17,9 @@ they are reported:
 * ``padding``: recomputing in the sampler's layout (left padding, or positions counted over it)
   closes the gap, or the gap follows the padding offset (rows the sampler did not pad carry none
   of it, and a row's gap grows with its offset: correlation at least 0.5);
+* ``routing`` (a mixture-of-experts model): recomputing the trainer with the experts of the sampler-side
+  pass forced closes the gap, i.e. the gap is the routing flips' (located by
+  :mod:`~replayjob.mismatch.routing`, with the share of the log-ratio mass they reach);
 * ``combined``: every recorded sampler setting at once, when no single one closes the gap.
 
 The attribution is the test that closes the most; when none does (and not all together either) it
@@ -30,14 +33,14 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from replayjob.mismatch import stats
+from replayjob.mismatch import routing, stats
 from replayjob.mismatch.views import Hypothesis, Source, Views, fitted_temperature
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 CLOSES = 0.9  # share of the gap a test must explain to close it
-TESTS = ("temperature", "truncation", "precision", "padding", "combined")
+TESTS = ("temperature", "truncation", "precision", "padding", "routing", "combined")
 UNEXPLAINED = "unexplained: kernel or batch variance"
 
 
@@ -140,14 +143,15 @@ def attribute(v: Views, src: Source, allow_lag: bool) -> Attribution:
                _truncation(v, src, ok, by_test.get("truncation", [])),
                _precision(v, src, ok, by_test.get("precision", [])),
                _padding(v, src, ok, lr, by_test.get("padding", [])),
+               _routing(v, src, ok, lr, by_test.get("routing", [])),
                _combined(v, src, ok, by_test.get("combined", []))]
-    single = sorted((r for r in results[:4] if r.closes), key=lambda r: -(r.explained or 0.0))
+    single = sorted((r for r in results[:5] if r.closes), key=lambda r: -(r.explained or 0.0))
     if single:
         name = single[0].name
         rest = [r.name for r in single[1:]]
         return Attribution(name + (f" (also closed by {', '.join(rest)})" if rest else ""), results, size)
-    if results[4].closes:
-        parts = [r.name for r in sorted(results[:4], key=lambda r: -(r.explained or 0.0))
+    if results[5].closes:
+        parts = [r.name for r in sorted(results[:5], key=lambda r: -(r.explained or 0.0))
                  if r.applicable and (r.explained or 0.0) > 0.0]
         return Attribution("combined: " + (" + ".join(parts) or "the sampler's settings together"), results, size)
     lag = f"; across a policy lag of {src.lag} step(s), which the gap includes" if src.lag else ""
@@ -216,6 +220,20 @@ def _follows_offset(lr: Tensor, pad: Tensor, corr: float | None) -> float | None
         return None
     inside = float(lr[padded].abs().mean())
     return 1.0 - float(lr[unpadded].abs().mean()) / inside if inside > 0 else None
+
+
+def _routing(v: Views, src: Source, ok: Tensor, lr: Tensor, hyps: list[Hypothesis]) -> TestResult:
+    if not v.routing:
+        reason = "the recompute recorded no routing (a dense model, or a recompute that does not observe it)"
+    elif routing.SAMPLER_SIDE not in v.routing:
+        reason = "the sampler-side pass was not run"
+    else:
+        reason = "the sampler-side pass sends every token to the trainer pass's experts: no routing flip"
+    res = _tested("routing", bool(hyps), reason, v, src, ok, hyps)
+    reached = routing.reach(v, ok, lr) if res.applicable else None
+    if reached is not None:
+        res.evidence.extend(routing.evidence(reached))
+    return res
 
 
 def _combined(v: Views, src: Source, ok: Tensor, hyps: list[Hypothesis]) -> TestResult:

@@ -18,20 +18,28 @@ Passes (each a forward over every captured token):
 * ``position``: the sampler's layout with positions counted over the padding (0, 1, 2, ... from the
   first column), the classic left-padding bug;
 * ``combined``: the sampler's layout and dtype with its temperature and truncation: the sampler's
-  computation, recomputed in one forward.
+  computation, recomputed in one forward;
+* ``routing`` (a mixture-of-experts model whose ``combined`` pass routed some token to another expert set
+  than the ``trainer`` pass): the trainer's computation with the ``combined`` pass's experts forced
+  (:meth:`replayjob.model.moe.Routing.forcing`): the trainer as it would compute with the sampler's routing.
 
-The extra passes run only when some source differs from the trainer's values at all.
+The extra passes run only when some source differs from the trainer's values at all.  On an MoE model every
+pass records its routing (:attr:`Views.routing`, one table per pass); the ``combined`` pass is the sampler's
+side and routes without the test-only router fault (``REPLAYJOB_ROUTING_FAULT``), which stands for a trainer
+whose router differs from the sampler's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from replayjob.config import Config
 from replayjob.errors import ContractError
 from replayjob.mismatch.views import Collector, Side, Source, Views
+from replayjob.model import moe
 from replayjob.model.backend import Policy, load_backend
 from replayjob.producers.builtin.admission import Admission
 from replayjob.rl.batch import OptimizerBatch, micro_batches
@@ -94,14 +102,16 @@ def token_index(batch: OptimizerBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return rows, position, token.to(torch.int64), pad.to(torch.int64)
 
 
-def _trainer_layout(batch: OptimizerBatch, size: int, pad_id: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+def _trainer_layout(batch: OptimizerBatch, size: int, pad_id: int
+                    ) -> Iterator[tuple[list[int], Tensor, Tensor, Tensor]]:
     for mb in micro_batches(batch, size, pad_id):
-        yield mb.input_ids, mb.attention_mask, mb.resp_mask > 0
+        yield mb.rows, mb.input_ids, mb.attention_mask, mb.resp_mask > 0
 
 
 def _sampler_layout(batch: OptimizerBatch, size: int, pad_id: int,
-                    plain_positions: bool = False) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor]]:
-    """Rows as the sampler held them: prompts left-padded to the step's longest, responses after."""
+                    plain_positions: bool = False) -> Iterator[tuple[list[int], Tensor, Tensor, Tensor, Tensor]]:
+    """Rows as the sampler held them (logical rows first): prompts left-padded to the step's longest,
+    responses after."""
     import torch
     longest = int(batch.prompt_lens.max())
     for start in range(0, batch.rows, size):
@@ -118,7 +128,27 @@ def _sampler_layout(batch: OptimizerBatch, size: int, pad_id: int,
             mask[j, longest - 1:longest - 1 + n] = True
         pos = (torch.arange(width).expand(len(rows), width) if plain_positions
                else (att.cumsum(-1) - 1).clamp_min(0))
-        yield ids, att, pos, mask
+        yield rows, ids, att, pos, mask
+
+
+Observe = Callable[[list[int], "Tensor"], contextlib.AbstractContextManager[object]]
+
+
+@contextlib.contextmanager
+def _routing_pass(routing: moe.Routing | None, name: str, tables: dict[str, moe.RoutingTable], *,
+                  sampler_side: bool = False, forced: moe.RoutingTable | None = None) -> Iterator[Observe]:
+    """One pass's micro-batches with the routing recorded (into ``tables[name]``) on an MoE model, the
+    ``forced`` table's experts forced when given; a context per micro-batch (nothing on a dense model)."""
+    if routing is None:
+        yield lambda rows, att: contextlib.nullcontext()
+        return
+    with contextlib.nullcontext() if forced is None else routing.forcing(forced):
+        routing.last = None
+        routing.begin_update()
+        yield lambda rows, att: routing.micro_batch(rows, att, sampler_side=sampler_side)
+        routing.end_update()
+    if routing.last is not None:
+        tables[name] = routing.last
 
 
 def _forward(model: torch.nn.Module, ids: Tensor, att: Tensor, pos: Tensor) -> Tensor:
@@ -132,7 +162,9 @@ def recompute(policy: Policy, batch: OptimizerBatch, cfg: Config) -> Views:
     srcs = sources(batch, trainer, sampler)
     row, position, token, pad = token_index(batch)
     col = Collector(row, position, token, pad, trainer, sampler, srcs)
+    col.views.prompt_len = batch.prompt_lens.to(torch.int64).clone()
     model, dev = policy.model, policy.device
+    routing = moe.attached(model)
     size, pad_id = cfg.training.micro_batch_size, policy.tokenizer.pad_id
     was_training = model.training
     model.eval()
@@ -140,10 +172,11 @@ def recompute(policy: Policy, batch: OptimizerBatch, cfg: Config) -> Views:
     with torch.no_grad():
         try:
             t0 = time.perf_counter()
-            trainer_pass(col, model, dev, batch, size, pad_id)
+            with _routing_pass(routing, "trainer", col.views.routing) as observe:
+                trainer_pass(col, model, dev, batch, size, pad_id, observe)
             timings["trainer"] = time.perf_counter() - t0
             if any(bool((s.values != col.views.trainer).any()) for s in srcs):
-                _extra_passes(col, model, dev, batch, size, pad_id, trainer, sampler, timings)
+                _extra_passes(col, model, dev, batch, size, pad_id, trainer, sampler, timings, routing)
         finally:
             model.train(was_training)
     views = col.finish()
@@ -152,40 +185,48 @@ def recompute(policy: Policy, batch: OptimizerBatch, cfg: Config) -> Views:
 
 
 def trainer_pass(col: Collector, model: torch.nn.Module, dev: torch.device, batch: OptimizerBatch, size: int,
-                 pad_id: int) -> None:
-    """The trainer's values over the update's micro-batches, with the hypotheses its logits give."""
+                 pad_id: int, observe: Observe | None = None) -> None:
+    """The trainer's values over the update's micro-batches, with the hypotheses its logits give
+    (``observe``: each micro-batch's routing context, on an MoE model)."""
     import torch
     with torch.no_grad():
         start = 0
-        for ids, att, mask in _trainer_layout(batch, size, pad_id):
+        for rows, ids, att, mask in _trainer_layout(batch, size, pad_id):
             ids, att, mask = ids.to(dev), att.to(dev), mask.to(dev)
-            logits = response_logits(model, ids, att)  # what token_logprobs computes, kept for the hypotheses
+            with contextlib.nullcontext() if observe is None else observe(rows, att):
+                logits = response_logits(model, ids, att)  # what token_logprobs computes, kept for the hypotheses
             values = logprobs_of(logits, ids[:, 1:], col.views.trainer_side.temperature)[mask]
             col.trainer_chunk(start, values, logits[mask])
             start += int(values.numel())
 
 
 def _extra_passes(col: Collector, model: torch.nn.Module, dev: torch.device, batch: OptimizerBatch, size: int,
-                  pad_id: int, trainer: Side, sampler: Side, timings: dict[str, float]) -> None:
+                  pad_id: int, trainer: Side, sampler: Side, timings: dict[str, float],
+                  routing: moe.Routing | None = None) -> None:
     import torch
-    def run(name: str, test: str, label: str, chunks: Iterator[Any], dtype: str, side: Side) -> None:
+    tables = col.views.routing
+
+    def run(name: str, test: str, label: str, chunks: Iterator[Any], dtype: str, side: Side,
+            sampler_side: bool = False, forced: moe.RoutingTable | None = None) -> None:
         t0 = time.perf_counter()
         start = 0
-        for chunk in chunks:
-            if len(chunk) == 3:
-                ids, att, mask = (t.to(dev) for t in chunk)
-                pos = (att.cumsum(-1) - 1).clamp_min(0)
-            else:
-                ids, att, pos, mask = (t.to(dev) for t in chunk)
-            with precision(dtype, dev):
-                logits = _forward(model, ids, att, pos)
-            if side.truncates:
-                logits = truncate(logits / side.temperature, side.top_k, side.top_p)
-                values = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)[mask]
-            else:
-                values = logprobs_of(logits, ids[:, 1:], side.temperature)[mask]
-            col.hypothesis(test, label, start, values)
-            start += int(values.numel())
+        with _routing_pass(routing, name, tables, sampler_side=sampler_side, forced=forced) as observe:
+            for chunk in chunks:
+                rows, rest = chunk[0], chunk[1:]
+                if len(rest) == 3:
+                    ids, att, mask = (t.to(dev) for t in rest)
+                    pos = (att.cumsum(-1) - 1).clamp_min(0)
+                else:
+                    ids, att, pos, mask = (t.to(dev) for t in rest)
+                with precision(dtype, dev), observe(rows, att):
+                    logits = _forward(model, ids, att, pos)
+                if side.truncates:
+                    kept = truncate(logits / side.temperature, side.top_k, side.top_p)
+                    values = torch.log_softmax(kept, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)[mask]
+                else:
+                    values = logprobs_of(logits, ids[:, 1:], side.temperature)[mask]
+                col.hypothesis(test, label, start, values)
+                start += int(values.numel())
         timings[name] = time.perf_counter() - t0
 
     if sampler.dtype != "model":
@@ -196,7 +237,11 @@ def _extra_passes(col: Collector, model: torch.nn.Module, dev: torch.device, bat
     run("position", "padding", "the sampler's layout with positions counted over the padding",
         _sampler_layout(batch, size, pad_id, plain_positions=True), "model", trainer)
     run("combined", "combined", "every recorded sampler setting at once (layout, dtype, temperature, truncation)",
-        _sampler_layout(batch, size, pad_id), sampler.dtype, sampler)
+        _sampler_layout(batch, size, pad_id), sampler.dtype, sampler, sampler_side=True)
+    base, theirs = tables.get("trainer"), tables.get("combined")
+    if base is not None and theirs is not None and moe.compare(base, theirs)["flipped"]:
+        run("routing", "routing", "the trainer's computation with the sampler-side pass's experts forced",
+            _trainer_layout(batch, size, pad_id), "model", trainer, forced=theirs)
 
 
 def check_vocabulary(policy: Policy, batch: OptimizerBatch, where: str) -> None:

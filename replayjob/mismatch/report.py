@@ -1,4 +1,4 @@
-"""The mismatch report (schema ``replayjob.mismatch/v2``), its decision and its text form.
+"""The mismatch report (schema ``replayjob.mismatch/v3``), its decision and its text form.
 
 The decision, in order: no recorded source refuses (2: nothing to compare); no bound refuses for a
 decision (2, ``no bound declared``), after the report; a source whose weights predate step K refuses
@@ -7,6 +7,10 @@ negative verdict (1) naming the source, the figure and the attribution.  A token
 recomputed logprob is NaN or infinite is never within a bound: such tokens are set apart from the
 figures, counted and listed by row and position, and any one of them puts its source beyond the bound
 (the check ``nonfinite_tokens``, limit 0).
+
+On a mixture-of-experts model the report holds ``routing`` (each pass's routing against the trainer pass's)
+and, per source, where the sampler-side pass's routing flips reach its tokens and the share of its
+log-ratio mass they carry (:mod:`~replayjob.mismatch.routing`); both are ``null`` otherwise.
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ from typing import Any
 
 from replayjob.artifacts.mismatch_bound import Bound
 from replayjob.errors import EXIT_NEGATIVE, EXIT_OK, EXIT_REFUSED, NegativeVerdict, RefusedError
-from replayjob.mismatch import stats
+from replayjob.mismatch import routing, stats
 from replayjob.mismatch.attribution import Attribution, attribute
 from replayjob.mismatch.views import Source, Views
 
-SCHEMA = "replayjob.mismatch/v2"
+SCHEMA = "replayjob.mismatch/v3"
 NO_BOUND = "no bound declared"
 NONFINITE_SHOWN = 10  # non-finite tokens listed by position (all are counted)
 
@@ -43,6 +47,7 @@ class SourceReport:
     nonfinite_tokens: int  # tokens whose recorded or recomputed logprob is NaN or infinite: never within a bound
     nonfinite_at: list[dict[str, Any]] = field(default_factory=list)  # the first few, by row and position
     bound: dict[str, Any] | None = None
+    routing: dict[str, Any] | None = None  # an MoE model: where the sampler-side routing flips reach (routing.reach)
 
     @property
     def within(self) -> bool | None:
@@ -55,7 +60,7 @@ class SourceReport:
                 "nonfinite": {"tokens": self.nonfinite_tokens, "first": self.nonfinite_at},
                 "log_ratio": self.summary, "worst_sequences": self.worst_sequences,
                 "worst_tokens": self.worst_tokens, "profile": self.profile, "by_pad_offset": self.by_pad_offset,
-                **self.attribution.to_json(), "bound": self.bound}
+                "routing": self.routing, **self.attribution.to_json(), "bound": self.bound}
 
 
 @dataclass
@@ -79,6 +84,7 @@ class Report:
                 "trainer": v.trainer_side.to_json(), "sampler": v.sampler_side.to_json(),
                 "rows": int(torch.unique(v.row).numel()), "tokens": v.tokens,
                 "recompute": {"passes": list(v.passes), "wall_s": self.recompute_wall_s, "notes": list(v.notes)},
+                "routing": routing.agreement(v),
                 "sources": [s.to_json() for s in self.sources],
                 "bound": self.bound.to_json() if self.bound else None,
                 "allow_lag": self.allow_lag, "decision": self.decision}
@@ -101,6 +107,7 @@ class Report:
                  f"  sampler: {_side(v.sampler_side)}",
                  f"  recompute: {', '.join(v.passes)}; {self.recompute_wall_s:.2f} s"]
         lines.extend(f"  note: {n}" for n in v.notes)
+        lines.extend(_render_routing(routing.agreement(v)))
         for s in self.sources:
             lines.extend(_render_source(s))
         d = self.decision
@@ -111,6 +118,19 @@ class Report:
 def _side(s: Any) -> str:
     return (f"temperature {s.temperature:g}, top_k {s.top_k}, top_p {s.top_p:g}, dtype {s.dtype}"
             f"{'' if s.recorded else ' (not recorded: assumed)'}; {s.layout}")
+
+
+def _render_routing(doc: dict[str, Any] | None) -> list[str]:
+    if doc is None:
+        return []
+    out = [f"  routing: {len(doc['layers'])} router(s), top-{doc['top_k']} of {doc['num_experts']} experts, "
+           f"{doc['tokens']} tokens" + (f" (test-only router fault {doc['fault']} on the trainer side)"
+                                        if doc["fault"] else "")]
+    for name, p in doc["passes"].items():
+        per_layer = ", ".join(f"{lay['layer']}: {lay['flipped']}" for lay in p["layers"])
+        out.append(f"    {name} pass ({p['mode']}): {p['flipped']} token(s) routed to another expert set than in the "
+                   f"trainer pass ({per_layer})")
+    return out
 
 
 def _render_source(s: SourceReport) -> list[str]:
@@ -144,6 +164,14 @@ def _render_source(s: SourceReport) -> list[str]:
         share = "n/a" if t.explained is None else f"{100 * max(t.explained, 0.0):.1f}%"
         out.append(f"  test {t.name}: {'CLOSES the gap' if t.closes else 'does not close the gap'} ({share})")
         out.extend(f"    {e}" for e in t.evidence)
+    if s.routing is not None and s.routing["flipped"]:
+        r = s.routing
+        out.append(f"  routing flips (sampler-side pass against the trainer's): {r['flipped']} token(s); the response "
+                   f"tokens at or after them carry {100 * r['mass_downstream']:.1f}% of the |log-ratio| mass")
+        out.extend(f"    {lay['layer']}: {lay['flipped']} flipped, {100 * lay['mass_downstream']:.1f}% of the mass "
+                   "downstream" for lay in r["layers"])
+        out.extend(f"    flip at {f['layer']} row {f['row']} token {f['token']}: experts {f['experts_trainer']} -> "
+                   f"{f['experts_sampler']}" for f in r["flips"])
     out.append(f"  attribution: {s.attribution.attribution}")
     if s.bound is not None:
         checks = "; ".join(f"{k} {c['value']:.3g} {'<=' if c['ok'] else '>'} {c['limit']:g}"
@@ -167,7 +195,7 @@ def source_report(v: Views, src: Source, bound: Bound | None, allow_lag: bool) -
         src, summary, stats.worst_sequences(lr, row, pos),
         stats.worst_tokens(lr, row, pos, v.token[ok], src.values[ok], v.trainer[ok]),
         stats.profile(lr, pos), stats.by_pad_offset(lr, row, v.pad_offset[ok]), attribute(v, src, allow_lag),
-        nonfinite_tokens=int((~ok).sum()), nonfinite_at=nonfinite_at)
+        nonfinite_tokens=int((~ok).sum()), nonfinite_at=nonfinite_at, routing=routing.reach(v, ok, lr))
     if bound is not None:
         share = stats.outside_share(lr, bound.band)
         checks = {"nonfinite_tokens": {"value": rep.nonfinite_tokens, "limit": 0},

@@ -90,6 +90,8 @@ class Views:
     grid_residual: dict[str, Tensor] = field(default_factory=dict)  # source -> sum (source - lp_T)^2 per grid T
     passes: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    prompt_len: Tensor | None = None  # int64 [rows]: each logical row's prompt tokens (where its response starts)
+    routing: dict[str, Any] = field(default_factory=dict)  # an MoE model: pass -> the moe.RoutingTable it routed
 
     @property
     def tokens(self) -> int:

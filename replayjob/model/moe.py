@@ -343,6 +343,7 @@ class _MicroBatch:
     counts: list[int]         # real tokens per row
     seen: set[int]
     forced: dict[int, torch.Tensor]  # router index -> int64 [real tokens, k] on the device
+    sampler_side: bool = False  # a recompute of the sampler's forward: observed, never perturbed by the fault
 
 
 class Routing:
@@ -378,6 +379,28 @@ class Routing:
                                 f"{table.num_experts} experts; this model has {len(self.names)} routers, top-"
                                 f"{self.top_k} of {self.num_experts}", where="optimizer_batch.routing_path",
                                 hint="force routing recorded on this model and capture")
+
+    @contextlib.contextmanager
+    def forcing(self, table: RoutingTable) -> Iterator[None]:
+        """Force ``table``'s experts for the updates run inside (as ``model.routing = "forced"`` does for a whole
+        replay): the routers' forwards are swapped for the forcing one and restored afterwards."""
+        unknown = sorted({type(m).__name__ for m in self.modules} - set(_FORCEABLE))
+        if unknown:
+            raise ConfigError(f"routing of {unknown[0]} cannot be forced (known routers: "
+                              f"{', '.join(sorted(_FORCEABLE))})", where="model.routing", hint="leave routing free")
+        self._check_table(table)
+        saved = (self.mode, self.table, self._row_offsets)
+        swapped = [m for m in self.modules if "forward" not in vars(m)]  # observed by a hook: swap its forward
+        for i, m in enumerate(self.modules):
+            if m in swapped:
+                m.forward = types.MethodType(lambda mod, hs, i=i: self._routed(i, mod, hs), m)
+        self.mode, self.table, self._row_offsets = "forced", table, [0, *table.row_tokens.cumsum(0).tolist()]
+        try:
+            yield
+        finally:
+            self.mode, self.table, self._row_offsets = saved
+            for m in swapped:
+                del m.forward
 
     # -- the update's micro-batches ------------------------------------------------------------------
     def begin_update(self) -> None:
@@ -416,12 +439,16 @@ class Routing:
             self.first = self.last
 
     @contextlib.contextmanager
-    def micro_batch(self, rows: list[int] | tuple[int, ...], attention_mask: torch.Tensor) -> Iterator[None]:
-        """Route (and record) the forward and backward of one micro-batch of logical ``rows``."""
+    def micro_batch(self, rows: list[int] | tuple[int, ...], attention_mask: torch.Tensor, *,
+                    sampler_side: bool = False) -> Iterator[None]:
+        """Route (and record) the forward and backward of one micro-batch of logical ``rows``.  ``sampler_side``:
+        the forward recomputes the sampler's (``replayjob mismatch``), which the test-only fault never perturbs:
+        the fault stands for a trainer whose router differs from the sampler's."""
         mask = attention_mask.detach().to("cpu") != 0
         device = self.modules[0].weight.device
         real = mask.reshape(-1).to(device)
-        self._mb = _MicroBatch(tuple(rows), mask, real, real.nonzero().squeeze(-1), mask.sum(dim=1).tolist(), set(), {})
+        self._mb = _MicroBatch(tuple(rows), mask, real, real.nonzero().squeeze(-1), mask.sum(dim=1).tolist(), set(), {},
+                               sampler_side)
         if self.table is not None:
             for j, r in enumerate(rows):
                 have = int(self.table.row_tokens[r]) if r < self.table.row_tokens.numel() else -1
@@ -483,7 +510,8 @@ class Routing:
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         live = torch.topk(probs.detach(), self.top_k, dim=-1).indices
         mb = self._mb
-        if self.fault is not None and mb is not None:  # real tokens choose from shifted logits (tests only)
+        if self.fault is not None and mb is not None and not mb.sampler_side:  # real tokens choose from shifted
+            # logits (tests only)
             shift = torch.tensor([self.fault if e % 2 == 0 else -self.fault for e in range(self.num_experts)],
                                  dtype=logits.dtype, device=logits.device)
             shifted = torch.topk(torch.softmax(logits.detach() + shift, dtype=torch.float, dim=-1), self.top_k,
