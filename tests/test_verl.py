@@ -32,6 +32,8 @@ from replayjob.cli import main
 from replayjob.producers.verl import producer as rv
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
+REPO = Path(__file__).resolve().parents[1]
+
 
 def run(out: Path, base: Path, *, steps: list[int] | None = None, updates: int = 2, **worker_kw: Any) -> Any:
     worker = build_worker(base, **worker_kw)
@@ -140,34 +142,125 @@ def test_losses_aggregations_and_lora_replay_bitwise(scenario: tuple[str, Path],
     assert rep["loss"] == src["loss"]
 
 
-def test_explain_replay_reduce_through_the_cli_in_fresh_processes(vanilla: Path, tmp_path: Path) -> None:
-    """The commands a verl user runs, each in its own process: explain, two replays (one with in-process warm
-    repeats), then reduce's bitwise and exact-input claims against the capture's step record."""
-    toml = vanilla / "replay_step_000002.toml"
+def verl_spec(capture: Path, step: int, **top: Any) -> str:
+    """examples/ablation-verl.toml naming step ``step`` of ``capture`` (its replay config and pins from the capture's
+    metrics.json), on the CPU with a local image, and ``top`` (``arms``, ``config``, ``claim``, ...) replacing the
+    example's entries."""
+    import tomllib
 
-    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "replayjob", *argv], capture_output=True, text=True,
-                              timeout=300, check=False)
+    from replayjob.config.dump import dumps
 
-    proc = cli("explain", str(toml), "--json")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(proc.stdout)
+    doc = tomllib.loads((REPO / "examples" / "ablation-verl.toml").read_text(encoding="utf-8"))
+    rec = _step(capture, step)
+    doc["capture"].update(dir=str(capture), replay_config=rec["replay_config"],
+                          logical_sha256=rec["logical_batch_sha256"], manifest_sha256=rec["manifest_sha256"])
+    doc.update(device="cpu", gpu_product="none", storage_class="local-rwx", image="replayjob:dev", repeats=1, **top)
+    return dumps(doc)
+
+
+def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m replayjob ARGV`` in a fresh process, as a cluster job runs it."""
+    return subprocess.run([sys.executable, "-m", "replayjob", *argv], capture_output=True, text=True, timeout=300,
+                          check=False, cwd=REPO)
+
+
+def test_a_verl_capture_runs_through_the_cluster_steps_in_fresh_processes(vanilla: Path, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The steps every launcher runs (the Jobs, the Argo workflow and the Slurm scripts call these commands), each in
+    its own process, for examples/ablation-verl.toml naming a verl capture's chosen step: plan, capture (verified, no
+    model built), one replay per arm (the capture's own replay_step_000002.toml, with in-process warm repeats), and
+    reduce's bitwise claim (gradient checkpointing keeps the bits) against that step's record; then refusals: an arm
+    setting a contract field of verl's loss at plan, and a pin that is not the capture's at capture (exit 2)."""
+    assert main(["explain", str(vanilla / "replay_step_000002.toml"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["admitted"] and report["framework"] == "verl" and report["manifest"]["step"] == 2
-    for i, extra in enumerate(([], ["--set", "optimizer_batch.warmup_updates=1",
-                                     "--set", "optimizer_batch.measured_updates=2"])):
-        proc = cli("replay", str(toml), "--out", str(tmp_path / "r" / f"repeat-{i:03d}"), "--repeat-index", str(i),
-                   *extra)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-    warm = json.loads((tmp_path / "r" / "repeat-001" / "replay_metrics.json").read_text())["in_process"]
-    assert warm["measured_updates"] == 2 and warm["loss_equal"] is True
-    for claim in ("bitwise", "exact-input"):
-        verdict = tmp_path / f"{claim}.json"
-        assert main(["reduce", str(tmp_path / "r"), "--claim", claim, "--source", str(vanilla), "--source-step",
-                     "2", "--min-repeats", "2", "--out", str(verdict)]) == 0, verdict.read_text()
-        doc = json.loads(verdict.read_text())
-        checks = {c["name"]: c for c in doc["checks"]}
-        assert checks["inputs.capture_pins"]["status"] == "pass"
-        assert checks["inputs.capture_pins"]["expected"]["framework"] == "verl"
+    spec, run = tmp_path / "spec.toml", tmp_path / "run"
+    spec.write_text(verl_spec(vanilla, 2, claim="bitwise", arms={
+        "baseline": {}, "ckpt": {"verl.model.enable_gradient_checkpointing": True}},
+        config={"optimizer_batch.warmup_updates": 1, "optimizer_batch.measured_updates": 2}))
+    for argv in (["step", "plan", "--spec", str(spec)],
+                 ["step", "capture", "--spec", str(spec), "--run-dir", str(run)],
+                 ["step", "replay", "--spec", str(spec), "--run-dir", str(run), "--index", "0"],
+                 ["step", "replay", "--spec", str(spec), "--run-dir", str(run), "--index", "1"],
+                 ["step", "reduce", "--spec", str(spec), "--run-dir", str(run)]):
+        proc = cli(*argv)
+        assert proc.returncode == 0, (argv, proc.stdout[-2000:], proc.stderr[-3000:])
+        if argv[1] == "capture":
+            assert "verified the verl capture" in proc.stdout and "no training" in proc.stdout
+    assert json.loads((run / "capture.json").read_text())["producer"] == "verl"
+    src = _step(vanilla, 2)
+    for arm in ("baseline", "ckpt"):
+        rep = json.loads((run / "replays" / arm / "0" / "replay_metrics.json").read_text())
+        assert rep["framework"] == "verl" and rep["step"] == 2 and rep["loss"] == src["loss"]
+        assert rep["optimizer_batch/final_adapter_sha256"] == src["final_adapter_sha256"]
+        assert rep["runtime"]["verl.model.enable_gradient_checkpointing"] is (arm == "ckpt")
+        assert rep["in_process"]["measured_updates"] == 2 and rep["in_process"]["loss_equal"] is True
+    verdict = json.loads((run / "verdict.json").read_text())
+    assert (verdict["status"], verdict["exit_code"], verdict["claim"]) == ("pass", 0, "bitwise"), verdict["checks"]
+    checks = {c["name"]: c for c in verdict["checks"]}
+    assert checks["inputs.capture_pins"]["expected"]["framework"] == "verl"
+    assert checks["exact.knobs_in_effect"]["status"] == "pass"
+    exact = tmp_path / "exact-input.json"  # the weaker claim over the same replays
+    assert main(["reduce", str(run / "replays"), "--claim", "exact-input", "--source", str(vanilla), "--source-step",
+                 "2", "--min-repeats", "1", "--out", str(exact)]) == 0, exact.read_text()[-2000:]
+    hostile = tmp_path / "hostile.toml"  # a contract field of the loss is no knob: refused before anything runs
+    hostile.write_text(verl_spec(vanilla, 2, arms={"baseline": {}, "clip": {"verl.actor.clip_ratio_high": 0.3}}))
+    proc = cli("step", "plan", "--spec", str(hostile))
+    assert proc.returncode == 2 and "'verl.actor.clip_ratio_high' is not a systems-only knob" in proc.stderr
+    hostile.write_text(verl_spec(vanilla, 2, arms={"baseline": {}, "ckpt": {"trl.gradient_checkpointing": True}}))
+    proc = cli("step", "plan", "--spec", str(hostile))  # another producer's knob: refused, naming verl's
+    assert proc.returncode == 2 and "'trl.gradient_checkpointing' is not a systems-only knob of verl" in proc.stderr
+    assert "verl.engine.micro_batch_size_per_gpu" in proc.stderr
+    other = _step(vanilla, 1)["manifest_sha256"]  # step 1's pin for step 2's replay config
+    hostile.write_text(verl_spec(vanilla, 2).replace(src["manifest_sha256"], other))
+    assert main(["step", "capture", "--spec", str(hostile), "--run-dir", str(tmp_path / "run2")]) == 2
+    assert not (tmp_path / "run2" / "capture.json").exists()
+
+
+@pytest.fixture
+def in_process_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The funnel's step commands run by ``main`` in this process (their fresh processes are the test above's)."""
+    import contextlib
+
+    from replayjob.launch import funnel as funnel_module
+
+    def cli_step(args: Any, log: Path) -> int:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a", encoding="utf-8") as fh, contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
+            code = main([str(a) for a in args])
+        return code if code in funnel_module.STATUS else 3
+
+    monkeypatch.setattr(funnel_module, "cli_step", cli_step)
+
+
+@pytest.mark.alone  # the funnel times warm updates
+@pytest.mark.usefixtures("in_process_steps")
+def test_the_funnel_with_budgets_runs_a_verl_capture(vanilla: Path, tmp_path: Path) -> None:
+    """``funnel --capture DIR --replay-config NAME`` with examples/ablation-verl.toml's three arms and
+    examples/budgets-verl.toml: stage 3 only, on the verl capture; the exact-input gate passes with every knob in
+    effect, the checkpointing arm and the baseline end on the source step's parameters bit for bit and the
+    micro-batch arm does not (another summation order), and every budget bound gets a decision.  The timing verdict
+    is the host's: decided, inconclusive after one block, or contended (a shared host)."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text(verl_spec(vanilla, 2))
+    out = tmp_path / "funnel"
+    code = main(["funnel", "--out", str(out), "--spec", str(spec), "--capture", str(vanilla), "--replay-config",
+                 "replay_step_000002.toml", "--budgets", str(REPO / "examples" / "budgets-verl.toml"), "--no-report",
+                 "--fixed-blocks", "--repeats", "1", "--warmup-updates", "1", "--measured-updates", "1"])
+    doc = json.loads((out / "funnel.json").read_text())
+    assert [s["status"] for s in doc["stages"][:2]] == ["skipped", "skipped"]
+    verdict = json.loads((out / "verdict.json").read_text())
+    exact = {c["name"]: c["status"] for c in verdict["checks"] if c["group"] == "exact-input"}
+    assert exact and set(exact.values()) == {"pass"}, exact
+    arms = doc["summary"]["arms"]
+    assert arms["baseline"]["adapter_equal_source"] and arms["ckpt"]["adapter_equal_source"]
+    assert arms["baseline"]["loss_equal_source"] and not arms["mbs1"]["adapter_equal_source"]
+    bounds = {(b["arm"], b["metric"]): b["decision"] for b in doc["summary"]["budgets"]}
+    assert set(bounds) == {("ckpt", "local_train_wall_s"), ("ckpt", "peak_memory_bytes"),
+                           ("mbs1", "local_train_wall_s")}, bounds
+    assert bounds[("ckpt", "peak_memory_bytes")] == "not_measurable"  # CPU: decided on CUDA only
+    assert (code, doc["stages"][2]["status"]) in {(0, "pass"), (1, "fail"), (2, "inconclusive"),
+                                                  (3, "contended")}, doc["stages"][2]
 
 
 def test_admission_refuses_a_changed_update_and_a_tampered_payload(vanilla: Path, tmp_path: Path) -> None:
