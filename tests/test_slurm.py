@@ -550,6 +550,51 @@ def test_every_task_asks_for_the_spec_s_resources(spec_file: Path, tmp_path: Pat
     assert "--gres=gpu:8" in _dry_run(whole, tmp_path / "whole")[1]
 
 
+def test_a_run_of_more_ranks_than_a_node_has_gpus_asks_for_several_nodes(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """node_gpus = 2 and a capture of 4 ranks, arms of 4 and 2 ranks: the 4-rank jobs ask for 2 nodes of 2
+    tasks each (--gres and --mem per node), the 2-rank array for one node, as before.  Only rendered and
+    linted here: the test cluster has one node."""
+    from replayjob.cli import main
+
+    spec = tmp_path / "nodes.toml"
+    spec.write_text(RANKED.replace("ranks = 2", "ranks = 4\nnode_gpus = 2\nmemory = \"8Gi\"")
+                    .replace('device = "cpu"', 'device = "cuda"').replace("world_size\" = 1", "world_size\" = 2"))
+    assert main(["step", "plan", "--spec", str(spec)]) == 0
+    assert capsys.readouterr().out.splitlines()[-3:] == ["replays=2:1", "replays=4:0", "nodes=4:2"]
+    capture, two, four, _ = _dry_run(spec, tmp_path / "run")  # rank counts ascending
+    for cmd in (capture, four):
+        assert "--nodes=2 --ntasks=4 --ntasks-per-node=2 --gres=gpu:2" in cmd and "--mem=16384M" in cmd, cmd
+    assert "--nodes=1 --ntasks=2 --gres=gpu:2" in two and "--ntasks-per-node" not in two
+    image, runtime = tmp_path / "replayjob.sif", tmp_path / "apptainer"  # a stand-in: runs the venv's replayjob
+    image.write_text("stand-in image\n")
+    runtime.write_text(f"""#!/usr/bin/env bash
+while [ "$1" != {image} ]; do shift; done
+shift
+cmd=$1
+shift
+exec {REPO / '.venv' / 'bin'}/"$cmd" "$@"
+""")
+    runtime.chmod(0o755)
+    refused = _submit("--out", str(tmp_path / "image"), "--spec", str(spec), "--dry-run", "--image", str(image),
+                      "--container", str(runtime))
+    assert refused.returncode == 2 and "runs of 4 ranks span several nodes (node_gpus = 2), which needs srun" \
+        in refused.stderr
+
+
+def test_master_addr_is_the_first_host_scontrol_names(slurm_env: dict[str, str]) -> None:
+    """The rendezvous host of srun's tasks (MASTER_ADDR, replayjob.runtime.slurm_ranks.first_host of
+    SLURM_JOB_NODELIST) is the first host `scontrol show hostnames` expands the allocation's list to:
+    the first node, where srun's block distribution puts rank 0."""
+    from replayjob.runtime.slurm_ranks import first_host
+
+    for nodelist in ("node1", "node[01-04]", "a-1,b[2-3]", "gpu[7,9-10]", "rack[1-2]-n[05-06]", "gpu[010-012],a"):
+        res = subprocess.run(["scontrol", "show", "hostnames", nodelist], env=slurm_env, text=True,
+                             capture_output=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert first_host(nodelist) == res.stdout.split()[0], nodelist
+
+
 @pytest.mark.slow
 @pytest.mark.alone  # two tasks rendezvous (gloo)
 def test_two_task_capture_and_replays_under_srun_pass_the_gate(slurm_env: dict[str, str], tmp_path: Path) -> None:

@@ -158,15 +158,19 @@ def plan_lines(spec: AblationSpec) -> list[str]:
     mode is the existing capture's); ``ranks`` is the capture's, and one ``replays=N:INDEXES`` line
     per rank count names the array indexes (Slurm's ``--array`` syntax) whose replays run N ranks;
     ``cpus``, ``mem_mib`` (per rank), ``time_min`` and ``node_gpus`` are the resources every capture
-    and replay task asks for (:func:`slurm_resources`)."""
+    and replay task asks for (:func:`slurm_resources`); one ``nodes=N:K`` line per rank count N whose runs
+    span K > 1 nodes (:meth:`~replayjob.artifacts.spec.AblationSpec.nodes_for`: more ranks than
+    ``node_gpus``), none when every run fits one node."""
     cpus, mem_mib, minutes = slurm_resources(spec)
+    counts = sorted({spec.ranks, *spec.rank_groups()})
     return [f"size={spec.size}", f"parallelism={spec.parallelism}",
             f"cpus={cpus}", f"mem_mib={mem_mib}", f"time_min={minutes}", f"node_gpus={spec.node_gpus}",
             "arms=" + ",".join(a.name for a in spec.arms), f"claim={spec.claim}",
             f"min_repeats={spec.effective_min_repeats}", f"device={spec.device}",
             f"schedule={spec.schedule or 'none'}",
             *(f"env={name}={value}" for name, value in spec.determinism_env().items()), f"ranks={spec.ranks}",
-            *(f"replays={n}:{index_ranges(ix)}" for n, ix in spec.rank_groups().items())]
+            *(f"replays={n}:{index_ranges(ix)}" for n, ix in spec.rank_groups().items()),
+            *(f"nodes={n}:{spec.nodes_for(n)[0]}" for n in counts if spec.nodes_for(n)[0] > 1)]
 
 
 def index_ranges(indexes: Sequence[int]) -> str:

@@ -20,7 +20,10 @@
 # --ntasks=R on one node (--nodes=1, R times the GPUs per task): the step runs once in the batch
 # script and starts the ranks with `srun --ntasks R` in the allocation (replayjob.runtime.slurm_ranks maps
 # each task to torch.distributed's environment); with --image, torchrun inside the container starts
-# them.  Arms of different rank counts get one replay array each (sparse --array indexes).
+# them.  Arms of different rank counts get one replay array each (sparse --array indexes).  A run of
+# more ranks than a node has GPUs (the spec's node_gpus; step plan's nodes=R:K) asks for --nodes=K
+# --ntasks-per-node=R/K, and srun spreads its tasks over every node of the allocation, the first
+# node's host being MASTER_ADDR (from the virtual environment only: with --image it is refused).
 # --wait blocks until reduce ends and exits with its code: 0 pass, 1 fail, 2 refused, 3 error (also
 # when the reduce job ended without a verdict: cancelled, timed out, node failure; nothing was
 # decided, retrying may help).  Every job is requeued after infrastructure failures (--requeue: node
@@ -161,6 +164,7 @@ SIZE="" PARALLELISM="" DEVICE="" CLAIM="" MIN_REPEATS="" ARM_NAMES="" RANKS=""
 CPUS="" MEM_MIB="" TIME_MIN="" NODE_GPUS=""  # the spec's resources per rank (step plan)
 PINNED_ENV=()  # the spec's determinism environment, NAME=VALUE: every job sets it (lib.sh replayjob_cmd)
 GROUPS_RANKS=() GROUPS_INDEXES=()  # one replay array per rank count: its ranks and its array indexes
+NODES_OF=()  # rank count -> the nodes its runs span, when more than one (step plan's nodes=N:K)
 while IFS= read -r line; do
   case "$line" in
     size=*) SIZE=${line#size=} ;;
@@ -170,6 +174,11 @@ while IFS= read -r line; do
     node_gpus=*) NODE_GPUS=${line#node_gpus=} ;;
     ranks=*) RANKS=${line#ranks=} ;;
     env=*) PINNED_ENV+=("${line#env=}") ;;
+    nodes=*:*)
+      line=${line#nodes=}
+      { is_count "${line%%:*}" && is_count "${line#*:}"; } || die "unexpected plan from replayjob: $plan"
+      NODES_OF[${line%%:*}]=${line#*:}
+      ;;
     replays=*:*)
       line=${line#replays=}
       GROUPS_RANKS+=("${line%%:*}")
@@ -197,21 +206,30 @@ for pinned in "${PINNED_ENV[@]}"; do
   [[ "$pinned" =~ ^[A-Z_][A-Z0-9_]*=[^[:space:]]*$ ]] || die "unexpected plan from replayjob: $plan"
 done
 [ "$GPUS" -eq 0 ] || [ "$DEVICE" = cuda ] || echo "submit: note: the spec runs on $DEVICE with $GPUS GPU(s) requested" >&2
+if [ "${#NODES_OF[@]}" -gt 0 ] && [ -n "$IMAGE" ]; then  # inside the image torchrun starts the ranks: one node
+  die "runs of $(IFS=,; echo "${!NODES_OF[*]}") ranks span several nodes (node_gpus = $NODE_GPUS), which needs srun" \
+    "across the allocation: run them from a virtual environment (--venv), not --image"
+fi
 
 # ---- the three jobs -----------------------------------------------------------------------------
 JOB_ENV=$OUT/slurm/job.env
 common=(--parsable --chdir "$OUT" --open-mode=append)  # a requeued attempt appends to its log
 [ -z "$PARTITION" ] || common+=(--partition "$PARTITION")
-# ranks_args R: one node, R tasks (one rank each), GPUs for every rank (all of the node's with the
-# spec's node_gpus), and the spec's CPUs and memory per rank and its deadline
+# ranks_args R: R tasks (one rank each) on one node, or, when R ranks need more GPUs than a node has
+# (step plan's nodes=R:K), on K nodes with R/K tasks each; on every node GPUs for its ranks (all of
+# the node's with the spec's node_gpus; --gres and --mem are per node), the spec's CPUs per rank and
+# its memory per rank times the node's ranks, and its deadline
 ranks_args() {
-  RANKS_ARGS=(--nodes=1 "--ntasks=$1")
+  local nodes=${NODES_OF[$1]:-1}
+  local per=$(($1 / nodes))
+  RANKS_ARGS=("--nodes=$nodes" "--ntasks=$1")
+  [ "$nodes" -eq 1 ] || RANKS_ARGS+=("--ntasks-per-node=$per")
   if [ "$GPUS" -gt 0 ] && [ "$NODE_GPUS" -gt 0 ]; then
     RANKS_ARGS+=("--gres=gpu:$NODE_GPUS")
   elif [ "$GPUS" -gt 0 ]; then
-    RANKS_ARGS+=("--gres=gpu:$((GPUS * $1))")
+    RANKS_ARGS+=("--gres=gpu:$((GPUS * per))")
   fi
-  RANKS_ARGS+=("--cpus-per-task=$CPUS" "--mem=$((MEM_MIB * $1))M" "--time=$TIME_MIN")
+  RANKS_ARGS+=("--cpus-per-task=$CPUS" "--mem=$((MEM_MIB * per))M" "--time=$TIME_MIN")
 }
 ranks_args "$RANKS"
 capture_cmd=(sbatch "${common[@]}" --job-name replayjob-capture --output "$OUT/logs/capture-%j.out"
