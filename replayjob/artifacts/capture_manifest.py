@@ -82,6 +82,9 @@ def manifest_name(step: int) -> str:
     return file_stem(step) + ".manifest.json"
 
 
+REPLAY_CONFIG = "replay.toml"  # the ready replay config a capture of one step writes beside its files
+
+
 def replay_config_name(step: int) -> str:
     """The ready replay config a capture of several chosen steps writes for ``step``."""
     return f"replay_step_{step:06d}.toml"

@@ -42,11 +42,12 @@ from replayjob.artifacts.metrics import (
 from replayjob.artifacts.schedule import plan
 from replayjob.digest import sha256_bytes, sha256_file
 from replayjob.jsonio import pretty_bytes
+from replayjob.rl.state import ADAPTER_WEIGHTS, FINAL_ADAPTER_FILE
 from replayjob.runtime.knobs import BUILTIN, knobs_for, lookup
 from replayjob.runtime.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 from replayjob.tensorfile import ITEMSIZE
 
-ADAPTER = "final_adapter/adapter_model.safetensors"
+ADAPTER = FINAL_ADAPTER_FILE
 SOURCE_GRAD_NORM = 0.25  # the source update's gradient norm (sealed in the manifest with its loss and final adapter)
 SOURCE_CONFIG: dict[str, Any] = {
     "backend": {"options": {"attn_implementation": "eager", "gradient_checkpointing": False}},
@@ -148,7 +149,7 @@ def replay_doc(*, arm: str, index: int, knobs: dict[str, Any], manifest_sha256: 
 
 
 def _write_source(root: Path, initial: bytes, final: bytes, loss: float) -> tuple[Path, str, Path]:
-    init_file = root / "init_resume" / "adapter_model.safetensors"
+    init_file = root / "init_resume" / ADAPTER_WEIGHTS
     _put(init_file, initial)
     src = root / "source"
     payload = b"synthetic optimizer batch payload"
@@ -158,7 +159,7 @@ def _write_source(root: Path, initial: bytes, final: bytes, loss: float) -> tupl
                    rows={"rows": 16, "tokens": 544, "response_tokens": 128, "loss_bearing_tokens": 128},
                    logical=digest_of("logical"), effective=digest_of("effective"),
                    resolved_config=SOURCE_CONFIG, contract={"schema": "synthetic"},
-                   adapter_path=Path("..") / "init_resume" / "adapter_model.safetensors",
+                   adapter_path=Path("..") / "init_resume" / ADAPTER_WEIGHTS,
                    adapter_size=len(initial), adapter_sha256=sha256_bytes(initial),
                    sealed=mf.outcome(loss, SOURCE_GRAD_NORM, sha256_bytes(final)))
     manifest_sha = mf.write(src / mf.manifest_name(0), doc)

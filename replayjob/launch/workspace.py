@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from replayjob.artifacts.capture_manifest import REPLAY_CONFIG
 from replayjob.config import load_config
 from replayjob.errors import ArtifactExistsError
 from replayjob.fsio import atomic_write_text
@@ -90,7 +91,7 @@ def _in_comment(text: str) -> str:
 
 def example_configs() -> dict[str, str]:
     """Example configs written next to the resume state (file name -> TOML text)."""
-    return {"train.toml": TRAIN_TOML, "source.toml": SOURCE_TOML, "replay.toml": REPLAY_TOML}
+    return {"train.toml": TRAIN_TOML, "source.toml": SOURCE_TOML, REPLAY_CONFIG: REPLAY_TOML}
 
 
 def init_workspace(directory: str | Path, seed: int, sets: list[str] | tuple[str, ...] = ()) -> list[Path]:

@@ -23,13 +23,12 @@ from replayjob.jsonio import pretty_bytes
 from replayjob.model import moe
 from replayjob.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from replayjob.redact import redact_text
-from replayjob.rl.state import adapter_bytes
+from replayjob.rl.state import ADAPTER_WEIGHTS, adapter_bytes
 from replayjob.runtime.distributed import full
 
 if TYPE_CHECKING:
     import torch
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 _BUILTIN_KEYS = ("init_seed", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads", "max_position_embeddings")

@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 
 STATE_SCHEMA = "replayjob.trainer_state/v1"
 STATE_FILE = "trainer_state.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the adapter weights of a state, a capture and a final adapter
+FINAL_ADAPTER_DIR = "final_adapter"  # where a source run, a capture and a replay write the adapter after the update
+FINAL_ADAPTER_FILE = f"{FINAL_ADAPTER_DIR}/{ADAPTER_WEIGHTS}"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 

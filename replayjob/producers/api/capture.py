@@ -50,7 +50,7 @@ from replayjob.producers import EXTERNAL, producer_module
 from replayjob.producers.api.files import (
     FINAL_ADAPTER_FILE,
     METRICS_FILE,
-    REPLAY_TOML,
+    REPLAY_CONFIG,
     STACK,
     adapter_file_bytes,
     base_model_identity,
@@ -169,7 +169,7 @@ class StepCapture:
                         else capture_file_names(step, several=several))
         self.part = part
         self.several = several
-        self.replay_name = replay_config_name(step) if several else REPLAY_TOML
+        self.replay_name = replay_config_name(step) if several else REPLAY_CONFIG
         self.step, self.framework = step, framework
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         if not trainable_parameters(model):
@@ -285,7 +285,7 @@ class StepCapture:
         manifest_path = out / names["manifest"]
         manifest_sha = imanifest.write(manifest_path, doc)
         if self.part:  # one process's part of a capture over several: the root writes the rest
-            self.result = CaptureResult(out, manifest_path, manifest_sha, logical, out.parent / REPLAY_TOML, {})
+            self.result = CaptureResult(out, manifest_path, manifest_sha, logical, out.parent / REPLAY_CONFIG, {})
             return self.result
         metrics: dict[str, Any]
         if self.several:  # the adapter after the real update, hashed in the bytes save_adapter writes

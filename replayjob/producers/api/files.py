@@ -11,20 +11,18 @@ from typing import TYPE_CHECKING, Any
 
 from replayjob.artifacts import api_manifest as imanifest
 from replayjob.artifacts import metrics as metrics_io
-from replayjob.artifacts.capture_manifest import replay_config_name
+from replayjob.artifacts.capture_manifest import REPLAY_CONFIG, replay_config_name
 from replayjob.config import redact
 from replayjob.digest import sha256_bytes, sha256_file, sha256_json
 from replayjob.errors import ArtifactExistsError, CaptureError, ConfigError, UsageError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.redact import redact_path
-from replayjob.rl.state import adapter_bytes
+from replayjob.rl.state import FINAL_ADAPTER_FILE, adapter_bytes
 
 if TYPE_CHECKING:
     import torch
 
-FINAL_ADAPTER_FILE = "final_adapter/adapter_model.safetensors"
 METRICS_FILE = metrics_io.SOURCE_FILE
-REPLAY_TOML = "replay.toml"
 BASE_MODEL_FILES = ("config.json",)  # hashed with every *.safetensors and *.safetensors.index.json
 _PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 STACK = ("torch", "transformers", "peft", "accelerate", "trl")
@@ -109,7 +107,7 @@ def capture_file_names(step: int, *, several: bool) -> list[str]:
     ``final_adapter/``, ``metrics.json`` and ``replay.toml``; one of several chosen steps writes its
     ``replay_step_<K:06d>.toml`` (metrics.json, shared by the steps, is checked once by the caller)."""
     names = list(imanifest.file_names(step).values())
-    return names + ([replay_config_name(step)] if several else [METRICS_FILE, REPLAY_TOML, FINAL_ADAPTER_FILE])
+    return names + ([replay_config_name(step)] if several else [METRICS_FILE, REPLAY_CONFIG, FINAL_ADAPTER_FILE])
 
 
 def refuse_existing(out_dir: Path, names: Iterable[str]) -> None:

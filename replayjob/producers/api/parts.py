@@ -82,7 +82,7 @@ def finish(out: Path, c: cap.StepCapture, rank: int, world: int) -> cap.CaptureR
     if root is None:
         raise cap.CaptureError("process 0 could not write the root manifest (its own error says why)",
                                where=str(out), hint="nothing of this capture is usable; capture again")
-    return cap.CaptureResult(out, Path(root["manifest"]), root["sha256"], root["logical"], out / _files.REPLAY_TOML,
+    return cap.CaptureResult(out, Path(root["manifest"]), root["sha256"], root["logical"], out / _files.REPLAY_CONFIG,
                              root["metrics"])
 
 
@@ -113,7 +113,7 @@ def _write_root(out: Path, c: cap.StepCapture, every: list[dict[str, Any]]) -> d
         final_adapter_sha256=sealed["final_adapter_sha256"], final_adapter_path=_files.FINAL_ADAPTER_FILE,
         loss=sealed["loss"], grad_norm=sealed["grad_norm"], config=first.config)
     metrics_io.write(out / _files.METRICS_FILE, metrics, exclusive=True)
-    atomic_write_text(out / _files.REPLAY_TOML, c._replay_toml(path.resolve(), sha, logical), exclusive=True)
+    atomic_write_text(out / _files.REPLAY_CONFIG, c._replay_toml(path.resolve(), sha, logical), exclusive=True)
     return {"manifest": str(path), "sha256": sha, "logical": logical, "metrics": metrics}
 
 

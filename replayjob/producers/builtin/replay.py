@@ -36,7 +36,7 @@ from replayjob.producers.api import replay as integration_replay
 from replayjob.producers.builtin import steps as stepcapture
 from replayjob.producers.builtin.admission import Admission, admit
 from replayjob.producers.session import MicroStep, Outcome, Session
-from replayjob.rl.state import check_model
+from replayjob.rl.state import FINAL_ADAPTER_DIR, check_model
 from replayjob.rl.update import Update, UpdateResult, make_optimizer
 from replayjob.runtime import distributed, knobs
 
@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     import torch
 
 METRICS_FILE = metrics_io.REPLAY_FILE
-FINAL_ADAPTER_DIR = "final_adapter"
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:

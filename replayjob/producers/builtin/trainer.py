@@ -35,6 +35,7 @@ from replayjob.rl.hooks import StepHook, StepRollout, TrainerView, abandon_all
 from replayjob.rl.logprobs import logprob_temperature, padded, token_logprobs
 from replayjob.rl.sampling import sample
 from replayjob.rl.state import (
+    FINAL_ADAPTER_DIR,
     OPTIMIZER_FILE,
     RNG_FILE,
     ResumeState,
@@ -56,7 +57,6 @@ if TYPE_CHECKING:
 
 DIAG_FILE = "diag.jsonl"
 METRICS_FILE = metrics_io.SOURCE_FILE
-FINAL_ADAPTER_DIR = "final_adapter"
 
 
 def build_rollout(policy: Policy, cfg: Config, task: Task, step: int, seed: int) -> tuple[StepRollout,
