@@ -569,3 +569,50 @@ def test_mismatch_attributes_a_gap_to_routing_flips_and_locates_them(moe_runs: d
     per_layer = {lay["layer"]: lay["flipped"] for lay in old["routing"]["layers"]}
     assert per_layer == {lay.name: sum(e[1] == lay.name for e in expected) for lay in source.layers}
     assert all(sorted(f["experts_trainer"]) != sorted(f["experts_sampler"]) for f in located)
+
+
+def test_approximate_claim_reports_routing_agreement(moe_runs: dict[str, Any], tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """reduce --claim approximate over three traced arms: the same condition, the experts-kernel arm (identical
+    routing, numerically different) and the perturbed arm (a handful of flips, nothing upstream).  The verdict's
+    routing check says which is which, where the first flip is, and the report says it in words."""
+    tol = tmp_path / "tolerances.toml"
+    tol.write_text("update_cosine_min = 0.5\nrelative_delta_l2_max = 1.0\n")
+    pin = hashlib.sha256(tol.read_bytes()).hexdigest()
+    runs = tmp_path / "replays"
+
+    def replay(arm: str, *extra: str) -> None:
+        assert main(["replay", str(moe_runs["ws"] / "replay.toml"), "--out", str(runs / arm), "--trace",
+                     *replay_pins(moe_runs["source"]), *MOE, "--set", f'optimizer_batch.arm="{arm}"',
+                     "--set", f'optimizer_batch.tolerances_sha256="{pin}"', *extra]) == 0
+
+    replay("base")
+    replay("kernel", "--set", 'model.experts_implementation="batched_mm"',
+           "--set", 'optimizer_batch.allow_config_differences=["model.experts_implementation"]')
+    monkeypatch.setenv(moe.FAULT_ENV, FLIP_SCALE)
+    replay("perturbed")
+    monkeypatch.delenv(moe.FAULT_ENV)
+    out, report = tmp_path / "verdict.json", tmp_path / "report.md"
+    rc = main(["reduce", str(runs), "--claim", "approximate", "--source", str(moe_runs["source"]), "--tolerances",
+               str(tol), "--min-repeats", "1", "--out", str(out), "--report", str(report)])
+    doc = json.loads(out.read_text())
+    check = next(c for c in doc["checks"] if c["name"] == "approximate.routing_agreement")
+    assert check["status"] == "pass" and check["group"] == "approximate", (rc, check)
+    obs = check["observed"]
+    assert obs["reference"] == "base#0" and obs["top_k"] == 2 and len(obs["layers"]) == 2
+    arms = obs["arms"]
+    assert arms["base"]["flipped"] == 0 and arms["base"]["attribution"] == "identical"
+    assert arms["kernel"]["flipped"] == 0 and arms["kernel"]["attribution"] == "identical-routing"
+    assert arms["kernel"]["first_forward_divergence"]["name"].endswith("layers.0.mlp")
+    p = arms["perturbed"]
+    assert 0 < p["flipped"] <= 10 and p["share"] == p["flipped"] / p["tokens"]
+    assert p["attribution"] == "downstream-of-flips"
+    # the first flip is the one trace-diff finds between a free replay and the perturbed one
+    expected = moe.compare(moe.read_table(moe_runs["routing_file"], moe_runs["routing_sha"]),
+                           moe.read_table(runs / "perturbed" / "routing.safetensors",
+                                          metrics(runs / "perturbed")["routing"]["sha256"]))["first_flip"]
+    assert p["first_flip"] == expected
+    text = report.read_text()
+    assert "## Routing (mixture-of-experts)" in text
+    assert f"| perturbed | {p['flipped']} of {p['tokens']} " in text and "differs only downstream of routing flips" in text
+    assert "| kernel | 0 of " in text and "differs with identical routing" in text

@@ -37,7 +37,7 @@ from replayjob.digest import sha256_file
 from replayjob.errors import RefusedError, UsageError
 from replayjob.gate import budgets as B
 from replayjob.gate import claims as C
-from replayjob.gate import gradients, stats, updates
+from replayjob.gate import gradients, routing, stats, updates
 from replayjob.gate.evidence import (
     MEASURES,
     Replay,
@@ -237,6 +237,7 @@ def _approximate(st: _State) -> None:
                              st.updates["all"]["relative_delta_l2"],
                              "||u_i - u_j|| / ||u_i|| within and across arms", bad_rel))
     st.checks += gradients.approximate_checks(st.replays, st.arms)
+    st.checks.append(routing.routing_check(st.replays, st.arms, st.source))
 
 
 def _arm_stats(st: _State, source: Source | None) -> dict[str, Any]:

@@ -167,6 +167,33 @@ def _layers(doc: dict[str, Any], plot_name: str | None) -> list[str]:
     return lines
 
 
+ROUTING = "approximate.routing_agreement"
+
+
+def _routing(doc: dict[str, Any]) -> list[str]:
+    """The routing of a mixture-of-experts model's arms, in words (from ``approximate.routing_agreement``)."""
+    c = next((c for c in doc["checks"] if c["name"] == ROUTING and c["status"] == "pass"), None)
+    if c is None:
+        return []
+    obs = c["observed"]
+    lines = ["## Routing (mixture-of-experts)", "",
+             f"Each arm's expert choices against {obs['reference']}'s, token by token, over {len(obs['layers'])} "
+             f"router(s) (top-{obs['top_k']} of {obs['num_experts']} experts).", "",
+             "| arm | tokens whose experts changed | first change | between its repeats | how it differs |",
+             "|---|---|---|---|---|"]
+    for arm, a in obs["arms"].items():
+        f = a["first_flip"]
+        first = "-" if f is None else (f"`{f['layer']}`, row {f['row']}, token {f['token']}: experts "
+                                       f"{f['experts_a']} -> {f['experts_b']} (margin {_num(f['margin_a'])})")
+        repeats = "-" if a["repeat_flipped"] is None else f"{a['repeat_flipped']} token(s)"
+        where = a["first_forward_divergence"]
+        how = a["summary"] + ("" if where is None else f"; first differing output `{where['name']}`")
+        lines.append(f"| {arm} | {a['flipped']} of {a['tokens']} ({100 * a['share']:.2f}%) | {first} | {repeats} | "
+                     f"{how} |")
+    lines += [""] + [f"- {arm}: {a['text']}." for arm, a in obs["arms"].items()]
+    return [*lines, ""]
+
+
 def layers_png(doc: dict[str, Any]) -> bytes | None:
     """PNG of the traced pair's relative error per site (execution order) against its envelope, or ``None``."""
     c = _localisation(doc)
@@ -267,8 +294,8 @@ def render(doc: dict[str, Any], plot_name: str | None, layers_name: str | None =
         lines.append(f"- refused: {r['message']}" + (f" ({r['where']})" if r["where"] else "")
                      + (f"; fix: {r['hint']}" if r["hint"] else ""))
     lines.append("")
-    lines += (_checks(doc) + _layers(doc, layers_name) + _spread(doc) + _comparisons(doc) + _budgets(doc)
-              + _in_process(doc) + _updates(doc))
+    lines += (_checks(doc) + _routing(doc) + _layers(doc, layers_name) + _spread(doc) + _comparisons(doc)
+              + _budgets(doc) + _in_process(doc) + _updates(doc))
     lines += ["## Plot", ""]
     if not doc["inputs"]["replays"]:
         lines.append("No replays were read; nothing to plot.")
