@@ -392,6 +392,44 @@ def test_registered_knobs_keep_the_update_and_are_observed(vanilla: Path, tmp_pa
                  'optimizer_batch.allow_config_differences=["verl.engine.use_remove_padding"]']) == 2
 
 
+def test_a_padded_replay_is_traced_row_by_row_and_trace_diff_names_the_first_divergence(
+        vanilla: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``replay --trace`` of a verl capture: refused with packed rows (the engine runs each micro-batch as one
+    sequence; the refusal names the padded arm), recorded with padded rows, keyed by logical row through the
+    engine's own micro-batches (every module's output and gradient, every parameter's gradient and update as full
+    tensors).  Tracing leaves the update as it is; two traces of the same arm are identical, and against micro-batch
+    size 1 ``trace-diff`` names the first divergent module in forward and backward order."""
+    toml = str(vanilla / "replay_step_000002.toml")
+    padded = {"verl.engine.use_remove_padding": "false", "verl.model.use_remove_padding": "false"}
+
+    def replay(out: str, *flags: str, **extra: str) -> int:
+        sets = {**padded, **extra}
+        argv = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+        argv += ["--set", "optimizer_batch.allow_config_differences=" + json.dumps(sorted(sets))]
+        return main(["replay", toml, "--out", str(tmp_path / out), *flags, *argv])
+
+    assert main(["replay", toml, "--out", str(tmp_path / "packed"), "--trace"]) == 2
+    assert "--set verl.engine.use_remove_padding=false" in capsys.readouterr().err
+    assert not (tmp_path / "packed").exists()
+    assert replay("a", "--trace") == replay("b", "--trace") == replay("plain") == 0
+    assert replay("mb1", "--trace", **{"verl.engine.micro_batch_size_per_gpu": "1"}) == 0
+    final = {d: json.loads((tmp_path / d / "replay_metrics.json").read_text())["optimizer_batch/final_adapter_sha256"]
+             for d in ("a", "b", "plain", "mb1")}
+    assert final["a"] == final["b"] == final["plain"] != final["mb1"], final
+    capsys.readouterr()
+    assert main(["trace-diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert same["identical"] is True and same["a"]["micro_batch_size"] == 2
+    assert same["compared"]["params"] == len(json.loads(
+        (vanilla / "optimizer_batch_step_000002.manifest.json").read_text())["trainable"])  # every parameter
+    assert same["compared"]["forward"] > 20 and same["compared"]["backward"] > 20  # every module, both directions
+    assert main(["trace-diff", str(tmp_path / "a"), str(tmp_path / "mb1"), "--json"]) == 1
+    other = json.loads(capsys.readouterr().out)
+    assert other["identical"] is False and other["b"]["micro_batch_size"] == 1 and not other["unmatched"]["only_b"]
+    first = other["first_divergence"]
+    assert first["forward"]["name"].startswith("model.layers.0.") and first["backward"] is not None, first
+
+
 def test_the_capture_overhead_benchmark_runs(tmp_path: Path) -> None:
     """benchmarks/verl_capture_overhead.py's smoke mode writes a valid result (no time is asserted here)."""
     from benchmarks import common, verl_capture_overhead

@@ -61,6 +61,7 @@ from replayjob.producers.api import parts as iranks
 from replayjob.producers.api.admission import Admission
 from replayjob.producers.api.replay import ReplaySession
 from replayjob.producers.contract import integration_contract
+from replayjob.producers.session import MicroStep
 from replayjob.producers.verl.fields import CONTRACT, FIELDS, REFUSED, SECTIONS, classify
 from replayjob.producers.verl.platform import use_cpu
 from replayjob.rl.state import adapter_bytes, join_optimizer_state
@@ -588,7 +589,7 @@ def build_engine(values: dict[str, Any], model_path: Path) -> tuple[Any, Any]:
 class VerlSession(ReplaySession):
     """verl's engine rebuilt from a verified capture, running the captured optimizer step."""
 
-    trace_refusal = "verl's engine packs and splits the captured rows itself; a trace keyed by row is not recorded"
+    trace_refusal: str | None = None
 
     def __init__(self, adm: Admission, out: Path):
         import torch
@@ -604,6 +605,7 @@ class VerlSession(ReplaySession):
             self.repeat_refusal = f"it runs on {self.world} processes"
         values = adm.resolved[FRAMEWORK]
         self.engine_values = values["engine"]
+        self.trace_refusal = trace_refusal(self.engine_values, self.world)
         self.engine, self.loss_fn = build_engine(values, Path(adm.resolved["model"]["path"]))
         self.model = self.engine.module
         self.optimizer = self.engine.optimizer
@@ -636,7 +638,37 @@ class VerlSession(ReplaySession):
         return knobs.Runtime(self.model, rows, trainer=self)
 
     def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return list(FullParameters(self.model).named_parameters())
+        """The trainable parameters as a traced replay reads them (one process): their values and gradients as full
+        tensors, their hooks on the engine's own parameters."""
+        views: list[Any] = [(name, FullView(p)) for name, p in self.model.named_parameters() if p.requires_grad]
+        return views
+
+    def plan(self) -> list[MicroStep]:
+        """The captured step as one micro-step per micro-batch the engine will run (where a traced replay can key
+        rows: padded rows on one process), else one per captured call.  The first runs the whole captured
+        ``train_batch`` (the engine splits it itself, as it did at capture); the others only mark where the engine's
+        next forward begins, with the rows and padded ``input_ids`` it receives."""
+        refusal = self.trace_refusal
+        steps = super().plan()  # it names no input_ids for the captured call (trace_inputs): decided here instead
+        self.trace_refusal = refusal
+        if refusal is not None:
+            return steps
+        out: list[MicroStep] = []
+        for step in steps:
+            mb: _microbatch.MicroBatch = step.data
+            first = min(step.rows)
+            for j, (rows, ids, mask) in enumerate(engine_micro_batches(self.engine, mb, self.engine_values)):
+                out.append(MicroStep(tuple(first + r for r in rows), step.rng if j == 0 else None,
+                                     mb if j == 0 else None, ids, mask))
+        return out
+
+    def micro_batch(self, i: int, step: MicroStep, before_loss: Any) -> None:
+        if step.data is not None:  # the captured call; the engine runs every micro-batch of it
+            super().micro_batch(i, step, before_loss)
+
+    def trace_identity(self, runtime: dict[str, Any]) -> dict[str, Any]:
+        return {"micro_batch_size": self.observed.get("micro_batch_size_per_gpu") or 0,
+                "gradient_checkpointing": bool(runtime.get(knobs.VERL_GRADIENT_CHECKPOINTING))}
 
     def regroup(self, mbs: list[_microbatch.MicroBatch]) -> list[_microbatch.MicroBatch]:
         """Over several processes, this process's contiguous run of the captured steps' shards in rank order (each
@@ -693,6 +725,61 @@ class VerlSession(ReplaySession):
         path = out / _files.FINAL_ADAPTER_FILE
         atomic_write_bytes(path, adapter_bytes(params), exclusive=True)  # the bytes _files.save_adapter writes
         return path
+
+
+def trace_refusal(engine: dict[str, Any], world: int) -> str | None:
+    """Why a traced replay of this engine configuration cannot key its records by logical row (``None``: it can)."""
+    if world > 1:
+        return f"it runs on {world} processes (trace a one-process capture)"
+    if engine.get("use_remove_padding"):
+        return ("the engine packs each micro-batch's rows into one sequence, so no output is keyed by row; trace an "
+                f"arm with padded rows: --set {knobs.VERL_REMOVE_PADDING}=false --set {knobs.VERL_REMOVE_PADDING_MODEL}"
+                f"=false, both declared in optimizer_batch.allow_config_differences")
+    return None
+
+
+def engine_micro_batches(engine: Any, mb: _microbatch.MicroBatch, values: dict[str, Any]) -> Iterator[
+        tuple[list[int], Any, Any]]:
+    """The micro-batches verl's engine splits the captured batch into (its own ``prepare_micro_batches``, as
+    ``forward_backward_batch`` calls it), each as its rows within the batch, the padded ``input_ids`` the model
+    receives without remove-padding (each row's tokens, then the pad token id) and the mask of real tokens."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    data = decode_batch({**mb.inputs, **mb.input_values}, values)
+    tu.assign_non_tensor(data, sp_size=engine.ulysses_sequence_parallel_size)
+    micro, indices = prepare_micro_batches(data=data, dp_group=engine.get_data_parallel_group(),
+                                           same_micro_num_in_dp=True)
+    start = 0
+    for j, part in enumerate(micro):
+        n = int(part.batch_size[0])
+        rows = list(indices[j]) if indices is not None else list(range(start, start + n))
+        start += n
+        ids = part["input_ids"]
+        lengths = ids.offsets().diff()
+        width = int(lengths.max())
+        pad = tu.get_non_tensor_data(data=part, key="pad_token_id", default=0)
+        padded = torch.nested.to_padded_tensor(ids, padding=pad, output_size=(n, width))
+        yield rows, padded, (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.int64)
+
+
+class FullView:
+    """An engine parameter as the trace recorder reads it on one process: its value and gradient as full tensors
+    (gathered from FSDP2's DTensor, which holds the whole tensor on one process), hooks placed on the parameter."""
+
+    def __init__(self, param: Any):
+        self.param = param
+
+    @property
+    def grad(self) -> Any:
+        return None if self.param.grad is None else full(self.param.grad)
+
+    def detach(self) -> Any:
+        return full(self.param.detach())
+
+    def register_post_accumulate_grad_hook(self, hook: Any) -> Any:
+        return self.param.register_post_accumulate_grad_hook(lambda _p: hook(self))
 
 
 def restore_state(adm: Admission, session: VerlSession) -> None:
