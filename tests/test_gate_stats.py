@@ -44,3 +44,58 @@ def test_bootstrap_zero_baseline_is_undefined_not_infinite() -> None:
     assert out["ratio"] is None
     out = bootstrap_ratio([1.0, 2.0, 3.0], [0.0, 1.0, 1.0])  # some resamples have median 0
     assert out["ratio"] == 2.0 and out["low"] is None and "resample" in out["note"]
+
+
+def _reference_ratios(num: list[float], den: list[float], seed: int, resamples: int) -> dict[str, object]:
+    """The interval as first written: every resample's drawn values gathered and partitioned."""
+    from replayjob.gate.stats import _resampled_medians
+
+    rng = np.random.RandomState(seed)
+    num_idx = rng.randint(0, len(num), size=(resamples, len(num)))
+    den_idx = rng.randint(0, len(den), size=(resamples, len(den)))
+    den_med = _resampled_medians(np, np.asarray(den, dtype=np.float64), den_idx)
+    if bool(np.any(den_med == 0.0)):
+        return {"low": None, "high": None}
+    num_med = _resampled_medians(np, np.asarray(num, dtype=np.float64), num_idx)
+    alpha = (1.0 - 0.95) / 2.0
+    low, high = (float(x) for x in np.quantile(num_med / den_med, [alpha, 1.0 - alpha]))
+    return {"low": low, "high": high}
+
+
+values = st.lists(st.one_of(st.floats(min_value=1e-3, max_value=1e3), st.sampled_from([0.0, 0.5, 1.0, 2.0])),
+                  min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(values, values, st.integers(min_value=0, max_value=2**32 - 1), st.integers(min_value=1, max_value=300))
+def test_counted_bootstrap_is_the_partitioned_one_bit_for_bit(num: list[float], den: list[float], seed: int,
+                                                              resamples: int) -> None:
+    """The medians found from draw counts are the partition's exactly (ties, repeats, odd and even sizes,
+    zeros), so a seed gives the same interval as before the counting."""
+    from replayjob.gate.stats import _counted_medians, _draw_counts, _resampled_medians, bootstrap_ratios
+
+    idx = np.random.RandomState(seed).randint(0, len(num), size=(resamples, len(num)))
+    arr = np.asarray(num, dtype=np.float64)
+    counted = _counted_medians(np, arr, _draw_counts(np, idx))
+    assert counted.tobytes() == _resampled_medians(np, arr, idx).tobytes()
+    got = bootstrap_ratios({"a": num, "b": num}, {"a": den, "b": den}, seed=seed, resamples=resamples)
+    want = _reference_ratios(num, den, seed, resamples)
+    for key in ("a", "b"):
+        if got[key]["ratio"] is not None and want["low"] is not None:
+            assert (got[key]["low"], got[key]["high"]) == (want["low"], want["high"])
+
+
+def test_counted_bootstrap_at_reduce_scale_and_with_negative_zero() -> None:
+    """500 replays an arm, the default resamples: the same interval as the partition; a negative zero takes the
+    partition's own path, so a median's sign never changes."""
+    from replayjob.gate.stats import bootstrap_ratios
+
+    rng = np.random.RandomState(7)
+    num, den = (rng.lognormal(0.0, 0.3, 500).tolist() for _ in range(2))
+    got = bootstrap_ratios({"t": num}, {"t": den})["t"]
+    want = _reference_ratios(num, den, 20240601, 2000)
+    assert (got["low"], got["high"]) == (want["low"], want["high"])
+    signed = [-0.0, 0.0, 0.0, 1.0, -0.0]
+    got = bootstrap_ratios({"t": signed}, {"t": [1.0, 2.0, 3.0]}, resamples=200)["t"]
+    want = _reference_ratios(signed, [1.0, 2.0, 3.0], 20240601, 200)
+    assert (repr(got["low"]), repr(got["high"])) == (repr(want["low"]), repr(want["high"]))

@@ -6,6 +6,14 @@ bootstrap resamples each arm independently with replacement from numpy's legacy 
 (MT19937), whose stream numpy keeps frozen across releases, so a seed gives the same interval
 everywhere; the percentile interval of the resampled ratios is reported.
 
+A resample's median is an order statistic of the values it drew, so it is found without gathering or
+partitioning the drawn values: how often each replay was drawn in each resample is counted once per arm
+(:func:`_draw_counts`, shared by every metric), and per metric those counts, taken in the metric's sorted
+order and accumulated, say which sorted value sits at the middle position of each resample
+(:func:`_counted_medians`).  The value found is exactly the one a partition of the drawn values puts
+there, so the interval is unchanged; ``tests/test_gate_stats.py`` checks both against each other on
+random inputs.
+
 Example:
     >>> summary([3.0, 1.0, 2.0, 4.0])["median"], summary([3.0, 1.0, 2.0, 4.0])["iqr"]
     (2.5, 1.5)
@@ -46,7 +54,8 @@ def summary(values: Sequence[float]) -> dict[str, Any]:
 
 
 def _resampled_medians(np: Any, values: Any, idx: Any) -> Any:
-    """Median of each row of ``values[idx]``, partitioning the gathered rows in place."""
+    """Median of each row of ``values[idx]``, partitioning the gathered rows in place (the reference
+    :func:`_counted_medians` is checked against, and the path taken when a zero's sign could tell them apart)."""
     rows = values[idx]
     n = rows.shape[1]
     mid = n // 2
@@ -55,6 +64,40 @@ def _resampled_medians(np: Any, values: Any, idx: Any) -> Any:
         return rows[:, mid]
     rows.partition((mid - 1, mid), axis=1)
     return (rows[:, mid - 1] + rows[:, mid]) / 2.0
+
+
+def _draw_counts(np: Any, idx: Any) -> Any:
+    """``counts[j, r]``: how many times resample ``r`` (a row of ``idx``) drew replay ``j``; shape ``(n, resamples)``,
+    the narrowest unsigned type that holds ``n``."""
+    resamples, n = idx.shape
+    dtype = np.uint16 if n <= 0xFFFF else np.uint32 if n <= 0xFFFFFFFF else np.uint64
+    flat = (idx + (np.arange(resamples, dtype=idx.dtype) * n)[:, None]).ravel()
+    counts = np.bincount(flat, minlength=resamples * n).astype(dtype).reshape(resamples, n)
+    return np.ascontiguousarray(counts.T)
+
+
+def _counted_medians(np: Any, values: Any, counts: Any) -> Any:
+    """Median of each resample from its draw counts (:func:`_draw_counts`): with the counts accumulated in
+    ``values``' sorted order, the value at 0-based position ``k`` of a resample is the sorted value at the
+    number of positions whose running count is still ``<= k``."""
+    n = values.shape[0]
+    order = np.argsort(values, kind="stable")
+    ranked = values[order]
+    running = counts[order]  # a copy: rows in sorted order, accumulated in place below
+    for j in range(1, n):  # row by row: each step one vector add across every resample
+        np.add(running[j - 1], running[j], out=running[j])
+    mid = n // 2
+    upper = ranked[np.count_nonzero(running <= mid, axis=0)]
+    if n % 2:
+        return upper
+    lower = ranked[np.count_nonzero(running <= mid - 1, axis=0)]
+    return (lower + upper) / 2.0
+
+
+def _signed_zero(np: Any, values: Any) -> bool:
+    """Whether ``values`` holds a negative zero: a partition and a sort may then place ``-0.0`` and ``0.0``
+    differently, and the median's sign could differ."""
+    return bool(np.any((values == 0.0) & np.signbit(values)))
 
 
 def bootstrap_ratio(numerator: Sequence[float], denominator: Sequence[float], *,
@@ -86,6 +129,8 @@ def bootstrap_ratios(numerator: dict[str, Sequence[float]], denominator: dict[st
     num_idx = rng.randint(0, n_num, size=(resamples, n_num))
     den_idx = rng.randint(0, n_den, size=(resamples, n_den))
     alpha = (1.0 - confidence) / 2.0
+    num_counts: Any = None  # draw counts per arm, counted once on first use and shared by every metric
+    den_counts: Any = None
     out: dict[str, dict[str, Any]] = {}
     for key in numerator:
         num = np.asarray(numerator[key], dtype=np.float64)
@@ -104,11 +149,19 @@ def bootstrap_ratios(numerator: dict[str, Sequence[float]], denominator: dict[st
             res["note"] = "the ratio is not finite (overflow); undefined"
             continue
         res["ratio"] = ratio
-        den_med = _resampled_medians(np, den, den_idx)
+        if _signed_zero(np, den):
+            den_med = _resampled_medians(np, den, den_idx)
+        else:
+            den_counts = _draw_counts(np, den_idx) if den_counts is None else den_counts
+            den_med = _counted_medians(np, den, den_counts)
         if bool(np.any(den_med == 0.0)):
             res["note"] = "a bootstrap resample of the baseline has median zero; interval undefined"
             continue
-        num_med = _resampled_medians(np, num, num_idx)
+        if _signed_zero(np, num):
+            num_med = _resampled_medians(np, num, num_idx)
+        else:
+            num_counts = _draw_counts(np, num_idx) if num_counts is None else num_counts
+            num_med = _counted_medians(np, num, num_counts)
         low, high = (float(x) for x in np.quantile(num_med / den_med, [alpha, 1.0 - alpha]))  # type 7
         if not (math.isfinite(low) and math.isfinite(high)):
             res["note"] = "the interval is not finite (overflow); undefined"
