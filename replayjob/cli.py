@@ -23,7 +23,7 @@ Usage:
                    [--launcher L] [--workspace DIR] [--source DIR] [--pins PINS] [--plant PLANT]...
                    [--wait-s S] [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob step reduce --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--wait-s S] [--outputs DIR]
-                   [--blocks N] [--report FILE] [--max-looks N]
+                   [--blocks N] [--report FILE] [--max-looks N] [--ended STATUS --failures JSON]
                    [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
   replayjob k8s render <spec> [--out DIR] [--setup DIR] [--argo FILE] [--argo-setup FILE]
   replayjob k8s submit <spec> [--namespace NS] [--wait]
@@ -132,6 +132,9 @@ Options:
   --run-dir DIR     step: the run's directory (one per submission; see docs/cluster.md for its layout).
   --workspace DIR   step: an existing `replayjob init` directory instead of RUN/workspace.
   --outputs DIR     step: also write pins, plan.json and verdict.json here (Argo output parameters).
+  --ended STATUS    step reduce: the run ended otherwise than by itself (Argo's exit handler: the
+                    workflow's status); first write RUN/ended.json naming what ended it.
+  --failures JSON   step reduce --ended: the workflow's failed nodes (Argo's workflow.failures).
   --index I         step replay: the array index (arms in file order, repeats innermost).
   --position K      step replay: the K-th replay (from 0) among those that run --ranks N ranks
                     (a launcher with one replay Job per rank count).

@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 import replayjob.artifacts
 from replayjob.artifacts.cluster_status import Stuck, stopped_record
 from replayjob.artifacts.document import Document, decode
+from replayjob.artifacts.run_end import run_end
 from replayjob.errors import IntegrityError
 from replayjob.runtime.contention_probe import Probe
 
@@ -92,11 +93,14 @@ VALID: dict[str, Any] = {
     "VerdictDocument": verdict,
     "Stopped": lambda: stopped_record("replay", "rj-run-replay", Stuck(pod="rj-run-replay-0-x", reason="Unschedulable",
                                                                       message="0/3 nodes are available")),
+    "RunEnd": lambda: run_end("Failed", json.dumps([{"displayName": "reduce(0)", "templateName": "reduce",
+                                                     "phase": "Failed", "message": "Error (exit code 3)"}])),
 }
 NESTED = {"CudaProcess", "CudaFigures",  # reached through ContentionRecord.cuda (a CUDA record below)
           "Pins", "Timing", "Memory", "Padding", "Slot", "InProcess", "TracePin", "RoutingPin", "RankEntry",
           "Distributed",  # ReplayMetrics' sections
-          "VerdictCheck", "Refusal"}  # VerdictDocument's
+          "VerdictCheck", "Refusal",  # VerdictDocument's
+          "FailedNode"}  # RunEnd's
 
 
 def test_every_declaration_has_a_valid_example_or_a_parent() -> None:
@@ -294,7 +298,8 @@ def _nan_equal(a: Any, b: Any) -> bool:
 # documented under a name the reader does not take): the declaration -> its page.
 PAGES = {"ReplayMetrics": "replay-metrics.md", "ContentionRecord": "replay-metrics.md",
          "TolerancesFile": "verdict-format.md", "BoundFile": "mismatch.md", "VerdictDocument": "verdict-format.md",
-         "VerdictCheck": "verdict-format.md", "Refusal": "verdict-format.md", "Stopped": "cluster.md"}
+         "VerdictCheck": "verdict-format.md", "Refusal": "verdict-format.md", "Stopped": "cluster.md",
+         "RunEnd": "cluster.md"}
 
 
 @pytest.mark.parametrize("name", sorted(PAGES))

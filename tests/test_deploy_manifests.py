@@ -632,7 +632,9 @@ def test_jobs_and_workflow_run_the_same_step_commands() -> None:
     differing only in where the run directory, the index and the pins come from."""
     wft = argo_doc("WorkflowTemplate")
     argo_cmds = {t["name"]: t["container"]["command"] for t in wft["spec"]["templates"] if "container" in t}
-    assert argo_cmds.pop(argo.FINAL) == argo_cmds["reduce"]  # the exit handler reduces as the reducer does
+    # the exit handler reduces as the reducer does, after recording what ended the run (tests/test_deploy_exit.py)
+    assert argo_cmds.pop(argo.FINAL) == [*argo_cmds["reduce"], "--ended", "{{workflow.status}}", "--failures",
+                                         "{{workflow.failures}}"]
     job_cmds = {d["metadata"]["labels"]["app.kubernetes.io/component"]: c["command"]
                 for _, d in stage_docs() for c in containers_of(d)}
     assert set(argo_cmds) == set(job_cmds) == {"capture", "replay", "reduce"}
@@ -961,6 +963,7 @@ def test_every_ended_workflow_has_a_verdict_from_its_exit_handler() -> None:
     ((step,),) = templates[argo.ON_EXIT]["steps"]
     assert step["template"] == argo.FINAL and step["when"] == "{{workflow.status}} != Succeeded"
     final, reduce = templates[argo.FINAL], templates["reduce"]
-    assert final["container"]["command"] == reduce["container"]["command"]
-    assert final["outputs"] == reduce["outputs"] and final["outputs"]["parameters"][0]["globalName"] == "verdict"
+    assert final["container"]["command"][:-4] == reduce["container"]["command"]  # and --ended, --failures
+    assert final["outputs"]["parameters"][0] == reduce["outputs"]["parameters"][0]
+    assert [p["globalName"] for p in final["outputs"]["parameters"]] == ["verdict", "ended"]
     assert final["retryStrategy"] == reduce["retryStrategy"] and "activeDeadlineSeconds" in final

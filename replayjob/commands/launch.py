@@ -70,7 +70,9 @@ def _step(args: dict[str, Any]) -> int:
         step.reduce_step(spec, layout, wait_s=wait_s, outputs=outputs,
                          blocks=integer_or(args, "--blocks", None),
                          report=Path(args["--report"]) if args["--report"] else None,
-                         max_looks=integer(args, "--max-looks")).raise_for_status()
+                         max_looks=integer(args, "--max-looks"),
+                         ended=(args["--ended"], args["--failures"]) if args["--ended"] is not None else None,
+                         ).raise_for_status()
     return 0
 
 

@@ -49,6 +49,7 @@ import json
 from typing import Any
 
 from replayjob.artifacts import pods
+from replayjob.artifacts.run_end import RUN_END_FILE
 from replayjob.artifacts.spec import AblationSpec
 from replayjob.errors import FINAL_EXIT_STATUSES
 from replayjob.launch import k8s
@@ -196,9 +197,15 @@ def templates(spec: AblationSpec) -> list[Doc]:
                        outputs=verdict_out)
     # the exit handler: a workflow that ended otherwise than Succeeded (a failed reducer pod, a stop, the
     # deadline) still ends with a verdict: the reduce step again over what the run left (same inputs, same
-    # bytes; missing evidence makes it incomplete, exit 3), published as the same global output
-    final = _template(spec, FINAL, k8s.step_command("reduce", RUN_DIR, "--outputs", OUTPUTS), False,
-                      component="reduce", outputs=verdict_out)
+    # bytes; missing evidence makes it incomplete, exit 3), published as the same global output; first it
+    # records what ended the run (RUN/ended.json from the workflow's status and failed nodes: stopped, a
+    # deadline, a failed stage), published as the global output `ended`
+    ended_out = {"name": "ended", "valueFrom": {"path": f"{OUTPUTS}/{RUN_END_FILE}", "default": ""},
+                 "globalName": "ended"}
+    final = _template(spec, FINAL, k8s.step_command("reduce", RUN_DIR, "--outputs", OUTPUTS,
+                                                    "--ended", "{{workflow.status}}",
+                                                    "--failures", "{{workflow.failures}}"), False,
+                      component="reduce", outputs={"parameters": [*verdict_out["parameters"], ended_out]})
     on_exit = {"name": ON_EXIT, "steps": [[{"name": FINAL, "template": FINAL,
                                             "when": "{{workflow.status}} != Succeeded"}]]}
     return [main, capture, *replays, reduce, on_exit, final]

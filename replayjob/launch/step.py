@@ -76,7 +76,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replayjob.artifacts import metrics
+from replayjob.artifacts import metrics, run_end
 from replayjob.artifacts import run_record as runrecord
 from replayjob.artifacts.pods import to_dict as pods_to_dict
 from replayjob.artifacts.spec import DETERMINISM_ENV, RENDERED_ENV, AblationSpec, Run, is_digest_ref
@@ -630,7 +630,7 @@ def expected_files(spec: AblationSpec, layout: Layout, blocks: int | None = None
 
 def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, outputs: Path | None = None,
                 blocks: int | None = None, report: Path | None = None, max_looks: int = 1,
-                log: Any = print) -> Any:
+                ended: tuple[str, str] | None = None, log: Any = print) -> Any:
     """Reduce every replay of the run against the capture, for every arm of the selection; always
     writes ``RUN/verdict.json`` (refused when evidence is missing).  Returns the verdict.
 
@@ -638,12 +638,20 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
     ``mixed_hardware``, budgets; the first arm is the baseline of the ratios), so every launcher
     reduces alike.  ``blocks`` reduces only the first N repeats of each arm (one look of a sequential
     experiment, ``funnel --until-decided``); ``report`` also writes the markdown report (and PNG);
-    ``max_looks`` is the budgets' alpha spending (the most looks the experiment may take)."""
+    ``max_looks`` is the budgets' alpha spending (the most looks the experiment may take).  ``ended``
+    (Argo's exit handler: the workflow's status and failed nodes) first writes ``RUN/ended.json``, naming
+    what ended the run (:mod:`replayjob.artifacts.run_end`), also to ``outputs``."""
 
     if blocks is not None and not 1 <= blocks <= spec.repeats:
         raise UsageError(f"--blocks must be between 1 and the selection's {spec.repeats} repeats, got {blocks}")
     check_rendered(spec)
     check_run_record(layout, spec, create=False)
+    if ended is not None:  # before the verdict: what ended the run is known whatever the reduce finds
+        layout.run.mkdir(parents=True, exist_ok=True)  # a run stopped before its first step has no directory yet
+        record = run_end.write_run_end(layout.run / run_end.RUN_END_FILE, run_end.run_end(*ended))
+        log(f"step: {record.line}; recorded in {layout.run / run_end.RUN_END_FILE}")
+        if outputs is not None:
+            atomic_write_bytes(outputs / run_end.RUN_END_FILE, (layout.run / run_end.RUN_END_FILE).read_bytes())
     deadline = time.monotonic() + wait_s
     expected = list(expected_files(spec, layout, blocks))
     for path in expected:
