@@ -1,0 +1,53 @@
+"""``discover`` finds exactly what a walk with :func:`os.walk` finds, in pathlib's order, with one listing per
+directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from replayjob.gate.evidence import REPLAY_FILE, discover
+
+
+def _walked(paths: list[str | Path]) -> list[Path]:
+    """The reference: :func:`os.walk` below each directory, ``Path`` keys, pathlib's sort."""
+    found: dict[Path, None] = {}
+    for raw in paths:
+        p = Path(raw)
+        if p.is_file():
+            found.setdefault(Path(os.path.abspath(p)), None)
+        else:
+            for d, _, names in os.walk(os.path.abspath(p)):
+                if REPLAY_FILE in names:
+                    found.setdefault(Path(d) / REPLAY_FILE, None)
+    return sorted(found)
+
+
+def test_discover_finds_what_os_walk_finds(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    for rel in ("a/r-1", "a/r-2", "a-b/r-1", "a/r-1/final_adapter", "deep/x/y/z", "a.b/r"):
+        (root / rel).mkdir(parents=True)
+        (root / rel / REPLAY_FILE).write_text("{}")
+    (root / "a" / "r-2" / "other.json").write_text("{}")
+    (root / "named" / REPLAY_FILE).mkdir(parents=True)  # a directory of that name is entered, not counted
+    (root / "named" / REPLAY_FILE / REPLAY_FILE).write_text("{}")
+    outside = tmp_path / "outside"
+    (outside / "r").mkdir(parents=True)
+    (outside / "r" / REPLAY_FILE).write_text("{}")
+    (root / "linked-dir").symlink_to(outside)  # not entered
+    (root / "file-link").mkdir()
+    (root / "file-link" / REPLAY_FILE).symlink_to(outside / "r" / REPLAY_FILE)  # a link to a file counts
+    (root / "dangling").mkdir()
+    (root / "dangling" / REPLAY_FILE).symlink_to(tmp_path / "missing")  # as os.walk: a name, not a directory
+    (root / "dir-link").mkdir()
+    (root / "dir-link" / REPLAY_FILE).symlink_to(outside)  # a link to a directory: neither counted nor entered
+    got = discover([str(root)])
+    assert got == _walked([root])
+    assert [p.relative_to(root).as_posix() for p in got] == [
+        "a/r-1/final_adapter/replay_metrics.json", "a/r-1/replay_metrics.json", "a/r-2/replay_metrics.json",
+        "a-b/r-1/replay_metrics.json", "a.b/r/replay_metrics.json", "dangling/replay_metrics.json",
+        "deep/x/y/z/replay_metrics.json", "file-link/replay_metrics.json",
+        "named/replay_metrics.json/replay_metrics.json"]
+    again = discover([str(root / "a"), root, root / "a" / "r-1" / REPLAY_FILE])  # each file once
+    assert again == got == _walked([root / "a", root, root / "a" / "r-1" / REPLAY_FILE])
+    assert all(type(p) is type(root) for p in got)
