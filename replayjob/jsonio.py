@@ -34,8 +34,9 @@ try:
     import msgspec
 
     _DECODE: Callable[[bytes | str], Any] | None = msgspec.json.Decoder().decode
+    _ENCODE: Callable[[Any], bytes] | None = msgspec.json.Encoder(order="sorted").encode
 except ImportError:  # pragma: no cover - msgspec is a dependency; without it the standard library reads all
-    _DECODE = None
+    _DECODE = _ENCODE = None
 
 MAX_DEPTH = 64
 MAX_INT_DIGITS = 20  # 2**64 has 20 digits
@@ -251,9 +252,79 @@ def non_finite_as_strings(obj: Any) -> Any:
 
 def pretty_bytes(obj: Any) -> bytes:
     """Stable human-readable JSON (sorted keys, two-space indent, trailing newline); strict: a NaN or an
-    infinity is refused (:class:`IntegrityError`), never written.  Every CLI ``--json`` output uses it."""
+    infinity is refused (:class:`IntegrityError`), never written.  Every CLI ``--json`` output uses it.
+
+    The bytes are the standard library's ``json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False)``
+    (its pure-Python indenting encoder), produced by msgspec's C encoder and formatter whenever that is
+    provably the same text (:func:`_fast_pretty`); anything else goes to the standard library, which decides
+    and words every refusal."""
+    fast = _fast_pretty(obj)
+    if fast is not None:
+        return fast
     try:
         text = json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False)
     except ValueError as exc:
         raise IntegrityError(f"cannot write JSON: {exc}") from None
     return (text + "\n").encode("utf-8")
+
+
+_REPR_LOW, _REPR_HIGH = 1e-4, 1e16  # a float's repr is positional exactly for 0 and 1e-4 <= |x| < 1e16
+_INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
+
+
+def _fast_pretty(obj: Any) -> bytes | None:
+    """:func:`pretty_bytes`'s text through msgspec, or ``None`` when the standard library must write it.
+
+    msgspec escapes strings, orders keys and spells integers and positional floats (``repr``'s form for 0 and
+    1e-4 <= |x| < 1e16) exactly as the standard library does, and ``msgspec.json.format`` lays out the
+    two-space indent the same way; only floats that ``repr`` writes with an exponent differ (``1e-05`` is
+    msgspec's ``0.00001``), so those are written as their ``repr`` (:func:`_plain`).  Anything that is not a
+    plain JSON value (a subclass, a key that is not a string, a NaN or an infinity, a nesting deeper than
+    :data:`FAST_DEPTH`) or any error is left to the standard library."""
+    if _ENCODE is None:  # pragma: no cover
+        return None
+    try:
+        return msgspec.json.format(_ENCODE(_plain(obj, 0)), indent=2) + b"\n"
+    except Exception:  # a doubt or an error: the standard library writes it, or words the refusal
+        return None
+
+
+def _plain(obj: Any, depth: int) -> Any:
+    """``obj`` with every float ``repr`` writes with an exponent as ``msgspec.Raw(repr(x))`` (containers copied
+    only where one lies), or :class:`_Doubt` for anything that is not a plain JSON value."""
+    t = type(obj)
+    if t is str or t is bool or obj is None:
+        return obj
+    if t is int:
+        if not _INT64_MIN <= obj <= _UINT64_MAX:
+            raise _Doubt
+        return obj
+    if t is float:
+        if obj == 0.0 or _REPR_LOW <= abs(obj) < _REPR_HIGH:
+            return obj
+        if obj != obj or obj in (math.inf, -math.inf):
+            raise _Doubt
+        return msgspec.Raw(repr(obj).encode("ascii"))
+    if depth > FAST_DEPTH:
+        raise _Doubt
+    if t is dict:
+        out: dict[str, Any] | None = None
+        for k, v in obj.items():
+            if type(k) is not str:
+                raise _Doubt
+            w = _plain(v, depth + 1)
+            if w is not v:
+                if out is None:
+                    out = dict(obj)
+                out[k] = w
+        return obj if out is None else out
+    if t is list or t is tuple:
+        items: list[Any] | None = None
+        for i, v in enumerate(obj):
+            w = _plain(v, depth + 1)
+            if w is not v:
+                if items is None:
+                    items = list(obj)
+                items[i] = w
+        return obj if items is None else items
+    raise _Doubt
