@@ -3,8 +3,9 @@
 No cluster exists here.  :class:`Cluster` holds the state (objects by kind and name, the order of
 calls, scripted outcomes) and :func:`serve` answers on loopback with Kubernetes-shaped JSON: create
 (with ``metadata.uid``, 409 on a name taken), read, list by label selector, JSON-patch, a Job's
-status and its pods, an Argo Workflow.  It plays the Job controller by finishing each Job with the
-exit code the test scripts for its stage (default 0), and, when the test says so, hands a created
+status and its pods, an Argo Workflow, a JobSet (a custom resource; its status and pods).  It plays the
+Job and JobSet controllers by finishing each Job or JobSet with the exit code the test scripts for its
+stage (default 0), and, when the test says so, hands a created
 Job to a callback (the in-cluster driver, run in a thread).  The requests, their paths and bodies,
 and the client's (de)serialisation are real.
 """
@@ -28,7 +29,8 @@ Doc = dict[str, Any]
 NS = "ablation-ns"
 PLURALS = {"configmaps": "ConfigMap", "persistentvolumeclaims": "PersistentVolumeClaim",
            "serviceaccounts": "ServiceAccount", "pods": "Pod", "jobs": "Job", "workflows": "Workflow",
-           "roles": "Role", "rolebindings": "RoleBinding", "events": "Event"}
+           "roles": "Role", "rolebindings": "RoleBinding", "events": "Event", "jobsets": "JobSet"}
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 
 
 class Cluster:
@@ -95,6 +97,19 @@ class Cluster:
             return {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
         reason = "PodFailurePolicy" if code in FINAL_EXIT_STATUSES else "BackoffLimitExceeded"
         return {"failed": 1, "conditions": [{"type": "Failed", "status": "True", "reason": reason}]}
+
+    def jobset_status(self, name: str) -> Doc:
+        """A JobSet's status as the JobSet controller writes it, from the Job it plays (its one child Job)."""
+        job = self.job_status(name)
+        if not isinstance(job, dict) or not job.get("conditions"):
+            return job if not isinstance(job, dict) or "active" not in job else {"restarts": 0}
+        (cond,) = job["conditions"]
+        if cond["type"] == "Complete":
+            return {"terminalState": "Completed", "conditions": [
+                {"type": "Completed", "status": "True", "reason": "AllJobsCompleted"}]}
+        return {"terminalState": "Failed", "conditions": [
+            {"type": "Failed", "status": "True", "reason": "FailedJobs" if cond["reason"] == "PodFailurePolicy"
+             else "ReachedMaxRestarts"}]}
 
     def pods_of(self, job: str) -> list[Doc]:
         if job in self.pods:
@@ -253,6 +268,18 @@ def handler_for(cluster: Cluster) -> type[BaseHTTPRequestHandler]:
                     self.reply(200, {**job, "status": cluster.job_status(str(name))})
                     return
                 selector = query.get("labelSelector", [""])[0]
+                if kind == "JobSet" and name is not None:  # the controller's status comes with every read
+                    cluster.calls.append(f"GET jobsets {name}")
+                    if ("JobSet", name) not in cluster.objects:
+                        self.status(404, "NotFound")
+                        return
+                    self.reply(200, {**cluster.objects[("JobSet", name)], "status": cluster.jobset_status(name)})
+                    return
+                if kind == "Pod" and name is None and selector.startswith(JOBSET_NAME_LABEL + "="):
+                    jobset = selector.split("=", 1)[1]
+                    cluster.calls.append(f"GET pods {jobset}")
+                    self.reply(200, {"kind": "PodList", "apiVersion": "v1", "items": cluster.pods_of(jobset)})
+                    return
                 if kind == "Pod" and name is None and selector.startswith("batch.kubernetes.io/job-name="):
                     job_name = selector.split("=", 1)[1]
                     cluster.calls.append(f"GET pods {job_name}")

@@ -177,9 +177,12 @@ def test_a_pod_name_beyond_a_dns_label_is_refused() -> None:
         jobset.jobset(spec, "b" * 40, 0)
 
 
-def test_launchers_of_one_pod_per_run_refuse_runs_across_nodes() -> None:
+def test_the_argo_workflow_of_one_pod_per_run_refuses_runs_across_nodes() -> None:
     spec = multi_spec()
     text = (REPO / "examples" / "ablation.toml").read_text(encoding="utf-8")
-    for render in (lambda: k8s.render(spec, text), lambda: argo.render(spec, text)):
-        with pytest.raises(UsageError, match=r"the capture, replay 0, replay 2 run on more than one node"):
-            render()
+    with pytest.raises(UsageError, match=r"the capture, replay 0, replay 2 run on more than one node"):
+        argo.render(spec, text)
+    files = k8s.render(spec, text)  # the in-cluster driver creates the JobSets (tests/test_deploy_submit.py)
+    assert set(files) == {"spec.yaml", "driver.yaml", "kustomization.yaml", k8s.KUSTOMIZE_CONFIG_FILE}
+    jobs = k8s.stage_jobs(spec, RUN)  # no Job for a run across nodes: the 2-rank replay's only
+    assert list(jobs) == ["replay-r2.yaml", "reduce.yaml"]

@@ -876,7 +876,7 @@ def test_node_gpus_requests_the_whole_node_whatever_the_ranks(tmp_path: Path) ->
     counts = {gpus(c) for d in [*files.values(), *docs] for c in containers_of(d) if is_gpu(c)}
     assert counts == {("8", "8")}  # capture, every replay Job and template: the node, exclusively
     # the 4-rank arm does not fit a 2-GPU node: it runs on 2 nodes (a JobSet, tests/test_deploy_jobset.py),
-    # which the driver's Jobs and the Argo workflow, one pod per replay, refuse to render
+    # which the Argo workflow, one pod per replay, refuses to render
     with pytest.raises(UsageError, match="replay 6, replay 7, replay 8 run on more than one node"):
         render_ranked(ranked_spec(node_gpus=2), tmp_path)
 

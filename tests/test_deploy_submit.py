@@ -33,9 +33,9 @@ from kubernetes import client
 from replayjob.artifacts.spec import Arm, load_spec_text, spec_from_text
 from replayjob.cli import main
 from replayjob.errors import ArtifactExistsError, OperationalError, ReplayjobError
-from replayjob.launch import k8s
+from replayjob.launch import jobset, k8s
 from replayjob.launch import k8s_driver as driver
-from replayjob.launch.submit import Api, submit
+from replayjob.launch.submit import Api, StageStuck, submit, wait_job
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "examples" / "ablation.toml"
@@ -417,6 +417,49 @@ def test_replay_jobs_of_each_rank_count_run_one_after_another(cluster: tuple[Clu
     assert gpus == {"capture": "2", "replay-r1": "1", "replay-r2": "2", "replay-r4": "4"}
 
 
+def test_runs_across_nodes_are_jobsets_the_driver_creates_in_waves(cluster: tuple[Cluster, client.ApiClient],
+                                                                    tmp_path: Path) -> None:
+    """Nodes of 2 GPUs: the 4-rank capture and the 4-rank arm's replays span 2 nodes, each one JobSet
+    (replayjob.launch.jobset) the driver creates and follows like a Job, the replays ``parallelism`` (2) at
+    a time, each wave after the one before ended; the 2-rank arm is the usual Indexed Job; then the
+    reducer.  A replay whose JobSet failed for good is missing evidence the reducer judges."""
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    spec = dataclasses.replace(spec, ranks=4, node_gpus=2, parallelism=2, config={"distributed.strategy": "ddp"},
+                               arms=(Arm("four"), Arm("two", {"distributed.world_size": 2})))
+    assert spec.across_nodes() == {"capture": 2, "0": 2, "1": 2, "2": 2}
+    state.exit_codes["1"] = 2  # replay 1's JobSet fails for good (a refusal): the others still run
+    logs: list[str] = []
+    claim = tmp_path / "claim"
+    (claim / "runs" / spec.name / "r9").mkdir(parents=True)
+    (claim / "runs" / spec.name / "r9" / "verdict.json").write_text(str(verdict_text(0)), encoding="utf-8")
+    me = state.add({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "replayjob-ablation-r9-driver",
+                                                                           "labels": {}}})
+    ctx = driver.Context(namespace=NS, job="replayjob-ablation-r9-driver", uid=me["metadata"]["uid"], pod="",
+                         run_id="r9", gpu_product="", image=spec.image, artifacts=str(claim))
+    assert driver.drive(spec, text, ctx, fast_api(api), poll_s=0.001, log=logs.append) == 0
+    made = [c.split(maxsplit=1)[1].replace("replayjob-ablation-r9-", "") for c in state.calls
+            if c.startswith(("POST jobs", "POST jobsets"))]
+    assert made == ["jobsets capture", "jobs replay-r2", "jobsets replay-0", "jobsets replay-1", "jobsets replay-2",
+                    "jobs reduce"]
+    calls = state.calls
+    first = calls.index("GET jobsets replayjob-ablation-r9-replay-0")
+    assert calls.index("POST jobsets replayjob-ablation-r9-replay-1") < first  # one wave: created together
+    last = max(i for i, c in enumerate(calls) if c in ("GET jobsets replayjob-ablation-r9-replay-0",
+                                                       "GET jobsets replayjob-ablation-r9-replay-1"))
+    assert calls.index("POST jobsets replayjob-ablation-r9-replay-2") > last  # the next wave after it ended
+    assert any("jobset/replayjob-ablation-r9-replay-1 failed" in line for line in logs)
+    made_js = state.objects[("JobSet", "replayjob-ablation-r9-replay-0")]
+    assert made_js["metadata"]["ownerReferences"][0]["uid"] == me["metadata"]["uid"]
+    assert made_js == {**jobset.jobset(spec, "r9", 0, ctx.owner), "metadata": made_js["metadata"]}
+    # the driver's Role may create and follow JobSets only where a spec has runs across nodes
+    rules = k8s.driver_rbac(spec)["role.yaml"]["rules"]
+    assert {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": ["get", "list", "create", "patch"]} \
+        in rules
+    assert all("jobset.x-k8s.io" not in r["apiGroups"] for r in k8s.driver_rbac(load_spec_text(SPEC)[0])["role.yaml"]
+               ["rules"])
+
+
 def test_the_driver_refuses_outside_its_pod_and_names_the_run_from_the_uid() -> None:
     with pytest.raises(ReplayjobError, match="not a driver Job's pod"):
         driver.Context.from_env({})
@@ -719,3 +762,27 @@ def test_a_pod_that_is_pending_only_briefly_is_waited_for(
     assert submit(spec, text, NS, wait=True, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r6") == 0
     kubelet.join()
     assert any(f"job {job}: waiting: pod {job}-abcde: Unschedulable" in line for line in kubelet.logs)
+
+
+def test_a_jobset_that_cannot_start_is_named_by_its_pods_and_its_job_s_events(
+        cluster: tuple[Cluster, client.ApiClient]) -> None:
+    """A run across nodes waits like a Job: an Unschedulable pod of the JobSet (found by the JobSet's pod
+    label) or a FailedCreate Event of the Job it creates stops the wait after the grace period (3)."""
+    state, api = cluster
+    name = "replayjob-ablation-r5-replay-0"
+    state.add({"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": {"name": name, "labels": {}},
+               "spec": {}})
+    state.exit_codes["0"] = 0
+    state.statuses[name] = {"active": 1}  # never ends by itself
+    state.pods[name] = [pending_pod(f"{name}-n-0-0", scheduled=UNSCHEDULABLE)]
+    a = fast_api(api)
+    stuck = a.stage_stuck(NS, name, "JobSet")
+    assert stuck is not None and (stuck.reason, stuck.message) == ("Unschedulable", UNSCHEDULABLE["message"])
+    assert f"GET pods {name}" in state.calls  # by the JobSet's label, not a Job's
+    with pytest.raises(StageStuck, match=r"Insufficient nvidia\.com/gpu"):
+        wait_job(a, NS, name, 0.001, lambda s: None, start_grace_s=0.01, kind="JobSet")
+    state.pods[name] = []
+    state.events.append({"metadata": {"name": "e1"}, "reason": "FailedCreate", "message": QUOTA,
+                         "involvedObject": {"kind": "Job", "name": f"{name}-n-0"}})
+    stuck = a.stage_stuck(NS, name, "JobSet")
+    assert stuck is not None and (stuck.reason, stuck.message) == ("FailedCreate", QUOTA)

@@ -24,7 +24,9 @@ launch: the gang restarts together), and the JobSet's ``failurePolicy`` fails th
 ``PodFailurePolicy`` failure (final) and otherwise recreates it, at most :data:`replayjob.launch.k8s.RETRIES`
 times.  Placement, security, the spec's ``[pods]``, the determinism environment and the queue label are
 those of every stage pod (:func:`replayjob.launch.k8s.pod_template`), so the embedded pod template passes
-the same schema checks as the Jobs'.
+the same schema checks as the Jobs'.  The in-cluster driver (:mod:`replayjob.launch.k8s_driver`) creates
+them and follows them as it follows a Job; the Argo workflow refuses such a spec
+(:func:`replayjob.launch.k8s.check_one_node`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ from replayjob.runtime import distributed
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
 KIND = "JobSet"
+GROUP, VERSION = API_VERSION.split("/")
+PLURAL = "jobsets"
+NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"  # set by the JobSet controller on every pod of a JobSet
 NODE_JOB = "n"  # the replicated Job: pod hostnames are JOBSET-n-0-<node>, within the 63-character DNS label
 RDZV_PORT = 29400  # torchrun's default c10d port
 FINAL_REASON = "PodFailurePolicy"  # a Job failed by its podFailurePolicy's FailJob rule: exit 1 or 2
@@ -47,6 +52,11 @@ Doc = dict[str, Any]
 def name_of(spec: AblationSpec, run_id: str, index: int | None) -> str:
     """The JobSet's name: ``NAME-RUNID-capture`` or ``NAME-RUNID-replay-I``."""
     return f"{k8s.prefix(spec, run_id)}-" + ("capture" if index is None else f"replay-{index}")
+
+
+def child_job(name: str) -> str:
+    """The name of the one Job the JobSet controller creates from a JobSet of this module's."""
+    return f"{name}-{NODE_JOB}-0"
 
 
 def leader(name: str) -> str:

@@ -377,9 +377,11 @@ def capture_job(spec: AblationSpec, run_id: str, owner: OwnerRef | None = None) 
 
 def replay_files(spec: AblationSpec) -> list[str]:
     """The replay Jobs' names, in the order they run: ``replay.yaml`` when every replay runs the same
-    number of ranks, else ``replay-rN.yaml`` per rank count (ascending)."""
+    number of ranks, else ``replay-rN.yaml`` per rank count (ascending); none for a rank count whose
+    replays span nodes (one JobSet each: :mod:`replayjob.launch.jobset`)."""
     groups = spec.rank_groups()
-    return ["replay.yaml"] if len(groups) == 1 else [f"replay-r{n}.yaml" for n in groups]
+    return [f for f, n in zip(["replay.yaml"] if len(groups) == 1 else [f"replay-r{n}.yaml" for n in groups],
+                              groups, strict=True) if spec.nodes_for(n)[0] == 1]
 
 
 def replay_jobs(spec: AblationSpec, run_id: str, owner: OwnerRef | None = None) -> list[Doc]:
@@ -389,6 +391,8 @@ def replay_jobs(spec: AblationSpec, run_id: str, owner: OwnerRef | None = None) 
     groups = spec.rank_groups()
     out = []
     for ranks, indexes in groups.items():
+        if spec.nodes_for(ranks)[0] > 1:  # replays across nodes: one JobSet each (replayjob.launch.jobset)
+            continue
         where = ["--index"] if len(groups) == 1 else ["--position"]  # the same number with a single group
         cont = container(spec, step_command("replay", run_dir(spec), *where, "$(REPLAYJOB_INDEX)",
                                             "--ranks", str(ranks), "--wait-s", str(REPLAY_WAIT_S)), spec.gpu,
@@ -410,8 +414,10 @@ def reduce_job(spec: AblationSpec, run_id: str, owner: OwnerRef | None = None) -
 
 def stage_jobs(spec: AblationSpec, run_id: str, owner: OwnerRef | None = None) -> dict[str, Doc]:
     """The Jobs of one run, in the order the driver creates them (each when its turn has come):
-    capture, one replay Job per rank count, reduce; owned by ``owner`` (the driver)."""
-    return {"capture.yaml": capture_job(spec, run_id, owner),
+    capture, one replay Job per rank count, reduce; owned by ``owner`` (the driver).  A capture or a rank
+    count whose runs span nodes has no Job here: it runs as JobSets (:mod:`replayjob.launch.jobset`)."""
+    capture = {} if "capture" in spec.across_nodes() else {"capture.yaml": capture_job(spec, run_id, owner)}
+    return {**capture,
             **dict(zip(replay_files(spec), replay_jobs(spec, run_id, owner), strict=True)),
             "reduce.yaml": reduce_job(spec, run_id, owner)}
 
@@ -432,6 +438,9 @@ def driver_rbac(spec: AblationSpec) -> dict[str, Doc]:
              {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
              {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},  # FailedCreate is only an Event
              {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch"]}]
+    if spec.across_nodes():  # runs across nodes are JobSets (replayjob.launch.jobset), created and followed alike
+        rules.append({"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"],
+                      "verbs": ["get", "list", "create", "patch"]})
     return {
         "serviceaccount.yaml": {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta),
                                 "automountServiceAccountToken": False},  # the driver's pod asks for it
@@ -543,8 +552,9 @@ def check_one_node(spec: AblationSpec, launcher: str) -> None:
         raise UsageError(f"{what}{' ...' if len(runs) > 4 else ''} run{'s' if len(runs) == 1 else ''} on more than "
                          f"one node (node_gpus = {spec.node_gpus}), and {launcher} runs each capture and replay "
                          "in one pod", where="node_gpus",
-                         hint="runs across nodes are JobSets (replayjob.launch.jobset; docs/cluster.md, Multi-node "
-                              "replays) or Slurm jobs of several nodes (scripts/slurm/submit.sh)")
+                         hint="runs across nodes are JobSets, which the in-cluster driver creates (replayjob k8s "
+                              "submit; docs/cluster.md, Multi-node replays), or Slurm jobs of several nodes "
+                              "(scripts/slurm/submit.sh)")
 
 
 def render(spec: AblationSpec, text: str, run_id: str | None = None) -> dict[str, Doc]:
@@ -553,7 +563,6 @@ def render(spec: AblationSpec, text: str, run_id: str | None = None) -> dict[str
     is :func:`render_setup`'s, the stages are :func:`stage_jobs` (the driver creates them).  Refused
     unless the spec can run on a cluster (:meth:`~replayjob.artifacts.spec.AblationSpec.check_cluster`)."""
     spec.check_cluster()
-    check_one_node(spec, "the in-cluster driver")
     cm = spec_config_map(spec, text, run_id)
     files: dict[str, Doc] = {"spec.yaml": cm, "driver.yaml": driver_job(spec, run_id, cm["metadata"]["name"],
                                                                          text=text)}

@@ -17,7 +17,9 @@ follow Jobs, read pods, keep ConfigMaps, in its namespace).  It:
    when it exists) and owns it; every stage Job it creates is owned by it too, so the run's objects
    go with the driver (its TTL, ``kubectl delete``);
 5. creates the stages one after another, each only when the one before has ended: the capture; the
-   replay Job(s) (one per rank count) only after the capture succeeded; then the reduce Job, which
+   replay Job(s) (one per rank count) only after the capture succeeded, and a JobSet per replay whose
+   ranks span nodes (:mod:`replayjob.launch.jobset`; the capture too when it does), ``parallelism`` at a
+   time; then the reduce Job, which
    always runs: after the replays, however they ended, and also after a capture that failed for good
    (no replays; the verdict is refused: no capture), so every run ends with a verdict;
 6. adopts the stage Jobs that already exist (a retried driver pod, ``k8s resume``): a finished stage
@@ -45,7 +47,7 @@ from replayjob.artifacts import cluster_status as outcome
 from replayjob.artifacts.spec import AblationSpec, load_spec_text
 from replayjob.artifacts.verdict import read_verdict
 from replayjob.errors import EXIT_OK, ConfigError, ContractError, ReplayjobError
-from replayjob.launch import k8s
+from replayjob.launch import jobset, k8s
 from replayjob.launch.step import check_rendered
 from replayjob.launch.submit import (
     START_GRACE_ENV,
@@ -163,17 +165,23 @@ def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: floa
         raise ContractError(f"configmap/{config_map['metadata']['name']} holds another spec than this run's",
                             where=f"namespace {ns}", hint="a run keeps its spec; submit a new run for another")
     stages = k8s.stage_jobs(spec, ctx.run_id, owner)
-    capture, reduce = stages.pop("capture.yaml"), stages.pop("reduce.yaml")
+    across = jobset.stage_jobsets(spec, ctx.run_id, owner)  # runs across nodes: one JobSet each
+    capture = stages.pop("capture.yaml", None) or across.pop("capture.yaml")
+    reduce = stages.pop("reduce.yaml")
+    # replays across nodes, `parallelism` JobSets at a time, each wave after the one before has ended
+    waves = [list(across.values())[i:i + spec.parallelism] for i in range(0, len(across), spec.parallelism)]
 
-    total = len(stages) + 2
+    total = len(stages) + len(across) + 2
 
-    def run(body: dict[str, Any]) -> str:
+    def start(body: dict[str, Any]) -> None:
         _ensure(api, ns, body, owner, log, owners)
+        started.append(body["metadata"]["name"])
+        log(f"driver: stage {len(started)}/{total}: {body['kind'].lower()}/{body['metadata']['name']}")
+
+    def follow(body: dict[str, Any]) -> str:
         name = body["metadata"]["name"]
-        started.append(name)
-        log(f"driver: stage {len(started)}/{total}: job/{name}")
         try:
-            return wait_job(api, ns, name, poll_s, log, job_deadline_s(body), start_grace_s)[0]
+            return wait_job(api, ns, name, poll_s, log, job_deadline_s(body), start_grace_s, body["kind"])[0]
         except StageStuck as exc:  # recorded beside the run's spec, where `k8s ... --wait` reads it
             record = outcome.stopped_record(body["metadata"]["labels"]["app.kubernetes.io/component"], name,
                                             exc.cause)
@@ -182,12 +190,20 @@ def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: floa
             log(f"driver: run {ctx.run_id} stopped: stage {record['stage']}: {exc.cause.line()}; exit 3")
             raise
 
+    def run(body: dict[str, Any]) -> str:
+        start(body)
+        return follow(body)
+
     started: list[str] = []
 
     if run(capture) == "Complete":
-        for body in stages.values():  # one replay Job per rank count, one after another
-            if run(body) == "Failed":
-                log(f"driver: job/{body['metadata']['name']} failed; the reducer judges the missing replays")
+        for wave in [[body] for body in stages.values()] + waves:  # one replay Job per rank count, then the
+            for body in wave:                                      # JobSets; one after another
+                start(body)
+            for body in wave:
+                if follow(body) == "Failed":
+                    log(f"driver: {body['kind'].lower()}/{body['metadata']['name']} failed; the reducer judges "
+                        "the missing replays")
     else:
         log(f"driver: job/{capture['metadata']['name']} failed for good: no replay runs; the reducer writes the "
             "verdict (refused: no capture)")

@@ -46,7 +46,7 @@ from replayjob.errors import (
     error_for_exit_status,
 )
 from replayjob.jsonio import loads_strict
-from replayjob.launch import k8s
+from replayjob.launch import jobset, k8s
 
 Log = Callable[[str], None]
 RETRY_STATUS = (429, 500, 502, 503, 504)
@@ -64,12 +64,34 @@ def contains(actual: Any, expected: Any) -> bool:
     return bool(actual == expected)
 
 
+JOBSET_KIND = jobset.KIND
+_JOBSET_ENDS = {"Completed": "Complete", "Failed": "Failed"}
+
+
+def jobset_as_job(doc: Any) -> Any:
+    """A JobSet's status in a Job's terms, for the one Job status reader: its ``Completed`` and ``Failed``
+    conditions as ``Complete`` and ``Failed``, ``spec.suspend``; anything malformed is passed on as it is,
+    for the reader to name."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("status", {}), dict):
+        return doc
+    conds = (doc.get("status") or {}).get("conditions") or []
+    if not isinstance(conds, list):
+        return {**doc, "spec": {}, "status": {"conditions": conds}}
+    ended = [{**c, "type": _JOBSET_ENDS[c["type"]]} for c in conds
+             if isinstance(c, dict) and c.get("type") in _JOBSET_ENDS]
+    spec: dict[str, Any] = doc["spec"] if isinstance(doc.get("spec"), dict) else {}
+    return {"metadata": doc.get("metadata"), "spec": {"suspend": bool(spec.get("suspend"))},
+            "status": {"conditions": ended}}
+
+
 def is_rendered(found: dict[str, Any], body: dict[str, Any]) -> bool:
     """Whether an object found under ``body``'s name is ``body`` as this run rendered it: its labels, and for a
     Job its pod template (what its pods would run)."""
     same = contains(found.get("metadata", {}).get("labels") or {}, body["metadata"].get("labels") or {})
     if body.get("kind") == "Job":
         same = same and contains((found.get("spec") or {}).get("template"), body["spec"]["template"])
+    if body.get("kind") == "JobSet":  # a run across nodes: its replicated Job, pod template included
+        same = same and contains((found.get("spec") or {}).get("replicatedJobs"), body["spec"]["replicatedJobs"])
     return same
 IN_CLUSTER_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -144,12 +166,27 @@ class Api:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _method(self, kind: str, verb: str) -> Callable[..., Any]:
+        if kind == JOBSET_KIND:
+            return self._jobset(verb)
         api, plural = {"ConfigMap": (self.core, "config_map"),
                        "PersistentVolumeClaim": (self.core, "persistent_volume_claim"),
                        "ServiceAccount": (self.core, "service_account"), "Pod": (self.core, "pod"),
                        "Job": (self.batch, "job")}[kind]
         fn: Callable[..., Any] = getattr(api, f"{verb}_namespaced_{plural}")
         return fn
+
+    def _jobset(self, verb: str) -> Callable[..., Any]:
+        """A JobSet's calls (a custom resource), taking the arguments the built-in kinds' calls take."""
+        group, version, plural, c = jobset.GROUP, jobset.VERSION, jobset.PLURAL, self.custom
+        calls: dict[str, Callable[..., Any]] = {
+            "create": lambda namespace, body, **kw: c.create_namespaced_custom_object(
+                group, version, namespace, plural, body, **kw),
+            "read": lambda name, namespace, **kw: c.get_namespaced_custom_object(
+                group, version, namespace, plural, name, **kw),
+            "list": lambda namespace, **kw: c.list_namespaced_custom_object(group, version, namespace, plural, **kw),
+            "patch": lambda name, namespace, body, **kw: c.patch_namespaced_custom_object(
+                group, version, namespace, plural, name, body, _content_type="application/json-patch+json", **kw)}
+        return calls[verb]
 
     def as_dict(self, obj: Any) -> dict[str, Any]:
         out: dict[str, Any] = self.client.sanitize_for_serialization(obj)
@@ -250,26 +287,32 @@ class Api:
             raise OperationalError(f"{what}: the API answered no JSON object ({exc.message})",
                                    where=f"namespace {namespace}") from None
 
-    def job_state(self, namespace: str, name: str) -> tuple[str | None, str, bool]:
+    def job_state(self, namespace: str, name: str, kind: str = "Job") -> tuple[str | None, str, bool]:
         """(``Complete`` or ``Failed``, its reason, whether it is suspended) of Job ``name``; (None, "", ...)
-        while it runs."""
+        while it runs.  A JobSet's ``Completed`` and ``Failed`` conditions are read as a Job's."""
+        if kind == JOBSET_KIND:
+            doc = self.raw(f"reading jobset {name}", namespace, self._jobset("read"), name, namespace)
+            return outcome.job_end(jobset_as_job(doc), f"jobset {name}")
         doc = self.raw(f"reading job {name}", namespace, self.batch.read_namespaced_job_status, name, namespace)
         return outcome.job_end(doc, name)
 
-    def stage_stuck(self, namespace: str, name: str) -> outcome.Stuck | None:
-        """What keeps Job ``name``'s pods from starting, from its pods and its events (read-only ``events``)."""
-        pods = self.raw(f"listing pods of job {name}", namespace, self.core.list_namespaced_pod, namespace,
-                        label_selector=f"{k8s.JOB_NAME_LABEL}={name}")
-        events = self.raw(f"listing events of job {name}", namespace, self.core.list_namespaced_event, namespace,
-                          field_selector=f"involvedObject.name={name}")
-        return outcome.stuck(name, pods, events)
+    def _pods(self, namespace: str, name: str, kind: str) -> Any:
+        label = jobset.NAME_LABEL if kind == JOBSET_KIND else k8s.JOB_NAME_LABEL
+        return self.raw(f"listing pods of {kind.lower()} {name}", namespace, self.core.list_namespaced_pod, namespace,
+                        label_selector=f"{label}={name}")
 
-    def exit_code(self, namespace: str, name: str) -> int | None:
-        """The decisive exit code among the Job's terminated containers, else None: a final 1 or 2 in any
-        attempt outranks a retryable 3 in another, whatever order the API lists the pods in."""
-        doc = self.raw(f"listing pods of job {name}", namespace, self.core.list_namespaced_pod, namespace,
-                       label_selector=f"{k8s.JOB_NAME_LABEL}={name}")
-        return outcome.decisive_code(outcome.pod_codes(doc, name))
+    def stage_stuck(self, namespace: str, name: str, kind: str = "Job") -> outcome.Stuck | None:
+        """What keeps Job ``name``'s pods from starting, from its pods and its events (read-only ``events``);
+        for a JobSet, its pods and the events of the Job it creates."""
+        job = jobset.child_job(name) if kind == JOBSET_KIND else name
+        events = self.raw(f"listing events of job {job}", namespace, self.core.list_namespaced_event, namespace,
+                          field_selector=f"involvedObject.name={job}")
+        return outcome.stuck(job, self._pods(namespace, name, kind), events)
+
+    def exit_code(self, namespace: str, name: str, kind: str = "Job") -> int | None:
+        """The decisive exit code among the Job's (or JobSet's) terminated containers, else None: a final 1 or
+        2 in any attempt outranks a retryable 3 in another, whatever order the API lists the pods in."""
+        return outcome.decisive_code(outcome.pod_codes(self._pods(namespace, name, kind), name))
 
 
 WAIT_GRACE_S = 600  # how long past a Job's own deadline its wait goes on (the Job controller's lag)
@@ -291,18 +334,19 @@ class StageStuck(OperationalError):
 
 
 def wait_job(api: Api, namespace: str, name: str, poll_s: float, log: Log, deadline_s: float | None = None,
-             start_grace_s: float | None = None) -> tuple[str, str]:
+             start_grace_s: float | None = None, kind: str = "Job") -> tuple[str, str]:
     """Poll a Job until it has ended: every ``poll_s`` seconds, sooner at first (0.5 s, doubling), so a
     short stage is seen ending soon after it did.  With ``deadline_s`` the wait has a deadline of its own:
     a Job not ended after that long unsuspended (time a queue holds it suspended is not counted) is
     :class:`OperationalError` (3), whatever its conditions say or fail to say.  With ``start_grace_s``,
     what keeps the Job's pods from starting (:func:`replayjob.artifacts.cluster_status.stuck`) is reported as it
-    changes and ends the wait (:class:`StageStuck`, 3) once it has lasted that long."""
+    changes and ends the wait (:class:`StageStuck`, 3) once it has lasted that long.  ``kind`` ``JobSet``:
+    a run across nodes, followed the same way."""
     delay = min(poll_s, 0.5)
     waited = stuck_for = 0.0
     cause: outcome.Stuck | None = None
     while True:
-        state, reason, suspended = api.job_state(namespace, name)
+        state, reason, suspended = api.job_state(namespace, name, kind)
         if state is not None:
             log(f"job {name}: {state}{' (' + reason + ')' if reason else ''}")
             return state, reason
@@ -311,7 +355,7 @@ def wait_job(api: Api, namespace: str, name: str, poll_s: float, log: Log, deadl
                                    f"{WAIT_GRACE_S} s more); nothing decided", where=f"namespace {namespace}",
                                    hint=f"kubectl -n {namespace} describe job {name}")
         if start_grace_s is not None and not suspended:
-            now = api.stage_stuck(namespace, name)
+            now = api.stage_stuck(namespace, name, kind)
             if now != cause:
                 if now is not None:
                     log(f"job {name}: waiting: {now.line()} (ends the run after {start_grace_s:g} s)")
@@ -327,8 +371,14 @@ def wait_job(api: Api, namespace: str, name: str, poll_s: float, log: Log, deadl
 
 
 def job_deadline_s(job: dict[str, Any]) -> float | None:
-    """How long to wait for ``job`` (rendered): its ``activeDeadlineSeconds`` and :data:`WAIT_GRACE_S`."""
-    seconds = (job.get("spec") or {}).get("activeDeadlineSeconds")
+    """How long to wait for ``job`` (rendered): its ``activeDeadlineSeconds`` and :data:`WAIT_GRACE_S`; for a
+    JobSet, its Job's deadline for every attempt (``failurePolicy.maxRestarts`` + 1) and the same grace."""
+    spec = job.get("spec") or {}
+    if job.get("kind") == JOBSET_KIND:
+        (rjob,) = spec["replicatedJobs"]
+        seconds = rjob["template"]["spec"]["activeDeadlineSeconds"] * (spec["failurePolicy"]["maxRestarts"] + 1)
+    else:
+        seconds = spec.get("activeDeadlineSeconds")
     return None if not isinstance(seconds, int) else float(seconds + WAIT_GRACE_S)
 
 
