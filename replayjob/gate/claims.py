@@ -17,7 +17,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -163,11 +163,13 @@ def _with_source(source: Source | None, attr: str, replays: list[Replay]) -> lis
 
 
 def input_checks(replays: list[Replay], arms: dict[str, Arm], source: Source | None,
-                 min_repeats: int, expected_arms: tuple[str, ...] | None = None) -> list[Check]:
+                 min_repeats: int, expected_arms: tuple[str, ...] | None = None,
+                 scans: AdapterScans | None = None) -> list[Check]:
     """Refusing checks: the expected arms, enough repeats, one source, unique repeat indices.
 
     Arms are read from the metrics, so an arm whose replays all failed would be invisible; with
-    ``expected_arms`` it counts as zero replays and is named.
+    ``expected_arms`` it counts as zero replays and is named.  ``scans``: the adapters already being
+    hashed (:class:`AdapterScans`).
     """
     counts = {a.name: len(a.replays) for a in arms.values()}
     checks: list[Check] = []
@@ -195,7 +197,7 @@ def input_checks(replays: list[Replay], arms: dict[str, Arm], source: Source | N
     checks.append(Check("inputs.unique_repeats", "inputs", REFUSED if dup else PASS,
                         "one file per (arm, repeat_index)", {"files": len(replays), "pairs": len(seen)},
                         "the same replay counted twice would shrink the spread", dup))
-    checks.append(on_disk_check(replays, source))
+    checks.append(on_disk_check(replays, source, scans))
     checks.append(plan_check(arms))
     return checks
 
@@ -381,17 +383,48 @@ def _disk_scans(paths: list[Path]) -> list[tuple[str | None, str | None]]:
         return list(pool.map(_disk_scan, paths))
 
 
-def on_disk_check(replays: list[Replay], source: Source | None) -> Check:
+class AdapterScans:
+    """Final adapters hashed in the background while the rest of the evidence is still read: reduce hands each
+    replay over (:meth:`start`) as soon as its metrics are read, and :func:`on_disk_check` collects the results
+    (:meth:`take`), so the hashing runs beside the reading on another core.  The scan is :func:`_disk_scan`'s,
+    the same as when :func:`on_disk_check` hashes the files itself; :meth:`close` cancels what was not
+    started (a refusal part-way)."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[Path, Future[tuple[str | None, str | None]]] = {}
+
+    def start(self, replay: Replay) -> Replay:
+        """Start hashing ``replay``'s final adapter; returns ``replay``."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=min(HASH_WORKERS, os.cpu_count() or 1),
+                                            thread_name_prefix="replayjob-adapter-hash")
+        self._pending[replay.final_adapter_file] = self._pool.submit(_disk_scan, replay.final_adapter_file)
+        return replay
+
+    def take(self, path: Path) -> tuple[str | None, str | None]:
+        """The scan of ``path``: the one started for it (once), else one made now."""
+        pending = self._pending.pop(path, None)
+        return _disk_scan(path) if pending is None else pending.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pending.clear()
+
+
+def on_disk_check(replays: list[Replay], source: Source | None, scans: AdapterScans | None = None) -> Check:
     """Recompute every final adapter's SHA-256 from its file and check its safetensors header (the one
     reader, :mod:`replayjob.tensorfile`; no tensor is built): a file that does not match, or that matches
-    but is not a valid safetensors file, is refused."""
+    but is not a valid safetensors file, is refused.  ``scans``: the replays' adapters already being hashed."""
     members = [(r.label, r.final_adapter_file, r.final_adapter) for r in replays]
     if source is not None and source.final_adapter_file is not None:  # a captured step keeps only the SHA-256
         members.insert(0, ("source", source.final_adapter_file, source.final_adapter))
+    paths = [m[1] for m in members]
+    scanned = _disk_scans(paths) if scans is None else [scans.take(p) for p in paths]
     mismatched: dict[str, Any] = {}
     invalid: dict[str, str] = {}
-    for (label, _path, reported), (actual, error) in zip(members, _disk_scans([m[1] for m in members]),
-                                                         strict=True):
+    for (label, _path, reported), (actual, error) in zip(members, scanned, strict=True):
         if actual != reported:
             mismatched[label] = {"reported": reported, "on_disk": actual}
         elif error is not None:

@@ -88,6 +88,7 @@ class _State:
         self.checks: list[C.Check] = []
         self.updates: dict[str, Any] | None = None
         self.budgets: B.Budgets | None = None
+        self.scans = C.AdapterScans()  # final adapters hashed while the rest is read
 
 
 def _rel(path: Path, base: Path) -> str:
@@ -117,7 +118,7 @@ def _evaluate(req: Request, st: _State) -> None:
                              hint="with --spec, --arms selects a subset of the spec's arms (or drop it: all of them)")
         expected_arms = req.arms if req.arms is not None else tuple(plan)
         st.plan = {a: plan[a] for a in expected_arms}
-    st.replays = [read_replay(p) for p in discover(req.paths)]
+    st.replays = [st.scans.start(read_replay(p)) for p in discover(req.paths)]
     st.arms = C.group_arms(st.replays, st.plan)
     if req.tolerances is not None and not cl.needs_tolerances:
         raise UsageError(f"--tolerances applies only to --claim "
@@ -138,7 +139,7 @@ def _evaluate(req: Request, st: _State) -> None:
     st.source = read_source(req.source, req.source_step) if req.source is not None else None
     st.tolerances = read_tolerances(req.tolerances) if req.tolerances is not None else None
     _read_budgets(req, st)
-    st.checks = C.input_checks(st.replays, st.arms, st.source, req.min_repeats, expected_arms)
+    st.checks = C.input_checks(st.replays, st.arms, st.source, req.min_repeats, expected_arms, st.scans)
     st.checks.append(C.hardware_check(st.replays, req.mixed_hardware))
     if st.source is not None:
         m = st.capture = _capture_manifest(st.source)
@@ -384,6 +385,8 @@ def reduce_evidence(req: Request) -> verdict.Verdict:
         _evaluate(req, st)
     except RefusedError as exc:  # IntegrityError, UsageError, ... are RefusedErrors
         refusal = verdict.refusal_of(exc)
+    finally:
+        st.scans.close()
     doc = _document(req, st, refusal)
     if req.missing:  # refused for want of evidence a stage did not produce: nothing was decided (3)
         doc = verdict.incomplete(doc, req.missing)
