@@ -263,3 +263,25 @@ def test_argo_wait_waits_for_a_pod_pending_only_briefly(emulator: tuple[Cluster,
     api = Api(client.ApiClient(client.Configuration(host=host)), backoff_s=0.001, sleep=lambda s: None,
               log=lambda s: None)
     assert wait_for_workflow(NAME, NS, api=api, poll_s=0, log=lambda s: None) == 0
+
+
+def test_the_line_names_what_ended_the_run_as_the_exit_handler_recorded_it() -> None:
+    """A stopped workflow's exit handler recorded what ended the run (the global output ``ended``,
+    replayjob.artifacts.run_end) beside the verdict it wrote: `argo wait` names both; a record that cannot
+    be read is named too, and never changes the code, which the verdict and the reducer decide."""
+    from replayjob.artifacts.run_end import run_end
+
+    record = run_end("Failed", json.dumps([{"displayName": "replay(0:0)", "templateName": "replay",
+                                            "phase": "Failed", "message": "Stopped with strategy 'Stop'"}]))
+    doc = load("failed-gate.json")
+    doc["status"]["outputs"]["parameters"].append({"name": "ended", "value": json.dumps(record)})
+    code, line = workflow_code(doc)
+    assert code == 1 and line.endswith("verdict fail (exit 1); the workflow ended Failed: it was stopped "
+                                       "(Stopped with strategy 'Stop')"), line
+    doc["status"]["outputs"]["parameters"][-1]["value"] = json.dumps({**record, "cause": "bored"})
+    code, line = workflow_code(doc)
+    assert code == 1 and "what ended the run cannot be read" in line and "cause" in line
+    late = load("deadline.json")  # no verdict at all: 3, and the record still says why
+    late["status"]["outputs"] = {"parameters": [{"name": "ended", "value": json.dumps(record)}]}
+    code, line = workflow_code(late)
+    assert code == 3 and "without a verdict" in line and line.endswith("it was stopped (Stopped with strategy 'Stop')")

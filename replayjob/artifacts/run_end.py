@@ -32,7 +32,7 @@ from typing import Any, Literal
 from replayjob.artifacts.document import Document, Text, decode
 from replayjob.errors import EXIT_ERROR
 from replayjob.fsio import atomic_write_bytes
-from replayjob.jsonio import canonical_bytes, read_json
+from replayjob.jsonio import canonical_bytes, loads_strict, read_json
 
 RUN_END_FILE = "ended.json"
 SCHEMA = "replayjob.run_end/v1"
@@ -109,3 +109,8 @@ def write_run_end(path: str | Path, doc: dict[str, Any]) -> RunEnd:
 def read_run_end(path: str | Path) -> RunEnd:
     """``RUN/ended.json`` as declared (strict JSON, no unknown field), or refused naming the field."""
     return decode(read_json(path), RunEnd, where=path)
+
+
+def read_run_end_text(text: str, where: str) -> RunEnd:
+    """The record as Argo's global output ``ended`` carries it (its text), read as strictly as the file."""
+    return decode(loads_strict(text.encode("utf-8"), where=where), RunEnd, where=where)

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from replayjob.artifacts.cluster_status import PULL_FAILURES, ApiObject, Stuck, judge, read_status
+from replayjob.artifacts.run_end import read_run_end_text
 from replayjob.artifacts.verdict import Verdict, read_verdict
 from replayjob.errors import EXIT_ERROR, ConfigError, OperationalError, RefusedError, ReplayjobError, is_retryable
 from replayjob.launch.submit import START_GRACE_ENV, START_GRACE_S, Api
@@ -126,6 +127,18 @@ def _verdict(status: WorkflowStatus, name: str) -> tuple[Verdict | None, str | N
     return None, None
 
 
+def _ended(status: WorkflowStatus, name: str) -> str:
+    """``; `` and what ended the run, as the exit handler recorded it (the global output ``ended``,
+    :mod:`replayjob.artifacts.run_end`), or ``""`` when it recorded nothing."""
+    for p in (status.outputs.parameters or []) if status.outputs is not None else []:
+        if p.name == "ended" and p.value:
+            try:
+                return "; " + read_run_end_text(p.value, where=f"workflow {name}: output ended").line
+            except ReplayjobError as exc:
+                return f"; what ended the run cannot be read ({exc.message})"
+    return ""
+
+
 def workflow_code(workflow: Any, name: str = "") -> tuple[int, str]:
     """The outcome of an ended workflow and one line saying where it comes from (see the module docstring)."""
     name = name or str(((workflow or {}).get("metadata") or {}).get("name") if isinstance(workflow, dict) else "")
@@ -140,11 +153,12 @@ def workflow_code(workflow: Any, name: str = "") -> tuple[int, str]:
         step = f"reduce step {pods[-1].displayName or REDUCE} exited {pod_code}{tries}"
     if unreadable is not None or verdict is not None:
         code, line = judge(verdict, unreadable, pod_code, step or "no reduce pod")
-        return code, f"workflow {phase}: {line}"
+        return code, f"workflow {phase}: {line}{_ended(status, name)}"
     message = status.message or "no reduce step ran to its end"
     if status.offloadNodeStatusVersion and not status.nodes:
         message += "; node statuses are offloaded (argo get shows them)"
-    return EXIT_ERROR, f"workflow {phase} without a verdict: " + (f"{step}; " if step else "") + message
+    return EXIT_ERROR, (f"workflow {phase} without a verdict: " + (f"{step}; " if step else "") + message
+                        + _ended(status, name))
 
 
 STUCK_REASONS = ("Unschedulable", *PULL_FAILURES)  # a pod node's message, "REASON: ...", while Pending
