@@ -614,7 +614,8 @@ def test_approximate_claim_reports_routing_agreement(moe_runs: dict[str, Any], t
     assert p["first_flip"] == expected
     text = report.read_text()
     assert "## Routing (mixture-of-experts)" in text
-    assert f"| perturbed | {p['flipped']} of {p['tokens']} " in text and "differs only downstream of routing flips" in text
+    assert f"| perturbed | {p['flipped']} of {p['tokens']} " in text
+    assert "differs only downstream of routing flips" in text
     assert "| kernel | 0 of " in text and "differs with identical routing" in text
     # a routing file that is not the bytes its replay pinned is no evidence: the check refuses, naming the replay
     data = bytearray((runs / "perturbed" / "routing.safetensors").read_bytes())
@@ -626,3 +627,45 @@ def test_approximate_claim_reports_routing_agreement(moe_runs: dict[str, Any], t
                  if c["name"] == "approximate.routing_agreement")
     assert rc == 2 and check["status"] == "refused" and check["offenders"] == ["perturbed#0"]
     assert "SHA-256" in check["detail"]
+
+
+@pytest.mark.slow
+def test_a_trl_capture_of_a_moe_model_replays_bitwise_with_routing_observed(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real GRPOTrainer run of a tiny random-init Qwen3-MoE (saved from a config, nothing fetched; TRL adds the
+    model's router loss) captured at step 1: its replay through TRL's own training step is bitwise the source's
+    update and pins the routing it observed (every real token of the 8 rows, both routers); under the test-only
+    router fault a replay's routing flips tokens against it."""
+    pytest.importorskip("trl", reason="the TRL tests need the 'trl' extra: pip install -e '.[trl]'")
+    from conftest import build_base, grpo
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    dense = build_base(tmp_path / "dense")
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                         tie_word_embeddings=False, eos_token_id=1, pad_token_id=0, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                         mlp_only_layers=[])
+    base = tmp_path / "moe"
+    Qwen3MoeForCausalLM(cfg).save_pretrained(base)
+    AutoTokenizer.from_pretrained(dense).save_pretrained(base)
+    cap = tmp_path / "cap"
+    grpo(base, cap, capture_step=1, lora_dropout=0.0)
+    source = metrics(cap, "metrics.json")
+
+    def replay(name: str) -> tuple[dict[str, Any], moe.RoutingTable]:
+        assert main(["replay", str(cap / "replay.toml"), "--out", str(tmp_path / name)]) == 0
+        r = metrics(tmp_path / name)
+        return r, moe.read_table(tmp_path / name / r["routing"]["path"], r["routing"]["sha256"])
+
+    r, table = replay("free")
+    assert r["optimizer_batch/final_adapter_sha256"] == source["optimizer_batch/final_adapter_sha256"]
+    assert r["loss"] == source["loss"]
+    assert table.row_tokens.numel() == 8 and bool((table.row_tokens > 0).all()) and table.mode == "free"
+    assert table.top_k == 2 and table.num_experts == 4 and len(table.layers) == 2
+    assert table.identity["logical_batch_sha256"] == source["optimizer/logical_batch_sha256"]
+    monkeypatch.setenv(moe.FAULT_ENV, "5e-2")
+    _, flipped = replay("perturbed")
+    assert flipped.fault == repr(5e-2) and moe.compare(table, flipped)["flipped"] > 0

@@ -556,6 +556,24 @@ def attached(model: Any) -> Routing | None:
         return None
 
 
+def observe(model: Any) -> Routing | None:
+    """The routing observer of any built model with routers (an external trainer's replay, TRL's): the one
+    already attached, else a new one routing freely (the test-only fault honoured); ``None``: no router."""
+    got = attached(model)
+    if got is not None:
+        return got
+    found = routers(model)
+    if not found:
+        return None
+    fault = _fault()
+    unknown = sorted({type(m).__name__ for _, m in found} - set(_FORCEABLE))
+    if fault is not None and unknown:
+        raise ConfigError(f"routing of {unknown[0]} cannot be perturbed (known routers: "
+                          f"{', '.join(sorted(_FORCEABLE))})", where=FAULT_ENV, hint="unset it")
+    routing = _ATTACHED[model] = Routing(model, found, "free", None, fault)
+    return routing
+
+
 def replay_evidence(model: Any, out: Path, identity: dict[str, str]) -> dict[str, str] | None:
     """Write the first update's routing of ``model`` to ``OUT/routing.safetensors`` (``identity``: the
     capture's digests it was recorded on); the ``routing`` entry of replay_metrics.json that pins it, or

@@ -23,6 +23,7 @@ from replayjob.artifacts.metrics import rank_file
 from replayjob.artifacts.schedule import Slot
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ArtifactExistsError, ContractError, UsageError
+from replayjob.model import moe
 from replayjob.producers import driver, producer_module
 from replayjob.producers.api import files as _files
 from replayjob.producers.api import microbatch as _microbatch
@@ -49,6 +50,7 @@ class ReplaySession(Session):
     backward_wall_s: float = 0.0
     adm: Admission
     _summed: float = 0.0
+    _routing: moe.Routing | None = None
     _reported: float = 0.0
     rank: int = 0  # this process among the replay's (a framework that runs over several sets them)
     world: int = 1
@@ -114,15 +116,26 @@ class ReplaySession(Session):
 
     def begin(self, n_micro_batches: int) -> None:
         self._summed, self.backward_wall_s = 0.0, 0.0
+        # a mixture-of-experts model's routing, observed per micro-batch over the tokens the model receives (one
+        # process holds every row; docs/moe.md): the driver writes it beside replay_metrics.json
+        self._routing = moe.observe(self.model) if self.world == 1 else None
+        if self._routing is not None:
+            self._routing.begin_update()
 
     def micro_batch(self, i: int, step: MicroStep, before_loss: Callable[[], None]) -> None:
+        import contextlib
         mb: _microbatch.MicroBatch = step.data
         dev = self.device
         inputs = {**{k: driver.fresh(t, dev) for k, t in mb.inputs.items()}, **mb.input_values}
         call = {**{k: driver.fresh(t, dev) for k, t in mb.call.items()}, **mb.call_values}
-        self._summed += self.run(mb, inputs, call, before_loss)
+        routed = (contextlib.nullcontext() if self._routing is None or step.trace_mask is None
+                  else self._routing.micro_batch(step.rows, step.trace_mask))
+        with routed:
+            self._summed += self.run(mb, inputs, call, before_loss)
 
     def finish(self) -> Outcome:
+        if self._routing is not None:
+            self._routing.end_update()
         backward = self.backward_wall_s
         loss = self._reported = self.reported_loss(self._summed)
         grad_norm = self.optimizer_step()
