@@ -27,6 +27,7 @@ def test_every_class_is_known_and_every_knob_is_registered() -> None:
     for section, fields in FIELDS.items():
         for name, f in fields.items():
             assert f.kind in KINDS, (section, name)
-            if f.kind == KNOB:
-                assert f"verl.{section}.{name}" in registered, f"verl.{section}.{name} is not a registered knob"
+            assert not f.keys or f.kind == KNOB, (section, name)  # entries of a table-valued knob
+            for key in [f"verl.{section}.{name}.{k}" for k in f.keys] or [f"verl.{section}.{name}"]:
+                assert f.kind != KNOB or key in registered, f"{key} is not a registered knob"
     assert sorted(registered) == sorted(verl_fields.knob_keys())

@@ -509,6 +509,17 @@ VERL_DYNAMIC_BSZ = "verl.engine.use_dynamic_bsz"
 VERL_MAX_TOKENS = "verl.engine.max_token_len_per_gpu"
 VERL_REMOVE_PADDING = "verl.engine.use_remove_padding"  # with its twin in the model section, declared together
 VERL_REMOVE_PADDING_MODEL = "verl.model.use_remove_padding"
+VERL_PARAM_DTYPE = "verl.engine.mixed_precision.param_dtype"  # entries of verl's mixed_precision table
+VERL_REDUCE_DTYPE = "verl.engine.mixed_precision.reduce_dtype"
+# verl's precision names (verl.utils.torch_dtypes.PrecisionType) by the name verl reports (PrecisionType.to_str)
+VERL_PRECISIONS = {"fp16": ("16", "fp16", "float16", "torch.float16"),
+                   "fp32": ("32", "fp32", "float32", "torch.float32"),
+                   "bf16": ("bf16", "bfloat16", "torch.bfloat16")}
+
+
+def verl_precision(intended: Any, *_: Any) -> Any:
+    """A verl precision name as verl reports the dtype it builds (``bfloat16`` -> ``bf16``); others unchanged."""
+    return next((name for name, spellings in VERL_PRECISIONS.items() if str(intended) in spellings), intended)
 
 
 def _verl_observed(name: str) -> Observer:
@@ -555,5 +566,18 @@ _VERL_KNOBS = (
          "the model-side switch of verl.engine.use_remove_padding (the attention patch applied when the engine "
          "builds the model); the same rule, declared together with it",
          observe=_verl_observed("model.use_remove_padding"), frameworks=("verl",)),
+    Knob(VERL_PARAM_DTYPE,
+         "the dtype FSDP2 casts the parameters to for forward and backward, and verl's autocast dtype: the same "
+         "operations rounded at another precision, so the update's bits change beyond summation order (bf16 against "
+         "fp32 moved a tiny model's update by 2.2e-2 relative, micro-batch 1 by 7e-7); the exact-input claim checks "
+         "only that the inputs are the same, and the approximate claim with a measured tolerance judges the result "
+         "(approximate claim only for the result); fp16 is "
+         "refused (verl's gradient scaler is not captured; checked by the verl integration at admission)",
+         observe=_verl_observed("mixed_precision.param_dtype"), predict=verl_precision, frameworks=("verl",)),
+    Knob(VERL_REDUCE_DTYPE,
+         "the dtype FSDP2 reduces (and accumulates) gradients in: the same sum rounded at another precision, so "
+         "the bits change (bf16 against fp32: 8e-4 relative on the same update; approximate claim, as "
+         "verl.engine.mixed_precision.param_dtype)",
+         observe=_verl_observed("mixed_precision.reduce_dtype"), predict=verl_precision, frameworks=("verl",)),
 )
 KNOBS.update({k.key: k for k in _VERL_KNOBS})

@@ -44,6 +44,7 @@ class Field:
     kind: str
     why: str = ""
     admitted: Callable[[Any], bool] | None = None
+    keys: tuple[str, ...] = ()  # a table-valued knob: the entries registered as knobs (verl.<section>.<name>.<key>)
 
     @property
     def recorded(self) -> bool:
@@ -172,7 +173,12 @@ FIELDS: dict[str, dict[str, Field]] = {
         "forward_prefetch": _contract(),
         "model_dtype": _contract(),
         "use_orig_params": _contract(),
-        "mixed_precision": _contract(),
+        "mixed_precision": Field(KNOB, "the dtypes FSDP2 computes (param_dtype, also autocast's) and reduces gradients "
+                                       "(reduce_dtype) in: the same math, rounded at another precision, so the bits "
+                                       "change (approximate claim; exact-input checks only the inputs); recorded as "
+                                       "verl resolves it (unset: bf16, fp32, fp32); buffer_dtype, unused by FSDP2, is "
+                                       "no knob (replayjob.runtime.knobs.VERL_PARAM_DTYPE, VERL_REDUCE_DTYPE)",
+                                 keys=("param_dtype", "reduce_dtype")),
         "ulysses_sequence_parallel_size": _SEQUENCE_PARALLEL,
         "entropy_from_logits_with_chunking": _contract(),
         "entropy_from_logits_chunk_size": _contract(),
@@ -255,7 +261,8 @@ def classify(section: str, name: str) -> Field | None:
 
 def knob_keys() -> list[str]:
     """The dotted keys classified as systems knobs (each registered in :mod:`replayjob.runtime.knobs`)."""
-    return [f"verl.{s}.{n}" for s, fields in FIELDS.items() for n, f in fields.items() if f.kind == KNOB]
+    return [key for s, fields in FIELDS.items() for n, f in fields.items() if f.kind == KNOB
+            for key in ([f"verl.{s}.{n}.{k}" for k in f.keys] or [f"verl.{s}.{n}"])]
 
 
 DOC_BEGIN, DOC_END = "<!-- verl-fields: begin -->\n", "<!-- verl-fields: end -->"

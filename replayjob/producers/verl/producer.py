@@ -128,11 +128,44 @@ def section_values(section: str, obj: Any) -> dict[str, Any]:
         if not kind.recorded:
             continue
         value = jsonable(getattr(obj, f.name))
+        if (section, f.name) == ("engine", "mixed_precision"):
+            value = effective_precision(value)
+            if knobs.verl_precision(value["param_dtype"]) == "fp16":
+                raise cap.CaptureError("verl.engine.mixed_precision.param_dtype = fp16 is not replayed: verl's "
+                                       "gradient scaler (its scale and growth state) is not captured",
+                                       where="verl.engine.mixed_precision", hint="capture a bf16 or fp32 run")
         if kind.kind == REFUSED and kind.admitted is not None and not kind.admitted(value):
             raise cap.CaptureError(f"verl.{section}.{f.name} = {value!r} is not replayed: {kind.why}",
                                    where=f"verl.{section}.{f.name}", hint="capture a run without it")
         out[f.name] = value
     return out
+
+
+# what verl's FSDP engine builds when FSDPEngineConfig.mixed_precision is unset, and for an entry a table omits
+PRECISION_DEFAULTS = {"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+
+
+def effective_precision(value: Any) -> dict[str, Any]:
+    """verl's ``mixed_precision`` as its engine resolves it: unset means bf16 parameters (and autocast) with fp32
+    reduction and buffers, and an entry a table leaves out takes that default; so a capture records every entry
+    and a replay may change one (a table-valued knob compared entry by entry)."""
+    if value is None:
+        return dict(PRECISION_DEFAULTS)
+    if not isinstance(value, dict):
+        raise cap.CaptureError(f"verl.engine.mixed_precision is {value!r}, not a table", where="verl.engine")
+    return {**PRECISION_DEFAULTS, **value}
+
+
+def canonical_names(captured: dict[str, Any], overrides: dict[str, Any],
+                    allowed: list[str]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """A replay's ``--set verl.engine.mixed_precision.<entry>=...`` completed with the captured table's other
+    entries (an override of one entry replaces the table: this keeps the others as captured)."""
+    engine = overrides.get("engine")
+    mp = engine.get("mixed_precision") if isinstance(engine, dict) else None
+    have = (captured.get("engine") or {}).get("mixed_precision")
+    if not isinstance(engine, dict) or not isinstance(mp, dict) or not isinstance(have, dict):
+        return overrides, allowed, []
+    return {**overrides, "engine": {**engine, "mixed_precision": {**have, **mp}}}, allowed, []
 
 
 def contract(resolved: dict[str, Any]) -> dict[str, Any]:
@@ -518,6 +551,10 @@ def knob_refusals(adm: Admission) -> list[str]:
             why.append(f"declared difference {knobs.VERL_MICRO_BATCH!r} is not present: the engine splits by token "
                        "budget (use_dynamic_bsz) and does not use the micro-batch size")
     engine = v.get("engine") or {}
+    mp = engine.get("mixed_precision") or {}
+    if knobs.VERL_PARAM_DTYPE in adm.allowed and knobs.verl_precision(mp.get("param_dtype")) == "fp16":
+        why.append(f"{knobs.VERL_PARAM_DTYPE} = fp16 is not replayed: verl computes fp16 with a gradient scaler "
+                   "whose state the capture does not hold")
     if knobs.VERL_MAX_TOKENS in adm.allowed and not engine.get("use_dynamic_bsz"):
         why.append(f"declared difference {knobs.VERL_MAX_TOKENS!r} is not present: the engine splits by row count "
                    "(use_dynamic_bsz is false) and does not use the token budget")
@@ -630,6 +667,7 @@ class VerlSession(ReplaySession):
         engine splits by row count, as the largest micro-batch its ``forward_step`` received."""
         seen = dict(self.batch_settings)
         seen["model.use_remove_padding"] = bool(self.engine.use_remove_padding)  # as the engine built the model
+        seen.update(built_precision(self.engine))
         if not seen.get("use_dynamic_bsz") and self.micro_rows:
             seen["micro_batch_size_per_gpu"] = max(self.micro_rows)
         return seen
@@ -725,6 +763,21 @@ class VerlSession(ReplaySession):
         path = out / _files.FINAL_ADAPTER_FILE
         atomic_write_bytes(path, adapter_bytes(params), exclusive=True)  # the bytes _files.save_adapter writes
         return path
+
+
+def built_precision(engine: Any) -> dict[str, str | None]:
+    """The dtypes verl's engine was built with, named as verl names them: the parameters' compute dtype and the
+    gradients' reduce dtype of the root module's FSDP2 policy, the parameter dtype only where verl's autocast
+    dtype agrees with it (``None`` where the engine reports neither)."""
+    from verl.utils.torch_dtypes import PrecisionType
+
+    state = getattr(engine.module, "_get_fsdp_state", None)
+    policy = getattr(state(), "_mp_policy", None) if callable(state) else None
+    param, reduce = getattr(policy, "param_dtype", None), getattr(policy, "reduce_dtype", None)
+    autocast = getattr(engine, "_autocast_dtype", None)
+    return {"mixed_precision.param_dtype": PrecisionType.to_str(param) if param is not None and param == autocast
+            else None,
+            "mixed_precision.reduce_dtype": PrecisionType.to_str(reduce) if reduce is not None else None}
 
 
 def trace_refusal(engine: dict[str, Any], world: int) -> str | None:
