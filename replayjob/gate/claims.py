@@ -125,7 +125,8 @@ _SCALAR_TEXT = {None: "null", True: "true", False: "false"}
 
 def _text(value: Any) -> str:
     """``value`` as one comparable string: itself for a string, else its JSON (sorted keys); the scalars a knob
-    holds are spelled without the encoder (the same text, thousands of times cheaper per replay)."""
+    holds, empty containers and lists of plain ASCII names (config differences) are spelled without the encoder
+    (the same text, many times cheaper per replay)."""
     t = type(value)
     if t is str:
         return value
@@ -133,6 +134,11 @@ def _text(value: Any) -> str:
         return _SCALAR_TEXT[value]
     if t is int:
         return str(value)
+    if (t is list or t is tuple or t is dict) and not value:
+        return "{}" if t is dict else "[]"
+    if (t is list or t is tuple) and all(type(v) is str and v.isascii() and v.isprintable() and '"' not in v
+                                         and "\\" not in v for v in value):
+        return "[" + ", ".join(f'"{v}"' for v in value) + "]"  # what the encoder writes: nothing to escape
     return json.dumps(value, sort_keys=True)
 
 
@@ -287,7 +293,8 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
                         what=f"{INITIAL_ADAPTER} identical everywhere"))
     knob_vals = [(r.label, r.knobs) for a in arms.values() for r in a.replays]
     expected_knobs = {a.name: a.knobs for a in arms.values()}
-    off = tuple(r.label for a in arms.values() for r in a.replays if _text(r.knobs) != _text(a.knobs))
+    arm_text = {a.name: _text(a.knobs) for a in arms.values()}
+    off = tuple(r.label for a in arms.values() for r in a.replays if _text(r.knobs) != arm_text[a.name])
     checks.append(Check("exact.arm_knobs", g, FAIL if off else PASS, expected_knobs,
                         dict(sorted(Counter(_text(v) for _, v in knob_vals).items())),
                         "every replay of an arm declares the same knob values", off))
@@ -339,11 +346,12 @@ def knobs_in_effect_check(arms: dict[str, Arm], source: Source | None) -> Check:
     mismatched: dict[str, Any] = {}
     for a in arms.values():
         intended, captured = a.intended(source), a.source_values(source)
+        registered = a.registered  # built once per arm, not per replay and knob
         expected[a.name] = intended
         seen: dict[str, Counter[str]] = {k: Counter() for k in intended}
         for r in a.replays:
             for k, v in intended.items():
-                want, got = a.registered[k].expected(v, r.rows, intended, captured), r.runtime.get(k)
+                want, got = registered[k].expected(v, r.rows, intended, captured), r.runtime.get(k)
                 seen[k][_text(got)] += 1
                 if not _same(got, want):
                     mismatched.setdefault(r.label, {})[k] = {"observed": got, "expected": want}
