@@ -51,3 +51,20 @@ def test_discover_finds_what_os_walk_finds(tmp_path: Path) -> None:
     again = discover([str(root / "a"), root, root / "a" / "r-1" / REPLAY_FILE])  # each file once
     assert again == got == _walked([root / "a", root, root / "a" / "r-1" / REPLAY_FILE])
     assert all(type(p) is type(root) for p in got)
+
+
+def test_discover_listed_hands_each_replay_its_directory_listing(tmp_path: Path) -> None:
+    """The names a search listed go with each file it found (rank files included); a file named directly has
+    none, so its reader lists its directory itself."""
+    from replayjob.gate.evidence import discover_listed
+
+    for rel in ("a", "b"):
+        (tmp_path / rel).mkdir()
+        (tmp_path / rel / REPLAY_FILE).write_text("{}")
+    (tmp_path / "a" / "replay_metrics.rank-1.json").write_text("{}")
+    (tmp_path / "a" / "final_adapter").mkdir()
+    got = discover_listed([tmp_path / "b" / REPLAY_FILE, tmp_path])
+    assert [p for p, _ in got] == discover([tmp_path]) == _walked([tmp_path])
+    listings = {p.parent.name: names for p, names in got}
+    assert listings["b"] is None  # named directly: found first as a file
+    assert sorted(listings["a"] or ()) == ["final_adapter", REPLAY_FILE, "replay_metrics.rank-1.json"]

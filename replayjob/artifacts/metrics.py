@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -129,10 +130,11 @@ def rank_file(rank: int) -> str:
 _RANK_FILE = re.compile(r"^replay_metrics\.rank-(0|[1-9][0-9]*)\.json$")  # rank_file(r), r >= 0
 
 
-def rank_files_present(directory: Path) -> list[str]:
-    """The names of the rank files (:func:`rank_file`) lying in ``directory``, by rank."""
+def rank_files_present(directory: Path, listing: Iterable[str] | None = None) -> list[str]:
+    """The names of the rank files (:func:`rank_file`) lying in ``directory``, by rank; ``listing``: the names
+    in ``directory`` when the caller has just listed it (reduce's discovery), so it is not listed again."""
     try:
-        names = [n for n in os.listdir(directory) if _RANK_FILE.match(n)]
+        names = [n for n in (os.listdir(directory) if listing is None else listing) if _RANK_FILE.match(n)]
     except OSError as exc:
         raise IntegrityError(f"cannot list the replay's directory: {exc.strerror}", where=directory) from None
     return sorted(names, key=lambda n: int(n.split("-")[-1].split(".")[0]))
@@ -193,7 +195,8 @@ def _check_ranks(f: _Fields, doc: dict[str, Any], where: Path, dist: Distributed
                              hint="replay_metrics.json changed after the replay; rerun it")
 
 
-def _check_world(f: _Fields, where: Path, runtime: dict[str, Any], dist: Distributed | None) -> None:
+def _check_world(f: _Fields, where: Path, runtime: dict[str, Any], dist: Distributed | None,
+                 listing: Iterable[str] | None = None) -> None:
     """The replay's world size, told three ways, is one number: its :data:`DISTRIBUTED` record (absent: one
     process), the rank files lying beside it (exactly the record's, none without one) and the world size and
     strategy it observed at run time (``runtime``, for a producer that registers them).  Evidence that
@@ -201,7 +204,7 @@ def _check_world(f: _Fields, where: Path, runtime: dict[str, Any], dist: Distrib
     unchecked."""
 
     world = dist.world_size if dist is not None else 1
-    present = rank_files_present(where.parent)
+    present = rank_files_present(where.parent, listing)
     listed = [rank_file(r) for r in range(world)] if dist is not None else []
     if present != listed:
         raise f.fail(DISTRIBUTED, (f"records {world} ranks ({', '.join(listed)})" if listed else
@@ -501,13 +504,15 @@ def _run_fields(f: _Fields) -> dict[str, Any]:
     }
 
 
-def read_replay(path: str | Path) -> Replay:
+def read_replay(path: str | Path, *, listing: Iterable[str] | None = None) -> Replay:
     """Read one replay_metrics.json through its declaration (:class:`~replayjob.artifacts.replay_metrics.
     ReplayMetrics`: every key typed and ranged, none unknown), then the rules that tie it to its producer's
-    knobs and to the files beside it; refuse naming the file and the field."""
+    knobs and to the files beside it; refuse naming the file and the field.  ``listing``: the names in the
+    file's directory when the caller has just listed it (:func:`replayjob.gate.evidence.discover_listed`),
+    read for the rank files beside it instead of a listing of its own."""
     # here: the trainer imports this module, and no capture package
 
-    p = Path(path)
+    p = path if isinstance(path, Path) else Path(path)
     doc, sha = _read(p)
     f = _Fields(doc, p)
     if doc.get("schema") != REPLAY_SCHEMA:  # the version first, in words of its own
@@ -529,7 +534,7 @@ def read_replay(path: str | Path) -> Replay:
         raise f.fail(f"{SCHEDULE}.design", f"must be one of {', '.join(DESIGNS)}")
     if d.distributed is not None:  # one replay over several ranks: its rank files merge into it (never repeats)
         _check_ranks(f, doc, p, d.distributed)
-    _check_world(f, p, d.runtime, d.distributed)
+    _check_world(f, p, d.runtime, d.distributed, listing)
     measures = {name: float(getattr(getattr(d, section), key)) for name, (section, key) in MEASURES.items()}
     slot = d.schedule
     return Replay(

@@ -31,62 +31,75 @@ from replayjob.artifacts.tolerances import Tolerances, read_tolerances
 from replayjob.errors import RefusedError
 
 __all__ = ["MEASURES", "REPLAY_FILE", "SKIPPED", "SOURCE_FILE", "Replay", "Source", "Tolerances", "discover",
-           "read_pinned_toml", "read_replay", "read_source", "read_tolerances"]
+           "discover_listed", "read_pinned_toml", "read_replay", "read_source", "read_tolerances"]
 
 
 def discover(paths: Sequence[str | Path]) -> list[Path]:
     """Replay metric files named by ``paths``: files as given, directories searched at any depth
-    (symbolic links to directories are not followed).  Sorted, each file once.
+    (symbolic links to directories are not followed).  Sorted, each file once."""
+    return [p for p, _ in discover_listed(paths)]
+
+
+def discover_listed(paths: Sequence[str | Path]) -> list[tuple[Path, tuple[str, ...] | None]]:
+    """:func:`discover`'s files, each with the names in its directory as the search listed them (``None`` for a
+    file named directly), for :func:`read_replay`'s ``listing``: the rank files beside a replay are read from
+    that listing, not listed again.
 
     One ``scandir`` per directory of the tree (:func:`_hits`): what each entry is comes with the listing, so
     no directory is examined again; paths stay strings until the sorted result is built."""
     if not paths:
         raise RefusedError("no replay metrics given", hint="pass replay_metrics.json files or directories")
-    found: dict[str, None] = {}
+    found: dict[str, tuple[str, ...] | None] = {}
     for raw in paths:
         p = Path(raw)
         if p.is_file():
             found.setdefault(os.path.abspath(p), None)
         elif p.is_dir():
-            hits: list[str] = []
+            hits: list[tuple[str, tuple[str, ...]]] = []
             _hits(os.path.abspath(p), hits)
             if not hits:
                 raise RefusedError(f"no {REPLAY_FILE} below this directory", where=p,
                                    hint="point reduce at the replays' output directories")
-            for h in hits:
-                found.setdefault(h, None)
+            for h, names in hits:
+                found.setdefault(h, names)
         else:
             raise RefusedError("replay metrics path not found", where=p, hint="check the path")
     if any(s.startswith("//") for s in found):  # POSIX's implementation-defined root: pathlib orders it
-        return sorted(Path(s) for s in found)
-    return [Path(s) for s in sorted(found, key=_parts)]  # the order of the paths' parts, as pathlib sorts them
+        return sorted(((Path(s), names) for s, names in found.items()), key=lambda e: e[0])
+    return [(Path(s), found[s]) for s in sorted(found, key=_parts)]  # by the paths' parts, as pathlib sorts
 
 
 def _parts(path: str) -> list[str]:
     return path.split("/")
 
 
-def _hits(top: str, out: list[str]) -> None:
-    """Append every :data:`REPLAY_FILE` at or below the directory ``top`` to ``out``, as :func:`os.walk` finds
-    them: an unreadable directory is passed over, a directory reached through a symbolic link is not entered,
-    and an entry of that name counts unless it is a directory (a link to one included)."""
+def _hits(top: str, out: list[tuple[str, tuple[str, ...]]]) -> None:
+    """Append every :data:`REPLAY_FILE` at or below the directory ``top`` to ``out``, with the names in its
+    directory, as :func:`os.walk` finds them: an unreadable directory is passed over, a directory reached
+    through a symbolic link is not entered, and an entry of that name counts unless it is a directory (a link
+    to one included)."""
     try:
         listing = os.scandir(top)
     except OSError:
         return
     below: list[str] = []
+    names: list[str] = []
+    hit: str | None = None
     with listing:
         for entry in listing:
+            names.append(entry.name)
             try:
                 if entry.name == REPLAY_FILE:
                     if not entry.is_dir():
-                        out.append(entry.path)
+                        hit = entry.path
                     elif not entry.is_symlink():
                         below.append(entry.path)
                 elif entry.is_dir(follow_symlinks=False):
                     below.append(entry.path)
             except OSError:  # os.walk counts an entry it cannot examine as a file, and enters no such entry
                 if entry.name == REPLAY_FILE:
-                    out.append(entry.path)
+                    hit = entry.path
+    if hit is not None:
+        out.append((hit, tuple(names)))
     for d in below:
         _hits(d, out)

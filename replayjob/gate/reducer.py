@@ -43,7 +43,7 @@ from replayjob.gate.evidence import (
     Replay,
     Source,
     Tolerances,
-    discover,
+    discover_listed,
     read_replay,
     read_source,
     read_tolerances,
@@ -118,7 +118,7 @@ def _evaluate(req: Request, st: _State) -> None:
                              hint="with --spec, --arms selects a subset of the spec's arms (or drop it: all of them)")
         expected_arms = req.arms if req.arms is not None else tuple(plan)
         st.plan = {a: plan[a] for a in expected_arms}
-    st.replays = [st.scans.start(read_replay(p)) for p in discover(req.paths)]
+    st.replays = [st.scans.start(read_replay(p, listing=names)) for p, names in discover_listed(req.paths)]
     st.arms = C.group_arms(st.replays, st.plan)
     if req.tolerances is not None and not cl.needs_tolerances:
         raise UsageError(f"--tolerances applies only to --claim "
