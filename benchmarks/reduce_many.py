@@ -15,14 +15,16 @@ alternating after one untimed pass of each (page cache warm):
   ratios and the verdict write; the same with ``--claim bitwise``;
 * one fresh ``python -m replayjob reduce --claim exact-input`` process, interpreter start and imports
   included: what a workflow step pays;
-* the CPU seconds (``time.process_time``) of the in-process reduces (the JSON records the load
-  averages too: other load on a 2-core machine inflates wall time).
+* the CPU seconds of each: ``time.process_time`` (every thread of this process) for the floor and the
+  in-process reduces, the children's ``getrusage`` for the fresh process (the JSON records the load
+  averages too: other load on a 2-core machine inflates wall time, and the CPU ratio says how much work
+  each did whatever the load).
 
 Ratio (judged): the slowest of the three reduce timings / the in-process floor (one-thread ``hashlib`` +
 parse), at each file count; the largest counts.  Target: <= 1.5 at 1,000 and at 10,000 files (small
 adapters make the per-file cost visible: a ``sha256sum`` subprocess would hide it).  The ``sha256sum`` ratios
-stay in the JSON.  The summary gives each count's milliseconds per file above the floor (linear growth
-keeps it flat).
+stay in the JSON.  The summary gives, at each count, the judged ratio, the milliseconds per file above the
+floor (linear growth keeps it flat), each reduce's own ratio and the CPU ratios.
 
 Size: 10,000 x 0.25 MiB is 2.5 GiB in the page cache; ``--files`` and ``--adapter-mib`` change it.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import json
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -104,31 +107,57 @@ def run(files: int, adapter_bytes: int, tensors: int, repeats: int, work: Path) 
     if exe is not None:
         timed["sha256sum"] = lambda: sha256sum(adapters, exe)
     wall: dict[str, list[float]] = {k: [] for k in timed}
-    cpu: dict[str, list[float]] = {"exact_input": [], "bitwise": []}
+    cpu: dict[str, list[float]] = {k: [] for k in ("parse", "hashlib", "exact_input", "bitwise",
+                                                   "cli_process_exact_input")}
     loads: list[list[float]] = []
     for fn in timed.values():  # untimed: the page cache and every code path warm
         fn()
     for _ in range(repeats):
         loads.append(list(common.machine()["load_average"] or []))
         for k, fn in timed.items():
-            c = time.process_time()
+            c, kids = time.process_time(), _children_cpu()
             wall[k] += common.measure(fn, repeats=1, warmup=0)
             if k in cpu:
-                cpu[k].append(time.process_time() - c)
+                cpu[k].append(_children_cpu() - kids if k.startswith("cli") else time.process_time() - c)
     med = {k: common.stats(v)["median"] for k, v in wall.items()}
+    cpu_med = {k: common.stats(v)["median"] for k, v in cpu.items()}
     floor = med["sha256sum"] + med["parse"] if exe is not None else None
     floor_hashlib = med["hashlib"] + med["parse"]
+    floor_cpu = cpu_med["hashlib"] + cpu_med["parse"]
     slowest = max(("exact_input", "bitwise", "cli_process_exact_input"), key=lambda k: med[k])
     return {
         "files": len(metrics) - 1, "adapter_bytes": len(final), "adapter_files": len(adapters),
         "adapter_total_bytes": len(final) * len(adapters), "tensors_per_adapter": tensors, "build_s": build_s,
         **{f"{k}_s": common.stats(v) for k, v in wall.items()},
         "cpu_s": {k.replace("_", "-"): common.stats(v) for k, v in cpu.items()},
-        "floor_s": floor, "floor_hashlib_s": floor_hashlib, "slowest": slowest,
-        "ratios": {k: {"sha256sum": None if floor is None else med[k] / floor, "hashlib": med[k] / floor_hashlib}
+        "floor_s": floor, "floor_hashlib_s": floor_hashlib, "floor_hashlib_cpu_s": floor_cpu, "slowest": slowest,
+        "ratios": {k: {"sha256sum": None if floor is None else med[k] / floor, "hashlib": med[k] / floor_hashlib,
+                       "cpu": cpu_med[k] / floor_cpu}
                    for k in ("exact_input", "bitwise", "cli_process_exact_input")},
+        "ms_per_file_above_floor": {k: 1e3 * (med[k] - floor_hashlib) / (len(metrics) - 1)
+                                    for k in ("exact_input", "bitwise", "cli_process_exact_input")},
         "load_average_per_round": loads, "sha256sum": exe,
     }
+
+
+def _summary(m: dict[str, Any], ratio: float, per_file_ms: float) -> str:
+    """One count's figures: the judged ratio and cost per file above the floor, each reduce's ratio, CPU, load."""
+    r = m["ratios"]
+    loads = [x for round_ in m["load_average_per_round"] for x in round_]
+    return (f"{m['files']} files x {m['adapter_bytes'] / 2**20:.2f} MiB: {ratio:.2f}x, {per_file_ms:.3f} ms a file "
+            f"above the floor (slowest: {m['slowest'].replace('_', ' ')}); exact-input "
+            f"{m['exact_input_s']['median']:.3f} s ({r['exact_input']['hashlib']:.2f}x), bitwise "
+            f"{m['bitwise_s']['median']:.3f} s ({r['bitwise']['hashlib']:.2f}x), fresh process "
+            f"{m['cli_process_exact_input_s']['median']:.3f} s ({r['cli_process_exact_input']['hashlib']:.2f}x) "
+            f"against hashlib+parse {m['floor_hashlib_s']:.3f} s; CPU {r['exact_input']['cpu']:.2f}x / "
+            f"{r['bitwise']['cpu']:.2f}x / {r['cli_process_exact_input']['cpu']:.2f}x of the floor's "
+            f"{m['floor_hashlib_cpu_s']:.3f} s; load average {min(loads, default=0):.1f}-{max(loads, default=0):.1f}")
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of every finished child process so far."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,11 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     judged = max(ratios.values())
     per_file_ms = {n: 1e3 * (m[f"{m['slowest']}_s"]["median"] - m["floor_hashlib_s"]) / m["files"]
                    for n, m in runs.items()}
-    detail = "; ".join(
-        f"{m['files']} files x {m['adapter_bytes'] / 2**20:.2f} MiB: exact-input {m['exact_input_s']['median']:.2f} s, "
-        f"bitwise {m['bitwise_s']['median']:.2f} s, fresh process {m['cli_process_exact_input_s']['median']:.2f} s "
-        f"against hashlib+parse {m['floor_hashlib_s']:.2f} s ({ratios[n]:.2f}x, {per_file_ms[n]:.2f} ms a file above "
-        f"it)" for n, m in runs.items())
+    detail = "; ".join(_summary(m, ratios[n], per_file_ms[n]) for n, m in runs.items())
     common.report(
         NAME, smoke=args.smoke, results=args.results, ratio_value=judged,
         ratio_definition="largest over the file counts of: slowest median reduce seconds (in-process exact-input "
