@@ -629,30 +629,37 @@ def test_approximate_claim_reports_routing_agreement(moe_runs: dict[str, Any], t
     assert "SHA-256" in check["detail"]
 
 
-@pytest.mark.slow
-def test_a_trl_capture_of_a_moe_model_replays_bitwise_with_routing_observed(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="module")
+def trl_moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A real GRPOTrainer run of a tiny random-init Qwen3-MoE (saved from a config, nothing fetched; TRL adds the
-    model's router loss) captured at step 1: its replay through TRL's own training step is bitwise the source's
-    update and pins the routing it observed (every real token of the 8 rows, both routers); under the test-only
-    router fault a replay's routing flips tokens against it."""
+    model's router loss) with step 0 captured: generations reused (num_iterations = 2), so the capture keeps TRL's
+    old logprobs, drawn with step 0's weights."""
     pytest.importorskip("trl", reason="the TRL tests need the 'trl' extra: pip install -e '.[trl]'")
     from conftest import build_base, grpo
     from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    dense = build_base(tmp_path / "dense")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is fetched
+    d = tmp_path_factory.mktemp("trl_moe")
+    dense = build_base(d / "dense")
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
                          tie_word_embeddings=False, eos_token_id=1, pad_token_id=0, num_experts=4,
                          num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
                          mlp_only_layers=[])
-    base = tmp_path / "moe"
-    Qwen3MoeForCausalLM(cfg).save_pretrained(base)
-    AutoTokenizer.from_pretrained(dense).save_pretrained(base)
-    cap = tmp_path / "cap"
-    grpo(base, cap, capture_step=1, lora_dropout=0.0)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(d / "moe")
+    AutoTokenizer.from_pretrained(dense).save_pretrained(d / "moe")
+    grpo(d / "moe", d / "cap", capture_step=0, lora_dropout=0.0, max_steps=1)
+    return {"dir": d, "cap": d / "cap"}
+
+
+@pytest.mark.slow
+def test_a_trl_capture_of_a_moe_model_replays_bitwise_with_routing_observed(trl_moe: dict[str, Any], tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TRL capture's replay through TRL's own training step is bitwise the source's update and pins the routing
+    it observed (every real token of the 8 rows, both routers); under the test-only router fault a replay's routing
+    flips tokens against it."""
+    cap = trl_moe["cap"]
     source = metrics(cap, "metrics.json")
 
     def replay(name: str) -> tuple[dict[str, Any], moe.RoutingTable]:
@@ -669,3 +676,32 @@ def test_a_trl_capture_of_a_moe_model_replays_bitwise_with_routing_observed(tmp_
     monkeypatch.setenv(moe.FAULT_ENV, "5e-2")
     _, flipped = replay("perturbed")
     assert flipped.fault == repr(5e-2) and moe.compare(table, flipped)["flipped"] > 0
+
+
+@pytest.mark.slow
+def test_trl_mismatch_attributes_routing_flips(trl_moe: dict[str, Any], capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """mismatch on the TRL MoE capture: TRL's old logprobs equal the recompute bitwise and nothing flips; with the
+    test-only fault on the trainer side a handful of tokens flip, the gap is attributed to routing (TRL's function
+    with the sampler-side experts forced closes it) and the response tokens downstream of the flips carry it (the
+    rest is the rounding of tokens that shared an expert with a flipped one)."""
+    def run() -> dict[str, Any]:
+        capsys.readouterr()
+        assert main(["mismatch", str(trl_moe["cap"] / "replay.toml"), "--json"]) == 2  # no bound declared
+        doc: dict[str, Any] = json.loads(capsys.readouterr().out)
+        return doc
+
+    doc = run()
+    (old,) = doc["sources"]
+    assert old["name"] == "trainer_old" and old["policy_lag"]["steps"] == 0
+    assert old["log_ratio"]["bitwise_equal_share"] == 1.0 and doc["routing"]["passes"] == {}
+    monkeypatch.setenv(moe.FAULT_ENV, "3e-3")
+    doc = run()
+    (old,) = doc["sources"]
+    assert old["attribution"] == "routing" and old["log_ratio"]["abs_max"] > 1e-4
+    assert doc["routing"]["passes"]["padding"]["flipped"] == 0  # trainer side: routed as the trainer pass
+    assert doc["routing"]["passes"]["routing"]["mode"] == "forced"
+    r = old["routing"]
+    assert 0 < r["flipped"] <= 10 and r["mass_downstream"] > 0.99 and r["flips"]
+    f = r["flips"][0]
+    assert sorted(f["experts_trainer"]) != sorted(f["experts_sampler"]) and f["margin_trainer"] < 2 * 3e-3

@@ -135,7 +135,7 @@ Observe = Callable[[list[int], "Tensor"], contextlib.AbstractContextManager[obje
 
 
 @contextlib.contextmanager
-def _routing_pass(routing: moe.Routing | None, name: str, tables: dict[str, moe.RoutingTable], *,
+def routing_pass(routing: moe.Routing | None, name: str, tables: dict[str, moe.RoutingTable], *,
                   sampler_side: bool = False, forced: moe.RoutingTable | None = None) -> Iterator[Observe]:
     """One pass's micro-batches with the routing recorded (into ``tables[name]``) on an MoE model, the
     ``forced`` table's experts forced when given; a context per micro-batch (nothing on a dense model)."""
@@ -172,7 +172,7 @@ def recompute(policy: Policy, batch: OptimizerBatch, cfg: Config) -> Views:
     with torch.no_grad():
         try:
             t0 = time.perf_counter()
-            with _routing_pass(routing, "trainer", col.views.routing) as observe:
+            with routing_pass(routing, "trainer", col.views.routing) as observe:
                 trainer_pass(col, model, dev, batch, size, pad_id, observe)
             timings["trainer"] = time.perf_counter() - t0
             if any(bool((s.values != col.views.trainer).any()) for s in srcs):
@@ -210,7 +210,7 @@ def _extra_passes(col: Collector, model: torch.nn.Module, dev: torch.device, bat
             sampler_side: bool = False, forced: moe.RoutingTable | None = None) -> None:
         t0 = time.perf_counter()
         start = 0
-        with _routing_pass(routing, name, tables, sampler_side=sampler_side, forced=forced) as observe:
+        with routing_pass(routing, name, tables, sampler_side=sampler_side, forced=forced) as observe:
             for chunk in chunks:
                 rows, rest = chunk[0], chunk[1:]
                 if len(rest) == 3:

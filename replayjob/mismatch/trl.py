@@ -34,8 +34,10 @@ from typing import TYPE_CHECKING, Any
 from replayjob.artifacts.capture_manifest import PinnedManifest
 from replayjob.artifacts.mismatch_bound import Bound, read_bound
 from replayjob.errors import UsageError
+from replayjob.mismatch.builtin import routing_pass
 from replayjob.mismatch.report import Report, build
 from replayjob.mismatch.views import Collector, Side, Source, Views
+from replayjob.model import moe
 from replayjob.producers import producer_module
 from replayjob.producers.api import admission
 from replayjob.producers.api import microbatch as _microbatch
@@ -162,6 +164,8 @@ def recompute(session: Any, mbs: list[_microbatch.MicroBatch], resolved: dict[st
                       max(lag), lag_reason, torch.cat(src_parts[n])) for n in present]
     col = Collector(torch.cat(row_parts), torch.cat(pos_parts), torch.cat(tok_parts), torch.cat(pad_parts),
                     trainer_side, sampler_side, sources)
+    col.views.prompt_len = torch.cat([mb.inputs["prompt_mask"].sum(-1).to(torch.int64) for mb in mbs])
+    routing = moe.observe(model) if getattr(session, "world", 1) == 1 else None  # an MoE model's routers
     was_training = model.training
     model.eval()
     timings: dict[str, float] = {}
@@ -169,21 +173,28 @@ def recompute(session: Any, mbs: list[_microbatch.MicroBatch], resolved: dict[st
     with torch.no_grad():
         try:
             t0 = time.perf_counter()
-            start = 0
-            for mb, mask in zip(mbs, masks, strict=True):
-                ids, att, keep = _inputs(mb, dev)
-                lp, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, att, keep)
-                logits = _forward_logits(model, ids, att, keep)
-                m = mask.to(dev)
-                values = lp[m]
-                y = ids[:, -keep:][m]
-                agree = max(agree, float((logprobs_of(logits[m], y, trainer_side.temperature) - values).abs().max()))
-                col.trainer_chunk(start, values, logits[m])
-                start += int(values.numel())
+            start, first = 0, 0
+            with routing_pass(routing, "trainer", col.views.routing) as observe:
+                for mb, mask in zip(mbs, masks, strict=True):
+                    ids, att, keep = _inputs(mb, dev)
+                    with observe(list(range(first, first + int(mask.shape[0]))), att):  # TRL's forward is recorded
+                        lp, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, att, keep)
+                        logits = _forward_logits(model, ids, att, keep)
+                    first += int(mask.shape[0])
+                    m = mask.to(dev)
+                    values = lp[m]
+                    y = ids[:, -keep:][m]
+                    plain = logprobs_of(logits[m], y, trainer_side.temperature)
+                    agree = max(agree, float((plain - values).abs().max()))
+                    col.trainer_chunk(start, values, logits[m])
+                    start += int(values.numel())
             timings["trainer"] = time.perf_counter() - t0
             if any(bool((s.values != col.views.trainer).any()) for s in sources):
-                _alone(col, trainer, model, mbs, masks, dev, "padding", trainer_side, timings)
-                _alone(col, trainer, model, mbs, masks, dev, "combined", sampler_side, timings)
+                _alone(col, trainer, model, mbs, masks, dev, "padding", trainer_side, timings, routing)
+                _alone(col, trainer, model, mbs, masks, dev, "combined", sampler_side, timings, routing)
+                ours, theirs = col.views.routing.get("trainer"), col.views.routing.get("combined")
+                if ours is not None and theirs is not None and moe.compare(ours, theirs)["flipped"]:
+                    _forced(col, trainer, model, mbs, masks, dev, theirs, routing, timings)
         finally:
             model.train(was_training)
     views = col.finish()
@@ -207,28 +218,51 @@ def _inputs(mb: _microbatch.MicroBatch, dev: torch.device) -> tuple[Tensor, Tens
 
 
 def _alone(col: Collector, trainer: Any, model: torch.nn.Module, mbs: list[_microbatch.MicroBatch], masks: list[Tensor],
-           dev: torch.device, test: str, side: Side, timings: dict[str, float]) -> None:
+           dev: torch.device, test: str, side: Side, timings: dict[str, float],
+           routing: moe.Routing | None = None) -> None:
     """Each sequence alone and unpadded, through TRL's function (``padding``) or with every recorded sampler
-    setting (``combined``)."""
+    setting (``combined``: the sampler's side, its routing recorded as the sampler's)."""
     import torch
     t0 = time.perf_counter()
-    start = 0
-    for mb, mask in zip(mbs, masks, strict=True):
-        ins = mb.inputs
-        for r in range(mask.shape[0]):
-            prompt = ins["prompt_ids"][r][ins["prompt_mask"][r].bool()]
-            completion = ins["completion_ids"][r][mask[r]]
-            n = int(completion.numel())
-            if n == 0:
-                continue
-            ids = torch.cat([prompt, completion])[None, :].to(dev)
-            att = torch.ones_like(ids)
-            if test == "padding":
-                values = trainer._get_per_token_logps_and_entropies(model, ids, att, n)[0][0]
-            else:
-                logits = truncate(_forward_logits(model, ids, att, n)[0] / side.temperature, side.top_k, side.top_p)
-                values = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, -n:, None]).squeeze(-1)
-            col.hypothesis(test, "each sequence alone, unpadded (TRL's function)" if test == "padding" else
-                           "every recorded sampler setting at once (unpadded, temperature, truncation)", start, values)
-            start += n
+    start, row = 0, 0
+    with routing_pass(routing, test, col.views.routing, sampler_side=test == "combined") as observe:
+        for mb, mask in zip(mbs, masks, strict=True):
+            ins = mb.inputs
+            for r in range(mask.shape[0]):
+                row += 1
+                prompt = ins["prompt_ids"][r][ins["prompt_mask"][r].bool()]
+                completion = ins["completion_ids"][r][mask[r]]
+                n = int(completion.numel())
+                if n == 0:
+                    continue  # nothing to compare (and no routing table: not every row is routed)
+                ids = torch.cat([prompt, completion])[None, :].to(dev)
+                att = torch.ones_like(ids)
+                with observe([row - 1], att):
+                    if test == "padding":
+                        values = trainer._get_per_token_logps_and_entropies(model, ids, att, n)[0][0]
+                    else:
+                        logits = truncate(_forward_logits(model, ids, att, n)[0] / side.temperature, side.top_k,
+                                          side.top_p)
+                        values = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, -n:, None]).squeeze(-1)
+                col.hypothesis(test, "each sequence alone, unpadded (TRL's function)" if test == "padding" else
+                               "every recorded sampler setting at once (unpadded, temperature, truncation)", start,
+                               values)
+                start += n
     timings[test] = time.perf_counter() - t0
+
+
+def _forced(col: Collector, trainer: Any, model: torch.nn.Module, mbs: list[_microbatch.MicroBatch],
+            masks: list[Tensor], dev: torch.device, table: moe.RoutingTable, routing: moe.Routing | None,
+            timings: dict[str, float]) -> None:
+    """The ``routing`` pass: TRL's function over the captured micro-batches with the sampler-side experts forced."""
+    t0 = time.perf_counter()
+    start, first = 0, 0
+    with routing_pass(routing, "routing", col.views.routing, forced=table) as observe:
+        for mb, mask in zip(mbs, masks, strict=True):
+            ids, att, keep = _inputs(mb, dev)
+            with observe(list(range(first, first + int(mask.shape[0]))), att):
+                values = trainer._get_per_token_logps_and_entropies(model, ids, att, keep)[0][mask.to(dev)]
+            first += int(mask.shape[0])
+            col.hypothesis("routing", "TRL's function with the sampler-side pass's experts forced", start, values)
+            start += int(values.numel())
+    timings["routing"] = time.perf_counter() - t0
