@@ -111,6 +111,8 @@ def test_a_run_needing_more_gpus_than_a_node_has_is_one_jobset_of_its_nodes() ->
         assert c["resources"]["limits"]["cpu"] == k8s.scale_quantity(spec.cpu, 2)  # this node's 2 ranks
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env[distributed.NODES_ENV] == str(nodes) and env[distributed.RDZV_ID_ENV] == js
+        (rank,) = [e for e in c["env"] if e["name"] == distributed.NODE_RANK_ENV]  # the pod's completion index
+        assert rank["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.annotations['{k8s.INDEX_ANNOTATION}']"
         # the rendezvous host is the first pod's name under the JobSet's headless Service
         assert env[distributed.RDZV_ENDPOINT_ENV] == f"{js}-{jobset.NODE_JOB}-0-0.{js}:{jobset.RDZV_PORT}"
         assert doc["spec"]["network"] == {"enableDNSHostnames": True, "subdomain": js, "publishNotReadyAddresses": True}

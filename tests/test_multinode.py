@@ -50,6 +50,10 @@ def test_a_rendezvous_over_nodes_launches_this_node_s_share_through_c10d() -> No
     assert cmd == [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "rj-replay-0-0.rj:29400", "--rdzv-id",
                    "run1-replay-3", "--max-restarts", "0", "-m", "replayjob", *argv]
+    # a node that knows its place: node 0 hosts the rendezvous store, the others only connect to it
+    for rank, host in (("0", "true"), ("1", "false")):
+        ranked = distributed.launch_command(4, argv, environ={**RDZV, distributed.NODE_RANK_ENV: rank})
+        assert ranked == [*cmd[:13], "--rdzv-conf", f"is_host={host}", *cmd[13:]]
     assert distributed.local_ranks(4, environ=RDZV) == 2 and distributed.local_ranks(4, environ={}) == 4
     assert distributed.local_ranks(4, "srun", RDZV) == 4  # srun's tasks are the allocation's
     # one node: the launch of today, byte for byte
@@ -68,6 +72,8 @@ def test_a_rendezvous_over_nodes_launches_this_node_s_share_through_c10d() -> No
     ({distributed.RDZV_ID_ENV: ""}, "is not a rendezvous id"),
     ({distributed.RDZV_ID_ENV: "id,with=comma"}, "is not a rendezvous id"),
     ({distributed.NODES_ENV: "3"}, "4 ranks do not split evenly over REPLAYJOB_NODES=3 nodes"),
+    ({distributed.NODE_RANK_ENV: "2"}, "REPLAYJOB_NODE_RANK='2' is not a node of 2"),
+    ({distributed.NODE_RANK_ENV: "-1"}, "is not a node of 2"),
 ])
 def test_a_partial_or_malformed_rendezvous_is_refused(change: dict[str, str | None], message: str) -> None:
     env = {k: v for k, v in {**RDZV, **change}.items() if v is not None}
@@ -117,8 +123,9 @@ def test_two_nodes_through_one_c10d_rendezvous_replay_like_one_node(tmp_path: Pa
     # two pods run it; the first node's endpoint is this host's
     rdzv = {distributed.NODES_ENV: "2", distributed.RDZV_ENDPOINT_ENV: f"localhost:{_free_port()}",
             distributed.RDZV_ID_ENV: "multinode-test-replay-1"}
-    nodes = [_step("replay", *base, "--index", "1", env={**clean, **rdzv, "REPLAYJOB_POD_NAME": f"node-{k}"})
-             for k in range(2)]
+    nodes = [_step("replay", *base, "--index", "1", env={**clean, **rdzv, "REPLAYJOB_POD_NAME": f"node-{k}",
+                                                         distributed.NODE_RANK_ENV: str(k)})
+             for k in (1, 0)]  # node 1 first: it only connects, and waits for the store node 0 hosts
     ended = [_ended(p) for p in nodes]
     assert [c for c, _ in ended] == [0, 0], "\n".join(t[-3000:] for _, t in ended)
     for _, text in ended:  # each node's step read the finished replay once every rank had ended

@@ -12,8 +12,11 @@ GPU of its node and running the same command as a one-node run, ``replayjob step
   --nproc-per-node W/K --rdzv-backend c10d``;
 * ``REPLAYJOB_RDZV_ENDPOINT``: the first pod's stable name, ``JOBSET-n-0-0.JOBSET:29400``, which JobSet's
   headless Service (``network.enableDNSHostnames``, ``publishNotReadyAddresses``) resolves as soon as
-  the pod exists; torchrun's agent on that pod hosts the rendezvous store, the others connect to it;
-* ``REPLAYJOB_RDZV_ID``: the JobSet's name (the run id and the replay's index are in it).
+  the pod exists;
+* ``REPLAYJOB_RDZV_ID``: the JobSet's name (the run id and the replay's index are in it);
+* ``REPLAYJOB_NODE_RANK``: the pod's completion index (downward API): pod 0 hosts the rendezvous store
+  (``--rdzv-conf is_host=true``), the others connect to it (``is_host=false``), so no agent has to guess
+  from DNS whether the endpoint's name is its own.
 
 Every pod runs the step: the same checks, the same run record; the first to find an interrupted
 attempt's partial output moves it aside (before the rendezvous, so before any rank writes), and each
@@ -80,8 +83,9 @@ def jobset(spec: AblationSpec, run_id: str, index: int | None = None, owner: k8s
     where = [] if index is None else ["--index", str(index), "--wait-s", str(k8s.REPLAY_WAIT_S)]
     rdzv = {distributed.NODES_ENV: str(nodes), distributed.RDZV_ENDPOINT_ENV: f"{leader(name)}:{RDZV_PORT}",
             distributed.RDZV_ID_ENV: name}
+    node_rank = k8s.field_env(distributed.NODE_RANK_ENV, f"metadata.annotations['{k8s.INDEX_ANNOTATION}']")
     cont = k8s.container(spec, k8s.step_command(component, k8s.run_dir(spec), *where, "--ranks", str(world)),
-                         spec.gpu, k8s.env_list(rdzv), per_node)
+                         spec.gpu, [*k8s.env_list(rdzv), node_rank], per_node)
     template = k8s.pod_template(spec, component, cont, spec.gpu, run_id, world)
     labels = k8s.labels(spec, component, run_id)
     labels[k8s.RANKS_LABEL] = str(world)

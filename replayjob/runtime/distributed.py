@@ -401,6 +401,10 @@ def save_adapter(policy: Any, directory: Path, parallel: Parallel | None) -> Pat
 NODES_ENV = "REPLAYJOB_NODES"
 RDZV_ENDPOINT_ENV = "REPLAYJOB_RDZV_ENDPOINT"
 RDZV_ID_ENV = "REPLAYJOB_RDZV_ID"
+# This node's place among them, when the launcher knows it (a JobSet pod's completion index): node 0, the
+# endpoint's host, hosts the rendezvous store and the others only connect, instead of each agent guessing
+# from DNS whether the endpoint is itself (a name not resolvable yet would leave no host).
+NODE_RANK_ENV = "REPLAYJOB_NODE_RANK"
 RDZV_BACKEND = "c10d"  # torchrun's own rendezvous: a TCPStore on the endpoint's host, no etcd
 _ENDPOINT = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?:[0-9]{1,5}")
 _RDZV_ID = re.compile(r"[A-Za-z0-9][-A-Za-z0-9_.]{0,127}")
@@ -413,6 +417,7 @@ class Rendezvous:
     nodes: int
     endpoint: str
     id: str
+    node_rank: int | None = None
 
 
 def rendezvous(environ: dict[str, str] | None = None) -> Rendezvous | None:
@@ -436,7 +441,10 @@ def rendezvous(environ: dict[str, str] | None = None) -> Rendezvous | None:
     if not _RDZV_ID.fullmatch(rid):
         raise ConfigError(f"{RDZV_ID_ENV}={rid!r} is not a rendezvous id (letters, digits, -_.)",
                           where="environment")
-    return Rendezvous(int(raw), endpoint, rid)
+    rank = env.get(NODE_RANK_ENV, "")
+    if rank and (not rank.isdigit() or int(rank) >= int(raw)):
+        raise ConfigError(f"{NODE_RANK_ENV}={rank!r} is not a node of {raw} (0..{int(raw) - 1})", where="environment")
+    return Rendezvous(int(raw), endpoint, rid, int(rank) if rank else None)
 
 
 def local_ranks(nproc: int, launcher: str = "torchrun", environ: dict[str, str] | None = None) -> int:
@@ -469,9 +477,10 @@ def launch_command(nproc: int, argv: Sequence[str], launcher: str = "torchrun",
     # --max-restarts 0: a failed rank fails the launch (exit 3, the engine retries the whole gang), as
     # --standalone does; every node's agent waits at torchrun's exit barrier for the others, so a node
     # returns only once every rank (rank 0 writing the replay's metrics included) has ended
+    host = [] if rdzv.node_rank is None else ["--rdzv-conf", f"is_host={str(rdzv.node_rank == 0).lower()}"]
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(rdzv.nodes),
             "--nproc-per-node", str(local_ranks(nproc, launcher, environ)), "--rdzv-backend", RDZV_BACKEND,
-            "--rdzv-endpoint", rdzv.endpoint, "--rdzv-id", rdzv.id, "--max-restarts", "0",
+            "--rdzv-endpoint", rdzv.endpoint, "--rdzv-id", rdzv.id, *host, "--max-restarts", "0",
             "-m", "replayjob", *argv]
 
 
