@@ -55,7 +55,8 @@ Decisions written once here:
   anti-affinity on the hostname **across every namespace** keeps two pods labelled
   ``replayjob.dev/gpu-exclusive`` off one node; a pod requests one GPU per rank, or, with
   ``node_gpus = N``, every GPU of an N-GPU node so no other pod of any tenant can share it (its
-  ranks, at most N by the spec's validation, use the first of them); ``cpu`` and ``memory`` are per
+  ranks, at most N, use the first of them; a run of more ranks spans nodes: one JobSet,
+  :mod:`replayjob.launch.jobset`); ``cpu`` and ``memory`` are per
   rank (a pod of N ranks requests N times them); ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` are the
   CPU limit, divided among the ranks by the step;
 * **queues and priorities**: ``queue`` labels every stage Job ``kueue.x-k8s.io/queue-name`` (Kueue
@@ -212,8 +213,8 @@ def step_command(stage: str, run_dir: str, *extra: str) -> list[str]:
 
 
 def gpu_count(spec: AblationSpec, ranks: int) -> int:
-    """GPUs a pod of ``ranks`` ranks requests: one per rank, or the whole node with ``node_gpus``
-    (which the spec's validation keeps >= every run's ranks)."""
+    """GPUs a pod of ``ranks`` ranks requests: one per rank, or the whole node with ``node_gpus`` (a pod
+    runs at most that many: a run of more spans nodes, ``ranks`` being then this node's share)."""
     return spec.node_gpus or ranks
 
 
