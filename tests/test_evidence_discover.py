@@ -68,3 +68,13 @@ def test_discover_listed_hands_each_replay_its_directory_listing(tmp_path: Path)
     listings = {p.parent.name: names for p, names in got}
     assert listings["b"] is None  # named directly: found first as a file
     assert sorted(listings["a"] or ()) == ["final_adapter", REPLAY_FILE, "replay_metrics.rank-1.json"]
+
+
+def test_verdict_paths_are_relpaths(tmp_path: Path) -> None:
+    """A verdict names each input relative to the verdict's directory exactly as os.path.relpath would."""
+    from replayjob.gate.reducer import _rel
+
+    cases = [("/a/b/c", "/a"), ("/a/b", "/a/b"), ("/a/bc", "/a/b"), ("/x", "/"), ("/a/b/../c/d", "/a"),
+             ("rel/x", str(tmp_path)), ("/a", "/a/b/c"), ("//a/b", "//a"), (str(tmp_path / "r" / REPLAY_FILE), "/")]
+    for path, base in cases:
+        assert _rel(Path(path), Path(base)) == os.path.relpath(os.path.abspath(path), Path(base)), (path, base)

@@ -92,10 +92,14 @@ class _State:
 
 
 def _rel(path: Path, base: Path) -> str:
+    p, b = os.path.abspath(path), str(base)
+    below = b if b.endswith(os.sep) else b + os.sep
+    if p.startswith(below):  # both absolute and normalised: what relpath returns is the rest
+        return p[len(below):]
     try:
-        return os.path.relpath(os.path.abspath(path), base)
+        return os.path.relpath(p, base)
     except ValueError:  # another drive: no relative form
-        return os.path.abspath(path)
+        return p
 
 
 def _evaluate(req: Request, st: _State) -> None:
