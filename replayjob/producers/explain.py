@@ -1,7 +1,8 @@
 """``replayjob explain`` for a capture of any producer: its manifest names the producer, whose admission runs.
 
-The built-in trainer's captures are admitted by :mod:`replayjob.producers.builtin.admission`, every other producer's by
-:mod:`replayjob.producers.api.admission` (the same rules); both report in one format (:func:`render`).
+Every capture goes through the one admission (:mod:`replayjob.producers.admission`); its manifest says which
+kind of capture it is, and so which replay config it takes: the built-in trainer's (:mod:`.builtin.admission`) or
+the capture API's (:mod:`.api.admission`).  Both report in one format (:func:`render`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from replayjob.config import load_config
 from replayjob.producers import BUILTIN
 from replayjob.producers.api import admission
 from replayjob.producers.builtin import admission as builtin
-from replayjob.producers.builtin.admission import Refusals, render
+from replayjob.producers.admission import Refusals, render
 from replayjob.runtime.distributed import observe
 
 __all__ = ["explain", "render"]

@@ -10,9 +10,9 @@ The replay config (the ``replay.toml`` a capture writes)::
                                            allow_config_differences, tolerances_sha256)
     [<framework>]                         (optional overrides of the captured framework config)
 
-The checks are the built-in rules (:mod:`replayjob.producers.builtin.admission` supplies the shared ones):
-both pins; the manifest bytes against their pin before parsing; each safetensors file against the
-manifest's size and SHA-256 before deserialising; the inputs' structure and the logical and
+This is the capture API's part of the one admission (:mod:`replayjob.producers.admission`, which runs the
+pins and the manifest checks for every producer): each safetensors file against the manifest's size and
+SHA-256 before deserialising, no symlink; the inputs' structure and the logical and
 effective digests recomputed from the tensors; the base model's files by SHA-256; the optimizer
 contract; and every difference between the captured config and the replay's (installed stack
 versions included) declared, present, and a registered systems-only knob, or a stack difference,
@@ -22,7 +22,7 @@ which is admitted for the approximate claim only.  Nothing here imports a framew
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,18 +30,19 @@ from replayjob import tensorfile
 from replayjob.artifacts import api_manifest as imanifest
 from replayjob.artifacts.api_manifest import Manifest
 from replayjob.artifacts.capture_manifest import PinnedManifest
-from replayjob.artifacts.capture_reader import reuse
 from replayjob.artifacts.document import check_summaries
+from replayjob.artifacts.metrics import SKIPPED
 from replayjob.config import redact
 from replayjob.config.load import absolutize_paths, apply_overrides, build, read_toml
 from replayjob.config.schema import OptimizerBatchConfig
 from replayjob.digest import sha256_json
 from replayjob.errors import ConfigError, IntegrityError, RefusedError
 from replayjob.producers import EXTERNAL, producer_module
+from replayjob.producers import admission as shared
+from replayjob.producers.admission import check_contract, check_differences
 from replayjob.producers.api import files as _files
 from replayjob.producers.api import microbatch as _microbatch
 from replayjob.producers.api import precision
-from replayjob.producers.builtin.admission import SKIPPED, Refusals, check_contract, check_differences, check_pins
 from replayjob.redact import redact_text
 from replayjob.runtime import knobs
 from replayjob.runtime.distributed import launch_env
@@ -103,20 +104,15 @@ def load(path: str | Path, overrides: list[str]) -> ReplayConfig:
 
 
 @dataclass
-class Admission(Refusals):
+class Admission(shared.Admission):
     """What was verified for one integration replay, and every refusal reason."""
 
     cfg: ReplayConfig | None = None
-    pins: dict[str, str] = field(default_factory=dict)
-    given: PinnedManifest | None = None  # the manifest as a caller already verified it
     manifest: Manifest | None = None
     micro_batches: list[_microbatch.MicroBatch] | None = None
     adapter: dict[str, torch.Tensor] | None = None
     optimizer: dict[str, torch.Tensor] | None = None
     resolved: dict[str, Any] | None = None
-    contract: dict[str, Any] | None = None
-    allowed: list[str] = field(default_factory=list)
-    observed: list[str] = field(default_factory=list)
     #: a capture over several processes: each process's micro-batches (``micro_batches`` holds them all, in rank
     #: order); None for a one-process capture
     rank_micro_batches: list[list[_microbatch.MicroBatch]] | None = None
@@ -127,9 +123,9 @@ class Admission(Refusals):
     def captured_processes(self) -> int:
         return imanifest.processes(self.manifest)
 
-    def raise_if_refused(self) -> None:
+    def optimizer_batch(self) -> OptimizerBatchConfig:
         assert self.cfg is not None
-        self.raise_for(self.cfg.optimizer_batch.replay_path or "optimizer_batch.replay_path")
+        return self.cfg.optimizer_batch
 
     @property
     def arm(self) -> str:
@@ -175,7 +171,7 @@ def _group(tensors: dict[str, torch.Tensor], prefix: str, spec: dict[str, Any], 
     return out
 
 
-def _check_payload(adm: Admission, m: Manifest, tensors: dict[str, torch.Tensor],
+def _check_payload_tensors(adm: Admission, m: Manifest, tensors: dict[str, torch.Tensor],
                    part: bool = False) -> list[_microbatch.MicroBatch] | None:
     """The payload against its manifest; the micro-batches (``part``: one process's of several, checked against
     its own manifest only; the caller checks the whole against the root and the pins)."""
@@ -195,12 +191,8 @@ def _check_payload(adm: Admission, m: Manifest, tensors: dict[str, torch.Tensor]
     if not adm.admitted:
         return None
     logical = _microbatch.logical_digest(mbs)
-    pin = None if part else adm.pins.get("expected_logical_sha256")
-    if logical != m.logical_sha256:
+    if logical != m.logical_sha256:  # the logical pin was compared with the manifest's already (shared)
         adm.refuse(f"payload inputs hash to {logical}, the manifest says {m.logical_sha256}", integrity=True)
-    elif pin is not None and pin != logical:
-        adm.refuse(f"wrong logical pin: expected_logical_sha256 is {pin}, the captured inputs are {logical}",
-                   integrity=True)
     effective = _microbatch.effective_digest(mbs)
     if effective != m.effective_sha256:
         adm.refuse(f"payload RNG and accumulation settings hash to {effective}, the manifest says "
@@ -218,18 +210,14 @@ def _check_parts(adm: Admission, m: imanifest.RootManifest) -> None:
     parts = []
     for part in m.parts:
         payload = _load_file(adm, part, "payload")
-        mbs = _check_payload(adm, part, payload, part=True) if payload is not None else None
+        mbs = _check_payload_tensors(adm, part, payload, part=True) if payload is not None else None
         if mbs is None:
             return
         parts.append(mbs)
     every = [mb for p in parts for mb in p]
     logical = _microbatch.logical_digest(every)
-    pin = adm.pins.get("expected_logical_sha256")
-    if logical != m.logical_sha256:
+    if logical != m.logical_sha256:  # the logical pin was compared with the root's already (shared)
         adm.refuse(f"the processes' inputs in rank order hash to {logical}, the root says {m.logical_sha256}",
-                   integrity=True)
-    elif pin is not None and pin != logical:
-        adm.refuse(f"wrong logical pin: expected_logical_sha256 is {pin}, the captured inputs are {logical}",
                    integrity=True)
     if _microbatch.effective_digest(every) != m.effective_sha256:
         adm.refuse("the processes' RNG and accumulation settings do not hash to the root's effective digest",
@@ -256,20 +244,9 @@ def _check_nonfinite(adm: Admission, m: Manifest, mbs: list[_microbatch.MicroBat
                    "with optimizer_batch.allow_nonfinite_inputs = true")
 
 
-def _check_artifacts(adm: Admission) -> None:
-    cfg = adm.cfg
-    assert cfg is not None
-    if "expected_manifest_sha256" not in adm.pins or not cfg.optimizer_batch.replay_path:
-        return
-    try:
-        found = reuse(adm.given, cfg.optimizer_batch.replay_path, adm.pins["expected_manifest_sha256"])
-        if not isinstance(found, Manifest):
-            raise IntegrityError(f"the capture was written by {found.framework!r}, not the capture API",
-                                 where=found.path)
-    except RefusedError as exc:
-        adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
-        return
-    m = adm.manifest = found
+def _check_payload(adm: Admission) -> None:
+    cfg, m = adm.cfg, adm.manifest
+    assert cfg is not None and m is not None
     if m.framework != cfg.framework:
         adm.refuse(f"the capture was produced by {m.framework!r}, the config says integration.framework = "
                    f"{cfg.framework!r}")
@@ -279,8 +256,17 @@ def _check_artifacts(adm: Admission) -> None:
     else:
         payload = _load_file(adm, m, "payload")
         if payload is not None:
-            _check_payload(adm, m, payload)
-    first = m.parts[0] if isinstance(m, imanifest.RootManifest) else m  # every part holds these same bytes
+            _check_payload_tensors(adm, m, payload)
+
+
+def _check_state(adm: Admission) -> None:
+    """The captured adapter and optimizer state, each file against its pin (process 0's for a root: every part
+    holds these same bytes)."""
+    cfg, m = adm.cfg, adm.manifest
+    assert cfg is not None
+    if m is None or m.framework != cfg.framework:
+        return
+    first = m.parts[0] if isinstance(m, imanifest.RootManifest) else m
     adm.adapter = _load_file(adm, first, "adapter")
     if adm.adapter is not None and sorted(adm.adapter) != sorted(m.doc["trainable"]):
         adm.refuse(f"{m.file('adapter')}: parameters differ from the manifest's trainable list", integrity=True)
@@ -395,8 +381,45 @@ def _check_config(adm: Admission) -> None:
             adm.refuse(reason)
 
 
+def _check_runner(adm: Admission) -> None:
+    assert adm.cfg is not None
+    ob = adm.cfg.optimizer_batch
+    if ob.capture or ob.capture_steps or ob.ring_size:
+        adm.refuse("optimizer_batch.capture, capture_steps and ring_size are source-run settings; an integration "
+                   "replay config must leave them unset (the capture API captures an external trainer's steps)")
+
+
+@dataclass(frozen=True)
+class ApiKind:
+    """The capture API's captures (every producer but the built-in trainer), as
+    :func:`replayjob.producers.admission.admit` checks them."""
+
+    manifest_type: tuple[type, ...] = (Manifest,)  # a root over processes is a Manifest too
+    manifest_name: str = "optimizer_batch_step_<K>.manifest.json"
+    writer: str = "the capture API"
+
+    def runner(self, adm: Admission) -> None:
+        _check_runner(adm)
+
+    def payload(self, adm: Admission) -> None:
+        _check_payload(adm)
+
+    def state(self, adm: Admission) -> None:
+        _check_state(adm)
+
+    def model(self, adm: Admission) -> None:
+        _check_base_model(adm)
+
+    def config(self, adm: Admission) -> None:
+        _check_config(adm)
+
+
+KIND = ApiKind()
+
+
 def admit(cfg: ReplayConfig, processes: int | None = None, manifest: PinnedManifest | None = None) -> Admission:
-    """Run every admission check; never raises for a failed check (see :meth:`Admission.raise_if_refused`).
+    """Run every admission check (:func:`replayjob.producers.admission.admit`, this kind's checks); never raises
+    for a failed check (see :meth:`Admission.raise_if_refused`).
 
     ``processes``: how many processes the replay will run on (default: this process's launcher's);
     ``manifest``: the capture's manifest as the caller already verified it (used when it is the one the config
@@ -404,14 +427,7 @@ def admit(cfg: ReplayConfig, processes: int | None = None, manifest: PinnedManif
 
     adm = Admission(cfg=cfg, processes=launch_env().world_size if processes is None else processes,
                     given=manifest)
-    ob = cfg.optimizer_batch
-    if ob.capture or ob.capture_steps or ob.ring_size:
-        adm.refuse("optimizer_batch.capture, capture_steps and ring_size are source-run settings; an integration "
-                   "replay config must leave them unset (the capture API captures an external trainer's steps)")
-    check_pins(cfg.optimizer_batch, adm, adm.pins, "optimizer_batch_step_<K>.manifest.json")
-    _check_artifacts(adm)
-    _check_base_model(adm)
-    _check_config(adm)
+    shared.admit(adm, KIND)
     return adm
 
 

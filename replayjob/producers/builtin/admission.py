@@ -1,19 +1,17 @@
-"""Admission of a replay, and ``replayjob explain``: every check, no model, no device.
+"""The built-in trainer's part of the one admission (:mod:`replayjob.producers.admission`), and its report.
 
-:func:`admit` verifies, in order and collecting every reason rather than stopping at the first:
-the runner settings; both external pins; the manifest bytes against their pin (before parsing);
-the payload bytes against the manifest (before deserialising), its ragged structure and finite
-rows; the logical and effective row digests; the resume adapter's weight-file SHA-256; the
-optimizer contract; and the config differences against the declared, registered systems-only
-knobs (stale declarations included).  A check whose input failed an earlier check is skipped.
-
-Replay calls the same function and refuses unless it admits.  ``explain`` prints the result and
-what a replay would do; it never imports transformers or peft and never touches a device.
+Its kind of capture holds the optimizer batch's rows and the Torch RNG state (one payload, or one per rank
+under a root), and starts from a resume state.  :data:`KIND` checks, in the one order: the runner settings
+(``optimizer_replay``, one step, no save, no capture); the payload bytes against the manifest (before
+deserialising), its ragged structure and finite rows, the logical and effective row digests, every rank of a
+capture over ranks; the resume adapter's weight-file SHA-256 and the start state a captured step pins; a
+forced routing file; the optimizer contract and the config differences against the declared, registered
+systems-only knobs (stale declarations included).  It never imports transformers or peft and never touches
+a device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,18 +19,17 @@ from replayjob.artifacts import capture_payload as payload
 from replayjob.artifacts import capture_root as ranks
 from replayjob.artifacts.capture_manifest import Manifest, PinnedManifest
 from replayjob.artifacts.capture_payload import read_payload
-from replayjob.artifacts.capture_reader import reuse
 from replayjob.artifacts.metrics import EFFECTIVE, LOGICAL, SKIPPED
 from replayjob.config import Config, from_dict, resolved
-from replayjob.config.diff import differences
 from replayjob.config.load import to_dict
 from replayjob.config.schema import DistributedConfig, OptimizerBatchConfig
-from replayjob.digest import normalize_digest
-from replayjob.errors import ContractError, IntegrityError, RefusedError
+from replayjob.errors import IntegrityError, RefusedError
 from replayjob.model import moe
+from replayjob.producers import admission as shared
+from replayjob.producers.admission import check_contract, check_differences
 from replayjob.producers.builtin import rows as rankrows
 from replayjob.producers.builtin import steps as stepcapture
-from replayjob.producers.contract import contract_differences, contract_sha256, optimizer_contract
+from replayjob.producers.contract import contract_sha256, optimizer_contract
 from replayjob.redact import redact_text
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.state import ResumeState, read_state
@@ -43,40 +40,11 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Refusals:
-    """Reasons a replay is refused, collected rather than raised one by one (shared by every producer)."""
-
-    reasons: list[str] = field(default_factory=list)
-    integrity_failed: bool = False
-
-    @property
-    def admitted(self) -> bool:
-        return not self.reasons
-
-    def refuse(self, reason: str, *, integrity: bool = False) -> None:
-        self.reasons.append(reason)
-        self.integrity_failed = self.integrity_failed or integrity
-
-    def raise_if_refused(self) -> None:
-        self.raise_for("replay config")
-
-    def raise_for(self, where: str) -> None:
-        """Raise one refusal listing every reason (integrity first in the exit class), or return."""
-        if self.reasons:
-            cls = IntegrityError if self.integrity_failed else ContractError
-            raise cls(f"replay refused ({len(self.reasons)} reason{'s' * (len(self.reasons) > 1)}):\n  - "
-                      + "\n  - ".join(self.reasons), where=where,
-                      hint="fix every listed reason; `replayjob explain CONFIG` re-checks without a model")
-
-
-@dataclass
-class Admission(Refusals):
+class Admission(shared.Admission):
     """The outcome of :func:`admit`: what was verified, what was found, and every refusal reason."""
 
     cfg: Config = field(default_factory=Config)
     keep_rows: bool = True  # False: verify streaming, holding no payload rows (explain)
-    pins: dict[str, str] = field(default_factory=dict)
-    given: PinnedManifest | None = None  # the manifest as a caller already verified it
     manifest: Manifest | None = None
     batch: OptimizerBatch | None = None
     rng: dict[str, Tensor] | None = None
@@ -84,12 +52,9 @@ class Admission(Refusals):
     digests: tuple[str, str] | None = None  # (logical, effective) of the payload's rows, computed once
     rows: dict[str, int | float] | None = None  # the payload's row counts (payload.summary's keys)
     state: ResumeState | None = None
-    allowed: list[str] = field(default_factory=list)
-    observed: list[str] = field(default_factory=list)
-    contract: dict[str, Any] | None = None
 
-    def raise_if_refused(self) -> None:
-        self.raise_for(self.cfg.optimizer_batch.replay_path or "optimizer_batch.replay_path")
+    def optimizer_batch(self) -> OptimizerBatchConfig:
+        return self.cfg.optimizer_batch
 
     @property
     def arm(self) -> str:
@@ -119,50 +84,9 @@ def _check_runner(adm: Admission) -> None:
         adm.refuse("optimizer_batch.capture must be false in a replay config")
 
 
-def check_pins(ob: OptimizerBatchConfig, out: Refusals, pins: dict[str, str], manifest_name: str) -> None:
-    """Both external pins, the manifest path, the arm name and the tolerance pin of ``[optimizer_batch]``."""
-    for key in ("expected_logical_sha256", "expected_manifest_sha256"):
-        raw = getattr(ob, key)
-        if not raw:
-            out.refuse(f"optimizer_batch.{key} is required (copy it from the source run's metrics.json)")
-            continue
-        try:
-            pins[key] = normalize_digest(raw, what=f"optimizer_batch.{key}")
-        except IntegrityError as exc:
-            out.refuse(exc.message, integrity=True)
-    if not ob.replay_path:
-        out.refuse(f"optimizer_batch.replay_path is required (the source's {manifest_name})")
-    if ob.arm == "source":  # the reducer reserves it for the capture run
-        out.refuse("optimizer_batch.arm 'source' is reserved for the capture run; pick another name")
-    for key in ("tolerances_sha256", "budgets_sha256", "mismatch_bound_sha256"):  # each must be a digest
-        if getattr(ob, key):
-            try:
-                normalize_digest(getattr(ob, key), what=f"optimizer_batch.{key}")
-            except IntegrityError as exc:
-                out.refuse(exc.message, integrity=True)
-
-
-def _check_pins(adm: Admission) -> None:
-    check_pins(adm.cfg.optimizer_batch, adm, adm.pins, "optimizer_batch_step_000000.manifest.json")
-
-
-def _check_artifacts(adm: Admission) -> None:
-    ob = adm.cfg.optimizer_batch
-    if "expected_manifest_sha256" not in adm.pins or not ob.replay_path:
-        return
-    try:
-        m = reuse(adm.given, ob.replay_path, adm.pins["expected_manifest_sha256"])
-        if not isinstance(m, Manifest):
-            raise IntegrityError(f"the capture was written by {m.framework!r}, not the built-in trainer",
-                                 where=m.path)
-        adm.manifest = m
-    except RefusedError as exc:
-        adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
-        return
-    pin = adm.pins.get("expected_logical_sha256")
-    if pin is not None and pin != m.logical_sha256:
-        adm.refuse(f"wrong logical pin: expected_logical_sha256 is {pin}, the manifest's logical batch is "
-                   f"{m.logical_sha256}", integrity=True)
+def _check_payload(adm: Admission) -> None:
+    m = adm.manifest
+    assert m is not None
     if isinstance(m, ranks.RootManifest):
         _check_ranks(adm, m)
         return
@@ -224,38 +148,6 @@ def _check_adapter(adm: Admission) -> None:
                    f"started from {adm.manifest.initial_adapter_sha256}")
 
 
-def check_differences(out: Refusals, source: dict[str, Any], replay: dict[str, Any], allowed: list[str],
-                      admissible: Mapping[str, str], ignored: Callable[[str], bool] = knobs.is_ignored) -> list[str]:
-    """Compare two resolved configs against the declared differences; return the observed ones.
-
-    Every declared key must be admissible (a registered systems-only knob, or a key in
-    ``admissible``) and present; every observed difference must be declared.  ``admissible`` maps
-    each admissible key to what it is (named in refusals).
-    """
-    observed = [k for k in differences(source, replay) if not ignored(k)]
-    for key in allowed:
-        if key not in admissible:
-            out.refuse(f"declared difference {key!r} is not a registered systems-only knob (allowed: "
-                       + ", ".join(sorted(admissible)) + ")")
-        elif key not in observed:
-            out.refuse(f"declared difference {key!r} is not present: source and replay agree on it "
-                       "(a stale allowlist; remove it or change the value)")
-    for key in observed:
-        if key not in allowed:
-            kind = admissible.get(key, "key that may change the math")
-            out.refuse(f"undeclared difference {key!r} ({kind}): source "
-                       f"{knobs.lookup(source, key)!r}, replay {knobs.lookup(replay, key)!r}")
-    return observed
-
-
-def check_contract(out: Refusals, source: dict[str, Any], source_sha: str, replay: dict[str, Any]) -> None:
-    """The replay's optimizer contract must equal the source's exactly."""
-    diff = contract_differences(source, replay)
-    if diff:
-        out.refuse("optimizer contract differs from the source's at " + ", ".join(diff)
-                   + f" (source {source_sha}, replay {contract_sha256(replay)})")
-
-
 def source_config(m: Manifest) -> dict[str, Any]:
     """The source's resolved config as the manifest records it, read as what the capture ran.
 
@@ -305,23 +197,46 @@ def _check_contract_and_config(adm: Admission) -> None:
                 adm.refuse(f"difference {key!r} is not systems-only here: {why}")
 
 
+@dataclass(frozen=True)
+class BuiltinKind:
+    """The built-in trainer's captures, as :func:`replayjob.producers.admission.admit` checks them."""
+
+    manifest_type: tuple[type, ...] = (Manifest,)  # a root over ranks is a Manifest too
+    manifest_name: str = "optimizer_batch_step_000000.manifest.json"
+    writer: str = "the built-in trainer"
+
+    def runner(self, adm: Admission) -> None:
+        _check_runner(adm)
+
+    def payload(self, adm: Admission) -> None:
+        _check_payload(adm)
+
+    def state(self, adm: Admission) -> None:
+        _check_adapter(adm)
+
+    def model(self, adm: Admission) -> None:
+        _check_routing(adm)
+
+    def config(self, adm: Admission) -> None:
+        _check_contract_and_config(adm)
+
+
+KIND = BuiltinKind()
+
+
 def admit(cfg: Config, keep_rows: bool = True, manifest: PinnedManifest | None = None) -> Admission:
-    """Run every admission check on a replay config; never raises for a failed check.
+    """Run every admission check on a replay config (:func:`replayjob.producers.admission.admit`, this kind's
+    checks); never raises for a failed check.
 
     With ``keep_rows`` the admitted rows are kept (``batch``, for a replay); without, the payload is
     verified streaming and memory stays bounded (``explain``).  ``manifest``: the capture's manifest as the
     caller already verified it (:func:`replayjob.artifacts.capture_reader.producer_of`), used when it is the one
     the config pins, so its bytes are read once.  ``cfg`` is resolved once, at the entry point
-    (:func:`replayjob.runtime.distributed.observe`: the world size this process runs, or the one a replay would have).
+    (:func:`replayjob.runtime.distributed.observe`: the world size this process runs, or the one a replay would
+    have).
     """
-
     adm = Admission(cfg=cfg, keep_rows=keep_rows, given=manifest)
-    _check_runner(adm)
-    _check_pins(adm)
-    _check_artifacts(adm)
-    _check_routing(adm)
-    _check_adapter(adm)
-    _check_contract_and_config(adm)
+    shared.admit(adm, KIND)
     return adm
 
 
@@ -362,34 +277,3 @@ def report(adm: Admission) -> dict[str, Any]:
         ],
     }
     return out
-
-
-def render(rep: dict[str, Any]) -> str:
-    """The human-readable form of :func:`report`."""
-    lines = [f"replay {'ADMITTED' if rep['admitted'] else 'REFUSED'} (arm {rep['arm']})"]
-    for reason in rep["reasons"]:
-        lines.append(f"  refused: {reason}")
-    for k, v in rep["pins"].items():
-        lines.append(f"  pin {k}: {v}")
-    if rep["manifest"]:
-        lines.append(f"  manifest: {rep['manifest']['path']} ({rep['manifest']['sha256']})")
-    if rep["rows"]:
-        r = rep["rows"]
-        lines.append(f"  rows: {r['rows']}, tokens: {r['tokens']}, response tokens: {r['response_tokens']}, "
-                     f"loss-bearing: {r['loss_bearing_tokens']}")
-    if rep.get("distributed"):  # a capture over ranks
-        d = rep["distributed"]
-        lines.append(f"  captured on {d['world_size']} ranks ({d['strategy']}, {d['sharding']} rows: "
-                     + ", ".join(f"rank {e['rank']} [{e['rows'][0]}, {e['rows'][1]})" for e in d["ranks"])
-                     + f"); replayed on {rep['world_size']} rank(s)")
-    if rep.get("micro_batches"):  # an external trainer's capture (integrations.admission.report)
-        mb = rep["micro_batches"]
-        lines.append(f"  {rep.get('framework')} step {rep['manifest']['step']}: {mb['micro_batches']} micro-batch(es), "
-                     f"{mb['tensors']} input tensors, {mb['bytes']} bytes")
-    lines.append("  allowed differences: " + (", ".join(rep["allowed_config_differences"]) or "none"))
-    lines.append("  observed differences: " + (", ".join(rep["observed_config_differences"]) or "none"))
-    lines.append("  skipped: " + ", ".join(rep["skipped"]))
-    if rep["admitted"]:
-        lines.append("  a replay would:")
-        lines.extend(f"    - {step}" for step in rep["would"])
-    return "\n".join(lines)
