@@ -21,6 +21,7 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -403,8 +404,8 @@ class Replay(Run):
         """Node and device this replay ran on (:func:`replayjob.hostinfo.placement`), or ``""``."""
         return placement(self.host, self.device)
 
-    @property
-    def label(self) -> str:
+    @cached_property
+    def label(self) -> str:  # read by every check that names a replay: spelled once
         return f"{self.arm}#{self.repeat_index}"
 
 
