@@ -188,3 +188,24 @@ def test_the_argo_workflow_of_one_pod_per_run_refuses_runs_across_nodes() -> Non
     assert set(files) == {"spec.yaml", "driver.yaml", "kustomization.yaml", k8s.KUSTOMIZE_CONFIG_FILE}
     jobs = k8s.stage_jobs(spec, RUN)  # no Job for a run across nodes: the 2-rank replay's only
     assert list(jobs) == ["replay-r2.yaml", "reduce.yaml"]
+
+
+def test_what_a_jobset_pod_is_given_is_what_the_launch_reads() -> None:
+    """The rendered pod's rendezvous environment, with the completion index the downward API gives each pod,
+    is what replayjob.runtime.distributed reads: K nodes of W/K ranks meeting at the first pod, which alone
+    hosts the store."""
+    spec = multi_spec()
+    for index in (0, 2):
+        doc = jobset.jobset(spec, RUN, index)
+        (c,) = doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+        world = spec.ranks_for_index(index)
+        nodes, per_node = spec.nodes_for(world)
+        for node in range(nodes):
+            pod_env = {**env, distributed.NODE_RANK_ENV: str(node)}
+            rdzv = distributed.rendezvous(pod_env)
+            assert rdzv == distributed.Rendezvous(nodes, f"{jobset.leader(doc['metadata']['name'])}:29400",
+                                                  doc["metadata"]["name"], node)
+            cmd = distributed.launch_command(world, ["replay"], environ=pod_env)
+            assert cmd[cmd.index("--nproc-per-node") + 1] == str(per_node)
+            assert cmd[cmd.index("--rdzv-conf") + 1] == f"is_host={'true' if node == 0 else 'false'}"
