@@ -51,8 +51,7 @@ def _table(r: Replay) -> moe.RoutingTable:
     return moe.read_table(*entry)
 
 
-def _relation(ref: Replay, ref_table: moe.RoutingTable, r: Replay, table: moe.RoutingTable,
-              flipped: int) -> tuple[str, dict[str, Any] | None]:
+def _relation(ref: Replay, r: Replay, flipped: int) -> tuple[str, dict[str, Any] | None]:
     """How ``r`` differs from the reference, and the traces' first forward divergence when both are traced."""
     if ref.trace_index_sha256 is not None and r.trace_index_sha256 is not None:
         (a,), (b,) = load_side(ref.path.parent), load_side(r.path.parent)
@@ -98,8 +97,7 @@ def routing_check(replays: list[Replay], arms: dict[str, C.Arm], source: Source 
             comps = [(r, moe.compare(base, tables[r.label])) for r in a.replays]
             worst_r, worst = max(comps, key=lambda rc: (rc[1]["flipped"], -a.replays.index(rc[0])))
             head = a.replays[0] if a.replays[0] is not ref or len(a.replays) == 1 else a.replays[1]
-            attribution, first = _relation(ref, base, head, tables[head.label],
-                                           next(c["flipped"] for r, c in comps if r is head))
+            attribution, first = _relation(ref, head, next(c["flipped"] for r, c in comps if r is head))
             within = [moe.compare(tables[a.replays[0].label], tables[r.label])["flipped"] for r in a.replays[1:]]
             per_arm[a.name] = {
                 "replays": len(a.replays), "tokens": base.tokens, "flipped": worst["flipped"],
