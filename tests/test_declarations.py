@@ -91,6 +91,10 @@ VALID: dict[str, Any] = {
     "BoundFile": lambda: {"max_abs_log_ratio": 1e-4, "max_kl": 1e-8, "band": 0.001, "max_outside_share": 0.0},
     "ReplayMetrics": replay_metrics,
     "VerdictDocument": verdict,
+    "RunRecord": lambda: {"schema": "replayjob.run/v1", "fingerprint": "a" * 64, "image": "registry/replayjob@sha256:"
+                          + "b" * 64, "image_digest": "sha256:" + "b" * 64,
+                          "environment": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": None},
+                          "spec": {"name": "ablation", "arms": [{"name": "baseline"}]}},
     "Stopped": lambda: stopped_record("replay", "rj-run-replay", Stuck(pod="rj-run-replay-0-x", reason="Unschedulable",
                                                                       message="0/3 nodes are available")),
     "RunEnd": lambda: run_end("Failed", json.dumps([{"displayName": "reduce(0)", "templateName": "reduce",

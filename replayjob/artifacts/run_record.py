@@ -13,39 +13,41 @@ reads it back (:func:`read`) and refuses a run directory whose fingerprint is no
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Final, Literal
 
-from replayjob.errors import IntegrityError
+import msgspec
+
+from replayjob.artifacts.document import Digest, Document, decode
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes, read_json_object
 
-SCHEMA = "replayjob.run/v1"
+SCHEMA: Final = "replayjob.run/v1"
 FILE = "run.json"
+ImageDigest = Annotated[str, msgspec.Meta(pattern="^sha256:[0-9a-f]{64}$")]
 
 
-@dataclass(frozen=True)
-class RunRecord:
-    fingerprint: str
-    image: str
-    image_digest: str | None
-    environment: dict[str, str | None]
+class RunRecord(Document, frozen=True):
+    """``run.json`` (docs/cluster.md, "Run directories")."""
+
+    OPAQUE: ClassVar[dict[str, str]] = {
+        "spec": "the selected spec as the first step saw it: compared whole, through the fingerprint it is hashed "
+                "into, never read field by field",
+    }
+
+    schema: Literal["replayjob.run/v1"]
+    fingerprint: Digest  # SHA-256 of the selected spec and the image (its digest where there is one)
+    image: str  # the image reference the steps ran from (empty outside a container)
+    image_digest: ImageDigest | None
+    environment: dict[str, str | None]  # the determinism and NCCL variables the first step saw
     spec: dict[str, Any]
 
 
 def write(path: Path, record: RunRecord) -> None:
     """Write the record exclusively (an existing one is never replaced: :class:`~replayjob.errors.RefusedError`)."""
-    atomic_write_bytes(path, pretty_bytes({"schema": SCHEMA, **dataclasses.asdict(record)}), exclusive=True)
+    atomic_write_bytes(path, pretty_bytes(msgspec.to_builtins(record)), exclusive=True)
 
 
 def read(path: Path) -> RunRecord:
-    """The run record at ``path``, its schema and fields checked (what a step compares is its fingerprint)."""
-    doc = read_json_object(path)
-    keys = {"schema", *(f.name for f in dataclasses.fields(RunRecord))}
-    if doc.get("schema") != SCHEMA or set(doc) != keys or not isinstance(doc.get("fingerprint"), str) \
-            or not isinstance(doc.get("image"), str) or not isinstance(doc.get("environment"), dict) \
-            or not isinstance(doc.get("spec"), dict):
-        raise IntegrityError(f"not a run record ({SCHEMA}: {', '.join(sorted(keys - {'schema'}))})", where=path)
-    return RunRecord(doc["fingerprint"], doc["image"], doc["image_digest"], doc["environment"], doc["spec"])
+    """The run record at ``path``, read through its declaration (what a step compares is its fingerprint)."""
+    return decode(read_json_object(path), RunRecord, where=path)

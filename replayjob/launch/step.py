@@ -362,7 +362,9 @@ def check_run_record(layout: Layout, spec: AblationSpec, *, create: bool = True)
                                hint=f"the image runs as uid 10001: create {layout.run.parent.parent} on the claim, "
                                     "owned by that uid, once (docs/cluster.md, 'Storage')") from None
         try:
-            runrecord.write(path, runrecord.RunRecord(fp, image, digest, run_environment(), spec_document(spec)))
+            runrecord.write(path, runrecord.RunRecord(schema=runrecord.SCHEMA, fingerprint=fp, image=image,
+                                                      image_digest=digest, environment=run_environment(),
+                                                      spec=spec_document(spec)))
             return
         except RefusedError:
             if not path.exists():

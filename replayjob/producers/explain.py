@@ -13,9 +13,9 @@ from typing import Any
 from replayjob.artifacts.capture_reader import CaptureManifest, producer_of
 from replayjob.config import load_config
 from replayjob.producers import BUILTIN
+from replayjob.producers.admission import Refusals, render
 from replayjob.producers.api import admission
 from replayjob.producers.builtin import admission as builtin
-from replayjob.producers.admission import Refusals, render
 from replayjob.runtime.distributed import observe
 
 __all__ = ["explain", "render"]
