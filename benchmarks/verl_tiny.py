@@ -72,6 +72,7 @@ def build_worker(base: Path, *, loss_mode: str = "vanilla", agg: str = "token-me
                                optimizer_config=actor.optim, checkpoint_config=actor.checkpoint)
     cfg.engine_config.use_dynamic_bsz = False
     cfg.engine_config.micro_batch_size_per_gpu = micro
+    cfg.engine_config.infer_micro_batch_size_per_gpu = micro  # the log-prob pass (ppo_infer_micro_batch_size_per_gpu)
     cfg.engine_config.use_remove_padding = remove_padding
     with verl_worker_env():
         worker = TrainingWorker(cfg)
@@ -100,8 +101,21 @@ class TinyTrainer:
     """``RayPPOTrainer._update_actor(batch)`` in one process: the same DataProto -> no-padding TensorDict
     conversion and settings, handed to the actor worker's ``train_mini_batch``."""
 
-    def __init__(self, worker: Any, *, mini: int = 4, epochs: int = 1, temperature: float = 1.0):
+    def __init__(self, worker: Any, *, mini: int = 4, epochs: int = 1, temperature: float = 1.0,
+                 sampler_noise: float | None = None):
         self.worker, self.mini, self.epochs, self.temperature = worker, mini, epochs, temperature
+        self.sampler_noise = sampler_noise
+
+    def _compute_old_log_prob(self, batch: Any) -> Any:
+        """``RayPPOTrainer._compute_old_log_prob``: the actor's logprobs of the batch by the worker's ``infer_batch``
+        (the driver's conversion to no-padding and back, as verl does it)."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+        td = left_right_2_no_padding(batch.to_tensordict())
+        tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False)
+        out = self.worker.infer_batch(td)
+        return no_padding_2_padding(tu.get(out, "log_probs"), td).float()
 
     def _update_actor(self, batch: Any) -> dict[str, Any]:
         from verl.utils import tensordict_utils as tu
@@ -109,6 +123,13 @@ class TinyTrainer:
 
         batch.meta_info["multi_turn"] = False
         batch.meta_info["temperature"] = self.temperature
+        if self.sampler_noise is not None:  # a run with calculate_log_probs: the actor's old logprobs, and the
+            # rollout's (a sampler whose numerics differ from the trainer's by a known seeded perturbation)
+            old = self._compute_old_log_prob(batch)
+            g = torch.Generator().manual_seed(len(batch))
+            noise = torch.randn(old.shape, generator=g) * self.sampler_noise
+            batch.batch["old_log_probs"] = old
+            batch.batch["rollout_log_probs"] = (old + noise) * batch.batch["response_mask"]
         td = left_right_2_no_padding(batch.to_tensordict())
         cfg = self.worker.loss_fn.keywords["config"]
         tu.assign_non_tensor(td, calculate_entropy=cfg.calculate_entropy or cfg.entropy_coeff != 0.0,

@@ -479,6 +479,55 @@ def test_a_padded_replay_is_traced_row_by_row_and_trace_diff_names_the_first_div
     assert first["forward"]["name"].startswith("model.layers.0.") and first["backward"] is not None, first
 
 
+@pytest.fixture(scope="module")
+def sampled(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run with the rollout's logprobs (calculate_log_probs): the driver computes old_log_probs through the
+    worker's infer_batch as verl's _compute_old_log_prob does, and rollout_log_probs are those plus seeded noise of
+    standard deviation 0.01 on the response tokens (a sampler whose numerics differ); steps 1 and 2 captured."""
+    out = tmp_path_factory.mktemp("sampled") / "cap"
+    worker = build_worker(base, fp32=True)
+    capture = rv.capture_actor_steps(worker, out, steps=[1, 2])
+    trainer = TinyTrainer(worker, sampler_noise=0.01)
+    for u in range(2):
+        trainer._update_actor(rollout_batch(300 + u))
+    capture.close()
+    return out
+
+
+def _mismatch(toml: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    capsys.readouterr()
+    assert main(["mismatch", str(toml), "--json"]) == 2  # no bound declared: the figures decide nothing
+    return dict(json.loads(capsys.readouterr().out))
+
+
+def test_mismatch_reports_the_sampler_and_old_logprobs_in_verls_metric_names(
+        sampled: Path, vanilla: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``replayjob mismatch`` on a verl capture: the trainer's logprobs recomputed by verl's own log-prob path from
+    the pinned state of the step; old_log_probs equal it bit for bit at policy lag 0 (the first mini-batch of an
+    update) and not one step later; the sampler's log-ratio is the planted noise; verl's own metrics
+    (training/rollout_probs_diff_*) for the sampler against old_log_probs and against the recompute.  A capture
+    without rollout logprobs reports old_log_probs alone."""
+    first = _mismatch(sampled / "replay_step_000002.toml", capsys)
+    assert first["capture"]["framework"] == "verl" and first["capture"]["step"] == 2
+    src = {s["name"]: s for s in first["sources"]}
+    assert sorted(src) == ["sampler", "trainer_old"]
+    old = src["trainer_old"]
+    assert old["policy_lag"]["steps"] == 0 and old["log_ratio"]["bitwise_equal_share"] == 1
+    noise = src["sampler"]["log_ratio"]
+    assert 0.005 < noise["std"] < 0.02 and noise["bitwise_equal_share"] == 0, noise
+    metrics = first["capture"]["verl_metrics"]
+    names = {"training/rollout_probs_diff_valid", "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
+             "training/rollout_probs_diff_std", "training/rollout_actor_probs_pearson_corr"}
+    assert set(metrics) == {"rollout_log_probs vs old_log_probs", "rollout_log_probs vs the recompute"}
+    assert all(set(m) == names for m in metrics.values())
+    assert metrics["rollout_log_probs vs old_log_probs"] == metrics["rollout_log_probs vs the recompute"]  # lag 0
+    later = {s["name"]: s for s in _mismatch(sampled / "replay_step_000001.toml", capsys)["sources"]}
+    assert later["trainer_old"]["policy_lag"]["steps"] == 1
+    assert later["trainer_old"]["log_ratio"]["bitwise_equal_share"] < 1
+    plain = _mismatch(vanilla / "replay_step_000002.toml", capsys)
+    assert [s["name"] for s in plain["sources"]] == ["trainer_old"] and plain["capture"]["verl_metrics"] == {}
+
+
 def test_the_capture_overhead_benchmark_runs(tmp_path: Path) -> None:
     """benchmarks/verl_capture_overhead.py's smoke mode writes a valid result (no time is asserted here)."""
     from benchmarks import common, verl_capture_overhead

@@ -29,6 +29,7 @@ from replayjob.config import from_dict, load_config
 from replayjob.errors import UsageError
 from replayjob.mismatch import builtin
 from replayjob.mismatch import trl as external
+from replayjob.mismatch import verl as verl_recompute
 from replayjob.mismatch.report import Report, build
 from replayjob.producers import BUILTIN
 from replayjob.producers.builtin.admission import admit, source_config
@@ -55,6 +56,8 @@ def check_capture(capture: str | Path, overrides: list[str], bound: str | Path |
     """Recompute, compare, attribute and decide (the report's ``decision`` holds the exit code)."""
     config = resolve_capture(capture)
     producer, manifest = producer_of(config, overrides)
+    if producer == verl_recompute.FRAMEWORK:
+        return verl_recompute.check(config, overrides, bound, allow_lag, manifest)
     if producer != BUILTIN:
         return external.check(config, overrides, bound, allow_lag, manifest)
     cfg = observe(load_config(config, overrides), running=False)  # one process: the declared world size, or 1
