@@ -582,15 +582,16 @@ def test_approximate_claim_reports_routing_agreement(moe_runs: dict[str, Any], t
     runs = tmp_path / "replays"
 
     def replay(arm: str, *extra: str) -> None:
-        assert main(["replay", str(moe_runs["ws"] / "replay.toml"), "--out", str(runs / arm), "--trace",
+        assert main(["replay", str(moe_runs["ws"] / "replay.toml"), "--out", str(runs / arm),
                      *replay_pins(moe_runs["source"]), *MOE, "--set", f'optimizer_batch.arm="{arm}"',
                      "--set", f'optimizer_batch.tolerances_sha256="{pin}"', *extra]) == 0
 
-    replay("base")
-    replay("kernel", "--set", 'model.experts_implementation="batched_mm"',
+    replay("base", "--trace")
+    replay("kernel", "--trace", "--set", 'model.experts_implementation="batched_mm"',
            "--set", 'optimizer_batch.allow_config_differences=["model.experts_implementation"]')
     monkeypatch.setenv(moe.FAULT_ENV, FLIP_SCALE)
-    replay("perturbed")
+    replay("perturbed", "--trace")
+    replay("untraced")  # the same flips, no trace to tell what came first
     monkeypatch.delenv(moe.FAULT_ENV)
     out, report = tmp_path / "verdict.json", tmp_path / "report.md"
     rc = main(["reduce", str(runs), "--claim", "approximate", "--source", str(moe_runs["source"]), "--tolerances",
@@ -612,6 +613,9 @@ def test_approximate_claim_reports_routing_agreement(moe_runs: dict[str, Any], t
                            moe.read_table(runs / "perturbed" / "routing.safetensors",
                                           metrics(runs / "perturbed")["routing"]["sha256"]))["first_flip"]
     assert p["first_flip"] == expected
+    u = arms["untraced"]
+    assert u["attribution"] == "flips-untraced" and u["flipped"] == p["flipped"] and u["first_flip"] == expected
+    assert u["first_forward_divergence"] is None
     text = report.read_text()
     assert "## Routing (mixture-of-experts)" in text
     assert f"| perturbed | {p['flipped']} of {p['tokens']} " in text
