@@ -91,6 +91,17 @@ VALID: dict[str, Any] = {
     "BoundFile": lambda: {"max_abs_log_ratio": 1e-4, "max_kl": 1e-8, "band": 0.001, "max_outside_share": 0.0},
     "ReplayMetrics": replay_metrics,
     "VerdictDocument": verdict,
+    "TraceIndex": lambda: {
+        "schema": "replayjob.trace/v1",
+        "identity": {"manifest_sha256": "a" * 64, "logical_batch_sha256": "b" * 64, "initial_adapter_sha256": "c" * 64,
+                     "arm": "baseline", "repeat_index": 0, "micro_batch_size": 4, "gradient_checkpointing": False,
+                     "device": "cpu", "torch_version": "2.13.0", "fault": None},
+        "payload": {"file": "trace.safetensors", "sha256": "d" * 64, "bytes": 4096},
+        "rows": 2, "tokens": 10, "stats": ["l2", "max_abs", "mean"],
+        "param_stats": ["grad_l2", "grad_max_abs", "update_l2", "update_max_abs"],
+        "forward": [{"name": "model.layers.0.mlp", "kind": "module", "dtype": "F32", "width": 8}],
+        "backward": [{"name": "model.layers.0.mlp", "kind": "module", "dtype": "F32", "width": 8}],
+        "params": [{"name": "lora_A", "dtype": "F32", "shape": [4, 8]}], "untraced": []},
     "RunRecord": lambda: {"schema": "replayjob.run/v1", "fingerprint": "a" * 64, "image": "registry/replayjob@sha256:"
                           + "b" * 64, "image_digest": "sha256:" + "b" * 64,
                           "environment": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": None},
@@ -104,7 +115,8 @@ NESTED = {"CudaProcess", "CudaFigures",  # reached through ContentionRecord.cuda
           "Pins", "Timing", "Memory", "Padding", "Slot", "InProcess", "TracePin", "RoutingPin", "RankEntry",
           "Distributed",  # ReplayMetrics' sections
           "VerdictCheck", "Refusal",  # VerdictDocument's
-          "FailedNode"}  # RunEnd's
+          "FailedNode",  # RunEnd's
+          "TraceIdentity", "TracePayloadPin", "TraceSiteEntry", "TraceParamEntry"}  # TraceIndex's
 
 
 def test_every_declaration_has_a_valid_example_or_a_parent() -> None:

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import msgspec
 
 from replayjob import tensorfile
-from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
+from replayjob.artifacts.document import Count, Digest, Document, Text, decode
+from replayjob.digest import normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
 from replayjob.jsonio import loads_strict, pretty_bytes
@@ -210,6 +213,69 @@ def write_trace(run_dir: str | Path, trace: Trace) -> tuple[Path, str]:
 
 # ---------------------------------------------------------------------------------------------- reading
 
+FloatDtype = Literal["F32", "F64", "F16", "BF16"]  # _FLOATS, as the index declares a site's or parameter's dtype
+
+
+class TraceIdentity(Document, frozen=True):
+    """What replay a trace is of (traces of different captures are never compared)."""
+
+    manifest_sha256: Digest
+    logical_batch_sha256: Digest
+    initial_adapter_sha256: Digest
+    arm: Text
+    repeat_index: Count
+    micro_batch_size: Count
+    gradient_checkpointing: bool
+    device: Text
+    torch_version: Text
+    fault: str | None  # the test-only perturbation the replay ran with (REPLAYJOB_TRACE_FAULT), else null
+
+
+class TracePayloadPin(Document, frozen=True):
+    file: Literal["trace.safetensors"]
+    sha256: Digest
+    bytes: Count
+
+
+class TraceSiteEntry(Document, frozen=True):
+    name: Text
+    kind: Text
+    dtype: FloatDtype
+    width: Count
+
+
+class TraceParamEntry(Document, frozen=True):
+    name: Text
+    dtype: FloatDtype
+    shape: Annotated[list[Count], msgspec.Meta(max_length=tensorfile.MAX_RANK)]
+
+
+class TraceIndex(Document, frozen=True):
+    """``trace/index.json`` (docs/trace-format.md): the payload's pin and a description of every tensor in it.
+    The statistics' names are the ones this version writes; a site or parameter named twice is refused."""
+
+    schema: Literal["replayjob.trace/v1"]
+    identity: TraceIdentity
+    payload: TracePayloadPin
+    rows: Count
+    tokens: Count
+    stats: list[Literal["l2", "max_abs", "mean"]]
+    param_stats: list[Literal["grad_l2", "grad_max_abs", "update_l2", "update_max_abs"]]
+    forward: list[TraceSiteEntry]
+    backward: list[TraceSiteEntry]
+    params: list[TraceParamEntry]
+    untraced: list[str]
+
+    def __post_init__(self) -> None:
+        if tuple(self.stats) != STATS or tuple(self.param_stats) != PARAM_STATS:
+            raise ValueError(f"`stats` and `param_stats` must be {list(STATS)} and {list(PARAM_STATS)}")
+        for key in ("forward", "backward", "params"):
+            names = [e.name for e in getattr(self, key)]
+            dups = sorted({n for n in names if names.count(n) > 1})
+            if dups:
+                raise ValueError(f"`{key}` names {len(dups)} site(s) more than once: {dups[:5]}")
+
+
 def _fail(where: Path, message: str) -> IntegrityError:
     return IntegrityError(f"trace refused: {message}", where=where, hint=_HINT)
 
@@ -219,19 +285,7 @@ def _expect(cond: bool, where: Path, message: str) -> None:
         raise _fail(where, message)
 
 
-def _entries(index: dict[str, Any], key: str, fields: dict[str, type], where: Path) -> list[dict[str, Any]]:
-    items = index[key]
-    _expect(isinstance(items, list), where, f"{key!r} must be a list")
-    for i, e in enumerate(items):
-        _expect(isinstance(e, dict) and set(e) == set(fields), where,
-                f"{key}[{i}] must have exactly the keys {sorted(fields)}")
-        for f, t in fields.items():
-            ok = isinstance(e[f], t) and not isinstance(e[f], bool)
-            _expect(ok, where, f"{key}[{i}].{f} must be a {t.__name__}")
-    return list(items)
-
-
-def _read_index(d: Path, expected_sha256: str | None) -> dict[str, Any]:
+def _read_index(d: Path, expected_sha256: str | None) -> TraceIndex:
     p = d / INDEX_FILE
     if not p.exists():
         if (d / PAYLOAD_FILE).exists():
@@ -244,41 +298,17 @@ def _read_index(d: Path, expected_sha256: str | None) -> dict[str, Any]:
         if sha256_bytes(data) != pin:
             raise IntegrityError(f"trace index SHA-256 is {sha256_bytes(data)}, replay_metrics.json pins {pin}",
                                  where=p, hint="the trace changed after the replay; " + _HINT)
-    doc = loads_strict(data, where=p)
-    keys = {"schema", "identity", "payload", "rows", "tokens", "stats", "param_stats", "forward", "backward",
-            "params", "untraced"}
-    _expect(isinstance(doc, dict) and set(doc) == keys, p, f"the index must have exactly the keys {sorted(keys)}")
-    _expect(doc["schema"] == TRACE_SCHEMA, p, f"schema is {doc['schema']!r}, expected {TRACE_SCHEMA!r}")
-    _expect(doc["stats"] == list(STATS) and doc["param_stats"] == list(PARAM_STATS), p, "unknown statistics")
-    ident = doc["identity"]
-    _expect(isinstance(ident, dict) and set(ident) == set(IDENTITY_KEYS), p,
-            f"identity must have exactly the keys {sorted(IDENTITY_KEYS)}")
-    for k in ("manifest_sha256", "logical_batch_sha256", "initial_adapter_sha256"):
-        v = ident[k]
-        _expect(is_sha256_hex(v), p, f"identity.{k} is not a SHA-256 digest (64 lowercase hex characters)")
-    pay = doc["payload"]
-    _expect(isinstance(pay, dict) and set(pay) == {"file", "sha256", "bytes"} and pay["file"] == PAYLOAD_FILE,
-            p, f"payload must name {PAYLOAD_FILE!r} with its sha256 and bytes")
-    for k in ("rows", "tokens"):
-        _expect(isinstance(doc[k], int) and not isinstance(doc[k], bool) and doc[k] >= 0, p, f"{k} must be >= 0")
-    site = {"name": str, "kind": str, "dtype": str, "width": int}
-    _entries(doc, "forward", site, p)
-    _entries(doc, "backward", site, p)
-    _entries(doc, "params", {"name": str, "dtype": str, "shape": list}, p)
-    for key in ("forward", "backward", "params"):
-        names = [e["name"] for e in doc[key]]
-        dups = sorted({n for n in names if names.count(n) > 1})
-        _expect(not dups, p, f"{key} names {len(dups)} site(s) more than once: {dups[:5]}")
-    _expect(isinstance(doc["untraced"], list) and all(isinstance(x, str) for x in doc["untraced"]), p,
-            "untraced must be a list of names")
-    return doc
+    try:
+        return decode(loads_strict(data, where=p), TraceIndex, where=p)
+    except IntegrityError as exc:
+        raise _fail(p, exc.message) from None
 
 
-def _sites(doc: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str, where: Path) -> list[Site]:
+def _sites(doc: TraceIndex, tensors: dict[str, torch.Tensor], prefix: str, where: Path) -> list[Site]:
     import torch
-    rows, tokens = doc["rows"], doc["tokens"]
+    rows, tokens = doc.rows, doc.tokens
     doc_row_tokens = [int(x) for x in tensors["rows.tokens"].tolist()]
-    entries = doc[prefix]
+    entries: list[TraceSiteEntry] = getattr(doc, prefix)
     stats, digests = tensors[f"{prefix}.stats"], tensors[f"{prefix}.sha256"]
     _expect(tuple(stats.shape) == (len(entries), rows, len(STATS)) and stats.dtype == torch.float64, where,
             f"{prefix}.stats has shape {tuple(stats.shape)}")
@@ -287,15 +317,14 @@ def _sites(doc: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str, w
     out = []
     for k, e in enumerate(entries):
         v = tensors[f"{prefix}.{k:04d}.values"]
-        _expect(tuple(v.shape) == (tokens, e["width"]) and e["dtype"] in _FLOATS
-                and v.dtype == tensorfile.torch_dtype(e["dtype"]),
-                where, f"{prefix} site {e['name']!r}: values {v.dtype}{tuple(v.shape)} do not match the index")
+        _expect(tuple(v.shape) == (tokens, e.width) and v.dtype == tensorfile.torch_dtype(e.dtype),
+                where, f"{prefix} site {e.name!r}: values {v.dtype}{tuple(v.shape)} do not match the index")
         hexes = tuple(bytes(digests[k, i].tolist()).hex() for i in range(rows))
         actual = row_digests(v, doc_row_tokens)  # never trust the recorded table: recompute from the bytes
         bad = [i for i in range(rows) if actual[i] != hexes[i]]
-        _expect(not bad, where, f"{prefix} site {e['name']!r}: the recorded SHA-256 of {len(bad)} row(s) (first: "
+        _expect(not bad, where, f"{prefix} site {e.name!r}: the recorded SHA-256 of {len(bad)} row(s) (first: "
                                 f"row {bad[0] if bad else 0}) does not match the values' bytes")
-        out.append(Site(e["name"], e["kind"], v, stats[k], tuple(actual)))
+        out.append(Site(e.name, e.kind, v, stats[k], tuple(actual)))
     return out
 
 
@@ -311,33 +340,32 @@ def read_trace(run_dir: str | Path, expected_index_sha256: str | None = None) ->
         check_no_symlinks(root, d / name, what="trace")
     doc = _read_index(d, expected_index_sha256)
     pay = d / PAYLOAD_FILE
-    tensors = tensorfile.load(pay, expected_sha256=doc["payload"]["sha256"], follow_symlinks=False,
+    tensors = tensorfile.load(pay, expected_sha256=doc.payload.sha256, follow_symlinks=False,
                               dtypes={"F16", "BF16", "F32", "F64", "I64", "U8"})
     names = {"rows.tokens", "rows.micro_batch", "param.stats", "param.sha256"}
     for prefix in ("forward", "backward"):
         names |= {f"{prefix}.stats", f"{prefix}.sha256"} | {f"{prefix}.{k:04d}.values"
-                                                              for k in range(len(doc[prefix]))}
-    names |= {f"param.{k:04d}.{w}" for k in range(len(doc["params"])) for w in ("grad", "update")}
+                                                              for k in range(len(getattr(doc, prefix)))}
+    names |= {f"param.{k:04d}.{w}" for k in range(len(doc.params)) for w in ("grad", "update")}
     extra, missing = sorted(set(tensors) - names), sorted(names - set(tensors))
     _expect(not extra and not missing, pay, f"tensors do not match the index (missing {missing[:3]}, "
                                             f"extra {extra[:3]})")
     rt, mb = tensors["rows.tokens"], tensors["rows.micro_batch"]
-    _expect(rt.dtype == torch.int64 and tuple(rt.shape) == (doc["rows"],) and bool((rt >= 0).all())
-            and int(rt.sum()) == doc["tokens"], pay, "rows.tokens does not match the index")
-    _expect(mb.dtype == torch.int64 and tuple(mb.shape) == (doc["rows"],), pay, "rows.micro_batch has a bad shape")
+    _expect(rt.dtype == torch.int64 and tuple(rt.shape) == (doc.rows,) and bool((rt >= 0).all())
+            and int(rt.sum()) == doc.tokens, pay, "rows.tokens does not match the index")
+    _expect(mb.dtype == torch.int64 and tuple(mb.shape) == (doc.rows,), pay, "rows.micro_batch has a bad shape")
     params = []
     pst = tensors["param.sha256"]
-    _expect(tuple(pst.shape) == (len(doc["params"]), 2, 32), pay, "param.sha256 has a bad shape")
-    for k, e in enumerate(doc["params"]):
+    _expect(tuple(pst.shape) == (len(doc.params), 2, 32), pay, "param.sha256 has a bad shape")
+    for k, e in enumerate(doc.params):
         g, u = tensors[f"param.{k:04d}.grad"], tensors[f"param.{k:04d}.update"]
-        _expect(list(g.shape) == e["shape"] == list(u.shape) and e["dtype"] in _FLOATS
-                and g.dtype == u.dtype == tensorfile.torch_dtype(e["dtype"]), pay,
-                f"parameter {e['name']!r} does not match the index")
+        _expect(list(g.shape) == e.shape == list(u.shape) and g.dtype == u.dtype == tensorfile.torch_dtype(e.dtype),
+                pay, f"parameter {e.name!r} does not match the index")
         recorded = (bytes(pst[k, 0].tolist()).hex(), bytes(pst[k, 1].tolist()).hex())
         actual = (sha256_bytes(_row_bytes(g)), sha256_bytes(_row_bytes(u)))
-        _expect(recorded == actual, pay, f"parameter {e['name']!r}: the recorded gradient or update SHA-256 does "
+        _expect(recorded == actual, pay, f"parameter {e.name!r}: the recorded gradient or update SHA-256 does "
                                          "not match the tensors' bytes")
-        params.append(Param(e["name"], g, u, *actual))
-    return Trace(identity=dict(doc["identity"]), row_tokens=rt, row_micro_batch=mb,
+        params.append(Param(e.name, g, u, *actual))
+    return Trace(identity=msgspec.to_builtins(doc.identity), row_tokens=rt, row_micro_batch=mb,
                  forward=_sites(doc, tensors, "forward", pay), backward=_sites(doc, tensors, "backward", pay),
-                 params=params, untraced=list(doc["untraced"]), path=d)
+                 params=params, untraced=list(doc.untraced), path=d)
