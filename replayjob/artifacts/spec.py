@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from replayjob.artifacts.capture_manifest import REPLAY_CONFIG
 from replayjob.artifacts.claims import SPEC_NAMES
 from replayjob.artifacts.pods import Pods, read_pods
 from replayjob.artifacts.pods import to_dict as pods_to_dict
@@ -181,7 +182,7 @@ class CaptureRef:
     manifest_sha256: str = field(metadata={"doc": "The manifest digest the capture printed "
                                                   "(optimizer_batch/manifest_sha256 of its metrics.json, or the step's "
                                                   "record): lowercase 64-digit hex."})
-    replay_config: str = field(default="replay.toml", metadata={
+    replay_config: str = field(default=REPLAY_CONFIG, metadata={
         "doc": "The replay config the capture wrote in dir, as a bare .toml file name: replay.toml, or "
                "replay_step_<K:06d>.toml for one of several chosen steps."})
     math_mode: str = field(default=DEFAULT_CAPTURE_MATH_MODE, metadata={

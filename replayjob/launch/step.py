@@ -78,6 +78,7 @@ from typing import Any
 
 from replayjob.artifacts import metrics, run_end
 from replayjob.artifacts import run_record as runrecord
+from replayjob.artifacts.capture_manifest import REPLAY_CONFIG
 from replayjob.artifacts.pods import to_dict as pods_to_dict
 from replayjob.artifacts.spec import DETERMINISM_ENV, RENDERED_ENV, AblationSpec, Run, is_digest_ref
 from replayjob.config.dump import replay_pins, set_args, toml_value
@@ -517,7 +518,7 @@ def capture_step(spec: AblationSpec, layout: Layout, outputs: Path | None = None
         found = external.verify(spec, layout.run, log)
         _publish(spec, found.logical, found.manifest_sha256, outputs, log)
         return
-    if not (layout.workspace / "replay.toml").is_file():
+    if not (layout.workspace / REPLAY_CONFIG).is_file():
         if not layout.owns_workspace:
             raise RefusedError("not a `replayjob init` workspace (no replay.toml)", where=layout.workspace)
         _set_aside(layout.workspace, layout, log)  # replay.toml is init's last file: no replay.toml, partial
@@ -584,7 +585,7 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
     nproc = spec.ranks_for_index(index)
     planted = parse_plants(spec, plants).get(run.arm, [])
     check_run_record(layout, spec)
-    config, found = layout.workspace / "replay.toml", None
+    config, found = layout.workspace / REPLAY_CONFIG, None
     if spec.capture is not None:  # an existing capture: its own replay config, once step capture verified it
 
         if not _wait_for(layout.run / external.CAPTURE_RECORD, wait_s, "the capture's verification", log):

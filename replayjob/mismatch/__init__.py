@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from replayjob.artifacts.capture_manifest import REPLAY_CONFIG
 from replayjob.artifacts.capture_reader import producer_of
 from replayjob.artifacts.mismatch_bound import Bound, read_bound
 from replayjob.config import from_dict, load_config
@@ -43,7 +44,7 @@ def resolve_capture(path: str | Path) -> Path:
     p = Path(path)
     if not p.is_dir():
         return p
-    found = sorted(p.glob("replay.toml")) or sorted(p.glob("replay_step_*.toml"))
+    found = sorted(p.glob(REPLAY_CONFIG)) or sorted(p.glob("replay_step_*.toml"))
     if len(found) != 1:
         raise UsageError(f"{'no' if not found else len(found)} replay config(s) in the capture directory",
                          where=p, hint="name the capture's replay config (replay.toml, replay_step_<K>.toml, or "
