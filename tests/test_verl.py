@@ -215,6 +215,11 @@ def test_a_verl_capture_runs_through_the_cluster_steps_in_fresh_processes(vanill
     proc = cli("step", "plan", "--spec", str(hostile))  # another producer's knob: refused, naming verl's
     assert proc.returncode == 2 and "'trl.gradient_checkpointing' is not a systems-only knob of verl" in proc.stderr
     assert "verl.engine.micro_batch_size_per_gpu" in proc.stderr
+    # the Jobs and the Argo workflow are rendered from the same spec, checked against the capture's producer alike
+    rendered = ["--out", str(tmp_path / "k8s"), "--argo", str(tmp_path / "argo.yaml")]
+    assert main(["k8s", "render", str(spec), *rendered]) == 0
+    assert "replay_step_000002.toml" in (tmp_path / "k8s" / "spec.yaml").read_text()
+    assert main(["k8s", "render", str(hostile), "--out", str(tmp_path / "k8s-hostile")]) == 2
     other = _step(vanilla, 1)["manifest_sha256"]  # step 1's pin for step 2's replay config
     hostile.write_text(verl_spec(vanilla, 2).replace(src["manifest_sha256"], other))
     assert main(["step", "capture", "--spec", str(hostile), "--run-dir", str(tmp_path / "run2")]) == 2

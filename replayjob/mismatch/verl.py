@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 FRAMEWORK = "verl"
-TRAINER_LAYOUT = "verl: each row's prompt and response unpadded, packed or padded as the engine's remove-padding says"
+TRAINER_LAYOUTS = {True: "verl, remove-padding: each micro-batch's rows packed into one sequence",
+                   False: "verl, padded: each micro-batch's rows right-padded to its longest"}
 SAMPLER_LAYOUT = "each sequence alone, unpadded (the rollout engine's layout; assumed)"
 NAMES = {"rollout_log_probs": "sampler", "old_log_probs": "trainer_old"}
 DESCRIPTIONS = {
@@ -99,7 +100,7 @@ def lag_of(state: dict[str, Any], step: int) -> tuple[int | None, str]:
                  f"in epoch {pos['epoch']} of its update, {lag} step(s) later")
 
 
-def sides(data: Any, observed: dict[str, Any]) -> tuple[Side, Side]:
+def sides(data: Any, observed: dict[str, Any], packed: bool) -> tuple[Side, Side]:
     """The trainer's side at the batch's temperature in the engine's compute dtype; the sampler's settings beyond
     the temperature (top-k, top-p) are the rollout's, which the actor's batch does not carry."""
     from verl.utils import tensordict_utils as tu
@@ -107,7 +108,7 @@ def sides(data: Any, observed: dict[str, Any]) -> tuple[Side, Side]:
     t = float(tu.get_non_tensor_data(data, "temperature", 1.0) or 1.0)
     param = observed.get("mixed_precision.param_dtype")
     dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(str(param), "model")
-    return (Side(temperature=t, dtype=dtype, layout=TRAINER_LAYOUT),
+    return (Side(temperature=t, dtype=dtype, layout=TRAINER_LAYOUTS[packed]),
             Side(temperature=t, dtype="model", layout=SAMPLER_LAYOUT, recorded=False))
 
 
@@ -139,7 +140,7 @@ def recompute(session: Any, mbs: list[_microbatch.MicroBatch], state: dict[str, 
                 raise UsageError(f"the captured batch has no {key!r}: not a verl actor update's batch", where="payload")
         batches.append(decode_batch({**mb.inputs, **mb.input_values}, session.engine_values))
     present = [n for n in NAMES if all(n in mb.inputs for mb in mbs)]
-    trainer_side, sampler_side = sides(batches[0], observed)
+    trainer_side, sampler_side = sides(batches[0], observed, bool(session.engine_values.get("use_remove_padding")))
     base = 0
     for mb in mbs:
         mask = mb.inputs["response_mask"].bool()
