@@ -326,6 +326,13 @@ def test_a_capture_refuses_an_unclassified_field_and_a_refused_value(base: Path)
     model = HFModelConfig(path=str(base), load_tokenizer=False, trust_remote_code=True)
     with pytest.raises(CaptureError, match=r"verl\.model\.trust_remote_code = True is not replayed"):
         rv.section_values("model", model)
+    from verl.workers.config import FSDPEngineConfig
+
+    # mixed precision as verl's engine resolves it (unset: bf16 compute), fp16 (a gradient scaler) refused
+    assert rv.section_values("engine", FSDPEngineConfig())["mixed_precision"] == {
+        "param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+    with pytest.raises(CaptureError, match="fp16 is not replayed"):
+        rv.section_values("engine", FSDPEngineConfig(mixed_precision={"param_dtype": "fp16"}))
 
 
 def test_the_config_switch_captures_the_actor_worker_it_is_imported_in(base: Path, tmp_path: Path,
