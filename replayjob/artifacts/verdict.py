@@ -20,6 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
+from replayjob import __version__
 from replayjob.artifacts.document import Document, Text, decode
 from replayjob.errors import (
     EXIT_ERROR,
@@ -131,6 +132,33 @@ def incomplete(doc: dict[str, Any], missing: tuple[str, ...] | list[str]) -> dic
     out = {**doc, "status": "incomplete", "exit_code": EXIT_ERROR, "missing": sorted(missing)}
     out["summary"] = summary_line(out)
     return out
+
+
+OPTIONAL_SECTIONS = ("budgets", "contention", "in_process")  # in the order a verdict holds them
+
+
+def document(*, claim: str, checks: list[dict[str, Any]], refusal: dict[str, Any] | None, admission: str,
+             parameters: dict[str, Any], inputs: dict[str, Any], arms: dict[str, Any],
+             comparisons: dict[str, Any], updates: dict[str, Any] | None,
+             optional: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The verdict document, assembled here only: its schema and version, the status, exit code and failed
+    checks that follow from the checks and the refusal (:func:`outcome`), the evidence blocks in their one
+    order, the optional sections (``budgets``, ``contention``, ``in_process``: each present only when the
+    reduce produced it, possibly as null) in theirs, and the summary line last."""
+    extra = dict(optional or {})
+    unknown = sorted(set(extra) - set(OPTIONAL_SECTIONS))
+    if unknown:
+        raise ValueError(f"verdict sections {unknown} are not declared")
+    status, code, failed = outcome(checks, refusal)
+    doc: dict[str, Any] = {
+        "schema": VERDICT_SCHEMA, "replayjob_version": __version__,
+        "claim": claim, "status": status, "exit_code": code, "failed_checks": failed,
+        "refusal": refusal, "admission": admission, "parameters": parameters, "inputs": inputs, "arms": arms,
+        "comparisons": comparisons, "updates": updates, "checks": checks,
+    }
+    doc.update((key, extra[key]) for key in OPTIONAL_SECTIONS if key in extra)
+    doc["summary"] = summary_line(doc)
+    return doc
 
 
 def refusal_of(exc: ReplayjobError) -> dict[str, Any]:
@@ -360,6 +388,14 @@ def read_verdict(source: Path | str | bytes, *, where: str | None = None) -> Ver
 
 
 def write(path: Path, doc: dict[str, Any]) -> Verdict:
-    """Write ``doc`` atomically (temp file, fsync, rename) and return the :class:`Verdict`."""
-    atomic_write_bytes(path, pretty_bytes(doc))
+    """Write ``doc`` atomically (temp file, fsync, rename) and return the :class:`Verdict`.  The document is
+    checked against its declaration first: a verdict replayjob would refuse to read is never written (a bug,
+    not the input's fault: exit 3)."""
+    data = pretty_bytes(doc)
+    try:
+        read_verdict(data, where=str(path))
+    except ReplayjobError as exc:
+        raise OperationalError(f"the verdict about to be written breaks its own declaration ({exc.message}): a "
+                               "bug in replayjob; nothing was written", where=str(path)) from None
+    atomic_write_bytes(path, data)
     return Verdict(path, doc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from replayjob.artifacts import claims
 from replayjob.artifacts.spec import load_spec
 from replayjob.commands._args import integer, integer_or, path_or_none
 from replayjob.errors import UsageError
@@ -12,6 +13,7 @@ from replayjob.gate import reducer
 
 
 def cmd_reduce(args: dict[str, Any]) -> int:
+    claims.claim(args["--claim"])  # an unknown claim is refused before anything is read or written
     out = Path(args["--out"])
     refused: UsageError | None = None  # an option outside its range: refused in a verdict, like every usage
     min_repeats, max_looks, source_step = 3, 1, None

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import replayjob
 from replayjob.artifacts import api_manifest as imanifest
 from replayjob.artifacts import capture_reader as manifests
 from replayjob.artifacts import claims, verdict
@@ -335,49 +334,38 @@ def _document(req: Request, st: _State, refusal: dict[str, Any] | None) -> dict[
     if contention is not None and refusal is None:
         st.checks.append(_contention_check(st, contended, gate_ok))
     budgets = _budget_section(req, st, gate_ok, base, contended) if refusal is None else None
-    checks = [c.to_json() for c in st.checks]
-    status, code, failed = verdict.outcome(checks, refusal)
     tol = st.tolerances
-    doc: dict[str, Any] = {
-        "schema": verdict.VERDICT_SCHEMA,
-        "replayjob_version": replayjob.__version__,
-        "claim": req.claim, "status": status, "exit_code": code, "failed_checks": failed,
-        "refusal": refusal, "admission": admission,
-        "parameters": {
-            "min_repeats": req.min_repeats, "baseline": req.baseline,
-            "arms": list(req.arms) if req.arms is not None else None,
-            "spec": None if st.plan is None else {"name": req.spec.name if req.spec else None, "arms": st.plan},
-            "bootstrap": {"seed": stats.BOOTSTRAP_SEED, "resamples": stats.BOOTSTRAP_RESAMPLES,
-                          "confidence": stats.CONFIDENCE, "interval": "percentile"},
-            "tolerances": None if tol is None else {"update_cosine_min": tol.update_cosine_min,
-                                                    "relative_delta_l2_max": tol.relative_delta_l2_max},
-        },
-        "inputs": {
-            "replays": [{"path": _rel(r.path, base), "sha256": r.sha256, "arm": r.arm,
-                         "repeat_index": r.repeat_index, "measures": r.measures}
-                        for a in st.arms.values() for r in a.replays],
-            "source": None if st.source is None else {"path": _rel(st.source.path, base),
-                                                      "sha256": st.source.sha256},
-            "tolerances": None if tol is None else {"path": _rel(tol.path, base), "sha256": tol.sha256},
-            "initial_adapter": None if st.initial is None else {
-                "path": _rel(st.initial["path"], base), "sha256": st.initial["sha256"]},
-        },
-        "arms": _arm_stats(st, st.source),
-        "comparisons": _comparisons(st, req.baseline, admission, contended, req.max_looks),
-        "updates": st.updates,
-        "checks": checks,
+    parameters = {
+        "min_repeats": req.min_repeats, "baseline": req.baseline,
+        "arms": list(req.arms) if req.arms is not None else None,
+        "spec": None if st.plan is None else {"name": req.spec.name if req.spec else None, "arms": st.plan},
+        "bootstrap": {"seed": stats.BOOTSTRAP_SEED, "resamples": stats.BOOTSTRAP_RESAMPLES,
+                      "confidence": stats.CONFIDENCE, "interval": "percentile"},
+        "tolerances": None if tol is None else {"update_cosine_min": tol.update_cosine_min,
+                                                "relative_delta_l2_max": tol.relative_delta_l2_max},
     }
-    if st.budgets is not None:  # the section exists only when budgets were requested
-        doc["budgets"] = budgets
-    if contention is not None:  # only when some replay recorded a contention probe
-        doc["contention"] = contention
+    inputs = {
+        "replays": [{"path": _rel(r.path, base), "sha256": r.sha256, "arm": r.arm,
+                     "repeat_index": r.repeat_index, "measures": r.measures}
+                    for a in st.arms.values() for r in a.replays],
+        "source": None if st.source is None else {"path": _rel(st.source.path, base), "sha256": st.source.sha256},
+        "tolerances": None if tol is None else {"path": _rel(tol.path, base), "sha256": tol.sha256},
+        "initial_adapter": None if st.initial is None else {
+            "path": _rel(st.initial["path"], base), "sha256": st.initial["sha256"]},
+    }
     ip = {a.name: [w for r in a.replays for w in (r.in_process_wall_s or ())] for a in st.arms.values()}
+    in_process = None
     if any(ip.values()):  # in-process repeats, reported apart from the fresh-process ones
-        doc["in_process"] = {arm: {"local_train_wall_s": stats.summary(w) if w else None,
-                                   "loss_equal": all(r.in_process_loss_equal is not False
-                                                     for r in st.arms[arm].replays)}
-                             for arm, w in ip.items()}
-    doc["summary"] = verdict.summary_line(doc)
+        in_process = {arm: {"local_train_wall_s": stats.summary(w) if w else None,
+                            "loss_equal": all(r.in_process_loss_equal is not False for r in st.arms[arm].replays)}
+                      for arm, w in ip.items()}
+    doc = verdict.document(
+        claim=req.claim, checks=[c.to_json() for c in st.checks], refusal=refusal, admission=admission,
+        parameters=parameters, inputs=inputs, arms=_arm_stats(st, st.source),
+        comparisons=_comparisons(st, req.baseline, admission, contended, req.max_looks), updates=st.updates,
+        optional={**({"budgets": budgets} if st.budgets is not None else {}),  # only when budgets were requested
+                  **({"contention": contention} if contention is not None else {}),  # some replay was probed
+                  **({"in_process": in_process} if in_process is not None else {})})
     return doc
 
 
