@@ -84,6 +84,12 @@ def verdict() -> dict[str, Any]:
     return json.loads((Path(__file__).resolve().parent / "golden" / "verdict_exact_input.json").read_text())
 
 
+def bundle_document(name: str) -> dict[str, Any]:
+    """A trajectory bundle's document as its writer writes it (rank 0 of a two-rank update bundle)."""
+    from replayjob.bundle.synthetic import example_documents
+    return example_documents()[name]
+
+
 # One valid document per top-level declaration (a sub-document is exercised inside its parent).
 VALID: dict[str, Any] = {
     "ContentionRecord": contention_record,
@@ -110,13 +116,17 @@ VALID: dict[str, Any] = {
                                                                       message="0/3 nodes are available")),
     "RunEnd": lambda: run_end("Failed", json.dumps([{"displayName": "reduce(0)", "templateName": "reduce",
                                                      "phase": "Failed", "message": "Error (exit code 3)"}])),
+    **{name: lambda name=name: bundle_document(name)
+       for name in ("BundleManifest", "BundleComplete", "RankComplete", "RootComplete")},
 }
 NESTED = {"CudaProcess", "CudaFigures",  # reached through ContentionRecord.cuda (a CUDA record below)
           "Pins", "Timing", "Memory", "Padding", "Slot", "InProcess", "TracePin", "RoutingPin", "RankEntry",
           "Distributed",  # ReplayMetrics' sections
           "VerdictCheck", "Refusal",  # VerdictDocument's
           "FailedNode",  # RunEnd's
-          "TraceIdentity", "TracePayloadPin", "TraceSiteEntry", "TraceParamEntry"}  # TraceIndex's
+          "TraceIdentity", "TracePayloadPin", "TraceSiteEntry", "TraceParamEntry",  # TraceIndex's
+          "StageContract", "PayloadSpec", "PayloadFile", "Tolerance", "Redaction", "MultiRank", "BundleIndex",
+          "Identity", "Physical", "RecomputeConfig", "TaskConfig", "Sample", "PayloadRef"}  # BundleManifest's
 
 
 def test_every_declaration_has_a_valid_example_or_a_parent() -> None:
@@ -315,7 +325,11 @@ def _nan_equal(a: Any, b: Any) -> bool:
 PAGES = {"ReplayMetrics": "replay-metrics.md", "ContentionRecord": "replay-metrics.md",
          "TolerancesFile": "verdict-format.md", "BoundFile": "mismatch.md", "VerdictDocument": "verdict-format.md",
          "VerdictCheck": "verdict-format.md", "Refusal": "verdict-format.md", "Stopped": "cluster.md",
-         "RunEnd": "cluster.md"}
+         "RunEnd": "cluster.md",
+         **{name: "bundle-format.md" for name in ("BundleManifest", "BundleIndex", "RecomputeConfig", "Sample",
+                                                  "StageContract", "PayloadSpec", "PayloadFile", "MultiRank",
+                                                  "Identity", "Physical", "BundleComplete", "RankComplete",
+                                                  "RootComplete")}}
 
 
 @pytest.mark.parametrize("name", sorted(PAGES))

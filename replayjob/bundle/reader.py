@@ -31,9 +31,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from replayjob import tensorfile
+from replayjob.artifacts.bundle import LEGACY_ROOT_KEYS, BundleComplete, RankComplete, RootComplete
+from replayjob.artifacts.document import decode
 from replayjob.bundle import format as fmt
 from replayjob.bundle.mask import MaskRows
-from replayjob.bundle.schema import check_closure, check_expected, check_groups, check_index, check_manifest
+from replayjob.bundle.schema import check_closure, check_groups, decode_manifest
 from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
 from replayjob.fsio import read_regular_bytes
@@ -274,24 +276,18 @@ def _load_single(path: Path, tensors: bool = True) -> Bundle:
         raise IntegrityError("incomplete bundle: COMPLETE is missing (the writer did not finish)", where=path,
                              hint="wait for the capture to finish or capture again")
     _scan(path)
-    complete = loads_strict(_read_bytes(path / fmt.COMPLETE, "COMPLETE"), where=path / fmt.COMPLETE)
-    if not isinstance(complete, dict) or set(complete) != {"format", "bundle_id", "manifest_sha256"}:
-        raise IntegrityError("COMPLETE must record format, bundle_id and manifest_sha256",
-                             where=path / fmt.COMPLETE)
+    complete = decode(loads_strict(_read_bytes(path / fmt.COMPLETE, "COMPLETE"), where=path / fmt.COMPLETE),
+                      BundleComplete, where=path / fmt.COMPLETE,
+                      hint="COMPLETE is written last by the bundle's writer; capture the bundle again")
     mbytes = _read_bytes(path / fmt.MANIFEST, "manifest.json")
-    if sha256_bytes(mbytes) != complete["manifest_sha256"]:
+    if sha256_bytes(mbytes) != complete.manifest_sha256:
         raise IntegrityError("checksum mismatch: manifest.json does not match the digest in COMPLETE",
                              where=path / fmt.MANIFEST, hint="the manifest was modified after capture")
-    manifest = loads_strict(mbytes, where=path / fmt.MANIFEST)
-    if not isinstance(manifest, dict):
-        raise IntegrityError("manifest must be a JSON object", where=path / fmt.MANIFEST)
-    check_manifest(manifest)
-    if complete["bundle_id"] != manifest["bundle_id"]:
+    manifest = decode_manifest(loads_strict(mbytes, where=path / fmt.MANIFEST), path / fmt.MANIFEST)
+    if complete.bundle_id != manifest["bundle_id"]:
         raise IntegrityError("COMPLETE and manifest name different bundles", where=path)
     index, expected = manifest["index"], manifest["expected"]
-    check_index(index, manifest)
     n = len(index["samples"])
-    check_expected(expected, manifest, n)
     # Mask rows are checked against the recorded lengths as the mask's bytes stream past the hash.
     sample_ids = [s["sample_id"] for s in index["samples"]]
     rows = MaskRows([s["response_length"] for s in index["samples"]], sample_ids)
@@ -301,7 +297,7 @@ def _load_single(path: Path, tensors: bool = True) -> Bundle:
     _check_labels(payloads, index)
     mr = manifest["multi_rank"]
     if mr is not None:
-        _check_root_complete(path, mr, complete["manifest_sha256"])
+        _check_root_complete(path, mr, complete.manifest_sha256)
     loss = expected.get("loss.policy", {}).get("loss")
     return Bundle(path, manifest, index, expected, payloads,
                   loss_cohorts=[LossCohort(index["identity"]["physical"]["rank"], list(range(n)), loss)])
@@ -316,13 +312,15 @@ def _check_labels(payloads: dict[str, Tensor], index: dict[str, Any]) -> None:
                                      f"{labels.shape[1]}", where=fmt.payload_where("label_ids"))
 
 
-def _int_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(r) is int and r >= 0 for r in value)
+_ROOT_HINT = ("the root COMPLETE must record exactly format 'replayjob.bundle', bundle_id, run_id, ranks and "
+              "rank_manifests, as the last rank to land writes it; capture the bundle again")
+_RANK_HINT = ("a rank landing record holds exactly format, bundle_id, rank, expected_ranks, run_id and "
+              "manifest_sha256, as the rank's writer writes it; capture the bundle again")
 
 
 def _read_root(root: Path) -> tuple[list[int], dict[str, str], str]:
     """The root ``COMPLETE`` cross-checked against every ``COMPLETE.<r>`` it lists: (ranks, rank -> manifest,
-    run id).
+    run id).  Each is read through its declaration (:class:`RootComplete`, :class:`RankComplete`).
 
     The root's rank list must be exactly the ``expected_ranks`` each landed rank recorded, so a root
     that lists fewer ranks than its producers expected (a rank dropped, its records deleted) is
@@ -335,53 +333,40 @@ def _read_root(root: Path) -> tuple[list[int], dict[str, str], str]:
                              f"has landed (landed: {landed})", where=root,
                              hint="wait for every rank to flush or capture again")
     where = root / fmt.COMPLETE
-    doc = read_json_object(where, follow_symlinks=False)
-    if set(doc) == {"format", "bundle_id", "ranks", "rank_manifests"}:  # the root of a 2.0 or 2.1 multi-rank bundle
+    raw = read_json_object(where, follow_symlinks=False)
+    if set(raw) == LEGACY_ROOT_KEYS:  # the root of a 2.0 or 2.1 multi-rank bundle: refused by version
         raise IntegrityError(f"this multi-rank root records no run id (written before bundle format "
                              f"{fmt.MULTI_RANK_VERSION}): its ranks cannot be shown to come from one run", where=where,
                              hint="capture the bundle again with this replayjob")
-    if set(doc) != {"format", "bundle_id", "run_id", "ranks", "rank_manifests"} or doc["format"] != fmt.FORMAT:
-        raise IntegrityError(f"root COMPLETE must record exactly format {fmt.FORMAT!r}, bundle_id, run_id, ranks and "
-                             f"rank_manifests, found keys {sorted(doc)}", where=where)
-    fmt.check_run_id(doc["run_id"], where=where)
-    ranks, manifests = doc["ranks"], doc["rank_manifests"]
-    if not _int_list(ranks) or ranks != sorted(set(ranks)):
-        raise IntegrityError(f"root COMPLETE must list the ranks as distinct integers >= 0 in order, found {ranks!r}",
-                             where=where)
-    if not isinstance(manifests, dict) or sorted(manifests) != sorted(str(r) for r in ranks):
-        raise IntegrityError(f"root COMPLETE records manifests for ranks {sorted(manifests or {})}, its rank list "
-                             f"is {ranks}", where=where)
-    records = {}
+    doc = decode(raw, RootComplete, where=where, hint=_ROOT_HINT)
+    ranks, manifests = doc.ranks, doc.rank_manifests
+    found = {}
     for r in ranks:
         rec_path = root / f"{fmt.COMPLETE}.{r}"
         if not rec_path.is_file() or rec_path.is_symlink():
             raise IntegrityError(f"rank {r} is missing ({fmt.COMPLETE}.{r}); expected ranks {ranks}", where=root,
                                  hint="the producer of that rank did not land")
-        records[r] = read_json_object(rec_path, follow_symlinks=False)
-    run_ids = {r: rec.get("run_id") for r, rec in records.items()}
+        found[r] = read_json_object(rec_path, follow_symlinks=False)
+    run_ids = {r: rec.get("run_id") for r, rec in found.items()}
     if len(set(map(repr, run_ids.values()))) > 1:  # before any other disagreement: the cause, named
         raise IntegrityError(fmt.run_mix(run_ids), where=root,
                              hint="capture into a new directory; a directory reused after a failed run keeps the "
                                   "dead run's ranks")
-    for r, rec in records.items():
+    for r, raw_rec in found.items():
         rec_path = root / f"{fmt.COMPLETE}.{r}"
-        if set(rec) != {"format", "bundle_id", "rank", "expected_ranks", "run_id", "manifest_sha256"}:
-            raise IntegrityError(f"a rank landing record holds exactly format, bundle_id, rank, expected_ranks, run_id "
-                                 f"and manifest_sha256, found keys {sorted(rec)}", where=rec_path)
-        expected = rec["expected_ranks"]
-        if not _int_list(expected) or sorted(set(expected)) != ranks:
+        rec = decode(raw_rec, RankComplete, where=rec_path, hint=_RANK_HINT)
+        if sorted(rec.expected_ranks) != ranks:
             raise IntegrityError(f"the root COMPLETE lists ranks {ranks} but rank {r}'s producer expected ranks "
-                                 f"{expected!r}: a partial root is refused", where=rec_path,
+                                 f"{rec.expected_ranks!r}: a partial root is refused", where=rec_path,
                                  hint="wait for every expected rank to land, or capture again")
-        if rec["run_id"] != doc["run_id"]:
+        if rec.run_id != doc.run_id:
             raise IntegrityError(f"the ranks come from another run than the root COMPLETE: rank {r} carries run id "
-                                 f"{rec['run_id']!r}, the root COMPLETE records run id {doc['run_id']!r}",
+                                 f"{rec.run_id!r}, the root COMPLETE records run id {doc.run_id!r}",
                                  where=rec_path, hint="capture into a new directory")
-        if (rec["rank"], rec["bundle_id"], rec["format"], rec["manifest_sha256"]) != (
-                r, doc["bundle_id"], fmt.FORMAT, manifests[str(r)]):
-            raise IntegrityError(f"{fmt.COMPLETE}.{r} disagrees with the root COMPLETE on the rank, the bundle id, "
-                                 "the format or the rank's manifest digest", where=rec_path)
-    return ranks, manifests, doc["run_id"]
+        if (rec.rank, rec.bundle_id, rec.manifest_sha256) != (r, doc.bundle_id, manifests[str(r)]):
+            raise IntegrityError(f"{fmt.COMPLETE}.{r} disagrees with the root COMPLETE on the rank, the bundle id "
+                                 "or the rank's manifest digest", where=rec_path)
+    return list(ranks), dict(manifests), doc.run_id
 
 
 def _check_root_complete(rank_dir: Path, multi_rank: dict[str, Any], manifest_sha: str) -> None:

@@ -1,179 +1,44 @@
-"""Document checks shared by the writer (before writing) and the reader (before using).
+"""The bundle's documents as the writer (before writing) and the reader (before using) read them.
 
-``check_manifest``, ``check_index`` and ``check_expected`` check the manifest and its ``index`` and
-``expected`` sections;
+:func:`decode_manifest` reads a manifest through its declaration
+(:class:`replayjob.artifacts.bundle.BundleManifest`: its ``index`` and ``expected`` sections inside),
+after the version gate and before the topology check (:func:`replayjob.bundle.format.check_supported`);
 ``check_closure`` checks that every stage declared ``recompute`` has its inputs, its recorded
 upstream outputs and its own expected outputs, and that ``recorded-only`` stages have outputs.  An
 input payload is an ``input`` payload, or in an ``update`` bundle the token output an earlier stage
 recorded (the policy loss reads the advantages ``advantage.estimate`` recorded).
-Each returns ``None`` or raises naming the field.
+Each returns or raises naming the field.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
+from replayjob.artifacts.bundle import BundleManifest, gate
+from replayjob.artifacts.document import decode, to_builtins
 from replayjob.bundle import format as fmt
-from replayjob.digest import is_sha256_hex
 from replayjob.errors import ContractError, IntegrityError
 
-_MANIFEST_KEYS = {"format", "format_version", "bundle_id", "kind", "producer", "stages", "payloads",
-                  "payload_file", "comparison", "redaction", "index", "expected", "multi_rank"}
-_SPEC_KEYS = {"dtype", "shape", "sha256", "role"}
-_FILE_KEYS = {"file", "bytes", "header_sha256"}
 W = fmt.MANIFEST
+HINT = ("a bundle's manifest is what replayjob's BundleWriter wrote, checked before a byte was written; capture the "
+        "bundle again rather than editing it")
 
 
-def _int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+def decode_manifest(doc: object, where: str | Path = W) -> dict[str, Any]:
+    """``manifest.json`` (already parsed) read through its declaration: the version gate, the declaration (every
+    field typed and ranged, every rule between fields), then the topology this replayjob recomputes.  Returns the
+    plain form of what was declared (what the bundle layer reads)."""
+    manifest = to_builtins(check_manifest(doc, where))
+    fmt.check_supported(manifest["index"]["config"])
+    return manifest
 
 
-def check_payload_file(pf: object, names: list[str]) -> None:
-    """``payload_file`` is ``null`` when there are no payloads, else exactly ``payloads.safetensors`` with its
-    size and the SHA-256 of its header block (the tensors' own digests are in ``payloads``)."""
-    where = f"{W}: payload_file"
-    if pf is None:
-        if names:
-            raise IntegrityError(f"payloads {names} are declared but payload_file is null", where=where)
-        return
-    if not isinstance(pf, dict) or set(pf) != _FILE_KEYS:
-        raise IntegrityError(f"payload_file must be null or have exactly {sorted(_FILE_KEYS)}", where=where)
-    if not names:
-        raise IntegrityError("payload_file must be null when no payload is declared", where=where)
-    if pf["file"] != fmt.PAYLOAD_FILE:
-        raise IntegrityError(f"payload file {pf['file']!r} must be {fmt.PAYLOAD_FILE!r}", where=where,
-                             hint="a bundle holds its tensors in one safetensors file; nothing else is read")
-    if not _int(pf["bytes"]) or not is_sha256_hex(pf["header_sha256"]):
-        raise IntegrityError("bytes and header_sha256 must be an integer and a 64-hex (lowercase) digest",
-                             where=where)
-
-
-def check_manifest(m: dict[str, Any]) -> None:
-    """The manifest, its ``index`` and ``expected`` sections aside (:func:`check_index`, :func:`check_expected`).
-
-    Format and version come first, so that a bundle of another format version is refused by version."""
-    if m.get("format") != fmt.FORMAT:
-        raise IntegrityError(f"not a trajectory bundle (format {m.get('format')!r})", where=W)
-    fmt.check_version(m.get("format_version"), m.get("kind"), multi_rank=isinstance(m.get("multi_rank"), dict))
-    if set(m) != _MANIFEST_KEYS:
-        raise IntegrityError(f"manifest keys: missing {sorted(_MANIFEST_KEYS - set(m))}, unknown "
-                             f"{sorted(set(m) - _MANIFEST_KEYS)}", where=W)
-    fmt.check_id(m["bundle_id"], "bundle_id")
-    if m["kind"] not in fmt.KINDS:
-        raise IntegrityError(f"kind must be one of {list(fmt.KINDS)}", where=W)
-    prod = m["producer"]
-    if not isinstance(prod, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str | int | float))
-                                             for k, v in prod.items()):
-        raise IntegrityError("producer must map names to strings or numbers", where=f"{W}: producer")
-    stages = m["stages"]
-    want = fmt.KIND_STAGES[m["kind"]]
-    if not isinstance(stages, dict) or set(stages) != set(want):
-        raise IntegrityError(f"a {m['kind']} bundle declares exactly the stages {list(want)}",
-                             where=f"{W}: stages")
-    for s in want:
-        fmt.check_contract(s, stages[s], m["kind"])
-    payloads = m["payloads"]
-    if not isinstance(payloads, dict):
-        raise IntegrityError("payloads must be an object", where=f"{W}: payloads")
-    for name, spec in payloads.items():
-        fmt.check_payload_name(name)
-        if not isinstance(spec, dict) or set(spec) != _SPEC_KEYS:
-            raise IntegrityError(f"payload spec must have exactly {sorted(_SPEC_KEYS)}",
-                                 where=f"{W}: payloads.{name}")
-        if spec["dtype"] not in fmt.DTYPES or spec["role"] not in ("input", "expected"):
-            raise IntegrityError(f"dtype must be one of {list(fmt.DTYPES)}, role input or expected",
-                                 where=f"{W}: payloads.{name}")
-        fmt.check_payload_dtype(name, spec["dtype"])
-        if not isinstance(spec["shape"], list) or not all(_int(d) for d in spec["shape"]):
-            raise IntegrityError("shape must be a list of integers >= 0", where=f"{W}: payloads.{name}")
-        if not is_sha256_hex(spec["sha256"]):
-            raise IntegrityError("sha256 (of the tensor's bytes) must be a 64-hex (lowercase) digest",
-                                 where=f"{W}: payloads.{name}")
-    check_payload_file(m["payload_file"], sorted(payloads))
-    comp = m["comparison"]
-    if not isinstance(comp, dict) or set(comp) != {s for s in want if s != "sample"}:
-        raise IntegrityError("comparison must give atol and rtol for every compared stage",
-                             where=f"{W}: comparison")
-    for s, tol in comp.items():
-        if not (isinstance(tol, dict) and set(tol) == {"atol", "rtol"} and all(
-                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-                for v in tol.values())):
-            raise IntegrityError("atol and rtol must be finite numbers >= 0", where=f"{W}: comparison.{s}")
-    fmt.check_redaction(m["redaction"])
-    for key in ("index", "expected"):
-        if not isinstance(m[key], dict):
-            raise IntegrityError(f"{key} must be an object", where=f"{W}: {key}")
-    mr = m["multi_rank"]
-    if mr is not None and not (isinstance(mr, dict) and set(mr) == {"rank", "expected_ranks", "run_id"}
-                               and _int(mr["rank"]) and isinstance(mr["expected_ranks"], list)
-                               and mr["expected_ranks"] and all(_int(r) for r in mr["expected_ranks"])
-                               and mr["rank"] in mr["expected_ranks"]
-                               and len(set(mr["expected_ranks"])) == len(mr["expected_ranks"])):
-        raise IntegrityError("multi_rank must be null or {rank, expected_ranks, run_id} with rank listed",
-                             where=f"{W}: multi_rank")
-    if mr is not None:
-        fmt.check_run_id(mr["run_id"], where=f"{W}: multi_rank.run_id")
-
-
-def check_index(ix: dict[str, Any], m: dict[str, Any]) -> None:
-    where = fmt.INDEX
-    keys = {"format", "bundle_id", "kind", "identity", "config", "samples"}
-    if set(ix) != keys:
-        raise IntegrityError(f"index keys must be exactly {sorted(keys)}", where=where)
-    if ix["format"] != fmt.FORMAT or ix["bundle_id"] != m["bundle_id"] or ix["kind"] != m["kind"]:
-        raise IntegrityError("index format, bundle_id or kind disagrees with the manifest", where=where)
-    ident = ix["identity"]
-    if not isinstance(ident, dict) or set(ident) != {"rollout_id", "step_id", "physical"}:
-        raise IntegrityError("identity must have rollout_id, step_id, physical", where=f"{where}: identity")
-    if not _int(ident["rollout_id"]):
-        raise IntegrityError("identity.rollout_id must be an integer >= 0", where=f"{where}: identity")
-    if m["kind"] in fmt.STEP_KINDS and not _int(ident["step_id"]):
-        raise IntegrityError(f"a {m['kind']} bundle's identity needs step_id (an integer >= 0)", where=where)
-    if m["kind"] == "rollout" and ident["step_id"] is not None:
-        raise IntegrityError("a rollout bundle's identity has step_id null", where=where)
-    phys = ident["physical"]
-    if not (isinstance(phys, dict) and set(phys) == {"rank", "world_size", "weight_version"}
-            and all(_int(v) for v in phys.values()) and phys["world_size"] >= 1):
-        raise IntegrityError("identity.physical must be {rank, world_size >= 1, weight_version}",
-                             where=f"{where}: identity.physical")
-    mr = m["multi_rank"]
-    if mr is not None and (phys["rank"] != mr["rank"] or phys["world_size"] != len(mr["expected_ranks"])):
-        raise IntegrityError("identity.physical disagrees with manifest multi_rank", where=where)
-    if mr is None and phys["world_size"] != 1:
-        raise IntegrityError("world_size > 1 needs a multi-rank bundle layout", where=where)
-    fmt.check_config(ix["config"])
-    samples = ix["samples"]
-    if not isinstance(samples, list) or not samples:
-        raise IntegrityError("samples must be a non-empty list", where=where)
-    red = m["redaction"]
-    ids = [fmt.check_sample(s, i, red)["sample_id"] for i, s in enumerate(samples)]
-    if len(set(ids)) != len(ids):
-        raise IntegrityError("sample ids must be unique", where=where)
-
-
-def check_expected(ex: dict[str, Any], m: dict[str, Any], n: int) -> None:
-    where = fmt.EXPECTED
-    allowed = set(fmt.KIND_STAGES[m["kind"]]) - {"sample"}
-    if not isinstance(ex, dict) or not set(ex) <= allowed:
-        raise IntegrityError(f"expected outputs may name only {sorted(allowed)}", where=where)
-    for stage, fields in ex.items():
-        if not isinstance(fields, dict) or not set(fields) <= set(fmt.OUTPUTS[stage]):
-            raise IntegrityError(f"{stage} outputs are {sorted(fmt.OUTPUTS[stage])}", where=where)
-        for field, value in fields.items():
-            shape = fmt.OUTPUTS[stage][field]
-            w = f"{where}: {stage}.{field}"
-            if shape == "sample":
-                if not (isinstance(value, list) and len(value) == n and all(
-                        isinstance(v, int | float) and not isinstance(v, bool) for v in value)):
-                    raise IntegrityError(f"must be a list of {n} numbers (one per sample)", where=w)
-            elif shape == "scalar":
-                if not isinstance(value, int | float) or isinstance(value, bool):
-                    raise IntegrityError("must be a number", where=w)
-            elif value != {"payload": field} or m["payloads"].get(field, {}).get("role") != "expected":
-                raise IntegrityError(f"must be {{\"payload\": \"{field}\"}} naming an expected payload",
-                                     where=w)
+def check_manifest(doc: object, where: str | Path = W) -> BundleManifest:
+    """The version gate, then the declaration (the writer checks what it is about to write with this)."""
+    gate(doc, where)
+    return decode(doc, BundleManifest, where=where, hint=HINT)
 
 
 def check_groups(m: dict[str, Any], samples: list[dict[str, Any]], cfg: dict[str, Any]) -> None:

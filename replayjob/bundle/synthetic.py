@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from replayjob.bundle import format as fmt
-from replayjob.bundle.writer import BundleWriter, default_config
+from replayjob.bundle.writer import BundleWriter, default_config, root_record
 from replayjob.errors import ConfigError
 from replayjob.model.tokenizer import ByteTokenizer
 from replayjob.rl import stages
@@ -186,3 +186,33 @@ def write_step(path: str | Path, *, inject: Inject | None = None, rank: int | No
     w.set_expected("loss.policy", "loss_weights", weights)
     w.set_expected("loss.policy", "loss", float(loss))
     return w.finalize()
+
+
+def example_documents() -> dict[str, dict[str, Any]]:
+    """One valid document of each kind a bundle holds, built in memory (nothing is written): rank 0 of a two-rank
+    update bundle (every optional section present: a task, a truncated text, every kind of expected output), its
+    ``COMPLETE``, its landing record and the root ``COMPLETE`` (the declarations' fuzz tests start from these)."""
+    import json
+
+    s = make(groups=2, group_size=2)
+    rows = [0, 1]  # group 0: rank 0's
+    redaction = {**fmt.DEFAULT_REDACTION, "completion": "truncate:8"}
+    w = BundleWriter("example-root", kind="update", rollout_id=3, step_id=0, config=s.config, rank=0, ranks=[0, 1],
+                     run_id="run-a", weight_version=3, producer=PRODUCER, redaction=redaction)
+    for i in rows:
+        w.add_sample(f"s-{i}", group="g-0", prompt_length=5, response_length=s.lengths[i],
+                     label_length=len(s.labels[i]), prompt=f"Q:{i}=", completion=s.completions[i], label=s.labels[i])
+    for name in ("mask", "response_ids", "label_ids", "old_logprobs", "ref_logprobs", "logprobs"):
+        w.write_payload(name, s.t[name][rows])
+    w.set_expected("reward.raw", "raw", s.t["raw"][rows])
+    w.set_expected("reward.post_process", "scores", s.t["scores"][rows])
+    w.set_expected("advantage.kl", "kl", s.t["kl"][rows])
+    w.set_expected("advantage.estimate", "advantages", s.t["advantages"][rows])
+    w.set_capability("loss.policy", "recorded-only", "each rank's loss is over its own rows; recorded here")
+    w.set_expected("loss.policy", "loss_weights", s.t["loss_weights"][rows])
+    w.set_expected("loss.policy", "loss", float(s.t["loss"]))
+    prepared = w.prepare()
+    record = w.landing_record(prepared.manifest_sha256)
+    return {"BundleManifest": json.loads(prepared.manifest), "BundleComplete": json.loads(prepared.complete),
+            "RankComplete": record,
+            "RootComplete": root_record(w.bundle_id, "run-a", {0: prepared.manifest_sha256, 1: "0" * 64})}

@@ -42,9 +42,11 @@ from typing import TYPE_CHECKING, Any
 
 import replayjob
 from replayjob import tensorfile
+from replayjob.artifacts.bundle import RankComplete
+from replayjob.artifacts.document import decode
 from replayjob.bundle import format as fmt
 from replayjob.bundle.reader import TokenIds
-from replayjob.bundle.schema import check_closure, check_expected, check_groups, check_index, check_manifest
+from replayjob.bundle.schema import check_closure, check_groups, check_manifest
 from replayjob.crashpoints import point
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ArtifactExistsError, ConfigError, IntegrityError
@@ -166,12 +168,14 @@ class BundleWriter:
         self.rank = rank
         self.ranks = sorted(set(ranks)) if ranks is not None else None
         self.bundle_id = bundle_id or fmt.bundle_name(kind, rollout_id, step_id)
-        self.redaction = fmt.check_redaction(redaction or dict(fmt.DEFAULT_REDACTION))
+        self.redaction = dict(redaction or fmt.DEFAULT_REDACTION)
+        fmt.decode_redaction(self.redaction)  # as the manifest declares it; written as given
         self.identity: dict[str, Any] = {
             "rollout_id": rollout_id, "step_id": step_id,
             "physical": {"rank": rank or 0, "world_size": len(self.ranks) if self.ranks else 1,
                          "weight_version": weight_version}}
-        self.config = fmt.check_config(config)
+        fmt.decode_config(config, where="config")  # as the index declares it; written as given
+        self.config = dict(config)
         self.producer = producer or {"name": "replayjob", "replayjob_version": replayjob.__version__,
                                      "torch_version": torch.__version__}
         self.comparison = {s: dict(v) for s, v in fmt.DEFAULT_COMPARISON.items()}
@@ -213,7 +217,7 @@ class BundleWriter:
                                      f"needs the {field} text", hint=f"pass {field}= or set its policy to drop")
             if text is not None:
                 rec.update(redact_text(field, text, policy))
-        self.samples.append(rec)  # checked with every other sample by prepare (check_index, as the reader does)
+        self.samples.append(rec)  # checked with every other sample by prepare (decode_manifest, as the reader does)
 
     def write_payload(self, name: str, tensor: Tensor, *, role: str = "input") -> None:
         """Add a tensor payload (``role`` "input" or "expected"); stored as tensor ``<name>`` of the payload file."""
@@ -287,9 +291,8 @@ class BundleWriter:
         No file is touched; :meth:`write` writes the result.  Bundle capture on a CPU-only trainer
         prepares on the training thread and writes on its writer thread (:mod:`replayjob.bundle.hook`)."""
         manifest, blob = self._documents()
-        check_manifest(manifest)
-        check_index(manifest["index"], manifest)
-        check_expected(manifest["expected"], manifest, len(self.samples))
+        check_manifest(manifest)  # through the declaration the reader reads it with
+        fmt.check_supported(self.config)
         check_closure(manifest, manifest["index"], manifest["expected"],
                       {n: (s["dtype"], s["shape"]) for n, s in manifest["payloads"].items()})
         if self.ranks is None:  # a rank's groups close only with the other ranks' (checked by the reader)
@@ -348,9 +351,13 @@ class BundleWriter:
             self._land_rank(prepared.manifest_sha256)
         return self.root
 
+    def landing_record(self, manifest_sha: str) -> dict[str, Any]:
+        """``COMPLETE.<r>`` of this rank (:class:`replayjob.artifacts.bundle.RankComplete`)."""
+        return {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "rank": self.rank,
+                "expected_ranks": self.ranks, "run_id": self.run_id, "manifest_sha256": manifest_sha}
+
     def _land_rank(self, manifest_sha: str) -> None:
-        doc = {"format": fmt.FORMAT, "bundle_id": self.bundle_id, "rank": self.rank,
-               "expected_ranks": self.ranks, "run_id": self.run_id, "manifest_sha256": manifest_sha}
+        doc = self.landing_record(manifest_sha)
         atomic_write_bytes(self.root / f"{fmt.COMPLETE}.{self.rank}", pretty_bytes(doc), exclusive=True)
         try_finalize(self.root)
 
@@ -386,27 +393,37 @@ def _write_new(dfd: int, staging: Path, name: str, data: bytes) -> None:
 
 def try_finalize(root: Path) -> bool:
     """Write the root ``COMPLETE`` once every expected rank has landed; True if it now exists."""
-    landed: dict[int, dict[str, Any]] = {}
+    landed: dict[int, RankComplete] = {}
+    run_ids: dict[int, str | None] = {}
     expected: list[int] | None = None
     for p in sorted(root.glob(f"{fmt.COMPLETE}.*")):
         if p.name.startswith(".") or not p.name.split(".", 1)[1].isdigit():
             continue
         doc = read_json_object(p)
-        try:
-            landed[int(doc["rank"])] = doc
-            expected = [int(r) for r in doc["expected_ranks"]]
-        except (KeyError, TypeError, ValueError):
-            raise IntegrityError("rank landing record lacks rank or expected_ranks", where=p) from None
-    run_ids = {r: doc.get("run_id") for r, doc in sorted(landed.items())}
+        if "run_id" not in doc:  # a rank written before format 2.2.0: nothing ties it to this run
+            run_ids[int(p.name.split(".", 1)[1])] = None
+            continue
+        rec = decode(doc, RankComplete, where=p, hint="a rank landing record is written by the rank's BundleWriter; "
+                                                      "capture into a new directory")
+        landed[rec.rank] = rec
+        run_ids[rec.rank] = rec.run_id
+        expected = list(rec.expected_ranks)
+    run_ids = dict(sorted(run_ids.items()))
     if len(set(run_ids.values())) > 1 or None in run_ids.values():  # before anything is final: refuse loudly
         raise IntegrityError(fmt.run_mix(run_ids), where=root,
                              hint="capture into a new directory; a directory reused after a failed run keeps the "
                                   "dead run's ranks")
     if expected is None or sorted(landed) != sorted(expected):
         return (root / fmt.COMPLETE).exists()
-    final = {"format": fmt.FORMAT, "bundle_id": next(iter(landed.values()))["bundle_id"],
-             "run_id": next(iter(run_ids.values())), "ranks": expected,
-             "rank_manifests": {str(r): landed[r]["manifest_sha256"] for r in sorted(landed)}}
+    first = next(iter(landed.values()))
+    final = root_record(first.bundle_id, first.run_id, {r: landed[r].manifest_sha256 for r in sorted(landed)})
     with contextlib.suppress(ArtifactExistsError):
         atomic_write_bytes(root / fmt.COMPLETE, pretty_bytes(final), exclusive=True)
     return True
+
+
+def root_record(bundle_id: str, run_id: str, manifests: dict[int, str]) -> dict[str, Any]:
+    """The root ``COMPLETE`` of a multi-rank bundle whose ranks (rank -> manifest SHA-256) have all landed
+    (:class:`replayjob.artifacts.bundle.RootComplete`)."""
+    return {"format": fmt.FORMAT, "bundle_id": bundle_id, "run_id": run_id, "ranks": sorted(manifests),
+            "rank_manifests": {str(r): manifests[r] for r in sorted(manifests)}}
