@@ -393,31 +393,47 @@ def _disk_scans(paths: list[Path]) -> list[tuple[str | None, str | None]]:
 
 class AdapterScans:
     """Final adapters hashed in the background while the rest of the evidence is still read: reduce hands each
-    replay over (:meth:`start`) as soon as its metrics are read, and :func:`on_disk_check` collects the results
+    replay over (:meth:`start`) as soon as its metrics are read, every :data:`BATCH` adapters go to a background
+    thread together (one hand-over per batch, not per file), and :func:`on_disk_check` collects the results
     (:meth:`take`), so the hashing runs beside the reading on another core.  The scan is :func:`_disk_scan`'s,
     the same as when :func:`on_disk_check` hashes the files itself; :meth:`close` cancels what was not
     started (a refusal part-way)."""
 
+    BATCH = 64
+
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: dict[Path, Future[tuple[str | None, str | None]]] = {}
+        self._batch: list[Path] = []
+        self._pending: dict[Path, tuple[Future[list[tuple[str | None, str | None]]], int]] = {}
 
     def start(self, replay: Replay) -> Replay:
-        """Start hashing ``replay``'s final adapter; returns ``replay``."""
+        """Queue ``replay``'s final adapter for hashing (a full batch starts at once); returns ``replay``."""
+        self._batch.append(replay.final_adapter_file)
+        if len(self._batch) >= self.BATCH:
+            self._submit()
+        return replay
+
+    def _submit(self) -> None:
+        if not self._batch:
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=min(HASH_WORKERS, os.cpu_count() or 1),
                                             thread_name_prefix="replayjob-adapter-hash")
-        self._pending[replay.final_adapter_file] = self._pool.submit(_disk_scan, replay.final_adapter_file)
-        return replay
+        batch, self._batch = self._batch, []
+        future = self._pool.submit(lambda: [_disk_scan(p) for p in batch])
+        for i, p in enumerate(batch):
+            self._pending[p] = (future, i)
 
     def take(self, path: Path) -> tuple[str | None, str | None]:
-        """The scan of ``path``: the one started for it (once), else one made now."""
+        """The scan of ``path``: the one queued for it (once), else one made now."""
+        self._submit()  # the last, partial batch
         pending = self._pending.pop(path, None)
-        return _disk_scan(path) if pending is None else pending.result()
+        return _disk_scan(path) if pending is None else pending[0].result()[pending[1]]
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        self._batch.clear()
         self._pending.clear()
 
 
