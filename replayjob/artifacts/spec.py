@@ -52,7 +52,7 @@ from replayjob.artifacts.claims import SPEC_NAMES
 from replayjob.artifacts.pods import Pods, read_pods
 from replayjob.artifacts.pods import to_dict as pods_to_dict
 from replayjob.artifacts.schedule import DESIGNS, Slot, plan
-from replayjob.config.dump import toml_value
+from replayjob.config.dump import set_args, toml_value
 from replayjob.config.load import MAX_TOML_BYTES, read_toml_bytes, read_toml_file_bytes, read_toml_text
 from replayjob.digest import is_sha256_hex
 from replayjob.errors import ConfigError
@@ -144,7 +144,7 @@ class Arm:
 
     def set_args(self) -> list[str]:
         """``KEY=VALUE`` overrides for ``replayjob replay --set`` (without the declarations)."""
-        return [f"{k}={toml_value(v)}" for k, v in sorted(self.overrides.items())]
+        return set_args(dict(sorted(self.overrides.items())))
 
     def allow_list(self) -> str:
         """The TOML list for ``optimizer_batch.allow_config_differences``."""
@@ -561,15 +561,13 @@ class AblationSpec:
 
     def config_sets(self) -> list[str]:
         """``--set`` overrides applied to the capture and to every replay."""
-        sets = [f"backend.devices={toml_value(self.device)}"]
-        if self.model_path:
-            sets.append(f"model.path={toml_value(self.model_path)}")
-        return sets + self.extra_sets()
+        model = {"model.path": self.model_path} if self.model_path else {}
+        return set_args({"backend.devices": self.device, **model}) + self.extra_sets()
 
     def extra_sets(self) -> list[str]:
         """:meth:`config_sets` without the device and the model (which the Argo workflow parameterises)."""
-        sets = [f"resume.from={toml_value(self.resume)}"] if self.resume else []
-        return sets + [f"{k}={toml_value(v)}" for k, v in sorted(self.config.items())]
+        resume = {"resume.from": self.resume} if self.resume else {}
+        return set_args(resume) + set_args(dict(sorted(self.config.items())))
 
 
 RENDERED_ENV = "REPLAYJOB_RENDERED"  # every rendered container: the render_fields() it was computed from

@@ -35,6 +35,7 @@ from replayjob.check.diagreport import DiffReport
 from replayjob.check.leafdiff import Tolerance
 from replayjob.check.rows import iter_rows
 from replayjob.config import load_config
+from replayjob.config.dump import set_args
 from replayjob.errors import (
     ArtifactExistsError,
     ConfigError,
@@ -203,7 +204,7 @@ def check(config: str | Path | None = None, *, runs: int = 2, steps: int | None 
         raise UsageError("--command must contain {out}, the directory each run writes diag.jsonl into",
                          hint="for example --command 'python train.py --log-dir {out}'")
     check_options(tol or Tolerance(), ignore, top)
-    all_sets = [*sets, *([f"training.max_steps={steps}"] if steps is not None else [])]
+    all_sets = [*sets, *(set_args({"training.max_steps": steps}) if steps is not None else [])]
     if config is not None:
         _validate_trainer_config(config, all_sets)
     root = _prepare_out(out)

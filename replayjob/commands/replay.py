@@ -7,6 +7,7 @@ from typing import Any
 from replayjob.artifacts import metrics as M
 from replayjob.artifacts.schedule import parse_slot
 from replayjob.commands._args import integer_or, print_json
+from replayjob.config.dump import set_args
 from replayjob.producers import explain
 from replayjob.producers.builtin.replay import replay_command
 
@@ -25,7 +26,7 @@ def cmd_replay(args: dict[str, Any]) -> int:
     repeat = integer_or(args, "--repeat", None)
     index = integer_or(args, "--repeat-index", 0)
     slot = parse_slot(args["--slot"]) if args["--slot"] is not None else None
-    sets = [*args["--set"], *(["optimizer_batch.trace=true"] if args["--trace"] else [])]
+    sets = [*args["--set"], *(set_args({"optimizer_batch.trace": True}) if args["--trace"] else [])]
     nproc = integer_or(args, "--nproc", 1)
     for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index, slot, nproc=nproc):
         if not m:  # a rank other than 0 of several: rank 0 reports the replay

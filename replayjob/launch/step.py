@@ -81,7 +81,7 @@ from replayjob.artifacts import run_record as runrecord
 from replayjob.artifacts.capture_manifest import REPLAY_CONFIG
 from replayjob.artifacts.pods import to_dict as pods_to_dict
 from replayjob.artifacts.spec import DETERMINISM_ENV, RENDERED_ENV, AblationSpec, Run, is_digest_ref
-from replayjob.config.dump import replay_pins, set_args, toml_value
+from replayjob.config.dump import replay_pins, set_args
 from replayjob.digest import is_sha256_hex, sha256_file, sha256_json
 from replayjob.errors import (
     ConfigError,
@@ -557,12 +557,19 @@ def _publish(spec: AblationSpec, logical: str, manifest: str, outputs: Path | No
 def replay_args(spec: AblationSpec, layout: Layout, run: Run, logical: str, manifest: str,
                 manifest_file: Path, planted: Sequence[str] = ()) -> list[str]:
     """The ``--set`` overrides of one replay: common, the arm's knobs and their declaration, pins."""
-    arm = spec.arm(run.arm)
-    budgets = ([f"optimizer_batch.budgets_sha256={toml_value(budgets_pin(spec))}"] if spec.budgets else [])
-    return [*spec.config_sets(), *arm.set_args(), *planted, *budgets,
-            *set_args(replay_pins(manifest_file, logical, manifest)),
-            f"optimizer_batch.arm={toml_value(run.arm)}",
-            f"optimizer_batch.allow_config_differences={arm.allow_list()}"]
+    return [*spec.config_sets(), *spec.arm(run.arm).set_args(), *planted, *budget_sets(spec),
+            *set_args(replay_pins(manifest_file, logical, manifest)), *arm_declaration(spec, run)]
+
+
+def budget_sets(spec: AblationSpec) -> list[str]:
+    """The budget file's pin, when the spec declares budgets."""
+    return set_args({"optimizer_batch.budgets_sha256": budgets_pin(spec)}) if spec.budgets else []
+
+
+def arm_declaration(spec: AblationSpec, run: Run) -> list[str]:
+    """A replay's arm name and its declared differences (the arm's override keys)."""
+    return set_args({"optimizer_batch.arm": run.arm,
+                     "optimizer_batch.allow_config_differences": sorted(spec.arm(run.arm).overrides)})
 
 
 def budgets_pin(spec: AblationSpec) -> str:
@@ -612,11 +619,8 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
         log(f"step: planted undeclared override {kv} in arm {run.arm}")
     if found is not None:
 
-        arm = spec.arm(run.arm)
-        budgets = ([f"optimizer_batch.budgets_sha256={toml_value(budgets_pin(spec))}"] if spec.budgets else [])
-        args = [*replay_sets(spec, found), *arm.set_args(), *planted, *budgets,
-                f"optimizer_batch.arm={toml_value(run.arm)}",
-                f"optimizer_batch.allow_config_differences={arm.allow_list()}"]
+        args = [*replay_sets(spec, found), *spec.arm(run.arm).set_args(), *planted, *budget_sets(spec),
+                *arm_declaration(spec, run)]
     else:
         args = replay_args(spec, layout, run, logical, manifest, manifest_file, planted)
     for path, m in replay_command(config, args, out, None, run.repeat, run.slot, nproc=nproc, launcher=launcher):
