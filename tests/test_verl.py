@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.verl_tiny import TinyTrainer, build_worker, rollout_batch, tiny_model
 from replayjob.cli import main
+from replayjob.digest import sha256_file
 from replayjob.producers.verl import producer as rv
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
@@ -451,6 +452,34 @@ def test_mixed_precision_arms_are_observed_and_judged_by_the_approximate_claim_o
     assert main(["explain", toml, "--set", 'verl.engine.mixed_precision.buffer_dtype="bf16"', "--set",
                  'optimizer_batch.allow_config_differences=["verl.engine.mixed_precision.buffer_dtype"]']) == 2
     assert "is not a registered systems-only knob" in capsys.readouterr().err
+
+
+def test_a_precision_arm_of_a_bf16_capture_is_judged_by_the_approximate_claim(scenario: tuple[str, Path],
+                                                                              tmp_path: Path) -> None:
+    """verl's default bfloat16 capture (one step) against an arm computing in float32: with a pinned tolerance file
+    the approximate claim compares each update with the source's; a tolerance at the measured floor's scale passes,
+    one at summation-order scale (1e-4 relative) fails (exit 1), so the claim sees the precision change."""
+    _, out = scenario
+    assert json.loads(next(out.glob("*.manifest.json")).read_text())["config"]["resolved"]["verl"]["engine"][
+        "mixed_precision"]["param_dtype"] == "bf16"
+    verdicts = {}
+    for name, (cosine, rel) in {"loose": (0.99, 0.2), "tight": (0.999999, 1e-4)}.items():
+        tol = tmp_path / f"{name}.toml"
+        tol.write_text(f"update_cosine_min = {cosine}\nrelative_delta_l2_max = {rel}\n")
+        pin = ["--set", "optimizer_batch.tolerances_sha256=" + json.dumps(sha256_file(tol))]
+        arm = ["--set", 'verl.engine.mixed_precision.param_dtype="fp32"', "--set",
+               'optimizer_batch.allow_config_differences=["verl.engine.mixed_precision.param_dtype"]']
+        assert main(["replay", str(out / "replay.toml"), "--out", str(tmp_path / name / "base"), *pin]) == 0
+        assert main(["replay", str(out / "replay.toml"), "--out", str(tmp_path / name / "fp32"), *pin, *arm]) == 0
+        verdict = tmp_path / f"{name}.json"
+        verdicts[name] = main(["reduce", str(tmp_path / name), "--claim", "approximate", "--tolerances", str(tol),
+                               "--source", str(out), "--min-repeats", "1", "--out", str(verdict)])
+        doc = json.loads(verdict.read_text())
+        groups = doc["updates"]["groups"]
+        assert groups["baseline ~ source"]["relative_delta_l2"]["max"] == 0  # the same condition: bitwise
+        moved = groups["param_dtype=fp32 ~ source"]["relative_delta_l2"]["max"]
+        assert 1e-4 < moved < 0.2, moved
+    assert verdicts == {"loose": 0, "tight": 1}, verdicts
 
 
 def test_a_padded_replay_is_traced_row_by_row_and_trace_diff_names_the_first_divergence(
