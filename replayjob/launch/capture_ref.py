@@ -39,9 +39,10 @@ from typing import Any
 from replayjob.artifacts import api_manifest as external_manifest
 from replayjob.artifacts import capture_reader as manifests
 from replayjob.artifacts import metrics
+from replayjob.artifacts.capture_manifest import REPLAY_CONFIG
 from replayjob.artifacts.capture_reader import CaptureManifest
 from replayjob.artifacts.spec import AblationSpec
-from replayjob.config.dump import replay_pins, set_args, toml_value
+from replayjob.config.dump import replay_pins, set_args
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, check_no_symlinks
 from replayjob.jsonio import pretty_bytes, read_json_object
@@ -51,7 +52,6 @@ from replayjob.runtime.knobs import BUILTIN, WORLD_SIZE, knobs_for
 
 CAPTURE_RECORD = "capture.json"  # RUN/capture.json: the verified capture (step capture writes it)
 CAPTURE_SCHEMA = "replayjob.run_capture/v1"
-DEFAULT_REPLAY_CONFIG = "replay.toml"
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def capture_pins(directory: Path, replay_config: str) -> tuple[str, str, Path, i
                            hint="capture.dir must name the directory a capture wrote (metrics.json is its last "
                                 "file), reachable at the same path from every step (the shared volume)")
     config = check_no_symlinks(directory, directory / replay_config, what=f"the capture's {replay_config}")
-    if replay_config == DEFAULT_REPLAY_CONFIG:
+    if replay_config == REPLAY_CONFIG:
         logical, manifest, path = metrics.read_pins(directory)
         if not config.is_file():
             raise RefusedError(f"the capture holds no {replay_config}", where=directory,
@@ -90,7 +90,7 @@ def capture_pins(directory: Path, replay_config: str) -> tuple[str, str, Path, i
         if metrics.STEPS in read_json_object(directory / metrics.SOURCE_FILE):
             raise
         raise RefusedError(f"{replay_config}: this capture records one step, not several chosen steps",
-                           where=directory, hint=f"capture.replay_config = \"{DEFAULT_REPLAY_CONFIG}\"") from None
+                           where=directory, hint=f"capture.replay_config = \"{REPLAY_CONFIG}\"") from None
     records = [s for s in steps if s.replay_config.resolve() == config.resolve()]
     if len(records) != 1:
         listed = ", ".join(s.replay_config.name for s in steps) or "none"
@@ -174,10 +174,10 @@ def replay_sets(spec: AblationSpec, found: Located) -> list[str]:
 
     sets = set_args(replay_pins(found.manifest, found.logical, found.manifest_sha256))
     if found.producer == BUILTIN:
-        sets.append(f"backend.devices={toml_value(spec.device)}")
+        sets += set_args({"backend.devices": spec.device})
     if spec.model_path:
-        sets.append(f"model.path={toml_value(spec.model_path)}")
-    return sets + [f"{k}={toml_value(v)}" for k, v in sorted(spec.config.items())]
+        sets += set_args({"model.path": spec.model_path})
+    return sets + set_args(dict(sorted(spec.config.items())))
 
 
 def verify(spec: AblationSpec, run: Path, log: Any = print) -> Located:

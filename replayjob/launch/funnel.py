@@ -50,12 +50,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from replayjob.artifacts.capture_manifest import REPLAY_CONFIG
 from replayjob.artifacts.schedule import DESIGNS
 from replayjob.artifacts.spec import AblationSpec, load_spec, spec_from_dict
 from replayjob.check.determinism_check import check
 from replayjob.check.rules import DEFAULT_RULES, load_rules
 from replayjob.check.signals import evaluate
-from replayjob.config.dump import toml_key, toml_value
+from replayjob.config.dump import set_args, toml_key, toml_value
 from replayjob.config.load import parse_overrides, read_toml
 from replayjob.errors import RefusedError, ReplayjobError, UsageError, error_for_exit_status
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
@@ -63,7 +64,8 @@ from replayjob.gate.evidence import discover, read_replay, read_source
 from replayjob.jsonio import pretty_bytes, read_json_object
 from replayjob.launch import capture_ref as external
 from replayjob.launch.capture_ref import capture_pins
-from replayjob.launch.step import select
+from replayjob.launch.step import Layout, select
+from replayjob.launch.workspace import TRAIN_CONFIG
 
 SCHEMA = "replayjob.funnel/v1"
 FUNNEL_FILE = "funnel.json"
@@ -209,10 +211,11 @@ class Funnel:
         if measured:
             self.config.update({"optimizer_batch.warmup_updates": warmup,
                                 "optimizer_batch.measured_updates": measured})
-        self.common = [*self.spec.config_sets(), *(f"{k}={toml_value(v)}" for k, v in self.config.items())]
+        self.common = [*self.spec.config_sets(), *set_args(self.config)]
         if opts.resume is not None:
-            self.common.append(f"resume.from={toml_value(str(Path(opts.resume).resolve()))}")
-        self.ws, self.log = self.out / "workspace", self.out / "steps.log"
+            self.common += set_args({"resume.from": str(Path(opts.resume).resolve())})
+        self.layout = Layout.of(self.out)  # the run directory every `replayjob step` of the funnel writes
+        self.ws, self.log = self.layout.workspace, self.out / "steps.log"
         self.stages = [Stage(n) for n in STAGES]
         self.run_plan: AblationSpec = self.spec  # stage 3's spec as written to OUT/ablation.toml
         self.summary: dict[str, Any] | None = None
@@ -230,7 +233,7 @@ class Funnel:
                 raise UsageError("--replay-config names a replay config of --capture DIR", hint="add --capture DIR")
             return load_spec(opts.spec)
         d = Path(opts.capture).resolve()
-        name = opts.replay_config or external.DEFAULT_REPLAY_CONFIG
+        name = opts.replay_config or REPLAY_CONFIG
         logical, manifest, path, _ = external.capture_pins(d, name)
         mode = external.read_manifest(path, manifest)[1]  # the math mode the capture ran in, which every step pins
         data = read_toml(opts.spec, what="ablation spec")
@@ -264,7 +267,7 @@ class Funnel:
     def determinism(self, st: Stage) -> None:
         steps = self.opts.steps or max(2, *(r.min_rows for r in load_rules(None).signals))
         plant = ["environment.nondeterministic_observation=true"] if self.opts.plant_nondeterminism else []
-        rep = check(self.ws / "train.toml", runs=2, steps=steps, out=self.out / "determinism",
+        rep = check(self.ws / TRAIN_CONFIG, runs=2, steps=steps, out=self.out / "determinism",
                     sets=[*self.common, *plant], progress=lambda line: self.say("  " + line))
         st.code = rep.exit_code
         found = "bitwise-equal diagnostics" if rep.deterministic else "DRIFT: " + rep.render().splitlines()[-1]
@@ -314,9 +317,8 @@ class Funnel:
         return path
 
     def ablation(self, st: Stage) -> None:
-        src = Path(self.spec.capture.dir) if self.spec.capture is not None else self.out / "source"
-        replays = self.out / "replays"
-        st.artifacts = {"source": str(src), "replays": str(replays), "verdict": str(self.out / "verdict.json")}
+        src = Path(self.spec.capture.dir) if self.spec.capture is not None else self.layout.source
+        st.artifacts = {"source": str(src), "replays": str(self.layout.replays), "verdict": str(self.layout.verdict)}
         spec = self.run_spec()
         st.artifacts["spec"] = str(spec)
         step = ["--spec", spec, "--run-dir", self.out]
@@ -370,7 +372,7 @@ class Funnel:
                 break
             blocks += 1
         st.artifacts["looks"] = ", ".join(f"{x['blocks']} blocks: {x['status']}" for x in looks)
-        self.summary = summarize(self.out / "verdict.json", src, self._source_step())
+        self.summary = summarize(self.layout.verdict, src, self._source_step())
         self.summary["blocks"] = blocks
         self.summary["max_blocks"] = self.max_blocks
 
@@ -380,7 +382,7 @@ class Funnel:
         aside = self.out / "attempts"
         aside.mkdir(parents=True, exist_ok=True)
         for arm in arms:
-            d = self.out / "replays" / arm / str(block)
+            d = self.layout.replay(arm, block)
             if d.exists():
                 n = sum(1 for _ in aside.glob(f"contended-{arm}-{block}.*"))
                 d.rename(aside / f"contended-{arm}-{block}.{n}")
@@ -393,7 +395,7 @@ class Funnel:
         if self.opts.report:
             args += ["--report", self.out / "report.md"]
         args += ["--max-looks", self.max_blocks if self.opts.until_decided else 1]  # this look's level
-        verdict = self.out / "verdict.json"
+        verdict = self.layout.verdict
         verdict.unlink(missing_ok=True)  # a look never reads the previous look's verdict
         code = cli_step(args, self.log)
         if not verdict.is_file():

@@ -82,6 +82,9 @@ arm = ""
 """
 
 
+TRAIN_CONFIG = "train.toml"  # a source-trainer config that runs on CPU with the built-in tiny model
+SOURCE_CONFIG = "source.toml"  # the same, capturing its step zero
+
 def _in_comment(text: str) -> str:
     """``text`` as a TOML comment may hold it: control characters (a newline would end the comment,
     the others are invalid there) written as their escapes; the directory is only mentioned there."""
@@ -91,7 +94,7 @@ def _in_comment(text: str) -> str:
 
 def example_configs() -> dict[str, str]:
     """Example configs written next to the resume state (file name -> TOML text)."""
-    return {"train.toml": TRAIN_TOML, "source.toml": SOURCE_TOML, REPLAY_CONFIG: REPLAY_TOML}
+    return {TRAIN_CONFIG: TRAIN_TOML, SOURCE_CONFIG: SOURCE_TOML, REPLAY_CONFIG: REPLAY_TOML}
 
 
 def init_workspace(directory: str | Path, seed: int, sets: list[str] | tuple[str, ...] = ()) -> list[Path]:
