@@ -6,7 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from replayjob.gate import claims as C
+from replayjob.gate import checks as C
 from replayjob.gate import synthetic
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replayjob.gate.claims import _text
+from replayjob.gate.checks import _text
 
 names = st.text(max_size=8)  # any characters: quotes, backslashes, control and non-ASCII ones
 values = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.lists(names, max_size=4),

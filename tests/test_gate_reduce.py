@@ -138,7 +138,7 @@ def test_a_final_adapter_that_is_not_safetensors_is_refused(tmp_path: Path, clai
 
 def test_adapters_are_hashed_on_several_threads_when_large(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Above the size threshold the files are hashed in parallel; the verdict is the same, a bad file still named."""
-    from replayjob.gate import claims
+    from replayjob.gate import checks as claims
 
     monkeypatch.setattr(claims, "PARALLEL_HASH_BYTES", 1)
     ev = synthetic.build(tmp_path / "ev", ARMS, 3)
@@ -338,7 +338,8 @@ def test_recorded_pins_are_checked_against_the_capture_manifest(ev: synthetic.Ev
 def test_every_row_of_the_capture_pins_check_has_a_failing_case(ev: synthetic.Evidence) -> None:
     # against a capture that matches nothing, every row the check has is an offender: each of them must
     # be one that a case above makes fail on its own (a row compared with itself could never fail)
-    from replayjob.gate import claims, evidence
+    from replayjob.gate import checks as claims
+    from replayjob.gate import evidence
 
     replay = evidence.read_replay(ev.replay_files[3])
     other: dict[str, Any] = {k: "cd" * 32 for k in ("manifest", "payload", "logical", "effective", "initial_adapter")}

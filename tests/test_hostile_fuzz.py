@@ -459,7 +459,7 @@ def test_multi_rank_capture_mutations_are_refused_or_read_as_the_original_batch(
     record) is pinned from the root, whose SHA-256 the user holds: a mutation is refused or is a no-op."""
     from replayjob.artifacts import capture_manifest as mf
     from replayjob.artifacts import capture_root as ranks
-    from replayjob.producers.builtin import rows as rankrows
+    from replayjob.producers.builtin import ranks as rankrows
 
     root_file = two_rank_capture / mf.manifest_name(0)
     pin = sha256_bytes(root_file.read_bytes())

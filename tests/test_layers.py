@@ -216,7 +216,7 @@ def test_a_late_own_import_or_an_early_heavy_import_is_reported() -> None:
 
 
 # Modules another program imports for their side effect, never imported by replayjob: their import is their work.
-PLUGINS = {"replayjob.producers.verl.hook": "verl imports it by name (actor_rollout_ref.model.external_lib); "
+PLUGINS = {"replayjob.producers.verl.plugin": "verl imports it by name (actor_rollout_ref.model.external_lib); "
                                           "installing the capture around verl's engine is its import",
            "replayjob.integrations.verl_hook": "the same plugin under its deprecated name"}
 

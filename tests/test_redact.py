@@ -143,7 +143,7 @@ def test_config_digest_covers_the_redacted_config_only() -> None:
     """A pinned config digest is over the written (redacted) config: recomputable from it, and blind
     to the secret itself, so a rotated token changes neither the digest nor the observed differences."""
     from replayjob.config import config_sha256, load_config, resolved
-    from replayjob.config.diff import differences
+    from replayjob.config.differences import differences
     from replayjob.digest import sha256_json
 
     a = load_config(None, ['logging.metadata.hub="https://h/m?token=S1"', 'logging.run_name="r Bearer S2"'])

@@ -27,7 +27,7 @@ from replayjob.errors import IntegrityError
 from replayjob.fsio import check_no_symlinks, read_regular_bytes
 from replayjob.gate import synthetic
 from replayjob.jsonio import pretty_bytes, read_json
-from replayjob.producers.builtin import rows as rankrows
+from replayjob.producers.builtin import ranks as rankrows
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.runtime.knobs import WORLD_SIZE
 

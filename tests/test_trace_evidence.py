@@ -239,7 +239,7 @@ def test_trace_diff_says_what_it_compared_and_admits_checkpointing_gradients(tmp
 
 
 def test_approximate_claim_over_no_parameter_is_refused(tmp_path: Path) -> None:
-    from replayjob.gate.claims import REFUSED
+    from replayjob.gate.checks import REFUSED
     from replayjob.gate.gradients import approximate_checks
 
     replays: list[Any] = []

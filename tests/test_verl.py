@@ -342,7 +342,7 @@ def test_the_config_switch_captures_the_actor_worker_it_is_imported_in(base: Pat
     actor's ppo_loss when the environment asks for a capture, and nothing when it does not."""
     import importlib
 
-    hook = importlib.import_module("replayjob.producers.verl.hook")
+    hook = importlib.import_module("replayjob.producers.verl.plugin")
     hook.install()  # idempotent: the import installed it already
     worker = build_worker(base)  # the environment asks for nothing
     assert getattr(worker, hook.ATTRIBUTE, None) is None

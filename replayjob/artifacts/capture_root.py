@@ -23,7 +23,7 @@ ranks' payload span digests in rank order (:func:`ranks_digest`), which replays 
 payload pin.  The adapter the capture starts from is the resume state's, saved once, unsharded.
 
 This module holds the root's record and reader; reading the ranks' rows back
-(:func:`replayjob.producers.builtin.rows.verify`, torch) checks, before any device memory is touched: the root's
+(:func:`replayjob.producers.builtin.ranks.verify`, torch) checks, before any device memory is touched: the root's
 own fields, that exactly the listed ranks landed (no ``rank-*`` or ``COMPLETE.*`` missing or extra, and no
 ``rank-*`` directory a symbolic link), every landing record, every rank manifest against its pinned SHA-256
 and every payload against its manifest, that every rank captured under the root's config and contract from the
@@ -162,7 +162,7 @@ def check_listing(d: Path, world: int) -> None:
 def read_capture(path: str | Path, expected_sha256: str) -> Manifest:
     """The capture manifest at ``path`` pinned by ``expected_sha256``: a single-device manifest, or the root of
     a capture over ranks (:class:`RootManifest`, its own fields validated;
-    :func:`~replayjob.producers.builtin.rows.verify` checks the ranks)."""
+    :func:`~replayjob.producers.builtin.ranks.verify` checks the ranks)."""
     p, sha, doc = manifest.read_pinned(path, expected_sha256,
                                        hint="point optimizer_batch.replay_path at the source run's "
                                             "optimizer_batch_step_000000.manifest.json")
@@ -179,7 +179,7 @@ def of(p: Path, sha: str, doc: Any) -> Manifest:
 
 # ------------------------------------------------------------------------------------- the root
 def validate(doc: Any, where: Path) -> dict[str, Any]:
-    """The root's own fields (the ranks themselves are checked by :func:`~replayjob.producers.builtin.rows.verify`)."""
+    """The root's own fields (the ranks themselves are checked by :func:`~replayjob.producers.builtin.ranks.verify`)."""
     manifest.check_schema(doc, where)
     need(doc["framework"] == manifest.BUILTIN, f"'framework' must be {manifest.BUILTIN!r} in a built-in root", where)
     keys = _KEYS | ({manifest.OUTCOME} & set(doc))

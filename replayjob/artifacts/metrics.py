@@ -29,7 +29,7 @@ from replayjob import __version__
 from replayjob.artifacts.document import decode
 from replayjob.artifacts.replay_metrics import Distributed, ReplayMetrics
 from replayjob.artifacts.schedule import DESIGNS, Slot
-from replayjob.config.diff import flatten
+from replayjob.config.differences import flatten
 from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.frameworks import PRODUCERS

@@ -47,7 +47,7 @@ from typing import Any
 from replayjob.artifacts.document import read_pinned_toml
 from replayjob.errors import IntegrityError
 from replayjob.gate import stats
-from replayjob.gate.claims import FAIL, NOT_APPLICABLE, PASS, REFUSED, Arm, Check, agree
+from replayjob.gate.checks import FAIL, NOT_APPLICABLE, PASS, REFUSED, Arm, Check, agree
 from replayjob.gate.evidence import Replay
 
 INCONCLUSIVE = "inconclusive"

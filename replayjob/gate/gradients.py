@@ -25,7 +25,7 @@ import math
 from typing import Any
 
 from replayjob.artifacts.trace_store import Trace, dtype_name, read_trace
-from replayjob.gate import claims as C
+from replayjob.gate import checks as C
 from replayjob.gate import stats
 from replayjob.gate.evidence import Replay
 from replayjob.trace.diff import Side, TraceDiff, rounding_scale

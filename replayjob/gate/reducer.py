@@ -1,6 +1,6 @@
 """Reduce: read every replay's metrics, run the claim's checks and spread statistics, write the verdict.
 
-The claim decides which checks run (:mod:`.claims`): ``exact-input`` is the admission gate for
+The claim decides which checks run (:mod:`.checks`): ``exact-input`` is the admission gate for
 timing and memory comparisons; ``bitwise`` adds identical final adapters (and needs ``--source``);
 ``approximate`` adds predeclared update tolerances (and needs ``--source`` and ``--tolerances``).
 Spread statistics are always computed; ratios against ``--baseline`` are labelled "not admitted"
@@ -35,7 +35,7 @@ from replayjob.artifacts.spec import AblationSpec
 from replayjob.digest import sha256_file
 from replayjob.errors import RefusedError, UsageError
 from replayjob.gate import budgets as B
-from replayjob.gate import claims as C
+from replayjob.gate import checks as C
 from replayjob.gate import gradients, routing, stats, updates
 from replayjob.gate.evidence import (
     MEASURES,

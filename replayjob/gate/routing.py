@@ -27,7 +27,7 @@ from typing import Any
 
 from replayjob.artifacts.metrics import ROUTING
 from replayjob.errors import RefusedError
-from replayjob.gate import claims as C
+from replayjob.gate import checks as C
 from replayjob.gate.evidence import Replay, Source
 from replayjob.model import moe
 from replayjob.trace.diff import ATTRIBUTIONS, TraceDiff, load_side

@@ -5,7 +5,7 @@
 ``replayjob.integrations.torch_loop``         :mod:`replayjob.producers.torch_loop`
 ``replayjob.integrations.trl``                :mod:`replayjob.producers.trl.producer`
 ``replayjob.integrations.verl``               :mod:`replayjob.producers.verl.producer`
-``replayjob.integrations.verl_hook``          :mod:`replayjob.producers.verl.hook`
+``replayjob.integrations.verl_hook``          :mod:`replayjob.producers.verl.plugin`
 ============================================  ===============================================
 
 Each old module re-exports the new one's names and warns once (:class:`DeprecationWarning`) when imported;

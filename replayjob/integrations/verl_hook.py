@@ -1,6 +1,6 @@
-"""Deprecated: moved to :mod:`replayjob.producers.verl.hook` (see :mod:`replayjob.integrations`)."""
+"""Deprecated: moved to :mod:`replayjob.producers.verl.plugin` (see :mod:`replayjob.integrations`)."""
 
 from replayjob.integrations import forward
 
-globals().update({k: v for k, v in vars(forward(__name__, "replayjob.producers.verl.hook")).items()
+globals().update({k: v for k, v in vars(forward(__name__, "replayjob.producers.verl.plugin")).items()
                   if not k.startswith("__")})

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from replayjob.artifacts.capture_manifest import PinnedManifest
 from replayjob.artifacts.capture_reader import reuse
-from replayjob.config.diff import differences
+from replayjob.config.differences import differences
 from replayjob.config.schema import OptimizerBatchConfig
 from replayjob.digest import normalize_digest
 from replayjob.errors import ContractError, IntegrityError, RefusedError

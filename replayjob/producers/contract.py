@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from replayjob.config import Config, redact
-from replayjob.config.diff import differences
+from replayjob.config.differences import differences
 from replayjob.config.load import to_dict
 from replayjob.digest import sha256_json
 from replayjob.runtime import determinism

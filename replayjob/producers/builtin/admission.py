@@ -27,7 +27,7 @@ from replayjob.errors import IntegrityError, RefusedError
 from replayjob.model import moe
 from replayjob.producers import admission as shared
 from replayjob.producers.admission import check_contract, check_differences
-from replayjob.producers.builtin import rows as rankrows
+from replayjob.producers.builtin import ranks as rankrows
 from replayjob.producers.builtin import steps as stepcapture
 from replayjob.producers.contract import contract_sha256, optimizer_contract
 from replayjob.redact import redact_text

@@ -58,7 +58,7 @@ from replayjob.crashpoints import point
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ArtifactExistsError, ConfigError, IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes
-from replayjob.producers.builtin import rows as rankrows
+from replayjob.producers.builtin import ranks as rankrows
 from replayjob.producers.builtin import steps as stepcapture
 from replayjob.producers.contract import optimizer_contract
 from replayjob.rl.batch import OptimizerBatch

@@ -8,7 +8,7 @@ Capture (``pip install 'replayjob[verl]'``), in the process that holds the actor
     ...                                                          # the trainer runs update_actor as usual
     cap.result.replay_toml                                       # runs/cap/replay.toml, pins filled in
 
-In a Ray run the worker lives in its own process: :mod:`replayjob.producers.verl.hook`, imported there
+In a Ray run the worker lives in its own process: :mod:`replayjob.producers.verl.plugin`, imported there
 through verl's ``actor_rollout_ref.model.external_lib`` setting, makes the same call from the environment
 (docs/verl.md).  A *step* is one optimizer step: one call of the engine's ``train_batch`` (zero-grad, forward
 and backward over the engine's micro-batches, clip and optimizer step, skipped on a non-finite gradient

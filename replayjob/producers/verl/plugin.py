@@ -7,7 +7,7 @@ the model config, the first thing ``ActorRolloutRefWorker.init_model`` does.  Im
 :func:`replayjob.producers.verl.producer.capture_actor_steps` instruments it::
 
     python -m verl.trainer.main_ppo ... \\
-        actor_rollout_ref.model.external_lib=replayjob.producers.verl.hook \\
+        actor_rollout_ref.model.external_lib=replayjob.producers.verl.plugin \\
         +ray_kwargs.ray_init.runtime_env.env_vars.REPLAYJOB_VERL_CAPTURE_DIR=/abs/runs/cap \\
         +ray_kwargs.ray_init.runtime_env.env_vars.REPLAYJOB_VERL_CAPTURE_STEPS='3'
 
