@@ -55,3 +55,37 @@ def test_reference_cli(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in ([], ["config"], ["spec", "budgets"]):
         assert reference_main(argv) == 2
         assert capsys.readouterr().err.startswith("usage:")
+
+
+def test_the_readme_file_tree_lists_every_module() -> None:
+    """The README's tree of replayjob/ names every module where it lies (a folder listed without its files, the
+    deprecated import paths, stands for all of them) and names no module that is gone."""
+    import re
+
+    repo = Path(__file__).resolve().parents[1]
+    lines = (repo / "README.md").read_text(encoding="utf-8").split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith("replayjob/ "))
+    stack: list[str] = []
+    files: set[str] = set()
+    folders: dict[str, int] = {}
+    for line in lines[start + 1:]:
+        if not line.startswith("  "):
+            break
+        m = re.match(r"^( +)(\S+)", line)
+        if m is None or m.group(2).startswith("#"):
+            continue
+        depth, name = len(m.group(1)) // 2, m.group(2)
+        stack = stack[:depth - 1]
+        path = "/".join(["replayjob", *stack, name.rstrip("/")])
+        if name.endswith("/"):
+            stack.append(name.rstrip("/"))
+            folders[path] = 0
+        else:
+            files.add(path)
+            for k in range(1, len(stack) + 1):
+                folders["/".join(["replayjob", *stack[:k]])] = folders.get("/".join(["replayjob", *stack[:k]]), 0) + 1
+    whole = {f for f, n in folders.items() if n == 0}  # a folder listed without its files stands for all of them
+    modules = {p.relative_to(repo).as_posix() for p in (repo / "replayjob").rglob("*.py") if p.name != "__init__.py"}
+    missing = sorted(m for m in modules - files if not any(m.startswith(f + "/") for f in whole))
+    gone = sorted(f for f in files if f.endswith(".py") and not (repo / f).is_file())
+    assert (missing, gone) == ([], []), "README 'File tree': add the missing modules, remove the gone ones"
