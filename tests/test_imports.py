@@ -142,3 +142,20 @@ def test_the_public_api_is_at_the_package_top_and_imports_nothing_heavy() -> Non
             "try:\n    replayjob.nothing_here\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit(1)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("old", "name"), [("capture", "StepCapture"), ("torch_loop", "optimizer_step"),
+                                           ("trl", "capture_optimizer_batch"), ("verl", "capture_actor_steps")])
+def test_a_moved_public_module_keeps_its_old_path_with_a_deprecation_warning(old: str, name: str) -> None:
+    """The documented import paths of the release before the producers moved still give the same objects, and
+    say where they went (a DeprecationWarning naming the new module); importing them imports no framework."""
+    code = ("import sys, warnings\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            f"    from replayjob.integrations.{old} import {name} as moved\n"
+            f"from replayjob import {name} as public\n"
+            "assert moved is public, (moved, public)\n"
+            "assert any(w.category is DeprecationWarning and 'replayjob.producers' in str(w.message) for w in seen)\n"
+            "assert not [m for m in ('trl', 'verl', 'transformers') if m in sys.modules]\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
