@@ -276,3 +276,61 @@ def test_a_multi_rank_writer_needs_the_run_s_id(tmp_path: Path, monkeypatch: pyt
     for env in ({}, {"TORCHELASTIC_RUN_ID": "none"}):  # torchrun's default rendezvous id names no run
         with pytest.raises(ConfigError, match="no run id is shared by every rank"):
             shared_run_id(env)
+
+
+# --------------------------------------------------------- every document read through its declaration
+def _complete_of_another_format(p: Path) -> None:
+    c = json.loads((p / fmt.COMPLETE).read_text())
+    (p / fmt.COMPLETE).write_bytes(pretty_bytes({**c, "format": "other.bundle"}))
+
+
+def _producer_flag(m: dict[str, Any]) -> None:
+    m["producer"]["trusted"] = True  # a bool is no string and no number
+
+
+def _hash_dropped(m: dict[str, Any]) -> None:
+    del m["index"]["samples"][2]["prompt_sha256"]  # the policy hashes prompts: every sample records the digest
+
+
+def _expected_loss_absent_from_raw(m: dict[str, Any]) -> None:
+    m["expected"]["reward.raw"]["raw"] = m["expected"]["reward.raw"]["raw"][:-1]  # one number short
+
+
+@pytest.mark.parametrize(("edit", "needles"), [
+    pytest.param(_complete_of_another_format, ("COMPLETE", "field `format`"), id="complete-format"),
+    pytest.param(lambda p: _forge(p, _producer_flag), ("field `producer.trusted`",), id="producer-bool"),
+    pytest.param(lambda p: _forge(p, _hash_dropped), ("index.samples[2]", "redaction policy 'hash'"),
+                 id="sample-text-against-policy"),
+    pytest.param(lambda p: _forge(p, _expected_loss_absent_from_raw), ("expected.reward.raw.raw", "8 numbers"),
+                 id="expected-length"),
+])
+def test_a_bundle_s_documents_are_read_through_their_declarations(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: Callable[[Path], None],
+        needles: tuple[str, ...]) -> None:
+    p = write_rollout(tmp_path / "b")
+    edit(p)
+    _refused_by_both(capsys, p, *needles)
+
+
+def _rank_as_bool(root: Path) -> None:
+    rec = json.loads((root / "COMPLETE.1").read_text())
+    (root / "COMPLETE.1").write_bytes(pretty_bytes({**rec, "rank": True}))  # True == 1, but no rank
+
+
+def _root_rank_as_float(root: Path) -> None:
+    doc = json.loads((root / fmt.COMPLETE).read_text())
+    (root / fmt.COMPLETE).write_bytes(pretty_bytes({**doc, "ranks": [0, 1.0]}))
+
+
+@pytest.mark.parametrize(("tamper", "needles"), [
+    (_rank_as_bool, ("COMPLETE.1", "field `rank`: expected `int`, got `bool`")),
+    (_root_rank_as_float, ("field `ranks[1]`: expected `int`, got `float`",)),
+])
+def test_landing_records_are_read_through_their_declarations(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            tamper: Callable[[Path], None],
+                                                            needles: tuple[str, ...]) -> None:
+    root = tmp_path / "mr"
+    for r in (0, 1):
+        write_rollout(root, rank=r, ranks=[0, 1], groups=4, run_id="run-a")
+    tamper(root)
+    _refused_by_both(capsys, root, *needles)

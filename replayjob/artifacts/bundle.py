@@ -22,6 +22,7 @@ never as a document of this one.
 from __future__ import annotations
 
 import re
+from operator import attrgetter
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -378,18 +379,18 @@ class BundleManifest(Document, frozen=True):
             raise ValueError("`index.identity.physical` disagrees with manifest multi_rank")
         if mr is None and phys.world_size != 1:
             raise ValueError("`index.identity.physical.world_size` > 1 needs a multi-rank bundle layout")
-        red = self.redaction
-        for i, s in enumerate(ix.samples):
-            for field in TEXT_FIELDS:
-                policy: str = getattr(red, field)
-                digest, prefix = getattr(s, f"{field}_sha256"), getattr(s, f"{field}_prefix")
-                if (digest is not msgspec.UNSET) != (policy == "hash") or (
-                        (prefix is not msgspec.UNSET) != policy.startswith("truncate:")):
+        for field in TEXT_FIELDS:  # one pass per text field: the samples' keys against the policy
+            policy: str = getattr(self.redaction, field)
+            hashed, limit = policy == "hash", int(policy.split(":")[1]) if policy.startswith("truncate:") else None
+            digests, prefixes = map(attrgetter(f"{field}_sha256"), ix.samples), map(attrgetter(f"{field}_prefix"),
+                                                                                       ix.samples)
+            for i, (digest, prefix) in enumerate(zip(digests, prefixes, strict=True)):
+                if (digest is not msgspec.UNSET) != hashed or (prefix is not msgspec.UNSET) != (limit is not None):
                     raise ValueError(f"`index.samples[{i}]`: {field} text does not follow the redaction policy "
                                      f"{policy!r}")
-                if prefix is not msgspec.UNSET and len(prefix) > int(policy.split(":")[1]):
-                    raise ValueError(f"`index.samples[{i}].{field}_prefix` is longer than the policy's "
-                                     f"{policy.split(':')[1]} characters")
+                if limit is not None and len(prefix) > limit:
+                    raise ValueError(f"`index.samples[{i}].{field}_prefix` is longer than the policy's {limit} "
+                                     "characters")
 
     def _check_expected(self) -> None:
         n = len(self.index.samples)
