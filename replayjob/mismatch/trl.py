@@ -32,14 +32,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from replayjob.artifacts.capture_manifest import PinnedManifest
-from replayjob.artifacts.mismatch_bound import Bound, read_bound
 from replayjob.errors import UsageError
+from replayjob.mismatch import admitted
 from replayjob.mismatch.builtin import routing_pass
 from replayjob.mismatch.report import Report, build
 from replayjob.mismatch.views import Collector, Side, Source, Views
 from replayjob.model import moe
 from replayjob.producers import producer_module
-from replayjob.producers.api import admission
 from replayjob.producers.api import microbatch as _microbatch
 from replayjob.producers.api.replay import load_state
 from replayjob.rl.logprobs import logprobs_of, truncate
@@ -62,16 +61,11 @@ DESCRIPTIONS = {
 def check(config: Path, overrides: list[str], bound: str | Path | None, allow_lag: bool,
           manifest: PinnedManifest | None = None) -> Report:
     """``replayjob mismatch`` for an integration replay config (see the module docstring)."""
-    icfg = admission.load(config, overrides)
-    declared: Bound | None = (read_bound(bound, icfg.optimizer_batch.mismatch_bound_sha256)
-                              if bound is not None else None)
-    adm = admission.admit(icfg, manifest=manifest)
-    adm.raise_if_refused()
+    adm, declared = admitted.admit(config, overrides, bound, manifest, "trl",
+                                   "a {framework!r} capture records no sampler or old logprobs replayjob can name",
+                                   hint="replayjob mismatch reads replayjob's own captures, TRL's and verl's")
     m = adm.manifest
     assert m is not None and adm.micro_batches is not None and adm.resolved is not None
-    if m.framework != "trl":
-        raise UsageError(f"a {m.framework!r} capture records no sampler or old logprobs replayjob can name",
-                         where=str(config), hint="replayjob mismatch reads replayjob's own captures and TRL's")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="replayjob-mismatch-") as tmp:
         determinism.establish(strict=False, seed=None)

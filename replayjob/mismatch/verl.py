@@ -30,12 +30,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from replayjob.artifacts.capture_manifest import PinnedManifest
-from replayjob.artifacts.mismatch_bound import Bound, read_bound
 from replayjob.errors import UsageError
+from replayjob.mismatch import admitted
 from replayjob.mismatch.report import Report, build
 from replayjob.mismatch.views import Collector, Side, Source, Views
 from replayjob.producers import producer_module
-from replayjob.producers.api import admission
 from replayjob.producers.api import microbatch as _microbatch
 from replayjob.producers.verl.producer import decode_batch
 from replayjob.runtime import determinism
@@ -63,15 +62,10 @@ METRIC_PAIRS = {"rollout_log_probs vs old_log_probs": "old_log_probs",
 def check(config: Path, overrides: list[str], bound: str | Path | None, allow_lag: bool,
           manifest: PinnedManifest | None = None) -> Report:
     """``replayjob mismatch`` for a verl capture's replay config (see the module docstring)."""
-    icfg = admission.load(config, overrides)
-    declared: Bound | None = (read_bound(bound, icfg.optimizer_batch.mismatch_bound_sha256)
-                              if bound is not None else None)
-    adm = admission.admit(icfg, manifest=manifest)
-    adm.raise_if_refused()
+    adm, declared = admitted.admit(config, overrides, bound, manifest, FRAMEWORK,
+                                   "a {framework!r} capture is not a verl capture")
     m = adm.manifest
     assert m is not None and adm.micro_batches is not None and adm.resolved is not None
-    if m.framework != FRAMEWORK:
-        raise UsageError(f"a {m.framework!r} capture is not a verl capture", where=str(config))
     t0 = time.perf_counter()
     # verl prints its progress on stdout while it builds the engine: to stderr, so that --json stays one document
     with tempfile.TemporaryDirectory(prefix="replayjob-mismatch-") as tmp, contextlib.redirect_stdout(sys.stderr):
