@@ -476,3 +476,15 @@ def test_an_update_bundle_claiming_2_0_is_refused(tmp_path: Path, capsys: pytest
     assert rc == 2 and "update bundles need format_version 2.1.0 or later; this manifest says '2.0.0'" in out, out
     rc, out = _cli(capsys, "bundle", "inspect", str(path))  # inspect shows it, with the version as a problem
     assert "update bundles need format_version 2.1.0" in out, out
+
+
+def test_inspect_shows_what_the_declaration_refuses(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """inspect never refuses, but it names what validate would refuse the manifest for (read the same way)."""
+    assert inspect_path(bundle)["problems"] == []
+    _rewrite(bundle, lambda m: m["index"]["samples"][0].update(prompt_length=-1))
+    assert inspect_path(bundle)["problems"] == [
+        "manifest.json: field `index.samples[0].prompt_length`: expected `int` >= 0"]
+    rc, out = _cli(capsys, "bundle", "validate", str(bundle))
+    assert rc == 2 and "field `index.samples[0].prompt_length`: expected `int` >= 0" in out, out
+    rc, out = _cli(capsys, "bundle", "inspect", str(bundle))
+    assert rc == 0 and "prompt_length" in out, out

@@ -13,6 +13,7 @@ from typing import Any
 
 from replayjob.bundle import format as fmt
 from replayjob.bundle.reader import is_bundle, is_multi_rank_root
+from replayjob.bundle.schema import decode_manifest
 from replayjob.errors import IntegrityError, ReplayjobError
 from replayjob.jsonio import read_json_object
 
@@ -43,6 +44,11 @@ def _single(p: Path) -> dict[str, Any]:
         problems.append(kind_problem)
     elif m and not ix:
         problems.append("the manifest has no index section")
+    elif m:
+        try:  # what validate would refuse the manifest for, shown rather than refused
+            decode_manifest(m, p / fmt.MANIFEST)
+        except ReplayjobError as exc:
+            problems.append(f"{fmt.MANIFEST}: {exc.message}")
     out.update(bundle_id=m.get("bundle_id"), kind=m.get("kind"), format_version=m.get("format_version"),
                producer=m.get("producer"), redaction=m.get("redaction"), multi_rank=m.get("multi_rank"))
     stages: dict[str, Any] = m["stages"] if isinstance(m.get("stages"), dict) else {}
