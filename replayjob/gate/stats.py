@@ -76,22 +76,28 @@ def _draw_counts(np: Any, idx: Any) -> Any:
     return np.ascontiguousarray(counts.T)
 
 
-def _counted_medians(np: Any, values: Any, counts: Any) -> Any:
+def _counted_medians(np: Any, values: Any, counts: Any, work: tuple[Any, Any] | None = None) -> Any:
     """Median of each resample from its draw counts (:func:`_draw_counts`): with the counts accumulated in
     ``values``' sorted order, the value at 0-based position ``k`` of a resample is the sorted value at the
-    number of positions whose running count is still ``<= k``."""
+    number of positions whose running count is still ``<= k``.  ``work``: two arrays of ``counts``' shape (its
+    type and bool) reused by every metric of an arm, so no metric allocates (and faults in) arrays of its own."""
     n = values.shape[0]
     order = np.argsort(values, kind="stable")
     ranked = values[order]
-    running = counts[order]  # a copy: rows in sorted order, accumulated in place below
+    running, below = work if work is not None else (np.empty_like(counts), np.empty(counts.shape, dtype=bool))
+    np.take(counts, order, axis=0, out=running)  # rows in sorted order, accumulated in place below
     for j in range(1, n):  # row by row: each step one vector add across every resample
         np.add(running[j - 1], running[j], out=running[j])
     mid = n // 2
-    upper = ranked[np.count_nonzero(running <= mid, axis=0)]
+    upper = ranked[np.count_nonzero(np.less_equal(running, mid, out=below), axis=0)]
     if n % 2:
         return upper
-    lower = ranked[np.count_nonzero(running <= mid - 1, axis=0)]
+    lower = ranked[np.count_nonzero(np.less_equal(running, mid - 1, out=below), axis=0)]
     return (lower + upper) / 2.0
+
+
+def _work(np: Any, counts: Any) -> tuple[Any, Any]:
+    return np.empty_like(counts), np.empty(counts.shape, dtype=bool)
 
 
 def _signed_zero(np: Any, values: Any) -> bool:
@@ -131,6 +137,8 @@ def bootstrap_ratios(numerator: dict[str, Sequence[float]], denominator: dict[st
     alpha = (1.0 - confidence) / 2.0
     num_counts: Any = None  # draw counts per arm, counted once on first use and shared by every metric
     den_counts: Any = None
+    num_work: Any = None  # and the arrays every metric of the arm works in
+    den_work: Any = None
     out: dict[str, dict[str, Any]] = {}
     for key in numerator:
         num = np.asarray(numerator[key], dtype=np.float64)
@@ -152,16 +160,20 @@ def bootstrap_ratios(numerator: dict[str, Sequence[float]], denominator: dict[st
         if _signed_zero(np, den):
             den_med = _resampled_medians(np, den, den_idx)
         else:
-            den_counts = _draw_counts(np, den_idx) if den_counts is None else den_counts
-            den_med = _counted_medians(np, den, den_counts)
+            if den_counts is None:
+                den_counts = _draw_counts(np, den_idx)
+                den_work = _work(np, den_counts)
+            den_med = _counted_medians(np, den, den_counts, den_work)
         if bool(np.any(den_med == 0.0)):
             res["note"] = "a bootstrap resample of the baseline has median zero; interval undefined"
             continue
         if _signed_zero(np, num):
             num_med = _resampled_medians(np, num, num_idx)
         else:
-            num_counts = _draw_counts(np, num_idx) if num_counts is None else num_counts
-            num_med = _counted_medians(np, num, num_counts)
+            if num_counts is None:
+                num_counts = _draw_counts(np, num_idx)
+                num_work = _work(np, num_counts)
+            num_med = _counted_medians(np, num, num_counts, num_work)
         low, high = (float(x) for x in np.quantile(num_med / den_med, [alpha, 1.0 - alpha]))  # type 7
         if not (math.isfinite(low) and math.isfinite(high)):
             res["note"] = "the interval is not finite (overflow); undefined"
