@@ -654,7 +654,16 @@ def trl_moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     Qwen3MoeForCausalLM(cfg).save_pretrained(d / "moe")
     AutoTokenizer.from_pretrained(dense).save_pretrained(d / "moe")
     grpo(d / "moe", d / "cap", capture_step=0, lora_dropout=0.0, max_steps=1)
-    return {"dir": d, "cap": d / "cap"}
+    free, table = trl_replay(d / "cap", d / "free")  # the reference replay: routing free, recorded
+    return {"dir": d, "cap": d / "cap", "free": free, "table": table,
+            "routing_file": d / "free" / free["routing"]["path"], "routing_sha": free["routing"]["sha256"]}
+
+
+def trl_replay(cap: Path, out: Path, *extra: str) -> tuple[dict[str, Any], moe.RoutingTable]:
+    """A replay of the TRL capture ``cap`` into ``out``: its replay_metrics.json and the routing it pinned."""
+    assert main(["replay", str(cap / "replay.toml"), "--out", str(out), *extra]) == 0
+    r = metrics(out)
+    return r, moe.read_table(out / r["routing"]["path"], r["routing"]["sha256"])
 
 
 @pytest.mark.slow
@@ -665,21 +674,84 @@ def test_a_trl_capture_of_a_moe_model_replays_bitwise_with_routing_observed(trl_
     flips tokens against it."""
     cap = trl_moe["cap"]
     source = metrics(cap, "metrics.json")
-
-    def replay(name: str) -> tuple[dict[str, Any], moe.RoutingTable]:
-        assert main(["replay", str(cap / "replay.toml"), "--out", str(tmp_path / name)]) == 0
-        r = metrics(tmp_path / name)
-        return r, moe.read_table(tmp_path / name / r["routing"]["path"], r["routing"]["sha256"])
-
-    r, table = replay("free")
+    r, table = trl_moe["free"], trl_moe["table"]
     assert r["optimizer_batch/final_adapter_sha256"] == source["optimizer_batch/final_adapter_sha256"]
     assert r["loss"] == source["loss"]
     assert table.row_tokens.numel() == 8 and bool((table.row_tokens > 0).all()) and table.mode == "free"
     assert table.top_k == 2 and table.num_experts == 4 and len(table.layers) == 2
     assert table.identity["logical_batch_sha256"] == source["optimizer/logical_batch_sha256"]
     monkeypatch.setenv(moe.FAULT_ENV, "5e-2")
-    _, flipped = replay("perturbed")
+    _, flipped = trl_replay(cap, tmp_path / "perturbed")
     assert flipped.fault == repr(5e-2) and moe.compare(table, flipped)["flipped"] > 0
+
+
+@pytest.mark.slow
+def test_a_trl_replay_forces_a_reference_replays_routing(trl_moe: dict[str, Any], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """model.routing = "forced" in a TRL replay, forcing the routing the free reference replay recorded: the same
+    condition is bitwise the free replay and the source's update (the runtime says forced, no token differs from the
+    router's own choice); under the test-only router fault the free replay flips tokens and moves the update, while
+    the forced one keeps the reference experts, marks exactly the flipped tokens of the first router as forced and
+    is bitwise the source's update again."""
+    cap, ref = trl_moe["cap"], trl_moe["table"]
+    source = metrics(cap, "metrics.json")
+    want = source["optimizer_batch/final_adapter_sha256"]
+    pin = forced(trl_moe["routing_file"], trl_moe["routing_sha"])
+    r, table = trl_replay(cap, tmp_path / "forced", *pin)
+    assert r["optimizer_batch/final_adapter_sha256"] == want == trl_moe["free"]["optimizer_batch/final_adapter_sha256"]
+    assert r["loss"] == source["loss"] == trl_moe["free"]["loss"]
+    assert (r["runtime"]["model.routing"], trl_moe["free"]["runtime"]["model.routing"]) == ("forced", "free")
+    assert table.mode == "forced" and moe.compare(ref, table)["identical"]
+    assert not any(bool(lay.forced.any()) for lay in table.layers)
+    monkeypatch.setenv(moe.FAULT_ENV, "5e-2")
+    pr, perturbed = trl_replay(cap, tmp_path / "perturbed")
+    fr, held = trl_replay(cap, tmp_path / "perturbed_forced", *pin)
+    assert moe.compare(ref, perturbed)["flipped"] > 0 and pr["optimizer_batch/final_adapter_sha256"] != want
+    assert fr["optimizer_batch/final_adapter_sha256"] == want and fr["loss"] == source["loss"]
+    assert moe.compare(ref, held)["flipped"] == 0 and held.fault == repr(5e-2)
+    flipped0 = (ref.layers[0].expert_sets() != perturbed.layers[0].expert_sets()).any(dim=-1)
+    assert bool(flipped0.any()) and torch.equal(held.layers[0].forced, flipped0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["missing", "tampered", "fewer tokens", "another model"])
+def test_trl_explain_checks_the_forced_routing_file_before_any_model(case: str, trl_moe: dict[str, Any],
+                                                                     tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TRL replay's forced routing file that is missing, not the pinned bytes, or of another shape than the captured
+    rows' real tokens or the base model's routers (its config.json) is refused by explain (exit 2, the reason, no
+    traceback) with no model built."""
+    import transformers
+
+    def no_model(*_a: Any, **_k: Any) -> Any:
+        raise AssertionError("a model was built")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    cfg = str(trl_moe["cap"] / "replay.toml")
+    t, sha = trl_moe["table"], trl_moe["routing_sha"]
+    capsys.readouterr()
+    assert main(["explain", cfg, *forced(trl_moe["routing_file"], sha)]) == 0
+    path = tmp_path / "routing.safetensors"
+    if case == "tampered":
+        data = bytearray(trl_moe["routing_file"].read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+    elif case == "fewer tokens":  # the last row one token short: a consistent file, pinned, of other rows
+        rt = t.row_tokens.clone()
+        rt[-1] -= 1
+        short = [moe.LayerRouting(lay.name, lay.experts[:-1], lay.weights[:-1], lay.margin[:-1], lay.forced[:-1])
+                 for lay in t.layers]
+        sha = moe.write_table(path, dataclasses.replace(t, row_tokens=rt, layers=short))
+    elif case == "another model":  # a third router
+        sha = moe.write_table(path, dataclasses.replace(t, layers=[*t.layers, dataclasses.replace(t.layers[1],
+                                                                                                   name="extra")]))
+    capsys.readouterr()
+    rc = main(["explain", cfg, *forced(path, sha)])
+    err = capsys.readouterr()
+    assert rc == 2 and "Traceback" not in err.err
+    text = err.out + err.err
+    assert {"missing": "no routing file here", "tampered": "SHA-256",
+            "fewer tokens": f"holds 8 rows of {t.tokens - 1} tokens that are not",
+            "another model": "routes 3 layers top-2 of 4 experts; this model has 2 MoE layers"}[case] in text
 
 
 @pytest.mark.slow
@@ -709,3 +781,22 @@ def test_trl_mismatch_attributes_routing_flips(trl_moe: dict[str, Any], capsys: 
     assert 0 < r["flipped"] <= 10 and r["mass_downstream"] > 0.99 and r["flips"]
     f = r["flips"][0]
     assert sorted(f["experts_trainer"]) != sorted(f["experts_sampler"]) and f["margin_trainer"] < 2 * 3e-3
+
+
+def test_the_routers_a_config_builds_are_counted_as_transformers_builds_them() -> None:
+    """config_routers (the forced file's shape check of a base model directory) against the models transformers
+    builds from each config: MoE layers, top-k and experts, whichever key the expert count is saved under."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2Config, Qwen3MoeConfig
+
+    small = dict(vocab_size=16, hidden_size=8, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
+                 max_position_embeddings=16)
+    configs = [Qwen3MoeConfig(**small, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, head_dim=4,
+                              moe_intermediate_size=8, decoder_sparse_step=2, mlp_only_layers=[3]),
+               MixtralConfig(**small, num_hidden_layers=2, num_local_experts=3, num_experts_per_tok=2, head_dim=4),
+               OlmoeConfig(**small, num_hidden_layers=2, num_experts=5, num_experts_per_tok=3)]
+    for c in configs:
+        found = moe.routers(AutoModelForCausalLM.from_config(c))
+        want = (len(found), int(found[0][1].top_k), int(found[0][1].num_experts))
+        assert moe.config_routers(json.loads(c.to_json_string())) == want, type(c).__name__
+    assert moe.config_routers(configs[0].to_dict())[0] == 1  # layer 1 only: layer 3 is dense by mlp_only_layers
+    assert moe.config_routers(json.loads(Qwen2Config(**small, num_hidden_layers=2).to_json_string())) is None

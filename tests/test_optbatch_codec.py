@@ -525,7 +525,8 @@ def test_knobs_belong_to_their_producers_and_each_is_observed() -> None:
     assert set(knobs.knobs_for("trl")) == {"trl.gradient_checkpointing", "model.attn_implementation",
                                            "trl.gradient_checkpointing_kwargs.use_reentrant",
                                            "trl.per_device_train_batch_size", "distributed.num_processes",
-                                           "trl.gradient_accumulation_steps", "trl.steps_per_generation"}
+                                           "trl.gradient_accumulation_steps", "trl.steps_per_generation",
+                                           "model.routing"}  # an MoE model's forced routing (docs/moe.md)
     assert knobs.knobs_for("torch") == {}  # a plain loop's whole config is its contract
     from replayjob.producers import BUILTIN, EXTERNAL, PRODUCERS
 
@@ -549,7 +550,8 @@ def test_trl_knobs_are_read_from_the_checkpoint_function_in_effect() -> None:
     assert off == {"trl.gradient_checkpointing": False, "trl.gradient_checkpointing_kwargs.use_reentrant": None,
                    "model.attn_implementation": "sdpa", "trl.per_device_train_batch_size": 2,
                    "distributed.num_processes": None, "trl.gradient_accumulation_steps": None,
-                   "trl.steps_per_generation": None}  # no trainer: not observed
+                   "trl.steps_per_generation": None,  # no trainer: not observed
+                   "model.routing": "free"}  # no router: nothing is forced
     for layer in model:  # as activation_checkpointing_enable installs it
         layer.gradient_checkpointing = True  # type: ignore[assignment]
         layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=True)  # type: ignore[assignment]

@@ -245,7 +245,8 @@ def test_reduce_gates_pass_over_fresh_replays(trl_capture: dict[str, Any], tmp_p
     assert gc["runtime"] == {"trl.gradient_checkpointing": True, "model.attn_implementation": attn,
                              "trl.gradient_checkpointing_kwargs.use_reentrant": False,
                              "trl.per_device_train_batch_size": 4, "distributed.num_processes": 1,
-                             "trl.gradient_accumulation_steps": 2, "trl.steps_per_generation": 2}
+                             "trl.gradient_accumulation_steps": 2, "trl.steps_per_generation": 2,
+                             "model.routing": "free"}  # a dense model routes nothing
     base = _metrics(reps / "baseline" / "repeat-000", "replay_metrics.json")
     assert base["runtime"]["trl.gradient_checkpointing"] is False
     assert base["runtime"]["trl.gradient_checkpointing_kwargs.use_reentrant"] is None  # no checkpoint function

@@ -279,17 +279,28 @@ def compare(a: RoutingTable, b: RoutingTable) -> dict[str, Any]:
 
 def forced_file_reasons(cfg: Config, logical_sha256: str | None, row_tokens: list[int] | None,
                         rows: int | None, tokens: int | None) -> list[str]:
-    """Why a replay's forced routing file cannot be used, checked before any model is built (``explain`` and a
-    replay's admission): both settings given, the file present and pinned (its SHA-256), its rows recorded on the
-    replay's logical batch, its shape that of the captured rows (``row_tokens`` per row when the rows are held,
-    else the ``rows`` and ``tokens`` counts) and, for the built-in MoE model, of its routers (one per decoder
-    layer, top-``num_experts_per_tok`` of ``num_experts``).  Empty: admitted (or the routing is free)."""
+    """Why a built-in replay's forced routing file cannot be used, checked before any model is built (``explain`` and
+    a replay's admission): :func:`file_reasons`, with, for the built-in MoE model, its routers (one per decoder layer,
+    top-``num_experts_per_tok`` of ``num_experts``).  Empty: admitted (or the routing is free)."""
     if cfg.model.routing != "forced":
         return []
-    ob = cfg.optimizer_batch
+    mc = cfg.model
+    shape = (mc.num_layers, mc.num_experts_per_tok, mc.num_experts) if not mc.path and mc.architecture == "qwen3_moe" \
+        else None
+    return file_reasons(cfg.optimizer_batch, logical_sha256, row_tokens, rows, tokens, shape)
+
+
+def file_reasons(ob: Any, logical_sha256: str | None, row_tokens: list[int] | None, rows: int | None,
+                 tokens: int | None, shape: tuple[int, int, int] | None) -> list[str]:
+    """Why a forced routing file cannot be used (any producer's replay under ``model.routing = "forced"``; ``ob``: its
+    ``[optimizer_batch]``): both settings given, the file present and pinned (its SHA-256), its rows recorded on the
+    replay's logical batch, its shape that of the captured rows (``row_tokens`` per row when the rows are held, else
+    the ``rows`` and ``tokens`` counts) and, when ``shape`` is known, of the model's routers (MoE layers, top-k,
+    experts).  Empty: admitted."""
     if not ob.routing_path or not ob.routing_sha256:
-        return ["model.routing = 'forced' needs optimizer_batch.routing_path and its routing_sha256 (the source "
-                "run's routing_step_<K>.safetensors and its pin from metrics.json)"]
+        return ["model.routing = 'forced' needs optimizer_batch.routing_path and its routing_sha256 (a routing file "
+                "recorded on this capture: the source run's routing_step_<K>.safetensors or a replay's "
+                "routing.safetensors, and its pin from metrics.json or replay_metrics.json)"]
     try:
         table = read_table(ob.routing_path, normalize_digest(ob.routing_sha256, what="optimizer_batch.routing_sha256"),
                            follow_symlinks=True)
@@ -307,13 +318,54 @@ def forced_file_reasons(cfg: Config, logical_sha256: str | None, row_tokens: lis
     elif row_tokens is None and rows is not None and tokens is not None and (len(have), sum(have)) != (rows, tokens):
         out.append(f"the forced routing file {ob.routing_path} holds {len(have)} rows of {sum(have)} tokens, the "
                    f"capture {rows} rows of {tokens} tokens")
-    mc = cfg.model
-    if not mc.path and mc.architecture == "qwen3_moe" and (len(table.layers), table.top_k, table.num_experts) != (
-            mc.num_layers, mc.num_experts_per_tok, mc.num_experts):
+    if shape is not None and (len(table.layers), table.top_k, table.num_experts) != shape:
         out.append(f"the forced routing file {ob.routing_path} routes {len(table.layers)} layers top-{table.top_k} "
-                   f"of {table.num_experts} experts; this model has {mc.num_layers} MoE layers, top-"
-                   f"{mc.num_experts_per_tok} of {mc.num_experts}")
+                   f"of {table.num_experts} experts; this model has {shape[0]} MoE layers, top-{shape[1]} of "
+                   f"{shape[2]}")
     return out
+
+
+# the model types whose routers config_routers counts (their expert count is saved as num_experts or
+# num_local_experts, depending on the transformers version)
+_CONFIG_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+
+
+def config_routers(doc: dict[str, Any]) -> tuple[int, int, int] | None:
+    """The routers a transformers MoE model's ``config.json`` builds: (MoE layers, top-k, experts), for the model
+    types whose routing can be forced (Qwen3-MoE and Qwen2-MoE: the layers not in ``mlp_only_layers`` whose index + 1
+    is a multiple of ``decoder_sparse_step``; OLMoE, Mixtral: every layer); ``None`` for any other config."""
+    def count(key: str) -> int | None:
+        v = doc.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    n, k = count("num_hidden_layers"), count("num_experts_per_tok")
+    e = count("num_experts") if count("num_experts") is not None else count("num_local_experts")
+    if doc.get("model_type") not in _CONFIG_TYPES or n is None or k is None or e is None:
+        return None
+    if doc.get("model_type") in ("qwen3_moe", "qwen2_moe"):
+        step, dense = doc.get("decoder_sparse_step", 1), doc.get("mlp_only_layers") or []
+        if not isinstance(step, int) or step < 1 or not isinstance(dense, list):
+            return None
+        n = sum(1 for i in range(n) if i not in dense and e > 0 and (i + 1) % step == 0)
+    return n, k, e
+
+
+def forced_table(ob: Any, logical_sha256: str | None) -> RoutingTable:
+    """The routing a replay forces (``ob``: its ``[optimizer_batch]``): ``routing_path`` read and verified against
+    ``routing_sha256`` (both required) and recorded on the replay's logical batch (``logical_sha256``, when given)."""
+    if not ob.routing_path or not ob.routing_sha256:
+        raise ConfigError("model.routing = 'forced' needs optimizer_batch.routing_path and its routing_sha256",
+                          where="optimizer_batch.routing_path",
+                          hint="point it at a routing file recorded on this capture (the source run's "
+                               "routing_step_<K>.safetensors or a replay's routing.safetensors) with its pin")
+    table = read_table(ob.routing_path, normalize_digest(ob.routing_sha256, what="optimizer_batch.routing_sha256"),
+                       follow_symlinks=True)
+    recorded = table.identity.get("logical_batch_sha256")
+    if logical_sha256 and recorded != logical_sha256:
+        raise ContractError(f"the routing file was recorded on logical batch {recorded}, this replay pins "
+                            f"{logical_sha256}", where=ob.routing_path,
+                            hint="force routing recorded on this capture's rows")
+    return table
 
 
 def block_of(router_name: str) -> str:
@@ -556,21 +608,30 @@ def attached(model: Any) -> Routing | None:
         return None
 
 
-def observe(model: Any) -> Routing | None:
+def observe(model: Any, forced: RoutingTable | None = None) -> Routing | None:
     """The routing observer of any built model with routers (an external trainer's replay, TRL's): the one
-    already attached, else a new one routing freely (the test-only fault honoured); ``None``: no router."""
+    already attached, else a new one routing freely (the test-only fault honoured), or forcing ``forced``'s experts
+    (``model.routing = "forced"`` in an external trainer's replay); ``None``: no router."""
     got = attached(model)
     if got is not None:
+        if forced is not None and got.table is not forced:
+            raise ContractError("this model's routers are attached already; forcing needs a freshly built model",
+                                where="model.routing", hint="build the model again for a forced replay")
         return got
     found = routers(model)
     if not found:
+        if forced is not None:
+            raise ConfigError("model.routing = 'forced' needs a mixture-of-experts model; this one has no router",
+                              where="model.routing", hint="leave routing free for a dense model")
         return None
     fault = _fault()
     unknown = sorted({type(m).__name__ for _, m in found} - set(_FORCEABLE))
-    if fault is not None and unknown:
-        raise ConfigError(f"routing of {unknown[0]} cannot be perturbed (known routers: "
-                          f"{', '.join(sorted(_FORCEABLE))})", where=FAULT_ENV, hint="unset it")
-    routing = _ATTACHED[model] = Routing(model, found, "free", None, fault)
+    if (fault is not None or forced is not None) and unknown:
+        where = "model.routing" if forced is not None else FAULT_ENV
+        raise ConfigError(f"routing of {unknown[0]} cannot be {'forced' if forced is not None else 'perturbed'} "
+                          f"(known routers: {', '.join(sorted(_FORCEABLE))})", where=where,
+                          hint="leave routing free" if forced is not None else "unset it")
+    routing = _ATTACHED[model] = Routing(model, found, "free" if forced is None else "forced", forced, fault)
     return routing
 
 
@@ -610,21 +671,9 @@ def attach(model: torch.nn.Module, cfg: Config) -> Routing | None:
                           where="model.routing", hint="leave model.routing = 'free'")
     table = None
     if mode == "forced":
-        ob = cfg.optimizer_batch
         if cfg.training.trainer != "optimizer_replay":
             raise ConfigError("forced routing applies to replays; a source run routes freely", where="model.routing",
                               hint="set model.routing = 'free' in the source config")
-        if not ob.routing_path or not ob.routing_sha256:
-            raise ConfigError("model.routing = 'forced' needs optimizer_batch.routing_path and its routing_sha256",
-                              where="optimizer_batch.routing_path",
-                              hint="point it at the source run's routing_step_<K>.safetensors with its pin from "
-                                   "metrics.json")
-        table = read_table(ob.routing_path, normalize_digest(ob.routing_sha256, what="optimizer_batch.routing_sha256"),
-                           follow_symlinks=True)
-        pinned = ob.expected_logical_sha256.strip().lower()
-        recorded = table.identity.get("logical_batch_sha256")
-        if pinned and recorded != pinned:
-            raise ContractError(f"the routing file was recorded on logical batch {recorded}, this replay pins {pinned}",
-                                where=ob.routing_path, hint="force routing recorded on this capture's rows")
+        table = forced_table(cfg.optimizer_batch, cfg.optimizer_batch.expected_logical_sha256.strip().lower())
     routing = _ATTACHED[model] = Routing(model, found, mode, table, fault)
     return routing

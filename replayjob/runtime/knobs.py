@@ -437,13 +437,19 @@ def _observe_experts(rt: Runtime) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _predict_routing(intended: Any, rows: int, arm: Mapping[str, Any], source: Mapping[str, Any]) -> Any:
+    """A source that records no routing setting (a TRL capture: a trainer routes freely) routed ``free``."""
+    return "free" if intended is None else intended
+
+
 _MOE_KNOBS = (
     Knob(MOE_ROUTING,
-         "forcing the experts the source's own update chose (its routing_step_<K> file, pinned) selects for every "
-         "real token the experts the router's top-k selects there, with the weights gathered from the same live "
-         "softmax, so the forward and its gradient are the free forward's; only where a changed arm's router would "
-         "choose other experts (a routing flip) does forcing keep the source's choice",
-         observe=_observe_routing),
+         "forcing the experts an update of the same rows chose (the source step's routing_step_<K> file or a "
+         "same-condition replay's routing.safetensors, pinned) selects for every real token the experts the router's "
+         "top-k selects there, with the weights gathered from the same live softmax, so the forward and its gradient "
+         "are the free forward's; only where a changed arm's router would choose other experts (a routing flip) "
+         "does forcing keep the recorded choice",
+         observe=_observe_routing, predict=_predict_routing, frameworks=(BUILTIN, "trl")),
     Knob(MOE_EXPERTS_IMPLEMENTATION,
          "eager, batched_mm and grouped_mm compute the same sum over each token's top-k experts of routing weight "
          "x expert MLP; only the kernel and its summation order differ",

@@ -6,6 +6,7 @@ The replay config (the ``replay.toml`` a capture writes)::
                    entry = "pkg.mod:fn"   (framework "torch" only: the user's replay target)
     [model]        path = "/base/model"   (hashed and compared with the capture's base model)
                    attn_implementation    (optional; a registered systems-only knob)
+                   routing                (optional, "free" or "forced": an MoE model's routing, a knob of trl)
     [optimizer_batch]                     (the built-in section: replay_path, both pins, arm,
                                            allow_config_differences, tolerances_sha256)
     [<framework>]                         (optional overrides of the captured framework config)
@@ -13,7 +14,8 @@ The replay config (the ``replay.toml`` a capture writes)::
 This is the capture API's part of the one admission (:mod:`replayjob.producers.admission`, which runs the
 pins and the manifest checks for every producer): each safetensors file against the manifest's size and
 SHA-256 before deserialising, no symlink; the inputs' structure and the logical and
-effective digests recomputed from the tensors; the base model's files by SHA-256; the optimizer
+effective digests recomputed from the tensors; the base model's files by SHA-256 and a forced routing
+file (``model.routing = "forced"``: :func:`replayjob.model.moe.file_reasons`); the optimizer
 contract; and every difference between the captured config and the replay's (installed stack
 versions included) declared, present, and a registered systems-only knob, or a stack difference,
 which is admitted for the approximate claim only.  Nothing here imports a framework or builds a model.
@@ -21,6 +23,7 @@ which is admitted for the approximate claim only.  Nothing here imports a framew
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +40,8 @@ from replayjob.config.load import absolutize_paths, apply_overrides, build, read
 from replayjob.config.schema import OptimizerBatchConfig
 from replayjob.digest import sha256_json
 from replayjob.errors import ConfigError, IntegrityError, RefusedError
+from replayjob.jsonio import read_json_object
+from replayjob.model import moe
 from replayjob.producers import EXTERNAL, producer_module
 from replayjob.producers import admission as shared
 from replayjob.producers.admission import check_contract, check_differences
@@ -50,7 +55,8 @@ from replayjob.runtime.distributed import launch_env
 if TYPE_CHECKING:
     import torch
 
-MODEL_KEYS = ("path", "attn_implementation")
+MODEL_KEYS = ("path", "attn_implementation", "routing")
+ROUTINGS = ("free", "forced")
 
 
 @dataclass(frozen=True)
@@ -292,6 +298,58 @@ def _check_base_model(adm: Admission) -> None:
                                f"{(want['files'].get(n) or 'absent')[:12]})" for n in diff[:4]))
 
 
+def sequence(framework: str, inputs: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The ``input_ids`` a captured micro-batch's model receives and its token mask: the framework module's
+    ``sequence(inputs)`` where it has one (TRL: prompt and completion side by side), else the captured
+    ``input_ids`` and ``attention_mask`` (all ones without one); ``None`` where the inputs hold neither."""
+    import torch
+    own = getattr(producer_module(framework), "sequence", None)
+    if own is not None:
+        got: tuple[torch.Tensor | None, torch.Tensor | None] = own(inputs)
+        return got
+    ids, mask = inputs.get("input_ids"), inputs.get("attention_mask")
+    if ids is not None and mask is None:
+        mask = torch.ones_like(ids)
+    return ids, mask
+
+
+def _check_routing(adm: Admission) -> None:
+    """A forced routing file (``model.routing = "forced"``): present, pinned, recorded on this capture's logical batch,
+    of the captured rows' real tokens and of the base model's routers (from its ``config.json``), before any model is
+    built (:func:`replayjob.model.moe.file_reasons`, the check the built-in replay runs)."""
+    cfg, m = adm.cfg, adm.manifest
+    assert cfg is not None
+    mode = cfg.model.get("routing", "free")
+    if mode not in ROUTINGS:
+        adm.refuse(f"model.routing is {mode!r}; it takes 'free' or 'forced'")
+        return
+    if mode == "free":
+        return
+    if knobs.MOE_ROUTING not in knobs.knobs_for(cfg.framework):
+        return  # not a knob of this producer: the config comparison refuses the difference
+    if adm.processes > 1 or adm.captured_processes > 1:
+        adm.refuse("model.routing = 'forced' runs in one process on a one-process capture (over several processes no "
+                   "process holds every row); replay it with routing free")
+    per_row: list[int] | None = None
+    if adm.micro_batches is not None:
+        per_row = []
+        for mb in adm.micro_batches:
+            _, mask = sequence(cfg.framework, mb.inputs)
+            if mask is None:
+                per_row = None
+                adm.refuse("model.routing = 'forced' needs the token mask of the sequence the model receives; the "
+                           "captured inputs hold none")
+                break
+            per_row += [int(n) for n in (mask != 0).sum(dim=1).tolist()]
+    shape = None
+    with contextlib.suppress(RefusedError, OSError):  # the base model check names what is wrong with the directory
+        shape = moe.config_routers(read_json_object(Path(str(cfg.model["path"])) / "config.json",
+                                                    follow_symlinks=True))
+    logical = m.logical_sha256 if m is not None else None
+    for reason in moe.file_reasons(cfg.optimizer_batch, logical, per_row, None, None, shape):
+        adm.refuse(reason, integrity=True)
+
+
 def _merge(base: dict[str, Any], over: dict[str, Any], where: str, adm: Admission) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
@@ -339,6 +397,8 @@ def _check_config(adm: Admission) -> None:
         adm.refuse(f"a {cfg.framework} replay runs in one process; {adm.processes} were launched")
     if adm.processes > 1 or adm.captured_processes > 1:  # the process count, compared as a config key
         src = {**src, "distributed": {"num_processes": adm.captured_processes}}
+    if knobs.MOE_ROUTING in knobs.knobs_for(cfg.framework) and "routing" not in src.get("model", {}):
+        src = {**src, "model": {**src.get("model", {}), "routing": "free"}}  # a trainer's own step routes freely
     resolved = dict(src)
     model_over = {k: v for k, v in cfg.model.items() if k != "path"}
     resolved["model"] = {**_merge(src.get("model", {}), model_over, "model", adm), "path": cfg.model["path"]}
@@ -409,6 +469,7 @@ class ApiKind:
 
     def model(self, adm: Admission) -> None:
         _check_base_model(adm)
+        _check_routing(adm)
 
     def config(self, adm: Admission) -> None:
         _check_config(adm)

@@ -51,6 +51,7 @@ class ReplaySession(Session):
     adm: Admission
     _summed: float = 0.0
     _routing: moe.Routing | None = None
+    _forced_table: moe.RoutingTable | None = None
     _reported: float = 0.0
     rank: int = 0  # this process among the replay's (a framework that runs over several sets them)
     world: int = 1
@@ -118,9 +119,28 @@ class ReplaySession(Session):
         self._summed, self.backward_wall_s = 0.0, 0.0
         # a mixture-of-experts model's routing, observed per micro-batch over the tokens the model receives (one
         # process holds every row; docs/moe.md): the driver writes it beside replay_metrics.json
-        self._routing = moe.observe(self.model) if self.world == 1 else None
+        self._routing = self._routes(n_micro_batches) if self.world == 1 else None
         if self._routing is not None:
             self._routing.begin_update()
+
+    def _routes(self, n_micro_batches: int) -> moe.Routing | None:
+        """The model's routing observer: free, or under ``model.routing = "forced"`` the pinned routing file's experts
+        forced (read and verified again here; admission checked it before the model was built)."""
+        mode = (self.adm.resolved or {}).get("model", {}).get("routing", "free")
+        if mode != "forced":
+            return moe.observe(self.model)
+        if self.world > 1:
+            raise ContractError("forced routing runs in one process", where="model.routing",
+                                hint="replay on one process, or leave routing free")
+        for step in self.plan():
+            if step.trace_mask is None:
+                raise ContractError("forced routing needs the token mask of the sequence the model receives; the "
+                                    "captured inputs hold none", where="model.routing", hint="leave routing free")
+        assert self.adm.cfg is not None
+        ob = self.adm.cfg.optimizer_batch
+        if self._forced_table is None:  # once: in-process repeats force the same table
+            self._forced_table = moe.forced_table(ob, self.adm.pins.get("expected_logical_sha256") or None)
+        return moe.observe(self.model, forced=self._forced_table)
 
     def micro_batch(self, i: int, step: MicroStep, before_loss: Callable[[], None]) -> None:
         import contextlib

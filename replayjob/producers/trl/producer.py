@@ -812,13 +812,8 @@ class TRLSession(ReplaySession):
         self._loss = LoggedLoss(self.device)
 
     def trace_inputs(self, mb: _microbatch.MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The sequence TRL's loss feeds the model: prompt and completion ids, and their masks, side by side."""
-        import torch
-        i = mb.inputs
-        if not all(k in i for k in ("prompt_ids", "completion_ids", "prompt_mask", "completion_mask")):
-            return None, None
-        return (torch.cat([i["prompt_ids"], i["completion_ids"]], dim=1),
-                torch.cat([i["prompt_mask"], i["completion_mask"]], dim=1))
+        """The sequence TRL's loss feeds the model (:func:`sequence`)."""
+        return sequence(mb.inputs)
 
     def gradient_checkpointing(self, runtime: dict[str, Any]) -> bool:
         return bool(runtime.get(knobs.TRL_GRADIENT_CHECKPOINTING))
@@ -826,6 +821,16 @@ class TRLSession(ReplaySession):
     def observe(self, rows: tuple[int, ...]) -> knobs.Runtime:
         """TRL's knobs are observed on the trainer's own (PEFT) model and the trainer."""
         return knobs.Runtime(self.trainer.model, rows, trainer=self.trainer)
+
+
+def sequence(inputs: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The sequence TRL's loss feeds the model: prompt and completion ids, and their masks, side by side (what a
+    trace keys rows by and the routing's tokens are; ``None`` where the inputs are not a GRPOTrainer's)."""
+    import torch
+    if not all(k in inputs for k in ("prompt_ids", "completion_ids", "prompt_mask", "completion_mask")):
+        return None, None
+    return (torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1))
 
 
 def build_replay(adm: Admission, out: Path) -> TRLSession:
