@@ -800,3 +800,24 @@ def test_the_routers_a_config_builds_are_counted_as_transformers_builds_them() -
         assert moe.config_routers(json.loads(c.to_json_string())) == want, type(c).__name__
     assert moe.config_routers(configs[0].to_dict())[0] == 1  # layer 1 only: layer 3 is dense by mlp_only_layers
     assert moe.config_routers(json.loads(Qwen2Config(**small, num_hidden_layers=2).to_json_string())) is None
+
+
+@pytest.mark.slow
+def test_a_trl_capture_records_its_source_steps_routing(trl_moe: dict[str, Any], tmp_path: Path) -> None:
+    """The TRL capture writes the routing its own step used (routing_step_000000.safetensors, pinned in the manifest's
+    framework_state.routing and recorded on the step's logical batch): the free replay routed exactly as the source
+    (experts, weights and margins bitwise), and a replay forcing the source's routing is bitwise the source's update."""
+    cap = trl_moe["cap"]
+    source = metrics(cap, "metrics.json")
+    manifest = json.loads((cap / source["optimizer_batch/manifest_path"]).read_text())
+    pin = manifest["framework_state"]["routing"]
+    assert pin["path"] == moe.source_step_file(0)
+    table = moe.read_table(cap / pin["path"], pin["sha256"])
+    assert table.identity == {"logical_batch_sha256": source["optimizer/logical_batch_sha256"]} and table.fault is None
+    ref = trl_moe["table"]
+    assert torch.equal(table.row_tokens, ref.row_tokens) and moe.compare(table, ref)["identical"]
+    assert all(torch.equal(a.margin, b.margin) and torch.equal(a.weights, b.weights)
+               for a, b in zip(table.layers, ref.layers, strict=True))
+    r, held = trl_replay(cap, tmp_path / "forced_source", *forced(cap / pin["path"], pin["sha256"]))
+    assert r["optimizer_batch/final_adapter_sha256"] == source["optimizer_batch/final_adapter_sha256"]
+    assert r["runtime"]["model.routing"] == "forced" and moe.compare(table, held)["identical"]

@@ -635,6 +635,19 @@ def observe(model: Any, forced: RoutingTable | None = None) -> Routing | None:
     return routing
 
 
+def record(model: Any) -> Routing | None:
+    """A routing observer of a source run's model (an external trainer's captured step): the one already attached, else
+    a new one routing freely that only records (the test-only fault never perturbs a source); ``None``: no router."""
+    got = attached(model)
+    if got is not None:
+        return got
+    found = routers(model)
+    if not found:
+        return None
+    routing = _ATTACHED[model] = Routing(model, found, "free", None, None)
+    return routing
+
+
 def replay_evidence(model: Any, out: Path, identity: dict[str, str]) -> dict[str, str] | None:
     """Write the first update's routing of ``model`` to ``OUT/routing.safetensors`` (``identity``: the
     capture's digests it was recorded on); the ``routing`` entry of replay_metrics.json that pins it, or

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 from replayjob.artifacts.capture_root import rank_dir
 from replayjob.errors import RefusedError, UsageError
 from replayjob.jsonio import read_json_object
+from replayjob.model import moe
 from replayjob.producers.api import capture as cap
 from replayjob.producers.api import files as _files
 from replayjob.producers.api import microbatch as _microbatch
@@ -523,6 +524,7 @@ class TRLCapture:
                 c = handle._cap
                 if c is not None and c.active and state.global_step == c.step + 1:
                     c.note("precision", precision.of_trainer(handle.trainer, handle._probe.seen))
+                    handle._routing_note(c)
                     c.loss = handle._loss.value(args.parallel_mode)  # gathered over the processes
                     c.finish(grad_norm=handle._grad_norm)
                     if handle.world > 1:  # land; process 0 writes the root
@@ -536,6 +538,8 @@ class TRLCapture:
                     handle._chosen.close()  # metrics.json, last
 
         self._grad_norm: float | None = None
+        self._routing: moe.Routing | None = None  # the captured step's routing observer (an MoE model)
+        self._routed_rows = 0
         self._loss = LoggedLoss(trainer.args.device)
         # the precision the step's loss forward really ran in (accelerate's autocast wraps the model's forward):
         # observed on the first linear layer of the first loss call's forward, recorded as framework_state.precision
@@ -561,6 +565,26 @@ class TRLCapture:
             self._cap, self._grad_norm, self._loss = c, None, LoggedLoss(t.args.device)
             self._probe.seen = None
             c.begin()
+            # an MoE model's routing of the captured step (one process, one step: docs/moe.md), recorded over the
+            # sequence each loss call's forward receives
+            self._routing = moe.record(t.model) if self.world == 1 and not self.several else None
+            self._routed_rows = 0
+            if self._routing is not None:
+                self._routing.begin_update()
+
+    def _routing_note(self, c: cap.StepCapture) -> None:
+        """Write the captured step's routing (``routing_step_<K>.safetensors``, recorded on the step's logical batch)
+        and note its pin in the manifest's ``framework_state.routing`` (the manifest, written next, pins it)."""
+        routing, self._routing = self._routing, None
+        if routing is None:
+            return
+        routing.end_update()
+        if routing.last is None:
+            return
+        name = moe.source_step_file(c.step)
+        table = dataclasses.replace(routing.last, identity={"logical_batch_sha256":
+                                                            _microbatch.logical_digest(c.micro_batches)})
+        c.note("routing", {"path": name, "sha256": moe.write_table(self._out / name, table)})
 
     def _wrap(self) -> None:
         t: Any = self.trainer
@@ -574,6 +598,11 @@ class TRLCapture:
                          accumulation_steps=int(t.current_gradient_accumulation_steps))
                 if len(c.micro_batches) == 1:  # the loss's own forward (generation ran earlier, outside autocast)
                     self._probe.arm()
+                _, mask = sequence(inputs)
+                if self._routing is not None and mask is not None:
+                    first, self._routed_rows = self._routed_rows, self._routed_rows + int(mask.shape[0])
+                    with self._routing.micro_batch(list(range(first, self._routed_rows)), mask):
+                        return compute_loss(model, inputs, *a, **kw)
             return compute_loss(model, inputs, *a, **kw)
 
         def summing_training_step(*a: Any, **kw: Any) -> Any:
