@@ -90,6 +90,23 @@ def bundle_document(name: str) -> dict[str, Any]:
     return example_documents()[name]
 
 
+def builtin_manifest() -> dict[str, Any]:
+    """A chosen-step capture's manifest as the built-in trainer writes it, its outcome sealed."""
+    from pathlib import Path
+
+    from replayjob.artifacts import capture_manifest as mf
+    return mf.build(step=3, producer={"replayjob_version": "0.1.0", "torch": "2.13.0"},
+                    payload_file=mf.payload_name(3), payload_size=4096, payload_digest="a" * 64, rng_keys=["cpu"],
+                    rows={"rows": 16, "tokens": 544, "response_tokens": 128, "loss_bearing_tokens": 128,
+                          "loss_weight_sum": 1.0},
+                    logical="b" * 64, effective="c" * 64, resolved_config={"training": {"seed": 1}},
+                    contract={"schema": "x", "optimizer": {"lr": 1e-4}}, adapter_path=Path("state/adapter.safetensors"),
+                    adapter_size=2048, adapter_sha256="d" * 64,
+                    state={"dir": "optimizer_batch_step_000003.state", "step": 2, "optimizer_sha256": "e" * 64,
+                           "lr": [1e-4], "nonfinite_inputs": False},
+                    sealed=mf.outcome(0.5, 0.25, "f" * 64))
+
+
 # One valid document per top-level declaration (a sub-document is exercised inside its parent).
 VALID: dict[str, Any] = {
     "ContentionRecord": contention_record,
@@ -97,6 +114,9 @@ VALID: dict[str, Any] = {
     "BoundFile": lambda: {"max_abs_log_ratio": 1e-4, "max_kl": 1e-8, "band": 0.001, "max_outside_share": 0.0},
     "ReplayMetrics": replay_metrics,
     "VerdictDocument": verdict,
+    "BuiltinManifest": builtin_manifest,
+    "ManifestPins": lambda: {k: builtin_manifest()[k] for k in ("logical_batch_sha256", "local_effective_rows_sha256",
+                                                                "config", "contract")},
     "TraceIndex": lambda: {
         "schema": "replayjob.trace/v1",
         "identity": {"manifest_sha256": "a" * 64, "logical_batch_sha256": "b" * 64, "initial_adapter_sha256": "c" * 64,
@@ -126,7 +146,8 @@ NESTED = {"CudaProcess", "CudaFigures",  # reached through ContentionRecord.cuda
           "FailedNode",  # RunEnd's
           "TraceIdentity", "TracePayloadPin", "TraceSiteEntry", "TraceParamEntry",  # TraceIndex's
           "StageContract", "PayloadSpec", "PayloadFile", "Tolerance", "Redaction", "MultiRank", "BundleIndex",
-          "Identity", "Physical", "RecomputeConfig", "TaskConfig", "Sample", "PayloadRef"}  # BundleManifest's
+          "Identity", "Physical", "RecomputeConfig", "TaskConfig", "Sample", "PayloadRef",  # BundleManifest's
+          "Outcome", "Hashed", "ContractBlock", "PayloadPin", "Rows", "InitialAdapter", "StartState"}  # a manifest's
 
 
 def test_every_declaration_has_a_valid_example_or_a_parent() -> None:
@@ -325,7 +346,8 @@ def _nan_equal(a: Any, b: Any) -> bool:
 PAGES = {"ReplayMetrics": "replay-metrics.md", "ContentionRecord": "replay-metrics.md",
          "TolerancesFile": "verdict-format.md", "BoundFile": "mismatch.md", "VerdictDocument": "verdict-format.md",
          "VerdictCheck": "verdict-format.md", "Refusal": "verdict-format.md", "Stopped": "cluster.md",
-         "RunEnd": "cluster.md",
+         "RunEnd": "cluster.md", "RunRecord": "cluster.md", "TraceIndex": "trace-format.md",
+         "BuiltinManifest": "optimizer-batch.md",
          **{name: "bundle-format.md" for name in ("BundleManifest", "BundleIndex", "RecomputeConfig", "Sample",
                                                   "StageContract", "PayloadSpec", "PayloadFile", "MultiRank",
                                                   "Identity", "Physical", "BundleComplete", "RankComplete",

@@ -364,5 +364,5 @@ def test_digest_case_is_handled_one_way_per_reader(workspace: Path, sources: dic
         assert main(["reduce", str(where), "--claim", "bitwise", "--source", str(sources["source"]),
                      "--out", str(tmp_path / f"{name}.json")]) == code
     doc = json.loads((tmp_path / "upper.json").read_text())
-    assert doc["status"] == "refused" and "matching regex" in doc["refusal"]["message"], doc["refusal"]
+    assert doc["status"] == "refused" and "64 lowercase hex digits" in doc["refusal"]["message"], doc["refusal"]
     capsys.readouterr()

@@ -577,10 +577,10 @@ def test_every_registered_knob_is_observed_at_run_time() -> None:
     (lambda doc: doc["rows"].update(rows=doc["rows"]["rows"] + 1), "rows.rows is"),
     (lambda doc: doc["rows"].update(loss_weight_sum=doc["rows"]["loss_weight_sum"] * 2), "rows.loss_weight_sum is"),
     (lambda doc: doc["rows"].update(loss_bearing_tokens=1), "rows.loss_bearing_tokens is"),
-    (lambda doc: doc["rows"].update(tokens=float(doc["rows"]["tokens"])), "'rows' needs integer"),
-    (lambda doc: doc["rows"].pop("response_tokens"), "'rows' needs integer"),
-    (lambda doc: doc["rows"].update(extra=1), "rows.extra is 1, the payload gives None"),
-    (lambda doc: doc["outcome"].update(grad_norm=-1.0), "'outcome.grad_norm' is a norm"),
+    (lambda doc: doc["rows"].update(tokens=float(doc["rows"]["tokens"])), "field `rows.tokens`: expected `int`"),
+    (lambda doc: doc["rows"].pop("response_tokens"), "missing required field `response_tokens`"),
+    (lambda doc: doc["rows"].update(extra=1), "unknown field `extra`"),
+    (lambda doc: doc["outcome"].update(grad_norm=-1.0), "field `outcome.grad_norm`: expected `float` >= 0.0"),
 ])
 def test_a_manifest_whose_summaries_disagree_with_its_payload_is_refused(
         edit: Any, needle: str, capture_dir: Path, workspace: Path, tmp_path: Path,

@@ -456,7 +456,7 @@ def test_manifest_digest_is_checked_before_parsing(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("edit", "needle"), [
-    (lambda d: d.update(extra=1), "unknown ['extra']"),
+    (lambda d: d.update(extra=1), "unknown field `extra`"),
     (lambda d: d["payload"].update(file="../evil.safetensors"), "bare .safetensors file name"),
     (lambda d: d["payload"].update(file="/abs/p.safetensors"), "bare .safetensors file name"),
     (lambda d: d["payload"].update(spans_sha256="XYZ"), "payload.spans_sha256"),

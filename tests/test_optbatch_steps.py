@@ -202,8 +202,8 @@ def test_manifest_state_section_is_validated(steps_run: Path) -> None:
     assert manifest.validate(doc, path)["state"]["step"] == 2
     for mutate, cause in ((lambda d: d["state"].update(step=1), "'state.step' must be 2"),
                           (lambda d: d["state"].update(dir="../x"), "bare directory name"),
-                          (lambda d: d["state"].update(lr=[float("nan")]), "finite learning rate"),
-                          (lambda d: d["state"].pop("nonfinite_inputs"), "'state' needs exactly"),
+                          (lambda d: d["state"].update(lr=[float("nan")]), "field `state.lr\\[0\\]`"),
+                          (lambda d: d["state"].pop("nonfinite_inputs"), "missing required field `nonfinite_inputs`"),
                           (lambda d: d.pop("state"), "'step' must be 0")):
         bad = json.loads(path.read_text())
         mutate(bad)

@@ -43,10 +43,14 @@ every field is type-checked and the embedded digests recomputed; unknown keys ar
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
 
+import msgspec
+
+from replayjob.artifacts.document import Count, Digest, Document, Finite, decode
 from replayjob.digest import normalize_digest, sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
 from replayjob.frameworks import BUILTIN
@@ -63,11 +67,7 @@ OLD_SCHEMAS = ("replayjob.optimizer_batch_manifest/v1", "replayjob.optimizer_bat
                "replayjob.optimizer_batch_ranks/v1", "replayjob.integration_capture/v1",
                "replayjob.integration_ranks/v1")
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
-_KEYS = {"schema", "framework", "step", "producer", "payload", "rows", "logical_batch_sha256",
-         "local_effective_rows_sha256", "config", "contract", "initial_adapter"}
-_STATE_KEYS = {"dir", "step", "optimizer_sha256", "lr", "nonfinite_inputs"}
 OUTCOME = "outcome"
-_OUTCOME_KEYS = {"loss", "grad_norm", "final_adapter_sha256"}
 
 
 def file_stem(step: int) -> str:
@@ -169,21 +169,159 @@ def outcome(loss: float | None, grad_norm: float | None, final_adapter_sha256: s
 
     return {"loss": finite(loss), "grad_norm": finite(grad_norm), "final_adapter_sha256": final_adapter_sha256}
 
+# ------------------------------------------------------------------------------------------ the declaration
+_BARE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a file or directory name next to the manifest, nothing else
+NonNegativeFinite = Annotated[float, msgspec.Meta(ge=0.0, le=1.7976931348623157e308)]
+
+
+class Outcome(Document, frozen=True):
+    """``outcome``: the source's own update of the captured step, sealed by the manifest's pin."""
+
+    loss: Finite | None  # null when not finite
+    grad_norm: NonNegativeFinite | None  # a norm: >= 0; null when not finite
+    final_adapter_sha256: Digest | None
+
+
+def _digest_of(value: dict[str, Any], field: str) -> str:
+    """The canonical-JSON SHA-256 of an embedded block (a value canonical JSON cannot hold is refused)."""
+    try:
+        return sha256_json(value)
+    except IntegrityError as exc:
+        raise ValueError(f"`{field}` cannot be hashed: {exc.message}") from None
+
+
+class Hashed(Document, frozen=True):
+    """``config``: the resolved config and the SHA-256 of its canonical JSON (recomputed)."""
+
+    OPAQUE: ClassVar[dict[str, str]] = {
+        "resolved": "the source's resolved config, recorded whole and pinned by its SHA-256; admission compares it "
+                    "key by key with the replay's own through the config schema",
+    }
+
+    sha256: Digest
+    resolved: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if _digest_of(self.resolved, "config.resolved") != self.sha256:
+            raise ValueError("'config.sha256' does not match its content")
+
+
+class ContractBlock(Document, frozen=True):
+    """``contract``: the optimizer contract and the SHA-256 of its canonical JSON (recomputed)."""
+
+    OPAQUE: ClassVar[dict[str, str]] = {
+        "value": "the optimizer contract, compared whole with the replay's recomputed contract at admission",
+    }
+
+    sha256: Digest
+    value: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if _digest_of(self.value, "contract.value") != self.sha256:
+            raise ValueError("'contract.sha256' does not match its content")
+
+
+class ManifestPins(Document, frozen=True):
+    """What every producer's manifest pins (its own fields are checked beside these by its reader)."""
+
+    logical_batch_sha256: Digest
+    local_effective_rows_sha256: Digest
+    config: Hashed
+    contract: ContractBlock
+
+
+class PayloadPin(Document, frozen=True):
+    file: str  # a bare name next to the manifest
+    size: Annotated[int, msgspec.Meta(ge=1, le=MAX_PAYLOAD_BYTES)]
+    spans_sha256: Digest
+    rng_keys: Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(min_length=1)]
+
+    def __post_init__(self) -> None:
+        if not (_BARE.fullmatch(self.file) and self.file.endswith(".safetensors")):
+            raise ValueError(f"'payload.file' must be a bare .safetensors file name, found {self.file[:80]!r}")
+        if "cpu" not in self.rng_keys:
+            raise ValueError("'payload.rng_keys' must list 'cpu'")
+
+
+class Rows(Document, frozen=True):
+    """``rows``: a summary of the payload (recomputed from it when the payload is read)."""
+
+    rows: Count
+    tokens: Count
+    response_tokens: Count
+    loss_bearing_tokens: Count
+    loss_weight_sum: Finite | None = None  # recomputed from the payload, as every other count here
+
+
+class InitialAdapter(Document, frozen=True):
+    path: str  # redacted (SECURITY.md); the file is found through the replay config's resume state
+    size: Count
+    sha256: Digest
+
+
+class StartState(Document, frozen=True):
+    """``state``: the resume state a chosen-step or ring-buffer capture starts from."""
+
+    dir: str  # a bare name next to the manifest
+    step: Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]
+    optimizer_sha256: Digest
+    lr: Annotated[list[Finite], msgspec.Meta(min_length=1)]  # per parameter group
+    nonfinite_inputs: bool
+
+    def __post_init__(self) -> None:
+        if not _BARE.fullmatch(self.dir):
+            raise ValueError(f"'state.dir' must be a bare directory name, found {self.dir[:80]!r}")
+
+
+class BuiltinManifest(Document, frozen=True):
+    """The built-in trainer's capture manifest (the module docstring lists its fields)."""
+
+    OPAQUE: ClassVar[dict[str, str]] = {
+        "producer": "provenance (versions, python, device, determinism), recorded for people; the pins decide",
+    }
+
+    schema: Literal["replayjob.capture_manifest/v3"]
+    framework: Literal["replayjob"]
+    step: Count
+    producer: dict[str, Any]
+    payload: PayloadPin
+    rows: Rows
+    logical_batch_sha256: Digest
+    local_effective_rows_sha256: Digest
+    config: Hashed
+    contract: ContractBlock
+    initial_adapter: InitialAdapter
+    state: StartState | None = None  # absent in a step-zero capture
+    outcome: Outcome | None = None  # absent only in captures written before the seal
+
+    def __post_init__(self) -> None:
+        if self.state is None and self.step != 0:
+            raise ValueError("'step' must be 0 (a capture without 'state' covers step zero only)")
+        if self.state is not None and self.state.step != self.step - 1:
+            raise ValueError(f"'state.step' must be {self.step - 1} (the step before the captured one)")
+
+
+def _decode(doc: Any, kind: type[Document], where: Path) -> None:
+    """``doc`` read through its declaration ``kind``; a refusal is a malformed manifest field."""
+    try:
+        decode(doc, kind, where=where)
+    except IntegrityError as exc:
+        raise IntegrityError(f"manifest {exc.message}" if exc.message.startswith("field ") else
+                             f"manifest field {exc.message}", where=where,
+                             hint="the manifest is malformed; capture the step again") from None
+
+
+def _no_nulls(doc: dict[str, Any], keys: tuple[str, ...], where: Path) -> None:
+    """Optional sections are absent, never null (a null would read as absent)."""
+    for k in keys:
+        need(k not in doc or doc[k] is not None, f"'{k}' is absent or an object, never null", where)
+
 
 def validate_outcome(doc: dict[str, Any], where: Path) -> None:
-    """A manifest's optional ``outcome`` (every producer's manifest reader uses it)."""
-    if OUTCOME not in doc:
-        return
-    o = doc[OUTCOME]
-    need(isinstance(o, dict) and set(o) == _OUTCOME_KEYS, f"'{OUTCOME}' needs exactly {sorted(_OUTCOME_KEYS)}",
-         where)
-    for k in ("loss", "grad_norm"):
-        v = o[k]
-        need(v is None or (isinstance(v, float) and math.isfinite(v)), f"'{OUTCOME}.{k}' must be a finite "
-             "number or null", where)
-    need(o["grad_norm"] is None or o["grad_norm"] >= 0.0, f"'{OUTCOME}.grad_norm' is a norm: >= 0 or null", where)
-    if o["final_adapter_sha256"] is not None:
-        need_hex(o["final_adapter_sha256"], f"{OUTCOME}.final_adapter_sha256", where)
+    """A manifest's optional ``outcome`` (every producer's manifest reader uses it): :class:`Outcome`."""
+    if OUTCOME in doc:
+        need(doc[OUTCOME] is not None, f"'{OUTCOME}' is absent or an object, never null", where)
+        _decode(doc[OUTCOME], Outcome, where)
 
 
 def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_size: int, payload_digest: str,
@@ -241,15 +379,10 @@ def need_hex(v: Any, what: str, where: Path) -> None:
 
 
 def validate_pins(doc: dict[str, Any], where: Path) -> None:
-    """The digests every manifest carries: logical and effective rows, config and contract (recomputed)."""
-    need_hex(doc["logical_batch_sha256"], "logical_batch_sha256", where)
-    need_hex(doc["local_effective_rows_sha256"], "local_effective_rows_sha256", where)
-    for sec, inner in (("config", "resolved"), ("contract", "value")):
-        s = doc[sec]
-        need(isinstance(s, dict) and set(s) == {"sha256", inner} and isinstance(s[inner], dict),
-             f"'{sec}' needs sha256 and an object '{inner}'", where)
-        need_hex(s["sha256"], f"{sec}.sha256", where)
-        need(sha256_json(s[inner]) == s["sha256"], f"'{sec}.sha256' does not match its content", where)
+    """The digests every manifest carries: logical and effective rows, config and contract (recomputed):
+    :class:`ManifestPins`."""
+    _decode({k: doc.get(k) for k in ("logical_batch_sha256", "local_effective_rows_sha256", "config", "contract")},
+            ManifestPins, where)
 
 
 def check_schema(doc: Any, where: Path) -> dict[str, Any]:
@@ -269,56 +402,13 @@ def check_schema(doc: Any, where: Path) -> dict[str, Any]:
 
 
 def validate(doc: Any, where: Path) -> dict[str, Any]:
-    """Check every field's presence and type, and recompute the embedded digests."""
+    """The built-in trainer's manifest read through its declaration (:class:`BuiltinManifest`): every field's
+    presence, type and range, no unknown key, and the embedded digests recomputed."""
     check_schema(doc, where)
     need(doc["framework"] == BUILTIN, f"'framework' must be {BUILTIN!r} in the built-in trainer's manifest", where)
-    keys = _KEYS | {k for k in ("state", OUTCOME) if k in doc}
-    need(set(doc) == keys, f"keys must be exactly {sorted(keys)}; unknown "
-         f"{sorted(set(doc) - keys)}, missing {sorted(keys - set(doc))}", where)
-    validate_outcome(doc, where)
-    if "state" in doc:
-        _validate_state(doc, where)
-    else:
-        need(is_int(doc["step"]) and doc["step"] == 0, "'step' must be 0 (a capture without 'state' covers "
-             "step zero only)", where)
-    for sec in ("producer", "payload", "rows", "config", "contract", "initial_adapter"):
-        need(isinstance(doc[sec], dict), f"'{sec}' must be an object", where)
-    p = doc["payload"]
-    need(set(p) == {"file", "size", "spans_sha256", "rng_keys"},
-          "'payload' needs file, size, spans_sha256, rng_keys", where)
-    name = p["file"]
-    need(isinstance(name, str) and name.endswith(".safetensors") and "/" not in name and "\\" not in name
-          and not name.startswith(".") and name == Path(name).name,
-          f"'payload.file' must be a bare .safetensors file name, found {name!r}", where)
-    need(is_int(p["size"]) and p["size"] > 0, "'payload.size' must be a positive integer", where)
-    need_hex(p["spans_sha256"], "payload.spans_sha256", where)
-    need(isinstance(p["rng_keys"], list) and "cpu" in p["rng_keys"]
-          and all(isinstance(k, str) for k in p["rng_keys"]), "'payload.rng_keys' must list 'cpu'", where)
-    validate_pins(doc, where)
-    a = doc["initial_adapter"]
-    need(set(a) == {"path", "size", "sha256"} and isinstance(a["path"], str) and is_int(a["size"]),
-          "'initial_adapter' needs path (string), size (integer), sha256", where)
-    need_hex(a["sha256"], "initial_adapter.sha256", where)
-    rows = doc["rows"]
-    need(all(is_int(rows.get(k)) for k in ("rows", "tokens", "response_tokens", "loss_bearing_tokens")),
-          "'rows' needs integer rows, tokens, response_tokens, loss_bearing_tokens", where)
+    _no_nulls(doc, ("state", OUTCOME), where)
+    _decode(doc, BuiltinManifest, where)
     return doc
-
-
-def _validate_state(doc: dict[str, Any], where: Path) -> None:
-    step, st = doc["step"], doc["state"]
-    need(is_int(step) and step >= 0, "'step' must be an integer >= 0", where)
-    need(isinstance(st, dict) and set(st) == _STATE_KEYS, f"'state' needs exactly {sorted(_STATE_KEYS)}", where)
-    name = st["dir"]
-    need(isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-         and not name.startswith("."), f"'state.dir' must be a bare directory name, found {name!r}", where)
-    need(is_int(st["step"]) and st["step"] == step - 1, f"'state.step' must be {step - 1} (the step "
-         "before the captured one)", where)
-    need_hex(st["optimizer_sha256"], "state.optimizer_sha256", where)
-    lr = st["lr"]
-    need(isinstance(lr, list) and len(lr) > 0 and all(isinstance(x, float) and math.isfinite(x) for x in lr),
-         "'state.lr' must list a finite learning rate per parameter group", where)
-    need(isinstance(st["nonfinite_inputs"], bool), "'state.nonfinite_inputs' must be true or false", where)
 
 
 def read_pinned(path: str | Path, expected_sha256: str, *, hint: str,

@@ -72,7 +72,8 @@ D = TypeVar("D", bound=Document)
 
 def describe(exc: msgspec.ValidationError) -> str:
     """msgspec's ``Expected `int`, got `bool` - at `$.a.b``` as ``field `a.b`: expected `int`, got `bool```."""
-    text = str(exc)
+    text = str(exc).replace("Expected `str` matching regex '^[0-9a-f]{64}$'",
+                            "Expected a SHA-256: 64 lowercase hex digits")
     rule, sep, at = text.rpartition(" - at `")
     if not sep:
         return text[:1].lower() + text[1:]

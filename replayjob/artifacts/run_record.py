@@ -19,6 +19,7 @@ from typing import Annotated, Any, ClassVar, Final, Literal
 import msgspec
 
 from replayjob.artifacts.document import Digest, Document, decode
+from replayjob.errors import IntegrityError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes, read_json_object
 
@@ -50,4 +51,9 @@ def write(path: Path, record: RunRecord) -> None:
 
 def read(path: Path) -> RunRecord:
     """The run record at ``path``, read through its declaration (what a step compares is its fingerprint)."""
-    return decode(read_json_object(path), RunRecord, where=path)
+    try:
+        return decode(read_json_object(path), RunRecord, where=path)
+    except IntegrityError as exc:
+        raise IntegrityError(f"not a run record ({SCHEMA}): {exc.message}", where=path,
+                             hint="give every submission its own run directory; run.json is written by its first "
+                                  "step only") from None

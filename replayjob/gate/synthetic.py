@@ -156,7 +156,8 @@ def _write_source(root: Path, initial: bytes, final: bytes, loss: float) -> tupl
     _put(src / mf.payload_name(0), payload)
     doc = mf.build(step=0, producer={"replayjob_version": "0.1.0"}, payload_file=mf.payload_name(0),
                    payload_size=len(payload), payload_digest=digest_of("payload"), rng_keys=["cpu"],
-                   rows={"rows": 16, "tokens": 544, "response_tokens": 128, "loss_bearing_tokens": 128},
+                   rows={"rows": 16, "tokens": 544, "response_tokens": 128, "loss_bearing_tokens": 128,
+                         "loss_weight_sum": 1.0},
                    logical=digest_of("logical"), effective=digest_of("effective"),
                    resolved_config=SOURCE_CONFIG, contract={"schema": "synthetic"},
                    adapter_path=Path("..") / "init_resume" / ADAPTER_WEIGHTS,
