@@ -314,7 +314,7 @@ UNEVEN_PROGRAM = """
 import sys
 from pathlib import Path
 import torch, torch.distributed as dist
-from replayjob import distributed
+from replayjob.runtime import distributed
 from replayjob.errors import ContractError
 dist.init_process_group("gloo")
 seen = []
