@@ -23,10 +23,10 @@ the observation of exactly those (:func:`knobs_for`).
 Example:
     >>> sorted(knobs_for("replayjob"))[:2]
     ['backend.options.attn_implementation', 'backend.options.gradient_checkpointing']
-    >>> sorted(knobs_for("trl"))[:2]
-    ['model.attn_implementation', 'trl.gradient_checkpointing']
-    >>> sorted(knobs_for("trl"))[2:]
-    ['trl.gradient_checkpointing_kwargs.use_reentrant', 'trl.per_device_train_batch_size']
+    >>> sorted(knobs_for("trl"))[:3]
+    ['distributed.num_processes', 'model.attn_implementation', 'model.routing']
+    >>> sorted(knobs_for("trl"))[3:5]
+    ['trl.gradient_accumulation_steps', 'trl.gradient_checkpointing']
 """
 
 from __future__ import annotations
