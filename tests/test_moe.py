@@ -222,6 +222,25 @@ def test_a_local_moe_model_is_observed_and_forced(kind: str, tmp_path: Path) -> 
     assert free.keys() == got.keys() and all(torch.equal(free[k], got[k]) for k in free)
 
 
+def hostile_routing_file(case: str, t: moe.RoutingTable, good: Path, sha: str, path: Path) -> str:
+    """Write at ``path`` the routing file of ``case`` (``missing``: none) made from the valid table ``t`` (its file
+    ``good``, pinned by ``sha``), and return the SHA-256 a replay would pin for it."""
+    if case == "tampered":  # the pinned digest of other bytes
+        data = bytearray(good.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+    elif case == "fewer tokens":  # the last row one token short: a consistent file, pinned, of other rows
+        rt = t.row_tokens.clone()
+        rt[-1] -= 1
+        short = [moe.LayerRouting(lay.name, lay.experts[:-1], lay.weights[:-1], lay.margin[:-1], lay.forced[:-1])
+                 for lay in t.layers]
+        return moe.write_table(path, dataclasses.replace(t, row_tokens=rt, layers=short))
+    elif case == "another model":  # a third router
+        return moe.write_table(path, dataclasses.replace(t, layers=[*t.layers, dataclasses.replace(t.layers[1],
+                                                                                                    name="extra")]))
+    return sha
+
+
 def test_forcing_without_a_pinned_file_is_refused(moe_runs: dict[str, Any], capsys: pytest.CaptureFixture[str],
                                                   tmp_path: Path) -> None:
     cfg, pins = str(moe_runs["ws"] / "replay.toml"), replay_pins(moe_runs["source"])
@@ -247,20 +266,8 @@ def test_explain_checks_the_forced_routing_file_before_any_model(case: str, moe_
     cfg, pins = str(moe_runs["ws"] / "replay.toml"), replay_pins(moe_runs["source"])
     assert main(["explain", cfg, *pins, *MOE, *forced(moe_runs["routing_file"], moe_runs["routing_sha"])]) == 0
     t = moe.read_table(moe_runs["routing_file"], moe_runs["routing_sha"])
-    path, sha = tmp_path / "routing.safetensors", moe_runs["routing_sha"]
-    if case == "tampered":
-        data = bytearray(moe_runs["routing_file"].read_bytes())
-        data[-1] ^= 1
-        path.write_bytes(bytes(data))
-    elif case == "fewer tokens":  # the last row one token short: a consistent file, pinned, of other rows
-        rt = t.row_tokens.clone()
-        rt[-1] -= 1
-        short = [moe.LayerRouting(lay.name, lay.experts[:-1], lay.weights[:-1], lay.margin[:-1], lay.forced[:-1])
-                 for lay in t.layers]
-        sha = moe.write_table(path, dataclasses.replace(t, row_tokens=rt, layers=short))
-    elif case == "another model":  # a third router
-        sha = moe.write_table(path, dataclasses.replace(t, layers=[*t.layers, dataclasses.replace(t.layers[1],
-                                                                                                   name="extra")]))
+    path = tmp_path / "routing.safetensors"
+    sha = hostile_routing_file(case, t, moe_runs["routing_file"], moe_runs["routing_sha"], path)
     capsys.readouterr()
     rc = main(["explain", cfg, *pins, *MOE, *forced(path, sha)])
     err = capsys.readouterr()
@@ -731,19 +738,7 @@ def test_trl_explain_checks_the_forced_routing_file_before_any_model(case: str, 
     capsys.readouterr()
     assert main(["explain", cfg, *forced(trl_moe["routing_file"], sha)]) == 0
     path = tmp_path / "routing.safetensors"
-    if case == "tampered":
-        data = bytearray(trl_moe["routing_file"].read_bytes())
-        data[-1] ^= 1
-        path.write_bytes(bytes(data))
-    elif case == "fewer tokens":  # the last row one token short: a consistent file, pinned, of other rows
-        rt = t.row_tokens.clone()
-        rt[-1] -= 1
-        short = [moe.LayerRouting(lay.name, lay.experts[:-1], lay.weights[:-1], lay.margin[:-1], lay.forced[:-1])
-                 for lay in t.layers]
-        sha = moe.write_table(path, dataclasses.replace(t, row_tokens=rt, layers=short))
-    elif case == "another model":  # a third router
-        sha = moe.write_table(path, dataclasses.replace(t, layers=[*t.layers, dataclasses.replace(t.layers[1],
-                                                                                                   name="extra")]))
+    sha = hostile_routing_file(case, t, trl_moe["routing_file"], sha, path)
     capsys.readouterr()
     rc = main(["explain", cfg, *forced(path, sha)])
     err = capsys.readouterr()
