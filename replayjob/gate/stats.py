@@ -100,6 +100,25 @@ def _work(np: Any, counts: Any) -> tuple[Any, Any]:
     return np.empty_like(counts), np.empty(counts.shape, dtype=bool)
 
 
+class _Arm:
+    """One arm's resampled replay indices, and its draw counts and work arrays, made on first use and shared by
+    every metric of the arm."""
+
+    def __init__(self, idx: Any) -> None:
+        self.idx = idx
+        self.counts: Any = None
+        self.work: Any = None
+
+    def medians(self, np: Any, values: Any) -> Any:
+        """Each resample's median of ``values`` (one per replay of the arm)."""
+        if _signed_zero(np, values):
+            return _resampled_medians(np, values, self.idx)
+        if self.counts is None:
+            self.counts = _draw_counts(np, self.idx)
+            self.work = _work(np, self.counts)
+        return _counted_medians(np, values, self.counts, self.work)
+
+
 def _signed_zero(np: Any, values: Any) -> bool:
     """Whether ``values`` holds a negative zero: a partition and a sort may then place ``-0.0`` and ``0.0``
     differently, and the median's sign could differ."""
@@ -132,13 +151,9 @@ def bootstrap_ratios(numerator: dict[str, Sequence[float]], denominator: dict[st
     n_num = len(next(iter(numerator.values())))
     n_den = len(next(iter(denominator.values())))
     rng = np.random.RandomState(seed)
-    num_idx = rng.randint(0, n_num, size=(resamples, n_num))
-    den_idx = rng.randint(0, n_den, size=(resamples, n_den))
+    num_arm = _Arm(rng.randint(0, n_num, size=(resamples, n_num)))
+    den_arm = _Arm(rng.randint(0, n_den, size=(resamples, n_den)))
     alpha = (1.0 - confidence) / 2.0
-    num_counts: Any = None  # draw counts per arm, counted once on first use and shared by every metric
-    den_counts: Any = None
-    num_work: Any = None  # and the arrays every metric of the arm works in
-    den_work: Any = None
     out: dict[str, dict[str, Any]] = {}
     for key in numerator:
         num = np.asarray(numerator[key], dtype=np.float64)
@@ -157,23 +172,11 @@ def bootstrap_ratios(numerator: dict[str, Sequence[float]], denominator: dict[st
             res["note"] = "the ratio is not finite (overflow); undefined"
             continue
         res["ratio"] = ratio
-        if _signed_zero(np, den):
-            den_med = _resampled_medians(np, den, den_idx)
-        else:
-            if den_counts is None:
-                den_counts = _draw_counts(np, den_idx)
-                den_work = _work(np, den_counts)
-            den_med = _counted_medians(np, den, den_counts, den_work)
+        den_med = den_arm.medians(np, den)
         if bool(np.any(den_med == 0.0)):
             res["note"] = "a bootstrap resample of the baseline has median zero; interval undefined"
             continue
-        if _signed_zero(np, num):
-            num_med = _resampled_medians(np, num, num_idx)
-        else:
-            if num_counts is None:
-                num_counts = _draw_counts(np, num_idx)
-                num_work = _work(np, num_counts)
-            num_med = _counted_medians(np, num, num_counts, num_work)
+        num_med = num_arm.medians(np, num)
         low, high = (float(x) for x in np.quantile(num_med / den_med, [alpha, 1.0 - alpha]))  # type 7
         if not (math.isfinite(low) and math.isfinite(high)):
             res["note"] = "the interval is not finite (overflow); undefined"
