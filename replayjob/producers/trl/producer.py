@@ -3,7 +3,7 @@ own training step.
 
 Capture (``pip install 'replayjob[trl]'``)::
 
-    from replayjob.producers.trl.producer import capture_optimizer_batch
+    from replayjob import capture_optimizer_batch
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained("/models/base"), ...,
                           peft_config=LoraConfig(...))
     cap = capture_optimizer_batch(trainer, "runs/cap", step=1)   # before train()

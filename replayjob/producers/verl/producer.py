@@ -3,7 +3,7 @@
 Capture (``pip install 'replayjob[verl]'``), in the process that holds the actor's engine (verl's
 ``TrainingWorker``, or the ``ActorRolloutRefWorker`` whose ``actor`` it is), after its model is built::
 
-    from replayjob.producers.verl.producer import capture_actor_steps
+    from replayjob import capture_actor_steps
     cap = capture_actor_steps(worker, "runs/cap", step=3)        # the 4th optimizer step of the run
     ...                                                          # the trainer runs update_actor as usual
     cap.result.replay_toml                                       # runs/cap/replay.toml, pins filled in
