@@ -30,7 +30,7 @@ import yaml
 from k8s_emulator import NS, Cluster, as_sent, kubeconfig, serve, verdict_text
 from kubernetes import client
 
-from replayjob.artifacts.spec import Arm, load_spec_text, spec_from_text
+from replayjob.artifacts.spec import AblationSpec, Arm, load_spec_text, spec_from_text
 from replayjob.cli import main
 from replayjob.errors import ArtifactExistsError, OperationalError, ReplayjobError
 from replayjob.launch import jobset, k8s
@@ -386,6 +386,22 @@ def test_resume_starts_a_new_driver_that_adopts_the_finished_stages(
     assert "no run nope" in capsys.readouterr().err
 
 
+def drive_run_r9(state: Cluster, api: client.ApiClient, spec: AblationSpec, text: str,
+                 tmp_path: Path) -> tuple[list[str], driver.Context]:
+    """Run the in-cluster driver of run ``r9`` for ``spec`` on the emulated cluster (its verdict, exit 0, laid
+    on the claim where the reducer writes it); the driver must exit 0.  Its log lines and its context."""
+    logs: list[str] = []
+    claim = tmp_path / "claim"
+    (claim / "runs" / spec.name / "r9").mkdir(parents=True)
+    (claim / "runs" / spec.name / "r9" / "verdict.json").write_text(str(verdict_text(0)), encoding="utf-8")
+    me = state.add({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "replayjob-ablation-r9-driver",
+                                                                           "labels": {}}})
+    ctx = driver.Context(namespace=NS, job="replayjob-ablation-r9-driver", uid=me["metadata"]["uid"], pod="",
+                         run_id="r9", gpu_product="", image=spec.image, artifacts=str(claim))
+    assert driver.drive(spec, text, ctx, fast_api(api), poll_s=0.001, log=logs.append) == 0
+    return logs, ctx
+
+
 def test_replay_jobs_of_each_rank_count_run_one_after_another(cluster: tuple[Cluster, client.ApiClient],
                                                               tmp_path: Path) -> None:
     """Arms of different rank counts: one replay Job per count, each created by the driver after the one
@@ -396,15 +412,7 @@ def test_replay_jobs_of_each_rank_count_run_one_after_another(cluster: tuple[Clu
     spec = dataclasses.replace(spec, ranks=2, config={"distributed.strategy": "ddp"}, arms=(
         Arm("two"), Arm("one", {"distributed.world_size": 1}), Arm("four", {"distributed.world_size": 4})))
     state.exit_codes["r1"] = 2  # the 1-rank replays fail for good: the others still run, the reducer judges
-    logs: list[str] = []
-    claim = tmp_path / "claim"
-    (claim / "runs" / spec.name / "r9").mkdir(parents=True)
-    (claim / "runs" / spec.name / "r9" / "verdict.json").write_text(str(verdict_text(0)), encoding="utf-8")
-    me = state.add({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "replayjob-ablation-r9-driver",
-                                                                           "labels": {}}})
-    ctx = driver.Context(namespace=NS, job="replayjob-ablation-r9-driver", uid=me["metadata"]["uid"], pod="",
-                         run_id="r9", gpu_product="", image=spec.image, artifacts=str(claim))
-    assert driver.drive(spec, text, ctx, fast_api(api), poll_s=0.001, log=logs.append) == 0
+    logs, _ = drive_run_r9(state, api, spec, text, tmp_path)
     jobs = [j.removeprefix("replayjob-ablation-r9-") for j in jobs_created(state)]
     assert jobs == ["capture", "replay-r1", "replay-r2", "replay-r4", "reduce"]
     calls = state.calls
@@ -429,15 +437,7 @@ def test_runs_across_nodes_are_jobsets_the_driver_creates_in_waves(cluster: tupl
                                arms=(Arm("four"), Arm("two", {"distributed.world_size": 2})))
     assert spec.across_nodes() == {"capture": 2, "0": 2, "1": 2, "2": 2}
     state.exit_codes["1"] = 2  # replay 1's JobSet fails for good (a refusal): the others still run
-    logs: list[str] = []
-    claim = tmp_path / "claim"
-    (claim / "runs" / spec.name / "r9").mkdir(parents=True)
-    (claim / "runs" / spec.name / "r9" / "verdict.json").write_text(str(verdict_text(0)), encoding="utf-8")
-    me = state.add({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "replayjob-ablation-r9-driver",
-                                                                           "labels": {}}})
-    ctx = driver.Context(namespace=NS, job="replayjob-ablation-r9-driver", uid=me["metadata"]["uid"], pod="",
-                         run_id="r9", gpu_product="", image=spec.image, artifacts=str(claim))
-    assert driver.drive(spec, text, ctx, fast_api(api), poll_s=0.001, log=logs.append) == 0
+    logs, ctx = drive_run_r9(state, api, spec, text, tmp_path)
     made = [c.split(maxsplit=1)[1].replace("replayjob-ablation-r9-", "") for c in state.calls
             if c.startswith(("POST jobs", "POST jobsets"))]
     assert made == ["jobsets capture", "jobs replay-r2", "jobsets replay-0", "jobsets replay-1", "jobsets replay-2",
@@ -450,7 +450,7 @@ def test_runs_across_nodes_are_jobsets_the_driver_creates_in_waves(cluster: tupl
     assert calls.index("POST jobsets replayjob-ablation-r9-replay-2") > last  # the next wave after it ended
     assert any("jobset/replayjob-ablation-r9-replay-1 failed" in line for line in logs)
     made_js = state.objects[("JobSet", "replayjob-ablation-r9-replay-0")]
-    assert made_js["metadata"]["ownerReferences"][0]["uid"] == me["metadata"]["uid"]
+    assert made_js["metadata"]["ownerReferences"][0]["uid"] == ctx.uid
     assert made_js == {**jobset.jobset(spec, "r9", 0, ctx.owner), "metadata": made_js["metadata"]}
     # the driver's Role may create and follow JobSets only where a spec has runs across nodes
     rules = k8s.driver_rbac(spec)["role.yaml"]["rules"]
