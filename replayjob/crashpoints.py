@@ -71,6 +71,11 @@ class _Armed:
 _ARMED: _Armed | None = None
 
 
+def armed() -> bool:
+    """True when a fault variable is set: boundaries are being counted or traced in this process."""
+    return _ARMED is not None
+
+
 def configure(spec: str | None = None, trace: str | None = None) -> None:
     """(Re)arm from explicit values; ``configure()`` disarms.  Used by forked test children."""
     global _ARMED

@@ -9,7 +9,7 @@ Speed: a document is first parsed by msgspec's C parser (strict JSON: it refuses
 ``Infinity`` literals, invalid UTF-8, lone surrogates, numbers out of range), and that result is
 kept only when it provably reads as the standard library reads it (:func:`fast_loads`): no
 duplicate key (every ``:`` byte of the text is accounted for by a member of an object or, in a text
-without escapes, by a ``:`` inside a string; a duplicate would leave one over), and, for
+without a ``\\u`` escape, by a ``:`` inside a string; a duplicate would leave one over), and, for
 :func:`loads_strict`, the depth and integer limits hold.  Anything else -- an error, a doubt -- is
 parsed again by the standard library with the rules above, which decides and words the refusal, so
 what is accepted, what it reads as and every message are exactly the standard library's.
@@ -92,8 +92,11 @@ def fast_loads(data: bytes | str, *, strict: bool = True) -> Any:
     msgspec keeps the last of duplicate keys, so the members it built are counted: each came from a
     ``:`` of the text, so when they account for every ``:`` byte (a ``:`` byte is never part of a
     multi-byte UTF-8 character) no member was dropped.  A text with ``:`` inside strings passes when it
-    has no backslash (so the strings read exactly as written) and members plus the ``:`` in the strings
-    read account for every one.  ``strict``: also :func:`loads_strict`'s depth and integer limits (the
+    has no ``\\u`` escape and members plus the ``:`` in the strings read account for every one: every other
+    escape (``\\"``, ``\\\\``, ``\\n``, ...) reads as a character that is not ``:``, so each ``:`` read in a string
+    stands for one ``:`` byte of the text, while ``\\u003a`` would read as a ``:`` with no byte of its own and
+    could hide a dropped member.  (A ``\\\\u`` that is an escaped backslash before a ``u`` declines too:
+    the standard library decides.)  ``strict``: also :func:`loads_strict`'s depth and integer limits (the
     diag reader has neither; a document nested deeper than :data:`FAST_DEPTH` is left to the standard
     library, whose recursion limit decides as it always did).
     """
@@ -109,9 +112,9 @@ def fast_loads(data: bytes | str, *, strict: bool = True) -> Any:
         else:
             n = 0
         if isinstance(data, bytes):
-            colons, escaped = data.count(b":"), b"\\" in data
+            colons, escaped = data.count(b":"), b"\\u" in data
         else:
-            colons, escaped = data.count(":"), "\\" in data
+            colons, escaped = data.count(":"), "\\u" in data
         if n == colons or (not escaped and n + _string_colons(obj) == colons):
             return obj
     except Exception:  # any doubt (a parse error, the depth, an integer's size): the standard library decides

@@ -137,10 +137,12 @@ def test_a_final_adapter_that_is_not_safetensors_is_refused(tmp_path: Path, clai
 
 
 def test_adapters_are_hashed_on_several_threads_when_large(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above the size threshold the files are hashed in parallel; the verdict is the same, a bad file still named."""
-    from replayjob.gate import checks as claims
+    """Scanned here (no worker), above the size threshold the files are hashed on several threads; the verdict is
+    the same, a bad file still named."""
+    from replayjob.gate import adapter_scans
 
-    monkeypatch.setattr(claims, "PARALLEL_HASH_BYTES", 1)
+    monkeypatch.setattr(adapter_scans, "PARALLEL_HASH_BYTES", 1)
+    monkeypatch.setattr(adapter_scans, "_can_fork", lambda: False)
     ev = synthetic.build(tmp_path / "ev", ARMS, 3)
     assert reduce(ev, "bitwise")[0] == 0
     (ev.replay_files[4].parent / synthetic.ADAPTER).write_bytes(b"tampered")

@@ -99,3 +99,16 @@ def test_counted_bootstrap_at_reduce_scale_and_with_negative_zero() -> None:
     got = bootstrap_ratios({"t": signed}, {"t": [1.0, 2.0, 3.0]}, resamples=200)["t"]
     want = _reference_ratios(signed, [1.0, 2.0, 3.0], 20240601, 200)
     assert (repr(got["low"]), repr(got["high"])) == (repr(want["low"]), repr(want["high"]))
+
+
+@pytest.mark.parametrize("n", [1, 2, 31, 32, 33, 64, 65, 1000, 5001])
+def test_counted_medians_at_block_and_chunk_edges(n: int) -> None:
+    """Sizes at and around a block of ranked rows (32), and large enough that the draws are counted in several
+    chunks of resamples: every resample's median is the partition's exactly."""
+    from replayjob.gate.stats import BLOCK, _counted_medians, _draw_counts, _resampled_medians
+
+    assert BLOCK == 32
+    rng = np.random.RandomState(n)
+    arr = rng.choice([0.5, 1.0, 2.0, 3.0], size=n) if n % 2 else rng.lognormal(0.0, 0.3, n)
+    idx = rng.randint(0, n, size=(300 if n > 1000 else 2000, n))
+    assert _counted_medians(np, arr, _draw_counts(np, idx)).tobytes() == _resampled_medians(np, arr, idx).tobytes()

@@ -12,18 +12,13 @@ update geometry lives in :mod:`.updates`.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from collections import Counter
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
-from replayjob import tensorfile
 from replayjob.artifacts.metrics import (
     EFFECTIVE,
     FINAL_ADAPTER,
@@ -32,7 +27,7 @@ from replayjob.artifacts.metrics import (
     SOURCE_FILE,
     STEP_FINAL_ADAPTER,
 )
-from replayjob.errors import ReplayjobError
+from replayjob.gate.adapter_scans import AdapterScans, scan_all
 from replayjob.gate.evidence import SKIPPED, Replay, Source, Tolerances
 from replayjob.hostinfo import hardware_identity
 from replayjob.runtime.knobs import BUILTIN, STACK_PREFIX, Knob, knobs_for
@@ -168,14 +163,19 @@ def _with_source(source: Source | None, attr: str, replays: list[Replay]) -> lis
     return vals + [(r.label, getattr(r, attr)) for r in replays]
 
 
+ON_DISK = "inputs.final_adapter_on_disk"
+_PENDING = Check(ON_DISK, "inputs", "pending", None, None, "made by with_on_disk")
+
+
 def input_checks(replays: list[Replay], arms: dict[str, Arm], source: Source | None,
                  min_repeats: int, expected_arms: tuple[str, ...] | None = None,
-                 scans: AdapterScans | None = None) -> list[Check]:
-    """Refusing checks: the expected arms, enough repeats, one source, unique repeat indices.
+                 scans: AdapterScans | None = None, *, defer_on_disk: bool = False) -> list[Check]:
+    """Refusing checks: the expected arms, enough repeats, one source, unique repeat indices, the adapters on disk.
 
     Arms are read from the metrics, so an arm whose replays all failed would be invisible; with
     ``expected_arms`` it counts as zero replays and is named.  ``scans``: the adapters already being
-    hashed (:class:`AdapterScans`).
+    hashed (:class:`AdapterScans`).  ``defer_on_disk``: the on-disk check keeps its place in the list but is
+    made later, by :func:`with_on_disk` (so the other checks run while the adapters are still being hashed).
     """
     counts = {a.name: len(a.replays) for a in arms.values()}
     checks: list[Check] = []
@@ -203,9 +203,15 @@ def input_checks(replays: list[Replay], arms: dict[str, Arm], source: Source | N
     checks.append(Check("inputs.unique_repeats", "inputs", REFUSED if dup else PASS,
                         "one file per (arm, repeat_index)", {"files": len(replays), "pairs": len(seen)},
                         "the same replay counted twice would shrink the spread", dup))
-    checks.append(on_disk_check(replays, source, scans))
+    checks.append(_PENDING if defer_on_disk else on_disk_check(replays, source, scans))
     checks.append(plan_check(arms))
     return checks
+
+
+def with_on_disk(checks: list[Check], replays: list[Replay], source: Source | None,
+                 scans: AdapterScans | None = None) -> list[Check]:
+    """``checks`` with the on-disk check :func:`input_checks` deferred made now, in its place."""
+    return [on_disk_check(replays, source, scans) if c is _PENDING else c for c in checks]
 
 
 def systems_only_check(arms: dict[str, Arm]) -> Check:
@@ -364,79 +370,6 @@ def knobs_in_effect_check(arms: dict[str, Arm], source: Source | None) -> Check:
                  "training.micro_batch_size is expected as min(value, ceil(rows / distributed.world_size))", off)
 
 
-PARALLEL_HASH_BYTES = 32 * 1024 * 1024  # adapters adding up to less are hashed on one thread
-HASH_WORKERS = 4  # adapter files hashed at once, at most (SHA-256 and reads release the GIL)
-
-
-def _disk_scan(path: Path) -> tuple[str | None, str | None]:
-    """One read of an adapter file through :func:`replayjob.tensorfile.scan` (no tensor built, nothing kept):
-    its SHA-256 (``None`` when unreadable) and, when the bytes are not a valid safetensors file, why."""
-    try:
-        scanned = tensorfile.scan(path, keep=False)
-    except ReplayjobError:
-        return None, None
-    return scanned.sha256, None if scanned.error is None else scanned.error.message
-
-
-def _disk_scans(paths: list[Path]) -> list[tuple[str | None, str | None]]:
-    """:func:`_disk_scan` of every path, in order; several files at once when they are large together."""
-    total = 0
-    for p in paths:
-        with contextlib.suppress(OSError):
-            total += os.stat(p, follow_symlinks=False).st_size
-    workers = min(HASH_WORKERS, os.cpu_count() or 1, len(paths))
-    if workers < 2 or total < PARALLEL_HASH_BYTES:
-        return [_disk_scan(p) for p in paths]
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="replayjob-adapter-hash") as pool:
-        return list(pool.map(_disk_scan, paths))
-
-
-class AdapterScans:
-    """Final adapters hashed in the background while the rest of the evidence is still read: reduce hands each
-    replay over (:meth:`start`) as soon as its metrics are read, every :data:`BATCH` adapters go to a background
-    thread together (one hand-over per batch, not per file), and :func:`on_disk_check` collects the results
-    (:meth:`take`), so the hashing runs beside the reading on another core.  The scan is :func:`_disk_scan`'s,
-    the same as when :func:`on_disk_check` hashes the files itself; :meth:`close` cancels what was not
-    started (a refusal part-way)."""
-
-    BATCH = 64
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._batch: list[Path] = []
-        self._pending: dict[Path, tuple[Future[list[tuple[str | None, str | None]]], int]] = {}
-
-    def start(self, replay: Replay) -> Replay:
-        """Queue ``replay``'s final adapter for hashing (a full batch starts at once); returns ``replay``."""
-        self._batch.append(replay.final_adapter_file)
-        if len(self._batch) >= self.BATCH:
-            self._submit()
-        return replay
-
-    def _submit(self) -> None:
-        if not self._batch:
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=min(HASH_WORKERS, os.cpu_count() or 1),
-                                            thread_name_prefix="replayjob-adapter-hash")
-        batch, self._batch = self._batch, []
-        future = self._pool.submit(lambda: [_disk_scan(p) for p in batch])
-        for i, p in enumerate(batch):
-            self._pending[p] = (future, i)
-
-    def take(self, path: Path) -> tuple[str | None, str | None]:
-        """The scan of ``path``: the one queued for it (once), else one made now."""
-        self._submit()  # the last, partial batch
-        pending = self._pending.pop(path, None)
-        return _disk_scan(path) if pending is None else pending[0].result()[pending[1]]
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        self._batch.clear()
-        self._pending.clear()
-
-
 def on_disk_check(replays: list[Replay], source: Source | None, scans: AdapterScans | None = None) -> Check:
     """Recompute every final adapter's SHA-256 from its file and check its safetensors header (the one
     reader, :mod:`replayjob.tensorfile`; no tensor is built): a file that does not match, or that matches
@@ -445,7 +378,7 @@ def on_disk_check(replays: list[Replay], source: Source | None, scans: AdapterSc
     if source is not None and source.final_adapter_file is not None:  # a captured step keeps only the SHA-256
         members.insert(0, ("source", source.final_adapter_file, source.final_adapter))
     paths = [m[1] for m in members]
-    scanned = _disk_scans(paths) if scans is None else [scans.take(p) for p in paths]
+    scanned = scan_all(paths) if scans is None else scans.take_all(paths)
     mismatched: dict[str, Any] = {}
     invalid: dict[str, str] = {}
     for (label, _path, reported), (actual, error) in zip(members, scanned, strict=True):
@@ -454,7 +387,7 @@ def on_disk_check(replays: list[Replay], source: Source | None, scans: AdapterSc
         elif error is not None:
             invalid[label] = error
     offenders = (*mismatched, *invalid)
-    return Check("inputs.final_adapter_on_disk", "inputs", REFUSED if offenders else PASS,
+    return Check(ON_DISK, "inputs", REFUSED if offenders else PASS,
                  "on-disk SHA-256 == reported final_adapter_sha256, and a valid safetensors file",
                  {"mismatched": mismatched, "invalid": invalid},
                  "an adapter file altered, truncated or missing after the run, or one that is not a valid "

@@ -37,6 +37,7 @@ from replayjob.errors import RefusedError, UsageError
 from replayjob.gate import budgets as B
 from replayjob.gate import checks as C
 from replayjob.gate import gradients, routing, stats, updates
+from replayjob.gate.adapter_scans import AdapterScans
 from replayjob.gate.evidence import (
     MEASURES,
     Replay,
@@ -87,7 +88,7 @@ class _State:
         self.checks: list[C.Check] = []
         self.updates: dict[str, Any] | None = None
         self.budgets: B.Budgets | None = None
-        self.scans = C.AdapterScans()  # final adapters hashed while the rest is read
+        self.scans = AdapterScans()  # final adapters hashed while the rest is read
 
 
 def _rel(path: Path, base: Path) -> str:
@@ -121,7 +122,9 @@ def _evaluate(req: Request, st: _State) -> None:
                              hint="with --spec, --arms selects a subset of the spec's arms (or drop it: all of them)")
         expected_arms = req.arms if req.arms is not None else tuple(plan)
         st.plan = {a: plan[a] for a in expected_arms}
-    st.replays = [st.scans.start(read_replay(p, listing=names)) for p, names in discover_listed(req.paths)]
+    for p, names in discover_listed(req.paths):
+        st.replays.append(read_replay(p, listing=names))
+        st.scans.start(st.replays[-1].final_adapter_file)
     st.arms = C.group_arms(st.replays, st.plan)
     if req.tolerances is not None and not cl.needs_tolerances:
         raise UsageError(f"--tolerances applies only to --claim "
@@ -142,7 +145,8 @@ def _evaluate(req: Request, st: _State) -> None:
     st.source = read_source(req.source, req.source_step) if req.source is not None else None
     st.tolerances = read_tolerances(req.tolerances) if req.tolerances is not None else None
     _read_budgets(req, st)
-    st.checks = C.input_checks(st.replays, st.arms, st.source, req.min_repeats, expected_arms, st.scans)
+    st.checks = C.input_checks(st.replays, st.arms, st.source, req.min_repeats, expected_arms, st.scans,
+                               defer_on_disk=True)  # made last (reduce_evidence): the hashing overlaps the rest
     st.checks.append(C.hardware_check(st.replays, req.mixed_hardware))
     if st.source is not None:
         m = st.capture = _capture_manifest(st.source)
@@ -161,6 +165,7 @@ def _evaluate(req: Request, st: _State) -> None:
         if any(c.status == C.FAIL for c in st.checks if c.group == "bitwise"):
             st.checks += gradients.localise(st.replays, st.source.final_adapter)  # when traced
     if "approximate" in cl.groups:
+        st.checks = C.with_on_disk(st.checks, st.replays, st.source, st.scans)  # it decides what is evaluated
         _approximate(st)
 
 
@@ -266,18 +271,29 @@ def _measures(a: C.Arm, metric: str) -> list[float]:
     return [B.metric_value(r, metric) for r in a.replays]
 
 
-def _comparisons(st: _State, baseline: str | None, admission: str, contended: list[str],
-                 max_looks: int) -> dict[str, Any]:
+def _ratios(st: _State, baseline: str | None) -> dict[str, Any]:
+    """Each arm's bootstrap ratios of medians to the baseline arm, per measure (the admission only words what
+    :func:`_comparisons` reports of them, so they are computed while the adapters are still being hashed)."""
     ratios: dict[str, Any] = {}
     metric = _timing_metric(st)
     measures = (*MEASURES, *((IN_PROCESS_METRIC,) if metric == IN_PROCESS_METRIC else ()))
     if baseline is not None and baseline in st.arms:
         base = st.arms[baseline]
         for a in st.arms.values():
+            if a.name != baseline:
+                ratios[a.name] = stats.bootstrap_ratios({m: _measures(a, m) for m in measures},
+                                                        {m: _measures(base, m) for m in measures})
+    return ratios
+
+
+def _comparisons(st: _State, baseline: str | None, admission: str, contended: list[str],
+                 max_looks: int, ratios: dict[str, Any]) -> dict[str, Any]:
+    metric = _timing_metric(st)
+    if baseline is not None and baseline in st.arms:
+        base = st.arms[baseline]
+        for a in st.arms.values():
             if a.name == baseline:
                 continue
-            ratios[a.name] = stats.bootstrap_ratios({m: _measures(a, m) for m in measures},
-                                                    {m: _measures(base, m) for m in measures})
             for m in B.TIME_METRICS if contended else ():
                 if m in ratios[a.name]:
                     ratios[a.name][m].update(low=None, high=None, excludes_1=None,
@@ -325,7 +341,7 @@ def _contention_check(st: _State, contended: list[str], gate_ok: bool) -> C.Chec
     return C.Check("timing.uncontended", "timing", status, expected, contended, detail, tuple(contended))
 
 
-def _document(req: Request, st: _State, refusal: dict[str, Any] | None) -> dict[str, Any]:
+def _document(req: Request, st: _State, refusal: dict[str, Any] | None, ratios: dict[str, Any]) -> dict[str, Any]:
     base = Path(os.path.abspath(req.out)).parent
     gate_ok = refusal is None and bool(st.checks) and all(
         c.status in (C.PASS, C.NOT_APPLICABLE) for c in st.checks if c.group in ("inputs", "exact-input"))
@@ -362,7 +378,7 @@ def _document(req: Request, st: _State, refusal: dict[str, Any] | None) -> dict[
     doc = verdict.document(
         claim=req.claim, checks=[c.to_json() for c in st.checks], refusal=refusal, admission=admission,
         parameters=parameters, inputs=inputs, arms=_arm_stats(st, st.source),
-        comparisons=_comparisons(st, req.baseline, admission, contended, req.max_looks), updates=st.updates,
+        comparisons=_comparisons(st, req.baseline, admission, contended, req.max_looks, ratios), updates=st.updates,
         optional={**({"budgets": budgets} if st.budgets is not None else {}),  # only when budgets were requested
                   **({"contention": contention} if contention is not None else {}),  # some replay was probed
                   **({"in_process": in_process} if in_process is not None else {})})
@@ -374,12 +390,15 @@ def reduce_evidence(req: Request) -> verdict.Verdict:
     st = _State()
     refusal = None
     try:
-        _evaluate(req, st)
-    except RefusedError as exc:  # IntegrityError, UsageError, ... are RefusedErrors
-        refusal = verdict.refusal_of(exc)
+        try:
+            _evaluate(req, st)
+        except RefusedError as exc:  # IntegrityError, UsageError, ... are RefusedErrors
+            refusal = verdict.refusal_of(exc)
+        ratios = _ratios(st, req.baseline)  # while the worker still hashes
+        st.checks = C.with_on_disk(st.checks, st.replays, st.source, st.scans)
     finally:
         st.scans.close()
-    doc = _document(req, st, refusal)
+    doc = _document(req, st, refusal, ratios)
     if req.missing:  # refused for want of evidence a stage did not produce: nothing was decided (3)
         doc = verdict.incomplete(doc, req.missing)
     if req.report is not None:

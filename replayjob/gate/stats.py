@@ -9,10 +9,10 @@ everywhere; the percentile interval of the resampled ratios is reported.
 A resample's median is an order statistic of the values it drew, so it is found without gathering or
 partitioning the drawn values: how often each replay was drawn in each resample is counted once per arm
 (:func:`_draw_counts`, shared by every metric), and per metric those counts, taken in the metric's sorted
-order and accumulated, say which sorted value sits at the middle position of each resample
-(:func:`_counted_medians`).  The value found is exactly the one a partition of the drawn values puts
-there, so the interval is unchanged; ``tests/test_gate_stats.py`` checks both against each other on
-random inputs.
+order and accumulated (in blocks, then within the one block that matters), say which sorted value sits at
+the middle position of each resample (:func:`_counted_medians`).  The value found is exactly the one a
+partition of the drawn values puts there, so the interval is unchanged; ``tests/test_gate_stats.py`` checks
+both against each other on random inputs.
 
 Example:
     >>> summary([3.0, 1.0, 2.0, 4.0])["median"], summary([3.0, 1.0, 2.0, 4.0])["iqr"]
@@ -68,36 +68,67 @@ def _resampled_medians(np: Any, values: Any, idx: Any) -> Any:
 
 def _draw_counts(np: Any, idx: Any) -> Any:
     """``counts[j, r]``: how many times resample ``r`` (a row of ``idx``) drew replay ``j``; shape ``(n, resamples)``,
-    the narrowest unsigned type that holds ``n``."""
+    the narrowest unsigned type that holds ``n``.  Counted a few resamples at a time (about a million draws), so
+    the intermediate arrays stay small and are reused instead of faulted in afresh."""
     resamples, n = idx.shape
     dtype = np.uint16 if n <= 0xFFFF else np.uint32 if n <= 0xFFFFFFFF else np.uint64
-    flat = (idx + (np.arange(resamples, dtype=idx.dtype) * n)[:, None]).ravel()
-    counts = np.bincount(flat, minlength=resamples * n).astype(dtype).reshape(resamples, n)
-    return np.ascontiguousarray(counts.T)
+    counts = np.empty((n, resamples), dtype=dtype)
+    step = max(1, min(resamples, (1 << 20) // max(n, 1)))
+    offsets = (np.arange(step, dtype=idx.dtype) * n)[:, None]
+    for r0 in range(0, resamples, step):
+        part = idx[r0:r0 + step]
+        k = part.shape[0]
+        flat = np.add(part, offsets[:k]).ravel()
+        counts[:, r0:r0 + k] = np.bincount(flat, minlength=k * n).reshape(k, n).T
+    return counts
 
 
-def _counted_medians(np: Any, values: Any, counts: Any, work: tuple[Any, Any] | None = None) -> Any:
-    """Median of each resample from its draw counts (:func:`_draw_counts`): with the counts accumulated in
-    ``values``' sorted order, the value at 0-based position ``k`` of a resample is the sorted value at the
-    number of positions whose running count is still ``<= k``.  ``work``: two arrays of ``counts``' shape (its
-    type and bool) reused by every metric of an arm, so no metric allocates (and faults in) arrays of its own."""
+BLOCK = 32  # rows of sorted positions summed together when the middle of each resample is looked for
+
+
+def _counted_medians(np: Any, values: Any, counts: Any, work: Any = None) -> Any:
+    """Median of each resample from its draw counts (:func:`_draw_counts`): with the counts taken in ``values``'
+    sorted order and accumulated, the value at 0-based position ``k`` of a resample is the sorted value at the
+    number of positions whose running count is still ``<= k``.
+
+    The running counts are never built whole: the ranked counts are summed in blocks of :data:`BLOCK` rows (one
+    pass), the blocks accumulated (a small array), and for each resample only the block where the running
+    count passes ``k`` is accumulated row by row: every block before it lies wholly at or below ``k`` and every
+    row after it above, so the position counted is the same.  ``work``: an array from :func:`_work`, reused by
+    every metric of an arm, so no metric allocates (and faults in) the ranked counts of its own."""
     n = values.shape[0]
     order = np.argsort(values, kind="stable")
     ranked = values[order]
-    running, below = work if work is not None else (np.empty_like(counts), np.empty(counts.shape, dtype=bool))
-    np.take(counts, order, axis=0, out=running)  # rows in sorted order, accumulated in place below
-    for j in range(1, n):  # row by row: each step one vector add across every resample
-        np.add(running[j - 1], running[j], out=running[j])
+    padded = work if work is not None else _work(np, counts)
+    np.take(counts, order, axis=0, out=padded[:n])
+    nb = -(-n // BLOCK)  # the last block padded with zero counts: running counts there stay n, above any k
+    blocks = padded[:nb * BLOCK].reshape(nb, BLOCK, -1).sum(axis=1, dtype=counts.dtype)  # each sum <= n
+    np.cumsum(blocks, axis=0, out=blocks)
+    resamples = counts.shape[1]
+    columns = np.arange(resamples)[:, None]
+    within = np.arange(BLOCK)
+
+    def position(k: int) -> Any:
+        block = np.count_nonzero(blocks <= k, axis=0)  # whole blocks at or below k, per resample
+        before = np.where(block > 0, blocks[np.maximum(block - 1, 0), np.arange(resamples)], 0)
+        rows = padded[(block * BLOCK)[:, None] + within, columns].astype(np.int64)  # (resamples, BLOCK)
+        np.cumsum(rows, axis=1, out=rows)
+        return block * BLOCK + np.count_nonzero(rows + before[:, None] <= k, axis=1)  # at most n: the last
+
     mid = n // 2
-    upper = ranked[np.count_nonzero(np.less_equal(running, mid, out=below), axis=0)]
+    upper = ranked[position(mid)]
     if n % 2:
         return upper
-    lower = ranked[np.count_nonzero(np.less_equal(running, mid - 1, out=below), axis=0)]
-    return (lower + upper) / 2.0
+    return (ranked[position(mid - 1)] + upper) / 2.0
 
 
-def _work(np: Any, counts: Any) -> tuple[Any, Any]:
-    return np.empty_like(counts), np.empty(counts.shape, dtype=bool)
+def _work(np: Any, counts: Any) -> Any:
+    """The ranked counts' array: ``counts``' rows and :data:`BLOCK` more of zero counts, so every block, the
+    last included, can be read whole."""
+    n = counts.shape[0]
+    padded = np.empty((n + BLOCK, counts.shape[1]), dtype=counts.dtype)
+    padded[n:] = 0
+    return padded
 
 
 class _Arm:
