@@ -322,6 +322,35 @@ def test_recorder_keys_rows_logically_and_refuses_an_unplanned_forward() -> None
         model(input_ids=torch.tensor([[9, 9]]), attention_mask=torch.ones(1, 2))
 
 
+def test_recorder_cuts_a_packed_micro_batch_back_into_its_rows() -> None:
+    """Rows the model receives packed into one sequence are recorded at the producer's offsets, keyed by logical
+    row like padded rows; offsets that do not cut the sequence into the rows are refused before any hook runs."""
+    import torch
+
+    from replayjob.errors import ContractError
+    from replayjob.producers.session import MicroStep
+    from replayjob.producers.trace_recorder import Recorder
+
+    model: torch.nn.Module = _Toy.build()  # type: ignore[assignment]
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.SGD([p for _, p in params], lr=0.1)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 0]])  # three rows of 3, 2 and 4 tokens, then one pad
+    mask = torch.ones_like(ids)
+    offsets = torch.tensor([0, 3, 5, 9])
+    rec = Recorder(model, [MicroStep((0, 1, 2), None, None, ids, mask, offsets)], params, opt)
+    want = model.lin(model.emb(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9]))).detach()  # type: ignore[operator]
+    with rec.attached():
+        model(input_ids=ids, attention_mask=mask).sum().backward()
+        opt.step()
+    t = rec.trace({})
+    assert t.row_tokens.tolist() == [3, 2, 4] and t.row_micro_batch.tolist() == [0, 0, 0]
+    lin = next(s for s in t.forward if s.name == "lin")
+    assert lin.values.shape == (9, 3) and torch.allclose(lin.values, want, rtol=0, atol=1e-6)  # the pad dropped
+    for bad in ([0, 3, 5], [1, 3, 5, 9], [0, 5, 3, 9], [0, 3, 5, 11]):
+        with pytest.raises(ContractError, match="offsets"):
+            Recorder(model, [MicroStep((0, 1, 2), None, None, ids, mask, torch.tensor(bad))], params, opt)
+
+
 def _set(doc: dict, path: str, value: object) -> None:
     *head, last = path.split(".")
     for k in head:

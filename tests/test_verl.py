@@ -482,13 +482,14 @@ def test_a_precision_arm_of_a_bf16_capture_is_judged_by_the_approximate_claim(sc
     assert verdicts == {"loose": 0, "tight": 1}, verdicts
 
 
-def test_a_padded_replay_is_traced_row_by_row_and_trace_diff_names_the_first_divergence(
+def test_padded_and_packed_replays_are_traced_row_by_row_and_trace_diff_names_the_first_divergence(
         vanilla: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``replay --trace`` of a verl capture: refused with packed rows (the engine runs each micro-batch as one
-    sequence; the refusal names the padded arm), recorded with padded rows, keyed by logical row through the
-    engine's own micro-batches (every module's output and gradient, every parameter's gradient and update as full
-    tensors).  Tracing leaves the update as it is; two traces of the same arm are identical, and against micro-batch
-    size 1 ``trace-diff`` names the first divergent module in forward and backward order."""
+    """``replay --trace`` of a verl capture, keyed by logical row through the engine's own micro-batches (every
+    module's output and gradient, every parameter's gradient and update as full tensors): with padded rows, and
+    with packed rows (the engine runs each micro-batch as one sequence, cut back into rows at its offsets), so the
+    two arms line up row by row.  Tracing leaves the update as it is; two traces of the same arm are identical,
+    and against micro-batch size 1 ``trace-diff`` names the first divergent module in forward and backward
+    order."""
     toml = str(vanilla / "replay_step_000002.toml")
     padded = {"verl.engine.use_remove_padding": "false", "verl.model.use_remove_padding": "false"}
 
@@ -498,14 +499,19 @@ def test_a_padded_replay_is_traced_row_by_row_and_trace_diff_names_the_first_div
         argv += ["--set", "optimizer_batch.allow_config_differences=" + json.dumps(sorted(sets))]
         return main(["replay", toml, "--out", str(tmp_path / out), *flags, *argv])
 
-    assert main(["replay", toml, "--out", str(tmp_path / "packed"), "--trace"]) == 2
-    assert "--set verl.engine.use_remove_padding=false" in capsys.readouterr().err
-    assert not (tmp_path / "packed").exists()
+    assert main(["replay", toml, "--out", str(tmp_path / "packed"), "--trace"]) == 0
+    assert main(["replay", toml, "--out", str(tmp_path / "packed-plain")]) == 0
     assert replay("a", "--trace") == replay("b", "--trace") == replay("plain") == 0
     assert replay("mb1", "--trace", **{"verl.engine.micro_batch_size_per_gpu": "1"}) == 0
     final = {d: json.loads((tmp_path / d / "replay_metrics.json").read_text())["optimizer_batch/final_adapter_sha256"]
-             for d in ("a", "b", "plain", "mb1")}
+             for d in ("a", "b", "plain", "mb1", "packed", "packed-plain")}
     assert final["a"] == final["b"] == final["plain"] != final["mb1"], final
+    assert final["packed"] == final["packed-plain"], final  # tracing packed rows leaves the update as it is
+    capsys.readouterr()
+    assert main(["trace-diff", str(tmp_path / "packed"), str(tmp_path / "a"), "--json"]) in (0, 1)
+    lined = json.loads(capsys.readouterr().out)
+    assert not lined["unmatched"]["only_a"] and not lined["unmatched"]["only_b"], lined["unmatched"]
+    assert lined["compared"]["forward"] > 20 and lined["compared"]["backward"] > 20  # row by row, both directions
     capsys.readouterr()
     assert main(["trace-diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 0
     same = json.loads(capsys.readouterr().out)

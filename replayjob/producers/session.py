@@ -33,13 +33,17 @@ class MicroStep:
     call (``None``: the stream continues from the previous micro-batch); ``data``: the producer's own;
     ``trace_ids`` and ``trace_mask``: the ``input_ids`` the model's root module receives and the
     producer's token mask over them (``[rows, length]``, nonzero where a token is real), or ``None``
-    when the producer cannot be traced."""
+    when the producer cannot be traced; ``trace_offsets``: for a micro-batch whose rows the model receives
+    packed into one sequence (``trace_ids`` ``[1, length]``), where each row's tokens lie in it (``rows + 1``
+    increasing offsets: row ``j`` is ``[offsets[j], offsets[j + 1])``; anything after the last offset is padding
+    the model also receives), else ``None``."""
 
     rows: tuple[int, ...]
     rng: dict[str, torch.Tensor] | None
     data: Any
     trace_ids: torch.Tensor | None = None
     trace_mask: torch.Tensor | None = None
+    trace_offsets: torch.Tensor | None = None
 
 
 @dataclass

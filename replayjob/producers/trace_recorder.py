@@ -20,12 +20,15 @@ keyed the same way.  While attached:
 
 After each micro-batch only each row's real tokens (where the producer's token mask is nonzero) are
 kept (on the CPU), keyed by logical row, so traces of arms with different micro-batch sizes line up
-row by row.
+row by row.  A micro-batch the model receives packed into one sequence (``[1, tokens]``, the rows one
+after the other: :attr:`~replayjob.producers.session.MicroStep.trace_offsets`) is cut back into its rows
+at the producer's offsets, so a packed arm lines up with a padded one too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +56,17 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
+def _check_packed(step: MicroStep) -> None:
+    """A packed micro-batch's offsets: one more than its rows, from 0, never decreasing, inside its one sequence."""
+    ids, off = step.trace_ids, step.trace_offsets
+    assert ids is not None and off is not None
+    bounds = [int(o) for o in off]
+    if (ids.dim() != 2 or ids.shape[0] != 1 or len(bounds) != len(step.rows) + 1 or bounds[0] != 0
+            or any(b < a for a, b in itertools.pairwise(bounds)) or bounds[-1] > ids.shape[1]):
+        raise ContractError("a packed micro-batch's row offsets do not cut its one sequence into its rows",
+                            hint="the producer's trace_offsets must hold rows + 1 non-decreasing positions from 0")
+
+
 class Recorder:
     """Collects one trace of one update; see the module docstring for what is recorded."""
 
@@ -71,6 +85,11 @@ class Recorder:
             raise ContractError("the micro-batches do not hold each logical row once", hint="trace only replays")
         self.row_tokens = torch.zeros(len(rows), dtype=torch.int64)
         for s, mask in zip(plan, self.masks, strict=True):
+            if s.trace_offsets is not None:
+                _check_packed(s)
+                for j, r in enumerate(s.rows):
+                    self.row_tokens[r] = int(s.trace_offsets[j + 1] - s.trace_offsets[j])
+                continue
             for j, r in enumerate(s.rows):
                 self.row_tokens[r] = int(mask[j].sum())
         self.row_mb = torch.zeros(len(rows), dtype=torch.int64)
@@ -149,12 +168,13 @@ class Recorder:
         if self.mb < 0:
             return
         mb, mask = self.plan[self.mb], self.masks[self.mb]
+        offsets = None if mb.trace_offsets is None else [int(o) for o in mb.trace_offsets]
         for pending, store in ((self._pending_fwd, self.fwd_rows), (self._pending_bwd, self.bwd_rows)):
             for key, t in pending.items():
                 rows = store.setdefault(key, {})
                 flat = t.reshape(t.shape[0], t.shape[1], -1).to("cpu")
                 for j, i in enumerate(mb.rows):
-                    rows[i] = flat[j][mask[j]]
+                    rows[i] = flat[j][mask[j]] if offsets is None else flat[0][offsets[j]:offsets[j + 1]]
             pending.clear()
 
     # -- attaching -----------------------------------------------------------------------------------

@@ -683,7 +683,7 @@ class VerlSession(ReplaySession):
 
     def plan(self) -> list[MicroStep]:
         """The captured step as one micro-step per micro-batch the engine will run (where a traced replay can key
-        rows: padded rows on one process), else one per captured call.  The first runs the whole captured
+        rows: on one process, padded or packed), else one per captured call.  The first runs the whole captured
         ``train_batch`` (the engine splits it itself, as it did at capture); the others only mark where the engine's
         next forward begins, with the rows and padded ``input_ids`` it receives."""
         refusal = self.trace_refusal
@@ -695,9 +695,9 @@ class VerlSession(ReplaySession):
         for step in steps:
             mb: _microbatch.MicroBatch = step.data
             first = min(step.rows)
-            for j, (rows, ids, mask) in enumerate(engine_micro_batches(self.engine, mb, self.engine_values)):
+            for j, (rows, ids, mask, offsets) in enumerate(engine_micro_batches(self.engine, mb, self.engine_values)):
                 out.append(MicroStep(tuple(first + r for r in rows), step.rng if j == 0 else None,
-                                     mb if j == 0 else None, ids, mask))
+                                     mb if j == 0 else None, ids, mask, offsets))
         return out
 
     def micro_batch(self, i: int, step: MicroStep, before_loss: Any) -> None:
@@ -784,21 +784,22 @@ def trace_refusal(engine: dict[str, Any], world: int) -> str | None:
     """Why a traced replay of this engine configuration cannot key its records by logical row (``None``: it can)."""
     if world > 1:
         return f"it runs on {world} processes (trace a one-process capture)"
-    if engine.get("use_remove_padding"):
-        return ("the engine packs each micro-batch's rows into one sequence, so no output is keyed by row; trace an "
-                f"arm with padded rows: --set {knobs.VERL_REMOVE_PADDING}=false --set {knobs.VERL_REMOVE_PADDING_MODEL}"
-                f"=false, both declared in optimizer_batch.allow_config_differences")
     return None
 
 
 def engine_micro_batches(engine: Any, mb: _microbatch.MicroBatch, values: dict[str, Any]) -> Iterator[
-        tuple[list[int], Any, Any]]:
+        tuple[list[int], Any, Any, Any]]:
     """The micro-batches verl's engine splits the captured batch into (its own ``prepare_micro_batches``, as
-    ``forward_backward_batch`` calls it), each as its rows within the batch, the padded ``input_ids`` the model
-    receives without remove-padding (each row's tokens, then the pad token id) and the mask of real tokens."""
+    ``forward_backward_batch`` calls it), each as its rows within the batch, the ``input_ids`` the model receives,
+    the mask of real tokens, and where each row's tokens lie when they are packed.
+
+    Padded (remove-padding off): ``[rows, width]``, each row's tokens then the pad token id; offsets ``None``.
+    Packed (remove-padding on): ``[1, tokens]``, the rows' tokens one after the other as the engine's
+    ``prepare_model_inputs`` builds them (right-padded to its bucket when it has one), and the row offsets
+    (the jagged ``input_ids``' own)."""
     import torch
     from verl.utils import tensordict_utils as tu
-    from verl.workers.engine.utils import prepare_micro_batches
+    from verl.workers.engine.utils import pad_packed_inputs, prepare_micro_batches
 
     data = decode_batch({**mb.inputs, **mb.input_values}, values)
     tu.assign_non_tensor(data, sp_size=engine.ulysses_sequence_parallel_size)
@@ -811,10 +812,17 @@ def engine_micro_batches(engine: Any, mb: _microbatch.MicroBatch, values: dict[s
         start += n
         ids = part["input_ids"]
         lengths = ids.offsets().diff()
+        if tu.get_non_tensor_data(data=part, key="use_remove_padding", default=True):
+            packed = ids.values().unsqueeze(0)
+            packed, _ = pad_packed_inputs(packed, None, engine._get_packed_pad_size(packed.size(-1)))
+            mask = torch.zeros_like(packed, dtype=torch.int64)
+            mask[0, :int(lengths.sum())] = 1
+            yield rows, packed, mask, ids.offsets().to(torch.int64)
+            continue
         width = int(lengths.max())
         pad = tu.get_non_tensor_data(data=part, key="pad_token_id", default=0)
         padded = torch.nested.to_padded_tensor(ids, padding=pad, output_size=(n, width))
-        yield rows, padded, (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.int64)
+        yield rows, padded, (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.int64), None
 
 
 class FullView:
