@@ -111,6 +111,9 @@ def builtin_manifest() -> dict[str, Any]:
 VALID: dict[str, Any] = {
     "ContentionRecord": contention_record,
     "TolerancesFile": lambda: {"update_cosine_min": 0.99, "relative_delta_l2_max": 0.1},
+    "BudgetsFile": lambda: {"baseline": "mb-default", "allow_cross_node": False,
+                            "arms": {"mb-1": {"local_train_wall_s": {"max_ratio": 1.5, "min_ratio": 0.5},
+                                              "peak_memory_bytes": {"max_ratio": 2.0}}}},
     "BoundFile": lambda: {"max_abs_log_ratio": 1e-4, "max_kl": 1e-8, "band": 0.001, "max_outside_share": 0.0},
     "ReplayMetrics": replay_metrics,
     "VerdictDocument": verdict,
@@ -144,6 +147,7 @@ NESTED = {"CudaProcess", "CudaFigures",  # reached through ContentionRecord.cuda
           "Distributed",  # ReplayMetrics' sections
           "VerdictCheck", "Refusal",  # VerdictDocument's
           "FailedNode",  # RunEnd's
+          "ArmBounds", "RatioBounds",  # BudgetsFile's
           "TraceIdentity", "TracePayloadPin", "TraceSiteEntry", "TraceParamEntry",  # TraceIndex's
           "StageContract", "PayloadSpec", "PayloadFile", "Tolerance", "Redaction", "MultiRank", "BundleIndex",
           "Identity", "Physical", "RecomputeConfig", "TaskConfig", "Sample", "PayloadRef",  # BundleManifest's
@@ -344,7 +348,8 @@ def _nan_equal(a: Any, b: Any) -> bool:
 # Each declared document's page names every one of its fields (a field cannot be checked and undocumented, nor
 # documented under a name the reader does not take): the declaration -> its page.
 PAGES = {"ReplayMetrics": "replay-metrics.md", "ContentionRecord": "replay-metrics.md",
-         "TolerancesFile": "verdict-format.md", "BoundFile": "mismatch.md", "VerdictDocument": "verdict-format.md",
+         "TolerancesFile": "verdict-format.md", "BudgetsFile": "verdict-format.md", "ArmBounds": "verdict-format.md",
+         "RatioBounds": "verdict-format.md", "BoundFile": "mismatch.md", "VerdictDocument": "verdict-format.md",
          "VerdictCheck": "verdict-format.md", "Refusal": "verdict-format.md", "Stopped": "cluster.md",
          "RunEnd": "cluster.md", "RunRecord": "cluster.md", "TraceIndex": "trace-format.md",
          "BuiltinManifest": "optimizer-batch.md",

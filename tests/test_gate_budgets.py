@@ -140,6 +140,55 @@ def test_malformed_budget_files_are_refused(tmp_path: Path, text: str, needle: s
         read_budgets(budget_file(tmp_path, text))
 
 
+OK = "[mb-1]\nlocal_train_wall_s = { max_ratio = 2 }\n"
+
+
+@pytest.mark.parametrize("text, where, needle", [
+    ("[mb-1]\nlocal_train_wall_s = { max_ratio = true }\n", "mb-1.local_train_wall_s.max_ratio",
+     "max_ratio must be a positive finite number, got `bool`"),
+    ('[mb-1]\nlocal_train_wall_s = { min_ratio = "0.5" }\n', "mb-1.local_train_wall_s.min_ratio",
+     "min_ratio must be a positive finite number, got `str`"),
+    ("[mb-1]\nlocal_train_wall_s = { max_ratio = 1e400 }\n", "mb-1.local_train_wall_s.max_ratio",
+     "max_ratio must be a positive finite number"),
+    ("[mb-1]\nlocal_train_wall_s = { max_ratio = inf }\n", "mb-1.local_train_wall_s.max_ratio",
+     "max_ratio must be a positive finite number"),
+    ("[mb-1]\nlocal_train_wall_s = { max_ratio = 0 }\n", "mb-1.local_train_wall_s.max_ratio",
+     "max_ratio must be a positive finite number"),
+    ("[mb-1]\nwall = { max_ratio = 1 }\n", "mb-1", "unknown metric 'wall'"),
+    ("[mb-1]\nlocal_train_wall_s = {}\n", "mb-1.local_train_wall_s", "declares no bound"),
+    ("[mb-1]\nlocal_train_wall_s = 2.0\n", "mb-1.local_train_wall_s", "must be an inline table"),
+    ("[mb-1]\n", "mb-1", "bounds no metric"),
+    ("[mb-1]\nlocal_train_wall_s = { min_ratio = 3, max_ratio = 2 }\n", "mb-1.local_train_wall_s",
+     "min_ratio 3.0 is above max_ratio 2.0"),
+    ('basline = "mb-default"\n' + OK, None, "unknown top-level key 'basline'"),
+    ("mb-2 = 1.5\n" + OK, None, "unknown top-level key 'mb-2'"),
+    ('baseline = ""\n' + OK, "baseline", "baseline must be an arm name"),
+    ('allow_cross_node = "yes"\n' + OK, "allow_cross_node", "allow_cross_node must be true or false, got `str`"),
+])
+def test_each_budget_rule_is_refused_naming_arm_and_metric(tmp_path: Path, text: str, where: str | None,
+                                                           needle: str) -> None:
+    """Every rule of the declaration (replayjob.artifacts.budgets_file) refuses, located as the file reads."""
+    p = budget_file(tmp_path, text)
+    with pytest.raises(IntegrityError) as info:
+        read_budgets(p)
+    assert needle in info.value.message, info.value.message
+    assert str(info.value.where) == (f"{p}: {where}" if where else str(p))
+
+
+def test_a_sound_budget_file_reads_every_bound(tmp_path: Path) -> None:
+    """Every bound, in the file's order of arms and metrics (the verdict lists them so)."""
+    p = budget_file(tmp_path, 'baseline = "mb-default"\nallow_cross_node = true\n[mb-1]\n'
+                              "peak_memory_bytes = { max_ratio = 2 }\n"
+                              "local_train_wall_s = { max_ratio = 1.5, min_ratio = 1 }\n[mb-2]\n"
+                              "in_process_train_wall_s = { min_ratio = 0.5 }\n")
+    got = read_budgets(p)
+    assert got.baseline == "mb-default" and got.allow_cross_node
+    assert [(b.arm, b.metric, b.kind, b.limit) for b in got.bounds] == [
+        ("mb-1", "peak_memory_bytes", "max_ratio", 2.0), ("mb-1", "local_train_wall_s", "max_ratio", 1.5),
+        ("mb-1", "local_train_wall_s", "min_ratio", 1.0), ("mb-2", "in_process_train_wall_s", "min_ratio", 0.5)]
+    assert all(type(b.limit) is float for b in got.bounds)
+
+
 def test_contradictory_bounds_are_refused_not_graded(tmp_path: Path) -> None:
     """min_ratio above max_ratio: no ratio meets both, so the file contradicts itself; it is refused (2), never
     graded fail (the ratio, about 3, is above max_ratio = 2)."""

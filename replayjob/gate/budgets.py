@@ -38,13 +38,15 @@ width shrinks like ``1/sqrt(n)``, so about ``ceil(n * (h / |ln(L/e)|)^2) - n`` m
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replayjob.artifacts.document import read_pinned_toml
+from replayjob.artifacts.budgets_file import HINT, KINDS, MEMORY_METRIC, METRICS, TIME_METRICS, BudgetsFile, shaped
+from replayjob.artifacts.document import decode, read_pinned_toml
 from replayjob.errors import IntegrityError
 from replayjob.gate import stats
 from replayjob.gate.checks import FAIL, NOT_APPLICABLE, PASS, REFUSED, Arm, Check, agree
@@ -52,11 +54,10 @@ from replayjob.gate.evidence import Replay
 
 INCONCLUSIVE = "inconclusive"
 CONTENDED = "contended"  # a timing decision would rest on replays a contention probe flagged (exit 3)
-TIME_METRICS = ("local_train_wall_s", "forward_wall_s", "backward_wall_s", "optimizer_wall_s",
-                "in_process_train_wall_s")
-MEMORY_METRIC = "peak_memory_bytes"
 CUDA_MEMORY = "cuda_max_allocated"
-KINDS = ("max_ratio", "min_ratio")
+# The metrics (TIME_METRICS, MEMORY_METRIC) and bound kinds (KINDS) a budget file may name are its declaration's
+# (replayjob.artifacts.budgets_file); re-exported here with the meaning of each.
+__all__ = ["KINDS", "MEMORY_METRIC", "METRICS", "TIME_METRICS"]
 # The meaning of each top-level key, metric and bound kind of a budget file (docs/budgets.md is rendered from them).
 KEY_DOCS: dict[str, str] = {
     "baseline": "Optional: the arm (a string) every ratio's denominator is measured on; when reduce --baseline "
@@ -115,42 +116,60 @@ def cuda_memory(replays: list[Replay]) -> bool:
 
 
 def read_budgets(path: str | Path) -> Budgets:
-    """Read a budget file strictly; every problem is refused naming the key."""
+    """Read a budget file through its declaration (:class:`~replayjob.artifacts.budgets_file.BudgetsFile`);
+    every problem is refused naming the file, the arm, the metric and the bound."""
     p = Path(path)
     doc, sha = read_pinned_toml(p, "budget")
-    hint = 'e.g. [ckpt-on] local_train_wall_s = { max_ratio = 1.35 } (docs/verdict-format.md)'
-    baseline = doc.pop("baseline", None)
-    cross = doc.pop("allow_cross_node", False)
-    if baseline is not None and (not isinstance(baseline, str) or not baseline):
-        raise IntegrityError("baseline must be an arm name", where=f"{p}: baseline", hint=hint)
-    if not isinstance(cross, bool):
-        raise IntegrityError("allow_cross_node must be true or false", where=f"{p}: allow_cross_node")
-    bounds: list[Bound] = []
-    for arm, table in doc.items():
-        if not isinstance(table, dict) or not table:
-            raise IntegrityError("must be a table of metric = { max_ratio = X } entries",
-                                 where=f"{p}: {arm}", hint=hint)
-        for metric, spec in table.items():
-            where = f"{p}: {arm}.{metric}"
-            if metric not in (*TIME_METRICS, MEMORY_METRIC):
-                raise IntegrityError(f"unknown metric {metric!r}", where=where,
-                                     hint="metrics: " + ", ".join((*TIME_METRICS, MEMORY_METRIC)))
-            if not isinstance(spec, dict) or not spec or set(spec) - set(KINDS):
-                raise IntegrityError("must be an inline table with max_ratio and/or min_ratio", where=where,
-                                     hint=hint)
-            for kind in KINDS:
-                if kind in spec:
-                    v = spec[kind]
-                    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
-                        raise IntegrityError(f"{kind} must be a positive finite number", where=where)
-                    bounds.append(Bound(arm, metric, kind, float(v)))
-            if set(KINDS) <= set(spec) and spec["min_ratio"] > spec["max_ratio"]:  # no ratio meets both
-                raise IntegrityError(f"min_ratio {spec['min_ratio']} is above max_ratio {spec['max_ratio']}: the "
-                                     "bounds contradict each other, so no measurement could decide them",
-                                     where=where, hint="swap them, or declare one bound")
-    if not bounds:
-        raise IntegrityError("the budget file declares no bound", where=p, hint=hint)
-    return Budgets(p, sha, baseline, cross, tuple(bounds))
+    body = shaped(doc)
+    try:
+        d = decode(body, BudgetsFile, where=p, hint=HINT)
+    except IntegrityError as exc:
+        raise _located(exc, p, body.get("arms")) from None
+    # in the file's order of arms and metrics (the verdict lists the bounds so), each metric's kinds as KINDS
+    bounds = tuple(Bound(arm, metric, kind, limit) for arm, table in d.arms.items()
+                   for metric in body["arms"][arm] for kind, limit in table.bounds(metric).limits())
+    return Budgets(p, sha, d.baseline, d.cross_node, bounds)
+
+
+_FIELD = re.compile(r"field `([^`]*)`: (.*)", re.S)
+_UNKNOWN = re.compile(r"object contains unknown field `(.*)`")
+
+
+def _located(exc: IntegrityError, p: Path, arms: Any) -> IntegrityError:
+    """A refusal of the declaration, located as the file reads: ``FILE: ARM.METRIC[.KIND]`` (the arms are
+    gathered under ``arms`` only to be declared), its rule in the file's words."""
+    m = _FIELD.fullmatch(exc.message)
+    path, rule = (m.group(1), m.group(2)) if m else ("", exc.message)
+    parts: list[str] = [path] if path else []
+    in_arm = path.startswith("arms.") and isinstance(arms, dict)
+    if in_arm:
+        arm = max((k for k in arms if path == f"arms.{k}" or path.startswith(f"arms.{k}.")), key=len, default=None)
+        if arm is None:
+            in_arm = False
+        else:
+            rest = path[len("arms.") + len(arm):].lstrip(".")
+            parts = [arm, *rest.split(".")] if rest else [arm]
+    got = rule[rule.index(", got "):] if ", got " in rule else ""
+    hint = exc.hint
+    unknown = _UNKNOWN.fullmatch(rule)
+    if unknown and not parts:
+        rule = (f"unknown top-level key {unknown.group(1)!r}: the top level holds baseline, allow_cross_node and "
+                "one table per arm")
+    elif unknown and in_arm and len(parts) == 1:
+        rule, hint = f"unknown metric {unknown.group(1)!r}", "metrics: " + ", ".join(METRICS)
+    elif unknown and in_arm and len(parts) == 2:
+        rule = f"unknown bound {unknown.group(1)!r}: must be an inline table with max_ratio and/or min_ratio"
+    elif in_arm and len(parts) == 2 and rule.startswith("expected `object"):
+        rule = "must be an inline table with max_ratio and/or min_ratio" + got
+    elif in_arm and len(parts) == 3 and rule.startswith("expected `float"):
+        rule = f"{parts[2]} must be a positive finite number" + (got or f" ({rule})")
+    elif parts == ["baseline"]:
+        rule = "baseline must be an arm name (a non-empty string)" + got
+    elif parts == ["allow_cross_node"]:
+        rule = "allow_cross_node must be true or false" + got
+    elif in_arm and len(parts) == 1 and rule.startswith("expected `object"):
+        rule = "must be a table of metric = { max_ratio = X } entries" + got
+    return IntegrityError(rule, where=f"{p}: {'.'.join(parts)}" if parts else p, hint=hint)
 
 
 def pin_check(replays: list[Replay], budgets: Budgets) -> Check:
