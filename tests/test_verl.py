@@ -590,7 +590,9 @@ def test_the_capture_overhead_benchmark_runs(tmp_path: Path) -> None:
 def test_two_data_parallel_processes_capture_and_replay_bitwise(base: Path, tmp_path: Path) -> None:
     """World size 2 (torchrun, gloo, FSDP2 sharding the parameters over both): each process captures its own share
     of the mini-batch as a part, process 0 writes the root; a replay on two processes reproduces the update
-    bitwise, and a replay on one process is refused (the process count is no verl knob)."""
+    bitwise.  Another process count is the knob ``distributed.num_processes``: refused undeclared; declared, one
+    process runs the two shares joined (here the same bits: at float32 the two processes' average of gradients
+    scaled by 2 is one process's sum), and ``reduce --claim bitwise`` judges it as a systems-only arm."""
     out = tmp_path / "cap"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "benchmarks.verl_tiny", str(out), str(base), "2"], capture_output=True, text=True,
@@ -601,13 +603,41 @@ def test_two_data_parallel_processes_capture_and_replay_bitwise(base: Path, tmp_
                                                       "replay.toml"]
     root = json.loads((out / "optimizer_batch_step_000002.manifest.json").read_text())
     assert root["world_size"] == 2
-    assert main(["replay", str(out / "replay.toml"), "--out", str(tmp_path / "one")]) == 2
+    assert main(["replay", str(out / "replay.toml"), "--out", str(tmp_path / "one")]) == 2  # undeclared
+    declared = ["--set", 'optimizer_batch.allow_config_differences=["distributed.num_processes"]']
+    assert main(["replay", str(out / "replay.toml"), "--out", str(tmp_path / "r" / "one" / "repeat-000"),
+                 *declared]) == 0
     assert main(["replay", str(out / "replay.toml"), "--out", str(tmp_path / "r" / "repeat-000"), "--nproc", "2"]) == 0
     rep = json.loads((tmp_path / "r" / "repeat-000" / "replay_metrics.json").read_text())
     src = json.loads((out / "metrics.json").read_text())
     assert rep["distributed"]["world_size"] == 2
     assert rep["optimizer_batch/final_adapter_sha256"] == src["optimizer_batch/final_adapter_sha256"]
     assert rep["loss"] == src["loss"] and rep["grad_norm"] == src["grad_norm"]
+    one = json.loads((tmp_path / "r" / "one" / "repeat-000" / "replay_metrics.json").read_text())
+    assert "distributed" not in one and one["runtime"]["distributed.num_processes"] == 1
+    assert rep["runtime"]["distributed.num_processes"] == 2
+    assert (one["loss"], one["grad_norm"]) == (src["loss"], src["grad_norm"])
+    assert one["optimizer_batch/final_adapter_sha256"] == src["optimizer_batch/final_adapter_sha256"]
+    shutil.move(str(tmp_path / "r" / "repeat-000"), str(tmp_path / "r" / "two" / "repeat-000"))
     verdict = tmp_path / "bitwise.json"
     assert main(["reduce", str(tmp_path / "r"), "--claim", "bitwise", "--source", str(out), "--min-repeats", "1",
                  "--out", str(verdict)]) == 0, verdict.read_text()[-2000:]
+    assert sorted(json.loads(verdict.read_text())["arms"]) == ["baseline", "num_processes=1"]
+
+
+def test_a_one_process_capture_replays_on_two_processes_and_an_uneven_split_is_refused(
+        vanilla: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The knob the other way: a one-process capture replayed on two (torchrun), each process taking a contiguous
+    half of the mini-batch's rows (the same bits here, as above); three processes cannot split its rows evenly and
+    are refused before any process starts."""
+    toml = str(vanilla / "replay_step_000002.toml")
+    declared = ["--set", 'optimizer_batch.allow_config_differences=["distributed.num_processes"]']
+    assert main(["replay", toml, "--out", str(tmp_path / "two"), "--nproc", "2", *declared]) == 0
+    two = json.loads((tmp_path / "two" / "replay_metrics.json").read_text())
+    sealed = json.loads((vanilla / "optimizer_batch_step_000002.manifest.json").read_text())["outcome"]
+    assert two["distributed"]["world_size"] == 2 and two["runtime"]["distributed.num_processes"] == 2
+    assert two["optimizer_batch/final_adapter_sha256"] == sealed["final_adapter_sha256"]
+    capsys.readouterr()
+    assert main(["replay", toml, "--out", str(tmp_path / "three"), "--nproc", "3", *declared]) == 2
+    assert "do not split evenly over 3 processes" in capsys.readouterr().err
+    assert not (tmp_path / "three").exists()

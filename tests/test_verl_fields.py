@@ -30,4 +30,5 @@ def test_every_class_is_known_and_every_knob_is_registered() -> None:
             assert not f.keys or f.kind == KNOB, (section, name)  # entries of a table-valued knob
             for key in [f"verl.{section}.{name}.{k}" for k in f.keys] or [f"verl.{section}.{name}"]:
                 assert f.kind != KNOB or key in registered, f"{key} is not a registered knob"
-    assert sorted(registered) == sorted(verl_fields.knob_keys())
+    # every registered knob is a classified field, but the process count: how the replay is launched (--nproc)
+    assert sorted(registered) == sorted([*verl_fields.knob_keys(), knobs.NUM_PROCESSES])

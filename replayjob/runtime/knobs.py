@@ -289,15 +289,17 @@ BUCKET_CAP_MB = "distributed.bucket_cap_mb"
 TRL_GRADIENT_CHECKPOINTING = "trl.gradient_checkpointing"
 TRL_USE_REENTRANT = "trl.gradient_checkpointing_kwargs.use_reentrant"
 TRL_MICRO_BATCH = "trl.per_device_train_batch_size"
-TRL_NUM_PROCESSES = "distributed.num_processes"  # a TRL run's process count (DDP), compared as a config key
+NUM_PROCESSES = "distributed.num_processes"  # an external trainer's process count (TRL's DDP, verl's data parallelism)
 TRL_ACCUMULATION = "trl.gradient_accumulation_steps"
 TRL_STEPS_PER_GENERATION = "trl.steps_per_generation"
 
 
 def _observe_processes(rt: Runtime) -> int | None:
-    """The processes the external trainer's accelerator ran the update on."""
-    n = getattr(getattr(rt.trainer, "accelerator", None), "num_processes", None)
-    return n if isinstance(n, int) else None
+    """The processes the external trainer ran the update on: its accelerator's (TRL), else the replay session's
+    data-parallel world (verl)."""
+    accelerator = getattr(rt.trainer, "accelerator", None)
+    n = getattr(accelerator, "num_processes", None) if accelerator is not None else getattr(rt.trainer, "world", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def _predict_processes(intended: Any, rows: int, arm: Mapping[str, Any], source: Mapping[str, Any]) -> Any:
@@ -397,14 +399,17 @@ _KNOBS = (
          "eager and sdpa compute the same softmax(QK^T / sqrt(d) + mask) V for the model the replay "
          "loads from the base model directory; only the kernel differs",
          observe=_observe_attention, frameworks=("trl",)),
-    # A TRL run over several processes (DDP): the process count and, with it only, the accumulation that runs every
-    # captured micro-batch once (the per-loss-type rule is checked by the TRL integration at admission).
-    Knob(TRL_NUM_PROCESSES,
-         "each process runs a contiguous run of the captured micro-batches whole, restoring each one's captured RNG "
-         "state, and DDP averages the processes' gradients; with processes x gradient_accumulation_steps kept, each "
-         "micro-batch's weight is kept, and for dapo/cispo/vespo (whose normaliser divides by the process count) "
-         "gradient_accumulation_steps / steps_per_generation too; only the summation order changes",
-         observe=_observe_processes, predict=_predict_processes, frameworks=("trl",)),
+    # An external trainer over several processes: the process count (TRL: with it only, the accumulation that runs
+    # every captured micro-batch once; the per-loss rules are checked by each integration at admission).
+    Knob(NUM_PROCESSES,
+         "TRL: each process runs a contiguous run of the captured micro-batches whole, restoring each one's captured "
+         "RNG state, and DDP averages the processes' gradients; with processes x gradient_accumulation_steps kept, "
+         "each micro-batch's weight is kept, and for dapo/cispo/vespo (whose normaliser divides by the process count) "
+         "gradient_accumulation_steps / steps_per_generation too. verl: the captured processes' shares are joined "
+         "into the mini-batch and each process takes a contiguous share of its rows; verl's loss divides each "
+         "process's sum by the whole mini-batch's tokens (or rows), all-reduced, times the process count, and FSDP "
+         "averages the processes' gradients, so each token's weight is kept. Only the summation order changes",
+         observe=_observe_processes, predict=_predict_processes, frameworks=("trl", "verl")),
     Knob(TRL_ACCUMULATION,
          "the accumulation steps of a process-count change (admitted only with distributed.num_processes): "
          "processes x accumulation steps runs every captured micro-batch exactly once; derived (trl_geometry) "

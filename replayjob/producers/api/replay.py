@@ -69,6 +69,11 @@ class ReplaySession(Session):
         them regrouped; the logical digest stays the captured inputs')."""
         return mbs
 
+    def shard_begin(self, every: list[_microbatch.MicroBatch], mine: list[_microbatch.MicroBatch]) -> int:
+        """The first logical row of this process's micro-batches ``mine`` (regrouped from ``every``): the rows of
+        the micro-batches before them (the processes run contiguous runs of equal length)."""
+        return _microbatch.batch_rows(every[:self.rank * len(mine)])
+
     def reported_loss(self, summed: float) -> float:
         """The step's loss as the framework reports it, from the sum of the micro-batch losses (that sum by
         default; TRL: accumulated in float32 and averaged over ranks, as its trainer logs it)."""
@@ -182,7 +187,7 @@ class ReplaySession(Session):
 
         every = self.adm.micro_batches or []
         mine = self.regroup(every)
-        begin = _microbatch.batch_rows(every[:self.rank * len(mine)]) if self.rank else 0
+        begin = self.shard_begin(every, mine) if self.rank else 0
         logical = _microbatch.logical_digest(mine)
         pad = metrics["padding"]
         doc = metrics_io.rank_document(

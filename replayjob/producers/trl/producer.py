@@ -190,7 +190,7 @@ def knob_refusals(adm: Admission) -> list[str]:
 # process count (dapo, cispo, vespo: num_items_in_batch / num_processes x current_gradient_accumulation_steps /
 # steps_per_generation) the ratio gradient_accumulation_steps / steps_per_generation is kept.
 RANKS = True
-NUM_PROCESSES = knobs.TRL_NUM_PROCESSES
+NUM_PROCESSES = knobs.NUM_PROCESSES
 PROCESS_EXACT = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")  # divided by the accumulation steps alone
 PROCESS_RATIO = ("dapo", "cispo", "vespo")  # divided by num_items_in_batch / num_processes x acc / spg
 _PROCESS_GEOMETRY = ("gradient_accumulation_steps", "steps_per_generation")

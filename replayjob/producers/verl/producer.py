@@ -278,6 +278,76 @@ def reported_loss(losses: list[Any], world: int) -> float:
     return float(total.item())
 
 
+# -- another process count at replay than at capture ------------------------------------------------
+
+def shares_differ(mbs: list[_microbatch.MicroBatch]) -> str | None:
+    """Why the captured processes' shares (one ``train_batch`` each, in rank order) cannot be joined into one
+    mini-batch (``None``: they can): a setting or a whole-batch entry that differs between them, or per-row
+    tensors of different widths."""
+    import torch
+
+    first = mbs[0].input_values["batch"]
+    for r, mb in enumerate(mbs[1:], 1):
+        meta = mb.input_values["batch"]
+        for part in ("non_tensor", "nested", "non_tensor_tensors"):
+            if meta[part] != first[part]:
+                keys = sorted(k for k in set(meta[part]) | set(first[part])
+                              if meta[part].get(k) != first[part].get(k)) if isinstance(meta[part], dict) else []
+                return f"process {r}'s batch {part} {', '.join(keys) or ''} differs from process 0's".replace("  ", " ")
+        if sorted(mb.inputs) != sorted(mbs[0].inputs) or sorted(meta["non_tensor_stacks"]) != sorted(
+                first["non_tensor_stacks"]):
+            return f"process {r}'s batch holds other entries than process 0's"
+        for key in first["non_tensor_tensors"]:
+            if not torch.equal(mb.inputs[key], mbs[0].inputs[key]):
+                return f"process {r}'s whole-batch tensor {key!r} differs from process 0's"
+        for key, t in mb.inputs.items():
+            if key.endswith(OFFSETS) or key in first["nested"] or key in first["non_tensor_tensors"]:
+                continue
+            if t.shape[1:] != mbs[0].inputs[key].shape[1:]:
+                return f"process {r}'s {key!r} is {list(t.shape)}, process 0's {list(mbs[0].inputs[key].shape)}"
+    return None
+
+
+def _rows(mb: _microbatch.MicroBatch) -> int:
+    return int(mb.input_values["batch"]["batch_size"][0])
+
+
+def regrouped(mbs: list[_microbatch.MicroBatch], rank: int, world: int) -> _microbatch.MicroBatch:
+    """Process ``rank``'s share of the mini-batch for a replay on ``world`` processes: the captured shares joined
+    in rank order (per-row tensors concatenated, jagged ones with their offsets, per-row lists joined; settings
+    and whole-batch entries, equal in every share (:func:`shares_differ`), kept once), then its contiguous
+    ``1/world`` of the rows."""
+    import torch
+
+    first = mbs[0]
+    meta = first.input_values["batch"]
+    nested, whole = meta["nested"], meta["non_tensor_tensors"]
+    total = sum(_rows(mb) for mb in mbs)
+    per = total // world
+    lo, hi = rank * per, (rank + 1) * per
+    inputs: dict[str, Any] = {}
+    for key, t in first.inputs.items():
+        if key.endswith(OFFSETS):
+            continue
+        if key in whole:
+            inputs[key] = t
+        elif key in nested:
+            joined = torch.cat([mb.inputs[key] for mb in mbs])
+            ends = [0]
+            for mb in mbs:
+                ends += [ends[-1] + int(o) for o in mb.inputs[key + OFFSETS][1:]]
+            offsets = torch.tensor(ends, dtype=first.inputs[key + OFFSETS].dtype)
+            inputs[key] = joined[int(offsets[lo]):int(offsets[hi])].clone()
+            inputs[key + OFFSETS] = offsets[lo:hi + 1] - offsets[lo]
+        else:
+            inputs[key] = torch.cat([mb.inputs[key] for mb in mbs])[lo:hi].clone()
+    stacks = {k: [v for mb in mbs for v in mb.input_values["batch"]["non_tensor_stacks"][k]][lo:hi]
+              for k in meta["non_tensor_stacks"]}
+    values = {**first.input_values, "batch": {**meta, "batch_size": [per, *meta["batch_size"][1:]],
+                                              "non_tensor_stacks": stacks}}
+    return dataclasses.replace(first, inputs=inputs, input_values=values)
+
+
 # -- full tensors from FSDP2's DTensors --------------------------------------------------------------
 
 def full(t: Any) -> Any:
@@ -564,6 +634,24 @@ def knob_refusals(adm: Admission) -> list[str]:
     if declared and (len(declared) == 1 or engine.get("use_remove_padding") != model.get("use_remove_padding")):
         why.append(f"{pair[0]} and {pair[1]} are one setting (the engine packs rows as the model was patched to "
                    "read them): declare both and set them to the same value")
+    if knobs.NUM_PROCESSES in adm.allowed:
+        mode = ((v.get("actor") or {}).get("policy_loss") or {}).get("loss_mode", "vanilla")
+        if mode in MICRO_BATCH_STATISTICS:
+            why.append(f"{knobs.NUM_PROCESSES}: policy loss {mode!r} selects tokens by statistics over each "
+                       "process's micro-batches, so another split changes which tokens it clips")
+        shares = adm.rank_micro_batches or ([adm.micro_batches] if adm.micro_batches else [])
+        if any(len(share) != 1 for share in shares):
+            why.append(f"{knobs.NUM_PROCESSES}: each captured process holds one train_batch call; this capture "
+                       "holds another count")
+        elif shares:
+            mbs = [share[0] for share in shares]
+            rows = sum(_rows(mb) for mb in mbs)
+            differ = shares_differ(mbs)
+            if differ is not None:
+                why.append(f"{knobs.NUM_PROCESSES}: the captured processes' shares cannot be joined: {differ}")
+            elif rows % adm.processes:
+                why.append(f"{knobs.NUM_PROCESSES}: the mini-batch's {rows} rows do not split evenly over "
+                           f"{adm.processes} processes")
     if engine.get("use_dynamic_bsz") and not engine.get("max_token_len_per_gpu"):
         why.append("verl.engine.use_dynamic_bsz needs verl.engine.max_token_len_per_gpu (the token budget of a "
                    "micro-batch)")
@@ -708,13 +796,24 @@ class VerlSession(ReplaySession):
         return {"micro_batch_size": self.observed.get("micro_batch_size_per_gpu") or 0,
                 "gradient_checkpointing": bool(runtime.get(knobs.VERL_GRADIENT_CHECKPOINTING))}
 
+    @property
+    def captured_processes(self) -> int:
+        return len(self.adm.rank_micro_batches) if self.adm.rank_micro_batches is not None else 1
+
     def regroup(self, mbs: list[_microbatch.MicroBatch]) -> list[_microbatch.MicroBatch]:
-        """Over several processes, this process's contiguous run of the captured steps' shards in rank order (each
-        process captured its own; admission keeps the process count)."""
-        if self.world == 1 and self.adm.rank_micro_batches is None:
-            return mbs
-        per = len(mbs) // self.world
-        return mbs[self.rank * per:(self.rank + 1) * per]
+        """This process's share of the captured step: on as many processes as the capture, its own captured share
+        (each process captured its own, in rank order); on another count (``distributed.num_processes``, checked at
+        admission), its contiguous share of the rows of the shares joined (:func:`regrouped`)."""
+        if self.world == self.captured_processes:
+            if self.world == 1:
+                return mbs
+            per = len(mbs) // self.world
+            return mbs[self.rank * per:(self.rank + 1) * per]
+        return [regrouped(mbs, self.rank, self.world)]
+
+    def shard_begin(self, every: list[_microbatch.MicroBatch], mine: list[_microbatch.MicroBatch]) -> int:
+        """The first row of this process's share: the rows of the shares before it (equal shares)."""
+        return self.rank * sum(_rows(mb) for mb in mine)
 
     def reported_loss(self, summed: float) -> float:
         return reported_loss([summed], self.world)
