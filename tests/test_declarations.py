@@ -141,6 +141,14 @@ VALID: dict[str, Any] = {
                                                      "phase": "Failed", "message": "Error (exit code 3)"}])),
     **{name: lambda name=name: bundle_document(name)
        for name in ("BundleManifest", "BundleComplete", "RankComplete", "RootComplete")},
+    # the built-in trainer's root over two ranks (rank 0's manifest: the chosen-step example's fields)
+    "BuiltinRoot": lambda: (lambda cr, mf: cr.root_document(
+        step=0, producer={"replayjob_version": "0.1.0"}, world=2, strategy="ddp", bucket_cap_mb=25.0, backend="gloo",
+        ranks=[(0, "a" * 64, "b" * 64, (0, 8)), (1, "c" * 64, "d" * 64, (8, 16))], payload_size=8192,
+        rows={"rows": 16, "tokens": 544, "response_tokens": 128, "loss_bearing_tokens": 128, "loss_weight_sum": 1.0},
+        logical="b" * 64, effective="c" * 64, first_rank=builtin_manifest(), sealed=mf.outcome(0.5, 0.25, "f" * 64)))(
+        importlib.import_module("replayjob.artifacts.capture_root"),
+        importlib.import_module("replayjob.artifacts.capture_manifest")),
 }
 NESTED = {"CudaProcess", "CudaFigures",  # reached through ContentionRecord.cuda (a CUDA record below)
           "Pins", "Timing", "Memory", "Padding", "Slot", "InProcess", "TracePin", "RoutingPin", "RankEntry",
@@ -151,7 +159,8 @@ NESTED = {"CudaProcess", "CudaFigures",  # reached through ContentionRecord.cuda
           "TraceIdentity", "TracePayloadPin", "TraceSiteEntry", "TraceParamEntry",  # TraceIndex's
           "StageContract", "PayloadSpec", "PayloadFile", "Tolerance", "Redaction", "MultiRank", "BundleIndex",
           "Identity", "Physical", "RecomputeConfig", "TaskConfig", "Sample", "PayloadRef",  # BundleManifest's
-          "Outcome", "Hashed", "ContractBlock", "PayloadPin", "Rows", "InitialAdapter", "StartState"}  # a manifest's
+          "Outcome", "Hashed", "ContractBlock", "PayloadPin", "Rows", "InitialAdapter", "StartState",  # a manifest's
+          "RootDistributed", "RootRankEntry", "RootPayload"}  # BuiltinRoot's
 
 
 def test_every_declaration_has_a_valid_example_or_a_parent() -> None:
@@ -353,6 +362,7 @@ PAGES = {"ReplayMetrics": "replay-metrics.md", "ContentionRecord": "replay-metri
          "VerdictCheck": "verdict-format.md", "Refusal": "verdict-format.md", "Stopped": "cluster.md",
          "RunEnd": "cluster.md", "RunRecord": "cluster.md", "TraceIndex": "trace-format.md",
          "BuiltinManifest": "optimizer-batch.md",
+         "BuiltinRoot": "optimizer-batch.md",
          **{name: "bundle-format.md" for name in ("BundleManifest", "BundleIndex", "RecomputeConfig", "Sample",
                                                   "StageContract", "PayloadSpec", "PayloadFile", "MultiRank",
                                                   "Identity", "Physical", "BundleComplete", "RankComplete",

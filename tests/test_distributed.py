@@ -193,6 +193,14 @@ def test_a_damaged_capture_over_ranks_is_refused(workspace: Path, capture2: Path
     # a summary of the ranks' rows that is not theirs (recomputed from the payloads)
     (lambda d: d["rows"].update(loss_weight_sum=d["rows"]["loss_weight_sum"] + 1.0), "rows.loss_weight_sum is"),
     (lambda d: d["rows"].update(tokens=d["rows"]["tokens"] - 1), "rows.tokens is"),
+    # summaries of the root's own fields, recomputed by its declaration
+    (lambda d: d["rows"].update(rows=d["rows"]["rows"] + 1), "`rows.rows` is"),
+    (lambda d: d["payload"].update(spans_sha256="0" * 64), "`payload.spans_sha256` is '" + "0" * 64),
+    # wrong types, an unknown key, an integer beyond 64 bits
+    (lambda d: d["distributed"].update(world_size=False), "field `distributed.world_size`: expected `int`, got `bool`"),
+    (lambda d: d["ranks"][0]["rows"].__setitem__(0, 0.0), "field `ranks[0].rows[0]`: expected `int`, got `float`"),
+    (lambda d: d.update(trust_me=True), "unknown field `trust_me`"),
+    (lambda d: d["payload"].update(size=2**64), "field `payload.size`: expected `int` <= 9223372036854775807"),
 ])
 def test_a_malformed_or_contradicting_root_is_refused_even_when_pinned(workspace: Path, capture2: Path,
                                                                        tmp_path: Path, edit: Any, message: str,

@@ -24,7 +24,9 @@ payload pin.  The adapter the capture starts from is the resume state's, saved o
 
 This module holds the root's record and reader; reading the ranks' rows back
 (:func:`replayjob.producers.builtin.ranks.verify`, torch) checks, before any device memory is touched: the root's
-own fields, that exactly the listed ranks landed (no ``rank-*`` or ``COMPLETE.*`` missing or extra, and no
+own fields (its declaration, :class:`BuiltinRoot`: every field typed and bounded, no key unknown or missing, the
+ranks in order with contiguous rows, ``payload.spans_sha256`` and ``rows.rows`` recomputed from them), that
+exactly the listed ranks landed (no ``rank-*`` or ``COMPLETE.*`` missing or extra, and no
 ``rank-*`` directory a symbolic link), every landing record, every rank manifest against its pinned SHA-256
 and every payload against its manifest, that every rank captured under the root's config and contract from the
 root's initial adapter, with the root's RNG keys and total payload size, and that the rows concatenated in
@@ -38,10 +40,13 @@ import hashlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
 
 from replayjob.artifacts import capture_manifest as manifest
-from replayjob.artifacts.capture_manifest import Manifest, is_int, need, need_hex
+from replayjob.artifacts.capture_manifest import ContractBlock, Hashed, InitialAdapter, Manifest, Outcome, Rows
+from replayjob.artifacts.document import Count, Digest, Document, NonNegative, Text, agree, decode
 from replayjob.errors import ArtifactExistsError, IntegrityError
 from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict
@@ -49,10 +54,6 @@ from replayjob.runtime import distributed
 
 RANKS_TAG = b"replayjob.rank-payloads.v1\n"
 MAX_LANDED_BYTES = 64 * 1024  # a landing record is three fields
-_KEYS = {"schema", "framework", "step", "producer", "distributed", "ranks", "payload", "rows", "logical_batch_sha256",
-         "local_effective_rows_sha256", "config", "contract", "initial_adapter"}
-_DIST_KEYS = {"world_size", "strategy", "bucket_cap_mb", "backend", "sharding"}
-_RANK_KEYS = {"rank", "dir", "manifest_sha256", "payload_spans_sha256", "rows"}
 _LANDED_KEYS = {"rank", "world_size", "manifest_sha256"}
 
 
@@ -178,45 +179,91 @@ def of(p: Path, sha: str, doc: Any) -> Manifest:
 
 
 # ------------------------------------------------------------------------------------- the root
+class RootDistributed(Document, frozen=True):
+    """``distributed``: how the captured update ran over its ranks."""
+
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    strategy: Text
+    bucket_cap_mb: NonNegative
+    backend: Text
+    sharding: Text
+
+    def __post_init__(self) -> None:
+        if self.strategy not in distributed.STRATEGIES:
+            raise ValueError(f"`strategy` must be one of {list(distributed.STRATEGIES)}, found {self.strategy[:40]!r}")
+        if self.sharding != distributed.SHARDING:
+            raise ValueError(f"`sharding` must be {distributed.SHARDING!r}, found {self.sharding[:40]!r}")
+
+
+class RootRankEntry(Document, frozen=True):
+    """One rank as the root lists it: its directory, manifest pin, payload span digest and ``[begin, end)``
+    logical rows."""
+
+    rank: Count
+    dir: Text
+    manifest_sha256: Digest
+    payload_spans_sha256: Digest
+    rows: Annotated[list[Count], msgspec.Meta(min_length=2, max_length=2)]
+
+
+class RootPayload(Document, frozen=True):
+    """``payload``: the ranks' payloads together (``spans_sha256`` recomputed from the ranks' digests)."""
+
+    spans_sha256: Digest
+    size: Count
+    rng_keys: Annotated[list[Text], msgspec.Meta(min_length=1)]
+
+
+class BuiltinRoot(Document, frozen=True):
+    """The built-in trainer's root over ranks (the module docstring lists its fields)."""
+
+    OPAQUE: ClassVar[dict[str, str]] = {
+        "producer": "provenance (versions, python, device, determinism), recorded for people; the pins decide",
+    }
+
+    schema: Literal["replayjob.capture_manifest/v3"]
+    framework: Literal["replayjob"]
+    step: Count
+    producer: dict[str, Any]
+    distributed: RootDistributed
+    ranks: list[RootRankEntry]
+    payload: RootPayload
+    rows: Rows
+    logical_batch_sha256: Digest
+    local_effective_rows_sha256: Digest
+    config: Hashed
+    contract: ContractBlock
+    initial_adapter: InitialAdapter
+    outcome: Outcome | msgspec.UnsetType = msgspec.UNSET  # absent only in captures written before the seal
+
+    def __post_init__(self) -> None:
+        if self.step != 0:
+            raise ValueError(f"`step` is {self.step}, but captures over ranks cover step zero only (it must be 0)")
+        world = self.distributed.world_size
+        if len(self.ranks) != world:
+            raise ValueError(f"`ranks` must list the {world} ranks (distributed.world_size), found {len(self.ranks)}")
+        end = 0
+        for r, e in enumerate(self.ranks):
+            if e.rank != r or e.dir != rank_dir(r):
+                raise ValueError(f"`ranks[{r}]` must be rank {r} in {rank_dir(r)!r}, found rank {e.rank} in "
+                                 f"{e.dir[:40]!r}")
+            if e.rows[0] != end or e.rows[1] <= e.rows[0]:
+                raise ValueError(f"`ranks[{r}].rows` must be [begin, end) following the previous rank's (begin "
+                                 f"{end}, end > begin), found {e.rows}")
+            end = e.rows[1]
+        agree("payload.spans_sha256", self.payload.spans_sha256,
+              ranks_digest([e.payload_spans_sha256 for e in self.ranks]))
+        agree("rows.rows", self.rows.rows, end)
+
+
 def validate(doc: Any, where: Path) -> dict[str, Any]:
-    """The root's own fields (the ranks themselves are checked by :func:`~replayjob.producers.builtin.ranks.verify`)."""
+    """The root's own fields, read through its declaration (:class:`BuiltinRoot`; the ranks themselves are
+    checked by :func:`~replayjob.producers.builtin.ranks.verify`)."""
     manifest.check_schema(doc, where)
-    need(doc["framework"] == manifest.BUILTIN, f"'framework' must be {manifest.BUILTIN!r} in a built-in root", where)
-    keys = _KEYS | ({manifest.OUTCOME} & set(doc))
-    need(set(doc) == keys, f"keys must be exactly {sorted(keys)}; unknown {sorted(set(doc) - keys)}, "
-         f"missing {sorted(keys - set(doc))}", where)
-    need(is_int(doc["step"]) and doc["step"] == 0, "'step' must be 0 (captures over ranks cover step zero)", where)
-    manifest.validate_outcome(doc, where)
-    dist = doc["distributed"]
-    need(isinstance(dist, dict) and set(dist) == _DIST_KEYS, f"'distributed' needs exactly {sorted(_DIST_KEYS)}", where)
-    world = dist["world_size"]
-    need(is_int(world) and world >= 1, "'distributed.world_size' must be an integer >= 1", where)
-    need(dist["strategy"] in distributed.STRATEGIES and dist["sharding"] == distributed.SHARDING,
-         f"'distributed' strategy must be one of {list(distributed.STRATEGIES)}, sharding "
-         f"{distributed.SHARDING!r}", where)
-    ranks = doc["ranks"]
-    need(isinstance(ranks, list) and len(ranks) == world, f"'ranks' must list the {world} ranks", where)
-    end = 0
-    for r, e in enumerate(ranks):
-        need(isinstance(e, dict) and set(e) == _RANK_KEYS and e["rank"] == r and e["dir"] == rank_dir(r),
-             f"'ranks[{r}]' needs exactly {sorted(_RANK_KEYS)} for rank {r} in {rank_dir(r)}", where)
-        need_hex(e["manifest_sha256"], f"ranks[{r}].manifest_sha256", where)
-        need_hex(e["payload_spans_sha256"], f"ranks[{r}].payload_spans_sha256", where)
-        rows = e["rows"]
-        need(isinstance(rows, list) and len(rows) == 2 and all(is_int(x) for x in rows) and rows[0] == end
-             and rows[1] > rows[0], f"'ranks[{r}].rows' must be [begin, end) following the previous rank's", where)
-        end = rows[1]
-    p = doc["payload"]
-    need(isinstance(p, dict) and set(p) == {"spans_sha256", "size", "rng_keys"}
-         and is_int(p["size"]) and isinstance(p["rng_keys"], list), "'payload' needs spans_sha256, size, rng_keys",
-         where)
-    need(p["spans_sha256"] == ranks_digest([e["payload_spans_sha256"] for e in ranks]),
-         "'payload.spans_sha256' does not match the ranks' payload digests", where)
-    need(isinstance(doc["rows"], dict) and doc["rows"].get("rows") == end, f"'rows.rows' must be {end}", where)
-    manifest.validate_pins(doc, where)
-    a = doc["initial_adapter"]
-    need(isinstance(a, dict) and set(a) == {"path", "size", "sha256"}, "'initial_adapter' needs path, size, sha256",
-         where)
-    need_hex(a["sha256"], "initial_adapter.sha256", where)
-    need(isinstance(doc["producer"], dict), "'producer' must be an object", where)
+    try:
+        decode(doc, BuiltinRoot, where=where)
+    except IntegrityError as exc:
+        raise IntegrityError(f"manifest {exc.message}" if exc.message.startswith("field ") else
+                             f"manifest field {exc.message}", where=where,
+                             hint="the manifest is malformed; capture the step again") from None
     return dict(doc)
