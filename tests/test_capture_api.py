@@ -424,3 +424,52 @@ def test_a_plain_loop_capture_relabelled_to_an_earlier_step_is_refused_by_its_sc
     step with every file renamed and re-pinned is a new capture the pins must reject: SECURITY.md.)"""
     code, text = _relabelled(example_run, tmp_path, capsys, 0, files=True, manifest=True)
     assert code == 2 and "the captured LR scheduler has already stepped 1 time(s)" in text, text
+
+
+def _bigger(doc: dict[str, Any], *path: Any) -> None:
+    """Set the value at ``path`` to 2**64: an integer of 20 digits, which the strict JSON reader still parses."""
+    for k in path[:-1]:
+        doc = doc[k]
+    doc[path[-1]] = 2**64
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    (lambda d: d.update(step=False), "field `step`: expected `int`, got `bool`"),
+    (lambda d: d["files"]["payload"].update(size=0.0), "field `files.payload.size`: expected `int`, got `float`"),
+    (lambda d: d["micro_batches"][0].update(accumulation_steps=1.0), "micro_batches[0].accumulation_steps"),
+    (lambda d: d.update(trust_me=True), "unknown field `trust_me`"),
+    (lambda d: d["micro_batches"][0].update(trust_me=True), "field `micro_batches[0]`: object contains unknown field "
+                                                            "`trust_me`"),
+    (lambda d: _bigger(d, "step"), "field `step`: expected `int` <= 9223372036854775807"),
+    (lambda d: _bigger(d, "framework_state", "huge"), "`framework_state.huge` is 18446744073709551616, an integer "
+                                                      "beyond 64 bits"),
+    (lambda d: _bigger(d, "optimizer", "param_groups", 0, "lr"), "`param_groups[0].lr` is 18446744073709551616, an "
+                                                                 "integer beyond 64 bits"),
+    (lambda d: d["rows"].update(tensors=d["rows"]["tensors"] + 1), "rows.tensors is"),
+    (lambda d: d["rows"].update(micro_batches=d["rows"]["micro_batches"] + 1), "rows.micro_batches is"),
+    (lambda d: d["base_model"].update(sha256="0" * 64), "field `base_model`: `sha256` is '" + "0" * 64),
+    (lambda d: d.pop("outcome"), "written by an earlier release"),
+])
+def test_a_malformed_manifest_is_refused_naming_the_field(edit: Callable[[dict[str, Any]], None], named: str,
+                                                          example_run: tuple[Path, Path], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The capture API's manifest edited and re-pinned (so only its declaration stands in the way): refused with
+    exit 2 and one message naming the file and the field, never a traceback."""
+    from replayjob.artifacts.api_manifest import file_names
+    from replayjob.digest import sha256_bytes
+    script, _ = example_run
+    d = tmp_path / "copy"
+    shutil.copytree(script.parent, d)
+    path = d / "out" / "capture" / file_names(1)["manifest"]
+    doc = json.loads(path.read_text())
+    edit(doc)
+    raw = (json.dumps(doc, sort_keys=True) + "\n").encode()
+    path.write_bytes(raw)
+    capsys.readouterr()
+    code = main(["explain", str(path.parent / "replay.toml"),
+                 "--set", f'integration.entry="{d / script.name}:replay_target"',
+                 "--set", f'optimizer_batch.replay_path="{path}"',
+                 "--set", f'optimizer_batch.expected_manifest_sha256="{sha256_bytes(raw)}"'])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code == 2 and named in text and path.name in text and "Traceback" not in text, text

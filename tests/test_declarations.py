@@ -141,6 +141,35 @@ VALID: dict[str, Any] = {
                                                      "phase": "Failed", "message": "Error (exit code 3)"}])),
     **{name: lambda name=name: bundle_document(name)
        for name in ("BundleManifest", "BundleComplete", "RankComplete", "RootComplete")},
+    # the capture API's manifest of one process (step 2, one micro-batch), as StepCapture.finish writes it
+    "ApiManifest": lambda: (lambda m, mf, dg: m.build(
+        framework="torch", step=2, producer={"replayjob": "0.1.0", "python": "3.11.7", "versions": {"torch": "2.13"}},
+        files={r: {"file": n, "size": 64, "sha256": "a" * 64} for r, n in m.file_names(2).items() if r != "manifest"},
+        micro_batches=[{"inputs": {"tensors": {"input_ids": {"dtype": "int64", "shape": [2, 8]}},
+                                   "values": {"temperature": 1.0}},
+                        "call": {"tensors": {"mask": {"dtype": "bool", "shape": [2, 8]}},
+                                 "values": {"num_items_in_batch": 16}},
+                        "rng": ["cpu"], "sync_gradients": True, "accumulation_steps": 1}],
+        optimizer={"param_groups": [{"lr": 1e-4, "betas": [0.9, 0.999], "params": [0]}], "state": {"0": {"step": 2}},
+                   "tensors": {"0": ["exp_avg", "exp_avg_sq"]}, "scheduler": {"last_epoch": 2, "base_lrs": [1e-4]}},
+        trainable=["lora_A"], framework_state={"global_step": 2},
+        rows={"rows": 2, "micro_batches": 1, "tensors": 2, "elements": 32, "bytes": 144, "nonfinite_inputs": False},
+        logical="b" * 64, effective="c" * 64, config={"torch": {}, "model": {"name": "tiny"}},
+        contract={"optimizer": {"lr": 1e-4}},
+        base_model={"path": "~/model", "files": {"config.json": "d" * 64}, "sha256": dg.sha256_json(
+            {"config.json": "d" * 64})}, sealed=mf.outcome(0.5, 0.25, "f" * 64)))(
+        importlib.import_module("replayjob.artifacts.api_manifest"),
+        importlib.import_module("replayjob.artifacts.capture_manifest"), importlib.import_module("replayjob.digest")),
+    # its root over two processes (what every part shares is process 0's)
+    "ApiRoot": lambda: (lambda one: {
+        "schema": one["schema"], "framework": "torch", "step": 2, "world_size": 2,
+        "ranks": [{"rank": r, "dir": f"rank-{r}", "manifest_sha256": "e" * 64, "logical_batch_sha256": "b" * 64,
+                   "micro_batches": 1} for r in range(2)],
+        "payload_sha256": "9" * 64, "rows": {**{k: 2 * v for k, v in one["rows"].items() if k != "nonfinite_inputs"},
+                                             "nonfinite_inputs": False},
+        **{k: one[k] for k in ("logical_batch_sha256", "local_effective_rows_sha256", "config", "contract",
+                               "base_model", "framework_state", "trainable", "optimizer", "outcome")}})(
+        VALID["ApiManifest"]()),
     # the built-in trainer's root over two ranks (rank 0's manifest: the chosen-step example's fields)
     "BuiltinRoot": lambda: (lambda cr, mf: cr.root_document(
         step=0, producer={"replayjob_version": "0.1.0"}, world=2, strategy="ddp", bucket_cap_mb=25.0, backend="gloo",
@@ -160,6 +189,9 @@ NESTED = {"CudaProcess", "CudaFigures",  # reached through ContentionRecord.cuda
           "StageContract", "PayloadSpec", "PayloadFile", "Tolerance", "Redaction", "MultiRank", "BundleIndex",
           "Identity", "Physical", "RecomputeConfig", "TaskConfig", "Sample", "PayloadRef",  # BundleManifest's
           "Outcome", "Hashed", "ContractBlock", "PayloadPin", "Rows", "InitialAdapter", "StartState",  # a manifest's
+          "ApiFile", "ApiFiles", "TensorSpec", "InputGroup", "MicroBatchEntry", "OptimizerState", "ApiRows",
+          "BaseModelPin",  # ApiManifest's
+          "ApiRankEntry", "RootRows",  # ApiRoot's
           "RootDistributed", "RootRankEntry", "RootPayload"}  # BuiltinRoot's
 
 
@@ -362,7 +394,7 @@ PAGES = {"ReplayMetrics": "replay-metrics.md", "ContentionRecord": "replay-metri
          "VerdictCheck": "verdict-format.md", "Refusal": "verdict-format.md", "Stopped": "cluster.md",
          "RunEnd": "cluster.md", "RunRecord": "cluster.md", "TraceIndex": "trace-format.md",
          "BuiltinManifest": "optimizer-batch.md",
-         "BuiltinRoot": "optimizer-batch.md",
+         "BuiltinRoot": "optimizer-batch.md", "ApiManifest": "capture-api.md", "ApiRoot": "capture-api.md",
          **{name: "bundle-format.md" for name in ("BundleManifest", "BundleIndex", "RecomputeConfig", "Sample",
                                                   "StageContract", "PayloadSpec", "PayloadFile", "MultiRank",
                                                   "Identity", "Physical", "BundleComplete", "RankComplete",

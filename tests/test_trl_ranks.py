@@ -190,8 +190,8 @@ def test_the_cluster_steps_refuse_a_capture_over_several_processes(ranks_capture
     assert "ran on 2 processes" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("field", "change"), [("rows", 1), ("micro_batches", 1), ("bytes", -4),
-                                               ("nonfinite_inputs", None)])
+@pytest.mark.parametrize(("field", "change"), [("rows", 1), ("micro_batches", 1), ("bytes", -4), ("tensors", 1),
+                                               ("elements", -1), ("nonfinite_inputs", None)])
 def test_a_root_whose_rows_summary_lies_is_refused_even_when_pinned(field: str, change: int | None,
                                                                     ranks_capture: dict[str, Any], tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
@@ -214,6 +214,45 @@ def test_a_root_whose_rows_summary_lies_is_refused_even_when_pinned(field: str, 
     assert main(["explain", str(ranks_capture["toml"]), *sets, *ONE_PROCESS]) == 2
     text = capsys.readouterr()
     assert f"rows.{field} is" in text.out + text.err and "Traceback" not in text.out + text.err, text.out + text.err
+
+
+def _bigger(doc: dict[str, Any], *path: Any) -> None:
+    for k in path[:-1]:
+        doc = doc[k]
+    doc[path[-1]] = 2**64  # 20 digits: the strict JSON reader still parses it
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    (lambda d: d.update(payload_sha256="0" * 64), "payload_sha256 is not the digest of its parts' payloads"),
+    (lambda d: d["ranks"][1].update(micro_batches=d["ranks"][1]["micro_batches"] + 1), "rows.micro_batches is"),
+    (lambda d: d.update(world_size=2.0), "field `world_size`: expected `int`, got `float`"),
+    (lambda d: d["ranks"][0].update(rank=False), "field `ranks[0].rank`: expected `int`, got `bool`"),
+    (lambda d: d["rows"].update(trust_me=1), "field `rows`: object contains unknown field `trust_me`"),
+    (lambda d: _bigger(d, "framework_state", "huge"), "`framework_state.huge` is 18446744073709551616, an integer "
+                                                      "beyond 64 bits"),
+    (lambda d: _bigger(d, "step"), "field `step`: expected `int` <= 9223372036854775807"),
+])
+def test_a_malformed_or_contradicting_root_is_refused_even_when_pinned(
+        edit: Any, named: str, ranks_capture: dict[str, Any], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The root is rewritten (a summary that is not its parts', a wrong type, an unknown key, an integer beyond 64
+    bits) and re-pinned: refused with exit 2, naming the field, never a traceback."""
+    import json
+
+    from replayjob.digest import sha256_bytes
+    d = tmp_path / "cap"
+    shutil.copytree(ranks_capture["dir"], d, ignore=shutil.ignore_patterns("trainer"))
+    root = d / f"optimizer_batch_step_{STEP:06d}.manifest.json"
+    doc = json.loads(root.read_text())
+    edit(doc)
+    raw = (json.dumps(doc, sort_keys=True) + "\n").encode()
+    root.write_bytes(raw)
+    sets = ["--set", f'optimizer_batch.replay_path="{root}"',
+            "--set", f'optimizer_batch.expected_manifest_sha256="{sha256_bytes(raw)}"']
+    capsys.readouterr()
+    assert main(["explain", str(ranks_capture["toml"]), *sets, *ONE_PROCESS]) == 2
+    text = capsys.readouterr()
+    assert named in text.out + text.err and "Traceback" not in text.out + text.err, text.out + text.err
 
 
 def test_the_documented_accelerate_line_captures_over_two_cpu_processes(trl_base: Path, tmp_path: Path) -> None:

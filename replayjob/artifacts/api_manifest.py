@@ -30,31 +30,46 @@ The one capture manifest schema (:data:`replayjob.artifacts.capture_manifest.SCH
 The payload holds ``mb0000.inputs.<key>``, ``mb0000.call.<key>`` and ``mb0000.rng.<cpu|cuda.N>``;
 the adapter file the trainable parameters by name just before the step; the optimizer file
 ``state.<index>.<key>``.  A reader hashes the manifest's bytes against the pin before parsing
-(:func:`replayjob.artifacts.capture_manifest.read_pinned`), then checks every field; unknown keys are refused.
+(:func:`replayjob.artifacts.capture_manifest.read_pinned`), then reads it through its declaration
+(:class:`ApiManifest`): every field typed and bounded (free-form JSON too: no integer beyond 64 bits), no key
+unknown or missing, the embedded digests and the row counts recomputed and a difference refused.
 A step captured over several processes has one such manifest per process (in ``rank-<r>/``) and a root of
-the same schema that lists them in ``ranks`` (:mod:`replayjob.producers.api.parts`).
+the same schema that lists them in ``ranks`` (:mod:`replayjob.producers.api.parts`), declared by
+:class:`ApiRoot`; :func:`of` checks it against its parts (their rows summed, their payloads' digest).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
 
 from replayjob.artifacts.capture_manifest import (
     OUTCOME,
     SCHEMA,
+    ContractBlock,
+    Hashed,
+    Outcome,
     PinnedManifest,
     check_schema,
     file_stem,
-    is_int,
-    need,
-    need_hex,
     read_pinned,
-    validate_outcome,
-    validate_pins,
 )
 from replayjob.artifacts.capture_root import landed_name, rank_dir, ranks_digest
+from replayjob.artifacts.document import (
+    INT64_MAX,
+    INT64_MIN,
+    Count,
+    Digest,
+    Document,
+    Positive,
+    Text,
+    agree,
+    decode,
+)
 from replayjob.digest import sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
 from replayjob.frameworks import EXTERNAL
@@ -62,9 +77,6 @@ from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_b
 from replayjob.jsonio import canonical_bytes, loads_strict
 
 FILES = ("payload", "adapter", "optimizer")
-_KEYS = {"schema", "framework", "step", "producer", "files", "micro_batches", "optimizer", "trainable",
-         "framework_state", "rows", "logical_batch_sha256", "local_effective_rows_sha256", "config",
-         "contract", "base_model"}
 
 
 def file_names(step: int) -> dict[str, str]:
@@ -126,93 +138,248 @@ def write(path: Path, doc: dict[str, Any]) -> str:
     return sha256_bytes(data)
 
 
-def _bare(name: Any, what: str, where: Path) -> None:
-    need(isinstance(name, str) and name == Path(name).name and not name.startswith(".")
-          and "\\" not in name and name not in ("", ".."), f"{what} must be a bare file name, found {name!r}",
-          where)
+# ------------------------------------------------------------------------------------------ the declaration
+_HINT = "the manifest is malformed; capture the step again"
 
 
-def _group(g: Any, what: str, where: Path) -> None:
-    need(isinstance(g, dict) and set(g) == {"tensors", "values"} and isinstance(g["tensors"], dict)
-          and isinstance(g["values"], dict), f"{what} needs objects 'tensors' and 'values'", where)
-    for name, spec in g["tensors"].items():
-        need(isinstance(spec, dict) and set(spec) == {"dtype", "shape"} and isinstance(spec["dtype"], str)
-              and isinstance(spec["shape"], list) and all(is_int(n) and n >= 0 for n in spec["shape"]),
-              f"{what}.tensors.{name} needs dtype and a shape of non-negative integers", where)
-    need(not set(g["tensors"]) & set(g["values"]), f"{what}: a key is both a tensor and a value", where)
+def _is_bare(name: str) -> bool:
+    """A file name next to the manifest: no directory part, not hidden, not empty, no backslash."""
+    return name == Path(name).name and not name.startswith(".") and "\\" not in name and name not in ("", "..")
+
+
+def _bounded(value: Any, field: str) -> None:
+    """A free-form JSON block's numbers as every declared number: an integer within 64 bits, a float finite
+    (strict JSON has no NaN, but a document built in memory is checked before it is written)."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((x, (*at, k)) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((x, (*at, i)) for i, x in enumerate(v))
+        elif isinstance(v, int) and not isinstance(v, bool) and not INT64_MIN <= v <= INT64_MAX:
+            text = str(v) if len(str(v)) <= 24 else str(v)[:24] + "..."
+            raise ValueError(f"`{_path(field, at)}` is {text}, an integer beyond 64 bits")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"`{_path(field, at)}` is {v!r}, not a finite number")
+
+
+def _path(field: str, at: tuple[Any, ...]) -> str:
+    return field + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in at)
+
+
+class ApiFile(Document, frozen=True):
+    """``files.<role>``: one of the capture's files, a bare ``.safetensors`` name next to the manifest."""
+
+    file: Text
+    size: Positive
+    sha256: Digest
+
+    def __post_init__(self) -> None:
+        if not (_is_bare(self.file) and self.file.endswith(".safetensors")):
+            raise ValueError(f"`file` must be a bare .safetensors file name, found {self.file[:80]!r}")
+
+
+class ApiFiles(Document, frozen=True):
+    """``files``: payload, adapter and optimizer (:data:`FILES`)."""
+
+    payload: ApiFile
+    adapter: ApiFile
+    optimizer: ApiFile
+
+
+class TensorSpec(Document, frozen=True):
+    dtype: Text
+    shape: list[Count]
+
+
+class InputGroup(Document, frozen=True):
+    """A micro-batch's ``inputs`` or ``call``: its tensors (dtype and shape; the payload holds them) and its
+    JSON values."""
+
+    OPAQUE: ClassVar[dict[str, str]] = {
+        "values": "the loss call's non-tensor inputs as the trainer passed them, hashed into the logical digest "
+                  "and handed back unchanged at replay (every number bounded as a declared one)",
+    }
+
+    tensors: dict[str, TensorSpec]
+    values: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        both = sorted(set(self.tensors) & set(self.values))
+        if both:
+            raise ValueError(f"{both[:5]} are both a tensor and a value (`tensors`, `values`)")
+        _bounded(self.values, "values")
+
+
+class MicroBatchEntry(Document, frozen=True):
+    """One entry of ``micro_batches``: what one loss call saw, with the RNG states taken right before it."""
+
+    inputs: InputGroup
+    call: InputGroup
+    rng: list[Text]
+    sync_gradients: bool
+    accumulation_steps: Positive
+
+    def __post_init__(self) -> None:
+        if "cpu" not in self.rng:
+            raise ValueError("`rng` must list 'cpu'")
+
+
+class OptimizerState(Document, frozen=True):
+    """``optimizer``: the optimizer's state_dict less its tensors (in the optimizer file), and the LR
+    scheduler's."""
+
+    OPAQUE: ClassVar[dict[str, str]] = {
+        "param_groups": "the optimizer's param_groups as its state_dict holds them, loaded back whole at replay "
+                        "(every number bounded as a declared one)",
+        "state": "per parameter, the optimizer's non-tensor state, loaded back whole at replay (every number "
+                 "bounded as a declared one)",
+        "scheduler": "the LR scheduler's state_dict, loaded back whole at replay (every number bounded as a "
+                     "declared one; last_epoch is checked against the step)",
+    }
+
+    param_groups: list[dict[str, Any]]
+    state: dict[str, dict[str, Any]]
+    tensors: dict[str, list[Text]]
+    scheduler: dict[str, Any] | None
+
+    def __post_init__(self) -> None:
+        _bounded(self.param_groups, "param_groups")
+        _bounded(self.state, "state")
+        _bounded(self.scheduler, "scheduler")
+
+
+class ApiRows(Document, frozen=True):
+    """``rows``: the captured inputs' sizes (``micro_batches``, ``tensors``, ``elements`` and ``rows`` are
+    recomputed from ``micro_batches``; admission recomputes every one from the payload)."""
+
+    rows: Count
+    micro_batches: Count
+    tensors: Count
+    elements: Count
+    bytes: Count
+    nonfinite_inputs: bool = False  # absent in captures written before the flag: false
+
+
+class RootRows(ApiRows, frozen=True):
+    """A root's ``rows``: the parts' summed (recomputed from them), the flag always present."""
+
+    nonfinite_inputs: bool
+
+
+class BaseModelPin(Document, frozen=True):
+    """``base_model``: where the base model was (redacted) and the SHA-256 of each of its files."""
+
+    path: str
+    files: Annotated[dict[str, Digest], msgspec.Meta(min_length=1)]
+    sha256: Digest
+
+    def __post_init__(self) -> None:
+        bad = [k for k in self.files if not _is_bare(k)]
+        if bad:
+            raise ValueError(f"`files` keys must be bare file names, found {bad[0][:80]!r}")
+        agree("sha256", self.sha256, sha256_json(self.files))
+
+
+def _rows_of(micro_batches: list[MicroBatchEntry]) -> dict[str, int]:
+    """What ``rows`` summarises of the micro-batches the manifest lists (:func:`~replayjob.producers.api.
+    microbatch.rows_summary` less the byte count, which needs each dtype's width)."""
+    specs = [(mb, s) for mb in micro_batches for g in (mb.inputs, mb.call) for s in g.tensors.values()]
+    return {"micro_batches": len(micro_batches), "tensors": len(specs),
+            "elements": sum(math.prod(s.shape) for _, s in specs),
+            "rows": sum(max([s.shape[0] for s in mb.inputs.tensors.values() if s.shape] + [1])
+                        for mb in micro_batches)}
+
+
+class ApiManifest(Document, frozen=True):
+    """One process's capture through the capture API (the module docstring lists its fields)."""
+
+    OPAQUE: ClassVar[dict[str, str]] = {
+        "producer": "provenance (versions, python, device, determinism), recorded for people; the pins decide "
+                    "(every number bounded as a declared one)",
+        "framework_state": "what the framework needs to stand its trainer at this step, handed back whole at "
+                           "replay (every number bounded as a declared one; global_step is checked)",
+    }
+
+    schema: Literal["replayjob.capture_manifest/v3"]
+    framework: Text
+    step: Count
+    producer: dict[str, Any]
+    files: ApiFiles
+    micro_batches: Annotated[list[MicroBatchEntry], msgspec.Meta(min_length=1)]
+    optimizer: OptimizerState
+    trainable: Annotated[list[Text], msgspec.Meta(min_length=1)]
+    framework_state: dict[str, Any]
+    rows: ApiRows
+    logical_batch_sha256: Digest
+    local_effective_rows_sha256: Digest
+    config: Hashed
+    contract: ContractBlock
+    base_model: BaseModelPin
+    outcome: Outcome
+
+    def __post_init__(self) -> None:
+        _framework(self.framework, "manifest")
+        # the step names every file of the capture: a relabelled step is a contradiction
+        named = file_names(self.step)
+        for role in FILES:
+            got = getattr(self.files, role).file
+            if got != named[role]:
+                raise ValueError(f"`files.{role}.file` is {got[:80]!r}, but {named[role]!r} is the name of step "
+                                 f"{self.step}'s {role}")
+        seen = self.framework_state.get("global_step", self.step)  # a trainer that records its own step counter
+        if isinstance(seen, bool) or seen != self.step:
+            raise ValueError(f"`step` is {self.step}, but framework_state.global_step is {str(seen)[:40]}")
+        # an LR scheduler stepped with the optimizer (optimizer_step, Trainer) has stepped at most once per step
+        # before this one (fewer where a loss scaler skipped a step); a producer stepping it otherwise keeps it
+        # elsewhere
+        sched = self.optimizer.scheduler
+        epoch = sched.get("last_epoch", 0) if sched is not None else 0
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch > self.step:
+            raise ValueError(f"`step` is {self.step}, but the captured LR scheduler has already stepped "
+                             f"{str(epoch)[:24]} time(s) (optimizer.scheduler.last_epoch)")
+        if len(set(self.trainable)) != len(self.trainable):
+            raise ValueError("`trainable` must list distinct parameter names")
+        off = [f"rows.{k} is {getattr(self.rows, k)}, its micro_batches give {v}"
+               for k, v in _rows_of(self.micro_batches).items() if getattr(self.rows, k) != v]
+        if off:
+            raise ValueError("`rows` summarises the micro-batches it lists, but " + "; ".join(off))
+        _bounded(self.producer, "producer")
+        _bounded(self.framework_state, "framework_state")
+        _bounded(self.config.resolved, "config.resolved")
+        _bounded(self.contract.value, "contract.value")
+
+
+def _framework(name: str, what: str) -> None:
+    if name not in EXTERNAL:
+        raise ValueError(f"`framework` must be one of {list(EXTERNAL)} in a capture API {what}, found "
+                         f"{name[:40]!r}")
+
+
+def _read(doc: Any, kind: type[Document], where: Path) -> None:
+    """``doc`` read through its declaration ``kind``; a refusal is a malformed manifest field."""
+    try:
+        decode(doc, kind, where=where)
+    except IntegrityError as exc:
+        raise IntegrityError(f"manifest {exc.message}" if exc.message.startswith("field ") else
+                             f"manifest field {exc.message}", where=where, hint=_HINT) from None
 
 
 def validate(doc: Any, where: Path) -> dict[str, Any]:
-    """Check every field's presence and type, and recompute the embedded digests."""
+    """One process's manifest read through its declaration (:class:`ApiManifest`): every field's presence,
+    type and range, no unknown key, the embedded digests and the row counts recomputed; and its name is the
+    one its step gives."""
     check_schema(doc, where)
-    need(doc["framework"] in EXTERNAL, f"'framework' must be one of {list(EXTERNAL)} in a capture API manifest, "
-         f"found {str(doc['framework'])[:40]!r}", where)
-    keys = _KEYS | {OUTCOME}  # every capture of this schema seals its outcome (reduce compares with it)
-    need(OUTCOME in doc, f"'{OUTCOME}' is missing: the capture was written by an earlier release and seals "
-         "none of the numbers reduce compares with; capture the step again", where)
-    need(set(doc) == keys, f"keys must be exactly {sorted(keys)}; unknown {sorted(set(doc) - keys)}, "
-          f"missing {sorted(keys - set(doc))}", where)
-    validate_outcome(doc, where)
-    need(is_int(doc["step"]) and doc["step"] >= 0, "'step' must be an integer >= 0", where)
-    for sec in ("producer", "files", "optimizer", "framework_state", "rows", "config", "contract", "base_model"):
-        need(isinstance(doc[sec], dict), f"'{sec}' must be an object", where)
-    flag = doc["rows"].get("nonfinite_inputs", False)  # absent in captures written before the flag: false
-    need(isinstance(flag, bool), "'rows.nonfinite_inputs' must be true or false", where)
-    files = doc["files"]
-    need(set(files) == set(FILES), f"'files' needs exactly {list(FILES)}", where)
-    # the step names every file of the capture, its manifest included: a relabelled step is a contradiction
-    named = file_names(doc["step"])
-    need(where.name == named["manifest"], f"'step' is {doc['step']}, but the manifest is {where.name!r} (step "
-         f"{doc['step']}'s is {named['manifest']!r})", where)
-    for role in FILES:
-        need(isinstance(files[role], dict) and files[role].get("file") == named[role], f"files.{role}.file must be "
-             f"{named[role]!r}, the name of step {doc['step']}'s {role}", where)
-    seen = doc["framework_state"].get("global_step", doc["step"])  # a trainer that records its own step counter
-    need(seen == doc["step"], f"'step' is {doc['step']}, but framework_state.global_step is {seen!r}", where)
-    # an LR scheduler stepped with the optimizer (optimizer_step, Trainer) has stepped at most once per step before
-    # this one (fewer where a loss scaler skipped a step); a producer stepping it otherwise keeps it elsewhere
-    sched = doc["optimizer"].get("scheduler")
-    epoch = sched.get("last_epoch", 0) if isinstance(sched, dict) else 0
-    need(not is_int(epoch) or epoch <= doc["step"], f"'step' is {doc['step']}, but the captured LR scheduler has "
-         f"already stepped {epoch!r} time(s) (optimizer.scheduler.last_epoch)", where)
-    for role in FILES:
-        f = files[role]
-        need(isinstance(f, dict) and set(f) == {"file", "size", "sha256"}, f"'files.{role}' needs file, size, "
-              "sha256", where)
-        _bare(f["file"], f"files.{role}.file", where)
-        need(str(f["file"]).endswith(".safetensors"), f"files.{role}.file must be a .safetensors file", where)
-        need(is_int(f["size"]) and f["size"] > 0, f"files.{role}.size must be a positive integer", where)
-        need_hex(f["sha256"], f"files.{role}.sha256", where)
-    mbs = doc["micro_batches"]
-    need(isinstance(mbs, list) and len(mbs) > 0, "'micro_batches' must be a non-empty list", where)
-    for i, mb in enumerate(mbs):
-        w = f"micro_batches[{i}]"
-        need(isinstance(mb, dict) and set(mb) == {"inputs", "call", "rng", "sync_gradients", "accumulation_steps"},
-              f"{w} needs inputs, call, rng, sync_gradients, accumulation_steps", where)
-        _group(mb["inputs"], f"{w}.inputs", where)
-        _group(mb["call"], f"{w}.call", where)
-        need(isinstance(mb["rng"], list) and "cpu" in mb["rng"] and all(isinstance(k, str) for k in mb["rng"]),
-              f"{w}.rng must list 'cpu'", where)
-        need(isinstance(mb["sync_gradients"], bool), f"{w}.sync_gradients must be true or false", where)
-        need(is_int(mb["accumulation_steps"]) and mb["accumulation_steps"] >= 1,
-              f"{w}.accumulation_steps must be an integer >= 1", where)
-    opt = doc["optimizer"]
-    need(set(opt) == {"param_groups", "state", "tensors", "scheduler"} and isinstance(opt["param_groups"], list)
-          and isinstance(opt["state"], dict) and isinstance(opt["tensors"], dict)
-          and (opt["scheduler"] is None or isinstance(opt["scheduler"], dict)),
-          "'optimizer' needs param_groups (list), state, tensors (objects), scheduler (object or null)", where)
-    tr = doc["trainable"]
-    need(isinstance(tr, list) and len(tr) > 0 and all(isinstance(n, str) and n for n in tr)
-          and len(set(tr)) == len(tr), "'trainable' must list distinct parameter names", where)
-    validate_pins(doc, where)
-    bm = doc["base_model"]
-    need(set(bm) == {"path", "files", "sha256"} and isinstance(bm["path"], str) and isinstance(bm["files"], dict)
-          and len(bm["files"]) > 0, "'base_model' needs path, files (non-empty object), sha256", where)
-    for name, digest in bm["files"].items():
-        _bare(name, "base_model.files key", where)
-        need_hex(digest, f"base_model.files.{name}", where)
-    need_hex(bm["sha256"], "base_model.sha256", where)
-    need(sha256_json(bm["files"]) == bm["sha256"], "'base_model.sha256' does not match its files", where)
+    if OUTCOME not in doc:  # every capture of this schema seals its outcome (reduce compares with it)
+        raise IntegrityError(f"manifest field `{OUTCOME}` is missing: the capture was written by an earlier release "
+                             "and seals none of the numbers reduce compares with", where=where,
+                             hint="capture the step again")
+    _read(doc, ApiManifest, where)
+    named = file_names(doc["step"])["manifest"]
+    if where.name != named:
+        raise IntegrityError(f"manifest field `step` is {doc['step']}, but the manifest is {where.name!r} (step "
+                             f"{doc['step']}'s is {named!r})", where=where, hint=_HINT)
     return doc
 
 
@@ -225,13 +392,61 @@ def read_verified(path: str | Path, expected_sha256: str) -> Manifest:
 
 
 # ------------------------------------------------------------------------------------- a root over processes
-_ROOT_KEYS = {"schema", "framework", "step", "world_size", "ranks", "payload_sha256", "rows", "logical_batch_sha256",
-         "local_effective_rows_sha256", "config", "contract", "base_model", "framework_state", "trainable",
-         "optimizer", OUTCOME}
-_ROOT_RANK_KEYS = {"rank", "dir", "manifest_sha256", "logical_batch_sha256", "micro_batches"}
 _SAME = ("adapter", "optimizer")  # files every part holds with the same bytes (the ranks start equal)
 
 
+class ApiRankEntry(Document, frozen=True):
+    """One process's part as the root lists it."""
+
+    rank: Count
+    dir: Text
+    manifest_sha256: Digest
+    logical_batch_sha256: Digest
+    micro_batches: Positive
+
+
+class ApiRoot(Document, frozen=True):
+    """The root of a capture over several processes: what it ties the parts with, and what they share
+    (process 0's, compared with every part by :func:`of`)."""
+
+    OPAQUE: ClassVar[dict[str, str]] = {
+        "framework_state": "process 0's framework_state, compared whole with its part's (which is read through "
+                           "ApiManifest) and handed back whole at replay",
+    }
+
+    schema: Literal["replayjob.capture_manifest/v3"]
+    framework: Text
+    step: Count
+    world_size: Annotated[int, msgspec.Meta(ge=2, le=1 << 20)]
+    ranks: list[ApiRankEntry]
+    payload_sha256: Digest
+    rows: RootRows
+    logical_batch_sha256: Digest
+    local_effective_rows_sha256: Digest
+    config: Hashed
+    contract: ContractBlock
+    base_model: BaseModelPin
+    framework_state: dict[str, Any]
+    trainable: Annotated[list[Text], msgspec.Meta(min_length=1)]
+    optimizer: OptimizerState
+    outcome: Outcome
+
+    def __post_init__(self) -> None:
+        _framework(self.framework, "root")
+        if len(self.ranks) != self.world_size:
+            raise ValueError(f"`ranks` must list one entry per process: world_size is {self.world_size}, ranks "
+                             f"lists {len(self.ranks)}")
+        for r, e in enumerate(self.ranks):
+            if e.rank != r or e.dir != rank_dir(r):
+                raise ValueError(f"`ranks[{r}]` must be rank {r} in {rank_dir(r)!r}, found rank {e.rank} in "
+                                 f"{e.dir[:40]!r}")
+        listed = sum(e.micro_batches for e in self.ranks)
+        if self.rows.micro_batches != listed:
+            raise ValueError(f"`rows` summarises the parts it lists, but rows.micro_batches is "
+                             f"{self.rows.micro_batches}, its ranks give {listed}")
+        _bounded(self.framework_state, "framework_state")
+        _bounded(self.config.resolved, "config.resolved")
+        _bounded(self.contract.value, "contract.value")
 
 
 @dataclass(frozen=True)
@@ -342,7 +557,21 @@ def of(p: Path, sha: str, doc: Any) -> Manifest:
         raise IntegrityError("the root's framework or step is not process 0's", where=p)
     if doc["payload_sha256"] != ranks_digest([m.payload_digest for m in parts]):
         raise IntegrityError("the root's payload_sha256 is not the digest of its parts' payloads", where=p)
+    summed = summed_rows([m.doc["rows"] for m in parts])
+    off = [f"rows.{k} is {doc['rows'].get(k)!r}, its parts give {v!r}" for k, v in summed.items()
+           if doc["rows"].get(k) != v]
+    if off:
+        raise IntegrityError("the root's row summary is not its parts': " + "; ".join(off), where=p,
+                             hint="a summary is recomputed from what it summarises; capture the step again")
     return RootManifest(p, sha, doc, tuple(parts))
+
+
+def summed_rows(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A root's ``rows`` recomputed from its parts': every count summed, ``nonfinite_inputs`` when any part's is."""
+    counts = [f for f in ApiRows.__struct_fields__ if f != "nonfinite_inputs"]
+    out: dict[str, Any] = {k: sum(int(r[k]) for r in parts) for k in counts}
+    out["nonfinite_inputs"] = any(bool(r.get("nonfinite_inputs", False)) for r in parts)
+    return out
 
 
 def _check_part_files(d: Path, part: Manifest, rank: int) -> None:
@@ -381,28 +610,7 @@ def build_root(parts: list[Manifest], micro_batches: list[int], *, rows: dict[st
 
 
 def validate_root(doc: Any, where: Path) -> dict[str, Any]:
-    """The root's own fields (:func:`of` checks the parts)."""
+    """The root's own fields, read through its declaration (:class:`ApiRoot`; :func:`of` checks the parts)."""
     check_schema(doc, where)
-    need(set(doc) == _ROOT_KEYS, f"keys must be exactly {sorted(_ROOT_KEYS)}; unknown {sorted(set(doc) - _ROOT_KEYS)}, "
-         f"missing {sorted(_ROOT_KEYS - set(doc))}", where)
-    validate_outcome(doc, where)
-    validate_pins(doc, where)
-    need(doc["framework"] in EXTERNAL, f"'framework' must be one of {list(EXTERNAL)} in a capture API root", where)
-    need(is_int(doc["step"]) and doc["step"] >= 0, "'step' must be an integer >= 0", where)
-    world = doc["world_size"]
-    need(is_int(world) and world >= 2, "'world_size' must be an integer >= 2", where)
-    ranks = doc["ranks"]
-    need(isinstance(ranks, list) and len(ranks) == world, "'ranks' must list one entry per process", where)
-    for r, e in enumerate(ranks):
-        need(isinstance(e, dict) and set(e) == _ROOT_RANK_KEYS and e["rank"] == r and e["dir"] == rank_dir(r)
-             and is_int(e["micro_batches"]) and e["micro_batches"] >= 1,
-             f"ranks[{r}] needs rank {r}, dir {rank_dir(r)!r}, manifest_sha256, logical_batch_sha256, "
-             "micro_batches >= 1", where)
-        need_hex(e["manifest_sha256"], f"ranks[{r}].manifest_sha256", where)
-        need_hex(e["logical_batch_sha256"], f"ranks[{r}].logical_batch_sha256", where)
-    need_hex(doc["payload_sha256"], "payload_sha256", where)
-    for sec in ("rows", "base_model", "framework_state", "optimizer"):
-        need(isinstance(doc[sec], dict), f"'{sec}' must be an object", where)
-    need(isinstance(doc["rows"].get("nonfinite_inputs"), bool), "'rows.nonfinite_inputs' must be true or false",
-         where)
+    _read(doc, ApiRoot, where)
     return doc
