@@ -107,10 +107,36 @@ def builtin_manifest() -> dict[str, Any]:
                     sealed=mf.outcome(0.5, 0.25, "f" * 64))
 
 
+def funnel_record() -> dict[str, Any]:
+    """A funnel.json as the funnel writes it: every stage passed, a summary with a contended replay, a decided
+    bound and one not evaluated."""
+    stage = {"status": "pass", "exit_code": 0, "detail": "", "wall_s": 1.5, "artifacts": {"report": "signals.json"}}
+    arm = {"median_step_wall_s": 0.5, "median_warm_wall_s": 0.25, "decision": "decided", "step_ratio": [2.0, 1.5, 2.5],
+           "peak_memory_ratio": 1.0, "memory_kind": ["max_rss"], "loss_equal_source": True,
+           "adapter_equal_source": True}
+    bound = {"arm": "mb-1", "metric": "local_train_wall_s", "kind": "max_ratio", "limit": 3.0}
+    return {"schema": "replayjob.funnel/v1", "status": "pass", "exit_code": 0, "device": "cpu", "model": "tiny",
+            "claim": "exact-input", "spec": "examples/ablation.toml", "arms": ["mb-default", "mb-1"],
+            "design": "abba", "seed": 123, "omp_num_threads": "1",
+            "stages": [{"name": n, **stage} for n in ("determinism", "signals", "ablation")],
+            "summary": {"verdict": "pass", "baseline": "mb-default", "admission": "admitted",
+                        "timing_metric": "in_process_train_wall_s", "confidence": 0.99375, "paired": True,
+                        "max_looks": 8, "contended": [{"arm": "mb-1", "repeat_index": 0, "path": "replays/mb-1/0",
+                                                       "block": 0, "reasons": ["run-queue wait 50%"]}],
+                        "arms": {"mb-default": {**arm, "decision": None, "step_ratio": None}, "mb-1": arm},
+                        "budgets": [{**bound, "decision": "pass", "note": "", "pairs": 3, "ratio": 2.0, "low": 1.5,
+                                     "high": 2.5, "more_blocks": None},
+                                    {**bound, "metric": "peak_memory_bytes", "decision": "not_measurable",
+                                     "note": "CPU"}],
+                        "blocks": 3, "max_blocks": 8},
+            "wall_s": 12.0}
+
+
 # One valid document per top-level declaration (a sub-document is exercised inside its parent).
 VALID: dict[str, Any] = {
     "ContentionRecord": contention_record,
     "TolerancesFile": lambda: {"update_cosine_min": 0.99, "relative_delta_l2_max": 0.1},
+    "FunnelRecord": funnel_record,
     "BudgetsFile": lambda: {"baseline": "mb-default", "allow_cross_node": False,
                             "arms": {"mb-1": {"local_train_wall_s": {"max_ratio": 1.5, "min_ratio": 0.5},
                                               "peak_memory_bytes": {"max_ratio": 2.0}}}},
@@ -184,6 +210,7 @@ NESTED = {"CudaProcess", "CudaFigures",  # reached through ContentionRecord.cuda
           "Distributed",  # ReplayMetrics' sections
           "VerdictCheck", "Refusal",  # VerdictDocument's
           "FailedNode",  # RunEnd's
+          "FunnelStage", "FunnelSummary", "FunnelArm", "FunnelContended", "FunnelBound",  # FunnelRecord's
           "ArmBounds", "RatioBounds",  # BudgetsFile's
           "TraceIdentity", "TracePayloadPin", "TraceSiteEntry", "TraceParamEntry",  # TraceIndex's
           "StageContract", "PayloadSpec", "PayloadFile", "Tolerance", "Redaction", "MultiRank", "BundleIndex",
@@ -388,7 +415,9 @@ def _nan_equal(a: Any, b: Any) -> bool:
 
 # Each declared document's page names every one of its fields (a field cannot be checked and undocumented, nor
 # documented under a name the reader does not take): the declaration -> its page.
-PAGES = {"ReplayMetrics": "replay-metrics.md", "ContentionRecord": "replay-metrics.md",
+PAGES = {**{name: "funnel.md" for name in ("FunnelRecord", "FunnelStage", "FunnelSummary", "FunnelArm",
+                                            "FunnelContended", "FunnelBound")},
+         "ReplayMetrics": "replay-metrics.md", "ContentionRecord": "replay-metrics.md",
          "TolerancesFile": "verdict-format.md", "BudgetsFile": "verdict-format.md", "ArmBounds": "verdict-format.md",
          "RatioBounds": "verdict-format.md", "BoundFile": "mismatch.md", "VerdictDocument": "verdict-format.md",
          "VerdictCheck": "verdict-format.md", "Refusal": "verdict-format.md", "Stopped": "cluster.md",

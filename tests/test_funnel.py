@@ -15,6 +15,7 @@ every step.  Stage 1's source runs stay fresh processes everywhere: that is what
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +23,11 @@ from typing import Any
 
 import pytest
 
+from replayjob.artifacts import funnel_record
+from replayjob.artifacts.document import decode
+from replayjob.artifacts.funnel_record import FunnelRecord
 from replayjob.cli import main
+from replayjob.errors import OperationalError
 from replayjob.launch import funnel as funnel_module
 from replayjob.launch.funnel import FUNNEL_FILE, STATUS
 from tests.conftest import REPO
@@ -36,6 +41,7 @@ def funnel(out: Path, *args: str, repeats: int = 2) -> tuple[int, dict[str, Any]
     code = main(["funnel", "--out", str(out), "--device", "cpu", "--spec", str(SPEC), "--repeats", str(repeats),
                  *args])
     doc = json.loads((out / FUNNEL_FILE).read_text())
+    decode(copy.deepcopy(doc), FunnelRecord, where=out / FUNNEL_FILE)  # the document reads as declared
     assert doc["exit_code"] == code and doc["schema"] == "replayjob.funnel/v1"
     assert [s["name"] for s in doc["stages"]] == ["determinism", "signals", "ablation"]
     return code, doc
@@ -394,3 +400,39 @@ def test_render_says_inconclusive_rather_than_a_wide_interval() -> None:
                    "summary": summary, "wall_s": 1.0})
     assert "inconclusive after 8 blocks" in text and "30" not in text.split("mb-1")[1].split("\n")[0]
     assert "paired per block, interval at confidence 0.9938 (one look of at most 8)" in text
+
+
+def funnel_document() -> dict[str, Any]:
+    """A funnel.json that stops at stage 2 (a KILL): stage 3 not run, no summary."""
+    stages = [{"name": "determinism", "status": "pass", "exit_code": 0, "detail": "3 steps x 2", "wall_s": 9.0,
+               "artifacts": {}},
+              {"name": "signals", "status": "fail", "exit_code": 1, "detail": "KILL", "wall_s": 0.1, "artifacts": {}},
+              {"name": "ablation", "status": "skipped", "exit_code": 0, "detail": "not run", "wall_s": 0.0,
+               "artifacts": {}}]
+    return {"schema": "replayjob.funnel/v1", "status": "fail", "exit_code": 1, "device": "cpu", "model": "tiny",
+            "claim": "exact-input", "spec": str(SPEC), "arms": ["mb-default", "mb-1"], "design": "abba", "seed": 123,
+            "omp_num_threads": None, "stages": stages, "summary": None, "wall_s": 9.2}
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda d: d.update(extra=1), "unknown field `extra`"),
+    (lambda d: d["stages"][0].update(note="x"), "unknown field `note`"),
+    (lambda d: d.update(status="pass"), "`status` is 'pass', but the stages give 'fail'"),
+    (lambda d: d.update(exit_code=2), "`exit_code` is 2, but the first non-passing stage's is 1"),
+    (lambda d: d["stages"][1].update(exit_code=2), "`exit_code` is 2, but status 'fail' exits 1"),
+    (lambda d: d["stages"].reverse(), "expected ['determinism', 'signals', 'ablation'] in order"),
+    (lambda d: d.update(exit_code=True), "field `exit_code`: expected `int`, got `bool`"),
+])
+def test_a_funnel_document_its_declaration_refuses_is_never_written(tmp_path: Path, change: Any,
+                                                                      needle: str) -> None:
+    """funnel.json is read back through its declaration (replayjob.artifacts.funnel_record) before it is
+    written: a field the declaration does not know, or a status that does not follow from the stages, is a bug
+    (exit 3) and nothing is written."""
+    funnel_record.write(tmp_path / "ok.json", funnel_document())
+    assert json.loads((tmp_path / "ok.json").read_text()) == funnel_document()
+    doc = funnel_document()
+    change(doc)
+    with pytest.raises(OperationalError, match="breaks its own declaration") as info:
+        funnel_record.write(tmp_path / FUNNEL_FILE, doc)
+    assert needle in info.value.message and info.value.exit_code == 3
+    assert not (tmp_path / FUNNEL_FILE).exists()

@@ -21,9 +21,10 @@ index by index in the schedule's run order.  Each look is ``replayjob step reduc
 the blocks run so far (with the report and the looks' alpha spending), so the funnel reduces exactly
 as the cluster launchers do: everything the reducer is told comes from the spec.  Every command goes through
 :func:`cli_step`, one fresh ``python -m replayjob`` process per step, exactly as a cluster job would.
-``OUT/funnel.json`` (:data:`SCHEMA`, docs/funnel.md) lists every stage and its outcome and is written last, beside the
-reducer's ``verdict.json``; the exit code is the first non-passing stage's (0 pass, 1 negative,
-2 refused or inconclusive, 3 error).  Planted negatives show that each stage can stop the funnel:
+``OUT/funnel.json`` (:data:`SCHEMA`, docs/funnel.md, declared in :mod:`replayjob.artifacts.funnel_record`) lists
+every stage and its outcome and is written last, beside the reducer's ``verdict.json``; the exit code is the
+first non-passing stage's (0 pass, 1 negative, 2 refused or inconclusive, 3 error).  Planted negatives show
+that each stage can stop the funnel:
 ``--plant-nondeterminism`` (stage 1, exit 1), ``--plant-kill`` (stage 2, exit 1),
 ``--plant-undeclared`` (the baseline arm changes a knob it does not declare: stage 3, exit 2).
 
@@ -50,7 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from replayjob.artifacts import funnel_record
 from replayjob.artifacts.capture_manifest import REPLAY_CONFIG
+from replayjob.artifacts.funnel_record import FUNNEL_FILE, SCHEMA, STAGES, STATUS
 from replayjob.artifacts.schedule import DESIGNS
 from replayjob.artifacts.spec import AblationSpec, load_spec, spec_from_dict
 from replayjob.check.determinism_check import check
@@ -67,10 +70,6 @@ from replayjob.launch.capture_ref import capture_pins
 from replayjob.launch.step import Layout, select
 from replayjob.launch.workspace import TRAIN_CONFIG
 
-SCHEMA = "replayjob.funnel/v1"
-FUNNEL_FILE = "funnel.json"
-STAGES = ("determinism", "signals", "ablation")
-STATUS = {0: "pass", 1: "fail", 2: "refused", 3: "error"}
 # The GPU default: a Llama-shaped model built from config, bf16 (hundreds of millions of parameters).
 MID_SIZE = ("model.hidden_size=1024", "model.intermediate_size=2816", "model.num_layers=24",
             "model.num_heads=16", "model.num_kv_heads=8", "model.max_position_embeddings=512",
@@ -442,7 +441,7 @@ class Funnel:
                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                "stages": [s.to_json() for s in self.stages], "summary": self.summary,
                "wall_s": round(time.perf_counter() - t_start, 3)}
-        atomic_write_bytes(self.out / FUNNEL_FILE, pretty_bytes(doc))
+        funnel_record.write(self.out / FUNNEL_FILE, doc)  # read back through its declaration first
         self.say(render(doc))
         return result
 
