@@ -123,7 +123,8 @@ def record(contended: bool) -> dict[str, Any]:
     figures = HOGGED if contended else QUIET
     rec = {**figures, "schema": contention.SCHEMA, "wall_s": 1.0, "cpu_s": figures["cpu_per_wall"],
            "involuntary_switches": int(figures["involuntary_switches_per_s"]), "voluntary_switches": 3,
-           "run_queue_wait_s": 0.01, "unavailable": {}, "thresholds": dict(contention.THRESHOLDS)}
+           "run_queue_wait_s": 0.01, "unavailable": {"cuda_processes": "not a CUDA device"},
+           "thresholds": dict(contention.THRESHOLDS)}
     reasons = decide(rec)
     return {**rec, "contended": bool(reasons), "reasons": reasons}
 
@@ -234,6 +235,15 @@ def test_the_reader_refuses_a_malformed_contention_record(tmp_path: Path) -> Non
         "CUDA figures on a CPU device": ({**quiet, "cuda": {"device": "cuda:0", "read_by": None, "note": "",
                                                             "processes_before": None, "processes_after": None,
                                                             "other_processes": None}}, "cuda"),
+        "a null figure the record does not explain": ({**quiet, "steal_share": None}, "`steal_share` is null"),
+        "an explained figure that is recorded": ({**quiet, "unavailable": {**quiet["unavailable"], "steal": "?"}},
+                                                 "unavailable.steal"),
+        "an unknown unavailable figure": ({**quiet, "unavailable": {**quiet["unavailable"], "gpu_clock": "?"}},
+                                          "gpu_clock"),
+        "a record of another device": ({**quiet, "device": "cuda:0", "unavailable": {"cuda_processes": "hidden"},
+                                        "cuda": {"device": "cuda:0", "read_by": None, "note": "hidden",
+                                                 "processes_before": None, "processes_after": None,
+                                                 "other_processes": None}}, "contention.device"),
     }
     for what, (bad, rule) in forged.items():
         doc[CONTENTION] = bad
@@ -341,7 +351,7 @@ def test_the_cuda_figures_count_of_other_processes_is_recomputed_from_its_proces
     procs = [{"pid": 10, "used_bytes": 2**20}, {"pid": 11, "used_bytes": None}]
     cuda = {"device": "cuda:0", "read_by": "nvml", "processes_before": procs[:1], "processes_after": procs,
             "other_processes": 1, "note": ""}
-    rec = {**record(False), "device": "cuda:0", "cuda": cuda}
+    rec = {**record(False), "device": "cuda:0", "cuda": cuda, "unavailable": {}}
     rec["reasons"] = decide(rec)
     rec["contended"] = bool(rec["reasons"])
     assert rec["contended"] and "other compute process" in rec["reasons"][-1]

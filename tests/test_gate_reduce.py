@@ -661,3 +661,80 @@ def test_a_several_step_source_without_source_step_says_which_steps(ev: syntheti
     code, doc = reduce(ev, "exact-input", "--source-step", "5")
     assert code == 2 and "(captured: 0, 3)" in doc["refusal"]["hint"]
     assert reduce(ev, "exact-input", "--source-step", "0")[0] == 0
+
+
+RECORD = {"step": 2, "manifest_path": "m.json", "manifest_sha256": "d" * 64, "logical_batch_sha256": "e" * 64,
+          "local_effective_rows_sha256": "f" * 64, "initial_adapter_sha256": "1" * 64,
+          "final_adapter_sha256": "2" * 64, "replay_config": "replay_step_000002.toml", "nonfinite_inputs": False,
+          "loss": 0.5, "grad_norm": 0.25}
+
+
+@pytest.mark.parametrize("change, step, needle", [
+    (lambda d: d.update(trust_me=True), None, "unknown field `trust_me`"),
+    (lambda d: d.update(loss="0.5"), None, "field `loss`: expected `float | null`, got `str`"),
+    (lambda d: d.update(loss=None), None, "field `loss` is missing or null: a one-step capture records it"),
+    (lambda d: d.update(steps_run=True), None, "field `steps_run`: expected `int`, got `bool`"),
+    (lambda d: d.update({"optimizer/logical_batch_sha256": "E" * 64}), None,
+     "field `optimizer/logical_batch_sha256`: expected a SHA-256"),
+    (lambda d: d.pop("optimizer_batch/manifest_path"), None, "field `optimizer_batch/manifest_path` is missing"),
+    (lambda d: d.update({"optimizer_batch/manifest_path": ".."}), None, "field `optimizer_batch/manifest_path`"),
+    (lambda d: d.update(final_adapter_path="../elsewhere"), None,
+     "field `final_adapter_path` must be a relative path inside the run directory"),
+    (lambda d: d.update(config=[]), None, "field `config`: expected `object`, got `array`"),
+    (lambda d: d.update({"optimizer_batch/steps": [{**RECORD, "trust_me": 1}]}), 2,
+     "field `optimizer_batch/steps[0]`: object contains unknown field `trust_me`"),
+    (lambda d: d.update({"optimizer_batch/steps": [{**RECORD, "step": True}]}), 2,
+     "field `optimizer_batch/steps[0].step`: expected `int`, got `bool`"),
+    (lambda d: d.update({"optimizer_batch/steps": [RECORD, RECORD]}), 2,
+     "`optimizer_batch/steps` must list distinct steps in ascending order"),
+    (lambda d: d.update({"optimizer_batch/steps": [{**RECORD, "replay_config": "/etc/replay.toml"}]}), 2,
+     "field `optimizer_batch/steps[0].replay_config` must be a relative path inside the run directory"),
+])
+def test_the_source_metrics_are_read_through_their_declaration(ev: synthetic.Evidence, change: Any,
+                                                                step: int | None, needle: str) -> None:
+    """The source's metrics.json (replayjob.artifacts.source_metrics): a wrong type, an unknown key, a one-step
+    file without its pins or numeric loss, a step record that breaks its declaration, a path outside the run:
+    each refused naming the file and the field."""
+    from replayjob.errors import IntegrityError
+    from replayjob.gate.evidence import read_source
+
+    assert read_source(ev.source).loss == 0.5  # as written
+    edit(ev.source / "metrics.json", change)
+    with pytest.raises(IntegrityError) as info:
+        read_source(ev.source, step)
+    assert needle in info.value.message, info.value.message
+    assert str(info.value.where).endswith("metrics.json")
+
+
+def test_a_step_record_read_from_the_source_metrics(ev: synthetic.Evidence) -> None:
+    from replayjob.gate.evidence import read_source
+
+    edit(ev.source / "metrics.json", lambda d: d.update({"optimizer_batch/steps": [RECORD, {**RECORD, "step": 4}]}))
+    got = read_source(ev.source, 4)
+    assert (got.loss, got.grad_norm, got.final_adapter, got.record) == (0.5, 0.25, "2" * 64, "optimizer_batch/steps[1]")
+    assert got.final_adapter_file is None and got.manifest_file == ev.source / "m.json"
+
+
+def test_replays_that_pinned_a_budget_file_are_refused_without_it(ev: synthetic.Evidence) -> None:
+    """A budget file pinned before the runs decides: reducing the replays without ``--budgets`` would pass what its
+    bounds fail, so it is refused, naming the pinned digest."""
+    for f in ev.replay_files:
+        edit(f, lambda d: d.update(budgets_sha256="ab" * 32))
+    code, doc = reduce(ev, "exact-input")
+    assert code == 2 and "inputs.budgets_pinned" in doc["failed_checks"]
+    assert check(doc, "inputs.budgets_pinned")["observed"] == {"pinned": ["ab" * 32]}
+
+
+@pytest.mark.parametrize(("change", "rule"), [
+    (lambda d: d["padding"].update(padding_fraction=0.9), "padding_fraction"),
+    (lambda d: d["padding"].update(real_tokens=d["padding"]["padded_tokens"] + 1), "real_tokens"),
+    (lambda d: d["memory"].update(kind="cuda_max_allocated"), "memory.kind"),
+    (lambda d: d.update(device="cuda:0"), "host.device_type"),
+])
+def test_a_replays_summaries_and_its_device_are_recomputed(ev: synthetic.Evidence, change: Callable[[Any], None],
+                                                           rule: str) -> None:
+    """The padding fraction from its token counts, and the device told by the replay, its host, its memory measure
+    (CUDA's allocator peak only on a CUDA device): a file that contradicts itself is refused, naming the field."""
+    edit(ev.replay_files[0], change)
+    code, doc = reduce(ev, "exact-input")
+    assert code == 2 and rule in doc["refusal"]["message"], doc["refusal"]

@@ -18,6 +18,9 @@ from replayjob.artifacts.document import Count, Document, Finite, NonNegative, P
 from replayjob.runtime.contention_probe import SCHEMA, THRESHOLDS, decide
 
 LoadAverage = Annotated[list[NonNegative], msgspec.Meta(min_length=3, max_length=3)]
+UNAVAILABLE = {"run_queue_wait": "run_queue_wait_share", "steal": "steal_share", "loadavg": "loadavg_before",
+               "cuda_processes": "cuda.other_processes"}
+"""What ``unavailable`` may name, each with the figure it explains (null exactly when named)."""
 
 
 class CudaProcess(Document, frozen=True):
@@ -75,6 +78,18 @@ class ContentionRecord(Document, frozen=True):
         agree("involuntary_switches_per_s", self.involuntary_switches_per_s, self.involuntary_switches / self.wall_s)
         if (self.cuda is None) == self.device.startswith("cuda"):
             raise ValueError("`cuda` holds the CUDA figures exactly when the device is a CUDA device")
+        if set(self.unavailable) - set(UNAVAILABLE):
+            raise ValueError(f"`unavailable` names {sorted(set(self.unavailable) - set(UNAVAILABLE))}; it may name "
+                             f"only {list(UNAVAILABLE)}")
+        missing = {"run_queue_wait": self.run_queue_wait_s is None or self.run_queue_wait_share is None,
+                   "steal": self.steal_share is None, "loadavg": self.loadavg_before is None,
+                   "cuda_processes": self.cuda is None or self.cuda.other_processes is None}
+        for name, absent in missing.items():  # a figure is null exactly when the record says why
+            if absent != (name in self.unavailable):
+                raise ValueError(f"`{UNAVAILABLE[name]}` is null but `unavailable` does not say why" if absent else
+                                 f"`unavailable.{name}` says a figure could not be read, but it is recorded")
+        if (self.run_queue_wait_s is None) != (self.run_queue_wait_share is None):
+            raise ValueError("`run_queue_wait_s` and `run_queue_wait_share` are read together: both or neither")
         reasons = decide(self.figures())
         agree("reasons", self.reasons, reasons)
         agree("contended", self.contended, bool(reasons))

@@ -45,10 +45,22 @@ class Memory(Document, frozen=True):
 
 
 class Padding(Document, frozen=True):
+    """Token positions of the update's micro-batches: ``real_tokens`` of ``padded_tokens`` (every position after
+    padding); ``padding_fraction`` summarises them (``1 - real / padded``, 0 with no position)."""
+
     real_tokens: Count
     padded_tokens: Count
     padding_fraction: Share
     micro_batches: Count
+
+    def __post_init__(self) -> None:
+        if self.real_tokens > self.padded_tokens:
+            raise ValueError(f"`real_tokens` ({self.real_tokens}) cannot exceed `padded_tokens` "
+                             f"({self.padded_tokens}), every position after padding")
+        fraction = 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+        if abs(self.padding_fraction - fraction) > 1e-12:  # each producer divides its own way: rounding apart
+            raise ValueError(f"`padding_fraction` is {self.padding_fraction!r}, but what it summarises gives "
+                             f"{fraction!r}")
 
 
 class Slot(Document, frozen=True):
@@ -148,3 +160,17 @@ class ReplayMetrics(Document, frozen=True, kw_only=True):
     trace: TracePin | None = None
     routing: RoutingPin | None = None
     distributed: Distributed | None = None
+
+    def __post_init__(self) -> None:
+        """The device, told four ways, is one: the replay's ``device``, the host's ``device_type``, the memory
+        measure's kind (CUDA's allocator peak only on a CUDA device) and the contention record's device."""
+        kind = self.device.split(":", 1)[0]
+        host = self.host.get("device_type")
+        if host is not None and host != kind:
+            raise ValueError(f"`host.device_type` is {host!r}, but the replay ran on `device` {self.device!r}")
+        if (self.memory.kind == "cuda_max_allocated") != (kind == "cuda"):
+            raise ValueError(f"`memory.kind` {self.memory.kind!r} does not belong to `device` {self.device!r} "
+                             "(cuda_max_allocated is CUDA's allocator peak, max_rss the process's on a CPU)")
+        if self.contention is not None and self.contention.device != self.device:
+            raise ValueError(f"`contention.device` is {self.contention.device!r}, but the replay ran on `device` "
+                             f"{self.device!r}")

@@ -178,6 +178,16 @@ def pin_check(replays: list[Replay], budgets: Budgets) -> Check:
                  budgets.sha256, what="optimizer_batch.budgets_sha256 of every replay", status_on_fail=REFUSED)
 
 
+def unread_pin_check(replays: list[Replay]) -> Check:
+    """Replays that pinned a budget file, reduced without one: refused, since the bounds declared before the runs
+    decide and a verdict without them would pass what they fail."""
+    pinned = sorted({r.budgets_sha256 for r in replays if r.budgets_sha256})
+    return Check("inputs.budgets_pinned", "inputs", REFUSED, "no budget file pinned (reduce was given none)",
+                 {"pinned": pinned}, "the replays pinned a budget file (optimizer_batch.budgets_sha256) before the "
+                 "runs: its bounds decide, so reduce them with --budgets FILE",
+                 tuple(r.label for r in replays if r.budgets_sha256))
+
+
 def metric_value(r: Replay, metric: str) -> float:
     """A replay's value of a budget metric: a timing, or the median of its measured in-process updates."""
     if metric == "in_process_train_wall_s":

@@ -159,6 +159,8 @@ def _evaluate(req: Request, st: _State) -> None:
         st.checks.append(C.systems_only_check(st.arms))
     if st.budgets is not None:
         st.checks.append(B.pin_check(st.replays, st.budgets))
+    elif any(r.budgets_sha256 for r in st.replays):  # pinned before the runs: its bounds decide, never skipped
+        st.checks.append(B.unread_pin_check(st.replays))
     if "bitwise" in cl.groups:
         assert st.source is not None
         st.checks += C.bitwise_checks(st.replays, st.arms, st.source)

@@ -194,8 +194,7 @@ class ReplaySession(Session):
             rank=self.rank, world_size=self.world, replay=metrics, rows=[begin, begin + _microbatch.batch_rows(mine)],
             shard_logical=logical, shard_effective=_microbatch.effective_digest(mine), loss=self.rank_loss(),
             micro_batch_rows=[_microbatch.batch_rows([mb]) for mb in mine],
-            # as merge_ranks counts them: padded_tokens are every position after padding
-            padding={**pad, "padded_tokens": pad["real_tokens"] + pad["padded_tokens"]})
+            padding=pad)
         out.mkdir(parents=True, exist_ok=True)
         shas = distributed.gather_objects(metrics_io.write(out / metrics_io.rank_file(self.rank), doc,
                                                            exclusive=True))
@@ -250,13 +249,13 @@ class ReplaySession(Session):
 
 
 def padding(mbs: list[_microbatch.MicroBatch]) -> dict[str, Any]:
-    """Real and padded positions, counted over every captured input named ``*mask``."""
+    """Real positions and every position after padding, counted over every captured input named ``*mask``."""
     import torch
     masks = [t for m in mbs for k, t in m.inputs.items() if k.endswith("mask")]
     total = sum(t.numel() for t in masks)
     real = sum(int(torch.count_nonzero(t)) for t in masks)
-    return {"real_tokens": real, "padded_tokens": total - real,
-            "padding_fraction": (total - real) / total if total else 0.0, "micro_batches": len(mbs)}
+    return {"real_tokens": real, "padded_tokens": total,  # every position after padding, as every producer counts
+            "padding_fraction": 1.0 - real / total if total else 0.0, "micro_batches": len(mbs)}
 
 
 def load_state(adm: Admission, session: ReplaySession) -> None:
