@@ -128,8 +128,11 @@ def test_usage_errors_exit_2_without_traceback(argv: list[str], capsys: pytest.C
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_bad_integer_option(capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
-    assert main(["init", str(tmp_path), "--seed", "x"]) == 2
+@pytest.mark.parametrize("raw", ["x", "1_000", " 7", "7 ", "\u0663", "+3", "1.0", "0x10", "1" * 21])
+def test_bad_integer_option(capsys: pytest.CaptureFixture[str], tmp_path: object, raw: str) -> None:
+    """Only ASCII decimal digits (an optional leading -): int() alone would read an underscore, spaces, a plus
+    sign and other scripts' digits."""
+    assert main(["init", str(tmp_path), "--seed", raw]) == 2
     assert "--seed expects an integer" in capsys.readouterr().err
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -13,6 +14,7 @@ from replayjob.jsonio import pretty_bytes
 T = TypeVar("T")
 
 INT64_MAX = 2**63 - 1
+_DECIMAL = re.compile(r"-?[0-9]{1,20}")
 # Every integer option of every command, with the closed range it accepts: checked when the option is
 # read, whatever other options are given (a test fails on an integer option missing here).
 OPTION_RANGES: dict[str, tuple[int, int]] = {
@@ -45,10 +47,9 @@ def integer(args: dict[str, Any], key: str) -> int:
     """Option ``key`` as an integer in its declared range (:data:`OPTION_RANGES`; refused, exit 2, when it is
     not an integer or out of range)."""
     raw = args[key]
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        raise UsageError(f"{key} expects an integer, got {raw!r}") from None
+    if not isinstance(raw, str) or not _DECIMAL.fullmatch(raw):  # int() would also take "1_000", " 7", "٣"
+        raise UsageError(f"{key} expects an integer (ASCII digits, an optional leading -), got {raw!r}")
+    value = int(raw)
     lo, hi = OPTION_RANGES.get(key, (-INT64_MAX - 1, INT64_MAX))
     if not lo <= value <= hi:
         raise UsageError(f"{key} must be between {lo} and {hi}, got {value}")
