@@ -738,3 +738,9 @@ def test_a_replays_summaries_and_its_device_are_recomputed(ev: synthetic.Evidenc
     edit(ev.replay_files[0], change)
     code, doc = reduce(ev, "exact-input")
     assert code == 2 and rule in doc["refusal"]["message"], doc["refusal"]
+
+
+def test_an_unreadable_spec_is_refused_in_a_verdict(ev: synthetic.Evidence, tmp_path: Path) -> None:
+    """Like every refusal with a writable --out: the verdict records it (exit 2), it is not only a message."""
+    code, doc = reduce(ev, "exact-input", "--spec", str(tmp_path / "nope.toml"))
+    assert code == 2 and doc["status"] == "refused" and "nope.toml" in json.dumps(doc["refusal"])
