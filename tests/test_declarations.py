@@ -132,10 +132,32 @@ def funnel_record() -> dict[str, Any]:
             "wall_s": 12.0}
 
 
+def source_metrics() -> dict[str, Any]:
+    """A source run's metrics.json with every section its writers write: the built-in trainer's, a one-step
+    capture's pins, chosen steps, the ring buffer, routing files (and the capture API's keys)."""
+    from replayjob.artifacts import metrics as m
+    doc = m.source_document(trainer="grpo", torch_version="2.13.0", device="cpu", steps_run=4, last_step=3, loss=0.5,
+                            grad_norm=0.25, initial_adapter_sha256="a" * 64, final_adapter_sha256="b" * 64,
+                            final_adapter_path="final_adapter/adapter_model.safetensors", config_sha256="c" * 64,
+                            config={"training": {"seed": 1}}, provenance={"math_mode": "pedantic"}, wall_s=2.0)
+    record = m.step_record(step=2, manifest_path="optimizer_batch_step_000002.manifest.json",
+                           manifest_sha256="d" * 64, logical="e" * 64, effective="f" * 64,
+                           initial_adapter_sha256="1" * 64, final_adapter_sha256=None,
+                           replay_config="replay_step_000002.toml", nonfinite_inputs=False, loss=0.5, grad_norm=None)
+    doc.update({m.LOGICAL: "e" * 64, m.EFFECTIVE: "f" * 64, m.MANIFEST: "d" * 64, m.INITIAL_ADAPTER: "1" * 64,
+                m.FINAL_ADAPTER: "2" * 64, m.MANIFEST_PATH: "optimizer_batch.manifest.json", m.STEPS: [record],
+                m.STEPS_NOT_CAPTURED: [5], m.FRAMEWORK: "torch", m.STEP: 3,
+                m.RING: {"size": 2, "steps_observed": 4, "peak_bytes": 4096, "training_thread_s": 0.01,
+                         "trigger": {"step": 3, "reason": "user says so"}, "written": [{**record, "step": 3}]},
+                m.SOURCE_ROUTING: [{"step": 2, "path": "routing_step_000002.safetensors", "sha256": "3" * 64}]})
+    return doc
+
+
 # One valid document per top-level declaration (a sub-document is exercised inside its parent).
 VALID: dict[str, Any] = {
     "ContentionRecord": contention_record,
     "TolerancesFile": lambda: {"update_cosine_min": 0.99, "relative_delta_l2_max": 0.1},
+    "SourceMetrics": source_metrics,
     "FunnelRecord": funnel_record,
     "BudgetsFile": lambda: {"baseline": "mb-default", "allow_cross_node": False,
                             "arms": {"mb-1": {"local_train_wall_s": {"max_ratio": 1.5, "min_ratio": 0.5},
@@ -210,6 +232,7 @@ NESTED = {"CudaProcess", "CudaFigures",  # reached through ContentionRecord.cuda
           "Distributed",  # ReplayMetrics' sections
           "VerdictCheck", "Refusal",  # VerdictDocument's
           "FailedNode",  # RunEnd's
+          "StepRecord", "RoutingStep", "Ring", "RingTrigger",  # SourceMetrics'
           "FunnelStage", "FunnelSummary", "FunnelArm", "FunnelContended", "FunnelBound",  # FunnelRecord's
           "ArmBounds", "RatioBounds",  # BudgetsFile's
           "TraceIdentity", "TracePayloadPin", "TraceSiteEntry", "TraceParamEntry",  # TraceIndex's
@@ -415,7 +438,9 @@ def _nan_equal(a: Any, b: Any) -> bool:
 
 # Each declared document's page names every one of its fields (a field cannot be checked and undocumented, nor
 # documented under a name the reader does not take): the declaration -> its page.
-PAGES = {**{name: "funnel.md" for name in ("FunnelRecord", "FunnelStage", "FunnelSummary", "FunnelArm",
+PAGES = {**{name: "replay-metrics.md" for name in ("SourceMetrics", "StepRecord", "RoutingStep", "Ring",
+                                                    "RingTrigger")},
+         **{name: "funnel.md" for name in ("FunnelRecord", "FunnelStage", "FunnelSummary", "FunnelArm",
                                             "FunnelContended", "FunnelBound")},
          "ReplayMetrics": "replay-metrics.md", "ContentionRecord": "replay-metrics.md",
          "TolerancesFile": "verdict-format.md", "BudgetsFile": "verdict-format.md", "ArmBounds": "verdict-format.md",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 from collections import deque
 from pathlib import Path
@@ -313,8 +312,12 @@ def test_read_steps_refuses_a_malformed_entry(steps_run: Path, tmp_path: Path, e
     doc = metrics(steps_run)
     edit(doc["optimizer_batch/steps"][0])
     (tmp_path / "metrics.json").write_text(json.dumps(doc))
-    with pytest.raises(IntegrityError, match=re.escape(f"'optimizer_batch/steps[0].{field}'")):
+    with pytest.raises(IntegrityError) as info:
         read_steps(tmp_path)
+    # the entry and its field named: `optimizer_batch/steps[0].FIELD`, or the entry lacks required field `FIELD`
+    text = info.value.message
+    assert f"`optimizer_batch/steps[0].{field}`" in text or (
+        "`optimizer_batch/steps[0]`" in text and f"missing required field `{field}`" in text), text
 
 
 def test_reduce_compares_replays_with_a_captured_step(steps_run: Path, tmp_path: Path,

@@ -5,8 +5,9 @@ Both carry the same pin keys (:data:`PIN_KEYS`); the source trainer, the capture
 write them with :func:`write` and take their names, schema versions and keys from here, and the
 reducer reads them with :func:`read_replay` / :func:`read_source`.  A replay's document is read through
 its declaration (:mod:`replayjob.artifacts.replay_metrics`: every key typed and ranged, an unknown or
-missing key refused), then against its producer's knobs and the files beside it; the source's metrics
-are checked field by field where the gate uses them.  A malformed file is refused (exit 2) naming the
+missing key refused), then against its producer's knobs and the files beside it; the source's metrics.json
+through its own (:mod:`replayjob.artifacts.source_metrics`), then the form the reduce compares with (one step,
+or a step record) and the paths it names.  A malformed file is refused (exit 2) naming the
 file and the field.  Nothing here imports torch, transformers or peft.
 
 Example:
@@ -25,12 +26,15 @@ from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from msgspec import UNSET, UnsetType
+
 from replayjob import __version__
 from replayjob.artifacts.document import decode
 from replayjob.artifacts.replay_metrics import Distributed, ReplayMetrics
 from replayjob.artifacts.schedule import DESIGNS, Slot
+from replayjob.artifacts.source_metrics import SourceMetrics
 from replayjob.config.differences import flatten
-from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
+from replayjob.digest import is_sha256_hex, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.frameworks import PRODUCERS
 from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
@@ -448,39 +452,11 @@ class _Fields:
             raise self.fail(key, "is missing")
         return d[key]
 
-    def obj(self, key: str) -> dict[str, Any]:
-        v = self.get(key)
-        if not isinstance(v, dict):
-            raise self.fail(key, "must be an object")
-        return v
-
     def text(self, key: str, obj: dict[str, Any] | None = None, *, nonempty: bool = True) -> str:
         v = self.get(key, obj)
         if not isinstance(v, str) or (nonempty and not v):
             raise self.fail(key, "must be a non-empty string" if nonempty else "must be a string")
         return v
-
-    def digest(self, key: str, obj: dict[str, Any] | None = None) -> str:
-        v = self.get(key, obj)
-        try:
-            return normalize_digest(v, what=key)
-        except IntegrityError as exc:
-            raise self.fail(key, f"is not a SHA-256 digest ({exc.message})") from None
-
-    def number(self, key: str, obj: dict[str, Any] | None = None, *, lo: float = 0.0,
-               hi: float | None = None) -> float:
-        v = self.get(key, obj)
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            raise self.fail(key, "must be a number")
-        if v < lo or (hi is not None and v > hi):
-            raise self.fail(key, f"is {v!r}, outside [{lo}, {hi if hi is not None else 'inf'}]")
-        return float(v)
-
-    def names(self, key: str) -> tuple[str, ...]:
-        v = self.get(key)
-        if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
-            raise self.fail(key, "must be a list of non-empty strings")
-        return tuple(v)
 
     def file(self, key: str, obj: dict[str, Any] | None = None) -> Path:
         """A path relative to the metrics file's directory (never outside it, no component below that
@@ -490,19 +466,6 @@ class _Fields:
         if pure.is_absolute() or ".." in pure.parts or "\\" in rel:
             raise self.fail(key, f"must be a relative path inside the run directory, found {rel!r}")
         return check_no_symlinks(self.where.parent, self.where.parent / pure, what=f"{self.prefix + key} {rel!r}")
-
-
-def _run_fields(f: _Fields) -> dict[str, Any]:
-    """What a replay's metrics and the source's metrics.json both report (docs/replay-metrics.md)."""
-    return {
-        "logical": f.digest(LOGICAL),
-        "effective": f.digest(EFFECTIVE),
-        "manifest": f.digest(MANIFEST),
-        "initial_adapter": f.digest(INITIAL_ADAPTER),
-        "final_adapter": f.digest(FINAL_ADAPTER),
-        "final_adapter_file": f.file(FINAL_ADAPTER_PATH),
-        "loss": f.number("loss", lo=-math.inf),
-    }
 
 
 def read_replay(path: str | Path, *, listing: Iterable[str] | None = None) -> Replay:
@@ -556,24 +519,35 @@ def read_replay(path: str | Path, *, listing: Iterable[str] | None = None) -> Re
 
 
 def read_source(directory: str | Path, step: int | None = None) -> Source:
-    """Read and validate the capture run's metrics.json in ``directory``: a one-step capture's pins, or
-    with ``step`` that captured step's record (chosen steps or the ring's written steps), whose final
-    adapter is pinned by SHA-256 only (no file is kept: ``final_adapter_file`` is ``None``)."""
+    """Read the capture run's metrics.json in ``directory`` through its declaration
+    (:class:`~replayjob.artifacts.source_metrics.SourceMetrics`: every key typed and ranged, none unknown): a
+    one-step capture's pins, or with ``step`` that captured step's record (chosen steps or the ring's written
+    steps), whose final adapter is pinned by SHA-256 only (no file is kept: ``final_adapter_file`` is ``None``)."""
     p, doc, sha = _read_capture(directory)
-    f = _Fields(doc, p, hint=f"keep the capture run's {SOURCE_FILE} as the capture wrote it (docs/replay-metrics.md)")
-    config = f.obj("config")
-    if step is None and LOGICAL not in doc and MANIFEST not in doc:
-        captured = _captured_steps(doc, p)
+    d = _source(doc, p)
+    config = dict(d.config)
+    if step is None and d.logical is UNSET and d.manifest is UNSET:
+        captured = sorted({e.step for _, e in d.records()})
         if captured:  # chosen steps or a ring buffer: no one-step capture to compare with, so say which step
             listed = ", ".join(str(s) for s in captured)
             raise RefusedError(f"this run captured several steps ({listed}) and no one-step capture: reduce "
                                "compares with one captured step, named with --source-step K", where=p,
                                hint=f"pass --source-step K with K the step the replays replayed (captured: {listed})")
     if step is None:
-        grad = None if doc.get("grad_norm") is None else f.number("grad_norm")
-        return Source(path=p, sha256=sha, **_run_fields(f), config=config,
-                      manifest_file=p.parent / _manifest_name(doc, p), grad_norm=grad)
-    e = _captured_step(doc, p, step)
+        missing = d.one_step_missing()
+        if missing:
+            also = f" (also: {', '.join(missing[1:])})" if missing[1:] else ""
+            raise IntegrityError(f"field `{missing[0]}` is missing or null: a one-step capture records it{also}",
+                                 where=p, hint=_SOURCE_HINT)
+        assert isinstance(d.loss, float) and isinstance(d.final_adapter_path, str)
+        assert isinstance(d.manifest_path, str)
+        return Source(path=p, sha256=sha, logical=str(d.logical), effective=str(d.effective),
+                      manifest=str(d.manifest), initial_adapter=str(d.initial_adapter),
+                      final_adapter=str(d.final_adapter),
+                      final_adapter_file=_inside(p, FINAL_ADAPTER_PATH, d.final_adapter_path), loss=d.loss,
+                      config=config, manifest_file=p.parent / d.manifest_path,
+                      grad_norm=None if isinstance(d.grad_norm, UnsetType) else d.grad_norm)
+    e = _captured_step(_pins(d, p), p, step)
     if e.final_adapter is None or e.loss is None:
         raise RefusedError(f"step {step}'s record has no {'final adapter' if e.final_adapter is None else 'loss'}: "
                            "its update never returned, its loss was not finite, or the capture predates the "
@@ -583,6 +557,24 @@ def read_source(directory: str | Path, step: int | None = None) -> Source:
                   initial_adapter=e.initial_adapter, final_adapter=e.final_adapter, final_adapter_file=None,
                   loss=e.loss, config=config, manifest_file=e.manifest_path,
                   manifest_pin=f"step {step} record's {STEP_MANIFEST}", grad_norm=e.grad_norm, record=e.key)
+
+
+_SOURCE_HINT = "keep the capture run's metrics.json as the capture wrote it (docs/replay-metrics.md)"
+
+
+def _source(doc: dict[str, Any], p: Path) -> SourceMetrics:
+    """A source run's metrics.json as its declaration reads it."""
+    return decode(doc, SourceMetrics, where=p, hint=_SOURCE_HINT)
+
+
+def _inside(where: Path, key: str, rel: str) -> Path:
+    """``rel`` (the value of ``key``), a path relative to the metrics file's directory: never outside it, no
+    component below that directory a symbolic link (:func:`replayjob.fsio.check_no_symlinks`)."""
+    pure = PurePosixPath(rel)
+    if pure.is_absolute() or ".." in pure.parts or "\\" in rel:
+        raise IntegrityError(f"field `{key}` must be a relative path inside the run directory, found {rel!r}",
+                             where=where, hint=_SOURCE_HINT)
+    return check_no_symlinks(where.parent, where.parent / pure, what=f"{key} {rel!r}")
 
 
 def _manifest_name(doc: dict[str, Any], where: Path) -> str:
@@ -612,33 +604,14 @@ class StepPins:
     key: str = field(default="", compare=False)  # where the record lies in metrics.json: "optimizer_batch/steps[0]"
 
 
-_STEPS_HINT = "the file does not follow docs/optimizer-batch.md (chosen steps); capture again into a new directory"
-
-
-def _step_entries(doc: dict[str, Any], p: Path, key: str, entries: Any) -> tuple[StepPins, ...]:
-    """Step records (the :data:`STEP_* <STEP>` keys) listed at ``key``, each checked, ascending steps."""
-    f = _Fields(doc, p, hint=_STEPS_HINT)
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise f.fail(key, "must be a list of objects")
-    out: list[StepPins] = []
-    for i, e in enumerate(entries):
-        g = _Fields(e, p, f"{key}[{i}].", _STEPS_HINT)
-        step = g.get(STEP)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or (out and step <= out[-1].step):
-            raise g.fail(STEP, "must be an integer >= 0, the entries in ascending step order")
-        nonfinite = g.get(STEP_NONFINITE)
-        if not isinstance(nonfinite, bool):
-            raise g.fail(STEP_NONFINITE, "must be true or false")
-        final = None if e.get(STEP_FINAL_ADAPTER) is None else g.digest(STEP_FINAL_ADAPTER)
-        loss = None if e.get(STEP_LOSS) is None else g.number(STEP_LOSS, lo=-math.inf)
-        grad = None if e.get(STEP_GRAD_NORM) is None else g.number(STEP_GRAD_NORM)
-        out.append(StepPins(
-            step=step, manifest_path=g.file(STEP_MANIFEST_PATH), manifest=g.digest(STEP_MANIFEST),
-            logical=g.digest(STEP_LOGICAL), effective=g.digest(STEP_EFFECTIVE),
-            initial_adapter=g.digest(STEP_INITIAL_ADAPTER), final_adapter=final,
-            replay_config=g.file(STEP_REPLAY_CONFIG), nonfinite_inputs=nonfinite,
-            loss=loss, grad_norm=grad, key=f"{key}[{i}]"))
-    return tuple(out)
+def _pins(d: SourceMetrics, p: Path) -> tuple[StepPins, ...]:
+    """Every captured step's record (the chosen steps, then the ring's written steps), its paths checked."""
+    return tuple(StepPins(
+        step=e.step, manifest_path=_inside(p, f"{key}.{STEP_MANIFEST_PATH}", e.manifest_path),
+        manifest=e.manifest_sha256, logical=e.logical_batch_sha256, effective=e.local_effective_rows_sha256,
+        initial_adapter=e.initial_adapter_sha256, final_adapter=e.final_adapter_sha256,
+        replay_config=_inside(p, f"{key}.{STEP_REPLAY_CONFIG}", e.replay_config), nonfinite_inputs=e.nonfinite_inputs,
+        loss=e.loss, grad_norm=e.grad_norm, key=key) for key, e in d.records())
 
 
 def _read_capture(directory: str | Path) -> tuple[Path, dict[str, Any], str]:
@@ -652,31 +625,18 @@ def _read_capture(directory: str | Path) -> tuple[Path, dict[str, Any], str]:
 
 
 def read_steps(directory: str | Path) -> tuple[StepPins, ...]:
-    """The chosen steps a run's metrics.json in ``directory`` records (:data:`STEPS`), in step order,
-    each entry checked (digests, paths inside the directory, distinct ascending steps)."""
+    """The chosen steps a run's metrics.json in ``directory`` records (:data:`STEPS`), in step order, read
+    through its declaration (digests, distinct ascending steps) with their paths inside the directory."""
     p, doc, _ = _read_capture(directory)
-    return _step_entries(doc, p, STEPS, doc.get(STEPS))
+    d = _source(doc, p)
+    if isinstance(d.steps, UnsetType):
+        raise IntegrityError(f"field `{STEPS}` is missing: the run recorded no chosen steps", where=p,
+                             hint=_SOURCE_HINT)
+    return tuple(s for s in _pins(d, p) if s.key.startswith(f"{STEPS}["))
 
 
-def _step_records(doc: dict[str, Any], p: Path) -> list[StepPins]:
-    """Every captured step's record: the chosen steps (:data:`STEPS`), then the ring's written steps (:data:`RING`)."""
-    found: list[StepPins] = []
-    if STEPS in doc:
-        found += _step_entries(doc, p, STEPS, doc[STEPS])
-    ring = doc.get(RING)
-    if isinstance(ring, dict) and RING_WRITTEN in ring:
-        found += _step_entries(doc, p, f"{RING}.{RING_WRITTEN}", ring[RING_WRITTEN])
-    return found
-
-
-def _captured_steps(doc: dict[str, Any], p: Path) -> list[int]:
-    """The steps a run's metrics record captured (chosen steps and the ring's written ones), ascending."""
-    return sorted({s.step for s in _step_records(doc, p)})
-
-
-def _captured_step(doc: dict[str, Any], p: Path, step: int) -> StepPins:
+def _captured_step(records: tuple[StepPins, ...], p: Path, step: int) -> StepPins:
     """Step ``step`` among the chosen steps (:data:`STEPS`) or the ring's written steps (:data:`RING`)."""
-    records = _step_records(doc, p)
     found = [s for s in records if s.step == step]
     if len(found) != 1:
         listed = ", ".join(str(s) for s in sorted({s.step for s in records})) or "none"
