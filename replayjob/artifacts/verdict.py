@@ -21,6 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 
 from replayjob import __version__
+from replayjob.artifacts import claims
 from replayjob.artifacts.document import Document, Text, decode
 from replayjob.errors import (
     EXIT_ERROR,
@@ -305,8 +306,13 @@ class VerdictCheck(Document, frozen=True):
 class VerdictDocument(Document, frozen=True):
     """``verdict.json``'s top level (docs/verdict-format.md).  Summaries recomputed when it is read: the
     status, the exit code and ``failed_checks`` follow from the checks and the refusal (:func:`outcome`;
-    ``incomplete`` from a refusal that rests only on the ``missing`` evidence), and the exit code from the
-    status (:data:`STATUS_CODES`)."""
+    ``incomplete`` from a refusal that rests only on the ``missing`` evidence: a refusal beside it only when
+    ``missing`` names the source or no replay was read), and the exit code from the status
+    (:data:`STATUS_CODES`); ``admission`` from the ``inputs`` and ``exact-input`` checks, the refusal and the
+    contended replays (:func:`admission`), ``comparisons.admission`` repeating it; a pass holds checks, and a
+    passed check of every group its claim grades (:mod:`replayjob.artifacts.claims`), and is never ``not
+    admitted``; ``summary`` is the line :func:`summary_line` writes from the document.  A verdict is readable
+    only as the document the reducer would have written from its own checks."""
 
     OPAQUE: ClassVar[dict[str, str]] = {
         "parameters": "the reduce options as given, recorded for people (each was range-checked before the reduce)",
@@ -357,6 +363,67 @@ class VerdictDocument(Document, frozen=True):
             raise ValueError(f"`missing` belongs to an incomplete verdict, not a {self.status!r} one")
         if self.failed_checks != failed:
             raise ValueError(f"`failed_checks` is {self.failed_checks!r}, but the checks give {failed!r}")
+        replays = self.inputs.get("replays")
+        if not isinstance(replays, list):
+            raise ValueError("`inputs.replays` must be the list of the replays read (the summary counts them)")
+        if self.status == "incomplete" and self.refusal is not None and self.missing is not None and replays \
+                and "source" not in self.missing:
+            raise ValueError("`refusal`: an incomplete verdict's refusal rests on missing evidence (`missing` "
+                             "names the source, or no replay was read); a refusal of replays that are there stands "
+                             "as 'refused'")
+        if self.status == "pass":
+            self._holds_the_claim()
+        admitted = admission([{"group": c.group, "status": c.status} for c in self.checks], self.refusal is not None,
+                             self.contention)
+        if self.status == "pass" and self.admission == "not admitted":
+            raise ValueError("`admission` is 'not admitted', but a pass passed every inputs and exact-input check")
+        if self.admission != admitted:
+            raise ValueError(f"`admission` is {self.admission!r}, but the checks, the refusal and the contention "
+                             f"give {admitted!r}")
+        if self.comparisons.get("admission") != self.admission:
+            raise ValueError(f"`comparisons.admission` is {self.comparisons.get('admission')!r}, but `admission` "
+                             f"is {self.admission!r} (it repeats it)")
+        line = summary_line({"claim": self.claim, "status": self.status, "admission": self.admission,
+                             "inputs": {"replays": replays}, "arms": self.arms, "budgets": _budgets(self.budgets),
+                             "missing": self.missing, "failed_checks": self.failed_checks})
+        if self.summary != line:
+            raise ValueError(f"`summary` is {self.summary!r}, but the verdict gives {line!r}")
+
+    def _holds_the_claim(self) -> None:
+        """A pass passed at least one check of every group its claim grades (:mod:`replayjob.artifacts.claims`)."""
+        if not self.checks:
+            raise ValueError("`checks` is empty, but a pass rests on the checks its claim runs")
+        passed = {c.group for c in self.checks if c.status == "pass"}
+        short = [g for g in claims.BY_NAME[self.claim].groups if g not in passed]
+        if short:
+            raise ValueError(f"`checks`: the claim {self.claim!r} grades the group(s) {', '.join(short)}, and a pass "
+                             "passed no check of them")
+
+
+GATE_GROUPS = ("inputs", "exact-input")  # the check groups that admit timing and memory comparisons
+
+
+def admission(checks: list[dict[str, Any]], refused: bool, contention: dict[str, Any] | None) -> str:
+    """The ``admission`` label (as the reducer derives it): ``not admitted`` when the evidence was refused, no
+    check ran or an ``inputs`` or ``exact-input`` check did not pass (``not_applicable`` counts as passed);
+    else ``not admitted (contended)`` when ``contention`` names a contended replay; else ``admitted``."""
+    if refused or not checks or any(c["status"] not in ("pass", "not_applicable") for c in checks
+                                    if c["group"] in GATE_GROUPS):
+        return "not admitted"
+    contended = (contention or {}).get("contended") or []
+    if not isinstance(contended, list):
+        raise ValueError("`contention.contended` must be the list of the contended replays")
+    return "not admitted (contended)" if contended else "admitted"
+
+
+def _budgets(section: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``budgets`` section as far as the summary line reads it (its ``decisions``: decision -> checks)."""
+    if not section:
+        return section
+    decisions = section.get("decisions")
+    if not isinstance(decisions, dict) or not all(isinstance(v, list) for v in decisions.values()):
+        raise ValueError("`budgets.decisions` must map each decision to the list of its checks")
+    return {"decisions": decisions}
 
 
 def read_verdict(source: Path | str | bytes, *, where: str | None = None) -> Verdict:
