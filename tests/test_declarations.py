@@ -156,6 +156,15 @@ def source_metrics() -> dict[str, Any]:
 # One valid document per top-level declaration (a sub-document is exercised inside its parent).
 VALID: dict[str, Any] = {
     "ContentionRecord": contention_record,
+    "RankMetrics": lambda: {"schema": "replayjob.replay_rank_metrics/v1", "rank": 1, "world_size": 2, "arm": "a",
+                            "repeat_index": 0, "rows": [4, 8], "shard_logical_sha256": "a" * 64,
+                            "shard_effective_rows_sha256": "b" * 64, "loss": 0.25, "micro_batch_rows": [2, 2],
+                            "timing": {k: 0.1 for k in ("local_train_wall_s", "forward_wall_s", "backward_wall_s",
+                                                        "optimizer_wall_s")},
+                            "memory": {"peak_bytes": 1024, "kind": "max_rss"},
+                            "padding": {"real_tokens": 30, "padded_tokens": 40, "padding_fraction": 0.25,
+                                        "micro_batches": 2},
+                            "host": {"device_type": "cpu"}},
     "TolerancesFile": lambda: {"update_cosine_min": 0.99, "relative_delta_l2_max": 0.1},
     "SourceMetrics": source_metrics,
     "FunnelRecord": funnel_record,
@@ -443,6 +452,7 @@ PAGES = {**{name: "replay-metrics.md" for name in ("SourceMetrics", "StepRecord"
          **{name: "funnel.md" for name in ("FunnelRecord", "FunnelStage", "FunnelSummary", "FunnelArm",
                                             "FunnelContended", "FunnelBound")},
          "ReplayMetrics": "replay-metrics.md", "ContentionRecord": "replay-metrics.md",
+         "RankMetrics": "replay-metrics.md",
          "TolerancesFile": "verdict-format.md", "BudgetsFile": "verdict-format.md", "ArmBounds": "verdict-format.md",
          "RatioBounds": "verdict-format.md", "BoundFile": "mismatch.md", "VerdictDocument": "verdict-format.md",
          "VerdictCheck": "verdict-format.md", "Refusal": "verdict-format.md", "Stopped": "cluster.md",

@@ -441,17 +441,17 @@ def _over_two_ranks(f: Path) -> None:
     """Rewrite one synthetic replay as a replay over two ranks: each rank's figures in its rank file, the
     merged figures and the ``distributed`` record in replay_metrics.json (as
     replayjob.producers.builtin.replay writes)."""
-    from replayjob.artifacts.metrics import RANK_SCHEMA, merge_ranks, rank_file
+    from replayjob.artifacts.metrics import merge_ranks, rank_document, rank_file
     from replayjob.digest import sha256_bytes
 
     doc = json.loads(f.read_text())
     ranks = []
     for r in range(2):
         pad = {"real_tokens": 240, "padded_tokens": 272, "padding_fraction": 1 - 240 / 272, "micro_batches": 2}
-        ranks.append({"schema": RANK_SCHEMA, "rank": r, "world_size": 2, "arm": doc["arm"],
-                      "repeat_index": doc["repeat_index"], "rows": [8 * r, 8 * r + 8], "loss": doc["loss"] / 2,
-                      "timing": {k: v * (1 + r / 10) for k, v in doc["timing"].items()},
-                      "memory": doc["memory"], "padding": pad, "host": doc["host"]})
+        timed = {**doc, "timing": {k: v * (1 + r / 10) for k, v in doc["timing"].items()}}
+        ranks.append(rank_document(rank=r, world_size=2, replay=timed, rows=[8 * r, 8 * r + 8],
+                                   shard_logical=f"{r}" * 64, shard_effective=f"{r + 2}" * 64, loss=doc["loss"] / 2,
+                                   micro_batch_rows=[4, 4], padding=pad))
     shas = []
     for r, rdoc in enumerate(ranks):
         data = pretty_bytes(rdoc)

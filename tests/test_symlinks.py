@@ -130,18 +130,18 @@ def split_into_ranks(replay: Path) -> None:
     """Make ``replay`` a replay over two ranks (docs/replay-metrics.md): rank 0 did all the work, rank 1
     none, and the replay's figures are their merge, as a real one's are."""
     doc = json.loads(replay.read_text())
-    figures = ("loss", "timing", "memory", "padding")
-    docs = [{"schema": M.RANK_SCHEMA, "rank": r, "world_size": 2, "arm": doc["arm"],
-             "repeat_index": doc["repeat_index"], **{k: doc[k] for k in figures}} for r in range(2)]
+    rows = doc["rows"]["rows"]
+    bounds = [[0, rows], [rows, rows]]
+    docs = [M.rank_document(rank=r, world_size=2, replay=doc, rows=bounds[r], shard_logical=f"{r}" * 64,
+                            shard_effective=f"{r + 2}" * 64, loss=doc["loss"],
+                            micro_batch_rows=[rows] if r == 0 else []) for r in range(2)]
     docs[1].update(loss=0.0, padding={"real_tokens": 0, "padded_tokens": 0, "padding_fraction": 0.0,
                                       "micro_batches": 0})
     entries = []
     for r, d in enumerate(docs):
         data = pretty_bytes(d)
         (replay.parent / M.rank_file(r)).write_bytes(data)
-        rows = doc["rows"]["rows"]
-        entries.append({"rank": r, "file": M.rank_file(r), "sha256": sha256_bytes(data),
-                        "rows": [0, rows] if r == 0 else [rows, rows]})
+        entries.append({"rank": r, "file": M.rank_file(r), "sha256": sha256_bytes(data), "rows": bounds[r]})
     doc.update(M.merge_ranks(docs))
     doc[M.DISTRIBUTED] = {"world_size": 2, "strategy": doc["runtime"].get("distributed.strategy"),
                           "sharding": "contiguous", "ranks": entries}

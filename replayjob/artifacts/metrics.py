@@ -30,7 +30,7 @@ from msgspec import UNSET, UnsetType
 
 from replayjob import __version__
 from replayjob.artifacts.document import decode
-from replayjob.artifacts.replay_metrics import Distributed, ReplayMetrics
+from replayjob.artifacts.replay_metrics import Distributed, RankMetrics, ReplayMetrics
 from replayjob.artifacts.schedule import DESIGNS, Slot
 from replayjob.artifacts.source_metrics import SourceMetrics
 from replayjob.config.differences import flatten
@@ -184,8 +184,12 @@ def _check_ranks(f: _Fields, doc: dict[str, Any], where: Path, dist: Distributed
         if sha != e.sha256:
             raise IntegrityError(f"rank file SHA-256 is {sha}, the replay lists {e.sha256}", where=rp,
                                  hint="a rank's figures changed after the replay; rerun it")
+        if rdoc.get("schema") != RANK_SCHEMA:
+            raise IntegrityError(f"schema is {rdoc.get('schema')!r}, expected {RANK_SCHEMA!r}", where=rp)
+        decode(rdoc, RankMetrics, where=rp, hint="a rank file does not follow docs/replay-metrics.md; rerun the replay")
         same = {"schema": RANK_SCHEMA, "rank": e.rank, "world_size": world, "arm": doc.get("arm"),
-                "repeat_index": doc.get("repeat_index")}
+                "repeat_index": doc.get("repeat_index"), "rows": e.rows,
+                "memory": {**rdoc["memory"], "kind": doc["memory"]["kind"]}}
         off = sorted(k for k, v in same.items() if rdoc.get(k) != v)
         if off:
             raise IntegrityError(f"rank file fields {off} do not belong to this replay", where=rp)

@@ -109,6 +109,39 @@ class Distributed(Document, frozen=True):
     def __post_init__(self) -> None:
         if [e.rank for e in self.ranks] != list(range(self.world_size)):
             raise ValueError("`ranks` holds one entry per rank 0..world_size-1, in rank order")
+        end = 0
+        for e in self.ranks:  # the ranks' shares tile the rows from 0, in rank order
+            if len(e.rows) != 2 or e.rows[0] != end or e.rows[1] < e.rows[0]:
+                raise ValueError(f"`ranks[{e.rank}].rows` is {e.rows}: each rank's rows are [first, end), "
+                                 f"starting where the previous rank's end ({end})")
+            end = e.rows[1]
+
+
+class RankMetrics(Document, frozen=True):
+    """One rank's figures of a replay over several ranks (``replay_metrics.rank-<r>.json``, schema
+    ``replayjob.replay_rank_metrics/v1``), as the replay writes them and :func:`replayjob.artifacts.metrics.merge_ranks`
+    merges them."""
+
+    schema: Literal["replayjob.replay_rank_metrics/v1"]
+    rank: Count
+    world_size: Annotated[int, msgspec.Meta(ge=2, le=1 << 20)]
+    arm: Text
+    repeat_index: Count
+    rows: Annotated[list[Count], msgspec.Meta(min_length=2, max_length=2)]
+    shard_logical_sha256: Digest
+    shard_effective_rows_sha256: Digest
+    loss: Finite | None
+    micro_batch_rows: list[Count]
+    timing: Timing
+    memory: Memory
+    padding: Padding
+    host: dict[Text, str | None]
+
+    def __post_init__(self) -> None:
+        if self.rank >= self.world_size:
+            raise ValueError(f"`rank` {self.rank} is not below `world_size` {self.world_size}")
+        if self.rows[0] > self.rows[1]:
+            raise ValueError(f"`rows` {self.rows} must be [first, end) with first <= end")
 
 
 class ReplayMetrics(Document, frozen=True, kw_only=True):
