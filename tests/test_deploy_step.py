@@ -287,6 +287,9 @@ def _evidence(root: Path, gpu_of: dict[int, str]) -> synthetic.Evidence:
         doc = json.loads(path.read_text(encoding="utf-8"))
         doc["host"].update(device_type="cuda", gpu_product=gpu_of.get(i, "NVIDIA H100 80GB HBM3"),
                            driver_version="580.65.06", cuda_version="13.0")
+        doc.update(device="cuda:0")  # the device told as the host tells it (the reader refuses a contradiction)
+        doc["memory"]["kind"] = "cuda_max_allocated"
+        assert doc.get("contention") is None
         path.write_bytes(pretty_bytes(doc))
     return ev
 
