@@ -69,10 +69,15 @@ class ReplaySession(Session):
         them regrouped; the logical digest stays the captured inputs')."""
         return mbs
 
+    def rows_of(self, mbs: list[_microbatch.MicroBatch]) -> int:
+        """The rows (sequences, samples) ``mbs`` hold, as this framework counts them (the inputs' batch dimension
+        by default, :func:`replayjob.producers.api.microbatch.batch_rows`)."""
+        return _microbatch.batch_rows(mbs)
+
     def shard_begin(self, every: list[_microbatch.MicroBatch], mine: list[_microbatch.MicroBatch]) -> int:
         """The first logical row of this process's micro-batches ``mine`` (regrouped from ``every``): the rows of
         the micro-batches before them (the processes run contiguous runs of equal length)."""
-        return _microbatch.batch_rows(every[:self.rank * len(mine)])
+        return self.rows_of(every[:self.rank * len(mine)])
 
     def reported_loss(self, summed: float) -> float:
         """The step's loss as the framework reports it, from the sum of the micro-batch losses (that sum by
@@ -191,9 +196,9 @@ class ReplaySession(Session):
         logical = _microbatch.logical_digest(mine)
         pad = metrics["padding"]
         doc = metrics_io.rank_document(
-            rank=self.rank, world_size=self.world, replay=metrics, rows=[begin, begin + _microbatch.batch_rows(mine)],
+            rank=self.rank, world_size=self.world, replay=metrics, rows=[begin, begin + self.rows_of(mine)],
             shard_logical=logical, shard_effective=_microbatch.effective_digest(mine), loss=self.rank_loss(),
-            micro_batch_rows=[_microbatch.batch_rows([mb]) for mb in mine],
+            micro_batch_rows=[self.rows_of([mb]) for mb in mine],
             padding=pad)
         out.mkdir(parents=True, exist_ok=True)
         shas = distributed.gather_objects(metrics_io.write(out / metrics_io.rank_file(self.rank), doc,

@@ -811,9 +811,14 @@ class VerlSession(ReplaySession):
             return mbs[self.rank * per:(self.rank + 1) * per]
         return [regrouped(mbs, self.rank, self.world)]
 
+    def rows_of(self, mbs: list[_microbatch.MicroBatch]) -> int:
+        """The rows of verl's batches: their ``batch_size`` (a whole-batch tensor, the unpad ``indices``, is no
+        row count)."""
+        return sum(_rows(mb) for mb in mbs)
+
     def shard_begin(self, every: list[_microbatch.MicroBatch], mine: list[_microbatch.MicroBatch]) -> int:
         """The first row of this process's share: the rows of the shares before it (equal shares)."""
-        return self.rank * sum(_rows(mb) for mb in mine)
+        return self.rank * self.rows_of(mine)
 
     def reported_loss(self, summed: float) -> float:
         return reported_loss([summed], self.world)
