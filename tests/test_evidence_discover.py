@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
+from replayjob.errors import RefusedError
 from replayjob.gate.evidence import REPLAY_FILE, discover
 
 
@@ -34,13 +37,10 @@ def test_discover_finds_what_os_walk_finds(tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     (outside / "r").mkdir(parents=True)
     (outside / "r" / REPLAY_FILE).write_text("{}")
-    (root / "linked-dir").symlink_to(outside)  # not entered
     (root / "file-link").mkdir()
     (root / "file-link" / REPLAY_FILE).symlink_to(outside / "r" / REPLAY_FILE)  # a link to a file counts
     (root / "dangling").mkdir()
     (root / "dangling" / REPLAY_FILE).symlink_to(tmp_path / "missing")  # as os.walk: a name, not a directory
-    (root / "dir-link").mkdir()
-    (root / "dir-link" / REPLAY_FILE).symlink_to(outside)  # a link to a directory: neither counted nor entered
     got = discover([str(root)])
     assert got == _walked([root])
     assert [p.relative_to(root).as_posix() for p in got] == [
@@ -51,6 +51,33 @@ def test_discover_finds_what_os_walk_finds(tmp_path: Path) -> None:
     again = discover([str(root / "a"), root, root / "a" / "r-1" / REPLAY_FILE])  # each file once
     assert again == got == _walked([root / "a", root, root / "a" / "r-1" / REPLAY_FILE])
     assert all(type(p) is type(root) for p in got)
+
+
+@pytest.mark.parametrize("where", ["linked-dir", "a/r-1/linked-repeat", f"dir-link/{REPLAY_FILE}"])
+def test_a_linked_directory_or_an_unreadable_one_is_refused_not_passed_over(tmp_path: Path, where: str) -> None:
+    """A walk would pass over a directory reached through a link, or one it cannot list, in silence: a replay
+    hidden there would drop out of the evidence unseen, so discovery refuses it, naming it."""
+    root = tmp_path / "runs"
+    (root / "a" / "r-1").mkdir(parents=True)
+    (root / "a" / "r-1" / REPLAY_FILE).write_text("{}")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (root / where).parent.mkdir(parents=True, exist_ok=True)
+    (root / where).symlink_to(outside)
+    with pytest.raises(RefusedError, match="symbolic link to a directory") as info:
+        discover([root])
+    assert str(info.value.where).endswith(where)
+    (root / where).unlink()
+    locked = root / "locked"
+    locked.mkdir()
+    locked.chmod(0)
+    try:
+        if os.access(locked, os.R_OK):  # root reads what it likes: nothing to refuse
+            return
+        with pytest.raises(RefusedError, match="cannot list"):
+            discover([root])
+    finally:
+        locked.chmod(0o755)
 
 
 def test_discover_listed_hands_each_replay_its_directory_listing(tmp_path: Path) -> None:

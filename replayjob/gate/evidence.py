@@ -75,13 +75,16 @@ def _parts(path: str) -> list[str]:
 
 def _hits(top: str, out: list[tuple[str, tuple[str, ...]]]) -> None:
     """Append every :data:`REPLAY_FILE` at or below the directory ``top`` to ``out``, with the names in its
-    directory, as :func:`os.walk` finds them: an unreadable directory is passed over, a directory reached
-    through a symbolic link is not entered, and an entry of that name counts unless it is a directory (a link
-    to one included)."""
+    directory, as :func:`os.walk` finds them, but refusing what a walk passes over in silence: a directory that
+    cannot be listed, and a symbolic link to a directory (a replay hidden behind either would drop out of the
+    evidence unseen).  An entry of that name counts unless it is a directory; a link to a file counts, and its
+    reader refuses it as a link."""
     try:
         listing = os.scandir(top)
-    except OSError:
-        return
+    except OSError as exc:
+        raise RefusedError(f"cannot list this directory of the evidence: {exc.strerror}", where=top,
+                           hint="make every directory below the replays readable, or name only the readable ones"
+                           ) from None
     below: list[str] = []
     names: list[str] = []
     hit: str | None = None
@@ -89,10 +92,15 @@ def _hits(top: str, out: list[tuple[str, tuple[str, ...]]]) -> None:
         for entry in listing:
             names.append(entry.name)
             try:
+                linked_dir = entry.is_symlink() and entry.is_dir()
+                if linked_dir:
+                    raise RefusedError("a symbolic link to a directory inside the evidence is refused: the replays "
+                                       "below it would be left out unseen", where=entry.path,
+                                       hint="copy the directory in instead of linking to it")
                 if entry.name == REPLAY_FILE:
                     if not entry.is_dir():
                         hit = entry.path
-                    elif not entry.is_symlink():
+                    else:
                         below.append(entry.path)
                 elif entry.is_dir(follow_symlinks=False):
                     below.append(entry.path)
