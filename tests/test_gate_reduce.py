@@ -744,3 +744,11 @@ def test_an_unreadable_spec_is_refused_in_a_verdict(ev: synthetic.Evidence, tmp_
     """Like every refusal with a writable --out: the verdict records it (exit 2), it is not only a message."""
     code, doc = reduce(ev, "exact-input", "--spec", str(tmp_path / "nope.toml"))
     assert code == 2 and doc["status"] == "refused" and "nope.toml" in json.dumps(doc["refusal"])
+
+
+def test_a_replay_of_another_row_count_than_the_capture_is_refused(ev: synthetic.Evidence) -> None:
+    """The row count a replay records is the sealed manifest's, or the replay did not consume that capture."""
+    edit(ev.replay_files[1], lambda d: d["rows"].update(rows=d["rows"]["rows"] + 1))
+    code, doc = reduce(ev, "exact-input")
+    mismatched = check(doc, "inputs.capture_pins")["observed"]["mismatched"]
+    assert code == 2 and list(mismatched) == [f"{OFF}#1 rows"], mismatched

@@ -240,8 +240,9 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
     ``effective``, ``initial_adapter``), its producer (``framework``: ``replayjob`` for the
     built-in trainer's manifest, else the external trainer it records) and the source update's
     ``outcome`` it seals (loss, grad_norm, final_adapter_sha256; ``None`` in a capture written
-    before the seal): a replay whose recorded payload, manifest or logical pin names another
-    capture, a replay of another producer, or source metrics that disagree with their manifest --
+    before the seal) and its row count (``rows``): a replay whose recorded payload, manifest or logical pin
+    names another capture, a replay of another producer or of another row count, or source metrics that
+    disagree with their manifest --
     among them the numbers the claims compare replays with, which nothing but the manifest pins --
     are refused.  The source's own manifest digest is not a row: the manifest was found and
     verified by it (a mismatch is refused before this check).
@@ -259,7 +260,8 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
                    (f"{r.label} manifest pin", r.pin_manifest, capture["manifest"]),
                    (f"{r.label} payload pin", r.pin_payload, capture["payload"]),
                    (f"{r.label} logical pin", r.pin_logical, capture["logical"]),
-                   (f"{r.label} framework", r.framework, capture["framework"])]
+                   (f"{r.label} framework", r.framework, capture["framework"]),
+                   (f"{r.label} rows", r.rows, capture["rows"])]
     bad = {label: {"recorded": got, "capture": want, **({"field": fields[label]} if label in fields else {})}
            for label, got, want in values if not _same(got, want)}
     return Check("inputs.capture_pins", "inputs", REFUSED if bad else PASS,
@@ -267,8 +269,8 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
                   "framework": capture["framework"], "outcome": capture.get("outcome")},
                  {"mismatched": bad}, "the source metrics (their digests, and the loss, gradient norm and final "
                  "adapter digest the claims compare with, which the manifest's outcome seals: a manifest written "
-                 "before the seal pins none of them) and each replay's recorded manifest and payload pins and "
-                 "producer match the capture manifest (verified against its SHA-256)", tuple(bad))
+                 "before the seal pins none of them) and each replay's recorded manifest and payload pins, "
+                 "producer and row count match the capture manifest (verified against its SHA-256)", tuple(bad))
 
 
 def plan_check(arms: dict[str, Arm]) -> Check:
