@@ -291,9 +291,9 @@ def shares_differ(mbs: list[_microbatch.MicroBatch]) -> str | None:
         meta = mb.input_values["batch"]
         for part in ("non_tensor", "nested", "non_tensor_tensors"):
             if meta[part] != first[part]:
-                keys = sorted(k for k in set(meta[part]) | set(first[part])
-                              if meta[part].get(k) != first[part].get(k)) if isinstance(meta[part], dict) else []
-                return f"process {r}'s batch {part} {', '.join(keys) or ''} differs from process 0's".replace("  ", " ")
+                keys = sorted(k for k in {*meta[part], *first[part]} if meta[part].get(k) != first[part].get(k)) \
+                    if isinstance(meta[part], dict) else []
+                return f"process {r}'s batch {part} {keys or meta[part]} differs from process 0's"
         if sorted(mb.inputs) != sorted(mbs[0].inputs) or sorted(meta["non_tensor_stacks"]) != sorted(
                 first["non_tensor_stacks"]):
             return f"process {r}'s batch holds other entries than process 0's"
