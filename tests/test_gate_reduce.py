@@ -748,3 +748,23 @@ def test_an_unreadable_spec_is_refused_in_a_verdict(ev: synthetic.Evidence, tmp_
     code, doc = reduce(ev, "exact-input", "--spec", str(tmp_path / "nope.toml"))
     assert code == 2 and doc["status"] == "refused" and "nope.toml" in json.dumps(doc["refusal"])
 
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    (lambda d: d["memory"].update(kind="cuda_max_allocated"), "['memory.kind']"),
+    (lambda d: d.update(rows=[8, 15]), "['rows']"),
+    (lambda d: d.update(loss="0.25"), "field `loss`"),
+])
+def test_a_rank_file_is_read_through_its_declaration_and_belongs_to_its_replay(
+        ranked: synthetic.Evidence, change: Callable[[dict[str, Any]], None], named: str) -> None:
+    """A rank file re-pinned in its replay's record after a change is still read through its declaration, and its
+    rows and memory measure must be those of the replay that lists it."""
+    from replayjob.artifacts.metrics import rank_file
+    from replayjob.digest import sha256_bytes
+
+    f = ranked.replay_files[3]
+    rank1 = f.parent / rank_file(1)
+    edit(rank1, change)
+    edit(f, lambda d: d["distributed"]["ranks"][1].update(sha256=sha256_bytes(rank1.read_bytes())))
+    code, doc = reduce(ranked, "exact-input")
+    assert code == 2 and named in doc["refusal"]["message"], doc["refusal"]
