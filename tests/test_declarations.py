@@ -136,8 +136,8 @@ def source_metrics() -> dict[str, Any]:
     """A source run's metrics.json with every section its writers write: the built-in trainer's, a one-step
     capture's pins, chosen steps, the ring buffer, routing files (and the capture API's keys)."""
     from replayjob.artifacts import metrics as m
-    doc = m.source_document(trainer="grpo", torch_version="2.13.0", device="cpu", steps_run=4, last_step=3, loss=0.5,
-                            grad_norm=0.25, initial_adapter_sha256="a" * 64, final_adapter_sha256="b" * 64,
+    doc = m.source_document(trainer="grpo", torch_version="2.13.0", device="cpu", steps_run=1, last_step=3, loss=0.5,
+                            grad_norm=0.25, initial_adapter_sha256="1" * 64, final_adapter_sha256="2" * 64,
                             final_adapter_path="final_adapter/adapter_model.safetensors", config_sha256="c" * 64,
                             config={"training": {"seed": 1}}, provenance={"math_mode": "pedantic"}, wall_s=2.0)
     record = m.step_record(step=2, manifest_path="optimizer_batch_step_000002.manifest.json",

@@ -3,6 +3,7 @@ each claim's pass, and each failing case with its exit code and the failing chec
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -196,6 +197,51 @@ def test_loss_compared_only_within_the_same_condition(ev: synthetic.Evidence) ->
     assert code == 1 and check(doc, "exact.loss_same_condition")["offenders"] == [f"{OFF}#0"]
 
 
+def test_the_gradient_norm_is_compared_exactly_within_the_same_condition(ev: synthetic.Evidence) -> None:
+    """Under the bitwise claim a same-condition replay reports the source's gradient norm bit for bit; another arm's
+    norm is not compared (a systems knob may reduce it in another order), and the exact-input claim reads none."""
+    edit(ev.replay_files[3], lambda d: d.update({"grad_norm": 0.75}))  # checkpointing arm: not same-condition
+    assert reduce(ev, "bitwise")[0] == 0
+    edit(ev.replay_files[1], lambda d: d.update({"grad_norm": 0.25000000000000006}))
+    assert reduce(ev, "exact-input")[0] == 0
+    code, doc = reduce(ev, "bitwise")
+    c = check(doc, "bitwise.grad_norm_same_condition")
+    assert code == 1 and c["status"] == "fail" and c["offenders"] == [f"{OFF}#1"], c
+    edit(ev.replay_files[1], lambda d: d.update({"grad_norm": None}))  # a replay that reports no norm
+    assert check(reduce(ev, "bitwise")[1], "bitwise.grad_norm_same_condition")["offenders"] == [f"{OFF}#1"]
+
+
+def test_the_gradient_norm_check_needs_a_source_norm(ev: synthetic.Evidence) -> None:
+    from replayjob.gate import checks as claims
+    from replayjob.gate import evidence
+
+    source = evidence.read_source(ev.source)
+    replays = [evidence.read_replay(f) for f in ev.replay_files]
+    arms = claims.group_arms(replays)
+    assert claims.grad_norm_check(arms, source).status == "pass"
+    unrecorded = claims.grad_norm_check(arms, dataclasses.replace(source, grad_norm=None))
+    assert unrecorded.status == "not_applicable" and "no finite gradient norm" in unrecorded.detail
+    only_on = {ON: arms[ON]}
+    assert claims.grad_norm_check(only_on, source).status == "not_applicable"
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda d: d.update({"final_adapter_sha256": "ab" * 32}), "`final_adapter_sha256`"),
+    (lambda d: d.update({"initial_adapter_sha256": "ab" * 32}), "`initial_adapter_sha256`"),
+    (lambda d: d.update({"steps_run": 3, "last_step": 2}), "`steps_run` is 3"),
+    (lambda d: d.update({"last_step": -1}), "`last_step` is -1"),
+])
+def test_a_source_whose_own_records_disagree_with_its_pins_is_refused(ev: synthetic.Evidence,
+                                                                       change: Callable[[dict[str, Any]], None],
+                                                                       says: str) -> None:
+    """A one-step capture's run is the captured update: the trainer's own records of its adapters and steps
+    describe the same files and step as the capture's pins, so a source metrics file that says otherwise was
+    edited (or assembled from two runs) and is refused before any check, naming the field."""
+    edit(ev.source / "metrics.json", change)
+    code, doc = reduce(ev, "exact-input")
+    assert code == 2 and says in doc["refusal"]["message"], doc["refusal"]
+
+
 def test_unchanged_final_adapter_fails(tmp_path: Path) -> None:
     ev = synthetic.build(tmp_path / "ev", ARMS, 3, initial=synthetic.adapter_file(b"same"),
                          final=synthetic.adapter_file(b"same"))
@@ -316,17 +362,23 @@ _PIN_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("replay", lambda d: d["pins"].update({"expected_manifest_sha256": "ab" * 32}), f"{ON}#0 manifest pin"),
     ("replay", lambda d: d["pins"].update({"expected_logical_sha256": "ab" * 32}), f"{ON}#0 logical pin"),
     ("source", lambda d: d.update({"optimizer/logical_batch_sha256": "ab" * 32}), "source logical"),
-    ("source", lambda d: d.update({"optimizer_batch/initial_adapter_sha256": "ab" * 32}), "source initial_adapter"),
+    # (the run's own adapter records changed with them: a one-step source whose two records disagree is refused first)
+    ("source", lambda d: d.update({"optimizer_batch/initial_adapter_sha256": "ab" * 32,
+                                   "initial_adapter_sha256": "ab" * 32}), "source initial_adapter"),
     ("source", lambda d: d.update({"optimizer/local_effective_rows_sha256": "ab" * 32}), "source effective"),
     ("replay", lambda d: d.update({"optimizer_batch/manifest_sha256": "ab" * 32}), f"{ON}#0 manifest"),
     # the numbers the claims compare replays with: sealed in the manifest's outcome, pinned by every replay
     ("source", lambda d: d.update({"loss": 0.25}), "source loss"),
     ("source", lambda d: d.update({"grad_norm": 1.5}), "source grad_norm"),
-    ("source", lambda d: d.update({"optimizer_batch/final_adapter_sha256": "ab" * 32}), "source final_adapter"),
+    ("source", lambda d: d.update({"optimizer_batch/final_adapter_sha256": "ab" * 32,
+                                   "final_adapter_sha256": "ab" * 32}), "source final_adapter"),
     # a replay of another producer: torch registers no knobs, so its runtime record is empty
     ("replay", lambda d: d.update({"framework": "torch", "runtime": {}}), f"{ON}#0 framework"),
     # a replay of another row count than the capture's did not consume that capture
     ("replay", lambda d: d["rows"].update(rows=d["rows"]["rows"] + 1), f"{ON}#0 rows"),
+    # a replay of another step, or source metrics naming another step than their manifest's
+    ("replay", lambda d: d.update({"step": 1}), f"{ON}#0 step"),
+    ("source", lambda d: d.update({"step": 1}), "source step"),
 ]
 
 
@@ -346,10 +398,11 @@ def test_every_row_of_the_capture_pins_check_has_a_failing_case(ev: synthetic.Ev
     from replayjob.gate import evidence
 
     replay = evidence.read_replay(ev.replay_files[3])
+    edit(ev.source / "metrics.json", lambda d: d.update({"step": 0}))  # the capture API's form names its step
     other: dict[str, Any] = {k: "cd" * 32 for k in ("manifest", "payload", "logical", "effective", "initial_adapter")}
     other["outcome"] = {"loss": 9.0, "grad_norm": 9.0, "final_adapter_sha256": "cd" * 32}
     check = claims.capture_pins_check([replay], evidence.read_source(ev.source),
-                                      {**other, "framework": "x", "rows": replay.rows + 1})
+                                      {**other, "framework": "x", "rows": replay.rows + 1, "step": 7})
     assert set(check.offenders) == {offender for *_, offender in _PIN_CASES}
 
 

@@ -243,7 +243,7 @@ def replay_document(*, framework: str, arm: str, repeat_index: int, pins: dict[s
                     grad_norm: float, timing: dict[str, float], peak: int, device: str, torch_version: str,
                     host: dict[str, Any], padding: dict[str, Any], rows: dict[str, Any], rng_restored: list[str],
                     tolerances_sha256: str, budgets_sha256: str, config_sha256: str,
-                    step: int | None = None) -> dict[str, Any]:
+                    step: int) -> dict[str, Any]:
     """The ``replay_metrics.json`` document (docs/replay-metrics.md) before the final adapter, provenance,
     schedule, in-process repeats, contention and whole-run wall time are added (the replay driver,
     :mod:`replayjob.producers.driver`, adds them and writes it with :func:`write_replay`).  ``runtime``
@@ -279,9 +279,8 @@ def replay_document(*, framework: str, arm: str, repeat_index: int, pins: dict[s
         BUDGETS_SHA256: budgets_sha256.strip().lower(),
         "config_sha256": config_sha256,
         HOST: host,
+        STEP: step,
     }
-    if step is not None:
-        doc[STEP] = step
     return doc
 
 
@@ -374,6 +373,8 @@ class Run:
     final_adapter: str
     final_adapter_file: Path | None  # None: a captured step's source (its SHA-256 is pinned, no file kept)
     loss: float
+    grad_norm: float | None  # the update's pre-clip gradient norm (None: not recorded, or not finite)
+    step: int | None  # the captured step (None: a built-in one-step source, whose metrics name no step)
 
 
 @dataclass(frozen=True)
@@ -425,7 +426,6 @@ class Source(Run):
     config: dict[str, Any]
     manifest_file: Path  # the capture manifest named by MANIFEST_PATH, next to the metrics file
     manifest_pin: str = MANIFEST  # the metrics key that pins it, as messages name it
-    grad_norm: float | None = None  # the update's pre-clip gradient norm (None: absent, or not finite)
     record: str = ""  # where the compared numbers lie in the metrics file: "" (top level) or a step record's key
 
     def config_value(self, dotted: str) -> Any:
@@ -511,7 +511,7 @@ def read_replay(path: str | Path, *, listing: Iterable[str] | None = None) -> Re
         pin_logical=d.pins.expected_logical_sha256, pin_manifest=d.pins.expected_manifest_sha256,
         pin_payload=d.pins.payload_spans_sha256, logical=d.logical, effective=d.effective, manifest=d.manifest,
         initial_adapter=d.initial_adapter, final_adapter=d.final_adapter,
-        final_adapter_file=f.file(FINAL_ADAPTER_PATH), loss=d.loss,
+        final_adapter_file=f.file(FINAL_ADAPTER_PATH), loss=d.loss, grad_norm=d.grad_norm, step=d.step,
         allowed=tuple(d.allowed_config_differences), observed=tuple(d.observed_config_differences),
         knobs=doc["knobs"], skipped=tuple(d.skipped), runtime=doc["runtime"], rows=rows,
         tolerances_sha256=d.tolerances_sha256, measures=measures, host=doc[HOST],
@@ -551,7 +551,8 @@ def read_source(directory: str | Path, step: int | None = None) -> Source:
                       final_adapter=str(d.final_adapter),
                       final_adapter_file=_inside(p, FINAL_ADAPTER_PATH, d.final_adapter_path), loss=d.loss,
                       config=config, manifest_file=p.parent / d.manifest_path,
-                      grad_norm=None if isinstance(d.grad_norm, UnsetType) else d.grad_norm)
+                      grad_norm=None if isinstance(d.grad_norm, UnsetType) else d.grad_norm,
+                      step=None if isinstance(d.step, UnsetType) else d.step)
     e = _captured_step(_pins(d, p), p, step)
     if e.final_adapter is None or e.loss is None:
         raise RefusedError(f"step {step}'s record has no {'final adapter' if e.final_adapter is None else 'loss'}: "
@@ -561,7 +562,8 @@ def read_source(directory: str | Path, step: int | None = None) -> Source:
     return Source(path=p, sha256=sha, logical=e.logical, effective=e.effective, manifest=e.manifest,
                   initial_adapter=e.initial_adapter, final_adapter=e.final_adapter, final_adapter_file=None,
                   loss=e.loss, config=config, manifest_file=e.manifest_path,
-                  manifest_pin=f"step {step} record's {STEP_MANIFEST}", grad_norm=e.grad_norm, record=e.key)
+                  manifest_pin=f"step {step} record's {STEP_MANIFEST}", grad_norm=e.grad_norm, step=e.step,
+                  record=e.key)
 
 
 _SOURCE_HINT = "keep the capture run's metrics.json as the capture wrote it (docs/replay-metrics.md)"

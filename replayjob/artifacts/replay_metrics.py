@@ -161,7 +161,7 @@ class ReplayMetrics(Document, frozen=True, kw_only=True):
     device: Text
     arm: Text
     repeat_index: Count
-    step: Count | None = None
+    step: Count  # the captured step this update replays (its capture manifest's `step`)
     pins: Pins
     logical: Digest = msgspec.field(name="optimizer/logical_batch_sha256")
     effective: Digest = msgspec.field(name="optimizer/local_effective_rows_sha256")

@@ -123,8 +123,36 @@ class SourceMetrics(Document, frozen=True):
     routing: list[RoutingStep] | UnsetType = msgspec.field(default=UNSET, name="routing/steps")
 
     def __post_init__(self) -> None:
+        """The records agree with each other: steps in order, a run's last step reached by its steps, and a
+        one-step capture's run-level records naming the same files as its pins."""
         if not isinstance(self.steps, UnsetType):
             _ascending("optimizer_batch/steps", [e.step for e in self.steps])
+            if not isinstance(self.steps_not_captured, UnsetType):
+                both = sorted({e.step for e in self.steps} & set(self.steps_not_captured))
+                if both:
+                    raise ValueError(f"steps {both} are listed both as captured (`optimizer_batch/steps`) and as "
+                                     "not captured (`optimizer_batch/steps_not_captured`)")
+        if not isinstance(self.steps_not_captured, UnsetType):
+            _ascending("optimizer_batch/steps_not_captured", self.steps_not_captured)
+        if (not isinstance(self.steps_run, UnsetType) and not isinstance(self.last_step, UnsetType)
+                and self.last_step < self.steps_run - 1):  # a run of N steps from step S >= 0 ends at S + N - 1
+            raise ValueError(f"`last_step` is {self.last_step}, but a run of {self.steps_run} steps "
+                                 f"(`steps_run`) ends at step {self.steps_run - 1} or later")
+        if isinstance(self.final_adapter, UnsetType):
+            return
+        # a one-step capture: the run is the captured update (its trainer refuses to capture a longer run), so
+        # the run's own records and the capture's pins describe the same adapters
+        if not isinstance(self.steps_run, UnsetType) and self.steps_run != 1:
+            raise ValueError(f"`steps_run` is {self.steps_run}, but a one-step capture "
+                             "(`optimizer_batch/final_adapter_sha256`) records a run of that one step")
+        if self.final_adapter_sha256 not in (UNSET, self.final_adapter):
+            raise ValueError(f"`final_adapter_sha256` ({self.final_adapter_sha256}) and "
+                             f"`optimizer_batch/final_adapter_sha256` ({self.final_adapter}) both name the adapter "
+                             "the run saved (`final_adapter_path`), so they must be one digest")
+        if self.initial_adapter is not UNSET and self.initial_adapter_sha256 not in (UNSET, None, self.initial_adapter):
+            raise ValueError(f"`initial_adapter_sha256` ({self.initial_adapter_sha256}) and "
+                             f"`optimizer_batch/initial_adapter_sha256` ({self.initial_adapter}) both name the adapter "
+                             "the one captured step started from, so they must be one digest")
 
     def records(self) -> list[tuple[str, StepRecord]]:
         """Every captured step's record with where it lies: the chosen steps, then the ring's written steps."""

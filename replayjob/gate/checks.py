@@ -240,9 +240,9 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
     ``effective``, ``initial_adapter``), its producer (``framework``: ``replayjob`` for the
     built-in trainer's manifest, else the external trainer it records) and the source update's
     ``outcome`` it seals (loss, grad_norm, final_adapter_sha256; ``None`` in a capture written
-    before the seal) and its row count (``rows``): a replay whose recorded payload, manifest or logical pin
-    names another capture, a replay of another producer or of another row count, or source metrics that
-    disagree with their manifest --
+    before the seal), its row count (``rows``) and its step (``step``): a replay whose recorded payload, manifest
+    or logical pin names another capture, a replay of another producer, row count or step, or source metrics
+    (the step they name among them) that disagree with their manifest --
     among them the numbers the claims compare replays with, which nothing but the manifest pins --
     are refused.  The source's own manifest digest is not a row: the manifest was found and
     verified by it (a mismatch is refused before this check).
@@ -255,13 +255,17 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
     values += [("source loss", source.loss, sealed.get("loss")),
                ("source grad_norm", source.grad_norm, sealed.get("grad_norm")),
                ("source final_adapter", source.final_adapter, sealed.get("final_adapter_sha256"))]
+    if source.step is not None:  # a built-in one-step source names no step: its manifest's is step 0
+        fields["source step"] = at + "step"
+        values.append(("source step", source.step, capture["step"]))
     for r in replays:
         values += [(f"{r.label} manifest", r.manifest, capture["manifest"]),
                    (f"{r.label} manifest pin", r.pin_manifest, capture["manifest"]),
                    (f"{r.label} payload pin", r.pin_payload, capture["payload"]),
                    (f"{r.label} logical pin", r.pin_logical, capture["logical"]),
                    (f"{r.label} framework", r.framework, capture["framework"]),
-                   (f"{r.label} rows", r.rows, capture["rows"])]
+                   (f"{r.label} rows", r.rows, capture["rows"]),
+                   (f"{r.label} step", r.step, capture["step"])]
     bad = {label: {"recorded": got, "capture": want, **({"field": fields[label]} if label in fields else {})}
            for label, got, want in values if not _same(got, want)}
     return Check("inputs.capture_pins", "inputs", REFUSED if bad else PASS,
@@ -269,8 +273,9 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
                   "framework": capture["framework"], "outcome": capture.get("outcome")},
                  {"mismatched": bad}, "the source metrics (their digests, and the loss, gradient norm and final "
                  "adapter digest the claims compare with, which the manifest's outcome seals: a manifest written "
-                 "before the seal pins none of them) and each replay's recorded manifest and payload pins, "
-                 "producer and row count match the capture manifest (verified against its SHA-256)", tuple(bad))
+                 "before the seal pins none of them; the step they name) and each replay's recorded manifest and "
+                 "payload pins, producer, row count and step match the capture manifest (verified against its "
+                 "SHA-256)", tuple(bad))
 
 
 def plan_check(arms: dict[str, Arm]) -> Check:
@@ -418,6 +423,7 @@ def bitwise_checks(replays: list[Replay], arms: dict[str, Arm], source: Source) 
                             source.final_adapter,
                             what="source and same-condition replays (every arm when all knobs are "
                                  "systems-only) have the source's final adapter SHA-256"))
+    checks.append(grad_norm_check(arms, source))
     if len(arms) < 2 or not all_systems:
         why = ("only one arm" if len(arms) < 2 else "an arm declares a knob that is not systems-only: "
                + ", ".join(sorted({k for a in arms.values() for k in a.intent if k not in a.registered})))
@@ -427,6 +433,24 @@ def bitwise_checks(replays: list[Replay], arms: dict[str, Arm], source: Source) 
         checks.append(agree("bitwise.final_across_arms", g, [(r.label, r.final_adapter) for r in replays],
                             what="arms differ only in systems-only knobs, so all final adapters agree"))
     return checks
+
+
+def grad_norm_check(arms: dict[str, Arm], source: Source) -> Check:
+    """The source and every same-condition replay report the source's gradient norm, exactly.
+
+    Same-condition replays only: an arm that changes a systems-only knob may reduce the norm in another order
+    (a sharded norm, another world size) and still apply the same bits when the norm is below the clipping
+    threshold, so its norm is not a bitwise claim.  ``not_applicable`` when the source recorded no finite norm
+    or no arm replays under the source's conditions (``bitwise.final_vs_source`` decides the update then)."""
+    name, g = "bitwise.grad_norm_same_condition", "bitwise"
+    same = [r for a in arms.values() if a.same_condition(source) for r in a.replays]
+    if source.grad_norm is None or not same:
+        why = ("the source recorded no finite gradient norm" if source.grad_norm is None
+               else "no arm replays under the source's own conditions")
+        return Check(name, g, NOT_APPLICABLE, source.grad_norm, {}, why)
+    return agree(name, g, [("source", source.grad_norm)] + [(r.label, r.grad_norm) for r in same],
+                 source.grad_norm, what="source and same-condition replays report the source's pre-clip gradient "
+                                        "norm, exactly (the same update reduces the same gradients the same way)")
 
 
 def tolerance_pin_check(replays: list[Replay], tolerances: Tolerances | None) -> Check:

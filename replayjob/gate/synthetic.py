@@ -134,7 +134,7 @@ def replay_doc(*, arm: str, index: int, knobs: dict[str, Any], manifest_sha256: 
               "payload_spans_sha256": digest_of("payload")},
         manifest_sha256=manifest_sha256, logical=digest_of("logical"), effective=digest_of("effective"),
         initial_adapter_sha256=initial_sha256, allowed=sorted(knobs), observed=sorted(knobs),
-        knob_values=dict(knobs), runtime=runtime_of(knobs), loss=loss, grad_norm=0.25,
+        knob_values=dict(knobs), runtime=runtime_of(knobs), loss=loss, grad_norm=SOURCE_GRAD_NORM,
         **_measures(seed, arm, index, knobs), device="cpu", torch_version="2.4.0",
         host={"node": f"node-{index}", "pod": None, "slurm_job": None, "image_ref": None, "image_digest": None,
               "device_type": "cpu", "gpu_product": None, "gpu_uuid": None, "driver_version": None,
@@ -142,7 +142,7 @@ def replay_doc(*, arm: str, index: int, knobs: dict[str, Any], manifest_sha256: 
               "cpu_model": "synthetic"},
         rows={"rows": 16, "tokens": 544, "response_tokens": 128, "loss_bearing_tokens": 128, "loss_weight_sum": 1.0},
         rng_restored=["cpu"], tolerances_sha256=tolerances_sha256, budgets_sha256="",
-        config_sha256=digest_of(f"config:{sorted(knobs.items())}"))
+        config_sha256=digest_of(f"config:{sorted(knobs.items())}"), step=0)
     doc.update({FINAL_ADAPTER: final_sha256, FINAL_ADAPTER_PATH: ADAPTER, "wall_s": 2.0,
                 "provenance": {"strict_deterministic": True, "math_mode": "pedantic", "device": "cpu"}})
     return doc

@@ -150,7 +150,7 @@ class BuiltinSession(Session):
                      "padding_fraction": res.padding_fraction, "micro_batches": res.micro_batches},
             rows=adm.rows,  # counted and summed as the payload was verified
             rng_restored=sorted(adm.rng or {}), tolerances_sha256=cfg.optimizer_batch.tolerances_sha256,
-            budgets_sha256=cfg.optimizer_batch.budgets_sha256, config_sha256=config_sha256(cfg))
+            budgets_sha256=cfg.optimizer_batch.budgets_sha256, config_sha256=config_sha256(cfg), step=m.step)
 
     def trace_identity(self, runtime: dict[str, Any]) -> dict[str, Any]:
         return {"micro_batch_size": self.cfg.training.micro_batch_size,
