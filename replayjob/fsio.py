@@ -125,7 +125,7 @@ def open_regular(path: str | Path, *, follow_symlinks: bool = False, what: str =
     only a file the user names directly (a config) may be one; the directories above it are the
     caller's to check (:func:`check_no_symlinks`).
     """
-    point(f"read.open/{Path(path).name}")  # crash boundaries for readers, too (e.g. reduce)
+    point(f"read.open/{os.path.basename(path)}")  # crash boundaries for readers, too (e.g. reduce)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     if not follow_symlinks:
         flags |= getattr(os, "O_NOFOLLOW", 0)
@@ -178,7 +178,8 @@ def check_no_symlinks(root: str | Path, path: str | Path, *, what: str = "artifa
     not exist (the open that follows reports the missing file).  ``root`` itself and its parents are
     not examined: the directory a user names may be reached through links.
     """
-    r, p = Path(root), Path(path)
+    r = root if isinstance(root, Path) else Path(root)
+    p = path if isinstance(path, Path) else Path(path)
     rs, ps = str(r), str(p)  # both as pathlib spells them (normalised): the common case costs no path objects
     if rs != "/" and ps.startswith(rs + "/"):
         parts: tuple[str, ...] | list[str] = ps[len(rs) + 1:].split("/")
