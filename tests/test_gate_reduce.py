@@ -379,6 +379,10 @@ _PIN_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     # a replay of another step, or source metrics naming another step than their manifest's
     ("replay", lambda d: d.update({"step": 1}), f"{ON}#0 step"),
     ("source", lambda d: d.update({"step": 1}), "source step"),
+    # the source config decides which arm is same-condition: edited to match an arm, it would turn a refusal into
+    # a pass, so it is the one the manifest pins
+    ("source", lambda d: d["config"]["backend"]["options"].update({"gradient_checkpointing": True}),
+     "source config"),
 ]
 
 
@@ -402,7 +406,8 @@ def test_every_row_of_the_capture_pins_check_has_a_failing_case(ev: synthetic.Ev
     other: dict[str, Any] = {k: "cd" * 32 for k in ("manifest", "payload", "logical", "effective", "initial_adapter")}
     other["outcome"] = {"loss": 9.0, "grad_norm": 9.0, "final_adapter_sha256": "cd" * 32}
     check = claims.capture_pins_check([replay], evidence.read_source(ev.source),
-                                      {**other, "framework": "x", "rows": replay.rows + 1, "step": 7})
+                                      {**other, "framework": "x", "rows": replay.rows + 1, "step": 7,
+                                       "config": {"other": True}})
     assert set(check.offenders) == {offender for *_, offender in _PIN_CASES}
 
 
@@ -805,8 +810,9 @@ def test_an_unreadable_spec_is_refused_in_a_verdict(ev: synthetic.Evidence, tmp_
 
 @pytest.mark.parametrize(("change", "named"), [
     (lambda d: d["memory"].update(kind="cuda_max_allocated"), "['memory.kind']"),
-    (lambda d: d.update(rows=[8, 15]), "['rows']"),
+    (lambda d: d.update(rows=[8, 15], micro_batch_rows=[4, 3]), "['rows']"),
     (lambda d: d.update(loss="0.25"), "field `loss`"),
+    (lambda d: d.update(micro_batch_rows=[999]), "`micro_batch_rows` [999] add up to 999 rows"),
 ])
 def test_a_rank_file_is_read_through_its_declaration_and_belongs_to_its_replay(
         ranked: synthetic.Evidence, change: Callable[[dict[str, Any]], None], named: str) -> None:
@@ -821,3 +827,19 @@ def test_a_rank_file_is_read_through_its_declaration_and_belongs_to_its_replay(
     edit(f, lambda d: d["distributed"]["ranks"][1].update(sha256=sha256_bytes(rank1.read_bytes())))
     code, doc = reduce(ranked, "exact-input")
     assert code == 2 and named in doc["refusal"]["message"], doc["refusal"]
+
+
+@pytest.mark.parametrize("end", [12, 99])
+def test_the_ranks_rows_cover_the_replays_rows_exactly(ranked: synthetic.Evidence, end: int) -> None:
+    """The ranks' shares tile the replayed rows from 0 to their count: a last share that stops short of the replay's
+    row count, or runs past it, is refused (with the rank file re-pinned, so only this rule can refuse it)."""
+    from replayjob.artifacts.metrics import rank_file
+    from replayjob.digest import sha256_bytes
+
+    f = ranked.replay_files[3]
+    rank1 = f.parent / rank_file(1)
+    begin = json.loads(rank1.read_text())["rows"][0]
+    edit(rank1, lambda d: d.update(rows=[begin, end], micro_batch_rows=[end - begin]))
+    edit(f, lambda d: d["distributed"]["ranks"][1].update(sha256=sha256_bytes(rank1.read_bytes()), rows=[begin, end]))
+    code, doc = reduce(ranked, "exact-input")
+    assert code == 2 and f"holds rows [0, {end})" in doc["refusal"]["message"], doc["refusal"]

@@ -628,16 +628,16 @@ def test_approximate_claim_reports_routing_agreement(moe_runs: dict[str, Any], t
     assert f"| perturbed | {p['flipped']} of {p['tokens']} " in text
     assert "differs only downstream of routing flips" in text
     assert "| kernel | 0 of " in text and "differs with identical routing" in text
-    # a routing file that is not the bytes its replay pinned is no evidence: the check refuses, naming the replay
+    # a routing file that is not the bytes its replay pinned is no evidence: the replay's reader refuses it, naming
+    # the replay's file and its routing pin, whatever the claim
     data = bytearray((runs / "perturbed" / "routing.safetensors").read_bytes())
     data[-1] ^= 1
     (runs / "perturbed" / "routing.safetensors").write_bytes(bytes(data))
     rc = main(["reduce", str(runs), "--claim", "approximate", "--source", str(moe_runs["source"]), "--tolerances",
                str(tol), "--min-repeats", "1", "--out", str(tmp_path / "refused.json")])
-    check = next(c for c in json.loads((tmp_path / "refused.json").read_text())["checks"]
-                 if c["name"] == "approximate.routing_agreement")
-    assert rc == 2 and check["status"] == "refused" and check["offenders"] == ["perturbed#0"]
-    assert "SHA-256" in check["detail"]
+    refusal = json.loads((tmp_path / "refused.json").read_text())["refusal"]
+    assert rc == 2 and "pins 'routing.safetensors' at SHA-256" in refusal["message"], refusal
+    assert str(runs / "perturbed" / "replay_metrics.json") in refusal["where"]
 
 
 @pytest.fixture(scope="module")

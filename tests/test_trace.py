@@ -249,7 +249,15 @@ def test_reduce_refuses_a_tampered_trace(runs: dict[str, Path], tmp_path: Path) 
     index.write_bytes(index.read_bytes().replace(b'"rows"', b'"rows" ', 1))
     rc = main(["reduce", str(runs["a"]), str(t), "--claim", "bitwise", "--source", str(runs["source"]),
                "--min-repeats", "1", "--out", str(tmp_path / "v.json")])
-    assert rc == 2 and "trace index SHA-256" in json.loads((tmp_path / "v.json").read_text())["refusal"]["message"]
+    # refused where the replay is read, whatever the claim (a pin to other bytes is no evidence)
+    message = json.loads((tmp_path / "v.json").read_text())["refusal"]["message"]
+    assert rc == 2 and "pins 'trace/index.json' at SHA-256" in message, message
+    assert main(["reduce", str(runs["a"]), str(t), "--claim", "exact-input", "--source", str(runs["source"]),
+                 "--min-repeats", "1", "--out", str(tmp_path / "x.json")]) == 2
+    (t / "trace" / "index.json").unlink()  # a pin to nothing
+    assert main(["reduce", str(runs["a"]), str(t), "--claim", "exact-input", "--source", str(runs["source"]),
+                 "--min-repeats", "1", "--out", str(tmp_path / "y.json")]) == 2
+    assert "index.json" in json.loads((tmp_path / "y.json").read_text())["refusal"]["where"]
 
 
 class _Toy:

@@ -30,11 +30,11 @@ from msgspec import UNSET, UnsetType
 
 from replayjob import __version__
 from replayjob.artifacts.document import decode
-from replayjob.artifacts.replay_metrics import Distributed, RankMetrics, ReplayMetrics
+from replayjob.artifacts.replay_metrics import Distributed, RankMetrics, ReplayMetrics, TracePin
 from replayjob.artifacts.schedule import DESIGNS, Slot
 from replayjob.artifacts.source_metrics import SourceMetrics
 from replayjob.config.differences import flatten
-from replayjob.digest import is_sha256_hex, sha256_bytes
+from replayjob.digest import is_sha256_hex, sha256_bytes, sha256_file
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.frameworks import PRODUCERS
 from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
@@ -502,8 +502,18 @@ def read_replay(path: str | Path, *, listing: Iterable[str] | None = None) -> Re
     if d.schedule is not None and d.schedule.design not in DESIGNS:
         raise f.fail(f"{SCHEDULE}.design", f"must be one of {', '.join(DESIGNS)}")
     if d.distributed is not None:  # one replay over several ranks: its rank files merge into it (never repeats)
+        end = d.distributed.ranks[-1].rows[1]  # the ranks' shares tile [0, end) (the record's declaration)
+        if end != rows:
+            raise f.fail(f"{DISTRIBUTED}.ranks", f"holds rows [0, {end}) over its ranks, but the replay's `rows.rows` "
+                                                 f"is {rows}: the ranks' shares cover the replayed rows exactly")
         _check_ranks(f, doc, p, d.distributed)
     _check_world(f, p, d.runtime, d.distributed, listing)
+    for key, pin in ((TRACE, d.trace), (ROUTING, d.routing)):  # evidence the replay says it wrote is there, as pinned
+        if pin is not None:
+            rel, want = (pin.index_path, pin.index_sha256) if isinstance(pin, TracePin) else (pin.path, pin.sha256)
+            got = sha256_file(check_no_symlinks(p.parent, p.parent / rel, what=f"{key} {rel!r}"))
+            if got != want:
+                raise f.fail(key, f"pins {rel!r} at SHA-256 {want}, but the file beside it hashes to {got}")
     measures = {name: float(getattr(getattr(d, section), key)) for name, (section, key) in MEASURES.items()}
     slot = d.schedule
     return Replay(

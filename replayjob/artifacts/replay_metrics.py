@@ -142,6 +142,9 @@ class RankMetrics(Document, frozen=True):
             raise ValueError(f"`rank` {self.rank} is not below `world_size` {self.world_size}")
         if self.rows[0] > self.rows[1]:
             raise ValueError(f"`rows` {self.rows} must be [first, end) with first <= end")
+        if sum(self.micro_batch_rows) != self.rows[1] - self.rows[0]:  # the rank's micro-batches hold its share
+            raise ValueError(f"`micro_batch_rows` {self.micro_batch_rows} add up to {sum(self.micro_batch_rows)} "
+                             f"rows, but the rank's share `rows` {self.rows} holds {self.rows[1] - self.rows[0]}")
 
 
 class ReplayMetrics(Document, frozen=True, kw_only=True):

@@ -240,7 +240,8 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
     ``effective``, ``initial_adapter``), its producer (``framework``: ``replayjob`` for the
     built-in trainer's manifest, else the external trainer it records) and the source update's
     ``outcome`` it seals (loss, grad_norm, final_adapter_sha256; ``None`` in a capture written
-    before the seal), its row count (``rows``) and its step (``step``): a replay whose recorded payload, manifest
+    before the seal), its row count (``rows``), its step (``step``) and the source's resolved config it pins
+    (``config``): a replay whose recorded payload, manifest
     or logical pin names another capture, a replay of another producer, row count or step, or source metrics
     (the step they name among them) that disagree with their manifest --
     among them the numbers the claims compare replays with, which nothing but the manifest pins --
@@ -255,6 +256,10 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
     values += [("source loss", source.loss, sealed.get("loss")),
                ("source grad_norm", source.grad_norm, sealed.get("grad_norm")),
                ("source final_adapter", source.final_adapter, sealed.get("final_adapter_sha256"))]
+    # the source config decides which arms replay under the source's conditions and what each knob is intended
+    # to be: the one the manifest pins, recorded whole
+    fields["source config"] = f"{SOURCE_FILE}: config"
+    values.append(("source config", source.config, capture["config"]))
     if source.step is not None:  # a built-in one-step source names no step: its manifest's is step 0
         fields["source step"] = at + "step"
         values.append(("source step", source.step, capture["step"]))
@@ -273,7 +278,8 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
                   "framework": capture["framework"], "outcome": capture.get("outcome")},
                  {"mismatched": bad}, "the source metrics (their digests, and the loss, gradient norm and final "
                  "adapter digest the claims compare with, which the manifest's outcome seals: a manifest written "
-                 "before the seal pins none of them; the step they name) and each replay's recorded manifest and "
+                 "before the seal pins none of them; the step they name and the config that decides the arms' "
+                 "conditions) and each replay's recorded manifest and "
                  "payload pins, producer, row count and step match the capture manifest (verified against its "
                  "SHA-256)", tuple(bad))
 

@@ -153,7 +153,8 @@ def _evaluate(req: Request, st: _State) -> None:
         st.checks.append(C.capture_pins_check(st.replays, st.source, {
             "manifest": m.sha256, "payload": m.payload_digest, "logical": m.logical_sha256,
             "effective": m.effective_sha256, "initial_adapter": m.initial_adapter_sha256,
-            "framework": m.framework, "outcome": m.outcome, "rows": m.doc["rows"]["rows"], "step": m.step}))
+            "framework": m.framework, "outcome": m.outcome, "rows": m.doc["rows"]["rows"], "step": m.step,
+            "config": m.doc["config"]["resolved"]}))
     st.checks += C.exact_input_checks(st.replays, st.arms, st.source)
     if cl.systems_only:
         st.checks.append(C.systems_only_check(st.arms))
