@@ -65,12 +65,29 @@ def write_failure(exc: OSError, where: Path, action: str) -> ReplayjobError:
     return RefusedError(f"{action}: {reason}", where=where, hint="check the output path and its permissions")
 
 
+def _replaceable(dest: Path) -> None:
+    """Refuse a destination that exists and is not a regular file: a rename would replace a device, FIFO,
+    socket or symbolic link with a file (``--out /dev/null`` run as root would turn the device into a file)."""
+    try:
+        mode = os.lstat(dest).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise write_failure(exc, dest, "cannot examine the output path") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode)
+                else "a device, FIFO or socket")
+        raise RefusedError(f"the output path is {kind}, not a regular file: writing would replace it", where=dest,
+                           hint="name a new file or an existing regular file as the output")
+
+
 def atomic_write_bytes(path: str | Path, data: bytes, *, exclusive: bool = False) -> None:
     """Write ``data`` to ``path`` atomically; with ``exclusive`` never replace an existing file."""
     dest = Path(path)
     if exclusive and dest.exists():
         raise ArtifactExistsError("refusing to overwrite an existing artifact", where=dest,
                                   hint="write to a new output directory or remove the old one")
+    _replaceable(dest)
     point(f"write.open/{dest.name}")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -843,3 +843,47 @@ def test_the_ranks_rows_cover_the_replays_rows_exactly(ranked: synthetic.Evidenc
     edit(f, lambda d: d["distributed"]["ranks"][1].update(sha256=sha256_bytes(rank1.read_bytes()), rows=[begin, end]))
     code, doc = reduce(ranked, "exact-input")
     assert code == 2 and f"holds rows [0, {end})" in doc["refusal"]["message"], doc["refusal"]
+
+
+@pytest.mark.parametrize("target", ["source", "replay", "adapter", "hardlink"])
+def test_an_output_that_is_an_input_is_refused_and_the_input_kept(ev: synthetic.Evidence, tmp_path: Path,
+                                                                   target: str) -> None:
+    """--out or --report naming a file the reduce reads (or a hard link to one) would overwrite the evidence: refused,
+    and the file is left as it was."""
+    import os
+
+    victim = {"source": ev.source / "metrics.json", "replay": ev.replay_files[2],
+              "adapter": ev.replay_files[2].parent / synthetic.ADAPTER, "hardlink": ev.replay_files[1]}[target]
+    out = victim
+    if target == "hardlink":
+        out = tmp_path / "verdict.json"
+        os.link(victim, out)
+    before = victim.read_bytes()
+    option = "--report" if target == "adapter" else "--out"
+    argv = ["reduce", str(ev.root / "replays"), "--claim", "exact-input", "--source", str(ev.source)]
+    argv += ["--out", str(out)] if option == "--out" else ["--out", str(tmp_path / "v.json"), "--report", str(out)]
+    assert main(argv) == 2
+    assert victim.read_bytes() == before and not (tmp_path / "v.json").exists()
+    same = ["reduce", str(ev.root / "replays"), "--claim", "exact-input", "--source", str(ev.source),
+            "--out", str(tmp_path / "w.json"), "--report", str(tmp_path / "w.json")]
+    assert main(same) == 2 and not (tmp_path / "w.json").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_an_output_that_is_not_a_regular_file_is_left_alone(ev: synthetic.Evidence, tmp_path: Path,
+                                                            kind: str) -> None:
+    """A rename would replace a FIFO, device or link with a file (``--out /dev/null`` as root turned the device
+    into a file): refused, the node kept."""
+    import os
+    import stat
+
+    out = tmp_path / "out"
+    if kind == "fifo":
+        os.mkfifo(out)
+    else:
+        (tmp_path / "target.json").write_text("{}")
+        out.symlink_to(tmp_path / "target.json")
+    assert main(["reduce", str(ev.root / "replays"), "--claim", "exact-input", "--source", str(ev.source),
+                 "--out", str(out)]) == 2
+    mode = os.lstat(out).st_mode
+    assert (stat.S_ISFIFO(mode) if kind == "fifo" else stat.S_ISLNK(mode))

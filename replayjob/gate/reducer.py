@@ -388,6 +388,45 @@ def _document(req: Request, st: _State, refusal: dict[str, Any] | None, ratios: 
     return doc
 
 
+def _outputs_are_not_inputs(req: Request, st: _State) -> None:
+    """Refuse an ``--out`` or ``--report`` that is a file this reduce read (a replay's metrics, rank files or final
+    adapter, the source's metrics, manifest or adapter, the tolerance or budget file), or the two the same file:
+    writing the verdict would overwrite the evidence it rests on (a later reduce would find it destroyed)."""
+    outs: dict[tuple[int, int], tuple[str, Path]] = {}
+    if req.report is not None and os.path.abspath(req.report) == os.path.abspath(req.out):
+        raise UsageError("--out and --report name the same file", where=req.out,
+                         hint="give the verdict and the report files of their own")
+    given = [("--out", req.out)] + ([("--report", req.report)] if req.report is not None else [])
+    for option, out in given:
+        try:
+            o = os.stat(out)
+        except OSError:  # not there yet: it cannot be a file that was read
+            continue
+        if (o.st_dev, o.st_ino) in outs:
+            raise UsageError("--out and --report name the same file", where=out,
+                             hint="give the verdict and the report files of their own")
+        outs[(o.st_dev, o.st_ino)] = (option, out)
+    if not outs:  # the common case: new output files, nothing to compare (no input is examined again)
+        return
+    read: list[Path] = []
+    for r in st.replays:
+        ranks = (r.doc.get("distributed") or {}).get("ranks") or []
+        read += [r.path, r.final_adapter_file, *(r.path.parent / str(e.get("file")) for e in ranks)]
+    if st.source is not None:
+        read += [st.source.path, st.source.manifest_file]
+        read += [st.source.final_adapter_file] if st.source.final_adapter_file is not None else []
+    read += [x.path for x in (st.tolerances, st.budgets) if x is not None]
+    for p in read:
+        try:
+            i = os.stat(p)
+        except OSError:
+            continue
+        if (i.st_dev, i.st_ino) in outs:
+            option, out = outs[(i.st_dev, i.st_ino)]
+            raise UsageError(f"{option} names {p}, a file this reduce read: writing it would overwrite the evidence",
+                             where=out, hint=f"write the {option[2:]} to a new file outside the evidence")
+
+
 def reduce_evidence(req: Request) -> verdict.Verdict:
     """Evaluate ``req.claim`` over the replays, write the report (if asked) and the verdict last."""
     st = _State()
@@ -401,6 +440,7 @@ def reduce_evidence(req: Request) -> verdict.Verdict:
         st.checks = C.with_on_disk(st.checks, st.replays, st.source, st.scans)
     finally:
         st.scans.close()
+    _outputs_are_not_inputs(req, st)
     doc = _document(req, st, refusal, ratios)
     if req.missing:  # refused for want of evidence a stage did not produce: nothing was decided (3)
         doc = verdict.incomplete(doc, req.missing)
