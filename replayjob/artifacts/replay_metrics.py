@@ -33,10 +33,32 @@ class Pins(Document, frozen=True):
 
 
 class Timing(Document, frozen=True):
+    """The update's wall time and its parts, each measured inside it: no part is longer than the whole (also
+    when merged over ranks, each figure the slowest rank's)."""
+
     local_train_wall_s: NonNegative
     forward_wall_s: NonNegative
     backward_wall_s: NonNegative
     optimizer_wall_s: NonNegative
+
+    def __post_init__(self) -> None:
+        for name in ("forward_wall_s", "backward_wall_s", "optimizer_wall_s"):
+            if not _within(getattr(self, name), self.local_train_wall_s):
+                raise ValueError(f"`{name}` ({getattr(self, name)!r} s) is longer than the update it is part of "
+                                 f"(`local_train_wall_s`, {self.local_train_wall_s!r} s)")
+
+    def parts_fit(self) -> None:
+        """One process's timing: its parts, measured one after the other inside the update, add up to no more
+        than it (merged over ranks they need not: each part is the slowest rank's)."""
+        parts = self.forward_wall_s + self.backward_wall_s + self.optimizer_wall_s
+        if not _within(parts, self.local_train_wall_s):
+            raise ValueError(f"forward, backward and optimizer times add up to {parts!r} s, more than the update "
+                             f"they are parts of (`local_train_wall_s`, {self.local_train_wall_s!r} s)")
+
+
+def _within(part: float, whole: float) -> bool:
+    """``part <= whole`` but for the rounding of sums of clock differences."""
+    return part <= whole * (1 + 1e-9) + 1e-9
 
 
 class Memory(Document, frozen=True):
@@ -142,6 +164,7 @@ class RankMetrics(Document, frozen=True):
             raise ValueError(f"`rank` {self.rank} is not below `world_size` {self.world_size}")
         if self.rows[0] > self.rows[1]:
             raise ValueError(f"`rows` {self.rows} must be [first, end) with first <= end")
+        self.timing.parts_fit()
         if sum(self.micro_batch_rows) != self.rows[1] - self.rows[0]:  # the rank's micro-batches hold its share
             raise ValueError(f"`micro_batch_rows` {self.micro_batch_rows} add up to {sum(self.micro_batch_rows)} "
                              f"rows, but the rank's share `rows` {self.rows} holds {self.rows[1] - self.rows[0]}")
@@ -207,6 +230,11 @@ class ReplayMetrics(Document, frozen=True, kw_only=True):
         if (self.memory.kind == "cuda_max_allocated") != (kind == "cuda"):
             raise ValueError(f"`memory.kind` {self.memory.kind!r} does not belong to `device` {self.device!r} "
                              "(cuda_max_allocated is CUDA's allocator peak, max_rss the process's on a CPU)")
+        if self.distributed is None:  # one process: its own clock, its parts inside its update, inside its run
+            self.timing.parts_fit()
+            if not _within(self.timing.local_train_wall_s, self.wall_s):
+                raise ValueError(f"`wall_s` ({self.wall_s!r} s), the whole replay, is shorter than its update "
+                                 f"(`timing.local_train_wall_s`, {self.timing.local_train_wall_s!r} s)")
         if self.contention is not None and self.contention.device != self.device:
             raise ValueError(f"`contention.device` is {self.contention.device!r}, but the replay ran on `device` "
                              f"{self.device!r}")

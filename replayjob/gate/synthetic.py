@@ -216,12 +216,15 @@ def paired(root: Path, arms: dict[str, dict[str, Any]], walls: dict[str, list[fl
     for f in ev.replay_files:
         doc = json.loads(f.read_text())
         arm, i = doc["arm"], doc["repeat_index"]
-        doc["timing"]["local_train_wall_s"] = walls[arm][i]
+        timing = doc["timing"]  # the parts scaled with the whole, which they are parts of; the run around it
+        timing.update({k: v * walls[arm][i] / timing["local_train_wall_s"] for k, v in timing.items()})
+        timing["local_train_wall_s"] = walls[arm][i]
         doc["schedule"] = order[(arm, i)].to_json() if slots else None
         doc["host"]["node"] = (hosts or {}).get(arm, ["node-a"] * n)[i]
         doc["budgets_sha256"] = sha256_file(budgets) if budgets is not None else ""
         if edit is not None:
             edit(doc, arm, i)
+        doc["wall_s"] = max(doc["wall_s"], doc["timing"]["local_train_wall_s"] + 1.0)  # the run around the update
         f.write_bytes(pretty_bytes(doc))
     return ev
 
