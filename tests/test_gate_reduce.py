@@ -379,6 +379,7 @@ _PIN_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     # a replay of another step, or source metrics naming another step than their manifest's
     ("replay", lambda d: d.update({"step": 1}), f"{ON}#0 step"),
     ("source", lambda d: d.update({"step": 1}), "source step"),
+    ("source", lambda d: d.update({"optimizer_batch/steps_not_captured": [0]}), "source steps_not_captured"),
     # the source config decides which arm is same-condition: edited to match an arm, it would turn a refusal into
     # a pass, so it is the one the manifest pins
     ("source", lambda d: d["config"]["backend"]["options"].update({"gradient_checkpointing": True}),
@@ -402,7 +403,7 @@ def test_every_row_of_the_capture_pins_check_has_a_failing_case(ev: synthetic.Ev
     from replayjob.gate import evidence
 
     replay = evidence.read_replay(ev.replay_files[3])
-    edit(ev.source / "metrics.json", lambda d: d.update({"step": 0}))  # the capture API's form names its step
+    edit(ev.source / "metrics.json", lambda d: d.update({"step": 0, "optimizer_batch/steps_not_captured": [7]}))
     other: dict[str, Any] = {k: "cd" * 32 for k in ("manifest", "payload", "logical", "effective", "initial_adapter")}
     other["outcome"] = {"loss": 9.0, "grad_norm": 9.0, "final_adapter_sha256": "cd" * 32}
     check = claims.capture_pins_check([replay], evidence.read_source(ev.source),
@@ -892,3 +893,30 @@ def test_an_output_that_is_not_a_regular_file_is_left_alone(ev: synthetic.Eviden
                  "--out", str(out)]) == 2
     mode = os.lstat(out).st_mode
     assert (stat.S_ISFIFO(mode) if kind == "fifo" else stat.S_ISLNK(mode))
+
+
+def test_a_negative_zero_is_not_the_same_loss_bit_for_bit(tmp_path: Path) -> None:
+    """"Exactly the same" is bit for bit: -0.0 equals 0.0 as a number, not as the bits a loss was computed to."""
+    from replayjob.gate import checks as claims
+
+    assert claims._same(0.0, 0.0) and not claims._same(-0.0, 0.0) and not claims._same(1, 1.0)
+    ev = synthetic.build(tmp_path / "ev", ARMS, 3, loss=0.0)
+    assert reduce(ev, "exact-input")[0] == 0
+    edit(ev.replay_files[0], lambda d: d.update({"loss": -0.0}))
+    code, doc = reduce(ev, "exact-input")
+    assert code == 1 and check(doc, "exact.loss_same_condition")["offenders"] == [f"{OFF}#0"]
+
+
+def test_in_process_repeats_that_did_not_reproduce_the_loss_fail_bitwise(ev: synthetic.Evidence) -> None:
+    """Warm in-process repeats are repeats: a replay whose repeats did not reproduce its loss bit for bit is not
+    repeatable, so the bitwise claim fails on it (the exact-input claim, about inputs, does not)."""
+    record = {"warmup_updates": 1, "measured_updates": 2, "local_train_wall_s": [0.5, 0.5], "peak_bytes": [1, 1],
+              "loss_equal": True}
+    for f in ev.replay_files:
+        edit(f, lambda d: d.update({"in_process": record}))
+    assert reduce(ev, "bitwise")[0] == 0
+    edit(ev.replay_files[4], lambda d: d.update({"in_process": {**record, "loss_equal": False}}))
+    assert reduce(ev, "exact-input")[0] == 0
+    code, doc = reduce(ev, "bitwise")
+    c = check(doc, "bitwise.final_within_arm")
+    assert code == 1 and c["offenders"] == [f"{ON}#1"] and c["observed"]["in_process_loss_differs"] == [f"{ON}#1"]

@@ -426,6 +426,7 @@ class Source(Run):
     config: dict[str, Any]
     manifest_file: Path  # the capture manifest named by MANIFEST_PATH, next to the metrics file
     manifest_pin: str = MANIFEST  # the metrics key that pins it, as messages name it
+    not_captured: tuple[int, ...] = ()  # the chosen steps the file says training never completed
     record: str = ""  # where the compared numbers lie in the metrics file: "" (top level) or a step record's key
 
     def config_value(self, dotted: str) -> Any:
@@ -562,7 +563,7 @@ def read_source(directory: str | Path, step: int | None = None) -> Source:
                       final_adapter_file=_inside(p, FINAL_ADAPTER_PATH, d.final_adapter_path), loss=d.loss,
                       config=config, manifest_file=p.parent / d.manifest_path,
                       grad_norm=None if isinstance(d.grad_norm, UnsetType) else d.grad_norm,
-                      step=None if isinstance(d.step, UnsetType) else d.step)
+                      step=None if isinstance(d.step, UnsetType) else d.step, not_captured=_not_captured(d))
     e = _captured_step(_pins(d, p), p, step)
     if e.final_adapter is None or e.loss is None:
         raise RefusedError(f"step {step}'s record has no {'final adapter' if e.final_adapter is None else 'loss'}: "
@@ -573,7 +574,11 @@ def read_source(directory: str | Path, step: int | None = None) -> Source:
                   initial_adapter=e.initial_adapter, final_adapter=e.final_adapter, final_adapter_file=None,
                   loss=e.loss, config=config, manifest_file=e.manifest_path,
                   manifest_pin=f"step {step} record's {STEP_MANIFEST}", grad_norm=e.grad_norm, step=e.step,
-                  record=e.key)
+                  record=e.key, not_captured=_not_captured(d))
+
+
+def _not_captured(d: SourceMetrics) -> tuple[int, ...]:
+    return () if isinstance(d.steps_not_captured, UnsetType) else tuple(d.steps_not_captured)
 
 
 _SOURCE_HINT = "keep the capture run's metrics.json as the capture wrote it (docs/replay-metrics.md)"

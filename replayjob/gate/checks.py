@@ -13,6 +13,7 @@ update geometry lives in :mod:`.updates`.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -138,6 +139,9 @@ def _text(value: Any) -> str:
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Exactly equal: the same type and value, and for a float the same sign (``-0.0`` is not ``0.0`` bit for bit)."""
+    if type(a) is float and type(b) is float:
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
     return type(a) is type(b) and a == b
 
 
@@ -260,6 +264,10 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
     # to be: the one the manifest pins, recorded whole
     fields["source config"] = f"{SOURCE_FILE}: config"
     values.append(("source config", source.config, capture["config"]))
+    if capture["step"] in source.not_captured:  # the file says the step it captured was never captured
+        fields["source steps_not_captured"] = f"{SOURCE_FILE}: optimizer_batch/steps_not_captured"
+        values.append(("source steps_not_captured", list(source.not_captured),
+                       [k for k in source.not_captured if k != capture["step"]]))
     if source.step is not None:  # a built-in one-step source names no step: its manifest's is step 0
         fields["source step"] = at + "step"
         values.append(("source step", source.step, capture["step"]))
@@ -417,8 +425,14 @@ def bitwise_checks(replays: list[Replay], arms: dict[str, Arm], source: Source) 
         c = agree("", g, [(r.label, r.final_adapter) for r in a.replays])
         per_arm[a.name] = c.observed
         off += c.offenders
-    checks.append(Check("bitwise.final_within_arm", g, FAIL if off else PASS,
-                        "one final adapter SHA-256 per arm", per_arm, "repeated identical replays", tuple(off)))
+    # a replay's warm in-process repeats are repeats too: one that did not reproduce its loss is not repeatable
+    unrepeated = sorted(r.label for r in replays if r.in_process_loss_equal is False)
+    if unrepeated:
+        per_arm = {**per_arm, "in_process_loss_differs": unrepeated}
+    checks.append(Check("bitwise.final_within_arm", g, FAIL if off or unrepeated else PASS,
+                        "one final adapter SHA-256 per arm", per_arm,
+                        "repeated identical replays (and every replay's in-process repeats reproduced its loss bit for "
+                        "bit)", tuple(sorted({*off, *unrepeated}))))
     all_systems = all(a.systems_only() for a in arms.values())
     same = [r for a in arms.values() if all_systems or a.same_condition(source) for r in a.replays]
     if not same:
