@@ -488,3 +488,34 @@ def test_inspect_shows_what_the_declaration_refuses(bundle: Path, capsys: pytest
     assert rc == 2 and "field `index.samples[0].prompt_length`: expected `int` >= 0" in out, out
     rc, out = _cli(capsys, "bundle", "inspect", str(bundle))
     assert rc == 0 and "prompt_length" in out, out
+
+
+def _resealed(bundle: Path, edit: Callable[[dict[str, Any]], None], root: Path | None = None) -> None:
+    """``bundle``'s manifest changed by ``edit`` and every landing record re-pinned to it: only the manifest's own
+    rules can refuse it."""
+    m = json.loads((bundle / "manifest.json").read_text())
+    edit(m)
+    data = json.dumps(m, sort_keys=True, separators=(",", ":")).encode()
+    (bundle / "manifest.json").write_bytes(data)
+    _edit_json(bundle / "COMPLETE", lambda d: d.update(manifest_sha256=sha256_bytes(data)))
+    if root is not None:
+        rank = int(bundle.name.split("-")[1])
+        _edit_json(root / f"COMPLETE.{rank}", lambda d: d.update(manifest_sha256=sha256_bytes(data)))
+        _edit_json(root / "COMPLETE", lambda d: d["rank_manifests"].update({str(rank): sha256_bytes(data)}))
+
+
+def test_a_bundle_holds_its_own_ranks_samples(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every sample of a bundle is its own rank's, and its rank lies below its world size: a single bundle claiming
+    rank 3 of 1, or a rank whose samples all name rank 0, is refused by validate and replay alike."""
+    single = write_step(tmp_path / "single")
+    _resealed(single, lambda m: m["index"]["identity"]["physical"].update(rank=3))
+    for command in ("validate", "replay"):
+        rc, out = _cli(capsys, "bundle", command, str(single))
+        assert rc == 2 and "`index.identity.physical.rank` 3 is not below its world_size 1" in out, out
+    root, run = tmp_path / "mr", new_run_id()
+    for r in (0, 1):
+        write_rollout(root, rank=r, ranks=[0, 1], groups=4, run_id=run)
+    _resealed(root / "rank-1", lambda m: [s.update(rank=0) for s in m["index"]["samples"]], root)
+    for command in ("validate", "replay"):
+        rc, out = _cli(capsys, "bundle", command, str(root))
+        assert rc == 2 and "`index.samples[0].rank` is 0, but this bundle is rank 1's" in out, out

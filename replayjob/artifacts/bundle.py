@@ -379,6 +379,14 @@ class BundleManifest(Document, frozen=True):
             raise ValueError("`index.identity.physical` disagrees with manifest multi_rank")
         if mr is None and phys.world_size != 1:
             raise ValueError("`index.identity.physical.world_size` > 1 needs a multi-rank bundle layout")
+        if phys.rank >= phys.world_size:
+            raise ValueError(f"`index.identity.physical.rank` {phys.rank} is not below its world_size "
+                             f"{phys.world_size}")
+        strays = [i for i, sample in enumerate(ix.samples) if sample.rank != phys.rank]
+        if strays:  # a bundle holds what its own rank consumed
+            raise ValueError(f"`index.samples[{strays[0]}].rank` is {ix.samples[strays[0]].rank}, but this bundle is "
+                             f"rank {phys.rank}'s (`index.identity.physical.rank`)"
+                             + (f"; {len(strays) - 1} more samples name another rank" if len(strays) > 1 else ""))
         for field in TEXT_FIELDS:  # one pass per text field: the samples' keys against the policy
             policy: str = getattr(self.redaction, field)
             hashed, limit = policy == "hash", int(policy.split(":")[1]) if policy.startswith("truncate:") else None
