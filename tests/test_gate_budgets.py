@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from replayjob.cli import main
 from replayjob.errors import IntegrityError, UsageError
 from replayjob.gate import synthetic
 from replayjob.gate.budgets import more_blocks, read_budgets
+from replayjob.jsonio import pretty_bytes
 
 BASE, SLOW = "mb-default", "mb-1"
 MB = "training.micro_batch_size"
@@ -33,10 +36,12 @@ def budget_file(tmp_path: Path, text: str, name: str = "budgets.toml") -> Path:
 
 
 def paired(tmp_path: Path, budgets: Path | None, walls: dict[str, list[float]], *,
-           hosts: dict[str, list[str]] | None = None, slots: bool = True) -> synthetic.Evidence:
+           hosts: dict[str, list[str]] | None = None, slots: bool = True,
+           edit: Callable[[dict[str, Any], str, int], None] | None = None,
+           arms: dict[str, dict[str, Any]] | None = None) -> synthetic.Evidence:
     """Synthetic evidence with ``walls[arm][block]`` as step times, run as an ABBA schedule."""
-    return synthetic.paired(tmp_path / "ev", {BASE: {}, SLOW: {MB: 1}}, walls, budgets=budgets, hosts=hosts,
-                            slots=slots)
+    return synthetic.paired(tmp_path / "ev", arms or {BASE: {}, SLOW: {MB: 1}}, walls, budgets=budgets, hosts=hosts,
+                            slots=slots, edit=edit)
 
 
 def reduce(ev: synthetic.Evidence, budgets: Path, *extra: str) -> tuple[int, dict[str, Any]]:
@@ -226,3 +231,112 @@ def test_schedule_is_interleaved_and_extendable() -> None:
     assert parse_slot(full[3][1].arg()) == full[3][1]
     with pytest.raises(UsageError):
         parse_slot("abba:1:2")
+
+
+GENEROUS = f"[{SLOW}]\nlocal_train_wall_s = {{ max_ratio = 1.5 }}\n"
+EVEN = {BASE: [1.0, 1.1, 0.9], SLOW: [1.0, 1.05, 0.95]}
+
+
+def copy_replay(ev: synthetic.Evidence, arm: str, block: int, wall: float) -> str:
+    """One more replay of ``arm``, copied from its block 0 into block ``block`` with step time ``wall``."""
+    src = next(f for f in ev.replay_files if f.parent.parent.name == arm and '"block": 0' in f.read_text())
+    dst = src.parent.parent / f"repeat-{block:03d}"
+    shutil.copytree(src.parent, dst)
+    doc = json.loads((dst / src.name).read_text())
+    doc["repeat_index"] = block
+    doc["schedule"]["block"] = block
+    timing = doc["timing"]  # its parts scaled with the whole, and the run around the update longer than it
+    timing.update({k: v * wall / timing["local_train_wall_s"] for k, v in timing.items()})
+    doc["wall_s"] = max(doc["wall_s"], wall + 1.0)
+    (dst / src.name).write_bytes(pretty_bytes(doc))
+    return f"{arm}#{block}"
+
+
+def test_replays_in_blocks_without_their_pair_are_refused_not_dropped(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A block runs every arm once: three slow replays of the arm in blocks the baseline never ran are not
+    silently left out of the pairs (the bound would pass on the 3 even pairs), the blocks are refused."""
+    f = budget_file(tmp_path, GENEROUS)
+    code, doc = reduce(paired(tmp_path / "even", f, EVEN), f)
+    assert code == 0 and bound(doc)["decision"] == "pass" and bound(doc)["pairs"] == 3, doc["failed_checks"]
+    ev = paired(tmp_path / "slow", f, EVEN)
+    labels = [copy_replay(ev, SLOW, b, 9.0) for b in (10, 11, 12)]
+    capsys.readouterr()
+    code, doc = reduce(ev, f)
+    assert code == 2 and doc["status"] == "refused" and doc["failed_checks"] == ["budgets.pairing"]
+    assert bound(doc)["decision"] == "not_evaluated"
+    (pairing,) = [c for c in doc["checks"] if c["name"] == "budgets.pairing"]
+    assert pairing["offenders"] == [f"blocks 10, 11, 12 lack arm(s) {BASE} but hold {', '.join(labels)}: a block "
+                                    "runs every arm once, so these replays have no pair (replay the missing arm(s) "
+                                    "in those blocks, or take these replays out of the reduced evidence)"]
+    err = capsys.readouterr().err
+    assert "blocks 10, 11, 12 lack" in err and "Traceback" not in err
+    # the reverse: a baseline replay whose block holds no replay of the arm
+    ev = paired(tmp_path / "base", f, EVEN)
+    label = copy_replay(ev, BASE, 7, 0.1)
+    code, doc = reduce(ev, f)
+    assert code == 2 and doc["status"] == "refused"
+    assert f"block 7 lacks arm(s) {SLOW} but holds {label}:" in json.dumps(doc["checks"])
+
+
+def set_position(changes: dict[tuple[str, int], int]) -> Callable[[dict[str, Any], str, int], None]:
+    def edit(doc: dict[str, Any], arm: str, block: int) -> None:
+        if (arm, block) in changes:
+            doc["schedule"]["position"] = changes[(arm, block)]
+    return edit
+
+
+def swap_block(block: int) -> dict[tuple[str, int], int]:
+    """Block ``block`` of the synthetic ABBA schedule (seed 5) with its two positions exchanged."""
+    at = {arm: s.position for arm, s in plan([BASE, SLOW], block + 1, "abba", seed=5) if s.block == block}
+    return {(BASE, block): at[SLOW], (SLOW, block): at[BASE]}
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({(BASE, 1): 0, (SLOW, 1): 0}, f"block 1: positions {SLOW}#1 at 0, {BASE}#1 at 0; the design gives its 2 "
+                                   "arm(s) positions 0 .. 1, each once"),
+    ({(BASE, 2): 99}, "block 2: positions "),
+    (swap_block(1), "block 1: positions "),
+])
+def test_positions_that_contradict_the_design_are_refused(tmp_path: Path, changes: dict[tuple[str, int], int],
+                                                          needle: str) -> None:
+    f = budget_file(tmp_path, GENEROUS)
+    code, doc = reduce(paired(tmp_path, f, EVEN, edit=set_position(changes)), f)
+    assert code == 2 and doc["status"] == "refused" and doc["failed_checks"] == ["budgets.pairing"]
+    (pairing,) = [c for c in doc["checks"] if c["name"] == "budgets.pairing"]
+    assert len(pairing["offenders"]) == 1 and pairing["offenders"][0].startswith(needle), pairing["offenders"]
+    if changes == swap_block(1):  # the order the design gives block 1, from blocks 0 and 2
+        order = [a for a, s in plan([BASE, SLOW], 2, "abba", seed=5) if s.block == 1]
+        assert pairing["offenders"][0].endswith(f"abba with seed 5 runs block 1 as {', '.join(order)} "
+                                                "(the order of block(s) 0, 2)")
+
+
+def test_a_random_schedule_is_recomputed_from_its_seed(tmp_path: Path) -> None:
+    """Three arms in a seeded random order: the reducer does not know the launch order, but every block's order
+    and the design give it back; the schedule as planned passes, one block in another order is refused."""
+    arms = {BASE: {}, SLOW: {MB: 1}, "mb-2": {MB: 2}}
+    walls = {**EVEN, "mb-2": [1.0, 1.0, 1.0, 1.0]}
+    walls = {a: [*w, 1.0][:4] for a, w in walls.items()}
+    slots = {(a, s.block): s for a, s in plan(list(arms), 4, "random", seed=11)}
+
+    def random_schedule(doc: dict[str, Any], arm: str, block: int) -> None:
+        doc["schedule"] = slots[(arm, block)].to_json()
+
+    f = budget_file(tmp_path, GENEROUS)
+    code, doc = reduce(paired(tmp_path / "ok", f, walls, arms=arms, edit=random_schedule), f)
+    assert code == 0 and doc["budgets"]["design"]["schedules"] == [{"design": "random", "seed": 11}], \
+        doc["failed_checks"]
+    order = [a for a, s in plan(list(arms), 4, "random", seed=11) if s.block == 2]
+    rotated = {a: (slots[(a, 2)].position + 1) % 3 for a in arms}
+
+    def rotate_block_2(doc: dict[str, Any], arm: str, block: int) -> None:
+        random_schedule(doc, arm, block)
+        if block == 2:
+            doc["schedule"]["position"] = rotated[arm]
+
+    code, doc = reduce(paired(tmp_path / "bad", f, walls, arms=arms, edit=rotate_block_2), f)
+    assert code == 2 and doc["status"] == "refused"
+    (pairing,) = [c for c in doc["checks"] if c["name"] == "budgets.pairing"]
+    assert pairing["offenders"] == [pairing["offenders"][0]] and pairing["offenders"][0].startswith("block 2: ")
+    assert pairing["offenders"][0].endswith(f"random with seed 11 runs block 2 as {', '.join(order)} "
+                                            "(the order of block(s) 0, 1, 3)")

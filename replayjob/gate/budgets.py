@@ -18,7 +18,21 @@ process and cannot be reset, so there the bound is reported ``not_measurable`` a
 **Design.** Replays are paired by the block of the schedule they recorded
 (:mod:`replayjob.artifacts.schedule`): in block *b* the arm's value over the baseline's value is one
 per-pair ratio.  Replays without a slot, two schedules, an arm twice in a block, or a pair whose
-replays ran on different hosts or devices (unless ``allow_cross_node``) refuse the decision.
+replays ran on different hosts or devices (unless ``allow_cross_node``) refuse the decision, and so does
+a schedule whose blocks contradict its design (:func:`schedule_problems`):
+
+* *complete blocks*: a block runs every arm once, so every block named by a replay holds one replay of
+  each of the schedule's arms (the arms whose replays carry its slot).  A replay in a block without the
+  baseline's (or a baseline replay in a block without the arm's) has nothing to be paired with; leaving
+  it out would let a slow replay vanish from the decision, so the block is refused, naming it, the arms
+  it lacks and the replays it holds.  Replay the missing arms in that block, or take its replays out of
+  the reduced evidence;
+* *the design's positions*: a block of n arms holds positions 0 .. n-1, each once, and its order is
+  ``block_order(launch order, design, seed, block)``.  The launch order is not recorded, but each
+  block's order and its design give it back (the order a block's positions take depends on the design,
+  the seed, the block and n only), so every block must give back the same one; a block whose positions
+  are not 0 .. n-1, or whose order gives back another launch order than the other blocks, is refused,
+  naming it, its replays' positions and the order the design assigns it.
 
 **Procedure.** The statistic is the geometric mean of the per-pair ratios, ``exp(mean(ln r_b))``;
 its interval is the percentile bootstrap over pairs (seeded, :data:`~.stats.BOOTSTRAP_RESAMPLES`
@@ -47,6 +61,7 @@ from typing import Any
 
 from replayjob.artifacts.budgets_file import HINT, KINDS, MEMORY_METRIC, METRICS, TIME_METRICS, BudgetsFile, shaped
 from replayjob.artifacts.document import decode, read_pinned_toml
+from replayjob.artifacts.schedule import block_order
 from replayjob.errors import IntegrityError
 from replayjob.gate import stats
 from replayjob.gate.checks import FAIL, NOT_APPLICABLE, PASS, REFUSED, Arm, Check, agree
@@ -58,10 +73,21 @@ CUDA_MEMORY = "cuda_max_allocated"
 # The metrics (TIME_METRICS, MEMORY_METRIC) and bound kinds (KINDS) a budget file may name are its declaration's
 # (replayjob.artifacts.budgets_file); re-exported here with the meaning of each.
 __all__ = ["KINDS", "MEMORY_METRIC", "METRICS", "TIME_METRICS"]
+# How the baseline's replays are paired with an arm's, and what refuses the pairing (check budgets.pairing).
+PAIRING_DOC = ("Each ratio pairs the baseline's replay and the arm's in one block of the replays' schedule, and "
+               "the pairing (check budgets.pairing) is refused, naming the blocks and replays, when: a replay has no "
+               "schedule slot; the replays come from more than one schedule; a block holds an arm twice; a block "
+               "lacks one of the schedule's arms (those whose replays carry its slot: a block runs every arm once, "
+               "so a replay whose block has no baseline replay, or the reverse, is never silently left out; "
+               "replay the missing arm in that block, or take its replays out of the reduced evidence); a block's "
+               "positions are not 0 .. n-1 for its n arms, each once; a block's "
+               "order contradicts the design (abba or random with its seed): every block's order must follow from "
+               "one order of the arms, the launch order; or (unless allow_cross_node) a pair ran on different "
+               "hosts or devices.")
 # The meaning of each top-level key, metric and bound kind of a budget file (docs/budgets.md is rendered from them).
 KEY_DOCS: dict[str, str] = {
     "baseline": "Optional: the arm (a string) every ratio's denominator is measured on; when reduce --baseline "
-                "names one too, the two must agree.",
+                "names one too, the two must agree. " + PAIRING_DOC,
     "allow_cross_node": "Optional, true or false (default false): true admits pairs whose two replays ran on "
                         "different hosts or devices; declared before the runs, hence pinned.",
 }
@@ -196,6 +222,77 @@ def metric_value(r: Replay, metric: str) -> float:
     return r.measures[metric]
 
 
+def schedule_problems(arms: dict[str, Arm]) -> list[str]:
+    """What in the replays' blocks contradicts their schedule's design (module docstring, *Design*): a block
+    that holds an arm twice or lacks one of the schedule's arms, positions other than 0 .. n-1, or an order
+    the design does not give that block.  Replays without a slot, and more than one schedule, are refused
+    elsewhere; the positions are checked only for one schedule."""
+    slotted = [(name, r) for name, a in arms.items() for r in a.replays if r.slot is not None]
+    names = sorted({name for name, _ in slotted})
+    blocks: dict[int, list[tuple[str, Replay]]] = defaultdict(list)
+    for name, r in slotted:
+        assert r.slot is not None
+        blocks[r.slot.block].append((name, r))
+    problems: list[str] = []
+    whole: dict[int, list[tuple[str, Replay]]] = {}
+    incomplete: dict[tuple[str, ...], list[int]] = defaultdict(list)  # the arms lacked -> the blocks lacking them
+    for b, held in sorted(blocks.items()):
+        counts = {a: sum(1 for m, _ in held if m == a) for a in names}
+        twice = [a for a in names if counts[a] > 1]
+        lacks = tuple(a for a in names if counts[a] == 0)
+        for a in twice:
+            problems += [f"{r.label}: block {b} holds arm {a} twice" for m, r in held if m == a]
+        if lacks:
+            incomplete[lacks].append(b)
+        if not twice and not lacks:
+            whole[b] = held
+    for lacks, bs in incomplete.items():
+        held = [x for b in bs for x in sorted(blocks[b], key=lambda x: x[1].label)]
+        which, (lack, hold, there) = ", ".join(map(str, bs)), (("lack", "hold", "those blocks") if len(bs) > 1
+                                                               else ("lacks", "holds", "that block"))
+        problems.append(f"block{'s' if len(bs) > 1 else ''} {which} {lack} arm(s) {', '.join(lacks)} but {hold} "
+                        f"{_labels(held)}: a block runs every arm once, so these replays have no pair (replay the "
+                        f"missing arm(s) in {there}, or take these replays out of the reduced evidence)")
+    schedules = {(r.slot.design, r.slot.seed) for _, r in slotted if r.slot is not None}
+    if len(schedules) != 1:
+        return problems
+    ((design, seed),) = schedules
+    n = len(names)
+    launch: dict[int, tuple[str, ...]] = {}  # block -> the launch order its order and the design give back
+    for b, held in whole.items():
+        at = {r.slot.position: m for m, r in held if r.slot is not None}
+        if sorted(at) != list(range(n)):
+            problems.append(f"block {b}: positions {_positions(held)}; the design gives its {n} arm(s) positions "
+                            f"0 .. {n - 1}, each once")
+            continue
+        perm = block_order([str(i) for i in range(n)], design, seed, b)  # position -> index in the launch order
+        order = [""] * n
+        for pos, i in enumerate(perm):
+            order[int(i)] = at[pos]
+        launch[b] = tuple(order)
+    if len(set(launch.values())) > 1:
+        agreeing: dict[tuple[str, ...], list[int]] = defaultdict(list)
+        for b, order_b in sorted(launch.items()):
+            agreeing[order_b].append(b)
+        ref = max(agreeing, key=lambda o: (len(agreeing[o]), -agreeing[o][0]))
+        for b, order_b in sorted(launch.items()):
+            if order_b != ref:
+                expected = block_order(list(ref), design, seed, b)
+                problems.append(f"block {b}: positions {_positions(whole[b])}, but {design} with seed {seed} "
+                                f"runs block {b} as {', '.join(expected)} (the order of block(s) "
+                                f"{', '.join(map(str, agreeing[ref]))})")
+    return problems
+
+
+def _labels(held: list[tuple[str, Replay]]) -> str:
+    return ", ".join(r.label for _, r in held)
+
+
+def _positions(held: list[tuple[str, Replay]]) -> str:
+    at = sorted((-1 if r.slot is None else r.slot.position, r.label) for _, r in held)
+    return ", ".join(f"{label} at {pos}" for pos, label in at)
+
+
 def _pairs(arm: Arm, base: Arm, allow_cross_node: bool) -> tuple[list[tuple[Replay, Replay]], list[str]]:
     """(baseline, arm) replays per shared block, and what refuses the pairing."""
     problems: list[str] = []
@@ -298,11 +395,13 @@ def evaluate(budgets: Budgets, arms: dict[str, Arm], baseline: str | None, max_l
         for name in sorted({b.arm for b in budgets.bounds}):
             pairs[name], found = _pairs(arms[name], arms[baseline], budgets.allow_cross_node)
             problems += found
+        problems = list(dict.fromkeys([*problems, *schedule_problems(arms)]))  # an arm twice is found by both
     if any(b.metric == "in_process_train_wall_s" for b in budgets.bounds) and any(
             r.in_process_wall_s is None for a in arms.values() for r in a.replays):
         problems.append("an in_process_train_wall_s bound needs optimizer_batch.measured_updates >= 1 in every replay")
     checks.append(Check("budgets.pairing", "budgets", REFUSED if problems else PASS,
-                        "one schedule; each arm once per block; pairs on one host and device", None,
+                        "one schedule; every block holds each of its arms once, at the positions its design "
+                        "assigns; pairs on one host and device", None,
                         "paired, interleaved design the bounds are decided on", tuple(problems)))
     decisions: dict[str, list[str]] = defaultdict(list)
     for bound in budgets.bounds:
@@ -344,8 +443,10 @@ def paired_comparisons(arms: dict[str, Arm], baseline: str | None, metric: str, 
     out: dict[str, Any] = {"metric": metric, "max_looks": max_looks, "look_confidence": confidence,
                            "statistic": "geometric mean of per-pair ratios (arm / baseline)",
                            "interval": "percentile bootstrap over pairs", "arms": {}}
+    design = schedule_problems(arms)
     for name in sorted(a for a in arms if a != baseline):
         pairs, problems = _pairs(arms[name], arms[baseline], allow_cross_node=True)
+        problems = list(dict.fromkeys([*problems, *design]))
         row: dict[str, Any] = {"pairs": len(pairs), "ratio": None, "low": None, "high": None, "excludes_1": None}
         vals = [(metric_value(b, metric), metric_value(a, metric)) for b, a in pairs] if not problems else []
         if problems:
