@@ -151,6 +151,11 @@ class Manifest(PinnedManifest):
         return str(self.doc["initial_adapter"]["sha256"])
 
     @property
+    def initial_adapter_size(self) -> int:
+        """The byte size of the weight file ``initial_adapter_sha256`` pins."""
+        return int(self.doc["initial_adapter"]["size"])
+
+    @property
     def step(self) -> int:
         return int(self.doc["step"])
 

@@ -57,6 +57,7 @@ from replayjob.artifacts.document import check_summaries
 from replayjob.errors import IntegrityError
 from replayjob.rl import batch as batch_mod
 from replayjob.rl.batch import OptimizerBatch
+from replayjob.rl.state import rng_state_reason
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -302,6 +303,12 @@ def _scan(source: str | Path | Buffer, keep: bool, where: str | Path | None,
     out.every_row_bears_loss = weights.nonzero == counts["loss_weights"] and bool((resp_lens > 0).all())
     rng_names = [k for k in header.tensors if k.startswith(RNG_PREFIX)]
     out.rng = {k[len(RNG_PREFIX):]: t for k, t in scanned.tensors(rng_names).items()}
+    for key in sorted(out.rng):  # a state of the right length the generator would refuse (rng_state_reason)
+        reason = rng_state_reason(key, out.rng[key])
+        if reason is not None:
+            out.fault, out.rows, out.rng = _fail(reason, where, "the captured RNG state is damaged; recapture "
+                                                 "the source step"), None, {}
+            return out
     if keep:
         out.batch = OptimizerBatch(**scanned.tensors((*INT_FIELDS, *floats)))
     return out

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 STATE_SCHEMA = "replayjob.trainer_state/v1"
 STATE_FILE = "trainer_state.json"
+STATE_KEYS = ("schema", "step", "model", "files")  # every key of trainer_state.json (write_state)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the adapter weights of a state, a capture and a final adapter
 FINAL_ADAPTER_DIR = "final_adapter"  # where a source run, a capture and a replay write the adapter after the update
 FINAL_ADAPTER_FILE = f"{FINAL_ADAPTER_DIR}/{ADAPTER_WEIGHTS}"
@@ -67,6 +68,11 @@ def read_state(path: str | Path) -> ResumeState:
     doc = read_json_object(d / STATE_FILE)
     if doc.get("schema") != STATE_SCHEMA:
         raise IntegrityError(f"unknown trainer state schema {doc.get('schema')!r}", where=d / STATE_FILE)
+    unknown = sorted(set(doc) - set(STATE_KEYS))
+    if unknown:  # write_state writes these keys only: another is an edit, never silently ignored
+        raise IntegrityError(f"unknown key(s) {[k[:40] for k in unknown[:5]]} ({STATE_SCHEMA} has "
+                             + ", ".join(STATE_KEYS) + ")", where=d / STATE_FILE,
+                             hint="the state was modified after it was written; recreate it")
     step = doc.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < -1:
         raise IntegrityError(f"'step' must be an integer >= -1, found {step!r}", where=d / STATE_FILE)
@@ -268,18 +274,73 @@ def rng_bytes() -> bytes:
     return safetensors_bytes(rng_tensors(), "replayjob-rng")
 
 
-def restore_rng(tensors: dict[str, torch.Tensor], prefix: str = "") -> None:
+CUDA_RNG_BYTES = 16  # torch.cuda.get_rng_state(): the Philox seed and offset, 8 bytes each (little-endian)
+_CUDA_KEY = re.compile(r"cuda\.(0|[1-9][0-9]*)", re.ASCII)
+
+
+def rng_state_reason(key: str, t: torch.Tensor, name: str | None = None) -> str | None:
+    """Why Torch would refuse ``t`` as the RNG state ``key`` (``cpu`` or ``cuda.N``), or None when it would not.
+
+    Checked on the CPU, touching no device: the CPU state is loaded into a fresh ``torch.Generator()`` (the
+    generator's own check, the process's generators untouched); a CUDA state's length (the 16 bytes every
+    capture writes; Torch would also take a bare 8-byte seed, which no capture holds) and the rule the CUDA
+    generator applies to its Philox offset (a multiple of 4).  Only a device can check the rest: that device
+    ``N`` is visible (:func:`restore_rng` refuses it otherwise) and that its generator takes the state.
+    ``name`` is how a refusal names the state (``rng.<key>`` by default)."""
     import torch
-    torch.set_rng_state(tensors[f"{prefix}cpu"])
-    for key, t in tensors.items():
-        if key.startswith(f"{prefix}cuda."):
-            idx = int(key.rsplit(".", 1)[1])
-            if idx >= torch.cuda.device_count():
-                raise ContractError(f"captured RNG for CUDA device {idx}, but only "
-                                    f"{torch.cuda.device_count()} are visible")
-            torch.cuda.set_rng_state(t, idx)
+    name = name or f"rng.{key}"
+    if t.dtype != torch.uint8 or t.dim() != 1:
+        return f"{name} is {t.dtype}{list(t.shape)}, not a one-dimensional uint8 RNG state"
+    if key == "cpu":
+        want = torch.get_rng_state().numel()
+        if t.numel() != want:
+            return f"{name} has {t.numel()} bytes, this Torch's CPU generator state has {want}"
+        try:
+            torch.Generator().set_state(t.contiguous())
+        except RuntimeError as exc:
+            return f"{name} is not a state Torch's CPU generator accepts ({str(exc).splitlines()[0][:200]})"
+        return None
+    if not _CUDA_KEY.fullmatch(key):
+        return f"{name} is not a Torch RNG state (expected cpu or cuda.N)"
+    if t.numel() != CUDA_RNG_BYTES:
+        return f"{name} has {t.numel()} bytes, a CUDA generator state has {CUDA_RNG_BYTES} (seed and offset)"
+    offset = int.from_bytes(bytes(t[8:].tolist()), "little")
+    if offset % 4:
+        return f"{name} holds Philox offset {offset}, which the CUDA generator refuses (not a multiple of 4)"
+    return None
+
+
+def restore_rng(tensors: dict[str, torch.Tensor], prefix: str = "", where: str | Path | None = None) -> None:
+    """Restore the CPU and CUDA RNG states in ``tensors`` (keys ``{prefix}cpu``, ``{prefix}cuda.N``).  A state
+    the generator would refuse is the input's fault: refused naming it (:class:`IntegrityError`, exit 2), before
+    any CUDA generator is touched where it can be told without one (:func:`rng_state_reason`)."""
+    import torch
+
+    def refuse(reason: str) -> IntegrityError:
+        return IntegrityError(reason, where=where, hint="the captured RNG state is damaged; recapture the source step")
+
+    def name(key: str) -> str:
+        return f"{prefix}{key}" if prefix else f"rng.{key}"
+
+    cuda = {key[len(prefix):]: t for key, t in tensors.items() if key.startswith(f"{prefix}cuda.")}
+    for key, t in cuda.items():
+        reason = rng_state_reason(key, t, name(key))
+        if reason is not None:
+            raise refuse(reason)
+    cpu = tensors[f"{prefix}cpu"]
+    try:
+        torch.set_rng_state(cpu)
+    except (RuntimeError, TypeError):  # the CPU generator's own check: only the state can be at fault
+        raise refuse(rng_state_reason("cpu", cpu, name("cpu"))
+                     or f"{name('cpu')} is not a state Torch's CPU generator accepts") from None
+    for key, t in cuda.items():
+        idx = int(key.rsplit(".", 1)[1])
+        if idx >= torch.cuda.device_count():
+            raise ContractError(f"captured RNG for CUDA device {idx}, but only "
+                                f"{torch.cuda.device_count()} are visible")
+        torch.cuda.set_rng_state(t, idx)  # a failure here is the device's (exit 3): the state passed every check
 
 
 def load_rng(path: Path, expected_sha256: str) -> None:
     """Restore the RNG states in ``path``; the bytes loaded are the bytes checked against the pin."""
-    restore_rng(tensorfile.load(path, expected_sha256=expected_sha256, follow_symlinks=False))
+    restore_rng(tensorfile.load(path, expected_sha256=expected_sha256, follow_symlinks=False), where=path)

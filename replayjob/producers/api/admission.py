@@ -49,6 +49,7 @@ from replayjob.producers.api import files as _files
 from replayjob.producers.api import microbatch as _microbatch
 from replayjob.producers.api import precision
 from replayjob.redact import redact_text
+from replayjob.rl.state import rng_state_reason
 from replayjob.runtime import knobs
 from replayjob.runtime.distributed import launch_env
 
@@ -190,6 +191,10 @@ def _check_payload_tensors(adm: Admission, m: Manifest, tensors: dict[str, torch
         rng = {k: left.pop(f"mb{i:04d}.rng.{k}") for k in e["rng"] if f"mb{i:04d}.rng.{k}" in left}
         if sorted(rng) != sorted(e["rng"]):
             adm.refuse(f"{w}: RNG states {sorted(rng)} differ from the manifest's {e['rng']}", integrity=True)
+        for k in sorted(rng):  # a state the generator would refuse, found before a replay restores it
+            reason = rng_state_reason(k, rng[k], f"mb{i:04d}.rng.{k}")
+            if reason is not None:
+                adm.refuse(f"{w}: {reason}", integrity=True)
         mbs.append(_microbatch.MicroBatch(ins, dict(e["inputs"]["values"]), call, dict(e["call"]["values"]), rng,
                                   e["sync_gradients"], e["accumulation_steps"]))
     if left:

@@ -4,10 +4,10 @@ Its kind of capture holds the optimizer batch's rows and the Torch RNG state (on
 under a root), and starts from a resume state.  :data:`KIND` checks, in the one order: the runner settings
 (``optimizer_replay``, one step, no save, no capture); the payload bytes against the manifest (before
 deserialising), its ragged structure and finite rows, the logical and effective row digests, every rank of a
-capture over ranks; the resume adapter's weight-file SHA-256 and the start state a captured step pins; a
-forced routing file; the optimizer contract and the config differences against the declared, registered
-systems-only knobs (stale declarations included).  It never imports transformers or peft and never touches
-a device.
+capture over ranks; the resume adapter's weight-file SHA-256 and size and the start state a captured step pins;
+the resume state's base model against the one the config builds (the built-in backend's); a forced routing
+file; the optimizer contract and the config differences against the declared, registered systems-only knobs
+(stale declarations included).  It never imports transformers or peft and never touches a device.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from replayjob.config.load import to_dict
 from replayjob.config.schema import DistributedConfig, OptimizerBatchConfig
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.model import moe
+from replayjob.model.backend import load_backend
+from replayjob.model.hf import HFBackend, builtin_model_reference
 from replayjob.producers import admission as shared
 from replayjob.producers.admission import check_contract, check_differences
 from replayjob.producers.builtin import ranks as rankrows
@@ -32,7 +34,7 @@ from replayjob.producers.builtin import steps as stepcapture
 from replayjob.producers.contract import contract_sha256, optimizer_contract
 from replayjob.redact import redact_text
 from replayjob.rl.batch import OptimizerBatch
-from replayjob.rl.state import ResumeState, read_state
+from replayjob.rl.state import ResumeState, check_model, read_state
 from replayjob.runtime import knobs
 
 if TYPE_CHECKING:
@@ -143,9 +145,44 @@ def _check_adapter(adm: Admission) -> None:
         return
     for reason in stepcapture.state_reasons(adm.manifest, st, adm.cfg):
         adm.refuse(reason)  # the start state a captured step pins (step -1 for a step-zero capture)
-    if adm.manifest is not None and st.adapter_sha256 != adm.manifest.initial_adapter_sha256:
+    m = adm.manifest
+    if m is None:
+        return
+    if st.adapter_sha256 != m.initial_adapter_sha256:
         adm.refuse(f"adapter hash mismatch: {st.adapter_file} has SHA-256 {st.adapter_sha256}, the source "
-                   f"started from {adm.manifest.initial_adapter_sha256}")
+                   f"started from {m.initial_adapter_sha256}")
+        return
+    try:  # the file the pin matched: its size is the one the manifest records beside the pin
+        size = st.adapter_file.stat().st_size
+    except OSError as exc:
+        adm.refuse(f"{st.adapter_file}: cannot read the initial adapter: {exc.strerror}", integrity=True)
+        return
+    if size != m.initial_adapter_size:
+        adm.refuse(f"{m.path}: initial_adapter.size is {m.initial_adapter_size}, but the adapter its sha256 pins "
+                   f"({st.adapter_file}) is {size} bytes (a contradictory manifest; recapture the source step)",
+                   integrity=True)
+
+
+def _check_model_reference(adm: Admission) -> None:
+    """The resume state's ``model`` against the base model this config builds: the comparison the replay makes
+    once the model is built (:func:`replayjob.rl.state.check_model`), made here from the config alone.  The
+    built-in backend's reference is a function of the config (:func:`replayjob.model.hf.builtin_model_reference`);
+    another backend's is known only once it builds its model, so the replay alone compares it."""
+    if adm.state is None:
+        return
+    try:
+        backend = load_backend(adm.cfg.backend.name)
+    except RefusedError as exc:
+        adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"))
+        return
+    if not isinstance(backend, HFBackend):
+        return
+    try:
+        check_model(adm.state, builtin_model_reference(adm.cfg))
+    except RefusedError as exc:
+        adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"))
+    except OSError as exc:
+        adm.refuse(f"{adm.cfg.model.path}: cannot read the base model's config.json: {exc.strerror}")
 
 
 def source_config(m: Manifest) -> dict[str, Any]:
@@ -215,6 +252,7 @@ class BuiltinKind:
         _check_adapter(adm)
 
     def model(self, adm: Admission) -> None:
+        _check_model_reference(adm)
         _check_routing(adm)
 
     def config(self, adm: Admission) -> None:
