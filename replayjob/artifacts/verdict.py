@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -311,7 +312,9 @@ class VerdictDocument(Document, frozen=True):
     (:data:`STATUS_CODES`); ``admission`` from the ``inputs`` and ``exact-input`` checks, the refusal and the
     contended replays (:func:`admission`), ``comparisons.admission`` repeating it; a pass holds checks, and a
     passed check of every group its claim grades (:mod:`replayjob.artifacts.claims`), and is never ``not
-    admitted``; ``summary`` is the line :func:`summary_line` writes from the document.  A verdict is readable
+    admitted``; ``summary`` is the line :func:`summary_line` writes from the document; the checks are the ones
+    the reducer makes for the claim, each once (:meth:`_checks_are_the_claim_s`); ``budgets.decisions`` and
+    ``budgets.bounds`` follow from the budget checks (:meth:`_budgets_are_the_checks`).  A verdict is readable
     only as the document the reducer would have written from its own checks."""
 
     OPAQUE: ClassVar[dict[str, str]] = {
@@ -388,6 +391,8 @@ class VerdictDocument(Document, frozen=True):
                              "missing": self.missing, "failed_checks": self.failed_checks})
         if self.summary != line:
             raise ValueError(f"`summary` is {self.summary!r}, but the verdict gives {line!r}")
+        self._checks_are_the_claim_s()
+        self._budgets_are_the_checks()
 
     def _holds_the_claim(self) -> None:
         """A pass passed at least one check of every group its claim grades (:mod:`replayjob.artifacts.claims`)."""
@@ -398,6 +403,100 @@ class VerdictDocument(Document, frozen=True):
         if short:
             raise ValueError(f"`checks`: the claim {self.claim!r} grades the group(s) {', '.join(short)}, and a pass "
                              "passed no check of them")
+
+
+    def _checks_are_the_claim_s(self) -> None:
+        """The checks are those the reducer makes for the claim (:mod:`replayjob.artifacts.claims`): each once,
+        under its name's group; the claim's own checks in its order, every one of them unless a refusal stopped the
+        reducer part-way (then the first ones only; a refused check leaves out only the claim's ``unevaluated``
+        ones); ``timing.uncontended`` exactly beside a ``contention`` section without a refusal;
+        ``bitwise.first_divergent_module`` only beside another bitwise check that failed."""
+        cl = claims.BY_NAME[self.claim]
+        names = [c.name for c in self.checks]
+        twice = sorted(n for n, k in Counter(names).items() if k > 1)
+        if twice:
+            raise ValueError(f"`checks`: {few([repr(n) for n in twice])} held more than once, but the reducer makes "
+                             "each check once")
+        for c in self.checks:
+            group = cl.group_of(c.name)
+            if group is None:
+                raise ValueError(f"`checks`: {c.name!r} is no check the claim {self.claim!r} makes "
+                                 "(replayjob.artifacts.claims)")
+            if c.group != group:
+                raise ValueError(f"`checks`: {c.name!r} is a check of group {group!r}, not {c.group!r}")
+        held = [n for n in names if n in cl.checks]
+        if self.refusal is None:  # the reducer ran to its end
+            refused = any(c.status == "refused" for c in self.checks)
+            missing = [n for n in cl.checks if n not in held and not (refused and n in cl.unevaluated)]
+            if missing:
+                raise ValueError(f"`checks`: the claim {self.claim!r} makes {few([repr(n) for n in missing])} "
+                                 f"whenever its evidence was read, and a {self.status!r} verdict without a refusal "
+                                 "holds every such check")
+        for i, name in enumerate(held):
+            if name != cl.checks[i]:
+                raise ValueError(f"`checks`: the reducer makes the claim {self.claim!r}'s checks in one order and "
+                                 f"stops only at a refusal, so {cl.checks[i]!r} comes where {name!r} is held")
+        timed = self.contention is not None and self.refusal is None
+        if ("timing.uncontended" in names) != timed:
+            raise ValueError("`checks`: `timing.uncontended` is held exactly when the verdict has a `contention` "
+                             "section and no refusal" + (", and this one has" if timed else ", and this one has not"))
+        if "bitwise.first_divergent_module" in names and not any(
+                c.group == "bitwise" and c.status == "fail" and c.name != "bitwise.first_divergent_module"
+                for c in self.checks):
+            raise ValueError("`checks`: `bitwise.first_divergent_module` explains a failed bitwise check, and no "
+                             "other bitwise check failed")
+
+    def _budgets_are_the_checks(self) -> None:
+        """The budget checks (``budgets.pairing``, one ``budgets.ARM.METRIC.KIND`` per bound) and
+        ``inputs.budgets_pinned`` beside a ``budgets`` section only (the pin also in a refused verdict), and the
+        section's ``decisions`` (decision -> the bounds' checks, decisions sorted, bounds in order) and its
+        ``bounds`` (name and decision of each) as :func:`replayjob.gate.budgets.evaluate` builds them from those
+        checks."""
+        names = {c.name for c in self.checks}
+        bounds = [c for c in self.checks if c.group == "budgets" and c.name != "budgets.pairing"]
+        if self.budgets is None:
+            if bounds or "budgets.pairing" in names:
+                raise ValueError("`checks`: budget checks are made with the `budgets` section, and the verdict has "
+                                 "none")
+            if "inputs.budgets_pinned" in names and self.status not in ("refused", "incomplete"):
+                raise ValueError("`checks`: `inputs.budgets_pinned` without a `budgets` section is a refusal (a "
+                                 f"pinned budget file left unread), not a {self.status!r} verdict")
+            return
+        if self.refusal is not None:
+            raise ValueError("`budgets`: the budgets are decided once the evidence was read, and the verdict has a "
+                             "refusal")
+        missing = [n for n in ("inputs.budgets_pinned", "budgets.pairing") if n not in names]
+        if missing:
+            raise ValueError(f"`checks`: a verdict with a `budgets` section holds {' and '.join(missing)}")
+        decided = [(c.name, _decision(c)) for c in bounds]
+        gathered: dict[str, list[str]] = {}
+        for name, decision in decided:
+            gathered.setdefault(decision, []).append(name)
+        want = dict(sorted(gathered.items()))
+        got = self.budgets.get("decisions")
+        if not isinstance(got, dict) or list(got.items()) != list(want.items()):
+            raise ValueError(f"`budgets.decisions` is {got!r}, but the budget checks give {want!r}")
+        rows = self.budgets.get("bounds")
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError("`budgets.bounds` must be the list of the bounds, one object each")
+        listed = [(f"budgets.{r.get('arm')}.{r.get('metric')}.{r.get('kind')}", r.get("decision")) for r in rows]
+        if listed != decided:
+            raise ValueError(f"`budgets.bounds` name and decide {listed!r}, but the budget checks give {decided!r}")
+
+
+# A bound's decision -> the status of its check (replayjob.gate.budgets.evaluate; its detail starts with the decision).
+BUDGET_DECISIONS = {"pass": "pass", "fail": "fail", "inconclusive": "inconclusive", "refused": "refused",
+                    "not_evaluated": "not_applicable", "not_measurable": "not_applicable"}
+
+
+def _decision(check: VerdictCheck) -> str:
+    """The decision of a bound's check: its detail's first word, which its status must follow."""
+    word = check.detail.partition(":")[0]
+    if BUDGET_DECISIONS.get(word) != check.status:
+        raise ValueError(f"`checks`: the budget check {check.name!r} is {check.status!r} with detail "
+                         f"{check.detail!r}, but a bound's check states its decision ({', '.join(BUDGET_DECISIONS)}) "
+                         "and has its status")
+    return word
 
 
 GATE_GROUPS = ("inputs", "exact-input")  # the check groups that admit timing and memory comparisons
