@@ -516,7 +516,8 @@ def read_replay(path: str | Path, *, listing: Iterable[str] | None = None) -> Re
             rel, want = (pin.index_path, pin.index_sha256) if isinstance(pin, TracePin) else (pin.path, pin.sha256)
             got = sha256_file(check_no_symlinks(p.parent, p.parent / rel, what=f"{key} {rel!r}"))
             if got != want:
-                raise f.fail(key, f"pins {rel!r} at SHA-256 {want}, but the file beside it hashes to {got}")
+                raise IntegrityError(f"field {key!r} pins {rel!r} at SHA-256 {want}, but the file beside it hashes to "
+                                     f"{got}", where=p, hint=f"{rel} changed after the replay: replay again")
     measures = {name: float(getattr(getattr(d, section), key)) for name, (section, key) in MEASURES.items()}
     slot = d.schedule
     return Replay(

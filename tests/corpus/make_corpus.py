@@ -667,7 +667,7 @@ def trace_entries(src: Path, out: Path) -> list[Entry]:
     emit("trace_duplicate_site", "more than once", lambda d: _reseal(d, duplicate))
     emit("trace_other_sites", "do not hold the same sites", lambda d: _reseal(d, rename_all))
     emit("trace_no_index", "index", lambda d: (d / TRACE_DIR / INDEX_FILE).unlink())
-    emit("trace_stale_pin", "trace changed after the replay", lambda d: (d / TRACE_DIR / INDEX_FILE).write_bytes(
+    emit("trace_stale_pin", "pins 'trace/index.json' at sha-256", lambda d: (d / TRACE_DIR / INDEX_FILE).write_bytes(
         (d / TRACE_DIR / INDEX_FILE).read_bytes() + b"\n"))
     emit("trace_linked_dir", "link", link_dir)
     return entries
