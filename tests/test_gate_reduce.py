@@ -920,3 +920,21 @@ def test_in_process_repeats_that_did_not_reproduce_the_loss_fail_bitwise(ev: syn
     code, doc = reduce(ev, "bitwise")
     c = check(doc, "bitwise.final_within_arm")
     assert code == 1 and c["offenders"] == [f"{ON}#1"] and c["observed"]["in_process_loss_differs"] == [f"{ON}#1"]
+
+
+@pytest.mark.parametrize("arm", ["base\nline", "\x1b[31mred", "tab\there"])
+def test_an_arm_name_with_control_characters_is_refused(ev: synthetic.Evidence, arm: str) -> None:
+    """Arm names are printed in verdicts, reports and terminals: a newline or an escape sequence in one is refused by
+    the replay's reader and, before any work, by the replay's admission."""
+    from replayjob.config.schema import OptimizerBatchConfig
+    from replayjob.producers.admission import Refusals, check_pins
+
+    edit(ev.replay_files[0], lambda d: d.update(arm=arm))
+    code, doc = reduce(ev, "exact-input")
+    assert code == 2 and "field `arm`" in doc["refusal"]["message"], doc["refusal"]
+    out = Refusals()
+    check_pins(OptimizerBatchConfig(arm=arm), out, {}, "m.json")
+    assert any("control characters" in r for r in out.reasons), out.reasons
+    clean = Refusals()
+    check_pins(OptimizerBatchConfig(arm="gradient_checkpointing=true+micro_batch_size=2"), clean, {}, "m.json")
+    assert not any("optimizer_batch.arm" in r for r in clean.reasons)

@@ -23,6 +23,11 @@ from replayjob.artifacts.document import Count, Digest, Document, Finite, Int, N
 Scalar = str | bool | Int | Finite | None
 """A knob's value as the replay config sets it (compared whole with the arm's intent and the runtime's)."""
 DigestOrEmpty = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{64})?$")]
+ARM_NAME_PATTERN = "^[^\\x00-\\x1f\\x7f-\\x9f]+$"
+ArmName = Annotated[str, msgspec.Meta(pattern=ARM_NAME_PATTERN)]
+"""An arm's name: printed in verdicts, reports and terminals, so no control character (no newline, no escape
+sequence); :data:`ARM_NAME_RULE` says it in words."""
+ARM_NAME_RULE = "a non-empty name without control characters (newlines, tabs, escape sequences)"
 """A pin that may be unset (``""``: no tolerance or budget file was pinned)."""
 
 
@@ -147,7 +152,7 @@ class RankMetrics(Document, frozen=True):
     schema: Literal["replayjob.replay_rank_metrics/v1"]
     rank: Count
     world_size: Annotated[int, msgspec.Meta(ge=2, le=1 << 20)]
-    arm: Text
+    arm: ArmName
     repeat_index: Count
     rows: Annotated[list[Count], msgspec.Meta(min_length=2, max_length=2)]
     shard_logical_sha256: Digest
@@ -185,7 +190,7 @@ class ReplayMetrics(Document, frozen=True, kw_only=True):
     replayjob_version: Text
     torch_version: Text
     device: Text
-    arm: Text
+    arm: ArmName
     repeat_index: Count
     step: Count  # the captured step this update replays (its capture manifest's `step`)
     pins: Pins

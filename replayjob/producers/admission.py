@@ -27,12 +27,14 @@ the replay refuses unless it admits.  :func:`render` is the one text form of an 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from replayjob.artifacts.capture_manifest import PinnedManifest
 from replayjob.artifacts.capture_reader import reuse
+from replayjob.artifacts.replay_metrics import ARM_NAME_PATTERN, ARM_NAME_RULE
 from replayjob.config.differences import differences
 from replayjob.config.schema import OptimizerBatchConfig
 from replayjob.digest import normalize_digest
@@ -128,6 +130,8 @@ def check_pins(ob: OptimizerBatchConfig, out: Refusals, pins: dict[str, str], ma
         out.refuse(f"optimizer_batch.replay_path is required (the source's {manifest_name})")
     if ob.arm == "source":  # the reducer reserves it for the capture run
         out.refuse("optimizer_batch.arm 'source' is reserved for the capture run; pick another name")
+    if ob.arm and not re.fullmatch(ARM_NAME_PATTERN, ob.arm):  # the reducer's reader refuses it: say so now
+        out.refuse(f"optimizer_batch.arm {ob.arm!r} must be {ARM_NAME_RULE}")
     for key in ("tolerances_sha256", "budgets_sha256", "mismatch_bound_sha256"):  # each must be a digest
         if getattr(ob, key):
             try:
