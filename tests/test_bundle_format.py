@@ -343,12 +343,18 @@ def _root_carries_an_extra_key(root: Path) -> None:
     _edit_json(root / "COMPLETE", lambda d: d.update(note="x"))
 
 
+def _landing_record_is_a_fifo(root: Path) -> None:
+    (root / "COMPLETE.1").unlink()
+    os.mkfifo(root / "COMPLETE.1")
+
+
 @pytest.mark.parametrize(("tamper", "needle"), [
     (_drop_rank_one, "rank 0's producer expected ranks [0, 1]"),
     (_drop_rank_one_and_its_expectation, "this rank's manifest expects ranks [0, 1], the root COMPLETE lists [0]"),
     (_record_names_another_manifest, "COMPLETE.1 disagrees with the root COMPLETE"),
     (_root_lists_ranks_out_of_order, "distinct integers >= 0 in order"),
     (_root_carries_an_extra_key, "must record exactly format"),
+    (_landing_record_is_a_fifo, "COMPLETE.1: JSON file is not a regular file"),
 ])
 def test_a_partial_or_inconsistent_multi_rank_root_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                               tamper: Callable[[Path], None], needle: str) -> None:

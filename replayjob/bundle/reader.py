@@ -343,10 +343,10 @@ def _read_root(root: Path) -> tuple[list[int], dict[str, str], str]:
     found = {}
     for r in ranks:
         rec_path = root / f"{fmt.COMPLETE}.{r}"
-        if not rec_path.is_file() or rec_path.is_symlink():
+        if not rec_path.exists() and not rec_path.is_symlink():
             raise IntegrityError(f"rank {r} is missing ({fmt.COMPLETE}.{r}); expected ranks {ranks}", where=root,
                                  hint="the producer of that rank did not land")
-        found[r] = read_json_object(rec_path, follow_symlinks=False)
+        found[r] = read_json_object(rec_path, follow_symlinks=False)  # a link, FIFO or directory: refused, named
     run_ids = {r: rec.get("run_id") for r, rec in found.items()}
     if len(set(map(repr, run_ids.values()))) > 1:  # before any other disagreement: the cause, named
         raise IntegrityError(fmt.run_mix(run_ids), where=root,
