@@ -9,6 +9,7 @@ own through the ``replayjob.backends`` entry-point group, naming a class with ``
 from __future__ import annotations
 
 import contextlib
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -58,6 +59,10 @@ class Policy(Protocol):
 
 
 class Backend(Protocol):
+    """A model backend.  Besides :meth:`build`, a backend may define ``model_reference(cfg)``: the reference
+    (:meth:`Policy.model_reference`) of the model ``build(cfg)`` would build, told from the config alone, so that
+    admission compares a resume state with it before any model is built; without it only the replay compares."""
+
     name: str
 
     def build(self, cfg: Config) -> Policy: ...
@@ -66,10 +71,6 @@ class Backend(Protocol):
 def load_backend(name: str) -> Backend:
     """The backend registered as ``name`` in the ``replayjob.backends`` entry points (the built-in ``hf``
     one is registered there by replayjob's own package metadata)."""
-    # the package metadata reader (and the email parser it loads) is imported when a backend is looked up, not by
-    # every command that imports this module for its types (reduce among them: it is part of its start-up)
-    from importlib.metadata import entry_points
-
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             backend: Backend = ep.load()()

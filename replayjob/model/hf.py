@@ -136,6 +136,10 @@ def _jsonable(obj: Any) -> Any:
 class HFBackend:
     name = "hf"
 
+    def model_reference(self, cfg: Config) -> dict[str, Any]:
+        """The reference of the model :meth:`build` builds from ``cfg``, without building it."""
+        return builtin_model_reference(cfg)
+
     def build(self, cfg: Config) -> HFPolicy:
         import torch
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\..*")

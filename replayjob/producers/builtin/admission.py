@@ -26,7 +26,6 @@ from replayjob.config.schema import DistributedConfig, OptimizerBatchConfig
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.model import moe
 from replayjob.model.backend import load_backend
-from replayjob.model.hf import HFBackend, builtin_model_reference
 from replayjob.producers import admission as shared
 from replayjob.producers.admission import check_contract, check_differences
 from replayjob.producers.builtin import ranks as rankrows
@@ -165,9 +164,10 @@ def _check_adapter(adm: Admission) -> None:
 
 def _check_model_reference(adm: Admission) -> None:
     """The resume state's ``model`` against the base model this config builds: the comparison the replay makes
-    once the model is built (:func:`replayjob.rl.state.check_model`), made here from the config alone.  The
-    built-in backend's reference is a function of the config (:func:`replayjob.model.hf.builtin_model_reference`);
-    another backend's is known only once it builds its model, so the replay alone compares it."""
+    once the model is built (:func:`replayjob.rl.state.check_model`), made here from the config alone by a backend
+    that can tell its model's reference without building it (``model_reference``, :class:`replayjob.model.backend.
+    Backend`; the built-in ``hf`` one can); another backend's is known only once it builds its model, so the
+    replay alone compares it."""
     if adm.state is None:
         return
     try:
@@ -175,10 +175,11 @@ def _check_model_reference(adm: Admission) -> None:
     except RefusedError as exc:
         adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"))
         return
-    if not isinstance(backend, HFBackend):
+    reference = getattr(backend, "model_reference", None)
+    if reference is None:
         return
     try:
-        check_model(adm.state, builtin_model_reference(adm.cfg))
+        check_model(adm.state, reference(adm.cfg))
     except RefusedError as exc:
         adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"))
     except OSError as exc:
