@@ -23,12 +23,12 @@ from replayjob.artifacts.document import Count, Digest, Document, Finite, Int, N
 Scalar = str | bool | Int | Finite | None
 """A knob's value as the replay config sets it (compared whole with the arm's intent and the runtime's)."""
 DigestOrEmpty = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{64})?$")]
+"""A pin that may be unset (``""``: no tolerance or budget file was pinned)."""
 ARM_NAME_PATTERN = "^[^\\x00-\\x1f\\x7f-\\x9f]+$"
 ArmName = Annotated[str, msgspec.Meta(pattern=ARM_NAME_PATTERN)]
 """An arm's name: printed in verdicts, reports and terminals, so no control character (no newline, no escape
 sequence); :data:`ARM_NAME_RULE` says it in words."""
 ARM_NAME_RULE = "a non-empty name without control characters (newlines, tabs, escape sequences)"
-"""A pin that may be unset (``""``: no tolerance or budget file was pinned)."""
 
 
 class Pins(Document, frozen=True):

@@ -137,7 +137,7 @@ class SourceMetrics(Document, frozen=True):
         if (not isinstance(self.steps_run, UnsetType) and not isinstance(self.last_step, UnsetType)
                 and self.last_step < self.steps_run - 1):  # a run of N steps from step S >= 0 ends at S + N - 1
             raise ValueError(f"`last_step` is {self.last_step}, but a run of {self.steps_run} steps "
-                                 f"(`steps_run`) ends at step {self.steps_run - 1} or later")
+                             f"(`steps_run`) ends at step {self.steps_run - 1} or later")
         if isinstance(self.final_adapter, UnsetType):
             return
         # a one-step capture: the run is the captured update (its trainer refuses to capture a longer run), so

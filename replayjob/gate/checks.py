@@ -162,6 +162,11 @@ def agree(name: str, group: str, values: list[tuple[str, Any]], expected: Any = 
                  dict(sorted(counts.items())), detail, offenders)
 
 
+def same_condition_replays(arms: dict[str, Arm], source: Source | None) -> list[Replay]:
+    """The replays of every arm that runs under the source's own conditions (:meth:`Arm.same_condition`)."""
+    return [r for a in arms.values() if a.same_condition(source) for r in a.replays]
+
+
 def _with_source(source: Source | None, attr: str, replays: list[Replay]) -> list[tuple[str, Any]]:
     vals = [("source", getattr(source, attr))] if source is not None else []
     return vals + [(r.label, getattr(r, attr)) for r in replays]
@@ -245,9 +250,9 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
     built-in trainer's manifest, else the external trainer it records) and the source update's
     ``outcome`` it seals (loss, grad_norm, final_adapter_sha256; ``None`` in a capture written
     before the seal), its row count (``rows``), its step (``step``) and the source's resolved config it pins
-    (``config``): a replay whose recorded payload, manifest
-    or logical pin names another capture, a replay of another producer, row count or step, or source metrics
-    (the step they name among them) that disagree with their manifest --
+    (``config``): a replay whose recorded payload, manifest or logical pin names another capture, a replay of
+    another producer, row count or step, or source metrics (their config and the step they name among them)
+    that disagree with their manifest --
     among them the numbers the claims compare replays with, which nothing but the manifest pins --
     are refused.  The source's own manifest digest is not a row: the manifest was found and
     verified by it (a mismatch is refused before this check).
@@ -287,9 +292,8 @@ def capture_pins_check(replays: list[Replay], source: Source, capture: dict[str,
                  {"mismatched": bad}, "the source metrics (their digests, and the loss, gradient norm and final "
                  "adapter digest the claims compare with, which the manifest's outcome seals: a manifest written "
                  "before the seal pins none of them; the step they name and the config that decides the arms' "
-                 "conditions) and each replay's recorded manifest and "
-                 "payload pins, producer, row count and step match the capture manifest (verified against its "
-                 "SHA-256)", tuple(bad))
+                 "conditions) and each replay's recorded manifest and payload pins, producer, row count and step "
+                 "match the capture manifest (verified against its SHA-256)", tuple(bad))
 
 
 def plan_check(arms: dict[str, Arm]) -> Check:
@@ -343,8 +347,7 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
                         {"missing": missing}, "every replay skipped dataset, environment, rollout, sampling",
                         tuple(missing)))
     checks.append(knobs_in_effect_check(arms, source))
-    same = [r for a in arms.values() if a.same_condition(source) for r in a.replays]
-    losses = _with_source(source, "loss", same)
+    losses = _with_source(source, "loss", same_condition_replays(arms, source))
     if len(losses) < 2:  # the check cannot be made, so the claim cannot be graded: refused, not failed
         checks.append(Check("exact.loss_same_condition", g, REFUSED, "source and same-condition replays",
                             {"members": [lbl for lbl, _ in losses],
@@ -434,7 +437,7 @@ def bitwise_checks(replays: list[Replay], arms: dict[str, Arm], source: Source) 
                         "repeated identical replays (and every replay's in-process repeats reproduced its loss bit for "
                         "bit)", tuple(sorted({*off, *unrepeated}))))
     all_systems = all(a.systems_only() for a in arms.values())
-    same = [r for a in arms.values() if all_systems or a.same_condition(source) for r in a.replays]
+    same = [r for a in arms.values() for r in a.replays] if all_systems else same_condition_replays(arms, source)
     if not same:
         checks.append(Check("bitwise.final_vs_source", g, FAIL, source.final_adapter, {},
                             "no same-condition replay to compare with the source"))
@@ -463,7 +466,7 @@ def grad_norm_check(arms: dict[str, Arm], source: Source) -> Check:
     threshold, so its norm is not a bitwise claim.  ``not_applicable`` when the source recorded no finite norm
     or no arm replays under the source's conditions (``bitwise.final_vs_source`` decides the update then)."""
     name, g = "bitwise.grad_norm_same_condition", "bitwise"
-    same = [r for a in arms.values() if a.same_condition(source) for r in a.replays]
+    same = same_condition_replays(arms, source)
     if source.grad_norm is None or not same:
         why = ("the source recorded no finite gradient norm" if source.grad_norm is None
                else "no arm replays under the source's own conditions")

@@ -392,19 +392,18 @@ def _outputs_are_not_inputs(req: Request, st: _State) -> None:
     """Refuse an ``--out`` or ``--report`` that is a file this reduce read (a replay's metrics, rank files or final
     adapter, the source's metrics, manifest or adapter, the tolerance or budget file), or the two the same file:
     writing the verdict would overwrite the evidence it rests on (a later reduce would find it destroyed)."""
-    outs: dict[tuple[int, int], tuple[str, Path]] = {}
+    one_file = UsageError("--out and --report name the same file", where=req.out,
+                          hint="give the verdict and the report files of their own")
     if req.report is not None and os.path.abspath(req.report) == os.path.abspath(req.out):
-        raise UsageError("--out and --report name the same file", where=req.out,
-                         hint="give the verdict and the report files of their own")
-    given = [("--out", req.out)] + ([("--report", req.report)] if req.report is not None else [])
-    for option, out in given:
+        raise one_file
+    outs: dict[tuple[int, int], tuple[str, Path]] = {}  # (device, inode) of each output already there
+    for option, out in [("--out", req.out)] + ([("--report", req.report)] if req.report is not None else []):
         try:
             o = os.stat(out)
         except OSError:  # not there yet: it cannot be a file that was read
             continue
-        if (o.st_dev, o.st_ino) in outs:
-            raise UsageError("--out and --report name the same file", where=out,
-                             hint="give the verdict and the report files of their own")
+        if (o.st_dev, o.st_ino) in outs:  # two names of one file (a hard link)
+            raise one_file
         outs[(o.st_dev, o.st_ino)] = (option, out)
     if not outs:  # the common case: new output files, nothing to compare (no input is examined again)
         return
