@@ -26,7 +26,12 @@ fi
 stamp="$VENV/.replayjob-setup"
 want="$(cat pyproject.toml "$0" | "$PYTHON" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())') $EXTRAS"
 found='import importlib.util as u, sys; sys.exit(not (u.find_spec("torch") and u.find_spec("replayjob")))'
+# the package's bytecode, as pip writes it for a regular install (an editable one leaves it to the first
+# import, which an environment with PYTHONDONTWRITEBYTECODE never writes: every process would compile
+# every module again); compileall rewrites only what changed
+compile_package() { "$VENV/bin/python" -m compileall -q replayjob >/dev/null; }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "$found" >/dev/null 2>&1; then
+  compile_package
   echo "setup: $VENV is current (requirements unchanged)"
   exit 0
 fi
@@ -37,5 +42,6 @@ if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
   "$VENV/bin/pip" install -q "${torch_spec[@]}"
 fi
 "$VENV/bin/pip" install -q -e ".[${EXTRAS}]"
+compile_package
 echo "setup: $("$VENV/bin/replayjob" --version) in $VENV, torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
 echo "$want" > "$stamp"
