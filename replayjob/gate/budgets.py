@@ -17,22 +17,14 @@ process and cannot be reset, so there the bound is reported ``not_measurable`` a
 
 **Design.** Replays are paired by the block of the schedule they recorded
 (:mod:`replayjob.artifacts.schedule`): in block *b* the arm's value over the baseline's value is one
-per-pair ratio.  Replays without a slot, two schedules, an arm twice in a block, or a pair whose
-replays ran on different hosts or devices (unless ``allow_cross_node``) refuse the decision, and so does
-a schedule whose blocks contradict its design (:func:`schedule_problems`):
+per-pair ratio.  What refuses the pairing is written once, in :data:`PAIRING_DOC` (docs/budgets.md shows
+it), and found by :func:`schedule_problems` and :func:`_pairs`.  Two of its rules need a reason:
 
-* *complete blocks*: a block runs every arm once, so every block named by a replay holds one replay of
-  each of the schedule's arms (the arms whose replays carry its slot).  A replay in a block without the
-  baseline's (or a baseline replay in a block without the arm's) has nothing to be paired with; leaving
-  it out would let a slow replay vanish from the decision, so the block is refused, naming it, the arms
-  it lacks and the replays it holds.  Replay the missing arms in that block, or take its replays out of
-  the reduced evidence;
-* *the design's positions*: a block of n arms holds positions 0 .. n-1, each once, and its order is
-  ``block_order(launch order, design, seed, block)``.  The launch order is not recorded, but each
-  block's order and its design give it back (the order a block's positions take depends on the design,
-  the seed, the block and n only), so every block must give back the same one; a block whose positions
-  are not 0 .. n-1, or whose order gives back another launch order than the other blocks, is refused,
-  naming it, its replays' positions and the order the design assigns it.
+* *complete blocks*: leaving out a replay whose block lacks its pair would let a slow replay vanish from
+  the decision, so such a block is refused, naming it, the arms it lacks and the replays it holds;
+* *the design's positions*: the launch order is not recorded, but each block's order and its design give
+  it back (the order a block's positions take depends on the design, the seed, the block and n only), so
+  every block must give back the same one.
 
 **Procedure.** The statistic is the geometric mean of the per-pair ratios, ``exp(mean(ln r_b))``;
 its interval is the percentile bootstrap over pairs (seeded, :data:`~.stats.BOOTSTRAP_RESAMPLES`
@@ -223,7 +215,7 @@ def metric_value(r: Replay, metric: str) -> float:
 
 
 def schedule_problems(arms: dict[str, Arm]) -> list[str]:
-    """What in the replays' blocks contradicts their schedule's design (module docstring, *Design*): a block
+    """What in the replays' blocks contradicts their schedule's design (:data:`PAIRING_DOC`): a block
     that holds an arm twice or lacks one of the schedule's arms, positions other than 0 .. n-1, or an order
     the design does not give that block.  Replays without a slot, and more than one schedule, are refused
     elsewhere; the positions are checked only for one schedule."""
