@@ -128,6 +128,9 @@ def test_the_pod_s_code_and_the_verdict_must_agree() -> None:
     ("nodes a list", lambda d: d["status"].update(nodes=[]), "status.nodes: expected `object | null`, got `array`"),
     ("a node a string", lambda d: d["status"]["nodes"].update(x="Pod"), "status.nodes.x: expected `object`, got `str`"),
     ("exitCode an int", lambda d: reduce_pods(d)[0]["outputs"].update(exitCode=0), "exitCode"),
+    # only ASCII decimal digits: int() would read other scripts' digits and raise on these
+    *[(f"exitCode {t!r}", lambda d, t=t: reduce_pods(d)[0]["outputs"].update(exitCode=t), "outputs.exitCode")
+      for t in ("--1", "\u00b2", "\u0663", "\uff10", " 0", "0\n", "")],
     ("phase an int", lambda d: d["status"].update(phase=3), "status.phase: expected `str | null`, got `int`"),
     ("parameters an object", lambda d: d["status"]["outputs"].update(parameters={}), "status.outputs.parameters"),
     ("a node a list", lambda d: d.clear() or d.update(status={"nodes": {"a": []}}),

@@ -340,3 +340,20 @@ def test_a_random_schedule_is_recomputed_from_its_seed(tmp_path: Path) -> None:
     assert pairing["offenders"] == [pairing["offenders"][0]] and pairing["offenders"][0].startswith("block 2: ")
     assert pairing["offenders"][0].endswith(f"random with seed 11 runs block 2 as {', '.join(order)} "
                                             "(the order of block(s) 0, 1, 3)")
+
+
+@pytest.mark.parametrize("walls", [{BASE: [1e300] * 3, SLOW: [1e-300] * 3}, {BASE: [1e-300] * 3, SLOW: [1e300] * 3}],
+                         ids=["underflow", "overflow"])
+def test_finite_timings_whose_ratio_leaves_the_floats_decide_nothing(tmp_path: Path,
+                                                                      walls: dict[str, list[float]]) -> None:
+    """Two finite, positive step times can still give a ratio of 0 or infinity (1e300 / 1e-300): the bound is refused
+    and the paired comparison not evaluated, each saying why, in a verdict that is written (no traceback, no NaN)."""
+    f = budget_file(tmp_path, f'[{SLOW}]\nlocal_train_wall_s = {{ max_ratio = 10 }}\n')
+    code, doc = reduce(paired(tmp_path / "a", f, walls), f)
+    assert code == 2 and bound(doc)["decision"] == "refused" and "overflow or underflow" in bound(doc)["note"]
+    ev = paired(tmp_path / "b", None, walls)
+    out = tmp_path / "plain.json"
+    code = main(["reduce", str(ev.root / "replays"), "--claim", "exact-input", "--source", str(ev.source),
+                 "--out", str(out), "--baseline", BASE])
+    row = json.loads(out.read_text())["comparisons"]["paired"]["arms"][SLOW]
+    assert code == 0 and row["decision"] == "not_evaluated" and "overflow or underflow" in row["note"]

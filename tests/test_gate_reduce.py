@@ -384,6 +384,11 @@ _PIN_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     # a pass, so it is the one the manifest pins
     ("source", lambda d: d["config"]["backend"]["options"].update({"gradient_checkpointing": True}),
      "source config"),
+    # compared by type all the way down: 0 is not false, 4.0 is not 4 (Python's == says they are)
+    ("source", lambda d: d["config"]["backend"]["options"].update({"gradient_checkpointing": 0}), "source config"),
+    ("source", lambda d: d["config"]["training"].update({"micro_batch_size": float(d["config"]["training"]
+                                                                                  ["micro_batch_size"])}),
+     "source config"),
 ]
 
 
@@ -851,28 +856,52 @@ def test_the_ranks_rows_cover_the_replays_rows_exactly(ranked: synthetic.Evidenc
     assert code == 2 and f"holds rows [0, {end})" in doc["refusal"]["message"], doc["refusal"]
 
 
-@pytest.mark.parametrize("target", ["source", "replay", "adapter", "hardlink"])
-def test_an_output_that_is_an_input_is_refused_and_the_input_kept(ev: synthetic.Evidence, tmp_path: Path,
-                                                                   target: str) -> None:
-    """--out or --report naming a file the reduce reads (or a hard link to one) would overwrite the evidence: refused,
-    and the file is left as it was."""
+@pytest.mark.parametrize("target", ["source", "replay", "adapter", "hardlink", "payload", "initial_adapter",
+                                    "plot_path", "spec"])
+def test_an_output_that_is_not_an_earlier_output_is_refused_and_the_file_kept(ev: synthetic.Evidence, tmp_path: Path,
+                                                                             target: str) -> None:
+    """--out or --report (or the plot beside it) naming a file reduce did not write -- evidence it reads (the capture
+    payload and the initial adapter too, which no list of read files named), a hard link to some, or any other file
+    -- is refused and the file left as it was; the two options naming one file are refused too."""
     import os
 
+    spec = tmp_path / "spec.toml"
+    spec.write_text('[experiment]\nname = "x"\n')
     victim = {"source": ev.source / "metrics.json", "replay": ev.replay_files[2],
-              "adapter": ev.replay_files[2].parent / synthetic.ADAPTER, "hardlink": ev.replay_files[1]}[target]
+              "adapter": ev.replay_files[2].parent / synthetic.ADAPTER, "hardlink": ev.replay_files[1],
+              "payload": next(ev.source.glob("*.safetensors")), "initial_adapter": ev.initial_adapter,
+              "plot_path": spec, "spec": spec}[target]
     out = victim
     if target == "hardlink":
         out = tmp_path / "verdict.json"
         os.link(victim, out)
     before = victim.read_bytes()
-    option = "--report" if target == "adapter" else "--out"
+    option = "--report" if target in ("adapter", "initial_adapter", "plot_path") else "--out"
     argv = ["reduce", str(ev.root / "replays"), "--claim", "exact-input", "--source", str(ev.source)]
+    if target == "plot_path":  # the report's plot would land on spec.png: make that the victim
+        victim = tmp_path / "r.png"
+        victim.write_bytes(before)
+        out = tmp_path / "r.md"
     argv += ["--out", str(out)] if option == "--out" else ["--out", str(tmp_path / "v.json"), "--report", str(out)]
     assert main(argv) == 2
     assert victim.read_bytes() == before and not (tmp_path / "v.json").exists()
     same = ["reduce", str(ev.root / "replays"), "--claim", "exact-input", "--source", str(ev.source),
             "--out", str(tmp_path / "w.json"), "--report", str(tmp_path / "w.json")]
     assert main(same) == 2 and not (tmp_path / "w.json").exists()
+
+
+def test_earlier_outputs_are_replaced_and_a_png_report_refused(ev: synthetic.Evidence, tmp_path: Path) -> None:
+    """A verdict, report and plot of an earlier reduce are replaced by the next one (what --out and --report are for);
+    a report named .png, the path of its own plot, is refused."""
+    argv = ["reduce", str(ev.root / "replays"), "--claim", "exact-input", "--source", str(ev.source),
+            "--out", str(tmp_path / "v.json"), "--report", str(tmp_path / "r.md")]
+    assert main(argv) == 0
+    (tmp_path / "v.json").write_text(json.dumps({"schema": "replayjob.verdict/v1", "status": "pass"}))  # older
+    assert main(argv) == 0 and json.loads((tmp_path / "v.json").read_text())["status"] == "pass"
+    assert (tmp_path / "r.md").read_text().startswith("# replayjob reduce: ")
+    png = ["reduce", str(ev.root / "replays"), "--claim", "exact-input", "--source", str(ev.source),
+           "--out", str(tmp_path / "w.json"), "--report", str(tmp_path / "r2.png")]
+    assert main(png) == 2 and not (tmp_path / "w.json").exists() and not (tmp_path / "r2.png").exists()
 
 
 @pytest.mark.parametrize("kind", ["fifo", "symlink"])

@@ -553,6 +553,17 @@ def read_verdict(source: Path | str | bytes, *, where: str | None = None) -> Ver
     return Verdict(Path(label), obj)
 
 
+def is_verdict_file(path: Path) -> bool:
+    """Whether ``path`` holds a JSON object of a verdict schema (any version): a file ``reduce --out`` may replace
+    (the verdict need not read under today's rules; it is only known not to be evidence)."""
+    try:
+        doc = read_json(path)
+    except (ReplayjobError, OSError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("schema"), str) and \
+        doc["schema"].startswith(VERDICT_SCHEMA.rsplit("/", 1)[0] + "/")
+
+
 def write(path: Path, doc: dict[str, Any]) -> Verdict:
     """Write ``doc`` atomically (temp file, fsync, rename) and return the :class:`Verdict`.  The document is
     checked against its declaration first: a verdict replayjob would refuse to read is never written (a bug,

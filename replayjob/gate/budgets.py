@@ -310,7 +310,7 @@ def _pairs(arm: Arm, base: Arm, allow_cross_node: bool) -> tuple[list[tuple[Repl
 
 
 def _interval(logs: list[float], confidence: float) -> tuple[float, float, float]:
-    """Geometric mean ratio and its percentile-bootstrap interval over pairs."""
+    """Geometric mean ratio and its percentile-bootstrap interval over pairs (an infinity where it overflows)."""
     import numpy as np
 
     arr = np.asarray(logs, dtype=np.float64)
@@ -318,7 +318,29 @@ def _interval(logs: list[float], confidence: float) -> tuple[float, float, float
     means = arr[rng.randint(0, len(logs), size=(stats.BOOTSTRAP_RESAMPLES, len(logs)))].mean(axis=1)
     tail = (1.0 - confidence) / 2.0
     lo, hi = (float(x) for x in np.quantile(means, [tail, 1.0 - tail]))
-    return math.exp(float(arr.mean())), math.exp(lo), math.exp(hi)
+    return _exp(float(arr.mean())), _exp(lo), _exp(hi)
+
+
+def _exp(x: float) -> float:
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
+def _paired_ratio(vals: list[tuple[float, float]], confidence: float) -> tuple[float, float, float] | str:
+    """:func:`_interval` of the per-pair ratios (arm / baseline) of ``vals`` (baseline, arm), or why there is none: a
+    value zero, negative or not finite, or a ratio or interval bound that leaves the positive finite numbers (two
+    finite values can still overflow or underflow: 1e300 / 1e-300)."""
+    if any(not math.isfinite(x) or x <= 0.0 for v in vals for x in v):  # a NaN is never within a bound
+        return "a paired value is zero, negative or not finite: no ratio"
+    ratios = [a / b for b, a in vals]
+    if not all(math.isfinite(x) and x > 0.0 for x in ratios):
+        return "a per-pair ratio leaves the positive finite numbers (overflow or underflow): no ratio"
+    est, low, high = _interval([math.log(x) for x in ratios], confidence)
+    if not all(math.isfinite(x) and x > 0.0 for x in (est, low, high)):
+        return "the ratio or its interval leaves the positive finite numbers (overflow or underflow): no decision"
+    return est, low, high
 
 
 def more_blocks(n: int, estimate: float, low: float, high: float, limit: float) -> int | None:
@@ -341,12 +363,10 @@ def _decide(bound: Bound, pairs: list[tuple[Replay, Replay]], confidence: float)
     if len(pairs) < 2:
         return {**out, "decision": INCONCLUSIVE, "more_blocks": 2 - len(pairs),
                 "note": "fewer than 2 pairs cannot give an interval"}
-    logs = [math.log(a / b) for b, a in vals]
-    if not all(math.isfinite(x) for x in logs):
-        return {**out, "decision": REFUSED, "note": "a per-pair ratio is not finite (overflow)"}
-    est, low, high = _interval(logs, confidence)
-    if not all(math.isfinite(x) for x in (est, low, high)):
-        return {**out, "decision": REFUSED, "note": "the ratio or its interval is not finite"}
+    found = _paired_ratio(vals, confidence)
+    if isinstance(found, str):
+        return {**out, "decision": REFUSED, "note": found}
+    est, low, high = found
     out.update(ratio=est, low=low, high=high)
     inside = high <= bound.limit if bound.kind == "max_ratio" else low >= bound.limit
     outside = low > bound.limit if bound.kind == "max_ratio" else high < bound.limit
@@ -449,8 +469,10 @@ def paired_comparisons(arms: dict[str, Arm], baseline: str | None, metric: str, 
             row.update(decision="not_evaluated", note="a paired value is zero, negative or not finite")
         elif len(pairs) < 2:
             row.update(decision="undecided", note="fewer than 2 pairs cannot give an interval")
+        elif isinstance(found := _paired_ratio(vals, confidence), str):
+            row.update(decision="not_evaluated", note=found)
         else:
-            est, low, high = _interval([math.log(a / b) for b, a in vals], confidence)
+            est, low, high = found
             excludes = low > 1.0 or high < 1.0
             row.update(ratio=est, low=low, high=high, excludes_1=excludes,
                        decision="decided" if excludes else "undecided",

@@ -139,10 +139,18 @@ def _text(value: Any) -> str:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Exactly equal: the same type and value, and for a float the same sign (``-0.0`` is not ``0.0`` bit for bit)."""
-    if type(a) is float and type(b) is float:
-        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
-    return type(a) is type(b) and a == b
+    """Exactly equal: the same type and value, and for a float the same sign (``-0.0`` is not ``0.0`` bit for bit),
+    all the way down a mapping or sequence (Python's ``==`` reads ``false``, ``0`` and ``0.0`` as one value)."""
+    t = type(a)
+    if t is not type(b):
+        return False
+    if t is float:
+        return bool(a == b and math.copysign(1.0, a) == math.copysign(1.0, b))
+    if t is dict:
+        return bool(a.keys() == b.keys() and all(_same(v, b[k]) for k, v in a.items()))
+    if t is list or t is tuple:
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
 
 
 def agree(name: str, group: str, values: list[tuple[str, Any]], expected: Any = None, *,

@@ -23,6 +23,7 @@ The exact-input and bitwise claims import neither torch nor transformers nor pef
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from replayjob.gate.evidence import (
     read_source,
     read_tolerances,
 )
-from replayjob.gate.report import write_report
+from replayjob.gate.report import report_files, write_report, written_here
 from replayjob.runtime.contention_probe import THRESHOLDS
 
 IN_PROCESS_METRIC = "in_process_train_wall_s"  # the median of a replay's measured in-process updates
@@ -388,42 +389,37 @@ def _document(req: Request, st: _State, refusal: dict[str, Any] | None, ratios: 
     return doc
 
 
-def _outputs_are_not_inputs(req: Request, st: _State) -> None:
-    """Refuse an ``--out`` or ``--report`` that is a file this reduce read (a replay's metrics, rank files or final
-    adapter, the source's metrics, manifest or adapter, the tolerance or budget file), or the two the same file:
-    writing the verdict would overwrite the evidence it rests on (a later reduce would find it destroyed)."""
+def _outputs_replace_only_outputs(req: Request) -> None:
+    """Refuse an ``--out`` or ``--report`` (or a plot beside it) that names a file already there which reduce does
+    not write: ``--out`` replaces only a verdict, ``--report`` only a report and its plots.  Anything else there
+    may be evidence (a replay's metrics, rank files, final adapter, trace or routing record, the capture's manifest
+    or payload, the initial adapter, a spec, a tolerance or budget file, ...); which files a reduce reads depends on
+    the claim and the producer, so they are not listed: whatever is not an output of its own is left alone.  The
+    two options naming one file (or two links to one) are refused too."""
     one_file = UsageError("--out and --report name the same file", where=req.out,
                           hint="give the verdict and the report files of their own")
     if req.report is not None and os.path.abspath(req.report) == os.path.abspath(req.out):
         raise one_file
-    outs: dict[tuple[int, int], tuple[str, Path]] = {}  # (device, inode) of each output already there
-    for option, out in [("--out", req.out)] + ([("--report", req.report)] if req.report is not None else []):
+    if req.report is not None and req.report.suffix.lower() == ".png":
+        raise UsageError("--report names a .png file, the path its own plot would be written to", where=req.report,
+                         hint="give the report a markdown name (report.md); its plot goes beside it (report.png)")
+    outputs: list[tuple[str, Path, str, Any]] = [("--out", req.out, "verdict", verdict.is_verdict_file)]
+    if req.report is not None:
+        outputs += [("--report", p, "report" if p == req.report else "report plot",
+                     lambda q, head=head: written_here(q, head)) for p, head in report_files(req.report)]
+    seen: set[tuple[int, int]] = set()  # (device, inode) of each output already there
+    for option, path, what, ours in outputs:
         try:
-            o = os.stat(out)
-        except OSError:  # not there yet: it cannot be a file that was read
+            o = os.stat(path)
+        except OSError:  # not there yet: nothing is replaced
             continue
-        if (o.st_dev, o.st_ino) in outs:  # two names of one file (a hard link)
+        if (o.st_dev, o.st_ino) in seen:  # two names of one file (a hard link)
             raise one_file
-        outs[(o.st_dev, o.st_ino)] = (option, out)
-    if not outs:  # the common case: new output files, nothing to compare (no input is examined again)
-        return
-    read: list[Path] = []
-    for r in st.replays:
-        ranks = (r.doc.get("distributed") or {}).get("ranks") or []
-        read += [r.path, r.final_adapter_file, *(r.path.parent / str(e.get("file")) for e in ranks)]
-    if st.source is not None:
-        read += [st.source.path, st.source.manifest_file]
-        read += [st.source.final_adapter_file] if st.source.final_adapter_file is not None else []
-    read += [x.path for x in (st.tolerances, st.budgets) if x is not None]
-    for p in read:
-        try:
-            i = os.stat(p)
-        except OSError:
-            continue
-        if (i.st_dev, i.st_ino) in outs:
-            option, out = outs[(i.st_dev, i.st_ino)]
-            raise UsageError(f"{option} names {p}, a file this reduce read: writing it would overwrite the evidence",
-                             where=out, hint=f"write the {option[2:]} to a new file outside the evidence")
+        seen.add((o.st_dev, o.st_ino))
+        if stat.S_ISREG(o.st_mode) and not ours(path):
+            raise UsageError(f"{option} would replace {path}, which is not a {what} reduce wrote: it may be evidence",
+                             where=path, hint=f"write the {option[2:]} to a new file outside the evidence (an "
+                                              "earlier verdict, report or plot is replaced; nothing else is)")
 
 
 def reduce_evidence(req: Request) -> verdict.Verdict:
@@ -439,7 +435,7 @@ def reduce_evidence(req: Request) -> verdict.Verdict:
         st.checks = C.with_on_disk(st.checks, st.replays, st.source, st.scans)
     finally:
         st.scans.close()
-    _outputs_are_not_inputs(req, st)
+    _outputs_replace_only_outputs(req)
     doc = _document(req, st, refusal, ratios)
     if req.missing:  # refused for want of evidence a stage did not produce: nothing was decided (3)
         doc = verdict.incomplete(doc, req.missing)

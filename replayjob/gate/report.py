@@ -283,7 +283,7 @@ def plot_png(doc: dict[str, Any]) -> bytes | None:
 
 def render(doc: dict[str, Any], plot_name: str | None, layers_name: str | None = None) -> str:
     """The markdown text; ``plot_name`` is the PNG's file name, or ``None`` when there is none."""
-    lines = [f"# replayjob reduce: `{doc['claim']}` {doc['status'].upper()}", "",
+    lines = [f"{REPORT_HEAD}`{doc['claim']}` {doc['status'].upper()}", "",
              f"- exit code: {doc['exit_code']}",
              f"- timing and memory comparisons: {doc['admission']}",
              f"- replays: {len(doc['inputs']['replays'])} in {len(doc['arms'])} arm(s); "
@@ -308,16 +308,36 @@ def render(doc: dict[str, Any], plot_name: str | None, layers_name: str | None =
     return "\n".join(lines) + "\n"
 
 
+REPORT_HEAD = "# replayjob reduce: "  # the first bytes of every report render() writes
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def report_files(path: Path) -> list[tuple[Path, bytes]]:
+    """The files a report at ``path`` may write (the markdown, its plot and its layers plot), each with the bytes
+    it begins with: an existing file there is replaced only when it begins so (:func:`written_here`).  A ``.png``
+    report would be its own plot's path (``reduce`` refuses it)."""
+    return [(path, REPORT_HEAD.encode()), (path.with_suffix(".png"), PNG_SIGNATURE),
+            (path.with_name(path.stem + ".layers.png"), PNG_SIGNATURE)]
+
+
+def written_here(path: Path, head: bytes) -> bool:
+    """Whether the file at ``path`` begins with ``head`` (:func:`report_files`): one this report could have written."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(head)) == head
+    except OSError:
+        return False
+
+
 def write_report(path: Path, doc: dict[str, Any]) -> Path | None:
     """Write the PNG (when matplotlib is available) then the markdown; return the PNG path or None."""
+    (md, _), (png_path, _), (layers_path, _) = report_files(path)
     png = plot_png(doc) if doc["inputs"]["replays"] else None
-    png_path = path.with_suffix(".png") if png is not None else None
-    if png is not None and png_path is not None:
+    if png is not None:
         atomic_write_bytes(png_path, png)
     layers = layers_png(doc)
-    layers_path = path.with_name(path.stem + ".layers.png") if layers is not None else None
-    if layers is not None and layers_path is not None:
+    if layers is not None:
         atomic_write_bytes(layers_path, layers)
-    atomic_write_text(path, render(doc, png_path.name if png_path is not None else None,
-                                   layers_path.name if layers_path is not None else None))
-    return png_path
+    atomic_write_text(md, render(doc, png_path.name if png is not None else None,
+                                 layers_path.name if layers is not None else None))
+    return png_path if png is not None else None

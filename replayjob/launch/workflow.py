@@ -34,7 +34,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from replayjob.artifacts.cluster_status import PULL_FAILURES, ApiObject, Stuck, judge, read_status
 from replayjob.artifacts.run_end import read_run_end_text
@@ -53,8 +55,12 @@ class Parameter(ApiObject, frozen=True):
     value: str | None = None
 
 
+# a container's exit code as Argo writes it: ASCII decimal digits (int() alone would also read "٣", "+3" or " 3")
+ExitCodeText = Annotated[str, msgspec.Meta(pattern=r"^-?[0-9]{1,10}\Z")]
+
+
 class Outputs(ApiObject, frozen=True):
-    exitCode: str | None = None
+    exitCode: ExitCodeText | None = None
     parameters: list[Parameter] | None = None
 
 
@@ -110,9 +116,9 @@ def _reduce_pods(nodes: dict[str, Node]) -> list[Node]:
 def _pod_code(pod: Node) -> int | None:
     """A pod's exit code as replayjob reads it: 0, 1, 2, or 3 for any retryable status (137, a signal)."""
     text = pod.outputs.exitCode if pod.outputs is not None else None
-    if text is None or not text.lstrip("-").isdigit() or len(text) > 6:
+    if text is None:
         return None
-    code = int(text)
+    code = int(text)  # declared: ASCII digits (ExitCodeText)
     return EXIT_ERROR if is_retryable(code) else code
 
 
