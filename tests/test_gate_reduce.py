@@ -856,6 +856,29 @@ def test_the_ranks_rows_cover_the_replays_rows_exactly(ranked: synthetic.Evidenc
     assert code == 2 and f"holds rows [0, {end})" in doc["refusal"]["message"], doc["refusal"]
 
 
+@pytest.mark.parametrize("change, needle", [
+    (lambda d: d["host"].update(gpu_product="H100"), "rank 1 ran on other hardware than its replay records: gpu_product"),
+    (lambda d: d["host"].update(device_type="cuda"), "device_type 'cuda'"),
+    (lambda d: d["host"].update(torch_version="0.0.1"), "torch_version '0.0.1'"),
+    (lambda d: d.update(loss=None), "loss"),
+])
+def test_a_rank_file_is_read_whole_its_host_and_loss_included(ranked: synthetic.Evidence,
+                                                             change: Callable[[dict[str, Any]], None],
+                                                             needle: str) -> None:
+    """inputs.same_hardware compares the replays' own host records, so each rank's must be its replay's hardware (a
+    rank on another GPU, torch or device went unseen); a rank's loss is a number (a null one reached the merge)."""
+    from replayjob.artifacts.metrics import rank_file
+    from replayjob.digest import sha256_bytes
+
+    f = ranked.replay_files[3]
+    rank1 = f.parent / rank_file(1)
+    edit(rank1, change)
+    edit(f, lambda d: d["distributed"]["ranks"][1].update(sha256=sha256_bytes(rank1.read_bytes())))
+    code, doc = reduce(ranked, "exact-input")
+    assert code == 2 and needle in doc["refusal"]["message"] and rank_file(1) in doc["refusal"]["where"], \
+        doc["refusal"]
+
+
 @pytest.mark.parametrize("target", ["source", "replay", "adapter", "hardlink", "payload", "initial_adapter",
                                     "plot_path", "spec"])
 def test_an_output_that_is_not_an_earlier_output_is_refused_and_the_file_kept(ev: synthetic.Evidence, tmp_path: Path,

@@ -38,7 +38,7 @@ from replayjob.digest import is_sha256_hex, sha256_bytes, sha256_file
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.frameworks import BUILTIN, PRODUCERS
 from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
-from replayjob.hostinfo import placement
+from replayjob.hostinfo import hardware_identity, placement
 from replayjob.jsonio import loads_strict, pretty_bytes, read_json_object
 from replayjob.runtime.distributed import rank_sum
 from replayjob.runtime.knobs import STRATEGY, WORLD_SIZE, knobs_for
@@ -194,6 +194,13 @@ def _check_ranks(f: _Fields, doc: dict[str, Any], where: Path, dist: Distributed
             off.append("memory.kind")
         if off:
             raise IntegrityError(f"rank file fields {off} do not belong to this replay", where=rp)
+        mine, replay_hw = hardware_identity(rdoc["host"]), hardware_identity(doc["host"])
+        if mine != replay_hw:  # inputs.same_hardware reads the replay's host: it must stand for every rank's
+            differ = ", ".join(f"{k} {mine[k]!r} (the replay's: {replay_hw.get(k)!r})" for k in mine
+                               if mine[k] != replay_hw.get(k))
+            raise IntegrityError(f"rank {e.rank} ran on other hardware than its replay records: {differ}", where=rp,
+                                 hint="a replay's ranks run on one kind of device, driver, CUDA, torch and image; "
+                                      "rerun it there")
         docs.append(rdoc)
     try:
         merged = merge_ranks(docs)
@@ -343,7 +350,7 @@ def steps_document(*, framework: str, steps: list[dict[str, Any]], not_captured:
 
 
 def rank_document(*, rank: int, world_size: int, replay: dict[str, Any], rows: list[int], shard_logical: str,
-                  shard_effective: str, loss: float | None, micro_batch_rows: list[int],
+                  shard_effective: str, loss: float, micro_batch_rows: list[int],
                   padding: dict[str, Any] | None = None) -> dict[str, Any]:
     """One rank's ``replay_metrics.rank-<r>.json`` (:data:`RANK_SCHEMA`): its shard of the replay whose
     document is ``replay`` (arm, repeat, timing, memory, padding unless given, host), as :func:`merge_ranks`

@@ -157,7 +157,7 @@ class RankMetrics(Document, frozen=True):
     rows: Annotated[list[Count], msgspec.Meta(min_length=2, max_length=2)]
     shard_logical_sha256: Digest
     shard_effective_rows_sha256: Digest
-    loss: Finite | None
+    loss: Finite  # this rank's entry of the replay's loss, which is the entries' sum in rank order
     micro_batch_rows: list[Count]
     timing: Timing
     memory: Memory

@@ -163,7 +163,7 @@ class BuiltinSession(Session):
         if self.world == 1:
             return metrics
         res, rank, world = self.result, self.rank, self.world
-        assert res is not None
+        assert res is not None and res.local_loss is not None  # an update over several ranks sets its shard's loss
         logical, effective = self.batch.digests()
         mine = metrics_io.rank_document(rank=rank, world_size=world, replay=metrics, rows=list(self.bounds),
                                         shard_logical=logical, shard_effective=effective, loss=res.local_loss,
