@@ -9,6 +9,7 @@ pins it re-sealed, or two runs' ranks landing in one root.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from torch import Tensor
 from replayjob import tensorfile
 from replayjob.bundle import format as fmt
 from replayjob.bundle.reader import load_bundle
-from replayjob.bundle.synthetic import _writer, make, write_rollout
+from replayjob.bundle.synthetic import _writer, make, write_rollout, write_step
 from replayjob.bundle.writer import ENV_RUN_ID, BundleWriter, default_config, shared_run_id
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes
@@ -71,6 +72,98 @@ def _forge(p: Path, edit: Callable[[dict[str, Any]], None] | None = None,
     if edit is not None:
         edit(m)
     _seal(p, m)
+
+
+# ------------------------------------------- a root's records about its ranks are compared with every rank
+def _two_rank_root(tmp_path: Path, kind: str) -> Path:
+    root = tmp_path / "mr"
+    for r in (1, 0):
+        (write_rollout if kind == "rollout" else write_step)(root, rank=r, ranks=[0, 1], groups=4, run_id="run-a")
+    return root
+
+
+def _root_files(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.is_file()}
+
+
+def _substitute(tmp_path: Path, root: Path, rank: int, kind: str) -> str:
+    """``rank-<rank>/`` replaced by a single bundle (``multi_rank`` null) of other rows, sealed by its own COMPLETE
+    and made to look like the root's wherever a rank is compared with a rank (format 2.2.0, the root's bundle id,
+    sample and group ids of its own); the root and its landing records are left as they landed.  Returns the
+    substitute's manifest SHA-256."""
+    other = tmp_path / f"other-{rank}"
+    (write_rollout if kind == "rollout" else write_step)(other, groups=2, seed=7 + rank)
+    bundle_id = json.loads((root / fmt.COMPLETE).read_text())["bundle_id"]
+    m = json.loads((other / fmt.MANIFEST).read_text())
+    m.update(format_version=fmt.MULTI_RANK_VERSION, bundle_id=bundle_id)
+    m["index"]["bundle_id"] = bundle_id
+    for s in m["index"]["samples"]:
+        s.update(sample_id=f"x{rank}-{s['sample_id']}", group=f"x{rank}-{s['group']}")
+    c = json.loads((other / fmt.COMPLETE).read_text())
+    (other / fmt.COMPLETE).write_bytes(pretty_bytes({**c, "bundle_id": bundle_id}))
+    _seal(other, m)
+    assert load_bundle(other).manifest["multi_rank"] is None  # a valid bundle on its own
+    shutil.rmtree(root / f"rank-{rank}")
+    shutil.copytree(other, root / f"rank-{rank}")
+    return sha256_bytes((root / f"rank-{rank}" / fmt.MANIFEST).read_bytes())
+
+
+def _repin(root: Path, rank: int) -> None:
+    """The root COMPLETE and COMPLETE.<rank> rewritten to record rank-<rank>/'s manifest as it now is."""
+    sha = sha256_bytes((root / f"rank-{rank}" / fmt.MANIFEST).read_bytes())
+    rec = json.loads((root / f"{fmt.COMPLETE}.{rank}").read_text())
+    (root / f"{fmt.COMPLETE}.{rank}").write_bytes(pretty_bytes({**rec, "manifest_sha256": sha}))
+    doc = json.loads((root / fmt.COMPLETE).read_text())
+    doc["rank_manifests"][str(rank)] = sha
+    (root / fmt.COMPLETE).write_bytes(pretty_bytes(doc))
+
+
+@pytest.mark.parametrize("kind", ["rollout", "step"])
+def test_a_rank_directory_replaced_by_another_bundle_is_refused_naming_both_digests(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str) -> None:
+    """The root COMPLETE and COMPLETE.<r> record every rank's manifest SHA-256: it is compared with every rank's
+    manifest bytes, whatever that manifest says it is, so a rank directory swapped for an ordinary bundle (its own
+    COMPLETE intact) is refused, the root passed or the rank alone."""
+    root = _two_rank_root(tmp_path, kind)
+    landed = _root_files(root)
+    pinned = json.loads((root / fmt.COMPLETE).read_text())["rank_manifests"]["1"]
+    actual = _substitute(tmp_path, root, 1, kind)
+    assert _root_files(root) == landed and actual != pinned
+    _refused_by_both(capsys, root, "rank 1's manifest is not the one its root recorded", actual, pinned)
+    rc, out = _cli(capsys, "bundle", "validate", str(root / "rank-1"))
+    assert rc == 2 and actual in out and pinned in out and "Traceback" not in out, out
+
+
+def _every_rank_renamed(root: Path) -> None:
+    for r in (0, 1):
+        d = root / f"rank-{r}"
+        m = json.loads((d / fmt.MANIFEST).read_text())
+        m["bundle_id"] = m["index"]["bundle_id"] = "another-bundle"
+        c = json.loads((d / fmt.COMPLETE).read_text())
+        (d / fmt.COMPLETE).write_bytes(pretty_bytes({**c, "bundle_id": "another-bundle"}))
+        _seal(d, m)
+        _repin(root, r)
+
+
+@pytest.mark.parametrize(("kind", "tamper", "needles"), [
+    ("rollout", "single", ("rank 1's directory holds a single bundle (multi_rank null)",)),
+    ("step", "single", ("rank 1's directory holds a single bundle (multi_rank null)",)),
+    ("rollout", "renamed", ("rank 0's manifest names bundle 'another-bundle'", "rollout-000003")),
+])
+def test_a_rank_manifest_must_be_its_root_s_rank_even_when_the_records_pin_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, tamper: str,
+        needles: tuple[str, ...]) -> None:
+    """Landing records rewritten to pin whatever the rank directories now hold: a rank directory whose manifest is
+    not a rank manifest of this root (``multi_rank`` null; a bundle id that is not the root's) is still refused."""
+    root = _two_rank_root(tmp_path, kind)
+    if tamper == "single":
+        _substitute(tmp_path, root, 1, kind)
+        _repin(root, 1)
+    else:
+        _every_rank_renamed(root)
+    _refused_by_both(capsys, root, *needles)
+    rc, out = _cli(capsys, "bundle", "validate", str(root / f"rank-{1 if tamper == 'single' else 0}"))
+    assert rc == 2 and needles[0] in out and "Traceback" not in out, out
 
 
 # --------------------------------------------------------------------- class 5: validate == replay's checks
@@ -227,8 +320,14 @@ def test_a_multi_rank_root_without_run_ids_is_refused_by_version(tmp_path: Path,
     del final["run_id"]
     (root / fmt.COMPLETE).write_bytes(pretty_bytes({**final, "rank_manifests": shas}))
     _refused_by_both(capsys, root, "records no run id (written before bundle format 2.2.0)")
-    rc, out = _cli(capsys, "bundle", "validate", str(root / "rank-0"))
-    assert rc == 2 and "multi-rank bundles (multi_rank set) need format_version 2.2.0 or later" in out, out
+    rc, out = _cli(capsys, "bundle", "validate", str(root / "rank-0"))  # its root is read before its manifest
+    assert rc == 2 and "records no run id (written before bundle format 2.2.0)" in out, out
+    for name in [f"{fmt.COMPLETE}.{r}" for r in (0, 1)] + [fmt.COMPLETE]:  # the records given a run id
+        rec = json.loads((root / name).read_text())
+        (root / name).write_bytes(pretty_bytes({**rec, "run_id": "run-a"}))
+    for target in (root, root / "rank-0"):  # the 2.0 rank manifests themselves are refused by version
+        rc, out = _cli(capsys, "bundle", "validate", str(target))
+        assert rc == 2 and "multi-rank bundles (multi_rank set) need format_version 2.2.0 or later" in out, out
 
 
 def _step_rank(root: Path, rank: int, logprobs_dtype: torch.dtype) -> None:

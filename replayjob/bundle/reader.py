@@ -9,9 +9,12 @@ SHA-256 and whose tensors have the declared dtypes and shapes (token ids in the 
 every ``recompute`` stage has its inputs, and every group recomputed closes.  A
 multi-rank root is read only when its final ``COMPLETE`` exists, its rank list equals the
 ``expected_ranks`` of every ``COMPLETE.<r>`` and every rank manifest, every listed rank is
-there, every rank carries the root's run id (ranks of two runs are refused, naming both ids) and
-the ranks share one schema (payload dtypes and roles, recorded outputs); a ``rank-<r>/`` directory
-passed directly is refused until its root is complete.
+there, every rank's ``manifest.json`` has the SHA-256 the root records for it (compared before
+the manifest is parsed, whatever it says), every rank manifest is a rank manifest of this root
+(``multi_rank`` set, naming the directory's rank, the root's ranks, run id and bundle id; ranks of
+two runs are refused, naming both ids) and the ranks share one schema (payload dtypes and roles,
+recorded outputs); a ``rank-<r>/`` directory passed directly is read against its root the same
+way, and refused until its root is complete.
 
 Threat model: a bundle is untrusted input copied between machines.  Payloads load through
 :mod:`replayjob.tensorfile` (strict header checks) from bytes already hashed (no re-read between
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,7 +274,9 @@ def _load_payloads(path: Path, manifest: dict[str, Any], keep: bool, rows: MaskR
     return {n: tensors[n] for n in sorted(specs)}
 
 
-def _load_single(path: Path, tensors: bool = True) -> Bundle:
+def _load_single(path: Path, tensors: bool = True, root: RootRecord | None = None) -> Bundle:
+    """One bundle directory; ``root``: what its multi-rank root records, when it is a rank directory (read from
+    the parent when ``path`` is ``rank-<r>/`` of a root and no record is given)."""
     _check_dir(path)
     if not (path / fmt.COMPLETE).exists() and not (path / fmt.COMPLETE).is_symlink():
         raise IntegrityError("incomplete bundle: COMPLETE is missing (the writer did not finish)", where=path,
@@ -280,12 +286,23 @@ def _load_single(path: Path, tensors: bool = True) -> Bundle:
                       BundleComplete, where=path / fmt.COMPLETE,
                       hint="COMPLETE is written last by the bundle's writer; capture the bundle again")
     mbytes = _read_bytes(path / fmt.MANIFEST, "manifest.json")
-    if sha256_bytes(mbytes) != complete.manifest_sha256:
+    manifest_sha = sha256_bytes(mbytes)
+    if manifest_sha != complete.manifest_sha256:
         raise IntegrityError("checksum mismatch: manifest.json does not match the digest in COMPLETE",
                              where=path / fmt.MANIFEST, hint="the manifest was modified after capture")
+    if root is None and _in_root(path):  # a rank directory passed alone: its root is read all the same
+        root = _read_root(path.parent)
+    rank = None if root is None else _rank_pinned(path, root, manifest_sha)  # before the manifest is parsed
     manifest = decode_manifest(loads_strict(mbytes, where=path / fmt.MANIFEST), path / fmt.MANIFEST)
     if complete.bundle_id != manifest["bundle_id"]:
         raise IntegrityError("COMPLETE and manifest name different bundles", where=path)
+    mr = manifest["multi_rank"]
+    if root is None and mr is not None:
+        raise IntegrityError(f"a rank bundle (multi_rank rank {mr['rank']}) lives in rank-{mr['rank']}/ of its "
+                             f"multi-rank root, found {path.name}/", where=path,
+                             hint="pass the multi-rank root (or its rank-<r>/ directory)")
+    if root is not None and rank is not None:
+        _check_rank_manifest(path, root, rank, manifest, manifest_sha)
     index, expected = manifest["index"], manifest["expected"]
     n = len(index["samples"])
     # Mask rows are checked against the recorded lengths as the mask's bytes stream past the hash.
@@ -295,9 +312,6 @@ def _load_single(path: Path, tensors: bool = True) -> Bundle:
     specs = manifest["payloads"]
     check_closure(manifest, index, expected, {k: (specs[k]["dtype"], list(v.shape)) for k, v in payloads.items()})
     _check_labels(payloads, index)
-    mr = manifest["multi_rank"]
-    if mr is not None:
-        _check_root_complete(path, mr, complete.manifest_sha256)
     loss = expected.get("loss.policy", {}).get("loss")
     return Bundle(path, manifest, index, expected, payloads,
                   loss_cohorts=[LossCohort(index["identity"]["physical"]["rank"], list(range(n)), loss)])
@@ -318,9 +332,24 @@ _RANK_HINT = ("a rank landing record holds exactly format, bundle_id, rank, expe
               "manifest_sha256, as the rank's writer writes it; capture the bundle again")
 
 
-def _read_root(root: Path) -> tuple[list[int], dict[str, str], str]:
-    """The root ``COMPLETE`` cross-checked against every ``COMPLETE.<r>`` it lists: (ranks, rank -> manifest,
-    run id).  Each is read through its declaration (:class:`RootComplete`, :class:`RankComplete`).
+@dataclass(frozen=True)
+class RootRecord:
+    """What a multi-rank root's ``COMPLETE`` records about its ranks, agreed by every ``COMPLETE.<r>``.
+
+    None of it is trusted: each rank directory's manifest is compared with it (:func:`_rank_pinned`,
+    :func:`_check_rank_manifest`) whether or not that manifest says it is a rank's.
+    """
+
+    path: Path
+    bundle_id: str
+    run_id: str
+    ranks: list[int]
+    manifests: dict[str, str]  # rank -> SHA-256 of rank-<r>/manifest.json
+
+
+def _read_root(root: Path) -> RootRecord:
+    """The root ``COMPLETE`` cross-checked against every ``COMPLETE.<r>`` it lists.  Each is read through its
+    declaration (:class:`RootComplete`, :class:`RankComplete`).
 
     The root's rank list must be exactly the ``expected_ranks`` each landed rank recorded, so a root
     that lists fewer ranks than its producers expected (a rank dropped, its records deleted) is
@@ -366,28 +395,61 @@ def _read_root(root: Path) -> tuple[list[int], dict[str, str], str]:
         if (rec.rank, rec.bundle_id, rec.manifest_sha256) != (r, doc.bundle_id, manifests[str(r)]):
             raise IntegrityError(f"{fmt.COMPLETE}.{r} disagrees with the root COMPLETE on the rank, the bundle id "
                                  "or the rank's manifest digest", where=rec_path)
-    return list(ranks), dict(manifests), doc.run_id
+    return RootRecord(root, doc.bundle_id, doc.run_id, list(ranks), dict(manifests))
 
 
-def _check_root_complete(rank_dir: Path, multi_rank: dict[str, Any], manifest_sha: str) -> None:
-    root, rank = rank_dir.parent, multi_rank["rank"]
-    if rank_dir.name != f"rank-{rank}":
-        raise IntegrityError(f"a rank bundle lives in rank-{rank}/, found {rank_dir.name}/", where=rank_dir)
-    ranks, manifests, run_id = _read_root(root)
-    if manifests.get(str(rank)) != manifest_sha:
-        raise IntegrityError(f"root COMPLETE does not record this manifest for rank {rank}", where=root)
-    if multi_rank["run_id"] != run_id:
+_RANK_DIR = re.compile(r"rank-(0|[1-9][0-9]{0,17})")
+
+
+def _in_root(path: Path) -> bool:
+    """``path`` is a rank directory of a multi-rank root: named ``rank-*`` in a directory that is no bundle."""
+    return path.name.startswith("rank-") and not os.path.lexists(path.parent / fmt.MANIFEST)
+
+
+def _rank_pinned(rank_dir: Path, root: RootRecord, manifest_sha: str) -> int:
+    """The rank ``rank_dir`` holds (from its name), whose manifest bytes must be those the root recorded for it."""
+    m = _RANK_DIR.fullmatch(rank_dir.name)
+    if m is None or int(m[1]) not in root.ranks:
+        raise IntegrityError(f"{rank_dir.name}/ is not a rank directory of this multi-rank root (its ranks: "
+                             f"{root.ranks})", where=rank_dir, hint="pass the multi-rank root")
+    rank = int(m[1])
+    pinned = root.manifests[str(rank)]
+    if manifest_sha != pinned:
+        raise IntegrityError(f"rank {rank}'s manifest is not the one its root recorded: rank-{rank}/manifest.json "
+                             f"has SHA-256 {manifest_sha}, the root COMPLETE (and COMPLETE.{rank}) records "
+                             f"{pinned}", where=rank_dir / fmt.MANIFEST,
+                             hint="the rank directory was replaced or edited after it landed; capture the bundle "
+                                  "again")
+    return rank
+
+
+def _check_rank_manifest(rank_dir: Path, root: RootRecord, rank: int, manifest: dict[str, Any],
+                         manifest_sha: str) -> None:
+    """A rank directory's manifest is that rank's of this root: rank, expected ranks, run id and bundle id."""
+    mr, where = manifest["multi_rank"], rank_dir / fmt.MANIFEST
+    if mr is None:
+        raise IntegrityError(f"rank {rank}'s directory holds a single bundle (multi_rank null), not a rank of this "
+                             f"multi-rank root (rank-{rank}/manifest.json SHA-256 {manifest_sha}, the root records "
+                             f"{root.manifests[str(rank)]})", where=where,
+                             hint="a rank directory holds only what that rank's writer wrote; capture the bundle again")
+    if mr["rank"] != rank:
+        raise IntegrityError(f"a rank bundle lives in rank-{mr['rank']}/, found {rank_dir.name}/", where=rank_dir)
+    if mr["run_id"] != root.run_id:
         raise IntegrityError(f"the ranks come from different runs: rank {rank}'s manifest carries run id "
-                             f"{multi_rank['run_id']!r}, its root (and every landing record) run id {run_id!r}",
-                             where=rank_dir / fmt.MANIFEST, hint="capture into a new directory")
-    if sorted(multi_rank["expected_ranks"]) != ranks:
-        raise IntegrityError(f"this rank's manifest expects ranks {sorted(multi_rank['expected_ranks'])}, the root "
-                             f"COMPLETE lists {ranks}: a partial root is refused", where=rank_dir / fmt.MANIFEST)
+                             f"{mr['run_id']!r}, its root (and every landing record) run id {root.run_id!r}",
+                             where=where, hint="capture into a new directory")
+    if sorted(mr["expected_ranks"]) != root.ranks:
+        raise IntegrityError(f"this rank's manifest expects ranks {sorted(mr['expected_ranks'])}, the root "
+                             f"COMPLETE lists {root.ranks}: a partial root is refused", where=where)
+    if manifest["bundle_id"] != root.bundle_id:
+        raise IntegrityError(f"rank {rank}'s manifest names bundle {manifest['bundle_id']!r}, its root COMPLETE "
+                             f"bundle {root.bundle_id!r}", where=where, hint="capture the bundle again")
 
 
 def _load_root(root: Path, tensors: bool = True) -> Bundle:
     _check_dir(root)
-    ranks, _, _ = _read_root(root)
+    record = _read_root(root)
+    ranks = record.ranks
     for entry in root.iterdir():
         ok = entry.name == fmt.COMPLETE or entry.name in {f"rank-{r}" for r in ranks} or entry.name in {
             f"{fmt.COMPLETE}.{r}" for r in ranks}
@@ -399,7 +461,7 @@ def _load_root(root: Path, tensors: bool = True) -> Bundle:
         if not (root / f"rank-{r}").is_dir():
             raise IntegrityError(f"rank {r} is missing (rank-{r}/); expected ranks {ranks}", where=root,
                                  hint="the producer of that rank did not land")
-        parts.append(_load_single(root / f"rank-{r}", tensors))
+        parts.append(_load_single(root / f"rank-{r}", tensors, record))
     return merge(root, ranks, parts)
 
 
