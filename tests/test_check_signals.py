@@ -212,3 +212,118 @@ def test_docs_example_rules_parse() -> None:
     example = text.split("```toml\n", 1)[1].split("```", 1)[0]
     parsed = parse_rules(example, "docs/signals.md")
     assert [r.reducer for r in parsed.signals] == ["pearson", "slope"] and len(parsed.consistency) == 1
+
+
+CONSISTENCY_RULE = '''
+[[consistency]]
+name = "loss_matches_summary"
+leaf = "loss"
+summary = "summary.json"
+field = "loss"
+'''
+
+
+@pytest.mark.parametrize("last", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("bounds, status", [("kill_above = 1e-9\nwarn_above = 1e-12\n", "KILL"),
+                                            ("warn_above = 1e-9\n", "WARN")])
+def test_consistency_nonfinite_last_value_is_beyond_bounds(tmp_path: Path, last: float, bounds: str,
+                                                           status: str) -> None:
+    # an infinite last value made the gap inf / inf = NaN, and NaN > kill_above is false: graded OK
+    d = run_dir(tmp_path, [{"step": 0, "loss": 0.5}, {"step": 1, "loss": last}])
+    (d / "summary.json").write_text(json.dumps({"loss": 0.25}))
+    res = evaluate(d, load_rules(rules(tmp_path, CONSISTENCY_RULE + bounds))).results[0]
+    assert res.status == status and not math.isfinite(res.value or 0.0)
+    assert "non-finite, never within bounds" in res.explanation
+
+
+def test_consistency_gap_of_values_near_the_float_range_end(tmp_path: Path) -> None:
+    d = run_dir(tmp_path, [{"step": 0, "loss": 1.7e308}])
+    (d / "summary.json").write_text(json.dumps({"loss": -1.7e308}))
+    res = evaluate(d, load_rules(rules(tmp_path, CONSISTENCY_RULE + "kill_above = 0.5\n"))).results[0]
+    assert res.status == "KILL" and res.value == 2.0  # the difference overflows; the relative gap does not
+
+
+@pytest.mark.parametrize("line", ["kill_above = nan", "warn_below = inf", "kill_below = -inf"])
+def test_nonfinite_signal_thresholds_refused(line: str) -> None:
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        parse_rules(f'[[signal]]\nname="a"\nleaf="x"\nreducer="last"\nwarn_above=1\n{line}\n', "rules.toml")
+
+
+@pytest.mark.parametrize("bounds", ["kill_above = nan", "warn_above = nan",
+                                    "kill_above = 0.1\nfloor = inf", "kill_above = 0.1\nfloor = nan"])
+def test_nonfinite_consistency_bounds_refused(bounds: str) -> None:
+    # kill_above = nan never fired; floor = inf made every gap 0
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        parse_rules(CONSISTENCY_RULE + bounds + "\n", "rules.toml")
+
+
+def test_statistics_of_large_values_never_overflow() -> None:
+    def data(vs: list[float], xs: list[float] | None = None) -> list[tuple[float, float, float]]:
+        return [(float(i) if xs is None else xs[i], v, 0.0) for i, v in enumerate(vs)]
+
+    assert reduce_values("mean", data([1.7e308] * 3)) == pytest.approx(1.7e308)  # fsum overflowed
+    assert reduce_values("mean", data([1.7e308, -1.7e308, 1.7e308])) == pytest.approx(1.7e308 / 3)
+    assert reduce_values("cv", data([1e200] * 4)) == 0.0
+    big = [1e200 * (i + 1) for i in range(4)]  # (v - m) ** 2 overflowed
+    assert reduce_values("cv", data(big)) == pytest.approx(reduce_values("cv", data([1.0, 2.0, 3.0, 4.0])))
+    assert reduce_values("slope", data(big)) == pytest.approx(1e200)
+    assert reduce_values("slope", data([1.0, 2.0, 3.0], [1e200, 2e200, 3e200])) == pytest.approx(1e-200)
+    assert reduce_values("slope", data([0.0, 1e300, 2e300], [0.0, 1e-300, 2e-300])) == math.inf  # 1e600
+    pairs = [(float(i), v, v) for i, v in enumerate(big)]
+    assert reduce_values("pearson", pairs) == pytest.approx(1.0)
+    tiny = [(float(i), v, v) for i, v in enumerate([1e-200, 3e-200, 2e-200])]  # sxx * syy underflowed to 0
+    assert reduce_values("pearson", tiny) == pytest.approx(1.0)
+
+
+def test_statistics_unchanged_in_the_normal_range() -> None:
+    """Scaling by a power of two is exact: the scaled statistics equal the direct formulas bit for bit."""
+    import random
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(3, 30)
+        vs = [rng.gauss(0, 1) * 10.0 ** rng.randint(-6, 6) for _ in range(n)]
+        xs = [float(i * rng.randint(1, 3)) for i in range(n)]
+        mean = math.fsum(vs) / n
+        mx = math.fsum(xs) / n
+        cv = math.sqrt(math.fsum((v - mean) ** 2 for v in vs) / n) / abs(mean)
+        slope = (math.fsum((x - mx) * (v - mean) for x, v in zip(xs, vs, strict=True))
+                 / math.fsum((x - mx) ** 2 for x in xs))
+        data = [(x, v, 0.0) for x, v in zip(xs, vs, strict=True)]
+        assert reduce_values("mean", data) == mean
+        assert reduce_values("cv", data) == cv
+        assert reduce_values("slope", data) == slope
+
+
+def test_large_finite_values_graded_not_crashed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = healthy(5)
+    for i, r in enumerate(rows):
+        r["tokens"]["padding_fraction"] = 1.7e308
+        r["grad_norm"] = 1e200 * (i + 1)
+    d = run_dir(tmp_path, rows, {"loss": rows[-1]["loss"]["policy"], "grad_norm": rows[-1]["grad_norm"]})
+    assert main(["signals", str(d), "--quiet"]) == 1
+    assert capsys.readouterr().out.strip() == \
+        "signals KILL; kill: grad_norm_bounded, padding_fraction_bounded"  # cv 0.47: 1e200 to 5e200
+
+
+@pytest.mark.parametrize("where", ["leaf", "step"])
+def test_integer_too_large_for_a_float_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               where: str) -> None:
+    rows = healthy(5)
+    if where == "leaf":
+        rows[3]["kl"]["mean"] = 10 ** 400
+    else:
+        rows[3]["step"] = 10 ** 400
+    d = run_dir(tmp_path, rows, {"loss": rows[-1]["loss"]["policy"], "grad_norm": rows[-1]["grad_norm"]})
+    assert main(["signals", str(d)]) == 2
+    err = capsys.readouterr().err
+    what = "leaf kl.mean" if where == "leaf" else "step"
+    assert f"diag.jsonl: line 4: {what} is an integer of 401 digits, too large for a float" in err
+    assert "fix:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("steps", [[0, 1, math.nan, 3], [0, math.inf, -math.inf, 3]])
+def test_slope_over_nonfinite_steps_is_nonfinite(tmp_path: Path, steps: list[float]) -> None:
+    rows = [{"step": s, "r": float(i)} for i, s in enumerate(steps)]  # inf and -inf made fsum raise
+    p = rules(tmp_path, '[[signal]]\nname="trend"\nleaf="r"\nreducer="slope"\nwarn_below=0\n')
+    res = evaluate(run_dir(tmp_path, rows), load_rules(p)).results[0]
+    assert res.status == "KILL" and "non-finite or undefined" in res.explanation

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -92,6 +93,9 @@ def _num(rule: dict[str, Any], key: str, where: str) -> float | None:
         return None
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise ConfigError(f"{key} must be a number, got {v!r}", where=where)
+    if not math.isfinite(v):  # nothing compares with NaN, and an infinite bound or floor bounds nothing
+        raise ConfigError(f"{key} must be a finite number, got {v!r}", where=where,
+                          hint="TOML's nan and inf are no thresholds; leave the key out for no bound")
     return float(v)
 
 

@@ -12,10 +12,14 @@ needs.  Reducers (``x`` is the row's ``step``, or its position when rows have no
   row immediately before it carries ``delta_of`` too, so a change never spans a row where a leaf
   is missing (such a row breaks the chain; the next pair starts after it).
 
-A ``null`` leaf is treated as absent in that row; a string or bool is refused.  A non-finite input
-in the window (or an undefined statistic, such as a correlation with zero variance) grades as the
-rule's ``on_nonfinite`` status.  Too few values for any rule refuses the whole verdict (exit 2)
-naming each such rule, rather than grading on no evidence.
+A ``null`` leaf is treated as absent in that row; a string or bool is refused, and so is an integer
+leaf or ``step`` too large for a float.  A non-finite input in the window (a NaN or infinite step
+for ``slope``, a per-row change of ``delta_of`` beyond the float range for ``pearson``) or an
+undefined statistic (a correlation with zero variance) grades as the rule's ``on_nonfinite``
+status; statistics are computed on values scaled by a power of two, so large finite values never
+overflow a sum or a square.  A consistency rule grades a non-finite value or relative gap as beyond
+its bounds: KILL when it has ``kill_above``, else WARN.  Too few values for any rule refuses the
+whole verdict (exit 2) naming each such rule, rather than grading on no evidence.
 """
 
 from __future__ import annotations
@@ -109,7 +113,17 @@ def _number(v: Any, lineno: int, leaf: str, rule: str, where: Path) -> float | N
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise IntegrityError(f"line {lineno}: leaf {leaf} is {type(v).__name__} {v!r:.40}; signal {rule!r} "
                              "needs a number", where=where)
-    return float(v)
+    return _float(v, f"line {lineno}: leaf {leaf}", where)
+
+
+def _float(v: int | float, what: str, where: Path) -> float:
+    """``v`` as a float; an integer beyond the float range is refused, never rounded to an infinity."""
+    try:
+        return float(v)
+    except OverflowError:
+        raise IntegrityError(f"{what} is an integer of {len(str(abs(v)))} digits, too large for a float",
+                             where=where, hint="write numbers within the 64-bit float range "
+                                               "(about 1.8e308)") from None
 
 
 class _Collector:
@@ -141,21 +155,63 @@ class _Collector:
         return len(self.values)
 
 
+def _scaled(vs: list[float]) -> tuple[list[float], int]:
+    """``vs`` times ``2**-e``, with ``e`` the binary exponent of the largest ``|v|`` (so every scaled value
+    is below 1 in magnitude), and ``e``.
+
+    Scaling by a power of two is exact in the normal range, so a statistic computed on the scaled
+    values and scaled back is the one computed directly, bit for bit, but sums and squares of values
+    near the float range's ends cannot overflow (``1.7e308`` on every row, deviations of ``1e200``).
+    """
+    e = math.frexp(max(abs(v) for v in vs))[1]
+    return [math.ldexp(v, -e) for v in vs], e
+
+
+def _unscale(v: float, e: int) -> float:
+    """``v * 2**e``, infinite (with ``v``'s sign) where that is beyond the float range."""
+    try:
+        return math.ldexp(v, e)
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
 def _mean(v: list[float]) -> float:
-    return math.fsum(v) / len(v)
+    s, e = _scaled(v)
+    return _unscale(math.fsum(s) / len(s), e)
 
 
 def _pearson(xs: list[float], ys: list[float]) -> float:
-    mx, my = _mean(xs), _mean(ys)
+    xs, ys = _scaled(xs)[0], _scaled(ys)[0]  # a correlation does not change when either side is scaled
+    mx, my = math.fsum(xs) / len(xs), math.fsum(ys) / len(ys)
     sxy = math.fsum((a - mx) * (b - my) for a, b in zip(xs, ys, strict=True))
     sxx = math.fsum((a - mx) ** 2 for a in xs)
     syy = math.fsum((b - my) ** 2 for b in ys)
-    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
+    denominator = math.sqrt(sxx) * math.sqrt(syy)
+    return sxy / denominator if denominator > 0 else math.nan
+
+
+def _cv(vs: list[float]) -> float:
+    s = _scaled(vs)[0]  # the ratio does not change when every value is scaled
+    m = math.fsum(s) / len(s)
+    sd = math.sqrt(math.fsum((v - m) ** 2 for v in s) / len(s))
+    return (0.0 if sd == 0 else math.inf) if m == 0 else sd / abs(m)
+
+
+def _slope(xs: list[float], vs: list[float]) -> float:
+    if not all(math.isfinite(x) for x in xs):  # a NaN or infinite step
+        return math.nan
+    (xs, ex), (vs, ev) = _scaled(xs), _scaled(vs)
+    mx, mv = math.fsum(xs) / len(xs), math.fsum(vs) / len(vs)
+    sxx = math.fsum((x - mx) ** 2 for x in xs)
+    if not sxx > 0:
+        return math.nan
+    return _unscale(math.fsum((x - mx) * (v - mv) for x, v in zip(xs, vs, strict=True)) / sxx, ev - ex)
 
 
 def reduce_values(reducer: str, data: list[tuple[float, float, float]]) -> float:
     """Apply ``reducer`` to ``(x, value, other)`` triples (``other``: the pearson partner, already a
-    per-row change); non-finite inputs give a non-finite result."""
+    per-row change); non-finite inputs give a non-finite result, and so does a statistic beyond the
+    float range (never an exception)."""
     xs = [d[0] for d in data]
     vs = [d[1] for d in data]
     if reducer == "last":
@@ -174,13 +230,9 @@ def reduce_values(reducer: str, data: list[tuple[float, float, float]]) -> float
     if reducer == "max":
         return max(vs)
     if reducer == "cv":
-        m = _mean(vs)
-        sd = math.sqrt(math.fsum((v - m) ** 2 for v in vs) / len(vs))
-        return (0.0 if sd == 0 else math.inf) if m == 0 else sd / abs(m)
+        return _cv(vs)
     if reducer == "slope":
-        mx, mv = _mean(xs), _mean(vs)
-        sxx = math.fsum((x - mx) ** 2 for x in xs)
-        return math.fsum((x - mx) * (v - mv) for x, v in zip(xs, vs, strict=True)) / sxx if sxx > 0 else math.nan
+        return _slope(xs, vs)
     raise ValueError(f"unknown reducer {reducer!r}")
 
 
@@ -211,12 +263,28 @@ def _grade_consistency(rule: ConsistencyRule, last: float | None, base: Path, wh
     if ref is MISSING or isinstance(ref, bool) or not isinstance(ref, int | float):
         raise IntegrityError(f"field {rule.field} is missing or not a number (consistency rule {rule.name!r})",
                              where=summary)
-    ref = float(ref)
-    scale = max(abs(last), abs(ref), rule.floor)
-    gap = 0.0 if last == ref else (abs(last - ref) / scale if scale > 0 else math.inf)
+    ref = _float(ref, f"field {rule.field}", summary)
+    gap = relative_gap(last, ref, rule.floor)
+    compared = f"last {rule.leaf}={last:.10g} vs {rule.summary}:{rule.field}={ref:.10g}"
+    if not math.isfinite(gap):  # a NaN or infinite value is never within a bound
+        status = "KILL" if rule.thresholds.kill_above is not None else "WARN"
+        return SignalResult(rule.name, "consistency", status, gap,
+                            f"{compared}: relative gap {gap!r}: non-finite, never within bounds", rule.meaning)
     status, reason = rule.thresholds.grade(gap)
-    text = f"last {rule.leaf}={last:.10g} vs {rule.summary}:{rule.field}={ref:.10g}: relative gap {gap:.3g} {reason}"
-    return SignalResult(rule.name, "consistency", status, gap, text, rule.meaning)
+    return SignalResult(rule.name, "consistency", status, gap, f"{compared}: relative gap {gap:.3g} {reason}",
+                        rule.meaning)
+
+
+def relative_gap(a: float, b: float, floor: float) -> float:
+    """``|a - b| / max(|a|, |b|, floor)``: 0 when equal, NaN when either is NaN, infinite when either is
+    infinite (two equal infinities included: an infinity is no accounting of a quantity)."""
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.nan if math.isnan(a) or math.isnan(b) else math.inf
+    if a == b:
+        return 0.0
+    scale = max(abs(a), abs(b), floor)  # > 0: a and b differ, so one is not 0
+    d = abs(a - b)  # overflows only for opposite signs near the float range's end: then scale first
+    return abs(a / scale - b / scale) if math.isinf(d) else d / scale
 
 
 def evaluate(source: str | Path, rules: Rules) -> SignalsReport:
@@ -228,7 +296,8 @@ def evaluate(source: str | Path, rules: Rules) -> SignalsReport:
     rows = 0
     for lineno, row in iter_rows(diag):
         step = row.get("step")
-        x = float(step) if isinstance(step, int | float) and not isinstance(step, bool) else float(rows)
+        x = _float(step, f"line {lineno}: step", diag) if isinstance(step, int | float) and \
+            not isinstance(step, bool) else float(rows)
         rows += 1
         for c in collectors:
             c.add(x, row, lineno, diag)
