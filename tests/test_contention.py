@@ -245,6 +245,11 @@ def test_the_reader_refuses_a_malformed_contention_record(tmp_path: Path) -> Non
                                                  "processes_before": None, "processes_after": None,
                                                  "other_processes": None}}, "contention.device"),
     }
+    long_window = {**quiet, "wall_s": 1e6, "cpu_s": quiet["cpu_per_wall"] * 1e6,
+                   "involuntary_switches": quiet["involuntary_switches"] * 10**6}
+    long_window["involuntary_switches_per_s"] = long_window["involuntary_switches"] / 1e6
+    forged["a window longer than the whole replay"] = (long_window, "longer than the whole replay")
+    forged["more CPUs to run on than there are"] = ({**quiet, "cpus": 512, "online_cpus": 1}, "`online_cpus` 1")
     for what, (bad, rule) in forged.items():
         doc[CONTENTION] = bad
         f.write_bytes(pretty_bytes(doc))

@@ -260,9 +260,11 @@ def test_every_declaration_has_a_valid_example_or_a_parent() -> None:
 
 
 def _open_ends(t: mi.Type, at: str) -> list[str]:
-    """Where the declared type ``t`` leaves a number unbounded or a value untyped."""
+    """Where the declared type ``t`` leaves a number unbounded, a value untyped or a pattern open at its end."""
     if isinstance(t, mi.AnyType):
         return [f"{at}: Any"]
+    if isinstance(t, mi.StrType) and t.pattern is not None and not t.pattern.endswith("\\Z"):
+        return [f"{at}: pattern {t.pattern!r} not anchored with \\Z (made by whole(): $ also matches before a newline)"]
     if isinstance(t, mi.IntType):
         lo = t.ge if t.ge is not None else (t.gt + 1 if t.gt is not None else None)
         hi = t.le if t.le is not None else (t.lt - 1 if t.lt is not None else None)
@@ -345,6 +347,10 @@ def cases() -> list[tuple[str, str, int | str]]:
             out += [(kind.__name__, f.encode_name, i) for i in range(len(refused_values(f.type)))]
             if f.required:
                 out.append((kind.__name__, f.encode_name, "absent"))
+            members = f.type.types if isinstance(f.type, mi.UnionType) else (f.type,)
+            if any(isinstance(m, mi.StrType) and m.pattern for m in members) and \
+                    isinstance(VALID[kind.__name__]().get(f.encode_name), str):
+                out.append((kind.__name__, f.encode_name, "newline"))  # a valid value and a final newline
     return out
 
 
@@ -358,6 +364,8 @@ def test_each_field_refuses_what_its_declaration_refuses(name: str, field: str, 
     decode(copy.deepcopy(doc), kind, where="doc.json")  # the example itself is valid
     if which == "absent":
         del doc[field]
+    elif which == "newline":
+        doc[field] += "\n"
     else:
         ftype = next(f.type for f in mi.type_info(kind).fields  # type: ignore[attr-defined]
                      if f.encode_name == field)

@@ -857,7 +857,8 @@ def test_the_ranks_rows_cover_the_replays_rows_exactly(ranked: synthetic.Evidenc
 
 
 @pytest.mark.parametrize("change, needle", [
-    (lambda d: d["host"].update(gpu_product="H100"), "rank 1 ran on other hardware than its replay records: gpu_product"),
+    (lambda d: d["host"].update(gpu_product="H100"),
+     "rank 1 ran on other hardware than its replay records: gpu_product"),
     (lambda d: d["host"].update(device_type="cuda"), "device_type 'cuda'"),
     (lambda d: d["host"].update(torch_version="0.0.1"), "torch_version '0.0.1'"),
     (lambda d: d.update(loss=None), "loss"),
@@ -974,10 +975,12 @@ def test_in_process_repeats_that_did_not_reproduce_the_loss_fail_bitwise(ev: syn
     assert code == 1 and c["offenders"] == [f"{ON}#1"] and c["observed"]["in_process_loss_differs"] == [f"{ON}#1"]
 
 
-@pytest.mark.parametrize("arm", ["base\nline", "\x1b[31mred", "tab\there"])
+@pytest.mark.parametrize("arm", ["base\nline", "\x1b[31mred", "tab\there", "base\u200bline", "baseline\u202e",
+                                 "line\u2028break", "end\n"])
 def test_an_arm_name_with_control_characters_is_refused(ev: synthetic.Evidence, arm: str) -> None:
-    """Arm names are printed in verdicts, reports and terminals: a newline or an escape sequence in one is refused by
-    the replay's reader and, before any work, by the replay's admission."""
+    """Arm names are printed in verdicts, reports and terminals: a newline or an escape sequence in one, or a character
+    that is invisible or turns the text around (which shows one arm under another's name), is refused by the replay's
+    reader and, before any work, by the replay's admission."""
     from replayjob.config.schema import OptimizerBatchConfig
     from replayjob.producers.admission import Refusals, check_pins
 

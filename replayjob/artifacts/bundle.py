@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from replayjob.artifacts.document import Count, Digest, Document, Finite, Int, NonNegative, Positive
+from replayjob.artifacts.document import Count, Digest, Document, Finite, Int, NonNegative, Positive, whole
 from replayjob.errors import ContractError, IntegrityError
 
 FORMAT = "replayjob.bundle"
@@ -85,13 +85,13 @@ TASKS = ("arithmetic", "reverse")
 PAYLOAD_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 IDENTIFIER = "[A-Za-z0-9][A-Za-z0-9._:-]{0,127}"
 
-Id = Annotated[str, msgspec.Meta(pattern=f"^{IDENTIFIER}$")]
+Id = Annotated[str, whole(IDENTIFIER)]
 """A short identifier: bundle, sample, group, cohort, partition, batch and run ids."""
-RankKey = Annotated[str, msgspec.Meta(pattern="^(0|[1-9][0-9]{0,17})$")]
+RankKey = Annotated[str, whole("0|[1-9][0-9]{0,17}")]
 """A rank written as a JSON object key (a decimal integer >= 0)."""
-TextPolicy = Annotated[str, msgspec.Meta(pattern="^(hash|drop|truncate:[1-9][0-9]{0,3})$")]
+TextPolicy = Annotated[str, whole("hash|drop|truncate:[1-9][0-9]{0,3}")]
 """How a text field is redacted: hashed, truncated to N characters (1 to 9999) or dropped."""
-Version = Annotated[str, msgspec.Meta(pattern=r"^2\.(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})$")]
+Version = Annotated[str, whole(r"2\.(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})")]
 """A 2.x format version (the gate, :func:`check_version`, has refused any other major version)."""
 Prefix = Annotated[str, msgspec.Meta(max_length=9999)]
 

@@ -74,6 +74,9 @@ class ContentionRecord(Document, frozen=True):
     def __post_init__(self) -> None:
         assert self.schema == SCHEMA
         agree("thresholds", self.thresholds, THRESHOLDS)
+        if self.online_cpus is not None and self.cpus > self.online_cpus:  # the thresholds scale with both
+            raise ValueError(f"`cpus` {self.cpus}, the CPUs the replay could run on, is more than `online_cpus` "
+                             f"{self.online_cpus}, the CPUs there are")
         agree("cpu_per_wall", self.cpu_per_wall, self.cpu_s / self.wall_s)
         agree("involuntary_switches_per_s", self.involuntary_switches_per_s, self.involuntary_switches / self.wall_s)
         if (self.cuda is None) == self.device.startswith("cuda"):

@@ -52,7 +52,18 @@ NonNegative = Annotated[float, msgspec.Meta(ge=0.0, le=_FLOAT_MAX)]
 """A finite number >= 0."""
 Share = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 """A fraction in [0, 1]."""
-Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+
+
+def whole(regex: str) -> msgspec.Meta:
+    """The constraint of a string that ``regex`` matches as a whole.  msgspec searches a pattern, and ``$`` matches
+    before a final newline too, so a pattern anchored ``^...$`` takes ``"value\\n"``: every declared pattern is made
+    here, anchored with ``\\Z`` (``tests/test_declarations.py`` finds any other)."""
+    return msgspec.Meta(pattern=f"^(?:{regex})\\Z")
+
+
+_DIGEST = whole("[0-9a-f]{64}")
+_WHOLE = re.compile(r"matching regex '\^\(\?:(.*)\)\\\\Z'")  # how msgspec names (repr) a pattern whole() made
+Digest = Annotated[str, _DIGEST]
 """A SHA-256 digest: 64 lower-case hexadecimal digits."""
 Text = Annotated[str, msgspec.Meta(min_length=1)]
 """A non-empty string."""
@@ -72,8 +83,9 @@ D = TypeVar("D", bound=Document)
 
 def describe(exc: msgspec.ValidationError) -> str:
     """msgspec's ``Expected `int`, got `bool` - at `$.a.b``` as ``field `a.b`: expected `int`, got `bool```."""
-    text = str(exc).replace("Expected `str` matching regex '^[0-9a-f]{64}$'",
+    text = str(exc).replace(f"Expected `str` matching regex {_DIGEST.pattern!r}",
                             "Expected a SHA-256: 64 lowercase hex digits")
+    text = _WHOLE.sub(lambda m: f"matching `{m.group(1)}` as a whole", text)  # whole()'s anchors, said in words
     rule, sep, at = text.rpartition(" - at `")
     if not sep:
         return text[:1].lower() + text[1:]

@@ -132,7 +132,7 @@ def rank_file(rank: int) -> str:
     return f"replay_metrics.rank-{rank}.json"
 
 
-_RANK_FILE = re.compile(r"^replay_metrics\.rank-(0|[1-9][0-9]*)\.json$")  # rank_file(r), r >= 0
+_RANK_FILE = re.compile(r"^replay_metrics\.rank-(0|[1-9][0-9]*)\.json\Z")  # rank_file(r), r >= 0
 
 
 def rank_files_present(directory: Path, listing: Iterable[str] | None = None) -> list[str]:

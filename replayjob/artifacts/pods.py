@@ -33,16 +33,17 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from replayjob.artifacts.document import whole
 from replayjob.errors import ConfigError
 from replayjob.runtime.determinism import NCCL_NUMERICS
 
 Doc = dict[str, Any]
-Name = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]
-LabelKey = Annotated[str, msgspec.Meta(pattern=r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]"
-                                               r"([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")]
-LabelValue = Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")]
-EnvName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
-Path_ = Annotated[str, msgspec.Meta(pattern=r"^/[^:]*$")]
+Name = Annotated[str, whole(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")]
+LabelKey = Annotated[str, whole(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?"
+                                r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")]
+LabelValue = Annotated[str, whole(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")]
+EnvName = Annotated[str, whole(r"[A-Za-z_][A-Za-z0-9_]*")]
+Path_ = Annotated[str, whole(r"/[^:]*")]
 
 # The security context and isolation are not customisable; say why when a spec tries.
 FORBIDDEN = {

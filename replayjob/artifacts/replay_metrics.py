@@ -18,17 +18,19 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 
 from replayjob.artifacts.contention import ContentionRecord
-from replayjob.artifacts.document import Count, Digest, Document, Finite, Int, NonNegative, Share, Text
+from replayjob.artifacts.document import Count, Digest, Document, Finite, Int, NonNegative, Share, Text, whole
 
 Scalar = str | bool | Int | Finite | None
 """A knob's value as the replay config sets it (compared whole with the arm's intent and the runtime's)."""
-DigestOrEmpty = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{64})?$")]
+DigestOrEmpty = Annotated[str, whole("([0-9a-f]{64})?")]
 """A pin that may be unset (``""``: no tolerance or budget file was pinned)."""
-ARM_NAME_PATTERN = "^[^\\x00-\\x1f\\x7f-\\x9f]+$"
-ArmName = Annotated[str, msgspec.Meta(pattern=ARM_NAME_PATTERN)]
-"""An arm's name: printed in verdicts, reports and terminals, so no control character (no newline, no escape
-sequence); :data:`ARM_NAME_RULE` says it in words."""
-ARM_NAME_RULE = "a non-empty name without control characters (newlines, tabs, escape sequences)"
+ARM_NAME_PATTERN = r"[\x20-\x7e]+"  # matched whole (re.fullmatch, whole())
+ArmName = Annotated[str, whole(ARM_NAME_PATTERN)]
+"""An arm's name: printed in verdicts, reports and terminals, so printable ASCII only: no control character (no
+newline, no escape sequence) and none that is invisible or turns the text around (a zero-width space, a
+right-to-left override), which would show one arm under another's name; :data:`ARM_NAME_RULE` says it in words."""
+ARM_NAME_RULE = ("a non-empty name of printable ASCII characters: no control characters (newlines, tabs, escape "
+                 "sequences) and no invisible or direction-changing ones")
 
 
 class Pins(Document, frozen=True):
@@ -243,3 +245,6 @@ class ReplayMetrics(Document, frozen=True, kw_only=True):
         if self.contention is not None and self.contention.device != self.device:
             raise ValueError(f"`contention.device` is {self.contention.device!r}, but the replay ran on `device` "
                              f"{self.device!r}")
+        if self.contention is not None and not _within(self.contention.wall_s, self.wall_s):
+            raise ValueError(f"`contention.wall_s` ({self.contention.wall_s!r} s), the probe's window inside the "
+                             f"replay, is longer than the whole replay (`wall_s`, {self.wall_s!r} s)")

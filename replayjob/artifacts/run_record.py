@@ -18,14 +18,14 @@ from typing import Annotated, Any, ClassVar, Final, Literal
 
 import msgspec
 
-from replayjob.artifacts.document import Digest, Document, decode
+from replayjob.artifacts.document import Digest, Document, decode, whole
 from replayjob.errors import IntegrityError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes, read_json_object
 
 SCHEMA: Final = "replayjob.run/v1"
 FILE = "run.json"
-ImageDigest = Annotated[str, msgspec.Meta(pattern="^sha256:[0-9a-f]{64}$")]
+ImageDigest = Annotated[str, whole("sha256:[0-9a-f]{64}")]
 
 
 class RunRecord(Document, frozen=True):

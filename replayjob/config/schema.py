@@ -113,7 +113,8 @@ class OptimizerBatchConfig:
     allow_config_differences: list[str] = doc(
         "Dotted config keys allowed to differ from the source; each must be systems-only and present.",
         default_factory=list)
-    arm: str = doc("Condition name for reports (no control characters); '' derives it from the declared "
+    arm: str = doc("Condition name for reports (printable ASCII: no control characters, no invisible or "
+                   "direction-changing ones); '' derives it from the declared "
                    "differences.", "")
     tolerances_sha256: str = doc("SHA-256 of a predeclared tolerance file (approximate claim).", "")
     budgets_sha256: str = doc("SHA-256 of a predeclared budget file (reduce --budgets).", "")

@@ -36,9 +36,8 @@ import time
 from collections.abc import Callable
 from typing import Annotated, Any
 
-import msgspec
-
 from replayjob.artifacts.cluster_status import PULL_FAILURES, ApiObject, Stuck, judge, read_status
+from replayjob.artifacts.document import whole
 from replayjob.artifacts.run_end import read_run_end_text
 from replayjob.artifacts.verdict import Verdict, read_verdict
 from replayjob.errors import EXIT_ERROR, ConfigError, OperationalError, RefusedError, ReplayjobError, is_retryable
@@ -56,7 +55,7 @@ class Parameter(ApiObject, frozen=True):
 
 
 # a container's exit code as Argo writes it: ASCII decimal digits (int() alone would also read "٣", "+3" or " 3")
-ExitCodeText = Annotated[str, msgspec.Meta(pattern=r"^-?[0-9]{1,10}\Z")]
+ExitCodeText = Annotated[str, whole(r"-?[0-9]{1,10}")]
 
 
 class Outputs(ApiObject, frozen=True):

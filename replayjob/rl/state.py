@@ -142,7 +142,7 @@ def adapter_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
 # described in JSON by :func:`split_optimizer_state`; a capture records that description in its manifest.
 
 EMPTY_STATE = "state.none"
-_LEGACY_KEY = re.compile(r"^(\d+)\.(\w+)$")  # "<i>.<key>": checkpoints written before the shared names
+_LEGACY_KEY = re.compile(r"^(\d+)\.(\w+)\Z")  # "<i>.<key>": checkpoints written before the shared names
 
 
 def json_value(v: Any, where: str) -> Any:
