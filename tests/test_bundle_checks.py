@@ -20,6 +20,7 @@ from torch import Tensor
 
 from replayjob import tensorfile
 from replayjob.bundle import format as fmt
+from replayjob.bundle import inspect_path
 from replayjob.bundle.reader import load_bundle
 from replayjob.bundle.synthetic import _writer, make, write_rollout, write_step
 from replayjob.bundle.writer import ENV_RUN_ID, BundleWriter, default_config, shared_run_id
@@ -132,6 +133,9 @@ def test_a_rank_directory_replaced_by_another_bundle_is_refused_naming_both_dige
     _refused_by_both(capsys, root, "rank 1's manifest is not the one its root recorded", actual, pinned)
     rc, out = _cli(capsys, "bundle", "validate", str(root / "rank-1"))
     assert rc == 2 and actual in out and pinned in out and "Traceback" not in out, out
+    problems = inspect_path(root)["problems"]  # inspect never refuses: it lists what validate refuses
+    assert f"rank 1's manifest.json has SHA-256 {actual}, the root COMPLETE records {pinned}" in problems, problems
+    assert "rank-1 holds a single bundle (multi_rank null), not a rank of this root" in problems, problems
 
 
 def _every_rank_renamed(root: Path) -> None:

@@ -496,6 +496,63 @@ def test_inspect_shows_what_the_declaration_refuses(bundle: Path, capsys: pytest
     assert rc == 0 and "prompt_length" in out, out
 
 
+
+@pytest.mark.parametrize("group", [[1, 2], {"g": 0}])
+def test_inspect_lists_a_sample_group_that_is_no_id_as_a_problem(bundle: Path, capsys: pytest.CaptureFixture[str],
+                                                                 group: object) -> None:
+    """A group that is a list or an object (unhashable) is listed among the problems, never a traceback."""
+    _rewrite(bundle, lambda m: m["index"]["samples"][0].update(group=group))
+    info = inspect_path(bundle)
+    assert "index.samples[0]: not a sample record with a string (or null) group" in info["problems"], info
+    assert info["samples"] == 8 and info["groups"] == 2
+    rc, out = _cli(capsys, "bundle", "inspect", str(bundle))
+    assert rc == 0 and "index.samples[0].group" in out and "Traceback" not in out, out
+
+
+@pytest.mark.parametrize(("multi_rank", "needle"), [
+    ({"rank": 0}, "object missing required field `expected_ranks`"),
+    ({"rank": 0, "expected_ranks": 5, "run_id": "run-a"}, "field `multi_rank.expected_ranks`: expected `array`"),
+    (True, "field `multi_rank`"),
+])
+def test_inspect_lists_a_malformed_rank_record_as_a_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            multi_rank: object, needle: str) -> None:
+    root, run = tmp_path / "mr", new_run_id()
+    for r in (1, 0):
+        write_rollout(root, rank=r, ranks=[0, 1], groups=4, run_id=run)
+    _edit_json(root / "rank-0" / "manifest.json", lambda m: m.update(multi_rank=multi_rank))
+    info = inspect_path(root)
+    assert "rank-0: multi_rank records no list of expected ranks" in info["problems"], info
+    assert any("rank 0's manifest.json has SHA-256" in x for x in info["problems"]), info
+    assert any(needle in x for x in info["ranks"][0]["problems"]), info
+    assert info["expected_ranks"] == [0, 1]  # read from the rank whose record is well-formed
+    rc, out = _cli(capsys, "bundle", "inspect", str(root))
+    assert rc == 0 and needle in out and "Traceback" not in out, out
+
+
+def test_inspect_names_a_linked_rank_directory_and_does_not_read_through_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``rank-1`` linked to a bundle elsewhere: listed as a problem, the bundle it points at never read (validate
+    refuses it); a linked bundle in a capture directory likewise."""
+    root, run = tmp_path / "mr", new_run_id()
+    for r in (1, 0):
+        write_rollout(root, rank=r, ranks=[0, 1], groups=4, run_id=run)
+    elsewhere = write_rollout(tmp_path / "elsewhere", groups=2, seed=9)
+    shutil.rmtree(root / "rank-1")
+    os.symlink(elsewhere, root / "rank-1")
+    info = inspect_path(root)
+    assert "rank-1 is a symbolic link: not read through (validate refuses it)" in info["problems"], info
+    assert [r["path"] for r in info["ranks"]] == [str(root / "rank-0")]
+    rc, out = _cli(capsys, "bundle", "inspect", str(root))
+    assert rc == 0 and "rank-1 is a symbolic link" in out and f"at {root / 'rank-1'}" not in out, out
+    assert _cli(capsys, "bundle", "validate", str(root))[0] == 2
+    cap = tmp_path / "cap"
+    write_rollout(cap / "rollout-000003", groups=2)
+    os.symlink(elsewhere, cap / "rollout-000004")
+    info = inspect_path(cap)
+    assert [b["path"] for b in info["bundles"]] == [str(cap / "rollout-000003")]
+    assert info["problems"] == ["rollout-000004 is a symbolic link: not read (a bundle must be a directory, never "
+                                "a link)"]
+
 def _resealed(bundle: Path, edit: Callable[[dict[str, Any]], None], root: Path | None = None) -> None:
     """``bundle``'s manifest changed by ``edit`` and every landing record re-pinned to it: only the manifest's own
     rules can refuse it."""

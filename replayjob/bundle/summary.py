@@ -2,7 +2,10 @@
 
 Unlike the reader this never refuses: it reports identity, producer, the capability per stage,
 a payload summary and a list of what is missing or wrong, so an unfinished capture can be looked
-at.  It performs no numerics and trusts nothing it shows (use ``bundle validate`` for that).
+at.  It performs no numerics and trusts nothing it shows (use ``bundle validate`` for that): a
+field of the wrong type is a problem listed, never a traceback; a linked ``rank-<r>/`` or bundle
+is named and not read through; a rank directory holding no rank manifest of its root, or one
+whose manifest is not the one the root COMPLETE records, is listed with both digests.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from typing import Any
 from replayjob.bundle import format as fmt
 from replayjob.bundle.reader import is_bundle, is_multi_rank_root
 from replayjob.bundle.schema import decode_manifest
+from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError, ReplayjobError
-from replayjob.jsonio import read_json_object
+from replayjob.fsio import read_regular_bytes
+from replayjob.jsonio import DEFAULT_MAX_BYTES, read_json_object
 
 
 def _doc(p: Path, problems: list[str]) -> dict[str, Any] | None:
@@ -31,7 +36,8 @@ def _doc(p: Path, problems: list[str]) -> dict[str, Any] | None:
 
 def _single(p: Path) -> dict[str, Any]:
     problems: list[str] = []
-    out: dict[str, Any] = {"path": str(p), "layout": "bundle", "complete": (p / fmt.COMPLETE).is_file()}
+    seal = p / fmt.COMPLETE
+    out: dict[str, Any] = {"path": str(p), "layout": "bundle", "complete": seal.is_file() and not seal.is_symlink()}
     if not out["complete"]:
         problems.append("COMPLETE is missing: the bundle is incomplete")
     m = _doc(p / fmt.MANIFEST, problems) or {}
@@ -71,7 +77,11 @@ def _single(p: Path) -> dict[str, Any]:
     samples: list[Any] = ix["samples"] if isinstance(ix.get("samples"), list) else []
     recs = [s for s in samples if isinstance(s, dict)]
     out["samples"] = len(recs)
-    out["groups"] = len({s.get("group") for s in recs if s.get("group") is not None})
+    odd = [i for i, s in enumerate(samples) if not isinstance(s, dict) or not isinstance(s.get("group"), str | None)]
+    if odd:  # listed, never hashed: a group id is a string (validate refuses anything else)
+        problems.append(f"index.samples{odd[:5]}{' ...' if len(odd) > 5 else ''}: not a sample record with a "
+                        "string (or null) group")
+    out["groups"] = len({s["group"] for s in recs if isinstance(s.get("group"), str)})
     out["ungrouped_samples"] = sum(1 for s in recs if s.get("group") is None)
     out["consumer_batches"] = dict(sorted(Counter(str(s.get("consumer_batch")) for s in recs).items()))
     out["micro_batches"] = dict(sorted(Counter(str(s.get("micro_batch")) for s in recs).items()))
@@ -89,20 +99,71 @@ def inspect_path(path: str | Path) -> dict[str, Any]:
     if (p / fmt.MANIFEST).exists() or ((p / fmt.COMPLETE).exists() and not is_multi_rank_root(p)):
         return _single(p)
     if is_multi_rank_root(p):
-        landed = sorted(x.name.split(".", 1)[1] for x in p.glob(f"{fmt.COMPLETE}.*"))
-        ranks = [_single(r) for r in sorted(p.glob("rank-*")) if r.is_dir()]
-        problems = [] if (p / fmt.COMPLETE).is_file() else [
-            f"root COMPLETE is missing: landed ranks {landed}; a rank-local bundle is refused until every "
-            "expected rank lands"]
-        expected = next((r["multi_rank"]["expected_ranks"] for r in ranks if r.get("multi_rank")), None)
-        if expected is not None:
-            problems += [f"rank {r} has not landed" for r in expected if str(r) not in landed]
-        return {"path": str(p), "layout": "multi-rank", "complete": not problems, "landed_ranks": landed,
-                "expected_ranks": expected, "ranks": ranks, "problems": problems}
-    children = [inspect_path(c) for c in sorted(p.iterdir())
-                if c.is_dir() and not c.name.startswith(".") and not c.is_symlink() and is_bundle(c)]
+        return _root(p)
+    entries = sorted(c for c in p.iterdir() if not c.name.startswith("."))
+    linked = [c.name for c in entries if c.is_symlink() and c.is_dir()]  # never read through (validate refuses)
+    children = [inspect_path(c) for c in entries if not c.is_symlink() and c.is_dir() and is_bundle(c)]
+    problems = [f"{name} is a symbolic link: not read (a bundle must be a directory, never a link)" for name in linked]
     return {"path": str(p), "layout": "capture-dir", "bundles": children,
-            "problems": [] if children else ["no bundle in this directory"]}
+            "problems": problems + ([] if children else ["no bundle in this directory"])}
+
+
+def _rank_list(value: object) -> list[int] | None:
+    """``value`` when it is a list of ranks (integers >= 0, no booleans), else None."""
+    if isinstance(value, list) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in value):
+        return list(value)
+    return None
+
+
+def _root(p: Path) -> dict[str, Any]:
+    """A multi-rank root: its records, each ``rank-*`` directory (a link is named, never read through) and what
+    the records say about each rank compared with what the rank holds."""
+    problems: list[str] = []
+    landed = sorted(x.name.split(".", 1)[1] for x in p.glob(f"{fmt.COMPLETE}.*"))
+    root_doc: dict[str, Any] | None = None
+    if (p / fmt.COMPLETE).exists() or (p / fmt.COMPLETE).is_symlink():
+        root_doc = _doc(p / fmt.COMPLETE, problems)
+    else:
+        problems.append(f"root COMPLETE is missing: landed ranks {landed}; a rank-local bundle is refused until "
+                        "every expected rank lands")
+    pinned = root_doc.get("rank_manifests") if root_doc is not None else None
+    pinned = pinned if isinstance(pinned, dict) else {}
+    ranks = []
+    for r in sorted(p.glob("rank-*")):
+        if r.is_symlink():
+            problems.append(f"{r.name} is a symbolic link: not read through (validate refuses it)")
+            continue
+        if not r.is_dir():
+            problems.append(f"{r.name} is not a directory")
+            continue
+        info = _single(r)
+        ranks.append(info)
+        number = r.name.split("-", 1)[1]
+        mr = info.get("multi_rank")
+        if mr is None:
+            problems.append(f"{r.name} holds a single bundle (multi_rank null), not a rank of this root")
+        elif not isinstance(mr, dict) or _rank_list(mr.get("expected_ranks")) is None:
+            problems.append(f"{r.name}: multi_rank records no list of expected ranks")
+        elif str(mr.get("rank")) != number:
+            problems.append(f"{r.name}: its manifest says rank {mr.get('rank')!r}")
+        sha = _manifest_sha256(r)
+        if isinstance(pinned.get(number), str) and sha is not None and pinned[number] != sha:
+            problems.append(f"rank {number}'s manifest.json has SHA-256 {sha}, the root COMPLETE records "
+                            f"{pinned[number]}")
+    expected = next((_rank_list(r["multi_rank"].get("expected_ranks")) for r in ranks
+                     if isinstance(r.get("multi_rank"), dict) and _rank_list(r["multi_rank"].get("expected_ranks"))
+                     is not None), None)
+    missing = [f"rank {r} has not landed" for r in expected or [] if str(r) not in landed]
+    return {"path": str(p), "layout": "multi-rank", "complete": root_doc is not None and not missing,
+            "landed_ranks": landed, "expected_ranks": expected, "ranks": ranks, "problems": problems + missing}
+
+
+def _manifest_sha256(bundle: Path) -> str | None:
+    try:
+        return sha256_bytes(read_regular_bytes(bundle / fmt.MANIFEST, max_bytes=DEFAULT_MAX_BYTES,
+                                               follow_symlinks=False, what="manifest.json"))
+    except ReplayjobError:
+        return None  # listed by _single
 
 
 def render(info: dict[str, Any], indent: str = "") -> str:
