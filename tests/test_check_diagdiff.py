@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from replayjob.check.diagdiff import diff_files
 from replayjob.check.leafdiff import Tolerance, compare_leaves, number_diff
@@ -48,6 +50,55 @@ def test_flatten_paths_and_empty_containers() -> None:
     assert leaves == {"units.trail[0]": 1, "units.trail[1]": 2, "e": {}, "l": [], "n": None}
 
 
+def test_keys_that_read_as_path_syntax_are_quoted() -> None:
+    # joined with "." and "[i]", these keys collided with the nested paths: one value overwrote the other
+    row_ = {"loss.policy": 1.0, "loss": {"policy": 2.0}, "g[0]": 5.0, "g": [1.0], "": 3, "a]": {"": 4},
+            "q": {"x\"y.z": 6}}
+    assert flatten(row_) == {'["loss.policy"]': 1.0, "loss.policy": 2.0, '["g[0]"]': 5.0, "g[0]": 1.0,
+                             '[""]': 3, '["a]"][""]': 4, 'q["x\\"y.z"]': 6}
+
+
+_KEYS = st.sampled_from(["", ".", "a", "a.b", "b", "[0]", "a[0]", "]", '"', "\\", '["a"]', "0"])
+_TREES = st.recursive(st.integers(0, 3) | st.just({}) | st.just([]),
+                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEYS, inner, max_size=4),
+                      max_leaves=20)
+
+
+def _count_leaves(node: Any) -> int:
+    if isinstance(node, dict) and node:
+        return sum(_count_leaves(v) for v in node.values())
+    if isinstance(node, list) and node:
+        return sum(_count_leaves(v) for v in node)
+    return 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(_KEYS, _TREES, max_size=5))
+def test_flatten_never_merges_two_leaves(row_: dict[str, Any]) -> None:
+    """Every leaf keeps a path of its own: no key, however it is spelled, can hide another leaf."""
+    assert len(flatten(row_)) == _count_leaves(row_)
+
+
+def test_a_value_under_a_colliding_key_is_compared(tmp_path: Path) -> None:
+    for key, nested in (("loss.policy", {"loss": {"policy": 2.0}}), ("g[0]", {"g": [2.0]})):
+        a, b = pair(tmp_path, [{"step": 0, key: 1.0, **nested}], [{"step": 0, key: 999.0, **nested}])
+        rep = diff_files(a, b)
+        assert rep.first is not None and [(d.path, d.a, d.b) for d in rep.first.top] == [(f'["{key}"]', 1.0, 999.0)]
+    # a flat dotted key and the nested leaf of the same name are different leaves, not one
+    a, b = pair(tmp_path, [{"step": 0, "loss.policy": 1.0}], [{"step": 0, "loss": {"policy": 1.0}}])
+    rep = diff_files(a, b)
+    assert rep.first is not None
+    assert {(d.path, d.kind) for d in rep.first.top} == {('["loss.policy"]', "only_in_a"), ("loss.policy", "only_in_b")}
+
+
+def test_ignore_patterns_select_quoted_keys_by_their_bare_name(tmp_path: Path) -> None:
+    a, b = pair(tmp_path, [{"step": 0, "v": 1, "timing.elapsed_s": 1.0, "x.y": {"z": 1}}],
+                [{"step": 0, "v": 1, "timing.elapsed_s": 2.0, "x.y": {"z": 2}}])
+    rep = diff_files(a, b)  # the default ignores still match the flat key's last part
+    assert rep.first is not None and [d.path for d in rep.first.top] == ['["x.y"].z']
+    assert diff_files(a, b, ignore=["x.y.z"]).equal
+
+
 def test_parse_and_get_leaf() -> None:
     steps = parse_path("units.trail_distance[2]")
     assert steps == ("units", "trail_distance", 2)
@@ -80,6 +131,14 @@ def test_number_rules() -> None:
     assert number_diff(math.inf, -math.inf, tol) == math.inf
     assert number_diff(10**12, 10**12 + 1, tol) == 1.0  # integers compare exactly
     assert number_diff(2, 2.0, tol) is None  # JSON numbers: an integer and a float may be equal
+
+
+def test_integer_beyond_the_float_range_is_no_infinity() -> None:
+    tol = Tolerance()
+    assert number_diff(10 ** 400, math.inf, tol) == math.inf  # read as +inf, it equalled Infinity
+    assert number_diff(-math.inf, -(10 ** 400), tol) == math.inf
+    assert number_diff(10 ** 400, 1.0, tol) == math.inf
+    assert number_diff(10 ** 400, 10 ** 400, tol) is None
 
 
 def test_compare_leaves_kinds_and_order() -> None:
@@ -225,6 +284,9 @@ def test_bad_options_refused(tmp_path: Path) -> None:
     a = write(tmp_path / "a.jsonl", [row(0)])
     with pytest.raises(UsageError):
         diff_files(a, a, tol=Tolerance(rtol=-1.0))
+    for tol in (Tolerance(rtol=math.inf), Tolerance(atol=math.inf), Tolerance(atol=math.nan)):
+        with pytest.raises(UsageError, match="finite non-negative"):  # inf made any two numbers equal
+            diff_files(a, a, tol=tol)
     with pytest.raises(UsageError):
         diff_files(a, a, ignore=[" "])
 

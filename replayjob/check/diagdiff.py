@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import marshal
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -103,8 +104,8 @@ def check_options(tol: Tolerance, ignore: Iterable[str], top: int) -> IgnoreSet:
     if top < 0:
         raise UsageError(f"--top must be >= 0, got {top}")
     for name, v in (("--rtol", tol.rtol), ("--atol", tol.atol)):
-        if not v >= 0:
-            raise UsageError(f"{name} must be a non-negative number, got {v!r}")
+        if not (v >= 0 and math.isfinite(v)):  # an infinite tolerance would make any two numbers equal
+            raise UsageError(f"{name} must be a finite non-negative number, got {v!r}")
     return IgnoreSet(ignore)
 
 

@@ -5,7 +5,8 @@ Rules, in order:
 * JSON kinds are number, string, bool, null, object, array.  Leaves of different kinds differ
   (``kind = "type"``); ``true`` is not the number 1.  Integers and floats are both numbers.
 * Two integers compare exactly.  Otherwise numbers are equal when
-  ``|a - b| <= atol + rtol * |b|``; NaN equals NaN; an infinity equals only the same infinity.
+  ``|a - b| <= atol + rtol * |b|``; NaN equals NaN; an infinity equals only the same infinity; an
+  integer too large for a float differs from every float (``Infinity`` included).
 * Strings, bools, null and empty containers compare exactly.
 * A leaf on one side only is a difference (``only_in_a`` / ``only_in_b``).
 
@@ -74,12 +75,16 @@ def _as_float(x: int | float) -> float:
 
 
 def number_diff(a: int | float, b: int | float, tol: Tolerance) -> float | None:
-    """``None`` when equal under ``tol``; else ``|a - b|`` (``inf`` for NaN/infinity mismatches)."""
+    """``None`` when equal under ``tol``; else ``|a - b|`` (``inf`` for NaN/infinity mismatches, and
+    for an integer beyond the float range against a float: never read as an infinity)."""
     if isinstance(a, int) and isinstance(b, int):
         if a == b:
             return None
         return _as_float(abs(a - b))
-    fa, fb = _as_float(a), _as_float(b)
+    try:
+        fa, fb = float(a), float(b)
+    except OverflowError:
+        return math.inf
     if math.isnan(fa) or math.isnan(fb):
         return None if math.isnan(fa) and math.isnan(fb) else math.inf
     if math.isinf(fa) or math.isinf(fb):

@@ -3,18 +3,23 @@
 A leaf is every value that is not a non-empty object or array.  Its path joins object keys with
 ``.`` and array positions with ``[i]``: ``{"units": {"trail": [0.5, 0.7]}}`` has the leaves
 ``units.trail[0]`` and ``units.trail[1]``.  Empty objects and arrays are leaves themselves, so a
-container that empties out is still seen.  Keys that contain ``.`` or ``[`` cannot be addressed by
-a path and are best avoided in diagnostics.
+container that empties out is still seen.  A key that is empty or contains ``.``, ``[`` or ``]``
+is written quoted in brackets, as JSON writes the string: ``{"loss.policy": 1, "loss": {"policy":
+2}}`` has the leaves ``["loss.policy"]`` and ``loss.policy``.  So two different leaves never have
+the same path, and a value can never hide another.  Such keys cannot be addressed by a
+:func:`parse_path` path (a signals rule's leaf) and are best avoided in diagnostics.
 
 Ignore patterns are globs where only ``*`` (any run of characters, dots included) and ``?`` (one
 character) are wildcards; ``[`` and ``]`` are literal, so ``units.trail[3]`` names one leaf.  A
 pattern matches a leaf when it matches the full path, the last key, or the last key without its
 array positions: ``elapsed_s`` matches ``timing.elapsed_s`` and ``*_wall_s`` matches
-``timing.sample_wall_s`` and ``phase_wall_s[2]``.
+``timing.sample_wall_s`` and ``phase_wall_s[2]``.  Patterns are matched against the path with
+every key written bare (``timing.elapsed_s`` for the key ``"timing.elapsed_s"`` too), so a
+pattern selects a quoted key as it would the same name nested.
 
 Example:
-    >>> flatten({"a": {"b": [1, 2.5]}, "c": {}})
-    {'a.b[0]': 1, 'a.b[1]': 2.5, 'c': {}}
+    >>> flatten({"a": {"b": [1, 2.5]}, "c": {}, "d.e": 3})
+    {'a.b[0]': 1, 'a.b[1]': 2.5, 'c': {}, '["d.e"]': 3}
     >>> parse_path("units.trail[3]")
     ('units', 'trail', 3)
     >>> IgnoreSet(DEFAULT_IGNORES).matches("timing.sample_wall_s")
@@ -23,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -48,26 +54,50 @@ Location = tuple[tuple[str | int, ...], str | int]
 
 
 def flatten(row: Any, ignore: IgnoreSet | None = None, ignored: set[Location] | None = None) -> dict[str, Any]:
-    """All leaves of ``row`` as ``{path: value}``, in document order.
+    """All leaves of ``row`` as ``{path: value}``, in document order; distinct leaves have distinct
+    paths (keys that could be read as path syntax are quoted), so no value overwrites another.
 
     With ``ignore``, a leaf it matches is left out and its location is added to ``ignored``.
     """
     out: dict[str, Any] = {}
-    _walk(row, "", (), ignore, out, set() if ignored is None else ignored)
+    _walk(row, "", None, (), ignore, out, set() if ignored is None else ignored)
     return out
 
 
-def _walk(node: Any, path: str, steps: tuple[str | int, ...], ignore: IgnoreSet | None,
+def _plain(key: str) -> bool:
+    """Whether ``key`` can stand bare in a path: not empty, no ``.``, ``[`` or ``]``."""
+    return bool(key) and "." not in key and "[" not in key and "]" not in key
+
+
+def key_path(path: str, key: str) -> str:
+    """``path`` extended by the object key ``key``: ``path.key``, or ``path["key"]`` for a key that is
+    empty or holds ``.``, ``[`` or ``]`` (JSON string syntax, so the quoted form is unambiguous)."""
+    if _plain(key):
+        return f"{path}.{key}" if path else key
+    return f"{path}[{json.dumps(key, ensure_ascii=False)}]"
+
+
+def _walk(node: Any, path: str, name: str | None, steps: tuple[str | int, ...], ignore: IgnoreSet | None,
           out: dict[str, Any], ignored: set[Location]) -> None:
+    # path: the unambiguous leaf path (the key of ``out``); name: the same with every key written bare,
+    # which the ignore patterns match, or None while it equals path (no key on the way was quoted)
     if isinstance(node, dict) and node:
         for key, value in node.items():
-            _walk(value, f"{path}.{key}" if path else str(key), (*steps, key), ignore, out, ignored)
+            if name is None and key and "." not in key and "[" not in key and "]" not in key:  # _plain, inline
+                _walk(value, f"{path}.{key}" if path else key, None, (*steps, key), ignore, out, ignored)
+            else:
+                bare = path if name is None else name
+                _walk(value, key_path(path, key), f"{bare}.{key}" if bare else key, (*steps, key), ignore,
+                      out, ignored)
     elif isinstance(node, list) and node:
         for i, value in enumerate(node):
-            _walk(value, f"{path}[{i}]", (*steps, i), ignore, out, ignored)
-    elif ignore is not None and steps and ignore.matches(path):
+            _walk(value, f"{path}[{i}]", None if name is None else f"{name}[{i}]", (*steps, i), ignore, out,
+                  ignored)
+    elif ignore is not None and steps and ignore.matches(path if name is None else name):
         ignored.add((steps[:-1], steps[-1]))
     else:
+        if path in out:  # unreachable: the paths are unambiguous; never let a value hide another
+            raise AssertionError(f"two leaves share the path {path!r}")
         out[path] = node
 
 
