@@ -307,7 +307,6 @@ def _read_index(d: Path, expected_sha256: str | None) -> TraceIndex:
 def _sites(doc: TraceIndex, tensors: dict[str, torch.Tensor], prefix: str, where: Path) -> list[Site]:
     import torch
     rows, tokens = doc.rows, doc.tokens
-    doc_row_tokens = [int(x) for x in tensors["rows.tokens"].tolist()]
     entries: list[TraceSiteEntry] = getattr(doc, prefix)
     stats, digests = tensors[f"{prefix}.stats"], tensors[f"{prefix}.sha256"]
     _expect(tuple(stats.shape) == (len(entries), rows, len(STATS)) and stats.dtype == torch.float64, where,
@@ -320,12 +319,33 @@ def _sites(doc: TraceIndex, tensors: dict[str, torch.Tensor], prefix: str, where
         _expect(tuple(v.shape) == (tokens, e.width) and v.dtype == tensorfile.torch_dtype(e.dtype),
                 where, f"{prefix} site {e.name!r}: values {v.dtype}{tuple(v.shape)} do not match the index")
         hexes = tuple(bytes(digests[k, i].tolist()).hex() for i in range(rows))
-        actual = row_digests(v, doc_row_tokens)  # never trust the recorded table: recompute from the bytes
+        own, actual = row_stats(v, tensors["rows.tokens"])  # never trust recorded tables: recompute
         bad = [i for i in range(rows) if actual[i] != hexes[i]]
         _expect(not bad, where, f"{prefix} site {e.name!r}: the recorded SHA-256 of {len(bad)} row(s) (first: "
                                 f"row {bad[0] if bad else 0}) does not match the values' bytes")
-        out.append(Site(e.name, e.kind, v, stats[k], tuple(actual)))
+        _expect(_same_stats(stats[k], own), where, f"{prefix} site {e.name!r}: the recorded statistics "
+                                                   f"({', '.join(STATS)}) are not the values'")
+        out.append(Site(e.name, e.kind, v, own, tuple(actual)))
     return out
+
+
+def _same_stats(recorded: torch.Tensor, own: torch.Tensor) -> bool:
+    """Recorded statistics equal to the ones recomputed from the values but for float rounding (another machine
+    may sum in another order): each within 1e-6 of its own size plus 1e-9 of its row's largest figure, a NaN
+    where the values give NaN and nowhere else."""
+    import torch
+
+    if recorded.shape != own.shape:
+        return False
+    nan = torch.isnan(own)
+    if not torch.equal(torch.isnan(recorded), nan):
+        return False
+    a, b = recorded.masked_fill(nan, 0.0), own.masked_fill(nan, 0.0)
+    if not torch.equal(torch.isinf(a), torch.isinf(b)) or not torch.equal(a[torch.isinf(a)], b[torch.isinf(b)]):
+        return False
+    a, b = a.masked_fill(torch.isinf(a), 0.0), b.masked_fill(torch.isinf(b), 0.0)
+    scale = b.abs().amax(dim=-1, keepdim=True) if b.ndim else b.abs()
+    return bool(((a - b).abs() <= 1e-6 * b.abs() + 1e-9 * scale).all())
 
 
 def read_trace(run_dir: str | Path, expected_index_sha256: str | None = None) -> Trace:
@@ -366,6 +386,11 @@ def read_trace(run_dir: str | Path, expected_index_sha256: str | None = None) ->
         _expect(recorded == actual, pay, f"parameter {e.name!r}: the recorded gradient or update SHA-256 does "
                                          "not match the tensors' bytes")
         params.append(Param(e.name, g, u, *actual))
+    pstats = tensors["param.stats"]
+    own = torch.tensor([_param_stats(p) for p in params], dtype=torch.float64).reshape(len(params), len(PARAM_STATS))
+    _expect(pstats.dtype == torch.float64 and tuple(pstats.shape) == tuple(own.shape) and _same_stats(pstats, own),
+            pay, f"param.stats ({pstats.dtype}{tuple(pstats.shape)}) is not the parameters' statistics "
+                 f"({', '.join(PARAM_STATS)}, float64 [{len(params)}, {len(PARAM_STATS)}])")
     return Trace(identity=msgspec.to_builtins(doc.identity), row_tokens=rt, row_micro_batch=mb,
                  forward=_sites(doc, tensors, "forward", pay), backward=_sites(doc, tensors, "backward", pay),
                  params=params, untraced=list(doc.untraced), path=d)
