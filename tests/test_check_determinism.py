@@ -172,3 +172,59 @@ def test_nondeterministic_observation_is_drift(workspace: Path, tmp_path: Path,
     assert code == 1, text
     assert "run_1 vs run_0: drift from step 0" in text
     assert "first divergent row: step 0 (line 1 / 1)" in text
+
+
+def _shared_diag(tmp_path: Path) -> Path:
+    shared = tmp_path / "shared.jsonl"
+    shared.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 0.5}\n')
+    return shared
+
+
+@pytest.mark.parametrize("link, message", [
+    ("ln -s", "left diag.jsonl as a symbolic link to"),  # both runs read the one shared file: DETERMINISTIC
+    ("ln", "are one file (hard links)"),
+])
+def test_linked_diag_files_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], link: str,
+                                   message: str) -> None:
+    shared = _shared_diag(tmp_path)
+    out = tmp_path / "check"
+    assert main(["determinism-check", "--command", f"{link} {shlex.quote(str(shared))} {{out}}/diag.jsonl",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "diag.jsonl" in err and "Traceback" not in err and "fix:" in err
+    assert not (out / REPORT_FILE).exists()
+
+
+def test_linked_run_directory_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shared = _shared_diag(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.link(shared, elsewhere / "diag.jsonl")
+    out = tmp_path / "check"
+    assert main(["determinism-check", "--command", f"rmdir {{out}} && ln -s {shlex.quote(str(elsewhere))} {{out}}",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "'run_0' is a symbolic link" in err and not (out / REPORT_FILE).exists()
+
+
+def test_earlier_run_file_replaced_by_a_link_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the second run links the first run's file to its own: checked again once every run is done
+    shared = _shared_diag(tmp_path)
+    out = tmp_path / "check"
+    cmd = (f"cp {shlex.quote(str(shared))} {{out}}/diag.jsonl && if [ $(basename {{out}}) = run_1 ]; "
+           f"then ln -sf {{out}}/diag.jsonl {{out}}/../run_0/diag.jsonl; fi")
+    assert main(["determinism-check", "--command", cmd, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "run 1 of 2 left diag.jsonl as a symbolic link" in err and not (out / REPORT_FILE).exists()
+
+
+def test_diag_file_in_a_run_directory_is_not_followed(tmp_path: Path) -> None:
+    """signals reads a run directory's diag.jsonl without following a link; one named directly may be."""
+    from replayjob.check.rows import iter_rows
+    from replayjob.errors import IntegrityError
+    shared = _shared_diag(tmp_path)
+    link = tmp_path / "link.jsonl"
+    os.symlink(shared, link)
+    assert len(list(iter_rows(link))) == 2
+    with pytest.raises(IntegrityError, match="symbolic link"):
+        list(iter_rows(link, follow_symlinks=False))

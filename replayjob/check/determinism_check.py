@@ -9,7 +9,10 @@ Two modes:
   quoted); the command must write ``{out}/diag.jsonl``.
 
 Each run gets ``OUT/run_<i>/`` with its stdout and stderr kept beside it as ``OUT/run_<i>.stdout.log``
-and ``.stderr.log``.  ``OUT/determinism_check.json`` (the report) is written last.  A run that exits
+and ``.stderr.log``.  ``OUT/determinism_check.json`` (the report) is written last.  A run's
+``diag.jsonl`` must be a regular file it wrote: a symbolic link anywhere below ``OUT``, or two runs
+whose files are one (hard links), is refused (exit 2), since a file compared with itself proves
+nothing.  A run that exits
 non-zero is refused (exit 2) with its status and the tail of its stderr, except a run that crashed
 (any status but 1 or 2: :func:`replayjob.errors.is_retryable`, a signal included), which decided nothing
 (exit 3, retryable); a drift is a negative
@@ -20,6 +23,7 @@ recorded in the first run's diag provenance is reported, so a verdict says which
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -44,7 +48,7 @@ from replayjob.errors import (
     UsageError,
     is_retryable,
 )
-from replayjob.fsio import atomic_write_bytes
+from replayjob.fsio import atomic_write_bytes, check_no_symlinks
 from replayjob.jsonio import pretty_bytes
 from replayjob.redact import redact_command
 from replayjob.runtime.determinism import math_mode_from_env
@@ -176,14 +180,41 @@ def _run_one(index: int, total: int, argv: list[str], out: Path) -> RunRecord:
         cls = OperationalError if crashed else RunFailedError
         raise cls(f"run {index + 1} of {total} {how}; the end of its stderr:\n{_stderr_tail(err_path)}",
                   where=run_dir, hint=f"full stderr in {err_path}")
-    if not (run_dir / DIAG_FILE).is_file():
-        raise RunFailedError(f"run {index + 1} of {total} exited 0 but wrote no {DIAG_FILE}", where=run_dir,
-                             hint="the command must write its diagnostics to {out}/diag.jsonl")
+    _run_diag(out, index, total)
     return rec
 
 
+def _run_diag(out: Path, index: int, total: int) -> Path:
+    """``OUT/run_<index>/diag.jsonl``, refused unless the run wrote it there as a regular file: a
+    symbolic link (to the file of another run, or to one shared file) would compare a file with
+    itself, so no component below ``OUT`` may be one."""
+    diag = out / f"run_{index}" / DIAG_FILE
+    if diag.is_symlink():
+        raise RunFailedError(f"run {index + 1} of {total} left {DIAG_FILE} as a symbolic link to "
+                             f"{os.readlink(diag)!r}; runs must write their own diagnostics, and linked ones "
+                             "can compare one file with itself", where=diag,
+                             hint="make the command write the file into {out} (copy it there, do not link it)")
+    check_no_symlinks(out, diag, what=f"run {index + 1}'s {DIAG_FILE}")  # run_<i> itself a link, a FIFO
+    if not diag.is_file():
+        raise RunFailedError(f"run {index + 1} of {total} exited 0 but wrote no {DIAG_FILE}", where=diag.parent,
+                             hint="the command must write its diagnostics to {out}/diag.jsonl")
+    return diag
+
+
+def _distinct_files(diags: list[Path]) -> None:
+    """Refuse two runs whose diag.jsonl is one file (hard links): the comparison would be with itself."""
+    seen: dict[tuple[int, int], Path] = {}
+    for diag in diags:
+        st = os.lstat(diag)
+        first = seen.setdefault((st.st_dev, st.st_ino), diag)
+        if first is not diag:
+            raise RunFailedError(f"{diag} and {first} are one file (hard links); each run must write its own "
+                                 f"{DIAG_FILE}", where=diag, hint="make the command write the file into {out} "
+                                                                  "(copy it there, do not link it)")
+
+
 def _provenance(diag: Path) -> dict[str, Any] | None:
-    for _, row in iter_rows(diag):
+    for _, row in iter_rows(diag, follow_symlinks=False):
         prov = row.get("provenance")
         return prov if isinstance(prov, dict) else None
     return None
@@ -221,9 +252,11 @@ def check(config: str | Path | None = None, *, runs: int = 2, steps: int | None 
         report.runs.append(rec)
         if progress:
             progress(f"run {i + 1}/{runs}: exit 0 in {rec.wall_s:.1f} s -> {rec.dir}")
-    base = report.runs[0].dir / DIAG_FILE
-    report.provenance = _provenance(base)
-    for rec in report.runs[1:]:
-        report.diffs.append(diff_files(base, rec.dir / DIAG_FILE, tol=tol, ignore=ignore, top=top))
+    # checked again once every run is done: a later run could have replaced an earlier one's file
+    diags = [_run_diag(root, rec.index, runs) for rec in report.runs]
+    _distinct_files(diags)
+    report.provenance = _provenance(diags[0])
+    for diag in diags[1:]:  # opened without following a link that appears after the check
+        report.diffs.append(diff_files(diags[0], diag, tol=tol, ignore=ignore, top=top, follow_symlinks=False))
     atomic_write_bytes(root / REPORT_FILE, pretty_bytes(report.to_json()))
     return report

@@ -64,9 +64,9 @@ def _same_bytes(a: dict[str, Any], b: dict[str, Any]) -> bool:
 class _Side:
     """One file being streamed, with its row count and step monotonicity check."""
 
-    def __init__(self, path: str | Path, by_step: bool | None = None):
+    def __init__(self, path: str | Path, by_step: bool | None = None, follow_symlinks: bool = True):
         self.path = str(path)
-        self.rows: Iterator[tuple[int, dict[str, Any]]] = iter_rows(path)
+        self.rows: Iterator[tuple[int, dict[str, Any]]] = iter_rows(path, follow_symlinks=follow_symlinks)
         self.count = 0
         self.by_step = by_step
         self.last_step: int | None = None
@@ -110,12 +110,16 @@ def check_options(tol: Tolerance, ignore: Iterable[str], top: int) -> IgnoreSet:
 
 
 def diff_files(path_a: str | Path, path_b: str | Path, *, tol: Tolerance | None = None,
-               ignore: Iterable[str] = (), top: int = 10, default_ignores: bool = True) -> DiffReport:
-    """Compare two JSONL diagnostics files; see the module docstring for the rules."""
+               ignore: Iterable[str] = (), top: int = 10, default_ignores: bool = True,
+               follow_symlinks: bool = True) -> DiffReport:
+    """Compare two JSONL diagnostics files; see the module docstring for the rules.
+
+    ``follow_symlinks=False`` refuses a file that is a symbolic link (files found inside run
+    directories rather than named by the user)."""
     tol = tol or Tolerance()
     patterns = (*(DEFAULT_IGNORES if default_ignores else ()), *ignore)
     ig = check_options(tol, patterns, top)
-    a, b = _Side(path_a), _Side(path_b)
+    a, b = _Side(path_a, follow_symlinks=follow_symlinks), _Side(path_b, follow_symlinks=follow_symlinks)
     a.advance()
     b.advance()
     for side in (a, b):

@@ -24,15 +24,19 @@ from replayjob.fsio import open_regular
 from replayjob.jsonio import fast_loads
 
 
-def open_jsonl(path: str | Path) -> Any:
-    """Open ``path`` for binary line reading, or refuse naming the file."""
+def open_jsonl(path: str | Path, *, follow_symlinks: bool = True) -> Any:
+    """Open ``path`` for binary line reading, or refuse naming the file.
+
+    A JSONL file the user names may be a symbolic link; one found inside an artifact directory (a run
+    directory's diag.jsonl) is opened with ``follow_symlinks=False``, which refuses a link.
+    """
     p = Path(path)
     if p.is_dir():
         raise IntegrityError("is a directory, not a JSONL file", where=p, hint="pass the diag.jsonl inside it")
     if not p.exists() and not p.is_symlink():
         raise IntegrityError("file not found", where=p, hint="check the path")
-    # devices and FIFOs refused without blocking; a JSONL file the user names may be a link
-    fd, _size = open_regular(p, follow_symlinks=True, what="JSONL file")
+    # devices and FIFOs refused without blocking
+    fd, _size = open_regular(p, follow_symlinks=follow_symlinks, what="JSONL file")
     return os.fdopen(fd, "rb")  # the caller closes it (iter_rows streams it across a generator)
 
 
@@ -71,9 +75,10 @@ def parse_line_stdlib(line: bytes, lineno: int, where: str | Path) -> dict[str, 
     return row
 
 
-def iter_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(line_number, row)`` for every non-blank line of ``path`` (1-based numbers)."""
-    with open_jsonl(path) as f:
+def iter_rows(path: str | Path, *, follow_symlinks: bool = True) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield ``(line_number, row)`` for every non-blank line of ``path`` (1-based numbers); see
+    :func:`open_jsonl` for ``follow_symlinks``."""
+    with open_jsonl(path, follow_symlinks=follow_symlinks) as f:
         try:
             for lineno, line in enumerate(f, 1):
                 if line.isspace():

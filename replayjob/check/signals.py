@@ -290,11 +290,12 @@ def relative_gap(a: float, b: float, floor: float) -> float:
 def evaluate(source: str | Path, rules: Rules) -> SignalsReport:
     """Grade ``source`` (a run directory or a diag.jsonl) against ``rules``."""
     diag, base = resolve_source(source)
+    found = Path(source).is_dir()  # a diag.jsonl inside a run directory is opened without following a link
     collectors = [_Collector(r) for r in rules.signals]
     con_steps = [parse_path(r.leaf) for r in rules.consistency]
     con_last: list[float | None] = [None] * len(rules.consistency)
     rows = 0
-    for lineno, row in iter_rows(diag):
+    for lineno, row in iter_rows(diag, follow_symlinks=not found):
         step = row.get("step")
         x = _float(step, f"line {lineno}: step", diag) if isinstance(step, int | float) and \
             not isinstance(step, bool) else float(rows)
