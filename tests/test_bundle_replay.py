@@ -145,6 +145,30 @@ def test_capture_directory_picks_by_exact_identity(tmp_path: Path, capsys: pytes
     assert rc == 2 and "--rollout 3 does not match this step bundle" in out
 
 
+
+@pytest.mark.parametrize(("damage", "cause"), [
+    (b'{"index": ', "malformed JSON"),                      # truncated
+    (b'{"index": {"kind": "rollout"}}', "KeyError"),       # no identity to match
+    (None, "manifest.json is missing"),                     # missing: COMPLETE alone marks it a bundle
+])
+def test_a_candidate_bundle_that_cannot_be_read_refuses_the_selector(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: bytes | None, cause: str) -> None:
+    """Two bundles of rollout 3, one of which cannot be read: ``--rollout 3`` is refused naming it, never resolved
+    to the other (skipping it would turn an ambiguous selector into an unambiguous pick)."""
+    cap = tmp_path / "cap"
+    write_rollout(cap / "rollout-000003", groups=2)
+    write_rollout(cap / "rollout-000003-retry", groups=2, seed=5)
+    manifest = cap / "rollout-000003-retry" / "manifest.json"
+    if damage is None:
+        manifest.unlink()
+    else:
+        manifest.write_bytes(damage)
+    for selector in (["--rollout", "3"], ["--step", "3:0"]):
+        rc, out = _cli(capsys, "bundle", "replay", str(cap), *selector)
+        assert rc == 2 and "bundle 'rollout-000003-retry', whose manifest cannot be read" in out, out
+        assert cause in out and "Traceback" not in out, out
+    assert _cli(capsys, "bundle", "replay", str(cap / "rollout-000003"))[0] == 0  # its directory still replays
+
 def test_incomplete_group_closure_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A rank shard holding half of a group cannot be normalised: refused, never guessed."""
     from replayjob.bundle.synthetic import Synthetic, _writer

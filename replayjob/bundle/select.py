@@ -3,6 +3,7 @@
 A capture directory holds several bundles (``rollout-*``, ``step-*``, ``update-*``, multi-rank
 roots); ``--step R:S`` picks the step or update bundle of exactly that actor step, ``--rollout R``
 the rollout or update bundle of that rollout (an update bundle holds a rollout and its one step).
+A candidate whose manifest cannot be read refuses the selection, named: it is never skipped.
 Inside a bundle, ``--sample``, ``--group`` and ``--batch`` (micro-batch ids) select samples, and
 the selection always expands to whole semantic groups, read from each sample's recorded
 membership.  A selected sample without membership is refused: a group is never inferred from a
@@ -17,7 +18,7 @@ from typing import Any
 
 from replayjob.bundle import format as fmt
 from replayjob.bundle.reader import Bundle, is_bundle
-from replayjob.errors import ContractError, IntegrityError, UsageError
+from replayjob.errors import ContractError, IntegrityError, ReplayjobError, UsageError
 from replayjob.jsonio import read_json_object
 
 
@@ -28,16 +29,26 @@ class Selection:
     requested: dict[str, list[str]]
 
 
-def _identity(p: Path) -> tuple[str, int, int | None] | None:
-    """(kind, rollout_id, step_id) of a candidate, read for matching only (validated later)."""
+def _identity(p: Path) -> tuple[str, int, int | None]:
+    """(kind, rollout_id, step_id) of a candidate, read for matching only (validated later).
+
+    A candidate whose manifest cannot be read raises: skipping it could turn an ambiguous selector into an
+    unambiguous pick of another bundle."""
     first = p if (p / fmt.MANIFEST).exists() else next(iter(sorted(p.glob("rank-*/"))), None)
-    if first is None or not (first / fmt.MANIFEST).is_file():
-        return None
+    where = (first or p) / fmt.MANIFEST
     try:
-        ix: dict[str, Any] = read_json_object(first / fmt.MANIFEST)["index"]
+        if first is None:
+            raise IntegrityError("manifest.json is missing, and no rank-<r>/ directory holds one", where=p)
+        ix: dict[str, Any] = read_json_object(where)["index"]
         return str(ix["kind"]), int(ix["identity"]["rollout_id"]), ix["identity"]["step_id"]
-    except (IntegrityError, KeyError, TypeError, ValueError):
-        return None
+    except ReplayjobError as exc:
+        cause = exc.message
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        cause = f"no index.kind and index.identity to match ({type(exc).__name__}: {exc})"
+    raise IntegrityError(f"the capture directory holds bundle {p.name!r}, whose manifest cannot be read to match the "
+                         f"selector ({cause}); it could be the bundle selected, so none is picked", where=where,
+                         hint=f"pass the bundle's directory, or repair or move {p.name!r} out of the capture "
+                              "directory")
 
 
 def resolve(path: str | Path, step: tuple[int, int] | None, rollout: int | None) -> Path:
@@ -54,10 +65,7 @@ def resolve(path: str | Path, step: tuple[int, int] | None, rollout: int | None)
         raise IntegrityError("no bundle in this directory", where=p, hint="pass a bundle or capture directory")
     matches = []
     for c in children:
-        ident = _identity(c)
-        if ident is None:
-            continue
-        kind, rid, sid = ident
+        kind, rid, sid = _identity(c)  # a candidate that cannot be read refuses the selection
         if _matches(kind, rid, sid, step, rollout):
             matches.append(c)
     if len(matches) == 1:
