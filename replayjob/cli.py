@@ -185,8 +185,8 @@ Options:
                     [optimizer_batch] mismatch_bound_sha256; without it the report ends in exit 2.
   --allow-lag       mismatch: attribute and decide across a policy lag (a source whose weights
                     predate the captured step, e.g. TRL's num_iterations > 1).
-  --rtol R          diag-diff: numbers are equal when |a-b| <= atol + rtol*|b| [default: 1e-5].
-  --atol A          diag-diff: absolute tolerance [default: 1e-7].
+  --rtol R          diag-diff: numbers are equal when |a-b| <= atol + rtol*|b|; finite, >= 0 [default: 1e-5].
+  --atol A          diag-diff: absolute tolerance; finite, >= 0 [default: 1e-7].
   --ignore GLOB     diag-diff: also ignore leaves matching GLOB (only * and ? are wildcards).
   --top N           diag-diff: drifting leaves shown per row, largest first [default: 10].
   --runs K          determinism-check: identical runs, each in a fresh process [default: 2].
@@ -218,9 +218,9 @@ goes to replayjob-error-*.txt in the command's output directory, or to stderr; o
 are final.
 
 Leaves diag-diff and determinism-check ignore by default (wall-clock times, rates, memory peaks;
-a pattern matches the full leaf path or its last key): elapsed_s, *_elapsed_s, wall_s, *_wall_s,
-*wall_time*, sps, *_sps, *per_sec*, *per_second*, *timestamp*, *_time_ns, *datetime*, *peak_rss*,
-*max_rss*, *max_allocated*, *max_reserved*.
+a pattern matches the full leaf path or its last key, keys written bare even where a path quotes
+them): elapsed_s, *_elapsed_s, wall_s, *_wall_s, *wall_time*, sps, *_sps, *per_sec*, *per_second*,
+*timestamp*, *_time_ns, *datetime*, *peak_rss*, *max_rss*, *max_allocated*, *max_reserved*.
 """
 
 from __future__ import annotations
