@@ -8,8 +8,11 @@ Layout of a state directory::
     optimizer.safetensors       AdamW moments and step per parameter (checkpoints only)
     rng.safetensors             Torch CPU and CUDA RNG states (checkpoints only)
 
-``step`` is the last completed step; ``-1`` is an initialisation state (nothing trained yet).
-Every file listed in ``files`` is verified by SHA-256 before it is used; nothing is pickled.
+``step`` is the last completed step; ``-1`` is an initialisation state (nothing trained yet), which holds no
+RNG state and no optimizer state (an ``optimizer.safetensors`` of it, as a chosen step zero's state writes, holds
+the empty state only).  Every file listed in ``files`` is verified by SHA-256 before it is used; nothing is
+pickled.  The adapter and the optimizer state are read when the state is: every floating tensor finite, the
+second moments non-negative and every per-parameter step count ``step + 1`` (:func:`optimizer_state_reasons`).
 """
 
 from __future__ import annotations
@@ -97,7 +100,42 @@ def read_state(path: str | Path) -> ResumeState:
             raise IntegrityError(f"{name} has SHA-256 {actual}, trainer_state.json pins {digest}",
                                  where=d, hint="the state was modified after it was written; recreate it")
         tensorfile.read_header(f, follow_symlinks=False)  # structure checked before anything loads it
+    _check_values(d, step, files)
     return ResumeState(d, step, model, d / ADAPTER_WEIGHTS, files[ADAPTER_WEIGHTS], dict(files))
+
+
+_STATE_HINT = "the state was modified after it was written, or no training could have produced it; recreate it"
+
+
+def _check_values(d: Path, step: int, files: Mapping[str, str]) -> None:
+    """What a resume state's tensors hold, against its step: an initialisation state (step -1) carries no RNG
+    state and no optimizer state; the adapter and the optimizer state are finite, the second moments are
+    non-negative, and every per-parameter step count is the ``step + 1`` optimizer steps the built-in trainer took
+    up to the state (it steps once per step).  Refused naming the file and tensor, before anything uses them."""
+    if step == -1 and RNG_FILE in files:
+        raise IntegrityError(f"trainer_state.json lists {RNG_FILE}, but an initialisation state (step -1) holds no "
+                             "RNG state (a run from it seeds from its config)", where=d / STATE_FILE,
+                             hint=f"remove {RNG_FILE} from files, or run `replayjob init` again")
+    adapter = tensorfile.load(d / ADAPTER_WEIGHTS, expected_sha256=files[ADAPTER_WEIGHTS], follow_symlinks=False)
+    reasons = tensor_reasons(adapter, "tensor")
+    if reasons:
+        raise IntegrityError(_listed(reasons), where=d / ADAPTER_WEIGHTS, hint=_STATE_HINT)
+    if OPTIMIZER_FILE not in files:
+        return
+    opt = tensorfile.load(d / OPTIMIZER_FILE, expected_sha256=files[OPTIMIZER_FILE], follow_symlinks=False)
+    if step == -1 and set(opt) != {EMPTY_STATE}:
+        raise IntegrityError(f"an initialisation state (step -1) starts a fresh optimizer, but {OPTIMIZER_FILE} "
+                             f"holds optimizer state ({', '.join(sorted(opt)[:3])}, ...)", where=d / OPTIMIZER_FILE,
+                             hint=f"remove {OPTIMIZER_FILE} from the state, or resume from the state of the step "
+                                  "it was saved at")
+    reasons = optimizer_state_reasons(opt, {step + 1}, f"a state of step {step} (after {step + 1} optimizer "
+                                                       "step(s))")
+    if reasons:
+        raise IntegrityError(_listed(reasons), where=d / OPTIMIZER_FILE, hint=_STATE_HINT)
+
+
+def _listed(reasons: list[str]) -> str:
+    return "; ".join(reasons[:4]) + (f" (and {len(reasons) - 4} more)" if len(reasons) > 4 else "")
 
 
 def write_state(d: Path, step: int, model_ref: dict[str, Any], extra_files: dict[str, bytes],
@@ -212,6 +250,153 @@ def join_optimizer_state(tensors: Mapping[str, torch.Tensor], doc: Mapping[str, 
         if "betas" in g and isinstance(g["betas"], list):
             g["betas"] = tuple(g["betas"])
     return {"state": state, "param_groups": groups}
+
+
+# -- what a start state may hold: one set of rules for the built-in resume states and the capture API's files -----
+#
+# An optimizer state is the state after some number of optimizer steps: every per-parameter ``step`` count is that
+# number, every moment finite and every second moment non-negative.  The built-in trainer steps once per step (a
+# state of step S follows S + 1 steps, :func:`read_state`); the capture API's step K follows K optimizer steps, or
+# the LR scheduler's ``last_epoch`` where a loss scaler skipped steps (the optimizer's and the scheduler's both;
+# ``last_epoch`` is at most K: :class:`replayjob.artifacts.api_manifest.ApiManifest`).  The capture API also
+# records the optimizer's param groups and the scheduler's state as JSON (:func:`optimizer_description_reasons`,
+# :func:`scheduler_reasons`).  Each function returns the reasons, empty when there are none.
+
+SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")  # AdamW's (and Adam's amsgrad) running squares: never negative
+_STATE_KEY = re.compile(r"state\.(0|[1-9][0-9]*)\.(.+)\Z", re.ASCII | re.DOTALL)
+_INDEX = re.compile(r"0|[1-9][0-9]*", re.ASCII)
+
+
+def _state_key(name: str) -> tuple[str, str] | None:
+    """``(index, key)`` of an optimizer file's tensor (``state.<i>.<key>``, or ``<i>.<key>`` as checkpoints written
+    before the shared names have it); None for the empty state or another name."""
+    found = _LEGACY_KEY.match(name) or _STATE_KEY.match(name)
+    return (found.group(1), found.group(2)) if found else None
+
+
+def _index(idx: str) -> int | None:
+    """A parameter index as a state's keys spell it (decimal, no sign or leading zero), or None."""
+    return int(idx) if _INDEX.fullmatch(idx) else None
+
+
+def tensor_reasons(tensors: Mapping[str, torch.Tensor], what: str) -> list[str]:
+    """Each floating tensor of ``tensors`` holding a NaN or an infinity, named (``what``: how a reason names one)."""
+    import torch
+    reasons = []
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                reasons.append(f"{what} {name} holds {bad} NaN or infinite value(s)")
+    return reasons
+
+
+def optimizer_state_reasons(tensors: Mapping[str, torch.Tensor], steps: set[int], after: str,
+                            state: Mapping[str, Mapping[str, Any]] | None = None) -> list[str]:
+    """Why an optimizer file's tensors (``state.<i>.<key>``, with ``state``, its non-tensor per-parameter values)
+    cannot be the optimizer state ``after`` describes: a non-finite tensor, a negative second moment, or a
+    per-parameter ``step`` count not in ``steps`` (the counts that state's step implies)."""
+    import torch
+    reasons = tensor_reasons(tensors, "tensor")
+    want = " or ".join(str(n) for n in sorted(steps))
+
+    def count(name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value not in steps:
+            reasons.append(f"{name} counts {str(value)[:24]} optimizer step(s), but it is {after}: its step counts "
+                           f"are {want}")
+
+    for name in sorted(tensors):
+        parsed, t = _state_key(name), tensors[name]
+        if parsed is None:
+            continue
+        if parsed[1] in SECOND_MOMENTS and t.is_floating_point() and bool((t < 0).any()):
+            reasons.append(f"tensor {name} holds {int((t < 0).sum())} negative value(s); a second moment is a "
+                           "running mean of squares")
+        if parsed[1] == "step":
+            if t.numel() != 1:
+                reasons.append(f"tensor {name} has shape {list(t.shape)}, not one step count")
+            elif bool(torch.isfinite(t).all()):
+                count(f"tensor {name}", t.reshape(()).item())
+    for idx, entry in sorted((state or {}).items()):
+        if isinstance(entry, Mapping) and "step" in entry:
+            count(f"optimizer.state.{idx}.step", entry["step"])
+    return reasons
+
+
+def optimizer_description_reasons(doc: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None,
+                                  shapes: list[tuple[int, ...]] | None, params: int) -> list[str]:
+    """Why the JSON half of an optimizer state (:func:`split_optimizer_state`'s ``doc``, as a capture records it)
+    cannot be loaded with its tensors (the optimizer file's; None: unread) into an optimizer of ``params``
+    trainable parameters: param groups that do not hold each parameter index exactly once, a per-parameter entry
+    for no parameter, tensors other than ``doc["tensors"]`` lists, or a tensor whose shape is not its parameter's
+    (``shapes``, in optimizer order; None: unknown).  The replay (:func:`join_optimizer_state`, the optimizer's
+    ``load_state_dict``) would refuse or fail on each."""
+    reasons: list[str] = []
+    held: list[Any] = []
+    for i, g in enumerate(doc["param_groups"]):
+        got = g.get("params") if isinstance(g, Mapping) else None
+        if not isinstance(got, list) or any(isinstance(p, bool) or not isinstance(p, int) for p in got):
+            reasons.append(f"optimizer.param_groups[{i}].params must be a list of parameter indices")
+            continue
+        held += got
+    if not reasons and sorted(held) != list(range(params)):
+        reasons.append(f"optimizer.param_groups hold the parameter indices {sorted(held)[:8]}, but {params} "
+                       f"parameter(s) are trainable: each index 0..{params - 1} must be in exactly one group")
+    for section in ("state", "tensors"):
+        for idx in sorted(doc[section]):
+            at = _index(idx)
+            if at is None or at >= params:
+                reasons.append(f"optimizer.{section} has an entry for parameter {idx[:20]!r}, but {params} "
+                               "parameter(s) are trainable")
+    if tensors is None:
+        return reasons
+    expected = {f"state.{i}.{k}" for i, ks in doc["tensors"].items() for k in ks} or {EMPTY_STATE}
+    if set(tensors) != expected:
+        reasons.append(f"the optimizer file's tensors differ from optimizer.tensors at "
+                       f"{sorted(set(tensors) ^ expected)[:5]}")
+    for name in sorted(set(tensors) & expected):
+        parsed, t = _state_key(name), tensors[name]
+        at = int(parsed[0]) if parsed is not None else len(shapes or ())
+        if shapes is not None and at < len(shapes) and t.dim() > 0 and tuple(t.shape) != shapes[at]:
+            reasons.append(f"tensor {name} has shape {list(t.shape)}, its parameter {list(shapes[at])}")
+    return reasons
+
+
+def scheduler_reasons(groups: list[Any], scheduler: Mapping[str, Any] | None, step: int) -> list[str]:
+    """Why a captured LR scheduler state contradicts the optimizer's param groups or the step: each group's ``lr``
+    is the scheduler's last learning rate for it (``_last_lr``: the scheduler sets both), and the scheduler has been
+    stepped at most once at construction and once per optimizer step before step ``step`` (``_step_count``).  The
+    rule on ``last_epoch`` is the manifest's (:class:`replayjob.artifacts.api_manifest.ApiManifest`)."""
+    if not isinstance(scheduler, Mapping):
+        return []
+    reasons = []
+    last = scheduler.get("_last_lr")
+    if last is not None:
+        if not isinstance(last, list) or len(last) != len(groups):
+            reasons.append(f"optimizer.scheduler._last_lr must list one learning rate per param group "
+                           f"({len(groups)}), found {str(last)[:40]}")
+        else:
+            for i, (g, lr) in enumerate(zip(groups, last, strict=True)):
+                have = g.get("lr") if isinstance(g, Mapping) else None
+                if have != lr or isinstance(have, bool) or isinstance(lr, bool):
+                    reasons.append(f"optimizer.param_groups[{i}].lr is {str(have)[:24]}, but the LR scheduler set "
+                                   f"it to {str(lr)[:24]} (optimizer.scheduler._last_lr[{i}])")
+    count = scheduler.get("_step_count")
+    if isinstance(count, int) and not isinstance(count, bool) and count > step + 1:
+        reasons.append(f"optimizer.scheduler._step_count is {count}, but a scheduler stepped once when built and "
+                       f"once per optimizer step has stepped at most {step + 1} time(s) before step {step}")
+    return reasons
+
+
+def optimizer_steps(scheduler: Mapping[str, Any] | None, step: int) -> set[int]:
+    """The per-parameter step counts an optimizer state captured before step ``step`` may hold: ``step``, or the LR
+    scheduler's ``last_epoch`` when it is lower (a loss scaler skipped steps, skipping the optimizer's and the
+    scheduler's both)."""
+    epoch = scheduler.get("last_epoch") if isinstance(scheduler, Mapping) else None
+    if isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch < step:
+        return {step, epoch}
+    return {step}
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
