@@ -473,3 +473,79 @@ def test_a_malformed_manifest_is_refused_naming_the_field(edit: Callable[[dict[s
     out = capsys.readouterr()
     text = out.out + out.err
     assert code == 2 and named in text and path.name in text and "Traceback" not in text, text
+
+
+def _scaled_step(t: dict[str, torch.Tensor]) -> None:
+    for k in [k for k in t if k.endswith(".step")]:
+        t[k] = torch.full_like(t[k], 100.0)
+
+
+def _first_nan(suffix: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        k = sorted(k for k in t if k.endswith(suffix))[0]
+        t[k] = t[k].clone()
+        t[k].view(-1)[0] = float("nan")
+    return edit
+
+
+def _negative_sq(t: dict[str, torch.Tensor]) -> None:
+    for k in [k for k in t if k.endswith(".exp_avg_sq")]:
+        t[k] = -t[k].abs() - 1.0
+
+
+@pytest.mark.parametrize(("role", "edit", "named"), [
+    ("optimizer", _scaled_step, "tensor state.0.step counts 100.0 optimizer step(s), but it is the state before "
+                                "step 1: its step counts are 1"),
+    ("optimizer", _first_nan(".exp_avg"), "tensor state.0.exp_avg holds 1 NaN or infinite value(s)"),
+    ("optimizer", _negative_sq, "tensor state.0.exp_avg_sq holds 64 negative value(s)"),
+    ("adapter", _first_nan(""), "holds 1 NaN or infinite value(s); an update starts from finite parameters"),
+    ("manifest", lambda d: d["optimizer"]["param_groups"][0].update(lr=0.5),
+     "optimizer.param_groups[0].lr is 0.5, but the LR scheduler set it to"),
+    ("manifest", lambda d: d["optimizer"]["param_groups"][0].update(params=[0]),
+     "optimizer.param_groups hold the parameter indices [0], but 2 parameter(s) are trainable"),
+    ("manifest", lambda d: d["optimizer"]["tensors"].update({"0": ["exp_avg", "exp_avg_sq"]}),
+     "the optimizer file's tensors differ from optimizer.tensors at ['state.0.step']"),
+    ("manifest", lambda d: d["optimizer"]["state"].update({"7": {"x": 1}}),
+     "optimizer.state has an entry for parameter '7'"),
+    ("manifest", lambda d: d["optimizer"]["scheduler"].update(_step_count=99),
+     "optimizer.scheduler._step_count is 99"),
+])
+def test_a_start_state_that_contradicts_the_step_is_refused_by_explain_and_replay(
+        role: str, edit: Callable[[Any], None], named: str, example_run: tuple[Path, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Step 1's optimizer or adapter file (or the manifest's optimizer section) edited and everything re-pinned:
+    moments no step produced, step counts of another step, a learning rate the scheduler did not set, param
+    groups or tensors the replay could not load (it failed with exit 3, or explain admitted what it refused).
+    Refused by explain and replay alike (exit 2), naming the file and the tensor or field, before any model."""
+    from replayjob import tensorfile
+    from replayjob.artifacts.api_manifest import file_names
+    from replayjob.digest import sha256_bytes
+    from replayjob.rl.state import safetensors_bytes
+    script, _ = example_run
+    d = tmp_path / "copy"
+    shutil.copytree(script.parent, d)
+    names = file_names(1)
+    path = d / "out" / "capture" / names["manifest"]
+    doc = json.loads(path.read_text())
+    if role == "manifest":
+        edit(doc)
+        where = path
+    else:
+        where = path.parent / names[role]
+        tensors = tensorfile.load(where)
+        edit(tensors)
+        where.write_bytes(safetensors_bytes(tensors, "replayjob-optimizer" if role == "optimizer" else "pt"))
+        doc["files"][role].update(sha256=sha256_bytes(where.read_bytes()), size=where.stat().st_size)
+    raw = (json.dumps(doc, sort_keys=True) + "\n").encode()
+    path.write_bytes(raw)
+    sets = ["--set", f'integration.entry="{d / script.name}:replay_target"',
+            "--set", f'optimizer_batch.replay_path="{path}"',
+            "--set", f'optimizer_batch.expected_manifest_sha256="{sha256_bytes(raw)}"']
+    capsys.readouterr()
+    for argv in (["explain", str(path.parent / "replay.toml"), *sets],
+                 ["replay", str(path.parent / "replay.toml"), *sets, "--out", str(tmp_path / "r")]):
+        code = main(argv)
+        out = capsys.readouterr()
+        text = out.out + out.err
+        assert code == 2 and named in text and str(where) in text and "Traceback" not in text, (argv[0], text)
+    assert not (tmp_path / "r").exists()

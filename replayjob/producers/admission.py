@@ -13,7 +13,11 @@ first, and skipping a check whose input failed an earlier one:
    deserialised, no symlink, the rows or micro-batches and their digests and summaries recomputed,
    non-finite inputs only when flagged and opted into);
 5. the state the update starts from (:meth:`Kind.state`: the resume state or the captured adapter and
-   optimizer files, pinned by SHA-256);
+   optimizer files, pinned by SHA-256, and what they hold against the step by the rules of
+   :mod:`replayjob.rl.state` every start state is read with: finite tensors, non-negative second moments,
+   per-parameter step counts of the steps before it, no optimizer or RNG state in an initialisation state, and
+   for the capture API param groups that cover the trainable parameters and learning rates its LR scheduler
+   set);
 6. the model (:meth:`Kind.model`: the base model's files, a forced routing file);
 7. the optimizer contract, recomputed from the replay config and equal to the source's, and every config
    difference declared, present and a registered systems-only knob of the producer whose condition holds

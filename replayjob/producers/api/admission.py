@@ -49,7 +49,14 @@ from replayjob.producers.api import files as _files
 from replayjob.producers.api import microbatch as _microbatch
 from replayjob.producers.api import precision
 from replayjob.redact import redact_text
-from replayjob.rl.state import rng_state_reason
+from replayjob.rl.state import (
+    optimizer_description_reasons,
+    optimizer_state_reasons,
+    optimizer_steps,
+    rng_state_reason,
+    scheduler_reasons,
+    tensor_reasons,
+)
 from replayjob.runtime import knobs
 from replayjob.runtime.distributed import launch_env
 
@@ -282,7 +289,32 @@ def _check_state(adm: Admission) -> None:
     if adm.adapter is not None and sorted(adm.adapter) != sorted(m.doc["trainable"]):
         adm.refuse(f"{m.file('adapter')}: parameters differ from the manifest's trainable list", integrity=True)
         adm.adapter = None
+    if adm.adapter is not None:
+        for reason in tensor_reasons(adm.adapter, "parameter"):
+            adm.refuse(f"{m.file('adapter')}: {reason}; an update starts from finite parameters (recapture the "
+                       "step)", integrity=True)
     adm.optimizer = _load_file(adm, first, "optimizer")
+    _check_optimizer(adm, m)
+
+
+def _check_optimizer(adm: Admission, m: Manifest) -> None:
+    """The manifest's optimizer section and the optimizer file against each other, the adapter and the step (the
+    rules :mod:`replayjob.rl.state` holds for every start state): param groups holding each trainable parameter once,
+    the file's tensors those the section lists with their parameters' shapes, each group's learning rate the LR
+    scheduler's, finite moments, non-negative second moments, and the per-parameter step counts of the optimizer
+    steps before the captured one."""
+    opt, trainable = m.doc["optimizer"], m.doc["trainable"]
+    shapes = [tuple(adm.adapter[n].shape) for n in trainable] if adm.adapter is not None else None
+    fix = "; the optimizer state contradicts itself or the step (recapture the step)"
+    for reason in (optimizer_description_reasons(opt, adm.optimizer, shapes, len(trainable))
+                   + scheduler_reasons(opt["param_groups"], opt["scheduler"], m.step)):
+        adm.refuse(f"{m.path}: {reason}{fix}", integrity=True)
+    if adm.optimizer is None:
+        return
+    after = f"the state before step {m.step}"
+    for reason in optimizer_state_reasons(adm.optimizer, optimizer_steps(opt["scheduler"], m.step), after,
+                                          opt["state"]):
+        adm.refuse(f"{m.file('optimizer')}: {reason}{fix}", integrity=True)
 
 
 def _check_base_model(adm: Admission) -> None:
