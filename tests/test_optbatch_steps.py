@@ -203,6 +203,14 @@ def test_manifest_state_section_is_validated(steps_run: Path) -> None:
                           (lambda d: d["state"].update(dir="../x"), "bare directory name"),
                           (lambda d: d["state"].update(lr=[float("nan")]), "field `state.lr\\[0\\]`"),
                           (lambda d: d["state"].pop("nonfinite_inputs"), "missing required field `nonfinite_inputs`"),
+                          # the step names its files: another step's state or payload is a relabel
+                          (lambda d: d["state"].update(dir="optimizer_batch_step_000002.state"),
+                           "'state.dir' is 'optimizer_batch_step_000002.state', but step 3's start state is "
+                           "'optimizer_batch_step_000003.state'"),
+                          (lambda d: d["state"].update(dir="elsewhere.state"), "'state.dir' is 'elsewhere.state'"),
+                          (lambda d: d["payload"].update(file="optimizer_batch_step_000002.safetensors"),
+                           "'payload.file' is 'optimizer_batch_step_000002.safetensors', but step 3's payload is "
+                           "'optimizer_batch_step_000003.safetensors'"),
                           (lambda d: d.pop("state"), "'step' must be 0")):
         bad = json.loads(path.read_text())
         mutate(bad)
@@ -253,6 +261,71 @@ def test_nonfinite_inputs_are_flagged_and_replay_only_under_the_opt_in(workspace
     assert "flagged nonfinite_inputs" in err and "non-finite ref_logprobs" in err
     rm = replay_metrics(config, tmp_path / "r", "--set", "optimizer_batch.allow_nonfinite_inputs=true")
     assert rm["optimizer_batch/final_adapter_sha256"] == pins["final_adapter_sha256"]
+    # the flag edited to false and the manifest re-pinned: recomputed from the rows, refused either way
+    sha = _reflag(out / manifest.manifest_name(1), False)
+    for opt_in in ("false", "true"):
+        assert main(["explain", str(config), "--set", f'optimizer_batch.expected_manifest_sha256="{sha}"',
+                     "--set", f"optimizer_batch.allow_nonfinite_inputs={opt_in}"]) == 2
+        err = capsys.readouterr().err
+        assert "field `state.nonfinite_inputs` is false, but the payload's rows hold non-finite values" in err, err
+        assert "non-finite ref_logprobs" in err
+
+
+def _reflag(path: Path, flag: bool) -> str:
+    """Set the manifest's ``state.nonfinite_inputs`` and re-pin it, as whoever edits the capture can."""
+    from replayjob.digest import sha256_bytes
+    from replayjob.jsonio import canonical_bytes
+
+    doc = json.loads(path.read_text())
+    doc["state"]["nonfinite_inputs"] = flag
+    data = canonical_bytes(doc) + b"\n"
+    path.write_bytes(data)
+    return sha256_bytes(data)
+
+
+def test_a_nonfinite_flag_over_finite_rows_is_refused(steps_run: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``state.nonfinite_inputs`` is recomputed from the payload: set over all-finite rows (re-pinned), it is
+    refused with and without the opt-in, and the refusal never says the rows hold NaN."""
+    d = _copy(steps_run, tmp_path)
+    sha = _reflag(d / manifest.manifest_name(3), True)
+    for opt_in in ("true", "false"):
+        assert main(["explain", str(d / STEP3), "--set", f'optimizer_batch.expected_manifest_sha256="{sha}"',
+                     "--set", f"optimizer_batch.allow_nonfinite_inputs={opt_in}"]) == 2
+        err = capsys.readouterr().err
+        assert "field `state.nonfinite_inputs` is true, but the payload's rows hold no non-finite value" in err, err
+        assert str(d / manifest.manifest_name(3)) in err and "rows hold non-finite values" not in err
+
+
+@pytest.mark.parametrize("what", ["directory", "file"])
+def test_a_linked_start_state_is_refused(steps_run: Path, tmp_path: Path, what: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The capture's state directory (or a file in it) moved outside and linked back: refused, naming the link,
+    whether or not resume.from reads it (the config loader resolves resume.from through the link)."""
+    d = _copy(steps_run, tmp_path)
+    sdir = d / stepcapture.state_dir_name(3)
+    link = sdir if what == "directory" else sdir / "trainer_state.json"
+    outside = tmp_path / "outside" / link.name
+    outside.parent.mkdir()
+    shutil.move(link, outside)
+    link.symlink_to(outside, target_is_directory=what == "directory")
+    for resume in ([], ["--set", f"resume.from='{steps_run / stepcapture.state_dir_name(3)}'"]):
+        assert main(["explain", str(d / STEP3), *resume]) == 2
+        err = capsys.readouterr().err
+        assert f"'{link.name}' is a symbolic link" in err and str(link) in err, err
+    assert main(["replay", str(d / STEP3), "--out", str(tmp_path / "r")]) == 2
+    assert "is a symbolic link" in capsys.readouterr().err and not (tmp_path / "r" / "replay_metrics.json").exists()
+
+
+def test_a_missing_start_state_is_refused(steps_run: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A captured step keeps its start state next to its manifest, even when resume.from names a copy."""
+    d = _copy(steps_run, tmp_path)
+    shutil.rmtree(d / stepcapture.state_dir_name(3))
+    assert main(["explain", str(d / STEP3), "--set",
+                 f"resume.from='{steps_run / stepcapture.state_dir_name(3)}'"]) == 2
+    err = capsys.readouterr().err
+    assert "step 3's start state (manifest field `state.dir`) is missing" in err, err
 
 
 def test_steps_before_the_resume_state_are_refused(steps_run: Path, workspace: Path, tmp_path: Path,

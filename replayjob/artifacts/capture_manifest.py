@@ -15,15 +15,17 @@ The built-in trainer's manifest (``framework = "replayjob"``, canonical JSON, on
 
     schema, framework, step
     producer          replayjob and torch versions, python, device, determinism provenance
-    payload           file (a bare name next to the manifest), size, spans_sha256 (the payload's span
-                      digest, :mod:`replayjob.artifacts.capture_payload`; RNG included), rng_keys
+    payload           file (the step's ``optimizer_batch_step_<K:06d>.safetensors``, next to the manifest),
+                      size, spans_sha256 (the payload's span digest,
+                      :mod:`replayjob.artifacts.capture_payload`; RNG included), rng_keys
     rows              rows, tokens, response_tokens, loss_bearing_tokens, loss_weight_sum
     logical_batch_sha256, local_effective_rows_sha256
     config            resolved (redacted) and its sha256
     contract          the optimizer contract (redacted) and its sha256
     initial_adapter   path, size, sha256 of the weight file the source started from
     state             (chosen-step and ring-buffer captures only) the resume state the step starts
-                      from: dir (a bare name next to the manifest), step (= step - 1),
+                      from: dir (the step's ``optimizer_batch_step_<K:06d>.state``, next to the
+                      manifest), step (= step - 1),
                       optimizer_sha256 (its optimizer.safetensors), lr (per parameter group),
                       nonfinite_inputs (the rows hold NaN/Inf: replayed only under
                       ``optimizer_batch.allow_nonfinite_inputs``)
@@ -83,6 +85,11 @@ def manifest_name(step: int) -> str:
 
 
 REPLAY_CONFIG = "replay.toml"  # the ready replay config a capture of one step writes beside its files
+
+
+def state_dir_name(step: int) -> str:
+    """The directory next to the manifest holding the start state of a chosen-step or ring-buffer capture."""
+    return file_stem(step) + ".state"
 
 
 def replay_config_name(step: int) -> str:
@@ -302,8 +309,15 @@ class BuiltinManifest(Document, frozen=True):
     def __post_init__(self) -> None:
         if self.state is None and self.step != 0:
             raise ValueError("'step' must be 0 (a capture without 'state' covers step zero only)")
+        # the step names every file of the capture: a payload or state of another step is a contradiction
+        if self.payload.file != payload_name(self.step):
+            raise ValueError(f"'payload.file' is {self.payload.file[:80]!r}, but step {self.step}'s payload is "
+                             f"{payload_name(self.step)!r}")
         if self.state is not None and self.state.step != self.step - 1:
             raise ValueError(f"'state.step' must be {self.step - 1} (the step before the captured one)")
+        if self.state is not None and self.state.dir != state_dir_name(self.step):
+            raise ValueError(f"'state.dir' is {self.state.dir[:80]!r}, but step {self.step}'s start state is "
+                             f"{state_dir_name(self.step)!r}")
 
 
 def _decode(doc: Any, kind: type[Document], where: Path) -> None:

@@ -25,7 +25,9 @@ payload pin.  The adapter the capture starts from is the resume state's, saved o
 This module holds the root's record and reader; reading the ranks' rows back
 (:func:`replayjob.producers.builtin.ranks.verify`, torch) checks, before any device memory is touched: the root's
 own fields (its declaration, :class:`BuiltinRoot`: every field typed and bounded, no key unknown or missing, the
-ranks in order with contiguous rows, ``payload.spans_sha256`` and ``rows.rows`` recomputed from them), that
+ranks in order with contiguous rows, ``payload.spans_sha256`` and ``rows.rows`` recomputed from them), its
+``distributed`` block against its ranks and recorded config (:func:`check_layout`; a single-device manifest's
+config must say one rank, :func:`check_one_rank`), that
 exactly the listed ranks landed (no ``rank-*`` or ``COMPLETE.*`` missing or extra, and no
 ``rank-*`` directory a symbolic link), every landing record, every rank manifest against its pinned SHA-256
 and every payload against its manifest, that every rank captured under the root's config and contract from the
@@ -47,6 +49,7 @@ import msgspec
 from replayjob.artifacts import capture_manifest as manifest
 from replayjob.artifacts.capture_manifest import ContractBlock, Hashed, InitialAdapter, Manifest, Outcome, Rows
 from replayjob.artifacts.document import Count, Digest, Document, NonNegative, Text, agree, decode
+from replayjob.config.schema import BackendConfig
 from replayjob.errors import ArtifactExistsError, IntegrityError
 from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict
@@ -172,10 +175,69 @@ def read_capture(path: str | Path, expected_sha256: str) -> Manifest:
 
 def of(p: Path, sha: str, doc: Any) -> Manifest:
     """A built-in manifest whose bytes matched their pin: the root of a capture over ranks (it lists
-    ``ranks``) or a single-device one, validated."""
+    ``ranks``) or a single-device one, validated, each with the world size its layout implies
+    (:func:`check_one_rank`, :func:`check_layout`)."""
     if isinstance(doc, dict) and "ranks" in doc:
         return RootManifest(p, sha, validate(doc, p))
-    return Manifest(p, sha, manifest.validate(doc, p))
+    return Manifest(p, sha, check_one_rank(manifest.validate(doc, p), p))
+
+
+_LAYOUT_HINT = ("the manifest contradicts its own layout (it was edited after capture); capture the step again, "
+                "and replay a capture on another world size by declaring distributed.world_size")
+
+
+def _recorded(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``[distributed]`` section of the config a manifest records (``None``: absent, a capture from before
+    the section existed, which ran on one process)."""
+    section = doc["config"]["resolved"].get("distributed")
+    return section if isinstance(section, dict) else None
+
+
+def check_one_rank(doc: dict[str, Any], where: Path) -> dict[str, Any]:
+    """A single-device manifest (one payload, no ``ranks``) is a capture on one rank: the config it records
+    (what admission compares the replay's with) must say ``distributed.world_size = 1``, else a replay on
+    several ranks would pass for the source's world size."""
+    rec = _recorded(doc)
+    if rec is None and "distributed" not in doc["config"]["resolved"]:
+        return doc  # before [distributed]: one process (admission reads it so)
+    world = None if rec is None else rec.get("world_size")
+    if type(world) is not int or world != 1:
+        raise IntegrityError(f"manifest field `config.resolved.distributed.world_size` is {str(world)[:40]}, but "
+                             "the capture holds one payload and lists no ranks: it ran on 1 rank", where=where,
+                             hint=_LAYOUT_HINT)
+    return doc
+
+
+def check_layout(doc: dict[str, Any], where: Path) -> None:
+    """A root's ``distributed`` block against its rank list and the config it records: at least 2 ranks (one rank
+    writes a single manifest), a strategy that shares an update, the world size, strategy and DDP bucket size of
+    the config's ``[distributed]`` section (a config recording none, from a writer that did not, is read as the
+    block says: :func:`replayjob.producers.builtin.admission.source_config`), and the process-group backend its
+    device implies (:func:`replayjob.runtime.distributed.backend_for`)."""
+    d, n = doc["distributed"], len(doc["ranks"])
+    if n < 2:
+        raise IntegrityError(f"manifest field `distributed.world_size` is {d['world_size']}, but a root lists at "
+                             "least 2 ranks (a capture on one rank writes one manifest, no root)", where=where,
+                             hint=_LAYOUT_HINT)
+    if d["strategy"] == "none":
+        raise IntegrityError(f"manifest field `distributed.strategy` is 'none', but {n} ranks shared the update "
+                             "('ddp' or 'fsdp2')", where=where, hint=_LAYOUT_HINT)
+    resolved = doc["config"]["resolved"]
+    if "distributed" in resolved:
+        rec = _recorded(doc) or {}
+        for key, kind in (("world_size", int), ("strategy", str), ("bucket_cap_mb", (int, float))):
+            got = rec.get(key)
+            if isinstance(got, bool) or not isinstance(got, kind) or got != d[key]:
+                raise IntegrityError(f"manifest field `distributed.{key}` is {d[key]!r}, but the config the capture "
+                                     f"ran says `config.resolved.distributed.{key}` = {str(got)[:40]}", where=where,
+                                     hint=_LAYOUT_HINT)
+    backend = resolved.get("backend", {})
+    devices = backend.get("devices", BackendConfig.devices) if isinstance(backend, dict) else None
+    want = distributed.backend_for("cpu" if devices == "cpu" else str(devices).replace("gpu", "cuda"))
+    if not isinstance(devices, str) or d["backend"] != want:
+        raise IntegrityError(f"manifest field `distributed.backend` is {d['backend'][:40]!r}, but the config the "
+                             f"capture ran puts it on `config.resolved.backend.devices` = {str(devices)[:40]}, "
+                             f"whose process-group backend is {want!r}", where=where, hint=_LAYOUT_HINT)
 
 
 # ------------------------------------------------------------------------------------- the root
@@ -257,8 +319,9 @@ class BuiltinRoot(Document, frozen=True):
 
 
 def validate(doc: Any, where: Path) -> dict[str, Any]:
-    """The root's own fields, read through its declaration (:class:`BuiltinRoot`; the ranks themselves are
-    checked by :func:`~replayjob.producers.builtin.ranks.verify`)."""
+    """The root's own fields, read through its declaration (:class:`BuiltinRoot`), then its ``distributed`` block
+    against its ranks and recorded config (:func:`check_layout`); the ranks themselves are checked by
+    :func:`~replayjob.producers.builtin.ranks.verify`."""
     manifest.check_schema(doc, where)
     try:
         decode(doc, BuiltinRoot, where=where)
@@ -266,4 +329,5 @@ def validate(doc: Any, where: Path) -> dict[str, Any]:
         raise IntegrityError(f"manifest {exc.message}" if exc.message.startswith("field ") else
                              f"manifest field {exc.message}", where=where,
                              hint="the manifest is malformed; capture the step again") from None
+    check_layout(doc, where)
     return dict(doc)

@@ -3,8 +3,10 @@
 Its kind of capture holds the optimizer batch's rows and the Torch RNG state (one payload, or one per rank
 under a root), and starts from a resume state.  :data:`KIND` checks, in the one order: the runner settings
 (``optimizer_replay``, one step, no save, no capture); the payload bytes against the manifest (before
-deserialising), its ragged structure and finite rows, the logical and effective row digests, every rank of a
-capture over ranks; the resume adapter's weight-file SHA-256 and size and the start state a captured step pins;
+deserialising), its ragged structure and finite rows (a captured step's ``state.nonfinite_inputs`` recomputed
+from them), the logical and effective row digests, every rank of a capture over ranks; a captured step's start
+state directory next to its manifest (present, no link in it); the resume adapter's weight-file SHA-256 and size
+and the start state a captured step pins;
 the resume state's base model against the one the config builds (the built-in backend's); a forced routing
 file; the optimizer contract and the config differences against the declared, registered systems-only knobs
 (stale declarations included).  It never imports transformers or peft and never touches a device.
@@ -12,6 +14,7 @@ file; the optimizer contract and the config differences against the declared, re
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +27,7 @@ from replayjob.config import Config, from_dict, resolved
 from replayjob.config.load import to_dict
 from replayjob.config.schema import DistributedConfig, OptimizerBatchConfig
 from replayjob.errors import IntegrityError, RefusedError
+from replayjob.fsio import check_no_symlinks
 from replayjob.model import moe
 from replayjob.model.backend import load_backend
 from replayjob.producers import admission as shared
@@ -91,10 +95,8 @@ def _check_payload(adm: Admission) -> None:
     if isinstance(m, ranks.RootManifest):
         _check_ranks(adm, m)
         return
-    try:
-        scan = read_payload(m, keep=adm.keep_rows, allow_nonfinite=stepcapture.nonfinite_admitted(m, adm.cfg))
-    except IntegrityError as exc:
-        adm.refuse(exc.message, integrity=True)
+    scan = _read_checking_nonfinite(adm, m)
+    if scan is None:
         return
     adm.batch, adm.rng, adm.rows = scan.batch, scan.rng, scan.rows
     if sorted(adm.rng) != sorted(m.doc["payload"]["rng_keys"]):
@@ -110,11 +112,49 @@ def _check_payload(adm: Admission) -> None:
                    integrity=True)
 
 
+def _read_checking_nonfinite(adm: Admission, m: Manifest) -> payload.Scanned | None:
+    """The payload read and verified, its non-finite flag recomputed from its rows (``None``: refused).
+
+    A chosen-step capture's ``state.nonfinite_inputs`` says whether its rows hold NaN/Inf: the payload is read
+    refusing them, and only when that read fails is it read again admitting them (in the logprobs and
+    advantages, never the loss weights), which tells whether they are there.  A flag that differs from the
+    rows either way is refused; flagged rows replay only under ``optimizer_batch.allow_nonfinite_inputs``.
+    A step-zero capture (no ``state``) never holds them."""
+    flagged = m.state is not None and bool(m.state["nonfinite_inputs"])
+    try:
+        scan = read_payload(m, keep=adm.keep_rows)
+    except IntegrityError as exc:
+        first = exc.message
+        if m.state is None:
+            adm.refuse(first, integrity=True)
+            return None
+        try:  # does it fail only on the non-finite values?
+            scan = read_payload(m, keep=adm.keep_rows, allow_nonfinite=True)
+        except IntegrityError:
+            adm.refuse(first, integrity=True)  # another fault (or NaN/Inf in the loss weights)
+            return None
+        if not flagged:
+            adm.refuse(f"{m.path}: field `state.nonfinite_inputs` is false, but the payload's rows hold non-finite "
+                       f"values ({first}); recapture the step (the flag is recomputed from the rows)",
+                       integrity=True)
+            return None
+        if not adm.cfg.optimizer_batch.allow_nonfinite_inputs:
+            adm.refuse(f"the capture's rows hold non-finite values (flagged nonfinite_inputs in the manifest's "
+                       f"`state`; {first}); replay them only with optimizer_batch.allow_nonfinite_inputs = true")
+            return None
+        return scan
+    if flagged:
+        adm.refuse(f"{m.path}: field `state.nonfinite_inputs` is true, but the payload's rows hold no non-finite "
+                   f"value (recomputed from {m.payload_path.name}); the flag was edited: recapture the step or use "
+                   "its unedited manifest", integrity=True)
+    return scan
+
+
 def _check_ranks(adm: Admission, m: ranks.RootManifest) -> None:
     """A capture over ranks: every rank verified and the logical batch rebuilt (:func:`rankrows.verify`; the rows
     are held, also for explain)."""
     try:
-        v = rankrows.verify(m, allow_nonfinite=stepcapture.nonfinite_admitted(m, adm.cfg))
+        v = rankrows.verify(m)  # step zero: rows holding NaN/Inf are never admitted
     except RefusedError as exc:
         adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
         return
@@ -130,6 +170,31 @@ def _check_routing(adm: Admission) -> None:
     n, t = (int(adm.rows["rows"]), int(adm.rows["tokens"])) if adm.rows else (None, None)
     for reason in moe.forced_file_reasons(adm.cfg, m.logical_sha256 if m is not None else None, per_row, n, t):
         adm.refuse(reason, integrity=True)
+
+
+def _check_state_dir(adm: Admission) -> None:
+    """A chosen-step or ring-buffer capture keeps its start state next to its manifest, in the directory its step
+    names (``state.dir``, :func:`replayjob.artifacts.capture_manifest.state_dir_name`, checked by the manifest's
+    reader): it must be there, a directory, and neither it nor a file in it a symbolic link, device, FIFO or
+    socket (:func:`replayjob.fsio.check_no_symlinks`), whether or not ``resume.from`` reads it (the config loader
+    resolves that path, links and all)."""
+    m = adm.manifest
+    if m is None or isinstance(m, ranks.RootManifest) or m.state is None:
+        return
+    d = m.path.parent
+    sdir = d / str(m.state["dir"])
+    what = f"step {m.step}'s start state (manifest field `state.dir`)"
+    try:
+        check_no_symlinks(d, sdir, what=what)
+        if not sdir.is_dir():
+            raise IntegrityError(f"{what} is missing: a captured step keeps it next to its manifest", where=sdir,
+                                 hint="copy the whole capture directory, state included")
+        for name in sorted(os.listdir(sdir)):
+            check_no_symlinks(d, sdir / name, what=what)
+    except IntegrityError as exc:
+        adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"), integrity=True)
+    except OSError as exc:
+        adm.refuse(f"{sdir}: cannot list {what}: {exc.strerror}", integrity=True)
 
 
 def _check_adapter(adm: Admission) -> None:
@@ -190,13 +255,21 @@ def source_config(m: Manifest) -> dict[str, Any]:
     """The source's resolved config as the manifest records it, read as what the capture ran.
 
     A capture from before ``[distributed]`` existed ran on one process, so that section reads as the
-    defaults with ``world_size = 1``.  One from before the sampler's truncation and dtype settings
+    defaults with ``world_size = 1``; a root over ranks reads its world size, strategy and bucket size from its
+    ``distributed`` block (its reader refuses a config section that says otherwise,
+    :func:`replayjob.artifacts.capture_root.check_layout`).  One from before the sampler's truncation and dtype settings
     sampled without truncation in the model's dtype (``top_p = 1``, ``top_k = 0``, ``sampling_dtype =
     "model"``), and its trainer applied no temperature to its logprobs: ``algorithm.logprob_temperature``
     reads ``"none"``, or ``"sampling"`` at temperature 1, where the two are the same computation.
     """
     out = dict(m.config)
-    if "distributed" not in out:
+    if isinstance(m, ranks.RootManifest):  # the root's block, which its reader tied to its ranks and its config
+        d = m.doc["distributed"]
+        recorded = out.get("distributed")
+        out["distributed"] = {**(recorded if isinstance(recorded, dict) else to_dict(DistributedConfig())),
+                              "world_size": d["world_size"], "strategy": d["strategy"],
+                              "bucket_cap_mb": d["bucket_cap_mb"]}
+    elif "distributed" not in out:
         out["distributed"] = to_dict(DistributedConfig(world_size=1))
     inference = out.get("inference")
     if isinstance(inference, dict) and "sampling_dtype" not in inference:
@@ -250,6 +323,7 @@ class BuiltinKind:
         _check_payload(adm)
 
     def state(self, adm: Admission) -> None:
+        _check_state_dir(adm)
         _check_adapter(adm)
 
     def model(self, adm: Admission) -> None:

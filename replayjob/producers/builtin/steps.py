@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 
 
 def state_dir_name(step: int) -> str:
-    return manifest.file_stem(step) + ".state"
+    return manifest.state_dir_name(step)
 
 
 def file_names(step: int) -> list[str]:
@@ -298,15 +298,7 @@ def state_reasons(m: manifest.Manifest | None, st: ResumeState, cfg: Config) -> 
     if any(lr != cfg.optimizer.lr for lr in pinned["lr"]):
         reasons.append(f"learning rate differs: the captured step ran at {pinned['lr']}, optimizer.lr is "
                        f"{cfg.optimizer.lr}")
-    if pinned["nonfinite_inputs"] and not cfg.optimizer_batch.allow_nonfinite_inputs:
-        reasons.append("the capture's rows hold non-finite values (flagged nonfinite_inputs); replay them only "
-                       "with optimizer_batch.allow_nonfinite_inputs = true")
-    return reasons
-
-
-def nonfinite_admitted(m: manifest.Manifest, cfg: Config) -> bool:
-    """Whether the payload reader may admit NaN/Inf rows: the manifest flags them and the config opts in."""
-    return m.state is not None and bool(m.state["nonfinite_inputs"]) and cfg.optimizer_batch.allow_nonfinite_inputs
+    return reasons  # the non-finite flag is recomputed from the payload (the payload check's)
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, m: manifest.Manifest, st: ResumeState) -> None:
