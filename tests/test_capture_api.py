@@ -495,7 +495,7 @@ def _negative_sq(t: dict[str, torch.Tensor]) -> None:
 
 @pytest.mark.parametrize(("role", "edit", "named"), [
     ("optimizer", _scaled_step, "tensor state.0.step counts 100.0 optimizer step(s), but it is the state before "
-                                "step 1: its step counts are 1"),
+                                "step 1: no parameter has been stepped more than 1 time(s)"),
     ("optimizer", _first_nan(".exp_avg"), "tensor state.0.exp_avg holds 1 NaN or infinite value(s)"),
     ("optimizer", _negative_sq, "tensor state.0.exp_avg_sq holds 64 negative value(s)"),
     ("adapter", _first_nan(""), "holds 1 NaN or infinite value(s); an update starts from finite parameters"),

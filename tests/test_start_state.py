@@ -72,6 +72,8 @@ def test_states_training_writes_are_read(workspace: Path, tmp_path: Path) -> Non
     """A checkpoint of step 1 (two optimizer steps), a chosen step zero's state (step -1, the empty optimizer
     state) and a checkpoint in the names written before the shared ones (``<i>.<key>``) are admitted."""
     assert read_state(_state(workspace, tmp_path, 1, _adam(2.0), rng=True)).step == 1
+    # a parameter that got no gradient in a step (an expert's adapter no token reached) was not stepped then
+    assert read_state(_state(workspace, tmp_path / "lag", 1, _adam(1.0), rng=True)).step == 1
     assert read_state(_state(workspace, tmp_path, -1, {})).has_optimizer
     legacy = {k.removeprefix("state."): v for k, v in _adam(3.0).items()}
     assert read_state(_state(workspace, tmp_path, 2, legacy)).step == 2
@@ -82,7 +84,8 @@ def test_states_training_writes_are_read(workspace: Path, tmp_path: Path) -> Non
     (-1, None, True, "an initialisation state (step -1) holds no RNG state"),
     (1, _adam(100.0), False, "tensor state.0.step counts 100.0 optimizer step(s), but it is a state of step 1 "
                              "(after 2 optimizer step(s))"),
-    (1, _adam(1.0), False, "tensor state.1.step counts 1.0 optimizer step(s)"),
+    (1, _adam(2.5), False, "tensor state.1.step counts 2.5 optimizer step(s)"),
+    (1, _adam(-1.0), False, "tensor state.1.step counts -1.0 optimizer step(s)"),
     (2, {k.removeprefix("state."): v for k, v in _adam(7.0).items()}, False, "tensor 0.step counts 7.0"),
     (1, _adam(2.0, exp_avg=lambda t: t.index_fill_(0, torch.tensor([1]), float("nan"))), False,
      "tensor state.0.exp_avg holds 1 NaN or infinite value(s)"),

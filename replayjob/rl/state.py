@@ -12,7 +12,7 @@ Layout of a state directory::
 RNG state and no optimizer state (an ``optimizer.safetensors`` of it, as a chosen step zero's state writes, holds
 the empty state only).  Every file listed in ``files`` is verified by SHA-256 before it is used; nothing is
 pickled.  The adapter and the optimizer state are read when the state is: every floating tensor finite, the
-second moments non-negative and every per-parameter step count ``step + 1`` (:func:`optimizer_state_reasons`).
+second moments non-negative and no per-parameter step count above ``step + 1`` (:func:`optimizer_state_reasons`).
 """
 
 from __future__ import annotations
@@ -110,8 +110,9 @@ _STATE_HINT = "the state was modified after it was written, or no training could
 def _check_values(d: Path, step: int, files: Mapping[str, str]) -> None:
     """What a resume state's tensors hold, against its step: an initialisation state (step -1) carries no RNG
     state and no optimizer state; the adapter and the optimizer state are finite, the second moments are
-    non-negative, and every per-parameter step count is the ``step + 1`` optimizer steps the built-in trainer took
-    up to the state (it steps once per step).  Refused naming the file and tensor, before anything uses them."""
+    non-negative, and no per-parameter step count is above the ``step + 1`` optimizer steps the built-in trainer
+    took up to the state (it steps once per step; a parameter without a gradient in a step is not stepped).
+    Refused naming the file and tensor, before anything uses them."""
     if step == -1 and RNG_FILE in files:
         raise IntegrityError(f"trainer_state.json lists {RNG_FILE}, but an initialisation state (step -1) holds no "
                              "RNG state (a run from it seeds from its config)", where=d / STATE_FILE,
@@ -128,8 +129,8 @@ def _check_values(d: Path, step: int, files: Mapping[str, str]) -> None:
                              f"holds optimizer state ({', '.join(sorted(opt)[:3])}, ...)", where=d / OPTIMIZER_FILE,
                              hint=f"remove {OPTIMIZER_FILE} from the state, or resume from the state of the step "
                                   "it was saved at")
-    reasons = optimizer_state_reasons(opt, {step + 1}, f"a state of step {step} (after {step + 1} optimizer "
-                                                       "step(s))")
+    reasons = optimizer_state_reasons(opt, step + 1, f"a state of step {step} (after {step + 1} optimizer "
+                                                     "step(s))")
     if reasons:
         raise IntegrityError(_listed(reasons), where=d / OPTIMIZER_FILE, hint=_STATE_HINT)
 
@@ -292,19 +293,21 @@ def tensor_reasons(tensors: Mapping[str, torch.Tensor], what: str) -> list[str]:
     return reasons
 
 
-def optimizer_state_reasons(tensors: Mapping[str, torch.Tensor], steps: set[int], after: str,
+def optimizer_state_reasons(tensors: Mapping[str, torch.Tensor], most: int, after: str,
                             state: Mapping[str, Mapping[str, Any]] | None = None) -> list[str]:
     """Why an optimizer file's tensors (``state.<i>.<key>``, with ``state``, its non-tensor per-parameter values)
     cannot be the optimizer state ``after`` describes: a non-finite tensor, a negative second moment, or a
-    per-parameter ``step`` count not in ``steps`` (the counts that state's step implies)."""
+    per-parameter ``step`` count that is not a whole number from 0 to ``most``, the optimizer steps taken before
+    it (fewer are possible: an optimizer does not step a parameter that got no gradient, such as an expert's
+    adapter no token was routed to, and a trainer may skip a step on a non-finite gradient norm)."""
     import torch
     reasons = tensor_reasons(tensors, "tensor")
-    want = " or ".join(str(n) for n in sorted(steps))
 
     def count(name: str, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int | float) or value not in steps:
-            reasons.append(f"{name} counts {str(value)[:24]} optimizer step(s), but it is {after}: its step counts "
-                           f"are {want}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= most \
+                or value != int(value):
+            reasons.append(f"{name} counts {str(value)[:24]} optimizer step(s), but it is {after}: no "
+                           f"parameter has been stepped more than {most} time(s)")
 
     for name in sorted(tensors):
         parsed, t = _state_key(name), tensors[name]
@@ -387,16 +390,6 @@ def scheduler_reasons(groups: list[Any], scheduler: Mapping[str, Any] | None, st
         reasons.append(f"optimizer.scheduler._step_count is {count}, but a scheduler stepped once when built and "
                        f"once per optimizer step has stepped at most {step + 1} time(s) before step {step}")
     return reasons
-
-
-def optimizer_steps(scheduler: Mapping[str, Any] | None, step: int) -> set[int]:
-    """The per-parameter step counts an optimizer state captured before step ``step`` may hold: ``step``, or the LR
-    scheduler's ``last_epoch`` when it is lower (a loss scaler skipped steps, skipping the optimizer's and the
-    scheduler's both)."""
-    epoch = scheduler.get("last_epoch") if isinstance(scheduler, Mapping) else None
-    if isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch < step:
-        return {step, epoch}
-    return {step}
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

@@ -52,7 +52,6 @@ from replayjob.redact import redact_text
 from replayjob.rl.state import (
     optimizer_description_reasons,
     optimizer_state_reasons,
-    optimizer_steps,
     rng_state_reason,
     scheduler_reasons,
     tensor_reasons,
@@ -312,8 +311,7 @@ def _check_optimizer(adm: Admission, m: Manifest) -> None:
     if adm.optimizer is None:
         return
     after = f"the state before step {m.step}"
-    for reason in optimizer_state_reasons(adm.optimizer, optimizer_steps(opt["scheduler"], m.step), after,
-                                          opt["state"]):
+    for reason in optimizer_state_reasons(adm.optimizer, m.step, after, opt["state"]):
         adm.refuse(f"{m.file('optimizer')}: {reason}{fix}", integrity=True)
 
 
