@@ -502,7 +502,8 @@ def _negative_sq(t: dict[str, torch.Tensor]) -> None:
     ("manifest", lambda d: d["optimizer"]["param_groups"][0].update(lr=0.5),
      "optimizer.param_groups[0].lr is 0.5, but the LR scheduler set it to"),
     ("manifest", lambda d: d["optimizer"]["param_groups"][0].update(params=[0]),
-     "optimizer.param_groups hold the parameter indices [0], but 2 parameter(s) are trainable"),
+     "optimizer.param_groups hold the parameter indices [0]: each index 0..n-1 must be in exactly one group, "
+     "for n at least the 2 trainable parameter(s)"),
     ("manifest", lambda d: d["optimizer"]["tensors"].update({"0": ["exp_avg", "exp_avg_sq"]}),
      "the optimizer file's tensors differ from optimizer.tensors at ['state.0.step']"),
     ("manifest", lambda d: d["optimizer"]["state"].update({"7": {"x": 1}}),

@@ -330,11 +330,14 @@ def optimizer_state_reasons(tensors: Mapping[str, torch.Tensor], most: int, afte
 def optimizer_description_reasons(doc: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None,
                                   shapes: list[tuple[int, ...]] | None, params: int) -> list[str]:
     """Why the JSON half of an optimizer state (:func:`split_optimizer_state`'s ``doc``, as a capture records it)
-    cannot be loaded with its tensors (the optimizer file's; None: unread) into an optimizer of ``params``
-    trainable parameters: param groups that do not hold each parameter index exactly once, a per-parameter entry
-    for no parameter, tensors other than ``doc["tensors"]`` lists, or a tensor whose shape is not its parameter's
-    (``shapes``, in optimizer order; None: unknown).  The replay (:func:`join_optimizer_state`, the optimizer's
-    ``load_state_dict``) would refuse or fail on each."""
+    cannot be loaded with its tensors (the optimizer file's; None: unread) into an optimizer over the ``params``
+    trainable parameters, and perhaps frozen ones too (an engine such as verl builds its optimizer over every
+    parameter; only those with a gradient ever get state): param groups that do not hold each index ``0 .. n-1``
+    exactly once for n no fewer than ``params``, a per-parameter entry for no parameter, more parameters with
+    state than are trainable, tensors other than ``doc["tensors"]`` lists, or, when the optimizer holds the
+    trainable parameters only, a tensor whose shape is not its parameter's (``shapes``, in optimizer order; None:
+    unknown).  The replay (:func:`join_optimizer_state`, the optimizer's ``load_state_dict``) would refuse or fail
+    on each."""
     reasons: list[str] = []
     held: list[Any] = []
     for i, g in enumerate(doc["param_groups"]):
@@ -343,15 +346,22 @@ def optimizer_description_reasons(doc: Mapping[str, Any], tensors: Mapping[str, 
             reasons.append(f"optimizer.param_groups[{i}].params must be a list of parameter indices")
             continue
         held += got
-    if not reasons and sorted(held) != list(range(params)):
-        reasons.append(f"optimizer.param_groups hold the parameter indices {sorted(held)[:8]}, but {params} "
-                       f"parameter(s) are trainable: each index 0..{params - 1} must be in exactly one group")
+    n = len(held)
+    if not reasons and (sorted(held) != list(range(n)) or n < params):
+        reasons.append(f"optimizer.param_groups hold the parameter indices {sorted(held)[:8]}: each index 0..n-1 "
+                       f"must be in exactly one group, for n at least the {params} trainable parameter(s)")
     for section in ("state", "tensors"):
         for idx in sorted(doc[section]):
             at = _index(idx)
-            if at is None or at >= params:
-                reasons.append(f"optimizer.{section} has an entry for parameter {idx[:20]!r}, but {params} "
-                               "parameter(s) are trainable")
+            if at is None or at >= n:
+                reasons.append(f"optimizer.{section} has an entry for parameter {idx[:20]!r}, but the param "
+                               f"groups hold {n} parameter(s)")
+    stateful = {idx for section in ("state", "tensors") for idx in doc[section]}
+    if len(stateful) > params:
+        reasons.append(f"optimizer state is recorded for {len(stateful)} parameters, but only {params} are "
+                       "trainable (a parameter without a gradient never gets state)")
+    if n != params:  # frozen parameters held too: which index is which parameter only the built model tells
+        shapes = None
     if tensors is None:
         return reasons
     expected = {f"state.{i}.{k}" for i, ks in doc["tensors"].items() for k in ks} or {EMPTY_STATE}
