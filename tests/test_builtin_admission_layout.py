@@ -10,7 +10,6 @@ torchrun), so these run in a second.
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 from collections.abc import Callable
@@ -18,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from conftest import replay_pins
+from test_symlinks import write_capture_over_two_ranks
 
 from replayjob.artifacts import capture_manifest as mf
-from replayjob.artifacts import capture_payload as payload
 from replayjob.artifacts import capture_reader
 from replayjob.artifacts import capture_root as ranks
 from replayjob.cli import main
@@ -31,7 +29,6 @@ from replayjob.errors import IntegrityError
 from replayjob.jsonio import canonical_bytes
 from replayjob.producers.builtin import ranks as rankrows
 from replayjob.producers.builtin.admission import source_config
-from replayjob.rl.batch import OptimizerBatch
 
 CONFIG: dict[str, Any] = {"backend": {"devices": "cpu"},
                           "distributed": {"world_size": 2, "strategy": "ddp", "bucket_cap_mb": 25.0,
@@ -83,32 +80,8 @@ def test_a_single_device_manifest_recording_no_world_size_is_refused(capture_dir
 # ------------------------------------------------------------------------------------- a root over ranks
 def capture_over_two_ranks(out: Path, config: dict[str, Any] | None = None) -> Path:
     """Two ranks' payloads, manifests and landing records, then the root, written by the capture's own writers
-    (synthetic rows); the root's path."""
-    config = CONFIG if config is None else config
-    rows = 4
-    resp = [2 + i for i in range(rows)]
-    mask = torch.zeros((rows, max(resp)), dtype=torch.float64)
-    for i, n in enumerate(resp):
-        mask[i, :n] = 1
-    fields = {k: torch.full_like(mask, 0.25) * mask for k in ("old_logprobs", "ref_logprobs", "advantages",
-                                                               "loss_weights")}
-    batch = OptimizerBatch.from_padded([[5 + i] * 3 + [7] * n for i, n in enumerate(resp)], [3] * rows, fields, mask)
-    rng = {"cpu": torch.get_rng_state()}
-    for r, (begin, end) in enumerate([(0, 2), (2, 4)]):
-        shard, where = batch.shard(begin, end), out / ranks.rank_dir(r)
-        where.mkdir(parents=True)
-        data = payload.encode(shard, rng)
-        (where / mf.payload_name(0)).write_bytes(data)
-        logical, effective = shard.digests()
-        doc = mf.build(step=0, producer={"replayjob_version": "0.1.0"}, payload_file=mf.payload_name(0),
-                       payload_size=len(data), payload_digest=payload.digest_bytes(data), rng_keys=list(rng),
-                       rows=payload.summary(shard), logical=logical, effective=effective,
-                       resolved_config=copy.deepcopy(config), contract={"schema": "synthetic"},
-                       adapter_path=Path("adapter_model.safetensors"), adapter_size=1, adapter_sha256="a" * 64)
-        ranks.land(out, r, 2, mf.write(where / mf.manifest_name(0), doc))
-    rankrows.write_root(out, step=0, world=2, strategy="ddp", bucket_cap_mb=25.0, backend="gloo",
-                        producer={"replayjob_version": "0.1.0"})
-    return out / mf.manifest_name(0)
+    (synthetic rows) with this module's config; the root's path."""
+    return write_capture_over_two_ranks(out, CONFIG if config is None else config, "a" * 64)[0]
 
 
 def reconfigure(root: Path, edit: Callable[[dict[str, Any]], None]) -> str:

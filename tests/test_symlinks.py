@@ -8,6 +8,7 @@ place, so that without the rule the evidence would be read and would pass (the c
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -196,9 +197,11 @@ def test_trace_diff_refuses_a_linked_trace_directory(tmp_path: Path, capsys: pyt
 
 
 # ------------------------------------------------------------------------------------------------ a capture over ranks
-def capture_over_two_ranks(out: Path) -> ranks.RootManifest:
-    """A capture over two ranks written by the capture's own writers (each rank's payload, manifest and
-    landing record, then the root), read back as explain and replay read it."""
+def write_capture_over_two_ranks(out: Path, config: dict[str, Any] | None = None,
+                                 adapter_sha256: str | None = None) -> tuple[Path, str]:
+    """A capture over two ranks (synthetic rows), written by the capture's own writers: each rank's payload, manifest
+    and landing record, then the root recording ``config`` (default: the synthetic source's); the root's path and
+    SHA-256.  Nothing is read back, so a contradictory ``config`` is written as given."""
     rows = 4
     resp = [2 + i for i in range(rows)]
     mask = torch.zeros((rows, max(resp)), dtype=torch.float64)
@@ -217,12 +220,18 @@ def capture_over_two_ranks(out: Path) -> ranks.RootManifest:
         doc = mf.build(step=0, producer={"replayjob_version": "0.1.0"}, payload_file=mf.payload_name(0),
                        payload_size=len(data), payload_digest=payload.digest_bytes(data), rng_keys=list(rng),
                        rows=payload.summary(shard), logical=logical, effective=effective,
-                       resolved_config=synthetic.SOURCE_CONFIG, contract={"schema": "synthetic"},
-                       adapter_path=Path("adapter_model.safetensors"), adapter_size=1,
-                       adapter_sha256=synthetic.digest_of("initial"))
+                       resolved_config=copy.deepcopy(synthetic.SOURCE_CONFIG if config is None else config),
+                       contract={"schema": "synthetic"}, adapter_path=Path("adapter_model.safetensors"),
+                       adapter_size=1, adapter_sha256=adapter_sha256 or synthetic.digest_of("initial"))
         ranks.land(out, r, 2, mf.write(where / mf.manifest_name(0), doc))
     *_, sha = rankrows.write_root(out, step=0, world=2, strategy="ddp", bucket_cap_mb=25.0, backend="gloo",
                                producer={"replayjob_version": "0.1.0"})
+    return out / mf.manifest_name(0), sha
+
+
+def capture_over_two_ranks(out: Path) -> ranks.RootManifest:
+    """:func:`write_capture_over_two_ranks`, read back as explain and replay read it."""
+    _, sha = write_capture_over_two_ranks(out)
     root = ranks.read_capture(out / mf.manifest_name(0), sha)
     assert isinstance(root, ranks.RootManifest)
     return root
