@@ -148,3 +148,18 @@ def test_the_empty_optimizer_state_is_the_only_one_an_initialisation_state_holds
     d = _state(workspace, tmp_path, -1, {})
     assert set(tensorfile.load(d / OPTIMIZER_FILE)) == {EMPTY_STATE}
     assert read_state(d).step == -1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible here")
+def test_a_cuda_rng_state_without_its_device_is_refused_naming_it(tmp_path: Path) -> None:
+    """A well-formed CUDA RNG state on a host that does not see its device: refused (exit 2) naming the state, its
+    file and the fix, before any generator is touched."""
+    from replayjob.errors import ContractError
+    from replayjob.rl.state import restore_rng
+
+    where = tmp_path / "payload.safetensors"
+    state = {"cpu": torch.get_rng_state(), "cuda.0": torch.zeros(16, dtype=torch.uint8)}
+    with pytest.raises(ContractError) as exc:
+        restore_rng(state, where=where)
+    assert exc.value.exit_code == 2 and "rng.cuda.0" in exc.value.message and exc.value.where == str(where) \
+        and "CUDA_VISIBLE_DEVICES" in (exc.value.hint or ""), exc.value.diagnostics()

@@ -524,8 +524,10 @@ def restore_rng(tensors: dict[str, torch.Tensor], prefix: str = "", where: str |
     for key, t in cuda.items():
         idx = int(key.rsplit(".", 1)[1])
         if idx >= torch.cuda.device_count():
-            raise ContractError(f"captured RNG for CUDA device {idx}, but only "
-                                f"{torch.cuda.device_count()} are visible")
+            raise ContractError(f"{name(key)}: the capture holds the RNG state of CUDA device {idx}, but this "
+                                f"process sees {torch.cuda.device_count()} CUDA device(s)", where=where,
+                                hint="replay on a host with that device visible (CUDA_VISIBLE_DEVICES), as the "
+                                     "source step ran")
         torch.cuda.set_rng_state(t, idx)  # a failure here is the device's (exit 3): the state passed every check
 
 
