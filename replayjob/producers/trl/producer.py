@@ -1,14 +1,15 @@
 """TRL integration: capture a real ``trl.GRPOTrainer`` (or ``trl.RLOOTrainer``) step, and replay it with TRL's
 own training step.
 
-Capture (``pip install 'replayjob[trl]'``)::
+Capture (``pip install 'replayjob[trl]'``), before ``train()``; ``cap.result.replay_toml`` is then
+``runs/cap/replay.toml`` with its pins filled in:
 
-    from replayjob import capture_optimizer_batch
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained("/models/base"), ...,
-                          peft_config=LoraConfig(...))
-    cap = capture_optimizer_batch(trainer, "runs/cap", step=1)   # before train()
-    trainer.train()
-    cap.result.replay_toml                                          # runs/cap/replay.toml, pins filled in
+    >>> from replayjob import capture_optimizer_batch  # doctest: +SKIP
+    >>> trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained("/models/base"), ...,  # doctest: +SKIP
+    ...                       peft_config=LoraConfig(...))
+    >>> cap = capture_optimizer_batch(trainer, "runs/cap", step=1)  # doctest: +SKIP
+    >>> trainer.train()  # doctest: +SKIP
+    >>> cap.result.replay_toml  # doctest: +SKIP
 
 ``steps=[K1, K2, ...]`` instead captures several steps of the run
 (:class:`~replayjob.producers.api.capture.ChosenSteps`): per step its files and

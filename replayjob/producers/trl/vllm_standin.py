@@ -9,13 +9,12 @@ ids, the sampled token's logprob under the processed distribution (temperature, 
 vLLM's ``processed_logprobs``) as ``[[lp], ...]``, and the token ids as ``[[t], ...]``.  It draws from its own
 seeded generator, never the trainer's Torch RNG, as a separate vLLM engine would.
 
-Use it by patching the class TRL builds, before the trainer is built::
+Use it by patching the class TRL builds, before the trainer is built:
 
-    from trl.trainer import grpo_trainer
-    from replayjob.producers.trl.vllm_standin import stand_in
-
-    monkeypatch.setattr(grpo_trainer, "VLLMGeneration", stand_in(dtype="bfloat16", seed=0))
-    trainer = GRPOTrainer(..., args=GRPOConfig(use_vllm=True, top_k=8, temperature=0.9, ...))
+    >>> from trl.trainer import grpo_trainer  # doctest: +SKIP
+    >>> from replayjob.producers.trl.vllm_standin import stand_in  # doctest: +SKIP
+    >>> monkeypatch.setattr(grpo_trainer, "VLLMGeneration", stand_in(dtype="bfloat16", seed=0))  # doctest: +SKIP
+    >>> trainer = GRPOTrainer(..., args=GRPOConfig(use_vllm=True, top_k=8, temperature=0.9, ...))  # doctest: +SKIP
 
 ``dtype``: ``"model"`` (the parameters' dtype) or an autocast dtype (``"bfloat16"``, ``"float16"``) for the
 sampler's forward, the precision gap a real vLLM engine in bf16 would open.  ``built`` lists the keyword arguments

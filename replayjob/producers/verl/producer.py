@@ -1,12 +1,13 @@
 """verl integration: capture optimizer steps of a real verl actor update, and replay one with verl's own engine.
 
 Capture (``pip install 'replayjob[verl]'``), in the process that holds the actor's engine (verl's
-``TrainingWorker``, or the ``ActorRolloutRefWorker`` whose ``actor`` it is), after its model is built::
+``TrainingWorker``, or the ``ActorRolloutRefWorker`` whose ``actor`` it is), after its model is built; ``step=3``
+is the 4th optimizer step of the run, the trainer then runs ``update_actor`` as usual, and
+``cap.result.replay_toml`` is ``runs/cap/replay.toml`` with its pins filled in:
 
-    from replayjob import capture_actor_steps
-    cap = capture_actor_steps(worker, "runs/cap", step=3)        # the 4th optimizer step of the run
-    ...                                                          # the trainer runs update_actor as usual
-    cap.result.replay_toml                                       # runs/cap/replay.toml, pins filled in
+    >>> from replayjob import capture_actor_steps  # doctest: +SKIP
+    >>> cap = capture_actor_steps(worker, "runs/cap", step=3)  # doctest: +SKIP
+    >>> cap.result.replay_toml  # doctest: +SKIP
 
 In a Ray run the worker lives in its own process: :mod:`replayjob.producers.verl.plugin`, imported there
 through verl's ``actor_rollout_ref.model.external_lib`` setting, makes the same call from the environment
