@@ -245,6 +245,7 @@ class Scanned:
     batch: OptimizerBatch | None = None
     rows: dict[str, int | float] | None = None
     every_row_bears_loss: bool = False
+    nonfinite: str | None = None  # read with allow_nonfinite: the first NaN/Inf it admitted (None: none there)
     _row_digests: tuple[str, str] | None = field(default=None, repr=False)
 
     def row_digests(self) -> tuple[str, str] | None:
@@ -287,7 +288,7 @@ def _scan(source: str | Path | Buffer, keep: bool, where: str | Path | None,
     floats = (*FLOAT_FIELDS, *(k for k in OPTIONAL_FLOAT_FIELDS if k in header.tensors))
     counts = {k: header.tensors[k].shape[0] for k in (*INT_FIELDS, *floats)}
     try:
-        _check_content(header, counts, ints, checks.results, where, allow_nonfinite)
+        out.nonfinite = _check_content(header, counts, ints, checks.results, where, allow_nonfinite)
     except IntegrityError as exc:
         out.fault = exc
         return out
@@ -315,8 +316,10 @@ def _scan(source: str | Path | Buffer, keep: bool, where: str | Path | None,
 
 
 def _check_content(header: tensorfile.Header, counts: dict[str, int], ints: dict[str, np.ndarray],
-                   results: dict[str, _SpanResult], where: str | Path | None, allow_nonfinite: bool = False) -> None:
-    """Ragged structure from the index arrays, then the per-token findings (first one raised).
+                   results: dict[str, _SpanResult], where: str | Path | None,
+                   allow_nonfinite: bool = False) -> str | None:
+    """Ragged structure from the index arrays, then the per-token findings (first one raised); the first
+    non-finite value admitted (None: none).
 
     ``allow_nonfinite`` admits NaN/Inf in the logprobs and advantages (a capture flagged so, replayed
     under ``optimizer_batch.allow_nonfinite_inputs``); never in the loss weights."""
@@ -324,16 +327,21 @@ def _check_content(header: tensorfile.Header, counts: dict[str, int], ints: dict
     check_ragged(ints, counts, where)
     if results["tokens"].negative:
         raise _fail("negative token id", where)
+    admitted = None
     for f in (*FLOAT_FIELDS, *OPTIONAL_FLOAT_FIELDS):
         first = results[f].first_nonfinite
-        if first is not None and not (allow_nonfinite and f != "loss_weights"):
-            row = int(np.searchsorted(ints["resp_offsets"], first, side="right")) - 1
-            raise _fail(f"row {row} holds a non-finite {f} value", where,
-                        "the source step produced NaN/Inf; fix the source run and recapture")
+        if first is None:
+            continue
+        finding = f"row {int(np.searchsorted(ints['resp_offsets'], first, side='right')) - 1} holds a non-finite " \
+                  f"{f} value"
+        if not (allow_nonfinite and f != "loss_weights"):
+            raise _fail(finding, where, "the source step produced NaN/Inf; fix the source run and recapture")
+        admitted = admitted or finding
     cpu = header.tensors["rng.cpu"].shape[0]
     if cpu != torch.get_rng_state().numel():
         raise _fail(f"rng.cpu has {cpu} bytes, this Torch's CPU generator state has "
                     f"{torch.get_rng_state().numel()}", where)
+    return admitted
 
 
 def _first(mask: np.ndarray) -> int:

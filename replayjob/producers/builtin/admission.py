@@ -115,38 +115,29 @@ def _check_payload(adm: Admission) -> None:
 def _read_checking_nonfinite(adm: Admission, m: Manifest) -> payload.Scanned | None:
     """The payload read and verified, its non-finite flag recomputed from its rows (``None``: refused).
 
-    A chosen-step capture's ``state.nonfinite_inputs`` says whether its rows hold NaN/Inf: the payload is read
-    refusing them, and only when that read fails is it read again admitting them (in the logprobs and
-    advantages, never the loss weights), which tells whether they are there.  A flag that differs from the
-    rows either way is refused; flagged rows replay only under ``optimizer_batch.allow_nonfinite_inputs``.
-    A step-zero capture (no ``state``) never holds them."""
-    flagged = m.state is not None and bool(m.state["nonfinite_inputs"])
+    A chosen-step capture's ``state.nonfinite_inputs`` says whether its rows hold NaN/Inf: its payload is read
+    admitting them (in the logprobs and advantages, never the loss weights), and the scan says whether they are
+    there.  A flag that differs from the rows either way is refused; flagged rows replay only under
+    ``optimizer_batch.allow_nonfinite_inputs``.  A step-zero capture (no ``state``) never holds them."""
     try:
-        scan = read_payload(m, keep=adm.keep_rows)
+        scan = read_payload(m, keep=adm.keep_rows, allow_nonfinite=m.state is not None)
     except IntegrityError as exc:
-        first = exc.message
-        if m.state is None:
-            adm.refuse(first, integrity=True)
-            return None
-        try:  # does it fail only on the non-finite values?
-            scan = read_payload(m, keep=adm.keep_rows, allow_nonfinite=True)
-        except IntegrityError:
-            adm.refuse(first, integrity=True)  # another fault (or NaN/Inf in the loss weights)
-            return None
-        if not flagged:
-            adm.refuse(f"{m.path}: field `state.nonfinite_inputs` is false, but the payload's rows hold non-finite "
-                       f"values ({first}); recapture the step (the flag is recomputed from the rows)",
-                       integrity=True)
-            return None
-        if not adm.cfg.optimizer_batch.allow_nonfinite_inputs:
-            adm.refuse(f"the capture's rows hold non-finite values (flagged nonfinite_inputs in the manifest's "
-                       f"`state`; {first}); replay them only with optimizer_batch.allow_nonfinite_inputs = true")
-            return None
-        return scan
-    if flagged:
+        adm.refuse(exc.message, integrity=True)
+        return None
+    flagged = m.state is not None and bool(m.state["nonfinite_inputs"])
+    found = scan.nonfinite
+    if found is not None and not flagged:
+        adm.refuse(f"{m.path}: field `state.nonfinite_inputs` is false, but the payload's rows hold non-finite "
+                   f"values ({found}); recapture the step (the flag is recomputed from the rows)", integrity=True)
+        return None
+    if found is None and flagged:
         adm.refuse(f"{m.path}: field `state.nonfinite_inputs` is true, but the payload's rows hold no non-finite "
                    f"value (recomputed from {m.payload_path.name}); the flag was edited: recapture the step or use "
                    "its unedited manifest", integrity=True)
+    elif found is not None and not adm.cfg.optimizer_batch.allow_nonfinite_inputs:
+        adm.refuse(f"the capture's rows hold non-finite values (flagged nonfinite_inputs in the manifest's `state`; "
+                   f"{found}); replay them only with optimizer_batch.allow_nonfinite_inputs = true")
+        return None
     return scan
 
 
