@@ -84,6 +84,7 @@ def read_state(path: str | Path) -> ResumeState:
     if not isinstance(files, dict) or ADAPTER_WEIGHTS not in files or not isinstance(model, dict):
         raise IntegrityError("'files' must list adapter_model.safetensors and 'model' must be an object",
                              where=d / STATE_FILE)
+    tensors: dict[str, dict[str, torch.Tensor]] = {}  # the files whose values are checked, read once here
     for name, digest in sorted(files.items()):
         if "/" in name or "\\" in name or name.startswith(".") or not isinstance(digest, str):
             raise IntegrityError(f"bad file entry {name!r}", where=d / STATE_FILE)
@@ -95,19 +96,21 @@ def read_state(path: str | Path) -> ResumeState:
         f = d / name
         if f.is_symlink() or not f.is_file():
             raise IntegrityError(f"{name} is missing or not a regular file", where=d)
-        actual = sha256_file(f)
-        if actual != digest:
-            raise IntegrityError(f"{name} has SHA-256 {actual}, trainer_state.json pins {digest}",
+        scanned = tensorfile.scan(f, keep=name in (ADAPTER_WEIGHTS, OPTIMIZER_FILE), follow_symlinks=False)
+        if scanned.sha256 != digest:
+            raise IntegrityError(f"{name} has SHA-256 {scanned.sha256}, trainer_state.json pins {digest}",
                                  where=d, hint="the state was modified after it was written; recreate it")
-        tensorfile.read_header(f, follow_symlinks=False)  # structure checked before anything loads it
-    _check_values(d, step, files)
+        scanned.validated()  # structure checked before anything loads it
+        if name in (ADAPTER_WEIGHTS, OPTIMIZER_FILE):
+            tensors[name] = scanned.tensors()
+    _check_values(d, step, files, tensors)
     return ResumeState(d, step, model, d / ADAPTER_WEIGHTS, files[ADAPTER_WEIGHTS], dict(files))
 
 
 _STATE_HINT = "the state was modified after it was written, or no training could have produced it; recreate it"
 
 
-def _check_values(d: Path, step: int, files: Mapping[str, str]) -> None:
+def _check_values(d: Path, step: int, files: Mapping[str, str], tensors: Mapping[str, dict[str, torch.Tensor]]) -> None:
     """What a resume state's tensors hold, against its step: an initialisation state (step -1) carries no RNG
     state and no optimizer state; the adapter and the optimizer state are finite, the second moments are
     non-negative, and no per-parameter step count is above the ``step + 1`` optimizer steps the built-in trainer
@@ -117,13 +120,12 @@ def _check_values(d: Path, step: int, files: Mapping[str, str]) -> None:
         raise IntegrityError(f"trainer_state.json lists {RNG_FILE}, but an initialisation state (step -1) holds no "
                              "RNG state (a run from it seeds from its config)", where=d / STATE_FILE,
                              hint=f"remove {RNG_FILE} from files, or run `replayjob init` again")
-    adapter = tensorfile.load(d / ADAPTER_WEIGHTS, expected_sha256=files[ADAPTER_WEIGHTS], follow_symlinks=False)
-    reasons = tensor_reasons(adapter, "tensor")
+    reasons = tensor_reasons(tensors[ADAPTER_WEIGHTS], "tensor")
     if reasons:
         raise IntegrityError(_listed(reasons), where=d / ADAPTER_WEIGHTS, hint=_STATE_HINT)
     if OPTIMIZER_FILE not in files:
         return
-    opt = tensorfile.load(d / OPTIMIZER_FILE, expected_sha256=files[OPTIMIZER_FILE], follow_symlinks=False)
+    opt = tensors[OPTIMIZER_FILE]
     if step == -1 and set(opt) != {EMPTY_STATE}:
         raise IntegrityError(f"an initialisation state (step -1) starts a fresh optimizer, but {OPTIMIZER_FILE} "
                              f"holds optimizer state ({', '.join(sorted(opt)[:3])}, ...)", where=d / OPTIMIZER_FILE,
