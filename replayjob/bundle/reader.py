@@ -35,7 +35,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from replayjob import tensorfile
-from replayjob.artifacts.bundle import LEGACY_ROOT_KEYS, BundleComplete, RankComplete, RootComplete
+from replayjob.artifacts.bundle import (
+    FLOAT_DTYPES,
+    LEGACY_ROOT_KEYS,
+    PAYLOAD_DTYPES,
+    BundleComplete,
+    RankComplete,
+    RootComplete,
+)
 from replayjob.artifacts.document import decode
 from replayjob.bundle import format as fmt
 from replayjob.bundle.mask import MaskRows
@@ -209,6 +216,70 @@ class TokenIds:
                                       "would be dropped when the text is decoded")
 
 
+_NP_FLOAT = {"F64": np.float64, "F32": np.float32, "F16": np.float16}  # BF16 is read by its exponent bits
+_PER_TOKEN_FLOATS = tuple(n for n, d in PAYLOAD_DTYPES.items() if d == FLOAT_DTYPES)
+
+
+class FinitePadding:
+    """A ``scan`` visitor: the positions past a sample's ``response_length`` (its padding) hold finite values in
+    every per-token floating payload (log-probabilities, KL, advantages, loss weights).
+
+    The stages weigh every position by the mask (``kl * mask``, ``sum(weights * token_loss)``), as the trainer
+    does: a zero-weighted NaN or infinity is still NaN, so a non-finite pad would make the recomputed stage (the
+    whole loss of its rank) NaN and read as a divergence the trainer, which saw finite pads, never had.  A
+    non-finite value inside the response is evidence and is left to the comparison.
+    """
+
+    def __init__(self, lengths: list[int], sample_ids: list[str]):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.sample_ids = sample_ids
+
+    def __call__(self, spec: tensorfile.TensorSpec, piece: memoryview, first: int) -> None:
+        """Check ``piece``: elements ``first ..`` of tensor ``spec``, just read and hashed."""
+        if (spec.name not in _PER_TOKEN_FLOATS or spec.dtype not in FLOAT_DTYPES or len(spec.shape) != 2
+                or spec.shape[0] != len(self.lengths)):
+            return  # refused by the manifest or the header check
+        if spec.dtype == "BF16":  # an all-ones exponent: NaN or an infinity
+            bits = np.frombuffer(piece, dtype=np.uint16, count=len(piece) // 2)
+            bad = (bits & 0x7F80) == 0x7F80
+        else:
+            np_dtype = np.dtype(_NP_FLOAT[spec.dtype])
+            values = np.frombuffer(piece, dtype=np_dtype, count=len(piece) // np_dtype.itemsize)
+            bad = ~np.isfinite(values)
+        if bad.any():
+            self._check(spec.name, np.flatnonzero(bad), first, spec.shape[1], spec.dtype, piece)
+
+    def check_tensor(self, name: str, t: Tensor) -> None:
+        """The same check on a whole ``[N, T]`` tensor (the writer, before it writes)."""
+        import torch
+        if name in _PER_TOKEN_FLOATS and t.dim() == 2 and t.dtype.is_floating_point and t.shape[0] == len(self.lengths):
+            bad = ~torch.isfinite(t.reshape(-1))
+            if bool(bad.any()):
+                flat = t.reshape(-1)
+                where = bad.nonzero()[:, 0].numpy()
+                self._raise_first(name, where, 0, t.shape[1], lambda k: float(flat[k]))
+
+    def _check(self, name: str, where: np.ndarray, first: int, width: int, dtype: str, piece: memoryview) -> None:
+        import torch
+        tdtype = tensorfile.torch_dtype(dtype)
+        values = torch.frombuffer(piece, dtype=tdtype, count=len(piece) // tdtype.itemsize)
+        self._raise_first(name, where, first, width, lambda k: float(values[k - first]))
+
+    def _raise_first(self, name: str, where: np.ndarray, first: int, width: int, value: Any) -> None:
+        flat = where.astype(np.int64) + first
+        rows, cols = np.divmod(flat, max(1, width))
+        pad = cols >= self.lengths[rows]
+        if not pad.any():
+            return
+        k = int(np.flatnonzero(pad)[0])
+        row, col = int(rows[k]), int(cols[k])
+        raise IntegrityError(f"payload {name!r} holds {value(int(flat[k]))} at padding (sample "
+                             f"{self.sample_ids[row]!r}, token {col}, past its response_length="
+                             f"{int(self.lengths[row])}): padding is finite", where=fmt.payload_where(name),
+                             hint="pad per-token payloads with finite values (0): every position is weighed by the "
+                                  "mask, and a NaN or an infinity there, weighed by 0, is still NaN")
+
+
 def _visit_all(*visitors: tensorfile.Visitor) -> tensorfile.Visitor:
     def visit(spec: tensorfile.TensorSpec, piece: memoryview, first: int) -> None:
         for v in visitors:
@@ -217,9 +288,9 @@ def _visit_all(*visitors: tensorfile.Visitor) -> tensorfile.Visitor:
 
 
 def _load_payloads(path: Path, manifest: dict[str, Any], keep: bool, rows: MaskRows,
-                   ids: TokenIds) -> dict[str, Tensor]:
+                   ids: TokenIds, pads: FinitePadding) -> dict[str, Tensor]:
     """One read of ``payloads.safetensors``: size, header SHA-256 and every tensor's SHA-256 first,
-    then the header, BOOL bytes, mask rows and token ids checked on those very bytes.
+    then the header, BOOL bytes, mask rows, token ids and finite padding checked on those very bytes.
 
     The header block and each tensor's bytes are hashed on their own (together they tile the file,
     so every byte is pinned); with 32 MiB or more, up to four threads read and hash tensors at once
@@ -243,7 +314,7 @@ def _load_payloads(path: Path, manifest: dict[str, Any], keep: bool, rows: MaskR
         raise IntegrityError(f"{fmt.PAYLOAD_FILE} is not a regular file (symlinks are refused)", where=p)
     workers = min(PARALLEL_FILES, len(specs)) if int(pf["bytes"]) >= PARALLEL_MIN_BYTES else 1
     scanned = tensorfile.scan(p, keep=keep, schema=fmt.payload_schema({n: s["dtype"] for n, s in specs.items()}),
-                              digest="spans", visit=_visit_all(rows, ids), workers=workers, follow_symlinks=False)
+                              digest="spans", visit=_visit_all(rows, ids, pads), workers=workers, follow_symlinks=False)
     header_sha = (scanned.header_sha256 or b"").hex()
     if scanned.size != pf["bytes"] or header_sha != pf["header_sha256"]:
         raise IntegrityError(f"checksum mismatch for {fmt.PAYLOAD_FILE}: {scanned.size} bytes, header sha256 "
@@ -258,7 +329,7 @@ def _load_payloads(path: Path, manifest: dict[str, Any], keep: bool, rows: MaskR
             raise IntegrityError(f"checksum mismatch for payload {name!r}: sha256 {sha[:16]}..., manifest says "
                                  f"{specs[name]['sha256'][:16]}...", where=fmt.payload_where(name),
                                  hint="the payload was modified")
-    header = scanned.validated()  # strict header, schema, BOOL bytes, mask rows and token ids, on the hashed bytes
+    header = scanned.validated()  # strict header, schema, BOOL bytes, mask rows, token ids, padding: hashed bytes
     for name, spec in specs.items():
         ts = header.tensors[name]
         if ts.dtype != spec["dtype"] or list(ts.shape) != spec["shape"]:
@@ -308,7 +379,8 @@ def _load_single(path: Path, tensors: bool = True, root: RootRecord | None = Non
     # Mask rows are checked against the recorded lengths as the mask's bytes stream past the hash.
     sample_ids = [s["sample_id"] for s in index["samples"]]
     rows = MaskRows([s["response_length"] for s in index["samples"]], sample_ids)
-    payloads = _load_payloads(path, manifest, tensors, rows, TokenIds(index["config"]["tokenizer"], sample_ids))
+    payloads = _load_payloads(path, manifest, tensors, rows, TokenIds(index["config"]["tokenizer"], sample_ids),
+                              FinitePadding([s["response_length"] for s in index["samples"]], sample_ids))
     specs = manifest["payloads"]
     check_closure(manifest, index, expected, {k: (specs[k]["dtype"], list(v.shape)) for k, v in payloads.items()})
     _check_labels(payloads, index)
@@ -520,7 +592,7 @@ def load_bundle(path: str | Path, *, tensors: bool = True) -> Bundle:
     """Validate and load a bundle directory or a multi-rank root; raise naming the first fault.
 
     ``tensors=False`` (``bundle validate``) runs every check -- digests over every byte, headers,
-    dtypes, shapes, BOOL bytes, mask rows, token ids, config ranges, group closure -- but keeps no
+    dtypes, shapes, BOOL bytes, mask rows, token ids, finite padding, config ranges, group closure -- but keeps no
     payload data: ``payloads`` then holds ``meta`` tensors of the recorded dtypes and shapes.  Every
     structural check ``bundle replay`` relies on is made here, so what ``validate`` passes, ``replay``
     recomputes.

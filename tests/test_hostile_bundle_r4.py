@@ -1,0 +1,135 @@
+"""Hostile bundles, round 4: what ``bundle replay`` relies on that ``bundle validate`` must refuse first.
+
+Each bundle is synthetic (:mod:`replayjob.bundle.synthetic`) and rewritten the way a producer without the
+reader's checks (or a forger) would, every digest re-sealed (``tests/test_bundle_checks._forge``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from replayjob.bundle import format as fmt
+from replayjob.bundle.synthetic import _writer, make, write_rollout, write_step
+from replayjob.cli import main
+from replayjob.errors import IntegrityError
+from replayjob.rl import stages
+from tests.test_bundle_checks import _forge, _refused_by_both
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def _short_row(p: Path) -> tuple[int, int, int]:
+    """(row, its response_length, the payloads' width) of the first sample with padding."""
+    m = json.loads((p / fmt.MANIFEST).read_text())
+    width = m["payloads"]["mask"]["shape"][1]
+    row = next(i for i, s in enumerate(m["index"]["samples"]) if s["response_length"] < width)
+    return row, m["index"]["samples"][row]["response_length"], width
+
+
+# ------------------------------------------------------------- padding is finite in every per-token float payload
+@pytest.mark.parametrize(("kind", "name", "value", "dtype"), [
+    ("rollout", "old_logprobs", float("nan"), None),
+    ("rollout", "ref_logprobs", float("inf"), None),
+    ("rollout", "kl", float("nan"), None),
+    ("rollout", "advantages", float("-inf"), None),
+    ("step", "logprobs", float("nan"), None),
+    ("step", "old_logprobs", float("inf"), None),
+    ("step", "ref_logprobs", float("nan"), None),  # never reaches the loss when kl_loss_coef is 0: refused anyway
+    ("step", "advantages", float("nan"), None),
+    ("step", "loss_weights", float("nan"), None),
+    ("step", "logprobs", float("-inf"), torch.bfloat16),
+    ("step", "old_logprobs", float("nan"), torch.float16),
+])
+def test_a_non_finite_pad_is_refused_by_validate_and_replay(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, name: str, value: float,
+        dtype: torch.dtype | None) -> None:
+    """A NaN or an infinity past a sample's response: the stages weigh it by the zero mask and 0 * NaN is NaN, so
+    replay read a forged pad as a NaN loss (exit 1) or, unread, passed; both now refuse it (exit 2), naming the
+    payload, the sample and the token."""
+    p = (write_rollout if kind == "rollout" else write_step)(tmp_path / "b")
+    row, length, width = _short_row(p)
+
+    def pad(t: dict[str, Tensor]) -> None:
+        if dtype is not None:
+            t[name] = t[name].to(dtype)
+        t[name][row, width - 1] = value
+
+    _forge(p, None, pad)
+    _refused_by_both(capsys, p, f"payload {name!r} holds", "at padding", f"sample 's-{row}'",
+                     f"token {width - 1}", f"response_length={length}", "padding is finite")
+
+
+def test_a_non_finite_value_inside_the_response_is_evidence_not_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Inside the response a NaN is what the trainer consumed: validate passes, replay reports it (exit 1)."""
+    p = write_step(tmp_path / "b")
+
+    def nan(t: dict[str, Tensor]) -> None:
+        t["logprobs"][0, 0] = float("nan")
+
+    _forge(p, None, nan)
+    assert _cli(capsys, "bundle", "validate", str(p))[0] == 0
+    rc, out = _cli(capsys, "bundle", "replay", str(p))
+    assert rc == 1 and "nan" in out.lower(), out
+
+
+def test_the_writer_refuses_a_non_finite_pad(tmp_path: Path) -> None:
+    s = make()
+    w = _writer(tmp_path / "x", s, "step", list(range(8)), None, None, True, None)
+    row = next(i for i, n in enumerate(s.lengths) if n < max(s.lengths))
+    logp = s.t["logprobs"].clone()
+    logp[row, -1] = float("nan")
+    w.write_payload("logprobs", logp)
+    for name in ("old_logprobs", "ref_logprobs", "advantages"):
+        w.write_payload(name, s.t[name])
+    w.set_expected("loss.policy", "loss_weights", s.t["loss_weights"])
+    w.set_expected("loss.policy", "loss", float(s.t["loss"]))
+    with pytest.raises(IntegrityError, match=rf"payload 'logprobs' holds nan at padding \(sample 's-{row}'"):
+        w.finalize()
+    assert not (tmp_path / "x").exists()
+
+
+# -------------------------------------------- an empty response (a zero mask row) is valid when it is recorded so
+def test_a_zero_mask_row_recorded_consistently_replays_clean(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A sample with response_length 0 and a zero mask row is an empty response, not a structural fault: the
+    stages handle it (no division by its zero count), so a bundle whose outputs were computed with it replays
+    clean, and one whose outputs were computed with another mask diverges (exit 1, a valid verdict)."""
+    p = write_step(tmp_path / "b")
+    cfg = json.loads((p / fmt.MANIFEST).read_text())["index"]["config"]
+    loss: dict[str, float] = {}
+
+    def empty(t: dict[str, Tensor]) -> None:
+        t["mask"][0] = 0
+        w = stages.loss_weights(stages.token_cap(t["mask"], cfg["token_cap"]), cfg["loss_agg"])
+        t["loss_weights"] = w
+        loss["v"] = float(stages.policy_loss(t["logprobs"], t["old_logprobs"], t["advantages"], w,
+                                             clip_low=cfg["clip_low"], clip_high=cfg["clip_high"],
+                                             ref_logp=t["ref_logprobs"], kl_coef=cfg["kl_loss_coef"]))
+
+    def lengths(m: dict[str, Any]) -> None:
+        m["index"]["samples"][0]["response_length"] = 0
+        m["expected"]["loss.policy"]["loss"] = loss["v"]
+
+    _forge(p, lengths, empty)
+    assert _cli(capsys, "bundle", "validate", str(p))[0] == 0
+    assert _cli(capsys, "bundle", "replay", str(p))[0] == 0
+
+    q = write_step(tmp_path / "c")
+
+    def zero(t: dict[str, Tensor]) -> None:
+        t["mask"][0] = 0
+
+    _forge(q, lambda m: m["index"]["samples"][0].update(response_length=0), zero)
+    assert _cli(capsys, "bundle", "validate", str(q))[0] == 0
+    assert _cli(capsys, "bundle", "replay", str(q))[0] == 1
