@@ -505,6 +505,57 @@ def test_the_driver_judges_the_verdict_it_reads_with_the_reducer_s_code(
     assert any(said in line for line in kubelet.logs), kubelet.logs
 
 
+def _reduce_pod(name: str, code: int, i: int) -> Doc:
+    return {"metadata": {"name": f"{name}-{i}"}, "status": {"containerStatuses": [
+        {"name": "replayjob", "state": {"terminated": {"exitCode": code}}}]}}
+
+
+@pytest.mark.parametrize(("condition", "codes", "expected", "said"), [
+    ("Complete", [3], 3, "exited 3 but the verdict pass"),  # the API says complete, the pod says 3
+    ("Complete", [], 3, "no exit code to confirm the verdict pass"),  # no pod left to confirm it
+    ("Failed", [], 3, "no exit code to confirm the verdict pass"),  # a failed reducer is no pass
+    ("Failed", [0], 3, "no exit code to confirm the verdict pass"),  # failed, yet every attempt exited 0
+    ("Complete", [3, 0], 0, "exited 0, verdict pass"),  # a retried reducer whose last attempt passed
+])
+def test_the_driver_reads_the_reducer_s_code_from_its_job_and_its_pods_together(
+        cluster: tuple[Cluster, client.ApiClient], kubelet: Kubelet, condition: str, codes: list[int],
+        expected: int, said: str) -> None:
+    """The driver decides the reducer's code as `k8s ... --wait` does (`cluster_status.job_code`): a reduce Job
+    the API calls Complete is 0 only beside a pod that exited 0, and a pass verdict with no code to confirm it
+    decides nothing (the driver took Complete for 0, and a Failed Job without pods let the verdict alone pass)."""
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    name = "replayjob-ablation-r8-reduce"
+    state.statuses[name] = {"conditions": [{"type": condition, "status": "True"}]}
+    state.pods[name] = [_reduce_pod(name, c, i) for i, c in enumerate(codes)]
+    kubelet.verdicts["r8"] = verdict_text(0)
+    try:
+        code = submit(spec, text, NS, wait=True, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r8")
+    except ReplayjobError as exc:
+        code = exc.exit_code
+    assert code == expected, kubelet.logs
+    assert any(said in line for line in kubelet.logs), kubelet.logs
+
+
+def test_the_driver_publishes_the_verdict_bytes_it_judged_and_never_reads_through_a_link(
+        cluster: tuple[Cluster, client.ApiClient], kubelet: Kubelet, tmp_path: Path) -> None:
+    """The verdict on the claim is read once, without following a link: a `verdict.json` linked to a pass
+    elsewhere is unreadable (3) and is not published in the run's ConfigMap."""
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    elsewhere = tmp_path / "pass.json"
+    elsewhere.write_text(str(verdict_text(0)), encoding="utf-8")
+    run_dir = kubelet.claim / "runs" / spec.name / "r9l"
+    run_dir.mkdir(parents=True)
+    (run_dir / "verdict.json").symlink_to(elsewhere)
+    kubelet.verdicts["r9l"] = None
+    with pytest.raises(OperationalError):
+        submit(spec, text, NS, wait=True, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r9l")
+    assert any("the verdict cannot be read" in line and "symbolic link" in line for line in kubelet.logs), \
+        kubelet.logs
+    assert k8s.VERDICT_KEY not in (state.objects[("ConfigMap", "replayjob-ablation-r9l-spec")].get("data") or {})
+
+
 @pytest.mark.parametrize(("status", "pods", "said"), [
     ({"conditions": [{"type": "Complete", "status": "True"}]}, [], "no exit code to confirm"),  # no pod
     ({"conditions": [{"type": "Complete", "status": "True"}, {"type": "Failed", "status": "True"}]}, None,

@@ -27,7 +27,7 @@ import msgspec
 
 from replayjob.artifacts.document import Document, decode
 from replayjob.artifacts.verdict import Verdict
-from replayjob.errors import EXIT_ERROR, FINAL_EXIT_STATUSES, OperationalError, ReplayjobError, is_retryable
+from replayjob.errors import EXIT_ERROR, EXIT_OK, FINAL_EXIT_STATUSES, OperationalError, ReplayjobError, is_retryable
 from replayjob.jsonio import loads_strict
 
 T = TypeVar("T")
@@ -203,6 +203,17 @@ def decisive_code(codes: set[int]) -> int | None:
     if final:
         return final[0]
     return EXIT_ERROR if any(is_retryable(c) for c in codes) else None
+
+
+def job_code(state: str | None, codes: set[int]) -> int | None:
+    """The exit code of an ended Job (or JobSet) as its condition ``state`` (``Complete`` or ``Failed``) and its
+    pods' exit ``codes`` (every attempt) say it together, the one rule of the driver and ``k8s ... --wait``:
+    ``Complete`` is 0 only beside an attempt that exited 0, and the pods' :func:`decisive_code` otherwise (a Job
+    the API calls complete whose pods say 3 is 3); ``Failed`` is the pods' decisive code.  None when the two do
+    not confirm a code (no pod left; a failed Job whose every attempt exited 0): nothing decided from it."""
+    if state == "Complete" and EXIT_OK in codes:
+        return EXIT_OK
+    return decisive_code(codes)
 
 
 def judge(verdict: Verdict | None, unreadable: str | None, code: int | None, step: str, *,

@@ -45,8 +45,9 @@ from typing import Any
 
 from replayjob.artifacts import cluster_status as outcome
 from replayjob.artifacts.spec import AblationSpec, load_spec_text
-from replayjob.artifacts.verdict import read_verdict
-from replayjob.errors import EXIT_OK, ConfigError, ContractError, ReplayjobError
+from replayjob.artifacts.verdict import MAX_VERDICT_BYTES, read_verdict
+from replayjob.errors import ConfigError, ContractError, ReplayjobError
+from replayjob.fsio import read_regular_bytes
 from replayjob.launch import jobset, k8s
 from replayjob.launch.step import check_rendered
 from replayjob.launch.submit import (
@@ -208,19 +209,21 @@ def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: floa
         log(f"driver: job/{capture['metadata']['name']} failed for good: no replay runs; the reducer writes the "
             "verdict (refused: no capture)")
     name = reduce["metadata"]["name"]
-    pod_code = EXIT_OK if run(reduce) == "Complete" else api.exit_code(ns, name)
+    pod_code = api.exit_code(ns, name, run(reduce))  # the Job's condition and its pods' codes, together
     path = Path(ctx.artifacts) / "runs" / spec.name / ctx.run_id / "verdict.json"
-    verdict, unreadable = None, None
-    if path.exists():
-        try:
-            verdict = read_verdict(path, where=f"{k8s.MOUNT}/runs/{spec.name}/{ctx.run_id}/verdict.json")
+    verdict, unreadable, data = None, None, b""
+    if path.exists() or path.is_symlink():
+        where = f"{k8s.MOUNT}/runs/{spec.name}/{ctx.run_id}/verdict.json"
+        try:  # one read: the bytes judged are the bytes published (the claim is written by other pods)
+            data = read_regular_bytes(path, max_bytes=MAX_VERDICT_BYTES, what="verdict")
+            verdict = read_verdict(data, where=where)
         except ReplayjobError as exc:
             unreadable = exc.message
     step = f"the reducer (job/{name}) exited {'with no exit code' if pod_code is None else pod_code}"
-    code, line = outcome.judge(verdict, unreadable, pod_code, step)
+    code, line = outcome.judge(verdict, unreadable, pod_code, step, need_code=True)
     if verdict is not None:  # published beside the run's spec: `k8s submit|resume --wait` read it there
         api.patch(ns, "ConfigMap", config_map["metadata"]["name"],
-                  [{"op": "add", "path": "/data/" + k8s.VERDICT_KEY, "value": path.read_text(encoding="utf-8")}])
+                  [{"op": "add", "path": "/data/" + k8s.VERDICT_KEY, "value": data.decode("utf-8")}])
     log(f"driver: run {ctx.run_id}: {line}; exit {code}; verdict: {k8s.MOUNT}/runs/{spec.name}/{ctx.run_id}/"
         f"verdict.json on PVC {spec.claim_name}")
     return code

@@ -309,10 +309,12 @@ class Api:
                           field_selector=f"involvedObject.name={job}")
         return outcome.stuck(job, self._pods(namespace, name, kind), events)
 
-    def exit_code(self, namespace: str, name: str, kind: str = "Job") -> int | None:
-        """The decisive exit code among the Job's (or JobSet's) terminated containers, else None: a final 1 or
-        2 in any attempt outranks a retryable 3 in another, whatever order the API lists the pods in."""
-        return outcome.decisive_code(outcome.pod_codes(self._pods(namespace, name, kind), name))
+    def exit_code(self, namespace: str, name: str, state: str | None, kind: str = "Job") -> int | None:
+        """The exit code of the ended Job (or JobSet) ``name`` whose condition is ``state``, as its condition and
+        its terminated containers say it together (:func:`replayjob.artifacts.cluster_status.job_code`), else
+        None: a final 1 or 2 in any attempt outranks a retryable 3 in another, whatever order the API lists the
+        pods in, and ``Complete`` is 0 only beside an attempt that exited 0."""
+        return outcome.job_code(state, outcome.pod_codes(self._pods(namespace, name, kind), name))
 
 
 WAIT_GRACE_S = 600  # how long past a Job's own deadline its wait goes on (the Job controller's lag)
@@ -420,11 +422,7 @@ def wait_driver(api: Api, namespace: str, name: str, config_map: str, poll_s: fl
     raised with the line that explains it."""
     log(f"following job/{name} (kubectl -n {namespace} logs -f job/{name})")
     state, reason = wait_job(api, namespace, name, poll_s, log, deadline_s)
-    codes = outcome.pod_codes(api.raw(f"listing pods of job {name}", namespace, api.core.list_namespaced_pod,
-                                      namespace, label_selector=f"{k8s.JOB_NAME_LABEL}={name}"), name)
-    code = (EXIT_OK if codes else None) if state == "Complete" else outcome.decisive_code(codes)
-    if state == "Complete" and codes and EXIT_OK not in codes:
-        code = outcome.decisive_code(codes)  # Complete, but no attempt exited 0: the pods say otherwise
+    code = api.exit_code(namespace, name, state)  # Complete, but no attempt exited 0: the pods' code
     doc = api.raw(f"reading configmap {config_map}", namespace, api.core.read_namespaced_config_map, config_map,
                   namespace)
     data = (doc.get("data") or {}) if isinstance(doc, dict) else {}
