@@ -327,3 +327,48 @@ def test_slope_over_nonfinite_steps_is_nonfinite(tmp_path: Path, steps: list[flo
     p = rules(tmp_path, '[[signal]]\nname="trend"\nleaf="r"\nreducer="slope"\nwarn_below=0\n')
     res = evaluate(run_dir(tmp_path, rows), load_rules(p)).results[0]
     assert res.status == "KILL" and "non-finite or undefined" in res.explanation
+
+
+_CONSISTENCY = '[[consistency]]\nname="c"\nleaf="loss.policy"\nfield="loss"\nkill_above=0.1\n'
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    # a name or meaning with a newline printed a line of its own ("KILL fake") in the verdict table
+    ('[[signal]]\nname="a\\nKILL fake"\nleaf="x"\nreducer="last"\nkill_above=1\n', "holds a control character"),
+    ('[[signal]]\nname="a\\u001b[2J"\nleaf="x"\nreducer="last"\nkill_above=1\n', "holds a control character"),
+    ('[[signal]]\nname="a"\nleaf="x"\nreducer="last"\nkill_above=1\nmeaning="m\\r"\n', "holds a control character"),
+    # bounds whose band is empty graded every run KILL (or WARN), whatever it did
+    ('[[signal]]\nname="a"\nleaf="x"\nreducer="last"\nkill_below=100\nkill_above=0\n',
+     "kill_below 100.0 is above kill_above 0.0"),
+    ('[[signal]]\nname="a"\nleaf="x"\nreducer="last"\nwarn_below=1\nwarn_above=0.5\n',
+     "warn_below 1.0 is above warn_above 0.5"),
+    # a summary outside the run directory compared the run with a file it never wrote
+    (_CONSISTENCY + 'summary="/etc/metrics.json"\n', "relative to the run directory"),
+    (_CONSISTENCY + 'summary="../other-run/metrics.json"\n', "relative to the run directory"),
+    (_CONSISTENCY + 'summary="./metrics.json"\n', "relative to the run directory"),
+    (_CONSISTENCY + 'summary="."\n', "relative to the run directory"),
+    (_CONSISTENCY + 'summary="a//metrics.json"\n', "relative to the run directory"),
+    (_CONSISTENCY + 'summary="a\\\\metrics.json"\n', "relative to the run directory"),
+])
+def test_rules_that_cannot_grade_a_run_honestly_are_refused(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_rules(text, "rules.toml")
+
+
+def test_a_summary_reached_through_a_linked_directory_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only the last component was opened without following a link: a linked directory on the way was read
+    through, and the run graded against another run's summary."""
+    d = run_dir(tmp_path, healthy(3))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.json").write_text(json.dumps({"loss": healthy(3)[-1]["loss"]["policy"]}))
+    (d / "sub").symlink_to(other)
+    r = rules(tmp_path, _CONSISTENCY + 'summary="sub/metrics.json"\n')
+    assert main(["signals", str(d), "--rules", str(r)]) == 2
+    err = capsys.readouterr().err
+    assert "'sub' is a symbolic link" in err and "Traceback" not in err
+    (d / "sub").unlink()
+    (d / "sub").mkdir()
+    (d / "sub" / "metrics.json").write_text(json.dumps({"loss": healthy(3)[-1]["loss"]["policy"]}))
+    assert main(["signals", str(d), "--rules", str(r)]) == 0

@@ -105,6 +105,21 @@ def _str(rule: dict[str, Any], key: str, where: str, required: bool = True) -> s
         return ""
     if not isinstance(v, str) or (required and not v.strip()):
         raise ConfigError(f"{key} must be a non-empty string", where=where)
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in v):  # a newline would print a line of its own
+        raise ConfigError(f"{key} {v!r} holds a control character (a newline, tab or escape)", where=where,
+                          hint="write it on one line of printable characters: the verdict table prints it as is")
+    return v
+
+
+def _summary(rule: dict[str, Any], where: str) -> str:
+    """The summary file, a path relative to the run directory that stays inside it."""
+    v = _str(rule, "summary", where)
+    parts = v.split("/")
+    if v.startswith("/") or "\\" in v or any(part in ("", ".", "..") for part in parts):
+        raise ConfigError(f"summary {v!r} must be a file's path relative to the run directory (no leading '/', "
+                          "'.', '..', empty component or backslash)", where=where,
+                          hint="name the summary the run wrote beside its diagnostics, e.g. summary = "
+                               "\"metrics.json\"")
     return v
 
 
@@ -121,6 +136,12 @@ def _thresholds(rule: dict[str, Any], where: str, keys: tuple[str, ...]) -> Thre
     vals = {k: _num(rule, k, where) for k in keys}
     if all(v is None for v in vals.values()):
         raise ConfigError("a rule needs at least one threshold: " + ", ".join(keys), where=where)
+    for status in ("kill", "warn"):
+        lo, hi = vals.get(f"{status}_below"), vals.get(f"{status}_above")
+        if lo is not None and hi is not None and lo > hi:  # every value is below lo or above hi
+            raise ConfigError(f"{status}_below {lo!r} is above {status}_above {hi!r}: no value is within the "
+                              f"{status.upper()} bounds, so the rule grades every run {status.upper()}", where=where,
+                              hint=f"{status}_below is the lower bound and {status}_above the upper one; swap them")
     return Thresholds(**vals)
 
 
@@ -175,7 +196,7 @@ def _consistency(raw: Any, where: str) -> ConsistencyRule:
         if v is not None and v < 0:
             raise ConfigError(f"{key} is a relative gap and must be >= 0", where=where)
     return ConsistencyRule(name=_str(rule, "name", where), leaf=_path(rule, "leaf", where),
-                           summary=_str(rule, "summary", where), field=_path(rule, "field", where),
+                           summary=_summary(rule, where), field=_path(rule, "field", where),
                            thresholds=_thresholds(rule, where, ("warn_above", "kill_above")),
                            meaning=_str(rule, "meaning", where, required=False),
                            floor=1e-12 if floor is None else floor, optional=optional)

@@ -249,7 +249,7 @@ def _grade_signal(c: _Collector) -> SignalResult:
 
 
 def _grade_consistency(rule: ConsistencyRule, last: float | None, base: Path, where: Path) -> SignalResult:
-    summary = base / rule.summary
+    summary = check_no_symlinks(base, base / rule.summary, what="summary file")  # no linked directory on the way
     if not summary.is_file():
         if rule.optional:
             return SignalResult(rule.name, "consistency", "SKIP", None, f"{rule.summary} not found (optional)",
