@@ -58,7 +58,19 @@ def test_keys_that_read_as_path_syntax_are_quoted() -> None:
                              '[""]': 3, '["a]"][""]': 4, 'q["x\\"y.z"]': 6}
 
 
-_KEYS = st.sampled_from(["", ".", "a", "a.b", "b", "[0]", "a[0]", "]", '"', "\\", '["a"]', "0"])
+def test_keys_holding_unprintable_characters_are_quoted_and_escaped(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A newline or an escape in a key was printed as is: the report showed a line the files never held."""
+    row_ = {"x\nrow 2: EQUAL": 1, "e\x1b[2J": 2, "d\x7f": 3, "c\u202e": 4, "caf\u00e9": 5}
+    assert flatten(row_) == {'["x\\nrow 2: EQUAL"]': 1, '["e\\u001b[2J"]': 2, '["d\\u007f"]': 3,
+                             '["c\\u202e"]': 4, "caf\u00e9": 5}
+    a, b = pair(tmp_path, [{"step": 0, "x\nEQUAL": 1.0}], [{"step": 0, "x\nEQUAL": 2.0}])
+    assert main(["diag-diff", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert '["x\\nEQUAL"]' in out and not any(line.startswith("EQUAL") for line in out.splitlines())
+
+
+_KEYS = st.sampled_from(["", ".", "a", "a.b", "b", "[0]", "a[0]", "]", '"', "\\", '["a"]', "0", "\n", "a\n", "\x7f"])
 _TREES = st.recursive(st.integers(0, 3) | st.just({}) | st.just([]),
                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEYS, inner, max_size=4),
                       max_leaves=20)

@@ -4,7 +4,8 @@ A leaf is every value that is not a non-empty object or array.  Its path joins o
 ``.`` and array positions with ``[i]``: ``{"units": {"trail": [0.5, 0.7]}}`` has the leaves
 ``units.trail[0]`` and ``units.trail[1]``.  Empty objects and arrays are leaves themselves, so a
 container that empties out is still seen.  A key that is empty or contains ``.``, ``[`` or ``]``
-is written quoted in brackets, as JSON writes the string: ``{"loss.policy": 1, "loss": {"policy":
+(or a character that is not printable: a newline, an escape) is written quoted in brackets, as JSON
+writes the string: ``{"loss.policy": 1, "loss": {"policy":
 2}}`` has the leaves ``["loss.policy"]`` and ``loss.policy``.  So two different leaves never have
 the same path, and a value can never hide another.  Such keys cannot be addressed by a
 :func:`parse_path` path (a signals rule's leaf) and are best avoided in diagnostics.
@@ -65,16 +66,19 @@ def flatten(row: Any, ignore: IgnoreSet | None = None, ignored: set[Location] | 
 
 
 def _plain(key: str) -> bool:
-    """Whether ``key`` can stand bare in a path: not empty, no ``.``, ``[`` or ``]``."""
-    return bool(key) and "." not in key and "[" not in key and "]" not in key
+    """Whether ``key`` can stand bare in a path: not empty, no ``.``, ``[`` or ``]``, every character printable
+    (a newline or an escape in a key printed as is would forge a line of the report)."""
+    return bool(key) and "." not in key and "[" not in key and "]" not in key and key.isprintable()
 
 
 def key_path(path: str, key: str) -> str:
     """``path`` extended by the object key ``key``: ``path.key``, or ``path["key"]`` for a key that is
-    empty or holds ``.``, ``[`` or ``]`` (JSON string syntax, so the quoted form is unambiguous)."""
+    empty or holds ``.``, ``[``, ``]`` or a character that is not printable (JSON string syntax, so the quoted
+    form is unambiguous; a key holding an unprintable character is written in ASCII, every such character
+    escaped)."""
     if _plain(key):
         return f"{path}.{key}" if path else key
-    return f"{path}[{json.dumps(key, ensure_ascii=False)}]"
+    return f"{path}[{json.dumps(key, ensure_ascii=not key.isprintable())}]"
 
 
 def _walk(node: Any, path: str, name: str | None, steps: tuple[str | int, ...], ignore: IgnoreSet | None,
@@ -83,7 +87,8 @@ def _walk(node: Any, path: str, name: str | None, steps: tuple[str | int, ...], 
     # which the ignore patterns match, or None while it equals path (no key on the way was quoted)
     if isinstance(node, dict) and node:
         for key, value in node.items():
-            if name is None and key and "." not in key and "[" not in key and "]" not in key:  # _plain, inline
+            if name is None and key and "." not in key and "[" not in key and "]" not in key and key.isprintable():
+                # _plain, inline
                 _walk(value, f"{path}.{key}" if path else key, None, (*steps, key), ignore, out, ignored)
             else:
                 bare = path if name is None else name
