@@ -123,6 +123,59 @@ def test_the_pod_s_code_and_the_verdict_must_agree() -> None:
     assert code == 3 and "without a verdict" in line and "exited 0" in line
 
 
+def pod_node(template: str, n: int, phase: str, code: str | None) -> dict[str, Any]:
+    return {"id": f"{template}-{n}", "name": f"{NAME}.{template}({n})", "displayName": f"{template}({n})",
+            "type": "Pod", "templateName": template, "phase": phase,
+            "outputs": {} if code is None else {"exitCode": code}}
+
+
+@pytest.mark.parametrize(("phase", "code"), [("Failed", "0"), ("Error", "0"), ("Failed", None), ("Error", None),
+                                             ("Running", None), ("Succeeded", "2")])
+def test_a_reduce_pod_whose_phase_and_code_disagree_confirms_nothing(phase: str, code: str | None) -> None:
+    """A reduce pod Argo calls Failed (or Error, or still Running) confirms no pass, whether it recorded a 0 or
+    no code; one it calls Succeeded that exited 2 confirms no refusal either: 3, naming both (a pass verdict
+    beside a failed reduce pod with no code was read alone, and beside a Failed pod with exit 0 as a pass)."""
+    for base in ("succeeded.json", "refused.json"):
+        doc = load(base)
+        for pod in reduce_pods(doc):
+            pod["phase"] = phase
+            pod["outputs"].pop("exitCode")
+            if code is not None:
+                pod["outputs"]["exitCode"] = code
+        got, line = workflow_code(doc)
+        assert got == 3 and "disagree" in line and f"phase is {phase}" in line, (base, line)
+
+
+def test_nodes_without_a_reduce_pod_leave_the_verdict_unconfirmed() -> None:
+    """Listed node statuses without a pod that wrote the verdict: it comes from no step of this run, 3; only
+    offloaded node statuses (none listed) leave the verdict alone to decide."""
+    doc = load("succeeded.json")
+    doc["status"]["nodes"] = {k: v for k, v in doc["status"]["nodes"].items() if v.get("templateName") != "reduce"}
+    got, line = workflow_code(doc)
+    assert got == 3 and "no reduce pod: no exit code to confirm the verdict pass" in line
+
+
+@pytest.mark.parametrize(("reduce", "final", "base", "expected"), [
+    (("Failed", "137"), ("Succeeded", "0"), "succeeded.json", 0),  # the exit handler's reduce decided it
+    (("Failed", None), ("Failed", "2"), "refused.json", 2),
+    (("Failed", "1"), ("Succeeded", "0"), "succeeded.json", 3),  # two reduces of one run decided differently
+    (("Succeeded", "0"), ("Failed", "1"), "failed-gate.json", 3),
+    (("Failed", "2"), ("Failed", "3"), "refused.json", 3),  # the exit handler's reduce wrote the verdict and errored
+])
+def test_the_exit_handler_s_reduce_is_the_witness_of_the_verdict_it_published(
+        reduce: tuple[str, str | None], final: tuple[str, str | None], base: str, expected: int) -> None:
+    """The exit handler's reduce (`final-verdict`) publishes the verdict after the reduce step: its pod is the
+    witness, and a reduce step that decided (1 or 2) otherwise makes the run undecided."""
+    doc = load(base)
+    nodes = {k: v for k, v in doc["status"]["nodes"].items() if v.get("templateName") != "reduce"}
+    nodes["reduce-0"] = pod_node("reduce", 0, *reduce)
+    nodes["final-verdict-0"] = pod_node("final-verdict", 0, *final)
+    doc["status"]["nodes"] = nodes
+    got, line = workflow_code(doc)
+    assert got == expected, line
+    assert "final-verdict(0)" in line
+
+
 @pytest.mark.parametrize(("what", "edit", "named"), [
     ("status a list", lambda d: d.update(status=[]), "status: expected `object | null`, got `array`"),
     ("nodes a list", lambda d: d["status"].update(nodes=[]), "status.nodes: expected `object | null`, got `array`"),
@@ -130,7 +183,11 @@ def test_the_pod_s_code_and_the_verdict_must_agree() -> None:
     ("exitCode an int", lambda d: reduce_pods(d)[0]["outputs"].update(exitCode=0), "exitCode"),
     # only ASCII decimal digits: int() would read other scripts' digits and raise on these
     *[(f"exitCode {t!r}", lambda d, t=t: reduce_pods(d)[0]["outputs"].update(exitCode=t), "outputs.exitCode")
-      for t in ("--1", "\u00b2", "\u0663", "\uff10", " 0", "0\n", "")],
+      for t in ("--1", "\u00b2", "\u0663", "\uff10", " 0", "0\n", "", "00", "-0", "01")],
+    # which of two is the run's cannot be told (the first one that was not empty was read)
+    ("the verdict listed twice",
+     lambda d: d["status"]["outputs"]["parameters"].append({"name": "verdict", "value": ""}),
+     "status.outputs.parameters: 'verdict' is listed 2 times"),
     ("phase an int", lambda d: d["status"].update(phase=3), "status.phase: expected `str | null`, got `int`"),
     ("parameters an object", lambda d: d["status"]["outputs"].update(parameters={}), "status.outputs.parameters"),
     ("a node a list", lambda d: d.clear() or d.update(status={"nodes": {"a": []}}),

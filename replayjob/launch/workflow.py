@@ -9,9 +9,13 @@
   strict verdict reader (:func:`replayjob.artifacts.verdict.read_verdict`: no duplicate keys, an integer exit
   code, status and code agreeing with the checks);
 * the **reduce step's exit code**: its last pod's (``status.nodes``: the pod nodes of template
-  ``reduce``; with retries, the last attempt).
+  ``reduce``; with retries, the last attempt), or, when the exit handler reduced again (template
+  ``final-verdict``, which publishes the same output after it), that step's last pod's; a pod node whose
+  phase and exit code disagree (``Failed`` with 0 or with none, ``Succeeded`` with 2) reads as 3, and so
+  do two reduces of the run that decided differently (the reduce step's 1 or 2, the exit handler's other).
 
-Both there and agreeing: that code.  A verdict alone (the pod nodes offloaded or gone): its code.  A
+Both there and agreeing: that code.  A verdict alone (the node statuses offloaded: none listed): its code;
+nodes listed without a pod that wrote the verdict: 3.  A
 verdict that cannot be read, or one that disagrees with the pod's code: 3, naming both.  No verdict: 3,
 nothing was decided (deadline exceeded, stopped, deleted pods, a controller error).  A status that is
 not what Argo writes (a status, the nodes or a node that is no mapping, a field of the wrong type) is 3
@@ -40,7 +44,16 @@ from replayjob.artifacts.cluster_status import PULL_FAILURES, ApiObject, Stuck, 
 from replayjob.artifacts.document import whole
 from replayjob.artifacts.run_end import read_run_end_text
 from replayjob.artifacts.verdict import Verdict, read_verdict
-from replayjob.errors import EXIT_ERROR, ConfigError, OperationalError, RefusedError, ReplayjobError, is_retryable
+from replayjob.errors import (
+    EXIT_ERROR,
+    EXIT_OK,
+    ConfigError,
+    OperationalError,
+    RefusedError,
+    ReplayjobError,
+    is_retryable,
+)
+from replayjob.launch.argo import FINAL
 from replayjob.launch.submit import START_GRACE_ENV, START_GRACE_S, Api
 
 GROUP, VERSION, PLURAL = "argoproj.io", "v1alpha1", "workflows"
@@ -54,8 +67,9 @@ class Parameter(ApiObject, frozen=True):
     value: str | None = None
 
 
-# a container's exit code as Argo writes it: ASCII decimal digits (int() alone would also read "٣", "+3" or " 3")
-ExitCodeText = Annotated[str, whole(r"-?[0-9]{1,10}")]
+# a container's exit code as Argo writes it: ASCII decimal digits, no leading zero or "-0" (int() alone would also
+# read "٣", "+3", " 3" or "007")
+ExitCodeText = Annotated[str, whole(r"0|-?[1-9][0-9]{0,9}")]
 
 
 class Outputs(ApiObject, frozen=True):
@@ -101,47 +115,78 @@ def read_workflow(doc: Any, name: str) -> tuple[WorkflowStatus, dict[str, Node]]
     return status, nodes
 
 
-def _reduce_pods(nodes: dict[str, Node]) -> list[Node]:
-    """The reduce step's pod nodes, in attempt order (a retry node's children, else by start time)."""
-    pods = {nid: n for nid, n in nodes.items() if n.type == "Pod" and n.templateName == REDUCE}
+def _attempts(nodes: dict[str, Node], template: str) -> list[Node]:
+    """The pod nodes of ``template``, in attempt order (a retry node's children, else by start time)."""
+    pods = {nid: n for nid, n in nodes.items() if n.type == "Pod" and n.templateName == template}
     for node in nodes.values():
-        if node.type == "Retry" and node.templateName == REDUCE:
+        if node.type == "Retry" and node.templateName == template:
             ordered = [pods[c] for c in node.children or [] if c in pods]
             if ordered:
                 return ordered
     return sorted(pods.values(), key=lambda n: (n.startedAt or "", n.finishedAt or ""))
 
 
+def _writers(nodes: dict[str, Node]) -> tuple[list[Node], list[Node]]:
+    """The pod nodes that wrote the verdict, each step's in attempt order: the reduce step's, and the exit
+    handler's reduce (``final-verdict``), which runs after it and publishes the same global output."""
+    return _attempts(nodes, REDUCE), _attempts(nodes, FINAL)
+
+
 def _pod_code(pod: Node) -> int | None:
-    """A pod's exit code as replayjob reads it: 0, 1, 2, or 3 for any retryable status (137, a signal)."""
+    """A pod's exit code as replayjob reads it: 0, 1, 2, or 3 for any retryable status (137, a signal); 3 when its
+    phase and its code disagree (a pod that did not succeed confirms no 0, and one Argo calls Succeeded no
+    failure); None only for a succeeded pod whose code was not recorded."""
     text = pod.outputs.exitCode if pod.outputs is not None else None
-    if text is None:
-        return None
-    code = int(text)  # declared: ASCII digits (ExitCodeText)
+    code = None if text is None else int(text)  # declared: ASCII digits (ExitCodeText)
+    if pod.phase == "Succeeded":
+        return code if code in (None, EXIT_OK) else EXIT_ERROR
+    if code is None or code == EXIT_OK:  # failed, errored or never ended: no code, or a 0 it contradicts
+        return EXIT_ERROR
     return EXIT_ERROR if is_retryable(code) else code
+
+
+def _pod_said(pod: Node, code: int | None) -> str:
+    """What a pod node says of its end, for the outcome's line: ``exited N`` (N as :func:`_pod_code` reads it),
+    with the code and phase Argo recorded when the two disagree."""
+    raw = pod.outputs.exitCode if pod.outputs is not None else None
+    if raw is None:
+        return "exited with no exit code" + ("" if pod.phase == "Succeeded" else f" while its phase is {pod.phase}")
+    if (pod.phase == "Succeeded") != (raw == "0"):
+        return f"exited {raw} while its phase is {pod.phase}: read as {code}"
+    return f"exited {code}"
+
+
+def _output(status: WorkflowStatus, key: str, name: str) -> str | None:
+    """The value of the workflow's global output parameter ``key`` (None when absent or empty); one listed twice
+    is a malformed status (3): which of the two is the run's cannot be told."""
+    found = [p for p in (status.outputs.parameters or []) if p.name == key] if status.outputs is not None else []
+    if len(found) > 1:
+        raise OperationalError(f"workflow {name}: malformed status: status.outputs.parameters: {key!r} is listed "
+                               f"{len(found)} times", hint="argo get shows the object; nothing was decided from it")
+    return found[0].value or None if found else None
 
 
 def _verdict(status: WorkflowStatus, name: str) -> tuple[Verdict | None, str | None]:
     """(the verdict, None), (None, why it cannot be read), or (None, None) when there is none."""
-    for p in (status.outputs.parameters or []) if status.outputs is not None else []:
-        if p.name == "verdict" and p.value:
-            try:
-                return read_verdict(p.value.encode("utf-8"), where=f"workflow {name}: output verdict"), None
-            except ReplayjobError as exc:
-                return None, exc.message
-    return None, None
+    value = _output(status, "verdict", name)
+    if value is None:
+        return None, None
+    try:
+        return read_verdict(value.encode("utf-8"), where=f"workflow {name}: output verdict"), None
+    except ReplayjobError as exc:
+        return None, exc.message
 
 
 def _ended(status: WorkflowStatus, name: str) -> str:
     """``; `` and what ended the run, as the exit handler recorded it (the global output ``ended``,
     :mod:`replayjob.artifacts.run_end`), or ``""`` when it recorded nothing."""
-    for p in (status.outputs.parameters or []) if status.outputs is not None else []:
-        if p.name == "ended" and p.value:
-            try:
-                return "; " + read_run_end_text(p.value, where=f"workflow {name}: output ended").line
-            except ReplayjobError as exc:
-                return f"; what ended the run cannot be read ({exc.message})"
-    return ""
+    value = _output(status, "ended", name)
+    if value is None:
+        return ""
+    try:
+        return "; " + read_run_end_text(value, where=f"workflow {name}: output ended").line
+    except ReplayjobError as exc:
+        return f"; what ended the run cannot be read ({exc.message})"
 
 
 def workflow_code(workflow: Any, name: str = "") -> tuple[int, str]:
@@ -149,15 +194,23 @@ def workflow_code(workflow: Any, name: str = "") -> tuple[int, str]:
     name = name or str(((workflow or {}).get("metadata") or {}).get("name") if isinstance(workflow, dict) else "")
     status, nodes = read_workflow(workflow, name)
     phase = status.phase or "Unknown"
-    pods = _reduce_pods(nodes)
+    reduce_pods, final_pods = _writers(nodes)
+    pods = final_pods or reduce_pods  # the last step that wrote the verdict is its witness
     verdict, unreadable = _verdict(status, name)
     pod_code = _pod_code(pods[-1]) if pods else None
     step = ""
     if pods:
         tries = f", attempt {len(pods)}" if len(pods) > 1 else ""
-        step = f"reduce step {pods[-1].displayName or REDUCE} exited {pod_code}{tries}"
+        step = f"reduce step {pods[-1].displayName or REDUCE} {_pod_said(pods[-1], pod_code)}{tries}"
+        earlier = _pod_code(reduce_pods[-1]) if final_pods and reduce_pods else None
+        if earlier is not None and not is_retryable(earlier) and earlier != pod_code:
+            step += (f" after reduce step {reduce_pods[-1].displayName or REDUCE} exited {earlier}: the two "
+                     "reduces of one run decided differently")  # judged below as a disagreement
+            pod_code = EXIT_ERROR
     if unreadable is not None or verdict is not None:
-        code, line = judge(verdict, unreadable, pod_code, step or "no reduce pod")
+        # nodes listed without a pod that wrote the verdict: it comes from no step of this run (only offloaded
+        # or absent node statuses leave the verdict alone to decide)
+        code, line = judge(verdict, unreadable, pod_code, step or "no reduce pod", need_code=bool(nodes))
         return code, f"workflow {phase}: {line}{_ended(status, name)}"
     message = status.message or "no reduce step ran to its end"
     if status.offloadNodeStatusVersion and not status.nodes:
