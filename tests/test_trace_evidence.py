@@ -332,3 +332,58 @@ def test_diag_diff_refuses_to_call_nothing_equal(tmp_path: Path, capsys: pytest.
     with pytest.raises(RefusedError, match="nothing compared"):
         from replayjob.check.diagdiff import diff_files
         diff_files(a, b, ignore=["step"])
+
+
+def _wrapping_row_tokens(t: dict[str, torch.Tensor]) -> None:
+    """Four rows whose token counts sum, in int64, to 5 (2**64 + 5 wraps): every table re-shaped to four rows."""
+    t["rows.tokens"] = torch.tensor([2**62, 2**62, 2**62, 2**62 + 5], dtype=torch.int64)
+    t["rows.micro_batch"] = torch.zeros(4, dtype=torch.int64)
+    for prefix in ("forward", "backward"):
+        n = t[f"{prefix}.stats"].shape[0]
+        t[f"{prefix}.stats"] = torch.zeros((n, 4, 3), dtype=torch.float64)
+        t[f"{prefix}.sha256"] = torch.zeros((n, 4, 32), dtype=torch.uint8)
+
+
+def _negative_micro_batch(t: dict[str, torch.Tensor]) -> None:
+    t["rows.micro_batch"] = torch.tensor([-5, 0], dtype=torch.int64)
+
+
+def _wide_param_digests(t: dict[str, torch.Tensor]) -> None:
+    t["param.sha256"] = t["param.sha256"].to(torch.int64)
+
+
+@pytest.mark.parametrize(("change", "rows", "message"), [
+    # the int64 sum wrapped to the index's token count and the row statistics crashed (IndexError, exit 3)
+    (_wrapping_row_tokens, 4, "rows.tokens does not match the index"),
+    (_negative_micro_batch, None, "rows.micro_batch is not one micro-batch index"),
+    (_wide_param_digests, None, "param.sha256 is torch.int64"),
+])
+def test_a_re_sealed_row_table_is_refused_not_crashed(change: Any, rows: int | None, message: str,
+                                                      tmp_path: Path) -> None:
+    write_trace(tmp_path / "t", _trace())
+    _reseal(tmp_path / "t", change)
+    if rows is not None:
+        index = tmp_path / "t" / "trace" / "index.json"
+        index.write_bytes(pretty_bytes({**json.loads(index.read_text()), "rows": rows}))
+    with pytest.raises(IntegrityError, match=message):
+        read_trace(tmp_path / "t")
+
+
+@pytest.mark.parametrize(("path", "value"), [("forward.0.name", "m.0\nEQUAL m.1"), ("forward.0.kind", "Linear\x1b[2J"),
+                                             ("params.0.name", "w\u202e"), ("identity.arm", "a\rb"),
+                                             ("untraced", ["x\n"])])
+def test_index_strings_trace_diff_prints_are_printable(path: str, value: Any, tmp_path: Path) -> None:
+    """A site, parameter or arm name is printed as is by trace-diff: one holding a newline, an escape or a bidi
+    control printed lines (or text) the trace never held."""
+    write_trace(tmp_path / "t", _trace())
+    index = tmp_path / "t" / "trace" / "index.json"
+    doc = json.loads(index.read_text())
+    node: Any = doc
+    *head, last = path.split(".")
+    for k in head:
+        node = node[int(k)] if isinstance(node, list) else node[k]
+    node[last] = value
+    index.chmod(0o644)
+    index.write_bytes(pretty_bytes(doc))
+    with pytest.raises(IntegrityError, match=last):
+        read_trace(tmp_path / "t")

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 
 from replayjob import tensorfile
-from replayjob.artifacts.document import Count, Digest, Document, Text, decode
+from replayjob.artifacts.document import Count, Digest, Document, decode, whole
 from replayjob.digest import normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
@@ -214,6 +214,8 @@ def write_trace(run_dir: str | Path, trace: Trace) -> tuple[Path, str]:
 # ---------------------------------------------------------------------------------------------- reading
 
 FloatDtype = Literal["F32", "F64", "F16", "BF16"]  # _FLOATS, as the index declares a site's or parameter's dtype
+Printable = Annotated[str, whole("[^\\x00-\\x1f\\x7f-\\x9f\\u2028\\u2029\\u202a-\\u202e\\u2066-\\u2069]+")]
+"""A non-empty string of printable characters (no newline, escape or bidi control: trace-diff prints it as is)."""
 
 
 class TraceIdentity(Document, frozen=True):
@@ -222,12 +224,12 @@ class TraceIdentity(Document, frozen=True):
     manifest_sha256: Digest
     logical_batch_sha256: Digest
     initial_adapter_sha256: Digest
-    arm: Text
+    arm: Printable
     repeat_index: Count
     micro_batch_size: Count
     gradient_checkpointing: bool
-    device: Text
-    torch_version: Text
+    device: Printable
+    torch_version: Printable
     fault: str | None  # the test-only perturbation the replay ran with (REPLAYJOB_TRACE_FAULT), else null
 
 
@@ -238,14 +240,14 @@ class TracePayloadPin(Document, frozen=True):
 
 
 class TraceSiteEntry(Document, frozen=True):
-    name: Text
-    kind: Text
+    name: Printable
+    kind: Printable
     dtype: FloatDtype
     width: Count
 
 
 class TraceParamEntry(Document, frozen=True):
-    name: Text
+    name: Printable
     dtype: FloatDtype
     shape: Annotated[list[Count], msgspec.Meta(max_length=tensorfile.MAX_RANK)]
 
@@ -264,7 +266,7 @@ class TraceIndex(Document, frozen=True):
     forward: list[TraceSiteEntry]
     backward: list[TraceSiteEntry]
     params: list[TraceParamEntry]
-    untraced: list[str]
+    untraced: list[Printable]
 
     def __post_init__(self) -> None:
         if tuple(self.stats) != STATS or tuple(self.param_stats) != PARAM_STATS:
@@ -372,11 +374,13 @@ def read_trace(run_dir: str | Path, expected_index_sha256: str | None = None) ->
                                             f"extra {extra[:3]})")
     rt, mb = tensors["rows.tokens"], tensors["rows.micro_batch"]
     _expect(rt.dtype == torch.int64 and tuple(rt.shape) == (doc.rows,) and bool((rt >= 0).all())
-            and int(rt.sum()) == doc.tokens, pay, "rows.tokens does not match the index")
-    _expect(mb.dtype == torch.int64 and tuple(mb.shape) == (doc.rows,), pay, "rows.micro_batch has a bad shape")
+            and sum(rt.tolist()) == doc.tokens, pay, "rows.tokens does not match the index")  # exact: no int64 wrap
+    _expect(mb.dtype == torch.int64 and tuple(mb.shape) == (doc.rows,) and bool((mb >= 0).all()), pay,
+            "rows.micro_batch is not one micro-batch index (>= 0) per row")
     params = []
     pst = tensors["param.sha256"]
-    _expect(tuple(pst.shape) == (len(doc.params), 2, 32), pay, "param.sha256 has a bad shape")
+    _expect(tuple(pst.shape) == (len(doc.params), 2, 32) and pst.dtype == torch.uint8, pay,
+            f"param.sha256 is {pst.dtype}{tuple(pst.shape)}, not uint8 [{len(doc.params)}, 2, 32]")
     for k, e in enumerate(doc.params):
         g, u = tensors[f"param.{k:04d}.grad"], tensors[f"param.{k:04d}.update"]
         _expect(list(g.shape) == e.shape == list(u.shape) and g.dtype == u.dtype == tensorfile.torch_dtype(e.dtype),
