@@ -35,10 +35,12 @@ Tensors = dict[str, torch.Tensor]
 
 
 def _adam(steps: float, **edit: Callable[[torch.Tensor], torch.Tensor]) -> Tensors:
-    """An AdamW state of two parameters after ``steps`` steps (``edit``: per key, a change to each tensor)."""
+    """An AdamW state of two parameters of the workspace adapter's shape [8, 64] after ``steps`` steps (``edit``:
+    per key, a change to each tensor)."""
     out = {}
     for i in range(2):
-        t = {"exp_avg": torch.full((3,), 0.1), "exp_avg_sq": torch.full((3,), 0.01), "step": torch.tensor(steps)}
+        t = {"exp_avg": torch.full((8, 64), 0.1), "exp_avg_sq": torch.full((8, 64), 0.01),
+             "step": torch.tensor(steps)}
         for key, value in t.items():
             out[f"state.{i}.{key}"] = edit[key](value.clone()) if key in edit else value
     return out
@@ -88,9 +90,9 @@ def test_states_training_writes_are_read(workspace: Path, tmp_path: Path) -> Non
     (1, _adam(-1.0), False, "tensor state.1.step counts -1.0 optimizer step(s)"),
     (2, {k.removeprefix("state."): v for k, v in _adam(7.0).items()}, False, "tensor 0.step counts 7.0"),
     (1, _adam(2.0, exp_avg=lambda t: t.index_fill_(0, torch.tensor([1]), float("nan"))), False,
-     "tensor state.0.exp_avg holds 1 NaN or infinite value(s)"),
-    (1, _adam(2.0, exp_avg_sq=lambda t: -t), False, "tensor state.1.exp_avg_sq holds 3 negative value(s)"),
-    (1, _adam(2.0, exp_avg_sq=lambda t: t.fill_(float("inf"))), False, "tensor state.0.exp_avg_sq holds 3 NaN"),
+     "tensor state.0.exp_avg holds 64 NaN or infinite value(s)"),
+    (1, _adam(2.0, exp_avg_sq=lambda t: -t), False, "tensor state.1.exp_avg_sq holds 512 negative value(s)"),
+    (1, _adam(2.0, exp_avg_sq=lambda t: t.fill_(float("inf"))), False, "tensor state.0.exp_avg_sq holds 512 NaN"),
 ])
 def test_a_state_its_step_contradicts_is_refused(step: int, optimizer: Tensors | None, rng: bool, named: str,
                                                  workspace: Path, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,8 +132,9 @@ def _check_values(d: Path, step: int, files: Mapping[str, str], tensors: Mapping
                              f"holds optimizer state ({', '.join(sorted(opt)[:3])}, ...)", where=d / OPTIMIZER_FILE,
                              hint=f"remove {OPTIMIZER_FILE} from the state, or resume from the state of the step "
                                   "it was saved at")
-    reasons = optimizer_state_reasons(opt, step + 1, f"a state of step {step} (after {step + 1} optimizer "
-                                                     "step(s))")
+    reasons = adamw_layout_reasons(opt, tensors[ADAPTER_WEIGHTS])
+    reasons += optimizer_state_reasons(opt, step + 1, f"a state of step {step} (after {step + 1} optimizer "
+                                                      "step(s))")
     if reasons:
         raise IntegrityError(_listed(reasons), where=d / OPTIMIZER_FILE, hint=_STATE_HINT)
 
@@ -326,6 +328,66 @@ def optimizer_state_reasons(tensors: Mapping[str, torch.Tensor], most: int, afte
     for idx, entry in sorted((state or {}).items()):
         if isinstance(entry, Mapping) and "step" in entry:
             count(f"optimizer.state.{idx}.step", entry["step"])
+    return reasons
+
+
+ADAMW_KEYS = ("exp_avg", "exp_avg_sq", "step")  # what torch.optim.AdamW (amsgrad off) holds per stepped parameter
+
+
+def adamw_layout_reasons(opt: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor]) -> list[str]:
+    """Why a built-in resume state's optimizer file (the trainer's AdamW over the adapter's parameters,
+    :func:`optimizer_tensors`) cannot be loaded over the adapter beside it: a tensor that is neither the empty
+    state alone nor ``state.<i>.<key>`` (or ``<i>.<key>``, once each) with ``key`` one of :data:`ADAMW_KEYS`, a
+    parameter index beyond the adapter's tensors, a parameter holding some of AdamW's tensors but not all, a step
+    count that is not a floating scalar, or moments of another dtype than the adapter's or of a shape no adapter
+    tensor has (more parameters of one shape than the adapter holds).  Which index is which parameter only the
+    built model tells (the replay compares each shape with its parameter's); every other rule holds here, before
+    the optimizer casts a moment to its parameter's dtype or fails in its first step on a missing one."""
+    reasons: list[str] = []
+    if EMPTY_STATE in opt:
+        if len(opt) > 1:
+            reasons.append(f"tensor {EMPTY_STATE} (an optimizer without state) stands beside per-parameter state "
+                           f"({', '.join(sorted(set(opt) - {EMPTY_STATE})[:3])})")
+        return reasons
+    entries: dict[int, dict[str, torch.Tensor]] = {}
+    for name in sorted(opt):
+        parsed = _state_key(name)
+        at = _index(parsed[0]) if parsed is not None else None
+        if parsed is None or at is None or parsed[1] not in ADAMW_KEYS:
+            reasons.append(f"tensor {name[:60]!r} is not AdamW state (state.<i>.<key>, key one of "
+                           f"{', '.join(ADAMW_KEYS)})")
+        elif at >= len(adapter):
+            reasons.append(f"tensor {name} is the state of parameter {at}, but the adapter has {len(adapter)} "
+                           "parameter(s)")
+        elif parsed[1] in entries.setdefault(at, {}):
+            reasons.append(f"parameter {at}'s {parsed[1]} is in the file twice (state.{at}.{parsed[1]} and "
+                           f"{at}.{parsed[1]})")
+        else:
+            entries[at][parsed[1]] = opt[name]
+    dtypes = sorted({str(t.dtype) for t in adapter.values()})
+    available = Counter(tuple(t.shape) for t in adapter.values())
+    for at, entry in sorted(entries.items()):
+        missing = [k for k in ADAMW_KEYS if k not in entry]
+        if missing:
+            reasons.append(f"parameter {at} holds AdamW state without {', '.join(missing)} (AdamW creates "
+                           f"{', '.join(ADAMW_KEYS)} together)")
+            continue
+        if entry["step"].dim() != 0 or not entry["step"].is_floating_point():
+            reasons.append(f"tensor state.{at}.step is {entry['step'].dtype}{list(entry['step'].shape)}, not "
+                           "AdamW's floating scalar step count")
+        avg, sq = entry["exp_avg"], entry["exp_avg_sq"]
+        for key, t in (("exp_avg", avg), ("exp_avg_sq", sq)):
+            if str(t.dtype) not in dtypes:
+                reasons.append(f"tensor state.{at}.{key} is {t.dtype}, the adapter's parameters are "
+                               f"{', '.join(dtypes)}")
+        if avg.shape != sq.shape:
+            reasons.append(f"tensors state.{at}.exp_avg {list(avg.shape)} and state.{at}.exp_avg_sq "
+                           f"{list(sq.shape)} differ in shape (both are the shape of their parameter)")
+        elif available[tuple(avg.shape)] <= 0:
+            reasons.append(f"tensor state.{at}.exp_avg has shape {list(avg.shape)}, which no adapter parameter "
+                           "left has")
+        else:
+            available[tuple(avg.shape)] -= 1
     return reasons
 
 

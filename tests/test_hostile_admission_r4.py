@@ -1,0 +1,144 @@
+"""Hostile start states and captures that hold together by their own digests: a forger who rewrites a captured
+step's state files, re-pins them in ``trainer_state.json`` and the manifest and passes the new manifest pin.  Each
+is refused with exit 2 and one message by explain and by replay alike (never admitted by one and refused, or
+failed with exit 3, by the other), before any model is built."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from replayjob import tensorfile
+from replayjob.cli import main
+from replayjob.digest import sha256_bytes, sha256_json
+from replayjob.errors import IntegrityError
+from replayjob.jsonio import canonical_bytes
+from replayjob.rl.state import (
+    ADAPTER_WEIGHTS,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    adapter_bytes,
+    optimizer_bytes_of,
+    read_state,
+    write_state,
+)
+
+Tensors = dict[str, torch.Tensor]
+K = 2
+STATE_DIR = f"optimizer_batch_step_{K:06d}.state"
+MANIFEST = f"optimizer_batch_step_{K:06d}.manifest.json"
+CONFIG = f"replay_step_{K:06d}.toml"
+
+
+@pytest.fixture(scope="module")
+def step_run(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A four-step run of the built-in trainer capturing step 2 (shared: copy before modifying)."""
+    out = tmp_path_factory.mktemp("r4") / "run"
+    small = ["algorithm.prompts_per_step=2", "algorithm.group_size=4", "inference.max_new_tokens=4",
+             "training.max_steps=3", f"optimizer_batch.capture_steps=[{K}]"]
+    assert main(["train", str(workspace / "train.toml"), "--out", str(out),
+                 *[x for s in small for x in ("--set", s)]]) == 0
+    return out
+
+
+def _resealed(step_run: Path, tmp_path: Path, optimizer: Callable[[Tensors], Tensors] | None = None,
+              manifest: Callable[[dict[str, Any]], None] | None = None) -> tuple[Path, str]:
+    """A copy of the capture with its optimizer file rewritten by ``optimizer`` and ``manifest`` applied, every
+    inner digest recomputed (trainer_state.json, the manifest's state pin, config and contract digests); returns
+    the copy and its new manifest pin."""
+    run = tmp_path / "run"
+    shutil.copytree(step_run, run)
+    sd = run / STATE_DIR
+    doc = json.loads((run / MANIFEST).read_text())
+    if optimizer is not None:
+        opt = optimizer(tensorfile.load(sd / OPTIMIZER_FILE))
+        (sd / OPTIMIZER_FILE).unlink()
+        st = json.loads((sd / STATE_FILE).read_text())
+        files = write_state(sd, st["step"], st["model"], {OPTIMIZER_FILE: optimizer_bytes_of(opt)})
+        doc["state"]["optimizer_sha256"] = files[OPTIMIZER_FILE]
+    if manifest is not None:
+        manifest(doc)
+    doc["config"]["sha256"] = sha256_json(doc["config"]["resolved"])
+    data = canonical_bytes(doc) + b"\n"
+    (run / MANIFEST).write_bytes(data)
+    return run, sha256_bytes(data)
+
+
+def _explain_and_replay(run: Path, pin: str, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """explain and replay of the re-pinned capture: the exit status of each and what it printed."""
+    cfg = run / CONFIG
+    pins = ["--set", f'optimizer_batch.expected_manifest_sha256="{pin}"']
+    out = []
+    for cmd in (["explain", str(cfg)], ["replay", str(cfg), "--out", str(run / "replay")]):
+        capsys.readouterr()
+        code = main([*cmd, *pins])
+        text = capsys.readouterr()
+        out.append(f"{code}|{text.out}{text.err}")
+    return out
+
+
+def _with(**tensors: Callable[[Tensors], torch.Tensor]) -> Callable[[Tensors], Tensors]:
+    def edit(t: Tensors) -> Tensors:
+        return {**t, **{k.replace("__", "."): f(t) for k, f in tensors.items()}}
+    return edit
+
+
+def _without(*names: str) -> Callable[[Tensors], Tensors]:
+    return lambda t: {k: v for k, v in t.items() if k not in names}
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    (_with(garbage=lambda t: torch.zeros(1)), "tensor 'garbage' is not AdamW state"),
+    (_with(state__0__foo=lambda t: torch.zeros(1)), "tensor 'state.0.foo' is not AdamW state"),
+    (_with(state__99__exp_avg=lambda t: torch.zeros(2)), "is the state of parameter 99, but the adapter has 16"),
+    (_without("state.0.exp_avg_sq"), "parameter 0 holds AdamW state without exp_avg_sq"),
+    (_with(state__0__exp_avg=lambda t: torch.zeros(3)), "state.0.exp_avg [3] and state.0.exp_avg_sq [8, 64] differ"),
+    (_with(state__0__exp_avg=lambda t: t["state.0.exp_avg"].double()), "state.0.exp_avg is torch.float64, the "
+                                                                       "adapter's parameters are torch.float32"),
+    (_with(state__0__exp_avg=lambda t: torch.zeros(8, 64, dtype=torch.bool)), "state.0.exp_avg is torch.bool"),
+    (_with(state__0__step=lambda t: torch.tensor(2)), "state.0.step is torch.int64[], not AdamW's floating scalar"),
+    (_with(state__none=lambda t: torch.zeros(0)), "state.none (an optimizer without state) stands beside"),
+    (_with(**{f"state__{i}__{k}": (lambda t, k=k: t[f"state.0.{k}"]) for i in range(16)
+              for k in ("exp_avg", "exp_avg_sq", "step")}), "which no adapter parameter left has"),
+    (_with(**{"0__exp_avg": lambda t: t["state.0.exp_avg"]}), "parameter 0's exp_avg is in the file twice"),
+])
+def test_a_resealed_optimizer_file_that_cannot_be_the_adapters_adamw_state_is_refused_by_explain_and_replay(
+        edit: Callable[[Tensors], Tensors], named: str, step_run: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # explain admitted each of these; replay then refused (exit 2), failed in the optimizer's first step (exit 3:
+    # a parameter without exp_avg_sq; a name that is no state.<i>.<key>) or replayed it (a moment cast to the
+    # parameter's dtype, an integer step count)
+    run, pin = _resealed(step_run, tmp_path, optimizer=edit)
+    for out in _explain_and_replay(run, pin, capsys):
+        assert out.startswith("2|") and named in out and "Traceback" not in out, out
+
+
+def test_a_resumed_state_whose_optimizer_does_not_fit_its_adapter_is_refused_when_read(step_run: Path,
+                                                                                        tmp_path: Path) -> None:
+    # the rule is read_state's: capture, training and admission read every resume state through it
+    d = tmp_path / "state"
+    shutil.copytree(step_run / STATE_DIR, d)
+    opt = tensorfile.load(d / OPTIMIZER_FILE)
+    opt["state.1.exp_avg_sq"] = opt["state.1.exp_avg_sq"].T.contiguous()
+    st = json.loads((d / STATE_FILE).read_text())
+    write_state(d, st["step"], st["model"], {OPTIMIZER_FILE: optimizer_bytes_of(opt)})
+    with pytest.raises(IntegrityError) as exc:
+        read_state(d)
+    assert "state.1.exp_avg [64, 8] and state.1.exp_avg_sq [8, 64] differ in shape" in exc.value.message
+    # the state as written, in the names written before the shared ones, and without a parameter's state (an
+    # expert's adapter no token reached is never stepped) are read
+    shutil.rmtree(d)
+    shutil.copytree(step_run / STATE_DIR, d)
+    assert read_state(d).step == K - 1
+    written = tensorfile.load(d / OPTIMIZER_FILE)
+    for edit in ({k.removeprefix("state."): v for k, v in written.items()},
+                 _without("state.0.exp_avg", "state.0.exp_avg_sq", "state.0.step")(written)):
+        write_state(d, st["step"], st["model"], {OPTIMIZER_FILE: optimizer_bytes_of(edit)})
+        assert read_state(d).step == K - 1
+    assert adapter_bytes(tensorfile.load(d / ADAPTER_WEIGHTS)) == (d / ADAPTER_WEIGHTS).read_bytes()
