@@ -142,3 +142,11 @@ def test_a_resumed_state_whose_optimizer_does_not_fit_its_adapter_is_refused_whe
         write_state(d, st["step"], st["model"], {OPTIMIZER_FILE: optimizer_bytes_of(edit)})
         assert read_state(d).step == K - 1
     assert adapter_bytes(tensorfile.load(d / ADAPTER_WEIGHTS)) == (d / ADAPTER_WEIGHTS).read_bytes()
+
+
+def test_a_start_state_pinned_with_learning_rates_of_several_param_groups_is_refused(
+        step_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the built-in trainer's AdamW has one param group: a second learning rate (even an equal one) was admitted
+    run, pin = _resealed(step_run, tmp_path, manifest=lambda d: d["state"].update(lr=d["state"]["lr"] * 2))
+    for out in _explain_and_replay(run, pin, capsys):
+        assert out.startswith("2|") and "state.lr" in out and "Traceback" not in out, out

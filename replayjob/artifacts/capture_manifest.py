@@ -26,7 +26,7 @@ The built-in trainer's manifest (``framework = "replayjob"``, canonical JSON, on
     state             (chosen-step and ring-buffer captures only) the resume state the step starts
                       from: dir (the step's ``optimizer_batch_step_<K:06d>.state``, next to the
                       manifest), step (= step - 1),
-                      optimizer_sha256 (its optimizer.safetensors), lr (per parameter group),
+                      optimizer_sha256 (its optimizer.safetensors), lr (of its one parameter group),
                       nonfinite_inputs (the rows hold NaN/Inf: replayed only under
                       ``optimizer_batch.allow_nonfinite_inputs``)
     outcome           the source's own update of this step as it returned: loss, grad_norm (each
@@ -277,7 +277,7 @@ class StartState(Document, frozen=True):
     dir: str  # a bare name next to the manifest
     step: Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]
     optimizer_sha256: Digest
-    lr: Annotated[list[Finite], msgspec.Meta(min_length=1)]  # per parameter group
+    lr: Annotated[list[Finite], msgspec.Meta(min_length=1, max_length=1)]  # the trainer's AdamW: one param group
     nonfinite_inputs: bool
 
     def __post_init__(self) -> None:
