@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -328,3 +329,50 @@ def test_non_finite_logprobs_are_never_within_a_bound(share: str, tmp_path: Path
     assert '"nonfinite"' in rep_json
     decision = decide([rep], read_bound(path, sha256_file(path)), False)
     assert decision["status"] == "beyond" and decision["exit_code"] == 1 and "nonfinite_tokens" in decision["reason"]
+
+
+def _trl_micro_batch(c: int = 4, **over: Any) -> Any:
+    from types import SimpleNamespace
+    inputs = {"prompt_ids": torch.ones((2, 3), dtype=torch.int64), "prompt_mask": torch.ones((2, 3), dtype=torch.int64),
+              "completion_ids": torch.ones((2, c), dtype=torch.int64),
+              "completion_mask": torch.ones((2, c), dtype=torch.int64),
+              "sampling_per_token_logps": -torch.rand((2, c), dtype=torch.float32)}
+    inputs.update(over)
+    return SimpleNamespace(inputs=inputs, input_values={})
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"sampling_per_token_logps": -torch.rand((2, 3))}, "sampling_per_token_logps has shape [2, 3], its "
+                                                         "completion_mask [2, 4]"),
+    ({"old_per_token_logps": -torch.rand((2, 5))}, "old_per_token_logps has shape [2, 5]"),
+    ({"completion_ids": torch.ones((2, 5), dtype=torch.int64)}, "completion_ids has shape [2, 5]"),
+    ({"prompt_mask": torch.ones((3, 3), dtype=torch.int64)}, "prompt_mask has shape [3, 3], not one row per row"),
+    ({"completion_mask": torch.ones(8, dtype=torch.int64)}, "completion_mask has shape [8], not [rows, tokens]"),
+])
+def test_a_logprob_source_misaligned_with_its_tokens_is_refused(over: dict[str, Any], message: str) -> None:
+    """A captured source whose shape is not its mask's put its values at other tokens (or failed on the mask with
+    an IndexError, exit 3): refused naming the micro-batch and the tensor, before any model is used."""
+    from types import SimpleNamespace
+
+    from replayjob.errors import IntegrityError
+    from replayjob.mismatch import trl
+    good = _trl_micro_batch()
+    if "old_per_token_logps" in over:
+        good.inputs["old_per_token_logps"] = -torch.rand((2, 4))
+    bad = _trl_micro_batch(**over)
+    session = SimpleNamespace(trainer=None, model=None, device="cpu")
+    with pytest.raises(IntegrityError, match=re.escape(f"captured micro-batch 1: {message}")):
+        trl.recompute(session, [good, bad], {"trl": {}}, {}, 0)
+
+
+def test_a_verl_logprob_source_misaligned_with_its_response_is_refused() -> None:
+    from types import SimpleNamespace
+
+    from replayjob.errors import IntegrityError
+    from replayjob.mismatch import verl
+    inputs = {"responses": torch.ones((2, 4), dtype=torch.int64), "response_mask": torch.ones((2, 4)),
+              "prompts": torch.ones((2, 3), dtype=torch.int64), "rollout_log_probs": -torch.rand((2, 3))}
+    session = SimpleNamespace(observed={}, engine_values={})
+    with pytest.raises(IntegrityError, match=re.escape("captured micro-batch 0: rollout_log_probs has shape [2, 3], "
+                                                       "its response_mask [2, 4]")):
+        verl.recompute(session, [SimpleNamespace(inputs=inputs, input_values={})], {}, 0)

@@ -36,7 +36,7 @@ from replayjob.errors import UsageError
 from replayjob.mismatch import admitted
 from replayjob.mismatch.builtin import routing_pass
 from replayjob.mismatch.report import Report, build
-from replayjob.mismatch.views import Collector, Side, Source, Views
+from replayjob.mismatch.views import Collector, Side, Source, Views, check_token_aligned
 from replayjob.model import moe
 from replayjob.producers import producer_module
 from replayjob.producers.api import microbatch as _microbatch
@@ -144,7 +144,9 @@ def recompute(session: Any, mbs: list[_microbatch.MicroBatch], resolved: dict[st
     pad_parts: list[Tensor] = []
     src_parts: dict[str, list[Tensor]] = {n: [] for n in present}
     base = 0
-    for mb, mask in zip(mbs, masks, strict=True):
+    for k, (mb, mask) in enumerate(zip(mbs, masks, strict=True)):
+        check_token_aligned(k, mb.inputs, "completion_mask", ["completion_ids", *present],
+                            ("prompt_ids", "prompt_mask"))
         b, c = mask.shape
         row_parts.append((torch.arange(b)[:, None].expand(b, c) + base)[mask])
         pos_parts.append(torch.arange(c)[None, :].expand(b, c)[mask])

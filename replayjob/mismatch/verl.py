@@ -33,7 +33,7 @@ from replayjob.artifacts.capture_manifest import PinnedManifest
 from replayjob.errors import UsageError
 from replayjob.mismatch import admitted
 from replayjob.mismatch.report import Report, build
-from replayjob.mismatch.views import Collector, Side, Source, Views
+from replayjob.mismatch.views import Collector, Side, Source, Views, check_token_aligned
 from replayjob.producers import producer_module
 from replayjob.producers.api import microbatch as _microbatch
 from replayjob.producers.verl.producer import decode_batch
@@ -128,10 +128,12 @@ def recompute(session: Any, mbs: list[_microbatch.MicroBatch], state: dict[str, 
     tok_parts: list[Tensor] = []
     src_parts: dict[str, list[Tensor]] = {n: [] for n in NAMES}
     batches = []
-    for mb in mbs:
+    for k, mb in enumerate(mbs):
         for key in ("responses", "response_mask", "prompts"):
             if key not in mb.inputs:
                 raise UsageError(f"the captured batch has no {key!r}: not a verl actor update's batch", where="payload")
+        check_token_aligned(k, mb.inputs, "response_mask",
+                            ["responses", *(n for n in NAMES if n in mb.inputs)])
         batches.append(decode_batch({**mb.inputs, **mb.input_values}, session.engine_values))
     present = [n for n in NAMES if all(n in mb.inputs for mb in mbs)]
     trainer_side, sampler_side = sides(batches[0], observed, bool(session.engine_values.get("use_remove_padding")))

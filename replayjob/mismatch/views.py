@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from replayjob.errors import IntegrityError
 from replayjob.rl.logprobs import logprobs_of, truncate
 
 if TYPE_CHECKING:
@@ -210,3 +211,28 @@ def temperature_label(t: float, trainer_t: float) -> str:
     if trainer_t == 1.0:
         return f"the logits divided by {t:g} (a temperature the trainer did not apply)"
     return f"the logits divided by {t:g} instead of the trainer's {trainer_t:g}"
+
+
+def check_token_aligned(index: int, inputs: dict[str, Any], mask_name: str, per_token: list[str],
+                        per_row: tuple[str, ...] = ()) -> None:
+    """A captured micro-batch's per-token tensors (token ids, each logprob source) have its mask's shape
+    ``[rows, tokens]`` and its per-row tensors (a prompt's ids and mask) its rows: a source of another shape would
+    put its values at other tokens than the trainer recomputes (or fail on the mask, exit 3).  Refused naming the
+    micro-batch and the tensor."""
+    mask = inputs[mask_name]
+    if mask.dim() != 2:
+        raise IntegrityError(f"captured micro-batch {index}: {mask_name} has shape {list(mask.shape)}, not "
+                             "[rows, tokens]", where="payload", hint="capture the step again")
+    for name in per_token:
+        shape = list(inputs[name].shape)
+        if shape != list(mask.shape):
+            raise IntegrityError(f"captured micro-batch {index}: {name} has shape {shape}, its {mask_name} "
+                                 f"{list(mask.shape)}: each per-token value must sit at its token", where="payload",
+                                 hint="capture the step again; a logprob source is recorded over the same tokens "
+                                      "as the mask")
+    for name in per_row:
+        shape = list(inputs[name].shape)
+        if len(shape) != 2 or shape[0] != mask.shape[0]:
+            raise IntegrityError(f"captured micro-batch {index}: {name} has shape {shape}, not one row per row of "
+                                 f"its {mask_name} {list(mask.shape)}", where="payload",
+                                 hint="capture the step again")
