@@ -150,3 +150,43 @@ def test_a_start_state_pinned_with_learning_rates_of_several_param_groups_is_ref
     run, pin = _resealed(step_run, tmp_path, manifest=lambda d: d["state"].update(lr=d["state"]["lr"] * 2))
     for out in _explain_and_replay(run, pin, capsys):
         assert out.startswith("2|") and "state.lr" in out and "Traceback" not in out, out
+
+
+def _initial_adapter(workspace: Path, capture_dir: Path, tmp_path: Path,
+                     edit: Callable[[Tensors], Tensors]) -> tuple[Path, str, str]:
+    """A copy of the workspace whose initialisation adapter is ``edit``-ed and re-pinned in trainer_state.json and
+    in the capture manifest (its initial_adapter digest and size); returns the replay config and both pins."""
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace, ws, ignore=shutil.ignore_patterns("source"))
+    shutil.copytree(capture_dir, ws / "source")
+    sd = ws / "init_resume"
+    data = adapter_bytes(edit(tensorfile.load(sd / ADAPTER_WEIGHTS)))
+    (sd / ADAPTER_WEIGHTS).write_bytes(data)
+    st = json.loads((sd / STATE_FILE).read_text())
+    write_state(sd, st["step"], st["model"], {})
+    (path,) = (ws / "source").glob("*.manifest.json")
+    doc = json.loads(path.read_text())
+    doc["initial_adapter"].update(sha256=sha256_bytes(data), size=len(data))
+    manifest = canonical_bytes(doc) + b"\n"
+    path.write_bytes(manifest)
+    return ws / "replay.toml", doc["logical_batch_sha256"], sha256_bytes(manifest)
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    (lambda t: {k: v.double() for k, v in t.items()}, "is torch.float64, the model's dtype is torch.float32"),
+    (lambda t: {**t, next(iter(t)): torch.zeros(3, 3)}, "has shape [3, 3]; lora_A has lora.r = 8 rows"),
+    (lambda t: {k: v for i, (k, v) in enumerate(t.items()) if i}, "k_proj has lora_B without lora_A"),
+    (lambda t: {**t, "extra": torch.zeros(2)}, "tensor 'extra' is not a LoRA weight"),
+    (lambda t: {k.replace("k_proj", "gate_proj"): v for k, v in t.items()},
+     "gate_proj.lora_A.weight adapts a module lora.target_modules does not name"),
+])
+def test_an_initial_adapter_the_config_cannot_attach_is_refused_before_any_model_is_built(
+        edit: Callable[[Tensors], Tensors], named: str, workspace: Path, capture_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # explain admitted each (it never builds the model); replay then refused it once the model was built
+    cfg, logical, pin = _initial_adapter(workspace, capture_dir, tmp_path, edit)
+    capsys.readouterr()
+    assert main(["explain", str(cfg), "--set", f'optimizer_batch.expected_logical_sha256="{logical}"',
+                 "--set", f'optimizer_batch.expected_manifest_sha256="{pin}"']) == 2
+    out = capsys.readouterr().out
+    assert "the adapter cannot load into the model this config builds" in out and named in out, out

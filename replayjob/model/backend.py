@@ -61,7 +61,10 @@ class Policy(Protocol):
 class Backend(Protocol):
     """A model backend.  Besides :meth:`build`, a backend may define ``model_reference(cfg)``: the reference
     (:meth:`Policy.model_reference`) of the model ``build(cfg)`` would build, told from the config alone, so that
-    admission compares a resume state with it before any model is built; without it only the replay compares."""
+    admission compares a resume state with it before any model is built; without it only the replay compares.
+    Likewise ``adapter_reasons(cfg, layout)``: why an adapter file of ``layout`` (each tensor's dtype and shape,
+    :attr:`replayjob.rl.state.ResumeState.adapter_layout`) cannot be the adapter ``build(cfg)`` attaches, told from
+    the config alone (empty: nothing the config tells against it)."""
 
     name: str
 

@@ -9,6 +9,7 @@ the global Torch RNG: sampling and dropout see the same stream whatever the mode
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -133,12 +134,50 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
+_LORA_WEIGHT = re.compile(r"(.+)\.lora_([AB])\.weight")
+
+
+def adapter_layout_reasons(cfg: Config, layout: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+    """Why an adapter file of this layout (each tensor's dtype and shape) cannot be the LoRA adapter
+    :meth:`HFBackend.build` attaches for ``cfg``, told from the config alone: every tensor a ``lora_A`` or
+    ``lora_B`` weight of a module ``lora.target_modules`` names, both present for each module, of the model's
+    dtype, ``lora_A`` of ``lora.r`` rows and ``lora_B`` of ``lora.r`` columns.  Which modules the model has and their
+    widths only the built model tells (:meth:`HFPolicy.load_adapter` compares every tensor with it)."""
+    reasons: list[str] = []
+    want, r, targets = f"torch.{cfg.model.dtype}", cfg.lora.r, list(cfg.lora.target_modules)
+    halves: dict[str, set[str]] = {}
+    for name, (dtype, shape) in sorted(layout.items()):
+        found = _LORA_WEIGHT.fullmatch(name)
+        if found is None:
+            reasons.append(f"tensor {name[:80]!r} is not a LoRA weight (<module>.lora_A.weight or .lora_B.weight)")
+            continue
+        module, half = found.groups()
+        halves.setdefault(module, set()).add(half)
+        if not any(module == t or module.endswith("." + t) for t in targets):
+            reasons.append(f"tensor {name[:80]} adapts a module lora.target_modules does not name ({targets})")
+        if dtype != want:
+            reasons.append(f"tensor {name[:80]} is {dtype}, the model's dtype is {want} (model.dtype)")
+        if len(shape) != 2 or shape[0 if half == "A" else 1] != r:
+            reasons.append(f"tensor {name[:80]} has shape {list(shape)}; lora_{half} has lora.r = {r} "
+                           f"{'rows' if half == 'A' else 'columns'}")
+    for module, have in sorted(halves.items()):
+        if have != {"A", "B"}:
+            reasons.append(f"module {module[:80]} has lora_{''.join(sorted(have))} without "
+                           f"lora_{''.join(sorted({'A', 'B'} - have))}")
+    return reasons
+
+
 class HFBackend:
     name = "hf"
 
     def model_reference(self, cfg: Config) -> dict[str, Any]:
         """The reference of the model :meth:`build` builds from ``cfg``, without building it."""
         return builtin_model_reference(cfg)
+
+    def adapter_reasons(self, cfg: Config, layout: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+        """Why an adapter of ``layout`` cannot load into the model :meth:`build` builds
+        (:func:`adapter_layout_reasons`)."""
+        return adapter_layout_reasons(cfg, layout)
 
     def build(self, cfg: Config) -> HFPolicy:
         import torch

@@ -22,7 +22,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,8 @@ class ResumeState:
     adapter_file: Path
     adapter_sha256: str
     files: dict[str, str]
+    #: each adapter tensor's dtype (``torch.float32``) and shape, as read from the pinned file
+    adapter_layout: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
 
     @property
     def has_optimizer(self) -> bool:
@@ -105,7 +107,8 @@ def read_state(path: str | Path) -> ResumeState:
         if name in (ADAPTER_WEIGHTS, OPTIMIZER_FILE):
             tensors[name] = scanned.tensors()
     _check_values(d, step, files, tensors)
-    return ResumeState(d, step, model, d / ADAPTER_WEIGHTS, files[ADAPTER_WEIGHTS], dict(files))
+    layout = {k: (str(t.dtype), tuple(t.shape)) for k, t in tensors[ADAPTER_WEIGHTS].items()}
+    return ResumeState(d, step, model, d / ADAPTER_WEIGHTS, files[ADAPTER_WEIGHTS], dict(files), layout)
 
 
 _STATE_HINT = "the state was modified after it was written, or no training could have produced it; recreate it"

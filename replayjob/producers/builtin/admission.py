@@ -219,7 +219,9 @@ def _check_adapter(adm: Admission) -> None:
 
 
 def _check_model_reference(adm: Admission) -> None:
-    """The resume state's ``model`` against the base model this config builds: the comparison the replay makes
+    """The resume state's adapter layout against the adapter this config attaches (the backend's
+    ``adapter_reasons``: for ``hf``, LoRA weights of the target modules, of the model's dtype and rank ``lora.r``),
+    and its ``model`` against the base model this config builds: the comparison the replay makes
     once the model is built (:func:`replayjob.rl.state.check_model`), made here from the config alone by a backend
     that can tell its model's reference without building it (``model_reference``, :class:`replayjob.model.backend.
     Backend`; the built-in ``hf`` one can); another backend's is known only once it builds its model, so the
@@ -231,6 +233,12 @@ def _check_model_reference(adm: Admission) -> None:
     except RefusedError as exc:
         adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"))
         return
+    adapter = getattr(backend, "adapter_reasons", None)  # the pinned adapter against the one the config attaches
+    reasons = adapter(adm.cfg, adm.state.adapter_layout) if adapter is not None else []
+    if reasons:
+        adm.refuse(f"{adm.state.adapter_file}: the adapter cannot load into the model this config builds: "
+                   + "; ".join(reasons[:4]) + (f" (and {len(reasons) - 4} more)" if len(reasons) > 4 else "")
+                   + "; fix: resume from the state the source started from, with its [model] and [lora] sections")
     reference = getattr(backend, "model_reference", None)
     if reference is None:
         return
