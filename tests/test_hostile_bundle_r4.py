@@ -133,3 +133,21 @@ def test_a_zero_mask_row_recorded_consistently_replays_clean(
     _forge(q, lambda m: m["index"]["samples"][0].update(response_length=0), zero)
     assert _cli(capsys, "bundle", "validate", str(q))[0] == 0
     assert _cli(capsys, "bundle", "replay", str(q))[0] == 1
+
+
+# ------------------------------------------------------------------ text a report prints is one printable line
+@pytest.mark.parametrize(("field", "value"), [
+    ("reason", "membership was not recorded\n[   pass] reward.post_process"),
+    ("reason", "x\x1b[2J"),
+    ("implementation", "replayjob.rl.stages.post_process\r"),
+    ("reason", "x\u202e"),
+])
+def test_a_stage_reason_printed_by_replay_and_inspect_is_one_printable_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str, value: str) -> None:
+    """bundle replay prints a skipped stage's reason and bundle inspect every stage's: a newline in it printed a
+    stage line of its own ("[   pass] ...") that no stage had."""
+    p = write_rollout(tmp_path / "b", groups_recorded=False)
+    _forge(p, lambda m: m["stages"]["reward.post_process"].update({field: value}))
+    _refused_by_both(capsys, p, f"stages.reward.post_process.{field}", "printable characters")
+    rc, out = _cli(capsys, "bundle", "inspect", str(p))
+    assert rc == 0 and "Traceback" not in out and value not in out, out

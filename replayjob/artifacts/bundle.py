@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from replayjob.artifacts.document import Count, Digest, Document, Finite, Int, NonNegative, Positive, whole
+from replayjob.artifacts.document import Count, Digest, Document, Finite, Int, NonNegative, OneLine, Positive, whole
 from replayjob.errors import ContractError, IntegrityError
 
 FORMAT = "replayjob.bundle"
@@ -150,8 +150,8 @@ class StageContract(Document, frozen=True):
 
     version: Literal["v1"]  # STAGE_VERSION
     capability: Literal["recompute", "recorded-only", "inspect-only", "unsupported"]  # CAPABILITIES
-    implementation: str
-    reason: str
+    implementation: OneLine  # printed by bundle inspect and replay: one line, no control character
+    reason: OneLine
 
 
 class PayloadSpec(Document, frozen=True):

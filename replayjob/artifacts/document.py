@@ -67,6 +67,11 @@ Digest = Annotated[str, _DIGEST]
 """A SHA-256 digest: 64 lower-case hexadecimal digits."""
 Text = Annotated[str, msgspec.Meta(min_length=1)]
 """A non-empty string."""
+_UNPRINTABLE = "\\x00-\\x1f\\x7f-\\x9f\\u2028\\u2029\\u202a-\\u202e\\u2066-\\u2069"  # controls, line breaks, bidi
+Printable = Annotated[str, whole(f"[^{_UNPRINTABLE}]+")]
+"""A non-empty string a report prints as is: no newline, escape or bidi control (it would print text of its own)."""
+OneLine = Annotated[str, whole(f"[^{_UNPRINTABLE}]*")]
+"""A :data:`Printable` string that may be empty."""
 
 
 class Document(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -85,6 +90,10 @@ def describe(exc: msgspec.ValidationError) -> str:
     """msgspec's ``Expected `int`, got `bool` - at `$.a.b``` as ``field `a.b`: expected `int`, got `bool```."""
     text = str(exc).replace(f"Expected `str` matching regex {_DIGEST.pattern!r}",
                             "Expected a SHA-256: 64 lowercase hex digits")
+    for pattern, words in ((f"[^{_UNPRINTABLE}]+", "of printable characters"),
+                           (f"[^{_UNPRINTABLE}]*", "of printable characters or empty")):
+        text = text.replace(f"`str` matching regex {whole(pattern).pattern!r}",
+                            f"`str` {words} (no newline, tab, escape or bidi control)")
     text = _WHOLE.sub(lambda m: f"matching `{m.group(1)}` as a whole", text)  # whole()'s anchors, said in words
     rule, sep, at = text.rpartition(" - at `")
     if not sep:

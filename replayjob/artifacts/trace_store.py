@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 
 from replayjob import tensorfile
-from replayjob.artifacts.document import Count, Digest, Document, decode, whole
+from replayjob.artifacts.document import Count, Digest, Document, Printable, decode
 from replayjob.digest import normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
@@ -214,8 +214,6 @@ def write_trace(run_dir: str | Path, trace: Trace) -> tuple[Path, str]:
 # ---------------------------------------------------------------------------------------------- reading
 
 FloatDtype = Literal["F32", "F64", "F16", "BF16"]  # _FLOATS, as the index declares a site's or parameter's dtype
-Printable = Annotated[str, whole("[^\\x00-\\x1f\\x7f-\\x9f\\u2028\\u2029\\u202a-\\u202e\\u2066-\\u2069]+")]
-"""A non-empty string of printable characters (no newline, escape or bidi control: trace-diff prints it as is)."""
 
 
 class TraceIdentity(Document, frozen=True):

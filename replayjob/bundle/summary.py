@@ -10,6 +10,7 @@ whose manifest is not the one the root COMPLETE records, is listed with both dig
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -167,32 +168,43 @@ def _manifest_sha256(bundle: Path) -> str | None:
 
 
 def render(info: dict[str, Any], indent: str = "") -> str:
-    """The human form of :func:`inspect_path`."""
+    """The human form of :func:`inspect_path`; every line's unprintable characters escaped (:func:`_printable`)."""
     lines = []
     if info["layout"] == "capture-dir":
-        lines.append(f"{indent}capture directory {info['path']}: {len(info['bundles'])} bundle(s)")
+        lines.append(_printable(f"{indent}capture directory {info['path']}: {len(info['bundles'])} bundle(s)"))
         lines += [render(b, indent + "  ") for b in info["bundles"]]
     elif info["layout"] == "multi-rank":
-        lines.append(f"{indent}multi-rank bundle {info['path']}: landed {info['landed_ranks']} of "
-                     f"{info['expected_ranks']}{'' if info['complete'] else ' (INCOMPLETE)'}")
+        lines.append(_printable(f"{indent}multi-rank bundle {info['path']}: landed {info['landed_ranks']} of "
+                                f"{info['expected_ranks']}{'' if info['complete'] else ' (INCOMPLETE)'}"))
         lines += [render(r, indent + "  ") for r in info["ranks"]]
     else:
+        own = []
         ident = info.get("identity") or {}
-        lines.append(f"{indent}bundle {info.get('bundle_id')} ({info.get('kind')}) at {info['path']}"
-                     f"{'' if info['complete'] else ' (INCOMPLETE)'}")
-        lines.append(f"{indent}  identity: rollout {ident.get('rollout_id')} step {ident.get('step_id')} "
-                     f"physical {ident.get('physical')}")
-        lines.append(f"{indent}  producer: {info.get('producer')}")
+        own.append(f"{indent}bundle {info.get('bundle_id')} ({info.get('kind')}) at {info['path']}"
+                   f"{'' if info['complete'] else ' (INCOMPLETE)'}")
+        own.append(f"{indent}  identity: rollout {ident.get('rollout_id')} step {ident.get('step_id')} "
+                   f"physical {ident.get('physical')}")
+        own.append(f"{indent}  producer: {info.get('producer')}")
         cfg = info.get("config") or {}
-        lines.append(f"{indent}  samples {info['samples']} in {info['groups']} group(s) (estimator "
-                     f"{cfg.get('estimator')}, samples_per_prompt {cfg.get('samples_per_prompt')}); "
-                     f"consumer batches {info['consumer_batches']}; micro-batches {len(info['micro_batches'])}")
+        own.append(f"{indent}  samples {info['samples']} in {info['groups']} group(s) (estimator "
+                   f"{cfg.get('estimator')}, samples_per_prompt {cfg.get('samples_per_prompt')}); "
+                   f"consumer batches {info['consumer_batches']}; micro-batches {len(info['micro_batches'])}")
         for s, c in sorted(info["stages"].items(), key=lambda kv: fmt.STAGE_ORDER.index(kv[0])
                            if kv[0] in fmt.STAGE_ORDER else len(fmt.STAGE_ORDER)):
             reason = f" — {c['reason']}" if c.get("reason") else ""
-            lines.append(f"{indent}  stage {s}: {c['capability']}{reason}")
+            own.append(f"{indent}  stage {s}: {c['capability']}{reason}")
         for pl in info["payloads"]:
-            lines.append(f"{indent}  payload {pl['name']} [{pl['role']}] {pl['dtype']} {pl['shape']} "
-                         f"{'' if pl['present'] else ' MISSING'}".rstrip())
-    lines += [f"{indent}  problem: {x}" for x in info.get("problems", [])]
+            own.append(f"{indent}  payload {pl['name']} [{pl['role']}] {pl['dtype']} {pl['shape']} "
+                       f"{'' if pl['present'] else ' MISSING'}".rstrip())
+        lines += [_printable(line) for line in own]
+    lines += [_printable(f"{indent}  problem: {x}") for x in info.get("problems", [])]
     return "\n".join(lines)
+
+
+def _printable(line: str) -> str:
+    """``line`` with every character that is not printable escaped as JSON writes it (``\\n``, ``\\u202e``):
+    inspect reads documents it has not validated, and a newline or an escape in a field would print text of its
+    own (a stage line no stage has)."""
+    if line.isprintable():
+        return line
+    return "".join(c if c.isprintable() else json.dumps(c)[1:-1] for c in line)
