@@ -228,3 +228,14 @@ def test_diag_file_in_a_run_directory_is_not_followed(tmp_path: Path) -> None:
     assert len(list(iter_rows(link))) == 2
     with pytest.raises(IntegrityError, match="symbolic link"):
         list(iter_rows(link, follow_symlinks=False))
+
+
+def test_an_out_directory_that_cannot_be_created_is_refused_without_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--out below a regular file: mkdir's NotADirectoryError was a traceback (exit 3, "retrying may help")."""
+    f = tmp_path / "notes.txt"
+    f.write_text("x")
+    rc = main(["determinism-check", "--command", command(tmp_path, "same"), "--out", str(f / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and "cannot create the --out directory" in err and str(f) in err
+    assert f.read_text() == "x"

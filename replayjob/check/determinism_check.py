@@ -48,7 +48,7 @@ from replayjob.errors import (
     UsageError,
     is_retryable,
 )
-from replayjob.fsio import atomic_write_bytes, check_no_symlinks
+from replayjob.fsio import atomic_write_bytes, check_no_symlinks, write_failure
 from replayjob.jsonio import pretty_bytes
 from replayjob.redact import redact_command
 from replayjob.runtime.determinism import math_mode_from_env
@@ -127,7 +127,10 @@ def _prepare_out(out: str | Path | None) -> Path:
     if p.exists() and (not p.is_dir() or any(not q.name.startswith("replayjob-error-") for q in p.iterdir())):
         raise ArtifactExistsError("output directory exists and is not empty", where=p,
                                   hint="choose a new --out directory")
-    p.mkdir(parents=True, exist_ok=True)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a component that is a file, a read-only or full filesystem: named, no traceback
+        raise write_failure(exc, p, "cannot create the --out directory") from None
     return p
 
 
