@@ -436,3 +436,39 @@ def test_a_funnel_document_its_declaration_refuses_is_never_written(tmp_path: Pa
         funnel_record.write(tmp_path / FUNNEL_FILE, doc)
     assert needle in info.value.message and info.value.exit_code == 3
     assert not (tmp_path / FUNNEL_FILE).exists()
+
+
+def _verdict_of(name: str) -> str:
+    doc = json.loads((REPO / "tests" / "workflows" / name).read_text(encoding="utf-8"))
+    return str(next(p["value"] for p in doc["status"]["outputs"]["parameters"] if p["name"] == "verdict"))
+
+
+@pytest.mark.parametrize(("verdict", "code", "said"), [
+    (_verdict_of("succeeded.json"), 1, "reduce exited 1 but the verdict pass (exit 0): they disagree"),
+    (_verdict_of("failed-gate.json"), 0, "reduce exited 0 but the verdict fail (exit 1): they disagree"),
+    (_verdict_of("failed-gate.json").replace('"status":"fail"', '"status":"pass"', 1), 1,
+     "the verdict cannot be read"),  # hand-edited into a pass: its checks say otherwise
+    ('{"schema": "replayjob.verdict/v2", "status": "pass", "exit_code": 0}', 0, "the verdict cannot be read"),
+    ("[]", 0, "the verdict cannot be read"),
+])
+def test_a_look_reads_its_verdict_strictly_and_with_the_reducer_s_code(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verdict: str, code: int, said: str) -> None:
+    """A look reads the reducer's verdict through the one verdict reader and cross-checks it with the
+    reducer's exit code, as `argo wait` and the driver do: an unreadable or contradicted verdict is exit 3,
+    never the stage's outcome (it was read as plain JSON, its `exit_code` and `status` taken as they stood)."""
+    from replayjob.launch.funnel import Funnel, Options
+
+    f = Funnel(Options(out=tmp_path / "out", spec=SPEC, device="cpu", only_ablation=True), progress=lambda s: None)
+
+    def cli_step(args: Sequence[object], log: Path) -> int:
+        f.layout.verdict.parent.mkdir(parents=True, exist_ok=True)
+        f.layout.verdict.write_text(verdict, encoding="utf-8")
+        return code
+
+    monkeypatch.setattr(funnel_module, "cli_step", cli_step)
+    with pytest.raises(OperationalError) as err:
+        f.reduce(tmp_path / "ablation.toml", 2)
+    assert err.value.exit_code == 3 and said in err.value.message, err.value.message
+    monkeypatch.setattr(funnel_module, "cli_step", lambda args, log: (
+        f.layout.verdict.write_text(_verdict_of("failed-gate.json"), encoding="utf-8"), 1)[1])
+    assert f.reduce(tmp_path / "ablation.toml", 2)["status"] == "fail"  # agreeing: the verdict decides

@@ -53,18 +53,20 @@ from typing import Any
 
 from replayjob.artifacts import funnel_record
 from replayjob.artifacts.capture_manifest import REPLAY_CONFIG
+from replayjob.artifacts.cluster_status import judge
 from replayjob.artifacts.funnel_record import FUNNEL_FILE, SCHEMA, STAGES, STATUS
 from replayjob.artifacts.schedule import DESIGNS
 from replayjob.artifacts.spec import AblationSpec, load_spec, spec_from_dict
+from replayjob.artifacts.verdict import read_verdict
 from replayjob.check.determinism_check import check
 from replayjob.check.rules import DEFAULT_RULES, load_rules
 from replayjob.check.signals import evaluate
 from replayjob.config.dump import set_args, toml_key, toml_value
 from replayjob.config.load import parse_overrides, read_toml
-from replayjob.errors import RefusedError, ReplayjobError, UsageError, error_for_exit_status
+from replayjob.errors import OperationalError, RefusedError, ReplayjobError, UsageError, error_for_exit_status
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.gate.evidence import discover, read_replay, read_source
-from replayjob.jsonio import pretty_bytes, read_json_object
+from replayjob.jsonio import pretty_bytes
 from replayjob.launch import capture_ref as external
 from replayjob.launch.capture_ref import capture_pins
 from replayjob.launch.step import Layout, select
@@ -371,7 +373,7 @@ class Funnel:
                 break
             blocks += 1
         st.artifacts["looks"] = ", ".join(f"{x['blocks']} blocks: {x['status']}" for x in looks)
-        self.summary = summarize(self.layout.verdict, src, self._source_step())
+        self.summary = summarize(self.layout.verdict, src, self._source_step(), doc)
         self.summary["blocks"] = blocks
         self.summary["max_blocks"] = self.max_blocks
 
@@ -399,7 +401,7 @@ class Funnel:
         code = cli_step(args, self.log)
         if not verdict.is_file():
             raise error_for_exit_status(code)(f"reduce exited {code} without a verdict", where=self.log)
-        return read_json_object(verdict)
+        return looked(verdict, code, self.log)
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -446,11 +448,28 @@ class Funnel:
         return result
 
 
-def summarize(verdict_path: Path, source_dir: Path, source_step: int | None = None) -> dict[str, Any]:
-    """Per arm: median step time, its ratio to the baseline with the 95% interval, the peak-memory
-    ratio, and whether loss and final adapter are bitwise equal to the source; then the budgets."""
+def looked(verdict: Path, code: int, log: Path) -> dict[str, Any]:
+    """The verdict a look's reduce wrote, read as every launcher reads one (:func:`read_verdict`) and
+    cross-checked with the reducer's exit ``code`` (:func:`judge`): a verdict that cannot be read, or one
+    the reducer's code contradicts, decides nothing (:class:`OperationalError`, exit 3), never a stage's
+    outcome."""
+    try:
+        doc, unreadable = read_verdict(verdict), None
+    except ReplayjobError as exc:
+        doc, unreadable = None, exc.message
+    _, line = judge(doc, unreadable, code, f"reduce exited {code}")
+    if doc is None or code != doc.exit_code:
+        raise OperationalError(line, where=verdict, hint=f"the reducer's log says why: {log}")
+    return doc.doc
 
-    doc = read_json_object(verdict_path)
+
+def summarize(verdict_path: Path, source_dir: Path, source_step: int | None = None,
+              doc: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per arm: median step time, its ratio to the baseline with the 95% interval, the peak-memory
+    ratio, and whether loss and final adapter are bitwise equal to the source; then the budgets.  ``doc``:
+    the verdict as the last look read it (else read strictly from ``verdict_path``)."""
+
+    doc = doc if doc is not None else read_verdict(verdict_path).doc
     source = read_source(source_dir, source_step)
     replays = [read_replay(p) for p in discover([str(p["path"]) if Path(p["path"]).is_absolute()
                                                  else str(verdict_path.parent / p["path"])
