@@ -160,6 +160,10 @@ def test_refusals(runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureF
     m = json.loads((other / "replay_metrics.json").read_text())
     m["trace"]["index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
     (other / "replay_metrics.json").write_bytes(pretty_bytes(m))
+    assert main(["trace-diff", a, str(other)]) == 2  # the replay's own record names the capture it replayed
+    assert "the trace is not this replay's: its identity.logical_batch_sha256" in capsys.readouterr().err
+    m["optimizer/logical_batch_sha256"] = m["pins"]["expected_logical_sha256"] = "0" * 64
+    (other / "replay_metrics.json").write_bytes(pretty_bytes(m))
     assert main(["trace-diff", a, str(other)]) == 2
     assert "different captures" in capsys.readouterr().err
     assert main(["trace-diff", a, str(runs["b"]), "--reference", a]) == 2
@@ -377,6 +381,27 @@ INDEX_MUTATIONS = {
     "identity digest case": ("identity.manifest_sha256", "A" * 64), "param shape": ("params.0.shape", [1]),
     "untraced type": ("untraced", "x"), "fewer sites": ("forward", []),
 }
+
+
+@pytest.mark.parametrize(("key", "value"), [("arm", "other-arm"), ("repeat_index", 7), ("device", "cuda:0"),
+                                            ("manifest_sha256", "0" * 64), ("initial_adapter_sha256", "0" * 64),
+                                            ("torch_version", "0.0.0")])
+def test_a_trace_is_its_replay_s_own(key: str, value: object, runs: dict[str, Path], tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A trace whose identity is not what the replay_metrics.json pinning it records (another replay's trace, its
+    pin rewritten) was compared under the trace's own labels; it is refused naming both."""
+    d = _copy(runs["b"], tmp_path / "b")
+    index = d / "trace" / "index.json"
+    doc = json.loads(index.read_text())
+    doc["identity"][key] = value
+    index.chmod(0o644)
+    index.write_bytes(pretty_bytes(doc))
+    m = json.loads((d / "replay_metrics.json").read_text())
+    m["trace"]["index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
+    (d / "replay_metrics.json").write_bytes(pretty_bytes(m))
+    assert main(["trace-diff", str(runs["a"]), str(d)]) == 2
+    err = capsys.readouterr().err
+    assert f"the trace is not this replay's: its identity.{key} is {value!r}" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("mutation", sorted(INDEX_MUTATIONS))

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replayjob.artifacts.metrics import REPLAY_FILE, ROUTING, read_replay
+from replayjob.artifacts.metrics import REPLAY_FILE, ROUTING, Replay, read_replay
 from replayjob.artifacts.trace_store import IDENTITY_KEYS, TRACE_DIR, Site, Trace, dtype_name, read_trace
 from replayjob.errors import ContractError, IntegrityError, RefusedError, UsageError
 from replayjob.fsio import check_no_symlinks
@@ -111,8 +111,25 @@ def load_side(path: str | Path) -> list[Side]:
             check_no_symlinks(path, entry[0], what="routing")
         routing = moe.read_table(*entry) if entry is not None else None
         compute = COMPUTE_DTYPES.get(str((rep.doc.get("provenance") or {}).get("compute_dtype")))
-        out.append(Side(d, read_trace(d, expected_index_sha256=pin), routing, compute))
+        trace = read_trace(d, expected_index_sha256=pin)
+        _same_replay(trace, rep, d)
+        out.append(Side(d, trace, routing, compute))
     return out
+
+
+def _same_replay(trace: Trace, rep: Replay, where: Path) -> None:
+    """The trace's identity is the replay's record of itself (the recorder copies it from the replay's metrics): a
+    trace that names another capture, start state, arm, repeat, device or torch build than the replay_metrics.json
+    pinning it is not that replay's trace."""
+    recorded = {"manifest_sha256": rep.manifest, "logical_batch_sha256": rep.logical,
+                "initial_adapter_sha256": rep.initial_adapter, "arm": rep.arm, "repeat_index": rep.repeat_index,
+                "device": rep.device, "torch_version": rep.doc.get("torch_version")}
+    for key, value in recorded.items():
+        if trace.identity[key] != value:
+            raise IntegrityError(f"the trace is not this replay's: its identity.{key} is {trace.identity[key]!r}, "
+                                 f"{REPLAY_FILE} records {value!r}", where=where / TRACE_DIR / "index.json",
+                                 hint="a replay's trace is written by that replay; rerun the replay with --trace into "
+                                      "a new --out")
 
 
 def _same_capture(sides: list[Side]) -> None:
