@@ -372,3 +372,26 @@ def test_a_summary_reached_through_a_linked_directory_is_refused(
     (d / "sub").mkdir()
     (d / "sub" / "metrics.json").write_text(json.dumps({"loss": healthy(3)[-1]["loss"]["policy"]}))
     assert main(["signals", str(d), "--rules", str(r)]) == 0
+
+
+_TREND = '[[signal]]\nname="a"\nleaf="x"\nreducer="slope"\nkill_above=0.5\n' \
+         '[[signal]]\nname="b"\nleaf="x"\nreducer="last"\nkill_above=5\n'
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    # a restarted run appended to the first one's rows: graded OK over the two runs mixed
+    ([(0, 0), (1, 0), (2, 0), (0, 9), (1, 9), (2, 1)], "line 4: step 0 does not increase (previous 2)"),
+    ([(2, 0), (1, 0), (0, 0)], "line 2: step 1 does not increase (previous 2)"),
+    ([(0, 0), (0, 0), (0, 0)], "line 2: step 0 does not increase (previous 0)"),
+    ([(0, 0), (None, 1), (2, 0)], "line 2: no 'step', but the first row has one"),
+    ([(None, 0), (1, 1), (2, 0)], "line 2: a 'step', but the first row has none"),
+    ([(True, 0), (False, 1), (2, 0)], "line 1: step is bool True, not a number"),
+    ([("0", 0), ("1", 1), ("2", 0)], "line 1: step is str '0', not a number"),
+])
+def test_steps_that_start_over_or_come_and_go_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          rows: list[tuple[Any, float]], message: str) -> None:
+    """diag-diff refuses these files; signals graded them (a trend and a last value over two runs mixed)."""
+    d = run_dir(tmp_path, [{"x": x} if s is None else {"step": s, "x": x} for s, x in rows])
+    assert main(["signals", str(d), "--rules", str(rules(tmp_path, _TREND))]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

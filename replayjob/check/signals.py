@@ -287,6 +287,41 @@ def relative_gap(a: float, b: float, floor: float) -> float:
     return abs(a / scale - b / scale) if math.isinf(d) else d / scale
 
 
+class _Steps:
+    """The rows' ``step``, as diag-diff reads it: every row has a numeric one or none does, and each finite step is
+    greater than the finite step before it.  A file where the steps start over is a restarted run appended to its
+    first run's rows (or rows out of order): a trend, a last value or a window over it would mix two runs."""
+
+    def __init__(self, where: Path):
+        self.where = where
+        self.numbered: bool | None = None
+        self.last: float | None = None
+
+    def check(self, row: dict[str, Any], lineno: int) -> int | float | None:
+        step = row.get("step", MISSING)
+        if step is not MISSING and (isinstance(step, bool) or not isinstance(step, int | float)):
+            raise IntegrityError(f"line {lineno}: step is {type(step).__name__} {step!r}, not a number",
+                                 where=self.where, hint="write the step as a number, or leave it out of every row")
+        numbered = step is not MISSING
+        if self.numbered is None:
+            self.numbered = numbered
+        elif numbered != self.numbered:
+            first = "has one" if self.numbered else "has none"
+            raise IntegrityError(f"line {lineno}: {'a' if numbered else 'no'} 'step', but the first row {first}",
+                                 where=self.where, hint="every row needs a step, or none does")
+        if not numbered:
+            return None
+        assert isinstance(step, int | float)
+        value = _float(step, f"line {lineno}: step", self.where)
+        if math.isfinite(value):
+            if self.last is not None and value <= self.last:
+                raise IntegrityError(f"line {lineno}: step {step!r} does not increase (previous {self.last:g})",
+                                     where=self.where, hint="a restarted run may have appended to the file: grade "
+                                                            "each run's own diag.jsonl")
+            self.last = value
+        return step
+
+
 def evaluate(source: str | Path, rules: Rules) -> SignalsReport:
     """Grade ``source`` (a run directory or a diag.jsonl) against ``rules``."""
     diag, base = resolve_source(source)
@@ -295,10 +330,10 @@ def evaluate(source: str | Path, rules: Rules) -> SignalsReport:
     con_steps = [parse_path(r.leaf) for r in rules.consistency]
     con_last: list[float | None] = [None] * len(rules.consistency)
     rows = 0
+    row_steps = _Steps(diag)
     for lineno, row in iter_rows(diag, follow_symlinks=not found):
-        step = row.get("step")
-        x = _float(step, f"line {lineno}: step", diag) if isinstance(step, int | float) and \
-            not isinstance(step, bool) else float(rows)
+        step = row_steps.check(row, lineno)
+        x = _float(step, f"line {lineno}: step", diag) if step is not None else float(rows)
         rows += 1
         for c in collectors:
             c.add(x, row, lineno, diag)
