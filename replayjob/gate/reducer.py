@@ -408,15 +408,23 @@ def _outputs_replace_only_outputs(req: Request) -> None:
         outputs += [("--report", p, "report" if p == req.report else "report plot",
                      lambda q, head=head: written_here(q, head)) for p, head in report_files(req.report)]
     seen: set[tuple[int, int]] = set()  # (device, inode) of each output already there
-    for option, path, what, ours in outputs:
+    for option, path, what, ours in outputs:  # all checked before the first is written: never a report alone
         try:
-            o = os.stat(path)
-        except OSError:  # not there yet: nothing is replaced
+            o = os.lstat(path)
+        except FileNotFoundError:  # not there yet: nothing is replaced
             continue
+        except OSError as exc:  # a parent that is a file, or one that cannot be searched: no output can go there
+            raise UsageError(f"{option} cannot be written at {path}: {exc.strerror}", where=path,
+                             hint=f"give {option} a path in a directory you can write") from None
+        if not stat.S_ISREG(o.st_mode):  # a rename would replace it (or write through it): nothing is written
+            kind = ("a symbolic link" if stat.S_ISLNK(o.st_mode) else "a directory" if stat.S_ISDIR(o.st_mode)
+                    else "a device, FIFO or socket")
+            raise UsageError(f"{option} names {kind} at {path}, not a regular file a {what} could replace",
+                             where=path, hint=f"give {option} the name of a new file (or of an earlier {what})")
         if (o.st_dev, o.st_ino) in seen:  # two names of one file (a hard link)
             raise one_file
         seen.add((o.st_dev, o.st_ino))
-        if stat.S_ISREG(o.st_mode) and not ours(path):
+        if not ours(path):
             raise UsageError(f"{option} would replace {path}, which is not a {what} reduce wrote: it may be evidence",
                              where=path, hint=f"write the {option[2:]} to a new file outside the evidence (an "
                                               "earlier verdict, report or plot is replaced; nothing else is)")
