@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -309,7 +310,9 @@ def test_cli_exit_codes_and_text(tmp_path: Path, capsys: pytest.CaptureFixture[s
     rows_b = [row(i) for i in range(3)]
     rows_b[2]["grad_norm_ema"]["q"] = 60.3
     a, b = pair(tmp_path, [row(i) for i in range(3)], rows_b)
-    assert main(["diag-diff", str(a), str(a)]) == 0
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(a.read_bytes())
+    assert main(["diag-diff", str(a), str(copy)]) == 0
     assert "EQUAL" in capsys.readouterr().out
     assert main(["diag-diff", str(a), str(b), "--top", "3"]) == 1
     out = capsys.readouterr().out
@@ -338,3 +341,18 @@ def test_help_lists_every_default_ignore() -> None:
     text = " ".join((CLI_DOC or "").split())
     for pattern in DEFAULT_IGNORES:
         assert pattern in text, pattern
+
+
+@pytest.mark.parametrize("how", ["same path", "hard link", "symbolic link"])
+def test_a_file_compared_with_itself_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str) -> None:
+    """Two names of one file read EQUAL (exit 0), though nothing about two runs was compared; determinism-check
+    refused this for its runs, diag-diff now refuses it too (exit 2)."""
+    a = write(tmp_path / "a.jsonl", [row(i) for i in range(3)])
+    b = {"same path": a, "hard link": tmp_path / "b.jsonl", "symbolic link": tmp_path / "c.jsonl"}[how]
+    if how == "hard link":
+        os.link(a, b)
+    elif how == "symbolic link":
+        b.symlink_to(a)
+    assert main(["diag-diff", str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert "are one file" in err and "Traceback" not in err

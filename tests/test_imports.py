@@ -39,12 +39,18 @@ def inputs(workspace: Path, capture_dir: Path, tmp_path_factory: pytest.TempPath
     return {"workspace": workspace, "capture": capture_dir, "replays": replays, "bundle": bundle, "scratch": d}
 
 
+def _copy(src: Path, dst: Path) -> Path:
+    """A second file of the same rows (diag-diff refuses a file compared with itself)."""
+    dst.write_bytes(src.read_bytes())
+    return dst
+
+
 def _argv(label: str, i: dict[str, Path]) -> list[str]:
     cap, reps, out = i["capture"], i["replays"], i["scratch"]
     reduce = ["reduce", str(reps), "--source", str(cap), "--min-repeats", "1"]
     return {
         "--help": ["--help"],
-        "diag-diff": ["diag-diff", str(cap / "diag.jsonl"), str(cap / "diag.jsonl")],
+        "diag-diff": ["diag-diff", str(cap / "diag.jsonl"), str(_copy(cap / "diag.jsonl", out / "diag-copy.jsonl"))],
         "reduce exact-input": [*reduce, "--claim", "exact-input", "--out", str(out / "exact.json")],
         "reduce bitwise": [*reduce, "--claim", "bitwise", "--out", str(out / "bitwise.json")],
         "bundle inspect": ["bundle", "inspect", str(i["bundle"])],

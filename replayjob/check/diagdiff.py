@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import marshal
 import math
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,19 @@ def check_options(tol: Tolerance, ignore: Iterable[str], top: int) -> IgnoreSet:
     return IgnoreSet(ignore)
 
 
+def _distinct(path_a: str | Path, path_b: str | Path) -> None:
+    """Two names of one file (the same path, a hard link, a symbolic link to it) are refused: a file compared with
+    itself reads EQUAL and says nothing about two runs."""
+    try:
+        sa, sb = os.stat(path_a), os.stat(path_b)
+    except OSError:
+        return  # both were just opened; a file removed since is read from the open descriptor
+    if (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino):
+        raise RefusedError(f"{path_a} and {path_b} are one file (the same path, a hard link or a symbolic link to "
+                           "it): a file compared with itself is equal and proves nothing",
+                           where=f"{path_a} vs {path_b}", hint="compare the diagnostics of two runs")
+
+
 def diff_files(path_a: str | Path, path_b: str | Path, *, tol: Tolerance | None = None,
                ignore: Iterable[str] = (), top: int = 10, default_ignores: bool = True,
                follow_symlinks: bool = True) -> DiffReport:
@@ -126,6 +140,7 @@ def diff_files(path_a: str | Path, path_b: str | Path, *, tol: Tolerance | None 
         if side.cur is None:
             raise IntegrityError("no rows", where=side.path, hint="the run wrote no diagnostics")
     assert a.cur is not None and b.cur is not None
+    _distinct(a.path, b.path)
     by_step = _has_step(a.cur[1]) and _has_step(b.cur[1])
     a.by_step = b.by_step = by_step
     a.last_step, b.last_step = (a.step, b.step) if by_step else (None, None)
