@@ -73,3 +73,33 @@ def test_an_output_under_a_regular_file_is_refused_before_the_report_is_written(
     code, err = reduce(ev, d / "file" / "verdict.json", "--report", str(d / "report.md"))
     assert code == 2 and "cannot be written" in err and "Traceback" not in err, err
     assert sorted(p.name for p in d.iterdir()) == ["file"]
+
+
+@pytest.mark.parametrize("text", ["nan", "NaN", "inf", "-1", "1e400", " 5", "\u0663", "1_0", "5s", "3e9"])
+def test_a_wait_s_seconds_setting_outside_its_range_is_refused(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`REPLAYJOB_START_GRACE_S` (argo wait, the driver) and `REPLAYJOB_POLL_S` (the driver) are finite numbers of
+    seconds in range, else refused (2) naming the variable: `nan` turned the grace period off, a negative one
+    ended every wait at once, and a poll of `nan` or `-1` s stopped the driver with a traceback (exit 3)."""
+    from replayjob.errors import ConfigError
+    from replayjob.launch import k8s_driver
+    from replayjob.launch.submit import START_GRACE_ENV, env_seconds
+    from replayjob.launch.workflow import wait_for_workflow
+
+    with pytest.raises(ConfigError) as err:
+        env_seconds({START_GRACE_ENV: text}, START_GRACE_ENV, 300.0)
+    assert START_GRACE_ENV in err.value.message and err.value.exit_code == 2
+    assert env_seconds({START_GRACE_ENV: ""}, START_GRACE_ENV, 300.0) == 300.0
+    assert env_seconds({START_GRACE_ENV: "0"}, START_GRACE_ENV, 300.0) == 0.0
+    assert env_seconds({k8s_driver.POLL_ENV: "0.25"}, k8s_driver.POLL_ENV, 10.0, minimum=0.001) == 0.25
+    with pytest.raises(ConfigError):
+        env_seconds({k8s_driver.POLL_ENV: "0"}, k8s_driver.POLL_ENV, 10.0, minimum=0.001)
+
+    class NoApi:  # the setting is refused before the API is read
+        default_namespace = "ns"
+
+        def call(self, *a: object, **k: object) -> None:
+            raise AssertionError("read the API")
+
+    monkeypatch.setenv(START_GRACE_ENV, text)
+    with pytest.raises(ConfigError):
+        wait_for_workflow("wf", "ns", api=NoApi(), log=lambda s: None)

@@ -57,6 +57,7 @@ from replayjob.launch.submit import (
     Api,
     Log,
     StageStuck,
+    env_seconds,
     is_rendered,
     job_deadline_s,
     run_drivers,
@@ -235,11 +236,6 @@ def main(spec_path: str, environ: Mapping[str, str] | None = None, api: Api | No
     spec, text = load_spec_text(spec_path)
     check_rendered(spec)
     ctx = Context.from_env(env)
-    seconds = {}
-    for name, default in ((POLL_ENV, 10.0), (START_GRACE_ENV, START_GRACE_S)):
-        try:
-            seconds[name] = float(env.get(name) or default)
-        except ValueError:
-            raise ConfigError(f"{name}={env.get(name)!r} is not a number of seconds", where="environment") from None
-    return drive(spec, text, ctx, api or Api(None, log=log), poll_s=seconds[POLL_ENV], log=log,
-                 start_grace_s=seconds[START_GRACE_ENV])
+    poll_s = env_seconds(env, POLL_ENV, 10.0, minimum=0.001)
+    start_grace_s = env_seconds(env, START_GRACE_ENV, START_GRACE_S)
+    return drive(spec, text, ctx, api or Api(None, log=log), poll_s=poll_s, log=log, start_grace_s=start_grace_s)

@@ -25,6 +25,7 @@ backoff on connection errors, 429 and 5xx; an API that stays unreachable is an e
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import secrets
@@ -39,6 +40,7 @@ from replayjob.artifacts.verdict import read_verdict
 from replayjob.errors import (
     EXIT_OK,
     ArtifactExistsError,
+    ConfigError,
     ContractError,
     OperationalError,
     RefusedError,
@@ -320,6 +322,25 @@ class Api:
 WAIT_GRACE_S = 600  # how long past a Job's own deadline its wait goes on (the Job controller's lag)
 START_GRACE_ENV = "REPLAYJOB_START_GRACE_S"  # how long a stage may stay unable to start [default: 300]
 START_GRACE_S = 300.0
+MAX_ENV_SECONDS = 30 * 24 * 3600.0  # a month: the longest wait a run's settings may ask for
+
+
+def env_seconds(environ: Any, name: str, default: float, *, minimum: float = 0.0) -> float:
+    """The number of seconds the environment variable ``name`` sets (``default`` when unset or empty): a finite
+    decimal number from ``minimum`` to :data:`MAX_ENV_SECONDS`, else :class:`ConfigError` (2) naming it (``nan``
+    would turn a grace period off, a negative one end every wait at once, and a poll of ``nan`` or ``-1`` s
+    stop the driver with a traceback)."""
+    text = environ.get(name) or ""
+    if not text:
+        return default
+    plain = re.fullmatch(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?", text)  # no '1_0', ' 5', other digits
+    value = float(text) if plain else math.nan
+    if not minimum <= value <= MAX_ENV_SECONDS:  # also false for nan
+        raise ConfigError(f"{name}={text!r} is not a number of seconds from {minimum:g} to {MAX_ENV_SECONDS:g}",
+                          where="environment", hint=f"set {name} to a number of seconds, e.g. {default:g}")
+    return value
+
+
 STOPPED_KEY = "stopped.json"  # the run's ConfigMap key under which a driver records why it stopped a run
 
 

@@ -47,14 +47,13 @@ from replayjob.artifacts.verdict import Verdict, read_verdict
 from replayjob.errors import (
     EXIT_ERROR,
     EXIT_OK,
-    ConfigError,
     OperationalError,
     RefusedError,
     ReplayjobError,
     is_retryable,
 )
 from replayjob.launch.argo import FINAL
-from replayjob.launch.submit import START_GRACE_ENV, START_GRACE_S, Api
+from replayjob.launch.submit import START_GRACE_ENV, START_GRACE_S, Api, env_seconds
 
 GROUP, VERSION, PLURAL = "argoproj.io", "v1alpha1", "workflows"
 ENDED = ("Succeeded", "Failed", "Error")
@@ -304,10 +303,6 @@ def wait_for_workflow(name: str, namespace: str | None, *, api: Any | None = Non
         seen = True
         return doc
 
-    grace = os.environ.get(START_GRACE_ENV)
-    try:
-        start_grace_s = float(grace) if grace else START_GRACE_S
-    except ValueError:
-        raise ConfigError(f"{START_GRACE_ENV}={grace!r} is not a number of seconds", where="environment") from None
+    start_grace_s = env_seconds(os.environ, START_GRACE_ENV, START_GRACE_S)
     return wait(get, poll_s=poll_s, sleep=api.sleep, log=log, name=name, deadline_s=deadline_s,
                 start_grace_s=start_grace_s)
