@@ -103,3 +103,35 @@ def test_a_wait_s_seconds_setting_outside_its_range_is_refused(text: str, monkey
     monkeypatch.setenv(START_GRACE_ENV, text)
     with pytest.raises(ConfigError):
         wait_for_workflow("wf", "ns", api=NoApi(), log=lambda s: None)
+
+
+def test_the_reduce_step_publishes_the_verdict_it_wrote_not_a_second_read(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """`step reduce --outputs` (Argo's verdict output) publishes the bytes the reducer wrote, whatever the run
+    directory's `verdict.json` holds by then (it was read back from the shared volume, so a file replaced in
+    between, by another pod on the claim, was published instead)."""
+    import json
+
+    from replayjob.artifacts.spec import load_spec
+    from replayjob.gate import reducer
+    from replayjob.jsonio import pretty_bytes
+    from replayjob.launch import step
+
+    repo = Path(__file__).resolve().parents[1]
+    planted = json.loads((repo / "tests" / "workflows" / "succeeded.json").read_text(encoding="utf-8"))
+    passing = next(p["value"] for p in planted["status"]["outputs"]["parameters"] if p["name"] == "verdict")
+    real = reducer.reduce_evidence
+
+    def then_replaced(req: reducer.Request) -> object:
+        written = real(req)
+        req.out.write_text(passing, encoding="utf-8")  # another writer, after the reducer's own write
+        return written
+
+    monkeypatch.setattr(reducer, "reduce_evidence", then_replaced)
+    spec = step.select(load_spec(str(repo / "examples" / "ablation.toml")), None, None, None, None)
+    layout = step.layout_for(spec, str(tmp_path / "run"), None, None)
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    verdict = step.reduce_step(spec, layout, outputs=outputs, log=lambda s: None)
+    assert verdict.status == "incomplete"  # a run stopped before its capture
+    assert (outputs / "verdict.json").read_bytes() == pretty_bytes(verdict.doc)

@@ -93,6 +93,7 @@ from replayjob.errors import (
 )
 from replayjob.fsio import atomic_write_bytes, atomic_write_text
 from replayjob.gate import reducer
+from replayjob.jsonio import pretty_bytes
 from replayjob.launch import capture_ref as external
 from replayjob.launch.capture_ref import capture_pins, replay_sets
 from replayjob.launch.source_run import capture
@@ -689,7 +690,7 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
         missing=tuple(missing) + (("source",) if no_capture else ())))
     log(verdict.summary())
     log(f"step: wrote {layout.verdict}")
-    if outputs is not None:
+    if outputs is not None:  # the bytes the reducer wrote, not a second read of the shared volume's file
 
-        atomic_write_bytes(outputs / "verdict.json", layout.verdict.read_bytes())
+        atomic_write_bytes(outputs / "verdict.json", pretty_bytes(verdict.doc))
     return verdict
