@@ -510,6 +510,34 @@ def _negative_sq(t: dict[str, torch.Tensor]) -> None:
      "optimizer.state has an entry for parameter '7'"),
     ("manifest", lambda d: d["optimizer"]["scheduler"].update(_step_count=99),
      "optimizer.scheduler._step_count is 99"),
+    # param groups and scheduler state of values no torch optimizer or scheduler holds: the replay failed in its
+    # optimizer or scheduler step with exit 3 (a string beta or lr, no lr, amsgrad without its buffer, a string
+    # last_epoch, an lr_lambda of a number), or replayed them (a negative eps, a string foreach, moments cast)
+    ("manifest", lambda d: d["optimizer"]["param_groups"][0].update(betas="x"),
+     "optimizer.param_groups[0].betas is x, not two numbers in [0, 1)"),
+    ("manifest", lambda d: d["optimizer"]["param_groups"][0].update(eps=-1.0),
+     "optimizer.param_groups[0].eps is -1.0, not a finite number >= 0"),
+    ("manifest", lambda d: (d["optimizer"]["param_groups"][0].update(lr="x"),
+                            d["optimizer"]["scheduler"].update(_last_lr=["x"])),
+     "optimizer.param_groups[0].lr is x, not a finite number >= 0"),
+    ("manifest", lambda d: (d["optimizer"]["param_groups"][0].pop("lr"), d["optimizer"]["scheduler"].pop("_last_lr")),
+     "optimizer.param_groups[0] has no lr"),
+    ("manifest", lambda d: d["optimizer"]["param_groups"][0].update(amsgrad=True),
+     "optimizer.param_groups[0].amsgrad is true, but parameter 0's state holds no max_exp_avg_sq"),
+    ("manifest", lambda d: d["optimizer"]["param_groups"][0].update(foreach="x"),
+     "optimizer.param_groups[0].foreach is x, not true, false or null"),
+    ("manifest", lambda d: d["optimizer"]["scheduler"].update(last_epoch="x"),
+     "optimizer.scheduler.last_epoch is x, not an integer >= -1"),
+    ("manifest", lambda d: d["optimizer"]["scheduler"].update(lr_lambdas=[1]),
+     "optimizer.scheduler.lr_lambdas must hold one null or object per param group (1), found [1]"),
+    ("manifest", lambda d: d["optimizer"]["scheduler"].update(base_lrs=[0.5]),
+     "optimizer.param_groups[0].initial_lr is 0.01, but the LR scheduler started it from 0.5"),
+    ("manifest", lambda d: d["optimizer"]["scheduler"].update(optimizer={}),
+     "optimizer.scheduler.optimizer names the scheduler's optimizer"),
+    ("optimizer", lambda t: t.update({k: v.double() for k, v in t.items() if "exp_avg" in k}),
+     "tensor state.0.exp_avg is torch.float64, its parameter torch.float32"),
+    ("optimizer", lambda t: t.update({"state.0.exp_avg": t["state.0.exp_avg"].bool()}),
+     "tensor state.0.exp_avg is torch.bool, not a floating-point moment"),
 ])
 def test_a_start_state_that_contradicts_the_step_is_refused_by_explain_and_replay(
         role: str, edit: Callable[[Any], None], named: str, example_run: tuple[Path, Path], tmp_path: Path,
@@ -550,3 +578,30 @@ def test_a_start_state_that_contradicts_the_step_is_refused_by_explain_and_repla
         text = out.out + out.err
         assert code == 2 and named in text and str(where) in text and "Traceback" not in text, (argv[0], text)
     assert not (tmp_path / "r").exists()
+
+
+def test_param_groups_the_rebuilt_optimizer_does_not_have_are_refused_by_the_replay(
+        example_run: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two param groups (each holding one parameter, the scheduler state dropped) and everything re-pinned: only the
+    rebuilt optimizer tells it has one group; its load_state_dict refused them with a ValueError, which the replay
+    reported as its own failure (exit 3).  Refused (exit 2) naming the manifest, nothing written."""
+    from replayjob.artifacts.api_manifest import file_names
+    from replayjob.digest import sha256_bytes
+    script, _ = example_run
+    d = tmp_path / "copy"
+    shutil.copytree(script.parent, d)
+    path = d / "out" / "capture" / file_names(1)["manifest"]
+    doc = json.loads(path.read_text())
+    (group,) = doc["optimizer"]["param_groups"]
+    doc["optimizer"].update(scheduler=None, param_groups=[{**group, "params": [0]}, {**group, "params": [1]}])
+    raw = (json.dumps(doc, sort_keys=True) + "\n").encode()
+    path.write_bytes(raw)
+    capsys.readouterr()
+    code = main(["replay", str(path.parent / "replay.toml"), "--out", str(tmp_path / "r"),
+                 "--set", f'integration.entry="{d / script.name}:replay_target"',
+                 "--set", f'optimizer_batch.replay_path="{path}"',
+                 "--set", f'optimizer_batch.expected_manifest_sha256="{sha256_bytes(raw)}"'])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code == 2 and "does not fit the rebuilt trainer's optimizer" in text and path.name in text, text
+    assert "Traceback" not in text and not (tmp_path / "r" / "replay_metrics.json").exists()

@@ -394,6 +394,9 @@ def adamw_layout_reasons(opt: Mapping[str, torch.Tensor], adapter: Mapping[str, 
     return reasons
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")  # torch's zeros_like(param) buffers
+
+
 def optimizer_description_reasons(doc: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None,
                                   shapes: list[tuple[int, ...]] | None, params: int) -> list[str]:
     """Why the JSON half of an optimizer state (:func:`split_optimizer_state`'s ``doc``, as a capture records it)
@@ -443,6 +446,25 @@ def optimizer_description_reasons(doc: Mapping[str, Any], tensors: Mapping[str, 
     return reasons
 
 
+def moment_reasons(tensors: Mapping[str, torch.Tensor], dtypes: list[torch.dtype] | None) -> list[str]:
+    """Why an optimizer file's moments (:data:`MOMENTS`, ``state.<i>.<key>``) are not the buffers an optimizer
+    keeps: one that is not floating point, or, with ``dtypes`` (each parameter's, in optimizer order, where the
+    optimizer holds the trainable parameters alone), one of another dtype than its parameter's (the optimizer's
+    load_state_dict would cast it)."""
+    reasons = []
+    for name in sorted(tensors):
+        parsed, t = _state_key(name), tensors[name]
+        if parsed is None or parsed[1] not in MOMENTS:
+            continue
+        at = _index(parsed[0])
+        if not t.is_floating_point():
+            reasons.append(f"tensor {name} is {t.dtype}, not a floating-point moment")
+        elif dtypes is not None and at is not None and at < len(dtypes) and t.dtype != dtypes[at]:
+            reasons.append(f"tensor {name} is {t.dtype}, its parameter {dtypes[at]} (the optimizer would cast it "
+                           "on loading)")
+    return reasons
+
+
 def scheduler_reasons(groups: list[Any], scheduler: Mapping[str, Any] | None, step: int) -> list[str]:
     """Why a captured LR scheduler state contradicts the optimizer's param groups or the step: each group's ``lr``
     is the scheduler's last learning rate for it (``_last_lr``: the scheduler sets both), and the scheduler has been
@@ -466,6 +488,107 @@ def scheduler_reasons(groups: list[Any], scheduler: Mapping[str, Any] | None, st
     if isinstance(count, int) and not isinstance(count, bool) and count > step + 1:
         reasons.append(f"optimizer.scheduler._step_count is {count}, but a scheduler stepped once when built and "
                        f"once per optimizer step has stepped at most {step + 1} time(s) before step {step}")
+    return reasons + _scheduler_type_reasons(groups, scheduler)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# what torch's optimizers hold in every param group, typed as their constructors take them: a value they would
+# refuse at construction (a negative learning rate or epsilon, a beta outside [0, 1)) or one their step cannot use
+# (a string, a missing lr) is no state an optimizer held; load_state_dict takes a group's values as they are, so
+# the replay would otherwise fail in its optimizer step (exit 3) or update with numbers no optimizer ran with
+_GROUP_NON_NEGATIVE = ("lr", "initial_lr", "weight_decay", "momentum")
+_GROUP_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "nesterov", "decoupled_weight_decay",
+                "centered")
+_GROUP_OPTIONAL_FLAGS = ("foreach", "fused")
+
+
+def param_group_reasons(doc: Mapping[str, Any]) -> list[str]:
+    """Why the param groups of a captured optimizer description (:func:`split_optimizer_state`'s ``doc``) are not
+    ones a torch optimizer held: every group holding the same keys and an ``lr``; ``lr``, ``initial_lr``,
+    ``weight_decay`` and ``momentum`` finite numbers >= 0; ``eps`` one, or a list of them (or null, as Adafactor's);
+    ``betas`` two numbers in [0, 1); flags booleans (``foreach`` and ``fused`` also null); and under ``amsgrad``
+    every parameter of the group with state holding its ``max_exp_avg_sq`` (the step reads it)."""
+    reasons: list[str] = []
+    groups = [g for g in doc["param_groups"] if isinstance(g, Mapping)]
+    keys = {frozenset(g) for g in groups}
+    if len(keys) > 1:
+        first, other = sorted(keys, key=sorted)[:2]
+        reasons.append(f"optimizer.param_groups hold different keys ({sorted(first ^ other)[:4]} in some groups "
+                       "only); an optimizer fills every group with the same settings")
+    for i, g in enumerate(groups):
+        at = f"optimizer.param_groups[{i}]"
+        if "lr" not in g:
+            reasons.append(f"{at} has no lr; every torch optimizer's param group holds one")
+        for key in _GROUP_NON_NEGATIVE:
+            if key in g and not (_number(g[key]) and g[key] >= 0):
+                reasons.append(f"{at}.{key} is {str(g[key])[:24]}, not a finite number >= 0")
+        eps = g.get("eps", 0.0)
+        if not ((_number(eps) and eps >= 0) or (isinstance(eps, list) and all(
+                e is None or (_number(e) and e >= 0) for e in eps))):
+            reasons.append(f"{at}.eps is {str(eps)[:24]}, not a finite number >= 0 (or a list of them)")
+        betas = g.get("betas", [0.0, 0.0])
+        if not (isinstance(betas, list) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)):
+            reasons.append(f"{at}.betas is {str(betas)[:24]}, not two numbers in [0, 1)")
+        for key in _GROUP_FLAGS:
+            if key in g and not isinstance(g[key], bool):
+                reasons.append(f"{at}.{key} is {str(g[key])[:24]}, not true or false")
+        for key in _GROUP_OPTIONAL_FLAGS:
+            if key in g and g[key] is not None and not isinstance(g[key], bool):
+                reasons.append(f"{at}.{key} is {str(g[key])[:24]}, not true, false or null")
+        params = g.get("params")
+        if g.get("amsgrad") is True and isinstance(params, list):
+            for idx in params:
+                held = doc["tensors"].get(str(idx))
+                if held and "max_exp_avg_sq" not in held:
+                    reasons.append(f"{at}.amsgrad is true, but parameter {idx}'s state holds no max_exp_avg_sq "
+                                   "(an amsgrad step keeps one for every parameter it has stepped)")
+    return reasons
+
+
+# an LR scheduler's load_state_dict sets every key as an attribute of the scheduler: a key that names one of its
+# methods or its optimizer would replace it
+_SCHEDULER_RESERVED = ("optimizer", "step", "get_lr", "get_last_lr", "state_dict", "load_state_dict", "print_lr",
+                       "_initial_step", "_get_closed_form_lr")
+
+
+def _scheduler_type_reasons(groups: list[Any], scheduler: Mapping[str, Any]) -> list[str]:
+    """The captured LR scheduler's state typed as torch's schedulers hold it: ``last_epoch`` an integer >= -1,
+    ``_step_count`` one >= 0, ``base_lrs`` one finite number >= 0 per param group (each group's ``initial_lr``, which
+    the scheduler set from it), ``lr_lambdas`` one null or object per group, its flags booleans, and no key naming
+    the scheduler's optimizer or a method (load_state_dict would set it as an attribute)."""
+    reasons: list[str] = []
+    at = "optimizer.scheduler"
+    for key in sorted(set(scheduler) & set(_SCHEDULER_RESERVED)):
+        reasons.append(f"{at}.{key} names the scheduler's {'optimizer' if key == 'optimizer' else 'method'}, "
+                       "which no scheduler state holds (loading it would replace it)")
+    epoch = scheduler.get("last_epoch", 0)
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < -1:
+        reasons.append(f"{at}.last_epoch is {str(epoch)[:24]}, not an integer >= -1")
+    count = scheduler.get("_step_count", 0)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        reasons.append(f"{at}._step_count is {str(count)[:24]}, not an integer >= 0")
+    base = scheduler.get("base_lrs")
+    if base is not None:
+        if not (isinstance(base, list) and len(base) == len(groups) and all(_number(b) and b >= 0 for b in base)):
+            reasons.append(f"{at}.base_lrs must list one finite learning rate >= 0 per param group ({len(groups)}), "
+                           f"found {str(base)[:40]}")
+        else:
+            for i, (g, lr) in enumerate(zip(groups, base, strict=True)):
+                have = g.get("initial_lr", lr) if isinstance(g, Mapping) else lr
+                if have != lr or isinstance(have, bool):
+                    reasons.append(f"optimizer.param_groups[{i}].initial_lr is {str(have)[:24]}, but the LR scheduler "
+                                   f"started it from {str(lr)[:24]} ({at}.base_lrs[{i}])")
+    lambdas = scheduler.get("lr_lambdas")
+    if lambdas is not None and not (isinstance(lambdas, list) and len(lambdas) == len(groups) and all(
+            f is None or isinstance(f, Mapping) for f in lambdas)):
+        reasons.append(f"{at}.lr_lambdas must hold one null or object per param group ({len(groups)}), found "
+                       f"{str(lambdas)[:40]}")
+    for key in ("_get_lr_called_within_step", "_is_initial", "verbose"):
+        if key in scheduler and not isinstance(scheduler[key], bool):
+            reasons.append(f"{at}.{key} is {str(scheduler[key])[:24]}, not true or false")
     return reasons
 
 

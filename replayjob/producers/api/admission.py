@@ -50,8 +50,10 @@ from replayjob.producers.api import microbatch as _microbatch
 from replayjob.producers.api import precision
 from replayjob.redact import redact_text
 from replayjob.rl.state import (
+    moment_reasons,
     optimizer_description_reasons,
     optimizer_state_reasons,
+    param_group_reasons,
     rng_state_reason,
     scheduler_reasons,
     tensor_reasons,
@@ -300,18 +302,24 @@ def _check_optimizer(adm: Admission, m: Manifest) -> None:
     """The manifest's optimizer section and the optimizer file against each other, the adapter and the step (the
     rules :mod:`replayjob.rl.state` holds for every start state): param groups holding each trainable parameter once,
     the file's tensors those the section lists with their parameters' shapes, each group's learning rate the LR
-    scheduler's, finite moments, non-negative second moments, and the per-parameter step counts of the optimizer
-    steps before the captured one."""
+    scheduler's, param group settings and scheduler state of the types and ranges torch's optimizers and
+    schedulers hold (:func:`~replayjob.rl.state.param_group_reasons`), finite floating-point moments in their
+    parameters' dtypes, non-negative second moments, and the per-parameter step counts of the optimizer steps before
+    the captured one."""
     opt, trainable = m.doc["optimizer"], m.doc["trainable"]
     shapes = [tuple(adm.adapter[n].shape) for n in trainable] if adm.adapter is not None else None
     fix = "; the optimizer state contradicts itself or the step (recapture the step)"
     for reason in (optimizer_description_reasons(opt, adm.optimizer, shapes, len(trainable))
-                   + scheduler_reasons(opt["param_groups"], opt["scheduler"], m.step)):
+                   + param_group_reasons(opt) + scheduler_reasons(opt["param_groups"], opt["scheduler"], m.step)):
         adm.refuse(f"{m.path}: {reason}{fix}", integrity=True)
     if adm.optimizer is None:
         return
     after = f"the state before step {m.step}"
-    for reason in optimizer_state_reasons(adm.optimizer, m.step, after, opt["state"]):
+    # moments in their parameters' dtypes, where the optimizer holds the trainable parameters alone (in their order)
+    held = sum(len(g["params"]) for g in opt["param_groups"] if isinstance(g.get("params"), list))
+    dtypes = [adm.adapter[n].dtype for n in trainable] if adm.adapter is not None and held == len(trainable) else None
+    for reason in (moment_reasons(adm.optimizer, dtypes)
+                   + optimizer_state_reasons(adm.optimizer, m.step, after, opt["state"])):
         adm.refuse(f"{m.file('optimizer')}: {reason}{fix}", integrity=True)
 
 

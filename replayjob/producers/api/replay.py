@@ -289,7 +289,14 @@ def load_state(adm: Admission, session: ReplaySession) -> None:
     doc = m.doc["optimizer"]
     # join copies every tensor: the optimizer updates them in place, and in-process repeats restore the
     # captured state again
-    session.optimizer.load_state_dict(join_optimizer_state(adm.optimizer, doc, ordered, m.file("optimizer")))
+    joined = join_optimizer_state(adm.optimizer, doc, ordered, m.file("optimizer"))
+    try:  # torch's own checks of the groups against the rebuilt optimizer's: the capture's, not a failure
+        session.optimizer.load_state_dict(joined)
+    except ValueError as exc:
+        raise ContractError(f"the captured optimizer state does not fit the rebuilt trainer's optimizer: "
+                            f"{str(exc)[:200]} (optimizer.param_groups)", where=m.path,
+                            hint="rebuild the optimizer the source step ran with (its param groups and their "
+                                 "parameters), or recapture the step") from None
     if doc["scheduler"] is not None:
         if session.scheduler is None:
             raise ContractError("the capture holds an LR-scheduler state but the rebuilt trainer has no scheduler",
