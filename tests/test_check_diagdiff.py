@@ -356,3 +356,18 @@ def test_a_file_compared_with_itself_is_refused(tmp_path: Path, capsys: pytest.C
     assert main(["diag-diff", str(a), str(b)]) == 2
     err = capsys.readouterr().err
     assert "are one file" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("a", "b"), [(2**53 + 1, float(2**53)), (float(2**53), 2**53 + 1), (10**17 + 1, 1e17),
+                                      (-(2**60) - 1, -float(2**60))])
+def test_an_integer_and_a_float_are_compared_exactly(a: int | float, b: int | float, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The integer was rounded to a float before the difference: 2**53 + 1 against 2**53.0 read as no difference,
+    EQUAL at zero tolerance where the rows differ."""
+    exact = Tolerance(rtol=0.0, atol=0.0)
+    assert number_diff(a, b, exact) == 1.0
+    assert number_diff(a, b, Tolerance()) is None  # within the default relative tolerance
+    assert number_diff(2**53, float(2**53), exact) is None
+    pa, pb = pair(tmp_path, [{"step": 0, "x": a}], [{"step": 0, "x": b}])
+    assert main(["diag-diff", str(pa), str(pb), "--rtol", "0", "--atol", "0"]) == 1
+    assert "DRIFT" in capsys.readouterr().out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 DEFAULT_RTOL = 1e-5
@@ -89,6 +90,11 @@ def number_diff(a: int | float, b: int | float, tol: Tolerance) -> float | None:
         return None if math.isnan(fa) and math.isnan(fb) else math.inf
     if math.isinf(fa) or math.isinf(fb):
         return None if fa == fb else math.inf
+    if isinstance(a, int) or isinstance(b, int):  # an integer and a float: exactly, never after rounding the integer
+        exact = abs(Fraction(a) - Fraction(b))  # (2**53 + 1 read as a float is 2**53: no difference at zero tolerance)
+        if exact <= Fraction(tol.atol) + Fraction(tol.rtol) * abs(Fraction(b)):
+            return None
+        return float(exact)
     d = abs(fa - fb)
     return None if d <= tol.atol + tol.rtol * abs(fb) else d
 
