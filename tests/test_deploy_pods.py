@@ -136,6 +136,10 @@ def test_a_customisation_is_a_render_time_field(customised: tuple[Any, str]) -> 
     ('[pods.gpu]\nvolumes = [{name = "x", mountPath = "/dev/shm", secret = "s"}]', "would replace or hide"),
     ('[pods.gpu]\nvolumes = [{name = "artifacts", mountPath = "/data", secret = "s"}]', "would replace or hide"),
     ('[pods.gpu]\nvolumes = [{name = "x", mountPath = "/data"}]', "needs exactly one of"),
+    # a path the container resolves to replayjob's own mount, written so that it does not compare equal to it
+    *((f'[pods.gpu]\nvolumes = [{{name = "x", mountPath = "{path}", persistentVolumeClaim = "mine"}}]',
+       "is not a plain absolute path") for path in ("//artifacts", "/./artifacts", "/x/../artifacts", "/dev//shm",
+                                                   "/data/")),
     ("[pods.gpu]\ntolerations = [{key = 1}]", "Expected `str | null`, got `int`"),
     ('[pods.gpu]\ntolerations = [{key = "a", effect = "Sometimes"}]', "Invalid enum value 'Sometimes'"),
     ("[pods.other]\nlabels = {}", "unknown field `other`"),

@@ -151,6 +151,12 @@ def _refuse(settings: PodSettings, where: str) -> None:
             raise ConfigError(f"{key} is set from the spec's gpu_product", where=f"{where}.nodeSelector",
                               hint="set gpu_product (or the driver_version/driver_label fields) instead")
     for v in settings.volumes:
+        parts = v.mountPath.split("/")[1:]
+        if not all(parts) or any(part in (".", "..") for part in parts):  # compared as written below
+            raise ConfigError(f"volume {v.name}: mountPath {v.mountPath!r} is not a plain absolute path (an empty, "
+                              "'.' or '..' component, or a trailing '/'): the container would mount it where the "
+                              "path leads, which is not the path checked against replayjob's own",
+                              where=f"{where}.volumes", hint="write the path as /dir/sub, e.g. /data")
         sources = [s for s in (v.configMap, v.secret, v.persistentVolumeClaim) if s]
         if len(sources) != 1:
             raise ConfigError(f"volume {v.name} needs exactly one of configMap, secret, persistentVolumeClaim",
