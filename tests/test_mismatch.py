@@ -376,3 +376,16 @@ def test_a_verl_logprob_source_misaligned_with_its_response_is_refused() -> None
     with pytest.raises(IntegrityError, match=re.escape("captured micro-batch 0: rollout_log_probs has shape [2, 3], "
                                                        "its response_mask [2, 4]")):
         verl.recompute(session, [SimpleNamespace(inputs=inputs, input_values={})], {}, 0)
+
+
+def test_a_source_of_another_length_than_the_response_tokens_is_refused() -> None:
+    """Whatever the producer: a source holds one value per response token (a built-in capture's too)."""
+    from replayjob.errors import IntegrityError
+    from replayjob.mismatch.views import Collector, Side, Source
+    side = Side(temperature=1.0)
+    src = Source("sampler", "sampler_logprobs", "the sampler", side, 0, "same step",
+                 -torch.rand(7, dtype=torch.float64))
+    n = 8
+    with pytest.raises(IntegrityError, match=r"the sampler source \(sampler_logprobs\) holds \[7\] values for 8"):
+        Collector(torch.arange(n) // 4, torch.arange(n) % 4, torch.arange(n), torch.zeros(n, dtype=torch.int64),
+                  side, side, [src])

@@ -106,6 +106,11 @@ class Collector:
                  sampler_side: Side, sources: list[Source]):
         import torch
         n = int(token.numel())
+        for s in sources:  # one recorded value per response token, in the tokens' order
+            if tuple(s.values.shape) != (n,):
+                raise IntegrityError(f"the {s.name} source ({s.field}) holds {list(s.values.shape)} values for {n} "
+                                     "response tokens: its values cannot be placed at the tokens", where="payload",
+                                     hint="capture the step again; a logprob source is recorded per response token")
         self.views = Views(row=row, position=position, token=token, pad_offset=pad_offset,
                            trainer=torch.full((n,), math.nan, dtype=torch.float64), trainer_side=trainer_side,
                            sampler_side=sampler_side, sources=sources)
