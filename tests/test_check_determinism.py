@@ -239,3 +239,30 @@ def test_an_out_directory_that_cannot_be_created_is_refused_without_a_traceback(
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err and "cannot create the --out directory" in err and str(f) in err
     assert f.read_text() == "x"
+
+
+@pytest.mark.parametrize(("provenance", "shown"), [
+    ('{"math_mode": "pedantic", "strict_deterministic": NaN}', "math mode pedantic, strict_deterministic=NaN"),
+    ('{"math_mode": "pedantic", "nested": [Infinity]}', "math mode pedantic"),
+    ('{"math_mode": "pedantic\\ndeterminism-check DRIFT: 9 runs"}',
+     'math mode "pedantic\\ndeterminism-check DRIFT: 9 runs"'),
+])
+def test_a_run_s_provenance_is_reported_as_strict_json_on_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], provenance: str, shown: str) -> None:
+    """The first row's provenance is copied into the report: a NaN in it made the report unwritable (exit 2,
+    "cannot write JSON", no report), a newline in its math mode printed a verdict line of its own."""
+    script = tmp_path / "writer.py"
+    script.write_text("import os, sys\nos.makedirs(sys.argv[1], exist_ok=True)\n"
+                      "open(os.path.join(sys.argv[1], 'diag.jsonl'), 'w').write(sys.argv[2] + '\\n')\n")
+    row = '{"step": 0, "x": 1, "provenance": ' + provenance + "}"
+    out = tmp_path / "check"
+    cmd = f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} {{out}} {shlex.quote(row)}"
+    assert main(["determinism-check", "--command", cmd, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == f"determinism-check DETERMINISTIC: 2 runs; {shown}"
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"non-strict JSON literal {name}")
+
+    doc = json.loads((out / REPORT_FILE).read_text(), parse_constant=refuse)
+    assert doc["deterministic"] is True

@@ -49,7 +49,7 @@ from replayjob.errors import (
     is_retryable,
 )
 from replayjob.fsio import atomic_write_bytes, check_no_symlinks, write_failure
-from replayjob.jsonio import pretty_bytes
+from replayjob.jsonio import non_finite_as_strings, pretty_bytes
 from replayjob.redact import redact_command
 from replayjob.runtime.determinism import math_mode_from_env
 
@@ -93,11 +93,12 @@ class DeterminismReport:
             return "math mode not recorded in the diagnostics"
         strict = p.get("strict_deterministic")
         tail = "" if strict is None else f", strict_deterministic={json.dumps(strict)}"
-        return f"math mode {p['math_mode']}{tail}"
+        mode = p["math_mode"]  # as the run's diagnostics wrote it: anything but a printable string is shown as JSON
+        return f"math mode {mode if isinstance(mode, str) and mode.isprintable() else json.dumps(mode)}{tail}"
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "deterministic": self.deterministic, "command": self.command,
-                "out": str(self.out), "provenance": self.provenance,
+                "out": str(self.out), "provenance": non_finite_as_strings(self.provenance),  # as diag-diff's do
                 "runs": [{"index": r.index, "dir": str(r.dir), "exit_status": r.exit_status,
                           "wall_s": r.wall_s} for r in self.runs],
                 "diffs": [d.to_json() for d in self.diffs]}
