@@ -386,6 +386,27 @@ def test_resume_starts_a_new_driver_that_adopts_the_finished_stages(
     assert "no run nope" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("status", "said"), [
+    ({"conditions": ["Complete"]}, "status.conditions[0]: expected `object`, got `str`"),
+    ({"conditions": [{"type": "Complete", "status": "True"}, {"type": "Failed", "status": "True"}]},
+     "both Complete and Failed are true"),
+])
+def test_resume_reads_a_driver_s_status_through_the_job_status_reader(
+        cluster: tuple[Cluster, client.ApiClient], capsys: pytest.CaptureFixture[str], status: Any, said: str) -> None:
+    """`k8s resume` decides whether a driver still runs from its Job's status as declared: a malformed one is
+    exit 3 with one line naming the Job and the field (it was read as raw JSON: a traceback, or a driver whose
+    status says both Complete and Failed taken as ended)."""
+    state, api = cluster
+    spec, text = load_spec_text(SPEC)
+    state.on_create = None
+    submit(spec, text, NS, wait=False, api=fast_api(api), poll_s=0.001, log=lambda s: None, run_id="r10")
+    state.statuses["replayjob-ablation-r10-driver"] = status
+    assert main(["k8s", "resume", "r10"]) == 3
+    err = capsys.readouterr().err
+    assert "job replayjob-ablation-r10-driver: malformed status" in err and said in err, err
+    assert "Traceback" not in err and "traceback" not in err, err
+
+
 def drive_run_r9(state: Cluster, api: client.ApiClient, spec: AblationSpec, text: str,
                  tmp_path: Path) -> tuple[list[str], driver.Context]:
     """Run the in-cluster driver of run ``r9`` for ``spec`` on the emulated cluster (its verdict, exit 0, laid

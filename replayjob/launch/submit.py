@@ -426,9 +426,11 @@ def check_setup(api: Api, namespace: str, spec: AblationSpec) -> None:
                                     f"kubectl -n {namespace} apply -k k8s/setup")
 
 
-def job_ended(job: dict[str, Any]) -> bool:
-    return any(c.get("status") == "True" and c.get("type") in ("Complete", "Failed")
-               for c in (job.get("status") or {}).get("conditions") or [])
+def job_ended(job: Any) -> bool:
+    """Whether a Job (as the API lists it) has ended, read through the one Job status reader: a malformed
+    status is :class:`OperationalError` (3) naming the Job and the field, never a traceback."""
+    name = str(((job.get("metadata") if isinstance(job, dict) else None) or {}).get("name", "?"))
+    return outcome.job_end(job, name)[0] is not None
 
 
 DETAIL = {1: "a negative verdict", 2: "refused input or an inconclusive budget (see verdict.json)",
