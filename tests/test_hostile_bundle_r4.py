@@ -151,3 +151,30 @@ def test_a_stage_reason_printed_by_replay_and_inspect_is_one_printable_line(
     _refused_by_both(capsys, p, f"stages.reward.post_process.{field}", "printable characters")
     rc, out = _cli(capsys, "bundle", "inspect", str(p))
     assert rc == 0 and "Traceback" not in out and value not in out, out
+
+
+# ------------------------------------------------------------ a per-token stage needs a response token somewhere
+@pytest.mark.parametrize("kind", ["rollout", "step"])
+def test_a_bundle_of_empty_responses_is_refused_not_passed_on_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str) -> None:
+    """Every mask row zero (every response_length 0) and every per-token output zero: replay compared zeros with
+    zeros and passed (exit 0) on no token at all."""
+    p = (write_rollout if kind == "rollout" else write_step)(tmp_path / "b")
+
+    def empty(t: dict[str, Tensor]) -> None:
+        for name in ("mask", "kl", "advantages", "loss_weights"):
+            if name in t:
+                t[name] = torch.zeros_like(t[name])
+
+    def lengths(m: dict[str, Any]) -> None:
+        for s in m["index"]["samples"]:
+            s["response_length"] = 0
+        if kind == "step":
+            m["expected"]["loss.policy"]["loss"] = 0.0
+        else:
+            m["stages"]["advantage.estimate"].update(capability="recorded-only", reason="x")
+            m["stages"]["reward.post_process"].update(capability="recorded-only", reason="x")
+            m["stages"]["reward.raw"].update(capability="recorded-only", reason="x")
+
+    _forge(p, lengths, empty)
+    _refused_by_both(capsys, p, "no sample has a response token", "would compare nothing")

@@ -46,7 +46,7 @@ from replayjob.artifacts.bundle import (
 from replayjob.artifacts.document import decode
 from replayjob.bundle import format as fmt
 from replayjob.bundle.mask import MaskRows
-from replayjob.bundle.schema import check_closure, check_groups, decode_manifest
+from replayjob.bundle.schema import check_closure, check_groups, check_tokens, decode_manifest
 from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
 from replayjob.fsio import read_regular_bytes
@@ -599,6 +599,7 @@ def load_bundle(path: str | Path, *, tensors: bool = True) -> Bundle:
     """
     b = _load(Path(path), tensors)
     check_groups(b.manifest, b.samples, b.config)  # on the whole bundle: a root's ranks merged
+    check_tokens(b.manifest, b.samples)
     return b
 
 

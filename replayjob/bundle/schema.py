@@ -64,6 +64,19 @@ def check_groups(m: dict[str, Any], samples: list[dict[str, Any]], cfg: dict[str
                                      "group cannot be normalised")
 
 
+def check_tokens(m: dict[str, Any], samples: list[dict[str, Any]]) -> None:
+    """A per-token stage recomputed (``advantage.kl``, ``advantage.estimate``, ``loss.policy``) needs a response token
+    somewhere in the bundle: over masks that are all zero it compares zeros with zeros and passes on nothing.  Like
+    :func:`check_groups`, run on the whole bundle (a multi-rank root's ranks merged) by the reader and the writer."""
+    stages = [s for s, c in m["stages"].items()
+              if c.get("capability") == "recompute" and "token" in fmt.OUTPUTS.get(s, {}).values()]
+    if stages and not any(s["response_length"] for s in samples):
+        raise IntegrityError(f"no sample has a response token (every response_length is 0, every mask row zero), so "
+                             f"the per-token stage(s) {stages} would compare nothing", where=f"{fmt.INDEX}: samples",
+                             hint="capture a step whose samples hold responses; a response ends with its EOS token, "
+                                  "so a sampled response is never empty")
+
+
 def check_closure(m: dict[str, Any], ix: dict[str, Any], ex: dict[str, Any],
                   shapes: dict[str, tuple[str, list[int]]]) -> None:
     """Dependency closure: what each declared capability needs is present and shaped right."""

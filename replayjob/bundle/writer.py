@@ -46,7 +46,7 @@ from replayjob.artifacts.bundle import RankComplete
 from replayjob.artifacts.document import decode
 from replayjob.bundle import format as fmt
 from replayjob.bundle.reader import FinitePadding, TokenIds
-from replayjob.bundle.schema import check_closure, check_groups, check_manifest
+from replayjob.bundle.schema import check_closure, check_groups, check_manifest, check_tokens
 from replayjob.crashpoints import point
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ArtifactExistsError, ConfigError, IntegrityError
@@ -297,6 +297,7 @@ class BundleWriter:
                       {n: (s["dtype"], s["shape"]) for n, s in manifest["payloads"].items()})
         if self.ranks is None:  # a rank's groups close only with the other ranks' (checked by the reader)
             check_groups(manifest, self.samples, self.config)
+            check_tokens(manifest, self.samples)
         ids = TokenIds(self.config["tokenizer"], [s["sample_id"] for s in self.samples])
         for name in fmt.ID_FIELDS:
             if name in self.payloads:
