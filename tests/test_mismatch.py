@@ -389,3 +389,23 @@ def test_a_source_of_another_length_than_the_response_tokens_is_refused() -> Non
     with pytest.raises(IntegrityError, match=r"the sampler source \(sampler_logprobs\) holds \[7\] values for 8"):
         Collector(torch.arange(n) // 4, torch.arange(n) % 4, torch.arange(n), torch.zeros(n, dtype=torch.int64),
                   side, side, [src])
+
+
+def test_a_capture_of_no_response_token_is_refused_not_within(tmp_path: Path) -> None:
+    """Every response mask row zero: no token, every figure 0, and the decision was "within" (exit 0) on nothing."""
+    from replayjob.artifacts.mismatch_bound import read_bound
+    from replayjob.mismatch.report import decide, source_report
+    from replayjob.mismatch.views import Side, Source, Views
+    side = Side(temperature=1.0)
+    none = torch.zeros(0, dtype=torch.int64)
+    src = Source("sampler", "sampler_logprobs", "the sampler", side, 0, "same step",
+                 torch.zeros(0, dtype=torch.float64))
+    views = Views(row=none, position=none, token=none, pad_offset=none, trainer=torch.zeros(0, dtype=torch.float64),
+                  trainer_side=side, sampler_side=side, sources=[src])
+    path = tmp_path / "bound.toml"
+    path.write_text(TIGHT)
+    bound = read_bound(path, sha256_file(path))
+    rep = source_report(views, src, bound, allow_lag=False)
+    decision = decide([rep], bound, False)
+    assert decision["status"] == "refused" and decision["exit_code"] == 2
+    assert "no response token" in decision["reason"]

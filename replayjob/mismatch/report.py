@@ -214,6 +214,11 @@ def decide(sources: list[SourceReport], bound: Bound | None, allow_lag: bool) ->
         return {"status": "refused", "exit_code": EXIT_REFUSED,
                 "reason": "the capture records no logprob source to compare with the trainer",
                 "hint": "capture the step again with this release (the sampler records its logprobs)"}
+    if all(s.summary["tokens"] == 0 and s.nonfinite_tokens == 0 for s in sources):  # every figure of nothing is 0
+        return {"status": "refused", "exit_code": EXIT_REFUSED,
+                "reason": "the capture holds no response token to compare: every figure would be 0 and within any "
+                          "bound",
+                "hint": "capture a step whose samples hold responses (every response mask row was zero)"}
     lagged = [s for s in sources if s.source.lag and not allow_lag]
     lag_text = "; ".join(f"{s.source.name}'s weights predate step K by {s.source.lag} step(s)" for s in lagged)
     if bound is None:
