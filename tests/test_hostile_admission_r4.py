@@ -190,3 +190,54 @@ def test_an_initial_adapter_the_config_cannot_attach_is_refused_before_any_model
                  "--set", f'optimizer_batch.expected_manifest_sha256="{pin}"']) == 2
     out = capsys.readouterr().out
     assert "the adapter cannot load into the model this config builds" in out and named in out, out
+
+
+def _resealed_rows(workspace: Path, capture_dir: Path, tmp_path: Path, field: str,
+                   edit: Callable[[torch.Tensor], None]) -> tuple[Path, str, str]:
+    """A copy of the step-zero capture whose payload's ``field`` is ``edit``-ed, re-encoded and re-pinned (payload
+    size and span digest, row summary, logical and effective digests, the manifest); its replay config and pins."""
+    import dataclasses
+
+    from replayjob.artifacts import capture_payload as cp
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace, ws, ignore=shutil.ignore_patterns("source"))
+    shutil.copytree(capture_dir, ws / "source")
+    (path,) = (ws / "source").glob("*.manifest.json")
+    doc = json.loads(path.read_text())
+    pay = ws / "source" / doc["payload"]["file"]
+    batch, rng = cp.decode(pay.read_bytes())
+    values = getattr(batch, field).clone()
+    edit(values)
+    batch = dataclasses.replace(batch, **{field: values})
+    data = cp.encode(batch, rng)
+    pay.write_bytes(data)
+    logical, effective = batch.digests()
+    doc["payload"].update(size=len(data), spans_sha256=cp.digest_bytes(data))
+    doc.update(rows=cp.summary(batch), logical_batch_sha256=logical, local_effective_rows_sha256=effective)
+    raw = canonical_bytes(doc) + b"\n"
+    path.write_bytes(raw)
+    return ws / "replay.toml", logical, sha256_bytes(raw)
+
+
+def test_a_replay_whose_gradient_norm_is_not_finite_records_it_as_null(
+        workspace: Path, capture_dir: Path, tmp_path: Path) -> None:
+    # advantages of 1e300 (beyond the model's float32): the gradient norm is NaN, which the record declares null
+    # (as a source's step record has it); the replay failed to write its record ("cannot write JSON", exit 2) and
+    # left final_adapter/ behind without it
+    cfg, logical, pin = _resealed_rows(workspace, capture_dir, tmp_path, "advantages",
+                                       lambda t: t.__setitem__(0, 1e300))
+    out = tmp_path / "r"
+    assert main(["replay", str(cfg), "--out", str(out), "--set", f'optimizer_batch.expected_logical_sha256="{logical}"',
+                 "--set", f'optimizer_batch.expected_manifest_sha256="{pin}"']) == 0
+    doc = json.loads((out / "replay_metrics.json").read_text())
+    assert doc["grad_norm"] is None and isinstance(doc["loss"], float)
+
+
+@pytest.mark.parametrize("loss", [float("nan"), float("inf"), -float("inf")])
+def test_a_replayed_update_whose_loss_is_not_finite_is_refused_before_anything_is_written(loss: float) -> None:
+    from replayjob.errors import ContractError
+    from replayjob.producers.driver import _check_finite_loss
+    with pytest.raises(ContractError) as exc:
+        _check_finite_loss(loss, "optimizer_batch.replay_path")
+    assert f"the replayed update's loss is {loss}: a replay records a finite loss only" in exc.value.message
+    _check_finite_loss(-1.7e308, "optimizer_batch.replay_path")

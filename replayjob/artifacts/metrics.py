@@ -247,7 +247,7 @@ def write(path: Path, doc: dict[str, Any], *, exclusive: bool = False) -> str:
 def replay_document(*, framework: str, arm: str, repeat_index: int, pins: dict[str, str], manifest_sha256: str,
                     logical: str, effective: str, initial_adapter_sha256: str, allowed: list[str],
                     observed: list[str], knob_values: dict[str, Any], runtime: dict[str, Any], loss: float,
-                    grad_norm: float, timing: dict[str, float], peak: int, device: str, torch_version: str,
+                    grad_norm: float | None, timing: dict[str, float], peak: int, device: str, torch_version: str,
                     host: dict[str, Any], padding: dict[str, Any], rows: dict[str, Any], rng_restored: list[str],
                     tolerances_sha256: str, budgets_sha256: str, config_sha256: str,
                     step: int) -> dict[str, Any]:
