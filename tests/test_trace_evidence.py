@@ -387,3 +387,23 @@ def test_index_strings_trace_diff_prints_are_printable(path: str, value: Any, tm
     index.write_bytes(pretty_bytes(doc))
     with pytest.raises(IntegrityError, match=last):
         read_trace(tmp_path / "t")
+
+
+def _no_tokens(t: dict[str, torch.Tensor]) -> None:
+    t["rows.tokens"] = torch.zeros(2, dtype=torch.int64)
+    for k in list(t):
+        if k.endswith(".values"):
+            t[k] = torch.zeros((0, t[k].shape[1]), dtype=t[k].dtype)
+
+
+def test_a_trace_of_no_token_is_refused_not_crashed_or_compared(tmp_path: Path) -> None:
+    """Sites of zero tokens: the row statistics crashed (a reshape of an empty array, exit 3), and a trace sealed
+    with them and no parameter compared nothing and read as equal."""
+    stats, digests = row_stats(torch.zeros((0, 4)), torch.tensor([0, 0]))  # no crash on empty values
+    assert stats.shape == (2, 3) and not bool(stats.any()) and digests == [sha256_bytes(b"")] * 2
+    write_trace(tmp_path / "t", _trace())
+    _reseal(tmp_path / "t", _no_tokens)
+    index = tmp_path / "t" / "trace" / "index.json"
+    index.write_bytes(pretty_bytes({**json.loads(index.read_text()), "tokens": 0}))
+    with pytest.raises(IntegrityError, match="tokens"):
+        read_trace(tmp_path / "t")

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 
 from replayjob import tensorfile
-from replayjob.artifacts.document import Count, Digest, Document, Printable, decode
+from replayjob.artifacts.document import Count, Digest, Document, Positive, Printable, decode
 from replayjob.digest import normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes
@@ -76,7 +76,7 @@ def row_stats(values: torch.Tensor, row_tokens: torch.Tensor) -> tuple[torch.Ten
     lens = np.asarray(row_tokens.tolist(), dtype=np.int64)
     v = values.detach().contiguous()
     x = (v if v.dtype in (torch.float32, torch.float64) else v.to(torch.float32)).numpy()
-    x = x.reshape(x.shape[0], -1).astype(np.float64)
+    x = x.reshape(x.shape[0], int(np.prod(x.shape[1:]))).astype(np.float64)  # -1 cannot be inferred for 0 tokens
     width = max(x.shape[1], 1)
     stats = np.zeros((lens.size, len(STATS)), dtype=np.float64)
     keep = lens > 0
@@ -92,7 +92,7 @@ def row_digests(values: torch.Tensor, row_tokens: list[int]) -> list[str]:
     """The SHA-256 of each row's bytes (rows of ``row_tokens`` tokens each, in order), over zero-copy slices."""
     import torch
     v = values.detach().contiguous()
-    raw = v.view(torch.uint8).numpy().data.cast("B")
+    raw = v.view(torch.uint8).numpy().data.cast("B") if v.numel() else memoryview(b"")  # no tokens: empty rows
     row_bytes = int(v.element_size()) * (int(v[0].numel()) if v.shape[0] else 0)
     digests, start = [], 0
     for k in row_tokens:
@@ -257,8 +257,8 @@ class TraceIndex(Document, frozen=True):
     schema: Literal["replayjob.trace/v1"]
     identity: TraceIdentity
     payload: TracePayloadPin
-    rows: Count
-    tokens: Count
+    rows: Positive  # a replayed update has a row, and every row a token: a trace of none compares nothing
+    tokens: Positive
     stats: list[Literal["l2", "max_abs", "mean"]]
     param_stats: list[Literal["grad_l2", "grad_max_abs", "update_l2", "update_max_abs"]]
     forward: list[TraceSiteEntry]
