@@ -395,3 +395,14 @@ def test_steps_that_start_over_or_come_and_go_are_refused(tmp_path: Path, capsys
     assert main(["signals", str(d), "--rules", str(rules(tmp_path, _TREND))]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_summary_that_is_a_directory_is_refused_even_when_optional(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An optional rule's summary present as a directory was graded SKIP, as if the run had written none."""
+    d = run_dir(tmp_path, healthy(3))
+    (d / "metrics.json").mkdir()
+    r = rules(tmp_path, _CONSISTENCY + 'summary="metrics.json"\noptional=true\n')
+    assert main(["signals", str(d), "--rules", str(r)]) == 2
+    err = capsys.readouterr().err
+    assert "which is a directory, not a file" in err and "Traceback" not in err

@@ -250,6 +250,9 @@ def _grade_signal(c: _Collector) -> SignalResult:
 
 def _grade_consistency(rule: ConsistencyRule, last: float | None, base: Path, where: Path) -> SignalResult:
     summary = check_no_symlinks(base, base / rule.summary, what="summary file")  # no linked directory on the way
+    if summary.exists() and not summary.is_file():  # present, but no file: never skipped as missing
+        raise IntegrityError(f"consistency rule {rule.name!r} needs {rule.summary}, which is a directory, not a file",
+                             where=summary, hint="the summary is the JSON file the run wrote")
     if not summary.is_file():
         if rule.optional:
             return SignalResult(rule.name, "consistency", "SKIP", None, f"{rule.summary} not found (optional)",
