@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -194,7 +195,7 @@ def loads_stdlib(data: bytes | str, *, where: str | Path = "<json>") -> Any:
     if not _depth_ok(text):
         raise IntegrityError(f"JSON nested deeper than {MAX_DEPTH} levels", where=where)
     try:
-        return json.loads(
+        obj = json.loads(
             text,
             object_pairs_hook=_no_duplicates,
             parse_constant=_no_constant,
@@ -206,6 +207,35 @@ def loads_stdlib(data: bytes | str, *, where: str | Path = "<json>") -> Any:
                              where=where) from None
     except (ValueError, RecursionError) as exc:
         raise IntegrityError(f"malformed JSON: {exc}", where=where) from None
+    bad = lone_surrogate(text, obj)
+    if bad is not None:
+        raise IntegrityError(f"malformed JSON: {bad}", where=where)
+    return obj
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate(text: str, obj: Any) -> str | None:
+    """Why ``obj`` (parsed from ``text``) is not Unicode text, or None: a ``\\ud800``-style escape of half a
+    surrogate pair parses to a string no UTF-8 writer can write back (every report of it would fail, exit 3)."""
+    if not _SURROGATE_ESCAPE.search(text):  # the common case: no surrogate escape at all
+        return None
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        strings = [node] if isinstance(node, str) else list(node) if isinstance(node, dict) else []
+        for s in strings:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return (f"a string holds a lone surrogate (\\u{ord(s[exc.start]):04x}), half of a UTF-16 pair: "
+                        "not Unicode text")
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
 
 
 def read_json(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES, follow_symlinks: bool = False) -> Any:

@@ -371,3 +371,14 @@ def test_an_integer_and_a_float_are_compared_exactly(a: int | float, b: int | fl
     pa, pb = pair(tmp_path, [{"step": 0, "x": a}], [{"step": 0, "x": b}])
     assert main(["diag-diff", str(pa), str(pb), "--rtol", "0", "--atol", "0"]) == 1
     assert "DRIFT" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", [[], ["--json"]])
+def test_a_lone_surrogate_in_a_row_is_refused_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                              flag: list[str]) -> None:
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_bytes(b'{"step":0,"x\\ud800":1}\n')
+    b.write_bytes(b'{"step":0,"x\\ud800":2}\n')
+    assert main(["diag-diff", str(a), str(b), *flag]) == 2
+    err = capsys.readouterr().err
+    assert "line 1: malformed JSON: a string holds a lone surrogate (\\ud800)" in err and "Traceback" not in err

@@ -151,3 +151,16 @@ def test_numbers_that_overflow_to_infinity_are_refused_on_both_paths(data: bytes
         with pytest.raises(IntegrityError, match="overflows to a non-finite float"):
             fn(data)
     assert loads_strict(b'{"a":1e-400}') == {"a": 0.0}  # underflow to zero is a finite value
+
+
+@pytest.mark.parametrize("data", [b'{"a":"\\ud800"}', b'{"\\udc00":1}', b'{"a":[1,{"b":"x\\udfff"}]}',
+                                  b'{"a":"\\uD83D"}'])
+def test_a_lone_surrogate_is_refused_by_both_readers(data: bytes) -> None:
+    """Half a UTF-16 pair parses to a string no UTF-8 writer can write: a diag row holding one made diag-diff's
+    report (text or --json) fail with a UnicodeEncodeError traceback (exit 3)."""
+    for fn in (loads_strict, loads_stdlib):
+        with pytest.raises(IntegrityError, match="lone surrogate"):
+            fn(data)
+    with pytest.raises(IntegrityError, match="line 7: malformed JSON: a string holds a lone surrogate"):
+        parse_line(data, 7, "d.jsonl")
+    assert loads_strict(b'{"a":"\\ud83d\\ude00","b":"\\\\ud800"}') == {"a": "\U0001f600", "b": "\\ud800"}

@@ -21,7 +21,7 @@ from typing import Any
 
 from replayjob.errors import IntegrityError
 from replayjob.fsio import open_regular
-from replayjob.jsonio import fast_loads
+from replayjob.jsonio import fast_loads, lone_surrogate
 
 
 def open_jsonl(path: str | Path, *, follow_symlinks: bool = True) -> Any:
@@ -72,6 +72,10 @@ def parse_line_stdlib(line: bytes, lineno: int, where: str | Path) -> dict[str, 
     if not isinstance(row, dict):
         raise IntegrityError(f"line {lineno}: expected a JSON object, found {type(row).__name__}",
                              where=where)
+    bad = lone_surrogate(line.decode("utf-8", "replace"), row)  # the line was valid UTF-8: json.loads read it
+    if bad is not None:
+        raise IntegrityError(f"line {lineno}: malformed JSON: {bad}", where=where,
+                             hint="write keys and strings as Unicode text (a UTF-16 pair is escaped whole)")
     return row
 
 
