@@ -7,6 +7,7 @@ import io
 import os
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,3 +136,29 @@ def test_the_reduce_step_publishes_the_verdict_it_wrote_not_a_second_read(tmp_pa
     verdict = step.reduce_step(spec, layout, outputs=outputs, log=lambda s: None)
     assert verdict.status == "incomplete"  # a run stopped before its capture
     assert (outputs / "verdict.json").read_bytes() == pretty_bytes(verdict.doc)
+
+
+@pytest.mark.parametrize(("status", "said"), [
+    ({"status": {"conditions": [{"type": [], "status": "True"}]}}, "status.conditions[0].type: expected `str`"),
+    ({"status": {"conditions": [{"type": "Completed"}]}}, "object missing required field `status`"),
+    ({"spec": {"suspend": "yes"}, "status": {}}, "spec.suspend: expected `bool | null`, got `str`"),
+    ({"spec": [], "status": {}}, "spec: expected `object | null`, got `array`"),
+    ({"status": {"conditions": [{"type": "Completed", "status": "True"}, {"type": "Failed", "status": "True"}]}},
+     "both Completed and Failed are true"),
+])
+def test_a_jobset_s_status_is_read_through_the_job_status_declaration(status: Any, said: str) -> None:
+    """A JobSet (a run across nodes) is followed through the same declared status reader as a Job: a condition
+    whose type is no string, one without a status, a `suspend` that is no boolean or a `spec` that is no object
+    is exit 3 naming the JobSet and the field (an unhashable type was a traceback, `suspend = "yes"` read as
+    suspended and a malformed spec as none)."""
+    from replayjob.artifacts.cluster_status import job_end
+    from replayjob.errors import OperationalError
+
+    with pytest.raises(OperationalError) as err:
+        job_end(status, "run-r1-replay-a", kind="jobset")
+    assert err.value.exit_code == 3 and "jobset run-r1-replay-a: malformed status" in err.value.message
+    assert said in err.value.message, err.value.message
+    ok = {"spec": {"suspend": False}, "status": {"conditions": [
+        {"type": "StartupPolicyCompleted", "status": "True"}, {"type": "Completed", "status": "True",
+                                                               "reason": "AllJobsCompleted"}]}}
+    assert job_end(ok, "j", kind="jobset") == ("Complete", "AllJobsCompleted", False)

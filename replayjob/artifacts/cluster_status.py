@@ -175,17 +175,25 @@ def read_status(doc: Any, kind: type[T], what: str, *, prefix: str = "",
                                hint=hint) from None
 
 
-def job_end(doc: Any, name: str) -> tuple[str | None, str, bool]:
+JOB_ENDS = {"Complete": "Complete", "Failed": "Failed"}  # a Job's conditions that end it, as job_end names them
+JOBSET_ENDS = {"Completed": "Complete", "Failed": "Failed"}  # a JobSet's, in a Job's terms
+
+
+def job_end(doc: Any, name: str, *, kind: str = "job") -> tuple[str | None, str, bool]:
     """(``Complete`` or ``Failed``, its reason, whether it is suspended) of an ended Job, (None, "", ...) of a
-    running one.  A Job that says both is malformed (3)."""
-    job = read_status(doc, Job, f"job {name}")
+    running one; ``kind`` ``jobset``: a JobSet's ``Completed`` and ``Failed`` conditions read the same way, through
+    the same declaration (a condition without a string type, a ``suspend`` that is no boolean is malformed).  One
+    that says both is malformed (3)."""
+    what = f"{kind} {name}"
+    job = read_status(doc, Job, what)
     status = job.status or JobStatus()
     suspended = bool(job.spec is not None and job.spec.suspend)
-    ended = [c for c in status.conditions or [] if c.status == "True" and c.type in ("Complete", "Failed")]
-    if len({c.type for c in ended}) > 1:
-        raise OperationalError(f"job {name}: malformed status: both Complete and Failed are true",
+    ends = JOBSET_ENDS if kind == "jobset" else JOB_ENDS
+    ended = [(ends[c.type], c) for c in status.conditions or [] if c.status == "True" and c.type in ends]
+    if len({t for t, _ in ended}) > 1:
+        raise OperationalError(f"{what}: malformed status: both {' and '.join(ends)} are true",
                                hint="nothing was decided from it; kubectl get -o yaml shows the object")
-    return (ended[0].type, ended[0].reason or "", suspended) if ended else (None, "", suspended)
+    return (ended[0][0], ended[0][1].reason or "", suspended) if ended else (None, "", suspended)
 
 
 def pod_codes(doc: Any, job: str) -> set[int]:

@@ -67,23 +67,6 @@ def contains(actual: Any, expected: Any) -> bool:
 
 
 JOBSET_KIND = jobset.KIND
-_JOBSET_ENDS = {"Completed": "Complete", "Failed": "Failed"}
-
-
-def jobset_as_job(doc: Any) -> Any:
-    """A JobSet's status in a Job's terms, for the one Job status reader: its ``Completed`` and ``Failed``
-    conditions as ``Complete`` and ``Failed``, ``spec.suspend``; anything malformed is passed on as it is,
-    for the reader to name."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("status", {}), dict):
-        return doc
-    conds = (doc.get("status") or {}).get("conditions") or []
-    if not isinstance(conds, list):
-        return {**doc, "spec": {}, "status": {"conditions": conds}}
-    ended = [{**c, "type": _JOBSET_ENDS[c["type"]]} for c in conds
-             if isinstance(c, dict) and c.get("type") in _JOBSET_ENDS]
-    spec: dict[str, Any] = doc["spec"] if isinstance(doc.get("spec"), dict) else {}
-    return {"metadata": doc.get("metadata"), "spec": {"suspend": bool(spec.get("suspend"))},
-            "status": {"conditions": ended}}
 
 
 def is_rendered(found: dict[str, Any], body: dict[str, Any]) -> bool:
@@ -294,7 +277,7 @@ class Api:
         while it runs.  A JobSet's ``Completed`` and ``Failed`` conditions are read as a Job's."""
         if kind == JOBSET_KIND:
             doc = self.raw(f"reading jobset {name}", namespace, self._jobset("read"), name, namespace)
-            return outcome.job_end(jobset_as_job(doc), f"jobset {name}")
+            return outcome.job_end(doc, name, kind="jobset")
         doc = self.raw(f"reading job {name}", namespace, self.batch.read_namespaced_job_status, name, namespace)
         return outcome.job_end(doc, name)
 
