@@ -382,3 +382,14 @@ def test_a_lone_surrogate_in_a_row_is_refused_not_a_traceback(tmp_path: Path, ca
     assert main(["diag-diff", str(a), str(b), *flag]) == 2
     err = capsys.readouterr().err
     assert "line 1: malformed JSON: a string holds a lone surrogate (\\ud800)" in err and "Traceback" not in err
+
+
+def test_a_string_value_is_printed_escaped_when_not_printable(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """JSON escapes control characters below U+0020 only: a bidi override or a C1 control in a string leaf was
+    printed raw in the report's table (text reordered on a terminal)."""
+    a, b = pair(tmp_path, [{"step": 0, "v": "a\u202eb"}], [{"step": 0, "v": "a\x85b"}])
+    assert main(["diag-diff", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert '"a\\u202eb"' in out and '"a\\u0085b"' in out and out.isprintable() is False  # newlines only
+    assert all(line.isprintable() for line in out.splitlines())

@@ -134,6 +134,8 @@ def _fmt(v: Any, missing: bool) -> str:
     if isinstance(v, float):
         return f"{v:.10g}"
     text = json.dumps(v, allow_nan=True, ensure_ascii=False)
+    if not text.isprintable():  # a bidi control or a C1 control JSON leaves as is: escaped, never printed raw
+        text = json.dumps(v, allow_nan=True, ensure_ascii=True)
     return text if len(text) <= 22 else text[:19] + "..."
 
 
