@@ -150,6 +150,10 @@ def test_capture_directory_picks_by_exact_identity(tmp_path: Path, capsys: pytes
     (b'{"index": ', "malformed JSON"),                      # truncated
     (b'{"index": {"kind": "rollout"}}', "KeyError"),       # no identity to match
     (None, "manifest.json is missing"),                     # missing: COMPLETE alone marks it a bundle
+    # identities of the wrong type matched nothing and the candidate was skipped (a bool is not rollout 1)
+    (b'{"index": {"kind": "rollout", "identity": {"rollout_id": true, "step_id": null}}}', "rollout_id True"),
+    (b'{"index": {"kind": "Rollout", "identity": {"rollout_id": 3, "step_id": null}}}', "index.kind 'Rollout'"),
+    (b'{"index": {"kind": "rollout", "identity": {"rollout_id": 3, "step_id": "0"}}}', "step_id '0'"),
 ])
 def test_a_candidate_bundle_that_cannot_be_read_refuses_the_selector(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: bytes | None, cause: str) -> None:

@@ -40,7 +40,12 @@ def _identity(p: Path) -> tuple[str, int, int | None]:
         if first is None:
             raise IntegrityError("manifest.json is missing, and no rank-<r>/ directory holds one", where=p)
         ix: dict[str, Any] = read_json_object(where)["index"]
-        return str(ix["kind"]), int(ix["identity"]["rollout_id"]), ix["identity"]["step_id"]
+        kind, rid, sid = ix["kind"], ix["identity"]["rollout_id"], ix["identity"]["step_id"]
+        if kind not in fmt.KINDS or type(rid) is not int or not (sid is None or type(sid) is int):
+            # read as they are (a string "0", a bool, a float 3.0) they would match nothing: the candidate skipped
+            raise ValueError(f"index.kind {kind!r}, index.identity.rollout_id {rid!r} and step_id {sid!r} are not a "
+                             "kind, an integer and an integer or null")
+        return kind, rid, sid
     except ReplayjobError as exc:
         cause = exc.message
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
