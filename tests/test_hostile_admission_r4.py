@@ -241,3 +241,14 @@ def test_a_replayed_update_whose_loss_is_not_finite_is_refused_before_anything_i
         _check_finite_loss(loss, "optimizer_batch.replay_path")
     assert f"the replayed update's loss is {loss}: a replay records a finite loss only" in exc.value.message
     _check_finite_loss(-1.7e308, "optimizer_batch.replay_path")
+
+
+def test_a_captured_token_id_beyond_the_models_vocabulary_is_refused_by_explain(
+        workspace: Path, capture_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # re-sealed rows holding token id 10**6: explain admitted them (it builds no model); replay then refused them
+    cfg, logical, pin = _resealed_rows(workspace, capture_dir, tmp_path, "tokens", lambda t: t.__setitem__(5, 10**6))
+    capsys.readouterr()
+    assert main(["explain", str(cfg), "--set", f'optimizer_batch.expected_logical_sha256="{logical}"',
+                 "--set", f'optimizer_batch.expected_manifest_sha256="{pin}"']) == 2
+    out = capsys.readouterr().out
+    assert "captured token id 1000000 is outside this model's vocabulary (260)" in out, out

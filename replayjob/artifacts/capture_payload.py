@@ -195,6 +195,7 @@ def exact_sum(t: Tensor) -> float:
 @dataclass
 class _SpanResult:
     negative: bool = False               # tokens: a negative id was seen
+    top: int = -1                        # tokens: the largest id seen (a model's vocabulary must hold it)
     first_nonfinite: int | None = None   # floats: the first NaN/Inf element's index
     nonzero: int = 0                     # loss_weights
     total: ExactSum | None = None        # loss_weights
@@ -212,6 +213,7 @@ class _Checks:
             a = np.frombuffer(piece, dtype="<i8")
             res = self.results[name]
             res.negative = res.negative or bool(a.size and a.min() < 0)
+            res.top = max(res.top, int(a.max())) if a.size else res.top
         elif name in FLOAT_FIELDS or name in OPTIONAL_FLOAT_FIELDS:
             _check_floats(name, np.frombuffer(piece, dtype="<f8"), first, self.results[name])
 
@@ -246,6 +248,7 @@ class Scanned:
     rows: dict[str, int | float] | None = None
     every_row_bears_loss: bool = False
     nonfinite: str | None = None  # read with allow_nonfinite: the first NaN/Inf it admitted (None: none there)
+    top_token: int = -1  # the largest token id of the rows (-1: none read)
     _row_digests: tuple[str, str] | None = field(default=None, repr=False)
 
     def row_digests(self) -> tuple[str, str] | None:
@@ -293,6 +296,7 @@ def _scan(source: str | Path | Buffer, keep: bool, where: str | Path | None,
         out.fault = exc
         return out
     resp_lens = np.diff(ints["resp_offsets"])
+    out.top_token = checks.results["tokens"].top
     weights = checks.results["loss_weights"]
     assert weights.total is not None
     out.rows = {"rows": len(ints["prompt_lens"]), "tokens": counts["tokens"],

@@ -64,7 +64,8 @@ class Backend(Protocol):
     admission compares a resume state with it before any model is built; without it only the replay compares.
     Likewise ``adapter_reasons(cfg, layout)``: why an adapter file of ``layout`` (each tensor's dtype and shape,
     :attr:`replayjob.rl.state.ResumeState.adapter_layout`) cannot be the adapter ``build(cfg)`` attaches, told from
-    the config alone (empty: nothing the config tells against it)."""
+    the config alone (empty: nothing the config tells against it); and ``vocab_size(cfg)``: the input embedding's
+    rows, or None where only the built model tells them."""
 
     name: str
 

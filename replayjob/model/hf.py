@@ -174,6 +174,11 @@ class HFBackend:
         """The reference of the model :meth:`build` builds from ``cfg``, without building it."""
         return builtin_model_reference(cfg)
 
+    def vocab_size(self, cfg: Config) -> int | None:
+        """The input embedding's rows of the model :meth:`build` builds, where the config alone tells them: the
+        built-in models' (the byte tokenizer's); None for a local model (the replay compares with the built one)."""
+        return None if cfg.model.path else ByteTokenizer.vocab_size
+
     def adapter_reasons(self, cfg: Config, layout: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
         """Why an adapter of ``layout`` cannot load into the model :meth:`build` builds
         (:func:`adapter_layout_reasons`)."""

@@ -56,6 +56,7 @@ class Admission(shared.Admission):
     rank_rngs: list[dict[str, Tensor]] | None = None  # a capture over ranks: each captured rank's RNG state
     digests: tuple[str, str] | None = None  # (logical, effective) of the payload's rows, computed once
     rows: dict[str, int | float] | None = None  # the payload's row counts (payload.summary's keys)
+    top_token: int | None = None  # the rows' largest token id
     state: ResumeState | None = None
 
     def optimizer_batch(self) -> OptimizerBatchConfig:
@@ -98,7 +99,7 @@ def _check_payload(adm: Admission) -> None:
     scan = _read_checking_nonfinite(adm, m)
     if scan is None:
         return
-    adm.batch, adm.rng, adm.rows = scan.batch, scan.rng, scan.rows
+    adm.batch, adm.rng, adm.rows, adm.top_token = scan.batch, scan.rng, scan.rows, scan.top_token
     if sorted(adm.rng) != sorted(m.doc["payload"]["rng_keys"]):
         adm.refuse(f"payload RNG states {sorted(adm.rng)} differ from the manifest's "
                    f"{m.doc['payload']['rng_keys']}", integrity=True)
@@ -151,6 +152,7 @@ def _check_ranks(adm: Admission, m: ranks.RootManifest) -> None:
         return
     adm.batch, adm.rank_rngs, adm.rng = v.batch, v.rngs, v.rngs[0]
     adm.rows, adm.digests = payload.summary(v.batch), v.digests
+    adm.top_token = int(v.batch.tokens.max())
 
 
 def _check_routing(adm: Admission) -> None:
@@ -219,7 +221,9 @@ def _check_adapter(adm: Admission) -> None:
 
 
 def _check_model_reference(adm: Admission) -> None:
-    """The resume state's adapter layout against the adapter this config attaches (the backend's
+    """The captured token ids against the vocabulary of the model this config builds (the backend's ``vocab_size``,
+    where it tells it from the config alone), the resume state's adapter layout against the adapter this config
+    attaches (the backend's
     ``adapter_reasons``: for ``hf``, LoRA weights of the target modules, of the model's dtype and rank ``lora.r``),
     and its ``model`` against the base model this config builds: the comparison the replay makes
     once the model is built (:func:`replayjob.rl.state.check_model`), made here from the config alone by a backend
@@ -233,6 +237,11 @@ def _check_model_reference(adm: Admission) -> None:
     except RefusedError as exc:
         adm.refuse(exc.diagnostics().replace("\n  fix:", "; fix:"))
         return
+    vocab = getattr(backend, "vocab_size", None)  # the captured token ids against the model's vocabulary
+    size = vocab(adm.cfg) if vocab is not None else None
+    if size is not None and adm.top_token is not None and adm.top_token >= size and adm.manifest is not None:
+        adm.refuse(f"{adm.manifest.payload_path}: captured token id {adm.top_token} is outside this model's "
+                   f"vocabulary ({size}); fix: replay with the [model] section the source ran with", integrity=True)
     adapter = getattr(backend, "adapter_reasons", None)  # the pinned adapter against the one the config attaches
     reasons = adapter(adm.cfg, adm.state.adapter_layout) if adapter is not None else []
     if reasons:
