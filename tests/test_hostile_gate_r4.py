@@ -162,3 +162,48 @@ def test_a_jobset_s_status_is_read_through_the_job_status_declaration(status: An
         {"type": "StartupPolicyCompleted", "status": "True"}, {"type": "Completed", "status": "True",
                                                                "reason": "AllJobsCompleted"}]}}
     assert job_end(ok, "j", kind="jobset") == ("Complete", "AllJobsCompleted", False)
+
+
+@pytest.mark.parametrize("planted", ["fifo", "directory", "malformed", "malformed after a good replay"])
+def test_a_malformed_replay_beside_missing_ones_is_refused_not_incomplete(
+        tmp_path: Path, planted: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`step reduce` over a run whose replays are partly missing and partly malformed (a FIFO, a directory or
+    invalid JSON where replay_metrics.json should be) refuses (2): the refusal of evidence that is there stands.
+    It was `incomplete` (3, retryable), the malformed replay counted among the missing ones or the refusal
+    taken for missing evidence because it stopped the reduce before any replay was read."""
+    import json
+    import shutil
+
+    from replayjob.artifacts.spec import DETERMINISM_ENV
+    from replayjob.launch import step
+
+    for key, value in DETERMINISM_ENV.items():  # the step pins them in this process: restored after the test
+        monkeypatch.setenv(key, value)
+    for key in (step.IMAGE_ENV, step.DIGEST_ENV, "REPLAYJOB_RENDERED"):
+        monkeypatch.delenv(key, raising=False)
+    spec = tmp_path / "ablation.toml"
+    spec.write_text('name = "unit"\nimage = "replayjob:dev"\ngpu_product = "none"\ndevice = "cpu"\nrepeats = 2\n\n'
+                    '[arms.ckpt-off]\n\n[arms.ckpt-on]\n"backend.options.gradient_checkpointing" = true\n',
+                    encoding="utf-8")
+    ev = synthetic.build(tmp_path / "ev", {"ckpt-off": {}, "ckpt-on": {GC_KEY: True}}, 2)
+    run = tmp_path / "run"
+    shutil.copytree(ev.source, run / "source")
+    shutil.copytree(ev.root / "init_resume", run / "init_resume")
+    bad = run / "replays" / "ckpt-off" / "0"
+    if planted == "malformed after a good replay":
+        shutil.copytree(ev.root / "replays" / "ckpt-off" / "repeat-000", bad)
+        bad = run / "replays" / "ckpt-on" / "0"
+    bad.mkdir(parents=True)
+    metrics = bad / "replay_metrics.json"
+    if planted == "fifo":
+        os.mkfifo(metrics)
+    elif planted == "directory":
+        metrics.mkdir()
+    else:
+        metrics.write_text("{not json", encoding="utf-8")
+    assert main(["step", "reduce", "--spec", str(spec), "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "nothing decided" not in err and "Traceback" not in err, err
+    verdict = json.loads((run / "verdict.json").read_text(encoding="utf-8"))
+    assert (verdict["status"], verdict["exit_code"]) == ("refused", 2) and "missing" not in verdict
+    assert verdict["refusal"] is not None

@@ -119,17 +119,21 @@ def outcome(checks: list[dict[str, Any]], refusal: dict[str, Any] | None) -> tup
 MISSING_EVIDENCE_CHECKS = frozenset({"inputs.expected_arms", "inputs.min_repeats"})
 
 
-def incomplete(doc: dict[str, Any], missing: tuple[str, ...] | list[str]) -> dict[str, Any]:
+def incomplete(doc: dict[str, Any], missing: tuple[str, ...] | list[str],
+               there: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
     """The verdict of a run whose stages left ``missing`` outputs (run-directory paths: ``source``, a
     replay's ``replays/ARM/REPEAT``) because they failed, were evicted or never ran: a refusal that rests
     only on that missing evidence becomes ``incomplete`` (exit 3: nothing was decided, running the stages
     again may decide it), listing them in ``missing``.  Any other outcome stands: a check refused for
-    another reason, a fail, a pass on the evidence there is."""
+    another reason, a fail, a pass on the evidence there is, and a refusal beside a replay that is ``there``
+    (its output exists, whatever it holds) or was read: a malformed or tampered replay is refused (2) even
+    where the refusal stopped the reduce before any replay was read."""
     if doc["status"] != "refused" or not missing:
         return doc
     if not {c["name"] for c in doc["checks"] if c["status"] == "refused"} <= MISSING_EVIDENCE_CHECKS:
         return doc
-    if doc["refusal"] is not None and "source" not in missing and (doc.get("inputs") or {}).get("replays"):
+    if doc["refusal"] is not None and "source" not in missing and (
+            (doc.get("inputs") or {}).get("replays") or set(there) - set(missing)):
         return doc  # a refusal of evidence that is there (a tampered replay) stands
     out = {**doc, "status": "incomplete", "exit_code": EXIT_ERROR, "missing": sorted(missing)}
     out["summary"] = summary_line(out)

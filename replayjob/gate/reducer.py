@@ -73,6 +73,7 @@ class Request:
     source_step: int | None = None  # compare with this captured step of the source run (--source-step)
     usage_error: RefusedError | None = None  # an option the command line refused: the verdict records it
     missing: tuple[str, ...] = ()  # outputs of stages that failed or never ran: the verdict is incomplete (3)
+    there: tuple[str, ...] = ()  # the replay outputs that are there, read or not: a refusal beside them stands
 
 
 class _State:
@@ -446,7 +447,7 @@ def reduce_evidence(req: Request) -> verdict.Verdict:
     _outputs_replace_only_outputs(req)
     doc = _document(req, st, refusal, ratios)
     if req.missing:  # refused for want of evidence a stage did not produce: nothing was decided (3)
-        doc = verdict.incomplete(doc, req.missing)
+        doc = verdict.incomplete(doc, req.missing, req.there)
     if req.report is not None:
 
         write_report(req.report, doc)

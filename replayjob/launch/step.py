@@ -665,8 +665,11 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
     for path in expected:
         if not _wait_for(path, max(0.0, deadline - time.monotonic()), "every replay", log):
             break
-    missing = [str(p.parent.relative_to(layout.run)) for p in expected if not p.is_file()]
-    no_capture = not (layout.source / metrics.SOURCE_FILE).is_file()
+    # missing: nothing at all there (a file that is not a regular one, or not readable, is there: the reducer
+    # refuses it, and that refusal stands, never an incomplete verdict that a retry would only repeat)
+    missing = [str(p.parent.relative_to(layout.run)) for p in expected if not os.path.lexists(p)]
+    there = [str(p.parent.relative_to(layout.run)) for p in expected if os.path.lexists(p)]
+    no_capture = not os.path.lexists(layout.source / metrics.SOURCE_FILE)
     if no_capture:
         log(f"step: no capture: {layout.source} holds no {metrics.SOURCE_FILE} (the capture failed or never ran); "
             "nothing can be decided")
@@ -687,7 +690,7 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
         min_repeats=spec.effective_min_repeats, arms=tuple(a.name for a in spec.arms), spec=spec,
         mixed_hardware=spec.mixed_hardware, budgets=Path(spec.budgets) if spec.budgets else None,
         baseline=spec.arms[0].name, report=report, max_looks=max_looks, source_step=source_step,
-        missing=tuple(missing) + (("source",) if no_capture else ())))
+        missing=tuple(missing) + (("source",) if no_capture else ()), there=tuple(there)))
     log(verdict.summary())
     log(f"step: wrote {layout.verdict}")
     if outputs is not None:  # the bytes the reducer wrote, not a second read of the shared volume's file
