@@ -175,7 +175,9 @@ def traced_replay(d: Path, index: int) -> Path:
 
     identity: dict[str, Any] = {k: synthetic.digest_of(k) for k in IDENTITY_KEYS if k.endswith("sha256")}
     identity.update(arm="one", repeat_index=index, micro_batch_size=4, gradient_checkpointing=False, device="cpu",
-                    torch_version=torch.__version__, fault=None)
+                    torch_version="2.4.0", fault=None,  # what the replay_metrics.json below records of its replay
+                    manifest_sha256=synthetic.digest_of("m"), logical_batch_sha256=synthetic.digest_of("logical"),
+                    initial_adapter_sha256=synthetic.digest_of("i"))
     trace = Trace(identity, row_tokens, torch.zeros(2, dtype=torch.int64), [site()], [site()],
                   [make_param("layers.0.weight", torch.ones(2, 2), torch.full((2, 2), 0.5))])
     _, index_sha = write_trace(d, trace)
