@@ -53,7 +53,11 @@ class _Guarded(io.TextIOBase):
     def write(self, s: str) -> int:
         if not self.gone:
             try:
-                self._inner.write(s)
+                try:
+                    self._inner.write(s)
+                except UnicodeEncodeError:  # a lone surrogate from a cluster object's text: shown escaped, never
+                    enc = getattr(self._inner, "encoding", None) or "utf-8"  # a traceback that changes the code
+                    self._inner.write(s.encode(enc, "backslashreplace").decode(enc))
                 if "\n" in s:
                     self._inner.flush()
             except OSError as exc:

@@ -223,6 +223,29 @@ def test_argo_wait_exits_with_the_reduce_step_s_code(emulator: tuple[Cluster, st
     assert state.calls == [f"GET workflows {NAME}"]
 
 
+def test_a_lone_surrogate_in_the_status_is_never_a_traceback(emulator: tuple[Cluster, str],
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A JSON `\\ud800` escape in the Workflow's answer is a lone surrogate in Python: in the verdict output it
+    makes the verdict unreadable (3, named), in what ended the run it is named unreadable, and in a message that
+    is printed it is shown escaped; it was a UnicodeEncodeError with a traceback."""
+    doc = load("succeeded.json")
+    with_verdict(doc, json.dumps(verdict_of(doc))[:-1] + ', "x": "\ud800"}')
+    code, line = workflow_code(doc)
+    assert code == 3 and "the verdict cannot be read" in line and "lone surrogate" in line, line
+    doc = load("succeeded.json")
+    doc["status"]["outputs"]["parameters"].append({"name": "ended", "value": "\ud800"})
+    code, line = workflow_code(doc)
+    assert code == 0 and "what ended the run cannot be read" in line, line
+    state, _ = emulator
+    doc = load("succeeded.json")
+    with_verdict(doc, "")
+    doc["status"]["message"] = "boom \ud800"
+    state.workflows[NAME] = [doc]
+    assert main(["argo", "wait", NAME]) == 3
+    out = capsys.readouterr()
+    assert "boom \\ud800" in out.out and "Traceback" not in out.err + out.out, out
+
+
 def test_argo_wait_polls_until_the_workflow_ends(emulator: tuple[Cluster, str]) -> None:
     state, host = emulator
     state.workflows[NAME] = [load("running.json"), load("running.json"), load("reduce-retried.json")]

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from replayjob.artifacts.document import Document, Text, decode
-from replayjob.errors import EXIT_ERROR
+from replayjob.errors import EXIT_ERROR, IntegrityError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict, read_json
 
@@ -113,4 +113,9 @@ def read_run_end(path: str | Path) -> RunEnd:
 
 def read_run_end_text(text: str, where: str) -> RunEnd:
     """The record as Argo's global output ``ended`` carries it (its text), read as strictly as the file."""
-    return decode(loads_strict(text.encode("utf-8"), where=where), RunEnd, where=where)
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise IntegrityError("not a text replayjob wrote: it holds a lone surrogate, which no UTF-8 file holds",
+                             where=where) from None
+    return decode(loads_strict(data, where=where), RunEnd, where=where)

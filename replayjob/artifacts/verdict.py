@@ -557,6 +557,24 @@ def read_verdict(source: Path | str | bytes, *, where: str | None = None) -> Ver
     return Verdict(Path(label), obj)
 
 
+def utf8_of(text: str, where: str) -> bytes:
+    """``text`` (a cluster object's string: a workflow's output, a ConfigMap's value) as UTF-8, or
+    :class:`IntegrityError` naming ``where`` when it holds what UTF-8 cannot (a lone surrogate, which a JSON
+    ``\\ud800`` escape in the API's answer gives)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise IntegrityError(f"not a text replayjob wrote: character {exc.start} is a lone surrogate "
+                             f"({text[exc.start]!a}), which no UTF-8 file holds", where=where,
+                             hint="the object was edited; read the run's verdict.json on its volume") from None
+
+
+def read_verdict_text(text: str, *, where: str) -> Verdict:
+    """:func:`read_verdict` of a verdict a launcher handed over as text (a workflow's output parameter, a run's
+    ConfigMap)."""
+    return read_verdict(utf8_of(text, where), where=where)
+
+
 def is_verdict_file(path: Path) -> bool:
     """Whether ``path`` holds a JSON object of a verdict schema (any version): a file ``reduce --out`` may replace
     (the verdict need not read under today's rules; it is only known not to be evidence)."""

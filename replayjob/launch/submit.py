@@ -36,7 +36,7 @@ from typing import Any
 
 from replayjob.artifacts import cluster_status as outcome
 from replayjob.artifacts.spec import AblationSpec, spec_from_text
-from replayjob.artifacts.verdict import read_verdict
+from replayjob.artifacts.verdict import read_verdict_text
 from replayjob.errors import (
     EXIT_OK,
     ArtifactExistsError,
@@ -436,7 +436,7 @@ def wait_driver(api: Api, namespace: str, name: str, config_map: str, poll_s: fl
     verdict, unreadable = None, None
     if text is not None:
         try:
-            verdict = read_verdict(str(text).encode("utf-8"), where=f"configmap/{config_map}: {k8s.VERDICT_KEY}")
+            verdict = read_verdict_text(str(text), where=f"configmap/{config_map}: {k8s.VERDICT_KEY}")
         except ReplayjobError as exc:
             unreadable = exc.message
     how = "no pod" if code is None else f"its pod exited {code}"

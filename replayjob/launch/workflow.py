@@ -43,7 +43,7 @@ from typing import Annotated, Any
 from replayjob.artifacts.cluster_status import PULL_FAILURES, ApiObject, Stuck, judge, read_status
 from replayjob.artifacts.document import whole
 from replayjob.artifacts.run_end import read_run_end_text
-from replayjob.artifacts.verdict import Verdict, read_verdict
+from replayjob.artifacts.verdict import Verdict, read_verdict_text
 from replayjob.errors import (
     EXIT_ERROR,
     EXIT_OK,
@@ -171,7 +171,7 @@ def _verdict(status: WorkflowStatus, name: str) -> tuple[Verdict | None, str | N
     if value is None:
         return None, None
     try:
-        return read_verdict(value.encode("utf-8"), where=f"workflow {name}: output verdict"), None
+        return read_verdict_text(value, where=f"workflow {name}: output verdict"), None
     except ReplayjobError as exc:
         return None, exc.message
 
