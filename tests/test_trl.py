@@ -393,6 +393,28 @@ def test_checkpointing_under_either_name_and_reentrant_only_with_checkpointing(
         assert main(["replay", str(toml), "--out", str(tmp_path / name), *alone]) == 2
 
 
+@pytest.mark.parametrize(("edit", "named"), [
+    (lambda d: d["framework_state"].update(max_steps="3"), "framework_state.max_steps is '3', not an integer above"),
+    (lambda d: d["framework_state"].update(max_steps=STEP), f"not an integer above the captured step {STEP}"),
+    (lambda d: d["framework_state"].pop("max_steps"), "framework_state.max_steps is None"),
+])
+def test_a_framework_state_the_trainer_cannot_be_rebuilt_from_is_refused_by_explain(
+        edit: Any, named: str, trl_capture: dict[str, Any], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The replay rebuilds the trainer's LR schedule from framework_state.max_steps (int(), at replay): a re-pinned
+    manifest whose max_steps is a string, missing or not beyond the step was admitted, and the replay failed with
+    exit 3 (ValueError, KeyError) or built another schedule."""
+    d = _copy(trl_capture, tmp_path)
+    name = f"optimizer_batch_step_{STEP:06d}.manifest.json"
+    doc = json.loads((d / name).read_text())
+    edit(doc)
+    data = canonical_bytes(doc) + b"\n"
+    (d / name).write_bytes(data)
+    rc, text = _explain(d / "replay.toml", capsys, *_pins(d),
+                        "--set", f'optimizer_batch.expected_manifest_sha256="{sha256_bytes(data)}"')
+    assert rc == 2 and named in text and "Traceback" not in text, text
+
+
 # -- arms proven against the baseline's update (dropout 0) ----------------------------------------------
 
 def _rewritten(res: Any, d: Path, **trl: Any) -> list[str]:

@@ -293,6 +293,36 @@ def test_admission_refuses_a_changed_update_and_a_tampered_payload(vanilla: Path
     assert main(["explain", str(copy / "replay_step_000001.toml")]) == 2
 
 
+
+@pytest.mark.parametrize(("edit", "named"), [
+    (lambda s: s.update(last_epoch="1"), "framework_state.lr_scheduler.last_epoch is 1, not an integer >= -1"),
+    (lambda s: s.update(optimizer={}), "framework_state.lr_scheduler.optimizer names the scheduler's optimizer"),
+    (lambda s: s.update(lr_lambdas=[1]), "framework_state.lr_scheduler.lr_lambdas must hold one null or object"),
+])
+def test_an_lr_scheduler_state_no_scheduler_holds_is_refused_by_explain(
+        edit: Any, named: str, vanilla: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """verl's LR scheduler state travels in framework_state and is loaded whole into the rebuilt engine's scheduler
+    (its load_state_dict sets every key as an attribute): a re-pinned manifest with a string counter, a key naming
+    the scheduler's optimizer or an lr_lambda of a number was admitted, and the replay failed in the scheduler's step
+    (exit 3)."""
+    from replayjob.digest import sha256_bytes
+    from replayjob.jsonio import canonical_bytes
+    copy = tmp_path / "cap"
+    shutil.copytree(vanilla, copy)
+    path = copy / "optimizer_batch_step_000001.manifest.json"
+    doc = json.loads(path.read_text())
+    assert isinstance(doc["framework_state"]["lr_scheduler"], dict)
+    edit(doc["framework_state"]["lr_scheduler"])
+    data = canonical_bytes(doc) + b"\n"
+    path.write_bytes(data)
+    toml = copy / "replay_step_000001.toml"
+    toml.write_text(toml.read_text().replace(str(vanilla), str(copy)))
+    capsys.readouterr()
+    pin = sha256_bytes(data)
+    assert main(["explain", str(toml), "--set", f'optimizer_batch.expected_manifest_sha256="{pin}"']) == 2
+    text = capsys.readouterr().out
+    assert named in text and "Traceback" not in text, text
+
 def test_every_verl_config_field_is_classified() -> None:
     """The declaration covers exactly the installed verl's fields: a new field fails here (and a capture of a config
     that has it is refused), a field verl dropped is reported as stale."""

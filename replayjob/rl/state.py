@@ -488,7 +488,7 @@ def scheduler_reasons(groups: list[Any], scheduler: Mapping[str, Any] | None, st
     if isinstance(count, int) and not isinstance(count, bool) and count > step + 1:
         reasons.append(f"optimizer.scheduler._step_count is {count}, but a scheduler stepped once when built and "
                        f"once per optimizer step has stepped at most {step + 1} time(s) before step {step}")
-    return reasons + _scheduler_type_reasons(groups, scheduler)
+    return reasons + scheduler_type_reasons(groups, scheduler)
 
 
 def _number(v: Any) -> bool:
@@ -554,13 +554,13 @@ _SCHEDULER_RESERVED = ("optimizer", "step", "get_lr", "get_last_lr", "state_dict
                        "_initial_step", "_get_closed_form_lr")
 
 
-def _scheduler_type_reasons(groups: list[Any], scheduler: Mapping[str, Any]) -> list[str]:
+def scheduler_type_reasons(groups: list[Any], scheduler: Mapping[str, Any],
+                           at: str = "optimizer.scheduler") -> list[str]:
     """The captured LR scheduler's state typed as torch's schedulers hold it: ``last_epoch`` an integer >= -1,
     ``_step_count`` one >= 0, ``base_lrs`` one finite number >= 0 per param group (each group's ``initial_lr``, which
     the scheduler set from it), ``lr_lambdas`` one null or object per group, its flags booleans, and no key naming
-    the scheduler's optimizer or a method (load_state_dict would set it as an attribute)."""
+    the scheduler's optimizer or a method (load_state_dict would set it as an attribute); ``at`` names it."""
     reasons: list[str] = []
-    at = "optimizer.scheduler"
     for key in sorted(set(scheduler) & set(_SCHEDULER_RESERVED)):
         reasons.append(f"{at}.{key} names the scheduler's {'optimizer' if key == 'optimizer' else 'method'}, "
                        "which no scheduler state holds (loading it would replace it)")

@@ -296,6 +296,7 @@ def _check_state(adm: Admission) -> None:
                        "step)", integrity=True)
     adm.optimizer = _load_file(adm, first, "optimizer")
     _check_optimizer(adm, m)
+    _check_framework_state(adm, m)
 
 
 def _check_optimizer(adm: Admission, m: Manifest) -> None:
@@ -321,6 +322,16 @@ def _check_optimizer(adm: Admission, m: Manifest) -> None:
     for reason in (moment_reasons(adm.optimizer, dtypes)
                    + optimizer_state_reasons(adm.optimizer, m.step, after, opt["state"])):
         adm.refuse(f"{m.file('optimizer')}: {reason}{fix}", integrity=True)
+
+
+def _check_framework_state(adm: Admission, m: Manifest) -> None:
+    """What the producer's replay reads from ``framework_state`` (its ``framework_state_reasons``: TRL's
+    ``max_steps``, verl's LR scheduler state), typed and checked against the step before any trainer is rebuilt."""
+    own = getattr(producer_module(m.framework), "framework_state_reasons", None)
+    if own is None:
+        return
+    for reason in own(m.doc["framework_state"], m.doc["optimizer"]["param_groups"], m.step):
+        adm.refuse(f"{m.path}: {reason}; the capture contradicts itself (recapture the step)", integrity=True)
 
 
 def _check_base_model(adm: Admission) -> None:

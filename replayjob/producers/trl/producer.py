@@ -157,6 +157,17 @@ def ignored(key: str) -> bool:
     return any(key == f"{FRAMEWORK}.{a}" or key.startswith(f"{FRAMEWORK}.{a}.") for a in KNOB_ALIASES)
 
 
+def framework_state_reasons(state: dict[str, Any], groups: list[Any], step: int) -> list[str]:
+    """Why the recorded ``framework_state`` cannot rebuild the trainer at step ``step``: its ``max_steps`` (the
+    schedule the replay's LR scheduler is built for) must be an integer above the step (a step at or after it is
+    never reached)."""
+    got = state.get("max_steps")
+    if isinstance(got, bool) or not isinstance(got, int) or got <= step:
+        return [f"framework_state.max_steps is {repr(got)[:24]}, not an integer above the captured step {step} (the "
+                "trainer's max_steps the replay builds its LR schedule for)"]
+    return []
+
+
 def knob_refusals(adm: Admission) -> list[str]:
     """Why a declared TRL knob does not hold for this capture and replay (beyond being present and registered)."""
     t = (adm.resolved or {}).get(FRAMEWORK, {})

@@ -65,7 +65,7 @@ from replayjob.producers.contract import integration_contract
 from replayjob.producers.session import MicroStep
 from replayjob.producers.verl.fields import CONTRACT, FIELDS, REFUSED, SECTIONS, classify
 from replayjob.producers.verl.platform import use_cpu
-from replayjob.rl.state import adapter_bytes, join_optimizer_state
+from replayjob.rl.state import adapter_bytes, join_optimizer_state, scheduler_type_reasons
 from replayjob.runtime import knobs
 
 if TYPE_CHECKING:
@@ -995,6 +995,18 @@ def restore_state(adm: Admission, session: VerlSession) -> None:
                             where=m.path)
     if sched is not None:
         session.scheduler.load_state_dict(copy.deepcopy(sched))
+
+
+def framework_state_reasons(state: dict[str, Any], groups: list[Any], step: int) -> list[str]:
+    """Why the recorded ``framework_state.lr_scheduler`` (loaded whole into the rebuilt engine's scheduler) is not
+    a torch scheduler's state (:func:`replayjob.rl.state.scheduler_type_reasons`): typed counters, one base learning
+    rate and lr_lambda per param group, no key naming its optimizer or a method."""
+    sched = state.get("lr_scheduler")
+    if sched is None:
+        return []
+    if not isinstance(sched, dict):
+        return [f"framework_state.lr_scheduler is {str(sched)[:24]}, not a scheduler state (an object) or null"]
+    return scheduler_type_reasons(groups, sched, "framework_state.lr_scheduler")
 
 
 def build_replay(adm: Admission, out: Path) -> VerlSession:
