@@ -323,6 +323,36 @@ def test_an_lr_scheduler_state_no_scheduler_holds_is_refused_by_explain(
     text = capsys.readouterr().out
     assert named in text and "Traceback" not in text, text
 
+
+def test_param_groups_the_rebuilt_engine_does_not_have_are_refused_by_the_replay(vanilla: Path, tmp_path: Path,
+                                                                                 capsys: pytest.CaptureFixture[str]
+                                                                                 ) -> None:
+    """The one param group split in two (its scheduler state dropped) and re-pinned: only the rebuilt engine's
+    optimizer tells it has one group; its load_state_dict refused them with a ValueError, which the replay reported
+    as its own failure (exit 3)."""
+    from replayjob.digest import sha256_bytes
+    from replayjob.jsonio import canonical_bytes
+    copy = tmp_path / "cap"
+    shutil.copytree(vanilla, copy)
+    path = copy / "optimizer_batch_step_000001.manifest.json"
+    doc = json.loads(path.read_text())
+    (group,) = doc["optimizer"]["param_groups"]
+    half = len(group["params"]) // 2
+    doc["optimizer"]["param_groups"] = [{**group, "params": group["params"][:half]},
+                                        {**group, "params": group["params"][half:]}]
+    doc["framework_state"]["lr_scheduler"] = None  # its groups would be refused by explain (one base lr each)
+    data = canonical_bytes(doc) + b"\n"
+    path.write_bytes(data)
+    toml = copy / "replay_step_000001.toml"
+    toml.write_text(toml.read_text().replace(str(vanilla), str(copy)))
+    capsys.readouterr()
+    pin = sha256_bytes(data)
+    assert main(["replay", str(toml), "--out", str(tmp_path / "r"),
+                 "--set", f'optimizer_batch.expected_manifest_sha256="{pin}"']) == 2
+    text = capsys.readouterr().err
+    assert "does not fit the rebuilt engine's optimizer" in text and "Traceback" not in text, text
+    assert not (tmp_path / "r" / "replay_metrics.json").exists()
+
 def test_every_verl_config_field_is_classified() -> None:
     """The declaration covers exactly the installed verl's fields: a new field fails here (and a capture of a config
     that has it is refused), a field verl dropped is reported as stale."""

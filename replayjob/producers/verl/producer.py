@@ -988,7 +988,12 @@ def restore_state(adm: Admission, session: VerlSession) -> None:
         for key, t in list(entry.items()):
             if isinstance(t, torch.Tensor) and t.dim() > 0:
                 entry[key] = placed(t, ordered[i])
-    session.optimizer.load_state_dict(state)
+    try:  # torch's own checks of the groups against the rebuilt optimizer's: the capture's, not a failure
+        session.optimizer.load_state_dict(state)
+    except ValueError as exc:
+        raise ContractError(f"the captured optimizer state does not fit the rebuilt engine's optimizer: "
+                            f"{str(exc)[:200]} (optimizer.param_groups)", where=m.path,
+                            hint="replay with the verl config the step ran with, or recapture the step") from None
     sched = m.doc["framework_state"].get("lr_scheduler")
     if (sched is None) != (session.scheduler is None):
         raise ContractError("the capture and the rebuilt engine disagree on whether there is an LR scheduler",
