@@ -10,6 +10,7 @@ reports which of the two packages ended up in ``sys.modules``.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,13 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def _copy_tree(src: Path, dst: Path) -> Path:
+    """A second replay of the same bytes (trace-diff refuses a trace compared with itself)."""
+    if not dst.exists():
+        shutil.copytree(src, dst)
+    return dst
+
+
 def _argv(label: str, i: dict[str, Path]) -> list[str]:
     cap, reps, out = i["capture"], i["replays"], i["scratch"]
     reduce = ["reduce", str(reps), "--source", str(cap), "--min-repeats", "1"]
@@ -54,7 +62,7 @@ def _argv(label: str, i: dict[str, Path]) -> list[str]:
         "reduce exact-input": [*reduce, "--claim", "exact-input", "--out", str(out / "exact.json")],
         "reduce bitwise": [*reduce, "--claim", "bitwise", "--out", str(out / "bitwise.json")],
         "bundle inspect": ["bundle", "inspect", str(i["bundle"])],
-        "trace-diff": ["trace-diff", str(reps / "r0"), str(reps / "r0"), "--json"],
+        "trace-diff": ["trace-diff", str(reps / "r0"), str(_copy_tree(reps / "r0", out / "r0-copy")), "--json"],
         "bundle validate": ["bundle", "validate", str(i["bundle"])],
         "explain": ["explain", str(i["workspace"] / "replay.toml"), *replay_pins(cap)],
     }[label]

@@ -189,6 +189,28 @@ def traced_replay(d: Path, index: int) -> Path:
     return d
 
 
+def test_trace_diff_refuses_one_trace_compared_with_itself(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The same replay named twice, through a link to its directory, or a copy whose trace files are hard links
+    of its own: a trace compared with itself is equal, so it is refused (exit 2), not passed."""
+    a = traced_replay(tmp_path / "a", 0)
+    linked = tmp_path / "linked"
+    linked.symlink_to(a, target_is_directory=True)
+    hard = tmp_path / "hard"
+    (hard / "trace").mkdir(parents=True)
+    shutil.copyfile(a / M.REPLAY_FILE, hard / M.REPLAY_FILE)
+    for f in (a / "trace").iterdir():
+        os.link(f, hard / "trace" / f.name)
+    for other in (a, linked, hard):
+        capsys.readouterr()
+        assert main(["trace-diff", str(a), str(other)]) == 2, other
+        err = capsys.readouterr().err
+        assert "one file" in err and "Traceback" not in err
+    copy = tmp_path / "copy"
+    shutil.copytree(a, copy)  # the control: a copy is another file of the same bytes, compared as two traces
+    assert main(["trace-diff", str(a), str(copy)]) == 0
+
+
 def test_trace_diff_refuses_a_linked_trace_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a, b = traced_replay(tmp_path / "a", 0), traced_replay(tmp_path / "b", 1)
     assert main(["trace-diff", str(a), str(b)]) == 0  # the control: two identical traces

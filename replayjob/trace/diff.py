@@ -26,13 +26,23 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from replayjob.artifacts.metrics import REPLAY_FILE, ROUTING, Replay, read_replay
-from replayjob.artifacts.trace_store import IDENTITY_KEYS, TRACE_DIR, Site, Trace, dtype_name, read_trace
+from replayjob.artifacts.trace_store import (
+    IDENTITY_KEYS,
+    INDEX_FILE,
+    PAYLOAD_FILE,
+    TRACE_DIR,
+    Site,
+    Trace,
+    dtype_name,
+    read_trace,
+)
 from replayjob.errors import ContractError, IntegrityError, RefusedError, UsageError
 from replayjob.fsio import check_no_symlinks
 from replayjob.model import moe
@@ -461,7 +471,28 @@ def _render_routing(rt: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def _distinct(a: list[Side], b: list[Side]) -> None:
+    """No trace file of one side is a trace file of the other (the same directory named twice, a hard link, a
+    directory linked to it): a trace compared with itself is equal and says nothing about two replays."""
+    seen: dict[tuple[int, int], Path] = {}
+    for side, other in ((a, False), (b, True)):
+        for s in side:
+            for name in (INDEX_FILE, PAYLOAD_FILE):
+                f = s.path / TRACE_DIR / name
+                st = os.stat(f)  # both were just read through the validated reader
+                hit = seen.get((st.st_dev, st.st_ino))
+                if other and hit is not None:
+                    raise RefusedError(f"{hit} and {f} are one file (the same replay named twice, a hard link or a "
+                                       "link to its directory): a trace compared with itself is equal and proves "
+                                       "nothing", where=f"{hit} vs {f}",
+                                       hint="compare the traces of two replays (another repeat, or another arm)")
+                if not other:
+                    seen[(st.st_dev, st.st_ino)] = f
+
+
 def trace_diff(a: str | Path, b: str | Path, reference: list[str] | None = None) -> dict[str, Any]:
     """Load, verify and compare; return the report (``exit_code`` 0 or 1) or raise a refusal."""
     ref = [s for r in reference for s in load_side(r)[:1]] if reference else None
-    return TraceDiff(load_side(a), load_side(b), ref).report()
+    side_a, side_b = load_side(a), load_side(b)
+    _distinct(side_a, side_b)
+    return TraceDiff(side_a, side_b, ref).report()
