@@ -252,3 +252,23 @@ def test_a_captured_token_id_beyond_the_models_vocabulary_is_refused_by_explain(
                  "--set", f'optimizer_batch.expected_manifest_sha256="{pin}"']) == 2
     out = capsys.readouterr().out
     assert "captured token id 1000000 is outside this model's vocabulary (260)" in out, out
+
+
+@pytest.mark.parametrize(("rng", "named"), [
+    (lambda cpu: {"foo": cpu}, "rng.safetensors holds no cpu state (it holds ['foo'])"),
+    (lambda cpu: {"cpu": cpu, "foo": cpu}, "rng.foo is not a Torch RNG state (expected cpu or cuda.N)"),
+    (lambda cpu: {"cpu": cpu, "cuda.0": torch.zeros(16, dtype=torch.uint8).index_fill_(0, torch.tensor([8]), 2)},
+     "rng.cuda.0 holds Philox offset 2"),
+])
+def test_a_resume_states_rng_file_the_generators_would_not_take_is_refused_when_read(
+        rng: Callable[[torch.Tensor], Tensors], named: str, workspace: Path, tmp_path: Path) -> None:
+    # a checkpoint's RNG states were read only when a resumed run restored them: one without the CPU state failed
+    # there with exit 3 (KeyError), a key that is no generator's was ignored
+    from replayjob.rl.state import RNG_FILE, rng_tensors, safetensors_bytes
+    d = tmp_path / "state"
+    shutil.copytree(workspace / "init_resume", d)
+    st = json.loads((d / STATE_FILE).read_text())
+    write_state(d, 0, st["model"], {RNG_FILE: safetensors_bytes(rng(rng_tensors()["cpu"]), "replayjob-rng")})
+    with pytest.raises(IntegrityError) as exc:
+        read_state(d)
+    assert named in exc.value.message and str(d / RNG_FILE) in str(exc.value.where), exc.value.diagnostics()

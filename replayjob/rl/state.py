@@ -99,12 +99,12 @@ def read_state(path: str | Path) -> ResumeState:
         f = d / name
         if f.is_symlink() or not f.is_file():
             raise IntegrityError(f"{name} is missing or not a regular file", where=d)
-        scanned = tensorfile.scan(f, keep=name in (ADAPTER_WEIGHTS, OPTIMIZER_FILE), follow_symlinks=False)
+        scanned = tensorfile.scan(f, keep=name in (ADAPTER_WEIGHTS, OPTIMIZER_FILE, RNG_FILE), follow_symlinks=False)
         if scanned.sha256 != digest:
             raise IntegrityError(f"{name} has SHA-256 {scanned.sha256}, trainer_state.json pins {digest}",
                                  where=d, hint="the state was modified after it was written; recreate it")
         scanned.validated()  # structure checked before anything loads it
-        if name in (ADAPTER_WEIGHTS, OPTIMIZER_FILE):
+        if name in (ADAPTER_WEIGHTS, OPTIMIZER_FILE, RNG_FILE):
             tensors[name] = scanned.tensors()
     _check_values(d, step, files, tensors)
     layout = {k: (str(t.dtype), tuple(t.shape)) for k, t in tensors[ADAPTER_WEIGHTS].items()}
@@ -127,6 +127,12 @@ def _check_values(d: Path, step: int, files: Mapping[str, str], tensors: Mapping
     reasons = tensor_reasons(tensors[ADAPTER_WEIGHTS], "tensor")
     if reasons:
         raise IntegrityError(_listed(reasons), where=d / ADAPTER_WEIGHTS, hint=_STATE_HINT)
+    if RNG_FILE in files:  # the states a resumed run restores: Torch's CPU one and any CUDA device's, each one the
+        rng = tensors[RNG_FILE]  # generator would take (its device's visibility is checked when it is restored)
+        reasons = [] if "cpu" in rng else [f"{RNG_FILE} holds no cpu state (it holds {sorted(rng)[:4]})"]
+        reasons += [r for key in sorted(rng) if (r := rng_state_reason(key, rng[key])) is not None]
+        if reasons:
+            raise IntegrityError(_listed(reasons), where=d / RNG_FILE, hint=_STATE_HINT)
     if OPTIMIZER_FILE not in files:
         return
     opt = tensors[OPTIMIZER_FILE]
