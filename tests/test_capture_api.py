@@ -605,3 +605,21 @@ def test_param_groups_the_rebuilt_optimizer_does_not_have_are_refused_by_the_rep
     text = out.out + out.err
     assert code == 2 and "does not fit the rebuilt trainer's optimizer" in text and path.name in text, text
     assert "Traceback" not in text and not (tmp_path / "r" / "replay_metrics.json").exists()
+
+
+@pytest.mark.parametrize(("model", "named"), [
+    ("path = 5", "model.path: expected a string (the base model directory), found int"),
+    ('path = ""', "model.path: model.path is required"),
+])
+def test_a_replay_configs_model_path_is_read_as_declared(model: str, named: str, example_run: tuple[Path, Path],
+                                                         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A model.path of another type was refused as a missing one ("model.path is required")."""
+    _, out = example_run
+    text = (out / "capture" / "replay.toml").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("path = "))
+    cfg = tmp_path / "replay.toml"
+    cfg.write_text(text.replace(line, model))
+    capsys.readouterr()
+    assert main(["explain", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err, err

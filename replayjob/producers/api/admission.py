@@ -108,7 +108,10 @@ def load(path: str | Path, overrides: list[str]) -> ReplayConfig:
     model = data.get("model", {})
     if not isinstance(model, dict) or sorted(set(model) - set(MODEL_KEYS)):
         raise ConfigError("[model] takes only " + ", ".join(MODEL_KEYS), where="model")
-    if not isinstance(model.get("path"), str) or not model["path"]:
+    if "path" in model and not isinstance(model["path"], str):
+        raise ConfigError(f"expected a string (the base model directory), found {type(model['path']).__name__}",
+                          where="model.path", hint="the capture's replay.toml has it")
+    if not model.get("path"):
         raise ConfigError("model.path is required: the base model directory", where="model.path",
                           hint="the capture's replay.toml has it")
     fw = data.get(framework, {})
