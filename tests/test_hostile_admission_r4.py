@@ -272,3 +272,15 @@ def test_a_resume_states_rng_file_the_generators_would_not_take_is_refused_when_
     with pytest.raises(IntegrityError) as exc:
         read_state(d)
     assert named in exc.value.message and str(d / RNG_FILE) in str(exc.value.where), exc.value.diagnostics()
+
+
+def test_a_world_size_above_the_captured_rows_is_refused_by_explain(
+        workspace: Path, capture_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 32 ranks for 16 rows: explain admitted it; the replay's ranks then refused it once launched
+    from tests.conftest import replay_pins
+    capsys.readouterr()
+    assert main(["explain", str(workspace / "replay.toml"), "--nproc", "32", *replay_pins(capture_dir),
+                 "--set", "distributed.world_size=32",
+                 "--set", 'optimizer_batch.allow_config_differences=["distributed.world_size"]']) == 2
+    out = capsys.readouterr().out
+    assert "16 logical rows cannot be split over 32 ranks" in out, out

@@ -142,6 +142,15 @@ def _read_checking_nonfinite(adm: Admission, m: Manifest) -> payload.Scanned | N
     return scan
 
 
+def _check_world(adm: Admission) -> None:
+    """The replay's world size against the captured rows: every rank replays a contiguous shard of at least one row
+    (:func:`replayjob.runtime.distributed.shard_bounds`, which the replay would refuse it with once launched)."""
+    world = adm.cfg.distributed.world_size
+    if adm.rows is not None and world is not None and world > int(adm.rows["rows"]):
+        adm.refuse(f"{int(adm.rows['rows'])} logical rows cannot be split over {world} ranks (each needs at least "
+                   "one; distributed.world_size); fix: launch fewer ranks or capture a larger batch")
+
+
 def _check_ranks(adm: Admission, m: ranks.RootManifest) -> None:
     """A capture over ranks: every rank verified and the logical batch rebuilt (:func:`rankrows.verify`; the rows
     are held, also for explain)."""
@@ -329,6 +338,7 @@ class BuiltinKind:
 
     def payload(self, adm: Admission) -> None:
         _check_payload(adm)
+        _check_world(adm)
 
     def state(self, adm: Admission) -> None:
         _check_state_dir(adm)
