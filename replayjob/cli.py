@@ -25,6 +25,7 @@ Usage:
   replayjob step reduce --spec SPEC --run-dir DIR [--workspace DIR] [--source DIR] [--wait-s S] [--outputs DIR]
                    [--blocks N] [--report FILE] [--max-looks N] [--ended STATUS --failures JSON]
                    [--arms LIST] [--repeats N] [--device D] [--claim CLAIM]
+  replayjob step verdict --run-dir DIR --code N
   replayjob k8s render <spec> [--out DIR] [--setup DIR] [--argo FILE] [--argo-setup FILE]
   replayjob k8s submit <spec> [--namespace NS] [--wait]
   replayjob k8s resume <run-id> [--namespace NS] [--wait]
@@ -61,7 +62,9 @@ Commands:
              (Jobs, Argo, Slurm, scripts): `capture` (init + capture, reused when complete),
              `replay --index I` (index -> arm, repeat; strict pins), `reduce` (every arm of the
              spec; always writes RUN/verdict.json), `plan` (size, parallelism, arms: KEY=VALUE),
-             `prune` (retention: delete runs in which nothing was written for --older-than days).
+             `prune` (retention: delete runs in which nothing was written for --older-than days),
+             `verdict` (a launcher's outcome: RUN/verdict.json read strictly and confirmed by the
+             reducer's exit code --code, as argo wait and the driver confirm it; 3 when they disagree).
   k8s        `render` an ablation spec as Kubernetes manifests (a run's in --out DIR, the once-applied
              setup in --setup DIR, the Argo workflow in --argo FILE), `submit` one run (its
              in-cluster driver Job chains the stages; --wait: the reducer's code), `resume` a run
@@ -148,6 +151,7 @@ Options:
   --wait-s S        step: wait up to S seconds for an earlier stage's output [default: 0].
   --run-root DIR    step prune: the directory holding run directories (/artifacts/runs on the claim).
   --older-than DAYS step prune: delete the runs in which nothing was written for DAYS days.
+  --code N          step verdict: the exit code the launcher saw the reducer end with (0 to 255).
   --dry-run         step prune: list what would be deleted; delete nothing.
   --blocks N        step reduce: only the first N blocks (repeats) of every arm: one look of a
                     sequential experiment (the funnel's --until-decided).

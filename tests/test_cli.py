@@ -43,6 +43,7 @@ EXAMPLES = [
     ["reduce", "r1", "r2", "--claim", "bitwise", "--out", "v.json", "--source", "s", "--source-step", "2"],
     ["funnel", "--out", "o", "--plant-kill", "--capture", "c", "--replay-config", "r.toml"],
     ["step", "plan", "--spec", "s.toml", "--plant", "p"], ["step", "prune", "--run-root", "r", "--older-than", "3"],
+    ["step", "verdict", "--run-dir", "r", "--code", "0"],
     ["step", "capture", "--spec", "s.toml", "--run-dir", "r"],
     ["step", "replay", "--spec", "s.toml", "--run-dir", "r", "--position", "1", "--ranks", "2"],
     ["step", "reduce", "--spec", "s.toml", "--run-dir", "r", "--blocks", "2"],

@@ -368,3 +368,50 @@ def test_the_line_names_what_ended_the_run_as_the_exit_handler_recorded_it() -> 
     late["status"]["outputs"] = {"parameters": [{"name": "ended", "value": json.dumps(record)}]}
     code, line = workflow_code(late)
     assert code == 3 and "without a verdict" in line and line.endswith("it was stopped (Stopped with strategy 'Stop')")
+
+
+# ------------------------------------------------------------------- step verdict (Slurm's submit.sh --wait)
+def verdict_text(name: str) -> str:
+    doc = load(name)
+    value: str = next(p["value"] for p in doc["status"]["outputs"]["parameters"] if p["name"] == "verdict")
+    return value
+
+
+@pytest.mark.parametrize(("name", "code", "expected"), [
+    ("succeeded.json", 0, 0), ("failed-gate.json", 1, 1), ("refused.json", 2, 2),
+    ("succeeded.json", 1, 3), ("failed-gate.json", 0, 3), ("refused.json", 0, 3), ("succeeded.json", 3, 3),
+])
+def test_step_verdict_is_the_reducer_s_code_confirmed_by_its_verdict(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, code: int, expected: int) -> None:
+    """The launcher's outcome of a run whose reducer it saw end with ``code``: the code when RUN/verdict.json
+    says the same, 3 when the two disagree (never the reducer's 0 beside a verdict that is not a pass)."""
+    (tmp_path / "verdict.json").write_text(verdict_text(name), encoding="utf-8")
+    assert main(["step", "verdict", "--run-dir", str(tmp_path), "--code", str(code)]) == expected
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err and ("disagree" in out.err) == (expected == 3)
+
+
+@pytest.mark.parametrize("what", ["missing", "a link", "forged into a pass", "a duplicated exit_code", "not JSON"])
+def test_step_verdict_without_a_readable_verdict_decides_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], what: str) -> None:
+    path = tmp_path / "verdict.json"
+    refused = json.loads(verdict_text("refused.json"))
+    if what == "a link":
+        (tmp_path / "elsewhere.json").write_text(verdict_text("succeeded.json"), encoding="utf-8")
+        path.symlink_to(tmp_path / "elsewhere.json")
+    elif what == "forged into a pass":
+        path.write_text(json.dumps({**refused, "status": "pass", "exit_code": 0}), encoding="utf-8")
+    elif what == "a duplicated exit_code":
+        path.write_text(json.dumps(refused)[:-1] + ', "exit_code": 0}', encoding="utf-8")
+    elif what == "not JSON":
+        path.write_text("{not json", encoding="utf-8")
+    assert main(["step", "verdict", "--run-dir", str(tmp_path), "--code", "0"]) == 3
+    err = capsys.readouterr().err
+    assert "nothing decided" in err and "Traceback" not in err, err
+    assert ("no verdict" in err) == (what == "missing")
+
+
+def test_step_verdict_code_is_a_process_status(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("256", "-1", "0x0", "one"):
+        assert main(["step", "verdict", "--run-dir", str(tmp_path), "--code", bad]) == 2
+        assert "--code" in capsys.readouterr().err

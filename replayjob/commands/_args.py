@@ -27,6 +27,7 @@ OPTION_RANGES: dict[str, tuple[int, int]] = {
     "--source-step": (0, INT64_MAX),
     "--top": (0, 1_000_000),
     "--older-than": (1, 36_500),
+    "--code": (0, 255),  # a process exit status
     "--repeats": (1, 10_000),
     "--wait-s": (0, 7 * 24 * 3600),
     "--ranks": (1, 65_536),

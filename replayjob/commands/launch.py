@@ -46,6 +46,8 @@ def _step(args: dict[str, Any]) -> int:
     if args["prune"]:  # retention: no spec, no run directory
         step.prune_runs(Path(args["--run-root"]), integer(args, "--older-than"), dry_run=args["--dry-run"])
         return 0
+    if args["verdict"]:  # a launcher's outcome: no spec, the run directory's verdict and the reducer's code
+        return step.confirm_verdict(Path(args["--run-dir"]), integer(args, "--code"))
     spec = step.select(load_spec(args["--spec"]), args["--arms"],
                        integer_or(args, "--repeats", None),
                        args["--device"], args["--claim"])

@@ -79,11 +79,14 @@ from typing import Any
 from replayjob.artifacts import metrics, run_end
 from replayjob.artifacts import run_record as runrecord
 from replayjob.artifacts.capture_manifest import REPLAY_CONFIG
+from replayjob.artifacts.cluster_status import judge
 from replayjob.artifacts.pods import to_dict as pods_to_dict
 from replayjob.artifacts.spec import DETERMINISM_ENV, RENDERED_ENV, AblationSpec, Run, is_digest_ref
+from replayjob.artifacts.verdict import MAX_VERDICT_BYTES, Verdict, read_verdict
 from replayjob.config.dump import replay_pins, set_args
 from replayjob.digest import is_sha256_hex, sha256_file, sha256_json
 from replayjob.errors import (
+    EXIT_OK,
     ConfigError,
     ContractError,
     RefusedError,
@@ -91,7 +94,7 @@ from replayjob.errors import (
     UsageError,
     error_for_exit_status,
 )
-from replayjob.fsio import atomic_write_bytes, atomic_write_text
+from replayjob.fsio import atomic_write_bytes, atomic_write_text, read_regular_bytes
 from replayjob.gate import reducer
 from replayjob.jsonio import pretty_bytes
 from replayjob.launch import capture_ref as external
@@ -634,6 +637,29 @@ def expected_files(spec: AblationSpec, layout: Layout, blocks: int | None = None
     for run in spec.runs():
         if blocks is None or run.repeat < blocks:
             yield layout.replay(run.arm, run.repeat) / metrics.REPLAY_FILE
+
+
+def confirm_verdict(run: Path, code: int) -> int:
+    """``step verdict``: a launcher's outcome of run directory ``run`` whose reducer ended with ``code``, as the
+    launcher saw it (Slurm's accounting).  ``RUN/verdict.json`` is read through the one verdict reader without
+    following a link, and the two are judged by the rule ``argo wait`` and the driver apply
+    (:func:`replayjob.artifacts.cluster_status.judge`): the code when they agree, 3 when the verdict is missing or
+    unreadable or says another code (a verdict edited after the reducer wrote it decides nothing)."""
+    path = run / "verdict.json"
+    step = f"reduce exited {code}"
+    verdict: Verdict | None = None
+    unreadable: str | None = None
+    try:
+        if os.path.lexists(path):  # none there: no verdict (a link, even a dangling one, is unreadable)
+            verdict = read_verdict(read_regular_bytes(path, max_bytes=MAX_VERDICT_BYTES, what="verdict"),
+                                   where=str(path))
+    except ReplayjobError as exc:
+        unreadable = exc.message
+    except OSError as exc:
+        unreadable = f"{path}: {exc.strerror or exc}"
+    outcome, line = judge(verdict, unreadable, code, step, need_code=True)
+    print(f"{path}: {line}", file=sys.stdout if outcome == EXIT_OK else sys.stderr)
+    return outcome
 
 
 def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, outputs: Path | None = None,

@@ -24,9 +24,9 @@
 # more ranks than a node has GPUs (the spec's node_gpus; step plan's nodes=R:K) asks for --nodes=K
 # --ntasks-per-node=R/K, and srun spreads its tasks over every node of the allocation, the first
 # node's host being MASTER_ADDR (from the virtual environment only: with --image it is refused).
-# --wait blocks until reduce ends and exits with its code: 0 pass, 1 fail, 2 refused, 3 error (also
-# when the reduce job ended without a verdict: cancelled, timed out, node failure; nothing was
-# decided, retrying may help).  Every job is requeued after infrastructure failures (--requeue: node
+# --wait blocks until reduce ends and exits with its code as its verdict confirms it (replayjob step
+# verdict): 0 pass, 1 fail, 2 refused, 3 error (also when the reduce job ended without a readable verdict
+# that says the same code: cancelled, timed out, node failure, an edited verdict; nothing was decided).  Every job is requeued after infrastructure failures (--requeue: node
 # failure, preemption) and after exit 3 (lib.sh finish_step), never for exit 1 or 2.  <out> and this checkout must be on a filesystem every
 # node sees.  Slurm-side settings are in <out>/slurm/job.env, logs in <out>/logs/.
 set -euo pipefail
@@ -387,12 +387,12 @@ if [ "$state" = COMPLETED ] || { [ "$state" = FAILED ] && [ "$signal" = 0 ] && i
       "log $OUT/logs/reduce-$reduce_id.out" >&2
     exit 3
   fi
-  if [ ! -f "$OUT/verdict.json" ]; then
-    echo "submit: reduce exited $status but wrote no $OUT/verdict.json; nothing was decided" >&2
-    exit 3
-  fi
-  echo "submit: reduce exited $status; verdict $OUT/verdict.json (log $OUT/logs/reduce-$reduce_id.out)"
-  exit "$status"
+  # the outcome is the reducer's code only as its verdict confirms it, read strictly (argo wait's and the
+  # driver's rule): a missing, unreadable or edited verdict, or one that says another code, is 3
+  outcome=0
+  "${REPLAYJOB[@]}" step verdict --run-dir "$OUT" --code "$status" || outcome=$?
+  echo "submit: reduce exited $status; outcome $outcome (log $OUT/logs/reduce-$reduce_id.out)"
+  exit "$outcome"
 fi
 echo "submit: reduce job $reduce_id ended $state (exit $exit_code) without a verdict; nothing was decided" >&2
 exit 3
