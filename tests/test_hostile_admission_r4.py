@@ -284,3 +284,18 @@ def test_a_world_size_above_the_captured_rows_is_refused_by_explain(
                  "--set", 'optimizer_batch.allow_config_differences=["distributed.world_size"]']) == 2
     out = capsys.readouterr().out
     assert "16 logical rows cannot be split over 32 ranks" in out, out
+
+
+@pytest.mark.parametrize("setting", ["capture_steps=[0]", "ring_size=3", "ring_grad_norm_above=3.0",
+                                     "ring_loss_spike_multiple=2.0", "capture=true"])
+def test_a_source_run_setting_in_a_replay_config_is_refused_for_every_producer(
+        setting: str, workspace: Path, capture_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the capture API refused capture, capture_steps and ring_size; the built-in trainer's admission refused
+    # capture only, and a ring trigger passed both (read by nothing in a replay)
+    from tests.conftest import replay_pins
+    capsys.readouterr()
+    assert main(["explain", str(workspace / "replay.toml"), *replay_pins(capture_dir),
+                 "--set", f"optimizer_batch.{setting}"]) == 2
+    out = capsys.readouterr().out
+    key, value = setting.split("=")
+    assert f"optimizer_batch.{key} = {value}: source-run settings" in out, out

@@ -3,7 +3,8 @@
 :func:`admit` runs the same sequence for every producer, collecting every reason rather than stopping at the
 first, and skipping a check whose input failed an earlier one:
 
-1. the replay config's own settings (the producer kind's :meth:`Kind.runner`);
+1. the replay config's own settings (the producer kind's :meth:`Kind.runner`, and no source-run setting,
+   :func:`check_source_settings`);
 2. both external pins of ``[optimizer_batch]`` (the manifest's SHA-256 and the logical batch's), the manifest
    path, the arm name and the tolerance, budget and bound pins (:func:`check_pins`);
 3. the manifest: its bytes against their pin before they are parsed (or the manifest a caller verified
@@ -31,6 +32,7 @@ the replay refuses unless it admits.  :func:`render` is the one text form of an 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -144,6 +146,20 @@ def check_pins(ob: OptimizerBatchConfig, out: Refusals, pins: dict[str, str], ma
                 out.refuse(exc.message, integrity=True)
 
 
+SOURCE_SETTINGS = ("capture", "capture_steps", "ring_size", "ring_grad_norm_above", "ring_grad_norm_median_multiple",
+                   "ring_loss_spike_multiple")  # what a training run captures: no replay reads them
+
+
+def check_source_settings(ob: OptimizerBatchConfig, out: Refusals) -> None:
+    """``[optimizer_batch]``'s source-run settings (which steps a training run captures, its ring buffer and the
+    ring's triggers) left unset in a replay config, whoever produced the capture: a replay captures nothing, so
+    a value there would be read by nothing."""
+    found = [f"{k} = {json.dumps(getattr(ob, k))}" for k in SOURCE_SETTINGS if getattr(ob, k)]
+    if found:
+        out.refuse(f"optimizer_batch.{', '.join(found)}: source-run settings (what a training run captures); a replay "
+                   "config leaves them unset, since a replay captures nothing")
+
+
 def _check_manifest(adm: Admission, kind: Kind) -> None:
     """The manifest the config pins: verified against the pin before it is parsed, of this kind, and holding
     the logical batch the config pins."""
@@ -168,6 +184,7 @@ def admit(adm: Admission, kind: Kind) -> Admission:
     """Run every admission check on ``adm`` (a kind's :class:`Admission` holding its replay config) in the one
     order; never raises for a failed check (see :meth:`Refusals.raise_for`)."""
     kind.runner(adm)
+    check_source_settings(adm.optimizer_batch(), adm)
     check_pins(adm.optimizer_batch(), adm, adm.pins, kind.manifest_name)
     _check_manifest(adm, kind)
     if adm.manifest is not None:
@@ -241,5 +258,5 @@ def render(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Admission", "Kind", "Refusals", "admit", "check_contract", "check_differences",
-           "check_pins", "render"]
+__all__ = ["SOURCE_SETTINGS", "Admission", "Kind", "Refusals", "admit", "check_contract", "check_differences",
+           "check_pins", "check_source_settings", "render"]

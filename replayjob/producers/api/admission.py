@@ -499,11 +499,9 @@ def _check_config(adm: Admission) -> None:
 
 
 def _check_runner(adm: Admission) -> None:
+    """Nothing of the capture API's own: its source-run settings are the shared admission's
+    (:func:`replayjob.producers.admission.check_source_settings`)."""
     assert adm.cfg is not None
-    ob = adm.cfg.optimizer_batch
-    if ob.capture or ob.capture_steps or ob.ring_size:
-        adm.refuse("optimizer_batch.capture, capture_steps and ring_size are source-run settings; an integration "
-                   "replay config must leave them unset (the capture API captures an external trainer's steps)")
 
 
 @dataclass(frozen=True)

@@ -86,8 +86,6 @@ def _check_runner(adm: Admission) -> None:
         adm.refuse(f"training.max_steps must be 1 (one update), found {t.max_steps}")
     if t.save_every != 0:
         adm.refuse(f"training.save_every must be 0, found {t.save_every}")
-    if adm.cfg.optimizer_batch.capture:
-        adm.refuse("optimizer_batch.capture must be false in a replay config")
 
 
 def _check_payload(adm: Admission) -> None:
