@@ -2,7 +2,7 @@
 
 Commands timed, each on a tiny valid input made here first (a ``replayjob init`` workspace, one
 capture with bundle capture on, one replay): ``--help``, ``diag-diff`` (the capture's diag.jsonl
-against itself), ``reduce --claim exact-input`` and ``--claim bitwise`` (the one replay, ``--source``
+against a copy of it), ``reduce --claim exact-input`` and ``--claim bitwise`` (the one replay, ``--source``
 the capture), ``bundle inspect`` and ``bundle validate`` (the captured update bundle) and
 ``explain`` (the replay config with its pins).  A command not in this tree's CLI is reported as
 missing, not timed.  Each process also reports whether ``transformers`` or ``peft`` was imported.
@@ -63,6 +63,13 @@ def pin_args(source: Path) -> list[str]:
             "--set", f"optimizer_batch.expected_manifest_sha256=\"{manifest}\""]
 
 
+def _copy(diag: Path, scratch: Path) -> Path:
+    """A second file of the capture's rows (diag-diff refuses a file compared with itself)."""
+    copy = scratch / "diag-copy.jsonl"
+    copy.write_bytes(diag.read_bytes())
+    return copy
+
+
 def commands(inputs: dict[str, Path]) -> dict[str, tuple[str, list[str], tuple[int, ...]]]:
     """label -> (CLI command name, argv, accepted exit codes) for every no-model command."""
     ws, src, rep, bundle = inputs["workspace"], inputs["source"], inputs["replays"], inputs["bundle"]
@@ -70,7 +77,7 @@ def commands(inputs: dict[str, Path]) -> dict[str, tuple[str, list[str], tuple[i
     out = inputs["scratch"]
     return {
         "--help": ("--help", ["--help"], (0,)),
-        "diag-diff": ("diag-diff", ["diag-diff", str(src / "diag.jsonl"), str(src / "diag.jsonl")], (0,)),
+        "diag-diff": ("diag-diff", ["diag-diff", str(src / "diag.jsonl"), str(_copy(src / "diag.jsonl", out))], (0,)),
         "reduce exact-input": ("reduce", ["reduce", str(rep), "--claim", "exact-input", "--source", str(src),
                                           "--min-repeats", "1", "--out", str(out / "exact.json")], (0,)),
         "reduce bitwise": ("reduce", ["reduce", str(rep), "--claim", "bitwise", "--source", str(src),
