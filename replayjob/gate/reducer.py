@@ -22,6 +22,7 @@ The exact-input and bitwise claims import neither torch nor transformers nor pef
 
 from __future__ import annotations
 
+import gc
 import os
 import stat
 from dataclasses import dataclass
@@ -432,7 +433,21 @@ def _outputs_replace_only_outputs(req: Request) -> None:
 
 
 def reduce_evidence(req: Request) -> verdict.Verdict:
-    """Evaluate ``req.claim`` over the replays, write the report (if asked) and the verdict last."""
+    """Evaluate ``req.claim`` over the replays, write the report (if asked) and the verdict last.
+
+    The cyclic garbage collector is paused meanwhile: reading thousands of replays makes millions of small
+    objects that hold no reference cycle, and each full collection on the way walked every one read so far
+    (about 0.3 s of 3 at 10,000 replays); what the reduce leaves behind is collected when it is resumed."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _reduce(req)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _reduce(req: Request) -> verdict.Verdict:
     st = _State()
     refusal = None
     try:
@@ -449,6 +464,5 @@ def reduce_evidence(req: Request) -> verdict.Verdict:
     if req.missing:  # refused for want of evidence a stage did not produce: nothing was decided (3)
         doc = verdict.incomplete(doc, req.missing, req.there)
     if req.report is not None:
-
         write_report(req.report, doc)
     return verdict.write(req.out, doc)
