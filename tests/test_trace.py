@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import replay_pins
@@ -383,6 +385,21 @@ INDEX_MUTATIONS = {
 }
 
 
+def _re_pinned(src: Path, dst: Path, edit: Callable[[dict[str, Any]], object]) -> Path:
+    """A copy of replay ``src`` whose trace index ``edit`` changed, and its replay_metrics.json pinning the new
+    index (what a forger who rewrites both writes)."""
+    d = _copy(src, dst)
+    index = d / "trace" / "index.json"
+    doc = json.loads(index.read_text())
+    edit(doc)
+    index.chmod(0o644)
+    index.write_bytes(pretty_bytes(doc))
+    m = json.loads((d / "replay_metrics.json").read_text())
+    m["trace"]["index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
+    (d / "replay_metrics.json").write_bytes(pretty_bytes(m))
+    return d
+
+
 @pytest.mark.parametrize(("key", "value"), [("arm", "other-arm"), ("repeat_index", 7), ("device", "cuda:0"),
                                             ("manifest_sha256", "0" * 64), ("initial_adapter_sha256", "0" * 64),
                                             ("torch_version", "0.0.0")])
@@ -390,15 +407,7 @@ def test_a_trace_is_its_replay_s_own(key: str, value: object, runs: dict[str, Pa
                                      capsys: pytest.CaptureFixture[str]) -> None:
     """A trace whose identity is not what the replay_metrics.json pinning it records (another replay's trace, its
     pin rewritten) was compared under the trace's own labels; it is refused naming both."""
-    d = _copy(runs["b"], tmp_path / "b")
-    index = d / "trace" / "index.json"
-    doc = json.loads(index.read_text())
-    doc["identity"][key] = value
-    index.chmod(0o644)
-    index.write_bytes(pretty_bytes(doc))
-    m = json.loads((d / "replay_metrics.json").read_text())
-    m["trace"]["index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
-    (d / "replay_metrics.json").write_bytes(pretty_bytes(m))
+    d = _re_pinned(runs["b"], tmp_path / "b", lambda doc: doc["identity"].__setitem__(key, value))
     assert main(["trace-diff", str(runs["a"]), str(d)]) == 2
     err = capsys.readouterr().err
     assert f"the trace is not this replay's: its identity.{key} is {value!r}" in err and "Traceback" not in err
@@ -408,14 +417,7 @@ def test_a_trace_is_its_replay_s_own(key: str, value: object, runs: dict[str, Pa
 def test_a_re_pinned_but_inconsistent_index_is_refused(mutation: str, runs: dict[str, Path], tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """Past the pin (replay_metrics.json rewritten to match), the index itself must still hold."""
-    d = _copy(runs["b"], tmp_path / "b")
-    index = d / "trace" / "index.json"
-    doc = json.loads(index.read_text())
-    _set(doc, *INDEX_MUTATIONS[mutation])
-    index.write_bytes(pretty_bytes(doc))
-    m = json.loads((d / "replay_metrics.json").read_text())
-    m["trace"]["index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
-    (d / "replay_metrics.json").write_bytes(pretty_bytes(m))
+    d = _re_pinned(runs["b"], tmp_path / "b", lambda doc: _set(doc, *INDEX_MUTATIONS[mutation]))
     assert main(["trace-diff", str(runs["a"]), str(d)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and str(d) in err

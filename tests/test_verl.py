@@ -17,6 +17,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ import torch
 
 from benchmarks.verl_tiny import TinyTrainer, build_worker, rollout_batch, tiny_model
 from replayjob.cli import main
-from replayjob.digest import sha256_file
+from replayjob.digest import sha256_bytes, sha256_file
+from replayjob.jsonio import canonical_bytes
 from replayjob.producers.verl import producer as rv
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
@@ -294,6 +296,21 @@ def test_admission_refuses_a_changed_update_and_a_tampered_payload(vanilla: Path
 
 
 
+def _re_sealed(vanilla: Path, tmp_path: Path, edit: Callable[[dict[str, Any]], None]) -> tuple[Path, str]:
+    """A copy of the capture whose step-1 manifest ``edit`` changed, written canonically, with its replay config
+    pointed at the copy; and the new manifest's pin (what a forger who re-pins the manifest passes)."""
+    copy = tmp_path / "cap"
+    shutil.copytree(vanilla, copy)
+    path = copy / "optimizer_batch_step_000001.manifest.json"
+    doc = json.loads(path.read_text())
+    edit(doc)
+    data = canonical_bytes(doc) + b"\n"
+    path.write_bytes(data)
+    toml = copy / "replay_step_000001.toml"
+    toml.write_text(toml.read_text().replace(str(vanilla), str(copy)))
+    return toml, sha256_bytes(data)
+
+
 @pytest.mark.parametrize(("edit", "named"), [
     (lambda s: s.update(last_epoch="1"), "framework_state.lr_scheduler.last_epoch is 1, not an integer >= -1"),
     (lambda s: s.update(optimizer={}), "framework_state.lr_scheduler.optimizer names the scheduler's optimizer"),
@@ -305,20 +322,12 @@ def test_an_lr_scheduler_state_no_scheduler_holds_is_refused_by_explain(
     (its load_state_dict sets every key as an attribute): a re-pinned manifest with a string counter, a key naming
     the scheduler's optimizer or an lr_lambda of a number was admitted, and the replay failed in the scheduler's step
     (exit 3)."""
-    from replayjob.digest import sha256_bytes
-    from replayjob.jsonio import canonical_bytes
-    copy = tmp_path / "cap"
-    shutil.copytree(vanilla, copy)
-    path = copy / "optimizer_batch_step_000001.manifest.json"
-    doc = json.loads(path.read_text())
-    assert isinstance(doc["framework_state"]["lr_scheduler"], dict)
-    edit(doc["framework_state"]["lr_scheduler"])
-    data = canonical_bytes(doc) + b"\n"
-    path.write_bytes(data)
-    toml = copy / "replay_step_000001.toml"
-    toml.write_text(toml.read_text().replace(str(vanilla), str(copy)))
+    def scheduler(doc: dict[str, Any]) -> None:
+        assert isinstance(doc["framework_state"]["lr_scheduler"], dict)
+        edit(doc["framework_state"]["lr_scheduler"])
+
+    toml, pin = _re_sealed(vanilla, tmp_path, scheduler)
     capsys.readouterr()
-    pin = sha256_bytes(data)
     assert main(["explain", str(toml), "--set", f'optimizer_batch.expected_manifest_sha256="{pin}"']) == 2
     text = capsys.readouterr().out
     assert named in text and "Traceback" not in text, text
@@ -330,23 +339,15 @@ def test_param_groups_the_rebuilt_engine_does_not_have_are_refused_by_the_replay
     """The one param group split in two (its scheduler state dropped) and re-pinned: only the rebuilt engine's
     optimizer tells it has one group; its load_state_dict refused them with a ValueError, which the replay reported
     as its own failure (exit 3)."""
-    from replayjob.digest import sha256_bytes
-    from replayjob.jsonio import canonical_bytes
-    copy = tmp_path / "cap"
-    shutil.copytree(vanilla, copy)
-    path = copy / "optimizer_batch_step_000001.manifest.json"
-    doc = json.loads(path.read_text())
-    (group,) = doc["optimizer"]["param_groups"]
-    half = len(group["params"]) // 2
-    doc["optimizer"]["param_groups"] = [{**group, "params": group["params"][:half]},
-                                        {**group, "params": group["params"][half:]}]
-    doc["framework_state"]["lr_scheduler"] = None  # its groups would be refused by explain (one base lr each)
-    data = canonical_bytes(doc) + b"\n"
-    path.write_bytes(data)
-    toml = copy / "replay_step_000001.toml"
-    toml.write_text(toml.read_text().replace(str(vanilla), str(copy)))
+    def split(doc: dict[str, Any]) -> None:
+        (group,) = doc["optimizer"]["param_groups"]
+        half = len(group["params"]) // 2
+        doc["optimizer"]["param_groups"] = [{**group, "params": group["params"][:half]},
+                                            {**group, "params": group["params"][half:]}]
+        doc["framework_state"]["lr_scheduler"] = None  # its groups would be refused by explain (one base lr each)
+
+    toml, pin = _re_sealed(vanilla, tmp_path, split)
     capsys.readouterr()
-    pin = sha256_bytes(data)
     assert main(["replay", str(toml), "--out", str(tmp_path / "r"),
                  "--set", f'optimizer_batch.expected_manifest_sha256="{pin}"']) == 2
     text = capsys.readouterr().err
