@@ -1,5 +1,6 @@
 """``discover`` finds exactly what a walk with :func:`os.walk` finds, in pathlib's order, with one listing per
-directory."""
+directory; except that an entry named replay_metrics.json counts whatever it is (its reader refuses a directory
+or a FIFO there: malformed evidence, never missing evidence) and is not entered."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ def _walked(paths: list[str | Path]) -> list[Path]:
         if p.is_file():
             found.setdefault(Path(os.path.abspath(p)), None)
         else:
-            for d, _, names in os.walk(os.path.abspath(p)):
-                if REPLAY_FILE in names:
+            for d, dirs, names in os.walk(os.path.abspath(p)):
+                if REPLAY_FILE in names or REPLAY_FILE in dirs:
                     found.setdefault(Path(d) / REPLAY_FILE, None)
+                if REPLAY_FILE in dirs:
+                    dirs.remove(REPLAY_FILE)  # counted, not entered
     return sorted(found)
 
 
@@ -32,7 +35,7 @@ def test_discover_finds_what_os_walk_finds(tmp_path: Path) -> None:
         (root / rel).mkdir(parents=True)
         (root / rel / REPLAY_FILE).write_text("{}")
     (root / "a" / "r-2" / "other.json").write_text("{}")
-    (root / "named" / REPLAY_FILE).mkdir(parents=True)  # a directory of that name is entered, not counted
+    (root / "named" / REPLAY_FILE).mkdir(parents=True)  # a directory of that name is counted, not entered
     (root / "named" / REPLAY_FILE / REPLAY_FILE).write_text("{}")
     outside = tmp_path / "outside"
     (outside / "r").mkdir(parents=True)
@@ -47,7 +50,7 @@ def test_discover_finds_what_os_walk_finds(tmp_path: Path) -> None:
         "a/r-1/final_adapter/replay_metrics.json", "a/r-1/replay_metrics.json", "a/r-2/replay_metrics.json",
         "a-b/r-1/replay_metrics.json", "a.b/r/replay_metrics.json", "dangling/replay_metrics.json",
         "deep/x/y/z/replay_metrics.json", "file-link/replay_metrics.json",
-        "named/replay_metrics.json/replay_metrics.json"]
+        "named/replay_metrics.json"]
     again = discover([str(root / "a"), root, root / "a" / "r-1" / REPLAY_FILE])  # each file once
     assert again == got == _walked([root / "a", root, root / "a" / "r-1" / REPLAY_FILE])
     assert all(type(p) is type(root) for p in got)

@@ -164,13 +164,17 @@ def test_a_jobset_s_status_is_read_through_the_job_status_declaration(status: An
     assert job_end(ok, "j", kind="jobset") == ("Complete", "AllJobsCompleted", False)
 
 
-@pytest.mark.parametrize("planted", ["fifo", "directory", "malformed", "malformed after a good replay"])
+@pytest.mark.parametrize("blocks", [None, 2])
+@pytest.mark.parametrize("planted", ["fifo", "directory", "malformed", "malformed after a good replay",
+                                     "fifo after a good replay", "directory after a good replay"])
 def test_a_malformed_replay_beside_missing_ones_is_refused_not_incomplete(
-        tmp_path: Path, planted: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, planted: str, blocks: int | None, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """`step reduce` over a run whose replays are partly missing and partly malformed (a FIFO, a directory or
     invalid JSON where replay_metrics.json should be) refuses (2): the refusal of evidence that is there stands.
     It was `incomplete` (3, retryable), the malformed replay counted among the missing ones or the refusal
-    taken for missing evidence because it stopped the reduce before any replay was read."""
+    taken for missing evidence because it stopped the reduce before any replay was read.  A look over blocks
+    (`--blocks`, the funnel's) reads the same: a FIFO or a directory there is not left out as missing."""
     import json
     import shutil
 
@@ -190,18 +194,19 @@ def test_a_malformed_replay_beside_missing_ones_is_refused_not_incomplete(
     shutil.copytree(ev.source, run / "source")
     shutil.copytree(ev.root / "init_resume", run / "init_resume")
     bad = run / "replays" / "ckpt-off" / "0"
-    if planted == "malformed after a good replay":
+    if planted.endswith("after a good replay"):
         shutil.copytree(ev.root / "replays" / "ckpt-off" / "repeat-000", bad)
         bad = run / "replays" / "ckpt-on" / "0"
     bad.mkdir(parents=True)
     metrics = bad / "replay_metrics.json"
-    if planted == "fifo":
+    if planted.startswith("fifo"):
         os.mkfifo(metrics)
-    elif planted == "directory":
+    elif planted.startswith("directory"):
         metrics.mkdir()
     else:
         metrics.write_text("{not json", encoding="utf-8")
-    assert main(["step", "reduce", "--spec", str(spec), "--run-dir", str(run)]) == 2
+    look = [] if blocks is None else ["--blocks", str(blocks)]
+    assert main(["step", "reduce", "--spec", str(spec), "--run-dir", str(run), *look]) == 2
     err = capsys.readouterr().err
     assert "nothing decided" not in err and "Traceback" not in err, err
     verdict = json.loads((run / "verdict.json").read_text(encoding="utf-8"))

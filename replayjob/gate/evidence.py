@@ -52,8 +52,8 @@ def discover_listed(paths: Sequence[str | Path]) -> list[tuple[Path, tuple[str, 
     found: dict[str, tuple[str, ...] | None] = {}
     for raw in paths:
         p = Path(raw)
-        if p.is_file():
-            found.setdefault(os.path.abspath(p), None)
+        if p.is_file() or (p.name == REPLAY_FILE and os.path.lexists(p)):  # a replay's file named directly: its
+            found.setdefault(os.path.abspath(p), None)                      # reader refuses what is no regular file
         elif p.is_dir():
             hits: list[tuple[str, tuple[str, ...]]] = []
             _hits(os.path.abspath(p), hits)
@@ -77,8 +77,8 @@ def _hits(top: str, out: list[tuple[str, tuple[str, ...]]]) -> None:
     """Append every :data:`REPLAY_FILE` at or below the directory ``top`` to ``out``, with the names in its
     directory, as :func:`os.walk` finds them, but refusing what a walk passes over in silence: a directory that
     cannot be listed, and a symbolic link to a directory (a replay hidden behind either would drop out of the
-    evidence unseen).  An entry of that name counts unless it is a directory; a link to a file counts, and its
-    reader refuses it as a link."""
+    evidence unseen).  An entry of that name counts whatever it is, and its reader refuses a link, a directory or
+    a FIFO (a replay whose file is not a file is malformed evidence, never missing evidence)."""
     try:
         listing = os.scandir(top)
     except OSError as exc:
@@ -97,11 +97,8 @@ def _hits(top: str, out: list[tuple[str, tuple[str, ...]]]) -> None:
                     raise RefusedError("a symbolic link to a directory inside the evidence is refused: the replays "
                                        "below it would be left out unseen", where=entry.path,
                                        hint="copy the directory in instead of linking to it")
-                if entry.name == REPLAY_FILE:
-                    if not entry.is_dir():
-                        hit = entry.path
-                    else:
-                        below.append(entry.path)
+                if entry.name == REPLAY_FILE:  # whatever it is: its reader refuses what is no regular file
+                    hit = entry.path
                 elif entry.is_dir(follow_symlinks=False):
                     below.append(entry.path)
             except OSError:  # os.walk counts an entry it cannot examine as a file, and enters no such entry

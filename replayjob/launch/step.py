@@ -463,10 +463,11 @@ def _set_aside(path: Path, layout: Layout, log: Any) -> None:
 
 
 def _wait_for(path: Path, wait_s: float, what: str, log: Any) -> bool:
-    """Wait up to ``wait_s`` seconds for ``path`` (an earlier stage's completion file)."""
+    """Wait up to ``wait_s`` seconds for ``path`` (an earlier stage's completion file) to be there, whatever it is:
+    its reader refuses what is not a regular file."""
     deadline = time.monotonic() + wait_s
     announced = False
-    while not path.is_file():
+    while not os.path.lexists(path):
         if time.monotonic() >= deadline:
             return False
         if not announced:
@@ -704,13 +705,12 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
     layout.replays.mkdir(parents=True, exist_ok=True)
     source_step = None
     if spec.capture is not None:  # one of several chosen steps: compared with that step's record
-
         try:
             source_step = capture_pins(layout.source, spec.capture.replay_config)[3]
         except ReplayjobError as exc:  # the reducer refuses the source itself, in the verdict it always writes
             log(f"step: the capture cannot be read: {exc.message}")
     # one look reads only its blocks' replays, even where later blocks already ran
-    paths = [str(layout.replays)] if blocks is None else [str(p) for p in expected if p.is_file()]
+    paths = [str(layout.replays)] if blocks is None else [str(p) for p in expected if os.path.lexists(p)]
     verdict = reducer.reduce_evidence(reducer.Request(
         paths=paths, claim=spec.claim, out=layout.verdict, source=layout.source,
         min_repeats=spec.effective_min_repeats, arms=tuple(a.name for a in spec.arms), spec=spec,
@@ -720,6 +720,5 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
     log(verdict.summary())
     log(f"step: wrote {layout.verdict}")
     if outputs is not None:  # the bytes the reducer wrote, not a second read of the shared volume's file
-
         atomic_write_bytes(outputs / "verdict.json", pretty_bytes(verdict.doc))
     return verdict
