@@ -373,6 +373,17 @@ def test_an_integer_and_a_float_are_compared_exactly(a: int | float, b: int | fl
     assert "DRIFT" in capsys.readouterr().out
 
 
+def test_an_exact_difference_beyond_the_float_range_is_an_infinite_drift(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """10**308 against -1.7e308: each is in the float range, their exact difference is not (an OverflowError
+    traceback, exit 3); it is an infinite difference, never within any tolerance."""
+    assert number_diff(10**308, -1.7e308, Tolerance()) == math.inf
+    pa, pb = pair(tmp_path, [{"step": 0, "x": 10**308}], [{"step": 0, "x": -1.7e308}])
+    assert main(["diag-diff", str(pa), str(pb)]) == 1
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err and "x" in out.out
+
+
 @pytest.mark.parametrize("flag", [[], ["--json"]])
 def test_a_lone_surrogate_in_a_row_is_refused_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                               flag: list[str]) -> None:

@@ -94,7 +94,10 @@ def number_diff(a: int | float, b: int | float, tol: Tolerance) -> float | None:
         exact = abs(Fraction(a) - Fraction(b))  # (2**53 + 1 read as a float is 2**53: no difference at zero tolerance)
         if exact <= Fraction(tol.atol) + Fraction(tol.rtol) * abs(Fraction(b)):
             return None
-        return float(exact)
+        try:
+            return float(exact)
+        except OverflowError:  # the exact difference of two numbers in the float range can be beyond it
+            return math.inf
     d = abs(fa - fb)
     return None if d <= tol.atol + tol.rtol * abs(fb) else d
 
