@@ -4,6 +4,7 @@ each claim's pass, and each failing case with its exit code and the failing chec
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from replayjob.cli import main
 from replayjob.gate import synthetic
+from replayjob.gate.reducer import Request, reduce_evidence
 from replayjob.jsonio import pretty_bytes
 from replayjob.runtime.knobs import GRADIENT_CHECKPOINTING as GC_KEY
 
@@ -993,3 +995,18 @@ def test_an_arm_name_with_control_characters_is_refused(ev: synthetic.Evidence, 
     clean = Refusals()
     check_pins(OptimizerBatchConfig(arm="gradient_checkpointing=true+micro_batch_size=2"), clean, {}, "m.json")
     assert not any("optimizer_batch.arm" in r for r in clean.reasons)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_reduce_leaves_the_garbage_collector_as_it_found_it(tmp_path: Path, enabled: bool) -> None:
+    """reduce pauses the cyclic collector while it reads; after a pass and after a refusal alike it is on again,
+    unless the caller had it off."""
+    ev = synthetic.build(tmp_path / "ev", {"a": {}, "b": {GC_KEY: True}}, 3)
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        for paths, status in (([str(ev.root / "replays")], "pass"), ([str(tmp_path / "no-such-dir")], "refused")):
+            v = reduce_evidence(Request(paths, "exact-input", tmp_path / "v.json", source=ev.source, baseline="a"))
+            assert v.status == status and gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
