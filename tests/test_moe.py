@@ -56,6 +56,7 @@ def moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         return d / name
 
     out["free"] = replay("free", "--trace")
+    out["free_again"] = replay("free_again", "--trace", "--repeat-index", "1")  # a same-condition repeat
     out["batched"] = replay("batched", "--trace", "--set", 'model.experts_implementation="batched_mm"',
                             "--set", 'optimizer_batch.allow_config_differences=["model.experts_implementation"]')
     out["forced"] = replay("forced", "--trace", *forced(out["routing_file"], out["routing_sha"]))
@@ -506,7 +507,7 @@ def test_flips_between_same_condition_repeats_are_reported(moe_runs: dict[str, A
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """An arm directory's repeats are the routing's own noise: their flips are counted beside the arms'."""
     quiet, noisy = tmp_path / "quiet", tmp_path / "noisy"
-    for arm, second in ((quiet, moe_runs["forced"]), (noisy, moe_runs["flips"])):
+    for arm, second in ((quiet, moe_runs["free_again"]), (noisy, moe_runs["flips"])):
         shutil.copytree(moe_runs["free"], arm / "repeat-000")
         shutil.copytree(second, arm / "repeat-001")
     rc, rep = trace_diff(capsys, quiet, moe_runs["flips"])

@@ -122,10 +122,16 @@ def test_repeats_and_reference_pair_set_the_envelope(runs: dict[str, Path], tmp_
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     arm = tmp_path / "arm"
     shutil.copytree(runs["a"], arm / "repeat-000")
-    shutil.copytree(runs["mb1"], arm / "repeat-001")  # a "repeat" that differs: its errors become the envelope
+    shutil.copytree(runs["b"], arm / "repeat-001")  # a same-condition repeat: its errors (none on CPU) are noise
     rc, rep = diff(capsys, str(arm), str(runs["mb1"]))
-    assert rc == 1 and rep["envelope"]["repeat_pairs"] == 1 and rep["envelope"]["sources"]["repeats"] > 0
-    assert rep["classification"] == "noise"
+    assert rc == 1 and rep["envelope"]["repeat_pairs"] == 1
+    mixed = tmp_path / "mixed"
+    shutil.copytree(runs["a"], mixed / "repeat-000")
+    shutil.copytree(runs["mb1"], mixed / "repeat-001")  # a "repeat" of another condition would widen the envelope
+    capsys.readouterr()
+    assert main(["trace-diff", str(mixed), str(runs["fault"])]) == 2
+    err = capsys.readouterr().err
+    assert "another condition: identity.arm is 'micro_batch_size=1' in repeat-001, 'baseline' in " in err, err
     rc, rep = diff(capsys, str(runs["a"]), str(runs["mb1"]), "--reference", str(runs["a"]),
                    "--reference", str(runs["mb1"]))
     judged = [p["grad"] for p in rep["params"] if p["grad"]["status"] != "equal"]

@@ -106,6 +106,7 @@ def load_side(path: str | Path) -> list[Side]:
     """The traces of a replay directory (one) or of an arm directory (its repeats, in order), verified
     against the index SHA-256 their replay_metrics.json pins."""
     out = []
+    conditions: list[tuple[Path, dict[str, Any]]] = []
     for d in _replay_dirs(Path(path)):
         metrics = check_no_symlinks(path, d / REPLAY_FILE, what="replay")  # e.g. a linked repeat-NNN/
         if not metrics.is_file():
@@ -124,7 +125,30 @@ def load_side(path: str | Path) -> list[Side]:
         trace = read_trace(d, expected_index_sha256=pin)
         _same_replay(trace, rep, d)
         out.append(Side(d, trace, routing, compute))
+        conditions.append((d, rep.knobs))
+    _one_condition(out, conditions)
     return out
+
+
+CONDITION = ("arm", "micro_batch_size", "gradient_checkpointing", "device", "torch_version", "fault")
+
+
+def _one_condition(sides: list[Side], conditions: list[tuple[Path, dict[str, Any]]]) -> None:
+    """An arm directory's repeats are replays of one condition (arm, knobs, micro-batching, checkpointing,
+    device, build, planted fault): their differences are the noise envelope, so a "repeat" of another condition
+    would widen it until a divergence read as noise."""
+    first, (first_dir, first_knobs) = sides[0], conditions[0]
+    for side, (d, knobs) in zip(sides[1:], conditions[1:], strict=True):
+        said = [(f"identity.{k}", first.trace.identity[k], side.trace.identity[k]) for k in CONDITION
+                if side.trace.identity[k] != first.trace.identity[k]]
+        if knobs != first_knobs:
+            said.append(("knobs", first_knobs, knobs))
+        if said:
+            what, mine, theirs = said[0]
+            raise ContractError(f"the repeats of one arm directory are replays of another condition: {what} is "
+                                f"{theirs!r} in {d.name}, {mine!r} in {first_dir.name}", where=d.parent,
+                                hint="an arm directory holds repeats of one arm only; compare other conditions as "
+                                     "the two sides of trace-diff")
 
 
 def _same_replay(trace: Trace, rep: Replay, where: Path) -> None:
