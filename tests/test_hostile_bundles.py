@@ -1,4 +1,4 @@
-"""Hostile bundles, round 4: what ``bundle replay`` relies on that ``bundle validate`` must refuse first.
+"""Hostile bundles: what ``bundle replay`` relies on that ``bundle validate`` must refuse first.
 
 Each bundle is synthetic (:mod:`replayjob.bundle.synthetic`) and rewritten the way a producer without the
 reader's checks (or a forger) would, every digest re-sealed (``tests/test_bundle_checks._forge``).
