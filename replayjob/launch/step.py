@@ -234,6 +234,9 @@ def launch_ranks(nproc: int, argv: Sequence[str], launcher: str, where: Path) ->
                                           f"{tail}", where=where)
 
 
+VERDICT_FILE = "verdict.json"  # RUN/verdict.json, and the file of the same name under --outputs
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where every artifact of one run lives (see the module docstring)."""
@@ -258,7 +261,7 @@ class Layout:
 
     @property
     def verdict(self) -> Path:
-        return self.run / "verdict.json"
+        return self.run / VERDICT_FILE
 
     @property
     def owns_workspace(self) -> bool:
@@ -646,7 +649,7 @@ def confirm_verdict(run: Path, code: int) -> int:
     following a link, and the two are judged by the rule ``argo wait`` and the driver apply
     (:func:`replayjob.artifacts.cluster_status.judge`): the code when they agree, 3 when the verdict is missing or
     unreadable or says another code (a verdict edited after the reducer wrote it decides nothing)."""
-    path = run / "verdict.json"
+    path = run / VERDICT_FILE
     step = f"reduce exited {code}"
     verdict: Verdict | None = None
     unreadable: str | None = None
@@ -720,5 +723,5 @@ def reduce_step(spec: AblationSpec, layout: Layout, *, wait_s: float = 0, output
     log(verdict.summary())
     log(f"step: wrote {layout.verdict}")
     if outputs is not None:  # the bytes the reducer wrote, not a second read of the shared volume's file
-        atomic_write_bytes(outputs / "verdict.json", pretty_bytes(verdict.doc))
+        atomic_write_bytes(outputs / VERDICT_FILE, pretty_bytes(verdict.doc))
     return verdict
