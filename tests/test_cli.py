@@ -288,6 +288,38 @@ def test_every_integer_option_has_a_declared_range() -> None:
     assert read == set(_args.OPTION_RANGES), (read ^ set(_args.OPTION_RANGES))
 
 
+def test_every_number_option_has_a_declared_range() -> None:
+    """Each option read through ``number`` is in NUMBER_RANGES, and no command reads an option with ``float()``."""
+    from replayjob.commands import _args
+    read = set()
+    for path in (Path(replayjob.__file__).parent / "commands").glob("*.py"):
+        text = path.read_text()
+        read |= set(re.findall(r"number\(args, \"(--[a-z-]+)\"", text))
+        assert not re.search(r"float\(args\[", text), path
+    assert read == set(_args.NUMBER_RANGES), (read ^ set(_args.NUMBER_RANGES))
+
+
+@pytest.mark.parametrize("raw", ["1_0", " 1", "1 ", "nan", "NaN", "inf", "-inf", "infinity", "\u0663", "0x10", "1e400",
+                                 "-1e-5", "1e7", "", "1e", ".", "+-1", "1e-1000000"])
+def test_a_number_option_must_be_a_plain_decimal_in_range(raw: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``--rtol 1_0`` read as ten and ``--atol nan`` as NaN through float(); each is refused before any file is
+    read (the files here do not exist)."""
+    from replayjob.commands._args import number
+    with pytest.raises(RefusedError, match="--rtol"):
+        number({"--rtol": raw}, "--rtol")
+    code = main(["diag-diff", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--rtol", raw])
+    err = capsys.readouterr().err
+    assert code == 2 and "--rtol" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("raw,value", [("0", 0.0), ("1e-5", 1e-5), ("0.5", 0.5), (".5", 0.5), ("1.", 1.0),
+                                       ("1E+3", 1000.0), ("-0", -0.0), ("1000000", 1e6)])
+def test_a_plain_decimal_number_option_is_read(raw: str, value: float) -> None:
+    from replayjob.commands._args import number
+    assert number({"--rtol": raw}, "--rtol") == value
+
+
 @pytest.mark.parametrize("key", sorted(__import__("replayjob.commands._args", fromlist=["_"]).OPTION_RANGES))
 def test_an_integer_option_outside_its_range_is_refused(key: str) -> None:
     from replayjob.commands._args import OPTION_RANGES, integer

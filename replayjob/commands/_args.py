@@ -15,6 +15,8 @@ T = TypeVar("T")
 
 INT64_MAX = 2**63 - 1
 _DECIMAL = re.compile(r"-?[0-9]{1,20}")
+# A plain decimal number: float() would also take "1_0" (ten), " 1", "nan", "inf" and "٣".
+_NUMBER = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]{1,3})?")
 # Every integer option of every command, with the closed range it accepts: checked when the option is
 # read, whatever other options are given (a test fails on an integer option missing here).
 OPTION_RANGES: dict[str, tuple[int, int]] = {
@@ -44,6 +46,13 @@ OPTION_RANGES: dict[str, tuple[int, int]] = {
 }
 
 
+# Every number option (not an integer), with the closed range it accepts; read by :func:`number`.
+NUMBER_RANGES: dict[str, tuple[float, float]] = {
+    "--rtol": (0.0, 1e6),  # an infinite tolerance would make any two numbers equal
+    "--atol": (0.0, 1e300),
+}
+
+
 def integer(args: dict[str, Any], key: str) -> int:
     """Option ``key`` as an integer in its declared range (:data:`OPTION_RANGES`; refused, exit 2, when it is
     not an integer or out of range)."""
@@ -54,6 +63,20 @@ def integer(args: dict[str, Any], key: str) -> int:
     lo, hi = OPTION_RANGES.get(key, (-INT64_MAX - 1, INT64_MAX))
     if not lo <= value <= hi:
         raise UsageError(f"{key} must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def number(args: dict[str, Any], key: str) -> float:
+    """Option ``key`` as a finite number in its declared range (:data:`NUMBER_RANGES`; refused, exit 2, when it is
+    not a plain decimal number or out of range)."""
+    raw = args[key]
+    if not isinstance(raw, str) or not _NUMBER.fullmatch(raw):
+        raise UsageError(f"{key} expects a plain decimal number (digits, an optional point, sign and exponent: "
+                         f"1e-5, 0.001), got {raw!r}")
+    value = float(raw)
+    lo, hi = NUMBER_RANGES[key]
+    if not lo <= value <= hi:  # an exponent past the float range reads as inf: out of range too
+        raise UsageError(f"{key} must be between {lo:g} and {hi:g}, got {raw}")
     return value
 
 
@@ -68,10 +91,7 @@ def path_or_none(args: dict[str, Any], key: str) -> Path | None:
 
 
 def diff_options(args: dict[str, Any]) -> dict[str, Any]:
-    try:
-        tol = Tolerance(rtol=float(args["--rtol"]), atol=float(args["--atol"]))
-    except ValueError:
-        raise UsageError(f"--rtol/--atol expect numbers, got {args['--rtol']!r}, {args['--atol']!r}") from None
+    tol = Tolerance(rtol=number(args, "--rtol"), atol=number(args, "--atol"))
     return {"tol": tol, "ignore": args["--ignore"], "top": integer(args, "--top")}
 
 
