@@ -863,13 +863,12 @@ def test_the_ranks_rows_cover_the_replays_rows_exactly(ranked: synthetic.Evidenc
      "rank 1 ran on other hardware than its replay records: gpu_product"),
     (lambda d: d["host"].update(device_type="cuda"), "device_type 'cuda'"),
     (lambda d: d["host"].update(torch_version="0.0.1"), "torch_version '0.0.1'"),
-    (lambda d: d.update(loss=None), "loss"),
 ])
 def test_a_rank_file_is_read_whole_its_host_and_loss_included(ranked: synthetic.Evidence,
                                                              change: Callable[[dict[str, Any]], None],
                                                              needle: str) -> None:
     """inputs.same_hardware compares the replays' own host records, so each rank's must be its replay's hardware (a
-    rank on another GPU, torch or device went unseen); a rank's loss is a number (a null one reached the merge)."""
+    rank on another GPU, torch or device went unseen)."""
     from replayjob.artifacts.metrics import rank_file
     from replayjob.digest import sha256_bytes
 

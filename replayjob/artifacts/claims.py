@@ -24,7 +24,8 @@ from replayjob.errors import UsageError
 INPUT_CHECKS = ("inputs.expected_arms", "inputs.min_repeats", "inputs.single_source", "inputs.unique_repeats",
                 "inputs.final_adapter_on_disk", "inputs.arm_plan", "inputs.same_hardware", "inputs.capture_pins")
 EXACT_CHECKS = ("exact.logical_batch", "exact.effective_rows", "exact.initial_adapter", "exact.arm_knobs",
-                "exact.config_differences", "exact.skipped", "exact.knobs_in_effect", "exact.loss_same_condition",
+                "exact.config_differences", "exact.skipped", "exact.knobs_in_effect", "exact.finite_outcome",
+                "exact.loss_same_condition",
                 "exact.final_adapter_changed")
 SYSTEMS_ONLY_CHECK = "exact.systems_only"  # the claims of systems-only arms (Claim.systems_only)
 BITWISE_CHECKS = ("bitwise.final_within_arm", "bitwise.final_vs_source", "bitwise.grad_norm_same_condition",

@@ -102,6 +102,7 @@ BUDGETS_SHA256 = "budgets_sha256"
 SCHEDULE = "schedule"
 IN_PROCESS = "in_process"
 IN_PROCESS_WALLS = "local_train_wall_s"  # the measured in-process updates' seconds
+NONFINITE_OUTCOME = "nonfinite_outcome"  # which of the update's loss and gradient norm were NaN or infinite
 IN_PROCESS_LOSS_EQUAL = "loss_equal"  # every in-process update's loss equals the fresh update's
 # Replay only, optional for the readers: what contended with the timed updates (the contention
 # probe's record, replayjob.runtime.contention_probe.Probe); absent in metrics written before the probe: "not recorded".
@@ -127,6 +128,22 @@ def finite_or_none(v: float | None) -> float | None:
     return v if v is not None and math.isfinite(v) else None
 
 
+def outcome_fields(loss: float, grad_norm: float | None) -> dict[str, Any]:
+    """A replayed update's loss and gradient norm as its record holds them: strict JSON has no NaN, so a
+    non-finite one is null and named in :data:`NONFINITE_OUTCOME` (a null gradient norm not named there was not
+    recorded).  A knob that drives the update to a non-finite loss is a finding the gate fails
+    (``exact.finite_outcome``), not input to refuse."""
+    named = [k for k, v in (("grad_norm", grad_norm), ("loss", loss)) if v is not None and not math.isfinite(v)]
+    return {"loss": finite_or_none(loss), "grad_norm": finite_or_none(grad_norm), NONFINITE_OUTCOME: named}
+
+
+def loss_text(doc: dict[str, Any]) -> str:
+    """A replay record's loss as its one-line summary says it."""
+    if "loss" in doc.get(NONFINITE_OUTCOME, ()):
+        return "not finite (NaN or an infinity, recorded null: the gate fails it, exact.finite_outcome)"
+    return repr(doc["loss"])
+
+
 def rank_file(rank: int) -> str:
     """One rank's figures of a replay over several ranks (never read as a replay of its own)."""
     return f"replay_metrics.rank-{rank}.json"
@@ -145,15 +162,20 @@ def rank_files_present(directory: Path, listing: Iterable[str] | None = None) ->
     return sorted(names, key=lambda n: int(n.split("-")[-1].split(".")[0]))
 
 
-def merge_ranks(docs: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_ranks(docs: list[dict[str, Any]], nonfinite: Iterable[str] = ()) -> dict[str, Any]:
     """One replay's figures from its ranks' documents, in rank order: the loss summed in rank order
-    (float64, :func:`replayjob.runtime.distributed.rank_sum`), each time the slowest rank's (the update is done
-    when every rank is), peak memory the largest rank's, tokens and micro-batches summed."""
+    (float64, :func:`replayjob.runtime.distributed.rank_sum`; null when a rank's is null or the sum is not
+    finite, and then named in :data:`NONFINITE_OUTCOME` beside what ``nonfinite``, the replay's list, says of
+    the gradient norm), each time the slowest rank's (the update is done when every rank is), peak memory the
+    largest rank's, tokens and micro-batches summed."""
 
     real = sum(int(d["padding"]["real_tokens"]) for d in docs)
     padded = sum(int(d["padding"]["padded_tokens"]) for d in docs)
+    parts = [d["loss"] for d in docs]
+    loss = None if any(v is None for v in parts) else finite_or_none(rank_sum(parts))
     return {
-        "loss": rank_sum([d["loss"] for d in docs]),
+        "loss": loss,
+        NONFINITE_OUTCOME: sorted({*(k for k in nonfinite if k != "loss"), *(("loss",) if loss is None else ())}),
         "timing": {k: max(float(d["timing"][k]) for d in docs) for k in sorted(docs[0]["timing"])},
         "memory": {"peak_bytes": max(int(d["memory"]["peak_bytes"]) for d in docs), "kind": docs[0]["memory"]["kind"]},
         "padding": {"real_tokens": real, "padded_tokens": padded,
@@ -203,10 +225,10 @@ def _check_ranks(f: _Fields, doc: dict[str, Any], where: Path, dist: Distributed
                                       "rerun it there")
         docs.append(rdoc)
     try:
-        merged = merge_ranks(docs)
+        merged = merge_ranks(docs, doc.get(NONFINITE_OUTCOME, ()))
     except (KeyError, TypeError, ValueError):
         raise IntegrityError("a rank file lacks loss, timing, memory or padding figures", where=where.parent) from None
-    off = sorted(k for k, v in merged.items() if doc.get(k) != v)
+    off = sorted(k for k, v in merged.items() if doc.get(k, [] if k == NONFINITE_OUTCOME else None) != v)
     if off:
         raise IntegrityError(f"the replay's {', '.join(off)} are not the merge of its ranks' figures", where=where,
                              hint="replay_metrics.json changed after the replay; rerun it")
@@ -274,8 +296,7 @@ def replay_document(*, framework: str, arm: str, repeat_index: int, pins: dict[s
         "knobs": knob_values,
         "skipped": list(SKIPPED),
         "runtime": runtime,
-        "loss": loss,
-        "grad_norm": grad_norm,
+        **outcome_fields(loss, grad_norm),
         "timing": timing,
         "memory": {"peak_bytes": peak,
                    "kind": "cuda_max_allocated" if device.startswith("cuda") else "max_rss"},
@@ -357,7 +378,8 @@ def rank_document(*, rank: int, world_size: int, replay: dict[str, Any], rows: l
     reads it."""
     return {"schema": RANK_SCHEMA, "rank": rank, "world_size": world_size, "arm": replay["arm"],
             "repeat_index": replay["repeat_index"], "rows": rows, "shard_logical_sha256": shard_logical,
-            "shard_effective_rows_sha256": shard_effective, "loss": loss, "micro_batch_rows": micro_batch_rows,
+            "shard_effective_rows_sha256": shard_effective, "loss": finite_or_none(loss),
+            "micro_batch_rows": micro_batch_rows,
             "timing": replay["timing"], "memory": replay["memory"],
             "padding": replay["padding"] if padding is None else padding, HOST: replay[HOST]}
 
@@ -379,7 +401,7 @@ class Run:
     initial_adapter: str
     final_adapter: str
     final_adapter_file: Path | None  # None: a captured step's source (its SHA-256 is pinned, no file kept)
-    loss: float
+    loss: float | None  # None: a replay whose update's loss was not finite (a source's loss is always a number)
     grad_norm: float | None  # the update's pre-clip gradient norm (None: not recorded, or not finite)
     step: int | None  # the captured step (None: a built-in one-step source, whose metrics name no step)
 
@@ -413,6 +435,7 @@ class Replay(Run):
     memory_kind: str = ""
     in_process_wall_s: tuple[float, ...] | None = None  # measured in-process updates, if any
     in_process_loss_equal: bool | None = None
+    nonfinite: tuple[str, ...] = ()  # which of the update's loss and gradient norm were not finite
     contention: dict[str, Any] | None = None  # replayjob.runtime.contention_probe record; None: not recorded
     doc: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # as read
 
@@ -541,7 +564,7 @@ def read_replay(path: str | Path, *, listing: Iterable[str] | None = None) -> Re
         slot=None if slot is None else Slot(slot.design, slot.seed, slot.block, slot.position),
         in_process_wall_s=None if d.in_process is None else tuple(d.in_process.local_train_wall_s),
         in_process_loss_equal=None if d.in_process is None else d.in_process.loss_equal,
-        contention=doc.get(CONTENTION))
+        nonfinite=tuple(d.nonfinite_outcome), contention=doc.get(CONTENTION))
 
 
 def read_source(directory: str | Path, step: int | None = None) -> Source:

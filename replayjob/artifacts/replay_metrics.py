@@ -159,7 +159,7 @@ class RankMetrics(Document, frozen=True):
     rows: Annotated[list[Count], msgspec.Meta(min_length=2, max_length=2)]
     shard_logical_sha256: Digest
     shard_effective_rows_sha256: Digest
-    loss: Finite  # this rank's entry of the replay's loss, which is the entries' sum in rank order
+    loss: Finite | None  # this rank's entry of the replay's loss (the entries' sum in rank order); null: not finite
     micro_batch_rows: list[Count]
     timing: Timing
     memory: Memory
@@ -207,8 +207,10 @@ class ReplayMetrics(Document, frozen=True, kw_only=True):
     knobs: dict[str, Any]
     skipped: list[Text]
     runtime: dict[Text, Scalar]
-    loss: Finite
-    grad_norm: NonNegative | None
+    loss: Finite | None  # null: not finite (named in nonfinite_outcome)
+    grad_norm: NonNegative | None  # null: not finite (named in nonfinite_outcome) or not recorded
+    nonfinite_outcome: Annotated[list[Literal["grad_norm", "loss"]], msgspec.Meta(max_length=2)] = (
+        msgspec.field(default_factory=list))
     timing: Timing
     memory: Memory
     padding: Padding
@@ -230,6 +232,14 @@ class ReplayMetrics(Document, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         """The device, told four ways, is one: the replay's ``device``, the host's ``device_type``, the memory
         measure's kind (CUDA's allocator peak only on a CUDA device) and the contention record's device."""
+        named = self.nonfinite_outcome
+        if named != sorted(set(named)):
+            raise ValueError(f"`nonfinite_outcome` {named} must name each of grad_norm and loss at most once, sorted")
+        if (self.loss is None) != ("loss" in named):
+            raise ValueError("`loss` is null exactly when `nonfinite_outcome` names it (a non-finite loss), but "
+                             f"`loss` is {self.loss!r} and `nonfinite_outcome` is {named}")
+        if "grad_norm" in named and self.grad_norm is not None:
+            raise ValueError(f"`nonfinite_outcome` names grad_norm (not finite), but `grad_norm` is {self.grad_norm!r}")
         kind = self.device.split(":", 1)[0]
         host = self.host.get("device_type")
         if host is not None and host != kind:

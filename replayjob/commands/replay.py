@@ -31,7 +31,7 @@ def cmd_replay(args: dict[str, Any]) -> int:
     for out, m in replay_command(args["<config>"], sets, args["--out"], repeat, index, slot, nproc=nproc):
         if not m:  # a rank other than 0 of several: rank 0 reports the replay
             continue
-        print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}, "
+        print(f"replayed arm {m['arm']} repeat {m['repeat_index']}: loss {M.loss_text(m)}, "
               f"final adapter sha256 {m[M.FINAL_ADAPTER]}, "
               "in effect: " + (", ".join(f"{k}={v}" for k, v in sorted(m["runtime"].items()))
                                or f"no registered knobs ({m['framework']})"))

@@ -355,6 +355,7 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
                         {"missing": missing}, "every replay skipped dataset, environment, rollout, sampling",
                         tuple(missing)))
     checks.append(knobs_in_effect_check(arms, source))
+    checks.append(finite_outcome_check(replays, source))
     losses = _with_source(source, "loss", same_condition_replays(arms, source))
     if len(losses) < 2:  # the check cannot be made, so the claim cannot be graded: refused, not failed
         checks.append(Check("exact.loss_same_condition", g, REFUSED, "source and same-condition replays",
@@ -373,6 +374,20 @@ def exact_input_checks(replays: list[Replay], arms: dict[str, Arm], source: Sour
                         "differing final hashes across replays do not fail this claim (the files themselves "
                         "are hashed by inputs.final_adapter_on_disk)", tuple(sorted(unchanged))))
     return checks
+
+
+def finite_outcome_check(replays: list[Replay], source: Source | None) -> Check:
+    """Every replayed update ended with a finite loss and gradient norm: a knob that drives the update to NaN or
+    an infinity changed the numbers, so no timing or memory comparison of it stands.  A non-finite gradient norm
+    is judged only where the source recorded a finite one (a source whose norm is null may have skipped that
+    step's update itself)."""
+    judged = {"loss"} | ({"grad_norm"} if source is None or source.grad_norm is not None else set())
+    off = {r.label: [k for k in r.nonfinite if k in judged] for r in replays}
+    off = {k: v for k, v in off.items() if v}
+    return Check("exact.finite_outcome", "exact-input", FAIL if off else PASS,
+                 f"a finite {' and '.join(sorted(judged))} in every replay", {"nonfinite": off},
+                 "an update whose loss or gradient norm is NaN or infinite (recorded null, named in "
+                 "nonfinite_outcome) changed the numbers: the knob broke the update", tuple(sorted(off)))
 
 
 def knobs_in_effect_check(arms: dict[str, Arm], source: Source | None) -> Check:

@@ -632,7 +632,7 @@ def replay_step(spec: AblationSpec, layout: Layout, index: int, *, pins: str | N
     else:
         args = replay_args(spec, layout, run, logical, manifest, manifest_file, planted)
     for path, m in replay_command(config, args, out, None, run.repeat, run.slot, nproc=nproc, launcher=launcher):
-        log(f"step: replayed arm {m['arm']} repeat {m['repeat_index']}: loss {m['loss']!r}; wrote "
+        log(f"step: replayed arm {m['arm']} repeat {m['repeat_index']}: loss {metrics.loss_text(m)}; wrote "
             f"{path}/{metrics.REPLAY_FILE}")
 
 

@@ -207,7 +207,7 @@ class ReplaySession(Session):
         if self.rank != distributed.ROOT_RANK:
             return {}
         docs = [metrics_io.read_rank(out / metrics_io.rank_file(r), shas[r]) for r in range(self.world)]
-        metrics.update(metrics_io.merge_ranks(docs))
+        metrics.update(metrics_io.merge_ranks(docs, metrics[metrics_io.NONFINITE_OUTCOME]))
         metrics[metrics_io.DISTRIBUTED] = {
             "world_size": self.world, "strategy": "ddp", "sharding": "contiguous micro-batches",
             "ranks": [{"rank": r, "file": metrics_io.rank_file(r), "sha256": shas[r], "rows": docs[r]["rows"]}

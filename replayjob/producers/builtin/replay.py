@@ -174,7 +174,7 @@ class BuiltinSession(Session):
         if rank != distributed.ROOT_RANK:
             return {}
         docs = [metrics_io.read_rank(out / metrics_io.rank_file(r), shas[r]) for r in range(world)]
-        metrics.update(metrics_io.merge_ranks(docs))
+        metrics.update(metrics_io.merge_ranks(docs, metrics[metrics_io.NONFINITE_OUTCOME]))
         metrics[metrics_io.DISTRIBUTED] = {
             "world_size": world, "strategy": distributed.strategy_of(self.parallel), "sharding": distributed.SHARDING,
             "ranks": [{"rank": r, "file": metrics_io.rank_file(r), "sha256": shas[r], "rows": docs[r]["rows"]}
