@@ -8,11 +8,15 @@ API emulator (tests/k8s_emulator.py) to the real kubernetes client behind the CL
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import REPO
 from k8s_emulator import NS, Cluster, kubeconfig, serve
 from kubernetes import client
 from test_deploy_manifests import ARGO_VERSIONS, argo_errors
@@ -415,3 +419,37 @@ def test_step_verdict_code_is_a_process_status(tmp_path: Path, capsys: pytest.Ca
     for bad in ("256", "-1", "0x0", "one"):
         assert main(["step", "verdict", "--run-dir", str(tmp_path), "--code", bad]) == 2
         assert "--code" in capsys.readouterr().err
+
+
+def _confirm(run: Path, code: int, replayjob: list[str]) -> subprocess.CompletedProcess[str]:
+    """scripts/slurm/lib.sh's confirm_verdict, as submit.sh --wait calls it, with ``replayjob`` as the command."""
+    lib = REPO / "scripts" / "slurm" / "lib.sh"
+    script = (f'set -euo pipefail; . {shlex.quote(str(lib))}; REPLAYJOB=({" ".join(map(shlex.quote, replayjob))}); '
+              f'outcome=0; confirm_verdict {shlex.quote(str(run))} {code} || outcome=$?; echo "outcome=$outcome"')
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.parametrize(("name", "code", "expected"), [
+    ("succeeded.json", 0, 0), ("failed-gate.json", 1, 1), ("refused.json", 2, 2), ("succeeded.json", 1, 3)])
+def test_submit_takes_the_outcome_step_verdict_confirms(tmp_path: Path, name: str, code: int, expected: int) -> None:
+    (tmp_path / "verdict.json").write_text(verdict_text(name), encoding="utf-8")
+    res = _confirm(tmp_path, code, [sys.executable, "-m", "replayjob"])
+    assert res.stdout.splitlines()[-1] == f"outcome={expected}", res.stdout + res.stderr
+    assert "replayjob step verdict: outcome" not in res.stdout  # the confirmation is read, not shown
+
+
+@pytest.mark.parametrize("stand_in", [
+    # an image whose replayjob predates `step verdict`: docopt's usage error, exit 2 ("refused" if taken as is)
+    'echo "Usage: replayjob reduce ..." >&2; exit 2',
+    'echo "replayjob step verdict: outcome 0"; exit 1',  # says one outcome, exits another
+    'echo "replayjob step verdict: outcome 0"; kill -9 $$',  # a signal after the line
+    "exit 0",  # a runtime that ran nothing
+])
+def test_submit_decides_nothing_when_step_verdict_does_not_confirm(tmp_path: Path, stand_in: str) -> None:
+    (tmp_path / "verdict.json").write_text(verdict_text("succeeded.json"), encoding="utf-8")
+    fake = tmp_path / "replayjob"
+    fake.write_text(f"#!/usr/bin/env bash\n{stand_in}\n")
+    fake.chmod(0o755)
+    res = _confirm(tmp_path, 0, [str(fake)])
+    assert res.stdout.splitlines()[-1] == "outcome=3", res.stdout + res.stderr
+    assert "without confirming its outcome" in res.stderr and "nothing was decided" in res.stderr

@@ -235,6 +235,9 @@ def launch_ranks(nproc: int, argv: Sequence[str], launcher: str, where: Path) ->
 
 
 VERDICT_FILE = "verdict.json"  # RUN/verdict.json, and the file of the same name under --outputs
+# The last line `step verdict` prints on stdout: its outcome, which a launcher requires beside the exit status (an
+# image whose replayjob predates the command answers a usage error, exit 2, and would read as "refused").
+OUTCOME_LINE = "replayjob step verdict: outcome "
 
 
 @dataclass(frozen=True)
@@ -648,7 +651,8 @@ def confirm_verdict(run: Path, code: int) -> int:
     launcher saw it (Slurm's accounting).  ``RUN/verdict.json`` is read through the one verdict reader without
     following a link, and the two are judged by the rule ``argo wait`` and the driver apply
     (:func:`replayjob.artifacts.cluster_status.judge`): the code when they agree, 3 when the verdict is missing or
-    unreadable or says another code (a verdict edited after the reducer wrote it decides nothing)."""
+    unreadable or says another code (a verdict edited after the reducer wrote it decides nothing).  Its last line
+    on stdout is :data:`OUTCOME_LINE` and the outcome, which scripts/slurm/lib.sh ``confirm_verdict`` requires."""
     path = run / VERDICT_FILE
     step = f"reduce exited {code}"
     verdict: Verdict | None = None
@@ -663,6 +667,7 @@ def confirm_verdict(run: Path, code: int) -> int:
         unreadable = f"{path}: {exc.strerror or exc}"
     outcome, line = judge(verdict, unreadable, code, step, need_code=True)
     print(f"{path}: {line}", file=sys.stdout if outcome == EXIT_OK else sys.stderr)
+    print(f"{OUTCOME_LINE}{outcome}", flush=True)
     return outcome
 
 

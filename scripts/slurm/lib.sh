@@ -95,6 +95,26 @@ scontrol_retry() {
 REPLAYJOB_FINAL_STATUSES=(1 2)
 
 # is_retryable CODE: whether a step that exited CODE is retried (replayjob.errors.is_retryable).
+# confirm_verdict RUN_DIR CODE: the run's outcome, the reducer's CODE as RUN_DIR/verdict.json confirms it, read
+# by `replayjob step verdict` (0-3, returned).  The command must say its outcome on its last stdout line
+# ("replayjob step verdict: outcome N", the same N it exits with); without that line nothing was decided (3):
+# an image whose replayjob predates the command answers a usage error (2, which would read as "refused"), a
+# container runtime that failed or a signal ends it elsewhere.
+confirm_verdict() {
+  local said outcome=0 confirmed
+  said=$("${REPLAYJOB[@]}" step verdict --run-dir "$1" --code "$2") || outcome=$?
+  if [ -n "$said" ]; then
+    printf '%s\n' "$said" | grep -v '^replayjob step verdict: outcome ' || true
+  fi
+  confirmed=$(printf '%s\n' "$said" | sed -n 's/^replayjob step verdict: outcome \([0-3]\)$/\1/p' | tail -n 1)
+  if [ -z "$confirmed" ] || [ "$confirmed" != "$outcome" ]; then
+    echo "submit: replayjob step verdict exited $outcome without confirming its outcome (an image whose replayjob" \
+      "predates the command, a container runtime that failed, a signal); nothing was decided" >&2
+    return 3
+  fi
+  return "$outcome"
+}
+
 is_retryable() {
   local final
   [ "$1" -ne 0 ] || return 1

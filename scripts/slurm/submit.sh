@@ -390,14 +390,7 @@ if [ "$state" = COMPLETED ] || { [ "$state" = FAILED ] && [ "$signal" = 0 ] && i
   # the outcome is the reducer's code only as its verdict confirms it, read strictly (argo wait's and the
   # driver's rule): a missing, unreadable or edited verdict, or one that says another code, is 3
   outcome=0
-  "${REPLAYJOB[@]}" step verdict --run-dir "$OUT" --code "$status" || outcome=$?
-  case "$outcome" in
-    0 | 1 | 2 | 3) ;;
-    *)  # the reader did not run to its end (a container runtime that failed, a signal): nothing decided
-      echo "submit: replayjob step verdict exited $outcome; nothing was decided" >&2
-      outcome=3
-      ;;
-  esac
+  confirm_verdict "$OUT" "$status" || outcome=$?  # lib.sh: 3 unless the command confirms its 0-3
   echo "submit: reduce exited $status; outcome $outcome (log $OUT/logs/reduce-$reduce_id.out)"
   exit "$outcome"
 fi
