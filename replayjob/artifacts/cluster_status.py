@@ -1,11 +1,15 @@
 """How a cluster run's outcome is read: the Job and pod status fields the driver and ``k8s ... --wait``
-read, declared, and the one rule that turns a verdict and a reducer's exit code into an exit code.
+read, declared, the fields of the objects ``k8s resume`` and the driver find, adopt and create, declared,
+and the one rule that turns a verdict and a reducer's exit code into an exit code.
 
 The Kubernetes API's JSON is read through the declarations below (the fields replayjob reads, typed;
 every other field is the API's and ignored), never through the client's models: a status that is not
 what the API writes (a status that is a list, a condition without a type, an exit code that is a
 string) is :class:`~replayjob.errors.OperationalError` (exit 3) with one line naming the object and
-the field, never a traceback, and nothing is decided from it.
+the field, never a traceback, and nothing is decided from it (:func:`read_status`).  So is an object
+that is not (:func:`read_object`): metadata that is no mapping, a name that is no string, labels,
+annotations or a ConfigMap's data that do not map strings to strings, an owner without a uid, a driver
+Job without a container, an env entry without a name.
 
 :func:`judge` is the rule every launcher's wait applies (``argo wait``, the in-cluster driver,
 ``k8s submit|resume --wait``): the verdict, read through
@@ -21,7 +25,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -123,6 +127,94 @@ class EventList(ApiObject, frozen=True):
     items: list[Event]
 
 
+class OwnerReference(ApiObject, frozen=True):
+    """An ``ownerReferences`` entry: the owner's uid is what a run compares (its drivers')."""
+
+    uid: str
+
+
+class ObjectMeta(ApiObject, frozen=True):
+    """What replayjob reads of an object's ``metadata``."""
+
+    name: str
+    uid: str | None = None
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+    ownerReferences: list[OwnerReference] | None = None
+    creationTimestamp: str | None = None
+
+
+class Object(ApiObject, frozen=True):
+    """Any object read, listed or adopted: its metadata (a name that is a string, labels and annotations that
+    map strings to strings, owners with uids)."""
+
+    metadata: ObjectMeta
+
+
+class ObjectList(ApiObject, frozen=True):
+    items: list[Object]
+
+
+class CreatedMeta(ObjectMeta, frozen=True):
+    uid: str
+
+
+class Created(ApiObject, frozen=True):
+    """An object as the API answers its create: its name, and the uid that makes it an owner."""
+
+    metadata: CreatedMeta
+
+
+class Found(Object, frozen=True):
+    """An object found under a name this run renders (:func:`replayjob.launch.submit.is_rendered`): its spec, a
+    mapping compared with the rendered one."""
+
+    spec: dict[str, Any] | None = None
+
+
+class ConfigMap(Object, frozen=True):
+    """A run's spec ConfigMap: its data maps keys to strings (the spec, the verdict, why a run stopped)."""
+
+    data: dict[str, str] | None = None
+
+
+class EnvVar(ApiObject, frozen=True):
+    name: str
+    value: str | None = None  # None: set from elsewhere (valueFrom)
+
+
+class Container(ApiObject, frozen=True):
+    name: str
+    image: str
+    env: list[EnvVar] | None = None
+
+
+class PodSpec(ApiObject, frozen=True):
+    containers: Annotated[list[Container], msgspec.Meta(min_length=1)]
+
+
+class PodTemplate(ApiObject, frozen=True):
+    spec: PodSpec
+
+
+class DriverJobSpec(ApiObject, frozen=True):
+    template: PodTemplate
+    activeDeadlineSeconds: int | None = None
+
+
+class DriverJob(Object, frozen=True):
+    """A run's driver Job as ``k8s resume`` reads it: the container a new driver copies its image and GPU
+    product from, and its deadline."""
+
+    spec: DriverJobSpec
+
+
+class RunningPod(Object, frozen=True):
+    """The driver's own pod: the image its container runs."""
+
+    spec: PodSpec
+
+
 # What keeps a stage from ever starting: the scheduler finds no node, the image cannot be pulled, the Job
 # controller cannot create the pod (quota, an admission webhook, pod security: an Event only).
 PULL_FAILURES = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName")
@@ -164,15 +256,28 @@ def read_status(doc: Any, kind: type[T], what: str, *, prefix: str = "",
     """``doc`` (the API's JSON; at ``prefix`` within its object) as the declared ``kind``, or
     :class:`OperationalError` naming ``what`` and the field that was malformed.  Every cluster object replayjob
     reads (Jobs, pods, Events, Argo Workflows and their nodes) goes through it."""
+    return _convert(doc, kind, what, "status", prefix, hint)
+
+
+def read_object(doc: Any, kind: type[T], what: str, *, where: str | None = None,
+                hint: str = "nothing was decided from it; kubectl get -o yaml shows the object") -> T:
+    """``doc`` (the API's JSON of an object, or of a list of them) as the declared ``kind``: what ``k8s resume``
+    and the in-cluster driver read of the objects they find, adopt or create (names, uids, owners, labels,
+    annotations, a ConfigMap's data, a driver's container).  One that is not what the API writes is
+    :class:`OperationalError` (3) naming ``what`` and the field, never a traceback."""
+    return _convert(doc, kind, what, "object", "", hint, where)
+
+
+def _convert(doc: Any, kind: type[T], what: str, noun: str, prefix: str, hint: str, where: str | None = None) -> T:
     try:
         return msgspec.convert(doc, kind, strict=True)
     except msgspec.ValidationError as exc:
         text = str(exc)
         rule, sep, at = text.rpartition(" - at `")
         rule = rule if sep else text
-        where = (prefix + at.rstrip("`").removeprefix("$") if sep else prefix).lstrip(".")
-        raise OperationalError(f"{what}: malformed status: {where or 'the object'}: {rule[:1].lower()}{rule[1:]}",
-                               hint=hint) from None
+        field = (prefix + at.rstrip("`").removeprefix("$") if sep else prefix).lstrip(".")
+        raise OperationalError(f"{what}: malformed {noun}: {field or 'the object'}: {rule[:1].lower()}{rule[1:]}",
+                               where=where, hint=hint) from None
 
 
 JOB_ENDS = {"Complete": "Complete", "Failed": "Failed"}  # a Job's conditions that end it, as job_end names them

@@ -60,6 +60,7 @@ from replayjob.launch.submit import (
     env_seconds,
     is_rendered,
     job_deadline_s,
+    meta,
     run_drivers,
     wait_job,
 )
@@ -112,10 +113,11 @@ class Context:
 def running_image(api: Api, ctx: Context, log: Log) -> str:
     """The image this driver's pod runs (its spec, as the kubelet was given it), else
     ``REPLAYJOB_IMAGE_REF``: every stage runs the same image as the driver."""
-    pod = api.read(ctx.namespace, "Pod", ctx.pod) if ctx.pod else None
-    if pod is None:
+    doc = api.read(ctx.namespace, "Pod", ctx.pod) if ctx.pod else None
+    if doc is None:
         return ctx.image
-    image = next((str(c.get("image")) for c in pod["spec"]["containers"] if c.get("name") == k8s.CONTAINER), ctx.image)
+    pod = outcome.read_object(doc, outcome.RunningPod, f"pod {ctx.pod}", where=f"namespace {ctx.namespace}")
+    image = next((c.image for c in pod.spec.containers if c.name == k8s.CONTAINER), ctx.image)
     if ctx.image and image != ctx.image:
         log(f"driver: this pod runs {image} while REPLAYJOB_IMAGE_REF says {ctx.image}: every stage runs {image}")
     return image
@@ -135,8 +137,7 @@ def _ensure(api: Api, ns: str, body: dict[str, Any], owner: dict[str, Any], log:
     found = api.read(ns, kind, name)
     if found is None:  # deleted in between: create it again
         return _ensure(api, ns, body, owner, log, owners)
-    refs = found["metadata"].get("ownerReferences") or []
-    uids = {r.get("uid") for r in refs if isinstance(r, dict)}
+    uids = {r.uid for r in meta(found, f"{kind.lower()} {name}").ownerReferences or []}
     why = ("it is owned by no driver of this run" if not uids & owners
            else "" if is_rendered(found, body) else "its labels or pod template are not the ones this run renders")
     if why:
@@ -156,15 +157,19 @@ def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: floa
                                gpu_product=ctx.gpu_product or spec.gpu_product)
     spec.check_cluster()  # the image that runs, named by its digest (unless the spec is local)
     me = api.read(ns, "Job", ctx.job)
-    if me is not None and (me["metadata"].get("labels") or {}).get(k8s.RUN_ID_LABEL) != ctx.run_id:
+    if me is not None and (meta(me, f"job {ctx.job}").labels or {}).get(k8s.RUN_ID_LABEL) != ctx.run_id:
         api.patch(ns, "Job", ctx.job, [{"op": "add", "path": "/metadata/labels/" + k8s.RUN_ID_LABEL.replace("/", "~1"),
                                         "value": ctx.run_id}])  # so `k8s resume RUN_ID` finds it
     log(f"driver: run {ctx.run_id} in namespace {ns}, image {spec.image}; run directory "
         f"{k8s.MOUNT}/runs/{spec.name}/{ctx.run_id} on PVC {spec.claim_name}")
-    owners = {ctx.uid, *(str(d["metadata"].get("uid")) for d in run_drivers(api, ns, spec, ctx.run_id))}
-    config_map = _ensure(api, ns, k8s.owned(k8s.spec_config_map(spec, text, ctx.run_id), owner), owner, log, owners)
-    if (config_map.get("data") or {}).get("ablation.toml") != text:
-        raise ContractError(f"configmap/{config_map['metadata']['name']} holds another spec than this run's",
+    drivers = (meta(d, "job") for d in run_drivers(api, ns, spec, ctx.run_id))
+    owners = {ctx.uid, *(m.uid for m in drivers if m.uid is not None)}
+    rendered = k8s.owned(k8s.spec_config_map(spec, text, ctx.run_id), owner)
+    cm_name = rendered["metadata"]["name"]
+    config_map = outcome.read_object(_ensure(api, ns, rendered, owner, log, owners), outcome.ConfigMap,
+                                     f"configmap {cm_name}", where=f"namespace {ns}")
+    if (config_map.data or {}).get("ablation.toml") != text:
+        raise ContractError(f"configmap/{cm_name} holds another spec than this run's",
                             where=f"namespace {ns}", hint="a run keeps its spec; submit a new run for another")
     stages = k8s.stage_jobs(spec, ctx.run_id, owner)
     across = jobset.stage_jobsets(spec, ctx.run_id, owner)  # runs across nodes: one JobSet each
@@ -187,7 +192,7 @@ def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: floa
         except StageStuck as exc:  # recorded beside the run's spec, where `k8s ... --wait` reads it
             record = outcome.stopped_record(body["metadata"]["labels"]["app.kubernetes.io/component"], name,
                                             exc.cause)
-            api.patch(ns, "ConfigMap", config_map["metadata"]["name"],
+            api.patch(ns, "ConfigMap", cm_name,
                       [{"op": "add", "path": "/data/" + STOPPED_KEY, "value": json.dumps(record, sort_keys=True)}])
             log(f"driver: run {ctx.run_id} stopped: stage {record['stage']}: {exc.cause.line()}; exit 3")
             raise
@@ -223,7 +228,7 @@ def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: floa
     step = f"the reducer (job/{name}) exited {'with no exit code' if pod_code is None else pod_code}"
     code, line = outcome.judge(verdict, unreadable, pod_code, step, need_code=True)
     if verdict is not None:  # published beside the run's spec: `k8s submit|resume --wait` read it there
-        api.patch(ns, "ConfigMap", config_map["metadata"]["name"],
+        api.patch(ns, "ConfigMap", cm_name,
                   [{"op": "add", "path": "/data/" + k8s.VERDICT_KEY, "value": data.decode("utf-8")}])
     log(f"driver: run {ctx.run_id}: {line}; exit {code}; verdict: {k8s.MOUNT}/runs/{spec.name}/{ctx.run_id}/"
         f"verdict.json on PVC {spec.claim_name}")

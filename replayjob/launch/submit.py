@@ -71,13 +71,23 @@ JOBSET_KIND = jobset.KIND
 
 def is_rendered(found: dict[str, Any], body: dict[str, Any]) -> bool:
     """Whether an object found under ``body``'s name is ``body`` as this run rendered it: its labels, and for a
-    Job its pod template (what its pods would run)."""
-    same = contains(found.get("metadata", {}).get("labels") or {}, body["metadata"].get("labels") or {})
+    Job its pod template (what its pods would run).  ``found`` is read through its declaration
+    (:class:`~replayjob.artifacts.cluster_status.Found`): a malformed one is :class:`OperationalError` (3)."""
+    obj = outcome.read_object(found, outcome.Found, f"{str(body['kind']).lower()} {body['metadata']['name']}")
+    same = contains(obj.metadata.labels or {}, body["metadata"].get("labels") or {})
     if body.get("kind") == "Job":
-        same = same and contains((found.get("spec") or {}).get("template"), body["spec"]["template"])
+        same = same and contains((obj.spec or {}).get("template"), body["spec"]["template"])
     if body.get("kind") == "JobSet":  # a run across nodes: its replicated Job, pod template included
-        same = same and contains((found.get("spec") or {}).get("replicatedJobs"), body["spec"]["replicatedJobs"])
+        same = same and contains((obj.spec or {}).get("replicatedJobs"), body["spec"]["replicatedJobs"])
     return same
+
+
+def meta(doc: Any, what: str) -> outcome.ObjectMeta:
+    """The metadata of an object the API answered, read through its declaration
+    (:class:`~replayjob.artifacts.cluster_status.Object`)."""
+    return outcome.read_object(doc, outcome.Object, what).metadata
+
+
 IN_CLUSTER_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -186,14 +196,17 @@ class Api:
 
         name = f"{body['kind']} {body['metadata']['name']}"
         try:
-            return self.as_dict(self.call(f"creating {name}", self._method(body["kind"], "create"),
-                                          namespace=namespace, body=body))
+            created = self.as_dict(self.call(f"creating {name}", self._method(body["kind"], "create"),
+                                             namespace=namespace, body=body))
+            outcome.read_object(created, outcome.Created, f"created {name}", where=f"namespace {namespace}")
+            return created
         except ApiException as exc:
             if exc.status == 409 and exist_ok:
                 return None
             if exc.status == 409 and self.retried:
                 found = self.read(namespace, body["kind"], body["metadata"]["name"])
                 if found is not None and is_rendered(found, body):
+                    outcome.read_object(found, outcome.Created, f"found {name}", where=f"namespace {namespace}")
                     self.log(f"submit: {name} was created by a request whose reply was lost; it is this one")
                     return found
             if exc.status == 409:
@@ -208,9 +221,8 @@ class Api:
         :class:`OperationalError` (3)."""
         doc = self.raw(f"reading {kind} {name}", namespace, self._method(kind, "read"), name, namespace,
                        missing_ok=True)
-        if doc is not None and not (isinstance(doc, dict) and isinstance(doc.get("metadata"), dict)):
-            raise OperationalError(f"reading {kind} {name}: malformed object: no metadata mapping",
-                                   where=f"namespace {namespace}")
+        if doc is not None:
+            outcome.read_object(doc, outcome.Object, f"{kind.lower()} {name}", where=f"namespace {namespace}")
         return doc
 
     def exists(self, namespace: str, kind: str, name: str) -> bool:
@@ -220,11 +232,8 @@ class Api:
         """The objects of ``kind`` whose labels match ``selector`` (``k=v,k2=v2``), as the API's JSON."""
         doc = self.raw(f"listing {kind} {selector}", namespace, self._method(kind, "list"), namespace,
                        label_selector=selector)
-        items = doc.get("items") if isinstance(doc, dict) else None
-        if not isinstance(items, list) or not all(isinstance(i, dict) and isinstance(i.get("metadata"), dict)
-                                                  for i in items):
-            raise OperationalError(f"listing {kind} {selector}: malformed list: items are not objects with "
-                                   "metadata", where=f"namespace {namespace}")
+        outcome.read_object(doc, outcome.ObjectList, f"{kind.lower()} list {selector}", where=f"namespace {namespace}")
+        items: list[dict[str, Any]] = doc["items"]
         return items
 
     def patch(self, namespace: str, kind: str, name: str, ops: list[dict[str, Any]]) -> None:
@@ -241,13 +250,13 @@ class Api:
     def add_owner(self, namespace: str, kind: str, doc: dict[str, Any], owner: dict[str, Any]) -> bool:
         """Make ``owner`` one more owner of ``doc`` (a ``kind``; deleted once all its owners are); False
         when it was one."""
-        meta = doc["metadata"]
-        refs = meta.get("ownerReferences") or []
-        if any(r.get("uid") == owner["uid"] for r in refs):
+        found = meta(doc, kind.lower())
+        refs = found.ownerReferences or []
+        if any(r.uid == owner["uid"] for r in refs):
             return False
         op = ({"op": "add", "path": "/metadata/ownerReferences/-", "value": owner} if refs
               else {"op": "add", "path": "/metadata/ownerReferences", "value": [owner]})
-        self.patch(namespace, kind, meta["name"], [op])
+        self.patch(namespace, kind, found.name, [op])
         return True
 
     def raw(self, what: str, namespace: str, fn: Callable[..., Any], *args: Any, missing_ok: bool = False,
@@ -388,14 +397,21 @@ def job_deadline_s(job: dict[str, Any]) -> float | None:
     return None if not isinstance(seconds, int) else float(seconds + WAIT_GRACE_S)
 
 
+def driver_deadline_s(job: outcome.DriverJob) -> float | None:
+    """How long to wait for a driver Job as the API answered it: :func:`job_deadline_s`, from its declaration."""
+    seconds = job.spec.activeDeadlineSeconds
+    return None if seconds is None else float(seconds + WAIT_GRACE_S)
+
+
 def run_drivers(api: Api, ns: str, spec: AblationSpec, run_id: str) -> list[dict[str, Any]]:
     """The driver Jobs of run ``run_id``: labelled with it as drivers and named as its drivers are
     (``NAME-RUNID-driver``, the kustomize base's ``NAME-driver``, ``...-driver-N`` for resumed ones), oldest
     first."""
     name = re.compile(f"({re.escape(k8s.prefix(spec, run_id))}|{re.escape(spec.name)})-{k8s.DRIVER}(-[0-9]+)?")
     found = api.list_of(ns, "Job", f"{k8s.RUN_ID_LABEL}={run_id},app.kubernetes.io/component={k8s.DRIVER}")
-    mine = [d for d in found if name.fullmatch(str(d["metadata"].get("name")))]
-    return sorted(mine, key=lambda d: str(d["metadata"].get("creationTimestamp") or ""))
+    metas = [(d, meta(d, "job")) for d in found]
+    mine = [(d, m) for d, m in metas if name.fullmatch(m.name)]
+    return [d for d, _ in sorted(mine, key=lambda dm: dm[1].creationTimestamp or "")]
 
 
 def check_setup(api: Api, namespace: str, spec: AblationSpec) -> None:
@@ -412,8 +428,7 @@ def check_setup(api: Api, namespace: str, spec: AblationSpec) -> None:
 def job_ended(job: Any) -> bool:
     """Whether a Job (as the API lists it) has ended, read through the one Job status reader: a malformed
     status is :class:`OperationalError` (3) naming the Job and the field, never a traceback."""
-    name = str(((job.get("metadata") if isinstance(job, dict) else None) or {}).get("name", "?"))
-    return outcome.job_end(job, name)[0] is not None
+    return outcome.job_end(job, meta(job, "job").name)[0] is not None
 
 
 DETAIL = {1: "a negative verdict", 2: "refused input or an inconclusive budget (see verdict.json)",
@@ -431,17 +446,18 @@ def wait_driver(api: Api, namespace: str, name: str, config_map: str, poll_s: fl
     code = api.exit_code(namespace, name, state)  # Complete, but no attempt exited 0: the pods' code
     doc = api.raw(f"reading configmap {config_map}", namespace, api.core.read_namespaced_config_map, config_map,
                   namespace)
-    data = (doc.get("data") or {}) if isinstance(doc, dict) else {}
-    text = data.get(k8s.VERDICT_KEY) if isinstance(data, dict) else None
+    data = outcome.read_object(doc, outcome.ConfigMap, f"configmap {config_map}", where=f"namespace {namespace}").data
+    data = data or {}
+    text = data.get(k8s.VERDICT_KEY)
     verdict, unreadable = None, None
     if text is not None:
         try:
-            verdict = read_verdict_text(str(text), where=f"configmap/{config_map}: {k8s.VERDICT_KEY}")
+            verdict = read_verdict_text(text, where=f"configmap/{config_map}: {k8s.VERDICT_KEY}")
         except ReplayjobError as exc:
             unreadable = exc.message
     how = "no pod" if code is None else f"its pod exited {code}"
-    stopped = data.get(STOPPED_KEY) if isinstance(data, dict) else None
-    if verdict is None and unreadable is None and isinstance(stopped, str):
+    stopped = data.get(STOPPED_KEY)
+    if verdict is None and unreadable is None and stopped is not None:
         how += f"; the driver stopped the run: {outcome.read_stopped(stopped, config_map)}"
     judged, line = outcome.judge(verdict, unreadable, code,
                                  f"job {name} {state}{' (' + reason + ')' if reason else ''}, {how}", need_code=True)
@@ -461,18 +477,20 @@ def submit(spec: AblationSpec, text: str, namespace: str | None, *, wait: bool, 
     api = api or Api(api_client, log=log)
     ns = namespace or api.default_namespace
     check_setup(api, ns, spec)
-    driver = api.create(ns, files["driver.yaml"])
-    assert driver is not None
+    created = api.create(ns, files["driver.yaml"])
+    assert created is not None
+    driver = outcome.read_object(created, outcome.DriverJob, f"created job {files['driver.yaml']['metadata']['name']}",
+                                 where=f"namespace {ns}")
     config_map = files["spec.yaml"]
-    config_map["metadata"]["ownerReferences"] = [k8s.owner_reference(driver)]  # it goes with the run
+    config_map["metadata"]["ownerReferences"] = [k8s.owner_reference(created)]  # it goes with the run
     api.create(ns, config_map)
-    name = driver["metadata"]["name"]
+    name = driver.metadata.name
     log(f"submit: run {run_id} in namespace {ns}: job/{name} chains capture, replays and reduce in the cluster; "
         f"run directory {k8s.MOUNT}/runs/{spec.name}/{run_id} on PVC {spec.claim_name}")
     if not wait:
         log(f"follow it: replayjob k8s resume {run_id} --namespace {ns} --wait")
         return EXIT_OK
-    code = wait_driver(api, ns, name, config_map["metadata"]["name"], poll_s, log, job_deadline_s(driver))
+    code = wait_driver(api, ns, name, config_map["metadata"]["name"], poll_s, log, driver_deadline_s(driver))
     log(f"verdict: {k8s.MOUNT}/runs/{spec.name}/{run_id}/verdict.json on PVC {spec.claim_name}")
     return code
 
@@ -480,7 +498,8 @@ def submit(spec: AblationSpec, text: str, namespace: str | None, *, wait: bool, 
 def resume(run_id: str, namespace: str | None, *, wait: bool, api_client: Any | None = None, poll_s: float = 10.0,
            log: Log = print, api: Api | None = None) -> int:
     """Continue run ``run_id``: follow its driver if one still runs, else start a new one (see the
-    module docstring)."""
+    module docstring).  Every field read of the objects found (the spec ConfigMap, the drivers) goes through
+    their declarations in :mod:`replayjob.artifacts.cluster_status`: a malformed one is 3, naming it."""
     k8s.check_run_id(run_id)  # before any request: it becomes a label selector and object names
     api = api or Api(api_client, log=log)
     ns = namespace or api.default_namespace
@@ -491,45 +510,50 @@ def resume(run_id: str, namespace: str | None, *, wait: bool, api_client: Any | 
                            "passed)", where=f"namespace {ns}", hint="submit a new run")
     if len(maps) > 1:
         raise ContractError(f"run {run_id}: {len(maps)} ConfigMaps carry its labels "
-                            f"({', '.join(sorted(str(m['metadata'].get('name')) for m in maps))})",
+                            f"({', '.join(sorted(meta(m, 'configmap').name for m in maps))})",
                             where=f"namespace {ns}", hint="a run has one spec ConfigMap; delete the others")
-    config_map = maps[0]
-    where = f"configmap {config_map['metadata']['name']}"
-    text = (config_map.get("data") or {}).get("ablation.toml", "")
+    config_map = outcome.read_object(maps[0], outcome.ConfigMap, f"configmap of run {run_id}", where=f"namespace {ns}")
+    cm_name = config_map.metadata.name
+    where = f"configmap {cm_name}"
+    text = (config_map.data or {}).get("ablation.toml", "")
     spec = spec_from_text(text, where)
-    if config_map["metadata"]["name"] != f"{k8s.prefix(spec, run_id)}-spec":
+    if cm_name != f"{k8s.prefix(spec, run_id)}-spec":
         raise ContractError(f"{where} carries run {run_id}'s labels but is not its spec ConfigMap "
                             f"({k8s.prefix(spec, run_id)}-spec)", where=f"namespace {ns}")
     drivers = run_drivers(api, ns, spec, run_id)
-    refs = {r.get("uid") for r in config_map["metadata"].get("ownerReferences") or [] if isinstance(r, dict)}
-    if not drivers or not refs & {d["metadata"].get("uid") for d in drivers}:
+    metas = [meta(d, "job") for d in drivers]
+    refs = {r.uid for r in config_map.metadata.ownerReferences or []}
+    if not drivers or not refs & {m.uid for m in metas}:
         raise ContractError(f"{where} is owned by no driver of run {run_id}", where=f"namespace {ns}",
                             hint="resume only runs `k8s submit` (or the kustomize base) started")
-    pinned = (drivers[0]["metadata"].get("annotations") or {}).get(k8s.SPEC_ANNOTATION)
+    pinned = (metas[0].annotations or {}).get(k8s.SPEC_ANNOTATION)
     if pinned is not None and pinned != k8s.spec_sha256(text):
         raise ContractError(f"{where} holds another spec than the one run {run_id} was submitted with "
                             f"(SHA-256 {k8s.spec_sha256(text)}, its driver says {pinned})", where=f"namespace {ns}",
                             hint="a run keeps its spec; submit a new run for another")
     running = [d for d in drivers if not job_ended(d)]
     if running:
-        followed = running[-1]
-        name = followed["metadata"]["name"]
+        followed = outcome.read_object(running[-1], outcome.DriverJob, f"job {meta(running[-1], 'job').name}",
+                                       where=f"namespace {ns}")
+        name = followed.metadata.name
         log(f"resume: run {run_id}: job/{name} is still driving it")
     else:
-        body = k8s.driver_job(spec, run_id, config_map["metadata"]["name"], suffix=f"-{len(drivers) + 1}",
-                              text=text)
-        if drivers:  # the image and GPU product the run's first driver ran with (an overlay may have set them)
-            previous = drivers[-1]["spec"]["template"]["spec"]["containers"][0]
-            mine = body["spec"]["template"]["spec"]["containers"][0]
-            mine["image"] = previous["image"]
-            given = {e["name"]: e for e in previous.get("env") or [] if "value" in e}
-            mine["env"] = [given.get(e["name"], e) if e["name"] in ("REPLAYJOB_IMAGE_REF", "REPLAYJOB_GPU_PRODUCT")
-                           else e for e in mine["env"]]
-        driver = api.create(ns, body)
-        assert driver is not None
-        followed, name = driver, driver["metadata"]["name"]
-        api.add_owner(ns, "ConfigMap", config_map, k8s.owner_reference(driver))
+        body = k8s.driver_job(spec, run_id, cm_name, suffix=f"-{len(drivers) + 1}", text=text)
+        # the image and GPU product the run's last driver ran with (an overlay may have set them)
+        last = outcome.read_object(drivers[-1], outcome.DriverJob, f"job {metas[-1].name}", where=f"namespace {ns}")
+        previous = last.spec.template.spec.containers[0]
+        mine = body["spec"]["template"]["spec"]["containers"][0]
+        mine["image"] = previous.image
+        given = {e.name: {"name": e.name, "value": e.value} for e in previous.env or [] if e.value is not None}
+        mine["env"] = [given.get(e["name"], e) if e["name"] in ("REPLAYJOB_IMAGE_REF", "REPLAYJOB_GPU_PRODUCT")
+                       else e for e in mine["env"]]
+        created = api.create(ns, body)
+        assert created is not None
+        followed = outcome.read_object(created, outcome.DriverJob, f"created job {body['metadata']['name']}",
+                                       where=f"namespace {ns}")
+        name = followed.metadata.name
+        api.add_owner(ns, "ConfigMap", maps[0], k8s.owner_reference(created))
         log(f"resume: run {run_id}: started job/{name}, which adopts the run's jobs and creates the rest")
     if not wait:
         return EXIT_OK
-    return wait_driver(api, ns, name, config_map["metadata"]["name"], poll_s, log, job_deadline_s(followed))
+    return wait_driver(api, ns, name, cm_name, poll_s, log, driver_deadline_s(followed))
