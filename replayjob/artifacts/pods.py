@@ -11,6 +11,10 @@ keys are refused, and so is whatever would change what a replay measures or how 
 
 * the **determinism environment** and replayjob's own variables (``env`` may not name them: the
   spec's ``determinism_env()``, the runtime variables, ``REPLAYJOB_*``, ``OMP_NUM_THREADS``...);
+* the **families of variables that change what a replay runs or measures** (:data:`ENV_FAMILIES`, each
+  with its reason: the dynamic loader's ``LD_*``, Python's ``PYTHON*``, ``PYTORCH_*``, ``CUDNN_*``,
+  ``TRITON_*``, the CPU math libraries' ``MKL_*``, ``OMP_*``, ``KMP_*``, ``GOMP_*``, ``OPENBLAS_*``, and
+  ``XLA_*``), and a value holding a NUL byte (no process environment can carry it);
 * the **security context** (``securityContext``, ``privileged``, host namespaces, capabilities: every
   pod meets the restricted Pod Security Standard, and only the driver mounts a token);
 * replayjob's **own labels, node selector keys, volumes and mount paths** (the run id, the GPU
@@ -24,6 +28,10 @@ Example:
     Traceback (most recent call last):
     ...
     replayjob.errors.ConfigError: pods.all.env: CUBLAS_WORKSPACE_CONFIG is replayjob's own variable: ...
+    >>> read_pods({"gpu": {"env": {"LD_PRELOAD": "/opt/shim.so"}}})
+    Traceback (most recent call last):
+    ...
+    replayjob.errors.ConfigError: pods.gpu.env: LD_PRELOAD is one of the dynamic loader's variables (LD_*): ...
 """
 
 from __future__ import annotations
@@ -65,6 +73,46 @@ OWN_PATHS = ("/artifacts", "/tmp", "/cache", "/dev/shm", "/etc/replayjob")
 OWN_ENV = re.compile(r"(REPLAYJOB_.*|OMP_NUM_THREADS|MKL_NUM_THREADS|HOME|TMPDIR|XDG_CACHE_HOME|HF_HOME|"
                      r"HF_HUB_OFFLINE|TRITON_CACHE_DIR|PYTHONDONTWRITEBYTECODE|PYTHONHASHSEED|CUDA_.*|NCCL_.*|"
                      r"TORCH_.*|CUBLAS_.*|NVIDIA_.*)")
+
+# Variables a spec's env may not set either, by family (a name that starts with the prefix): each changes what a
+# replay runs or what it measures, unseen by the run record (the image's own environment is named by its digest).
+ENV_FAMILIES: tuple[tuple[str, str, str], ...] = (
+    ("LD_", "the dynamic loader's variables",
+     "they load other libraries into the replay (LD_PRELOAD a shim, LD_LIBRARY_PATH another cuBLAS, cuDNN or "
+     "NCCL than the image's): it would run other kernels than the ones its run record names"),
+    ("PYTHON", "Python's variables",
+     "they change what the interpreter imports and runs (PYTHONPATH and PYTHONSTARTUP other code, PYTHONOPTIMIZE "
+     "drops assertions, PYTHONWARNINGS turns warnings into errors): the replay would not run the image's code"),
+    ("PYTORCH_", "PyTorch's runtime variables",
+     "they change the CUDA caching allocator and other runtime paths (PYTORCH_CUDA_ALLOC_CONF, "
+     "PYTORCH_NO_CUDA_MEMORY_CACHING): the peak memory and the time a replay measures would be another's"),
+    ("CUDNN_", "cuDNN's variables",
+     "they change which cuDNN kernels run and how (algorithm choice, logging): other numbers and other timings"),
+    ("TRITON_", "Triton's variables",
+     "they change how Triton compiles, autotunes and caches its kernels: other kernels, other numbers and timings"),
+    ("MKL_", "MKL's variables",
+     "they change MKL's code path and threads (MKL_CBWR, MKL_ENABLE_INSTRUCTIONS, MKL_DYNAMIC): a CPU replay's "
+     "reductions, so its numbers, and its time"),
+    ("OMP_", "OpenMP's variables",
+     "they change the OpenMP threads, their binding and scheduling: a CPU replay's reduction order and its time"),
+    ("KMP_", "Intel OpenMP's variables",
+     "they change the Intel OpenMP runtime's threads, affinity and spin time (KMP_AFFINITY, KMP_BLOCKTIME): a CPU "
+     "replay's time, and with its threads its reductions"),
+    ("GOMP_", "GNU OpenMP's variables",
+     "they change the GNU OpenMP runtime's threads, affinity and spinning (GOMP_CPU_AFFINITY, GOMP_SPINCOUNT): a "
+     "CPU replay's time, and with its threads its reductions"),
+    ("OPENBLAS_", "OpenBLAS's variables",
+     "they change OpenBLAS's threads and the kernels it picks for the CPU (OPENBLAS_NUM_THREADS, "
+     "OPENBLAS_CORETYPE): a CPU replay's numbers and time"),
+    ("XLA_", "XLA's variables",
+     "they change how XLA compiles and runs its graphs (XLA_FLAGS: fusion, autotuning, the devices it sees): "
+     "other kernels, other numbers and timings"),
+)
+
+
+def env_family(name: str) -> tuple[str, str, str] | None:
+    """The :data:`ENV_FAMILIES` entry (prefix, family, reason) of variable ``name``, or None."""
+    return next((f for f in ENV_FAMILIES if name.startswith(f[0])), None)
 
 
 class _Strict(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -130,18 +178,30 @@ FIELD_DOCS = {
     "serviceAccountName": ("string", "the pods' service account (no token is mounted: identity through the node "
                                      "or a registry)"),
     "env": ("table of NAME = value", "extra environment of the stage container; never replayjob's own or the "
-                                     "determinism variables"),
+                                     "determinism variables, nor a variable of a family that changes what a replay "
+                                     "runs or measures (" + ", ".join(f"`{f[0]}*`" for f in ENV_FAMILIES) + "), "
+                                     "nor a value with a NUL byte"),
     "volumes": ("list of {name, mountPath, readOnly, configMap | secret | persistentVolumeClaim}",
                 "extra volumes mounted in the stage container (read-only unless readOnly = false)"),
 }
 
 
 def _refuse(settings: PodSettings, where: str) -> None:
-    for name in settings.env:
+    for name, value in settings.env.items():
         if OWN_ENV.fullmatch(name) or name in NCCL_NUMERICS:
             raise ConfigError(f"{name} is replayjob's own variable: the determinism and runtime environment "
                               "cannot be overridden (it is what makes two replays comparable)", where=f"{where}.env",
                               hint="set determinism through the spec ([capture] math_mode) or the image")
+        family = env_family(name)
+        if family is not None:
+            prefix, what, why = family
+            raise ConfigError(f"{name} is one of {what} ({prefix}*): {why}", where=f"{where}.env",
+                              hint="set it in the image, whose digest the run records, so every arm and repeat "
+                                   "runs with it")
+        if "\x00" in value:
+            raise ConfigError(f"the value of {name} holds a NUL byte: no process environment can carry it (the "
+                              "container would start with another value than the spec's)", where=f"{where}.env",
+                              hint="remove the NUL byte")
     for key in (*settings.labels, *settings.annotations):
         if key.startswith(OWN_LABEL_PREFIXES):
             raise ConfigError(f"{key} is replayjob's own label or annotation (runs, stages, queues)",
