@@ -220,7 +220,7 @@ def test_payload_without_sampler_logprobs_reads_as_no_sampler_source() -> None:
     from replayjob.mismatch import builtin
 
     m = torch.ones((2, 3), dtype=torch.float64)
-    fields = {k: m * (i + 1) for i, k in enumerate(payload.FLOAT_FIELDS)}
+    fields = {k: m * (i + 1) * (-1 if k.endswith("logprobs") else 1) for i, k in enumerate(payload.FLOAT_FIELDS)}
     seqs, prompts = [[1, 2, 3, 4], [5, 6, 7, 8]], [1, 1]
     old = OptimizerBatch.from_padded(seqs, prompts, fields, m)
     new = OptimizerBatch.from_padded(seqs, prompts, {**fields, "sampler_logprobs": -m}, m)

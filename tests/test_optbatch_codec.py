@@ -40,6 +40,9 @@ def make_batch(rows: int = 3, seed: int = 0) -> OptimizerBatch:
     for i, n in enumerate(resp):
         mask[i, :n] = 1
     fields = {k: torch.randn((rows, T), generator=g, dtype=torch.float64) * mask for k in FIELDS}
+    for k in ("old_logprobs", "ref_logprobs"):  # each field in its declared domain (payload.FIELD_DOMAINS)
+        fields[k] = -fields[k].abs()
+    fields["loss_weights"] = fields["loss_weights"].abs()
     return OptimizerBatch.from_padded(seqs, [3] * rows, fields, mask)
 
 

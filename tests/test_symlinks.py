@@ -231,8 +231,9 @@ def write_capture_over_two_ranks(out: Path, config: dict[str, Any] | None = None
     mask = torch.zeros((rows, max(resp)), dtype=torch.float64)
     for i, n in enumerate(resp):
         mask[i, :n] = 1
-    fields = {k: torch.full_like(mask, 0.25) * mask for k in ("old_logprobs", "ref_logprobs", "advantages",
-                                                               "loss_weights")}
+    # each field in its declared domain (capture_payload.FIELD_DOMAINS: a log-probability is <= 0)
+    fields = {k: torch.full_like(mask, -0.25 if k.endswith("logprobs") else 0.25) * mask
+              for k in ("old_logprobs", "ref_logprobs", "advantages", "loss_weights")}
     batch = OptimizerBatch.from_padded([[5 + i] * 3 + [7] * n for i, n in enumerate(resp)], [3] * rows, fields, mask)
     rng = {"cpu": torch.get_rng_state()}
     for r, (begin, end) in enumerate([(0, 2), (2, 4)]):

@@ -48,9 +48,14 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 
 from replayjob.artifacts.capture_manifest import (
+    FINITE,
+    LOGPROB,
+    MASK,
     OUTCOME,
     SCHEMA,
+    WEIGHT,
     ContractBlock,
+    Domain,
     Hashed,
     Outcome,
     PinnedManifest,
@@ -84,6 +89,43 @@ def file_names(step: int) -> dict[str, str]:
     stem = file_stem(step)
     return {"payload": f"{stem}.safetensors", "adapter": f"{stem}.adapter.safetensors",
             "optimizer": f"{stem}.optimizer.safetensors", "manifest": f"{stem}.manifest.json"}
+
+
+#: the domain of each per-token or per-row input a producer's captured step holds, by producer and the input's name
+#: (in ``inputs`` or ``call``), enforced on the payload by :func:`input_domain_reasons` for every capture of that
+#: producer: TRL's GRPO batch (``GRPOTrainer._generate_and_score_completions``: the masks 0/1, padding 0; the
+#: logprobs padded with 0.0) and verl's update batch (the rollout's logprobs padded with -1).  A plain loop's inputs
+#: are named and read by its own loss, so none is declared beyond the rule every float input follows (finite unless
+#: flagged ``rows.nonfinite_inputs`` and opted into).
+INPUT_DOMAINS: dict[str, dict[str, Domain]] = {
+    "trl": {"old_per_token_logps": LOGPROB, "ref_per_token_logps": LOGPROB, "sampling_per_token_logps": LOGPROB,
+            "prompt_mask": MASK, "completion_mask": MASK, "tool_mask": MASK, "importance_sampling_ratio": WEIGHT,
+            "advantages": FINITE},
+    "verl": {"old_log_probs": LOGPROB, "ref_log_prob": LOGPROB, "rollout_log_probs": LOGPROB,
+             "response_mask": MASK, "attention_mask": MASK, "rollout_is_weights": WEIGHT, "advantages": FINITE},
+    "torch": {},
+}
+
+
+def input_domain_reasons(framework: str, group: str, tensors: dict[str, Any]) -> list[str]:
+    """Why a captured micro-batch's ``group`` (``inputs`` or ``call``) holds a value outside its input's declared
+    domain (:data:`INPUT_DOMAINS`): one reason per input, naming it, the first row and position and the rule."""
+    import torch
+    reasons = []
+    for name, dom in sorted(INPUT_DOMAINS.get(framework, {}).items()):
+        t = tensors.get(name)
+        if not isinstance(t, torch.Tensor) or t.dtype == torch.bool or t.is_complex():
+            continue
+        flat = t.detach().reshape(-1)
+        a = (flat.to(torch.float64) if t.is_floating_point() else flat.to(torch.int64)).numpy()
+        found = dom.first_outside(a)
+        if found is None:
+            continue
+        i, value = found
+        width = math.prod(t.shape[1:]) if t.dim() > 1 else 1
+        at = f"row {i // width}, position {i % width}" if t.dim() > 1 else f"element {i}"
+        reasons.append(dom.reason(f"{group}.{name}", value, at))
+    return reasons
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,58 @@ MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 OUTCOME = "outcome"
 
 
+@dataclass(frozen=True)
+class Domain:
+    """The values one per-token or per-row array of a captured step may hold, declared once beside the field
+    (:data:`replayjob.artifacts.capture_payload.FIELD_DOMAINS`, :data:`replayjob.artifacts.api_manifest.INPUT_DOMAINS`)
+    and enforced by the payload's reader for every producer: a finite value outside it is no value a real step
+    holds (a log-probability above 0 is a probability above 1; a negative weight turns a token's loss around).
+    Non-finite values are the non-finite rule's (flagged, opted into); here only finite ones are judged.
+
+    Example:
+        >>> import numpy as np
+        >>> LOGPROB.first_outside(np.array([-1.0, 0.0, -0.0, 0.25]))
+        (3, 0.25)
+        >>> MASK.first_outside(np.array([0, 1, 1])) is None
+        True
+    """
+
+    rule: str              # how a refusal words the domain
+    ge: float | None = None  # every value >= ge
+    le: float | None = None  # every value <= le
+    binary: bool = False   # every value 0 or 1 (a mask)
+
+    def first_outside(self, a: Any) -> tuple[int, float] | None:
+        """The index and value of ``a``'s first finite element outside the domain (a flat numpy array), or None."""
+        import numpy as np
+        if a.dtype == np.bool_ or not a.size or (self.ge is None and self.le is None and not self.binary):
+            return None
+        with np.errstate(invalid="ignore"):
+            bad = np.zeros(a.shape, dtype=np.bool_)
+            if self.ge is not None:
+                bad |= a < self.ge
+            if self.le is not None:
+                bad |= a > self.le
+            if self.binary:
+                bad |= (a != 0) & (a != 1)
+            if a.dtype.kind == "f":
+                bad &= np.isfinite(a)
+        if not bad.any():
+            return None
+        i = int(np.argmax(bad))
+        return i, a[i].item()
+
+    def reason(self, field: str, value: float, at: str) -> str:
+        """The refusal of ``field``'s ``value`` at ``at`` (a row and token), naming the rule."""
+        return f"{field} holds {value!r} at {at}, outside its domain: {self.rule}"
+
+
+FINITE = Domain("a finite number")
+LOGPROB = Domain("a log-probability is <= 0 (a probability of at most 1)", le=0.0)
+WEIGHT = Domain("a weight is >= 0 (a negative weight turns its token's loss around)", ge=0.0)
+MASK = Domain("a mask holds 0 or 1", binary=True)
+
+
 def file_stem(step: int) -> str:
     return f"optimizer_batch_step_{step:06d}"
 

@@ -20,7 +20,8 @@ reader, :mod:`replayjob.tensorfile`: :data:`SCHEMA` declares the format (exact t
 dtypes, rank 1, the metadata, a 1 MiB header limit), the header block is validated against it --
 a header that fails cannot belong to any pinned payload -- then the scan engine reads every span
 once, hashing the spans in parallel and checking each chunk while it is in cache (negative token
-ids, non-finite values, the loss weights' non-zero count and exact sum).  The caller compares the
+ids, non-finite values, finite values outside their field's declared domain (:data:`FIELD_DOMAINS`:
+log-probabilities <= 0, loss weights >= 0), the loss weights' non-zero count and exact sum).  The caller compares the
 digest with its pin before it looks at any other finding; the ragged offsets and lengths are
 checked from the small index arrays.  Only then are tensors built by the reader's one tensor
 builder, as zero-copy views of a private buffer (never pickle).  Streaming (``keep=False``) holds
@@ -33,7 +34,7 @@ Example:
     >>> import torch
     >>> from replayjob.rl.batch import OptimizerBatch
     >>> m = torch.ones((1, 2), dtype=torch.float64)
-    >>> b = OptimizerBatch.from_padded([[1, 2, 3]], [1], {k: m for k in
+    >>> b = OptimizerBatch.from_padded([[1, 2, 3]], [1], {k: -m if k.endswith("logprobs") else m for k in
     ...     ("old_logprobs", "ref_logprobs", "advantages", "loss_weights")}, m)
     >>> b2, rng = decode(encode(b, {"cpu": torch.get_rng_state()}))
     >>> b2.logical_sha256() == b.logical_sha256(), sorted(rng)
@@ -52,7 +53,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from replayjob import tensorfile
-from replayjob.artifacts.capture_manifest import MAX_PAYLOAD_BYTES, Manifest
+from replayjob.artifacts.capture_manifest import FINITE, LOGPROB, MAX_PAYLOAD_BYTES, WEIGHT, Domain, Manifest
 from replayjob.artifacts.document import check_summaries
 from replayjob.errors import IntegrityError
 from replayjob.rl import batch as batch_mod
@@ -70,6 +71,9 @@ MAX_HEADER_BYTES = 1024 * 1024
 INT_FIELDS = ("tokens", "token_offsets", "prompt_lens", "resp_offsets")
 FLOAT_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "loss_weights")
 OPTIONAL_FLOAT_FIELDS = (batch_mod.SAMPLER_FIELD,)  # per response token when present; not in the row digests
+#: the domain of each per-response-token array, enforced by the reader (a finite value outside it is refused)
+FIELD_DOMAINS: dict[str, Domain] = {"old_logprobs": LOGPROB, "ref_logprobs": LOGPROB, batch_mod.SAMPLER_FIELD: LOGPROB,
+                                    "advantages": FINITE, "loss_weights": WEIGHT}
 STREAMED = ("tokens", *FLOAT_FIELDS, *OPTIONAL_FLOAT_FIELDS)  # per-token arrays: never held when streaming
 RNG_PREFIX = "rng."
 MAX_WORKERS = 4  # spans hashed at once, at most
@@ -197,6 +201,7 @@ class _SpanResult:
     negative: bool = False               # tokens: a negative id was seen
     top: int = -1                        # tokens: the largest id seen (a model's vocabulary must hold it)
     first_nonfinite: int | None = None   # floats: the first NaN/Inf element's index
+    outside: tuple[int, float] | None = None  # floats: the first finite element outside its domain (index, value)
     nonzero: int = 0                     # loss_weights
     total: ExactSum | None = None        # loss_weights
 
@@ -225,6 +230,10 @@ def _check_floats(name: str, a: np.ndarray, first: int, res: _SpanResult) -> Non
         bad = ~np.isfinite(a)  # the sum may also overflow with every value finite
         if bad.any():
             res.first_nonfinite = first + int(np.argmax(bad))
+    if res.outside is None:
+        found = FIELD_DOMAINS[name].first_outside(a)
+        if found is not None:
+            res.outside = (first + found[0], found[1])
     if name == "loss_weights":
         res.nonzero += int(np.count_nonzero(a))
         assert res.total is not None
@@ -341,6 +350,13 @@ def _check_content(header: tensorfile.Header, counts: dict[str, int], ints: dict
         if not (allow_nonfinite and f != "loss_weights"):
             raise _fail(finding, where, "the source step produced NaN/Inf; fix the source run and recapture")
         admitted = admitted or finding
+    for f in (*FLOAT_FIELDS, *OPTIONAL_FLOAT_FIELDS):
+        outside = results[f].outside
+        if outside is not None:
+            row = int(np.searchsorted(ints["resp_offsets"], outside[0], side="right")) - 1
+            at = f"row {row}, response token {outside[0] - int(ints['resp_offsets'][row])}"
+            raise _fail(FIELD_DOMAINS[f].reason(f, outside[1], at), where,
+                        "no real step holds this value; the payload was edited after capture (recapture the step)")
     cpu = header.tensors["rng.cpu"].shape[0]
     if cpu != torch.get_rng_state().numel():
         raise _fail(f"rng.cpu has {cpu} bytes, this Torch's CPU generator state has "
