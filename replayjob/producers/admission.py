@@ -160,6 +160,25 @@ def check_source_settings(ob: OptimizerBatchConfig, out: Refusals) -> None:
                    "config leaves them unset, since a replay captures nothing")
 
 
+ROUTING_SETTINGS = ("routing_path", "routing_sha256")  # the routing file a forced replay reads, and its pin
+
+
+def check_routing_settings(routing: Any, ob: OptimizerBatchConfig, out: Refusals) -> None:
+    """A routing file is read by forced routing only: ``optimizer_batch.routing_path`` (or its ``routing_sha256``)
+    beside ``model.routing = "free"`` would be ignored -- the replay routes each token itself, whatever file the
+    config names -- so the contradiction is refused, whoever produced the capture.  Forced routing without both
+    settings is refused by the routing file's own check (:func:`replayjob.model.moe.file_reasons`)."""
+    if routing == "forced":
+        return
+    named = [k for k in ROUTING_SETTINGS if getattr(ob, k)]
+    if named:
+        shown = f" ({str(ob.routing_path)[:200]!r})" if ob.routing_path else ""
+        out.refuse(f"optimizer_batch.{' and '.join(named)}: a routing file{shown} is named, but model.routing is "
+                   f"{str(routing)[:20]!r}: only forced routing reads it (a free replay routes each token itself and "
+                   "would ignore the file); set model.routing = \"forced\" to replay that routing, or remove "
+                   "optimizer_batch.routing_path and routing_sha256")
+
+
 def _check_manifest(adm: Admission, kind: Kind) -> None:
     """The manifest the config pins: verified against the pin before it is parsed, of this kind, and holding
     the logical batch the config pins."""
@@ -259,4 +278,4 @@ def render(rep: dict[str, Any]) -> str:
 
 
 __all__ = ["SOURCE_SETTINGS", "Admission", "Kind", "Refusals", "admit", "check_contract", "check_differences",
-           "check_pins", "check_source_settings", "render"]
+           "check_pins", "check_routing_settings", "check_source_settings", "render"]

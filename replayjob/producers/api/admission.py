@@ -206,6 +206,10 @@ def _check_payload_tensors(adm: Admission, m: Manifest, tensors: dict[str, torch
             reason = rng_state_reason(k, rng[k], f"mb{i:04d}.rng.{k}")
             if reason is not None:
                 adm.refuse(f"{w}: {reason}", integrity=True)
+        for group, held in (("inputs", ins), ("call", call)):  # each input's declared domain (INPUT_DOMAINS)
+            for reason in imanifest.input_domain_reasons(m.framework, group, held):
+                adm.refuse(f"{w}: {reason}; no real step holds it (the payload was edited after capture; recapture "
+                           "the step)", integrity=True)
         mbs.append(_microbatch.MicroBatch(ins, dict(e["inputs"]["values"]), call, dict(e["call"]["values"]), rng,
                                   e["sync_gradients"], e["accumulation_steps"]))
     if left:
@@ -377,6 +381,7 @@ def _check_routing(adm: Admission) -> None:
     cfg, m = adm.cfg, adm.manifest
     assert cfg is not None
     mode = cfg.model.get("routing", "free")
+    shared.check_routing_settings(mode, cfg.optimizer_batch, adm)  # a routing file only forced routing reads
     if mode not in ROUTINGS:
         adm.refuse(f"model.routing is {mode!r}; it takes 'free' or 'forced'")
         return

@@ -166,6 +166,7 @@ def _check_routing(adm: Admission) -> None:
     """A forced routing file (``model.routing = "forced"``): present, pinned, of this capture's rows and this
     model's routers (:func:`replayjob.model.moe.forced_file_reasons`), before any model is built."""
     b, m = adm.batch, adm.manifest
+    shared.check_routing_settings(adm.cfg.model.routing, adm.cfg.optimizer_batch, adm)
     per_row = None if b is None else (b.token_offsets[1:] - b.token_offsets[:-1]).tolist()
     n, t = (int(adm.rows["rows"]), int(adm.rows["tokens"])) if adm.rows else (None, None)
     for reason in moe.forced_file_reasons(adm.cfg, m.logical_sha256 if m is not None else None, per_row, n, t):
