@@ -20,11 +20,14 @@ from __future__ import annotations
 import copy
 import math
 import re
+import sys
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, get_args, get_origin
+
+import msgspec
 
 from replayjob import tensorfile
 from replayjob.digest import normalize_digest, sha256_bytes, sha256_file
@@ -501,22 +504,114 @@ def _number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-# what torch's optimizers hold in every param group, typed as their constructors take them: a value they would
-# refuse at construction (a negative learning rate or epsilon, a beta outside [0, 1)) or one their step cannot use
-# (a string, a missing lr) is no state an optimizer held; load_state_dict takes a group's values as they are, so
-# the replay would otherwise fail in its optimizer step (exit 3) or update with numbers no optimizer ran with
-_GROUP_NON_NEGATIVE = ("lr", "initial_lr", "weight_decay", "momentum")
-_GROUP_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "nesterov", "decoupled_weight_decay",
-                "centered")
-_GROUP_OPTIONAL_FLAGS = ("foreach", "fused")
+# -- what torch's optimizers and LR schedulers hold, declared: a param group's and a scheduler state's fields -------
+#
+# Each is a ``msgspec.Struct`` whose fields declare the type and range torch's constructors take (``Meta``: bounds,
+# and in ``description`` the rule a refusal states); :func:`declared_reasons` is the one reader, checking every
+# declared field a document holds (each reason collected, none masking another) and the required ones present.  A
+# value an optimizer would refuse at construction (a negative learning rate or epsilon, a beta outside [0, 1)) or one
+# its step cannot use (a string, a missing lr) is no state an optimizer held; load_state_dict takes a group's values
+# as they are, so the replay would otherwise fail in its optimizer step (exit 3) or update with numbers no optimizer
+# ran with.  What ties fields or documents together (the groups' keys, amsgrad's buffers, one value per group, the
+# scheduler's learning rates) is stated beside the reader's call.
+
+_FLOAT_MAX = sys.float_info.max
+_INT64_MAX = 2**63 - 1
+PER_GROUP = "per_group"  # a Meta extra: the field lists one value per param group
+_NonNegative = Annotated[float, msgspec.Meta(ge=0.0, le=_FLOAT_MAX, description="not a finite number >= 0")]
+_Flag = Annotated[bool, msgspec.Meta(description="not true or false")]
+_OptionalFlag = Annotated[bool | None, msgspec.Meta(description="not true, false or null")]
+_Beta = Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)]
+
+
+class ParamGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """One param group of a torch optimizer's ``state_dict`` (other keys, an optimizer's own, are left to it)."""
+
+    MISSING: ClassVar[str] = "every torch optimizer's param group holds one"
+
+    lr: _NonNegative
+    initial_lr: _NonNegative = 0.0
+    weight_decay: _NonNegative = 0.0
+    momentum: _NonNegative = 0.0
+    eps: Annotated[_NonNegative | list[_NonNegative | None],  # Adafactor: (eps1, eps2), eps1 perhaps null
+                   msgspec.Meta(description="not a finite number >= 0 (or a list of them)")] = 0.0
+    betas: Annotated[tuple[_Beta, _Beta], msgspec.Meta(description="not two numbers in [0, 1)")] = (0.0, 0.0)
+    amsgrad: _Flag = False
+    maximize: _Flag = False
+    capturable: _Flag = False
+    differentiable: _Flag = False
+    nesterov: _Flag = False
+    decoupled_weight_decay: _Flag = False
+    centered: _Flag = False
+    foreach: _OptionalFlag = None
+    fused: _OptionalFlag = None
+
+
+class SchedulerState(msgspec.Struct, frozen=True, kw_only=True):
+    """A torch LR scheduler's ``state_dict`` (other keys, a scheduler's own, are left to it): its counters, one base
+    learning rate and one ``lr_lambda`` state per param group, its flags; and no key naming its optimizer or a method
+    (``RESERVED``: load_state_dict sets every key as an attribute of the scheduler, so one would replace it)."""
+
+    MISSING: ClassVar[str] = "every torch LR scheduler's state holds one"
+    RESERVED: ClassVar[tuple[str, ...]] = ("optimizer", "step", "get_lr", "get_last_lr", "state_dict",
+                                           "load_state_dict", "print_lr", "_initial_step", "_get_closed_form_lr")
+
+    last_epoch: Annotated[int, msgspec.Meta(ge=-1, le=_INT64_MAX, description="not an integer >= -1")] = 0
+    step_count: Annotated[int, msgspec.Meta(ge=0, le=_INT64_MAX, description="not an integer >= 0")] = \
+        msgspec.field(default=0, name="_step_count")
+    base_lrs: Annotated[list[_NonNegative] | None, msgspec.Meta(
+        description="must list one finite learning rate >= 0 per param group ({groups}), found {value}",
+        extra={PER_GROUP: True})] = None
+    lr_lambdas: Annotated[list[dict[str, Any] | None] | None, msgspec.Meta(
+        description="must hold one null or object per param group ({groups}), found {value}",
+        extra={PER_GROUP: True})] = None
+    get_lr_called_within_step: _Flag = msgspec.field(default=False, name="_get_lr_called_within_step")
+    is_initial: _Flag = msgspec.field(default=False, name="_is_initial")
+    verbose: _Flag = False
+
+
+def _meta(tp: Any) -> msgspec.Meta:
+    """The ``Meta`` a declared field's rule is in (the outermost ``Annotated``'s)."""
+    return next((m for m in get_args(tp)[1:] if isinstance(m, msgspec.Meta)), msgspec.Meta()) \
+        if get_origin(tp) is Annotated else msgspec.Meta()
+
+
+def declared_reasons(doc: Mapping[str, Any], kind: type[msgspec.Struct], at: str, groups: int | None = None
+                     ) -> list[str]:
+    """The one reader of :class:`ParamGroup` and :class:`SchedulerState`: why ``doc`` (``at`` names it) is not what
+    ``kind`` declares -- a reserved key held, a required field missing, or a field's value not of its declared type
+    and range (every field read on its own, so each reason is listed); ``groups``: how many values a per-group
+    field lists (None: not checked)."""
+    reasons = [f"{at}.{key} names the scheduler's {'optimizer' if key == 'optimizer' else 'method'}, which no "
+               "scheduler state holds (loading it would replace it)"
+               for key in sorted(set(doc) & set(getattr(kind, "RESERVED", ())))]
+    for f in msgspec.structs.fields(kind):
+        name = f.encode_name
+        if name not in doc:
+            if f.required:
+                reasons.append(f"{at} has no {name}; {getattr(kind, 'MISSING', 'it is required')}")
+            continue
+        value, meta = doc[name], _meta(f.type)
+        rule = meta.description or "not of its declared type"
+        try:
+            msgspec.convert(value, f.type, strict=True)
+            ok = not (groups is not None and (meta.extra or {}).get(PER_GROUP) and value is not None
+                      and len(value) != groups)
+        except msgspec.ValidationError:
+            ok = False
+        if not ok:
+            reasons.append(f"{at}.{name} " + (rule.format(groups=groups, value=str(value)[:40]) if "{" in rule
+                                               else f"is {str(value)[:24]}, {rule}"))
+    return reasons
 
 
 def param_group_reasons(doc: Mapping[str, Any]) -> list[str]:
     """Why the param groups of a captured optimizer description (:func:`split_optimizer_state`'s ``doc``) are not
-    ones a torch optimizer held: every group holding the same keys and an ``lr``; ``lr``, ``initial_lr``,
-    ``weight_decay`` and ``momentum`` finite numbers >= 0; ``eps`` one, or a list of them (or null, as Adafactor's);
-    ``betas`` two numbers in [0, 1); flags booleans (``foreach`` and ``fused`` also null); and under ``amsgrad``
-    every parameter of the group with state holding its ``max_exp_avg_sq`` (the step reads it)."""
+    ones a torch optimizer held: each group read through its declaration (:class:`ParamGroup`: an ``lr``; ``lr``,
+    ``initial_lr``, ``weight_decay`` and ``momentum`` finite numbers >= 0; ``eps`` one, or a list of them (or null,
+    as Adafactor's); ``betas`` two numbers in [0, 1); flags booleans, ``foreach`` and ``fused`` also null); every
+    group holding the same keys; and under ``amsgrad`` every parameter of the group with state holding its
+    ``max_exp_avg_sq`` (the step reads it)."""
     reasons: list[str] = []
     groups = [g for g in doc["param_groups"] if isinstance(g, Mapping)]
     keys = {frozenset(g) for g in groups}
@@ -526,24 +621,7 @@ def param_group_reasons(doc: Mapping[str, Any]) -> list[str]:
                        "only); an optimizer fills every group with the same settings")
     for i, g in enumerate(groups):
         at = f"optimizer.param_groups[{i}]"
-        if "lr" not in g:
-            reasons.append(f"{at} has no lr; every torch optimizer's param group holds one")
-        for key in _GROUP_NON_NEGATIVE:
-            if key in g and not (_number(g[key]) and g[key] >= 0):
-                reasons.append(f"{at}.{key} is {str(g[key])[:24]}, not a finite number >= 0")
-        eps = g.get("eps", 0.0)
-        if not ((_number(eps) and eps >= 0) or (isinstance(eps, list) and all(
-                e is None or (_number(e) and e >= 0) for e in eps))):
-            reasons.append(f"{at}.eps is {str(eps)[:24]}, not a finite number >= 0 (or a list of them)")
-        betas = g.get("betas", [0.0, 0.0])
-        if not (isinstance(betas, list) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)):
-            reasons.append(f"{at}.betas is {str(betas)[:24]}, not two numbers in [0, 1)")
-        for key in _GROUP_FLAGS:
-            if key in g and not isinstance(g[key], bool):
-                reasons.append(f"{at}.{key} is {str(g[key])[:24]}, not true or false")
-        for key in _GROUP_OPTIONAL_FLAGS:
-            if key in g and g[key] is not None and not isinstance(g[key], bool):
-                reasons.append(f"{at}.{key} is {str(g[key])[:24]}, not true, false or null")
+        reasons += declared_reasons(g, ParamGroup, at)
         params = g.get("params")
         if g.get("amsgrad") is True and isinstance(params, list):
             for idx in params:
@@ -554,47 +632,20 @@ def param_group_reasons(doc: Mapping[str, Any]) -> list[str]:
     return reasons
 
 
-# an LR scheduler's load_state_dict sets every key as an attribute of the scheduler: a key that names one of its
-# methods or its optimizer would replace it
-_SCHEDULER_RESERVED = ("optimizer", "step", "get_lr", "get_last_lr", "state_dict", "load_state_dict", "print_lr",
-                       "_initial_step", "_get_closed_form_lr")
-
-
 def scheduler_type_reasons(groups: list[Any], scheduler: Mapping[str, Any],
                            at: str = "optimizer.scheduler") -> list[str]:
-    """The captured LR scheduler's state typed as torch's schedulers hold it: ``last_epoch`` an integer >= -1,
-    ``_step_count`` one >= 0, ``base_lrs`` one finite number >= 0 per param group (each group's ``initial_lr``, which
-    the scheduler set from it), ``lr_lambdas`` one null or object per group, its flags booleans, and no key naming
-    the scheduler's optimizer or a method (load_state_dict would set it as an attribute); ``at`` names it."""
-    reasons: list[str] = []
-    for key in sorted(set(scheduler) & set(_SCHEDULER_RESERVED)):
-        reasons.append(f"{at}.{key} names the scheduler's {'optimizer' if key == 'optimizer' else 'method'}, "
-                       "which no scheduler state holds (loading it would replace it)")
-    epoch = scheduler.get("last_epoch", 0)
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < -1:
-        reasons.append(f"{at}.last_epoch is {str(epoch)[:24]}, not an integer >= -1")
-    count = scheduler.get("_step_count", 0)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        reasons.append(f"{at}._step_count is {str(count)[:24]}, not an integer >= 0")
+    """The captured LR scheduler's state read through its declaration (:class:`SchedulerState`: ``last_epoch`` an
+    integer >= -1, ``_step_count`` one >= 0, ``base_lrs`` one finite number >= 0 per param group, ``lr_lambdas`` one
+    null or object per group, its flags booleans, no key naming its optimizer or a method), and each group's
+    ``initial_lr`` its ``base_lrs`` entry (the scheduler set it from it); ``at`` names it."""
+    reasons = declared_reasons(scheduler, SchedulerState, at, len(groups))
     base = scheduler.get("base_lrs")
-    if base is not None:
-        if not (isinstance(base, list) and len(base) == len(groups) and all(_number(b) and b >= 0 for b in base)):
-            reasons.append(f"{at}.base_lrs must list one finite learning rate >= 0 per param group ({len(groups)}), "
-                           f"found {str(base)[:40]}")
-        else:
-            for i, (g, lr) in enumerate(zip(groups, base, strict=True)):
-                have = g.get("initial_lr", lr) if isinstance(g, Mapping) else lr
-                if have != lr or isinstance(have, bool):
-                    reasons.append(f"optimizer.param_groups[{i}].initial_lr is {str(have)[:24]}, but the LR scheduler "
-                                   f"started it from {str(lr)[:24]} ({at}.base_lrs[{i}])")
-    lambdas = scheduler.get("lr_lambdas")
-    if lambdas is not None and not (isinstance(lambdas, list) and len(lambdas) == len(groups) and all(
-            f is None or isinstance(f, Mapping) for f in lambdas)):
-        reasons.append(f"{at}.lr_lambdas must hold one null or object per param group ({len(groups)}), found "
-                       f"{str(lambdas)[:40]}")
-    for key in ("_get_lr_called_within_step", "_is_initial", "verbose"):
-        if key in scheduler and not isinstance(scheduler[key], bool):
-            reasons.append(f"{at}.{key} is {str(scheduler[key])[:24]}, not true or false")
+    if isinstance(base, list) and len(base) == len(groups) and all(_number(b) and b >= 0 for b in base):
+        for i, (g, lr) in enumerate(zip(groups, base, strict=True)):
+            have = g.get("initial_lr", lr) if isinstance(g, Mapping) else lr
+            if have != lr or isinstance(have, bool):
+                reasons.append(f"optimizer.param_groups[{i}].initial_lr is {str(have)[:24]}, but the LR scheduler "
+                               f"started it from {str(lr)[:24]} ({at}.base_lrs[{i}])")
     return reasons
 
 
