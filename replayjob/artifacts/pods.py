@@ -13,8 +13,9 @@ keys are refused, and so is whatever would change what a replay measures or how 
   spec's ``determinism_env()``, the runtime variables, ``REPLAYJOB_*``, ``OMP_NUM_THREADS``...);
 * the **families of variables that change what a replay runs or measures** (:data:`ENV_FAMILIES`, each
   with its reason: the dynamic loader's ``LD_*``, Python's ``PYTHON*``, ``PYTORCH_*``, ``CUDNN_*``,
-  ``TRITON_*``, the CPU math libraries' ``MKL_*``, ``OMP_*``, ``KMP_*``, ``GOMP_*``, ``OPENBLAS_*``, and
-  ``XLA_*``), and a value holding a NUL byte (no process environment can carry it);
+  ``TRITON_*``, the CPU math libraries' ``MKL_*``, ``OMP_*``, ``KMP_*``, ``GOMP_*``, ``OPENBLAS_*``,
+  ``XLA_*``, and ROCm's ``HIP_*``, ``ROCBLAS_*``, ``HIPBLASLT_*``, ``MIOPEN_*``, ``HSA_*``, ``ROCR_*``), and a
+  value holding a NUL byte (no process environment can carry it);
 * the **security context** (``securityContext``, ``privileged``, host namespaces, capabilities: every
   pod meets the restricted Pod Security Standard, and only the driver mounts a token);
 * replayjob's **own labels, node selector keys, volumes and mount paths** (the run id, the GPU
@@ -107,6 +108,22 @@ ENV_FAMILIES: tuple[tuple[str, str, str], ...] = (
     ("XLA_", "XLA's variables",
      "they change how XLA compiles and runs its graphs (XLA_FLAGS: fusion, autotuning, the devices it sees): "
      "other kernels, other numbers and timings"),
+    ("HIP_", "HIP's variables",
+     "they change which AMD GPUs a replay sees and how HIP launches its kernels (HIP_VISIBLE_DEVICES, "
+     "HIP_LAUNCH_BLOCKING): another device, other timings"),
+    ("ROCBLAS_", "rocBLAS's variables",
+     "they change the kernels rocBLAS picks and its tuning on AMD GPUs (ROCBLAS_TENSILE_LIBPATH, "
+     "ROCBLAS_LAYER): other numbers and timings"),
+    ("HIPBLASLT_", "hipBLASLt's variables",
+     "they change the matmul kernels hipBLASLt picks on AMD GPUs: other numbers and timings"),
+    ("MIOPEN_", "MIOpen's variables",
+     "they change which MIOpen kernels run and how they are found and cached (MIOPEN_FIND_MODE): other numbers "
+     "and timings"),
+    ("HSA_", "the ROCm runtime's variables",
+     "they change how the ROCm runtime drives the AMD GPU (HSA_OVERRIDE_GFX_VERSION runs kernels built for "
+     "another chip): other kernels, other numbers and timings"),
+    ("ROCR_", "the ROCm runtime's variables",
+     "they change which AMD GPUs the ROCm runtime exposes (ROCR_VISIBLE_DEVICES): another device, other timings"),
 )
 
 
