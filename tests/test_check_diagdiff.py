@@ -404,3 +404,24 @@ def test_a_string_value_is_printed_escaped_when_not_printable(tmp_path: Path,
     out = capsys.readouterr().out
     assert '"a\\u202eb"' in out and '"a\\u0085b"' in out and out.isprintable() is False  # newlines only
     assert all(line.isprintable() for line in out.splitlines())
+
+
+@pytest.mark.parametrize(("a_rows", "b_rows"), [
+    ([{"step": 1}, {"step": 2}], [{"step": 1}, {"step": 2}]),  # nothing but the step
+    ([{"step": 1, "timing": {"elapsed_s": 1.0}}], [{"step": 1, "timing": {"elapsed_s": 9.0}}]),  # step + ignored
+    ([{"step": 1, "x": 1.0}], [{"step": 1, "x": 1.0, "timing": {"elapsed_s": 2.0}}]),  # a leaf: compared
+])
+def test_the_step_that_aligned_rows_is_no_leaf_compared(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        a_rows: list[dict[str, Any]],
+                                                        b_rows: list[dict[str, Any]]) -> None:
+    """Rows aligned by step hold the same step by construction: files holding nothing but their steps (and ignored
+    leaves) read EQUAL (exit 0) on no leaf compared; they are refused as a comparison of nothing (exit 2)."""
+    a, b = pair(tmp_path, a_rows, b_rows)
+    compared = any(k not in ("step", "timing") for r in a_rows for k in r)
+    rc = main(["diag-diff", str(a), str(b)])
+    out = capsys.readouterr()
+    if compared:
+        assert rc == 0 and diff_files(a, b).equal, out
+        return
+    assert rc == 2 and "nothing compared" in out.err and "but the step that aligned them" in out.err, out
+    assert "Traceback" not in out.err

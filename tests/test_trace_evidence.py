@@ -326,7 +326,8 @@ def test_diag_diff_refuses_to_call_nothing_equal(tmp_path: Path, capsys: pytest.
     b.write_text('{"step": 0, "wall_s": 3.0}\n{"step": 1, "wall_s": 4.0}\n')
     assert main(["diag-diff", str(a), str(b), "--ignore", "step"]) == 2  # every leaf ignored: refused
     assert "nothing compared" in capsys.readouterr().err
-    assert main(["diag-diff", str(a), str(b)]) == 0  # the steps are compared: equal
+    assert main(["diag-diff", str(a), str(b)]) == 2  # the steps only aligned the rows: nothing compared
+    assert "but the step that aligned them" in capsys.readouterr().err
     b.write_text('{"step": 0, "wall_s": 1.0}\n{"step": 1, "wall_s": 2.0}\n')
     assert main(["diag-diff", str(a), str(b), "--ignore", "step"]) == 2  # byte-equal rows, nothing compared
     with pytest.raises(RefusedError, match="nothing compared"):

@@ -2,8 +2,8 @@
 
 Rows are aligned by their integer ``step`` when both files have one (each file's steps must
 increase), else by position; a row on one side only is a difference.  Files that would read as equal
-without one leaf compared (every leaf of every aligned row ignored) are refused: equality over
-nothing is no evidence.  Leaves compare under
+without one leaf compared (every leaf of every aligned row ignored, or nothing but the ``step`` that
+aligned them) are refused: equality over nothing is no evidence.  Leaves compare under
 :mod:`replayjob.check.leafdiff`'s rules; leaves matched by the ignore patterns
 (:data:`~replayjob.check.leaves.DEFAULT_IGNORES` plus ``--ignore``) are skipped.
 
@@ -164,7 +164,8 @@ def diff_files(path_a: str | Path, path_b: str | Path, *, tol: Tolerance | None 
     report.rows_a, report.rows_b = a.count, b.count
     if report.equal and not report.leaves_compared:
         raise RefusedError(f"nothing compared: every leaf of the {report.rows_compared} aligned row(s) is ignored "
-                           f"or empty, so the files cannot read as equal", where=f"{a.path} vs {b.path}",
+                           f"or empty{' but the step that aligned them' if by_step else ''}, so the files "
+                           "cannot read as equal", where=f"{a.path} vs {b.path}",
                            hint="narrow --ignore (the default ignores are wall-clock times, rates and memory "
                                 "peaks) so that some leaf is compared")
     return report
@@ -178,14 +179,16 @@ def _compare_pair(report: DiffReport, index: int, ra: tuple[int, dict[str, Any]]
     if plan:
         _blank(row_a, plan)
         _blank(row_b, plan)
+    # Rows aligned by step hold the same step by construction: it is the key that paired them, never a leaf compared.
+    key = "step" if report.aligned_by == "step" else None
     if _same_bytes(row_a, row_b):
         if not report.leaves_compared:  # until the first row with a leaf that is compared, not after
-            report.leaves_compared = any(path for path in flatten(row_a, ig))
+            report.leaves_compared = any(path and path != key for path in flatten(row_a, ig))
         report.last_row = RowDivergence(index, step, line_a, line_b, "leaves", 0, [])
         return
     found: set[Location] = set()
     la, lb = flatten(row_a, ig, found), flatten(row_b, ig, found)
-    report.leaves_compared = report.leaves_compared or any(path and path in lb for path in la)
+    report.leaves_compared = report.leaves_compared or any(path and path != key and path in lb for path in la)
     if len(plan) < MAX_PLAN:
         plan.update(found)
     drifts = compare_leaves(la, lb, tol)
