@@ -337,6 +337,10 @@ _CONSISTENCY = '[[consistency]]\nname="c"\nleaf="loss.policy"\nfield="loss"\nkil
     ('[[signal]]\nname="a\\nKILL fake"\nleaf="x"\nreducer="last"\nkill_above=1\n', "holds a control character"),
     ('[[signal]]\nname="a\\u001b[2J"\nleaf="x"\nreducer="last"\nkill_above=1\n', "holds a control character"),
     ('[[signal]]\nname="a"\nleaf="x"\nreducer="last"\nkill_above=1\nmeaning="m\\r"\n', "holds a control character"),
+    # a bidi override or a line separator reordered or broke the verdict table's line
+    ('[[signal]]\nname="a\\u202e"\nleaf="x"\nreducer="last"\nkill_above=1\n', "bidi control"),
+    ('[[signal]]\nname="a"\nleaf="x"\nreducer="last"\nkill_above=1\nmeaning="m\\u2028KILL"\n', "bidi control"),
+    (_CONSISTENCY + 'summary="m\\u2066.json"\n', "bidi control"),
     # bounds whose band is empty graded every run KILL (or WARN), whatever it did
     ('[[signal]]\nname="a"\nleaf="x"\nreducer="last"\nkill_below=100\nkill_above=0\n',
      "kill_below 100.0 is above kill_above 0.0"),
@@ -406,3 +410,19 @@ def test_a_summary_that_is_a_directory_is_refused_even_when_optional(
     assert main(["signals", str(d), "--rules", str(r)]) == 2
     err = capsys.readouterr().err
     assert "which is a directory, not a file" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("link", [False, True])
+def test_a_consistency_summary_that_is_the_diagnostics_themselves_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], link: bool) -> None:
+    """A one-row diag.jsonl is a JSON object: a consistency rule naming it (or a hard link to it) as its summary
+    compared the run's last value with itself and graded it consistent (OK, exit 0) on no comparison."""
+    d = run_dir(tmp_path, [{"step": 0, "loss": {"policy": 0.5}}])
+    summary = "diag.jsonl"
+    if link:
+        (d / "summary.json").hardlink_to(d / "diag.jsonl")
+        summary = "summary.json"
+    text = f'[[consistency]]\nname="c"\nleaf="loss.policy"\nsummary="{summary}"\nfield="loss.policy"\nkill_above=0.1\n'
+    assert main(["signals", str(d), "--rules", str(rules(tmp_path, text))]) == 2
+    err = capsys.readouterr().err
+    assert "is the same file" in err and "Traceback" not in err, err

@@ -20,11 +20,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from replayjob.artifacts.document import OneLine
 from replayjob.check.leaves import parse_path
 from replayjob.config.load import read_toml, read_toml_text
 from replayjob.errors import ConfigError, UsageError
 
 SCHEMA = "replayjob.signals/1"
+
 REDUCERS: dict[str, int] = {"last": 1, "mean": 1, "min": 1, "max": 1, "cv": 2, "slope": 3, "pearson": 3}
 """Reducer name -> the fewest values it needs (pairs for ``pearson``)."""
 STATUSES = ("KILL", "WARN")
@@ -99,14 +103,25 @@ def _num(rule: dict[str, Any], key: str, where: str) -> float | None:
     return float(v)
 
 
+def _one_line(v: str) -> bool:
+    """``v`` is one line of printable characters, as the declarations read it (:data:`OneLine`): no control, line
+    break or bidi control."""
+    try:
+        msgspec.convert(v, OneLine)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
 def _str(rule: dict[str, Any], key: str, where: str, required: bool = True) -> str:
     v = rule.get(key)
     if v is None and not required:
         return ""
     if not isinstance(v, str) or (required and not v.strip()):
         raise ConfigError(f"{key} must be a non-empty string", where=where)
-    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in v):  # a newline would print a line of its own
-        raise ConfigError(f"{key} {v!r} holds a control character (a newline, tab or escape)", where=where,
+    if not _one_line(v):  # a newline would print a line of its own, a bidi control reorder the table's text
+        raise ConfigError(f"{key} {v!r} holds a control character (a newline, tab, escape or bidi control)",
+                          where=where,
                           hint="write it on one line of printable characters: the verdict table prints it as is")
     return v
 

@@ -25,6 +25,7 @@ whole verdict (exit 2) naming each such rule, rather than grading on no evidence
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,6 +262,11 @@ def _grade_consistency(rule: ConsistencyRule, last: float | None, base: Path, wh
                            where=summary, hint="pass the run directory that holds it, or mark the rule optional")
     if last is None:
         raise RefusedError(f"consistency rule {rule.name!r} found no row with leaf {rule.leaf}", where=where)
+    if os.path.samefile(summary, where):  # the diagnostics themselves (or a hard link): a leaf compared with itself
+        raise RefusedError(f"consistency rule {rule.name!r} compares the run's diagnostics with {rule.summary}, which "
+                           f"is the same file ({where.name}, a hard link or the path itself): a value compared with "
+                           "itself is always consistent and proves nothing", where=summary,
+                           hint="name the summary the run wrote beside its diagnostics (e.g. metrics.json)")
     doc = read_json_object(summary)
     ref = get_leaf(doc, parse_path(rule.field))
     if ref is MISSING or isinstance(ref, bool) or not isinstance(ref, int | float):
