@@ -437,3 +437,28 @@ def test_landing_records_are_read_through_their_declarations(tmp_path: Path, cap
         write_rollout(root, rank=r, ranks=[0, 1], groups=4, run_id="run-a")
     tamper(root)
     _refused_by_both(capsys, root, *needles)
+
+
+# ------------------------------------------- values no trainer consumed: log-probabilities above 0
+@pytest.mark.parametrize("name", ["logprobs", "old_logprobs", "ref_logprobs"])
+def test_a_log_probability_above_zero_inside_a_response_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                   name: str) -> None:
+    """A re-sealed step bundle whose log-probabilities were raised above 0 (probabilities above 1) was validated and
+    recomputed like any other; the capture payload's reader already refused the same values.  Padding past a
+    sample's response may hold any finite value, and 0 itself is a log-probability."""
+    p = write_step(tmp_path / "b")
+    lengths = [s["response_length"] for s in load_bundle(p).samples]
+    row = next(i for i, n in enumerate(lengths) if 0 < n < max(lengths))
+
+    def pad(t: dict[str, Tensor]) -> None:
+        t[name][row, lengths[row]] = 0.5  # past the response: padding, any finite value
+        t[name][row, 0] = 0.0
+
+    _forge(p, tensors=pad)
+    assert _cli(capsys, "bundle", "validate", str(p))[0] == 0
+
+    def above(t: dict[str, Tensor]) -> None:
+        t[name][row, lengths[row] - 1] = 0.5
+
+    _forge(p, tensors=above)
+    _refused_by_both(capsys, p, f"payload '{name}'", "token", "a log-probability is <= 0")

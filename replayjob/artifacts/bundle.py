@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from replayjob.artifacts.capture_manifest import LOGPROB, Domain
 from replayjob.artifacts.document import Count, Digest, Document, Finite, Int, NonNegative, OneLine, Positive, whole
 from replayjob.errors import ContractError, IntegrityError
 
@@ -74,6 +75,12 @@ PAYLOAD_DTYPES: dict[str, tuple[str, ...]] = {
     **{name: INTEGER_DTYPES for name in ("response_ids", "label_ids")},
     **{name: FLOAT_DTYPES for name in ("logprobs", "old_logprobs", "ref_logprobs", "kl", "advantages",
                                        "loss_weights")}}
+# The values a per-token payload may hold inside a sample's response (its first ``response_length`` tokens), declared
+# once beside the capture payload's (:class:`replayjob.artifacts.capture_manifest.Domain`): a finite value outside is
+# no value a trainer consumed (a log-probability above 0 is a probability above 1) and is refused naming the payload,
+# sample and token.  Non-finite values inside the response are evidence (left to the comparison); padding is only
+# required finite.  Expected outputs (``kl``, ``advantages``, ``loss_weights``) are compared, not judged.
+PAYLOAD_DOMAINS: dict[str, Domain] = {"logprobs": LOGPROB, "old_logprobs": LOGPROB, "ref_logprobs": LOGPROB}
 TEXT_FIELDS = ("prompt", "completion", "label")
 ID_FIELDS = ("response_ids", "label_ids")
 FIXED_DROPS = ("paths", "endpoints", "environment", "secrets")

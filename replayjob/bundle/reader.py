@@ -38,6 +38,7 @@ from replayjob import tensorfile
 from replayjob.artifacts.bundle import (
     FLOAT_DTYPES,
     LEGACY_ROOT_KEYS,
+    PAYLOAD_DOMAINS,
     PAYLOAD_DTYPES,
     BundleComplete,
     RankComplete,
@@ -280,6 +281,58 @@ class FinitePadding:
                                   "mask, and a NaN or an infinity there, weighed by 0, is still NaN")
 
 
+class InDomain:
+    """A ``scan`` visitor: inside each sample's response (its first ``response_length`` tokens) a per-token payload
+    with a declared domain (:data:`replayjob.artifacts.bundle.PAYLOAD_DOMAINS`: log-probabilities <= 0) holds no
+    finite value outside it, checked as the payload's bytes stream past the hash.
+
+    A re-sealed bundle whose log-probabilities were above 0 (probabilities above 1, no value a trainer consumed)
+    was validated and recomputed like any other, and with its recorded loss recomputed from them passed.  Non-finite
+    values inside the response are evidence (:class:`FinitePadding` judges the padding), and padding may hold any
+    finite value: only the response is judged.
+    """
+
+    def __init__(self, lengths: list[int], sample_ids: list[str]):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.sample_ids = sample_ids
+
+    def __call__(self, spec: tensorfile.TensorSpec, piece: memoryview, first: int) -> None:
+        """Check ``piece``: elements ``first ..`` of tensor ``spec``, just read and hashed."""
+        if (spec.name not in PAYLOAD_DOMAINS or spec.dtype not in FLOAT_DTYPES or len(spec.shape) != 2
+                or spec.shape[0] != len(self.lengths)):
+            return  # refused by the manifest or the header check
+        if spec.dtype == "BF16":  # a bfloat16 is the high half of the float32 of the same value: exact
+            bits = np.frombuffer(piece, dtype=np.uint16, count=len(piece) // 2)
+            values = (bits.astype(np.uint32) << 16).view(np.float32)
+        else:
+            np_dtype = np.dtype(_NP_FLOAT[spec.dtype])
+            values = np.frombuffer(piece, dtype=np_dtype, count=len(piece) // np_dtype.itemsize)
+        self._check(spec.name, values, first, spec.shape[1])
+
+    def check_tensor(self, name: str, t: Tensor) -> None:
+        """The same check on a whole ``[N, T]`` tensor (the writer, before it writes)."""
+        import torch
+        if name in PAYLOAD_DOMAINS and t.dim() == 2 and t.dtype.is_floating_point and t.shape[0] == len(self.lengths):
+            self._check(name, t.detach().to("cpu", torch.float64).reshape(-1).numpy(), 0, t.shape[1])
+
+    def _check(self, name: str, values: np.ndarray, first: int, width: int) -> None:
+        domain = PAYLOAD_DOMAINS[name]
+        if not values.size or domain.first_outside(values) is None:  # the common case: one pass, nothing found
+            return
+        rows, cols = np.divmod(np.arange(first, first + values.size, dtype=np.int64), max(1, width))
+        inside = np.flatnonzero(cols < self.lengths[rows])
+        found = domain.first_outside(values[inside])
+        if found is None:  # only padding is outside: any finite pad is allowed
+            return
+        k = int(inside[found[0]])
+        row, col = int(rows[k]), int(cols[k])
+        raise IntegrityError(domain.reason(f"payload {name!r}", found[1], f"sample {self.sample_ids[row]!r}, token "
+                                           f"{col} (inside its response_length={int(self.lengths[row])})"),
+                             where=fmt.payload_where(name),
+                             hint="record the log-probabilities the trainer computed (a log-softmax is never above "
+                                  "0); capture the step again")
+
+
 def _visit_all(*visitors: tensorfile.Visitor) -> tensorfile.Visitor:
     def visit(spec: tensorfile.TensorSpec, piece: memoryview, first: int) -> None:
         for v in visitors:
@@ -288,9 +341,10 @@ def _visit_all(*visitors: tensorfile.Visitor) -> tensorfile.Visitor:
 
 
 def _load_payloads(path: Path, manifest: dict[str, Any], keep: bool, rows: MaskRows,
-                   ids: TokenIds, pads: FinitePadding) -> dict[str, Tensor]:
+                   ids: TokenIds, pads: FinitePadding, domains: InDomain) -> dict[str, Tensor]:
     """One read of ``payloads.safetensors``: size, header SHA-256 and every tensor's SHA-256 first,
-    then the header, BOOL bytes, mask rows, token ids and finite padding checked on those very bytes.
+    then the header, BOOL bytes, mask rows, token ids, finite padding and log-probabilities <= 0 inside the
+    responses checked on those very bytes.
 
     The header block and each tensor's bytes are hashed on their own (together they tile the file,
     so every byte is pinned); with 32 MiB or more, up to four threads read and hash tensors at once
@@ -314,7 +368,8 @@ def _load_payloads(path: Path, manifest: dict[str, Any], keep: bool, rows: MaskR
         raise IntegrityError(f"{fmt.PAYLOAD_FILE} is not a regular file (symlinks are refused)", where=p)
     workers = min(PARALLEL_FILES, len(specs)) if int(pf["bytes"]) >= PARALLEL_MIN_BYTES else 1
     scanned = tensorfile.scan(p, keep=keep, schema=fmt.payload_schema({n: s["dtype"] for n, s in specs.items()}),
-                              digest="spans", visit=_visit_all(rows, ids, pads), workers=workers, follow_symlinks=False)
+                              digest="spans", visit=_visit_all(rows, ids, pads, domains), workers=workers,
+                              follow_symlinks=False)
     header_sha = (scanned.header_sha256 or b"").hex()
     if scanned.size != pf["bytes"] or header_sha != pf["header_sha256"]:
         raise IntegrityError(f"checksum mismatch for {fmt.PAYLOAD_FILE}: {scanned.size} bytes, header sha256 "
@@ -379,8 +434,9 @@ def _load_single(path: Path, tensors: bool = True, root: RootRecord | None = Non
     # Mask rows are checked against the recorded lengths as the mask's bytes stream past the hash.
     sample_ids = [s["sample_id"] for s in index["samples"]]
     rows = MaskRows([s["response_length"] for s in index["samples"]], sample_ids)
+    lengths = [s["response_length"] for s in index["samples"]]
     payloads = _load_payloads(path, manifest, tensors, rows, TokenIds(index["config"]["tokenizer"], sample_ids),
-                              FinitePadding([s["response_length"] for s in index["samples"]], sample_ids))
+                              FinitePadding(lengths, sample_ids), InDomain(lengths, sample_ids))
     specs = manifest["payloads"]
     check_closure(manifest, index, expected, {k: (specs[k]["dtype"], list(v.shape)) for k, v in payloads.items()})
     _check_labels(payloads, index)
@@ -592,9 +648,9 @@ def load_bundle(path: str | Path, *, tensors: bool = True) -> Bundle:
     """Validate and load a bundle directory or a multi-rank root; raise naming the first fault.
 
     ``tensors=False`` (``bundle validate``) runs every check -- digests over every byte, headers,
-    dtypes, shapes, BOOL bytes, mask rows, token ids, finite padding, config ranges, group closure -- but keeps no
-    payload data: ``payloads`` then holds ``meta`` tensors of the recorded dtypes and shapes.  Every
-    structural check ``bundle replay`` relies on is made here, so what ``validate`` passes, ``replay``
+    dtypes, shapes, BOOL bytes, mask rows, token ids, finite padding, log-probabilities <= 0, config ranges, group
+    closure -- but keeps no payload data: ``payloads`` then holds ``meta`` tensors of the recorded dtypes and
+    shapes.  Every structural check ``bundle replay`` relies on is made here, so what ``validate`` passes, ``replay``
     recomputes.
     """
     b = _load(Path(path), tensors)

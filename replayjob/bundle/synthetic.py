@@ -90,13 +90,14 @@ def make(*, estimator: str = "grpo", groups: int = 2, group_size: int = 4, max_l
     else:
         scores = stages.post_process(raw, torch.tensor(group), estimator, cfg["std_eps"])
     old = -torch.rand((n, width), generator=gen, dtype=torch.float64) * 3 * mask
-    ref = (old - 0.05 * torch.randn((n, width), generator=gen, dtype=torch.float64)) * mask
+    ref = (old - 0.05 * torch.randn((n, width), generator=gen, dtype=torch.float64)).clamp(max=0.0) * mask
     kl = stages.token_kl(old, ref, mask, cfg["kl_kind"])
     adv = stages.advantage_estimate(scores, kl, mask, cfg["kl_reward_coef"])
     if cfg["batch_adv_norm"]:
         adv = stages.batch_normalize(adv, mask)
     adv = stages.clip_advantages(adv, cfg["adv_clip"])
-    logp = (old + 0.02 * torch.randn((n, width), generator=gen, dtype=torch.float64)).float() * mask.float()
+    logp = (old + 0.02 * torch.randn((n, width), generator=gen, dtype=torch.float64)).clamp(max=0.0)
+    logp = logp.float() * mask.float()
     weights = stages.loss_weights(stages.token_cap(mask, cfg["token_cap"]), cfg["loss_agg"])
     loss = stages.policy_loss(logp, old, adv, weights, clip_low=cfg["clip_low"], clip_high=cfg["clip_high"],
                               ref_logp=ref, kl_coef=cfg["kl_loss_coef"])

@@ -45,7 +45,7 @@ from replayjob import tensorfile
 from replayjob.artifacts.bundle import RankComplete
 from replayjob.artifacts.document import decode
 from replayjob.bundle import format as fmt
-from replayjob.bundle.reader import FinitePadding, TokenIds
+from replayjob.bundle.reader import FinitePadding, InDomain, TokenIds
 from replayjob.bundle.schema import check_closure, check_groups, check_manifest, check_tokens
 from replayjob.crashpoints import point
 from replayjob.digest import sha256_bytes
@@ -302,9 +302,11 @@ class BundleWriter:
         for name in fmt.ID_FIELDS:
             if name in self.payloads:
                 ids.check_tensor(name, self.payloads[name])
-        pads = FinitePadding([s["response_length"] for s in self.samples], [s["sample_id"] for s in self.samples])
+        lengths, sample_ids = [s["response_length"] for s in self.samples], [s["sample_id"] for s in self.samples]
+        pads, domains = FinitePadding(lengths, sample_ids), InDomain(lengths, sample_ids)
         for name in sorted(self.payloads):
             pads.check_tensor(name, self.payloads[name])
+            domains.check_tensor(name, self.payloads[name])
         final = self.root if self.ranks is None else self.root / f"rank-{self.rank}"
         manifest_bytes = canonical_bytes(manifest)
         manifest_sha = sha256_bytes(manifest_bytes)
