@@ -132,6 +132,45 @@ def capture_dir(workspace: Path) -> Path:
     return out
 
 
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
+    """The Kubernetes API emulator (tests/k8s_emulator.py) on loopback, set up as `k8s submit` finds a namespace
+    (examples/ablation.toml's setup applied once; stage Jobs finish at once), and a client of it; KUBECONFIG
+    points at it."""
+    from k8s_emulator import Cluster, kubeconfig, serve
+    from kubernetes import client
+
+    from replayjob.artifacts.spec import load_spec_text
+    from replayjob.launch import k8s
+
+    state = Cluster()
+    state.running_reads = 0  # the emulated stage Jobs finish at once
+    for doc in k8s.render_setup(load_spec_text(REPO / "examples" / "ablation.toml")[0]).values():
+        if k8s.is_manifest(doc):
+            state.add(doc)
+    with serve(state) as host:
+        path = tmp_path / "kubeconfig"
+        path.write_text(kubeconfig(host), encoding="utf-8")
+        monkeypatch.setenv("KUBECONFIG", str(path))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        api = client.ApiClient(client.Configuration(host=host))
+        yield state, api
+        api.close()
+
+
+MOE = ["--set", 'model.architecture="qwen3_moe"']  # the built-in tiny mixture-of-experts model
+
+
+@pytest.fixture(scope="session")
+def moe_workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A workspace of the built-in MoE model (seed 123) and its captured step in ``source/`` (its routing recorded
+    in ``metrics.json``'s ``routing/steps``); shared, read-only: a test replays into directories of its own."""
+    d = tmp_path_factory.mktemp("moe")
+    assert main(["init", str(d), "--seed", "123", *MOE]) == 0
+    assert main(["capture", str(d / "source.toml"), "--out", str(d / "source"), *MOE]) == 0
+    return d
+
+
 def replay_pins(capture: Path) -> list[str]:
     """The two ``--set`` pins a replay of ``capture`` needs, read from its metrics.json."""
     import json

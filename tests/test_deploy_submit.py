@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_emulator import NS, Cluster, as_sent, kubeconfig, serve, verdict_text
+from k8s_emulator import NS, Cluster, as_sent, verdict_text
 from kubernetes import client
 
 from replayjob.artifacts.spec import AblationSpec, Arm, load_spec_text, spec_from_text
@@ -107,23 +107,6 @@ class Kubelet:
     def join(self) -> None:
         for thread in self.threads:
             thread.join(timeout=30)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Cluster, client.ApiClient]]:
-    state = Cluster()
-    state.running_reads = 0  # the emulated stage Jobs finish at once
-    for _name, doc in k8s.render_setup(load_spec_text(SPEC)[0]).items():  # the namespace's setup, applied once
-        if k8s.is_manifest(doc):
-            state.add(doc)
-    with serve(state) as host:
-        path = tmp_path / "kubeconfig"
-        path.write_text(kubeconfig(host), encoding="utf-8")
-        monkeypatch.setenv("KUBECONFIG", str(path))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-        api = client.ApiClient(client.Configuration(host=host))
-        yield state, api
-        api.close()
 
 
 @pytest.fixture

@@ -9,12 +9,12 @@ API is made malformed on its way to replayjob (:func:`tamper`), everything else 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from k8s_emulator import NS, Cluster, kubeconfig, serve, verdict_text
+from k8s_emulator import NS, Cluster, verdict_text
 from kubernetes import client
 
 from replayjob.artifacts import cluster_status as outcome
@@ -29,23 +29,6 @@ REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "examples" / "ablation.toml"
 Doc = dict[str, Any]
 Change = Callable[[Any], Any]
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Cluster, client.ApiClient]]:
-    state = Cluster()
-    state.running_reads = 0
-    for doc in k8s.render_setup(_spec()[0]).values():  # the namespace's setup, applied once
-        if k8s.is_manifest(doc):
-            state.add(doc)
-    with serve(state) as host:
-        path = tmp_path / "kubeconfig"
-        path.write_text(kubeconfig(host), encoding="utf-8")
-        monkeypatch.setenv("KUBECONFIG", str(path))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-        api = client.ApiClient(client.Configuration(host=host))
-        yield state, api
-        api.close()
 
 
 def _spec() -> tuple[AblationSpec, str]:

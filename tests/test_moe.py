@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import replay_pins
+from conftest import MOE, replay_pins
 
 from replayjob.artifacts.trace_store import read_trace
 from replayjob.cli import main
@@ -27,7 +27,6 @@ from replayjob.model import moe
 from replayjob.model.backend import load_backend
 from replayjob.producers import trace_fault as fault
 
-MOE = ["--set", 'model.architecture="qwen3_moe"']
 FLIP_SCALE = "2e-3"  # flips the expert set of the few tokens whose router-logit margin is about 4e-3 or less
 ATTENTION = "base_model.model.model.layers.0.self_attn.o_proj"
 
@@ -43,11 +42,9 @@ def metrics(d: Path, name: str = "replay_metrics.json") -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def moe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    d = tmp_path_factory.mktemp("moe")
-    assert main(["init", str(d), "--seed", "123", *MOE]) == 0
+def moe_runs(moe_workspace: Path) -> dict[str, Any]:
+    d = moe_workspace
     src = d / "source"
-    assert main(["capture", str(d / "source.toml"), "--out", str(src), *MOE]) == 0
     entry = metrics(src, "metrics.json")["routing/steps"][0]
     out: dict[str, Any] = {"ws": d, "source": src, "routing_file": src / entry["path"], "routing_sha": entry["sha256"]}
 

@@ -11,20 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TRL_STEP, replay_pins
+from conftest import MOE, TRL_STEP, replay_pins
 
 from replayjob.cli import main
 
-MOE = ["--set", 'model.architecture="qwen3_moe"']
 DECLARED = ["--set", 'optimizer_batch.allow_config_differences=["model.routing"]']
 
 
 @pytest.fixture(scope="module")
-def moe_capture(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    d = tmp_path_factory.mktemp("moe_routing")
-    assert main(["init", str(d), "--seed", "123", *MOE]) == 0
+def moe_capture(moe_workspace: Path) -> dict[str, Any]:
+    d = moe_workspace
     src = d / "source"
-    assert main(["capture", str(d / "source.toml"), "--out", str(src), *MOE]) == 0
     entry = json.loads((src / "metrics.json").read_text())["routing/steps"][0]
     return {"config": str(d / "replay.toml"), "pins": [*replay_pins(src), *MOE], "file": src / entry["path"],
             "sha": entry["sha256"]}

@@ -44,7 +44,8 @@ def quantile(sorted_values: Sequence[float], q: float) -> float:
 def numpy_quantiles(sorted_values: Sequence[float], qs: Sequence[float]) -> tuple[float, ...]:
     """``numpy.quantile(values, qs)`` (its default, type 7), bit for bit, from the values sorted ascending (NaN
     last, as ``numpy.sort`` puts it): the same virtual index, the same two-sided interpolation and a NaN
-    wherever a value is NaN.  The interval's ends are read this way because ``numpy.quantile`` imports
+    wherever a value is NaN; a zero is always ``+0.0`` (numpy's may carry the sign of whichever of equal zeros
+    its partition put there).  The interval's ends are read this way because ``numpy.quantile`` imports
     ``numpy.ma`` on first use, a quarter of numpy's own import time in every ``reduce`` process.
     ``tests/test_gate_stats.py`` compares the two on random inputs."""
     n = len(sorted_values)
@@ -66,7 +67,8 @@ def numpy_quantiles(sorted_values: Sequence[float], qs: Sequence[float]) -> tupl
         gamma = virtual - (-1 if virtual >= n - 1 else below)  # numpy takes the gap from index -1 there
         a, b = float(sorted_values[below]), float(sorted_values[above])
         diff = b - a
-        out.append(b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma)
+        value = b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
+        out.append(value + 0.0)  # a zero end is +0.0: which of equal zeros numpy's partition lands on is arbitrary
     return tuple(out)
 
 
