@@ -21,6 +21,7 @@ from k8s_emulator import NS, Cluster, kubeconfig, serve
 from kubernetes import client
 from test_deploy_manifests import ARGO_VERSIONS, argo_errors
 
+from replayjob.artifacts.cluster_status import job_code, pod_codes
 from replayjob.cli import main
 from replayjob.errors import OperationalError
 from replayjob.launch.submit import Api
@@ -453,3 +454,22 @@ def test_submit_decides_nothing_when_step_verdict_does_not_confirm(tmp_path: Pat
     res = _confirm(tmp_path, 0, [str(fake)])
     assert res.stdout.splitlines()[-1] == "outcome=3", res.stdout + res.stderr
     assert "without confirming its outcome" in res.stderr and "nothing was decided" in res.stderr
+
+
+def _pods(*codes: int) -> dict[str, Any]:
+    return {"items": [{"metadata": {"name": f"reduce-{i}"}, "status": {"containerStatuses": [
+        {"name": "replayjob", "state": {"terminated": {"exitCode": c}}}]}} for i, c in enumerate(codes)]}
+
+
+@pytest.mark.parametrize(("state", "codes", "expected"), [
+    ("Complete", (0,), 0), ("Complete", (3, 0), 0), ("Complete", (137, 0), 0),  # a retried attempt, then a pass
+    ("Complete", (1, 0), 3), ("Complete", (0, 2), 3),  # the policy fails the Job on 1 or 2: it cannot be complete
+    ("Complete", (1,), 3), ("Complete", (2,), 3),
+    ("Failed", (1,), 1), ("Failed", (3, 2), 2), ("Failed", (3,), 3), ("Failed", (0,), None),
+])
+def test_a_complete_job_beside_an_attempt_that_decided_otherwise_decides_nothing(
+        state: str, codes: tuple[int, ...], expected: int | None) -> None:
+    """A Job the API calls Complete whose pods include an attempt that exited 1 or 2 contradicts the rendered
+    podFailurePolicy (FailJob on a final status): 3, as argo wait reads two reduces that decided differently.  A
+    pass was read from it whenever some attempt exited 0."""
+    assert job_code(state, pod_codes(_pods(*codes), "reduce")) == expected

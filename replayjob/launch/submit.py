@@ -308,7 +308,13 @@ class Api:
         its terminated containers say it together (:func:`replayjob.artifacts.cluster_status.job_code`), else
         None: a final 1 or 2 in any attempt outranks a retryable 3 in another, whatever order the API lists the
         pods in, and ``Complete`` is 0 only beside an attempt that exited 0."""
-        return outcome.job_code(state, outcome.pod_codes(self._pods(namespace, name, kind), name))
+        return self.ended(namespace, name, state, kind)[0]
+
+    def ended(self, namespace: str, name: str, state: str | None, kind: str = "Job") -> tuple[int | None, str]:
+        """:meth:`exit_code`, and how the pods said it (:func:`replayjob.artifacts.cluster_status.job_said`)."""
+        codes = outcome.pod_codes(self._pods(namespace, name, kind), name)
+        code = outcome.job_code(state, codes)
+        return code, outcome.job_said(state, codes, code)
 
 
 WAIT_GRACE_S = 600  # how long past a Job's own deadline its wait goes on (the Job controller's lag)
@@ -443,7 +449,7 @@ def wait_driver(api: Api, namespace: str, name: str, config_map: str, poll_s: fl
     raised with the line that explains it."""
     log(f"following job/{name} (kubectl -n {namespace} logs -f job/{name})")
     state, reason = wait_job(api, namespace, name, poll_s, log, deadline_s)
-    code = api.exit_code(namespace, name, state)  # Complete, but no attempt exited 0: the pods' code
+    code, how = api.ended(namespace, name, state)  # Complete, but no attempt exited 0: the pods' code
     doc = api.raw(f"reading configmap {config_map}", namespace, api.core.read_namespaced_config_map, config_map,
                   namespace)
     data = outcome.read_object(doc, outcome.ConfigMap, f"configmap {config_map}", where=f"namespace {namespace}").data
@@ -455,7 +461,6 @@ def wait_driver(api: Api, namespace: str, name: str, config_map: str, poll_s: fl
             verdict = read_verdict_text(text, where=f"configmap/{config_map}: {k8s.VERDICT_KEY}")
         except ReplayjobError as exc:
             unreadable = exc.message
-    how = "no pod" if code is None else f"its pod exited {code}"
     stopped = data.get(STOPPED_KEY)
     if verdict is None and unreadable is None and stopped is not None:
         how += f"; the driver stopped the run: {outcome.read_stopped(stopped, config_map)}"
