@@ -209,7 +209,7 @@ def test_the_gradient_norm_is_compared_exactly_within_the_same_condition(ev: syn
     code, doc = reduce(ev, "bitwise")
     c = check(doc, "bitwise.grad_norm_same_condition")
     assert code == 1 and c["status"] == "fail" and c["offenders"] == [f"{OFF}#1"], c
-    edit(ev.replay_files[1], lambda d: d.update({"grad_norm": None}))  # a replay that reports no norm
+    edit(ev.replay_files[1], lambda d: d.update({"grad_norm": None, "nonfinite_outcome": ["grad_norm"]}))  # NaN
     assert check(reduce(ev, "bitwise")[1], "bitwise.grad_norm_same_condition")["offenders"] == [f"{OFF}#1"]
 
 

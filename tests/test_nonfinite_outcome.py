@@ -76,7 +76,9 @@ def test_a_nonfinite_gradient_norm_is_judged_only_beside_a_finite_source_norm(tm
 @pytest.mark.parametrize("change, says", [
     (lambda d: d.update(loss=None), "`loss` is null exactly when `nonfinite_outcome` names it"),
     (lambda d: d.update(nonfinite_outcome=["loss"]), "`loss` is null exactly when `nonfinite_outcome` names it"),
-    (lambda d: d.update(nonfinite_outcome=["grad_norm"]), "names grad_norm (not finite), but `grad_norm` is"),
+    (lambda d: d.update(nonfinite_outcome=["grad_norm"]), "`grad_norm` is null exactly when `nonfinite_outcome` names"),
+    # a null norm not named: no producer writes it (each reports a norm), and exact-input passed it as "not recorded"
+    (lambda d: d.update(grad_norm=None), "`grad_norm` is null exactly when `nonfinite_outcome` names it"),
     (lambda d: _broken(d, ["loss", "grad_norm"]), "at most once, sorted"),
     (lambda d: d.update(loss=None, grad_norm=None, nonfinite_outcome=["grad_norm", "loss", "loss"]),
      "nonfinite_outcome"),
@@ -104,7 +106,7 @@ def test_ranks_merge_a_nonfinite_loss_as_null_and_name_it() -> None:
     assert metrics_io.merge_ranks(docs)["nonfinite_outcome"] == ["loss"]
     assert metrics_io.outcome_fields(float("nan"), float("inf")) == {
         "loss": None, "grad_norm": None, "nonfinite_outcome": ["grad_norm", "loss"]}
-    assert metrics_io.outcome_fields(0.5, None) == {"loss": 0.5, "grad_norm": None, "nonfinite_outcome": []}
+    assert metrics_io.outcome_fields(0.5, 0.25) == {"loss": 0.5, "grad_norm": 0.25, "nonfinite_outcome": []}
 
 
 def test_a_rank_whose_loss_is_not_finite_makes_its_replay_fail_not_refused(tmp_path: Path) -> None:

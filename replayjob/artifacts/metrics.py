@@ -128,12 +128,12 @@ def finite_or_none(v: float | None) -> float | None:
     return v if v is not None and math.isfinite(v) else None
 
 
-def outcome_fields(loss: float, grad_norm: float | None) -> dict[str, Any]:
+def outcome_fields(loss: float, grad_norm: float) -> dict[str, Any]:
     """A replayed update's loss and gradient norm as its record holds them: strict JSON has no NaN, so a
-    non-finite one is null and named in :data:`NONFINITE_OUTCOME` (a null gradient norm not named there was not
-    recorded).  A knob that drives the update to a non-finite loss is a finding the gate fails
-    (``exact.finite_outcome``), not input to refuse."""
-    named = [k for k, v in (("grad_norm", grad_norm), ("loss", loss)) if v is not None and not math.isfinite(v)]
+    non-finite one is null and named in :data:`NONFINITE_OUTCOME` (every producer reports both).  A knob that
+    drives the update to a non-finite loss is a finding the gate fails (``exact.finite_outcome``), not input to
+    refuse."""
+    named = [k for k, v in (("grad_norm", grad_norm), ("loss", loss)) if not math.isfinite(v)]
     return {"loss": finite_or_none(loss), "grad_norm": finite_or_none(grad_norm), NONFINITE_OUTCOME: named}
 
 
@@ -269,7 +269,7 @@ def write(path: Path, doc: dict[str, Any], *, exclusive: bool = False) -> str:
 def replay_document(*, framework: str, arm: str, repeat_index: int, pins: dict[str, str], manifest_sha256: str,
                     logical: str, effective: str, initial_adapter_sha256: str, allowed: list[str],
                     observed: list[str], knob_values: dict[str, Any], runtime: dict[str, Any], loss: float,
-                    grad_norm: float | None, timing: dict[str, float], peak: int, device: str, torch_version: str,
+                    grad_norm: float, timing: dict[str, float], peak: int, device: str, torch_version: str,
                     host: dict[str, Any], padding: dict[str, Any], rows: dict[str, Any], rng_restored: list[str],
                     tolerances_sha256: str, budgets_sha256: str, config_sha256: str,
                     step: int) -> dict[str, Any]:

@@ -208,7 +208,7 @@ class ReplayMetrics(Document, frozen=True, kw_only=True):
     skipped: list[Text]
     runtime: dict[Text, Scalar]
     loss: Finite | None  # null: not finite (named in nonfinite_outcome)
-    grad_norm: NonNegative | None  # null: not finite (named in nonfinite_outcome) or not recorded
+    grad_norm: NonNegative | None  # null: not finite (named in nonfinite_outcome)
     nonfinite_outcome: Annotated[list[Literal["grad_norm", "loss"]], msgspec.Meta(max_length=2)] = (
         msgspec.field(default_factory=list))
     timing: Timing
@@ -238,8 +238,10 @@ class ReplayMetrics(Document, frozen=True, kw_only=True):
         if (self.loss is None) != ("loss" in named):
             raise ValueError("`loss` is null exactly when `nonfinite_outcome` names it (a non-finite loss), but "
                              f"`loss` is {self.loss!r} and `nonfinite_outcome` is {named}")
-        if "grad_norm" in named and self.grad_norm is not None:
-            raise ValueError(f"`nonfinite_outcome` names grad_norm (not finite), but `grad_norm` is {self.grad_norm!r}")
+        if (self.grad_norm is None) != ("grad_norm" in named):  # every producer reports a norm: null is not finite
+            raise ValueError("`grad_norm` is null exactly when `nonfinite_outcome` names it (a non-finite norm; every "
+                             f"producer reports one), but `grad_norm` is {self.grad_norm!r} and `nonfinite_outcome` is "
+                             f"{named}")
         kind = self.device.split(":", 1)[0]
         host = self.host.get("device_type")
         if host is not None and host != kind:
