@@ -169,3 +169,134 @@ def test_a_resealed_trl_payload_outside_its_domain_is_refused(
         assert code == 2 and named in text and "Traceback" not in text, (argv[0], text)
         assert api_manifest.file_names(TRL_STEP)["payload"] in text, text
     assert not (tmp_path / "r" / "replay_metrics.json").exists()
+
+
+def _drop_last(t: dict[str, torch.Tensor], doc: dict[str, Any]) -> None:
+    n = len(doc["micro_batches"]) - 1
+    for k in [k for k in t if k.startswith(f"mb{n:04d}.")]:
+        del t[k]
+    doc["micro_batches"].pop()
+    doc["micro_batches"][-1]["sync_gradients"] = True
+
+
+def _retype(suffix: str, dtype: torch.dtype) -> Callable[[dict[str, torch.Tensor], dict[str, Any]], None]:
+    def edit(t: dict[str, torch.Tensor], doc: dict[str, Any]) -> None:
+        for k in [k for k in t if k.endswith(suffix)]:
+            t[k] = t[k].to(dtype)
+    return edit
+
+
+def _narrow(suffix: str) -> Callable[[dict[str, torch.Tensor], dict[str, Any]], None]:
+    def edit(t: dict[str, torch.Tensor], doc: dict[str, Any]) -> None:
+        k = sorted(k for k in t if k.endswith(suffix))[0]
+        t[k] = t[k][..., :-1].clone()
+    return edit
+
+
+def _unlisted(suffix: str) -> Callable[[dict[str, torch.Tensor], dict[str, Any]], None]:
+    def edit(t: dict[str, torch.Tensor], doc: dict[str, Any]) -> None:
+        for k in [k for k in t if k.endswith(suffix)]:
+            del t[k]
+    return edit
+
+
+def _every_mb(**fields: Any) -> Callable[[dict[str, torch.Tensor], dict[str, Any]], None]:
+    def edit(t: dict[str, torch.Tensor], doc: dict[str, Any]) -> None:
+        for e in doc["micro_batches"]:
+            e.update(fields)
+    return edit
+
+
+def _reseal_structure(manifest: Path, edit: Callable[[dict[str, torch.Tensor], dict[str, Any]], None]) -> list[str]:
+    """As :func:`_reseal_api`, the forger also rewriting the manifest's micro-batch entries (their tensor specs
+    recomputed from the edited tensors, the rows summary recomputed)."""
+    doc = json.loads(manifest.read_text())
+    p = manifest.parent / doc["files"]["payload"]["file"]
+    tensors = {k: v.clone() for k, v in tensorfile.load(p).items()}
+    edit(tensors, doc)
+    p.write_bytes(safetensors_bytes(tensors, "replayjob-payload"))
+    mbs = []
+    for i, e in enumerate(doc["micro_batches"]):
+        groups = []
+        for g in ("inputs", "call"):
+            held = {k[len(f"mb{i:04d}.{g}."):]: v for k, v in tensors.items() if k.startswith(f"mb{i:04d}.{g}.")}
+            e[g]["tensors"] = {k: {"dtype": _microbatch.dtype_name(v), "shape": list(v.shape)} for k, v in held.items()}
+            groups.append(held)
+        rng = {k: tensors[f"mb{i:04d}.rng.{k}"] for k in e["rng"]}
+        mbs.append(_microbatch.MicroBatch(groups[0], dict(e["inputs"]["values"]), groups[1], dict(e["call"]["values"]),
+                                          rng, e["sync_gradients"], e["accumulation_steps"]))
+    logical = _microbatch.logical_digest(mbs)
+    doc["files"]["payload"].update(sha256=sha256_bytes(p.read_bytes()), size=p.stat().st_size)
+    doc["rows"].update(_microbatch.rows_summary(mbs))
+    doc.update(logical_batch_sha256=logical, local_effective_rows_sha256=_microbatch.effective_digest(mbs))
+    raw = (json.dumps(doc, sort_keys=True) + "\n").encode()
+    manifest.write_bytes(raw)
+    return ["--set", f'optimizer_batch.replay_path="{manifest}"',
+            "--set", f'optimizer_batch.expected_manifest_sha256="{sha256_bytes(raw)}"',
+            "--set", f'optimizer_batch.expected_logical_sha256="{logical}"']
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    # one accumulation window: the loss divides by accumulation_steps, the gradients sync with the last call only
+    (_every_mb(accumulation_steps=1, sync_gradients=True), "their accumulation_steps are [1] (each is the window's "
+                                                           "length, 2)"),
+    (_every_mb(sync_gradients=True), "synchronise gradients at [0, 1], but a window synchronises with its last"),
+    (_drop_last, "lists 1 loss call(s) of one accumulation window, but their accumulation_steps are [2]"),
+    # what TRL's loss reads: every required input, of its dtype kind, of shapes that fit together
+    (_unlisted(".inputs.advantages"), "inputs.advantages is missing: the trl loss reads it from every micro-batch"),
+    (_retype(".inputs.old_per_token_logps", torch.int64), "inputs.old_per_token_logps is int64, not one of"),
+    (_retype(".inputs.completion_mask", torch.float32), "inputs.completion_mask is float32, not one of"),
+    (_narrow(".inputs.completion_mask"), "inputs.completion_mask has shape [4, 5], not one of [R, C] (C=6, P=6, R=4)"),
+    (_narrow(".inputs.advantages"), "inputs.advantages has shape [3], not one of [R] or [R, 1] or [R, C]"),
+    # token ids index the vocabulary; a count is not negative
+    (lambda t, d: _first(".inputs.completion_ids", -5)(t), "inputs.completion_ids holds -5 at row 0, position 0, "
+                                                          "outside its domain: a token id is >= 0"),
+    (lambda t, d: _first(".inputs.prompt_ids", 10**6)(t), "inputs.prompt_ids holds token id 1000000, beyond the base "
+                                                         "model's vocabulary"),
+    (lambda t, d: _first(".inputs.num_items_in_batch", -3)(t), "inputs.num_items_in_batch holds -3 at element 0, "
+                                                               "outside its domain: a count is >= 0"),
+    # the trainer's step counter: an integer the replay stands the trainer at
+    (lambda t, d: d["framework_state"].update(global_step=1.0), "framework_state.global_step is 1.0"),
+    (lambda t, d: d["framework_state"].pop("global_step"), "framework_state.global_step is missing"),
+])
+def test_a_resealed_trl_step_no_trainer_runs_is_refused_before_a_model_is_built(
+        edit: Callable[[dict[str, torch.Tensor], dict[str, Any]], None], named: str, trl_capture: dict[str, Any],
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TRL capture's micro-batches re-sealed into a step no GRPOTrainer runs (accumulation settings of another
+    window, an input its loss reads missing or of another dtype or shape, token ids outside the vocabulary, a
+    step counter of another type): admitted, the replay failed with exit 3 (a missing input, mismatched shapes,
+    an id beyond the embedding) or replayed a gradient the step never had (accumulation steps of 1 doubled it).
+    Refused by explain and replay alike (exit 2), no model built, nothing written."""
+    from conftest import TRL_STEP
+
+    from replayjob.producers.trl import producer as trl_producer
+    d = tmp_path / "cap"
+    shutil.copytree(trl_capture["dir"], d, ignore=shutil.ignore_patterns("trainer"))
+    sets = _reseal_structure(d / api_manifest.file_names(TRL_STEP)["manifest"], edit)
+
+    def no_model(*a: Any, **k: Any) -> Any:
+        raise AssertionError("a model was built")
+    monkeypatch.setattr(trl_producer, "build_replay", no_model)
+    for argv in (["explain", str(d / "replay.toml"), *sets],
+                 ["replay", str(d / "replay.toml"), *sets, "--out", str(tmp_path / "r")]):
+        code, text = _outcome(argv, capsys)
+        assert code == 2 and named in text and "Traceback" not in text, (argv[0], text)
+    assert not (tmp_path / "r" / "replay_metrics.json").exists()
+
+
+def test_the_trl_layout_admits_what_trl_steps_hold() -> None:
+    """Shapes a real step holds: per-token or per-row advantages, a sequence-level sampler ratio, boolean masks,
+    RLOO's per-sequence old log-probabilities; a plain loop's inputs are its own loss's."""
+    r, p, c = 3, 5, 7
+    ok = {"prompt_ids": {"dtype": "int64", "shape": [r, p]}, "prompt_mask": {"dtype": "bool", "shape": [r, p]},
+          "completion_ids": {"dtype": "int32", "shape": [r, c]}, "completion_mask": {"dtype": "int64", "shape": [r, c]},
+          "advantages": {"dtype": "float32", "shape": [r]}, "num_items_in_batch": {"dtype": "int64", "shape": []},
+          "importance_sampling_ratio": {"dtype": "float32", "shape": [r, 1]},
+          "old_logps": {"dtype": "bfloat16", "shape": [r]}, "pixel_values": {"dtype": "float32", "shape": [9, 2]}}
+    assert api_manifest.input_layout_reasons("trl", "inputs", ok) == []
+    assert api_manifest.input_layout_reasons("trl", "inputs", {**ok, "advantages": {"dtype": "float32",
+                                                                                   "shape": [r, c]}}) == []
+    assert api_manifest.input_layout_reasons("torch", "inputs", {"x": {"dtype": "float32", "shape": [1]}}) == []
+    assert api_manifest.input_layout_reasons("trl", "inputs", {**ok, "prompt_mask": {"dtype": "bool",
+                                                                                    "shape": [r, p + 1]}}) == [
+        f"inputs.prompt_mask has shape [{r}, {p + 1}], not one of [R, P] (P={p}, R={r})"]

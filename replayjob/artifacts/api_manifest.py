@@ -105,6 +105,74 @@ INPUT_DOMAINS: dict[str, dict[str, Domain]] = {
              "response_mask": MASK, "attention_mask": MASK, "rollout_is_weights": WEIGHT, "advantages": FINITE},
     "torch": {},
 }
+#: a token id indexes the vocabulary (>= 0; the base model's ``vocab_size`` bounds it above at admission) and a count
+#: of tokens is >= 0
+TOKEN_ID = Domain("a token id is >= 0 (an index into the vocabulary)", ge=0.0)
+COUNT = Domain("a count is >= 0", ge=0.0)
+INPUT_DOMAINS["trl"].update(prompt_ids=TOKEN_ID, completion_ids=TOKEN_ID, num_items_in_batch=COUNT, old_logps=LOGPROB)
+
+#: the dtypes an input of each kind is held in (the manifest's ``dtype`` names): ids and counts integers, masks integers
+#: or booleans, log-probabilities, advantages and weights floating point
+_KINDS = {"int": ("int64", "int32", "int16", "int8", "uint8"),
+          "mask": ("int64", "int32", "int16", "int8", "uint8", "bool"),
+          "float": ("float32", "float64", "bfloat16", "float16")}
+
+#: the inputs a producer's loss reads, by producer: each name's kind (:data:`_KINDS`), the shapes it takes (``R`` the
+#: micro-batch's rows, ``P`` the prompt's padded length, ``C`` the completion's, a number that length) and whether
+#: every micro-batch holds it.  TRL's GRPOTrainer and RLOOTrainer (``_generate_and_score_completions``): prompt and
+#: completion ids with masks of their shapes, per-token log-probabilities and masks of the completion's shape,
+#: advantages per row (or per token).  A real step's micro-batch holds nothing else of these names in another shape
+#: or dtype, and never lacks a required one (the loss reads it); inputs not listed here (a multimodal model's pixel
+#: values) are the loss's own.
+INPUT_LAYOUTS: dict[str, dict[str, tuple[str, tuple[tuple[str | int, ...], ...], bool]]] = {
+    "trl": {
+        "prompt_ids": ("int", (("R", "P"),), True), "prompt_mask": ("mask", (("R", "P"),), True),
+        "completion_ids": ("int", (("R", "C"),), True), "completion_mask": ("mask", (("R", "C"),), True),
+        "advantages": ("float", (("R",), ("R", 1), ("R", "C")), True),
+        "old_per_token_logps": ("float", (("R", "C"),), False), "ref_per_token_logps": ("float", (("R", "C"),), False),
+        "sampling_per_token_logps": ("float", (("R", "C"),), False), "tool_mask": ("mask", (("R", "C"),), False),
+        "importance_sampling_ratio": ("float", (("R", "C"), ("R", 1)), False),
+        "old_logps": ("float", (("R",),), False), "num_items_in_batch": ("int", ((),), False),
+    },
+}
+
+#: producers whose loss calls form one gradient-accumulation window per process (transformers' Trainer: each of a
+#: step's micro-batches runs with ``current_gradient_accumulation_steps`` = the window's micro-batches, gradients
+#: synchronised with the last only), with the config key bounding the window's length
+WINDOWS: dict[str, tuple[str, str]] = {"trl": ("trl", "gradient_accumulation_steps")}
+
+
+def input_layout_reasons(framework: str, group: str, tensors: dict[str, Any]) -> list[str]:
+    """Why a micro-batch's ``group`` of tensor specs (``{name: {dtype, shape}}``, or TensorSpec) is not what the
+    producer's loss reads (:data:`INPUT_LAYOUTS`): a required input missing, one of another dtype kind, or shapes
+    that do not fit together (the rows, the prompt's and the completion's lengths shared by every input)."""
+    layout = INPUT_LAYOUTS.get(framework)
+    if layout is None or group != "inputs":
+        return []
+    specs = {k: (v.dtype, list(v.shape)) if isinstance(v, TensorSpec) else (str(v["dtype"]), list(v["shape"]))
+             for k, v in tensors.items()}
+    reasons = [f"inputs.{name} is missing: the {framework} loss reads it from every micro-batch"
+               for name, (_, _, required) in sorted(layout.items()) if required and name not in specs]
+    sizes: dict[str, int] = {}
+    for name in sorted(layout, key=lambda n: not layout[n][2]):  # the required ids and masks set R, P and C first
+        if name not in specs:
+            continue
+        kind, shapes, _ = layout[name]
+        dtype, shape = specs[name]
+        if dtype not in _KINDS[kind]:
+            reasons.append(f"inputs.{name} is {dtype[:24]}, not one of {list(_KINDS[kind])}")
+            continue
+        fits = [s for s in shapes if len(s) == len(shape) and all(
+            (isinstance(d, int) and d == n) or (isinstance(d, str) and sizes.get(d, n) == n)
+            for d, n in zip(s, shape, strict=True))]
+        if not fits:
+            known = ", ".join(f"{d}={n}" for d, n in sorted(sizes.items()))
+            reasons.append(f"inputs.{name} has shape {shape[:4]}, not one of "
+                           + " or ".join("[" + ", ".join(map(str, s)) + "]" for s in shapes)
+                           + (f" ({known})" if known else ""))
+            continue
+        sizes.update({d: n for d, n in zip(fits[0], shape, strict=True) if isinstance(d, str)})
+    return reasons
 
 
 def input_domain_reasons(framework: str, group: str, tensors: dict[str, Any]) -> list[str]:
@@ -371,7 +439,7 @@ class ApiManifest(Document, frozen=True):
                 raise ValueError(f"`files.{role}.file` is {got[:80]!r}, but {named[role]!r} is the name of step "
                                  f"{self.step}'s {role}")
         seen = self.framework_state.get("global_step", self.step)  # a trainer that records its own step counter
-        if isinstance(seen, bool) or seen != self.step:
+        if not isinstance(seen, int) or isinstance(seen, bool) or seen != self.step:
             raise ValueError(f"`step` is {self.step}, but framework_state.global_step is {str(seen)[:40]}")
         # an LR scheduler stepped with the optimizer (optimizer_step, Trainer) has stepped at most once per step
         # before this one (fewer where a loss scaler skipped a step); a producer stepping it otherwise keeps it
@@ -387,10 +455,36 @@ class ApiManifest(Document, frozen=True):
                for k, v in _rows_of(self.micro_batches).items() if getattr(self.rows, k) != v]
         if off:
             raise ValueError("`rows` summarises the micro-batches it lists, but " + "; ".join(off))
+        for i, mb in enumerate(self.micro_batches):
+            why = input_layout_reasons(self.framework, "inputs", dict(mb.inputs.tensors))
+            if why:
+                raise ValueError(f"`micro_batches[{i}]`: " + "; ".join(why[:3]))
+        window = WINDOWS.get(self.framework)
+        if window is not None:
+            _window(self.micro_batches, self.config.resolved.get(window[0], {}).get(window[1])
+                    if isinstance(self.config.resolved.get(window[0]), dict) else None, ".".join(window))
         _bounded(self.producer, "producer")
         _bounded(self.framework_state, "framework_state")
         _bounded(self.config.resolved, "config.resolved")
         _bounded(self.contract.value, "contract.value")
+
+
+def _window(micro_batches: list[MicroBatchEntry], configured: Any, key: str) -> None:
+    """One process's micro-batches as one gradient-accumulation window (:data:`WINDOWS`): each runs with the window's
+    length as its ``accumulation_steps``, gradients synchronised with the last micro-batch only, and the window no
+    longer than the configured accumulation steps (``key``; the last window of an epoch may be shorter)."""
+    n = len(micro_batches)
+    acc = sorted({mb.accumulation_steps for mb in micro_batches})
+    if acc != [n]:
+        raise ValueError(f"`micro_batches` lists {n} loss call(s) of one accumulation window, but their "
+                         f"accumulation_steps are {acc[:4]} (each is the window's length, {n})")
+    sync = [i for i, mb in enumerate(micro_batches) if mb.sync_gradients]
+    if sync != [n - 1]:
+        raise ValueError(f"`micro_batches` synchronise gradients at {sync[:4]}, but a window synchronises with its "
+                         f"last micro-batch ({n - 1}) only")
+    if isinstance(configured, int) and not isinstance(configured, bool) and n > configured:
+        raise ValueError(f"`micro_batches` lists {n} loss calls, but config.resolved.{key} is {configured}: a step "
+                         "runs at most that many")
 
 
 def _framework(name: str, what: str) -> None:
@@ -534,6 +628,8 @@ def check_parts(parts: list[Manifest]) -> None:
                 "contract": p.doc["contract"]["sha256"] == first.doc["contract"]["sha256"],
                 "base model": p.doc["base_model"]["sha256"] == first.doc["base_model"]["sha256"],
                 "trainable parameters": p.doc["trainable"] == first.doc["trainable"],
+                # under DDP every process runs the step's loss calls in lockstep (the all-reduce waits for each)
+                "micro-batch count": len(p.micro_batches) == len(first.micro_batches),
                 **{f"{role} state": p.file_sha256(role) == first.file_sha256(role) for role in _SAME},
                 "final adapter": (p.doc[OUTCOME]["final_adapter_sha256"]
                                   == first.doc[OUTCOME]["final_adapter_sha256"])}

@@ -357,6 +357,36 @@ def _check_base_model(adm: Admission) -> None:
         adm.refuse(f"different base model: {have['path']} differs from the captured {want['path']} in "
                    + ", ".join(f"{n} ({(have['files'].get(n) or 'absent')[:12]} vs "
                                f"{(want['files'].get(n) or 'absent')[:12]})" for n in diff[:4]))
+        return
+    _check_vocabulary(adm)
+
+
+def _check_vocabulary(adm: Admission) -> None:
+    """Every captured token id (the inputs :data:`~replayjob.artifacts.api_manifest.INPUT_DOMAINS` declares token
+    ids) within the vocabulary of the base model, where its ``config.json`` (hashed with the base model) says it:
+    an id beyond it indexes no embedding row, so no real step holds it."""
+    assert adm.cfg is not None and adm.manifest is not None
+    names = [k for k, d in imanifest.INPUT_DOMAINS.get(adm.manifest.framework, {}).items() if d is imanifest.TOKEN_ID]
+    if not names or adm.micro_batches is None:
+        return
+    import torch
+    with contextlib.suppress(RefusedError, OSError):
+        base = read_json_object(Path(str(adm.cfg.model["path"])) / "config.json", follow_symlinks=True)
+        vocab = base.get("vocab_size")
+        if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+            return
+        for i, mb in enumerate(adm.micro_batches):
+            for name in sorted(names):
+                t = mb.inputs.get(name)
+                if t is None or not t.numel() or t.is_floating_point() or t.dtype == torch.bool:
+                    continue
+                top = int(t.max())
+                if top >= vocab:
+                    adm.refuse(f"{adm.manifest.file('payload')} micro-batch {i}: inputs.{name} holds token id {top}, "
+                               f"beyond the base model's vocabulary ({vocab} ids, config.json vocab_size); no real "
+                               "step holds it (the payload was edited after capture; recapture the step)",
+                               integrity=True)
+                    return
 
 
 def sequence(framework: str, inputs: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -161,11 +161,14 @@ def framework_state_reasons(state: dict[str, Any], groups: list[Any], step: int)
     """Why the recorded ``framework_state`` cannot rebuild the trainer at step ``step``: its ``max_steps`` (the
     schedule the replay's LR scheduler is built for) must be an integer above the step (a step at or after it is
     never reached)."""
+    out = []
+    if "global_step" not in state:  # the replay stands the trainer's state at it
+        out.append(f"framework_state.global_step is missing (the trainer's step counter, {step} at the captured step)")
     got = state.get("max_steps")
     if isinstance(got, bool) or not isinstance(got, int) or got <= step:
-        return [f"framework_state.max_steps is {repr(got)[:24]}, not an integer above the captured step {step} (the "
-                "trainer's max_steps the replay builds its LR schedule for)"]
-    return []
+        out.append(f"framework_state.max_steps is {repr(got)[:24]}, not an integer above the captured step {step} "
+                   "(the trainer's max_steps the replay builds its LR schedule for)")
+    return out
 
 
 def knob_refusals(adm: Admission) -> list[str]:
