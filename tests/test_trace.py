@@ -44,7 +44,8 @@ def runs(workspace: Path, capture_dir: Path, tmp_path_factory: pytest.TempPathFa
         return d / name
 
     out = {"a": replay("a", 0, "--trace"), "b": replay("b", 1, "--trace"), "mb1": replay("mb1", 0, "--trace", *MB1),
-           "gc": replay("gc", 0, "--trace", *GC), "plain": replay("plain", 3), "tolerances": tol, "source": capture_dir}
+           "gc": replay("gc", 0, "--trace", *GC), "plain": replay("plain", 3), "tolerances": tol, "source": capture_dir,
+           "mb1b": replay("mb1b", 1, "--trace", *MB1)}
     fault.configure(f"{FAULT_MODULE}:1e-3")
     try:
         out["fault"] = replay("fault", 2, "--trace")
@@ -132,10 +133,36 @@ def test_repeats_and_reference_pair_set_the_envelope(runs: dict[str, Path], tmp_
     assert main(["trace-diff", str(mixed), str(runs["fault"])]) == 2
     err = capsys.readouterr().err
     assert "another condition: identity.arm is 'micro_batch_size=1' in repeat-001, 'baseline' in " in err, err
-    rc, rep = diff(capsys, str(runs["a"]), str(runs["mb1"]), "--reference", str(runs["a"]),
-                   "--reference", str(runs["mb1"]))
+    rc, rep = diff(capsys, str(runs["a"]), str(runs["mb1"]), "--reference", str(runs["b"]),
+                   "--reference", str(runs["mb1b"]))  # two other replays, asserted to differ by noise only
     judged = [p["grad"] for p in rep["params"] if p["grad"]["status"] != "equal"]
     assert judged and all(r["envelope_source"] == "reference" and r["status"] == "noise" for r in judged)
+
+
+@pytest.mark.parametrize(("reference", "named"), [
+    (("a", "fault"), "a reference pair holding a compared replay judges its difference by itself"),
+    (("fault", "b"), "a reference pair holding a compared replay judges its difference by itself"),
+    (("b", "b"), "a reference pair of one replay is equal"),
+    (("b", "fault_b"), "the reference pair differs in its planted fault: identity.fault is"),
+])
+def test_a_reference_pair_that_measures_the_judged_difference_is_refused(
+        reference: tuple[str, str], named: str, runs: dict[str, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The compared pair named as its own reference (or one of its replays in it), and a clean replay paired with a
+    faulted one: the envelope was the very difference judged (twice it), so a planted fault read as noise (exit 1,
+    classification noise).  One replay named twice as the pair (a zero reference) proves nothing either.  Refused
+    (exit 2), naming the reason."""
+    fault_b = tmp_path / "fault_b"
+    if "fault_b" in reference:
+        shutil.copytree(runs["fault"], fault_b)
+    paths = {**{k: str(v) for k, v in runs.items()}, "fault_b": str(fault_b)}
+    rc, rep = diff(capsys, str(runs["a"]), str(runs["fault"]))
+    assert rc == 1 and rep["classification"] == "beyond"  # the control: the fault is beyond the envelope
+    capsys.readouterr()
+    assert main(["trace-diff", str(runs["a"]), str(runs["fault"]), "--reference", paths[reference[0]],
+                 "--reference", paths[reference[1]]]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err, err
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -85,6 +85,7 @@ class Side:
     routing: RoutingTable | None = None  # an MoE model's routing evidence, as replay_metrics.json pins it
     compute_dtype: str | None = None  # the traced tensors' dtype name of the precision the matmuls ran in (BF16 under
     #                                   bf16 autocast), as replay_metrics.json's provenance records it
+    knobs: dict[str, Any] | None = None  # the knob values the replay observed (replay_metrics.json), its condition
 
     @property
     def label(self) -> str:
@@ -106,7 +107,6 @@ def load_side(path: str | Path) -> list[Side]:
     """The traces of a replay directory (one) or of an arm directory (its repeats, in order), verified
     against the index SHA-256 their replay_metrics.json pins."""
     out = []
-    conditions: list[tuple[Path, dict[str, Any]]] = []
     for d in _replay_dirs(Path(path)):
         metrics = check_no_symlinks(path, d / REPLAY_FILE, what="replay")  # e.g. a linked repeat-NNN/
         if not metrics.is_file():
@@ -124,31 +124,44 @@ def load_side(path: str | Path) -> list[Side]:
         compute = COMPUTE_DTYPES.get(str((rep.doc.get("provenance") or {}).get("compute_dtype")))
         trace = read_trace(d, expected_index_sha256=pin)
         _same_replay(trace, rep, d)
-        out.append(Side(d, trace, routing, compute))
-        conditions.append((d, rep.knobs))
-    _one_condition(out, conditions)
+        out.append(Side(d, trace, routing, compute, rep.knobs))
+    _one_condition(out)
     return out
 
 
 CONDITION = ("arm", "micro_batch_size", "gradient_checkpointing", "device", "torch_version", "fault")
 
 
-def _one_condition(sides: list[Side], conditions: list[tuple[Path, dict[str, Any]]]) -> None:
+def _one_condition(sides: list[Side]) -> None:
     """An arm directory's repeats are replays of one condition (arm, knobs, micro-batching, checkpointing,
     device, build, planted fault): their differences are the noise envelope, so a "repeat" of another condition
     would widen it until a divergence read as noise."""
-    first, (first_dir, first_knobs) = sides[0], conditions[0]
-    for side, (d, knobs) in zip(sides[1:], conditions[1:], strict=True):
+    first = sides[0]
+    for side in sides[1:]:
         said = [(f"identity.{k}", first.trace.identity[k], side.trace.identity[k]) for k in CONDITION
                 if side.trace.identity[k] != first.trace.identity[k]]
-        if knobs != first_knobs:
-            said.append(("knobs", first_knobs, knobs))
+        if side.knobs != first.knobs:
+            said.append(("knobs", first.knobs, side.knobs))
         if said:
             what, mine, theirs = said[0]
             raise ContractError(f"the repeats of one arm directory are replays of another condition: {what} is "
-                                f"{theirs!r} in {d.name}, {mine!r} in {first_dir.name}", where=d.parent,
+                                f"{theirs!r} in {side.path.name}, {mine!r} in {first.path.name}",
+                                where=side.path.parent,
                                 hint="an arm directory holds repeats of one arm only; compare other conditions as "
                                      "the two sides of trace-diff")
+
+
+def _reference_pair(a: Side, b: Side, ref: list[Side]) -> None:
+    """The ``--reference`` pair is two other replays that differ only by noise: not one replay twice, not a compared
+    replay (a pair holding A or B measures the very difference it is asked to judge, so every divergence reads as
+    noise), and not a pair whose planted faults differ (a planted fault is a real change, never noise)."""
+    _distinct(ref[:1], ref[1:], "a reference pair of one replay is equal")
+    _distinct([a, b], ref, "a reference pair holding a compared replay judges its difference by itself")
+    mine, theirs = ref[0].trace.identity["fault"], ref[1].trace.identity["fault"]
+    if mine != theirs:
+        raise ContractError(f"the reference pair differs in its planted fault: identity.fault is {theirs!r} in "
+                            f"{ref[1].path}, {mine!r} in {ref[0].path}; a planted fault is a real change, not noise",
+                            where=ref[1].path, hint="pass two replays that differ only by noise as --reference")
 
 
 def _same_replay(trace: Trace, rep: Replay, where: Path) -> None:
@@ -495,7 +508,7 @@ def _render_routing(rt: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _distinct(a: list[Side], b: list[Side]) -> None:
+def _distinct(a: list[Side], b: list[Side], what: str = "a trace compared with itself is equal") -> None:
     """No trace file of one side is a trace file of the other (the same directory named twice, a hard link, a
     directory linked to it): a trace compared with itself is equal and says nothing about two replays."""
     seen: dict[tuple[int, int], Path] = {}
@@ -507,8 +520,7 @@ def _distinct(a: list[Side], b: list[Side]) -> None:
                 hit = seen.get((st.st_dev, st.st_ino))
                 if other and hit is not None:
                     raise RefusedError(f"{hit} and {f} are one file (the same replay named twice, a hard link or a "
-                                       "link to its directory): a trace compared with itself is equal and proves "
-                                       "nothing", where=f"{hit} vs {f}",
+                                       f"link to its directory): {what} and proves nothing", where=f"{hit} vs {f}",
                                        hint="compare the traces of two replays (another repeat, or another arm)")
                 if not other:
                     seen[(st.st_dev, st.st_ino)] = f
@@ -519,4 +531,6 @@ def trace_diff(a: str | Path, b: str | Path, reference: list[str] | None = None)
     ref = [s for r in reference for s in load_side(r)[:1]] if reference else None
     side_a, side_b = load_side(a), load_side(b)
     _distinct(side_a, side_b)
+    if ref is not None and len(ref) == 2:
+        _reference_pair(side_a[0], side_b[0], ref)
     return TraceDiff(side_a, side_b, ref).report()
