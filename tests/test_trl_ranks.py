@@ -270,3 +270,27 @@ def test_the_documented_accelerate_line_captures_over_two_cpu_processes(trl_base
     root = _metrics(Path(source["manifest"]))
     assert root["world_size"] == 2 and root["framework_state"]["launch"] == {"requested_processes": 2,
                                                                             "processes": 2}
+
+
+def test_one_process_part_replayed_as_a_capture_of_its_own_is_refused(ranks_capture: dict[str, Any], tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Process 0's part (its own manifest, pinned) named as the capture, with the process count declared: admitted
+    as a one-process capture (its micro-batches are half the step's, so the replay ran half the step as the whole
+    against the whole step's outcome).  Refused (exit 2) naming the field that says it is a part, nothing built."""
+    from replayjob.artifacts.api_manifest import file_names
+    from replayjob.digest import sha256_bytes
+    part = ranks_capture["dir"] / "rank-0" / file_names(STEP)["manifest"]
+    doc = json.loads(part.read_text())
+    sets = ["--set", f'optimizer_batch.replay_path="{part}"',
+            "--set", f'optimizer_batch.expected_manifest_sha256="{sha256_bytes(part.read_bytes())}"',
+            "--set", f'optimizer_batch.expected_logical_sha256="{doc["logical_batch_sha256"]}"',
+            "--set", 'optimizer_batch.allow_config_differences=["distributed.num_processes"]']
+    for argv in (["explain", str(ranks_capture["toml"]), *sets],
+                 ["replay", str(ranks_capture["toml"]), *sets, "--out", str(tmp_path / "r")]):
+        capsys.readouterr()
+        assert main(argv) == 2, argv[0]
+        out = capsys.readouterr()
+        text = out.out + out.err
+        assert "`config.resolved.distributed.num_processes` is 2: this is one process's part" in text, text
+        assert "Traceback" not in text
+    assert not (tmp_path / "r").exists()

@@ -673,7 +673,9 @@ def of(p: Path, sha: str, doc: Any) -> Manifest:
     """A capture API manifest whose bytes matched their pin: one process's (validated), or a root (it lists
     ``ranks``) with every part verified."""
     if not (isinstance(doc, dict) and "ranks" in doc):
-        return Manifest(p, sha, validate(doc, p))
+        one = Manifest(p, sha, validate(doc, p))
+        _whole(one)
+        return one
     validate_root(doc, p)
     d, world = p.parent, int(doc["world_size"])
     _check_listing(d, world)
@@ -702,6 +704,24 @@ def of(p: Path, sha: str, doc: Any) -> Manifest:
         raise IntegrityError("the root's row summary is not its parts': " + "; ".join(off), where=p,
                              hint="a summary is recomputed from what it summarises; capture the step again")
     return RootManifest(p, sha, doc, tuple(parts))
+
+
+def _whole(m: Manifest) -> None:
+    """A manifest read as a capture of its own (no root) is a one-process capture: one that records the step ran on
+    several processes (``config.resolved.distributed.num_processes``, ``framework_state.launch.processes``) is one
+    process's part of a capture over them, holding that process's micro-batches only, and replaying it alone would
+    run a fraction of the step as the whole."""
+    dist = m.config.get("distributed")
+    launch = m.doc["framework_state"].get("launch")
+    said = [("config.resolved.distributed.num_processes",
+             dist.get("num_processes") if isinstance(dist, dict) else None),
+            ("framework_state.launch.processes", launch.get("processes") if isinstance(launch, dict) else None)]
+    for field, n in said:
+        if isinstance(n, int) and not isinstance(n, bool) and n != 1:
+            raise IntegrityError(f"manifest field `{field}` is {n}: this is one process's part of a capture over {n} "
+                                 "processes (its micro-batches are that process's only), not a capture of its own",
+                                 where=m.path, hint="replay the capture's root manifest (the directory above "
+                                                    "rank-<r>/), which pins every part")
 
 
 def summed_rows(parts: list[dict[str, Any]]) -> dict[str, Any]:
