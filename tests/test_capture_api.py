@@ -449,6 +449,10 @@ def _bigger(doc: dict[str, Any], *path: Any) -> None:
     (lambda d: d["rows"].update(micro_batches=d["rows"]["micro_batches"] + 1), "rows.micro_batches is"),
     (lambda d: d["base_model"].update(sha256="0" * 64), "field `base_model`: `sha256` is '" + "0" * 64),
     (lambda d: d.pop("outcome"), "written by an earlier release"),
+    # the device a plain loop's replay rebuilds the step on: admitted, the replay failed with exit 3
+    (lambda d: d["producer"].update(device="bogus"), "`producer.device` is 'bogus', not a torch device"),
+    (lambda d: d["producer"].update(device=5), "`producer.device` is 5, not a torch device"),
+    (lambda d: d["producer"].pop("device"), "`producer.device` is None, not a torch device"),
 ])
 def test_a_malformed_manifest_is_refused_naming_the_field(edit: Callable[[dict[str, Any]], None], named: str,
                                                           example_run: tuple[Path, Path], tmp_path: Path,

@@ -41,6 +41,7 @@ the same schema that lists them in ``ranks`` (:mod:`replayjob.producers.api.part
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -82,6 +83,8 @@ from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_b
 from replayjob.jsonio import canonical_bytes, loads_strict
 
 FILES = ("payload", "adapter", "optimizer")
+#: ``producer.device``: the device of the trainable parameters the step updated, as torch names it
+DEVICE = re.compile(r"(cpu|cuda|mps|xpu|npu|hpu|xla)(:\d{1,5})?")
 
 
 def file_names(step: int) -> dict[str, str]:
@@ -467,6 +470,10 @@ class ApiManifest(Document, frozen=True):
         _bounded(self.framework_state, "framework_state")
         _bounded(self.config.resolved, "config.resolved")
         _bounded(self.contract.value, "contract.value")
+        device = self.producer.get("device")  # where the update ran: a replay of a plain loop rebuilds it there
+        if not (isinstance(device, str) and DEVICE.fullmatch(device)):
+            raise ValueError(f"`producer.device` is {repr(device)[:40]}, not a torch device the step ran on (such as "
+                             "'cpu' or 'cuda:0')")
 
 
 def _window(micro_batches: list[MicroBatchEntry], configured: Any, key: str) -> None:
