@@ -120,27 +120,9 @@ def test_the_capture_api_domains_name_each_input_row_and_rule() -> None:
 
 def _reseal_api(d: Path, manifest: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> list[str]:
     """A capture API capture's payload edited and everything re-sealed: payload file SHA-256 and size, the logical
-    and effective digests, the manifest pin and the logical pin."""
-    doc = json.loads(manifest.read_text())
-    p = manifest.parent / doc["files"]["payload"]["file"]
-    tensors = {k: v.clone() for k, v in tensorfile.load(p).items()}
-    edit(tensors)
-    p.write_bytes(safetensors_bytes(tensors, "replayjob-payload"))  # as the capture API writes it
-    mbs = []
-    for i, e in enumerate(doc["micro_batches"]):
-        ins = {k: tensors[f"mb{i:04d}.inputs.{k}"] for k in e["inputs"]["tensors"]}
-        call = {k: tensors[f"mb{i:04d}.call.{k}"] for k in e["call"]["tensors"]}
-        rng = {k: tensors[f"mb{i:04d}.rng.{k}"] for k in e["rng"]}
-        mbs.append(_microbatch.MicroBatch(ins, dict(e["inputs"]["values"]), call, dict(e["call"]["values"]), rng,
-                                          e["sync_gradients"], e["accumulation_steps"]))
-    logical = _microbatch.logical_digest(mbs)
-    doc["files"]["payload"].update(sha256=sha256_bytes(p.read_bytes()), size=p.stat().st_size)
-    doc.update(logical_batch_sha256=logical, local_effective_rows_sha256=_microbatch.effective_digest(mbs))
-    raw = (json.dumps(doc, sort_keys=True) + "\n").encode()
-    manifest.write_bytes(raw)
-    return ["--set", f'optimizer_batch.replay_path="{manifest}"',
-            "--set", f'optimizer_batch.expected_manifest_sha256="{sha256_bytes(raw)}"',
-            "--set", f'optimizer_batch.expected_logical_sha256="{logical}"']
+    and effective digests, the manifest pin and the logical pin (:func:`_reseal_structure`, the entries as they
+    were)."""
+    return _reseal_structure(manifest, lambda tensors, doc: edit(tensors))
 
 
 def _first(suffix: str, value: Any) -> Callable[[dict[str, torch.Tensor]], None]:

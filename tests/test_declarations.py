@@ -200,7 +200,8 @@ VALID: dict[str, Any] = {
        for name in ("BundleManifest", "BundleComplete", "RankComplete", "RootComplete")},
     # the capture API's manifest of one process (step 2, one micro-batch), as StepCapture.finish writes it
     "ApiManifest": lambda: (lambda m, mf, dg: m.build(
-        framework="torch", step=2, producer={"replayjob": "0.1.0", "python": "3.11.7", "versions": {"torch": "2.13"}},
+        framework="torch", step=2, producer={"replayjob": "0.1.0", "python": "3.11.7", "versions": {"torch": "2.13"},
+                                             "device": "cpu"},
         files={r: {"file": n, "size": 64, "sha256": "a" * 64} for r, n in m.file_names(2).items() if r != "manifest"},
         micro_batches=[{"inputs": {"tensors": {"input_ids": {"dtype": "int64", "shape": [2, 8]}},
                                    "values": {"temperature": 1.0}},
