@@ -31,45 +31,33 @@ CONFIDENCE = 0.95
 
 
 def quantile(sorted_values: Sequence[float], q: float) -> float:
-    """Type-7 quantile of already sorted values."""
+    """Type-7 quantile of already sorted values, interpolated as numpy interpolates it (from the lower value below
+    the midpoint of the gap, from the upper one from there on), so it is ``numpy.quantile``'s number bit for bit."""
     n = len(sorted_values)
     if n == 0:
         raise ValueError("quantile of no values")
     h = (n - 1) * q
-    lo = math.floor(h)
+    lo = min(math.floor(h), n - 1)
     hi = min(lo + 1, n - 1)
-    return float(sorted_values[lo] + (h - lo) * (sorted_values[hi] - sorted_values[lo]))
+    gamma = h - lo
+    a, b = float(sorted_values[lo]), float(sorted_values[hi])
+    diff = b - a
+    return b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
 
 
 def numpy_quantiles(sorted_values: Sequence[float], qs: Sequence[float]) -> tuple[float, ...]:
     """``numpy.quantile(values, qs)`` (its default, type 7), bit for bit, from the values sorted ascending (NaN
-    last, as ``numpy.sort`` puts it): the same virtual index, the same two-sided interpolation and a NaN
-    wherever a value is NaN; a zero is always ``+0.0`` (numpy's may carry the sign of whichever of equal zeros
-    its partition put there).  The interval's ends are read this way because ``numpy.quantile`` imports
-    ``numpy.ma`` on first use, a quarter of numpy's own import time in every ``reduce`` process.
-    ``tests/test_gate_stats.py`` compares the two on random inputs."""
-    n = len(sorted_values)
-    if n == 0:
+    last, as ``numpy.sort`` puts it): :func:`quantile` at each ``q``, and NaN wherever a value is NaN; a zero
+    is always ``+0.0`` (numpy's may carry the sign of whichever of equal zeros its partition put there).  The
+    interval's ends are read this way because ``numpy.quantile`` imports ``numpy.ma`` on first use, a quarter of
+    numpy's own import time in every ``reduce`` process.  ``tests/test_gate_stats.py`` compares the two on random
+    inputs."""
+    if not sorted_values:
         raise ValueError("quantile of no values")
-    out = []
-    for q in qs:
-        if math.isnan(sorted_values[-1]):
-            out.append(math.nan)
-            continue
-        virtual = (n - 1) * q  # numpy's virtual index of its linear (type 7) method
-        below = math.floor(virtual)
-        if virtual >= n - 1:
-            below = above = n - 1
-        elif virtual < 0:
-            below = above = 0
-        else:
-            above = below + 1
-        gamma = virtual - (-1 if virtual >= n - 1 else below)  # numpy takes the gap from index -1 there
-        a, b = float(sorted_values[below]), float(sorted_values[above])
-        diff = b - a
-        value = b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
-        out.append(value + 0.0)  # a zero end is +0.0: which of equal zeros numpy's partition lands on is arbitrary
-    return tuple(out)
+    if math.isnan(sorted_values[-1]):
+        return tuple(math.nan for _ in qs)
+    # a zero end is +0.0: which of equal zeros numpy's partition lands on is arbitrary
+    return tuple(quantile(sorted_values, q) + 0.0 for q in qs)
 
 
 def median(values: Sequence[float]) -> float:
