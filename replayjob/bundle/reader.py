@@ -221,7 +221,21 @@ _NP_FLOAT = {"F64": np.float64, "F32": np.float32, "F16": np.float16}  # BF16 is
 _PER_TOKEN_FLOATS = tuple(n for n, d in PAYLOAD_DTYPES.items() if d == FLOAT_DTYPES)
 
 
-class FinitePadding:
+class _ResponseRows:
+    """What a per-token ``scan`` visitor knows of the samples: each one's ``response_length`` and id."""
+
+    def __init__(self, lengths: list[int], sample_ids: list[str]):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.sample_ids = sample_ids
+
+    def judges(self, spec: tensorfile.TensorSpec, names: Any) -> bool:
+        """``spec`` is one of ``names``, a floating ``[N, T]`` payload of these samples (anything else is refused
+        by the manifest or the header check)."""
+        return (spec.name in names and spec.dtype in FLOAT_DTYPES and len(spec.shape) == 2
+                and spec.shape[0] == len(self.lengths))
+
+
+class FinitePadding(_ResponseRows):
     """A ``scan`` visitor: the positions past a sample's ``response_length`` (its padding) hold finite values in
     every per-token floating payload (log-probabilities, KL, advantages, loss weights).
 
@@ -231,15 +245,10 @@ class FinitePadding:
     non-finite value inside the response is evidence and is left to the comparison.
     """
 
-    def __init__(self, lengths: list[int], sample_ids: list[str]):
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.sample_ids = sample_ids
-
     def __call__(self, spec: tensorfile.TensorSpec, piece: memoryview, first: int) -> None:
         """Check ``piece``: elements ``first ..`` of tensor ``spec``, just read and hashed."""
-        if (spec.name not in _PER_TOKEN_FLOATS or spec.dtype not in FLOAT_DTYPES or len(spec.shape) != 2
-                or spec.shape[0] != len(self.lengths)):
-            return  # refused by the manifest or the header check
+        if not self.judges(spec, _PER_TOKEN_FLOATS):
+            return
         if spec.dtype == "BF16":  # an all-ones exponent: NaN or an infinity
             bits = np.frombuffer(piece, dtype=np.uint16, count=len(piece) // 2)
             bad = (bits & 0x7F80) == 0x7F80
@@ -281,7 +290,7 @@ class FinitePadding:
                                   "mask, and a NaN or an infinity there, weighed by 0, is still NaN")
 
 
-class InDomain:
+class InDomain(_ResponseRows):
     """A ``scan`` visitor: inside each sample's response (its first ``response_length`` tokens) a per-token payload
     with a declared domain (:data:`replayjob.artifacts.bundle.PAYLOAD_DOMAINS`: log-probabilities <= 0) holds no
     finite value outside it, checked as the payload's bytes stream past the hash.
@@ -292,15 +301,10 @@ class InDomain:
     finite value: only the response is judged.
     """
 
-    def __init__(self, lengths: list[int], sample_ids: list[str]):
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.sample_ids = sample_ids
-
     def __call__(self, spec: tensorfile.TensorSpec, piece: memoryview, first: int) -> None:
         """Check ``piece``: elements ``first ..`` of tensor ``spec``, just read and hashed."""
-        if (spec.name not in PAYLOAD_DOMAINS or spec.dtype not in FLOAT_DTYPES or len(spec.shape) != 2
-                or spec.shape[0] != len(self.lengths)):
-            return  # refused by the manifest or the header check
+        if not self.judges(spec, PAYLOAD_DOMAINS):
+            return
         if spec.dtype == "BF16":  # a bfloat16 is the high half of the float32 of the same value: exact
             bits = np.frombuffer(piece, dtype=np.uint16, count=len(piece) // 2)
             values = (bits.astype(np.uint32) << 16).view(np.float32)
@@ -433,8 +437,8 @@ def _load_single(path: Path, tensors: bool = True, root: RootRecord | None = Non
     n = len(index["samples"])
     # Mask rows are checked against the recorded lengths as the mask's bytes stream past the hash.
     sample_ids = [s["sample_id"] for s in index["samples"]]
-    rows = MaskRows([s["response_length"] for s in index["samples"]], sample_ids)
     lengths = [s["response_length"] for s in index["samples"]]
+    rows = MaskRows(lengths, sample_ids)
     payloads = _load_payloads(path, manifest, tensors, rows, TokenIds(index["config"]["tokenizer"], sample_ids),
                               FinitePadding(lengths, sample_ids), InDomain(lengths, sample_ids))
     specs = manifest["payloads"]
