@@ -99,6 +99,10 @@ class Domain:
         if a.dtype == np.bool_ or not a.size or (self.ge is None and self.le is None and not self.binary):
             return None
         with np.errstate(invalid="ignore"):
+            # the common case in one pass each: every value within (a NaN or an infinity makes the bound's
+            # comparison false, and the element-wise pass below decides)
+            if not self.binary and (self.ge is None or a.min() >= self.ge) and (self.le is None or a.max() <= self.le):
+                return None
             bad = np.zeros(a.shape, dtype=np.bool_)
             if self.ge is not None:
                 bad |= a < self.ge
