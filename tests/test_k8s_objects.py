@@ -208,7 +208,8 @@ def test_well_formed_objects_resume_as_before(cluster: tuple[Cluster, client.Api
     assert mine["image"] == cont["image"]
     env = {e["name"]: e for e in mine["env"]}
     assert env["REPLAYJOB_GPU_PRODUCT"] == {"name": "REPLAYJOB_GPU_PRODUCT", "value": "NVIDIA-H200"}
-    assert "valueFrom" in env["REPLAYJOB_RUN_ID"] or "value" in env["REPLAYJOB_RUN_ID"]
+    first_env = {e["name"]: e for e in cont["env"]}
+    assert env["REPLAYJOB_RUN_ID"] == first_env["REPLAYJOB_RUN_ID"]  # the run's id, as its first driver had it
     owners = [r["name"] for r in state.objects[("ConfigMap", "replayjob-ablation-rw-spec")]["metadata"]
               ["ownerReferences"]]
     assert owners == ["replayjob-ablation-rw-driver", "replayjob-ablation-rw-driver-2"]

@@ -94,7 +94,6 @@ scontrol_retry() {
 # status (3, a signal such as 137: an OOM kill, an eviction's or a time limit's SIGKILL) is retried.
 REPLAYJOB_FINAL_STATUSES=(1 2)
 
-# is_retryable CODE: whether a step that exited CODE is retried (replayjob.errors.is_retryable).
 # confirm_verdict RUN_DIR CODE: the run's outcome, the reducer's CODE as RUN_DIR/verdict.json confirms it, read
 # by `replayjob step verdict` (0-3, returned).  The command must say its outcome on its last stdout line
 # ("replayjob step verdict: outcome N", the same N it exits with); without that line nothing was decided (3):
@@ -115,6 +114,7 @@ confirm_verdict() {
   return "$outcome"
 }
 
+# is_retryable CODE: whether a step that exited CODE is retried (replayjob.errors.is_retryable).
 is_retryable() {
   local final
   [ "$1" -ne 0 ] || return 1
