@@ -462,3 +462,22 @@ def test_a_log_probability_above_zero_inside_a_response_is_refused(tmp_path: Pat
 
     _forge(p, tensors=above)
     _refused_by_both(capsys, p, f"payload '{name}'", "token", "a log-probability is <= 0")
+
+
+def test_the_writer_refuses_a_log_probability_above_zero_before_writing(tmp_path: Path) -> None:
+    """The same domain as the reader's, checked by the writer before a byte is written."""
+    s = make()
+    w = _writer(tmp_path / "x", s, "rollout", list(range(8)), None, None, True, None)
+    old = s.t["old_logprobs"].clone()
+    old[2, 0] = 0.5  # inside sample 2's response
+    w.write_payload("old_logprobs", old)
+    w.write_payload("ref_logprobs", s.t["ref_logprobs"])
+    w.write_payload("response_ids", s.t["response_ids"])
+    w.write_payload("label_ids", s.t["label_ids"])
+    w.set_expected("reward.raw", "raw", s.t["raw"])
+    w.set_expected("reward.post_process", "scores", s.t["scores"])
+    w.set_expected("advantage.kl", "kl", s.t["kl"])
+    w.set_expected("advantage.estimate", "advantages", s.t["advantages"])
+    with pytest.raises(IntegrityError, match=r"payload 'old_logprobs'.*a log-probability is <= 0"):
+        w.finalize()
+    assert not (tmp_path / "x").exists()
