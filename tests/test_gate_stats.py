@@ -128,3 +128,14 @@ def test_counted_medians_at_block_and_chunk_edges(n: int) -> None:
     arr = rng.choice([0.5, 1.0, 2.0, 3.0], size=n) if n % 2 else rng.lognormal(0.0, 0.3, n)
     idx = rng.randint(0, n, size=(300 if n > 1000 else 2000, n))
     assert _counted_medians(np, arr, _draw_counts(np, idx)).tobytes() == _resampled_medians(np, arr, idx).tobytes()
+
+
+def test_the_bootstrap_does_not_import_numpy_ma() -> None:
+    """numpy.quantile imported numpy.ma, 25 ms of every reduce process (benchmarks/README.md, reduce_many)."""
+    import subprocess
+    import sys
+    code = ("import sys; from replayjob.gate.stats import bootstrap_ratio; "
+            "r = bootstrap_ratio([2.0, 2.1, 1.9], [1.0, 1.1, 0.9]); assert r['low'] is not None; "
+            "print('numpy.ma' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
