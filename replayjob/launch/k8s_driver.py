@@ -49,7 +49,7 @@ from replayjob.artifacts.verdict import MAX_VERDICT_BYTES, read_verdict
 from replayjob.errors import ConfigError, ContractError, ReplayjobError
 from replayjob.fsio import read_regular_bytes
 from replayjob.launch import jobset, k8s
-from replayjob.launch.step import check_rendered
+from replayjob.launch.step import VERDICT_FILE, check_rendered
 from replayjob.launch.submit import (
     START_GRACE_ENV,
     START_GRACE_S,
@@ -216,10 +216,10 @@ def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: floa
             "verdict (refused: no capture)")
     name = reduce["metadata"]["name"]
     pod_code = api.exit_code(ns, name, run(reduce))  # the Job's condition and its pods' codes, together
-    path = Path(ctx.artifacts) / "runs" / spec.name / ctx.run_id / "verdict.json"
+    path = Path(ctx.artifacts) / "runs" / spec.name / ctx.run_id / VERDICT_FILE
     verdict, unreadable, data = None, None, b""
     if path.exists() or path.is_symlink():
-        where = f"{k8s.MOUNT}/runs/{spec.name}/{ctx.run_id}/verdict.json"
+        where = f"{k8s.MOUNT}/runs/{spec.name}/{ctx.run_id}/{VERDICT_FILE}"
         try:  # one read: the bytes judged are the bytes published (the claim is written by other pods)
             data = read_regular_bytes(path, max_bytes=MAX_VERDICT_BYTES, what="verdict")
             verdict = read_verdict(data, where=where)
