@@ -929,6 +929,30 @@ def test_earlier_outputs_are_replaced_and_a_png_report_refused(ev: synthetic.Evi
     assert main(png) == 2 and not (tmp_path / "w.json").exists() and not (tmp_path / "r2.png").exists()
 
 
+@pytest.mark.parametrize(("content", "ours"), [
+    (b'{"schema": "replayjob.verdict/v2", "checks": [{"a": 1}]}', True),
+    (b'{"checks": [], "schema": "replayjob.verdict/v1"}', True),  # an older verdict: replaced too
+    (b'{"schema": "replayjob.replay_metrics/v2"}', False),
+    (b'{"schema": "replayjob.verdictx/v2"}', False),
+    (b'{"schema": 2}', False),
+    (b'["replayjob.verdict/v2"]', False),
+    (b'{"schema": "replayjob.verdict/v2", ', False),  # cut short: not JSON
+    (b'{"schema": "replayjob.verdict/v2", "x": \xff}', False),  # not UTF-8
+    (b'', False),
+])
+def test_only_a_verdict_file_is_an_earlier_verdict(tmp_path: Path, content: bytes, ours: bool) -> None:
+    """``is_verdict_file`` reads a file's ``schema`` alone (a verdict of 10,000 replays is megabytes): a JSON object
+    of a verdict schema, any version, and nothing else."""
+    from replayjob.artifacts.verdict import is_verdict_file
+
+    f = tmp_path / "v.json"
+    f.write_bytes(content)
+    assert is_verdict_file(f) is ours
+    link = tmp_path / "link.json"
+    link.symlink_to(f)
+    assert is_verdict_file(link) is False  # never through a link
+
+
 @pytest.mark.parametrize("kind", ["fifo", "symlink"])
 def test_an_output_that_is_not_a_regular_file_is_left_alone(ev: synthetic.Evidence, tmp_path: Path,
                                                             kind: str) -> None:

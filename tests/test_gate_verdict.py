@@ -76,6 +76,7 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     run = res["measurements"]["runs"]["20"]
     assert res["mode"] == "smoke" and run["files"] == 20 and res["target_met"] is None
     assert run["exact_input_s"]["median"] > 0 and res["measurements"]["ms_per_file_above_floor"]["20"] > 0
+    assert run["slowest"] in ("exact_input", "bitwise") and run["cli_process_above_fixed"]["fixed_s"] > 0
 
 
 def test_reduce_prints_the_comparison_table_and_each_budget_decision(tmp_path: Path,
