@@ -275,10 +275,10 @@ def test_the_trl_layout_admits_what_trl_steps_hold() -> None:
           "advantages": {"dtype": "float32", "shape": [r]}, "num_items_in_batch": {"dtype": "int64", "shape": []},
           "importance_sampling_ratio": {"dtype": "float32", "shape": [r, 1]},
           "old_logps": {"dtype": "bfloat16", "shape": [r]}, "pixel_values": {"dtype": "float32", "shape": [9, 2]}}
-    assert api_manifest.input_layout_reasons("trl", "inputs", ok) == []
-    assert api_manifest.input_layout_reasons("trl", "inputs", {**ok, "advantages": {"dtype": "float32",
+    assert api_manifest.input_layout_reasons("trl", ok) == []
+    assert api_manifest.input_layout_reasons("trl", {**ok, "advantages": {"dtype": "float32",
                                                                                    "shape": [r, c]}}) == []
-    assert api_manifest.input_layout_reasons("torch", "inputs", {"x": {"dtype": "float32", "shape": [1]}}) == []
-    assert api_manifest.input_layout_reasons("trl", "inputs", {**ok, "prompt_mask": {"dtype": "bool",
+    assert api_manifest.input_layout_reasons("torch", {"x": {"dtype": "float32", "shape": [1]}}) == []
+    assert api_manifest.input_layout_reasons("trl", {**ok, "prompt_mask": {"dtype": "bool",
                                                                                     "shape": [r, p + 1]}}) == [
         f"inputs.prompt_mask has shape [{r}, {p + 1}], not one of [R, P] (P={p}, R={r})"]

@@ -94,6 +94,11 @@ def file_names(step: int) -> dict[str, str]:
             "optimizer": f"{stem}.optimizer.safetensors", "manifest": f"{stem}.manifest.json"}
 
 
+#: a token id indexes the vocabulary (>= 0; the base model's ``vocab_size`` bounds it above at admission) and a count
+#: of tokens is >= 0
+TOKEN_ID = Domain("a token id is >= 0 (an index into the vocabulary)", ge=0.0)
+COUNT = Domain("a count is >= 0", ge=0.0)
+
 #: the domain of each per-token or per-row input a producer's captured step holds, by producer and the input's name
 #: (in ``inputs`` or ``call``), enforced on the payload by :func:`input_domain_reasons` for every capture of that
 #: producer: TRL's GRPO batch (``GRPOTrainer._generate_and_score_completions``: the masks 0/1, padding 0; the
@@ -102,17 +107,13 @@ def file_names(step: int) -> dict[str, str]:
 #: flagged ``rows.nonfinite_inputs`` and opted into).
 INPUT_DOMAINS: dict[str, dict[str, Domain]] = {
     "trl": {"old_per_token_logps": LOGPROB, "ref_per_token_logps": LOGPROB, "sampling_per_token_logps": LOGPROB,
-            "prompt_mask": MASK, "completion_mask": MASK, "tool_mask": MASK, "importance_sampling_ratio": WEIGHT,
-            "advantages": FINITE},
+            "old_logps": LOGPROB, "prompt_mask": MASK, "completion_mask": MASK, "tool_mask": MASK,
+            "importance_sampling_ratio": WEIGHT, "advantages": FINITE, "prompt_ids": TOKEN_ID,
+            "completion_ids": TOKEN_ID, "num_items_in_batch": COUNT},
     "verl": {"old_log_probs": LOGPROB, "ref_log_prob": LOGPROB, "rollout_log_probs": LOGPROB,
              "response_mask": MASK, "attention_mask": MASK, "rollout_is_weights": WEIGHT, "advantages": FINITE},
     "torch": {},
 }
-#: a token id indexes the vocabulary (>= 0; the base model's ``vocab_size`` bounds it above at admission) and a count
-#: of tokens is >= 0
-TOKEN_ID = Domain("a token id is >= 0 (an index into the vocabulary)", ge=0.0)
-COUNT = Domain("a count is >= 0", ge=0.0)
-INPUT_DOMAINS["trl"].update(prompt_ids=TOKEN_ID, completion_ids=TOKEN_ID, num_items_in_batch=COUNT, old_logps=LOGPROB)
 
 #: the dtypes an input of each kind is held in (the manifest's ``dtype`` names): ids and counts integers, masks integers
 #: or booleans, log-probabilities, advantages and weights floating point
@@ -145,12 +146,12 @@ INPUT_LAYOUTS: dict[str, dict[str, tuple[str, tuple[tuple[str | int, ...], ...],
 WINDOWS: dict[str, tuple[str, str]] = {"trl": ("trl", "gradient_accumulation_steps")}
 
 
-def input_layout_reasons(framework: str, group: str, tensors: dict[str, Any]) -> list[str]:
-    """Why a micro-batch's ``group`` of tensor specs (``{name: {dtype, shape}}``, or TensorSpec) is not what the
+def input_layout_reasons(framework: str, tensors: dict[str, Any]) -> list[str]:
+    """Why a micro-batch's ``inputs`` tensor specs (``{name: {dtype, shape}}``, or TensorSpec) are not what the
     producer's loss reads (:data:`INPUT_LAYOUTS`): a required input missing, one of another dtype kind, or shapes
     that do not fit together (the rows, the prompt's and the completion's lengths shared by every input)."""
     layout = INPUT_LAYOUTS.get(framework)
-    if layout is None or group != "inputs":
+    if layout is None:
         return []
     specs = {k: (v.dtype, list(v.shape)) if isinstance(v, TensorSpec) else (str(v["dtype"]), list(v["shape"]))
              for k, v in tensors.items()}
@@ -459,7 +460,7 @@ class ApiManifest(Document, frozen=True):
         if off:
             raise ValueError("`rows` summarises the micro-batches it lists, but " + "; ".join(off))
         for i, mb in enumerate(self.micro_batches):
-            why = input_layout_reasons(self.framework, "inputs", dict(mb.inputs.tensors))
+            why = input_layout_reasons(self.framework, dict(mb.inputs.tensors))
             if why:
                 raise ValueError(f"`micro_batches[{i}]`: " + "; ".join(why[:3]))
         window = WINDOWS.get(self.framework)
