@@ -145,6 +145,34 @@ def test_a_customisation_is_a_render_time_field(customised: tuple[Any, str]) -> 
     ("[pods.other]\nlabels = {}", "unknown field `other`"),
     ("[pods.all]\ncontainers = []", "one `replayjob step` command"),
     ('[pods.all]\nimagePullSecrets = ["Not A Name"]', "imagePullSecrets[0]"),
+    # what the API server refuses, refused before a pod is rendered: a term of the wrong shape (no traceback) ...
+    ('[pods.gpu]\naffinity = {podAntiAffinity = {requiredDuringSchedulingIgnoredDuringExecution = "abc"}}',
+     "affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution: Expected `array`, got `str`"),
+    ('[pods.gpu]\naffinity = {podAntiAffinity = {requiredDuringSchedulingIgnoredDuringExecution = {a = 1}}}',
+     "Expected `array`, got `object`"),
+    ("[pods.gpu]\naffinity = {nodeAffinity = {foo = 1}}", "affinity.nodeAffinity: Object contains unknown field"),
+    ('[pods.gpu]\naffinity = {podAffinity = {preferredDuringSchedulingIgnoredDuringExecution = [{weight = 0, '
+     'podAffinityTerm = {topologyKey = "kubernetes.io/hostname"}}]}}', "Expected `int` >= 1"),
+    # ... tolerations as the API validates them ...
+    ('[pods.gpu]\ntolerations = [{key = "a", operator = "Exists", value = "x"}]', "Exists takes no value"),
+    ('[pods.gpu]\ntolerations = [{key = "a", value = "x", effect = "NoSchedule", tolerationSeconds = 30}]',
+     "tolerationSeconds applies to the NoExecute effect only"),
+    ('[pods.gpu]\ntolerations = [{value = "x"}]', "its operator must be Exists"),
+    ('[pods.gpu]\ntolerations = [{key = "bad key!", value = "x"}]', "tolerations[0].key"),
+    ('[pods.gpu]\ntolerations = [{key = "k", value = "bad value!"}]', "tolerations[0].value"),
+    # ... names and label keys ...
+    ('[pods.gpu]\nschedulerName = "My Scheduler"', "pods.gpu.schedulerName"),
+    ('[pods.gpu]\nvolumes = [{name = "x", mountPath = "/data", secret = "Not A Name"}]', "volumes[0].secret"),
+    ('[pods.gpu]\nlabels = {"a..b/c" = "x"}', "pods.gpu.labels (a key)"),
+    ('[pods.gpu]\nvolumes = [{name = "x", mountPath = "/da\\nta", secret = "s"}]', "volumes[0].mountPath"),
+    # ... two volumes of one pod under one name or at one path, [pods.all]'s and [pods.gpu]'s together ...
+    ('[pods.all]\nvolumes = [{name = "x", mountPath = "/data", secret = "s"}]\n'
+     '[pods.gpu]\nvolumes = [{name = "x", mountPath = "/data2", secret = "s"}]', "have the name x"),
+    ('[pods.cpu]\nvolumes = [{name = "x", mountPath = "/data", secret = "s"}, '
+     '{name = "y", mountPath = "/data", secret = "t"}]', "CPU stage pods have the mountPath /data"),
+    # ... and a volume over the image's code
+    *((f'[pods.gpu]\nvolumes = [{{name = "x", mountPath = "{path}", secret = "s"}}]', "would replace or hide the "
+       "image's code") for path in ("/usr", "/opt/venv", "/usr/lib/python3", "/lib64")),
 ])
 def test_what_would_change_a_replay_or_its_isolation_is_refused_with_the_reason(table: str, said: str) -> None:
     text = SPEC.read_text(encoding="utf-8") + "\n" + table + "\n"

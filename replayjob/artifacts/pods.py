@@ -47,12 +47,19 @@ from replayjob.errors import ConfigError
 from replayjob.runtime.determinism import NCCL_NUMERICS
 
 Doc = dict[str, Any]
-Name = Annotated[str, whole(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")]
-LabelKey = Annotated[str, whole(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?"
-                                r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")]
-LabelValue = Annotated[str, whole(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")]
+# Kubernetes' own name rules: a DNS-1123 label, a DNS-1123 subdomain (dot-separated labels, 253 at most), a
+# qualified name (an optional subdomain prefix and "/", then 63 characters at most) and a label value.
+DNS_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+DNS_SUBDOMAIN = r"(?=.{1,253}\Z)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+QUALIFIED_NAME = rf"({DNS_SUBDOMAIN}/)?[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?"
+LABEL_VALUE = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
+Name = Annotated[str, whole(DNS_LABEL)]
+Subdomain = Annotated[str, whole(DNS_SUBDOMAIN)]
+LabelKey = Annotated[str, whole(QUALIFIED_NAME)]
+LabelValue = Annotated[str, whole(LABEL_VALUE)]
 EnvName = Annotated[str, whole(r"[A-Za-z_][A-Za-z0-9_]*")]
-Path_ = Annotated[str, whole(r"/[^:]*")]
+Path_ = Annotated[str, whole(r"/[^:\x00-\x1f\x7f]*")]  # no ':' (a volume spec's separator), no control character
+Weight = Annotated[int, msgspec.Meta(ge=1, le=100)]
 
 # The security context and isolation are not customisable; say why when a spec tries.
 FORBIDDEN = {
@@ -71,6 +78,9 @@ OWN_LABEL_PREFIXES = ("app.kubernetes.io/", "replayjob.dev/", "batch.kubernetes.
 OWN_NODE_LABELS = ("nvidia.com/gpu.product",)
 OWN_VOLUMES = ("artifacts", "tmp", "cache", "dshm", "spec")
 OWN_PATHS = ("/artifacts", "/tmp", "/cache", "/dev/shm", "/etc/replayjob")
+# Where the image's code lives (the interpreter, its libraries, /opt/venv, /opt/replayjob): a volume there would run
+# other code than the image the run record names by its digest.
+CODE_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/opt")
 OWN_ENV = re.compile(r"(REPLAYJOB_.*|OMP_NUM_THREADS|MKL_NUM_THREADS|HOME|TMPDIR|XDG_CACHE_HOME|HF_HOME|"
                      r"HF_HUB_OFFLINE|TRITON_CACHE_DIR|PYTHONDONTWRITEBYTECODE|PYTHONHASHSEED|CUDA_.*|NCCL_.*|"
                      r"TORCH_.*|CUBLAS_.*|NVIDIA_.*)")
@@ -137,11 +147,83 @@ class _Strict(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 
 class Toleration(_Strict, frozen=True):
-    key: str | None = None
+    """A toleration, with the API server's rules: a key is a qualified name, a value a label value; no key
+    tolerates every taint and needs ``Exists``, which takes no value; ``tolerationSeconds`` only with
+    ``NoExecute``."""
+
+    key: LabelKey | None = None
     operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
+    value: LabelValue | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     tolerationSeconds: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.key and self.operator != "Exists":
+            raise ValueError("a toleration without a key tolerates every taint: its operator must be Exists")
+        if self.operator == "Exists" and self.value:
+            raise ValueError("a toleration whose operator is Exists takes no value")
+        if self.tolerationSeconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds applies to the NoExecute effect only")
+
+
+# The affinity terms, declared as the Kubernetes API (1.29) declares them, unknown keys refused.
+class NodeSelectorRequirement(_Strict, frozen=True):
+    key: Annotated[str, msgspec.Meta(min_length=1)]
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"]
+    values: list[str] = []
+
+
+class NodeSelectorTerm(_Strict, frozen=True):
+    matchExpressions: list[NodeSelectorRequirement] = []
+    matchFields: list[NodeSelectorRequirement] = []
+
+
+class NodeSelector(_Strict, frozen=True):
+    nodeSelectorTerms: Annotated[list[NodeSelectorTerm], msgspec.Meta(min_length=1)]
+
+
+class PreferredSchedulingTerm(_Strict, frozen=True):
+    weight: Weight
+    preference: NodeSelectorTerm
+
+
+class NodeAffinity(_Strict, frozen=True):
+    requiredDuringSchedulingIgnoredDuringExecution: NodeSelector | None = None
+    preferredDuringSchedulingIgnoredDuringExecution: list[PreferredSchedulingTerm] = []
+
+
+class LabelSelectorRequirement(_Strict, frozen=True):
+    key: LabelKey
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = []
+
+
+class LabelSelector(_Strict, frozen=True):
+    matchLabels: dict[LabelKey, LabelValue] = {}
+    matchExpressions: list[LabelSelectorRequirement] = []
+
+
+class PodAffinityTerm(_Strict, frozen=True):
+    topologyKey: LabelKey
+    labelSelector: LabelSelector | None = None
+    namespaceSelector: LabelSelector | None = None
+    namespaces: list[Name] = []
+
+
+class WeightedPodAffinityTerm(_Strict, frozen=True):
+    weight: Weight
+    podAffinityTerm: PodAffinityTerm
+
+
+class PodAffinity(_Strict, frozen=True):
+    requiredDuringSchedulingIgnoredDuringExecution: list[PodAffinityTerm] = []
+    preferredDuringSchedulingIgnoredDuringExecution: list[WeightedPodAffinityTerm] = []
+
+
+class Affinity(_Strict, frozen=True):
+    nodeAffinity: NodeAffinity | None = None
+    podAffinity: PodAffinity | None = None
+    podAntiAffinity: PodAffinity | None = None
 
 
 class Volume(_Strict, frozen=True):
@@ -150,9 +232,9 @@ class Volume(_Strict, frozen=True):
     name: Name
     mountPath: Path_
     readOnly: bool = True
-    configMap: str | None = None
-    secret: str | None = None  # the Secret's name
-    persistentVolumeClaim: str | None = None
+    configMap: Subdomain | None = None
+    secret: Subdomain | None = None  # the Secret's name
+    persistentVolumeClaim: Subdomain | None = None
 
 
 class PodSettings(_Strict, frozen=True):
@@ -165,10 +247,18 @@ class PodSettings(_Strict, frozen=True):
     annotations: dict[LabelKey, str] = {}
     labels: dict[LabelKey, LabelValue] = {}
     runtimeClassName: Name | None = None
-    schedulerName: str | None = None
+    schedulerName: Subdomain | None = None
     serviceAccountName: Name | None = None
     env: dict[EnvName, str] = {}
     volumes: list[Volume] = []
+
+    def __post_init__(self) -> None:
+        # affinity is kept as plain data (merged term by term with replayjob's own), read through its declaration
+        try:
+            msgspec.convert(self.affinity, Affinity, strict=True)
+        except msgspec.ValidationError as exc:
+            rule, sep, at = str(exc).rpartition(" - at `")
+            raise ValueError(f"affinity{at.rstrip('`').removeprefix('$')}: {rule}" if sep else str(exc)) from None
 
 
 class Pods(_Strict, frozen=True):
@@ -199,7 +289,9 @@ FIELD_DOCS = {
                                      "runs or measures (" + ", ".join(f"`{f[0]}*`" for f in ENV_FAMILIES) + "), "
                                      "nor a value with a NUL byte"),
     "volumes": ("list of {name, mountPath, readOnly, configMap | secret | persistentVolumeClaim}",
-                "extra volumes mounted in the stage container (read-only unless readOnly = false)"),
+                "extra volumes mounted in the stage container (read-only unless readOnly = false); each name and "
+                "mount path once per stage pod, never over replayjob's own paths or the image's code (" +
+                ", ".join(f"`{p}`" for p in CODE_PATHS) + ")"),
 }
 
 
@@ -238,10 +330,18 @@ def _refuse(settings: PodSettings, where: str) -> None:
         if len(sources) != 1:
             raise ConfigError(f"volume {v.name} needs exactly one of configMap, secret, persistentVolumeClaim",
                               where=f"{where}.volumes")
-        if v.name in OWN_VOLUMES or any(v.mountPath == p or v.mountPath.startswith(p + "/") or
-                                        p.startswith(v.mountPath.rstrip("/") + "/") for p in OWN_PATHS):
+        if v.name in OWN_VOLUMES or any(_overlaps(v.mountPath, p) for p in OWN_PATHS):
             raise ConfigError(f"volume {v.name} at {v.mountPath} would replace or hide replayjob's own "
                               f"({', '.join(OWN_VOLUMES)} at {', '.join(OWN_PATHS)})", where=f"{where}.volumes")
+        if any(_overlaps(v.mountPath, p) for p in CODE_PATHS):
+            raise ConfigError(f"volume {v.name} at {v.mountPath} would replace or hide the image's code "
+                              f"({', '.join(CODE_PATHS)}): a replay would not run the image the run records",
+                              where=f"{where}.volumes", hint="mount it elsewhere, e.g. /data")
+
+
+def _overlaps(path: str, other: str) -> bool:
+    """Whether a mount at ``path`` replaces or hides what is at ``other`` (the same path, under it, or above it)."""
+    return path == other or path.startswith(other + "/") or other.startswith(path.rstrip("/") + "/")
 
 
 def read_pods(raw: Any, where: str = "pods") -> Pods:
@@ -257,11 +357,22 @@ def read_pods(raw: Any, where: str = "pods") -> Pods:
     except msgspec.ValidationError as exc:
         text = str(exc)
         rule, sep, at = text.rpartition(" - at `")
-        path = at.rstrip("`").removeprefix("$").lstrip(".") if sep else ""
+        key, in_key, at = at.rstrip("`").rpartition("` in `")  # a mapping's key: "key` in `$.gpu.labels"
+        path = at.removeprefix("$").lstrip(".") + (" (a key)" if in_key else "") if sep else ""
         raise ConfigError((rule if sep else text), where=f"{where}.{path}" if path else where,
                           hint="docs/cluster.md, Your cluster: the keys [pods.all|gpu|cpu] take") from None
     for part in ("all", "gpu", "cpu"):
         _refuse(getattr(pods, part), f"{where}.{part}")
+    for gpu in (True, False):  # a stage pod's volumes: [pods.all]'s and its own, together
+        seen: dict[str, set[str]] = {"name": set(), "mountPath": set()}
+        for v in for_stage(pods, gpu=gpu).volumes:
+            for key, names in seen.items():
+                if getattr(v, key) in names:
+                    raise ConfigError(f"two volumes of the {'GPU' if gpu else 'CPU'} stage pods have the {key} "
+                                      f"{getattr(v, key)}: Kubernetes refuses such a pod",
+                                      where=f"{where}.volumes", hint="[pods.all] volumes are added to [pods.gpu] "
+                                                                     "and [pods.cpu] ones: name each once")
+                names.add(getattr(v, key))
     return pods
 
 
