@@ -126,6 +126,29 @@ def test_spec_refuses_what_it_cannot_fan_out(tmp_path: Path, edit: str, message:
         load_spec(write(tmp_path, text))
 
 
+@pytest.mark.parametrize(("key", "value", "message"), [
+    # rendered into a node selector: a label value, or a key; an empty product matches no GPU node
+    ("gpu_product", "NVIDIA:H100", "must be a label value"),
+    ("gpu_product", "x@y", "must be a label value"),
+    ("gpu_product", "NVIDIA-H100-80GB-HBM3-" + "x" * 50, "must be a label value"),
+    ("gpu_product", "", "an empty value matches no GPU node"),
+    ("driver_version", "580:1", "must be a label value"),
+    ("driver_label", "a:b", "must be a label key"),
+    ("driver_label", "Nvidia.com/x", "must be a label key"),
+    ("driver_label", "", "must be a label key"),
+    # naming an object: a lowercase DNS subdomain
+    ("priority_class", "High_Prio", "PriorityClass name"),
+    ("claim_name", "My_Claim", "PersistentVolumeClaim name"),
+    ("claim_name", "", "PersistentVolumeClaim name"),
+    ("storage_class", "Fast:SSD", "StorageClass name"),
+])
+def test_spec_refuses_a_name_or_label_the_api_server_refuses(tmp_path: Path, key: str, value: str,
+                                                             message: str) -> None:
+    lines = [line for line in MINIMAL.splitlines() if not line.startswith(f"{key} =")]
+    with pytest.raises(ConfigError, match=message):
+        load_spec(write(tmp_path, f'{key} = "{value}"\n' + "\n".join(lines) + "\n"))
+
+
 def test_spec_refuses_min_repeats_above_repeats_and_missing_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="between 0"):
         load_spec(write(tmp_path, MINIMAL.replace("repeats = 2", "repeats = 2\nmin_repeats = 3")))

@@ -49,7 +49,7 @@ from typing import Any
 
 from replayjob.artifacts.capture_manifest import REPLAY_CONFIG
 from replayjob.artifacts.claims import SPEC_NAMES
-from replayjob.artifacts.pods import Pods, read_pods
+from replayjob.artifacts.pods import DNS_SUBDOMAIN, LABEL_VALUE, QUALIFIED_NAME, Pods, read_pods
 from replayjob.artifacts.pods import to_dict as pods_to_dict
 from replayjob.artifacts.schedule import DESIGNS, Slot, plan
 from replayjob.config.dump import set_args, toml_value
@@ -370,6 +370,7 @@ class AblationSpec:
                     "driver_version", "driver_label", "priority_class", "budgets"):
             if not _SAFE_STR.fullmatch(getattr(self, key)):
                 raise ConfigError("no whitespace or quotes allowed", where=key)
+        self._check_kubernetes_names()
         if self.queue and (not _NAME.fullmatch(self.queue) or len(self.queue) > 63):
             raise ConfigError(f"{self.queue!r} must be a LocalQueue name (a lowercase DNS label)", where="queue")
         if self.image_policy not in IMAGE_POLICIES:
@@ -384,6 +385,25 @@ class AblationSpec:
         self._check_ranks()
         if self.semaphore and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-._a-zA-Z0-9]+", self.semaphore):
             raise ConfigError(f"{self.semaphore!r} must be CONFIGMAP/KEY", where="semaphore")
+
+    def _check_kubernetes_names(self) -> None:
+        """The fields rendered into a node selector or naming an object, as the API server validates them, so
+        no manifest is rendered that the cluster refuses (or whose selector no node can match)."""
+        rules = {"gpu_product": (LABEL_VALUE, "a label value (63 characters at most: letters, digits, '-', '_', "
+                                              "'.', alphanumeric at both ends)"),
+                 "driver_version": (LABEL_VALUE, "a label value"),
+                 "driver_label": (QUALIFIED_NAME, "a label key (an optional DNS prefix and '/', then a name of 63 "
+                                                  "characters at most)"),
+                 "claim_name": (DNS_SUBDOMAIN, "a PersistentVolumeClaim name (a lowercase DNS subdomain)"),
+                 "storage_class": (DNS_SUBDOMAIN, "a StorageClass name (a lowercase DNS subdomain)"),
+                 "priority_class": (DNS_SUBDOMAIN, "a PriorityClass name (a lowercase DNS subdomain)")}
+        for key, (rule, what) in rules.items():
+            value = getattr(self, key)
+            if (value or key in ("claim_name", "driver_label")) and not re.fullmatch(rule, value):
+                raise ConfigError(f"{value!r} must be {what}", where=key)
+        if self.gpu and not self.gpu_product:
+            raise ConfigError("a GPU spec selects its nodes by nvidia.com/gpu.product: an empty value matches no GPU "
+                              "node", where="gpu_product", hint="kubectl get nodes -L nvidia.com/gpu.product")
 
     def _check_capture(self) -> None:
         """What a spec naming an existing capture may say: no capture stage runs, so nothing that
