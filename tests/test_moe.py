@@ -299,6 +299,81 @@ def test_routing_file_reader_fails_closed(moe_runs: dict[str, Any], tmp_path: Pa
         moe.read_table(copy, moe_runs["routing_sha"])
 
 
+def routing_bytes(t: moe.RoutingTable, meta: dict[str, str] | None = None, **layer0: torch.Tensor) -> bytes:
+    """A routing file of ``t`` with metadata entries replaced by ``meta`` and the first router's tensors by
+    ``layer0`` (``experts``, ``weights``, ``margin``, ``forced``), encoded without the writer's checks."""
+    from replayjob import tensorfile
+    tensors = {"rows.tokens": t.row_tokens}
+    for k, lay in enumerate(t.layers):
+        for f in ("experts", "weights", "margin", "forced"):
+            tensors[f"layer.{k:04d}.{f}"] = layer0.get(f, getattr(lay, f)) if k == 0 else getattr(lay, f)
+    doc = {"format": moe.ROUTING_SCHEMA, "layers": json.dumps([lay.name for lay in t.layers]), "top_k": str(t.top_k),
+           "num_experts": str(t.num_experts), "mode": t.mode, "fault": t.fault or "",
+           "identity": json.dumps(t.identity), **(meta or {})}
+    return tensorfile.encode({k: v.contiguous() for k, v in tensors.items()}, metadata=doc,
+                             schema=moe._schema(len(t.layers))).data
+
+
+def _set(x: torch.Tensor, at: tuple[int, ...], value: float | bool) -> torch.Tensor:
+    y = x.clone()
+    y[at] = value
+    return y
+
+
+HOSTILE_TABLES: dict[str, Any] = {  # each a value or a field no recorded routing holds, refused by the reader
+    "margin NaN": lambda t: routing_bytes(t, margin=_set(t.layers[0].margin, (0,), float("nan"))),
+    "margin infinite": lambda t: routing_bytes(t, margin=_set(t.layers[0].margin, (0,), float("inf"))),
+    "margin negative": lambda t: routing_bytes(t, margin=_set(t.layers[0].margin, (5,), -1.0)),
+    "weight negative": lambda t: routing_bytes(t, weights=_set(t.layers[0].weights, (0, 0), -5.0)),
+    "forced tokens under free routing": lambda t: routing_bytes(t, forced=_set(t.layers[0].forced, (3,), True)),
+    "router name with an escape": lambda t: routing_bytes(t, {"layers": json.dumps(
+        ["a\n\u001b[31m", t.layers[1].name])}),
+    "fault with an escape": lambda t: routing_bytes(t, {"fault": "\x1b[2J"}),
+    "layers nested deep": lambda t: routing_bytes(t, {"layers": "[" * 100000 + "]" * 100000}),
+    "layers NaN literal": lambda t: routing_bytes(t, {"layers": '["a", NaN]'}),
+    "no router": lambda t: routing_bytes(dataclasses.replace(t, layers=[]), {"layers": "[]"}),
+    "top_k not canonical": lambda t: routing_bytes(t, {"top_k": "0_2"}),
+    "top_k padded": lambda t: routing_bytes(t, {"top_k": " 2 "}),
+    "no identity": lambda t: routing_bytes(t, {"identity": "{}"}),
+    "identity not a digest": lambda t: routing_bytes(t, {"identity": json.dumps({"logical_batch_sha256": "x"})}),
+    "row counts wrapping 64 bits": lambda t: routing_bytes(dataclasses.replace(
+        t, row_tokens=torch.tensor([2 ** 62] * 4 + [0] * (t.row_tokens.numel() - 4)),
+        layers=[dataclasses.replace(lay, experts=lay.experts[:0], weights=lay.weights[:0], margin=lay.margin[:0],
+                                    forced=lay.forced[:0]) for lay in t.layers])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_TABLES))
+def test_routing_file_reader_refuses_what_no_router_records(case: str, moe_runs: dict[str, Any],
+                                                            tmp_path: Path) -> None:
+    """A routing file whose pin is right but whose content no recorded routing can hold (a margin or weight out of
+    range, forced tokens under free routing, an unprintable name, malformed or non-canonical metadata, row counts
+    that wrap past 64 bits) is refused by the reader with a refusal, never a crash."""
+    t = moe.read_table(moe_runs["routing_file"], moe_runs["routing_sha"])
+    data = HOSTILE_TABLES[case](t)
+    path = tmp_path / "routing.safetensors"
+    path.write_bytes(data)
+    with pytest.raises(IntegrityError, match="routing file refused"):
+        moe.read_table(path, hashlib.sha256(data).hexdigest())
+
+
+def test_a_resealed_routing_file_with_a_nan_margin_is_refused_by_trace_diff(
+        moe_runs: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "flips"
+    shutil.copytree(moe_runs["flips"], d)
+    t = moe.read_table(d / "routing.safetensors", None)
+    data = routing_bytes(t, margin=_set(t.layers[0].margin, (0,), float("nan")))
+    (d / "routing.safetensors").unlink()
+    (d / "routing.safetensors").write_bytes(data)
+    doc = metrics(d)
+    doc["routing"]["sha256"] = hashlib.sha256(data).hexdigest()
+    (d / "replay_metrics.json").write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert main(["trace-diff", str(moe_runs["free"]), str(d), "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "router-logit margin" in err and "Traceback" not in err
+
+
 def trace_diff(capsys: pytest.CaptureFixture[str], a: Path, b: Path) -> tuple[int, dict[str, Any]]:
     capsys.readouterr()
     rc = main(["trace-diff", str(a), str(b), "--json"])

@@ -35,18 +35,23 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import types
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import msgspec
 
 from replayjob import tensorfile
+from replayjob.artifacts.document import Digest, Document, OneLine, Printable, decode
 from replayjob.config import Config
 from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, read_regular_bytes
+from replayjob.jsonio import loads_strict
 from replayjob.model.tokenizer import ByteTokenizer
 
 if TYPE_CHECKING:
@@ -190,6 +195,53 @@ def _fail(where: Path, message: str) -> IntegrityError:
     return IntegrityError(f"routing file refused: {message}", where=where, hint=_HINT)
 
 
+class RoutingIdentity(Document, frozen=True):
+    """The rows a routing file was recorded on: the capture's logical batch, and for a replay its manifest."""
+
+    logical_batch_sha256: Digest
+    manifest_sha256: Digest | None = None
+
+
+class RoutingMeta(Document, frozen=True):
+    """A routing file's metadata, declared (``layers`` and ``identity`` are JSON inside the metadata strings; the
+    router names and the fault are printed as they are, so they are printable)."""
+
+    layers: Annotated[list[Printable], msgspec.Meta(min_length=1)]
+    top_k: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    num_experts: Annotated[int, msgspec.Meta(ge=2, le=1 << 20)]
+    mode: Literal["free", "forced"]
+    fault: OneLine
+    identity: RoutingIdentity
+
+    def __post_init__(self) -> None:
+        if self.top_k >= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} must be fewer than num_experts {self.num_experts}")
+        if len(set(self.layers)) != len(self.layers):
+            raise ValueError("layers must be distinct router names")
+
+
+_COUNT = re.compile(r"[1-9][0-9]{0,6}")
+
+
+def _meta(meta: dict[str, str], p: Path) -> RoutingMeta:
+    """The metadata strings as :class:`RoutingMeta` (JSON strictly parsed, counts in canonical decimal)."""
+    if sorted(meta) != sorted(_METADATA) or meta.get("format") != ROUTING_SCHEMA:
+        raise _fail(p, f"metadata must hold exactly {sorted(_METADATA)} with format {ROUTING_SCHEMA!r}")
+    for key in ("top_k", "num_experts"):
+        if not _COUNT.fullmatch(meta[key]):
+            raise _fail(p, f"metadata {key} {meta[key][:40]!r} is not a count in decimal")
+    try:
+        obj = {"layers": loads_strict(meta["layers"], where=p), "top_k": int(meta["top_k"]),
+               "num_experts": int(meta["num_experts"]), "mode": meta["mode"], "fault": meta["fault"],
+               "identity": loads_strict(meta["identity"], where=p)}
+    except IntegrityError as exc:
+        raise _fail(p, f"metadata layers or identity is not strict JSON: {exc.message}") from None
+    try:
+        return decode(obj, RoutingMeta, where=p, hint=_HINT)
+    except IntegrityError as exc:
+        raise _fail(p, f"metadata {exc.message}") from None
+
+
 def read_table(path: str | Path, expected_sha256: str | None, *, follow_symlinks: bool = False) -> RoutingTable:
     """Read and verify a routing file (pinned by ``expected_sha256`` when given): the safetensors checks,
     the exact tensors of :data:`ROUTING_SCHEMA`, every shape, expert indices in range and finite weights.
@@ -201,27 +253,16 @@ def read_table(path: str | Path, expected_sha256: str | None, *, follow_symlinks
         raise RefusedError("no routing file here", where=p, hint=_HINT)
     data = read_regular_bytes(p, max_bytes=MAX_ROUTING_BYTES, follow_symlinks=follow_symlinks, what="routing file")
     header, tensors = tensorfile.load_bytes(data, where=p, expected_sha256=expected_sha256, schema=_schema(0))
-    meta = header.metadata
-    if sorted(meta) != sorted(_METADATA) or meta.get("format") != ROUTING_SCHEMA:
-        raise _fail(p, f"metadata must hold exactly {sorted(_METADATA)} with format {ROUTING_SCHEMA!r}")
-    try:
-        names = json.loads(meta["layers"])
-        identity = json.loads(meta["identity"])
-        top_k, n_exp = int(meta["top_k"]), int(meta["num_experts"])
-    except ValueError:
-        raise _fail(p, "metadata layers, identity, top_k or num_experts is malformed") from None
-    if (not isinstance(names, list) or not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names)
-            or not isinstance(identity, dict) or not all(isinstance(v, str) for v in identity.values())):
-        raise _fail(p, "metadata layers must be distinct names and identity a map of strings")
-    if not 1 <= top_k < n_exp or meta["mode"] not in ("free", "forced"):
-        raise _fail(p, f"top_k {top_k}, num_experts {n_exp} or mode {meta['mode']!r} is invalid")
+    meta = _meta(header.metadata, p)
+    names, top_k, n_exp = meta.layers, meta.top_k, meta.num_experts
+    identity = {k: v for k, v in msgspec.structs.asdict(meta.identity).items() if v is not None}
     expected = {"rows.tokens"} | {f"layer.{k:04d}.{f}" for k in range(len(names)) for f in _FIELDS}
     if set(tensors) != expected:
         raise _fail(p, f"tensors do not match the {len(names)} layers the metadata names")
     rt = tensors["rows.tokens"]
     if bool((rt < 0).any()):
         raise _fail(p, "rows.tokens holds a negative count")
-    t = int(rt.sum())
+    t = sum(rt.tolist())  # in Python integers: a sum past 64 bits is never wrapped into a small count
     layers = []
     for k, name in enumerate(names):
         e, w, m, f = (tensors[f"layer.{k:04d}.{x}"] for x in _FIELDS)
@@ -232,10 +273,15 @@ def read_table(path: str | Path, expected_sha256: str | None, *, follow_symlinks
             raise _fail(p, f"layer {name!r} names an expert outside [0, {n_exp})")
         if t and bool((e.sort(dim=-1).values[:, 1:] == e.sort(dim=-1).values[:, :-1]).any()):
             raise _fail(p, f"layer {name!r} routes a token to one expert twice")
-        if not bool(torch.isfinite(w).all()):
-            raise _fail(p, f"layer {name!r} holds a non-finite weight")
+        if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+            raise _fail(p, f"layer {name!r} holds a negative or non-finite weight")
+        if not bool(torch.isfinite(m).all()) or bool((m < 0).any()):
+            # the k-th largest logit less the (k+1)-th: >= 0 and finite wherever the weights are
+            raise _fail(p, f"layer {name!r} holds a negative or non-finite router-logit margin")
+        if meta.mode == "free" and bool(f.any()):
+            raise _fail(p, f"layer {name!r} marks forced tokens in a file of free routing")
         layers.append(LayerRouting(name, e, w, m, f))
-    return RoutingTable(rt, layers, top_k, n_exp, meta["mode"], meta["fault"] or None, identity)
+    return RoutingTable(rt, layers, top_k, n_exp, meta.mode, meta.fault or None, identity)
 
 
 def compare(a: RoutingTable, b: RoutingTable) -> dict[str, Any]:
