@@ -141,12 +141,30 @@ def test_spec_refuses_what_it_cannot_fan_out(tmp_path: Path, edit: str, message:
     ("claim_name", "My_Claim", "PersistentVolumeClaim name"),
     ("claim_name", "", "PersistentVolumeClaim name"),
     ("storage_class", "Fast:SSD", "StorageClass name"),
+    # quantities no pod runs in: nothing, or a fraction of a byte ('m' is milli)
+    ("memory", "64m", "0.064 bytes, not a whole number \\('m' is milli"),
+    ("shm", "8m", "not a whole number"),
+    ("storage", "0.5", "0.5 bytes, not a whole number: "),
+    ("memory", "0", "is nothing"),
+    ("cpu", "0", "is nothing"),
 ])
 def test_spec_refuses_a_name_or_label_the_api_server_refuses(tmp_path: Path, key: str, value: str,
                                                              message: str) -> None:
     lines = [line for line in MINIMAL.splitlines() if not line.startswith(f"{key} =")]
     with pytest.raises(ConfigError, match=message):
         load_spec(write(tmp_path, f'{key} = "{value}"\n' + "\n".join(lines) + "\n"))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ("repeats = 50001\n", "2 arms x 50001 repeats are 100002 replays: Kubernetes runs at most 100000"),
+    ("repeats = 9223372036854775807\n", "at most 100000"),  # refused before anything counts the replays
+    ("deadline_s = 9223372036854775807\n", "more than a year"),
+    ("deadline_s = 31622401\n", "more than a year"),
+])
+def test_spec_refuses_counts_no_cluster_runs(tmp_path: Path, edit: str, message: str) -> None:
+    lines = [line for line in MINIMAL.splitlines() if not line.startswith(edit.split(" ")[0] + " =")]
+    with pytest.raises(ConfigError, match=message):
+        load_spec(write(tmp_path, edit + "\n".join(lines) + "\n"))
 
 
 def test_spec_refuses_min_repeats_above_repeats_and_missing_files(tmp_path: Path) -> None:

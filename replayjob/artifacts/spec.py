@@ -44,6 +44,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,11 @@ DEVICES = ("cuda", "cpu")
 IMAGE_POLICIES = ("digest", "local")
 _DIGEST_REF = re.compile(r"[^@\s]+@sha256:[0-9a-f]{64}")
 MAX_RANKS = 64
+# Kubernetes refuses an Indexed Job of more completions (one replay each): every replay of a spec is one index.
+MAX_REPLAYS = 100_000
+# A pod's deadline no run needs more than (a Job's and the workflow's own are multiples of it, which must stay
+# 64-bit integers for the API server to read them).
+MAX_DEADLINE_S = 366 * 24 * 3600
 # Kubernetes object names are built as "<name>-replay-<arm>": DNS-1123 labels, short enough.
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 # Override values travel through shell words and Argo parameters: no whitespace or quotes.
@@ -103,8 +109,6 @@ Value = bool | int | float | str
 
 def scale_quantity(quantity: str, factor: int) -> str:
     """A Kubernetes quantity (as ``_QUANTITY`` accepts) times ``factor``: ``64Gi`` x 2 = ``128Gi``."""
-    from decimal import Decimal
-
     m = _QUANTITY.fullmatch(quantity)
     if m is None:
         raise ConfigError(f"{quantity!r} is not a Kubernetes quantity")
@@ -112,6 +116,20 @@ def scale_quantity(quantity: str, factor: int) -> str:
     value = Decimal(number) * factor
     text = format(value.normalize(), "f") if value != value.to_integral() else str(int(value))
     return text + (m.group(2) or "")
+
+
+_UNITS: dict[str, Decimal | int] = {"": 1, "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9,
+                                    "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def quantity_value(quantity: str) -> Decimal:
+    """The amount a Kubernetes quantity (as ``_QUANTITY`` accepts) stands for: ``64Gi`` is 68719476736, ``500m``
+    0.5."""
+    m = _QUANTITY.fullmatch(quantity)
+    if m is None:
+        raise ConfigError(f"{quantity!r} is not a Kubernetes quantity")
+    unit = m.group(2) or ""
+    return Decimal(quantity[:len(quantity) - len(unit)]) * _UNITS[unit]
 
 
 def is_digest_ref(ref: str) -> bool:
@@ -257,7 +275,8 @@ class AblationSpec:
                "Every key must be a registered knob and is declared in optimizer_batch.allow_config_differences, "
                "so it is the only difference allowed; distributed.world_size sets how many ranks the arm's "
                "replays run. An empty table is an arm that changes nothing."})
-    repeats: int = field(default=3, metadata={"doc": "Fresh replays per arm (>= 1)."})
+    repeats: int = field(default=3, metadata={"doc": f"Fresh replays per arm (>= 1; arms x repeats at most "
+                                                     f"{MAX_REPLAYS})."})
     min_repeats: int = field(default=0, metadata={
         "doc": "The reducer refuses fewer repeats per arm: 0..repeats, where 0 means repeats."})
     claim: str = field(default="exact-input", metadata={
@@ -279,20 +298,22 @@ class AblationSpec:
                "[capture], replay settings (optimizer_batch.*) only, and none of those the step sets itself."})
     claim_name: str = field(default="replayjob-artifacts", metadata={
         "doc": "The ReadWriteMany PVC holding every artifact."})
-    storage: str = field(default="50Gi", metadata={"doc": "Size of that claim (a Kubernetes quantity)."})
+    storage: str = field(default="50Gi", metadata={
+        "doc": "Size of that claim (a Kubernetes quantity of whole bytes above 0)."})
     storage_class: str = field(default="", metadata={
         "doc": "A storage class offering ReadWriteMany (kubectl get storageclass; standard-rwx on GKE, efs-sc on "
                "EKS, azurefile-csi on AKS, NFS, CephFS); required to render for a cluster."})
     cpu: str = field(default="8", metadata={
-        "doc": "CPU per rank (a Kubernetes quantity): a pod of N ranks requests N times cpu, requests equal "
+        "doc": "CPU per rank (a Kubernetes quantity above 0): a pod of N ranks requests N times cpu, requests equal "
                "limits, and each rank's OMP_NUM_THREADS is its share."})
     memory: str = field(default="64Gi", metadata={
-        "doc": "Memory per rank (a Kubernetes quantity): a pod of N ranks requests N times memory, requests "
-               "equal limits."})
-    shm: str = field(default="8Gi", metadata={"doc": "Size of the memory-backed /dev/shm (a Kubernetes quantity)."})
+        "doc": "Memory per rank (a Kubernetes quantity of whole bytes above 0): a pod of N ranks requests N times "
+               "memory, requests equal limits."})
+    shm: str = field(default="8Gi", metadata={
+        "doc": "Size of the memory-backed /dev/shm (a Kubernetes quantity of whole bytes above 0)."})
     deadline_s: int = field(default=21600, metadata={
-        "doc": "activeDeadlineSeconds of each pod, Jobs and Argo steps (>= 60); the Jobs' and the workflow's own "
-               "are sized from it, the waves and the retries."})
+        "doc": "activeDeadlineSeconds of each pod, Jobs and Argo steps (60 to a year); the Jobs' and the workflow's "
+               "own are sized from it, the waves and the retries."})
     parallelism: int = field(default=4, metadata={
         "doc": "Replays running at once, all arms together (>= 1; at most one per GPU node)."})
     node_gpus: int = field(default=0, metadata={
@@ -348,6 +369,9 @@ class AblationSpec:
                                   "characters", where=f"arms.{arm.name}")
         if self.repeats < 1:
             raise ConfigError("must be >= 1", where="repeats")
+        if self.size > MAX_REPLAYS:
+            raise ConfigError(f"{len(self.arms)} arms x {self.repeats} repeats are {self.size} replays: Kubernetes "
+                              f"runs at most {MAX_REPLAYS} replays as one Indexed Job", where="repeats")
         if not 0 <= self.min_repeats <= self.repeats:
             raise ConfigError("must be between 0 (= repeats) and repeats", where="min_repeats")
         if self.claim not in CLAIMS:
@@ -357,6 +381,10 @@ class AblationSpec:
             raise ConfigError(f"{self.device!r}: use 'cuda' (one GPU per rank) or 'cpu'", where="device")
         if self.seed < 0 or self.deadline_s < 60 or self.parallelism < 1 or not 0 <= self.node_gpus <= 64:
             raise ConfigError("seed >= 0, deadline_s >= 60, parallelism >= 1 and node_gpus 0..64 are required")
+        if self.deadline_s > MAX_DEADLINE_S:
+            raise ConfigError(f"{self.deadline_s} s is more than a year ({MAX_DEADLINE_S} s): the Jobs' and the "
+                              "workflow's own deadlines, multiples of it, would be more than the API server reads",
+                              where="deadline_s")
         if self.capture is not None:
             self._check_capture()
         elif self.model_path and not self.resume:
@@ -366,6 +394,14 @@ class AblationSpec:
         for key in ("storage", "cpu", "memory", "shm"):
             if not _QUANTITY.fullmatch(getattr(self, key)):
                 raise ConfigError(f"{getattr(self, key)!r} is not a Kubernetes quantity", where=key)
+            amount = quantity_value(getattr(self, key))
+            if amount <= 0:
+                raise ConfigError(f"{getattr(self, key)!r} is nothing: no pod runs in it", where=key)
+            if key != "cpu" and amount != amount.to_integral_value():
+                milli = " ('m' is milli, not mega)" if getattr(self, key).endswith("m") else ""
+                raise ConfigError(f"{getattr(self, key)!r} is {amount} bytes, not a whole number{milli}: no "
+                                  "memory or volume holds a fraction of a byte", where=key,
+                                  hint="write bytes with Ki, Mi, Gi or Ti (64Gi), or k, M, G, T")
         for key in ("image", "gpu_product", "model_path", "resume", "claim_name", "storage_class",
                     "driver_version", "driver_label", "priority_class", "budgets"):
             if not _SAFE_STR.fullmatch(getattr(self, key)):
