@@ -141,6 +141,8 @@ def test_spec_refuses_what_it_cannot_fan_out(tmp_path: Path, edit: str, message:
     ("claim_name", "My_Claim", "PersistentVolumeClaim name"),
     ("claim_name", "", "PersistentVolumeClaim name"),
     ("storage_class", "Fast:SSD", "StorageClass name"),
+    # a name that begins a JobSet's headless Service's: a DNS-1035 label, a letter first
+    ("name", "1abc", "starting with a letter"),
     # quantities no pod runs in: nothing, or a fraction of a byte ('m' is milli)
     ("memory", "64m", "0.064 bytes, not a whole number \\('m' is milli"),
     ("shm", "8m", "not a whole number"),

@@ -264,7 +264,7 @@ class AblationSpec:
     ``examples/ablation.toml``)."""
 
     name: str = field(metadata={"doc": "Kubernetes name prefix and run directory: a lowercase DNS label of at most "
-                                       "30 characters."})
+                                       "30 characters, starting with a letter."})
     image: str = field(metadata={"doc": "The image built from docker/Dockerfile; on a cluster, "
                                         "REGISTRY/replayjob@sha256:... (see image_policy)."})
     gpu_product: str = field(metadata={"doc": "Node label nvidia.com/gpu.product of the GPU nodes to use."})
@@ -358,9 +358,10 @@ class AblationSpec:
                "[config] holds replay settings only."})
 
     def __post_init__(self) -> None:
-        if not _NAME.fullmatch(self.name) or len(self.name) > 30:
-            raise ConfigError(f"{self.name!r} must be a lowercase DNS label of at most 30 characters",
-                              where="name")
+        # a letter first (a DNS-1035 label): the name begins a JobSet's headless Service's, which Kubernetes requires
+        if not _NAME.fullmatch(self.name) or len(self.name) > 30 or not self.name[0].isalpha():
+            raise ConfigError(f"{self.name!r} must be a lowercase DNS label of at most 30 characters, starting with "
+                              "a letter", where="name")
         if not self.arms:
             raise ConfigError("at least one arm is required", where="arms")
         for arm in self.arms:
