@@ -116,6 +116,8 @@ def test_cpu_and_memory_are_per_rank_and_the_pod_s_threads_are_shared_among_its_
     ('[arms.Bad_Arm]\n', "DNS label"),
     ('[arms.lr]\n"optimizer.lr" = 0.1\n', "not a systems-only knob"),
     ('[arms.spaces]\n"backend.options.attn_implementation" = "s dpa"\n', "without spaces"),
+    *((f'[arms.odd]\n"backend.options.gradient_checkpointing" = {v}\n', "finite numbers") for v in ("nan", "-inf")),
+    ('[config]\n"optimizer_batch.ring_size" = inf\n', "finite numbers"),
     ('[config]\n"seed" = 1\n', "not a dotted config key"),
     ('model_path = "/artifacts/models/m"\n', "needs its own resume state"),
 ])

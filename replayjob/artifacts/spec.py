@@ -41,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -146,8 +147,9 @@ def _check_overrides(raw: Any, where: str) -> dict[str, Value]:
             raise ConfigError(f"{key!r} is not a dotted config key", where=where,
                               hint='quote it: "backend.options.gradient_checkpointing" = true')
         if not isinstance(value, bool | int | float | str) or (
-                isinstance(value, str) and not _SAFE_STR.fullmatch(value)):
-            raise ConfigError(f"{key} = {value!r}: only booleans, numbers and strings without "
+                isinstance(value, str) and not _SAFE_STR.fullmatch(value)) or (
+                isinstance(value, float) and not math.isfinite(value)):
+            raise ConfigError(f"{key} = {value!r}: only booleans, finite numbers and strings without "
                               "spaces or quotes are allowed", where=where)
         out[key] = value
     return out
@@ -271,7 +273,7 @@ class AblationSpec:
     arms: tuple[Arm, ...] = field(metadata={
         "doc": "The [arms.NAME] tables, one per arm (at least one), in file order; NAME is a lowercase DNS label "
                "of at most 20 characters. Each maps a quoted dotted config key to a TOML value (a boolean, a "
-               "number, or a string without whitespace or quotes): the systems-only knobs its replays change. "
+               "finite number, or a string without whitespace or quotes): the systems-only knobs its replays change. "
                "Every key must be a registered knob and is declared in optimizer_batch.allow_config_differences, "
                "so it is the only difference allowed; distributed.world_size sets how many ranks the arm's "
                "replays run. An empty table is an arm that changes nothing."})
