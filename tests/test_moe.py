@@ -374,6 +374,34 @@ def test_a_resealed_routing_file_with_a_nan_margin_is_refused_by_trace_diff(
     assert "router-logit margin" in err and "Traceback" not in err
 
 
+def reseal_routing(d: Path, meta: dict[str, str]) -> None:
+    """Replace the replay ``d``'s routing file by its own table with metadata entries ``meta`` and re-pin it in
+    replay_metrics.json, as someone rewriting both would."""
+    t = moe.read_table(d / "routing.safetensors", None)
+    data = routing_bytes(t, meta)
+    (d / "routing.safetensors").unlink()
+    (d / "routing.safetensors").write_bytes(data)
+    doc = metrics(d)
+    doc["routing"]["sha256"] = hashlib.sha256(data).hexdigest()
+    (d / "replay_metrics.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("field", ["logical_batch_sha256", "manifest_sha256", "mode"])
+def test_a_routing_file_of_another_replay_is_refused(field: str, moe_runs: dict[str, Any], tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A routing file re-pinned in a replay's replay_metrics.json must be that replay's: recorded on its logical batch
+    and manifest, in the routing mode its runtime records; another is refused (exit 2), not compared."""
+    d = tmp_path / "flips"
+    shutil.copytree(moe_runs["flips"], d)
+    identity = dict(moe.read_table(d / "routing.safetensors", None).identity)
+    meta = {"mode": "forced"} if field == "mode" else {"identity": json.dumps({**identity, field: "ab" * 32})}
+    reseal_routing(d, meta)
+    capsys.readouterr()
+    assert main(["trace-diff", str(moe_runs["free"]), str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "the routing file is not this replay's" in err and field in err and "Traceback" not in err
+
+
 def trace_diff(capsys: pytest.CaptureFixture[str], a: Path, b: Path) -> tuple[int, dict[str, Any]]:
     capsys.readouterr()
     rc = main(["trace-diff", str(a), str(b), "--json"])
@@ -711,6 +739,15 @@ def test_approximate_claim_reports_routing_agreement(moe_runs: dict[str, Any], t
     refusal = json.loads((tmp_path / "refused.json").read_text())["refusal"]
     assert rc == 2 and "pins 'routing.safetensors' at SHA-256" in refusal["message"], refusal
     assert str(runs / "perturbed" / "replay_metrics.json") in refusal["where"]
+    data[-1] ^= 1
+    (runs / "perturbed" / "routing.safetensors").write_bytes(bytes(data))
+    # another replay's routing (here: of another mode), re-pinned in place of the untraced arm's, is not its evidence
+    reseal_routing(runs / "untraced", {"mode": "forced"})
+    rc = main(["reduce", str(runs), "--claim", "approximate", "--source", str(moe_runs["source"]), "--tolerances",
+               str(tol), "--min-repeats", "1", "--out", str(tmp_path / "swapped.json")])
+    doc = json.loads((tmp_path / "swapped.json").read_text())
+    check = next(c for c in doc["checks"] if c["name"] == "approximate.routing_agreement")
+    assert rc == 2 and check["status"] == "refused" and "not this replay's: its mode" in check["detail"], check
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,8 @@ SHORT = {"identical": "identical routing, the same update",
 def _table(r: Replay) -> moe.RoutingTable:
     entry = moe.evidence_entry(r.doc.get(ROUTING), r.path)
     assert entry is not None
-    return moe.read_table(*entry)
+    return moe.check_replay_table(moe.read_table(*entry), r.path, logical=r.logical, manifest=r.manifest,
+                                  mode=r.runtime.get("model.routing"))
 
 
 def _relation(ref: Replay, r: Replay, flipped: int) -> tuple[str, dict[str, Any] | None]:

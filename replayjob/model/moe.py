@@ -430,6 +430,23 @@ def evidence_entry(doc: dict[str, Any] | None, where: Path) -> tuple[Path, str] 
     return where.parent / ROUTING_FILE, doc["sha256"]
 
 
+def check_replay_table(table: RoutingTable, where: Path, *, logical: str, manifest: str, mode: Any) -> RoutingTable:
+    """``table`` is the routing of the replay whose replay_metrics.json (``where``) pins it: recorded on that
+    replay's logical batch and manifest, and in the routing mode its runtime records (``mode``: ``model.routing``
+    as the routers ran, when recorded).  A replay's own file, re-pinned from another capture or another mode, would
+    put another run's routing in its place."""
+    said = [("identity.logical_batch_sha256", table.identity.get("logical_batch_sha256"), logical),
+            ("identity.manifest_sha256", table.identity.get("manifest_sha256"), manifest)]
+    if mode is not None:
+        said.append(("mode", table.mode, mode))
+    for what, mine, theirs in said:
+        if mine != theirs:
+            raise IntegrityError(f"the routing file is not this replay's: its {what} is {mine!r}, the replay records "
+                                 f"{theirs!r}", where=where.parent / ROUTING_FILE,
+                                 hint="a replay's routing file is written by that replay; rerun the replay")
+    return table
+
+
 # ---------------------------------------------------------------------------------------- the controller
 
 @dataclass

@@ -120,7 +120,9 @@ def load_side(path: str | Path) -> list[Side]:
         entry = moe.evidence_entry(rep.doc.get(ROUTING), metrics)
         if entry is not None:
             check_no_symlinks(path, entry[0], what="routing")
-        routing = moe.read_table(*entry) if entry is not None else None
+        routing = None if entry is None else moe.check_replay_table(
+            moe.read_table(*entry), metrics, logical=rep.logical, manifest=rep.manifest,
+            mode=rep.runtime.get("model.routing"))
         compute = COMPUTE_DTYPES.get(str((rep.doc.get("provenance") or {}).get("compute_dtype")))
         trace = read_trace(d, expected_index_sha256=pin)
         _same_replay(trace, rep, d)
