@@ -77,6 +77,15 @@ def test_seed_examples_parse(tmp_path: Path) -> None:
     ("lora.target_modules=[1]", "lora.target_modules[0]", "expected a string"),
     ("backend.devices='gpu:0,gpu:1'", "backend.devices", "exactly one device"),
     ("nosuch.key=1", "nosuch", "unknown key"),
+    # torch's AdamW refuses these when it is built, after the model: refused here, exit 2, not exit 3
+    ("optimizer.eps=-1e-8", "optimizer.eps", "must be >= 0"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay", "must be >= 0"),
+    # a digit str.isdigit() takes but torch's device parser does not
+    ("backend.devices='cuda:\u0663'", "backend.devices", "exactly one device"),
+    ("backend.devices='gpu:\u00b9'", "backend.devices", "exactly one device"),
+    # logits divided by it overflow float32: the sampler drew from infinities (exit 3)
+    ("inference.temperature=1e-320", "inference.temperature", "must be >= 1e-06"),
+    ("inference.temperature=1e-9", "inference.temperature", "must be >= 1e-06"),
 ])
 def test_invalid_values_are_refused_with_their_path(override: str, where: str, says: str) -> None:
     with pytest.raises(ConfigError) as info:

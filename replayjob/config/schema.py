@@ -7,6 +7,7 @@ Field docs live in ``metadata["doc"]`` so ``docs/config.md`` and errors can quot
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,6 +25,7 @@ Trainer = Literal["grpo", "optimizer_replay"]
 Estimator = Literal["grpo", "dr_grpo", "rloo"]
 DType = Literal["float32", "bfloat16", "float16"]
 SamplingDType = Literal["model", "bfloat16", "float16"]
+MIN_TEMPERATURE = 1e-6  # logits up to 3e32 stay finite in float32 once divided by it
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,7 @@ class BackendConfig:
 
     def __post_init__(self) -> None:
         d = self.devices
-        ok = d in ("cpu", "cuda") or (
-            d.split(":")[0] in ("cuda", "gpu") and d.count(":") == 1 and d.split(":")[1].isdigit())
+        ok = d in ("cpu", "cuda") or re.fullmatch(r"(cuda|gpu):[0-9]{1,9}", d) is not None  # ASCII digits only
         if not ok:
             raise ConfigError(f"{d!r} is not a device; use 'cpu', 'cuda', 'cuda:N' or 'gpu:N' "
                               "(exactly one device)", where="backend.devices")
@@ -79,7 +80,8 @@ class BackendConfig:
 class InferenceConfig:
     engine: Literal["pytorch"] = doc("Sampling engine; 'pytorch' samples with the policy itself.", "pytorch")
     max_new_tokens: int = doc("Longest completion in tokens.", 8)
-    temperature: float = doc("Sampling temperature (> 0).", 1.0)
+    temperature: float = doc("Sampling temperature (>= 1e-6: the logits divided by a smaller one leave "
+                                      "float32's range).", 1.0)
     top_p: float = doc("Nucleus sampling: keep the most likely tokens whose probabilities first reach top_p, "
                        "renormalised; 1 keeps every token.", 1.0)
     top_k: int = doc("Keep only the top_k most likely tokens, renormalised; 0 keeps every token.", 0)
@@ -91,8 +93,9 @@ class InferenceConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError("must be >= 1", where="inference.max_new_tokens")
-        if not self.temperature > 0:
-            raise ConfigError("must be > 0", where="inference.temperature")
+        if not self.temperature >= MIN_TEMPERATURE:
+            raise ConfigError(f"must be >= {MIN_TEMPERATURE:g} (the logits divided by a smaller one leave float32's "
+                              "range, and the sampler draws from infinities)", where="inference.temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError("must be in (0, 1] (1 keeps every token)", where="inference.top_p")
         if self.top_k < 0:
@@ -231,8 +234,8 @@ class OptimizerConfig:
     name: Literal["adamw"] = doc("Optimizer.", "adamw")
     lr: float = doc("Learning rate.", 1e-3)
     betas: list[float] = doc("AdamW betas.", default_factory=lambda: [0.9, 0.999])
-    eps: float = doc("AdamW epsilon.", 1e-8)
-    weight_decay: float = doc("AdamW decoupled weight decay.", 0.0)
+    eps: float = doc("AdamW epsilon (>= 0).", 1e-8)
+    weight_decay: float = doc("AdamW decoupled weight decay (>= 0).", 0.0)
     max_grad_norm: float = doc("Clip the global gradient norm to this; 0 disables clipping.", 1.0)
 
     def __post_init__(self) -> None:
@@ -240,6 +243,9 @@ class OptimizerConfig:
             raise ConfigError("must be > 0", where="optimizer.lr")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError("must be two numbers in [0, 1)", where="optimizer.betas")
+        for name in ("eps", "weight_decay"):  # torch's AdamW refuses a negative one when it is built
+            if getattr(self, name) < 0:
+                raise ConfigError("must be >= 0", where=f"optimizer.{name}")
         if self.max_grad_norm < 0:
             raise ConfigError("must be >= 0", where="optimizer.max_grad_norm")
 
