@@ -482,6 +482,22 @@ def test_replay_never_overwrites_a_replay(baseline: Path, workspace: Path, captu
     assert sha256_file(baseline / "replay_metrics.json") == before
 
 
+@pytest.mark.parametrize("cmd", ["replay", "capture"])
+@pytest.mark.parametrize("below", [False, True])
+def test_an_output_directory_that_is_a_file_is_refused_before_anything_runs(
+        cmd: str, below: bool, workspace: Path, capture_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--out`` naming a file (or a directory below one): refused, exit 2, before the model is built (it failed
+    when the run wrote, exit 3 with a traceback)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"mine")
+    out = blocker / "sub" if below else blocker
+    config, sets = ((workspace / "replay.toml", pins(capture_dir)) if cmd == "replay"
+                    else (workspace / "source.toml", []))
+    refused(capsys, run(cmd, config, *sets, out=out), "not a directory", "a-file")
+    assert blocker.read_bytes() == b"mine" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 @pytest.mark.parametrize(("setting", "needle"), [
     ("optimizer_batch.arm='source'", "reserved for the capture run"),
     ("optimizer_batch.tolerances_sha256='zz'", "optimizer_batch.tolerances_sha256"),

@@ -143,6 +143,18 @@ def traced(session: Session, plan: list[MicroStep], enabled: bool) -> Iterator[A
         yield rec
 
 
+def refuse_unusable_out(out: Path) -> None:
+    """Refuse (exit 2) an output directory that is a file, or lies below one (or below a dangling link), before
+    anything runs: a run that had already built its model and updated it failed only when it wrote (exit 3)."""
+    for p in (out, *out.parents):
+        if p.is_dir():
+            return
+        if p.exists() or p.is_symlink():
+            raise UsageError("the output directory is not a directory" if p == out else
+                             f"the output directory {str(out)!r} lies below something that is not a directory",
+                             where=p, hint="choose a new --out directory")
+
+
 def replay(build: Callable[[], Session], out: Path, *, arm: str, repeat_index: int, slot: Slot | None,
            allowed: list[str], strict: bool, seed: int | None, trace: bool, warmup_updates: int,
            measured_updates: int, where: str) -> dict[str, Any]:
@@ -150,6 +162,7 @@ def replay(build: Callable[[], Session], out: Path, *, arm: str, repeat_index: i
     (``{}`` on a rank other than the root).  ``build`` returns the producer's session; ``allowed``: the
     declared knobs (each checked on the built model); ``where``: the config key a refusal names."""
     import torch
+    refuse_unusable_out(out)
     t_start = time.perf_counter()
     prov = determinism.establish(strict=strict, seed=seed)
     session = build()

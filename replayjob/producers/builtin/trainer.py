@@ -28,6 +28,7 @@ from replayjob.errors import ArtifactExistsError, ConfigError
 from replayjob.jsonio import canonical_bytes
 from replayjob.model import moe
 from replayjob.model.backend import Policy, load_backend
+from replayjob.producers.driver import refuse_unusable_out
 from replayjob.rl import stages
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.diag import optimizer_checksum, peak_memory_bytes, stats, tensor_checksum
@@ -147,6 +148,7 @@ def _write_routing(policy: Policy, out: Path, step: int, batch: OptimizerBatch) 
 
 
 def prepare_out_dir(out: Path) -> None:
+    refuse_unusable_out(out)
     if (out / METRICS_FILE).exists():
         raise ArtifactExistsError("output directory already holds a run", where=out / METRICS_FILE,
                                   hint="choose a new --out directory")
