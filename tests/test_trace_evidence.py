@@ -238,17 +238,42 @@ def test_trace_diff_says_what_it_compared_and_admits_checkpointing_gradients(tmp
         TraceDiff([_side(tmp_path, "a3", _trace())], [_side(tmp_path, "b3", _trace(backward=("m.0", "m.1")))])
 
 
+def _traced_replay(d: Path, t: Trace) -> Any:
+    """A stand-in for the replay in ``d`` whose trace ``t`` is written there: its metrics record what the trace's
+    identity says (as a replay's own trace does)."""
+    _, sha = write_trace(d, t)
+    i = t.identity
+    return _fake(arm=i["arm"], repeat_index=i["repeat_index"], label=f"{i['arm']}#{i['repeat_index']}",
+                 trace_index_sha256=sha, path=d / "replay_metrics.json", manifest=i["manifest_sha256"],
+                 logical=i["logical_batch_sha256"], initial_adapter=i["initial_adapter_sha256"], device=i["device"],
+                 doc={"torch_version": i["torch_version"]})
+
+
 def test_approximate_claim_over_no_parameter_is_refused(tmp_path: Path) -> None:
     from replayjob.gate.checks import REFUSED
     from replayjob.gate.gradients import approximate_checks
 
-    replays: list[Any] = []
-    for i, arm in enumerate(("x", "y")):
-        _, sha = write_trace(tmp_path / arm, _trace(params=()))
-        replays.append(_fake(arm=arm, label=f"{arm}#{i}", trace_index_sha256=sha,
-                                       path=tmp_path / arm / "replay_metrics.json"))
+    replays = [_traced_replay(tmp_path / arm, _trace(params=(), arm=arm, repeat_index=i))
+               for i, arm in enumerate(("x", "y"))]
     checks = approximate_checks(replays, ARMS)
     assert [c.status for c in checks] == [REFUSED, REFUSED] and "no trainable parameter" in checks[0].detail
+
+
+def test_reduce_reads_only_a_replays_own_trace(tmp_path: Path) -> None:
+    """Another replay's trace re-pinned in a replay's metrics (arm y holding arm x's trace, so its gradients are x's)
+    is refused by reduce's gradient checks and localisation, as trace-diff refuses it: never compared as y's."""
+    from replayjob.gate.gradients import approximate_checks, localise
+
+    x = _traced_replay(tmp_path / "x", _trace(arm="x"))
+    y = _traced_replay(tmp_path / "y", _trace(arm="y", repeat_index=1))
+    y.final_adapter, x.final_adapter = "1" * 64, "2" * 64
+    assert [c.status for c in approximate_checks([x, y], ARMS)] == ["pass", "pass"]
+    (tmp_path / "y" / "trace").rename(tmp_path / "y-own")
+    write_trace(tmp_path / "y", _trace(arm="x"))  # x's trace in y's place, its index re-pinned in y's metrics
+    y.trace_index_sha256 = sha256_bytes((tmp_path / "y" / "trace" / "index.json").read_bytes())
+    for run in (lambda: approximate_checks([x, y], ARMS), lambda: localise([x, y], "1" * 64)):
+        with pytest.raises(IntegrityError, match="the trace is not this replay's: its identity.arm is 'x'"):
+            run()
 
 
 def test_duplicate_site_names_are_refused(tmp_path: Path) -> None:

@@ -16,7 +16,8 @@
   forward and backward order between the first traced replay and the first traced replay whose
   final adapter differs from it, with the per-site error curve for the report.
 
-Traces are read against the index SHA-256 each replay_metrics.json pins; a tampered trace refuses.
+Traces are read against the index SHA-256 each replay_metrics.json pins and must be that replay's own (its capture,
+start state, arm, repeat, device and build); a tampered or another replay's trace refuses.
 """
 
 from __future__ import annotations
@@ -24,17 +25,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from replayjob.artifacts.trace_store import Trace, dtype_name, read_trace
+from replayjob.artifacts.trace_store import Trace, dtype_name
 from replayjob.gate import checks as C
 from replayjob.gate import stats
 from replayjob.gate.evidence import Replay
-from replayjob.trace.diff import Side, TraceDiff, rounding_scale
+from replayjob.trace.diff import Side, TraceDiff, replay_trace, rounding_scale
 from replayjob.trace.envelope import cosine, envelope, finite_or_none, relative_error, rounding_bound
 
 
 def _traced(replays: list[Replay]) -> list[tuple[Replay, Trace]]:
-    return [(r, read_trace(r.path.parent, expected_index_sha256=r.trace_index_sha256))
-            for r in replays if r.trace_index_sha256 is not None]
+    return [(r, replay_trace(r, r.path.parent)) for r in replays if r.trace_index_sha256 is not None]
 
 
 def _median_interval(values: list[list[float]]) -> tuple[float, float, float]:

@@ -124,8 +124,7 @@ def load_side(path: str | Path) -> list[Side]:
             moe.read_table(*entry), metrics, logical=rep.logical, manifest=rep.manifest,
             mode=rep.runtime.get("model.routing"))
         compute = COMPUTE_DTYPES.get(str((rep.doc.get("provenance") or {}).get("compute_dtype")))
-        trace = read_trace(d, expected_index_sha256=pin)
-        _same_replay(trace, rep, d)
+        trace = replay_trace(rep, d)
         out.append(Side(d, trace, routing, compute, rep.knobs))
     _one_condition(out)
     return out
@@ -164,6 +163,14 @@ def _reference_pair(a: Side, b: Side, ref: list[Side]) -> None:
         raise ContractError(f"the reference pair differs in its planted fault: identity.fault is {theirs!r} in "
                             f"{ref[1].path}, {mine!r} in {ref[0].path}; a planted fault is a real change, not noise",
                             where=ref[1].path, hint="pass two replays that differ only by noise as --reference")
+
+
+def replay_trace(rep: Replay, d: Path) -> Trace:
+    """The trace of the replay ``rep`` (its directory ``d``): read through the index SHA-256 its replay_metrics.json
+    pins, and that replay's own (:func:`_same_replay`), whoever reads it (trace-diff, reduce)."""
+    trace = read_trace(d, expected_index_sha256=rep.trace_index_sha256)
+    _same_replay(trace, rep, d)
+    return trace
 
 
 def _same_replay(trace: Trace, rep: Replay, where: Path) -> None:
