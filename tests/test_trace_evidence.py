@@ -272,7 +272,7 @@ def test_reduce_reads_only_a_replays_own_trace(tmp_path: Path) -> None:
     write_trace(tmp_path / "y", _trace(arm="x"))  # x's trace in y's place, its index re-pinned in y's metrics
     y.trace_index_sha256 = sha256_bytes((tmp_path / "y" / "trace" / "index.json").read_bytes())
     for run in (lambda: approximate_checks([x, y], ARMS), lambda: localise([x, y], "1" * 64)):
-        with pytest.raises(IntegrityError, match="the trace is not this replay's: its identity.arm is 'x'"):
+        with pytest.raises(IntegrityError, match=r"the trace is not this replay's: its identity\.arm is 'x'"):
             run()
 
 
