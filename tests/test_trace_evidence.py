@@ -301,6 +301,17 @@ def _reseal(d: Path, change: Any) -> None:
     index.write_bytes(pretty_bytes(doc))
 
 
+def test_the_payload_size_the_index_records_is_the_payloads(tmp_path: Path) -> None:
+    write_trace(tmp_path / "t", _trace())
+    index = tmp_path / "t" / "trace" / "index.json"
+    doc = json.loads(index.read_text())
+    doc["payload"]["bytes"] += 7  # re-sealed: the payload's own digest, another size
+    index.chmod(0o644)
+    index.write_bytes(pretty_bytes(doc))
+    with pytest.raises(IntegrityError, match="records a payload of"):
+        read_trace(tmp_path / "t")
+
+
 def _swap_sites(t: dict[str, torch.Tensor]) -> None:
     t["forward.0000.values"], t["forward.0001.values"] = t["forward.0001.values"], t["forward.0000.values"]
 

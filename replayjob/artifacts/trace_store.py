@@ -362,6 +362,9 @@ def read_trace(run_dir: str | Path, expected_index_sha256: str | None = None) ->
     pay = d / PAYLOAD_FILE
     tensors = tensorfile.load(pay, expected_sha256=doc.payload.sha256, follow_symlinks=False,
                               dtypes={"F16", "BF16", "F32", "F64", "I64", "U8"})
+    size = pay.stat().st_size  # the bytes just verified against the pin: the index's count is a summary of them
+    _expect(size == doc.payload.bytes, pay, f"the index records a payload of {doc.payload.bytes} bytes, the pinned "
+                                            f"payload holds {size}")
     names = {"rows.tokens", "rows.micro_batch", "param.stats", "param.sha256"}
     for prefix in ("forward", "backward"):
         names |= {f"{prefix}.stats", f"{prefix}.sha256"} | {f"{prefix}.{k:04d}.values"
