@@ -312,6 +312,21 @@ def test_the_payload_size_the_index_records_is_the_payloads(tmp_path: Path) -> N
         read_trace(tmp_path / "t")
 
 
+def test_a_scalar_parameter_is_digested_not_crashed(tmp_path: Path) -> None:
+    """A 0-dimensional parameter (the index allows shape ``[]``) is written, read and its recorded digests are
+    recomputed; a re-sealed one whose digest is not its bytes is refused (exit 2), never a crash (exit 3)."""
+    t = _trace(params=())
+    t.params.append(make_param("scale", torch.tensor(1.5), torch.tensor(-0.25)))
+    write_trace(tmp_path / "t", t)
+    assert float(read_trace(tmp_path / "t").params[0].grad) == 1.5
+
+    def change(x: dict[str, torch.Tensor]) -> None:
+        x["param.0000.grad"] = torch.tensor(2.5)
+    _reseal(tmp_path / "t", change)
+    with pytest.raises(IntegrityError, match="'scale': the recorded gradient or update SHA-256 does not match"):
+        read_trace(tmp_path / "t")
+
+
 def _swap_sites(t: dict[str, torch.Tensor]) -> None:
     t["forward.0000.values"], t["forward.0001.values"] = t["forward.0001.values"], t["forward.0000.values"]
 

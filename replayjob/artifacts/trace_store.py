@@ -60,7 +60,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def _row_bytes(t: torch.Tensor) -> bytes:
     import torch
-    return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # any rank, a scalar too
 
 
 def row_stats(values: torch.Tensor, row_tokens: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
