@@ -20,7 +20,7 @@ from replayjob.artifacts import api_manifest
 from replayjob.artifacts import capture_payload as payload
 from replayjob.artifacts.capture_manifest import LOGPROB, MASK, WEIGHT
 from replayjob.cli import main
-from replayjob.digest import sha256_bytes
+from replayjob.digest import sha256_bytes, sha256_json
 from replayjob.jsonio import canonical_bytes
 from replayjob.producers.api import microbatch as _microbatch
 from replayjob.rl.batch import OptimizerBatch
@@ -93,6 +93,51 @@ def test_a_resealed_builtin_payload_inside_its_domain_is_admitted(
     sets = _reseal_builtin(capture_dir, tmp_path / "src", edit)
     code, text = _outcome(["explain", str(workspace / "replay.toml"), *sets], capsys)
     assert code == 0, text
+
+
+def test_a_resealed_builtin_payload_bearing_no_loss_is_refused(
+        workspace: Path, capture_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every loss weight 0 (each one inside its domain, the summary recomputed): no source step holds it, and its
+    update changes nothing, so every arm's replay equalled every other's and a bitwise claim passed on nothing."""
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        t["loss_weights"][:] = 0.0
+    sets = _reseal_builtin(capture_dir, tmp_path / "src", edit)
+    for argv in (["explain", str(workspace / "replay.toml"), *sets],
+                 ["replay", str(workspace / "replay.toml"), *sets, "--out", str(tmp_path / "o")]):
+        code, text = _outcome(argv, capsys)
+        assert code == 2 and "the captured batch bears no loss" in text and "Traceback" not in text, (argv[0], text)
+    assert not (tmp_path / "o").exists()
+
+
+def _reseal_config(capture_dir: Path, d: Path, edit: Callable[[dict[str, Any]], None]) -> list[str]:
+    """The built-in capture copied to ``d``, the source config its manifest records edited, its SHA-256 and the
+    manifest pin recomputed."""
+    sets = _reseal_builtin(capture_dir, d, lambda t: None)
+    doc = json.loads((d / MANIFEST).read_text())
+    edit(doc["config"]["resolved"])
+    doc["config"]["sha256"] = sha256_json(doc["config"]["resolved"])
+    raw = canonical_bytes(doc) + b"\n"
+    (d / MANIFEST).write_bytes(raw)
+    sets[3] = f'optimizer_batch.expected_manifest_sha256="{sha256_bytes(raw)}"'
+    return sets
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    # keys the comparison with the replay's config ignores, read through the config schema all the same
+    (lambda c: c["training"].update(max_steps=-5), "training.max_steps: must be >= 1"),
+    (lambda c: c["optimizer_batch"].update(ring_size=-1), "optimizer_batch.ring_size: must be >= 0"),
+    (lambda c: c["logging"].update(metadata={"a": 1}), "logging.metadata.a: expected a string"),
+    # a dotted key flattens to the same comparison as the table it replaces
+    (lambda c: c.update({"training.seed": c["training"].pop("seed")}), "unknown key 'training.seed'"),
+    # a replay's config recorded as the source's
+    (lambda c: c["training"].update(trainer="optimizer_replay"), "a capture is written by the source trainer"),
+])
+def test_a_resealed_source_config_no_source_run_holds_is_refused(
+        edit: Callable[[dict[str, Any]], None], named: str, workspace: Path, capture_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    sets = _reseal_config(capture_dir, tmp_path / "src", edit)
+    code, text = _outcome(["explain", str(workspace / "replay.toml"), *sets], capsys)
+    assert code == 2 and named in text and "Traceback" not in text, text
 
 
 def test_domains_are_declared_for_every_float_field_of_the_builtin_payload() -> None:

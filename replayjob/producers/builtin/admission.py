@@ -141,8 +141,13 @@ def _read_checking_nonfinite(adm: Admission, m: Manifest) -> payload.Scanned | N
 
 
 def _check_world(adm: Admission) -> None:
-    """The replay's world size against the captured rows: every rank replays a contiguous shard of at least one row
+    """The captured logical batch bears some loss (a rank's shard of it may bear none), and the replay's world size
+    fits the captured rows: every rank replays a contiguous shard of at least one row
     (:func:`replayjob.runtime.distributed.shard_bounds`, which the replay would refuse it with once launched)."""
+    if adm.rows is not None and not adm.rows["loss_bearing_tokens"]:
+        adm.refuse("the captured batch bears no loss: every loss weight is 0 (rows.loss_bearing_tokens, recomputed "
+                   "from the payload), which no source step holds; its update changes nothing, so every arm's replay "
+                   "would equal every other's; fix: recapture the source step", integrity=True)
     world = adm.cfg.distributed.world_size
     if adm.rows is not None and world is not None and world > int(adm.rows["rows"]):
         adm.refuse(f"{int(adm.rows['rows'])} logical rows cannot be split over {world} ranks (each needs at least "
@@ -311,17 +316,19 @@ def _check_contract_and_config(adm: Admission) -> None:
     registered = knobs.knobs_for(knobs.BUILTIN)
     admissible = {k: "systems-only knob" for k in registered}
     adm.observed = check_differences(adm, source_config(m), resolved(adm.cfg), adm.allowed, admissible)
-    declared_knobs = [k for k in adm.allowed if k in registered and k in adm.observed]
-    if declared_knobs:
-        try:
-            source_cfg = from_dict(source_config(m))
-        except RefusedError as exc:
-            adm.refuse(f"the source config in the manifest cannot be read back: {exc.diagnostics()}")
-            return
-        for key in declared_knobs:
-            why = registered[key].refusal(source_cfg, adm.cfg)
-            if why:
-                adm.refuse(f"difference {key!r} is not systems-only here: {why}")
+    try:  # read through the config schema whatever is declared: keys it compares nothing by (ignored) included
+        source_cfg = from_dict(source_config(m))
+    except RefusedError as exc:
+        adm.refuse(f"the source config in the manifest cannot be read back: {exc.diagnostics()}", integrity=True)
+        return
+    if source_cfg.training.trainer != "grpo":
+        adm.refuse(f"{m.path}: the source config in the manifest says training.trainer = "
+                   f"{source_cfg.training.trainer!r}, but a capture is written by the source trainer ('grpo'); "
+                   "fix: replay the source run's capture", integrity=True)
+    for key in (k for k in adm.allowed if k in registered and k in adm.observed):
+        why = registered[key].refusal(source_cfg, adm.cfg)
+        if why:
+            adm.refuse(f"difference {key!r} is not systems-only here: {why}")
 
 
 @dataclass(frozen=True)
