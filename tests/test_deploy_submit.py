@@ -683,6 +683,18 @@ def test_a_run_id_is_checked_before_any_request(cluster: tuple[Cluster, client.A
     assert state.calls == []
 
 
+@pytest.mark.parametrize("namespace", ["..", "team/a", "Team-A", "a" * 64])
+def test_a_namespace_is_checked_before_any_request(cluster: tuple[Cluster, client.ApiClient],
+                                                   capsys: pytest.CaptureFixture[str], namespace: str) -> None:
+    state, api = cluster
+    assert main(["k8s", "resume", "r3", "--namespace", namespace]) == 2
+    assert f"namespace {namespace!r} is not a name Kubernetes takes" in capsys.readouterr().err
+    spec, text = load_spec_text(SPEC)
+    with pytest.raises(ReplayjobError, match="is not a name Kubernetes takes"):
+        submit(spec, text, namespace, wait=False, api=fast_api(api), log=lambda s: None)
+    assert state.calls == []
+
+
 def test_infrastructure_failures_during_a_run_are_3(
         cluster: tuple[Cluster, client.ApiClient], kubelet: Kubelet) -> None:
     """A 403 creating a stage Job and a 409 patching the driver's label are the cluster's failures: 3."""

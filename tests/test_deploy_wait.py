@@ -270,6 +270,20 @@ def test_argo_wait_refuses_a_missing_workflow(emulator: tuple[Cluster, str],
     assert "no workflow nope" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "said"), [
+    (["../../api/v1/secrets"], "workflow '../../api/v1/secrets' is not a name Kubernetes takes"),
+    (["Not-A-Name"], "workflow 'Not-A-Name' is not a name"),
+    ([NAME, "--namespace", "Bad NS"], "namespace 'Bad NS' is not a name"),
+    ([NAME, "--namespace", ".."], "namespace '..' is not a name"),
+])
+def test_argo_wait_refuses_a_name_no_object_has_before_any_request(
+        emulator: tuple[Cluster, str], capsys: pytest.CaptureFixture[str], argv: list[str], said: str) -> None:
+    state, _ = emulator
+    assert main(["argo", "wait", *argv]) == 2
+    assert said in capsys.readouterr().err
+    assert state.calls == []
+
+
 def test_argo_wait_on_a_malformed_status_prints_one_line_and_no_traceback(
         emulator: tuple[Cluster, str], capsys: pytest.CaptureFixture[str]) -> None:
     state, _ = emulator

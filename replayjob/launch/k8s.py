@@ -467,6 +467,16 @@ def check_run_id(run_id: str, where: str = "run id") -> str:
     return run_id
 
 
+def check_name(name: str, what: str, rule: str = pods.DNS_LABEL) -> str:
+    """``name`` when Kubernetes would take it as a ``what`` (a namespace: a DNS-1123 label; an object: ``rule``),
+    checked before any request names it in a path; else :class:`~replayjob.errors.UsageError`."""
+    if not re.fullmatch(rule, name):
+        raise UsageError(f"{what} {name!r} is not a name Kubernetes takes: lower-case letters, digits and '-'"
+                         + (" ('.' between parts)" if rule != pods.DNS_LABEL else ", at most 63") +
+                         ", starting and ending with a letter or digit", where=what)
+    return name
+
+
 def spec_sha256(text: str) -> str:
     """The SHA-256 of a run's spec text, which its driver Jobs carry (:data:`SPEC_ANNOTATION`)."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -480,7 +480,7 @@ def submit(spec: AblationSpec, text: str, namespace: str | None, *, wait: bool, 
     run_id = k8s.check_run_id(run_id or new_run_id())
     files = k8s.render(spec, text, run_id)  # refused (a tag image, ...) before the API is touched
     api = api or Api(api_client, log=log)
-    ns = namespace or api.default_namespace
+    ns = k8s.check_name(namespace or api.default_namespace, "namespace")
     check_setup(api, ns, spec)
     created = api.create(ns, files["driver.yaml"])
     assert created is not None
@@ -507,7 +507,7 @@ def resume(run_id: str, namespace: str | None, *, wait: bool, api_client: Any | 
     their declarations in :mod:`replayjob.artifacts.cluster_status`: a malformed one is 3, naming it."""
     k8s.check_run_id(run_id)  # before any request: it becomes a label selector and object names
     api = api or Api(api_client, log=log)
-    ns = namespace or api.default_namespace
+    ns = k8s.check_name(namespace or api.default_namespace, "namespace")
     selector = f"{k8s.RUN_ID_LABEL}={run_id},app.kubernetes.io/component="
     maps = api.list_of(ns, "ConfigMap", selector + "spec")
     if not maps:

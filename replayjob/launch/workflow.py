@@ -22,7 +22,7 @@ not what Argo writes (a status, the nodes or a node that is no mapping, a field 
 too, with one line naming the workflow and what was wrong: the outcome is never read from it.  A
 Workflow deleted while it was followed, a refused request (403) and an API that stays unreachable, no
 credentials included, are 3; only a Workflow that never existed (404 at the first read: the name is
-wrong) is refused (2).
+wrong) is refused (2), and so is, before any request, a workflow name or a namespace that Kubernetes would not take.
 
 Every submitted run ends with a verdict: the reducer runs once the replays have ended, however they
 ended, and also when the capture failed (no replays run; the verdict is incomplete: no capture).
@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Annotated, Any
 
+from replayjob.artifacts import pods
 from replayjob.artifacts.cluster_status import PULL_FAILURES, ApiObject, Stuck, judge, read_status
 from replayjob.artifacts.document import whole
 from replayjob.artifacts.run_end import read_run_end_text
@@ -52,6 +53,7 @@ from replayjob.errors import (
     ReplayjobError,
     is_retryable,
 )
+from replayjob.launch import k8s
 from replayjob.launch.argo import FINAL
 from replayjob.launch.submit import START_GRACE_ENV, START_GRACE_S, Api, env_seconds
 
@@ -278,8 +280,9 @@ def wait_for_workflow(name: str, namespace: str | None, *, api: Any | None = Non
     """``replayjob argo wait``: the outcome of workflow ``name`` once it has ended."""
     from kubernetes.client.exceptions import ApiException
 
+    k8s.check_name(name, "workflow", pods.DNS_SUBDOMAIN)  # before any request names it
     api = api or Api(None, log=log)
-    ns = namespace or api.default_namespace
+    ns = k8s.check_name(namespace or api.default_namespace, "namespace")
     seen = False
 
     def get() -> Doc:
