@@ -65,6 +65,22 @@ def test_failures_that_are_not_argo_s_list_are_kept_as_text(tmp_path: Path) -> N
         run_end.read_run_end(tmp_path / "ended.json")
 
 
+@pytest.mark.parametrize("text", ["Error\nstage reduce passed", "exit\u202e3 edoc", "\x1b[2Kcleared", "\ud800"])
+def test_what_argo_hands_over_is_recorded_as_one_printable_line(text: str, tmp_path: Path) -> None:
+    """A node's message (often a pod's own termination message), name or the workflow's status holding a line break,
+    a bidi or terminal control or a lone surrogate: kept escaped, so the printed line is one line of what was said
+    (a newline printed a line of its own; a lone surrogate left the record unwritable); a record whose line is not
+    printable is refused by the reader."""
+    for doc in (run_end.run_end("Failed", json.dumps([node("reduce", text, name=text)])),
+                run_end.run_end(text, "not json " + text)):
+        record = run_end.write_run_end(tmp_path / "ended.json", doc)
+        assert record.line.isprintable() and record.workflow_status.isprintable(), record.line
+        assert run_end.read_run_end(tmp_path / "ended.json") == record
+    (tmp_path / "ended.json").write_text(json.dumps({**doc, "line": "the workflow ended\nFailed"}))
+    with pytest.raises(IntegrityError, match="line"):
+        run_end.read_run_end(tmp_path / "ended.json")
+
+
 def test_the_exit_handler_records_what_ended_the_run_and_publishes_it() -> None:
     spec, text = load_spec_text(REPO / "examples" / "ablation.toml")
     template = argo.workflow_template(spec, text)["spec"]

@@ -26,10 +26,11 @@ Example:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from replayjob.artifacts.document import Document, Text, decode
+from replayjob.artifacts.document import _UNPRINTABLE, Document, Printable, decode
 from replayjob.errors import EXIT_ERROR, IntegrityError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict, read_json
@@ -39,6 +40,14 @@ SCHEMA = "replayjob.run_end/v1"
 CAUSES = ("stopped", "deadline", "failed", "error")
 _STOPPED = ("stopped with strategy", "shutdown with strategy")
 _KEEP = 300  # characters of a message kept in the record
+# what Argo hands over may hold any character (a node's message is often a pod's own termination message): a
+# control, line break, bidi control or lone surrogate is kept escaped, so the record's line is one printable line
+_ESCAPED = re.compile(f"[{_UNPRINTABLE}\ud800-\udfff]")
+
+
+def _visible(text: str) -> str:
+    """``text`` with every unprintable character escaped (``\\n``, ``\\u202e``)."""
+    return _ESCAPED.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 class FailedNode(Document, frozen=True):
@@ -54,9 +63,9 @@ class RunEnd(Document, frozen=True):
     """What ended a run (:func:`run_end`)."""
 
     schema: Literal["replayjob.run_end/v1"]
-    workflow_status: Text
+    workflow_status: Printable
     cause: Literal["stopped", "deadline", "failed", "error"]
-    line: Text
+    line: Printable
     failed: list[FailedNode]
     exit_code: Literal[3]
 
@@ -68,17 +77,19 @@ def _nodes(failures: str) -> list[dict[str, str]] | None:
         return None
     if not isinstance(raw, list) or not all(isinstance(n, dict) for n in raw):
         return None
-    return [{"name": str(n.get("displayName") or n.get("name") or ""), "template": str(n.get("templateName") or ""),
-             "phase": str(n.get("phase") or ""), "message": str(n.get("message") or "")[:_KEEP]} for n in raw]
+    return [{"name": _visible(str(n.get("displayName") or n.get("name") or "")),
+             "template": _visible(str(n.get("templateName") or "")), "phase": _visible(str(n.get("phase") or "")),
+             "message": _visible(str(n.get("message") or "")[:_KEEP])} for n in raw]
 
 
 def run_end(status: str, failures: str) -> dict[str, Any]:
     """The record of a run that ended with Argo's ``status`` and ``failures`` (see the module docstring)."""
     nodes = _nodes(failures)
+    status = _visible(status)
     said = f"the workflow ended {status or 'without a status'}"
     if nodes is None:  # not the JSON Argo writes: its text, so that nothing is lost
         return {"schema": SCHEMA, "workflow_status": status or "unknown", "cause": "error",
-                "line": f"{said}; its failures are not a list of nodes: {failures.strip()[:_KEEP]!r}",
+                "line": f"{said}; its failures are not a list of nodes: {_visible(repr(failures.strip()[:_KEEP]))}",
                 "failed": [], "exit_code": EXIT_ERROR}
     messages = [n["message"].lower() for n in nodes]
     stopped = next((n for n, m in zip(nodes, messages, strict=True) if any(s in m for s in _STOPPED)), None)
