@@ -182,6 +182,19 @@ def test_funnel_usage_is_refused_before_any_work(tmp_path: Path, args: list[str]
     assert not out.exists()
 
 
+@pytest.mark.parametrize("below", [False, True])
+def test_an_out_that_is_a_file_is_refused_before_any_work(tmp_path: Path, below: bool,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``--out`` naming a file, or a directory below one: refused, exit 2 (it failed when init wrote, exit 3)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"mine")
+    out = blocker / "sub" if below else blocker
+    assert main(["funnel", "--out", str(out), "--spec", str(SPEC), "--device", "cpu", "--only-ablation"]) == 2
+    err = capsys.readouterr().err
+    assert "not a directory" in err and "Traceback" not in err
+    assert blocker.read_bytes() == b"mine" and [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
 @pytest.mark.parametrize("mixed", [True, False])
 @pytest.mark.usefixtures("in_process_steps")
 def test_the_specs_mixed_hardware_reaches_the_funnels_verdict(tmp_path: Path, mixed: bool) -> None:

@@ -8,10 +8,12 @@ from typing import Any
 
 from replayjob.commands._args import integer, integer_or, path_or_none
 from replayjob.launch.funnel import Options, run_funnel
+from replayjob.producers.driver import refuse_unusable_out
 
 
 def cmd_funnel(args: dict[str, Any]) -> int:
     out = path_or_none(args, "--out") or Path("runs") / ("funnel-" + time.strftime("%Y%m%d-%H%M%S"))
+    refuse_unusable_out(out)  # a file there failed only when the first stage wrote (exit 3)
     updates = {"warmup_updates": integer_or(args, "--warmup-updates", None),
                "measured_updates": integer_or(args, "--measured-updates", None)}
     return run_funnel(Options(
