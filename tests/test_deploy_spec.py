@@ -205,6 +205,23 @@ def test_k8s_render_prints_and_writes_the_manifests(tmp_path: Path, capsys: pyte
     assert kinds == ["ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim"]
 
 
+@pytest.mark.parametrize("brk", ["\n", "\r", "\x85", "\u2028"])
+def test_a_path_with_a_line_break_puts_no_yaml_into_the_manifests(tmp_path: Path, brk: str) -> None:
+    """The header comment names the spec and the output paths: a line break in one is written escaped."""
+    def render(where: Path) -> dict[str, list[str]]:
+        where.mkdir()
+        spec = where / "ablation.toml"
+        spec.write_text(MINIMAL, encoding="utf-8")
+        assert main(["k8s", "render", str(spec), "--out", str(where / "base"), "--argo", str(where / "wf.yaml"),
+                     "--setup", str(where / "setup"), "--argo-setup", str(where / "wfs.yaml")]) == 0
+        return {str(p.relative_to(where)): [line for line in p.read_text(encoding="utf-8").splitlines()
+                                            if not line.startswith("#")]  # YAML's lines, as YAML splits them
+                for p in where.rglob("*.yaml")}
+
+    plain, odd = render(tmp_path / "plain"), render(tmp_path / f"x{brk}kind: Secret{brk}y")
+    assert odd == plain
+
+
 def test_gpu_placement_options_render(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = MINIMAL.replace("repeats = 2", 'repeats = 2\nnode_gpus = 8\ndriver_version = "580"\n'
                            'priority_class = "gpu-batch"\nsemaphore = "gpu-pool/h100"\nparallelism = 3')

@@ -297,8 +297,8 @@ def render(spec: AblationSpec, text: str) -> list[Doc]:
 
 
 def dump(spec: AblationSpec, text: str, source: str = "ablation.toml") -> str:
-    return k8s.dump(render(spec, text), HEADER.format(source=source, name=spec.name))
+    return k8s.dump(render(spec, text), k8s.header_text(HEADER, source=source, name=spec.name))
 
 
 def dump_setup(spec: AblationSpec, source: str = "ablation.toml") -> str:
-    return k8s.dump(render_setup(spec), SETUP_HEADER.format(source=source))
+    return k8s.dump(render_setup(spec), k8s.header_text(SETUP_HEADER, source=source))

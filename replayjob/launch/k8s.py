@@ -604,6 +604,16 @@ def dump(docs: list[Doc], header: str = "") -> str:
     return header + body
 
 
+# What YAML reads as the end of a line (PyYAML: \x85, \u2028, \u2029 too) or no YAML text may hold.
+_BREAKS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def header_text(template: str, **fields: str | Path) -> str:
+    """A header comment with the paths the command named: a character that would end the comment's line (a
+    newline in a file name) is written escaped, so no path puts a line of YAML into the manifests."""
+    return template.format(**{k: _BREAKS.sub(lambda m: ascii(m.group())[1:-1], str(v)) for k, v in fields.items()})
+
+
 HEADER = ("# Rendered by `replayjob k8s render {source} --out {out}`; edit the spec, not this file.\n")
 SETUP_HEADER = ("# Rendered by `replayjob k8s render {source} --setup {out}`; edit the spec, not this file.\n"
                 "# Applied once per namespace, before any run; deleting it deletes every run's data.\n")
@@ -616,6 +626,6 @@ def write(files: dict[str, Doc], out: str | Path, source: str = "ablation.toml",
     written = []
     for name, doc in files.items():
         path = d / name
-        atomic_write_text(path, dump([doc], header.format(source=source, out=out)))
+        atomic_write_text(path, dump([doc], header_text(header, source=source, out=out)))
         written.append(path)
     return written
