@@ -132,6 +132,10 @@ def test_a_customisation_is_a_render_time_field(customised: tuple[Any, str]) -> 
     ("[pods.all]\nhostNetwork = true", "host namespaces"),
     ("[pods.all]\nautomountServiceAccountToken = true", "only the driver's pod mounts a service-account token"),
     ('[pods.cpu]\nlabels = {"replayjob.dev/run-id" = "x"}', "replayjob's own label"),
+    # the labels the Job and JobSet controllers set and select their pods by
+    ('[pods.gpu]\nlabels = {"jobset.sigs.k8s.io/jobset-name" = "x"}', "replayjob's own label"),
+    ('[pods.all]\nlabels = {"job-name" = "x"}', "replayjob's own label"),
+    ('[pods.all]\nlabels = {"controller-uid" = "x"}', "replayjob's own label"),
     ('[pods.gpu]\nnodeSelector = {"nvidia.com/gpu.product" = "x"}', "is set from the spec's gpu_product"),
     ('[pods.gpu]\nvolumes = [{name = "x", mountPath = "/dev/shm", secret = "s"}]', "would replace or hide"),
     ('[pods.gpu]\nvolumes = [{name = "artifacts", mountPath = "/data", secret = "s"}]', "would replace or hide"),

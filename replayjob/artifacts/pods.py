@@ -74,7 +74,9 @@ FORBIDDEN = {
     "resources": "resources come from the spec's cpu, memory and GPU fields (requests equal limits)",
 }
 OWN_LABEL_PREFIXES = ("app.kubernetes.io/", "replayjob.dev/", "batch.kubernetes.io/", "kueue.x-k8s.io/",
-                      "workflows.argoproj.io/")
+                      "workflows.argoproj.io/", "jobset.sigs.k8s.io/")
+# the Job controller's own labels without a prefix (its selector matches them)
+OWN_LABELS = ("job-name", "controller-uid")
 OWN_NODE_LABELS = ("nvidia.com/gpu.product",)
 OWN_VOLUMES = ("artifacts", "tmp", "cache", "dshm", "spec")
 OWN_PATHS = ("/artifacts", "/tmp", "/cache", "/dev/shm", "/etc/replayjob")
@@ -312,7 +314,7 @@ def _refuse(settings: PodSettings, where: str) -> None:
                               "container would start with another value than the spec's)", where=f"{where}.env",
                               hint="remove the NUL byte")
     for key in (*settings.labels, *settings.annotations):
-        if key.startswith(OWN_LABEL_PREFIXES):
+        if key.startswith(OWN_LABEL_PREFIXES) or key in OWN_LABELS:
             raise ConfigError(f"{key} is replayjob's own label or annotation (runs, stages, queues)",
                               where=f"{where}", hint="choose a key under your own prefix")
     for key in settings.nodeSelector:
