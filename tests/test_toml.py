@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from replayjob.cli import main
 from replayjob.config import load_config
 from replayjob.config.dump import dumps, toml_key, toml_value
 from replayjob.config.load import (
@@ -94,6 +95,22 @@ def test_invalid_toml_is_refused_naming_file_and_line(tmp_path: Path, text: str,
     assert exc.value.where == str(p)
     if "line 2" in needle or "line 3" in needle:
         assert exc.value.hint and "twice" in exc.value.hint
+
+
+# dotted keys and table headers: the parser nests them without its own limit
+@pytest.mark.parametrize("text", ["a" + ".a" * 20_000 + " = 1\n",
+                                  "[" + ".".join(["t"] * 20_000) + "]\nx = 1\n",
+                                  "a = " + "[" * 70 + "]" * 70 + "\n"])
+def test_tables_nested_past_the_limit_are_refused_by_every_reader(tmp_path: Path, text: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Every later walk of the tables recursed (``explain`` ended in a RecursionError traceback, exit 3)."""
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match="nested more than 64 tables or arrays deep"):
+        read_toml(p)
+    assert main(["explain", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "nested more than 64" in err and "Traceback" not in err
 
 
 def test_bytes_that_are_not_utf8_are_refused_with_their_line(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from replayjob.fsio import read_regular_bytes
 from replayjob.redact import REDACTED, is_secret_key, redact_text
 
 MAX_TOML_BYTES = 16 * 1024 * 1024
+MAX_TOML_DEPTH = 64  # tables and arrays within each other (no replayjob input is more than a few deep; JSON's limit)
 
 
 def read_toml_file_bytes(path: str | Path, *, what: str = "config file", max_bytes: int = MAX_TOML_BYTES,
@@ -55,11 +56,31 @@ def read_toml_text(text: str, where: str | Path, *, what: str = "config file",
                     hint="a key or table is defined twice; keep one" if twice else None) from None
     except RecursionError:  # the parser's nesting limit
         raise error(f"invalid TOML in {what}: nested too deeply to parse", where=where) from None
+    deep = _deeper_than(doc, MAX_TOML_DEPTH)
+    if deep is not None:  # dotted keys nest without the parser's limit; every later walk of the tables recursed
+        shown = deep if len(deep) <= 80 else deep[:77] + "..."
+        raise error(f"invalid TOML in {what}: the value at {shown} is nested more than {MAX_TOML_DEPTH} tables or "
+                    "arrays deep", where=where)
     wide = _wide_integer(doc, "")
     if wide is not None:  # TOML integers are signed 64-bit; Python's parser reads any size
         raise error(f"invalid TOML in {what}: the integer at {wide} is outside the signed 64-bit range",
                     where=where)
     return doc
+
+
+def _deeper_than(value: Any, limit: int) -> str | None:
+    """The dotted path of the first table or array in ``value`` nested more than ``limit`` deep, or None (a walk
+    with its own stack)."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:
+        v, at, depth = stack.pop()
+        if isinstance(v, dict | list) and depth > limit:
+            return at
+        if isinstance(v, dict):
+            stack.extend((x, f"{at}.{k}" if at else str(k), depth + 1) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((x, f"{at}[{i}]", depth + 1) for i, x in enumerate(v))
+    return None
 
 
 def _wide_integer(value: Any, path: str) -> str | None:
