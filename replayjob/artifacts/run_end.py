@@ -30,7 +30,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from replayjob.artifacts.document import _UNPRINTABLE, Document, Printable, decode
+from replayjob.declaration import UNPRINTABLE, Document, Printable, decode
 from replayjob.errors import EXIT_ERROR, IntegrityError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict, read_json
@@ -42,7 +42,7 @@ _STOPPED = ("stopped with strategy", "shutdown with strategy")
 _KEEP = 300  # characters of a message kept in the record
 # what Argo hands over may hold any character (a node's message is often a pod's own termination message): a
 # control, line break, bidi control or lone surrogate is kept escaped, so the record's line is one printable line
-_ESCAPED = re.compile(f"[{_UNPRINTABLE}\ud800-\udfff]")
+_ESCAPED = re.compile(f"[{UNPRINTABLE}\ud800-\udfff]")
 
 
 def _visible(text: str) -> str:

@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 
 from replayjob import tensorfile
-from replayjob.artifacts.document import Digest, Document, OneLine, Printable, decode
 from replayjob.config import Config
+from replayjob.declaration import Digest, Document, OneLine, Printable, decode
 from replayjob.digest import is_sha256_hex, normalize_digest, sha256_bytes
 from replayjob.errors import ConfigError, ContractError, IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, read_regular_bytes

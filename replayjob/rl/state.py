@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import math
 import re
-import sys
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, get_args, get_origin
 import msgspec
 
 from replayjob import tensorfile
+from replayjob.declaration import FLOAT_MAX, INT64_MAX
 from replayjob.digest import normalize_digest, sha256_bytes, sha256_file
 from replayjob.errors import ContractError, IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes
@@ -515,10 +515,8 @@ def _number(v: Any) -> bool:
 # ran with.  What ties fields or documents together (the groups' keys, amsgrad's buffers, one value per group, the
 # scheduler's learning rates) is stated beside the reader's call.
 
-_FLOAT_MAX = sys.float_info.max
-_INT64_MAX = 2**63 - 1
 PER_GROUP = "per_group"  # a Meta extra: the field lists one value per param group
-_NonNegative = Annotated[float, msgspec.Meta(ge=0.0, le=_FLOAT_MAX, description="not a finite number >= 0")]
+_NonNegative = Annotated[float, msgspec.Meta(ge=0.0, le=FLOAT_MAX, description="not a finite number >= 0")]
 _Flag = Annotated[bool, msgspec.Meta(description="not true or false")]
 _OptionalFlag = Annotated[bool | None, msgspec.Meta(description="not true, false or null")]
 _Beta = Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)]
@@ -556,8 +554,8 @@ class SchedulerState(msgspec.Struct, frozen=True, kw_only=True):
     RESERVED: ClassVar[tuple[str, ...]] = ("optimizer", "step", "get_lr", "get_last_lr", "state_dict",
                                            "load_state_dict", "print_lr", "_initial_step", "_get_closed_form_lr")
 
-    last_epoch: Annotated[int, msgspec.Meta(ge=-1, le=_INT64_MAX, description="not an integer >= -1")] = 0
-    step_count: Annotated[int, msgspec.Meta(ge=0, le=_INT64_MAX, description="not an integer >= 0")] = \
+    last_epoch: Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX, description="not an integer >= -1")] = 0
+    step_count: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX, description="not an integer >= 0")] = \
         msgspec.field(default=0, name="_step_count")
     base_lrs: Annotated[list[_NonNegative] | None, msgspec.Meta(
         description="must list one finite learning rate >= 0 per param group ({groups}), found {value}",
