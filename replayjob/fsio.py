@@ -29,7 +29,14 @@ import tempfile
 from pathlib import Path
 
 from replayjob.crashpoints import point
-from replayjob.errors import ArtifactExistsError, IntegrityError, OperationalError, RefusedError, ReplayjobError
+from replayjob.errors import (
+    ArtifactExistsError,
+    IntegrityError,
+    OperationalError,
+    RefusedError,
+    ReplayjobError,
+    UsageError,
+)
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)  # read once at import: artifacts get the process's usual file mode
@@ -227,3 +234,15 @@ def check_no_symlinks(root: str | Path, path: str | Path, *, what: str = "artifa
             raise IntegrityError(f"{what}: {part!r} is not a {kind} (devices, FIFOs and sockets are refused)",
                                  where=cur)
     return p
+
+
+def refuse_unusable_out(out: Path) -> None:
+    """Refuse (exit 2) an output directory that is a file, or lies below one (or below a dangling link), before
+    anything runs: a run that had already built its model and updated it failed only when it wrote (exit 3)."""
+    for p in (out, *out.parents):
+        if p.is_dir():
+            return
+        if p.exists() or p.is_symlink():
+            raise UsageError("the output directory is not a directory" if p == out else
+                             f"the output directory {str(out)!r} lies below something that is not a directory",
+                             where=p, hint="choose a new --out directory")

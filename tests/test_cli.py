@@ -176,6 +176,19 @@ def test_memory_error_in_init_exits_3_and_a_retry_is_not_refused(
     assert main(["init", str(tmp_path / "ws")]) == 0  # the traceback file is no artifact
 
 
+@pytest.mark.parametrize("below", [False, True])
+def test_init_into_a_file_is_refused_before_any_model_is_built(tmp_path: Path, below: bool,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``init`` naming a file (or a directory below one) as the workspace: refused (2) with one line, the file left
+    as it was (it failed when the state was written: exit 3 with a traceback)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"mine")
+    assert main(["init", str(blocker / "ws" if below else blocker)]) == 2
+    err = capsys.readouterr().err
+    assert "not a directory" in err and "Traceback" not in err, err
+    assert blocker.read_bytes() == b"mine" and [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
 def test_unexpected_exception_without_output_directory_goes_to_stderr(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import replayjob.check.diagdiff as diagdiff

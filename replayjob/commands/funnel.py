@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.commands._args import integer, integer_or, path_or_none
+from replayjob.fsio import refuse_unusable_out
 from replayjob.launch.funnel import Options, run_funnel
-from replayjob.producers.driver import refuse_unusable_out
 
 
 def cmd_funnel(args: dict[str, Any]) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 from replayjob.artifacts.capture_manifest import REPLAY_CONFIG
 from replayjob.config import load_config
 from replayjob.errors import ArtifactExistsError
-from replayjob.fsio import atomic_write_text
+from replayjob.fsio import atomic_write_text, refuse_unusable_out
 from replayjob.model.backend import load_backend
 from replayjob.rl.state import write_state
 from replayjob.runtime import determinism
@@ -105,6 +105,7 @@ def init_workspace(directory: str | Path, seed: int, sets: list[str] | tuple[str
     every later command; the state records the model reference they are checked against.
     """
     d = Path(directory)
+    refuse_unusable_out(d)  # a file there failed only when the state was written (exit 3)
     state_dir = d / INIT_DIR
     if (state_dir / "trainer_state.json").exists():
         raise ArtifactExistsError("an initial resume state already exists", where=state_dir,

@@ -35,6 +35,7 @@ from replayjob.artifacts import metrics as metrics_io
 from replayjob.artifacts.schedule import Slot
 from replayjob.digest import sha256_file
 from replayjob.errors import ConfigError, ContractError, UsageError
+from replayjob.fsio import refuse_unusable_out
 from replayjob.hostinfo import host_provenance
 from replayjob.model import moe
 from replayjob.producers import trace_fault as faults
@@ -141,18 +142,6 @@ def traced(session: Session, plan: list[MicroStep], enabled: bool) -> Iterator[A
                    inner if isinstance(inner, torch.optim.Optimizer) else optimizer, armed)
     with rec.attached():
         yield rec
-
-
-def refuse_unusable_out(out: Path) -> None:
-    """Refuse (exit 2) an output directory that is a file, or lies below one (or below a dangling link), before
-    anything runs: a run that had already built its model and updated it failed only when it wrote (exit 3)."""
-    for p in (out, *out.parents):
-        if p.is_dir():
-            return
-        if p.exists() or p.is_symlink():
-            raise UsageError("the output directory is not a directory" if p == out else
-                             f"the output directory {str(out)!r} lies below something that is not a directory",
-                             where=p, hint="choose a new --out directory")
 
 
 def replay(build: Callable[[], Session], out: Path, *, arm: str, repeat_index: int, slot: Slot | None,

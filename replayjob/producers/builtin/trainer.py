@@ -25,10 +25,10 @@ from replayjob.artifacts import metrics as metrics_io
 from replayjob.config import Config, config_sha256, resolved
 from replayjob.digest import sha256_file
 from replayjob.errors import ArtifactExistsError, ConfigError
+from replayjob.fsio import refuse_unusable_out
 from replayjob.jsonio import canonical_bytes
 from replayjob.model import moe
 from replayjob.model.backend import Policy, load_backend
-from replayjob.producers.driver import refuse_unusable_out
 from replayjob.rl import stages
 from replayjob.rl.batch import OptimizerBatch
 from replayjob.rl.diag import optimizer_checksum, peak_memory_bytes, stats, tensor_checksum
