@@ -1000,8 +1000,8 @@ def test_in_process_repeats_that_did_not_reproduce_the_loss_fail_bitwise(ev: syn
     assert code == 1 and c["offenders"] == [f"{ON}#1"] and c["observed"]["in_process_loss_differs"] == [f"{ON}#1"]
 
 
-@pytest.mark.parametrize("arm", ["base\nline", "\x1b[31mred", "tab\there", "base\u200bline", "baseline\u202e",
-                                 "line\u2028break", "end\n"])
+@pytest.mark.parametrize("arm", [" ", "a ", " a", "base\nline", "\x1b[31mred", "tab\there", "base\u200bline",
+                                 "baseline\u202e", "line\u2028break", "end\n"])
 def test_an_arm_name_with_control_characters_is_refused(ev: synthetic.Evidence, arm: str) -> None:
     """Arm names are printed in verdicts, reports and terminals: a newline or an escape sequence in one, or a character
     that is invisible or turns the text around (which shows one arm under another's name), is refused by the replay's

@@ -24,13 +24,14 @@ Scalar = str | bool | Int | Finite | None
 """A knob's value as the replay config sets it (compared whole with the arm's intent and the runtime's)."""
 DigestOrEmpty = Annotated[str, whole("([0-9a-f]{64})?")]
 """A pin that may be unset (``""``: no tolerance or budget file was pinned)."""
-ARM_NAME_PATTERN = r"[\x20-\x7e]+"  # matched whole (re.fullmatch, whole())
+ARM_NAME_PATTERN = r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?"  # matched whole (re.fullmatch, whole())
 ArmName = Annotated[str, whole(ARM_NAME_PATTERN)]
 """An arm's name: printed in verdicts, reports and terminals, so printable ASCII only: no control character (no
 newline, no escape sequence) and none that is invisible or turns the text around (a zero-width space, a
-right-to-left override), which would show one arm under another's name; :data:`ARM_NAME_RULE` says it in words."""
+right-to-left override), which would show one arm under another's name; no space at either end (``" "`` prints
+blank, ``"a "`` as ``"a"``); :data:`ARM_NAME_RULE` says it in words."""
 ARM_NAME_RULE = ("a non-empty name of printable ASCII characters: no control characters (newlines, tabs, escape "
-                 "sequences) and no invisible or direction-changing ones")
+                 "sequences), no invisible or direction-changing ones, and no space at either end")
 
 
 class Pins(Document, frozen=True):

@@ -117,8 +117,8 @@ class OptimizerBatchConfig:
         "Dotted config keys allowed to differ from the source; each must be systems-only and present.",
         default_factory=list)
     arm: str = doc("Condition name for reports (printable ASCII: no control characters, no invisible or "
-                   "direction-changing ones); '' derives it from the declared "
-                   "differences.", "")
+                   "direction-changing ones, no space at either end); '' derives it from the "
+                   "declared differences.", "")
     tolerances_sha256: str = doc("SHA-256 of a predeclared tolerance file (approximate claim).", "")
     budgets_sha256: str = doc("SHA-256 of a predeclared budget file (reduce --budgets).", "")
     mismatch_bound_sha256: str = doc("SHA-256 of a predeclared mismatch bound file (mismatch --bound).", "")
