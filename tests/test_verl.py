@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -652,8 +653,9 @@ def test_two_data_parallel_processes_capture_and_replay_bitwise(base: Path, tmp_
     """World size 2 (torchrun, gloo, FSDP2 sharding the parameters over both): each process captures its own share
     of the mini-batch as a part, process 0 writes the root; a replay on two processes reproduces the update
     bitwise.  Another process count is the knob ``distributed.num_processes``: refused undeclared; declared, one
-    process runs the two shares joined (here the same bits: at float32 the two processes' average of gradients
-    scaled by 2 is one process's sum), and ``reduce --claim bitwise`` judges it as a systems-only arm."""
+    process runs the two shares joined (here the same loss and update bits: at float32 the two processes' average
+    of gradients scaled by 2 is one process's sum; the gradient norm, a reduction ordered by the sharding, to the
+    last bit or within it), and ``reduce --claim bitwise`` judges it as a systems-only arm."""
     out = tmp_path / "cap"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "benchmarks.verl_tiny", str(out), str(base), "2"], capture_output=True, text=True,
@@ -677,8 +679,11 @@ def test_two_data_parallel_processes_capture_and_replay_bitwise(base: Path, tmp_
     one = json.loads((tmp_path / "r" / "one" / "repeat-000" / "replay_metrics.json").read_text())
     assert "distributed" not in one and one["runtime"]["distributed.num_processes"] == 1
     assert rep["runtime"]["distributed.num_processes"] == 2
-    assert (one["loss"], one["grad_norm"]) == (src["loss"], src["grad_norm"])
+    assert one["loss"] == src["loss"]
     assert one["optimizer_batch/final_adapter_sha256"] == src["optimizer_batch/final_adapter_sha256"]
+    # the gradient norm is a reduction of its own, ordered by the sharding (each process's squares summed, then the
+    # processes'): on one process it may differ in the last bit (a float32 ulp on an AMD EPYC host's CPU build)
+    assert math.isclose(one["grad_norm"], src["grad_norm"], rel_tol=1e-6)
     shutil.move(str(tmp_path / "r" / "repeat-000"), str(tmp_path / "r" / "two" / "repeat-000"))
     verdict = tmp_path / "bitwise.json"
     assert main(["reduce", str(tmp_path / "r"), "--claim", "bitwise", "--source", str(out), "--min-repeats", "1",
