@@ -238,11 +238,23 @@ def check_no_symlinks(root: str | Path, path: str | Path, *, what: str = "artifa
 
 def refuse_unusable_out(out: Path) -> None:
     """Refuse (exit 2) an output directory that is a file, or lies below one (or below a dangling link), before
-    anything runs: a run that had already built its model and updated it failed only when it wrote (exit 3)."""
+    anything runs: a run that had already built its model and updated it failed only when it wrote (exit 3).
+
+    Each path is looked at once (one ``stat``): under torchrun another rank makes the directory meanwhile, and a
+    look that found nothing, then something, read that new directory as something that is not one."""
     for p in (out, *out.parents):
-        if p.is_dir():
+        try:
+            mode = os.stat(p).st_mode  # a link to a directory is one
+        except FileNotFoundError:
+            if os.path.islink(p):
+                raise UsageError("the output directory is a link to nothing" if p == out else
+                                 f"the output directory {str(out)!r} lies below a link to nothing", where=p,
+                                 hint="choose a new --out directory") from None
+            continue
+        except OSError:  # below a file (its own path is looked at next), or not searchable: the write will say
+            continue
+        if stat.S_ISDIR(mode):
             return
-        if p.exists() or p.is_symlink():
-            raise UsageError("the output directory is not a directory" if p == out else
-                             f"the output directory {str(out)!r} lies below something that is not a directory",
-                             where=p, hint="choose a new --out directory")
+        raise UsageError("the output directory is not a directory" if p == out else
+                         f"the output directory {str(out)!r} lies below something that is not a directory",
+                         where=p, hint="choose a new --out directory")

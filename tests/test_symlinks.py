@@ -283,3 +283,52 @@ def test_a_specs_capture_whose_replay_config_is_a_link_is_refused(ev: synthetic.
     link_away(config, tmp_path / "outside")
     with pytest.raises(IntegrityError, match="symbolic link"):
         capture_pins(ev.source, name)
+
+
+@pytest.mark.parametrize(("make", "needle"), [
+    ("file", "the output directory is not a directory"),
+    ("below-file", "lies below something that is not a directory"),
+    ("dangling", "the output directory is a link to nothing"),
+    ("below-dangling", "lies below a link to nothing"),
+])
+def test_an_output_directory_that_is_no_directory_is_refused(tmp_path: Path, make: str, needle: str) -> None:
+    """``refuse_unusable_out``: a file, a path below one, a link to nothing or a path below one is refused before
+    any work; a directory, a path still to be made, and a link to a directory are not."""
+    from replayjob.errors import UsageError
+    from replayjob.fsio import refuse_unusable_out
+
+    (tmp_path / "f").write_bytes(b"x")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    out = {"file": tmp_path / "f", "below-file": tmp_path / "f" / "a" / "b", "dangling": tmp_path / "gone",
+           "below-dangling": tmp_path / "gone" / "a"}[make]
+    with pytest.raises(UsageError, match=needle):
+        refuse_unusable_out(out)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "to-d").symlink_to(tmp_path / "d")
+    for fine in (tmp_path / "d", tmp_path / "new" / "deeper", tmp_path / "to-d", tmp_path / "to-d" / "x"):
+        refuse_unusable_out(fine)
+
+
+def test_an_output_directory_another_rank_makes_meanwhile_is_no_file(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun every rank checks the output directory while rank 0 makes it: a look that found nothing, then
+    (a second look) the new directory, read it as something that is not one and refused the run on one rank.  Each
+    path is looked at once."""
+    import os
+
+    from replayjob import fsio
+
+    out = tmp_path / "run"
+    real, made = os.stat, []
+
+    def stat_then_made(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        try:
+            return real(path, *args, **kwargs)
+        finally:
+            if os.fspath(path) == os.fspath(out) and not made:
+                os.mkdir(out)  # the other rank, just after this rank looked
+                made.append(out)
+
+    monkeypatch.setattr(fsio.os, "stat", stat_then_made)
+    fsio.refuse_unusable_out(out)
+    assert out.is_dir()
