@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -81,7 +82,7 @@ from replayjob.artifacts import run_record as runrecord
 from replayjob.artifacts.capture_manifest import REPLAY_CONFIG
 from replayjob.artifacts.cluster_status import judge
 from replayjob.artifacts.pods import to_dict as pods_to_dict
-from replayjob.artifacts.spec import DETERMINISM_ENV, RENDERED_ENV, AblationSpec, Run, is_digest_ref
+from replayjob.artifacts.spec import DETERMINISM_ENV, RENDERED_ENV, AblationSpec, Run, is_digest_ref, quantity_value
 from replayjob.artifacts.verdict import MAX_VERDICT_BYTES, Verdict, read_verdict
 from replayjob.config.dump import replay_pins, set_args
 from replayjob.digest import is_sha256_hex, sha256_file, sha256_json
@@ -140,19 +141,14 @@ def select(spec: AblationSpec, arms: str | None = None, repeats: int | None = No
         raise ConfigError(exc.message, where=f"selection: {exc.where or ''}", hint=exc.hint) from None
 
 
-_UNITS = {"": 1, "k": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3,
-          "Ti": 1024**4}
-
-
 def slurm_resources(spec: AblationSpec) -> tuple[int, int, int]:
     """(CPUs per rank, MiB of memory per rank, minutes) a Slurm capture or replay task asks for: the spec's
     ``cpu`` and ``memory`` (or 1 CPU and 4 GiB without GPUs, as the Kubernetes pods), rounded up, and its
-    ``deadline_s``."""
+    ``deadline_s``.  The quantities are read by the spec's own reader (:func:`~replayjob.artifacts.spec.
+    quantity_value`), exactly."""
     cpu, memory = (spec.cpu, spec.memory) if spec.gpu else ("1", "4Gi")
-    cores = -(-int(cpu[:-1]) // 1000) if cpu.endswith("m") else int(-(-float(cpu) // 1))
-    m = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", memory)
-    assert m is not None  # the spec validated it as a quantity
-    mib = int(-(-float(m.group(1)) * _UNITS[m.group(2)] // 1024**2))
+    cores = math.ceil(quantity_value(cpu))
+    mib = math.ceil(quantity_value(memory) / 2**20)
     return max(1, cores), max(1, mib), -(-spec.deadline_s // 60)
 
 
