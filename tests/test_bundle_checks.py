@@ -223,6 +223,14 @@ def test_validate_refuses_what_replay_refuses_and_ranges_are_checked(
     _refused_by_both(capsys, p, *needles)
 
 
+def _expect_every_stage(w: BundleWriter, s: Any) -> None:
+    """The rollout's expected outputs of every recomputed stage, from the synthetic sample ``s``."""
+    w.set_expected("reward.raw", "raw", s.t["raw"])
+    w.set_expected("reward.post_process", "scores", s.t["scores"])
+    w.set_expected("advantage.kl", "kl", s.t["kl"])
+    w.set_expected("advantage.estimate", "advantages", s.t["advantages"])
+
+
 def test_the_writer_refuses_what_the_reader_refuses(tmp_path: Path) -> None:
     """Checked before a byte is written: the same checks, so a producer learns at capture time."""
     with pytest.raises(IntegrityError, match=r"config\.std_eps must be >= 0"):
@@ -238,10 +246,7 @@ def test_the_writer_refuses_what_the_reader_refuses(tmp_path: Path) -> None:
     labels = s.t["label_ids"].clone()
     labels[3, 0] = -7
     w.write_payload("label_ids", labels)
-    w.set_expected("reward.raw", "raw", s.t["raw"])
-    w.set_expected("reward.post_process", "scores", s.t["scores"])
-    w.set_expected("advantage.kl", "kl", s.t["kl"])
-    w.set_expected("advantage.estimate", "advantages", s.t["advantages"])
+    _expect_every_stage(w, s)
     with pytest.raises(IntegrityError, match=r"payload 'label_ids' holds token id -7 \(sample 's-3', token 0\)"):
         w.finalize()
     assert not (tmp_path / "x").exists()
@@ -474,10 +479,7 @@ def test_the_writer_refuses_a_log_probability_above_zero_before_writing(tmp_path
     w.write_payload("ref_logprobs", s.t["ref_logprobs"])
     w.write_payload("response_ids", s.t["response_ids"])
     w.write_payload("label_ids", s.t["label_ids"])
-    w.set_expected("reward.raw", "raw", s.t["raw"])
-    w.set_expected("reward.post_process", "scores", s.t["scores"])
-    w.set_expected("advantage.kl", "kl", s.t["kl"])
-    w.set_expected("advantage.estimate", "advantages", s.t["advantages"])
+    _expect_every_stage(w, s)
     with pytest.raises(IntegrityError, match=r"payload 'old_logprobs'.*a log-probability is <= 0"):
         w.finalize()
     assert not (tmp_path / "x").exists()
