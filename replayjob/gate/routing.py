@@ -30,7 +30,7 @@ from replayjob.errors import RefusedError
 from replayjob.gate import checks as C
 from replayjob.gate.evidence import Replay, Source
 from replayjob.model import moe
-from replayjob.trace.diff import ATTRIBUTIONS, TraceDiff, load_side
+from replayjob.trace.diff import ATTRIBUTIONS, TraceDiff, load_side, replay_routing
 
 NAME = "approximate.routing_agreement"
 UNTRACED = "flips-untraced"
@@ -48,8 +48,7 @@ SHORT = {"identical": "identical routing, the same update",
 def _table(r: Replay) -> moe.RoutingTable:
     entry = moe.evidence_entry(r.doc.get(ROUTING), r.path)
     assert entry is not None
-    return moe.check_replay_table(moe.read_table(*entry), r.path, logical=r.logical, manifest=r.manifest,
-                                  mode=r.runtime.get("model.routing"))
+    return replay_routing(r, entry)
 
 
 def _relation(ref: Replay, r: Replay, flipped: int) -> tuple[str, dict[str, Any] | None]:

@@ -120,9 +120,7 @@ def load_side(path: str | Path) -> list[Side]:
         entry = moe.evidence_entry(rep.doc.get(ROUTING), metrics)
         if entry is not None:
             check_no_symlinks(path, entry[0], what="routing")
-        routing = None if entry is None else moe.check_replay_table(
-            moe.read_table(*entry), metrics, logical=rep.logical, manifest=rep.manifest,
-            mode=rep.runtime.get("model.routing"))
+        routing = None if entry is None else replay_routing(rep, entry)
         compute = COMPUTE_DTYPES.get(str((rep.doc.get("provenance") or {}).get("compute_dtype")))
         trace = replay_trace(rep, d)
         out.append(Side(d, trace, routing, compute, rep.knobs))
@@ -163,6 +161,14 @@ def _reference_pair(a: Side, b: Side, ref: list[Side]) -> None:
         raise ContractError(f"the reference pair differs in its planted fault: identity.fault is {theirs!r} in "
                             f"{ref[1].path}, {mine!r} in {ref[0].path}; a planted fault is a real change, not noise",
                             where=ref[1].path, hint="pass two replays that differ only by noise as --reference")
+
+
+def replay_routing(rep: Replay, entry: tuple[Path, str]) -> RoutingTable:
+    """The routing file ``entry`` (path, pin: :func:`replayjob.model.moe.evidence_entry`) of the replay ``rep``: read
+    through its pin, and that replay's own (its logical batch, manifest and routing mode), whoever reads it
+    (trace-diff, reduce)."""
+    return moe.check_replay_table(moe.read_table(*entry), rep.path, logical=rep.logical, manifest=rep.manifest,
+                                  mode=rep.runtime.get("model.routing"))
 
 
 def replay_trace(rep: Replay, d: Path) -> Trace:
