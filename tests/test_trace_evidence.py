@@ -22,6 +22,7 @@ from replayjob.cli import main
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ContractError, IntegrityError, RefusedError
 from replayjob.jsonio import pretty_bytes
+from replayjob.runtime import knobs
 from replayjob.trace import diff as trace_diff_mod
 from replayjob.trace.diff import Side, TraceDiff
 from replayjob.trace.envelope import Bound, cosine, envelope, relative_error
@@ -246,7 +247,9 @@ def _traced_replay(d: Path, t: Trace) -> Any:
     return _fake(arm=i["arm"], repeat_index=i["repeat_index"], label=f"{i['arm']}#{i['repeat_index']}",
                  trace_index_sha256=sha, path=d / "replay_metrics.json", manifest=i["manifest_sha256"],
                  logical=i["logical_batch_sha256"], initial_adapter=i["initial_adapter_sha256"], device=i["device"],
-                 doc={"torch_version": i["torch_version"]})
+                 doc={"torch_version": i["torch_version"]}, framework=knobs.BUILTIN,
+                 runtime={knobs.GRADIENT_CHECKPOINTING: i["gradient_checkpointing"],
+                          "training.micro_batch_size": i["micro_batch_size"]})
 
 
 def test_approximate_claim_over_no_parameter_is_refused(tmp_path: Path) -> None:
@@ -274,6 +277,28 @@ def test_reduce_reads_only_a_replays_own_trace(tmp_path: Path) -> None:
     for run in (lambda: approximate_checks([x, y], ARMS), lambda: localise([x, y], "1" * 64)):
         with pytest.raises(IntegrityError, match=r"the trace is not this replay's: its identity\.arm is 'x'"):
             run()
+
+
+@pytest.mark.parametrize(("field", "value"), [("gradient_checkpointing", True), ("micro_batch_size", 2)])
+def test_a_trace_of_another_condition_is_not_the_replays(tmp_path: Path, field: str, value: Any) -> None:
+    """A trace whose checkpointing or micro-batch size is not what its replay's observed knobs say (a trace of the
+    same replay's checkpointed twin, re-pinned) is refused by every reader of a replay's trace, as another arm's is."""
+    from replayjob.trace.diff import replay_trace
+
+    x = _traced_replay(tmp_path / "x", _trace(arm="x"))
+    assert knobs.trace_condition(x.framework, x.runtime) == {"gradient_checkpointing": False, "micro_batch_size": 1}
+    write_trace(tmp_path / "x-other", _trace(arm="x", **{field: value}))
+    (tmp_path / "x" / "trace").rename(tmp_path / "x-own")
+    (tmp_path / "x-other" / "trace").rename(tmp_path / "x" / "trace")
+    x.trace_index_sha256 = sha256_bytes((tmp_path / "x" / "trace" / "index.json").read_bytes())
+    with pytest.raises(IntegrityError, match=rf"the trace is not this replay's: its identity\.{field} is {value!r}"):
+        replay_trace(x, tmp_path / "x")
+    x.runtime = {**x.runtime, "training.micro_batch_size": True}  # a flag is not the count 1
+    (tmp_path / "x" / "trace").rename(tmp_path / "x-other" / "trace")
+    (tmp_path / "x-own").rename(tmp_path / "x" / "trace")
+    x.trace_index_sha256 = sha256_bytes((tmp_path / "x" / "trace" / "index.json").read_bytes())
+    with pytest.raises(IntegrityError, match=r"its identity\.micro_batch_size is 1"):
+        replay_trace(x, tmp_path / "x")
 
 
 def test_duplicate_site_names_are_refused(tmp_path: Path) -> None:

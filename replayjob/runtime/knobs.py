@@ -522,6 +522,33 @@ VERL_REMOVE_PADDING = "verl.engine.use_remove_padding"  # with its twin in the m
 VERL_REMOVE_PADDING_MODEL = "verl.model.use_remove_padding"
 VERL_PARAM_DTYPE = "verl.engine.mixed_precision.param_dtype"  # entries of verl's mixed_precision table
 VERL_REDUCE_DTYPE = "verl.engine.mixed_precision.reduce_dtype"
+# The replay's condition a trace's identity records (docs/trace-format.md), declared once per producer as the knob
+# whose observed value it is: the producer writes it from the replay's observed knobs, and whoever reads a trace as
+# a replay's own (replayjob.trace.diff.replay_trace) derives it again from that replay's record.  A producer without
+# such a knob (a plain loop: no registered knobs) records its own view, which no record can confirm.
+TRACE_CONDITION: dict[str, dict[str, str]] = {
+    frameworks.BUILTIN: {"gradient_checkpointing": GRADIENT_CHECKPOINTING,
+                         "micro_batch_size": "training.micro_batch_size"},
+    "trl": {"gradient_checkpointing": TRL_GRADIENT_CHECKPOINTING, "micro_batch_size": TRL_MICRO_BATCH},
+    "verl": {"gradient_checkpointing": VERL_GRADIENT_CHECKPOINTING, "micro_batch_size": VERL_MICRO_BATCH},
+}
+
+
+def trace_condition(framework: str, runtime: Mapping[str, Any]) -> dict[str, bool | int]:
+    """The trace identity's ``gradient_checkpointing`` and ``micro_batch_size`` of a replay of ``framework`` whose
+    observed knobs are ``runtime`` (:data:`TRACE_CONDITION`; only the fields that producer declares): checkpointing
+    as a flag (not observed: off), the largest micro-batch's rows (not observed, as under verl's dynamic batch
+    sizes: 0)."""
+    out: dict[str, bool | int] = {}
+    for field, key in TRACE_CONDITION.get(framework, {}).items():
+        value = runtime.get(key)
+        if field == "gradient_checkpointing":
+            out[field] = value is True
+        else:
+            out[field] = value if type(value) is int and value >= 0 else 0
+    return out
+
+
 # verl's precision names (verl.utils.torch_dtypes.PrecisionType) by the name verl reports (PrecisionType.to_str)
 VERL_PRECISIONS = {"fp16": ("16", "fp16", "float16", "torch.float16"),
                    "fp32": ("32", "fp32", "float32", "torch.float32"),

@@ -47,6 +47,7 @@ from replayjob.errors import ContractError, IntegrityError, RefusedError, UsageE
 from replayjob.fsio import check_no_symlinks
 from replayjob.model import moe
 from replayjob.model.moe import RoutingTable
+from replayjob.runtime import knobs
 from replayjob.trace.envelope import (
     UNIT_ROUNDOFF,
     Bound,
@@ -182,16 +183,23 @@ def replay_trace(rep: Replay, d: Path) -> Trace:
 def _same_replay(trace: Trace, rep: Replay, where: Path) -> None:
     """The trace's identity is the replay's record of itself (the recorder copies it from the replay's metrics): a
     trace that names another capture, start state, arm, repeat, device or torch build than the replay_metrics.json
-    pinning it is not that replay's trace."""
+    pinning it is not that replay's trace, nor one whose checkpointing or micro-batch size is not what that replay's
+    observed knobs say (where its producer declares them: :func:`replayjob.runtime.knobs.trace_condition`)."""
     recorded = {"manifest_sha256": rep.manifest, "logical_batch_sha256": rep.logical,
                 "initial_adapter_sha256": rep.initial_adapter, "arm": rep.arm, "repeat_index": rep.repeat_index,
-                "device": rep.device, "torch_version": rep.doc.get("torch_version")}
+                "device": rep.device, "torch_version": rep.doc.get("torch_version"),
+                **knobs.trace_condition(rep.framework, rep.runtime)}  # the condition its producer declares
     for key, value in recorded.items():
-        if trace.identity[key] != value:
+        if not _same_value(trace.identity[key], value):
             raise IntegrityError(f"the trace is not this replay's: its identity.{key} is {trace.identity[key]!r}, "
                                  f"{REPLAY_FILE} records {value!r}", where=where / TRACE_DIR / "index.json",
                                  hint="a replay's trace is written by that replay; rerun the replay with --trace into "
                                       "a new --out")
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal, and a flag only to a flag: ``true`` is not the count 1."""
+    return bool(a == b) and (type(a) is bool) == (type(b) is bool)
 
 
 def _same_capture(sides: list[Side]) -> None:

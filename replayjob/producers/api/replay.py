@@ -248,9 +248,13 @@ class ReplaySession(Session):
             config_sha256=adm.cfg.sha256, step=m.step)
 
     def trace_identity(self, runtime: dict[str, Any]) -> dict[str, Any]:
+        """What the producer's knobs declare (:func:`replayjob.runtime.knobs.trace_condition`, which a trace's
+        reader derives again from the replay's record), else the session's own view: the first micro-batch's rows
+        and the model's checkpointing flag."""
         plan = self.regroup(self.adm.micro_batches or [])
         return {"micro_batch_size": _microbatch.batch_rows(plan[:1]) if plan else 0,
-                "gradient_checkpointing": self.gradient_checkpointing(runtime)}
+                "gradient_checkpointing": self.gradient_checkpointing(runtime),
+                **knobs.trace_condition(self.framework, runtime)}
 
 
 def padding(mbs: list[_microbatch.MicroBatch]) -> dict[str, Any]:

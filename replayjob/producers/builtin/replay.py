@@ -153,8 +153,7 @@ class BuiltinSession(Session):
             budgets_sha256=cfg.optimizer_batch.budgets_sha256, config_sha256=config_sha256(cfg), step=m.step)
 
     def trace_identity(self, runtime: dict[str, Any]) -> dict[str, Any]:
-        return {"micro_batch_size": self.cfg.training.micro_batch_size,
-                "gradient_checkpointing": runtime[knobs.GRADIENT_CHECKPOINTING]}
+        return knobs.trace_condition(knobs.BUILTIN, runtime)
 
     def land(self, out: Path, metrics: dict[str, Any]) -> dict[str, Any]:
         """Over several ranks: write this rank's figures (``replay_metrics.rank-<r>.json``), wait for every

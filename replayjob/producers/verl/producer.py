@@ -793,10 +793,6 @@ class VerlSession(ReplaySession):
         if step.data is not None:  # the captured call; the engine runs every micro-batch of it
             super().micro_batch(i, step, before_loss)
 
-    def trace_identity(self, runtime: dict[str, Any]) -> dict[str, Any]:
-        return {"micro_batch_size": self.observed.get("micro_batch_size_per_gpu") or 0,
-                "gradient_checkpointing": bool(runtime.get(knobs.VERL_GRADIENT_CHECKPOINTING))}
-
     @property
     def captured_processes(self) -> int:
         return len(self.adm.rank_micro_batches) if self.adm.rank_micro_batches is not None else 1
