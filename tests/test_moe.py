@@ -402,6 +402,29 @@ def test_a_routing_file_of_another_replay_is_refused(field: str, moe_runs: dict[
     assert "the routing file is not this replay's" in err and field in err and "Traceback" not in err
 
 
+def test_a_routing_file_of_other_rows_than_the_trace_is_refused(moe_runs: dict[str, Any], tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A replay's routing file and trace count the same real tokens per row; a routing file of the replay's own
+    identity re-sealed over other rows (the last row a token short) is refused (exit 2) where both are read
+    (load_side: trace-diff, and reduce's routing check, which attributes flips through the traces)."""
+    from replayjob.trace.diff import load_side
+
+    d = tmp_path / "flips"
+    shutil.copytree(moe_runs["flips"], d)
+    t = moe.read_table(d / "routing.safetensors", None)
+    (d / "routing.safetensors").unlink()
+    sha = hostile_routing_file("fewer tokens", t, d, "", d / "routing.safetensors")
+    doc = metrics(d)
+    doc["routing"]["sha256"] = sha
+    (d / "replay_metrics.json").write_text(json.dumps(doc))
+    with pytest.raises(IntegrityError, match="count different tokens per row"):
+        load_side(d)
+    capsys.readouterr()
+    assert main(["trace-diff", str(moe_runs["free"]), str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "count different tokens per row" in err and "Traceback" not in err
+
+
 def trace_diff(capsys: pytest.CaptureFixture[str], a: Path, b: Path) -> tuple[int, dict[str, Any]]:
     capsys.readouterr()
     rc = main(["trace-diff", str(a), str(b), "--json"])

@@ -124,6 +124,13 @@ def load_side(path: str | Path) -> list[Side]:
         routing = None if entry is None else replay_routing(rep, entry)
         compute = COMPUTE_DTYPES.get(str((rep.doc.get("provenance") or {}).get("compute_dtype")))
         trace = replay_trace(rep, d)
+        if routing is not None and not routing.row_tokens.equal(trace.row_tokens):
+            raise IntegrityError(f"the routing file and the trace of one replay count different tokens per row "
+                                 f"({routing.tokens} and {int(trace.row_tokens.sum())} tokens over "
+                                 f"{routing.row_tokens.numel()} and {trace.rows} rows): both were recorded on the "
+                                 "update's real tokens, so one is not this replay's",
+                                 where=entry[0] if entry is not None else metrics,
+                                 hint="a replay's trace and routing file are written by that replay; rerun the replay")
         out.append(Side(d, trace, routing, compute, rep.knobs))
     _one_condition(out)
     return out
