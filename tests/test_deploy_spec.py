@@ -151,6 +151,12 @@ def test_spec_refuses_what_it_cannot_fan_out(tmp_path: Path, edit: str, message:
     ("storage", "0.5", "0.5 bytes, not a whole number: "),
     ("memory", "0", "is nothing"),
     ("cpu", "0", "is nothing"),
+    # what Kubernetes does not count: a fraction of a millicore, more than a 64-bit count for a pod of ranks
+    ("cpu", "0.5m", "finer than a thousandth of a CPU"),
+    ("cpu", "0.0001", "finer than a thousandth of a CPU"),
+    ("cpu", "200000000000000", "more than Kubernetes counts: a request is a 64-bit count of millicores"),
+    ("memory", "200000Ti", "more than Kubernetes counts: a request is a 64-bit count of bytes"),
+    ("storage", "99999999999999999999", "64-bit count of bytes"),
 ])
 def test_spec_refuses_a_name_or_label_the_api_server_refuses(tmp_path: Path, key: str, value: str,
                                                              message: str) -> None:

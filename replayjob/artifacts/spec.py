@@ -56,6 +56,7 @@ from replayjob.artifacts.pods import to_dict as pods_to_dict
 from replayjob.artifacts.schedule import DESIGNS, Slot, plan
 from replayjob.config.dump import set_args, toml_value
 from replayjob.config.load import MAX_TOML_BYTES, read_toml_bytes, read_toml_file_bytes, read_toml_text
+from replayjob.declaration import INT64_MAX
 from replayjob.digest import is_sha256_hex
 from replayjob.errors import ConfigError
 from replayjob.runtime.determinism import ENV_MATH_MODE, MATH_MODES
@@ -306,8 +307,8 @@ class AblationSpec:
         "doc": "A storage class offering ReadWriteMany (kubectl get storageclass; standard-rwx on GKE, efs-sc on "
                "EKS, azurefile-csi on AKS, NFS, CephFS); required to render for a cluster."})
     cpu: str = field(default="8", metadata={
-        "doc": "CPU per rank (a Kubernetes quantity above 0): a pod of N ranks requests N times cpu, requests equal "
-               "limits, and each rank's OMP_NUM_THREADS is its share."})
+        "doc": "CPU per rank (a Kubernetes quantity above 0, in whole millicores): a pod of N ranks requests N "
+               "times cpu, requests equal limits, and each rank's OMP_NUM_THREADS is its share."})
     memory: str = field(default="64Gi", metadata={
         "doc": "Memory per rank (a Kubernetes quantity of whole bytes above 0): a pod of N ranks requests N times "
                "memory, requests equal limits."})
@@ -405,6 +406,15 @@ class AblationSpec:
                 raise ConfigError(f"{getattr(self, key)!r} is {amount} bytes, not a whole number{milli}: no "
                                   "memory or volume holds a fraction of a byte", where=key,
                                   hint="write bytes with Ki, Mi, Gi or Ti (64Gi), or k, M, G, T")
+            if key == "cpu" and amount * 1000 != (amount * 1000).to_integral_value():
+                raise ConfigError(f"{self.cpu!r} is finer than a thousandth of a CPU: Kubernetes counts CPU in "
+                                  "whole millicores (1m)", where=key, hint="write CPU as cores (8, 0.5) or millicores "
+                                  "(500m)")
+            unit = "millicores" if key == "cpu" else "bytes"
+            if amount * (1000 if key == "cpu" else 1) * MAX_RANKS > INT64_MAX:  # a pod of N ranks asks N times
+                raise ConfigError(f"{getattr(self, key)!r} is more than Kubernetes counts: a request is a 64-bit "
+                                  f"count of {unit}, and a pod of up to {MAX_RANKS} ranks requests {MAX_RANKS} times "
+                                  "it", where=key, hint="request what one rank needs")
         for key in ("image", "gpu_product", "model_path", "resume", "claim_name", "storage_class",
                     "driver_version", "driver_label", "priority_class", "budgets"):
             if not _SAFE_STR.fullmatch(getattr(self, key)):
