@@ -352,7 +352,7 @@ def test_cuda_other_processes_are_read_from_nvidia_smi(tmp_path: Path, monkeypat
 
 def test_the_cuda_figures_count_of_other_processes_is_recomputed_from_its_process_lists() -> None:
     from replayjob.artifacts.contention import ContentionRecord
-    from replayjob.artifacts.document import decode
+    from replayjob.declaration import decode
     procs = [{"pid": 10, "used_bytes": 2**20}, {"pid": 11, "used_bytes": None}]
     cuda = {"device": "cuda:0", "read_by": "nvml", "processes_before": procs[:1], "processes_after": procs,
             "other_processes": 1, "note": ""}

@@ -1,6 +1,6 @@
 """Every declared document (``replayjob.artifacts``) is fuzzed from its declaration.
 
-Two properties, for every :class:`~replayjob.artifacts.document.Document` in the package:
+Two properties, for every :class:`~replayjob.declaration.Document` in the package:
 
 * **Nothing is left open.** Every number is bounded (integers within 64 bits, floats finite), nothing is
   typed ``Any``: a field added without its range fails here, before an attack finds it.
@@ -8,7 +8,7 @@ Two properties, for every :class:`~replayjob.artifacts.document.Document` in the
   replaced by values its declared type must refuse (a bool or a float where an integer is declared, a
   string for a number, NaN and the infinities, one past each bound, ``null`` where it is not allowed, a
   wrong schema), removed when it is required, and an unknown key is added: each is refused by
-  :func:`~replayjob.artifacts.document.decode` with an :class:`IntegrityError` naming the file and the field.
+  :func:`~replayjob.declaration.decode` with an :class:`IntegrityError` naming the file and the field.
   Hypothesis then mutates nested values (lists, mappings, sub-documents) at random the same way.
 
 The mutations are chosen from the field's declared type, never filtered by trying them: the first property
@@ -36,8 +36,8 @@ from hypothesis import strategies as st
 
 import replayjob.artifacts
 from replayjob.artifacts.cluster_status import Stuck, stopped_record
-from replayjob.artifacts.document import Document, decode
 from replayjob.artifacts.run_end import run_end
+from replayjob.declaration import Document, decode
 from replayjob.errors import IntegrityError
 from replayjob.runtime.contention_probe import Probe
 

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from replayjob.artifacts import funnel_record
-from replayjob.artifacts.document import decode
 from replayjob.artifacts.funnel_record import FunnelRecord
 from replayjob.cli import main
+from replayjob.declaration import decode
 from replayjob.errors import OperationalError
 from replayjob.launch import funnel as funnel_module
 from replayjob.launch.funnel import FUNNEL_FILE, STATUS

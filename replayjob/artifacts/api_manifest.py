@@ -65,17 +65,7 @@ from replayjob.artifacts.capture_manifest import (
     read_pinned,
 )
 from replayjob.artifacts.capture_root import landed_name, rank_dir, ranks_digest
-from replayjob.artifacts.document import (
-    INT64_MAX,
-    INT64_MIN,
-    Count,
-    Digest,
-    Document,
-    Positive,
-    Text,
-    agree,
-    decode,
-)
+from replayjob.declaration import INT64_MAX, INT64_MIN, Count, Digest, Document, Positive, Text, agree, decode
 from replayjob.digest import sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
 from replayjob.frameworks import EXTERNAL

@@ -8,7 +8,7 @@ key that is neither ``baseline``, ``allow_cross_node`` nor a table is an unknown
 how they are decided is :mod:`replayjob.gate.budgets`.
 
 Example:
-    >>> from replayjob.artifacts.document import decode
+    >>> from replayjob.declaration import decode
     >>> doc = decode(shaped({"mb-1": {"local_train_wall_s": {"max_ratio": 2.0}}}), BudgetsFile, where="b.toml")
     >>> doc.arms["mb-1"].local_train_wall_s
     RatioBounds(max_ratio=2.0, min_ratio=UNSET)
@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from replayjob.artifacts.document import Document, Text
+from replayjob.declaration import Document, Text
 
 TIME_METRICS = ("local_train_wall_s", "forward_wall_s", "backward_wall_s", "optimizer_wall_s",
                 "in_process_train_wall_s")

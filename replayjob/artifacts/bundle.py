@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from replayjob.artifacts.capture_manifest import LOGPROB, Domain
-from replayjob.artifacts.document import Count, Digest, Document, Finite, Int, NonNegative, OneLine, Positive, whole
+from replayjob.declaration import Count, Digest, Document, Finite, Int, NonNegative, OneLine, Positive, whole
 from replayjob.errors import ContractError, IntegrityError
 
 FORMAT = "replayjob.bundle"

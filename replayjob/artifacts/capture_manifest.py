@@ -52,7 +52,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
-from replayjob.artifacts.document import Count, Digest, Document, Finite, decode
+from replayjob.declaration import Count, Digest, Document, Finite, decode
 from replayjob.digest import normalize_digest, sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
 from replayjob.frameworks import BUILTIN

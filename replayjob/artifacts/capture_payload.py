@@ -54,7 +54,7 @@ import numpy as np
 
 from replayjob import tensorfile
 from replayjob.artifacts.capture_manifest import FINITE, LOGPROB, MAX_PAYLOAD_BYTES, WEIGHT, Domain, Manifest
-from replayjob.artifacts.document import check_summaries
+from replayjob.declaration import check_summaries
 from replayjob.errors import IntegrityError
 from replayjob.rl import batch as batch_mod
 from replayjob.rl.batch import OptimizerBatch

@@ -48,8 +48,8 @@ import msgspec
 
 from replayjob.artifacts import capture_manifest as manifest
 from replayjob.artifacts.capture_manifest import ContractBlock, Hashed, InitialAdapter, Manifest, Outcome, Rows
-from replayjob.artifacts.document import Count, Digest, Document, NonNegative, Text, agree, decode
 from replayjob.config.schema import BackendConfig
+from replayjob.declaration import Count, Digest, Document, NonNegative, Text, agree, decode
 from replayjob.errors import ArtifactExistsError, IntegrityError
 from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict

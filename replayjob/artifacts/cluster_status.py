@@ -29,8 +29,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from replayjob.artifacts.document import Document, decode
 from replayjob.artifacts.verdict import Verdict
+from replayjob.declaration import Document, decode
 from replayjob.errors import EXIT_ERROR, EXIT_OK, FINAL_EXIT_STATUSES, OperationalError, ReplayjobError, is_retryable
 from replayjob.jsonio import loads_strict
 

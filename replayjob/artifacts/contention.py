@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from replayjob.artifacts.document import Count, Document, Finite, NonNegative, Positive, Share, Text, agree, to_builtins
+from replayjob.declaration import Count, Document, Finite, NonNegative, Positive, Share, Text, agree, to_builtins
 from replayjob.runtime.contention_probe import SCHEMA, THRESHOLDS, decide
 
 LoadAverage = Annotated[list[NonNegative], msgspec.Meta(min_length=3, max_length=3)]

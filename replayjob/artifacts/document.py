@@ -1,16 +1,15 @@
 """Declared documents held in TOML files that replays pin (tolerances, budgets, a mismatch bound): read once,
 hashed, parsed strictly and decoded through their declaration.
 
-How a document is declared, and how every declared document is read, is :mod:`replayjob.declaration` (the core
-layer, so a model's or an optimizer's own files are declared the same way); its names are re-exported here for
-the artifacts that import them with their readers.
+How a document is declared, and how every declared document is decoded, is :mod:`replayjob.declaration` (the core
+layer, so a model's or an optimizer's own files are declared the same way); this module adds only the reading of the
+pinned TOML files.
 
 Example:
-    >>> from replayjob.artifacts.document import Count, Document, decode
-    >>> class Point(Document, frozen=True):
-    ...     x: Count
-    >>> decode({"x": 3}, Point, where="p.json")
-    Point(x=3)
+    >>> from replayjob.declaration import Count, Document
+    >>> class Margin(Document, frozen=True):
+    ...     rows: Count
+    >>> read_declared_toml(Path("bound.toml"), Margin, "bound", "rewrite it")  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -19,35 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.config.load import read_toml_bytes, read_toml_file_bytes
-from replayjob.declaration import (
-    FLOAT_MAX,
-    INT64_MAX,
-    INT64_MIN,
-    Count,
-    D,
-    Digest,
-    Document,
-    Finite,
-    Int,
-    NonNegative,
-    OneLine,
-    Positive,
-    Printable,
-    Share,
-    Text,
-    agree,
-    check_summaries,
-    decode,
-    describe,
-    to_builtins,
-    whole,
-)
+from replayjob.declaration import D, decode
 from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
 
-__all__ = ["FLOAT_MAX", "INT64_MAX", "INT64_MIN", "Count", "D", "Digest", "Document", "Finite", "Int", "NonNegative",
-           "OneLine", "Positive", "Printable", "Share", "Text", "agree", "check_summaries", "decode", "describe",
-           "read_declared_toml", "read_pinned_toml", "to_builtins", "whole"]
+__all__ = ["read_declared_toml", "read_pinned_toml"]
 
 
 def read_pinned_toml(p: Path, what: str, expected_sha256: str | None = None) -> tuple[dict[str, Any], str]:

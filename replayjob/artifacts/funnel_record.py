@@ -7,7 +7,7 @@ stages: the exit code is the first non-passing stage's, and the status follows f
 0/1, else that stage's own status); each stage's status agrees with its exit code.
 
 Example:
-    >>> from replayjob.artifacts.document import decode
+    >>> from replayjob.declaration import decode
     >>> stage = {"name": "determinism", "status": "fail", "exit_code": 2, "detail": "", "wall_s": 1.0,
     ...          "artifacts": {}}
     >>> decode(stage, FunnelStage, where="funnel.json")
@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from replayjob.artifacts.document import Count, Document, Finite, Int, NonNegative, Positive, Share, Text, decode
+from replayjob.declaration import Count, Document, Finite, Int, NonNegative, Positive, Share, Text, decode
 from replayjob.errors import OperationalError, ReplayjobError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import loads_strict, pretty_bytes

@@ -29,11 +29,11 @@ from typing import Any
 from msgspec import UNSET, UnsetType
 
 from replayjob import __version__
-from replayjob.artifacts.document import decode
 from replayjob.artifacts.replay_metrics import Distributed, RankMetrics, ReplayMetrics, TracePin
 from replayjob.artifacts.schedule import DESIGNS, Slot
 from replayjob.artifacts.source_metrics import SourceMetrics
 from replayjob.config.differences import flatten
+from replayjob.declaration import decode
 from replayjob.digest import is_sha256_hex, sha256_bytes, sha256_file
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.frameworks import BUILTIN, PRODUCERS

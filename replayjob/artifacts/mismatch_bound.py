@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replayjob.artifacts.document import Document, NonNegative, Share, read_declared_toml
+from replayjob.artifacts.document import read_declared_toml
+from replayjob.declaration import Document, NonNegative, Share
 from replayjob.digest import normalize_digest
 from replayjob.errors import IntegrityError
 

@@ -42,7 +42,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from replayjob.artifacts.document import whole
+from replayjob.declaration import whole
 from replayjob.errors import ConfigError
 from replayjob.runtime.determinism import NCCL_NUMERICS
 

@@ -3,7 +3,7 @@
 Every key the one replay driver writes (:mod:`replayjob.producers.driver`, for every producer) is declared
 here with its type and range, and nothing else is read: an unknown key, a missing one, a bool or float where
 a count is declared, a digest that is not 64 lower-case hex digits, a negative time or a share above 1 is
-refused by :func:`replayjob.artifacts.document.decode` naming the file and the field.  The rules that tie
+refused by :func:`replayjob.declaration.decode` naming the file and the field.  The rules that tie
 the document to the files beside it (rank files, the final adapter, the trace index, the knob registry) are
 :func:`replayjob.artifacts.metrics.read_replay`'s, which reads through this declaration first.
 
@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 
 from replayjob.artifacts.contention import ContentionRecord
-from replayjob.artifacts.document import Count, Digest, Document, Finite, Int, NonNegative, Share, Text, whole
+from replayjob.declaration import Count, Digest, Document, Finite, Int, NonNegative, Share, Text, whole
 
 Scalar = str | bool | Int | Finite | None
 """A knob's value as the replay config sets it (compared whole with the arm's intent and the runtime's)."""

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Final, Literal
 
 import msgspec
 
-from replayjob.artifacts.document import Digest, Document, decode, whole
+from replayjob.declaration import Digest, Document, decode, whole
 from replayjob.errors import IntegrityError
 from replayjob.fsio import atomic_write_bytes
 from replayjob.jsonio import pretty_bytes, read_json_object

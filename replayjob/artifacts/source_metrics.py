@@ -23,7 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from replayjob.artifacts.document import Count, Digest, Document, Finite, Int, NonNegative, Positive, Text, whole
+from replayjob.declaration import Count, Digest, Document, Finite, Int, NonNegative, Positive, Text, whole
 
 BareName = Annotated[str, whole(r"(?!\.\.?\Z)[A-Za-z0-9_.-]+")]
 """A file name in the metrics file's own directory (no separator, not ``.`` or ``..``)."""

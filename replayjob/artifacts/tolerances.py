@@ -14,7 +14,8 @@ from typing import Annotated
 
 import msgspec
 
-from replayjob.artifacts.document import Document, NonNegative, read_declared_toml
+from replayjob.artifacts.document import read_declared_toml
+from replayjob.declaration import Document, NonNegative
 
 HINT = "write update_cosine_min = 0.99 and relative_delta_l2_max = 0.1"
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 
 from replayjob import tensorfile
-from replayjob.artifacts.document import Count, Digest, Document, Positive, Printable, decode
+from replayjob.declaration import Count, Digest, Document, Positive, Printable, decode
 from replayjob.digest import normalize_digest, sha256_bytes
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import atomic_write_bytes, check_no_symlinks, read_regular_bytes

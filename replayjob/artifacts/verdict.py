@@ -23,7 +23,7 @@ import msgspec
 
 from replayjob import __version__
 from replayjob.artifacts import claims
-from replayjob.artifacts.document import Document, Text, decode
+from replayjob.declaration import Document, Text, decode
 from replayjob.errors import (
     EXIT_ERROR,
     EXIT_NEGATIVE,

@@ -48,7 +48,7 @@ from replayjob.artifacts.bundle import (
     reads_version,
     version_error,
 )
-from replayjob.artifacts.document import decode, to_builtins
+from replayjob.declaration import decode, to_builtins
 from replayjob.errors import ContractError, IntegrityError
 from replayjob.rl.stages import ESTIMATORS
 

@@ -44,10 +44,10 @@ from replayjob.artifacts.bundle import (
     RankComplete,
     RootComplete,
 )
-from replayjob.artifacts.document import decode
 from replayjob.bundle import format as fmt
 from replayjob.bundle.mask import MaskRows
 from replayjob.bundle.schema import check_closure, check_groups, check_tokens, decode_manifest
+from replayjob.declaration import decode
 from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
 from replayjob.fsio import read_regular_bytes

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.artifacts.bundle import BundleManifest, gate
-from replayjob.artifacts.document import decode, to_builtins
 from replayjob.bundle import format as fmt
+from replayjob.declaration import decode, to_builtins
 from replayjob.errors import ContractError, IntegrityError
 
 W = fmt.MANIFEST

@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any
 import replayjob
 from replayjob import tensorfile
 from replayjob.artifacts.bundle import RankComplete
-from replayjob.artifacts.document import decode
 from replayjob.bundle import format as fmt
 from replayjob.bundle.reader import FinitePadding, InDomain, TokenIds
 from replayjob.bundle.schema import check_closure, check_groups, check_manifest, check_tokens
 from replayjob.crashpoints import point
+from replayjob.declaration import decode
 from replayjob.digest import sha256_bytes
 from replayjob.errors import ArtifactExistsError, ConfigError, IntegrityError
 from replayjob.fsio import atomic_write_bytes, fsync_dir, write_failure

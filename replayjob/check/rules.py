@@ -22,9 +22,9 @@ from typing import Any
 
 import msgspec
 
-from replayjob.artifacts.document import OneLine
 from replayjob.check.leaves import parse_path
 from replayjob.config.load import read_toml, read_toml_text
+from replayjob.declaration import OneLine
 from replayjob.errors import ConfigError, UsageError
 
 SCHEMA = "replayjob.signals/1"

@@ -52,8 +52,9 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.artifacts.budgets_file import HINT, KINDS, MEMORY_METRIC, METRICS, TIME_METRICS, BudgetsFile, shaped
-from replayjob.artifacts.document import decode, read_pinned_toml
+from replayjob.artifacts.document import read_pinned_toml
 from replayjob.artifacts.schedule import block_order
+from replayjob.declaration import decode
 from replayjob.errors import IntegrityError
 from replayjob.gate import stats
 from replayjob.gate.checks import FAIL, NOT_APPLICABLE, PASS, REFUSED, Arm, Check, agree

@@ -42,9 +42,9 @@ from typing import Annotated, Any
 
 from replayjob.artifacts import pods
 from replayjob.artifacts.cluster_status import PULL_FAILURES, ApiObject, Stuck, judge, read_status
-from replayjob.artifacts.document import whole
 from replayjob.artifacts.run_end import read_run_end_text
 from replayjob.artifacts.verdict import Verdict, read_verdict_text
+from replayjob.declaration import whole
 from replayjob.errors import (
     EXIT_ERROR,
     EXIT_OK,

@@ -33,11 +33,11 @@ from replayjob import tensorfile
 from replayjob.artifacts import api_manifest as imanifest
 from replayjob.artifacts.api_manifest import Manifest
 from replayjob.artifacts.capture_manifest import PinnedManifest
-from replayjob.artifacts.document import check_summaries
 from replayjob.artifacts.metrics import SKIPPED
 from replayjob.config import redact
 from replayjob.config.load import absolutize_paths, apply_overrides, build, read_toml
 from replayjob.config.schema import OptimizerBatchConfig
+from replayjob.declaration import check_summaries
 from replayjob.digest import sha256_json
 from replayjob.errors import ConfigError, IntegrityError, RefusedError
 from replayjob.jsonio import read_json_object

@@ -21,7 +21,7 @@ from replayjob.artifacts.capture_root import (
     read_landed,
     root_document,
 )
-from replayjob.artifacts.document import check_summaries
+from replayjob.declaration import check_summaries
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import check_no_symlinks
 from replayjob.rl.batch import OptimizerBatch
