@@ -341,8 +341,9 @@ class StartState(Document, frozen=True):
             raise ValueError(f"'state.dir' must be a bare directory name, found {self.dir[:80]!r}")
 
 
-class BuiltinManifest(Document, frozen=True):
-    """The built-in trainer's capture manifest (the module docstring lists its fields)."""
+class BuiltinHead(Document, frozen=True):
+    """What every manifest of the built-in trainer holds, a step's (:class:`BuiltinManifest`) and a root's over ranks
+    (:class:`replayjob.artifacts.capture_root.BuiltinRoot`) alike."""
 
     OPAQUE: ClassVar[dict[str, str]] = {
         "producer": "provenance (versions, python, device, determinism), recorded for people; the pins decide",
@@ -352,13 +353,18 @@ class BuiltinManifest(Document, frozen=True):
     framework: Literal["replayjob"]
     step: Count
     producer: dict[str, Any]
-    payload: PayloadPin
     rows: Rows
     logical_batch_sha256: Digest
     local_effective_rows_sha256: Digest
     config: Hashed
     contract: ContractBlock
     initial_adapter: InitialAdapter
+
+
+class BuiltinManifest(BuiltinHead, frozen=True):
+    """The built-in trainer's capture manifest (the module docstring lists its fields)."""
+
+    payload: PayloadPin
     state: StartState | None = None  # absent in a step-zero capture
     outcome: Outcome | None = None  # absent only in captures written before the seal
 
@@ -376,8 +382,9 @@ class BuiltinManifest(Document, frozen=True):
                              f"{state_dir_name(self.step)!r}")
 
 
-def _decode(doc: Any, kind: type[Document], where: Path) -> None:
-    """``doc`` read through its declaration ``kind``; a refusal is a malformed manifest field."""
+def decode_manifest(doc: Any, kind: type[Document], where: Path) -> None:
+    """``doc`` read through its declaration ``kind``; a refusal is a malformed manifest field (a step's manifest, a
+    root's over ranks or a part of either)."""
     try:
         decode(doc, kind, where=where)
     except IntegrityError as exc:
@@ -396,7 +403,7 @@ def validate_outcome(doc: dict[str, Any], where: Path) -> None:
     """A manifest's optional ``outcome`` (every producer's manifest reader uses it): :class:`Outcome`."""
     if OUTCOME in doc:
         need(doc[OUTCOME] is not None, f"'{OUTCOME}' is absent or an object, never null", where)
-        _decode(doc[OUTCOME], Outcome, where)
+        decode_manifest(doc[OUTCOME], Outcome, where)
 
 
 def build(*, step: int, producer: dict[str, Any], payload_file: str, payload_size: int, payload_digest: str,
@@ -456,8 +463,8 @@ def need_hex(v: Any, what: str, where: Path) -> None:
 def validate_pins(doc: dict[str, Any], where: Path) -> None:
     """The digests every manifest carries: logical and effective rows, config and contract (recomputed):
     :class:`ManifestPins`."""
-    _decode({k: doc.get(k) for k in ("logical_batch_sha256", "local_effective_rows_sha256", "config", "contract")},
-            ManifestPins, where)
+    decode_manifest({k: doc.get(k) for k in ("logical_batch_sha256", "local_effective_rows_sha256", "config",
+                                             "contract")}, ManifestPins, where)
 
 
 def check_schema(doc: Any, where: Path) -> dict[str, Any]:
@@ -482,7 +489,7 @@ def validate(doc: Any, where: Path) -> dict[str, Any]:
     check_schema(doc, where)
     need(doc["framework"] == BUILTIN, f"'framework' must be {BUILTIN!r} in the built-in trainer's manifest", where)
     _no_nulls(doc, ("state", OUTCOME), where)
-    _decode(doc, BuiltinManifest, where)
+    decode_manifest(doc, BuiltinManifest, where)
     return doc
 
 

@@ -42,14 +42,14 @@ import hashlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any
 
 import msgspec
 
 from replayjob.artifacts import capture_manifest as manifest
-from replayjob.artifacts.capture_manifest import ContractBlock, Hashed, InitialAdapter, Manifest, Outcome, Rows
+from replayjob.artifacts.capture_manifest import Manifest, Outcome
 from replayjob.config.schema import BackendConfig
-from replayjob.declaration import Count, Digest, Document, NonNegative, Text, agree, decode
+from replayjob.declaration import Count, Digest, Document, NonNegative, Text, agree
 from replayjob.errors import ArtifactExistsError, IntegrityError
 from replayjob.fsio import atomic_write_bytes, read_regular_bytes
 from replayjob.jsonio import canonical_bytes, loads_strict
@@ -276,26 +276,12 @@ class RootPayload(Document, frozen=True):
     rng_keys: Annotated[list[Text], msgspec.Meta(min_length=1)]
 
 
-class BuiltinRoot(Document, frozen=True):
+class BuiltinRoot(manifest.BuiltinHead, frozen=True):
     """The built-in trainer's root over ranks (the module docstring lists its fields)."""
 
-    OPAQUE: ClassVar[dict[str, str]] = {
-        "producer": "provenance (versions, python, device, determinism), recorded for people; the pins decide",
-    }
-
-    schema: Literal["replayjob.capture_manifest/v3"]
-    framework: Literal["replayjob"]
-    step: Count
-    producer: dict[str, Any]
     distributed: RootDistributed
     ranks: list[RootRankEntry]
     payload: RootPayload
-    rows: Rows
-    logical_batch_sha256: Digest
-    local_effective_rows_sha256: Digest
-    config: Hashed
-    contract: ContractBlock
-    initial_adapter: InitialAdapter
     outcome: Outcome | msgspec.UnsetType = msgspec.UNSET  # absent only in captures written before the seal
 
     def __post_init__(self) -> None:
@@ -323,11 +309,6 @@ def validate(doc: Any, where: Path) -> dict[str, Any]:
     against its ranks and recorded config (:func:`check_layout`); the ranks themselves are checked by
     :func:`~replayjob.producers.builtin.ranks.verify`."""
     manifest.check_schema(doc, where)
-    try:
-        decode(doc, BuiltinRoot, where=where)
-    except IntegrityError as exc:
-        raise IntegrityError(f"manifest {exc.message}" if exc.message.startswith("field ") else
-                             f"manifest field {exc.message}", where=where,
-                             hint="the manifest is malformed; capture the step again") from None
+    manifest.decode_manifest(doc, BuiltinRoot, where)
     check_layout(doc, where)
     return dict(doc)
