@@ -198,24 +198,30 @@ echo "${{REPLAYJOB[*]}}"
     assert digest not in again and "REPLAYJOB_IMAGE_DIGEST=sha256:" in again
 
 
-def test_image_mode_runs_the_plan_through_the_container(spec_file: Path, tmp_path: Path) -> None:
-    """--image: submit.sh asks for the plan through the container runtime.  No apptainer exists
-    here, so a stand-in runtime records its argv and runs the command after the image from the
-    virtual environment."""
-    image = tmp_path / "replayjob.sif"
+def _stand_in_container(tmp_path: Path, log: Path | None = None) -> tuple[Path, Path]:
+    """A stand-in image file and container runtime (no apptainer exists here): the runtime appends its argv to
+    ``log`` when given and runs the command after the image from the virtual environment."""
+    image, runtime = tmp_path / "replayjob.sif", tmp_path / "apptainer"
     image.write_text("stand-in image\n")
-    log = tmp_path / "argv.txt"
-    runtime = tmp_path / "apptainer"
+    record = f'echo "$*" >>{log}\n' if log is not None else ""
     runtime.write_text(f"""#!/usr/bin/env bash
 set -euo pipefail
-echo "$*" >>{log}
-while [ "$1" != {image} ]; do shift; done
+{record}while [ "$1" != {image} ]; do shift; done
 shift
 cmd=$1
 shift
 exec {REPO / '.venv' / 'bin'}/"$cmd" "$@"
 """)
     runtime.chmod(0o755)
+    return image, runtime
+
+
+def test_image_mode_runs_the_plan_through_the_container(spec_file: Path, tmp_path: Path) -> None:
+    """--image: submit.sh asks for the plan through the container runtime.  No apptainer exists
+    here, so a stand-in runtime records its argv and runs the command after the image from the
+    virtual environment."""
+    log = tmp_path / "argv.txt"
+    image, runtime = _stand_in_container(tmp_path, log)
     out = tmp_path / "run"
     res = _submit("--out", str(out), "--spec", str(spec_file), "--image", str(image), "--container",
                   str(runtime), "--gpus-per-task", "0", "--bind", "/models", "--dry-run")
@@ -566,16 +572,7 @@ def test_a_run_of_more_ranks_than_a_node_has_gpus_asks_for_several_nodes(tmp_pat
     for cmd in (capture, four):
         assert "--nodes=2 --ntasks=4 --ntasks-per-node=2 --gres=gpu:2" in cmd and "--mem=16384M" in cmd, cmd
     assert "--nodes=1 --ntasks=2 --gres=gpu:2" in two and "--ntasks-per-node" not in two
-    image, runtime = tmp_path / "replayjob.sif", tmp_path / "apptainer"  # a stand-in: runs the venv's replayjob
-    image.write_text("stand-in image\n")
-    runtime.write_text(f"""#!/usr/bin/env bash
-while [ "$1" != {image} ]; do shift; done
-shift
-cmd=$1
-shift
-exec {REPO / '.venv' / 'bin'}/"$cmd" "$@"
-""")
-    runtime.chmod(0o755)
+    image, runtime = _stand_in_container(tmp_path)
     refused = _submit("--out", str(tmp_path / "image"), "--spec", str(spec), "--dry-run", "--image", str(image),
                       "--container", str(runtime))
     assert refused.returncode == 2 and "runs of 4 ranks span several nodes (node_gpus = 2), which needs srun" \

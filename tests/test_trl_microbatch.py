@@ -22,6 +22,7 @@ pytest.importorskip("trl", reason="the TRL tests need the 'trl' extra: pip insta
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from conftest import grpo
+from trl_scenario import MICRO
 
 from replayjob.cli import main
 from replayjob.launch import funnel as funnel_module
@@ -29,10 +30,6 @@ from replayjob.launch.funnel import FUNNEL_FILE, STATUS
 from replayjob.runtime import knobs
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
-
-MICRO = ["--set", "trl.per_device_train_batch_size=2",
-         "--set", 'optimizer_batch.allow_config_differences=["trl.per_device_train_batch_size"]']
-
 
 @pytest.fixture(scope="module")
 def captures(trl_base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:

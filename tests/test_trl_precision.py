@@ -17,17 +17,13 @@ pytest.importorskip("trl", reason="the TRL tests need the 'trl' extra: pip insta
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import torch
-from trl_scenario import capture
+from trl_scenario import MICRO, capture
 
 from replayjob.cli import main
 from replayjob.digest import sha256_file
 from replayjob.producers.api import precision
 
 pytestmark = pytest.mark.usefixtures("fresh_determinism_mode")
-
-MICRO = ["--set", "trl.per_device_train_batch_size=2",
-         "--set", 'optimizer_batch.allow_config_differences=["trl.per_device_train_batch_size"]']
-
 
 @pytest.fixture(scope="module")
 def bf16(trl_base: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:

@@ -196,6 +196,18 @@ def test_a_root_whose_rows_summary_lies_is_refused_even_when_pinned(field: str, 
                                                                     ranks_capture: dict[str, Any], tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """The root is rewritten with a false summary of its parts' micro-batches and re-pinned: recomputed, refused."""
+    def lie(doc: dict[str, Any]) -> None:
+        rows = doc["rows"]
+        rows[field] = (not rows[field]) if change is None else rows[field] + change
+
+    text = _explain_rewritten_root(lie, ranks_capture, tmp_path, capsys)
+    assert f"rows.{field} is" in text and "Traceback" not in text, text
+
+
+def _explain_rewritten_root(edit: Any, ranks_capture: dict[str, Any], tmp_path: Path,
+                            capsys: pytest.CaptureFixture[str]) -> str:
+    """``explain`` (exit 2 asserted) of a copy of the capture whose root manifest is ``edit``-ed and re-pinned, as
+    someone rewriting both would; what it printed."""
     import json
 
     from replayjob.digest import sha256_bytes
@@ -204,8 +216,7 @@ def test_a_root_whose_rows_summary_lies_is_refused_even_when_pinned(field: str, 
     shutil.copytree(ranks_capture["dir"], d, ignore=shutil.ignore_patterns("trainer"))
     root = d / f"optimizer_batch_step_{STEP:06d}.manifest.json"
     doc = json.loads(root.read_text())
-    rows = doc["rows"]
-    rows[field] = (not rows[field]) if change is None else rows[field] + change
+    edit(doc)
     raw = canonical_bytes(doc) + b"\n"
     root.write_bytes(raw)
     sets = ["--set", f'optimizer_batch.replay_path="{root}"',
@@ -213,7 +224,7 @@ def test_a_root_whose_rows_summary_lies_is_refused_even_when_pinned(field: str, 
     capsys.readouterr()
     assert main(["explain", str(ranks_capture["toml"]), *sets, *ONE_PROCESS]) == 2
     text = capsys.readouterr()
-    assert f"rows.{field} is" in text.out + text.err and "Traceback" not in text.out + text.err, text.out + text.err
+    return text.out + text.err
 
 
 def _bigger(doc: dict[str, Any], *path: Any) -> None:
@@ -237,22 +248,8 @@ def test_a_malformed_or_contradicting_root_is_refused_even_when_pinned(
         capsys: pytest.CaptureFixture[str]) -> None:
     """The root is rewritten (a summary that is not its parts', a wrong type, an unknown key, an integer beyond 64
     bits) and re-pinned: refused with exit 2, naming the field, never a traceback."""
-    import json
-
-    from replayjob.digest import sha256_bytes
-    d = tmp_path / "cap"
-    shutil.copytree(ranks_capture["dir"], d, ignore=shutil.ignore_patterns("trainer"))
-    root = d / f"optimizer_batch_step_{STEP:06d}.manifest.json"
-    doc = json.loads(root.read_text())
-    edit(doc)
-    raw = (json.dumps(doc, sort_keys=True) + "\n").encode()
-    root.write_bytes(raw)
-    sets = ["--set", f'optimizer_batch.replay_path="{root}"',
-            "--set", f'optimizer_batch.expected_manifest_sha256="{sha256_bytes(raw)}"']
-    capsys.readouterr()
-    assert main(["explain", str(ranks_capture["toml"]), *sets, *ONE_PROCESS]) == 2
-    text = capsys.readouterr()
-    assert named in text.out + text.err and "Traceback" not in text.out + text.err, text.out + text.err
+    text = _explain_rewritten_root(edit, ranks_capture, tmp_path, capsys)
+    assert named in text and "Traceback" not in text, text
 
 
 def test_the_documented_accelerate_line_captures_over_two_cpu_processes(trl_base: Path, tmp_path: Path) -> None:

@@ -11,6 +11,11 @@ from conftest import reward
 
 from replayjob.producers.trl.producer import capture_optimizer_batch
 
+# The micro-batch arm of the tests' TRL captures (per_device_train_batch_size 4, here and in conftest.grpo): the size
+# halved, declared.
+MICRO = ["--set", "trl.per_device_train_batch_size=2",
+         "--set", 'optimizer_batch.allow_config_differences=["trl.per_device_train_batch_size"]']
+
 
 def capture(base: Path, out: Path, *, step: int = 2, **config: Any) -> Any:
     """The tests' GRPO scenario (LoRA dropout 0) with GRPOConfig's own precision default unless ``config`` sets it;
