@@ -327,3 +327,29 @@ def test_the_trl_layout_admits_what_trl_steps_hold() -> None:
     assert api_manifest.input_layout_reasons("trl", {**ok, "prompt_mask": {"dtype": "bool",
                                                                                     "shape": [r, p + 1]}}) == [
         f"inputs.prompt_mask has shape [{r}, {p + 1}], not one of [R, P] (P={p}, R={r})"]
+
+
+def test_the_base_models_config_is_read_as_it_was_hashed(trl_capture: dict[str, Any], trl_base: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The base model's config.json, which the vocabulary and routing checks read, is the file hashed with the base
+    model, read once: a config.json rewritten after the directory was hashed (another process changing it during
+    the admission, simulated by rewriting it right after the real hashing) is refused (exit 2), never read as the
+    captured one."""
+    from replayjob.producers.api import admission as api_admission
+    from replayjob.producers.api import files as api_files
+
+    base = tmp_path / "base"
+    shutil.copytree(trl_base, base)
+    real = api_files.base_model_identity
+
+    def hashed_then_rewritten(path: str | Path) -> dict[str, Any]:
+        identity = real(path)
+        doc = json.loads((base / "config.json").read_text())
+        (base / "config.json").write_text(json.dumps({**doc, "vocab_size": 3}))  # every captured id beyond it
+        return identity
+    monkeypatch.setattr(api_admission._files, "base_model_identity", hashed_then_rewritten)
+    code, text = _outcome(["explain", str(trl_capture["dir"] / "replay.toml"), "--set", f'model.path="{base}"'],
+                          capsys)
+    assert code == 2 and "changed while it was admitted" in text and "Traceback" not in text, text
+    assert "beyond the base model's vocabulary" not in text  # the rewritten file was never read as the model's

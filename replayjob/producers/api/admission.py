@@ -38,9 +38,10 @@ from replayjob.config import redact
 from replayjob.config.load import absolutize_paths, apply_overrides, build, read_toml
 from replayjob.config.schema import OptimizerBatchConfig
 from replayjob.declaration import check_summaries
-from replayjob.digest import sha256_json
+from replayjob.digest import sha256_bytes, sha256_json
 from replayjob.errors import ConfigError, IntegrityError, RefusedError
-from replayjob.jsonio import read_json_object
+from replayjob.fsio import read_regular_bytes
+from replayjob.jsonio import loads_strict
 from replayjob.model import moe
 from replayjob.producers import EXTERNAL, producer_module
 from replayjob.producers import admission as shared
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
 
 MODEL_KEYS = ("path", "attn_implementation", "routing")
 ROUTINGS = ("free", "forced")
+MAX_BASE_CONFIG_BYTES = 16 * 1024 * 1024  # a model's config.json is a few KiB
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,9 @@ class Admission(shared.Admission):
     rank_micro_batches: list[list[_microbatch.MicroBatch]] | None = None
     #: how many processes the replay runs on (the launcher's, or --nproc in the process that launches them)
     processes: int = 1
+    #: the base model's ``config.json`` as hashed with it (:func:`_check_base_model`: read once, its bytes the
+    #: captured ones); None where the base model was not admitted or the file is not a JSON object
+    base_config: dict[str, Any] | None = None
 
     @property
     def captured_processes(self) -> int:
@@ -358,6 +363,19 @@ def _check_base_model(adm: Admission) -> None:
                    + ", ".join(f"{n} ({(have['files'].get(n) or 'absent')[:12]} vs "
                                f"{(want['files'].get(n) or 'absent')[:12]})" for n in diff[:4]))
         return
+    path = Path(str(adm.cfg.model["path"])) / "config.json"
+    try:  # read once, as hashed: what the checks below read is the captured file, not a later one
+        data = read_regular_bytes(path, max_bytes=MAX_BASE_CONFIG_BYTES, what="base model config.json")
+    except RefusedError as exc:
+        adm.refuse(f"model.path: {exc.message}")
+        return
+    if sha256_bytes(data) != want["files"].get("config.json"):
+        adm.refuse(f"model.path: {path} changed while it was admitted (its SHA-256 is no longer the captured one); "
+                   "leave the base model directory unchanged during a replay", integrity=True)
+        return
+    with contextlib.suppress(RefusedError):  # a config.json that is no JSON object holds no figure to check
+        doc = loads_strict(data, where=path)
+        adm.base_config = doc if isinstance(doc, dict) else None
     _check_vocabulary(adm)
 
 
@@ -370,23 +388,21 @@ def _check_vocabulary(adm: Admission) -> None:
     if not names or adm.micro_batches is None:
         return
     import torch
-    with contextlib.suppress(RefusedError, OSError):
-        base = read_json_object(Path(str(adm.cfg.model["path"])) / "config.json", follow_symlinks=True)
-        vocab = base.get("vocab_size")
-        if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
-            return
-        for i, mb in enumerate(adm.micro_batches):
-            for name in sorted(names):
-                t = mb.inputs.get(name)
-                if t is None or not t.numel() or t.is_floating_point() or t.dtype == torch.bool:
-                    continue
-                top = int(t.max())
-                if top >= vocab:
-                    adm.refuse(f"{adm.manifest.file('payload')} micro-batch {i}: inputs.{name} holds token id {top}, "
-                               f"beyond the base model's vocabulary ({vocab} ids, config.json vocab_size); no real "
-                               "step holds it (the payload was edited after capture; recapture the step)",
-                               integrity=True)
-                    return
+    vocab = (adm.base_config or {}).get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        return
+    for i, mb in enumerate(adm.micro_batches):
+        for name in sorted(names):
+            t = mb.inputs.get(name)
+            if t is None or not t.numel() or t.is_floating_point() or t.dtype == torch.bool:
+                continue
+            top = int(t.max())
+            if top >= vocab:
+                adm.refuse(f"{adm.manifest.file('payload')} micro-batch {i}: inputs.{name} holds token id {top}, "
+                           f"beyond the base model's vocabulary ({vocab} ids, config.json vocab_size); no real "
+                           "step holds it (the payload was edited after capture; recapture the step)",
+                           integrity=True)
+                return
 
 
 def sequence(framework: str, inputs: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -433,10 +449,8 @@ def _check_routing(adm: Admission) -> None:
                            "captured inputs hold none")
                 break
             per_row += [int(n) for n in (mask != 0).sum(dim=1).tolist()]
-    shape = None
-    with contextlib.suppress(RefusedError, OSError):  # the base model check names what is wrong with the directory
-        shape = moe.config_routers(read_json_object(Path(str(cfg.model["path"])) / "config.json",
-                                                    follow_symlinks=True))
+    # the base model's config.json as admitted (the base model check names what is wrong with the directory)
+    shape = moe.config_routers(adm.base_config) if adm.base_config is not None else None
     logical = m.logical_sha256 if m is not None else None
     for reason in moe.file_reasons(cfg.optimizer_batch, logical, per_row, None, None, shape):
         adm.refuse(reason, integrity=True)
