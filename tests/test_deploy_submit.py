@@ -524,7 +524,7 @@ def _reduce_pod(name: str, code: int, i: int) -> Doc:
 def test_the_driver_reads_the_reducer_s_code_from_its_job_and_its_pods_together(
         cluster: tuple[Cluster, client.ApiClient], kubelet: Kubelet, condition: str, codes: list[int],
         expected: int, said: str) -> None:
-    """The driver decides the reducer's code as `k8s ... --wait` does (`cluster_status.job_code`): a reduce Job
+    """The driver decides the reducer's code as `k8s ... --wait` does (`cluster_status.job_outcome`): a reduce Job
     the API calls Complete is 0 only beside a pod that exited 0, and a pass verdict with no code to confirm it
     decides nothing (the driver took Complete for 0, and a Failed Job without pods let the verdict alone pass)."""
     state, api = cluster

@@ -21,7 +21,7 @@ from k8s_emulator import NS, Cluster, kubeconfig, serve
 from kubernetes import client
 from test_deploy_manifests import ARGO_VERSIONS, argo_errors
 
-from replayjob.artifacts.cluster_status import job_code, pod_codes
+from replayjob.artifacts.cluster_status import job_outcome, pod_codes
 from replayjob.cli import main
 from replayjob.errors import OperationalError
 from replayjob.launch.submit import Api
@@ -486,4 +486,4 @@ def test_a_complete_job_beside_an_attempt_that_decided_otherwise_decides_nothing
     """A Job the API calls Complete whose pods include an attempt that exited 1 or 2 contradicts the rendered
     podFailurePolicy (FailJob on a final status): 3, as argo wait reads two reduces that decided differently.  A
     pass was read from it whenever some attempt exited 0."""
-    assert job_code(state, pod_codes(_pods(*codes), "reduce")) == expected
+    assert job_outcome(state, pod_codes(_pods(*codes), "reduce"))[0] == expected

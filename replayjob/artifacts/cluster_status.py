@@ -318,32 +318,22 @@ def decisive_code(codes: set[int]) -> int | None:
     return EXIT_ERROR if any(is_retryable(c) for c in codes) else None
 
 
-def job_code(state: str | None, codes: set[int]) -> int | None:
+def job_outcome(state: str | None, codes: set[int]) -> tuple[int | None, str]:
     """The exit code of an ended Job (or JobSet) as its condition ``state`` (``Complete`` or ``Failed``) and its
-    pods' exit ``codes`` (every attempt) say it together, the one rule of the driver and ``k8s ... --wait``:
+    pods' exit ``codes`` (every attempt) say it together, the one rule of the driver and ``k8s ... --wait``, and how
+    they said it, for the line of a wait.
+
     ``Complete`` is 0 only beside an attempt that exited 0, and the pods' :func:`decisive_code` otherwise (a Job
-    the API calls complete whose pods say 3 is 3); ``Failed`` is the pods' decisive code.  None when the two do
-    not confirm a code (no pod left; a failed Job whose every attempt exited 0): nothing decided from it.  A
-    ``Complete`` Job beside an attempt that exited a final status (1 or 2) is 3: the rendered
-    ``podFailurePolicy`` fails the Job at once on one, so the condition and the pods contradict each other (two
-    attempts decided differently, or pods not the Job's own), as ``argo wait`` reads two reduces that decided
-    differently."""
+    the API calls complete whose pods say 3 is 3); ``Failed`` is the pods' decisive code.  None (``no pod``) when the
+    two do not confirm a code (no pod left; a failed Job whose every attempt exited 0): nothing decided from it.  A
+    ``Complete`` Job beside an attempt that exited a final status (1 or 2) is 3: the rendered ``podFailurePolicy``
+    fails the Job at once on one, so the condition and the pods contradict each other (two attempts decided
+    differently, or pods not the Job's own), as ``argo wait`` reads two reduces that decided differently."""
     if state == "Complete" and codes & FINAL_EXIT_STATUSES:
-        return EXIT_ERROR
-    if state == "Complete" and EXIT_OK in codes:
-        return EXIT_OK
-    return decisive_code(codes)
-
-
-def job_said(state: str | None, codes: set[int], code: int | None) -> str:
-    """How the pods' exit ``codes`` gave ``code`` (:func:`job_code`), for the line of a wait: ``no pod`` when they
-    confirm none, the codes and the contradiction when a ``Complete`` Job ran an attempt that exited 1 or 2."""
-    if code is None:
-        return "no pod"
-    if state == "Complete" and codes & FINAL_EXIT_STATUSES:
-        return (f"its pod exited {' and '.join(str(c) for c in sorted(codes))} while the Job is Complete, which its "
-                f"podFailurePolicy rules out beside a 1 or 2: read as {code}")
-    return f"its pod exited {code}"
+        return EXIT_ERROR, (f"its pod exited {' and '.join(str(c) for c in sorted(codes))} while the Job is Complete, "
+                            f"which its podFailurePolicy rules out beside a 1 or 2: read as {EXIT_ERROR}")
+    code = EXIT_OK if state == "Complete" and EXIT_OK in codes else decisive_code(codes)
+    return code, "no pod" if code is None else f"its pod exited {code}"
 
 
 def judge(verdict: Verdict | None, unreadable: str | None, code: int | None, step: str, *,

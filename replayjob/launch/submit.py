@@ -305,16 +305,14 @@ class Api:
 
     def exit_code(self, namespace: str, name: str, state: str | None, kind: str = "Job") -> int | None:
         """The exit code of the ended Job (or JobSet) ``name`` whose condition is ``state``, as its condition and
-        its terminated containers say it together (:func:`replayjob.artifacts.cluster_status.job_code`), else
+        its terminated containers say it together (:func:`replayjob.artifacts.cluster_status.job_outcome`), else
         None: a final 1 or 2 in any attempt outranks a retryable 3 in another, whatever order the API lists the
         pods in, and ``Complete`` is 0 only beside an attempt that exited 0."""
         return self.ended(namespace, name, state, kind)[0]
 
     def ended(self, namespace: str, name: str, state: str | None, kind: str = "Job") -> tuple[int | None, str]:
-        """:meth:`exit_code`, and how the pods said it (:func:`replayjob.artifacts.cluster_status.job_said`)."""
-        codes = outcome.pod_codes(self._pods(namespace, name, kind), name)
-        code = outcome.job_code(state, codes)
-        return code, outcome.job_said(state, codes, code)
+        """:meth:`exit_code`, and how the pods said it (:func:`replayjob.artifacts.cluster_status.job_outcome`)."""
+        return outcome.job_outcome(state, outcome.pod_codes(self._pods(namespace, name, kind), name))
 
 
 WAIT_GRACE_S = 600  # how long past a Job's own deadline its wait goes on (the Job controller's lag)
