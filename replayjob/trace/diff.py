@@ -145,12 +145,11 @@ def _one_condition(sides: list[Side]) -> None:
     would widen it until a divergence read as noise."""
     first = sides[0]
     for side in sides[1:]:
-        said = [(f"identity.{k}", first.trace.identity[k], side.trace.identity[k]) for k in CONDITION
-                if side.trace.identity[k] != first.trace.identity[k]]
-        if side.knobs != first.knobs:
-            said.append(("knobs", first.knobs, side.knobs))
-        if said:
-            what, mine, theirs = said[0]
+        said = _first_difference(CONDITION, first.trace.identity, side.trace.identity)
+        if said is None and side.knobs != first.knobs:
+            said = ("knobs", first.knobs, side.knobs)
+        if said is not None:
+            what, mine, theirs = said
             raise ContractError(f"the repeats of one arm directory are replays of another condition: {what} is "
                                 f"{theirs!r} in {side.path.name}, {mine!r} in {first.path.name}",
                                 where=side.path.parent,
@@ -196,27 +195,33 @@ def _same_replay(trace: Trace, rep: Replay, where: Path) -> None:
                 "initial_adapter_sha256": rep.initial_adapter, "arm": rep.arm, "repeat_index": rep.repeat_index,
                 "device": rep.device, "torch_version": rep.doc.get("torch_version"),
                 **knobs.trace_condition(rep.framework, rep.runtime)}  # the condition its producer declares
-    for key, value in recorded.items():
-        if not _same_value(trace.identity[key], value):
-            raise IntegrityError(f"the trace is not this replay's: its identity.{key} is {trace.identity[key]!r}, "
-                                 f"{REPLAY_FILE} records {value!r}", where=where / TRACE_DIR / "index.json",
-                                 hint="a replay's trace is written by that replay; rerun the replay with --trace into "
-                                      "a new --out")
+    said = _first_difference(tuple(recorded), recorded, trace.identity)
+    if said is not None:
+        what, value, mine = said
+        raise IntegrityError(f"the trace is not this replay's: its {what} is {mine!r}, {REPLAY_FILE} records "
+                             f"{value!r}", where=where / TRACE_DIR / "index.json",
+                             hint="a replay's trace is written by that replay; rerun the replay with --trace into a "
+                                  "new --out")
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    """Equal, and a flag only to a flag: ``true`` is not the count 1."""
-    return bool(a == b) and (type(a) is bool) == (type(b) is bool)
+def _first_difference(keys: tuple[str, ...], a: dict[str, Any], b: dict[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first of ``keys`` whose values in the identities ``a`` and ``b`` differ (``identity.KEY``, a's, b's), or
+    None: equal, and a flag only to a flag (``true`` is not the count 1)."""
+    for k in keys:
+        x, y = a[k], b[k]
+        if not (bool(x == y) and (type(x) is bool) == (type(y) is bool)):
+            return f"identity.{k}", x, y
+    return None
 
 
 def _same_capture(sides: list[Side]) -> None:
     first = sides[0]
     for s in sides[1:]:
-        for k in SAME_CAPTURE:
-            if s.trace.identity[k] != first.trace.identity[k]:
-                raise ContractError(f"traces of different captures: identity.{k} is {s.trace.identity[k]} here "
-                                    f"and {first.trace.identity[k]} in {first.path}", where=s.path,
-                                    hint="compare replays of one capture (the same pins)")
+        said = _first_difference(SAME_CAPTURE, first.trace.identity, s.trace.identity)
+        if said is not None:
+            what, mine, theirs = said
+            raise ContractError(f"traces of different captures: {what} is {theirs} here and {mine} in {first.path}",
+                                where=s.path, hint="compare replays of one capture (the same pins)")
         if not s.trace.row_tokens.equal(first.trace.row_tokens):
             raise ContractError("the traces' rows differ in length", where=s.path,
                                 hint="compare replays of one capture (the same pins)")
