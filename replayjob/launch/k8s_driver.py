@@ -162,7 +162,7 @@ def drive(spec: AblationSpec, text: str, ctx: Context, api: Api, *, poll_s: floa
                                         "value": ctx.run_id}])  # so `k8s resume RUN_ID` finds it
     log(f"driver: run {ctx.run_id} in namespace {ns}, image {spec.image}; run directory "
         f"{k8s.MOUNT}/runs/{spec.name}/{ctx.run_id} on PVC {spec.claim_name}")
-    drivers = (meta(d, "job") for d in run_drivers(api, ns, spec, ctx.run_id))
+    drivers = (m for _, m in run_drivers(api, ns, spec, ctx.run_id))
     owners = {ctx.uid, *(m.uid for m in drivers if m.uid is not None)}
     rendered = k8s.owned(k8s.spec_config_map(spec, text, ctx.run_id), owner)
     cm_name = rendered["metadata"]["name"]

@@ -407,15 +407,14 @@ def driver_deadline_s(job: outcome.DriverJob) -> float | None:
     return None if seconds is None else float(seconds + WAIT_GRACE_S)
 
 
-def run_drivers(api: Api, ns: str, spec: AblationSpec, run_id: str) -> list[dict[str, Any]]:
-    """The driver Jobs of run ``run_id``: labelled with it as drivers and named as its drivers are
-    (``NAME-RUNID-driver``, the kustomize base's ``NAME-driver``, ``...-driver-N`` for resumed ones), oldest
-    first."""
+def run_drivers(api: Api, ns: str, spec: AblationSpec, run_id: str) -> list[tuple[dict[str, Any], outcome.ObjectMeta]]:
+    """The driver Jobs of run ``run_id``, each with its metadata read through its declaration: labelled with it as
+    drivers and named as its drivers are (``NAME-RUNID-driver``, the kustomize base's ``NAME-driver``,
+    ``...-driver-N`` for resumed ones), oldest first."""
     name = re.compile(f"({re.escape(k8s.prefix(spec, run_id))}|{re.escape(spec.name)})-{k8s.DRIVER}(-[0-9]+)?")
     found = api.list_of(ns, "Job", f"{k8s.RUN_ID_LABEL}={run_id},app.kubernetes.io/component={k8s.DRIVER}")
-    metas = [(d, meta(d, "job")) for d in found]
-    mine = [(d, m) for d, m in metas if name.fullmatch(m.name)]
-    return [d for d, _ in sorted(mine, key=lambda dm: dm[1].creationTimestamp or "")]
+    mine = [(d, m) for d, m in ((d, meta(d, "job")) for d in found) if name.fullmatch(m.name)]
+    return sorted(mine, key=lambda dm: dm[1].creationTimestamp or "")
 
 
 def check_setup(api: Api, namespace: str, spec: AblationSpec) -> None:
@@ -523,8 +522,8 @@ def resume(run_id: str, namespace: str | None, *, wait: bool, api_client: Any | 
     if cm_name != f"{k8s.prefix(spec, run_id)}-spec":
         raise ContractError(f"{where} carries run {run_id}'s labels but is not its spec ConfigMap "
                             f"({k8s.prefix(spec, run_id)}-spec)", where=f"namespace {ns}")
-    drivers = run_drivers(api, ns, spec, run_id)
-    metas = [meta(d, "job") for d in drivers]
+    found = run_drivers(api, ns, spec, run_id)
+    drivers, metas = [d for d, _ in found], [m for _, m in found]
     refs = {r.uid for r in config_map.metadata.ownerReferences or []}
     if not drivers or not refs & {m.uid for m in metas}:
         raise ContractError(f"{where} is owned by no driver of run {run_id}", where=f"namespace {ns}",
@@ -534,9 +533,9 @@ def resume(run_id: str, namespace: str | None, *, wait: bool, api_client: Any | 
         raise ContractError(f"{where} holds another spec than the one run {run_id} was submitted with "
                             f"(SHA-256 {k8s.spec_sha256(text)}, its driver says {pinned})", where=f"namespace {ns}",
                             hint="a run keeps its spec; submit a new run for another")
-    running = [d for d in drivers if not job_ended(d)]
+    running = [(d, m) for d, m in found if not job_ended(d)]
     if running:
-        followed = outcome.read_object(running[-1], outcome.DriverJob, f"job {meta(running[-1], 'job').name}",
+        followed = outcome.read_object(running[-1][0], outcome.DriverJob, f"job {running[-1][1].name}",
                                        where=f"namespace {ns}")
         name = followed.metadata.name
         log(f"resume: run {run_id}: job/{name} is still driving it")
