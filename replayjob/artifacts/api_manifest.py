@@ -61,11 +61,12 @@ from replayjob.artifacts.capture_manifest import (
     Outcome,
     PinnedManifest,
     check_schema,
+    decode_manifest,
     file_stem,
     read_pinned,
 )
 from replayjob.artifacts.capture_root import landed_name, rank_dir, ranks_digest
-from replayjob.declaration import INT64_MAX, INT64_MIN, Count, Digest, Document, Positive, Text, agree, decode
+from replayjob.declaration import INT64_MAX, INT64_MIN, Count, Digest, Document, Positive, Text, agree
 from replayjob.digest import sha256_bytes, sha256_json
 from replayjob.errors import IntegrityError
 from replayjob.frameworks import EXTERNAL
@@ -491,15 +492,6 @@ def _framework(name: str, what: str) -> None:
                          f"{name[:40]!r}")
 
 
-def _read(doc: Any, kind: type[Document], where: Path) -> None:
-    """``doc`` read through its declaration ``kind``; a refusal is a malformed manifest field."""
-    try:
-        decode(doc, kind, where=where)
-    except IntegrityError as exc:
-        raise IntegrityError(f"manifest {exc.message}" if exc.message.startswith("field ") else
-                             f"manifest field {exc.message}", where=where, hint=_HINT) from None
-
-
 def validate(doc: Any, where: Path) -> dict[str, Any]:
     """One process's manifest read through its declaration (:class:`ApiManifest`): every field's presence,
     type and range, no unknown key, the embedded digests and the row counts recomputed; and its name is the
@@ -509,7 +501,7 @@ def validate(doc: Any, where: Path) -> dict[str, Any]:
         raise IntegrityError(f"manifest field `{OUTCOME}` is missing: the capture was written by an earlier release "
                              "and seals none of the numbers reduce compares with", where=where,
                              hint="capture the step again")
-    _read(doc, ApiManifest, where)
+    decode_manifest(doc, ApiManifest, where)
     named = file_names(doc["step"])["manifest"]
     if where.name != named:
         raise IntegrityError(f"manifest field `step` is {doc['step']}, but the manifest is {where.name!r} (step "
@@ -768,5 +760,5 @@ def build_root(parts: list[Manifest], micro_batches: list[int], *, rows: dict[st
 def validate_root(doc: Any, where: Path) -> dict[str, Any]:
     """The root's own fields, read through its declaration (:class:`ApiRoot`; :func:`of` checks the parts)."""
     check_schema(doc, where)
-    _read(doc, ApiRoot, where)
+    decode_manifest(doc, ApiRoot, where)
     return doc
