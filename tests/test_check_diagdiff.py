@@ -425,3 +425,29 @@ def test_the_step_that_aligned_rows_is_no_leaf_compared(tmp_path: Path, capsys: 
         return
     assert rc == 2 and "nothing compared" in out.err and "but the step that aligned them" in out.err, out
     assert "Traceback" not in out.err
+
+
+@pytest.mark.parametrize(("line", "said"), [
+    (b'{"step":0,"x":"\xed\xa0\x80"}\n', "line 1: not valid UTF-8 at byte 15"),  # an encoded surrogate half
+    (b'{"step":0,"\xed\xb0\x80":1}\n', "line 1: not valid UTF-8 at byte 11"),
+    (b'\xef\xbb\xbf{"step":0,"x":1}\n', "line 1: malformed JSON: a byte-order mark (U+FEFF) begins the line"),
+    (b'{"step":0,"x":1e400}\n', "line 1: malformed JSON: number 1e400 is beyond the float range"),
+    (b'{"step":0,"x":-1e400}\n', "line 1: malformed JSON: number -1e400 is beyond the float range"),
+    (b'{"step":0,"x":' + b"7" * 5000 + b'}\n', "line 1: malformed JSON: an integer of 5000 digits (at most 4300"),
+])
+def test_a_line_that_is_no_utf8_json_text_is_refused_by_both_commands(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str],
+                                                                      line: bytes, said: str) -> None:
+    """The standard library's parser of bytes took an encoded surrogate half (invalid UTF-8) and a byte-order mark
+    at the start of any line as text, and read 1e400 as an infinity: both files compared EQUAL and signals graded
+    them; an integer of more than 4300 digits was refused with the interpreter's own advice
+    (sys.set_int_max_str_digits)."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for p in (a, b):
+        p.write_bytes(b'{"step":0,"x":1}\n' + line.replace(b'"step":0', b'"step":1'))
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[signal]]\nname="x"\nleaf="x"\nreducer="last"\nkill_above=1e300\n')
+    for argv in (["diag-diff", str(a), str(b)], ["signals", str(a), "--rules", str(rules)]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert said.replace("line 1", "line 2") in err and "Traceback" not in err and "sys.set_int" not in err, err

@@ -9,11 +9,18 @@ keys included); a line it refuses or cannot vouch for (a ``NaN``, a duplicate ke
 invalid UTF-8) is parsed by the standard library, which decides.  Blank lines are skipped; anything
 else that is not a JSON object is refused with its line number, so a truncated or corrupted file
 never passes as a shorter one.
+
+A line is UTF-8 text: it is decoded strictly before it is parsed (the standard library's parser of
+bytes would take a byte-order mark at the start of any line, and an encoded surrogate half, which no
+UTF-8 writer writes, as text).  A number literal beyond the float range (``1e400``) is refused: it is
+no float a writer wrote (an infinite value is written ``Infinity``), and it would read as one.  An
+integer literal of more than :data:`MAX_INT_DIGITS` digits is refused naming its length.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +29,8 @@ from typing import Any
 from replayjob.errors import IntegrityError
 from replayjob.fsio import open_regular
 from replayjob.jsonio import fast_loads, lone_surrogate
+
+MAX_INT_DIGITS = 4300  # the longest integer literal read (Python's own limit on converting one)
 
 
 def open_jsonl(path: str | Path, *, follow_symlinks: bool = True) -> Any:
@@ -49,6 +58,23 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return row
 
 
+def _finite_number(text: str) -> float:
+    """A float literal, refused when it overflows to an infinity (``1e400``: the literal ``Infinity`` is read)."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text[:40]} is beyond the float range (write an infinite value as Infinity)")
+    return value
+
+
+def _integer(text: str) -> int:
+    """An integer literal of at most :data:`MAX_INT_DIGITS` digits (a longer one is refused naming its length,
+    whatever limit the interpreter sets)."""
+    digits = len(text) - text.startswith("-")
+    if digits > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {digits} digits (at most {MAX_INT_DIGITS} are read)")
+    return int(text)
+
+
 def parse_line(line: bytes, lineno: int, where: str | Path) -> dict[str, Any]:
     """Parse one JSONL line into an object, or refuse naming ``where`` and the line number."""
     row = fast_loads(line, strict=False)
@@ -60,10 +86,15 @@ def parse_line(line: bytes, lineno: int, where: str | Path) -> dict[str, Any]:
 def parse_line_stdlib(line: bytes, lineno: int, where: str | Path) -> dict[str, Any]:
     """:func:`parse_line` by the standard library alone: what decides whenever the fast parse cannot vouch
     for a line (and the reference the fast parse is tested against)."""
-    try:
-        row = json.loads(line, object_pairs_hook=_unique_keys)
+    try:  # strictly: json.loads of bytes would take a byte-order mark and an encoded surrogate half
+        text = line.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise IntegrityError(f"line {lineno}: not valid UTF-8 at byte {exc.start}", where=where) from None
+    if text.startswith("\ufeff"):
+        raise IntegrityError(f"line {lineno}: malformed JSON: a byte-order mark (U+FEFF) begins the line",
+                             where=where, hint="write the file as UTF-8 without a byte-order mark")
+    try:
+        row = json.loads(text, object_pairs_hook=_unique_keys, parse_float=_finite_number, parse_int=_integer)
     except json.JSONDecodeError as exc:
         raise IntegrityError(f"line {lineno}: malformed JSON: {exc.msg} (column {exc.colno})",
                              where=where, hint="the file may be truncated or corrupted") from None
@@ -72,7 +103,7 @@ def parse_line_stdlib(line: bytes, lineno: int, where: str | Path) -> dict[str, 
     if not isinstance(row, dict):
         raise IntegrityError(f"line {lineno}: expected a JSON object, found {type(row).__name__}",
                              where=where)
-    bad = lone_surrogate(line.decode("utf-8", "replace"), row)  # the line was valid UTF-8: json.loads read it
+    bad = lone_surrogate(text, row)
     if bad is not None:
         raise IntegrityError(f"line {lineno}: malformed JSON: {bad}", where=where,
                              hint="write keys and strings as Unicode text (a UTF-16 pair is escaped whole)")
