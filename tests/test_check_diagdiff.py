@@ -451,3 +451,24 @@ def test_a_line_that_is_no_utf8_json_text_is_refused_by_both_commands(tmp_path: 
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert said.replace("line 1", "line 2") in err and "Traceback" not in err and "sys.set_int" not in err, err
+
+
+@pytest.mark.parametrize(("rows", "said"), [
+    ([{"step": 1.0, "x": 1}, {"step": 0.0, "x": 2}], "line 2: step 0.0 does not increase (previous 1)"),
+    ([{"x": 1}, {"step": 1, "x": 2}, {"step": 0, "x": 3}], "line 2: a 'step', but the first row has none"),
+    ([{"step": "0", "x": 1}, {"step": "0", "x": 2}], "line 1: step is str '0', not a number"),
+    ([{"step": True, "x": 1}, {"step": False, "x": 2}], "line 1: step is bool True, not a number"),
+    ([{"step": None, "x": 1}, {"step": None, "x": 2}], "line 1: step is NoneType None, not a number"),
+    ([{"step": {"k": 1}, "x": 1}], "line 1: step is dict {'k': 1}, not a number"),
+    ([{"step": 10**400, "x": 1}], "line 1: step is an integer of 401 digits, too large for a float"),
+    ([{"step": 0, "x": 1}, {"step": 1.5, "x": 2}], "line 2: step 1.5 is not an integer, but the first row's is"),
+])
+def test_steps_are_read_as_signals_reads_them(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              rows: list[dict[str, Any]], said: str) -> None:
+    """diag-diff checked the steps only when both first rows held an integer one: a restarted run appended with
+    float steps, a first row without a step, or steps that are strings, bools or null compared EQUAL (exit 0)
+    where signals refused the same file."""
+    a, b = pair(tmp_path, rows, rows)
+    assert main(["diag-diff", str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err

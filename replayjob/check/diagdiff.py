@@ -1,11 +1,12 @@
 """``diag-diff``: stream two JSONL diagnostics files and compare every row leaf by leaf.
 
-Rows are aligned by their integer ``step`` when both files have one (each file's steps must
-increase), else by position; a row on one side only is a difference.  Files that would read as equal
-without one leaf compared (every leaf of every aligned row ignored, or nothing but the ``step`` that
-aligned them) are refused: equality over nothing is no evidence.  Leaves compare under
-:mod:`replayjob.check.leafdiff`'s rules; leaves matched by the ignore patterns
-(:data:`~replayjob.check.leaves.DEFAULT_IGNORES` plus ``--ignore``) are skipped.
+Rows are aligned by their integer ``step`` when both files have one, else by position; either way each
+file's ``step`` is read by :class:`~replayjob.check.rows.Steps`, as signals reads it (every row has a
+number or none has one, and finite steps increase: a restarted run appended to the file is refused); a
+row on one side only is a difference.  Files that would read as equal without one leaf compared (every
+leaf of every aligned row ignored, or nothing but the ``step`` that aligned them) are refused: equality
+over nothing is no evidence.  Leaves compare under :mod:`replayjob.check.leafdiff`'s rules; leaves matched
+by the ignore patterns (:data:`~replayjob.check.leaves.DEFAULT_IGNORES` plus ``--ignore``) are skipped.
 
 Speed: a row pair is first compared in C.  The ignored leaves found so far are blanked in both
 parsed rows and the two rows are serialised with :mod:`marshal`, an encoding that tags every value
@@ -32,7 +33,7 @@ from typing import Any
 from replayjob.check.diagreport import DiffReport, RowDivergence
 from replayjob.check.leafdiff import Tolerance, compare_leaves
 from replayjob.check.leaves import DEFAULT_IGNORES, IgnoreSet, Location, flatten
-from replayjob.check.rows import iter_rows
+from replayjob.check.rows import Steps, iter_rows
 from replayjob.errors import IntegrityError, RefusedError, UsageError
 
 MAX_PLAN = 10_000
@@ -63,14 +64,14 @@ def _same_bytes(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 class _Side:
-    """One file being streamed, with its row count and step monotonicity check."""
+    """One file being streamed, with its row count and its steps read (:class:`~replayjob.check.rows.Steps`)."""
 
     def __init__(self, path: str | Path, by_step: bool | None = None, follow_symlinks: bool = True):
         self.path = str(path)
         self.rows: Iterator[tuple[int, dict[str, Any]]] = iter_rows(path, follow_symlinks=follow_symlinks)
+        self.steps = Steps(self.path)
         self.count = 0
         self.by_step = by_step
-        self.last_step: int | None = None
         self.cur: tuple[int, dict[str, Any]] | None = None
 
     def advance(self) -> None:
@@ -78,16 +79,12 @@ class _Side:
         if self.cur is None:
             return
         self.count += 1
-        if self.by_step:
-            lineno, row = self.cur
-            step = row.get("step")
-            if not isinstance(step, int) or isinstance(step, bool):
-                raise IntegrityError(f"line {lineno}: no integer 'step', but the first row has one",
-                                     where=self.path, hint="every row needs a step, or none does")
-            if self.last_step is not None and step <= self.last_step:
-                raise IntegrityError(f"line {lineno}: step {step} does not increase (previous {self.last_step})",
-                                     where=self.path, hint="a restarted run may have appended to the file")
-            self.last_step = step
+        lineno, row = self.cur
+        step = self.steps.check(row, lineno)  # present in every row or none, a number, increasing
+        if self.by_step and not isinstance(step, int):
+            raise IntegrityError(f"line {lineno}: step {step!r} is not an integer, but the first row's is: rows are "
+                                 "aligned by integer steps", where=self.path,
+                                 hint="write every step as an integer, or none")
 
     @property
     def step(self) -> int:
@@ -143,7 +140,6 @@ def diff_files(path_a: str | Path, path_b: str | Path, *, tol: Tolerance | None 
     _distinct(a.path, b.path)
     by_step = _has_step(a.cur[1]) and _has_step(b.cur[1])
     a.by_step = b.by_step = by_step
-    a.last_step, b.last_step = (a.step, b.step) if by_step else (None, None)
     report = DiffReport(a=a.path, b=b.path, tol=tol, ignore=patterns, top_n=top,
                         aligned_by="step" if by_step else "position")
     plan: set[Location] = set()

@@ -15,6 +15,9 @@ bytes would take a byte-order mark at the start of any line, and an encoded surr
 UTF-8 writer writes, as text).  A number literal beyond the float range (``1e400``) is refused: it is
 no float a writer wrote (an infinite value is written ``Infinity``), and it would read as one.  An
 integer literal of more than :data:`MAX_INT_DIGITS` digits is refused naming its length.
+
+A row's ``step`` is read by one rule (:class:`Steps`) wherever rows are read by step: diag-diff and signals
+alike.
 """
 
 from __future__ import annotations
@@ -31,6 +34,56 @@ from replayjob.fsio import open_regular
 from replayjob.jsonio import fast_loads, lone_surrogate
 
 MAX_INT_DIGITS = 4300  # the longest integer literal read (Python's own limit on converting one)
+
+
+def as_float(v: int | float, what: str, where: str | Path) -> float:
+    """``v`` as a float; an integer beyond the float range is refused, never rounded to an infinity."""
+    try:
+        return float(v)
+    except OverflowError:
+        raise IntegrityError(f"{what} is an integer of {len(str(abs(v)))} digits, too large for a float",
+                             where=where, hint="write numbers within the 64-bit float range "
+                                               "(about 1.8e308)") from None
+
+
+class Steps:
+    """The rows' ``step``, one rule for every reader of diagnostics by step (diag-diff and signals): every row has
+    a numeric one or none does, and each finite step is greater than the finite step before it.  A file where the
+    steps start over is a restarted run appended to its first run's rows (or rows out of order): a trend, a last
+    value, a window or a row-by-row comparison over it would mix two runs."""
+
+    def __init__(self, where: str | Path):
+        self.where = where
+        self.numbered: bool | None = None
+        self.last: float | None = None
+
+    def check(self, row: dict[str, Any], lineno: int) -> int | float | None:
+        """``row``'s step (None when rows have none), or a refusal naming the line."""
+        step = row.get("step", _NO_STEP)
+        if step is not _NO_STEP and (isinstance(step, bool) or not isinstance(step, int | float)):
+            raise IntegrityError(f"line {lineno}: step is {type(step).__name__} {step!r:.40}, not a number",
+                                 where=self.where, hint="write the step as a number, or leave it out of every row")
+        numbered = step is not _NO_STEP
+        if self.numbered is None:
+            self.numbered = numbered
+        elif numbered != self.numbered:
+            first = "has one" if self.numbered else "has none"
+            raise IntegrityError(f"line {lineno}: {'a' if numbered else 'no'} 'step', but the first row {first}",
+                                 where=self.where, hint="every row needs a step, or none does")
+        if not numbered:
+            return None
+        assert isinstance(step, int | float)
+        value = as_float(step, f"line {lineno}: step", self.where)
+        if math.isfinite(value):
+            if self.last is not None and value <= self.last:
+                raise IntegrityError(f"line {lineno}: step {step!r} does not increase (previous {self.last:g})",
+                                     where=self.where, hint="a restarted run may have appended to the file: "
+                                                            "compare or grade each run's own diag.jsonl")
+            self.last = value
+        return step
+
+
+_NO_STEP: Any = object()
 
 
 def open_jsonl(path: str | Path, *, follow_symlinks: bool = True) -> Any:

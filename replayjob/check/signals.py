@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from replayjob.check.leaves import MISSING, get_leaf, parse_path
-from replayjob.check.rows import iter_rows
+from replayjob.check.rows import Steps, iter_rows
+from replayjob.check.rows import as_float as _float
 from replayjob.check.rules import ConsistencyRule, Rules, SignalRule
 from replayjob.errors import IntegrityError, RefusedError
 from replayjob.fsio import check_no_symlinks
@@ -115,16 +116,6 @@ def _number(v: Any, lineno: int, leaf: str, rule: str, where: Path) -> float | N
         raise IntegrityError(f"line {lineno}: leaf {leaf} is {type(v).__name__} {v!r:.40}; signal {rule!r} "
                              "needs a number", where=where)
     return _float(v, f"line {lineno}: leaf {leaf}", where)
-
-
-def _float(v: int | float, what: str, where: Path) -> float:
-    """``v`` as a float; an integer beyond the float range is refused, never rounded to an infinity."""
-    try:
-        return float(v)
-    except OverflowError:
-        raise IntegrityError(f"{what} is an integer of {len(str(abs(v)))} digits, too large for a float",
-                             where=where, hint="write numbers within the 64-bit float range "
-                                               "(about 1.8e308)") from None
 
 
 class _Collector:
@@ -296,41 +287,6 @@ def relative_gap(a: float, b: float, floor: float) -> float:
     return abs(a / scale - b / scale) if math.isinf(d) else d / scale
 
 
-class _Steps:
-    """The rows' ``step``, as diag-diff reads it: every row has a numeric one or none does, and each finite step is
-    greater than the finite step before it.  A file where the steps start over is a restarted run appended to its
-    first run's rows (or rows out of order): a trend, a last value or a window over it would mix two runs."""
-
-    def __init__(self, where: Path):
-        self.where = where
-        self.numbered: bool | None = None
-        self.last: float | None = None
-
-    def check(self, row: dict[str, Any], lineno: int) -> int | float | None:
-        step = row.get("step", MISSING)
-        if step is not MISSING and (isinstance(step, bool) or not isinstance(step, int | float)):
-            raise IntegrityError(f"line {lineno}: step is {type(step).__name__} {step!r}, not a number",
-                                 where=self.where, hint="write the step as a number, or leave it out of every row")
-        numbered = step is not MISSING
-        if self.numbered is None:
-            self.numbered = numbered
-        elif numbered != self.numbered:
-            first = "has one" if self.numbered else "has none"
-            raise IntegrityError(f"line {lineno}: {'a' if numbered else 'no'} 'step', but the first row {first}",
-                                 where=self.where, hint="every row needs a step, or none does")
-        if not numbered:
-            return None
-        assert isinstance(step, int | float)
-        value = _float(step, f"line {lineno}: step", self.where)
-        if math.isfinite(value):
-            if self.last is not None and value <= self.last:
-                raise IntegrityError(f"line {lineno}: step {step!r} does not increase (previous {self.last:g})",
-                                     where=self.where, hint="a restarted run may have appended to the file: grade "
-                                                            "each run's own diag.jsonl")
-            self.last = value
-        return step
-
-
 def evaluate(source: str | Path, rules: Rules) -> SignalsReport:
     """Grade ``source`` (a run directory or a diag.jsonl) against ``rules``."""
     diag, base = resolve_source(source)
@@ -339,7 +295,7 @@ def evaluate(source: str | Path, rules: Rules) -> SignalsReport:
     con_steps = [parse_path(r.leaf) for r in rules.consistency]
     con_last: list[float | None] = [None] * len(rules.consistency)
     rows = 0
-    row_steps = _Steps(diag)
+    row_steps = Steps(diag)
     for lineno, row in iter_rows(diag, follow_symlinks=not found):
         step = row_steps.check(row, lineno)
         x = _float(step, f"line {lineno}: step", diag) if step is not None else float(rows)
