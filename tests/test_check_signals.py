@@ -426,3 +426,36 @@ def test_a_consistency_summary_that_is_the_diagnostics_themselves_is_refused(
     assert main(["signals", str(d), "--rules", str(rules(tmp_path, text))]) == 2
     err = capsys.readouterr().err
     assert "is the same file" in err and "Traceback" not in err, err
+
+
+_S = '[[signal]]\nname="a"\nleaf="x"\n'
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    # a lower bound above an upper bound of the other status: no value is OK, every run KILL or WARN
+    (_S + 'reducer="last"\nkill_below=10\nwarn_above=5\n', "kill_below 10.0 is above warn_above 5.0: no value"),
+    (_S + 'reducer="last"\nwarn_below=10\nkill_above=5\n', "warn_below 10.0 is above kill_above 5.0: no value"),
+    # a WARN bound beyond its KILL bound: a value past it is graded KILL first, the warning never applies
+    (_S + 'reducer="last"\nkill_above=1\nwarn_above=5\n', "warn_above 5.0 is above kill_above 1.0"),
+    (_S + 'reducer="last"\nkill_below=5\nwarn_below=1\n', "warn_below 1.0 is below kill_below 5.0"),
+    (_CONSISTENCY.replace("kill_above=0.1", "kill_above=0.01\nwarn_above=0.5") + 'summary="m.json"\n',
+     "warn_above 0.5 is above kill_above 0.01"),
+    # a bound the reducer's values never reach (or always pass)
+    (_S + 'reducer="pearson"\ndelta_of="y"\nkill_below=1.5\n', r"kill_below 1.5 is outside \[-1, 1\]"),
+    (_S + 'reducer="pearson"\ndelta_of="y"\nwarn_above=-2\n', r"warn_above -2.0 is outside \[-1, 1\]"),
+    (_S + 'reducer="cv"\nkill_below=-0.5\n', r"kill_below -0.5 is outside \[0, inf\]"),
+    (_S + 'reducer="cv"\nkill_above=-1\n', r"kill_above -1.0 is outside \[0, inf\]"),
+])
+def test_thresholds_that_contradict_one_another_or_the_reducer_are_refused(text: str, message: str) -> None:
+    """Only the bounds of one status were compared: bounds of KILL and WARN that left no value OK, a WARN bound no
+    value could reach before the KILL bound, and a correlation or a coefficient of variation bounded outside the
+    values it takes were graded, so a rule always fired or never did."""
+    with pytest.raises(ConfigError, match=message):
+        parse_rules(text, "rules.toml")
+
+
+def test_thresholds_that_leave_a_band_for_each_status_are_read() -> None:
+    rules = parse_rules(_S + 'reducer="pearson"\ndelta_of="y"\nkill_below=-1\nwarn_below=0.3\nwarn_above=1\n'
+                        + '[[signal]]\nname="b"\nleaf="x"\nreducer="last"\nkill_below=0\nwarn_below=1\n'
+                        + 'warn_above=5\nkill_above=9\n', "rules.toml")
+    assert [r.name for r in rules.signals] == ["a", "b"]

@@ -31,6 +31,9 @@ SCHEMA = "replayjob.signals/1"
 
 REDUCERS: dict[str, int] = {"last": 1, "mean": 1, "min": 1, "max": 1, "cv": 2, "slope": 3, "pearson": 3}
 """Reducer name -> the fewest values it needs (pairs for ``pearson``)."""
+RANGES: dict[str, tuple[float, float]] = {"cv": (0.0, math.inf), "pearson": (-1.0, 1.0)}
+"""Reducer name -> the closed range of its finite values, where it has one: a threshold outside it either never
+fires or always does."""
 STATUSES = ("KILL", "WARN")
 DEFAULT_RULES = "default_signals.toml"
 
@@ -147,7 +150,12 @@ def _path(rule: dict[str, Any], key: str, where: str) -> str:
     return v
 
 
-def _thresholds(rule: dict[str, Any], where: str, keys: tuple[str, ...]) -> Thresholds:
+def _thresholds(rule: dict[str, Any], where: str, keys: tuple[str, ...], reducer: str | None = None,
+                value_range: tuple[float, float] | None = None) -> Thresholds:
+    """The rule's thresholds, refused where they contradict one another: a lower bound above an upper one (no value
+    is within them, so every run is graded KILL or WARN), a WARN bound beyond its KILL bound (a value past it is
+    graded KILL first, so the WARN bound never applies), or a bound outside ``value_range``, the values the rule's
+    reducer (or gap) can take (it never fires, or always does)."""
     vals = {k: _num(rule, k, where) for k in keys}
     if all(v is None for v in vals.values()):
         raise ConfigError("a rule needs at least one threshold: " + ", ".join(keys), where=where)
@@ -157,6 +165,27 @@ def _thresholds(rule: dict[str, Any], where: str, keys: tuple[str, ...]) -> Thre
             raise ConfigError(f"{status}_below {lo!r} is above {status}_above {hi!r}: no value is within the "
                               f"{status.upper()} bounds, so the rule grades every run {status.upper()}", where=where,
                               hint=f"{status}_below is the lower bound and {status}_above the upper one; swap them")
+    for lo_key, hi_key in (("kill_below", "warn_above"), ("warn_below", "kill_above")):
+        lo, hi = vals.get(lo_key), vals.get(hi_key)
+        if lo is not None and hi is not None and lo > hi:  # every value is below one bound or above the other
+            raise ConfigError(f"{lo_key} {lo!r} is above {hi_key} {hi!r}: no value is within both bounds, so the "
+                              "rule never grades a run OK", where=where,
+                              hint="the *_below keys are lower bounds and the *_above keys upper ones")
+    for side, beyond in (("above", float.__gt__), ("below", float.__lt__)):
+        warn, kill = vals.get(f"warn_{side}"), vals.get(f"kill_{side}")
+        if warn is not None and kill is not None and beyond(warn, kill):
+            raise ConfigError(f"warn_{side} {warn!r} is {side} kill_{side} {kill!r}: a value past it is graded KILL "
+                              f"first, so the WARN bound never applies", where=where,
+                              hint=f"a warning comes before the kill: put warn_{side} between the OK values and "
+                                   f"kill_{side}")
+    if value_range is not None:
+        least, most = value_range
+        for key, v in vals.items():
+            if v is not None and not least <= v <= most:
+                what = f"reducer {reducer}" if reducer else "the relative gap"
+                raise ConfigError(f"{key} {v!r} is outside [{least:g}, {most:g}], the values {what} takes: the "
+                                  "bound never fires, or always does", where=where,
+                                  hint=f"give a threshold within [{least:g}, {most:g}]")
     return Thresholds(**vals)
 
 
@@ -193,7 +222,8 @@ def _signal(raw: Any, where: str) -> SignalRule:
     if on_nonfinite not in STATUSES:
         raise ConfigError(f"on_nonfinite must be KILL or WARN, got {on_nonfinite!r}", where=where)
     return SignalRule(name=_str(rule, "name", where), leaf=_path(rule, "leaf", where), reducer=reducer,
-                      thresholds=_thresholds(rule, where, ("kill_below", "kill_above", "warn_below", "warn_above")),
+                      thresholds=_thresholds(rule, where, ("kill_below", "kill_above", "warn_below", "warn_above"),
+                                             reducer, RANGES.get(reducer)),
                       meaning=_str(rule, "meaning", where, required=False), window=window,
                       delta_of=delta_of, min_rows=min_rows, on_nonfinite=on_nonfinite)
 
