@@ -7,6 +7,7 @@ reader's checks (or a forger) would, every digest re-sealed (``tests/test_bundle
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,10 @@ from torch import Tensor
 from replayjob.bundle import format as fmt
 from replayjob.bundle.synthetic import _writer, make, write_rollout, write_step
 from replayjob.cli import main
+from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
 from replayjob.rl import stages
-from tests.test_bundle_checks import _forge, _refused_by_both
+from tests.test_bundle_checks import _forge, _refused_by_both, _seal
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -178,3 +180,29 @@ def test_a_bundle_of_empty_responses_is_refused_not_passed_on_nothing(
 
     _forge(p, lengths, empty)
     _refused_by_both(capsys, p, "no sample has a response token", "would compare nothing")
+
+
+# ------------------------------------------------------------------ the payload file holds only what the writer writes
+def _reheader(p: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """The payload file's JSON header edited in place (the tensors' bytes kept) and every digest that pins it
+    re-sealed: the payload file's size and header SHA-256 in the manifest, the manifest's in COMPLETE."""
+    data = (p / fmt.PAYLOAD_FILE).read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    edit(header)
+    block = json.dumps(header, separators=(",", ":")).encode()
+    block += b" " * (-len(block) % 8)
+    new = len(block).to_bytes(8, "little") + block + data[8 + length:]
+    (p / fmt.PAYLOAD_FILE).write_bytes(new)
+    m = json.loads((p / fmt.MANIFEST).read_text())
+    m["payload_file"].update(bytes=len(new), header_sha256=sha256_bytes(new[:8 + len(block)]))
+    _seal(p, m)
+
+
+def test_a_payload_file_carrying_metadata_the_writer_never_writes_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The writer's payload file has no ``__metadata__``; a re-sealed one whose header carries a metadata block
+    (content no reader looks at, and no declaration names) was validated and replayed as the writer's."""
+    p = write_rollout(tmp_path / "b")
+    _reheader(p, lambda h: h.update(__metadata__={"note": "anything"}))
+    _refused_by_both(capsys, p, "bundle payload file metadata {'note': 'anything'} is not {}")

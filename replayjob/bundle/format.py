@@ -144,8 +144,10 @@ def payload_where(name: str) -> str:
 
 def payload_schema(dtypes: dict[str, str]) -> tensorfile.Schema:
     """The payload file holds exactly the declared payloads, each a ``[samples, tokens]`` tensor named
-    after it, of its declared dtype."""
-    return tensorfile.Schema("bundle payload file", {name: (dtype, 2) for name, dtype in dtypes.items()})
+    after it, of its declared dtype, and no ``__metadata__`` (the writer writes none: a metadata block is
+    content nothing declares, pinned only by a digest whoever added it could recompute)."""
+    return tensorfile.Schema("bundle payload file", {name: (dtype, 2) for name, dtype in dtypes.items()},
+                             metadata={})
 
 
 def decode_redaction(policy: object) -> dict[str, str]:
