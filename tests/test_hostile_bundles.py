@@ -206,3 +206,17 @@ def test_a_payload_file_carrying_metadata_the_writer_never_writes_is_refused(
     p = write_rollout(tmp_path / "b")
     _reheader(p, lambda h: h.update(__metadata__={"note": "anything"}))
     _refused_by_both(capsys, p, "bundle payload file metadata {'note': 'anything'} is not {}")
+
+
+@pytest.mark.parametrize("name", ["mask", "old_logprobs"])
+def test_a_payload_of_another_row_count_is_refused_naming_its_shape(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """A payload re-sealed with one row fewer than the bundle has samples (its manifest shape agreeing): a mask
+    of 7 rows for 8 samples was refused as "only 0 values were checked", naming no shape and no rule."""
+    p = write_rollout(tmp_path / "b")
+
+    def drop_a_row(t: dict[str, Tensor]) -> None:
+        t[name] = t[name][:-1]
+
+    _forge(p, None, drop_a_row)
+    _refused_by_both(capsys, p, f"payload {name!r} has shape [7, 6]", "[N=8, T]")

@@ -46,7 +46,7 @@ from replayjob.artifacts.bundle import (
 )
 from replayjob.bundle import format as fmt
 from replayjob.bundle.mask import MaskRows
-from replayjob.bundle.schema import check_closure, check_groups, check_tokens, decode_manifest
+from replayjob.bundle.schema import check_closure, check_groups, check_shapes, check_tokens, decode_manifest
 from replayjob.declaration import decode
 from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
@@ -394,6 +394,8 @@ def _load_payloads(path: Path, manifest: dict[str, Any], keep: bool, rows: MaskR
         if ts.dtype != spec["dtype"] or list(ts.shape) != spec["shape"]:
             raise IntegrityError(f"payload {name!r} is {ts.dtype} {list(ts.shape)}, manifest says {spec['dtype']} "
                                  f"{spec['shape']}", where=fmt.payload_where(name))
+    # One row per sample, one width, before the mask's element count is compared (a mask of other rows is never read).
+    check_shapes(len(rows.lengths), {n: list(header.tensors[n].shape) for n in sorted(specs)})
     if "mask" in specs and rows.checked != math.prod(specs["mask"]["shape"]):  # never expected: fail closed
         raise IntegrityError(f"payload 'mask': only {rows.checked} values were checked",
                              where=fmt.payload_where("mask"))

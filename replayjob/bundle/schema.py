@@ -77,13 +77,11 @@ def check_tokens(m: dict[str, Any], samples: list[dict[str, Any]]) -> None:
                                   "so a sampled response is never empty")
 
 
-def check_closure(m: dict[str, Any], ix: dict[str, Any], ex: dict[str, Any],
-                  shapes: dict[str, tuple[str, list[int]]]) -> None:
-    """Dependency closure: what each declared capability needs is present and shaped right."""
-    n = len(ix["samples"])
-    cfg = ix["config"]
+def check_shapes(n: int, shapes: dict[str, list[int]]) -> None:
+    """Every payload is ``[N, T]``, one row per sample, with one ``T`` (``label_ids``: ``[N, L]``).  The reader runs
+    it as soon as the payload file's header is known, before any summary of the rows (the mask's) is compared."""
     t_len: int | None = None
-    for name, (_, shape) in shapes.items():
+    for name, shape in shapes.items():
         if name == "label_ids":
             ok = len(shape) == 2 and shape[0] == n
         else:
@@ -91,7 +89,16 @@ def check_closure(m: dict[str, Any], ix: dict[str, Any], ex: dict[str, Any],
             t_len = shape[1] if ok else t_len
         if not ok:
             raise IntegrityError(f"payload {name!r} has shape {shape}; per-token payloads are [N={n}, T] "
-                                 "with one T", where=f"{W}: payloads.{name}")
+                                 "with one T", where=f"{W}: payloads.{name}",
+                                 hint="every payload holds one row per sample of the index, every per-token "
+                                      "payload the same width; capture the bundle again")
+
+
+def check_closure(m: dict[str, Any], ix: dict[str, Any], ex: dict[str, Any],
+                  shapes: dict[str, tuple[str, list[int]]]) -> None:
+    """Dependency closure: what each declared capability needs is present and shaped right."""
+    cfg = ix["config"]
+    check_shapes(len(ix["samples"]), {name: shape for name, (_, shape) in shapes.items()})
     for name in fmt.ID_FIELDS:
         if m["redaction"][name] == "drop" and name in shapes:
             raise IntegrityError(f"payload {name!r} is present but the redaction policy drops it", where=W)
