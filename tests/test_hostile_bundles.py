@@ -15,11 +15,14 @@ import pytest
 import torch
 from torch import Tensor
 
+from replayjob import tensorfile
 from replayjob.bundle import format as fmt
+from replayjob.bundle.reader import load_bundle
 from replayjob.bundle.synthetic import _writer, make, write_rollout, write_step
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
+from replayjob.jsonio import pretty_bytes
 from replayjob.rl import stages
 from tests.test_bundle_checks import _forge, _refused_by_both, _seal
 
@@ -220,3 +223,82 @@ def test_a_payload_of_another_row_count_is_refused_naming_its_shape(
 
     _forge(p, None, drop_a_row)
     _refused_by_both(capsys, p, f"payload {name!r} has shape [7, 6]", "[N=8, T]")
+
+
+# -------------------------------------------------- a refusal names the file it found the fault in, and the fix
+def _two_ranks(root: Path) -> Path:
+    for r in (1, 0):
+        write_rollout(root, rank=r, ranks=[0, 1], groups=4, run_id="run-a")
+    return root
+
+
+def _repin(root: Path, rank: int) -> None:
+    sha = sha256_bytes((root / f"rank-{rank}" / fmt.MANIFEST).read_bytes())
+    rec = json.loads((root / f"{fmt.COMPLETE}.{rank}").read_text())
+    (root / f"{fmt.COMPLETE}.{rank}").write_bytes(pretty_bytes({**rec, "manifest_sha256": sha}))
+    doc = json.loads((root / fmt.COMPLETE).read_text())
+    doc["rank_manifests"][str(rank)] = sha
+    (root / fmt.COMPLETE).write_bytes(pretty_bytes(doc))
+
+
+def _unknown_token(t: dict[str, Tensor]) -> None:
+    t["response_ids"][0, 0] = 300
+
+
+def _longer_response(m: dict[str, Any]) -> None:
+    m["index"]["samples"][0]["response_length"] -= 1
+
+
+def _no_old_logprobs(t: dict[str, Tensor]) -> None:
+    del t["old_logprobs"]
+
+
+def _drop_spec(m: dict[str, Any]) -> None:
+    m["payloads"].pop("old_logprobs", None)
+
+
+@pytest.mark.parametrize(("edit", "tensors", "file", "needle"), [
+    pytest.param(None, _unknown_token, fmt.PAYLOAD_FILE, "holds token id 300", id="token-id"),
+    pytest.param(_longer_response, None, fmt.PAYLOAD_FILE, "does not match response_length", id="mask-row"),
+    pytest.param(_drop_spec, _no_old_logprobs, fmt.MANIFEST, "input payload 'old_logprobs' is missing",
+                 id="closure"),
+    pytest.param(lambda m: m["index"]["config"].update(kl_kind="k2"), None, fmt.MANIFEST,
+                 "unsupported KL estimator 'k2'", id="topology"),
+    pytest.param(lambda m: m.update(format_version="3.0.0"), None, fmt.MANIFEST, "format_version '3.0.0'",
+                 id="version"),
+])
+def test_a_refusal_inside_a_rank_names_that_rank_s_file_and_the_fix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: Callable[[dict[str, Any]], None] | None,
+        tensors: Callable[[dict[str, Tensor]], None] | None, file: str, needle: str) -> None:
+    """Rank 1 of a two-rank root re-sealed with one fault: the refusal named ``payloads.safetensors`` or
+    ``manifest.json`` alone (which of the ranks' files?) and often no fix."""
+    root = _two_ranks(tmp_path / "mr")
+    m = json.loads((root / "rank-1" / fmt.MANIFEST).read_text())
+    if tensors is not None:
+        payloads = {k: v.clone() for k, v in load_bundle(root / "rank-1").payloads.items()}
+        tensors(payloads)
+        enc = tensorfile.encode(payloads)
+        (root / "rank-1" / fmt.PAYLOAD_FILE).write_bytes(enc.data)
+        for name, t in payloads.items():
+            m["payloads"][name].update(sha256=enc.tensor_sha256[name].hex(), shape=list(t.shape))
+        m["payload_file"].update(bytes=len(enc.data), header_sha256=enc.header_sha256.hex())
+    if edit is not None:
+        edit(m)
+    _seal(root / "rank-1", m)
+    _repin(root, 1)
+    _refused_by_both(capsys, root, f"{root / 'rank-1' / file}", needle)
+
+
+def test_a_refusal_of_the_ranks_together_names_the_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Group closure is checked over every rank: a group of 3 and one of 5 across the ranks is the root's fault."""
+    root = _two_ranks(tmp_path / "mr")
+
+    def move(m: dict[str, Any]) -> None:
+        s = m["index"]["samples"][0]
+        s["group"] = "g-0" if s["group"] != "g-0" else "g-1"
+
+    m = json.loads((root / "rank-1" / fmt.MANIFEST).read_text())
+    move(m)
+    _seal(root / "rank-1", m)
+    _repin(root, 1)
+    _refused_by_both(capsys, root, f"{root}: {fmt.MANIFEST}: index: samples", "member(s)")

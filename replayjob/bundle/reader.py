@@ -49,7 +49,7 @@ from replayjob.bundle.mask import MaskRows
 from replayjob.bundle.schema import check_closure, check_groups, check_shapes, check_tokens, decode_manifest
 from replayjob.declaration import decode
 from replayjob.digest import sha256_bytes
-from replayjob.errors import IntegrityError
+from replayjob.errors import ContractError, IntegrityError, ReplayjobError
 from replayjob.fsio import read_regular_bytes
 from replayjob.jsonio import DEFAULT_MAX_BYTES, loads_strict, read_json_object
 from replayjob.model.tokenizer import ByteTokenizer
@@ -406,9 +406,41 @@ def _load_payloads(path: Path, manifest: dict[str, Any], keep: bool, rows: MaskR
     return {n: tensors[n] for n in sorted(specs)}
 
 
+_REFUSED_HINT = ("a bundle is read only as replayjob's BundleWriter wrote it (every check is the writer's too); "
+                 "capture the bundle again rather than editing it")
+_TOPOLOGY_HINT = ("this replayjob recomputes only what docs/bundle-format.md lists; declare the stage recorded-only "
+                  "or unsupported")
+
+
+def _placed(exc: ReplayjobError, base: Path, inside: bool) -> ReplayjobError:
+    """``exc`` naming where in ``base`` its fault lies, and how to fix it.
+
+    The bundle's checks name a place inside a bundle (``manifest.json: index: samples``, ``payloads.safetensors:
+    mask``), the same for every bundle and every rank of a root: the reader anchors it at the bundle directory
+    (``inside``: ``<bundle>/manifest.json: ...``) or, for a check over every rank of a root, at the root
+    (``<root>: manifest.json: ...``).  A refusal without a fix gets the bundle's (capture again; for an unsupported
+    topology, what this replayjob recomputes)."""
+    where = exc.where
+    if where is None:
+        exc.where = str(base)
+    elif not os.path.isabs(where.split(":", 1)[0]):
+        exc.where = str(base / where) if inside else f"{base}: {where}"
+    if exc.hint is None:
+        exc.hint = _TOPOLOGY_HINT if isinstance(exc, ContractError) else _REFUSED_HINT
+    return exc
+
+
 def _load_single(path: Path, tensors: bool = True, root: RootRecord | None = None) -> Bundle:
     """One bundle directory; ``root``: what its multi-rank root records, when it is a rank directory (read from
-    the parent when ``path`` is ``rank-<r>/`` of a root and no record is given)."""
+    the parent when ``path`` is ``rank-<r>/`` of a root and no record is given).  A refusal names the place in
+    this directory it found the fault (:func:`_placed`)."""
+    try:
+        return _read_single(path, tensors, root)
+    except ReplayjobError as exc:
+        raise _placed(exc, path, inside=True) from None
+
+
+def _read_single(path: Path, tensors: bool, root: RootRecord | None) -> Bundle:
     _check_dir(path)
     if not (path / fmt.COMPLETE).exists() and not (path / fmt.COMPLETE).is_symlink():
         raise IntegrityError("incomplete bundle: COMPLETE is missing (the writer did not finish)", where=path,
@@ -659,9 +691,13 @@ def load_bundle(path: str | Path, *, tensors: bool = True) -> Bundle:
     shapes.  Every structural check ``bundle replay`` relies on is made here, so what ``validate`` passes, ``replay``
     recomputes.
     """
-    b = _load(Path(path), tensors)
-    check_groups(b.manifest, b.samples, b.config)  # on the whole bundle: a root's ranks merged
-    check_tokens(b.manifest, b.samples)
+    p = Path(path)
+    try:
+        b = _load(p, tensors)
+        check_groups(b.manifest, b.samples, b.config)  # on the whole bundle: a root's ranks merged
+        check_tokens(b.manifest, b.samples)
+    except ReplayjobError as exc:  # a fault of one rank names its directory already; what is left, the root's
+        raise _placed(exc, p, inside=not (p.is_dir() and not p.is_symlink() and is_multi_rank_root(p))) from None
     return b
 
 
