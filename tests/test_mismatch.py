@@ -409,3 +409,33 @@ def test_a_capture_of_no_response_token_is_refused_not_within(tmp_path: Path) ->
     decision = decide([rep], bound, False)
     assert decision["status"] == "refused" and decision["exit_code"] == 2
     assert "no response token" in decision["reason"]
+
+
+def test_a_figure_beyond_a_float_is_written_as_strict_json_and_decides_beyond(tmp_path: Path) -> None:
+    """A recorded logprob of -800 (finite, <= 0: within its field's domain) against a trainer's -0.5: the ratio
+    exp(799.5) overflows, so k3 is infinite, and the sum of log-ratios of eight such tokens overflows too.  The
+    text report was printed (exit 1), but ``--json`` failed to write the report ("Out of range float values"),
+    refusing (exit 2) a capture it had decided; the figures are now written as the strict JSON strings the other
+    reports use ("Infinity"), and the decision is the same either way."""
+    from replayjob.artifacts.mismatch_bound import read_bound
+    from replayjob.jsonio import pretty_bytes
+    from replayjob.mismatch.report import build
+    from replayjob.mismatch.views import Side, Source, Views
+    n = 8
+    trainer = torch.full((n,), -0.5, dtype=torch.float64)
+    path = tmp_path / "bound.toml"
+    path.write_text(TIGHT)
+    bound = read_bound(path, sha256_file(path))
+    for values in (torch.tensor([-0.5] * 3 + [-800.0] + [-0.5] * 4, dtype=torch.float64),
+                   torch.full((n,), -1e308, dtype=torch.float64)):
+        side = Side(temperature=1.0)
+        src = Source("sampler", "sampler_logprobs", "the sampler", side, 0, "same step", values)
+        views = Views(row=torch.arange(n) // 4, position=torch.arange(n) % 4, token=torch.arange(n) + 10,
+                      pad_offset=torch.zeros(n, dtype=torch.int64), trainer=trainer, trainer_side=side,
+                      sampler_side=side, sources=[src])
+        rep = build({"config": "c", "manifest": "m", "manifest_sha256": "0" * 64, "framework": "replayjob",
+                     "step": 0}, views, bound, False, 0.0)
+        doc = json.loads(pretty_bytes(rep.to_json()))
+        assert doc["sources"][0]["log_ratio"]["k3"] == "Infinity", doc["sources"][0]["log_ratio"]
+        assert doc["decision"]["status"] == "beyond" and doc["decision"]["exit_code"] == 1
+        assert "kl_k3 inf > 1e-10" in doc["decision"]["reason"] and "k3 inf" in rep.render()

@@ -21,6 +21,7 @@ from typing import Any
 
 from replayjob.artifacts.mismatch_bound import Bound
 from replayjob.errors import EXIT_NEGATIVE, EXIT_OK, EXIT_REFUSED, NegativeVerdict, RefusedError
+from replayjob.jsonio import non_finite_as_strings
 from replayjob.mismatch import routing, stats
 from replayjob.mismatch.attribution import Attribution, attribute
 from replayjob.mismatch.views import Source, Views
@@ -55,12 +56,13 @@ class SourceReport:
 
     def to_json(self) -> dict[str, Any]:
         s = self.source
-        return {"name": s.name, "field": s.field, "description": s.description, "settings": s.side.to_json(),
-                "policy_lag": {"steps": s.lag, "reason": s.lag_reason},
-                "nonfinite": {"tokens": self.nonfinite_tokens, "first": self.nonfinite_at},
-                "log_ratio": self.summary, "worst_sequences": self.worst_sequences,
-                "worst_tokens": self.worst_tokens, "profile": self.profile, "by_pad_offset": self.by_pad_offset,
-                "routing": self.routing, **self.attribution.to_json(), "bound": self.bound}
+        return non_finite_as_strings({
+            "name": s.name, "field": s.field, "description": s.description, "settings": s.side.to_json(),
+            "policy_lag": {"steps": s.lag, "reason": s.lag_reason},
+            "nonfinite": {"tokens": self.nonfinite_tokens, "first": self.nonfinite_at},
+            "log_ratio": self.summary, "worst_sequences": self.worst_sequences,
+            "worst_tokens": self.worst_tokens, "profile": self.profile, "by_pad_offset": self.by_pad_offset,
+            "routing": self.routing, **self.attribution.to_json(), "bound": self.bound})
 
 
 @dataclass
@@ -80,14 +82,17 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         import torch
         v = self.views
-        return {"schema": SCHEMA, "capture": self.capture,
-                "trainer": v.trainer_side.to_json(), "sampler": v.sampler_side.to_json(),
-                "rows": int(torch.unique(v.row).numel()), "tokens": v.tokens,
-                "recompute": {"passes": list(v.passes), "wall_s": self.recompute_wall_s, "notes": list(v.notes)},
-                "routing": routing.agreement(v),
-                "sources": [s.to_json() for s in self.sources],
-                "bound": self.bound.to_json() if self.bound else None,
-                "allow_lag": self.allow_lag, "decision": self.decision}
+        # A figure beyond a float (a ratio exp(log-ratio) past ~1.8e308 makes k3 infinite; sums of log-ratios near
+        # the float limit overflow) is written as the strict JSON string "Infinity" (or "NaN"), never a bare value.
+        return non_finite_as_strings({
+            "schema": SCHEMA, "capture": self.capture,
+            "trainer": v.trainer_side.to_json(), "sampler": v.sampler_side.to_json(),
+            "rows": int(torch.unique(v.row).numel()), "tokens": v.tokens,
+            "recompute": {"passes": list(v.passes), "wall_s": self.recompute_wall_s, "notes": list(v.notes)},
+            "routing": routing.agreement(v),
+            "sources": [s.to_json() for s in self.sources],
+            "bound": self.bound.to_json() if self.bound else None,
+            "allow_lag": self.allow_lag, "decision": self.decision})
 
     def raise_for_decision(self) -> None:
         """Return on a pass; raise the decision's refusal (2) or negative verdict (1) otherwise."""
