@@ -7,6 +7,7 @@ reader's checks (or a forger) would, every digest re-sealed (``tests/test_bundle
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -302,3 +303,26 @@ def test_a_refusal_of_the_ranks_together_names_the_root(tmp_path: Path, capsys: 
     _seal(root / "rank-1", m)
     _repin(root, 1)
     _refused_by_both(capsys, root, f"{root}: {fmt.MANIFEST}: index: samples", "member(s)")
+
+
+@pytest.mark.parametrize("kind", ["link", "directory", "fifo"])
+def test_a_root_complete_that_is_no_file_is_refused_as_what_it_is(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str) -> None:
+    """A multi-rank root whose ``COMPLETE`` is a link (to the very record every rank wrote), a directory or a FIFO:
+    refused as "incomplete ... the root COMPLETE is missing", with the fix to wait for the ranks to land, which no
+    wait would ever bring.  It is refused naming what it is (the FIFO without blocking)."""
+    root = _two_ranks(tmp_path / "mr")
+    record = root / fmt.COMPLETE
+    data = record.read_bytes()
+    record.unlink()
+    if kind == "link":
+        (tmp_path / "elsewhere").write_bytes(data)
+        record.symlink_to(tmp_path / "elsewhere")
+    elif kind == "directory":
+        record.mkdir()
+    else:
+        os.mkfifo(record)
+    for cmd in ("validate", "replay"):
+        rc, out = _cli(capsys, "bundle", cmd, str(root))
+        assert rc == 2 and "Traceback" not in out and f"{record}:" in out, (cmd, out)
+        assert ("symbolic link" if kind == "link" else "not a regular file") in out and "missing" not in out, out

@@ -523,7 +523,7 @@ def _read_root(root: Path) -> RootRecord:
     ranks carry different run ids (two runs' ranks landed in one directory).
     """
     landed = sorted(p.name for p in root.glob(f"{fmt.COMPLETE}.*"))
-    if not (root / fmt.COMPLETE).is_file() or (root / fmt.COMPLETE).is_symlink():
+    if not os.path.lexists(root / fmt.COMPLETE):  # a link, directory or FIFO is there: refused below, by what it is
         raise IntegrityError(f"multi-rank bundle is incomplete: the root COMPLETE is missing, so not every rank "
                              f"has landed (landed: {landed})", where=root,
                              hint="wait for every rank to flush or capture again")
