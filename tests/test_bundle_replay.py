@@ -192,3 +192,18 @@ def test_incomplete_group_closure_is_refused(tmp_path: Path, capsys: pytest.Capt
         w.finalize()  # the writer runs the reader's group closure before it writes a byte
     assert not (tmp_path / "half").exists()  # a crafted one: test_bundle_checks.py, validate and replay refuse it
 
+
+
+def test_a_linked_directory_in_a_capture_directory_is_never_read_to_match_a_selector(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A link to a bundle elsewhere beside the capture's own bundle: its manifest was read through the link to be
+    matched (and, not matching, skipped in silence); a bundle is never read through a link, so the selection
+    is refused, naming the link, as for any candidate whose manifest cannot be read."""
+    cap = tmp_path / "cap"
+    write_rollout(cap / "rollout-000003")
+    elsewhere = write_rollout(tmp_path / "elsewhere" / "b")
+    (cap / "linked").symlink_to(elsewhere, target_is_directory=True)
+    rc, out = _cli(capsys, "bundle", "replay", str(cap), "--rollout", "3")
+    assert rc == 2 and "Traceback" not in out and f"{cap / 'linked'}:" in out and "symbolic link" in out, out
+    (cap / "linked").unlink()
+    assert _cli(capsys, "bundle", "replay", str(cap), "--rollout", "3")[0] == 0

@@ -34,7 +34,8 @@ def _identity(p: Path) -> tuple[str, int, int | None]:
 
     A candidate whose manifest cannot be read raises: skipping it could turn an ambiguous selector into an
     unambiguous pick of another bundle."""
-    first = p if (p / fmt.MANIFEST).exists() else next(iter(sorted(p.glob("rank-*/"))), None)
+    ranks = sorted(r for r in p.glob("rank-*") if r.is_dir() and not r.is_symlink())  # never read through a link
+    first = p if (p / fmt.MANIFEST).exists() else next(iter(ranks), None)
     where = (first or p) / fmt.MANIFEST
     try:
         if first is None:
@@ -65,7 +66,14 @@ def resolve(path: str | Path, step: tuple[int, int] | None, rollout: int | None)
         raise IntegrityError("bundle not found (or not a directory)", where=p)
     if is_bundle(p) or p.name.startswith("rank-"):
         return p
-    children = sorted(c for c in p.iterdir() if c.is_dir() and not c.name.startswith(".") and is_bundle(c))
+    entries = sorted(c for c in p.iterdir() if not c.name.startswith("."))
+    linked = [c for c in entries if c.is_symlink() and c.is_dir()]
+    if linked:  # never read through to be matched: it could be the bundle selected, so none is picked
+        raise IntegrityError(f"the capture directory holds {linked[0].name!r}, a symbolic link to a directory: a "
+                             "bundle is never read through a link, so it cannot be matched to the selector, and it "
+                             "could be the bundle selected, so none is picked", where=linked[0],
+                             hint="replace the link by the bundle's directory, or move it out of the capture directory")
+    children = [c for c in entries if c.is_dir() and is_bundle(c)]
     if not children:
         raise IntegrityError("no bundle in this directory", where=p, hint="pass a bundle or capture directory")
     matches = []
