@@ -355,6 +355,67 @@ def test_param_groups_the_rebuilt_engine_does_not_have_are_refused_by_the_replay
     assert "does not fit the rebuilt engine's optimizer" in text and "Traceback" not in text, text
     assert not (tmp_path / "r" / "replay_metrics.json").exists()
 
+def _config_re_sealed(vanilla: Path, tmp_path: Path, section: str, name: str, value: Any) -> tuple[Path, str]:
+    """A copy of the capture whose recorded ``verl.<section>.<name>`` is ``value`` (deleted for ``...``), with the
+    config's digest and the contract recomputed from it: every digest inside the manifest agrees, as a forger who
+    re-pins the manifest writes it."""
+    from replayjob.digest import sha256_json
+    from replayjob.producers.contract import contract_sha256
+    from replayjob.redact import redact
+
+    def edit(doc: dict[str, Any]) -> None:
+        resolved = doc["config"]["resolved"]
+        table = resolved["verl"] if section == "verl" else resolved["verl"][section]
+        if value is ...:
+            del table[name]
+        else:
+            table[name] = value
+        doc["config"]["sha256"] = sha256_json(resolved)
+        try:
+            contract = redact(rv.contract(resolved))
+        except Exception:  # a shape contract() cannot read: the manifest keeps its contract
+            return
+        doc["contract"] = {"sha256": contract_sha256(contract), "value": contract}
+
+    return _re_sealed(vanilla, tmp_path, edit)
+
+
+@pytest.mark.parametrize(("section", "name", "value", "named"), [
+    # refused values: each builds an engine replayjob does not replay (remote code, kernels, no update, ...)
+    ("model", "trust_remote_code", True, "verl.model.trust_remote_code = True is not replayed"),
+    ("model", "use_liger", True, "verl.model.use_liger = True is not replayed"),
+    ("engine", "forward_only", True, "verl.engine.forward_only = True is not replayed"),
+    ("actor", "ulysses_sequence_parallel_size", 2, "verl.actor.ulysses_sequence_parallel_size = 2 is not replayed"),
+    ("model", "lora_adapter_path", "/tmp", "verl.model.lora_adapter_path = '/tmp' is not replayed"),
+    # a field a capture never records: a module verl imports, or one the dataclass has not
+    ("model", "external_lib", "os", "verl.model.external_lib is irrelevant to the update and never recorded"),
+    ("actor", "ppo_epochs", 3, "verl.actor.ppo_epochs is irrelevant to the update and never recorded"),
+    ("actor", "zzz", 1, "verl.actor.zzz is no field of verl's FSDPActorConfig"),
+    ("verl", "critic", {}, "verl.critic is no section a capture records"),
+    ("actor", "clip_ratio", ..., "verl.actor.clip_ratio is missing"),
+    # knobs of values they do not take, and a section that is no table (a traceback, exit 3)
+    ("engine", "micro_batch_size_per_gpu", 0, "verl.engine.micro_batch_size_per_gpu is 0; it takes a positive"),
+    ("engine", "micro_batch_size_per_gpu", "2", "verl.engine.micro_batch_size_per_gpu is '2'; it takes"),
+    ("engine", "use_remove_padding", "yes", "verl.engine.use_remove_padding is 'yes'; it takes true or false"),
+    ("engine", "mixed_precision", {"param_dtype": "fp16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+     "verl.engine.mixed_precision.param_dtype = fp16 is not replayed"),
+    ("engine", "mixed_precision", {"param_dtype": "fp32", "reduce_dtype": "fp32"}, "verl.engine.mixed_precision is {"),
+    ("verl", "actor", [1], "verl.actor is [1], not a table of verl's FSDPActorConfig fields"),
+])
+def test_a_recorded_verl_config_a_capture_never_writes_is_refused_by_explain(
+        section: str, name: str, value: Any, named: str, vanilla: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The recorded verl sections were compared with the replay's only as a contract: a re-pinned manifest (config
+    digest and contract recomputed) with trust_remote_code on, a refused kernel, an irrelevant field verl acts on
+    (model.external_lib, a module imported when the model config is built), an unknown or missing field, or a knob
+    of another type was admitted, and a section that is no table failed with a traceback (exit 3)."""
+    toml, pin = _config_re_sealed(vanilla, tmp_path, section, name, value)
+    capsys.readouterr()
+    assert main(["explain", str(toml), "--set", f'optimizer_batch.expected_manifest_sha256="{pin}"']) == 2
+    out = capsys.readouterr()
+    assert named in out.out and "Traceback" not in out.out + out.err, out
+
+
 def test_every_verl_config_field_is_classified() -> None:
     """The declaration covers exactly the installed verl's fields: a new field fails here (and a capture of a config
     that has it is refused), a field verl dropped is reported as stale."""

@@ -13,6 +13,14 @@ worker that ran the step: the loss's ``FSDPActorConfig``, the engine's ``FSDPEng
 * **refused**: a capture is refused unless the field holds an admitted value (with the reason); the
   admitted value is recorded and part of the contract.
 
+A knob also declares the values it takes (``valid``, described by ``takes``): a flag is a bool, a size a positive
+integer or null, the precision table its three entries named as verl names a dtype.  :func:`value_reason` is the
+one rule a capture records a field by and :func:`config_reasons` the one rule a replay's admission reads the
+recorded ``verl`` section by (exactly the recorded fields of each section, each a value its class admits): a
+re-pinned manifest whose section names an irrelevant or unknown field (``model.external_lib``, a module verl
+imports), holds a refused value (``model.trust_remote_code = true``) or a knob of another type is refused before
+any engine is built.
+
 :data:`FIELDS` is a declaration a test walks: every field of the installed verl's dataclasses must be
 listed here, so a verl release that adds a field fails that test (and a capture refuses a config with an
 unclassified field) until someone classifies it.  This module imports nothing heavy.
@@ -45,6 +53,8 @@ class Field:
     why: str = ""
     admitted: Callable[[Any], bool] | None = None
     keys: tuple[str, ...] = ()  # a table-valued knob: the entries registered as knobs (verl.<section>.<name>.<key>)
+    valid: Callable[[Any], bool] | None = None  # a knob: the values it takes (described by ``takes``)
+    takes: str = ""
 
     @property
     def recorded(self) -> bool:
@@ -61,6 +71,33 @@ def _irrelevant(why: str) -> Field:
 
 def _refused(why: str, admitted: Callable[[Any], bool]) -> Field:
     return Field(REFUSED, why, admitted)
+
+
+def _knob(why: str, valid: Callable[[Any], bool], takes: str, keys: tuple[str, ...] = ()) -> Field:
+    return Field(KNOB, why, keys=keys, valid=valid, takes=takes)
+
+
+def _flag(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _size(v: Any) -> bool:
+    """Null (verl's unset) or a positive integer within 64 bits (not a bool, not a float)."""
+    return v is None or (type(v) is int and 1 <= v < 2**63)
+
+
+# the dtype names verl's PrecisionType reads (replayjob.runtime.knobs.VERL_PRECISIONS, without importing it here)
+PRECISION_NAMES = ("16", "fp16", "float16", "torch.float16", "32", "fp32", "float32", "torch.float32", "bf16",
+                   "bfloat16", "torch.bfloat16")
+PRECISION_ENTRIES = ("param_dtype", "reduce_dtype", "buffer_dtype")
+_FP16 = ("16", "fp16", "float16", "torch.float16")
+
+
+def _precision_table(v: Any) -> bool:
+    """Every entry recorded (as verl resolves an unset one), each a dtype name verl reads (fp16 parameters are refused
+    by :func:`value_reason`: verl's gradient scaler, whose state no capture holds)."""
+    return (isinstance(v, dict) and sorted(v) == sorted(PRECISION_ENTRIES)
+            and all(isinstance(x, str) and x in PRECISION_NAMES for x in v.values()))
 
 
 def _off(v: Any) -> bool:
@@ -148,20 +185,23 @@ FIELDS: dict[str, dict[str, Field]] = {
         "forward_only": _refused("an engine built forward-only performs no update", _off),
         "strategy": _contract(),
         "dtype": _contract(),
-        "use_dynamic_bsz": Field(KNOB, "micro-batches by a token budget instead of a row count: the same rows and "
-                                   "loss normalisation, another grouping and summation order "
-                                   "(replayjob.runtime.knobs.VERL_DYNAMIC_BSZ)"),
-        "max_token_len_per_gpu": Field(KNOB, "the token budget of a micro-batch under use_dynamic_bsz "
-                                         "(replayjob.runtime.knobs.VERL_MAX_TOKENS)"),
-        "micro_batch_size_per_gpu": Field(KNOB, "the engine's micro-batch size: the same rows and loss normalisation, "
-                                            "another summation order (replayjob.runtime.knobs.VERL_MICRO_BATCH)"),
+        "use_dynamic_bsz": _knob("micro-batches by a token budget instead of a row count: the same rows and "
+                                 "loss normalisation, another grouping and summation order "
+                                 "(replayjob.runtime.knobs.VERL_DYNAMIC_BSZ)", _flag, "true or false"),
+        "max_token_len_per_gpu": _knob("the token budget of a micro-batch under use_dynamic_bsz "
+                                       "(replayjob.runtime.knobs.VERL_MAX_TOKENS)", _size,
+                                       "a positive integer or null"),
+        "micro_batch_size_per_gpu": _knob("the engine's micro-batch size: the same rows and loss normalisation, "
+                                          "another summation order (replayjob.runtime.knobs.VERL_MICRO_BATCH)", _size,
+                                          "a positive integer or null"),
         "infer_max_token_len_per_gpu": _INFERENCE,
         "infer_micro_batch_size_per_gpu": _INFERENCE,
         "use_fused_kernels": _refused("verl's fused kernels (Triton) are not replayed; capture with "
                                       "use_fused_kernels=False", _off),
-        "use_remove_padding": Field(KNOB, "packed rows instead of padded ones: the same per-row attention and "
-                                      "loss, other kernel shapes and summation order; declared with "
-                                      "verl.model.use_remove_padding (replayjob.runtime.knobs.VERL_REMOVE_PADDING)"),
+        "use_remove_padding": _knob("packed rows instead of padded ones: the same per-row attention and "
+                                    "loss, other kernel shapes and summation order; declared with "
+                                    "verl.model.use_remove_padding (replayjob.runtime.knobs.VERL_REMOVE_PADDING)",
+                                    _flag, "true or false"),
         "seed": _irrelevant("seeds the engine when it is built; the capture restores the Torch RNG state right "
                             "before the step"),
         "full_determinism": _contract(),
@@ -173,12 +213,13 @@ FIELDS: dict[str, dict[str, Field]] = {
         "forward_prefetch": _contract(),
         "model_dtype": _contract(),
         "use_orig_params": _contract(),
-        "mixed_precision": Field(KNOB, "the dtypes FSDP2 computes (param_dtype, also autocast's) and reduces gradients "
-                                       "(reduce_dtype) in: the same math, rounded at another precision, so the bits "
-                                       "change (approximate claim; exact-input checks only the inputs); recorded as "
-                                       "verl resolves it (unset: bf16, fp32, fp32); buffer_dtype, unused by FSDP2, is "
-                                       "no knob (replayjob.runtime.knobs.VERL_PARAM_DTYPE, VERL_REDUCE_DTYPE)",
-                                 keys=("param_dtype", "reduce_dtype")),
+        "mixed_precision": _knob("the dtypes FSDP2 computes (param_dtype, also autocast's) and reduces gradients "
+                                 "(reduce_dtype) in: the same math, rounded at another precision, so the bits "
+                                 "change (approximate claim; exact-input checks only the inputs); recorded as "
+                                 "verl resolves it (unset: bf16, fp32, fp32); buffer_dtype, unused by FSDP2, is "
+                                 "no knob (replayjob.runtime.knobs.VERL_PARAM_DTYPE, VERL_REDUCE_DTYPE)",
+                                 _precision_table, "a table of param_dtype, reduce_dtype and buffer_dtype, each a "
+                                 "dtype name verl reads (bf16, fp32, ...)", keys=("param_dtype", "reduce_dtype")),
         "ulysses_sequence_parallel_size": _SEQUENCE_PARALLEL,
         "entropy_from_logits_with_chunking": _contract(),
         "entropy_from_logits_chunk_size": _contract(),
@@ -231,11 +272,12 @@ FIELDS: dict[str, dict[str, Field]] = {
                                     "a model class it registers would be refused by the base model's "
                                     "architectures, which the pinned config.json names"),
         "override_config": _contract(),
-        "enable_gradient_checkpointing": Field(KNOB, "recomputes each layer's forward in backward with the RNG state "
-                                                     "restored (replayjob.runtime.knobs.VERL_GRADIENT_CHECKPOINTING)"),
+        "enable_gradient_checkpointing": _knob("recomputes each layer's forward in backward with the RNG state "
+                                               "restored (replayjob.runtime.knobs.VERL_GRADIENT_CHECKPOINTING)", _flag,
+                                               "true or false"),
         "enable_activation_offload": _contract(),
-        "use_remove_padding": Field(KNOB, "the model-side switch of verl.engine.use_remove_padding, declared with "
-                                      "it (replayjob.runtime.knobs.VERL_REMOVE_PADDING_MODEL)"),
+        "use_remove_padding": _knob("the model-side switch of verl.engine.use_remove_padding, declared with "
+                                    "it (replayjob.runtime.knobs.VERL_REMOVE_PADDING_MODEL)", _flag, "true or false"),
         "lora_rank": _contract(),
         "lora_alpha": _contract(),
         "target_modules": _contract(),
@@ -257,6 +299,58 @@ FIELDS: dict[str, dict[str, Field]] = {
 def classify(section: str, name: str) -> Field | None:
     """The classification of ``verl.<section>.<name>``, or None when it is not classified."""
     return FIELDS.get(section, {}).get(name)
+
+
+def value_reason(section: str, name: str, value: Any) -> str | None:
+    """Why ``verl.<section>.<name> = value`` cannot be recorded or replayed (``None``: it can): a refused field at a
+    value it does not admit, a knob at a value it does not take."""
+    f = classify(section, name)
+    if f is None:
+        return (f"verl.{section}.{name} is not classified for this verl version (contract, systems knob, irrelevant "
+                "or refused)")
+    if f.kind == REFUSED and f.admitted is not None and not f.admitted(value):
+        return f"verl.{section}.{name} = {_shown(value)} is not replayed: {f.why}"
+    if f.kind == KNOB and f.valid is not None and not f.valid(value):
+        return f"verl.{section}.{name} is {_shown(value)}; it takes {f.takes}"
+    if (section, name) == ("engine", "mixed_precision") and value["param_dtype"] in _FP16:
+        return ("verl.engine.mixed_precision.param_dtype = fp16 is not replayed: verl's gradient scaler (its scale "
+                "and growth state) is not captured")
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def config_reasons(values: Any) -> list[str]:
+    """Why a recorded (or resolved) ``verl`` config section is not one a capture writes (empty: it is): the loss and
+    the four sections, each a table of exactly its recorded fields (no irrelevant or unknown field, none missing),
+    each at a value its class admits (:func:`value_reason`)."""
+    if not isinstance(values, dict):
+        return [f"verl is {_shown(values)}, not a table of the loss and the sections {', '.join(FIELDS)}"]
+    why = [f"verl.{key} is no section a capture records (it records loss, {', '.join(FIELDS)})"
+           for key in sorted(set(values) - {"loss", *FIELDS})]
+    for section, fields in FIELDS.items():
+        sec = values.get(section)
+        if not isinstance(sec, dict):
+            why.append(f"verl.{section} is {_shown(sec)}, not a table of verl's {SECTIONS[section][1]} fields")
+            continue
+        for name in sorted(set(sec) - {n for n, f in fields.items() if f.recorded}):
+            f = fields.get(name)
+            why.append(f"verl.{section}.{name} is no field of verl's {SECTIONS[section][1]}" if f is None else
+                       f"verl.{section}.{name} is irrelevant to the update and never recorded ({f.why}); a replay "
+                       "cannot set it")
+        for name, f in fields.items():
+            if not f.recorded:
+                continue
+            if name not in sec:
+                why.append(f"verl.{section}.{name} is missing: a capture records every {f.kind} field")
+                continue
+            reason = value_reason(section, name, sec[name])
+            if reason is not None:
+                why.append(reason)
+    return why
 
 
 def knob_keys() -> list[str]:

@@ -63,7 +63,7 @@ from replayjob.producers.api.admission import Admission
 from replayjob.producers.api.replay import ReplaySession
 from replayjob.producers.contract import integration_contract
 from replayjob.producers.session import MicroStep
-from replayjob.producers.verl.fields import CONTRACT, FIELDS, REFUSED, SECTIONS, classify
+from replayjob.producers.verl.fields import CONTRACT, FIELDS, REFUSED, SECTIONS, classify, config_reasons, value_reason
 from replayjob.producers.verl.platform import use_cpu
 from replayjob.rl.state import adapter_bytes, join_optimizer_state, scheduler_type_reasons
 from replayjob.runtime import knobs
@@ -135,9 +135,9 @@ def section_values(section: str, obj: Any) -> dict[str, Any]:
                 raise cap.CaptureError("verl.engine.mixed_precision.param_dtype = fp16 is not replayed: verl's "
                                        "gradient scaler (its scale and growth state) is not captured",
                                        where="verl.engine.mixed_precision", hint="capture a bf16 or fp32 run")
-        if kind.kind == REFUSED and kind.admitted is not None and not kind.admitted(value):
-            raise cap.CaptureError(f"verl.{section}.{f.name} = {value!r} is not replayed: {kind.why}",
-                                   where=f"verl.{section}.{f.name}", hint="capture a run without it")
+        reason = value_reason(section, f.name, value)  # the rule admission reads the recorded value by
+        if reason is not None:
+            raise cap.CaptureError(reason, where=f"verl.{section}.{f.name}", hint="capture a run without it")
         out[f.name] = value
     return out
 
@@ -173,14 +173,20 @@ def contract(resolved: dict[str, Any]) -> dict[str, Any]:
     """The verl update's contract from a resolved config (pure: no verl import): every contract and refused field
     of the four sections, and the loss function."""
     v = resolved.get(FRAMEWORK, {})
+    v = v if isinstance(v, dict) else {}  # a section of another shape is refused by knob_refusals (config_reasons)
     update: dict[str, Any] = {
-        section: {name: (v.get(section) or {}).get(name) for name, f in fields.items() if f.kind in (CONTRACT, REFUSED)}
+        section: {name: _table(v.get(section)).get(name) for name, f in fields.items()
+                  if f.kind in (CONTRACT, REFUSED)}
         for section, fields in FIELDS.items()}
     update["loss"] = v.get("loss")
     if update["loss"] not in LOSSES:
         raise ConfigError(f"the capture's loss {update['loss']!r} is not one replayjob replays",
                           where="verl.loss", hint="losses: " + ", ".join(LOSSES))
     return integration_contract(FRAMEWORK, update, SEQUENCE)
+
+
+def _table(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 # -- the batch --------------------------------------------------------------------------------------
@@ -612,7 +618,10 @@ MICRO_BATCH_STATISTICS = ("clip_cov", "kl_cov")
 def knob_refusals(adm: Admission) -> list[str]:
     """Why a declared verl knob does not hold for this capture and replay (beyond being registered and present)."""
     v = (adm.resolved or {}).get(FRAMEWORK, {})
-    why = []
+    # the recorded sections as a capture writes them (a re-pinned manifest's too): the checks below read them
+    why = config_reasons(v)
+    if why:
+        return why
     if knobs.VERL_MICRO_BATCH in adm.allowed:
         mode = ((v.get("actor") or {}).get("policy_loss") or {}).get("loss_mode", "vanilla")
         if mode in MICRO_BATCH_STATISTICS:
