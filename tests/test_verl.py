@@ -334,6 +334,29 @@ def test_an_lr_scheduler_state_no_scheduler_holds_is_refused_by_explain(
     assert named in text and "Traceback" not in text, text
 
 
+@pytest.mark.parametrize(("edit", "named"), [
+    (lambda s: s.update(optimizer_step=7), "framework_state.optimizer_step is 7, not the captured step 1"),
+    (lambda s: s.update(optimizer_step="1"), "framework_state.optimizer_step is '1', not the captured step 1"),
+    (lambda s: s.update(world_size=0), "framework_state.world_size is 0, not a process count"),
+    (lambda s: s.update(zzz=1), "framework_state.zzz is no key a verl capture writes"),
+    (lambda s: s.pop("position"), "framework_state.position is missing"),
+    (lambda s: s.update(position="x"), "framework_state.position is 'x', not a table of epoch"),
+    (lambda s: s["position"].update(epoch=-1), "framework_state.position.epoch is -1, not an integer >= 0"),
+    (lambda s: s["position"].update(mini_batch=True), "framework_state.position.mini_batch is True, not an integer"),
+    (lambda s: s["position"].update(mini_batch=5), "framework_state.position.mini_batch 5 is not below its"),
+])
+def test_a_framework_state_no_verl_capture_writes_is_refused_by_explain(
+        edit: Any, named: str, vanilla: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only the LR scheduler state of framework_state was read: a re-pinned manifest whose optimizer_step is not its
+    step, whose position (update, epoch, mini-batch) holds strings or negative counts, or that holds keys no capture
+    writes, was admitted."""
+    toml, pin = _re_sealed(vanilla, tmp_path, lambda doc: edit(doc["framework_state"]))
+    capsys.readouterr()
+    assert main(["explain", str(toml), "--set", f'optimizer_batch.expected_manifest_sha256="{pin}"']) == 2
+    text = capsys.readouterr().out
+    assert named in text and "Traceback" not in text, text
+
+
 def test_param_groups_the_rebuilt_engine_does_not_have_are_refused_by_the_replay(vanilla: Path, tmp_path: Path,
                                                                                  capsys: pytest.CaptureFixture[str]
                                                                                  ) -> None:

@@ -1008,15 +1008,51 @@ def restore_state(adm: Admission, session: VerlSession) -> None:
 
 
 def framework_state_reasons(state: dict[str, Any], groups: list[Any], step: int) -> list[str]:
-    """Why the recorded ``framework_state.lr_scheduler`` (loaded whole into the rebuilt engine's scheduler) is not
-    a torch scheduler's state (:func:`replayjob.rl.state.scheduler_type_reasons`): typed counters, one base learning
-    rate and lr_lambda per param group, no key naming its optimizer or a method."""
+    """Why the recorded ``framework_state`` is not what a verl capture writes (:func:`position_reasons`), and why its
+    ``lr_scheduler`` (loaded whole into the rebuilt engine's scheduler) is not a torch scheduler's state
+    (:func:`replayjob.rl.state.scheduler_type_reasons`): typed counters, one base learning rate and lr_lambda per param
+    group, no key naming its optimizer or a method."""
+    why = position_reasons(state, step)
     sched = state.get("lr_scheduler")
     if sched is None:
-        return []
+        return why
     if not isinstance(sched, dict):
-        return [f"framework_state.lr_scheduler is {str(sched)[:24]}, not a scheduler state (an object) or null"]
-    return scheduler_type_reasons(groups, sched, "framework_state.lr_scheduler")
+        return [*why, f"framework_state.lr_scheduler is {str(sched)[:24]}, not a scheduler state (an object) or "
+                      "null"]
+    return why + scheduler_type_reasons(groups, sched, "framework_state.lr_scheduler")
+
+
+STATE_KEYS = ("lr_scheduler", "optimizer_step", "position", "world_size")
+POSITION_KEYS = ("epoch", "epochs", "mini_batch", "mini_batches_per_epoch", "update")
+
+
+def _count(v: Any, least: int) -> bool:
+    return type(v) is int and least <= v < 2**63
+
+
+def position_reasons(state: dict[str, Any], step: int) -> list[str]:
+    """Why the rest of a verl capture's ``framework_state`` is not what the capture writes (``_open``): exactly its
+    keys, ``optimizer_step`` the manifest's step, ``world_size`` a process count, and ``position`` (which update,
+    epoch and mini-batch the step was) counts of the types and ranges the capture counts them in."""
+    why = [f"framework_state.{k} is no key a verl capture writes (it writes {', '.join(STATE_KEYS)})"
+           for k in sorted(set(state) - set(STATE_KEYS))]
+    why += [f"framework_state.{k} is missing" for k in STATE_KEYS if k not in state]
+    if "optimizer_step" in state and not (type(state["optimizer_step"]) is int and state["optimizer_step"] == step):
+        why.append(f"framework_state.optimizer_step is {state['optimizer_step']!r:.24}, not the captured step "
+                   f"{step}")
+    if "world_size" in state and not _count(state["world_size"], 1):
+        why.append(f"framework_state.world_size is {state['world_size']!r:.24}, not a process count (an integer "
+                   ">= 1)")
+    pos = state.get("position", {})
+    if not isinstance(pos, dict) or sorted(pos) != sorted(POSITION_KEYS):
+        return [*why, f"framework_state.position is {pos!r:.60}, not a table of {', '.join(POSITION_KEYS)}"]
+    least = {"update": -1, "epochs": 1, "mini_batches_per_epoch": 1}
+    why += [f"framework_state.position.{k} is {v!r:.24}, not an integer >= {least.get(k, 0)}"
+            for k, v in sorted(pos.items()) if not _count(v, least.get(k, 0))]
+    if not why and pos["mini_batch"] >= pos["mini_batches_per_epoch"]:
+        why.append(f"framework_state.position.mini_batch {pos['mini_batch']} is not below its mini_batches_per_epoch "
+                   f"{pos['mini_batches_per_epoch']}")
+    return why
 
 
 def build_replay(adm: Admission, out: Path) -> VerlSession:
