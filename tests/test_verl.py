@@ -337,7 +337,9 @@ def test_an_lr_scheduler_state_no_scheduler_holds_is_refused_by_explain(
 @pytest.mark.parametrize(("edit", "named"), [
     (lambda s: s.update(optimizer_step=7), "framework_state.optimizer_step is 7, not the captured step 1"),
     (lambda s: s.update(optimizer_step="1"), "framework_state.optimizer_step is '1', not the captured step 1"),
-    (lambda s: s.update(world_size=0), "framework_state.world_size is 0, not a process count"),
+    (lambda s: s.update(world_size=0), "framework_state.world_size is 0, but the captured step ran on 1 process"),
+    (lambda s: s.update(world_size=4), "framework_state.world_size is 4, but the captured step ran on 1 process"),
+    (lambda s: s.update(world_size=True), "framework_state.world_size is True, but the captured step ran on 1 proc"),
     (lambda s: s.update(zzz=1), "framework_state.zzz is no key a verl capture writes"),
     (lambda s: s.pop("position"), "framework_state.position is missing"),
     (lambda s: s.update(position="x"), "framework_state.position is 'x', not a table of epoch"),

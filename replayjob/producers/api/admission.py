@@ -338,11 +338,12 @@ def _check_optimizer(adm: Admission, m: Manifest) -> None:
 
 def _check_framework_state(adm: Admission, m: Manifest) -> None:
     """What the producer's replay reads from ``framework_state`` (its ``framework_state_reasons``: TRL's
-    ``max_steps``, verl's LR scheduler state), typed and checked against the step before any trainer is rebuilt."""
+    ``max_steps``, verl's LR scheduler state and process count), typed and checked against the step and the processes
+    the manifest says ran it, before any trainer is rebuilt."""
     own = getattr(producer_module(m.framework), "framework_state_reasons", None)
     if own is None:
         return
-    for reason in own(m.doc["framework_state"], m.doc["optimizer"]["param_groups"], m.step):
+    for reason in own(m.doc["framework_state"], m.doc["optimizer"]["param_groups"], m.step, adm.captured_processes):
         adm.refuse(f"{m.path}: {reason}; the capture contradicts itself (recapture the step)", integrity=True)
 
 

@@ -157,10 +157,10 @@ def ignored(key: str) -> bool:
     return any(key == f"{FRAMEWORK}.{a}" or key.startswith(f"{FRAMEWORK}.{a}.") for a in KNOB_ALIASES)
 
 
-def framework_state_reasons(state: dict[str, Any], groups: list[Any], step: int) -> list[str]:
+def framework_state_reasons(state: dict[str, Any], groups: list[Any], step: int, processes: int) -> list[str]:
     """Why the recorded ``framework_state`` cannot rebuild the trainer at step ``step``: its ``max_steps`` (the
     schedule the replay's LR scheduler is built for) must be an integer above the step (a step at or after it is
-    never reached)."""
+    never reached).  (``processes``, the manifest's, is not recorded in TRL's state.)"""
     out = []
     if "global_step" not in state:  # the replay stands the trainer's state at it
         out.append(f"framework_state.global_step is missing (the trainer's step counter, {step} at the captured step)")

@@ -1007,12 +1007,13 @@ def restore_state(adm: Admission, session: VerlSession) -> None:
         session.scheduler.load_state_dict(copy.deepcopy(sched))
 
 
-def framework_state_reasons(state: dict[str, Any], groups: list[Any], step: int) -> list[str]:
-    """Why the recorded ``framework_state`` is not what a verl capture writes (:func:`position_reasons`), and why its
+def framework_state_reasons(state: dict[str, Any], groups: list[Any], step: int, processes: int) -> list[str]:
+    """Why the recorded ``framework_state`` is not what a verl capture of ``processes`` processes writes
+    (:func:`position_reasons`), and why its
     ``lr_scheduler`` (loaded whole into the rebuilt engine's scheduler) is not a torch scheduler's state
     (:func:`replayjob.rl.state.scheduler_type_reasons`): typed counters, one base learning rate and lr_lambda per param
     group, no key naming its optimizer or a method."""
-    why = position_reasons(state, step)
+    why = position_reasons(state, step, processes)
     sched = state.get("lr_scheduler")
     if sched is None:
         return why
@@ -1030,9 +1031,10 @@ def _count(v: Any, least: int) -> bool:
     return type(v) is int and least <= v < 2**63
 
 
-def position_reasons(state: dict[str, Any], step: int) -> list[str]:
+def position_reasons(state: dict[str, Any], step: int, processes: int) -> list[str]:
     """Why the rest of a verl capture's ``framework_state`` is not what the capture writes (``_open``): exactly its
-    keys, ``optimizer_step`` the manifest's step, ``world_size`` a process count, and ``position`` (which update,
+    keys, ``optimizer_step`` the manifest's step, ``world_size`` the processes that ran the captured step (the
+    manifest's: one, or its root's ranks), and ``position`` (which update,
     epoch and mini-batch the step was) counts of the types and ranges the capture counts them in."""
     why = [f"framework_state.{k} is no key a verl capture writes (it writes {', '.join(STATE_KEYS)})"
            for k in sorted(set(state) - set(STATE_KEYS))]
@@ -1040,9 +1042,9 @@ def position_reasons(state: dict[str, Any], step: int) -> list[str]:
     if "optimizer_step" in state and not (type(state["optimizer_step"]) is int and state["optimizer_step"] == step):
         why.append(f"framework_state.optimizer_step is {state['optimizer_step']!r:.24}, not the captured step "
                    f"{step}")
-    if "world_size" in state and not _count(state["world_size"], 1):
-        why.append(f"framework_state.world_size is {state['world_size']!r:.24}, not a process count (an integer "
-                   ">= 1)")
+    if "world_size" in state and not (type(state["world_size"]) is int and state["world_size"] == processes):
+        why.append(f"framework_state.world_size is {state['world_size']!r:.24}, but the captured step ran on "
+                   f"{processes} process{'es' if processes != 1 else ''} (the manifest's)")
     pos = state.get("position", {})
     if not isinstance(pos, dict) or sorted(pos) != sorted(POSITION_KEYS):
         return [*why, f"framework_state.position is {pos!r:.60}, not a table of {', '.join(POSITION_KEYS)}"]
