@@ -120,6 +120,9 @@ def test_parse_and_get_leaf() -> None:
     assert get_leaf(row(0), parse_path("loss.nope")) is MISSING
     with pytest.raises(UsageError):
         parse_path("a..b")
+    for other_digits in ("a[\u0663]", "a[\uff13]", "a[\U0001d7d1]"):  # Arabic-Indic, full-width, math digits 3
+        with pytest.raises(UsageError, match="malformed"):  # no alias of a[3]: positions are ASCII digits
+            parse_path(other_digits)
 
 
 def test_ignore_patterns_match_path_last_key_and_indexed_key() -> None:

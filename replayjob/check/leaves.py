@@ -46,8 +46,8 @@ DEFAULT_IGNORES: tuple[str, ...] = (
 MISSING: Any = object()
 """Returned by :func:`get_leaf` when a row has no such leaf."""
 
-_INDEX_TAIL = re.compile(r"(\[\d+\])+\Z")
-_PART = re.compile(r"([^.\[\]]*)((?:\[\d+\])*)")
+_INDEX_TAIL = re.compile(r"(\[[0-9]+\])+\Z")  # ASCII digits: "a[٣]" is no alias of "a[3]"
+_PART = re.compile(r"([^.\[\]]*)((?:\[[0-9]+\])*)")
 
 
 Location = tuple[tuple[str | int, ...], str | int]
@@ -117,7 +117,7 @@ def parse_path(path: str) -> tuple[str | int, ...]:
             raise UsageError(f"leaf path {path!r} is malformed at {part!r}",
                              hint="write keys joined by '.' and array positions as [i], e.g. a.b[3]")
         steps.append(m.group(1))
-        steps.extend(int(i) for i in re.findall(r"\[(\d+)\]", m.group(2)))
+        steps.extend(int(i) for i in re.findall(r"\[([0-9]+)\]", m.group(2)))
     return tuple(steps)
 
 
