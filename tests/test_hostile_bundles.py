@@ -326,3 +326,14 @@ def test_a_root_complete_that_is_no_file_is_refused_as_what_it_is(
         rc, out = _cli(capsys, "bundle", cmd, str(root))
         assert rc == 2 and "Traceback" not in out and f"{record}:" in out, (cmd, out)
         assert ("symbolic link" if kind == "link" else "not a regular file") in out and "missing" not in out, out
+
+
+def test_a_rank_that_is_a_file_is_named_as_such_not_as_missing(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A multi-rank root whose rank-1 is a plain file: refused (exit 2) as no directory, naming it, not as a rank that
+    did not land (whose fix, waiting for it, would never help)."""
+    import shutil
+    root = _two_ranks(tmp_path / "mr")
+    shutil.rmtree(root / "rank-1")
+    (root / "rank-1").write_text("not a rank\n")
+    _refused_by_both(capsys, root, "rank 1's rank-1 is not a directory", str(root / "rank-1"))

@@ -624,7 +624,11 @@ def _load_root(root: Path, tensors: bool = True) -> Bundle:
                                  "unlisted ranks are refused)", where=entry)
     parts = []
     for r in ranks:
-        if not (root / f"rank-{r}").is_dir():
+        d = root / f"rank-{r}"
+        if os.path.lexists(d) and not d.is_dir():  # there, but no directory (links were refused above)
+            raise IntegrityError(f"rank {r}'s rank-{r} is not a directory (a file, a device or a FIFO); a rank lands "
+                                 "as a directory", where=d, hint="recapture the step into a new directory")
+        if not d.is_dir():
             raise IntegrityError(f"rank {r} is missing (rank-{r}/); expected ranks {ranks}", where=root,
                                  hint="the producer of that rank did not land")
         parts.append(_load_single(root / f"rank-{r}", tensors, record))
