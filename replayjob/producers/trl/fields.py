@@ -32,8 +32,11 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
+
+from replayjob.redact import REDACTED
 
 CONTRACT, KNOB, IRRELEVANT, REFUSED = "contract", "knob", "irrelevant", "refused"
 KINDS = (CONTRACT, KNOB, IRRELEVANT, REFUSED)
@@ -150,6 +153,161 @@ FIELDS: dict[str, Field] = {
              "optimizer state are not whole in each process; replayjob captures DDP runs",
              "deepspeed fsdp fsdp_config parallelism_config", allowed=(None, False, "", [], {})),
 }
+
+
+
+# -- what a recorded value may be ----------------------------------------------------------------------------
+# Every contract and knob field's value as a capture records it (GRPOConfig's value after its own resolution, as JSON),
+# declared once: the admission reads a recorded (or overridden) config through it (:func:`config_reasons`), so a
+# re-pinned manifest whose TRL config no trainer resolves to is refused naming the field and the rule, before a
+# trainer is built.
+
+@dataclass(frozen=True)
+class Domain:
+    """The values one recorded field takes: ``takes`` says which, ``holds`` decides."""
+
+    takes: str
+    holds: Any  # Callable[[Any], bool]
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _num(takes: str, ok: Any = lambda v: True, none: bool = False) -> Domain:
+    return Domain(takes + (" or null" if none else ""), lambda v: (none and v is None) or (_is_num(v) and ok(v)))
+
+
+def _int(low: int, none: bool = False) -> Domain:
+    return Domain(f"an integer >= {low}" + (" or null" if none else ""),
+                  lambda v: (none and v is None) or (type(v) is int and low <= v < 2**63))
+
+
+def _bool(none: bool = False) -> Domain:
+    return Domain("true or false" + (" or null" if none else ""), lambda v: type(v) is bool or (none and v is None))
+
+
+def _choice(*values: str) -> Domain:
+    return Domain("one of " + ", ".join(repr(v) for v in values), lambda v: isinstance(v, str) and v in values)
+
+
+def _text(none: bool = False) -> Domain:
+    return Domain("a non-empty string" + (" or null" if none else ""),
+                  lambda v: (none and v is None) or (isinstance(v, str) and v != ""))
+
+
+def _table_or_none(v: Any) -> bool:
+    return v is None or isinstance(v, dict)
+
+
+# the keys transformers passes from ``gradient_checkpointing_kwargs`` to the checkpoint function (and the two it
+# takes for itself), each of the type it takes
+_CHECKPOINT_KWARGS: dict[str, Any] = {
+    "use_reentrant": lambda v: v is None or type(v) is bool, "preserve_rng_state": lambda v: type(v) is bool,
+    "determinism_check": lambda v: v in ("default", "none"), "debug": lambda v: type(v) is bool,
+    "every_n_layers": lambda v: type(v) is int and 1 <= v < 2**63, "offload": lambda v: type(v) is bool}
+
+
+def _checkpoint_kwargs(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and all(k in _CHECKPOINT_KWARGS and _CHECKPOINT_KWARGS[k](x)
+                                                     for k, x in v.items()))
+
+
+_NONNEG, _POS = (lambda v: v >= 0), (lambda v: v > 0)
+# transformers' SchedulerType values (a test compares them with the installed transformers')
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+              "warmup_stable_decay", "greedy")
+# the param-group setting torch's optimizer of each of these ``optim`` names holds (a captured optimizer state of
+# another optimizer contradicts the recorded ``optim``)
+OPTIM_GROUP_KEYS = {"adamw_torch": "betas", "adamw_torch_fused": "betas", "sgd": "momentum", "adagrad": "lr_decay",
+                    "rmsprop": "alpha"}
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+
+DOMAINS: dict[str, Domain] = {
+    "loss_type": _choice(*LOSS_TYPES),
+    "beta": _num("a finite number >= 0", _NONNEG), "epsilon": _num("a finite number >= 0", _NONNEG),
+    "epsilon_high": _num("a finite number >= 0", _NONNEG, none=True),
+    "delta": _num("a finite number > 0", _POS, none=True),
+    "importance_sampling_level": _choice("token", "sequence"),
+    "use_bias_correction_kl": _bool(), "mask_truncated_completions": _bool(),
+    "top_entropy_quantile": _num("a finite number in [0, 1]", lambda v: 0 <= v <= 1),
+    "off_policy_mask_threshold": _num("a finite number >= 0", _NONNEG, none=True),
+    **{n: _num("a finite number > 0", _POS) for n in (
+        "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos",
+        "vespo_lambda_neg")},
+    "entropy_coef": _num("a finite number"), "use_adaptive_entropy": _bool(),
+    "entropy_coef_min": _num("a finite number"), "entropy_coef_max": _num("a finite number"),
+    "entropy_coef_delta": _num("a finite number >= 0", _NONNEG), "entropy_target": _num("a finite number"),
+    "router_aux_loss_coef": _num("a finite number", none=True),
+    "max_completion_length": _int(1), "average_tokens_across_devices": _bool(),
+    "temperature": _num("a finite number > 0", _POS), "cast_lm_head_to_fp32": _bool(), "disable_dropout": _bool(),
+    "num_generations": _int(2), "num_iterations": _int(1), "scale_rewards": _choice("group", "batch", "none"),
+    "optim": _text(), "optim_args": _text(none=True),
+    "optim_target_modules": Domain("null, a string or a list of strings", lambda v: v is None or isinstance(v, str)
+                                   or (isinstance(v, list) and all(isinstance(x, str) for x in v))),
+    "learning_rate": _num("a finite number >= 0", _NONNEG), "weight_decay": _num("a finite number >= 0", _NONNEG),
+    "adam_beta1": _num("a finite number in [0, 1)", lambda v: 0 <= v < 1),
+    "adam_beta2": _num("a finite number in [0, 1)", lambda v: 0 <= v < 1),
+    "adam_epsilon": _num("a finite number >= 0", _NONNEG), "lr_scheduler_type": _choice(*SCHEDULERS),
+    "lr_scheduler_kwargs": Domain("a table or null", _table_or_none),
+    "warmup_steps": _num("a finite number >= 0", _NONNEG),
+    "max_steps": Domain("an integer >= 1, or -1 (the epochs decide)",
+                        lambda v: type(v) is int and (v == -1 or 1 <= v < 2**63)),
+    "max_grad_norm": _num("a finite number >= 0", _NONNEG),
+    "bf16": _bool(none=True), "fp16": _bool(), "tf32": _bool(none=True), "use_cpu": _bool(),
+    "full_determinism": _bool(), "accelerator_config": Domain("a table or null", _table_or_none),
+    "ddp_backend": _text(none=True), "ddp_bucket_cap_mb": _int(1, none=True),
+    "ddp_broadcast_buffers": _bool(none=True), "ddp_find_unused_parameters": _bool(none=True),
+    "ddp_static_graph": _bool(none=True),
+    "use_vllm": _bool(), "vllm_importance_sampling_correction": _bool(),
+    "vllm_importance_sampling_mode": _choice("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+    "vllm_importance_sampling_clip_min": _num("a finite number >= 0", _NONNEG, none=True),
+    "vllm_importance_sampling_clip_max": _num("a finite number > 0", _POS, none=True),
+    "vllm_importance_sampling_cap": _num("a finite number > 0", _POS, none=True),
+    "per_device_train_batch_size": _int(1), "gradient_accumulation_steps": _int(1), "steps_per_generation": _int(1),
+    "gradient_checkpointing": _bool(), "activation_checkpointing": _bool(none=True),
+    **{n: Domain("null or a table of the checkpoint function's settings (" + ", ".join(_CHECKPOINT_KWARGS)
+                 + ", each of its type)", _checkpoint_kwargs)
+       for n in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")},
+}
+
+# The contract and knob fields RLOOConfig lacks (GRPOTrainer's loss alone reads them): a GRPO capture records each, an
+# RLOO capture none (a test compares this with the installed TRL's two configs).
+_GRPO_ONLY = (
+    "loss_type delta importance_sampling_level use_bias_correction_kl top_entropy_quantile off_policy_mask_threshold "
+    "sapo_temperature_pos sapo_temperature_neg vespo_k_pos vespo_k_neg vespo_lambda_pos vespo_lambda_neg "
+    "entropy_coef use_adaptive_entropy entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target "
+    "cast_lm_head_to_fp32 scale_rewards vllm_importance_sampling_correction vllm_importance_sampling_mode "
+    "vllm_importance_sampling_clip_min vllm_importance_sampling_clip_max vllm_importance_sampling_cap")
+GRPO_ONLY = frozenset(_GRPO_ONLY.split())
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def config_reasons(values: Any, trainer: str = "GRPOTrainer") -> list[str]:
+    """Why a recorded (or overridden) ``trl`` config is not one ``trainer``'s config resolves to (empty: it is): a
+    table of fields this table classifies, holding every contract and knob field the trainer's config has (none of
+    GRPO's own in an RLOO capture), each at a value of its :data:`DOMAINS` entry, and a refused field only at a value
+    that switches it off."""
+    if not isinstance(values, dict):
+        return [f"trl is {_shown(values)}, not a table of the trainer config's fields"]
+    why = [f"trl.{n} is no field of TRL's {' or '.join(CONFIGS)} this replayjob classifies (a capture records the "
+           "installed TRL's fields; replay with the TRL version the capture recorded)"
+           for n in sorted(set(values) - set(FIELDS))]
+    for n, dom in DOMAINS.items():
+        if n in GRPO_ONLY and trainer != "GRPOTrainer":
+            if n in values:
+                why.append(f"trl.{n} is no field of {trainer}'s config (GRPOTrainer's loss reads it)")
+            continue
+        if n not in values:
+            why.append(f"trl.{n} is missing: a capture records every field of the update ({FIELDS[n].kind})")
+        elif values[n] != REDACTED and not dom.holds(values[n]):
+            why.append(f"trl.{n} is {_shown(values[n])}; it takes {dom.takes}")
+    return why + refusals(values)
 
 
 def _off(value: Any, allowed: tuple[Any, ...]) -> bool:

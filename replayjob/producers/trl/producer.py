@@ -171,10 +171,84 @@ def framework_state_reasons(state: dict[str, Any], groups: list[Any], step: int,
     return out
 
 
+def recorded_reasons(adm: Admission, src: dict[str, Any]) -> list[str]:
+    """Where the recorded TRL config contradicts the rest of the capture (each value already of its domain): the
+    ``max_steps`` the replay's schedule is built for (``framework_state.max_steps``), the micro-batches' rows (each
+    one ``per_device_train_batch_size``'s), the generation batch (whole groups of ``num_generations``), the
+    completions' width (at most ``max_completion_length``), the two names of the checkpointing setting, the vLLM
+    correction's ratio (an input of every micro-batch), the device (``use_cpu``) and the precision record
+    (``bf16``/``fp16``)."""
+    m, mbs = adm.manifest, adm.micro_batches
+    if m is None:
+        return []
+    why, state = [], m.doc["framework_state"]
+    if src["max_steps"] > 0 and state.get("max_steps") != src["max_steps"]:  # -1: the trainer derived it
+        why.append(f"trl.max_steps is {src['max_steps']}, but framework_state.max_steps is "
+                   f"{repr(state.get('max_steps'))[:24]} (one trainer's max_steps)")
+    size, spg, gen = src["per_device_train_batch_size"], src["steps_per_generation"], src.get("num_generations")
+    if gen is not None and (size * spg * adm.captured_processes) % gen:
+        why.append(f"the generation batch (per_device_train_batch_size {size} x steps_per_generation {spg} x "
+                   f"{adm.captured_processes} process(es)) is not whole groups of num_generations {gen}")
+    if "activation_checkpointing" in src and src["activation_checkpointing"] not in (None,
+                                                                                    src["gradient_checkpointing"]):
+        why.append(f"trl.activation_checkpointing is {src['activation_checkpointing']!r}, but "
+                   f"trl.gradient_checkpointing is {src['gradient_checkpointing']!r} (one setting under two names)")
+    if src["use_cpu"] and m.doc["producer"].get("device") != "cpu":
+        why.append(f"trl.use_cpu is true, but the step ran on {str(m.doc['producer'].get('device'))[:24]}")
+    key = trl_fields.OPTIM_GROUP_KEYS.get(src["optim"])
+    groups = m.doc["optimizer"]["param_groups"]
+    if key is not None and any(isinstance(g, dict) and key not in g for g in groups):
+        why.append(f"trl.optim is {src['optim']!r}, but the captured optimizer's param groups hold no {key!r} (the "
+                   "state of another optimizer)")
+    prec = state.get("precision")
+    mixed = "bf16" if src["bf16"] else "fp16" if src["fp16"] else "no"
+    if isinstance(prec, dict) and prec.get("mixed_precision") != mixed:
+        why.append(f"trl.bf16 is {src['bf16']!r} and trl.fp16 {src['fp16']!r}, but framework_state.precision "
+                   f"records mixed precision {str(prec.get('mixed_precision'))[:24]!r} (TRL's {mixed!r})")
+    for i, mb in enumerate(mbs or []):
+        rows = _microbatch.batch_rows([mb])
+        if rows != size:
+            why.append(f"micro-batch {i} holds {rows} rows, but trl.per_device_train_batch_size is {size} (each "
+                       "micro-batch of a step is one per_device_train_batch_size slice of the generation batch)")
+            break
+        ids = mb.inputs.get("completion_ids")
+        if ids is not None and ids.dim() == 2 and int(ids.shape[1]) > src["max_completion_length"]:
+            why.append(f"micro-batch {i}'s completions are {int(ids.shape[1])} tokens wide, beyond "
+                       f"trl.max_completion_length {src['max_completion_length']}")
+            break
+        if (src["use_vllm"] and src.get("vllm_importance_sampling_correction")
+                and "importance_sampling_ratio" not in mb.inputs):
+            why.append(f"trl.use_vllm and vllm_importance_sampling_correction are on, but micro-batch {i} holds no "
+                       "importance_sampling_ratio (the ratio the corrected loss multiplies by)")
+            break
+    return [f"{r}; the capture contradicts itself (recapture the step)" for r in why]
+
+
+def _combination_reasons(t: dict[str, Any]) -> list[str]:
+    """The loss type and importance-sampling level combinations GRPOTrainer refuses when it is built."""
+    loss, level = t.get("loss_type"), t.get("importance_sampling_level")
+    if loss == "luspo" and level != "sequence":
+        return [f"trl.loss_type 'luspo' takes importance_sampling_level 'sequence', not {level!r}"]
+    if loss == "vespo" and level != "token":
+        return [f"trl.loss_type 'vespo' takes importance_sampling_level 'token', not {level!r}"]
+    if level == "sequence" and loss in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        return [f"trl.importance_sampling_level 'sequence' is not taken with loss_type {loss!r}"]
+    return []
+
+
 def knob_refusals(adm: Admission) -> list[str]:
     """Why a declared TRL knob does not hold for this capture and replay (beyond being present and registered)."""
     t = (adm.resolved or {}).get(FRAMEWORK, {})
-    why = trl_fields.refusals(t)
+    trainer = str((adm.resolved or {}).get(TRAINER_KEY) or "GRPOTrainer")
+    src = adm.manifest.config.get(FRAMEWORK) if adm.manifest is not None else None
+    # the recorded config and the replay's, each read through the fields' declared domains (trl_fields.DOMAINS): the
+    # checks below and the replay's trainer read their values
+    why = [f"the capture's config: {r}; the capture contradicts itself (recapture the step)"
+           for r in trl_fields.config_reasons(src, trainer)]
+    why += [r for r in trl_fields.config_reasons(t, trainer) if not why or r not in "\n".join(why)]
+    if why:
+        return why
+    why = (recorded_reasons(adm, src) if isinstance(src, dict) else []) + _combination_reasons(t)
     for key in adm.observed:  # an override the table calls irrelevant: say so, and what the replay runs instead
         f = trl_fields.FIELDS.get(key.removeprefix(f"{FRAMEWORK}.").split(".")[0])
         mine = key.startswith(f"{FRAMEWORK}.") and key not in adm.allowed
