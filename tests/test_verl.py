@@ -370,7 +370,10 @@ def test_param_groups_the_rebuilt_engine_does_not_have_are_refused_by_the_replay
         half = len(group["params"]) // 2
         doc["optimizer"]["param_groups"] = [{**group, "params": group["params"][:half]},
                                             {**group, "params": group["params"][half:]}]
-        doc["framework_state"]["lr_scheduler"] = None  # its groups would be refused by explain (one base lr each)
+        sched = doc["framework_state"]["lr_scheduler"]  # one base lr and lr_lambda per group, or explain refuses it
+        for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+            if isinstance(sched.get(key), list):
+                sched[key] = sched[key] * 2
 
     toml, pin = _re_sealed(vanilla, tmp_path, split)
     capsys.readouterr()
@@ -384,17 +387,30 @@ def _config_re_sealed(vanilla: Path, tmp_path: Path, section: str, name: str, va
     """A copy of the capture whose recorded ``verl.<section>.<name>`` is ``value`` (deleted for ``...``), with the
     config's digest and the contract recomputed from it: every digest inside the manifest agrees, as a forger who
     re-pins the manifest writes it."""
+    def edit(verl: dict[str, Any]) -> None:
+        table = verl if section == "verl" else verl[section]
+        if value is ...:
+            del table[name]
+        else:
+            table[name] = value
+
+    return _verl_re_sealed(vanilla, tmp_path, edit)
+
+
+def _verl_re_sealed(vanilla: Path, tmp_path: Path, change: Callable[[dict[str, Any]], None],
+                    state: Callable[[dict[str, Any]], None] | None = None) -> tuple[Path, str]:
+    """A copy of the capture whose recorded ``verl`` section ``change`` edited in place (and its framework_state
+    ``state``), with the config's digest and the contract recomputed from it, as a forger who re-pins the manifest
+    writes it."""
     from replayjob.digest import sha256_json
     from replayjob.producers.contract import contract_sha256
     from replayjob.redact import redact
 
     def edit(doc: dict[str, Any]) -> None:
         resolved = doc["config"]["resolved"]
-        table = resolved["verl"] if section == "verl" else resolved["verl"][section]
-        if value is ...:
-            del table[name]
-        else:
-            table[name] = value
+        change(resolved["verl"])
+        if state is not None:
+            state(doc["framework_state"])
         doc["config"]["sha256"] = sha256_json(resolved)
         try:
             contract = redact(rv.contract(resolved))
@@ -441,6 +457,109 @@ def test_a_recorded_verl_config_a_capture_never_writes_is_refused_by_explain(
     assert named in out.out and "Traceback" not in out.out + out.err, out
 
 
+def _entry(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    """An edit of the recorded verl section setting the entry at the dotted ``path`` (``section.field[.key...]``)
+    to ``value`` (deleted for ``...``)."""
+    def edit(verl: dict[str, Any]) -> None:
+        *parents, leaf = path.split(".")
+        node = verl
+        for part in parents:
+            node = node[part]
+        if value is ...:
+            del node[leaf]
+        else:
+            node[leaf] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(("path", "value", "named"), [
+    # the wrong JSON type: a string, a bool, a number where a string is taken
+    ("actor.clip_ratio", "0.2", "verl.actor.clip_ratio is '0.2'; it takes a number in [0, 1]"),
+    ("actor.clip_ratio", True, "verl.actor.clip_ratio is True; it takes a number in [0, 1]"),
+    ("actor.use_kl_loss", 1, "verl.actor.use_kl_loss is 1; it takes true or false"),
+    ("actor.loss_agg_mode", 1, "verl.actor.loss_agg_mode is 1; it takes one of 'token-mean'"),
+    ("model.lora_rank", 1.5, "verl.model.lora_rank is 1.5; it takes an integer >= 0"),
+    ("optim.betas", "0.9,0.999", "verl.optim.betas is '0.9,0.999'; it takes two numbers in [0, 1)"),
+    ("engine.wrap_policy", [], "verl.engine.wrap_policy is []; it takes a table"),
+    # huge: finite in JSON, infinite in the float32 the update computes in; out of range
+    ("actor.clip_ratio", 1e308, "verl.actor.clip_ratio is 1e+308; it takes a number in [0, 1]"),
+    ("optim.lr", 1e308, "verl.optim.lr is 1e+308; it takes a number >= 0"),
+    ("actor.entropy_coeff", -1e300, "verl.actor.entropy_coeff is -1e+300; it takes a number"),
+    ("actor.clip_ratio_c", 0.5, "verl.actor.clip_ratio_c is 0.5; it takes a number > 1"),
+    ("actor.kl_loss_coef", -0.1, "verl.actor.kl_loss_coef is -0.1; it takes a number >= 0"),
+    ("optim.betas", [0.9, 1.0], "verl.optim.betas is [0.9, 1.0]; it takes two numbers in [0, 1)"),
+    ("engine.fsdp_size", 0, "verl.engine.fsdp_size is 0; it takes -1 or an integer >= 1"),
+    ("actor.loss_scale_factor", 0, "verl.actor.loss_scale_factor is 0; it takes an integer >= 1 or null"),
+    # a name verl does not act on, or a module it would import at build
+    ("actor.loss_agg_mode", "token-median", "verl.actor.loss_agg_mode is 'token-median'; it takes one of"),
+    ("actor.kl_loss_type", "full", "verl.actor.kl_loss_type is 'full'; it takes one of"),
+    ("optim.lr_scheduler_type", "linear", "verl.optim.lr_scheduler_type is 'linear'; it takes one of"),
+    ("optim.optimizer_impl", "os", "verl.optim.optimizer_impl is 'os'; it takes one of 'torch.optim'"),
+    # the entries of a table-valued contract field: wrong type, unknown, missing
+    ("actor.policy_loss.loss_mode", "mine", "verl.actor.policy_loss.loss_mode is 'mine'; it takes one of"),
+    ("actor.policy_loss.clip_cov_lb", "1", "verl.actor.policy_loss.clip_cov_lb is '1'; it takes a number"),
+    ("actor.policy_loss.rollout_correction.bypass_mode", "no",
+     "verl.actor.policy_loss.rollout_correction.bypass_mode is 'no'; it takes true or false"),
+    ("actor.policy_loss.zzz", 1, "verl.actor.policy_loss.zzz is no entry of verl's PolicyLossConfig"),
+    ("actor.policy_loss.clip_cov_lb", ..., "verl.actor.policy_loss.clip_cov_lb is missing"),
+    ("model.tiled_mlp.num_shards", "4", "verl.model.tiled_mlp.num_shards is '4'; it takes an integer >= 1"),
+    ("model.tiled_mlp.zzz", 1, "verl.model.tiled_mlp.zzz is no entry of"),
+])
+def test_a_contract_field_of_another_type_or_range_is_refused_by_explain(
+        path: str, value: Any, named: str, vanilla: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Contract fields were recorded and compared as they were, of any JSON type: a re-pinned manifest (config digest
+    and contract recomputed) whose actor.clip_ratio is the string "0.2", true or 1e308, whose loss aggregation is no
+    mode verl has, whose optimizer module is another, or whose policy loss table holds an unknown entry or lacks one,
+    was admitted. Each contract field's type and range is declared in fields.FIELDS, the rule a capture records it
+    by and admission reads it back by."""
+    toml, pin = _verl_re_sealed(vanilla, tmp_path, _entry(path, value))
+    capsys.readouterr()
+    assert main(["explain", str(toml), "--set", f'optimizer_batch.expected_manifest_sha256="{pin}"']) == 2
+    out = capsys.readouterr()
+    assert named in out.out and "Traceback" not in out.out + out.err, out
+
+
+def test_every_wrong_contract_field_is_listed_and_the_replay_refuses_it_too(
+        vanilla: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Several wrong contract fields at once: explain lists each (not the first alone), and replay refuses the same
+    manifest before it builds anything; the unedited capture is still admitted."""
+    toml = vanilla / "replay_step_000001.toml"
+    assert main(["explain", str(toml)]) == 0
+
+    def several(verl: dict[str, Any]) -> None:
+        for path, value in (("actor.clip_ratio", "0.2"), ("optim.weight_decay", True), ("optim.clip_grad", 1e308),
+                            ("actor.policy_loss.ppo_kl_coef", ...), ("model.lora", None)):
+            _entry(path, value)(verl)
+
+    toml, pin = _verl_re_sealed(vanilla, tmp_path, several)
+    pinned = f'optimizer_batch.expected_manifest_sha256="{pin}"'
+    named = ["verl.actor.clip_ratio is '0.2'", "verl.optim.weight_decay is True", "verl.optim.clip_grad is 1e+308",
+             "verl.actor.policy_loss.ppo_kl_coef is missing", "verl.model.lora is None"]
+    capsys.readouterr()
+    assert main(["explain", str(toml), "--set", pinned]) == 2
+    out = capsys.readouterr()
+    assert all(n in out.out for n in named) and "Traceback" not in out.out + out.err, out
+    assert main(["replay", str(toml), "--out", str(tmp_path / "r"), "--set", pinned]) == 2
+    out = capsys.readouterr()
+    assert all(n in out.out + out.err for n in named) and "Traceback" not in out.out + out.err, out
+    assert not (tmp_path / "r" / "replay_metrics.json").exists()
+
+
+def test_a_null_lr_scheduler_state_is_refused_by_explain(vanilla: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """verl's FSDP engine builds an LR scheduler with its optimizer (constant or cosine; forward_only, which builds
+    neither, is refused), so the recorded config says the captured engine had one: a re-pinned manifest whose
+    scheduler state is null was admitted by explain and refused only once the replay had built the engine."""
+    toml, pin = _verl_re_sealed(vanilla, tmp_path, lambda verl: None, lambda state: state.update(lr_scheduler=None))
+    capsys.readouterr()
+    assert main(["explain", str(toml), "--set", f'optimizer_batch.expected_manifest_sha256="{pin}"']) == 2
+    out = capsys.readouterr()
+    assert "framework_state.lr_scheduler is null, but the recorded engine builds an LR scheduler" in out.out, out
+    assert "Traceback" not in out.out + out.err, out
+
+
 def test_every_verl_config_field_is_classified() -> None:
     """The declaration covers exactly the installed verl's fields: a new field fails here (and a capture of a config
     that has it is refused), a field verl dropped is reported as stale."""
@@ -457,6 +576,25 @@ def test_every_verl_config_field_is_classified() -> None:
         for field_name, f in FIELDS[section].items():
             assert f.kind in KINDS, (section, field_name)
             assert f.kind in ("contract",) or f.why, (section, field_name)  # every other class says why
+
+
+def test_every_contract_field_declares_a_type_that_verls_own_default_takes() -> None:
+    """Each contract field's declaration (fields.FIELDS, its ``spec``) admits the default of the installed verl's
+    dataclass, as a capture records it: a declaration stricter than verl fails here, not in a user's capture."""
+    import dataclasses
+    import importlib
+
+    from replayjob.producers.verl.fields import CONTRACT, FIELDS, SECTIONS, value_reasons
+
+    for section, (module, name) in SECTIONS.items():
+        cls = getattr(importlib.import_module(module), name)
+        for f in dataclasses.fields(cls):
+            declared = FIELDS[section][f.name]
+            if declared.kind != CONTRACT:
+                continue
+            assert declared.spec is not None, f"verl.{section}.{f.name} declares no type"
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            assert value_reasons(section, f.name, rv.jsonable(default)) == [], (section, f.name, default)
 
 
 def test_a_capture_refuses_an_unclassified_field_and_a_refused_value(base: Path) -> None:
@@ -482,6 +620,13 @@ def test_a_capture_refuses_an_unclassified_field_and_a_refused_value(base: Path)
         "param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     with pytest.raises(CaptureError, match="fp16 is not replayed"):
         rv.section_values("engine", FSDPEngineConfig(mixed_precision={"param_dtype": "fp16"}))
+    from verl.workers.config import FSDPOptimizerConfig
+
+    # a contract field of another type or range: refused by the rule admission reads it back by
+    with pytest.raises(CaptureError, match=r"verl\.optim\.lr is inf; it takes a number >= 0"):
+        rv.section_values("optim", FSDPOptimizerConfig(lr=float("inf")))
+    with pytest.raises(CaptureError, match=r"verl\.optim\.optimizer_impl is 'bitsandbytes\.optim'; it takes one of"):
+        rv.section_values("optim", FSDPOptimizerConfig(lr=1e-3, optimizer_impl="bitsandbytes.optim"))
 
 
 def test_the_config_switch_captures_the_actor_worker_it_is_imported_in(base: Path, tmp_path: Path,

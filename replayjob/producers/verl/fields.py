@@ -14,12 +14,19 @@ worker that ran the step: the loss's ``FSDPActorConfig``, the engine's ``FSDPEng
   admitted value is recorded and part of the contract.
 
 A knob also declares the values it takes (``valid``, described by ``takes``): a flag is a bool, a size a positive
-integer or null, the precision table its three entries named as verl names a dtype.  :func:`value_reason` is the
-one rule a capture records a field by and :func:`config_reasons` the one rule a replay's admission reads the
-recorded ``verl`` section by (exactly the recorded fields of each section, each a value its class admits): a
-re-pinned manifest whose section names an irrelevant or unknown field (``model.external_lib``, a module verl
-imports), holds a refused value (``model.trust_remote_code = true``) or a knob of another type is refused before
-any engine is built.
+integer or null, the precision table its three entries named as verl names a dtype.  A contract field declares its
+type and range (``spec``, a :class:`Takes`, from the annotation of verl's dataclass and what verl's update does with
+the value): a number is a JSON number (never a bool or a string), finite and within float32's range (the loss and
+AdamW compute in float32 or narrower: a larger magnitude is infinite there) and within the field's own range
+(``clip_ratio`` in [0, 1], ``clip_ratio_c`` above 1, ...); an integer a JSON integer; a name one verl acts on
+(``loss_agg_mode``, ``kl_loss_type``, the policy loss, the LR scheduler; the optimizer's module only ``torch.optim``,
+since verl imports it by name at build); a table of verl's nested dataclass (``policy_loss``, ``tiled_mlp``) exactly
+its entries, each declared the same way.  :func:`value_reasons` is the one rule a capture records a field by and
+:func:`config_reasons` the one rule a replay's admission reads the recorded ``verl`` section by (exactly the
+recorded fields of each section, each a value its class admits, every reason listed): a re-pinned manifest whose
+section names an irrelevant or unknown field (``model.external_lib``, a module verl imports), holds a refused value
+(``model.trust_remote_code = true``), a knob of another type or a contract field of another type or range
+(``actor.clip_ratio = "0.2"``, ``true`` or ``1e308``) is refused before any engine is built.
 
 :data:`FIELDS` is a declaration a test walks: every field of the installed verl's dataclasses must be
 listed here, so a verl release that adds a field fails that test (and a capture refuses a config with an
@@ -28,6 +35,7 @@ unclassified field) until someone classifies it.  This module imports nothing he
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,10 +52,104 @@ SECTIONS: dict[str, tuple[str, str]] = {
 }
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+
+
+@dataclass(frozen=True)
+class Takes:
+    """The values a contract field (or an entry of one) takes: ``ok`` decides a value, ``text`` says which (in a
+    refusal and on the page); a table of a verl dataclass lists its ``entries``, exactly these keys, each declared
+    the same way; ``null`` admits null besides."""
+
+    text: str
+    ok: Callable[[Any], bool]
+    entries: dict[str, Takes] | None = None
+    null: bool = False
+
+    def reasons(self, where: str, value: Any) -> list[str]:
+        """Why ``value`` at ``where`` (a dotted name) is not one of these values (empty: it is), every reason."""
+        if value is None and self.null:
+            return []
+        if self.entries is None or not isinstance(value, dict):
+            return [] if self.entries is None and self.ok(value) else [f"{where} is {_shown(value)}; it takes "
+                                                                       f"{self.text}"]
+        why = [f"{where}.{key} is no entry of {self.text}" for key in sorted(set(value) - set(self.entries))]
+        for key, spec in self.entries.items():
+            if key not in value:
+                why.append(f"{where}.{key} is missing: a capture records every entry of {self.text}")
+            else:
+                why += spec.reasons(f"{where}.{key}", value[key])
+        return why
+
+
+def _or_null(spec: Takes) -> Takes:
+    return Takes(spec.text + " or null", spec.ok, spec.entries, null=True)
+
+
+def _is_number(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v) and abs(v) <= FLOAT32_MAX
+
+
+def _bound(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _number(lo: float | None = None, hi: float | None = None, *, above: bool = False, below: bool = False) -> Takes:
+    """A finite JSON number (int or float, not a bool) within float32's range and ``lo`` <= (< with ``above``) it
+    <= (< with ``below``) ``hi``."""
+    def ok(v: Any) -> bool:
+        return (_is_number(v) and (lo is None or (v > lo if above else v >= lo))
+                and (hi is None or (v < hi if below else v <= hi)))
+
+    if lo is not None and hi is not None:
+        text = f"a number in {'(' if above else '['}{_bound(lo)}, {_bound(hi)}{')' if below else ']'}"
+    elif lo is not None:
+        text = f"a number {'>' if above else '>='} {_bound(lo)}"
+    else:
+        text = "a number"
+    return Takes(text + " (finite, within float32's range)", ok)
+
+
+def _integer(lo: int, *, also: tuple[int, ...] = ()) -> Takes:
+    """A JSON integer (not a bool, not a float) within 64 bits, >= ``lo`` or one of ``also``."""
+    def ok(v: Any) -> bool:
+        return type(v) is int and (lo <= v < 2**63 or v in also)
+
+    return Takes("".join(f"{a} or " for a in also) + f"an integer >= {lo}", ok)
+
+
+FLAG = Takes("true or false", lambda v: isinstance(v, bool))
+TEXT = Takes("a string", lambda v: isinstance(v, str))
+NAMES = Takes("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+
+
+def _choice(*names: str) -> Takes:
+    return Takes("one of " + ", ".join(repr(n) for n in names), lambda v: isinstance(v, str) and v in names)
+
+
+def _finite(v: Any) -> bool:
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _finite(x) for k, x in v.items())
+    if isinstance(v, list):
+        return all(_finite(x) for x in v)
+    return v is None or isinstance(v, bool | int | str)
+
+
+#: a free-form table verl passes on (to transformers, FSDP, peft): an object of JSON values, every number finite
+TABLE = Takes("a table (an object of JSON values, every number finite)", lambda v: isinstance(v, dict) and _finite(v))
+
+
+def _entries(name: str, **entries: Takes) -> Takes:
+    return Takes(f"verl's {name} ({', '.join(entries)})", lambda v: isinstance(v, dict), entries)
+
+
 @dataclass(frozen=True)
 class Field:
     """How one config field is treated: ``kind`` (one of the four), ``why`` (the knob's rule, the reason it is
-    irrelevant, or why other values are refused) and, for a refused field, the values admitted."""
+    irrelevant, or why other values are refused), for a refused field the values admitted, and for a contract field
+    its type and range (``spec``)."""
 
     kind: str
     why: str = ""
@@ -55,14 +157,15 @@ class Field:
     keys: tuple[str, ...] = ()  # a table-valued knob: the entries registered as knobs (verl.<section>.<name>.<key>)
     valid: Callable[[Any], bool] | None = None  # a knob: the values it takes (described by ``takes``)
     takes: str = ""
+    spec: Takes | None = None  # a contract field: the values it takes
 
     @property
     def recorded(self) -> bool:
         return self.kind != IRRELEVANT
 
 
-def _contract() -> Field:
-    return Field(CONTRACT)
+def _contract(spec: Takes) -> Field:
+    return Field(CONTRACT, spec=spec)
 
 
 def _irrelevant(why: str) -> Field:
@@ -122,10 +225,37 @@ _PATH = _irrelevant("a path; the base model directory the replay config names is
                     "config.json and safetensors files")
 _DERIVED = _irrelevant("an object verl derives from the files at model.path, which are pinned by SHA-256")
 
+# the types and ranges of contract fields (each from verl's annotation and what its update does with the value)
+_RATIO = _number(0, 1)
+_COEF = _number(0)
+_STRATEGY = _choice("fsdp", "fsdp2")  # the backends of verl's FSDP engine (EngineRegistry), which a replay builds
+_DTYPE = _choice(*PRECISION_NAMES)
+_LOSS_AGG = _choice("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                    "seq-mean-token-sum-norm")  # ActorConfig.__post_init__'s
+_KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # core_algos.kl_penalty's ("full" raises)
+_KL = _choice(*_KL_PENALTIES, *(k + "+" for k in _KL_PENALTIES))
+_SCHEDULER = _choice("constant", "cosine")  # what the FSDP engine's _build_lr_scheduler builds (else it raises)
+_POLICY_LOSSES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro",
+                  "cispo", "bypass_mode")  # verl 0.9.1's registered policy losses (a replay imports no other)
+_THRESHOLD = Takes("a number or a string", lambda v: _is_number(v) or isinstance(v, str))
+_POLICY_LOSS = _entries(
+    "PolicyLossConfig", _target_=TEXT, loss_mode=_choice(*_POLICY_LOSSES), clip_cov_ratio=_RATIO,
+    clip_cov_lb=_number(), clip_cov_ub=_number(), kl_cov_ratio=_RATIO, ppo_kl_coef=_COEF, dro_beta=_or_null(_COEF),
+    rollout_correction=_entries("RolloutCorrectionConfig", _target_=TEXT, rollout_is=_or_null(TEXT),
+                                rollout_is_threshold=_THRESHOLD, rollout_is_batch_normalize=FLAG,
+                                rollout_rs=_or_null(TEXT), rollout_rs_threshold=_or_null(_THRESHOLD),
+                                bypass_mode=FLAG, loss_type=TEXT))
+_BETAS = Takes("two numbers in [0, 1)", lambda v: isinstance(v, list) and len(v) == 2
+               and all(_is_number(b) and 0 <= b < 1 for b in v))
+# build_optimizer imports optimizer_impl by name and instantiates its class ``optimizer``: torch's own alone
+_OPTIMIZER = Takes("the name of a class of torch.optim", lambda v: isinstance(v, str) and v.isidentifier())
+_TARGET_MODULES = Takes("a string or a list of strings", lambda v: isinstance(v, str) or NAMES.ok(v))
+_TILED_MLP = _entries("tiled MLP table", enabled=FLAG, num_shards=_integer(1))
+
 FIELDS: dict[str, dict[str, Field]] = {
     "actor": {
         "_target_": _TARGET,
-        "strategy": _contract(),
+        "strategy": _contract(_STRATEGY),
         "ppo_mini_batch_size": _irrelevant("the captured step holds its mini-batch's rows; the size reaches the "
                                            "loss as the captured global_batch_size"),
         "ppo_micro_batch_size": _irrelevant("deprecated; the engine reads micro_batch_size_per_gpu "
@@ -135,24 +265,24 @@ FIELDS: dict[str, dict[str, Field]] = {
         "use_dynamic_bsz": _irrelevant(_ENGINE_HERE.format("use_dynamic_bsz")),
         "ppo_max_token_len_per_gpu": _irrelevant(_ENGINE_HERE.format("max_token_len_per_gpu")),
         "ppo_infer_max_token_len_per_gpu": _INFERENCE,
-        "clip_ratio": _contract(),
-        "clip_ratio_low": _contract(),
-        "clip_ratio_high": _contract(),
-        "freeze_vision_tower": _contract(),
-        "policy_loss": _contract(),
-        "clip_ratio_c": _contract(),
-        "loss_agg_mode": _contract(),
-        "loss_scale_factor": _contract(),
-        "entropy_coeff": _contract(),
-        "tau_pos": _contract(),
-        "tau_neg": _contract(),
-        "calculate_entropy": _contract(),
-        "calculate_sum_pi_squared": _contract(),
-        "use_kl_loss": _contract(),
+        "clip_ratio": _contract(_RATIO),
+        "clip_ratio_low": _contract(_RATIO),
+        "clip_ratio_high": _contract(_COEF),
+        "freeze_vision_tower": _contract(FLAG),
+        "policy_loss": _contract(_POLICY_LOSS),
+        "clip_ratio_c": _contract(_number(1, above=True)),
+        "loss_agg_mode": _contract(_LOSS_AGG),
+        "loss_scale_factor": _contract(_or_null(_integer(1))),
+        "entropy_coeff": _contract(_number()),
+        "tau_pos": _contract(_number(0, above=True)),
+        "tau_neg": _contract(_number(0, above=True)),
+        "calculate_entropy": _contract(FLAG),
+        "calculate_sum_pi_squared": _contract(FLAG),
+        "use_kl_loss": _contract(FLAG),
         "use_prefix_grouper": _refused("the prefix-grouped forward is not replayed", _off),
-        "use_torch_compile": _contract(),
-        "kl_loss_coef": _contract(),
-        "kl_loss_type": _contract(),
+        "use_torch_compile": _contract(FLAG),
+        "kl_loss_coef": _contract(_COEF),
+        "kl_loss_type": _contract(_KL),
         "ppo_epochs": _irrelevant("the captured step is one mini-batch of one epoch; which one is recorded in the "
                                   "manifest's framework_state"),
         "shuffle": _irrelevant("decides which rows form each mini-batch; the capture holds the step's rows"),
@@ -180,11 +310,11 @@ FIELDS: dict[str, dict[str, Field]] = {
     },
     "engine": {
         "_target_": _TARGET,
-        "param_offload": _contract(),
-        "optimizer_offload": _contract(),
+        "param_offload": _contract(FLAG),
+        "optimizer_offload": _contract(FLAG),
         "forward_only": _refused("an engine built forward-only performs no update", _off),
-        "strategy": _contract(),
-        "dtype": _contract(),
+        "strategy": _contract(_STRATEGY),
+        "dtype": _contract(_DTYPE),
         "use_dynamic_bsz": _knob("micro-batches by a token budget instead of a row count: the same rows and "
                                  "loss normalisation, another grouping and summation order "
                                  "(replayjob.runtime.knobs.VERL_DYNAMIC_BSZ)", _flag, "true or false"),
@@ -204,15 +334,15 @@ FIELDS: dict[str, dict[str, Field]] = {
                                     _flag, "true or false"),
         "seed": _irrelevant("seeds the engine when it is built; the capture restores the Torch RNG state right "
                             "before the step"),
-        "full_determinism": _contract(),
+        "full_determinism": _contract(FLAG),
         "router_replay": _refused("mixture-of-experts router replay is not replayed", _mode_disabled),
-        "wrap_policy": _contract(),
-        "offload_policy": _contract(),
-        "reshard_after_forward": _contract(),
-        "fsdp_size": _contract(),
-        "forward_prefetch": _contract(),
-        "model_dtype": _contract(),
-        "use_orig_params": _contract(),
+        "wrap_policy": _contract(TABLE),
+        "offload_policy": _contract(FLAG),
+        "reshard_after_forward": _contract(FLAG),
+        "fsdp_size": _contract(_integer(1, also=(-1,))),
+        "forward_prefetch": _contract(FLAG),
+        "model_dtype": _contract(_DTYPE),
+        "use_orig_params": _contract(FLAG),
         "mixed_precision": _knob("the dtypes FSDP2 computes (param_dtype, also autocast's) and reduces gradients "
                                  "(reduce_dtype) in: the same math, rounded at another precision, so the bits "
                                  "change (approximate claim; exact-input checks only the inputs); recorded as "
@@ -221,34 +351,34 @@ FIELDS: dict[str, dict[str, Field]] = {
                                  _precision_table, "a table of param_dtype, reduce_dtype and buffer_dtype, each a "
                                  "dtype name verl reads (bf16, fp32, ...)", keys=("param_dtype", "reduce_dtype")),
         "ulysses_sequence_parallel_size": _SEQUENCE_PARALLEL,
-        "entropy_from_logits_with_chunking": _contract(),
-        "entropy_from_logits_chunk_size": _contract(),
-        "use_torch_compile": _contract(),
-        "entropy_checkpointing": _contract(),
-        "use_no_sync_for_gradient_accumulation": _contract(),
-        "pad_to_length": _contract(),
-        "pad_to_length_bucket": _contract(),
+        "entropy_from_logits_with_chunking": _contract(FLAG),
+        "entropy_from_logits_chunk_size": _contract(_integer(1)),
+        "use_torch_compile": _contract(FLAG),
+        "entropy_checkpointing": _contract(FLAG),
+        "use_no_sync_for_gradient_accumulation": _contract(FLAG),
+        "pad_to_length": _contract(FLAG),
+        "pad_to_length_bucket": _contract(_integer(1)),
         "qat": _QAT,
         "turbo_config": _refused("the fsdp_turbo engine is not replayed", _off),
     },
     "optim": {
         "_target_": _TARGET,
-        "lr": _contract(),
-        "lr_warmup_steps_ratio": _contract(),
-        "total_training_steps": _contract(),
-        "weight_decay": _contract(),
-        "lr_warmup_steps": _contract(),
-        "betas": _contract(),
-        "clip_grad": _contract(),
-        "grad_clip": _contract(),
-        "optimizer": _contract(),
-        "optimizer_impl": _contract(),
-        "min_lr_ratio": _contract(),
-        "warmup_style": _contract(),
-        "lr_scheduler_type": _contract(),
-        "num_cycles": _contract(),
-        "override_optimizer_config": _contract(),
-        "zero_indexed_step": _contract(),
+        "lr": _contract(_COEF),
+        "lr_warmup_steps_ratio": _contract(_RATIO),
+        "total_training_steps": _contract(_integer(-1)),
+        "weight_decay": _contract(_COEF),
+        "lr_warmup_steps": _contract(_or_null(_integer(-1))),
+        "betas": _contract(_BETAS),
+        "clip_grad": _contract(_number(0, above=True)),
+        "grad_clip": _contract(_or_null(_number(0, above=True))),
+        "optimizer": _contract(_OPTIMIZER),
+        "optimizer_impl": _contract(_choice("torch.optim")),
+        "min_lr_ratio": _contract(_or_null(_RATIO)),
+        "warmup_style": _contract(_or_null(_SCHEDULER)),
+        "lr_scheduler_type": _contract(_SCHEDULER),
+        "num_cycles": _contract(_COEF),
+        "override_optimizer_config": _contract(_or_null(TABLE)),
+        "zero_indexed_step": _contract(FLAG),
     },
     "model": {
         "_target_": _TARGET,
@@ -271,26 +401,26 @@ FIELDS: dict[str, dict[str, Field]] = {
         "external_lib": _irrelevant("a module imported for its side effects (the capture switch itself is one); "
                                     "a model class it registers would be refused by the base model's "
                                     "architectures, which the pinned config.json names"),
-        "override_config": _contract(),
+        "override_config": _contract(TABLE),
         "enable_gradient_checkpointing": _knob("recomputes each layer's forward in backward with the RNG state "
                                                "restored (replayjob.runtime.knobs.VERL_GRADIENT_CHECKPOINTING)", _flag,
                                                "true or false"),
-        "enable_activation_offload": _contract(),
+        "enable_activation_offload": _contract(FLAG),
         "use_remove_padding": _knob("the model-side switch of verl.engine.use_remove_padding, declared with "
                                     "it (replayjob.runtime.knobs.VERL_REMOVE_PADDING_MODEL)", _flag, "true or false"),
-        "lora_rank": _contract(),
-        "lora_alpha": _contract(),
-        "target_modules": _contract(),
-        "target_parameters": _contract(),
-        "exclude_modules": _contract(),
-        "lora": _contract(),
+        "lora_rank": _contract(_integer(0)),
+        "lora_alpha": _contract(_integer(0)),
+        "target_modules": _contract(_or_null(_TARGET_MODULES)),
+        "target_parameters": _contract(_or_null(NAMES)),
+        "exclude_modules": _contract(_or_null(TEXT)),
+        "lora": _contract(TABLE),
         "lora_adapter_path": _refused("an adapter loaded from a path at build is not pinned; start LoRA from "
                                       "lora_rank (the capture pins the adapter as it is at the step)", _off),
         "use_liger": _refused("Liger kernels are not replayed", _off),
         "use_fused_kernels": _refused("verl's fused kernels (Triton) are not replayed", _off),
-        "fused_kernel_options": _contract(),
-        "tiled_mlp": _contract(),
-        "architectures": _contract(),
+        "fused_kernel_options": _contract(TABLE),
+        "tiled_mlp": _contract(_TILED_MLP),
+        "architectures": _contract(_or_null(NAMES)),
         "mtp": _refused("multi-token prediction layers are not replayed", _not_enabled),
     },
 }
@@ -301,21 +431,30 @@ def classify(section: str, name: str) -> Field | None:
     return FIELDS.get(section, {}).get(name)
 
 
-def value_reason(section: str, name: str, value: Any) -> str | None:
-    """Why ``verl.<section>.<name> = value`` cannot be recorded or replayed (``None``: it can): a refused field at a
-    value it does not admit, a knob at a value it does not take."""
+def value_reasons(section: str, name: str, value: Any) -> list[str]:
+    """Why ``verl.<section>.<name> = value`` cannot be recorded or replayed (empty: it can), every reason: a refused
+    field at a value it does not admit, a knob at a value it does not take, a contract field of another type or
+    range than its declaration (:class:`Takes`; each entry of a table)."""
     f = classify(section, name)
     if f is None:
-        return (f"verl.{section}.{name} is not classified for this verl version (contract, systems knob, irrelevant "
-                "or refused)")
+        return [f"verl.{section}.{name} is not classified for this verl version (contract, systems knob, irrelevant "
+                "or refused)"]
+    if f.kind == CONTRACT and f.spec is not None:
+        return f.spec.reasons(f"verl.{section}.{name}", value)
     if f.kind == REFUSED and f.admitted is not None and not f.admitted(value):
-        return f"verl.{section}.{name} = {_shown(value)} is not replayed: {f.why}"
+        return [f"verl.{section}.{name} = {_shown(value)} is not replayed: {f.why}"]
     if f.kind == KNOB and f.valid is not None and not f.valid(value):
-        return f"verl.{section}.{name} is {_shown(value)}; it takes {f.takes}"
+        return [f"verl.{section}.{name} is {_shown(value)}; it takes {f.takes}"]
     if (section, name) == ("engine", "mixed_precision") and value["param_dtype"] in _FP16:
-        return ("verl.engine.mixed_precision.param_dtype = fp16 is not replayed: verl's gradient scaler (its scale "
-                "and growth state) is not captured")
-    return None
+        return ["verl.engine.mixed_precision.param_dtype = fp16 is not replayed: verl's gradient scaler (its scale "
+                "and growth state) is not captured"]
+    return []
+
+
+def value_reason(section: str, name: str, value: Any) -> str | None:
+    """:func:`value_reasons` as one sentence (``None``: the value can be recorded and replayed)."""
+    why = value_reasons(section, name, value)
+    return "; ".join(why) if why else None
 
 
 def _shown(value: Any) -> str:
@@ -326,7 +465,7 @@ def _shown(value: Any) -> str:
 def config_reasons(values: Any) -> list[str]:
     """Why a recorded (or resolved) ``verl`` config section is not one a capture writes (empty: it is): the loss and
     the four sections, each a table of exactly its recorded fields (no irrelevant or unknown field, none missing),
-    each at a value its class admits (:func:`value_reason`)."""
+    each at a value its class admits (:func:`value_reasons`: a contract field of its declared type and range)."""
     if not isinstance(values, dict):
         return [f"verl is {_shown(values)}, not a table of the loss and the sections {', '.join(FIELDS)}"]
     why = [f"verl.{key} is no section a capture records (it records loss, {', '.join(FIELDS)})"
@@ -347,10 +486,18 @@ def config_reasons(values: Any) -> list[str]:
             if name not in sec:
                 why.append(f"verl.{section}.{name} is missing: a capture records every {f.kind} field")
                 continue
-            reason = value_reason(section, name, sec[name])
-            if reason is not None:
-                why.append(reason)
+            why += value_reasons(section, name, sec[name])
     return why
+
+
+def _taken(f: Field) -> str:
+    spec = f.spec
+    if spec is None:
+        return "any value"
+    if spec.entries is None:
+        return spec.text
+    inner = "; ".join(f"{k}: {_taken(Field(CONTRACT, spec=v))}" for k, v in spec.entries.items())
+    return f"{spec.text.split(' (')[0]}, exactly its entries ({inner}){' or null' if spec.null else ''}"
 
 
 def knob_keys() -> list[str]:
@@ -368,7 +515,7 @@ def table() -> str:
     rows = ["| Field | Class | Why / rule |", "|---|---|---|"]
     for section, fields in FIELDS.items():
         for name, f in fields.items():
-            why = f.why.replace("|", "\\|") if f.kind != CONTRACT else "defines the update's math"
+            why = (f.why if f.kind != CONTRACT else f"defines the update's math; takes {_taken(f)}").replace("|", "\\|")
             rows.append(f"| `verl.{section}.{name}` | {f.kind} | {why} |")
     return "\n".join(rows) + "\n"
 

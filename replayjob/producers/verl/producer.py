@@ -620,6 +620,8 @@ def knob_refusals(adm: Admission) -> list[str]:
     v = (adm.resolved or {}).get(FRAMEWORK, {})
     # the recorded sections as a capture writes them (a re-pinned manifest's too): the checks below read them
     why = config_reasons(v)
+    if adm.manifest is not None:
+        why += scheduler_presence_reasons(adm.manifest.config.get(FRAMEWORK), adm.manifest.doc["framework_state"])
     if why:
         return why
     if knobs.VERL_MICRO_BATCH in adm.allowed:
@@ -666,6 +668,21 @@ def knob_refusals(adm: Admission) -> list[str]:
         why.append("verl.engine.use_dynamic_bsz needs verl.engine.max_token_len_per_gpu (the token budget of a "
                    "micro-batch)")
     return why
+
+
+def scheduler_presence_reasons(recorded: Any, state: Any) -> list[str]:
+    """Why a capture's null ``framework_state.lr_scheduler`` contradicts its recorded config (empty: it does not):
+    verl's FSDP engine builds an LR scheduler with its optimizer (``_build_lr_scheduler``: constant or cosine,
+    ``verl.optim.lr_scheduler_type``) whenever it is not built ``forward_only`` (refused by :func:`config_reasons`),
+    and the capture records its state; a replay would find one in the rebuilt engine and refuse only then."""
+    if not isinstance(state, dict) or state.get("lr_scheduler", ...) is not None:
+        return []  # a scheduler state, or no key (refused by position_reasons)
+    engine, optim = _table(_table(recorded).get("engine")), _table(_table(recorded).get("optim"))
+    if engine.get("forward_only"):
+        return []  # no optimizer, no scheduler: the engine itself is refused
+    return [f"framework_state.lr_scheduler is null, but the recorded engine builds an LR scheduler (verl.optim."
+            f"lr_scheduler_type {optim.get('lr_scheduler_type')!r:.24}) with its optimizer, whose state a capture "
+            "records; the capture contradicts itself (recapture the step)"]
 
 
 # -- replay -----------------------------------------------------------------------------------------
