@@ -101,3 +101,21 @@ def test_the_declared_domains_cover_the_installed_trl() -> None:
     for cls, trainer in ((trl.GRPOConfig, "GRPOTrainer"), (trl.RLOOConfig, "RLOOTrainer")):
         values = _trl_config(cls(output_dir="unused", report_to=[], use_cpu=True))
         assert trl_fields.config_reasons(values, trainer) == [], cls
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ("trl.beta=nan", "trl.beta: nan is not a finite number"),
+    ("trl.beta=1e400", "trl.beta: inf is not a finite number"),
+    ("trl.gradient_checkpointing_kwargs={use_reentrant=-inf}",
+     "trl.gradient_checkpointing_kwargs.use_reentrant: -inf is not a finite number"),
+])
+def test_a_non_finite_override_is_refused_naming_its_key(
+        override: str, named: str, trl_capture: dict[str, Any], capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    """A NaN or Inf in a replay config's framework or model table: refused before admission, naming the key (it was
+    refused by the JSON writer with a message naming neither the key nor the rule)."""
+    from test_capture_domains import _outcome
+    for argv in (["explain", str(trl_capture["dir"] / "replay.toml"), "--set", override],
+                 ["replay", str(trl_capture["dir"] / "replay.toml"), "--set", override, "--out", str(tmp_path / "r")]):
+        code, text = _outcome(argv, capsys)
+        assert code == 2 and named in text and "Traceback" not in text, (argv[0], text)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,8 +120,21 @@ def load(path: str | Path, overrides: list[str]) -> ReplayConfig:
     fw = data.get(framework, {})
     if not isinstance(fw, dict):
         raise ConfigError("must be a table of overrides", where=framework)
+    for where, value in _numbers({"model": model, framework: fw}):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{value!r} is not a finite number", where=where,
+                              hint="an override takes a finite value (the captured config holds no NaN or Inf)")
     ob = build(OptimizerBatchConfig, data.get("optimizer_batch", {}), "optimizer_batch")
     return ReplayConfig(p, framework, str(integ.get("entry", "")), dict(model), fw, ob, data)
+
+
+def _numbers(value: Any, at: str = "") -> list[tuple[str, Any]]:
+    """Every leaf of ``value`` (tables and arrays walked) with its dotted key."""
+    if isinstance(value, dict):
+        return [x for k, v in value.items() for x in _numbers(v, f"{at}.{k}" if at else str(k))]
+    if isinstance(value, list):
+        return [x for i, v in enumerate(value) for x in _numbers(v, f"{at}[{i}]")]
+    return [(at, value)]
 
 
 @dataclass
