@@ -225,14 +225,15 @@ def recorded_reasons(adm: Admission, src: dict[str, Any]) -> list[str]:
 
 
 def _combination_reasons(t: dict[str, Any]) -> list[str]:
-    """The loss type and importance-sampling level combinations GRPOTrainer refuses when it is built."""
-    loss, level = t.get("loss_type"), t.get("importance_sampling_level")
-    if loss == "luspo" and level != "sequence":
-        return [f"trl.loss_type 'luspo' takes importance_sampling_level 'sequence', not {level!r}"]
-    if loss == "vespo" and level != "token":
-        return [f"trl.loss_type 'vespo' takes importance_sampling_level 'token', not {level!r}"]
-    if level == "sequence" and loss in ("bnpo", "dr_grpo", "dapo", "cispo"):
-        return [f"trl.importance_sampling_level 'sequence' is not taken with loss_type {loss!r}"]
+    """The setting combinations GRPOTrainer refuses when it is built (a ValueError): vespo's loss with the vLLM
+    correction takes a token-level correction mode.  (The loss type and importance-sampling level pairs it only warns
+    about, luspo at token level, vespo at sequence level, a summing loss at sequence level, train as configured and
+    are admitted.)"""
+    mode = t.get("vllm_importance_sampling_mode")
+    if (t.get("loss_type") == "vespo" and t.get("use_vllm") is True and t.get("vllm_importance_sampling_correction")
+            is True and mode not in ("token_truncate", "token_mask")):
+        return [f"trl.loss_type 'vespo' with the vLLM correction takes vllm_importance_sampling_mode 'token_truncate' "
+                f"or 'token_mask', not {mode!r} (GRPOTrainer refuses it)"]
     return []
 
 
