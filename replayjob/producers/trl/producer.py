@@ -176,8 +176,8 @@ def recorded_reasons(adm: Admission, src: dict[str, Any]) -> list[str]:
     ``max_steps`` the replay's schedule is built for (``framework_state.max_steps``), the micro-batches' rows (each
     one ``per_device_train_batch_size``'s), the generation batch (whole groups of ``num_generations``), the
     completions' width (at most ``max_completion_length``), the two names of the checkpointing setting, the vLLM
-    correction's ratio (an input of every micro-batch), the device (``use_cpu``) and the precision record
-    (``bf16``/``fp16``)."""
+    correction's ratio (an input of every micro-batch) and the precision record (``bf16``/``fp16``).  (The device
+    is recorded only in the manifest's ``producer`` provenance, which decides nothing, and not in a root's.)"""
     m, mbs = adm.manifest, adm.micro_batches
     if m is None:
         return []
@@ -193,8 +193,6 @@ def recorded_reasons(adm: Admission, src: dict[str, Any]) -> list[str]:
                                                                                     src["gradient_checkpointing"]):
         why.append(f"trl.activation_checkpointing is {src['activation_checkpointing']!r}, but "
                    f"trl.gradient_checkpointing is {src['gradient_checkpointing']!r} (one setting under two names)")
-    if src["use_cpu"] and m.doc["producer"].get("device") != "cpu":
-        why.append(f"trl.use_cpu is true, but the step ran on {str(m.doc['producer'].get('device'))[:24]}")
     key = trl_fields.OPTIM_GROUP_KEYS.get(src["optim"])
     groups = m.doc["optimizer"]["param_groups"]
     if key is not None and any(isinstance(g, dict) and key not in g for g in groups):
