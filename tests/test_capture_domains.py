@@ -294,6 +294,14 @@ def test_a_resealed_trl_step_no_trainer_runs_is_refused_before_a_model_is_built(
     step counter of another type): admitted, the replay failed with exit 3 (a missing input, mismatched shapes,
     an id beyond the embedding) or replayed a gradient the step never had (accumulation steps of 1 doubled it).
     Refused by explain and replay alike (exit 2), no model built, nothing written."""
+    refused_before_a_model(edit, named, trl_capture, tmp_path, capsys, monkeypatch)
+
+
+def refused_before_a_model(edit: Callable[[dict[str, torch.Tensor], dict[str, Any]], None], named: str,
+                           trl_capture: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy of the TRL capture re-sealed with ``edit`` (its tensors and manifest, every digest recomputed) is
+    refused by explain and replay alike (exit 2, naming ``named``, no traceback), no model built, nothing written."""
     from conftest import TRL_STEP
 
     from replayjob.producers.trl import producer as trl_producer

@@ -23,9 +23,8 @@ from replayjob.bundle.synthetic import _writer, make, write_rollout, write_step
 from replayjob.cli import main
 from replayjob.digest import sha256_bytes
 from replayjob.errors import IntegrityError
-from replayjob.jsonio import pretty_bytes
 from replayjob.rl import stages
-from tests.test_bundle_checks import _forge, _refused_by_both, _seal
+from tests.test_bundle_checks import _forge, _refused_by_both, _repin, _seal
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -231,15 +230,6 @@ def _two_ranks(root: Path) -> Path:
     for r in (1, 0):
         write_rollout(root, rank=r, ranks=[0, 1], groups=4, run_id="run-a")
     return root
-
-
-def _repin(root: Path, rank: int) -> None:
-    sha = sha256_bytes((root / f"rank-{rank}" / fmt.MANIFEST).read_bytes())
-    rec = json.loads((root / f"{fmt.COMPLETE}.{rank}").read_text())
-    (root / f"{fmt.COMPLETE}.{rank}").write_bytes(pretty_bytes({**rec, "manifest_sha256": sha}))
-    doc = json.loads((root / fmt.COMPLETE).read_text())
-    doc["rank_manifests"][str(rank)] = sha
-    (root / fmt.COMPLETE).write_bytes(pretty_bytes(doc))
 
 
 def _unknown_token(t: dict[str, Tensor]) -> None:

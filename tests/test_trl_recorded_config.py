@@ -8,14 +8,12 @@ field and the rule, before any model is built."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from replayjob.artifacts import api_manifest
 from replayjob.digest import sha256_json
 from replayjob.producers.trl import fields as trl_fields
 from replayjob.redact import redact
@@ -67,22 +65,9 @@ def _config(**values: Any) -> Callable[[dict[str, Any], dict[str, Any]], None]:
 def test_a_resealed_trl_config_no_trainer_resolves_to_is_refused(
         values: dict[str, Any], named: str, trl_capture: dict[str, Any], tmp_path: Path,
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    from conftest import TRL_STEP
-    from test_capture_domains import _outcome, _reseal_structure
+    from test_capture_domains import refused_before_a_model
 
-    from replayjob.producers.trl import producer as trl_producer
-    d = tmp_path / "cap"
-    shutil.copytree(trl_capture["dir"], d, ignore=shutil.ignore_patterns("trainer"))
-    sets = _reseal_structure(d / api_manifest.file_names(TRL_STEP)["manifest"], _config(**values))
-
-    def no_model(*a: Any, **k: Any) -> Any:
-        raise AssertionError("a model was built")
-    monkeypatch.setattr(trl_producer, "build_replay", no_model)
-    for argv in (["explain", str(d / "replay.toml"), *sets],
-                 ["replay", str(d / "replay.toml"), *sets, "--out", str(tmp_path / "r")]):
-        code, text = _outcome(argv, capsys)
-        assert code == 2 and named in text and "Traceback" not in text, (argv[0], text)
-    assert not (tmp_path / "r" / "replay_metrics.json").exists()
+    refused_before_a_model(_config(**values), named, trl_capture, tmp_path, capsys, monkeypatch)
 
 
 def test_the_declared_domains_cover_the_installed_trl() -> None:
