@@ -105,3 +105,32 @@ def test_a_non_finite_override_is_refused_naming_its_key(
                  ["replay", str(trl_capture["dir"] / "replay.toml"), "--set", override, "--out", str(tmp_path / "r")]):
         code, text = _outcome(argv, capsys)
         assert code == 2 and named in text and "Traceback" not in text, (argv[0], text)
+
+
+def _state(change: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any], dict[str, Any]], None]:
+    """Edit the recorded ``framework_state`` (no digest covers it but the manifest pin)."""
+    def edit(tensors: dict[str, Any], doc: dict[str, Any]) -> None:
+        change(doc["framework_state"])
+    return edit
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    (lambda s: s.update(foo=1), "framework_state.foo is no key a TRL capture writes"),
+    (lambda s: s.update(precision="x"), "framework_state.precision is 'x', not a table"),
+    (lambda s: s.update(launch={"requested_processes": 3, "processes": 1}), "framework_state.launch is"),
+    (lambda s: s.update(launch={"processes": 1}), "framework_state.launch is"),
+    (lambda s: s.update(launch={"requested_processes": None, "processes": True}), "framework_state.launch is"),
+    (lambda s: s.pop("launch"), "framework_state.launch is None, not the record of a step run on 1 process"),
+    (lambda s: s.update(logprobs="x"), "framework_state.logprobs is 'x', not the record of the step's logprob"),
+    (lambda s: s["logprobs"].update(generate_every=0), "framework_state.logprobs is"),
+    (lambda s: s["logprobs"]["sources"].update(old_per_token_logps="sampler"), "framework_state.logprobs is"),
+])
+def test_a_resealed_trl_framework_state_no_capture_writes_is_refused(
+        change: Callable[[dict[str, Any]], None], named: str, trl_capture: dict[str, Any], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recorded framework_state typed as a TRL capture writes it: its keys, the launch record (the processes the
+    manifest says ran the step) and the logprob record mismatch reads;
+    a re-pinned manifest whose state was edited was admitted (and mismatch alone refused a malformed logprob record)."""
+    from test_capture_domains import refused_before_a_model
+
+    refused_before_a_model(_state(change), named, trl_capture, tmp_path, capsys, monkeypatch)

@@ -157,17 +157,48 @@ def ignored(key: str) -> bool:
     return any(key == f"{FRAMEWORK}.{a}" or key.startswith(f"{FRAMEWORK}.{a}.") for a in KNOB_ALIASES)
 
 
+# What a TRL capture writes in ``framework_state`` (``TRLCapture._begin`` and its notes); ``precision`` and ``routing``
+# are notes a capture adds when it observed them.
+STATE_KEYS = ("global_step", "max_steps", "logprobs", "launch")
+STATE_NOTES = ("precision", "routing")
+LOGPROB_SOURCES = {"sampling_per_token_logps": "sampler", "old_per_token_logps": "trainer_old"}
+
+
 def framework_state_reasons(state: dict[str, Any], groups: list[Any], step: int, processes: int) -> list[str]:
-    """Why the recorded ``framework_state`` cannot rebuild the trainer at step ``step``: its ``max_steps`` (the
-    schedule the replay's LR scheduler is built for) must be an integer above the step (a step at or after it is
-    never reached).  (``processes``, the manifest's, is not recorded in TRL's state.)"""
-    out = []
-    if "global_step" not in state:  # the replay stands the trainer's state at it
+    """Why the recorded ``framework_state`` is not what a TRL capture of step ``step`` on ``processes`` processes
+    writes, or cannot rebuild the trainer at that step: exactly its keys (:data:`STATE_KEYS`, and the notes
+    :data:`STATE_NOTES`), ``global_step`` present (the replay stands the trainer's counter at it), ``max_steps`` an
+    integer above it (the schedule the replay's LR scheduler is built for: a step at or after it is never reached),
+    ``launch.processes`` the processes the manifest says ran it, ``logprobs`` the record ``mismatch`` reads (its
+    counters, and each source one of :data:`LOGPROB_SOURCES`) and the notes tables."""
+    def count(v: Any, least: int) -> bool:
+        return type(v) is int and least <= v < 2**63
+
+    out = [f"framework_state.{k} is no key a TRL capture writes (it writes {', '.join(STATE_KEYS + STATE_NOTES)})"
+           for k in sorted(set(state) - set(STATE_KEYS) - set(STATE_NOTES))]
+    if "global_step" not in state:  # its value is the manifest's step (the manifest's reader compares them)
         out.append(f"framework_state.global_step is missing (the trainer's step counter, {step} at the captured step)")
     got = state.get("max_steps")
-    if isinstance(got, bool) or not isinstance(got, int) or got <= step:
+    if not count(got, step + 1):
         out.append(f"framework_state.max_steps is {repr(got)[:24]}, not an integer above the captured step {step} "
                    "(the trainer's max_steps the replay builds its LR schedule for)")
+    launch = state.get("launch")
+    if not (isinstance(launch, dict) and sorted(launch) == ["processes", "requested_processes"]
+            and launch["processes"] == processes and type(launch["processes"]) is int
+            and (launch["requested_processes"] is None or (launch["requested_processes"] == processes
+                 and type(launch["requested_processes"]) is int))):
+        out.append(f"framework_state.launch is {launch!r:.80}, not the record of a step run on {processes} "
+                   f"process{'es' if processes != 1 else ''} (processes {processes}; requested_processes the same, "
+                   "or null without a launcher)")
+    lp = state.get("logprobs")
+    if not (isinstance(lp, dict) and sorted(lp) == ["generate_every", "micro_step", "sources"]
+            and count(lp["micro_step"], 0) and count(lp["generate_every"], 1) and isinstance(lp["sources"], dict)
+            and all(LOGPROB_SOURCES.get(k) == v for k, v in lp["sources"].items())):
+        out.append(f"framework_state.logprobs is {lp!r:.80}, not the record of the step's logprob sources "
+                   "(micro_step an integer >= 0, generate_every an integer >= 1, sources naming "
+                   + " or ".join(f"{k}: {v!r}" for k, v in LOGPROB_SOURCES.items()) + ")")
+    out += [f"framework_state.{k} is {state[k]!r:.40}, not a table (a note the capture writes as one)"
+            for k in STATE_NOTES if k in state and not isinstance(state[k], dict)]
     return out
 
 
