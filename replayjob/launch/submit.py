@@ -398,13 +398,17 @@ def job_deadline_s(job: dict[str, Any]) -> float | None:
         seconds = rjob["template"]["spec"]["activeDeadlineSeconds"] * (spec["failurePolicy"]["maxRestarts"] + 1)
     else:
         seconds = spec.get("activeDeadlineSeconds")
-    return None if not isinstance(seconds, int) else float(seconds + WAIT_GRACE_S)
+    return _with_grace(seconds)
 
 
 def driver_deadline_s(job: outcome.DriverJob) -> float | None:
     """How long to wait for a driver Job as the API answered it: :func:`job_deadline_s`, from its declaration."""
-    seconds = job.spec.activeDeadlineSeconds
-    return None if seconds is None else float(seconds + WAIT_GRACE_S)
+    return _with_grace(job.spec.activeDeadlineSeconds)
+
+
+def _with_grace(seconds: Any) -> float | None:
+    """A Job's deadline in seconds and :data:`WAIT_GRACE_S` past it; None without one (no integer)."""
+    return float(seconds + WAIT_GRACE_S) if type(seconds) is int else None
 
 
 def run_drivers(api: Api, ns: str, spec: AblationSpec, run_id: str) -> list[tuple[dict[str, Any], outcome.ObjectMeta]]:
