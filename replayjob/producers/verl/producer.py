@@ -131,11 +131,7 @@ def section_values(section: str, obj: Any) -> dict[str, Any]:
         value = jsonable(getattr(obj, f.name))
         if (section, f.name) == ("engine", "mixed_precision"):
             value = effective_precision(value)
-            if knobs.verl_precision(value["param_dtype"]) == "fp16":
-                raise cap.CaptureError("verl.engine.mixed_precision.param_dtype = fp16 is not replayed: verl's "
-                                       "gradient scaler (its scale and growth state) is not captured",
-                                       where="verl.engine.mixed_precision", hint="capture a bf16 or fp32 run")
-        reason = value_reason(section, f.name, value)  # the rule admission reads the recorded value by
+        reason = value_reason(section, f.name, value)  # the rule admission reads the recorded value by (fp16 too)
         if reason is not None:
             raise cap.CaptureError(reason, where=f"verl.{section}.{f.name}", hint="capture a run without it")
         out[f.name] = value
@@ -1026,10 +1022,9 @@ def restore_state(adm: Admission, session: VerlSession) -> None:
 
 def framework_state_reasons(state: dict[str, Any], groups: list[Any], step: int, processes: int) -> list[str]:
     """Why the recorded ``framework_state`` is not what a verl capture of ``processes`` processes writes
-    (:func:`position_reasons`), and why its
-    ``lr_scheduler`` (loaded whole into the rebuilt engine's scheduler) is not a torch scheduler's state
-    (:func:`replayjob.rl.state.scheduler_type_reasons`): typed counters, one base learning rate and lr_lambda per param
-    group, no key naming its optimizer or a method."""
+    (:func:`position_reasons`), and why its ``lr_scheduler`` (loaded whole into the rebuilt engine's scheduler) is not
+    a torch scheduler's state (:func:`replayjob.rl.state.scheduler_type_reasons`): typed counters, one base learning
+    rate and lr_lambda per param group, no key naming its optimizer or a method."""
     why = position_reasons(state, step, processes)
     sched = state.get("lr_scheduler")
     if sched is None:
@@ -1051,8 +1046,8 @@ def _count(v: Any, least: int) -> bool:
 def position_reasons(state: dict[str, Any], step: int, processes: int) -> list[str]:
     """Why the rest of a verl capture's ``framework_state`` is not what the capture writes (``_open``): exactly its
     keys, ``optimizer_step`` the manifest's step, ``world_size`` the processes that ran the captured step (the
-    manifest's: one, or its root's ranks), and ``position`` (which update,
-    epoch and mini-batch the step was) counts of the types and ranges the capture counts them in."""
+    manifest's: one, or its root's ranks), and ``position`` (which update, epoch and mini-batch the step was) counts
+    of the types and ranges the capture counts them in."""
     why = [f"framework_state.{k} is no key a verl capture writes (it writes {', '.join(STATE_KEYS)})"
            for k in sorted(set(state) - set(STATE_KEYS))]
     why += [f"framework_state.{k} is missing" for k in STATE_KEYS if k not in state]
