@@ -40,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from replayjob.runtime.knobs import VERL_PRECISIONS
+
 CONTRACT, KNOB, IRRELEVANT, REFUSED = "contract", "knob", "irrelevant", "refused"
 KINDS = (CONTRACT, KNOB, IRRELEVANT, REFUSED)
 
@@ -189,11 +191,10 @@ def _size(v: Any) -> bool:
     return v is None or (type(v) is int and 1 <= v < 2**63)
 
 
-# the dtype names verl's PrecisionType reads (replayjob.runtime.knobs.VERL_PRECISIONS, without importing it here)
-PRECISION_NAMES = ("16", "fp16", "float16", "torch.float16", "32", "fp32", "float32", "torch.float32", "bf16",
-                   "bfloat16", "torch.bfloat16")
+# the dtype names verl's PrecisionType reads
+PRECISION_NAMES = tuple(name for names in VERL_PRECISIONS.values() for name in names)
 PRECISION_ENTRIES = ("param_dtype", "reduce_dtype", "buffer_dtype")
-_FP16 = ("16", "fp16", "float16", "torch.float16")
+_FP16 = VERL_PRECISIONS["fp16"]
 
 
 def _precision_table(v: Any) -> bool:
