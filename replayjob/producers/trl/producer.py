@@ -273,9 +273,9 @@ def knob_refusals(adm: Admission) -> list[str]:
     src = adm.manifest.config.get(FRAMEWORK) if adm.manifest is not None else None
     # the recorded config and the replay's, each read through the fields' declared domains (trl_fields.DOMAINS): the
     # checks below and the replay's trainer read their values
-    why = [f"the capture's config: {r}; the capture contradicts itself (recapture the step)"
-           for r in trl_fields.config_reasons(src, trainer)]
-    why += [r for r in trl_fields.config_reasons(t, trainer) if not why or r not in "\n".join(why)]
+    recorded = trl_fields.config_reasons(src, trainer)
+    why = [f"the capture's config: {r}; the capture contradicts itself (recapture the step)" for r in recorded]
+    why += [r for r in trl_fields.config_reasons(t, trainer) if r not in recorded]  # each reason once
     if why:
         return why
     why = (recorded_reasons(adm, src) if isinstance(src, dict) else []) + _combination_reasons(t)
