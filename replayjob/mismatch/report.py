@@ -55,14 +55,14 @@ class SourceReport:
         return None if self.bound is None else bool(self.bound["within"])
 
     def to_json(self) -> dict[str, Any]:
+        """This source's part of :meth:`Report.to_json` (which writes its non-finite figures as strings)."""
         s = self.source
-        return non_finite_as_strings({
-            "name": s.name, "field": s.field, "description": s.description, "settings": s.side.to_json(),
-            "policy_lag": {"steps": s.lag, "reason": s.lag_reason},
-            "nonfinite": {"tokens": self.nonfinite_tokens, "first": self.nonfinite_at},
-            "log_ratio": self.summary, "worst_sequences": self.worst_sequences,
-            "worst_tokens": self.worst_tokens, "profile": self.profile, "by_pad_offset": self.by_pad_offset,
-            "routing": self.routing, **self.attribution.to_json(), "bound": self.bound})
+        return {"name": s.name, "field": s.field, "description": s.description, "settings": s.side.to_json(),
+                "policy_lag": {"steps": s.lag, "reason": s.lag_reason},
+                "nonfinite": {"tokens": self.nonfinite_tokens, "first": self.nonfinite_at},
+                "log_ratio": self.summary, "worst_sequences": self.worst_sequences,
+                "worst_tokens": self.worst_tokens, "profile": self.profile, "by_pad_offset": self.by_pad_offset,
+                "routing": self.routing, **self.attribution.to_json(), "bound": self.bound}
 
 
 @dataclass
